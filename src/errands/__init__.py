@@ -1,0 +1,57 @@
+"""errands: durable background jobs for Python.
+
+At-least-once delivery with leases, heartbeats, crash rescue and fenced completion;
+payloads validated from type hints; classified failures with bounded retries; a real
+dead-letter queue. Embedded SQLite by default.
+"""
+
+from __future__ import annotations
+
+from .app import App
+from .context import Context
+from .definition import BoundJob, JobDefinition
+from .errors import (
+    ConfigurationError,
+    DatabaseBusy,
+    ErrandsError,
+    InvalidPayload,
+    InvalidTransition,
+    JobCancelled,
+    JobFailed,
+    JobNotFound,
+    ResultTimeout,
+    SchemaOutdated,
+    UnknownJob,
+)
+from .handle import JobHandle
+from .jobs import Job, JobError, JobState
+from .outcomes import Permanent, Retry
+from .retry import ExponentialBackoff
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "App",
+    "BoundJob",
+    "ConfigurationError",
+    "Context",
+    "DatabaseBusy",
+    "ErrandsError",
+    "ExponentialBackoff",
+    "InvalidPayload",
+    "InvalidTransition",
+    "Job",
+    "JobCancelled",
+    "JobDefinition",
+    "JobError",
+    "JobFailed",
+    "JobHandle",
+    "JobNotFound",
+    "JobState",
+    "Permanent",
+    "ResultTimeout",
+    "Retry",
+    "SchemaOutdated",
+    "UnknownJob",
+    "__version__",
+]

@@ -1,0 +1,307 @@
+"""``errands.App``: the registry of jobs, the store they live in, and the admin calls."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from .backends import SQLITE_URL_DEFAULT, Backend, open_backend
+from .backends.base import (
+    ActionParams,
+    ActionResult,
+    AuditEvent,
+    CancelResult,
+    ListParams,
+    QueueStats,
+)
+from .definition import BoundJob, JobDefinition, check_name, seconds
+from .errors import ConfigurationError, InvalidTransition, JobNotFound
+from .handle import JobHandle
+from .jobs import Job, parse_state
+from .payload import MAX_PAYLOAD_BYTES_DEFAULT
+from .retry import BackoffPolicy
+
+if TYPE_CHECKING:
+    from .worker.worker import Worker
+
+F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("errands")
+
+LEASE_DEFAULT = 30.0
+RETENTION_DEFAULT = timedelta(days=7)
+POISON_AFTER_DEFAULT = 3
+DEFAULT_QUEUE = "default"
+
+DeadHook = Callable[[Job], None]
+
+
+class App:
+    """One application's jobs and the database that holds them.
+
+    ``url`` defaults to the ``ERRANDS_URL`` environment variable, else ``sqlite:///errands.db``.
+    Nothing touches the database until the first call that needs it.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        default_queue: str = DEFAULT_QUEUE,
+        lease: float | timedelta = LEASE_DEFAULT,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES_DEFAULT,
+        retention: float | timedelta = RETENTION_DEFAULT,
+        poison_after: int = POISON_AFTER_DEFAULT,
+    ) -> None:
+        self.url = url or os.environ.get("ERRANDS_URL") or SQLITE_URL_DEFAULT
+        self.default_queue = check_name("queue", default_queue)
+        self.lease = seconds(lease, "lease") or LEASE_DEFAULT
+        if self.lease < 1:
+            raise ConfigurationError("App(lease=...) must be at least 1 second")
+        if max_payload_bytes < 1:
+            raise ConfigurationError("App(max_payload_bytes=...) must be positive")
+        self.max_payload_bytes = max_payload_bytes
+        self.retention = seconds(retention, "retention") or 0.0
+        if poison_after < 1:
+            raise ConfigurationError("App(poison_after=...) must be at least 1")
+        self.poison_after = poison_after
+        self.registry: dict[str, JobDefinition[Any, Any]] = {}
+        self.dead_hooks: list[DeadHook] = []
+        self._backend: Backend | None = None
+        self._backend_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<errands.App {self.url} jobs={len(self.registry)}>"
+
+    # -- the store ---------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = open_backend(self.url)
+        return self._backend
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    def migrate(self) -> list[str]:
+        """Apply pending schema migrations; returns the names applied."""
+        return self.backend.migrate()
+
+    # -- definitions -------------------------------------------------------------------
+    @overload
+    def job(self, fn: F, /) -> JobDefinition[Any, Any]: ...
+
+    @overload
+    def job(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        retries: int = 3,
+        backoff: BackoffPolicy | Callable[[int], float] | float | None = None,
+        timeout: float | timedelta | None = None,
+        lease: float | timedelta | None = None,
+        permanent: Iterable[type[BaseException]] = (),
+        sensitive: Iterable[str] = (),
+    ) -> Callable[[F], JobDefinition[Any, Any]]: ...
+
+    def job(
+        self,
+        fn: Callable[..., Any] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        retries: int = 3,
+        backoff: BackoffPolicy | Callable[[int], float] | float | None = None,
+        timeout: float | timedelta | None = None,
+        lease: float | timedelta | None = None,
+        permanent: Iterable[type[BaseException]] = (),
+        sensitive: Iterable[str] = (),
+    ) -> Any:
+        """Register a function as a job. Usable bare (``@app.job``) or with options."""
+
+        def register(func: Callable[..., Any]) -> JobDefinition[Any, Any]:
+            definition = JobDefinition(
+                self,
+                func,
+                name=name,
+                queue=queue,
+                priority=priority,
+                retries=retries,
+                backoff=backoff,
+                timeout=timeout,
+                lease=lease,
+                permanent=permanent,
+                sensitive=sensitive,
+            )
+            if definition.name in self.registry:
+                raise ConfigurationError(
+                    f"a job named {definition.name!r} is already registered; pass name= to "
+                    "give one of them another name"
+                )
+            self.registry[definition.name] = definition
+            return definition
+
+        return register(fn) if fn is not None else register
+
+    def on_dead(self, fn: DeadHook) -> DeadHook:
+        """Call ``fn(job)`` in the worker whenever a job enters the dead-letter queue."""
+        self.dead_hooks.append(fn)
+        return fn
+
+    def run_dead_hooks(self, job_id: int) -> None:
+        """Call every ``on_dead`` hook with the job; a failing hook is logged, not fatal."""
+        if not self.dead_hooks:
+            return
+        try:
+            job = self.get_job(job_id)
+        except Exception:
+            log.exception("could not load dead job %s for the on_dead hooks", job_id)
+            return
+        for hook in self.dead_hooks:
+            try:
+                hook(job)
+            except Exception:
+                log.exception("on_dead hook %r failed for job %s", hook, job_id)
+
+    # -- enqueue -----------------------------------------------------------------------
+    def enqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:
+        """Store many jobs in one transaction (the caller's, when ``conn`` is given)."""
+        for bound in jobs:
+            if not isinstance(bound, BoundJob):
+                raise ConfigurationError(
+                    f"enqueue_many takes jobs made with job.bind(...), got {type(bound).__name__}"
+                )
+            if bound.definition.app is not self:
+                raise ConfigurationError(f"job {bound.definition.name!r} belongs to another App")
+        if not jobs:
+            return []
+        results = self.backend.job_insert_many([b.request for b in jobs], conn=conn)
+        handles = []
+        for bound, result in zip(jobs, results, strict=True):
+            log.debug(
+                "enqueued job %s %s on %s%s",
+                result.id,
+                bound.request.name,
+                bound.request.queue,
+                " (deduplicated)" if result.deduplicated else "",
+                extra={"event": "errands.job.enqueued", "job_id_enqueued": result.id},
+            )
+            handles.append(JobHandle(self, result.id, bound.request.name, result.deduplicated))
+        return handles
+
+    # -- reading -------------------------------------------------------------------------
+    def get_job(self, job_id: int) -> Job:
+        row = self.backend.job_get(int(job_id))
+        if row is None:
+            raise JobNotFound(f"no job with id {job_id}")
+        return row.to_job()
+
+    def jobs(
+        self,
+        *,
+        state: str | None = None,
+        queue: str | None = None,
+        name: str | None = None,
+        limit: int = 100,
+        before_id: int | None = None,
+    ) -> list[Job]:
+        """Jobs newest first; page with ``before_id=<last id of the previous page>``."""
+        if state is not None:
+            state = parse_state(state).value
+        if limit < 1:
+            raise ConfigurationError("limit must be at least 1")
+        rows = self.backend.job_list(
+            ListParams(state=state, queue=queue, name=name, limit=limit, before_id=before_id)
+        )
+        return [r.to_job() for r in rows]
+
+    def queue_stats(self) -> list[QueueStats]:
+        return self.backend.queue_stats()
+
+    def audit(self, *, job_id: int | None = None, limit: int = 100) -> list[AuditEvent]:
+        return self.backend.audit_list(limit=limit, job_id=job_id)
+
+    # -- admin actions ---------------------------------------------------------------------
+    def replay(
+        self,
+        ids: Iterable[int] = (),
+        *,
+        all: bool = False,
+        queue: str | None = None,
+        name: str | None = None,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Put dead jobs back to available (same id, key and steps; attempts reset)."""
+        params = ActionParams(
+            actor=actor, ids=list(ids), all_matching=all, queue=queue, name=name, dry_run=dry_run
+        )
+        self._check_selection(params, "replay")
+        result = self.backend.job_replay(params)
+        if not dry_run:
+            for job_id in result.matched:
+                log.warning("job %s replayed from the dead-letter queue by %s", job_id, actor)
+        return result
+
+    def discard(
+        self,
+        ids: Iterable[int] = (),
+        *,
+        reason: str,
+        all: bool = False,
+        queue: str | None = None,
+        name: str | None = None,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Take dead jobs out of the DLQ without running them; the row and reason stay."""
+        if not reason or not reason.strip():
+            raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
+        params = ActionParams(
+            actor=actor,
+            ids=list(ids),
+            all_matching=all,
+            queue=queue,
+            name=name,
+            reason=reason.strip(),
+            dry_run=dry_run,
+        )
+        self._check_selection(params, "discard")
+        result = self.backend.job_discard(params)
+        if not dry_run:
+            for job_id in result.matched:
+                log.warning("job %s discarded by %s: %s", job_id, actor, reason)
+        return result
+
+    def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
+        """Cancel a pending job at once, or ask a running one to stop."""
+        return self.backend.job_cancel(int(job_id), actor)
+
+    @staticmethod
+    def _check_selection(params: ActionParams, verb: str) -> None:
+        if params.all_matching and params.ids:
+            raise ConfigurationError(f"{verb}: give job ids or all=True, not both")
+        if not params.all_matching and not params.ids:
+            raise ConfigurationError(f"{verb}: give at least one job id, or all=True")
+        if not params.all_matching and (params.queue or params.name):
+            raise ConfigurationError(f"{verb}: queue= and name= filter only with all=True")
+
+    # -- workers -------------------------------------------------------------------------
+    def worker(self, **options: Any) -> Worker:
+        """A worker for this app (see errands.worker.Worker for the options)."""
+        from .worker.worker import Worker
+
+        return Worker(self, **options)

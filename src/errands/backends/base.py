@@ -1,0 +1,221 @@
+"""The storage contract every backend implements (internal, may change between releases).
+
+Methods are named ``noun_verb`` and take one params object, so a new field never breaks
+a caller (River's driver shape). Dialect differences are capability flags on
+:class:`Capabilities`, never ``if backend == ...`` in the worker.
+
+Fencing rule: every write to a running job names the lease token its claim returned.
+A write whose token no longer matches changes nothing and is reported back as rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from ..jobs import EnqueueRequest, JobRow
+
+FinishState = Literal["completed", "retryable", "dead", "cancelled"]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    listen_notify: bool = False  # push wake-ups when jobs are inserted
+    skip_locked: bool = False  # concurrent claimers never wait on each other's rows
+    caller_connection: str = ""  # type name of the connection enqueue(conn=) accepts
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    id: int
+    deduplicated: bool
+
+
+@dataclass(frozen=True)
+class QueueClaim:
+    name: str
+    limit: int  # at most this many from this queue in one claim
+
+
+@dataclass(frozen=True)
+class ClaimParams:
+    """Claim up to ``limit`` due jobs, visiting ``queues`` in order, each up to its own cap."""
+
+    queues: Sequence[QueueClaim]
+    limit: int
+    worker_id: str
+    lease_seconds_default: float
+
+
+@dataclass(frozen=True)
+class FinishParams:
+    """The outcome of one attempt, fenced by ``lease_token``."""
+
+    id: int
+    lease_token: str
+    state: FinishState
+    result_json: str | None = None
+    error: dict[str, Any] | None = None
+    delay: float = 0.0  # for retryable: seconds after database now
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    id: int
+    lease_token: str
+    lease_seconds: float
+
+
+@dataclass(frozen=True)
+class HeartbeatResult:
+    extended: frozenset[int]  # leases still ours, now extended
+    cancel_requested: frozenset[int]  # of those, the ones an operator asked to cancel
+
+
+@dataclass(frozen=True)
+class ExpiredLease:
+    id: int
+    name: str
+    lease_token: str
+    attempt: int
+    max_attempts: int
+    rescues: int
+    cancel_requested: bool
+    lease_owner: str | None
+
+
+@dataclass(frozen=True)
+class RescueParams:
+    """Move one expired lease on; fenced by its token and by the lease still being expired."""
+
+    id: int
+    lease_token: str
+    state: Literal["retryable", "dead", "cancelled"]
+    error: dict[str, Any]
+    delay: float
+
+
+@dataclass(frozen=True)
+class ListParams:
+    state: str | None = None
+    queue: str | None = None
+    name: str | None = None
+    limit: int = 100
+    before_id: int | None = None  # keyset pagination: newest first, ids below this one
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    queue: str
+    counts: dict[str, int]
+    oldest_available_age: float | None  # seconds the oldest due job has waited
+
+
+@dataclass(frozen=True)
+class AuditEvent:
+    id: int
+    at: float
+    actor: str
+    action: str
+    job_id: int | None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ActionParams:
+    """An audited admin action on jobs chosen by id or by filter."""
+
+    actor: str
+    ids: Sequence[int] = ()
+    all_matching: bool = False
+    queue: str | None = None
+    name: str | None = None
+    reason: str | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class ActionResult:
+    matched: list[int]  # the jobs the action applies (or, dry run, would apply) to
+    skipped: dict[int, str]  # ids named explicitly that it could not apply to, with why
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    id: int
+    previous_state: str
+    state: str  # "cancelled" at once for pending jobs; "running" with cancel requested
+
+
+class Backend(Protocol):
+    """A job store. One conformance suite (tests/conformance) holds every backend to it."""
+
+    url: str
+    capabilities: Capabilities
+
+    # -- schema ------------------------------------------------------------------
+    def migrate(self) -> list[str]:
+        """Apply pending numbered migrations; safe when several processes run it at once."""
+        ...
+
+    def schema_check(self) -> None:
+        """Raise SchemaOutdated, naming the command to run, unless the schema is current."""
+        ...
+
+    def close(self) -> None: ...
+
+    # -- enqueue ---------------------------------------------------------------------
+    def job_insert_many(
+        self, requests: Sequence[EnqueueRequest], conn: Any = None
+    ) -> list[InsertResult]:
+        """Insert in one transaction (the caller's, when ``conn`` is given)."""
+        ...
+
+    # -- the hot path --------------------------------------------------------------
+    def job_claim(self, params: ClaimParams) -> list[JobRow]: ...
+
+    def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
+        """Write outcomes in one transaction; True where the lease token still matched."""
+        ...
+
+    def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult: ...
+
+    def job_release_many(self, leases: Sequence[LeaseRef]) -> list[bool]:
+        """Give running jobs back (shutdown): available again, the attempt not charged."""
+        ...
+
+    # -- maintenance (leader duties) ---------------------------------------------------
+    def leader_attempt_elect(self, name: str, owner: str, ttl: float) -> bool: ...
+
+    def leader_resign(self, name: str, owner: str) -> None: ...
+
+    def job_list_expired(self, limit: int) -> list[ExpiredLease]: ...
+
+    def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]: ...
+
+    def job_promote_due(self) -> int:
+        """Mark scheduled and retryable jobs whose time has come as available."""
+        ...
+
+    def job_prune(self, older_than: float, limit: int) -> int:
+        """Delete completed, cancelled and discarded rows finished before ``older_than`` s ago."""
+        ...
+
+    # -- reading -------------------------------------------------------------------------
+    def job_get(self, job_id: int) -> JobRow | None: ...
+
+    def job_list(self, params: ListParams) -> list[JobRow]: ...
+
+    def queue_stats(self) -> list[QueueStats]: ...
+
+    def audit_list(self, limit: int = 100, job_id: int | None = None) -> list[AuditEvent]: ...
+
+    def db_now(self) -> float: ...
+
+    # -- admin actions (audited in the same transaction) --------------------------------
+    def job_replay(self, params: ActionParams) -> ActionResult: ...
+
+    def job_discard(self, params: ActionParams) -> ActionResult: ...
+
+    def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...

@@ -1,0 +1,3 @@
+from .backend import SQLiteBackend
+
+__all__ = ["SQLiteBackend"]

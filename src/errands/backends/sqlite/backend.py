@@ -1,0 +1,594 @@
+"""The embedded SQLite backend: one file, many threads and processes on one host.
+
+Every write runs under ``BEGIN IMMEDIATE`` so writers queue on the file lock (with a busy
+timeout) instead of failing when a deferred transaction tries to upgrade. WAL mode lets
+readers run beside the single writer. Each thread has its own connection. Lock contention
+past the busy timeout is retried here with backoff, so "database is locked" never reaches
+a user; only a store locked for ``write_timeout`` seconds raises :class:`DatabaseBusy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from ...errors import (
+    ConfigurationError,
+    DatabaseBusy,
+    InvalidTransition,
+    JobNotFound,
+    SchemaOutdated,
+)
+from ...jobs import EnqueueRequest, JobRow
+from ..base import (
+    ActionParams,
+    ActionResult,
+    AuditEvent,
+    CancelResult,
+    Capabilities,
+    ClaimParams,
+    ExpiredLease,
+    FinishParams,
+    HeartbeatResult,
+    InsertResult,
+    LeaseRef,
+    ListParams,
+    QueueStats,
+    RescueParams,
+)
+from ..sqlfile import load_migrations, load_queries
+
+log = logging.getLogger("errands.sqlite")
+
+BUSY_TIMEOUT_MS_DEFAULT = 5_000
+WRITE_TIMEOUT_DEFAULT = 60.0
+SYNCHRONOUS_CHOICES = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+Q = load_queries(__package__)
+MIGRATIONS = load_migrations(__package__)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
+    """``sqlite:///rel.db`` -> ``rel.db``; ``sqlite:////abs.db`` -> ``/abs.db``."""
+    parts = urlsplit(url)
+    if parts.netloc:
+        raise ConfigurationError(
+            f"SQLite URL {url!r} has a host part {parts.netloc!r}; write sqlite:///relative.db "
+            "(three slashes) or sqlite:////absolute/path.db (four)"
+        )
+    path = parts.path[1:] if parts.path.startswith("/") else parts.path
+    if not path:
+        raise ConfigurationError(
+            f"SQLite URL {url!r} names no file; write e.g. sqlite:///errands.db"
+        )
+    options = dict(parse_qsl(parts.query))
+    unknown = set(options) - {"synchronous", "busy_timeout_ms", "write_timeout"}
+    if unknown:
+        raise ConfigurationError(
+            f"SQLite URL {url!r}: unknown option(s) {', '.join(sorted(unknown))}; "
+            "known: synchronous, busy_timeout_ms, write_timeout"
+        )
+    return path, options
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+def _split_statements(script: str) -> list[str]:
+    statements, buffer = [], ""
+    for line in script.splitlines(keepends=True):
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            if buffer.strip():
+                statements.append(buffer.strip())
+            buffer = ""
+    if buffer.strip() and not all(
+        ln.strip().startswith("--") or not ln.strip() for ln in buffer.splitlines()
+    ):
+        raise ValueError(f"incomplete SQL statement at the end of a migration: {buffer!r}")
+    return statements
+
+
+class SQLiteBackend:
+    capabilities = Capabilities(
+        listen_notify=False, skip_locked=False, caller_connection="sqlite3.Connection"
+    )
+
+    def __init__(self, url: str, *, auto_migrate: bool = True) -> None:
+        self.url = url
+        path, options = parse_sqlite_url(url)
+        self.memory = path == ":memory:"
+        self.path = path if self.memory else os.path.abspath(path)
+        synchronous = options.get("synchronous", "NORMAL").upper()
+        if synchronous not in SYNCHRONOUS_CHOICES:
+            raise ConfigurationError(
+                f"SQLite URL option synchronous={synchronous!r}: choose one of "
+                f"{', '.join(SYNCHRONOUS_CHOICES)}"
+            )
+        self.synchronous = synchronous
+        try:
+            self.busy_timeout_ms = int(options.get("busy_timeout_ms", BUSY_TIMEOUT_MS_DEFAULT))
+            self.write_timeout = float(options.get("write_timeout", WRITE_TIMEOUT_DEFAULT))
+        except ValueError as exc:
+            raise ConfigurationError(f"SQLite URL {url!r}: {exc}") from None
+        if not self.memory:
+            folder = os.path.dirname(self.path)
+            if not os.path.isdir(folder):
+                raise ConfigurationError(
+                    f"SQLite URL {url!r}: folder {folder!r} does not exist; create it first"
+                )
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        # ":memory:" is one database per connection, so it gets one connection and a lock.
+        self._memory_lock = threading.RLock() if self.memory else None
+        self._pid = os.getpid()
+        if auto_migrate:
+            self.migrate()
+
+    # -- connections ---------------------------------------------------------------
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(
+                self.path,
+                isolation_level=None,
+                timeout=self.busy_timeout_ms / 1000,
+                check_same_thread=not self.memory,
+            )
+        except sqlite3.OperationalError as exc:
+            raise ConfigurationError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
+        if not self.memory:
+            self._retry(lambda: conn.execute("PRAGMA journal_mode = WAL"))
+        conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        with self._all_lock:
+            self._all.append(conn)
+        return conn
+
+    def _conn(self) -> sqlite3.Connection:
+        if os.getpid() != self._pid:  # forked: never share a connection with the parent
+            self._local = threading.local()
+            self._all, self._pid = [], os.getpid()
+            self._shared = None
+        if self.memory:
+            shared = getattr(self, "_shared", None)
+            if shared is None:
+                shared = self._shared = self._connect()
+            return shared
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self._connect()
+        return conn
+
+    def close(self) -> None:
+        with self._all_lock:
+            for conn in self._all:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            self._all.clear()
+        self._local = threading.local()
+        self._shared = None
+
+    def _retry(self, fn: Any) -> Any:
+        deadline = time.monotonic() + self.write_timeout
+        pause = 0.005
+        while True:
+            try:
+                return fn()
+            except sqlite3.OperationalError as exc:
+                if not _is_busy(exc):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise DatabaseBusy(
+                        f"SQLite database {self.path!r} stayed locked for "
+                        f"{self.write_timeout:.0f} s; is a long transaction holding it "
+                        "(a sqlite3 shell, or a caller's open transaction)?"
+                    ) from exc
+                time.sleep(pause * (1 + random.random()))
+                pause = min(pause * 2, 0.5)
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction under BEGIN IMMEDIATE, retried while the file is locked."""
+        conn = self._conn()
+        lock = self._memory_lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            self._retry(lambda: conn.execute("BEGIN IMMEDIATE"))
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        finally:
+            if lock is not None:
+                lock.release()
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        conn = self._conn()
+        lock = self._memory_lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            yield conn
+        finally:
+            if lock is not None:
+                lock.release()
+
+    # -- schema ----------------------------------------------------------------------
+    def _applied_version(self, conn: sqlite3.Connection) -> int:
+        exists = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'errands_migrations'"
+        ).fetchone()
+        if not exists:
+            return 0
+        row = conn.execute("SELECT max(version) FROM errands_migrations").fetchone()
+        return int(row[0] or 0)
+
+    def migrate(self) -> list[str]:
+        applied: list[str] = []
+        with self._write() as conn:
+            conn.execute(
+                "CREATE TABLE IF NOT EXISTS errands_migrations ("
+                "version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)"
+            )
+            current = self._applied_version(conn)
+            if current > SCHEMA_VERSION:
+                raise SchemaOutdated(
+                    f"the database {self.path!r} has errands schema version {current}, newer "
+                    f"than this errands ({SCHEMA_VERSION}); upgrade errands on this host"
+                )
+            for version, name, sql in MIGRATIONS:
+                if version <= current:
+                    continue
+                for statement in _split_statements(sql):
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO errands_migrations (version, name, applied_at) "
+                    "VALUES (?, ?, (julianday('now') - 2440587.5) * 86400.0)",
+                    (version, name),
+                )
+                applied.append(f"{version:04d}_{name}")
+        return applied
+
+    def schema_check(self) -> None:
+        with self._read() as conn:
+            current = self._applied_version(conn)
+        if current != SCHEMA_VERSION:
+            raise SchemaOutdated(
+                f"the database {self.path!r} has errands schema version {current}, this errands "
+                f"needs {SCHEMA_VERSION}; run: errands migrate --app <module:app>"
+            )
+
+    # -- enqueue ---------------------------------------------------------------------
+    def _check_caller_connection(self, conn: Any) -> sqlite3.Connection:
+        if not isinstance(conn, sqlite3.Connection):
+            raise ConfigurationError(
+                f"enqueue(conn=...) on SQLite takes a sqlite3.Connection, got {type(conn).__name__}"
+            )
+        if self.memory:
+            raise ConfigurationError(
+                "enqueue(conn=...) needs a file database: an in-memory SQLite database is "
+                "private to one connection"
+            )
+        rows = conn.execute("PRAGMA database_list").fetchall()
+        main = next((r[2] for r in rows if r[1] == "main"), "")
+        if not main or os.path.realpath(main) != os.path.realpath(self.path):
+            raise ConfigurationError(
+                f"enqueue(conn=...) got a connection to {main or 'an in-memory database'!r}, "
+                f"but this app stores jobs in {self.path!r}; open the connection on the same file"
+            )
+        return conn
+
+    @staticmethod
+    def _insert(conn: sqlite3.Connection, req: EnqueueRequest) -> InsertResult:
+        row = conn.execute(
+            Q["job_insert"],
+            {
+                "name": req.name,
+                "queue": req.queue,
+                "args": req.args_json,
+                "meta": json.dumps(req.meta, separators=(",", ":")),
+                "priority": req.priority,
+                "max_attempts": req.max_attempts,
+                "run_at": req.run_at,
+                "delay": req.delay,
+                "key": req.key,
+                "timeout": req.timeout,
+                "lease_seconds": req.lease_seconds,
+            },
+        ).fetchone()
+        if row is not None:
+            return InsertResult(id=row[0], deduplicated=False)
+        existing = conn.execute(Q["job_id_by_key"], {"name": req.name, "key": req.key}).fetchone()
+        return InsertResult(id=existing[0], deduplicated=True)
+
+    def job_insert_many(
+        self, requests: Sequence[EnqueueRequest], conn: Any = None
+    ) -> list[InsertResult]:
+        if conn is not None:
+            caller = self._check_caller_connection(conn)
+            return [self._insert(caller, req) for req in requests]
+        with self._write() as own:
+            return [self._insert(own, req) for req in requests]
+
+    # -- the hot path ------------------------------------------------------------------
+    def job_claim(self, params: ClaimParams) -> list[JobRow]:
+        if params.limit <= 0:
+            return []
+        token = secrets.token_hex(8)
+        rows: list[JobRow] = []
+        with self._write() as conn:
+            for queue in params.queues:
+                remaining = min(params.limit - len(rows), queue.limit)
+                if params.limit - len(rows) <= 0:
+                    break
+                if remaining <= 0:
+                    continue
+                cur = conn.execute(
+                    Q["job_claim"],
+                    {
+                        "worker_id": params.worker_id,
+                        "token": token,
+                        "lease_default": params.lease_seconds_default,
+                        "queue": queue.name,
+                        "limit": remaining,
+                    },
+                )
+                rows.extend(JobRow(*r) for r in cur.fetchall())
+        return rows
+
+    def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
+        if not outcomes:
+            return []
+        sql = Q["job_finish"]
+        with self._write() as conn:
+            return [
+                conn.execute(
+                    sql,
+                    {
+                        "id": o.id,
+                        "token": o.lease_token,
+                        "state": o.state,
+                        "result": o.result_json,
+                        "error": None if o.error is None else json.dumps(o.error),
+                        "delay": o.delay,
+                    },
+                ).rowcount
+                == 1
+                for o in outcomes
+            ]
+
+    def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult:
+        extended: set[int] = set()
+        cancel: set[int] = set()
+        if leases:
+            with self._write() as conn:
+                for lease in leases:
+                    row = conn.execute(
+                        Q["job_heartbeat"],
+                        {
+                            "id": lease.id,
+                            "token": lease.lease_token,
+                            "lease_seconds": lease.lease_seconds,
+                        },
+                    ).fetchone()
+                    if row is not None:
+                        extended.add(row[0])
+                        if row[1]:
+                            cancel.add(row[0])
+        return HeartbeatResult(frozenset(extended), frozenset(cancel))
+
+    def job_release_many(self, leases: Sequence[LeaseRef]) -> list[bool]:
+        if not leases:
+            return []
+        with self._write() as conn:
+            return [
+                conn.execute(
+                    Q["job_release"], {"id": lease.id, "token": lease.lease_token}
+                ).rowcount
+                == 1
+                for lease in leases
+            ]
+
+    # -- maintenance ---------------------------------------------------------------------
+    def leader_attempt_elect(self, name: str, owner: str, ttl: float) -> bool:
+        with self._write() as conn:
+            row = conn.execute(
+                Q["leader_attempt_elect"], {"name": name, "owner": owner, "ttl": ttl}
+            ).fetchone()
+        return row is not None and row[0] == owner
+
+    def leader_resign(self, name: str, owner: str) -> None:
+        with self._write() as conn:
+            conn.execute(Q["leader_resign"], {"name": name, "owner": owner})
+
+    def job_list_expired(self, limit: int) -> list[ExpiredLease]:
+        with self._read() as conn:
+            rows = conn.execute(Q["job_list_expired"], {"limit": limit}).fetchall()
+        return [
+            ExpiredLease(
+                id=r[0],
+                name=r[1],
+                lease_token=r[2],
+                attempt=r[3],
+                max_attempts=r[4],
+                rescues=r[5],
+                cancel_requested=bool(r[6]),
+                lease_owner=r[7],
+            )
+            for r in rows
+        ]
+
+    def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]:
+        if not rescues:
+            return []
+        with self._write() as conn:
+            return [
+                conn.execute(
+                    Q["job_rescue"],
+                    {
+                        "id": r.id,
+                        "token": r.lease_token,
+                        "state": r.state,
+                        "error": json.dumps(r.error),
+                        "delay": r.delay,
+                    },
+                ).rowcount
+                == 1
+                for r in rescues
+            ]
+
+    def job_promote_due(self) -> int:
+        with self._write() as conn:
+            return conn.execute(Q["job_promote_due"]).rowcount
+
+    def job_prune(self, older_than: float, limit: int) -> int:
+        with self._write() as conn:
+            return conn.execute(Q["job_prune"], {"older_than": older_than, "limit": limit}).rowcount
+
+    # -- reading -------------------------------------------------------------------------
+    def job_get(self, job_id: int) -> JobRow | None:
+        with self._read() as conn:
+            row = conn.execute(Q["job_get"], {"id": job_id}).fetchone()
+        return None if row is None else JobRow(*row)
+
+    def job_list(self, params: ListParams) -> list[JobRow]:
+        with self._read() as conn:
+            rows = conn.execute(
+                Q["job_list"],
+                {
+                    "state": params.state,
+                    "queue": params.queue,
+                    "name": params.name,
+                    "before_id": params.before_id,
+                    "limit": params.limit,
+                },
+            ).fetchall()
+        return [JobRow(*r) for r in rows]
+
+    def queue_stats(self) -> list[QueueStats]:
+        with self._read() as conn:
+            rows = conn.execute(Q["queue_stats"]).fetchall()
+        by_queue: dict[str, dict[str, Any]] = {}
+        for queue, state, n, oldest_due, now in rows:
+            entry = by_queue.setdefault(queue, {"counts": {}, "oldest": None, "now": now})
+            entry["counts"][state] = n
+            if oldest_due is not None and (entry["oldest"] is None or oldest_due < entry["oldest"]):
+                entry["oldest"] = oldest_due
+        return [
+            QueueStats(
+                queue=queue,
+                counts=entry["counts"],
+                oldest_available_age=None
+                if entry["oldest"] is None
+                else max(entry["now"] - entry["oldest"], 0.0),
+            )
+            for queue, entry in sorted(by_queue.items())
+        ]
+
+    def audit_list(self, limit: int = 100, job_id: int | None = None) -> list[AuditEvent]:
+        with self._read() as conn:
+            rows = conn.execute(Q["audit_list"], {"limit": limit, "job_id": job_id}).fetchall()
+        return [
+            AuditEvent(
+                id=r[0], at=r[1], actor=r[2], action=r[3], job_id=r[4], detail=json.loads(r[5])
+            )
+            for r in rows
+        ]
+
+    def db_now(self) -> float:
+        with self._read() as conn:
+            return float(conn.execute(Q["db_now"]).fetchone()[0])
+
+    # -- admin actions ---------------------------------------------------------------------
+    def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
+        with self._write() as conn:
+            if params.all_matching:
+                ids = [
+                    r[0]
+                    for r in conn.execute(
+                        Q["job_ids_matching"],
+                        {"state": "dead", "queue": params.queue, "name": params.name},
+                    )
+                ]
+            else:
+                ids = list(dict.fromkeys(params.ids))
+            matched: list[int] = []
+            skipped: dict[int, str] = {}
+            for job_id in ids:
+                state = conn.execute(Q["job_state"], {"id": job_id}).fetchone()
+                if state is None:
+                    skipped[job_id] = "no such job"
+                elif state[0] != "dead":
+                    skipped[job_id] = f"not in the dead-letter queue (state {state[0]})"
+                else:
+                    matched.append(job_id)
+            if params.dry_run:  # nothing written: the COMMIT below is empty
+                return ActionResult(matched=matched, skipped=skipped)
+            for job_id in matched:
+                conn.execute(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
+                conn.execute(
+                    Q["audit_insert"],
+                    {
+                        "actor": params.actor,
+                        "action": action,
+                        "job_id": job_id,
+                        "detail": json.dumps({"reason": params.reason} if params.reason else {}),
+                    },
+                )
+        return ActionResult(matched=matched, skipped=skipped)
+
+    def job_replay(self, params: ActionParams) -> ActionResult:
+        return self._dead_action(params, Q["job_replay"], "replay")
+
+    def job_discard(self, params: ActionParams) -> ActionResult:
+        if not (params.reason and params.reason.strip()):
+            raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
+        return self._dead_action(params, Q["job_discard"], "discard")
+
+    def job_cancel(self, job_id: int, actor: str) -> CancelResult:
+        with self._write() as conn:
+            row = conn.execute(Q["job_state"], {"id": job_id}).fetchone()
+            if row is None:
+                raise JobNotFound(f"no job with id {job_id}")
+            previous = row[0]
+            if previous in ("available", "scheduled", "retryable"):
+                conn.execute(Q["job_cancel_pending"], {"id": job_id})
+                state = "cancelled"
+            elif previous == "running":
+                conn.execute(Q["job_cancel_running"], {"id": job_id})
+                state = "running"
+            else:
+                raise InvalidTransition(
+                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
+                    "running jobs can be cancelled"
+                )
+            conn.execute(
+                Q["audit_insert"],
+                {
+                    "actor": actor,
+                    "action": "cancel",
+                    "job_id": job_id,
+                    "detail": json.dumps({"previous_state": previous}),
+                },
+            )
+        return CancelResult(id=job_id, previous_state=previous, state=state)

@@ -1,0 +1,198 @@
+-- All SQL of the SQLite backend. Times: unix epoch seconds from the database clock,
+-- written (julianday('now') - 2440587.5) * 86400.0. Named parameters only, never
+-- string formatting. Column order of RETURNING/SELECT lists matches errands.jobs.JobRow.
+
+-- name: job_insert
+INSERT INTO errands_jobs (name, queue, args, meta, state, priority, max_attempts, run_at,
+                          idempotency_key, timeout, lease_seconds, inserted_at)
+SELECT :name, :queue, :args, :meta,
+       CASE WHEN due > t_now + 0.0005 THEN 'scheduled' ELSE 'available' END,
+       :priority, :max_attempts, due, :key, :timeout, :lease_seconds, t_now
+FROM (SELECT COALESCE(:run_at, t_now + :delay) AS due, t_now
+      FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t_now))
+WHERE true
+ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id
+
+-- name: job_id_by_key
+SELECT id FROM errands_jobs WHERE name = :name AND idempotency_key = :key
+
+-- name: job_claim
+UPDATE errands_jobs
+SET state = 'running',
+    attempt = attempt + 1,
+    lease_owner = :worker_id,
+    lease_token = :token,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0
+                       + COALESCE(lease_seconds, :lease_default),
+    attempted_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id IN (
+    SELECT id FROM errands_jobs
+    WHERE state IN ('available', 'scheduled', 'retryable')
+      AND queue = :queue
+      AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+    ORDER BY priority DESC, run_at, id
+    LIMIT :limit
+)
+RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+          idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+          lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+          lease_seconds, discarded_by, discard_reason
+
+-- name: job_finish
+-- A cancel requested while the job ran turns a retry into 'cancelled': it never runs again.
+UPDATE errands_jobs
+SET state = CASE WHEN cancel_requested = 1 AND :state = 'retryable' THEN 'cancelled'
+                 ELSE :state END,
+    result = :result,
+    errors = CASE WHEN :error IS NULL THEN errors
+                  ELSE json_insert(errors, '$[#]',
+                       json_set(json(:error), '$.at', (julianday('now') - 2440587.5) * 86400.0))
+             END,
+    run_at = CASE WHEN :state = 'retryable'
+                  THEN (julianday('now') - 2440587.5) * 86400.0 + :delay ELSE run_at END,
+    finished_at = CASE WHEN :state = 'retryable' AND cancel_requested = 0 THEN NULL
+                       ELSE (julianday('now') - 2440587.5) * 86400.0 END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE id = :id AND lease_token = :token AND state = 'running'
+
+-- name: job_heartbeat
+UPDATE errands_jobs
+SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease_seconds
+WHERE id = :id AND lease_token = :token AND state = 'running'
+RETURNING id, cancel_requested
+
+-- name: job_release
+UPDATE errands_jobs
+SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END,
+    attempt = attempt - 1,
+    run_at = (julianday('now') - 2440587.5) * 86400.0,
+    finished_at = CASE WHEN cancel_requested = 1
+                       THEN (julianday('now') - 2440587.5) * 86400.0 END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE id = :id AND lease_token = :token AND state = 'running'
+
+-- name: leader_attempt_elect
+INSERT INTO errands_leaders (name, owner, elected_at, expires_at)
+VALUES (:name, :owner, (julianday('now') - 2440587.5) * 86400.0,
+        (julianday('now') - 2440587.5) * 86400.0 + :ttl)
+ON CONFLICT (name) DO UPDATE
+SET owner = excluded.owner,
+    elected_at = CASE WHEN errands_leaders.owner = excluded.owner
+                      THEN errands_leaders.elected_at ELSE excluded.elected_at END,
+    expires_at = excluded.expires_at
+WHERE errands_leaders.owner = excluded.owner
+   OR errands_leaders.expires_at < (julianday('now') - 2440587.5) * 86400.0
+RETURNING owner
+
+-- name: leader_resign
+DELETE FROM errands_leaders WHERE name = :name AND owner = :owner
+
+-- name: job_list_expired
+SELECT id, name, lease_token, attempt, max_attempts, rescues, cancel_requested, lease_owner
+FROM errands_jobs
+WHERE state = 'running' AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0
+ORDER BY lease_expires_at
+LIMIT :limit
+
+-- name: job_rescue
+-- Fenced twice: the token must be the expired claim's, and the lease must still be expired
+-- (a heartbeat that landed in between wins).
+UPDATE errands_jobs
+SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE :state END,
+    rescues = rescues + 1,
+    errors = json_insert(errors, '$[#]',
+             json_set(json(:error), '$.at', (julianday('now') - 2440587.5) * 86400.0)),
+    run_at = (julianday('now') - 2440587.5) * 86400.0 + :delay,
+    finished_at = CASE WHEN cancel_requested = 1 OR :state != 'retryable'
+                       THEN (julianday('now') - 2440587.5) * 86400.0 END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE id = :id AND lease_token = :token AND state = 'running'
+  AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0
+
+-- name: job_promote_due
+UPDATE errands_jobs
+SET state = 'available'
+WHERE state IN ('scheduled', 'retryable')
+  AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+
+-- name: job_prune
+DELETE FROM errands_jobs
+WHERE id IN (
+    SELECT id FROM errands_jobs
+    WHERE state IN ('completed', 'cancelled', 'discarded')
+      AND finished_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+    LIMIT :limit
+)
+
+-- name: job_get
+SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+       idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+       lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+       lease_seconds, discarded_by, discard_reason
+FROM errands_jobs WHERE id = :id
+
+-- name: job_list
+SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+       idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+       lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+       lease_seconds, discarded_by, discard_reason
+FROM errands_jobs
+WHERE (:state IS NULL OR state = :state)
+  AND (:queue IS NULL OR queue = :queue)
+  AND (:name IS NULL OR name = :name)
+  AND (:before_id IS NULL OR id < :before_id)
+ORDER BY id DESC
+LIMIT :limit
+
+-- name: job_ids_matching
+SELECT id FROM errands_jobs
+WHERE state = :state
+  AND (:queue IS NULL OR queue = :queue)
+  AND (:name IS NULL OR name = :name)
+ORDER BY id
+
+-- name: job_state
+SELECT state FROM errands_jobs WHERE id = :id
+
+-- name: queue_stats
+SELECT queue, state, count(*) AS n,
+       min(CASE WHEN state IN ('available', 'scheduled', 'retryable')
+                 AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+                THEN run_at END) AS oldest_due,
+       (julianday('now') - 2440587.5) * 86400.0 AS now
+FROM errands_jobs
+GROUP BY queue, state
+
+-- name: job_replay
+UPDATE errands_jobs
+SET state = 'available', attempt = 0, rescues = 0, cancel_requested = 0,
+    run_at = (julianday('now') - 2440587.5) * 86400.0, finished_at = NULL
+WHERE id = :id AND state = 'dead'
+
+-- name: job_discard
+UPDATE errands_jobs
+SET state = 'discarded', discarded_by = :actor, discard_reason = :reason,
+    finished_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id = :id AND state = 'dead'
+
+-- name: job_cancel_pending
+UPDATE errands_jobs
+SET state = 'cancelled', finished_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id = :id AND state IN ('available', 'scheduled', 'retryable')
+
+-- name: job_cancel_running
+UPDATE errands_jobs SET cancel_requested = 1 WHERE id = :id AND state = 'running'
+
+-- name: audit_insert
+INSERT INTO errands_audit (at, actor, action, job_id, detail)
+VALUES ((julianday('now') - 2440587.5) * 86400.0, :actor, :action, :job_id, :detail)
+
+-- name: audit_list
+SELECT id, at, actor, action, job_id, detail FROM errands_audit
+WHERE (:job_id IS NULL OR job_id = :job_id)
+ORDER BY id DESC
+LIMIT :limit
+
+-- name: db_now
+SELECT (julianday('now') - 2440587.5) * 86400.0

@@ -1,0 +1,5 @@
+"""The ``errands`` command line."""
+
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,318 @@
+"""Admin commands: ``errands status``, ``errands jobs ...``, ``errands dlq ...``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ..app import App
+from ..jobs import ALL_STATES
+from . import render
+from .loading import default_actor, load_app
+
+STATE_CHOICE = click.Choice(ALL_STATES)
+
+
+def app_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    fn = click.option("--url", envvar="ERRANDS_URL", help="database URL (also ERRANDS_URL)")(fn)
+    fn = click.option(
+        "-A",
+        "--app",
+        "app_path",
+        envvar="ERRANDS_APP",
+        help="the App as module:attribute (also ERRANDS_APP)",
+    )(fn)
+    return fn
+
+
+def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True, help="print JSON for scripts")(fn)
+
+
+def actor_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--actor",
+        default=default_actor,
+        show_default="cli:user@host",
+        help="who does this (written to the audit log)",
+    )(fn)
+
+
+def _app(app_path: str | None, url: str | None) -> App:
+    return load_app(app_path, url)
+
+
+# -- status ----------------------------------------------------------------------------
+@click.command()
+@app_options
+@json_option
+@click.option(
+    "--max-dead",
+    type=click.IntRange(min=0),
+    help="exit 3 when more jobs than this are dead (for alerting)",
+)
+@click.option(
+    "--max-age",
+    type=click.FloatRange(min=0),
+    help="exit 3 when the oldest available job waited longer (seconds)",
+)
+def status(
+    app_path: str | None,
+    url: str | None,
+    as_json: bool,
+    max_dead: int | None,
+    max_age: float | None,
+) -> None:
+    """One row per queue: jobs by state and the oldest available job's age."""
+    stats = _app(app_path, url).queue_stats()
+    states = [
+        "scheduled",
+        "available",
+        "running",
+        "retryable",
+        "completed",
+        "dead",
+        "discarded",
+        "cancelled",
+    ]
+    total_dead = sum(s.counts.get("dead", 0) for s in stats)
+    oldest = max((s.oldest_available_age or 0.0 for s in stats), default=0.0)
+    if as_json:
+        render.emit_json(
+            {
+                "queues": [
+                    {
+                        "queue": s.queue,
+                        "counts": {k: s.counts.get(k, 0) for k in states},
+                        "oldest_available_age": s.oldest_available_age,
+                    }
+                    for s in stats
+                ],
+                "dead": total_dead,
+                "oldest_available_age": oldest,
+            }
+        )
+    else:
+        rows = [
+            [s.queue, *[s.counts.get(k, 0) for k in states], render.age(s.oldest_available_age)]
+            for s in stats
+        ]
+        if rows:
+            render.table(None, ["queue", *states, "oldest available"], rows)
+        else:
+            click.echo("no jobs yet")
+    problems = []
+    if max_dead is not None and total_dead > max_dead:
+        problems.append(f"{total_dead} dead job(s) > --max-dead {max_dead}")
+    if max_age is not None and oldest > max_age:
+        problems.append(f"oldest available job waited {oldest:.1f} s > --max-age {max_age:g}")
+    if problems:
+        click.echo("ALERT: " + "; ".join(problems), err=True)
+        raise SystemExit(3)
+
+
+# -- jobs ------------------------------------------------------------------------------
+@click.group()
+def jobs() -> None:
+    """List, inspect and cancel jobs."""
+
+
+@jobs.command("list")
+@app_options
+@json_option
+@click.option("--state", type=STATE_CHOICE)
+@click.option("--queue")
+@click.option("--name")
+@click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
+@click.option("--before", "before_id", type=int, help="only ids below this one (next page)")
+def jobs_list(
+    app_path: str | None,
+    url: str | None,
+    as_json: bool,
+    state: str | None,
+    queue: str | None,
+    name: str | None,
+    limit: int,
+    before_id: int | None,
+) -> None:
+    """Jobs, newest first."""
+    found = _app(app_path, url).jobs(
+        state=state, queue=queue, name=name, limit=limit, before_id=before_id
+    )
+    if as_json:
+        render.emit_json([render.job_dict(j) for j in found])
+    elif found:
+        render.table(None, render.JOB_COLUMNS, render.job_rows(found))
+    else:
+        click.echo("no matching jobs")
+
+
+def _show(app_path: str | None, url: str | None, job_id: int, as_json: bool) -> None:
+    app = _app(app_path, url)
+    job = app.get_job(job_id)
+    audit = app.audit(job_id=job_id)
+    if as_json:
+        data = render.job_dict(job)
+        data["audit"] = [e.__dict__ for e in audit]
+        render.emit_json(data)
+    else:
+        render.show_job(job, audit)
+
+
+@jobs.command("show")
+@app_options
+@json_option
+@click.argument("job_id", type=int)
+def jobs_show(app_path: str | None, url: str | None, as_json: bool, job_id: int) -> None:
+    """One job with its arguments, attempts, errors and audit trail."""
+    _show(app_path, url, job_id, as_json)
+
+
+@jobs.command("cancel")
+@app_options
+@actor_option
+@click.argument("job_ids", type=int, nargs=-1, required=True)
+def jobs_cancel(
+    app_path: str | None, url: str | None, actor: str, job_ids: tuple[int, ...]
+) -> None:
+    """Cancel pending jobs at once; ask running ones to stop."""
+    app = _app(app_path, url)
+    for job_id in job_ids:
+        result = app.cancel(job_id, actor=actor)
+        if result.state == "cancelled":
+            click.echo(f"job {job_id}: cancelled (was {result.previous_state})")
+        else:
+            click.echo(f"job {job_id}: running; cancel requested, its worker stops it")
+
+
+# -- dlq -------------------------------------------------------------------------------
+@click.group()
+def dlq() -> None:
+    """The dead-letter queue: inspect, replay, discard."""
+
+
+@dlq.command("list")
+@app_options
+@json_option
+@click.option("--queue")
+@click.option("--name")
+@click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
+@click.option("--before", "before_id", type=int, help="only ids below this one (next page)")
+def dlq_list(
+    app_path: str | None,
+    url: str | None,
+    as_json: bool,
+    queue: str | None,
+    name: str | None,
+    limit: int,
+    before_id: int | None,
+) -> None:
+    """Dead jobs, newest first, with their last error."""
+    found = _app(app_path, url).jobs(
+        state="dead", queue=queue, name=name, limit=limit, before_id=before_id
+    )
+    if as_json:
+        render.emit_json([render.job_dict(j) for j in found])
+    elif found:
+        render.table(None, render.JOB_COLUMNS, render.job_rows(found))
+    else:
+        click.echo("the dead-letter queue is empty")
+
+
+@dlq.command("show")
+@app_options
+@json_option
+@click.argument("job_id", type=int)
+def dlq_show(app_path: str | None, url: str | None, as_json: bool, job_id: int) -> None:
+    """A dead job's full attempt history."""
+    _show(app_path, url, job_id, as_json)
+
+
+def _selection(job_ids: tuple[int, ...], all_: bool, queue: str | None, name: str | None) -> None:
+    if all_ and job_ids:
+        raise click.UsageError("give job ids or --all, not both")
+    if not all_ and not job_ids:
+        raise click.UsageError("give at least one job id, or --all (with --queue/--name filters)")
+    if not all_ and (queue or name):
+        raise click.UsageError("--queue and --name filter only together with --all")
+
+
+def _report(verb: str, result: Any, dry_run: bool, as_json: bool) -> None:
+    if as_json:
+        render.emit_json(
+            {
+                "dry_run": dry_run,
+                "matched": result.matched,
+                "skipped": {str(k): v for k, v in result.skipped.items()},
+            }
+        )
+    else:
+        ids = ", ".join(map(str, result.matched)) or "none"
+        prefix = f"would {verb}" if dry_run else f"{verb}ed".replace("eed", "ed")
+        click.echo(f"{prefix} {len(result.matched)} job(s): {ids}")
+        for job_id, why in result.skipped.items():
+            click.echo(f"skipped job {job_id}: {why}", err=True)
+    if result.skipped and not result.matched:
+        raise SystemExit(1)
+
+
+@dlq.command("replay")
+@app_options
+@actor_option
+@json_option
+@click.argument("job_ids", type=int, nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="every dead job (narrow with --queue/--name)")
+@click.option("--queue")
+@click.option("--name")
+@click.option("--dry-run", is_flag=True, help="count what would be replayed; change nothing")
+def dlq_replay(
+    app_path: str | None,
+    url: str | None,
+    actor: str,
+    as_json: bool,
+    job_ids: tuple[int, ...],
+    all_: bool,
+    queue: str | None,
+    name: str | None,
+    dry_run: bool,
+) -> None:
+    """Run dead jobs again: same id, key and steps, attempts reset. Audited."""
+    _selection(job_ids, all_, queue, name)
+    result = _app(app_path, url).replay(
+        job_ids, all=all_, queue=queue, name=name, dry_run=dry_run, actor=actor
+    )
+    _report("replay", result, dry_run, as_json)
+
+
+@dlq.command("discard")
+@app_options
+@actor_option
+@json_option
+@click.argument("job_ids", type=int, nargs=-1)
+@click.option("--reason", required=True, help="why (kept on the job and in the audit log)")
+@click.option("--all", "all_", is_flag=True, help="every dead job (narrow with --queue/--name)")
+@click.option("--queue")
+@click.option("--name")
+@click.option("--dry-run", is_flag=True, help="count what would be discarded; change nothing")
+def dlq_discard(
+    app_path: str | None,
+    url: str | None,
+    actor: str,
+    as_json: bool,
+    job_ids: tuple[int, ...],
+    reason: str,
+    all_: bool,
+    queue: str | None,
+    name: str | None,
+    dry_run: bool,
+) -> None:
+    """Take dead jobs out of the DLQ without running them. Needs --reason. Audited."""
+    if not reason.strip():
+        raise click.UsageError("--reason must say why (it is kept with the job)")
+    _selection(job_ids, all_, queue, name)
+    result = _app(app_path, url).discard(
+        job_ids, reason=reason, all=all_, queue=queue, name=name, dry_run=dry_run, actor=actor
+    )
+    _report("discard", result, dry_run, as_json)

@@ -1,0 +1,150 @@
+"""``errands worker | status | jobs | dlq | migrate | demo``.
+
+Every listing takes ``--json``. Errors print one line naming the problem and the fix, and
+exit non-zero (1 for a failed operation, 2 for bad usage) — never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import click
+
+from .. import __version__
+from ..errors import ErrandsError
+from ..observability.logcontext import configure_logging
+from .admin import dlq, jobs, status
+from .loading import load_app
+
+APP_HELP = "the App as module:attribute (also ERRANDS_APP)"
+URL_HELP = "database URL, overriding the app's (also ERRANDS_URL)"
+
+
+class ErrandsGroup(click.Group):
+    """Turns every ErrandsError into one clear line and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ErrandsError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=ErrandsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="errands")
+def cli() -> None:
+    """errands: durable background jobs."""
+
+
+@cli.command()
+@click.argument("app_path", required=False, metavar="MODULE:APP")
+@click.option("-A", "--app", "app_option", envvar="ERRANDS_APP", help=APP_HELP)
+@click.option("--url", envvar="ERRANDS_URL", help=URL_HELP)
+@click.option("-q", "--queues", help="queues to serve: emails,payments or emails=10,payments=2")
+@click.option("-c", "--concurrency", type=click.IntRange(min=1), help="jobs at once (default 10)")
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="seconds in-flight jobs get to finish on SIGTERM",
+)
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(min=0.01),
+    default=1.0,
+    show_default=True,
+    help="seconds between claims when the queues are idle",
+)
+@click.option(
+    "--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="info",
+    show_default=True,
+)
+@click.option("--no-maintenance", is_flag=True, help="never take the leader duties (rescue, prune)")
+def worker(
+    app_path: str | None,
+    app_option: str | None,
+    url: str | None,
+    queues: str | None,
+    concurrency: int | None,
+    grace: float,
+    poll_interval: float,
+    log_format: str,
+    log_level: str,
+    no_maintenance: bool,
+) -> None:
+    """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
+    configure_logging(log_format, log_level)
+    app = load_app(app_path or app_option, url)
+    w = app.worker(
+        queues=queues,
+        concurrency=concurrency,
+        grace=grace,
+        poll_interval=poll_interval,
+        maintenance=not no_maintenance,
+    )
+    code = w.run()
+    if w.stuck_threads():
+        # A handler thread ignored its timeout or the shutdown; Python cannot kill it,
+        # and its job was already released or recorded, so leave without waiting for it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+@cli.command()
+@click.argument("app_path", required=False, metavar="MODULE:APP")
+@click.option("-A", "--app", "app_option", envvar="ERRANDS_APP", help=APP_HELP)
+@click.option("--url", envvar="ERRANDS_URL", help=URL_HELP)
+def migrate(app_path: str | None, app_option: str | None, url: str | None) -> None:
+    """Apply pending schema migrations (safe to run from several processes at once)."""
+    app = load_app(app_path or app_option, url)
+    applied = app.migrate()
+    if applied:
+        for name in applied:
+            click.echo(f"applied {name}")
+    else:
+        click.echo("schema is up to date")
+
+
+@cli.command()
+@click.option(
+    "--db",
+    "db_path",
+    default="errands-demo.db",
+    show_default=True,
+    help="SQLite file for the demo (recreated on each run)",
+)
+@click.option(
+    "--jobs",
+    "job_count",
+    type=click.IntRange(min=10, max=5000),
+    default=300,
+    show_default=True,
+    help="how many jobs to enqueue",
+)
+def demo(db_path: str, job_count: int) -> None:
+    """Run a small realistic app end to end on a fresh SQLite file."""
+    from ..demo import run_demo
+
+    sys.exit(run_demo(db_path, job_count))
+
+
+cli.add_command(status)
+cli.add_command(jobs)
+cli.add_command(dlq)
+
+
+def main() -> None:
+    cli(prog_name="errands")

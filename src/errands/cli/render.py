@@ -1,0 +1,164 @@
+"""Output for people (rich tables on a terminal, plain text otherwise) and for scripts (--json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..jobs import Job
+
+
+def console() -> Console:
+    return Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+
+
+def emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    if sys.stdout.isatty():
+        grid = Table(title=title, header_style="bold")
+        for column in columns:
+            grid.add_column(column)
+        for row in rows:
+            grid.add_row(*[str(c) for c in row])
+        console().print(grid)
+        return
+    widths = [
+        max(len(str(c)) for c in [col, *[r[i] for r in rows]]) for i, col in enumerate(columns)
+    ]
+    if title:
+        click.echo(title)
+    click.echo("  ".join(str(c).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for row in rows:
+        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def job_dict(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "name": job.name,
+        "queue": job.queue,
+        "state": job.state.value,
+        "args": job.masked_args,
+        "meta": job.meta,
+        "priority": job.priority,
+        "attempt": job.attempt,
+        "max_attempts": job.max_attempts,
+        "rescues": job.rescues,
+        "key": job.idempotency_key,
+        "run_at": job.run_at,
+        "inserted_at": job.inserted_at,
+        "attempted_at": job.attempted_at,
+        "finished_at": job.finished_at,
+        "lease_owner": job.lease_owner,
+        "lease_expires_at": job.lease_expires_at,
+        "cancel_requested": job.cancel_requested,
+        "result": job.result,
+        "discarded_by": job.discarded_by,
+        "discard_reason": job.discard_reason,
+        "errors": [
+            {
+                "at": e.at,
+                "attempt": e.attempt,
+                "type": e.type,
+                "message": e.message,
+                "worker": e.worker,
+                "traceback": e.traceback,
+            }
+            for e in job.errors
+        ],
+    }
+
+
+def short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def job_rows(jobs: Sequence[Job]) -> list[list[Any]]:
+    rows = []
+    for job in jobs:
+        last = job.last_error
+        rows.append(
+            [
+                job.id,
+                job.name,
+                job.queue,
+                job.state.value,
+                f"{job.attempt}/{job.max_attempts}",
+                when(job.inserted_at),
+                short(f"{last.type}: {last.message}", 50) if last else "",
+            ]
+        )
+    return rows
+
+
+JOB_COLUMNS = ["id", "name", "queue", "state", "attempt", "inserted", "last error"]
+
+
+def show_job(job: Job, audit: Sequence[Any]) -> None:
+    out = console()
+    out.print(f"[bold]job {job.id}[/bold]  {job.name}  queue={job.queue}  state={job.state.value}")
+    fields = [
+        ("args", json.dumps(job.masked_args, default=str)),
+        ("key", job.idempotency_key or "-"),
+        ("attempt", f"{job.attempt} of {job.max_attempts} (rescues {job.rescues})"),
+        ("priority", job.priority),
+        ("run at", when(job.run_at)),
+        ("inserted", when(job.inserted_at)),
+        ("attempted", when(job.attempted_at)),
+        ("finished", when(job.finished_at)),
+        (
+            "lease",
+            f"{job.lease_owner} until {when(job.lease_expires_at)}" if job.lease_owner else "-",
+        ),
+        ("result", json.dumps(job.result, default=str) if job.result is not None else "-"),
+    ]
+    if job.discard_reason:
+        fields.append(("discarded", f"by {job.discarded_by}: {job.discard_reason}"))
+    if job.cancel_requested:
+        fields.append(("cancel", "requested"))
+    for label, value in fields:
+        out.print(f"  {label:<10} {value}", markup=False)
+    if job.errors:
+        out.print(f"\n[bold]attempts that failed ({len(job.errors)})[/bold]")
+        for err in job.errors:
+            out.print(
+                f"  #{err.attempt} at {when(err.at)} on {err.worker or '?'}: "
+                f"{err.type}: {err.message}",
+                markup=False,
+            )
+            if err.traceback:
+                for line in err.traceback.rstrip().splitlines()[-6:]:
+                    out.print(f"      {line}", markup=False)
+    if audit:
+        out.print("\n[bold]audit[/bold]")
+        for event in reversed(audit):
+            stamp = datetime.fromtimestamp(event.at, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+            detail = f" {event.detail}" if event.detail else ""
+            out.print(f"  {stamp} {event.action} by {event.actor}{detail}", markup=False)

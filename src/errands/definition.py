@@ -1,0 +1,193 @@
+"""``@app.job``: a job definition, its options, and enqueue from it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+
+from .context import Context
+from .errors import ConfigurationError
+from .jobs import EnqueueRequest
+from .payload import PayloadSpec
+from .retry import BackoffPolicy, as_backoff
+
+if TYPE_CHECKING:
+    from .app import App
+    from .handle import JobHandle
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+RETRIES_DEFAULT = 3
+NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
+
+
+def seconds(value: float | timedelta | None, option: str) -> float | None:
+    if value is None:
+        return None
+    result = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if result < 0:
+        raise ConfigurationError(f"{option}={value!r}: must be >= 0")
+    return result
+
+
+def check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        raise ConfigurationError(
+            f"{kind} name {value!r}: use 1-200 letters, digits, '_', '.', ':' or '-', "
+            "starting with a letter or '_'"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class EnqueueOptions:
+    key: str | None = None
+    delay: float | timedelta | None = None
+    run_at: datetime | None = None
+    priority: int | None = None
+    queue: str | None = None
+
+
+class JobDefinition(Generic[P, R]):
+    """What ``@app.job`` returns: still callable as the plain function, plus ``enqueue``."""
+
+    def __init__(
+        self,
+        app: App,
+        fn: Callable[P, R],
+        *,
+        name: str | None,
+        queue: str | None,
+        priority: int,
+        retries: int,
+        backoff: BackoffPolicy | Callable[[int], float] | float | None,
+        timeout: float | timedelta | None,
+        lease: float | timedelta | None,
+        permanent: Iterable[type[BaseException]],
+        sensitive: Iterable[str],
+    ) -> None:
+        self.app = app
+        self.fn = fn
+        self.name = check_name("job", name or f"{fn.__module__}.{fn.__qualname__}")
+        self.queue = check_name("queue", queue or app.default_queue)
+        if not isinstance(priority, int):
+            raise ConfigurationError(f"job {self.name!r}: priority must be an int")
+        self.priority = priority
+        if not isinstance(retries, int) or retries < 0:
+            raise ConfigurationError(f"job {self.name!r}: retries={retries!r} must be an int >= 0")
+        self.retries = retries
+        self.max_attempts = retries + 1
+        self.backoff = as_backoff(backoff)
+        self.timeout = seconds(timeout, "timeout")
+        self.lease = seconds(lease, "lease")
+        if self.lease is not None and self.lease < 1:
+            raise ConfigurationError(f"job {self.name!r}: lease must be at least 1 second")
+        self.permanent = tuple(permanent)
+        for exc_type in self.permanent:
+            if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+                raise ConfigurationError(
+                    f"job {self.name!r}: permanent= takes exception classes, got {exc_type!r}"
+                )
+        self.is_async = asyncio.iscoroutinefunction(fn)
+        self.payload = PayloadSpec(
+            fn, self.name, context_type=Context, max_bytes=app.max_payload_bytes
+        )
+        self.sensitive = frozenset(sensitive)
+        unknown = self.sensitive - set(self.payload.fields)
+        if unknown:
+            raise ConfigurationError(
+                f"job {self.name!r}: sensitive= names {sorted(unknown)}, which are not "
+                f"parameters; parameters are {list(self.payload.fields)}"
+            )
+        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call the handler directly, in this process, with no job involved."""
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<job {self.name} queue={self.queue}>"
+
+    # -- enqueue -------------------------------------------------------------------------
+    def bind(
+        self,
+        *args: Any,
+        key: str | None = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | None = None,
+        priority: int | None = None,
+        queue: str | None = None,
+        **kwargs: Any,
+    ) -> BoundJob:
+        """Validate arguments now and return a job ready for ``app.enqueue_many``."""
+        options = EnqueueOptions(
+            key=key, delay=delay, run_at=run_at, priority=priority, queue=queue
+        )
+        return BoundJob(self, self.request(args, kwargs, options))
+
+    def enqueue(
+        self,
+        *args: Any,
+        key: str | None = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | None = None,
+        priority: int | None = None,
+        queue: str | None = None,
+        conn: Any = None,
+        **kwargs: Any,
+    ) -> JobHandle:
+        """Validate and store one job; with ``conn=`` inside the caller's transaction."""
+        bound = self.bind(
+            *args, key=key, delay=delay, run_at=run_at, priority=priority, queue=queue, **kwargs
+        )
+        return self.app.enqueue_many([bound], conn=conn)[0]
+
+    def request(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], options: EnqueueOptions
+    ) -> EnqueueRequest:
+        arguments = self.payload.bind_arguments(args, kwargs)
+        args_json = self.payload.encode(arguments)
+        if options.key is not None and (not isinstance(options.key, str) or not options.key):
+            raise ConfigurationError(f"{self.name}: key= must be a non-empty string")
+        if options.delay is not None and options.run_at is not None:
+            raise ConfigurationError(f"{self.name}: pass delay= or run_at=, not both")
+        run_at: float | None = None
+        if options.run_at is not None:
+            if not isinstance(options.run_at, datetime):
+                raise ConfigurationError(f"{self.name}: run_at= must be a datetime")
+            if options.run_at.tzinfo is None:
+                raise ConfigurationError(
+                    f"{self.name}: run_at={options.run_at!r} has no time zone; pass an aware "
+                    "datetime such as datetime.now(UTC) + timedelta(minutes=5)"
+                )
+            run_at = options.run_at.timestamp()
+        priority = self.priority if options.priority is None else options.priority
+        if not isinstance(priority, int):
+            raise ConfigurationError(f"{self.name}: priority= must be an int")
+        return EnqueueRequest(
+            name=self.name,
+            queue=check_name("queue", options.queue) if options.queue else self.queue,
+            args_json=args_json,
+            priority=priority,
+            max_attempts=self.max_attempts,
+            delay=seconds(options.delay, "delay") or 0.0,
+            run_at=run_at,
+            key=options.key,
+            timeout=self.timeout,
+            lease_seconds=self.lease,
+            meta={"sensitive": sorted(self.sensitive)} if self.sensitive else {},
+        )
+
+
+@dataclass(frozen=True)
+class BoundJob:
+    """A validated job not yet stored: pass a list of them to ``app.enqueue_many``."""
+
+    definition: JobDefinition[Any, Any]
+    request: EnqueueRequest

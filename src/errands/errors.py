@@ -1,0 +1,77 @@
+"""Every error errands raises on purpose derives from one base.
+
+::
+
+    ErrandsError
+    ├── InvalidPayload          arguments fail the handler's type hints, or are too large
+    ├── ConfigurationError      a bad URL, option, app path or schema; says how to fix it
+    │   └── SchemaOutdated      the database schema is older than this errands version
+    ├── UnknownJob              no job is registered under a name
+    ├── JobNotFound             no job row with that id
+    ├── InvalidTransition       an admin action that the job's state does not allow
+    ├── DatabaseBusy            the store stayed locked past every retry
+    ├── JobFailed               ``JobHandle.result()`` on a dead job
+    ├── JobCancelled            ``JobHandle.result()`` on a cancelled job
+    └── ResultTimeout           ``JobHandle.result(timeout=)`` ran out (also a TimeoutError)
+
+The outcomes a handler raises to steer its own fate (:class:`errands.Permanent`,
+:class:`errands.Retry`) live in :mod:`errands.outcomes`; they are signals, not errors.
+"""
+
+from __future__ import annotations
+
+
+class ErrandsError(Exception):
+    """Base class of every error errands raises on purpose."""
+
+
+class InvalidPayload(ErrandsError, ValueError):
+    """Job arguments do not satisfy the handler's type hints, or exceed the size limit.
+
+    ``errors`` holds pydantic's structured error list when validation produced one.
+    """
+
+    def __init__(self, message: str, *, errors: list[dict[str, object]] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or []
+
+
+class ConfigurationError(ErrandsError):
+    """The application, URL, option or database is set up wrong; the message says how to fix it."""
+
+
+class SchemaOutdated(ConfigurationError):
+    """The database schema is older (or newer) than this version of errands expects."""
+
+
+class UnknownJob(ErrandsError, LookupError):
+    """No job is registered under the given name."""
+
+
+class JobNotFound(ErrandsError, LookupError):
+    """No job row has the given id."""
+
+
+class InvalidTransition(ErrandsError):
+    """An admin action was asked of a job whose state does not allow it."""
+
+
+class DatabaseBusy(ErrandsError):
+    """The database stayed locked by other writers past every retry."""
+
+
+class JobFailed(ErrandsError):
+    """The job ended in the dead-letter queue; ``last_error`` holds its final error."""
+
+    def __init__(self, message: str, *, job_id: int, last_error: dict[str, object] | None) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.last_error = last_error
+
+
+class JobCancelled(ErrandsError):
+    """The job was cancelled before it completed."""
+
+
+class ResultTimeout(ErrandsError, TimeoutError):
+    """The job did not finish within the time given to ``JobHandle.result``."""

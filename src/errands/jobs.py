@@ -1,0 +1,210 @@
+"""The job record, its states, and the pieces of an enqueue request."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+
+class JobState(StrEnum):
+    """Where a job is in its life. See DESIGN §2 for the state diagram."""
+
+    SCHEDULED = "scheduled"
+    AVAILABLE = "available"
+    RUNNING = "running"
+    RETRYABLE = "retryable"
+    COMPLETED = "completed"
+    DEAD = "dead"
+    DISCARDED = "discarded"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    @property
+    def is_pending(self) -> bool:
+        return self in PENDING_STATES
+
+
+PENDING_STATES = frozenset({JobState.SCHEDULED, JobState.AVAILABLE, JobState.RETRYABLE})
+# A job a handle waits on is over in these states; ``dead`` can still be replayed.
+TERMINAL_STATES = frozenset(
+    {JobState.COMPLETED, JobState.DEAD, JobState.DISCARDED, JobState.CANCELLED}
+)
+ALL_STATES = tuple(s.value for s in JobState)
+
+
+def parse_state(value: str | JobState) -> JobState:
+    try:
+        return JobState(value)
+    except ValueError:
+        raise ValueError(
+            f"unknown job state {value!r}; choose one of: {', '.join(ALL_STATES)}"
+        ) from None
+
+
+def to_datetime(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
+
+
+@dataclass(frozen=True)
+class JobError:
+    """One failed attempt: when, which attempt, what was raised, and by which worker."""
+
+    at: datetime
+    attempt: int
+    type: str
+    message: str
+    traceback: str | None
+    worker: str | None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobError:
+        return cls(
+            at=to_datetime(data.get("at")) or datetime.fromtimestamp(0, tz=UTC),
+            attempt=int(data.get("attempt", 0)),
+            type=str(data.get("type", "")),
+            message=str(data.get("message", "")),
+            traceback=data.get("traceback"),
+            worker=data.get("worker"),
+        )
+
+
+@dataclass(frozen=True)
+class Job:
+    """A snapshot of one job row, as returned by ``app.get_job`` and ``app.jobs``."""
+
+    id: int
+    name: str
+    queue: str
+    args: dict[str, Any]
+    meta: dict[str, Any]
+    state: JobState
+    priority: int
+    attempt: int
+    max_attempts: int
+    run_at: datetime
+    idempotency_key: str | None
+    errors: list[JobError]
+    result: Any
+    inserted_at: datetime
+    attempted_at: datetime | None
+    finished_at: datetime | None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    rescues: int = 0
+    cancel_requested: bool = False
+    timeout: float | None = None
+    lease_seconds: float | None = None
+    discarded_by: str | None = None
+    discard_reason: str | None = None
+
+    @property
+    def last_error(self) -> JobError | None:
+        return self.errors[-1] if self.errors else None
+
+    @property
+    def sensitive(self) -> list[str]:
+        names = self.meta.get("sensitive", []) if isinstance(self.meta, dict) else []
+        return [n for n in names if isinstance(n, str)]
+
+    @property
+    def masked_args(self) -> dict[str, Any]:
+        """The arguments with every ``sensitive=`` field shown as ``***``."""
+        hidden = set(self.sensitive)
+        if not isinstance(self.args, dict):
+            return {"__corrupt__": "***"} if hidden else {"__corrupt__": self.args}
+        return {k: ("***" if k in hidden else v) for k, v in self.args.items()}
+
+
+@dataclass(slots=True)
+class JobRow:
+    """The raw row a backend returns (times as epoch seconds, JSON still encoded)."""
+
+    id: int
+    name: str
+    queue: str
+    args: str
+    meta: str
+    state: str
+    priority: int
+    attempt: int
+    max_attempts: int
+    run_at: float
+    idempotency_key: str | None
+    errors: str
+    result: str | None
+    inserted_at: float
+    attempted_at: float | None
+    finished_at: float | None
+    lease_owner: str | None
+    lease_token: str | None
+    lease_expires_at: float | None
+    rescues: int
+    cancel_requested: int
+    timeout: float | None
+    lease_seconds: float | None
+    discarded_by: str | None
+    discard_reason: str | None
+
+    def to_job(self) -> Job:
+        return Job(
+            id=self.id,
+            name=self.name,
+            queue=self.queue,
+            args=_loads(self.args, {}),
+            meta=_loads(self.meta, {}),
+            state=JobState(self.state),
+            priority=self.priority,
+            attempt=self.attempt,
+            max_attempts=self.max_attempts,
+            run_at=to_datetime(self.run_at),  # type: ignore[arg-type]
+            idempotency_key=self.idempotency_key,
+            errors=[JobError.from_dict(e) for e in _loads(self.errors, [])],
+            result=_loads(self.result, None),
+            inserted_at=to_datetime(self.inserted_at),  # type: ignore[arg-type]
+            attempted_at=to_datetime(self.attempted_at),
+            finished_at=to_datetime(self.finished_at),
+            lease_owner=self.lease_owner,
+            lease_expires_at=to_datetime(self.lease_expires_at),
+            rescues=self.rescues,
+            cancel_requested=bool(self.cancel_requested),
+            timeout=self.timeout,
+            lease_seconds=self.lease_seconds,
+            discarded_by=self.discarded_by,
+            discard_reason=self.discard_reason,
+        )
+
+
+JOB_COLUMNS = tuple(JobRow.__slots__)  # type: ignore[attr-defined]
+
+
+def _loads(text: str | None, default: Any) -> Any:
+    """Decode stored JSON; a corrupted value is shown as its raw text, never raised."""
+    if text is None:
+        return default
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"__corrupt__": text} if isinstance(default, dict) else text
+
+
+@dataclass
+class EnqueueRequest:
+    """One job to insert, validated and encoded (what ``JobDefinition.bind`` returns)."""
+
+    name: str
+    queue: str
+    args_json: str
+    priority: int
+    max_attempts: int
+    delay: float
+    run_at: float | None
+    key: str | None
+    timeout: float | None
+    lease_seconds: float | None
+    meta: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,175 @@
+"""The maintenance service: one leader in the cluster rescues, promotes and prunes.
+
+Leadership is a leased row (``errands_leaders``): every worker tries to take or renew it
+each tick; it is granted when free, expired, or already ours. A leader that dies or
+pauses stops renewing; after ``ttl`` another worker takes over. A paused leader that
+wakes up does no harm: every rescue is fenced by the expired lease token *and* by the
+lease still being expired, so two rescuers can never rescue one attempt twice.
+
+::
+
+    follower ──(row free or expired)──> leader ──(renew fails / stop)──> follower
+                                          │
+                        every tick: rescue expired leases, promote due jobs,
+                        every prune_interval: delete finished rows past retention
+
+Rescue of one expired lease (the attempt counts, recorded as "worker lost"):
+
+- cancel requested while it ran  -> cancelled
+- rescued ``poison_after`` times -> dead, "poison: worker died N times"
+- it was the last attempt        -> dead
+- otherwise                      -> retryable after the job's backoff
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..backends.base import RescueParams
+from ..retry import DEFAULT_BACKOFF
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("errands.maintenance")
+
+LEADER_NAME = "maintenance"
+TICK_DEFAULT = 1.0
+PRUNE_INTERVAL_DEFAULT = 60.0
+RESCUE_BATCH = 500
+PRUNE_BATCH = 1000
+
+
+class Maintenance:
+    def __init__(
+        self,
+        app: App,
+        worker_id: str,
+        *,
+        tick: float = TICK_DEFAULT,
+        prune_interval: float = PRUNE_INTERVAL_DEFAULT,
+    ) -> None:
+        self.app = app
+        self.worker_id = worker_id
+        self.tick = tick
+        self.ttl = max(5.0 * tick, 5.0)
+        self.prune_interval = prune_interval
+        self.is_leader = False
+        self.rescued = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="errands-maintenance", daemon=True)
+        self._next_prune = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        if self.is_leader:
+            try:
+                self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
+            except Exception as exc:
+                log.warning("could not resign leadership (%s); it expires in %.0f s", exc, self.ttl)
+            self.is_leader = False
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("maintenance tick failed; retrying next tick")
+            self._stop.wait(self.tick)
+
+    def run_once(self) -> None:
+        backend = self.app.backend
+        was_leader = self.is_leader
+        self.is_leader = backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
+        if self.is_leader != was_leader:
+            log.info(
+                "worker %s %s the maintenance leader",
+                self.worker_id,
+                "is now" if self.is_leader else "is no longer",
+            )
+        if not self.is_leader:
+            return
+        self.rescue()
+        backend.job_promote_due()
+        if time.monotonic() >= self._next_prune:
+            self._next_prune = time.monotonic() + self.prune_interval
+            self.prune()
+
+    def rescue(self) -> int:
+        backend = self.app.backend
+        expired = backend.job_list_expired(RESCUE_BATCH)
+        if not expired:
+            return 0
+        plans: list[RescueParams] = []
+        for lease in expired:
+            definition = self.app.registry.get(lease.name)
+            rescues = lease.rescues + 1
+            state: Literal["retryable", "dead", "cancelled"]
+            message = (
+                f"worker {lease.lease_owner} lost its lease on attempt {lease.attempt} "
+                "(killed, crashed, paused or cut off from the database)"
+            )
+            if lease.cancel_requested:
+                state, delay = "cancelled", 0.0
+            elif rescues >= self.app.poison_after:
+                state, delay = "dead", 0.0
+                message = f"poison: worker died {rescues} times on this job; last: {message}"
+            elif lease.attempt >= lease.max_attempts:
+                state, delay = "dead", 0.0
+            else:
+                backoff = definition.backoff if definition is not None else DEFAULT_BACKOFF
+                state, delay = "retryable", backoff.delay(lease.attempt)
+            error: dict[str, Any] = {
+                "attempt": lease.attempt,
+                "type": "WorkerLost",
+                "message": message,
+                "traceback": None,
+                "worker": lease.lease_owner,
+                "kind": "poison" if message.startswith("poison") else "worker_lost",
+            }
+            plans.append(RescueParams(lease.id, lease.lease_token, state, error, delay))
+        done = backend.job_rescue_many(plans)
+        count = 0
+        for plan, ok in zip(plans, done, strict=True):
+            if not ok:
+                continue  # its heartbeat landed first, or another rescuer won
+            count += 1
+            if plan.state == "dead":
+                log.error(
+                    "job %s is dead: %s",
+                    plan.id,
+                    plan.error["message"],
+                    extra={"event": "errands.job.dead", "job_id": plan.id},
+                )
+                self.app.run_dead_hooks(plan.id)
+            else:
+                log.warning(
+                    "job %s rescued (%s): %s",
+                    plan.id,
+                    plan.state,
+                    plan.error["message"],
+                    extra={"event": "errands.job.rescued", "job_id": plan.id},
+                )
+        self.rescued += count
+        return count
+
+    def prune(self) -> int:
+        if self.app.retention <= 0:
+            return 0
+        total = 0
+        while not self._stop.is_set():
+            n = self.app.backend.job_prune(self.app.retention, PRUNE_BATCH)
+            total += n
+            if n < PRUNE_BATCH:
+                break
+        if total:
+            log.info("pruned %d finished job(s) older than the retention period", total)
+        return total

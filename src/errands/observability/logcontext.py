@@ -1,0 +1,122 @@
+"""Job context for every log record emitted while a handler runs.
+
+The worker sets a context variable around each handler call (in the thread or the
+asyncio task that runs it). A log-record factory copies it onto every record as
+``job_id``, ``job_name``, ``queue`` and ``attempt`` — the user's own loggers included —
+so a formatter or a JSON handler can show which job wrote the line.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+JOB_FIELDS = ("job_id", "job_name", "queue", "attempt")
+
+
+@dataclass(frozen=True)
+class JobLogContext:
+    job_id: int
+    job_name: str
+    queue: str
+    attempt: int
+
+
+current_job: contextvars.ContextVar[JobLogContext | None] = contextvars.ContextVar(
+    "errands_current_job", default=None
+)
+
+_installed = False
+
+
+def install_record_factory() -> None:
+    """Make every LogRecord carry the current job's fields (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        job = current_job.get()
+        if job is not None:
+            for name in JOB_FIELDS:
+                if not hasattr(record, name):
+                    setattr(record, name, getattr(job, name))
+        return record
+
+    logging.setLogRecordFactory(factory)
+    _installed = True
+
+
+@contextmanager
+def job_context(ctx: JobLogContext) -> Iterator[None]:
+    token = current_job.set(ctx)
+    try:
+        yield
+    finally:
+        current_job.reset(token)
+
+
+class TextFormatter(logging.Formatter):
+    """``time level logger [job 12 send_email@emails #1] message``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-7s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        job_id = getattr(record, "job_id", None)
+        if job_id is not None:
+            tag = (
+                f"[job {job_id} {getattr(record, 'job_name', '?')}@{getattr(record, 'queue', '?')}"
+            )
+            tag += f" #{getattr(record, 'attempt', '?')}]"
+            head, _, message = text.partition(f" {record.name} ")
+            text = f"{head} {record.name} {tag} {message}"
+        return text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, with the job fields and any ``extra=`` fields."""
+
+    _skip = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+        "message",
+        "asctime",
+    }
+
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._skip and not key.startswith("_"):
+                data[key] = value
+        if record.exc_info:
+            data["exception"] = self.formatException(record.exc_info)
+        return json.dumps(data, default=str)
+
+
+def configure_logging(fmt: str = "text", level: str | int = "INFO") -> None:
+    """Set up the root logger for a worker process: text or JSON lines on stderr."""
+    if fmt not in ("text", "json"):
+        raise ValueError(f"log format {fmt!r}: choose text or json")
+    install_record_factory()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        root.removeHandler(existing)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)

@@ -1,0 +1,176 @@
+"""Job arguments as a durable contract, built from the handler's type hints.
+
+At definition time the handler's signature becomes a pydantic model (one field per
+parameter, unknown fields forbidden). At enqueue the arguments are validated and stored as
+JSON; at execution the stored JSON is validated again, so an old or corrupted payload
+fails permanently instead of reaching the handler. JSON only: nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
+from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
+from pydantic_core import PydanticSerializationError
+
+from .errors import ConfigurationError, InvalidPayload
+
+MAX_PAYLOAD_BYTES_DEFAULT = 256 * 1024
+MASK = "***"
+
+# Names ``enqueue`` and ``bind`` take as options; a handler parameter may not use them.
+RESERVED_OPTIONS = frozenset({"key", "delay", "run_at", "priority", "queue", "conn"})
+
+
+def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err.get("loc", ())) or "(arguments)"
+        message = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            message = "unexpected argument (the handler has no parameter of that name)"
+        parts.append(f"{where}: {message}")
+    return InvalidPayload(
+        f"{prefix}: " + "; ".join(parts),
+        errors=[dict(e) for e in exc.errors(include_url=False, include_input=False)],
+    )
+
+
+class PayloadSpec:
+    """Validates, encodes and decodes one handler's arguments and result."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        job_name: str,
+        *,
+        context_type: type,
+        max_bytes: int = MAX_PAYLOAD_BYTES_DEFAULT,
+    ) -> None:
+        self.job_name = job_name
+        self.max_bytes = max_bytes
+        try:
+            hints = typing.get_type_hints(fn, include_extras=True)
+        except Exception as exc:  # an unresolvable forward reference, say
+            raise ConfigurationError(
+                f"job {job_name!r}: cannot resolve the type hints of {fn.__qualname__}: {exc}"
+            ) from exc
+        self.signature = inspect.signature(fn)
+        self.context_param: str | None = None
+        fields: dict[str, Any] = {}
+        for name, param in self.signature.parameters.items():
+            annotation = hints.get(name, Any)
+            if annotation is context_type:
+                self.context_param = name
+                continue
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise ConfigurationError(
+                    f"job {job_name!r}: *{name} / **{name} cannot be stored as a durable payload; "
+                    "declare each argument as a named parameter with a type hint"
+                )
+            if name in RESERVED_OPTIONS:
+                raise ConfigurationError(
+                    f"job {job_name!r}: parameter {name!r} clashes with the enqueue option of "
+                    f"that name ({', '.join(sorted(RESERVED_OPTIONS))}); rename the parameter"
+                )
+            default = ... if param.default is param.empty else param.default
+            fields[name] = (annotation, default)
+        self.fields = tuple(fields)
+        try:
+            self.model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+                f"{job_name}_args",
+                __config__=ConfigDict(extra="forbid"),
+                **fields,
+            )
+            return_hint = hints.get("return", Any)
+            self.result_adapter: TypeAdapter[Any] = TypeAdapter(
+                Any if return_hint is type(None) else return_hint
+            )
+        except (PydanticSchemaGenerationError, PydanticUserError) as exc:
+            raise ConfigurationError(
+                f"job {job_name!r}: a parameter or return type cannot be stored as JSON: {exc}. "
+                "Use JSON-friendly types (int, str, float, bool, lists, dicts, datetime, "
+                "UUID, Decimal, enums, pydantic models, dataclasses, TypedDicts)"
+            ) from exc
+
+    def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Map positional and keyword arguments onto parameter names."""
+        params = [p for p in self.signature.parameters if p != self.context_param]
+        if len(args) > len(params):
+            raise InvalidPayload(
+                f"{self.job_name}: takes {len(params)} argument(s) ({', '.join(params)}), "
+                f"got {len(args)} positional"
+            )
+        bound = dict(zip(params, args, strict=False))
+        for name, value in kwargs.items():
+            if name in bound:
+                raise InvalidPayload(f"{self.job_name}: argument {name!r} given twice")
+            bound[name] = value
+        return bound
+
+    def encode(self, arguments: Mapping[str, Any]) -> str:
+        """Validate arguments and return their JSON; raise InvalidPayload naming the field."""
+        if self.context_param and self.context_param in arguments:
+            raise InvalidPayload(
+                f"{self.job_name}: {self.context_param!r} is the job's Context, injected by the "
+                "worker; do not pass it"
+            )
+        try:
+            model = self.model.model_validate(dict(arguments))
+        except ValidationError as exc:
+            raise describe_validation_error(f"{self.job_name}: invalid arguments", exc) from None
+        try:
+            text = model.model_dump_json(exclude_unset=True)
+        except PydanticSerializationError as exc:
+            raise InvalidPayload(
+                f"{self.job_name}: arguments are not JSON-serialisable: {exc}"
+            ) from None
+        size = len(text.encode("utf-8"))
+        if size > self.max_bytes:
+            raise InvalidPayload(
+                f"{self.job_name}: payload is {size:,} bytes, over the limit of "
+                f"{self.max_bytes:,}; store large data elsewhere (a file, a table, object "
+                "storage) and pass a reference, or raise App(max_payload_bytes=...)"
+            )
+        return text
+
+    def decode(self, args_json: str) -> dict[str, Any]:
+        """Validate stored JSON again at execution; raise InvalidPayload when it no longer fits."""
+        try:
+            model = self.model.model_validate_json(args_json)
+        except ValidationError as exc:
+            raise describe_validation_error(
+                f"{self.job_name}: stored payload fails validation", exc
+            ) from None
+        return {name: getattr(model, name) for name in self.fields}
+
+    def encode_result(self, value: Any) -> str | None:
+        if value is None:
+            return None
+        try:
+            return self.result_adapter.dump_json(value).decode("utf-8")
+        except (PydanticSerializationError, ValueError, TypeError) as exc:
+            raise InvalidPayload(
+                f"{self.job_name}: the handler returned a {type(value).__name__}, which cannot be "
+                f"stored as JSON ({exc}); return JSON-friendly data or None"
+            ) from None
+
+    def decode_result(self, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return self.result_adapter.validate_python(value)
+        except ValidationError:
+            return value
+
+
+def mask(arguments: Mapping[str, Any], sensitive: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``arguments`` with every sensitive field's value replaced by ``***``."""
+    hidden = set(sensitive)
+    if not hidden:
+        return dict(arguments)
+    return {k: (MASK if k in hidden else v) for k, v in arguments.items()}

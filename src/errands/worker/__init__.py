@@ -1,0 +1,1 @@
+"""The worker: claims jobs, runs handlers, keeps leases alive, writes outcomes."""

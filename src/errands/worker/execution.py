@@ -1,0 +1,144 @@
+"""One attempt of one job: from a claimed row to a fenced outcome.
+
+``Attempt`` holds what the worker knows about a job it runs. An attempt's outcome is
+decided exactly once — by the handler returning or raising, by its timeout, or by a
+shutdown release — whichever comes first; the losers are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback as tb
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import FinishParams, FinishState
+from ..context import Context
+from ..errors import InvalidPayload
+from ..jobs import JobRow
+from ..outcomes import Permanent, Retry
+from ..retry import DEFAULT_BACKOFF
+
+if TYPE_CHECKING:
+    from ..definition import JobDefinition
+
+TRACEBACK_LIMIT = 16_000
+
+
+class Interrupted(Exception):
+    """Raised inside an async handler's task when the worker stops it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class JobTimeout(Exception):
+    """The handler ran past its ``timeout``."""
+
+
+@dataclass(eq=False)
+class Attempt:
+    row: JobRow
+    definition: JobDefinition[Any, Any] | None
+    lease_seconds: float
+    started: float = field(default_factory=time.monotonic)
+    ctx: Context | None = None
+    kwargs: dict[str, Any] | None = None
+    deadline: float | None = None  # monotonic
+    lease_valid_until: float = 0.0  # monotonic: our lease surely holds until then
+    future: Future[Any] | None = None
+    task: asyncio.Task[Any] | None = None
+    decided: bool = False
+    released: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.lease_valid_until = self.started + self.lease_seconds
+
+    @property
+    def id(self) -> int:
+        return self.row.id
+
+    @property
+    def token(self) -> str:
+        return self.row.lease_token or ""
+
+    def decide(self) -> bool:
+        """True for the first caller only: it owns this attempt's outcome."""
+        with self._lock:
+            if self.decided:
+                return False
+            self.decided = True
+            return True
+
+    def interrupt(self, reason: str, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Ask the handler to stop: sets ``ctx.cancelled``; cancels an async task."""
+        if self.ctx is not None:
+            self.ctx._request_cancel(reason)
+        task = self.task
+        if task is not None and loop is not None and not task.done():
+            loop.call_soon_threadsafe(task.cancel, reason)
+
+
+def scrub(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str) -> dict[str, Any]:
+    """The record of one failed attempt, with sensitive argument values scrubbed."""
+    trace = "".join(tb.format_exception(exc))
+    if len(trace) > TRACEBACK_LIMIT:
+        trace = "...\n" + trace[-TRACEBACK_LIMIT:]
+    secrets: list[str] = []
+    if attempt.definition is not None and attempt.kwargs is not None:
+        secrets = [
+            str(attempt.kwargs[name])
+            for name in attempt.definition.sensitive
+            if name in attempt.kwargs and len(str(attempt.kwargs[name])) >= 3
+        ]
+    return {
+        "attempt": attempt.row.attempt,
+        "type": type(exc).__qualname__,
+        "message": scrub(str(exc), secrets) or type(exc).__qualname__,
+        "traceback": scrub(trace, secrets),
+        "worker": worker_id,
+        "kind": kind,
+    }
+
+
+def outcome_for(
+    attempt: Attempt, exc: BaseException | None, result_json: str | None, worker_id: str
+) -> FinishParams:
+    """Classify an attempt's end (DESIGN §5) into the fenced write that records it."""
+    row = attempt.row
+    if exc is None:
+        return FinishParams(row.id, attempt.token, "completed", result_json=result_json)
+    definition = attempt.definition
+    permanent = definition.permanent if definition is not None else ()
+    if isinstance(exc, InvalidPayload | Permanent) or (permanent and isinstance(exc, permanent)):
+        return FinishParams(
+            row.id, attempt.token, "dead", error=error_entry(attempt, exc, worker_id, "permanent")
+        )
+    if isinstance(exc, Interrupted) and exc.reason == "cancelled":
+        return FinishParams(
+            row.id,
+            attempt.token,
+            "cancelled",
+            error=error_entry(attempt, exc, worker_id, "cancelled"),
+        )
+    kind = "timeout" if isinstance(exc, JobTimeout) else "transient"
+    if isinstance(exc, Retry):
+        delay, kind = exc.after, "retry"
+    else:
+        backoff = definition.backoff if definition is not None else DEFAULT_BACKOFF
+        delay = backoff.delay(row.attempt)
+    state: FinishState = "retryable" if row.attempt < row.max_attempts else "dead"
+    return FinishParams(
+        row.id, attempt.token, state, error=error_entry(attempt, exc, worker_id, kind), delay=delay
+    )

@@ -1,0 +1,449 @@
+"""The worker: a producer loop that claims jobs sized to free slots, plus its services.
+
+::
+
+    producer (this thread) ──claim──> ThreadRunner / LoopRunner ──outcome──> Completer
+         ^  wakes on a freed slot            │                                │ fenced batch
+         └───────────────────────────────────┘                                v
+    LeaseKeeper: heartbeats, lost leases, cancels, timeouts            the store
+    Maintenance: leader election, rescue, promotion, pruning
+
+Graceful stop (SIGTERM/SIGINT, DESIGN §7): stop claiming; let in-flight handlers finish
+within ``grace`` seconds while heartbeats keep their leases; release whatever still runs
+(back to available, the attempt not charged); flush outcomes; resign leadership. A
+second signal exits the process at once; those leases then expire and are rescued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim
+from ..context import Context
+from ..errors import ConfigurationError, InvalidPayload, UnknownJob
+from ..jobs import JobRow
+from ..maintenance import Maintenance
+from ..observability.logcontext import JobLogContext, install_record_factory, job_context
+from ..payload import mask
+from .completer import Completer
+from .execution import Attempt, Interrupted, JobTimeout, outcome_for
+from .leases import LeaseKeeper
+from .runners import LoopRunner, ThreadRunner
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("errands.worker")
+
+CONCURRENCY_DEFAULT = 10
+GRACE_DEFAULT = 30.0
+POLL_INTERVAL_DEFAULT = 1.0
+EXIT_NOW_CODE = 1
+
+
+def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[str, int | None]:
+    """``"emails=10,payments=2"`` or ``["emails", "payments"]`` -> {queue: limit or None}."""
+    if spec is None:
+        return {}
+    if isinstance(spec, Mapping):
+        items = [(str(k), v) for k, v in spec.items()]
+    else:
+        parts = spec.split(",") if isinstance(spec, str) else list(spec)
+        items = []
+        for part in parts:
+            name, _, limit = part.strip().partition("=")
+            if not name:
+                continue
+            if limit:
+                try:
+                    value: int | None = int(limit)
+                except ValueError:
+                    raise ConfigurationError(
+                        f"queue spec {part!r}: the limit after '=' must be a whole number, "
+                        "as in emails=10"
+                    ) from None
+            else:
+                value = None
+            items.append((name.strip(), value))
+    result: dict[str, int | None] = {}
+    for name, limit in items:
+        if limit is not None and limit < 1:
+            raise ConfigurationError(f"queue {name!r}: concurrency must be at least 1")
+        result[name] = limit
+    return result
+
+
+class Worker:
+    def __init__(
+        self,
+        app: App,
+        *,
+        queues: str | Sequence[str] | Mapping[str, int] | None = None,
+        concurrency: int | None = None,
+        grace: float = GRACE_DEFAULT,
+        poll_interval: float = POLL_INTERVAL_DEFAULT,
+        maintenance: bool = True,
+        maintenance_tick: float | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        self.app = app
+        self.id = worker_id or f"w-{secrets.token_hex(4)}"
+        limits = parse_queues(queues)
+        if not limits:
+            known = {d.queue for d in app.registry.values()} | {app.default_queue}
+            limits = dict.fromkeys(sorted(known))
+        self.queue_limits = limits
+        per_queue = [v for v in limits.values() if v is not None]
+        if concurrency is None:
+            concurrency = (
+                sum(per_queue)
+                if per_queue and len(per_queue) == len(limits)
+                else CONCURRENCY_DEFAULT
+            )
+        if concurrency < 1:
+            raise ConfigurationError("concurrency (-c) must be at least 1")
+        self.concurrency = concurrency
+        if grace < 0 or poll_interval <= 0:
+            raise ConfigurationError("grace must be >= 0 and poll_interval > 0")
+        self.grace = grace
+        self.poll_interval = poll_interval
+        self._attempts: dict[int, Attempt] = {}
+        self._lock = threading.Lock()
+        self._running_per_queue: dict[str, int] = dict.fromkeys(limits, 0)
+        self._free = concurrency
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._signals = 0
+        self._backlog = False
+        self._rotation = 0
+        self.threads = ThreadRunner(concurrency)
+        self.loop_runner: LoopRunner | None = None
+        self.completer = Completer(app, self._on_written)
+        shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
+        self.leases = LeaseKeeper(self, interval=max(shortest / 3, 0.2), on_timeout=self._timeout)
+        tick = maintenance_tick if maintenance_tick is not None else min(1.0, app.lease / 4)
+        self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
+        self.processed = 0
+        self.started_at = 0.0
+
+    # -- what the services see --------------------------------------------------------
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        return self.loop_runner.loop if self.loop_runner else None
+
+    def attempts(self) -> list[Attempt]:
+        with self._lock:
+            return list(self._attempts.values())
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def run(self, *, install_signals: bool = True) -> int:
+        """Run until stopped (signal or :meth:`stop`); returns the process exit code."""
+        install_record_factory()
+        self.app.backend.schema_check()
+        if install_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+        self.started_at = time.monotonic()
+        self.completer.start()
+        self.leases.start()
+        if self.maintenance:
+            self.maintenance.start()
+        log.info(
+            "worker %s started: queues %s, concurrency %d, store %s",
+            self.id,
+            ", ".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
+            self.concurrency,
+            self.app.url,
+        )
+        try:
+            self._produce()
+        finally:
+            self._shutdown()
+        return 0
+
+    def stop(self) -> None:
+        """Begin a graceful stop (what the first SIGTERM does)."""
+        self._stopping.set()
+        self._wake.set()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal: exiting now; running jobs are rescued after their lease")
+            logging.shutdown()
+            os._exit(EXIT_NOW_CODE)
+        log.info(
+            "%s received: finishing in-flight jobs (up to %.0f s), claiming no more",
+            signal.Signals(signum).name,
+            self.grace,
+        )
+        self.stop()
+
+    # -- the producer ------------------------------------------------------------------
+    def _claim_plan(self) -> list[QueueClaim]:
+        names = list(self.queue_limits)
+        start = self._rotation % len(names)
+        self._rotation += 1
+        plan = []
+        for name in names[start:] + names[:start]:
+            cap = self.queue_limits[name]
+            room = (
+                self._free if cap is None else min(cap - self._running_per_queue[name], self._free)
+            )
+            if room > 0:
+                plan.append(QueueClaim(name, room))
+        return plan
+
+    def _produce(self) -> None:
+        pause = self.poll_interval
+        while not self._stopping.is_set():
+            with self._lock:
+                free = self._free
+                plan = self._claim_plan() if free > 0 else []
+            rows: list[JobRow] = []
+            if plan:
+                try:
+                    rows = self.app.backend.job_claim(
+                        ClaimParams(plan, free, self.id, self.app.lease)
+                    )
+                    pause = self.poll_interval
+                except Exception as exc:
+                    log.warning("claim failed (%s); retrying in %.1f s", exc, pause)
+                    self._stopping.wait(pause)
+                    pause = min(pause * 2, 30.0)
+                    continue
+            for row in rows:
+                self._start(row)
+            self._backlog = bool(rows) and len(rows) >= free
+            if self._backlog:
+                continue
+            self._wake.wait(self.poll_interval)
+            self._wake.clear()
+
+    def _start(self, row: JobRow) -> None:
+        definition = self.app.registry.get(row.name)
+        lease = row.lease_seconds or self.app.lease
+        attempt = Attempt(row=row, definition=definition, lease_seconds=lease)
+        with self._lock:
+            self._attempts[row.id] = attempt
+            self._free -= 1
+            self._running_per_queue[row.queue] = self._running_per_queue.get(row.queue, 0) + 1
+        if definition is None:
+            known = ", ".join(sorted(self.app.registry)) or "none"
+            error = UnknownJob(
+                f"no handler registered for job {row.name!r} in this worker; it knows: {known}. "
+                "Deploy the code that defines it (a newer worker may know it)"
+            )
+            self._decided(attempt, error, None)
+            return
+        try:
+            attempt.kwargs = definition.payload.decode(row.args)
+        except InvalidPayload as exc:
+            self._decided(attempt, exc, None)
+            return
+        attempt.ctx = Context(
+            job_id=row.id,
+            name=row.name,
+            queue=row.queue,
+            attempt=row.attempt,
+            max_attempts=row.max_attempts,
+            key=row.idempotency_key,
+            worker_id=self.id,
+            logger=logging.getLogger(f"errands.job.{row.name}"),
+        )
+        kwargs = dict(attempt.kwargs)
+        if definition.payload.context_param:
+            kwargs[definition.payload.context_param] = attempt.ctx
+        timeout = row.timeout
+        log_ctx = JobLogContext(row.id, row.name, row.queue, row.attempt)
+        if log.isEnabledFor(logging.INFO):
+            with job_context(log_ctx):
+                log.info(
+                    "started %s(%s)",
+                    row.name,
+                    _short_args(mask(attempt.kwargs, definition.sensitive)),
+                    extra={"event": "errands.job.started"},
+                )
+        if definition.is_async:
+            if self.loop_runner is None:
+                self.loop_runner = LoopRunner()
+            future = self.loop_runner.submit(
+                lambda: self._run_async(attempt, definition.fn, kwargs, timeout, log_ctx)
+            )
+        else:
+            if timeout:
+                attempt.deadline = attempt.started + timeout
+                self.leases.poke()
+            fn = definition.fn
+
+            def call() -> Any:
+                with job_context(log_ctx):
+                    return fn(**kwargs)
+
+            future = self.threads.submit(call)
+        attempt.future = future
+        future.add_done_callback(lambda f: self._handler_done(attempt, f))
+
+    async def _run_async(
+        self,
+        attempt: Attempt,
+        fn: Any,
+        kwargs: dict[str, Any],
+        timeout: float | None,
+        log_ctx: JobLogContext,
+    ) -> Any:
+        attempt.task = asyncio.current_task()
+        if attempt.ctx is not None and attempt.ctx.cancelled:  # stopped before it began
+            raise Interrupted(attempt.ctx.cancel_reason)
+        with job_context(log_ctx):
+            try:
+                if timeout:
+                    return await asyncio.wait_for(fn(**kwargs), timeout)
+                return await fn(**kwargs)
+            except TimeoutError:
+                if attempt.ctx is not None and attempt.ctx.cancelled:
+                    raise Interrupted(attempt.ctx.cancel_reason) from None
+                raise JobTimeout(f"timed out after {timeout:g} s") from None
+            except asyncio.CancelledError:
+                reason = attempt.ctx.cancel_reason if attempt.ctx else "cancelled"
+                raise Interrupted(reason or "cancelled") from None
+
+    def _handler_done(self, attempt: Attempt, future: Any) -> None:
+        exc = future.exception()
+        result = None if exc is not None else future.result()
+        self._decided(attempt, exc, result)
+
+    def _timeout(self, attempt: Attempt) -> None:
+        timeout = attempt.row.timeout or 0
+        attempt.interrupt("timeout", self.loop)
+        if attempt.definition is not None and not attempt.definition.is_async:
+            if attempt.future is not None:
+                self.threads.abandon(attempt.future)
+            log.warning(
+                "job %s ran past its %g s timeout; its thread is abandoned (check "
+                "ctx.cancelled in long sync handlers)",
+                attempt.id,
+                timeout,
+            )
+            self._decided(attempt, JobTimeout(f"timed out after {timeout:g} s"), None)
+
+    def _decided(self, attempt: Attempt, exc: BaseException | None, result: Any) -> None:
+        """The attempt's outcome is known: free its slot and hand the write to the completer."""
+        if attempt.released or not attempt.decide():
+            return
+        result_json = None
+        if exc is None and attempt.definition is not None:
+            try:
+                result_json = attempt.definition.payload.encode_result(result)
+            except InvalidPayload as bad:
+                exc = bad
+        outcome = outcome_for(attempt, exc, result_json, self.id)
+        with self._lock:
+            self._free += 1
+            self._running_per_queue[attempt.row.queue] -= 1
+        if self._backlog:
+            self._wake.set()
+        self.completer.submit(attempt, outcome)
+
+    def _on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
+        with self._lock:
+            self._attempts.pop(attempt.id, None)
+        self.processed += 1
+        row = attempt.row
+        ctx = JobLogContext(row.id, row.name, row.queue, row.attempt)
+        with job_context(ctx):
+            if not accepted:
+                log.warning(
+                    "stale write rejected: job %s is no longer held by this attempt (lease "
+                    "lost or job cancelled); the %s outcome was not recorded",
+                    row.id,
+                    outcome.state,
+                    extra={"event": "errands.job.stale_write_rejected"},
+                )
+                return
+            elapsed = time.monotonic() - attempt.started
+            error = outcome.error or {}
+            if outcome.state == "completed":
+                log.info(
+                    "completed in %.3f s",
+                    elapsed,
+                    extra={"event": "errands.job.completed", "duration": elapsed},
+                )
+            elif outcome.state == "retryable":
+                log.warning(
+                    "failed, retrying in %.1f s (attempt %d of %d): %s: %s",
+                    outcome.delay,
+                    row.attempt,
+                    row.max_attempts,
+                    error.get("type"),
+                    error.get("message"),
+                    extra={"event": "errands.job.retrying", "delay": outcome.delay},
+                )
+            elif outcome.state == "cancelled":
+                log.info("cancelled", extra={"event": "errands.job.cancelled"})
+            else:
+                log.error(
+                    "dead after %d attempt(s), moved to the dead-letter queue: %s: %s",
+                    row.attempt,
+                    error.get("type"),
+                    error.get("message"),
+                    extra={"event": "errands.job.dead"},
+                )
+                self.app.run_dead_hooks(row.id)
+
+    # -- stopping ----------------------------------------------------------------------
+    def _shutdown(self) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline:
+            with self._lock:
+                running = [a for a in self._attempts.values() if not a.decided]
+            if not running:
+                break
+            time.sleep(0.02)
+        with self._lock:
+            leftover = [a for a in self._attempts.values() if not a.decided]
+        if leftover:
+            for attempt in leftover:
+                attempt.released = True
+                attempt.interrupt("shutdown", self.loop)
+            try:
+                released = self.app.backend.job_release_many(
+                    [LeaseRef(a.id, a.token, a.lease_seconds) for a in leftover]
+                )
+                log.warning(
+                    "grace period over: released %d running job(s) back to the queue "
+                    "(attempt not charged)",
+                    sum(released),
+                )
+            except Exception:
+                log.exception("could not release running jobs; they are rescued after their lease")
+            with self._lock:
+                for attempt in leftover:
+                    self._attempts.pop(attempt.id, None)
+        self.completer.stop(timeout=max(self.grace, 5.0))
+        self.leases.stop()
+        if self.maintenance:
+            self.maintenance.stop()
+        self.threads.shutdown()
+        if self.loop_runner:
+            self.loop_runner.shutdown()
+        log.info("worker %s stopped after %d job(s)", self.id, self.processed)
+
+    def stuck_threads(self) -> int:
+        """Handler threads that ignored a timeout or shutdown and still run."""
+        return self.threads.stuck() + sum(
+            1 for a in self.attempts() if a.released and a.future and not a.future.done()
+        )
+
+
+def _short_args(args: dict[str, Any], limit: int = 200) -> str:
+    text = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
