@@ -9,7 +9,58 @@ from .base import Backend, Capabilities
 
 SQLITE_URL_DEFAULT = "sqlite:///errands.db"
 
-__all__ = ["SQLITE_URL_DEFAULT", "Backend", "Capabilities", "open_backend"]
+__all__ = ["SQLITE_URL_DEFAULT", "Backend", "Capabilities", "migration_script", "open_backend"]
+
+
+def migration_script(url: str, after: int = 0) -> str:
+    """The SQL of every migration newer than ``after`` for this URL, without connecting.
+
+    For teams that apply migrations with their own tooling (``errands migrate --sql``).
+    It records each version in ``errands_migrations`` as ``errands migrate`` would.
+    """
+    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    if scheme == "sqlite":
+        from .sqlite.backend import MIGRATIONS
+
+        lines = [
+            "CREATE TABLE IF NOT EXISTS errands_migrations (version INTEGER PRIMARY KEY, "
+            "name TEXT NOT NULL, applied_at REAL NOT NULL);"
+        ]
+        for version, name, sql in MIGRATIONS:
+            if version > after:
+                lines += [
+                    f"-- migration {version:04d}_{name}",
+                    "BEGIN IMMEDIATE;",
+                    sql.strip(),
+                    "INSERT INTO errands_migrations (version, name, applied_at) VALUES "
+                    f"({version}, '{name}', (julianday('now') - 2440587.5) * 86400.0);",
+                    "COMMIT;",
+                ]
+        return "\n".join(lines) + "\n"
+    if scheme in ("postgres", "postgresql"):
+        from .postgres.backend import MIGRATIONS as PG_MIGRATIONS
+        from .postgres.backend import fill_markers
+        from .postgres.config import parse_postgres_url
+
+        schema = parse_postgres_url(url).schema
+        lines = [
+            f'CREATE SCHEMA IF NOT EXISTS "{schema}";',
+            f'CREATE TABLE IF NOT EXISTS "{schema}".errands_migrations (version integer PRIMARY '
+            "KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now());",
+        ]
+        for version, name, sql in PG_MIGRATIONS:
+            if version > after:
+                lines += [
+                    f"-- migration {version:04d}_{name}",
+                    "BEGIN;",
+                    fill_markers(sql, schema).strip(),
+                    f'INSERT INTO "{schema}".errands_migrations (version, name) '
+                    f"VALUES ({version}, '{name}');",
+                    "COMMIT;",
+                ]
+        return "\n".join(lines) + "\n"
+    open_backend(url)  # raises the clear error for an unsupported URL
+    return ""
 
 
 def open_backend(url: str, **options: object) -> Backend:
@@ -19,12 +70,11 @@ def open_backend(url: str, **options: object) -> Backend:
 
         return SQLiteBackend(url, **options)  # type: ignore[arg-type]
     if scheme in ("postgres", "postgresql"):
-        raise ConfigurationError(
-            f"PostgreSQL URL {url!r}: the PostgreSQL backend is not part of this release yet; "
-            "use sqlite:///path/to/errands.db for now"
-        )
+        from .postgres import PostgresBackend
+
+        return PostgresBackend(url, **options)  # type: ignore[arg-type]
     raise ConfigurationError(
         f"unsupported database URL {url!r}: use sqlite:///relative/path.db, "
-        "sqlite:////absolute/path.db or sqlite:///:memory: "
+        "sqlite:////absolute/path.db, sqlite:///:memory: or postgresql://user@host/dbname "
         "(set it with errands.App(url) or the ERRANDS_URL environment variable)"
     )

@@ -10,7 +10,7 @@ A write whose token no longer matches changes nothing and is reported back as re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -219,3 +219,16 @@ class Backend(Protocol):
     def job_discard(self, params: ActionParams) -> ActionResult: ...
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...
+
+    # -- wake-ups ------------------------------------------------------------------------
+    def listener(self, on_queue: Callable[[str | None], None]) -> Listener | None:
+        """A service calling ``on_queue(queue)`` when jobs may be due (None: any queue)."""
+        ...
+
+
+class Listener(Protocol):
+    self_test_passed: bool | None
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...

@@ -70,6 +70,12 @@ def cli() -> None:
     show_default=True,
 )
 @click.option("--no-maintenance", is_flag=True, help="never take the leader duties (rescue, prune)")
+@click.option(
+    "--maintenance-tick",
+    type=click.FloatRange(min=0.01),
+    help="seconds between maintenance rounds (leader election, rescue of expired leases, "
+    "promotion); default: the app's lease / 4, at most 1",
+)
 def worker(
     app_path: str | None,
     app_option: str | None,
@@ -81,6 +87,7 @@ def worker(
     log_format: str,
     log_level: str,
     no_maintenance: bool,
+    maintenance_tick: float | None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
@@ -91,6 +98,7 @@ def worker(
         grace=grace,
         poll_interval=poll_interval,
         maintenance=not no_maintenance,
+        maintenance_tick=maintenance_tick,
     )
     code = w.run()
     if w.stuck_threads():
@@ -107,8 +115,29 @@ def worker(
 @click.argument("app_path", required=False, metavar="MODULE:APP")
 @click.option("-A", "--app", "app_option", envvar="ERRANDS_APP", help=APP_HELP)
 @click.option("--url", envvar="ERRANDS_URL", help=URL_HELP)
-def migrate(app_path: str | None, app_option: str | None, url: str | None) -> None:
+@click.option(
+    "--sql",
+    "print_sql",
+    is_flag=True,
+    help="print the SQL instead of applying it (for your own migration tooling)",
+)
+@click.option(
+    "--after",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="with --sql: only migrations newer than this version",
+)
+def migrate(
+    app_path: str | None, app_option: str | None, url: str | None, print_sql: bool, after: int
+) -> None:
     """Apply pending schema migrations (safe to run from several processes at once)."""
+    if print_sql:
+        from ..backends import migration_script
+
+        target = url or (load_app(app_path or app_option).url)
+        click.echo(migration_script(target, after), nl=False)
+        return
     app = load_app(app_path or app_option, url)
     applied = app.migrate()
     if applied:

@@ -120,3 +120,5 @@ class LoopRunner:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()  # its self-pipe sockets; an unclosed loop warns when collected

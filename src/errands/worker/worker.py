@@ -46,6 +46,7 @@ log = logging.getLogger("errands.worker")
 CONCURRENCY_DEFAULT = 10
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
+RECHECK_AFTER_NOTIFY = 0.02
 EXIT_NOW_CODE = 1
 
 
@@ -115,7 +116,9 @@ class Worker:
             raise ConfigurationError("grace must be >= 0 and poll_interval > 0")
         self.grace = grace
         self.poll_interval = poll_interval
-        self._attempts: dict[int, Attempt] = {}
+        # keyed by (job id, lease token): after a lease loss the same worker may run a newer
+        # attempt of a job while the stale one is still inside its handler
+        self._attempts: dict[tuple[int, str], Attempt] = {}
         self._lock = threading.Lock()
         self._running_per_queue: dict[str, int] = dict.fromkeys(limits, 0)
         self._free = concurrency
@@ -133,6 +136,8 @@ class Worker:
         self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
         self.processed = 0
         self.started_at = 0.0
+        self.listener: Any = None
+        self._notified = False
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -154,6 +159,9 @@ class Worker:
         self.started_at = time.monotonic()
         self.completer.start()
         self.leases.start()
+        self.listener = self.app.backend.listener(self._on_notify)
+        if self.listener is not None:
+            self.listener.start()
         if self.maintenance:
             self.maintenance.start()
         log.info(
@@ -173,6 +181,11 @@ class Worker:
         """Begin a graceful stop (what the first SIGTERM does)."""
         self._stopping.set()
         self._wake.set()
+
+    def _on_notify(self, queue: str | None) -> None:
+        if queue is None or queue in self.queue_limits:
+            self._notified = True
+            self._wake.set()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals += 1
@@ -225,7 +238,11 @@ class Worker:
             self._backlog = bool(rows) and len(rows) >= free
             if self._backlog:
                 continue
-            self._wake.wait(self.poll_interval)
+            # Woken by a notification: look once more shortly after, since notifications
+            # are coalesced and a job committed just after this claim may have sent none.
+            wait = RECHECK_AFTER_NOTIFY if self._notified else self.poll_interval
+            self._notified = False
+            self._wake.wait(wait)
             self._wake.clear()
 
     def _start(self, row: JobRow) -> None:
@@ -233,7 +250,7 @@ class Worker:
         lease = row.lease_seconds or self.app.lease
         attempt = Attempt(row=row, definition=definition, lease_seconds=lease)
         with self._lock:
-            self._attempts[row.id] = attempt
+            self._attempts[(row.id, attempt.token)] = attempt
             self._free -= 1
             self._running_per_queue[row.queue] = self._running_per_queue.get(row.queue, 0) + 1
         if definition is None:
@@ -355,7 +372,7 @@ class Worker:
 
     def _on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
         with self._lock:
-            self._attempts.pop(attempt.id, None)
+            self._attempts.pop((attempt.id, attempt.token), None)
         self.processed += 1
         row = attempt.row
         ctx = JobLogContext(row.id, row.name, row.queue, row.attempt)
@@ -427,9 +444,11 @@ class Worker:
                 log.exception("could not release running jobs; they are rescued after their lease")
             with self._lock:
                 for attempt in leftover:
-                    self._attempts.pop(attempt.id, None)
+                    self._attempts.pop((attempt.id, attempt.token), None)
         self.completer.stop(timeout=max(self.grace, 5.0))
         self.leases.stop()
+        if self.listener is not None:
+            self.listener.stop()
         if self.maintenance:
             self.maintenance.stop()
         self.threads.shutdown()

@@ -18,7 +18,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -518,6 +518,14 @@ class SQLiteBackend:
     def db_now(self) -> float:
         with self._read() as conn:
             return float(conn.execute(Q["db_now"]).fetchone()[0])
+
+    # -- wake-ups --------------------------------------------------------------------------
+    def listener(self, on_queue: Callable[[str | None], None]) -> Any:
+        if self.memory:
+            return None
+        from .watcher import DataVersionWatcher
+
+        return DataVersionWatcher(self.path, on_queue)
 
     # -- admin actions ---------------------------------------------------------------------
     def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:

@@ -1,0 +1,581 @@
+"""The PostgreSQL backend: many workers on many machines share one database.
+
+Claims lock due rows with ``FOR UPDATE SKIP LOCKED`` over a partial index of pending jobs,
+one statement for all of a worker's queues. Batches (outcomes, heartbeats, releases,
+rescues, bulk inserts) travel as arrays through ``unnest()``: one round trip per batch,
+not per job. Every write to a running job is fenced by its lease token. Time is the
+database's ``now()``.
+
+Wake-ups: enqueue sends ``pg_notify`` in the enqueuing transaction, at most once per queue
+per ``notify_window`` per process (NOTIFY takes a database-wide lock at commit, so never
+one per insert under load); see :mod:`.notifier` for the listening side. Polling always
+remains, so PgBouncer in transaction mode (no LISTEN) still works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ...errors import ConfigurationError, InvalidTransition, JobNotFound, SchemaOutdated
+from ...jobs import EnqueueRequest, JobRow
+from ..base import (
+    ActionParams,
+    ActionResult,
+    AuditEvent,
+    CancelResult,
+    Capabilities,
+    ClaimParams,
+    ExpiredLease,
+    FinishParams,
+    HeartbeatResult,
+    InsertResult,
+    LeaseRef,
+    ListParams,
+    QueueStats,
+    RescueParams,
+)
+from ..sqlfile import load_migrations, load_queries
+from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
+
+try:
+    import psycopg
+    from psycopg import errors as pg_errors
+    from psycopg import sql as pg_sql
+    from psycopg_pool import ConnectionPool
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ConfigurationError(
+        "PostgreSQL support needs the postgres extra: pip install 'errands[postgres]'"
+    ) from exc
+
+log = logging.getLogger("errands.postgres")
+
+MIGRATE_LOCK_KEY = 7_203_148_551  # pg_advisory_xact_lock key for `errands migrate`
+
+JOB_COLUMNS_SQL = ", ".join(
+    [
+        "j.id", "j.name", "j.queue", "j.args::text", "j.meta::text", "j.state", "j.priority",
+        "j.attempt", "j.max_attempts", "extract(epoch FROM j.run_at)::float8",
+        "j.idempotency_key", "j.errors::text", "j.result::text",
+        "extract(epoch FROM j.inserted_at)::float8", "extract(epoch FROM j.attempted_at)::float8",
+        "extract(epoch FROM j.finished_at)::float8", "j.lease_owner", "j.lease_token",
+        "extract(epoch FROM j.lease_expires_at)::float8", "j.rescues",
+        "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
+        "j.discard_reason",
+    ]
+)  # fmt: skip
+
+
+def fill_markers(text: str, schema: str) -> str:
+    quoted = '"' + schema + '"'  # validated by parse_postgres_url: [a-z_][a-z0-9_]*
+    return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL)
+
+
+_RAW_QUERIES = load_queries(__package__)
+MIGRATIONS = load_migrations(__package__)
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+def channel_name(schema: str) -> str:
+    return f"errands_jobs_{schema}"
+
+
+class PostgresBackend:
+    capabilities = Capabilities(
+        listen_notify=True, skip_locked=True, caller_connection="psycopg.Connection"
+    )
+
+    def __init__(self, url: str, *, auto_migrate: bool | None = None) -> None:
+        self.url = url
+        self.config: PostgresConfig = parse_postgres_url(url)
+        self.schema = self.config.schema
+        self.q = {name: fill_markers(text, self.schema) for name, text in _RAW_QUERIES.items()}
+        self.channel = channel_name(self.schema)
+        self._last_notify: dict[str, float] = {}
+        self._notify_lock = threading.Lock()
+        try:  # fail fast, with one clear line, before the pool starts retrying
+            psycopg.connect(self.config.conninfo, connect_timeout=CONNECT_TIMEOUT_DEFAULT).close()
+        except psycopg.Error as exc:
+            raise ConfigurationError(
+                f"cannot connect to PostgreSQL at {self.config.display}: "
+                f"{str(exc).strip().splitlines()[0]}. Is the server running and the URL right "
+                "(postgresql://user@host:5432/dbname)?"
+            ) from None
+        self.pool = ConnectionPool(
+            self.config.conninfo,
+            min_size=1,
+            max_size=self.config.pool_size,
+            kwargs={
+                "autocommit": True,
+                "prepare_threshold": 5 if self.config.prepare else None,
+            },
+            open=False,
+            name="errands",
+            timeout=30.0,
+            reconnect_timeout=0,
+        )
+        try:
+            self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
+        except Exception as exc:
+            self.pool.close()
+            raise ConfigurationError(
+                f"cannot connect to PostgreSQL at {self.config.display}: {exc}. Is the server "
+                "running and the URL right (postgresql://user@host:5432/dbname)?"
+            ) from None
+        if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
+            self.migrate()
+
+    # -- connections ---------------------------------------------------------------------
+    @contextmanager
+    def _conn(self) -> Iterator[psycopg.Connection[Any]]:
+        try:
+            with self.pool.connection() as conn:
+                yield conn
+        except pg_errors.UndefinedTable as exc:
+            raise SchemaOutdated(
+                f"errands' tables are missing in schema {self.schema!r} of "
+                f"{self.config.display} ({exc.diag.message_primary}); run: "
+                f"errands migrate --url '{self.config.display}'"
+            ) from None
+
+    @contextmanager
+    def _tx(self) -> Iterator[psycopg.Connection[Any]]:
+        with self._conn() as conn, conn.transaction():
+            yield conn
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # -- schema --------------------------------------------------------------------------
+    def migration_sql(self, after: int = 0) -> list[tuple[int, str, str]]:
+        """``(version, name, sql)`` of every migration newer than ``after``, markers filled."""
+        return [(v, n, fill_markers(s, self.schema)) for v, n, s in MIGRATIONS if v > after]
+
+    def _applied_version(self, conn: psycopg.Connection[Any]) -> int:
+        row = conn.execute(
+            "SELECT to_regclass(%s)", (f'"{self.schema}".errands_migrations',)
+        ).fetchone()
+        if row is None or row[0] is None:
+            return 0
+        version = conn.execute(
+            pg_sql.SQL("SELECT max(version) FROM {}.errands_migrations").format(
+                pg_sql.Identifier(self.schema)
+            )
+        ).fetchone()
+        return int(version[0] or 0) if version else 0
+
+    def migrate(self) -> list[str]:
+        applied: list[str] = []
+        schema = pg_sql.Identifier(self.schema)
+        with self._tx() as conn:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK_KEY,))
+            conn.execute(pg_sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
+            conn.execute(
+                pg_sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {}.errands_migrations (version integer PRIMARY "
+                    "KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+                ).format(schema)
+            )
+            current = self._applied_version(conn)
+            if current > SCHEMA_VERSION:
+                raise SchemaOutdated(
+                    f"schema {self.schema!r} has errands schema version {current}, newer than "
+                    f"this errands ({SCHEMA_VERSION}); upgrade errands on this host"
+                )
+            for version, name, text in self.migration_sql(after=current):
+                conn.execute(text.encode())
+                conn.execute(
+                    pg_sql.SQL(
+                        "INSERT INTO {}.errands_migrations (version, name) VALUES (%s, %s)"
+                    ).format(schema),
+                    (version, name),
+                )
+                applied.append(f"{version:04d}_{name}")
+        return applied
+
+    def schema_check(self) -> None:
+        with self._conn() as conn:
+            current = self._applied_version(conn)
+        if current != SCHEMA_VERSION:
+            raise SchemaOutdated(
+                f"schema {self.schema!r} of {self.config.display} has errands schema version "
+                f"{current}, this errands needs {SCHEMA_VERSION}; run: "
+                f"errands migrate --url '{self.config.display}' (or apply the SQL of "
+                "`errands migrate --sql`)"
+            )
+
+    # -- enqueue -------------------------------------------------------------------------
+    def _caller_connection(self, conn: Any) -> psycopg.Connection[Any]:
+        raw = unwrap_connection(conn)
+        if not isinstance(raw, psycopg.Connection):
+            raise ConfigurationError(
+                "enqueue(conn=...) on PostgreSQL takes a psycopg 3 Connection, or a SQLAlchemy "
+                f"Connection/Session using psycopg; got {type(conn).__name__}"
+            )
+        return raw
+
+    @staticmethod
+    def _params(req: EnqueueRequest) -> dict[str, Any]:
+        return {
+            "name": req.name,
+            "queue": req.queue,
+            "args": req.args_json,
+            "meta": json.dumps(req.meta, separators=(",", ":")),
+            "priority": req.priority,
+            "max_attempts": req.max_attempts,
+            "run_at": req.run_at,
+            "delay": req.delay,
+            "key": req.key,
+            "timeout": req.timeout,
+            "lease_seconds": req.lease_seconds,
+        }
+
+    def _insert(
+        self, conn: psycopg.Connection[Any], requests: Sequence[EnqueueRequest]
+    ) -> list[InsertResult]:
+        if len(requests) == 1:
+            req = requests[0]
+            row = conn.execute(self.q["job_insert"], self._params(req)).fetchone()
+            if row is not None:
+                results = [InsertResult(row[0], False)]
+            else:
+                existing = conn.execute(
+                    self.q["job_id_by_key"], {"name": req.name, "key": req.key}
+                ).fetchone()
+                results = [InsertResult(existing[0], True)]  # type: ignore[index]
+        else:
+            ids = [
+                r[0]
+                for r in conn.execute(self.q["job_allocate_ids"], {"n": len(requests)}).fetchall()
+            ]
+            inserted = {
+                r[0]
+                for r in conn.execute(
+                    self.q["job_insert_many"],
+                    {
+                        "ids": ids,
+                        "names": [r.name for r in requests],
+                        "queues": [r.queue for r in requests],
+                        "args": [r.args_json for r in requests],
+                        "metas": [json.dumps(r.meta, separators=(",", ":")) for r in requests],
+                        "priorities": [r.priority for r in requests],
+                        "max_attempts": [r.max_attempts for r in requests],
+                        "run_ats": [r.run_at for r in requests],
+                        "delays": [r.delay for r in requests],
+                        "keys": [r.key for r in requests],
+                        "timeouts": [r.timeout for r in requests],
+                        "leases": [r.lease_seconds for r in requests],
+                    },
+                ).fetchall()
+            }
+            results = []
+            for new_id, req in zip(ids, requests, strict=True):
+                if new_id in inserted:
+                    results.append(InsertResult(new_id, False))
+                else:
+                    existing = conn.execute(
+                        self.q["job_id_by_key"], {"name": req.name, "key": req.key}
+                    ).fetchone()
+                    results.append(InsertResult(existing[0], True))  # type: ignore[index]
+        self._maybe_notify(conn, {r.queue for r in requests})
+        return results
+
+    def _maybe_notify(self, conn: psycopg.Connection[Any], queues: set[str]) -> None:
+        """NOTIFY at most once per queue per window from this process (coalesced)."""
+        now = time.monotonic()
+        due = []
+        with self._notify_lock:
+            for queue in queues:
+                if now - self._last_notify.get(queue, 0.0) >= self.config.notify_window:
+                    self._last_notify[queue] = now
+                    due.append(queue)
+        for queue in due:
+            conn.execute(self.q["notify"], {"channel": self.channel, "payload": queue})
+
+    def job_insert_many(
+        self, requests: Sequence[EnqueueRequest], conn: Any = None
+    ) -> list[InsertResult]:
+        if not requests:
+            return []
+        if conn is not None:
+            return self._insert(self._caller_connection(conn), requests)
+        with self._tx() as own:
+            return self._insert(own, requests)
+
+    # -- the hot path ----------------------------------------------------------------------
+    def job_claim(self, params: ClaimParams) -> list[JobRow]:
+        if params.limit <= 0 or not params.queues:
+            return []
+        with self._conn() as conn:
+            rows = conn.execute(
+                self.q["job_claim"],
+                {
+                    "queues": [q.name for q in params.queues],
+                    "limits": [q.limit for q in params.queues],
+                    "limit": params.limit,
+                    "worker_id": params.worker_id,
+                    "token": secrets.token_hex(8),
+                    "lease_default": params.lease_seconds_default,
+                },
+            ).fetchall()
+        return [JobRow(*r) for r in rows]
+
+    def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
+        if not outcomes:
+            return []
+        with self._conn() as conn:
+            done = {
+                r[0]
+                for r in conn.execute(
+                    self.q["job_finish_many"],
+                    {
+                        "ids": [o.id for o in outcomes],
+                        "tokens": [o.lease_token for o in outcomes],
+                        "states": [o.state for o in outcomes],
+                        "results": [o.result_json for o in outcomes],
+                        "errors": [
+                            None if o.error is None else json.dumps(o.error) for o in outcomes
+                        ],
+                        "delays": [o.delay for o in outcomes],
+                    },
+                ).fetchall()
+            }
+        return [o.id in done for o in outcomes]
+
+    def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult:
+        if not leases:
+            return HeartbeatResult(frozenset(), frozenset())
+        with self._conn() as conn:
+            rows = conn.execute(
+                self.q["job_heartbeat_many"],
+                {
+                    "ids": [lease.id for lease in leases],
+                    "tokens": [lease.lease_token for lease in leases],
+                    "leases": [lease.lease_seconds for lease in leases],
+                },
+            ).fetchall()
+        return HeartbeatResult(frozenset(r[0] for r in rows), frozenset(r[0] for r in rows if r[1]))
+
+    def job_release_many(self, leases: Sequence[LeaseRef]) -> list[bool]:
+        if not leases:
+            return []
+        with self._conn() as conn:
+            done = {
+                r[0]
+                for r in conn.execute(
+                    self.q["job_release_many"],
+                    {
+                        "ids": [lease.id for lease in leases],
+                        "tokens": [lease.lease_token for lease in leases],
+                    },
+                ).fetchall()
+            }
+        return [lease.id in done for lease in leases]
+
+    # -- maintenance ---------------------------------------------------------------------
+    def leader_attempt_elect(self, name: str, owner: str, ttl: float) -> bool:
+        with self._conn() as conn:
+            row = conn.execute(
+                self.q["leader_attempt_elect"], {"name": name, "owner": owner, "ttl": ttl}
+            ).fetchone()
+        return row is not None and row[0] == owner
+
+    def leader_resign(self, name: str, owner: str) -> None:
+        with self._conn() as conn:
+            conn.execute(self.q["leader_resign"], {"name": name, "owner": owner})
+
+    def job_list_expired(self, limit: int) -> list[ExpiredLease]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["job_list_expired"], {"limit": limit}).fetchall()
+        return [
+            ExpiredLease(
+                id=r[0], name=r[1], lease_token=r[2], attempt=r[3], max_attempts=r[4],
+                rescues=r[5], cancel_requested=bool(r[6]), lease_owner=r[7],
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]:
+        if not rescues:
+            return []
+        with self._conn() as conn:
+            done = {
+                r[0]
+                for r in conn.execute(
+                    self.q["job_rescue_many"],
+                    {
+                        "ids": [r.id for r in rescues],
+                        "tokens": [r.lease_token for r in rescues],
+                        "states": [r.state for r in rescues],
+                        "errors": [json.dumps(r.error) for r in rescues],
+                        "delays": [r.delay for r in rescues],
+                    },
+                ).fetchall()
+            }
+        return [r.id in done for r in rescues]
+
+    def job_promote_due(self) -> int:
+        with self._conn() as conn:
+            return conn.execute(self.q["job_promote_due"]).rowcount
+
+    def job_prune(self, older_than: float, limit: int) -> int:
+        with self._conn() as conn:
+            return conn.execute(
+                self.q["job_prune"], {"older_than": older_than, "limit": limit}
+            ).rowcount
+
+    # -- reading -------------------------------------------------------------------------
+    def job_get(self, job_id: int) -> JobRow | None:
+        with self._conn() as conn:
+            row = conn.execute(self.q["job_get"], {"id": job_id}).fetchone()
+        return None if row is None else JobRow(*row)
+
+    def job_list(self, params: ListParams) -> list[JobRow]:
+        with self._conn() as conn:
+            rows = conn.execute(
+                self.q["job_list"],
+                {
+                    "state": params.state,
+                    "queue": params.queue,
+                    "name": params.name,
+                    "before_id": params.before_id,
+                    "limit": params.limit,
+                },
+            ).fetchall()
+        return [JobRow(*r) for r in rows]
+
+    def queue_stats(self) -> list[QueueStats]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["queue_stats"]).fetchall()
+        by_queue: dict[str, dict[str, Any]] = {}
+        for queue, state, n, oldest in rows:
+            entry = by_queue.setdefault(queue, {"counts": {}, "oldest": None})
+            entry["counts"][state] = n
+            if oldest is not None and (entry["oldest"] is None or oldest > entry["oldest"]):
+                entry["oldest"] = max(oldest, 0.0)
+        return [
+            QueueStats(queue=q, counts=e["counts"], oldest_available_age=e["oldest"])
+            for q, e in sorted(by_queue.items())
+        ]
+
+    def audit_list(self, limit: int = 100, job_id: int | None = None) -> list[AuditEvent]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["audit_list"], {"limit": limit, "job_id": job_id}).fetchall()
+        return [
+            AuditEvent(id=r[0], at=r[1], actor=r[2], action=r[3], job_id=r[4],
+                       detail=json.loads(r[5]))
+            for r in rows
+        ]  # fmt: skip
+
+    def db_now(self) -> float:
+        with self._conn() as conn:
+            return float(conn.execute(self.q["db_now"]).fetchone()[0])  # type: ignore[index]
+
+    # -- admin actions -------------------------------------------------------------------
+    def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
+        with self._tx() as conn:
+            if params.all_matching:
+                ids = [
+                    r[0]
+                    for r in conn.execute(
+                        self.q["job_ids_matching"],
+                        {"state": "dead", "queue": params.queue, "name": params.name},
+                    ).fetchall()
+                ]
+            else:
+                ids = list(dict.fromkeys(params.ids))
+            matched: list[int] = []
+            skipped: dict[int, str] = {}
+            for job_id in ids:
+                row = conn.execute(self.q["job_state_for_update"], {"id": job_id}).fetchone()
+                if row is None:
+                    skipped[job_id] = "no such job"
+                elif row[0] != "dead":
+                    skipped[job_id] = f"not in the dead-letter queue (state {row[0]})"
+                else:
+                    matched.append(job_id)
+            if params.dry_run:
+                return ActionResult(matched=matched, skipped=skipped)
+            for job_id in matched:
+                conn.execute(
+                    self.q[query], {"id": job_id, "actor": params.actor, "reason": params.reason}
+                )
+                conn.execute(
+                    self.q["audit_insert"],
+                    {
+                        "actor": params.actor,
+                        "action": action,
+                        "job_id": job_id,
+                        "detail": json.dumps({"reason": params.reason} if params.reason else {}),
+                    },
+                )
+        if action == "replay" and matched and not params.dry_run:
+            queues = set()
+            for job_id in matched[:100]:
+                row = self.job_get(job_id)
+                if row is not None:
+                    queues.add(row.queue)
+            with self._conn() as conn:
+                self._maybe_notify(conn, queues)
+        return ActionResult(matched=matched, skipped=skipped)
+
+    def job_replay(self, params: ActionParams) -> ActionResult:
+        return self._dead_action(params, "job_replay", "replay")
+
+    def job_discard(self, params: ActionParams) -> ActionResult:
+        if not (params.reason and params.reason.strip()):
+            raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
+        return self._dead_action(params, "job_discard", "discard")
+
+    def job_cancel(self, job_id: int, actor: str) -> CancelResult:
+        with self._tx() as conn:
+            row = conn.execute(self.q["job_state_for_update"], {"id": job_id}).fetchone()
+            if row is None:
+                raise JobNotFound(f"no job with id {job_id}")
+            previous = row[0]
+            if previous in ("available", "scheduled", "retryable"):
+                conn.execute(self.q["job_cancel_pending"], {"id": job_id})
+                state = "cancelled"
+            elif previous == "running":
+                conn.execute(self.q["job_cancel_running"], {"id": job_id})
+                state = "running"
+            else:
+                raise InvalidTransition(
+                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
+                    "running jobs can be cancelled"
+                )
+            conn.execute(
+                self.q["audit_insert"],
+                {
+                    "actor": actor,
+                    "action": "cancel",
+                    "job_id": job_id,
+                    "detail": json.dumps({"previous_state": previous}),
+                },
+            )
+        return CancelResult(id=job_id, previous_state=previous, state=state)
+
+    # -- wake-ups --------------------------------------------------------------------------
+    def listener(self, on_queue: Callable[[str], None]) -> Any:
+        from .notifier import Notifier
+
+        return Notifier(self.config.conninfo, self.channel, on_queue)
+
+
+def unwrap_connection(conn: Any) -> Any:
+    """The DB-API connection behind a SQLAlchemy Session or Connection, else ``conn``."""
+    module = type(conn).__module__
+    if module.startswith("sqlalchemy"):
+        if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # a Session
+            conn = conn.connection()
+        dbapi = getattr(conn, "connection", None)  # Connection -> PoolProxiedConnection
+        driver = getattr(dbapi, "driver_connection", None)
+        if driver is not None:
+            return driver
+    return conn

@@ -1,0 +1,87 @@
+"""PostgreSQL URL options of errands, split from the libpq connection string."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from ...errors import ConfigurationError
+
+SCHEMA_DEFAULT = "public"
+POOL_SIZE_DEFAULT = 10
+NOTIFY_WINDOW_DEFAULT = 0.005
+CONNECT_TIMEOUT_DEFAULT = 10.0
+_SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+# Options errands reads from the URL; everything else goes to libpq untouched.
+OPTIONS = {
+    "schema": "the schema holding errands' tables (default public)",
+    "pool_size": "connections per process (default 10)",
+    "auto_migrate": "apply migrations when the app first connects (default false)",
+    "prepare": "server-side prepared statements: true (default) or false for PgBouncer < 1.21",
+    "notify_window": "seconds within which one process sends at most one NOTIFY per queue",
+}
+
+
+@dataclass(frozen=True)
+class PostgresConfig:
+    conninfo: str
+    schema: str
+    pool_size: int
+    auto_migrate: bool
+    prepare: bool
+    notify_window: float
+    display: str  # the URL without a password, for messages
+
+
+def _flag(name: str, value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"PostgreSQL URL option {name}={value!r}: write true or false")
+
+
+def parse_postgres_url(url: str) -> PostgresConfig:
+    parts = urlsplit(url)
+    if parts.scheme not in ("postgres", "postgresql"):
+        raise ConfigurationError(f"not a PostgreSQL URL: {url!r}")
+    ours: dict[str, str] = {}
+    theirs: list[tuple[str, str]] = []
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        (ours.__setitem__(key, value) if key in OPTIONS else theirs.append((key, value)))
+    schema = ours.get("schema", SCHEMA_DEFAULT)
+    if not _SCHEMA.match(schema):
+        raise ConfigurationError(
+            f"PostgreSQL URL option schema={schema!r}: use lowercase letters, digits and '_', "
+            "starting with a letter or '_' (at most 63 characters)"
+        )
+    try:
+        pool_size = int(ours.get("pool_size", POOL_SIZE_DEFAULT))
+        notify_window = float(ours.get("notify_window", NOTIFY_WINDOW_DEFAULT))
+    except ValueError as exc:
+        raise ConfigurationError(f"PostgreSQL URL {url!r}: {exc}") from None
+    if pool_size < 2:
+        raise ConfigurationError("PostgreSQL URL option pool_size must be at least 2")
+    netloc = parts.netloc
+    if "@" in netloc and ":" in netloc.split("@", 1)[0]:
+        user = netloc.split("@", 1)[0].split(":", 1)[0]
+        netloc_display = f"{user}:***@{netloc.split('@', 1)[1]}"
+    else:
+        netloc_display = netloc
+    conninfo = urlunsplit(
+        ("postgresql", parts.netloc, parts.path, urlencode(theirs), parts.fragment)
+    )
+    return PostgresConfig(
+        conninfo=conninfo,
+        schema=schema,
+        pool_size=pool_size,
+        auto_migrate=_flag("auto_migrate", ours.get("auto_migrate", "false")),
+        prepare=_flag("prepare", ours.get("prepare", "true")),
+        notify_window=notify_window,
+        display=urlunsplit(
+            ("postgresql", netloc_display, parts.path, urlencode(sorted(ours.items())), "")
+        ),
+    )

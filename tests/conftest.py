@@ -1,0 +1,59 @@
+"""Fixtures shared by every test layer.
+
+``db_url`` is a fresh SQLite file per test. ``app`` is an App on it. ``running_worker``
+runs an in-process worker in a thread for integration tests and stops it gracefully.
+Acceptance tests start real ``errands worker`` processes instead (tests/acceptance).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+import errands
+from errands.worker.worker import Worker
+
+
+@pytest.fixture
+def db_url(tmp_path: Any) -> str:
+    return f"sqlite:///{tmp_path}/errands.db"
+
+
+@pytest.fixture
+def app(db_url: str) -> Iterator[errands.App]:
+    application = errands.App(db_url)
+    yield application
+    application.close()
+
+
+@contextmanager
+def running_worker(app: errands.App, **options: Any) -> Iterator[Worker]:
+    """Run a worker in a background thread; stop it gracefully on exit."""
+    options.setdefault("poll_interval", 0.05)
+    options.setdefault("maintenance_tick", 0.1)
+    worker = app.worker(**options)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "worker did not stop within 30 s"
+
+
+@pytest.fixture
+def worker_factory(app: errands.App) -> Any:
+    return lambda **options: running_worker(app, **options)
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL URL on a fresh schema (skipped outside CI when no server is reachable)."""
+    from tests.pg import fresh_pg_url
+
+    yield from fresh_pg_url()
