@@ -7,6 +7,8 @@ dead-letter queue. Embedded SQLite by default.
 
 from __future__ import annotations
 
+import logging
+
 from .app import App
 from .context import Context
 from .definition import BoundJob, JobDefinition
@@ -29,6 +31,9 @@ from .outcomes import Permanent, Retry
 from .retry import ExponentialBackoff
 
 __version__ = "0.1.0"
+
+# A library logs; the application decides where logs go (the worker CLI configures them).
+logging.getLogger("errands").addHandler(logging.NullHandler())
 
 __all__ = [
     "App",

@@ -58,12 +58,14 @@ class App:
     ) -> None:
         self.url = url or os.environ.get("ERRANDS_URL") or SQLITE_URL_DEFAULT
         self.default_queue = check_name("queue", default_queue)
-        self.lease = seconds(lease, "lease") or LEASE_DEFAULT
-        if self.lease < 1:
-            raise ConfigurationError("App(lease=...) must be at least 1 second")
+        lease_seconds = seconds(lease, "lease")
+        if lease_seconds is None or lease_seconds < 1:
+            raise ConfigurationError(f"App(lease={lease!r}): a lease must be at least 1 second")
+        self.lease = lease_seconds
         if max_payload_bytes < 1:
             raise ConfigurationError("App(max_payload_bytes=...) must be positive")
         self.max_payload_bytes = max_payload_bytes
+        # retention=None keeps finished rows forever (no pruning)
         self.retention = seconds(retention, "retention") or 0.0
         if poison_after < 1:
             raise ConfigurationError("App(poison_after=...) must be at least 1")
@@ -92,6 +94,11 @@ class App:
 
     def migrate(self) -> list[str]:
         """Apply pending schema migrations; returns the names applied."""
+        if self._backend is None:
+            # Open without auto-migration, or opening would apply (and hide) them first.
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = open_backend(self.url, auto_migrate=False)
         return self.backend.migrate()
 
     # -- definitions -------------------------------------------------------------------

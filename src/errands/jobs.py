@@ -61,6 +61,7 @@ class JobError:
     message: str
     traceback: str | None
     worker: str | None
+    kind: str = ""  # permanent, transient, timeout, retry, cancelled, worker_lost, poison
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobError:
@@ -71,6 +72,7 @@ class JobError:
             message=str(data.get("message", "")),
             traceback=data.get("traceback"),
             worker=data.get("worker"),
+            kind=str(data.get("kind") or ""),
         )
 
 
@@ -118,6 +120,8 @@ class Job:
         hidden = set(self.sensitive)
         if not isinstance(self.args, dict):
             return {"__corrupt__": "***"} if hidden else {"__corrupt__": self.args}
+        if set(self.args) == {"__corrupt__"}:  # unparseable JSON, kept raw by _loads
+            return {"__corrupt__": "***"} if hidden else dict(self.args)
         return {k: ("***" if k in hidden else v) for k, v in self.args.items()}
 
 

@@ -96,6 +96,19 @@ class PayloadSpec:
                 "Use JSON-friendly types (int, str, float, bool, lists, dicts, datetime, "
                 "UUID, Decimal, enums, pydantic models, dataclasses, TypedDicts)"
             ) from exc
+        except (NameError, ValueError) as exc:  # a name pydantic keeps for itself
+            raise ConfigurationError(
+                f"job {job_name!r}: a parameter name cannot be a payload field: {exc}; "
+                "rename the parameter"
+            ) from exc
+        # pydantic silently drops some names (a leading '_', model_config); such a
+        # parameter could never be passed, so refuse it here rather than at every enqueue.
+        unusable = [name for name in self.fields if name not in self.model.model_fields]
+        if unusable:
+            raise ConfigurationError(
+                f"job {job_name!r}: parameter(s) {', '.join(map(repr, unusable))} cannot be "
+                "payload fields (a leading '_' or a name pydantic reserves); rename them"
+            )
 
     def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Map positional and keyword arguments onto parameter names."""
@@ -152,7 +165,7 @@ class PayloadSpec:
         if value is None:
             return None
         try:
-            return self.result_adapter.dump_json(value).decode("utf-8")
+            return self.result_adapter.dump_json(value, warnings=False).decode("utf-8")
         except (PydanticSerializationError, ValueError, TypeError) as exc:
             raise InvalidPayload(
                 f"{self.job_name}: the handler returned a {type(value).__name__}, which cannot be "

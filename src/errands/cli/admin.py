@@ -41,7 +41,7 @@ def actor_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _app(app_path: str | None, url: str | None) -> App:
-    return load_app(app_path, url)
+    return load_app(app_path, url, existing=True)
 
 
 # -- status ----------------------------------------------------------------------------

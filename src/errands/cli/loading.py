@@ -13,17 +13,31 @@ import click
 from ..app import App
 
 
-def load_app(path: str | None, url: str | None = None) -> App:
-    """Import ``module:attr`` and return the App; with only ``url``, a bare App on it."""
+def load_app(
+    path: str | None, url: str | None = None, *, need_code: bool = False, existing: bool = False
+) -> App:
+    """Import ``module:attr`` and return the App; with only ``url``, a bare App on it.
+
+    ``need_code``: the command runs jobs, so the module defining them is required.
+    ``existing``: the command only reads or administers, so a SQLite file that does not
+    exist is a typo, not a new database to create.
+    """
     if not path:
-        if url:
-            return App(url)
-        if os.environ.get("ERRANDS_URL"):
-            return App()
-        raise click.UsageError(
-            "no app given: pass module:app (as in `errands worker shop.jobs:app`), "
-            "-A/--app module:app, or set ERRANDS_APP"
-        )
+        if need_code:
+            raise click.UsageError(
+                "no app given: a worker needs the module that defines your jobs; pass "
+                "module:app (as in `errands worker shop.jobs:app`), -A/--app module:app, "
+                "or set ERRANDS_APP"
+            )
+        if not (url or os.environ.get("ERRANDS_URL")):
+            raise click.UsageError(
+                "no database given: pass --url (e.g. --url sqlite:///errands.db), "
+                "-A/--app module:app, or set ERRANDS_URL or ERRANDS_APP"
+            )
+        app = App(url) if url else App()
+        if existing:
+            _check_exists(app.url)
+        return app
     module_name, _, attr = path.partition(":")
     attr = attr or "app"
     if os.getcwd() not in sys.path:
@@ -46,7 +60,22 @@ def load_app(path: str | None, url: str | None = None) -> App:
         raise click.UsageError(f"{path!r} is a {type(app).__name__}, not an errands.App")
     if url:
         app.url = url
+    if existing:
+        _check_exists(app.url)
     return app
+
+
+def _check_exists(url: str) -> None:
+    if not url.startswith("sqlite:"):
+        return
+    from ..backends.sqlite.backend import parse_sqlite_url
+
+    path, _ = parse_sqlite_url(url)
+    if path != ":memory:" and not os.path.exists(path):
+        raise click.UsageError(
+            f"no errands database at {os.path.abspath(path)!r} (from {url}); check --url, "
+            "ERRANDS_URL or the folder you run from"
+        )
 
 
 def default_actor() -> str:

@@ -91,7 +91,7 @@ def worker(
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
-    app = load_app(app_path or app_option, url)
+    app = load_app(app_path or app_option, url, need_code=True)
     w = app.worker(
         queues=queues,
         concurrency=concurrency,

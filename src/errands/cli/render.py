@@ -88,6 +88,7 @@ def job_dict(job: Job) -> dict[str, Any]:
                 "type": e.type,
                 "message": e.message,
                 "worker": e.worker,
+                "kind": e.kind,
                 "traceback": e.traceback,
             }
             for e in job.errors
@@ -150,7 +151,7 @@ def show_job(job: Job, audit: Sequence[Any]) -> None:
         for err in job.errors:
             out.print(
                 f"  #{err.attempt} at {when(err.at)} on {err.worker or '?'}: "
-                f"{err.type}: {err.message}",
+                f"{err.type}: {err.message}" + (f"  [{err.kind}]" if err.kind else ""),
                 markup=False,
             )
             if err.traceback:

@@ -116,9 +116,28 @@ class LoopRunner:
         with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
             self.loop.call_soon_threadsafe(fn)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Cancel the tasks still running, let them unwind (up to ``timeout``), then stop.
+
+        Stopping the loop with tasks pending would destroy them mid-``await`` (their
+        cleanup never runs, and they fail when garbage-collected in another context).
+        """
         if self.loop.is_running():
+            with contextlib.suppress(Exception):  # loop stopped meanwhile, or timeout
+                asyncio.run_coroutine_threadsafe(_cancel_all(timeout), self.loop).result(
+                    timeout + 1
+                )
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive() and not self.loop.is_closed():
             self.loop.close()  # its self-pipe sockets; an unclosed loop warns when collected
+
+
+async def _cancel_all(timeout: float) -> None:
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        if not task.cancelling():  # one already cancelled may be running its cleanup
+            task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)

@@ -126,6 +126,9 @@ class Worker:
         self._stopping = threading.Event()
         self._signals = 0
         self._backlog = False
+        # With a backlog, claim again once this many slots are free: one round trip
+        # brings a batch instead of one job per finished handler.
+        self._refill_at = max(1, concurrency // 4)
         self._rotation = 0
         self.threads = ThreadRunner(concurrency)
         self.loop_runner: LoopRunner | None = None
@@ -221,6 +224,10 @@ class Worker:
             with self._lock:
                 free = self._free
                 plan = self._claim_plan() if free > 0 else []
+            if not plan:  # every slot busy: a finishing handler wakes us
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+                continue
             rows: list[JobRow] = []
             if plan:
                 try:
@@ -334,28 +341,39 @@ class Worker:
                 raise Interrupted(reason or "cancelled") from None
 
     def _handler_done(self, attempt: Attempt, future: Any) -> None:
+        if future.cancelled():  # an async task cancelled before it began (shutdown)
+            self._decided(attempt, Interrupted("shutdown"), None)
+            return
         exc = future.exception()
         result = None if exc is not None else future.result()
         self._decided(attempt, exc, result)
 
     def _timeout(self, attempt: Attempt) -> None:
         timeout = attempt.row.timeout or 0
-        attempt.interrupt("timeout", self.loop)
-        if attempt.definition is not None and not attempt.definition.is_async:
-            if attempt.future is not None:
-                self.threads.abandon(attempt.future)
-            log.warning(
-                "job %s ran past its %g s timeout; its thread is abandoned (check "
-                "ctx.cancelled in long sync handlers)",
-                attempt.id,
-                timeout,
-            )
-            self._decided(attempt, JobTimeout(f"timed out after {timeout:g} s"), None)
-
-    def _decided(self, attempt: Attempt, exc: BaseException | None, result: Any) -> None:
-        """The attempt's outcome is known: free its slot and hand the write to the completer."""
-        if attempt.released or not attempt.decide():
+        if attempt.definition is None or attempt.definition.is_async:
+            attempt.interrupt("timeout", self.loop)
             return
+        # Decide the outcome *before* telling the handler: a handler that sees
+        # ctx.cancelled and returns at once must not be recorded as completed.
+        if not self._decided(attempt, JobTimeout(f"timed out after {timeout:g} s"), None):
+            return  # it finished just in time
+        attempt.interrupt("timeout", self.loop)
+        if attempt.future is not None:
+            self.threads.abandon(attempt.future)
+        log.warning(
+            "job %s ran past its %g s timeout; its thread is abandoned (check "
+            "ctx.cancelled in long sync handlers)",
+            attempt.id,
+            timeout,
+        )
+
+    def _decided(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
+        """The attempt's outcome is known: free its slot and hand the write to the completer.
+
+        Returns False when another outcome was decided first (this one is ignored).
+        """
+        if attempt.released or not attempt.decide():
+            return False
         result_json = None
         if exc is None and attempt.definition is not None:
             try:
@@ -366,9 +384,11 @@ class Worker:
         with self._lock:
             self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
-        if self._backlog:
+            refill = self._backlog and self._free >= self._refill_at
+        if refill:
             self._wake.set()
         self.completer.submit(attempt, outcome)
+        return True
 
     def _on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
         with self._lock:

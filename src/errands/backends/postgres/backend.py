@@ -128,6 +128,8 @@ class PostgresBackend:
                 f"cannot connect to PostgreSQL at {self.config.display}: {exc}. Is the server "
                 "running and the URL right (postgresql://user@host:5432/dbname)?"
             ) from None
+        with self.pool.connection() as conn:
+            self._identity = (conn.info.dbname, conn.info.port)
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
             self.migrate()
 
@@ -217,6 +219,16 @@ class PostgresBackend:
             raise ConfigurationError(
                 "enqueue(conn=...) on PostgreSQL takes a psycopg 3 Connection, or a SQLAlchemy "
                 f"Connection/Session using psycopg; got {type(conn).__name__}"
+            )
+        # Checked from the client-side connection info only: a query here could abort
+        # the caller's transaction if it failed.
+        identity = (raw.info.dbname, raw.info.port)
+        if identity != self._identity:
+            raise ConfigurationError(
+                f"enqueue(conn=...) got a connection to database {raw.info.dbname!r} on port "
+                f"{raw.info.port}, but this app stores jobs in {self._identity[0]!r} on port "
+                f"{self._identity[1]} ({self.config.display}); open the connection on the "
+                "same database"
             )
         return raw
 

@@ -74,10 +74,11 @@ WHERE j.id = picked.id
 RETURNING {job_columns}
 
 -- name: job_finish_many
--- A cancel requested while the job ran turns a retry into 'cancelled': it never runs again.
+-- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
+-- it never runs again, and an operator's cancel is not reported as a dead job.
 UPDATE {schema}.errands_jobs AS j
-SET state = CASE WHEN j.cancel_requested AND o.state = 'retryable' THEN 'cancelled'
-                 ELSE o.state END,
+SET state = CASE WHEN j.cancel_requested AND o.state IN ('retryable', 'dead')
+                 THEN 'cancelled' ELSE o.state END,
     result = o.result::jsonb,
     errors = CASE WHEN o.error IS NULL THEN j.errors
                   ELSE j.errors || jsonb_build_array(

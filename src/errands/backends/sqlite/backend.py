@@ -123,8 +123,11 @@ class SQLiteBackend:
         try:
             self.busy_timeout_ms = int(options.get("busy_timeout_ms", BUSY_TIMEOUT_MS_DEFAULT))
             self.write_timeout = float(options.get("write_timeout", WRITE_TIMEOUT_DEFAULT))
-        except ValueError as exc:
-            raise ConfigurationError(f"SQLite URL {url!r}: {exc}") from None
+        except ValueError:
+            raise ConfigurationError(
+                f"SQLite URL {url!r}: busy_timeout_ms must be a whole number of milliseconds "
+                "and write_timeout a number of seconds"
+            ) from None
         if not self.memory:
             folder = os.path.dirname(self.path)
             if not os.path.isdir(folder):
@@ -151,10 +154,17 @@ class SQLiteBackend:
             )
         except sqlite3.OperationalError as exc:
             raise ConfigurationError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
-        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
-        if not self.memory:
-            self._retry(lambda: conn.execute("PRAGMA journal_mode = WAL"))
-        conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
+            if not self.memory:
+                self._retry(lambda: conn.execute("PRAGMA journal_mode = WAL"))
+            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+        except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
+            conn.close()
+            raise ConfigurationError(
+                f"cannot use SQLite database {self.path!r}: {exc}; check that the URL names "
+                "an errands SQLite file (or a new one)"
+            ) from exc
         with self._all_lock:
             self._all.append(conn)
         return conn

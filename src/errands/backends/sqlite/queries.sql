@@ -40,10 +40,11 @@ RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, r
           lease_seconds, discarded_by, discard_reason
 
 -- name: job_finish
--- A cancel requested while the job ran turns a retry into 'cancelled': it never runs again.
+-- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
+-- it never runs again, and an operator's cancel is not reported as a dead job.
 UPDATE errands_jobs
-SET state = CASE WHEN cancel_requested = 1 AND :state = 'retryable' THEN 'cancelled'
-                 ELSE :state END,
+SET state = CASE WHEN cancel_requested = 1 AND :state IN ('retryable', 'dead')
+                 THEN 'cancelled' ELSE :state END,
     result = :result,
     errors = CASE WHEN :error IS NULL THEN errors
                   ELSE json_insert(errors, '$[#]',

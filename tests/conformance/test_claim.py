@@ -1,0 +1,166 @@
+"""Claiming: order, caps, due times, lease fields, and no double claims."""
+
+from __future__ import annotations
+
+import threading
+
+from errands.backends import Backend
+from errands.backends.base import ClaimParams, QueueClaim, RescueParams
+
+from .conftest import Harness
+from .support import claim, claim_one, get, insert, request
+
+
+def test_claim_takes_highest_priority_then_oldest_run_at_then_lowest_id(
+    backend: Backend,
+) -> None:
+    """Claim order is priority DESC, then run_at, then id."""
+    at = backend.db_now() - 100.0
+    low_but_oldest = insert(backend, priority=0, run_at=at - 50)
+    urgent_late = insert(backend, priority=10, run_at=at)
+    urgent_early = insert(backend, priority=10, run_at=at - 10)
+    tie_a = insert(backend, priority=5, run_at=at)
+    tie_b = insert(backend, priority=5, run_at=at)
+    order = [claim_one(backend).id for _ in range(5)]
+    assert order == [urgent_early, urgent_late, tie_a, tie_b, low_but_oldest]
+
+
+def test_a_batch_claim_takes_the_first_jobs_in_claim_order(backend: Backend) -> None:
+    """A claim of N jobs takes the N that come first in claim order, not arbitrary ones."""
+    at = backend.db_now() - 100.0
+    later = [insert(backend, run_at=at) for _ in range(3)]
+    first = [insert(backend, priority=1, run_at=at) for _ in range(2)]
+    assert sorted(r.id for r in claim(backend, limit=2)) == first
+    assert sorted(r.id for r in claim(backend, limit=10)) == later
+
+
+def test_claim_marks_job_running_with_attempt_token_owner_and_lease(backend: Backend) -> None:
+    """A claim sets running, attempt + 1, a lease token, the owner and the lease expiry."""
+    job_id = insert(backend)
+    before = backend.db_now()
+    row = claim_one(backend, worker_id="host-a:123", lease=45.0)
+    after = backend.db_now()
+    assert row.id == job_id
+    assert (row.state, row.attempt, row.lease_owner) == ("running", 1, "host-a:123")
+    assert row.lease_token
+    assert row.lease_expires_at is not None
+    assert before + 44 <= row.lease_expires_at <= after + 46
+    assert row.attempted_at is not None and before - 1 <= row.attempted_at <= after + 1
+    stored = get(backend, job_id)
+    assert (stored.state, stored.attempt, stored.lease_token) == ("running", 1, row.lease_token)
+
+
+def test_claim_uses_the_jobs_own_lease_over_the_default(backend: Backend) -> None:
+    """A job inserted with lease_seconds gets that lease, not the claimer's default."""
+    insert(backend, lease_seconds=300.0)
+    now = backend.db_now()
+    row = claim_one(backend, lease=30.0)
+    assert row.lease_expires_at is not None and row.lease_expires_at >= now + 295
+
+
+def test_each_claim_gets_a_fresh_lease_token(backend: Backend, harness: Harness) -> None:
+    """Re-claiming a job after its lease was rescued hands out a different token."""
+    job_id = insert(backend)
+    first = claim_one(backend)
+    harness.expire_lease(backend, job_id)
+    (expired,) = backend.job_list_expired(10)
+    assert backend.job_rescue_many(
+        [
+            RescueParams(
+                id=job_id,
+                lease_token=expired.lease_token,
+                state="retryable",
+                error={"message": "worker lost"},
+                delay=0.0,
+            )
+        ]
+    ) == [True]
+    second = claim_one(backend)
+    assert second.id == job_id and second.attempt == 2
+    assert second.lease_token != first.lease_token
+
+
+def test_claim_never_returns_a_job_before_its_run_at(backend: Backend) -> None:
+    """Scheduled (delayed) jobs stay unclaimed until they are due."""
+    insert(backend, delay=3600.0)
+    insert(backend, run_at=backend.db_now() + 60.0)
+    assert claim(backend, limit=10) == []
+
+
+def test_claim_takes_a_scheduled_job_once_it_is_due(backend: Backend, harness: Harness) -> None:
+    """A delayed job becomes claimable when its run_at passes, promoted or not."""
+    job_id = insert(backend, delay=3600.0)
+    harness.backdate_run_at(backend, job_id, 1.0)
+    assert [r.id for r in claim(backend)] == [job_id]
+
+
+def test_claim_only_visits_the_named_queues(backend: Backend) -> None:
+    """Jobs on queues the claimer did not ask for are left alone."""
+    insert(backend, queue="emails")
+    other = insert(backend, queue="payments")
+    assert claim(backend, "reports") == []
+    assert [r.id for r in claim(backend, "payments")] == [other]
+
+
+def test_claim_respects_each_queue_cap_and_the_total_limit(backend: Backend) -> None:
+    """Each queue gives at most its own limit, and all together at most the total limit."""
+    emails = [insert(backend, queue="emails") for _ in range(5)]
+    payments = [insert(backend, queue="payments") for _ in range(5)]
+    rows = backend.job_claim(
+        ClaimParams(
+            queues=[QueueClaim("emails", 2), QueueClaim("payments", 10)],
+            limit=5,
+            worker_id="w",
+            lease_seconds_default=30,
+        )
+    )
+    got = [r.id for r in rows]
+    assert len(got) == 5
+    assert [i for i in got if i in emails] == emails[:2]
+    assert [i for i in got if i in payments] == payments[:3]
+
+
+def test_claim_with_zero_limit_claims_nothing(backend: Backend) -> None:
+    """A claim with no free slots changes no job."""
+    job_id = insert(backend)
+    assert claim(backend, limit=0) == []
+    assert get(backend, job_id).state == "available"
+
+
+def test_claim_skips_running_and_finished_jobs(backend: Backend) -> None:
+    """A job already claimed is not claimed again while its lease holds."""
+    job_id = insert(backend)
+    claim_one(backend)
+    assert claim(backend) == []
+    assert get(backend, job_id).attempt == 1
+
+
+def test_concurrent_claimers_never_get_the_same_job(backend: Backend) -> None:
+    """Eight threads claiming in a loop share out 200 jobs with no job given twice."""
+    ids = {r.id for r in backend.job_insert_many([request() for _ in range(200)])}
+    claimed: list[int] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def worker(n: int) -> None:
+        try:
+            barrier.wait()
+            while True:
+                rows = claim(backend, limit=3, worker_id=f"w{n}")
+                if not rows:
+                    return
+                with lock:
+                    claimed.extend(r.id for r in rows)
+        except BaseException as exc:
+            with lock:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert failures == []
+    assert len(claimed) == len(set(claimed)) == 200
+    assert set(claimed) == ids

@@ -1,0 +1,205 @@
+"""Enqueue: inserts, schedules, idempotency keys and the caller's own transaction."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from errands.backends import Backend
+from errands.backends.base import ListParams
+from errands.errors import ConfigurationError
+
+from .conftest import Harness
+from .support import JOB, get, insert, request
+
+
+def test_insert_stores_one_available_job_with_every_field(backend: Backend) -> None:
+    """A job without delay is available at once and stores what the request carried."""
+    before = backend.db_now()
+    (result,) = backend.job_insert_many(
+        [
+            request(
+                name="shop.send",
+                queue="emails",
+                args_json='{"user_id":42}',
+                priority=5,
+                max_attempts=4,
+                key="welcome:42",
+                timeout=12.5,
+                lease_seconds=60.0,
+                meta={"sensitive": ["email"]},
+            )
+        ]
+    )
+    assert result.deduplicated is False
+    row = get(backend, result.id)
+    assert (row.name, row.queue, row.state) == ("shop.send", "emails", "available")
+    assert json.loads(row.args) == {"user_id": 42}
+    assert json.loads(row.meta) == {"sensitive": ["email"]}
+    assert (row.priority, row.max_attempts, row.attempt) == (5, 4, 0)
+    assert row.idempotency_key == "welcome:42"
+    assert (row.timeout, row.lease_seconds) == (12.5, 60.0)
+    assert json.loads(row.errors) == []
+    assert row.result is None and row.finished_at is None and row.lease_token is None
+    assert before - 1 <= row.inserted_at <= backend.db_now() + 1
+    assert row.run_at <= backend.db_now()
+
+
+def test_insert_many_returns_one_result_per_request_in_order(backend: Backend) -> None:
+    """Several requests in one call are all stored, ids ascending in request order."""
+    results = backend.job_insert_many([request(args_json=f'{{"n":{n}}}') for n in range(5)])
+    ids = [r.id for r in results]
+    assert ids == sorted(ids) and len(set(ids)) == 5
+    assert [json.loads(get(backend, i).args)["n"] for i in ids] == list(range(5))
+
+
+def test_insert_many_is_one_transaction_so_a_bad_row_stores_none(
+    backend: Backend, harness: Harness
+) -> None:
+    """When one request of a batch violates the schema, none of the batch is stored."""
+    with pytest.raises(harness.driver_errors):
+        backend.job_insert_many([request(key="first"), request(max_attempts=0)])
+    assert backend.job_list(ListParams()) == []
+
+
+def test_insert_with_delay_is_scheduled_at_now_plus_delay(backend: Backend) -> None:
+    """A delay makes the job scheduled, due that many seconds after database now."""
+    job_id = insert(backend, delay=120.0)
+    row = get(backend, job_id)
+    now = backend.db_now()
+    assert row.state == "scheduled"
+    assert now + 115 <= row.run_at <= now + 121
+
+
+def test_insert_with_future_run_at_is_scheduled_at_that_time(backend: Backend) -> None:
+    """An explicit run_at in the future is stored as given and the job waits for it."""
+    at = backend.db_now() + 3600.0
+    row = get(backend, insert(backend, run_at=at))
+    assert row.state == "scheduled"
+    assert row.run_at == pytest.approx(at, abs=0.01)
+
+
+def test_insert_with_past_run_at_is_available_at_once(backend: Backend) -> None:
+    """A run_at already in the past makes the job available immediately."""
+    row = get(backend, insert(backend, run_at=backend.db_now() - 60.0))
+    assert row.state == "available"
+
+
+def test_same_name_and_key_returns_the_existing_job_as_deduplicated(backend: Backend) -> None:
+    """A second enqueue of one name and key gets the first job's id, marked deduplicated."""
+    (first,) = backend.job_insert_many([request(key="order:7", args_json='{"v":1}')])
+    (second,) = backend.job_insert_many([request(key="order:7", args_json='{"v":2}')])
+    assert (second.id, second.deduplicated) == (first.id, True)
+    assert first.deduplicated is False
+    assert json.loads(get(backend, first.id).args) == {"v": 1}  # the first one's args stay
+    assert len(backend.job_list(ListParams())) == 1
+
+
+def test_same_key_twice_in_one_batch_stores_one_job(backend: Backend) -> None:
+    """Two requests with one key inside a single batch dedupe against each other."""
+    first, second = backend.job_insert_many([request(key="k"), request(key="k")])
+    assert second.id == first.id and (first.deduplicated, second.deduplicated) == (False, True)
+
+
+def test_same_key_on_different_job_names_does_not_collide(backend: Backend) -> None:
+    """Idempotency keys are scoped to the job name."""
+    (a,) = backend.job_insert_many([request(name="jobs.a", key="shared")])
+    (b,) = backend.job_insert_many([request(name="jobs.b", key="shared")])
+    assert a.id != b.id and not a.deduplicated and not b.deduplicated
+
+
+def test_jobs_without_key_are_never_deduplicated(backend: Backend) -> None:
+    """Identical requests without a key are separate jobs."""
+    results = backend.job_insert_many([request(), request()])
+    assert len({r.id for r in results}) == 2 and not any(r.deduplicated for r in results)
+
+
+def test_sixteen_threads_enqueuing_one_key_create_exactly_one_job(backend: Backend) -> None:
+    """Concurrent enqueues of one key give one row, and every caller gets its id (I8)."""
+    barrier = threading.Barrier(16)
+    results: list[tuple[int, bool]] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+
+    def enqueue() -> None:
+        try:
+            barrier.wait()
+            (result,) = backend.job_insert_many([request(key="race")])
+            with lock:
+                results.append((result.id, result.deduplicated))
+        except BaseException as exc:
+            with lock:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=enqueue) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert failures == []
+    assert len(results) == 16
+    assert len({job_id for job_id, _ in results}) == 1
+    assert sorted(dedup for _, dedup in results) == [False] + [True] * 15
+    assert len(backend.job_list(ListParams(name=JOB))) == 1
+
+
+# -- the caller's own transaction ------------------------------------------------------
+
+
+def _require_caller_connection(backend: Backend) -> None:
+    if not backend.capabilities.caller_connection:
+        pytest.skip(f"{type(backend).__name__} does not accept a caller's connection")
+
+
+def test_enqueue_on_callers_connection_rolls_back_with_the_caller(
+    backend: Backend, harness: Harness, tmp_path: Path
+) -> None:
+    """A job enqueued in the caller's transaction vanishes when that transaction rolls back."""
+    _require_caller_connection(backend)
+    with harness.caller_connection(backend, tmp_path, same_store=True) as conn:
+        harness.execute(conn, "CREATE TEMP TABLE orders (id INTEGER PRIMARY KEY)")
+        harness.begin(conn)
+        harness.execute(conn, "INSERT INTO orders (id) VALUES (1)")
+        (result,) = backend.job_insert_many([request(key="order:1")], conn=conn)
+        harness.rollback(conn)
+        assert harness.execute(conn, "SELECT count(*) FROM orders") == [(0,)]
+    assert backend.job_get(result.id) is None
+    assert backend.job_list(ListParams()) == []
+
+
+def test_enqueue_on_callers_connection_commits_with_the_caller(
+    backend: Backend, harness: Harness, tmp_path: Path
+) -> None:
+    """A job enqueued in the caller's transaction exists once that transaction commits."""
+    _require_caller_connection(backend)
+    with harness.caller_connection(backend, tmp_path, same_store=True) as conn:
+        harness.execute(conn, "CREATE TEMP TABLE orders (id INTEGER PRIMARY KEY)")
+        harness.begin(conn)
+        harness.execute(conn, "INSERT INTO orders (id) VALUES (1)")
+        (result,) = backend.job_insert_many([request(key="order:1")], conn=conn)
+        harness.commit(conn)
+    assert [r.id for r in backend.job_list(ListParams())] == [result.id]
+    assert get(backend, result.id).state == "available"
+
+
+def test_enqueue_refuses_a_connection_to_another_database(
+    backend: Backend, harness: Harness, tmp_path: Path
+) -> None:
+    """A caller's connection to a different store raises ConfigurationError and writes nothing."""
+    _require_caller_connection(backend)
+    with (
+        harness.caller_connection(backend, tmp_path, same_store=False) as conn,
+        pytest.raises(ConfigurationError, match="same"),
+    ):
+        backend.job_insert_many([request()], conn=conn)
+    assert backend.job_list(ListParams()) == []
+
+
+def test_enqueue_refuses_a_connection_of_the_wrong_type(backend: Backend) -> None:
+    """Something that is not the backend's connection type is refused, naming the type."""
+    _require_caller_connection(backend)
+    with pytest.raises(ConfigurationError, match="got object"):
+        backend.job_insert_many([request()], conn=object())

@@ -1,0 +1,115 @@
+"""Reading: one job, listings with filters and keyset pages, queue stats, the clock."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from errands.backends import Backend
+from errands.backends.base import ListParams
+
+from .conftest import Harness
+from .support import claim_one, finish, get, insert
+
+
+def test_job_get_of_an_unknown_id_returns_none(backend: Backend) -> None:
+    """Asking for a job that does not exist gives None, not an error."""
+    assert backend.job_get(424242) is None
+
+
+def test_job_list_returns_newest_first(backend: Backend) -> None:
+    """Listings are ordered by id, newest first."""
+    ids = [insert(backend) for _ in range(4)]
+    assert [r.id for r in backend.job_list(ListParams())] == ids[::-1]
+
+
+def test_job_list_filters_by_state_queue_and_name(backend: Backend) -> None:
+    """Each filter narrows the listing, and filters combine."""
+    email = insert(backend, name="shop.email", queue="emails")
+    charge = insert(backend, name="shop.charge", queue="payments")
+    refund = insert(backend, name="shop.refund", queue="payments", delay=3600.0)
+    assert [r.id for r in backend.job_list(ListParams(queue="payments"))] == [refund, charge]
+    assert [r.id for r in backend.job_list(ListParams(name="shop.email"))] == [email]
+    assert [r.id for r in backend.job_list(ListParams(state="scheduled"))] == [refund]
+    both = ListParams(state="available", queue="payments")
+    assert [r.id for r in backend.job_list(both)] == [charge]
+    assert backend.job_list(ListParams(state="dead")) == []
+
+
+def test_job_list_honours_the_limit(backend: Backend) -> None:
+    """At most ``limit`` rows come back, the newest ones."""
+    ids = [insert(backend) for _ in range(5)]
+    assert [r.id for r in backend.job_list(ListParams(limit=2))] == ids[:-3:-1]
+
+
+def test_job_list_pages_with_before_id_without_gaps_or_repeats(backend: Backend) -> None:
+    """Walking pages with before_id = last id seen visits every job exactly once."""
+    ids = [insert(backend) for _ in range(7)]
+    seen: list[int] = []
+    before: int | None = None
+    while True:
+        page = backend.job_list(ListParams(limit=3, before_id=before))
+        if not page:
+            break
+        seen.extend(r.id for r in page)
+        before = page[-1].id
+    assert seen == ids[::-1]
+
+
+def test_queue_stats_counts_jobs_per_queue_and_state(backend: Backend) -> None:
+    """Stats give one entry per queue with a count per state present."""
+    for _ in range(3):
+        insert(backend, queue="emails")
+    insert(backend, queue="emails", delay=3600.0)
+    insert(backend, queue="payments", priority=1)
+    insert(backend, queue="payments")
+    row = claim_one(backend, "payments")
+    finish(backend, row, "completed")
+    stats = {s.queue: s for s in backend.queue_stats()}
+    assert set(stats) == {"emails", "payments"}
+    assert stats["emails"].counts == {"available": 3, "scheduled": 1}
+    assert stats["payments"].counts == {"available": 1, "completed": 1}
+
+
+def test_queue_stats_reports_how_long_the_oldest_due_job_has_waited(
+    backend: Backend, harness: Harness
+) -> None:
+    """oldest_available_age is the wait of the oldest due job, in seconds."""
+    old = insert(backend, queue="emails")
+    insert(backend, queue="emails")
+    harness.backdate_run_at(backend, old, 120.0)
+    (stats,) = backend.queue_stats()
+    assert stats.oldest_available_age is not None
+    assert 119.0 <= stats.oldest_available_age <= 125.0
+
+
+def test_queue_stats_has_no_oldest_age_without_due_jobs(backend: Backend) -> None:
+    """A queue with only future, running or finished jobs has no waiting age."""
+    insert(backend, queue="emails", delay=3600.0)
+    insert(backend, queue="emails")
+    finish(backend, claim_one(backend, "emails"), "completed")
+    (stats,) = backend.queue_stats()
+    assert stats.counts == {"scheduled": 1, "completed": 1}
+    assert stats.oldest_available_age is None
+
+
+def test_queue_stats_of_an_empty_store_is_empty(backend: Backend) -> None:
+    """No jobs, no queues."""
+    assert backend.queue_stats() == []
+
+
+def test_db_now_is_the_database_clock_in_epoch_seconds(backend: Backend) -> None:
+    """db_now is unix epoch seconds and moves forward."""
+    first = backend.db_now()
+    assert first == pytest.approx(time.time(), abs=5.0)
+    time.sleep(0.01)
+    assert backend.db_now() > first
+
+
+def test_job_row_converts_to_a_job_snapshot(backend: Backend) -> None:
+    """A stored row decodes to a Job with parsed args, meta, state and times."""
+    job_id = insert(backend, args_json='{"x":1}', meta={"sensitive": ["x"]})
+    job = get(backend, job_id).to_job()
+    assert job.args == {"x": 1} and job.masked_args == {"x": "***"}
+    assert job.state == "available" and job.run_at.tzinfo is not None

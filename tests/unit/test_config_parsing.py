@@ -1,0 +1,121 @@
+"""Parsing what users type: worker queue specs, database URLs, backend schemes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from errands import ConfigurationError
+from errands.backends import open_backend
+from errands.backends.sqlite.backend import parse_sqlite_url
+from errands.worker.worker import parse_queues
+
+# -- worker queue specs --------------------------------------------------------------------
+
+
+def test_parse_queues_reads_names_with_per_queue_limits() -> None:
+    """ "emails=10,payments=2" gives each queue its own concurrency."""
+    assert parse_queues("emails=10,payments=2") == {"emails": 10, "payments": 2}
+
+
+def test_parse_queues_leaves_the_limit_open_when_none_is_given() -> None:
+    """A queue without '=N' has no per-queue limit; spaces and empty items are ignored."""
+    assert parse_queues(" emails , payments=3,,") == {"emails": None, "payments": 3}
+
+
+def test_parse_queues_accepts_lists_and_mappings() -> None:
+    """The Python API takes a list of specs or a mapping as well as a string."""
+    assert parse_queues(["emails", "payments=2"]) == {"emails": None, "payments": 2}
+    assert parse_queues({"emails": 4}) == {"emails": 4}
+    assert parse_queues(None) == {}
+
+
+@pytest.mark.parametrize("spec", ["emails=ten", "emails=1.5"])
+def test_parse_queues_rejects_a_limit_that_is_not_a_whole_number(spec: str) -> None:
+    """The limit after '=' must be an integer; the error shows the expected form."""
+    with pytest.raises(ConfigurationError, match="as in emails=10"):
+        parse_queues(spec)
+
+
+def test_parse_queues_reads_an_empty_limit_as_no_limit() -> None:
+    """ "emails=" is the same as "emails"."""
+    assert parse_queues("emails=") == {"emails": None}
+
+
+@pytest.mark.parametrize("spec", ["emails=0", "emails=-2", {"emails": 0}])
+def test_parse_queues_rejects_a_limit_below_one(spec: object) -> None:
+    """A queue concurrency of zero or less would never run anything."""
+    with pytest.raises(ConfigurationError, match="at least 1"):
+        parse_queues(spec)  # type: ignore[arg-type]
+
+
+# -- SQLite URLs ---------------------------------------------------------------------------
+
+
+def test_sqlite_url_with_three_slashes_is_a_relative_path() -> None:
+    """sqlite:///errands.db names errands.db in the working directory."""
+    assert parse_sqlite_url("sqlite:///errands.db") == ("errands.db", {})
+
+
+def test_sqlite_url_with_four_slashes_is_an_absolute_path() -> None:
+    """sqlite:////var/lib/errands.db names an absolute file."""
+    assert parse_sqlite_url("sqlite:////var/lib/errands.db") == ("/var/lib/errands.db", {})
+
+
+def test_sqlite_url_options_are_read_from_the_query() -> None:
+    """Known options travel in the query string."""
+    path, options = parse_sqlite_url("sqlite:///x.db?synchronous=FULL&busy_timeout_ms=100")
+    assert (path, options) == ("x.db", {"synchronous": "FULL", "busy_timeout_ms": "100"})
+
+
+def test_sqlite_url_with_a_host_part_is_rejected_with_the_fix() -> None:
+    """sqlite://errands.db (two slashes) is a common slip; the error shows both forms."""
+    with pytest.raises(ConfigurationError, match="three slashes"):
+        parse_sqlite_url("sqlite://errands.db")
+
+
+def test_sqlite_url_without_a_file_is_rejected() -> None:
+    """A URL naming no file says how to write one."""
+    with pytest.raises(ConfigurationError, match="names no file"):
+        parse_sqlite_url("sqlite:///")
+
+
+def test_sqlite_url_with_an_unknown_option_is_rejected_listing_the_known_ones() -> None:
+    """A typo in an option is an error, never silently ignored."""
+    with pytest.raises(ConfigurationError, match=r"unknown option.*synchronus.*known: synchronous"):
+        parse_sqlite_url("sqlite:///x.db?synchronus=FULL")
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("synchronous=SOMETIMES", "choose one of"),
+        ("busy_timeout_ms=soon", "busy_timeout_ms must be a whole number"),
+        ("write_timeout=forever", "write_timeout a number of seconds"),
+    ],
+)
+def test_sqlite_backend_rejects_bad_option_values(tmp_path: Path, query: str, message: str) -> None:
+    """Option values are checked when the backend opens, before any file is created."""
+    with pytest.raises(ConfigurationError, match=message):
+        open_backend(f"sqlite:///{tmp_path}/x.db?{query}")
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_sqlite_backend_refuses_a_missing_folder(tmp_path: Path) -> None:
+    """A database in a folder that does not exist is refused rather than failing later."""
+    with pytest.raises(ConfigurationError, match="does not exist; create it first"):
+        open_backend(f"sqlite:///{tmp_path}/missing/x.db")
+
+
+# -- schemes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql://db/shop", "redis://localhost", "errands.db", "", "http://x"]
+)
+def test_open_backend_rejects_unknown_schemes_with_the_supported_forms(url: str) -> None:
+    """An unsupported URL is refused with examples of the ones that work."""
+    with pytest.raises(ConfigurationError, match="sqlite:///") as info:
+        open_backend(url)
+    assert "ERRANDS_URL" in str(info.value)

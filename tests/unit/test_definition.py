@@ -1,0 +1,199 @@
+"""Job definitions: option checks at ``@app.job`` and at enqueue."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+import errands
+from errands import ConfigurationError
+from errands.retry import DEFAULT_BACKOFF
+
+
+def _handler(user_id: int) -> None: ...
+
+
+def _define(app: errands.App, **options: Any) -> errands.JobDefinition[Any, Any]:
+    options.setdefault("name", "t.job")
+    return app.job(**options)(_handler)  # type: ignore[no-any-return]
+
+
+def test_defaults_give_three_retries_default_backoff_and_the_default_queue(
+    app: errands.App,
+) -> None:
+    """A bare @app.job is named after its function, on the default queue, 4 attempts."""
+    job = app.job(_handler)
+    assert job.name == f"{__name__}._handler"
+    assert (job.queue, job.priority, job.retries, job.max_attempts) == ("default", 0, 3, 4)
+    assert job.backoff is DEFAULT_BACKOFF
+    assert (job.timeout, job.lease, job.permanent, job.sensitive) == (None, None, (), frozenset())
+    assert app.registry[job.name] is job
+
+
+def test_definition_is_still_callable_as_the_plain_function(app: errands.App) -> None:
+    """Calling the definition runs the handler in-process, with no job involved."""
+
+    @app.job(name="t.double")
+    def double(n: int) -> int:
+        return n * 2
+
+    assert double(21) == 42
+
+
+def test_options_are_converted_from_timedeltas(app: errands.App) -> None:
+    """timeout and lease accept timedeltas and are kept in seconds."""
+    job = _define(app, timeout=timedelta(minutes=2), lease=timedelta(seconds=90), retries=0)
+    assert (job.timeout, job.lease, job.max_attempts) == (120.0, 90.0, 1)
+
+
+@pytest.mark.parametrize("retries", [-1, 1.5, "3", None])
+def test_retries_must_be_a_whole_number_of_at_least_zero(app: errands.App, retries: Any) -> None:
+    """Negative, fractional or non-numeric retries are refused at definition."""
+    with pytest.raises(ConfigurationError, match="retries="):
+        _define(app, retries=retries)
+
+
+@pytest.mark.parametrize("lease", [0.5, 0, timedelta(milliseconds=200)])
+def test_lease_must_be_at_least_one_second(app: errands.App, lease: Any) -> None:
+    """A lease shorter than a second cannot be heartbeated safely."""
+    with pytest.raises(ConfigurationError, match="lease must be at least 1 second"):
+        _define(app, lease=lease)
+
+
+@pytest.mark.parametrize("option", ["lease", "timeout"])
+def test_negative_durations_are_refused(app: errands.App, option: str) -> None:
+    """A negative lease or timeout is a configuration error naming the option."""
+    with pytest.raises(ConfigurationError, match=f"{option}=-5"):
+        _define(app, **{option: -5})
+
+
+@pytest.mark.parametrize("bad", ["ValueError", 42, int, ValueError("instance")])
+def test_permanent_takes_only_exception_classes(app: errands.App, bad: Any) -> None:
+    """permanent= entries that are not exception classes are refused, naming the entry."""
+    with pytest.raises(ConfigurationError, match="permanent= takes exception classes"):
+        _define(app, permanent=(KeyError, bad))
+
+
+def test_sensitive_must_name_parameters(app: errands.App) -> None:
+    """sensitive= naming a field the handler lacks is refused, listing the real ones."""
+    with pytest.raises(ConfigurationError, match=r"\['email'\].*\['user_id'\]"):
+        _define(app, sensitive={"email"})
+
+
+def test_priority_must_be_an_int(app: errands.App) -> None:
+    """A non-integer priority is refused at definition."""
+    with pytest.raises(ConfigurationError, match="priority must be an int"):
+        _define(app, priority="high")
+
+
+@pytest.mark.parametrize("name", ["1starts-with-digit", "has space", "x" * 201, "a/b"])
+def test_job_names_must_be_simple_identifiers(app: errands.App, name: str) -> None:
+    """Job names are 1-200 characters of letters, digits, '_', '.', ':' and '-'."""
+    with pytest.raises(ConfigurationError, match="job name"):
+        _define(app, name=name)
+
+
+def test_queue_names_are_checked_at_definition(app: errands.App) -> None:
+    """An invalid queue name is refused at definition."""
+    with pytest.raises(ConfigurationError, match="queue name"):
+        _define(app, queue="emails and more")
+
+
+def test_two_jobs_cannot_share_a_name(app: errands.App) -> None:
+    """Registering a second job under a taken name is refused, suggesting name=."""
+    _define(app)
+    with pytest.raises(ConfigurationError, match="already registered"):
+        _define(app)
+
+
+# -- enqueue options -----------------------------------------------------------------------
+
+
+def test_run_at_must_carry_a_time_zone(app: errands.App) -> None:
+    """A naive run_at is ambiguous and refused with an example of the fix."""
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="no time zone"):
+        job.bind(user_id=1, run_at=datetime(2030, 1, 1))
+
+
+def test_run_at_must_be_a_datetime(app: errands.App) -> None:
+    """run_at takes a datetime, not a number."""
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="run_at= must be a datetime"):
+        job.bind(user_id=1, run_at=1_900_000_000)  # type: ignore[arg-type]
+
+
+def test_delay_and_run_at_together_are_refused(app: errands.App) -> None:
+    """A job is scheduled either by delay or by run_at, never both."""
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="not both"):
+        job.bind(user_id=1, delay=5, run_at=datetime.now(UTC))
+
+
+def test_negative_delay_is_refused(app: errands.App) -> None:
+    """A delay below zero is a configuration error."""
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="delay=-1"):
+        job.bind(user_id=1, delay=-1)
+
+
+@pytest.mark.parametrize("key", ["", 42])
+def test_key_must_be_a_non_empty_string(app: errands.App, key: Any) -> None:
+    """An empty or non-string idempotency key is refused."""
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="key= must be a non-empty string"):
+        job.bind(user_id=1, key=key)
+
+
+def test_enqueue_options_land_in_the_request(app: errands.App) -> None:
+    """key, delay, run_at, priority and queue given at enqueue override the definition."""
+    job = _define(app, queue="emails", priority=1, timeout=30, lease=60)
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    scheduled = job.bind(7, key="k:7", run_at=at, priority=9, queue="urgent").request
+    assert (scheduled.name, scheduled.queue, scheduled.priority) == ("t.job", "urgent", 9)
+    assert (scheduled.key, scheduled.run_at, scheduled.delay) == ("k:7", at.timestamp(), 0.0)
+    assert (scheduled.max_attempts, scheduled.timeout, scheduled.lease_seconds) == (4, 30, 60)
+    delayed = job.bind(7, delay=timedelta(minutes=5)).request
+    assert (delayed.queue, delayed.priority, delayed.delay, delayed.run_at) == (
+        "emails",
+        1,
+        300.0,
+        None,
+    )
+
+
+def test_an_invalid_queue_at_enqueue_is_refused(app: errands.App) -> None:
+    """queue= at enqueue is checked like a queue at definition."""
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="queue name"):
+        job.bind(user_id=1, queue="no spaces allowed")
+
+
+def test_enqueue_many_takes_only_bound_jobs_of_this_app(app: errands.App, db_url: str) -> None:
+    """Plain values, or jobs of another App, are refused before anything is written."""
+    with pytest.raises(ConfigurationError, match=r"job\.bind"):
+        app.enqueue_many([{"user_id": 1}])  # type: ignore[list-item]
+    other = errands.App(db_url)
+    try:
+        foreign = other.job(name="t.other")(_handler)
+        with pytest.raises(ConfigurationError, match="belongs to another App"):
+            app.enqueue_many([foreign.bind(user_id=1)])
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lease": 0.5}, "lease"),
+        ({"max_payload_bytes": 0}, "max_payload_bytes"),
+        ({"poison_after": 0}, "poison_after"),
+        ({"default_queue": "bad queue"}, "queue name"),
+    ],
+)
+def test_app_options_are_validated(options: dict[str, Any], message: str) -> None:
+    """Bad App settings fail at construction with the option's name."""
+    with pytest.raises(ConfigurationError, match=message):
+        errands.App("sqlite:///unused.db", **options)

@@ -1,0 +1,147 @@
+"""SQLite migrations: a fresh schema equals the migration files, applied once."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from errands import SchemaOutdated
+from errands.backends import open_backend
+from errands.backends.sqlfile import load_migrations
+from errands.backends.sqlite.backend import MIGRATIONS, SCHEMA_VERSION, Q, SQLiteBackend
+
+MIGRATIONS_DIR = (
+    Path(__file__).parents[2] / "src" / "errands" / "backends" / "sqlite" / "migrations"
+)
+
+
+def _schema(path: Path) -> set[tuple[str, str, str, str | None]]:
+    """Every table, index, view and trigger of a database file, minus the migration log."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT type, name, tbl_name, sql FROM sqlite_master").fetchall()
+    return {r for r in rows if r[2] != "errands_migrations"}
+
+
+def _unmigrated(tmp_path: Path) -> SQLiteBackend:
+    return open_backend(f"sqlite:///{tmp_path}/fresh.db", auto_migrate=False)  # type: ignore[return-value]
+
+
+def test_fresh_database_after_migrate_has_exactly_the_schema_of_the_migration_files(
+    tmp_path: Path,
+) -> None:
+    """migrate() builds what the .sql files say: nothing more, nothing less."""
+    files = sorted(MIGRATIONS_DIR.glob("[0-9][0-9][0-9][0-9]_*.sql"))
+    assert [f.name for f in files] == [f"{v:04d}_{n}.sql" for v, n, _ in MIGRATIONS]
+    reference = tmp_path / "reference.db"
+    with contextlib.closing(sqlite3.connect(reference)) as conn:
+        for file in files:
+            conn.executescript(file.read_text(encoding="utf-8"))
+    backend = _unmigrated(tmp_path)
+    try:
+        backend.migrate()
+    finally:
+        backend.close()
+    migrated = _schema(tmp_path / "fresh.db")
+    assert migrated == _schema(reference)
+    assert {name for kind, name, _, _ in migrated if kind == "table"} >= {
+        "errands_jobs",
+        "errands_audit",
+        "errands_leaders",
+    }
+
+
+def test_migrate_records_each_version_and_applies_nothing_the_second_time(
+    tmp_path: Path,
+) -> None:
+    """The first migrate applies every file and logs it; the second applies none."""
+    backend = _unmigrated(tmp_path)
+    try:
+        assert backend.migrate() == [f"{v:04d}_{n}" for v, n, _ in MIGRATIONS]
+        before = _schema(tmp_path / "fresh.db")
+        assert backend.migrate() == []
+        assert _schema(tmp_path / "fresh.db") == before
+    finally:
+        backend.close()
+    with contextlib.closing(sqlite3.connect(tmp_path / "fresh.db")) as conn:
+        versions = [r[0] for r in conn.execute("SELECT version FROM errands_migrations")]
+    assert versions == list(range(1, SCHEMA_VERSION + 1))
+
+
+def test_concurrent_migrations_apply_each_file_exactly_once(tmp_path: Path) -> None:
+    """Several processes running migrate at once leave one applied copy of each file."""
+    backends = [_unmigrated(tmp_path) for _ in range(4)]
+    applied: list[list[str]] = []
+    barrier = threading.Barrier(len(backends))
+
+    def run(backend: SQLiteBackend) -> None:
+        barrier.wait()
+        applied.append(backend.migrate())
+
+    threads = [threading.Thread(target=run, args=(b,)) for b in backends]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        for b in backends:
+            b.close()
+    assert sorted(applied, key=len) == [[], [], [], [f"{v:04d}_{n}" for v, n, _ in MIGRATIONS]]
+
+
+def test_schema_check_refuses_an_unmigrated_database_naming_the_command(tmp_path: Path) -> None:
+    """A worker on a database without the schema is told to run errands migrate."""
+    backend = _unmigrated(tmp_path)
+    try:
+        with pytest.raises(SchemaOutdated, match="errands migrate"):
+            backend.schema_check()
+        backend.migrate()
+        assert backend.schema_check() is None
+    finally:
+        backend.close()
+
+
+def test_a_schema_newer_than_this_errands_is_refused(tmp_path: Path) -> None:
+    """An older errands does not run on, or migrate, a database a newer one upgraded."""
+    backend = _unmigrated(tmp_path)
+    try:
+        backend.migrate()
+        with contextlib.closing(sqlite3.connect(tmp_path / "fresh.db")) as conn, conn:
+            conn.execute(
+                "INSERT INTO errands_migrations (version, name, applied_at) "
+                "VALUES (?, 'future', 0)",
+                (SCHEMA_VERSION + 1,),
+            )
+        with pytest.raises(SchemaOutdated, match="upgrade errands"):
+            backend.migrate()
+        with pytest.raises(SchemaOutdated, match=f"version {SCHEMA_VERSION + 1}"):
+            backend.schema_check()
+    finally:
+        backend.close()
+
+
+def test_migration_files_are_numbered_from_one_without_gaps() -> None:
+    """load_migrations sees 0001, 0002, ... in order."""
+    versions = [v for v, _, _ in load_migrations("errands.backends.sqlite")]
+    assert versions == list(range(1, len(versions) + 1)) and versions[-1] == SCHEMA_VERSION
+
+
+def test_every_named_query_compiles_against_the_migrated_schema(tmp_path: Path) -> None:
+    """Each block of queries.sql names only tables and columns the migrations create."""
+    backend = _unmigrated(tmp_path)
+    try:
+        backend.migrate()
+    finally:
+        backend.close()
+    with contextlib.closing(sqlite3.connect(tmp_path / "fresh.db")) as conn:
+        for name, sql in Q.items():
+            params = dict.fromkeys(re.findall(r"(?<!:):(\w+)", sql))
+            try:
+                conn.execute(f"EXPLAIN {sql}", params)
+            except sqlite3.Error as exc:  # pragma: no cover - the assertion message
+                pytest.fail(f"query {name!r} does not compile: {exc}")
