@@ -69,6 +69,14 @@ def cli() -> None:
     default="info",
     show_default=True,
 )
+@click.option(
+    "-p",
+    "--processes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="run this many worker processes under one supervisor",
+)
 @click.option("--no-maintenance", is_flag=True, help="never take the leader duties (rescue, prune)")
 @click.option(
     "--maintenance-tick",
@@ -88,10 +96,16 @@ def worker(
     log_level: str,
     no_maintenance: bool,
     maintenance_tick: float | None,
+    processes: int,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
     app = load_app(app_path or app_option, url, need_code=True)
+    if processes > 1:
+        from ..worker.supervisor import Supervisor, child_command
+
+        app.backend.schema_check()  # fail once, clearly, rather than in every child
+        sys.exit(Supervisor(child_command(sys.argv[1:]), processes).run())
     w = app.worker(
         queues=queues,
         concurrency=concurrency,

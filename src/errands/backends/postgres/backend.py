@@ -118,7 +118,6 @@ class PostgresBackend:
             open=False,
             name="errands",
             timeout=30.0,
-            reconnect_timeout=0,
         )
         try:
             self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
@@ -253,14 +252,15 @@ class PostgresBackend:
     ) -> list[InsertResult]:
         if len(requests) == 1:
             req = requests[0]
-            row = conn.execute(self.q["job_insert"], self._params(req)).fetchone()
-            if row is not None:
-                results = [InsertResult(row[0], False)]
-            else:
-                existing = conn.execute(
-                    self.q["job_id_by_key"], {"name": req.name, "key": req.key}
-                ).fetchone()
-                results = [InsertResult(existing[0], True)]  # type: ignore[index]
+            params = self._params(req)
+            params["channel"] = self.channel if self._notify_due({req.queue}) else None
+            row = conn.execute(self.q["job_insert"], params).fetchone()
+            if row is not None and row[0] is not None:
+                return [InsertResult(row[0], False)]
+            existing = conn.execute(
+                self.q["job_id_by_key"], {"name": req.name, "key": req.key}
+            ).fetchone()
+            return [InsertResult(existing[0], True)]  # type: ignore[index]
         else:
             ids = [
                 r[0]
@@ -298,8 +298,8 @@ class PostgresBackend:
         self._maybe_notify(conn, {r.queue for r in requests})
         return results
 
-    def _maybe_notify(self, conn: psycopg.Connection[Any], queues: set[str]) -> None:
-        """NOTIFY at most once per queue per window from this process (coalesced)."""
+    def _notify_due(self, queues: set[str]) -> list[str]:
+        """The queues this process should NOTIFY now: at most once per queue per window."""
         now = time.monotonic()
         due = []
         with self._notify_lock:
@@ -307,7 +307,10 @@ class PostgresBackend:
                 if now - self._last_notify.get(queue, 0.0) >= self.config.notify_window:
                     self._last_notify[queue] = now
                     due.append(queue)
-        for queue in due:
+        return due
+
+    def _maybe_notify(self, conn: psycopg.Connection[Any], queues: set[str]) -> None:
+        for queue in self._notify_due(queues):
             conn.execute(self.q["notify"], {"channel": self.channel, "payload": queue})
 
     def job_insert_many(
@@ -317,6 +320,9 @@ class PostgresBackend:
             return []
         if conn is not None:
             return self._insert(self._caller_connection(conn), requests)
+        if len(requests) == 1 and requests[0].key is None:
+            with self._conn() as own:  # one autocommit statement: one round trip
+                return self._insert(own, requests)
         with self._tx() as own:
             return self._insert(own, requests)
 

@@ -5,6 +5,9 @@
 -- unnest(), so one round trip carries a whole batch.
 
 -- name: job_insert
+-- One round trip: insert and, when this process has not notified the queue within its
+-- window (channel not null), NOTIFY in the same statement; id is NULL when deduplicated.
+WITH ins AS (
 INSERT INTO {schema}.errands_jobs AS j
     (name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
      timeout, lease_seconds)
@@ -16,6 +19,11 @@ VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(meta)s::jsonb,
         %(key)s, %(timeout)s, %(lease_seconds)s)
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
+), note AS (
+    SELECT pg_notify(%(channel)s::text, %(queue)s)
+    WHERE %(channel)s::text IS NOT NULL AND EXISTS (SELECT 1 FROM ins)
+)
+SELECT (SELECT id FROM ins), (SELECT count(*) FROM note)
 
 -- name: job_insert_many
 -- ids are allocated first (job_allocate_ids) so results map back to requests in order.

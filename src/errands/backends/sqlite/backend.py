@@ -193,8 +193,9 @@ class SQLiteBackend:
         self._local = threading.local()
         self._shared = None
 
-    def _retry(self, fn: Any) -> Any:
-        deadline = time.monotonic() + self.write_timeout
+    def _retry(self, fn: Any, timeout: float | None = None) -> Any:
+        limit = self.write_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
         pause = 0.005
         while True:
             try:
@@ -205,21 +206,32 @@ class SQLiteBackend:
                 if time.monotonic() >= deadline:
                     raise DatabaseBusy(
                         f"SQLite database {self.path!r} stayed locked for "
-                        f"{self.write_timeout:.0f} s; is a long transaction holding it "
+                        f"{limit:.1f} s; is a long transaction holding it "
                         "(a sqlite3 shell, or a caller's open transaction)?"
                     ) from exc
                 time.sleep(pause * (1 + random.random()))
                 pause = min(pause * 2, 0.5)
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction under BEGIN IMMEDIATE, retried while the file is locked."""
+    def _write(self, timeout: float | None = None) -> Iterator[sqlite3.Connection]:
+        """One write transaction under BEGIN IMMEDIATE, retried while the file is locked.
+
+        ``timeout`` bounds the wait for the lock below ``write_timeout`` (heartbeats must
+        give up before the lease they renew runs out, so the worker can self-fence).
+        """
         conn = self._conn()
         lock = self._memory_lock
         if lock is not None:
             lock.acquire()
+        short = timeout is not None and timeout * 1000 < self.busy_timeout_ms
+        if short:
+            conn.execute(f"PRAGMA busy_timeout = {max(int(timeout * 1000), 1)}")  # type: ignore[operator]
         try:
-            self._retry(lambda: conn.execute("BEGIN IMMEDIATE"))
+            try:
+                self._retry(lambda: conn.execute("BEGIN IMMEDIATE"), timeout)
+            finally:
+                if short:
+                    conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
             try:
                 yield conn
                 conn.execute("COMMIT")
@@ -391,7 +403,9 @@ class SQLiteBackend:
         extended: set[int] = set()
         cancel: set[int] = set()
         if leases:
-            with self._write() as conn:
+            # Give up well before the shortest lease runs out: the caller self-fences.
+            limit = min(lease.lease_seconds for lease in leases) / 3
+            with self._write(timeout=limit) as conn:
                 for lease in leases:
                     row = conn.execute(
                         Q["job_heartbeat"],

@@ -1,0 +1,99 @@
+"""``errands worker --processes N``: N worker processes under one supervisor.
+
+Each child is a full worker (its own id, pool and leases), started as a fresh interpreter
+running the same command without ``--processes``, so nothing is shared by fork. The
+supervisor forwards SIGTERM/SIGINT to every child and waits for them (each honours its
+own ``--grace``); a second signal is forwarded too, and the children exit at once. A
+child that dies on its own (crash, OOM kill) is restarted after a short backoff, so
+capacity comes back; its running jobs are rescued after their leases expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger("errands.supervisor")
+
+RESTART_BACKOFF_MAX = 30.0
+
+
+class Supervisor:
+    def __init__(self, command: Sequence[str], processes: int) -> None:
+        self.command = list(command)
+        self.processes = processes
+        self.children: dict[int, subprocess.Popen[bytes]] = {}
+        self._stopping = False
+        self._signals = 0
+        self._restarts: dict[int, int] = {}
+
+    def _spawn(self, slot: int) -> None:
+        child = subprocess.Popen(self.command)
+        self.children[slot] = child
+        log.info("started worker process %d (pid %d)", slot, child.pid)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        self._stopping = True
+        for child in self.children.values():
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        for slot in range(self.processes):
+            self._spawn(slot)
+        pending_restart: dict[int, float] = {}
+        while True:
+            alive = 0
+            for slot, child in list(self.children.items()):
+                code = child.poll()
+                if code is None:
+                    alive += 1
+                    continue
+                if self._stopping or slot in pending_restart:
+                    continue
+                count = self._restarts[slot] = self._restarts.get(slot, 0) + 1
+                delay = min(0.5 * 2 ** (count - 1), RESTART_BACKOFF_MAX)
+                log.error(
+                    "worker process %d (pid %d) exited with %s; restarting in %.1f s",
+                    slot,
+                    child.pid,
+                    code,
+                    delay,
+                )
+                pending_restart[slot] = time.monotonic() + delay
+            if self._stopping:
+                if alive == 0:
+                    break
+            else:
+                for slot, at in list(pending_restart.items()):
+                    if time.monotonic() >= at:
+                        del pending_restart[slot]
+                        self._spawn(slot)
+            time.sleep(0.1)
+        codes = [child.returncode for child in self.children.values()]
+        return 0 if all(c == 0 for c in codes) else 1
+
+
+def child_command(argv: Sequence[str]) -> list[str]:
+    """This process's command line without ``--processes N`` (or ``--processes=N``)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--processes", "-p"):
+            skip = True
+            continue
+        if arg.startswith("--processes="):
+            continue
+        out.append(arg)
+    return [sys.executable, "-m", "errands", *out]

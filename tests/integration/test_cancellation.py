@@ -1,0 +1,146 @@
+"""Cancellation of pending and running jobs (DESIGN §7, F19).
+
+Running jobs learn of a cancel through the heartbeat; ``lease=1`` makes the heartbeat run
+every third of a second so these tests stay fast.
+"""
+
+import asyncio
+import threading
+
+import pytest
+
+import errands
+from errands import JobState
+
+from .helpers import wait_until
+
+
+def test_cancelling_a_pending_job_cancels_it_at_once_and_it_never_runs(
+    app: errands.App, worker_factory
+) -> None:
+    ran: list[int] = []
+
+    @app.job(name="cancel.pending")
+    def pending(n: int) -> int:
+        ran.append(n)
+        return n
+
+    doomed = pending.enqueue(n=1)
+    later = pending.enqueue(n=2, delay=60)
+    result = doomed.cancel(actor="ops")
+    assert (result.previous_state, result.state) == ("available", "cancelled")
+    assert later.cancel().previous_state == "scheduled"
+    assert doomed.status() is JobState.CANCELLED
+
+    with worker_factory():
+        assert pending.enqueue(n=3).result(timeout=10) == 3
+        with pytest.raises(errands.JobCancelled):
+            doomed.result(timeout=1)
+
+    assert ran == [3]
+    assert later.status() is JobState.CANCELLED
+    job = doomed.job()
+    assert job.attempt == 0
+    assert job.finished_at is not None
+    [event] = app.audit(job_id=doomed.id)
+    assert (event.action, event.actor, event.detail) == (
+        "cancel",
+        "ops",
+        {"previous_state": "available"},
+    )
+
+
+def test_cancelling_a_running_async_job_cancels_its_task_and_the_job_ends_cancelled(
+    app: errands.App, worker_factory
+) -> None:
+    started = threading.Event()
+    saw: list[str] = []
+
+    @app.job(name="cancel.async_waiter", lease=1, retries=3, backoff=0.01)
+    async def waiter() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            saw.append("CancelledError")
+            raise
+
+    handle = waiter.enqueue()
+    with worker_factory():
+        assert started.wait(10)
+        result = handle.cancel()
+        assert (result.previous_state, result.state) == ("running", "running")
+        wait_until(lambda: handle.status() is JobState.CANCELLED, what="the job to be cancelled")
+        with pytest.raises(errands.JobCancelled):
+            handle.result(timeout=1)
+
+    assert saw == ["CancelledError"]
+    job = handle.job()
+    assert job.attempt == 1
+    assert job.finished_at is not None
+
+
+def test_cancelling_a_running_sync_job_sets_ctx_cancelled_and_it_never_runs_again_even_if_it_raises(
+    app: errands.App, worker_factory
+) -> None:
+    started = threading.Event()
+    runs: list[int] = []
+    reasons: list[str] = []
+
+    @app.job(name="cancel.sync_poller", lease=1, retries=3, backoff=0.01)
+    def poller(ctx: errands.Context) -> None:
+        runs.append(ctx.attempt)
+        started.set()
+        for _ in range(1000):
+            if ctx.cancelled:
+                reasons.append(ctx.cancel_reason)
+                # a handler that reacts by raising would normally be retried
+                raise RuntimeError("stopped half-way")
+            threading.Event().wait(0.01)
+
+    @app.job(name="cancel.sentinel")
+    def sentinel() -> str:
+        return "done"
+
+    handle = poller.enqueue()
+    with worker_factory():
+        assert started.wait(10)
+        assert handle.cancel().state == "running"
+        wait_until(lambda: handle.status() is JobState.CANCELLED, what="the job to be cancelled")
+        # the retry's backoff (0.01 s) is long over once the worker has run another job
+        assert sentinel.enqueue().result(timeout=10) == "done"
+        assert handle.status() is JobState.CANCELLED
+
+    assert runs == [1]
+    assert reasons == ["cancelled"]
+    assert handle.job().attempt == 1
+
+
+def test_async_job_that_swallows_its_cancellation_and_raises_never_runs_again(
+    app: errands.App, worker_factory
+) -> None:
+    started = threading.Event()
+    runs: list[int] = []
+
+    @app.job(name="cancel.async_stubborn", lease=1, retries=3, backoff=0.01)
+    async def stubborn(ctx: errands.Context) -> None:
+        runs.append(ctx.attempt)
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed while stopping") from None
+
+    @app.job(name="cancel.async_sentinel")
+    async def sentinel() -> str:
+        return "done"
+
+    handle = stubborn.enqueue()
+    with worker_factory():
+        assert started.wait(10)
+        handle.cancel()
+        wait_until(lambda: handle.status() is JobState.CANCELLED, what="the job to be cancelled")
+        assert sentinel.enqueue().result(timeout=10) == "done"
+
+    assert runs == [1]
+    assert handle.status() is JobState.CANCELLED

@@ -1,0 +1,268 @@
+"""Leases, fencing, rescue and poison jobs, in-process (DESIGN §3, F1, F5, F11, F12).
+
+Lease loss is forced: the test moves a running job's ``lease_expires_at`` into the past and
+rescues it with its own rescuer, as the maintenance leader would after a worker paused for
+longer than its lease. The stale attempt's handler is still running when that happens.
+"""
+
+import threading
+
+import pytest
+
+import errands
+from errands import JobState
+from errands.maintenance.service import Maintenance
+
+from .helpers import claim_as_dead_worker, expire_lease, force_rescue, raw_row, wait_until
+
+
+def test_stale_completion_after_lease_loss_is_rejected_and_the_job_completes_exactly_once(
+    app: errands.App, worker_factory
+) -> None:
+    release_first = threading.Event()
+    runs: list[int] = []
+    first_saw: dict[str, object] = {}
+
+    @app.job(name="lease.duplicate", lease=1, retries=3, backoff=0.05)
+    def duplicate(ctx: errands.Context) -> int:
+        runs.append(ctx.attempt)
+        if ctx.attempt == 1:
+            for _ in range(1000):  # "paused" past its lease, until the worker says stop
+                if ctx.cancelled:
+                    first_saw["reason"] = ctx.cancel_reason
+                    break
+                threading.Event().wait(0.01)
+            release_first.wait(10)  # then hold on until attempt 2 has completed
+        return ctx.attempt
+
+    handle = duplicate.enqueue()
+    with worker_factory(concurrency=2, maintenance=False) as worker:
+        wait_until(lambda: runs == [1], what="attempt 1 to start")
+        stale = force_rescue(app, handle.id)
+        # duplicate delivery: the same worker claims the job again and completes it
+        assert handle.result(timeout=10) == 2
+        # the stale handler is told by the next heartbeat that its lease is gone
+        wait_until(lambda: first_saw, what="the stale handler to be told to stop")
+        release_first.set()
+        wait_until(lambda: worker.completer.stale_rejected == 1, what="the stale write")
+
+    assert runs == [1, 2]
+    assert first_saw == {"reason": "lease lost"}
+    job = handle.job()
+    assert job.state is JobState.COMPLETED
+    assert job.attempt == 2
+    assert job.result == 2  # attempt 1's late "1" was not written over it
+    assert job.rescues == 1
+    [lost] = job.errors
+    assert (lost.type, lost.attempt, lost.worker) == ("WorkerLost", 1, worker.id)
+    assert raw_row(app, handle.id).lease_token is None
+    assert stale.lease_token is not None
+
+
+def test_stale_attempt_finishing_first_does_not_drop_the_newer_attempts_lease(
+    app: errands.App, worker_factory
+) -> None:
+    """Attempt 1 (stale) returns while attempt 2 of the same job runs in the same worker.
+
+    Attempt 2 must keep its heartbeat: if it lost it, the maintenance leader would rescue
+    it after its 1 s lease and run the job a third time.
+    """
+    release_first = threading.Event()
+    release_second = threading.Event()
+    runs: list[int] = []
+
+    @app.job(name="lease.overlap", lease=1, retries=5, backoff=0.05)
+    def overlap(ctx: errands.Context) -> int:
+        runs.append(ctx.attempt)
+        (release_first if ctx.attempt == 1 else release_second).wait(10)
+        return ctx.attempt
+
+    handle = overlap.enqueue()
+    with worker_factory(concurrency=2) as worker:
+        wait_until(lambda: runs == [1], what="attempt 1 to start")
+        force_rescue(app, handle.id)
+        wait_until(lambda: runs == [1, 2], what="attempt 2 to start")
+        release_first.set()
+        wait_until(lambda: worker.completer.stale_rejected == 1, what="the stale write")
+        # attempt 2 runs on for more than two of its leases; the leader rescues expired ones
+        wait_until(lambda: worker.maintenance and worker.maintenance.is_leader)
+        threading.Event().wait(2.5)
+        row = raw_row(app, handle.id)
+        assert (row.state, row.attempt, row.rescues) == ("running", 2, 1)
+        release_second.set()
+        assert handle.result(timeout=10) == 2
+
+    assert runs == [1, 2]
+    job = handle.job()
+    assert job.rescues == 1
+    assert [e.attempt for e in job.errors] == [1]
+
+
+def test_worker_whose_lease_was_lost_stops_its_handler_and_its_write_is_rejected(
+    app: errands.App, worker_factory
+) -> None:
+    runs: list[int] = []
+    reasons: list[str] = []
+
+    @app.job(name="lease.polite", lease=1, retries=3, backoff=0.05)
+    def polite(ctx: errands.Context) -> int:
+        runs.append(ctx.attempt)
+        if ctx.attempt == 1:
+            for _ in range(1000):
+                if ctx.cancelled:
+                    reasons.append(ctx.cancel_reason)
+                    break
+                threading.Event().wait(0.01)
+        return ctx.attempt
+
+    handle = polite.enqueue()
+    # one slot: attempt 2 can only start once the stale attempt 1 gave it back
+    with worker_factory(concurrency=1, maintenance=False) as worker:
+        wait_until(lambda: runs == [1], what="attempt 1 to start")
+        force_rescue(app, handle.id)
+        assert handle.result(timeout=10) == 2
+
+    assert reasons == ["lease lost"]
+    assert runs == [1, 2]
+    assert worker.completer.stale_rejected == 1
+    job = handle.job()
+    assert (job.state, job.attempt, job.result) == (JobState.COMPLETED, 2, 2)
+
+
+def test_expired_lease_of_a_dead_worker_is_rescued_as_worker_lost_then_completed(
+    app: errands.App, worker_factory
+) -> None:
+    @app.job(name="lease.rescued", retries=3, backoff=lambda attempt: 0.5)
+    def rescued(ctx: errands.Context) -> int:
+        return ctx.attempt
+
+    handle = rescued.enqueue()
+    claim_as_dead_worker(app, handle.id, worker_id="dead-worker", lease=1.0)  # never finishes
+
+    states: list[JobState] = []
+
+    def finished() -> bool:
+        state = handle.status()
+        if not states or states[-1] is not state:
+            states.append(state)
+        return state.is_terminal
+
+    with worker_factory() as worker:
+        wait_until(finished, interval=0.005, what="the rescued job to finish")
+        assert worker.maintenance is not None and worker.maintenance.rescued == 1
+
+    assert states[0] is JobState.RUNNING  # held by the dead worker
+    assert JobState.RETRYABLE in states
+    assert states[-1] is JobState.COMPLETED
+    assert handle.result(timeout=1) == 2
+    job = handle.job()
+    assert job.attempt == 2
+    assert job.rescues == 1
+    [lost] = job.errors
+    assert (lost.type, lost.attempt, lost.worker) == ("WorkerLost", 1, "dead-worker")
+    assert "lost its lease on attempt 1" in lost.message
+    assert lost.traceback is None
+    # rescued to retryable with the job's own backoff
+    assert (job.run_at - lost.at).total_seconds() == pytest.approx(0.5, abs=0.01)
+
+
+def test_job_rescued_three_times_goes_dead_as_poison(app: errands.App) -> None:
+    dead: list[errands.Job] = []
+    app.on_dead(dead.append)
+
+    @app.job(name="lease.poison", retries=10, backoff=0)
+    def crashes_its_worker() -> None:
+        raise AssertionError("only dead workers hold this job")
+
+    handle = crashes_its_worker.enqueue()
+    leader = Maintenance(app, "leader")
+    for crash in range(1, 4):
+        row = claim_as_dead_worker(app, handle.id, worker_id=f"worker-{crash}")
+        assert row.attempt == crash
+        assert expire_lease(app, handle.id) == 1
+        leader.run_once()
+        assert leader.is_leader
+        assert raw_row(app, handle.id).rescues == crash
+
+    job = handle.job()
+    assert job.state is JobState.DEAD
+    assert job.attempt == 3 < job.max_attempts  # dead for being poison, not out of attempts
+    assert [e.type for e in job.errors] == ["WorkerLost"] * 3
+    assert [e.worker for e in job.errors] == ["worker-1", "worker-2", "worker-3"]
+    assert job.errors[-1].message.startswith("poison: worker died 3 times")
+    assert [j.id for j in dead] == [handle.id]
+    leader.stop()
+
+
+def test_replayed_poison_job_starts_with_a_clean_rescue_count_and_completes(
+    app: errands.App, worker_factory
+) -> None:
+    healthy = {"now": False}
+
+    @app.job(name="lease.poison_then_fixed", retries=10, backoff=0)
+    def fixed_later() -> str:
+        assert healthy["now"]
+        return "fixed"
+
+    handle = fixed_later.enqueue()
+    leader = Maintenance(app, "leader")
+    for crash in range(1, 4):
+        claim_as_dead_worker(app, handle.id, worker_id=f"worker-{crash}")
+        expire_lease(app, handle.id)
+        leader.run_once()
+    leader.stop()
+    assert handle.status() is JobState.DEAD
+
+    healthy["now"] = True
+    assert app.replay([handle.id]).matched == [handle.id]
+    assert raw_row(app, handle.id).rescues == 0
+    with worker_factory():
+        assert handle.result(timeout=10) == "fixed"
+    assert handle.job().attempt == 1
+
+
+def test_lease_expiring_on_the_last_attempt_goes_dead_as_worker_lost(app: errands.App) -> None:
+    @app.job(name="lease.last_chance", retries=0)
+    def last_chance() -> None:
+        raise AssertionError("only a dead worker holds this job")
+
+    handle = last_chance.enqueue()
+    claim_as_dead_worker(app, handle.id)
+    expire_lease(app, handle.id)
+    leader = Maintenance(app, "leader")
+    leader.run_once()
+    leader.stop()
+
+    job = handle.job()
+    assert job.state is JobState.DEAD
+    [lost] = job.errors
+    assert lost.type == "WorkerLost"
+    assert not lost.message.startswith("poison")
+    with pytest.raises(errands.JobFailed, match="WorkerLost"):
+        handle.result(timeout=1)
+
+
+def test_cancel_of_a_job_whose_worker_died_ends_cancelled_at_rescue_and_never_runs(
+    app: errands.App, worker_factory
+) -> None:
+    ran: list[int] = []
+
+    @app.job(name="lease.cancel_while_lost", retries=3, backoff=0)
+    def cancel_while_lost() -> None:
+        ran.append(1)
+
+    @app.job(name="lease.sentinel")
+    def sentinel() -> str:
+        return "done"
+
+    handle = cancel_while_lost.enqueue()
+    claim_as_dead_worker(app, handle.id, lease=1.0)
+    assert handle.cancel().state == "running"  # asked; nobody is there to stop it
+    expire_lease(app, handle.id)
+    with worker_factory() as worker:
+        wait_until(lambda: handle.status() is JobState.CANCELLED, what="rescue to cancel it")
+        assert sentinel.enqueue().result(timeout=10) == "done"
+        assert worker.maintenance is not None and worker.maintenance.rescued == 1
+
+    assert ran == []
+    assert handle.job().attempt == 1

@@ -1,0 +1,116 @@
+"""Job context on every log record, and sensitive arguments kept out of logs (DESIGN §4, §9)."""
+
+import asyncio
+import logging
+
+import pytest
+
+import errands
+
+user_log = logging.getLogger("shop.billing")
+
+
+def job_records(caplog: pytest.LogCaptureFixture, logger: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == logger]
+
+
+def fields(record: logging.LogRecord) -> tuple[object, ...]:
+    return tuple(getattr(record, f, None) for f in ("job_id", "job_name", "queue", "attempt"))
+
+
+def test_user_log_records_inside_a_sync_handler_carry_the_job_fields(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+
+    @app.job(name="log.charge", queue="billing", retries=1, backoff=0.01)
+    def charge(ctx: errands.Context, order_id: int) -> None:
+        user_log.info("charging order %s", order_id)
+        if ctx.attempt == 1:
+            raise ConnectionError("try again")
+
+    handle = charge.enqueue(order_id=7)
+    with worker_factory():
+        handle.result(timeout=10)
+    user_log.info("outside any job")
+
+    records = job_records(caplog, "shop.billing")
+    assert [r.getMessage() for r in records] == ["charging order 7"] * 2 + ["outside any job"]
+    assert [fields(r) for r in records[:2]] == [
+        (handle.id, "log.charge", "billing", 1),
+        (handle.id, "log.charge", "billing", 2),
+    ]
+    assert fields(records[2]) == (None, None, None, None)
+
+
+def test_user_log_records_inside_an_async_handler_carry_the_job_fields(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+
+    @app.job(name="log.async_refund", queue="billing")
+    async def refund(order_id: int) -> None:
+        user_log.info("refund %s: start", order_id)
+        await asyncio.sleep(0.05)  # other jobs' tasks run meanwhile on the same loop
+        user_log.info("refund %s: done", order_id)
+
+    handles = {n: refund.enqueue(order_id=n) for n in (1, 2, 3)}
+    with worker_factory(concurrency=3):
+        for handle in handles.values():
+            handle.result(timeout=10)
+
+    records = job_records(caplog, "shop.billing")
+    assert len(records) == 6
+    for record in records:
+        order_id = int(record.getMessage().split()[1].rstrip(":"))
+        assert fields(record) == (handles[order_id].id, "log.async_refund", "billing", 1)
+
+
+def test_ctx_logger_records_carry_the_job_fields(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+
+    @app.job(name="log.ctx_logger")
+    def uses_ctx_logger(ctx: errands.Context) -> None:
+        ctx.logger.info("hello from the job")
+
+    handle = uses_ctx_logger.enqueue()
+    with worker_factory():
+        handle.result(timeout=10)
+
+    [record] = [r for r in caplog.records if r.getMessage() == "hello from the job"]
+    assert fields(record) == (handle.id, "log.ctx_logger", "default", 1)
+
+
+def test_sensitive_arguments_never_appear_in_logs_or_stored_errors(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "hunter2-correct-horse"
+
+    @app.job(name="log.login", sensitive={"password"}, retries=1, backoff=0.01)
+    def login(user: str, password: str) -> None:
+        raise PermissionError(f"login refused for {user} with password {password}")
+
+    handle = login.enqueue(user="alice", password=secret)
+    with worker_factory(), pytest.raises(errands.JobFailed) as failed:
+        handle.result(timeout=10)
+
+    assert secret not in str(failed.value)
+    job = handle.job()
+    assert len(job.errors) == 2
+    for error in job.errors:
+        assert secret not in error.message
+        assert error.message == "login refused for alice with password ***"
+        assert error.traceback is not None and secret not in error.traceback
+    assert job.masked_args == {"user": "alice", "password": "***"}
+
+    errands_records = [r for r in caplog.records if r.name.startswith("errands")]
+    assert any(getattr(r, "event", "") == "errands.job.started" for r in errands_records)
+    assert any(getattr(r, "event", "") == "errands.job.dead" for r in errands_records)
+    assert secret not in caplog.text
+    for record in errands_records:
+        assert secret not in record.getMessage()
+    started = [r for r in errands_records if getattr(r, "event", "") == "errands.job.started"]
+    assert "password='***'" in started[0].getMessage()

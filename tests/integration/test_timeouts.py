@@ -1,0 +1,149 @@
+"""Handlers that run past their ``timeout=`` (DESIGN §5): retryable, and the slot is freed."""
+
+import asyncio
+import logging
+import threading
+
+import errands
+from errands import JobState
+
+from .helpers import wait_until
+
+
+def test_sync_handler_past_its_timeout_is_retryable_with_job_timeout_and_the_slot_is_freed(
+    app: errands.App, worker_factory
+) -> None:
+    let_go = threading.Event()
+    seen: dict[str, object] = {}
+
+    @app.job(name="timeout.sync_slow", timeout=0.3, retries=1, backoff=60)
+    def slow(ctx: errands.Context) -> None:
+        let_go.wait(10)  # ignores the timeout until the test lets it go
+        seen["cancelled"] = ctx.cancelled
+        seen["reason"] = ctx.cancel_reason
+
+    @app.job(name="timeout.quick")
+    def quick() -> str:
+        return "served"
+
+    handle = slow.enqueue()
+    with worker_factory(concurrency=1) as worker:
+        job = wait_until(
+            lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+            what="the slow job to time out",
+        )
+        # the only slot is free again although the overrunning thread is still inside
+        assert quick.enqueue().result(timeout=10) == "served"
+        assert not seen
+        assert worker.threads.abandoned == 1
+        let_go.set()
+        wait_until(lambda: seen, what="the abandoned handler to return")
+
+    assert seen == {"cancelled": True, "reason": "timeout"}
+    assert job.attempt == 1
+    [error] = job.errors
+    assert error.type == "JobTimeout"
+    assert error.message == "timed out after 0.3 s"
+    assert handle.status() is JobState.RETRYABLE  # its late return was not recorded
+
+
+def test_sync_handler_that_polls_ctx_cancelled_stops_at_its_timeout(
+    app: errands.App, worker_factory
+) -> None:
+    observed: list[str] = []
+
+    @app.job(name="timeout.sync_polite", timeout=0.2, retries=1, backoff=60)
+    def polite(ctx: errands.Context) -> None:
+        for _ in range(1000):
+            if ctx.cancelled:
+                observed.append(ctx.cancel_reason)
+                return
+            threading.Event().wait(0.01)
+
+    handle = polite.enqueue()
+    with worker_factory():
+        wait_until(lambda: observed, what="the handler to see ctx.cancelled")
+        wait_until(lambda: handle.status() is JobState.RETRYABLE)
+
+    assert observed == ["timeout"]
+    assert [e.type for e in handle.job().errors] == ["JobTimeout"]
+
+
+def test_async_handler_past_its_timeout_is_retryable_with_job_timeout_and_the_worker_keeps_serving(
+    app: errands.App, worker_factory
+) -> None:
+    interrupted: list[str] = []
+
+    @app.job(name="timeout.async_slow", timeout=0.3, retries=1, backoff=60)
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            interrupted.append("cancelled")
+            raise
+
+    @app.job(name="timeout.async_quick")
+    async def quick() -> str:
+        return "served"
+
+    handle = slow.enqueue()
+    with worker_factory(concurrency=1):
+        job = wait_until(
+            lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+            what="the async job to time out",
+        )
+        assert quick.enqueue().result(timeout=10) == "served"
+
+    assert interrupted == ["cancelled"]
+    assert job.attempt == 1
+    [error] = job.errors
+    assert error.type == "JobTimeout"
+    assert error.message == "timed out after 0.3 s"
+
+
+class _SlowTimeoutWarning(logging.Handler):
+    """Fault injection: delay the worker's "ran past its timeout" log line.
+
+    It widens the window between the worker telling the handler to stop and the worker
+    recording the timeout, so a handler that returns at once always falls into it.
+    """
+
+    def __init__(self, handler_returned: threading.Event) -> None:
+        super().__init__(logging.WARNING)
+        self.handler_returned = handler_returned
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "past its" in record.getMessage():
+            self.handler_returned.wait(5)
+            threading.Event().wait(0.1)  # let the returned handler's done-callback run
+
+
+def test_sync_handler_returning_as_soon_as_it_sees_its_timeout_is_still_recorded_as_timed_out(
+    app: errands.App, worker_factory
+) -> None:
+    returned = threading.Event()
+
+    @app.job(name="timeout.sync_quick_to_stop", timeout=0.2, retries=1, backoff=60)
+    def quick_to_stop(ctx: errands.Context) -> str:
+        while not ctx.cancelled:
+            threading.Event().wait(0.005)
+        returned.set()
+        return "partial work"
+
+    slow_log = _SlowTimeoutWarning(returned)
+    worker_log = logging.getLogger("errands.worker")
+    worker_log.addHandler(slow_log)
+    try:
+        handle = quick_to_stop.enqueue()
+        with worker_factory():
+            job = wait_until(
+                lambda: (j := handle.job()).state.value in ("retryable", "completed") and j,
+                what="the attempt to be recorded",
+            )
+    finally:
+        worker_log.removeHandler(slow_log)
+
+    assert returned.is_set()
+    assert job.state is JobState.RETRYABLE, f"recorded as {job.state.value}: {job.result!r}"
+    assert [e.type for e in job.errors] == ["JobTimeout"]
+    assert job.result is None
