@@ -10,7 +10,36 @@ from errands import JobState
 from .helpers import wait_until
 
 
-def test_sync_handler_past_its_timeout_is_retryable_with_job_timeout_and_the_slot_is_freed(
+def test_sync_handler_past_its_timeout_is_interrupted_and_retryable_with_job_timeout(
+    app: errands.App, worker_factory
+) -> None:
+    cleaned_up: list[bool] = []
+
+    @app.job(name="timeout.sync_busy", timeout=0.2, retries=1, backoff=60)
+    def busy() -> None:
+        try:
+            while True:  # pure-Python work that never looks at ctx.cancelled
+                sum(range(100))
+        finally:
+            cleaned_up.append(True)
+
+    handle = busy.enqueue()
+    with worker_factory(concurrency=1) as worker:
+        job = wait_until(
+            lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+            what="the busy job to be interrupted",
+        )
+        assert worker.threads.abandoned == 0
+
+    assert cleaned_up == [True]  # the interrupt ran its finally block
+    assert job.attempt == 1
+    [error] = job.errors
+    assert error.type == "JobTimeout"
+    assert error.message == "timed out after 0.2 s"
+    assert "HandlerInterrupt" in (error.traceback or "")  # where it was stopped
+
+
+def test_sync_handler_blocked_past_its_timeout_is_abandoned_and_its_slot_freed(
     app: errands.App, worker_factory
 ) -> None:
     let_go = threading.Event()
@@ -18,7 +47,7 @@ def test_sync_handler_past_its_timeout_is_retryable_with_job_timeout_and_the_slo
 
     @app.job(name="timeout.sync_slow", timeout=0.3, retries=1, backoff=60)
     def slow(ctx: errands.Context) -> None:
-        let_go.wait(10)  # ignores the timeout until the test lets it go
+        let_go.wait(10)  # blocked in C: neither ctx.cancelled nor the interrupt reach it
         seen["cancelled"] = ctx.cancelled
         seen["reason"] = ctx.cancel_reason
 
@@ -27,10 +56,10 @@ def test_sync_handler_past_its_timeout_is_retryable_with_job_timeout_and_the_slo
         return "served"
 
     handle = slow.enqueue()
-    with worker_factory(concurrency=1) as worker:
+    with worker_factory(concurrency=1, abandon_after=0.5) as worker:
         job = wait_until(
             lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
-            what="the slow job to time out",
+            what="the slow job to be abandoned",
         )
         # the only slot is free again although the overrunning thread is still inside
         assert quick.enqueue().result(timeout=10) == "served"
@@ -43,7 +72,7 @@ def test_sync_handler_past_its_timeout_is_retryable_with_job_timeout_and_the_slo
     assert job.attempt == 1
     [error] = job.errors
     assert error.type == "JobTimeout"
-    assert error.message == "timed out after 0.3 s"
+    assert error.message.startswith("timed out after 0.3 s; the handler ignored the interrupt")
     assert handle.status() is JobState.RETRYABLE  # its late return was not recorded
 
 

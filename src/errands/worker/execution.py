@@ -54,6 +54,9 @@ class Attempt:
     task: asyncio.Task[Any] | None = None
     decided: bool = False
     released: bool = False
+    timed_out: bool = False
+    timeout_at: float = 0.0  # monotonic time the timeout fired
+    interrupted: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,14 +1,18 @@
 """Where handlers run: a thread pool for plain functions, an event loop for ``async def``.
 
-The thread pool can *abandon* a thread whose handler overran its timeout: Python cannot
-kill a thread, so the pool starts a replacement and lets the stuck one retire whenever
-its handler returns. Capacity stays constant; the stuck thread holds no slot.
+A handler thread past its timeout is first *interrupted*: :class:`HandlerInterrupt` is
+raised inside it asynchronously (``PyThreadState_SetAsyncExc``), which stops pure-Python
+code at its next bytecode and runs its ``finally`` blocks; code blocked in a C call (a
+long ``time.sleep``, a socket read) sees it only when that call returns. A thread that
+still has not stopped can be *abandoned*: Python cannot kill a thread, so the pool starts
+a replacement and lets the stuck one retire whenever its handler returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import queue
 import threading
@@ -19,6 +23,17 @@ from typing import Any
 log = logging.getLogger("errands.worker")
 
 _STOP = object()
+
+
+class HandlerInterrupt(BaseException):
+    """Raised inside a handler thread to stop it (timeout). A BaseException, so a handler's
+    ``except Exception`` does not swallow it; its ``finally`` blocks still run."""
+
+
+def _raise_in_thread(ident: int, exc_type: type[BaseException] | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(exc_type) if exc_type else None
+    )
 
 
 class ThreadRunner:
@@ -44,34 +59,63 @@ class ThreadRunner:
         thread.start()
 
     def _loop(self) -> None:
-        me = threading.get_ident()
         while True:
-            item = self._queue.get()
-            if item is _STOP:
-                break
-            future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            with self._lock:
-                self._running[me] = future
             try:
-                future.set_result(fn())
-            except BaseException as exc:  # the handler's failure is the future's result
-                future.set_exception(exc)
-            finally:
-                with self._lock:
-                    self._running.pop(me, None)
-                    retire = me in self._retire
-                    self._retire.discard(me)
-            if retire:
-                break
+                if not self._step():
+                    break
+            except HandlerInterrupt:  # delivered just after its handler ended: nothing to stop
+                continue
         with self._lock:
             self._threads.discard(threading.current_thread())
+
+    def _step(self) -> bool:
+        """Run one call; False when this thread should end."""
+        me = threading.get_ident()
+        item = self._queue.get()
+        if item is _STOP:
+            return False
+        future, fn = item
+        if not future.set_running_or_notify_cancel():
+            return True
+        with self._lock:
+            self._running[me] = future
+        outcome: tuple[bool, Any]
+        try:
+            try:
+                outcome = (True, fn())
+            except BaseException as exc:  # the handler's failure is the future's result
+                outcome = (False, exc)
+            with self._lock:  # no interrupt can be aimed at this thread once popped
+                self._running.pop(me, None)
+                _raise_in_thread(me, None)  # drop one aimed too late
+                retire = me in self._retire
+                self._retire.discard(me)
+        except HandlerInterrupt as late:  # landed between the handler's end and the pop
+            with self._lock:
+                self._running.pop(me, None)
+                retire = me in self._retire
+                self._retire.discard(me)
+            outcome = (False, late)
+        if not future.done():
+            if outcome[0]:
+                future.set_result(outcome[1])
+            else:
+                future.set_exception(outcome[1])
+        return not retire
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
         future: Future[Any] = Future()
         self._queue.put((future, fn))
         return future
+
+    def interrupt(self, future: Future[Any]) -> bool:
+        """Raise HandlerInterrupt inside the thread running ``future``; False if none is."""
+        with self._lock:
+            for ident, running in self._running.items():
+                if running is future:
+                    _raise_in_thread(ident, HandlerInterrupt)
+                    return True
+        return False
 
     def abandon(self, future: Future[Any]) -> None:
         """Give up on a running call: its thread retires when it returns; a new one replaces it."""

@@ -83,7 +83,11 @@ class Supervisor:
 
 
 def child_command(argv: Sequence[str]) -> list[str]:
-    """This process's command line without ``--processes N`` (or ``--processes=N``)."""
+    """This process's command line without ``--processes N`` (or ``--processes=N``).
+
+    It ends with ``--processes 1`` (the last value wins), so a spelling the filter misses,
+    such as ``-p2``, can never make a child a supervisor of its own children in turn.
+    """
     out: list[str] = []
     skip = False
     for arg in argv:
@@ -96,4 +100,4 @@ def child_command(argv: Sequence[str]) -> list[str]:
         if arg.startswith("--processes="):
             continue
         out.append(arg)
-    return [sys.executable, "-m", "errands", *out]
+    return [sys.executable, "-m", "errands", *out, "--processes", "1"]

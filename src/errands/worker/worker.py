@@ -47,6 +47,8 @@ CONCURRENCY_DEFAULT = 10
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 RECHECK_AFTER_NOTIFY = 0.02
+ABANDON_AFTER_DEFAULT = 10.0
+INTERRUPT_AFTER = 1.0
 EXIT_NOW_CODE = 1
 
 
@@ -94,6 +96,7 @@ class Worker:
         maintenance: bool = True,
         maintenance_tick: float | None = None,
         worker_id: str | None = None,
+        abandon_after: float = ABANDON_AFTER_DEFAULT,
     ) -> None:
         self.app = app
         self.id = worker_id or f"w-{secrets.token_hex(4)}"
@@ -115,6 +118,7 @@ class Worker:
         if grace < 0 or poll_interval <= 0:
             raise ConfigurationError("grace must be >= 0 and poll_interval > 0")
         self.grace = grace
+        self.abandon_after = abandon_after
         self.poll_interval = poll_interval
         # keyed by (job id, lease token): after a lease loss the same worker may run a newer
         # attempt of a job while the stale one is still inside its handler
@@ -346,26 +350,59 @@ class Worker:
             return
         exc = future.exception()
         result = None if exc is not None else future.result()
+        if attempt.timed_out:
+            # Past its deadline, whatever it did next (returned early on ctx.cancelled,
+            # or unwound from the interrupt) is a timeout, never a completion.
+            timeout = JobTimeout(f"timed out after {attempt.row.timeout or 0:g} s")
+            timeout.__cause__ = exc
+            exc, result = timeout, None
         self._decided(attempt, exc, result)
 
     def _timeout(self, attempt: Attempt) -> None:
+        """A sync handler's deadline passed: stop it in three steps, gentlest first.
+
+        1. at the timeout: ``ctx.cancelled`` turns true (a cooperative handler returns);
+        2. ``INTERRUPT_AFTER`` later: HandlerInterrupt is raised inside its thread;
+        3. ``abandon_after`` after the timeout: the timeout is recorded and the thread,
+           blocked in some C call, is left to finish alone.
+
+        Until then the attempt keeps its slot and its heartbeated lease, so its retry can
+        never run beside it; whatever the handler does after its deadline is recorded as
+        a timeout, never as a completion.
+        """
         timeout = attempt.row.timeout or 0
         if attempt.definition is None or attempt.definition.is_async:
-            attempt.interrupt("timeout", self.loop)
+            attempt.interrupt("timeout", self.loop)  # asyncio.wait_for does the rest
             return
-        # Decide the outcome *before* telling the handler: a handler that sees
-        # ctx.cancelled and returns at once must not be recorded as completed.
-        if not self._decided(attempt, JobTimeout(f"timed out after {timeout:g} s"), None):
-            return  # it finished just in time
-        attempt.interrupt("timeout", self.loop)
-        if attempt.future is not None:
-            self.threads.abandon(attempt.future)
-        log.warning(
-            "job %s ran past its %g s timeout; its thread is abandoned (check "
-            "ctx.cancelled in long sync handlers)",
-            attempt.id,
-            timeout,
+        now = time.monotonic()
+        if not attempt.timed_out:
+            attempt.timed_out = True
+            attempt.timeout_at = now
+            attempt.interrupt("timeout", self.loop)
+            attempt.deadline = now + min(INTERRUPT_AFTER, self.abandon_after)
+            log.warning(
+                "job %s ran past its %g s timeout; asking its handler to stop", attempt.id, timeout
+            )
+            return
+        if not attempt.interrupted and now < attempt.timeout_at + self.abandon_after:
+            attempt.interrupted = True
+            if attempt.future is not None:
+                self.threads.interrupt(attempt.future)
+            attempt.deadline = attempt.timeout_at + self.abandon_after
+            log.warning("job %s is still running past its timeout; interrupting it", attempt.id)
+            return
+        attempt.deadline = None
+        error = JobTimeout(
+            f"timed out after {timeout:g} s; the handler ignored the interrupt for "
+            f"{self.abandon_after:g} s and was abandoned (it may still be running)"
         )
+        if self._decided(attempt, error, None) and attempt.future is not None:
+            self.threads.abandon(attempt.future)
+            log.error(
+                "job %s: handler did not stop %g s after its timeout; thread abandoned",
+                attempt.id,
+                self.abandon_after,
+            )
 
     def _decided(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
         """The attempt's outcome is known: free its slot and hand the write to the completer.

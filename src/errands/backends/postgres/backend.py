@@ -581,6 +581,8 @@ class PostgresBackend:
 
     # -- wake-ups --------------------------------------------------------------------------
     def listener(self, on_queue: Callable[[str], None]) -> Any:
+        if not self.config.listen:  # listen=false: polling alone (e.g. behind PgBouncer)
+            return None
         from .notifier import Notifier
 
         return Notifier(self.config.conninfo, self.channel, on_queue)

@@ -21,6 +21,7 @@ OPTIONS = {
     "auto_migrate": "apply migrations when the app first connects (default false)",
     "prepare": "server-side prepared statements: true (default) or false for PgBouncer < 1.21",
     "notify_window": "seconds within which one process sends at most one NOTIFY per queue",
+    "listen": "workers LISTEN for new jobs: true (default), or false to rely on polling alone",
 }
 
 
@@ -32,6 +33,7 @@ class PostgresConfig:
     auto_migrate: bool
     prepare: bool
     notify_window: float
+    listen: bool
     display: str  # the URL without a password, for messages
 
 
@@ -81,6 +83,7 @@ def parse_postgres_url(url: str) -> PostgresConfig:
         auto_migrate=_flag("auto_migrate", ours.get("auto_migrate", "false")),
         prepare=_flag("prepare", ours.get("prepare", "true")),
         notify_window=notify_window,
+        listen=_flag("listen", ours.get("listen", "true")),
         display=urlunsplit(
             ("postgresql", netloc_display, parts.path, urlencode(sorted(ours.items())), "")
         ),
