@@ -22,6 +22,8 @@ from .definition import BoundJob, JobDefinition, check_name, seconds
 from .errors import ConfigurationError, InvalidTransition, JobNotFound
 from .handle import JobHandle
 from .jobs import Job, parse_state
+from .observability.events import EventBus
+from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
 from .retry import BackoffPolicy
 
@@ -72,6 +74,8 @@ class App:
         self.poison_after = poison_after
         self.registry: dict[str, JobDefinition[Any, Any]] = {}
         self.dead_hooks: list[DeadHook] = []
+        self.events = EventBus()
+        self.events.subscribe(log_event)
         self._backend: Backend | None = None
         self._backend_lock = threading.Lock()
 
@@ -197,16 +201,19 @@ class App:
             return []
         results = self.backend.job_insert_many([b.request for b in jobs], conn=conn)
         handles = []
+        emit = self.events.emit
         for bound, result in zip(jobs, results, strict=True):
-            log.debug(
-                "enqueued job %s %s on %s%s",
-                result.id,
-                bound.request.name,
-                bound.request.queue,
-                " (deduplicated)" if result.deduplicated else "",
-                extra={"event": "errands.job.enqueued", "job_id_enqueued": result.id},
+            request = bound.request
+            emit(
+                "errands.job.enqueued",
+                job_id=result.id,
+                job_name=request.name,
+                queue=request.queue,
+                attempt=0,
+                deduplicated=result.deduplicated,
+                meta=request.meta,
             )
-            handles.append(JobHandle(self, result.id, bound.request.name, result.deduplicated))
+            handles.append(JobHandle(self, result.id, request.name, result.deduplicated))
         return handles
 
     # -- reading -------------------------------------------------------------------------
@@ -260,7 +267,7 @@ class App:
         result = self.backend.job_replay(params)
         if not dry_run:
             for job_id in result.matched:
-                log.warning("job %s replayed from the dead-letter queue by %s", job_id, actor)
+                self.events.emit("errands.job.replayed", job_id=job_id, actor=actor)
         return result
 
     def discard(
@@ -290,12 +297,19 @@ class App:
         result = self.backend.job_discard(params)
         if not dry_run:
             for job_id in result.matched:
-                log.warning("job %s discarded by %s: %s", job_id, actor, reason)
+                self.events.emit("errands.job.discarded", job_id=job_id, actor=actor, reason=reason)
         return result
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""
-        return self.backend.job_cancel(int(job_id), actor)
+        result = self.backend.job_cancel(int(job_id), actor)
+        self.events.emit(
+            "errands.job.cancel_requested",
+            job_id=result.id,
+            actor=actor,
+            previous_state=result.previous_state,
+        )
+        return result
 
     @staticmethod
     def _check_selection(params: ActionParams, verb: str) -> None:

@@ -77,6 +77,7 @@ class HeartbeatResult:
 class ExpiredLease:
     id: int
     name: str
+    queue: str
     lease_token: str
     attempt: int
     max_attempts: int

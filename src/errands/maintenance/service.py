@@ -76,6 +76,7 @@ class Maintenance:
             except Exception as exc:
                 log.warning("could not resign leadership (%s); it expires in %.0f s", exc, self.ttl)
             self.is_leader = False
+            self.app.events.emit("errands.leader.resigned", worker_id=self.worker_id)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -90,10 +91,9 @@ class Maintenance:
         was_leader = self.is_leader
         self.is_leader = backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
         if self.is_leader != was_leader:
-            log.info(
-                "worker %s %s the maintenance leader",
-                self.worker_id,
-                "is now" if self.is_leader else "is no longer",
+            self.app.events.emit(
+                "errands.leader.elected" if self.is_leader else "errands.leader.resigned",
+                worker_id=self.worker_id,
             )
         if not self.is_leader:
             return
@@ -109,6 +109,7 @@ class Maintenance:
         if not expired:
             return 0
         plans: list[RescueParams] = []
+        by_id = {lease.id: lease for lease in expired}
         for lease in expired:
             definition = self.app.registry.get(lease.name)
             rescues = lease.rescues + 1
@@ -142,22 +143,31 @@ class Maintenance:
             if not ok:
                 continue  # its heartbeat landed first, or another rescuer won
             count += 1
+            lease = by_id[plan.id]
+            fields = {
+                "job_id": lease.id,
+                "job_name": lease.name,
+                "queue": lease.queue,
+                "attempt": lease.attempt,
+                "max_attempts": lease.max_attempts,
+            }
+            self.app.events.emit(
+                "errands.job.rescued",
+                **fields,
+                state=plan.state,
+                reason=plan.error["message"],
+                worker=lease.lease_owner,
+            )
             if plan.state == "dead":
-                log.error(
-                    "job %s is dead: %s",
-                    plan.id,
-                    plan.error["message"],
-                    extra={"event": "errands.job.dead", "job_id": plan.id},
+                self.app.events.emit(
+                    "errands.job.dead",
+                    **fields,
+                    duration=None,
+                    error_type=plan.error["type"],
+                    error_message=plan.error["message"],
+                    reason=plan.error["kind"],
                 )
                 self.app.run_dead_hooks(plan.id)
-            else:
-                log.warning(
-                    "job %s rescued (%s): %s",
-                    plan.id,
-                    plan.state,
-                    plan.error["message"],
-                    extra={"event": "errands.job.rescued", "job_id": plan.id},
-                )
         self.rescued += count
         return count
 

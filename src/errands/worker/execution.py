@@ -54,6 +54,7 @@ class Attempt:
     task: asyncio.Task[Any] | None = None
     decided: bool = False
     released: bool = False
+    ended: float = 0.0  # monotonic time the outcome was decided
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired
     interrupted: bool = False

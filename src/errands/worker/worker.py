@@ -171,12 +171,12 @@ class Worker:
             self.listener.start()
         if self.maintenance:
             self.maintenance.start()
-        log.info(
-            "worker %s started: queues %s, concurrency %d, store %s",
-            self.id,
-            ", ".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
-            self.concurrency,
-            self.app.url,
+        self.app.events.emit(
+            "errands.worker.started",
+            worker_id=self.id,
+            queues=", ".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
+            concurrency=self.concurrency,
+            store=self.app.url,
         )
         try:
             self._produce()
@@ -292,14 +292,15 @@ class Worker:
             kwargs[definition.payload.context_param] = attempt.ctx
         timeout = row.timeout
         log_ctx = JobLogContext(row.id, row.name, row.queue, row.attempt)
-        if log.isEnabledFor(logging.INFO):
-            with job_context(log_ctx):
-                log.info(
-                    "started %s(%s)",
-                    row.name,
-                    _short_args(mask(attempt.kwargs, definition.sensitive)),
-                    extra={"event": "errands.job.started"},
-                )
+        info = self._job_fields(row)
+        self.app.events.emit(
+            "errands.job.started",
+            **info,
+            args=mask(attempt.kwargs, definition.sensitive),
+            queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
+            meta=row.meta,
+        )
+        events = self.app.events
         if definition.is_async:
             if self.loop_runner is None:
                 self.loop_runner = LoopRunner()
@@ -313,7 +314,7 @@ class Worker:
             fn = definition.fn
 
             def call() -> Any:
-                with job_context(log_ctx):
+                with job_context(log_ctx), events.around_handler({**info, "meta": row.meta}):
                     return fn(**kwargs)
 
             future = self.threads.submit(call)
@@ -331,7 +332,8 @@ class Worker:
         attempt.task = asyncio.current_task()
         if attempt.ctx is not None and attempt.ctx.cancelled:  # stopped before it began
             raise Interrupted(attempt.ctx.cancel_reason)
-        with job_context(log_ctx):
+        info = {**self._job_fields(attempt.row), "meta": attempt.row.meta}
+        with job_context(log_ctx), self.app.events.around_handler(info):
             try:
                 if timeout:
                     return await asyncio.wait_for(fn(**kwargs), timeout)
@@ -411,6 +413,7 @@ class Worker:
         """
         if attempt.released or not attempt.decide():
             return False
+        attempt.ended = time.monotonic()
         result_json = None
         if exc is None and attempt.definition is not None:
             try:
@@ -427,51 +430,50 @@ class Worker:
         self.completer.submit(attempt, outcome)
         return True
 
+    @staticmethod
+    def _job_fields(row: JobRow) -> dict[str, Any]:
+        return {
+            "job_id": row.id,
+            "job_name": row.name,
+            "queue": row.queue,
+            "attempt": row.attempt,
+            "max_attempts": row.max_attempts,
+        }
+
     def _on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
         with self._lock:
             self._attempts.pop((attempt.id, attempt.token), None)
         self.processed += 1
-        row = attempt.row
-        ctx = JobLogContext(row.id, row.name, row.queue, row.attempt)
-        with job_context(ctx):
-            if not accepted:
-                log.warning(
-                    "stale write rejected: job %s is no longer held by this attempt (lease "
-                    "lost or job cancelled); the %s outcome was not recorded",
-                    row.id,
-                    outcome.state,
-                    extra={"event": "errands.job.stale_write_rejected"},
-                )
-                return
-            elapsed = time.monotonic() - attempt.started
-            error = outcome.error or {}
-            if outcome.state == "completed":
-                log.info(
-                    "completed in %.3f s",
-                    elapsed,
-                    extra={"event": "errands.job.completed", "duration": elapsed},
-                )
-            elif outcome.state == "retryable":
-                log.warning(
-                    "failed, retrying in %.1f s (attempt %d of %d): %s: %s",
-                    outcome.delay,
-                    row.attempt,
-                    row.max_attempts,
-                    error.get("type"),
-                    error.get("message"),
-                    extra={"event": "errands.job.retrying", "delay": outcome.delay},
-                )
-            elif outcome.state == "cancelled":
-                log.info("cancelled", extra={"event": "errands.job.cancelled"})
-            else:
-                log.error(
-                    "dead after %d attempt(s), moved to the dead-letter queue: %s: %s",
-                    row.attempt,
-                    error.get("type"),
-                    error.get("message"),
-                    extra={"event": "errands.job.dead"},
-                )
-                self.app.run_dead_hooks(row.id)
+        fields = self._job_fields(attempt.row)
+        emit = self.app.events.emit
+        if not accepted:
+            emit("errands.job.stale_write_rejected", **fields, outcome=outcome.state)
+            return
+        duration = (attempt.ended or time.monotonic()) - attempt.started
+        error = outcome.error or {}
+        if outcome.state == "completed":
+            emit("errands.job.completed", **fields, duration=duration)
+        elif outcome.state == "retryable":
+            emit(
+                "errands.job.retrying",
+                **fields,
+                duration=duration,
+                delay=outcome.delay,
+                error_type=error.get("type"),
+                error_message=error.get("message"),
+            )
+        elif outcome.state == "cancelled":
+            emit("errands.job.cancelled", **fields, duration=duration)
+        else:
+            emit(
+                "errands.job.dead",
+                **fields,
+                duration=duration,
+                error_type=error.get("type"),
+                error_message=error.get("message"),
+                reason=error.get("kind"),
+            )
+            self.app.run_dead_hooks(attempt.row.id)
 
     # -- stopping ----------------------------------------------------------------------
     def _shutdown(self) -> None:
@@ -497,6 +499,11 @@ class Worker:
                     "(attempt not charged)",
                     sum(released),
                 )
+                for attempt, ok in zip(leftover, released, strict=True):
+                    if ok:
+                        self.app.events.emit(
+                            "errands.job.released", **self._job_fields(attempt.row)
+                        )
             except Exception:
                 log.exception("could not release running jobs; they are rescued after their lease")
             with self._lock:
@@ -511,15 +518,10 @@ class Worker:
         self.threads.shutdown()
         if self.loop_runner:
             self.loop_runner.shutdown()
-        log.info("worker %s stopped after %d job(s)", self.id, self.processed)
+        self.app.events.emit("errands.worker.stopped", worker_id=self.id, processed=self.processed)
 
     def stuck_threads(self) -> int:
         """Handler threads that ignored a timeout or shutdown and still run."""
         return self.threads.stuck() + sum(
             1 for a in self.attempts() if a.released and a.future and not a.future.done()
         )
-
-
-def _short_args(args: dict[str, Any], limit: int = 200) -> str:
-    text = ", ".join(f"{k}={v!r}" for k, v in args.items())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -413,8 +413,8 @@ class PostgresBackend:
             rows = conn.execute(self.q["job_list_expired"], {"limit": limit}).fetchall()
         return [
             ExpiredLease(
-                id=r[0], name=r[1], lease_token=r[2], attempt=r[3], max_attempts=r[4],
-                rescues=r[5], cancel_requested=bool(r[6]), lease_owner=r[7],
+                id=r[0], name=r[1], queue=r[2], lease_token=r[3], attempt=r[4],
+                max_attempts=r[5], rescues=r[6], cancel_requested=bool(r[7]), lease_owner=r[8],
             )
             for r in rows
         ]  # fmt: skip

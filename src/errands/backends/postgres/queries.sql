@@ -136,7 +136,8 @@ RETURNING l.owner
 DELETE FROM {schema}.errands_leaders WHERE name = %(name)s AND owner = %(owner)s
 
 -- name: job_list_expired
-SELECT id, name, lease_token, attempt, max_attempts, rescues, cancel_requested, lease_owner
+SELECT id, name, queue, lease_token, attempt, max_attempts, rescues, cancel_requested,
+       lease_owner
 FROM {schema}.errands_jobs
 WHERE state = 'running' AND lease_expires_at < now()
 ORDER BY lease_expires_at

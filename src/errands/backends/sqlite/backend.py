@@ -452,12 +452,13 @@ class SQLiteBackend:
             ExpiredLease(
                 id=r[0],
                 name=r[1],
-                lease_token=r[2],
-                attempt=r[3],
-                max_attempts=r[4],
-                rescues=r[5],
-                cancel_requested=bool(r[6]),
-                lease_owner=r[7],
+                queue=r[2],
+                lease_token=r[3],
+                attempt=r[4],
+                max_attempts=r[5],
+                rescues=r[6],
+                cancel_requested=bool(r[7]),
+                lease_owner=r[8],
             )
             for r in rows
         ]

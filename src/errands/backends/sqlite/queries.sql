@@ -90,7 +90,8 @@ RETURNING owner
 DELETE FROM errands_leaders WHERE name = :name AND owner = :owner
 
 -- name: job_list_expired
-SELECT id, name, lease_token, attempt, max_attempts, rescues, cancel_requested, lease_owner
+SELECT id, name, queue, lease_token, attempt, max_attempts, rescues, cancel_requested,
+       lease_owner
 FROM errands_jobs
 WHERE state = 'running' AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0
 ORDER BY lease_expires_at

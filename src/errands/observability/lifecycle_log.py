@@ -1,0 +1,120 @@
+"""The lifecycle log lines (DESIGN §9), written by a subscriber of the event bus."""
+
+from __future__ import annotations
+
+import logging
+
+from .events import Event
+from .logcontext import JobLogContext, job_context
+
+worker_log = logging.getLogger("errands.worker")
+maintenance_log = logging.getLogger("errands.maintenance")
+app_log = logging.getLogger("errands")
+
+
+def log_event(event: Event) -> None:
+    name = event.name
+    f = event.fields
+    job_id = f.get("job_id")
+    if job_id is not None and "job_name" in f:
+        with job_context(
+            JobLogContext(job_id, f.get("job_name", "?"), f.get("queue", "?"), f.get("attempt", 0))
+        ):
+            _log_job_event(name, f)
+    else:
+        _log_other(name, f)
+
+
+def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
+    extra = {"event": name}
+    if name == "errands.job.enqueued":
+        if app_log.isEnabledFor(logging.DEBUG):
+            dedup = " (deduplicated)" if f.get("deduplicated") else ""
+            app_log.debug("enqueued%s", dedup, extra=extra)
+    elif name == "errands.job.started":
+        if worker_log.isEnabledFor(logging.INFO):
+            worker_log.info(
+                "started %s(%s)", f["job_name"], _short_args(f.get("args")), extra=extra
+            )
+    elif name == "errands.job.completed":
+        worker_log.info("completed in %.3f s", f.get("duration", 0.0), extra=extra)
+    elif name == "errands.job.retrying":
+        worker_log.warning(
+            "failed, retrying in %.1f s (attempt %d of %d): %s: %s",
+            f.get("delay", 0.0),
+            f.get("attempt", 0),
+            f.get("max_attempts", 0),
+            f.get("error_type"),
+            f.get("error_message"),
+            extra=extra,
+        )
+    elif name == "errands.job.dead":
+        rescued = f.get("reason") in ("worker_lost", "poison")
+        where = maintenance_log if rescued else worker_log
+        where.error(
+            "dead after %d attempt(s), moved to the dead-letter queue: %s: %s",
+            f.get("attempt", 0),
+            f.get("error_type"),
+            f.get("error_message"),
+            extra=extra,
+        )
+    elif name == "errands.job.cancelled":
+        worker_log.info("cancelled", extra=extra)
+    elif name == "errands.job.stale_write_rejected":
+        worker_log.warning(
+            "stale write rejected: job %s is no longer held by this attempt (lease lost or job "
+            "cancelled); the %s outcome was not recorded",
+            f.get("job_id"),
+            f.get("outcome"),
+            extra=extra,
+        )
+    elif name == "errands.job.rescued":
+        maintenance_log.warning("rescued (%s): %s", f.get("state"), f.get("reason"), extra=extra)
+    elif name == "errands.job.released":
+        worker_log.warning("released at shutdown (attempt not charged)", extra=extra)
+
+
+def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
+    extra = {"event": name}
+    if name == "errands.job.replayed":
+        app_log.warning(
+            "job %s replayed from the dead-letter queue by %s", f["job_id"], f["actor"], extra=extra
+        )
+    elif name == "errands.job.discarded":
+        app_log.warning(
+            "job %s discarded by %s: %s", f["job_id"], f["actor"], f.get("reason"), extra=extra
+        )
+    elif name == "errands.job.cancel_requested":
+        app_log.info(
+            "job %s cancel requested by %s (was %s)",
+            f["job_id"],
+            f["actor"],
+            f.get("previous_state"),
+            extra=extra,
+        )
+    elif name == "errands.worker.started":
+        worker_log.info(
+            "worker %s started: queues %s, concurrency %d, store %s",
+            f["worker_id"],
+            f.get("queues"),
+            f.get("concurrency", 0),
+            f.get("store"),
+            extra=extra,
+        )
+    elif name == "errands.worker.stopped":
+        worker_log.info(
+            "worker %s stopped after %d job(s)", f["worker_id"], f.get("processed", 0), extra=extra
+        )
+    elif name == "errands.leader.elected":
+        maintenance_log.info("worker %s is now the maintenance leader", f["worker_id"], extra=extra)
+    elif name == "errands.leader.resigned":
+        maintenance_log.info(
+            "worker %s is no longer the maintenance leader", f["worker_id"], extra=extra
+        )
+
+
+def _short_args(args: object, limit: int = 200) -> str:
+    if not isinstance(args, dict):
+        return ""
+    text = ", ".join(f"{k}={v!r}" for k, v in args.items())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
