@@ -114,6 +114,21 @@ class QueueStats:
 
 
 @dataclass(frozen=True)
+class WorkerInfo:
+    id: str
+    host: str
+    pid: int
+    queues: str
+    concurrency: int
+    version: str
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    in_flight: int = 0
+    processed: int = 0
+    heartbeat_age: float = 0.0  # seconds since its last heartbeat, by the database clock
+
+
+@dataclass(frozen=True)
 class AuditEvent:
     id: int
     at: float
@@ -220,6 +235,17 @@ class Backend(Protocol):
     def job_discard(self, params: ActionParams) -> ActionResult: ...
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...
+
+    # -- the worker registry ------------------------------------------------------------
+    def worker_register(self, info: WorkerInfo) -> None: ...
+
+    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> None: ...
+
+    def worker_deregister(self, worker_id: str) -> None: ...
+
+    def worker_list(self) -> list[WorkerInfo]: ...
+
+    def worker_prune(self, older_than: float) -> int: ...
 
     # -- wake-ups ------------------------------------------------------------------------
     def listener(self, on_queue: Callable[[str | None], None]) -> Listener | None:

@@ -41,6 +41,7 @@ TICK_DEFAULT = 1.0
 PRUNE_INTERVAL_DEFAULT = 60.0
 RESCUE_BATCH = 500
 PRUNE_BATCH = 1000
+WORKER_FORGET_AFTER = 300.0  # seconds without a heartbeat before a worker leaves the registry
 
 
 class Maintenance:
@@ -172,6 +173,7 @@ class Maintenance:
         return count
 
     def prune(self) -> int:
+        self.app.backend.worker_prune(WORKER_FORGET_AFTER)
         if self.app.retention <= 0:
             return 0
         total = 0

@@ -72,6 +72,7 @@ class LeaseKeeper:
                 continue
             if now >= next_beat:
                 self.beat()
+                self.worker.registry_beat()
                 next_beat = time.monotonic() + self.interval
             for attempt in self.worker.attempts():
                 if (
@@ -135,3 +136,5 @@ class WorkerLike(Protocol):
     loop: asyncio.AbstractEventLoop | None
 
     def attempts(self) -> list[Attempt]: ...
+
+    def registry_beat(self) -> None: ...

@@ -21,12 +21,13 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim
+from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim, WorkerInfo
 from ..context import Context
 from ..errors import ConfigurationError, InvalidPayload, UnknownJob
 from ..jobs import JobRow
@@ -164,6 +165,7 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
         self.started_at = time.monotonic()
+        self._register()
         self.completer.start()
         self.leases.start()
         self.listener = self.app.backend.listener(self._on_notify)
@@ -183,6 +185,32 @@ class Worker:
         finally:
             self._shutdown()
         return 0
+
+    def _register(self) -> None:
+        from .. import __version__
+
+        try:
+            self.app.backend.worker_register(
+                WorkerInfo(
+                    id=self.id,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    queues=",".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
+                    concurrency=self.concurrency,
+                    version=__version__,
+                )
+            )
+        except Exception:
+            log.exception("could not register this worker; it runs unlisted")
+
+    def registry_beat(self) -> None:
+        """Tell the registry this worker is alive (dashboard and status show it)."""
+        try:
+            with self._lock:
+                in_flight = self.concurrency - self._free
+            self.app.backend.worker_heartbeat(self.id, in_flight, self.processed)
+        except Exception as exc:
+            log.debug("worker registry heartbeat failed: %s", exc)
 
     def stop(self) -> None:
         """Begin a graceful stop (what the first SIGTERM does)."""
@@ -518,6 +546,10 @@ class Worker:
         self.threads.shutdown()
         if self.loop_runner:
             self.loop_runner.shutdown()
+        try:
+            self.app.backend.worker_deregister(self.id)
+        except Exception as exc:
+            log.debug("could not deregister worker %s: %s", self.id, exc)
         self.app.events.emit("errands.worker.stopped", worker_id=self.id, processed=self.processed)
 
     def stuck_threads(self) -> int:

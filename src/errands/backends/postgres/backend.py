@@ -40,6 +40,7 @@ from ..base import (
     ListParams,
     QueueStats,
     RescueParams,
+    WorkerInfo,
 )
 from ..sqlfile import load_migrations, load_queries
 from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
@@ -578,6 +579,48 @@ class PostgresBackend:
                 },
             )
         return CancelResult(id=job_id, previous_state=previous, state=state)
+
+    # -- the worker registry ---------------------------------------------------------------
+    def worker_register(self, info: WorkerInfo) -> None:
+        with self._conn() as conn:
+            conn.execute(
+                self.q["worker_register"],
+                {
+                    "id": info.id,
+                    "host": info.host,
+                    "pid": info.pid,
+                    "queues": info.queues,
+                    "concurrency": info.concurrency,
+                    "version": info.version,
+                },
+            )
+
+    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> None:
+        with self._conn() as conn:
+            conn.execute(
+                self.q["worker_heartbeat"],
+                {"id": worker_id, "in_flight": in_flight, "processed": processed},
+            )
+
+    def worker_deregister(self, worker_id: str) -> None:
+        with self._conn() as conn:
+            conn.execute(self.q["worker_deregister"], {"id": worker_id})
+
+    def worker_list(self) -> list[WorkerInfo]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["worker_list"]).fetchall()
+        return [
+            WorkerInfo(
+                id=r[0], host=r[1], pid=r[2], queues=r[3], concurrency=r[4], started_at=r[5],
+                heartbeat_at=r[6], in_flight=r[7], processed=r[8], version=r[9],
+                heartbeat_age=max(r[10], 0.0),
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    def worker_prune(self, older_than: float) -> int:
+        with self._conn() as conn:
+            return conn.execute(self.q["worker_prune"], {"older_than": older_than}).rowcount
 
     # -- wake-ups --------------------------------------------------------------------------
     def listener(self, on_queue: Callable[[str], None]) -> Any:

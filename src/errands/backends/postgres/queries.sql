@@ -242,3 +242,27 @@ SELECT extract(epoch FROM now())::float8
 
 -- name: notify
 SELECT pg_notify(%(channel)s, %(payload)s)
+
+-- name: worker_register
+INSERT INTO {schema}.errands_workers (id, host, pid, queues, concurrency, version)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(version)s)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()
+
+-- name: worker_heartbeat
+UPDATE {schema}.errands_workers
+SET heartbeat_at = now(), in_flight = %(in_flight)s, processed = %(processed)s
+WHERE id = %(id)s
+
+-- name: worker_deregister
+DELETE FROM {schema}.errands_workers WHERE id = %(id)s
+
+-- name: worker_list
+SELECT id, host, pid, queues, concurrency, extract(epoch FROM started_at)::float8,
+       extract(epoch FROM heartbeat_at)::float8, in_flight, processed, version,
+       extract(epoch FROM now() - heartbeat_at)::float8
+FROM {schema}.errands_workers
+ORDER BY started_at
+
+-- name: worker_prune
+DELETE FROM {schema}.errands_workers
+WHERE heartbeat_at < now() - make_interval(secs => %(older_than)s)

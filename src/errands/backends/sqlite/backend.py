@@ -46,6 +46,7 @@ from ..base import (
     ListParams,
     QueueStats,
     RescueParams,
+    WorkerInfo,
 )
 from ..sqlfile import load_migrations, load_queries
 
@@ -543,6 +544,48 @@ class SQLiteBackend:
     def db_now(self) -> float:
         with self._read() as conn:
             return float(conn.execute(Q["db_now"]).fetchone()[0])
+
+    # -- the worker registry ---------------------------------------------------------------
+    def worker_register(self, info: WorkerInfo) -> None:
+        with self._write() as conn:
+            conn.execute(
+                Q["worker_register"],
+                {
+                    "id": info.id,
+                    "host": info.host,
+                    "pid": info.pid,
+                    "queues": info.queues,
+                    "concurrency": info.concurrency,
+                    "version": info.version,
+                },
+            )
+
+    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> None:
+        with self._write() as conn:
+            conn.execute(
+                Q["worker_heartbeat"],
+                {"id": worker_id, "in_flight": in_flight, "processed": processed},
+            )
+
+    def worker_deregister(self, worker_id: str) -> None:
+        with self._write() as conn:
+            conn.execute(Q["worker_deregister"], {"id": worker_id})
+
+    def worker_list(self) -> list[WorkerInfo]:
+        with self._read() as conn:
+            rows = conn.execute(Q["worker_list"]).fetchall()
+        return [
+            WorkerInfo(
+                id=r[0], host=r[1], pid=r[2], queues=r[3], concurrency=r[4], started_at=r[5],
+                heartbeat_at=r[6], in_flight=r[7], processed=r[8], version=r[9],
+                heartbeat_age=max(r[10], 0.0),
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    def worker_prune(self, older_than: float) -> int:
+        with self._write() as conn:
+            return conn.execute(Q["worker_prune"], {"older_than": older_than}).rowcount
 
     # -- wake-ups --------------------------------------------------------------------------
     def listener(self, on_queue: Callable[[str | None], None]) -> Any:

@@ -198,3 +198,29 @@ LIMIT :limit
 
 -- name: db_now
 SELECT (julianday('now') - 2440587.5) * 86400.0
+
+-- name: worker_register
+INSERT INTO errands_workers (id, host, pid, queues, concurrency, started_at, heartbeat_at,
+                             in_flight, processed, version)
+VALUES (:id, :host, :pid, :queues, :concurrency, (julianday('now') - 2440587.5) * 86400.0,
+        (julianday('now') - 2440587.5) * 86400.0, 0, 0, :version)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at
+
+-- name: worker_heartbeat
+UPDATE errands_workers
+SET heartbeat_at = (julianday('now') - 2440587.5) * 86400.0,
+    in_flight = :in_flight, processed = :processed
+WHERE id = :id
+
+-- name: worker_deregister
+DELETE FROM errands_workers WHERE id = :id
+
+-- name: worker_list
+SELECT id, host, pid, queues, concurrency, started_at, heartbeat_at, in_flight, processed,
+       version, (julianday('now') - 2440587.5) * 86400.0 - heartbeat_at
+FROM errands_workers
+ORDER BY started_at
+
+-- name: worker_prune
+DELETE FROM errands_workers
+WHERE heartbeat_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
