@@ -21,7 +21,7 @@ from .backends.base import (
 from .definition import BoundJob, JobDefinition, check_name, seconds
 from .errors import ConfigurationError, InvalidTransition, JobNotFound
 from .handle import JobHandle
-from .jobs import Job, parse_state
+from .jobs import Job, Step, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
@@ -124,6 +124,7 @@ class App:
         lease: float | timedelta | None = None,
         permanent: Iterable[type[BaseException]] = (),
         sensitive: Iterable[str] = (),
+        unique_for: float | timedelta | None = None,
     ) -> Callable[[F], JobDefinition[Any, Any]]: ...
 
     def job(
@@ -140,6 +141,7 @@ class App:
         lease: float | timedelta | None = None,
         permanent: Iterable[type[BaseException]] = (),
         sensitive: Iterable[str] = (),
+        unique_for: float | timedelta | None = None,
     ) -> Any:
         """Register a function as a job. Usable bare (``@app.job``) or with options."""
 
@@ -156,6 +158,7 @@ class App:
                 lease=lease,
                 permanent=permanent,
                 sensitive=sensitive,
+                unique_for=unique_for,
             )
             if definition.name in self.registry:
                 raise ConfigurationError(
@@ -199,7 +202,8 @@ class App:
                 raise ConfigurationError(f"job {bound.definition.name!r} belongs to another App")
         if not jobs:
             return []
-        results = self.backend.job_insert_many([b.request for b in jobs], conn=conn)
+        requests = self.events.prepare_insert([b.request for b in jobs])
+        results = self.backend.job_insert_many(requests, conn=conn)
         handles = []
         emit = self.events.emit
         for bound, result in zip(jobs, results, strict=True):
@@ -231,16 +235,31 @@ class App:
         name: str | None = None,
         limit: int = 100,
         before_id: int | None = None,
+        parent_id: int | None = None,
     ) -> list[Job]:
-        """Jobs newest first; page with ``before_id=<last id of the previous page>``."""
+        """Jobs newest first; page with ``before_id=<last id of the previous page>``.
+
+        ``parent_id`` lists the children a job inserted with ``ctx.enqueue``.
+        """
         if state is not None:
             state = parse_state(state).value
         if limit < 1:
             raise ConfigurationError("limit must be at least 1")
         rows = self.backend.job_list(
-            ListParams(state=state, queue=queue, name=name, limit=limit, before_id=before_id)
+            ListParams(
+                state=state,
+                queue=queue,
+                name=name,
+                limit=limit,
+                before_id=before_id,
+                parent_id=parent_id,
+            )
         )
         return [r.to_job() for r in rows]
+
+    def job_steps(self, job_id: int) -> list[Step]:
+        """The durable steps a job stored with ``ctx.step``, oldest first."""
+        return self.backend.step_list(int(job_id))
 
     def queue_stats(self) -> list[QueueStats]:
         return self.backend.queue_stats()
@@ -257,11 +276,21 @@ class App:
         queue: str | None = None,
         name: str | None = None,
         dry_run: bool = False,
+        fresh: bool = False,
         actor: str = "api",
     ) -> ActionResult:
-        """Put dead jobs back to available (same id, key and steps; attempts reset)."""
+        """Put dead jobs back to available (same id, key and steps; attempts reset).
+
+        ``fresh=True`` forgets the jobs' stored steps, so every step runs again.
+        """
         params = ActionParams(
-            actor=actor, ids=list(ids), all_matching=all, queue=queue, name=name, dry_run=dry_run
+            actor=actor,
+            ids=list(ids),
+            all_matching=all,
+            queue=queue,
+            name=name,
+            dry_run=dry_run,
+            fresh=fresh,
         )
         self._check_selection(params, "replay")
         result = self.backend.job_replay(params)

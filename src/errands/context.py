@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .worker.runtime import AttemptRuntime, TransactionConnection
 
 
 @dataclass
@@ -26,6 +31,42 @@ class Context:
     logger: logging.Logger
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _reason: str = field(default="", repr=False)
+    _runtime: AttemptRuntime | None = field(default=None, repr=False)
+
+    def _rt(self) -> AttemptRuntime:
+        if self._runtime is None:
+            raise RuntimeError("this Context is not attached to a running job")
+        return self._runtime
+
+    def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per job: its JSON result is stored under
+        ``name`` as soon as it returns, and every later run of this job (retry, rescue,
+        replay) gets the stored result back without calling ``fn`` again.
+
+        The value returned is always the stored JSON form (dicts, lists, numbers,
+        strings), the same on the first run and on replays.
+        """
+        return self._rt().step(name, fn, *args, **kwargs)
+
+    async def astep(
+        self, name: str, fn: Callable[..., Awaitable[Any] | Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """``ctx.step`` for async handlers: ``fn`` may be a coroutine function."""
+        return await self._rt().astep(name, fn, *args, **kwargs)
+
+    def transaction(self) -> TransactionConnection:
+        """A connection inside the transaction that will also complete this job.
+
+        Writes made through it commit together with the completion, or roll back with a
+        failure, timeout or lost lease. On SQLite it holds the database's write lock until
+        the handler returns: open it late and keep the rest of the handler short.
+        """
+        return self._rt().transaction()
+
+    def enqueue(self, job: Any, *args: Any, **options: Any) -> None:
+        """Enqueue a child job, inserted with this job's completion (never on a failed or
+        rescued attempt). Takes the same arguments as ``job.enqueue``, or a ``job.bind()``."""
+        self._rt().enqueue(job, *args, **options)
 
     @property
     def idempotency_key(self) -> str:

@@ -52,6 +52,7 @@ class EnqueueOptions:
     run_at: datetime | None = None
     priority: int | None = None
     queue: str | None = None
+    unique_for: float | timedelta | None = None
 
 
 class JobDefinition(Generic[P, R]):
@@ -71,6 +72,7 @@ class JobDefinition(Generic[P, R]):
         lease: float | timedelta | None,
         permanent: Iterable[type[BaseException]],
         sensitive: Iterable[str],
+        unique_for: float | timedelta | None = None,
     ) -> None:
         self.app = app
         self.fn = fn
@@ -86,6 +88,7 @@ class JobDefinition(Generic[P, R]):
         self.backoff = as_backoff(backoff)
         self.timeout = seconds(timeout, "timeout")
         self.lease = seconds(lease, "lease")
+        self.unique_for = seconds(unique_for, "unique_for")
         if self.lease is not None and self.lease < 1:
             raise ConfigurationError(f"job {self.name!r}: lease must be at least 1 second")
         self.permanent = tuple(permanent)
@@ -123,11 +126,17 @@ class JobDefinition(Generic[P, R]):
         run_at: datetime | None = None,
         priority: int | None = None,
         queue: str | None = None,
+        unique_for: float | timedelta | None = None,
         **kwargs: Any,
     ) -> BoundJob:
         """Validate arguments now and return a job ready for ``app.enqueue_many``."""
         options = EnqueueOptions(
-            key=key, delay=delay, run_at=run_at, priority=priority, queue=queue
+            key=key,
+            delay=delay,
+            run_at=run_at,
+            priority=priority,
+            queue=queue,
+            unique_for=unique_for,
         )
         return BoundJob(self, self.request(args, kwargs, options))
 
@@ -139,12 +148,25 @@ class JobDefinition(Generic[P, R]):
         run_at: datetime | None = None,
         priority: int | None = None,
         queue: str | None = None,
+        unique_for: float | timedelta | None = None,
         conn: Any = None,
         **kwargs: Any,
     ) -> JobHandle:
-        """Validate and store one job; with ``conn=`` inside the caller's transaction."""
+        """Validate and store one job; with ``conn=`` inside the caller's transaction.
+
+        ``key`` makes the job unique per job name while its row exists (or, with
+        ``unique_for``, for that long): enqueueing the key again returns the existing job
+        with ``handle.deduplicated`` set.
+        """
         bound = self.bind(
-            *args, key=key, delay=delay, run_at=run_at, priority=priority, queue=queue, **kwargs
+            *args,
+            key=key,
+            delay=delay,
+            run_at=run_at,
+            priority=priority,
+            queue=queue,
+            unique_for=unique_for,
+            **kwargs,
         )
         return self.app.enqueue_many([bound], conn=conn)[0]
 
@@ -182,7 +204,18 @@ class JobDefinition(Generic[P, R]):
             timeout=self.timeout,
             lease_seconds=self.lease,
             meta={"sensitive": sorted(self.sensitive)} if self.sensitive else {},
+            unique_for=self._unique_for(options),
         )
+
+    def _unique_for(self, options: EnqueueOptions) -> float | None:
+        value = seconds(options.unique_for, "unique_for")
+        if value is None:
+            value = self.unique_for
+        if value is not None and options.key is None:
+            raise ConfigurationError(
+                f"{self.name}: unique_for= needs a key= (it says how long the key stays unique)"
+            )
+        return value
 
 
 @dataclass(frozen=True)

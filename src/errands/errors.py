@@ -10,6 +10,7 @@
     ├── JobNotFound             no job row with that id
     ├── InvalidTransition       an admin action that the job's state does not allow
     ├── DatabaseBusy            the store stayed locked past every retry
+    ├── StepError               ctx.step misused: a name twice in one run, a result not JSON
     ├── JobFailed               ``JobHandle.result()`` on a dead job
     ├── JobCancelled            ``JobHandle.result()`` on a cancelled job
     └── ResultTimeout           ``JobHandle.result(timeout=)`` ran out (also a TimeoutError)
@@ -58,6 +59,13 @@ class InvalidTransition(ErrandsError):
 
 class DatabaseBusy(ErrandsError):
     """The database stayed locked by other writers past every retry."""
+
+
+class StepError(ErrandsError):
+    """``ctx.step`` was misused (a step name twice in one run, a result that is not JSON).
+
+    Failing a job with it is permanent: a retry would run the step's effect again.
+    """
 
 
 class JobFailed(ErrandsError):

@@ -104,6 +104,7 @@ class Job:
     lease_seconds: float | None = None
     discarded_by: str | None = None
     discard_reason: str | None = None
+    parent_id: int | None = None  # the job whose completion inserted this one
 
     @property
     def last_error(self) -> JobError | None:
@@ -154,6 +155,7 @@ class JobRow:
     lease_seconds: float | None
     discarded_by: str | None
     discard_reason: str | None
+    parent_id: int | None = None
 
     def to_job(self) -> Job:
         return Job(
@@ -181,6 +183,7 @@ class JobRow:
             lease_seconds=self.lease_seconds,
             discarded_by=self.discarded_by,
             discard_reason=self.discard_reason,
+            parent_id=self.parent_id,
         )
 
 
@@ -212,3 +215,16 @@ class EnqueueRequest:
     timeout: float | None
     lease_seconds: float | None
     meta: dict[str, Any] = field(default_factory=dict)
+    parent_id: int | None = None
+    unique_for: float | None = None  # seconds the key stays unique; None: while the row exists
+
+
+@dataclass(frozen=True)
+class Step:
+    """One durable step's stored result (``ctx.step``)."""
+
+    job_id: int
+    name: str
+    result: Any
+    attempt: int
+    created_at: datetime

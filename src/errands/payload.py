@@ -23,7 +23,7 @@ MAX_PAYLOAD_BYTES_DEFAULT = 256 * 1024
 MASK = "***"
 
 # Names ``enqueue`` and ``bind`` take as options; a handler parameter may not use them.
-RESERVED_OPTIONS = frozenset({"key", "delay", "run_at", "priority", "queue", "conn"})
+RESERVED_OPTIONS = frozenset({"key", "delay", "run_at", "priority", "queue", "conn", "unique_for"})
 
 
 def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:

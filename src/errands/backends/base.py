@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from ..jobs import EnqueueRequest, JobRow
+from ..jobs import EnqueueRequest, JobRow, Step
 
 FinishState = Literal["completed", "retryable", "dead", "cancelled"]
 
@@ -58,6 +58,7 @@ class FinishParams:
     result_json: str | None = None
     error: dict[str, Any] | None = None
     delay: float = 0.0  # for retryable: seconds after database now
+    children: Sequence[EnqueueRequest] = ()  # inserted with a completion, only if it lands
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class ListParams:
     name: str | None = None
     limit: int = 100
     before_id: int | None = None  # keyset pagination: newest first, ids below this one
+    parent_id: int | None = None  # children of this job
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class ActionParams:
     name: str | None = None
     reason: str | None = None
     dry_run: bool = False
+    fresh: bool = False  # replay only: forget the job's stored steps
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,18 @@ class CancelResult:
     id: int
     previous_state: str
     state: str  # "cancelled" at once for pending jobs; "running" with cancel requested
+
+
+@dataclass(frozen=True)
+class StoreHealth:
+    """Early signs of a struggling job store (metrics gauges); None where not applicable."""
+
+    dead_tuples: int | None = None  # PostgreSQL: dead row versions in errands_jobs
+    live_tuples: int | None = None  # PostgreSQL: live rows in errands_jobs
+    oldest_transaction_age: float | None = None  # PostgreSQL: seconds the oldest open one ran
+    page_count: int | None = None  # SQLite: pages in the database file
+    freelist_count: int | None = None  # SQLite: unused pages in the file
+    wal_bytes: int | None = None  # SQLite: size of the write-ahead log file
 
 
 class Backend(Protocol):
@@ -236,6 +251,27 @@ class Backend(Protocol):
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...
 
+    # -- effectively-once tools ---------------------------------------------------------
+    def step_list(self, job_id: int) -> list[Step]: ...
+
+    def step_store(
+        self, job_id: int, name: str, result_json: str, attempt: int, conn: Any = None
+    ) -> str:
+        """Store a step result unless one exists (also inside ``conn``'s open transaction);
+        return the stored JSON, which is the first writer's."""
+        ...
+
+    def tx_begin(self) -> Any:
+        """Open the transaction ``ctx.transaction()`` hands to a handler."""
+        ...
+
+    def tx_finish(self, conn: Any, outcome: FinishParams) -> bool:
+        """Write the fenced outcome (and children) in ``conn``'s transaction and commit all
+        of it; roll all of it back and return False when the lease token is stale."""
+        ...
+
+    def tx_rollback(self, conn: Any) -> None: ...
+
     # -- the worker registry ------------------------------------------------------------
     def worker_register(self, info: WorkerInfo) -> None: ...
 
@@ -252,6 +288,20 @@ class Backend(Protocol):
         """A service calling ``on_queue(queue)`` when jobs may be due (None: any queue)."""
         ...
 
+    # -- the dashboard ---------------------------------------------------------------------
+    def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[ThroughputBucket]:
+        """Completed and dead jobs and failed attempts per queue and time bucket, oldest first."""
+        ...
+
+    def job_find_by_key(self, key: str, limit: int = 50) -> list[JobRow]:
+        """Jobs whose idempotency key is ``key``, under any job name, newest first."""
+        ...
+
+    # -- health --------------------------------------------------------------------------
+    def store_health(self) -> StoreHealth:
+        """Table bloat and long-transaction signals (one cheap query; for metrics)."""
+        ...
+
 
 class Listener(Protocol):
     self_test_passed: bool | None
@@ -259,3 +309,14 @@ class Listener(Protocol):
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ThroughputBucket:
+    """One queue's outcomes in one time bucket (``at``: bucket start, epoch seconds)."""
+
+    at: float
+    queue: str
+    completed: int
+    dead: int
+    failed: int  # failed attempts (retried or not), each counted when its error was recorded

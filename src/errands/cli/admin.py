@@ -153,12 +153,19 @@ def _show(app_path: str | None, url: str | None, job_id: int, as_json: bool) -> 
     app = _app(app_path, url)
     job = app.get_job(job_id)
     audit = app.audit(job_id=job_id)
+    steps = app.job_steps(job_id)
+    children = app.jobs(parent_id=job_id, limit=100)
     if as_json:
         data = render.job_dict(job)
         data["audit"] = [e.__dict__ for e in audit]
+        data["steps"] = [
+            {"name": s.name, "result": s.result, "attempt": s.attempt, "at": s.created_at}
+            for s in steps
+        ]
+        data["children"] = [{"id": c.id, "name": c.name, "state": c.state.value} for c in children]
         render.emit_json(data)
     else:
-        render.show_job(job, audit)
+        render.show_job(job, audit, steps, children)
 
 
 @jobs.command("show")
@@ -267,6 +274,7 @@ def _report(verb: str, result: Any, dry_run: bool, as_json: bool) -> None:
 @click.option("--queue")
 @click.option("--name")
 @click.option("--dry-run", is_flag=True, help="count what would be replayed; change nothing")
+@click.option("--fresh", is_flag=True, help="forget the jobs' stored steps: every step runs again")
 def dlq_replay(
     app_path: str | None,
     url: str | None,
@@ -277,11 +285,12 @@ def dlq_replay(
     queue: str | None,
     name: str | None,
     dry_run: bool,
+    fresh: bool,
 ) -> None:
     """Run dead jobs again: same id, key and steps, attempts reset. Audited."""
     _selection(job_ids, all_, queue, name)
     result = _app(app_path, url).replay(
-        job_ids, all=all_, queue=queue, name=name, dry_run=dry_run, actor=actor
+        job_ids, all=all_, queue=queue, name=name, dry_run=dry_run, fresh=fresh, actor=actor
     )
     _report("replay", result, dry_run, as_json)
 

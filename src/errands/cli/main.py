@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from .. import __version__
-from ..errors import ErrandsError
+from ..errors import ConfigurationError, ErrandsError
 from ..observability.logcontext import configure_logging
 from .admin import dlq, jobs, status
 from .loading import load_app
@@ -84,6 +84,17 @@ def cli() -> None:
     help="seconds between maintenance rounds (leader election, rescue of expired leases, "
     "promotion); default: the app's lease / 4, at most 1",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=1, max=65535),
+    help="serve Prometheus metrics at http://ADDR:PORT/metrics (needs errands[metrics])",
+)
+@click.option(
+    "--metrics-addr",
+    default="0.0.0.0",
+    show_default=True,
+    help="address the --metrics-port server binds",
+)
 def worker(
     app_path: str | None,
     app_option: str | None,
@@ -97,15 +108,32 @@ def worker(
     no_maintenance: bool,
     maintenance_tick: float | None,
     processes: int,
+    metrics_port: int | None,
+    metrics_addr: str,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
+    if metrics_port is not None and processes > 1:
+        raise click.UsageError(
+            "--metrics-port serves one process's metrics; with --processes N, run N workers "
+            "with a --metrics-port each instead"
+        )
     app = load_app(app_path or app_option, url, need_code=True)
     if processes > 1:
         from ..worker.supervisor import Supervisor, child_command
 
         app.backend.schema_check()  # fail once, clearly, rather than in every child
         sys.exit(Supervisor(child_command(sys.argv[1:]), processes).run())
+    if metrics_port is not None:
+        from ..observability.metrics import serve_metrics
+
+        try:
+            serve_metrics(app, metrics_port, metrics_addr)
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve metrics on {metrics_addr}:{metrics_port}: {exc.strerror or exc}; "
+                "choose another --metrics-port"
+            ) from None
     w = app.worker(
         queues=queues,
         concurrency=concurrency,

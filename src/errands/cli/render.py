@@ -122,7 +122,9 @@ def job_rows(jobs: Sequence[Job]) -> list[list[Any]]:
 JOB_COLUMNS = ["id", "name", "queue", "state", "attempt", "inserted", "last error"]
 
 
-def show_job(job: Job, audit: Sequence[Any]) -> None:
+def show_job(
+    job: Job, audit: Sequence[Any], steps: Sequence[Any] = (), children: Sequence[Job] = ()
+) -> None:
     out = console()
     out.print(f"[bold]job {job.id}[/bold]  {job.name}  queue={job.queue}  state={job.state.value}")
     fields = [
@@ -157,6 +159,20 @@ def show_job(job: Job, audit: Sequence[Any]) -> None:
             if err.traceback:
                 for line in err.traceback.rstrip().splitlines()[-6:]:
                     out.print(f"      {line}", markup=False)
+    if job.parent_id is not None:
+        out.print(f"  parent     job {job.parent_id}", markup=False)
+    if steps:
+        out.print(f"\n[bold]steps ({len(steps)})[/bold]")
+        for step in steps:
+            out.print(
+                f"  {step.name}: {short(step.result, 80)}  (attempt {step.attempt}, "
+                f"{when(step.created_at)})",
+                markup=False,
+            )
+    if children:
+        out.print(f"\n[bold]children ({len(children)})[/bold]")
+        for child in children:
+            out.print(f"  job {child.id} {child.name} {child.state.value}", markup=False)
     if audit:
         out.print("\n[bold]audit[/bold]")
         for event in reversed(audit):

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams, FinishState
 from ..context import Context
-from ..errors import InvalidPayload
+from ..errors import InvalidPayload, StepError
 from ..jobs import JobRow
 from ..outcomes import Permanent, Retry
 from ..retry import DEFAULT_BACKOFF
 
 if TYPE_CHECKING:
     from ..definition import JobDefinition
+    from .runtime import AttemptRuntime
 
 TRACEBACK_LIMIT = 16_000
 
@@ -55,6 +56,7 @@ class Attempt:
     decided: bool = False
     released: bool = False
     ended: float = 0.0  # monotonic time the outcome was decided
+    runtime: AttemptRuntime | None = None
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired
     interrupted: bool = False
@@ -125,7 +127,9 @@ def outcome_for(
         return FinishParams(row.id, attempt.token, "completed", result_json=result_json)
     definition = attempt.definition
     permanent = definition.permanent if definition is not None else ()
-    if isinstance(exc, InvalidPayload | Permanent) or (permanent and isinstance(exc, permanent)):
+    if isinstance(exc, InvalidPayload | Permanent | StepError) or (
+        permanent and isinstance(exc, permanent)
+    ):
         return FinishParams(
             row.id, attempt.token, "dead", error=error_entry(attempt, exc, worker_id, "permanent")
         )

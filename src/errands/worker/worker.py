@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim, WorkerInfo
@@ -38,6 +39,7 @@ from .completer import Completer
 from .execution import Attempt, Interrupted, JobTimeout, outcome_for
 from .leases import LeaseKeeper
 from .runners import LoopRunner, ThreadRunner
+from .runtime import AttemptRuntime
 
 if TYPE_CHECKING:
     from ..app import App
@@ -305,6 +307,7 @@ class Worker:
         except InvalidPayload as exc:
             self._decided(attempt, exc, None)
             return
+        attempt.runtime = AttemptRuntime(self.app, attempt)
         attempt.ctx = Context(
             job_id=row.id,
             name=row.name,
@@ -314,6 +317,7 @@ class Worker:
             key=row.idempotency_key,
             worker_id=self.id,
             logger=logging.getLogger(f"errands.job.{row.name}"),
+            _runtime=attempt.runtime,
         )
         kwargs = dict(attempt.kwargs)
         if definition.payload.context_param:
@@ -449,14 +453,42 @@ class Worker:
             except InvalidPayload as bad:
                 exc = bad
         outcome = outcome_for(attempt, exc, result_json, self.id)
+        runtime = attempt.runtime
+        written: bool | None = None
+        if runtime is not None:
+            if outcome.state == "completed" and runtime.children:
+                outcome = replace(outcome, children=tuple(runtime.children))
+            if runtime.tx is not None:
+                if outcome.state == "completed":
+                    outcome, written = self._commit_transaction(attempt, outcome)
+                else:
+                    runtime.rollback()
         with self._lock:
             self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
             refill = self._backlog and self._free >= self._refill_at
         if refill:
             self._wake.set()
-        self.completer.submit(attempt, outcome)
+        if written is not None:
+            self._on_written(attempt, outcome, written)
+        else:
+            self.completer.submit(attempt, outcome)
         return True
+
+    def _commit_transaction(
+        self, attempt: Attempt, outcome: FinishParams
+    ) -> tuple[FinishParams, bool | None]:
+        """Complete the job inside the handler's own transaction, right here: the
+        transaction may hold SQLite's write lock, so no other writer can go first."""
+        runtime = attempt.runtime
+        assert runtime is not None
+        tx, runtime.tx = runtime.tx, None
+        try:
+            return outcome, self.app.backend.tx_finish(tx, outcome)
+        except Exception as exc:
+            log.exception("job %s: committing its transaction failed; retrying it", attempt.id)
+            failure = outcome_for(attempt, exc, None, self.id)
+            return failure, None
 
     @staticmethod
     def _job_fields(row: JobRow) -> dict[str, Any]:
@@ -518,6 +550,8 @@ class Worker:
             for attempt in leftover:
                 attempt.released = True
                 attempt.interrupt("shutdown", self.loop)
+                if attempt.runtime is not None:
+                    attempt.runtime.rollback()
             try:
                 released = self.app.backend.job_release_many(
                     [LeaseRef(a.id, a.token, a.lease_seconds) for a in leftover]

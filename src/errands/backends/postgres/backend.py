@@ -14,6 +14,7 @@ remains, so PgBouncer in transaction mode (no LISTEN) still works.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -24,7 +25,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from ...errors import ConfigurationError, InvalidTransition, JobNotFound, SchemaOutdated
-from ...jobs import EnqueueRequest, JobRow
+from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
+from ...testing.faults import fault_point
 from ..base import (
     ActionParams,
     ActionResult,
@@ -40,6 +42,7 @@ from ..base import (
     ListParams,
     QueueStats,
     RescueParams,
+    StoreHealth,
     WorkerInfo,
 )
 from ..sqlfile import load_migrations, load_queries
@@ -68,7 +71,7 @@ JOB_COLUMNS_SQL = ", ".join(
         "extract(epoch FROM j.finished_at)::float8", "j.lease_owner", "j.lease_token",
         "extract(epoch FROM j.lease_expires_at)::float8", "j.rescues",
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
-        "j.discard_reason",
+        "j.discard_reason", "j.parent_id",
     ]
 )  # fmt: skip
 
@@ -246,11 +249,16 @@ class PostgresBackend:
             "key": req.key,
             "timeout": req.timeout,
             "lease_seconds": req.lease_seconds,
+            "parent_id": req.parent_id,
+            "unique_for": req.unique_for,
         }
 
     def _insert(
         self, conn: psycopg.Connection[Any], requests: Sequence[EnqueueRequest]
     ) -> list[InsertResult]:
+        for keyed in requests:
+            if keyed.key is not None:
+                conn.execute(self.q["job_expire_key"], {"name": keyed.name, "key": keyed.key})
         if len(requests) == 1:
             req = requests[0]
             params = self._params(req)
@@ -284,6 +292,8 @@ class PostgresBackend:
                         "keys": [r.key for r in requests],
                         "timeouts": [r.timeout for r in requests],
                         "leases": [r.lease_seconds for r in requests],
+                        "parents": [r.parent_id for r in requests],
+                        "unique_fors": [r.unique_for for r in requests],
                     },
                 ).fetchall()
             }
@@ -348,24 +358,94 @@ class PostgresBackend:
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
+        if any(o.children for o in outcomes):  # children commit with their parent's outcome
+            with self._tx() as conn:
+                return self._finish(conn, outcomes)
+        with self._conn() as conn:  # one autocommit statement: one round trip
+            return self._finish(conn, outcomes)
+
+    def _finish(
+        self, conn: psycopg.Connection[Any], outcomes: Sequence[FinishParams]
+    ) -> list[bool]:
+        done = {
+            (r[0], r[1])
+            for r in conn.execute(
+                self.q["job_finish_many"],
+                {
+                    "ids": [o.id for o in outcomes],
+                    "tokens": [o.lease_token for o in outcomes],
+                    "states": [o.state for o in outcomes],
+                    "results": [o.result_json for o in outcomes],
+                    "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
+                    "delays": [o.delay for o in outcomes],
+                },
+            ).fetchall()
+        }
+        accepted = [(o.id, o.lease_token) in done for o in outcomes]
+        children = [
+            child
+            for o, ok in zip(outcomes, accepted, strict=True)
+            if ok and o.state == "completed"
+            for child in o.children
+        ]
+        if children:
+            self._insert(conn, children)
+        return accepted
+
+    # -- transactional completion (ctx.transaction) ---------------------------------------
+    def tx_begin(self) -> psycopg.Connection[Any]:
+        """A pool connection in an open transaction, for one attempt."""
+        conn = self.pool.getconn()
+        try:
+            conn.execute("BEGIN")
+        except BaseException:
+            self.pool.putconn(conn)
+            raise
+        return conn
+
+    def tx_finish(self, conn: psycopg.Connection[Any], outcome: FinishParams) -> bool:
+        """Write the fenced outcome in the attempt's transaction and commit it all, or
+        roll it all back when the lease is no longer ours."""
+        try:
+            [ok] = self._finish(conn, [outcome])
+            fault_point("before_complete_commit")
+            conn.execute("COMMIT" if ok else "ROLLBACK")
+            fault_point("after_complete_commit")
+            return ok
+        except BaseException:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+            raise
+        finally:
+            self.pool.putconn(conn)
+
+    def tx_rollback(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        finally:
+            self.pool.putconn(conn)
+
+    # -- durable steps -------------------------------------------------------------------
+    def step_list(self, job_id: int) -> list[Step]:
         with self._conn() as conn:
-            done = {
-                r[0]
-                for r in conn.execute(
-                    self.q["job_finish_many"],
-                    {
-                        "ids": [o.id for o in outcomes],
-                        "tokens": [o.lease_token for o in outcomes],
-                        "states": [o.state for o in outcomes],
-                        "results": [o.result_json for o in outcomes],
-                        "errors": [
-                            None if o.error is None else json.dumps(o.error) for o in outcomes
-                        ],
-                        "delays": [o.delay for o in outcomes],
-                    },
-                ).fetchall()
-            }
-        return [o.id in done for o in outcomes]
+            rows = conn.execute(self.q["step_list"], {"job_id": job_id}).fetchall()
+        return [
+            Step(job_id=r[0], name=r[1], result=None if r[2] is None else json.loads(r[2]),
+                 attempt=r[3], created_at=to_datetime(r[4]))  # type: ignore[arg-type]
+            for r in rows
+        ]  # fmt: skip
+
+    def step_store(
+        self, job_id: int, name: str, result_json: str, attempt: int, conn: Any = None
+    ) -> str:
+        params = {"job_id": job_id, "name": name, "result": result_json, "attempt": attempt}
+        if conn is not None:
+            conn.execute(self.q["step_insert"], params)
+            return str(conn.execute(self.q["step_get"], params).fetchone()[0])  # type: ignore[index]
+        with self._conn() as own:
+            own.execute(self.q["step_insert"], params)
+            return str(own.execute(self.q["step_get"], params).fetchone()[0])  # type: ignore[index]
 
     def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult:
         if not leases:
@@ -445,9 +525,10 @@ class PostgresBackend:
 
     def job_prune(self, older_than: float, limit: int) -> int:
         with self._conn() as conn:
-            return conn.execute(
+            row = conn.execute(
                 self.q["job_prune"], {"older_than": older_than, "limit": limit}
-            ).rowcount
+            ).fetchone()
+        return int(row[0]) if row else 0
 
     # -- reading -------------------------------------------------------------------------
     def job_get(self, job_id: int) -> JobRow | None:
@@ -464,6 +545,7 @@ class PostgresBackend:
                     "queue": params.queue,
                     "name": params.name,
                     "before_id": params.before_id,
+                    "parent_id": params.parent_id,
                     "limit": params.limit,
                 },
             ).fetchall()
@@ -522,6 +604,8 @@ class PostgresBackend:
             if params.dry_run:
                 return ActionResult(matched=matched, skipped=skipped)
             for job_id in matched:
+                if action == "replay" and params.fresh:
+                    conn.execute(self.q["steps_delete"], {"job_id": job_id})
                 conn.execute(
                     self.q[query], {"id": job_id, "actor": params.actor, "reason": params.reason}
                 )
@@ -531,7 +615,7 @@ class PostgresBackend:
                         "actor": params.actor,
                         "action": action,
                         "job_id": job_id,
-                        "detail": json.dumps({"reason": params.reason} if params.reason else {}),
+                        "detail": json.dumps(_action_detail(params)),
                     },
                 )
         if action == "replay" and matched and not params.dry_run:
@@ -630,6 +714,32 @@ class PostgresBackend:
 
         return Notifier(self.config.conninfo, self.channel, on_queue)
 
+    # -- health --------------------------------------------------------------------------
+    def store_health(self) -> StoreHealth:
+        with self._conn() as conn:
+            row = conn.execute(self.q["store_health"], {"schema": self.schema}).fetchone()
+        dead, live, oldest = row if row is not None else (None, None, None)
+        return StoreHealth(
+            dead_tuples=dead,
+            live_tuples=live,
+            oldest_transaction_age=None if oldest is None else max(float(oldest), 0.0),
+        )
+
+    # -- the dashboard ---------------------------------------------------------------------
+    def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[Any]:
+        from ..base import ThroughputBucket
+
+        with self._conn() as conn:
+            rows = conn.execute(
+                self.q["job_throughput"], {"since": since_seconds, "bucket": bucket_seconds}
+            ).fetchall()
+        return [ThroughputBucket(float(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
+
+    def job_find_by_key(self, key: str, limit: int = 50) -> list[JobRow]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["job_find_by_key"], {"key": key, "limit": limit}).fetchall()
+        return [JobRow(*r) for r in rows]
+
 
 def unwrap_connection(conn: Any) -> Any:
     """The DB-API connection behind a SQLAlchemy Session or Connection, else ``conn``."""
@@ -642,3 +752,12 @@ def unwrap_connection(conn: Any) -> Any:
         if driver is not None:
             return driver
     return conn
+
+
+def _action_detail(params: ActionParams) -> dict[str, Any]:
+    detail: dict[str, Any] = {}
+    if params.reason:
+        detail["reason"] = params.reason
+    if params.fresh:
+        detail["fresh"] = True
+    return detail

@@ -10,13 +10,14 @@
 WITH ins AS (
 INSERT INTO {schema}.errands_jobs AS j
     (name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
-     timeout, lease_seconds)
+     timeout, lease_seconds, parent_id, unique_until)
 VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(meta)s::jsonb,
         CASE WHEN COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s))
                   > now() THEN 'scheduled' ELSE 'available' END,
         %(priority)s, %(max_attempts)s,
         COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s)),
-        %(key)s, %(timeout)s, %(lease_seconds)s)
+        %(key)s, %(timeout)s, %(lease_seconds)s, %(parent_id)s,
+        now() + make_interval(secs => %(unique_for)s))
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
 ), note AS (
@@ -29,19 +30,21 @@ SELECT (SELECT id FROM ins), (SELECT count(*) FROM note)
 -- ids are allocated first (job_allocate_ids) so results map back to requests in order.
 INSERT INTO {schema}.errands_jobs AS j
     (id, name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
-     timeout, lease_seconds)
+     timeout, lease_seconds, parent_id, unique_until)
 SELECT r.id, r.name, r.queue, r.args::jsonb, r.meta::jsonb,
        CASE WHEN COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay))
                  > now() THEN 'scheduled' ELSE 'available' END,
        r.priority, r.max_attempts,
        COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay)),
-       r.key, r.timeout, r.lease_seconds
+       r.key, r.timeout, r.lease_seconds, r.parent_id,
+       now() + make_interval(secs => r.unique_for)
 FROM unnest(%(ids)s::bigint[], %(names)s::text[], %(queues)s::text[], %(args)s::text[],
             %(metas)s::text[], %(priorities)s::int[], %(max_attempts)s::int[],
             %(run_ats)s::float8[], %(delays)s::float8[], %(keys)s::text[],
-            %(timeouts)s::float8[], %(leases)s::float8[])
+            %(timeouts)s::float8[], %(leases)s::float8[], %(parents)s::bigint[],
+            %(unique_fors)s::float8[])
      AS r(id, name, queue, args, meta, priority, max_attempts, run_at, delay, key, timeout,
-          lease_seconds)
+          lease_seconds, parent_id, unique_for)
 ORDER BY r.id
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
@@ -49,6 +52,13 @@ RETURNING j.id
 -- name: job_allocate_ids
 SELECT nextval(pg_get_serial_sequence('{schema}.errands_jobs', 'id'))
 FROM generate_series(1, %(n)s)
+
+-- name: job_expire_key
+-- unique_for: a key whose period is over is released (kept in meta as expired_key).
+UPDATE {schema}.errands_jobs
+SET meta = meta || jsonb_build_object('expired_key', idempotency_key), idempotency_key = NULL
+WHERE name = %(name)s AND idempotency_key = %(key)s
+  AND unique_until IS NOT NULL AND unique_until <= now()
 
 -- name: job_id_by_key
 SELECT id FROM {schema}.errands_jobs WHERE name = %(name)s AND idempotency_key = %(key)s
@@ -101,7 +111,7 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::text[], %(states)s::text[], %(results
             %(errors)s::text[], %(delays)s::float8[])
      AS o(id, token, state, result, error, delay)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-RETURNING j.id
+RETURNING j.id, o.token
 
 -- name: job_heartbeat_many
 UPDATE {schema}.errands_jobs AS j
@@ -166,13 +176,23 @@ SET state = 'available'
 WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
 
 -- name: job_prune
-DELETE FROM {schema}.errands_jobs
-WHERE id IN (
-    SELECT id FROM {schema}.errands_jobs
-    WHERE state IN ('completed', 'cancelled', 'discarded')
-      AND finished_at < now() - make_interval(secs => %(older_than)s)
-    LIMIT %(limit)s
+-- Small batches, the steps of each pruned job with it.
+WITH gone AS (
+    DELETE FROM {schema}.errands_jobs
+    WHERE id IN (
+        SELECT id FROM {schema}.errands_jobs
+        WHERE state IN ('completed', 'cancelled', 'discarded')
+          AND finished_at < now() - make_interval(secs => %(older_than)s)
+        LIMIT %(limit)s
+    )
+    RETURNING id
+), steps AS (
+    DELETE FROM {schema}.errands_steps WHERE job_id IN (SELECT id FROM gone)
 )
+SELECT count(*) FROM gone
+
+-- name: steps_delete
+DELETE FROM {schema}.errands_steps WHERE job_id = %(job_id)s
 
 -- name: job_get
 SELECT {job_columns} FROM {schema}.errands_jobs AS j WHERE j.id = %(id)s
@@ -184,6 +204,7 @@ WHERE (%(state)s::text IS NULL OR j.state = %(state)s::text)
   AND (%(queue)s::text IS NULL OR j.queue = %(queue)s::text)
   AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
   AND (%(before_id)s::bigint IS NULL OR j.id < %(before_id)s::bigint)
+  AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
 ORDER BY j.id DESC
 LIMIT %(limit)s
 
@@ -266,3 +287,81 @@ ORDER BY started_at
 -- name: worker_prune
 DELETE FROM {schema}.errands_workers
 WHERE heartbeat_at < now() - make_interval(secs => %(older_than)s)
+
+-- name: step_list
+SELECT job_id, name, result::text, attempt, extract(epoch FROM created_at)::float8
+FROM {schema}.errands_steps
+WHERE job_id = %(job_id)s
+ORDER BY created_at, name
+
+-- name: step_insert
+INSERT INTO {schema}.errands_steps (job_id, name, result, attempt)
+VALUES (%(job_id)s, %(name)s, %(result)s::jsonb, %(attempt)s)
+ON CONFLICT (job_id, name) DO NOTHING
+
+-- name: step_get
+SELECT result::text FROM {schema}.errands_steps WHERE job_id = %(job_id)s AND name = %(name)s
+
+-- name: store_health
+SELECT t.n_dead_tup, t.n_live_tup,
+       (SELECT coalesce(extract(epoch FROM now() - min(a.xact_start)), 0)::float8
+        FROM pg_stat_activity a
+        WHERE a.datname = current_database() AND a.xact_start IS NOT NULL
+          AND a.pid <> pg_backend_pid())
+FROM (SELECT 1) AS one
+LEFT JOIN pg_stat_user_tables t
+       ON t.schemaname = %(schema)s AND t.relname = 'errands_jobs'
+
+-- name: job_throughput
+-- Per bucket and queue over the last %(since)s seconds: completed and dead jobs (by
+-- finished_at) and failed attempts (by each error's "at"). A job that failed in the window
+-- is now pending or running, or finished inside the window, so only those rows are read,
+-- each part through an index.
+WITH bounds AS (
+    SELECT now() - make_interval(secs => %(since)s) AS since,
+           extract(epoch FROM now())::float8 - %(since)s AS since_epoch
+), candidates AS (
+    SELECT j.queue, j.state, j.finished_at, j.errors FROM {schema}.errands_jobs AS j, bounds
+    WHERE j.state IN ('completed', 'cancelled', 'discarded') AND j.finished_at >= bounds.since
+    UNION ALL
+    SELECT j.queue, j.state, j.finished_at, j.errors FROM {schema}.errands_jobs AS j, bounds
+    WHERE j.state = 'dead' AND j.finished_at >= bounds.since
+    UNION ALL
+    SELECT j.queue, j.state, j.finished_at, j.errors FROM {schema}.errands_jobs AS j
+    WHERE j.state IN ('available', 'scheduled', 'retryable') AND j.errors <> '[]'::jsonb
+    UNION ALL
+    SELECT j.queue, j.state, j.finished_at, j.errors FROM {schema}.errands_jobs AS j
+    WHERE j.state = 'running' AND j.errors <> '[]'::jsonb
+), events AS (
+    SELECT queue, state AS kind, extract(epoch FROM finished_at)::float8 AS at
+    FROM candidates WHERE state IN ('completed', 'dead')
+    UNION ALL
+    SELECT c.queue, 'failed', (e ->> 'at')::float8
+    FROM candidates AS c CROSS JOIN LATERAL jsonb_array_elements(c.errors) AS e, bounds
+    WHERE c.errors <> '[]'::jsonb AND (e ->> 'at')::float8 >= bounds.since_epoch
+)
+SELECT (floor(at / %(bucket)s) * %(bucket)s)::float8 AS bucket, queue,
+       count(*) FILTER (WHERE kind = 'completed'),
+       count(*) FILTER (WHERE kind = 'dead'),
+       count(*) FILTER (WHERE kind = 'failed')
+FROM events
+GROUP BY 1, 2
+ORDER BY 1, 2
+
+-- name: job_find_by_key
+-- Jobs with this idempotency key under any name: one probe of the (name, key) index per
+-- distinct name, the names found by skipping through that index (a loose index scan).
+WITH RECURSIVE names AS (
+    (SELECT name FROM {schema}.errands_jobs WHERE idempotency_key IS NOT NULL
+     ORDER BY name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.name FROM {schema}.errands_jobs AS j
+            WHERE j.idempotency_key IS NOT NULL AND j.name > names.name
+            ORDER BY j.name LIMIT 1)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT {job_columns}
+FROM names JOIN {schema}.errands_jobs AS j
+  ON j.name = names.name AND j.idempotency_key = %(key)s::text
+ORDER BY j.id DESC
+LIMIT %(limit)s

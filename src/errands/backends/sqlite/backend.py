@@ -30,7 +30,8 @@ from ...errors import (
     JobNotFound,
     SchemaOutdated,
 )
-from ...jobs import EnqueueRequest, JobRow
+from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
+from ...testing.faults import fault_point
 from ..base import (
     ActionParams,
     ActionResult,
@@ -46,6 +47,7 @@ from ..base import (
     ListParams,
     QueueStats,
     RescueParams,
+    StoreHealth,
     WorkerInfo,
 )
 from ..sqlfile import load_migrations, load_queries
@@ -323,6 +325,8 @@ class SQLiteBackend:
 
     @staticmethod
     def _insert(conn: sqlite3.Connection, req: EnqueueRequest) -> InsertResult:
+        if req.key is not None:
+            conn.execute(Q["job_expire_key"], {"name": req.name, "key": req.key})
         row = conn.execute(
             Q["job_insert"],
             {
@@ -337,6 +341,8 @@ class SQLiteBackend:
                 "key": req.key,
                 "timeout": req.timeout,
                 "lease_seconds": req.lease_seconds,
+                "parent_id": req.parent_id,
+                "unique_for": req.unique_for,
             },
         ).fetchone()
         if row is not None:
@@ -382,23 +388,97 @@ class SQLiteBackend:
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
-        sql = Q["job_finish"]
         with self._write() as conn:
-            return [
-                conn.execute(
-                    sql,
-                    {
-                        "id": o.id,
-                        "token": o.lease_token,
-                        "state": o.state,
-                        "result": o.result_json,
-                        "error": None if o.error is None else json.dumps(o.error),
-                        "delay": o.delay,
-                    },
-                ).rowcount
-                == 1
-                for o in outcomes
-            ]
+            return [self._finish(conn, o) for o in outcomes]
+
+    def _finish(self, conn: sqlite3.Connection, o: FinishParams) -> bool:
+        """The fenced write of one outcome; its children are inserted only if it lands."""
+        ok = (
+            conn.execute(
+                Q["job_finish"],
+                {
+                    "id": o.id,
+                    "token": o.lease_token,
+                    "state": o.state,
+                    "result": o.result_json,
+                    "error": None if o.error is None else json.dumps(o.error),
+                    "delay": o.delay,
+                },
+            ).rowcount
+            == 1
+        )
+        if ok and o.children and o.state == "completed":
+            for child in o.children:
+                self._insert(conn, child)
+        return ok
+
+    # -- transactional completion (ctx.transaction) ---------------------------------------
+    def tx_begin(self) -> sqlite3.Connection:
+        """A dedicated connection in an open write transaction, for one attempt."""
+        if self.memory:
+            raise ConfigurationError(
+                "ctx.transaction() needs a file database: an in-memory SQLite database is "
+                "private to one connection"
+            )
+        conn = self._connect()
+        try:
+            self._retry(lambda: conn.execute("BEGIN IMMEDIATE"))
+        except BaseException:
+            self._forget(conn)
+            raise
+        return conn
+
+    def tx_finish(self, conn: sqlite3.Connection, outcome: FinishParams) -> bool:
+        """Write the fenced outcome in the attempt's transaction and commit it all, or
+        roll it all back when the lease is no longer ours."""
+        try:
+            ok = self._finish(conn, outcome)
+            fault_point("before_complete_commit")
+            conn.execute("COMMIT" if ok else "ROLLBACK")
+            fault_point("after_complete_commit")
+            return ok
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        finally:
+            self._forget(conn)
+
+    def tx_rollback(self, conn: sqlite3.Connection) -> None:
+        try:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+        finally:
+            self._forget(conn)
+
+    def _forget(self, conn: sqlite3.Connection) -> None:
+        with self._all_lock:
+            if conn in self._all:
+                self._all.remove(conn)
+        with contextlib.suppress(sqlite3.Error):
+            conn.close()
+
+    # -- durable steps -----------------------------------------------------------------
+    def step_list(self, job_id: int) -> list[Step]:
+        with self._read() as conn:
+            rows = conn.execute(Q["step_list"], {"job_id": job_id}).fetchall()
+        return [
+            Step(job_id=r[0], name=r[1], result=_loads_or_raw(r[2]), attempt=r[3],
+                 created_at=to_datetime(r[4]))  # type: ignore[arg-type]
+            for r in rows
+        ]  # fmt: skip
+
+    def step_store(
+        self, job_id: int, name: str, result_json: str, attempt: int, conn: Any = None
+    ) -> str:
+        """Store a step's result unless one is stored; return the stored JSON (the winner)."""
+        params = {"job_id": job_id, "name": name, "result": result_json, "attempt": attempt}
+        if conn is not None:
+            conn.execute(Q["step_insert"], params)
+            return str(conn.execute(Q["step_get"], params).fetchone()[0])
+        with self._write() as own:
+            own.execute(Q["step_insert"], params)
+            return str(own.execute(Q["step_get"], params).fetchone()[0])
 
     def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult:
         extended: set[int] = set()
@@ -489,7 +569,16 @@ class SQLiteBackend:
 
     def job_prune(self, older_than: float, limit: int) -> int:
         with self._write() as conn:
-            return conn.execute(Q["job_prune"], {"older_than": older_than, "limit": limit}).rowcount
+            ids = [
+                r[0]
+                for r in conn.execute(
+                    Q["job_prunable"], {"older_than": older_than, "limit": limit}
+                ).fetchall()
+            ]
+            for job_id in ids:
+                conn.execute(Q["steps_delete"], {"job_id": job_id})
+                conn.execute(Q["job_delete"], {"id": job_id})
+        return len(ids)
 
     # -- reading -------------------------------------------------------------------------
     def job_get(self, job_id: int) -> JobRow | None:
@@ -506,6 +595,7 @@ class SQLiteBackend:
                     "queue": params.queue,
                     "name": params.name,
                     "before_id": params.before_id,
+                    "parent_id": params.parent_id,
                     "limit": params.limit,
                 },
             ).fetchall()
@@ -621,6 +711,8 @@ class SQLiteBackend:
             if params.dry_run:  # nothing written: the COMMIT below is empty
                 return ActionResult(matched=matched, skipped=skipped)
             for job_id in matched:
+                if action == "replay" and params.fresh:
+                    conn.execute(Q["steps_delete"], {"job_id": job_id})
                 conn.execute(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
                 conn.execute(
                     Q["audit_insert"],
@@ -628,7 +720,7 @@ class SQLiteBackend:
                         "actor": params.actor,
                         "action": action,
                         "job_id": job_id,
-                        "detail": json.dumps({"reason": params.reason} if params.reason else {}),
+                        "detail": json.dumps(_action_detail(params)),
                     },
                 )
         return ActionResult(matched=matched, skipped=skipped)
@@ -668,3 +760,48 @@ class SQLiteBackend:
                 },
             )
         return CancelResult(id=job_id, previous_state=previous, state=state)
+
+    # -- health --------------------------------------------------------------------------
+    def store_health(self) -> StoreHealth:
+        with self._read() as conn:
+            pages, free = conn.execute(Q["store_health"]).fetchone()
+        wal: int | None = None
+        if not self.memory:
+            try:
+                wal = os.path.getsize(self.path + "-wal")
+            except OSError:
+                wal = 0  # no WAL file right now
+        return StoreHealth(page_count=pages, freelist_count=free, wal_bytes=wal)
+
+    # -- the dashboard ---------------------------------------------------------------------
+    def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[Any]:
+        from ..base import ThroughputBucket
+
+        with self._read() as conn:
+            rows = conn.execute(
+                Q["job_throughput"], {"since": since_seconds, "bucket": bucket_seconds}
+            ).fetchall()
+        return [ThroughputBucket(float(r[0]), r[1], r[2] or 0, r[3] or 0, r[4] or 0) for r in rows]
+
+    def job_find_by_key(self, key: str, limit: int = 50) -> list[JobRow]:
+        with self._read() as conn:
+            rows = conn.execute(Q["job_find_by_key"], {"key": key, "limit": limit}).fetchall()
+        return [JobRow(*r) for r in rows]
+
+
+def _loads_or_raw(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _action_detail(params: ActionParams) -> dict[str, Any]:
+    detail: dict[str, Any] = {}
+    if params.reason:
+        detail["reason"] = params.reason
+    if params.fresh:
+        detail["fresh"] = True
+    return detail

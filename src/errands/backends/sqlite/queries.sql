@@ -4,15 +4,24 @@
 
 -- name: job_insert
 INSERT INTO errands_jobs (name, queue, args, meta, state, priority, max_attempts, run_at,
-                          idempotency_key, timeout, lease_seconds, inserted_at)
+                          idempotency_key, timeout, lease_seconds, inserted_at, parent_id,
+                          unique_until)
 SELECT :name, :queue, :args, :meta,
        CASE WHEN due > t_now + 0.0005 THEN 'scheduled' ELSE 'available' END,
-       :priority, :max_attempts, due, :key, :timeout, :lease_seconds, t_now
+       :priority, :max_attempts, due, :key, :timeout, :lease_seconds, t_now, :parent_id,
+       CASE WHEN :unique_for IS NULL THEN NULL ELSE t_now + :unique_for END
 FROM (SELECT COALESCE(:run_at, t_now + :delay) AS due, t_now
       FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t_now))
 WHERE true
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING id
+
+-- name: job_expire_key
+-- unique_for: a key whose period is over is released (kept in meta as expired_key).
+UPDATE errands_jobs
+SET meta = json_set(meta, '$.expired_key', idempotency_key), idempotency_key = NULL
+WHERE name = :name AND idempotency_key = :key
+  AND unique_until IS NOT NULL AND unique_until <= (julianday('now') - 2440587.5) * 86400.0
 
 -- name: job_id_by_key
 SELECT id FROM errands_jobs WHERE name = :name AND idempotency_key = :key
@@ -37,7 +46,7 @@ WHERE id IN (
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason
+          lease_seconds, discarded_by, discard_reason, parent_id
 
 -- name: job_finish
 -- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
@@ -118,32 +127,36 @@ SET state = 'available'
 WHERE state IN ('scheduled', 'retryable')
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
 
--- name: job_prune
-DELETE FROM errands_jobs
-WHERE id IN (
-    SELECT id FROM errands_jobs
-    WHERE state IN ('completed', 'cancelled', 'discarded')
-      AND finished_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
-    LIMIT :limit
-)
+-- name: job_prunable
+SELECT id FROM errands_jobs
+WHERE state IN ('completed', 'cancelled', 'discarded')
+  AND finished_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+LIMIT :limit
+
+-- name: job_delete
+DELETE FROM errands_jobs WHERE id = :id
+
+-- name: steps_delete
+DELETE FROM errands_steps WHERE job_id = :job_id
 
 -- name: job_get
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason
+       lease_seconds, discarded_by, discard_reason, parent_id
 FROM errands_jobs WHERE id = :id
 
 -- name: job_list
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason
+       lease_seconds, discarded_by, discard_reason, parent_id
 FROM errands_jobs
 WHERE (:state IS NULL OR state = :state)
   AND (:queue IS NULL OR queue = :queue)
   AND (:name IS NULL OR name = :name)
   AND (:before_id IS NULL OR id < :before_id)
+  AND (:parent_id IS NULL OR parent_id = :parent_id)
 ORDER BY id DESC
 LIMIT :limit
 
@@ -224,3 +237,67 @@ ORDER BY started_at
 -- name: worker_prune
 DELETE FROM errands_workers
 WHERE heartbeat_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+
+-- name: step_list
+SELECT job_id, name, result, attempt, created_at FROM errands_steps
+WHERE job_id = :job_id
+ORDER BY created_at, name
+
+-- name: step_insert
+INSERT INTO errands_steps (job_id, name, result, attempt, created_at)
+VALUES (:job_id, :name, :result, :attempt, (julianday('now') - 2440587.5) * 86400.0)
+ON CONFLICT (job_id, name) DO NOTHING
+
+-- name: step_get
+SELECT result FROM errands_steps WHERE job_id = :job_id AND name = :name
+
+-- name: store_health
+SELECT page_count, freelist_count FROM pragma_page_count(), pragma_freelist_count()
+
+-- name: job_throughput
+-- Per bucket and queue over the last :since seconds: completed and dead jobs (by
+-- finished_at) and failed attempts (by each error's "at"). A job that failed in the window
+-- is now pending or running, or finished inside the window, so only those rows are read.
+WITH bounds AS (SELECT (julianday('now') - 2440587.5) * 86400.0 - :since AS since),
+candidates AS (
+    SELECT j.queue, j.state, j.finished_at, j.errors FROM errands_jobs AS j, bounds
+    WHERE j.state IN ('completed', 'cancelled', 'discarded') AND j.finished_at >= bounds.since
+    UNION ALL
+    SELECT j.queue, j.state, j.finished_at, j.errors FROM errands_jobs AS j, bounds
+    WHERE j.state = 'dead' AND j.finished_at >= bounds.since
+    UNION ALL
+    SELECT j.queue, j.state, j.finished_at, j.errors FROM errands_jobs AS j
+    WHERE j.state IN ('available', 'scheduled', 'retryable', 'running') AND j.errors != '[]'
+),
+events AS (
+    SELECT queue, state AS kind, finished_at AS at FROM candidates
+    WHERE state IN ('completed', 'dead')
+    UNION ALL
+    SELECT c.queue, 'failed', json_extract(e.value, '$.at')
+    FROM candidates AS c, json_each(c.errors) AS e, bounds
+    WHERE c.errors != '[]' AND json_extract(e.value, '$.at') >= bounds.since
+)
+SELECT CAST(at / :bucket AS INTEGER) * :bucket AS bucket, queue,
+       sum(kind = 'completed'), sum(kind = 'dead'), sum(kind = 'failed')
+FROM events
+GROUP BY bucket, queue
+ORDER BY bucket, queue
+
+-- name: job_find_by_key
+-- Jobs with this idempotency key under any name: one probe of the (name, key) index per
+-- distinct name, the names found by skipping through that index.
+WITH RECURSIVE names(name) AS (
+    SELECT min(name) FROM errands_jobs WHERE idempotency_key IS NOT NULL
+    UNION ALL
+    SELECT (SELECT min(j.name) FROM errands_jobs AS j
+            WHERE j.idempotency_key IS NOT NULL AND j.name > names.name)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT j.id, j.name, j.queue, j.args, j.meta, j.state, j.priority, j.attempt, j.max_attempts,
+       j.run_at, j.idempotency_key, j.errors, j.result, j.inserted_at, j.attempted_at,
+       j.finished_at, j.lease_owner, j.lease_token, j.lease_expires_at, j.rescues,
+       j.cancel_requested, j.timeout, j.lease_seconds, j.discarded_by, j.discard_reason,
+       j.parent_id
+FROM names JOIN errands_jobs AS j ON j.name = names.name AND j.idempotency_key = :key
+ORDER BY j.id DESC
+LIMIT :limit
