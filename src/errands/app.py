@@ -16,8 +16,10 @@ from .backends.base import (
     AuditEvent,
     CancelResult,
     ListParams,
+    QueueSettings,
     QueueStats,
 )
+from .backends.limits import parse_rate
 from .definition import BoundJob, JobDefinition, check_name, seconds
 from .errors import ConfigurationError, InvalidTransition, JobNotFound
 from .handle import JobHandle
@@ -28,6 +30,7 @@ from .payload import MAX_PAYLOAD_BYTES_DEFAULT
 from .retry import BackoffPolicy
 
 if TYPE_CHECKING:
+    from .maintenance.scheduler import Periodic, PeriodicInfo
     from .worker.worker import Worker
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -74,6 +77,8 @@ class App:
         self.poison_after = poison_after
         self.registry: dict[str, JobDefinition[Any, Any]] = {}
         self.dead_hooks: list[DeadHook] = []
+        self.queues: dict[str, QueueSettings] = {}
+        self.schedules: dict[str, Periodic] = {}
         self.events = EventBus()
         self.events.subscribe(log_event)
         self._backend: Backend | None = None
@@ -125,6 +130,9 @@ class App:
         permanent: Iterable[type[BaseException]] = (),
         sensitive: Iterable[str] = (),
         unique_for: float | timedelta | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
+        rate: str | None = None,
     ) -> Callable[[F], JobDefinition[Any, Any]]: ...
 
     def job(
@@ -142,6 +150,9 @@ class App:
         permanent: Iterable[type[BaseException]] = (),
         sensitive: Iterable[str] = (),
         unique_for: float | timedelta | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
+        rate: str | None = None,
     ) -> Any:
         """Register a function as a job. Usable bare (``@app.job``) or with options."""
 
@@ -159,6 +170,9 @@ class App:
                 permanent=permanent,
                 sensitive=sensitive,
                 unique_for=unique_for,
+                concurrency_key=concurrency_key,
+                concurrency_limit=concurrency_limit,
+                rate=rate,
             )
             if definition.name in self.registry:
                 raise ConfigurationError(
@@ -169,6 +183,65 @@ class App:
             return definition
 
         return register(fn) if fn is not None else register
+
+    def queue(self, name: str, *, limit: int | None = None, rate: str | None = None) -> None:
+        """Declare a queue's cluster-wide limits: at most ``limit`` jobs running at once
+        across every worker and host, at most ``rate`` starts (``"100/m"``). Workers store
+        the declaration when they start; ``errands queues`` shows it."""
+        check_name("queue", name)
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ConfigurationError(f"app.queue({name!r}, limit={limit!r}): limit must be >= 1")
+        rate_limit, rate_period = parse_rate(rate) if rate is not None else (None, None)
+        self.queues[name] = QueueSettings(
+            name=name, max_running=limit, rate_limit=rate_limit, rate_period=rate_period
+        )
+
+    def pause(self, queue: str, *, actor: str = "api") -> None:
+        """Stop every worker from claiming from ``queue`` (persisted and audited); running
+        jobs finish. Takes effect within one poll interval."""
+        self.backend.queue_set_paused(check_name("queue", queue), True, actor)
+
+    def resume(self, queue: str, *, actor: str = "api") -> None:
+        """Let workers claim from a paused queue again (audited)."""
+        self.backend.queue_set_paused(check_name("queue", queue), False, actor)
+
+    def queue_settings(self) -> list[QueueSettings]:
+        """Every queue's persisted settings: paused, limits, who changed them last."""
+        return self.backend.queue_settings()
+
+    def periodic(
+        self,
+        expression: str,
+        *,
+        tz: str = "UTC",
+        args: dict[str, Any] | None = None,
+        catch_up: bool | None = None,
+        **job_options: Any,
+    ) -> Callable[[F], JobDefinition[Any, Any]]:
+        """Run a job on a cron schedule, once per slot across the whole cluster.
+
+        ``expression`` has five fields (minute hour day-of-month month day-of-week) and is
+        read in time zone ``tz``. ``args`` are the job's arguments, validated now.
+        ``catch_up``: None runs the latest missed slot once, True runs every missed slot,
+        False skips missed slots. Other keyword arguments are ``@app.job`` options.
+        """
+        from .maintenance.scheduler import Periodic, check_schedule
+
+        def register(fn: F) -> JobDefinition[Any, Any]:
+            check_schedule(expression, tz, job_options.get("name") or fn.__qualname__)
+            definition: JobDefinition[Any, Any] = self.job(**job_options)(fn)
+            fixed = dict(args or {})
+            definition.bind(**fixed)  # validate the arguments at definition time
+            self.schedules[definition.name] = Periodic(definition, expression, tz, fixed, catch_up)
+            return definition
+
+        return register
+
+    def periodic_jobs(self) -> list[PeriodicInfo]:
+        """Every periodic job with its next run (from now) and its last enqueued slot."""
+        from .maintenance.scheduler import describe
+
+        return describe(self)
 
     def on_dead(self, fn: DeadHook) -> DeadHook:
         """Call ``fn(job)`` in the worker whenever a job enters the dead-letter queue."""

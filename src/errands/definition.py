@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import re
+import string
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
+from .backends.limits import parse_rate
 from .context import Context
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidPayload
 from .jobs import EnqueueRequest
 from .payload import PayloadSpec
 from .retry import BackoffPolicy, as_backoff
@@ -73,6 +76,9 @@ class JobDefinition(Generic[P, R]):
         permanent: Iterable[type[BaseException]],
         sensitive: Iterable[str],
         unique_for: float | timedelta | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
+        rate: str | None = None,
     ) -> None:
         self.app = app
         self.fn = fn
@@ -108,7 +114,40 @@ class JobDefinition(Generic[P, R]):
                 f"job {self.name!r}: sensitive= names {sorted(unknown)}, which are not "
                 f"parameters; parameters are {list(self.payload.fields)}"
             )
+        self.concurrency_key, self.concurrency_limit = self._check_key(
+            concurrency_key, concurrency_limit
+        )
+        self.rate = parse_rate(rate) if rate is not None else None
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+
+    def _check_key(self, template: str | None, limit: int | None) -> tuple[str | None, int | None]:
+        if template is None:
+            if limit is not None:
+                raise ConfigurationError(
+                    f"job {self.name!r}: concurrency_limit= needs a concurrency_key= template, "
+                    "as in concurrency_key='account:{account_id}'"
+                )
+            return None, None
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f}
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"job {self.name!r}: concurrency_key={template!r} is not a valid template: {exc}"
+            ) from None
+        unknown = {f.split(".")[0].split("[")[0] for f in fields} - set(self.payload.fields)
+        if unknown:
+            raise ConfigurationError(
+                f"job {self.name!r}: concurrency_key={template!r} names {sorted(unknown)}, which "
+                f"are not parameters; parameters are {list(self.payload.fields)}"
+            )
+        limit = 1 if limit is None else limit
+        if not isinstance(limit, int) or limit < 1:
+            raise ConfigurationError(f"job {self.name!r}: concurrency_limit must be an int >= 1")
+        return template, limit
+
+    @property
+    def limited(self) -> bool:
+        return self.concurrency_key is not None or self.rate is not None
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         """Call the handler directly, in this process, with no job involved."""
@@ -205,7 +244,23 @@ class JobDefinition(Generic[P, R]):
             lease_seconds=self.lease,
             meta={"sensitive": sorted(self.sensitive)} if self.sensitive else {},
             unique_for=self._unique_for(options),
+            concurrency_key=self._key_for(args_json),
+            concurrency_limit=self.concurrency_limit,
         )
+
+    def _key_for(self, args_json: str) -> str | None:
+        if self.concurrency_key is None:
+            return None
+        values = {name: None for name in self.payload.fields}
+        values.update(json.loads(args_json))
+        try:
+            # Not prefixed with the job name: job types sharing a key share its limit.
+            return self.concurrency_key.format(**values)
+        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            raise InvalidPayload(
+                f"{self.name}: cannot build concurrency_key {self.concurrency_key!r} from the "
+                f"arguments: {exc}"
+            ) from None
 
     def _unique_for(self, options: EnqueueOptions) -> float | None:
         value = seconds(options.unique_for, "unique_for")

@@ -217,6 +217,8 @@ class EnqueueRequest:
     meta: dict[str, Any] = field(default_factory=dict)
     parent_id: int | None = None
     unique_for: float | None = None  # seconds the key stays unique; None: while the row exists
+    concurrency_key: str | None = None  # at most concurrency_limit running per key, cluster-wide
+    concurrency_limit: int | None = None
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,34 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class CronState:
+    """The scheduler's memory of one periodic job (epoch seconds, database clock)."""
+
+    name: str
+    last_slot: float | None
+    last_job_id: int | None
+    next_slot: float | None
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """A queue's persisted settings: paused, cluster-wide limits (DESIGN §7)."""
+
+    name: str
+    paused: bool = False
+    max_running: int | None = None
+    rate_limit: int | None = None
+    rate_period: float | None = None
+    has_keys: bool = False
+    updated_at: float | None = None
+    updated_by: str | None = None
+
+    @property
+    def limited(self) -> bool:
+        return self.max_running is not None or self.rate_limit is not None or self.has_keys
+
+
+@dataclass(frozen=True)
 class AuditEvent:
     id: int
     at: float
@@ -250,6 +278,44 @@ class Backend(Protocol):
     def job_discard(self, params: ActionParams) -> ActionResult: ...
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...
+
+    # -- queues and limits ------------------------------------------------------------------
+    def queue_settings(self) -> list[QueueSettings]: ...
+
+    def queue_declare(self, settings: QueueSettings, actor: str) -> None:
+        """Store a queue's limits as declared in code (``app.queue``); keeps ``paused``."""
+        ...
+
+    def queue_set_paused(self, name: str, paused: bool, actor: str) -> None:
+        """Pause or resume a queue, audited in the same transaction."""
+        ...
+
+    def job_limit_declare(
+        self, name: str, queue: str, rate_limit: int | None, rate_period: float | None
+    ) -> None: ...
+
+    def job_claim_limited(
+        self, queue: QueueClaim, worker_id: str, lease_default: float
+    ) -> list[JobRow]:
+        """Claim from a limited queue, one claimer at a time (see backends.limits)."""
+        ...
+
+    def rate_log_prune(self, older_than: float) -> int: ...
+
+    # -- cron ------------------------------------------------------------------------------
+    def cron_states(self) -> list[CronState]: ...
+
+    def cron_save(
+        self,
+        name: str,
+        expression: str,
+        timezone: str,
+        last_slot: float,
+        last_job_id: int | None,
+        next_slot: float | None,
+    ) -> None:
+        """Record the latest slot handled (never moving it backwards) and the next one."""
+        ...
 
     # -- effectively-once tools ---------------------------------------------------------
     def step_list(self, job_id: int) -> list[Step]: ...

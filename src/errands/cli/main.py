@@ -17,7 +17,9 @@ from .. import __version__
 from ..errors import ConfigurationError, ErrandsError
 from ..observability.logcontext import configure_logging
 from .admin import dlq, jobs, status
+from .dashboard import dashboard
 from .loading import load_app
+from .scheduling import cron, queues
 
 APP_HELP = "the App as module:attribute (also ERRANDS_APP)"
 URL_HELP = "database URL, overriding the app's (also ERRANDS_URL)"
@@ -213,8 +215,11 @@ def demo(db_path: str, job_count: int) -> None:
 
 
 cli.add_command(status)
+cli.add_command(queues)
+cli.add_command(cron)
 cli.add_command(jobs)
 cli.add_command(dlq)
+cli.add_command(dashboard)
 
 
 def main() -> None:

@@ -29,7 +29,9 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..backends.base import RescueParams
+from ..backends.limits import RATE_PERIOD_MAX
 from ..retry import DEFAULT_BACKOFF
+from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from ..app import App
@@ -63,6 +65,7 @@ class Maintenance:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-maintenance", daemon=True)
         self._next_prune = 0.0
+        self.scheduler = Scheduler(app)
 
     def start(self) -> None:
         self._thread.start()
@@ -100,6 +103,7 @@ class Maintenance:
             return
         self.rescue()
         backend.job_promote_due()
+        self.scheduler.run_once()
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + self.prune_interval
             self.prune()
@@ -174,6 +178,7 @@ class Maintenance:
 
     def prune(self) -> int:
         self.app.backend.worker_prune(WORKER_FORGET_AFTER)
+        self.app.backend.rate_log_prune(RATE_PERIOD_MAX)
         if self.app.retention <= 0:
             return 0
         total = 0
@@ -183,5 +188,7 @@ class Maintenance:
             if n < PRUNE_BATCH:
                 break
         if total:
-            log.info("pruned %d finished job(s) older than the retention period", total)
+            self.app.events.emit(
+                "errands.maintenance.pruned", worker_id=self.worker_id, count=total
+            )
         return total

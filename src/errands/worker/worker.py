@@ -28,7 +28,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim, WorkerInfo
+from ..backends.base import (
+    ClaimParams,
+    FinishParams,
+    LeaseRef,
+    QueueClaim,
+    QueueSettings,
+    WorkerInfo,
+)
 from ..context import Context
 from ..errors import ConfigurationError, InvalidPayload, UnknownJob
 from ..jobs import JobRow
@@ -148,6 +155,8 @@ class Worker:
         self.started_at = 0.0
         self.listener: Any = None
         self._notified = False
+        self._limited: set[str] = set()
+        self._settings_due = 0.0
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -168,6 +177,8 @@ class Worker:
                 signal.signal(sig, self._on_signal)
         self.started_at = time.monotonic()
         self._register()
+        self._declare()
+        self._refresh_settings(force=True)
         self.completer.start()
         self.leases.start()
         self.listener = self.app.backend.listener(self._on_notify)
@@ -265,9 +276,7 @@ class Worker:
             rows: list[JobRow] = []
             if plan:
                 try:
-                    rows = self.app.backend.job_claim(
-                        ClaimParams(plan, free, self.id, self.app.lease)
-                    )
+                    rows = self._claim(plan, free)
                     pause = self.poll_interval
                 except Exception as exc:
                     log.warning("claim failed (%s); retrying in %.1f s", exc, pause)
@@ -285,6 +294,43 @@ class Worker:
             self._notified = False
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _claim(self, plan: list[QueueClaim], free: int) -> list[JobRow]:
+        """Unlimited queues in one claim; each limited queue on its own serialised path."""
+        self._refresh_settings()
+        backend = self.app.backend
+        fast = [q for q in plan if q.name not in self._limited]
+        rows = backend.job_claim(ClaimParams(fast, free, self.id, self.app.lease)) if fast else []
+        for queue in plan:
+            room = min(queue.limit, free - len(rows))
+            if queue.name in self._limited and room > 0:
+                rows += backend.job_claim_limited(
+                    QueueClaim(queue.name, room), self.id, self.app.lease
+                )
+        return rows
+
+    def _refresh_settings(self, force: bool = False) -> None:
+        """Learn which queues are limited (cluster-wide limits live in the database)."""
+        now = time.monotonic()
+        if not force and now < self._settings_due:
+            return
+        self._settings_due = now + self.poll_interval
+        try:
+            self._limited = {s.name for s in self.app.backend.queue_settings() if s.limited}
+        except Exception as exc:
+            log.debug("could not read queue settings (%s); keeping the last ones", exc)
+
+    def _declare(self) -> None:
+        """Store the limits this app declares in code, so every worker enforces them."""
+        backend = self.app.backend
+        keyed = {d.queue for d in self.app.registry.values() if d.limited}
+        current = {s.name: s for s in backend.queue_settings()}
+        for name in sorted(set(self.app.queues) | keyed):
+            declared = self.app.queues.get(name) or current.get(name) or QueueSettings(name)
+            backend.queue_declare(replace(declared, has_keys=name in keyed), f"worker:{self.id}")
+        for definition in self.app.registry.values():  # a rate removed in code is cleared
+            limit, period = definition.rate or (None, None)
+            backend.job_limit_declare(definition.name, definition.queue, limit, period)
 
     def _start(self, row: JobRow) -> None:
         definition = self.app.registry.get(row.name)
@@ -511,9 +557,13 @@ class Worker:
             return
         duration = (attempt.ended or time.monotonic()) - attempt.started
         error = outcome.error or {}
-        if outcome.state == "completed":
+        state = outcome.state
+        cancelled = attempt.ctx is not None and attempt.ctx.cancel_reason == "cancelled"
+        if state in ("retryable", "dead") and cancelled:
+            state = "cancelled"  # the store records a failure after a cancel as cancelled
+        if state == "completed":
             emit("errands.job.completed", **fields, duration=duration)
-        elif outcome.state == "retryable":
+        elif state == "retryable":
             emit(
                 "errands.job.retrying",
                 **fields,
@@ -522,7 +572,7 @@ class Worker:
                 error_type=error.get("type"),
                 error_message=error.get("message"),
             )
-        elif outcome.state == "cancelled":
+        elif state == "cancelled":
             emit("errands.job.cancelled", **fields, duration=duration)
         else:
             emit(

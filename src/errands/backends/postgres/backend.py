@@ -34,17 +34,21 @@ from ..base import (
     CancelResult,
     Capabilities,
     ClaimParams,
+    CronState,
     ExpiredLease,
     FinishParams,
     HeartbeatResult,
     InsertResult,
     LeaseRef,
     ListParams,
+    QueueClaim,
+    QueueSettings,
     QueueStats,
     RescueParams,
     StoreHealth,
     WorkerInfo,
 )
+from ..limits import claim_limited
 from ..sqlfile import load_migrations, load_queries
 from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
 
@@ -251,6 +255,8 @@ class PostgresBackend:
             "lease_seconds": req.lease_seconds,
             "parent_id": req.parent_id,
             "unique_for": req.unique_for,
+            "concurrency_key": req.concurrency_key,
+            "concurrency_limit": req.concurrency_limit,
         }
 
     def _insert(
@@ -294,6 +300,8 @@ class PostgresBackend:
                         "leases": [r.lease_seconds for r in requests],
                         "parents": [r.parent_id for r in requests],
                         "unique_fors": [r.unique_for for r in requests],
+                        "ckeys": [r.concurrency_key for r in requests],
+                        "climits": [r.concurrency_limit for r in requests],
                     },
                 ).fetchall()
             }
@@ -391,6 +399,113 @@ class PostgresBackend:
         if children:
             self._insert(conn, children)
         return accepted
+
+    # -- queues and limits ----------------------------------------------------------------
+    def queue_settings(self) -> list[QueueSettings]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["queue_settings_list"]).fetchall()
+        return [
+            QueueSettings(
+                name=r[0], paused=bool(r[1]), max_running=r[2], rate_limit=r[3],
+                rate_period=r[4], has_keys=bool(r[5]), updated_at=r[6], updated_by=r[7],
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    def queue_declare(self, settings: QueueSettings, actor: str) -> None:
+        with self._conn() as conn:
+            conn.execute(
+                self.q["queue_declare"],
+                {
+                    "name": settings.name,
+                    "max_running": settings.max_running,
+                    "rate_limit": settings.rate_limit,
+                    "rate_period": settings.rate_period,
+                    "has_keys": settings.has_keys,
+                    "actor": actor,
+                },
+            )
+
+    def queue_set_paused(self, name: str, paused: bool, actor: str) -> None:
+        with self._tx() as conn:
+            conn.execute(
+                self.q["queue_set_paused"], {"name": name, "paused": paused, "actor": actor}
+            )
+            conn.execute(
+                self.q["audit_insert"],
+                {
+                    "actor": actor,
+                    "action": "pause" if paused else "resume",
+                    "job_id": None,
+                    "detail": json.dumps({"queue": name}),
+                },
+            )
+
+    def job_limit_declare(
+        self, name: str, queue: str, rate_limit: int | None, rate_period: float | None
+    ) -> None:
+        with self._conn() as conn:
+            conn.execute(
+                self.q["job_limit_declare"],
+                {
+                    "name": name,
+                    "queue": queue,
+                    "rate_limit": rate_limit,
+                    "rate_period": rate_period,
+                },
+            )
+
+    def job_claim_limited(
+        self, queue: QueueClaim, worker_id: str, lease_default: float
+    ) -> list[JobRow]:
+        with self._tx() as conn:
+            # One limited claimer per queue at a time, cluster-wide, for this transaction.
+            conn.execute(
+                self.q["queue_claim_lock"], {"lock": f"errands:{self.schema}:{queue.name}"}
+            )
+            rows = claim_limited(
+                _LimitedStore(conn, self.q),
+                queue.name,
+                queue.limit,
+                {
+                    "worker_id": worker_id,
+                    "token": secrets.token_hex(8),
+                    "lease_default": lease_default,
+                },
+            )
+        return [JobRow(*r) for r in rows]
+
+    def rate_log_prune(self, older_than: float) -> int:
+        with self._conn() as conn:
+            return conn.execute(self.q["rate_log_prune"], {"older_than": older_than}).rowcount
+
+    # -- cron ------------------------------------------------------------------------------
+    def cron_states(self) -> list[CronState]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["cron_states"]).fetchall()
+        return [CronState(*r) for r in rows]
+
+    def cron_save(
+        self,
+        name: str,
+        expression: str,
+        timezone: str,
+        last_slot: float,
+        last_job_id: int | None,
+        next_slot: float | None,
+    ) -> None:
+        with self._conn() as conn:
+            conn.execute(
+                self.q["cron_save"],
+                {
+                    "name": name,
+                    "expression": expression,
+                    "timezone": timezone,
+                    "last_slot": last_slot,
+                    "last_job_id": last_job_id,
+                    "next_slot": next_slot,
+                },
+            )
 
     # -- transactional completion (ctx.transaction) ---------------------------------------
     def tx_begin(self) -> psycopg.Connection[Any]:
@@ -761,3 +876,16 @@ def _action_detail(params: ActionParams) -> dict[str, Any]:
     if params.fresh:
         detail["fresh"] = True
     return detail
+
+
+class _LimitedStore:
+    def __init__(self, conn: psycopg.Connection[Any], queries: dict[str, str]) -> None:
+        self.conn = conn
+        self.q = queries
+
+    def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
+        cur = self.conn.execute(self.q[query], params)
+        return cur.fetchall() if cur.description else []
+
+    def id_list(self, values: list[object]) -> object:
+        return values

@@ -10,14 +10,15 @@
 WITH ins AS (
 INSERT INTO {schema}.errands_jobs AS j
     (name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
-     timeout, lease_seconds, parent_id, unique_until)
+     timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit)
 VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(meta)s::jsonb,
         CASE WHEN COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s))
                   > now() THEN 'scheduled' ELSE 'available' END,
         %(priority)s, %(max_attempts)s,
         COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s)),
         %(key)s, %(timeout)s, %(lease_seconds)s, %(parent_id)s,
-        now() + make_interval(secs => %(unique_for)s))
+        now() + make_interval(secs => %(unique_for)s), %(concurrency_key)s,
+        %(concurrency_limit)s)
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
 ), note AS (
@@ -30,21 +31,21 @@ SELECT (SELECT id FROM ins), (SELECT count(*) FROM note)
 -- ids are allocated first (job_allocate_ids) so results map back to requests in order.
 INSERT INTO {schema}.errands_jobs AS j
     (id, name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
-     timeout, lease_seconds, parent_id, unique_until)
+     timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit)
 SELECT r.id, r.name, r.queue, r.args::jsonb, r.meta::jsonb,
        CASE WHEN COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay))
                  > now() THEN 'scheduled' ELSE 'available' END,
        r.priority, r.max_attempts,
        COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay)),
        r.key, r.timeout, r.lease_seconds, r.parent_id,
-       now() + make_interval(secs => r.unique_for)
+       now() + make_interval(secs => r.unique_for), r.concurrency_key, r.concurrency_limit
 FROM unnest(%(ids)s::bigint[], %(names)s::text[], %(queues)s::text[], %(args)s::text[],
             %(metas)s::text[], %(priorities)s::int[], %(max_attempts)s::int[],
             %(run_ats)s::float8[], %(delays)s::float8[], %(keys)s::text[],
             %(timeouts)s::float8[], %(leases)s::float8[], %(parents)s::bigint[],
-            %(unique_fors)s::float8[])
+            %(unique_fors)s::float8[], %(ckeys)s::text[], %(climits)s::int[])
      AS r(id, name, queue, args, meta, priority, max_attempts, run_at, delay, key, timeout,
-          lease_seconds, parent_id, unique_for)
+          lease_seconds, parent_id, unique_for, concurrency_key, concurrency_limit)
 ORDER BY r.id
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
@@ -74,6 +75,8 @@ WITH picked AS (
         WHERE state IN ('available', 'scheduled', 'retryable')
           AND queue = q.name
           AND run_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
+                          WHERE s.name = q.name AND s.paused)
         ORDER BY priority DESC, run_at, id
         LIMIT q.cap
         FOR UPDATE SKIP LOCKED
@@ -365,3 +368,102 @@ FROM names JOIN {schema}.errands_jobs AS j
   ON j.name = names.name AND j.idempotency_key = %(key)s::text
 ORDER BY j.id DESC
 LIMIT %(limit)s
+
+-- name: queue_settings_get
+SELECT name, paused, max_running, rate_limit, rate_period, has_keys,
+       extract(epoch FROM updated_at)::float8, updated_by
+FROM {schema}.errands_queues WHERE name = %(name)s
+
+-- name: queue_settings_list
+SELECT name, paused, max_running, rate_limit, rate_period, has_keys,
+       extract(epoch FROM updated_at)::float8, updated_by
+FROM {schema}.errands_queues ORDER BY name
+
+-- name: queue_declare
+INSERT INTO {schema}.errands_queues AS s
+    (name, max_running, rate_limit, rate_period, has_keys, updated_by)
+VALUES (%(name)s, %(max_running)s, %(rate_limit)s, %(rate_period)s, %(has_keys)s, %(actor)s)
+ON CONFLICT (name) DO UPDATE
+SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
+    rate_period = excluded.rate_period, has_keys = excluded.has_keys,
+    updated_at = now(), updated_by = excluded.updated_by
+WHERE s.max_running IS DISTINCT FROM excluded.max_running
+   OR s.rate_limit IS DISTINCT FROM excluded.rate_limit
+   OR s.rate_period IS DISTINCT FROM excluded.rate_period
+   OR s.has_keys IS DISTINCT FROM excluded.has_keys
+
+-- name: queue_set_paused
+INSERT INTO {schema}.errands_queues (name, paused, updated_by)
+VALUES (%(name)s, %(paused)s, %(actor)s)
+ON CONFLICT (name) DO UPDATE
+SET paused = excluded.paused, updated_at = now(), updated_by = excluded.updated_by
+
+-- name: job_limit_declare
+INSERT INTO {schema}.errands_job_limits (name, queue, rate_limit, rate_period)
+VALUES (%(name)s, %(queue)s, %(rate_limit)s, %(rate_period)s)
+ON CONFLICT (name) DO UPDATE
+SET queue = excluded.queue, rate_limit = excluded.rate_limit,
+    rate_period = excluded.rate_period, updated_at = now()
+
+-- name: job_limits_for_queue
+SELECT name, rate_limit, rate_period FROM {schema}.errands_job_limits
+WHERE queue = %(queue)s AND rate_limit IS NOT NULL
+
+-- name: queue_claim_lock
+SELECT pg_advisory_xact_lock(hashtext(%(lock)s))
+
+-- name: queue_running_count
+SELECT count(*) FROM {schema}.errands_jobs WHERE state = 'running' AND queue = %(queue)s
+
+-- name: rate_count
+SELECT count(*) FROM {schema}.errands_rate_log
+WHERE bucket = %(bucket)s AND at > now() - make_interval(secs => %(period)s)
+
+-- name: rate_log_insert
+INSERT INTO {schema}.errands_rate_log (bucket)
+SELECT %(bucket)s FROM generate_series(1, %(n)s)
+
+-- name: rate_log_prune
+DELETE FROM {schema}.errands_rate_log WHERE at < now() - make_interval(secs => %(older_than)s)
+
+-- name: claim_candidates
+SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs
+WHERE state IN ('available', 'scheduled', 'retryable')
+  AND queue = %(queue)s
+  AND run_at <= now()
+ORDER BY priority DESC, run_at, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: running_per_key
+SELECT concurrency_key, count(*) FROM {schema}.errands_jobs
+WHERE state = 'running' AND concurrency_key = ANY(%(keys)s::text[])
+GROUP BY concurrency_key
+
+-- name: job_claim_ids
+UPDATE {schema}.errands_jobs AS j
+SET state = 'running',
+    attempt = j.attempt + 1,
+    lease_owner = %(worker_id)s,
+    lease_token = %(token)s,
+    lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
+    attempted_at = now()
+WHERE j.id = ANY(%(ids)s::bigint[])
+  AND j.state IN ('available', 'scheduled', 'retryable')
+RETURNING {job_columns}
+
+-- name: cron_states
+SELECT name, extract(epoch FROM last_slot)::float8, last_job_id,
+       extract(epoch FROM next_slot)::float8
+FROM {schema}.errands_cron ORDER BY name
+
+-- name: cron_save
+INSERT INTO {schema}.errands_cron AS c
+    (name, expression, timezone, last_slot, last_job_id, next_slot)
+VALUES (%(name)s, %(expression)s, %(timezone)s, to_timestamp(%(last_slot)s), %(last_job_id)s,
+        to_timestamp(%(next_slot)s))
+ON CONFLICT (name) DO UPDATE
+SET expression = excluded.expression, timezone = excluded.timezone,
+    last_slot = GREATEST(c.last_slot, excluded.last_slot),
+    last_job_id = COALESCE(excluded.last_job_id, c.last_job_id),
+    next_slot = excluded.next_slot, updated_at = now()

@@ -39,17 +39,21 @@ from ..base import (
     CancelResult,
     Capabilities,
     ClaimParams,
+    CronState,
     ExpiredLease,
     FinishParams,
     HeartbeatResult,
     InsertResult,
     LeaseRef,
     ListParams,
+    QueueClaim,
+    QueueSettings,
     QueueStats,
     RescueParams,
     StoreHealth,
     WorkerInfo,
 )
+from ..limits import claim_limited
 from ..sqlfile import load_migrations, load_queries
 
 log = logging.getLogger("errands.sqlite")
@@ -343,6 +347,8 @@ class SQLiteBackend:
                 "lease_seconds": req.lease_seconds,
                 "parent_id": req.parent_id,
                 "unique_for": req.unique_for,
+                "concurrency_key": req.concurrency_key,
+                "concurrency_limit": req.concurrency_limit,
             },
         ).fetchone()
         if row is not None:
@@ -411,6 +417,104 @@ class SQLiteBackend:
             for child in o.children:
                 self._insert(conn, child)
         return ok
+
+    # -- queues and limits ----------------------------------------------------------------
+    def queue_settings(self) -> list[QueueSettings]:
+        with self._read() as conn:
+            rows = conn.execute(Q["queue_settings_list"]).fetchall()
+        return [_settings(r) for r in rows]
+
+    def queue_declare(self, settings: QueueSettings, actor: str) -> None:
+        with self._write() as conn:
+            conn.execute(
+                Q["queue_declare"],
+                {
+                    "name": settings.name,
+                    "max_running": settings.max_running,
+                    "rate_limit": settings.rate_limit,
+                    "rate_period": settings.rate_period,
+                    "has_keys": int(settings.has_keys),
+                    "actor": actor,
+                },
+            )
+
+    def queue_set_paused(self, name: str, paused: bool, actor: str) -> None:
+        with self._write() as conn:
+            conn.execute(
+                Q["queue_set_paused"], {"name": name, "paused": int(paused), "actor": actor}
+            )
+            conn.execute(
+                Q["audit_insert"],
+                {
+                    "actor": actor,
+                    "action": "pause" if paused else "resume",
+                    "job_id": None,
+                    "detail": json.dumps({"queue": name}),
+                },
+            )
+
+    def job_limit_declare(
+        self, name: str, queue: str, rate_limit: int | None, rate_period: float | None
+    ) -> None:
+        with self._write() as conn:
+            conn.execute(
+                Q["job_limit_declare"],
+                {
+                    "name": name,
+                    "queue": queue,
+                    "rate_limit": rate_limit,
+                    "rate_period": rate_period,
+                },
+            )
+
+    def job_claim_limited(
+        self, queue: QueueClaim, worker_id: str, lease_default: float
+    ) -> list[JobRow]:
+        with self._write() as conn:  # BEGIN IMMEDIATE: limited claims run one at a time
+            store = _LimitedStore(conn)
+            rows = claim_limited(
+                store,
+                queue.name,
+                queue.limit,
+                {
+                    "worker_id": worker_id,
+                    "token": secrets.token_hex(8),
+                    "lease_default": lease_default,
+                },
+            )
+        return [JobRow(*r) for r in rows]
+
+    def rate_log_prune(self, older_than: float) -> int:
+        with self._write() as conn:
+            return conn.execute(Q["rate_log_prune"], {"older_than": older_than}).rowcount
+
+    # -- cron ------------------------------------------------------------------------------
+    def cron_states(self) -> list[CronState]:
+        with self._read() as conn:
+            rows = conn.execute(Q["cron_states"]).fetchall()
+        return [CronState(*r) for r in rows]
+
+    def cron_save(
+        self,
+        name: str,
+        expression: str,
+        timezone: str,
+        last_slot: float,
+        last_job_id: int | None,
+        next_slot: float | None,
+    ) -> None:
+        with self._write() as conn:
+            conn.execute(
+                Q["cron_save"],
+                {
+                    "name": name,
+                    "expression": expression,
+                    "timezone": timezone,
+                    "last_slot": last_slot,
+                    "last_job_id": last_job_id,
+                    "next_slot": next_slot,
+                },
+            )
 
     # -- transactional completion (ctx.transaction) ---------------------------------------
     def tx_begin(self) -> sqlite3.Connection:
@@ -805,3 +909,31 @@ def _action_detail(params: ActionParams) -> dict[str, Any]:
     if params.fresh:
         detail["fresh"] = True
     return detail
+
+
+def _settings(r: tuple[Any, ...]) -> QueueSettings:
+    return QueueSettings(
+        name=r[0],
+        paused=bool(r[1]),
+        max_running=r[2],
+        rate_limit=r[3],
+        rate_period=r[4],
+        has_keys=bool(r[5]),
+        updated_at=r[6],
+        updated_by=r[7],
+    )
+
+
+class _LimitedStore:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
+        if query == "rate_log_insert":
+            for _ in range(int(params["n"])):  # type: ignore[call-overload]
+                self.conn.execute(Q[query], {"bucket": params["bucket"]})
+            return []
+        return self.conn.execute(Q[query], params).fetchall()
+
+    def id_list(self, values: list[object]) -> object:
+        return json.dumps(values)

@@ -5,11 +5,12 @@
 -- name: job_insert
 INSERT INTO errands_jobs (name, queue, args, meta, state, priority, max_attempts, run_at,
                           idempotency_key, timeout, lease_seconds, inserted_at, parent_id,
-                          unique_until)
+                          unique_until, concurrency_key, concurrency_limit)
 SELECT :name, :queue, :args, :meta,
        CASE WHEN due > t_now + 0.0005 THEN 'scheduled' ELSE 'available' END,
        :priority, :max_attempts, due, :key, :timeout, :lease_seconds, t_now, :parent_id,
-       CASE WHEN :unique_for IS NULL THEN NULL ELSE t_now + :unique_for END
+       CASE WHEN :unique_for IS NULL THEN NULL ELSE t_now + :unique_for END,
+       :concurrency_key, :concurrency_limit
 FROM (SELECT COALESCE(:run_at, t_now + :delay) AS due, t_now
       FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t_now))
 WHERE true
@@ -40,6 +41,7 @@ WHERE id IN (
     WHERE state IN ('available', 'scheduled', 'retryable')
       AND queue = :queue
       AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+      AND NOT EXISTS (SELECT 1 FROM errands_queues WHERE name = :queue AND paused = 1)
     ORDER BY priority DESC, run_at, id
     LIMIT :limit
 )
@@ -301,3 +303,92 @@ SELECT j.id, j.name, j.queue, j.args, j.meta, j.state, j.priority, j.attempt, j.
 FROM names JOIN errands_jobs AS j ON j.name = names.name AND j.idempotency_key = :key
 ORDER BY j.id DESC
 LIMIT :limit
+
+-- name: queue_settings_get
+SELECT name, paused, max_running, rate_limit, rate_period, has_keys, updated_at, updated_by
+FROM errands_queues WHERE name = :name
+
+-- name: queue_settings_list
+SELECT name, paused, max_running, rate_limit, rate_period, has_keys, updated_at, updated_by
+FROM errands_queues ORDER BY name
+
+-- name: queue_declare
+INSERT INTO errands_queues (name, max_running, rate_limit, rate_period, has_keys, updated_at,
+                            updated_by)
+VALUES (:name, :max_running, :rate_limit, :rate_period, :has_keys, (julianday('now') - 2440587.5) * 86400.0, :actor)
+ON CONFLICT (name) DO UPDATE
+SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
+    rate_period = excluded.rate_period, has_keys = excluded.has_keys,
+    updated_at = excluded.updated_at, updated_by = excluded.updated_by
+WHERE max_running IS NOT excluded.max_running OR rate_limit IS NOT excluded.rate_limit
+   OR rate_period IS NOT excluded.rate_period OR has_keys IS NOT excluded.has_keys
+
+-- name: queue_set_paused
+INSERT INTO errands_queues (name, paused, updated_at, updated_by)
+VALUES (:name, :paused, (julianday('now') - 2440587.5) * 86400.0, :actor)
+ON CONFLICT (name) DO UPDATE
+SET paused = excluded.paused, updated_at = excluded.updated_at, updated_by = excluded.updated_by
+
+-- name: job_limit_declare
+INSERT INTO errands_job_limits (name, queue, rate_limit, rate_period, updated_at)
+VALUES (:name, :queue, :rate_limit, :rate_period, (julianday('now') - 2440587.5) * 86400.0)
+ON CONFLICT (name) DO UPDATE
+SET queue = excluded.queue, rate_limit = excluded.rate_limit,
+    rate_period = excluded.rate_period, updated_at = excluded.updated_at
+
+-- name: job_limits_for_queue
+SELECT name, rate_limit, rate_period FROM errands_job_limits
+WHERE queue = :queue AND rate_limit IS NOT NULL
+
+-- name: queue_running_count
+SELECT count(*) FROM errands_jobs WHERE state = 'running' AND queue = :queue
+
+-- name: rate_count
+SELECT count(*) FROM errands_rate_log WHERE bucket = :bucket AND at > (julianday('now') - 2440587.5) * 86400.0 - :period
+
+-- name: rate_log_insert
+INSERT INTO errands_rate_log (bucket, at) VALUES (:bucket, (julianday('now') - 2440587.5) * 86400.0)
+
+-- name: rate_log_prune
+DELETE FROM errands_rate_log WHERE at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+
+-- name: claim_candidates
+SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs
+WHERE state IN ('available', 'scheduled', 'retryable')
+  AND queue = :queue
+  AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+ORDER BY priority DESC, run_at, id
+LIMIT :limit
+
+-- name: running_per_key
+SELECT concurrency_key, count(*) FROM errands_jobs
+WHERE state = 'running' AND concurrency_key IN (SELECT value FROM json_each(:keys))
+GROUP BY concurrency_key
+
+-- name: job_claim_ids
+UPDATE errands_jobs
+SET state = 'running',
+    attempt = attempt + 1,
+    lease_owner = :worker_id,
+    lease_token = :token,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + COALESCE(lease_seconds, :lease_default),
+    attempted_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id IN (SELECT value FROM json_each(:ids))
+  AND state IN ('available', 'scheduled', 'retryable')
+RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+          idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+          lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+          lease_seconds, discarded_by, discard_reason, parent_id
+
+-- name: cron_states
+SELECT name, last_slot, last_job_id, next_slot FROM errands_cron ORDER BY name
+
+-- name: cron_save
+INSERT INTO errands_cron (name, expression, timezone, last_slot, last_job_id, next_slot,
+                          updated_at)
+VALUES (:name, :expression, :timezone, :last_slot, :last_job_id, :next_slot, (julianday('now') - 2440587.5) * 86400.0)
+ON CONFLICT (name) DO UPDATE
+SET expression = excluded.expression, timezone = excluded.timezone,
+    last_slot = max(COALESCE(errands_cron.last_slot, 0), excluded.last_slot),
+    last_job_id = COALESCE(excluded.last_job_id, errands_cron.last_job_id),
+    next_slot = excluded.next_slot, updated_at = excluded.updated_at

@@ -1,0 +1,75 @@
+"""``errands dashboard module:app``: serve the web dashboard with uvicorn."""
+
+from __future__ import annotations
+
+import click
+
+from .loading import load_app
+
+
+@click.command()
+@click.argument("app_path", required=False, metavar="MODULE:APP")
+@click.option("-A", "--app", "app_option", envvar="ERRANDS_APP", help="the App as module:attribute")
+@click.option("--url", envvar="ERRANDS_URL", help="database URL, overriding the app's")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option(
+    "--password",
+    envvar="ERRANDS_DASHBOARD_PASSWORD",
+    help="login password (prefer the ERRANDS_DASHBOARD_PASSWORD environment variable)",
+)
+@click.option(
+    "--token",
+    envvar="ERRANDS_DASHBOARD_TOKEN",
+    help="login token (prefer the ERRANDS_DASHBOARD_TOKEN environment variable)",
+)
+@click.option(
+    "--secret",
+    envvar="ERRANDS_DASHBOARD_SECRET",
+    help="key signing the session cookie (default: random per process)",
+)
+@click.option("--read-only", is_flag=True, help="nobody may replay, discard, cancel or pause")
+@click.option("--https-only", is_flag=True, help="mark the session cookie Secure (behind TLS)")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+    default="info",
+    show_default=True,
+)
+def dashboard(
+    app_path: str | None,
+    app_option: str | None,
+    url: str | None,
+    host: str,
+    port: int,
+    password: str | None,
+    token: str | None,
+    secret: str | None,
+    read_only: bool,
+    https_only: bool,
+    log_level: str,
+) -> None:
+    """Serve the web dashboard (binds 127.0.0.1; another address needs a login)."""
+    try:
+        import uvicorn
+
+        from ..dashboard import create_app
+        from ..dashboard.app import describe
+        from ..dashboard.security import refuse_open_bind
+    except ImportError as exc:
+        raise click.UsageError(
+            f"the dashboard needs the dashboard extra: pip install 'errands[dashboard]' ({exc})"
+        ) from None
+    app = load_app(app_path or app_option, url, existing=True)
+    web = create_app(
+        app,
+        password=password or "",
+        token=token or "",
+        secret_key=secret or "",
+        authorize=(lambda request: "read") if read_only else None,
+        https_only=https_only,
+    )
+    refuse_open_bind(host, web.state.errands.auth)  # ConfigurationError: one line, exit 1
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"errands dashboard on http://{shown}:{port}/ ({describe(web)}); Ctrl-C stops it")
+    uvicorn.run(web, host=host, port=port, log_level=log_level.lower(), server_header=False)

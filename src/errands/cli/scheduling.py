@@ -1,0 +1,156 @@
+"""``errands queues``, ``errands cron list`` and ``errands jobs policy``."""
+
+from __future__ import annotations
+
+import click
+
+from ..backends.limits import format_rate
+from . import render
+from .admin import _app, actor_option, app_options, jobs, json_option
+
+
+@click.group(invoke_without_command=True)
+@click.pass_context
+@app_options
+@json_option
+def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: bool) -> None:
+    """Queues with their state, limits and counts; pause and resume them."""
+    if ctx.invoked_subcommand is not None:
+        return
+    app = _app(app_path, url)
+    settings = {s.name: s for s in app.queue_settings()}
+    stats = {s.queue: s for s in app.queue_stats()}
+    names = sorted(set(settings) | set(stats) | set(app.queues))
+    rows = []
+    for name in names:
+        s = settings.get(name)
+        declared = app.queues.get(name)  # limits in this app's code, stored when workers start
+        limits = s if s is not None and (s.max_running or s.rate_limit) else declared
+        counts = stats[name].counts if name in stats else {}
+        rows.append(
+            {
+                "queue": name,
+                "state": "paused" if s is not None and s.paused else "active",
+                "limit": None if limits is None else limits.max_running,
+                "rate": None
+                if limits is None
+                else format_rate(limits.rate_limit, limits.rate_period),
+                "available": counts.get("available", 0)
+                + counts.get("scheduled", 0)
+                + counts.get("retryable", 0),
+                "running": counts.get("running", 0),
+                "dead": counts.get("dead", 0),
+                "updated_by": None if s is None else s.updated_by,
+            }
+        )
+    if as_json:
+        render.emit_json(rows)
+    elif rows:
+        render.table(
+            None,
+            ["queue", "state", "limit", "rate", "pending", "running", "dead", "changed by"],
+            [
+                [r["queue"], r["state"], r["limit"] or "-", r["rate"] or "-", r["available"],
+                 r["running"], r["dead"], r["updated_by"] or "-"]
+                for r in rows
+            ],
+        )  # fmt: skip
+    else:
+        click.echo("no queues yet")
+
+
+@queues.command("pause")
+@app_options
+@actor_option
+@click.argument("name")
+def queues_pause(app_path: str | None, url: str | None, actor: str, name: str) -> None:
+    """Stop claims from a queue on every worker (running jobs finish). Audited."""
+    _app(app_path, url).pause(name, actor=actor)
+    click.echo(f"queue {name}: paused (workers stop claiming within one poll interval)")
+
+
+@queues.command("resume")
+@app_options
+@actor_option
+@click.argument("name")
+def queues_resume(app_path: str | None, url: str | None, actor: str, name: str) -> None:
+    """Let workers claim from a paused queue again. Audited."""
+    _app(app_path, url).resume(name, actor=actor)
+    click.echo(f"queue {name}: resumed")
+
+
+@click.group()
+def cron() -> None:
+    """Periodic jobs."""
+
+
+@cron.command("list")
+@app_options
+@json_option
+def cron_list(app_path: str | None, url: str | None, as_json: bool) -> None:
+    """Every periodic job with its schedule, next run and last enqueued slot."""
+    app = _app(app_path, url)
+    infos = app.periodic_jobs()
+    if as_json:
+        render.emit_json([i.__dict__ for i in infos])
+    elif infos:
+        render.table(
+            None,
+            ["name", "schedule", "tz", "next run", "last slot", "last job", "catch up"],
+            [
+                [i.name, i.expression, i.timezone, render.when(i.next_run),
+                 render.when(i.last_slot), i.last_job_id or "-",
+                 {None: "latest", True: "all", False: "skip"}[i.catch_up]]
+                for i in infos
+            ],
+        )  # fmt: skip
+    else:
+        click.echo("no periodic jobs (declare them with @app.periodic; pass -A module:app)")
+
+
+@jobs.command("policy")
+@app_options
+@json_option
+@click.argument("name")
+def jobs_policy(app_path: str | None, url: str | None, as_json: bool, name: str) -> None:
+    """A job type's effective policy: queue, retries and delays, timeout, lease, limits."""
+    app = _app(app_path, url)
+    definition = app.registry.get(name)
+    if definition is None:
+        known = ", ".join(sorted(app.registry)) or "none (pass -A module:app)"
+        raise click.UsageError(f"no job named {name!r}; known: {known}")
+    backoff = definition.backoff
+    delays = []
+    for attempt in range(1, definition.max_attempts):
+        nominal = getattr(backoff, "jitter", None)
+        if nominal is not None:
+            base = min(backoff.base * backoff.factor ** (attempt - 1), backoff.max_delay)  # type: ignore[attr-defined]
+            delays.append(f"{base:g}s ±{nominal * 100:.0f}%")
+        else:
+            delays.append(f"{backoff.delay(attempt):g}s")
+    queue = app.queues.get(definition.queue)
+    policy = {
+        "name": definition.name,
+        "queue": definition.queue,
+        "priority": definition.priority,
+        "attempts": definition.max_attempts,
+        "retry_delays": delays,
+        "permanent": [e.__name__ for e in definition.permanent],
+        "timeout": definition.timeout,
+        "lease": definition.lease or app.lease,
+        "sensitive": sorted(definition.sensitive),
+        "concurrency_key": definition.concurrency_key,
+        "concurrency_limit": definition.concurrency_limit,
+        "rate": format_rate(*(definition.rate or (None, None))),
+        "queue_limit": None if queue is None else queue.max_running,
+        "queue_rate": None if queue is None else format_rate(queue.rate_limit, queue.rate_period),
+        "unique_for": definition.unique_for,
+        "retention": app.retention,
+        "poison_after": app.poison_after,
+    }
+    if as_json:
+        render.emit_json(policy)
+        return
+    for key, value in policy.items():
+        shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+        click.echo(f"{key:<18} {shown if shown not in (None, '', []) else '-'}")

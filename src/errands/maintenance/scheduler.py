@@ -1,0 +1,182 @@
+"""Cron: the leader inserts each slot of each periodic job exactly once.
+
+Each tick the leader computes, per periodic job, the slots between the last slot it
+handled (``errands_cron.last_slot``) and now — by the database clock — and inserts the
+job for the slots the misfire policy keeps, with the slot as idempotency key
+(``cron:<slot ISO time>``). Two schedulers (a leader change, a paused leader waking up)
+compute the same slots and the same keys, so a slot can never be inserted twice.
+
+Misfire policy, for slots that passed while no leader ran (``catch_up``):
+
+- ``None`` (default): run the latest missed slot once;
+- ``True``: run every missed slot (at most ``CATCH_UP_MAX``);
+- ``False``: skip missed slots; only a slot seen within ``MISFIRE_GRACE`` seconds runs.
+
+A periodic job seen for the first time starts from now: slots before its first
+deployment never run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
+
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ..app import App
+    from ..definition import JobDefinition
+
+log = logging.getLogger("errands.cron")
+
+MISFIRE_GRACE = 60.0
+CATCH_UP_MAX = 1000
+
+
+@dataclass(frozen=True)
+class Periodic:
+    """A job run on a cron schedule (``@app.periodic``)."""
+
+    definition: JobDefinition[Any, Any]
+    expression: str
+    timezone: str
+    args: dict[str, Any]
+    catch_up: bool | None
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+    def zone(self) -> ZoneInfo:
+        return ZoneInfo(self.timezone)
+
+    def slots_after(self, after: datetime, until: datetime) -> list[datetime]:
+        """Slots in ``(after, until]``, oldest first (at most CATCH_UP_MAX + 1)."""
+        found: list[datetime] = []
+        for slot in CronSim(self.expression, after.astimezone(self.zone())):
+            if slot > until:
+                break
+            found.append(slot)
+            if len(found) > CATCH_UP_MAX:
+                found.pop(0)
+        return found
+
+    def next_after(self, moment: datetime) -> datetime:
+        return next(iter(CronSim(self.expression, moment.astimezone(self.zone()))))
+
+
+def check_schedule(expression: str, timezone: str, name: str) -> None:
+    """Fail at definition with a clear error for a bad expression or time zone."""
+    try:
+        zone = ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ConfigurationError(
+            f"periodic job {name!r}: unknown time zone {timezone!r}; use an IANA name such as "
+            "'UTC' or 'Europe/Paris'"
+        ) from None
+    try:
+        next(iter(CronSim(expression, datetime.now(zone))))
+    except (CronSimError, StopIteration) as exc:
+        raise ConfigurationError(
+            f"periodic job {name!r}: bad cron expression {expression!r} ({exc}); write five "
+            "fields: minute hour day-of-month month day-of-week, as in '*/5 * * * *'"
+        ) from None
+
+
+def slot_key(slot: datetime) -> str:
+    return "cron:" + slot.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Scheduler:
+    """Inserts due cron slots. Run by the maintenance leader; ``clock`` is injectable."""
+
+    def __init__(self, app: App, clock: Callable[[], datetime] | None = None) -> None:
+        self.app = app
+        self.clock = clock or (lambda: datetime.fromtimestamp(app.backend.db_now(), tz=UTC))
+        self.inserted = 0
+
+    def run_once(self, now: datetime | None = None) -> int:
+        periodic = list(self.app.schedules.values())
+        if not periodic:
+            return 0
+        now = now or self.clock()
+        backend = self.app.backend
+        states = {s.name: s for s in backend.cron_states()}
+        count = 0
+        for job in periodic:
+            state = states.get(job.name)
+            if state is None or state.last_slot is None:
+                backend.cron_save(job.name, job.expression, job.timezone, now.timestamp(), None,
+                                  job.next_after(now).timestamp())  # fmt: skip
+                continue
+            last = datetime.fromtimestamp(state.last_slot, tz=UTC)
+            slots = job.slots_after(last, now)
+            if not slots:
+                continue
+            chosen = self._apply_policy(job, slots, now)
+            job_id = state.last_job_id
+            for slot in chosen:
+                handle = job.definition.enqueue(**job.args, key=slot_key(slot), run_at=slot)
+                job_id = handle.id
+                if not handle.deduplicated:
+                    count += 1
+                    log.info(
+                        "cron %s: enqueued slot %s as job %s", job.name, slot.isoformat(), job_id
+                    )
+            skipped = len(slots) - len(chosen)
+            if skipped:
+                log.warning(
+                    "cron %s: skipped %d missed slot(s) (misfire policy)", job.name, skipped
+                )
+            backend.cron_save(job.name, job.expression, job.timezone, slots[-1].timestamp(),
+                              job_id, job.next_after(now).timestamp())  # fmt: skip
+        self.inserted += count
+        return count
+
+    @staticmethod
+    def _apply_policy(job: Periodic, slots: list[datetime], now: datetime) -> list[datetime]:
+        if job.catch_up is True:
+            return slots
+        on_time = [s for s in slots if (now - s).total_seconds() <= MISFIRE_GRACE]
+        if job.catch_up is False:
+            return on_time[-1:]
+        return slots[-1:]
+
+
+@dataclass(frozen=True)
+class PeriodicInfo:
+    name: str
+    expression: str
+    timezone: str
+    catch_up: bool | None
+    next_run: datetime
+    last_slot: datetime | None
+    last_job_id: int | None
+
+
+def describe(app: App) -> list[PeriodicInfo]:
+    now = datetime.fromtimestamp(app.backend.db_now(), tz=UTC)
+    states = {s.name: s for s in app.backend.cron_states()}
+    infos = []
+    for job in app.schedules.values():
+        state = states.get(job.name)
+        infos.append(
+            PeriodicInfo(
+                name=job.name,
+                expression=job.expression,
+                timezone=job.timezone,
+                catch_up=job.catch_up,
+                next_run=job.next_after(now),
+                last_slot=None
+                if state is None or state.last_slot is None
+                else datetime.fromtimestamp(state.last_slot, tz=UTC),
+                last_job_id=None if state is None else state.last_job_id,
+            )
+        )
+    return infos
