@@ -79,6 +79,13 @@ def cli() -> None:
     show_default=True,
     help="run this many worker processes under one supervisor",
 )
+@click.option(
+    "--pool",
+    type=click.Choice(["thread", "process"]),
+    default="thread",
+    show_default=True,
+    help="where sync handlers run: threads, or child processes a timeout can kill",
+)
 @click.option("--no-maintenance", is_flag=True, help="never take the leader duties (rescue, prune)")
 @click.option(
     "--maintenance-tick",
@@ -112,6 +119,7 @@ def worker(
     processes: int,
     metrics_port: int | None,
     metrics_addr: str,
+    pool: str,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
@@ -143,6 +151,8 @@ def worker(
         poll_interval=poll_interval,
         maintenance=not no_maintenance,
         maintenance_tick=maintenance_tick,
+        pool=pool,
+        app_path=app_path or app_option,
     )
     code = w.run()
     if w.stuck_threads():

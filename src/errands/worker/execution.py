@@ -11,6 +11,7 @@ import asyncio
 import threading
 import time
 import traceback as tb
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from ..errors import InvalidPayload, StepError
 from ..jobs import JobRow
 from ..outcomes import Permanent, Retry
 from ..retry import DEFAULT_BACKOFF
+from .process_pool import ChildFailure
 
 if TYPE_CHECKING:
     from ..definition import JobDefinition
@@ -57,6 +59,7 @@ class Attempt:
     released: bool = False
     ended: float = 0.0  # monotonic time the outcome was decided
     runtime: AttemptRuntime | None = None
+    kill: Callable[[BaseException], None] | None = None  # process pool: end the child
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired
     interrupted: bool = False
@@ -82,9 +85,13 @@ class Attempt:
             return True
 
     def interrupt(self, reason: str, loop: asyncio.AbstractEventLoop | None) -> None:
-        """Ask the handler to stop: sets ``ctx.cancelled``; cancels an async task."""
+        """Ask the handler to stop: sets ``ctx.cancelled``; cancels an async task; kills
+        the child process of a process-pool attempt."""
         if self.ctx is not None:
             self.ctx._request_cancel(reason)
+        if self.kill is not None:
+            self.kill(JobTimeout(f"timed out after {self.row.timeout or 0:g} s")
+                      if reason == "timeout" else Interrupted(reason))  # fmt: skip
         task = self.task
         if task is not None and loop is not None and not task.done():
             loop.call_soon_threadsafe(task.cancel, reason)
@@ -98,7 +105,7 @@ def scrub(text: str, secrets: list[str]) -> str:
 
 def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str) -> dict[str, Any]:
     """The record of one failed attempt, with sensitive argument values scrubbed."""
-    trace = "".join(tb.format_exception(exc))
+    trace = exc.trace if isinstance(exc, ChildFailure) else "".join(tb.format_exception(exc))
     if len(trace) > TRACEBACK_LIMIT:
         trace = "...\n" + trace[-TRACEBACK_LIMIT:]
     secrets: list[str] = []
@@ -110,7 +117,7 @@ def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str)
         ]
     return {
         "attempt": attempt.row.attempt,
-        "type": type(exc).__qualname__,
+        "type": exc.type_name if isinstance(exc, ChildFailure) else type(exc).__qualname__,
         "message": scrub(str(exc), secrets) or type(exc).__qualname__,
         "traceback": scrub(trace, secrets),
         "worker": worker_id,
@@ -127,8 +134,10 @@ def outcome_for(
         return FinishParams(row.id, attempt.token, "completed", result_json=result_json)
     definition = attempt.definition
     permanent = definition.permanent if definition is not None else ()
-    if isinstance(exc, InvalidPayload | Permanent | StepError) or (
-        permanent and isinstance(exc, permanent)
+    if (
+        isinstance(exc, InvalidPayload | Permanent | StepError)
+        or (permanent and isinstance(exc, permanent))
+        or (isinstance(exc, ChildFailure) and exc.kind == "permanent")
     ):
         return FinishParams(
             row.id, attempt.token, "dead", error=error_entry(attempt, exc, worker_id, "permanent")
@@ -141,8 +150,8 @@ def outcome_for(
             error=error_entry(attempt, exc, worker_id, "cancelled"),
         )
     kind = "timeout" if isinstance(exc, JobTimeout) else "transient"
-    if isinstance(exc, Retry):
-        delay, kind = exc.after, "retry"
+    if isinstance(exc, Retry) or (isinstance(exc, ChildFailure) and exc.kind == "retry"):
+        delay, kind = exc.after, "retry"  # type: ignore[union-attr]
     else:
         backoff = definition.backoff if definition is not None else DEFAULT_BACKOFF
         delay = backoff.delay(row.attempt)

@@ -86,7 +86,13 @@ class AttemptRuntime:
         with self._lock:
             assert self._steps is not None
             self._steps[name] = result
-        fault_point("after_step")
+        fault_point(
+            "after_step",
+            job_id=self.attempt.id,
+            job=self.attempt.row.name,
+            attempt=self.attempt.row.attempt,
+            step=name,
+        )
         return result
 
     def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -45,6 +45,7 @@ from ..payload import mask
 from .completer import Completer
 from .execution import Attempt, Interrupted, JobTimeout, outcome_for
 from .leases import LeaseKeeper
+from .process_pool import ChildResult, ProcessRunner
 from .runners import LoopRunner, ThreadRunner
 from .runtime import AttemptRuntime
 
@@ -107,6 +108,8 @@ class Worker:
         maintenance_tick: float | None = None,
         worker_id: str | None = None,
         abandon_after: float = ABANDON_AFTER_DEFAULT,
+        pool: str = "thread",
+        app_path: str | None = None,
     ) -> None:
         self.app = app
         self.id = worker_id or f"w-{secrets.token_hex(4)}"
@@ -129,6 +132,17 @@ class Worker:
             raise ConfigurationError("grace must be >= 0 and poll_interval > 0")
         self.grace = grace
         self.abandon_after = abandon_after
+        if pool not in ("thread", "process"):
+            raise ConfigurationError(f"pool={pool!r}: choose thread or process")
+        if pool == "process" and not app_path:
+            raise ConfigurationError(
+                "pool='process' needs the app's import path (module:attr) so child processes "
+                "can load your jobs: pass app_path=, or use `errands worker module:app --pool "
+                "process`"
+            )
+        self.pool = pool
+        self.app_path = app_path
+        self.processes: ProcessRunner | None = None
         self.poll_interval = poll_interval
         # keyed by (job id, lease token): after a lease loss the same worker may run a newer
         # attempt of a job while the stale one is still inside its handler
@@ -176,6 +190,8 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
         self.started_at = time.monotonic()
+        if self.pool == "process":
+            self.processes = ProcessRunner(self.app_path or "", self.app.url, self.concurrency)
         self._register()
         self._declare()
         self._refresh_settings(force=True)
@@ -390,6 +406,13 @@ class Worker:
                 attempt.deadline = attempt.started + timeout
                 self.leases.poke()
             fn = definition.fn
+            if self.processes is not None:
+                future = self.processes.submit(row)
+                attempt.future = future
+                runner = self.processes
+                attempt.kill = lambda exc: runner.kill(future, exc)  # type: ignore[misc]
+                future.add_done_callback(lambda f: self._handler_done(attempt, f))
+                return
 
             def call() -> Any:
                 with job_context(log_ctx), events.around_handler({**info, "meta": row.meta}):
@@ -430,6 +453,9 @@ class Worker:
             return
         exc = future.exception()
         result = None if exc is not None else future.result()
+        if isinstance(result, ChildResult):
+            self._child_done(attempt, result)
+            return
         if attempt.timed_out:
             # Past its deadline, whatever it did next (returned early on ctx.cancelled,
             # or unwound from the interrupt) is a timeout, never a completion.
@@ -437,6 +463,25 @@ class Worker:
             timeout.__cause__ = exc
             exc, result = timeout, None
         self._decided(attempt, exc, result)
+
+    def _child_done(self, attempt: Attempt, result: ChildResult) -> None:
+        """A process-pool attempt returned: record it (the child may have written it)."""
+        if attempt.released or not attempt.decide():
+            return
+        attempt.ended = time.monotonic()
+        outcome = outcome_for(attempt, None, result.result_json, self.id)
+        if result.children:
+            outcome = replace(outcome, children=tuple(result.children))
+        with self._lock:
+            self._free += 1
+            self._running_per_queue[attempt.row.queue] -= 1
+            refill = self._backlog and self._free >= self._refill_at
+        if refill:
+            self._wake.set()
+        if result.written is not None:
+            self._on_written(attempt, outcome, result.written)
+        else:
+            self.completer.submit(attempt, outcome)
 
     def _timeout(self, attempt: Attempt) -> None:
         """A sync handler's deadline passed: stop it in three steps, gentlest first.
@@ -451,8 +496,9 @@ class Worker:
         a timeout, never as a completion.
         """
         timeout = attempt.row.timeout or 0
-        if attempt.definition is None or attempt.definition.is_async:
-            attempt.interrupt("timeout", self.loop)  # asyncio.wait_for does the rest
+        if attempt.definition is None or attempt.definition.is_async or attempt.kill:
+            attempt.deadline = None
+            attempt.interrupt("timeout", self.loop)  # wait_for, or the child is killed
             return
         now = time.monotonic()
         if not attempt.timed_out:
@@ -628,6 +674,8 @@ class Worker:
         if self.maintenance:
             self.maintenance.stop()
         self.threads.shutdown()
+        if self.processes is not None:
+            self.processes.shutdown()
         if self.loop_runner:
             self.loop_runner.shutdown()
         try:

@@ -1,0 +1,250 @@
+"""``errands worker --pool process``: sync handlers in child processes a timeout can kill.
+
+Threads cannot be killed; processes can. In process mode each sync attempt runs in one of
+``concurrency`` child interpreters (started with ``spawn``, importing the app by its
+``module:attr`` path). The parent keeps everything that guards the job — the lease, its
+heartbeats, the fenced outcome — so a child that hangs, crashes or is killed never leaves
+a job without an owner:
+
+- a timeout or an operator's cancel kills the child (SIGKILL) and starts a new one;
+- a child that dies on its own fails the attempt ("worker process died"), retried with
+  backoff like any transient failure;
+- ``ctx.step`` and ``ctx.transaction()`` work in the child through its own connection;
+  when the handler used ``ctx.transaction()``, the child writes the fenced completion in
+  that transaction itself and reports whether it landed; children of ``ctx.enqueue``
+  travel back to the parent, which inserts them with the completion.
+
+Arguments and results cross the process boundary as the job's stored JSON, never pickled
+user objects; failures come back as their type name, message, traceback and class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import threading
+import traceback as tb
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..jobs import EnqueueRequest, JobRow
+
+log = logging.getLogger("errands.worker")
+
+READY = "ready"
+
+
+@dataclass
+class ChildResult:
+    result_json: str | None
+    children: list[EnqueueRequest] = field(default_factory=list)
+    written: bool | None = None  # set when the child committed its own transaction
+
+
+class ChildFailure(Exception):
+    """A handler's exception, as reported by the child process that ran it."""
+
+    def __init__(self, type_name: str, message: str, trace: str, kind: str, after: float = 0.0):
+        super().__init__(message)
+        self.type_name = type_name
+        self.trace = trace
+        self.kind = kind  # permanent | retry | transient | crash
+        self.after = after
+
+
+@dataclass
+class _Slot:
+    process: Any
+    conn: Any
+    busy: Future[Any] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ProcessRunner:
+    def __init__(self, app_path: str, url: str, size: int) -> None:
+        self.app_path = app_path
+        self.url = url
+        self.ctx = multiprocessing.get_context("spawn")
+        self._slots: list[_Slot] = []
+        self._free: list[_Slot] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.killed = 0
+        for _ in range(size):
+            slot = self._spawn()
+            self._slots.append(slot)
+            self._free.append(slot)
+
+    def _spawn(self) -> _Slot:
+        parent, child = self.ctx.Pipe()
+        process = self.ctx.Process(
+            target=child_main, args=(self.app_path, self.url, child), daemon=True,
+            name="errands-child",
+        )  # fmt: skip
+        process.start()
+        child.close()
+        message = parent.recv() if parent.poll(60) else None
+        if message != READY:
+            process.kill()
+            raise RuntimeError(
+                f"worker child process failed to start: {message!r} (can it import "
+                f"{self.app_path!r}?)"
+            )
+        return _Slot(process, parent)
+
+    def submit(self, row: JobRow) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._cond:
+            while not self._free and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                future.set_exception(RuntimeError("process pool closed"))
+                return future
+            slot = self._free.pop()
+            slot.busy = future
+        threading.Thread(target=self._run, args=(slot, row, future), daemon=True).start()
+        return future
+
+    def _run(self, slot: _Slot, row: JobRow, future: Future[Any]) -> None:
+        try:
+            slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
+            ok, payload = slot.conn.recv()
+        except (EOFError, OSError):
+            slot.process.join(timeout=2)
+            code = slot.process.exitcode
+            self._replace(slot)
+            if not future.done():
+                future.set_exception(
+                    ChildFailure(
+                        "WorkerProcessDied",
+                        f"the worker child process died running this job (exit code {code})",
+                        "",
+                        "transient",
+                    )
+                )
+            return
+        with self._cond:
+            slot.busy = None
+            self._free.append(slot)
+            self._cond.notify()
+        if not future.done():
+            if ok:
+                future.set_result(payload)
+            else:
+                future.set_exception(ChildFailure(*payload))
+
+    def kill(self, future: Future[Any], exc: BaseException) -> bool:
+        """Kill the child running ``future`` (timeout, cancel); the future fails with ``exc``."""
+        for slot in self._slots:
+            if slot.busy is future:
+                if not future.done():
+                    future.set_exception(exc)
+                self.killed += 1
+                slot.process.kill()  # its _run thread sees EOF and replaces it
+                return True
+        return False
+
+    def _replace(self, slot: _Slot) -> None:
+        slot.process.join(timeout=5)
+        with self._cond:
+            if self._closed:
+                return
+        try:
+            fresh = self._spawn()
+        except Exception:
+            log.exception("could not start a replacement worker child process")
+            return
+        with self._cond:
+            self._slots[self._slots.index(slot)] = fresh
+            self._free.append(fresh)
+            self._cond.notify()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for slot in self._slots:
+            with contextlib.suppress(OSError):
+                slot.conn.send(None)
+        for slot in self._slots:
+            slot.process.join(timeout=2)
+            if slot.process.is_alive():
+                slot.process.kill()
+
+
+def child_main(app_path: str, url: str, conn: Any) -> None:
+    """A child's loop: import the app, then run one job per message until told to stop."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        from ..cli.loading import load_app
+
+        app = load_app(app_path, url, need_code=True)
+    except BaseException as exc:  # report why it cannot start, then leave
+        conn.send(f"{type(exc).__name__}: {exc}")
+        return
+    conn.send(READY)
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            return
+        conn.send(_run_one(app, JobRow(*message)))
+
+
+def _run_one(app: Any, row: JobRow) -> tuple[bool, Any]:
+    from ..context import Context
+    from ..errors import InvalidPayload, StepError
+    from ..outcomes import Permanent, Retry
+    from .execution import Attempt, outcome_for
+    from .runtime import AttemptRuntime
+
+    definition = app.registry[row.name]
+    attempt = Attempt(row=row, definition=definition, lease_seconds=row.lease_seconds or 30.0)
+    runtime = attempt.runtime = AttemptRuntime(app, attempt)
+    try:
+        kwargs = definition.payload.decode(row.args)
+        attempt.kwargs = kwargs
+        ctx = Context(
+            job_id=row.id,
+            name=row.name,
+            queue=row.queue,
+            attempt=row.attempt,
+            max_attempts=row.max_attempts,
+            key=row.idempotency_key,
+            worker_id=f"child-{os.getpid()}",
+            logger=logging.getLogger(f"errands.job.{row.name}"),
+            _runtime=runtime,
+        )
+        call = dict(kwargs)
+        if definition.payload.context_param:
+            call[definition.payload.context_param] = ctx
+        result_json = definition.payload.encode_result(definition.fn(**call))
+    except BaseException as exc:
+        runtime.rollback()
+        if isinstance(exc, (InvalidPayload, Permanent, StepError, *definition.permanent)):
+            kind, after = "permanent", 0.0
+        elif isinstance(exc, Retry):
+            kind, after = "retry", exc.after
+        else:
+            kind, after = "transient", 0.0
+        trace = "".join(tb.format_exception(exc))
+        return False, (type(exc).__qualname__, str(exc), trace, kind, after)
+    written = None
+    if runtime.tx is not None:
+        from dataclasses import replace
+
+        outcome = outcome_for(attempt, None, result_json, f"child-{os.getpid()}")
+        if runtime.children:
+            outcome = replace(outcome, children=tuple(runtime.children))
+        tx, runtime.tx = runtime.tx, None
+        written = app.backend.tx_finish(tx, outcome)
+        return True, ChildResult(result_json, [], written)
+    return True, ChildResult(result_json, list(runtime.children), written)
