@@ -231,7 +231,11 @@ class App:
             check_schedule(expression, tz, job_options.get("name") or fn.__qualname__)
             definition: JobDefinition[Any, Any] = self.job(**job_options)(fn)
             fixed = dict(args or {})
-            definition.bind(**fixed)  # validate the arguments at definition time
+            try:
+                definition.bind(**fixed)  # validate the arguments at definition time
+            except Exception:
+                del self.registry[definition.name]  # bad args register nothing
+                raise
             self.schedules[definition.name] = Periodic(definition, expression, tz, fixed, catch_up)
             return definition
 

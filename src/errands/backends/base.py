@@ -363,6 +363,10 @@ class Backend(Protocol):
         """Jobs whose idempotency key is ``key``, under any job name, newest first."""
         ...
 
+    def job_count_by_queue(self, state: str) -> dict[str, int]:
+        """How many jobs are in ``state``, per queue (cheap for the small states)."""
+        ...
+
     # -- health --------------------------------------------------------------------------
     def store_health(self) -> StoreHealth:
         """Table bloat and long-transaction signals (one cheap query; for metrics)."""

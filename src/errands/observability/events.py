@@ -6,6 +6,9 @@ Every event is named ``errands.<component>.<action>`` and carries the fields lis
 adds a subscriber; a subscriber that raises is logged and never breaks the worker.
 ``app.events.wrappers`` are context managers entered around each handler call, in the
 thread or task that runs it (tracing uses one to make its span current).
+``app.events.inserters`` are called with the list of ``EnqueueRequest`` just before
+``App.enqueue_many`` inserts them, and may add keys to each request's ``meta`` (tracing
+stores the enqueuing span's context there, once per job).
 """
 
 from __future__ import annotations
@@ -20,25 +23,27 @@ from typing import Any
 log = logging.getLogger("errands.events")
 
 JOB_FIELDS = ("job_id", "job_name", "queue", "attempt")
+_RUN = (*JOB_FIELDS, "max_attempts")  # events of one attempt, from a worker or a rescue
 
 CATALOGUE: dict[str, tuple[str, ...]] = {
-    # event name: fields beyond job_id, job_name, queue, attempt (job events)
-    "errands.job.enqueued": ("deduplicated", "meta"),
-    "errands.job.started": ("args", "queue_wait", "meta"),
-    "errands.job.completed": ("duration",),
-    "errands.job.retrying": ("duration", "delay", "error_type", "error_message"),
-    "errands.job.dead": ("duration", "error_type", "error_message", "reason"),
-    "errands.job.cancelled": ("duration",),
-    "errands.job.stale_write_rejected": ("outcome",),
-    "errands.job.rescued": ("state", "reason", "worker"),
-    "errands.job.released": (),
-    "errands.job.replayed": ("actor",),
-    "errands.job.discarded": ("actor", "reason"),
-    "errands.job.cancel_requested": ("actor", "previous_state"),
+    # event name: every field it carries (docs/observability.md describes each)
+    "errands.job.enqueued": (*JOB_FIELDS, "deduplicated", "meta"),
+    "errands.job.started": (*_RUN, "args", "queue_wait", "meta"),
+    "errands.job.completed": (*_RUN, "duration"),
+    "errands.job.retrying": (*_RUN, "duration", "delay", "error_type", "error_message"),
+    "errands.job.dead": (*_RUN, "duration", "error_type", "error_message", "reason"),
+    "errands.job.cancelled": (*_RUN, "duration"),
+    "errands.job.stale_write_rejected": (*_RUN, "outcome"),
+    "errands.job.rescued": (*_RUN, "state", "reason", "worker"),
+    "errands.job.released": _RUN,
+    "errands.job.replayed": ("job_id", "actor"),
+    "errands.job.discarded": ("job_id", "actor", "reason"),
+    "errands.job.cancel_requested": ("job_id", "actor", "previous_state"),
     "errands.worker.started": ("worker_id", "queues", "concurrency", "store"),
     "errands.worker.stopped": ("worker_id", "processed"),
     "errands.leader.elected": ("worker_id",),
     "errands.leader.resigned": ("worker_id",),
+    "errands.maintenance.pruned": ("worker_id", "count"),
 }
 
 
@@ -56,12 +61,14 @@ class Event:
 
 Subscriber = Callable[[Event], None]
 Wrapper = Callable[[dict[str, Any]], AbstractContextManager[Any]]
+Inserter = Callable[[list[Any]], None]  # called with the EnqueueRequests about to be inserted
 
 
 class EventBus:
     def __init__(self) -> None:
         self.subscribers: list[Subscriber] = []
         self.wrappers: list[Wrapper] = []
+        self.inserters: list[Inserter] = []
         self._lock = threading.Lock()
 
     def subscribe(self, fn: Subscriber) -> Subscriber:
@@ -77,6 +84,23 @@ class EventBus:
         with self._lock:
             self.wrappers = [*self.wrappers, fn]
         return fn
+
+    def before_insert(self, fn: Inserter) -> Inserter:
+        """Call ``fn(requests)`` before every insert; it may add keys to ``request.meta``."""
+        with self._lock:
+            self.inserters = [*self.inserters, fn]
+        return fn
+
+    def prepare_insert(self, requests: list[Any]) -> list[Any]:
+        """Run every ``before_insert`` hook on ``requests`` (a failing hook is skipped)."""
+        for inserter in self.inserters:
+            try:
+                inserter(requests)
+            except Exception:
+                log.exception(
+                    "before-insert hook %r failed; the jobs are stored without it", inserter
+                )
+        return requests
 
     def emit(self, name: str, **fields: Any) -> None:
         if name not in CATALOGUE:

@@ -26,7 +26,7 @@ def log_event(event: Event) -> None:
 
 
 def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
-    extra = {"event": name}
+    extra = _extra(name, f)
     if name == "errands.job.enqueued":
         if app_log.isEnabledFor(logging.DEBUG):
             dedup = " (deduplicated)" if f.get("deduplicated") else ""
@@ -75,7 +75,7 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
 
 
 def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
-    extra = {"event": name}
+    extra = _extra(name, f)
     if name == "errands.job.replayed":
         app_log.warning(
             "job %s replayed from the dead-letter queue by %s", f["job_id"], f["actor"], extra=extra
@@ -111,6 +111,39 @@ def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
         maintenance_log.info(
             "worker %s is no longer the maintenance leader", f["worker_id"], extra=extra
         )
+    elif name == "errands.maintenance.pruned":
+        maintenance_log.info(
+            "pruned %d finished job(s) older than the retention period", f["count"], extra=extra
+        )
+
+
+# Event fields copied onto log records (JSON output shows them). Never ``args`` or ``meta``;
+# error messages are already scrubbed of sensitive argument values.
+RECORD_FIELDS = (
+    "duration",
+    "delay",
+    "queue_wait",
+    "max_attempts",
+    "deduplicated",
+    "error_type",
+    "reason",
+    "state",
+    "outcome",
+    "actor",
+    "previous_state",
+    "worker",
+    "worker_id",
+    "count",
+)
+
+
+def _extra(name: str, f: dict) -> dict:  # type: ignore[type-arg]
+    extra = {"event": name}
+    for key in RECORD_FIELDS:
+        value = f.get(key)
+        if value is not None:
+            extra[key] = value
+    return extra
 
 
 def _short_args(args: object, limit: int = 200) -> str:

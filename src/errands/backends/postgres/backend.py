@@ -142,9 +142,10 @@ class PostgresBackend:
 
     # -- connections ---------------------------------------------------------------------
     @contextmanager
-    def _conn(self) -> Iterator[psycopg.Connection[Any]]:
+    def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """A pool connection; ``timeout``: wait at most that long for one (default 30 s)."""
         try:
-            with self.pool.connection() as conn:
+            with self.pool.connection(timeout=timeout) as conn:
                 yield conn
         except pg_errors.UndefinedTable as exc:
             raise SchemaOutdated(
@@ -565,7 +566,10 @@ class PostgresBackend:
     def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult:
         if not leases:
             return HeartbeatResult(frozenset(), frozenset())
-        with self._conn() as conn:
+        # Give up well before the shortest lease runs out: the caller self-fences. Without
+        # a bound, an unreachable server makes this wait the pool's 30 s, past the lease.
+        limit = min(lease.lease_seconds for lease in leases) / 3
+        with self._conn(timeout=limit) as conn:
             rows = conn.execute(
                 self.q["job_heartbeat_many"],
                 {
@@ -854,6 +858,11 @@ class PostgresBackend:
         with self._conn() as conn:
             rows = conn.execute(self.q["job_find_by_key"], {"key": key, "limit": limit}).fetchall()
         return [JobRow(*r) for r in rows]
+
+    def job_count_by_queue(self, state: str) -> dict[str, int]:
+        with self._conn() as conn:
+            rows = conn.execute(self.q["job_count_by_queue"], {"state": state}).fetchall()
+        return {queue: int(n) for queue, n in rows}
 
 
 def unwrap_connection(conn: Any) -> Any:

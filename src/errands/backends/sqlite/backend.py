@@ -151,13 +151,15 @@ class SQLiteBackend:
             self.migrate()
 
     # -- connections ---------------------------------------------------------------
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, any_thread: bool = False) -> sqlite3.Connection:
+        """A new connection; ``any_thread``: usable from threads other than this one (the
+        ctx.transaction() connection is committed by whichever thread decides the outcome)."""
         try:
             conn = sqlite3.connect(
                 self.path,
                 isolation_level=None,
                 timeout=self.busy_timeout_ms / 1000,
-                check_same_thread=not self.memory,
+                check_same_thread=not (self.memory or any_thread),
             )
         except sqlite3.OperationalError as exc:
             raise ConfigurationError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
@@ -524,7 +526,7 @@ class SQLiteBackend:
                 "ctx.transaction() needs a file database: an in-memory SQLite database is "
                 "private to one connection"
             )
-        conn = self._connect()
+        conn = self._connect(any_thread=True)
         try:
             self._retry(lambda: conn.execute("BEGIN IMMEDIATE"))
         except BaseException:
@@ -891,6 +893,11 @@ class SQLiteBackend:
         with self._read() as conn:
             rows = conn.execute(Q["job_find_by_key"], {"key": key, "limit": limit}).fetchall()
         return [JobRow(*r) for r in rows]
+
+    def job_count_by_queue(self, state: str) -> dict[str, int]:
+        with self._read() as conn:
+            rows = conn.execute(Q["job_count_by_queue"], {"state": state}).fetchall()
+        return {queue: int(n) for queue, n in rows}
 
 
 def _loads_or_raw(text: str | None) -> Any:

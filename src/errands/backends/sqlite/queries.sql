@@ -392,3 +392,7 @@ SET expression = excluded.expression, timezone = excluded.timezone,
     last_slot = max(COALESCE(errands_cron.last_slot, 0), excluded.last_slot),
     last_job_id = COALESCE(excluded.last_job_id, errands_cron.last_job_id),
     next_slot = excluded.next_slot, updated_at = excluded.updated_at
+
+-- name: job_count_by_queue
+-- Jobs in one state per queue, from the (state, queue, id) index alone.
+SELECT queue, count(*) FROM errands_jobs WHERE state = :state GROUP BY queue

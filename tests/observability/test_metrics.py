@@ -1,0 +1,239 @@
+"""Prometheus metrics: counters fed by events, queue gauges from one cached query per
+scrape, the ASGI /metrics route, and the PostgreSQL health gauges (issue 6)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import errands
+from errands.observability.metrics import asgi_app, install_metrics
+from tests.integration.helpers import wait_until
+
+from .conftest import metric_names, metric_value
+
+GRAFANA = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "errands.json"
+
+
+def scrape(asgi: Any, path: str = "/metrics", root_path: str = "") -> tuple[int, str]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": path, "root_path": root_path, "headers": []}
+    asyncio.run(asgi(scope, receive, send))
+    status = sent[0]["status"]
+    body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    return status, body
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_after_100_completions_10_retries_and_5_dead_jobs_match_exactly(
+    app: errands.App, worker_factory: Any
+) -> None:
+    metrics = install_metrics(app, cache_seconds=0)
+    registry = metrics.registry
+
+    @app.job(name="m.ok", queue="fast")
+    def ok(n: int) -> None:
+        pass
+
+    @app.job(name="m.flaky", retries=1, backoff=0.01)
+    def flaky(ctx: errands.Context, n: int) -> None:
+        if ctx.attempt == 1:
+            raise ConnectionError("try again")
+
+    @app.job(name="m.broken", retries=0)
+    def broken(n: int) -> None:
+        raise ValueError("always")
+
+    app.enqueue_many(
+        [ok.bind(n=i) for i in range(90)]
+        + [flaky.bind(n=i) for i in range(10)]
+        + [broken.bind(n=i) for i in range(5)]
+    )
+    assert metric_value(registry, "errands_jobs_enqueued_total") == 105
+    assert metric_value(registry, "errands_jobs", state="available") == 105
+
+    with worker_factory(queues="fast,default", concurrency=10):
+        wait_until(
+            lambda: metric_value(registry, "errands_jobs_completed_total") == 115,
+            timeout=20,
+            what="115 attempt outcomes",
+        )
+        wait_until(lambda: metric_value(registry, "errands_leader") == 1, what="leader gauge")
+    completed = metric_value(registry, "errands_jobs_completed_total", outcome="completed")
+    retried = metric_value(registry, "errands_jobs_completed_total", outcome="retry")
+    dead = metric_value(registry, "errands_jobs_completed_total", outcome="dead")
+    assert (completed, retried, dead) == (100, 10, 5)
+    assert metric_value(registry, "errands_jobs_completed_total", job="m.ok", queue="fast") == 90
+    assert metric_value(registry, "errands_jobs_completed_total", job="m.flaky") == 20
+    assert metric_value(registry, "errands_job_duration_seconds_count") == 115
+    assert metric_value(registry, "errands_job_queue_wait_seconds_count") == 115
+    assert metric_value(registry, "errands_jobs_in_flight") == 0
+    assert metric_value(registry, "errands_leader") == 0  # resigned at the graceful stop
+    assert metric_value(registry, "errands_jobs", state="completed") == 100
+    assert metric_value(registry, "errands_jobs", state="dead") == 5
+    assert metric_value(registry, "errands_dead_letter_jobs") == 5
+    assert metric_value(registry, "errands_dead_letter_jobs", queue="default") == 5
+    assert metric_value(registry, "errands_build_info", version=errands.__version__) == 1
+
+    # the same numbers through the ASGI /metrics route, as Prometheus reads them
+    status, text = scrape(asgi_app(app))
+    assert status == 200
+    read = samples(text)
+    key = frozenset({"queue": "default", "job": "m.broken", "outcome": "dead"}.items())
+    assert read[("errands_jobs_completed_total", key)] == 5
+    assert read[("errands_dead_letter_jobs", frozenset({"queue": "default"}.items()))] == 5
+    labels = {name for (_, pairs) in read for name, _ in pairs}
+    assert labels <= {"queue", "job", "state", "outcome", "le", "version"}
+
+
+def test_queue_gauges_come_from_one_cached_query_per_scrape_never_per_job(
+    app: errands.App, worker_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = app.queue_stats
+
+    def counting() -> Any:
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(app, "queue_stats", counting)
+    metrics = install_metrics(app, cache_seconds=60)
+    assert calls == []  # registering never queries
+
+    @app.job(name="m.many")
+    def many(n: int) -> None:
+        pass
+
+    handles = app.enqueue_many([many.bind(n=i) for i in range(50)])
+    with worker_factory():
+        for handle in handles:
+            handle.result(timeout=10)
+    assert calls == []  # events feed the counters; jobs never query
+
+    for _ in range(3):
+        metric_value(metrics.registry, "errands_jobs")
+    assert len(calls) == 1  # cached for cache_seconds
+
+    metrics.store.cache_seconds = 0
+    metric_value(metrics.registry, "errands_jobs")
+    assert len(calls) == 2
+
+
+def test_each_install_gets_its_own_registry_unless_one_is_given(tmp_path: Path) -> None:
+    first = errands.App(f"sqlite:///{tmp_path}/a.db")
+    second = errands.App(f"sqlite:///{tmp_path}/b.db")
+    try:
+        a, b = install_metrics(first), install_metrics(second)
+        assert a.registry is not b.registry
+
+        @first.job(name="m.one")
+        def one() -> None:
+            pass
+
+        one.enqueue()
+        assert metric_value(a.registry, "errands_jobs_enqueued_total") == 1
+        assert metric_value(b.registry, "errands_jobs_enqueued_total") == 0
+
+        shared = CollectorRegistry()
+        assert install_metrics(first, shared) is install_metrics(first, shared)
+        with pytest.raises(errands.ConfigurationError, match="Another App"):
+            install_metrics(second, shared)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_asgi_route_serves_metrics_at_its_path_and_mounted_and_404_elsewhere(
+    app: errands.App,
+) -> None:
+    metrics = install_metrics(app)
+    asgi = asgi_app(app)
+    status, text = scrape(asgi)
+    assert status == 200 and "errands_build_info" in text
+    assert scrape(asgi, "/metrics", root_path="/metrics")[0] == 200  # Mount("/metrics", ...)
+    assert scrape(asgi, "/admin")[0] == 404
+    assert metrics.registry is not None
+
+
+def test_sqlite_stores_report_file_gauges_and_no_postgres_gauges(app: errands.App) -> None:
+    names = metric_names(install_metrics(app, cache_seconds=0).registry)
+    assert {"errands_store_pages", "errands_store_free_pages", "errands_store_wal_bytes"} <= names
+    assert "errands_store_dead_tuples" not in names
+    assert "errands_store_oldest_transaction_age_seconds" not in names
+
+
+def test_postgres_stores_report_dead_tuples_and_the_oldest_open_transaction(pg_url: str) -> None:
+    import psycopg
+
+    from tests.pg import pg_base_url
+
+    app = errands.App(pg_url)
+    try:
+
+        @app.job(name="m.pg")
+        def pg_job() -> None:
+            pass
+
+        pg_job.enqueue()
+        registry = install_metrics(app, cache_seconds=0).registry
+        names = metric_names(registry)
+        assert "errands_store_dead_tuples" in names
+        assert "errands_store_oldest_transaction_age_seconds" in names
+        assert "errands_store_pages" not in names
+        assert metric_value(registry, "errands_store_dead_tuples") >= 0
+        assert metric_value(registry, "errands_jobs", state="available") == 1
+
+        with psycopg.connect(pg_base_url()) as idle:  # an open transaction, left idle
+            idle.execute("SELECT 1")
+            wait_until(
+                lambda: (
+                    metric_value(registry, "errands_store_oldest_transaction_age_seconds") >= 0.3
+                ),
+                timeout=10,
+                interval=0.05,
+                what="the idle transaction's age",
+            )
+            idle.rollback()
+    finally:
+        app.close()
+
+
+def test_the_grafana_dashboard_is_valid_json_with_the_promised_panels() -> None:
+    dashboard = json.loads(GRAFANA.read_text())
+    exprs = " ".join(
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    )
+    for metric in (
+        "errands_jobs_completed_total",
+        "errands_job_duration_seconds_bucket",
+        "errands_jobs{",
+        "errands_oldest_available_job_age_seconds",
+        "errands_dead_letter_jobs",
+        "errands_jobs_in_flight",
+        "errands_rescues_total",
+        "errands_stale_writes_rejected_total",
+        "errands_store_dead_tuples",
+    ):
+        assert metric in exprs, metric
+    assert "histogram_quantile(0.95" in exprs and "histogram_quantile(0.5" in exprs
+    assert "by (outcome)" in exprs and "by (state)" in exprs

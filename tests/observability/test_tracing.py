@@ -1,0 +1,181 @@
+"""OpenTelemetry: the enqueuing request's trace continues into every attempt of the job
+(issue 6), with the messaging attributes, recorded failures and nothing when not installed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from opentelemetry.trace import SpanKind, StatusCode, format_span_id
+
+import errands
+from errands.observability.tracing import install_tracing
+from tests.integration.helpers import wait_until
+
+from .conftest import Spans
+
+
+def test_a_jobs_process_spans_belong_to_the_enqueuing_requests_trace_across_a_retry(
+    app: errands.App, worker_factory: Any, spans: Spans
+) -> None:
+    install_tracing(app, tracer_provider=spans.provider)
+    shop_tracer = spans.provider.get_tracer("shop")
+
+    @app.job(name="tr.charge", queue="billing", retries=2, backoff=0.01)
+    def charge(ctx: errands.Context, order: int) -> str:
+        with shop_tracer.start_as_current_span("call payment api"):
+            if ctx.attempt == 1:
+                raise ConnectionError("payment api down")
+        return "ok"
+
+    with shop_tracer.start_as_current_span("POST /orders") as request:
+        handle = charge.enqueue(order=7)
+    with worker_factory(queues="billing"):
+        assert handle.result(timeout=10) == "ok"
+        wait_until(lambda: len(spans.named("process billing")) == 2, what="two process spans")
+
+    trace_id = request.get_span_context().trace_id
+    [send] = spans.named("send billing")
+    first, second = sorted(spans.named("process billing"), key=lambda s: s.start_time)
+    user_spans = sorted(spans.named("call payment api"), key=lambda s: s.start_time)
+    for span in [send, first, second, *user_spans]:
+        assert span.context.trace_id == trace_id
+
+    assert send.kind is SpanKind.PRODUCER
+    assert send.parent.span_id == request.get_span_context().span_id
+    assert send.attributes["messaging.system"] == "errands"
+    assert send.attributes["messaging.destination.name"] == "billing"
+    assert send.attributes["messaging.message.id"] == str(handle.id)
+
+    for number, span in enumerate([first, second], start=1):
+        assert span.kind is SpanKind.CONSUMER
+        assert span.parent.span_id == send.context.span_id
+        assert [link.context.span_id for link in span.links] == [send.context.span_id]
+        assert span.attributes["messaging.system"] == "errands"
+        assert span.attributes["messaging.destination.name"] == "billing"
+        assert span.attributes["messaging.message.id"] == str(handle.id)
+        assert span.attributes["messaging.operation"] == "process"
+        assert span.attributes["errands.job.name"] == "tr.charge"
+        assert span.attributes["errands.job.attempt"] == number
+        assert user_spans[number - 1].parent.span_id == span.context.span_id  # nested
+
+    assert first.attributes["errands.job.outcome"] == "retry"
+    assert first.status.status_code is StatusCode.ERROR
+    [exception] = [e for e in first.events if e.name == "exception"]
+    assert exception.attributes["exception.type"] == "ConnectionError"
+    assert exception.attributes["exception.message"] == "payment api down"
+    assert "ConnectionError" in exception.attributes["exception.stacktrace"]
+    assert second.attributes["errands.job.outcome"] == "completed"
+    assert second.status.status_code is StatusCode.UNSET
+
+    # the context is stored once, in the job's meta, and names the send span
+    carrier = handle.job().meta["trace"]
+    assert format_span_id(send.context.span_id) in carrier["traceparent"]
+
+
+def test_an_async_handlers_spans_nest_under_its_process_span(
+    app: errands.App, worker_factory: Any, spans: Spans
+) -> None:
+    install_tracing(app, tracer_provider=spans.provider)
+    tracer = spans.provider.get_tracer("shop")
+
+    @app.job(name="tr.async")
+    async def refund(order: int) -> None:
+        with tracer.start_as_current_span("refund"):
+            await asyncio.sleep(0.01)
+
+    with tracer.start_as_current_span("POST /refunds") as request:
+        handles = [refund.enqueue(order=n) for n in range(3)]
+    with worker_factory(concurrency=3):
+        for handle in handles:
+            handle.result(timeout=10)
+        wait_until(lambda: len(spans.named("process default")) == 3, what="three process spans")
+
+    processes = {s.attributes["messaging.message.id"]: s for s in spans.named("process default")}
+    assert set(processes) == {str(h.id) for h in handles}
+    for span in spans.named("refund"):
+        assert span.parent.span_id in {p.context.span_id for p in processes.values()}
+        assert span.context.trace_id == request.get_span_context().trace_id
+
+
+def test_a_sensitive_argument_never_reaches_a_span(
+    app: errands.App, worker_factory: Any, spans: Spans
+) -> None:
+    install_tracing(app, tracer_provider=spans.provider)
+    secret = "4111-1111-1111-1111"
+
+    @app.job(name="tr.pay", sensitive={"card"}, retries=0)
+    def pay(card: str) -> None:
+        raise ValueError(f"card {card} declined")
+
+    handle = pay.enqueue(card=secret)
+    with worker_factory(), pytest.raises(errands.JobFailed):
+        handle.result(timeout=10)
+    wait_until(lambda: spans.named("process default"), what="the process span")
+
+    [span] = spans.named("process default")
+    [exception] = [e for e in span.events if e.name == "exception"]
+    assert exception.attributes["exception.message"] == "card *** declined"
+    assert "exception.stacktrace" not in exception.attributes
+    assert span.attributes["errands.job.outcome"] == "dead"
+    for recorded in spans.finished():
+        text = repr(recorded.to_json())
+        assert secret not in text
+
+
+def test_batch_jobs_share_one_send_span_and_are_linked_not_parented(
+    app: errands.App, worker_factory: Any, spans: Spans
+) -> None:
+    install_tracing(app, tracer_provider=spans.provider)
+
+    @app.job(name="tr.batch")
+    def item(n: int) -> None:
+        pass
+
+    handles = app.enqueue_many([item.bind(n=n) for n in range(3)])
+    with worker_factory():
+        for handle in handles:
+            handle.result(timeout=10)
+        wait_until(lambda: len(spans.named("process default")) == 3, what="three process spans")
+
+    [send] = spans.named("send default")
+    assert send.attributes["messaging.batch.message_count"] == 3
+    for span in spans.named("process default"):
+        assert [link.context.span_id for link in span.links] == [send.context.span_id]
+        assert span.parent is None
+        assert span.context.trace_id != send.context.trace_id
+
+
+def test_parent_false_links_single_jobs_without_joining_their_trace(
+    app: errands.App, worker_factory: Any, spans: Spans
+) -> None:
+    install_tracing(app, tracer_provider=spans.provider, parent=False)
+
+    @app.job(name="tr.linked")
+    def linked() -> None:
+        pass
+
+    handle = linked.enqueue()
+    with worker_factory():
+        handle.result(timeout=10)
+        wait_until(lambda: spans.named("process default"), what="the process span")
+
+    [send] = spans.named("send default")
+    [process] = spans.named("process default")
+    assert process.parent is None
+    assert [link.context.span_id for link in process.links] == [send.context.span_id]
+
+
+def test_without_install_tracing_nothing_is_traced_or_stored(
+    app: errands.App, worker_factory: Any
+) -> None:
+    @app.job(name="tr.plain")
+    def plain() -> None:
+        pass
+
+    handle = plain.enqueue()
+    with worker_factory():
+        handle.result(timeout=10)
+    assert app.events.wrappers == [] and app.events.inserters == []
+    assert "trace" not in handle.job().meta
