@@ -1,0 +1,175 @@
+"""The worker the test tools run jobs on (internal).
+
+It *is* :class:`errands.worker.worker.Worker` — the same claim, payload decoding,
+Context, steps, completion transaction, children, classification of failures and fenced
+completer — with three additions for tests:
+
+- :meth:`HarnessWorker.run_row` runs one claimed row and waits for its outcome to be
+  written, so ``drain()`` can go one job at a time without sleeping;
+- a simulated crash (:class:`~errands.testing.faults.SimulatedCrash`, or a crash the
+  tester asks for before an outcome is written) behaves like the process dying: nothing
+  is written, the completion transaction rolls back, the children are dropped, and the
+  lease is left to expire and be rescued;
+- a *duplicate delivery* runs a row again under a lease token that is not the job's (as a
+  stale worker would): its handler runs for real and the fence rejects its outcome.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..backends.base import ClaimParams, FinishParams, QueueClaim
+from ..jobs import JobRow
+from ..worker.execution import Attempt
+from ..worker.worker import Worker
+from .faults import SimulatedCrash
+from .results import Run, RunOutcome
+
+if TYPE_CHECKING:
+    from ..app import App
+
+DUPLICATE_TOKEN_PREFIX = "dup-"
+
+
+class Hooks(Protocol):
+    """What the worker asks of the tester that owns it."""
+
+    def _hook_crash_before_write(self, attempt: Attempt, exc: BaseException | None) -> bool: ...
+
+    def _hook_record(self, run: Run) -> None: ...
+
+
+class HarnessWorker(Worker):
+    def __init__(self, app: App, hooks: Hooks, **options: Any) -> None:
+        super().__init__(app, **options)
+        self.hooks = hooks
+        self._errors: dict[tuple[int, str], BaseException | None] = {}
+        self._duplicates: set[tuple[int, str]] = set()
+        self._waiting: dict[tuple[int, str], Future[Run]] = {}
+        self._harness_lock = threading.Lock()
+        self._services = False
+
+    # -- what the lease keeper sees ----------------------------------------------------------
+    def attempts(self) -> list[Attempt]:
+        """Every live attempt but the duplicate deliveries: their lease is not theirs to
+        renew (a heartbeat would find it lost and stop them half-way)."""
+        with self._harness_lock:
+            duplicates = set(self._duplicates)
+        return [a for a in super().attempts() if (a.id, a.token) not in duplicates]
+
+    def live_tokens(self) -> set[str]:
+        return {a.token for a in super().attempts() if not a.decided}
+
+    # -- outcomes ------------------------------------------------------------------------------
+    def _decided(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
+        key = (attempt.id, attempt.token)
+        with self._harness_lock:
+            duplicate = key in self._duplicates
+        if _is_crash(exc) or (not duplicate and self.hooks._hook_crash_before_write(attempt, exc)):
+            return self._harness_crash(attempt, exc)
+        with self._harness_lock:
+            self._errors[key] = exc
+        return super()._decided(attempt, exc, result)
+
+    def _harness_crash(self, attempt: Attempt, exc: BaseException | None) -> bool:
+        """The attempt dies as its process would: nothing written, lease left to expire."""
+        if attempt.released or not attempt.decide():
+            return False
+        attempt.ended = time.monotonic()
+        if attempt.runtime is not None:
+            attempt.runtime.rollback()  # a dead process's transaction rolls back
+        with self._lock:
+            self._free += 1
+            self._running_per_queue[attempt.row.queue] -= 1
+            self._attempts.pop((attempt.id, attempt.token), None)  # no more heartbeats
+        self._wake.set()
+        self._harness_finish(attempt, "crashed", exc if _is_crash(exc) else None)
+        return True
+
+    def _on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
+        try:
+            super()._on_written(attempt, outcome, accepted)
+        finally:
+            with self._harness_lock:
+                error = self._errors.pop((attempt.id, attempt.token), None)
+            state: RunOutcome = outcome.state if accepted else "rejected"
+            self._harness_finish(attempt, state, error)
+
+    def _harness_finish(
+        self, attempt: Attempt, outcome: RunOutcome, error: BaseException | None
+    ) -> None:
+        key = (attempt.id, attempt.token)
+        with self._harness_lock:
+            duplicate = key in self._duplicates
+            self._duplicates.discard(key)
+            waiter = self._waiting.pop(key, None)
+        row = attempt.row
+        run = Run(row.id, row.name, row.queue, row.attempt, outcome, error, duplicate)
+        try:
+            self.hooks._hook_record(run)
+        finally:
+            if waiter is not None:
+                waiter.set_result(run)
+
+    # -- one job at a time (drain) -----------------------------------------------------------
+    def start_services(self) -> None:
+        """What ``run()`` starts, minus the producer loop, the listener and maintenance."""
+        if not self._services:
+            self._services = True
+            self.completer.start()
+            self.leases.start()
+
+    def stop_services(self) -> None:
+        if self._services:
+            self._services = False
+            self.completer.stop(timeout=10.0)
+            self.leases.stop()
+        self.threads.shutdown()
+        if self.loop_runner is not None:
+            self.loop_runner.shutdown()
+
+    def claim_one(self, queues: list[str]) -> JobRow | None:
+        if not queues:
+            return None
+        rows = self.app.backend.job_claim(
+            ClaimParams([QueueClaim(q, 1) for q in queues], 1, self.id, self.app.lease)
+        )
+        return rows[0] if rows else None
+
+    def run_row(self, row: JobRow, *, duplicate: bool = False, timeout: float = 60.0) -> Run:
+        """Run ``row`` (claimed by this worker) and wait until its outcome is written.
+
+        ``duplicate``: run it again under a token that is not the job's, as a stale worker
+        would; the fence rejects whatever it tries to write.
+        """
+        if duplicate:
+            row = replace(row, lease_token=DUPLICATE_TOKEN_PREFIX + secrets.token_hex(8))
+        key = (row.id, row.lease_token or "")
+        waiter: Future[Run] = Future()
+        with self._harness_lock:
+            self._waiting[key] = waiter
+            if duplicate:
+                self._duplicates.add(key)
+        self._start(row)
+        try:
+            return waiter.result(timeout)
+        except FutureTimeout:
+            raise RuntimeError(
+                f"job {row.id} ({row.name}) was still running after {timeout:g} s; drain() "
+                "runs one job at a time, so a handler must not wait for another job"
+            ) from None
+
+
+def _is_crash(exc: BaseException | None) -> bool:
+    seen = 0
+    while exc is not None and seen < 5:  # a timeout wraps what the handler raised
+        if isinstance(exc, SimulatedCrash):
+            return True
+        exc, seen = exc.__cause__, seen + 1
+    return False
