@@ -1,0 +1,279 @@
+"""Everything that changes state: login, logout, and the admin actions.
+
+Every admin action calls the App's admin API (``replay``, ``discard``, ``cancel``,
+``pause``, ``resume``) with ``actor="dashboard:<user>"``, so the audit log says who did it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import ErrandsError
+from .security import CSRF_FIELD, clean_user_name, csrf_matches, new_csrf_token
+from .web import (
+    Viewer,
+    action,
+    base_context,
+    blocking,
+    error_page,
+    flash,
+    form_text,
+    redirect,
+    render,
+    safe_next,
+    settings,
+)
+
+MAX_IDS = 10_000
+
+
+# -- login -------------------------------------------------------------------------------
+async def login_form(request: Request) -> Response:
+    conf = settings(request)
+    if not conf.auth.login_page:
+        return redirect(request, "overview")
+    return _login_page(request, request.query_params.get("next"), None)
+
+
+def _login_page(request: Request, next_path: str | None, problem: str | None) -> Response:
+    conf = settings(request)
+    context = {
+        **base_context(request, None),
+        "next": safe_next(request, next_path),
+        "problem": problem,
+        "accepts": [
+            k for k, v in (("password", conf.auth.password), ("token", conf.auth.token)) if v
+        ],
+    }
+    status = 200 if problem is None else 400
+    if problem and "many" in problem:
+        status = 429
+    return conf.templates.TemplateResponse(request, "login.html", context, status_code=status)
+
+
+async def login_submit(request: Request) -> Response:
+    conf = settings(request)
+    if not conf.auth.login_page:
+        return redirect(request, "overview")
+    form = await request.form()
+    given = form.get(CSRF_FIELD)
+    if not csrf_matches(request.session.get("csrf"), given if isinstance(given, str) else None):
+        return error_page(
+            request, 403, "CSRF check failed", "The login form was stale. Reload it and try again."
+        )
+    next_path = form_text(form, "next")
+    client = request.client.host if request.client else "unknown"
+    if conf.auth.too_many_failures(client):
+        return _login_page(request, next_path, "Too many failed logins; wait a few minutes.")
+    kind = conf.auth.check_secret(str(form.get("secret") or ""))
+    if kind is None:
+        conf.auth.record_failure(client)
+        return _login_page(request, next_path, "Wrong password or token.")
+    user = clean_user_name(form_text(form, "user"), "admin" if kind == "password" else "token")
+    request.session.clear()  # a fresh session: no fixation
+    request.session["user"] = user
+    request.session["csrf"] = new_csrf_token()
+    return _see_other(safe_next(request, next_path))
+
+
+@action(None)
+async def logout(request: Request, viewer: Viewer, form: FormData) -> Response:
+    request.session.clear()
+    if settings(request).auth.login_page:
+        return redirect(request, "login")
+    return redirect(request, "overview")
+
+
+def _see_other(path: str) -> Response:
+    from starlette.responses import RedirectResponse
+
+    return RedirectResponse(path, status_code=303)
+
+
+# -- one job -----------------------------------------------------------------------------
+def _job_id(request: Request) -> int:
+    return int(request.path_params["job_id"])
+
+
+async def _run(request: Request, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return await blocking(fn, *args, **kwargs)
+    except ErrandsError as exc:
+        flash(request, str(exc), "error")
+        return None
+
+
+@action("cancel")
+async def job_cancel(request: Request, viewer: Viewer, form: FormData) -> Response:
+    job_id = _job_id(request)
+    result = await _run(request, settings(request).app.cancel, job_id, actor=viewer.actor)
+    if result is not None:
+        if result.state == "cancelled":
+            flash(request, f"Job {job_id} cancelled.")
+        else:
+            flash(request, f"Job {job_id} is running: asked it to stop.")
+    return redirect(request, "job", job_id=job_id)
+
+
+@action("replay")
+async def job_replay(request: Request, viewer: Viewer, form: FormData) -> Response:
+    job_id = _job_id(request)
+    result = await _run(request, settings(request).app.replay, [job_id], actor=viewer.actor)
+    if result is not None:
+        _report(request, "replay", result)
+    return redirect(request, "job", job_id=job_id)
+
+
+@action("discard")
+async def job_discard(request: Request, viewer: Viewer, form: FormData) -> Response:
+    job_id = _job_id(request)
+    reason = form_text(form, "reason")
+    if not reason:
+        flash(request, "Discarding needs a reason (it goes into the audit log).", "error")
+        return redirect(request, "job", job_id=job_id)
+    result = await _run(
+        request, settings(request).app.discard, [job_id], reason=reason, actor=viewer.actor
+    )
+    if result is not None:
+        _report(request, "discard", result)
+    return redirect(request, "job", job_id=job_id)
+
+
+def _report(request: Request, op: str, result: Any) -> None:
+    done = "replayed" if op == "replay" else "discarded"
+    if result.matched:
+        ids = ", ".join(str(i) for i in result.matched[:10])
+        more = f" and {len(result.matched) - 10} more" if len(result.matched) > 10 else ""
+        flash(request, f"{len(result.matched)} job(s) {done}: {ids}{more}.")
+    for job_id, why in list(result.skipped.items())[:10]:
+        flash(request, f"Job {job_id} skipped: {why}.", "error")
+    if not result.matched and not result.skipped:
+        flash(request, f"Nothing to {op}: no dead job matched.", "error")
+
+
+# -- the dead-letter queue ---------------------------------------------------------------
+def _dlq_selection(form: FormData) -> dict[str, Any]:
+    op = form_text(form, "op")
+    scope = form_text(form, "scope") or "selected"
+    ids: list[int] = []
+    raw = [v for v in form.getlist("ids") if isinstance(v, str)]
+    for value in raw:
+        for part in value.split(","):
+            part = part.strip()
+            if part.isdigit() and len(part) < 19:
+                ids.append(int(part))
+    return {
+        "op": op,
+        "scope": scope,
+        "ids": list(dict.fromkeys(ids))[:MAX_IDS],
+        "queue": form_text(form, "queue") or None,
+        "name": form_text(form, "name") or None,
+        "reason": form_text(form, "reason"),
+    }
+
+
+def _dlq_call(request: Request, viewer: Viewer, sel: dict[str, Any], dry_run: bool) -> Any:
+    app = settings(request).app
+    options: dict[str, Any] = {"actor": viewer.actor, "dry_run": dry_run}
+    if sel["scope"] == "all":
+        options.update(all=True, queue=sel["queue"], name=sel["name"])
+        ids: list[int] = []
+    else:
+        ids = sel["ids"]
+    if sel["op"] == "replay":
+        return app.replay(ids, **options)
+    return app.discard(ids, reason=sel["reason"], **options)
+
+
+def _dlq_problem(request: Request, viewer: Viewer, sel: dict[str, Any]) -> Response | None:
+    if sel["op"] not in ("replay", "discard") or sel["scope"] not in ("selected", "all"):
+        return error_page(request, 400, "Bad request", "Choose replay or discard.")
+    if not viewer.can(sel["op"]):
+        return error_page(
+            request,
+            403,
+            "Not allowed",
+            f"{viewer.user} has read-only access here and may not {sel['op']}.",
+        )
+    return None
+
+
+@action(None)
+async def dlq_preview(request: Request, viewer: Viewer, form: FormData) -> Response:
+    """The dry run: how many jobs the action would touch, and a button to confirm it."""
+    sel = _dlq_selection(form)
+    problem = _dlq_problem(request, viewer, sel)
+    if problem is not None:
+        return problem
+    back = {"queue": sel["queue"], "name": sel["name"]}
+    if sel["scope"] == "selected" and not sel["ids"]:
+        flash(request, "Select at least one job, or choose every job matching the filter.", "error")
+        return redirect(request, "dlq", back)
+    if sel["op"] == "discard" and not sel["reason"]:
+        flash(request, "Discarding needs a reason (it goes into the audit log).", "error")
+        return redirect(request, "dlq", back)
+    result = await _run(request, _dlq_call, request, viewer, sel, True)
+    if result is None:
+        return redirect(request, "dlq", back)
+    return render(
+        request,
+        viewer,
+        "dlq_confirm.html",
+        {
+            "nav": "dlq",
+            "sel": sel,
+            "matched": result.matched,
+            "skipped": result.skipped,
+            # apply exactly the jobs the dry run counted (the filter again only past MAX_IDS)
+            "apply_scope": "selected" if len(result.matched) <= MAX_IDS else "all",
+            "ids_value": ",".join(str(i) for i in result.matched[:MAX_IDS]),
+        },
+    )
+
+
+@action(None)
+async def dlq_apply(request: Request, viewer: Viewer, form: FormData) -> Response:
+    sel = _dlq_selection(form)
+    problem = _dlq_problem(request, viewer, sel)
+    if problem is not None:
+        return problem
+    back = {"queue": sel["queue"], "name": sel["name"]}
+    if sel["scope"] == "selected" and not sel["ids"]:
+        flash(request, "Nothing to do: no job was selected.", "error")
+        return redirect(request, "dlq", back)
+    result = await _run(request, _dlq_call, request, viewer, sel, False)
+    if result is not None:
+        _report(request, sel["op"], result)
+    return redirect(request, "dlq", back)
+
+
+# -- queues ------------------------------------------------------------------------------
+async def _queue_toggle(request: Request, viewer: Viewer, verb: str) -> Response:
+    app = settings(request).app
+    queue = request.path_params["queue"]
+    fn = getattr(app, verb, None)
+    if fn is None:
+        return error_page(
+            request, 501, "Not available", f"This version of errands cannot {verb} queues yet."
+        )
+    try:
+        await blocking(fn, queue, actor=viewer.actor)
+    except ErrandsError as exc:
+        flash(request, str(exc), "error")
+    else:
+        flash(request, f"Queue {queue} {'paused' if verb == 'pause' else 'resumed'}.")
+    return redirect(request, "queues")
+
+
+@action("pause")
+async def queue_pause(request: Request, viewer: Viewer, form: FormData) -> Response:
+    return await _queue_toggle(request, viewer, "pause")
+
+
+@action("pause")
+async def queue_resume(request: Request, viewer: Viewer, form: FormData) -> Response:
+    return await _queue_toggle(request, viewer, "resume")

@@ -1,0 +1,148 @@
+"""Jinja filters: times, durations, JSON, and masking of sensitive values in free text."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from ..jobs import Job
+
+MASK = "***"
+
+
+def to_epoch(value: datetime | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return float(value)
+
+
+def when(value: datetime | float | None) -> str:
+    """``2026-05-01 12:00:03 UTC``; an em dash for no time."""
+    epoch = to_epoch(value)
+    if epoch is None:
+        return "—"
+    return datetime.fromtimestamp(epoch, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def iso(value: datetime | float | None) -> str:
+    epoch = to_epoch(value)
+    return "" if epoch is None else datetime.fromtimestamp(epoch, tz=UTC).isoformat()
+
+
+def duration(seconds: float | None) -> str:
+    """``850 ms``, ``12 s``, ``4 min 3 s``, ``2 h 5 min``, ``3 d 4 h``."""
+    if seconds is None:
+        return "—"
+    if seconds < 0:
+        seconds = 0.0
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 60:
+        return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s" if secs and minutes < 10 else f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h" if hours else f"{days} d"
+
+
+def ago(value: datetime | float | None, now: float | None = None) -> str:
+    epoch = to_epoch(value)
+    if epoch is None:
+        return "—"
+    delta = (now if now is not None else time.time()) - epoch
+    if abs(delta) < 1:
+        return "just now"
+    if delta < 0:
+        return "in " + duration(-delta)
+    return duration(delta) + " ago"
+
+
+def pretty_json(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def short_json(value: Any, limit: int = 90) -> str:
+    text = json.dumps(
+        value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "), default=str
+    )
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def sensitive_values(job: Job) -> list[str]:
+    """The text of every sensitive argument, longest first (to hide it in free text)."""
+    if not job.sensitive or not isinstance(job.args, dict):
+        return []
+    found: set[str] = set()
+    for name in job.sensitive:
+        value = job.args.get(name)
+        if value is None:
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        if len(text) >= 3:
+            found.add(text)
+            if not isinstance(value, str):
+                found.add(str(value))
+    return sorted(found, key=len, reverse=True)
+
+
+def mask_text(text: str | None, secrets: list[str]) -> str:
+    """``text`` with every sensitive value replaced by ``***`` (errors may quote arguments)."""
+    if not text:
+        return text or ""
+    for secret in secrets:
+        if len(secret) >= 3:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def mask_value(value: Any, secrets: list[str]) -> Any:
+    """A JSON value with sensitive strings masked anywhere inside it (results, meta)."""
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        return mask_text(value, secrets)
+    if isinstance(value, list):
+        return [mask_value(v, secrets) for v in value]
+    if isinstance(value, dict):
+        return {k: mask_value(v, secrets) for k, v in value.items()}
+    return value
+
+
+def trace_id(meta: Any) -> str | None:
+    """The trace id in a job's meta: ``trace_id``, or from a W3C ``traceparent``."""
+    if not isinstance(meta, dict):
+        return None
+    stack: list[Any] = [meta]
+    while stack:
+        item = stack.pop()
+        if not isinstance(item, dict):
+            continue
+        for key in ("trace_id", "traceId"):
+            value = item.get(key)
+            if isinstance(value, str) and value:
+                return value
+        parent = item.get("traceparent")
+        if isinstance(parent, str):
+            parts = parent.split("-")
+            if len(parts) >= 3 and len(parts[1]) == 32:
+                return parts[1]
+        stack.extend(v for v in item.values() if isinstance(v, dict))
+    return None
+
+
+FILTERS = {
+    "when": when,
+    "iso": iso,
+    "duration": duration,
+    "ago": ago,
+    "pretty_json": pretty_json,
+    "short_json": short_json,
+}

@@ -1,0 +1,247 @@
+"""Who may open the dashboard, what they may do, and the checks on every state change.
+
+Three ways to know the user, chosen by :func:`errands.dashboard.create_app`'s options:
+
+* ``user=callable(request)``: the host application's own login (FastAPI, Django, ...)
+  names the user; ``None`` means not signed in.
+* ``password=`` / ``token=`` (or ``ERRANDS_DASHBOARD_PASSWORD`` / ``ERRANDS_DASHBOARD_TOKEN``):
+  the dashboard's own login page; a signed session cookie remembers the user.
+* neither: no login, and then only loopback clients naming a loopback ``Host`` are served
+  (so a DNS-rebinding page cannot reach it either); the user is ``local``.
+
+What the user may do comes from ``authorize(request)``, Oban Web's model: ``"all"``,
+``"read"`` (read-only), a set of action names from :data:`ACTIONS`, or ``None`` to refuse
+the dashboard altogether. Every POST carries the session's CSRF token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import ipaddress
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigurationError
+
+ACTIONS = frozenset({"cancel", "replay", "discard", "pause"})
+"""Action names ``authorize`` may grant: ``pause`` covers pausing and resuming queues."""
+
+PASSWORD_ENV = "ERRANDS_DASHBOARD_PASSWORD"
+TOKEN_ENV = "ERRANDS_DASHBOARD_TOKEN"
+SECRET_ENV = "ERRANDS_DASHBOARD_SECRET"
+
+LOCAL_USER = "local"
+CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "x-csrf-token"
+LOGIN_FAILURES_MAX = 10  # per client address within LOGIN_FAILURE_WINDOW
+LOGIN_FAILURE_WINDOW = 300.0
+
+UserResolver = Callable[[Any], "str | Awaitable[str | None] | None"]
+Authorize = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Access:
+    """The actions one user may take; ``read`` (no actions) when empty."""
+
+    actions: frozenset[str] = frozenset()
+
+    @property
+    def read_only(self) -> bool:
+        return not self.actions
+
+    def can(self, action: str) -> bool:
+        return action in self.actions
+
+
+ALL = Access(ACTIONS)
+READ = Access(frozenset())
+
+
+def parse_access(value: Any) -> Access | None:
+    """Turn what ``authorize`` returned into an :class:`Access`; None means no access."""
+    if isinstance(value, Access):
+        return value
+    if value is None or value is False:
+        return None
+    if value is True:
+        return ALL
+    if isinstance(value, str):
+        word = value.strip().lower().replace("-", "_")
+        if word == "all":
+            return ALL
+        if word in ("read", "read_only", "readonly"):
+            return READ
+        if word in ("none", "forbidden", "deny"):
+            return None
+        if word in ACTIONS:
+            return Access(frozenset({word}))
+        raise ConfigurationError(
+            f"authorize(request) returned {value!r}; return 'all', 'read', None (no access) "
+            f"or a set of actions from {sorted(ACTIONS)}"
+        )
+    if isinstance(value, Iterable):
+        names = {str(v).strip().lower() for v in value}
+        unknown = names - ACTIONS
+        if unknown:
+            raise ConfigurationError(
+                f"authorize(request) granted unknown action(s) {sorted(unknown)}; "
+                f"the actions are {sorted(ACTIONS)}"
+            )
+        return Access(frozenset(names))
+    raise ConfigurationError(
+        f"authorize(request) returned a {type(value).__name__}; return 'all', 'read', None "
+        "or a set of action names"
+    )
+
+
+async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+@dataclass
+class AuthConfig:
+    """The dashboard's login settings (see the module docstring)."""
+
+    password: str | None = None
+    token: str | None = None
+    user: UserResolver | None = None
+    authorize: Authorize | None = None
+    secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    failures: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        password: str | None,
+        token: str | None,
+        user: UserResolver | None,
+        authorize: Authorize | None,
+        secret_key: str | None,
+    ) -> AuthConfig:
+        if password is None:
+            password = os.environ.get(PASSWORD_ENV) or None
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
+        if secret_key is None:
+            secret_key = os.environ.get(SECRET_ENV) or None
+        if user is not None and (password or token):
+            raise ConfigurationError(
+                "create_app: give user= (your own login) or password=/token= (the dashboard's "
+                "login page), not both"
+            )
+        if authorize is not None and not callable(authorize):
+            raise ConfigurationError("create_app(authorize=...) takes a function of the request")
+        config = cls(password=password or None, token=token or None, user=user)
+        config.authorize = authorize
+        if secret_key:
+            config.secret_key = secret_key
+        return config
+
+    @property
+    def login_page(self) -> bool:
+        """True when the dashboard's own login page signs users in."""
+        return bool(self.password or self.token)
+
+    @property
+    def configured(self) -> bool:
+        """True when some login protects the dashboard (required off loopback)."""
+        return self.login_page or self.user is not None
+
+    def check_secret(self, given: str) -> str | None:
+        """Which secret ``given`` matches ("password" or "token"), compared in constant time."""
+        encoded = given.encode()
+        matched = None
+        for kind, secret in (("password", self.password), ("token", self.token)):
+            if secret and hmac.compare_digest(encoded, secret.encode()):
+                matched = kind
+        return matched
+
+    def too_many_failures(self, client: str) -> bool:
+        now = time.monotonic()
+        recent = [t for t in self.failures.get(client, []) if now - t < LOGIN_FAILURE_WINDOW]
+        self.failures[client] = recent
+        return len(recent) >= LOGIN_FAILURES_MAX
+
+    def record_failure(self, client: str) -> None:
+        self.failures.setdefault(client, []).append(time.monotonic())
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when ``host`` (an address or name) only ever means this machine."""
+    host = host.strip().strip("[]")
+    if not host:
+        return False
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def is_loopback_address(address: str | None) -> bool:
+    """True for a literal loopback client address (never resolves a name)."""
+    if not address:
+        return False
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_header_name(value: str) -> str:
+    """The host part of a ``Host`` header: ``[::1]:8080`` -> ``::1``, ``a:80`` -> ``a``."""
+    value = value.strip()
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def is_loopback_host_header(value: str) -> bool:
+    name = host_header_name(value).lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    return is_loopback_address(name)
+
+
+def new_csrf_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def csrf_matches(expected: str | None, given: str | None) -> bool:
+    if not expected or not given:
+        return False
+    return hmac.compare_digest(expected.encode(), given.encode())
+
+
+def clean_user_name(value: str | None, default: str) -> str:
+    """A name for the audit log: printable, trimmed to 64 characters."""
+    text = "".join(ch for ch in (value or "") if ch.isprintable()).strip()[:64]
+    return text or default
+
+
+def refuse_open_bind(host: str, auth: AuthConfig) -> None:
+    """Raise ConfigurationError for a non-loopback ``host`` when no login protects it."""
+    if auth.configured or is_loopback_host(host):
+        return
+    raise ConfigurationError(
+        f"refusing to serve the dashboard on {host!r} without a login: anyone who can reach "
+        f"that address could replay, discard and cancel jobs. Set {PASSWORD_ENV} or "
+        f"{TOKEN_ENV} (or pass --password/--token), or bind 127.0.0.1"
+    )

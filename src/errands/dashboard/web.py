@@ -1,0 +1,260 @@
+"""Request plumbing shared by pages and actions: who is asking, what they may do, rendering.
+
+``@page`` handlers get the :class:`Viewer`; ``@action(name)`` handlers also get the parsed
+form, and run only after the login, the CSRF token and the right to ``name`` are checked,
+in that order. Blocking store calls run in Starlette's thread pool (:func:`blocking`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode, urlsplit
+
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.templating import Jinja2Templates
+
+from .. import __version__
+from .security import (
+    CSRF_FIELD,
+    CSRF_HEADER,
+    LOCAL_USER,
+    Access,
+    AuthConfig,
+    call_maybe_async,
+    csrf_matches,
+    is_loopback_address,
+    is_loopback_host_header,
+    new_csrf_token,
+    parse_access,
+)
+
+if TYPE_CHECKING:
+    from ..app import App
+
+PageHandler = Callable[[Request, "Viewer"], Awaitable[Response]]
+ActionHandler = Callable[[Request, "Viewer", FormData], Awaitable[Response]]
+
+
+@dataclass
+class Settings:
+    """Everything a handler needs, kept on ``starlette_app.state.errands``."""
+
+    app: App
+    auth: AuthConfig
+    templates: Jinja2Templates
+    refresh_seconds: int
+    title: str
+
+
+@dataclass(frozen=True)
+class Viewer:
+    user: str
+    access: Access
+    csrf: str
+
+    @property
+    def actor(self) -> str:
+        """Who the audit log says did it."""
+        return f"dashboard:{self.user}"
+
+    def can(self, action: str) -> bool:
+        return self.access.can(action)
+
+
+def settings(request: Request) -> Settings:
+    return request.app.state.errands  # type: ignore[no-any-return]
+
+
+async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def csrf_token(request: Request) -> str:
+    token = request.session.get("csrf")
+    if not token:
+        token = new_csrf_token()
+        request.session["csrf"] = token
+    return str(token)
+
+
+def flash(request: Request, message: str, kind: str = "ok") -> None:
+    messages = list(request.session.get("flash", []))[-4:]
+    messages.append([kind, message])
+    request.session["flash"] = messages
+
+
+def path_for(
+    request: Request, name: str, /, query: dict[str, Any] | None = None, **params: Any
+) -> str:
+    """The path (with the mount prefix) of a named route, plus a query string."""
+    path = str(request.url_for(name, **params).path)
+    pairs = {k: v for k, v in (query or {}).items() if v not in (None, "")}
+    return path + ("?" + urlencode(pairs) if pairs else "")
+
+
+def redirect(
+    request: Request, name: str, /, query: dict[str, Any] | None = None, **params: Any
+) -> Response:
+    return RedirectResponse(path_for(request, name, query, **params), status_code=303)
+
+
+def safe_next(request: Request, value: str | None) -> str:
+    """Only a path on this site (never ``//host`` or a scheme) is followed after login."""
+    if value and value.startswith("/") and not value.startswith("//") and "\\" not in value:
+        return value
+    return path_for(request, "overview")
+
+
+def error_page(request: Request, status: int, title: str, message: str) -> Response:
+    conf = settings(request)
+    return conf.templates.TemplateResponse(
+        request,
+        "error.html",
+        {"status": status, "heading": title, "message": message, **base_context(request, None)},
+        status_code=status,
+    )
+
+
+def base_context(request: Request, viewer: Viewer | None) -> dict[str, Any]:
+    conf = settings(request)
+    flashes = request.session.pop("flash", []) if viewer is not None else []
+    return {
+        "viewer": viewer,
+        "title": conf.title,
+        "version": __version__,
+        "flashes": flashes,
+        "login_page": conf.auth.login_page,
+        "csrf_field": CSRF_FIELD,
+        "csrf": csrf_token(request),
+        "path_for": functools.partial(path_for, request),
+        "refresh_seconds": conf.refresh_seconds,
+        "live_url": request.url.path + ("?" + request.url.query if request.url.query else ""),
+    }
+
+
+def render(
+    request: Request, viewer: Viewer, template: str, context: dict[str, Any], status: int = 200
+) -> Response:
+    conf = settings(request)
+    merged = {**base_context(request, viewer), **context}
+    return conf.templates.TemplateResponse(request, template, merged, status_code=status)
+
+
+async def authenticate(request: Request) -> Viewer | Response:
+    """The viewer, or the response that turns the request away."""
+    conf = settings(request)
+    auth = conf.auth
+    if auth.user is not None:
+        user = await call_maybe_async(auth.user, request)
+        if not user:
+            return error_page(
+                request, 401, "Not signed in", "Sign in to the application to see this page."
+            )
+        user = str(user)
+    elif auth.login_page:
+        user = request.session.get("user")
+        if not user:
+            if request.method == "GET":
+                target = request.url.path + ("?" + request.url.query if request.url.query else "")
+                return redirect(request, "login", {"next": target})
+            return error_page(request, 401, "Not signed in", "Your session ended: sign in again.")
+    else:
+        client = request.client.host if request.client else None
+        if not is_loopback_address(client) or not is_loopback_host_header(
+            request.headers.get("host", "")
+        ):
+            return error_page(
+                request,
+                403,
+                "Login required",
+                "This dashboard has no login configured, so it only answers on 127.0.0.1. "
+                "Set ERRANDS_DASHBOARD_PASSWORD or ERRANDS_DASHBOARD_TOKEN to open it up.",
+            )
+        user = LOCAL_USER
+    request.state.user = user
+    access: Access | None = Access(frozenset({"cancel", "replay", "discard", "pause"}))
+    if auth.authorize is not None:
+        access = parse_access(await call_maybe_async(auth.authorize, request))
+    if access is None:
+        return error_page(request, 403, "Forbidden", f"{user} may not open this dashboard.")
+    return Viewer(user=str(user), access=access, csrf=csrf_token(request))
+
+
+def page(fn: PageHandler) -> Callable[[Request], Awaitable[Response]]:
+    @functools.wraps(fn)
+    async def endpoint(request: Request) -> Response:
+        viewer = await authenticate(request)
+        if isinstance(viewer, Response):
+            return viewer
+        return await fn(request, viewer)
+
+    return endpoint
+
+
+def csrf_ok(request: Request, form: FormData, viewer_token: str) -> bool:
+    given = form.get(CSRF_FIELD) or request.headers.get(CSRF_HEADER)
+    if not csrf_matches(viewer_token, given if isinstance(given, str) else None):
+        return False
+    origin = request.headers.get("origin")
+    # A browser names the page that sent the form: it must be this site (compare the host
+    # only: a TLS-terminating proxy may change the scheme).
+    return not (
+        origin and urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+    )
+
+
+def action(
+    right: str | None,
+) -> Callable[[ActionHandler], Callable[[Request], Awaitable[Response]]]:
+    """A state change: login, then CSRF token, then the right to ``right``."""
+
+    def decorate(fn: ActionHandler) -> Callable[[Request], Awaitable[Response]]:
+        @functools.wraps(fn)
+        async def endpoint(request: Request) -> Response:
+            viewer = await authenticate(request)
+            if isinstance(viewer, Response):
+                return viewer
+            form = await request.form()
+            if not csrf_ok(request, form, viewer.csrf):
+                return error_page(
+                    request,
+                    403,
+                    "CSRF check failed",
+                    "This form is stale or did not come from the dashboard. Reload the page "
+                    "and try again.",
+                )
+            if right is not None and not viewer.can(right):
+                return error_page(
+                    request,
+                    403,
+                    "Not allowed",
+                    f"{viewer.user} has read-only access here and may not {right}.",
+                )
+            return await fn(request, viewer, form)
+
+        return endpoint
+
+    return decorate
+
+
+def form_text(form: FormData, name: str) -> str:
+    value = form.get(name)
+    return value.strip() if isinstance(value, str) else ""
+
+
+def query_text(request: Request, name: str, limit: int = 200) -> str | None:
+    value = request.query_params.get(name, "").strip()[:limit]
+    return value or None
+
+
+def query_int(request: Request, name: str) -> int | None:
+    value = request.query_params.get(name, "").strip()
+    if value.isdigit() and len(value) < 19:
+        return int(value)
+    return None

@@ -1,0 +1,293 @@
+"""The core pages and actions, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+import errands
+from errands.backends.base import WorkerInfo
+from errands.dashboard import create_app
+
+from .helpers import BASE_URL, EMAIL, csrf_of, define_jobs, finish_due, login, post
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, db_url: str) -> Iterator[errands.App]:
+    url = db_url if request.param == "sqlite" else request.getfixturevalue("pg_url")
+    application = errands.App(url)
+    yield application
+    application.close()
+
+
+@pytest.fixture
+def jobs(store: errands.App) -> dict[str, Any]:
+    return define_jobs(store)
+
+
+@pytest.fixture
+def client(store: errands.App, jobs: dict[str, Any]) -> Iterator[TestClient]:
+    with TestClient(
+        create_app(store, password="pw"), base_url=BASE_URL, client=("127.0.0.1", 1)
+    ) as test_client:
+        yield login(test_client, secret="pw", user="alice")
+
+
+def ids_on(html: str) -> list[int]:
+    return [int(i) for i in re.findall(r'<td class="num"><a href="/jobs/(\d+)">', html)]
+
+
+def test_overview_shows_counts_oldest_age_and_charts_per_queue(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    for i in range(3):
+        jobs["charge"].enqueue(order_id=i)
+    finish_due(store, "payments", "completed")
+    jobs["charge"].enqueue(order_id=9)
+    finish_due(store, "payments", "dead")
+    jobs["send_welcome"].enqueue(user_id=1, email=EMAIL)
+    html = client.get("/").text
+    assert "payments" in html and "emails" in html
+    assert html.count('<rect class="bar completed"') >= 2  # the big chart and the queue's
+    assert '<rect class="bar failed"' in html
+    assert '<path class="rate"' in html
+    assert "3 completed" in html and "1 failed attempts" in html and "1 dead" in html
+    assert 'href="/dlq?queue=payments"' in html
+    assert "25.0 %" in html  # one failed attempt of four
+    assert 'hx-trigger="every 5s"' in html
+
+
+def test_jobs_page_filters_by_state_queue_and_name(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    mail = jobs["send_welcome"].enqueue(user_id=1, email=EMAIL)
+    first = jobs["charge"].enqueue(order_id=1)
+    second = jobs["charge"].enqueue(order_id=2)
+    assert finish_due(store, "payments", "dead", limit=1) == [first.id]
+    assert ids_on(client.get("/jobs").text) == [second.id, first.id, mail.id]
+    assert ids_on(client.get("/jobs?queue=emails").text) == [mail.id]
+    assert ids_on(client.get("/jobs?name=billing.charge").text) == [second.id, first.id]
+    assert ids_on(client.get("/jobs?state=dead").text) == [first.id]
+    assert ids_on(client.get("/jobs?state=available&name=billing.charge").text) == [second.id]
+    assert ids_on(client.get("/jobs?state=dead&queue=emails").text) == []
+    assert client.get("/jobs?state=sleeping").status_code == 400
+
+
+def test_jobs_page_finds_a_job_by_id_or_idempotency_key(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    keyed = jobs["charge"].enqueue(order_id=5, key="order-5")
+    other = jobs["send_welcome"].enqueue(user_id=5, email=EMAIL, key="order-5")
+    jobs["charge"].enqueue(order_id=6, key="order-6")
+    assert ids_on(client.get("/jobs", params={"q": "order-5"}).text) == [other.id, keyed.id]
+    assert ids_on(client.get("/jobs", params={"q": str(keyed.id)}).text) == [keyed.id]
+    assert ids_on(client.get("/jobs", params={"q": "nothing-like-it"}).text) == []
+
+
+def test_jobs_page_pages_through_every_job_once_newest_first(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    store.enqueue_many([jobs["charge"].bind(order_id=i) for i in range(120)])
+    seen: list[int] = []
+    url: str | None = "/jobs?queue=payments"
+    pages = 0
+    while url:
+        html = client.get(url).text
+        seen.extend(ids_on(html))
+        match = re.search(r'<a href="(/jobs\?[^"]*before_id=\d+)" rel="next">', html)
+        url = match.group(1).replace("&amp;", "&") if match else None
+        pages += 1
+    assert pages == 3
+    assert seen == sorted(seen, reverse=True) and len(set(seen)) == 120
+
+
+def test_job_detail_shows_arguments_attempts_timeline_and_trace(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    bound = jobs["send_welcome"].bind(user_id=7, email=EMAIL)
+    bound.request.meta["traceparent"] = f"00-{TRACE}-00f067aa0ba902b7-01"
+    [handle] = store.enqueue_many([bound])
+    finish_due(store, "emails", "dead", message=f"mail server refused {EMAIL}")
+    html = client.get(f"/jobs/{handle.id}").text
+    assert "emails.send_welcome" in html and "s-dead" in html
+    assert "&#34;user_id&#34;: 7" in html and "&#34;email&#34;: &#34;***&#34;" in html
+    assert EMAIL not in html
+    assert "attempt 1" in html and "ConnectionError" in html and "Traceback" in html
+    assert TRACE in html
+    assert "enqueued" in html and "attempt 1 failed" in html
+    assert client.get("/jobs/999999").status_code == 404
+
+
+def test_replay_from_the_job_page_is_audited_with_the_user(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    handle = jobs["charge"].enqueue(order_id=1)
+    finish_due(store, "payments", "dead")
+    response = post(client, f"/jobs/{handle.id}/replay", page=f"/jobs/{handle.id}")
+    assert response.status_code == 303
+    assert store.get_job(handle.id).state.value == "available"
+    [event] = store.audit(job_id=handle.id)
+    assert (event.action, event.actor) == ("replay", "dashboard:alice")
+    page = client.get(f"/jobs/{handle.id}").text
+    assert "1 job(s) replayed" in page and "replay by dashboard:alice" in page
+
+
+def test_discard_needs_a_reason_and_records_it(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    handle = jobs["charge"].enqueue(order_id=1)
+    finish_due(store, "payments", "dead")
+    post(client, f"/jobs/{handle.id}/discard", {"reason": "  "})
+    assert store.get_job(handle.id).state.value == "dead"
+    assert "needs a reason" in client.get(f"/jobs/{handle.id}").text
+    post(client, f"/jobs/{handle.id}/discard", {"reason": "customer refunded"})
+    job = store.get_job(handle.id)
+    assert job.state.value == "discarded" and job.discard_reason == "customer refunded"
+    assert job.discarded_by == "dashboard:alice"
+    [event] = store.audit(job_id=handle.id)
+    assert event.action == "discard" and event.detail["reason"] == "customer refunded"
+
+
+def test_cancel_a_pending_job(store: errands.App, jobs: dict[str, Any], client: TestClient) -> None:
+    handle = jobs["charge"].enqueue(order_id=1)
+    page = client.get(f"/jobs/{handle.id}").text
+    assert ">Cancel<" in page
+    post(client, f"/jobs/{handle.id}/cancel")
+    assert store.get_job(handle.id).state.value == "cancelled"
+    [event] = store.audit(job_id=handle.id)
+    assert (event.action, event.actor) == ("cancel", "dashboard:alice")
+    post(client, f"/jobs/{handle.id}/cancel")  # a second time: a clear message, no crash
+    assert "only scheduled, available" in client.get(f"/jobs/{handle.id}").text
+
+
+def test_dlq_replays_the_selected_jobs_after_a_dry_run_count(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    handles = [jobs["charge"].enqueue(order_id=i) for i in range(3)]
+    finish_due(store, "payments", "dead")
+    listing = client.get("/dlq").text
+    assert sorted(ids_on(listing)) == [h.id for h in handles]
+    chosen = [handles[0].id, handles[2].id]
+    preview = post(client, "/dlq/preview", {"op": "replay", "ids": chosen}, page="/dlq")
+    assert preview.status_code == 200
+    assert 'class="count-preview">2<' in preview.text
+    assert all(store.get_job(h.id).state.value == "dead" for h in handles)  # a dry run
+    assert store.audit() == []
+    apply = client.post(
+        "/dlq/apply",
+        data={
+            "csrf_token": csrf_of(preview.text),
+            "op": "replay",
+            "scope": "selected",
+            "ids": re.search(r'name="ids" value="([^"]*)"', preview.text).group(1),  # type: ignore[union-attr]
+        },
+        follow_redirects=False,
+    )
+    assert apply.status_code == 303
+    states = {h.id: store.get_job(h.id).state.value for h in handles}
+    assert states == {handles[0].id: "available", handles[1].id: "dead", handles[2].id: "available"}
+    assert sorted(e.job_id for e in store.audit()) == sorted(chosen)
+    assert {e.actor for e in store.audit()} == {"dashboard:alice"}
+    assert "2 job(s) replayed" in client.get("/dlq").text
+
+
+def test_dlq_discards_every_dead_job_of_a_queue_with_a_reason(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    paid = [jobs["charge"].enqueue(order_id=i) for i in range(2)]
+    finish_due(store, "payments", "dead")
+    mail = jobs["send_welcome"].enqueue(user_id=1, email=EMAIL)
+    finish_due(store, "emails", "dead")
+    form = {"op": "discard", "scope": "all", "queue": "payments", "reason": "duplicate orders"}
+    no_reason = post(client, "/dlq/preview", {**form, "reason": ""}, page="/dlq")
+    assert no_reason.status_code == 303
+    preview = post(client, "/dlq/preview", form, page="/dlq?queue=payments")
+    assert 'class="count-preview">2<' in preview.text
+    confirm = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', preview.text))
+    client.post("/dlq/apply", data=confirm, follow_redirects=False)
+    assert {store.get_job(h.id).state.value for h in paid} == {"discarded"}
+    assert store.get_job(mail.id).state.value == "dead"
+    assert {(e.action, e.actor, e.detail.get("reason")) for e in store.audit()} == {
+        ("discard", "dashboard:alice", "duplicate orders")
+    }
+
+
+def test_workers_page_shows_heartbeat_age_and_in_flight_jobs(
+    store: errands.App, client: TestClient
+) -> None:
+    store.backend.worker_register(
+        WorkerInfo(id="w-abc123", host="box-1", pid=4242, queues="emails,payments",
+                   concurrency=8, version="0.1.0")
+    )  # fmt: skip
+    store.backend.worker_heartbeat("w-abc123", in_flight=3, processed=17)
+    html = client.get("/workers").text
+    assert "w-abc123" in html and "box-1" in html and "4242" in html
+    assert '<td class="num">3</td>' in html and "3 jobs in flight" in html
+    assert "ago" in html
+
+
+def test_audit_page_lists_actions_and_filters_by_job(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    first = jobs["charge"].enqueue(order_id=1)
+    second = jobs["charge"].enqueue(order_id=2)
+    store.cancel(first.id, actor="cli:root@box")
+    store.cancel(second.id, actor="someone-else")
+    html = client.get("/audit").text
+    assert "cli:root@box" in html and "someone-else" in html
+    only = client.get(f"/audit?job_id={first.id}").text
+    assert "cli:root@box" in only and "someone-else" not in only
+
+
+def test_queues_page_pauses_and_resumes_a_queue_with_the_user_audited(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    store.queue("payments", limit=5, rate="100/m")
+    store.backend.queue_declare(store.queues["payments"], "worker:w-1")  # as a worker does
+    html = client.get("/queues").text
+    assert "payments" in html and "100/m" in html and 'action="/queues/payments/pause"' in html
+    assert post(client, "/queues/payments/pause", page="/queues").status_code == 303
+    assert {s.name: s.paused for s in store.queue_settings()}["payments"] is True
+    html = client.get("/queues").text
+    assert "Queue payments paused." in html and 'action="/queues/payments/resume"' in html
+    assert "paused" in client.get("/").text
+    post(client, "/queues/payments/resume", page="/queues")
+    assert {s.name: s.paused for s in store.queue_settings()}["payments"] is False
+    events = [(e.action, e.actor, e.detail) for e in store.audit()]
+    assert events == [
+        ("resume", "dashboard:alice", {"queue": "payments"}),
+        ("pause", "dashboard:alice", {"queue": "payments"}),
+    ]
+
+
+def test_cron_page_shows_next_and_last_runs(store: errands.App, client: TestClient) -> None:
+    @store.periodic("*/5 * * * *", name="reports.nightly_totals")
+    def nightly_totals() -> None:
+        pass
+
+    html = client.get("/cron").text
+    assert "reports.nightly_totals" in html and "*/5 * * * *" in html
+    assert "UTC" in html and "never" in html
+
+
+def test_job_detail_shows_stored_steps_and_children(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    parent = jobs["send_welcome"].enqueue(user_id=3, email=EMAIL)
+    store.backend.step_store(parent.id, "render_template", '{"subject": "Welcome"}', 1)
+    store.backend.step_store(parent.id, "smtp_send", f'"sent to {EMAIL}"', 1)
+    child = jobs["charge"].bind(order_id=77)
+    child.request.parent_id = parent.id
+    [child_handle] = store.enqueue_many([child])
+    html = client.get(f"/jobs/{parent.id}").text
+    assert "render_template" in html and "Welcome" in html and "smtp_send" in html
+    assert EMAIL not in html  # a step result quoting a sensitive argument is masked
+    assert f'href="/jobs/{child_handle.id}"' in html
+    child_page = client.get(f"/jobs/{child_handle.id}").text
+    assert f'href="/jobs/{parent.id}">job {parent.id}</a>' in child_page

@@ -1,0 +1,325 @@
+"""The dashboard's security: login, CSRF, rights, escaping, masking, headers, binding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.testclient import TestClient
+
+import errands
+from errands.cli.main import cli
+from errands.dashboard import create_app
+from errands.dashboard.security import AuthConfig, is_loopback_host, refuse_open_bind
+from errands.errors import ConfigurationError
+
+from .helpers import BASE_URL, EMAIL, TOKEN, XSS, csrf_of, finish_due, post
+
+PAGES = ["/", "/jobs", "/jobs/1", "/dlq", "/queues", "/workers", "/cron", "/audit"]
+ACTIONS = [
+    ("/jobs/1/cancel", {}),
+    ("/jobs/1/replay", {}),
+    ("/jobs/1/discard", {"reason": "spam"}),
+    ("/dlq/preview", {"op": "replay", "ids": "1"}),
+    ("/dlq/apply", {"op": "replay", "ids": "1"}),
+    ("/queues/emails/pause", {}),
+    ("/queues/emails/resume", {}),
+    ("/logout", {}),
+]
+
+
+def dead_job(app: errands.App, jobs: dict[str, Any], **args: Any) -> int:
+    handle = jobs["send_welcome"].enqueue(**{"user_id": 1, "email": EMAIL, **args})
+    assert finish_due(app, "emails", "dead", message=f"mail server refused {EMAIL}") == [handle.id]
+    return handle.id
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_every_page_sends_a_signed_out_visitor_to_the_login_page(
+    make_client: Callable[..., TestClient], path: str
+) -> None:
+    client = make_client(signed_in=False)
+    response = client.get(path, follow_redirects=False)
+    assert response.status_code == 303
+    assert response.headers["location"].startswith("/login?next=")
+
+
+@pytest.mark.parametrize(("path", "data"), ACTIONS)
+def test_every_action_is_refused_without_a_session(
+    app: errands.App,
+    jobs: dict[str, Any],
+    make_client: Callable[..., TestClient],
+    path: str,
+    data: dict[str, Any],
+) -> None:
+    job_id = dead_job(app, jobs)
+    client = make_client(signed_in=False)
+    token = csrf_of(client.get("/login").text)  # even with the login form's valid token
+    response = client.post(path, data={"csrf_token": token, **data}, follow_redirects=False)
+    assert response.status_code == 401
+    assert app.get_job(job_id).state.value == "dead"
+    assert app.audit() == []
+
+
+@pytest.mark.parametrize(("path", "data"), ACTIONS)
+def test_every_action_without_the_csrf_token_is_rejected(
+    app: errands.App, jobs: dict[str, Any], client: TestClient, path: str, data: dict[str, Any]
+) -> None:
+    job_id = dead_job(app, jobs)
+    missing = client.post(path, data=data, follow_redirects=False)
+    wrong = client.post(path, data={"csrf_token": "forged", **data}, follow_redirects=False)
+    assert missing.status_code == wrong.status_code == 403
+    assert "CSRF" in missing.text
+    assert app.get_job(job_id).state.value == "dead"
+    assert app.audit() == []
+    assert client.get("/", follow_redirects=False).status_code == 200  # still signed in
+
+
+def test_a_form_posted_from_another_site_is_rejected_even_with_the_token(
+    app: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    job_id = dead_job(app, jobs)
+    token = csrf_of(client.get("/").text)
+    response = client.post(
+        f"/jobs/{job_id}/replay",
+        data={"csrf_token": token},
+        headers={"origin": "https://evil.example"},
+        follow_redirects=False,
+    )
+    assert response.status_code == 403
+    assert app.get_job(job_id).state.value == "dead"
+
+
+def test_login_needs_the_right_secret_and_its_own_csrf_token(
+    make_client: Callable[..., TestClient],
+) -> None:
+    client = make_client(signed_in=False)
+    token = csrf_of(client.get("/login").text)
+    wrong = client.post("/login", data={"csrf_token": token, "secret": "guess", "user": "eve"})
+    assert wrong.status_code == 400 and "Wrong password or token" in wrong.text
+    forged = client.post("/login", data={"csrf_token": "x", "secret": TOKEN})
+    assert forged.status_code == 403
+    assert client.get("/", follow_redirects=False).status_code == 303
+    ok = client.post(
+        "/login",
+        data={"csrf_token": token, "secret": TOKEN, "user": "bob", "next": "/dlq"},
+        follow_redirects=False,
+    )
+    assert ok.status_code == 303 and ok.headers["location"] == "/dlq"
+    assert ">bob<" in client.get("/").text
+
+
+def test_login_never_redirects_off_site(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(signed_in=False)
+    token = csrf_of(client.get("/login").text)
+    for target in ("//evil.example/", "https://evil.example/", "/\\evil.example"):
+        client.cookies.clear()
+        token = csrf_of(client.get("/login").text)
+        response = client.post(
+            "/login",
+            data={"csrf_token": token, "secret": TOKEN, "next": target},
+            follow_redirects=False,
+        )
+        assert response.headers["location"] == "/"
+
+
+def test_repeated_wrong_logins_are_throttled(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(signed_in=False)
+    token = csrf_of(client.get("/login").text)
+    codes = [
+        client.post("/login", data={"csrf_token": token, "secret": f"guess{i}"}).status_code
+        for i in range(11)
+    ]
+    assert codes[:10] == [400] * 10 and codes[10] == 429
+    right = client.post("/login", data={"csrf_token": token, "secret": TOKEN})
+    assert right.status_code == 429  # even the right one, until the window passes
+
+
+def test_a_tampered_session_cookie_signs_nobody_in(make_client: Callable[..., TestClient]) -> None:
+    client = make_client()
+    cookie = client.cookies["errands_dashboard"]
+    client.cookies.clear()
+    client.cookies.set(
+        "errands_dashboard", cookie[:-6] + ("A" * 6 if cookie[-1] != "A" else "B" * 6)
+    )
+    assert client.get("/", follow_redirects=False).status_code == 303
+    client.cookies.clear()
+    client.cookies.set("errands_dashboard", cookie)  # the untouched cookie still works
+    assert client.get("/", follow_redirects=False).status_code == 200
+    payload, _, rest = cookie.partition(".")
+    client.cookies.clear()  # a forged payload ("I am admin") with the old signature
+    client.cookies.set("errands_dashboard", payload[:-2] + "xx." + rest)
+    assert client.get("/", follow_redirects=False).status_code == 303
+
+
+def test_session_cookie_is_httponly_and_samesite(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(signed_in=False)
+    token = csrf_of(client.get("/login").text)
+    response = client.post(
+        "/login", data={"csrf_token": token, "secret": TOKEN}, follow_redirects=False
+    )
+    cookie = response.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=lax" in cookie
+
+
+def test_sign_out_ends_the_session(client: TestClient) -> None:
+    response = post(client, "/logout")
+    assert response.status_code == 303 and response.headers["location"] == "/login"
+    assert client.get("/", follow_redirects=False).status_code == 303
+
+
+def test_a_read_only_viewer_sees_no_action_and_every_action_is_refused(
+    app: errands.App, jobs: dict[str, Any], make_client: Callable[..., TestClient]
+) -> None:
+    job_id = dead_job(app, jobs)
+    client = make_client(authorize=lambda request: "read")
+    detail = client.get(f"/jobs/{job_id}").text
+    assert "read-only" in detail and ">Replay<" not in detail and ">Discard<" not in detail
+    assert "Replay…" not in client.get("/dlq").text
+    for path, data in ACTIONS[:-1]:
+        response = post(client, path.replace("/1/", f"/{job_id}/"), {**data, "ids": str(job_id)})
+        assert response.status_code == 403, path
+        assert "read-only" in response.text
+    assert app.get_job(job_id).state.value == "dead"
+    assert app.audit() == []
+
+
+def test_per_action_rights_allow_only_the_named_actions(
+    app: errands.App, jobs: dict[str, Any], make_client: Callable[..., TestClient]
+) -> None:
+    first, second = dead_job(app, jobs), dead_job(app, jobs)
+    client = make_client(authorize=lambda request: {"replay"})
+    page = client.get(f"/jobs/{first}").text
+    assert ">Replay<" in page and ">Discard<" not in page
+    assert post(client, f"/jobs/{second}/discard", {"reason": "x"}).status_code == 403
+    assert post(client, f"/jobs/{first}/replay").status_code == 303
+    assert app.get_job(first).state.value == "available"
+    assert app.get_job(second).state.value == "dead"
+
+
+def test_authorize_sees_the_signed_in_user_and_may_refuse_them(
+    make_client: Callable[..., TestClient],
+) -> None:
+    def authorize(request: Any) -> Any:
+        return None if request.state.user == "mallory" else "all"
+
+    assert make_client(user="mallory", authorize=authorize).get("/").status_code == 403
+    assert make_client(user="alice", authorize=authorize).get("/").status_code == 200
+
+
+def test_authorize_returning_an_unknown_action_is_a_clear_error(app: errands.App) -> None:
+    client = TestClient(
+        create_app(app, authorize=lambda r: {"replay", "nuke"}),
+        base_url=BASE_URL,
+        client=("127.0.0.1", 1),
+        raise_server_exceptions=True,
+    )
+    with pytest.raises(ConfigurationError, match="unknown action"):
+        client.get("/")
+
+
+def test_the_host_applications_login_names_the_user_when_mounted(
+    app: errands.App, jobs: dict[str, Any]
+) -> None:
+    job_id = dead_job(app, jobs)
+    dashboard = create_app(app, user=lambda request: request.headers.get("x-user"))
+    host = Starlette(routes=[Mount("/admin/jobs", app=dashboard)])
+    client = TestClient(host, base_url="https://shop.example")
+    assert client.get("/admin/jobs/").status_code == 401
+    page = client.get(f"/admin/jobs/jobs/{job_id}", headers={"x-user": "carol"})
+    assert page.status_code == 200
+    assert f'action="/admin/jobs/jobs/{job_id}/replay"' in page.text  # links keep the mount
+    replay = client.post(
+        f"/admin/jobs/jobs/{job_id}/replay",
+        data={"csrf_token": csrf_of(page.text)},
+        headers={"x-user": "carol"},
+        follow_redirects=False,
+    )
+    assert replay.status_code == 303
+    assert replay.headers["location"] == f"/admin/jobs/jobs/{job_id}"
+    [event] = app.audit(job_id=job_id)
+    assert (event.action, event.actor) == ("replay", "dashboard:carol")
+
+
+def test_without_a_login_only_loopback_clients_and_hosts_are_served(app: errands.App) -> None:
+    dashboard = create_app(app)
+    local = TestClient(dashboard, base_url="http://127.0.0.1:8080", client=("127.0.0.1", 1))
+    assert local.get("/").status_code == 200
+    assert ">local<" in local.get("/").text
+    remote = TestClient(dashboard, base_url="http://127.0.0.1:8080", client=("10.1.2.3", 1))
+    assert remote.get("/").status_code == 403
+    rebound = TestClient(dashboard, base_url="http://attacker.example", client=("127.0.0.1", 1))
+    response = rebound.get("/")
+    assert response.status_code == 403 and "ERRANDS_DASHBOARD_PASSWORD" in response.text
+
+
+def test_an_xss_payload_in_job_data_is_rendered_escaped(
+    app: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    handle = jobs["charge"].enqueue(order_id=1, note=XSS, key=XSS)
+    finish_due(app, "payments", "dead", message=XSS)
+    pages = [
+        client.get("/jobs").text,
+        client.get(f"/jobs/{handle.id}").text,
+        client.get("/dlq").text,
+        client.get("/jobs", params={"q": XSS}).text,
+        client.get("/jobs", params={"queue": XSS}).text,
+    ]
+    for html in pages:
+        assert "<script>alert(" not in html
+    assert "&lt;script&gt;alert(" in pages[1] and "&lt;script&gt;alert(" in pages[2]
+    assert "&lt;script&gt;alert(" in pages[3]  # the search found it by key, escaped
+
+
+def test_sensitive_arguments_are_masked_everywhere(
+    app: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    job_id = dead_job(app, jobs)
+    for path in ("/jobs", f"/jobs/{job_id}", "/dlq", "/jobs?state=dead"):
+        html = client.get(path).text
+        assert EMAIL not in html, path
+        assert "***" in html, path
+
+
+def test_every_response_carries_the_security_headers(client: TestClient) -> None:
+    response = client.get("/")
+    csp = response.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert "unsafe-inline" not in csp
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert response.headers["x-frame-options"] == "DENY"
+    assert response.headers["cache-control"] == "no-store"
+
+
+def test_htmx_is_served_from_the_package_and_nothing_from_elsewhere(client: TestClient) -> None:
+    html = client.get("/").text
+    assert 'src="/static/htmx.min.js' in html
+    assert "https://" not in html and "http://" not in html.replace("http://www.w3.org", "")
+    script = client.get("/static/htmx.min.js")
+    assert script.status_code == 200 and "htmx" in script.text[:200]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.2"])
+def test_loopback_addresses_may_be_served_without_a_login(host: str) -> None:
+    assert is_loopback_host(host)
+    refuse_open_bind(host, AuthConfig())
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "192.168.1.10"])
+def test_other_addresses_are_refused_without_a_login(host: str) -> None:
+    with pytest.raises(ConfigurationError, match="refusing"):
+        refuse_open_bind(host, AuthConfig())
+    refuse_open_bind(host, AuthConfig(password="pw"))  # with a login they are fine
+
+
+def test_the_cli_refuses_a_public_address_without_a_login(app: errands.App) -> None:
+    app.migrate()
+    result = CliRunner().invoke(
+        cli, ["dashboard", "--url", app.url, "--host", "0.0.0.0", "--port", "1"], env={}
+    )
+    assert result.exit_code == 1
+    assert "refusing to serve the dashboard on '0.0.0.0' without a login" in result.output
