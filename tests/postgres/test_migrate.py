@@ -1,0 +1,127 @@
+"""``errands migrate`` on PostgreSQL: concurrent runs, ``--sql`` for your own tooling, and
+a worker that refuses an un-migrated schema (DESIGN §8, §11)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pgacc_basic
+import pgacc_support
+import pytest
+
+from errands.backends.postgres.backend import MIGRATIONS
+from tests.pg import drop_schema, pg_base_url, with_params
+
+from .harness import PgCluster, wait_until
+
+pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def schema_url(pgc: PgCluster) -> Iterator[Callable[[str], str]]:
+    """URLs on extra fresh schemas (no auto_migrate), dropped after the test."""
+    made: list[str] = []
+
+    def make(suffix: str) -> str:
+        schema = f"{pgc.schema}_{suffix}"
+        made.append(schema)
+        return with_params(pg_base_url(), schema=schema)
+
+    try:
+        yield make
+    finally:
+        for schema in made:
+            drop_schema(schema)
+
+
+def _shape(pgc: PgCluster, schema: str) -> dict[str, Any]:
+    """Tables, columns, indexes and storage options of one schema, schema name blanked."""
+    columns = pgc.query(
+        "SELECT table_name, column_name, data_type, is_nullable, column_default "
+        "FROM information_schema.columns WHERE table_schema = %s ORDER BY 1, 2",
+        (schema,),
+    )
+    indexes = pgc.query(
+        "SELECT indexname, replace(indexdef, %s, 'S') FROM pg_indexes "
+        "WHERE schemaname = %s ORDER BY 1",
+        (schema, schema),
+    )
+    options = pgc.query(
+        "SELECT c.relname, c.reloptions FROM pg_class c JOIN pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r' ORDER BY 1",
+        (schema,),
+    )
+    versions = pgc.query(f'SELECT version, name FROM "{schema}".errands_migrations ORDER BY 1')
+    return {"columns": columns, "indexes": indexes, "options": options, "versions": versions}
+
+
+def test_four_concurrent_migrate_processes_all_succeed_and_apply_each_migration_once(
+    pgc: PgCluster, schema_url: Callable[[str], str]
+) -> None:
+    """Four `errands migrate` started at once on a fresh schema: all exit 0; exactly one
+    applies the migrations (under the advisory lock), the others find the schema up to
+    date; every version is recorded once."""
+    url = schema_url("m")
+    procs = [pgc.spawn(["migrate", "--url", url], label=f"migrate{i}") for i in range(4)]
+    codes = [p.wait_exit(60) for p in procs]
+    assert codes == [0, 0, 0, 0], pgc.report()
+    expected = [f"applied {v:04d}_{n}" for v, n, _ in MIGRATIONS]
+    outputs = sorted(p.stdout().splitlines() for p in procs)
+    assert outputs == sorted([expected] + [["schema is up to date"]] * 3), outputs
+    schema = f"{pgc.schema}_m"
+    assert _shape(pgc, schema)["versions"] == [(v, n) for v, n, _ in MIGRATIONS]
+
+
+def test_migrate_sql_applied_with_psql_gives_the_same_schema_and_a_worker_accepts_it(
+    pgc: PgCluster, schema_url: Callable[[str], str]
+) -> None:
+    """`errands migrate --sql` prints SQL that psql applies to a fresh schema; the result
+    equals what `errands migrate` builds, and a worker starts on it and runs a job."""
+    if shutil.which("psql") is None:
+        pytest.skip("psql is not installed")
+    by_tool, by_sql = schema_url("tool"), schema_url("sql")
+    assert pgc.cli("migrate", "--url", by_tool).code == 0
+
+    printed = pgc.cli("migrate", "--sql", "--url", by_sql)
+    assert printed.code == 0, str(printed)
+    assert "CREATE TABLE" in printed.stdout
+    applied = subprocess.run(
+        ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", pg_base_url()],
+        input=printed.stdout,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert applied.returncode == 0, applied.stderr
+
+    assert _shape(pgc, f"{pgc.schema}_sql") == _shape(pgc, f"{pgc.schema}_tool")
+
+    worker_url = with_params(by_sql, application_name=pgc.tag)
+    pgacc_support.create(worker_url)
+    worker = pgc.start_worker(label="on-sql-schema", ERRANDS_URL=worker_url)
+    app = pgc.app()
+    app.close()
+    app.url = by_sql  # no auto_migrate: the schema must already be complete
+    handle = pgacc_basic.touch.enqueue(n=7)
+    wait_until(lambda: handle.status() == "completed", 20, "the job to complete")
+    assert handle.result() == 7
+    assert worker.alive
+
+
+def test_worker_on_an_unmigrated_schema_exits_with_one_line_saying_to_run_migrate(
+    pgc: PgCluster, schema_url: Callable[[str], str]
+) -> None:
+    """A worker pointed at a schema errands never migrated (no auto_migrate) exits
+    non-zero with a single line naming the fix, and creates nothing."""
+    url = schema_url("bare")
+    proc = pgc.spawn(["worker", "pgacc_basic:app"], label="unmigrated", ERRANDS_URL=url)
+    code = proc.wait_exit(30)
+    lines = [line for line in proc.stderr().splitlines() if line.strip()]
+    assert code != 0
+    assert len(lines) == 1, proc.stderr()
+    assert "errands migrate" in lines[0], lines[0]
+    assert not pgc.query("SELECT 1 FROM pg_namespace WHERE nspname = %s", (f"{pgc.schema}_bare",))
