@@ -1,0 +1,51 @@
+"""The acceptance tests' main app: a short lease so lost workers are noticed in seconds.
+
+Job names are explicit, so the test process and the worker processes agree on them
+however the module is imported. The store comes from ``ERRANDS_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from acc_support import record
+
+import errands
+
+LEASE = 2.0
+QUICK_BACKOFF = 0.1  # rescued or failed jobs come back at once: tests wait on nothing else
+
+app = errands.App(lease=LEASE)
+
+
+@app.job(name="sleepy", retries=3, backoff=QUICK_BACKOFF)
+def sleepy(ctx: errands.Context, seconds: float, first_only: bool = False) -> dict[str, Any]:
+    """Sleep ``seconds`` (ignoring cancellation, like a blocking call); with ``first_only``
+    only on attempt 1, so a rescued retry finishes at once."""
+    record(ctx)
+    if not first_only or ctx.attempt == 1:
+        time.sleep(seconds)
+    return {"attempt": ctx.attempt, "pid": os.getpid(), "worker": ctx.worker_id}
+
+
+@app.job(name="noop", retries=3, backoff=QUICK_BACKOFF)
+def noop(ctx: errands.Context, n: int = 0) -> int:
+    record(ctx)
+    return n
+
+
+@app.job(name="fail_first", retries=3, backoff=QUICK_BACKOFF)
+def fail_first(ctx: errands.Context, label: str = "") -> str:
+    """Dead on its first execution (Permanent); succeeds when run again (a DLQ replay)."""
+    if record(ctx) == 0:
+        raise errands.Permanent(f"{label or 'job'}: the first execution fails on purpose")
+    return "replayed ok"
+
+
+@app.job(name="crash", retries=5, backoff=QUICK_BACKOFF)
+def crash(ctx: errands.Context) -> None:
+    """Kills its own worker process, like a segfault or the OOM killer would."""
+    record(ctx)
+    os._exit(1)

@@ -1,0 +1,96 @@
+"""Graceful shutdown of a real worker process (DESIGN §7, RELIABILITY F4).
+
+SIGTERM: stop claiming, let in-flight jobs finish within ``--grace``, release what is
+left (back to available, the attempt not charged), exit 0. A second signal during the
+grace period exits at once with a non-zero code.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import acc_basic
+import pytest
+
+from .harness import Cluster, wait_until
+
+pytestmark = pytest.mark.acceptance
+
+
+def test_sigterm_lets_the_inflight_job_finish_claims_nothing_new_and_exits_0(
+    cluster: Cluster,
+) -> None:
+    app = cluster.app()
+    inflight = acc_basic.sleepy.enqueue(seconds=1.5)
+    worker = cluster.start_worker("-c", "1", "--grace", "20", label="worker")
+    wait_until(lambda: cluster.effects(inflight.id), 15, "the first job to start")
+    # Queued while the only slot is busy: they must still be waiting after the signal.
+    waiting = app.enqueue_many([acc_basic.noop.bind(n=i) for i in range(3)])
+
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(15) == 0
+
+    job = app.get_job(inflight.id)
+    assert job.state.value == "completed"
+    assert job.attempt == 1 and not job.errors
+    for handle in waiting:
+        job = app.get_job(handle.id)
+        assert (job.state.value, job.attempt, job.lease_owner) == ("available", 0, None)
+    assert [row[0] for row in cluster.effects()] == [inflight.id]  # nothing else ran
+    assert "Traceback" not in worker.stderr()
+
+
+def test_sigterm_with_short_grace_releases_a_long_job_uncharged_and_exits_0_promptly(
+    cluster: Cluster,
+) -> None:
+    app = cluster.app()
+    long_job = acc_basic.sleepy.enqueue(seconds=60)  # a blocking call that ignores cancel
+    worker = cluster.start_worker("--grace", "1", label="worker")
+    wait_until(lambda: cluster.effects(long_job.id), 15, "the long job to start")
+    assert cluster.state_of(long_job.id) == "running"
+
+    signalled = time.monotonic()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(15) == 0
+    took = time.monotonic() - signalled
+    assert took < 8, f"exit took {took:.1f} s with --grace 1 (the job would run 60 s)"
+
+    job = app.get_job(long_job.id)
+    assert job.state.value == "available"
+    assert job.attempt == 0, "a released attempt must not be charged"
+    assert not job.errors
+    assert job.lease_owner is None and job.lease_expires_at is None
+
+    # Released, not lost: the next worker runs it from the start (attempt 1 again).
+    runner = cluster.start_worker(label="next")
+    wait_until(
+        lambda: len(cluster.effects(long_job.id)) == 2,
+        15,
+        "the released job to start on the next worker",
+    )
+    assert [attempt for _, attempt, _, _ in cluster.effects(long_job.id)] == [1, 1]
+    runner.kill()
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_second_signal_during_grace_exits_at_once_with_nonzero_code(
+    cluster: Cluster, second: signal.Signals
+) -> None:
+    app = cluster.app()
+    long_job = acc_basic.sleepy.enqueue(seconds=60)
+    worker = cluster.start_worker("--grace", "30", label="worker")
+    wait_until(lambda: cluster.effects(long_job.id), 15, "the long job to start")
+
+    worker.signal(signal.SIGTERM)
+    worker.wait_log(r"SIGTERM", 10)  # handled: a second signal now is a second signal
+    assert worker.alive, "the first signal must wait for the in-flight job"
+
+    signalled = time.monotonic()
+    worker.signal(second)
+    code = worker.wait_exit(5)
+    assert code != 0
+    assert time.monotonic() - signalled < 3
+    # Not released: the lease stays until it expires and the job is rescued.
+    job = app.get_job(long_job.id)
+    assert job.state.value == "running" and job.attempt == 1
