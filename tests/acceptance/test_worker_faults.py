@@ -259,12 +259,6 @@ def test_handler_that_crashes_its_process_goes_dead_as_poison_after_three_rescue
         assert proc.wait_exit(15) == 0, proc.label
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a rescue counts towards poison for every job the dead worker held, "
-    "so jobs claimed in the same batch as a crash-looping job (and rescued with it) go to "
-    "the DLQ as 'poison' too",
-)
 def test_jobs_claimed_alongside_a_crashing_job_are_not_marked_poison(cluster: Cluster) -> None:
     app = cluster.app()
     cluster.start_worker("-q", "idle", label="leader", leader=True)

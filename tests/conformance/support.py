@@ -57,6 +57,7 @@ def claim(
     *,
     worker_id: str = WORKER,
     lease: float = LEASE,
+    suspects: bool = False,
 ) -> list[JobRow]:
     return backend.job_claim(
         ClaimParams(
@@ -64,6 +65,7 @@ def claim(
             limit=limit,
             worker_id=worker_id,
             lease_seconds_default=lease,
+            suspects=suspects,
         )
     )
 

@@ -75,7 +75,7 @@ def test_each_claim_gets_a_fresh_lease_token(backend: Backend, harness: Harness)
             )
         ]
     ) == [True]
-    second = claim_one(backend)
+    second = claim_one(backend, suspects=True)  # a rescued job is a suspect now
     assert second.id == job_id and second.attempt == 2
     assert second.lease_token != first.lease_token
 
@@ -164,3 +164,33 @@ def test_concurrent_claimers_never_get_the_same_job(backend: Backend) -> None:
     assert failures == []
     assert len(claimed) == len(set(claimed)) == 200
     assert set(claimed) == ids
+
+
+def test_rescued_jobs_are_claimed_only_as_suspects_and_one_at_a_time(
+    backend: Backend, harness: Harness
+) -> None:
+    """Rescued jobs stay out of ordinary claims; a suspect claim takes at most one."""
+    ids = [insert(backend) for _ in range(3)]
+    claimed = claim(backend, limit=3)
+    assert sorted(r.id for r in claimed) == sorted(ids)
+    for row in claimed:
+        harness.expire_lease(backend, row.id)
+    expired = backend.job_list_expired(10)
+    assert all(
+        backend.job_rescue_many(
+            [
+                RescueParams(
+                    id=e.id,
+                    lease_token=e.lease_token,
+                    state="retryable",
+                    error={"message": "worker lost"},
+                    delay=0.0,
+                )
+                for e in expired
+            ]
+        )
+    )
+    fresh = insert(backend)
+    assert [r.id for r in claim(backend, limit=10)] == [fresh]
+    suspects = claim(backend, limit=10, suspects=True)
+    assert len(suspects) == 1 and suspects[0].id in ids

@@ -34,7 +34,7 @@ def _reclaimed(backend: Backend, harness: Harness) -> tuple[JobRow, JobRow]:
         ]
     )
     assert rescued == [True]
-    current = claim_one(backend, worker_id="new-worker")
+    current = claim_one(backend, worker_id="new-worker", suspects=True)
     assert current.id == job_id and current.lease_token != stale.lease_token
     return stale, current
 

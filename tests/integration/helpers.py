@@ -96,8 +96,11 @@ def claim_as_dead_worker(
 
     ``lease`` is used for jobs without their own ``lease=``.
     """
-    queue = raw_row(app, job_id).queue
-    rows = app.backend.job_claim(ClaimParams([QueueClaim(queue, 1)], 1, worker_id, lease))
+    row = raw_row(app, job_id)
+    suspect = row.rescues > 0  # a rescued job is only claimed as a suspect, one at a time
+    rows = app.backend.job_claim(
+        ClaimParams([QueueClaim(row.queue, 1)], 1, worker_id, lease, suspects=suspect)
+    )
     assert [r.id for r in rows] == [job_id], f"expected to claim job {job_id}, got {rows}"
     return rows[0]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
@@ -9,7 +10,31 @@ from .base import Backend, Capabilities
 
 SQLITE_URL_DEFAULT = "sqlite:///errands.db"
 
-__all__ = ["SQLITE_URL_DEFAULT", "Backend", "Capabilities", "migration_script", "open_backend"]
+__all__ = [
+    "SQLITE_URL_DEFAULT",
+    "Backend",
+    "Capabilities",
+    "migration_script",
+    "open_backend",
+    "redact_url",
+]
+
+_PASSWORD_IN_NETLOC = re.compile(r"(://[^:/?#@]*:)[^/?#]*@")  # up to the last @
+_PASSWORD_IN_QUERY = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password shown as ``***``, for messages and logs."""
+    text = _PASSWORD_IN_NETLOC.sub(r"\1***@", str(url))
+    return _PASSWORD_IN_QUERY.sub(r"\1***", text)
+
+
+def url_scheme(url: str) -> str:
+    """The URL's scheme, lowercased; a URL that cannot be parsed is a clear error."""
+    try:
+        return urlsplit(url).scheme.lower() if "://" in url else ""
+    except ValueError as exc:  # an unclosed '[' of an IPv6 host, say
+        raise ConfigurationError(f"malformed database URL {redact_url(url)!r}: {exc}") from None
 
 
 def migration_script(url: str, after: int = 0) -> str:
@@ -18,7 +43,7 @@ def migration_script(url: str, after: int = 0) -> str:
     For teams that apply migrations with their own tooling (``errands migrate --sql``).
     It records each version in ``errands_migrations`` as ``errands migrate`` would.
     """
-    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    scheme = url_scheme(url)
     if scheme == "sqlite":
         from .sqlite.backend import MIGRATIONS
 
@@ -64,7 +89,7 @@ def migration_script(url: str, after: int = 0) -> str:
 
 
 def open_backend(url: str, **options: object) -> Backend:
-    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    scheme = url_scheme(url)
     if scheme == "sqlite":
         from .sqlite import SQLiteBackend
 
@@ -74,7 +99,7 @@ def open_backend(url: str, **options: object) -> Backend:
 
         return PostgresBackend(url, **options)  # type: ignore[arg-type]
     raise ConfigurationError(
-        f"unsupported database URL {url!r}: use sqlite:///relative/path.db, "
+        f"unsupported database URL {redact_url(url)!r}: use sqlite:///relative/path.db, "
         "sqlite:////absolute/path.db, sqlite:///:memory: or postgresql://user@host/dbname "
         "(set it with errands.App(url) or the ERRANDS_URL environment variable)"
     )

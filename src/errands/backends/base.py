@@ -46,6 +46,7 @@ class ClaimParams:
     limit: int
     worker_id: str
     lease_seconds_default: float
+    suspects: bool = False  # claim only rescued jobs (at most one), else only unrescued ones
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,7 @@ class Backend(Protocol):
     ) -> None: ...
 
     def job_claim_limited(
-        self, queue: QueueClaim, worker_id: str, lease_default: float
+        self, queue: QueueClaim, worker_id: str, lease_default: float, suspects: bool = False
     ) -> list[JobRow]:
         """Claim from a limited queue, one claimer at a time (see backends.limits)."""
         ...
@@ -390,3 +391,15 @@ class ThroughputBucket:
     completed: int
     dead: int
     failed: int  # failed attempts (retried or not), each counted when its error was recorded
+
+
+def unwrap_connection(conn: Any) -> Any:
+    """The DB-API connection behind a SQLAlchemy Session or Connection, else ``conn``
+    (so ``enqueue(conn=session)`` works on every backend)."""
+    if type(conn).__module__.startswith("sqlalchemy"):
+        if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # a Session
+            conn = conn.connection()
+        driver = getattr(getattr(conn, "connection", None), "driver_connection", None)
+        if driver is not None:
+            return driver
+    return conn

@@ -111,6 +111,8 @@ def claim_limited(
     queue: str,
     cap: int,
     claim_params: dict[str, object],
+    *,
+    suspects: bool = False,
 ) -> list[tuple[object, ...]]:
     """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order).
 
@@ -134,7 +136,10 @@ def claim_limited(
         return []
     candidates = [
         Candidate(int(r[0]), str(r[1]), r[2], r[3])  # type: ignore[call-overload,arg-type]
-        for r in store.rows("claim_candidates", {"queue": queue, "limit": lookahead(room)})
+        for r in store.rows(
+            "claim_candidates_suspect" if suspects else "claim_candidates",
+            {"queue": queue, "limit": lookahead(room)},
+        )
     ]
     if not candidates:
         return []

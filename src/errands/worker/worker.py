@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ..backends import redact_url
 from ..backends.base import (
     ClaimParams,
     FinishParams,
@@ -37,6 +38,7 @@ from ..backends.base import (
     WorkerInfo,
 )
 from ..context import Context
+from ..definition import check_name
 from ..errors import ConfigurationError, InvalidPayload, UnknownJob
 from ..jobs import JobRow
 from ..maintenance import Maintenance
@@ -89,6 +91,7 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
             items.append((name.strip(), value))
     result: dict[str, int | None] = {}
     for name, limit in items:
+        check_name("queue", name)  # a typo would serve a queue no job can be in
         if limit is not None and limit < 1:
             raise ConfigurationError(f"queue {name!r}: concurrency must be at least 1")
         result[name] = limit
@@ -170,7 +173,9 @@ class Worker:
         self.listener: Any = None
         self._notified = False
         self._limited: set[str] = set()
+        self._suspects = 0  # rescued jobs running here (at most one)
         self._settings_due = 0.0
+        self._suspect_due = 0.0
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -207,7 +212,7 @@ class Worker:
             worker_id=self.id,
             queues=", ".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
             concurrency=self.concurrency,
-            store=self.app.url,
+            store=redact_url(self.app.url),
         )
         try:
             self._produce()
@@ -323,7 +328,36 @@ class Worker:
                 rows += backend.job_claim_limited(
                     QueueClaim(queue.name, room), self.id, self.app.lease
                 )
+        if len(rows) < free and not self._suspect_running and time.monotonic() >= self._suspect_due:
+            rows += self._claim_suspect(plan)
         return rows
+
+    @property
+    def _suspect_running(self) -> bool:
+        return self._suspects > 0
+
+    def _claim_suspect(self, plan: list[QueueClaim]) -> list[JobRow]:
+        """At most one rescued job, and only while no other one runs here.
+
+        A worker that died may have been killed by any job it held. Running rescued jobs
+        (suspects) one at a time per worker, never beside another suspect, means a job
+        that keeps crashing its worker takes no bystander along to the DLQ as poison.
+        """
+        self._suspect_due = time.monotonic() + self.poll_interval
+        backend = self.app.backend
+        fast = [QueueClaim(q.name, 1) for q in plan if q.name not in self._limited]
+        if fast:
+            rows = backend.job_claim(ClaimParams(fast, 1, self.id, self.app.lease, suspects=True))
+            if rows:
+                return rows
+        for queue in plan:
+            if queue.name in self._limited:
+                rows = backend.job_claim_limited(
+                    QueueClaim(queue.name, 1), self.id, self.app.lease, suspects=True
+                )
+                if rows:
+                    return rows
+        return []
 
     def _refresh_settings(self, force: bool = False) -> None:
         """Learn which queues are limited (cluster-wide limits live in the database)."""
@@ -355,6 +389,7 @@ class Worker:
         with self._lock:
             self._attempts[(row.id, attempt.token)] = attempt
             self._free -= 1
+            self._suspects += row.rescues > 0
             self._running_per_queue[row.queue] = self._running_per_queue.get(row.queue, 0) + 1
         if definition is None:
             known = ", ".join(sorted(self.app.registry)) or "none"
@@ -475,6 +510,7 @@ class Worker:
         with self._lock:
             self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
+            self._suspects -= attempt.row.rescues > 0
             refill = self._backlog and self._free >= self._refill_at
         if refill:
             self._wake.set()
@@ -558,6 +594,7 @@ class Worker:
         with self._lock:
             self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
+            self._suspects -= attempt.row.rescues > 0
             refill = self._backlog and self._free >= self._refill_at
         if refill:
             self._wake.set()

@@ -352,11 +352,11 @@ class PostgresBackend:
             return []
         with self._conn() as conn:
             rows = conn.execute(
-                self.q["job_claim"],
+                self.q["job_claim_suspect" if params.suspects else "job_claim"],
                 {
                     "queues": [q.name for q in params.queues],
                     "limits": [q.limit for q in params.queues],
-                    "limit": params.limit,
+                    "limit": 1 if params.suspects else params.limit,
                     "worker_id": params.worker_id,
                     "token": secrets.token_hex(8),
                     "lease_default": params.lease_seconds_default,
@@ -457,7 +457,7 @@ class PostgresBackend:
             )
 
     def job_claim_limited(
-        self, queue: QueueClaim, worker_id: str, lease_default: float
+        self, queue: QueueClaim, worker_id: str, lease_default: float, suspects: bool = False
     ) -> list[JobRow]:
         with self._tx() as conn:
             # One limited claimer per queue at a time, cluster-wide, for this transaction.
@@ -467,12 +467,13 @@ class PostgresBackend:
             rows = claim_limited(
                 _LimitedStore(conn, self.q),
                 queue.name,
-                queue.limit,
+                1 if suspects else queue.limit,
                 {
                     "worker_id": worker_id,
                     "token": secrets.token_hex(8),
                     "lease_default": lease_default,
                 },
+                suspects=suspects,
             )
         return [JobRow(*r) for r in rows]
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from ...errors import ConfigurationError
+from .. import redact_url
 
 SCHEMA_DEFAULT = "public"
 POOL_SIZE_DEFAULT = 10
@@ -49,7 +50,7 @@ def _flag(name: str, value: str) -> bool:
 def parse_postgres_url(url: str) -> PostgresConfig:
     parts = urlsplit(url)
     if parts.scheme not in ("postgres", "postgresql"):
-        raise ConfigurationError(f"not a PostgreSQL URL: {url!r}")
+        raise ConfigurationError(f"not a PostgreSQL URL: {redact_url(url)!r}")
     ours: dict[str, str] = {}
     theirs: list[tuple[str, str]] = []
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -64,7 +65,7 @@ def parse_postgres_url(url: str) -> PostgresConfig:
         pool_size = int(ours.get("pool_size", POOL_SIZE_DEFAULT))
         notify_window = float(ours.get("notify_window", NOTIFY_WINDOW_DEFAULT))
     except ValueError as exc:
-        raise ConfigurationError(f"PostgreSQL URL {url!r}: {exc}") from None
+        raise ConfigurationError(f"PostgreSQL URL {redact_url(url)!r}: {exc}") from None
     if pool_size < 2:
         raise ConfigurationError("PostgreSQL URL option pool_size must be at least 2")
     netloc = parts.netloc

@@ -75,6 +75,39 @@ WITH picked AS (
         WHERE state IN ('available', 'scheduled', 'retryable')
           AND queue = q.name
           AND run_at <= now()
+          AND rescues = 0
+          AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
+                          WHERE s.name = q.name AND s.paused)
+        ORDER BY priority DESC, run_at, id
+        LIMIT q.cap
+        FOR UPDATE SKIP LOCKED
+    ) AS p
+    LIMIT %(limit)s
+)
+UPDATE {schema}.errands_jobs AS j
+SET state = 'running',
+    attempt = j.attempt + 1,
+    lease_owner = %(worker_id)s,
+    lease_token = %(token)s,
+    lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
+    attempted_at = now()
+FROM picked
+WHERE j.id = picked.id
+RETURNING {job_columns}
+
+-- name: job_claim_suspect
+-- One rescued job (a suspect) at most, through its own small partial index.
+-- One statement for every queue: each queue's due rows in claim order, up to its cap,
+-- locked with SKIP LOCKED so concurrent claimers never wait on each other's rows.
+WITH picked AS (
+    SELECT p.id
+    FROM unnest(%(queues)s::text[], %(limits)s::int[]) AS q(name, cap)
+    CROSS JOIN LATERAL (
+        SELECT id FROM {schema}.errands_jobs
+        WHERE state IN ('available', 'scheduled', 'retryable')
+          AND queue = q.name
+          AND run_at <= now()
+          AND rescues > 0
           AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
                           WHERE s.name = q.name AND s.paused)
         ORDER BY priority DESC, run_at, id
@@ -430,6 +463,17 @@ DELETE FROM {schema}.errands_rate_log WHERE at < now() - make_interval(secs => %
 SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = %(queue)s
+  AND rescues = 0
+  AND run_at <= now()
+ORDER BY priority DESC, run_at, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: claim_candidates_suspect
+SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs
+WHERE state IN ('available', 'scheduled', 'retryable')
+  AND queue = %(queue)s
+  AND rescues > 0
   AND run_at <= now()
 ORDER BY priority DESC, run_at, id
 LIMIT %(limit)s

@@ -29,6 +29,7 @@ from ...errors import (
     InvalidTransition,
     JobNotFound,
     SchemaOutdated,
+    StorageFull,
 )
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
@@ -52,6 +53,7 @@ from ..base import (
     RescueParams,
     StoreHealth,
     WorkerInfo,
+    unwrap_connection,
 )
 from ..limits import claim_limited
 from ..sqlfile import load_migrations, load_queries
@@ -93,6 +95,12 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
     text = str(exc).lower()
     return "locked" in text or "busy" in text
+
+
+def _is_full(exc: sqlite3.Error) -> bool:
+    """SQLITE_FULL: the disk is full, or the file reached ``PRAGMA max_page_count``."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
 
 
 def _split_statements(script: str) -> list[str]:
@@ -244,13 +252,21 @@ class SQLiteBackend:
             try:
                 yield conn
                 conn.execute("COMMIT")
-            except BaseException:
+            except BaseException as exc:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error) and _is_full(exc):
+                    raise self._storage_full(exc) from exc
                 raise
         finally:
             if lock is not None:
                 lock.release()
+
+    def _storage_full(self, exc: sqlite3.Error) -> StorageFull:
+        return StorageFull(
+            f"SQLite database {self.path!r} is full ({exc}): nothing was written. Free disk "
+            "space (or raise PRAGMA max_page_count), and prune finished jobs (App(retention=...))"
+        )
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -291,7 +307,17 @@ class SQLiteBackend:
                 if version <= current:
                     continue
                 for statement in _split_statements(sql):
-                    conn.execute(statement)
+                    try:
+                        conn.execute(statement)
+                    except sqlite3.OperationalError as exc:
+                        if _is_busy(exc) or _is_full(exc):
+                            raise
+                        raise SchemaOutdated(
+                            f"cannot apply errands migration {version:04d}_{name} to "
+                            f"{self.path!r}: {exc}. errands_migrations records version "
+                            f"{current}, but the tables do not match it (was that table edited, "
+                            "or the file restored from a copy?); restore the file from a backup"
+                        ) from None
                 conn.execute(
                     "INSERT INTO errands_migrations (version, name, applied_at) "
                     "VALUES (?, ?, (julianday('now') - 2440587.5) * 86400.0)",
@@ -311,9 +337,11 @@ class SQLiteBackend:
 
     # -- enqueue ---------------------------------------------------------------------
     def _check_caller_connection(self, conn: Any) -> sqlite3.Connection:
+        given, conn = conn, unwrap_connection(conn)  # a SQLAlchemy Session or Connection
         if not isinstance(conn, sqlite3.Connection):
             raise ConfigurationError(
-                f"enqueue(conn=...) on SQLite takes a sqlite3.Connection, got {type(conn).__name__}"
+                "enqueue(conn=...) on SQLite takes a sqlite3.Connection, or a SQLAlchemy "
+                f"Connection/Session using sqlite3; got {type(given).__name__}"
             )
         if self.memory:
             raise ConfigurationError(
@@ -363,7 +391,12 @@ class SQLiteBackend:
     ) -> list[InsertResult]:
         if conn is not None:
             caller = self._check_caller_connection(conn)
-            return [self._insert(caller, req) for req in requests]
+            try:
+                return [self._insert(caller, req) for req in requests]
+            except sqlite3.Error as exc:
+                if _is_full(exc):
+                    raise self._storage_full(exc) from exc
+                raise
         with self._write() as own:
             return [self._insert(own, req) for req in requests]
 
@@ -375,13 +408,15 @@ class SQLiteBackend:
         rows: list[JobRow] = []
         with self._write() as conn:
             for queue in params.queues:
-                remaining = min(params.limit - len(rows), queue.limit)
+                remaining = min(
+                    params.limit - len(rows), queue.limit, 1 if params.suspects else queue.limit
+                )
                 if params.limit - len(rows) <= 0:
                     break
                 if remaining <= 0:
                     continue
                 cur = conn.execute(
-                    Q["job_claim"],
+                    Q["job_claim_suspect" if params.suspects else "job_claim"],
                     {
                         "worker_id": params.worker_id,
                         "token": token,
@@ -470,19 +505,20 @@ class SQLiteBackend:
             )
 
     def job_claim_limited(
-        self, queue: QueueClaim, worker_id: str, lease_default: float
+        self, queue: QueueClaim, worker_id: str, lease_default: float, suspects: bool = False
     ) -> list[JobRow]:
         with self._write() as conn:  # BEGIN IMMEDIATE: limited claims run one at a time
             store = _LimitedStore(conn)
             rows = claim_limited(
                 store,
                 queue.name,
-                queue.limit,
+                1 if suspects else queue.limit,
                 {
                     "worker_id": worker_id,
                     "token": secrets.token_hex(8),
                     "lease_default": lease_default,
                 },
+                suspects=suspects,
             )
         return [JobRow(*r) for r in rows]
 

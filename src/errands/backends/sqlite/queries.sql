@@ -41,6 +41,32 @@ WHERE id IN (
     WHERE state IN ('available', 'scheduled', 'retryable')
       AND queue = :queue
       AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+      AND rescues = 0
+      AND NOT EXISTS (SELECT 1 FROM errands_queues WHERE name = :queue AND paused = 1)
+    ORDER BY priority DESC, run_at, id
+    LIMIT :limit
+)
+RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+          idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+          lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+          lease_seconds, discarded_by, discard_reason, parent_id
+
+-- name: job_claim_suspect
+-- One rescued job (a suspect) at most, through its own small partial index.
+UPDATE errands_jobs
+SET state = 'running',
+    attempt = attempt + 1,
+    lease_owner = :worker_id,
+    lease_token = :token,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0
+                       + COALESCE(lease_seconds, :lease_default),
+    attempted_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id IN (
+    SELECT id FROM errands_jobs
+    WHERE state IN ('available', 'scheduled', 'retryable')
+      AND queue = :queue
+      AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+      AND rescues > 0
       AND NOT EXISTS (SELECT 1 FROM errands_queues WHERE name = :queue AND paused = 1)
     ORDER BY priority DESC, run_at, id
     LIMIT :limit
@@ -356,6 +382,16 @@ DELETE FROM errands_rate_log WHERE at < (julianday('now') - 2440587.5) * 86400.0
 SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = :queue
+  AND rescues = 0
+  AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+ORDER BY priority DESC, run_at, id
+LIMIT :limit
+
+-- name: claim_candidates_suspect
+SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs
+WHERE state IN ('available', 'scheduled', 'retryable')
+  AND queue = :queue
+  AND rescues > 0
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
 ORDER BY priority DESC, run_at, id
 LIMIT :limit
