@@ -23,6 +23,8 @@ from .errors import (
     JobNotFound,
     ResultTimeout,
     SchemaOutdated,
+    StepError,
+    StorageFull,
     UnknownJob,
 )
 from .handle import JobHandle
@@ -57,6 +59,8 @@ __all__ = [
     "ResultTimeout",
     "Retry",
     "SchemaOutdated",
+    "StepError",
+    "StorageFull",
     "UnknownJob",
     "__version__",
 ]

@@ -10,6 +10,7 @@
     ├── JobNotFound             no job row with that id
     ├── InvalidTransition       an admin action that the job's state does not allow
     ├── DatabaseBusy            the store stayed locked past every retry
+    ├── StorageFull             the store has no room left (disk full, size limit); nothing written
     ├── StepError               ctx.step misused: a name twice in one run, a result not JSON
     ├── JobFailed               ``JobHandle.result()`` on a dead job
     ├── JobCancelled            ``JobHandle.result()`` on a cancelled job
@@ -59,6 +60,10 @@ class InvalidTransition(ErrandsError):
 
 class DatabaseBusy(ErrandsError):
     """The database stayed locked by other writers past every retry."""
+
+
+class StorageFull(ErrandsError):
+    """The database has no room left (a full disk or a size limit); nothing was written."""
 
 
 class StepError(ErrandsError):
