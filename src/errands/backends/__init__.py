@@ -19,14 +19,21 @@ __all__ = [
     "redact_url",
 ]
 
-_PASSWORD_IN_NETLOC = re.compile(r"(://[^:/?#@]*:)[^/?#]*@")  # up to the last @
+_AUTHORITY = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*:(?://)?)?([^/?#]*)")
 _PASSWORD_IN_QUERY = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+_LOOSE_PASSWORD = re.compile(r":[^:/?#@\s]+@")  # ':secret@' in a mistyped URL
 
 
 def redact_url(url: str) -> str:
     """``url`` with any password shown as ``***``, for messages and logs."""
-    text = _PASSWORD_IN_NETLOC.sub(r"\1***@", str(url))
-    return _PASSWORD_IN_QUERY.sub(r"\1***", text)
+    text = str(url)
+    found = _AUTHORITY.match(text)
+    if found is not None and "@" in found[2]:
+        userinfo, host = found[2].rsplit("@", 1)  # a password may hold '@': the last one ends it
+        if ":" in userinfo:
+            user = userinfo.split(":", 1)[0]
+            text = f"{found[1] or ''}{user}:***@{host}{text[found.end() :]}"
+    return _PASSWORD_IN_QUERY.sub(r"\1***", _LOOSE_PASSWORD.sub(":***@", text))
 
 
 def url_scheme(url: str) -> str:

@@ -106,6 +106,13 @@ class LimitedClaimStore(Protocol):
     def id_list(self, values: list[object]) -> object: ...
 
 
+class Claimed(list):  # type: ignore[type-arg]
+    """Rows a limited claim took; ``retry_in``: seconds until a rate window has room again
+    (None when no rate limit held the claim back), so the worker wakes then, not later."""
+
+    retry_in: float | None = None
+
+
 def claim_limited(
     store: LimitedClaimStore,
     queue: str,
@@ -113,27 +120,31 @@ def claim_limited(
     claim_params: dict[str, object],
     *,
     suspects: bool = False,
-) -> list[tuple[object, ...]]:
+) -> Claimed:
     """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order).
 
     Call inside the transaction that serialises this queue's limited claims.
     """
+    result = Claimed()
     settings = store.rows("queue_settings_get", {"name": queue})
     if settings:
         _, paused, max_running, rate_limit, rate_period = settings[0][:5]
     else:
         paused, max_running, rate_limit, rate_period = False, None, None, None
     if paused:
-        return []
+        return result
     room = cap
     if max_running is not None:
         running = int(store.rows("queue_running_count", {"queue": queue})[0][0])  # type: ignore[call-overload]
         room = min(room, int(max_running) - running)  # type: ignore[call-overload]
     if rate_limit is not None and rate_period:
-        used = _rate_used(store, f"queue:{queue}", float(rate_period))  # type: ignore[arg-type]
-        room = min(room, int(rate_limit) - used)  # type: ignore[call-overload]
+        used, frees_in = _rate_used(store, f"queue:{queue}", float(rate_period))  # type: ignore[arg-type]
+        left = int(rate_limit) - used  # type: ignore[call-overload]
+        if left <= room:
+            result.retry_in = _sooner(result.retry_in, frees_in)
+        room = min(room, left)
     if room <= 0:
-        return []
+        return result
     candidates = [
         Candidate(int(r[0]), str(r[1]), r[2], r[3])  # type: ignore[call-overload,arg-type]
         for r in store.rows(
@@ -142,7 +153,7 @@ def claim_limited(
         )
     ]
     if not candidates:
-        return []
+        return result
     keys = sorted({c.concurrency_key for c in candidates if c.concurrency_key is not None})
     running_per_key: dict[str, int] = {}
     if keys:
@@ -150,11 +161,13 @@ def claim_limited(
             running_per_key[str(key)] = int(count)  # type: ignore[call-overload]
     room_per_name: dict[str, int] = {}
     for name, limit, period in store.rows("job_limits_for_queue", {"queue": queue}):
-        used = _rate_used(store, f"job:{name}", float(period))  # type: ignore[arg-type]
+        used, frees_in = _rate_used(store, f"job:{name}", float(period))  # type: ignore[arg-type]
         room_per_name[str(name)] = int(limit) - used  # type: ignore[call-overload]
+        if room_per_name[str(name)] <= 0:
+            result.retry_in = _sooner(result.retry_in, frees_in)
     chosen = choose(candidates, room, running_per_key, room_per_name)
     if not chosen:
-        return []
+        return result
     claimed = store.rows(
         "job_claim_ids", {**claim_params, "ids": store.id_list([c.id for c in chosen])}
     )
@@ -166,11 +179,20 @@ def claim_limited(
             started[str(row[1])] = started.get(str(row[1]), 0) + 1
     for name, n in started.items():
         _log_starts(store, f"job:{name}", n)
-    return claimed
+    result.extend(claimed)
+    return result
 
 
-def _rate_used(store: LimitedClaimStore, bucket: str, period: float) -> int:
-    return int(store.rows("rate_count", {"bucket": bucket, "period": period})[0][0])  # type: ignore[call-overload]
+def _sooner(current: float | None, candidate: float | None) -> float | None:
+    if candidate is None:
+        return current
+    candidate = max(candidate, 0.001)
+    return candidate if current is None else min(current, candidate)
+
+
+def _rate_used(store: LimitedClaimStore, bucket: str, period: float) -> tuple[int, float | None]:
+    used, frees_in = store.rows("rate_count", {"bucket": bucket, "period": period})[0]
+    return int(used), None if frees_in is None else float(frees_in)  # type: ignore[call-overload,arg-type]
 
 
 def _log_starts(store: LimitedClaimStore, bucket: str, n: int) -> None:

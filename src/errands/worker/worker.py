@@ -176,6 +176,7 @@ class Worker:
         self._suspects = 0  # rescued jobs running here (at most one)
         self._settings_due = 0.0
         self._suspect_due = 0.0
+        self._wake_at = float("inf")  # a limited queue asked to be looked at again then
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -312,6 +313,8 @@ class Worker:
             # Woken by a notification: look once more shortly after, since notifications
             # are coalesced and a job committed just after this claim may have sent none.
             wait = RECHECK_AFTER_NOTIFY if self._notified else self.poll_interval
+            wait = max(min(wait, self._wake_at - time.monotonic()), 0.0)
+            self._wake_at = float("inf")
             self._notified = False
             self._wake.wait(wait)
             self._wake.clear()
@@ -325,9 +328,13 @@ class Worker:
         for queue in plan:
             room = min(queue.limit, free - len(rows))
             if queue.name in self._limited and room > 0:
-                rows += backend.job_claim_limited(
+                limited = backend.job_claim_limited(
                     QueueClaim(queue.name, room), self.id, self.app.lease
                 )
+                rows += limited
+                retry_in = getattr(limited, "retry_in", None)
+                if retry_in is not None:  # a rate window frees up then: look again at that time
+                    self._wake_at = min(self._wake_at, time.monotonic() + retry_in)
         if len(rows) < free and not self._suspect_running and time.monotonic() >= self._suspect_due:
             rows += self._claim_suspect(plan)
         return rows

@@ -48,7 +48,7 @@ from ..base import (
     StoreHealth,
     WorkerInfo,
 )
-from ..limits import claim_limited
+from ..limits import Claimed, claim_limited
 from ..sqlfile import load_migrations, load_queries
 from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
 
@@ -475,7 +475,9 @@ class PostgresBackend:
                 },
                 suspects=suspects,
             )
-        return [JobRow(*r) for r in rows]
+        claimed = Claimed(JobRow(*r) for r in rows)
+        claimed.retry_in = rows.retry_in
+        return claimed
 
     def rate_log_prune(self, older_than: float) -> int:
         with self._conn() as conn:

@@ -69,9 +69,9 @@ def parse_postgres_url(url: str) -> PostgresConfig:
     if pool_size < 2:
         raise ConfigurationError("PostgreSQL URL option pool_size must be at least 2")
     netloc = parts.netloc
-    if "@" in netloc and ":" in netloc.split("@", 1)[0]:
-        user = netloc.split("@", 1)[0].split(":", 1)[0]
-        netloc_display = f"{user}:***@{netloc.split('@', 1)[1]}"
+    if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:  # the last '@' ends a password
+        user = netloc.rsplit("@", 1)[0].split(":", 1)[0]
+        netloc_display = f"{user}:***@{netloc.rsplit('@', 1)[1]}"
     else:
         netloc_display = netloc
     conninfo = urlunsplit(

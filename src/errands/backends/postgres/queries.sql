@@ -449,7 +449,10 @@ SELECT pg_advisory_xact_lock(hashtext(%(lock)s))
 SELECT count(*) FROM {schema}.errands_jobs WHERE state = 'running' AND queue = %(queue)s
 
 -- name: rate_count
-SELECT count(*) FROM {schema}.errands_rate_log
+-- Starts inside the window, and when the oldest of them leaves it (seconds from now).
+SELECT count(*),
+       extract(epoch FROM min(at) + make_interval(secs => %(period)s) - now())::float8
+FROM {schema}.errands_rate_log
 WHERE bucket = %(bucket)s AND at > now() - make_interval(secs => %(period)s)
 
 -- name: rate_log_insert

@@ -33,6 +33,7 @@ from ...errors import (
 )
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
+from .. import redact_url
 from ..base import (
     ActionParams,
     ActionResult,
@@ -55,7 +56,7 @@ from ..base import (
     WorkerInfo,
     unwrap_connection,
 )
-from ..limits import claim_limited
+from ..limits import Claimed, claim_limited
 from ..sqlfile import load_migrations, load_queries
 
 log = logging.getLogger("errands.sqlite")
@@ -71,22 +72,23 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     """``sqlite:///rel.db`` -> ``rel.db``; ``sqlite:////abs.db`` -> ``/abs.db``."""
-    parts = urlsplit(url)
+    parts, shown = urlsplit(url), redact_url(url)  # a mistyped URL may carry a password
     if parts.netloc:
+        host = redact_url(f"sqlite://{parts.netloc}").removeprefix("sqlite://")
         raise ConfigurationError(
-            f"SQLite URL {url!r} has a host part {parts.netloc!r}; write sqlite:///relative.db "
+            f"SQLite URL {shown!r} has a host part {host!r}; write sqlite:///relative.db "
             "(three slashes) or sqlite:////absolute/path.db (four)"
         )
     path = parts.path[1:] if parts.path.startswith("/") else parts.path
     if not path:
         raise ConfigurationError(
-            f"SQLite URL {url!r} names no file; write e.g. sqlite:///errands.db"
+            f"SQLite URL {shown!r} names no file; write e.g. sqlite:///errands.db"
         )
     options = dict(parse_qsl(parts.query))
     unknown = set(options) - {"synchronous", "busy_timeout_ms", "write_timeout"}
     if unknown:
         raise ConfigurationError(
-            f"SQLite URL {url!r}: unknown option(s) {', '.join(sorted(unknown))}; "
+            f"SQLite URL {shown!r}: unknown option(s) {', '.join(sorted(unknown))}; "
             "known: synchronous, busy_timeout_ms, write_timeout"
         )
     return path, options
@@ -520,7 +522,9 @@ class SQLiteBackend:
                 },
                 suspects=suspects,
             )
-        return [JobRow(*r) for r in rows]
+        claimed = Claimed(JobRow(*r) for r in rows)
+        claimed.retry_in = rows.retry_in
+        return claimed
 
     def rate_log_prune(self, older_than: float) -> int:
         with self._write() as conn:

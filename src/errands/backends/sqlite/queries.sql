@@ -370,7 +370,10 @@ WHERE queue = :queue AND rate_limit IS NOT NULL
 SELECT count(*) FROM errands_jobs WHERE state = 'running' AND queue = :queue
 
 -- name: rate_count
-SELECT count(*) FROM errands_rate_log WHERE bucket = :bucket AND at > (julianday('now') - 2440587.5) * 86400.0 - :period
+-- Starts inside the window, and when the oldest of them leaves it (seconds from now).
+SELECT count(*), min(at) + :period - (julianday('now') - 2440587.5) * 86400.0
+FROM errands_rate_log
+WHERE bucket = :bucket AND at > (julianday('now') - 2440587.5) * 86400.0 - :period
 
 -- name: rate_log_insert
 INSERT INTO errands_rate_log (bucket, at) VALUES (:bucket, (julianday('now') - 2440587.5) * 86400.0)

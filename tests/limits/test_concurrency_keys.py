@@ -1,0 +1,102 @@
+"""Per-key concurrency: ``@app.job(concurrency_key="account:{account_id}",
+concurrency_limit=1)`` (item 3).
+
+At most N jobs with the same key run at once across the cluster; jobs of other keys run
+beside them; a job waiting for its key stays pending and burns no attempt.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+import errands
+from errands.errors import ConfigurationError
+
+from .helpers import Intervals, wait_until, workers
+
+JOBS = 200
+KEYS = 10
+
+
+def test_per_key_limit_of_one_never_overlaps_within_a_key_but_keys_run_in_parallel(
+    store: errands.App,
+) -> None:
+    """Given 200 jobs over 10 accounts with a per-key limit of 1, and two workers of 10
+    slots each, then no two jobs of one account ever ran at once, jobs of different
+    accounts did (the peak across keys is above 1), and every job ran exactly once."""
+    runs = Intervals()
+
+    @store.job(name="accounts.sync", concurrency_key="account:{account_id}", concurrency_limit=1)
+    def sync_account(account_id: int, n: int) -> None:
+        with runs.run(f"account:{account_id}"):
+            time.sleep(0.03)
+
+    rng = random.Random(5)
+    store.enqueue_many(
+        [sync_account.bind(account_id=rng.randrange(KEYS), n=i) for i in range(JOBS)]
+    )
+    peer = errands.App(store.url, lease=2)
+    peer.job(name="accounts.sync", concurrency_key="account:{account_id}")(sync_account.fn)
+    try:
+        with workers([store, peer], concurrency=10):
+            wait_until(
+                lambda: len(store.jobs(state="completed", limit=JOBS)) == JOBS,
+                60,
+                f"{JOBS} completed jobs",
+            )
+    finally:
+        peer.close()
+
+    per_key = runs.peak_by_label()
+    assert len(per_key) == KEYS
+    assert set(per_key.values()) == {1}, per_key
+    assert runs.peak() > 1
+    jobs = store.jobs(limit=JOBS)
+    assert {j.attempt for j in jobs} == {1}, "waiting for a key must not burn attempts"
+    assert len(runs.runs) == JOBS
+
+
+def test_per_key_limit_above_one_allows_that_many_and_keys_are_shared_across_job_types(
+    store: errands.App,
+) -> None:
+    """Two job types with the same key template share the key's limit of 2."""
+    runs = Intervals()
+
+    @store.job(name="acct.a", concurrency_key="acct:{account_id}", concurrency_limit=2)
+    def a(account_id: int, n: int) -> None:
+        with runs.run(f"acct:{account_id}"):
+            time.sleep(0.05)
+
+    @store.job(name="acct.b", concurrency_key="acct:{account_id}", concurrency_limit=2)
+    def b(account_id: int, n: int) -> None:
+        with runs.run(f"acct:{account_id}"):
+            time.sleep(0.05)
+
+    store.enqueue_many([(a if i % 2 else b).bind(account_id=7, n=i) for i in range(16)])
+    with workers([store], concurrency=8):
+        wait_until(lambda: len(store.jobs(state="completed", limit=50)) == 16, 30, "16 jobs")
+    assert runs.peak_by_label() == {"acct:7": 2}
+
+
+def test_bad_concurrency_key_options_fail_at_definition(tmp_path: Path) -> None:
+    app = errands.App(f"sqlite:///{tmp_path}/errands.db")
+    with pytest.raises(ConfigurationError, match="names \\['acount_id'\\], which are not"):
+
+        @app.job(name="typo", concurrency_key="account:{acount_id}")
+        def typo(account_id: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="needs a concurrency_key"):
+
+        @app.job(name="no_key", concurrency_limit=2)
+        def no_key(account_id: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="concurrency_limit must be an int >= 1"):
+
+        @app.job(name="zero", concurrency_key="account:{account_id}", concurrency_limit=0)
+        def zero(account_id: int) -> None: ...
+
+    assert app.registry == {}

@@ -1,0 +1,76 @@
+"""A cluster-wide concurrency limit per queue: ``app.queue("capped", limit=2)`` (item 2).
+
+The limit is enforced in the claim itself: a limited queue's claims run one at a time
+(SQLite's write lock; a PostgreSQL advisory lock per queue) and count the queue's running
+jobs first, so no number of workers or hosts can exceed it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import errands
+
+from .helpers import Intervals, LimitsCluster, peak, run_cli, wait_until, workers
+
+JOBS = 30
+LIMIT = 2
+
+
+def test_three_worker_processes_never_run_more_than_the_queue_limit_at_once(
+    cluster: LimitsCluster,
+) -> None:
+    """Given 3 worker processes with 4 slots each and a queue limited to 2, when 30 jobs
+    of 0.2 s run, then at no instant did more than 2 handlers run (from the start and
+    end times the handlers recorded), and the limit was used: 2 ran at once."""
+    app = cluster.app("limits_app")
+    work = app.registry["capped.work"]
+    app.enqueue_many([work.bind(seconds=0.2) for _ in range(JOBS)])
+    procs = [
+        cluster.start_worker(
+            "-q", "capped", "-c", "4", app="limits_app:app", label=f"w{n}", ready=False
+        )
+        for n in range(3)
+    ]
+    for proc in procs:
+        proc.wait_log(r"worker w-[0-9a-f]+ started", timeout=30)
+    wait_until(
+        lambda: len(app.jobs(state="completed", limit=100)) == JOBS,
+        60,
+        f"{JOBS} completed jobs",
+        describe=lambda: str([(j.id, j.state) for j in app.jobs(limit=100)]),
+    )
+    runs = cluster.runs()
+    assert len(runs) == JOBS
+    assert peak((start, end) for _, _, start, end in runs) == LIMIT
+    assert len({pid for _, pid, _, _ in runs}) >= 2, "the jobs should spread over processes"
+    assert {j.attempt for j in app.jobs(limit=100)} == {1}
+
+
+def test_queue_limit_holds_for_in_process_workers_and_is_listed_by_errands_queues(
+    store: errands.App,
+) -> None:
+    runs = Intervals()
+    store.queue("capped", limit=LIMIT)
+
+    @store.job(name="capped.quick", queue="capped")
+    def quick(n: int) -> None:
+        with runs.run():
+            time.sleep(0.05)
+
+    store.enqueue_many([quick.bind(n=i) for i in range(40)])
+    other = errands.App(store.url)
+    other.queue("capped", limit=LIMIT)
+    other.job(name="capped.quick", queue="capped")(quick.fn)
+    try:
+        with workers([store, other], concurrency=8):
+            wait_until(lambda: len(store.jobs(state="completed", limit=100)) == 40, 30, "40 jobs")
+    finally:
+        other.close()
+    assert runs.peak() == LIMIT
+
+    listing = run_cli("queues", "--url", store.url, "--json")
+    assert listing.exit_code == 0, listing.output
+    [row] = json.loads(listing.output)
+    assert (row["queue"], row["state"], row["limit"], row["rate"]) == ("capped", "active", 2, "-")
