@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench soak clean
+.PHONY: demo test test-integrations lint format bench soak clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,8 +16,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/errands demo
 
+# The main suite, then the framework integrations on both Django stacks (own venvs) and
+# the FastAPI/Flask examples; both always run, and either failing fails the target.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	@status=0; $(BIN)/python -m pytest -q $(PYTEST_ARGS) || status=$$?; \
+	bash scripts/test_integrations.sh || status=$$((status ? status : 1)); \
+	exit $$status
+
+test-integrations: $(STAMP)
+	bash scripts/test_integrations.sh $(INTEGRATIONS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -1,0 +1,425 @@
+"""The errands task backend through Django's public Tasks API only.
+
+``task.enqueue``, ``task.get_result``, ``TaskResult.refresh`` / ``status`` / ``errors`` /
+``return_value``, ``using(run_after=..., priority=..., queue_name=...)``, the signals and
+``transaction.atomic()``. The same tests run on SQLite and PostgreSQL, on Django 6
+(``django.tasks``) and Django 5.2 with the ``django-tasks`` backport.
+
+A worker sees committed jobs only, so these are ``TransactionTestCase``s with a worker in
+a background thread (``run_worker``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from asgiref.sync import async_to_sync
+from django.core.management import call_command
+from django.db import connection, transaction
+from django.test import TestCase
+from django.utils import timezone
+
+from errands.contrib.django.test import TransactionTestCase, run_worker
+
+from . import tasks
+from .models import Order
+
+try:
+    from django.tasks import TaskResultStatus, task_backends
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.signals import task_enqueued, task_finished, task_started
+except ImportError:  # Django 5.2 + django-tasks
+    from django_tasks import TaskResultStatus, task_backends
+    from django_tasks.exceptions import InvalidTaskError as InvalidTask
+    from django_tasks.exceptions import TaskResultDoesNotExist
+    from django_tasks.signals import task_enqueued, task_finished, task_started
+
+READY, RUNNING = TaskResultStatus.READY, TaskResultStatus.RUNNING
+SUCCESSFUL, FAILED = TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED
+WAIT = 20.0
+
+
+class JobsTestCase(TransactionTestCase):
+    # flush only this app's tables between tests (errands' are emptied by the base class)
+    available_apps = ["backend_tests", "errands.contrib.django"]
+
+
+def wait_for(result: Any, *statuses: Any, timeout: float = WAIT, errors: int = 0) -> Any:
+    """Refresh ``result`` until its status is one of ``statuses`` (with at least
+    ``errors`` errors recorded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result.refresh()
+        if result.status in statuses and len(result.errors) >= errors:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"task result {result.id} is {result.status} with {len(result.errors)} "
+                f"error(s) after {timeout} s; expected {statuses}"
+            )
+        time.sleep(0.02)
+
+
+class BackendFeatures(TestCase):
+    def test_the_backend_declares_what_it_supports(self) -> None:
+        backend = task_backends["default"]
+        self.assertEqual(type(backend).__name__, "ErrandsBackend")
+        self.assertTrue(backend.supports_defer)
+        self.assertTrue(backend.supports_async_task)
+        self.assertTrue(backend.supports_get_result)
+        self.assertTrue(backend.supports_priority)
+
+    def test_system_checks_pass(self) -> None:
+        call_command("check", verbosity=0)
+
+    def test_enqueue_and_get_result_inside_a_test_transaction(self) -> None:
+        # TestCase wraps each test in a transaction: the job is stored in it, and read
+        # back through the same connection.
+        result = tasks.add.enqueue(2, 3)
+        self.assertEqual(result.status, READY)
+        fetched = tasks.add.get_result(result.id)
+        self.assertEqual((fetched.id, fetched.status), (result.id, READY))
+        self.assertEqual((fetched.args, fetched.kwargs), ([2, 3], {}))
+
+
+class Enqueue(JobsTestCase):
+    def test_enqueue_returns_a_ready_result(self) -> None:
+        result = tasks.add.enqueue(1, b=2)
+        self.assertEqual(result.status, READY)
+        self.assertIsInstance(result.id, str)
+        self.assertEqual(result.args, [1])
+        self.assertEqual(result.kwargs, {"b": 2})
+        self.assertEqual(result.backend, "default")
+        self.assertIsNotNone(result.enqueued_at)
+        self.assertFalse(result.is_finished)
+        with self.assertRaises(ValueError):
+            result.return_value  # noqa: B018 - not finished yet
+
+        fetched = tasks.add.get_result(result.id)
+        self.assertEqual(fetched.status, READY)
+        self.assertEqual(fetched.task.func, tasks.add.func)
+        self.assertEqual((fetched.args, fetched.kwargs), ([1], {"b": 2}))
+        self.assertIsNotNone(fetched.enqueued_at)
+        self.assertIsNone(fetched.started_at)
+        self.assertEqual((fetched.errors, fetched.worker_ids), ([], []))
+
+    def test_unknown_result_ids_do_not_exist(self) -> None:
+        for missing in ("999999999", "not-a-number", ""):
+            with self.subTest(missing=missing), self.assertRaises(TaskResultDoesNotExist):
+                tasks.add.get_result(missing)
+
+    def test_queue_names_are_validated(self) -> None:
+        with self.assertRaises(InvalidTask):
+            tasks.add.using(queue_name="not-configured")
+        tasks.add.using(queue_name="payments")  # one of QUEUES
+
+    def test_priority_is_validated(self) -> None:
+        with self.assertRaises(InvalidTask):
+            tasks.add.using(priority=101)
+        result = tasks.add.using(priority=100).enqueue(1, 1)
+        self.assertEqual(tasks.add.get_result(result.id).task.priority, 100)
+
+    def test_run_after_must_be_aware(self) -> None:
+        with self.assertRaises(InvalidTask):
+            tasks.add.using(run_after=timezone.now().replace(tzinfo=None))
+
+    def test_arguments_that_do_not_fit_the_signature_store_nothing(self) -> None:
+        from errands import InvalidPayload
+
+        with self.assertRaises(InvalidPayload):
+            tasks.add.enqueue(1, 2, 3)
+        with self.assertRaises(TypeError):  # Django's rule: JSON arguments only
+            tasks.add.enqueue(1, object())
+
+    def test_key_deduplicates(self) -> None:
+        first = tasks.pay_once.enqueue(7)
+        second = tasks.pay_once.enqueue(7, note="again")
+        self.assertEqual(first.id, second.id)
+        self.assertNotEqual(tasks.pay_once.enqueue(8).id, first.id)
+        explicit = tasks.pay_once.using(key="pay:7:refund").enqueue(7)
+        self.assertNotEqual(explicit.id, first.id)
+
+    def test_aenqueue(self) -> None:
+        result = async_to_sync(tasks.add.aenqueue)(20, 22)
+        self.assertEqual(result.status, READY)
+        fetched = async_to_sync(tasks.add.aget_result)(result.id)
+        self.assertEqual(fetched.args, [20, 22])
+
+    def test_migrate_is_idempotent(self) -> None:
+        call_command("migrate", "errands", verbosity=0)
+
+
+class Transactions(JobsTestCase):
+    """Enqueue writes through Django's connection: the job is part of the caller's
+    transaction."""
+
+    def test_rolled_back_atomic_block_keeps_neither_the_order_nor_the_job(self) -> None:
+        enqueued: list[Any] = []
+
+        def on_enqueued(sender: Any, task_result: Any, **kwargs: Any) -> None:
+            enqueued.append(task_result)
+
+        task_enqueued.connect(on_enqueued)
+        result_ids = []
+        try:
+            with self.assertRaises(RuntimeError), transaction.atomic():
+                order = Order.objects.create(number="A-1")
+                result = tasks.mark_paid.enqueue(order.id)
+                result_ids.append(result.id)
+                # inside the transaction the job is there, READY
+                self.assertEqual(tasks.mark_paid.get_result(result.id).status, READY)
+                raise RuntimeError("payment page crashed")
+        finally:
+            task_enqueued.disconnect(on_enqueued)
+        self.assertFalse(Order.objects.exists())
+        with self.assertRaises(TaskResultDoesNotExist):
+            tasks.mark_paid.get_result(result_ids[0])
+        self.assertEqual([r for r in enqueued if r.id == result_ids[0]], [])
+
+    def test_committed_atomic_block_keeps_both_and_the_job_runs(self) -> None:
+        enqueued: list[Any] = []
+
+        def on_enqueued(sender: Any, task_result: Any, **kwargs: Any) -> None:
+            enqueued.append(task_result.id)
+
+        task_enqueued.connect(on_enqueued)
+        try:
+            with transaction.atomic():
+                order = Order.objects.create(number="A-2")
+                result = tasks.mark_paid.enqueue(order.id)
+                self.assertEqual(enqueued, [])  # sent once the transaction commits
+            self.assertEqual(enqueued, [result.id])
+        finally:
+            task_enqueued.disconnect(on_enqueued)
+        with run_worker():
+            wait_for(result, SUCCESSFUL)
+        self.assertIs(result.return_value, True)
+        order.refresh_from_db()
+        self.assertTrue(order.paid)
+
+    def test_rolled_back_savepoint_drops_only_its_job(self) -> None:
+        with transaction.atomic():
+            kept = tasks.add.enqueue(1, 1)
+            with self.assertRaises(RuntimeError), transaction.atomic():
+                dropped = tasks.add.enqueue(2, 2)
+                raise RuntimeError("inner block fails")
+        self.assertEqual(tasks.add.get_result(kept.id).status, READY)
+        with self.assertRaises(TaskResultDoesNotExist):
+            tasks.add.get_result(dropped.id)
+
+
+class Execution(JobsTestCase):
+    def setUp(self) -> None:
+        tasks.entered.clear()
+        tasks.release.clear()
+        tasks.calls.clear()
+
+    def tearDown(self) -> None:
+        tasks.release.set()
+
+    def test_status_moves_ready_running_successful(self) -> None:
+        result = tasks.blocking.enqueue("t-1")
+        self.assertEqual(tasks.blocking.get_result(result.id).status, READY)
+        with run_worker():
+            self.assertTrue(tasks.entered.wait(WAIT), "the worker never started the task")
+            running = tasks.blocking.get_result(result.id)
+            self.assertEqual(running.status, RUNNING)
+            self.assertIsNotNone(running.started_at)
+            self.assertIsNone(running.finished_at)
+            self.assertEqual(running.attempts, 1)
+            tasks.release.set()
+            done = wait_for(result, SUCCESSFUL)
+        self.assertEqual(done.return_value, "t-1")
+        self.assertTrue(done.is_finished)
+        self.assertIsNotNone(done.finished_at)
+        self.assertGreaterEqual(done.finished_at, done.started_at)
+        self.assertEqual(done.attempts, 1)
+        self.assertEqual(done.errors, [])
+
+    def test_a_failing_task_retries_then_fails_with_every_error_recorded(self) -> None:
+        result = tasks.always_fails.enqueue("boom")
+        with run_worker():
+            # after the first failure it is READY again, waiting out its backoff
+            between = wait_for(result, READY, errors=1)
+            self.assertEqual(between.status, READY)
+            self.assertEqual(len(between.errors), 1)
+            failed = wait_for(result, FAILED)
+        self.assertEqual(len(failed.errors), 2)  # retries=1: two attempts
+        self.assertEqual(failed.attempts, 2)
+        for error in failed.errors:
+            self.assertIs(error.exception_class, ValueError)
+            self.assertIn("ValueError: boom", error.traceback)
+        self.assertIsNotNone(failed.finished_at)
+        with self.assertRaises(ValueError):
+            failed.return_value  # noqa: B018 - a failed task has no return value
+
+    def test_a_permanent_exception_fails_at_once(self) -> None:
+        result = tasks.charge.enqueue(42)
+        with run_worker():
+            failed = wait_for(result, FAILED)
+        self.assertEqual(len(failed.errors), 1)
+        self.assertIs(failed.errors[0].exception_class, tasks.CardDeclined)
+        self.assertIn("card declined for order 42", failed.errors[0].traceback)
+        self.assertEqual(failed.task.queue_name, "payments")
+
+    def test_a_non_json_return_value_fails(self) -> None:
+        result = tasks.returns_object.enqueue()
+        with run_worker():
+            failed = wait_for(result, FAILED)
+        self.assertEqual(len(failed.errors), 1)
+        self.assertIn("not JSON", failed.errors[0].traceback)
+
+    def test_run_after_defers_the_task(self) -> None:
+        run_after = timezone.now() + timedelta(seconds=1.5)
+        result = tasks.add.using(run_after=run_after).enqueue(3, 4)
+        with run_worker():
+            time.sleep(0.5)
+            self.assertEqual(tasks.add.get_result(result.id).status, READY)
+            done = wait_for(result, SUCCESSFUL)
+        self.assertEqual(done.return_value, 7)
+        self.assertGreaterEqual(done.started_at, run_after - timedelta(milliseconds=100))
+        stored = tasks.add.get_result(result.id).task.run_after
+        self.assertIsNotNone(stored)
+        self.assertLess(abs((stored - run_after).total_seconds()), 0.01)
+
+    def test_higher_priority_runs_first(self) -> None:
+        low = tasks.record.using(priority=-10).enqueue("low")
+        middle = tasks.record.enqueue("middle")
+        high = tasks.record.using(priority=10).enqueue("high")
+        with run_worker(queues=["default"], concurrency=1):
+            for result in (low, middle, high):
+                wait_for(result, SUCCESSFUL)
+        self.assertEqual(tasks.calls, ["high", "middle", "low"])
+
+    def test_async_task(self) -> None:
+        result = tasks.async_double.enqueue(21)
+        with run_worker():
+            self.assertEqual(wait_for(result, SUCCESSFUL).return_value, 42)
+
+    def test_task_context(self) -> None:
+        result = tasks.with_context.enqueue(5)
+        with run_worker():
+            done = wait_for(result, SUCCESSFUL)
+        self.assertEqual(done.return_value, {"attempt": 1, "id": result.id, "n": 5})
+
+    def test_tasks_use_the_orm_in_the_worker(self) -> None:
+        order = Order.objects.create(number="B-1")
+        result = tasks.mark_paid.enqueue(order.id)
+        with run_worker():
+            wait_for(result, SUCCESSFUL)
+        order.refresh_from_db()
+        self.assertTrue(order.paid)
+
+    def test_limited_tasks_run(self) -> None:
+        results = [tasks.limited.enqueue(i % 2) for i in range(4)]
+        with run_worker():
+            for result in results:
+                wait_for(result, SUCCESSFUL)
+
+    def test_signals_follow_the_task(self) -> None:
+        seen: list[tuple[str, str, Any]] = []
+
+        def receiver(name: str) -> Any:
+            def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+                seen.append((name, task_result.id, task_result.status))
+
+            return receive
+
+        receivers = {
+            task_enqueued: receiver("enqueued"),
+            task_started: receiver("started"),
+            task_finished: receiver("finished"),
+        }
+        for sig, fn in receivers.items():
+            sig.connect(fn)
+        try:
+            ok = tasks.add.enqueue(1, 2)
+            bad = tasks.charge.enqueue(1)
+            with run_worker():
+                wait_for(ok, SUCCESSFUL)
+                wait_for(bad, FAILED)
+                deadline = time.monotonic() + WAIT
+                while sum(1 for s in seen if s[0] == "finished") < 2:
+                    self.assertLess(time.monotonic(), deadline, seen)
+                    time.sleep(0.02)
+        finally:
+            for sig, fn in receivers.items():
+                sig.disconnect(fn)
+        self.assertEqual(
+            [s for s in seen if s[1] == ok.id],
+            [
+                ("enqueued", ok.id, READY),
+                ("started", ok.id, RUNNING),
+                ("finished", ok.id, SUCCESSFUL),
+            ],
+        )
+        self.assertEqual(
+            [s[0] for s in seen if s[1] == bad.id], ["enqueued", "started", "finished"]
+        )
+        self.assertEqual([s[2] for s in seen if s[1] == bad.id][-1], FAILED)
+
+
+class WithTheTestingTools(JobsTestCase):
+    """errands.testing's Tester on the backend's App: drain() runs the due tasks one at a
+    time through the real worker code, moving its clock over retry backoffs."""
+
+    def test_drain_runs_tasks_and_their_retries_without_sleeping(self) -> None:
+        from errands.contrib.django import get_app
+        from errands.testing import Tester
+
+        with Tester(get_app()) as tester:
+            ok = tasks.add.enqueue(1, 2)
+            bad = tasks.always_fails.enqueue("boom")
+            drained = tester.drain()
+        self.assertEqual((drained.completed, drained.dead), (1, 1))
+        self.assertEqual(tasks.add.get_result(ok.id).return_value, 3)
+        failed = tasks.always_fails.get_result(bad.id)
+        self.assertEqual((failed.status, len(failed.errors)), (FAILED, 2))
+
+
+class ManagementCommand(JobsTestCase):
+    def test_errands_worker_runs_tasks_and_stops_on_sigterm(self) -> None:
+        result = tasks.add.enqueue(2, 40)
+        here = Path(__file__).resolve().parent.parent
+        env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "test_settings",
+            "ERRANDS_DJANGO_DB_NAME": str(connection.settings_dict["NAME"]),
+            "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+            "ERRANDS_TEST_LOGS": "1",  # the worker's logs, shown if this test fails
+            "PYTHONFAULTHANDLER": "1",  # SIGABRT dumps every thread's stack
+        }
+        command = ["errands_worker", "--poll-interval", "0.05", "--grace", "5"]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "django", *command, "--log-format", "text"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            done = wait_for(result, SUCCESSFUL, timeout=60)
+            self.assertEqual(done.return_value, 42)
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            try:
+                output, _ = process.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                output, _ = process.communicate()
+            self.fail(f"the worker did not stop on SIGTERM:\n{output}")
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+        self.assertEqual(process.returncode, 0, output)
+        self.assertIn("errands worker", output)

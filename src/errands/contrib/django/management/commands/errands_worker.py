@@ -1,0 +1,154 @@
+"""``python manage.py errands_worker``: run the jobs of an ErrandsBackend.
+
+The same worker as ``errands worker`` (leases, heartbeats, retries, dead-letter queue,
+graceful stop on SIGTERM/SIGINT within ``--grace``), with the project's Django settings:
+it imports every installed app's ``tasks`` module and runs Django's ``@task`` functions
+and any native ``@get_app().job`` functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from errands.errors import ErrandsError, SchemaOutdated
+
+log = logging.getLogger("errands.django")
+
+
+class Command(BaseCommand):
+    help = "Run an errands worker for Django's tasks (until SIGTERM or SIGINT)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--backend",
+            default="default",
+            help="the task backend alias in TASKS (default: default)",
+        )
+        parser.add_argument(
+            "-q",
+            "--queues",
+            help="queues to serve: emails,payments or emails=10,payments=2 "
+            "(default: the backend's QUEUES)",
+        )
+        parser.add_argument("-c", "--concurrency", type=int, help="jobs at once (default 10)")
+        parser.add_argument(
+            "--grace",
+            type=float,
+            default=30.0,
+            help="seconds in-flight jobs get to finish on SIGTERM (default 30)",
+        )
+        parser.add_argument(
+            "--poll-interval",
+            type=float,
+            default=1.0,
+            help="seconds between claims when the queues are idle (default 1)",
+        )
+        parser.add_argument(
+            "--no-maintenance",
+            action="store_true",
+            help="never take the leader duties (rescue, prune)",
+        )
+        parser.add_argument(
+            "--maintenance-tick",
+            type=float,
+            help="seconds between maintenance rounds (default: the lease / 4, at most 1)",
+        )
+        parser.add_argument(
+            "--log-format",
+            choices=["text", "json"],
+            help="take over the root logger with errands' text or JSON lines (default: keep "
+            "Django's LOGGING)",
+        )
+        parser.add_argument(
+            "--log-level",
+            choices=["debug", "info", "warning", "error"],
+            default="info",
+            help="with --log-format: the root level (default info)",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            help="serve Prometheus metrics at http://ADDR:PORT/metrics (errands[metrics])",
+        )
+        parser.add_argument(
+            "--metrics-addr", default="0.0.0.0", help="address of --metrics-port (0.0.0.0)"
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from errands.observability.logcontext import configure_logging, install_record_factory
+
+        from ...app import backend_params, get_app
+
+        if options["concurrency"] is not None and options["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1")
+        if options["grace"] < 0 or options["poll_interval"] <= 0:
+            raise CommandError("--grace must be >= 0 and --poll-interval > 0")
+        alias = options["backend"]
+        try:
+            params = backend_params(alias)
+        except Exception as exc:
+            raise CommandError(str(exc)) from None
+        if options["log_format"]:
+            configure_logging(options["log_format"], options["log_level"])
+        else:
+            install_record_factory()  # job id, name, queue and attempt on every record
+        app = get_app(alias)
+        names = app.autodiscover()
+        queues = options["queues"] or sorted(set(params.get("QUEUES") or ["default"]))
+        if options["metrics_port"] is not None:
+            from errands.observability.metrics import serve_metrics
+
+            try:
+                serve_metrics(app, options["metrics_port"], options["metrics_addr"])
+            except OSError as exc:
+                raise CommandError(
+                    f"cannot serve metrics on {options['metrics_addr']}:"
+                    f"{options['metrics_port']}: {exc.strerror or exc}"
+                ) from None
+        try:
+            app.backend.schema_check()
+            worker = app.worker(
+                queues=queues,
+                concurrency=options["concurrency"],
+                grace=options["grace"],
+                poll_interval=options["poll_interval"],
+                maintenance=not options["no_maintenance"],
+                maintenance_tick=options["maintenance_tick"],
+            )
+            self.stdout.write(
+                f"errands worker {worker.id} on {_display(app)}: queues "
+                f"{', '.join(worker.queue_limits)}; {len(names)} task(s) found"
+            )
+            self.stdout.flush()
+            code = worker.run()
+        except SchemaOutdated as exc:
+            detail = str(exc).split("; run:")[0]
+            raise CommandError(
+                f"errands' tables in Django's database {app.database!r} are missing or "
+                f"outdated ({detail}); run: python manage.py migrate"
+            ) from None
+        except ErrandsError as exc:
+            raise CommandError(str(exc)) from None
+        finally:
+            app.close()
+        if worker.stuck_threads():
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        if code:
+            sys.exit(code)
+
+
+def _display(app: Any) -> str:
+    url = str(app.url)
+    if "@" in url and url.startswith("postgres"):
+        scheme, rest = url.split("://", 1)
+        credentials, host = rest.split("@", 1)
+        return f"{scheme}://{credentials.split(':', 1)[0]}@{host}"
+    return url
