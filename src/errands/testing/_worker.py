@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..backends.base import ClaimParams, FinishParams, QueueClaim
+from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim
 from ..jobs import JobRow
 from ..worker.execution import Attempt
 from ..worker.worker import Worker
@@ -54,6 +53,11 @@ class HarnessWorker(Worker):
         self._waiting: dict[tuple[int, str], Future[Run]] = {}
         self._harness_lock = threading.Lock()
         self._services = False
+        self._crashing: dict[tuple[int, str], BaseException | None] = {}
+        # Every outcome the worker decides goes through the completer, unless it commits a
+        # ctx.transaction() itself: the place to drop the outcome of a crashed attempt.
+        self._submit_outcome = self.completer.submit
+        setattr(self.completer, "submit", self._harness_submit)  # noqa: B010
 
     # -- what the lease keeper sees ----------------------------------------------------------
     def attempts(self) -> list[Attempt]:
@@ -72,25 +76,40 @@ class HarnessWorker(Worker):
         with self._harness_lock:
             duplicate = key in self._duplicates
         if _is_crash(exc) or (not duplicate and self.hooks._hook_crash_before_write(attempt, exc)):
-            return self._harness_crash(attempt, exc)
+            return self._harness_crash(attempt, exc, result)
         with self._harness_lock:
             self._errors[key] = exc
         return super()._decided(attempt, exc, result)
 
-    def _harness_crash(self, attempt: Attempt, exc: BaseException | None) -> bool:
-        """The attempt dies as its process would: nothing written, lease left to expire."""
-        if attempt.released or not attempt.decide():
-            return False
-        attempt.ended = time.monotonic()
+    def _harness_crash(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
+        """The attempt dies as its process would: nothing written, lease left to expire.
+
+        The worker decides the outcome as usual (freeing the slot and its bookkeeping),
+        but the completion transaction is rolled back first, so the outcome goes to the
+        completer, where :meth:`_harness_submit` drops it with the children it carries.
+        """
+        key = (attempt.id, attempt.token)
         if attempt.runtime is not None:
             attempt.runtime.rollback()  # a dead process's transaction rolls back
+        with self._harness_lock:
+            self._crashing[key] = exc if _is_crash(exc) else None
+        if super()._decided(attempt, exc, result):
+            return True
+        with self._harness_lock:
+            self._crashing.pop(key, None)
+        return False
+
+    def _harness_submit(self, attempt: Attempt, outcome: FinishParams) -> None:
+        key = (attempt.id, attempt.token)
+        with self._harness_lock:
+            crashed = key in self._crashing
+            error = self._crashing.pop(key, None)
+        if not crashed:
+            self._submit_outcome(attempt, outcome)
+            return
         with self._lock:
-            self._free += 1
-            self._running_per_queue[attempt.row.queue] -= 1
-            self._attempts.pop((attempt.id, attempt.token), None)  # no more heartbeats
-        self._wake.set()
-        self._harness_finish(attempt, "crashed", exc if _is_crash(exc) else None)
-        return True
+            self._attempts.pop(key, None)  # no more heartbeats: its lease will expire
+        self._harness_finish(attempt, "crashed", error)
 
     def _on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
         try:
@@ -137,10 +156,17 @@ class HarnessWorker(Worker):
     def claim_one(self, queues: list[str]) -> JobRow | None:
         if not queues:
             return None
-        rows = self.app.backend.job_claim(
-            ClaimParams([QueueClaim(q, 1) for q in queues], 1, self.id, self.app.lease)
-        )
+        plan = [QueueClaim(q, 1) for q in queues]
+        backend = self.app.backend
+        rows = backend.job_claim(ClaimParams(plan, 1, self.id, self.app.lease))
+        if not rows:  # jobs rescued before (poison suspects) are claimed on their own
+            rows = backend.job_claim(ClaimParams(plan, 1, self.id, self.app.lease, suspects=True))
         return rows[0] if rows else None
+
+    def release(self, row: JobRow) -> None:
+        """Give a claimed row back without running it (as a shutdown does)."""
+        lease = row.lease_seconds or self.app.lease
+        self.app.backend.job_release_many([LeaseRef(row.id, row.lease_token or "", lease)])
 
     def run_row(self, row: JobRow, *, duplicate: bool = False, timeout: float = 60.0) -> Run:
         """Run ``row`` (claimed by this worker) and wait until its outcome is written.

@@ -117,6 +117,8 @@ class Tester:
     handler before giving up. Use it as a context manager, or call :meth:`close`.
     """
 
+    __test__ = False  # a tool, not a test class, when imported into a test module
+
     def __init__(
         self,
         app: App,
@@ -404,6 +406,7 @@ class Tester:
                 if row is not None:
                     stalled = False
                     if len(result) >= max_runs:
+                        driver.release(row)  # back to available, the attempt not charged
                         raise RuntimeError(
                             f"drain() ran {max_runs} attempts and jobs are still due; does a "
                             "job enqueue itself forever? (raise max_runs= if not)"
@@ -424,8 +427,10 @@ class Tester:
                 self.clock.advance(step)
                 result.advanced += step
                 assert self._maintenance is not None
-                result.rescued += self._maintenance.rescue()
-                stalled = wait <= 0
+                rescued = self._maintenance.rescue()
+                result.rescued += rescued
+                # Something due that no claim takes and no rescue moves: a paused queue.
+                stalled = wait <= 0 and rescued == 0
         finally:
             with self._lock:
                 self._draining = False
@@ -523,9 +528,11 @@ class Tester:
             fresh = [h.id for h in handles if not h.deduplicated]
             with self._lock:
                 nested = self._draining
-            if not fresh or nested or self._closed:
+            if not fresh or self._closed:
+                return handles
+            store_tools(app.backend).make_due(fresh)  # inline ignores delay= and run_at=
+            if nested:
                 return handles  # from inside a handler: the running drain takes them
-            store_tools(app.backend).make_due(fresh)
             result = self._drain(None, True, False, MAX_RUNS_DEFAULT)
             if self.raise_errors:
                 _raise_dead(app, result, fresh)
@@ -608,7 +615,8 @@ class Tester:
             if job is None:  # called directly, not as a job
                 return None
             with self._lock:
-                for rule in rules:
+                # a rule for this very job comes before the rules for every job of its type
+                for rule in sorted(rules, key=lambda r: r.target.job_id is None):
                     if (
                         rule.target.matches(job.job_name, job.job_id)
                         and rule.attempt == job.attempt

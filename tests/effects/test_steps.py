@@ -1,0 +1,230 @@
+"""``ctx.step``: a step's result is stored once and comes back on every later run.
+
+On SQLite and PostgreSQL, through ``errands.testing`` (the real worker code, the clock
+moved instead of sleeping): retries, rescues after a crash and DLQ replays get the stored
+result without calling fn again; ``fresh`` replays forget it (audited); misuse is a
+permanent, clearly named StepError; steps show in ``errands jobs show``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import errands
+from errands.errors import StepError
+from errands.testing import Tester
+
+Make = Callable[..., Any]
+
+
+def _charging_app(
+    make_app: Make, fail_on: set[int] | None = None, permanent: bool = False
+) -> tuple[errands.App, Any, list[int]]:
+    """An app whose job charges through a step, then fails on the attempts in ``fail_on``
+    (with Permanent, straight to the DLQ, when ``permanent``) while ``fail`` is set."""
+    app = make_app()
+    calls: list[int] = []
+    fail = {"on": set(fail_on or ())}
+
+    def charge(order_id: int) -> dict[str, Any]:
+        calls.append(order_id)
+        return {"charge": f"ch_{order_id}_{len(calls)}"}
+
+    @app.job(name="charge_order", retries=3, backoff=5.0)
+    def charge_order(ctx: errands.Context, order_id: int) -> dict[str, Any]:
+        charged = ctx.step("charge", charge, order_id)
+        if ctx.attempt in fail["on"]:
+            if permanent:
+                raise errands.Permanent("the receipt service refused")
+            raise RuntimeError("failed after the charge")
+        return dict(charged)
+
+    charge_order.fail = fail  # type: ignore[attr-defined]
+    return app, charge_order, calls
+
+
+def test_stored_step_is_returned_on_retry_without_running_fn_again(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app, job, calls = _charging_app(make_app, fail_on={1, 2})
+    tester = errands_testing(app)
+    handle = job.enqueue(order_id=7)
+
+    drained = tester.drain()
+
+    assert drained.outcomes == {"retryable": 2, "completed": 1}
+    assert drained.advanced > 9  # two backoffs of 5 s, passed on the test clock
+    assert calls == [7]
+    assert handle.result(timeout=1) == {"charge": "ch_7_1"}
+    [step] = app.job_steps(handle.id)
+    assert (step.name, step.result, step.attempt) == ("charge", {"charge": "ch_7_1"}, 1)
+
+
+def test_stored_step_is_returned_after_a_crash_and_rescue(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app, job, calls = _charging_app(make_app)
+    tester = errands_testing(app)
+    tester.crash_after_step(job, "charge")
+    handle = job.enqueue(order_id=8)
+
+    drained = tester.drain()
+
+    assert [r.outcome for r in drained.runs] == ["crashed", "completed"]
+    assert drained.rescued == 1
+    assert calls == [8]
+    done = handle.job()
+    assert done.state is errands.JobState.COMPLETED
+    assert done.result == {"charge": "ch_8_1"}
+    assert [(e.attempt, e.kind) for e in done.errors] == [(1, "worker_lost")]
+
+
+def test_replay_keeps_stored_steps_and_fresh_replay_runs_them_again_audited(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app, job, calls = _charging_app(make_app, fail_on={1}, permanent=True)
+    tester = errands_testing(app)
+    handle = job.enqueue(order_id=9)
+    assert tester.drain().dead == 1
+    assert calls == [9]
+
+    app.replay([handle.id], actor="test")  # keeps the step: the charge is not made again
+    assert tester.drain().dead == 1  # attempt 1 again, so it fails again after the step
+    assert calls == [9]
+
+    job.fail["on"].clear()
+    app.replay([handle.id], fresh=True, actor="test")  # forgets the step
+    assert tester.drain().completed == 1
+    assert calls == [9, 9]
+    assert handle.result(timeout=1) == {"charge": "ch_9_2"}
+    replays = [e for e in reversed(app.audit(job_id=handle.id)) if e.action == "replay"]
+    assert [e.detail for e in replays] == [{}, {"fresh": True}]
+
+
+def test_fresh_replay_from_the_cli_is_audited(
+    make_app: Make, errands_testing: Callable[..., Tester], store_url: str
+) -> None:
+    app, job, calls = _charging_app(make_app, fail_on={1}, permanent=True)
+    tester = errands_testing(app)
+    handle = job.enqueue(order_id=10)
+    tester.drain()
+    job.fail["on"].clear()
+
+    done = _cli(store_url, "dlq", "replay", str(handle.id), "--fresh", "--actor", "ops")
+    assert done.returncode == 0, done.stderr
+
+    assert tester.drain().completed == 1
+    assert calls == [10, 10]
+    [event] = [e for e in app.audit(job_id=handle.id) if e.action == "replay"]
+    assert (event.actor, event.detail) == ("ops", {"fresh": True})
+
+
+def test_step_result_that_is_not_json_fails_the_job_permanently_with_a_step_error(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+
+    @app.job(name="bad_result", retries=3)
+    def bad_result(ctx: errands.Context) -> None:
+        ctx.step("socket", object)
+
+    tester = errands_testing(app)
+    handle = bad_result.enqueue()
+    drained = tester.drain()
+
+    assert drained.outcomes == {"dead": 1}  # no retry: the step's effect would run again
+    assert isinstance(drained.errors[0], StepError)
+    job = handle.job()
+    assert job.last_error is not None
+    assert job.last_error.type == "StepError"
+    assert "step 'socket'" in job.last_error.message
+    assert "cannot be stored as JSON" in job.last_error.message
+    assert app.job_steps(handle.id) == []
+
+
+def test_step_name_used_twice_in_one_run_fails_the_job_with_a_step_error(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    sent: list[str] = []
+
+    @app.job(name="two_mails", retries=3)
+    def two_mails(ctx: errands.Context) -> None:
+        ctx.step("send", sent.append, "first")
+        ctx.step("send", sent.append, "second")
+
+    tester = errands_testing(app)
+    handle = two_mails.enqueue()
+    assert tester.drain().dead == 1
+
+    assert sent == ["first"]
+    job = handle.job()
+    assert job.last_error is not None
+    assert job.last_error.type == "StepError"
+    assert "used twice" in job.last_error.message
+    assert [s.name for s in app.job_steps(handle.id)] == ["send"]
+
+
+def test_async_handler_steps_are_stored_and_not_run_again(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    calls: list[int] = []
+
+    async def lookup(n: int) -> int:
+        calls.append(n)
+        return n * 2
+
+    @app.job(name="async_steps", retries=2, backoff=1.0)
+    async def async_steps(ctx: errands.Context, n: int) -> int:
+        doubled = await ctx.astep("lookup", lookup, n)
+        tripled = await ctx.astep("sync_fn", lambda: n * 3)
+        if ctx.attempt == 1:
+            raise RuntimeError("after both steps")
+        return int(doubled) + int(tripled)
+
+    tester = errands_testing(app)
+    handle = async_steps.enqueue(n=5)
+    assert tester.drain().outcomes == {"retryable": 1, "completed": 1}
+    assert calls == [5]
+    assert handle.result(timeout=1) == 25
+    assert {s.name: s.result for s in app.job_steps(handle.id)} == {"lookup": 10, "sync_fn": 15}
+
+
+def test_steps_are_shown_by_errands_jobs_show_and_its_json(
+    make_app: Make, errands_testing: Callable[..., Tester], store_url: str
+) -> None:
+    app, job, _ = _charging_app(make_app)
+    tester = errands_testing(app)
+    handle = job.enqueue(order_id=11)
+    tester.drain()
+
+    text = _cli(store_url, "jobs", "show", str(handle.id))
+    assert text.returncode == 0, text.stderr
+    assert "steps (1)" in text.stdout
+    assert "charge:" in text.stdout and "ch_11_1" in text.stdout
+
+    as_json = _cli(store_url, "jobs", "show", str(handle.id), "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    [step] = json.loads(as_json.stdout)["steps"]
+    assert step["name"] == "charge"
+    assert step["result"] == {"charge": "ch_11_1"}
+    assert step["attempt"] == 1
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ERRANDS_")}
+    env.update(COLUMNS="200", NO_COLOR="1")
+    return subprocess.run(
+        [sys.executable, "-m", "errands", *args, "--url", url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
