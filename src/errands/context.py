@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .worker.runtime import AttemptRuntime, TransactionConnection
 
+_CANCEL_LOCK = threading.Lock()
+
 
 @dataclass
 class Context:
@@ -29,7 +31,7 @@ class Context:
     key: str | None
     worker_id: str
     logger: logging.Logger
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel: threading.Event | None = field(default=None, repr=False)  # made on first cancel
     _reason: str = field(default="", repr=False)
     _runtime: AttemptRuntime | None = field(default=None, repr=False)
 
@@ -84,7 +86,8 @@ class Context:
         Long-running sync handlers should check it between units of work; async handlers
         are cancelled with ``asyncio.CancelledError`` instead.
         """
-        return self._cancel.is_set()
+        cancel = self._cancel
+        return cancel is not None and cancel.is_set()
 
     @property
     def cancel_reason(self) -> str:
@@ -95,6 +98,10 @@ class Context:
         return self.attempt >= self.max_attempts
 
     def _request_cancel(self, reason: str) -> None:
-        if not self._cancel.is_set():
+        with _CANCEL_LOCK:
+            if self._cancel is None:
+                self._cancel = threading.Event()
+            if self._cancel.is_set():
+                return
             self._reason = reason
             self._cancel.set()

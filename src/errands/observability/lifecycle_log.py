@@ -12,9 +12,21 @@ maintenance_log = logging.getLogger("errands.maintenance")
 app_log = logging.getLogger("errands")
 
 
+# The level each job event logs at: an event whose line is disabled costs one check.
+_JOB_EVENT_LEVELS = {
+    "errands.job.enqueued": (app_log, logging.DEBUG),
+    "errands.job.started": (worker_log, logging.INFO),
+    "errands.job.completed": (worker_log, logging.INFO),
+    "errands.job.cancelled": (worker_log, logging.INFO),
+}
+
+
 def log_event(event: Event) -> None:
     name = event.name
     f = event.fields
+    quiet = _JOB_EVENT_LEVELS.get(name)
+    if quiet is not None and not quiet[0].isEnabledFor(quiet[1]):
+        return
     job_id = f.get("job_id")
     if job_id is not None and "job_name" in f:
         with job_context(

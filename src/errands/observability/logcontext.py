@@ -13,8 +13,6 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,13 +54,19 @@ def install_record_factory() -> None:
     _installed = True
 
 
-@contextmanager
-def job_context(ctx: JobLogContext) -> Iterator[None]:
-    token = current_job.set(ctx)
-    try:
-        yield
-    finally:
-        current_job.reset(token)
+class job_context:
+    """Make ``ctx`` the current job for log records (a class: it runs once per job)."""
+
+    __slots__ = ("_ctx", "_token")
+
+    def __init__(self, ctx: JobLogContext) -> None:
+        self._ctx = ctx
+
+    def __enter__(self) -> None:
+        self._token = current_job.set(self._ctx)
+
+    def __exit__(self, *exc: object) -> None:
+        current_job.reset(self._token)
 
 
 class TextFormatter(logging.Formatter):

@@ -44,6 +44,7 @@ class ThreadRunner:
         self._threads: set[threading.Thread] = set()
         self._retire: set[int] = set()
         self._running: dict[int, Future[Any]] = {}  # thread ident -> its current future
+        self._aimed: set[int] = set()  # threads an interrupt was aimed at
         self._counter = 0
         self.abandoned = 0
         for _ in range(size):
@@ -87,12 +88,15 @@ class ThreadRunner:
                 outcome = (False, exc)
             with self._lock:  # no interrupt can be aimed at this thread once popped
                 self._running.pop(me, None)
-                _raise_in_thread(me, None)  # drop one aimed too late
+                if me in self._aimed:
+                    self._aimed.discard(me)
+                    _raise_in_thread(me, None)  # drop one aimed too late
                 retire = me in self._retire
                 self._retire.discard(me)
         except HandlerInterrupt as late:  # landed between the handler's end and the pop
             with self._lock:
                 self._running.pop(me, None)
+                self._aimed.discard(me)
                 retire = me in self._retire
                 self._retire.discard(me)
             outcome = (False, late)
@@ -113,6 +117,7 @@ class ThreadRunner:
         with self._lock:
             for ident, running in self._running.items():
                 if running is future:
+                    self._aimed.add(ident)
                     _raise_in_thread(ident, HandlerInterrupt)
                     return True
         return False

@@ -457,8 +457,11 @@ class Worker:
                 return
 
             def call() -> Any:
-                with job_context(log_ctx), events.around_handler({**info, "meta": row.meta}):
-                    return fn(**kwargs)
+                with job_context(log_ctx):
+                    if not events.wrappers:  # the common case: nothing to wrap it in
+                        return fn(**kwargs)
+                    with events.around_handler({**info, "meta": row.meta}):
+                        return fn(**kwargs)
 
             future = self.threads.submit(call)
         attempt.future = future
