@@ -113,3 +113,19 @@ def test_job_row_converts_to_a_job_snapshot(backend: Backend) -> None:
     job = get(backend, job_id).to_job()
     assert job.args == {"x": 1} and job.masked_args == {"x": "***"}
     assert job.state == "available" and job.run_at.tzinfo is not None
+
+
+def test_queue_stats_counts_running_jobs_whose_lease_expired_as_stalled(
+    backend: Backend, harness: Harness
+) -> None:
+    """A running job past its lease (its worker is gone) shows as stalled until rescued."""
+    gone = insert(backend)
+    claim_one(backend)
+    insert(backend)
+    claim_one(backend)
+    (before,) = backend.queue_stats()
+    assert before.stalled == 0
+    harness.expire_lease(backend, gone)
+    (after,) = backend.queue_stats()
+    assert after.stalled == 1
+    assert after.counts["running"] == 2

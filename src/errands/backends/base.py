@@ -114,6 +114,7 @@ class QueueStats:
     queue: str
     counts: dict[str, int]
     oldest_available_age: float | None  # seconds the oldest due job has waited
+    stalled: int = 0  # running jobs whose lease has expired and which await rescue
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,13 @@ from .loading import load_app
 
 @click.command()
 @click.argument("app_path", required=False, metavar="MODULE:APP")
-@click.option("-A", "--app", "app_option", envvar="ERRANDS_APP", help="the App as module:attribute")
+@click.option(
+    "-A",
+    "--app",
+    "app_option",
+    envvar="ERRANDS_APP",
+    help="the App as module:attribute (also ERRANDS_APP)",
+)
 @click.option("--url", envvar="ERRANDS_URL", help="database URL, overriding the app's")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
@@ -26,7 +32,8 @@ from .loading import load_app
 @click.option(
     "--secret",
     envvar="ERRANDS_DASHBOARD_SECRET",
-    help="key signing the session cookie (default: random per process)",
+    help="key signing the session cookie (also ERRANDS_DASHBOARD_SECRET; default: random "
+    "per process, so sessions end on restart)",
 )
 @click.option("--read-only", is_flag=True, help="nobody may replay, discard, cancel or pause")
 @click.option("--https-only", is_flag=True, help="mark the session cookie Secure (behind TLS)")

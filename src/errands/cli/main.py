@@ -86,7 +86,11 @@ def cli() -> None:
     show_default=True,
     help="where sync handlers run: threads, or child processes a timeout can kill",
 )
-@click.option("--no-maintenance", is_flag=True, help="never take the leader duties (rescue, prune)")
+@click.option(
+    "--no-maintenance",
+    is_flag=True,
+    help="never take the leader duties (rescue, cron, promotion, pruning)",
+)
 @click.option(
     "--maintenance-tick",
     type=click.FloatRange(min=0.01),

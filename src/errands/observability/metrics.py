@@ -249,12 +249,18 @@ class StoreCollector(Collector):
             "Jobs in the dead-letter queue (state dead)",
             labels=["queue"],
         )
+        stalled = GaugeMetricFamily(
+            "errands_stalled_jobs",
+            "Running jobs whose lease has expired, awaiting rescue (their worker is gone)",
+            labels=["queue"],
+        )
         for s in stats or ():
             for state in ALL_STATES:
                 jobs.add_metric([s.queue, state], s.counts.get(state, 0))
             oldest.add_metric([s.queue], s.oldest_available_age or 0.0)
             dead.add_metric([s.queue], s.counts.get("dead", 0))
-        yield from (jobs, oldest, dead)
+            stalled.add_metric([s.queue], s.stalled)
+        yield from (jobs, oldest, dead, stalled)
         gauges = [
             (
                 "errands_store_dead_tuples",

@@ -8,6 +8,7 @@ shutdown release — whichever comes first; the losers are ignored.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import traceback as tb
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams, FinishState
 from ..context import Context
-from ..errors import InvalidPayload, StepError
+from ..errors import ConfigurationError, InvalidPayload, StepError
 from ..jobs import JobRow
 from ..outcomes import Permanent, Retry
 from ..retry import DEFAULT_BACKOFF
@@ -98,9 +99,43 @@ class Attempt:
 
 
 def scrub(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
+    for secret in sorted(secrets, key=len, reverse=True):  # longest first: one may hold another
         text = text.replace(secret, "***")
-    return text
+    # PostgreSQL cannot store NUL: an error quoting one would wedge the outcome write
+    return text.replace("\x00", "\\x00")
+
+
+def _texts(value: Any) -> list[str]:
+    """A sensitive value's text, and every string inside it (a token in a dict)."""
+    found, todo = [str(value)], [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, list | tuple | set | frozenset):
+            todo.extend(item)
+    return found
+
+
+def _secrets(attempt: Attempt) -> list[str]:
+    """Every sensitive argument's text: from the stored JSON (there even when it no longer
+    validates) and from the decoded values."""
+    definition = attempt.definition
+    if definition is None or not definition.sensitive:
+        return []
+    values: list[Any] = []
+    try:
+        stored = json.loads(attempt.row.args)
+    except (TypeError, ValueError):
+        stored = None
+    for name in definition.sensitive:
+        if isinstance(stored, dict) and name in stored:
+            values.append(stored[name])
+        if attempt.kwargs is not None and name in attempt.kwargs:
+            values.append(attempt.kwargs[name])
+    return sorted({t for v in values for t in _texts(v) if len(t) >= 3})
 
 
 def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str) -> dict[str, Any]:
@@ -108,13 +143,7 @@ def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str)
     trace = exc.trace if isinstance(exc, ChildFailure) else "".join(tb.format_exception(exc))
     if len(trace) > TRACEBACK_LIMIT:
         trace = "...\n" + trace[-TRACEBACK_LIMIT:]
-    secrets: list[str] = []
-    if attempt.definition is not None and attempt.kwargs is not None:
-        secrets = [
-            str(attempt.kwargs[name])
-            for name in attempt.definition.sensitive
-            if name in attempt.kwargs and len(str(attempt.kwargs[name])) >= 3
-        ]
+    secrets = _secrets(attempt)
     return {
         "attempt": attempt.row.attempt,
         "type": exc.type_name if isinstance(exc, ChildFailure) else type(exc).__qualname__,
@@ -135,7 +164,9 @@ def outcome_for(
     definition = attempt.definition
     permanent = definition.permanent if definition is not None else ()
     if (
-        isinstance(exc, InvalidPayload | Permanent | StepError)
+        # ConfigurationError: the handler misused errands (a child job without its required
+        # key=, say); the same code fails the same way on every retry.
+        isinstance(exc, InvalidPayload | Permanent | StepError | ConfigurationError)
         or (permanent and isinstance(exc, permanent))
         or (isinstance(exc, ChildFailure) and exc.kind == "permanent")
     ):

@@ -677,13 +677,16 @@ class PostgresBackend:
         with self._conn() as conn:
             rows = conn.execute(self.q["queue_stats"]).fetchall()
         by_queue: dict[str, dict[str, Any]] = {}
-        for queue, state, n, oldest in rows:
-            entry = by_queue.setdefault(queue, {"counts": {}, "oldest": None})
+        for queue, state, n, oldest, stalled in rows:
+            entry = by_queue.setdefault(queue, {"counts": {}, "oldest": None, "stalled": 0})
             entry["counts"][state] = n
+            entry["stalled"] += stalled or 0
             if oldest is not None and (entry["oldest"] is None or oldest > entry["oldest"]):
                 entry["oldest"] = max(oldest, 0.0)
         return [
-            QueueStats(queue=q, counts=e["counts"], oldest_available_age=e["oldest"])
+            QueueStats(
+                queue=q, counts=e["counts"], oldest_available_age=e["oldest"], stalled=e["stalled"]
+            )
             for q, e in sorted(by_queue.items())
         ]
 

@@ -258,7 +258,8 @@ SELECT state FROM {schema}.errands_jobs WHERE id = %(id)s FOR UPDATE
 -- name: queue_stats
 SELECT queue, state, count(*),
        extract(epoch FROM now() - min(run_at) FILTER (
-           WHERE state IN ('available', 'scheduled', 'retryable') AND run_at <= now()))::float8
+           WHERE state IN ('available', 'scheduled', 'retryable') AND run_at <= now()))::float8,
+       count(*) FILTER (WHERE state = 'running' AND lease_expires_at < now())
 FROM {schema}.errands_jobs
 GROUP BY queue, state
 

@@ -751,9 +751,12 @@ class SQLiteBackend:
         with self._read() as conn:
             rows = conn.execute(Q["queue_stats"]).fetchall()
         by_queue: dict[str, dict[str, Any]] = {}
-        for queue, state, n, oldest_due, now in rows:
-            entry = by_queue.setdefault(queue, {"counts": {}, "oldest": None, "now": now})
+        for queue, state, n, oldest_due, now, stalled in rows:
+            entry = by_queue.setdefault(
+                queue, {"counts": {}, "oldest": None, "now": now, "stalled": 0}
+            )
             entry["counts"][state] = n
+            entry["stalled"] += stalled or 0
             if oldest_due is not None and (entry["oldest"] is None or oldest_due < entry["oldest"]):
                 entry["oldest"] = oldest_due
         return [
@@ -763,6 +766,7 @@ class SQLiteBackend:
                 oldest_available_age=None
                 if entry["oldest"] is None
                 else max(entry["now"] - entry["oldest"], 0.0),
+                stalled=entry["stalled"],
             )
             for queue, entry in sorted(by_queue.items())
         ]

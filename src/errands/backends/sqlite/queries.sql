@@ -203,7 +203,9 @@ SELECT queue, state, count(*) AS n,
        min(CASE WHEN state IN ('available', 'scheduled', 'retryable')
                  AND run_at <= (julianday('now') - 2440587.5) * 86400.0
                 THEN run_at END) AS oldest_due,
-       (julianday('now') - 2440587.5) * 86400.0 AS now
+       (julianday('now') - 2440587.5) * 86400.0 AS now,
+       sum(state = 'running'
+           AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0) AS stalled
 FROM errands_jobs
 GROUP BY queue, state
 
