@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
-from .backends import SQLITE_URL_DEFAULT, Backend, open_backend
+from .backends import SQLITE_URL_DEFAULT, Backend, open_backend, redact_url
 from .backends.base import (
     ActionParams,
     ActionResult,
@@ -20,7 +20,7 @@ from .backends.base import (
     QueueStats,
 )
 from .backends.limits import parse_rate
-from .definition import BoundJob, JobDefinition, check_name, seconds
+from .definition import BoundJob, JobDefinition, check_name, check_text, seconds
 from .errors import ConfigurationError, InvalidTransition, JobNotFound
 from .handle import JobHandle
 from .jobs import Job, Step, parse_state
@@ -42,6 +42,16 @@ POISON_AFTER_DEFAULT = 3
 DEFAULT_QUEUE = "default"
 
 DeadHook = Callable[[Job], None]
+TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
+
+
+def _filter(what: str, value: str | None) -> str | None:
+    """A queue or name filter: any text matches or not, but must be storable text."""
+    return None if value is None else check_text(f"{what} filter", value, TEXT_MAX_BYTES)
+
+
+def _actor(value: str) -> str:
+    return check_text("actor", value, TEXT_MAX_BYTES)
 
 
 class App:
@@ -85,7 +95,7 @@ class App:
         self._backend_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"<errands.App {self.url} jobs={len(self.registry)}>"
+        return f"<errands.App {redact_url(self.url)} jobs={len(self.registry)}>"
 
     # -- the store ---------------------------------------------------------------------
     @property
@@ -199,11 +209,11 @@ class App:
     def pause(self, queue: str, *, actor: str = "api") -> None:
         """Stop every worker from claiming from ``queue`` (persisted and audited); running
         jobs finish. Takes effect within one poll interval."""
-        self.backend.queue_set_paused(check_name("queue", queue), True, actor)
+        self.backend.queue_set_paused(check_name("queue", queue), True, _actor(actor))
 
     def resume(self, queue: str, *, actor: str = "api") -> None:
         """Let workers claim from a paused queue again (audited)."""
-        self.backend.queue_set_paused(check_name("queue", queue), False, actor)
+        self.backend.queue_set_paused(check_name("queue", queue), False, _actor(actor))
 
     def queue_settings(self) -> list[QueueSettings]:
         """Every queue's persisted settings: paused, limits, who changed them last."""
@@ -322,6 +332,7 @@ class App:
             state = parse_state(state).value
         if limit < 1:
             raise ConfigurationError("limit must be at least 1")
+        queue, name = _filter("queue", queue), _filter("name", name)
         rows = self.backend.job_list(
             ListParams(
                 state=state,
@@ -361,11 +372,11 @@ class App:
         ``fresh=True`` forgets the jobs' stored steps, so every step runs again.
         """
         params = ActionParams(
-            actor=actor,
+            actor=_actor(actor),
             ids=list(ids),
             all_matching=all,
-            queue=queue,
-            name=name,
+            queue=_filter("queue", queue),
+            name=_filter("name", name),
             dry_run=dry_run,
             fresh=fresh,
         )
@@ -391,12 +402,12 @@ class App:
         if not reason or not reason.strip():
             raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
         params = ActionParams(
-            actor=actor,
+            actor=_actor(actor),
             ids=list(ids),
             all_matching=all,
-            queue=queue,
-            name=name,
-            reason=reason.strip(),
+            queue=_filter("queue", queue),
+            name=_filter("name", name),
+            reason=check_text("discard reason", reason.strip(), TEXT_MAX_BYTES),
             dry_run=dry_run,
         )
         self._check_selection(params, "discard")
@@ -408,7 +419,7 @@ class App:
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""
-        result = self.backend.job_cancel(int(job_id), actor)
+        result = self.backend.job_cancel(int(job_id), _actor(actor))
         self.events.emit(
             "errands.job.cancel_requested",
             job_id=result.id,

@@ -28,6 +28,8 @@ R = TypeVar("R")
 
 RETRIES_DEFAULT = 3
 NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
+# PostgreSQL indexes (name, key): a btree entry holds at most ~2,700 bytes.
+KEY_MAX_BYTES = 1000
 
 
 def seconds(value: float | timedelta | None, option: str) -> float | None:
@@ -44,6 +46,31 @@ def check_name(kind: str, value: str) -> str:
         raise ConfigurationError(
             f"{kind} name {value!r}: use 1-200 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or '_'"
+        )
+    return value
+
+
+def check_text(what: str, value: str, max_bytes: int | None = None) -> str:
+    """A string errands stores or compares in SQL: no NUL character (PostgreSQL text cannot
+    hold one), valid Unicode (no lone surrogate, as an undecodable command-line byte
+    becomes), and at most ``max_bytes`` of UTF-8."""
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{what} must be a string, got {type(value).__name__}")
+    if "\x00" in value:
+        raise ConfigurationError(
+            f"{what} contains the NUL character (\\x00), which PostgreSQL cannot store; remove it"
+        )
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ConfigurationError(
+            f"{what} {value!r} is not valid Unicode (a lone surrogate, such as an undecodable "
+            "byte on the command line); pass UTF-8 text"
+        ) from None
+    if max_bytes is not None and size > max_bytes:
+        raise ConfigurationError(
+            f"{what} is {size:,} bytes of UTF-8, over the limit of {max_bytes:,}; pass a "
+            "shorter value (a hash of a long one, such as hashlib.sha256(...).hexdigest())"
         )
     return value
 
@@ -216,6 +243,8 @@ class JobDefinition(Generic[P, R]):
         args_json = self.payload.encode(arguments)
         if options.key is not None and (not isinstance(options.key, str) or not options.key):
             raise ConfigurationError(f"{self.name}: key= must be a non-empty string")
+        if options.key is not None:
+            check_text(f"{self.name}: key=", options.key, KEY_MAX_BYTES)
         if options.delay is not None and options.run_at is not None:
             raise ConfigurationError(f"{self.name}: pass delay= or run_at=, not both")
         run_at: float | None = None
@@ -255,8 +284,9 @@ class JobDefinition(Generic[P, R]):
         values.update(json.loads(args_json))
         try:
             # Not prefixed with the job name: job types sharing a key share its limit.
-            return self.concurrency_key.format(**values)
-        except (KeyError, IndexError, AttributeError, ValueError) as exc:
+            key = self.concurrency_key.format(**values)
+            return check_text(f"{self.name}: concurrency_key", key, KEY_MAX_BYTES)
+        except (KeyError, IndexError, AttributeError, ValueError, ConfigurationError) as exc:
             raise InvalidPayload(
                 f"{self.name}: cannot build concurrency_key {self.concurrency_key!r} from the "
                 f"arguments: {exc}"

@@ -196,7 +196,7 @@ def _loads(text: str | None, default: Any) -> Any:
         return default
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         return {"__corrupt__": text} if isinstance(default, dict) else text
 
 

@@ -9,6 +9,8 @@ fails permanently instead of reaching the handler. JSON only: nothing is ever pi
 from __future__ import annotations
 
 import inspect
+import json
+import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -24,6 +26,30 @@ MASK = "***"
 
 # Names ``enqueue`` and ``bind`` take as options; a handler parameter may not use them.
 RESERVED_OPTIONS = frozenset({"key", "delay", "run_at", "priority", "queue", "conn", "unique_for"})
+
+# A NUL character escaped inside JSON text (an even run of backslashes may precede it):
+# PostgreSQL's jsonb and text cannot hold it, so no backend stores it.
+JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+NUL_FIX = "remove it, or pass binary data base64-encoded"
+
+
+def nul_path(value: Any, path: str = "") -> str | None:
+    """Where in a decoded JSON value a string (or key) holds a NUL character, or None."""
+    if isinstance(value, str):
+        return (path or "(value)") if "\x00" in value else None
+    items: Iterable[tuple[Any, Any]] = ()
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and "\x00" in key:
+            return where
+        found = nul_path(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:
@@ -83,7 +109,8 @@ class PayloadSpec:
         try:
             self.model: type[BaseModel] = create_model(  # type: ignore[call-overload]
                 f"{job_name}_args",
-                __config__=ConfigDict(extra="forbid"),
+                # a NaN or infinite float would be stored as null and fail at execution
+                __config__=ConfigDict(extra="forbid", allow_inf_nan=False),
                 **fields,
             )
             return_hint = hints.get("return", Any)
@@ -137,10 +164,13 @@ class PayloadSpec:
         except ValidationError as exc:
             raise describe_validation_error(f"{self.job_name}: invalid arguments", exc) from None
         try:
-            text = model.model_dump_json(exclude_unset=True)
+            # warnings=False: a value pydantic let through but cannot write as its type (an
+            # Enum member in a list[int]) is refused by the round trip below instead
+            text = model.model_dump_json(exclude_unset=True, warnings=False)
         except PydanticSerializationError as exc:
+            where = next((f for f in self.fields if not _serialisable(model, f)), "(arguments)")
             raise InvalidPayload(
-                f"{self.job_name}: arguments are not JSON-serialisable: {exc}"
+                f"{self.job_name}: arguments are not JSON-serialisable: {where}: {exc}"
             ) from None
         size = len(text.encode("utf-8"))
         if size > self.max_bytes:
@@ -149,6 +179,19 @@ class PayloadSpec:
                 f"{self.max_bytes:,}; store large data elsewhere (a file, a table, object "
                 "storage) and pass a reference, or raise App(max_payload_bytes=...)"
             )
+        if JSON_NUL.search(text):
+            where = nul_path(json.loads(text)) or "(arguments)"
+            raise InvalidPayload(
+                f"{self.job_name}: invalid arguments: {where}: contains the NUL character "
+                f"(\\x00), which PostgreSQL cannot store; {NUL_FIX}",
+                errors=[{"loc": tuple(where.split(".")), "msg": "NUL character", "type": "nul"}],
+            )
+        try:  # what is stored must validate again at execution (nested NaN, say, would not)
+            self.model.model_validate_json(text)
+        except ValidationError as exc:
+            raise describe_validation_error(
+                f"{self.job_name}: arguments would not survive storage as JSON", exc
+            ) from None
         return text
 
     def decode(self, args_json: str) -> dict[str, Any]:
@@ -165,12 +208,18 @@ class PayloadSpec:
         if value is None:
             return None
         try:
-            return self.result_adapter.dump_json(value, warnings=False).decode("utf-8")
+            text = self.result_adapter.dump_json(value, warnings=False).decode("utf-8")
         except (PydanticSerializationError, ValueError, TypeError) as exc:
             raise InvalidPayload(
                 f"{self.job_name}: the handler returned a {type(value).__name__}, which cannot be "
                 f"stored as JSON ({exc}); return JSON-friendly data or None"
             ) from None
+        if JSON_NUL.search(text):
+            raise InvalidPayload(
+                f"{self.job_name}: the handler's result holds the NUL character (\\x00) at "
+                f"{nul_path(json.loads(text))}, which PostgreSQL cannot store; {NUL_FIX}"
+            )
+        return text
 
     def decode_result(self, value: Any) -> Any:
         if value is None:
@@ -179,6 +228,14 @@ class PayloadSpec:
             return self.result_adapter.validate_python(value)
         except ValidationError:
             return value
+
+
+def _serialisable(model: BaseModel, field: str) -> bool:
+    try:
+        model.model_dump_json(include={field}, warnings=False)
+    except PydanticSerializationError:
+        return False
+    return True
 
 
 def mask(arguments: Mapping[str, Any], sensitive: Iterable[str]) -> dict[str, Any]:

@@ -40,8 +40,11 @@ def url_scheme(url: str) -> str:
     """The URL's scheme, lowercased; a URL that cannot be parsed is a clear error."""
     try:
         return urlsplit(url).scheme.lower() if "://" in url else ""
-    except ValueError as exc:  # an unclosed '[' of an IPv6 host, say
-        raise ConfigurationError(f"malformed database URL {redact_url(url)!r}: {exc}") from None
+    except ValueError:  # an unclosed '[' of an IPv6 host, say (its text may quote a password)
+        raise ConfigurationError(
+            f"malformed database URL {redact_url(url)!r}: its host part cannot be parsed (an "
+            "unclosed '[' or a bad IPv6 address?); write postgresql://user@host:5432/dbname"
+        ) from None
 
 
 def migration_script(url: str, after: int = 0) -> str:

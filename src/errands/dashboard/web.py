@@ -20,6 +20,8 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from .. import __version__
+from ..definition import check_text
+from ..errors import ErrandsError
 from .security import (
     CSRF_FIELD,
     CSRF_HEADER,
@@ -192,7 +194,10 @@ def page(fn: PageHandler) -> Callable[[Request], Awaitable[Response]]:
         viewer = await authenticate(request)
         if isinstance(viewer, Response):
             return viewer
-        return await fn(request, viewer)
+        try:
+            return await fn(request, viewer)
+        except ErrandsError as exc:  # a filter errands refuses, say: a clear 400, not a 500
+            return error_page(request, 400, "Bad request", str(exc))
 
     return endpoint
 
@@ -250,7 +255,7 @@ def form_text(form: FormData, name: str) -> str:
 
 def query_text(request: Request, name: str, limit: int = 200) -> str | None:
     value = request.query_params.get(name, "").strip()[:limit]
-    return value or None
+    return check_text(f"the {name!r} filter", value) or None
 
 
 def query_int(request: Request, name: str) -> int | None:

@@ -128,7 +128,7 @@ def _secrets(attempt: Attempt) -> list[str]:
     values: list[Any] = []
     try:
         stored = json.loads(attempt.row.args)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # corrupted, or nested past the stack
         stored = None
     for name in definition.sensitive:
         if isinstance(stored, dict) and name in stored:

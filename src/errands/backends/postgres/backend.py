@@ -199,7 +199,21 @@ class PostgresBackend:
                     f"this errands ({SCHEMA_VERSION}); upgrade errands on this host"
                 )
             for version, name, text in self.migration_sql(after=current):
-                conn.execute(text.encode())
+                try:
+                    conn.execute(text.encode())
+                except (
+                    pg_errors.DuplicateTable,
+                    pg_errors.DuplicateColumn,
+                    pg_errors.DuplicateObject,
+                ) as exc:  # the tables are ahead of what errands_migrations records
+                    raise SchemaOutdated(
+                        f"cannot apply errands migration {version:04d}_{name} to schema "
+                        f"{self.schema!r} of {self.config.display}: "
+                        f"{exc.diag.message_primary}. errands_migrations records version "
+                        f"{current}, but the tables do not match it (was that table edited, or "
+                        "the schema restored from a copy?); nothing was changed; restore the "
+                        "schema from a backup"
+                    ) from None
                 conn.execute(
                     pg_sql.SQL(
                         "INSERT INTO {}.errands_migrations (version, name) VALUES (%s, %s)"

@@ -1,0 +1,107 @@
+"""A full SQLite store (DESIGN §11): enqueue raises errands.StorageFull, a clear
+ErrandsError, instead of sqlite3's "database or disk is full"; a refused batch writes
+nothing; the file stays intact; enqueue works again once there is room.
+
+``PRAGMA max_page_count`` caps the file the way a full disk would. SQLite keeps that
+setting per connection (a side connection's value is not seen by others), so it is set
+on the connection errands itself writes with from this thread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+import errands
+
+from .support import job_count
+
+ROOM_PAGES = 4  # above the current size: a few small jobs fit, a burst does not
+
+
+@pytest.fixture
+def full_app(tmp_path: Path) -> Iterator[tuple[errands.App, Path]]:
+    path = tmp_path / "small.db"
+    app = errands.App(f"sqlite:///{path}")
+
+    @app.job(name="store.note", retries=0)
+    def note(text: str) -> None:
+        pass
+
+    yield app, path
+    app.close()
+
+
+def _cap(app: errands.App, extra_pages: int | None) -> None:
+    conn = app.backend._conn()  # type: ignore[attr-defined]  # errands' connection, this thread
+    if extra_pages is None:
+        conn.execute("PRAGMA max_page_count = 1073741823")
+    else:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages + extra_pages}")
+
+
+def test_enqueue_on_a_full_store_raises_storage_full_and_corrupts_nothing(
+    full_app: tuple[errands.App, Path],
+) -> None:
+    app, path = full_app
+    note = app.registry["store.note"]
+    earlier = {note.enqueue(text=f"before {i}").id: f"before {i}" for i in range(5)}
+    _cap(app, ROOM_PAGES)
+
+    with pytest.raises(errands.StorageFull) as caught:
+        for i in range(5000):
+            note.enqueue(text=f"filler {i} " + "x" * 2000)
+    assert isinstance(caught.value, errands.ErrandsError)
+    assert not isinstance(caught.value, sqlite3.Error)
+    message = str(caught.value)
+    assert "is full" in message and str(path) in message, message
+    assert "\n" not in message
+
+    with closing(sqlite3.connect(path)) as side:
+        assert side.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    for job_id, text in earlier.items():
+        job = app.get_job(job_id)
+        assert job.args == {"text": text} and job.state.value == "available"
+
+    _cap(app, None)
+    after = note.enqueue(text="there is room again")
+    assert app.get_job(after.id).args == {"text": "there is room again"}
+
+
+def test_a_batch_that_does_not_fit_is_refused_whole(full_app: tuple[errands.App, Path]) -> None:
+    app, path = full_app
+    note = app.registry["store.note"]
+    note.enqueue(text="first")
+    _cap(app, ROOM_PAGES)
+    before = job_count(app)
+
+    with pytest.raises(errands.StorageFull):
+        app.enqueue_many([note.bind(text="y" * 3000) for _ in range(200)])
+
+    assert job_count(app) == before, "part of a refused batch was written"
+    with closing(sqlite3.connect(path)) as side:
+        assert side.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    _cap(app, None)
+    assert len(app.enqueue_many([note.bind(text="z") for _ in range(3)])) == 3
+
+
+def test_enqueue_in_the_callers_full_transaction_raises_storage_full(
+    full_app: tuple[errands.App, Path],
+) -> None:
+    app, path = full_app
+    note = app.registry["store.note"]
+    note.enqueue(text="creates the schema")
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages + 1}")
+        conn.execute("BEGIN IMMEDIATE")
+        with pytest.raises(errands.StorageFull):
+            for _ in range(500):
+                note.enqueue(text="w" * 3000, conn=conn)
+        conn.execute("ROLLBACK")
+    assert job_count(app) == 1

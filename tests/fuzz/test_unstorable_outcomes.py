@@ -1,0 +1,71 @@
+"""Outcomes a store cannot hold as given (DESIGN §5, §11). A handler that returns text
+with a NUL character, stores it as a step, or raises an exception quoting one: PostgreSQL's
+jsonb refuses \\u0000, and the worker's outcome write used to retry that batch forever,
+wedging every job in it. Now the result and step are refused with a clear reason (dead,
+like any result that is not JSON) and the error message is stored escaped; the worker
+keeps serving the jobs around them. The same on SQLite, so payloads stay portable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import errands
+from tests.conftest import running_worker
+
+from .support import wait_until
+
+
+@pytest.fixture(scope="module")
+def app(store_url: str) -> Iterator[errands.App]:
+    application = errands.App(store_url)
+
+    @application.job(name="nul.result", retries=0)
+    def returns_nul() -> dict[str, str]:
+        return {"text": "before\x00after"}
+
+    @application.job(name="nul.error", retries=0)
+    def raises_nul() -> None:
+        raise ValueError("bad byte \x00 in the input")
+
+    @application.job(name="nul.step", retries=0)
+    def steps_nul(ctx: errands.Context) -> str:
+        return str(ctx.step("read", lambda: "a\x00b"))
+
+    @application.job(name="nul.fine", retries=0)
+    def fine(n: int) -> int:
+        return n * 2
+
+    application.migrate()
+    yield application
+    application.close()
+
+
+def test_unstorable_results_steps_and_errors_end_dead_and_the_worker_keeps_serving(
+    app: errands.App,
+) -> None:
+    registry = app.registry
+    bad = {name: registry[name].enqueue().id for name in ("nul.result", "nul.error", "nul.step")}
+    good = [registry["nul.fine"].enqueue(n=n).id for n in range(5)]
+
+    def settled() -> bool:
+        return all(
+            app.get_job(i).state.value in ("dead", "completed") for i in [*bad.values(), *good]
+        )
+
+    with running_worker(app, concurrency=2, poll_interval=0.02):
+        wait_until(settled, 30, "every job to settle (a wedged outcome write never does)")
+
+    assert [app.get_job(i).result for i in good] == [0, 2, 4, 6, 8]
+    result = app.get_job(bad["nul.result"])
+    assert result.state.value == "dead"
+    assert "NUL character" in result.errors[-1].message and "text" in result.errors[-1].message
+    error = app.get_job(bad["nul.error"])
+    assert error.state.value == "dead"
+    assert error.errors[-1].message == "bad byte \\x00 in the input"
+    step = app.get_job(bad["nul.step"])
+    assert step.state.value == "dead" and step.errors[-1].type == "StepError"
+    assert "step 'read'" in step.errors[-1].message and "NUL" in step.errors[-1].message
+    assert app.job_steps(step.id) == []
