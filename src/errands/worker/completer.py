@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..backends.base import FinishParams
@@ -26,6 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("errands.worker")
 
 BATCH_MAX = 500
+REFUSALS_BEFORE_SPLIT = 3
+
+
+def _transient(exc: Exception) -> bool:
+    """Connectivity or locking trouble (retry as is), as opposed to a refused content."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"OperationalError", "InterfaceError", "PoolTimeout", "DatabaseBusy"}) or (
+        isinstance(exc, OSError | TimeoutError)
+    )
+
 
 Written = Callable[[Attempt, FinishParams, bool], None]
 
@@ -70,12 +81,32 @@ class Completer:
                 self._lock.notify_all()
 
     def _write(self, batch: list[tuple[Attempt, FinishParams]]) -> None:
+        for (attempt, outcome), ok in self._store(batch):
+            if not ok:
+                self.stale_rejected += 1
+            try:
+                self.on_written(attempt, outcome, ok)
+            except Exception:
+                log.exception("error after recording the outcome of job %s", attempt.id)
+
+    def _store(
+        self, batch: list[tuple[Attempt, FinishParams]]
+    ) -> list[tuple[tuple[Attempt, FinishParams], bool]]:
+        """Write a batch, retrying while the store is unreachable or busy (leases keep the
+        jobs safe). A batch the store refuses for its content is split, and an outcome that
+        cannot be stored on its own is recorded as dead with the reason, so one bad
+        outcome never holds the others back."""
         pause = 0.05
+        refusals = 0
         while True:
             try:
                 accepted = self.app.backend.job_finish_many([o for _, o in batch])
-                break
-            except Exception:
+                return list(zip(batch, accepted, strict=True))
+            except Exception as exc:
+                if not _transient(exc):
+                    refusals += 1
+                    if refusals >= REFUSALS_BEFORE_SPLIT:
+                        return self._store_apart(batch, exc)
                 log.exception(
                     "could not record %d outcome(s); retrying in %.2f s (leases keep them safe)",
                     len(batch),
@@ -83,13 +114,36 @@ class Completer:
                 )
                 time.sleep(pause * (1 + random.random()))
                 pause = min(pause * 2, 5.0)
-        for (attempt, outcome), ok in zip(batch, accepted, strict=True):
-            if not ok:
-                self.stale_rejected += 1
-            try:
-                self.on_written(attempt, outcome, ok)
-            except Exception:
-                log.exception("error after recording the outcome of job %s", attempt.id)
+
+    def _store_apart(
+        self, batch: list[tuple[Attempt, FinishParams]], exc: Exception
+    ) -> list[tuple[tuple[Attempt, FinishParams], bool]]:
+        if len(batch) > 1:
+            return [item for one in batch for item in self._store([one])]
+        attempt, outcome = batch[0]
+        log.error(
+            "job %s: its outcome cannot be stored (%s); recording it as dead", attempt.id, exc
+        )
+        fallback = replace(
+            outcome,
+            state="dead",
+            result_json=None,
+            children=(),
+            error={
+                "attempt": attempt.row.attempt,
+                "type": "UnstorableOutcome",
+                "message": f"the store refused this attempt's outcome: {str(exc)[:500]}",
+                "traceback": None,
+                "worker": None,
+                "kind": "permanent",
+            },
+        )
+        try:
+            [ok] = self.app.backend.job_finish_many([fallback])
+        except Exception:
+            log.exception("job %s: even the fallback outcome failed; its lease expires", attempt.id)
+            ok = False
+        return [((attempt, fallback), ok)]
 
     def flush(self, timeout: float) -> bool:
         """Wait until every submitted outcome is written; False if ``timeout`` ran out."""

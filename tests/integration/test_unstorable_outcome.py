@@ -1,0 +1,47 @@
+"""An outcome the store refuses for its content is isolated: it never holds others back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import errands
+from errands import JobState
+
+from .helpers import wait_until
+
+
+def test_an_outcome_the_store_refuses_ends_dead_and_the_rest_of_its_batch_is_recorded(
+    app: errands.App, worker_factory: Any
+) -> None:
+    """Given a store that refuses one job's outcome (not a connection problem), the batch is
+    split, the others complete, and that job is recorded dead with the refusal as reason."""
+
+    @app.job(name="unstorable.work")
+    def work(n: int) -> int:
+        return n
+
+    handles = app.enqueue_many([work.bind(n) for n in range(8)])
+    poisoned = handles[3].id
+    backend = app.backend
+    original = backend.job_finish_many
+
+    def refusing(outcomes: Any) -> list[bool]:
+        if any(o.id == poisoned and o.state == "completed" for o in outcomes):
+            raise ValueError("value too long for type character varying(8)")
+        return original(outcomes)
+
+    backend.job_finish_many = refusing  # type: ignore[method-assign]
+    with worker_factory(concurrency=8):
+        wait_until(
+            lambda: all(h.status() in (JobState.COMPLETED, JobState.DEAD) for h in handles),
+            what="every job to be recorded",
+            timeout=30,
+        )
+    for handle in handles:
+        job = handle.job()
+        if handle.id == poisoned:
+            assert job.state is JobState.DEAD
+            assert job.last_error is not None and job.last_error.type == "UnstorableOutcome"
+            assert "value too long" in job.last_error.message
+        else:
+            assert job.state is JobState.COMPLETED, (handle.id, job.state)
