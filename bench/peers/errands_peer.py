@@ -1,0 +1,103 @@
+"""errands, on SQLite or PostgreSQL (the URL says which); run with the project's venv."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import _probe
+
+CHUNK = 1000
+
+
+def _app(spec: dict[str, Any]) -> Any:
+    os.environ["ERRANDS_URL"] = spec["url"]
+    import errands_app
+
+    return errands_app
+
+
+def _reset(spec: dict[str, Any]) -> None:
+    url = spec["url"]
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///") :]
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.exists(path + suffix):
+                os.remove(path + suffix)
+
+
+def migrate(spec: dict[str, Any]) -> dict[str, Any]:
+    _reset(spec)
+    mod = _app(spec)
+    mod.app.migrate()
+    mod.app.close()
+    return {}
+
+
+def _fresh(spec: dict[str, Any]) -> Any:
+    _reset(spec)
+    mod = _app(spec)
+    mod.app.migrate()
+    return mod
+
+
+def _bulk(mod: Any, n: int) -> float:
+    def go() -> None:
+        for start in range(0, n, CHUNK):
+            mod.app.enqueue_many([mod.noop.bind(n=i) for i in range(start, min(n, start + CHUNK))])
+
+    return _probe.timed(go)
+
+
+def enqueue_single(spec: dict[str, Any]) -> dict[str, Any]:
+    mod = _fresh(spec)
+    n = spec["jobs"]
+    mod.noop.enqueue(n=0)  # connect and warm up outside the timing
+
+    def go() -> None:
+        for i in range(n):
+            mod.noop.enqueue(n=i)
+
+    return {"rate": n / _probe.timed(go)}
+
+
+def enqueue_bulk(spec: dict[str, Any]) -> dict[str, Any]:
+    mod = _fresh(spec)
+    mod.noop.enqueue(n=0)
+    return {"rate": spec["jobs"] / _bulk(mod, spec["jobs"])}
+
+
+def _commands(spec: dict[str, Any]) -> Any:
+    def commands(procs: int) -> list[list[str]]:
+        argv = [sys.executable, "-m", "errands", "worker", "errands_app:app"]
+        argv += ["--url", spec["url"], "-q", "bench", "-c", str(spec["concurrency"])]
+        argv += ["--log-level", "warning"]
+        if procs > 1:
+            argv += ["--processes", str(procs)]
+        return [argv]
+
+    return commands
+
+
+def throughput(spec: dict[str, Any]) -> dict[str, Any]:
+    mod = _fresh(spec)
+    return _probe.throughput(spec, lambda n: _bulk(mod, n), _commands(spec))
+
+
+def latency(spec: dict[str, Any]) -> dict[str, Any]:
+    mod = _fresh(spec)
+    mod.app.backend.db_now()  # connect before the clock starts
+    return _probe.latency(spec, lambda i: mod.noop.enqueue(n=i), _commands(spec))
+
+
+if __name__ == "__main__":
+    _probe.main(
+        {
+            "migrate": migrate,
+            "enqueue_single": enqueue_single,
+            "enqueue_bulk": enqueue_bulk,
+            "throughput": throughput,
+            "latency": latency,
+        }
+    )

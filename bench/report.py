@@ -1,0 +1,629 @@
+"""Tables for the terminal, the shares of the limit, the targets, and docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+NOTES = BENCH / "profile_notes.md"
+
+COLUMNS = [
+    ("enqueue_single", "enqueue 1/call /s", "rate"),
+    ("enqueue_bulk", "enqueue bulk /s", "rate"),
+    ("throughput_1", "process 1 proc /s", "rate"),
+    ("throughput_2", "process 2 procs /s", "rate"),
+    ("latency_p50", "pickup p50 ms", "ms"),
+    ("latency_p95", "p95 ms", "ms"),
+    ("latency_p99", "p99 ms", "ms"),
+    ("memory_mb", "peak RSS/proc MB", "mb"),
+]
+RATIO_COLUMNS = [
+    ("enqueue_single", "enqueue 1/call"),
+    ("enqueue_bulk", "enqueue bulk"),
+    ("throughput_1", "1 proc"),
+    ("throughput_2", "2 procs"),
+    ("latency_p50", "p50 latency"),
+    ("latency_p99", "p99 latency"),
+    ("memory_mb", "memory"),
+]
+LOWER_IS_BETTER = {"latency_p50", "latency_p95", "latency_p99", "memory_mb"}
+LIMIT_ROWS = [
+    ("claim_complete_b1", "claim + complete, batch 1"),
+    ("claim_complete_b10", "claim + complete, batch 10"),
+    ("claim_complete_b100", "claim + complete, batch 100"),
+    ("insert_single", "insert + commit, one row"),
+    ("insert_multirow", "multi-row INSERT (1,000 a statement)"),
+    ("copy", "COPY"),
+]
+
+
+def fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "—"
+    if kind == "rate":
+        return f"{value:,.0f}"
+    if kind in ("ms", "mb"):
+        return f"{value:,.1f}"
+    if kind == "ratio":
+        return f"{value:.2f}x"
+    if kind == "pct":
+        return f"{value * 100:.0f} %"
+    return str(value)
+
+
+def brief(key: str, out: dict[str, Any]) -> str:
+    if key.startswith("latency"):
+        return f"p50 {out['p50_ms']:.1f} / p95 {out['p95_ms']:.1f} / p99 {out['p99_ms']:.1f} ms"
+    if key.startswith("throughput"):
+        mem = [m["hwm_kb"] for m in out.get("memory", {}).values()]
+        capped = " (capped)" if out.get("capped") else ""
+        return (
+            f"{out['rate']:,.0f} jobs/s{capped}, {out['done']:,} jobs, "
+            f"peak {max(mem) / 1024 if mem else 0:.0f} MB"
+        )
+    return f"{out['rate']:,.0f} jobs/s"
+
+
+def brief_limit(figures: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:,.0f}/s" for k, v in figures.items())
+
+
+def _fig(results: dict[str, Any], system: str, key: str) -> Any:
+    entry = results.get("systems", {}).get(system)
+    return None if entry is None else entry.get("figures", {}).get(key)
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    return a / b if a and b else None
+
+
+def _best(*values: Any) -> Any:
+    present = [v for v in values if v]
+    return max(present) if present else None
+
+
+def shares(results: dict[str, Any]) -> dict[str, Any]:
+    """errands as a share of the limit measured in the same run."""
+    out: dict[str, Any] = {}
+    lim = results.get("limit", {})
+    pg = lim.get("postgres", {}).get("figures")
+    if pg:
+        best = _best(*(pg.get(f"claim_complete_b{b}") for b in (1, 10, 100)))
+        tp = _best(
+            _fig(results, "errands-pg", "throughput_1"), _fig(results, "errands-pg", "throughput_2")
+        )
+        out["postgres"] = {
+            "processing_vs_best_batch": _ratio(tp, best),
+            "processing_vs_b100": _ratio(tp, pg.get("claim_complete_b100")),
+            "enqueue_single_vs_insert": _ratio(
+                _fig(results, "errands-pg", "enqueue_single"), pg.get("insert_single")
+            ),
+            "enqueue_bulk_vs_copy": _ratio(
+                _fig(results, "errands-pg", "enqueue_bulk"), pg.get("copy")
+            ),
+            "enqueue_bulk_vs_multirow": _ratio(
+                _fig(results, "errands-pg", "enqueue_bulk"), pg.get("insert_multirow")
+            ),
+        }
+    sq = lim.get("sqlite", {}).get("figures")
+    if sq:
+        best = _best(*(sq.get(f"claim_complete_b{b}") for b in (1, 10, 100)))
+        tp = _best(
+            _fig(results, "errands-sqlite", "throughput_1"),
+            _fig(results, "errands-sqlite", "throughput_2"),
+        )
+        out["sqlite"] = {
+            "processing_vs_best_batch": _ratio(tp, best),
+            "enqueue_single_vs_insert": _ratio(
+                _fig(results, "errands-sqlite", "enqueue_single"), sq.get("insert_single")
+            ),
+            "enqueue_bulk_vs_multirow": _ratio(
+                _fig(results, "errands-sqlite", "enqueue_bulk"), sq.get("insert_multirow")
+            ),
+        }
+    return out
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 8's targets against this run's figures (reported, never asserted)."""
+    rows: list[dict[str, Any]] = []
+
+    def add(target: str, measured: str, ok: bool | None) -> None:
+        rows.append({"target": target, "measured": measured, "met": ok})
+
+    sh = results.get("shares", {})
+    pg_tp = _best(
+        _fig(results, "errands-pg", "throughput_1"), _fig(results, "errands-pg", "throughput_2")
+    )
+    s = sh.get("postgres", {})
+    if s.get("processing_vs_best_batch") is not None:
+        v = s["processing_vs_best_batch"]
+        add(
+            "PostgreSQL processing ≥ 50 % of the raw claim-and-complete limit",
+            f"{fmt(pg_tp, 'rate')} jobs/s = {fmt(v, 'pct')} of the best batch",
+            v >= 0.5,
+        )
+    python_peers = ["procrastinate", "pgqueuer", "oban"]
+    peer_best = {
+        p: _best(_fig(results, p, "throughput_1"), _fig(results, p, "throughput_2"))
+        for p in python_peers
+    }
+    peer_best = {p: v for p, v in peer_best.items() if v}
+    if pg_tp and peer_best:
+        top = max(peer_best, key=lambda p: peer_best[p])
+        r = pg_tp / peer_best[top]
+        add(
+            "PostgreSQL processing ≥ 2.5 x the best Python peer",
+            f"{r:.2f} x {top} ({fmt(peer_best[top], 'rate')} jobs/s)",
+            r >= 2.5,
+        )
+    awa = _best(_fig(results, "awa-pg", "throughput_1"), _fig(results, "awa-pg", "throughput_2"))
+    if pg_tp and awa:
+        add(
+            "PostgreSQL processing not behind awa-pg",
+            f"{pg_tp / awa:.2f} x awa-pg ({fmt(awa, 'rate')} jobs/s)",
+            pg_tp >= awa,
+        )
+    if s.get("enqueue_single_vs_insert") is not None:
+        v = s["enqueue_single_vs_insert"]
+        add(
+            "Enqueue one call per job ≥ 80 % of raw single-row insert-and-commit",
+            fmt(v, "pct"),
+            v >= 0.8,
+        )
+    if s.get("enqueue_bulk_vs_copy") is not None:
+        v = s["enqueue_bulk_vs_copy"]
+        add("Enqueue bulk ≥ 50 % of raw COPY", fmt(v, "pct"), v >= 0.5)
+    p50, p99 = (
+        _fig(results, "errands-pg", "latency_p50"),
+        _fig(results, "errands-pg", "latency_p99"),
+    )
+    if p50 is not None:
+        add(
+            "Idle pickup latency on PostgreSQL: p50 ≤ 3 ms, p99 ≤ 10 ms",
+            f"p50 {p50:.1f} ms, p99 {p99:.1f} ms",
+            p50 <= 3 and p99 <= 10,
+        )
+    q = sh.get("sqlite", {})
+    if q.get("processing_vs_best_batch") is not None:
+        v = q["processing_vs_best_batch"]
+        add(
+            "SQLite processing ≥ 50 % of the raw in-process claim-and-complete limit",
+            fmt(v, "pct"),
+            v >= 0.5,
+        )
+    sq_tp = _best(
+        _fig(results, "errands-sqlite", "throughput_1"),
+        _fig(results, "errands-sqlite", "throughput_2"),
+    )
+    huey = _best(_fig(results, "huey", "throughput_1"), _fig(results, "huey", "throughput_2"))
+    if sq_tp and huey:
+        add(
+            "SQLite processing ahead of huey's SQLite storage",
+            f"{sq_tp / huey:.2f} x huey",
+            sq_tp > huey,
+        )
+    idle = _fig(results, "errands-pg", "idle_rss_mb")
+    if idle is not None:
+        add(
+            "An idle worker process ≤ 60 MB resident (errands-pg, after one job)",
+            f"{idle:.1f} MB",
+            idle <= 60,
+        )
+    mem = _fig(results, "errands-pg", "memory_mb")
+    if mem is not None:
+        add(
+            "Memory flat across a 100,000-job run",
+            f"not measured here (peak over {results['plan']['throughput_jobs']:,} jobs: "
+            f"{mem:.1f} MB)",
+            None,
+        )
+    sc = results.get("scale", {}).get("postgres", {})
+    if sc.get("loop_ratio") is not None:
+        text = f"loop {sc['loop_ratio']:.2f}"
+        if sc.get("worker_ratio") is not None:
+            text += f", worker {sc['worker_ratio']:.2f}"
+        ok = sc["loop_ratio"] >= 0.9 and sc.get("worker_ratio", 1.0) >= 0.9
+        add("Claim throughput with 1M finished rows within 10 % of an empty table (PG)", text, ok)
+    return rows
+
+
+# -- the terminal --------------------------------------------------------------------------
+
+
+def _main_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["system", "store"] + [label for _, label, _ in COLUMNS]
+    rows = []
+    for name, entry in results["systems"].items():
+        fig = entry.get("figures", {})
+        if entry.get("error") and not entry.get("raw"):
+            rows.append([name, entry["store"], f"failed: {entry['error'][:60]}"] + [""] * 7)
+            continue
+        row = [name, entry["store"]]
+        for key, _, kind in COLUMNS:
+            cell = fmt(fig.get(key), kind)
+            if key.startswith("throughput") and fig.get(f"{key}_capped"):
+                cell += "*"
+            row.append(cell)
+        rows.append(row)
+    return header, rows
+
+
+def _ratio_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["errands / peer"] + [label for _, label in RATIO_COLUMNS]
+    rows = []
+    for name, entry in results["systems"].items():
+        base = entry.get("compare_to")
+        if not base or not entry.get("figures") or base not in results["systems"]:
+            continue
+        row = [f"{base} / {name}"]
+        for key, _ in RATIO_COLUMNS:
+            row.append(fmt(_ratio(_fig(results, base, key), entry["figures"].get(key)), "ratio"))
+        rows.append(row)
+    return header, rows
+
+
+def _limit_rows(results: dict[str, Any], store: str) -> list[list[str]]:
+    lim = results.get("limit", {}).get(store, {}).get("figures")
+    if not lim:
+        return []
+    errands = "errands-pg" if store == "postgres" else "errands-sqlite"
+    tp = _best(_fig(results, errands, "throughput_1"), _fig(results, errands, "throughput_2"))
+    mine = {
+        "claim_complete_b1": tp,
+        "claim_complete_b10": tp,
+        "claim_complete_b100": tp,
+        "insert_single": _fig(results, errands, "enqueue_single"),
+        "insert_multirow": _fig(results, errands, "enqueue_bulk"),
+        "copy": _fig(results, errands, "enqueue_bulk"),
+    }
+    rows = []
+    for key, label in LIMIT_ROWS:
+        if key in lim:
+            rows.append(
+                [
+                    label,
+                    fmt(lim[key], "rate"),
+                    fmt(mine[key], "rate"),
+                    fmt(_ratio(mine[key], lim[key]), "pct"),
+                ]
+            )
+    return rows
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover - rich is an errands dependency
+        Console = None  # type: ignore[assignment,misc]
+
+    def show(title: str, header: list[str], rows: list[list[str]]) -> None:
+        if not rows:
+            return
+        if Console is None:
+            print(f"\n{title}\n" + " | ".join(header))
+            for row in rows:
+                print(" | ".join(row))
+            return
+        table = Table(title=title, title_justify="left")
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        Console(width=200).print(table)
+
+    header, rows = _main_rows(results)
+    show(
+        f"errands and peers ({results['mode']}, median of {results['plan']['runs']})", header, rows
+    )
+    show(
+        "errands / peer (rates: > 1 is errands faster; latency and memory: < 1 is errands better)",
+        *_ratio_rows(results),
+    )
+    for store in ("postgres", "sqlite"):
+        show(
+            f"the limit on {store}: errands' own SQL in a tight loop",
+            ["figure", "limit /s", "errands /s", "errands share"],
+            _limit_rows(results, store),
+        )
+    scale_rows = _scale_rows(results)
+    rows_loaded = results["plan"]["scale_rows"]
+    show(f"scale: {rows_loaded:,} finished rows vs an empty table", *scale_rows)
+    t = results.get("targets", [])
+    show(
+        "issue 8 targets (reported, not asserted)",
+        ["target", "measured", "met"],
+        [[r["target"], r["measured"], {True: "yes", False: "NO", None: "—"}[r["met"]]] for r in t],
+    )
+
+
+def _scale_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    rows_loaded = results.get("plan", {}).get("scale_rows", 1_000_000)
+    header = ["store", "figure", "empty /s", f"{rows_loaded:,} finished /s", "ratio"]
+    rows = []
+    for store, sc in results.get("scale", {}).items():
+        if sc.get("error"):
+            rows.append([store, f"failed: {sc['error'][:80]}", "", "", ""])
+            continue
+        rows.append(
+            [
+                store,
+                f"claim loop, batch {sc['batch']}",
+                fmt(sc.get("loop_empty"), "rate"),
+                fmt(sc.get("loop_full"), "rate"),
+                fmt(sc.get("loop_ratio"), "ratio"),
+            ]
+        )
+        if sc.get("worker_empty") is not None:
+            rows.append(
+                [
+                    store,
+                    "errands worker, 1 proc",
+                    fmt(sc["worker_empty"], "rate"),
+                    fmt(sc["worker_full"], "rate"),
+                    fmt(sc["worker_ratio"], "ratio"),
+                ]
+            )
+    return header, rows
+
+
+# -- docs/benchmarks.md -----------------------------------------------------------------
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    if not rows:
+        return "_(not measured)_\n"
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
+    m = results["machine"]
+    plan = results["plan"]
+    minutes = results["duration_s"] / 60
+    parts: list[str] = []
+    add = parts.append
+    add("# Benchmarks\n")
+    add(
+        "errands against the Python job queues people choose between, measured in one run on "
+        "one machine by `make bench` (the harness is `bench/`; every figure below comes from "
+        f"`bench/results/latest.json`). This run: {results['started_at']}, took "
+        f"{minutes:.1f} min; load average before {results['load_before'][0]:.2f}, after "
+        f"{results['load_after'][0]:.2f}.\n\n"
+    )
+    for update in results.get("updates", []):
+        add(
+            f"Re-measured in a later partial run at {update['at']} "
+            f"({update['duration_s'] / 60:.1f} min, load average before "
+            f"{update['load_before'][0]:.2f}): {', '.join(update['sections'])}.\n\n"
+        )
+    loads = sorted(
+        r["load1"]
+        for e in results["systems"].values()
+        for runs in e.get("raw", {}).values()
+        for r in runs
+        if "load1" in r
+    )
+    if loads:
+        add(
+            f"The 1-minute load average after each scenario: median {loads[len(loads) // 2]:.1f}, "
+            f"max {loads[-1]:.1f} (2 cores; anything above ~2 means other work shared the "
+            "machine and the absolute figures are low; the ratios, measured interleaved, hold "
+            "up better).\n\n"
+        )
+    add("## Results\n")
+    add(
+        f"Median of {plan['runs']} runs. Rates in jobs per second; pickup latency from the "
+        "enqueue call to the handler's start on an idle worker; memory is the peak resident "
+        "set (VmHWM) of the busiest worker process after processing with 1 process. `*`: the "
+        f"run hit the {plan['cap']:.0f} s processing cap before the "
+        f"{plan['throughput_jobs']:,} jobs were done (rate over the jobs done).\n"
+    )
+    add(_md_table(*_main_rows(results)))
+    add("\n### errands / peer\n")
+    add(
+        "Each peer against errands on the same store kind (PostgreSQL and Redis peers against "
+        "errands-pg, huey against errands-sqlite). Rates: above 1 means errands is faster. "
+        "Latency and memory: below 1 means errands is lower (better).\n"
+    )
+    add(_md_table(*_ratio_rows(results)))
+    add("\n## The limit\n")
+    add(
+        "What the database itself allows: errands' own claim and complete statements "
+        "(read from `src/errands/backends/*/queries.sql` through errands' backend modules), "
+        "run in a tight loop with no worker around them — on PostgreSQL over "
+        "4 connections (one process each, prepared statements), on SQLite in-process on one "
+        "connection — and raw inserts. The errands column repeats errands' figure from the "
+        "table above (best of 1 and 2 processes for processing).\n"
+    )
+    for store, title in (("postgres", "PostgreSQL"), ("sqlite", "SQLite")):
+        add(f"\n**{title}**\n\n")
+        add(
+            _md_table(
+                ["figure", "limit /s", "errands /s", "errands share"], _limit_rows(results, store)
+            )
+        )
+    add("\n## Scale\n")
+    add(
+        f"Claim throughput with {plan['scale_rows']:,} finished (completed) rows in the jobs "
+        "table against an empty table: the rows are bulk-loaded (COPY / executemany), the "
+        f"table vacuumed and analysed, then {plan['scale_jobs']:,} due jobs are claimed and "
+        "completed by errands' SQL in a tight loop (batch 10, 4 connections on PostgreSQL) "
+        "and, on PostgreSQL, by a real `errands worker`. The two tables are measured in turns "
+        "(empty, full, empty, ...); each figure is the median of the runs, whose single "
+        "values are in the JSON.\n"
+    )
+    add(_md_table(*_scale_rows(results)))
+    spread = []
+    for sc in results.get("scale", {}).values():
+        for key in ("loop_empty_runs", "loop_full_runs", "worker_empty_runs", "worker_full_runs"):
+            values = sc.get(key) or []
+            if len(values) > 1 and min(values) > 0:
+                spread.append(max(values) / min(values))
+    if spread:
+        add(
+            f"\nRun-to-run spread on this machine: up to {max(spread):.2f}x between the "
+            "fastest and slowest run of one figure, so ratios within that band are noise.\n"
+        )
+    add("\n## Targets (issue 8)\n")
+    add("Reported from this run's figures; never asserted in the test suite.\n")
+    add(
+        _md_table(
+            ["target", "measured", "met"],
+            [
+                [r["target"], r["measured"], {True: "yes", False: "**no**", None: "—"}[r["met"]]]
+                for r in results.get("targets", [])
+            ],
+        )
+    )
+    add("\n## Machine\n")
+    add(
+        f"- {m['cores']} cores, {m['memory_gib']} GiB memory, CPU: {m['cpu']} "
+        f"(kernel {m['kernel']})\n"
+        f"- Python {m['python']}, PostgreSQL {m['postgresql']}, SQLite {m['sqlite']}, "
+        f"Redis {m['redis']}\n"
+        "- PostgreSQL with its default settings (fsync and synchronous_commit on); every "
+        "system and the harness share the 2 cores with the database.\n"
+    )
+    add("\n## Versions and settings\n")
+    rows = []
+    for name, entry in results["systems"].items():
+        v = entry.get("versions", {})
+        rows.append(
+            [
+                name,
+                ", ".join(f"{k} {val}" for k, val in v.items()) or "—",
+                entry.get("settings", ""),
+            ]
+        )
+    add(_md_table(["system", "versions", "workers"], rows))
+    add("\n### Notes on the peers\n")
+    add(PEER_NOTES)
+    failed = [(n, e) for n, e in results["systems"].items() if e.get("error") or e.get("failures")]
+    if failed:
+        add("\n### Failures\n")
+        for name, entry in failed:
+            if entry.get("error"):
+                add(f"- **{name}**: {entry['error']}\n")
+            for f in entry.get("failures", [])[:5]:
+                add(f"- {name}: {f}\n")
+    add("\n## Method\n")
+    add(METHOD.format(**plan))
+    add("\n## Profile\n")
+    if NOTES.exists():
+        add(NOTES.read_text())
+    if profile:
+        add("\n" + profile_tables(profile))
+    add(f"\n---\n\nThis full run took {minutes:.1f} minutes on the machine above.\n")
+    return _spaced("".join(parts))
+
+
+def _spaced(text: str) -> str:
+    """A blank line around every heading and table, as Markdown renderers need."""
+    out: list[str] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        is_table = line.startswith("|")
+        was_table = i > 0 and lines[i - 1].startswith("|")
+        starts_block = line.startswith("#") or (is_table and not was_table)
+        ends_table = was_table and not is_table
+        if (starts_block or ends_table) and out and out[-1] != "":
+            out.append("")
+        out.append(line)
+        if line.startswith("#"):
+            out.append("")
+    cleaned: list[str] = []
+    for line in out:
+        if line == "" and cleaned and cleaned[-1] == "":
+            continue
+        cleaned.append(line)
+    return "\n".join(cleaned).strip() + "\n"
+
+
+PEER_NOTES = """\
+- **pgqueuer**: `pgq run` of 1.6.0 crashes while setting up its logger
+  (`'str' object has no attribute 'name'`), so the adapter's worker calls
+  `PgQueuer.run(batch_size=10)` itself, as `pgq run` would (asyncpg driver, default batch).
+- **awa-pg**: measured with its queue-storage engine installed
+  (`install_queue_storage`), which its fast COPY enqueue (`enqueue_many_copy`) needs; its
+  worker polls every 200 ms by default besides LISTEN/NOTIFY.
+- **oban** needs Python 3.12+: the harness finds a 3.12 interpreter on the machine for its
+  venv. Open-source oban runs one process per node, so "2 processes" is two
+  `oban start` nodes.
+- **procrastinate** slows down with a deep queue: with 20,000 jobs waiting its fetch ran
+  at tens of jobs/s here (with a few hundred queued it ran ~350 jobs/s), so its
+  processing runs end at the cap.
+- **huey** has no bulk enqueue; its consumer polls (0.1 s, backing off), which is its
+  pickup latency. **Celery** and **Dramatiq** run on Redis, as a reference outside SQL
+  stores.
+"""
+
+
+METHOD = """\
+- **Workload**: a no-op job with one int argument; the handler only records its start
+  (a few memory stores into a per-process tmpfs file, `bench/peers/_probe.py`), which is
+  how the harness sees progress, throughput, latency and which processes ran jobs,
+  whatever the peer's process model.
+- **Isolation**: each system runs through a small adapter (`bench/peers/NAME_peer.py`)
+  with its own venv's python (`bench/.venvs/NAME`, installed from PyPI by the harness,
+  pinned in `bench/systems.py`; errands runs from this tree). Every scenario gets a fresh
+  store: a PostgreSQL database cloned from a migrated template, a flushed Redis database,
+  a new SQLite file. Runs are interleaved (run 1 of every system, then run 2, ...), so
+  drift on the machine spreads over all systems.
+- **Enqueue, one call per job**: {single_jobs:,} calls of the peer's documented enqueue
+  (errands `job.enqueue(n=i)`, procrastinate `defer_async`, pgqueuer `Queries.enqueue`,
+  oban `enqueue`, awa `insert`, Celery `delay`, Dramatiq `send`, huey call), timed after a
+  first call has connected.
+- **Enqueue in bulk**: {bulk_jobs:,} jobs in calls of 1,000 through the peer's bulk API
+  (errands `enqueue_many`, procrastinate `batch_defer_async`, pgqueuer list `enqueue`,
+  oban `enqueue_many`, awa `enqueue_many_copy`, Celery `group(...).apply_async()`, Dramatiq
+  `group(...).run()`; huey has none).
+- **Processing**: {throughput_jobs:,} jobs pre-filled in bulk, then the workers start
+  (1 or 2 worker processes, concurrency {concurrency} per process where the peer has
+  such a setting); the rate is the jobs run divided by the time from the first handler
+  start to the last, so start-up is not counted. A run stops after {cap:.0f} s of
+  processing (slow peers): the rate is then over the jobs done.
+- **Pickup latency**: one idle worker process (it has run one warm-up job and then
+  idled 1 s); {latency_jobs} jobs enqueued one call each at {latency_rate:.0f}/s; latency is
+  handler start minus the instant before the enqueue call (so it includes the enqueue's
+  own commit). p50/p95/p99 over the jobs.
+- **Memory**: VmHWM from /proc/PID/status of every process that ran jobs, read before the
+  workers stop; the table shows the largest (per worker process, not the sum). Idle
+  resident memory (VmRSS after the warm-up job) is in the JSON.
+- **Figures**: each the median of {runs} runs. A scenario that fails (for instance the
+  database restarted under it) is retried up to 3 times with a fresh store; a peer that
+  cannot be installed or run is listed under Failures with the reason.
+- **Quick mode** (`make bench BENCH_ARGS=--quick`): 1 run, small counts, results in
+  `bench/results/partial.json` only; `--only NAME` (repeatable) limits the systems
+  (`errands`, `peers`, `limit`, `scale` are accepted too).
+"""
+
+
+def profile_tables(profile: dict[str, Any]) -> str:
+    out = []
+    for store, data in profile.items():
+        if not isinstance(data, dict) or "top_self" not in data:
+            continue
+        out.append(
+            f"\n**{store}**: {data['jobs']:,} jobs, {data['rate']:,.0f} jobs/s under py-spy "
+            f"({data['samples']:,} samples at {data['hz']} Hz of the thread holding the GIL: "
+            f"{data['cpu_us_per_job']:.0f} µs of Python per job; the whole process used "
+            f"{data.get('process_cpu_us_per_job', 0):.0f} µs of CPU per job, C code and "
+            "kernel included).\n\n"
+        )
+        rows = [
+            [r["function"], f"{r['us_per_job']:.1f}", f"{r['share'] * 100:.1f} %"]
+            for r in data["top_self"][:15]
+        ]
+        out.append("Top functions by own time:\n\n")
+        out.append(_md_table(["function (file:line)", "µs/job", "share"], rows))
+        rows = [
+            [r["area"], f"{r['us_per_job']:.1f}", f"{r['share'] * 100:.1f} %"]
+            for r in data["areas"]
+        ]
+        out.append("\nBy area (inclusive time of the outermost matching frame):\n\n")
+        out.append(_md_table(["area", "µs/job", "share"], rows))
+    return "".join(out)

@@ -1,0 +1,600 @@
+"""``make bench``: errands and its peers, side by side, in one run on this machine.
+
+    python -m bench.run                 # full: every figure the median of 3 runs
+    python -m bench.run --quick         # 1 run, small counts: a few minutes, for development
+    python -m bench.run --only errands  # errands-sqlite + errands-pg (+ limit, scale)
+    python -m bench.run --only pgqueuer --only limit
+
+Each system runs through a small adapter under ``bench/peers/`` with its own venv's
+python (see :mod:`bench.systems`); each scenario gets a fresh store (a PostgreSQL
+database cloned from a migrated template, a flushed Redis db, a new SQLite file). A full
+run writes ``bench/results/latest.json`` and ``docs/benchmarks.md``; a quick or partial
+run writes ``bench/results/partial.json`` and leaves those alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from . import limit, machine, report, scale
+from .systems import BENCH, PEERS, SYSTEMS, System, python_for, versions
+
+RESULTS = BENCH / "results"
+WORK = BENCH / ".work"
+PG_URL_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
+REDIS_URL_DEFAULT = "redis://127.0.0.1:6379"
+REDIS_DB = {"celery": 1, "dramatiq": 2}
+ATTEMPTS = 3  # a scenario that fails (a server restarted under it) is tried again
+
+
+@dataclass(frozen=True)
+class Plan:
+    runs: int
+    single_jobs: int
+    bulk_jobs: int
+    throughput_jobs: int
+    cap: float  # seconds of processing at most per throughput run (slow peers)
+    latency_jobs: int
+    latency_rate: float
+    concurrency: int
+    limit_jobs: int
+    limit_single: int
+    limit_cap: float
+    scale_rows: int
+    scale_jobs: int
+    scale_runs: int
+
+
+FULL = Plan(
+    runs=3,
+    single_jobs=1000,
+    bulk_jobs=20_000,
+    throughput_jobs=20_000,
+    cap=10.0,
+    latency_jobs=500,
+    latency_rate=50.0,
+    concurrency=32,
+    limit_jobs=20_000,
+    limit_single=1000,
+    limit_cap=8.0,
+    scale_rows=1_000_000,
+    scale_jobs=20_000,
+    scale_runs=3,
+)
+QUICK = Plan(
+    runs=1,
+    single_jobs=200,
+    bulk_jobs=2000,
+    throughput_jobs=3000,
+    cap=3.0,
+    latency_jobs=100,
+    latency_rate=50.0,
+    concurrency=32,
+    limit_jobs=3000,
+    limit_single=200,
+    limit_cap=3.0,
+    scale_rows=100_000,
+    scale_jobs=3000,
+    scale_runs=1,
+)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- stores ----------------------------------------------------------------------------
+
+
+class Postgres:
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def url(self, db: str) -> str:
+        parts = urlsplit(self.base)
+        return urlunsplit(parts._replace(path=f"/{db}", query=""))
+
+    def _admin(self) -> Any:
+        import psycopg
+
+        return psycopg.connect(self.base, autocommit=True, connect_timeout=10)
+
+    def recreate(self, db: str, template: str | None = None) -> None:
+        with self._admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+            conn.execute(
+                f'CREATE DATABASE "{db}"' + (f' TEMPLATE "{template}"' if template else "")
+            )
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until the server accepts connections again (another test may restart it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._admin().close()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def drop(self, db: str) -> None:
+        with self._admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def redis_url(base: str, db: int) -> str:
+    parts = urlsplit(base)
+    return urlunsplit(parts._replace(path=f"/{db}"))
+
+
+# -- running adapters -------------------------------------------------------------------
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace, plan: Plan) -> None:
+        self.args = args
+        self.plan = plan
+        self.pg = Postgres(args.pg_url)
+        self.pythons: dict[str, str] = {}
+        self.templates: set[str] = set()
+
+    def db(self, system: System) -> str:
+        return "bench_" + system.name.replace("-", "_")
+
+    def store_url(self, system: System) -> str:
+        if system.store == "postgres":
+            return self.pg.url(self.db(system))
+        if system.store == "redis":
+            return redis_url(self.args.redis_url, REDIS_DB[system.name])
+        path = str(WORK / f"{system.name}.db")
+        return f"sqlite:///{path}" if system.is_errands else path
+
+    def adapter(
+        self, system: System, scenario: str, spec: dict[str, Any], url: str | None = None
+    ) -> dict[str, Any]:
+        python = self.pythons[system.name]
+        spec = {"url": url or self.store_url(system), "cwd": str(PEERS), **spec}
+        return run_adapter(
+            [python, str(PEERS / system.adapter), scenario, json.dumps(spec)],
+            self.args.scenario_timeout,
+        )
+
+    def prepare(self, system: System) -> None:
+        """Install the venv; on PostgreSQL, a migrated template database to clone."""
+        self.pythons[system.name] = python_for(system)
+        if system.store != "postgres":
+            return
+        template = self.db(system) + "_tpl"
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                self.pg.recreate(template)
+                self.adapter(system, "migrate", {}, url=self.pg.url(template))
+                break
+            except Exception as exc:
+                if attempt == ATTEMPTS:
+                    raise
+                log(f"  {system.name} migrate: attempt {attempt} failed: {str(exc)[:300]}")
+                time.sleep(2)
+                self.pg.wait_ready()
+        self.templates.add(template)
+
+    def fresh(self, system: System) -> None:
+        if system.store == "postgres":
+            self.pg.recreate(self.db(system), template=self.db(system) + "_tpl")
+        elif system.store == "sqlite":
+            WORK.mkdir(parents=True, exist_ok=True)
+            path = str(WORK / f"{system.name}.db")
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(path + suffix):
+                    os.remove(path + suffix)
+
+    def scenario(self, system: System, scenario: str, spec: dict[str, Any]) -> dict[str, Any]:
+        error = ""
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                self.fresh(system)
+                return self.adapter(system, scenario, spec)
+            except Exception as exc:
+                error = str(exc)
+                log(f"  {system.name} {scenario}: attempt {attempt} failed: {error[:300]}")
+                time.sleep(2)
+                if system.store == "postgres":
+                    self.pg.wait_ready()
+        raise RuntimeError(error)
+
+    def cleanup(self) -> None:
+        for system in SYSTEMS:
+            if system.store == "postgres" and system.name in self.pythons:
+                try:
+                    self.pg.drop(self.db(system))
+                    self.pg.drop(self.db(system) + "_tpl")
+                except Exception:
+                    pass
+
+
+def run_adapter(argv: list[str], timeout: float) -> dict[str, Any]:
+    """Run one adapter scenario; its last JSON line is the result.
+
+    On a timeout (or if this harness is stopped) the adapter gets SIGTERM first, so it
+    can stop the worker processes it started, and is killed only after that.
+    """
+    proc = subprocess.Popen(
+        argv,
+        cwd=PEERS,
+        env={**os.environ, "PYTHONPATH": str(PEERS)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"{argv[2]} exited {proc.returncode}: " + " | ".join(tail))
+    return json.loads(lines[-1])
+
+
+def scenarios_of(system: System, plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
+    """(figure key, adapter scenario, spec) in the order one run measures them."""
+    c = plan.concurrency
+    out: list[tuple[str, str, dict[str, Any]]] = [
+        ("enqueue_single", "enqueue_single", {"jobs": plan.single_jobs}),
+    ]
+    if system.name != "huey":  # huey has no bulk enqueue
+        out.append(("enqueue_bulk", "enqueue_bulk", {"jobs": plan.bulk_jobs}))
+    for procs in (1, 2):
+        out.append(
+            (
+                f"throughput_{procs}",
+                "throughput",
+                {"jobs": plan.throughput_jobs, "procs": procs, "concurrency": c, "cap": plan.cap},
+            )
+        )
+    out.append(
+        (
+            "latency",
+            "latency",
+            {"jobs": plan.latency_jobs, "rate": plan.latency_rate, "procs": 1, "concurrency": c},
+        )
+    )
+    return out
+
+
+def median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The median of each figure over the runs that produced it."""
+
+    def mem_mb(r: dict[str, Any], key: str, field: str) -> float | None:
+        values = [m[field] for m in r.get(key, {}).values() if m.get(field)]
+        return max(values) / 1024 if values else None
+
+    fig: dict[str, Any] = {}
+    fig["enqueue_single"] = median([r["rate"] for r in raw.get("enqueue_single", [])])
+    fig["enqueue_bulk"] = median([r["rate"] for r in raw.get("enqueue_bulk", [])])
+    for procs in (1, 2):
+        runs = raw.get(f"throughput_{procs}", [])
+        fig[f"throughput_{procs}"] = median([r["rate"] for r in runs])
+        fig[f"throughput_{procs}_capped"] = any(r.get("capped") for r in runs)
+    for q in ("p50", "p95", "p99"):
+        fig[f"latency_{q}"] = median([r[f"{q}_ms"] for r in raw.get("latency", [])])
+    fig["memory_mb"] = median([mem_mb(r, "memory", "hwm_kb") for r in raw.get("throughput_1", [])])
+    fig["memory_2_mb"] = median(
+        [mem_mb(r, "memory", "hwm_kb") for r in raw.get("throughput_2", [])]
+    )
+    fig["idle_rss_mb"] = median(
+        [mem_mb(r, "idle_memory", "rss_kb") for r in raw.get("latency", [])]
+    )
+    return fig
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+def wanted(only: list[str]) -> tuple[list[System], bool, bool]:
+    if not only:
+        return list(SYSTEMS), True, True
+    names = {n.strip() for item in only for n in item.split(",") if n.strip()}
+    known = {s.name for s in SYSTEMS} | {"errands", "limit", "scale", "peers"}
+    unknown = names - known
+    if unknown:
+        raise SystemExit(
+            f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(sorted(known))}"
+        )
+    systems = [
+        s
+        for s in SYSTEMS
+        if s.name in names
+        or ("errands" in names and s.is_errands)
+        or ("peers" in names and not s.is_errands)
+    ]
+    with_limit = "limit" in names or "errands" in names
+    with_scale = "scale" in names or "errands" in names
+    return systems, with_limit, with_scale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 run with small counts")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a system (errands-pg, pgqueuer, ...), 'errands', 'peers', 'limit' or 'scale'; "
+        "repeat or comma-separate",
+    )
+    parser.add_argument("--runs", type=int, help="runs per figure (default 3, --quick 1)")
+    parser.add_argument("--no-scale", action="store_true", help="skip the 1M-row scale test")
+    parser.add_argument("--no-limit", action="store_true", help="skip the raw SQL limit")
+    parser.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL", PG_URL_DEFAULT))
+    parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", REDIS_URL_DEFAULT))
+    parser.add_argument("--scenario-timeout", type=float, default=150.0)
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="with --only: put this run's sections (systems, limit, scale) into "
+        "bench/results/latest.json and docs/benchmarks.md, marked as re-measured",
+    )
+    args = parser.parse_args(argv)
+
+    plan = QUICK if args.quick else FULL
+    if args.runs:
+        plan = Plan(**{**plan.__dict__, "runs": args.runs, "scale_runs": args.runs})
+    systems, with_limit, with_scale = wanted(args.only)
+    with_limit = with_limit and not args.no_limit
+    with_scale = with_scale and not args.no_scale
+    complete = not args.only and not args.quick and not args.no_scale and not args.no_limit
+
+    started = time.time()
+    runner = Runner(args, plan)
+    results: dict[str, Any] = {
+        "mode": "quick" if args.quick else "full",
+        "complete": complete,
+        "plan": plan.__dict__,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "load_before": os.getloadavg(),
+        "machine": machine.describe(args.pg_url, args.redis_url),
+        "systems": {},
+    }
+    log(
+        f"bench: {results['mode']} run, {plan.runs} run(s) per figure, systems: "
+        + ", ".join(s.name for s in systems)
+    )
+
+    ready: list[System] = []
+    for system in systems:
+        entry = results["systems"][system.name] = {
+            "store": system.store,
+            "settings": system.settings,
+            "compare_to": system.compare_to,
+            "error": None,
+            "failures": [],
+            "raw": {},
+        }
+        try:
+            log(f"{system.name}: preparing (venv, schema)")
+            runner.prepare(system)
+            entry["versions"] = versions(runner.pythons[system.name], system.packages)
+            ready.append(system)
+        except Exception as exc:
+            entry["error"] = f"could not install or set up: {exc}"
+            log(f"{system.name}: SKIPPED: {entry['error'][:400]}")
+
+    limit_runs: dict[str, list[dict[str, float]]] = {"postgres": [], "sqlite": []}
+    limit_errors: dict[str, str] = {}
+    for run in range(1, plan.runs + 1):
+        for system in ready:
+            entry = results["systems"][system.name]
+            for key, scenario, spec in scenarios_of(system, plan):
+                t = time.time()
+                try:
+                    out = runner.scenario(system, scenario, spec)
+                except Exception as exc:
+                    entry["failures"].append(f"run {run} {key}: {exc}")
+                    log(f"{system.name} {key}: FAILED: {str(exc)[:300]}")
+                    continue
+                out["load1"] = os.getloadavg()[0]
+                entry["raw"].setdefault(key, []).append(out)
+                log(
+                    f"run {run}/{plan.runs} {system.name} {key}: {report.brief(key, out)} "
+                    f"({time.time() - t:.0f} s)"
+                )
+
+        if with_limit:  # in every run, beside the systems, so drift hits both alike
+            run_limit(runner, plan, run, limit_runs, limit_errors)
+
+    for entry in results["systems"].values():
+        entry["figures"] = summarise(entry["raw"])
+        if entry["error"] is None and not entry["raw"]:
+            entry["error"] = "every scenario failed: " + "; ".join(entry["failures"][-2:])
+
+    errands_pg = next((s for s in SYSTEMS if s.name == "errands-pg"), None)
+    if with_limit:
+        results["limit"] = {}
+        for store, runs in limit_runs.items():
+            summary: dict[str, Any] = {"runs": runs}
+            if runs:
+                summary["figures"] = {k: median([r[k] for r in runs]) for k in runs[0]}
+            if store in limit_errors:
+                summary["error"] = limit_errors[store]
+            results["limit"][store] = summary
+    if with_scale and errands_pg is not None:
+        results["scale"] = run_scale(runner, plan, errands_pg)
+
+    results["load_after"] = os.getloadavg()
+    results["duration_s"] = time.time() - started
+    results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    results["shares"] = report.shares(results)
+    results["targets"] = report.targets(results)
+    runner.cleanup()
+    shutil.rmtree(WORK, ignore_errors=True)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    latest = RESULTS / "latest.json"
+    if args.update and not complete and not args.quick and latest.exists():
+        results = merge_into(json.loads(latest.read_text()), results, with_limit, with_scale)
+        complete = True
+    out_path = RESULTS / ("latest.json" if complete else "partial.json")
+    profile_path = RESULTS / "profile.json"
+    profile = json.loads(profile_path.read_text()) if profile_path.exists() else None
+    tmp = out_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    tmp.replace(out_path)
+    report.print_tables(results)
+    if complete:
+        docs = BENCH.parent / "docs" / "benchmarks.md"
+        docs.write_text(report.markdown(results, profile))
+        log(f"wrote {out_path.relative_to(BENCH.parent)} and docs/benchmarks.md")
+    else:
+        log(f"wrote {out_path.relative_to(BENCH.parent)} (partial or quick: docs untouched)")
+    log(f"bench took {results['duration_s'] / 60:.1f} min")
+    return 0
+
+
+def merge_into(
+    base: dict[str, Any], part: dict[str, Any], with_limit: bool, with_scale: bool
+) -> dict[str, Any]:
+    """A full run's results with the sections a later partial run measured again."""
+    sections = list(part["systems"])
+    base["systems"].update(part["systems"])
+    if with_limit and "limit" in part:
+        base["limit"] = part["limit"]
+        sections.append("limit")
+    if with_scale and "scale" in part:
+        base["scale"] = part["scale"]
+        sections.append("scale")
+    base.setdefault("updates", []).append(
+        {
+            "at": part["finished_at"],
+            "sections": sections,
+            "duration_s": part["duration_s"],
+            "load_before": part["load_before"],
+            "load_after": part["load_after"],
+        }
+    )
+    base["shares"] = report.shares(base)
+    base["targets"] = report.targets(base)
+    return base
+
+
+def run_limit(
+    runner: Runner,
+    plan: Plan,
+    run: int,
+    runs: dict[str, list[dict[str, float]]],
+    errors: dict[str, str],
+) -> None:
+    db, template = "bench_limit", "bench_errands_pg_tpl"
+    try:
+        if template not in runner.templates:
+            runner.prepare(next(s for s in SYSTEMS if s.name == "errands-pg"))
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                runner.pg.recreate(db, template=template)
+                figures = limit.pg_limit(
+                    runner.pg.url(db), plan.limit_jobs, plan.limit_single, plan.limit_cap
+                )
+                break
+            except Exception as exc:
+                log(f"limit postgres: attempt {attempt} failed: {exc}")
+                time.sleep(2)
+                runner.pg.wait_ready()
+        else:
+            raise RuntimeError("the PostgreSQL limit failed 3 times")
+        runs["postgres"].append(figures)
+        log(f"run {run}/{plan.runs} limit postgres: " + report.brief_limit(figures))
+        runner.pg.drop(db)
+    except Exception as exc:
+        errors["postgres"] = str(exc)
+        log(f"limit postgres: FAILED: {exc}")
+    WORK.mkdir(parents=True, exist_ok=True)
+    try:
+        figures = limit.sqlite_limit(
+            str(WORK / "limit.db"), plan.limit_jobs, plan.limit_single, plan.limit_cap
+        )
+        runs["sqlite"].append(figures)
+        log(f"run {run}/{plan.runs} limit sqlite: " + report.brief_limit(figures))
+    except Exception as exc:
+        errors["sqlite"] = str(exc)
+        log(f"limit sqlite: FAILED: {exc}")
+
+
+def run_scale(runner: Runner, plan: Plan, errands_pg: System) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    template = "bench_errands_pg_tpl"
+    try:
+        if template not in runner.templates:
+            runner.prepare(errands_pg)
+
+        def worker(url: str) -> float:
+            spec = {
+                "url": url,
+                "cwd": str(PEERS),
+                "jobs": plan.scale_jobs,
+                "procs": 1,
+                "concurrency": plan.concurrency,
+                "cap": plan.cap,
+            }
+            python = runner.pythons[errands_pg.name]
+            argv = [python, str(PEERS / errands_pg.adapter), "throughput", json.dumps(spec)]
+            return float(run_adapter(argv, runner.args.scenario_timeout)["rate"])
+
+        for attempt in range(1, 3):
+            try:
+                out["postgres"] = scale.pg_scale(
+                    runner.pg.url,
+                    lambda db: runner.pg.recreate(db, template=template),
+                    plan.scale_jobs,
+                    plan.scale_runs,
+                    plan.scale_rows,
+                    worker,
+                    log,
+                )
+                break
+            except Exception as exc:
+                if attempt == 2:
+                    raise
+                log(f"scale postgres: attempt {attempt} failed: {exc}")
+                runner.pg.wait_ready()
+        for label in ("empty", "full"):
+            runner.pg.drop(f"bench_scale_{label}")
+    except Exception as exc:
+        out["postgres"] = {"error": str(exc)}
+        log(f"scale postgres: FAILED: {exc}")
+    try:
+        WORK.mkdir(parents=True, exist_ok=True)
+        out["sqlite"] = scale.sqlite_scale(
+            str(WORK), plan.scale_jobs, plan.scale_runs, plan.scale_rows, log
+        )
+    except Exception as exc:
+        out["sqlite"] = {"error": str(exc)}
+        log(f"scale sqlite: FAILED: {exc}")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
