@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 import string
 from collections.abc import Callable, Iterable
@@ -145,6 +146,7 @@ class JobDefinition(Generic[P, R]):
             concurrency_key, concurrency_limit
         )
         self.rate = parse_rate(rate) if rate is not None else None
+        self.logger = logging.getLogger(f"errands.job.{self.name}")  # ctx.logger
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
     def _check_key(self, template: str | None, limit: int | None) -> tuple[str | None, int | None]:

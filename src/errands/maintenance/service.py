@@ -43,6 +43,8 @@ TICK_DEFAULT = 1.0
 PRUNE_INTERVAL_DEFAULT = 60.0
 RESCUE_BATCH = 500
 PRUNE_BATCH = 1000
+PRUNE_BATCHES_PER_ROUND = 10
+PRUNE_BACKLOG_TICKS = 5  # with a backlog left, prune again after this many ticks
 WORKER_FORGET_AFTER = 300.0  # seconds without a heartbeat before a worker leaves the registry
 
 
@@ -182,11 +184,18 @@ class Maintenance:
         if self.app.retention <= 0:
             return 0
         total = 0
-        while not self._stop.is_set():
+        # A bounded number of small batches per round: a big backlog (a retention just
+        # shortened, a long outage) drains over several rounds instead of hammering the
+        # store in one long burst; a full last batch brings the next round forward.
+        for _ in range(PRUNE_BATCHES_PER_ROUND):
+            if self._stop.is_set():
+                break
             n = self.app.backend.job_prune(self.app.retention, PRUNE_BATCH)
             total += n
             if n < PRUNE_BATCH:
                 break
+        else:
+            self._next_prune = time.monotonic() + self.tick * PRUNE_BACKLOG_TICKS
         if total:
             self.app.events.emit(
                 "errands.maintenance.pruned", worker_id=self.worker_id, count=total

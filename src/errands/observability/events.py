@@ -102,6 +102,17 @@ class EventBus:
                 )
         return requests
 
+    def wants(self, name: str) -> bool:
+        """Whether emitting ``name`` would reach anyone (skip building its fields if not).
+
+        The lifecycle-log subscriber wants an event only when its log line is enabled.
+        """
+        for subscriber in self.subscribers:
+            wants = getattr(subscriber, "wants", None)
+            if wants is None or wants(name):
+                return True
+        return False
+
     def emit(self, name: str, **fields: Any) -> None:
         if name not in CATALOGUE:
             raise ValueError(f"unknown event {name!r}; add it to the catalogue first")

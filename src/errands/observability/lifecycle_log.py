@@ -21,6 +21,11 @@ _JOB_EVENT_LEVELS = {
 }
 
 
+def _wants(name: str) -> bool:
+    quiet = _JOB_EVENT_LEVELS.get(name)
+    return quiet is None or quiet[0].isEnabledFor(quiet[1])
+
+
 def log_event(event: Event) -> None:
     name = event.name
     f = event.fields
@@ -163,3 +168,6 @@ def _short_args(args: object, limit: int = 200) -> str:
         return ""
     text = ", ".join(f"{k}={v!r}" for k, v in args.items())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+log_event.wants = _wants  # type: ignore[attr-defined]

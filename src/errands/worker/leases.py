@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..backends.base import LeaseRef
 from .execution import Attempt
@@ -30,6 +32,41 @@ if TYPE_CHECKING:
     from ..app import App
 
 log = logging.getLogger("errands.worker")
+
+CALLERS_MAX = 3  # helper threads; more are only started while earlier ones hang
+
+
+class _Caller:
+    """A daemon thread running the keeper's database calls one at a time (one thread,
+    so one SQLite connection, for the life of the worker)."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._run, name="errands-heartbeat", daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self.busy = True
+        self._calls.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            fn, future = item
+            try:
+                result = fn()
+            except BaseException as exc:
+                self.busy = False
+                future.set_exception(exc)
+            else:
+                self.busy = False
+                future.set_result(result)
 
 
 class LeaseKeeper:
@@ -45,6 +82,7 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-leases", daemon=True)
+        self._callers: list[_Caller] = []
         self.failures = 0
 
     def start(self) -> None:
@@ -59,6 +97,18 @@ class LeaseKeeper:
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
+        for caller in self._callers:
+            caller.stop()
+
+    def _caller(self) -> _Caller | None:
+        """An idle helper thread (a new one while fewer than CALLERS_MAX hang)."""
+        for caller in self._callers:
+            if not caller.busy:
+                return caller
+        if len(self._callers) < CALLERS_MAX:
+            self._callers.append(_Caller())
+            return self._callers[-1]
+        return None
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self.interval
@@ -72,7 +122,9 @@ class LeaseKeeper:
                 continue
             if now >= next_beat:
                 self.beat()
-                self.worker.registry_beat()
+                caller = self._caller()  # best effort, never waited for
+                if caller is not None:
+                    caller.submit(self.worker.registry_beat)
                 next_beat = time.monotonic() + self.interval
             for attempt in self.worker.attempts():
                 if (
@@ -87,10 +139,23 @@ class LeaseKeeper:
         if not held:
             return
         sent_at = time.monotonic()
+        refs = [LeaseRef(a.id, a.token, a.lease_seconds) for a in held]
+        backend = self.worker.app.backend
+        caller = self._caller()
         try:
-            result = self.worker.app.backend.job_heartbeat_many(
-                [LeaseRef(a.id, a.token, a.lease_seconds) for a in held]
-            )
+            if caller is None:
+                raise TimeoutError(f"{CALLERS_MAX} earlier heartbeats still wait for an answer")
+            call = caller.submit(lambda: backend.job_heartbeat_many(refs))
+            # Wait one interval at most, and never past half an interval before the
+            # soonest lease runs out: its handler must be stopped before that.
+            soonest = min(a.lease_valid_until for a in held)
+            wait = max(min(self.interval, soonest - sent_at - self.interval / 2), 0.05)
+            try:
+                result = call.result(timeout=wait)
+            except TimeoutError:
+                if call.done():
+                    raise
+                raise TimeoutError(f"no answer from the database within {wait:.2f} s") from None
         except Exception as exc:
             self.failures += 1
             log.warning("heartbeat failed (%s); %d lease(s) at risk", exc, len(held))

@@ -420,7 +420,7 @@ class Worker:
             max_attempts=row.max_attempts,
             key=row.idempotency_key,
             worker_id=self.id,
-            logger=logging.getLogger(f"errands.job.{row.name}"),
+            logger=definition.logger,
             _runtime=attempt.runtime,
         )
         kwargs = dict(attempt.kwargs)
@@ -429,13 +429,14 @@ class Worker:
         timeout = row.timeout
         log_ctx = JobLogContext(row.id, row.name, row.queue, row.attempt)
         info = self._job_fields(row)
-        self.app.events.emit(
-            "errands.job.started",
-            **info,
-            args=mask(attempt.kwargs, definition.sensitive),
-            queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
-            meta=row.meta,
-        )
+        if self.app.events.wants("errands.job.started"):
+            self.app.events.emit(
+                "errands.job.started",
+                **info,
+                args=mask(attempt.kwargs, definition.sensitive),
+                queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
+                meta=row.meta,
+            )
         events = self.app.events
         if definition.is_async:
             if self.loop_runner is None:
