@@ -1,0 +1,252 @@
+"""The chaos soak's app: every kind of job the soak mixes, each leaving rows to count.
+
+Worker processes import this module (``errands worker soak_app:app``) with:
+
+- ``ERRANDS_URL``: errands' store. On PostgreSQL it points at the worker's own TCP fault
+  proxy and carries the soak's ``application_name``, so the chaos driver can cut this
+  worker off or terminate exactly its sessions;
+- ``SOAK_EFFECTS_URL``: the same store, reached directly (never through the proxy), for
+  the rows the handlers append to the soak's tables (see :mod:`soak_tables`).
+
+Every handler first appends one ``run`` row (one per execution) carrying its attempt and
+lease token, and returns ``{"attempt", "token"}`` so the checker can tell which attempt's
+completion was recorded (a stale write that landed would show up as a mismatch, I6).
+Retries and poison headroom are generous: under the chaos a job may lose its lease a few
+times, and only a real bug — never the chaos itself — may keep a job from its expected end.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from soak_tables import dialect
+
+import errands
+
+LEASE = float(os.environ.get("SOAK_LEASE", "2"))
+RETRIES = 25
+QUICK = 0.05  # backoff seconds: retries come back at once, the run stays short
+CRON = "*/5 * * * * *"  # every 5 s (cronsim's optional seconds field)
+CRON_STEP = 5.0
+CANARY_PRIORITY = 1000
+
+app = errands.App(lease=LEASE, poison_after=20, retention=None)
+
+
+# -- the soak's tables, through connections of their own ------------------------------------
+class Effects:
+    def __init__(self, url: str) -> None:
+        self.sqlite = url.startswith("sqlite:")
+        self._local = threading.local()
+        if self.sqlite:
+            from errands.backends.sqlite.backend import parse_sqlite_url
+
+            self.path = os.path.abspath(parse_sqlite_url(url)[0])
+            self.q = ""
+        else:
+            from psycopg_pool import ConnectionPool
+
+            from errands.backends.postgres.config import parse_postgres_url
+
+            config = parse_postgres_url(url)
+            self.q = f'"{config.schema}".'
+            self.pool = ConnectionPool(
+                config.conninfo,
+                min_size=1,
+                max_size=12,
+                kwargs={"autocommit": True, "application_name": f"soak_fx_{config.schema}"},
+                check=ConnectionPool.check_connection,  # the server may have restarted
+                open=True,
+                name="soak-effects",
+                timeout=30.0,
+            )
+
+    def _sqlite(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=120, isolation_level=None)
+            conn.execute("PRAGMA busy_timeout = 120000")
+            self._local.conn = conn
+        return conn
+
+    def sql(self, text: str) -> str:
+        return dialect(self.sqlite, text.replace("{q}", self.q))
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """A connection in a transaction (committed at the end, rolled back on error)."""
+        if self.sqlite:
+            conn = self._sqlite()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        else:
+            with self.pool.connection() as conn, conn.transaction():
+                yield conn
+
+
+_effects: Effects | None = None
+_effects_lock = threading.Lock()
+
+
+def effects() -> Effects:
+    global _effects
+    with _effects_lock:
+        if _effects is None:
+            _effects = Effects(os.environ["SOAK_EFFECTS_URL"])
+        return _effects
+
+
+INSERT_EFFECT = (
+    "INSERT INTO {q}soak_effects (job_id, attempt, token, kind, name, pid, worker, at, run_at, "
+    "claimed_at, detail) VALUES (%s, %s, %s, %s, %s, %s, %s, NOW(), %s, %s, %s)"
+)
+
+
+def claim_of(ctx: errands.Context) -> tuple[str | None, float | None, float | None]:
+    """(lease token, run_at, claim time) of the row this attempt claimed.
+
+    The public Context does not carry them; the soak reads the claimed row from the
+    attempt behind it (a private attribute, fine for a test of errands itself).
+    """
+    runtime = getattr(ctx, "_runtime", None)
+    row = getattr(getattr(runtime, "attempt", None), "row", None)
+    if row is None:
+        return None, None, None
+    return row.lease_token, row.run_at, row.attempted_at
+
+
+def effect_params(ctx: errands.Context, kind: str, detail: str | None) -> tuple[Any, ...]:
+    token, run_at, claimed_at = claim_of(ctx)
+    return (ctx.job_id, ctx.attempt, token, kind, ctx.name, os.getpid(), ctx.worker_id,
+            run_at, claimed_at, detail)  # fmt: skip
+
+
+def record(ctx: errands.Context, kind: str = "run", detail: str | None = None) -> str | None:
+    """Append one row (its own transaction); raises when the store is away, which fails
+    the attempt like any handler error (the checker then explains the row by that error)."""
+    fx = effects()
+    with fx.transaction() as conn:
+        conn.execute(fx.sql(INSERT_EFFECT), effect_params(ctx, kind, detail))
+    return claim_of(ctx)[0]
+
+
+def done(ctx: errands.Context, token: str | None, **extra: Any) -> dict[str, Any]:
+    return {"attempt": ctx.attempt, "token": token, **extra}
+
+
+# -- the job kinds -----------------------------------------------------------------------------
+@app.job(name="soak.fast", retries=RETRIES, backoff=QUICK)
+def fast(ctx: errands.Context, n: int) -> dict[str, Any]:
+    return done(ctx, record(ctx))
+
+
+@app.job(name="soak.slow", queue="slow", retries=RETRIES, backoff=QUICK)
+def slow(ctx: errands.Context, n: int, seconds: float) -> dict[str, Any]:
+    """Work for ``seconds``, stopping early (with an error) when the worker asks: lease
+    lost, lease not renewable (self-fencing), operator cancel. Records how it ended."""
+    token = record(ctx)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not ctx.cancelled:
+        time.sleep(0.02)
+    # "end" rows carry the moment the handler stopped (the row's own time is when the
+    # insert landed, later when the store is slow).
+    if ctx.cancelled:
+        record(ctx, "end", f"stopped:{ctx.cancel_reason}@{time.time():.3f}")
+        raise RuntimeError(f"stopped: {ctx.cancel_reason}")
+    record(ctx, "end", f"finished@{time.time():.3f}")
+    return done(ctx, token)
+
+
+@app.job(name="soak.flaky", retries=RETRIES, backoff=QUICK)
+def flaky(ctx: errands.Context, n: int, fail_times: int) -> dict[str, Any]:
+    """Fails its first ``fail_times`` attempts, then succeeds."""
+    token = record(ctx)
+    if ctx.attempt <= fail_times:
+        raise RuntimeError(f"flaky: failing attempt {ctx.attempt} of the first {fail_times}")
+    return done(ctx, token)
+
+
+@app.job(name="soak.doomed", retries=RETRIES, backoff=QUICK)
+def doomed(ctx: errands.Context, n: int) -> None:
+    """Permanently failing: dead at once, before its last attempt (I5 allows it)."""
+    record(ctx)
+    raise errands.Permanent(f"doomed job {n}: this can never succeed")
+
+
+@app.job(name="soak.exhaust", retries=2, backoff=QUICK)
+def exhaust(ctx: errands.Context, n: int) -> None:
+    """Always raises a transient error: dead once its 3 attempts are spent."""
+    record(ctx)
+    raise ValueError(f"exhaust job {n}: failing attempt {ctx.attempt}")
+
+
+def psp_charge(job_id: int, idem_key: str, amount: int, ctx: errands.Context) -> dict[str, Any]:
+    """The fake payment provider: logs the call, creates at most one charge per key."""
+    fx = effects()
+    with fx.transaction() as conn:
+        conn.execute(fx.sql(INSERT_EFFECT), effect_params(ctx, "psp_call", idem_key))
+        conn.execute(
+            fx.sql(
+                "INSERT INTO {q}soak_charges (idem_key, job_id, amount, at) "
+                "VALUES (%s, %s, %s, NOW()) ON CONFLICT (idem_key) DO NOTHING"
+            ),
+            (idem_key, job_id, amount),
+        )
+        row = conn.execute(
+            fx.sql("SELECT id FROM {q}soak_charges WHERE idem_key = %s"), (idem_key,)
+        ).fetchone()
+    return {"charge_id": int(row[0]), "amount": amount}
+
+
+@app.job(name="soak.pay", queue="payments", retries=RETRIES, backoff=QUICK)
+def pay(ctx: errands.Context, order: int, amount: int) -> dict[str, Any]:
+    """A step-protected payment: the charge is a durable step keyed by the job."""
+    token = record(ctx)
+    charge = ctx.step("charge", psp_charge, ctx.job_id, ctx.idempotency_key, amount, ctx)
+    return done(ctx, token, charge_id=charge["charge_id"])
+
+
+@app.job(name="soak.tx", queue="payments", retries=RETRIES, backoff=QUICK)
+def tx(ctx: errands.Context, n: int) -> dict[str, Any]:
+    """Writes its effect through ctx.transaction(): it commits with the completion."""
+    token = record(ctx)  # before the transaction: on SQLite that holds the write lock
+    conn = ctx.transaction()
+    fx = effects()
+    conn.execute(fx.sql(INSERT_EFFECT), effect_params(ctx, "tx", str(n)))
+    return done(ctx, token)
+
+
+@app.job(name="soak.order", retries=RETRIES, backoff=QUICK)
+def order(ctx: errands.Context, order_id: int) -> dict[str, Any]:
+    """Enqueued in the same transaction as its ``soak_orders`` row (or rolled back)."""
+    return done(ctx, record(ctx, detail=str(order_id)))
+
+
+@app.job(name="soak.unique", retries=RETRIES, backoff=QUICK)
+def unique(ctx: errands.Context, group: int) -> dict[str, Any]:
+    """Enqueued by many threads at once with one idempotency key (I8)."""
+    return done(ctx, record(ctx))
+
+
+@app.job(name="soak.canary", priority=CANARY_PRIORITY, retries=RETRIES, backoff=QUICK)
+def canary(ctx: errands.Context, n: int) -> dict[str, Any]:
+    """Enqueued when a fault heals: how soon it is picked up is the recovery time (I9)."""
+    return done(ctx, record(ctx))
+
+
+@app.periodic(CRON, catch_up=True, name="soak.cron", retries=RETRIES, backoff=QUICK)
+def cron(ctx: errands.Context) -> dict[str, Any]:
+    """One job per 5-second slot; catch_up=True, so no slot may be missing either (I7)."""
+    return done(ctx, record(ctx, detail=ctx.key))

@@ -1,0 +1,614 @@
+"""The invariant checker: RELIABILITY I1-I10 in SQL plus the soak's effects table.
+
+Reads every job row, every ``soak_effects`` row, the charges and the orders once, after
+the run has drained, and checks them against the generator's ledger and the chaos
+driver's records. Each broken invariant adds a line to
+``violations``; the figures feed the report.
+
+Execution accounting (I4): an *execution* is one ``run`` row (a handler started). Each
+is explained by what the store recorded about its attempt: a failure (the handler raised,
+timed out, was cancelled: the attempt's own error entry), a lease loss (a ``WorkerLost``
+entry: the attempt was rescued from a killed, frozen or cut-off worker), or the one
+completing attempt. A job's *duplicate executions* are its executions beyond the first
+that no failure explains; I4 holds when each is matched by a recorded lease loss.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from soak_app import CRON_STEP
+
+from .chaos import Chaos
+from .store import Store, as_json
+from .workload import Ledger
+
+TERMINAL = ("completed", "dead", "cancelled", "discarded")
+COMPLETING_KINDS = {
+    "fast", "delayed", "slow", "flaky", "pay", "tx", "order", "unique", "canary", "cron",
+}  # fmt: skip
+
+
+@dataclass
+class JobInfo:
+    id: int
+    name: str
+    state: str
+    attempt: int
+    max_attempts: int
+    errors: list[dict[str, Any]]
+    result: Any
+    key: str | None
+    args: dict[str, Any]
+    inserted_at: float
+    attempted_at: float | None
+    priority: int
+
+
+@dataclass
+class Run:
+    job_id: int
+    attempt: int
+    token: str | None
+    kind: str
+    worker: str
+    at: float
+    run_at: float | None
+    claimed_at: float | None
+    detail: str | None
+
+
+@dataclass
+class Findings:
+    figures: dict[str, Any] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)  # known issues: reported, not failed
+
+    def fail(self, invariant: str, message: str, examples: list[Any] | None = None) -> None:
+        shown = f" e.g. {examples[:8]}" if examples else ""
+        self.violations.append(f"{invariant}: {message}{shown}")
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))
+    return ordered[index]
+
+
+def load_jobs(store: Store) -> dict[int, JobInfo]:
+    e = store.epoch
+    rows = store.query(
+        f"SELECT id, name, state, attempt, max_attempts, errors, result, idempotency_key, "
+        f"args, {e('inserted_at')}, {e('attempted_at')}, priority FROM {{s}}errands_jobs"
+    )
+    return {
+        r[0]: JobInfo(r[0], r[1], r[2], r[3], r[4], as_json(r[5]) or [],
+                      as_json(r[6]) if r[6] is not None else None, r[7],
+                      as_json(r[8]) or {}, r[9], r[10], r[11])
+        for r in rows
+    }  # fmt: skip
+
+
+def load_effects(store: Store) -> list[Run]:
+    rows = store.query(
+        "SELECT job_id, attempt, token, kind, worker, at, run_at, claimed_at, detail "
+        "FROM {s}soak_effects ORDER BY id"
+    )
+    return [Run(*r) for r in rows]
+
+
+def check(
+    store: Store,
+    ledger: Ledger,
+    chaos: Chaos,
+    *,
+    quiesced_at: float,
+    lease: float,
+    poll_interval: float,
+) -> Findings:
+    out = Findings()
+    jobs = load_jobs(store)
+    runs = load_effects(store)
+    by_job: dict[int, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_job[run.job_id].append(run)
+    cancelled_by_chaos = {c.job_id: c for c in chaos.cancels if c.state}
+
+    _states(out, jobs, ledger, quiesced_at)
+    _outcomes(out, jobs, ledger, cancelled_by_chaos)
+    _executions(out, jobs, by_job)
+    _effects_once(out, store, jobs, by_job)
+    _attempts(out, jobs)
+    _fencing(out, jobs, by_job)
+    _time(out, jobs, runs, poll_interval)
+    _uniqueness(out, store, ledger)
+    _phantoms(out, store, jobs, ledger, by_job)
+    _liveness(out, chaos, lease, poll_interval)
+    _rescues(out, jobs, by_job, chaos)
+    _cancels(out, jobs, by_job, chaos)
+    _self_fencing(out, jobs, by_job, chaos)
+    _health(out, store)
+    _latency(out, jobs, runs, chaos, 2 * (lease + poll_interval))
+    return out
+
+
+# -- I1 no loss -----------------------------------------------------------------------------------
+def _states(out: Findings, jobs: dict[int, JobInfo], ledger: Ledger, quiesced_at: float) -> None:
+    states = Counter(j.state for j in jobs.values())
+    out.figures["states"] = dict(states)
+    out.figures["enqueued"] = len(ledger.jobs)
+    out.figures["enqueued by kind"] = dict(Counter(ledger.jobs.values()))
+    out.figures["cron jobs"] = sum(1 for j in jobs.values() if j.name == "soak.cron")
+    missing = [i for i in ledger.jobs if i not in jobs]
+    stuck = [
+        j.id
+        for j in jobs.values()
+        if j.state not in TERMINAL and (j.id in ledger.jobs or j.inserted_at <= quiesced_at)
+    ]
+    out.figures["lost"] = len(missing) + len(stuck)
+    if missing:
+        out.fail("I1", f"{len(missing)} acknowledged job(s) missing from the store", missing)
+    if stuck:
+        detail = [(i, jobs[i].name, jobs[i].state) for i in stuck]
+        out.fail("I1", f"{len(stuck)} job(s) not terminal after the drain", detail)
+
+
+def _outcomes(
+    out: Findings, jobs: dict[int, JobInfo], ledger: Ledger, cancelled: dict[int, Any]
+) -> None:
+    """Each kind ends where it must (the chaos may add lease losses, never change ends)."""
+    wrong = []
+    for job in jobs.values():
+        kind = ledger.jobs.get(job.id) or ("cron" if job.name == "soak.cron" else None)
+        if kind is None or job.state not in TERMINAL:
+            continue
+        if job.id in cancelled:
+            ok = job.state in ("cancelled", "completed")
+        elif kind in COMPLETING_KINDS:
+            ok = job.state == "completed"
+        elif kind == "doomed":
+            last_kind = job.errors[-1].get("kind") if job.errors else None
+            ok = job.state == "dead" and last_kind in ("permanent", "poison")
+        elif kind == "exhaust":
+            ok = job.state == "dead" and job.attempt == job.max_attempts
+        else:
+            ok = True
+        if not ok:
+            last = job.errors[-1] if job.errors else {}
+            wrong.append((job.id, kind, job.state, job.attempt, last.get("type"), last.get("kind")))
+    out.figures["unexpected outcomes"] = len(wrong)
+    if wrong:
+        out.fail("outcomes", f"{len(wrong)} job(s) ended in an unexpected state", wrong)
+
+
+# -- I4 accounted duplicates ----------------------------------------------------------------------
+def _executions(out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[Run]]) -> None:
+    executions = duplicates = explained = lost_total = 0
+    twice, unexplained_rows, no_run, tokens_reused = [], [], [], []
+    for job in jobs.values():
+        starts = [r for r in by_job.get(job.id, []) if r.kind == "run"]
+        executions += len(starts)
+        lost = {e["attempt"] for e in job.errors if e.get("type") == "WorkerLost"}
+        failed = {e["attempt"] for e in job.errors if e.get("type") != "WorkerLost"}
+        lost_total += sum(1 for e in job.errors if e.get("type") == "WorkerLost")
+        per_attempt = Counter(r.attempt for r in starts)
+        if any(n > 1 for n in per_attempt.values()):
+            twice.append((job.id, dict(per_attempt)))
+        tokens = [r.token for r in starts if r.token]
+        if len(tokens) != len(set(tokens)):
+            tokens_reused.append(job.id)
+        final = job.attempt if job.state == "completed" else None
+        if final is not None and per_attempt.get(final, 0) != 1:
+            no_run.append((job.id, final, sorted(per_attempt)))
+        counted = [r for r in starts if r.attempt not in failed]
+        dup = max(0, len(counted) - 1)
+        duplicates += dup
+        explained += min(dup, len(lost))
+        for r in counted:
+            if r.attempt != final and r.attempt not in lost:
+                unexplained_rows.append((job.id, r.attempt, job.state, brief(job.errors)))
+    out.figures["executions"] = executions
+    out.figures["duplicate executions"] = duplicates
+    out.figures["duplicates explained by lease losses"] = explained
+    out.figures["explained share"] = 1.0 if duplicates == 0 else explained / duplicates
+    out.figures["lease losses recorded (WorkerLost)"] = lost_total
+    if twice:
+        out.fail("I4", f"{len(twice)} job(s) ran one attempt number twice", twice)
+    if tokens_reused:
+        out.fail("I4", f"{len(tokens_reused)} job(s) ran twice under one lease token",
+                 tokens_reused)  # fmt: skip
+    if unexplained_rows:
+        out.fail(
+            "I4",
+            f"{len(unexplained_rows)} execution(s) explained by no failure, lease loss or the "
+            "completing attempt",
+            unexplained_rows,
+        )
+    if explained != duplicates:
+        out.fail("I4", f"only {explained} of {duplicates} duplicate executions are explained")
+    if no_run:
+        out.fail("I4", f"{len(no_run)} completed job(s) whose completing attempt ran != 1 time",
+                 no_run)  # fmt: skip
+
+
+def brief(errors: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(e.get("attempt"), e.get("type"), e.get("kind")) for e in errors]
+
+
+# -- I3 effect once -------------------------------------------------------------------------------
+def _effects_once(
+    out: Findings, store: Store, jobs: dict[int, JobInfo], by_job: dict[int, list[Run]]
+) -> None:
+    bad_tx, tx_rows = [], 0
+    for job in jobs.values():
+        if job.name != "soak.tx":
+            continue
+        rows = [r for r in by_job.get(job.id, []) if r.kind == "tx"]
+        tx_rows += len(rows)
+        want = 1 if job.state == "completed" else 0
+        if len(rows) != want or (want and rows[0].attempt != job.attempt):
+            bad_tx.append((job.id, job.state, [r.attempt for r in rows]))
+    charges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for key, job_id, charge_id in store.query("SELECT idem_key, job_id, id FROM {s}soak_charges"):
+        charges[key].append((int(job_id), int(charge_id)))
+    bad_pay, calls = [], 0
+    for job in jobs.values():
+        if job.name != "soak.pay":
+            continue
+        calls += sum(1 for r in by_job.get(job.id, []) if r.kind == "psp_call")
+        found = charges.get(f"soak.pay:{job.key if job.key is not None else job.id}", [])
+        if job.state == "completed":
+            charge_id = (job.result or {}).get("charge_id")
+            if len(found) != 1 or found[0][1] != charge_id:
+                bad_pay.append((job.id, job.state, found, charge_id))
+        elif len(found) > 1:
+            bad_pay.append((job.id, job.state, found, None))
+    pay_jobs = sum(1 for j in jobs.values() if j.name == "soak.pay")
+    out.figures["tx effect rows"] = tx_rows
+    out.figures["payment charges"] = sum(len(v) for v in charges.values())
+    out.figures["payment provider calls"] = calls
+    out.figures["payment calls repeated (deduplicated by the provider)"] = calls - pay_jobs
+    if bad_tx:
+        out.fail("I3", f"{len(bad_tx)} ctx.transaction job(s) without exactly one effect", bad_tx)
+    if bad_pay:
+        out.fail("I3", f"{len(bad_pay)} ctx.step payment(s) without exactly one charge", bad_pay)
+
+
+# -- I5 attempts ----------------------------------------------------------------------------------
+def _attempts(out: Findings, jobs: dict[int, JobInfo]) -> None:
+    over, early, bare = [], [], []
+    for job in jobs.values():
+        if job.attempt > job.max_attempts:
+            over.append((job.id, job.attempt, job.max_attempts))
+        if job.state != "dead":
+            continue
+        last = job.errors[-1] if job.errors else {}
+        if not (last.get("type") and last.get("message")):
+            bare.append(job.id)
+        if job.attempt < job.max_attempts and last.get("kind") not in ("permanent", "poison"):
+            early.append((job.id, job.attempt, job.max_attempts, last.get("kind")))
+    dead_reasons = Counter(
+        (j.errors[-1].get("kind") if j.errors else None) for j in jobs.values() if j.state == "dead"
+    )
+    out.figures["dead by reason"] = dict(dead_reasons)
+    if over:
+        out.fail("I5", f"{len(over)} job(s) ran more attempts than allowed", over)
+    if early:
+        out.fail("I5", f"{len(early)} job(s) dead before their last attempt", early)
+    if bare:
+        out.fail("I5", f"{len(bare)} dead job(s) without a reason and last error", bare)
+
+
+# -- I6 fencing -----------------------------------------------------------------------------------
+def _fencing(out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[Run]]) -> None:
+    """The recorded completion is the completing attempt's own (a stale write that landed
+    would carry an older attempt or another token)."""
+    wrong = []
+    for job in jobs.values():
+        if job.state != "completed" or not isinstance(job.result, dict):
+            continue
+        starts = {r.attempt: r.token for r in by_job.get(job.id, []) if r.kind == "run"}
+        if job.result.get("attempt") != job.attempt or (
+            job.result.get("token") and starts.get(job.attempt) != job.result.get("token")
+        ):
+            wrong.append((job.id, job.attempt, job.result))
+    if wrong:
+        out.fail("I6", f"{len(wrong)} completion(s) written by a stale attempt", wrong)
+
+
+# -- I7 time --------------------------------------------------------------------------------------
+def _time(out: Findings, jobs: dict[int, JobInfo], runs: list[Run], poll: float) -> None:
+    early = [
+        (r.job_id, r.attempt, round(r.run_at - r.claimed_at, 3))
+        for r in runs
+        if r.kind == "run" and r.run_at is not None and r.claimed_at is not None
+        and r.claimed_at < r.run_at - poll
+    ]  # fmt: skip
+    if early:
+        out.fail("I7", f"{len(early)} execution(s) started before their run_at", early)
+    slots: Counter[str] = Counter(
+        j.key for j in jobs.values() if j.name == "soak.cron" and j.key is not None
+    )
+    twice = [k for k, n in slots.items() if n > 1]
+    times = sorted(
+        datetime.strptime(k, "cron:%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+        for k in slots
+    )
+    gaps = [
+        (datetime.fromtimestamp(a, UTC).isoformat(), b - a)
+        for a, b in itertools.pairwise(times)
+        if abs(b - a - CRON_STEP) > 0.001
+    ]
+    out.figures["cron slots"] = len(slots)
+    if twice:
+        out.fail("I7", f"{len(twice)} cron slot(s) enqueued more than once", twice)
+    if gaps:
+        out.fail("I7", f"{len(gaps)} gap(s) between consecutive cron slots", gaps)
+    if not slots:
+        out.fail("I7", "no cron slot was enqueued at all")
+
+
+# -- I8 uniqueness --------------------------------------------------------------------------------
+def _uniqueness(out: Findings, store: Store, ledger: Ledger) -> None:
+    bad = []
+    for burst in ledger.bursts:
+        rows = store.query(
+            "SELECT count(*) FROM {s}errands_jobs WHERE name = 'soak.unique' "
+            "AND idempotency_key = %s",
+            (burst.key,),
+        )
+        fresh_ok = burst.fresh == 1 or (burst.retried and burst.fresh <= 1)
+        if len(set(burst.ids)) != 1 or rows[0][0] != 1 or not fresh_ok:
+            bad.append((burst.key, sorted(set(burst.ids)), rows[0][0], burst.fresh))
+    out.figures["concurrent-enqueue bursts (24 callers, one key)"] = len(ledger.bursts)
+    if bad:
+        out.fail("I8", f"{len(bad)} burst(s) of one key gave more than one job", bad)
+
+
+# -- I2 no phantoms -------------------------------------------------------------------------------
+def _phantoms(
+    out: Findings,
+    store: Store,
+    jobs: dict[int, JobInfo],
+    ledger: Ledger,
+    by_job: dict[int, list[Run]],
+) -> None:
+    orders = {int(r[0]) for r in store.query("SELECT order_id FROM {s}soak_orders")}
+    order_jobs: dict[int, list[int]] = defaultdict(list)
+    for job in jobs.values():
+        if job.name == "soak.order":
+            order_jobs[int(job.args.get("order_id", -1))].append(job.id)
+    problems = []
+    for order_id, job_id in ledger.orders_committed.items():
+        if order_id not in orders or order_jobs.get(order_id) != [job_id]:
+            problems.append(("committed", order_id, order_id in orders, order_jobs.get(order_id)))
+    for order_id in ledger.orders_rolled_back:
+        if order_id in orders or order_jobs.get(order_id):
+            problems.append(("rolled back", order_id, order_id in orders, order_jobs.get(order_id)))
+    for order_id in ledger.orders_unknown:
+        if (order_id in orders) != bool(order_jobs.get(order_id)):
+            problems.append(("unknown", order_id, order_id in orders, order_jobs.get(order_id)))
+    ran_rolled_back = [
+        r.job_id
+        for rows in by_job.values()
+        for r in rows
+        if r.kind == "run" and r.detail is not None and r.detail.isdigit()
+        and int(r.detail) in ledger.orders_rolled_back and r.job_id in jobs
+        and jobs[r.job_id].name == "soak.order"
+    ]  # fmt: skip
+    phantom_runs = sorted({job_id for job_id in by_job if job_id not in jobs})
+    out.figures["transactional enqueues committed / rolled back / unknown"] = (
+        f"{len(ledger.orders_committed)} / {len(ledger.orders_rolled_back)} / "
+        f"{len(ledger.orders_unknown)}"
+    )
+    if problems:
+        out.fail("I2", f"{len(problems)} order(s) whose job exists iff its row does not",
+                 problems)  # fmt: skip
+    if ran_rolled_back:
+        out.fail("I2", "jobs of rolled-back enqueues ran", ran_rolled_back)
+    if phantom_runs:
+        out.fail("I2", f"{len(phantom_runs)} execution(s) of jobs the store does not hold",
+                 phantom_runs)  # fmt: skip
+
+
+# -- I9 liveness ----------------------------------------------------------------------------------
+def _liveness(out: Findings, chaos: Chaos, lease: float, poll: float) -> None:
+    bound = 2 * (lease + poll)
+    out.figures["recovery bound (2 x (lease + poll)) s"] = bound
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    slow, never = [], []
+    for ep in chaos.episodes:
+        if ep.recovery is None:
+            never.append((ep.kind, ep.detail))
+            continue
+        by_kind[ep.kind].append(ep.recovery)
+        if ep.recovery > bound:
+            slow.append((ep.kind, round(ep.recovery, 2), ep.detail))
+    every = [v for values in by_kind.values() for v in values]
+    out.figures["recovery s (max, p99)"] = (max(every, default=None), percentile(every, 99))
+    out.figures["recovery s by fault (max)"] = {k: round(max(v), 3) for k, v in by_kind.items()}
+    if never:
+        out.fail("I9", f"{len(never)} fault(s) after which the canary was never picked up", never)
+    if slow:
+        out.fail("I9", f"{len(slow)} recovery time(s) above {bound:g} s", slow)
+
+
+def _rescues(
+    out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[Run]], chaos: Chaos
+) -> None:
+    """How soon the jobs a killed, frozen or cut-off worker held when the fault began
+    were rescued (F1, F5, F8: within the lease plus the rescue interval; a leader's own
+    jobs wait for the next leader, up to its 5 s lease)."""
+    claimed = {
+        (r.job_id, r.attempt): r.claimed_at
+        for rows in by_job.values()
+        for r in rows
+        if r.kind == "run" and r.claimed_at is not None
+    }
+    delays: dict[str, list[float]] = defaultdict(list)
+    for ep in (ep for ep in chaos.episodes if ep.victim):
+        for job in jobs.values():
+            for err in job.errors:
+                if err.get("type") != "WorkerLost" or err.get("worker") != ep.victim:
+                    continue
+                at = float(err.get("at", 0))
+                held_since = claimed.get((job.id, err.get("attempt")))
+                if held_since is not None and held_since <= ep.started <= at <= ep.healed + 30:
+                    delays[ep.kind].append(at - ep.started)
+    out.figures["rescue after the fault s (max) by fault"] = {
+        k: round(max(v), 2) for k, v in delays.items()
+    }
+
+
+# -- F19: a cancelled job never runs again --------------------------------------------------------
+def _cancels(
+    out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[Run]], chaos: Chaos
+) -> None:
+    bad, landed = [], 0
+    for record in chaos.cancels:
+        if not record.state:
+            continue  # the job had ended before the cancel (it answered an error)
+        landed += 1
+        job = jobs.get(record.job_id)
+        # A claim whose transaction began after the cancel had committed ran it again.
+        later = [
+            r.attempt
+            for r in by_job.get(record.job_id, [])
+            if r.kind == "run" and r.claimed_at is not None and r.claimed_at > record.committed_at
+        ]
+        allowed = ("cancelled", "completed") if record.state == "running" else ("cancelled",)
+        if job is None or job.state not in allowed or later:
+            bad.append((record.job_id, record.state, job.state if job else None, later))
+    out.figures["cancels racing a rescue (landed / attempted)"] = f"{landed} / {len(chaos.cancels)}"
+    out.figures["cancels answered (state then -> answer)"] = dict(
+        Counter(f"{c.previous_state}->{c.state}" for c in chaos.cancels if c.state)
+    )
+    out.figures["cancelled jobs ended"] = dict(
+        Counter(jobs[c.job_id].state for c in chaos.cancels if c.state and c.job_id in jobs)
+    )
+    if bad:
+        out.fail("F19", f"{len(bad)} cancelled job(s) ran again or ended otherwise", bad)
+
+
+# -- F8: self-fencing -----------------------------------------------------------------------------
+def _self_fencing(
+    out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[Run]], chaos: Chaos
+) -> None:
+    """A worker cut off from the database stops its handlers before their leases run
+    out: no slow handler of a cut-off worker may still be working when its attempt is
+    rescued (its lease had expired)."""
+    overran, fenced = [], 0
+    cuts = [ep for ep in chaos.episodes if ep.kind == "proxy_cut" and ep.victim]
+    for ep in cuts:
+        for job in jobs.values():
+            if job.name != "soak.slow":
+                continue
+            for err in job.errors:
+                if err.get("type") != "WorkerLost" or err.get("worker") != ep.victim:
+                    continue
+                if not ep.started <= float(err.get("at", 0)) <= ep.healed + 1:
+                    continue
+                ends = [
+                    r for r in by_job.get(job.id, [])
+                    if r.kind == "end" and r.attempt == err["attempt"] and r.worker == ep.victim
+                ]  # fmt: skip
+                rescued_at = float(err["at"])
+                if not ends or any(stopped_at(r) > rescued_at for r in ends):
+                    overran.append(
+                        (job.id, err["attempt"], rescued_at, [(r.detail, r.at) for r in ends])
+                    )
+                else:
+                    fenced += 1
+    out.figures["handlers stopped in time while cut off (F8)"] = fenced
+    out.figures["handlers still running when their lease ran out (F8)"] = len(overran)
+    if overran:
+        out.fail("F8", f"{len(overran)} handler(s) of a cut-off worker outlived their lease",
+                 overran)  # fmt: skip
+
+
+def stopped_at(run: Run) -> float:
+    """When a slow handler stopped: the time in its ``end`` row's detail (``reason@epoch``),
+    else the row's own time."""
+    _, _, when = (run.detail or "").rpartition("@")
+    try:
+        return float(when)
+    except ValueError:
+        return run.at
+
+
+# -- I10 store health -----------------------------------------------------------------------------
+def _health(out: Findings, store: Store) -> None:
+    if store.sqlite:
+        result = store.scalar("PRAGMA integrity_check")
+        pages = store.scalar("PRAGMA page_count")
+        free = store.scalar("PRAGMA freelist_count")
+        out.figures["store health"] = f"integrity_check={result}, pages={pages}, free={free}"
+        if result != "ok":
+            out.fail("I10", f"SQLite integrity_check: {result}")
+        return
+    rows = store.query(
+        "SELECT n_dead_tup, n_live_tup FROM pg_stat_user_tables "
+        "WHERE schemaname = %s AND relname = 'errands_jobs'",
+        (store.schema,),
+    )
+    oldest = store.scalar(
+        "SELECT coalesce(extract(epoch FROM now() - min(xact_start)), 0)::float8 "
+        "FROM pg_stat_activity WHERE datname = current_database() AND xact_start IS NOT NULL "
+        "AND pid <> pg_backend_pid()"
+    )
+    dead, live = rows[0] if rows else (None, None)
+    out.figures["store health"] = (
+        f"errands_jobs dead tuples={dead}, live tuples={live}, "
+        f"oldest open transaction={float(oldest or 0):.1f} s"
+    )
+
+
+# -- pickup latency -------------------------------------------------------------------------------
+def _latency(
+    out: Findings, jobs: dict[int, JobInfo], runs: list[Run], chaos: Chaos, settle: float
+) -> None:
+    """Claim time minus due time, over every claim; over the claims made away from any
+    fault (not between a fault's start and ``settle`` seconds after its heal); and over
+    the claims of rescued jobs (a lease of theirs was lost before), which errands claims
+    on a path of their own ("suspects": one at a time per worker)."""
+    windows = [(ep.started, ep.healed + settle) for ep in chaos.episodes]
+    rescued_before: dict[int, list[int]] = {
+        j.id: [e["attempt"] for e in j.errors if e.get("type") == "WorkerLost"]
+        for j in jobs.values()
+        if j.errors
+    }
+    waits, calm, rescued = [], [], []
+    for r in runs:
+        if r.kind != "run" or r.claimed_at is None or r.run_at is None:
+            continue
+        wait = max(r.claimed_at - r.run_at, 0.0)
+        waits.append(wait)
+        if any(a < r.attempt for a in rescued_before.get(r.job_id, ())):
+            rescued.append(wait)
+        elif not any(a <= r.claimed_at <= b for a, b in windows):
+            calm.append(wait)
+    out.figures["pickup latency s (p50, p99)"] = (percentile(waits, 50), percentile(waits, 99))
+    out.figures["pickup latency away from faults s (p50, p99)"] = (
+        percentile(calm, 50),
+        percentile(calm, 99),
+    )
+    out.figures["pickup latency of rescued jobs s (p50, p99, max)"] = (
+        percentile(rescued, 50),
+        percentile(rescued, 99),
+        max(rescued, default=None),
+    )
+    slowest = max(rescued, default=0.0)
+    if slowest > settle:
+        out.observations.append(
+            f"I9 not met for rescued jobs: {len(rescued)} claims of jobs rescued earlier waited "
+            f"up to {slowest:.1f} s (p99 {percentile(rescued, 99):.1f} s), past the "
+            f"{settle:g} s bound: errands claims them only when the regular backlog leaves a "
+            "slot free, one at a time per worker (docs/reliability.md, known issues)"
+        )

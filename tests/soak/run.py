@@ -1,0 +1,282 @@
+"""One soak run: start the workers, stream the workload, inject the chaos, drain, check.
+
+::
+
+    workload thread ──enqueue──> store <──claim/finish── 3 worker processes
+                                   ^                         ^  (PostgreSQL: each
+    chaos driver ──faults, canaries┘      SIGKILL/STOP/CONT ─┘   behind its own proxy)
+
+    then: heal everything, wait for the backlog to drain, SIGTERM the workers,
+    check I1-I10 (checker.py) and write the report (report.py).
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import soak_app
+
+from .chaos import POSTGRES_KINDS, SQLITE_KINDS, Chaos
+from .checker import TERMINAL, Findings, check
+from .cluster import Cluster, local_pg_cluster
+from .report import render
+from .store import Store
+from .workload import Ledger, Workload
+
+FAULT_POINTS = "after_step:0.002,before_complete_commit:0.003,after_complete_commit:0.003"
+
+# Rough seconds one fault of each kind takes (fault, heal, canary, gap), to pace the
+# workload so that jobs keep flowing for the whole chaos plan.
+EPISODE_SECONDS = {
+    "sigkill": 2.5,
+    "sigstop": 8.0,
+    "conn_kill": 3.5,
+    "pg_restart": 4.0,
+    "proxy_cut": 7.5,
+    "cancel": 6.0,
+}
+
+
+@dataclass
+class SoakConfig:
+    backend: str  # "sqlite" or "postgres"
+    jobs: int
+    workers: int = 3
+    concurrency: int = 8
+    lease: float = soak_app.LEASE
+    poll_interval: float = 0.05
+    maintenance_tick: float = 0.2
+    min_faults: int = 1  # each fault kind at least this many times
+    gap: tuple[float, float] = (0.3, 1.2)  # seconds between two faults
+    backlog_cap: int = 3000
+    rate: float | None = None  # jobs/s of the mix; None: spread over the fault plan
+    unique_every: float = 8.0
+    fault_points: str = FAULT_POINTS
+    chaos_limit: float = 3600.0  # stop injecting after this long, whatever the plan
+    drain_timeout: float = 180.0
+    seed: int = field(default_factory=lambda: random.randrange(1 << 30))
+
+
+@dataclass
+class SoakResult:
+    config: SoakConfig
+    findings: Findings
+    text: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings.violations
+
+
+def run_soak(config: SoakConfig, folder: Path, url: str) -> SoakResult:
+    rng = random.Random(config.seed)
+    store = Store(url)
+    store.create_tables()
+    app = soak_app.app
+    app.close()
+    app.url = url
+    app.migrate()
+    pg_cluster = None if store.sqlite else local_pg_cluster(url)
+    kinds = SQLITE_KINDS if store.sqlite else POSTGRES_KINDS
+    notes = []
+    if not store.sqlite and pg_cluster is None:
+        kinds = tuple(k for k in kinds if k != "pg_restart")
+        notes.append("PostgreSQL restarts skipped: no local pg_ctlcluster cluster (run as root)")
+    cluster = Cluster(
+        folder,
+        store,
+        workers=config.workers,
+        concurrency=config.concurrency,
+        poll_interval=config.poll_interval,
+        maintenance_tick=config.maintenance_tick,
+        lease=config.lease,
+        fault_points=config.fault_points,
+    )
+    ledger = Ledger()
+    planned = config.min_faults * sum(EPISODE_SECONDS[k] for k in kinds)
+    if config.rate:
+        planned = max(planned, config.jobs / config.rate)
+    workload = Workload(
+        store,
+        app,
+        ledger,
+        total=config.jobs,
+        planned_seconds=planned,
+        backlog_cap=config.backlog_cap,
+        unique_every=config.unique_every,
+        rng=random.Random(rng.random()),
+    )
+    chaos = Chaos(
+        cluster=cluster,
+        store=store,
+        workload=workload,
+        app=app,
+        rng=random.Random(rng.random()),
+        kinds=kinds,
+        lease=config.lease,
+        gap=config.gap,
+        pg_cluster=pg_cluster,
+    )
+    timings: dict[str, float] = {}
+    exit_codes: dict[str, int | None] = {}
+    try:
+        started = time.monotonic()
+        wall_started = time.time()
+        cluster.start()
+        timings["startup"] = time.monotonic() - started
+        workload.start()
+        chaos_started = time.monotonic()
+        chaos.run(
+            min_each=config.min_faults,
+            workload_done=workload.done.is_set,
+            # Paced by a rate: keep the pace to the end. Paced by the plan: the plan is
+            # done, so enqueue what is left now.
+            on_plan_done=(lambda: None) if config.rate else workload.hurry.set,
+            deadline=chaos_started + config.chaos_limit,
+        )
+        timings["chaos"] = time.monotonic() - chaos_started
+        workload.hurry.set()
+        while not workload.done.wait(0.2):
+            cluster.supervise()
+        if workload.error is not None:
+            raise workload.error
+        quiesced_at, _ = drain(store, cluster, config.drain_timeout)
+        last_heal = max((ep.healed for ep in chaos.episodes), default=quiesced_at)
+        timings["drain after the last fault"] = time.time() - last_heal
+        timings["total"] = time.monotonic() - started
+        exit_codes = cluster.stop_all(graceful=True)
+        findings = check(
+            store,
+            ledger,
+            chaos,
+            quiesced_at=quiesced_at,
+            lease=config.lease,
+            poll_interval=config.poll_interval,
+        )
+        _process_findings(findings, cluster, chaos, exit_codes, timings)
+        short = {k: chaos.counts[k] for k in kinds if chaos.counts[k] < config.min_faults}
+        if short:
+            findings.fail(
+                "plan", f"fault kinds injected fewer than {config.min_faults} times: {short}"
+            )
+        findings.figures["notes"] = notes + chaos.log
+        findings.figures["episodes"] = [
+            f"{ep.kind}@{ep.started - wall_started:.1f}s+{ep.healed - ep.started:.1f}s "
+            f"rec={'-' if ep.recovery is None else f'{ep.recovery:.2f}'} {ep.detail}".strip()
+            for ep in chaos.episodes
+        ]
+        text = render(config, findings, store, timings, platform_info(store))
+        (folder / f"soak-report-{config.backend}.txt").write_text(text)
+        return SoakResult(config, findings, text)
+    finally:
+        workload.close()
+        chaos.close()
+        cluster.close()
+        app.close()
+        store.close()
+
+
+def drain(store: Store, cluster: Cluster, timeout: float) -> tuple[float, float]:
+    """Wait until every job inserted so far is terminal (cron keeps adding slots, so
+    only rows inserted before now count); returns (that moment, seconds it took)."""
+    since = time.time()
+    begun = time.monotonic()
+    marks = ", ".join(f"'{s}'" for s in TERMINAL)
+    while time.monotonic() - begun < timeout:
+        cluster.supervise()
+        left = store.scalar(
+            f"SELECT count(*) FROM {{s}}errands_jobs WHERE state NOT IN ({marks}) "
+            f"AND {store.epoch('inserted_at')} <= %s",
+            (since,),
+        )
+        if not left:
+            break
+        time.sleep(0.1)
+    return since, time.monotonic() - begun
+
+
+def _process_findings(
+    findings: Findings,
+    cluster: Cluster,
+    chaos: Chaos,
+    exit_codes: dict[str, int | None],
+    timings: dict[str, float],
+) -> None:
+    logs = cluster.log_counts()
+    faults = dict(chaos.counts)
+    if logs["fault points fired"]:
+        faults["fault point crash (F2)"] = logs["fault points fired"]
+    findings.figures["faults injected"] = faults
+    findings.figures["sessions terminated"] = chaos.terminated
+    findings.figures["worker log"] = dict(logs)
+    findings.figures["stale writes rejected"] = logs["stale writes rejected"]
+    findings.figures["worker processes started"] = len(cluster.procs)
+    findings.figures["workers that refused to start (database away)"] = cluster.refused
+    if cluster.startup_crashes:
+        findings.observations.append(
+            f"{len(cluster.startup_crashes)} worker(s) died while starting, on a transient "
+            "database error, with a traceback instead of one clear line (docs/reliability.md, "
+            f"known issues): {cluster.startup_crashes[0]}"
+        )
+    crashed = {c: n for c, n in cluster.exits.items() if c != "86"}  # 86: a fault point
+    if crashed:
+        findings.fail(
+            "workers",
+            f"worker processes exited by themselves, by exit code: {crashed}",
+            cluster.exit_tails,
+        )
+    unclean = {k: v for k, v in exit_codes.items() if v != 0}
+    if unclean:
+        findings.fail("F4", f"workers did not stop cleanly on SIGTERM: {unclean}")
+    done = sum(n for s, n in findings.figures["states"].items() if s in TERMINAL)
+    total = timings.get("total") or 1.0
+    findings.figures["throughput jobs/s (whole run)"] = round(done / total, 1)
+
+
+def platform_info(store: Store) -> dict[str, str]:
+    import sqlite3
+
+    import errands
+
+    info = {
+        "machine": f"{_cpu()}, {_cores()} cores, {_memory()} RAM, Linux {platform.release()}",
+        "python": platform.python_version(),
+        "errands": errands.__version__,
+        "sqlite": sqlite3.sqlite_version,
+    }
+    if not store.sqlite:
+        import psycopg
+
+        info["postgresql"] = str(store.scalar("SHOW server_version"))
+        info["psycopg"] = psycopg.__version__
+    return info
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+def _memory() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return f"{int(line.split()[1]) / 1024 / 1024:.0f} GiB"
+    except OSError:
+        pass
+    return "?"

@@ -1,0 +1,310 @@
+"""The workload generator: a steady stream of mixed jobs while the chaos runs.
+
+Runs in a thread of the test process. Every job it enqueues carries an idempotency key
+(``soak:<n>``), so an enqueue that failed on a killed connection or a restarting server
+is simply retried: if the first try had committed, the retry returns the same job
+(DESIGN §3). Only enqueues that returned are written in the :class:`Ledger` — those
+are the jobs I1 says must never be lost.
+
+Besides the plain mix it does two things the checker needs:
+
+- transactional enqueues (RELIABILITY I2): an ``soak_orders`` row and its job inserted
+  in one transaction of the generator's own connection, committed or (about a third of
+  the time) rolled back;
+- bursts of concurrent enqueues of one idempotency key from many threads (I8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import soak_app
+
+import errands
+from errands.errors import DatabaseBusy
+
+from .store import Store, is_connection_error
+
+# kind -> weight in the mix (orders, unique bursts, canaries and cron come on their own)
+MIX = {
+    "fast": 48,
+    "delayed": 5,
+    "slow": 3,
+    "flaky": 10,
+    "doomed": 3,
+    "exhaust": 3,
+    "pay": 14,
+    "tx": 14,
+}
+BATCH = 100
+ORDER_EVERY = 2  # batches between two transactional enqueues
+ORDER_ROLLBACK = 0.35
+UNIQUE_THREADS = 24
+
+
+@dataclass
+class UniqueBurst:
+    group: int
+    key: str
+    ids: list[int] = field(default_factory=list)
+    fresh: int = 0  # callers told deduplicated=False
+    retried: int = 0  # calls retried after an error (may then see deduplicated=True)
+
+
+@dataclass
+class Ledger:
+    jobs: dict[int, str] = field(default_factory=dict)  # acknowledged enqueues: id -> kind
+    orders_committed: dict[int, int] = field(default_factory=dict)  # order id -> job id
+    orders_rolled_back: dict[int, int] = field(default_factory=dict)  # order id -> job id
+    orders_unknown: set[int] = field(default_factory=set)  # the commit itself failed
+    bursts: list[UniqueBurst] = field(default_factory=list)
+    enqueue_retries: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, ids: list[int], kinds: list[str]) -> None:
+        with self.lock:
+            for job_id, kind in zip(ids, kinds, strict=True):
+                self.jobs[job_id] = kind
+
+
+def transient(exc: BaseException) -> bool:
+    return is_connection_error(exc) or isinstance(exc, DatabaseBusy)
+
+
+class Workload:
+    def __init__(
+        self,
+        store: Store,
+        app: errands.App,
+        ledger: Ledger,
+        *,
+        total: int,
+        planned_seconds: float,
+        backlog_cap: int,
+        unique_every: float,
+        rng: random.Random,
+    ) -> None:
+        self.store = store
+        self.app = app
+        self.ledger = ledger
+        self.total = total
+        self.planned = max(planned_seconds, 1.0)
+        self.backlog_cap = backlog_cap
+        self.unique_every = unique_every
+        self.rng = rng
+        self.seq = 0
+        self._seq_lock = threading.Lock()
+        self.order_seq = 0
+        self.enqueued = 0  # jobs of the mix (orders and bursts not counted)
+        self.stop = threading.Event()
+        self.hurry = threading.Event()  # the chaos plan is done: enqueue the rest now
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="soak-workload", daemon=True)
+        self._pool = ThreadPoolExecutor(UNIQUE_THREADS, thread_name_prefix="soak-unique")
+        self._order_conn: Any = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def close(self) -> None:
+        self.stop.set()
+        self._thread.join(30)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._order_conn is not None:
+            with contextlib.suppress(Exception):
+                self._order_conn.close()
+
+    # -- the loop ------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # surfaced by the orchestrator
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        next_unique = started + self.unique_every / 2
+        batches = 0
+        while self.enqueued < self.total and not self.stop.is_set():
+            elapsed = time.monotonic() - started
+            target = self.total if self.hurry.is_set() else self.total * elapsed / self.planned
+            if self.enqueued >= target + BATCH or self._backlog() >= self.backlog_cap:
+                time.sleep(0.05)
+                continue
+            self._enqueue_batch(min(BATCH, self.total - self.enqueued))
+            batches += 1
+            if batches % ORDER_EVERY == 0:
+                self._transactional_enqueue()
+            if time.monotonic() >= next_unique:
+                self._unique_burst()
+                next_unique = time.monotonic() + self.unique_every
+        if not self.ledger.bursts and not self.stop.is_set():
+            self._unique_burst()  # at least one, however short the run
+
+    def _backlog(self) -> int:
+        return int(
+            self.store.scalar(
+                "SELECT count(*) FROM {s}errands_jobs "
+                "WHERE state IN ('available', 'scheduled', 'retryable')"
+            )
+        )
+
+    def _retrying(self, call: Callable[[], Any]) -> Any:
+        pause = 0.05
+        while True:
+            try:
+                return call()
+            except Exception as exc:
+                if not transient(exc) or self.stop.is_set():
+                    raise
+                with self.ledger.lock:
+                    self.ledger.enqueue_retries += 1
+                time.sleep(pause * (1 + self.rng.random()))
+                pause = min(pause * 2, 2.0)
+
+    def bind(self, kind: str, seq: int) -> errands.BoundJob:
+        rng, key = self.rng, f"soak:{seq}"
+        if kind == "fast":
+            return soak_app.fast.bind(n=seq, key=key)
+        if kind == "delayed":
+            return soak_app.fast.bind(n=seq, key=key, delay=rng.uniform(0.5, 3.0))
+        if kind == "slow":
+            return soak_app.slow.bind(n=seq, seconds=round(rng.uniform(0.2, 1.5), 2), key=key)
+        if kind == "flaky":
+            return soak_app.flaky.bind(n=seq, fail_times=rng.choice((1, 2)), key=key)
+        if kind == "doomed":
+            return soak_app.doomed.bind(n=seq, key=key)
+        if kind == "exhaust":
+            return soak_app.exhaust.bind(n=seq, key=key)
+        if kind == "pay":
+            return soak_app.pay.bind(order=seq, amount=100 + seq % 900, key=key)
+        if kind == "tx":
+            return soak_app.tx.bind(n=seq, key=key)
+        raise ValueError(kind)
+
+    def _enqueue_batch(self, size: int) -> None:
+        kinds = self.rng.choices(list(MIX), weights=list(MIX.values()), k=size)
+        bound = [self.bind(kind, self.next_key()[0]) for kind in kinds]
+        handles = self._retrying(lambda: self.app.enqueue_many(bound))
+        self.ledger.add([h.id for h in handles], kinds)
+        self.enqueued += size
+
+    def enqueue_extra(self, kind: str, job: errands.BoundJob) -> int:
+        """Enqueue one job for the chaos driver (slow targets, canaries); ledgered."""
+        (handle,) = self._retrying(lambda: self.app.enqueue_many([job]))
+        self.ledger.add([handle.id], [kind])
+        return int(handle.id)
+
+    def next_key(self) -> tuple[int, str]:
+        with self._seq_lock:
+            self.seq += 1
+            return self.seq, f"soak:{self.seq}"
+
+    # -- I2: enqueue inside the caller's transaction ----------------------------------------
+    def _order_connection(self) -> Any:
+        if self._order_conn is None:
+            if self.store.sqlite:
+                conn = sqlite3.connect(self.store.path, timeout=120, isolation_level=None)
+                conn.execute("PRAGMA busy_timeout = 120000")
+            else:
+                import psycopg
+
+                conn = psycopg.connect(self.store.conninfo, connect_timeout=5)
+            self._order_conn = conn
+        return self._order_conn
+
+    def _transactional_enqueue(self) -> None:
+        self.order_seq += 1
+        order_id = self.order_seq
+        rollback = self.rng.random() < ORDER_ROLLBACK
+        insert = self.store.sql("INSERT INTO {s}soak_orders (order_id, at) VALUES (%s, NOW())")
+        try:
+            conn = self._order_connection()
+            if self.store.sqlite:
+                conn.execute("BEGIN IMMEDIATE")
+            conn.execute(insert, (order_id,))
+            handle = soak_app.order.enqueue(order_id=order_id, conn=conn)
+        except Exception as exc:
+            self._drop_order_connection()
+            if not transient(exc):
+                raise
+            return  # never committed: neither the order nor its job exists (checked)
+        if rollback:
+            try:
+                if self.store.sqlite:
+                    conn.execute("ROLLBACK")
+                else:
+                    conn.rollback()
+            except Exception as exc:
+                self._drop_order_connection()  # a dead connection's transaction is gone too
+                if not transient(exc):
+                    raise
+            with self.ledger.lock:
+                self.ledger.orders_rolled_back[order_id] = handle.id
+            return
+        try:
+            if self.store.sqlite:
+                conn.execute("COMMIT")
+            else:
+                conn.commit()
+        except Exception as exc:
+            self._drop_order_connection()
+            if not transient(exc):
+                raise
+            with self.ledger.lock:
+                self.ledger.orders_unknown.add(order_id)
+            return
+        with self.ledger.lock:
+            self.ledger.orders_committed[order_id] = handle.id
+            self.ledger.jobs[handle.id] = "order"
+
+    def _drop_order_connection(self) -> None:
+        conn, self._order_conn = self._order_conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    # -- I8: one key, many callers at once -----------------------------------------------------
+    def _unique_burst(self) -> None:
+        group = len(self.ledger.bursts) + 1
+        burst = UniqueBurst(group, f"unique:{group}")
+        barrier = threading.Barrier(UNIQUE_THREADS)
+        lock = threading.Lock()
+
+        def call() -> None:
+            barrier.wait(timeout=30)
+            tries = 0
+            while True:
+                try:
+                    handle = soak_app.unique.enqueue(group=group, key=burst.key)
+                    break
+                except Exception as exc:
+                    if not transient(exc) or tries > 200:
+                        raise
+                    tries += 1
+                    time.sleep(0.05)
+            with lock:
+                burst.ids.append(handle.id)
+                burst.fresh += not handle.deduplicated
+                burst.retried += tries > 0
+
+        for future in [self._pool.submit(call) for _ in range(UNIQUE_THREADS)]:
+            future.result(timeout=180)
+        with self.ledger.lock:
+            self.ledger.bursts.append(burst)
+            for job_id in set(burst.ids):
+                self.ledger.jobs[job_id] = "unique"
