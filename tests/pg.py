@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -36,7 +38,7 @@ def pg_unavailable_reason() -> str | None:
         reason = "psycopg is not installed: pip install -e '.[postgres]' (make test does)"
     else:
         try:
-            psycopg.connect(url, connect_timeout=3).close()
+            _connect_when_ready(psycopg, url)
         except psycopg.OperationalError as exc:
             if "does not exist" in str(exc):
                 parts = urlsplit(url)
@@ -83,3 +85,19 @@ def fresh_pg_url() -> Iterator[str]:
         yield with_params(pg_base_url(), schema=schema, auto_migrate="true")
     finally:
         drop_schema(schema)
+
+
+RESTARTING = ("starting up", "not yet accepting", "shutting down", "Connection refused")
+
+
+def _connect_when_ready(psycopg: Any, url: str, wait: float = 60.0) -> None:
+    """Connect once, waiting while the server restarts (some suites restart it on purpose)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            psycopg.connect(url, connect_timeout=3).close()
+            return
+        except psycopg.OperationalError as exc:
+            if time.monotonic() > deadline or not any(t in str(exc) for t in RESTARTING):
+                raise
+            time.sleep(0.5)

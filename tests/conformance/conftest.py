@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import os
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,7 +210,7 @@ class PostgresHarness(Harness):
     def open(self, tmp_path: Path) -> Backend:
         url = self.url()
         try:
-            backend = open_backend(url)
+            backend = _open_when_ready(url)
         except Exception as exc:
             reason = (
                 f"PostgreSQL backend cannot be opened at {url} ({type(exc).__name__}: {exc}); "
@@ -346,3 +347,19 @@ def backend(harness: Harness, tmp_path: Path) -> Iterator[Backend]:
         yield store
     finally:
         store.close()
+
+
+RESTARTING = ("starting up", "not yet accepting", "shutting down", "Connection refused")
+
+
+def _open_when_ready(url: str, wait: float = 60.0) -> Backend:
+    """Open the backend, waiting while the server restarts (other suites restart it on
+    purpose and wait for it, but a test can land on the tail of such a restart)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return open_backend(url)
+        except Exception as exc:
+            if time.monotonic() > deadline or not any(t in str(exc) for t in RESTARTING):
+                raise
+            time.sleep(0.5)
