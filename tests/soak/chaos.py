@@ -137,7 +137,10 @@ class Chaos:
             time.sleep(min(0.1, left))
 
     def _slot(self) -> tuple[Slot, str]:
-        live = self.cluster.live_ids()
+        """A random live worker (waiting, should every one be just restarting)."""
+        deadline = time.monotonic() + 60
+        while not (live := self.cluster.live_ids()) and time.monotonic() < deadline:
+            self.idle(0.2)
         worker_id = self.rng.choice(sorted(live))
         return live[worker_id], worker_id
 

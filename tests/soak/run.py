@@ -58,6 +58,7 @@ class SoakConfig:
     fault_points: str = FAULT_POINTS
     chaos_limit: float = 3600.0  # stop injecting after this long, whatever the plan
     drain_timeout: float = 180.0
+    kinds: tuple[str, ...] | None = None  # only these fault kinds (default: all of the backend)
     seed: int = field(default_factory=lambda: random.randrange(1 << 30))
 
 
@@ -81,7 +82,7 @@ def run_soak(config: SoakConfig, folder: Path, url: str) -> SoakResult:
     app.url = url
     app.migrate()
     pg_cluster = None if store.sqlite else local_pg_cluster(url)
-    kinds = SQLITE_KINDS if store.sqlite else POSTGRES_KINDS
+    kinds = config.kinds or (SQLITE_KINDS if store.sqlite else POSTGRES_KINDS)
     notes = []
     if not store.sqlite and pg_cluster is None:
         kinds = tuple(k for k in kinds if k != "pg_restart")
