@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 
 from errands.backends import Backend, open_backend
-
-PG_URL_DEFAULT = "postgresql://postgres@127.0.0.1:5432/errands_test"
+from tests.pg import PG_URL_DEFAULT, require_pg
 
 
 def reset_store(backend: Backend) -> None:
@@ -209,12 +208,13 @@ class PostgresHarness(Harness):
 
     def open(self, tmp_path: Path) -> Backend:
         url = self.url()
+        require_pg()  # creates the test database when missing; skips or fails with a reason
         try:
             backend = _open_when_ready(url)
         except Exception as exc:
             reason = (
-                f"PostgreSQL backend cannot be opened at {url} ({type(exc).__name__}: {exc}); "
-                "open_backend does not support PostgreSQL URLs yet, or the server is not up"
+                f"PostgreSQL backend cannot be opened at {url} ({type(exc).__name__}: {exc}). "
+                "Start PostgreSQL on 127.0.0.1:5432 or set ERRANDS_TEST_PG_URL to run these"
             )
             if os.environ.get("CI", "").lower() == "true":
                 pytest.fail(f"CI must run the PostgreSQL conformance tests: {reason}")

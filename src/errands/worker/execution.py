@@ -24,6 +24,7 @@ from ..jobs import JobRow
 from ..outcomes import Permanent, Retry
 from ..retry import DEFAULT_BACKOFF
 from .process_pool import ChildFailure
+from .runners import Call
 
 if TYPE_CHECKING:
     from ..definition import JobDefinition
@@ -54,7 +55,7 @@ class Attempt:
     kwargs: dict[str, Any] | None = None
     deadline: float | None = None  # monotonic
     lease_valid_until: float = 0.0  # monotonic: our lease surely holds until then
-    future: Future[Any] | None = None
+    future: Future[Any] | Call | None = None  # Call: a sync handler on the thread pool
     task: asyncio.Task[Any] | None = None
     decided: bool = False
     released: bool = False

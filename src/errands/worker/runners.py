@@ -20,6 +20,8 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
+Done = Callable[[BaseException | None, Any], None]
+
 log = logging.getLogger("errands.worker")
 
 _STOP = object()
@@ -36,6 +38,25 @@ def _raise_in_thread(ident: int, exc_type: type[BaseException] | None) -> None:
     )
 
 
+class Call:
+    """One handler call queued on a :class:`ThreadRunner`.
+
+    Lighter than a ``concurrent.futures.Future`` (no condition variable, no lock): the
+    runner hands the outcome straight to ``on_done`` in the handler thread, which is
+    all the worker needs; ``finished`` tells whether the call has returned.
+    """
+
+    __slots__ = ("finished", "fn", "on_done")
+
+    def __init__(self, fn: Callable[[], Any], on_done: Done) -> None:
+        self.fn = fn
+        self.on_done = on_done
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
 class ThreadRunner:
     def __init__(self, size: int, name: str = "errands-job") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -43,7 +64,7 @@ class ThreadRunner:
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
         self._retire: set[int] = set()
-        self._running: dict[int, Future[Any]] = {}  # thread ident -> its current future
+        self._running: dict[int, Call] = {}  # thread ident -> its current call
         self._aimed: set[int] = set()  # threads an interrupt was aimed at
         self._counter = 0
         self.abandoned = 0
@@ -72,20 +93,18 @@ class ThreadRunner:
     def _step(self) -> bool:
         """Run one call; False when this thread should end."""
         me = threading.get_ident()
-        item = self._queue.get()
-        if item is _STOP:
+        call = self._queue.get()
+        if call is _STOP:
             return False
-        future, fn = item
-        if not future.set_running_or_notify_cancel():
-            return True
         with self._lock:
-            self._running[me] = future
-        outcome: tuple[bool, Any]
+            self._running[me] = call
+        exc: BaseException | None = None
+        result: Any = None
         try:
             try:
-                outcome = (True, fn())
-            except BaseException as exc:  # the handler's failure is the future's result
-                outcome = (False, exc)
+                result = call.fn()
+            except BaseException as failure:  # the handler's failure is its outcome
+                exc = failure
             with self._lock:  # no interrupt can be aimed at this thread once popped
                 self._running.pop(me, None)
                 if me in self._aimed:
@@ -99,33 +118,34 @@ class ThreadRunner:
                 self._aimed.discard(me)
                 retire = me in self._retire
                 self._retire.discard(me)
-            outcome = (False, late)
-        if not future.done():
-            if outcome[0]:
-                future.set_result(outcome[1])
-            else:
-                future.set_exception(outcome[1])
+            exc, result = late, None
+        call.finished = True
+        try:
+            call.on_done(exc, result)
+        except Exception:  # the worker's bookkeeping failed: say so, keep the thread
+            log.exception("handling a handler's outcome failed")
         return not retire
 
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._queue.put((future, fn))
-        return future
+    def submit(self, fn: Callable[[], Any], on_done: Done) -> Call:
+        """Run ``fn`` in a pool thread; ``on_done(exc, result)`` is called there after."""
+        call = Call(fn, on_done)
+        self._queue.put(call)
+        return call
 
-    def interrupt(self, future: Future[Any]) -> bool:
-        """Raise HandlerInterrupt inside the thread running ``future``; False if none is."""
+    def interrupt(self, call: Call) -> bool:
+        """Raise HandlerInterrupt inside the thread running ``call``; False if none is."""
         with self._lock:
             for ident, running in self._running.items():
-                if running is future:
+                if running is call:
                     self._aimed.add(ident)
                     _raise_in_thread(ident, HandlerInterrupt)
                     return True
         return False
 
-    def abandon(self, future: Future[Any]) -> None:
+    def abandon(self, call: Call) -> None:
         """Give up on a running call: its thread retires when it returns; a new one replaces it."""
         with self._lock:
-            idents = [ident for ident, f in self._running.items() if f is future]
+            idents = [ident for ident, c in self._running.items() if c is call]
             if not idents:
                 return
             self._retire.add(idents[0])

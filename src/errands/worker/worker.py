@@ -48,7 +48,7 @@ from .completer import Completer
 from .execution import Attempt, Interrupted, JobTimeout, outcome_for
 from .leases import LeaseKeeper
 from .process_pool import ChildResult, ProcessRunner
-from .runners import LoopRunner, ThreadRunner
+from .runners import Call, LoopRunner, ThreadRunner
 from .runtime import AttemptRuntime
 
 if TYPE_CHECKING:
@@ -464,7 +464,10 @@ class Worker:
                     with events.around_handler({**info, "meta": row.meta}):
                         return fn(**kwargs)
 
-            future = self.threads.submit(call)
+            attempt.future = self.threads.submit(
+                call, lambda exc, result: self._handler_result(attempt, exc, result)
+            )
+            return
         attempt.future = future
         future.add_done_callback(lambda f: self._handler_done(attempt, f))
 
@@ -498,7 +501,9 @@ class Worker:
             self._decided(attempt, Interrupted("shutdown"), None)
             return
         exc = future.exception()
-        result = None if exc is not None else future.result()
+        self._handler_result(attempt, exc, None if exc is not None else future.result())
+
+    def _handler_result(self, attempt: Attempt, exc: BaseException | None, result: Any) -> None:
         if isinstance(result, ChildResult):
             self._child_done(attempt, result)
             return
@@ -559,7 +564,7 @@ class Worker:
             return
         if not attempt.interrupted and now < attempt.timeout_at + self.abandon_after:
             attempt.interrupted = True
-            if attempt.future is not None:
+            if isinstance(attempt.future, Call):
                 self.threads.interrupt(attempt.future)
             attempt.deadline = attempt.timeout_at + self.abandon_after
             log.warning("job %s is still running past its timeout; interrupting it", attempt.id)
@@ -569,7 +574,7 @@ class Worker:
             f"timed out after {timeout:g} s; the handler ignored the interrupt for "
             f"{self.abandon_after:g} s and was abandoned (it may still be running)"
         )
-        if self._decided(attempt, error, None) and attempt.future is not None:
+        if self._decided(attempt, error, None) and isinstance(attempt.future, Call):
             self.threads.abandon(attempt.future)
             log.error(
                 "job %s: handler did not stop %g s after its timeout; thread abandoned",
