@@ -28,6 +28,11 @@ log = logging.getLogger("errands.worker")
 
 BATCH_MAX = 500
 REFUSALS_BEFORE_SPLIT = 3
+# While handlers are still running, a batch smaller than this waits up to LINGER seconds
+# for their outcomes: one statement then carries many jobs instead of a handful (each
+# statement costs the store a round trip and a commit). An idle worker never waits.
+LINGER_BATCH = 32
+LINGER = 0.001
 
 
 def _transient(exc: Exception) -> bool:
@@ -42,13 +47,14 @@ Written = Callable[[Attempt, FinishParams, bool], None]
 
 
 class Completer:
-    def __init__(self, app: App, on_written: Written) -> None:
+    def __init__(
+        self, app: App, on_written: Written, running: Callable[[], int] | None = None
+    ) -> None:
         self.app = app
         self.on_written = on_written
+        self._running = running or (lambda: 0)  # handlers whose outcome is still to come
         self._queue: queue.SimpleQueue[tuple[Attempt, FinishParams] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="errands-completer", daemon=True)
-        self._pending = 0
-        self._lock = threading.Condition()
         self._closing = False
         self.stale_rejected = 0
 
@@ -56,8 +62,6 @@ class Completer:
         self._thread.start()
 
     def submit(self, attempt: Attempt, outcome: FinishParams) -> None:
-        with self._lock:
-            self._pending += 1
         self._queue.put((attempt, outcome))
 
     def _run(self) -> None:
@@ -66,19 +70,33 @@ class Completer:
             if first is None:
                 return
             batch = [first]
-            while len(batch) < BATCH_MAX:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._queue.put(None)  # handle the stop after this batch
-                    break
-                batch.append(item)
+            stop = self._gather(batch)
             self._write(batch)
-            with self._lock:
-                self._pending -= len(batch)
-                self._lock.notify_all()
+            if stop:
+                return
+
+    def _gather(self, batch: list[tuple[Attempt, FinishParams]]) -> bool:
+        """Add what is queued (waiting briefly while handlers run); True on the stop mark."""
+        linger_until = 0.0
+        while len(batch) < BATCH_MAX:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                if len(batch) >= LINGER_BATCH or self._running() == 0:
+                    return False
+                now = time.monotonic()
+                if not linger_until:
+                    linger_until = now + LINGER
+                if now >= linger_until:
+                    return False
+                try:
+                    item = self._queue.get(timeout=linger_until - now)
+                except queue.Empty:
+                    return False
+            if item is None:
+                return True
+            batch.append(item)
+        return False
 
     def _write(self, batch: list[tuple[Attempt, FinishParams]]) -> None:
         for (attempt, outcome), ok in self._store(batch):
@@ -145,22 +163,12 @@ class Completer:
             ok = False
         return [((attempt, fallback), ok)]
 
-    def flush(self, timeout: float) -> bool:
-        """Wait until every submitted outcome is written; False if ``timeout`` ran out."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            while self._pending:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._lock.wait(remaining)
-        return True
-
     def stop(self, timeout: float = 10.0) -> None:
+        """Write every outcome submitted so far (the queue is FIFO: the stop mark comes
+        after them), waiting up to ``timeout``, then end the thread."""
         if self._closing:
             return
         self._closing = True
-        self.flush(timeout)
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=timeout)

@@ -60,6 +60,7 @@ CONCURRENCY_DEFAULT = 10
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 RECHECK_AFTER_NOTIFY = 0.02
+BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth of free slots
 ABANDON_AFTER_DEFAULT = 10.0
 INTERRUPT_AFTER = 1.0
 EXIT_NOW_CODE = 1
@@ -159,11 +160,11 @@ class Worker:
         self._backlog = False
         # With a backlog, claim again once this many slots are free: one round trip
         # brings a batch instead of one job per finished handler.
-        self._refill_at = max(1, concurrency // 4)
+        self._refill_at = max(1, concurrency // 2)
         self._rotation = 0
         self.threads = ThreadRunner(concurrency)
         self.loop_runner: LoopRunner | None = None
-        self.completer = Completer(app, self._on_written)
+        self.completer = Completer(app, self._on_written, running=self._running_handlers)
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
         self.leases = LeaseKeeper(self, interval=max(shortest / 3, 0.2), on_timeout=self._timeout)
         tick = maintenance_tick if maintenance_tick is not None else min(1.0, app.lease / 4)
@@ -182,6 +183,9 @@ class Worker:
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self.loop_runner.loop if self.loop_runner else None
+
+    def _running_handlers(self) -> int:
+        return self.concurrency - self._free  # an int read: no lock needed for a hint
 
     def attempts(self) -> list[Attempt]:
         with self._lock:
@@ -287,6 +291,7 @@ class Worker:
 
     def _produce(self) -> None:
         pause = self.poll_interval
+        gathered = False
         while not self._stopping.is_set():
             with self._lock:
                 free = self._free
@@ -295,6 +300,14 @@ class Worker:
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
                 continue
+            if self._backlog and free < self._refill_at and not gathered:
+                # With a backlog, give finishing handlers a moment to free a batch's worth
+                # of slots: one claim then brings many jobs instead of one or two.
+                gathered = True
+                self._wake.wait(BATCH_GATHER)
+                self._wake.clear()
+                continue
+            gathered = False
             rows: list[JobRow] = []
             if plan:
                 try:
@@ -527,7 +540,7 @@ class Worker:
             self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
             self._suspects -= attempt.row.rescues > 0
-            refill = self._backlog and self._free >= self._refill_at
+            refill = self._backlog and (self._free == 1 or self._free >= self._refill_at)
         if refill:
             self._wake.set()
         if result.written is not None:
@@ -611,7 +624,7 @@ class Worker:
             self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
             self._suspects -= attempt.row.rescues > 0
-            refill = self._backlog and self._free >= self._refill_at
+            refill = self._backlog and (self._free == 1 or self._free >= self._refill_at)
         if refill:
             self._wake.set()
         if written is not None:
