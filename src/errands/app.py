@@ -291,21 +291,23 @@ class App:
             return []
         requests = self.events.prepare_insert([b.request for b in jobs])
         results = self.backend.job_insert_many(requests, conn=conn)
-        handles = []
-        emit = self.events.emit
-        for bound, result in zip(jobs, results, strict=True):
-            request = bound.request
-            emit(
-                "errands.job.enqueued",
-                job_id=result.id,
-                job_name=request.name,
-                queue=request.queue,
-                attempt=0,
-                deduplicated=result.deduplicated,
-                meta=request.meta,
-            )
-            handles.append(JobHandle(self, result.id, request.name, result.deduplicated))
-        return handles
+        if self.events.wants("errands.job.enqueued"):
+            emit = self.events.emit
+            for bound, result in zip(jobs, results, strict=True):
+                request = bound.request
+                emit(
+                    "errands.job.enqueued",
+                    job_id=result.id,
+                    job_name=request.name,
+                    queue=request.queue,
+                    attempt=0,
+                    deduplicated=result.deduplicated,
+                    meta=request.meta,
+                )
+        return [
+            JobHandle(self, result.id, bound.request.name, result.deduplicated)
+            for bound, result in zip(jobs, results, strict=True)
+        ]
 
     # -- reading -------------------------------------------------------------------------
     def get_job(self, job_id: int) -> Job:

@@ -106,6 +106,7 @@ class PayloadSpec:
             default = ... if param.default is param.empty else param.default
             fields[name] = (annotation, default)
         self.fields = tuple(fields)
+        self._params = [p for p in self.signature.parameters if p != self.context_param]
         try:
             self.model: type[BaseModel] = create_model(  # type: ignore[call-overload]
                 f"{job_name}_args",
@@ -139,7 +140,7 @@ class PayloadSpec:
 
     def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Map positional and keyword arguments onto parameter names."""
-        params = [p for p in self.signature.parameters if p != self.context_param]
+        params = self._params  # parameter names in order, the Context's left out
         if len(args) > len(params):
             raise InvalidPayload(
                 f"{self.job_name}: takes {len(params)} argument(s) ({', '.join(params)}), "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,3 +204,53 @@ def test_enqueue_refuses_a_connection_of_the_wrong_type(backend: Backend) -> Non
     _require_caller_connection(backend)
     with pytest.raises(ConfigurationError, match="got object"):
         backend.job_insert_many([request()], conn=object())
+
+
+def test_a_mixed_batch_stores_each_job_as_a_batch_of_one_would(backend: Backend) -> None:
+    """A batch mixing plain, delayed, timed, keyed and duplicate requests stores every job
+    with the same state, times and fields as inserting it alone (the PostgreSQL backend
+    COPYs the unkeyed ones and INSERTs the keyed ones in the same transaction)."""
+    (existing,) = backend.job_insert_many([request(key="taken")])
+    now = backend.db_now()
+    specs: list[dict[str, Any]] = [
+        {"args_json": '{"n":1}', "priority": 3, "timeout": 2.5, "lease_seconds": 9.0},
+        {"delay": 120.0},
+        {"run_at": now + 3600.0},
+        {"run_at": now - 60.0},
+        {"key": "fresh", "delay": 30.0},
+        {"key": "taken"},
+        {"meta": {"sensitive": ["card"]}, "args_json": '{"card":"4242\\t\\\\x"}'},
+        {"queue": "other", "max_attempts": 7},
+    ]
+    alone = [get(backend, backend.job_insert_many([request(**s)])[0].id) for s in specs[:4]]
+    results = backend.job_insert_many([request(**s) for s in specs])
+    assert [r.deduplicated for r in results] == [False] * 5 + [True] + [False] * 2
+    assert results[5].id == existing.id
+    fresh = [r.id for r in results if not r.deduplicated]
+    assert fresh == sorted(fresh)  # ids ascend in request order
+    rows = [get(backend, r.id) for r in results]
+    for single, batched in zip(alone, rows[:4], strict=True):
+        assert (batched.state, batched.priority, batched.timeout, batched.lease_seconds) == (
+            single.state,
+            single.priority,
+            single.timeout,
+            single.lease_seconds,
+        )
+        assert batched.run_at - batched.inserted_at == pytest.approx(
+            single.run_at - single.inserted_at, abs=0.5
+        )
+    assert [r.state for r in rows] == [
+        "available",
+        "scheduled",
+        "scheduled",
+        "available",
+        "scheduled",
+        "available",
+        "available",
+        "available",
+    ]
+    assert rows[2].run_at == pytest.approx(now + 3600.0, abs=0.01)
+    assert rows[4].idempotency_key == "fresh"
+    assert json.loads(rows[6].meta) == {"sensitive": ["card"]}
+    assert json.loads(rows[6].args) == {"card": "4242\t\\x"}
+    assert (rows[7].queue, rows[7].max_attempts) == ("other", 7)

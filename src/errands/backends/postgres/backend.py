@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ...errors import ConfigurationError, InvalidTransition, JobNotFound, SchemaOutdated
@@ -292,36 +293,19 @@ class PostgresBackend:
             ).fetchone()
             return [InsertResult(existing[0], True)]  # type: ignore[index]
         else:
-            ids = [
-                r[0]
-                for r in conn.execute(self.q["job_allocate_ids"], {"n": len(requests)}).fetchall()
-            ]
-            inserted = {
-                r[0]
-                for r in conn.execute(
-                    self.q["job_insert_many"],
-                    {
-                        "ids": ids,
-                        "names": [r.name for r in requests],
-                        "queues": [r.queue for r in requests],
-                        "args": [r.args_json for r in requests],
-                        "metas": [json.dumps(r.meta, separators=(",", ":")) for r in requests],
-                        "priorities": [r.priority for r in requests],
-                        "max_attempts": [r.max_attempts for r in requests],
-                        "run_ats": [r.run_at for r in requests],
-                        "delays": [r.delay for r in requests],
-                        "keys": [r.key for r in requests],
-                        "timeouts": [r.timeout for r in requests],
-                        "leases": [r.lease_seconds for r in requests],
-                        "parents": [r.parent_id for r in requests],
-                        "unique_fors": [r.unique_for for r in requests],
-                        "ckeys": [r.concurrency_key for r in requests],
-                        "climits": [r.concurrency_limit for r in requests],
-                    },
-                ).fetchall()
-            }
+            allocated = conn.execute(self.q["job_allocate_ids"], {"n": len(requests)}).fetchall()
+            ids = [r[0] for r in allocated]
+            now = allocated[0][1]  # the transaction's now(), as the INSERT would use
+            pairs = list(zip(ids, requests, strict=True))
+            plain = [(i, r) for i, r in pairs if r.key is None]
+            keyed = [(i, r) for i, r in pairs if r.key is not None]
+            if plain:  # no conflict possible: COPY, the fastest way in
+                self._copy(conn, plain, now)
+            inserted = {i for i, _ in plain}
+            if keyed:  # ON CONFLICT DO NOTHING needs an INSERT
+                inserted |= self._insert_keyed(conn, keyed)
             results = []
-            for new_id, req in zip(ids, requests, strict=True):
+            for new_id, req in pairs:
                 if new_id in inserted:
                     results.append(InsertResult(new_id, False))
                 else:
@@ -331,6 +315,73 @@ class PostgresBackend:
                     results.append(InsertResult(existing[0], True))  # type: ignore[index]
         self._maybe_notify(conn, {r.queue for r in requests})
         return results
+
+    def _copy(
+        self,
+        conn: psycopg.Connection[Any],
+        rows: Sequence[tuple[int, EnqueueRequest]],
+        now: datetime,
+    ) -> None:
+        """COPY jobs without idempotency keys, computing state and times from ``now``
+        exactly as the ``job_insert_many`` statement does from ``now()``."""
+        with conn.cursor() as cur, cur.copy(self.q["job_copy"]) as copy:
+            for job_id, r in rows:
+                if r.run_at is not None:
+                    run_at = datetime.fromtimestamp(r.run_at, UTC)
+                else:
+                    run_at = now + timedelta(seconds=r.delay) if r.delay else now
+                unique_until = (
+                    None if r.unique_for is None else now + timedelta(seconds=r.unique_for)
+                )
+                copy.write_row(
+                    (
+                        job_id,
+                        r.name,
+                        r.queue,
+                        r.args_json,
+                        json.dumps(r.meta, separators=(",", ":")) if r.meta else "{}",
+                        "scheduled" if run_at > now else "available",
+                        r.priority,
+                        r.max_attempts,
+                        run_at,
+                        r.timeout,
+                        r.lease_seconds,
+                        r.parent_id,
+                        unique_until,
+                        r.concurrency_key,
+                        r.concurrency_limit,
+                    )
+                )
+
+    def _insert_keyed(
+        self, conn: psycopg.Connection[Any], rows: Sequence[tuple[int, EnqueueRequest]]
+    ) -> set[int]:
+        """Insert jobs with idempotency keys; the ids of those not already taken."""
+        requests = [r for _, r in rows]
+        return {
+            r[0]
+            for r in conn.execute(
+                self.q["job_insert_many"],
+                {
+                    "ids": [i for i, _ in rows],
+                    "names": [r.name for r in requests],
+                    "queues": [r.queue for r in requests],
+                    "args": [r.args_json for r in requests],
+                    "metas": [json.dumps(r.meta, separators=(",", ":")) for r in requests],
+                    "priorities": [r.priority for r in requests],
+                    "max_attempts": [r.max_attempts for r in requests],
+                    "run_ats": [r.run_at for r in requests],
+                    "delays": [r.delay for r in requests],
+                    "keys": [r.key for r in requests],
+                    "timeouts": [r.timeout for r in requests],
+                    "leases": [r.lease_seconds for r in requests],
+                    "parents": [r.parent_id for r in requests],
+                    "unique_fors": [r.unique_for for r in requests],
+                    "ckeys": [r.concurrency_key for r in requests],
+                    "climits": [r.concurrency_limit for r in requests],
+                },
+            ).fetchall()
+        }
 
     def _notify_due(self, queues: set[str]) -> list[str]:
         """The queues this process should NOTIFY now: at most once per queue per window."""

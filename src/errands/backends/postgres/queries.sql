@@ -51,8 +51,17 @@ ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
 
 -- name: job_allocate_ids
-SELECT nextval(pg_get_serial_sequence('{schema}.errands_jobs', 'id'))
+-- ids in order, and the transaction's now() that the rows' times are computed from.
+SELECT nextval(pg_get_serial_sequence('{schema}.errands_jobs', 'id')), now()
 FROM generate_series(1, %(n)s)
+
+-- name: job_copy
+-- Bulk enqueue of jobs without idempotency keys (no conflict to handle): the rows are
+-- written by the backend with ids from job_allocate_ids and times computed from its now().
+COPY {schema}.errands_jobs
+    (id, name, queue, args, meta, state, priority, max_attempts, run_at, timeout,
+     lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit)
+FROM STDIN
 
 -- name: job_expire_key
 -- unique_for: a key whose period is over is released (kept in meta as expired_key).
