@@ -20,8 +20,8 @@ from .conftest import REPORTS
 from .run import SoakConfig, SoakResult, run_soak
 
 BACKENDS = ("sqlite", "postgres")
-# Issue 10's CI size, under a minute per backend on a 2-core machine; SQLite has 3 fault kinds, so
-# it goes round them twice.
+# Issue 10's CI size, under a minute per backend on a 2-core machine; SQLite has 3 fault
+# kinds, so it goes round them twice.
 CI_JOBS = {"sqlite": 5_000, "postgres": 5_000}
 CI_ROUNDS = {"sqlite": 2, "postgres": 1}
 # Full size: a steady rate well within what 3 workers sustain on 2 cores (about 150 jobs/s
