@@ -13,6 +13,7 @@ import json
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, date, datetime, time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
@@ -188,12 +189,24 @@ class PayloadSpec:
                 errors=[{"loc": tuple(where.split(".")), "msg": "NUL character", "type": "nul"}],
             )
         try:  # what is stored must validate again at execution (nested NaN, say, would not)
-            self.model.model_validate_json(text)
+            back = self.model.model_validate_json(text)
         except ValidationError as exc:
             raise describe_validation_error(
                 f"{self.job_name}: arguments would not survive storage as JSON", exc
             ) from None
+        if back != model:  # rare: a value JSON cannot carry exactly (or a tuple -> list)
+            text = self._exact_instants(model, text)
         return text
+
+    def _exact_instants(self, model: BaseModel, text: str) -> str:
+        """Datetimes (and times) whose UTC offset has seconds (historical zones:
+        Europe/Amsterdam before 1937 was +00:19:32) would lose those seconds in JSON,
+        which holds offsets to the minute; store them in UTC instead, the same instant."""
+        changed: list[bool] = []
+        fixed = _utc_where_offset_has_seconds(model.model_dump(), changed)
+        if not changed:
+            return text
+        return self.model.model_validate(fixed).model_dump_json(exclude_unset=True, warnings=False)
 
     def decode(self, args_json: str) -> dict[str, Any]:
         """Validate stored JSON again at execution; raise InvalidPayload when it no longer fits."""
@@ -229,6 +242,25 @@ class PayloadSpec:
             return self.result_adapter.validate_python(value)
         except ValidationError:
             return value
+
+
+def _utc_where_offset_has_seconds(value: Any, changed: list[bool]) -> Any:
+    """``value`` with such datetimes moved to UTC (same instant); ``changed`` gets an
+    entry for each one moved."""
+    if isinstance(value, datetime | time):
+        offset = value.utcoffset()
+        if offset is None or not (offset.seconds % 60 or offset.microseconds):
+            return value
+        changed.append(True)
+        if isinstance(value, datetime):
+            return value.astimezone(UTC)
+        moved = datetime.combine(date(2000, 1, 3), value.replace(tzinfo=None)) - offset
+        return moved.time().replace(tzinfo=UTC)
+    if isinstance(value, dict):
+        return {k: _utc_where_offset_has_seconds(v, changed) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_utc_where_offset_has_seconds(v, changed) for v in value)
+    return value
 
 
 def _serialisable(model: BaseModel, field: str) -> bool:

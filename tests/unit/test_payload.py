@@ -6,7 +6,7 @@ import enum
 import json
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
 
@@ -425,3 +425,22 @@ def test_parameter_names_pydantic_cannot_hold_are_rejected_at_definition(
     exec(f"def handler({name}: int) -> None: ...", namespace)
     with pytest.raises(ConfigurationError, match=f"{name}.*rename"):
         app.job(name="t.unusable")(namespace["handler"])
+
+
+def test_a_datetime_whose_offset_has_seconds_is_stored_as_the_same_instant_in_utc(
+    app: errands.App,
+) -> None:
+    """JSON writes UTC offsets to the minute; a historical zone's offset with seconds
+    (Amsterdam before 1937: +00:19:32) would move the instant, so it is stored in UTC."""
+
+    @app.job(name="remind")
+    def remind(at: datetime, also: list[datetime]) -> None: ...
+
+    amsterdam_1930 = timezone(timedelta(minutes=19, seconds=32))
+    at = datetime(1930, 5, 1, 9, 0, tzinfo=amsterdam_1930)
+    plain = datetime(2030, 5, 1, 9, 0, tzinfo=timezone(timedelta(hours=2)))
+    text = remind.payload.encode({"at": at, "also": [at, plain]})
+    assert json.loads(text)["at"] == "1930-05-01T08:40:28Z"
+    decoded = remind.payload.decode(text)
+    assert decoded["at"] == at and decoded["also"] == [at, plain]
+    assert decoded["also"][1].utcoffset() == timedelta(hours=2)  # whole minutes: kept
