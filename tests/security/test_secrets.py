@@ -103,16 +103,59 @@ def test_the_cli_shows_the_job_without_its_secrets(
     failed: tuple[errands.App, int, list[str]], tmp_path: Path
 ) -> None:
     app, job_id, _ = failed
+    _cli_shows_without_secrets(app, job_id, "dlq", "login refused for alice", tmp_path)
+
+
+def _cli_shows_without_secrets(
+    app: errands.App, job_id: int, group: str, expected: str, tmp_path: Path
+) -> dict[str, Any]:
+    """``show``, ``show --json`` and ``jobs list --json`` all exit 0, show ``expected``
+    and none of the secrets."""
     commands = {
         "show": ["jobs", "show", str(job_id)],
-        "show-json": ["dlq", "show", str(job_id), "--json"],
+        "show-json": [group, "show", str(job_id), "--json"],
         "list-json": ["jobs", "list", "--json"],
     }
     results = run_cli_many(commands, cli_env(app.url), tmp_path)
     for result in results.values():
         assert result.code == 0, result
-        assert "login refused for alice" in result.stdout, result
+        assert expected in result.stdout, result
         assert _leaks(result.output) == [], result
+    return results
+
+
+@pytest.fixture(scope="module")
+def succeeded(
+    failed: tuple[errands.App, int, list[str]],
+) -> tuple[errands.App, int]:
+    """A sign-in job that completed, returning and checkpointing its secrets."""
+    import fuzz_app
+
+    app = failed[0]
+    handle = fuzz_app.sign_in.enqueue(user="bob", password=PASSWORD, credentials={"token": TOKEN})
+    with running_worker(app):
+        wait_until(lambda: app.get_job(handle.id).state.value == "completed", 20, "completion")
+    return app, handle.id
+
+
+def test_the_cli_shows_results_and_steps_without_the_secrets_they_quote(
+    succeeded: tuple[errands.App, int], tmp_path: Path
+) -> None:
+    app, job_id = succeeded
+    assert PASSWORD in str(app.get_job(job_id).result)  # stored as the handler returned it
+    results = _cli_shows_without_secrets(app, job_id, "jobs", "signed in with ***", tmp_path)
+    assert "session" in results["show"].stdout and "bob" in results["show"].stdout
+
+
+def test_the_dashboard_shows_results_and_steps_without_the_secrets_they_quote(
+    succeeded: tuple[errands.App, int],
+) -> None:
+    app, job_id = succeeded
+    with TestClient(create_app(app, password="letmein"), base_url=BASE_URL) as client:
+        login(client, secret="letmein")
+        page = client.get(f"/jobs/{job_id}")
+        assert page.status_code == 200 and "signed in with ***" in page.text
+        assert _leaks(page.text) == []
 
 
 def test_the_dashboard_shows_the_job_without_its_secrets(

@@ -9,6 +9,7 @@ import click
 
 from ..app import App
 from ..jobs import ALL_STATES
+from ..masking import mask_value, sensitive_values
 from . import render
 from .loading import default_actor, load_app
 
@@ -158,8 +159,14 @@ def _show(app_path: str | None, url: str | None, job_id: int, as_json: bool) -> 
     if as_json:
         data = render.job_dict(job)
         data["audit"] = [e.__dict__ for e in audit]
+        secrets = sensitive_values(job)
         data["steps"] = [
-            {"name": s.name, "result": s.result, "attempt": s.attempt, "at": s.created_at}
+            {
+                "name": s.name,
+                "result": mask_value(s.result, secrets),
+                "attempt": s.attempt,
+                "at": s.created_at,
+            }
             for s in steps
         ]
         data["children"] = [{"id": c.id, "name": c.name, "state": c.state.value} for c in children]

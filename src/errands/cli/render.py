@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..jobs import Job
+from ..masking import mask_text, mask_value, sensitive_values
 
 
 def console() -> Console:
@@ -59,13 +60,15 @@ def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any
 
 
 def job_dict(job: Job) -> dict[str, Any]:
+    """A job as JSON, its sensitive arguments masked wherever they appear."""
+    secrets = sensitive_values(job)
     return {
         "id": job.id,
         "name": job.name,
         "queue": job.queue,
         "state": job.state.value,
         "args": job.masked_args,
-        "meta": job.meta,
+        "meta": mask_value(job.meta, secrets),
         "priority": job.priority,
         "attempt": job.attempt,
         "max_attempts": job.max_attempts,
@@ -78,7 +81,7 @@ def job_dict(job: Job) -> dict[str, Any]:
         "lease_owner": job.lease_owner,
         "lease_expires_at": job.lease_expires_at,
         "cancel_requested": job.cancel_requested,
-        "result": job.result,
+        "result": mask_value(job.result, secrets),
         "discarded_by": job.discarded_by,
         "discard_reason": job.discard_reason,
         "errors": [
@@ -86,10 +89,10 @@ def job_dict(job: Job) -> dict[str, Any]:
                 "at": e.at,
                 "attempt": e.attempt,
                 "type": e.type,
-                "message": e.message,
+                "message": mask_text(e.message, secrets),
                 "worker": e.worker,
                 "kind": e.kind,
-                "traceback": e.traceback,
+                "traceback": mask_text(e.traceback, secrets) or None,
             }
             for e in job.errors
         ],
@@ -113,7 +116,9 @@ def job_rows(jobs: Sequence[Job]) -> list[list[Any]]:
                 job.state.value,
                 f"{job.attempt}/{job.max_attempts}",
                 when(job.inserted_at),
-                short(f"{last.type}: {last.message}", 50) if last else "",
+                short(f"{last.type}: {mask_text(last.message, sensitive_values(job))}", 50)
+                if last
+                else "",
             ]
         )
     return rows
@@ -126,6 +131,7 @@ def show_job(
     job: Job, audit: Sequence[Any], steps: Sequence[Any] = (), children: Sequence[Job] = ()
 ) -> None:
     out = console()
+    secrets = sensitive_values(job)
     out.print(f"[bold]job {job.id}[/bold]  {job.name}  queue={job.queue}  state={job.state.value}")
     fields = [
         ("args", json.dumps(job.masked_args, default=str)),
@@ -140,7 +146,12 @@ def show_job(
             "lease",
             f"{job.lease_owner} until {when(job.lease_expires_at)}" if job.lease_owner else "-",
         ),
-        ("result", json.dumps(job.result, default=str) if job.result is not None else "-"),
+        (
+            "result",
+            json.dumps(mask_value(job.result, secrets), default=str)
+            if job.result is not None
+            else "-",
+        ),
     ]
     if job.discard_reason:
         fields.append(("discarded", f"by {job.discarded_by}: {job.discard_reason}"))
@@ -153,11 +164,12 @@ def show_job(
         for err in job.errors:
             out.print(
                 f"  #{err.attempt} at {when(err.at)} on {err.worker or '?'}: "
-                f"{err.type}: {err.message}" + (f"  [{err.kind}]" if err.kind else ""),
+                f"{err.type}: {mask_text(err.message, secrets)}"
+                + (f"  [{err.kind}]" if err.kind else ""),
                 markup=False,
             )
             if err.traceback:
-                for line in err.traceback.rstrip().splitlines()[-6:]:
+                for line in mask_text(err.traceback, secrets).rstrip().splitlines()[-6:]:
                     out.print(f"      {line}", markup=False)
     if job.parent_id is not None:
         out.print(f"  parent     job {job.parent_id}", markup=False)
@@ -165,7 +177,8 @@ def show_job(
         out.print(f"\n[bold]steps ({len(steps)})[/bold]")
         for step in steps:
             out.print(
-                f"  {step.name}: {short(step.result, 80)}  (attempt {step.attempt}, "
+                f"  {step.name}: {short(mask_value(step.result, secrets), 80)}  "
+                f"(attempt {step.attempt}, "
                 f"{when(step.created_at)})",
                 markup=False,
             )

@@ -7,10 +7,6 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from ..jobs import Job
-
-MASK = "***"
-
 
 def to_epoch(value: datetime | float | None) -> float | None:
     if value is None:
@@ -74,46 +70,6 @@ def short_json(value: Any, limit: int = 90) -> str:
         value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "), default=str
     )
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def sensitive_values(job: Job) -> list[str]:
-    """The text of every sensitive argument, longest first (to hide it in free text)."""
-    if not job.sensitive or not isinstance(job.args, dict):
-        return []
-    found: set[str] = set()
-    for name in job.sensitive:
-        value = job.args.get(name)
-        if value is None:
-            continue
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
-        if len(text) >= 3:
-            found.add(text)
-            if not isinstance(value, str):
-                found.add(str(value))
-    return sorted(found, key=len, reverse=True)
-
-
-def mask_text(text: str | None, secrets: list[str]) -> str:
-    """``text`` with every sensitive value replaced by ``***`` (errors may quote arguments)."""
-    if not text:
-        return text or ""
-    for secret in secrets:
-        if len(secret) >= 3:
-            text = text.replace(secret, MASK)
-    return text
-
-
-def mask_value(value: Any, secrets: list[str]) -> Any:
-    """A JSON value with sensitive strings masked anywhere inside it (results, meta)."""
-    if not secrets:
-        return value
-    if isinstance(value, str):
-        return mask_text(value, secrets)
-    if isinstance(value, list):
-        return [mask_value(v, secrets) for v in value]
-    if isinstance(value, dict):
-        return {k: mask_value(v, secrets) for k, v in value.items()}
-    return value
 
 
 def trace_id(meta: Any) -> str | None:

@@ -11,8 +11,9 @@ from starlette.responses import Response
 from ..backends.limits import format_rate
 from ..errors import JobNotFound
 from ..jobs import ALL_STATES, Job
+from ..masking import mask_text, mask_value, sensitive_values
 from . import charts
-from .format import mask_text, mask_value, sensitive_values, trace_id
+from .format import trace_id
 from .web import (
     Viewer,
     blocking,
