@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .memory import FLAT_MB, FLAT_SHARE
+from .memory import JOBS as MEMORY_JOBS
+
 BENCH = Path(__file__).resolve().parent
 NOTES = BENCH / "profile_notes.md"
 
@@ -212,9 +215,31 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             idle <= 60,
         )
     mem = _fig(results, "errands-pg", "memory_mb")
-    if mem is not None:
+    flat_target = (
+        f"Memory flat across a {MEMORY_JOBS:,}-job run (one worker's RSS trend after the "
+        f"first 10 % adds ≤ {FLAT_MB:.0f} MB and ≤ {FLAT_SHARE * 100:.0f} % per 100,000 jobs)"
+    )
+    long_run = {k: v for k, v in results.get("memory", {}).items() if isinstance(v, dict)}
+    if long_run:
+        parts, verdicts, jobs = [], [], 0
+        for store, r in long_run.items():
+            if r.get("error"):
+                parts.append(f"{store} failed")
+                verdicts.append(None)
+                continue
+            jobs = max(jobs, r["jobs"])
+            parts.append(f"{store} {_growth(r)}")
+            verdicts.append(r["flat"])
+        ok = False if False in verdicts else (True if all(verdicts) else None)
+        text = ", ".join(parts)
+        if jobs:
+            text = f"RSS {jobs // 10:,} → {jobs:,} jobs: {text}"
+        if 0 < jobs < MEMORY_JOBS:  # a quick run: too short to answer for 100,000 jobs
+            text, ok = f"only {jobs:,} jobs; {text}", None
+        add(flat_target, text, ok)
+    elif mem is not None:
         add(
-            "Memory flat across a 100,000-job run",
+            flat_target,
             f"not measured here (peak over {results['plan']['throughput_jobs']:,} jobs: "
             f"{mem:.1f} MB)",
             None,
@@ -292,28 +317,35 @@ def _limit_rows(results: dict[str, Any], store: str) -> list[list[str]]:
     return rows
 
 
-def print_tables(results: dict[str, Any]) -> None:
+def show(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """One table on the terminal (rich when it is there); nothing when there are no rows."""
+    if not rows:
+        return
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # pragma: no cover - rich is an errands dependency
-        Console = None  # type: ignore[assignment,misc]
-
-    def show(title: str, header: list[str], rows: list[list[str]]) -> None:
-        if not rows:
-            return
-        if Console is None:
-            print(f"\n{title}\n" + " | ".join(header))
-            for row in rows:
-                print(" | ".join(row))
-            return
-        table = Table(title=title, title_justify="left")
-        for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i == 0 else "right")
+        print(f"\n{title}\n" + " | ".join(header))
         for row in rows:
-            table.add_row(*row)
-        Console(width=200).print(table)
+            print(" | ".join(row))
+        return
+    table = Table(title=title, title_justify="left")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=200).print(table)
 
+
+MEMORY_TITLE = "memory over a long run: one worker's RSS (MB) by jobs completed"
+
+
+def print_memory(memory: dict[str, Any]) -> None:
+    """The long-run memory table alone (``python -m bench.memory``)."""
+    show(MEMORY_TITLE, *_memory_rows(memory))
+
+
+def print_tables(results: dict[str, Any]) -> None:
     header, rows = _main_rows(results)
     show(
         f"errands and peers ({results['mode']}, median of {results['plan']['runs']})", header, rows
@@ -331,12 +363,49 @@ def print_tables(results: dict[str, Any]) -> None:
     scale_rows = _scale_rows(results)
     rows_loaded = results["plan"]["scale_rows"]
     show(f"scale: {rows_loaded:,} finished rows vs an empty table", *scale_rows)
+    print_memory(results.get("memory", {}))
     t = results.get("targets", [])
     show(
         "issue 8 targets (reported, not asserted)",
         ["target", "measured", "met"],
         [[r["target"], r["measured"], {True: "yes", False: "NO", None: "—"}[r["met"]]] for r in t],
     )
+
+
+def _growth(r: dict[str, Any]) -> str:
+    share = r.get("growth_share")
+    pct = f" ({share * 100:+.1f} %)" if share is not None else ""
+    trend = r.get("trend_mb_per_100k")
+    slope = "" if trend is None else f", trend {trend:+.1f} MB/100k"
+    return f"{r['growth_mb']:+.1f} MB{pct}{slope}"
+
+
+def _memory_rows(memory: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    stores = {k: v for k, v in memory.items() if isinstance(v, dict)}
+    measured = [r for r in stores.values() if not r.get("error")]
+    marks = [c["jobs"] for c in measured[0]["checkpoints"]] if measured else []
+    header = ["store"] + [f"at {m:,}" for m in marks]
+    if marks:
+        header[1] = f"RSS at {marks[0]:,}"
+        header += ["peak (VmHWM)", f"growth {marks[0]:,} → {marks[-1]:,}", "flat"]
+    else:
+        header.append("result")
+    rows = []
+    for store, r in stores.items():
+        if r.get("error"):
+            rows.append([store, f"failed: {r['error'][:100]}"] + [""] * (len(header) - 2))
+            continue
+        at = {c["jobs"]: c["rss_mb"] for c in r["checkpoints"]}
+        rows.append(
+            [store]
+            + [fmt(at.get(m), "mb") for m in marks]
+            + [
+                fmt(r.get("hwm_mb"), "mb"),
+                _growth(r),
+                {True: "yes", False: "NO"}.get(r["flat"], "—"),
+            ]
+        )
+    return header, rows
 
 
 def _scale_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -468,6 +537,21 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
             f"\nRun-to-run spread on this machine: up to {max(spread):.2f}x between the "
             "fastest and slowest run of one figure, so ratios within that band are noise.\n"
         )
+    add("\n## Memory over a long run\n")
+    long_run = [r for r in results.get("memory", {}).values() if isinstance(r, dict)]
+    jobs = max((r.get("jobs", 0) for r in long_run), default=0) or MEMORY_JOBS
+    add(
+        f"One `errands worker -c 32` process on a fresh store is fed {jobs:,} no-op jobs "
+        "(`enqueue_many`, 1,000 a call, at most ~20,000 waiting so it never idles) while "
+        "its VmRSS is read from /proc every 0.5 s with the count of completed jobs; each "
+        "column is the RSS in MB when that many were completed, the growth is from the "
+        "first column to the last, the trend is the least-squares slope of every sample "
+        "after the first column (per 100,000 jobs), and flat means a trend of at most "
+        f"{FLAT_MB:.0f} MB and {FLAT_SHARE * 100:.0f} %: a leak per job shows as a steady "
+        "slope, while a heap spike that falls back again (the peak column) barely moves "
+        "it (every sample is in the JSON).\n"
+    )
+    add(_md_table(*_memory_rows(results.get("memory", {}))))
     add("\n## Targets (issue 8)\n")
     add("Reported from this run's figures; never asserted in the test suite.\n")
     add(
@@ -598,7 +682,7 @@ METHOD = """\
   cannot be installed or run is listed under Failures with the reason.
 - **Quick mode** (`make bench BENCH_ARGS=--quick`): 1 run, small counts, results in
   `bench/results/partial.json` only; `--only NAME` (repeatable) limits the systems
-  (`errands`, `peers`, `limit`, `scale` are accepted too).
+  (`errands`, `peers`, `limit`, `scale`, `memory` are accepted too).
 """
 
 

@@ -2,7 +2,7 @@
 
     python -m bench.run                 # full: every figure the median of 3 runs
     python -m bench.run --quick         # 1 run, small counts: a few minutes, for development
-    python -m bench.run --only errands  # errands-sqlite + errands-pg (+ limit, scale)
+    python -m bench.run --only errands  # errands-sqlite + errands-pg (+ limit, scale, memory)
     python -m bench.run --only pgqueuer --only limit
 
 Each system runs through a small adapter under ``bench/peers/`` with its own venv's
@@ -15,6 +15,7 @@ run writes ``bench/results/partial.json`` and leaves those alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -23,10 +24,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from . import limit, machine, report, scale
+from . import limit, machine, memory, report, scale
 from .systems import BENCH, PEERS, SYSTEMS, System, python_for, versions
 
 RESULTS = BENCH / "results"
@@ -53,6 +55,7 @@ class Plan:
     scale_rows: int
     scale_jobs: int
     scale_runs: int
+    memory_jobs: int  # jobs one worker runs while its RSS is sampled (bench.memory)
 
 
 FULL = Plan(
@@ -70,6 +73,7 @@ FULL = Plan(
     scale_rows=1_000_000,
     scale_jobs=20_000,
     scale_runs=3,
+    memory_jobs=memory.JOBS,
 )
 QUICK = Plan(
     runs=1,
@@ -86,6 +90,7 @@ QUICK = Plan(
     scale_rows=100_000,
     scale_jobs=3000,
     scale_runs=1,
+    memory_jobs=10_000,
 )
 
 
@@ -314,11 +319,12 @@ def summarise(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 # -- the run ----------------------------------------------------------------------------
 
 
-def wanted(only: list[str]) -> tuple[list[System], bool, bool]:
+def wanted(only: list[str]) -> tuple[list[System], bool, bool, bool]:
+    """The systems, and whether the limit, the scale and the memory sections run."""
     if not only:
-        return list(SYSTEMS), True, True
+        return list(SYSTEMS), True, True, True
     names = {n.strip() for item in only for n in item.split(",") if n.strip()}
-    known = {s.name for s in SYSTEMS} | {"errands", "limit", "scale", "peers"}
+    known = {s.name for s in SYSTEMS} | {"errands", "limit", "scale", "memory", "peers"}
     unknown = names - known
     if unknown:
         raise SystemExit(
@@ -333,7 +339,8 @@ def wanted(only: list[str]) -> tuple[list[System], bool, bool]:
     ]
     with_limit = "limit" in names or "errands" in names
     with_scale = "scale" in names or "errands" in names
-    return systems, with_limit, with_scale
+    with_memory = "memory" in names or "errands" in names
+    return systems, with_limit, with_scale, with_memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,19 +351,25 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME",
-        help="a system (errands-pg, pgqueuer, ...), 'errands', 'peers', 'limit' or 'scale'; "
-        "repeat or comma-separate",
+        help="a system (errands-pg, pgqueuer, ...), 'errands', 'peers', 'limit', 'scale' or "
+        "'memory'; repeat or comma-separate",
     )
     parser.add_argument("--runs", type=int, help="runs per figure (default 3, --quick 1)")
     parser.add_argument("--no-scale", action="store_true", help="skip the 1M-row scale test")
     parser.add_argument("--no-limit", action="store_true", help="skip the raw SQL limit")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the long-run memory test (100,000 jobs)"
+    )
     parser.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL", PG_URL_DEFAULT))
     parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", REDIS_URL_DEFAULT))
     parser.add_argument("--scenario-timeout", type=float, default=150.0)
     parser.add_argument(
+        "--results", metavar="DIR", help="write the JSON there (default bench/results)"
+    )
+    parser.add_argument(
         "--update",
         action="store_true",
-        help="with --only: put this run's sections (systems, limit, scale) into "
+        help="with --only: put this run's sections (systems, limit, scale, memory) into "
         "bench/results/latest.json and docs/benchmarks.md, marked as re-measured",
     )
     args = parser.parse_args(argv)
@@ -364,10 +377,17 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     if args.runs:
         plan = Plan(**{**plan.__dict__, "runs": args.runs, "scale_runs": args.runs})
-    systems, with_limit, with_scale = wanted(args.only)
+    systems, with_limit, with_scale, with_memory = wanted(args.only)
     with_limit = with_limit and not args.no_limit
     with_scale = with_scale and not args.no_scale
-    complete = not args.only and not args.quick and not args.no_scale and not args.no_limit
+    with_memory = with_memory and not args.no_memory
+    complete = (
+        not args.only
+        and not args.quick
+        and not args.no_scale
+        and not args.no_limit
+        and not args.no_memory
+    )
 
     started = time.time()
     runner = Runner(args, plan)
@@ -444,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             results["limit"][store] = summary
     if with_scale and errands_pg is not None:
         results["scale"] = run_scale(runner, plan, errands_pg)
+    if with_memory and errands_pg is not None:
+        results["memory"] = run_memory(runner, plan, errands_pg)
 
     results["load_after"] = os.getloadavg()
     results["duration_s"] = time.time() - started
@@ -453,12 +475,15 @@ def main(argv: list[str] | None = None) -> int:
     runner.cleanup()
     shutil.rmtree(WORK, ignore_errors=True)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    latest = RESULTS / "latest.json"
+    out_dir = Path(args.results) if args.results else RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    latest = out_dir / "latest.json"
     if args.update and not complete and not args.quick and latest.exists():
-        results = merge_into(json.loads(latest.read_text()), results, with_limit, with_scale)
+        results = merge_into(
+            json.loads(latest.read_text()), results, with_limit, with_scale, with_memory
+        )
         complete = True
-    out_path = RESULTS / ("latest.json" if complete else "partial.json")
+    out_path = out_dir / ("latest.json" if complete else "partial.json")
     profile_path = RESULTS / "profile.json"
     profile = json.loads(profile_path.read_text()) if profile_path.exists() else None
     tmp = out_path.with_suffix(".json.tmp")
@@ -468,15 +493,23 @@ def main(argv: list[str] | None = None) -> int:
     if complete:
         docs = BENCH.parent / "docs" / "benchmarks.md"
         docs.write_text(report.markdown(results, profile))
-        log(f"wrote {out_path.relative_to(BENCH.parent)} and docs/benchmarks.md")
+        log(f"wrote {_shown(out_path)} and docs/benchmarks.md")
     else:
-        log(f"wrote {out_path.relative_to(BENCH.parent)} (partial or quick: docs untouched)")
+        log(f"wrote {_shown(out_path)} (partial or quick: docs untouched)")
     log(f"bench took {results['duration_s'] / 60:.1f} min")
     return 0
 
 
+def _shown(path: Path) -> Path:
+    return path.relative_to(BENCH.parent) if path.is_relative_to(BENCH.parent) else path
+
+
 def merge_into(
-    base: dict[str, Any], part: dict[str, Any], with_limit: bool, with_scale: bool
+    base: dict[str, Any],
+    part: dict[str, Any],
+    with_limit: bool,
+    with_scale: bool,
+    with_memory: bool = False,
 ) -> dict[str, Any]:
     """A full run's results with the sections a later partial run measured again."""
     sections = list(part["systems"])
@@ -487,6 +520,9 @@ def merge_into(
     if with_scale and "scale" in part:
         base["scale"] = part["scale"]
         sections.append("scale")
+    if with_memory and "memory" in part:
+        base["memory"] = part["memory"]
+        sections.append("memory")
     base.setdefault("updates", []).append(
         {
             "at": part["finished_at"],
@@ -593,6 +629,50 @@ def run_scale(runner: Runner, plan: Plan, errands_pg: System) -> dict[str, Any]:
     except Exception as exc:
         out["sqlite"] = {"error": str(exc)}
         log(f"scale sqlite: FAILED: {exc}")
+    return out
+
+
+def run_memory(runner: Runner, plan: Plan, errands_pg: System) -> dict[str, Any]:
+    """One worker through ``plan.memory_jobs`` jobs on each store, its RSS sampled."""
+    out: dict[str, Any] = {}
+    db, template = "bench_memory", "bench_errands_pg_tpl"
+    try:
+        if template not in runner.templates:
+            runner.prepare(errands_pg)
+        python = runner.pythons[errands_pg.name]
+        for attempt in range(1, 3):
+            try:
+                runner.pg.recreate(db, template=template)
+                out["postgres"] = memory.measure(
+                    runner.pg.url(db),
+                    plan.memory_jobs,
+                    python=python,
+                    concurrency=plan.concurrency,
+                    log=log,
+                )
+                break
+            except Exception as exc:
+                if attempt == 2:
+                    raise
+                log(f"memory postgres: attempt {attempt} failed: {exc}")
+                runner.pg.wait_ready()
+    except Exception as exc:
+        out["postgres"] = {"error": str(exc)}
+        log(f"memory postgres: FAILED: {exc}")
+    with contextlib.suppress(Exception):  # also after a failure: no database left behind
+        runner.pg.drop(db)
+    try:
+        WORK.mkdir(parents=True, exist_ok=True)
+        out["sqlite"] = memory.sqlite_memory(
+            str(WORK / "memory.db"),
+            plan.memory_jobs,
+            python=runner.pythons.get("errands-sqlite", sys.executable),
+            concurrency=plan.concurrency,
+            log=log,
+        )
+    except Exception as exc:
+        out["sqlite"] = {"error": str(exc)}
+        log(f"memory sqlite: FAILED: {exc}")
     return out
 
 

@@ -1,0 +1,74 @@
+"""A small-N run of ``make bench`` so the harness cannot rot (issue 8, item 5).
+
+It runs the real entry point (``python -m bench.run --quick``) for errands on SQLite and
+PostgreSQL, the raw SQL limit and the long-run memory section, then checks the JSON it
+wrote: every figure measured, nothing failed. Figures are never compared with a time or
+a rate here (benchmarks report, they do not assert); the full run is ``make bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.pg import require_pg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.acceptance
+
+
+@pytest.mark.timeout(300)
+def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path: Path) -> None:
+    require_pg()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--quick",
+            "--only",
+            "errands",
+            "--only",
+            "limit",
+            "--only",
+            "memory",
+            "--no-scale",
+            "--results",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "partial.json").read_text())
+    assert results["mode"] == "quick"
+    for name in ("errands-sqlite", "errands-pg"):
+        system = results["systems"][name]
+        assert system["error"] is None and system["failures"] == [], system
+        figures = system["figures"]
+        for key in (
+            "enqueue_single",
+            "enqueue_bulk",
+            "throughput_1",
+            "throughput_2",
+            "latency_p50",
+        ):
+            assert figures.get(key) and figures[key] > 0, (name, key, figures)
+    for store in ("postgres", "sqlite"):
+        limit = results["limit"][store]
+        assert "error" not in limit and all(v > 0 for v in limit["figures"].values()), limit
+        memory = results["memory"][store]
+        assert not memory.get("error"), memory
+        assert memory["checkpoints"][-1]["completed"] >= memory["jobs"]
+        assert memory["stopped_cleanly"] is True
+    assert any(t["target"].startswith("Enqueue bulk") for t in results["targets"])
+    assert "issue 8 targets" in run.stdout
