@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -599,23 +600,19 @@ def run_scale(runner: Runner, plan: Plan, errands_pg: System) -> dict[str, Any]:
             argv = [python, str(PEERS / errands_pg.adapter), "throughput", json.dumps(spec)]
             return float(run_adapter(argv, runner.args.scenario_timeout)["rate"])
 
-        for attempt in range(1, 3):
-            try:
-                out["postgres"] = scale.pg_scale(
-                    runner.pg.url,
-                    lambda db: runner.pg.recreate(db, template=template),
-                    plan.scale_jobs,
-                    plan.scale_runs,
-                    plan.scale_rows,
-                    worker,
-                    log,
-                )
-                break
-            except Exception as exc:
-                if attempt == 2:
-                    raise
-                log(f"scale postgres: attempt {attempt} failed: {exc}")
-                runner.pg.wait_ready()
+        out["postgres"] = _twice(
+            runner,
+            "scale postgres",
+            lambda: scale.pg_scale(
+                runner.pg.url,
+                lambda db: runner.pg.recreate(db, template=template),
+                plan.scale_jobs,
+                plan.scale_runs,
+                plan.scale_rows,
+                worker,
+                log,
+            ),
+        )
         for label in ("empty", "full"):
             runner.pg.drop(f"bench_scale_{label}")
     except Exception as exc:
@@ -632,6 +629,16 @@ def run_scale(runner: Runner, plan: Plan, errands_pg: System) -> dict[str, Any]:
     return out
 
 
+def _twice(runner: Runner, label: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``fn()``, tried once more if it fails (PostgreSQL restarted under it, say)."""
+    try:
+        return fn()
+    except Exception as exc:
+        log(f"{label}: attempt 1 failed: {exc}")
+        runner.pg.wait_ready()
+        return fn()
+
+
 def run_memory(runner: Runner, plan: Plan, errands_pg: System) -> dict[str, Any]:
     """One worker through ``plan.memory_jobs`` jobs on each store, its RSS sampled."""
     out: dict[str, Any] = {}
@@ -640,22 +647,18 @@ def run_memory(runner: Runner, plan: Plan, errands_pg: System) -> dict[str, Any]
         if template not in runner.templates:
             runner.prepare(errands_pg)
         python = runner.pythons[errands_pg.name]
-        for attempt in range(1, 3):
-            try:
-                runner.pg.recreate(db, template=template)
-                out["postgres"] = memory.measure(
-                    runner.pg.url(db),
-                    plan.memory_jobs,
-                    python=python,
-                    concurrency=plan.concurrency,
-                    log=log,
-                )
-                break
-            except Exception as exc:
-                if attempt == 2:
-                    raise
-                log(f"memory postgres: attempt {attempt} failed: {exc}")
-                runner.pg.wait_ready()
+
+        def measure() -> dict[str, Any]:
+            runner.pg.recreate(db, template=template)
+            return memory.measure(
+                runner.pg.url(db),
+                plan.memory_jobs,
+                python=python,
+                concurrency=plan.concurrency,
+                log=log,
+            )
+
+        out["postgres"] = _twice(runner, "memory postgres", measure)
     except Exception as exc:
         out["postgres"] = {"error": str(exc)}
         log(f"memory postgres: FAILED: {exc}")
