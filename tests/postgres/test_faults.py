@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import pgacc_basic
 import pytest
 
+import errands
+
 from .harness import (
     LEADER_TTL,
     PgCluster,
@@ -261,3 +263,43 @@ def test_killed_leader_is_replaced_and_its_running_job_rescued_within_lease_and_
     )
     assert job.result["worker"] == follower.worker_id
     print(f"rescued {rescued_after:.2f} s after the leader was killed")
+
+
+OUTAGE = 20.0  # long enough that unbounded reconnect backoff would wait ~11 s after it
+
+
+def test_worker_resumes_within_seconds_after_a_long_database_outage(pg_url: str) -> None:
+    """A worker cut off from PostgreSQL for 20 s (every connection reset, new ones
+    refused at once) picks up a new job within a few seconds of the database coming back: its
+    pool's reconnect attempts and its claim retries back off, but only up to a few
+    seconds, so a long outage does not leave workers asleep after it ends."""
+    from tests.conftest import running_worker
+    from tests.soak.proxy import FaultProxy, ProxyLoop
+
+    loop = ProxyLoop()
+    proxy = FaultProxy(loop, "127.0.0.1", 5432)
+    direct = errands.App(pg_url)
+    cut_off = errands.App(pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}", 1))
+    for app in (direct, cut_off):
+        app.job(name="outage.ping", retries=0)(_ping)
+    try:
+        with running_worker(cut_off, poll_interval=0.2):
+            first = direct.enqueue_many([direct.registry["outage.ping"].bind(n=1)])[0]
+            wait_until(lambda: first.status().value == "completed", 20, "the first job")
+            proxy.refuse()
+            time.sleep(OUTAGE)
+            proxy.refuse(False)
+            healed = time.monotonic()
+            second = direct.enqueue_many([direct.registry["outage.ping"].bind(n=2)])[0]
+            wait_until(lambda: second.status().value == "completed", 60, "the second job")
+            resumed_after = time.monotonic() - healed
+        assert resumed_after < 8.0, f"the worker resumed {resumed_after:.1f} s after the outage"
+    finally:
+        cut_off.close()
+        direct.close()
+        proxy.close()
+        loop.close()
+
+
+def _ping(n: int) -> int:
+    return n

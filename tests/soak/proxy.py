@@ -64,6 +64,7 @@ class FaultProxy:
         self.port = 0
         self.connections = 0  # accepted so far
         self.cuts = 0
+        self.refusing = False
         self._open: asyncio.Event | None = None
         self._transports: set[asyncio.BaseTransport] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -93,6 +94,13 @@ class FaultProxy:
         """Abort every connection through this proxy (without a cut)."""
         self.runner.call(self._set(True, reset=True))
 
+    def refuse(self, refusing: bool = True) -> None:
+        """While refusing, abort every connection, old and new, at once (a server that is
+        down: each connection attempt fails fast instead of hanging)."""
+        self.refusing = refusing
+        if refusing:
+            self.reset()
+
     async def _set(self, open_: bool, reset: bool) -> None:
         assert self._open is not None
         if reset:
@@ -117,6 +125,9 @@ class FaultProxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self._open is not None
         self.connections += 1
+        if self.refusing:
+            writer.transport.abort()
+            return
         self._transports.add(writer.transport)
         upstream_writer: asyncio.StreamWriter | None = None
         try:

@@ -60,6 +60,7 @@ CONCURRENCY_DEFAULT = 10
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 RECHECK_AFTER_NOTIFY = 0.02
+CLAIM_RETRY_MAX = 5.0  # seconds: failed claims are retried after poll_interval, doubling to this
 BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth of free slots
 ABANDON_AFTER_DEFAULT = 10.0
 INTERRUPT_AFTER = 1.0
@@ -316,7 +317,7 @@ class Worker:
                 except Exception as exc:
                     log.warning("claim failed (%s); retrying in %.1f s", exc, pause)
                     self._stopping.wait(pause)
-                    pause = min(pause * 2, 30.0)
+                    pause = min(pause * 2, CLAIM_RETRY_MAX)
                     continue
             for row in rows:
                 self._start(row)

@@ -53,6 +53,8 @@ from ..limits import Claimed, claim_limited
 from ..sqlfile import load_migrations, load_queries
 from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
 
+RECONNECT_WINDOW = 5.0  # seconds of backed-off reconnect attempts before starting afresh
+
 try:
     import psycopg
     from psycopg import errors as pg_errors
@@ -127,6 +129,11 @@ class PostgresBackend:
             open=False,
             name="errands",
             timeout=30.0,
+            # psycopg_pool doubles the pause between reconnect attempts (1, 2, 4, ... s)
+            # until reconnect_timeout; after a long outage a worker could sleep a minute
+            # past the database's return. Giving up after RECONNECT_WINDOW bounds the
+            # pause: the next request for a connection starts a fresh attempt at once.
+            reconnect_timeout=RECONNECT_WINDOW,
         )
         try:
             self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
