@@ -58,7 +58,8 @@ def mask_text(text: str | None, secrets: list[str]) -> str:
 
 
 def mask_value(value: Any, secrets: list[str]) -> Any:
-    """A JSON value with sensitive strings masked anywhere inside it (results, meta)."""
+    """A JSON value with sensitive values masked anywhere inside it (results, meta): text
+    that quotes one, and a number equal to one (a sensitive amount echoed in a result)."""
     if not secrets:
         return value
     if isinstance(value, str):
@@ -67,4 +68,6 @@ def mask_value(value: Any, secrets: list[str]) -> Any:
         return [mask_value(v, secrets) for v in value]
     if isinstance(value, dict):
         return {k: mask_value(v, secrets) for k, v in value.items()}
+    if isinstance(value, int | float) and not isinstance(value, bool) and str(value) in secrets:
+        return MASK
     return value

@@ -337,8 +337,18 @@ class Worker:
         """Unlimited queues in one claim; each limited queue on its own serialised path."""
         self._refresh_settings()
         backend = self.app.backend
+        rows: list[JobRow] = []
+        if not self._suspect_running and time.monotonic() >= self._suspect_due:
+            # Rescued jobs first (one at most): a steady backlog of fresh jobs fills every
+            # free slot, and would otherwise keep them waiting until it drains.
+            rows = self._claim_suspect(plan)
+            if rows:
+                taken = rows[0].queue
+                plan = [QueueClaim(q.name, q.limit - (q.name == taken)) for q in plan]
+                plan = [q for q in plan if q.limit > 0]
         fast = [q for q in plan if q.name not in self._limited]
-        rows = backend.job_claim(ClaimParams(fast, free, self.id, self.app.lease)) if fast else []
+        if fast and free > len(rows):
+            rows += backend.job_claim(ClaimParams(fast, free - len(rows), self.id, self.app.lease))
         for queue in plan:
             room = min(queue.limit, free - len(rows))
             if queue.name in self._limited and room > 0:
@@ -349,8 +359,6 @@ class Worker:
                 retry_in = getattr(limited, "retry_in", None)
                 if retry_in is not None:  # a rate window frees up then: look again at that time
                     self._wake_at = min(self._wake_at, time.monotonic() + retry_in)
-        if len(rows) < free and not self._suspect_running and time.monotonic() >= self._suspect_due:
-            rows += self._claim_suspect(plan)
         return rows
 
     @property
