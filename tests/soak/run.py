@@ -20,6 +20,7 @@ from pathlib import Path
 
 import soak_app
 
+from . import dashboard_check
 from .chaos import POSTGRES_KINDS, SQLITE_KINDS, Chaos
 from .checker import TERMINAL, Findings, check
 from .cluster import Cluster, local_pg_cluster
@@ -159,6 +160,7 @@ def run_soak(config: SoakConfig, folder: Path, url: str) -> SoakResult:
             poll_interval=config.poll_interval,
         )
         _process_findings(findings, cluster, chaos, exit_codes, timings)
+        dashboard_check.recheck(findings, app)
         short = {k: chaos.counts[k] for k in kinds if chaos.counts[k] < config.min_faults}
         if short:
             findings.fail(

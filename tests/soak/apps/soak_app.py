@@ -182,7 +182,8 @@ def flaky(ctx: errands.Context, n: int, fail_times: int) -> dict[str, Any]:
 def doomed(ctx: errands.Context, n: int) -> None:
     """Permanently failing: dead at once, before its last attempt (I5 allows it)."""
     record(ctx)
-    raise errands.Permanent(f"doomed job {n}: this can never succeed")
+    # the markup checks that the dashboard shows error text escaped (dashboard_check.py)
+    raise errands.Permanent(f"doomed job {n}: <script>alert({n})</script> can never succeed")
 
 
 @app.job(name="soak.exhaust", retries=2, backoff=QUICK)
@@ -210,7 +211,7 @@ def psp_charge(job_id: int, idem_key: str, amount: int, ctx: errands.Context) ->
     return {"charge_id": int(row[0]), "amount": amount}
 
 
-@app.job(name="soak.pay", queue="payments", retries=RETRIES, backoff=QUICK)
+@app.job(name="soak.pay", queue="payments", retries=RETRIES, backoff=QUICK, sensitive={"amount"})
 def pay(ctx: errands.Context, order: int, amount: int) -> dict[str, Any]:
     """A step-protected payment: the charge is a durable step keyed by the job."""
     token = record(ctx)
