@@ -437,8 +437,8 @@ def _liveness(out: Findings, chaos: Chaos, lease: float, poll: float) -> None:
         out.observations.append(
             f"I9 not met after {len(reconnects)} PostgreSQL restart(s): recovery {reconnects} s "
             f"past the {bound:g} s bound; the connection pool reconnects with a backoff of "
-            "1, 2, 4 ... s (psycopg_pool), not bounded by the lease (docs/reliability.md, "
-            "known issues)"
+            "1, 2, 4 s, starting afresh after 5 s (psycopg_pool), not bounded by the lease "
+            "(docs/reliability.md, known issues)"
         )
     every = [v for values in by_kind.values() for v in values]
     out.figures["recovery s (max, p99)"] = (max(every, default=None), percentile(every, 99))
@@ -621,6 +621,7 @@ def _latency(
         out.observations.append(
             f"I9 not met for rescued jobs: {len(rescued)} claims of jobs rescued earlier waited "
             f"up to {slowest:.1f} s (p99 {percentile(rescued, 99):.1f} s), past the "
-            f"{settle:g} s bound: errands claims them only when the regular backlog leaves a "
-            "slot free, one at a time per worker (docs/reliability.md, known issues)"
+            f"{settle:g} s bound: errands runs rescued jobs one at a time per worker (suspect "
+            "isolation), so a burst of them queues behind each other (docs/reliability.md, "
+            "known issues)"
         )

@@ -25,14 +25,10 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from ...errors import ConfigurationError, InvalidTransition, JobNotFound, SchemaOutdated
+from ...errors import ConfigurationError, SchemaOutdated
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
 from ..base import (
-    ActionParams,
-    ActionResult,
-    AuditEvent,
-    CancelResult,
     Capabilities,
     ClaimParams,
     CronState,
@@ -41,16 +37,13 @@ from ..base import (
     HeartbeatResult,
     InsertResult,
     LeaseRef,
-    ListParams,
     QueueClaim,
     QueueSettings,
-    QueueStats,
     RescueParams,
-    StoreHealth,
-    WorkerInfo,
 )
 from ..limits import Claimed, claim_limited
 from ..sqlfile import load_migrations, load_queries
+from .admin import PostgresAdmin
 from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
 
 RECONNECT_WINDOW = 5.0  # seconds of backed-off reconnect attempts before starting afresh
@@ -97,7 +90,7 @@ def channel_name(schema: str) -> str:
     return f"errands_jobs_{schema}"
 
 
-class PostgresBackend:
+class PostgresBackend(PostgresAdmin):
     capabilities = Capabilities(
         listen_notify=True, skip_locked=True, caller_connection="psycopg.Connection"
     )
@@ -724,185 +717,6 @@ class PostgresBackend:
             ).fetchone()
         return int(row[0]) if row else 0
 
-    # -- reading -------------------------------------------------------------------------
-    def job_get(self, job_id: int) -> JobRow | None:
-        with self._conn() as conn:
-            row = conn.execute(self.q["job_get"], {"id": job_id}).fetchone()
-        return None if row is None else JobRow(*row)
-
-    def job_list(self, params: ListParams) -> list[JobRow]:
-        with self._conn() as conn:
-            rows = conn.execute(
-                self.q["job_list"],
-                {
-                    "state": params.state,
-                    "queue": params.queue,
-                    "name": params.name,
-                    "before_id": params.before_id,
-                    "parent_id": params.parent_id,
-                    "limit": params.limit,
-                },
-            ).fetchall()
-        return [JobRow(*r) for r in rows]
-
-    def queue_stats(self) -> list[QueueStats]:
-        with self._conn() as conn:
-            rows = conn.execute(self.q["queue_stats"]).fetchall()
-        by_queue: dict[str, dict[str, Any]] = {}
-        for queue, state, n, oldest, stalled in rows:
-            entry = by_queue.setdefault(queue, {"counts": {}, "oldest": None, "stalled": 0})
-            entry["counts"][state] = n
-            entry["stalled"] += stalled or 0
-            if oldest is not None and (entry["oldest"] is None or oldest > entry["oldest"]):
-                entry["oldest"] = max(oldest, 0.0)
-        return [
-            QueueStats(
-                queue=q, counts=e["counts"], oldest_available_age=e["oldest"], stalled=e["stalled"]
-            )
-            for q, e in sorted(by_queue.items())
-        ]
-
-    def audit_list(self, limit: int = 100, job_id: int | None = None) -> list[AuditEvent]:
-        with self._conn() as conn:
-            rows = conn.execute(self.q["audit_list"], {"limit": limit, "job_id": job_id}).fetchall()
-        return [
-            AuditEvent(id=r[0], at=r[1], actor=r[2], action=r[3], job_id=r[4],
-                       detail=json.loads(r[5]))
-            for r in rows
-        ]  # fmt: skip
-
-    def db_now(self) -> float:
-        with self._conn() as conn:
-            return float(conn.execute(self.q["db_now"]).fetchone()[0])  # type: ignore[index]
-
-    # -- admin actions -------------------------------------------------------------------
-    def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
-        with self._tx() as conn:
-            if params.all_matching:
-                ids = [
-                    r[0]
-                    for r in conn.execute(
-                        self.q["job_ids_matching"],
-                        {"state": "dead", "queue": params.queue, "name": params.name},
-                    ).fetchall()
-                ]
-            else:
-                ids = list(dict.fromkeys(params.ids))
-            matched: list[int] = []
-            skipped: dict[int, str] = {}
-            for job_id in ids:
-                row = conn.execute(self.q["job_state_for_update"], {"id": job_id}).fetchone()
-                if row is None:
-                    skipped[job_id] = "no such job"
-                elif row[0] != "dead":
-                    skipped[job_id] = f"not in the dead-letter queue (state {row[0]})"
-                else:
-                    matched.append(job_id)
-            if params.dry_run:
-                return ActionResult(matched=matched, skipped=skipped)
-            for job_id in matched:
-                if action == "replay" and params.fresh:
-                    conn.execute(self.q["steps_delete"], {"job_id": job_id})
-                conn.execute(
-                    self.q[query], {"id": job_id, "actor": params.actor, "reason": params.reason}
-                )
-                conn.execute(
-                    self.q["audit_insert"],
-                    {
-                        "actor": params.actor,
-                        "action": action,
-                        "job_id": job_id,
-                        "detail": json.dumps(_action_detail(params)),
-                    },
-                )
-        if action == "replay" and matched and not params.dry_run:
-            queues = set()
-            for job_id in matched[:100]:
-                row = self.job_get(job_id)
-                if row is not None:
-                    queues.add(row.queue)
-            with self._conn() as conn:
-                self._maybe_notify(conn, queues)
-        return ActionResult(matched=matched, skipped=skipped)
-
-    def job_replay(self, params: ActionParams) -> ActionResult:
-        return self._dead_action(params, "job_replay", "replay")
-
-    def job_discard(self, params: ActionParams) -> ActionResult:
-        if not (params.reason and params.reason.strip()):
-            raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
-        return self._dead_action(params, "job_discard", "discard")
-
-    def job_cancel(self, job_id: int, actor: str) -> CancelResult:
-        with self._tx() as conn:
-            row = conn.execute(self.q["job_state_for_update"], {"id": job_id}).fetchone()
-            if row is None:
-                raise JobNotFound(f"no job with id {job_id}")
-            previous = row[0]
-            if previous in ("available", "scheduled", "retryable"):
-                conn.execute(self.q["job_cancel_pending"], {"id": job_id})
-                state = "cancelled"
-            elif previous == "running":
-                conn.execute(self.q["job_cancel_running"], {"id": job_id})
-                state = "running"
-            else:
-                raise InvalidTransition(
-                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
-                    "running jobs can be cancelled"
-                )
-            conn.execute(
-                self.q["audit_insert"],
-                {
-                    "actor": actor,
-                    "action": "cancel",
-                    "job_id": job_id,
-                    "detail": json.dumps({"previous_state": previous}),
-                },
-            )
-        return CancelResult(id=job_id, previous_state=previous, state=state)
-
-    # -- the worker registry ---------------------------------------------------------------
-    def worker_register(self, info: WorkerInfo) -> None:
-        with self._conn() as conn:
-            conn.execute(
-                self.q["worker_register"],
-                {
-                    "id": info.id,
-                    "host": info.host,
-                    "pid": info.pid,
-                    "queues": info.queues,
-                    "concurrency": info.concurrency,
-                    "version": info.version,
-                },
-            )
-
-    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> None:
-        with self._conn() as conn:
-            conn.execute(
-                self.q["worker_heartbeat"],
-                {"id": worker_id, "in_flight": in_flight, "processed": processed},
-            )
-
-    def worker_deregister(self, worker_id: str) -> None:
-        with self._conn() as conn:
-            conn.execute(self.q["worker_deregister"], {"id": worker_id})
-
-    def worker_list(self) -> list[WorkerInfo]:
-        with self._conn() as conn:
-            rows = conn.execute(self.q["worker_list"]).fetchall()
-        return [
-            WorkerInfo(
-                id=r[0], host=r[1], pid=r[2], queues=r[3], concurrency=r[4], started_at=r[5],
-                heartbeat_at=r[6], in_flight=r[7], processed=r[8], version=r[9],
-                heartbeat_age=max(r[10], 0.0),
-            )
-            for r in rows
-        ]  # fmt: skip
-
-    def worker_prune(self, older_than: float) -> int:
-        with self._conn() as conn:
-            return conn.execute(self.q["worker_prune"], {"older_than": older_than}).rowcount
-
     # -- wake-ups --------------------------------------------------------------------------
     def listener(self, on_queue: Callable[[str], None]) -> Any:
         if not self.config.listen:  # listen=false: polling alone (e.g. behind PgBouncer)
@@ -910,37 +724,6 @@ class PostgresBackend:
         from .notifier import Notifier
 
         return Notifier(self.config.conninfo, self.channel, on_queue)
-
-    # -- health --------------------------------------------------------------------------
-    def store_health(self) -> StoreHealth:
-        with self._conn() as conn:
-            row = conn.execute(self.q["store_health"], {"schema": self.schema}).fetchone()
-        dead, live, oldest = row if row is not None else (None, None, None)
-        return StoreHealth(
-            dead_tuples=dead,
-            live_tuples=live,
-            oldest_transaction_age=None if oldest is None else max(float(oldest), 0.0),
-        )
-
-    # -- the dashboard ---------------------------------------------------------------------
-    def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[Any]:
-        from ..base import ThroughputBucket
-
-        with self._conn() as conn:
-            rows = conn.execute(
-                self.q["job_throughput"], {"since": since_seconds, "bucket": bucket_seconds}
-            ).fetchall()
-        return [ThroughputBucket(float(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
-
-    def job_find_by_key(self, key: str, limit: int = 50) -> list[JobRow]:
-        with self._conn() as conn:
-            rows = conn.execute(self.q["job_find_by_key"], {"key": key, "limit": limit}).fetchall()
-        return [JobRow(*r) for r in rows]
-
-    def job_count_by_queue(self, state: str) -> dict[str, int]:
-        with self._conn() as conn:
-            rows = conn.execute(self.q["job_count_by_queue"], {"state": state}).fetchall()
-        return {queue: int(n) for queue, n in rows}
 
 
 def unwrap_connection(conn: Any) -> Any:
@@ -954,15 +737,6 @@ def unwrap_connection(conn: Any) -> Any:
         if driver is not None:
             return driver
     return conn
-
-
-def _action_detail(params: ActionParams) -> dict[str, Any]:
-    detail: dict[str, Any] = {}
-    if params.reason:
-        detail["reason"] = params.reason
-    if params.fresh:
-        detail["fresh"] = True
-    return detail
 
 
 class _LimitedStore:

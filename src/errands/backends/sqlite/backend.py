@@ -26,8 +26,6 @@ from urllib.parse import parse_qsl, urlsplit
 from ...errors import (
     ConfigurationError,
     DatabaseBusy,
-    InvalidTransition,
-    JobNotFound,
     SchemaOutdated,
     StorageFull,
 )
@@ -35,10 +33,6 @@ from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
 from .. import redact_url
 from ..base import (
-    ActionParams,
-    ActionResult,
-    AuditEvent,
-    CancelResult,
     Capabilities,
     ClaimParams,
     CronState,
@@ -47,27 +41,20 @@ from ..base import (
     HeartbeatResult,
     InsertResult,
     LeaseRef,
-    ListParams,
     QueueClaim,
     QueueSettings,
-    QueueStats,
     RescueParams,
-    StoreHealth,
-    WorkerInfo,
     unwrap_connection,
 )
 from ..limits import Claimed, claim_limited
-from ..sqlfile import load_migrations, load_queries
+from .admin import SQLiteAdmin
+from .statements import MIGRATIONS, SCHEMA_VERSION, Q
 
 log = logging.getLogger("errands.sqlite")
 
 BUSY_TIMEOUT_MS_DEFAULT = 5_000
 WRITE_TIMEOUT_DEFAULT = 60.0
 SYNCHRONOUS_CHOICES = ("OFF", "NORMAL", "FULL", "EXTRA")
-
-Q = load_queries(__package__)
-MIGRATIONS = load_migrations(__package__)
-SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
 def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
@@ -120,7 +107,7 @@ def _split_statements(script: str) -> list[str]:
     return statements
 
 
-class SQLiteBackend:
+class SQLiteBackend(SQLiteAdmin):
     capabilities = Capabilities(
         listen_notify=False, skip_locked=False, caller_connection="sqlite3.Connection"
     )
@@ -726,107 +713,6 @@ class SQLiteBackend:
                 conn.execute(Q["job_delete"], {"id": job_id})
         return len(ids)
 
-    # -- reading -------------------------------------------------------------------------
-    def job_get(self, job_id: int) -> JobRow | None:
-        with self._read() as conn:
-            row = conn.execute(Q["job_get"], {"id": job_id}).fetchone()
-        return None if row is None else JobRow(*row)
-
-    def job_list(self, params: ListParams) -> list[JobRow]:
-        with self._read() as conn:
-            rows = conn.execute(
-                Q["job_list"],
-                {
-                    "state": params.state,
-                    "queue": params.queue,
-                    "name": params.name,
-                    "before_id": params.before_id,
-                    "parent_id": params.parent_id,
-                    "limit": params.limit,
-                },
-            ).fetchall()
-        return [JobRow(*r) for r in rows]
-
-    def queue_stats(self) -> list[QueueStats]:
-        with self._read() as conn:
-            rows = conn.execute(Q["queue_stats"]).fetchall()
-        by_queue: dict[str, dict[str, Any]] = {}
-        for queue, state, n, oldest_due, now, stalled in rows:
-            entry = by_queue.setdefault(
-                queue, {"counts": {}, "oldest": None, "now": now, "stalled": 0}
-            )
-            entry["counts"][state] = n
-            entry["stalled"] += stalled or 0
-            if oldest_due is not None and (entry["oldest"] is None or oldest_due < entry["oldest"]):
-                entry["oldest"] = oldest_due
-        return [
-            QueueStats(
-                queue=queue,
-                counts=entry["counts"],
-                oldest_available_age=None
-                if entry["oldest"] is None
-                else max(entry["now"] - entry["oldest"], 0.0),
-                stalled=entry["stalled"],
-            )
-            for queue, entry in sorted(by_queue.items())
-        ]
-
-    def audit_list(self, limit: int = 100, job_id: int | None = None) -> list[AuditEvent]:
-        with self._read() as conn:
-            rows = conn.execute(Q["audit_list"], {"limit": limit, "job_id": job_id}).fetchall()
-        return [
-            AuditEvent(
-                id=r[0], at=r[1], actor=r[2], action=r[3], job_id=r[4], detail=json.loads(r[5])
-            )
-            for r in rows
-        ]
-
-    def db_now(self) -> float:
-        with self._read() as conn:
-            return float(conn.execute(Q["db_now"]).fetchone()[0])
-
-    # -- the worker registry ---------------------------------------------------------------
-    def worker_register(self, info: WorkerInfo) -> None:
-        with self._write() as conn:
-            conn.execute(
-                Q["worker_register"],
-                {
-                    "id": info.id,
-                    "host": info.host,
-                    "pid": info.pid,
-                    "queues": info.queues,
-                    "concurrency": info.concurrency,
-                    "version": info.version,
-                },
-            )
-
-    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> None:
-        with self._write() as conn:
-            conn.execute(
-                Q["worker_heartbeat"],
-                {"id": worker_id, "in_flight": in_flight, "processed": processed},
-            )
-
-    def worker_deregister(self, worker_id: str) -> None:
-        with self._write() as conn:
-            conn.execute(Q["worker_deregister"], {"id": worker_id})
-
-    def worker_list(self) -> list[WorkerInfo]:
-        with self._read() as conn:
-            rows = conn.execute(Q["worker_list"]).fetchall()
-        return [
-            WorkerInfo(
-                id=r[0], host=r[1], pid=r[2], queues=r[3], concurrency=r[4], started_at=r[5],
-                heartbeat_at=r[6], in_flight=r[7], processed=r[8], version=r[9],
-                heartbeat_age=max(r[10], 0.0),
-            )
-            for r in rows
-        ]  # fmt: skip
-
-    def worker_prune(self, older_than: float) -> int:
-        with self._write() as conn:
-            return conn.execute(Q["worker_prune"], {"older_than": older_than}).rowcount
-
     # -- wake-ups --------------------------------------------------------------------------
     def listener(self, on_queue: Callable[[str | None], None]) -> Any:
         if self.memory:
@@ -834,114 +720,6 @@ class SQLiteBackend:
         from .watcher import DataVersionWatcher
 
         return DataVersionWatcher(self.path, on_queue)
-
-    # -- admin actions ---------------------------------------------------------------------
-    def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
-        with self._write() as conn:
-            if params.all_matching:
-                ids = [
-                    r[0]
-                    for r in conn.execute(
-                        Q["job_ids_matching"],
-                        {"state": "dead", "queue": params.queue, "name": params.name},
-                    )
-                ]
-            else:
-                ids = list(dict.fromkeys(params.ids))
-            matched: list[int] = []
-            skipped: dict[int, str] = {}
-            for job_id in ids:
-                state = conn.execute(Q["job_state"], {"id": job_id}).fetchone()
-                if state is None:
-                    skipped[job_id] = "no such job"
-                elif state[0] != "dead":
-                    skipped[job_id] = f"not in the dead-letter queue (state {state[0]})"
-                else:
-                    matched.append(job_id)
-            if params.dry_run:  # nothing written: the COMMIT below is empty
-                return ActionResult(matched=matched, skipped=skipped)
-            for job_id in matched:
-                if action == "replay" and params.fresh:
-                    conn.execute(Q["steps_delete"], {"job_id": job_id})
-                conn.execute(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
-                conn.execute(
-                    Q["audit_insert"],
-                    {
-                        "actor": params.actor,
-                        "action": action,
-                        "job_id": job_id,
-                        "detail": json.dumps(_action_detail(params)),
-                    },
-                )
-        return ActionResult(matched=matched, skipped=skipped)
-
-    def job_replay(self, params: ActionParams) -> ActionResult:
-        return self._dead_action(params, Q["job_replay"], "replay")
-
-    def job_discard(self, params: ActionParams) -> ActionResult:
-        if not (params.reason and params.reason.strip()):
-            raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
-        return self._dead_action(params, Q["job_discard"], "discard")
-
-    def job_cancel(self, job_id: int, actor: str) -> CancelResult:
-        with self._write() as conn:
-            row = conn.execute(Q["job_state"], {"id": job_id}).fetchone()
-            if row is None:
-                raise JobNotFound(f"no job with id {job_id}")
-            previous = row[0]
-            if previous in ("available", "scheduled", "retryable"):
-                conn.execute(Q["job_cancel_pending"], {"id": job_id})
-                state = "cancelled"
-            elif previous == "running":
-                conn.execute(Q["job_cancel_running"], {"id": job_id})
-                state = "running"
-            else:
-                raise InvalidTransition(
-                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
-                    "running jobs can be cancelled"
-                )
-            conn.execute(
-                Q["audit_insert"],
-                {
-                    "actor": actor,
-                    "action": "cancel",
-                    "job_id": job_id,
-                    "detail": json.dumps({"previous_state": previous}),
-                },
-            )
-        return CancelResult(id=job_id, previous_state=previous, state=state)
-
-    # -- health --------------------------------------------------------------------------
-    def store_health(self) -> StoreHealth:
-        with self._read() as conn:
-            pages, free = conn.execute(Q["store_health"]).fetchone()
-        wal: int | None = None
-        if not self.memory:
-            try:
-                wal = os.path.getsize(self.path + "-wal")
-            except OSError:
-                wal = 0  # no WAL file right now
-        return StoreHealth(page_count=pages, freelist_count=free, wal_bytes=wal)
-
-    # -- the dashboard ---------------------------------------------------------------------
-    def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[Any]:
-        from ..base import ThroughputBucket
-
-        with self._read() as conn:
-            rows = conn.execute(
-                Q["job_throughput"], {"since": since_seconds, "bucket": bucket_seconds}
-            ).fetchall()
-        return [ThroughputBucket(float(r[0]), r[1], r[2] or 0, r[3] or 0, r[4] or 0) for r in rows]
-
-    def job_find_by_key(self, key: str, limit: int = 50) -> list[JobRow]:
-        with self._read() as conn:
-            rows = conn.execute(Q["job_find_by_key"], {"key": key, "limit": limit}).fetchall()
-        return [JobRow(*r) for r in rows]
-
-    def job_count_by_queue(self, state: str) -> dict[str, int]:
-        with self._read() as conn:
-            rows = conn.execute(Q["job_count_by_queue"], {"state": state}).fetchall()
-        return {queue: int(n) for queue, n in rows}
 
 
 def _loads_or_raw(text: str | None) -> Any:
@@ -951,15 +729,6 @@ def _loads_or_raw(text: str | None) -> Any:
         return json.loads(text)
     except ValueError:
         return text
-
-
-def _action_detail(params: ActionParams) -> dict[str, Any]:
-    detail: dict[str, Any] = {}
-    if params.reason:
-        detail["reason"] = params.reason
-    if params.fresh:
-        detail["fresh"] = True
-    return detail
 
 
 def _settings(r: tuple[Any, ...]) -> QueueSettings:
