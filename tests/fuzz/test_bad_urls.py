@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import errands
@@ -56,6 +56,7 @@ urls = st.builds(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(url=urls)
+@example(url=f"sqlite:///1?:{PASSWORD}@/?schema=1")  # found by hypothesis: an option name
 def test_any_malformed_url_is_a_configuration_error_that_never_shows_the_password(
     url: str,
 ) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import errands
+from errands.backends.base import QueueClaim
 from errands.errors import ConfigurationError
 
 from .helpers import Intervals, wait_until, workers
@@ -100,3 +102,31 @@ def test_bad_concurrency_key_options_fail_at_definition(tmp_path: Path) -> None:
         def zero(account_id: int) -> None: ...
 
     assert app.registry == {}
+
+
+def test_a_long_run_of_jobs_waiting_for_a_busy_key_does_not_hold_back_other_keys(
+    store: errands.App,
+) -> None:
+    """Given 150 jobs of one account queued first, one of them running (limit 1), and a
+    job of another account behind them, then a claim takes the other account's job: jobs
+    waiting for a busy key never fill the claim's lookahead (100 rows)."""
+
+    @store.job(name="accounts.sync", concurrency_key="account:{account_id}", concurrency_limit=1)
+    def sync_account(account_id: int, n: int) -> None: ...
+
+    store.enqueue_many([sync_account.bind(account_id=1, n=i) for i in range(150)])
+    behind = sync_account.enqueue(account_id=2, n=150)
+    backend = store.backend
+    backend.queue_declare(store.queues.get("default") or _keyed("default"), "test")
+    claim = QueueClaim("default", 1)
+    [first] = backend.job_claim_limited(claim, "w-test", 30.0)
+    assert first.id != behind.id  # account 1's first job, now running
+    [second] = backend.job_claim_limited(claim, "w-test", 30.0)
+    assert second.id == behind.id
+    assert backend.job_claim_limited(claim, "w-test", 30.0) == []  # both keys busy now
+
+
+def _keyed(name: str) -> Any:
+    from errands.backends.base import QueueSettings
+
+    return QueueSettings(name, has_keys=True)

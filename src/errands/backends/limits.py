@@ -145,11 +145,18 @@ def claim_limited(
         room = min(room, left)
     if room <= 0:
         return result
+    room_per_name: dict[str, int] = {}
+    for name, limit, period in store.rows("job_limits_for_queue", {"queue": queue}):
+        used, frees_in = _rate_used(store, f"job:{name}", float(period))  # type: ignore[arg-type]
+        room_per_name[str(name)] = int(limit) - used  # type: ignore[call-overload]
+        if room_per_name[str(name)] <= 0:
+            result.retry_in = _sooner(result.retry_in, frees_in)
+    blocked = [name for name, left in room_per_name.items() if left <= 0]
     candidates = [
         Candidate(int(r[0]), str(r[1]), r[2], r[3])  # type: ignore[call-overload,arg-type]
         for r in store.rows(
             "claim_candidates_suspect" if suspects else "claim_candidates",
-            {"queue": queue, "limit": lookahead(room)},
+            {"queue": queue, "limit": lookahead(room), "blocked": store.id_list(blocked)},
         )
     ]
     if not candidates:
@@ -159,12 +166,6 @@ def claim_limited(
     if keys:
         for key, count in store.rows("running_per_key", {"keys": store.id_list(list(keys))}):
             running_per_key[str(key)] = int(count)  # type: ignore[call-overload]
-    room_per_name: dict[str, int] = {}
-    for name, limit, period in store.rows("job_limits_for_queue", {"queue": queue}):
-        used, frees_in = _rate_used(store, f"job:{name}", float(period))  # type: ignore[arg-type]
-        room_per_name[str(name)] = int(limit) - used  # type: ignore[call-overload]
-        if room_per_name[str(name)] <= 0:
-            result.retry_in = _sooner(result.retry_in, frees_in)
     chosen = choose(candidates, room, running_per_key, room_per_name)
     if not chosen:
         return result

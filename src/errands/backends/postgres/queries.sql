@@ -473,21 +473,37 @@ SELECT %(bucket)s FROM generate_series(1, %(n)s)
 DELETE FROM {schema}.errands_rate_log WHERE at < now() - make_interval(secs => %(older_than)s)
 
 -- name: claim_candidates
-SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs
+-- Jobs whose key already runs at its limit, and job types out of rate-limit room
+-- (blocked), are left out here, so they never fill the lookahead and hold claimable jobs
+-- behind them.
+SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = %(queue)s
   AND rescues = 0
   AND run_at <= now()
+  AND NOT (name = ANY(%(blocked)s::text[]))
+  AND (concurrency_key IS NULL
+       OR (SELECT count(*) FROM {schema}.errands_jobs AS r
+           WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
+          < COALESCE(concurrency_limit, 1))
 ORDER BY priority DESC, run_at, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED
 
 -- name: claim_candidates_suspect
-SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs
+-- Jobs whose key already runs at its limit, and job types out of rate-limit room
+-- (blocked), are left out here, so they never fill the lookahead and hold claimable jobs
+-- behind them.
+SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = %(queue)s
   AND rescues > 0
   AND run_at <= now()
+  AND NOT (name = ANY(%(blocked)s::text[]))
+  AND (concurrency_key IS NULL
+       OR (SELECT count(*) FROM {schema}.errands_jobs AS r
+           WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
+          < COALESCE(concurrency_limit, 1))
 ORDER BY priority DESC, run_at, id
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED

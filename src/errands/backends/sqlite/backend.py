@@ -74,8 +74,9 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
     options = dict(parse_qsl(parts.query))
     unknown = set(options) - {"synchronous", "busy_timeout_ms", "write_timeout"}
     if unknown:
+        names = ", ".join(sorted(redact_url(n) for n in unknown))  # a name may hold a password
         raise ConfigurationError(
-            f"SQLite URL {shown!r}: unknown option(s) {', '.join(sorted(unknown))}; "
+            f"SQLite URL {shown!r}: unknown option(s) {names}; "
             "known: synchronous, busy_timeout_ms, write_timeout"
         )
     return path, options

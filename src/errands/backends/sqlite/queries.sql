@@ -384,20 +384,36 @@ INSERT INTO errands_rate_log (bucket, at) VALUES (:bucket, (julianday('now') - 2
 DELETE FROM errands_rate_log WHERE at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
 
 -- name: claim_candidates
-SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs
+-- Jobs whose key already runs at its limit, and job types out of rate-limit room
+-- (:blocked, a JSON list), are left out here, so they never fill the lookahead and hold
+-- claimable jobs behind them.
+SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = :queue
   AND rescues = 0
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+  AND name NOT IN (SELECT value FROM json_each(:blocked))
+  AND (concurrency_key IS NULL
+       OR (SELECT count(*) FROM errands_jobs AS r
+           WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
+          < COALESCE(concurrency_limit, 1))
 ORDER BY priority DESC, run_at, id
 LIMIT :limit
 
 -- name: claim_candidates_suspect
-SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs
+-- Jobs whose key already runs at its limit, and job types out of rate-limit room
+-- (:blocked, a JSON list), are left out here, so they never fill the lookahead and hold
+-- claimable jobs behind them.
+SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = :queue
   AND rescues > 0
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+  AND name NOT IN (SELECT value FROM json_each(:blocked))
+  AND (concurrency_key IS NULL
+       OR (SELECT count(*) FROM errands_jobs AS r
+           WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
+          < COALESCE(concurrency_limit, 1))
 ORDER BY priority DESC, run_at, id
 LIMIT :limit
 
