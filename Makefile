@@ -29,6 +29,7 @@ test-integrations: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests

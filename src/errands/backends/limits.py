@@ -151,7 +151,7 @@ def claim_limited(
         room_per_name[str(name)] = int(limit) - used  # type: ignore[call-overload]
         if room_per_name[str(name)] <= 0:
             result.retry_in = _sooner(result.retry_in, frees_in)
-    blocked = [name for name, left in room_per_name.items() if left <= 0]
+    blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
     candidates = [
         Candidate(int(r[0]), str(r[1]), r[2], r[3])  # type: ignore[call-overload,arg-type]
         for r in store.rows(

@@ -198,7 +198,9 @@ class WorkerLike(Protocol):
     """The slice of :class:`errands.worker.worker.Worker` the keeper uses."""
 
     app: App
-    loop: asyncio.AbstractEventLoop | None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None: ...
 
     def attempts(self) -> list[Attempt]: ...
 

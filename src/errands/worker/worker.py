@@ -72,17 +72,17 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
     if spec is None:
         return {}
     if isinstance(spec, Mapping):
-        items = [(str(k), v) for k, v in spec.items()]
+        items: list[tuple[str, int | None]] = [(str(k), v) for k, v in spec.items()]
     else:
         parts = spec.split(",") if isinstance(spec, str) else list(spec)
         items = []
         for part in parts:
-            name, _, limit = part.strip().partition("=")
+            name, _, limit_text = part.strip().partition("=")
             if not name:
                 continue
-            if limit:
+            if limit_text:
                 try:
-                    value: int | None = int(limit)
+                    value: int | None = int(limit_text)
                 except ValueError:
                     raise ConfigurationError(
                         f"queue spec {part!r}: the limit after '=' must be a whole number, "
@@ -475,7 +475,11 @@ class Worker:
                 future = self.processes.submit(row)
                 attempt.future = future
                 runner = self.processes
-                attempt.kill = lambda exc: runner.kill(future, exc)  # type: ignore[misc]
+
+                def kill(exc: BaseException) -> None:
+                    runner.kill(future, exc)
+
+                attempt.kill = kill
                 future.add_done_callback(lambda f: self._handler_done(attempt, f))
                 return
 

@@ -104,7 +104,9 @@ class PostgresBackend(PostgresAdmin):
         self._last_notify: dict[str, float] = {}
         self._notify_lock = threading.Lock()
         try:  # fail fast, with one clear line, before the pool starts retrying
-            psycopg.connect(self.config.conninfo, connect_timeout=CONNECT_TIMEOUT_DEFAULT).close()
+            psycopg.connect(
+                self.config.conninfo, connect_timeout=int(CONNECT_TIMEOUT_DEFAULT)
+            ).close()
         except psycopg.Error as exc:
             raise ConfigurationError(
                 f"cannot connect to PostgreSQL at {self.config.display}: "
@@ -278,9 +280,9 @@ class PostgresBackend(PostgresAdmin):
     def _insert(
         self, conn: psycopg.Connection[Any], requests: Sequence[EnqueueRequest]
     ) -> list[InsertResult]:
-        for keyed in requests:
-            if keyed.key is not None:
-                conn.execute(self.q["job_expire_key"], {"name": keyed.name, "key": keyed.key})
+        for request in requests:
+            if request.key is not None:
+                conn.execute(self.q["job_expire_key"], {"name": request.name, "key": request.key})
         if len(requests) == 1:
             req = requests[0]
             params = self._params(req)

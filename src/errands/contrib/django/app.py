@@ -155,8 +155,8 @@ def database_url(database: str, params: Mapping[str, Any] | None = None) -> str:
                 "(an in-memory database is private to one connection): use a file. In tests, "
                 f"set DATABASES[{database!r}]['TEST']['NAME'] to a file path"
             )
-        query = f"?{urlencode(extra)}" if extra else ""
-        return f"sqlite:///{path}{query}"
+        suffix = f"?{urlencode(extra)}" if extra else ""
+        return f"sqlite:///{path}{suffix}"
     user, password = conf.get("USER") or "", conf.get("PASSWORD") or ""
     host, port = str(conf.get("HOST") or ""), str(conf.get("PORT") or "")
     options = conf.get("OPTIONS") or {}
