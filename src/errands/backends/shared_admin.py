@@ -1,26 +1,127 @@
 """The admin-side methods whose SQL differs per backend but whose Python does not:
-listing jobs, the worker registry, finding jobs by key, counts per queue.
+listing jobs, the audit log, replay, discard and cancel, the worker registry, finding
+jobs by key, counts per queue.
 
-A backend's admin mixin inherits :class:`SharedAdmin` and supplies two primitives,
-``_read_rows(query, params)`` and ``_write_count(query, params)``, which run a named
-query of its own ``queries.sql`` (in a read connection, or in a write transaction
-returning the rows changed).
+A backend's admin mixin inherits :class:`SharedAdmin` and supplies three primitives that
+run a named query of its own ``queries.sql``: ``_read_rows(query, params)`` (in a read
+connection), ``_write_count(query, params)`` (in a write transaction of its own, returning
+the rows changed) and ``_transaction()`` (a write transaction, yielding a function that
+runs queries in it).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
+from ..errors import InvalidTransition, JobNotFound
 from ..jobs import JobRow
-from .base import ActionParams, ListParams, WorkerInfo
+from .base import ActionParams, ActionResult, AuditEvent, CancelResult, ListParams, WorkerInfo
+
+Run = Callable[..., Any]  # run(query_name, params=None) -> cursor, inside a transaction
 
 
 class SharedAdmin:
-    def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]:
-        raise NotImplementedError
+    STATE_QUERY = "job_state"  # reads one job's state (locking its row where the store can)
 
-    def _write_count(self, query: str, params: dict[str, Any]) -> int:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # each backend's admin mixin defines these
+
+        def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]: ...
+
+        def _write_count(self, query: str, params: dict[str, Any]) -> int: ...
+
+        def _transaction(self) -> AbstractContextManager[Run]: ...
+
+    def _replayed(self, ids: list[int]) -> None:
+        """Called once a replay committed (PostgreSQL wakes the queues' listeners)."""
+
+    def audit_list(self, limit: int = 100, job_id: int | None = None) -> list[AuditEvent]:
+        return [
+            AuditEvent(id=r[0], at=r[1], actor=r[2], action=r[3], job_id=r[4],
+                       detail=json.loads(r[5]))
+            for r in self._read_rows("audit_list", {"limit": limit, "job_id": job_id})
+        ]  # fmt: skip
+
+    def db_now(self) -> float:
+        return float(self._read_rows("db_now")[0][0])
+
+    # -- admin actions -------------------------------------------------------------------
+    def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
+        with self._transaction() as run:
+            if params.all_matching:
+                found = run(
+                    "job_ids_matching",
+                    {"state": "dead", "queue": params.queue, "name": params.name},
+                )
+                ids = [r[0] for r in found.fetchall()]
+            else:
+                ids = list(dict.fromkeys(params.ids))
+            matched: list[int] = []
+            skipped: dict[int, str] = {}
+            for job_id in ids:
+                row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
+                if row is None:
+                    skipped[job_id] = "no such job"
+                elif row[0] != "dead":
+                    skipped[job_id] = f"not in the dead-letter queue (state {row[0]})"
+                else:
+                    matched.append(job_id)
+            if params.dry_run:  # nothing written: the transaction commits nothing
+                return ActionResult(matched=matched, skipped=skipped)
+            for job_id in matched:
+                if action == "replay" and params.fresh:
+                    run("steps_delete", {"job_id": job_id})
+                run(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
+                run(
+                    "audit_insert",
+                    {
+                        "actor": params.actor,
+                        "action": action,
+                        "job_id": job_id,
+                        "detail": json.dumps(action_detail(params)),
+                    },
+                )
+        if action == "replay" and matched:
+            self._replayed(matched)
+        return ActionResult(matched=matched, skipped=skipped)
+
+    def job_replay(self, params: ActionParams) -> ActionResult:
+        return self._dead_action(params, "job_replay", "replay")
+
+    def job_discard(self, params: ActionParams) -> ActionResult:
+        if not (params.reason and params.reason.strip()):
+            raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
+        return self._dead_action(params, "job_discard", "discard")
+
+    def job_cancel(self, job_id: int, actor: str) -> CancelResult:
+        with self._transaction() as run:
+            row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
+            if row is None:
+                raise JobNotFound(f"no job with id {job_id}")
+            previous = row[0]
+            if previous in ("available", "scheduled", "retryable"):
+                run("job_cancel_pending", {"id": job_id})
+                state = "cancelled"
+            elif previous == "running":
+                run("job_cancel_running", {"id": job_id})
+                state = "running"
+            else:
+                raise InvalidTransition(
+                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
+                    "running jobs can be cancelled"
+                )
+            run(
+                "audit_insert",
+                {
+                    "actor": actor,
+                    "action": "cancel",
+                    "job_id": job_id,
+                    "detail": json.dumps({"previous_state": previous}),
+                },
+            )
+        return CancelResult(id=job_id, previous_state=previous, state=state)
 
     def job_list(self, params: ListParams) -> list[JobRow]:
         rows = self._read_rows(

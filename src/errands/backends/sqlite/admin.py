@@ -4,23 +4,18 @@ aggregates. A mixin of :class:`SQLiteBackend`, whose connections it uses."""
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ...errors import InvalidTransition, JobNotFound
 from ...jobs import JobRow
 from ..base import (
-    ActionParams,
-    ActionResult,
-    AuditEvent,
-    CancelResult,
     QueueStats,
     StoreHealth,
 )
-from ..shared_admin import SharedAdmin, action_detail
+from ..shared_admin import Run, SharedAdmin
 from .statements import Q
 
 
@@ -43,6 +38,11 @@ class SQLiteAdmin(SharedAdmin):
     def _write_count(self, query: str, params: dict[str, Any]) -> int:
         with self._write() as conn:
             return conn.execute(Q[query], params).rowcount
+
+    @contextmanager
+    def _transaction(self) -> Iterator[Run]:
+        with self._write() as conn:
+            yield lambda query, params=None: conn.execute(Q[query], params or ())
 
     # -- reading -------------------------------------------------------------------------
     def job_get(self, job_id: int) -> JobRow | None:
@@ -73,97 +73,6 @@ class SQLiteAdmin(SharedAdmin):
             )
             for queue, entry in sorted(by_queue.items())
         ]
-
-    def audit_list(self, limit: int = 100, job_id: int | None = None) -> list[AuditEvent]:
-        with self._read() as conn:
-            rows = conn.execute(Q["audit_list"], {"limit": limit, "job_id": job_id}).fetchall()
-        return [
-            AuditEvent(
-                id=r[0], at=r[1], actor=r[2], action=r[3], job_id=r[4], detail=json.loads(r[5])
-            )
-            for r in rows
-        ]
-
-    def db_now(self) -> float:
-        with self._read() as conn:
-            return float(conn.execute(Q["db_now"]).fetchone()[0])
-
-    # -- the worker registry ---------------------------------------------------------------
-    # -- admin actions ---------------------------------------------------------------------
-    def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
-        with self._write() as conn:
-            if params.all_matching:
-                ids = [
-                    r[0]
-                    for r in conn.execute(
-                        Q["job_ids_matching"],
-                        {"state": "dead", "queue": params.queue, "name": params.name},
-                    )
-                ]
-            else:
-                ids = list(dict.fromkeys(params.ids))
-            matched: list[int] = []
-            skipped: dict[int, str] = {}
-            for job_id in ids:
-                state = conn.execute(Q["job_state"], {"id": job_id}).fetchone()
-                if state is None:
-                    skipped[job_id] = "no such job"
-                elif state[0] != "dead":
-                    skipped[job_id] = f"not in the dead-letter queue (state {state[0]})"
-                else:
-                    matched.append(job_id)
-            if params.dry_run:  # nothing written: the COMMIT below is empty
-                return ActionResult(matched=matched, skipped=skipped)
-            for job_id in matched:
-                if action == "replay" and params.fresh:
-                    conn.execute(Q["steps_delete"], {"job_id": job_id})
-                conn.execute(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
-                conn.execute(
-                    Q["audit_insert"],
-                    {
-                        "actor": params.actor,
-                        "action": action,
-                        "job_id": job_id,
-                        "detail": json.dumps(action_detail(params)),
-                    },
-                )
-        return ActionResult(matched=matched, skipped=skipped)
-
-    def job_replay(self, params: ActionParams) -> ActionResult:
-        return self._dead_action(params, Q["job_replay"], "replay")
-
-    def job_discard(self, params: ActionParams) -> ActionResult:
-        if not (params.reason and params.reason.strip()):
-            raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
-        return self._dead_action(params, Q["job_discard"], "discard")
-
-    def job_cancel(self, job_id: int, actor: str) -> CancelResult:
-        with self._write() as conn:
-            row = conn.execute(Q["job_state"], {"id": job_id}).fetchone()
-            if row is None:
-                raise JobNotFound(f"no job with id {job_id}")
-            previous = row[0]
-            if previous in ("available", "scheduled", "retryable"):
-                conn.execute(Q["job_cancel_pending"], {"id": job_id})
-                state = "cancelled"
-            elif previous == "running":
-                conn.execute(Q["job_cancel_running"], {"id": job_id})
-                state = "running"
-            else:
-                raise InvalidTransition(
-                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
-                    "running jobs can be cancelled"
-                )
-            conn.execute(
-                Q["audit_insert"],
-                {
-                    "actor": actor,
-                    "action": "cancel",
-                    "job_id": job_id,
-                    "detail": json.dumps({"previous_state": previous}),
-                },
-            )
-        return CancelResult(id=job_id, previous_state=previous, state=state)
 
     # -- health --------------------------------------------------------------------------
     def store_health(self) -> StoreHealth:
