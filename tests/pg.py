@@ -11,7 +11,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -56,13 +56,18 @@ def pg_unavailable_reason() -> str | None:
 
 def require_pg() -> None:
     reason = pg_unavailable_reason()
-    if reason is None:
-        return
+    if reason is not None:
+        unavailable(
+            f"{reason}. Start PostgreSQL on 127.0.0.1:5432 or set ERRANDS_TEST_PG_URL to run these"
+        )
+
+
+def unavailable(reason: str) -> NoReturn:
+    """What a test needs from the machine is missing: under CI=true that fails the test
+    (CI must run everything); elsewhere it skips, with ``reason`` saying how to enable it."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"CI=true but PostgreSQL tests cannot run: {reason}")
-    pytest.skip(
-        f"{reason}. Start PostgreSQL on 127.0.0.1:5432 or set ERRANDS_TEST_PG_URL to run these"
-    )
+        pytest.fail(f"CI=true but this test cannot run: {reason}")
+    pytest.skip(reason)
 
 
 def with_params(url: str, **params: str) -> str:

@@ -151,8 +151,9 @@ def test_sixteen_threads_enqueuing_one_key_create_exactly_one_job(backend: Backe
 
 
 def _require_caller_connection(backend: Backend) -> None:
-    if not backend.capabilities.caller_connection:
-        pytest.skip(f"{type(backend).__name__} does not accept a caller's connection")
+    """Every backend must take part in the caller's transaction (DESIGN: enqueue inside
+    the caller's own database transaction)."""
+    assert backend.capabilities.caller_connection, type(backend).__name__
 
 
 def test_enqueue_on_callers_connection_rolls_back_with_the_caller(

@@ -20,6 +20,7 @@ import pgacc_basic
 import pytest
 
 import errands
+from tests.pg import unavailable
 
 from .harness import (
     LEADER_TTL,
@@ -72,7 +73,7 @@ def _worked_since(pgc: PgCluster, since: float) -> dict[str, int]:
 def postgres_cluster() -> Iterator[tuple[str, str]]:
     cluster = local_cluster()
     if cluster is None:
-        pytest.skip(
+        unavailable(
             "restarting PostgreSQL needs a local pg_ctlcluster cluster on the test URL's "
             "port, run as root"
         )

@@ -13,7 +13,7 @@ import pgacc_support
 import pytest
 
 from errands.backends.postgres.backend import MIGRATIONS
-from tests.pg import drop_schema, pg_base_url, with_params
+from tests.pg import drop_schema, pg_base_url, unavailable, with_params
 
 from .harness import PgCluster, wait_until
 
@@ -81,7 +81,7 @@ def test_migrate_sql_applied_with_psql_gives_the_same_schema_and_a_worker_accept
     """`errands migrate --sql` prints SQL that psql applies to a fresh schema; the result
     equals what `errands migrate` builds, and a worker starts on it and runs a job."""
     if shutil.which("psql") is None:
-        pytest.skip("psql is not installed")
+        unavailable("psql is not installed: apt-get install postgresql-client to run this")
     by_tool, by_sql = schema_url("tool"), schema_url("sql")
     assert pgc.cli("migrate", "--url", by_tool).code == 0
 
