@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -106,3 +108,65 @@ def _connect_when_ready(psycopg: Any, url: str, wait: float = 60.0) -> None:
             if time.monotonic() > deadline or not any(t in str(exc) for t in RESTARTING):
                 raise
             time.sleep(0.5)
+
+
+# -- the server itself (suites that restart it on purpose) ---------------------------------
+def local_cluster(url: str | None = None) -> tuple[str, str] | None:
+    """(version, name) of the local ``pg_ctlcluster`` cluster serving ``url`` (default: the
+    test URL), or None when it cannot be restarted from here (another host, no
+    pg_ctlcluster, not root)."""
+    parts = urlsplit(url or pg_base_url())
+    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return None
+    if not shutil.which("pg_lsclusters") or not shutil.which("pg_ctlcluster"):
+        return None
+    if os.geteuid() != 0:
+        return None
+    port = str(parts.port or 5432)
+    listing = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=False)
+    for line in listing.stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] == port and fields[3].startswith("online"):
+            return fields[0], fields[1]
+    return None
+
+
+def pg_ready(url: str | None = None) -> bool:
+    """Whether the server at ``url`` (default: the test URL) accepts a connection now."""
+    import psycopg
+
+    try:
+        psycopg.connect(url or pg_base_url(), connect_timeout=2).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def wait_pg_ready(url: str | None = None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pg_ready(url):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"PostgreSQL did not accept connections within {timeout:g} s")
+        time.sleep(0.1)
+
+
+def pg_ctlcluster(cluster: tuple[str, str], action: str, *options: str) -> None:
+    done = subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, action, *options],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, f"pg_ctlcluster {action} failed: {done.stdout}{done.stderr}"
+
+
+def restart_postgres(cluster: tuple[str, str], mode: str, url: str | None = None) -> float:
+    """``pg_ctlcluster VERSION NAME restart -m MODE``; returns once the server accepts
+    connections again, with the seconds it was away as seen from here."""
+    started = time.monotonic()
+    try:
+        pg_ctlcluster(cluster, "restart", "-m", mode)
+    finally:
+        wait_pg_ready(url)
+    return time.monotonic() - started

@@ -18,7 +18,6 @@ import importlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,14 +27,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlsplit
 
 import pgacc_support
 import psycopg
 
 import errands
 from errands.backends.postgres.config import parse_postgres_url
-from tests.pg import pg_base_url, with_params
+from tests.pg import (  # noqa: F401  (re-exported for the suites)
+    local_cluster,
+    pg_base_url,
+    pg_ctlcluster,
+    restart_postgres,
+    wait_pg_ready,
+    with_params,
+)
 
 APPS_DIR = Path(__file__).resolve().parent / "apps"
 
@@ -75,65 +80,6 @@ def wait_until(
             extra = f"\n{describe()}" if describe else ""
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{extra}")
         time.sleep(interval)
-
-
-# -- the server itself ----------------------------------------------------------------------
-def local_cluster() -> tuple[str, str] | None:
-    """(version, name) of the local ``pg_ctlcluster`` cluster serving the test URL, or None
-    when it cannot be restarted from here (another host, no pg_ctlcluster, not root)."""
-    parts = urlsplit(pg_base_url())
-    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
-        return None
-    if not shutil.which("pg_lsclusters") or not shutil.which("pg_ctlcluster"):
-        return None
-    if os.geteuid() != 0:
-        return None
-    port = str(parts.port or 5432)
-    listing = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=False)
-    for line in listing.stdout.splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and fields[2] == port and fields[3].startswith("online"):
-            return fields[0], fields[1]
-    return None
-
-
-def pg_accepts_connections() -> bool:
-    try:
-        psycopg.connect(pg_base_url(), connect_timeout=2).close()
-    except psycopg.OperationalError:
-        return False
-    return True
-
-
-def wait_pg_ready(timeout: float = 60.0) -> None:
-    wait_until(pg_accepts_connections, timeout, "PostgreSQL to accept connections", interval=0.2)
-
-
-def pg_ctlcluster(cluster: tuple[str, str], action: str, *options: str) -> None:
-    done = subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, action, *options],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, f"pg_ctlcluster {action} failed: {done.stdout}{done.stderr}"
-
-
-def restart_postgres(cluster: tuple[str, str], mode: str) -> float:
-    """``pg_ctlcluster VERSION NAME restart -m MODE``; returns how long the server was away
-    as seen from here (until it accepts connections again)."""
-    started = time.monotonic()
-    done = subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "restart", "-m", mode],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    wait_pg_ready()
-    assert done.returncode == 0, f"pg_ctlcluster restart failed: {done.stdout}{done.stderr}"
-    return time.monotonic() - started
 
 
 # -- processes ------------------------------------------------------------------------------

@@ -32,8 +32,9 @@ from typing import Any
 import soak_app
 
 import errands
+from tests.pg import restart_postgres
 
-from .cluster import Cluster, Slot, restart_postgres
+from .cluster import Cluster, Slot
 from .store import Store
 from .workload import Workload
 

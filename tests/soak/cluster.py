@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -340,54 +339,3 @@ class Cluster:
             tail = "\n".join(proc.stderr().splitlines()[-lines:])
             parts.append(f"=== {proc.label} pid {proc.pid} exit {proc.popen.poll()}\n{tail}")
         return "\n".join(parts)
-
-
-# -- the PostgreSQL server ------------------------------------------------------------------
-def local_pg_cluster(url: str) -> tuple[str, str] | None:
-    """(version, name) of the local pg_ctlcluster cluster serving ``url``, or None when it
-    cannot be restarted from here (another host, no pg_ctlcluster, not root)."""
-    parts = urlsplit(url)
-    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
-        return None
-    if not shutil.which("pg_lsclusters") or not shutil.which("pg_ctlcluster"):
-        return None
-    if os.geteuid() != 0:
-        return None
-    port = str(parts.port or 5432)
-    listing = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=False)
-    for line in listing.stdout.splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and fields[2] == port and fields[3].startswith("online"):
-            return fields[0], fields[1]
-    return None
-
-
-def pg_ready(url: str) -> bool:
-    import psycopg
-
-    try:
-        psycopg.connect(url, connect_timeout=2).close()
-    except psycopg.OperationalError:
-        return False
-    return True
-
-
-def restart_postgres(cluster: tuple[str, str], mode: str, url: str) -> float:
-    """``pg_ctlcluster VERSION NAME restart -m MODE``; returns when the server accepts
-    connections again, with the seconds it took."""
-    started = time.monotonic()
-    done = subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "restart", "-m", mode],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    deadline = time.monotonic() + 120
-    while not pg_ready(url):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"PostgreSQL did not come back: {done.stdout}{done.stderr}")
-        time.sleep(0.1)
-    if done.returncode != 0:
-        raise AssertionError(f"pg_ctlcluster restart failed: {done.stdout}{done.stderr}")
-    return time.monotonic() - started

@@ -50,9 +50,7 @@ def soak_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> st
     """The store of one soak run: a fresh SQLite file or a fresh PostgreSQL schema."""
     if backend == "sqlite":
         return f"sqlite:///{tmp_path}/soak.db"
-    from tests.pg import pg_base_url, require_pg
-
-    from .cluster import pg_ready
+    from tests.pg import pg_base_url, pg_ready, require_pg
 
     require_pg()
     deadline = time.monotonic() + 90  # another suite may just be restarting the server

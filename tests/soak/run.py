@@ -20,10 +20,12 @@ from pathlib import Path
 
 import soak_app
 
+from tests.pg import local_cluster
+
 from . import dashboard_check
 from .chaos import POSTGRES_KINDS, SQLITE_KINDS, Chaos
 from .checker import TERMINAL, Findings, check
-from .cluster import Cluster, local_pg_cluster
+from .cluster import Cluster
 from .report import render
 from .store import Store
 from .workload import Ledger, Workload
@@ -82,7 +84,7 @@ def run_soak(config: SoakConfig, folder: Path, url: str) -> SoakResult:
     app.close()
     app.url = url
     app.migrate()
-    pg_cluster = None if store.sqlite else local_pg_cluster(url)
+    pg_cluster = None if store.sqlite else local_cluster(url)
     kinds = config.kinds or (SQLITE_KINDS if store.sqlite else POSTGRES_KINDS)
     notes = []
     if not store.sqlite and pg_cluster is None:
