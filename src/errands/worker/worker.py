@@ -159,8 +159,8 @@ class Worker:
         self._stopping = threading.Event()
         self._signals = 0
         self._backlog = False
-        # With a backlog, claim again once this many slots are free: one round trip
-        # brings a batch instead of one job per finished handler.
+        # With a backlog, the producer waits (up to BATCH_GATHER) for this many free slots
+        # before claiming: one round trip brings a batch instead of one or two jobs.
         self._refill_at = max(1, concurrency // 2)
         self._rotation = 0
         self.threads = ThreadRunner(concurrency)
@@ -309,16 +309,14 @@ class Worker:
                 self._wake.clear()
                 continue
             gathered = False
-            rows: list[JobRow] = []
-            if plan:
-                try:
-                    rows = self._claim(plan, free)
-                    pause = self.poll_interval
-                except Exception as exc:
-                    log.warning("claim failed (%s); retrying in %.1f s", exc, pause)
-                    self._stopping.wait(pause)
-                    pause = min(pause * 2, CLAIM_RETRY_MAX)
-                    continue
+            try:
+                rows = self._claim(plan, free)
+                pause = self.poll_interval
+            except Exception as exc:
+                log.warning("claim failed (%s); retrying in %.1f s", exc, pause)
+                self._stopping.wait(pause)
+                pause = min(pause * 2, CLAIM_RETRY_MAX)
+                continue
             for row in rows:
                 self._start(row)
             self._backlog = bool(rows) and len(rows) >= free
