@@ -49,6 +49,12 @@ def cli() -> None:
 @click.option("-q", "--queues", help="queues to serve: emails,payments or emails=10,payments=2")
 @click.option("-c", "--concurrency", type=click.IntRange(min=1), help="jobs at once (default 10)")
 @click.option(
+    "--prefetch",
+    type=click.IntRange(min=0),
+    help="jobs claimed beyond -c while handlers are quick, waiting for a free thread "
+    "(default: as many as -c; 0: off)",
+)
+@click.option(
     "--grace",
     type=click.FloatRange(min=0),
     default=30.0,
@@ -114,6 +120,7 @@ def worker(
     url: str | None,
     queues: str | None,
     concurrency: int | None,
+    prefetch: int | None,
     grace: float,
     poll_interval: float,
     log_format: str,
@@ -151,6 +158,7 @@ def worker(
     w = app.worker(
         queues=queues,
         concurrency=concurrency,
+        prefetch=prefetch,
         grace=grace,
         poll_interval=poll_interval,
         maintenance=not no_maintenance,

@@ -65,6 +65,7 @@ class Attempt:
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired
     interrupted: bool = False
+    waiting: bool = False  # prefetched: queued for a handler thread, not begun
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,21 @@ class Attempt:
             if self.decided:
                 return False
             self.decided = True
+            return True
+
+    def begin(self) -> bool:
+        """A handler thread takes the attempt up; False if shutdown withdrew it first."""
+        with self._lock:
+            self.waiting = False
+            return not self.released
+
+    def withdraw(self) -> bool:
+        """Take back an attempt still waiting for a thread (shutdown); False once begun."""
+        with self._lock:
+            if not self.waiting or self.decided:
+                return False
+            self.waiting = False
+            self.released = True
             return True
 
     def interrupt(self, reason: str, loop: asyncio.AbstractEventLoop | None) -> None:

@@ -62,9 +62,16 @@ POLL_INTERVAL_DEFAULT = 1.0
 RECHECK_AFTER_NOTIFY = 0.02
 CLAIM_RETRY_MAX = 5.0  # seconds: failed claims are retried after poll_interval, doubling to this
 BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth of free slots
+# A prefetched job waits for a handler thread at most about this long on average: the
+# worker holds concurrency * PREFETCH_HORIZON / (mean handler time) jobs beyond its slots.
+PREFETCH_HORIZON = 0.05
 ABANDON_AFTER_DEFAULT = 10.0
 INTERRUPT_AFTER = 1.0
 EXIT_NOW_CODE = 1
+
+
+def _queue_order(row: JobRow) -> tuple[int, float, int]:
+    return -row.priority, row.run_at, row.id
 
 
 def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[str, int | None]:
@@ -115,6 +122,7 @@ class Worker:
         abandon_after: float = ABANDON_AFTER_DEFAULT,
         pool: str = "thread",
         app_path: str | None = None,
+        prefetch: int | None = None,
     ) -> None:
         self.app = app
         self.id = worker_id or f"w-{secrets.token_hex(4)}"
@@ -147,6 +155,12 @@ class Worker:
             )
         self.pool = pool
         self.app_path = app_path
+        if prefetch is not None and prefetch < 0:
+            raise ConfigurationError("prefetch must be 0 (off) or more")
+        # Prefetch queues claimed jobs for the handler threads; async handlers (all run at
+        # once on the loop) and the process pool would run them beyond `concurrency`.
+        threads_only = pool == "thread" and not any(d.is_async for d in app.registry.values())
+        self.prefetch = (concurrency if prefetch is None else prefetch) if threads_only else 0
         self.processes: ProcessRunner | None = None
         self.poll_interval = poll_interval
         # keyed by (job id, lease token): after a lease loss the same worker may run a newer
@@ -154,7 +168,9 @@ class Worker:
         self._attempts: dict[tuple[int, str], Attempt] = {}
         self._lock = threading.Lock()
         self._running_per_queue: dict[str, int] = dict.fromkeys(limits, 0)
-        self._free = concurrency
+        self._free = concurrency  # slots; below 0 while prefetched jobs wait for a thread
+        self._extra = 0  # how many jobs beyond its slots the worker claims now (prefetch)
+        self._mean_run: float | None = None  # handler time, moving average (seconds)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._signals = 0
@@ -276,32 +292,33 @@ class Worker:
         self.stop()
 
     # -- the producer ------------------------------------------------------------------
-    def _claim_plan(self) -> list[QueueClaim]:
+    def _claim_plan(self, room: int) -> list[QueueClaim]:
         names = list(self.queue_limits)
         start = self._rotation % len(names)
         self._rotation += 1
         plan = []
         for name in names[start:] + names[:start]:
             cap = self.queue_limits[name]
-            room = (
-                self._free if cap is None else min(cap - self._running_per_queue[name], self._free)
-            )
-            if room > 0:
-                plan.append(QueueClaim(name, room))
+            take = room if cap is None else min(cap - self._running_per_queue[name], room)
+            if take > 0:
+                plan.append(QueueClaim(name, take))
         return plan
 
     def _produce(self) -> None:
         pause = self.poll_interval
         gathered = False
         while not self._stopping.is_set():
+            self._extra = self._prefetch_now()
+            self._refill_at = max(1, (self.concurrency + self._extra) // 2)
             with self._lock:
                 free = self._free
-                plan = self._claim_plan() if free > 0 else []
+                room = free + self._extra
+                plan = self._claim_plan(room) if room > 0 else []
             if not plan:  # every slot busy: a finishing handler wakes us
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
                 continue
-            if self._backlog and free < self._refill_at and not gathered:
+            if self._backlog and room < self._refill_at and not gathered:
                 # With a backlog, give finishing handlers a moment to free a batch's worth
                 # of slots: one claim then brings many jobs instead of one or two.
                 gathered = True
@@ -310,7 +327,7 @@ class Worker:
                 continue
             gathered = False
             try:
-                rows = self._claim(plan, free)
+                rows = self._claim(plan, room, free)
                 pause = self.poll_interval
             except Exception as exc:
                 log.warning("claim failed (%s); retrying in %.1f s", exc, pause)
@@ -319,7 +336,7 @@ class Worker:
                 continue
             for row in rows:
                 self._start(row)
-            self._backlog = bool(rows) and len(rows) >= free
+            self._backlog = bool(rows) and len(rows) >= room
             if self._backlog:
                 continue
             # Woken by a notification: look once more shortly after, since notifications
@@ -331,27 +348,51 @@ class Worker:
             self._wake.wait(wait)
             self._wake.clear()
 
-    def _claim(self, plan: list[QueueClaim], free: int) -> list[JobRow]:
-        """Unlimited queues in one claim; each limited queue on its own serialised path."""
+    def _prefetch_now(self) -> int:
+        """Jobs to hold beyond the slots: enough that one claim carries a batch, few enough
+        that each waits for a thread about PREFETCH_HORIZON on average (none for slow
+        handlers, which another worker may be free to run now)."""
+        mean = self._mean_run
+        if not self.prefetch or mean is None:
+            return 0
+        return min(self.prefetch, int(self.concurrency * PREFETCH_HORIZON / max(mean, 1e-6)))
+
+    def _ran_for(self, seconds: float) -> None:
+        mean = self._mean_run  # a racy update of a float: a lost sample is harmless
+        self._mean_run = seconds if mean is None else mean + (seconds - mean) * 0.1
+
+    def _claim(self, plan: list[QueueClaim], room: int, free: int) -> list[JobRow]:
+        """Unlimited queues in one claim; each limited queue on its own serialised path.
+
+        ``room`` counts the prefetch beyond the ``free`` slots; limited queues (counted
+        cluster-wide) claim only for free slots, so no waiting job holds their quota.
+        """
         self._refresh_settings()
         backend = self.app.backend
         rows: list[JobRow] = []
-        if not self._suspect_running and time.monotonic() >= self._suspect_due:
+        if free > 0 and not self._suspect_running and time.monotonic() >= self._suspect_due:
             # Rescued jobs first (one at most): a steady backlog of fresh jobs fills every
-            # free slot, and would otherwise keep them waiting until it drains.
+            # free slot, and would otherwise keep them waiting until it drains. Only with a
+            # thread free (no prefetched job waits): a suspect begins at once, so a crash
+            # while it waits never charges it another rescue.
             rows = self._claim_suspect(plan)
             if rows:
                 taken = rows[0].queue
                 plan = [QueueClaim(q.name, q.limit - (q.name == taken)) for q in plan]
                 plan = [q for q in plan if q.limit > 0]
         fast = [q for q in plan if q.name not in self._limited]
-        if fast and free > len(rows):
-            rows += backend.job_claim(ClaimParams(fast, free - len(rows), self.id, self.app.lease))
+        if fast and room > len(rows):
+            claimed = backend.job_claim(
+                ClaimParams(fast, room - len(rows), self.id, self.app.lease)
+            )
+            # A claim's rows come back in no set order; a batch starts in queue order
+            # (handler threads take them first in, first out).
+            rows += sorted(claimed, key=_queue_order)
         for queue in plan:
-            room = min(queue.limit, free - len(rows))
-            if queue.name in self._limited and room > 0:
+            take = min(queue.limit, free - len(rows))
+            if queue.name in self._limited and take > 0:
                 limited = backend.job_claim_limited(
-                    QueueClaim(queue.name, room), self.id, self.app.lease
+                    QueueClaim(queue.name, take), self.id, self.app.lease
                 )
                 rows += limited
                 retry_in = getattr(limited, "retry_in", None)
@@ -465,11 +506,11 @@ class Worker:
                 lambda: self._run_async(attempt, definition.fn, kwargs, timeout, log_ctx)
             )
         else:
-            if timeout:
-                attempt.deadline = attempt.started + timeout
-                self.leases.poke()
             fn = definition.fn
             if self.processes is not None:
+                if timeout:
+                    attempt.deadline = attempt.started + timeout
+                    self.leases.poke()
                 future = self.processes.submit(row)
                 attempt.future = future
                 runner = self.processes
@@ -481,13 +522,28 @@ class Worker:
                 future.add_done_callback(lambda f: self._handler_done(attempt, f))
                 return
 
-            def call() -> Any:
-                with job_context(log_ctx):
-                    if not events.wrappers:  # the common case: nothing to wrap it in
-                        return fn(**kwargs)
-                    with events.around_handler({**info, "meta": row.meta}):
-                        return fn(**kwargs)
+            leases = self.leases
 
+            def call() -> Any:
+                if not attempt.begin():
+                    return None  # withdrawn at shutdown before it began: released
+                attempt.started = began = time.monotonic()
+                if timeout:
+                    attempt.deadline = began + timeout
+                    leases.poke()
+                ctx = attempt.ctx
+                if ctx is not None and ctx.cancelled:  # cancelled or lease lost while waiting
+                    raise Interrupted(ctx.cancel_reason or "cancelled")
+                try:
+                    with job_context(log_ctx):
+                        if not events.wrappers:  # the common case: nothing to wrap it in
+                            return fn(**kwargs)
+                        with events.around_handler({**info, "meta": row.meta}):
+                            return fn(**kwargs)
+                finally:
+                    self._ran_for(time.monotonic() - began)
+
+            attempt.waiting = True
             attempt.future = self.threads.submit(
                 call, lambda exc, result: self._handler_result(attempt, exc, result)
             )
@@ -547,17 +603,21 @@ class Worker:
         outcome = outcome_for(attempt, None, result.result_json, self.id)
         if result.children:
             outcome = replace(outcome, children=tuple(result.children))
-        with self._lock:
-            self._free += 1
-            self._running_per_queue[attempt.row.queue] -= 1
-            self._suspects -= attempt.row.rescues > 0
-            refill = self._backlog and (self._free == 1 or self._free >= self._refill_at)
-        if refill:
-            self._wake.set()
+        self._slot_freed(attempt)
         if result.written is not None:
             self._on_written(attempt, outcome, result.written)
         else:
             self.completer.submit(attempt, outcome)
+
+    def _slot_freed(self, attempt: Attempt) -> None:
+        with self._lock:
+            self._free += 1
+            self._running_per_queue[attempt.row.queue] -= 1
+            self._suspects -= attempt.row.rescues > 0
+            room = self._free + self._extra
+            refill = self._backlog and (room == 1 or room >= self._refill_at)
+        if refill:
+            self._wake.set()
 
     def _timeout(self, attempt: Attempt) -> None:
         """A sync handler's deadline passed: stop it in three steps, gentlest first.
@@ -631,13 +691,7 @@ class Worker:
                     outcome, written = self._commit_transaction(attempt, outcome)
                 else:
                     runtime.rollback()
-        with self._lock:
-            self._free += 1
-            self._running_per_queue[attempt.row.queue] -= 1
-            self._suspects -= attempt.row.rescues > 0
-            refill = self._backlog and (self._free == 1 or self._free >= self._refill_at)
-        if refill:
-            self._wake.set()
+        self._slot_freed(attempt)
         if written is not None:
             self._on_written(attempt, outcome, written)
         else:
@@ -711,6 +765,11 @@ class Worker:
     # -- stopping ----------------------------------------------------------------------
     def _shutdown(self) -> None:
         deadline = time.monotonic() + self.grace
+        with self._lock:
+            waiting = [a for a in self._attempts.values() if a.waiting]
+        withdrawn = [a for a in waiting if a.withdraw()]
+        if withdrawn:  # prefetched, never begun: back to the queue at once, not run
+            self._release(withdrawn, "stopping: released %d prefetched job(s)", logging.INFO)
         while time.monotonic() < deadline:
             with self._lock:
                 running = [a for a in self._attempts.values() if not a.decided]
@@ -725,25 +784,9 @@ class Worker:
                 attempt.interrupt("shutdown", self.loop)
                 if attempt.runtime is not None:
                     attempt.runtime.rollback()
-            try:
-                released = self.app.backend.job_release_many(
-                    [LeaseRef(a.id, a.token, a.lease_seconds) for a in leftover]
-                )
-                log.warning(
-                    "grace period over: released %d running job(s) back to the queue "
-                    "(attempt not charged)",
-                    sum(released),
-                )
-                for attempt, ok in zip(leftover, released, strict=True):
-                    if ok:
-                        self.app.events.emit(
-                            "errands.job.released", **self._job_fields(attempt.row)
-                        )
-            except Exception:
-                log.exception("could not release running jobs; they are rescued after their lease")
-            with self._lock:
-                for attempt in leftover:
-                    self._attempts.pop((attempt.id, attempt.token), None)
+            self._release(
+                leftover, "grace period over: released %d running job(s) back to the queue"
+            )
         self.completer.stop(timeout=max(self.grace, 5.0))
         self.leases.stop()
         if self.listener is not None:
@@ -760,6 +803,22 @@ class Worker:
         except Exception as exc:
             log.debug("could not deregister worker %s: %s", self.id, exc)
         self.app.events.emit("errands.worker.stopped", worker_id=self.id, processed=self.processed)
+
+    def _release(self, attempts: list[Attempt], message: str, level: int = logging.WARNING) -> None:
+        """Give the leases of ``attempts`` back (available again, the attempt not charged)."""
+        try:
+            released = self.app.backend.job_release_many(
+                [LeaseRef(a.id, a.token, a.lease_seconds) for a in attempts]
+            )
+            log.log(level, message + " (attempt not charged)", sum(released))
+            for attempt, ok in zip(attempts, released, strict=True):
+                if ok:
+                    self.app.events.emit("errands.job.released", **self._job_fields(attempt.row))
+        except Exception:
+            log.exception("could not release running jobs; they are rescued after their lease")
+        with self._lock:
+            for attempt in attempts:
+                self._attempts.pop((attempt.id, attempt.token), None)
 
     def stuck_threads(self) -> int:
         """Handler threads that ignored a timeout or shutdown and still run."""

@@ -1,0 +1,179 @@
+"""Prefetch: a worker with quick handlers claims a batch beyond its slots (DESIGN §7).
+
+Prefetched jobs are claimed (running, leased, heartbeated) but wait for a handler thread;
+they never make more than ``concurrency`` handlers run at once, go back to the queue at
+once on a graceful stop, end cancelled without running when cancelled while waiting,
+and are not taken at all while handlers are slow.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import errands
+from errands import JobState
+
+from .helpers import query, wait_until
+
+
+def states(app: errands.App, name: str) -> dict[str, int]:
+    rows = query(
+        app, "SELECT state, count(*) FROM errands_jobs WHERE name = ? GROUP BY state", (name,)
+    )
+    return {state: count for state, count in rows}
+
+
+class Blocked:
+    """A job whose handlers block on a gate, counting how many run at once."""
+
+    def __init__(self, app: errands.App, name: str = "pf.blocked") -> None:
+        self.gate = threading.Event()
+        self.ran: list[int] = []
+        self.peak = 0
+        self._now = 0
+        self._lock = threading.Lock()
+
+        @app.job(name=name, lease=1)
+        def blocked(n: int) -> None:
+            with self._lock:
+                self.ran.append(n)
+                self._now += 1
+                self.peak = max(self.peak, self._now)
+            try:
+                self.gate.wait(20)
+            finally:
+                with self._lock:
+                    self._now -= 1
+
+        self.job = blocked
+
+    def finish(self, handles: list[errands.JobHandle]) -> None:
+        """Open the gate and wait for every job to end."""
+        self.gate.set()
+        for handle in handles:
+            handle.result(timeout=10)
+
+    @property
+    def running(self) -> int:
+        with self._lock:
+            return self._now
+
+
+def learn_handlers_are_quick(app: errands.App) -> None:
+    @app.job(name="pf.quick")
+    def quick(n: int) -> int:
+        return n
+
+    for handle in [quick.enqueue(n=i) for i in range(10)]:
+        handle.result(timeout=10)
+
+
+def test_quick_handlers_get_jobs_prefetched_yet_never_more_than_concurrency_run_at_once(
+    app: errands.App, worker_factory
+) -> None:
+    blocked = Blocked(app)
+    with worker_factory(concurrency=2):
+        learn_handlers_are_quick(app)
+        handles = [blocked.job.enqueue(n=i) for i in range(6)]
+        # two run, two more are claimed and wait for a thread (prefetch = concurrency)
+        wait_until(lambda: states(app, "pf.blocked").get("running") == 4, what="4 claimed")
+        time.sleep(0.3)
+        assert states(app, "pf.blocked") == {"running": 4, "available": 2}
+        assert blocked.running == 2
+        blocked.finish(handles)
+
+    assert blocked.peak == 2
+    assert sorted(blocked.ran) == list(range(6))
+    assert {h.job().attempt for h in handles} == {1}
+
+
+def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charged(
+    app: errands.App, start_worker
+) -> None:
+    blocked = Blocked(app)
+    worker = start_worker(concurrency=2, grace=20)
+    learn_handlers_are_quick(app)
+    handles = [blocked.job.enqueue(n=i) for i in range(4)]
+    wait_until(lambda: states(app, "pf.blocked").get("running") == 4, what="4 claimed")
+
+    worker.worker.stop()  # like SIGTERM: the two waiting jobs are released right away...
+    wait_until(
+        lambda: states(app, "pf.blocked") == {"running": 2, "available": 2},
+        timeout=5,
+        what="the prefetched jobs released while the running ones still run",
+    )
+    blocked.gate.set()  # ...and the running ones finish within the grace period
+    worker.stop()
+
+    assert worker.exit_code == 0
+    done = [h for h in handles if h.status() is JobState.COMPLETED]
+    back = [h for h in handles if h.status() is JobState.AVAILABLE]
+    assert len(done) == 2 and len(back) == 2
+    assert sorted(blocked.ran) == sorted(h.job().args["n"] for h in done)
+    assert {h.job().attempt for h in back} == {0}  # released, the attempt not charged
+
+
+def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(
+    app: errands.App, worker_factory
+) -> None:
+    blocked = Blocked(app)
+    with worker_factory(concurrency=1):
+        learn_handlers_are_quick(app)
+        first = blocked.job.enqueue(n=1)
+        waiting = blocked.job.enqueue(n=2)
+        wait_until(lambda: states(app, "pf.blocked").get("running") == 2, what="both claimed")
+        wait_until(lambda: blocked.ran == [1], what="the first one running")
+
+        assert waiting.cancel().state == "running"  # cancel requested; the lease says so
+        time.sleep(0.6)  # heartbeats (a third of the 1 s lease) deliver the cancel
+        blocked.gate.set()
+        assert first.result(timeout=10) is None
+        wait_until(lambda: waiting.status() is JobState.CANCELLED, what="the cancelled job")
+
+    assert blocked.ran == [1]
+    assert waiting.job().attempt == 1
+
+
+def test_slow_handlers_get_no_job_prefetched(app: errands.App, worker_factory) -> None:
+    blocked = Blocked(app)
+
+    @app.job(name="pf.slow")
+    def slow() -> None:
+        time.sleep(0.2)
+
+    with worker_factory(concurrency=1):
+        slow.enqueue().result(timeout=10)  # a 0.2 s handler: a waiting job would idle 0.2 s
+        handles = [blocked.job.enqueue(n=i) for i in range(3)]
+        wait_until(lambda: blocked.running == 1, what="the first blocked job running")
+        time.sleep(0.3)
+        assert states(app, "pf.blocked") == {"running": 1, "available": 2}
+        blocked.finish(handles)
+
+
+def test_prefetch_zero_claims_no_job_beyond_concurrency(app: errands.App, worker_factory) -> None:
+    blocked = Blocked(app)
+    with worker_factory(concurrency=2, prefetch=0):
+        learn_handlers_are_quick(app)
+        handles = [blocked.job.enqueue(n=i) for i in range(4)]
+        wait_until(lambda: blocked.running == 2, what="two blocked jobs running")
+        time.sleep(0.3)
+        assert states(app, "pf.blocked") == {"running": 2, "available": 2}
+        blocked.finish(handles)
+
+
+def test_a_worker_that_serves_async_handlers_does_not_prefetch(app: errands.App) -> None:
+    @app.job(name="pf.async")
+    async def in_the_loop() -> None:
+        return None
+
+    # every async handler runs at once on the loop: a prefetched one would exceed -c
+    assert app.worker(concurrency=4).prefetch == 0
+    assert app.worker(concurrency=4, pool="process", app_path="x:app").prefetch == 0
+
+
+def test_a_negative_prefetch_is_refused_with_a_clear_error(app: errands.App) -> None:
+    with pytest.raises(errands.ConfigurationError, match="prefetch must be 0"):
+        app.worker(prefetch=-1)
