@@ -30,6 +30,9 @@ from typing import Any
 
 PG_CONNECTIONS = 4
 BATCHES = (1, 10, 100)
+# Rows per call (and per transaction) of every bulk enqueue measured: CHUNK in each
+# bench/peers adapter. The chunked COPY limit commits as often, so it is the same work.
+BULK_CHUNK = 1000
 ARGS = json.dumps({"n": 1}, separators=(",", ":"))
 
 
@@ -59,22 +62,26 @@ def sqlite_queries() -> dict[str, str]:
 # -- PostgreSQL --------------------------------------------------------------------------
 
 
-def pg_copy_available(url: str, n: int, state: str = "available") -> float:
-    """COPY ``n`` due rows (or finished ones) into errands_jobs; returns seconds taken."""
+def pg_copy_available(
+    url: str, n: int, state: str = "available", chunk: int | None = None
+) -> float:
+    """COPY ``n`` due rows (or finished ones) into errands_jobs, in one transaction or
+    ``chunk`` rows a transaction; returns seconds taken."""
     import psycopg
 
     finished = state in ("completed", "cancelled", "discarded")
     cols = "name, queue, args, state, max_attempts, run_at" + (", finished_at" if finished else "")
+    row: tuple[Any, ...] = ("bench.noop", "bench", ARGS, state, 4, "2020-01-01 00:00:00+00")
+    if finished:  # an hour ago: inside any retention, so the pruner leaves them
+        recent = datetime.now(UTC) - timedelta(hours=1)
+        row = (*row, recent.isoformat())
     t = time.perf_counter()
     with psycopg.connect(url) as conn, conn.cursor() as cur:
-        with cur.copy(f"COPY errands_jobs ({cols}) FROM STDIN") as copy:
-            row: tuple[Any, ...] = ("bench.noop", "bench", ARGS, state, 4, "2020-01-01 00:00:00+00")
-            if finished:  # an hour ago: inside any retention, so the pruner leaves them
-                recent = datetime.now(UTC) - timedelta(hours=1)
-                row = (*row, recent.isoformat())
-            for _ in range(n):
-                copy.write_row(row)
-        conn.commit()
+        for start in range(0, n, chunk or n):
+            with cur.copy(f"COPY errands_jobs ({cols}) FROM STDIN") as copy:
+                for _ in range(min(chunk or n, n - start)):
+                    copy.write_row(row)
+            conn.commit()
     return time.perf_counter() - t
 
 
@@ -177,7 +184,7 @@ def pg_single_insert(url: str, n: int) -> float:
         return n / (time.perf_counter() - t)
 
 
-def pg_multirow_insert(url: str, n: int, chunk: int = 1000) -> float:
+def pg_multirow_insert(url: str, n: int, chunk: int = BULK_CHUNK) -> float:
     """errands' job_allocate_ids + job_insert_many, ``chunk`` rows per transaction."""
     import psycopg
 
@@ -187,7 +194,7 @@ def pg_multirow_insert(url: str, n: int, chunk: int = 1000) -> float:
         t = time.perf_counter()
         for start in range(0, n, chunk):
             k = min(chunk, n - start)
-            ids = [r[0] for r in conn.execute(q["job_allocate_ids"], {"n": k}).fetchall()]
+            ids = conn.execute(q["job_allocate_ids"], {"n": k}).fetchone()[0]  # type: ignore[index]
             conn.execute(
                 q["job_insert_many"],
                 many({
@@ -220,6 +227,8 @@ def pg_limit(url: str, jobs: int, single: int, cap: float = 8.0) -> dict[str, An
     out["insert_multirow"] = pg_multirow_insert(url, jobs)
     pg_truncate(url)
     out["copy"] = jobs / pg_copy_available(url, jobs)
+    pg_truncate(url)
+    out["copy_chunked"] = jobs / pg_copy_available(url, jobs, chunk=BULK_CHUNK)
     pg_truncate(url)
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -255,3 +256,24 @@ def test_a_mixed_batch_stores_each_job_as_a_batch_of_one_would(backend: Backend)
     assert json.loads(rows[6].meta) == {"sensitive": ["card"]}
     assert json.loads(rows[6].args) == {"card": "4242\t\\x"}
     assert (rows[7].queue, rows[7].max_attempts) == ("other", 7)
+
+
+def test_a_batch_where_one_job_sets_a_field_stores_the_defaults_for_the_others(
+    backend: Backend,
+) -> None:
+    """Fields that only some jobs of a batch set (PostgreSQL COPYs only the columns some
+    job sets) land on those jobs; the others keep the defaults a batch of one gives."""
+    parent = insert(backend)
+    plain = [request(args_json=f'{{"n":{i}}}') for i in range(3)]
+    special = replace(request(priority=4, timeout=1.5), parent_id=parent)
+    results = backend.job_insert_many([plain[0], special, *plain[1:]])
+    rows = [get(backend, r.id) for r in results]
+    assert [(r.priority, r.timeout, r.parent_id) for r in rows] == [
+        (0, None, None),
+        (4, 1.5, parent),
+        (0, None, None),
+        (0, None, None),
+    ]
+    assert [json.loads(r.meta) for r in rows] == [{}] * 4
+    assert [r.lease_seconds for r in rows] == [None] * 4
+    assert [json.loads(r.args) for r in rows] == [{"n": 0}, {}, {"n": 1}, {"n": 2}]

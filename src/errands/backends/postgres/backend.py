@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from operator import itemgetter
 from typing import Any
 
 from ...errors import ConfigurationError, SchemaOutdated
@@ -74,6 +75,35 @@ JOB_COLUMNS_SQL = ", ".join(
         "j.discard_reason", "j.parent_id",
     ]
 )  # fmt: skip
+
+# Bulk enqueue by COPY (`job_copy`): the columns every job sets, then the optional ones in
+# the order of the values `_copy` computes, each with the test of whether a job sets it
+# (a column no job of the batch sets is left out and keeps its default).
+COPY_REQUIRED = ("id", "name", "queue", "args", "state", "max_attempts", "run_at")
+COPY_OPTIONAL: tuple[tuple[str, Callable[[EnqueueRequest], Any]], ...] = (
+    ("meta", lambda r: r.meta),
+    ("priority", lambda r: r.priority),
+    ("timeout", lambda r: r.timeout is not None),
+    ("lease_seconds", lambda r: r.lease_seconds is not None),
+    ("parent_id", lambda r: r.parent_id is not None),
+    ("unique_until", lambda r: r.unique_for is not None),
+    ("concurrency_key", lambda r: r.concurrency_key is not None),
+    ("concurrency_limit", lambda r: r.concurrency_limit is not None),
+)
+
+
+def _copy_plain(r: EnqueueRequest) -> bool:
+    """True when the job sets none of COPY_OPTIONAL (kept in step with it)."""
+    return (
+        not r.meta
+        and not r.priority
+        and r.timeout is None
+        and r.lease_seconds is None
+        and r.parent_id is None
+        and r.unique_for is None
+        and r.concurrency_key is None
+        and r.concurrency_limit is None
+    )
 
 
 def fill_markers(text: str, schema: str) -> str:
@@ -295,9 +325,9 @@ class PostgresBackend(PostgresAdmin):
             ).fetchone()
             return [InsertResult(existing[0], True)]  # type: ignore[index]
         else:
-            allocated = conn.execute(self.q["job_allocate_ids"], {"n": len(requests)}).fetchall()
-            ids = [r[0] for r in allocated]
-            now = allocated[0][1]  # the transaction's now(), as the INSERT would use
+            allocated = conn.execute(self.q["job_allocate_ids"], {"n": len(requests)}).fetchone()
+            assert allocated is not None  # an aggregate: always one row
+            ids, now = allocated  # now: the transaction's now(), as the INSERT would use
             pairs = list(zip(ids, requests, strict=True))
             plain = [(i, r) for i, r in pairs if r.key is None]
             keyed = [(i, r) for i, r in pairs if r.key is not None]
@@ -326,34 +356,41 @@ class PostgresBackend(PostgresAdmin):
     ) -> None:
         """COPY jobs without idempotency keys, computing state and times from ``now``
         exactly as the ``job_insert_many`` statement does from ``now()``."""
-        with conn.cursor() as cur, cur.copy(self.q["job_copy"]) as copy:
+        # Most batches set none of the optional columns: one test per job finds that out.
+        special = [r for _, r in rows if not _copy_plain(r)]
+        optional = [i for i, (_, sets) in enumerate(COPY_OPTIONAL) if any(map(sets, special))]
+        columns = ", ".join([*COPY_REQUIRED, *(COPY_OPTIONAL[i][0] for i in optional)])
+        pick = itemgetter(*optional) if optional else None
+        statement = self.q["job_copy"].format(columns=columns)
+        with conn.cursor() as cur, cur.copy(statement) as copy:
             for job_id, r in rows:
                 if r.run_at is not None:
                     run_at = datetime.fromtimestamp(r.run_at, UTC)
                 else:
                     run_at = now + timedelta(seconds=r.delay) if r.delay else now
-                unique_until = (
-                    None if r.unique_for is None else now + timedelta(seconds=r.unique_for)
+                row = (
+                    job_id,
+                    r.name,
+                    r.queue,
+                    r.args_json,
+                    "scheduled" if run_at > now else "available",
+                    r.max_attempts,
+                    run_at,
                 )
-                copy.write_row(
-                    (
-                        job_id,
-                        r.name,
-                        r.queue,
-                        r.args_json,
+                if pick is not None:
+                    values = (
                         json.dumps(r.meta, separators=(",", ":")) if r.meta else "{}",
-                        "scheduled" if run_at > now else "available",
                         r.priority,
-                        r.max_attempts,
-                        run_at,
                         r.timeout,
                         r.lease_seconds,
                         r.parent_id,
-                        unique_until,
+                        None if r.unique_for is None else now + timedelta(seconds=r.unique_for),
                         r.concurrency_key,
                         r.concurrency_limit,
                     )
-                )
+                    chosen = pick(values)
+                    row += chosen if len(optional) > 1 else (chosen,)
+                copy.write_row(row)
 
     def _insert_keyed(
         self, conn: psycopg.Connection[Any], rows: Sequence[tuple[int, EnqueueRequest]]
