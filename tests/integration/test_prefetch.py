@@ -75,10 +75,10 @@ def test_quick_handlers_get_jobs_prefetched_yet_never_more_than_concurrency_run_
     app: errands.App, worker_factory
 ) -> None:
     blocked = Blocked(app)
-    with worker_factory(concurrency=2):
+    with worker_factory(concurrency=2, prefetch=2):
         learn_handlers_are_quick(app)
         handles = [blocked.job.enqueue(n=i) for i in range(6)]
-        # two run, two more are claimed and wait for a thread (prefetch = concurrency)
+        # two run, two more are claimed and wait for a thread
         wait_until(lambda: states(app, "pf.blocked").get("running") == 4, what="4 claimed")
         time.sleep(0.3)
         assert states(app, "pf.blocked") == {"running": 4, "available": 2}
@@ -94,7 +94,7 @@ def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charge
     app: errands.App, start_worker
 ) -> None:
     blocked = Blocked(app)
-    worker = start_worker(concurrency=2, grace=20)
+    worker = start_worker(concurrency=2, prefetch=2, grace=20)
     learn_handlers_are_quick(app)
     handles = [blocked.job.enqueue(n=i) for i in range(4)]
     wait_until(lambda: states(app, "pf.blocked").get("running") == 4, what="4 claimed")
@@ -162,6 +162,12 @@ def test_prefetch_zero_claims_no_job_beyond_concurrency(app: errands.App, worker
         time.sleep(0.3)
         assert states(app, "pf.blocked") == {"running": 2, "available": 2}
         blocked.finish(handles)
+
+
+def test_the_default_prefetch_is_four_jobs_per_slot(app: errands.App) -> None:
+    # Celery's default (worker_prefetch_multiplier = 4); the run-time bound still applies
+    assert app.worker(concurrency=3).prefetch == 12
+    assert app.worker(concurrency=3, prefetch=5).prefetch == 5
 
 
 def test_a_worker_that_serves_async_handlers_does_not_prefetch(app: errands.App) -> None:

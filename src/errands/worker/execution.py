@@ -66,6 +66,7 @@ class Attempt:
     timeout_at: float = 0.0  # monotonic time the timeout fired
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
+    stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +106,8 @@ class Attempt:
     def interrupt(self, reason: str, loop: asyncio.AbstractEventLoop | None) -> None:
         """Ask the handler to stop: sets ``ctx.cancelled``; cancels an async task; kills
         the child process of a process-pool attempt."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
         if self.ctx is not None:
             self.ctx._request_cancel(reason)
         if self.kill is not None:

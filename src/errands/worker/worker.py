@@ -1,5 +1,9 @@
 """The worker: a producer loop that claims jobs sized to free slots, plus its services.
 
+With quick handlers a claim also takes up to ``prefetch`` jobs beyond the free slots;
+they wait in the thread pool's queue, and the handler thread that takes one up prepares
+it (payload, Context) and runs it, while the producer waits on its next claim.
+
 ::
 
     producer (this thread) ──claim──> ThreadRunner / LoopRunner ──outcome──> Completer
@@ -53,6 +57,7 @@ from .runtime import AttemptRuntime
 
 if TYPE_CHECKING:
     from ..app import App
+    from ..definition import JobDefinition
 
 log = logging.getLogger("errands.worker")
 
@@ -65,6 +70,7 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 # A prefetched job waits for a handler thread at most about this long on average: the
 # worker holds concurrency * PREFETCH_HORIZON / (mean handler time) jobs beyond its slots.
 PREFETCH_HORIZON = 0.05
+PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
 ABANDON_AFTER_DEFAULT = 10.0
 INTERRUPT_AFTER = 1.0
 EXIT_NOW_CODE = 1
@@ -160,7 +166,9 @@ class Worker:
         # Prefetch queues claimed jobs for the handler threads; async handlers (all run at
         # once on the loop) and the process pool would run them beyond `concurrency`.
         threads_only = pool == "thread" and not any(d.is_async for d in app.registry.values())
-        self.prefetch = (concurrency if prefetch is None else prefetch) if threads_only else 0
+        if prefetch is None:  # as Celery's worker_prefetch_multiplier (4) does
+            prefetch = PREFETCH_MULTIPLIER * concurrency
+        self.prefetch = prefetch if threads_only else 0
         self.processes: ProcessRunner | None = None
         self.poll_interval = poll_interval
         # keyed by (job id, lease token): after a lease loss the same worker may run a newer
@@ -459,6 +467,48 @@ class Worker:
             self._free -= 1
             self._suspects += row.rescues > 0
             self._running_per_queue[row.queue] = self._running_per_queue.get(row.queue, 0) + 1
+        if definition is not None and not definition.is_async and self.processes is None:
+            # A sync handler: the thread that runs it also prepares it (payload, Context),
+            # while this thread is already waiting on the next claim.
+            attempt.waiting = True
+            attempt.future = self.threads.submit(
+                lambda: self._run_in_thread(attempt, definition),
+                lambda exc, result: self._handler_result(attempt, exc, result),
+            )
+            return
+        prepared = self._prepare(attempt)
+        if prepared is None:
+            return
+        kwargs, log_ctx = prepared
+        assert definition is not None  # _prepare decided an unknown job
+        timeout = row.timeout
+        if definition.is_async:
+            if self.loop_runner is None:
+                self.loop_runner = LoopRunner()
+            future = self.loop_runner.submit(
+                lambda: self._run_async(attempt, definition.fn, kwargs, timeout, log_ctx)
+            )
+            attempt.future = future
+            future.add_done_callback(lambda f: self._handler_done(attempt, f))
+            return
+        assert self.processes is not None
+        if timeout:
+            attempt.deadline = attempt.started + timeout
+            self.leases.poke()
+        child = self.processes.submit(row)
+        attempt.future = child
+        runner = self.processes
+
+        def kill(exc: BaseException) -> None:
+            runner.kill(child, exc)
+
+        attempt.kill = kill
+        child.add_done_callback(lambda f: self._handler_done(attempt, f))
+
+    def _prepare(self, attempt: Attempt) -> tuple[dict[str, Any], JobLogContext] | None:
+        """Decode the payload and build the Context; None when that decided the outcome
+        (an unknown job, an invalid payload)."""
+        row, definition = attempt.row, attempt.definition
         if definition is None:
             known = ", ".join(sorted(self.app.registry)) or "none"
             error = UnknownJob(
@@ -466,12 +516,12 @@ class Worker:
                 "Deploy the code that defines it (a newer worker may know it)"
             )
             self._decided(attempt, error, None)
-            return
+            return None
         try:
             attempt.kwargs = definition.payload.decode(row.args)
         except InvalidPayload as exc:
             self._decided(attempt, exc, None)
-            return
+            return None
         attempt.runtime = AttemptRuntime(self.app, attempt)
         attempt.ctx = Context(
             job_id=row.id,
@@ -484,72 +534,48 @@ class Worker:
             logger=definition.logger,
             _runtime=attempt.runtime,
         )
+        if attempt.stop_reason is not None:  # an interrupt that came before its ctx did
+            attempt.ctx._request_cancel(attempt.stop_reason)
         kwargs = dict(attempt.kwargs)
         if definition.payload.context_param:
             kwargs[definition.payload.context_param] = attempt.ctx
-        timeout = row.timeout
-        log_ctx = JobLogContext(row.id, row.name, row.queue, row.attempt)
-        info = self._job_fields(row)
         if self.app.events.wants("errands.job.started"):
             self.app.events.emit(
                 "errands.job.started",
-                **info,
+                **self._job_fields(row),
                 args=mask(attempt.kwargs, definition.sensitive),
                 queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
                 meta=row.meta,
             )
+        return kwargs, JobLogContext(row.id, row.name, row.queue, row.attempt)
+
+    def _run_in_thread(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
+        """A sync handler's attempt, in a handler thread, from its start to its return."""
+        if not attempt.begin():
+            return None  # withdrawn at shutdown before it began: released
+        if attempt.stop_reason is not None:  # cancelled, or its lease lost, while it waited
+            raise Interrupted(attempt.stop_reason)
+        attempt.started = began = time.monotonic()
+        prepared = self._prepare(attempt)
+        if prepared is None:
+            return None  # decided already; the outcome handed back is ignored
+        kwargs, log_ctx = prepared
+        if attempt.stop_reason is not None:  # interrupted while it was being prepared
+            raise Interrupted(attempt.stop_reason)
+        timeout = attempt.row.timeout
+        if timeout:
+            attempt.deadline = began + timeout
+            self.leases.poke()
         events = self.app.events
-        if definition.is_async:
-            if self.loop_runner is None:
-                self.loop_runner = LoopRunner()
-            future = self.loop_runner.submit(
-                lambda: self._run_async(attempt, definition.fn, kwargs, timeout, log_ctx)
-            )
-        else:
-            fn = definition.fn
-            if self.processes is not None:
-                if timeout:
-                    attempt.deadline = attempt.started + timeout
-                    self.leases.poke()
-                future = self.processes.submit(row)
-                attempt.future = future
-                runner = self.processes
-
-                def kill(exc: BaseException) -> None:
-                    runner.kill(future, exc)
-
-                attempt.kill = kill
-                future.add_done_callback(lambda f: self._handler_done(attempt, f))
-                return
-
-            leases = self.leases
-
-            def call() -> Any:
-                if not attempt.begin():
-                    return None  # withdrawn at shutdown before it began: released
-                attempt.started = began = time.monotonic()
-                if timeout:
-                    attempt.deadline = began + timeout
-                    leases.poke()
-                ctx = attempt.ctx
-                if ctx is not None and ctx.cancelled:  # cancelled or lease lost while waiting
-                    raise Interrupted(ctx.cancel_reason or "cancelled")
-                try:
-                    with job_context(log_ctx):
-                        if not events.wrappers:  # the common case: nothing to wrap it in
-                            return fn(**kwargs)
-                        with events.around_handler({**info, "meta": row.meta}):
-                            return fn(**kwargs)
-                finally:
-                    self._ran_for(time.monotonic() - began)
-
-            attempt.waiting = True
-            attempt.future = self.threads.submit(
-                call, lambda exc, result: self._handler_result(attempt, exc, result)
-            )
-            return
-        attempt.future = future
-        future.add_done_callback(lambda f: self._handler_done(attempt, f))
+        try:
+            with job_context(log_ctx):
+                if not events.wrappers:  # the common case: nothing to wrap it in
+                    return definition.fn(**kwargs)
+                info = {**self._job_fields(attempt.row), "meta": attempt.row.meta}
+                with events.around_handler(info):
+                    return definition.fn(**kwargs)
+        finally:
+            self._ran_for(time.monotonic() - began)
 
     async def _run_async(
         self,
