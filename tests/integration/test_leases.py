@@ -266,3 +266,33 @@ def test_cancel_of_a_job_whose_worker_died_ends_cancelled_at_rescue_and_never_ru
 
     assert ran == []
     assert handle.job().attempt == 1
+
+
+def test_a_burst_of_rescued_jobs_drains_as_fast_as_they_run_not_one_per_poll_interval(
+    app: errands.App, worker_factory
+) -> None:
+    """Rescued jobs (suspects) run one at a time per worker, but the next one is claimed
+    as soon as the last ends: a poll interval of 30 s would otherwise space them 30 s."""
+    running: list[int] = []
+    overlap: list[int] = []
+
+    @app.job(name="lease.suspect", retries=3, backoff=0)
+    def suspect(n: int) -> int:
+        if running:
+            overlap.append(n)
+        running.append(n)
+        threading.Event().wait(0.05)
+        running.remove(n)
+        return n
+
+    handles = [suspect.enqueue(n=i) for i in range(5)]
+    for handle in handles:
+        claim_as_dead_worker(app, handle.id, lease=1.0)
+    for handle in handles:
+        force_rescue(app, handle.id)
+    assert {raw_row(app, h.id).rescues for h in handles} == {1}
+
+    with worker_factory(concurrency=4, poll_interval=30.0, maintenance=False):
+        assert [h.result(timeout=10) for h in handles] == list(range(5))
+
+    assert overlap == []  # never two suspects side by side

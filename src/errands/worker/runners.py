@@ -11,6 +11,7 @@ a replacement and lets the stuck one retire whenever its handler returns.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import logging
@@ -25,6 +26,7 @@ Done = Callable[[BaseException | None, Any], None]
 log = logging.getLogger("errands.worker")
 
 _STOP = object()
+_NUDGE = object()  # queued behind an urgent call: wakes an idle thread to look for it
 
 
 class HandlerInterrupt(BaseException):
@@ -60,6 +62,7 @@ class Call:
 class ThreadRunner:
     def __init__(self, size: int, name: str = "errands-job") -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._urgent: collections.deque[Call] = collections.deque()  # taken before the queue
         self._name = name
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
@@ -93,9 +96,14 @@ class ThreadRunner:
     def _step(self) -> bool:
         """Run one call; False when this thread should end."""
         me = threading.get_ident()
-        call = self._queue.get()
-        if call is _STOP:
-            return False
+        try:
+            call = self._urgent.popleft()
+        except IndexError:
+            call = self._queue.get()
+            if call is _STOP:
+                return False
+            if call is _NUDGE:  # its urgent call was taken by a thread already
+                return True
         with self._lock:
             self._running[me] = call
         exc: BaseException | None = None
@@ -126,10 +134,18 @@ class ThreadRunner:
             log.exception("handling a handler's outcome failed")
         return not retire
 
-    def submit(self, fn: Callable[[], Any], on_done: Done) -> Call:
-        """Run ``fn`` in a pool thread; ``on_done(exc, result)`` is called there after."""
+    def submit(self, fn: Callable[[], Any], on_done: Done, *, urgent: bool = False) -> Call:
+        """Run ``fn`` in a pool thread; ``on_done(exc, result)`` is called there after.
+
+        An ``urgent`` call goes ahead of the calls already queued: the next thread free
+        takes it.
+        """
         call = Call(fn, on_done)
-        self._queue.put(call)
+        if urgent:
+            self._urgent.append(call)
+            self._queue.put(_NUDGE)
+        else:
+            self._queue.put(call)
         return call
 
     def interrupt(self, call: Call) -> bool:

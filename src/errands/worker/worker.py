@@ -378,11 +378,10 @@ class Worker:
         self._refresh_settings()
         backend = self.app.backend
         rows: list[JobRow] = []
-        if free > 0 and not self._suspect_running and time.monotonic() >= self._suspect_due:
+        if not self._suspect_running and time.monotonic() >= self._suspect_due:
             # Rescued jobs first (one at most): a steady backlog of fresh jobs fills every
-            # free slot, and would otherwise keep them waiting until it drains. Only with a
-            # thread free (no prefetched job waits): a suspect begins at once, so a crash
-            # while it waits never charges it another rescue.
+            # free slot, and would otherwise keep them waiting until it drains. A suspect
+            # goes ahead of the prefetched jobs (the next free thread takes it).
             rows = self._claim_suspect(plan)
             if rows:
                 taken = rows[0].queue
@@ -419,7 +418,6 @@ class Worker:
         (suspects) one at a time per worker, never beside another suspect, means a job
         that keeps crashing its worker takes no bystander along to the DLQ as poison.
         """
-        self._suspect_due = time.monotonic() + self.poll_interval
         backend = self.app.backend
         fast = [QueueClaim(q.name, 1) for q in plan if q.name not in self._limited]
         if fast:
@@ -433,6 +431,10 @@ class Worker:
                 )
                 if rows:
                     return rows
+        # None waiting: look again a poll interval from now. After one was found, the
+        # next is looked for as soon as it ends, so a burst of rescued jobs drains at the
+        # pace they run, not one per poll interval.
+        self._suspect_due = time.monotonic() + self.poll_interval
         return []
 
     def _refresh_settings(self, force: bool = False) -> None:
@@ -474,6 +476,7 @@ class Worker:
             attempt.future = self.threads.submit(
                 lambda: self._run_in_thread(attempt, definition),
                 lambda exc, result: self._handler_result(attempt, exc, result),
+                urgent=row.rescues > 0,
             )
             return
         prepared = self._prepare(attempt)
@@ -636,13 +639,14 @@ class Worker:
             self.completer.submit(attempt, outcome)
 
     def _slot_freed(self, attempt: Attempt) -> None:
+        suspect = attempt.row.rescues > 0  # its end lets the next rescued job be claimed
         with self._lock:
             self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
-            self._suspects -= attempt.row.rescues > 0
+            self._suspects -= suspect
             room = self._free + self._extra
             refill = self._backlog and (room == 1 or room >= self._refill_at)
-        if refill:
+        if refill or suspect:
             self._wake.set()
 
     def _timeout(self, attempt: Attempt) -> None:
