@@ -29,14 +29,14 @@ def states(app: errands.App, name: str) -> dict[str, int]:
 class Blocked:
     """A job whose handlers block on a gate, counting how many run at once."""
 
-    def __init__(self, app: errands.App, name: str = "pf.blocked") -> None:
+    def __init__(self, app: errands.App, name: str = "pf.blocked", lease: float = 1) -> None:
         self.gate = threading.Event()
         self.ran: list[int] = []
         self.peak = 0
         self._now = 0
         self._lock = threading.Lock()
 
-        @app.job(name=name, lease=1)
+        @app.job(name=name, lease=lease)
         def blocked(n: int) -> None:
             with self._lock:
                 self.ran.append(n)
@@ -135,6 +135,30 @@ def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(
 
     assert blocked.ran == [1]
     assert waiting.job().attempt == 1
+
+
+def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_handed_back_not_run(
+    app: errands.App, worker_factory
+) -> None:
+    blocked = Blocked(app, lease=30)  # heartbeats every 10 s: none lands during the test
+    released: list[int] = []
+    app.events.subscribe(
+        lambda e: released.append(e["job_id"]) if e.name == "errands.job.released" else None
+    )
+    with worker_factory(concurrency=1, prefetch=2) as worker:
+        learn_handlers_are_quick(app)
+        first = blocked.job.enqueue(n=1)
+        late = blocked.job.enqueue(n=2)
+        wait_until(lambda: states(app, "pf.blocked").get("running") == 2, what="both claimed")
+        wait_until(lambda: blocked.ran == [1], what="the first one running")
+        # As after a freeze past the lease: no heartbeat vouches for the waiting one now.
+        [waiting] = [a for a in worker.attempts() if a.id == late.id]
+        waiting.lease_valid_until = 0.0
+        blocked.finish([first, late])  # it is handed back, claimed again and run then
+
+    assert released == [late.id]
+    assert late.job().attempt == 1  # the hand-back did not charge an attempt
+    assert sorted(blocked.ran) == [1, 2]
 
 
 def test_slow_handlers_get_no_job_prefetched(app: errands.App, worker_factory) -> None:

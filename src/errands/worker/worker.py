@@ -558,6 +558,14 @@ class Worker:
             return None  # withdrawn at shutdown before it began: released
         if attempt.stop_reason is not None:  # cancelled, or its lease lost, while it waited
             raise Interrupted(attempt.stop_reason)
+        if time.monotonic() >= attempt.lease_valid_until:
+            # No heartbeat confirmed its lease for a whole lease (this process was frozen,
+            # or the store unreachable): another worker may run it by now. Hand the lease
+            # back (fenced) instead of running it beside that one.
+            attempt.released = True
+            self._release([attempt], "released %d prefetched job(s) whose lease may have run out")
+            self._slot_freed(attempt)
+            return None
         attempt.started = began = time.monotonic()
         prepared = self._prepare(attempt)
         if prepared is None:
