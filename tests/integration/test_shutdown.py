@@ -155,3 +155,30 @@ def test_released_async_handler_finishes_its_cancellation_cleanup_before_the_wor
     assert cleanup == ["begun", "done"]
     assert handle.status() is JobState.AVAILABLE
     assert handle.job().attempt == 0
+
+
+def test_a_transient_store_error_while_starting_is_retried_not_fatal(
+    app: errands.App, start_worker, monkeypatch
+) -> None:
+    """A worker (re)started while the store hiccups (a killed session, a busy file) waits
+    it out instead of exiting with a traceback: its startup steps retry transient errors."""
+    from errands.errors import DatabaseBusy
+
+    @app.job(name="start.after_hiccup")
+    def after_hiccup() -> str:
+        return "ran"
+
+    failures = [DatabaseBusy("database is locked"), DatabaseBusy("database is locked")]
+    declare = app.backend.job_limit_declare  # what every worker declares as it starts
+
+    def flaky_declare(*args: object, **kwargs: object) -> None:
+        if failures:
+            raise failures.pop()
+        declare(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(app.backend, "job_limit_declare", flaky_declare)
+    worker = start_worker(poll_interval=0.05)
+    assert after_hiccup.enqueue().result(timeout=10) == "ran"
+    worker.stop()
+    assert failures == []  # both hiccups were met, and waited out
+    assert worker.exit_code == 0

@@ -43,11 +43,12 @@ LOG_PATTERNS = {
 }
 
 
-# A worker that dies while starting (before it claims) on a transient database error:
-# a traceback through Worker.run's set-up calls ending in a connection or lock error.
+# A worker that dies while starting (before it claims) on a transient database error: a
+# traceback through Worker.run's set-up calls ending in a connection or lock error (a
+# violation: Worker._at_startup retries those).
 STARTUP_DB_ERROR = re.compile(
-    r"in run\n\s+self\.(?:_declare|_refresh_settings|app\.backend\.schema_check)\(\).*"
-    r"(?:OperationalError|DatabaseBusy|database is locked)",
+    r"in run\n\s+self\.(?:_at_startup|_declare|_refresh_settings|app\.backend\.schema_check)\(.*"
+    r"(?:OperationalError|AdminShutdown|DatabaseBusy|database is locked)",
     re.S,
 )
 

@@ -221,11 +221,12 @@ def _process_findings(
     findings.figures["stale writes rejected"] = logs["stale writes rejected"]
     findings.figures["worker processes started"] = len(cluster.procs)
     findings.figures["workers that refused to start (database away)"] = cluster.refused
-    if cluster.startup_crashes:
-        findings.observations.append(
+    if cluster.startup_crashes:  # its startup steps retry transient errors (Worker._at_startup)
+        findings.fail(
+            "workers",
             f"{len(cluster.startup_crashes)} worker(s) died while starting, on a transient "
-            "database error, with a traceback instead of one clear line (docs/reliability.md, "
-            f"known issues): {cluster.startup_crashes[0]}"
+            "database error they should have waited out",
+            cluster.startup_crashes,
         )
     crashed = {c: n for c, n in cluster.exits.items() if c != "86"}  # 86: a fault point
     if crashed:

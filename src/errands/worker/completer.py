@@ -35,7 +35,7 @@ LINGER_BATCH = 32
 LINGER = 0.001
 
 
-def _transient(exc: Exception) -> bool:
+def is_transient(exc: Exception) -> bool:
     """Connectivity or locking trouble (retry as is), as opposed to a refused content."""
     names = {cls.__name__ for cls in type(exc).__mro__}
     return bool(names & {"OperationalError", "InterfaceError", "PoolTimeout", "DatabaseBusy"}) or (
@@ -121,7 +121,7 @@ class Completer:
                 accepted = self.app.backend.job_finish_many([o for _, o in batch])
                 return list(zip(batch, accepted, strict=True))
             except Exception as exc:
-                if not _transient(exc):
+                if not is_transient(exc):
                     refusals += 1
                     if refusals >= REFUSALS_BEFORE_SPLIT:
                         return self._store_apart(batch, exc)

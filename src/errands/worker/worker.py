@@ -28,7 +28,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,7 @@ from ..jobs import JobRow
 from ..maintenance import Maintenance
 from ..observability.logcontext import JobLogContext, install_record_factory, job_context
 from ..payload import mask
-from .completer import Completer
+from .completer import Completer, is_transient
 from .execution import Attempt, Interrupted, JobTimeout, outcome_for
 from .leases import LeaseKeeper
 from .process_pool import ChildResult, ProcessRunner
@@ -220,7 +220,7 @@ class Worker:
     def run(self, *, install_signals: bool = True) -> int:
         """Run until stopped (signal or :meth:`stop`); returns the process exit code."""
         install_record_factory()
-        self.app.backend.schema_check()
+        self._at_startup("checking the schema", lambda: self.app.backend.schema_check())
         if install_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
@@ -228,7 +228,7 @@ class Worker:
         if self.pool == "process":
             self.processes = ProcessRunner(self.app_path or "", self.app.url, self.concurrency)
         self._register()
-        self._declare()
+        self._at_startup("declaring queue settings", self._declare)
         self._refresh_settings(force=True)
         self.completer.start()
         self.leases.start()
@@ -249,6 +249,23 @@ class Worker:
         finally:
             self._shutdown()
         return 0
+
+    def _at_startup(self, what: str, step: Callable[[], object]) -> None:
+        """Run a startup step, retrying while the store errs transiently (a killed session,
+        a restart, a busy SQLite file): a worker restarted mid-fault waits it out instead
+        of dying with a traceback. Anything else (an outdated schema) fails at once, and a
+        store unreachable when the worker opens it is one clear error line (exit 1)."""
+        pause = self.poll_interval
+        while True:
+            try:
+                step()
+                return
+            except Exception as exc:
+                if not is_transient(exc) or self._stopping.is_set():
+                    raise
+                log.warning("%s failed (%s); retrying in %.1f s", what, exc, pause)
+                self._stopping.wait(pause)
+                pause = min(pause * 2, CLAIM_RETRY_MAX)
 
     def _register(self) -> None:
         from .. import __version__
