@@ -88,3 +88,13 @@ class JobCancelled(ErrandsError):
 
 class ResultTimeout(ErrandsError, TimeoutError):
     """The job did not finish within the time given to ``JobHandle.result``."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Connectivity or locking trouble that a retry as-is can outlast (a killed session, a
+    restart, a busy SQLite file), as opposed to content the store refuses. Shared by the
+    completer's outcome writes and the worker's startup steps."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"OperationalError", "InterfaceError", "PoolTimeout", "DatabaseBusy"}) or (
+        isinstance(exc, OSError | TimeoutError)
+    )

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..backends.base import FinishParams
+from ..errors import is_transient
 from .execution import Attempt
 
 if TYPE_CHECKING:
@@ -33,14 +34,6 @@ REFUSALS_BEFORE_SPLIT = 3
 # statement costs the store a round trip and a commit). An idle worker never waits.
 LINGER_BATCH = 32
 LINGER = 0.001
-
-
-def is_transient(exc: Exception) -> bool:
-    """Connectivity or locking trouble (retry as is), as opposed to a refused content."""
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    return bool(names & {"OperationalError", "InterfaceError", "PoolTimeout", "DatabaseBusy"}) or (
-        isinstance(exc, OSError | TimeoutError)
-    )
 
 
 Written = Callable[[Attempt, FinishParams, bool], None]

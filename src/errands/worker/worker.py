@@ -43,12 +43,12 @@ from ..backends.base import (
 )
 from ..context import Context
 from ..definition import check_name
-from ..errors import ConfigurationError, InvalidPayload, UnknownJob
+from ..errors import ConfigurationError, InvalidPayload, UnknownJob, is_transient
 from ..jobs import JobRow
 from ..maintenance import Maintenance
 from ..observability.logcontext import JobLogContext, install_record_factory, job_context
 from ..payload import mask
-from .completer import Completer, is_transient
+from .completer import Completer
 from .execution import Attempt, Interrupted, JobTimeout, outcome_for
 from .leases import LeaseKeeper
 from .process_pool import ChildResult, ProcessRunner
@@ -575,7 +575,8 @@ class Worker:
             return None  # withdrawn at shutdown before it began: released
         if attempt.stop_reason is not None:  # cancelled, or its lease lost, while it waited
             raise Interrupted(attempt.stop_reason)
-        if time.monotonic() >= attempt.lease_valid_until:
+        began = time.monotonic()
+        if began >= attempt.lease_valid_until:
             # No heartbeat confirmed its lease for a whole lease (this process was frozen,
             # or the store unreachable): another worker may run it by now. Hand the lease
             # back (fenced) instead of running it beside that one.
@@ -583,7 +584,7 @@ class Worker:
             self._release([attempt], "released %d prefetched job(s) whose lease may have run out")
             self._slot_freed(attempt)
             return None
-        attempt.started = began = time.monotonic()
+        attempt.started = began
         prepared = self._prepare(attempt)
         if prepared is None:
             return None  # decided already; the outcome handed back is ignored
