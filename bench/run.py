@@ -299,7 +299,12 @@ def summarise(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         return max(values) / 1024 if values else None
 
     fig: dict[str, Any] = {}
-    fig["enqueue_single"] = median([r["rate"] for r in raw.get("enqueue_single", [])])
+    single = raw.get("enqueue_single", [])
+    fig["enqueue_single"] = median([r["rate"] for r in single])
+    # errands' adapter also times the raw insert-and-commit in rounds alternating with its
+    # own enqueues (peers do not): the share of each run, then their median.
+    fig["enqueue_single_raw"] = median([r["raw_rate"] for r in single if "raw_rate" in r])
+    fig["enqueue_single_vs_raw"] = median([r["vs_raw"] for r in single if "vs_raw" in r])
     fig["enqueue_bulk"] = median([r["rate"] for r in raw.get("enqueue_bulk", [])])
     for procs in (1, 2):
         runs = raw.get(f"throughput_{procs}", [])

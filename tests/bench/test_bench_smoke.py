@@ -57,6 +57,8 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
         figures = system["figures"]
         for key in (
             "enqueue_single",
+            "enqueue_single_raw",
+            "enqueue_single_vs_raw",
             "enqueue_bulk",
             "throughput_1",
             "throughput_2",
