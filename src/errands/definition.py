@@ -86,6 +86,9 @@ class EnqueueOptions:
     unique_for: float | timedelta | None = None
 
 
+NO_OPTIONS = EnqueueOptions()
+
+
 class JobDefinition(Generic[P, R]):
     """What ``@app.job`` returns: still callable as the plain function, plus ``enqueue``."""
 
@@ -198,14 +201,17 @@ class JobDefinition(Generic[P, R]):
         **kwargs: Any,
     ) -> BoundJob:
         """Validate arguments now and return a job ready for ``app.enqueue_many``."""
-        options = EnqueueOptions(
-            key=key,
-            delay=delay,
-            run_at=run_at,
-            priority=priority,
-            queue=queue,
-            unique_for=unique_for,
-        )
+        if (
+            key is None
+            and delay is None
+            and run_at is None
+            and priority is None
+            and queue is None
+            and unique_for is None
+        ):
+            options = NO_OPTIONS  # the common case, without building an object per job
+        else:
+            options = EnqueueOptions(key, delay, run_at, priority, queue, unique_for)
         return BoundJob(self, self.request(args, kwargs, options))
 
     def enqueue(

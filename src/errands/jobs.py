@@ -200,7 +200,7 @@ def _loads(text: str | None, default: Any) -> Any:
         return {"__corrupt__": text} if isinstance(default, dict) else text
 
 
-@dataclass
+@dataclass(slots=True)
 class EnqueueRequest:
     """One job to insert, validated and encoded (what ``JobDefinition.bind`` returns)."""
 

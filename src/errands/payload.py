@@ -164,34 +164,39 @@ class PayloadSpec:
                 f"{self.job_name}: {self.context_param!r} is the job's Context, injected by the "
                 "worker; do not pass it"
             )
+        # The model's validator and serializer are called directly: what model_validate
+        # and model_dump_json do, without their wrappers (a third of the enqueue's cost).
         try:
-            model = self.model.model_validate(dict(arguments))
+            model = self.model.__pydantic_validator__.validate_python(dict(arguments))
         except ValidationError as exc:
             raise describe_validation_error(f"{self.job_name}: invalid arguments", exc) from None
         try:
             # warnings=False: a value pydantic let through but cannot write as its type (an
             # Enum member in a list[int]) is refused by the round trip below instead
-            text = model.model_dump_json(exclude_unset=True, warnings=False)
+            text = self.model.__pydantic_serializer__.to_json(
+                model, exclude_unset=True, warnings=False
+            ).decode()
         except PydanticSerializationError as exc:
             where = next((f for f in self.fields if not _serialisable(model, f)), "(arguments)")
             raise InvalidPayload(
                 f"{self.job_name}: arguments are not JSON-serialisable: {where}: {exc}"
             ) from None
-        size = len(text.encode("utf-8"))
+        is_ascii = text.isascii()
+        size = len(text) if is_ascii else len(text.encode("utf-8"))
         if size > self.max_bytes:
             raise InvalidPayload(
                 f"{self.job_name}: payload is {size:,} bytes, over the limit of "
                 f"{self.max_bytes:,}; store large data elsewhere (a file, a table, object "
                 "storage) and pass a reference, or raise App(max_payload_bytes=...)"
             )
-        if JSON_NUL.search(text):
+        if "\\u0000" in text and JSON_NUL.search(text):
             where = nul_path(json.loads(text)) or "(arguments)"
             raise InvalidPayload(
                 f"{self.job_name}: invalid arguments: {where}: contains the NUL character "
                 f"(\\x00), which PostgreSQL cannot store; {NUL_FIX}",
                 errors=[{"loc": tuple(where.split(".")), "msg": "NUL character", "type": "nul"}],
             )
-        if self._plain and text.isascii():
+        if self._plain and is_ascii:
             return text
         try:  # what is stored must validate again at execution (nested NaN, say, would not)
             back = self.model.model_validate_json(text)
@@ -233,7 +238,7 @@ class PayloadSpec:
                 f"{self.job_name}: the handler returned a {type(value).__name__}, which cannot be "
                 f"stored as JSON ({exc}); return JSON-friendly data or None"
             ) from None
-        if JSON_NUL.search(text):
+        if "\\u0000" in text and JSON_NUL.search(text):
             raise InvalidPayload(
                 f"{self.job_name}: the handler's result holds the NUL character (\\x00) at "
                 f"{nul_path(json.loads(text))}, which PostgreSQL cannot store; {NUL_FIX}"

@@ -362,20 +362,29 @@ class PostgresBackend(PostgresAdmin):
         columns = ", ".join([*COPY_REQUIRED, *(COPY_OPTIONAL[i][0] for i in optional)])
         pick = itemgetter(*optional) if optional else None
         statement = self.q["job_copy"].format(columns=columns)
+        # Times go in as ISO text, written once for the common "now": psycopg dumping a
+        # datetime costs ~1.7 us a row, a tenth of the whole bulk enqueue (exact either
+        # way: both carry microseconds, as timestamptz does).
+        now_text = now.isoformat()
         with conn.cursor() as cur, cur.copy(statement) as copy:
             for job_id, r in rows:
-                if r.run_at is not None:
-                    run_at = datetime.fromtimestamp(r.run_at, UTC)
+                if r.run_at is None and not r.delay:
+                    state, run_at_text = "available", now_text
                 else:
-                    run_at = now + timedelta(seconds=r.delay) if r.delay else now
+                    if r.run_at is not None:
+                        run_at = datetime.fromtimestamp(r.run_at, UTC)
+                    else:
+                        run_at = now + timedelta(seconds=r.delay)
+                    state = "scheduled" if run_at > now else "available"
+                    run_at_text = run_at.isoformat()
                 row = (
                     job_id,
                     r.name,
                     r.queue,
                     r.args_json,
-                    "scheduled" if run_at > now else "available",
+                    state,
                     r.max_attempts,
-                    run_at,
+                    run_at_text,
                 )
                 if pick is not None:
                     values = (
