@@ -21,18 +21,20 @@ LIMIT = 2
 def test_three_worker_processes_never_run_more_than_the_queue_limit_at_once(
     cluster: LimitsCluster,
 ) -> None:
-    """Given 3 worker processes with 4 slots each and a queue limited to 2, when 30 jobs
-    of about 0.2 s run, then at no instant did more than 2 handlers run (from the start and
-    end times the handlers recorded), and the limit was used: 2 ran at once."""
+    """Given 3 worker processes with 1 slot each and a queue limited to 2, when 30 jobs of
+    0.2 s run, then at no instant did more than 2 handlers run (from the start and end
+    times the handlers recorded), and the limit was used: 2 ran at once, so in two
+    processes, while the third wanted a job too."""
     app = cluster.app("limits_app")
     work = app.registry["capped.work"]
-    # Durations vary around 0.2 s: with one fixed duration a worker whose poll cycle
-    # (50 ms + its claim) happens to divide it keeps landing just after each job ends,
-    # phase-locked, and wins every freed slot (seen once in CI).
-    app.enqueue_many([work.bind(seconds=0.17 + 0.01 * (n % 7)) for n in range(JOBS)])
+    # One slot per process: the limit, not a process's own concurrency, is what holds the
+    # third back, and reaching it takes two processes. (With several slots each, the
+    # worker that frees a slot claims the next job at once while the others poll, so one
+    # process could keep both slots for the whole run: seen in CI, and no promise of ours.)
+    app.enqueue_many([work.bind(seconds=0.2) for _ in range(JOBS)])
     procs = [
         cluster.start_worker(
-            "-q", "capped", "-c", "4", app="limits_app:app", label=f"w{n}", ready=False
+            "-q", "capped", "-c", "1", app="limits_app:app", label=f"w{n}", ready=False
         )
         for n in range(3)
     ]
