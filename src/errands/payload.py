@@ -221,7 +221,7 @@ class PayloadSpec:
     def decode(self, args_json: str) -> dict[str, Any]:
         """Validate stored JSON again at execution; raise InvalidPayload when it no longer fits."""
         try:
-            model = self.model.model_validate_json(args_json)
+            model = self.model.__pydantic_validator__.validate_json(args_json)
         except ValidationError as exc:
             raise describe_validation_error(
                 f"{self.job_name}: stored payload fails validation", exc

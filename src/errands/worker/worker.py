@@ -74,6 +74,13 @@ PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at mos
 ABANDON_AFTER_DEFAULT = 10.0
 INTERRUPT_AFTER = 1.0
 EXIT_NOW_CODE = 1
+# The event a stored outcome emits.
+_EVENT_OF_STATE = {
+    "completed": "errands.job.completed",
+    "retryable": "errands.job.retrying",
+    "cancelled": "errands.job.cancelled",
+    "dead": "errands.job.dead",
+}
 
 
 def _queue_order(row: JobRow) -> tuple[int, float, int]:
@@ -783,39 +790,30 @@ class Worker:
         with self._lock:
             self._attempts.pop((attempt.id, attempt.token), None)
         self.processed += 1
-        fields = self._job_fields(attempt.row)
-        emit = self.app.events.emit
+        events = self.app.events
         if not accepted:
-            emit("errands.job.stale_write_rejected", **fields, outcome=outcome.state)
+            if events.wants("errands.job.stale_write_rejected"):
+                fields = self._job_fields(attempt.row)
+                events.emit("errands.job.stale_write_rejected", **fields, outcome=outcome.state)
             return
-        duration = (attempt.ended or time.monotonic()) - attempt.started
-        error = outcome.error or {}
         state = outcome.state
         cancelled = attempt.ctx is not None and attempt.ctx.cancel_reason == "cancelled"
         if state in ("retryable", "dead") and cancelled:
             state = "cancelled"  # the store records a failure after a cancel as cancelled
-        if state == "completed":
-            emit("errands.job.completed", **fields, duration=duration)
-        elif state == "retryable":
-            emit(
-                "errands.job.retrying",
-                **fields,
-                duration=duration,
-                delay=outcome.delay,
-                error_type=error.get("type"),
-                error_message=error.get("message"),
-            )
-        elif state == "cancelled":
-            emit("errands.job.cancelled", **fields, duration=duration)
-        else:
-            emit(
-                "errands.job.dead",
-                **fields,
-                duration=duration,
-                error_type=error.get("type"),
-                error_message=error.get("message"),
-                reason=error.get("kind"),
-            )
+        name = _EVENT_OF_STATE[state]
+        if events.wants(name):  # usually not, for completed (a debug line): build nothing
+            fields = self._job_fields(attempt.row)
+            fields["duration"] = (attempt.ended or time.monotonic()) - attempt.started
+            if state in ("retryable", "dead"):
+                error = outcome.error or {}
+                if state == "retryable":
+                    fields["delay"] = outcome.delay
+                fields["error_type"] = error.get("type")
+                fields["error_message"] = error.get("message")
+                if state == "dead":
+                    fields["reason"] = error.get("kind")
+            events.emit(name, **fields)
+        if state == "dead":
             self.app.run_dead_hooks(attempt.row.id)
 
     # -- stopping ----------------------------------------------------------------------
