@@ -1,0 +1,115 @@
+"""Waiting for SQLite's write lock (RELIABILITY F18): writers queue, never fail early.
+
+The SQLite backend waits for the file's write lock itself (short tries instead of
+SQLite's sleeping busy handler) and lets the threads of one process take turns on a lock
+of their own. These tests hold the lock from a real second connection and real threads.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from errands.backends.sqlite.backend import SQLiteBackend
+from errands.errors import DatabaseBusy
+from tests.conformance.support import request
+
+
+def _hold_write_lock(path: Path, seconds: float, held: threading.Event) -> threading.Thread:
+    """Another connection (as a sqlite3 shell would) holds the write lock for a while."""
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        held.set()
+        time.sleep(seconds)
+        conn.execute("COMMIT")
+        conn.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(5)
+    return thread
+
+
+def test_a_write_waits_for_the_lock_another_connection_holds_and_then_succeeds(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "jobs.db"
+    backend = SQLiteBackend(f"sqlite:///{path}")
+    held = threading.Event()
+    holder = _hold_write_lock(path, 0.4, held)
+    started = time.monotonic()
+    [result] = backend.job_insert_many([request()])
+    waited = time.monotonic() - started
+    holder.join()
+    assert waited >= 0.3  # it queued behind the holder instead of failing
+    assert backend.job_get(result.id) is not None
+    backend.close()
+
+
+def test_a_write_locked_out_past_write_timeout_raises_database_busy_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "jobs.db"
+    backend = SQLiteBackend(f"sqlite:///{path}?write_timeout=0.3")
+    held = threading.Event()
+    holder = _hold_write_lock(path, 2.0, held)
+    started = time.monotonic()
+    with pytest.raises(DatabaseBusy, match=r"stayed locked for 0\.3 s.*long transaction"):
+        backend.job_insert_many([request()])
+    gave_up_after = time.monotonic() - started
+    holder.join()
+    assert gave_up_after < 1.5  # it gave up at its timeout, not when the holder let go
+    assert sqlite3.connect(path).execute("SELECT count(*) FROM errands_jobs").fetchone() == (0,)
+    backend.close()
+
+
+def test_many_threads_of_one_process_write_at_once_and_every_write_lands(tmp_path: Path) -> None:
+    backend = SQLiteBackend(f"sqlite:///{tmp_path / 'jobs.db'}")
+    errors: list[BaseException] = []
+
+    def insert(n: int) -> None:
+        try:
+            for _ in range(n):
+                backend.job_insert_many([request()])
+        except BaseException as exc:  # pragma: no cover - the assertion reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=insert, args=(50,)) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    conn = sqlite3.connect(tmp_path / "jobs.db")
+    assert conn.execute("SELECT count(*) FROM errands_jobs").fetchone() == (400,)
+    backend.close()
+
+
+def test_a_write_behind_a_thread_holding_the_process_lock_past_its_timeout_raises_database_busy(
+    tmp_path: Path,
+) -> None:
+    backend = SQLiteBackend(f"sqlite:///{tmp_path / 'jobs.db'}?write_timeout=0.2")
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with backend._write():  # a write transaction of this process that does not end
+            inside.set()
+            leave.wait(5)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(5)
+    try:
+        with pytest.raises(DatabaseBusy, match="another thread of this process"):
+            backend.job_insert_many([request()])
+    finally:
+        leave.set()
+        holder.join()
+    backend.job_insert_many([request()])  # the lock is free again
+    backend.close()
