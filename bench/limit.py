@@ -42,7 +42,7 @@ def binder(sql: str) -> Any:
     errands' SQL gains optional parameters as features land (the backend passes None for
     what a plain job does not use); the limit must keep running the current statement.
     """
-    names = re.findall(r"%\((\w+)\)s", sql) + re.findall(r"(?<![:\w]):([A-Za-z_]\w*)", sql)
+    names = re.findall(r"%\((\w+)\)[sbt]", sql) + re.findall(r"(?<![:\w]):([A-Za-z_]\w*)", sql)
     base = dict.fromkeys(names)
     return lambda params: {**base, **params}
 

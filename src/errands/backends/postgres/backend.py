@@ -499,7 +499,7 @@ class PostgresBackend(PostgresAdmin):
                     "states": [o.state for o in outcomes],
                     "results": [o.result_json for o in outcomes],
                     "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
-                    "delays": [o.delay for o in outcomes],
+                    "delays": [float(o.delay) for o in outcomes],
                 },
             ).fetchall()
         }
@@ -691,7 +691,7 @@ class PostgresBackend(PostgresAdmin):
                 {
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
-                    "leases": [lease.lease_seconds for lease in leases],
+                    "leases": [float(lease.lease_seconds) for lease in leases],
                 },
             ).fetchall()
         return HeartbeatResult(frozenset(r[0] for r in rows), frozenset(r[0] for r in rows if r[1]))
