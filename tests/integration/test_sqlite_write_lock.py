@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from errands.backends.base import LeaseRef
 from errands.backends.sqlite.backend import SQLiteBackend
 from errands.errors import DatabaseBusy
 from tests.conformance.support import request
@@ -112,4 +113,34 @@ def test_a_write_behind_a_thread_holding_the_process_lock_past_its_timeout_raise
         leave.set()
         holder.join()
     backend.job_insert_many([request()])  # the lock is free again
+    backend.close()
+
+
+def test_a_heartbeat_gets_through_while_other_threads_of_its_process_write_back_to_back(
+    tmp_path: Path,
+) -> None:
+    """A heartbeat must renew within a third of the lease; threads that claim and complete
+    in a loop, retaking the write lock at once, must not keep it out that long."""
+    backend = SQLiteBackend(f"sqlite:///{tmp_path / 'jobs.db'}")
+    stop = threading.Event()
+
+    def write_in_a_loop() -> None:
+        while not stop.is_set():
+            backend.job_insert_many([request()])
+
+    writers = [threading.Thread(target=write_in_a_loop) for _ in range(3)]
+    for thread in writers:
+        thread.start()
+    failures: list[BaseException] = []
+    try:
+        for _ in range(20):  # each waits at most 0.1 s (a third of a 0.3 s lease)
+            try:
+                backend.job_heartbeat_many([LeaseRef(1, "token", 0.3)])
+            except DatabaseBusy as exc:
+                failures.append(exc)
+    finally:
+        stop.set()
+        for thread in writers:
+            thread.join()
+    assert failures == []
     backend.close()

@@ -366,8 +366,7 @@ class Worker:
                 self._stopping.wait(pause)
                 pause = min(pause * 2, CLAIM_RETRY_MAX)
                 continue
-            for row in rows:
-                self._start(row)
+            self._start_all(rows)
             self._backlog = bool(rows) and len(rows) >= room
             if self._backlog:
                 continue
@@ -485,14 +484,30 @@ class Worker:
             backend.job_limit_declare(definition.name, definition.queue, limit, period)
 
     def _start(self, row: JobRow) -> None:
-        definition = self.app.registry.get(row.name)
-        lease = row.lease_seconds or self.app.lease
-        attempt = Attempt(row=row, definition=definition, lease_seconds=lease)
+        self._start_all([row])
+
+    def _start_all(self, rows: list[JobRow]) -> None:
+        """Take on a claim's rows: one hold of the lock for the batch, then dispatch each."""
+        registry, lease = self.app.registry, self.app.lease
+        attempts = [
+            Attempt(
+                row=row, definition=registry.get(row.name), lease_seconds=row.lease_seconds or lease
+            )
+            for row in rows
+        ]
+        running = self._running_per_queue
         with self._lock:
-            self._attempts[(row.id, attempt.token)] = attempt
-            self._free -= 1
-            self._suspects += row.rescues > 0
-            self._running_per_queue[row.queue] = self._running_per_queue.get(row.queue, 0) + 1
+            for attempt in attempts:
+                row = attempt.row
+                self._attempts[(row.id, attempt.token)] = attempt
+                self._suspects += row.rescues > 0
+                running[row.queue] = running.get(row.queue, 0) + 1
+            self._free -= len(attempts)
+        for attempt in attempts:
+            self._dispatch(attempt)
+
+    def _dispatch(self, attempt: Attempt) -> None:
+        row, definition = attempt.row, attempt.definition
         if definition is not None and not definition.is_async and self.processes is None:
             # A sync handler: the thread that runs it also prepares it (payload, Context),
             # while this thread is already waiting on the next claim.

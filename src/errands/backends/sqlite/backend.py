@@ -263,13 +263,16 @@ class SQLiteBackend(SQLiteAdmin):
         ``timeout`` bounds the wait for the lock below ``write_timeout`` (heartbeats must
         give up before the lease they renew runs out, so the worker can self-fence). The
         threads of one process queue on a lock of their own first (woken at once when it
-        is free), so only one of them at a time waits for the file.
+        is free), so only one of them at a time waits for the file. A write with a
+        ``timeout`` does not queue there: a thread's lock is not fair, and the claim and
+        completion loops, taking it again and again, could keep a heartbeat out past its
+        lease; it tries for the file directly, between their transactions.
         """
         conn = self._conn()
         started = time.monotonic()
-        lock = self._memory_lock or self._writer
+        lock = self._memory_lock or (self._writer if timeout is None else None)
         limit = self.write_timeout if timeout is None else timeout
-        if not lock.acquire(timeout=limit):
+        if lock is not None and not lock.acquire(timeout=limit):
             raise DatabaseBusy(
                 f"SQLite database {self.path!r}: another thread of this process held its "
                 f"write transaction open for {limit:.1f} s"
@@ -286,7 +289,8 @@ class SQLiteBackend(SQLiteAdmin):
                     raise self._storage_full(exc) from exc
                 raise
         finally:
-            lock.release()
+            if lock is not None:
+                lock.release()
 
     def _storage_full(self, exc: sqlite3.Error) -> StorageFull:
         return StorageFull(
