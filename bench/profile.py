@@ -43,7 +43,10 @@ AREAS = [
         "wake-ups: SQLite data_version watcher / PG listener",
         ("DataVersionWatcher._run", "Notifier._run"),
     ),
-    ("dispatch: Worker._start (Attempt, Context, decode, submit)", ("Worker._start",)),
+    (
+        "dispatch: Worker._start_all / _dispatch (Attempt, submit)",
+        ("Worker._start_all", "Worker._dispatch", "Worker._start"),
+    ),
     ("handler thread: ThreadRunner._step (call, Future)", ("ThreadRunner._step",)),
     ("outcome: Worker._handler_done / _decided", ("Worker._handler_done", "Worker._decided")),
     ("after write: Worker._on_written", ("Worker._on_written",)),
