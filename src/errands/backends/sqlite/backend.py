@@ -204,10 +204,15 @@ class SQLiteBackend(SQLiteAdmin):
         self._local = threading.local()
         self._shared = None
 
-    def _retry(self, fn: Any, timeout: float | None = None) -> Any:
+    def _retry(
+        self, fn: Any, timeout: float | None = None, first: float = 0.005, most: float = 0.5
+    ) -> Any:
+        """``fn()``, tried again while the file is locked: after ``first`` seconds, doubling
+        to ``most`` (with jitter), until ``timeout`` (default ``write_timeout``), then
+        DatabaseBusy."""
         limit = self.write_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
-        pause = 0.005
+        pause = first
         while True:
             try:
                 return fn()
@@ -220,8 +225,8 @@ class SQLiteBackend(SQLiteAdmin):
                         f"{limit:.1f} s; is a long transaction holding it "
                         "(a sqlite3 shell, or a caller's open transaction)?"
                     ) from exc
-                time.sleep(pause * (1 + random.random()))
-                pause = min(pause * 2, 0.5)
+                time.sleep(pause * (0.5 + random.random()))
+                pause = min(pause * 2, most)
 
     def _begin(self, conn: sqlite3.Connection, timeout: float | None = None) -> None:
         """BEGIN IMMEDIATE, waiting for the file's write lock at most ``timeout`` (default
@@ -233,26 +238,14 @@ class SQLiteBackend(SQLiteAdmin):
         The wait here tries again after 0.1 ms, backing off to 2 ms, so the lock changes
         hands within about as long as a transaction holds it.
         """
-        limit = self.write_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        pause = BEGIN_PAUSE_FIRST
         conn.execute("PRAGMA busy_timeout = 0")
         try:
-            while True:
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    return
-                except sqlite3.OperationalError as exc:
-                    if not _is_busy(exc):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise DatabaseBusy(
-                            f"SQLite database {self.path!r} stayed locked for {limit:.1f} s; "
-                            "is a long transaction holding it (a sqlite3 shell, or a "
-                            "caller's open transaction)?"
-                        ) from exc
-                time.sleep(pause * (0.5 + random.random()))
-                pause = min(pause * 1.5, BEGIN_PAUSE_MAX)
+            self._retry(
+                lambda: conn.execute("BEGIN IMMEDIATE"),
+                timeout,
+                first=BEGIN_PAUSE_FIRST,
+                most=BEGIN_PAUSE_MAX,
+            )
         finally:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
 
