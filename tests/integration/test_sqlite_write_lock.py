@@ -20,8 +20,13 @@ from errands.errors import DatabaseBusy
 from tests.conformance.support import request
 
 
-def _hold_write_lock(path: Path, seconds: float, held: threading.Event) -> threading.Thread:
-    """Another connection (as a sqlite3 shell would) holds the write lock for a while."""
+def _held_elsewhere(
+    path: Path, seconds: float, options: str = ""
+) -> tuple[SQLiteBackend, threading.Thread]:
+    """A backend on ``path``, and another connection (as a sqlite3 shell would) holding
+    the file's write lock for ``seconds`` from now (join the thread when done)."""
+    backend = SQLiteBackend(f"sqlite:///{path}{options}")
+    held = threading.Event()
 
     def hold() -> None:
         conn = sqlite3.connect(path, isolation_level=None)
@@ -34,16 +39,13 @@ def _hold_write_lock(path: Path, seconds: float, held: threading.Event) -> threa
     thread = threading.Thread(target=hold)
     thread.start()
     assert held.wait(5)
-    return thread
+    return backend, thread
 
 
 def test_a_write_waits_for_the_lock_another_connection_holds_and_then_succeeds(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "jobs.db"
-    backend = SQLiteBackend(f"sqlite:///{path}")
-    held = threading.Event()
-    holder = _hold_write_lock(path, 0.4, held)
+    backend, holder = _held_elsewhere(tmp_path / "jobs.db", 0.4)
     started = time.monotonic()
     [result] = backend.job_insert_many([request()])
     waited = time.monotonic() - started
@@ -57,9 +59,7 @@ def test_a_write_locked_out_past_write_timeout_raises_database_busy_and_writes_n
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "jobs.db"
-    backend = SQLiteBackend(f"sqlite:///{path}?write_timeout=0.3")
-    held = threading.Event()
-    holder = _hold_write_lock(path, 2.0, held)
+    backend, holder = _held_elsewhere(path, 2.0, "?write_timeout=0.3")
     started = time.monotonic()
     with pytest.raises(DatabaseBusy, match=r"stayed locked for 0\.3 s.*long transaction"):
         backend.job_insert_many([request()])

@@ -25,7 +25,7 @@ from pydantic_core import PydanticSerializationError, to_json
 
 from ..errors import ConfigurationError, StepError
 from ..jobs import EnqueueRequest
-from ..payload import JSON_NUL, NUL_FIX
+from ..payload import NUL_FIX, holds_nul
 from ..testing.faults import fault_point
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class AttemptRuntime:
                 f"which cannot be stored as JSON ({exc}); return JSON-friendly data (dicts, "
                 "lists, numbers, strings, pydantic models, dataclasses)"
             ) from None
-        if JSON_NUL.search(encoded):
+        if holds_nul(encoded):
             raise StepError(
                 f"step {name!r} of job {self.attempt.id} returned text holding the NUL "
                 f"character (\\x00), which PostgreSQL cannot store; {NUL_FIX}"

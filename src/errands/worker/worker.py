@@ -819,14 +819,14 @@ class Worker:
         if events.wants(name):  # usually not, for completed (a debug line): build nothing
             fields = self._job_fields(attempt.row)
             fields["duration"] = (attempt.ended or time.monotonic()) - attempt.started
+            error = outcome.error or {}
+            if state == "retryable":
+                fields["delay"] = outcome.delay
             if state in ("retryable", "dead"):
-                error = outcome.error or {}
-                if state == "retryable":
-                    fields["delay"] = outcome.delay
                 fields["error_type"] = error.get("type")
                 fields["error_message"] = error.get("message")
-                if state == "dead":
-                    fields["reason"] = error.get("kind")
+            if state == "dead":
+                fields["reason"] = error.get("kind")
             events.emit(name, **fields)
         if state == "dead":
             self.app.run_dead_hooks(attempt.row.id)
