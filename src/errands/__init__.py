@@ -25,6 +25,7 @@ from .errors import (
     SchemaOutdated,
     StepError,
     StorageFull,
+    TransactionEnded,
     UnknownJob,
 )
 from .handle import JobHandle
@@ -61,6 +62,7 @@ __all__ = [
     "SchemaOutdated",
     "StepError",
     "StorageFull",
+    "TransactionEnded",
     "UnknownJob",
     "__version__",
 ]

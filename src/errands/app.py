@@ -23,6 +23,7 @@ from .backends.limits import parse_rate
 from .definition import BoundJob, JobDefinition, check_name, check_text, seconds
 from .errors import ConfigurationError, InvalidTransition, JobNotFound
 from .handle import JobHandle
+from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
 from .jobs import Job, Step, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
@@ -70,6 +71,7 @@ class App:
         max_payload_bytes: int = MAX_PAYLOAD_BYTES_DEFAULT,
         retention: float | timedelta = RETENTION_DEFAULT,
         poison_after: int = POISON_AFTER_DEFAULT,
+        hook_timeout: float | timedelta = HOOK_TIMEOUT_DEFAULT,
     ) -> None:
         self.url = url or os.environ.get("ERRANDS_URL") or SQLITE_URL_DEFAULT
         self.default_queue = check_name("queue", default_queue)
@@ -85,12 +87,20 @@ class App:
         if poison_after < 1:
             raise ConfigurationError("App(poison_after=...) must be at least 1")
         self.poison_after = poison_after
+        limit = seconds(hook_timeout, "hook_timeout")
+        if limit is None or limit <= 0:
+            raise ConfigurationError(
+                f"App(hook_timeout={hook_timeout!r}): give the seconds an on_dead hook or an "
+                "event subscriber may run (more than 0)"
+            )
+        # on_dead hooks and event subscribers: off the worker's own threads (errands.hooks)
+        self.hooks = HookRunner(limit)
         self.registry: dict[str, JobDefinition[Any, Any]] = {}
         self.dead_hooks: list[DeadHook] = []
         self.queues: dict[str, QueueSettings] = {}
         self.schedules: dict[str, Periodic] = {}
-        self.events = EventBus()
-        self.events.subscribe(log_event)
+        self.events = EventBus(self.hooks)
+        self.events.subscribe(log_event, inline=True)
         self._backend: Backend | None = None
         self._backend_lock = threading.Lock()
 
@@ -242,11 +252,13 @@ class App:
             definition: JobDefinition[Any, Any] = self.job(**job_options)(fn)
             fixed = dict(args or {})
             try:
-                definition.bind(**fixed)  # validate the arguments at definition time
+                bound = definition.bind(**fixed)  # validate the arguments at definition time
             except Exception:
                 del self.registry[definition.name]  # bad args register nothing
                 raise
-            self.schedules[definition.name] = Periodic(definition, expression, tz, fixed, catch_up)
+            self.schedules[definition.name] = Periodic(
+                definition, expression, tz, fixed, catch_up, bound
+            )
             return definition
 
         return register
@@ -258,12 +270,27 @@ class App:
         return describe(self)
 
     def on_dead(self, fn: DeadHook) -> DeadHook:
-        """Call ``fn(job)`` in the worker whenever a job enters the dead-letter queue."""
+        """Call ``fn(job)`` in the worker whenever a job enters the dead-letter queue.
+
+        Hooks run on a thread of their own, in order, never on the threads that write
+        outcomes or rescue jobs; each may run ``hook_timeout`` seconds (App option,
+        default 10 s), after which it is interrupted and logged, and the next one runs.
+        A hook that raises is logged and changes nothing.
+        """
         self.dead_hooks.append(fn)
         return fn
 
+    def dead_hooks_later(self, job_id: int) -> None:
+        """Queue the ``on_dead`` hooks of a job that just died (the worker and the
+        maintenance leader call this; it never waits for the hooks)."""
+        if self.dead_hooks:
+            self.hooks.lane("dead").submit(
+                self.run_dead_hooks, job_id, what=f"on_dead hooks of job {job_id}"
+            )
+
     def run_dead_hooks(self, job_id: int) -> None:
-        """Call every ``on_dead`` hook with the job; a failing hook is logged, not fatal."""
+        """Call every ``on_dead`` hook with the job, here and now; a failing hook is logged,
+        not fatal."""
         if not self.dead_hooks:
             return
         try:

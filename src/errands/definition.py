@@ -283,6 +283,8 @@ class JobDefinition(Generic[P, R]):
             unique_for=self._unique_for(options),
             concurrency_key=self._key_for(args_json),
             concurrency_limit=self.concurrency_limit,
+            rate_limit=self.rate[0] if self.rate else None,
+            rate_period=self.rate[1] if self.rate else None,
         )
 
     def _key_for(self, args_json: str) -> str | None:

@@ -73,6 +73,13 @@ class StepError(ErrandsError):
     """
 
 
+class TransactionEnded(ErrandsError):
+    """A handler ended (or tried to end) the transaction ``ctx.transaction()`` gave it:
+    ``COMMIT``, ``ROLLBACK``, ``executescript`` and the like. That transaction commits only
+    with the job's completion; a job that ended it fails permanently (its retry would
+    repeat writes already committed), so an operator looks at it."""
+
+
 class JobFailed(ErrandsError):
     """The job ended in the dead-letter queue; ``last_error`` holds its final error."""
 

@@ -156,6 +156,7 @@ class JobRow:
     discarded_by: str | None
     discard_reason: str | None
     parent_id: int | None = None
+    unique_until: float | None = None  # set when the key was enqueued with unique_for
 
     def to_job(self) -> Job:
         return Job(
@@ -219,6 +220,13 @@ class EnqueueRequest:
     unique_for: float | None = None  # seconds the key stays unique; None: while the row exists
     concurrency_key: str | None = None  # at most concurrency_limit running per key, cluster-wide
     concurrency_limit: int | None = None
+    rate_limit: int | None = None  # the job type's rate (starts per rate_period), on the row
+    rate_period: float | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether the row carries a limit its claim must respect (a key or a rate)."""
+        return self.concurrency_key is not None or self.rate_limit is not None
 
 
 @dataclass(frozen=True)

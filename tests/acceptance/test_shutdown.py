@@ -59,7 +59,10 @@ def test_sigterm_with_short_grace_releases_a_long_job_uncharged_and_exits_0_prom
     job = app.get_job(long_job.id)
     assert job.state.value == "available"
     assert job.attempt == 0, "a released attempt must not be charged"
-    assert not job.errors
+    # ...but recorded, so the run that follows is explained (I4)
+    assert [(e.kind, e.attempt, e.worker) for e in job.errors] == [
+        ("released", 1, worker.worker_id)
+    ]
     assert job.lease_owner is None and job.lease_expires_at is None
 
     # Released, not lost: the next worker runs it from the start (attempt 1 again).

@@ -166,10 +166,11 @@ def test_concurrent_claimers_never_get_the_same_job(backend: Backend) -> None:
     assert set(claimed) == ids
 
 
-def test_rescued_jobs_are_claimed_only_as_suspects_and_one_at_a_time(
+def test_rescued_jobs_are_claimed_only_as_suspects_and_no_more_than_asked(
     backend: Backend, harness: Harness
 ) -> None:
-    """Rescued jobs stay out of ordinary claims; a suspect claim takes at most one."""
+    """Rescued jobs stay out of ordinary claims; a suspect claim takes at most its limit
+    (the worker asks for as many as it can run each on its own)."""
     ids = [insert(backend) for _ in range(3)]
     claimed = claim(backend, limit=3)
     assert sorted(r.id for r in claimed) == sorted(ids)
@@ -192,5 +193,7 @@ def test_rescued_jobs_are_claimed_only_as_suspects_and_one_at_a_time(
     )
     fresh = insert(backend)
     assert [r.id for r in claim(backend, limit=10)] == [fresh]
-    suspects = claim(backend, limit=10, suspects=True)
+    suspects = claim(backend, limit=1, suspects=True)
     assert len(suspects) == 1 and suspects[0].id in ids
+    rest = claim(backend, limit=10, suspects=True)
+    assert sorted(r.id for r in suspects + rest) == sorted(ids)

@@ -205,7 +205,7 @@ def test_heartbeat_extends_the_lease_from_database_now(backend: Backend) -> None
     result = backend.job_heartbeat_many(
         [LeaseRef(id=row.id, lease_token=row.lease_token or "", lease_seconds=600.0)]
     )
-    assert result.extended == frozenset({row.id})
+    assert result.extended == frozenset({(row.id, row.lease_token)})
     assert result.cancel_requested == frozenset()
     expires = get(backend, row.id).lease_expires_at
     assert expires is not None and expires >= backend.db_now() + 590
@@ -223,8 +223,10 @@ def test_heartbeat_reports_a_cancel_request(backend: Backend) -> None:
             for r in (first, second)
         ]
     )
-    assert result.extended == frozenset({first.id, second.id})
-    assert result.cancel_requested == frozenset({first.id})
+    assert result.extended == frozenset(
+        {(first.id, first.lease_token), (second.id, second.lease_token)}
+    )
+    assert result.cancel_requested == frozenset({(first.id, first.lease_token)})
 
 
 def test_heartbeat_of_a_finished_job_extends_nothing(backend: Backend) -> None:

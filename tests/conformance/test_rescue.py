@@ -134,7 +134,7 @@ def test_heartbeat_landing_before_the_rescue_wins(backend: Backend, harness: Har
     beat = backend.job_heartbeat_many(
         [LeaseRef(id=row.id, lease_token=row.lease_token or "", lease_seconds=30)]
     )
-    assert beat.extended == frozenset({row.id})
+    assert beat.extended == frozenset({(row.id, row.lease_token)})
     assert backend.job_rescue_many([_rescue(row)]) == [False]
     after = get(backend, row.id)
     assert (after.state, after.lease_token, after.rescues) == ("running", expired.lease_token, 0)

@@ -125,7 +125,7 @@ def test_a_stale_attempt_cannot_commit_its_transaction(
     assert job.result is None
 
 
-def test_transaction_connection_refuses_commit_and_the_job_dies_with_a_step_error(
+def test_transaction_connection_refuses_commit_and_the_job_dies_with_transaction_ended(
     make_app: Make,
     errands_testing: Callable[..., Tester],
     effects: EffectsStore,
@@ -144,8 +144,8 @@ def test_transaction_connection_refuses_commit_and_the_job_dies_with_a_step_erro
     assert tester.drain().dead == 1
     job = handle.job()
     assert job.last_error is not None
-    assert job.last_error.type == "StepError"
-    assert "commit() is not allowed" in job.last_error.message
+    assert job.last_error.type == "TransactionEnded"
+    assert "commit is not allowed" in job.last_error.message
     assert _rows(effects, handle.id) == []
 
 

@@ -190,6 +190,7 @@ def test_job_rescued_three_times_goes_dead_as_poison(app: errands.App) -> None:
     assert [e.type for e in job.errors] == ["WorkerLost"] * 3
     assert [e.worker for e in job.errors] == ["worker-1", "worker-2", "worker-3"]
     assert job.errors[-1].message.startswith("poison: worker died 3 times")
+    wait_until(lambda: dead, what="the on_dead hook (it runs on its own thread)")
     assert [j.id for j in dead] == [handle.id]
     leader.stop()
 

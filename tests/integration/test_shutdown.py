@@ -81,7 +81,9 @@ def test_grace_period_over_releases_a_long_job_uncharged_and_it_runs_again_later
     job = handle.job()
     assert job.state is JobState.AVAILABLE
     assert job.attempt == 0  # the released attempt is not charged
-    assert job.errors == []
+    [released] = job.errors  # ...but recorded, so the run that follows is explained
+    assert (released.kind, released.type, released.attempt) == ("released", "Released", 1)
+    assert "not charged" in released.message
     assert job.lease_owner is None and job.result is None
     wait_until(lambda: first_stop_reason, what="the released handler to see ctx.cancelled")
     assert first_stop_reason == ["shutdown"]
@@ -121,7 +123,8 @@ def test_grace_period_over_releases_a_long_async_job_uncharged(
 
     assert took < 5, f"stop took {took:.2f} s"
     job = handle.job()
-    assert (job.state, job.attempt, job.errors) == (JobState.AVAILABLE, 0, [])
+    assert (job.state, job.attempt) == (JobState.AVAILABLE, 0)
+    assert [(e.kind, e.attempt) for e in job.errors] == [("released", 1)]
     assert interrupted == ["shutdown"]
 
     later = start_worker()

@@ -220,7 +220,9 @@ def test_worker_frozen_past_its_lease_has_its_late_completion_rejected(pgc: PgCl
 
     job = app.get_job(handle.id)
     assert job.state == "completed"
-    assert job.result == {"attempt": 2, "pid": other.pid, "worker": other.worker_id}
+    # a rescued job runs isolated, in a child process of the worker that took it over
+    assert job.result == {"attempt": 2, "pid": job.result["pid"], "worker": other.worker_id}
+    assert _parent_pid(job.result["pid"]) == other.pid
     assert [(e.type, e.attempt) for e in job.errors] == [("WorkerLost", 1)]
     assert [(a, w) for _, a, _, w in pgc.effects(handle.id)] == [
         (1, frozen.worker_id),
@@ -304,3 +306,9 @@ def test_worker_resumes_within_seconds_after_a_long_database_outage(pg_url: str)
 
 def _ping(n: int) -> int:
     return n
+
+
+def _parent_pid(pid: int) -> int:
+    """The parent of a live process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])

@@ -24,6 +24,7 @@ class Capabilities:
     listen_notify: bool = False  # push wake-ups when jobs are inserted
     skip_locked: bool = False  # concurrent claimers never wait on each other's rows
     caller_connection: str = ""  # type name of the connection enqueue(conn=) accepts
+    single_writer: bool = False  # an open write transaction locks out every other writer
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ClaimParams:
     limit: int
     worker_id: str
     lease_seconds_default: float
-    suspects: bool = False  # claim only rescued jobs (at most one), else only unrescued ones
+    suspects: bool = False  # claim only rescued jobs, else only unrescued ones
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,19 @@ class LeaseRef:
 
 @dataclass(frozen=True)
 class HeartbeatResult:
-    extended: frozenset[int]  # leases still ours, now extended
-    cancel_requested: frozenset[int]  # of those, the ones an operator asked to cancel
+    """What a heartbeat found, as ``(job id, lease token)`` pairs: one worker may hold a
+    stale attempt and a newer attempt of the same job at once, and only the lease whose
+    token still matches was extended."""
+
+    extended: frozenset[tuple[int, str]]  # leases still ours, now extended
+    cancel_requested: frozenset[tuple[int, str]]  # of those, the ones an operator cancelled
+
+
+# What a graceful-stop release records on the job (its errors list, kind "released").
+RELEASED = (
+    "released at shutdown: the worker stopped before the handler finished; the attempt is "
+    "not charged and the job runs again"
+)
 
 
 @dataclass(frozen=True)
@@ -242,8 +254,10 @@ class Backend(Protocol):
 
     def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult: ...
 
-    def job_release_many(self, leases: Sequence[LeaseRef]) -> list[bool]:
-        """Give running jobs back (shutdown): available again, the attempt not charged."""
+    def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
+        """Give running jobs back (shutdown): available again, the attempt not charged,
+        and recorded in the job's errors (kind ``released``, with ``message``, the attempt
+        number and lease token), so the run that follows is explained."""
         ...
 
     # -- maintenance (leader duties) ---------------------------------------------------
@@ -300,6 +314,12 @@ class Backend(Protocol):
         self, queue: QueueClaim, worker_id: str, lease_default: float, suspects: bool = False
     ) -> list[JobRow]:
         """Claim from a limited queue, one claimer at a time (see backends.limits)."""
+        ...
+
+    def queues_limited(self, queues: Sequence[str]) -> set[str]:
+        """Which of ``queues`` must be claimed with :meth:`job_claim_limited`: a declared
+        cluster-wide limit or rate, or due rows carrying a concurrency key or a rate
+        (``job_claim`` never takes those rows)."""
         ...
 
     def rate_log_prune(self, older_than: float) -> int: ...

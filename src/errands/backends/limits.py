@@ -1,13 +1,18 @@
 """Which due jobs a limited claim may take: shared by every backend.
 
-A queue is *limited* when it has a cluster-wide concurrency limit, a rate limit, or job
-types with per-key concurrency or rate limits. Its claims run one at a time (SQLite's
-write lock; a PostgreSQL advisory lock per queue), so the counts read here cannot race:
-running jobs per queue and per key, and starts inside each rate window.
+A queue is claimed through :func:`claim_limited` when it has a cluster-wide concurrency
+limit or rate, or due rows that carry a limit of their own: a concurrency key (at most
+``concurrency_limit`` running per key, across every queue and job type that shares it)
+or a job type's rate (stored on each row it enqueues). The limits are read from the
+rows themselves, so a job enqueued into another queue (``queue=``), or declared
+differently by another worker's code, is held to the limits it was enqueued with.
 
-The backend reads the candidates (due jobs in claim order, a bounded look-ahead) and the
-counts; :func:`choose` picks the ids to claim. Jobs skipped for a busy key or an
-exhausted rate stay pending and burn no attempt.
+The backend serialises the counts it reads: one claimer per queue at a time (SQLite's
+write lock; a PostgreSQL advisory lock per queue), and, for the keys and rate buckets a
+claim is about to take, a lock per key and per bucket (PostgreSQL advisory locks taken
+in sorted order, so claims of two queues sharing a key never both see it free, and never
+deadlock). Jobs skipped for a busy key or an exhausted rate stay pending and burn no
+attempt.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class Candidate:
     name: str
     concurrency_key: str | None
     concurrency_limit: int | None
+    rate_limit: int | None = None
+    rate_period: float | None = None
 
 
 def lookahead(room: int) -> int:
@@ -90,20 +97,17 @@ def choose(
     return chosen
 
 
-@dataclass(frozen=True)
-class QueueLimits:
-    paused: bool
-    max_running: int | None
-    rate_limit: int | None
-    rate_period: float | None
-
-
 class LimitedClaimStore(Protocol):
     """What :func:`claim_limited` needs from a backend, inside one serialised transaction."""
 
     def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]: ...
 
     def id_list(self, values: list[object]) -> object: ...
+
+    def lock(self, names: list[str]) -> None:
+        """Lock ``names`` (sorted) for the transaction, where claims of different queues
+        can run at once (PostgreSQL); a no-op where every claim is serialised (SQLite)."""
+        ...
 
 
 class Claimed(list):  # type: ignore[type-arg]
@@ -145,15 +149,15 @@ def claim_limited(
         room = min(room, left)
     if room <= 0:
         return result
-    room_per_name: dict[str, int] = {}
-    for name, limit, period in store.rows("job_limits_for_queue", {"queue": queue}):
-        used, frees_in = _rate_used(store, f"job:{name}", float(period))  # type: ignore[arg-type]
-        room_per_name[str(name)] = int(limit) - used  # type: ignore[call-overload]
-        if room_per_name[str(name)] <= 0:
-            result.retry_in = _sooner(result.retry_in, frees_in)
+    # The job types' rates, from their due rows: a first reading, to leave the exhausted
+    # ones out of the lookahead; the chosen are counted again under their locks below.
+    rates: dict[str, tuple[int, float]] = {}
+    for name, limit, period in store.rows("rate_limited_names", {"queue": queue}):
+        rates[str(name)] = (int(limit), float(period))  # type: ignore[call-overload,arg-type]
+    room_per_name = _rooms(store, rates, result)
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
     candidates = [
-        Candidate(int(r[0]), str(r[1]), r[2], r[3])  # type: ignore[call-overload,arg-type]
+        Candidate(int(r[0]), str(r[1]), r[2], r[3], r[4], r[5])  # type: ignore[call-overload,arg-type]
         for r in store.rows(
             "claim_candidates_suspect" if suspects else "claim_candidates",
             {"queue": queue, "limit": lookahead(room), "blocked": store.id_list(blocked)},
@@ -161,27 +165,58 @@ def claim_limited(
     ]
     if not candidates:
         return result
-    keys = sorted({c.concurrency_key for c in candidates if c.concurrency_key is not None})
-    running_per_key: dict[str, int] = {}
-    if keys:
-        for key, count in store.rows("running_per_key", {"keys": store.id_list(list(keys))}):
-            running_per_key[str(key)] = int(count)  # type: ignore[call-overload]
-    chosen = choose(candidates, room, running_per_key, room_per_name)
+    for c in candidates:  # a type whose first due row appeared since the first reading
+        if c.rate_limit is not None and c.rate_period and c.name not in rates:
+            rates[c.name] = (c.rate_limit, c.rate_period)
+            room_per_name.update(_rooms(store, {c.name: rates[c.name]}, result))
+    chosen = choose(candidates, room, _running(store, candidates), room_per_name)
+    if not chosen:
+        return result
+    # Lock what the chosen rows take (their keys, their types' rate buckets), then count
+    # again: another queue's claim may have taken a shared key or bucket meanwhile.
+    keys = sorted({c.concurrency_key for c in chosen if c.concurrency_key is not None})
+    limited_names = sorted({c.name for c in chosen if c.name in rates})
+    store.lock([f"key:{k}" for k in keys] + [f"rate:job:{n}" for n in limited_names])
+    fresh_rates = {n: rates[n] for n in limited_names}
+    chosen = choose(chosen, room, _running(store, chosen), _rooms(store, fresh_rates, result))
     if not chosen:
         return result
     claimed = store.rows(
         "job_claim_ids", {**claim_params, "ids": store.id_list([c.id for c in chosen])}
     )
-    if rate_limit is not None:
-        _log_starts(store, f"queue:{queue}", len(claimed))
+    if rate_limit is not None and rate_period:
+        _log_starts(store, f"queue:{queue}", len(claimed), float(rate_period))  # type: ignore[arg-type]
     started: dict[str, int] = {}
     for row in claimed:
-        if str(row[1]) in room_per_name:
+        if str(row[1]) in rates:
             started[str(row[1])] = started.get(str(row[1]), 0) + 1
     for name, n in started.items():
-        _log_starts(store, f"job:{name}", n)
+        _log_starts(store, f"job:{name}", n, rates[name][1])
     result.extend(claimed)
     return result
+
+
+def _rooms(
+    store: LimitedClaimStore, rates: dict[str, tuple[int, float]], result: Claimed
+) -> dict[str, int]:
+    """Starts left in each job type's rate window (noting when a full one frees up)."""
+    rooms: dict[str, int] = {}
+    for name, (limit, period) in rates.items():
+        used, frees_in = _rate_used(store, f"job:{name}", period)
+        rooms[name] = limit - used
+        if rooms[name] <= 0:
+            result.retry_in = _sooner(result.retry_in, frees_in)
+    return rooms
+
+
+def _running(store: LimitedClaimStore, candidates: list[Candidate]) -> dict[str, int]:
+    """Running jobs per concurrency key of ``candidates``, in any queue."""
+    keys = sorted({c.concurrency_key for c in candidates if c.concurrency_key is not None})
+    running: dict[str, int] = {}
+    if keys:
+        for key, count in store.rows("running_per_key", {"keys": store.id_list(list(keys))}):
+            running[str(key)] = int(count)  # type: ignore[call-overload]
+    return running
 
 
 def _sooner(current: float | None, candidate: float | None) -> float | None:
@@ -196,6 +231,6 @@ def _rate_used(store: LimitedClaimStore, bucket: str, period: float) -> tuple[in
     return int(used), None if frees_in is None else float(frees_in)  # type: ignore[call-overload,arg-type]
 
 
-def _log_starts(store: LimitedClaimStore, bucket: str, n: int) -> None:
+def _log_starts(store: LimitedClaimStore, bucket: str, n: int, period: float) -> None:
     if n > 0:
-        store.rows("rate_log_insert", {"bucket": bucket, "n": n})
+        store.rows("rate_log_insert", {"bucket": bucket, "n": n, "period": period})

@@ -2,6 +2,11 @@
 
 A block starts with a line ``-- name: query_name`` and runs to the next such line.
 Every backend keeps its SQL in one ``queries.sql`` with the same query names.
+
+A block holding the marker ``$RESCUED`` is written once and loaded twice: as
+``query_name`` for fresh jobs (``rescues = 0``) and as ``query_name_suspect`` for rescued
+ones (``rescues > 0``). The claim queries differ by that one predicate; two literal texts
+(rather than a bound parameter) let each use its own partial index.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import re
 from importlib import resources
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
+RESCUED = "$RESCUED"
 
 
 def load_queries(package: str, filename: str = "queries.sql") -> dict[str, str]:
@@ -17,9 +23,16 @@ def load_queries(package: str, filename: str = "queries.sql") -> dict[str, str]:
     parts = _NAME.split(text)
     queries: dict[str, str] = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
-        if name in queries:
-            raise ValueError(f"{package}/{filename}: query {name!r} is defined twice")
-        queries[name] = body.strip()
+        variants = {name: body.strip()}
+        if RESCUED in body:
+            variants = {
+                name: body.strip().replace(RESCUED, "rescues = 0"),
+                f"{name}_suspect": body.strip().replace(RESCUED, "rescues > 0"),
+            }
+        for variant, sql in variants.items():
+            if variant in queries:
+                raise ValueError(f"{package}/{filename}: query {variant!r} is defined twice")
+            queries[variant] = sql
     return queries
 
 

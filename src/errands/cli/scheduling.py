@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..backends.limits import format_rate
+from ..retry import ExponentialBackoff, retry_delay
 from . import render
 from .admin import _app, actor_option, app_options, jobs, json_option
 
@@ -122,12 +123,11 @@ def jobs_policy(app_path: str | None, url: str | None, as_json: bool, name: str)
     backoff = definition.backoff
     delays = []
     for attempt in range(1, definition.max_attempts):
-        nominal = getattr(backoff, "jitter", None)
-        if nominal is not None:
-            base = min(backoff.base * backoff.factor ** (attempt - 1), backoff.max_delay)  # type: ignore[attr-defined]
-            delays.append(f"{base:g}s ±{nominal * 100:.0f}%")
+        if isinstance(backoff, ExponentialBackoff):
+            jitter = f" ±{backoff.jitter * 100:.0f}%" if backoff.jitter else ""
+            delays.append(f"{backoff.nominal(attempt):g}s{jitter}")
         else:
-            delays.append(f"{backoff.delay(attempt):g}s")
+            delays.append(f"{retry_delay(backoff, attempt, job=definition.name):g}s")
     queue = app.queues.get(definition.queue)
     policy = {
         "name": definition.name,

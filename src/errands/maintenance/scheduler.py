@@ -14,13 +14,18 @@ Misfire policy, for slots that passed while no leader ran (``catch_up``):
 
 A periodic job seen for the first time starts from now: slots before its first
 deployment never run.
+
+No user code runs here (the maintenance thread): a periodic job's arguments are
+validated and encoded once, when ``@app.periodic`` registers it, and each slot inserts a
+copy with its own key and time. One periodic job whose slot cannot be inserted is logged
+and retried next tick; it never holds the others back.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -31,7 +36,7 @@ from ..errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ..app import App
-    from ..definition import JobDefinition
+    from ..definition import BoundJob, JobDefinition
 
 log = logging.getLogger("errands.cron")
 
@@ -48,6 +53,7 @@ class Periodic:
     timezone: str
     args: dict[str, Any]
     catch_up: bool | None
+    bound: BoundJob  # the job with its arguments, validated and encoded at registration
 
     @property
     def name(self) -> str:
@@ -69,6 +75,16 @@ class Periodic:
 
     def next_after(self, moment: datetime) -> datetime:
         return next(iter(CronSim(self.expression, moment.astimezone(self.zone()))))
+
+    def for_slot(self, slot: datetime) -> BoundJob:
+        """The job of one slot: the registered arguments, the slot as key and time."""
+        from ..definition import BoundJob
+
+        request = self.bound.request
+        return BoundJob(
+            self.definition,
+            replace(request, meta=dict(request.meta), key=slot_key(slot), run_at=slot.timestamp()),
+        )
 
 
 def check_schedule(expression: str, timezone: str, name: str) -> None:
@@ -110,33 +126,39 @@ class Scheduler:
         states = {s.name: s for s in backend.cron_states()}
         count = 0
         for job in periodic:
-            state = states.get(job.name)
-            if state is None or state.last_slot is None:
-                backend.cron_save(job.name, job.expression, job.timezone, now.timestamp(), None,
-                                  job.next_after(now).timestamp())  # fmt: skip
-                continue
-            last = datetime.fromtimestamp(state.last_slot, tz=UTC)
-            slots = job.slots_after(last, now)
-            if not slots:
-                continue
-            chosen = self._apply_policy(job, slots, now)
-            job_id = state.last_job_id
-            for slot in chosen:
-                handle = job.definition.enqueue(**job.args, key=slot_key(slot), run_at=slot)
-                job_id = handle.id
-                if not handle.deduplicated:
-                    count += 1
-                    log.info(
-                        "cron %s: enqueued slot %s as job %s", job.name, slot.isoformat(), job_id
-                    )
-            skipped = len(slots) - len(chosen)
-            if skipped:
-                log.warning(
-                    "cron %s: skipped %d missed slot(s) (misfire policy)", job.name, skipped
+            try:
+                count += self._run_one(job, states.get(job.name), now)
+            except Exception:
+                log.exception(
+                    "cron %s: inserting its due slots failed; retrying next tick", job.name
                 )
-            backend.cron_save(job.name, job.expression, job.timezone, slots[-1].timestamp(),
-                              job_id, job.next_after(now).timestamp())  # fmt: skip
         self.inserted += count
+        return count
+
+    def _run_one(self, job: Periodic, state: Any, now: datetime) -> int:
+        backend = self.app.backend
+        count = 0
+        if state is None or state.last_slot is None:
+            backend.cron_save(job.name, job.expression, job.timezone, now.timestamp(), None,
+                              job.next_after(now).timestamp())  # fmt: skip
+            return 0
+        last = datetime.fromtimestamp(state.last_slot, tz=UTC)
+        slots = job.slots_after(last, now)
+        if not slots:
+            return 0
+        chosen = self._apply_policy(job, slots, now)
+        job_id = state.last_job_id
+        for slot in chosen:
+            [handle] = self.app.enqueue_many([job.for_slot(slot)])
+            job_id = handle.id
+            if not handle.deduplicated:
+                count += 1
+                log.info("cron %s: enqueued slot %s as job %s", job.name, slot.isoformat(), job_id)
+        skipped = len(slots) - len(chosen)
+        if skipped:
+            log.warning("cron %s: skipped %d missed slot(s) (misfire policy)", job.name, skipped)
+        backend.cron_save(job.name, job.expression, job.timezone, slots[-1].timestamp(),
+                          job_id, job.next_after(now).timestamp())  # fmt: skip
         return count
 
     @staticmethod

@@ -19,6 +19,12 @@ Rescue of one expired lease (the attempt counts, recorded as "worker lost"):
 - rescued ``poison_after`` times -> dead, "poison: worker died N times"
 - it was the last attempt        -> dead
 - otherwise                      -> retryable after the job's backoff
+
+Every duty of a tick (rescue, promotion, cron, pruning) runs on its own: one that fails
+is logged and the others still run, and the next tick tries it again. Each expired lease
+is planned on its own too: a row whose plan cannot be made (a backoff policy that raises,
+a bug) is rescued with the default backoff rather than stopping the rescue of every other
+row. User code (on_dead hooks, event subscribers) never runs on this thread.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..backends.base import RescueParams
+from ..backends.base import ExpiredLease, RescueParams
 from ..backends.limits import RATE_PERIOD_MAX
-from ..retry import DEFAULT_BACKOFF
+from ..hooks import protect_current_thread
+from ..retry import retry_delay
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -85,6 +93,7 @@ class Maintenance:
             self.app.events.emit("errands.leader.resigned", worker_id=self.worker_id)
 
     def _run(self) -> None:
+        protect_current_thread()
         while not self._stop.is_set():
             try:
                 self.run_once()
@@ -103,9 +112,24 @@ class Maintenance:
             )
         if not self.is_leader:
             return
-        self.rescue()
-        backend.job_promote_due()
-        self.scheduler.run_once()
+        for name, duty in (
+            ("rescue", self.rescue),
+            ("promotion", backend.job_promote_due),
+            ("cron", self.scheduler.run_once),
+            ("pruning", self._prune_when_due),
+        ):
+            self._duty(name, duty)
+
+    def _duty(self, name: str, duty: Callable[[], object]) -> bool:
+        """Run one duty of the tick; a failure is logged and never skips the others."""
+        try:
+            duty()
+            return True
+        except Exception:
+            log.exception("maintenance %s failed; the other duties go on", name)
+            return False
+
+    def _prune_when_due(self) -> None:
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + self.prune_interval
             self.prune()
@@ -118,32 +142,10 @@ class Maintenance:
         plans: list[RescueParams] = []
         by_id = {lease.id: lease for lease in expired}
         for lease in expired:
-            definition = self.app.registry.get(lease.name)
-            rescues = lease.rescues + 1
-            state: Literal["retryable", "dead", "cancelled"]
-            message = (
-                f"worker {lease.lease_owner} lost its lease on attempt {lease.attempt} "
-                "(killed, crashed, paused or cut off from the database)"
-            )
-            if lease.cancel_requested:
-                state, delay = "cancelled", 0.0
-            elif rescues >= self.app.poison_after:
-                state, delay = "dead", 0.0
-                message = f"poison: worker died {rescues} times on this job; last: {message}"
-            elif lease.attempt >= lease.max_attempts:
-                state, delay = "dead", 0.0
-            else:
-                backoff = definition.backoff if definition is not None else DEFAULT_BACKOFF
-                state, delay = "retryable", backoff.delay(lease.attempt)
-            error: dict[str, Any] = {
-                "attempt": lease.attempt,
-                "type": "WorkerLost",
-                "message": message,
-                "traceback": None,
-                "worker": lease.lease_owner,
-                "kind": "poison" if message.startswith("poison") else "worker_lost",
-            }
-            plans.append(RescueParams(lease.id, lease.lease_token, state, error, delay))
+            try:
+                plans.append(self._plan(lease))
+            except Exception:  # pragma: no cover - _plan calls nothing that raises
+                log.exception("job %s: planning its rescue failed; retrying it later", lease.id)
         done = backend.job_rescue_many(plans)
         count = 0
         for plan, ok in zip(plans, done, strict=True):
@@ -174,9 +176,38 @@ class Maintenance:
                     error_message=plan.error["message"],
                     reason=plan.error["kind"],
                 )
-                self.app.run_dead_hooks(plan.id)
+                self.app.dead_hooks_later(plan.id)
         self.rescued += count
         return count
+
+    def _plan(self, lease: ExpiredLease) -> RescueParams:
+        """What becomes of one expired lease (see the module doc)."""
+        rescues = lease.rescues + 1
+        state: Literal["retryable", "dead", "cancelled"]
+        message = (
+            f"worker {lease.lease_owner} lost its lease on attempt {lease.attempt} "
+            "(killed, crashed, paused or cut off from the database)"
+        )
+        if lease.cancel_requested:
+            state, delay = "cancelled", 0.0
+        elif rescues >= self.app.poison_after:
+            state, delay = "dead", 0.0
+            message = f"poison: worker died {rescues} times on this job; last: {message}"
+        elif lease.attempt >= lease.max_attempts:
+            state, delay = "dead", 0.0
+        else:
+            definition = self.app.registry.get(lease.name)
+            policy = definition.backoff if definition is not None else None
+            state, delay = "retryable", retry_delay(policy, lease.attempt, job=lease.name)
+        error: dict[str, Any] = {
+            "attempt": lease.attempt,
+            "type": "WorkerLost",
+            "message": message,
+            "traceback": None,
+            "worker": lease.lease_owner,
+            "kind": "poison" if message.startswith("poison") else "worker_lost",
+        }
+        return RescueParams(lease.id, lease.lease_token, state, error, delay)
 
     def prune(self) -> int:
         self.app.backend.worker_prune(WORKER_FORGET_AFTER)

@@ -18,7 +18,12 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..hooks import on_protected_thread
+
+if TYPE_CHECKING:
+    from ..hooks import HookRunner
 
 log = logging.getLogger("errands.events")
 
@@ -65,20 +70,37 @@ Inserter = Callable[[list[Any]], None]  # called with the EnqueueRequests about 
 
 
 class EventBus:
-    def __init__(self) -> None:
+    """Delivers each event to every subscriber.
+
+    errands' own subscribers (the lifecycle log, metrics, tracing) subscribe ``inline``:
+    they run in the thread that emits, and are quick. Any other subscriber is user code:
+    emitted from one of the worker's own threads (completer, claim loop, lease keeper,
+    maintenance), it is delivered in order on the ``events`` lane of ``hooks`` (bounded,
+    time-limited, see :mod:`errands.hooks`), so a slow or hung subscriber never holds up
+    an outcome write or a rescue; emitted from the caller's thread (an enqueue, an admin
+    action), it runs there, as before.
+    """
+
+    def __init__(self, hooks: HookRunner | None = None) -> None:
         self.subscribers: list[Subscriber] = []
         self.wrappers: list[Wrapper] = []
         self.inserters: list[Inserter] = []
+        self._inline: frozenset[int] = frozenset()  # ids of the inline subscribers
+        self._hooks = hooks
         self._lock = threading.Lock()
 
-    def subscribe(self, fn: Subscriber) -> Subscriber:
+    def subscribe(self, fn: Subscriber, *, inline: bool = False) -> Subscriber:
+        """Add a subscriber; ``inline=True`` is for errands' own quick ones (see above)."""
         with self._lock:
             self.subscribers = [*self.subscribers, fn]
+            if inline:
+                self._inline = self._inline | {id(fn)}
         return fn
 
     def unsubscribe(self, fn: Subscriber) -> None:
         with self._lock:
             self.subscribers = [s for s in self.subscribers if s is not fn]
+            self._inline = self._inline - {id(fn)}
 
     def wrap(self, fn: Wrapper) -> Wrapper:
         with self._lock:
@@ -119,11 +141,18 @@ class EventBus:
         if not self.subscribers:
             return
         event = Event(name, fields)
-        for subscriber in self.subscribers:
-            try:
-                subscriber(event)
-            except Exception:
-                log.exception("event subscriber %r failed on %s", subscriber, name)
+        subscribers = self.subscribers
+        deferred: list[Subscriber] = []
+        off_thread = self._hooks is not None and on_protected_thread()
+        for subscriber in subscribers:
+            if off_thread and id(subscriber) not in self._inline:
+                deferred.append(subscriber)
+            else:
+                _deliver(subscriber, event)
+        if deferred and self._hooks is not None:
+            self._hooks.lane("events").submit(
+                _deliver_all, deferred, event, what=f"event subscribers of {name}"
+            )
 
     @contextmanager
     def around_handler(self, info: dict[str, Any]) -> Iterator[None]:
@@ -140,3 +169,15 @@ class EventBus:
                         "handler wrapper %r failed for job %s", wrapper, info.get("job_id")
                     )
             yield
+
+
+def _deliver(subscriber: Subscriber, event: Event) -> None:
+    try:
+        subscriber(event)
+    except Exception:
+        log.exception("event subscriber %r failed on %s", subscriber, event.name)
+
+
+def _deliver_all(subscribers: list[Subscriber], event: Event) -> None:
+    for subscriber in subscribers:
+        _deliver(subscriber, event)

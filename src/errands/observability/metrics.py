@@ -317,7 +317,7 @@ def install_metrics(
                 "metrics are already in it; pass registry=CollectorRegistry() for each App"
             ) from None
         existing.append(metrics)
-    app.events.subscribe(metrics.on_event)
+    app.events.subscribe(metrics.on_event, inline=True)
     return metrics
 
 

@@ -274,5 +274,5 @@ def install_tracing(
         _installed[app] = plugin
     app.events.before_insert(plugin.before_insert)
     app.events.wrap(plugin.around_handler)
-    app.events.subscribe(plugin.on_event)
+    app.events.subscribe(plugin.on_event, inline=True)
     return plugin

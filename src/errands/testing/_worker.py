@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim
 from ..jobs import JobRow
 from ..worker.execution import Attempt
+from ..worker.recorder import OutcomeRecorder
 from ..worker.worker import Worker
 from .faults import SimulatedCrash
 from .results import Run, RunOutcome
@@ -44,7 +45,58 @@ class Hooks(Protocol):
     def _hook_record(self, run: Run) -> None: ...
 
 
+class HarnessRecorder(OutcomeRecorder):
+    """The worker's outcome recorder, with the tester's crashes and run records."""
+
+    worker: HarnessWorker
+
+    def decided(self, attempt: Attempt, exc: BaseException | None, result_json: Any) -> bool:
+        worker = self.worker
+        key = (attempt.id, attempt.token)
+        with worker._harness_lock:
+            duplicate = key in worker._duplicates
+        if _is_crash(exc) or (
+            not duplicate and worker.hooks._hook_crash_before_write(attempt, exc)
+        ):
+            return self._harness_crash(attempt, exc, result_json)
+        with worker._harness_lock:
+            worker._errors[key] = exc
+        return super().decided(attempt, exc, result_json)
+
+    def _harness_crash(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
+        """The attempt dies as its process would: nothing written, lease left to expire.
+
+        The worker decides the outcome as usual (freeing the slot and its bookkeeping),
+        but the completion transaction is rolled back first, so the outcome goes to the
+        completer, where :meth:`HarnessWorker._harness_submit` drops it with the children
+        it carries.
+        """
+        worker = self.worker
+        key = (attempt.id, attempt.token)
+        if attempt.runtime is not None:
+            attempt.runtime.rollback()  # a dead process's transaction rolls back
+        with worker._harness_lock:
+            worker._crashing[key] = exc if _is_crash(exc) else None
+        if super().decided(attempt, exc, result):
+            return True
+        with worker._harness_lock:
+            worker._crashing.pop(key, None)
+        return False
+
+    def on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
+        worker = self.worker
+        try:
+            super().on_written(attempt, outcome, accepted)
+        finally:
+            with worker._harness_lock:
+                error = worker._errors.pop((attempt.id, attempt.token), None)
+            state: RunOutcome = outcome.state if accepted else "rejected"
+            worker._harness_finish(attempt, state, error)
+
+
 class HarnessWorker(Worker):
+    recorder_class = HarnessRecorder
+
     def __init__(self, app: App, hooks: Hooks, **options: Any) -> None:
         super().__init__(app, **options)
         self.hooks = hooks
@@ -71,34 +123,6 @@ class HarnessWorker(Worker):
         return {a.token for a in super().attempts() if not a.decided}
 
     # -- outcomes ------------------------------------------------------------------------------
-    def _decided(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
-        key = (attempt.id, attempt.token)
-        with self._harness_lock:
-            duplicate = key in self._duplicates
-        if _is_crash(exc) or (not duplicate and self.hooks._hook_crash_before_write(attempt, exc)):
-            return self._harness_crash(attempt, exc, result)
-        with self._harness_lock:
-            self._errors[key] = exc
-        return super()._decided(attempt, exc, result)
-
-    def _harness_crash(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
-        """The attempt dies as its process would: nothing written, lease left to expire.
-
-        The worker decides the outcome as usual (freeing the slot and its bookkeeping),
-        but the completion transaction is rolled back first, so the outcome goes to the
-        completer, where :meth:`_harness_submit` drops it with the children it carries.
-        """
-        key = (attempt.id, attempt.token)
-        if attempt.runtime is not None:
-            attempt.runtime.rollback()  # a dead process's transaction rolls back
-        with self._harness_lock:
-            self._crashing[key] = exc if _is_crash(exc) else None
-        if super()._decided(attempt, exc, result):
-            return True
-        with self._harness_lock:
-            self._crashing.pop(key, None)
-        return False
-
     def _harness_submit(self, attempt: Attempt, outcome: FinishParams) -> None:
         key = (attempt.id, attempt.token)
         with self._harness_lock:
@@ -110,15 +134,6 @@ class HarnessWorker(Worker):
         with self._lock:
             self._attempts.pop(key, None)  # no more heartbeats: its lease will expire
         self._harness_finish(attempt, "crashed", error)
-
-    def _on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
-        try:
-            super()._on_written(attempt, outcome, accepted)
-        finally:
-            with self._harness_lock:
-                error = self._errors.pop((attempt.id, attempt.token), None)
-            state: RunOutcome = outcome.state if accepted else "rejected"
-            self._harness_finish(attempt, state, error)
 
     def _harness_finish(
         self, attempt: Attempt, outcome: RunOutcome, error: BaseException | None
@@ -163,7 +178,7 @@ class HarnessWorker(Worker):
             rows = backend.job_claim(ClaimParams(plan, 1, self.id, self.app.lease, suspects=True))
         return rows[0] if rows else None
 
-    def release(self, row: JobRow) -> None:
+    def release_row(self, row: JobRow) -> None:
         """Give a claimed row back without running it (as a shutdown does)."""
         lease = row.lease_seconds or self.app.lease
         self.app.backend.job_release_many([LeaseRef(row.id, row.lease_token or "", lease)])
@@ -182,7 +197,7 @@ class HarnessWorker(Worker):
             self._waiting[key] = waiter
             if duplicate:
                 self._duplicates.add(key)
-        self._start(row)
+        self._start_all([row])
         try:
             return waiter.result(timeout)
         except FutureTimeout:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..backends.base import FinishParams
 from ..errors import is_transient
+from ..hooks import protect_current_thread
 from .execution import Attempt
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class Completer:
         self._queue.put((attempt, outcome))
 
     def _run(self) -> None:
+        protect_current_thread()
         while True:
             first = self._queue.get()
             if first is None:

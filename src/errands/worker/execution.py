@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams, FinishState
 from ..context import Context
-from ..errors import ConfigurationError, InvalidPayload, StepError
+from ..errors import ConfigurationError, InvalidPayload, StepError, TransactionEnded
 from ..jobs import JobRow
 from ..outcomes import Permanent, Retry
-from ..retry import DEFAULT_BACKOFF
+from ..retry import retry_delay
 from .process_pool import ChildFailure
 from .runners import Call
 
@@ -33,12 +33,27 @@ if TYPE_CHECKING:
 TRACEBACK_LIMIT = 16_000
 
 
+# Why a worker asks a handler to stop (``ctx.cancel_reason``), other than a timeout:
+CANCELLED = "cancelled"  # an operator cancelled the job: it ends ``cancelled``
+LEASE_LOST = "lease lost"  # another worker may run it now: the outcome is fenced out
+LEASE_UNRENEWED = "lease could not be renewed"  # self-fenced: store unreachable
+SHUTDOWN = "shutdown"  # graceful stop past the grace period: the job is released
+
+
 class Interrupted(Exception):
-    """Raised inside an async handler's task when the worker stops it."""
+    """The worker stopped the handler (raised in an async task; recorded for a sync
+    handler that returned after being asked to stop): never a completion."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(reason)
+        super().__init__(
+            reason if reason != CANCELLED else "cancelled by an operator while running"
+        )
         self.reason = reason
+
+    @property
+    def kind(self) -> str:
+        """The error entry's kind: ``cancelled``, or ``lease_lost`` for a lease problem."""
+        return "cancelled" if self.reason == CANCELLED else "lease_lost"
 
 
 class JobTimeout(Exception):
@@ -62,6 +77,7 @@ class Attempt:
     ended: float = 0.0  # monotonic time the outcome was decided
     runtime: AttemptRuntime | None = None
     kill: Callable[[BaseException], None] | None = None  # process pool: end the child
+    child: Future[Any] | None = None  # process pool, isolated suspect: the child's answer
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired
     interrupted: bool = False
@@ -158,16 +174,29 @@ def _secrets(attempt: Attempt) -> list[str]:
     return sorted({t for v in values for t in _texts(v) if len(t) >= 3})
 
 
+def _safe_text(fn: Callable[[], str], fallback: str) -> str:
+    """``fn()``, or ``fallback`` when it raises: a handler's exception is user code, and
+    its ``__str__`` (or a frame's repr) may raise too; its record must still be written."""
+    try:
+        return str(fn())
+    except Exception as exc:
+        return f"{fallback} ({type(exc).__name__} while formatting it)"
+
+
 def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str) -> dict[str, Any]:
     """The record of one failed attempt, with sensitive argument values scrubbed."""
-    trace = exc.trace if isinstance(exc, ChildFailure) else "".join(tb.format_exception(exc))
+    type_name = exc.type_name if isinstance(exc, ChildFailure) else type(exc).__qualname__
+    if isinstance(exc, ChildFailure):
+        trace = exc.trace
+    else:
+        trace = _safe_text(lambda: "".join(tb.format_exception(exc)), "traceback unavailable")
     if len(trace) > TRACEBACK_LIMIT:
         trace = "...\n" + trace[-TRACEBACK_LIMIT:]
     secrets = _secrets(attempt)
     return {
         "attempt": attempt.row.attempt,
-        "type": exc.type_name if isinstance(exc, ChildFailure) else type(exc).__qualname__,
-        "message": scrub(str(exc), secrets) or type(exc).__qualname__,
+        "type": type_name,
+        "message": scrub(_safe_text(lambda: str(exc), type_name), secrets) or type_name,
         "traceback": scrub(trace, secrets),
         "worker": worker_id,
         "kind": kind,
@@ -175,9 +204,18 @@ def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str)
 
 
 def outcome_for(
-    attempt: Attempt, exc: BaseException | None, result_json: str | None, worker_id: str
+    attempt: Attempt,
+    exc: BaseException | None,
+    result_json: str | None,
+    worker_id: str,
+    poison_after: int = 3,
 ) -> FinishParams:
-    """Classify an attempt's end (DESIGN §5) into the fenced write that records it."""
+    """Classify an attempt's end (DESIGN §5) into the fenced write that records it.
+
+    A child process that died running the job (an isolated suspect, or the process pool)
+    counts like a lost worker toward the poison limit: ``poison_after`` deaths on one job
+    (rescues and crashes) make it dead, reason ``poison``.
+    """
     row = attempt.row
     if exc is None:
         return FinishParams(row.id, attempt.token, "completed", result_json=result_json)
@@ -185,15 +223,18 @@ def outcome_for(
     permanent = definition.permanent if definition is not None else ()
     if (
         # ConfigurationError: the handler misused errands (a child job without its required
-        # key=, say); the same code fails the same way on every retry.
-        isinstance(exc, InvalidPayload | Permanent | StepError | ConfigurationError)
+        # key=, say); the same code fails the same way on every retry. TransactionEnded:
+        # its writes were committed outside the completion; a retry would repeat them.
+        isinstance(
+            exc, InvalidPayload | Permanent | StepError | ConfigurationError | TransactionEnded
+        )
         or (permanent and isinstance(exc, permanent))
         or (isinstance(exc, ChildFailure) and exc.kind == "permanent")
     ):
         return FinishParams(
             row.id, attempt.token, "dead", error=error_entry(attempt, exc, worker_id, "permanent")
         )
-    if isinstance(exc, Interrupted) and exc.reason == "cancelled":
+    if isinstance(exc, Interrupted) and exc.reason == CANCELLED:
         return FinishParams(
             row.id,
             attempt.token,
@@ -201,12 +242,65 @@ def outcome_for(
             error=error_entry(attempt, exc, worker_id, "cancelled"),
         )
     kind = "timeout" if isinstance(exc, JobTimeout) else "transient"
+    if isinstance(exc, Interrupted):
+        kind = exc.kind
+    if isinstance(exc, ChildFailure) and exc.kind == "crash":
+        deaths = row.rescues + _crashes(row) + 1
+        if deaths >= poison_after:
+            exc = ChildFailure(
+                exc.type_name, f"poison: worker died {deaths} times on this job; last: {exc}", "",
+                "crash",
+            )  # fmt: skip
+            return FinishParams(
+                row.id, attempt.token, "dead", error=error_entry(attempt, exc, worker_id, "poison")
+            )
+        kind = "crash"
     if isinstance(exc, Retry) or (isinstance(exc, ChildFailure) and exc.kind == "retry"):
         delay, kind = exc.after, "retry"  # type: ignore[union-attr]
     else:
-        backoff = definition.backoff if definition is not None else DEFAULT_BACKOFF
-        delay = backoff.delay(row.attempt)
+        policy = definition.backoff if definition is not None else None
+        delay = retry_delay(policy, row.attempt, job=row.name)
     state: FinishState = "retryable" if row.attempt < row.max_attempts else "dead"
     return FinishParams(
         row.id, attempt.token, state, error=error_entry(attempt, exc, worker_id, kind), delay=delay
+    )
+
+
+def _crashes(row: JobRow) -> int:
+    """Earlier attempts of this job whose child process died."""
+    if '"crash"' not in row.errors:
+        return 0
+    try:
+        return sum(
+            1 for e in json.loads(row.errors) if isinstance(e, dict) and e.get("kind") == "crash"
+        )
+    except (TypeError, ValueError, RecursionError):
+        return 0
+
+
+def context_key(row: JobRow) -> str | None:
+    """The key ``ctx.idempotency_key`` is made from, None for the job's id.
+
+    A key enqueued with ``unique_for`` is released when that period ends, and a later
+    enqueue may take it for a new job: such a job's idempotency key is built from its id,
+    so it never changes between attempts and is never shared with another job. A key
+    without ``unique_for`` stays the job's for as long as its row exists.
+    """
+    return row.idempotency_key if row.unique_until is None else None
+
+
+def context_for(
+    row: JobRow, definition: JobDefinition[Any, Any], worker_id: str, runtime: AttemptRuntime
+) -> Context:
+    """The ``Context`` a handler receives for this attempt."""
+    return Context(
+        job_id=row.id,
+        name=row.name,
+        queue=row.queue,
+        attempt=row.attempt,
+        max_attempts=row.max_attempts,
+        key=context_key(row),
+        worker_id=worker_id,
+        logger=definition.logger,
+        _runtime=runtime,
     )

@@ -12,6 +12,14 @@ to stop (``ctx.cancelled``; ``CancelledError`` in async handlers).
 Self-fencing: if heartbeats keep failing (database unreachable), every handler whose
 lease would run out within one heartbeat interval is stopped *before* it runs out, so
 this worker never races the worker that will take the job over.
+
+A heartbeat's answer is matched by job id *and* lease token: after a lease loss this
+worker may hold a stale attempt and a newer attempt of the same job at once, and only the
+newer one's lease was extended; the stale one is told its lease is lost.
+
+On a store where an open transaction holds the single write lock (SQLite), a handler
+that keeps ``ctx.transaction()`` open keeps every heartbeat of this worker out: past a
+third of the lease, the keeper warns, naming the job.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..backends.base import LeaseRef
-from .execution import Attempt
+from ..hooks import protect_current_thread
+from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt
 
 if TYPE_CHECKING:
     from ..app import App
@@ -111,6 +120,7 @@ class LeaseKeeper:
         return None
 
     def _run(self) -> None:
+        protect_current_thread()
         next_beat = time.monotonic() + self.interval
         while not self._stop.is_set():
             now = time.monotonic()
@@ -122,6 +132,7 @@ class LeaseKeeper:
                 continue
             if now >= next_beat:
                 self.beat()
+                self._warn_long_transactions()
                 caller = self._caller()  # best effort, never waited for
                 if caller is not None:
                     caller.submit(self.worker.registry_beat)
@@ -164,11 +175,10 @@ class LeaseKeeper:
         self.failures = 0
         loop = self.worker.loop
         for attempt in held:
-            if attempt.id in result.extended:
+            lease = (attempt.id, attempt.token)
+            if lease in result.extended:
                 attempt.lease_valid_until = sent_at + attempt.lease_seconds
-                if attempt.id in result.cancel_requested and not (
-                    attempt.ctx and attempt.ctx.cancelled
-                ):
+                if lease in result.cancel_requested and not (attempt.ctx and attempt.ctx.cancelled):
                     log.info(
                         "job %s was cancelled by an operator; stopping its handler", attempt.id
                     )
@@ -180,7 +190,7 @@ class LeaseKeeper:
                     attempt.id,
                     attempt.row.attempt,
                 )
-                attempt.interrupt("lease lost", loop)
+                attempt.interrupt(LEASE_LOST, loop)
 
     def _self_fence(self, held: list[Attempt]) -> None:
         horizon = time.monotonic() + self.interval * 1.5
@@ -191,7 +201,29 @@ class LeaseKeeper:
                     "runs out, so no other worker races it",
                     attempt.id,
                 )
-                attempt.interrupt("lease could not be renewed", self.worker.loop)
+                attempt.interrupt(LEASE_UNRENEWED, self.worker.loop)
+
+    def _warn_long_transactions(self) -> None:
+        backend = self.worker.app.backend
+        if not backend.capabilities.single_writer:
+            return
+        now = time.monotonic()
+        for attempt in self.worker.attempts():
+            runtime = attempt.runtime
+            if runtime is None or runtime.tx is None or runtime.tx_warned:
+                continue
+            held = now - runtime.tx_opened
+            if held > attempt.lease_seconds / 3:
+                runtime.tx_warned = True
+                log.warning(
+                    "job %s has held ctx.transaction() open for %.1f s: on SQLite it holds "
+                    "the database's write lock, so no heartbeat of this worker can renew a "
+                    "lease; past the lease (%g s) every handler of this worker is self-fenced. "
+                    "Open the transaction at the end of the handler and keep it short",
+                    attempt.id,
+                    held,
+                    attempt.lease_seconds,
+                )
 
 
 class WorkerLike(Protocol):

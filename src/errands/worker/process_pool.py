@@ -7,8 +7,8 @@ heartbeats, the fenced outcome — so a child that hangs, crashes or is killed n
 a job without an owner:
 
 - a timeout or an operator's cancel kills the child (SIGKILL) and starts a new one;
-- a child that dies on its own fails the attempt ("worker process died"), retried with
-  backoff like any transient failure;
+- a child that dies on its own fails the attempt ("worker process died", kind ``crash``),
+  retried with backoff; the job stays a suspect, so it runs isolated again;
 - ``ctx.step`` and ``ctx.transaction()`` work in the child through its own connection;
   when the handler used ``ctx.transaction()``, the child writes the fenced completion in
   that transaction itself and reports whether it landed; children of ``ctx.enqueue``
@@ -16,6 +16,10 @@ a job without an owner:
 
 Arguments and results cross the process boundary as the job's stored JSON, never pickled
 user objects; failures come back as their type name, message, traceback and class.
+
+The same runner isolates *suspects* (rescued jobs, which may have killed their worker) in
+thread mode: a few children, started on first need and kept, each running one suspect
+at a time, sync or ``async def``.
 """
 
 from __future__ import annotations
@@ -64,16 +68,23 @@ class _Slot:
 
 
 class ProcessRunner:
-    def __init__(self, app_path: str, url: str, size: int) -> None:
+    def __init__(
+        self, app_path: str, url: str, size: int, *, start: bool = True, worker_id: str = ""
+    ) -> None:
+        """``size`` children; ``start=False`` starts each when first needed. A handler in
+        a child sees ``worker_id`` (the parent worker's) as ``ctx.worker_id``."""
         self.app_path = app_path
         self.url = url
+        self.worker_id = worker_id
+        self.size = size
         self.ctx = multiprocessing.get_context("spawn")
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._starting = 0
         self.killed = 0
-        for _ in range(size):
+        for _ in range(size if start else 0):
             slot = self._spawn()
             self._slots.append(slot)
             self._free.append(slot)
@@ -81,7 +92,7 @@ class ProcessRunner:
     def _spawn(self) -> _Slot:
         parent, child = self.ctx.Pipe()
         process = self.ctx.Process(
-            target=child_main, args=(self.app_path, self.url, child), daemon=True,
+            target=child_main, args=(self.app_path, self.url, child, self.worker_id), daemon=True,
             name="errands-child",
         )  # fmt: skip
         process.start()
@@ -97,6 +108,7 @@ class ProcessRunner:
 
     def submit(self, row: JobRow) -> Future[Any]:
         future: Future[Any] = Future()
+        self._grow()
         with self._cond:
             while not self._free and not self._closed:
                 self._cond.wait()
@@ -107,6 +119,25 @@ class ProcessRunner:
             slot.busy = future
         threading.Thread(target=self._run, args=(slot, row, future), daemon=True).start()
         return future
+
+    def _grow(self) -> None:
+        """Start one more child when none is free and fewer than ``size`` exist."""
+        with self._cond:
+            if self._free or len(self._slots) + self._starting >= self.size or self._closed:
+                return
+            self._starting += 1
+        try:
+            slot = self._spawn()
+        except Exception:
+            log.exception("could not start a worker child process")
+            with self._cond:
+                self._starting -= 1
+            raise
+        with self._cond:
+            self._starting -= 1
+            self._slots.append(slot)
+            self._free.append(slot)
+            self._cond.notify()
 
     def _run(self, slot: _Slot, row: JobRow, future: Future[Any]) -> None:
         try:
@@ -122,7 +153,7 @@ class ProcessRunner:
                         "WorkerProcessDied",
                         f"the worker child process died running this job (exit code {code})",
                         "",
-                        "transient",
+                        "crash",
                     )
                 )
             return
@@ -175,7 +206,7 @@ class ProcessRunner:
                 slot.process.kill()
 
 
-def child_main(app_path: str, url: str, conn: Any) -> None:
+def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
     """A child's loop: import the app, then run one job per message until told to stop."""
     import signal
 
@@ -196,14 +227,17 @@ def child_main(app_path: str, url: str, conn: Any) -> None:
             return
         if message is None:
             return
-        conn.send(_run_one(app, JobRow(*message)))
+        conn.send(_run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}"))
 
 
-def _run_one(app: Any, row: JobRow) -> tuple[bool, Any]:
-    from ..context import Context
-    from ..errors import InvalidPayload, StepError
+def _run_one(app: Any, row: JobRow, worker_id: str) -> tuple[bool, Any]:
+    import asyncio
+    import inspect
+
+    from ..errors import InvalidPayload, StepError, TransactionEnded
     from ..outcomes import Permanent, Retry
-    from .execution import Attempt, outcome_for
+    from .dispatch import encode
+    from .execution import Attempt, context_for, outcome_for
     from .runtime import AttemptRuntime
 
     definition = app.registry[row.name]
@@ -212,24 +246,20 @@ def _run_one(app: Any, row: JobRow) -> tuple[bool, Any]:
     try:
         kwargs = definition.payload.decode(row.args)
         attempt.kwargs = kwargs
-        ctx = Context(
-            job_id=row.id,
-            name=row.name,
-            queue=row.queue,
-            attempt=row.attempt,
-            max_attempts=row.max_attempts,
-            key=row.idempotency_key,
-            worker_id=f"child-{os.getpid()}",
-            logger=logging.getLogger(f"errands.job.{row.name}"),
-            _runtime=runtime,
-        )
+        ctx = context_for(row, definition, worker_id, runtime)
         call = dict(kwargs)
         if definition.payload.context_param:
             call[definition.payload.context_param] = ctx
-        result_json = definition.payload.encode_result(definition.fn(**call))
+        value = definition.fn(**call)
+        if inspect.isawaitable(value):  # an async def handler: its own event loop here
+            value = asyncio.run(_awaited(value))
+        result_json = encode(definition, value)
+        if runtime.tx is not None:
+            runtime.check_transaction()  # raises if the handler ended it
     except BaseException as exc:
         runtime.rollback()
-        if isinstance(exc, (InvalidPayload, Permanent, StepError, *definition.permanent)):
+        permanent = (InvalidPayload, Permanent, StepError, TransactionEnded, *definition.permanent)
+        if isinstance(exc, permanent):
             kind, after = "permanent", 0.0
         elif isinstance(exc, Retry):
             kind, after = "retry", exc.after
@@ -241,10 +271,18 @@ def _run_one(app: Any, row: JobRow) -> tuple[bool, Any]:
     if runtime.tx is not None:
         from dataclasses import replace
 
-        outcome = outcome_for(attempt, None, result_json, f"child-{os.getpid()}")
+        outcome = outcome_for(attempt, None, result_json, worker_id)
         if runtime.children:
             outcome = replace(outcome, children=tuple(runtime.children))
         tx, runtime.tx = runtime.tx, None
-        written = app.backend.tx_finish(tx, outcome)
+        try:
+            written = app.backend.tx_finish(tx, outcome)
+        except Exception as exc:  # the parent retries it, like any store failure
+            trace = "".join(tb.format_exception(exc))
+            return False, (type(exc).__qualname__, str(exc), trace, "transient", 0.0)
         return True, ChildResult(result_json, [], written)
     return True, ChildResult(result_json, list(runtime.children), written)
+
+
+async def _awaited(value: Any) -> Any:
+    return await value

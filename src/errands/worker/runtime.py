@@ -6,7 +6,12 @@ transaction and child jobs (DESIGN §3, effectively-once effects).
   result back without calling fn. Two runs racing on one step (a stale attempt) keep the
   first stored result and both return it.
 - ``ctx.transaction()``: a connection inside the very transaction that will complete the
-  job; the handler's writes commit with the completion, or are rolled back with it.
+  job; the handler's writes commit with the completion, or are rolled back with it. The
+  calls that would end that transaction early (``commit()``, ``executescript``, a
+  ``COMMIT``/``ROLLBACK``/``END`` statement, ...) are refused when made; as a backstop,
+  errands opens a savepoint inside the transaction and releases it just before the
+  completion: a handler that ended the transaction anyway (through ``tx.raw``, say)
+  fails permanently and loudly (``TransactionEnded``).
 - ``ctx.enqueue(job, ...)``: children are validated now and inserted in the transaction
   that completes this job; a failed, timed-out or rescued attempt inserts none.
 """
@@ -16,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import sqlite3
 import threading
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from ..errors import ConfigurationError, StepError
+from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
 from ..jobs import EnqueueRequest
 from ..payload import NUL_FIX, holds_nul
 from ..testing.faults import fault_point
@@ -41,6 +49,8 @@ class AttemptRuntime:
         self.app = app
         self.attempt = attempt
         self.tx: Any = None
+        self.tx_opened = 0.0  # monotonic time ctx.transaction() opened it
+        self.tx_warned = False  # the lease keeper warned that it is held long
         self.children: list[EnqueueRequest] = []
         self._steps: dict[str, Any] | None = None
         self._used: set[str] = set()
@@ -105,7 +115,19 @@ class AttemptRuntime:
         done, value = self._begin_step(name)
         if done:
             return value
+        self._warn_step_in_transaction(name)
         return self._store_step(name, fn(*args, **kwargs))
+
+    def _warn_step_in_transaction(self, name: str) -> None:
+        if self.tx is not None:
+            log.warning(
+                "job %s: step %r runs inside ctx.transaction(), so its stored result commits "
+                "with that transaction: if this attempt fails, the step is forgotten and its "
+                "effect runs again on the retry. Call ctx.step before ctx.transaction() for "
+                "effects outside the database (a payment, an email)",
+                self.attempt.id,
+                name,
+            )
 
     async def astep(
         self, name: str, fn: Callable[..., Awaitable[Any] | Any], *args: Any, **kwargs: Any
@@ -113,6 +135,7 @@ class AttemptRuntime:
         done, value = await asyncio.to_thread(self._begin_step, name)
         if done:
             return value
+        self._warn_step_in_transaction(name)
         result = fn(*args, **kwargs)
         if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
             result = await result
@@ -122,8 +145,48 @@ class AttemptRuntime:
     def transaction(self) -> TransactionConnection:
         with self._lock:
             if self.tx is None:
-                self.tx = self.app.backend.tx_begin()
+                tx = self.app.backend.tx_begin()
+                try:
+                    tx.execute(OPEN_SAVEPOINT)
+                except BaseException:
+                    self.app.backend.tx_rollback(tx)
+                    raise
+                self.tx, self.tx_opened = tx, time.monotonic()
             return TransactionConnection(self.tx)
+
+    def check_transaction(self) -> None:
+        """Just before the completion is written in it: raise TransactionEnded unless the
+        transaction is still the one errands opened (its savepoint is still there)."""
+        try:
+            self.tx.execute(RELEASE_SAVEPOINT)
+        except Exception as exc:
+            if _broken(exc):  # the connection broke: not the handler's doing
+                raise
+            if type(exc).__name__ == "InFailedSqlTransaction":  # aborted, not ended: a
+                raise RuntimeError(  # statement failed and the handler carried on
+                    f"job {self.attempt.id}: the transaction of ctx.transaction() was aborted "
+                    "by a statement that failed earlier in the handler; nothing of it is "
+                    "committed"
+                ) from exc
+            raise TransactionEnded(
+                f"job {self.attempt.id}: the transaction of ctx.transaction() was ended by the "
+                f"handler before the job completed ({type(exc).__name__}: {exc}); the writes "
+                "it made until then may be committed while the job is not. The job fails "
+                "for good (its retry would repeat them): never commit, roll back or end that "
+                "transaction yourself (raise to roll it back)"
+            ) from None
+
+    def transaction_ended(self) -> bool:
+        """For a failed attempt: whether the handler ended errands' transaction (its
+        savepoint is gone), so writes it made may be committed. Works in an aborted
+        transaction too (ROLLBACK TO SAVEPOINT is allowed there)."""
+        if self.tx is None:
+            return False
+        try:
+            self.tx.execute(ROLLBACK_TO_SAVEPOINT)
+        except Exception as exc:
+            return not _broken(exc)  # a broken connection ended nothing of the handler's
+        return False
 
     def rollback(self) -> None:
         with self._lock:
@@ -166,6 +229,60 @@ class AttemptRuntime:
             self.children.append(request)
 
 
+def _broken(exc: BaseException) -> bool:
+    """Connection or lock trouble (the store's, not the handler's doing). SQLite reports a
+    missing savepoint as an OperationalError too, so its errors are told apart by text."""
+    if isinstance(exc, sqlite3.Error):
+        text = str(exc).lower()
+        return any(word in text for word in ("locked", "busy", "disk i/o", "closed"))
+    return is_transient(exc)
+
+
+SAVEPOINT = "errands_tx"
+OPEN_SAVEPOINT = "SAVEPOINT errands_tx"
+RELEASE_SAVEPOINT = "RELEASE SAVEPOINT errands_tx"
+ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT errands_tx"
+# Statements that end (or replace) the open transaction; ROLLBACK TO SAVEPOINT does not.
+_ENDS = re.compile(
+    r"^(?:commit|end|abort|begin|start\s+transaction|prepare\s+transaction|"
+    r"rollback(?!\s+(?:transaction\s+|work\s+)?to\b)|"
+    rf"release\s+(?:savepoint\s+)?\"?{SAVEPOINT})\b",
+    re.IGNORECASE,
+)
+_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.DOTALL)
+_REFUSED_CALLS = {"commit", "rollback", "close", "executescript", "set_autocommit"}
+# Setting these ends or changes the open transaction (sqlite3 commits when its
+# isolation_level becomes None); other attributes (row_factory, ...) may be set.
+_REFUSED_SETTINGS = {"autocommit", "isolation_level", "read_only", "deferrable"}
+
+
+def _statement_text(conn: Any, query: Any) -> str:
+    if isinstance(query, str):
+        return query
+    if isinstance(query, bytes | bytearray | memoryview):
+        return bytes(query).decode("utf-8", "replace")
+    as_string = getattr(query, "as_string", None)  # psycopg.sql.Composed / SQL
+    if as_string is not None:
+        try:
+            return str(as_string(conn))
+        except Exception:
+            return ""
+    return str(query)
+
+
+def refuse_ending(conn: Any, query: Any) -> None:
+    """Raise TransactionEnded if ``query`` would end the transaction of ctx.transaction()."""
+    text = _COMMENTS.sub(" ", _statement_text(conn, query))
+    for statement in text.split(";"):
+        words = statement.strip()
+        if words and _ENDS.match(words):
+            verb = words.split()[0].upper()
+            raise TransactionEnded(
+                f"ctx.transaction() connection: {verb} is not allowed; this transaction "
+                "commits together with the job's completion (raise to roll it back)"
+            )
+
+
 class TransactionConnection:
     """The handler's view of the completion transaction: the driver connection, minus the
     calls that would end the transaction early (errands commits it with the job)."""
@@ -176,12 +293,35 @@ class TransactionConnection:
         self._conn = conn
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("commit", "rollback", "close", "autocommit", "set_autocommit"):
-            raise StepError(
-                f"ctx.transaction() connection: {name}() is not allowed; the transaction "
+        if name in _REFUSED_CALLS:
+            raise TransactionEnded(
+                f"ctx.transaction() connection: {name} is not allowed; the transaction "
                 "commits together with the job's completion (raise to roll it back)"
             )
         return getattr(self._conn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_conn":
+            object.__setattr__(self, name, value)
+        elif name in _REFUSED_SETTINGS:
+            raise TransactionEnded(
+                f"ctx.transaction() connection: setting {name} is not allowed (it would end "
+                "or change the transaction errands commits with the job)"
+            )
+        else:
+            setattr(self._conn, name, value)
+
+    def execute(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
+        refuse_ending(self._conn, query)
+        return GuardedCursor(self._conn, self._conn.execute(query, *args, **kwargs))
+
+    def executemany(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_ending(self._conn, query)
+        result = self._conn.executemany(query, *args, **kwargs)
+        return GuardedCursor(self._conn, result) if result is not None else None
+
+    def cursor(self, *args: Any, **kwargs: Any) -> GuardedCursor:
+        return GuardedCursor(self._conn, self._conn.cursor(*args, **kwargs))
 
     def __enter__(self) -> TransactionConnection:
         return self
@@ -191,5 +331,47 @@ class TransactionConnection:
 
     @property
     def raw(self) -> Any:
-        """The underlying sqlite3 or psycopg connection (do not commit it yourself)."""
+        """The underlying sqlite3 or psycopg connection (do not commit it yourself: errands
+        checks before the completion, and fails the job if the transaction was ended)."""
         return self._conn
+
+
+class GuardedCursor:
+    """A cursor of the completion transaction: statements that would end it are refused."""
+
+    __slots__ = ("_conn", "_cursor")
+
+    def __init__(self, conn: Any, cursor: Any) -> None:
+        self._conn = conn
+        self._cursor = cursor
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "executescript":
+            raise TransactionEnded(
+                "ctx.transaction() cursor: executescript is not allowed (it commits first); "
+                "the transaction commits together with the job's completion"
+            )
+        if name == "connection":
+            return TransactionConnection(self._conn)
+        return getattr(self._cursor, name)
+
+    def execute(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
+        refuse_ending(self._conn, query)
+        self._cursor.execute(query, *args, **kwargs)
+        return self
+
+    def executemany(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
+        refuse_ending(self._conn, query)
+        self._cursor.executemany(query, *args, **kwargs)
+        return self
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._cursor)
+
+    def __enter__(self) -> GuardedCursor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        close = getattr(self._cursor, "close", None)
+        if close is not None:
+            close()

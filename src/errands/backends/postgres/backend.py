@@ -30,6 +30,7 @@ from ...errors import ConfigurationError, SchemaOutdated
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
 from ..base import (
+    RELEASED,
     Capabilities,
     ClaimParams,
     CronState,
@@ -72,7 +73,7 @@ JOB_COLUMNS_SQL = ", ".join(
         "extract(epoch FROM j.finished_at)::float8", "j.lease_owner", "j.lease_token",
         "extract(epoch FROM j.lease_expires_at)::float8", "j.rescues",
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
-        "j.discard_reason", "j.parent_id",
+        "j.discard_reason", "j.parent_id", "extract(epoch FROM j.unique_until)::float8",
     ]
 )  # fmt: skip
 
@@ -89,6 +90,8 @@ COPY_OPTIONAL: tuple[tuple[str, Callable[[EnqueueRequest], Any]], ...] = (
     ("unique_until", lambda r: r.unique_for is not None),
     ("concurrency_key", lambda r: r.concurrency_key is not None),
     ("concurrency_limit", lambda r: r.concurrency_limit is not None),
+    ("rate_limit", lambda r: r.rate_limit is not None),
+    ("rate_period", lambda r: r.rate_period is not None),
 )
 
 
@@ -103,6 +106,7 @@ def _copy_plain(r: EnqueueRequest) -> bool:
         and r.unique_for is None
         and r.concurrency_key is None
         and r.concurrency_limit is None
+        and r.rate_limit is None
     )
 
 
@@ -305,6 +309,8 @@ class PostgresBackend(PostgresAdmin):
             "unique_for": req.unique_for,
             "concurrency_key": req.concurrency_key,
             "concurrency_limit": req.concurrency_limit,
+            "rate_limit": req.rate_limit,
+            "rate_period": req.rate_period,
         }
 
     def _insert(
@@ -396,6 +402,8 @@ class PostgresBackend(PostgresAdmin):
                         None if r.unique_for is None else now + timedelta(seconds=r.unique_for),
                         r.concurrency_key,
                         r.concurrency_limit,
+                        r.rate_limit,
+                        r.rate_period,
                     )
                     chosen = pick(values)
                     row += chosen if len(optional) > 1 else (chosen,)
@@ -427,6 +435,8 @@ class PostgresBackend(PostgresAdmin):
                     "unique_fors": [r.unique_for for r in requests],
                     "ckeys": [r.concurrency_key for r in requests],
                     "climits": [r.concurrency_limit for r in requests],
+                    "rlimits": [r.rate_limit for r in requests],
+                    "rperiods": [r.rate_period for r in requests],
                 },
             ).fetchall()
         }
@@ -469,7 +479,7 @@ class PostgresBackend(PostgresAdmin):
                 {
                     "queues": [q.name for q in params.queues],
                     "limits": [q.limit for q in params.queues],
-                    "limit": 1 if params.suspects else params.limit,
+                    "limit": params.limit,
                     "worker_id": params.worker_id,
                     "token": secrets.token_hex(8),
                     "lease_default": params.lease_seconds_default,
@@ -578,9 +588,9 @@ class PostgresBackend(PostgresAdmin):
                 self.q["queue_claim_lock"], {"lock": f"errands:{self.schema}:{queue.name}"}
             )
             rows = claim_limited(
-                _LimitedStore(conn, self.q),
+                _LimitedStore(conn, self.q, f"errands:{self.schema}:"),
                 queue.name,
-                1 if suspects else queue.limit,
+                queue.limit,
                 {
                     "worker_id": worker_id,
                     "token": secrets.token_hex(8),
@@ -591,6 +601,13 @@ class PostgresBackend(PostgresAdmin):
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in
         return claimed
+
+    def queues_limited(self, queues: Sequence[str]) -> set[str]:
+        if not queues:
+            return set()
+        with self._conn() as conn:
+            rows = conn.execute(self.q["queues_limited"], {"queues": list(queues)}).fetchall()
+        return {r[0] for r in rows}
 
     def rate_log_prune(self, older_than: float) -> int:
         with self._conn() as conn:
@@ -694,9 +711,11 @@ class PostgresBackend(PostgresAdmin):
                     "leases": [float(lease.lease_seconds) for lease in leases],
                 },
             ).fetchall()
-        return HeartbeatResult(frozenset(r[0] for r in rows), frozenset(r[0] for r in rows if r[1]))
+        return HeartbeatResult(
+            frozenset((r[0], r[1]) for r in rows), frozenset((r[0], r[1]) for r in rows if r[2])
+        )
 
-    def job_release_many(self, leases: Sequence[LeaseRef]) -> list[bool]:
+    def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
         if not leases:
             return []
         with self._conn() as conn:
@@ -707,6 +726,7 @@ class PostgresBackend(PostgresAdmin):
                     {
                         "ids": [lease.id for lease in leases],
                         "tokens": [lease.lease_token for lease in leases],
+                        "message": message,
                     },
                 ).fetchall()
             }
@@ -788,9 +808,14 @@ def unwrap_connection(conn: Any) -> Any:
 
 
 class _LimitedStore:
-    def __init__(self, conn: psycopg.Connection[Any], queries: dict[str, str]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], queries: dict[str, str], prefix: str) -> None:
         self.conn = conn
         self.q = queries
+        self.prefix = prefix  # lock names are per schema
+
+    def lock(self, names: list[str]) -> None:
+        if names:
+            self.conn.execute(self.q["limit_locks"], {"prefix": self.prefix, "names": names})
 
     def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
         cur = self.conn.execute(self.q[query], params)

@@ -12,7 +12,8 @@
 WITH ins AS (
 INSERT INTO {schema}.errands_jobs AS j
     (name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
-     timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit)
+     timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit,
+     rate_limit, rate_period)
 VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(meta)s::jsonb,
         CASE WHEN COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s))
                   > now() THEN 'scheduled' ELSE 'available' END,
@@ -20,7 +21,7 @@ VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(meta)s::jsonb,
         COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s)),
         %(key)s, %(timeout)s, %(lease_seconds)s, %(parent_id)s,
         now() + make_interval(secs => %(unique_for)s), %(concurrency_key)s,
-        %(concurrency_limit)s)
+        %(concurrency_limit)s, %(rate_limit)s, %(rate_period)s)
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
 ), note AS (
@@ -33,21 +34,25 @@ SELECT (SELECT id FROM ins), (SELECT count(*) FROM note)
 -- ids are allocated first (job_allocate_ids) so results map back to requests in order.
 INSERT INTO {schema}.errands_jobs AS j
     (id, name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
-     timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit)
+     timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit,
+     rate_limit, rate_period)
 SELECT r.id, r.name, r.queue, r.args::jsonb, r.meta::jsonb,
        CASE WHEN COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay))
                  > now() THEN 'scheduled' ELSE 'available' END,
        r.priority, r.max_attempts,
        COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay)),
        r.key, r.timeout, r.lease_seconds, r.parent_id,
-       now() + make_interval(secs => r.unique_for), r.concurrency_key, r.concurrency_limit
+       now() + make_interval(secs => r.unique_for), r.concurrency_key, r.concurrency_limit,
+       r.rate_limit, r.rate_period
 FROM unnest(%(ids)s::bigint[], %(names)s::text[], %(queues)s::text[], %(args)s::text[],
             %(metas)s::text[], %(priorities)s::int[], %(max_attempts)s::int[],
             %(run_ats)s::float8[], %(delays)s::float8[], %(keys)s::text[],
             %(timeouts)s::float8[], %(leases)s::float8[], %(parents)s::bigint[],
-            %(unique_fors)s::float8[], %(ckeys)s::text[], %(climits)s::int[])
+            %(unique_fors)s::float8[], %(ckeys)s::text[], %(climits)s::int[],
+            %(rlimits)s::int[], %(rperiods)s::float8[])
      AS r(id, name, queue, args, meta, priority, max_attempts, run_at, delay, key, timeout,
-          lease_seconds, parent_id, unique_for, concurrency_key, concurrency_limit)
+          lease_seconds, parent_id, unique_for, concurrency_key, concurrency_limit,
+          rate_limit, rate_period)
 ORDER BY r.id
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
@@ -82,6 +87,10 @@ SELECT id FROM {schema}.errands_jobs WHERE name = %(name)s AND idempotency_key =
 -- name: job_claim
 -- One statement for every queue: each queue's due rows in claim order, up to its cap,
 -- locked with SKIP LOCKED so concurrent claimers never wait on each other's rows.
+-- $RESCUED makes two variants (see errands.backends.sqlfile): job_claim takes fresh rows
+-- (rescues = 0), job_claim_suspect rescued ones (rescues > 0, through their own partial
+-- index). Rows carrying a limit (a concurrency key or a rate) are never taken here: the
+-- worker claims them through claim_limited, which counts them (errands.backends.limits).
 WITH picked AS (
     SELECT p.id
     FROM unnest(%(queues)s::text[], %(limits)s::int[]) AS q(name, cap)
@@ -90,39 +99,8 @@ WITH picked AS (
         WHERE state IN ('available', 'scheduled', 'retryable')
           AND queue = q.name
           AND run_at <= now()
-          AND rescues = 0
-          AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
-                          WHERE s.name = q.name AND s.paused)
-        ORDER BY priority DESC, run_at, id
-        LIMIT q.cap
-        FOR UPDATE SKIP LOCKED
-    ) AS p
-    LIMIT %(limit)s
-)
-UPDATE {schema}.errands_jobs AS j
-SET state = 'running',
-    attempt = j.attempt + 1,
-    lease_owner = %(worker_id)s,
-    lease_token = %(token)s,
-    lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
-    attempted_at = now()
-FROM picked
-WHERE j.id = picked.id
-RETURNING {job_columns}
-
--- name: job_claim_suspect
--- One rescued job (a suspect) at most, through its own small partial index.
--- One statement for every queue: each queue's due rows in claim order, up to its cap,
--- locked with SKIP LOCKED so concurrent claimers never wait on each other's rows.
-WITH picked AS (
-    SELECT p.id
-    FROM unnest(%(queues)s::text[], %(limits)s::int[]) AS q(name, cap)
-    CROSS JOIN LATERAL (
-        SELECT id FROM {schema}.errands_jobs
-        WHERE state IN ('available', 'scheduled', 'retryable')
-          AND queue = q.name
-          AND run_at <= now()
-          AND rescues > 0
+          AND $RESCUED
+          AND concurrency_key IS NULL AND rate_limit IS NULL
           AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
                           WHERE s.name = q.name AND s.paused)
         ORDER BY priority DESC, run_at, id
@@ -170,11 +148,18 @@ SET lease_expires_at = now() + make_interval(secs => o.lease_seconds)
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(leases)b::float8[])
      AS o(id, token, lease_seconds)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-RETURNING j.id, j.cancel_requested
+RETURNING j.id, j.lease_token, j.cancel_requested
 
 -- name: job_release_many
+-- Shutdown: the attempt is given back uncharged (attempt - 1), and recorded in errors with
+-- kind 'released', its attempt number and lease token, so the run that follows is
+-- explained (I4).
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
+    errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempt, 'type', 'Released', 'message', %(message)s::text,
+        'traceback', NULL, 'worker', j.lease_owner, 'kind', 'released',
+        'lease_token', j.lease_token, 'at', extract(epoch FROM now()))),
     attempt = j.attempt - 1,
     run_at = now(),
     finished_at = CASE WHEN j.cancel_requested THEN now() END,
@@ -389,7 +374,7 @@ WITH candidates AS (
     UNION ALL
     SELECT c.queue, 'failed', (e ->> 'at')::float8
     FROM candidates AS c CROSS JOIN LATERAL jsonb_array_elements(c.errors) AS e
-    WHERE c.errors <> '[]'::jsonb
+    WHERE c.errors <> '[]'::jsonb AND (e ->> 'kind') IS DISTINCT FROM 'released'
       AND (e ->> 'at')::float8 >= extract(epoch FROM now())::float8 - %(since)s
 )
 SELECT (floor(at / %(bucket)s) * %(bucket)s)::float8 AS bucket, queue,
@@ -434,12 +419,12 @@ INSERT INTO {schema}.errands_queues AS s
 VALUES (%(name)s, %(max_running)s, %(rate_limit)s, %(rate_period)s, %(has_keys)s, %(actor)s)
 ON CONFLICT (name) DO UPDATE
 SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
-    rate_period = excluded.rate_period, has_keys = excluded.has_keys,
+    rate_period = excluded.rate_period, has_keys = s.has_keys OR excluded.has_keys,
     updated_at = now(), updated_by = excluded.updated_by
 WHERE s.max_running IS DISTINCT FROM excluded.max_running
    OR s.rate_limit IS DISTINCT FROM excluded.rate_limit
    OR s.rate_period IS DISTINCT FROM excluded.rate_period
-   OR s.has_keys IS DISTINCT FROM excluded.has_keys
+   OR (excluded.has_keys AND NOT s.has_keys)
 
 -- name: queue_set_paused
 INSERT INTO {schema}.errands_queues (name, paused, updated_by)
@@ -454,9 +439,51 @@ ON CONFLICT (name) DO UPDATE
 SET queue = excluded.queue, rate_limit = excluded.rate_limit,
     rate_period = excluded.rate_period, updated_at = now()
 
--- name: job_limits_for_queue
-SELECT name, rate_limit, rate_period FROM {schema}.errands_job_limits
-WHERE queue = %(queue)s AND rate_limit IS NOT NULL
+-- name: rate_limited_names
+-- The rate-limited job types with due rows in a queue, each with its rate (a row's own:
+-- rows of one type agree but while a deploy changes the rate). A loose index scan over
+-- errands_jobs_limited: one probe per distinct name, however many rows each has.
+WITH RECURSIVE names AS (
+    (SELECT name FROM {schema}.errands_jobs
+     WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+       AND (concurrency_key IS NOT NULL OR rate_limit IS NOT NULL) AND rate_limit IS NOT NULL
+     ORDER BY name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.name FROM {schema}.errands_jobs AS j
+            WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')
+              AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL)
+              AND j.rate_limit IS NOT NULL AND j.name > names.name
+            ORDER BY j.name LIMIT 1)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT n.name, r.rate_limit, r.rate_period
+FROM names AS n
+CROSS JOIN LATERAL (
+    SELECT rate_limit, rate_period FROM {schema}.errands_jobs
+    WHERE queue = %(queue)s AND name = n.name AND state IN ('available', 'scheduled', 'retryable')
+      AND (concurrency_key IS NOT NULL OR rate_limit IS NOT NULL) AND rate_limit IS NOT NULL
+    LIMIT 1
+) AS r
+WHERE n.name IS NOT NULL
+
+-- name: queues_limited
+-- Which of a worker's queues must be claimed through claim_limited: a queue with a
+-- cluster-wide limit or rate, or with due rows that carry a limit of their own (a
+-- concurrency key or a job type's rate), whatever queue they were enqueued into.
+SELECT q.name FROM unnest(%(queues)s::text[]) AS q(name)
+WHERE EXISTS (SELECT 1 FROM {schema}.errands_queues AS s
+              WHERE s.name = q.name AND (s.max_running IS NOT NULL OR s.rate_limit IS NOT NULL))
+   OR EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j
+              WHERE j.queue = q.name AND j.state IN ('available', 'scheduled', 'retryable')
+                AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL))
+
+-- name: limit_locks
+-- The concurrency keys and rate buckets a limited claim is about to take, locked for its
+-- transaction in one order (sorted by the caller) so that claims of different queues
+-- sharing a key never both count it free; one order means no deadlock.
+SELECT pg_advisory_xact_lock(hashtext(%(prefix)s || l.name))
+FROM unnest(%(names)s::text[]) WITH ORDINALITY AS l(name, n)
+ORDER BY l.n
 
 -- name: queue_claim_lock
 SELECT pg_advisory_xact_lock(hashtext(%(lock)s))
@@ -472,38 +499,25 @@ FROM {schema}.errands_rate_log
 WHERE bucket = %(bucket)s AND at > now() - make_interval(secs => %(period)s)
 
 -- name: rate_log_insert
-INSERT INTO {schema}.errands_rate_log (bucket)
-SELECT %(bucket)s FROM generate_series(1, %(n)s)
+-- Each start is kept with its bucket's period: pruning keeps a bucket's rows for exactly
+-- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day).
+INSERT INTO {schema}.errands_rate_log (bucket, period)
+SELECT %(bucket)s, %(period)s FROM generate_series(1, %(n)s)
 
 -- name: rate_log_prune
-DELETE FROM {schema}.errands_rate_log WHERE at < now() - make_interval(secs => %(older_than)s)
+DELETE FROM {schema}.errands_rate_log
+WHERE at < now() - make_interval(secs => LEAST(period, %(older_than)s))
 
 -- name: claim_candidates
--- Jobs whose key already runs at its limit, and job types out of rate-limit room
--- (blocked), are left out here, so they never fill the lookahead and hold claimable jobs
--- behind them.
-SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs AS j
+-- Due rows of one limited queue in claim order; $RESCUED makes the fresh and the suspect
+-- variants. Jobs whose key already runs at its limit, and job types out of rate-limit
+-- room (blocked), are left out here, so they never fill the lookahead and hold claimable
+-- jobs behind them. claim_limited checks the rest under the key and rate locks.
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period
+FROM {schema}.errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = %(queue)s
-  AND rescues = 0
-  AND run_at <= now()
-  AND NOT (name = ANY(%(blocked)s::text[]))
-  AND (concurrency_key IS NULL
-       OR (SELECT count(*) FROM {schema}.errands_jobs AS r
-           WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
-          < COALESCE(concurrency_limit, 1))
-ORDER BY priority DESC, run_at, id
-LIMIT %(limit)s
-FOR UPDATE SKIP LOCKED
-
--- name: claim_candidates_suspect
--- Jobs whose key already runs at its limit, and job types out of rate-limit room
--- (blocked), are left out here, so they never fill the lookahead and hold claimable jobs
--- behind them.
-SELECT id, name, concurrency_key, concurrency_limit FROM {schema}.errands_jobs AS j
-WHERE state IN ('available', 'scheduled', 'retryable')
-  AND queue = %(queue)s
-  AND rescues > 0
+  AND $RESCUED
   AND run_at <= now()
   AND NOT (name = ANY(%(blocked)s::text[]))
   AND (concurrency_key IS NULL

@@ -33,6 +33,7 @@ from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
 from .. import redact_url
 from ..base import (
+    RELEASED,
     Capabilities,
     ClaimParams,
     CronState,
@@ -113,7 +114,10 @@ def _split_statements(script: str) -> list[str]:
 
 class SQLiteBackend(SQLiteAdmin):
     capabilities = Capabilities(
-        listen_notify=False, skip_locked=False, caller_connection="sqlite3.Connection"
+        listen_notify=False,
+        skip_locked=False,
+        caller_connection="sqlite3.Connection",
+        single_writer=True,
     )
 
     def __init__(self, url: str, *, auto_migrate: bool = True) -> None:
@@ -402,6 +406,8 @@ class SQLiteBackend(SQLiteAdmin):
                 "unique_for": req.unique_for,
                 "concurrency_key": req.concurrency_key,
                 "concurrency_limit": req.concurrency_limit,
+                "rate_limit": req.rate_limit,
+                "rate_period": req.rate_period,
             },
         ).fetchone()
         if row is not None:
@@ -431,9 +437,7 @@ class SQLiteBackend(SQLiteAdmin):
         rows: list[JobRow] = []
         with self._write() as conn:
             for queue in params.queues:
-                remaining = min(
-                    params.limit - len(rows), queue.limit, 1 if params.suspects else queue.limit
-                )
+                remaining = min(params.limit - len(rows), queue.limit)
                 if params.limit - len(rows) <= 0:
                     break
                 if remaining <= 0:
@@ -535,7 +539,7 @@ class SQLiteBackend(SQLiteAdmin):
             rows = claim_limited(
                 store,
                 queue.name,
-                1 if suspects else queue.limit,
+                queue.limit,
                 {
                     "worker_id": worker_id,
                     "token": secrets.token_hex(8),
@@ -546,6 +550,13 @@ class SQLiteBackend(SQLiteAdmin):
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in
         return claimed
+
+    def queues_limited(self, queues: Sequence[str]) -> set[str]:
+        if not queues:
+            return set()
+        with self._read() as conn:
+            rows = conn.execute(Q["queues_limited"], {"queues": json.dumps(list(queues))})
+            return {r[0] for r in rows.fetchall()}
 
     def rate_log_prune(self, older_than: float) -> int:
         with self._write() as conn:
@@ -648,8 +659,8 @@ class SQLiteBackend(SQLiteAdmin):
             return str(own.execute(Q["step_get"], params).fetchone()[0])
 
     def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult:
-        extended: set[int] = set()
-        cancel: set[int] = set()
+        extended: set[tuple[int, str]] = set()
+        cancel: set[tuple[int, str]] = set()
         if leases:
             # Give up well before the shortest lease runs out: the caller self-fences.
             limit = min(lease.lease_seconds for lease in leases) / 3
@@ -664,18 +675,19 @@ class SQLiteBackend(SQLiteAdmin):
                         },
                     ).fetchone()
                     if row is not None:
-                        extended.add(row[0])
-                        if row[1]:
-                            cancel.add(row[0])
+                        extended.add((row[0], row[1]))
+                        if row[2]:
+                            cancel.add((row[0], row[1]))
         return HeartbeatResult(frozenset(extended), frozenset(cancel))
 
-    def job_release_many(self, leases: Sequence[LeaseRef]) -> list[bool]:
+    def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
         if not leases:
             return []
         with self._write() as conn:
             return [
                 conn.execute(
-                    Q["job_release"], {"id": lease.id, "token": lease.lease_token}
+                    Q["job_release"],
+                    {"id": lease.id, "token": lease.lease_token, "message": message},
                 ).rowcount
                 == 1
                 for lease in leases
@@ -782,10 +794,15 @@ class _LimitedStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
 
+    def lock(self, names: list[str]) -> None:
+        """Nothing to lock: every claim runs under the file's write lock."""
+
     def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
         if query == "rate_log_insert":
             for _ in range(int(params["n"])):  # type: ignore[call-overload]
-                self.conn.execute(Q[query], {"bucket": params["bucket"]})
+                self.conn.execute(
+                    Q[query], {"bucket": params["bucket"], "period": params["period"]}
+                )
             return []
         return self.conn.execute(Q[query], params).fetchall()
 

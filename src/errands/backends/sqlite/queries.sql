@@ -5,12 +5,13 @@
 -- name: job_insert
 INSERT INTO errands_jobs (name, queue, args, meta, state, priority, max_attempts, run_at,
                           idempotency_key, timeout, lease_seconds, inserted_at, parent_id,
-                          unique_until, concurrency_key, concurrency_limit)
+                          unique_until, concurrency_key, concurrency_limit, rate_limit,
+                          rate_period)
 SELECT :name, :queue, :args, :meta,
        CASE WHEN due > t_now + 0.0005 THEN 'scheduled' ELSE 'available' END,
        :priority, :max_attempts, due, :key, :timeout, :lease_seconds, t_now, :parent_id,
        CASE WHEN :unique_for IS NULL THEN NULL ELSE t_now + :unique_for END,
-       :concurrency_key, :concurrency_limit
+       :concurrency_key, :concurrency_limit, :rate_limit, :rate_period
 FROM (SELECT COALESCE(:run_at, t_now + :delay) AS due, t_now
       FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t_now))
 WHERE true
@@ -28,6 +29,10 @@ WHERE name = :name AND idempotency_key = :key
 SELECT id FROM errands_jobs WHERE name = :name AND idempotency_key = :key
 
 -- name: job_claim
+-- A queue's due rows in claim order. $RESCUED makes two variants (errands.backends.sqlfile):
+-- job_claim takes fresh rows (rescues = 0), job_claim_suspect rescued ones (rescues > 0,
+-- through their own partial index). Rows carrying a limit (a concurrency key or a rate)
+-- are never taken here: the worker claims them through claim_limited, which counts them.
 UPDATE errands_jobs
 SET state = 'running',
     attempt = attempt + 1,
@@ -41,7 +46,8 @@ WHERE id IN (
     WHERE state IN ('available', 'scheduled', 'retryable')
       AND queue = :queue
       AND run_at <= (julianday('now') - 2440587.5) * 86400.0
-      AND rescues = 0
+      AND $RESCUED
+      AND concurrency_key IS NULL AND rate_limit IS NULL
       AND NOT EXISTS (SELECT 1 FROM errands_queues WHERE name = :queue AND paused = 1)
     ORDER BY priority DESC, run_at, id
     LIMIT :limit
@@ -49,32 +55,7 @@ WHERE id IN (
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason, parent_id
-
--- name: job_claim_suspect
--- One rescued job (a suspect) at most, through its own small partial index.
-UPDATE errands_jobs
-SET state = 'running',
-    attempt = attempt + 1,
-    lease_owner = :worker_id,
-    lease_token = :token,
-    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0
-                       + COALESCE(lease_seconds, :lease_default),
-    attempted_at = (julianday('now') - 2440587.5) * 86400.0
-WHERE id IN (
-    SELECT id FROM errands_jobs
-    WHERE state IN ('available', 'scheduled', 'retryable')
-      AND queue = :queue
-      AND run_at <= (julianday('now') - 2440587.5) * 86400.0
-      AND rescues > 0
-      AND NOT EXISTS (SELECT 1 FROM errands_queues WHERE name = :queue AND paused = 1)
-    ORDER BY priority DESC, run_at, id
-    LIMIT :limit
-)
-RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
-          idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
-          lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason, parent_id
+          lease_seconds, discarded_by, discard_reason, parent_id, unique_until
 
 -- name: job_finish
 -- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
@@ -98,11 +79,18 @@ WHERE id = :id AND lease_token = :token AND state = 'running'
 UPDATE errands_jobs
 SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease_seconds
 WHERE id = :id AND lease_token = :token AND state = 'running'
-RETURNING id, cancel_requested
+RETURNING id, lease_token, cancel_requested
 
 -- name: job_release
+-- Shutdown: the attempt is given back uncharged (attempt - 1), and recorded in errors with
+-- kind 'released', its attempt number and lease token, so the run that follows is
+-- explained (I4).
 UPDATE errands_jobs
 SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END,
+    errors = json_insert(errors, '$[#]', json_object(
+        'attempt', attempt, 'type', 'Released', 'message', :message, 'traceback', NULL,
+        'worker', lease_owner, 'kind', 'released', 'lease_token', lease_token,
+        'at', (julianday('now') - 2440587.5) * 86400.0)),
     attempt = attempt - 1,
     run_at = (julianday('now') - 2440587.5) * 86400.0,
     finished_at = CASE WHEN cancel_requested = 1
@@ -171,14 +159,14 @@ DELETE FROM errands_steps WHERE job_id = :job_id
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason, parent_id
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until
 FROM errands_jobs WHERE id = :id
 
 -- name: job_list
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason, parent_id
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until
 FROM errands_jobs
 WHERE (:state IS NULL OR state = :state)
   AND (:queue IS NULL OR queue = :queue)
@@ -306,6 +294,7 @@ events AS (
     SELECT c.queue, 'failed', json_extract(e.value, '$.at')
     FROM candidates AS c, json_each(c.errors) AS e, bounds
     WHERE c.errors != '[]' AND json_extract(e.value, '$.at') >= bounds.since
+      AND json_extract(e.value, '$.kind') IS NOT 'released'
 )
 SELECT CAST(at / :bucket AS INTEGER) * :bucket AS bucket, queue,
        sum(kind = 'completed'), sum(kind = 'dead'), sum(kind = 'failed')
@@ -327,7 +316,7 @@ SELECT j.id, j.name, j.queue, j.args, j.meta, j.state, j.priority, j.attempt, j.
        j.run_at, j.idempotency_key, j.errors, j.result, j.inserted_at, j.attempted_at,
        j.finished_at, j.lease_owner, j.lease_token, j.lease_expires_at, j.rescues,
        j.cancel_requested, j.timeout, j.lease_seconds, j.discarded_by, j.discard_reason,
-       j.parent_id
+       j.parent_id, j.unique_until
 FROM names JOIN errands_jobs AS j ON j.name = names.name AND j.idempotency_key = :key
 ORDER BY j.id DESC
 LIMIT :limit
@@ -346,10 +335,10 @@ INSERT INTO errands_queues (name, max_running, rate_limit, rate_period, has_keys
 VALUES (:name, :max_running, :rate_limit, :rate_period, :has_keys, (julianday('now') - 2440587.5) * 86400.0, :actor)
 ON CONFLICT (name) DO UPDATE
 SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
-    rate_period = excluded.rate_period, has_keys = excluded.has_keys,
+    rate_period = excluded.rate_period, has_keys = max(has_keys, excluded.has_keys),
     updated_at = excluded.updated_at, updated_by = excluded.updated_by
 WHERE max_running IS NOT excluded.max_running OR rate_limit IS NOT excluded.rate_limit
-   OR rate_period IS NOT excluded.rate_period OR has_keys IS NOT excluded.has_keys
+   OR rate_period IS NOT excluded.rate_period OR (excluded.has_keys = 1 AND has_keys = 0)
 
 -- name: queue_set_paused
 INSERT INTO errands_queues (name, paused, updated_at, updated_by)
@@ -364,9 +353,40 @@ ON CONFLICT (name) DO UPDATE
 SET queue = excluded.queue, rate_limit = excluded.rate_limit,
     rate_period = excluded.rate_period, updated_at = excluded.updated_at
 
--- name: job_limits_for_queue
-SELECT name, rate_limit, rate_period FROM errands_job_limits
-WHERE queue = :queue AND rate_limit IS NOT NULL
+-- name: rate_limited_names
+-- The rate-limited job types with due rows in a queue, each with its rate (a row's own:
+-- rows of one type agree but while a deploy changes the rate). A loose index scan over
+-- errands_jobs_limited: one probe per distinct name, however many rows each has.
+WITH RECURSIVE names(name) AS (
+    SELECT min(name) FROM errands_jobs
+    WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+      AND (concurrency_key IS NOT NULL OR rate_limit IS NOT NULL) AND rate_limit IS NOT NULL
+    UNION ALL
+    SELECT (SELECT min(j.name) FROM errands_jobs AS j
+            WHERE j.queue = :queue AND j.state IN ('available', 'scheduled', 'retryable')
+              AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL)
+              AND j.rate_limit IS NOT NULL AND j.name > names.name)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT n.name, r.rate_limit, r.rate_period
+FROM names AS n
+JOIN errands_jobs AS r ON r.id = (
+    SELECT id FROM errands_jobs
+    WHERE queue = :queue AND name = n.name AND state IN ('available', 'scheduled', 'retryable')
+      AND (concurrency_key IS NOT NULL OR rate_limit IS NOT NULL) AND rate_limit IS NOT NULL
+    LIMIT 1)
+
+-- name: queues_limited
+-- Which of a worker's queues (:queues, a JSON list) must be claimed through claim_limited:
+-- a queue with a cluster-wide limit or rate, or with due rows that carry a limit of their
+-- own (a concurrency key or a job type's rate), whatever queue they were enqueued into.
+SELECT q.value FROM json_each(:queues) AS q
+WHERE EXISTS (SELECT 1 FROM errands_queues AS s
+              WHERE s.name = q.value
+                AND (s.max_running IS NOT NULL OR s.rate_limit IS NOT NULL))
+   OR EXISTS (SELECT 1 FROM errands_jobs AS j
+              WHERE j.queue = q.value AND j.state IN ('available', 'scheduled', 'retryable')
+                AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL))
 
 -- name: queue_running_count
 SELECT count(*) FROM errands_jobs WHERE state = 'running' AND queue = :queue
@@ -378,36 +398,25 @@ FROM errands_rate_log
 WHERE bucket = :bucket AND at > (julianday('now') - 2440587.5) * 86400.0 - :period
 
 -- name: rate_log_insert
-INSERT INTO errands_rate_log (bucket, at) VALUES (:bucket, (julianday('now') - 2440587.5) * 86400.0)
+-- Each start is kept with its bucket's period: pruning keeps a bucket's rows for exactly
+-- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day).
+INSERT INTO errands_rate_log (bucket, at, period)
+VALUES (:bucket, (julianday('now') - 2440587.5) * 86400.0, :period)
 
 -- name: rate_log_prune
-DELETE FROM errands_rate_log WHERE at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+DELETE FROM errands_rate_log
+WHERE at < (julianday('now') - 2440587.5) * 86400.0 - min(period, :older_than)
 
 -- name: claim_candidates
--- Jobs whose key already runs at its limit, and job types out of rate-limit room
--- (:blocked, a JSON list), are left out here, so they never fill the lookahead and hold
--- claimable jobs behind them.
-SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs AS j
+-- Due rows of one limited queue in claim order; $RESCUED makes the fresh and the suspect
+-- variants. Jobs whose key already runs at its limit, and job types out of rate-limit
+-- room (:blocked, a JSON list), are left out here, so they never fill the lookahead and
+-- hold claimable jobs behind them.
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period
+FROM errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = :queue
-  AND rescues = 0
-  AND run_at <= (julianday('now') - 2440587.5) * 86400.0
-  AND name NOT IN (SELECT value FROM json_each(:blocked))
-  AND (concurrency_key IS NULL
-       OR (SELECT count(*) FROM errands_jobs AS r
-           WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
-          < COALESCE(concurrency_limit, 1))
-ORDER BY priority DESC, run_at, id
-LIMIT :limit
-
--- name: claim_candidates_suspect
--- Jobs whose key already runs at its limit, and job types out of rate-limit room
--- (:blocked, a JSON list), are left out here, so they never fill the lookahead and hold
--- claimable jobs behind them.
-SELECT id, name, concurrency_key, concurrency_limit FROM errands_jobs AS j
-WHERE state IN ('available', 'scheduled', 'retryable')
-  AND queue = :queue
-  AND rescues > 0
+  AND $RESCUED
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
   AND name NOT IN (SELECT value FROM json_each(:blocked))
   AND (concurrency_key IS NULL
@@ -435,7 +444,7 @@ WHERE id IN (SELECT value FROM json_each(:ids))
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason, parent_id
+          lease_seconds, discarded_by, discard_reason, parent_id, unique_until
 
 -- name: cron_states
 SELECT name, last_slot, last_job_id, next_slot FROM errands_cron ORDER BY name

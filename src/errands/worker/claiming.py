@@ -1,0 +1,164 @@
+"""A claim round: the jobs a worker takes for its free slots, in one pass over its queues.
+
+Failure contract: a round returns every row it claimed, even when a later step of the
+round fails. It claims suspects (rescued jobs) first, then the plain queues in one
+statement, then each limited queue on its own serialised path; if the third step raises
+(a killed session, a busy SQLite file), the rows of the first two are already ``running``
+under this worker's leases, and dropping them would leave them unstarted until their
+lease expired, then charge them an attempt as "worker lost" without their ever running.
+So :meth:`Claimer.claim` returns those rows *and* the error; the worker starts the rows.
+Each step is tried on its own, too: a limited queue whose claim keeps failing never
+keeps the other queues from being claimed (the worker backs off only when a round with
+an error claimed nothing).
+
+Which queues are *limited* (claimed through ``job_claim_limited``): those this app's
+code declares limits for, plus those the store says have a cluster-wide limit or due rows
+carrying a limit of their own (a concurrency key or a rate, whatever queue they were
+enqueued into and whichever worker declared what). The plain claim never takes a row that
+carries a limit, so a row is never claimed around its limit in the moment before this
+worker learns its queue is limited (at most a poll interval).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..backends.base import ClaimParams, QueueClaim
+from ..jobs import JobRow
+
+if TYPE_CHECKING:
+    from ..app import App
+
+log = logging.getLogger("errands.worker")
+
+
+def queue_order(row: JobRow) -> tuple[int, float, int]:
+    return -row.priority, row.run_at, row.id
+
+
+@dataclass
+class ClaimRound:
+    """What one round took, and the error that cut it short (if any)."""
+
+    rows: list[JobRow] = field(default_factory=list)
+    error: Exception | None = None
+    retry_in: float | None = None  # a rate window frees up then: look again at that time
+
+
+class Claimer:
+    def __init__(self, app: App, worker_id: str, queues: Sequence[str], poll_interval: float):
+        self.app = app
+        self.worker_id = worker_id
+        self.queues = list(queues)
+        self.poll_interval = poll_interval
+        # Queues this app's own code limits: limited from the start, no store round trip.
+        self.declared = {
+            d.queue for d in app.registry.values() if d.limited and d.queue in self.queues
+        } | {name for name, s in app.queues.items() if name in self.queues and _limits(s)}
+        self.limited: set[str] = set(self.declared)
+        self._refresh_due = 0.0
+        self._suspect_due = 0.0
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Learn which queues are limited now (at most once per poll interval)."""
+        now = time.monotonic()
+        if not force and now < self._refresh_due:
+            return
+        self._refresh_due = now + self.poll_interval
+        try:
+            self.limited = self.declared | self.app.backend.queues_limited(self.queues)
+        except Exception as exc:
+            log.debug("could not read which queues are limited (%s); keeping the last", exc)
+
+    def claim(self, plan: list[QueueClaim], room: int, free: int, suspects: int) -> ClaimRound:
+        """Claim for ``plan``: up to ``suspects`` rescued jobs, then up to ``room`` jobs
+        (``room`` counts the prefetch beyond the ``free`` slots; limited queues, counted
+        cluster-wide, claim only for free slots, so no waiting job holds their quota).
+        Never raises: see the module's failure contract."""
+        result = ClaimRound()
+        try:
+            self._claim(result, plan, room, free, suspects)
+        except Exception as exc:  # pragma: no cover - each step catches its own
+            result.error = result.error or exc
+        return result
+
+    @staticmethod
+    def _step(result: ClaimRound, claim: Callable[[], Sequence[JobRow]]) -> Sequence[JobRow]:
+        """One backend claim of the round; its failure is kept, the round goes on."""
+        try:
+            return claim()
+        except Exception as exc:
+            result.error = result.error or exc
+            return []
+
+    def _claim(
+        self, result: ClaimRound, plan: list[QueueClaim], room: int, free: int, suspects: int
+    ) -> None:
+        self.refresh()
+        backend = self.app.backend
+        rows = result.rows
+        if suspects > 0 and time.monotonic() >= self._suspect_due:
+            # Rescued jobs first: a steady backlog of fresh jobs fills every free slot,
+            # and would otherwise keep them waiting until it drains. They go ahead of the
+            # prefetched jobs (the next free handler takes them).
+            self._claim_suspects(result, plan, min(suspects, room))
+            taken: dict[str, int] = {}
+            for row in rows:
+                taken[row.queue] = taken.get(row.queue, 0) + 1
+            plan = [QueueClaim(q.name, q.limit - taken.get(q.name, 0)) for q in plan]
+            plan = [q for q in plan if q.limit > 0]
+        fast = [q for q in plan if q.name not in self.limited]
+        if fast and room > len(rows):
+            params = ClaimParams(fast, room - len(rows), self.worker_id, self.app.lease)
+            claimed = self._step(result, lambda: backend.job_claim(params))
+            # A claim's rows come back in no set order; a batch starts in queue order
+            # (handler threads take them first in, first out).
+            rows += sorted(claimed, key=queue_order)
+        for queue in plan:
+            take = min(queue.limit, free - len(rows))
+            if queue.name in self.limited and take > 0:
+                claim = QueueClaim(queue.name, take)
+                limited = self._step(
+                    result,
+                    lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
+                        claim, self.worker_id, self.app.lease
+                    ),
+                )
+                rows += limited
+                retry_in = getattr(limited, "retry_in", None)
+                if retry_in is not None:
+                    result.retry_in = min(result.retry_in or retry_in, retry_in)
+
+    def _claim_suspects(self, result: ClaimRound, plan: list[QueueClaim], most: int) -> None:
+        """Up to ``most`` rescued jobs (the worker sizes ``most`` to run each isolated)."""
+        backend = self.app.backend
+        fast = [QueueClaim(q.name, most) for q in plan if q.name not in self.limited]
+        if fast:
+            params = ClaimParams(fast, most, self.worker_id, self.app.lease, suspects=True)
+            result.rows += self._step(result, lambda: backend.job_claim(params))
+        for queue in plan:
+            left = most - len(result.rows)
+            if queue.name in self.limited and left > 0:
+                claim = QueueClaim(queue.name, left)
+                result.rows += self._step(
+                    result,
+                    lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
+                        claim, self.worker_id, self.app.lease, suspects=True
+                    ),
+                )
+        if not result.rows:
+            # None waiting: look again a poll interval from now. After one was found, the
+            # next is looked for as soon as a suspect ends, so a burst of rescued jobs
+            # drains at the pace they run, not one per poll interval.
+            self._suspect_due = time.monotonic() + self.poll_interval
+
+
+def _limits(settings: object) -> bool:
+    return (
+        getattr(settings, "max_running", None) is not None
+        or getattr(settings, "rate_limit", None) is not None
+    )

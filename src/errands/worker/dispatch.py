@@ -1,0 +1,236 @@
+"""Running an attempt: where its handler runs, and everything user code does around it.
+
+The claim loop only hands attempts over (:meth:`Dispatcher.dispatch`); it never runs user
+code itself. Decoding the payload (the model's validators), building the Context, the
+handler, and encoding its result (the result's serializers) all run where the handler
+runs: a handler thread for a sync handler, the event loop (decoding in a thread) for an
+``async def``, a handler thread waiting on a child process for the process pool and for
+isolated suspects. So a validator or serializer that hangs holds up one attempt, which
+its timeout stops, never the claim loop.
+
+Payload decoding that fails in any way is an invalid payload (dead at once, no retry);
+so is a result that cannot be encoded: the handler's work is done, a retry would repeat
+its effects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidPayload, UnknownJob
+from ..observability.logcontext import JobLogContext, job_context
+from ..payload import mask
+from .execution import Attempt, Interrupted, JobTimeout, context_for
+from .process_pool import ChildFailure, ProcessRunner
+from .recorder import job_fields
+from .runtime import AttemptRuntime
+
+if TYPE_CHECKING:
+    from ..definition import JobDefinition
+    from .worker import Worker
+
+log = logging.getLogger("errands.worker")
+
+
+class Dispatcher:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def dispatch(self, attempt: Attempt) -> None:
+        """Start ``attempt`` where its handler runs (called on the claim loop's thread)."""
+        worker = self.worker
+        row, definition = attempt.row, attempt.definition
+        if definition is None:
+            known = ", ".join(sorted(worker.app.registry)) or "none"
+            error = UnknownJob(
+                f"no handler registered for job {row.name!r} in this worker; it knows: {known}. "
+                "Deploy the code that defines it (a newer worker may know it)"
+            )
+            worker.recorder.decided(attempt, error, None)
+            return
+        children = worker.child_runner_for(attempt)
+        if children is not None:
+            attempt.waiting = True
+            attempt.future = worker.threads.submit(
+                lambda: self._run_in_child(attempt, children),
+                lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
+                urgent=True,
+            )
+            return
+        if not definition.is_async:
+            # A sync handler: the thread that runs it also prepares it (payload, Context),
+            # while the claim loop is already waiting on the next claim.
+            attempt.waiting = True
+            attempt.future = worker.threads.submit(
+                lambda: self._run_in_thread(attempt, definition),
+                lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
+                urgent=row.rescues > 0,
+            )
+            return
+        future = worker.loop_runner_started().submit(lambda: self._run_async(attempt, definition))
+        attempt.future = future
+        future.add_done_callback(lambda f: self._async_done(attempt, f))
+
+    # -- preparing ---------------------------------------------------------------------------
+    def prepare(self, attempt: Attempt) -> tuple[dict[str, Any], JobLogContext] | None:
+        """Decode the payload and build the Context; None when that decided the outcome
+        (an invalid payload). Runs user code (validators): never on the claim loop."""
+        worker = self.worker
+        row, definition = attempt.row, attempt.definition
+        assert definition is not None
+        try:
+            attempt.kwargs = definition.payload.decode(row.args)
+        except Exception as exc:  # any failure to decode the stored payload is permanent
+            if not isinstance(exc, InvalidPayload):
+                invalid = InvalidPayload(
+                    f"{row.name}: decoding the stored arguments failed: {type(exc).__name__}: {exc}"
+                )
+                invalid.__cause__ = exc
+                exc = invalid
+            worker.recorder.decided(attempt, exc, None)
+            return None
+        attempt.runtime = AttemptRuntime(worker.app, attempt)
+        attempt.ctx = context_for(row, definition, worker.id, attempt.runtime)
+        if attempt.stop_reason is not None:  # an interrupt that came before its ctx did
+            attempt.ctx._request_cancel(attempt.stop_reason)
+        kwargs = dict(attempt.kwargs)
+        if definition.payload.context_param:
+            kwargs[definition.payload.context_param] = attempt.ctx
+        events = worker.app.events
+        if events.wants("errands.job.started"):
+            events.emit(
+                "errands.job.started",
+                **job_fields(row),
+                args=mask(attempt.kwargs, definition.sensitive),
+                queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
+                meta=row.meta,
+            )
+        return kwargs, JobLogContext(row.id, row.name, row.queue, row.attempt)
+
+    def _begin(self, attempt: Attempt) -> bool:
+        """A handler thread takes a queued attempt up: False when it must not run (withdrawn
+        at shutdown, or its lease may have run out while it waited: handed back)."""
+        worker = self.worker
+        if not attempt.begin():
+            return False  # withdrawn at shutdown before it began: released
+        if attempt.stop_reason is not None:  # cancelled, or its lease lost, while it waited
+            raise Interrupted(attempt.stop_reason)
+        began = time.monotonic()
+        if began >= attempt.lease_valid_until:
+            # No heartbeat confirmed its lease for a whole lease (this process was frozen,
+            # or the store unreachable): another worker may run it by now. Hand the lease
+            # back (fenced) instead of running it beside that one.
+            attempt.released = True
+            worker.release([attempt], "released %d prefetched job(s) whose lease may have run out")
+            worker.slot_freed(attempt)
+            return False
+        attempt.started = began
+        return True
+
+    # -- the three places a handler runs ----------------------------------------------------
+    def _run_in_thread(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
+        """A sync handler's attempt, in a handler thread, from its start to its encoded
+        result."""
+        if not self._begin(attempt):
+            return None
+        worker = self.worker
+        began = attempt.started
+        prepared = self.prepare(attempt)
+        if prepared is None:
+            return None  # decided already; the outcome handed back is ignored
+        kwargs, log_ctx = prepared
+        if attempt.stop_reason is not None:  # interrupted while it was being prepared
+            raise Interrupted(attempt.stop_reason)
+        timeout = attempt.row.timeout
+        if timeout:
+            attempt.deadline = began + timeout
+            worker.leases.poke()
+        events = worker.app.events
+        try:
+            with job_context(log_ctx):
+                if not events.wrappers:  # the common case: nothing to wrap it in
+                    result = definition.fn(**kwargs)
+                else:
+                    info = {**job_fields(attempt.row), "meta": attempt.row.meta}
+                    with events.around_handler(info):
+                        result = definition.fn(**kwargs)
+                return encode(definition, result)
+        finally:
+            worker.ran_for(time.monotonic() - began)
+
+    async def _run_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
+        attempt.task = asyncio.current_task()
+        attempt.started = time.monotonic()
+        prepared = await asyncio.to_thread(self.prepare, attempt)  # validators off the loop
+        if prepared is None:
+            return None
+        kwargs, log_ctx = prepared
+        if attempt.ctx is not None and attempt.ctx.cancelled:  # stopped before it began
+            raise Interrupted(attempt.ctx.cancel_reason)
+        timeout = attempt.row.timeout
+        info = {**job_fields(attempt.row), "meta": attempt.row.meta}
+        with job_context(log_ctx), self.worker.app.events.around_handler(info):
+            try:
+                if timeout:
+                    result = await asyncio.wait_for(definition.fn(**kwargs), timeout)
+                else:
+                    result = await definition.fn(**kwargs)
+            except TimeoutError:
+                if attempt.ctx is not None and attempt.ctx.cancelled:
+                    raise Interrupted(attempt.ctx.cancel_reason) from None
+                raise JobTimeout(f"timed out after {timeout:g} s") from None
+            except asyncio.CancelledError:
+                reason = attempt.ctx.cancel_reason if attempt.ctx else "cancelled"
+                raise Interrupted(reason or "cancelled") from None
+        return await asyncio.to_thread(encode, definition, result)
+
+    def _async_done(self, attempt: Attempt, future: Any) -> None:
+        recorder = self.worker.recorder
+        if future.cancelled():  # an async task cancelled before it began (shutdown)
+            recorder.decided(attempt, Interrupted("shutdown"), None)
+            return
+        exc = future.exception()
+        recorder.handler_returned(attempt, exc, None if exc is not None else future.result())
+
+    def _run_in_child(self, attempt: Attempt, children: ProcessRunner) -> Any:
+        """A process-pool attempt (or an isolated suspect): prepared here, run in a child
+        process; this handler thread waits for it. Returns its ChildResult."""
+        if not self._begin(attempt):
+            return None
+        worker = self.worker
+        if self.prepare(attempt) is None:
+            return None
+        timeout = attempt.row.timeout
+        if timeout:
+            attempt.deadline = attempt.started + timeout
+            worker.leases.poke()
+        child = children.submit(attempt.row)
+        attempt.child = child
+
+        def kill(exc: BaseException) -> None:
+            children.kill(child, exc)
+
+        attempt.kill = kill
+        if attempt.stop_reason is not None:  # asked to stop while it was being submitted
+            kill(Interrupted(attempt.stop_reason))
+        try:
+            return child.result()
+        except ChildFailure:
+            raise
+        finally:
+            worker.ran_for(time.monotonic() - attempt.started)
+
+
+def encode(definition: JobDefinition[Any, Any], result: Any) -> str | None:
+    """The handler's result as stored JSON; any failure to encode it is InvalidPayload."""
+    try:
+        return definition.payload.encode_result(result)
+    except InvalidPayload:
+        raise
+    except Exception as exc:
+        raise InvalidPayload(
+            f"{definition.name}: encoding the handler's result failed: {type(exc).__name__}: {exc}"
+        ) from exc

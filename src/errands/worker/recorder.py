@@ -1,0 +1,224 @@
+"""The outcome recorder: from "the attempt is decided" to the fenced write, never raising.
+
+An attempt is decided exactly once (:meth:`Attempt.decide`): by its handler returning or
+raising, by its timeout, or by a shutdown release. Whoever decides owns the rest, and the
+rest must happen whatever goes wrong in it: the slot is freed, and an outcome is handed to
+the completer (or written in the handler's own transaction). If classifying the outcome
+fails (a backoff policy, an exception whose ``__str__`` raises, a bug of errands'), the
+attempt is still recorded as a failed, retryable attempt with the reason, never left
+``running`` with its heartbeat renewing its lease for ever.
+
+A handler that returns normally after being asked to stop is not a completion: after an
+operator's cancel the job ends ``cancelled``; after a lost or unrenewable lease, the
+attempt is a failure of kind ``lease_lost`` (and a lost lease's write is fenced out).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..backends.base import FinishParams
+from ..errors import ConfigurationError, TransactionEnded
+from .execution import SHUTDOWN, Attempt, Interrupted, JobTimeout, outcome_for
+from .process_pool import ChildResult
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+log = logging.getLogger("errands.worker")
+
+# The event a stored outcome emits.
+EVENT_OF_STATE = {
+    "completed": "errands.job.completed",
+    "retryable": "errands.job.retrying",
+    "cancelled": "errands.job.cancelled",
+    "dead": "errands.job.dead",
+}
+
+
+class OutcomeRecorder:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def handler_returned(self, attempt: Attempt, exc: BaseException | None, result: Any) -> None:
+        """A handler ended (``result``: its encoded JSON, or a child process's result)."""
+        if isinstance(result, ChildResult):
+            self.child_done(attempt, result)
+            return
+        if attempt.timed_out:
+            # Past its deadline, whatever it did next (returned early on ctx.cancelled,
+            # or unwound from the interrupt) is a timeout, never a completion.
+            timeout = JobTimeout(f"timed out after {attempt.row.timeout or 0:g} s")
+            timeout.__cause__ = exc
+            exc, result = timeout, None
+        elif exc is None and attempt.stop_reason not in (None, SHUTDOWN):
+            # Asked to stop (cancelled, lease lost or unrenewable) and returned: it stopped
+            # early, so its work is not done. (A shutdown release ignores the outcome.)
+            exc, result = Interrupted(attempt.stop_reason or ""), None
+        self.decided(attempt, exc, result)
+
+    def decided(self, attempt: Attempt, exc: BaseException | None, result_json: Any) -> bool:
+        """The attempt's outcome is known: free its slot and hand the write on.
+
+        Returns False when another outcome was decided first (this one is ignored).
+        Never raises once the attempt is decided.
+        """
+        if attempt.released or not attempt.decide():
+            return False
+        attempt.ended = time.monotonic()
+        written: bool | None = None
+        try:
+            outcome, written = self._outcome(attempt, exc, result_json)
+        except BaseException as bug:
+            log.exception("job %s: recording its outcome failed; recording a failure", attempt.id)
+            outcome, written = self._fallback(attempt, bug), None
+        try:
+            self.worker.slot_freed(attempt)
+        finally:
+            if written is not None:
+                self.on_written(attempt, outcome, written)
+            else:
+                self.worker.completer.submit(attempt, outcome)
+        return True
+
+    def _outcome(
+        self, attempt: Attempt, exc: BaseException | None, result_json: Any
+    ) -> tuple[FinishParams, bool | None]:
+        if exc is None and result_json is not None and not isinstance(result_json, str):
+            exc = ConfigurationError(
+                f"internal: an encoded result was expected, got {result_json!r}"
+            )
+        outcome = outcome_for(
+            attempt, exc, result_json, self.worker.id, self.worker.app.poison_after
+        )
+        runtime = attempt.runtime
+        if runtime is None:
+            return outcome, None
+        if outcome.state == "completed" and runtime.children:
+            outcome = replace(outcome, children=tuple(runtime.children))
+        if runtime.tx is None:
+            return outcome, None
+        if outcome.state != "completed":
+            if runtime.transaction_ended():  # its writes may be committed: never again
+                ended = TransactionEnded(
+                    f"job {attempt.id}: the handler ended the transaction of "
+                    "ctx.transaction() and then failed; the writes it made until then may be "
+                    "committed, so the job fails for good instead of running them again"
+                )
+                log.error("%s", ended)
+                outcome = outcome_for(attempt, ended, None, self.worker.id)
+            runtime.rollback()
+            return outcome, None
+        return self._commit_transaction(attempt, outcome)
+
+    def _commit_transaction(
+        self, attempt: Attempt, outcome: FinishParams
+    ) -> tuple[FinishParams, bool | None]:
+        """Complete the job inside the handler's own transaction, right here: the
+        transaction may hold SQLite's write lock, so no other writer can go first."""
+        runtime = attempt.runtime
+        assert runtime is not None
+        try:
+            runtime.check_transaction()
+        except Exception as ended:
+            log.error("%s", ended)
+            runtime.rollback()
+            return outcome_for(attempt, ended, None, self.worker.id), None
+        tx, runtime.tx = runtime.tx, None
+        try:
+            return outcome, self.worker.app.backend.tx_finish(tx, outcome)
+        except Exception as exc:
+            log.exception("job %s: committing its transaction failed; retrying it", attempt.id)
+            return outcome_for(attempt, exc, None, self.worker.id), None
+
+    def _fallback(self, attempt: Attempt, bug: BaseException) -> FinishParams:
+        """A retryable failure naming what broke, built from nothing that can fail."""
+        runtime = attempt.runtime
+        if runtime is not None:
+            try:
+                runtime.rollback()
+            except Exception:
+                log.exception("job %s: could not roll back its transaction", attempt.id)
+        state = "retryable" if attempt.row.attempt < attempt.row.max_attempts else "dead"
+        return FinishParams(
+            attempt.id,
+            attempt.token,
+            state,  # type: ignore[arg-type]
+            error={
+                "attempt": attempt.row.attempt,
+                "type": "OutcomeError",
+                "message": f"errands could not record this attempt's outcome: {type(bug).__name__}",
+                "traceback": None,
+                "worker": self.worker.id,
+                "kind": "transient",
+            },
+            delay=2.0,
+        )
+
+    def child_done(self, attempt: Attempt, result: ChildResult) -> None:
+        """A process-pool attempt returned: record it (the child may have written it)."""
+        if result.written is None and (attempt.timed_out or attempt.stop_reason):
+            self.handler_returned(attempt, None, result.result_json)  # not a completion
+            return
+        if attempt.released or not attempt.decide():
+            return
+        attempt.ended = time.monotonic()
+        try:
+            outcome = outcome_for(attempt, None, result.result_json, self.worker.id)
+            if result.children:
+                outcome = replace(outcome, children=tuple(result.children))
+        except BaseException as bug:
+            log.exception("job %s: recording its outcome failed; recording a failure", attempt.id)
+            outcome = self._fallback(attempt, bug)
+        try:
+            self.worker.slot_freed(attempt)
+        finally:
+            if result.written is not None:
+                self.on_written(attempt, outcome, result.written)
+            else:
+                self.worker.completer.submit(attempt, outcome)
+
+    def on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
+        """The completer (or the handler's transaction) stored the outcome, or the fence
+        refused it: forget the attempt, emit its event, queue the on_dead hooks."""
+        worker = self.worker
+        worker.forget(attempt)
+        worker.processed += 1
+        events = worker.app.events
+        if not accepted:
+            if events.wants("errands.job.stale_write_rejected"):
+                fields = job_fields(attempt.row)
+                events.emit("errands.job.stale_write_rejected", **fields, outcome=outcome.state)
+            return
+        state = outcome.state
+        cancelled = attempt.ctx is not None and attempt.ctx.cancel_reason == "cancelled"
+        if state in ("retryable", "dead") and cancelled:
+            state = "cancelled"  # the store records a failure after a cancel as cancelled
+        name = EVENT_OF_STATE[state]
+        if events.wants(name):  # usually not, for completed (a debug line): build nothing
+            fields = job_fields(attempt.row)
+            fields["duration"] = (attempt.ended or time.monotonic()) - attempt.started
+            error = outcome.error or {}
+            if state == "retryable":
+                fields["delay"] = outcome.delay
+            if state in ("retryable", "dead"):
+                fields["error_type"] = error.get("type")
+                fields["error_message"] = error.get("message")
+            if state == "dead":
+                fields["reason"] = error.get("kind")
+            events.emit(name, **fields)
+        if state == "dead":
+            worker.app.dead_hooks_later(attempt.row.id)
+
+
+def job_fields(row: Any) -> dict[str, Any]:
+    return {
+        "job_id": row.id,
+        "job_name": row.name,
+        "queue": row.queue,
+        "attempt": row.attempt,
+        "max_attempts": row.max_attempts,
+    }

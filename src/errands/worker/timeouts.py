@@ -1,0 +1,82 @@
+"""The timeout machine: stopping a handler that runs past its ``timeout``, gentlest first.
+
+For a sync handler on a thread (threads cannot be killed):
+
+1. at the timeout: ``ctx.cancelled`` turns true (a cooperative handler returns);
+2. ``INTERRUPT_AFTER`` later: HandlerInterrupt is raised inside its thread;
+3. ``abandon_after`` after the timeout: the timeout is recorded and the thread, blocked in
+   some C call, is left to finish alone (a fresh thread takes its place).
+
+Until then the attempt keeps its slot and its heartbeated lease, so its retry can never
+run beside it; whatever the handler does after its deadline is recorded as a timeout,
+never as a completion. An async handler is cancelled by ``asyncio.wait_for``; a child
+process is killed. The same steps stop sync handlers still running when a graceful stop's
+grace period is over (:func:`interrupt_threads`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .execution import Attempt, JobTimeout
+from .runners import Call
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+log = logging.getLogger("errands.worker")
+
+INTERRUPT_AFTER = 1.0
+
+
+def on_deadline(worker: Worker, attempt: Attempt) -> None:
+    """The lease keeper calls this when ``attempt.deadline`` has passed."""
+    timeout = attempt.row.timeout or 0
+    if attempt.definition is None or attempt.definition.is_async or attempt.kill:
+        attempt.deadline = None
+        attempt.interrupt("timeout", worker.loop)  # wait_for, or the child is killed
+        return
+    now = time.monotonic()
+    if not attempt.timed_out:
+        attempt.timed_out = True
+        attempt.timeout_at = now
+        attempt.interrupt("timeout", worker.loop)
+        attempt.deadline = now + min(INTERRUPT_AFTER, worker.abandon_after)
+        log.warning(
+            "job %s ran past its %g s timeout; asking its handler to stop", attempt.id, timeout
+        )
+        return
+    if not attempt.interrupted and now < attempt.timeout_at + worker.abandon_after:
+        attempt.interrupted = True
+        if isinstance(attempt.future, Call):
+            worker.threads.interrupt(attempt.future)
+        attempt.deadline = attempt.timeout_at + worker.abandon_after
+        log.warning("job %s is still running past its timeout; interrupting it", attempt.id)
+        return
+    attempt.deadline = None
+    error = JobTimeout(
+        f"timed out after {timeout:g} s; the handler ignored the interrupt for "
+        f"{worker.abandon_after:g} s and was abandoned (it may still be running)"
+    )
+    if worker.recorder.decided(attempt, error, None) and isinstance(attempt.future, Call):
+        worker.threads.abandon(attempt.future)
+        log.error(
+            "job %s: handler did not stop %g s after its timeout; thread abandoned",
+            attempt.id,
+            worker.abandon_after,
+        )
+
+
+def interrupt_threads(worker: Worker, attempts: list[Attempt], wait: float) -> None:
+    """Stop sync handlers whose jobs are being released (shutdown): ``ctx.cancelled`` is
+    already set; wait up to ``wait`` seconds for them to return, then raise
+    HandlerInterrupt in the threads of those still running, as a timeout does."""
+    deadline = time.monotonic() + wait
+    calls = [a.future for a in attempts if isinstance(a.future, Call)]
+    while time.monotonic() < deadline and any(not c.done() for c in calls):
+        time.sleep(0.01)
+    for call in calls:
+        if not call.done() and worker.threads.interrupt(call):
+            log.warning("a handler still ran at the end of the grace period; interrupting it")

@@ -1,0 +1,326 @@
+"""Every user callable is treated as hostile (issue 16, A1, A7 and B): a backoff policy,
+an on_dead hook, an event subscriber, a payload validator or serializer, a periodic job's
+arguments, raising, slow or hanging, never wedges a job, an outcome write or a
+maintenance tick. Each test runs on both backends, with a real in-process worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, field_validator, model_serializer
+
+import errands
+from errands.jobs import JobState
+from errands.maintenance.scheduler import Scheduler
+from errands.maintenance.service import Maintenance
+
+from .helpers import claim_as_dead_worker, expire_lease, wait_until
+
+Worker = Callable[..., Any]
+
+
+def _state(app: errands.App, job_id: int) -> JobState:
+    return app.get_job(job_id).state
+
+
+# -- backoff policies (A1) --------------------------------------------------------------
+def test_a_raising_backoff_falls_back_to_the_default_and_frees_the_slot(
+    store: errands.App, worker: Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a job whose backoff callable raises, when its handler fails, then the job is
+    retryable after the default delay (2 s ± 25 %), the failure is logged, and its slot is
+    free: a second job runs on the worker's only slot."""
+
+    def broken_backoff(attempt: int) -> float:
+        raise RuntimeError("backoff bug")
+
+    @store.job(name="hostile.backoff", retries=2, backoff=broken_backoff)
+    def flaky() -> None:
+        raise ValueError("flaky")
+
+    @store.job(name="hostile.next")
+    def next_one() -> str:
+        return "ran"
+
+    handle = flaky.enqueue()
+    with worker(concurrency=1), caplog.at_level(logging.WARNING, "errands.worker"):
+        wait_until(lambda: handle.job().errors, what="the first failure recorded")
+        assert next_one.enqueue().result(timeout=30) == "ran"
+    job = handle.job()
+    first = job.errors[0]
+    assert (first.type, first.attempt) == ("ValueError", 1)
+    wait = (job.run_at - first.at).total_seconds()
+    if job.attempt == 1:  # not yet retried: its run_at is the first retry's
+        assert 1.4 <= wait <= 2.6, wait
+    assert "backoff of job type 'hostile.backoff' failed" in caplog.text
+
+
+def test_a_hanging_backoff_delays_one_decision_by_its_deadline_only(
+    store: errands.App, worker: Worker
+) -> None:
+    """Given a backoff callable that never returns, when the handler fails, then the
+    attempt is still recorded (with the default delay) and the worker goes on."""
+    hang = threading.Event()
+
+    @store.job(name="hostile.hanging_backoff", retries=1, backoff=lambda attempt: hang.wait(60))
+    def flaky() -> None:
+        raise ValueError("flaky")
+
+    @store.job(name="hostile.beside")
+    def beside() -> str:
+        return "ran"
+
+    handle = flaky.enqueue()
+    try:
+        with worker(concurrency=2):
+            wait_until(lambda: handle.job().errors, timeout=30, what="the failure recorded")
+            assert beside.enqueue().result(timeout=30) == "ran"
+    finally:
+        hang.set()
+    assert handle.job().errors[0].type == "ValueError"
+
+
+def test_a_rescue_with_a_raising_backoff_rescues_every_expired_lease(store: errands.App) -> None:
+    """Given two expired leases, one of a job whose backoff raises, when the leader runs
+    one tick, then both jobs are rescued (the failing one with the default backoff) and
+    the other duties of the tick still run."""
+
+    @store.job(name="hostile.rescue_bad", backoff=lambda attempt: 1 / 0)
+    def bad() -> None: ...
+
+    @store.job(name="hostile.rescue_ok")
+    def ok() -> None: ...
+
+    ids = {bad.enqueue().id, ok.enqueue().id}
+    rows = claim_as_dead_worker(store)
+    assert {r.id for r in rows} == ids
+    for job_id in ids:
+        assert expire_lease(store, job_id) == 1
+    later = ok.enqueue(delay=0.2)
+    leader = Maintenance(store, "leader")
+    leader.run_once()
+    for job_id in ids:
+        job = store.get_job(job_id)
+        assert (job.state, job.rescues) == (JobState.RETRYABLE, 1), job
+        assert job.errors[-1].type == "WorkerLost"
+    wait_until(
+        lambda: store.backend.db_now() > later.job().run_at.timestamp(), timeout=5, what="run_at"
+    )
+    leader.run_once()  # the next tick promotes: maintenance goes on
+    assert later.status() is JobState.AVAILABLE
+    leader.stop()
+
+
+# -- on_dead hooks and event subscribers (A7) ----------------------------------------------
+def test_a_slow_on_dead_hook_holds_up_no_other_outcome(store: errands.App, worker: Worker) -> None:
+    """Given an on_dead hook that blocks, when a job dies and ten more are enqueued, then
+    all ten complete while the hook is still blocked: hooks never run on the completer."""
+    entered, release = threading.Event(), threading.Event()
+
+    @store.on_dead
+    def blocking_hook(job: errands.Job) -> None:
+        entered.set()
+        release.wait(30)
+
+    @store.job(name="hostile.doomed")
+    def doomed() -> None:
+        raise errands.Permanent("no")
+
+    @store.job(name="hostile.quick")
+    def quick(n: int) -> int:
+        return n
+
+    try:
+        with worker(concurrency=4):
+            doomed.enqueue()
+            assert entered.wait(30), "the hook never ran"
+            handles = [quick.enqueue(n=i) for i in range(10)]
+            assert [h.result(timeout=30) for h in handles] == list(range(10))
+            assert not release.is_set()  # the hook was blocked the whole time
+    finally:
+        release.set()
+
+
+def test_a_hung_on_dead_hook_is_stopped_at_its_time_limit_and_the_next_runs(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given hook_timeout=0.5 and an on_dead hook that loops for ever on the first job,
+    when two jobs die, then the hook is interrupted after its limit (logged) and the
+    second job's hook still runs."""
+    app = errands.App(store_url, hook_timeout=0.5)
+    seen: list[int] = []
+
+    @app.on_dead
+    def hook(job: errands.Job) -> None:
+        if job.args["n"] == 0:
+            while True:
+                time.sleep(0.01)
+        seen.append(job.args["n"])
+
+    @app.job(name="hostile.dies")
+    def dies(n: int) -> None:
+        raise errands.Permanent("no")
+
+    from tests.conftest import running_worker
+
+    try:
+        with caplog.at_level(logging.ERROR, "errands.hooks"), running_worker(app):
+            dies.enqueue(n=0)
+            wait_until(
+                lambda: "ran longer than its 0.5 s limit" in caplog.text,
+                timeout=30,
+                what="the limit",
+            )
+            dies.enqueue(n=1)
+            wait_until(lambda: seen == [1], timeout=30, what="the second hook")
+    finally:
+        app.close()
+
+
+def test_a_slow_event_subscriber_holds_up_no_outcome(store: errands.App, worker: Worker) -> None:
+    """Given an event subscriber that blocks on the first completion it sees, when ten
+    jobs run, then all ten complete: subscribers run off the worker's own threads."""
+    release = threading.Event()
+    got: list[str] = []
+
+    @store.events.subscribe
+    def slow(event: Any) -> None:
+        if event.name == "errands.job.completed":
+            got.append(event.name)
+            release.wait(30)
+
+    @store.job(name="hostile.sub")
+    def work(n: int) -> int:
+        return n
+
+    try:
+        with worker(concurrency=4):
+            handles = [work.enqueue(n=i) for i in range(10)]
+            assert [h.result(timeout=30) for h in handles] == list(range(10))
+            wait_until(lambda: got, timeout=10, what="the subscriber called")
+    finally:
+        release.set()
+
+
+# -- payload validators and serializers (B) -------------------------------------------------
+_VALIDATOR = {"mode": "ok"}
+_GATE = threading.Event()
+
+
+class Order(BaseModel):
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def hostile(cls, value: int) -> int:
+        if _VALIDATOR["mode"] == "raise":
+            raise RuntimeError("validator bug")
+        if _VALIDATOR["mode"] == "hang":
+            _GATE.wait(60)
+        return value
+
+
+class Receipt(BaseModel):
+    n: int
+
+    @model_serializer
+    def hostile(self) -> dict[str, int]:
+        raise RuntimeError("serializer bug")
+
+
+@pytest.fixture
+def validator_mode() -> Any:
+    _VALIDATOR["mode"] = "ok"
+    _GATE.clear()
+    yield _VALIDATOR
+    _VALIDATOR["mode"] = "ok"
+    _GATE.set()
+
+
+def test_a_payload_validator_that_raises_at_execution_fails_the_job_for_good(
+    store: errands.App, worker: Worker, validator_mode: dict[str, str]
+) -> None:
+    """Given a payload whose validator raises (not a ValueError) when the job runs, then
+    the job is dead after its first attempt as an invalid payload, never retried."""
+
+    @store.job(name="hostile.validator", retries=3)
+    def takes(order: Order) -> None: ...
+
+    handle = takes.enqueue(order=Order(n=1))
+    validator_mode["mode"] = "raise"
+    with worker():
+        wait_until(lambda: handle.status() is JobState.DEAD, timeout=30, what="dead")
+    job = handle.job()
+    assert (job.attempt, job.last_error.type) == (1, "InvalidPayload")  # type: ignore[union-attr]
+    assert "validator bug" in job.last_error.message  # type: ignore[union-attr]
+
+
+def test_a_result_serializer_that_raises_fails_the_job_for_good(
+    store: errands.App, worker: Worker
+) -> None:
+    """Given a handler whose result's serializer raises, then the job is dead after one
+    attempt (its work is done; a retry would repeat it)."""
+
+    @store.job(name="hostile.serializer", retries=3)
+    def makes() -> Receipt:
+        return Receipt(n=1)
+
+    handle = makes.enqueue()
+    with worker():
+        wait_until(lambda: handle.status() is JobState.DEAD, timeout=30, what="dead")
+    assert handle.job().attempt == 1
+
+
+def test_a_hanging_payload_validator_of_an_async_job_stops_no_claim(
+    store: errands.App, worker: Worker, validator_mode: dict[str, str]
+) -> None:
+    """Given an async job whose payload validator hangs when it runs, then other jobs are
+    claimed and complete meanwhile: the claim loop never decodes a payload."""
+
+    @store.job(name="hostile.async_validator")
+    async def takes(order: Order) -> int:
+        return order.n
+
+    @store.job(name="hostile.sync_beside")
+    def beside(n: int) -> int:
+        return n
+
+    stuck = takes.enqueue(order=Order(n=5))
+    validator_mode["mode"] = "hang"
+    with worker(concurrency=4):
+        wait_until(
+            lambda: stuck.status() is JobState.RUNNING, timeout=30, what="the async job running"
+        )
+        handles = [beside.enqueue(n=i) for i in range(5)]
+        assert [h.result(timeout=30) for h in handles] == list(range(5))
+        validator_mode["mode"] = "ok"
+        _GATE.set()
+        assert stuck.result(timeout=30) == 5
+
+
+def test_periodic_job_arguments_are_validated_once_at_registration_not_by_the_leader(
+    store: errands.App, validator_mode: dict[str, str]
+) -> None:
+    """A periodic job's arguments run through its validators when ``@app.periodic``
+    registers it; the leader's cron duty inserts each slot from that, calling no user
+    code (a validator that would now hang is never called)."""
+
+    @store.periodic("* * * * *", name="hostile.tick", args={"order": {"n": 3}})
+    def tick(order: Order) -> None: ...
+
+    validator_mode["mode"] = "hang"  # calling it now would block this test for a minute
+    start = datetime(2026, 1, 1, 12, 0, 30, tzinfo=UTC)
+    scheduler = Scheduler(store)
+    scheduler.run_once(now=start)  # first sight: remembered from now
+    started = time.monotonic()
+    assert scheduler.run_once(now=start + timedelta(minutes=1)) == 1
+    assert time.monotonic() - started < 30
+    [job] = store.jobs(name=tick.name)
+    assert job.args == {"order": {"n": 3}}
