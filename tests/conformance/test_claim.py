@@ -197,3 +197,27 @@ def test_rescued_jobs_are_claimed_only_as_suspects_and_no_more_than_asked(
     assert len(suspects) == 1 and suspects[0].id in ids
     rest = claim(backend, limit=10, suspects=True)
     assert sorted(r.id for r in suspects + rest) == sorted(ids)
+
+
+def test_rate_log_rows_are_pruned_after_their_own_period_not_after_a_day(
+    backend: Backend,
+) -> None:
+    """Each start of a rate-limited queue is logged with its window: the leader's prune
+    keeps it while the window can count it, and removes it once the window has passed
+    (a '1000/s' bucket holds about a second of rows, not a day of them)."""
+    import time
+
+    from errands.backends.base import QueueSettings
+
+    backend.queue_declare(QueueSettings("rated", rate_limit=5, rate_period=0.5), "test")
+    for _ in range(3):
+        insert(backend, queue="rated")
+    assert len(backend.job_claim_limited(QueueClaim("rated", 3), WORKER_ID, 30.0)) == 3
+    assert backend.rate_log_prune(86_400) == 0  # still inside its window
+    started = backend.db_now()
+    while backend.db_now() < started + 0.6:
+        time.sleep(0.05)
+    assert backend.rate_log_prune(86_400) == 3
+
+
+WORKER_ID = "w-conformance"

@@ -25,10 +25,35 @@ def test_default_backoff_waits_2_4_8_seconds_within_25_percent_jitter(
     assert min(delays) < nominal < max(delays)
 
 
-def test_default_backoff_is_capped_at_one_hour_plus_jitter() -> None:
-    """A late attempt waits at most the one-hour cap, within the jitter band."""
+def test_default_backoff_never_waits_past_its_one_hour_cap_jitter_included() -> None:
+    """max_delay bounds the wait after jitter: a late attempt waits between 45 min and the
+    one-hour cap, never beyond it."""
     delays = [DEFAULT_BACKOFF.delay(40) for _ in range(SAMPLES)]
-    assert all(3600 * 0.75 <= d <= 3600 * 1.25 for d in delays)
+    assert all(3600 * 0.75 <= d <= 3600 for d in delays)
+    assert min(delays) < 3600 * 0.99
+
+
+@pytest.mark.parametrize("attempt", [1024, 1025, 10_000, 2**62])
+def test_backoff_survives_any_attempt_number(attempt: int) -> None:
+    """The exponent stops growing at the cap: no OverflowError at attempt 1025 or beyond."""
+    assert DEFAULT_BACKOFF.delay(attempt) <= 3600
+    assert ExponentialBackoff(base=1e-300, factor=1.0001, jitter=0.0).delay(attempt) <= 3600
+
+
+def test_retry_delay_replaces_a_broken_policy_with_the_default() -> None:
+    """A policy that raises, or returns NaN, infinity, a negative or a non-number, gives
+    the default delay for that retry (2 s ± 25 % after the first attempt)."""
+    from errands.retry import retry_delay
+
+    for broken in (
+        lambda a: 1 / 0,
+        lambda a: float("nan"),
+        lambda a: float("inf"),
+        lambda a: -5,
+        lambda a: "soon",
+    ):
+        assert 1.5 <= retry_delay(as_backoff(broken), 1, job="t") <= 2.5
+    assert retry_delay(as_backoff(lambda a: 10**12), 1, job="t") == 365 * 86400.0
 
 
 def test_backoff_without_jitter_is_exact_and_capped() -> None:
