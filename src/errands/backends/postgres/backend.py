@@ -45,9 +45,13 @@ from ..base import (
 from ..limits import Claimed, claim_limited
 from ..sqlfile import load_migrations, load_queries
 from .admin import PostgresAdmin
-from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
-
-RECONNECT_WINDOW = 5.0  # seconds of backed-off reconnect attempts before starting afresh
+from .config import (
+    CONNECT_TIMEOUT_DEFAULT,
+    POOL_SIZE_DEFAULT,
+    PostgresConfig,
+    parse_postgres_url,
+)
+from .connections import check_budget, make_pool
 
 try:
     import psycopg
@@ -143,23 +147,12 @@ class PostgresBackend(PostgresAdmin):
                 f"{str(exc).strip().splitlines()[0]}. Is the server running and the URL right "
                 "(postgresql://user@host:5432/dbname)?"
             ) from None
-        self.pool = ConnectionPool(
-            self.config.conninfo,
-            min_size=1,
-            max_size=self.config.pool_size,
-            kwargs={
-                "autocommit": True,
-                "prepare_threshold": 5 if self.config.prepare else None,
-            },
-            open=False,
-            name="errands",
-            timeout=30.0,
-            # psycopg_pool doubles the pause between reconnect attempts (1, 2, 4, ... s)
-            # until reconnect_timeout; after a long outage a worker could sleep a minute
-            # past the database's return. Giving up after RECONNECT_WINDOW bounds the
-            # pause: the next request for a connection starts a fresh attempt at once.
-            reconnect_timeout=RECONNECT_WINDOW,
-        )
+        self.pool = make_pool(self.config, "errands", 1, self.config.pool_size)
+        # Handlers' ctx.transaction() connections: a pool of their own, opened on first use
+        # and sized by configure_worker, so they never starve the worker's own statements.
+        self._handler_pool: ConnectionPool | None = None
+        self._handler_pool_size = self.config.tx_pool_size or POOL_SIZE_DEFAULT
+        self._handler_lock = threading.Lock()
         try:
             self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
         except Exception as exc:
@@ -194,6 +187,36 @@ class PostgresBackend(PostgresAdmin):
 
     def close(self) -> None:
         self.pool.close()
+        with self._handler_lock:
+            handlers, self._handler_pool = self._handler_pool, None
+        if handlers is not None:
+            handlers.close()
+
+    def configure_worker(self, concurrency: int) -> None:
+        """A worker in this process runs up to ``concurrency`` handlers at once: size the
+        handler pool to match (one connection per open ``ctx.transaction()``, unless the
+        URL sets tx_pool_size), and refuse a worker the server would not let open every
+        connection it may need (ConfigurationError naming the settings and the fix)."""
+        with self._conn() as conn:
+            budget = check_budget(conn, self.config, concurrency)
+        with self._handler_lock:
+            self._handler_pool_size = budget.handlers
+            if self._handler_pool is not None:
+                self._handler_pool.resize(0, budget.handlers)
+        log.debug(
+            "connections for this worker: up to %d (%s)",
+            budget.total,
+            budget.describe(concurrency, self.config.tx_pool_size),
+        )
+
+    def _handlers(self) -> ConnectionPool:
+        """The pool of ctx.transaction() connections (opened on first use)."""
+        with self._handler_lock:
+            if self._handler_pool is None:
+                pool = make_pool(self.config, "errands-tx", 0, self._handler_pool_size)
+                pool.open()
+                self._handler_pool = pool
+            return self._handler_pool
 
     # -- schema --------------------------------------------------------------------------
     def migration_sql(self, after: int = 0) -> list[tuple[int, str, str]]:
@@ -626,12 +649,13 @@ class PostgresBackend(PostgresAdmin):
 
     # -- transactional completion (ctx.transaction) ---------------------------------------
     def tx_begin(self) -> psycopg.Connection[Any]:
-        """A pool connection in an open transaction, for one attempt."""
-        conn = self.pool.getconn()
+        """A connection of the handler pool in an open transaction, for one attempt."""
+        pool = self._handlers()
+        conn = pool.getconn()
         try:
             conn.execute("BEGIN")
         except BaseException:
-            self.pool.putconn(conn)
+            pool.putconn(conn)
             raise
         return conn
 
@@ -649,14 +673,22 @@ class PostgresBackend(PostgresAdmin):
                 conn.execute("ROLLBACK")
             raise
         finally:
-            self.pool.putconn(conn)
+            self._give_back(conn)
 
     def tx_rollback(self, conn: psycopg.Connection[Any]) -> None:
         try:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
         finally:
-            self.pool.putconn(conn)
+            self._give_back(conn)
+
+    def _give_back(self, conn: psycopg.Connection[Any]) -> None:
+        with self._handler_lock:
+            pool = self._handler_pool
+        if pool is None:  # the backend was closed meanwhile
+            conn.close()
+        else:
+            pool.putconn(conn)
 
     # -- durable steps -------------------------------------------------------------------
     def step_list(self, job_id: int) -> list[Step]:
