@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
-from typing import Any
+from typing import Any, TypeVar
 
-from ...errors import ConfigurationError, SchemaOutdated
+from ...errors import ConfigurationError, EnqueueUncertain, SchemaOutdated
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
 from ..base import (
@@ -51,7 +51,7 @@ from .config import (
     PostgresConfig,
     parse_postgres_url,
 )
-from .connections import check_budget, make_pool
+from .connections import LOST_TRIES, Progress, check_budget, checkout, lost, make_pool
 
 try:
     import psycopg
@@ -64,6 +64,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 log = logging.getLogger("errands.postgres")
+
+T = TypeVar("T")
 
 MIGRATE_LOCK_KEY = 7_203_148_551  # pg_advisory_xact_lock key for `errands migrate`
 
@@ -169,10 +171,15 @@ class PostgresBackend(PostgresAdmin):
     # -- connections ---------------------------------------------------------------------
     @contextmanager
     def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
-        """A pool connection; ``timeout``: wait at most that long for one (default 30 s)."""
+        """A pool connection the server has not closed; ``timeout``: wait at most that
+        long for one (default 30 s)."""
         try:
-            with self.pool.connection(timeout=timeout) as conn:
-                yield conn
+            conn = checkout(self.pool, timeout)
+            try:
+                with conn:  # as pool.connection() does: commit, or roll back on error
+                    yield conn
+            finally:
+                self.pool.putconn(conn)
         except pg_errors.UndefinedTable as exc:
             raise SchemaOutdated(
                 f"errands' tables are missing in schema {self.schema!r} of "
@@ -184,6 +191,36 @@ class PostgresBackend(PostgresAdmin):
     def _tx(self) -> Iterator[psycopg.Connection[Any]]:
         with self._conn() as conn, conn.transaction():
             yield conn
+
+    def _again_if_lost(
+        self,
+        work: Callable[[psycopg.Connection[Any], Progress], T],
+        uncertain: Callable[[psycopg.Error], Exception] | None = None,
+    ) -> T:
+        """Run ``work`` on a pool connection; when the connection is lost under it (the
+        server restarted or ended the session), run it again on a fresh one, up to
+        LOST_TRIES times. ``work`` marks ``progress.committing`` once what it sends may
+        commit (an autocommit write, or COMMIT): a loss after that raises
+        ``uncertain(error)`` instead, since the write may have happened."""
+        for tries_left in reversed(range(LOST_TRIES)):
+            progress = Progress()
+            try:
+                with self._conn() as conn:
+                    progress.conn = conn
+                    return work(conn, progress)
+            except psycopg.Error as exc:
+                if not lost(progress.conn):
+                    raise
+                if progress.committing and uncertain is not None:
+                    raise uncertain(exc) from exc
+                if not tries_left:
+                    raise
+                log.info("connection to PostgreSQL lost (%s); trying again on a fresh one", exc)
+        raise AssertionError("unreachable")
+
+    def _read(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """An idempotent read, run again on a fresh connection if its connection is lost."""
+        return self._again_if_lost(lambda conn, _: work(conn))
 
     def close(self) -> None:
         self.pool.close()
@@ -476,11 +513,29 @@ class PostgresBackend(PostgresAdmin):
             return []
         if conn is not None:
             return self._insert(self._caller_connection(conn), requests)
-        if len(requests) == 1 and requests[0].key is None:
-            with self._conn() as own:  # one autocommit statement: one round trip
+        single = len(requests) == 1 and requests[0].key is None
+
+        def insert(own: psycopg.Connection[Any], progress: Progress) -> list[InsertResult]:
+            if single:  # one autocommit statement: one round trip, its own commit
+                progress.committing = True
                 return self._insert(own, requests)
-        with self._tx() as own:
-            return self._insert(own, requests)
+            with own.transaction():
+                results = self._insert(own, requests)
+                progress.committing = True  # leaving the block sends COMMIT
+            return results
+
+        return self._again_if_lost(insert, lambda exc: self._uncertain(requests, exc))
+
+    def _uncertain(self, requests: Sequence[EnqueueRequest], exc: psycopg.Error) -> Exception:
+        names = ", ".join(sorted({r.name for r in requests}))
+        what = f"job {names}" if len(requests) == 1 else f"{len(requests)} jobs ({names})"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return EnqueueUncertain(
+            f"the connection to PostgreSQL at {self.config.display} was lost while the "
+            f"enqueue of {what} was committing ({reason}): it may or may not have been "
+            "stored. An enqueue with key= can simply be retried (the key makes it happen "
+            "once); without a key, a retry may enqueue it twice"
+        )
 
     # -- the hot path ----------------------------------------------------------------------
     def job_claim(self, params: ClaimParams) -> list[JobRow]:
@@ -651,7 +706,7 @@ class PostgresBackend(PostgresAdmin):
     def tx_begin(self) -> psycopg.Connection[Any]:
         """A connection of the handler pool in an open transaction, for one attempt."""
         pool = self._handlers()
-        conn = pool.getconn()
+        conn = checkout(pool)
         try:
             conn.execute("BEGIN")
         except BaseException:

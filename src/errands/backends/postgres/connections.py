@@ -12,10 +12,19 @@ Handlers holding transactions can therefore never starve the worker's own path: 
 handlers each inside a long ``ctx.transaction()`` leave the main pool to the heartbeats,
 claims and the completer. :func:`check_budget` refuses, at worker start-up, a worker that
 would need more connections than the server lets it open.
+
+Connections the server closed (a restart or fail-over, ``pg_terminate_backend``,
+``idle_session_timeout``) sit in a pool looking healthy until used. :func:`checkout`
+looks at each one's socket before handing it out: an idle session receives nothing, so a
+readable socket means the server sent its last words ("terminating connection due to
+administrator command") and hung up; that connection is discarded (the pool opens a
+replacement) and the next one taken. This costs one non-blocking ``poll()`` per checkout
+(about 2.5 us), not a round trip (``SELECT 1`` on each checkout: about 100 us here).
 """
 
 from __future__ import annotations
 
+import select
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +57,52 @@ def make_pool(config: PostgresConfig, name: str, min_size: int, max_size: int) -
         # pause: the next request for a connection starts a fresh attempt at once.
         reconnect_timeout=RECONNECT_WINDOW,
     )
+
+
+def server_hung_up(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle connection was closed by the server (or has anything unasked-for
+    to read, which an idle errands session never has: it LISTENs to nothing)."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.OperationalError:  # no socket: the connection is gone
+        return True
+    if hasattr(select, "poll"):  # no limit on descriptor numbers, unlike select()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])  # pragma: no cover - Windows
+
+
+def checkout(pool: ConnectionPool, timeout: float | None = None) -> psycopg.Connection[Any]:
+    """A connection of ``pool`` the server has not closed: each one found closed is
+    discarded (the pool opens a replacement in the background) and the next one taken,
+    at once. ``timeout``: wait at most that long for one (default POOL_TIMEOUT)."""
+    for _ in range(pool.max_size + 1):  # after a restart every idle connection is dead
+        conn = pool.getconn(timeout=timeout)
+        if not server_hung_up(conn):
+            return conn
+        conn.close()
+        pool.putconn(conn)
+    return pool.getconn(timeout=timeout)  # opened after those were discarded
+
+
+LOST_TRIES = 3  # runs of a call whose connection is lost under it before it is not retried
+
+
+@dataclass
+class Progress:
+    """How far a call got on its connection (see PostgresBackend._again_if_lost)."""
+
+    conn: psycopg.Connection[Any] | None = None  # checked out: something may be sent
+    committing: bool = False  # what is sent from here on may commit
+
+
+def lost(conn: psycopg.Connection[Any] | None) -> bool:
+    """After an error on ``conn``: whether the connection itself is gone (the server went
+    away or ended the session), as opposed to a statement the server refused."""
+    return conn is not None and (conn.broken or conn.closed)
 
 
 # The connections this session's role may open, from the tightest of the server's limits:
