@@ -20,6 +20,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -51,7 +52,16 @@ from .config import (
     PostgresConfig,
     parse_postgres_url,
 )
-from .connections import LOST_TRIES, Progress, check_budget, checkout, lost, make_pool
+from .connections import (
+    LOST_TRIES,
+    Progress,
+    check_budget,
+    checkout,
+    identity,
+    identity_of_caller,
+    lost,
+    make_pool,
+)
 
 try:
     import psycopg
@@ -163,8 +173,15 @@ class PostgresBackend(PostgresAdmin):
                 f"cannot connect to PostgreSQL at {self.config.display}: {exc}. Is the server "
                 "running and the URL right (postgresql://user@host:5432/dbname)?"
             ) from None
-        with self.pool.connection() as conn:
-            self._identity = (conn.info.dbname, conn.info.port)
+        with self._conn() as conn:
+            # enqueue(conn=): a caller's connection spelled like this reaches our database
+            self._address = (conn.info.host, conn.info.port, conn.info.dbname)
+            self._identity = identity(conn)  # which server and database that is
+        # the verdict on each caller's connection seen, kept as long as that object lives
+        self._verdicts: weakref.WeakKeyDictionary[psycopg.Connection[Any], bool] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._verdicts_lock = threading.Lock()
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
             self.migrate()
 
@@ -335,17 +352,39 @@ class PostgresBackend(PostgresAdmin):
                 "enqueue(conn=...) on PostgreSQL takes a psycopg 3 Connection, or a SQLAlchemy "
                 f"Connection/Session using psycopg; got {type(conn).__name__}"
             )
-        # Checked from the client-side connection info only: a query here could abort
-        # the caller's transaction if it failed.
-        identity = (raw.info.dbname, raw.info.port)
-        if identity != self._identity:
+        info = raw.info
+        if (info.host, info.port, info.dbname) == self._address:
+            return raw  # spelled as ours: our server and database
+        with self._verdicts_lock:
+            verdict = self._verdicts.get(raw)
+        if verdict is None:
+            verdict = self._reaches_our_database(raw)
+            with self._verdicts_lock:
+                self._verdicts[raw] = verdict
+        if not verdict:
+            host, port, dbname = self._address
             raise ConfigurationError(
-                f"enqueue(conn=...) got a connection to database {raw.info.dbname!r} on port "
-                f"{raw.info.port}, but this app stores jobs in {self._identity[0]!r} on port "
-                f"{self._identity[1]} ({self.config.display}); open the connection on the "
-                "same database"
+                f"enqueue(conn=...) got a connection to database {info.dbname!r} on "
+                f"{info.host}:{info.port}, which is not the PostgreSQL server and database "
+                f"this app stores jobs in ({dbname!r} on {host}:{port}: "
+                f"{self.config.display}); nothing was written. Open the connection on the "
+                "same server and the same database"
             )
         return raw
+
+    def _reaches_our_database(self, raw: psycopg.Connection[Any]) -> bool:
+        """Whether a caller's connection spelled differently from ours (localhost for
+        127.0.0.1, a Unix socket, a pooler, another host) reaches our server and database:
+        asked of the server, once per connection, without disturbing its transaction."""
+        opened = raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        theirs = identity_of_caller(raw)
+        if theirs != self._identity:  # or ours restarted since: ask ours again
+            self._identity = self._read(identity)
+        if theirs == self._identity:
+            return True
+        if opened and not raw.autocommit:  # leave it as found: no transaction open
+            raw.rollback()
+        return False
 
     @staticmethod
     def _params(req: EnqueueRequest) -> dict[str, Any]:

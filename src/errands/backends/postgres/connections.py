@@ -105,6 +105,37 @@ def lost(conn: psycopg.Connection[Any] | None) -> bool:
     return conn is not None and (conn.broken or conn.closed)
 
 
+# What identifies a database of a running PostgreSQL instance, however it is reached
+# (host name, address, Unix socket, a pooler): its name, the port the server listens on
+# (not inet_server_port(), NULL over a Unix socket) and when its postmaster started.
+IDENTITY_SQL = "SELECT current_database(), current_setting('port')::int, pg_postmaster_start_time()"
+Identity = tuple[str, int, Any]
+
+
+def identity(conn: psycopg.Connection[Any]) -> Identity:
+    row = conn.execute(IDENTITY_SQL).fetchone()
+    assert row is not None
+    return (row[0], row[1], row[2])
+
+
+def identity_of_caller(conn: psycopg.Connection[Any]) -> Identity:
+    """:func:`identity` asked on a caller's connection without disturbing its
+    transaction: inside a savepoint when one is open (an error rolls back to it, never
+    aborting the caller's work); when none is open and autocommit is off, the question
+    opens the transaction the enqueue would open anyway (rolled back after a refusal)."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.INTRANS:
+        return identity(conn)
+    conn.execute("SAVEPOINT errands_identity")
+    try:
+        found = identity(conn)
+    except BaseException:
+        conn.execute("ROLLBACK TO SAVEPOINT errands_identity")
+        conn.execute("RELEASE SAVEPOINT errands_identity")
+        raise
+    conn.execute("RELEASE SAVEPOINT errands_identity")
+    return found
+
+
 # The connections this session's role may open, from the tightest of the server's limits:
 # max_connections less the slots reserved for superusers (and, from PostgreSQL 16, for
 # pg_use_reserved_connections), the role's CONNECTION LIMIT, the database's.
