@@ -137,3 +137,24 @@ def test_role_connection_limit_refuses_a_worker_it_cannot_serve(pg_url: str) -> 
     finally:
         admin.execute(f"DROP ROLE {role}")
         admin.close()
+
+
+def test_handler_pool_keeps_the_largest_concurrency_of_the_workers_started_on_the_backend(
+    pg_url: str,
+) -> None:
+    """Two workers started on one backend (-c 12, then -c 5): twelve handlers can still
+    hold ctx.transaction() at once; each transaction is a real open one on its own
+    connection."""
+    backend = PostgresBackend(pg_url)
+    held = []
+    try:
+        backend.configure_worker(12)
+        backend.configure_worker(5)
+        for _ in range(12):
+            held.append(backend.tx_begin())
+        assert len({conn.info.backend_pid for conn in held}) == 12
+        assert all(conn.info.transaction_status.name == "INTRANS" for conn in held)
+    finally:
+        for conn in held:
+            backend.tx_rollback(conn)
+        backend.close()

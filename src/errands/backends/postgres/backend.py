@@ -163,7 +163,7 @@ class PostgresBackend(PostgresAdmin):
         # Handlers' ctx.transaction() connections: a pool of their own, opened on first use
         # and sized by configure_worker, so they never starve the worker's own statements.
         self._handler_pool: ConnectionPool | None = None
-        self._handler_pool_size = self.config.tx_pool_size or POOL_SIZE_DEFAULT
+        self._handler_pool_size: int | None = self.config.tx_pool_size  # None: no worker yet
         self._handler_lock = threading.Lock()
         try:
             self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
@@ -250,13 +250,15 @@ class PostgresBackend(PostgresAdmin):
         """A worker in this process runs up to ``concurrency`` handlers at once: size the
         handler pool to match (one connection per open ``ctx.transaction()``, unless the
         URL sets tx_pool_size), and refuse a worker the server would not let open every
-        connection it may need (ConfigurationError naming the settings and the fix)."""
+        connection it may need (ConfigurationError naming the settings and the fix).
+        Several workers started on one backend in a process keep the largest size."""
         with self._conn() as conn:
             budget = check_budget(conn, self.config, concurrency)
         with self._handler_lock:
-            self._handler_pool_size = budget.handlers
+            size = max(self._handler_pool_size or 0, budget.handlers)
+            self._handler_pool_size = size
             if self._handler_pool is not None:
-                self._handler_pool.resize(0, budget.handlers)
+                self._handler_pool.resize(0, size)
         log.debug(
             "connections for this worker: up to %d (%s)",
             budget.total,
@@ -267,7 +269,8 @@ class PostgresBackend(PostgresAdmin):
         """The pool of ctx.transaction() connections (opened on first use)."""
         with self._handler_lock:
             if self._handler_pool is None:
-                pool = make_pool(self.config, "errands-tx", 0, self._handler_pool_size)
+                size = self._handler_pool_size or POOL_SIZE_DEFAULT  # no worker: no -c
+                pool = make_pool(self.config, "errands-tx", 0, size)
                 pool.open()
                 self._handler_pool = pool
             return self._handler_pool
