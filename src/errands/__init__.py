@@ -15,6 +15,7 @@ from .definition import BoundJob, JobDefinition
 from .errors import (
     ConfigurationError,
     DatabaseBusy,
+    EnqueueUncertain,
     ErrandsError,
     InvalidPayload,
     InvalidTransition,
@@ -44,6 +45,7 @@ __all__ = [
     "ConfigurationError",
     "Context",
     "DatabaseBusy",
+    "EnqueueUncertain",
     "ErrandsError",
     "ExponentialBackoff",
     "InvalidPayload",

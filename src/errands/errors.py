@@ -11,6 +11,7 @@
     ├── InvalidTransition       an admin action that the job's state does not allow
     ├── DatabaseBusy            the store stayed locked past every retry
     ├── StorageFull             the store has no room left (disk full, size limit); nothing written
+    ├── EnqueueUncertain        the connection was lost as an enqueue committed: it may exist
     ├── StepError               ctx.step misused: a name twice in one run, a result not JSON
     ├── JobFailed               ``JobHandle.result()`` on a dead job
     ├── JobCancelled            ``JobHandle.result()`` on a cancelled job
@@ -64,6 +65,16 @@ class DatabaseBusy(ErrandsError):
 
 class StorageFull(ErrandsError):
     """The database has no room left (a full disk or a size limit); nothing was written."""
+
+
+class EnqueueUncertain(ErrandsError):
+    """The connection to the store was lost while an enqueue was committing, so the job may
+    or may not have been stored. An enqueue with ``key=`` can simply be retried (the key
+    makes it happen once); without a key a retry may enqueue the job twice.
+
+    A connection found broken *before* anything was sent, or lost before the enqueue's
+    transaction reached its COMMIT, never raises this: errands retries those itself.
+    """
 
 
 class StepError(ErrandsError):

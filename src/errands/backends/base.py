@@ -360,6 +360,13 @@ class Backend(Protocol):
 
     def tx_rollback(self, conn: Any) -> None: ...
 
+    def configure_worker(self, concurrency: int) -> None:
+        """A worker in this process runs up to ``concurrency`` handlers at once (called
+        once, at its start): size what handlers hold (PostgreSQL: the connections of
+        ``ctx.transaction()``), and raise ConfigurationError, naming the setting and the
+        fix, when the store cannot serve that many."""
+        ...
+
     # -- the worker registry ------------------------------------------------------------
     def worker_register(self, info: WorkerInfo) -> None: ...
 

@@ -268,6 +268,9 @@ class Worker:
         """Run until stopped (signal or :meth:`stop`); returns the process exit code."""
         install_record_factory()
         self._at_startup("checking the schema", lambda: self.app.backend.schema_check())
+        self._at_startup(
+            "sizing connections", lambda: self.app.backend.configure_worker(self.concurrency)
+        )
         if install_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)

@@ -5,9 +5,9 @@ queries it uses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...jobs import JobRow
 from ..base import (
@@ -18,6 +18,8 @@ from ..shared_admin import Run, SharedAdmin
 
 if TYPE_CHECKING:
     import psycopg
+
+T = TypeVar("T")
 
 
 class PostgresAdmin(SharedAdmin):
@@ -33,11 +35,14 @@ class PostgresAdmin(SharedAdmin):
 
         def _tx(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
 
+        def _read(self, work: Callable[[psycopg.Connection[Any]], T]) -> T: ...
+
         def _maybe_notify(self, conn: psycopg.Connection[Any], queues: set[str]) -> None: ...
 
+    # Reads run again on a fresh connection when theirs is lost (a restart, a killed
+    # session): an application's reads after a fail-over succeed at the first call.
     def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]:
-        with self._conn() as conn:
-            return conn.execute(self.q[query], params).fetchall()
+        return self._read(lambda conn: conn.execute(self.q[query], params).fetchall())
 
     def _write_count(self, query: str, params: dict[str, Any]) -> int:
         with self._conn() as conn:
@@ -59,13 +64,11 @@ class PostgresAdmin(SharedAdmin):
 
     # -- reading -------------------------------------------------------------------------
     def job_get(self, job_id: int) -> JobRow | None:
-        with self._conn() as conn:
-            row = conn.execute(self.q["job_get"], {"id": job_id}).fetchone()
+        row = self._read(lambda conn: conn.execute(self.q["job_get"], {"id": job_id}).fetchone())
         return None if row is None else JobRow(*row)
 
     def queue_stats(self) -> list[QueueStats]:
-        with self._conn() as conn:
-            rows = conn.execute(self.q["queue_stats"]).fetchall()
+        rows = self._read_rows("queue_stats")
         by_queue: dict[str, dict[str, Any]] = {}
         for queue, state, n, oldest, stalled in rows:
             entry = by_queue.setdefault(queue, {"counts": {}, "oldest": None, "stalled": 0})
@@ -82,8 +85,8 @@ class PostgresAdmin(SharedAdmin):
 
     # -- health --------------------------------------------------------------------------
     def store_health(self) -> StoreHealth:
-        with self._conn() as conn:
-            row = conn.execute(self.q["store_health"], {"schema": self.schema}).fetchone()
+        rows = self._read_rows("store_health", {"schema": self.schema})
+        row = rows[0] if rows else None
         dead, live, oldest = row if row is not None else (None, None, None)
         return StoreHealth(
             dead_tuples=dead,
@@ -95,8 +98,5 @@ class PostgresAdmin(SharedAdmin):
     def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[Any]:
         from ..base import ThroughputBucket
 
-        with self._conn() as conn:
-            rows = conn.execute(
-                self.q["job_throughput"], {"since": since_seconds, "bucket": bucket_seconds}
-            ).fetchall()
+        rows = self._read_rows("job_throughput", {"since": since_seconds, "bucket": bucket_seconds})
         return [ThroughputBucket(float(r[0]), r[1], r[2], r[3], r[4]) for r in rows]

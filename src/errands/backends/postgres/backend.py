@@ -20,13 +20,14 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
-from typing import Any
+from typing import Any, TypeVar
 
-from ...errors import ConfigurationError, SchemaOutdated
+from ...errors import ConfigurationError, EnqueueUncertain, SchemaOutdated
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...testing.faults import fault_point
 from ..base import (
@@ -46,9 +47,22 @@ from ..base import (
 from ..limits import Claimed, claim_limited
 from ..sqlfile import load_migrations, load_queries
 from .admin import PostgresAdmin
-from .config import CONNECT_TIMEOUT_DEFAULT, PostgresConfig, parse_postgres_url
-
-RECONNECT_WINDOW = 5.0  # seconds of backed-off reconnect attempts before starting afresh
+from .config import (
+    CONNECT_TIMEOUT_DEFAULT,
+    POOL_SIZE_DEFAULT,
+    PostgresConfig,
+    parse_postgres_url,
+)
+from .connections import (
+    LOST_TRIES,
+    Progress,
+    check_budget,
+    checkout,
+    identity,
+    identity_of_caller,
+    lost,
+    make_pool,
+)
 
 try:
     import psycopg
@@ -61,6 +75,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 log = logging.getLogger("errands.postgres")
+
+T = TypeVar("T")
 
 MIGRATE_LOCK_KEY = 7_203_148_551  # pg_advisory_xact_lock key for `errands migrate`
 
@@ -147,23 +163,12 @@ class PostgresBackend(PostgresAdmin):
                 f"{str(exc).strip().splitlines()[0]}. Is the server running and the URL right "
                 "(postgresql://user@host:5432/dbname)?"
             ) from None
-        self.pool = ConnectionPool(
-            self.config.conninfo,
-            min_size=1,
-            max_size=self.config.pool_size,
-            kwargs={
-                "autocommit": True,
-                "prepare_threshold": 5 if self.config.prepare else None,
-            },
-            open=False,
-            name="errands",
-            timeout=30.0,
-            # psycopg_pool doubles the pause between reconnect attempts (1, 2, 4, ... s)
-            # until reconnect_timeout; after a long outage a worker could sleep a minute
-            # past the database's return. Giving up after RECONNECT_WINDOW bounds the
-            # pause: the next request for a connection starts a fresh attempt at once.
-            reconnect_timeout=RECONNECT_WINDOW,
-        )
+        self.pool = make_pool(self.config, "errands", 1, self.config.pool_size)
+        # Handlers' ctx.transaction() connections: a pool of their own, opened on first use
+        # and sized by configure_worker, so they never starve the worker's own statements.
+        self._handler_pool: ConnectionPool | None = None
+        self._handler_pool_size: int | None = self.config.tx_pool_size  # None: no worker yet
+        self._handler_lock = threading.Lock()
         try:
             self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
         except Exception as exc:
@@ -172,18 +177,30 @@ class PostgresBackend(PostgresAdmin):
                 f"cannot connect to PostgreSQL at {self.config.display}: {exc}. Is the server "
                 "running and the URL right (postgresql://user@host:5432/dbname)?"
             ) from None
-        with self.pool.connection() as conn:
-            self._identity = (conn.info.dbname, conn.info.port)
+        with self._conn() as conn:
+            # enqueue(conn=): a caller's connection spelled like this reaches our database
+            self._address = (conn.info.host, conn.info.port, conn.info.dbname)
+            self._identity = identity(conn)  # which server and database that is
+        # the verdict on each caller's connection seen, kept as long as that object lives
+        self._verdicts: weakref.WeakKeyDictionary[psycopg.Connection[Any], bool] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._verdicts_lock = threading.Lock()
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
             self.migrate()
 
     # -- connections ---------------------------------------------------------------------
     @contextmanager
     def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
-        """A pool connection; ``timeout``: wait at most that long for one (default 30 s)."""
+        """A pool connection the server has not closed; ``timeout``: wait at most that
+        long for one (default 30 s)."""
         try:
-            with self.pool.connection(timeout=timeout) as conn:
-                yield conn
+            conn = checkout(self.pool, timeout)
+            try:
+                with conn:  # as pool.connection() does: commit, or roll back on error
+                    yield conn
+            finally:
+                self.pool.putconn(conn)
         except pg_errors.UndefinedTable as exc:
             raise SchemaOutdated(
                 f"errands' tables are missing in schema {self.schema!r} of "
@@ -196,8 +213,71 @@ class PostgresBackend(PostgresAdmin):
         with self._conn() as conn, conn.transaction():
             yield conn
 
+    def _again_if_lost(
+        self,
+        work: Callable[[psycopg.Connection[Any], Progress], T],
+        uncertain: Callable[[psycopg.Error], Exception] | None = None,
+    ) -> T:
+        """Run ``work`` on a pool connection; when the connection is lost under it (the
+        server restarted or ended the session), run it again on a fresh one, up to
+        LOST_TRIES times. ``work`` marks ``progress.committing`` once what it sends may
+        commit (an autocommit write, or COMMIT): a loss after that raises
+        ``uncertain(error)`` instead, since the write may have happened."""
+        for tries_left in reversed(range(LOST_TRIES)):
+            progress = Progress()
+            try:
+                with self._conn() as conn:
+                    progress.conn = conn
+                    return work(conn, progress)
+            except psycopg.Error as exc:
+                if not lost(progress.conn):
+                    raise
+                if progress.committing and uncertain is not None:
+                    raise uncertain(exc) from exc
+                if not tries_left:
+                    raise
+                log.info("connection to PostgreSQL lost (%s); trying again on a fresh one", exc)
+        raise AssertionError("unreachable")
+
+    def _read(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """An idempotent read, run again on a fresh connection if its connection is lost."""
+        return self._again_if_lost(lambda conn, _: work(conn))
+
     def close(self) -> None:
         self.pool.close()
+        with self._handler_lock:
+            handlers, self._handler_pool = self._handler_pool, None
+        if handlers is not None:
+            handlers.close()
+
+    def configure_worker(self, concurrency: int) -> None:
+        """A worker in this process runs up to ``concurrency`` handlers at once: size the
+        handler pool to match (one connection per open ``ctx.transaction()``, unless the
+        URL sets tx_pool_size), and refuse a worker the server would not let open every
+        connection it may need (ConfigurationError naming the settings and the fix).
+        Several workers started on one backend in a process keep the largest size."""
+        with self._conn() as conn:
+            budget = check_budget(conn, self.config, concurrency)
+        with self._handler_lock:
+            size = max(self._handler_pool_size or 0, budget.handlers)
+            self._handler_pool_size = size
+            if self._handler_pool is not None:
+                self._handler_pool.resize(0, size)
+        log.debug(
+            "connections for this worker: up to %d (%s)",
+            budget.total,
+            budget.describe(concurrency, self.config.tx_pool_size),
+        )
+
+    def _handlers(self) -> ConnectionPool:
+        """The pool of ctx.transaction() connections (opened on first use)."""
+        with self._handler_lock:
+            if self._handler_pool is None:
+                size = self._handler_pool_size or POOL_SIZE_DEFAULT  # no worker: no -c
+                pool = make_pool(self.config, "errands-tx", 0, size)
+                pool.open()
+                self._handler_pool = pool
+            return self._handler_pool
 
     # -- schema --------------------------------------------------------------------------
     def migration_sql(self, after: int = 0) -> list[tuple[int, str, str]]:
@@ -279,17 +359,39 @@ class PostgresBackend(PostgresAdmin):
                 "enqueue(conn=...) on PostgreSQL takes a psycopg 3 Connection, or a SQLAlchemy "
                 f"Connection/Session using psycopg; got {type(conn).__name__}"
             )
-        # Checked from the client-side connection info only: a query here could abort
-        # the caller's transaction if it failed.
-        identity = (raw.info.dbname, raw.info.port)
-        if identity != self._identity:
+        info = raw.info
+        if (info.host, info.port, info.dbname) == self._address:
+            return raw  # spelled as ours: our server and database
+        with self._verdicts_lock:
+            verdict = self._verdicts.get(raw)
+        if verdict is None:
+            verdict = self._reaches_our_database(raw)
+            with self._verdicts_lock:
+                self._verdicts[raw] = verdict
+        if not verdict:
+            host, port, dbname = self._address
             raise ConfigurationError(
-                f"enqueue(conn=...) got a connection to database {raw.info.dbname!r} on port "
-                f"{raw.info.port}, but this app stores jobs in {self._identity[0]!r} on port "
-                f"{self._identity[1]} ({self.config.display}); open the connection on the "
-                "same database"
+                f"enqueue(conn=...) got a connection to database {info.dbname!r} on "
+                f"{info.host}:{info.port}, which is not the PostgreSQL server and database "
+                f"this app stores jobs in ({dbname!r} on {host}:{port}: "
+                f"{self.config.display}); nothing was written. Open the connection on the "
+                "same server and the same database"
             )
         return raw
+
+    def _reaches_our_database(self, raw: psycopg.Connection[Any]) -> bool:
+        """Whether a caller's connection spelled differently from ours (localhost for
+        127.0.0.1, a Unix socket, a pooler, another host) reaches our server and database:
+        asked of the server, once per connection, without disturbing its transaction."""
+        opened = raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        theirs = identity_of_caller(raw)
+        if theirs != self._identity:  # or ours restarted since: ask ours again
+            self._identity = self._read(identity)
+        if theirs == self._identity:
+            return True
+        if opened and not raw.autocommit:  # leave it as found: no transaction open
+            raw.rollback()
+        return False
 
     @staticmethod
     def _params(req: EnqueueRequest) -> dict[str, Any]:
@@ -463,11 +565,29 @@ class PostgresBackend(PostgresAdmin):
             return []
         if conn is not None:
             return self._insert(self._caller_connection(conn), requests)
-        if len(requests) == 1 and requests[0].key is None:
-            with self._conn() as own:  # one autocommit statement: one round trip
+        single = len(requests) == 1 and requests[0].key is None
+
+        def insert(own: psycopg.Connection[Any], progress: Progress) -> list[InsertResult]:
+            if single:  # one autocommit statement: one round trip, its own commit
+                progress.committing = True
                 return self._insert(own, requests)
-        with self._tx() as own:
-            return self._insert(own, requests)
+            with own.transaction():
+                results = self._insert(own, requests)
+                progress.committing = True  # leaving the block sends COMMIT
+            return results
+
+        return self._again_if_lost(insert, lambda exc: self._uncertain(requests, exc))
+
+    def _uncertain(self, requests: Sequence[EnqueueRequest], exc: psycopg.Error) -> Exception:
+        names = ", ".join(sorted({r.name for r in requests}))
+        what = f"job {names}" if len(requests) == 1 else f"{len(requests)} jobs ({names})"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return EnqueueUncertain(
+            f"the connection to PostgreSQL at {self.config.display} was lost while the "
+            f"enqueue of {what} was committing ({reason}): it may or may not have been "
+            "stored. An enqueue with key= can simply be retried (the key makes it happen "
+            "once); without a key, a retry may enqueue it twice"
+        )
 
     # -- the hot path ----------------------------------------------------------------------
     def job_claim(self, params: ClaimParams) -> list[JobRow]:
@@ -643,12 +763,13 @@ class PostgresBackend(PostgresAdmin):
 
     # -- transactional completion (ctx.transaction) ---------------------------------------
     def tx_begin(self) -> psycopg.Connection[Any]:
-        """A pool connection in an open transaction, for one attempt."""
-        conn = self.pool.getconn()
+        """A connection of the handler pool in an open transaction, for one attempt."""
+        pool = self._handlers()
+        conn = checkout(pool)
         try:
             conn.execute("BEGIN")
         except BaseException:
-            self.pool.putconn(conn)
+            pool.putconn(conn)
             raise
         return conn
 
@@ -666,14 +787,22 @@ class PostgresBackend(PostgresAdmin):
                 conn.execute("ROLLBACK")
             raise
         finally:
-            self.pool.putconn(conn)
+            self._give_back(conn)
 
     def tx_rollback(self, conn: psycopg.Connection[Any]) -> None:
         try:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
         finally:
-            self.pool.putconn(conn)
+            self._give_back(conn)
+
+    def _give_back(self, conn: psycopg.Connection[Any]) -> None:
+        with self._handler_lock:
+            pool = self._handler_pool
+        if pool is None:  # the backend was closed meanwhile
+            conn.close()
+        else:
+            pool.putconn(conn)
 
     # -- durable steps -------------------------------------------------------------------
     def step_list(self, job_id: int) -> list[Step]:

@@ -18,7 +18,8 @@ _SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 # Options errands reads from the URL; everything else goes to libpq untouched.
 OPTIONS = {
     "schema": "the schema holding errands' tables (default public)",
-    "pool_size": "connections per process (default 10)",
+    "pool_size": "connections per process for errands' own statements (default 10)",
+    "tx_pool_size": "connections per process for handlers' ctx.transaction() (default: -c)",
     "auto_migrate": "apply migrations when the app first connects (default false)",
     "prepare": "server-side prepared statements: true (default) or false for PgBouncer < 1.21",
     "notify_window": "seconds within which one process sends at most one NOTIFY per queue",
@@ -36,6 +37,9 @@ class PostgresConfig:
     notify_window: float
     listen: bool
     display: str  # the URL without a password, for messages
+    # Connections for handlers' ctx.transaction(), a pool of their own; None: as many as
+    # the worker runs handlers at once (Backend.configure_worker), else POOL_SIZE_DEFAULT.
+    tx_pool_size: int | None = None
 
 
 def _flag(name: str, value: str) -> bool:
@@ -63,11 +67,14 @@ def parse_postgres_url(url: str) -> PostgresConfig:
         )
     try:
         pool_size = int(ours.get("pool_size", POOL_SIZE_DEFAULT))
+        tx_pool_size = int(ours["tx_pool_size"]) if "tx_pool_size" in ours else None
         notify_window = float(ours.get("notify_window", NOTIFY_WINDOW_DEFAULT))
     except ValueError as exc:
         raise ConfigurationError(f"PostgreSQL URL {redact_url(url)!r}: {exc}") from None
     if pool_size < 2:
         raise ConfigurationError("PostgreSQL URL option pool_size must be at least 2")
+    if tx_pool_size is not None and tx_pool_size < 1:
+        raise ConfigurationError("PostgreSQL URL option tx_pool_size must be at least 1")
     netloc = parts.netloc
     if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:  # the last '@' ends a password
         user = netloc.rsplit("@", 1)[0].split(":", 1)[0]
@@ -85,6 +92,7 @@ def parse_postgres_url(url: str) -> PostgresConfig:
         prepare=_flag("prepare", ours.get("prepare", "true")),
         notify_window=notify_window,
         listen=_flag("listen", ours.get("listen", "true")),
+        tx_pool_size=tx_pool_size,
         display=urlunsplit(
             ("postgresql", netloc_display, parts.path, urlencode(sorted(ours.items())), "")
         ),

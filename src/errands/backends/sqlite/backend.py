@@ -591,6 +591,10 @@ class SQLiteBackend(SQLiteAdmin):
             )
 
     # -- transactional completion (ctx.transaction) ---------------------------------------
+    def configure_worker(self, concurrency: int) -> None:
+        """Nothing to size or refuse: each ctx.transaction() opens a connection of its own
+        to the file, and SQLite has no connection limit."""
+
     def tx_begin(self) -> sqlite3.Connection:
         """A dedicated connection in an open write transaction, for one attempt."""
         if self.memory:
