@@ -129,4 +129,4 @@ def test_a_long_run_of_jobs_waiting_for_a_busy_key_does_not_hold_back_other_keys
 def _keyed(name: str) -> Any:
     from errands.backends.base import QueueSettings
 
-    return QueueSettings(name, has_keys=True)
+    return QueueSettings(name, jobs_declare_limits=True)

@@ -175,6 +175,6 @@ def test_the_plain_claim_never_takes_a_row_that_carries_a_limit(store: errands.A
     backend = store.backend
     rows = backend.job_claim(ClaimParams([QueueClaim("default", 10)], 10, "w-test", 30.0))
     assert [r.name for r in rows] == ["rows.p"]
-    assert backend.queues_limited(["default", "nothing-here"]) == {"default"}
+    assert backend.queues_with_limits(["default", "nothing-here"]) == {"default"}
     limited = backend.job_claim_limited(QueueClaim("default", 10), "w-test", 30.0)
     assert sorted(r.name for r in limited) == ["rows.k", "rows.r"]

@@ -163,13 +163,12 @@ class QueueSettings:
     max_running: int | None = None
     rate_limit: int | None = None
     rate_period: float | None = None
-    has_keys: bool = False
+    # Some worker's code declares job types with a concurrency key or a rate in this queue
+    # (column has_keys; it only ever turns on). Workers before schema version 7 read it to
+    # claim the queue through the limited path; newer ones read the limits on the rows.
+    jobs_declare_limits: bool = False
     updated_at: float | None = None
     updated_by: str | None = None
-
-    @property
-    def limited(self) -> bool:
-        return self.max_running is not None or self.rate_limit is not None or self.has_keys
 
 
 @dataclass(frozen=True)
@@ -316,7 +315,7 @@ class Backend(Protocol):
         """Claim from a limited queue, one claimer at a time (see backends.limits)."""
         ...
 
-    def queues_limited(self, queues: Sequence[str]) -> set[str]:
+    def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
         """Which of ``queues`` must be claimed with :meth:`job_claim_limited`: a declared
         cluster-wide limit or rate, or due rows carrying a concurrency key or a rate
         (``job_claim`` never takes those rows)."""

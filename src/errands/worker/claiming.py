@@ -59,7 +59,9 @@ class Claimer:
         self.declared = {
             d.queue for d in app.registry.values() if d.limited and d.queue in self.queues
         } | {name for name, s in app.queues.items() if name in self.queues and _limits(s)}
-        self.limited: set[str] = set(self.declared)
+        # The queues claimed through job_claim_limited (which counts keys, rates and
+        # cluster-wide limits); the plain claim serves the others.
+        self.with_limits: set[str] = set(self.declared)
         self._refresh_due = 0.0
         self._suspect_due = 0.0
 
@@ -70,7 +72,7 @@ class Claimer:
             return
         self._refresh_due = now + self.poll_interval
         try:
-            self.limited = self.declared | self.app.backend.queues_limited(self.queues)
+            self.with_limits = self.declared | self.app.backend.queues_with_limits(self.queues)
         except Exception as exc:
             log.debug("could not read which queues are limited (%s); keeping the last", exc)
 
@@ -111,7 +113,7 @@ class Claimer:
                 taken[row.queue] = taken.get(row.queue, 0) + 1
             plan = [QueueClaim(q.name, q.limit - taken.get(q.name, 0)) for q in plan]
             plan = [q for q in plan if q.limit > 0]
-        fast = [q for q in plan if q.name not in self.limited]
+        fast = [q for q in plan if q.name not in self.with_limits]
         if fast and room > len(rows):
             params = ClaimParams(fast, room - len(rows), self.worker_id, self.app.lease)
             claimed = self._step(result, lambda: backend.job_claim(params))
@@ -120,7 +122,7 @@ class Claimer:
             rows += sorted(claimed, key=queue_order)
         for queue in plan:
             take = min(queue.limit, free - len(rows))
-            if queue.name in self.limited and take > 0:
+            if queue.name in self.with_limits and take > 0:
                 claim = QueueClaim(queue.name, take)
                 limited = self._step(
                     result,
@@ -136,13 +138,13 @@ class Claimer:
     def _claim_suspects(self, result: ClaimRound, plan: list[QueueClaim], most: int) -> None:
         """Up to ``most`` rescued jobs (the worker sizes ``most`` to run each isolated)."""
         backend = self.app.backend
-        fast = [QueueClaim(q.name, most) for q in plan if q.name not in self.limited]
+        fast = [QueueClaim(q.name, most) for q in plan if q.name not in self.with_limits]
         if fast:
             params = ClaimParams(fast, most, self.worker_id, self.app.lease, suspects=True)
             result.rows += self._step(result, lambda: backend.job_claim(params))
         for queue in plan:
             left = most - len(result.rows)
-            if queue.name in self.limited and left > 0:
+            if queue.name in self.with_limits and left > 0:
                 claim = QueueClaim(queue.name, left)
                 result.rows += self._step(
                     result,

@@ -355,7 +355,7 @@ class Worker:
                 max_running=declared.max_running,
                 rate_limit=declared.rate_limit,
                 rate_period=declared.rate_period,
-                has_keys=name in keyed,
+                jobs_declare_limits=name in keyed,
             )
             backend.queue_declare(settings, f"worker:{self.id}")
         for definition in self.app.registry.values():  # a rate removed in code is cleared

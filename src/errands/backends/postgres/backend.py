@@ -651,7 +651,7 @@ class PostgresBackend(PostgresAdmin):
         return [
             QueueSettings(
                 name=r[0], paused=bool(r[1]), max_running=r[2], rate_limit=r[3],
-                rate_period=r[4], has_keys=bool(r[5]), updated_at=r[6], updated_by=r[7],
+                rate_period=r[4], jobs_declare_limits=bool(r[5]), updated_at=r[6], updated_by=r[7],
             )
             for r in rows
         ]  # fmt: skip
@@ -665,7 +665,7 @@ class PostgresBackend(PostgresAdmin):
                     "max_running": settings.max_running,
                     "rate_limit": settings.rate_limit,
                     "rate_period": settings.rate_period,
-                    "has_keys": settings.has_keys,
+                    "has_keys": settings.jobs_declare_limits,
                     "actor": actor,
                 },
             )
@@ -722,11 +722,11 @@ class PostgresBackend(PostgresAdmin):
         claimed.retry_in = rows.retry_in
         return claimed
 
-    def queues_limited(self, queues: Sequence[str]) -> set[str]:
+    def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
         if not queues:
             return set()
         with self._conn() as conn:
-            rows = conn.execute(self.q["queues_limited"], {"queues": list(queues)}).fetchall()
+            rows = conn.execute(self.q["queues_with_limits"], {"queues": list(queues)}).fetchall()
         return {r[0] for r in rows}
 
     def rate_log_prune(self, older_than: float) -> int:

@@ -466,7 +466,7 @@ CROSS JOIN LATERAL (
 ) AS r
 WHERE n.name IS NOT NULL
 
--- name: queues_limited
+-- name: queues_with_limits
 -- Which of a worker's queues must be claimed through claim_limited: a queue with a
 -- cluster-wide limit or rate, or with due rows that carry a limit of their own (a
 -- concurrency key or a job type's rate), whatever queue they were enqueued into.

@@ -497,7 +497,7 @@ class SQLiteBackend(SQLiteAdmin):
                     "max_running": settings.max_running,
                     "rate_limit": settings.rate_limit,
                     "rate_period": settings.rate_period,
-                    "has_keys": int(settings.has_keys),
+                    "has_keys": int(settings.jobs_declare_limits),
                     "actor": actor,
                 },
             )
@@ -551,11 +551,11 @@ class SQLiteBackend(SQLiteAdmin):
         claimed.retry_in = rows.retry_in
         return claimed
 
-    def queues_limited(self, queues: Sequence[str]) -> set[str]:
+    def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
         if not queues:
             return set()
         with self._read() as conn:
-            rows = conn.execute(Q["queues_limited"], {"queues": json.dumps(list(queues))})
+            rows = conn.execute(Q["queues_with_limits"], {"queues": json.dumps(list(queues))})
             return {r[0] for r in rows.fetchall()}
 
     def rate_log_prune(self, older_than: float) -> int:
@@ -788,7 +788,7 @@ def _settings(r: tuple[Any, ...]) -> QueueSettings:
         max_running=r[2],
         rate_limit=r[3],
         rate_period=r[4],
-        has_keys=bool(r[5]),
+        jobs_declare_limits=bool(r[5]),
         updated_at=r[6],
         updated_by=r[7],
     )

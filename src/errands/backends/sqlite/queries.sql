@@ -376,7 +376,7 @@ JOIN errands_jobs AS r ON r.id = (
       AND (concurrency_key IS NOT NULL OR rate_limit IS NOT NULL) AND rate_limit IS NOT NULL
     LIMIT 1)
 
--- name: queues_limited
+-- name: queues_with_limits
 -- Which of a worker's queues (:queues, a JSON list) must be claimed through claim_limited:
 -- a queue with a cluster-wide limit or rate, or with due rows that carry a limit of their
 -- own (a concurrency key or a job type's rate), whatever queue they were enqueued into.
