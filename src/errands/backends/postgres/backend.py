@@ -27,8 +27,8 @@ from operator import itemgetter
 from typing import Any
 
 from ...errors import ConfigurationError, SchemaOutdated
+from ...faults import fault_point
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
-from ...testing.faults import fault_point
 from ..base import (
     Capabilities,
     ClaimParams,
