@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ...jobs import JobRow
 from ..base import (
     QueueStats,
     StoreHealth,
@@ -35,6 +34,9 @@ class PostgresAdmin(SharedAdmin):
 
         def _maybe_notify(self, conn: psycopg.Connection[Any], queues: set[str]) -> None: ...
 
+    def _statement(self, query: str) -> str:
+        return self.q[query]
+
     def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]:
         with self._conn() as conn:
             return conn.execute(self.q[query], params).fetchall()
@@ -58,11 +60,6 @@ class PostgresAdmin(SharedAdmin):
             self._maybe_notify(conn, queues)
 
     # -- reading -------------------------------------------------------------------------
-    def job_get(self, job_id: int) -> JobRow | None:
-        with self._conn() as conn:
-            row = conn.execute(self.q["job_get"], {"id": job_id}).fetchone()
-        return None if row is None else JobRow(*row)
-
     def queue_stats(self) -> list[QueueStats]:
         with self._conn() as conn:
             rows = conn.execute(self.q["queue_stats"]).fetchall()
