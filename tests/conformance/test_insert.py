@@ -188,6 +188,29 @@ def test_enqueue_on_callers_connection_commits_with_the_caller(
     assert get(backend, result.id).state == "available"
 
 
+def test_job_get_on_callers_connection_sees_its_uncommitted_enqueue(
+    backend: Backend, harness: Harness, tmp_path: Path
+) -> None:
+    """``job_get(conn=)`` reads on the caller's connection: inside the caller's open
+    transaction it returns the job that transaction enqueued (as the same row the store
+    gives after commit), where the backend's own connections do not see it yet."""
+    _require_caller_connection(backend)
+    with harness.caller_connection(backend, tmp_path, same_store=True) as conn:
+        harness.begin(conn)
+        (result,) = backend.job_insert_many([request(key="order:1")], conn=conn)
+        inside = backend.job_get(result.id, conn=conn)
+        assert inside is not None
+        assert (inside.id, inside.idempotency_key, inside.state) == (
+            result.id,
+            "order:1",
+            "available",
+        )
+        assert backend.job_get(424242, conn=conn) is None
+        assert backend.job_get(result.id) is None  # not committed yet
+        harness.commit(conn)
+    assert get(backend, result.id) == inside
+
+
 def test_enqueue_refuses_a_connection_to_another_database(
     backend: Backend, harness: Harness, tmp_path: Path
 ) -> None:

@@ -277,7 +277,14 @@ class Backend(Protocol):
         ...
 
     # -- reading -------------------------------------------------------------------------
-    def job_get(self, job_id: int) -> JobRow | None: ...
+    def job_get(self, job_id: int, conn: Any = None) -> JobRow | None:
+        """One job's row, or None. With ``conn`` — the caller's own connection to this store,
+        of the type ``job_insert_many(conn=)`` takes (``capabilities.caller_connection``, or
+        a SQLAlchemy Connection/Session on it) — the read runs on that connection, so it
+        sees what the caller's open transaction wrote (the Django integration reads a
+        task's result this way). The connection is used as given: not checked, committed
+        or closed."""
+        ...
 
     def job_list(self, params: ListParams) -> list[JobRow]: ...
 

@@ -2,11 +2,12 @@
 listing jobs, the audit log, replay, discard and cancel, the worker registry, finding
 jobs by key, counts per queue.
 
-A backend's admin mixin inherits :class:`SharedAdmin` and supplies three primitives that
-run a named query of its own ``queries.sql``: ``_read_rows(query, params)`` (in a read
-connection), ``_write_count(query, params)`` (in a write transaction of its own, returning
-the rows changed) and ``_transaction()`` (a write transaction, yielding a function that
-runs queries in it).
+A backend's admin mixin inherits :class:`SharedAdmin` and supplies four primitives over
+the named queries of its own ``queries.sql``: ``_statement(query)`` (a query's SQL, to run
+on a caller's connection), ``_read_rows(query, params)`` (in a read connection),
+``_write_count(query, params)`` (in a write transaction of its own, returning the rows
+changed) and ``_transaction()`` (a write transaction, yielding a function that runs
+queries in it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTransition, JobNotFound
 from ..jobs import JobRow
-from .base import ActionParams, ActionResult, AuditEvent, CancelResult, ListParams, WorkerInfo
+from .base import (
+    ActionParams,
+    ActionResult,
+    AuditEvent,
+    CancelResult,
+    ListParams,
+    WorkerInfo,
+    unwrap_connection,
+)
 
 Run = Callable[..., Any]  # run(query_name, params=None) -> cursor, inside a transaction
 
@@ -27,6 +36,8 @@ class SharedAdmin:
     STATE_QUERY = "job_state"  # reads one job's state (locking its row where the store can)
 
     if TYPE_CHECKING:  # each backend's admin mixin defines these
+
+        def _statement(self, query: str) -> str: ...
 
         def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]: ...
 
@@ -122,6 +133,15 @@ class SharedAdmin:
                 },
             )
         return CancelResult(id=job_id, previous_state=previous, state=state)
+
+    # -- reading -------------------------------------------------------------------------
+    def job_get(self, job_id: int, conn: Any = None) -> JobRow | None:
+        if conn is None:
+            rows = self._read_rows("job_get", {"id": job_id})
+        else:  # the caller's connection: its open transaction's writes are visible
+            cursor = unwrap_connection(conn).execute(self._statement("job_get"), {"id": job_id})
+            rows = cursor.fetchall()
+        return JobRow(*rows[0]) if rows else None
 
     def job_list(self, params: ListParams) -> list[JobRow]:
         rows = self._read_rows(

@@ -1,81 +1,29 @@
-"""Find the user's App from ``module:attribute`` (argument, -A/--app or ERRANDS_APP)."""
+"""Find the user's App from ``module:attribute`` (argument, -A/--app or ERRANDS_APP).
+
+The finding is :func:`errands.loading.load_app`; here its errors become usage errors
+(exit code 2, with the command's usage line).
+"""
 
 from __future__ import annotations
 
 import getpass
-import importlib
-import os
 import socket
-import sys
 
 import click
 
+from .. import loading
 from ..app import App
 
 
 def load_app(
     path: str | None, url: str | None = None, *, need_code: bool = False, existing: bool = False
 ) -> App:
-    """Import ``module:attr`` and return the App; with only ``url``, a bare App on it.
-
-    ``need_code``: the command runs jobs, so the module defining them is required.
-    ``existing``: the command only reads or administers, so a SQLite file that does not
-    exist is a typo, not a new database to create.
-    """
-    if not path:
-        if need_code:
-            raise click.UsageError(
-                "no app given: a worker needs the module that defines your jobs; pass "
-                "module:app (as in `errands worker shop.jobs:app`), -A/--app module:app, "
-                "or set ERRANDS_APP"
-            )
-        if not (url or os.environ.get("ERRANDS_URL")):
-            raise click.UsageError(
-                "no database given: pass --url (e.g. --url sqlite:///errands.db), "
-                "-A/--app module:app, or set ERRANDS_URL or ERRANDS_APP"
-            )
-        app = App(url) if url else App()
-        if existing:
-            _check_exists(app.url)
-        return app
-    module_name, _, attr = path.partition(":")
-    attr = attr or "app"
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    """:func:`errands.loading.load_app`, its :class:`~errands.loading.AppLoadError` as a
+    :class:`click.UsageError`."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise click.UsageError(
-            f"cannot import module {module_name!r} (from {path!r}): {exc}. "
-            "Run from your project's folder, or check the module path"
-        ) from None
-    try:
-        app = getattr(module, attr)
-    except AttributeError:
-        raise click.UsageError(
-            f"module {module_name!r} has no attribute {attr!r}; "
-            f"write module:attribute, as in {module_name}:app"
-        ) from None
-    if not isinstance(app, App):
-        raise click.UsageError(f"{path!r} is a {type(app).__name__}, not an errands.App")
-    if url:
-        app.url = url
-    if existing:
-        _check_exists(app.url)
-    return app
-
-
-def _check_exists(url: str) -> None:
-    if not url.startswith("sqlite:"):
-        return
-    from ..backends.sqlite.backend import parse_sqlite_url
-
-    path, _ = parse_sqlite_url(url)
-    if path != ":memory:" and not os.path.exists(path):
-        raise click.UsageError(
-            f"no errands database at {os.path.abspath(path)!r} (from {url}); check --url, "
-            "ERRANDS_URL or the folder you run from"
-        )
+        return loading.load_app(path, url, need_code=need_code, existing=existing)
+    except loading.AppLoadError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def default_actor() -> str:

@@ -13,8 +13,9 @@
 - ``errands.testing.pytest_plugin``: pytest fixtures prefixed ``errands_`` (installed
   with errands through the ``pytest11`` entry point).
 
-Names are imported lazily: the worker imports :mod:`errands.testing.faults`, so this
-package must not import the worker while it loads.
+Names are imported lazily, so loading this package (as the pytest plugin does) imports
+neither the worker nor a backend. The worker and the backends never import it: their
+fault-point hook is :mod:`errands.faults`.
 """
 
 from __future__ import annotations

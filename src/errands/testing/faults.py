@@ -17,22 +17,38 @@ The worker passes named points on its way (``after_step``, ``before_complete_com
 A point may carry details (``after_step`` passes ``job_id``, ``job``, ``attempt`` and
 ``step``); ``when`` filters receive them as a dict. Disarmed, a point costs one
 dictionary lookup.
+
+The hook itself lives in :mod:`errands.faults` (so the worker and the backends do not
+import the test tools); this module re-exports it and adds the in-process crash.
 """
 
 from __future__ import annotations
 
-import os
-import random
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from ..faults import (
+    CRASH_EXIT_CODE,
+    ENV,
+    POINTS,
+    Action,
+    When,
+    arm,
+    armed,
+    disarm,
+    fault_point,
+)
 
-ENV = "ERRANDS_FAULT_POINTS"
-CRASH_EXIT_CODE = 86
-POINTS = ("after_step", "before_complete_commit", "after_complete_commit")
-
-Action = Callable[[str], None]
-When = Callable[[Mapping[str, Any]], bool]
+__all__ = [
+    "CRASH_EXIT_CODE",
+    "ENV",
+    "POINTS",
+    "Action",
+    "SimulatedCrash",
+    "When",
+    "arm",
+    "armed",
+    "disarm",
+    "fault_point",
+    "raise_crash",
+]
 
 
 class SimulatedCrash(BaseException):
@@ -45,72 +61,6 @@ class SimulatedCrash(BaseException):
     """
 
 
-def _crash(name: str) -> None:
-    # One line, written straight to the file descriptor: no buffering, no logging setup.
-    os.write(2, f"errands fault point {name}: crashing (exit {CRASH_EXIT_CODE})\n".encode())
-    os._exit(CRASH_EXIT_CODE)
-
-
 def raise_crash(name: str) -> None:
     """An action for :func:`arm`: raise :class:`SimulatedCrash` at the point."""
     raise SimulatedCrash(f"simulated crash at fault point {name}")
-
-
-@dataclass(frozen=True)
-class _Armed:
-    probability: float
-    action: Action
-    when: When | None = None
-
-
-def _parse(spec: str) -> dict[str, _Armed]:
-    armed: dict[str, _Armed] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, probability = part.partition(":")
-        if name not in POINTS:
-            raise ValueError(f"{ENV}: unknown fault point {name!r}; known: {', '.join(POINTS)}")
-        armed[name] = _Armed(float(probability) if probability else 1.0, _crash)
-    return armed
-
-
-_armed: dict[str, _Armed] = _parse(os.environ.get(ENV, ""))
-
-
-def arm(
-    name: str,
-    action: Action | None = None,
-    probability: float = 1.0,
-    *,
-    when: When | None = None,
-) -> None:
-    """Run ``action(name)`` (default: crash the process) when the point is reached.
-
-    ``when(details)``, if given, is asked first and the point fires only if it returns
-    True (``after_step`` details: ``job_id``, ``job``, ``attempt``, ``step``).
-    """
-    if name not in POINTS:
-        raise ValueError(f"unknown fault point {name!r}; known: {', '.join(POINTS)}")
-    _armed[name] = _Armed(probability, action or _crash, when)
-
-
-def disarm(name: str | None = None) -> None:
-    """Disarm one point, or all of them."""
-    if name is None:
-        _armed.clear()
-    else:
-        _armed.pop(name, None)
-
-
-def armed(name: str) -> bool:
-    """True when the point is armed (in this process)."""
-    return name in _armed
-
-
-def fault_point(name: str, **details: Any) -> None:
-    entry = _armed.get(name)
-    if entry is None:
-        return
-    if entry.when is not None and not entry.when(details):
-        return
-    if entry.probability >= 1.0 or random.random() < entry.probability:
-        entry.action(name)

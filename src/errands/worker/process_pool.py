@@ -213,7 +213,7 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        from ..cli.loading import load_app
+        from ..loading import load_app
 
         app = load_app(app_path, url, need_code=True)
     except BaseException as exc:  # report why it cannot start, then leave

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import PydanticSerializationError, to_json
 
 from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
+from ..faults import fault_point
 from ..jobs import EnqueueRequest
 from ..payload import NUL_FIX, holds_nul
-from ..testing.faults import fault_point
 
 if TYPE_CHECKING:
     from ..app import App

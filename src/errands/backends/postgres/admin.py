@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ...jobs import JobRow
 from ..base import (
     QueueStats,
     StoreHealth,
@@ -39,6 +38,9 @@ class PostgresAdmin(SharedAdmin):
 
         def _maybe_notify(self, conn: psycopg.Connection[Any], queues: set[str]) -> None: ...
 
+    def _statement(self, query: str) -> str:
+        return self.q[query]
+
     # Reads run again on a fresh connection when theirs is lost (a restart, a killed
     # session): an application's reads after a fail-over succeed at the first call.
     def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]:
@@ -63,10 +65,6 @@ class PostgresAdmin(SharedAdmin):
             self._maybe_notify(conn, queues)
 
     # -- reading -------------------------------------------------------------------------
-    def job_get(self, job_id: int) -> JobRow | None:
-        row = self._read(lambda conn: conn.execute(self.q["job_get"], {"id": job_id}).fetchone())
-        return None if row is None else JobRow(*row)
-
     def queue_stats(self) -> list[QueueStats]:
         rows = self._read_rows("queue_stats")
         by_queue: dict[str, dict[str, Any]] = {}

@@ -28,8 +28,8 @@ from operator import itemgetter
 from typing import Any, TypeVar
 
 from ...errors import ConfigurationError, EnqueueUncertain, SchemaOutdated
+from ...faults import fault_point
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
-from ...testing.faults import fault_point
 from ..base import (
     RELEASED,
     Capabilities,

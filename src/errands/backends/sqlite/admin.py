@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from ...jobs import JobRow
 from ..base import (
     QueueStats,
     StoreHealth,
@@ -31,6 +30,9 @@ class SQLiteAdmin(SharedAdmin):
             self, timeout: float | None = None
         ) -> AbstractContextManager[sqlite3.Connection]: ...
 
+    def _statement(self, query: str) -> str:
+        return Q[query]
+
     def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]:
         with self._read() as conn:
             return conn.execute(Q[query], params or ()).fetchall()
@@ -45,11 +47,6 @@ class SQLiteAdmin(SharedAdmin):
             yield lambda query, params=None: conn.execute(Q[query], params or ())
 
     # -- reading -------------------------------------------------------------------------
-    def job_get(self, job_id: int) -> JobRow | None:
-        with self._read() as conn:
-            row = conn.execute(Q["job_get"], {"id": job_id}).fetchone()
-        return None if row is None else JobRow(*row)
-
     def queue_stats(self) -> list[QueueStats]:
         with self._read() as conn:
             rows = conn.execute(Q["queue_stats"]).fetchall()

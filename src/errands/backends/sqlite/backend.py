@@ -29,8 +29,8 @@ from ...errors import (
     SchemaOutdated,
     StorageFull,
 )
+from ...faults import fault_point
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
-from ...testing.faults import fault_point
 from .. import redact_url
 from ..base import (
     RELEASED,

@@ -454,35 +454,25 @@ class DjangoApp(App):
         return sorted(n for n, d in self.registry.items() if isinstance(d, TaskDefinition))
 
     # -- reading through Django's connection -------------------------------------------------
-    def _job_get_query(self) -> str:
-        if self.vendor == "sqlite":
-            from ...backends.sqlite.backend import Q
-
-            return Q["job_get"]
-        from ...backends.postgres.backend import _RAW_QUERIES, fill_markers
-        from ...backends.postgres.config import parse_postgres_url
-
-        return fill_markers(_RAW_QUERIES["job_get"], parse_postgres_url(self.url).schema)
-
     def read_job(self, job_id: int) -> Job | None:
         """One job read through Django's connection, so inside ``transaction.atomic()`` it
         sees what this transaction enqueued (and in Django's ``TestCase`` too)."""
         from django.db import connections, transaction
 
         connection = connections[self.database]
-        query = self._job_get_query()
+        backend = self.backend
 
-        def read() -> Any:
+        def read() -> JobRow | None:
             with translate_missing_tables(self.database):
                 connection.ensure_connection()
-                return connection.connection.execute(query, {"id": job_id}).fetchone()
+                return backend.job_get(job_id, conn=connection.connection)
 
         if connection.in_atomic_block:
             with transaction.atomic(using=self.database):  # a failure rolls back a savepoint only
                 row = read()
         else:
             row = read()
-        return None if row is None else JobRow(*row).to_job()
+        return None if row is None else row.to_job()
 
     # -- results ----------------------------------------------------------------------------
     def task_result(self, job: Job, backend_alias: str | None = None) -> TaskResult:
