@@ -323,3 +323,34 @@ def test_the_cli_refuses_a_public_address_without_a_login(app: errands.App) -> N
     )
     assert result.exit_code == 1
     assert "refusing to serve the dashboard on '0.0.0.0' without a login" in result.output
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        ("forwarded", "for=203.0.113.9;proto=https"),
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-forwarded-host", "jobs.example"),
+        ("x-forwarded-proto", "https"),
+        ("x-real-ip", "203.0.113.9"),
+    ],
+)
+def test_without_a_login_a_request_forwarded_by_a_local_proxy_is_refused(
+    app: errands.App, jobs: dict[str, Any], header: tuple[str, str]
+) -> None:
+    job_id = dead_job(app, jobs)
+    local = TestClient(create_app(app), base_url=BASE_URL, client=("127.0.0.1", 1))
+    page = local.get(f"/jobs/{job_id}")
+    assert page.status_code == 200  # a direct request from this machine is still served
+    token = csrf_of(page.text)
+    refused = local.get(f"/jobs/{job_id}", headers=dict([header]))
+    assert refused.status_code == 403
+    assert "proxy" in refused.text and "ERRANDS_DASHBOARD_PASSWORD" in refused.text
+    replay = local.post(
+        f"/jobs/{job_id}/replay",
+        data={"csrf_token": token},
+        headers=dict([header]),
+        follow_redirects=False,
+    )
+    assert replay.status_code == 403
+    assert app.get_job(job_id).state.value == "dead"

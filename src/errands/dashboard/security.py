@@ -205,6 +205,25 @@ def is_loopback_address(address: str | None) -> bool:
         return False
 
 
+PROXY_HEADERS = frozenset(
+    {"forwarded", "via", "x-real-ip", "x-client-ip", "true-client-ip", "cf-connecting-ip"}
+)
+"""Headers a reverse proxy adds (with every ``X-Forwarded-*``): see :func:`proxy_header`."""
+
+
+def proxy_header(names: Iterable[str]) -> str | None:
+    """The first of ``names`` (header names) that only a proxy sends, or None.
+
+    Without a login the dashboard serves loopback clients only; a reverse proxy on the same
+    host connects from 127.0.0.1 too, so a request it forwards must be told apart by these.
+    """
+    for name in names:
+        lowered = name.lower()
+        if lowered in PROXY_HEADERS or lowered.startswith("x-forwarded-"):
+            return name
+    return None
+
+
 def host_header_name(value: str) -> str:
     """The host part of a ``Host`` header: ``[::1]:8080`` -> ``::1``, ``a:80`` -> ``a``."""
     value = value.strip()

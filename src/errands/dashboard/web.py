@@ -34,6 +34,7 @@ from .security import (
     is_loopback_host_header,
     new_csrf_token,
     parse_access,
+    proxy_header,
 )
 
 if TYPE_CHECKING:
@@ -167,17 +168,9 @@ async def authenticate(request: Request) -> Viewer | Response:
                 return redirect(request, "login", {"next": target})
             return error_page(request, 401, "Not signed in", "Your session ended: sign in again.")
     else:
-        client = request.client.host if request.client else None
-        if not is_loopback_address(client) or not is_loopback_host_header(
-            request.headers.get("host", "")
-        ):
-            return error_page(
-                request,
-                403,
-                "Login required",
-                "This dashboard has no login configured, so it only answers on 127.0.0.1. "
-                "Set ERRANDS_DASHBOARD_PASSWORD or ERRANDS_DASHBOARD_TOKEN to open it up.",
-            )
+        refusal = loopback_refusal(request)
+        if refusal is not None:
+            return refusal
         user = LOCAL_USER
     request.state.user = user
     access: Access | None = Access(frozenset({"cancel", "replay", "discard", "pause"}))
@@ -186,6 +179,38 @@ async def authenticate(request: Request) -> Viewer | Response:
     if access is None:
         return error_page(request, 403, "Forbidden", f"{user} may not open this dashboard.")
     return Viewer(user=str(user), access=access, csrf=csrf_token(request))
+
+
+HOW_TO_LOG_IN = (
+    "Set ERRANDS_DASHBOARD_PASSWORD or ERRANDS_DASHBOARD_TOKEN (--password / --token), or "
+    "mount it with create_app(user=...) behind your own login."
+)
+
+
+def loopback_refusal(request: Request) -> Response | None:
+    """Without a login: None for a direct request from this machine, else the 403 page."""
+    client = request.client.host if request.client else None
+    if not is_loopback_address(client) or not is_loopback_host_header(
+        request.headers.get("host", "")
+    ):
+        return error_page(
+            request,
+            403,
+            "Login required",
+            "This dashboard has no login configured, so it only answers on 127.0.0.1. "
+            + HOW_TO_LOG_IN,
+        )
+    forwarded = proxy_header(request.headers.keys())
+    if forwarded is not None:
+        return error_page(
+            request,
+            403,
+            "Login required behind a proxy",
+            f"This request came through a proxy (it carries {forwarded}), and this dashboard "
+            "has no login: it only answers requests made directly on this machine. Configure "
+            "a login before putting it behind a proxy. " + HOW_TO_LOG_IN,
+        )
+    return None
 
 
 def page(fn: PageHandler) -> Callable[[Request], Awaitable[Response]]:
