@@ -13,11 +13,11 @@ from starlette.testclient import TestClient
 
 import errands
 from errands.cli.main import cli
-from errands.dashboard import create_app
+from errands.dashboard import create_app, header_user
 from errands.dashboard.security import AuthConfig, is_loopback_host, refuse_open_bind
 from errands.errors import ConfigurationError
 
-from .helpers import BASE_URL, EMAIL, TOKEN, XSS, csrf_of, finish_due, post
+from .helpers import BASE_URL, EMAIL, PASSWORD, TOKEN, XSS, csrf_of, finish_due, login, post
 
 PAGES = ["/", "/jobs", "/jobs/1", "/dlq", "/queues", "/workers", "/cron", "/audit"]
 ACTIONS = [
@@ -201,14 +201,113 @@ def test_per_action_rights_allow_only_the_named_actions(
     assert app.get_job(second).state.value == "dead"
 
 
-def test_authorize_sees_the_signed_in_user_and_may_refuse_them(
-    make_client: Callable[..., TestClient],
-) -> None:
-    def authorize(request: Any) -> Any:
-        return None if request.state.user == "mallory" else "all"
+def admins_only(request: Any) -> str:
+    """An ``authorize`` that trusts ``request.state.user`` for per-user rights."""
+    return "all" if request.state.user in ("admin", "root") else "read"
 
-    assert make_client(user="mallory", authorize=authorize).get("/").status_code == 403
-    assert make_client(user="alice", authorize=authorize).get("/").status_code == 200
+
+@pytest.mark.parametrize("typed", ["admin", "root", "alice", ""])
+def test_a_name_typed_at_a_shared_secret_login_grants_no_rights(
+    app: errands.App, jobs: dict[str, Any], make_client: Callable[..., TestClient], typed: str
+) -> None:
+    job_id = dead_job(app, jobs)
+    client = make_client(user=typed, authorize=admins_only)
+    assert "read-only" in client.get("/").text
+    response = post(client, f"/jobs/{job_id}/replay")
+    assert response.status_code == 403
+    assert app.get_job(job_id).state.value == "dead"
+    assert app.audit() == []
+
+
+def test_authorize_tells_a_typed_label_from_an_authenticated_user(
+    app: errands.App, make_client: Callable[..., TestClient]
+) -> None:
+    seen: list[Any] = []
+
+    def authorize(request: Any) -> str:
+        seen.append((request.state.user, request.state.identity))
+        return "read"
+
+    make_client(user="admin", authorize=authorize).get("/")
+    typed_user, typed = seen[-1]
+    assert typed_user is None and typed.user is None and not typed.verified
+    assert (typed.label, typed.method) == ("admin", "password")
+    vouched = create_app(app, user=lambda request: "carol", authorize=authorize)
+    TestClient(vouched, base_url="https://shop.example").get("/")
+    user, identity = seen[-1]
+    assert user == identity.user == identity.label == "carol"
+    assert identity.verified and identity.method == "user"
+
+
+def test_per_user_rights_come_from_the_user_resolver(
+    app: errands.App, jobs: dict[str, Any]
+) -> None:
+    job_id = dead_job(app, jobs)
+    dashboard = create_app(
+        app, user=lambda request: request.scope.get("login"), authorize=admins_only
+    )
+
+    def as_user(name: str) -> TestClient:
+        async def signed_in(scope: Any, receive: Any, send: Any) -> None:
+            await dashboard({**scope, "login": name}, receive, send)
+
+        return TestClient(signed_in, base_url="https://shop.example")
+
+    alice = as_user("alice").get(f"/jobs/{job_id}").text
+    assert "read-only" in alice and ">Replay<" not in alice
+    root = as_user("root")
+    assert ">Replay<" in root.get(f"/jobs/{job_id}").text
+    assert post(root, f"/jobs/{job_id}/replay", page=f"/jobs/{job_id}").status_code == 303
+    assert [e.actor for e in app.audit(job_id=job_id)] == ["dashboard:root"]
+
+
+@pytest.mark.parametrize(
+    ("secret", "typed", "actor"),
+    [
+        (PASSWORD, "alice", "dashboard:alice (shared password)"),
+        (TOKEN, "bob", "dashboard:bob (shared token)"),
+        (TOKEN, "", "dashboard:unnamed (shared token)"),
+    ],
+)
+def test_the_audit_log_says_how_a_shared_secret_user_signed_in(
+    app: errands.App,
+    jobs: dict[str, Any],
+    make_client: Callable[..., TestClient],
+    secret: str,
+    typed: str,
+    actor: str,
+) -> None:
+    job_id = dead_job(app, jobs)
+    client = login(make_client(signed_in=False), secret=secret, user=typed)
+    assert post(client, f"/jobs/{job_id}/replay").status_code == 303
+    assert [e.actor for e in app.audit(job_id=job_id)] == [actor]
+    assert f'title="actions are audited as {actor}"' in client.get("/").text
+
+
+def test_the_audit_log_says_a_loopback_user_had_no_login(
+    app: errands.App, jobs: dict[str, Any]
+) -> None:
+    job_id = dead_job(app, jobs)
+    local = TestClient(create_app(app), base_url=BASE_URL, client=("127.0.0.1", 1))
+    assert post(local, f"/jobs/{job_id}/replay", page=f"/jobs/{job_id}").status_code == 303
+    assert [e.actor for e in app.audit(job_id=job_id)] == ["dashboard:local (loopback, no login)"]
+
+
+def test_a_trusted_proxy_header_names_the_user_only_on_the_proxys_connection(
+    app: errands.App,
+) -> None:
+    resolver = header_user("X-Auth-User", trusted=["10.0.0.0/24"])
+    dashboard = create_app(app, user=resolver, authorize=admins_only)
+    proxy = TestClient(dashboard, base_url="https://shop.example", client=("10.0.0.7", 1))
+    assert proxy.get("/").status_code == 401
+    page = proxy.get("/", headers={"x-auth-user": "root"})
+    assert page.status_code == 200 and "read-only" not in page.text
+    direct = TestClient(dashboard, base_url="https://shop.example", client=("203.0.113.9", 1))
+    assert direct.get("/", headers={"x-auth-user": "root"}).status_code == 401
+    with pytest.raises(ConfigurationError, match="trusted"):
+        header_user("X-Auth-User", trusted=[])
+    with pytest.raises(ConfigurationError, match="not an address"):
+        header_user("X-Auth-User", trusted=["proxy.example"])
 
 
 def test_authorize_returning_an_unknown_action_is_a_clear_error(app: errands.App) -> None:

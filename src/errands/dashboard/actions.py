@@ -1,7 +1,9 @@
 """Everything that changes state: login, logout, and the admin actions.
 
 Every admin action calls the App's admin API (``replay``, ``discard``, ``cancel``,
-``pause``, ``resume``) with ``actor="dashboard:<user>"``, so the audit log says who did it.
+``pause``, ``resume``) with the viewer's :attr:`~.security.Identity.actor`
+(``dashboard:<user>``, or ``dashboard:<label> (shared password)`` and the like), so the
+audit log says who did it and how they signed in.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import ErrandsError
-from .security import CSRF_FIELD, clean_user_name, csrf_matches, new_csrf_token
+from .security import CSRF_FIELD, UNNAMED, clean_user_name, csrf_matches, new_csrf_token
 from .web import (
     Viewer,
     action,
@@ -45,9 +47,7 @@ def _login_page(request: Request, next_path: str | None, problem: str | None) ->
         **base_context(request, None),
         "next": safe_next(request, next_path),
         "problem": problem,
-        "accepts": [
-            k for k, v in (("password", conf.auth.password), ("token", conf.auth.token)) if v
-        ],
+        "accepts": conf.auth.login_methods,
     }
     status = 200 if problem is None else 400
     if problem and "many" in problem:
@@ -73,9 +73,10 @@ async def login_submit(request: Request) -> Response:
     if kind is None:
         conf.auth.record_failure(client)
         return _login_page(request, next_path, "Wrong password or token.")
-    user = clean_user_name(form_text(form, "user"), "admin" if kind == "password" else "token")
     request.session.clear()  # a fresh session: no fixation
-    request.session["user"] = user
+    # The typed name is a label only: it is shown and audited, and never grants anything.
+    request.session["label"] = clean_user_name(form_text(form, "user"), UNNAMED)
+    request.session["login"] = kind
     request.session["csrf"] = new_csrf_token()
     return _see_other(safe_next(request, next_path))
 
@@ -197,7 +198,7 @@ def _dlq_problem(request: Request, viewer: Viewer, sel: dict[str, Any]) -> Respo
             request,
             403,
             "Not allowed",
-            f"{viewer.user} has read-only access here and may not {sel['op']}.",
+            f"{viewer.label} has read-only access here and may not {sel['op']}.",
         )
     return None
 

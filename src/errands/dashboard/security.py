@@ -1,17 +1,20 @@
 """Who may open the dashboard, what they may do, and the checks on every state change.
 
-Three ways to know the user, chosen by :func:`errands.dashboard.create_app`'s options:
+Three ways to let a user in, chosen by :func:`errands.dashboard.create_app`'s options:
 
-* ``user=callable(request)``: the host application's own login (FastAPI, Django, ...)
-  names the user; ``None`` means not signed in.
+* ``user=callable(request)``: the host application's own login (FastAPI, Django, ...) or a
+  reverse proxy's authentication (:func:`header_user`) names the user; ``None`` means not
+  signed in. This is the **only** source of an authenticated identity.
 * ``password=`` / ``token=`` (or ``ERRANDS_DASHBOARD_PASSWORD`` / ``ERRANDS_DASHBOARD_TOKEN``):
-  the dashboard's own login page; a signed session cookie remembers the user.
-* neither: no login, and then only loopback clients naming a loopback ``Host`` are served
-  (so a DNS-rebinding page cannot reach it either); the user is ``local``.
+  the dashboard's own login page, one secret shared by everyone. The name typed there is a
+  label for the header and the audit log, never an identity.
+* neither: no login, and then only direct loopback clients naming a loopback ``Host`` are
+  served (so neither a DNS-rebinding page nor a same-host proxy can reach it).
 
-What the user may do comes from ``authorize(request)``, Oban Web's model: ``"all"``,
-``"read"`` (read-only), a set of action names from :data:`ACTIONS`, or ``None`` to refuse
-the dashboard altogether. Every POST carries the session's CSRF token.
+Each request's :class:`Identity` tells these apart. What the user may do comes from
+``authorize(request)``, Oban Web's model: ``"all"``, ``"read"`` (read-only), a set of action
+names from :data:`ACTIONS`, or ``None`` to refuse the dashboard altogether. Every POST
+carries the session's CSRF token.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ TOKEN_ENV = "ERRANDS_DASHBOARD_TOKEN"
 SECRET_ENV = "ERRANDS_DASHBOARD_SECRET"
 
 LOCAL_USER = "local"
+UNNAMED = "unnamed"  # the label of a shared-secret login that typed no name
+LOGIN_PHRASES = {
+    "password": "shared password",
+    "token": "shared token",
+    "loopback": "loopback, no login",
+}
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
 LOGIN_FAILURES_MAX = 10  # per client address within LOGIN_FAILURE_WINDOW
@@ -58,6 +67,35 @@ class Access:
 
     def can(self, action: str) -> bool:
         return action in self.actions
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who is asking, as far as the dashboard can tell (``request.state.identity``).
+
+    ``user`` is an authenticated identity, set only by the ``user=`` resolver (your own login,
+    or a proxy header you trust); it is also ``request.state.user``. Otherwise it is None:
+    with a shared password or token, ``label`` is whatever name was typed on the login form
+    and grants nothing. ``method`` is how the request got in: ``"user"``, ``"password"``,
+    ``"token"`` or ``"loopback"`` (no login).
+    """
+
+    label: str
+    method: str
+    user: str | None = None
+
+    @property
+    def verified(self) -> bool:
+        """True when ``user`` came from the ``user=`` resolver, not from a typed name."""
+        return self.user is not None
+
+    @property
+    def actor(self) -> str:
+        """Who the audit log says did it: ``dashboard:<label>``, plus how they signed in
+        unless the name was authenticated, e.g. ``dashboard:alice (shared password)``."""
+        if self.verified:
+            return f"dashboard:{self.label}"
+        return f"dashboard:{self.label} ({LOGIN_PHRASES[self.method]})"
 
 
 ALL = Access(ACTIONS)
@@ -152,6 +190,11 @@ class AuthConfig:
     def login_page(self) -> bool:
         """True when the dashboard's own login page signs users in."""
         return bool(self.password or self.token)
+
+    @property
+    def login_methods(self) -> list[str]:
+        """The shared secrets the login page accepts: ``password`` and/or ``token``."""
+        return [k for k, v in (("password", self.password), ("token", self.token)) if v]
 
     @property
     def configured(self) -> bool:
@@ -249,10 +292,52 @@ def csrf_matches(expected: str | None, given: str | None) -> bool:
     return hmac.compare_digest(expected.encode(), given.encode())
 
 
-def clean_user_name(value: str | None, default: str) -> str:
-    """A name for the audit log: printable, trimmed to 64 characters."""
-    text = "".join(ch for ch in (value or "") if ch.isprintable()).strip()[:64]
+def clean_user_name(value: str | None, default: str, limit: int = 64) -> str:
+    """A name for the audit log: printable, trimmed to ``limit`` characters."""
+    text = "".join(ch for ch in (value or "") if ch.isprintable()).strip()[:limit]
     return text or default
+
+
+def header_user(header: str, *, trusted: Iterable[str]) -> UserResolver:
+    """A ``user=`` resolver for a reverse proxy that authenticates users itself.
+
+    The proxy (oauth2-proxy, Authelia, nginx ``auth_request``, ...) puts the user's name in
+    ``header`` (``X-Forwarded-User``, ``Remote-User``, ...). The header is believed only on a
+    connection from one of the ``trusted`` addresses or networks (``"127.0.0.1"``,
+    ``"10.0.0.0/8"``): anyone else could send it too. The proxy must set (not append to)
+    the header on every request it forwards.
+    """
+    if not header.strip():
+        raise ConfigurationError("header_user: name the header your proxy sets")
+    networks = []
+    for entry in trusted:
+        try:
+            networks.append(ipaddress.ip_network(str(entry).strip(), strict=False))
+        except ValueError:
+            raise ConfigurationError(
+                f"header_user: trusted proxy {entry!r} is not an address or network "
+                "(e.g. '127.0.0.1' or '10.0.0.0/8')"
+            ) from None
+    if not networks:
+        raise ConfigurationError("header_user: list the trusted proxies' addresses")
+    name = header.strip().lower()
+
+    def resolve(request: Any) -> str | None:
+        client = request.client.host if request.client else ""
+        if not address_in(client, networks):
+            return None
+        return request.headers.get(name, "").strip() or None
+
+    return resolve
+
+
+def address_in(address: str, networks: Iterable[Any]) -> bool:
+    """True when the literal ``address`` lies in one of ``networks``."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return False
+    return any(ip in network for network in networks)
 
 
 def refuse_open_bind(host: str, auth: AuthConfig) -> None:

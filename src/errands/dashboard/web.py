@@ -23,12 +23,16 @@ from .. import __version__
 from ..definition import check_text
 from ..errors import ErrandsError
 from .security import (
+    ALL,
     CSRF_FIELD,
     CSRF_HEADER,
     LOCAL_USER,
+    LOGIN_PHRASES,
     Access,
     AuthConfig,
+    Identity,
     call_maybe_async,
+    clean_user_name,
     csrf_matches,
     is_loopback_address,
     is_loopback_host_header,
@@ -57,14 +61,19 @@ class Settings:
 
 @dataclass(frozen=True)
 class Viewer:
-    user: str
+    identity: Identity
     access: Access
     csrf: str
 
     @property
+    def label(self) -> str:
+        """The name shown in the header (typed at the login form, unless authenticated)."""
+        return self.identity.label
+
+    @property
     def actor(self) -> str:
-        """Who the audit log says did it."""
-        return f"dashboard:{self.user}"
+        """Who the audit log says did it, and how they signed in."""
+        return self.identity.actor
 
     def can(self, action: str) -> bool:
         return self.access.can(action)
@@ -133,6 +142,7 @@ def base_context(request: Request, viewer: Viewer | None) -> dict[str, Any]:
         "version": __version__,
         "flashes": flashes,
         "login_page": conf.auth.login_page,
+        "login_phrases": LOGIN_PHRASES,
         "csrf_field": CSRF_FIELD,
         "csrf": csrf_token(request),
         "path_for": functools.partial(path_for, request),
@@ -151,34 +161,48 @@ def render(
 
 async def authenticate(request: Request) -> Viewer | Response:
     """The viewer, or the response that turns the request away."""
-    conf = settings(request)
-    auth = conf.auth
+    auth = settings(request).auth
     if auth.user is not None:
-        user = await call_maybe_async(auth.user, request)
-        if not user:
-            return error_page(
-                request, 401, "Not signed in", "Sign in to the application to see this page."
-            )
-        user = str(user)
+        identity = await resolver_identity(request, auth)
     elif auth.login_page:
-        user = request.session.get("user")
-        if not user:
-            if request.method == "GET":
-                target = request.url.path + ("?" + request.url.query if request.url.query else "")
-                return redirect(request, "login", {"next": target})
-            return error_page(request, 401, "Not signed in", "Your session ended: sign in again.")
+        identity = session_identity(request, auth)
     else:
-        refusal = loopback_refusal(request)
-        if refusal is not None:
-            return refusal
-        user = LOCAL_USER
-    request.state.user = user
-    access: Access | None = Access(frozenset({"cancel", "replay", "discard", "pause"}))
+        identity = loopback_refusal(request) or Identity(LOCAL_USER, "loopback")
+    if isinstance(identity, Response):
+        return identity
+    request.state.identity = identity
+    request.state.user = identity.user  # None unless the user= resolver vouched for it
+    access: Access | None = ALL
     if auth.authorize is not None:
         access = parse_access(await call_maybe_async(auth.authorize, request))
     if access is None:
-        return error_page(request, 403, "Forbidden", f"{user} may not open this dashboard.")
-    return Viewer(user=str(user), access=access, csrf=csrf_token(request))
+        return error_page(
+            request, 403, "Forbidden", f"{identity.label} may not open this dashboard."
+        )
+    return Viewer(identity=identity, access=access, csrf=csrf_token(request))
+
+
+async def resolver_identity(request: Request, auth: AuthConfig) -> Identity | Response:
+    """The user your ``user=`` resolver names: the only authenticated identity."""
+    user = await call_maybe_async(auth.user, request)  # type: ignore[arg-type]
+    if not user:
+        return error_page(
+            request, 401, "Not signed in", "Sign in to the application to see this page."
+        )
+    user = str(user)
+    return Identity(label=clean_user_name(user, "?", limit=200), method="user", user=user)
+
+
+def session_identity(request: Request, auth: AuthConfig) -> Identity | Response:
+    """A shared-secret login's session: a typed label and how it signed in, no identity."""
+    label = request.session.get("label")
+    method = request.session.get("login")
+    if isinstance(label, str) and method in auth.login_methods:
+        return Identity(label=label, method=method)
+    if request.method == "GET":
+        target = request.url.path + ("?" + request.url.query if request.url.query else "")
+        return redirect(request, "login", {"next": target})
+    return error_page(request, 401, "Not signed in", "Your session ended: sign in again.")
 
 
 HOW_TO_LOG_IN = (
@@ -264,7 +288,7 @@ def action(
                     request,
                     403,
                     "Not allowed",
-                    f"{viewer.user} has read-only access here and may not {right}.",
+                    f"{viewer.label} has read-only access here and may not {right}.",
                 )
             return await fn(request, viewer, form)
 
