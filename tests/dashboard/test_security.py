@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from html import unescape
 from typing import Any
 
 import pytest
@@ -17,7 +18,18 @@ from errands.dashboard import create_app, header_user
 from errands.dashboard.security import AuthConfig, is_loopback_host, refuse_open_bind
 from errands.errors import ConfigurationError
 
-from .helpers import BASE_URL, EMAIL, PASSWORD, TOKEN, XSS, csrf_of, finish_due, login, post
+from .helpers import (
+    BASE_URL,
+    EMAIL,
+    PASSWORD,
+    TOKEN,
+    XSS,
+    csrf_of,
+    dead_job,
+    finish_due,
+    login,
+    post,
+)
 
 PAGES = ["/", "/jobs", "/jobs/1", "/dlq", "/queues", "/workers", "/cron", "/audit"]
 ACTIONS = [
@@ -30,12 +42,6 @@ ACTIONS = [
     ("/queues/emails/resume", {}),
     ("/logout", {}),
 ]
-
-
-def dead_job(app: errands.App, jobs: dict[str, Any], **args: Any) -> int:
-    handle = jobs["send_welcome"].enqueue(**{"user_id": 1, "email": EMAIL, **args})
-    assert finish_due(app, "emails", "dead", message=f"mail server refused {EMAIL}") == [handle.id]
-    return handle.id
 
 
 @pytest.mark.parametrize("path", PAGES)
@@ -310,15 +316,27 @@ def test_a_trusted_proxy_header_names_the_user_only_on_the_proxys_connection(
         header_user("X-Auth-User", trusted=["proxy.example"])
 
 
-def test_authorize_returning_an_unknown_action_is_a_clear_error(app: errands.App) -> None:
+@pytest.mark.parametrize(
+    ("granted", "says"),
+    [
+        ({"replay", "nuke"}, "unknown action(s) ['nuke']"),
+        ("superuser", "returned 'superuser'"),
+        (iter(["replay"]), "returned a list_iterator"),  # only a set, list or tuple of names
+        ([1, 2], "returned a list holding a int"),
+    ],
+)
+def test_authorize_granting_something_unknown_is_a_clear_error_and_denies(
+    app: errands.App, caplog: pytest.LogCaptureFixture, granted: Any, says: str
+) -> None:
     client = TestClient(
-        create_app(app, authorize=lambda r: {"replay", "nuke"}),
+        create_app(app, authorize=lambda r: granted),
         base_url=BASE_URL,
         client=("127.0.0.1", 1),
         raise_server_exceptions=True,
     )
-    with pytest.raises(ConfigurationError, match="unknown action"):
-        client.get("/")
+    response = client.get("/")
+    assert response.status_code == 500 and says in unescape(response.text)
+    assert any(says in r.getMessage() for r in caplog.records)
 
 
 def test_the_host_applications_login_names_the_user_when_mounted(

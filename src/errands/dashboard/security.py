@@ -22,13 +22,18 @@ from __future__ import annotations
 import hmac
 import inspect
 import ipaddress
+import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
+import anyio.to_thread
 
 from ..errors import ConfigurationError
 
@@ -48,11 +53,17 @@ LOGIN_PHRASES = {
 }
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
+RESOLVER_TIMEOUT = 5.0  # seconds user= and authorize= may take before the request is denied
+RESOLVER_THREADS = 16  # plain-function resolvers running at once (hung ones included)
 LOGIN_FAILURES_MAX = 10  # per client address within LOGIN_FAILURE_WINDOW
 LOGIN_FAILURE_WINDOW = 300.0
 
 UserResolver = Callable[[Any], "str | Awaitable[str | None] | None"]
 Authorize = Callable[[Any], Any]
+
+log = logging.getLogger("errands.dashboard")
+_resolver_slots = threading.BoundedSemaphore(RESOLVER_THREADS)
+_NO_SLOT = object()  # a resolver thread found no free slot before its deadline
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,11 @@ READ = Access(frozenset())
 
 
 def parse_access(value: Any) -> Access | None:
-    """Turn what ``authorize`` returned into an :class:`Access`; None means no access."""
+    """Turn what ``authorize`` returned into an :class:`Access`; None means no access.
+
+    Raises ConfigurationError for anything else, without iterating or printing arbitrary
+    objects (a hostile ``authorize`` could return an endless generator).
+    """
     if isinstance(value, Access):
         return value
     if value is None or value is False:
@@ -111,39 +126,137 @@ def parse_access(value: Any) -> Access | None:
     if value is True:
         return ALL
     if isinstance(value, str):
-        word = value.strip().lower().replace("-", "_")
-        if word == "all":
-            return ALL
-        if word in ("read", "read_only", "readonly"):
-            return READ
-        if word in ("none", "forbidden", "deny"):
-            return None
-        if word in ACTIONS:
-            return Access(frozenset({word}))
-        raise ConfigurationError(
-            f"authorize(request) returned {value!r}; return 'all', 'read', None (no access) "
-            f"or a set of actions from {sorted(ACTIONS)}"
-        )
-    if isinstance(value, Iterable):
-        names = {str(v).strip().lower() for v in value}
-        unknown = names - ACTIONS
-        if unknown:
-            raise ConfigurationError(
-                f"authorize(request) granted unknown action(s) {sorted(unknown)}; "
-                f"the actions are {sorted(ACTIONS)}"
-            )
-        return Access(frozenset(names))
+        return _access_word(value)
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return _access_names(value)
     raise ConfigurationError(
         f"authorize(request) returned a {type(value).__name__}; return 'all', 'read', None "
         "or a set of action names"
     )
 
 
-async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:
-    result = fn(*args)
+def _access_word(value: str) -> Access | None:
+    word = value.strip().lower().replace("-", "_")
+    if word == "all":
+        return ALL
+    if word in ("read", "read_only", "readonly"):
+        return READ
+    if word in ("none", "forbidden", "deny"):
+        return None
+    if word in ACTIONS:
+        return Access(frozenset({word}))
+    raise ConfigurationError(
+        f"authorize(request) returned {value[:40]!r}; return 'all', 'read', None (no access) "
+        f"or a set of actions from {sorted(ACTIONS)}"
+    )
+
+
+def _access_names(value: set[Any] | frozenset[Any] | list[Any] | tuple[Any, ...]) -> Access:
+    wrong = next((v for v in value if not isinstance(v, str)), None)
+    if wrong is not None:
+        raise ConfigurationError(
+            f"authorize(request) returned a {type(value).__name__} holding a "
+            f"{type(wrong).__name__}; the actions are names from {sorted(ACTIONS)}"
+        )
+    names = {v.strip().lower() for v in value}
+    unknown = names - ACTIONS
+    if unknown:
+        raise ConfigurationError(
+            f"authorize(request) granted unknown action(s) {sorted(unknown)[:10]}; "
+            f"the actions are {sorted(ACTIONS)}"
+        )
+    return Access(frozenset(names))
+
+
+class ResolverError(Exception):
+    """The operator's ``user=`` or ``authorize=`` failed: raised, hung or answered nonsense.
+
+    Already logged; the message is safe to show (it never quotes the exception's text).
+    """
+
+
+async def call_resolver(name: str, fn: Callable[[Any], Any], request: Any, timeout: float) -> Any:
+    """``fn(request)``, treated as hostile: what it returns, else ResolverError.
+
+    A plain function runs in a worker thread (it must not block the event loop); at most
+    :data:`RESOLVER_THREADS` run at once, so hung ones cannot pile up threads. An ``async``
+    one runs on the loop (and must not block it). Either is abandoned after ``timeout``.
+    """
+    with anyio.move_on_after(timeout):
+        try:
+            result = await _call(fn, request, time.monotonic() + timeout)
+        except Exception as exc:
+            log.error(
+                "%s(request) raised %s; the request is denied",
+                name,
+                type(exc).__name__,
+                exc_info=True,
+            )
+            raise ResolverError(
+                f"The dashboard's {name}(request) failed ({type(exc).__name__}); the error "
+                "is in the server log."
+            ) from None
+        if result is not _NO_SLOT:
+            return result
+    log.error("%s(request) did not answer within %g s; the request is denied", name, timeout)
+    raise ResolverError(
+        f"The dashboard's {name}(request) did not answer within {timeout:g} s; see the server log."
+    )
+
+
+async def _call(fn: Callable[[Any], Any], request: Any, deadline: float) -> Any:
+    if _is_async(fn):
+        result = fn(request)
+    else:
+        result = await anyio.to_thread.run_sync(
+            _call_in_slot, fn, request, deadline, abandon_on_cancel=True
+        )
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """True for an ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(fn.__call__)
+
+
+def _call_in_slot(fn: Callable[[Any], Any], request: Any, deadline: float) -> Any:
+    """In a worker thread: ``fn(request)`` once a slot frees up before ``deadline``."""
+    if not _resolver_slots.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        return _NO_SLOT
+    try:
+        return fn(request)
+    finally:
+        _resolver_slots.release()
+
+
+async def resolve_access(auth: AuthConfig, request: Any) -> Access | None:
+    """What ``auth.authorize`` grants this request (everything without one)."""
+    if auth.authorize is None:
+        return ALL
+    value = await call_resolver("authorize", auth.authorize, request, auth.timeout)
+    try:
+        return parse_access(value)
+    except ConfigurationError as exc:
+        log.error("%s; the request is denied", exc)
+        raise ResolverError(str(exc)) from None
+
+
+async def resolve_user(auth: AuthConfig, request: Any) -> str | None:
+    """The name ``auth.user`` gives this request, None for nobody signed in."""
+    assert auth.user is not None
+    value = await call_resolver("user", auth.user, request, auth.timeout)
+    if value is None or value is False:
+        return None
+    if not isinstance(value, str):
+        message = (
+            f"user(request) returned a {type(value).__name__}; return the user's name "
+            "(a str), or None when nobody is signed in"
+        )
+        log.error("%s; the request is denied", message)
+        raise ResolverError(message)
+    return value.strip() or None
 
 
 @dataclass
@@ -155,6 +268,7 @@ class AuthConfig:
     user: UserResolver | None = None
     authorize: Authorize | None = None
     secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    timeout: float = RESOLVER_TIMEOUT
     failures: dict[str, list[float]] = field(default_factory=dict)
 
     @classmethod
@@ -166,6 +280,7 @@ class AuthConfig:
         user: UserResolver | None,
         authorize: Authorize | None,
         secret_key: str | None,
+        timeout: float = RESOLVER_TIMEOUT,
     ) -> AuthConfig:
         if password is None:
             password = os.environ.get(PASSWORD_ENV) or None
@@ -178,9 +293,12 @@ class AuthConfig:
                 "create_app: give user= (your own login) or password=/token= (the dashboard's "
                 "login page), not both"
             )
-        if authorize is not None and not callable(authorize):
-            raise ConfigurationError("create_app(authorize=...) takes a function of the request")
-        config = cls(password=password or None, token=token or None, user=user)
+        for name, fn in (("user", user), ("authorize", authorize)):
+            if fn is not None and not callable(fn):
+                raise ConfigurationError(f"create_app({name}=...) takes a function of the request")
+        if not timeout > 0:
+            raise ConfigurationError("create_app(resolver_timeout=...) must be above 0 seconds")
+        config = cls(password=password or None, token=token or None, user=user, timeout=timeout)
         config.authorize = authorize
         if secret_key:
             config.secret_key = secret_key

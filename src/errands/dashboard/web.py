@@ -23,7 +23,6 @@ from .. import __version__
 from ..definition import check_text
 from ..errors import ErrandsError
 from .security import (
-    ALL,
     CSRF_FIELD,
     CSRF_HEADER,
     LOCAL_USER,
@@ -31,14 +30,15 @@ from .security import (
     Access,
     AuthConfig,
     Identity,
-    call_maybe_async,
+    ResolverError,
     clean_user_name,
     csrf_matches,
     is_loopback_address,
     is_loopback_host_header,
     new_csrf_token,
-    parse_access,
     proxy_header,
+    resolve_access,
+    resolve_user,
 )
 
 if TYPE_CHECKING:
@@ -161,6 +161,13 @@ def render(
 
 async def authenticate(request: Request) -> Viewer | Response:
     """The viewer, or the response that turns the request away."""
+    try:
+        return await identify_and_authorize(request)
+    except ResolverError as exc:  # already logged; deny, without a traceback
+        return error_page(request, 500, "Access check failed", str(exc))
+
+
+async def identify_and_authorize(request: Request) -> Viewer | Response:
     auth = settings(request).auth
     if auth.user is not None:
         identity = await resolver_identity(request, auth)
@@ -172,9 +179,7 @@ async def authenticate(request: Request) -> Viewer | Response:
         return identity
     request.state.identity = identity
     request.state.user = identity.user  # None unless the user= resolver vouched for it
-    access: Access | None = ALL
-    if auth.authorize is not None:
-        access = parse_access(await call_maybe_async(auth.authorize, request))
+    access = await resolve_access(auth, request)
     if access is None:
         return error_page(
             request, 403, "Forbidden", f"{identity.label} may not open this dashboard."
@@ -184,12 +189,11 @@ async def authenticate(request: Request) -> Viewer | Response:
 
 async def resolver_identity(request: Request, auth: AuthConfig) -> Identity | Response:
     """The user your ``user=`` resolver names: the only authenticated identity."""
-    user = await call_maybe_async(auth.user, request)  # type: ignore[arg-type]
-    if not user:
+    user = await resolve_user(auth, request)
+    if user is None:
         return error_page(
             request, 401, "Not signed in", "Sign in to the application to see this page."
         )
-    user = str(user)
     return Identity(label=clean_user_name(user, "?", limit=200), method="user", user=user)
 
 
