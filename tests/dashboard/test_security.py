@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 import errands
 from errands.cli.main import cli
-from errands.dashboard import create_app, header_user
+from errands.dashboard import actions, create_app, header_user
 from errands.dashboard.security import AuthConfig, is_loopback_host, refuse_open_bind
 from errands.errors import ConfigurationError
 
@@ -143,6 +143,84 @@ def test_repeated_wrong_logins_are_throttled(make_client: Callable[..., TestClie
     assert codes[:10] == [400] * 10 and codes[10] == 429
     right = client.post("/login", data={"csrf_token": token, "secret": TOKEN})
     assert right.status_code == 429  # even the right one, until the window passes
+
+
+def same_address(client: TestClient) -> TestClient:
+    """Another browser on the same dashboard, from the same address (as behind a proxy)."""
+    return TestClient(client.app, base_url=BASE_URL, client=("127.0.0.1", 50001))
+
+
+def failed_logins(client: TestClient, names: list[str]) -> list[int]:
+    """One wrong login per name; their status codes."""
+    token = csrf_of(client.get("/login").text)
+    return [
+        client.post(
+            "/login", data={"csrf_token": token, "secret": "guess", "user": name}
+        ).status_code
+        for name in names
+    ]
+
+
+def test_wrong_logins_under_one_name_do_not_lock_out_others_behind_the_same_proxy(
+    make_client: Callable[..., TestClient],
+) -> None:
+    attacker = make_client(signed_in=False)  # every client here connects from 127.0.0.1
+    codes = failed_logins(attacker, ["alice"] * 12)
+    bob = login(same_address(attacker), user="bob")  # another name
+    assert bob.get("/", follow_redirects=False).status_code == 200
+    assert codes[:10] == [400] * 10 and codes[10:] == [429, 429]
+    locked = attacker.post(
+        "/login",
+        data={"csrf_token": csrf_of(attacker.get("/login").text), "secret": TOKEN, "user": "alice"},
+    )
+    assert locked.status_code == 429 and int(locked.headers["retry-after"]) > 0
+
+
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The login page's throttling waits, recorded instead of slept."""
+    recorded: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        recorded.append(seconds)
+
+    monkeypatch.setattr(actions, "sleep", sleep)
+    return recorded
+
+
+def test_many_failed_logins_slow_every_login_down_but_lock_nobody_out(
+    make_client: Callable[..., TestClient], waits: list[float]
+) -> None:
+    attacker = make_client(signed_in=False)
+    throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
+    codes = failed_logins(attacker, [f"name{i}" for i in range(10)])  # a new name each time
+    assert codes == [400] * 10  # no name is locked ...
+    assert waits == [0.5, 1.0, 1.5, 1.5]  # ... but past 5 failures every attempt waits
+    waits.clear()
+    login(same_address(attacker), user="carol")  # the right secret still gets in ...
+    assert waits == [1.5]  # ... after the same bounded wait
+
+
+def test_the_failed_login_table_forgets_old_entries_and_stays_bounded(
+    make_client: Callable[..., TestClient], waits: list[float]
+) -> None:
+    now = [1000.0]
+    client = make_client(signed_in=False)
+    throttle = client.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.clock = lambda: now[0]
+    failed_logins(client, [f"name{i}" for i in range(20)])
+    assert len(throttle) == 20
+    now[0] += throttle.window + 1
+    failed_logins(client, ["late"])
+    assert len(throttle) == 1 and throttle.delay() == 0
+    throttle.max_keys = 5
+    failed_logins(client, [f"other{i}" for i in range(8)])
+    assert len(throttle) == 5
+    throttle.free_failures, throttle.step, throttle.max_delay = 2, 1.0, 3.0
+    failed_logins(client, [f"more{i}" for i in range(100)])
+    assert len(throttle._recent) <= 2 + 3  # past the maximum delay, no more are counted
+    assert max(waits) == 3.0
 
 
 def test_a_tampered_session_cookie_signs_nobody_in(make_client: Callable[..., TestClient]) -> None:

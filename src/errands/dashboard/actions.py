@@ -8,8 +8,10 @@ audit log says who did it and how they signed in.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from anyio import sleep
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import Response
@@ -41,7 +43,9 @@ async def login_form(request: Request) -> Response:
     return _login_page(request, request.query_params.get("next"), None)
 
 
-def _login_page(request: Request, next_path: str | None, problem: str | None) -> Response:
+def _login_page(
+    request: Request, next_path: str | None, problem: str | None, status: int = 200
+) -> Response:
     conf = settings(request)
     context = {
         **base_context(request, None),
@@ -49,10 +53,15 @@ def _login_page(request: Request, next_path: str | None, problem: str | None) ->
         "problem": problem,
         "accepts": conf.auth.login_methods,
     }
-    status = 200 if problem is None else 400
-    if problem and "many" in problem:
-        status = 429
     return conf.templates.TemplateResponse(request, "login.html", context, status_code=status)
+
+
+def _throttled(request: Request, next_path: str, wait: float) -> Response:
+    seconds = max(math.ceil(wait), 1)
+    problem = f"Too many failed logins; try again in {seconds} s."
+    response = _login_page(request, next_path, problem, status=429)
+    response.headers["retry-after"] = str(seconds)
+    return response
 
 
 async def login_submit(request: Request) -> Response:
@@ -66,16 +75,25 @@ async def login_submit(request: Request) -> Response:
             request, 403, "CSRF check failed", "The login form was stale. Reload it and try again."
         )
     next_path = form_text(form, "next")
-    client = request.client.host if request.client else "unknown"
-    if conf.auth.too_many_failures(client):
-        return _login_page(request, next_path, "Too many failed logins; wait a few minutes.")
+    # The typed name is a label only: it is shown and audited, and never grants anything.
+    label = clean_user_name(form_text(form, "user"), UNNAMED)
+    throttle = conf.auth.throttle
+    key = (request.client.host if request.client else "unknown", label.casefold())
+    wait = throttle.retry_after(key)
+    if wait:
+        return _throttled(request, next_path, wait)
+    # Every attempt waits, the right one too: were only failures slowed, a guesser could
+    # stop waiting early and take the silence for "wrong".
+    delay = throttle.delay()
+    if delay:
+        await sleep(delay)
     kind = conf.auth.check_secret(str(form.get("secret") or ""))
     if kind is None:
-        conf.auth.record_failure(client)
-        return _login_page(request, next_path, "Wrong password or token.")
+        throttle.failed(key)
+        return _login_page(request, next_path, "Wrong password or token.", status=400)
+    throttle.succeeded(key)
     request.session.clear()  # a fresh session: no fixation
-    # The typed name is a label only: it is shown and audited, and never grants anything.
-    request.session["label"] = clean_user_name(form_text(form, "user"), UNNAMED)
+    request.session["label"] = label
     request.session["login"] = kind
     request.session["csrf"] = new_csrf_token()
     return _see_other(safe_next(request, next_path))

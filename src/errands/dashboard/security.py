@@ -36,6 +36,7 @@ import anyio
 import anyio.to_thread
 
 from ..errors import ConfigurationError
+from .throttle import LoginThrottle
 
 ACTIONS = frozenset({"cancel", "replay", "discard", "pause"})
 """Action names ``authorize`` may grant: ``pause`` covers pausing and resuming queues."""
@@ -55,8 +56,6 @@ CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
 RESOLVER_TIMEOUT = 5.0  # seconds user= and authorize= may take before the request is denied
 RESOLVER_THREADS = 16  # plain-function resolvers running at once (hung ones included)
-LOGIN_FAILURES_MAX = 10  # per client address within LOGIN_FAILURE_WINDOW
-LOGIN_FAILURE_WINDOW = 300.0
 
 UserResolver = Callable[[Any], "str | Awaitable[str | None] | None"]
 Authorize = Callable[[Any], Any]
@@ -269,7 +268,7 @@ class AuthConfig:
     authorize: Authorize | None = None
     secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     timeout: float = RESOLVER_TIMEOUT
-    failures: dict[str, list[float]] = field(default_factory=dict)
+    throttle: LoginThrottle = field(default_factory=LoginThrottle)
 
     @classmethod
     def build(
@@ -327,15 +326,6 @@ class AuthConfig:
             if secret and hmac.compare_digest(encoded, secret.encode()):
                 matched = kind
         return matched
-
-    def too_many_failures(self, client: str) -> bool:
-        now = time.monotonic()
-        recent = [t for t in self.failures.get(client, []) if now - t < LOGIN_FAILURE_WINDOW]
-        self.failures[client] = recent
-        return len(recent) >= LOGIN_FAILURES_MAX
-
-    def record_failure(self, client: str) -> None:
-        self.failures.setdefault(client, []).append(time.monotonic())
 
 
 def is_loopback_host(host: str) -> bool:
