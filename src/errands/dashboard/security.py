@@ -217,7 +217,7 @@ async def _call(fn: Callable[[Any], Any], request: Any, deadline: float) -> Any:
 
 def _is_async(fn: Callable[..., Any]) -> bool:
     """True for an ``async def`` function, or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(fn.__call__)
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _call_in_slot(fn: Callable[[Any], Any], request: Any, deadline: float) -> Any:
