@@ -65,6 +65,13 @@ def finish_due(
     return [row.id for row in rows]
 
 
+def dead_job(app: errands.App, jobs: dict[str, Any], **args: Any) -> int:
+    """One dead ``emails.send_welcome`` job whose error quotes its (sensitive) email."""
+    handle = jobs["send_welcome"].enqueue(**{"user_id": 1, "email": EMAIL, **args})
+    assert finish_due(app, "emails", "dead", message=f"mail server refused {EMAIL}") == [handle.id]
+    return handle.id
+
+
 def csrf_of(html: str) -> str:
     match = re.search(r'name="csrf_token" value="([^"]+)"', html)
     assert match, "no CSRF token in the page"

@@ -16,6 +16,7 @@ from errands.dashboard import create_app
 from .helpers import BASE_URL, EMAIL, csrf_of, define_jobs, finish_due, login, post
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+ALICE = "dashboard:alice (shared password)"  # the audit actor of the signed-in client
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -133,9 +134,9 @@ def test_replay_from_the_job_page_is_audited_with_the_user(
     assert response.status_code == 303
     assert store.get_job(handle.id).state.value == "available"
     [event] = store.audit(job_id=handle.id)
-    assert (event.action, event.actor) == ("replay", "dashboard:alice")
+    assert (event.action, event.actor) == ("replay", ALICE)
     page = client.get(f"/jobs/{handle.id}").text
-    assert "1 job(s) replayed" in page and "replay by dashboard:alice" in page
+    assert "1 job(s) replayed" in page and f"replay by {ALICE}" in page
 
 
 def test_discard_needs_a_reason_and_records_it(
@@ -149,7 +150,7 @@ def test_discard_needs_a_reason_and_records_it(
     post(client, f"/jobs/{handle.id}/discard", {"reason": "customer refunded"})
     job = store.get_job(handle.id)
     assert job.state.value == "discarded" and job.discard_reason == "customer refunded"
-    assert job.discarded_by == "dashboard:alice"
+    assert job.discarded_by == ALICE
     [event] = store.audit(job_id=handle.id)
     assert event.action == "discard" and event.detail["reason"] == "customer refunded"
 
@@ -161,7 +162,7 @@ def test_cancel_a_pending_job(store: errands.App, jobs: dict[str, Any], client: 
     post(client, f"/jobs/{handle.id}/cancel")
     assert store.get_job(handle.id).state.value == "cancelled"
     [event] = store.audit(job_id=handle.id)
-    assert (event.action, event.actor) == ("cancel", "dashboard:alice")
+    assert (event.action, event.actor) == ("cancel", ALICE)
     post(client, f"/jobs/{handle.id}/cancel")  # a second time: a clear message, no crash
     assert "only scheduled, available" in client.get(f"/jobs/{handle.id}").text
 
@@ -193,7 +194,7 @@ def test_dlq_replays_the_selected_jobs_after_a_dry_run_count(
     states = {h.id: store.get_job(h.id).state.value for h in handles}
     assert states == {handles[0].id: "available", handles[1].id: "dead", handles[2].id: "available"}
     assert sorted(e.job_id for e in store.audit()) == sorted(chosen)
-    assert {e.actor for e in store.audit()} == {"dashboard:alice"}
+    assert {e.actor for e in store.audit()} == {ALICE}
     assert "2 job(s) replayed" in client.get("/dlq").text
 
 
@@ -214,7 +215,7 @@ def test_dlq_discards_every_dead_job_of_a_queue_with_a_reason(
     assert {store.get_job(h.id).state.value for h in paid} == {"discarded"}
     assert store.get_job(mail.id).state.value == "dead"
     assert {(e.action, e.actor, e.detail.get("reason")) for e in store.audit()} == {
-        ("discard", "dashboard:alice", "duplicate orders")
+        ("discard", ALICE, "duplicate orders")
     }
 
 
@@ -261,8 +262,8 @@ def test_queues_page_pauses_and_resumes_a_queue_with_the_user_audited(
     assert {s.name: s.paused for s in store.queue_settings()}["payments"] is False
     events = [(e.action, e.actor, e.detail) for e in store.audit()]
     assert events == [
-        ("resume", "dashboard:alice", {"queue": "payments"}),
-        ("pause", "dashboard:alice", {"queue": "payments"}),
+        ("resume", ALICE, {"queue": "payments"}),
+        ("pause", ALICE, {"queue": "payments"}),
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from html import unescape
 from typing import Any
 
 import pytest
@@ -13,11 +14,22 @@ from starlette.testclient import TestClient
 
 import errands
 from errands.cli.main import cli
-from errands.dashboard import create_app
+from errands.dashboard import actions, create_app, header_user
 from errands.dashboard.security import AuthConfig, is_loopback_host, refuse_open_bind
 from errands.errors import ConfigurationError
 
-from .helpers import BASE_URL, EMAIL, TOKEN, XSS, csrf_of, finish_due, post
+from .helpers import (
+    BASE_URL,
+    EMAIL,
+    PASSWORD,
+    TOKEN,
+    XSS,
+    csrf_of,
+    dead_job,
+    finish_due,
+    login,
+    post,
+)
 
 PAGES = ["/", "/jobs", "/jobs/1", "/dlq", "/queues", "/workers", "/cron", "/audit"]
 ACTIONS = [
@@ -30,12 +42,6 @@ ACTIONS = [
     ("/queues/emails/resume", {}),
     ("/logout", {}),
 ]
-
-
-def dead_job(app: errands.App, jobs: dict[str, Any], **args: Any) -> int:
-    handle = jobs["send_welcome"].enqueue(**{"user_id": 1, "email": EMAIL, **args})
-    assert finish_due(app, "emails", "dead", message=f"mail server refused {EMAIL}") == [handle.id]
-    return handle.id
 
 
 @pytest.mark.parametrize("path", PAGES)
@@ -139,6 +145,84 @@ def test_repeated_wrong_logins_are_throttled(make_client: Callable[..., TestClie
     assert right.status_code == 429  # even the right one, until the window passes
 
 
+def same_address(client: TestClient) -> TestClient:
+    """Another browser on the same dashboard, from the same address (as behind a proxy)."""
+    return TestClient(client.app, base_url=BASE_URL, client=("127.0.0.1", 50001))
+
+
+def failed_logins(client: TestClient, names: list[str]) -> list[int]:
+    """One wrong login per name; their status codes."""
+    token = csrf_of(client.get("/login").text)
+    return [
+        client.post(
+            "/login", data={"csrf_token": token, "secret": "guess", "user": name}
+        ).status_code
+        for name in names
+    ]
+
+
+def test_wrong_logins_under_one_name_do_not_lock_out_others_behind_the_same_proxy(
+    make_client: Callable[..., TestClient],
+) -> None:
+    attacker = make_client(signed_in=False)  # every client here connects from 127.0.0.1
+    codes = failed_logins(attacker, ["alice"] * 12)
+    bob = login(same_address(attacker), user="bob")  # another name
+    assert bob.get("/", follow_redirects=False).status_code == 200
+    assert codes[:10] == [400] * 10 and codes[10:] == [429, 429]
+    locked = attacker.post(
+        "/login",
+        data={"csrf_token": csrf_of(attacker.get("/login").text), "secret": TOKEN, "user": "alice"},
+    )
+    assert locked.status_code == 429 and int(locked.headers["retry-after"]) > 0
+
+
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The login page's throttling waits, recorded instead of slept."""
+    recorded: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        recorded.append(seconds)
+
+    monkeypatch.setattr(actions, "sleep", sleep)
+    return recorded
+
+
+def test_many_failed_logins_slow_every_login_down_but_lock_nobody_out(
+    make_client: Callable[..., TestClient], waits: list[float]
+) -> None:
+    attacker = make_client(signed_in=False)
+    throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
+    codes = failed_logins(attacker, [f"name{i}" for i in range(10)])  # a new name each time
+    assert codes == [400] * 10  # no name is locked ...
+    assert waits == [0.5, 1.0, 1.5, 1.5]  # ... but past 5 failures every attempt waits
+    waits.clear()
+    login(same_address(attacker), user="carol")  # the right secret still gets in ...
+    assert waits == [1.5]  # ... after the same bounded wait
+
+
+def test_the_failed_login_table_forgets_old_entries_and_stays_bounded(
+    make_client: Callable[..., TestClient], waits: list[float]
+) -> None:
+    now = [1000.0]
+    client = make_client(signed_in=False)
+    throttle = client.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.clock = lambda: now[0]
+    failed_logins(client, [f"name{i}" for i in range(20)])
+    assert len(throttle) == 20
+    now[0] += throttle.window + 1
+    failed_logins(client, ["late"])
+    assert len(throttle) == 1 and throttle.delay() == 0
+    throttle.max_keys = 5
+    failed_logins(client, [f"other{i}" for i in range(8)])
+    assert len(throttle) == 5
+    throttle.free_failures, throttle.step, throttle.max_delay = 2, 1.0, 3.0
+    failed_logins(client, [f"more{i}" for i in range(100)])
+    assert len(throttle._recent) <= 2 + 3  # past the maximum delay, no more are counted
+    assert max(waits) == 3.0
+
+
 def test_a_tampered_session_cookie_signs_nobody_in(make_client: Callable[..., TestClient]) -> None:
     client = make_client()
     cookie = client.cookies["errands_dashboard"]
@@ -201,25 +285,136 @@ def test_per_action_rights_allow_only_the_named_actions(
     assert app.get_job(second).state.value == "dead"
 
 
-def test_authorize_sees_the_signed_in_user_and_may_refuse_them(
-    make_client: Callable[..., TestClient],
+def admins_only(request: Any) -> str:
+    """An ``authorize`` that trusts ``request.state.user`` for per-user rights."""
+    return "all" if request.state.user in ("admin", "root") else "read"
+
+
+@pytest.mark.parametrize("typed", ["admin", "root", "alice", ""])
+def test_a_name_typed_at_a_shared_secret_login_grants_no_rights(
+    app: errands.App, jobs: dict[str, Any], make_client: Callable[..., TestClient], typed: str
 ) -> None:
-    def authorize(request: Any) -> Any:
-        return None if request.state.user == "mallory" else "all"
+    job_id = dead_job(app, jobs)
+    client = make_client(user=typed, authorize=admins_only)
+    assert "read-only" in client.get("/").text
+    response = post(client, f"/jobs/{job_id}/replay")
+    assert response.status_code == 403
+    assert app.get_job(job_id).state.value == "dead"
+    assert app.audit() == []
 
-    assert make_client(user="mallory", authorize=authorize).get("/").status_code == 403
-    assert make_client(user="alice", authorize=authorize).get("/").status_code == 200
+
+def test_authorize_tells_a_typed_label_from_an_authenticated_user(
+    app: errands.App, make_client: Callable[..., TestClient]
+) -> None:
+    seen: list[Any] = []
+
+    def authorize(request: Any) -> str:
+        seen.append((request.state.user, request.state.identity))
+        return "read"
+
+    make_client(user="admin", authorize=authorize).get("/")
+    typed_user, typed = seen[-1]
+    assert typed_user is None and typed.user is None and not typed.verified
+    assert (typed.label, typed.method) == ("admin", "password")
+    vouched = create_app(app, user=lambda request: "carol", authorize=authorize)
+    TestClient(vouched, base_url="https://shop.example").get("/")
+    user, identity = seen[-1]
+    assert user == identity.user == identity.label == "carol"
+    assert identity.verified and identity.method == "user"
 
 
-def test_authorize_returning_an_unknown_action_is_a_clear_error(app: errands.App) -> None:
+def test_per_user_rights_come_from_the_user_resolver(
+    app: errands.App, jobs: dict[str, Any]
+) -> None:
+    job_id = dead_job(app, jobs)
+    dashboard = create_app(
+        app, user=lambda request: request.scope.get("login"), authorize=admins_only
+    )
+
+    def as_user(name: str) -> TestClient:
+        async def signed_in(scope: Any, receive: Any, send: Any) -> None:
+            await dashboard({**scope, "login": name}, receive, send)
+
+        return TestClient(signed_in, base_url="https://shop.example")
+
+    alice = as_user("alice").get(f"/jobs/{job_id}").text
+    assert "read-only" in alice and ">Replay<" not in alice
+    root = as_user("root")
+    assert ">Replay<" in root.get(f"/jobs/{job_id}").text
+    assert post(root, f"/jobs/{job_id}/replay", page=f"/jobs/{job_id}").status_code == 303
+    assert [e.actor for e in app.audit(job_id=job_id)] == ["dashboard:root"]
+
+
+@pytest.mark.parametrize(
+    ("secret", "typed", "actor"),
+    [
+        (PASSWORD, "alice", "dashboard:alice (shared password)"),
+        (TOKEN, "bob", "dashboard:bob (shared token)"),
+        (TOKEN, "", "dashboard:unnamed (shared token)"),
+    ],
+)
+def test_the_audit_log_says_how_a_shared_secret_user_signed_in(
+    app: errands.App,
+    jobs: dict[str, Any],
+    make_client: Callable[..., TestClient],
+    secret: str,
+    typed: str,
+    actor: str,
+) -> None:
+    job_id = dead_job(app, jobs)
+    client = login(make_client(signed_in=False), secret=secret, user=typed)
+    assert post(client, f"/jobs/{job_id}/replay").status_code == 303
+    assert [e.actor for e in app.audit(job_id=job_id)] == [actor]
+    assert f'title="actions are audited as {actor}"' in client.get("/").text
+
+
+def test_the_audit_log_says_a_loopback_user_had_no_login(
+    app: errands.App, jobs: dict[str, Any]
+) -> None:
+    job_id = dead_job(app, jobs)
+    local = TestClient(create_app(app), base_url=BASE_URL, client=("127.0.0.1", 1))
+    assert post(local, f"/jobs/{job_id}/replay", page=f"/jobs/{job_id}").status_code == 303
+    assert [e.actor for e in app.audit(job_id=job_id)] == ["dashboard:local (loopback, no login)"]
+
+
+def test_a_trusted_proxy_header_names_the_user_only_on_the_proxys_connection(
+    app: errands.App,
+) -> None:
+    resolver = header_user("X-Auth-User", trusted=["10.0.0.0/24"])
+    dashboard = create_app(app, user=resolver, authorize=admins_only)
+    proxy = TestClient(dashboard, base_url="https://shop.example", client=("10.0.0.7", 1))
+    assert proxy.get("/").status_code == 401
+    page = proxy.get("/", headers={"x-auth-user": "root"})
+    assert page.status_code == 200 and "read-only" not in page.text
+    direct = TestClient(dashboard, base_url="https://shop.example", client=("203.0.113.9", 1))
+    assert direct.get("/", headers={"x-auth-user": "root"}).status_code == 401
+    with pytest.raises(ConfigurationError, match="trusted"):
+        header_user("X-Auth-User", trusted=[])
+    with pytest.raises(ConfigurationError, match="not an address"):
+        header_user("X-Auth-User", trusted=["proxy.example"])
+
+
+@pytest.mark.parametrize(
+    ("granted", "says"),
+    [
+        ({"replay", "nuke"}, "unknown action(s) ['nuke']"),
+        ("superuser", "returned 'superuser'"),
+        (iter(["replay"]), "returned a list_iterator"),  # only a set, list or tuple of names
+        ([1, 2], "returned a list holding a int"),
+    ],
+)
+def test_authorize_granting_something_unknown_is_a_clear_error_and_denies(
+    app: errands.App, caplog: pytest.LogCaptureFixture, granted: Any, says: str
+) -> None:
     client = TestClient(
-        create_app(app, authorize=lambda r: {"replay", "nuke"}),
+        create_app(app, authorize=lambda r: granted),
         base_url=BASE_URL,
         client=("127.0.0.1", 1),
         raise_server_exceptions=True,
     )
-    with pytest.raises(ConfigurationError, match="unknown action"):
-        client.get("/")
+    response = client.get("/")
+    assert response.status_code == 500 and says in unescape(response.text)
+    assert any(says in r.getMessage() for r in caplog.records)
 
 
 def test_the_host_applications_login_names_the_user_when_mounted(
@@ -323,3 +518,34 @@ def test_the_cli_refuses_a_public_address_without_a_login(app: errands.App) -> N
     )
     assert result.exit_code == 1
     assert "refusing to serve the dashboard on '0.0.0.0' without a login" in result.output
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        ("forwarded", "for=203.0.113.9;proto=https"),
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-forwarded-host", "jobs.example"),
+        ("x-forwarded-proto", "https"),
+        ("x-real-ip", "203.0.113.9"),
+    ],
+)
+def test_without_a_login_a_request_forwarded_by_a_local_proxy_is_refused(
+    app: errands.App, jobs: dict[str, Any], header: tuple[str, str]
+) -> None:
+    job_id = dead_job(app, jobs)
+    local = TestClient(create_app(app), base_url=BASE_URL, client=("127.0.0.1", 1))
+    page = local.get(f"/jobs/{job_id}")
+    assert page.status_code == 200  # a direct request from this machine is still served
+    token = csrf_of(page.text)
+    refused = local.get(f"/jobs/{job_id}", headers=dict([header]))
+    assert refused.status_code == 403
+    assert "proxy" in refused.text and "ERRANDS_DASHBOARD_PASSWORD" in refused.text
+    replay = local.post(
+        f"/jobs/{job_id}/replay",
+        data={"csrf_token": token},
+        headers=dict([header]),
+        follow_redirects=False,
+    )
+    assert replay.status_code == 403
+    assert app.get_job(job_id).state.value == "dead"

@@ -22,6 +22,6 @@ if _missing:  # pragma: no cover - exercised only without the extra
     )
 
 from .app import create_app  # noqa: E402
-from .security import ACTIONS, Access  # noqa: E402
+from .security import ACTIONS, Access, Identity, header_user  # noqa: E402
 
-__all__ = ["ACTIONS", "Access", "create_app"]
+__all__ = ["ACTIONS", "Access", "Identity", "create_app", "header_user"]

@@ -1,19 +1,23 @@
 """Everything that changes state: login, logout, and the admin actions.
 
 Every admin action calls the App's admin API (``replay``, ``discard``, ``cancel``,
-``pause``, ``resume``) with ``actor="dashboard:<user>"``, so the audit log says who did it.
+``pause``, ``resume``) with the viewer's :attr:`~.security.Identity.actor`
+(``dashboard:<user>``, or ``dashboard:<label> (shared password)`` and the like), so the
+audit log says who did it and how they signed in.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from anyio import sleep
 from starlette.datastructures import FormData
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import ErrandsError
-from .security import CSRF_FIELD, clean_user_name, csrf_matches, new_csrf_token
+from .security import CSRF_FIELD, UNNAMED, clean_user_name, csrf_matches, new_csrf_token
 from .web import (
     Viewer,
     action,
@@ -39,20 +43,25 @@ async def login_form(request: Request) -> Response:
     return _login_page(request, request.query_params.get("next"), None)
 
 
-def _login_page(request: Request, next_path: str | None, problem: str | None) -> Response:
+def _login_page(
+    request: Request, next_path: str | None, problem: str | None, status: int = 200
+) -> Response:
     conf = settings(request)
     context = {
         **base_context(request, None),
         "next": safe_next(request, next_path),
         "problem": problem,
-        "accepts": [
-            k for k, v in (("password", conf.auth.password), ("token", conf.auth.token)) if v
-        ],
+        "accepts": conf.auth.login_methods,
     }
-    status = 200 if problem is None else 400
-    if problem and "many" in problem:
-        status = 429
     return conf.templates.TemplateResponse(request, "login.html", context, status_code=status)
+
+
+def _throttled(request: Request, next_path: str, wait: float) -> Response:
+    seconds = max(math.ceil(wait), 1)
+    problem = f"Too many failed logins; try again in {seconds} s."
+    response = _login_page(request, next_path, problem, status=429)
+    response.headers["retry-after"] = str(seconds)
+    return response
 
 
 async def login_submit(request: Request) -> Response:
@@ -66,16 +75,26 @@ async def login_submit(request: Request) -> Response:
             request, 403, "CSRF check failed", "The login form was stale. Reload it and try again."
         )
     next_path = form_text(form, "next")
-    client = request.client.host if request.client else "unknown"
-    if conf.auth.too_many_failures(client):
-        return _login_page(request, next_path, "Too many failed logins; wait a few minutes.")
+    # The typed name is a label only: it is shown and audited, and never grants anything.
+    label = clean_user_name(form_text(form, "user"), UNNAMED)
+    throttle = conf.auth.throttle
+    key = (request.client.host if request.client else "unknown", label.casefold())
+    wait = throttle.retry_after(key)
+    if wait:
+        return _throttled(request, next_path, wait)
+    # Every attempt waits, the right one too: were only failures slowed, a guesser could
+    # stop waiting early and take the silence for "wrong".
+    delay = throttle.delay()
+    if delay:
+        await sleep(delay)
     kind = conf.auth.check_secret(str(form.get("secret") or ""))
     if kind is None:
-        conf.auth.record_failure(client)
-        return _login_page(request, next_path, "Wrong password or token.")
-    user = clean_user_name(form_text(form, "user"), "admin" if kind == "password" else "token")
+        throttle.failed(key)
+        return _login_page(request, next_path, "Wrong password or token.", status=400)
+    throttle.succeeded(key)
     request.session.clear()  # a fresh session: no fixation
-    request.session["user"] = user
+    request.session["label"] = label
+    request.session["login"] = kind
     request.session["csrf"] = new_csrf_token()
     return _see_other(safe_next(request, next_path))
 
@@ -197,7 +216,7 @@ def _dlq_problem(request: Request, viewer: Viewer, sel: dict[str, Any]) -> Respo
             request,
             403,
             "Not allowed",
-            f"{viewer.user} has read-only access here and may not {sel['op']}.",
+            f"{viewer.label} has read-only access here and may not {sel['op']}.",
         )
     return None
 

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import actions, pages
 from .format import FILTERS
-from .security import AuthConfig, Authorize, UserResolver
+from .security import RESOLVER_TIMEOUT, AuthConfig, Authorize, UserResolver
 from .web import Settings
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ def create_app(
     token: str | None = None,
     secret_key: str | None = None,
     https_only: bool = False,
+    resolver_timeout: float = RESOLVER_TIMEOUT,
     refresh_seconds: int = 5,
     title: str = "errands",
 ) -> Starlette:
@@ -79,15 +80,23 @@ def create_app(
     ``password`` / ``token`` default to ``ERRANDS_DASHBOARD_PASSWORD`` /
     ``ERRANDS_DASHBOARD_TOKEN``; with either, the dashboard shows its own login page.
     ``user(request)`` instead lets your application's login name the user (``None``: not
-    signed in). With none of them, only loopback clients are served.
+    signed in): the only authenticated identity (``request.state.user``); a name typed on the
+    login page is a label only. With none of them, only loopback clients are served.
     ``authorize(request)`` returns ``"all"``, ``"read"``, a set of actions
     (``{"replay", "discard", "cancel", "pause"}``) or ``None`` (no access); default ``"all"``.
+    ``user`` and ``authorize`` may be ``async``; one that raises, returns something else or
+    takes over ``resolver_timeout`` seconds denies the request (500) and logs why.
     ``secret_key`` signs the session cookie (default ``ERRANDS_DASHBOARD_SECRET``, else a
     random key per process, so sessions end on restart). ``https_only`` marks the cookie
     Secure: set it when the dashboard is served over HTTPS.
     """
     auth = AuthConfig.build(
-        password=password, token=token, user=user, authorize=authorize, secret_key=secret_key
+        password=password,
+        token=token,
+        user=user,
+        authorize=authorize,
+        secret_key=secret_key,
+        timeout=resolver_timeout,
     )
     environment = jinja2.Environment(
         loader=jinja2.PackageLoader("errands.dashboard", "templates"),

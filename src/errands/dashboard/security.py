@@ -1,17 +1,20 @@
 """Who may open the dashboard, what they may do, and the checks on every state change.
 
-Three ways to know the user, chosen by :func:`errands.dashboard.create_app`'s options:
+Three ways to let a user in, chosen by :func:`errands.dashboard.create_app`'s options:
 
-* ``user=callable(request)``: the host application's own login (FastAPI, Django, ...)
-  names the user; ``None`` means not signed in.
+* ``user=callable(request)``: the host application's own login (FastAPI, Django, ...) or a
+  reverse proxy's authentication (:func:`header_user`) names the user; ``None`` means not
+  signed in. This is the **only** source of an authenticated identity.
 * ``password=`` / ``token=`` (or ``ERRANDS_DASHBOARD_PASSWORD`` / ``ERRANDS_DASHBOARD_TOKEN``):
-  the dashboard's own login page; a signed session cookie remembers the user.
-* neither: no login, and then only loopback clients naming a loopback ``Host`` are served
-  (so a DNS-rebinding page cannot reach it either); the user is ``local``.
+  the dashboard's own login page, one secret shared by everyone. The name typed there is a
+  label for the header and the audit log, never an identity.
+* neither: no login, and then only direct loopback clients naming a loopback ``Host`` are
+  served (so neither a DNS-rebinding page nor a same-host proxy can reach it).
 
-What the user may do comes from ``authorize(request)``, Oban Web's model: ``"all"``,
-``"read"`` (read-only), a set of action names from :data:`ACTIONS`, or ``None`` to refuse
-the dashboard altogether. Every POST carries the session's CSRF token.
+Each request's :class:`Identity` tells these apart. What the user may do comes from
+``authorize(request)``, Oban Web's model: ``"all"``, ``"read"`` (read-only), a set of action
+names from :data:`ACTIONS`, or ``None`` to refuse the dashboard altogether. Every POST
+carries the session's CSRF token.
 """
 
 from __future__ import annotations
@@ -19,15 +22,21 @@ from __future__ import annotations
 import hmac
 import inspect
 import ipaddress
+import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+import anyio.to_thread
+
 from ..errors import ConfigurationError
+from .throttle import LoginThrottle
 
 ACTIONS = frozenset({"cancel", "replay", "discard", "pause"})
 """Action names ``authorize`` may grant: ``pause`` covers pausing and resuming queues."""
@@ -37,13 +46,23 @@ TOKEN_ENV = "ERRANDS_DASHBOARD_TOKEN"
 SECRET_ENV = "ERRANDS_DASHBOARD_SECRET"
 
 LOCAL_USER = "local"
+UNNAMED = "unnamed"  # the label of a shared-secret login that typed no name
+LOGIN_PHRASES = {
+    "password": "shared password",
+    "token": "shared token",
+    "loopback": "loopback, no login",
+}
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
-LOGIN_FAILURES_MAX = 10  # per client address within LOGIN_FAILURE_WINDOW
-LOGIN_FAILURE_WINDOW = 300.0
+RESOLVER_TIMEOUT = 5.0  # seconds user= and authorize= may take before the request is denied
+RESOLVER_THREADS = 16  # plain-function resolvers running at once (hung ones included)
 
 UserResolver = Callable[[Any], "str | Awaitable[str | None] | None"]
 Authorize = Callable[[Any], Any]
+
+log = logging.getLogger("errands.dashboard")
+_resolver_slots = threading.BoundedSemaphore(RESOLVER_THREADS)
+_NO_SLOT = object()  # a resolver thread found no free slot before its deadline
 
 
 @dataclass(frozen=True)
@@ -60,12 +79,45 @@ class Access:
         return action in self.actions
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Who is asking, as far as the dashboard can tell (``request.state.identity``).
+
+    ``user`` is an authenticated identity, set only by the ``user=`` resolver (your own login,
+    or a proxy header you trust); it is also ``request.state.user``. Otherwise it is None:
+    with a shared password or token, ``label`` is whatever name was typed on the login form
+    and grants nothing. ``method`` is how the request got in: ``"user"``, ``"password"``,
+    ``"token"`` or ``"loopback"`` (no login).
+    """
+
+    label: str
+    method: str
+    user: str | None = None
+
+    @property
+    def verified(self) -> bool:
+        """True when ``user`` came from the ``user=`` resolver, not from a typed name."""
+        return self.user is not None
+
+    @property
+    def actor(self) -> str:
+        """Who the audit log says did it: ``dashboard:<label>``, plus how they signed in
+        unless the name was authenticated, e.g. ``dashboard:alice (shared password)``."""
+        if self.verified:
+            return f"dashboard:{self.label}"
+        return f"dashboard:{self.label} ({LOGIN_PHRASES[self.method]})"
+
+
 ALL = Access(ACTIONS)
 READ = Access(frozenset())
 
 
 def parse_access(value: Any) -> Access | None:
-    """Turn what ``authorize`` returned into an :class:`Access`; None means no access."""
+    """Turn what ``authorize`` returned into an :class:`Access`; None means no access.
+
+    Raises ConfigurationError for anything else, without iterating or printing arbitrary
+    objects (a hostile ``authorize`` could return an endless generator).
+    """
     if isinstance(value, Access):
         return value
     if value is None or value is False:
@@ -73,39 +125,137 @@ def parse_access(value: Any) -> Access | None:
     if value is True:
         return ALL
     if isinstance(value, str):
-        word = value.strip().lower().replace("-", "_")
-        if word == "all":
-            return ALL
-        if word in ("read", "read_only", "readonly"):
-            return READ
-        if word in ("none", "forbidden", "deny"):
-            return None
-        if word in ACTIONS:
-            return Access(frozenset({word}))
-        raise ConfigurationError(
-            f"authorize(request) returned {value!r}; return 'all', 'read', None (no access) "
-            f"or a set of actions from {sorted(ACTIONS)}"
-        )
-    if isinstance(value, Iterable):
-        names = {str(v).strip().lower() for v in value}
-        unknown = names - ACTIONS
-        if unknown:
-            raise ConfigurationError(
-                f"authorize(request) granted unknown action(s) {sorted(unknown)}; "
-                f"the actions are {sorted(ACTIONS)}"
-            )
-        return Access(frozenset(names))
+        return _access_word(value)
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return _access_names(value)
     raise ConfigurationError(
         f"authorize(request) returned a {type(value).__name__}; return 'all', 'read', None "
         "or a set of action names"
     )
 
 
-async def call_maybe_async(fn: Callable[..., Any], *args: Any) -> Any:
-    result = fn(*args)
+def _access_word(value: str) -> Access | None:
+    word = value.strip().lower().replace("-", "_")
+    if word == "all":
+        return ALL
+    if word in ("read", "read_only", "readonly"):
+        return READ
+    if word in ("none", "forbidden", "deny"):
+        return None
+    if word in ACTIONS:
+        return Access(frozenset({word}))
+    raise ConfigurationError(
+        f"authorize(request) returned {value[:40]!r}; return 'all', 'read', None (no access) "
+        f"or a set of actions from {sorted(ACTIONS)}"
+    )
+
+
+def _access_names(value: set[Any] | frozenset[Any] | list[Any] | tuple[Any, ...]) -> Access:
+    wrong = next((v for v in value if not isinstance(v, str)), None)
+    if wrong is not None:
+        raise ConfigurationError(
+            f"authorize(request) returned a {type(value).__name__} holding a "
+            f"{type(wrong).__name__}; the actions are names from {sorted(ACTIONS)}"
+        )
+    names = {v.strip().lower() for v in value}
+    unknown = names - ACTIONS
+    if unknown:
+        raise ConfigurationError(
+            f"authorize(request) granted unknown action(s) {sorted(unknown)[:10]}; "
+            f"the actions are {sorted(ACTIONS)}"
+        )
+    return Access(frozenset(names))
+
+
+class ResolverError(Exception):
+    """The operator's ``user=`` or ``authorize=`` failed: raised, hung or answered nonsense.
+
+    Already logged; the message is safe to show (it never quotes the exception's text).
+    """
+
+
+async def call_resolver(name: str, fn: Callable[[Any], Any], request: Any, timeout: float) -> Any:
+    """``fn(request)``, treated as hostile: what it returns, else ResolverError.
+
+    A plain function runs in a worker thread (it must not block the event loop); at most
+    :data:`RESOLVER_THREADS` run at once, so hung ones cannot pile up threads. An ``async``
+    one runs on the loop (and must not block it). Either is abandoned after ``timeout``.
+    """
+    with anyio.move_on_after(timeout):
+        try:
+            result = await _call(fn, request, time.monotonic() + timeout)
+        except Exception as exc:
+            log.error(
+                "%s(request) raised %s; the request is denied",
+                name,
+                type(exc).__name__,
+                exc_info=True,
+            )
+            raise ResolverError(
+                f"The dashboard's {name}(request) failed ({type(exc).__name__}); the error "
+                "is in the server log."
+            ) from None
+        if result is not _NO_SLOT:
+            return result
+    log.error("%s(request) did not answer within %g s; the request is denied", name, timeout)
+    raise ResolverError(
+        f"The dashboard's {name}(request) did not answer within {timeout:g} s; see the server log."
+    )
+
+
+async def _call(fn: Callable[[Any], Any], request: Any, deadline: float) -> Any:
+    if _is_async(fn):
+        result = fn(request)
+    else:
+        result = await anyio.to_thread.run_sync(
+            _call_in_slot, fn, request, deadline, abandon_on_cancel=True
+        )
     if inspect.isawaitable(result):
         result = await result
     return result
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """True for an ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _call_in_slot(fn: Callable[[Any], Any], request: Any, deadline: float) -> Any:
+    """In a worker thread: ``fn(request)`` once a slot frees up before ``deadline``."""
+    if not _resolver_slots.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        return _NO_SLOT
+    try:
+        return fn(request)
+    finally:
+        _resolver_slots.release()
+
+
+async def resolve_access(auth: AuthConfig, request: Any) -> Access | None:
+    """What ``auth.authorize`` grants this request (everything without one)."""
+    if auth.authorize is None:
+        return ALL
+    value = await call_resolver("authorize", auth.authorize, request, auth.timeout)
+    try:
+        return parse_access(value)
+    except ConfigurationError as exc:
+        log.error("%s; the request is denied", exc)
+        raise ResolverError(str(exc)) from None
+
+
+async def resolve_user(auth: AuthConfig, request: Any) -> str | None:
+    """The name ``auth.user`` gives this request, None for nobody signed in."""
+    assert auth.user is not None
+    value = await call_resolver("user", auth.user, request, auth.timeout)
+    if value is None or value is False:
+        return None
+    if not isinstance(value, str):
+        message = (
+            f"user(request) returned a {type(value).__name__}; return the user's name "
+            "(a str), or None when nobody is signed in"
+        )
+        log.error("%s; the request is denied", message)
+        raise ResolverError(message)
+    return value.strip() or None
 
 
 @dataclass
@@ -117,7 +267,8 @@ class AuthConfig:
     user: UserResolver | None = None
     authorize: Authorize | None = None
     secret_key: str = field(default_factory=lambda: secrets.token_urlsafe(32))
-    failures: dict[str, list[float]] = field(default_factory=dict)
+    timeout: float = RESOLVER_TIMEOUT
+    throttle: LoginThrottle = field(default_factory=LoginThrottle)
 
     @classmethod
     def build(
@@ -128,6 +279,7 @@ class AuthConfig:
         user: UserResolver | None,
         authorize: Authorize | None,
         secret_key: str | None,
+        timeout: float = RESOLVER_TIMEOUT,
     ) -> AuthConfig:
         if password is None:
             password = os.environ.get(PASSWORD_ENV) or None
@@ -140,9 +292,12 @@ class AuthConfig:
                 "create_app: give user= (your own login) or password=/token= (the dashboard's "
                 "login page), not both"
             )
-        if authorize is not None and not callable(authorize):
-            raise ConfigurationError("create_app(authorize=...) takes a function of the request")
-        config = cls(password=password or None, token=token or None, user=user)
+        for name, fn in (("user", user), ("authorize", authorize)):
+            if fn is not None and not callable(fn):
+                raise ConfigurationError(f"create_app({name}=...) takes a function of the request")
+        if not timeout > 0:
+            raise ConfigurationError("create_app(resolver_timeout=...) must be above 0 seconds")
+        config = cls(password=password or None, token=token or None, user=user, timeout=timeout)
         config.authorize = authorize
         if secret_key:
             config.secret_key = secret_key
@@ -152,6 +307,11 @@ class AuthConfig:
     def login_page(self) -> bool:
         """True when the dashboard's own login page signs users in."""
         return bool(self.password or self.token)
+
+    @property
+    def login_methods(self) -> list[str]:
+        """The shared secrets the login page accepts: ``password`` and/or ``token``."""
+        return [k for k, v in (("password", self.password), ("token", self.token)) if v]
 
     @property
     def configured(self) -> bool:
@@ -166,15 +326,6 @@ class AuthConfig:
             if secret and hmac.compare_digest(encoded, secret.encode()):
                 matched = kind
         return matched
-
-    def too_many_failures(self, client: str) -> bool:
-        now = time.monotonic()
-        recent = [t for t in self.failures.get(client, []) if now - t < LOGIN_FAILURE_WINDOW]
-        self.failures[client] = recent
-        return len(recent) >= LOGIN_FAILURES_MAX
-
-    def record_failure(self, client: str) -> None:
-        self.failures.setdefault(client, []).append(time.monotonic())
 
 
 def is_loopback_host(host: str) -> bool:
@@ -205,6 +356,25 @@ def is_loopback_address(address: str | None) -> bool:
         return False
 
 
+PROXY_HEADERS = frozenset(
+    {"forwarded", "via", "x-real-ip", "x-client-ip", "true-client-ip", "cf-connecting-ip"}
+)
+"""Headers a reverse proxy adds (with every ``X-Forwarded-*``): see :func:`proxy_header`."""
+
+
+def proxy_header(names: Iterable[str]) -> str | None:
+    """The first of ``names`` (header names) that only a proxy sends, or None.
+
+    Without a login the dashboard serves loopback clients only; a reverse proxy on the same
+    host connects from 127.0.0.1 too, so a request it forwards must be told apart by these.
+    """
+    for name in names:
+        lowered = name.lower()
+        if lowered in PROXY_HEADERS or lowered.startswith("x-forwarded-"):
+            return name
+    return None
+
+
 def host_header_name(value: str) -> str:
     """The host part of a ``Host`` header: ``[::1]:8080`` -> ``::1``, ``a:80`` -> ``a``."""
     value = value.strip()
@@ -230,10 +400,52 @@ def csrf_matches(expected: str | None, given: str | None) -> bool:
     return hmac.compare_digest(expected.encode(), given.encode())
 
 
-def clean_user_name(value: str | None, default: str) -> str:
-    """A name for the audit log: printable, trimmed to 64 characters."""
-    text = "".join(ch for ch in (value or "") if ch.isprintable()).strip()[:64]
+def clean_user_name(value: str | None, default: str, limit: int = 64) -> str:
+    """A name for the audit log: printable, trimmed to ``limit`` characters."""
+    text = "".join(ch for ch in (value or "") if ch.isprintable()).strip()[:limit]
     return text or default
+
+
+def header_user(header: str, *, trusted: Iterable[str]) -> UserResolver:
+    """A ``user=`` resolver for a reverse proxy that authenticates users itself.
+
+    The proxy (oauth2-proxy, Authelia, nginx ``auth_request``, ...) puts the user's name in
+    ``header`` (``X-Forwarded-User``, ``Remote-User``, ...). The header is believed only on a
+    connection from one of the ``trusted`` addresses or networks (``"127.0.0.1"``,
+    ``"10.0.0.0/8"``): anyone else could send it too. The proxy must set (not append to)
+    the header on every request it forwards.
+    """
+    if not header.strip():
+        raise ConfigurationError("header_user: name the header your proxy sets")
+    networks = []
+    for entry in trusted:
+        try:
+            networks.append(ipaddress.ip_network(str(entry).strip(), strict=False))
+        except ValueError:
+            raise ConfigurationError(
+                f"header_user: trusted proxy {entry!r} is not an address or network "
+                "(e.g. '127.0.0.1' or '10.0.0.0/8')"
+            ) from None
+    if not networks:
+        raise ConfigurationError("header_user: list the trusted proxies' addresses")
+    name = header.strip().lower()
+
+    def resolve(request: Any) -> str | None:
+        client = request.client.host if request.client else ""
+        if not address_in(client, networks):
+            return None
+        return request.headers.get(name, "").strip() or None
+
+    return resolve
+
+
+def address_in(address: str, networks: Iterable[Any]) -> bool:
+    """True when the literal ``address`` lies in one of ``networks``."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return False
+    return any(ip in network for network in networks)
 
 
 def refuse_open_bind(host: str, auth: AuthConfig) -> None:

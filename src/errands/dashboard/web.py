@@ -26,14 +26,19 @@ from .security import (
     CSRF_FIELD,
     CSRF_HEADER,
     LOCAL_USER,
+    LOGIN_PHRASES,
     Access,
     AuthConfig,
-    call_maybe_async,
+    Identity,
+    ResolverError,
+    clean_user_name,
     csrf_matches,
     is_loopback_address,
     is_loopback_host_header,
     new_csrf_token,
-    parse_access,
+    proxy_header,
+    resolve_access,
+    resolve_user,
 )
 
 if TYPE_CHECKING:
@@ -56,14 +61,19 @@ class Settings:
 
 @dataclass(frozen=True)
 class Viewer:
-    user: str
+    identity: Identity
     access: Access
     csrf: str
 
     @property
+    def label(self) -> str:
+        """The name shown in the header (typed at the login form, unless authenticated)."""
+        return self.identity.label
+
+    @property
     def actor(self) -> str:
-        """Who the audit log says did it."""
-        return f"dashboard:{self.user}"
+        """Who the audit log says did it, and how they signed in."""
+        return self.identity.actor
 
     def can(self, action: str) -> bool:
         return self.access.can(action)
@@ -132,6 +142,7 @@ def base_context(request: Request, viewer: Viewer | None) -> dict[str, Any]:
         "version": __version__,
         "flashes": flashes,
         "login_page": conf.auth.login_page,
+        "login_phrases": LOGIN_PHRASES,
         "csrf_field": CSRF_FIELD,
         "csrf": csrf_token(request),
         "path_for": functools.partial(path_for, request),
@@ -150,42 +161,84 @@ def render(
 
 async def authenticate(request: Request) -> Viewer | Response:
     """The viewer, or the response that turns the request away."""
-    conf = settings(request)
-    auth = conf.auth
+    try:
+        return await identify_and_authorize(request)
+    except ResolverError as exc:  # already logged; deny, without a traceback
+        return error_page(request, 500, "Access check failed", str(exc))
+
+
+async def identify_and_authorize(request: Request) -> Viewer | Response:
+    auth = settings(request).auth
     if auth.user is not None:
-        user = await call_maybe_async(auth.user, request)
-        if not user:
-            return error_page(
-                request, 401, "Not signed in", "Sign in to the application to see this page."
-            )
-        user = str(user)
+        identity = await resolver_identity(request, auth)
     elif auth.login_page:
-        user = request.session.get("user")
-        if not user:
-            if request.method == "GET":
-                target = request.url.path + ("?" + request.url.query if request.url.query else "")
-                return redirect(request, "login", {"next": target})
-            return error_page(request, 401, "Not signed in", "Your session ended: sign in again.")
+        identity = session_identity(request, auth)
     else:
-        client = request.client.host if request.client else None
-        if not is_loopback_address(client) or not is_loopback_host_header(
-            request.headers.get("host", "")
-        ):
-            return error_page(
-                request,
-                403,
-                "Login required",
-                "This dashboard has no login configured, so it only answers on 127.0.0.1. "
-                "Set ERRANDS_DASHBOARD_PASSWORD or ERRANDS_DASHBOARD_TOKEN to open it up.",
-            )
-        user = LOCAL_USER
-    request.state.user = user
-    access: Access | None = Access(frozenset({"cancel", "replay", "discard", "pause"}))
-    if auth.authorize is not None:
-        access = parse_access(await call_maybe_async(auth.authorize, request))
+        identity = loopback_refusal(request) or Identity(LOCAL_USER, "loopback")
+    if isinstance(identity, Response):
+        return identity
+    request.state.identity = identity
+    request.state.user = identity.user  # None unless the user= resolver vouched for it
+    access = await resolve_access(auth, request)
     if access is None:
-        return error_page(request, 403, "Forbidden", f"{user} may not open this dashboard.")
-    return Viewer(user=str(user), access=access, csrf=csrf_token(request))
+        return error_page(
+            request, 403, "Forbidden", f"{identity.label} may not open this dashboard."
+        )
+    return Viewer(identity=identity, access=access, csrf=csrf_token(request))
+
+
+async def resolver_identity(request: Request, auth: AuthConfig) -> Identity | Response:
+    """The user your ``user=`` resolver names: the only authenticated identity."""
+    user = await resolve_user(auth, request)
+    if user is None:
+        return error_page(
+            request, 401, "Not signed in", "Sign in to the application to see this page."
+        )
+    return Identity(label=clean_user_name(user, "?", limit=200), method="user", user=user)
+
+
+def session_identity(request: Request, auth: AuthConfig) -> Identity | Response:
+    """A shared-secret login's session: a typed label and how it signed in, no identity."""
+    label = request.session.get("label")
+    method = request.session.get("login")
+    if isinstance(label, str) and method in auth.login_methods:
+        return Identity(label=label, method=method)
+    if request.method == "GET":
+        target = request.url.path + ("?" + request.url.query if request.url.query else "")
+        return redirect(request, "login", {"next": target})
+    return error_page(request, 401, "Not signed in", "Your session ended: sign in again.")
+
+
+HOW_TO_LOG_IN = (
+    "Set ERRANDS_DASHBOARD_PASSWORD or ERRANDS_DASHBOARD_TOKEN (--password / --token), or "
+    "mount it with create_app(user=...) behind your own login."
+)
+
+
+def loopback_refusal(request: Request) -> Response | None:
+    """Without a login: None for a direct request from this machine, else the 403 page."""
+    client = request.client.host if request.client else None
+    if not is_loopback_address(client) or not is_loopback_host_header(
+        request.headers.get("host", "")
+    ):
+        return error_page(
+            request,
+            403,
+            "Login required",
+            "This dashboard has no login configured, so it only answers on 127.0.0.1. "
+            + HOW_TO_LOG_IN,
+        )
+    forwarded = proxy_header(request.headers.keys())
+    if forwarded is not None:
+        return error_page(
+            request,
+            403,
+            "Login required behind a proxy",
+            f"This request came through a proxy (it carries {forwarded}), and this dashboard "
+            "has no login: it only answers requests made directly on this machine. Configure "
+            "a login before putting it behind a proxy. " + HOW_TO_LOG_IN,
+        )
+    return None
 
 
 def page(fn: PageHandler) -> Callable[[Request], Awaitable[Response]]:
@@ -239,7 +292,7 @@ def action(
                     request,
                     403,
                     "Not allowed",
-                    f"{viewer.user} has read-only access here and may not {right}.",
+                    f"{viewer.label} has read-only access here and may not {right}.",
                 )
             return await fn(request, viewer, form)
 
