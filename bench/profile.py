@@ -32,7 +32,7 @@ RESULTS = BENCH / "results"
 HZ = 1000
 
 # Areas of the hot path, in priority order: a stack belongs to the first area whose
-# function appears anywhere in it (so the lifecycle events emitted from Worker._start count
+# function appears anywhere in it (so the lifecycle events emitted from Dispatcher.prepare count
 # as events, not dispatch). Names are matched on their qualified suffix.
 AREAS = [
     ("events: EventBus.emit (lifecycle-log subscriber)", ("EventBus.emit",)),
@@ -44,12 +44,15 @@ AREAS = [
         ("DataVersionWatcher._run", "Notifier._run"),
     ),
     (
-        "dispatch: Worker._start_all / _dispatch (Attempt, submit)",
-        ("Worker._start_all", "Worker._dispatch", "Worker._start"),
+        "dispatch: Worker._start_all / Dispatcher.dispatch (Attempt, submit)",
+        ("Worker._start_all", "Dispatcher.dispatch"),
     ),
     ("handler thread: ThreadRunner._step (call, Future)", ("ThreadRunner._step",)),
-    ("outcome: Worker._handler_done / _decided", ("Worker._handler_done", "Worker._decided")),
-    ("after write: Worker._on_written", ("Worker._on_written",)),
+    (
+        "outcome: OutcomeRecorder.handler_returned / decided",
+        ("OutcomeRecorder.handler_returned", "OutcomeRecorder.decided"),
+    ),
+    ("after write: OutcomeRecorder.on_written", ("OutcomeRecorder.on_written",)),
     ("completer loop: Completer._run", ("Completer._run",)),
     ("producer loop: Worker._produce", ("Worker._produce",)),
 ]

@@ -93,6 +93,13 @@ def cli() -> None:
     help="where sync handlers run: threads, or child processes a timeout can kill",
 )
 @click.option(
+    "--suspect-lanes",
+    type=click.IntRange(min=1),
+    help="rescued jobs (which may have crashed their last worker) run at most this many at "
+    "once, each in a child process of its own (default: 4, at most -c; 1: one at a time "
+    "in this process)",
+)
+@click.option(
     "--no-maintenance",
     is_flag=True,
     help="never take the leader duties (rescue, cron, promotion, pruning)",
@@ -131,6 +138,7 @@ def worker(
     metrics_port: int | None,
     metrics_addr: str,
     pool: str,
+    suspect_lanes: int | None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
@@ -165,6 +173,7 @@ def worker(
         maintenance_tick=maintenance_tick,
         pool=pool,
         app_path=app_path or app_option,
+        suspect_lanes=suspect_lanes,
     )
     code = w.run()
     if w.stuck_threads():
