@@ -342,6 +342,13 @@ class Cluster:
         with self._connect(self.db_path) as conn:
             return conn.execute(sql, params).fetchall()
 
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One write statement on the store (TEST-ONLY time warps); returns the rowcount."""
+        with self._connect(self.db_path) as conn:
+            count = conn.execute(sql, params).rowcount
+            conn.commit()
+            return int(count)
+
     def leader(self) -> str | None:
         """The worker id holding the maintenance leadership (while its lease is valid)."""
         rows = self.query(
