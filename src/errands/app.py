@@ -381,6 +381,19 @@ class App:
     def queue_stats(self) -> list[QueueStats]:
         return self.backend.queue_stats()
 
+    def unrunnable_jobs(self) -> dict[str, int]:
+        """Pending jobs per job type that no live worker's code defines: a worker never
+        claims a job type it does not know (a rolling deploy's newer types wait, uncharged,
+        for one that does), so these wait until such a worker runs. Live: a worker whose
+        last heartbeat is at most two leases old."""
+        live = [w for w in self.backend.worker_list() if w.heartbeat_age <= 2 * self.lease]
+        known = {name for w in live for name in (w.jobs or ())}
+        return {
+            name: count
+            for name, count in sorted(self.backend.job_count_pending_by_name().items())
+            if name not in known
+        }
+
     def audit(self, *, job_id: int | None = None, limit: int = 100) -> list[AuditEvent]:
         return self.backend.audit_list(limit=limit, job_id=job_id)
 

@@ -48,6 +48,10 @@ class ClaimParams:
     worker_id: str
     lease_seconds_default: float
     suspects: bool = False  # claim only rescued jobs, else only unrescued ones
+    # The job types the claimer can run (None: any). A worker never claims a job type its
+    # code does not define: during a rolling deploy, a job a newer release enqueued waits
+    # for a worker that knows it instead of burning its attempts on one that does not.
+    names: Sequence[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class WorkerInfo:
     in_flight: int = 0
     processed: int = 0
     heartbeat_age: float = 0.0  # seconds since its last heartbeat, by the database clock
+    jobs: tuple[str, ...] | None = None  # the job types its code defines (None: not said)
 
 
 @dataclass(frozen=True)
@@ -317,9 +322,15 @@ class Backend(Protocol):
     ) -> None: ...
 
     def job_claim_limited(
-        self, queue: QueueClaim, worker_id: str, lease_default: float, suspects: bool = False
+        self,
+        queue: QueueClaim,
+        worker_id: str,
+        lease_default: float,
+        suspects: bool = False,
+        names: Sequence[str] | None = None,
     ) -> list[JobRow]:
-        """Claim from a limited queue, one claimer at a time (see backends.limits)."""
+        """Claim from a limited queue, one claimer at a time (see backends.limits); only
+        job types in ``names`` when it is given (as ``ClaimParams.names``)."""
         ...
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
@@ -381,6 +392,10 @@ class Backend(Protocol):
     def worker_deregister(self, worker_id: str) -> None: ...
 
     def worker_list(self) -> list[WorkerInfo]: ...
+
+    def job_count_pending_by_name(self) -> dict[str, int]:
+        """Scheduled, available and retryable jobs per job type."""
+        ...
 
     def worker_prune(self, older_than: float) -> int: ...
 

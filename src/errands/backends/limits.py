@@ -18,6 +18,7 @@ attempt.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,8 +125,10 @@ def claim_limited(
     claim_params: dict[str, object],
     *,
     suspects: bool = False,
+    names: Sequence[str] | None = None,
 ) -> Claimed:
-    """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order).
+    """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order);
+    only job types in ``names`` when given (those the claiming worker can run).
 
     Call inside the transaction that serialises this queue's limited claims.
     """
@@ -160,7 +163,12 @@ def claim_limited(
         Candidate(int(r[0]), str(r[1]), r[2], r[3], r[4], r[5])  # type: ignore[call-overload,arg-type]
         for r in store.rows(
             "claim_candidates_suspect" if suspects else "claim_candidates",
-            {"queue": queue, "limit": lookahead(room), "blocked": store.id_list(blocked)},
+            {
+                "queue": queue,
+                "limit": lookahead(room),
+                "blocked": store.id_list(blocked),
+                "names": None if names is None else store.id_list(list(names)),
+            },
         )
     ]
     if not candidates:

@@ -176,6 +176,7 @@ class SharedAdmin:
                 "queues": info.queues,
                 "concurrency": info.concurrency,
                 "version": info.version,
+                "jobs": None if info.jobs is None else json.dumps(sorted(info.jobs)),
             },
         )
 
@@ -192,10 +193,13 @@ class SharedAdmin:
             WorkerInfo(
                 id=r[0], host=r[1], pid=r[2], queues=r[3], concurrency=r[4], started_at=r[5],
                 heartbeat_at=r[6], in_flight=r[7], processed=r[8], version=r[9],
-                heartbeat_age=max(r[10], 0.0),
+                heartbeat_age=max(r[10], 0.0), jobs=_names(r[11]),
             )
             for r in self._read_rows("worker_list")
         ]  # fmt: skip
+
+    def job_count_pending_by_name(self) -> dict[str, int]:
+        return {str(r[0]): int(r[1]) for r in self._read_rows("job_count_pending_by_name")}
 
     def worker_prune(self, older_than: float) -> int:
         return self._write_count("worker_prune", {"older_than": older_than})
@@ -209,3 +213,14 @@ def action_detail(params: ActionParams) -> dict[str, Any]:
     if params.fresh:
         detail["fresh"] = True
     return detail
+
+
+def _names(stored: Any) -> tuple[str, ...] | None:
+    """A worker's job types as recorded (a JSON list), None when it recorded none."""
+    if stored is None:
+        return None
+    try:
+        names = json.loads(stored)
+    except (TypeError, ValueError):
+        return None
+    return tuple(str(n) for n in names) if isinstance(names, list) else None

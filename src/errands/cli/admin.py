@@ -67,7 +67,8 @@ def status(
     max_age: float | None,
 ) -> None:
     """One row per queue: jobs by state and the oldest available job's age."""
-    stats = _app(app_path, url).queue_stats()
+    app = _app(app_path, url)
+    stats = app.queue_stats()
     states = [
         "scheduled",
         "available",
@@ -80,6 +81,7 @@ def status(
     ]
     total_dead = sum(s.counts.get("dead", 0) for s in stats)
     oldest = max((s.oldest_available_age or 0.0 for s in stats), default=0.0)
+    unrunnable = app.unrunnable_jobs()
     if as_json:
         render.emit_json(
             {
@@ -93,6 +95,7 @@ def status(
                 ],
                 "dead": total_dead,
                 "oldest_available_age": oldest,
+                "unrunnable": unrunnable,
             }
         )
     else:
@@ -104,6 +107,9 @@ def status(
             render.table(None, ["queue", *states, "oldest available"], rows)
         else:
             click.echo("no jobs yet")
+        if unrunnable:
+            listed = ", ".join(f"{name} ({n})" for name, n in unrunnable.items())
+            click.echo(f"waiting for a worker that defines them (no live worker does): {listed}")
     problems = []
     if max_dead is not None and total_dead > max_dead:
         problems.append(f"{total_dead} dead job(s) > --max-dead {max_dead}")

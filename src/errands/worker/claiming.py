@@ -55,6 +55,9 @@ class Claimer:
         self.worker_id = worker_id
         self.queues = list(queues)
         self.poll_interval = poll_interval
+        # Only the job types this worker's code defines are claimed (a rolling deploy's
+        # newer job types wait for a worker that knows them, uncharged).
+        self.names = sorted(app.registry)
         # Queues this app's own code limits: limited from the start, no store round trip.
         self.declared = {
             d.queue for d in app.registry.values() if d.limited and d.queue in self.queues
@@ -115,7 +118,9 @@ class Claimer:
             plan = [q for q in plan if q.limit > 0]
         fast = [q for q in plan if q.name not in self.with_limits]
         if fast and room > len(rows):
-            params = ClaimParams(fast, room - len(rows), self.worker_id, self.app.lease)
+            params = ClaimParams(
+                fast, room - len(rows), self.worker_id, self.app.lease, names=self.names
+            )
             claimed = self._step(result, lambda: backend.job_claim(params))
             # A claim's rows come back in no set order; a batch starts in queue order
             # (handler threads take them first in, first out).
@@ -127,7 +132,7 @@ class Claimer:
                 limited = self._step(
                     result,
                     lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
-                        claim, self.worker_id, self.app.lease
+                        claim, self.worker_id, self.app.lease, names=self.names
                     ),
                 )
                 rows += limited
@@ -140,7 +145,9 @@ class Claimer:
         backend = self.app.backend
         fast = [QueueClaim(q.name, most) for q in plan if q.name not in self.with_limits]
         if fast:
-            params = ClaimParams(fast, most, self.worker_id, self.app.lease, suspects=True)
+            params = ClaimParams(
+                fast, most, self.worker_id, self.app.lease, suspects=True, names=self.names
+            )
             result.rows += self._step(result, lambda: backend.job_claim(params))
         for queue in plan:
             left = most - len(result.rows)
@@ -149,7 +156,7 @@ class Claimer:
                 result.rows += self._step(
                     result,
                     lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
-                        claim, self.worker_id, self.app.lease, suspects=True
+                        claim, self.worker_id, self.app.lease, suspects=True, names=self.names
                     ),
                 )
         if not result.rows:

@@ -335,6 +335,7 @@ class Worker:
                     queues=",".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
                     concurrency=self.concurrency,
                     version=__version__,
+                    jobs=tuple(sorted(self.app.registry)),
                 )
             )
         except Exception:

@@ -603,6 +603,7 @@ class PostgresBackend(PostgresAdmin):
                     "worker_id": params.worker_id,
                     "token": secrets.token_hex(8),
                     "lease_default": params.lease_seconds_default,
+                    "names": None if params.names is None else list(params.names),
                 },
             ).fetchall()
         return [JobRow(*r) for r in rows]
@@ -700,7 +701,12 @@ class PostgresBackend(PostgresAdmin):
             )
 
     def job_claim_limited(
-        self, queue: QueueClaim, worker_id: str, lease_default: float, suspects: bool = False
+        self,
+        queue: QueueClaim,
+        worker_id: str,
+        lease_default: float,
+        suspects: bool = False,
+        names: Sequence[str] | None = None,
     ) -> list[JobRow]:
         with self._tx() as conn:
             # One limited claimer per queue at a time, cluster-wide, for this transaction.
@@ -717,6 +723,7 @@ class PostgresBackend(PostgresAdmin):
                     "lease_default": lease_default,
                 },
                 suspects=suspects,
+                names=names,
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in

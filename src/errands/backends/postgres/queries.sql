@@ -101,6 +101,7 @@ WITH picked AS (
           AND run_at <= now()
           AND $RESCUED
           AND concurrency_key IS NULL AND rate_limit IS NULL
+          AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
           AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
                           WHERE s.name = q.name AND s.paused)
         ORDER BY priority DESC, run_at, id
@@ -302,9 +303,9 @@ SELECT extract(epoch FROM now())::float8
 SELECT pg_notify(%(channel)s, %(payload)s)
 
 -- name: worker_register
-INSERT INTO {schema}.errands_workers (id, host, pid, queues, concurrency, version)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(version)s)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now()
+INSERT INTO {schema}.errands_workers (id, host, pid, queues, concurrency, version, jobs)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(version)s, %(jobs)s)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), jobs = excluded.jobs
 
 -- name: worker_heartbeat
 UPDATE {schema}.errands_workers
@@ -317,9 +318,15 @@ DELETE FROM {schema}.errands_workers WHERE id = %(id)s
 -- name: worker_list
 SELECT id, host, pid, queues, concurrency, extract(epoch FROM started_at)::float8,
        extract(epoch FROM heartbeat_at)::float8, in_flight, processed, version,
-       extract(epoch FROM now() - heartbeat_at)::float8
+       extract(epoch FROM now() - heartbeat_at)::float8, jobs
 FROM {schema}.errands_workers
 ORDER BY started_at
+
+-- name: job_count_pending_by_name
+-- Due and waiting jobs per job type (for the jobs no live worker can run).
+SELECT name, count(*) FROM {schema}.errands_jobs
+WHERE state IN ('available', 'scheduled', 'retryable')
+GROUP BY name
 
 -- name: worker_prune
 DELETE FROM {schema}.errands_workers
@@ -520,6 +527,7 @@ WHERE state IN ('available', 'scheduled', 'retryable')
   AND $RESCUED
   AND run_at <= now()
   AND NOT (name = ANY(%(blocked)s::text[]))
+  AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
   AND (concurrency_key IS NULL
        OR (SELECT count(*) FROM {schema}.errands_jobs AS r
            WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)

@@ -434,6 +434,7 @@ class SQLiteBackend(SQLiteAdmin):
         if params.limit <= 0:
             return []
         token = secrets.token_hex(8)
+        names = None if params.names is None else json.dumps(list(params.names))
         rows: list[JobRow] = []
         with self._write() as conn:
             for queue in params.queues:
@@ -450,6 +451,7 @@ class SQLiteBackend(SQLiteAdmin):
                         "lease_default": params.lease_seconds_default,
                         "queue": queue.name,
                         "limit": remaining,
+                        "names": names,
                     },
                 )
                 rows.extend(JobRow(*r) for r in cur.fetchall())
@@ -532,7 +534,12 @@ class SQLiteBackend(SQLiteAdmin):
             )
 
     def job_claim_limited(
-        self, queue: QueueClaim, worker_id: str, lease_default: float, suspects: bool = False
+        self,
+        queue: QueueClaim,
+        worker_id: str,
+        lease_default: float,
+        suspects: bool = False,
+        names: Sequence[str] | None = None,
     ) -> list[JobRow]:
         with self._write() as conn:  # BEGIN IMMEDIATE: limited claims run one at a time
             store = _LimitedStore(conn)
@@ -546,6 +553,7 @@ class SQLiteBackend(SQLiteAdmin):
                     "lease_default": lease_default,
                 },
                 suspects=suspects,
+                names=names,
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in

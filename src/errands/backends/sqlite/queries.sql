@@ -48,6 +48,7 @@ WHERE id IN (
       AND run_at <= (julianday('now') - 2440587.5) * 86400.0
       AND $RESCUED
       AND concurrency_key IS NULL AND rate_limit IS NULL
+      AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
       AND NOT EXISTS (SELECT 1 FROM errands_queues WHERE name = :queue AND paused = 1)
     ORDER BY priority DESC, run_at, id
     LIMIT :limit
@@ -232,10 +233,10 @@ SELECT (julianday('now') - 2440587.5) * 86400.0
 
 -- name: worker_register
 INSERT INTO errands_workers (id, host, pid, queues, concurrency, started_at, heartbeat_at,
-                             in_flight, processed, version)
+                             in_flight, processed, version, jobs)
 VALUES (:id, :host, :pid, :queues, :concurrency, (julianday('now') - 2440587.5) * 86400.0,
-        (julianday('now') - 2440587.5) * 86400.0, 0, 0, :version)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at
+        (julianday('now') - 2440587.5) * 86400.0, 0, 0, :version, :jobs)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at, jobs = excluded.jobs
 
 -- name: worker_heartbeat
 UPDATE errands_workers
@@ -248,9 +249,15 @@ DELETE FROM errands_workers WHERE id = :id
 
 -- name: worker_list
 SELECT id, host, pid, queues, concurrency, started_at, heartbeat_at, in_flight, processed,
-       version, (julianday('now') - 2440587.5) * 86400.0 - heartbeat_at
+       version, (julianday('now') - 2440587.5) * 86400.0 - heartbeat_at, jobs
 FROM errands_workers
 ORDER BY started_at
+
+-- name: job_count_pending_by_name
+-- Due and waiting jobs per job type (for the jobs no live worker can run).
+SELECT name, count(*) FROM errands_jobs
+WHERE state IN ('available', 'scheduled', 'retryable')
+GROUP BY name
 
 -- name: worker_prune
 DELETE FROM errands_workers
@@ -419,6 +426,7 @@ WHERE state IN ('available', 'scheduled', 'retryable')
   AND $RESCUED
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
   AND name NOT IN (SELECT value FROM json_each(:blocked))
+  AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
   AND (concurrency_key IS NULL
        OR (SELECT count(*) FROM errands_jobs AS r
            WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
