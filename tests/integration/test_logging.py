@@ -114,3 +114,58 @@ def test_sensitive_arguments_never_appear_in_logs_or_stored_errors(
         assert secret not in record.getMessage()
     started = [r for r in errands_records if getattr(r, "event", "") == "errands.job.started"]
     assert "password='***'" in started[0].getMessage()
+
+
+def test_a_default_worker_writes_one_lifecycle_line_per_finished_job(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At INFO (the default), a job that completes writes one line, when it finishes; the
+    started line (with its arguments) is DEBUG. Two lines per job halved a default
+    worker's throughput (docs/benchmarks.md)."""
+    caplog.set_level(logging.INFO)
+
+    @app.job(name="log.quiet")
+    def quiet(n: int) -> int:
+        return n
+
+    handles = [quiet.enqueue(n=i) for i in range(5)]
+    with worker_factory():
+        assert [h.result(timeout=10) for h in handles] == list(range(5))
+    lines = [r for r in caplog.records if getattr(r, "job_name", None) == "log.quiet"]
+    assert sorted(getattr(r, "event", "") for r in lines) == ["errands.job.completed"] * 5
+    assert all(r.levelno == logging.INFO and "completed in" in r.getMessage() for r in lines)
+
+
+def test_a_job_still_running_after_a_minute_is_named_at_info(
+    app: errands.App, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one line per finished job, a long job would be silent while it runs: the
+    lease keeper names it once it has run a minute (here: a shortened threshold)."""
+    import threading
+
+    from errands.worker import leases
+    from tests.conftest import running_worker
+
+    from .helpers import wait_until
+
+    monkeypatch.setattr(leases, "STILL_RUNNING_AT", (0.3,))
+    caplog.set_level(logging.INFO)
+    release = threading.Event()
+
+    @app.job(name="log.long")
+    def long() -> None:
+        release.wait(30)
+
+    errands_app = errands.App(app.url, lease=1)
+    errands_app.job(name="log.long")(long.fn)
+    try:
+        with running_worker(errands_app):
+            handle = errands_app.registry["log.long"].enqueue()
+            wait_until(lambda: "still running after" in caplog.text, timeout=20)
+            release.set()
+            handle.result(timeout=20)
+    finally:
+        release.set()
+        errands_app.close()
+    [line] = [r for r in caplog.records if "still running" in r.getMessage()]
+    assert (line.job_id, line.job_name) == (handle.id, "log.long")  # type: ignore[attr-defined]

@@ -122,6 +122,7 @@ def test_a_json_worker_logs_parseable_lines_with_the_job_and_no_secret_anywhere(
         env = {**os.environ, "ERRANDS_URL": url, "PYTHONPATH": str(tmp_path)}
         worker = subprocess.Popen(
             [sys.executable, "-m", "errands", "worker", "obs_shop:app", "--log-format", "json",
+             "--log-level", "debug",  # the started lines (with masked arguments) are DEBUG
              "--poll-interval", "0.05", "--metrics-port", str(port),
              "--metrics-addr", "127.0.0.1"],
             cwd=tmp_path, env=env, stderr=stderr, stdout=subprocess.DEVNULL,

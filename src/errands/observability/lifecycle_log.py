@@ -1,4 +1,11 @@
-"""The lifecycle log lines (DESIGN §9), written by a subscriber of the event bus."""
+"""The lifecycle log lines (DESIGN §9), written by a subscriber of the event bus.
+
+At the default level (INFO) a job writes **one line when it finishes** (completed,
+cancelled, retrying, dead), not two: the ``started`` line, with the job's arguments
+(sensitive ones masked), is DEBUG. A line costs a worker several microseconds of CPU,
+about a third of everything else it spends on a no-op job, so two lines per job halved
+the throughput of a default worker (docs/benchmarks.md). A job that runs long is named
+while it runs: the lease keeper writes ``still running after N s`` at INFO."""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ app_log = logging.getLogger("errands")
 # The level each job event logs at: an event whose line is disabled costs one check.
 _JOB_EVENT_LEVELS = {
     "errands.job.enqueued": (app_log, logging.DEBUG),
-    "errands.job.started": (worker_log, logging.INFO),
+    "errands.job.started": (worker_log, logging.DEBUG),
     "errands.job.completed": (worker_log, logging.INFO),
     "errands.job.cancelled": (worker_log, logging.INFO),
 }
@@ -42,19 +49,26 @@ def log_event(event: Event) -> None:
         _log_other(name, f)
 
 
+def _emit(logger: logging.Logger, level: int, msg: str, *args: object, extra: dict) -> None:  # type: ignore[type-arg]
+    """``logger.log(level, msg, *args, extra=extra)`` without looking up the caller's frame
+    (these lines are errands' own, written once per job: the frame walk alone was a third
+    of a line's cost)."""
+    if logger.isEnabledFor(level):
+        logger.handle(logger.makeRecord(logger.name, level, "", 0, msg, args, None, extra=extra))
+
+
 def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
     extra = _extra(name, f)
     if name == "errands.job.enqueued":
         if app_log.isEnabledFor(logging.DEBUG):
             dedup = " (deduplicated)" if f.get("deduplicated") else ""
-            app_log.debug("enqueued%s", dedup, extra=extra)
+            _emit(app_log, logging.DEBUG, "enqueued%s", dedup, extra=extra)
     elif name == "errands.job.started":
-        if worker_log.isEnabledFor(logging.INFO):
-            worker_log.info(
-                "started %s(%s)", f["job_name"], _short_args(f.get("args")), extra=extra
-            )
+        if worker_log.isEnabledFor(logging.DEBUG):
+            args = _short_args(f.get("args"))
+            _emit(worker_log, logging.DEBUG, "started %s(%s)", f["job_name"], args, extra=extra)
     elif name == "errands.job.completed":
-        worker_log.info("completed in %.3f s", f.get("duration", 0.0), extra=extra)
+        _emit(worker_log, logging.INFO, "completed in %.3f s", f.get("duration", 0.0), extra=extra)
     elif name == "errands.job.retrying":
         worker_log.warning(
             "failed, retrying in %.1f s (attempt %d of %d): %s: %s",
@@ -76,7 +90,7 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
             extra=extra,
         )
     elif name == "errands.job.cancelled":
-        worker_log.info("cancelled", extra=extra)
+        _emit(worker_log, logging.INFO, "cancelled", extra=extra)
     elif name == "errands.job.stale_write_rejected":
         worker_log.warning(
             "stale write rejected: job %s is no longer held by this attempt (lease lost or job "

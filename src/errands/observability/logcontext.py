@@ -70,21 +70,37 @@ class job_context:
 
 
 class TextFormatter(logging.Formatter):
-    """``time level logger [job 12 send_email@emails #1] message``."""
+    """``time level logger [job 12 send_email@emails #1] message``.
+
+    Built in one pass, with the time text made once per second: a worker writes a line
+    per finished job, so the formatter is on every job's path (stdlib's formatTime calls
+    strftime for each record)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s %(message)s")
+        self._second = -1
+        self._second_text = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        second = int(record.created)
+        if second != self._second:  # a racy cache of one string: a miss only costs time
+            self._second_text = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+            self._second = second
+        return f"{self._second_text},{int(record.msecs):03d}"
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        message = record.getMessage()
         job_id = getattr(record, "job_id", None)
         if job_id is not None:
-            tag = (
-                f"[job {job_id} {getattr(record, 'job_name', '?')}@{getattr(record, 'queue', '?')}"
+            message = (
+                f"[job {job_id} {getattr(record, 'job_name', '?')}@"
+                f"{getattr(record, 'queue', '?')} #{getattr(record, 'attempt', '?')}] {message}"
             )
-            tag += f" #{getattr(record, 'attempt', '?')}]"
-            head, _, message = text.partition(f" {record.name} ")
-            text = f"{head} {record.name} {tag} {message}"
+        text = f"{self.formatTime(record)} {record.levelname:<7} {record.name} {message}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            text += "\n" + self.formatStack(record.stack_info)
         return text
 
 

@@ -83,6 +83,7 @@ class Attempt:
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
+    reported: int = 0  # "still running" lines written for it so far
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:

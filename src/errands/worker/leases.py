@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..backends.base import LeaseRef
 from ..hooks import protect_current_thread
+from ..observability.logcontext import JobLogContext, job_context
 from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("errands.worker")
 
 CALLERS_MAX = 3  # helper threads; more are only started while earlier ones hang
+# A job still running at these ages (seconds) is named at INFO, once each: the only
+# lifecycle line a default worker writes before a job finishes.
+STILL_RUNNING_AT = (60.0, 600.0, 3600.0)
 
 
 class _Caller:
@@ -133,6 +137,7 @@ class LeaseKeeper:
             if now >= next_beat:
                 self.beat()
                 self._warn_long_transactions()
+                self._name_long_runs()
                 caller = self._caller()  # best effort, never waited for
                 if caller is not None:
                     caller.submit(self.worker.registry_beat)
@@ -202,6 +207,18 @@ class LeaseKeeper:
                     attempt.id,
                 )
                 attempt.interrupt(LEASE_UNRENEWED, self.worker.loop)
+
+    def _name_long_runs(self) -> None:
+        now = time.monotonic()
+        for attempt in self.worker.attempts():
+            if attempt.decided or attempt.waiting or attempt.reported >= len(STILL_RUNNING_AT):
+                continue
+            ran = now - attempt.started
+            if ran >= STILL_RUNNING_AT[attempt.reported]:
+                attempt.reported += 1
+                row = attempt.row
+                with job_context(JobLogContext(row.id, row.name, row.queue, row.attempt)):
+                    log.info("still running after %.0f s", ran)
 
     def _warn_long_transactions(self) -> None:
         backend = self.worker.app.backend
