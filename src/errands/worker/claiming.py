@@ -143,14 +143,16 @@ class Claimer:
     def _claim_suspects(self, result: ClaimRound, plan: list[QueueClaim], most: int) -> None:
         """Up to ``most`` rescued jobs (the worker sizes ``most`` to run each isolated)."""
         backend = self.app.backend
-        fast = [QueueClaim(q.name, most) for q in plan if q.name not in self.with_limits]
+        fast = [
+            QueueClaim(q.name, min(most, q.limit)) for q in plan if q.name not in self.with_limits
+        ]
         if fast:
             params = ClaimParams(
                 fast, most, self.worker_id, self.app.lease, suspects=True, names=self.names
             )
             result.rows += self._step(result, lambda: backend.job_claim(params))
         for queue in plan:
-            left = most - len(result.rows)
+            left = min(most - len(result.rows), queue.limit)
             if queue.name in self.with_limits and left > 0:
                 claim = QueueClaim(queue.name, left)
                 result.rows += self._step(
