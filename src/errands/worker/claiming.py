@@ -55,9 +55,7 @@ class Claimer:
         self.worker_id = worker_id
         self.queues = list(queues)
         self.poll_interval = poll_interval
-        # Only the job types this worker's code defines are claimed (a rolling deploy's
-        # newer job types wait for a worker that knows them, uncharged).
-        self.names = sorted(app.registry)
+        self._names: list[str] = []
         # Queues this app's own code limits: limited from the start, no store round trip.
         self.declared = {
             d.queue for d in app.registry.values() if d.limited and d.queue in self.queues
@@ -67,6 +65,16 @@ class Claimer:
         self.with_limits: set[str] = set(self.declared)
         self._refresh_due = 0.0
         self._suspect_due = 0.0
+
+    @property
+    def names(self) -> list[str]:
+        """The job types this worker's code defines: the only ones it claims (a rolling
+        deploy's newer job types wait, uncharged, for a worker that knows them). Read
+        afresh when jobs are registered after the worker started (an embedded worker)."""
+        registry = self.app.registry
+        if len(registry) != len(self._names):
+            self._names = sorted(registry)
+        return self._names
 
     def refresh(self, *, force: bool = False) -> None:
         """Learn which queues are limited now (at most once per poll interval)."""
