@@ -324,3 +324,135 @@ def test_periodic_job_arguments_are_validated_once_at_registration_not_by_the_le
     assert time.monotonic() - started < 30
     [job] = store.jobs(name=tick.name)
     assert job.args == {"order": {"n": 3}}
+
+
+# -- on the leader's thread ------------------------------------------------------------------
+def test_a_hanging_backoff_delays_a_rescue_by_its_deadline_only(store: errands.App) -> None:
+    """Given an expired lease of a job whose backoff never returns, the leader's tick
+    rescues it within about the backoff deadline (1 s), with the default delay, and
+    rescues the other expired leases of the same tick too."""
+    hang = threading.Event()
+
+    @store.job(name="hostile.rescue_hang", backoff=lambda attempt: hang.wait(60))
+    def stuck() -> None: ...
+
+    @store.job(name="hostile.rescue_fine")
+    def fine() -> None: ...
+
+    ids = {stuck.enqueue().id, fine.enqueue().id}
+    claim_as_dead_worker(store)
+    for job_id in ids:
+        expire_lease(store, job_id)
+    leader = Maintenance(store, "leader")
+    started = time.monotonic()
+    try:
+        leader.run_once()
+    finally:
+        hang.set()
+    assert time.monotonic() - started < 30  # bounded: the deadline, not the hang
+    assert {store.get_job(i).state for i in ids} == {JobState.RETRYABLE}
+    leader.stop()
+
+
+def test_a_blocked_on_dead_hook_after_a_rescue_stops_no_later_rescue(
+    store_url: str,
+) -> None:
+    """Given an on_dead hook that blocks, when a rescue makes a job dead (its last
+    attempt lost), then the hook runs off the leader's thread: the next tick rescues
+    another expired lease at once."""
+    app = errands.App(store_url, hook_timeout=30)
+    entered, release = threading.Event(), threading.Event()
+
+    @app.on_dead
+    def blocking(job: errands.Job) -> None:
+        entered.set()
+        release.wait(30)
+
+    @app.job(name="hostile.last_attempt", retries=0)
+    def last() -> None: ...
+
+    @app.job(name="hostile.later")
+    def later() -> None: ...
+
+    leader = Maintenance(app, "leader")
+    try:
+        doomed = last.enqueue()
+        claim_as_dead_worker(app)
+        expire_lease(app, doomed.id)
+        leader.run_once()
+        assert doomed.status() is JobState.DEAD
+        assert entered.wait(30), "the hook never ran"
+        other = later.enqueue()
+        claim_as_dead_worker(app)
+        expire_lease(app, other.id)
+        leader.run_once()  # the hook still blocks: this tick must not wait for it
+        assert other.status() is JobState.RETRYABLE
+        assert not release.is_set()
+    finally:
+        release.set()
+        leader.stop()
+        app.close()
+
+
+def test_a_periodic_job_whose_slot_cannot_be_inserted_holds_back_no_other(
+    store: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One periodic job whose insert fails (logged, retried next tick) does not keep the
+    other periodic jobs' slots from being inserted."""
+
+    @store.periodic("* * * * *", name="hostile.cron_ok")
+    def ok() -> None: ...
+
+    @store.periodic("* * * * *", name="hostile.cron_bad")
+    def bad() -> None: ...
+
+    original = store.enqueue_many
+
+    def failing(jobs: list[Any], conn: Any = None) -> Any:
+        if any(j.definition.name == "hostile.cron_bad" for j in jobs):
+            raise RuntimeError("insert refused (test)")
+        return original(jobs, conn=conn)
+
+    monkeypatch.setattr(store, "enqueue_many", failing)
+    start = datetime(2026, 1, 1, 12, 0, 30, tzinfo=UTC)
+    scheduler = Scheduler(store)
+    scheduler.run_once(now=start)
+    assert scheduler.run_once(now=start + timedelta(minutes=1)) == 1
+    assert [j.name for j in store.jobs()] == ["hostile.cron_ok"]
+
+
+_SERIALIZER_GATE = threading.Event()
+
+
+class SlowReceipt(BaseModel):
+    n: int
+
+    @model_serializer
+    def hangs(self) -> dict[str, int]:
+        _SERIALIZER_GATE.wait(60)
+        return {"n": self.n}
+
+
+def test_a_hanging_result_serializer_is_stopped_by_the_jobs_timeout(
+    store: errands.App, worker: Worker
+) -> None:
+    """A result serializer runs where the handler runs, inside its timeout: one that
+    hangs makes the attempt a timeout, and the worker's other jobs go on."""
+
+    @store.job(name="hostile.slow_result", timeout=0.5, retries=0)
+    def makes() -> SlowReceipt:
+        return SlowReceipt(n=1)
+
+    @store.job(name="hostile.after_slow")
+    def after() -> str:
+        return "ran"
+
+    _SERIALIZER_GATE.clear()
+    try:
+        handle = makes.enqueue()
+        with worker(concurrency=2, abandon_after=1.0):
+            wait_until(lambda: handle.status() is JobState.DEAD, timeout=30, what="timed out")
+            assert after.enqueue().result(timeout=30) == "ran"
+    finally:
+        _SERIALIZER_GATE.set()
+    assert handle.job().last_error.kind == "timeout"  # type: ignore[union-attr]
