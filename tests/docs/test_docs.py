@@ -1,0 +1,31 @@
+"""The docs stand alone and their examples match what the code prints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from errands.cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = sorted((ROOT / "docs").glob("**/*.md"))
+
+
+def test_docs_stand_alone_without_references_to_the_internal_design_file() -> None:
+    cited = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in [*DOCS, ROOT / "README.md"]
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"DESIGN(\.md| §)|shared/DESIGN|§\d", line)
+    ]
+    assert DOCS and not cited, "\n".join(cited)
+
+
+def test_the_migrate_example_in_docs_cli_lists_every_migration(tmp_path: Path) -> None:
+    text = (ROOT / "docs" / "cli.md").read_text()
+    example = text.split("$ errands migrate --url sqlite:///shop.db\n", 1)[1].split("$ ", 1)[0]
+    result = CliRunner().invoke(cli, ["migrate", "--url", f"sqlite:///{tmp_path}/shop.db"])
+    assert result.exit_code == 0, result.output
+    assert example.splitlines() == result.output.splitlines()
