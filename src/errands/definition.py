@@ -33,13 +33,47 @@ NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 KEY_MAX_BYTES = 1000
 
 
-def seconds(value: float | timedelta | None, option: str) -> float | None:
+def seconds(value: float | timedelta | None, option: str, owner: str = "") -> float | None:
+    """A duration option as seconds: a number or a ``timedelta``, never text (``"30s"``).
+
+    ``owner`` prefixes the error (``"job 'shop.charge': "``)."""
     if value is None:
         return None
-    result = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if result < 0:
-        raise ConfigurationError(f"{option}={value!r}: must be >= 0")
+    if isinstance(value, timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise ConfigurationError(
+            f"{owner}{option}={value!r}: give a number of seconds or a datetime.timedelta, "
+            f"as in {option}=30 or {option}=timedelta(seconds=30)"
+        )
+    if result < 0 or result != result:  # NaN compares unequal to itself
+        raise ConfigurationError(f"{owner}{option}={value!r}: must be >= 0")
     return result
+
+
+def exception_classes(value: Any, option: str, owner: str = "") -> tuple[type[BaseException], ...]:
+    """``permanent=``: a tuple (or any iterable) of exception classes, never one bare class."""
+    example = f"{option}=(ValueError,)"
+    if isinstance(value, type | str | bytes):
+        named = value.__name__ if isinstance(value, type) else repr(value)
+        raise ConfigurationError(
+            f"{owner}{option}={named}: give a tuple of exception classes, as in "
+            f"{option}=({named},)" + ("" if isinstance(value, type) else f" or {example}")
+        )
+    try:
+        classes = tuple(value)
+    except TypeError:
+        raise ConfigurationError(
+            f"{owner}{option}={value!r}: give a tuple of exception classes, as in {example}"
+        ) from None
+    for exc_type in classes:
+        if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+            raise ConfigurationError(
+                f"{owner}{option}= takes exception classes, got {exc_type!r}; write {example}"
+            )
+    return classes
 
 
 def check_name(kind: str, value: str) -> str:
@@ -123,17 +157,13 @@ class JobDefinition(Generic[P, R]):
         self.retries = retries
         self.max_attempts = retries + 1
         self.backoff = as_backoff(backoff)
-        self.timeout = seconds(timeout, "timeout")
-        self.lease = seconds(lease, "lease")
-        self.unique_for = seconds(unique_for, "unique_for")
+        owner = f"job {self.name!r}: "
+        self.timeout = seconds(timeout, "timeout", owner)
+        self.lease = seconds(lease, "lease", owner)
+        self.unique_for = seconds(unique_for, "unique_for", owner)
         if self.lease is not None and self.lease < 1:
             raise ConfigurationError(f"job {self.name!r}: lease must be at least 1 second")
-        self.permanent = tuple(permanent)
-        for exc_type in self.permanent:
-            if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
-                raise ConfigurationError(
-                    f"job {self.name!r}: permanent= takes exception classes, got {exc_type!r}"
-                )
+        self.permanent = exception_classes(permanent, "permanent", owner)
         self.is_async = asyncio.iscoroutinefunction(fn)
         self.payload = PayloadSpec(
             fn, self.name, context_type=Context, max_bytes=app.max_payload_bytes

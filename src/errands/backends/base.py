@@ -156,7 +156,7 @@ class CronState:
 
 @dataclass(frozen=True)
 class QueueSettings:
-    """A queue's persisted settings: paused, cluster-wide limits (DESIGN §7)."""
+    """A queue's persisted settings: paused, cluster-wide limits."""
 
     name: str
     paused: bool = False
@@ -169,6 +169,20 @@ class QueueSettings:
     jobs_declare_limits: bool = False
     updated_at: float | None = None
     updated_by: str | None = None
+
+    @property
+    def state(self) -> str:
+        """``"paused"`` or ``"active"``: the one word the CLI and the dashboard show."""
+        return queue_state(self)
+
+
+QUEUE_ACTIVE = "active"  # workers claim from it
+QUEUE_PAUSED = "paused"  # no worker claims from it; running jobs finish
+
+
+def queue_state(settings: QueueSettings | None) -> str:
+    """A queue's state word; a queue with no stored settings is active."""
+    return QUEUE_PAUSED if settings is not None and settings.paused else QUEUE_ACTIVE
 
 
 @dataclass(frozen=True)

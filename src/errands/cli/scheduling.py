@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..backends.base import queue_state
 from ..backends.limits import format_rate
 from ..retry import ExponentialBackoff, retry_delay
 from . import render
@@ -31,7 +32,7 @@ def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: b
         rows.append(
             {
                 "queue": name,
-                "state": "paused" if s is not None and s.paused else "active",
+                "state": queue_state(s),
                 "limit": None if limits is None else limits.max_running,
                 "rate": None
                 if limits is None

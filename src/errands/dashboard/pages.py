@@ -8,6 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..backends.base import queue_state
 from ..backends.limits import format_rate
 from ..errors import JobNotFound
 from ..jobs import ALL_STATES, Job
@@ -327,6 +328,8 @@ async def queues(request: Request, viewer: Viewer) -> Response:
     _, registered = known_names(request)
     for name in registered:
         row(name)
+    for entry in rows.values():
+        entry["state"] = queue_state(entry["settings"])
     return render(
         request,
         viewer,
