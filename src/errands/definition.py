@@ -6,8 +6,11 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import re
 import string
+import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -110,6 +113,24 @@ def check_text(what: str, value: str, max_bytes: int | None = None) -> str:
     return value
 
 
+MAIN_MODULE_WARNING = (
+    "job {name!r} is defined in the script Python runs as __main__, so it is named after "
+    "__main__, which no worker can import: a worker would never run it (UnknownJob). "
+    "Define your jobs in a module and import them (from shop import ...), or give the job "
+    "a name= of its own"
+)
+_PACKAGE_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first frame outside errands: a warning points at the
+    user's line, however deep in errands it is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_FOLDER):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 @dataclass(frozen=True)
 class EnqueueOptions:
     key: str | None = None
@@ -148,6 +169,9 @@ class JobDefinition(Generic[P, R]):
         self.app = app
         self.fn = fn
         self.name = check_name("job", name or f"{fn.__module__}.{fn.__qualname__}")
+        # Defined in a script run as `python shop.py`: named __main__.<function>, which no
+        # worker can import. Said once, at the first enqueue.
+        self._warn_main = name is None and fn.__module__ == "__main__"
         self.queue = check_name("queue", queue or app.default_queue)
         if not isinstance(priority, int):
             raise ConfigurationError(f"job {self.name!r}: priority must be an int")
@@ -277,6 +301,9 @@ class JobDefinition(Generic[P, R]):
     def request(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], options: EnqueueOptions
     ) -> EnqueueRequest:
+        if self._warn_main:
+            self._warn_main = False
+            warnings.warn(MAIN_MODULE_WARNING.format(name=self.name), stacklevel=_user_level())
         arguments = self.payload.bind_arguments(args, kwargs)
         args_json = self.payload.encode(arguments)
         if options.key is not None and (not isinstance(options.key, str) or not options.key):

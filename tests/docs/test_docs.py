@@ -29,3 +29,13 @@ def test_the_migrate_example_in_docs_cli_lists_every_migration(tmp_path: Path) -
     result = CliRunner().invoke(cli, ["migrate", "--url", f"sqlite:///{tmp_path}/shop.db"])
     assert result.exit_code == 0, result.output
     assert example.splitlines() == result.output.splitlines()
+
+
+def test_every_help_text_in_docs_cli_is_what_the_command_prints() -> None:
+    text = (ROOT / "docs" / "cli.md").read_text()
+    blocks = re.findall(r"```text\n(Usage: errands[^\n]*\n.*?)```", text, flags=re.S)
+    assert len(blocks) >= 18
+    for block in blocks:
+        words = block.split("\n", 1)[0].split("[OPTIONS]")[0].split()[2:]
+        shown = CliRunner().invoke(cli, [*words, "--help"], prog_name="errands", terminal_width=79)
+        assert block == shown.output, f"docs/cli.md: the help of `errands {' '.join(words)}`"

@@ -11,13 +11,13 @@ from ..app import App
 from ..jobs import ALL_STATES
 from ..masking import mask_value, sensitive_values
 from . import render
-from .loading import default_actor, load_app
+from .loading import URL_HELP, default_actor, load_app
 
 STATE_CHOICE = click.Choice(ALL_STATES)
 
 
 def app_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--url", envvar="ERRANDS_URL", help="database URL (also ERRANDS_URL)")(fn)
+    fn = click.option("--url", help=URL_HELP)(fn)
     fn = click.option(
         "-A",
         "--app",

@@ -90,7 +90,8 @@ def cron() -> None:
 @app_options
 @json_option
 def cron_list(app_path: str | None, url: str | None, as_json: bool) -> None:
-    """Every periodic job with its schedule, next run and last enqueued slot."""
+    """Every periodic job with its queue, schedule, next run and last enqueued slot, times
+    in the job's own time zone. A queue no live worker serves is marked: its runs wait."""
     app = _app(app_path, url)
     infos = app.periodic_jobs()
     if as_json:
@@ -98,14 +99,23 @@ def cron_list(app_path: str | None, url: str | None, as_json: bool) -> None:
     elif infos:
         render.table(
             None,
-            ["name", "schedule", "tz", "next run", "last slot", "last job", "catch up"],
+            ["name", "queue", "schedule", "tz", "next run", "last slot", "last job", "catch up"],
             [
-                [i.name, i.expression, i.timezone, render.when(i.next_run),
-                 render.when(i.last_slot), i.last_job_id or "-",
+                [i.name, i.queue if i.served else f"{i.queue} (no live worker)", i.expression,
+                 i.timezone, render.when(i.next_run, i.timezone),
+                 render.when(i.last_slot, i.timezone), i.last_job_id or "-",
                  {None: "latest", True: "all", False: "skip"}[i.catch_up]]
                 for i in infos
             ],
         )  # fmt: skip
+        unserved = sorted({i.queue for i in infos if not i.served})
+        if unserved:
+            click.echo(
+                f"warning: no live worker serves {', '.join(unserved)}: those periodic jobs' "
+                "runs wait there; start a worker for it (errands worker module:app -q "
+                f"{','.join(unserved)})",
+                err=True,
+            )
     else:
         click.echo("no periodic jobs (declare them with @app.periodic; pass -A module:app)")
 
