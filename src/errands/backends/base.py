@@ -416,6 +416,15 @@ class Backend(Protocol):
         """How many jobs are in ``state``, per queue (cheap for the small states)."""
         ...
 
+    def job_names(self, limit: int = 1000) -> list[str]:
+        """The distinct job names stored, in order (one index probe per name)."""
+        ...
+
+    def queue_forget(self, name: str, actor: str) -> bool:
+        """Delete a queue's stored settings (paused flag, limits), audited; False when it
+        had none."""
+        ...
+
     # -- health --------------------------------------------------------------------------
     def store_health(self) -> StoreHealth:
         """Table bloat and long-transaction signals (one cheap query; for metrics)."""

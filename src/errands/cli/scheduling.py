@@ -64,10 +64,15 @@ def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: b
 @queues.command("pause")
 @app_options
 @actor_option
+@click.option(
+    "--force",
+    is_flag=True,
+    help="pause a queue that no job, worker or code uses yet (else refused as a typo)",
+)
 @click.argument("name")
-def queues_pause(app_path: str | None, url: str | None, actor: str, name: str) -> None:
+def queues_pause(app_path: str | None, url: str | None, actor: str, force: bool, name: str) -> None:
     """Stop claims from a queue on every worker (running jobs finish). Audited."""
-    _app(app_path, url).pause(name, actor=actor)
+    _app(app_path, url).pause(name, actor=actor, force=force)
     click.echo(f"queue {name}: paused (workers stop claiming within one poll interval)")
 
 
@@ -79,6 +84,19 @@ def queues_resume(app_path: str | None, url: str | None, actor: str, name: str) 
     """Let workers claim from a paused queue again. Audited."""
     _app(app_path, url).resume(name, actor=actor)
     click.echo(f"queue {name}: resumed")
+
+
+@queues.command("forget")
+@app_options
+@actor_option
+@click.argument("name")
+def queues_forget(app_path: str | None, url: str | None, actor: str, name: str) -> None:
+    """Delete a queue's stored settings (paused flag, limits), so a mistyped queue stops
+    being listed. Refused while jobs wait in it. Audited."""
+    if _app(app_path, url).forget_queue(name, actor=actor):
+        click.echo(f"queue {name}: forgotten (its stored settings are deleted)")
+    else:
+        click.echo(f"queue {name}: nothing stored, nothing to forget")
 
 
 @click.group()
