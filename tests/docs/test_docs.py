@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -39,3 +40,18 @@ def test_every_help_text_in_docs_cli_is_what_the_command_prints() -> None:
         words = block.split("\n", 1)[0].split("[OPTIONS]")[0].split()[2:]
         shown = CliRunner().invoke(cli, [*words, "--help"], prog_name="errands", terminal_width=79)
         assert block == shown.output, f"docs/cli.md: the help of `errands {' '.join(words)}`"
+
+
+def test_docs_list_every_upstream_django_test_a_queued_backend_is_expected_to_fail() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "upstream", ROOT / "integration" / "django" / "upstream.py"
+    )
+    assert spec is not None and spec.loader is not None
+    upstream = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upstream)  # stdlib only at import: no Django needed here
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    for name, why in upstream.EXPECTED_FAILURES.items():
+        assert f"| `{name}` | {why} |" in text, name
+    assert f"Django {upstream.DJANGO_VERSION}'s own `tests/tasks`" in text
+    pinned = (ROOT / "integration" / "requirements-django6.txt").read_text()
+    assert f"django=={upstream.DJANGO_VERSION}" in pinned
