@@ -29,6 +29,7 @@ from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
 from .retry import BackoffPolicy
+from .suggest import did_you_mean
 
 if TYPE_CHECKING:
     from .maintenance.scheduler import Periodic, PeriodicInfo
@@ -41,6 +42,7 @@ LEASE_DEFAULT = 30.0
 RETENTION_DEFAULT = timedelta(days=7)
 POISON_AFTER_DEFAULT = 3
 DEFAULT_QUEUE = "default"
+PENDING_STATES = ("scheduled", "available", "running", "retryable")
 
 DeadHook = Callable[[Job], None]
 TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
@@ -216,14 +218,58 @@ class App:
             name=name, max_running=limit, rate_limit=rate_limit, rate_period=rate_period
         )
 
-    def pause(self, queue: str, *, actor: str = "api") -> None:
+    def pause(self, queue: str, *, actor: str = "api", force: bool = False) -> None:
         """Stop every worker from claiming from ``queue`` (persisted and audited); running
-        jobs finish. Takes effect within one poll interval."""
-        self.backend.queue_set_paused(check_name("queue", queue), True, _actor(actor))
+        jobs finish. Takes effect within one poll interval.
+
+        A queue nobody knows (see :meth:`known_queues`) is refused, naming the close ones,
+        so a typo is not paused (and listed) for ever; ``force=True`` pauses a queue ahead
+        of its first job and worker."""
+        check_name("queue", queue)
+        if not force:
+            self._check_known_queue(queue, "pause", "pass force=True (--force)")
+        self.backend.queue_set_paused(queue, True, _actor(actor))
 
     def resume(self, queue: str, *, actor: str = "api") -> None:
         """Let workers claim from a paused queue again (audited)."""
-        self.backend.queue_set_paused(check_name("queue", queue), False, _actor(actor))
+        check_name("queue", queue)
+        self._check_known_queue(queue, "resume", "")
+        self.backend.queue_set_paused(queue, False, _actor(actor))
+
+    def forget_queue(self, queue: str, *, actor: str = "api") -> bool:
+        """Delete a queue's stored settings (its paused flag and limits; audited), so a
+        mistyped queue stops being listed. Refused while jobs wait in it or run. Returns
+        False when nothing was stored. Limits declared in code come back when a worker
+        starts."""
+        check_name("queue", queue)
+        counts = next((s.counts for s in self.backend.queue_stats() if s.queue == queue), {})
+        waiting = {s: n for s, n in counts.items() if n and s in PENDING_STATES}
+        if waiting:
+            shown = ", ".join(f"{n} {s}" for s, n in sorted(waiting.items()))
+            raise InvalidTransition(
+                f"queue {queue!r} still has jobs ({shown}); forgetting it would resume a paused "
+                "queue under them: cancel them or let them finish first"
+            )
+        return self.backend.queue_forget(queue, _actor(actor))
+
+    def known_queues(self) -> set[str]:
+        """Every queue this app's code uses or declares, stored settings name, jobs are in,
+        or a live worker serves."""
+        from .fleet import served_queues
+
+        known = {d.queue for d in self.registry.values()} | set(self.queues)
+        known |= {self.default_queue, *(s.name for s in self.backend.queue_settings())}
+        known |= {s.queue for s in self.backend.queue_stats()}
+        return known | served_queues(self.backend.worker_list(), self.lease)
+
+    def _check_known_queue(self, queue: str, verb: str, override: str) -> None:
+        known = self.known_queues()
+        if queue not in known:
+            how = f"; to {verb} it all the same, {override}" if override else ""
+            raise ConfigurationError(
+                f"cannot {verb}: {did_you_mean('queue', queue, known)}: no job, worker, "
+                f"stored setting or code of this app uses it{how}"
+            )
 
     def queue_settings(self) -> list[QueueSettings]:
         """Every queue's persisted settings: paused, limits, who changed them last."""

@@ -6,8 +6,11 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import re
 import string
+import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -33,13 +36,47 @@ NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 KEY_MAX_BYTES = 1000
 
 
-def seconds(value: float | timedelta | None, option: str) -> float | None:
+def seconds(value: float | timedelta | None, option: str, owner: str = "") -> float | None:
+    """A duration option as seconds: a number or a ``timedelta``, never text (``"30s"``).
+
+    ``owner`` prefixes the error (``"job 'shop.charge': "``)."""
     if value is None:
         return None
-    result = value.total_seconds() if isinstance(value, timedelta) else float(value)
-    if result < 0:
-        raise ConfigurationError(f"{option}={value!r}: must be >= 0")
+    if isinstance(value, timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise ConfigurationError(
+            f"{owner}{option}={value!r}: give a number of seconds or a datetime.timedelta, "
+            f"as in {option}=30 or {option}=timedelta(seconds=30)"
+        )
+    if result < 0 or result != result:  # NaN compares unequal to itself
+        raise ConfigurationError(f"{owner}{option}={value!r}: must be >= 0")
     return result
+
+
+def exception_classes(value: Any, option: str, owner: str = "") -> tuple[type[BaseException], ...]:
+    """``permanent=``: a tuple (or any iterable) of exception classes, never one bare class."""
+    example = f"{option}=(ValueError,)"
+    if isinstance(value, type | str | bytes):
+        named = value.__name__ if isinstance(value, type) else repr(value)
+        raise ConfigurationError(
+            f"{owner}{option}={named}: give a tuple of exception classes, as in "
+            f"{option}=({named},)" + ("" if isinstance(value, type) else f" or {example}")
+        )
+    try:
+        classes = tuple(value)
+    except TypeError:
+        raise ConfigurationError(
+            f"{owner}{option}={value!r}: give a tuple of exception classes, as in {example}"
+        ) from None
+    for exc_type in classes:
+        if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
+            raise ConfigurationError(
+                f"{owner}{option}= takes exception classes, got {exc_type!r}; write {example}"
+            )
+    return classes
 
 
 def check_name(kind: str, value: str) -> str:
@@ -74,6 +111,24 @@ def check_text(what: str, value: str, max_bytes: int | None = None) -> str:
             "shorter value (a hash of a long one, such as hashlib.sha256(...).hexdigest())"
         )
     return value
+
+
+MAIN_MODULE_WARNING = (
+    "job {name!r} is defined in the script Python runs as __main__, so it is named after "
+    "__main__, which no worker can import: a worker would never run it (UnknownJob). "
+    "Define your jobs in a module and import them (from shop import ...), or give the job "
+    "a name= of its own"
+)
+_PACKAGE_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first frame outside errands: a warning points at the
+    user's line, however deep in errands it is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_FOLDER):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass(frozen=True)
@@ -114,6 +169,9 @@ class JobDefinition(Generic[P, R]):
         self.app = app
         self.fn = fn
         self.name = check_name("job", name or f"{fn.__module__}.{fn.__qualname__}")
+        # Defined in a script run as `python shop.py`: named __main__.<function>, which no
+        # worker can import. Said once, at the first enqueue.
+        self._warn_main = name is None and fn.__module__ == "__main__"
         self.queue = check_name("queue", queue or app.default_queue)
         if not isinstance(priority, int):
             raise ConfigurationError(f"job {self.name!r}: priority must be an int")
@@ -123,17 +181,13 @@ class JobDefinition(Generic[P, R]):
         self.retries = retries
         self.max_attempts = retries + 1
         self.backoff = as_backoff(backoff)
-        self.timeout = seconds(timeout, "timeout")
-        self.lease = seconds(lease, "lease")
-        self.unique_for = seconds(unique_for, "unique_for")
+        owner = f"job {self.name!r}: "
+        self.timeout = seconds(timeout, "timeout", owner)
+        self.lease = seconds(lease, "lease", owner)
+        self.unique_for = seconds(unique_for, "unique_for", owner)
         if self.lease is not None and self.lease < 1:
             raise ConfigurationError(f"job {self.name!r}: lease must be at least 1 second")
-        self.permanent = tuple(permanent)
-        for exc_type in self.permanent:
-            if not (isinstance(exc_type, type) and issubclass(exc_type, BaseException)):
-                raise ConfigurationError(
-                    f"job {self.name!r}: permanent= takes exception classes, got {exc_type!r}"
-                )
+        self.permanent = exception_classes(permanent, "permanent", owner)
         self.is_async = asyncio.iscoroutinefunction(fn)
         self.payload = PayloadSpec(
             fn, self.name, context_type=Context, max_bytes=app.max_payload_bytes
@@ -247,6 +301,9 @@ class JobDefinition(Generic[P, R]):
     def request(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], options: EnqueueOptions
     ) -> EnqueueRequest:
+        if self._warn_main:
+            self._warn_main = False
+            warnings.warn(MAIN_MODULE_WARNING.format(name=self.name), stacklevel=_user_level())
         arguments = self.payload.bind_arguments(args, kwargs)
         args_json = self.payload.encode(arguments)
         if options.key is not None and (not isinstance(options.key, str) or not options.key):

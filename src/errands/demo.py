@@ -17,9 +17,12 @@ run jobs replayed from the DLQ after the demo. Defining it does no I/O.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
+import shlex
+import shutil
 import sys
 import threading
 import time
@@ -407,22 +410,54 @@ def print_summary(out: Out, report: Report, enqueued: Enqueued, url: str, elapse
     webhook = next((j.id for j in report.dead if j.name == "deliver_webhook"), first)
     csv = next((j.id for j in report.dead if j.name == "import_csv"), last)
     flag = f"--url {url}"
+    errands = cli_command()
     commands = [
-        ("list the dead-letter queue", f"errands dlq list {flag}"),
-        ("one job's attempts and errors", f"errands dlq show {webhook} {flag}"),
-        ("run it again (same id and key)", f"errands dlq replay {webhook} {flag}"),
+        ("list the dead-letter queue", f"{errands} dlq list {flag}"),
+        ("one job's attempts and errors", f"{errands} dlq show {webhook} {flag}"),
+        ("run it again (same id and key)", f"{errands} dlq replay {webhook} {flag}"),
         (
             "give up on it, with a reason",
-            f'errands dlq discard {csv} --reason "bad file, customer re-uploads" {flag}',
+            f'{errands} dlq discard {csv} --reason "bad file, customer re-uploads" {flag}',
         ),
-        ("queues at a glance", f"errands status {flag}"),
-        ("run replayed jobs (Ctrl-C stops)", f"errands worker errands.demo:app {flag}"),
+        ("queues at a glance", f"{errands} status {flag}"),
+        ("run replayed jobs (Ctrl-C stops)", f"{errands} worker errands.demo:app {flag}"),
+        (
+            "the same in the web dashboard, on http://127.0.0.1:8080 (Ctrl-C stops)",
+            f"{errands} dashboard errands.demo:app {flag}",
+        ),
     ]
     out.print()
-    out.print("[bold]Next steps[/bold]: inspect the dead-letter queue")
+    out.print("[bold]Next steps[/bold]: inspect the dead-letter queue (from this folder)")
+    if importlib.util.find_spec("starlette") is None:
+        out.print("  # the dashboard needs its extra first: pip install 'errands[dashboard]'")
     for what, command in commands:
         out.print(f"  # {what}", wrap=False)
         out.print(f"  [cyan]{escape(command)}[/cyan]", wrap=False)
+
+
+def cli_command() -> str:
+    """How to run errands' command line from the current folder: ``errands`` when that is
+    the one on PATH, else the path of the script or interpreter this run came from
+    (``make demo`` runs ``.venv/bin/errands``, whose folder is not on PATH)."""
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    on_path = shutil.which("errands")
+    if os.path.basename(script) == "errands" and os.path.isfile(script):
+        if on_path and os.path.realpath(on_path) == os.path.realpath(script):
+            return "errands"
+        return shlex.quote(_from_here(script))
+    beside = os.path.join(os.path.dirname(sys.executable), "errands")
+    if on_path and os.path.realpath(on_path) == os.path.realpath(beside):
+        return "errands"
+    return f"{shlex.quote(_from_here(sys.executable))} -m errands"
+
+
+def _from_here(path: str) -> str:
+    """``path`` relative to the current folder when it is inside it (``./x`` or
+    ``.venv/bin/x``), else absolute."""
+    relative = os.path.relpath(path)
+    if relative.startswith(".."):
+        return path
+    return relative if os.sep in relative else f".{os.sep}{relative}"
 
 
 # -- the command -------------------------------------------------------------------------

@@ -47,8 +47,22 @@ class SchemaOutdated(ConfigurationError):
     """The database schema is older (or newer) than this version of errands expects."""
 
 
+MAIN_MODULE_HINT = (
+    "(A name starting with __main__. comes from a script run as `python file.py`: no "
+    "worker can import it. Define jobs in a module that the script and the worker both "
+    "import, or give them name=.)"
+)
+
+
 class UnknownJob(ErrandsError, LookupError):
-    """No job is registered under the given name."""
+    """No job is registered under the given name.
+
+    A message naming a ``__main__.`` job says why no worker can know it."""
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        if "'__main__." in message and MAIN_MODULE_HINT not in message:
+            message = f"{message} {MAIN_MODULE_HINT}"
+        super().__init__(message, *args)
 
 
 class JobNotFound(ErrandsError, LookupError):

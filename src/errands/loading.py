@@ -10,13 +10,23 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import sysconfig
+import traceback
+from types import TracebackType
+from urllib.parse import urlsplit
 
 from .app import App
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ErrandsError, ResultTimeout
 
 
 class AppLoadError(ConfigurationError):
     """No App at the path given (or no path and no URL); the message says what to pass."""
+
+
+class AppImportError(ConfigurationError):
+    """The user's module raised while it was imported: the message names the error and the
+    file and line where it happened, with the user's own frames (none of importlib's or
+    errands')."""
 
 
 def load_app(
@@ -50,11 +60,15 @@ def load_app(
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if not _names_the_module(exc, module_name):  # the module imports a missing one
+            raise AppImportError(import_error_message(module_name, exc)) from None
         raise AppLoadError(
             f"cannot import module {module_name!r} (from {path!r}): {exc}. "
-            "Run from your project's folder, or check the module path"
+            f"Run from your project's folder ({os.getcwd()} now), or check the module path"
         ) from None
+    except Exception as exc:
+        raise AppImportError(import_error_message(module_name, exc)) from None
     try:
         app = getattr(module, attr)
     except AttributeError:
@@ -72,13 +86,100 @@ def load_app(
 
 
 def _check_exists(url: str) -> None:
+    path = sqlite_file(url)
+    if path is not None and not os.path.exists(path):
+        raise AppLoadError(
+            f"no errands database at {path!r} (from {url}); check --url, "
+            "ERRANDS_URL or the folder you run from"
+        )
+
+
+def _names_the_module(exc: ModuleNotFoundError, module_name: str) -> bool:
+    """Whether the module not found is the one asked for (or a package on its path)."""
+    missing = exc.name or ""
+    return bool(missing) and (module_name == missing or module_name.startswith(missing + "."))
+
+
+def _library_folders() -> tuple[str, ...]:
+    """Where Python's own modules and installed packages live: not the user's code."""
+    paths = sysconfig.get_paths()
+    folders = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    folders.add(os.path.dirname(os.path.abspath(__file__)))  # errands itself
+    return tuple(os.path.join(os.path.abspath(f), "") for f in folders)
+
+
+def user_frames(tb: TracebackType | None) -> list[traceback.FrameSummary]:
+    """The frames of a traceback that are the user's code: not importlib's machinery
+    (``<frozen ...>``), not the standard library, installed packages or errands."""
+    libraries = _library_folders()
+    return [
+        frame
+        for frame in traceback.extract_tb(tb)
+        if not frame.filename.startswith("<")
+        and not os.path.abspath(frame.filename).startswith(libraries)
+    ]
+
+
+def _shown_path(filename: str) -> str:
+    path = os.path.abspath(filename)
+    here = os.path.join(os.getcwd(), "")
+    return path[len(here) :] if path.startswith(here) else path
+
+
+def import_error_message(module_name: str, exc: BaseException) -> str:
+    """``while importing shop (shop.py, line 57): ResultTimeout: ...``, then the
+    user's own frames, then a hint when the error says what went wrong."""
+    frames = user_frames(exc.__traceback__)
+    if not frames:  # the user's code is an installed package: show its frames all the same
+        errands_folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+        frames = [
+            frame
+            for frame in traceback.extract_tb(exc.__traceback__)
+            if not frame.filename.startswith("<")
+            and not os.path.abspath(frame.filename).startswith(errands_folder)
+        ]
+    where = ""
+    if isinstance(exc, SyntaxError) and exc.filename:  # no frame of its own: where it is
+        where = f" ({_shown_path(exc.filename)}, line {exc.lineno})"
+    elif frames:
+        where = f" ({_shown_path(frames[-1].filename)}, line {frames[-1].lineno})"
+    if isinstance(exc, ErrandsError) and not isinstance(exc, ResultTimeout):
+        # errands' own message says what is wrong and how to fix it: where is enough
+        return f"while importing {module_name}{where}: {exc}"
+    lines = [f"while importing {module_name}{where}: {type(exc).__name__}: {exc}"]
+    if frames:
+        lines.append("Traceback (your code, most recent call last):")
+        lines += [
+            line.rstrip("\n")
+            for frame in traceback.format_list(frames)
+            for line in frame.splitlines()
+        ]
+    if isinstance(exc, ResultTimeout):
+        lines.append(
+            "Importing a module runs its top-level code, and a worker imports yours to find "
+            "the jobs: keep enqueue and handle.result() calls out of it (in another script, "
+            'or under `if __name__ == "__main__":`)'
+        )
+    elif isinstance(exc, ModuleNotFoundError):
+        lines.append(f"Install the missing package ({exc.name}) where the worker runs")
+    return "\n".join(lines)
+
+
+def sqlite_file(url: str) -> str | None:
+    """The absolute path of a SQLite URL's file; None for another database or :memory:."""
     if not url.startswith("sqlite:"):
-        return
+        return None
     from .backends.sqlite.backend import parse_sqlite_url
 
     path, _ = parse_sqlite_url(url)
-    if path != ":memory:" and not os.path.exists(path):
-        raise AppLoadError(
-            f"no errands database at {os.path.abspath(path)!r} (from {url}); check --url, "
-            "ERRANDS_URL or the folder you run from"
-        )
+    return None if path == ":memory:" else os.path.abspath(path)
+
+
+def absolute_url(url: str) -> str:
+    """A SQLite URL with its file as an absolute path (``sqlite:////home/me/shop.db``), so
+    logs and messages say which file it is whatever the folder; other URLs as they are."""
+    path = sqlite_file(url)
+    if path is None:
+        return url
+    query = urlsplit(url).query
+    return f"sqlite:///{path}" + (f"?{query}" if query else "")

@@ -13,6 +13,7 @@ import importlib
 import os
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -180,5 +181,66 @@ def test_sign_in_find_a_dead_job_replay_it_and_see_it_completed(e2e: dict[str, A
             page.click("nav >> text=Audit log")
             expect(page.locator("table tbody tr").first).to_contain_text("dashboard:e2e-operator")
             assert errors == [], errors  # no script errors, no CSP violations
+        finally:
+            browser.close()
+
+
+PHONE = {"width": 390, "height": 844}
+
+
+def test_on_a_390_px_phone_no_page_overflows_and_every_page_has_the_navigation(
+    e2e: dict[str, Any],
+) -> None:
+    """Every page at 390 px: nothing wider than the screen (tables scroll inside their
+    card), the navigation on each, a 404 page with it too; a running job's start, runtime
+    and worker, and a worker that stopped beating presumed dead."""
+    if CHROMIUM is None:
+        pytest.fail("CI=true but Debian's chromium is missing: apt-get install -y chromium")
+    from playwright.sync_api import expect, sync_playwright
+
+    from errands.backends.base import ClaimParams, QueueClaim, WorkerInfo
+
+    app = e2e["app"]
+    dead = e2e["job"].enqueue(invoice_id=7, api_key="sk_live_secret_value")
+    with running_worker(app):
+        wait_until(lambda: app.get_job(dead.id).state.value == "dead", 20, "the job to die")
+    running = e2e["job"].enqueue(invoice_id=8, api_key="sk_live_other_secret")
+    claim = ClaimParams(
+        queues=[QueueClaim("billing", 1)], limit=1, worker_id="w-phone", lease_seconds_default=60
+    )
+    assert [row.id for row in app.backend.job_claim(claim)] == [running.id]
+    app.backend.worker_register(
+        WorkerInfo(id="w-vanished", host="h", pid=1, queues="billing", concurrency=1, version="x")
+    )
+    with sqlite3.connect(app.url.removeprefix("sqlite:///")) as conn:
+        conn.execute("UPDATE errands_workers SET heartbeat_at = heartbeat_at - 600")
+
+    base = f"http://127.0.0.1:{e2e['port']}"
+    pages = ["/", "/jobs", f"/jobs/{dead.id}", f"/jobs/{running.id}", "/dlq", "/queues",
+             "/workers", "/cron", "/audit", "/no-such-page"]  # fmt: skip
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=PHONE)
+            page.goto(base + "/login")
+            assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+            page.fill("input[name=user]", "phone-operator")
+            page.fill("input[name=secret]", PASSWORD)
+            page.click("button[type=submit]")
+            expect(page.locator(".top .user")).to_have_text("phone-operator")
+            for path in pages:
+                page.goto(base + path)
+                width = page.evaluate("document.documentElement.scrollWidth")
+                assert width <= PHONE["width"], f"{path} is {width} px wide at 390 px"
+                expect(page.locator(".top nav a")).to_have_count(7)
+            expect(page.locator("h1")).to_have_text("Page not found")  # the last one
+
+            page.goto(base + "/jobs?state=running")
+            expect(page.locator("td.run").first).to_contain_text("running")
+            expect(page.locator("td.run").first).to_contain_text("w-phone")
+            page.goto(base + "/workers")
+            expect(page.locator("tr", has_text="w-vanished")).to_contain_text("presumed dead")
+            page.goto(base + "/queues")
+            expect(page.locator("tr", has_text="billing")).to_contain_text("no live worker")
         finally:
             browser.close()

@@ -12,10 +12,12 @@ import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import pytest
 
 import errands
+from errands.backends.base import WorkerInfo
 from errands.errors import ConfigurationError, InvalidPayload
 from errands.maintenance.scheduler import MISFIRE_GRACE, Scheduler
 from errands.maintenance.service import Maintenance
@@ -209,12 +211,14 @@ def test_cron_list_shows_schedules_time_zones_next_runs_and_last_slots(
     assert text.code == 0, text
     header, *lines = text.stdout.splitlines()
     assert header.split() == [
-        "name", "schedule", "tz", "next", "run", "last", "slot", "last", "job", "catch", "up"
+        "name", "queue", "schedule", "tz", "next", "run", "last", "slot", "last", "job",
+        "catch", "up",
     ]  # fmt: skip
     rows = {line.split()[0]: line for line in lines}
     assert set(rows) == {"reconcile", "nightly"}
     assert "*/5 * * * *  Europe/Paris" in rows["reconcile"]
-    assert f"{last.run_at:%Y-%m-%d %H:%M:%S}" in rows["reconcile"]  # shown in UTC
+    paris = last.run_at.astimezone(ZoneInfo("Europe/Paris"))
+    assert f"{paris:%Y-%m-%d %H:%M:%S} {paris.tzname()}" in rows["reconcile"]  # Paris time
     assert rows["reconcile"].split()[-2:] == [str(last.id), "latest"]
     # before its first slot, "last slot" is when the scheduler first saw the job
     assert rows["nightly"].split()[-2:] == ["-", "all"]
@@ -229,3 +233,25 @@ def test_cron_list_shows_schedules_time_zones_next_runs_and_last_slots(
     assert now < next_run <= now + timedelta(minutes=5)
     assert next_run.utcoffset() in (timedelta(hours=1), timedelta(hours=2))  # Paris time
     assert by_name["nightly"]["catch_up"] is True
+
+
+def test_cron_list_marks_a_periodic_jobs_queue_that_no_live_worker_serves(
+    cluster: LimitsCluster,
+) -> None:
+    app = cluster.app("cron_app")
+    app.backend.schema_check()  # the store exists (admin commands refuse a missing file)
+    unserved = cluster.cli("cron", "list", "-A", "cron_app:app")
+    as_json = cluster.cli("cron", "list", "-A", "cron_app:app", "--json")
+    app.backend.worker_register(
+        WorkerInfo(id="w-live", host="h", pid=1, queues="default=4", concurrency=4, version="x")
+    )
+    served = cluster.cli("cron", "list", "-A", "cron_app:app")
+
+    assert unserved.code == 0, unserved
+    assert "default (no live worker)" in unserved.stdout
+    assert "warning: no live worker serves default" in unserved.stderr
+    assert {(i["name"], i["queue"], i["served"]) for i in as_json.json()} == {
+        ("reconcile", "default", False),
+        ("nightly", "default", False),
+    }
+    assert "no live worker" not in served.stdout + served.stderr

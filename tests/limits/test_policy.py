@@ -52,3 +52,17 @@ def test_jobs_policy_prints_the_effective_policy_as_text_and_json(tmp_path: Path
 
     assert unknown.code == 2
     assert "no job named 'billing.refund'; known: billing.charge, capped.work" in unknown.stderr
+
+
+def test_jobs_policy_json_gives_null_for_a_rate_that_is_not_set(tmp_path: Path) -> None:
+    cluster = LimitsCluster(tmp_path, f"sqlite:///{tmp_path}/errands.db")
+    try:
+        cluster.app("limits_app").backend.schema_check()
+        as_json = cluster.cli("jobs", "policy", "capped.work", "-A", "limits_app:app", "--json")
+        text = cluster.cli("jobs", "policy", "capped.work", "-A", "limits_app:app")
+    finally:
+        cluster.stop_all()
+    assert as_json.code == 0, as_json
+    policy = as_json.json()
+    assert (policy["rate"], policy["queue_rate"]) == (None, None)
+    assert "rate               -" in text.stdout.splitlines()

@@ -78,4 +78,4 @@ def test_queue_limit_holds_for_in_process_workers_and_is_listed_by_errands_queue
     listing = run_cli("queues", "--url", store.url, "--json")
     assert listing.exit_code == 0, listing.output
     [row] = json.loads(listing.output)
-    assert (row["queue"], row["state"], row["limit"], row["rate"]) == ("capped", "active", 2, "-")
+    assert (row["queue"], row["state"], row["limit"], row["rate"]) == ("capped", "active", 2, None)

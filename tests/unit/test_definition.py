@@ -76,6 +76,42 @@ def test_permanent_takes_only_exception_classes(app: errands.App, bad: Any) -> N
         _define(app, permanent=(KeyError, bad))
 
 
+@pytest.mark.parametrize("bad", [ValueError, KeyError])
+def test_a_bare_exception_class_as_permanent_is_a_configuration_error_showing_the_tuple(
+    app: errands.App, bad: type[BaseException]
+) -> None:
+    """permanent=ValueError (not a tuple) names the option and the form to write."""
+    with pytest.raises(ConfigurationError) as caught:
+        _define(app, permanent=bad)
+    message = str(caught.value)
+    assert f"permanent={bad.__name__}" in message
+    assert f"permanent=({bad.__name__},)" in message
+
+
+@pytest.mark.parametrize("option", ["timeout", "lease", "unique_for"])
+@pytest.mark.parametrize("bad", ["30s", "30", True, [30]])
+def test_a_duration_given_as_text_is_a_configuration_error_naming_the_accepted_forms(
+    app: errands.App, option: str, bad: Any
+) -> None:
+    """timeout="30s" is refused at definition: seconds as a number, or a timedelta."""
+    with pytest.raises(ConfigurationError) as caught:
+        _define(app, **{option: bad})
+    message = str(caught.value)
+    assert f"job 't.job': {option}={bad!r}" in message
+    assert "number of seconds or a datetime.timedelta" in message
+    assert f"{option}=timedelta(seconds=30)" in message
+
+
+def test_durations_accept_numbers_and_timedeltas(app: errands.App) -> None:
+    job = _define(app, timeout=timedelta(seconds=30), lease=45)
+    assert (job.timeout, job.lease) == (30.0, 45.0)
+
+
+def test_an_app_option_given_as_text_is_a_configuration_error() -> None:
+    with pytest.raises(ConfigurationError, match=r"lease='30s': give a number of seconds"):
+        errands.App("sqlite:///:memory:", lease="30s")  # type: ignore[arg-type]
+
+
 def test_sensitive_must_name_parameters(app: errands.App) -> None:
     """sensitive= naming a field the handler lacks is refused, listing the real ones."""
     with pytest.raises(ConfigurationError, match=r"\['email'\].*\['user_id'\]"):

@@ -35,14 +35,24 @@ try:
     from django.tasks import TaskResultStatus, task_backends
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
     from django.tasks.signals import task_enqueued, task_finished, task_started
+
+    TASKS_LOGGER = "django.tasks"
 except ImportError:  # Django 5.2 + django-tasks
     from django_tasks import TaskResultStatus, task_backends
-    from django_tasks.exceptions import InvalidTaskError as InvalidTask
     from django_tasks.exceptions import TaskResultDoesNotExist
     from django_tasks.signals import task_enqueued, task_finished, task_started
 
+    try:
+        from django_tasks.exceptions import InvalidTask
+    except ImportError:  # django-tasks <= 0.12
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
+
+    TASKS_LOGGER = "django_tasks"
+
 READY, RUNNING = TaskResultStatus.READY, TaskResultStatus.RUNNING
-SUCCESSFUL, FAILED = TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED
+FAILED = TaskResultStatus.FAILED
+# SUCCEEDED in django-tasks 0.11
+SUCCESSFUL = TaskResultStatus.__members__.get("SUCCESSFUL") or TaskResultStatus["SUCCEEDED"]
 WAIT = 20.0
 
 
@@ -109,6 +119,15 @@ class Enqueue(JobsTestCase):
         self.assertIsNotNone(fetched.enqueued_at)
         self.assertIsNone(fetched.started_at)
         self.assertEqual((fetched.errors, fetched.worker_ids), ([], []))
+
+    def test_enqueue_returns_the_stored_enqueued_at_so_it_equals_get_result(self) -> None:
+        result = tasks.add.enqueue(4, 5)
+        fetched = tasks.add.get_result(result.id)
+        self.assertEqual(result.enqueued_at, fetched.enqueued_at)
+        self.assertEqual(result, fetched)
+        before = result.enqueued_at
+        result.refresh()
+        self.assertEqual(result.enqueued_at, before)  # the first refresh changes nothing
 
     def test_unknown_result_ids_do_not_exist(self) -> None:
         for missing in ("999999999", "not-a-number", ""):
@@ -269,12 +288,29 @@ class Execution(JobsTestCase):
         self.assertIn("card declined for order 42", failed.errors[0].traceback)
         self.assertEqual(failed.task.queue_name, "payments")
 
-    def test_a_non_json_return_value_fails(self) -> None:
+    def test_a_non_json_return_value_fails_with_the_type_error_as_its_exception_class(
+        self,
+    ) -> None:
         result = tasks.returns_object.enqueue()
         with run_worker():
             failed = wait_for(result, FAILED)
         self.assertEqual(len(failed.errors), 1)
+        self.assertIs(failed.errors[0].exception_class, TypeError)
         self.assertIn("not JSON", failed.errors[0].traceback)
+        self.assertIn("TypeError", failed.errors[0].traceback)
+
+    def test_djangos_failed_task_log_line_carries_the_tasks_exception(self) -> None:
+        result = tasks.charge.enqueue(7)
+        with self.assertLogs(TASKS_LOGGER, level="ERROR") as logs, run_worker():
+            wait_for(result, FAILED)
+            deadline = time.monotonic() + WAIT
+            while not logs.records:  # task_finished is sent once the outcome is written
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.02)
+        [record] = [r for r in logs.records if result.id in r.getMessage()]
+        self.assertIsNotNone(record.exc_info)
+        self.assertIs(record.exc_info[0], tasks.CardDeclined)
+        self.assertIn("card declined for order 7", str(record.exc_info[1]))
 
     def test_run_after_defers_the_task(self) -> None:
         run_after = timezone.now() + timedelta(seconds=1.5)

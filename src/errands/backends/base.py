@@ -161,7 +161,7 @@ class CronState:
 
 @dataclass(frozen=True)
 class QueueSettings:
-    """A queue's persisted settings: paused, cluster-wide limits (DESIGN §7)."""
+    """A queue's persisted settings: paused, cluster-wide limits."""
 
     name: str
     paused: bool = False
@@ -174,6 +174,20 @@ class QueueSettings:
     jobs_declare_limits: bool = False
     updated_at: float | None = None
     updated_by: str | None = None
+
+    @property
+    def state(self) -> str:
+        """``"paused"`` or ``"active"``: the one word the CLI and the dashboard show."""
+        return queue_state(self)
+
+
+QUEUE_ACTIVE = "active"  # workers claim from it
+QUEUE_PAUSED = "paused"  # no worker claims from it; running jobs finish
+
+
+def queue_state(settings: QueueSettings | None) -> str:
+    """A queue's state word; a queue with no stored settings is active."""
+    return QUEUE_PAUSED if settings is not None and settings.paused else QUEUE_ACTIVE
 
 
 @dataclass(frozen=True)
@@ -415,6 +429,15 @@ class Backend(Protocol):
 
     def job_count_by_queue(self, state: str) -> dict[str, int]:
         """How many jobs are in ``state``, per queue (cheap for the small states)."""
+        ...
+
+    def job_names(self, limit: int = 1000) -> list[str]:
+        """The distinct job names stored, in order (one index probe per name)."""
+        ...
+
+    def queue_forget(self, name: str, actor: str) -> bool:
+        """Delete a queue's stored settings (paused flag, limits), audited; False when it
+        had none."""
         ...
 
     # -- health --------------------------------------------------------------------------

@@ -48,9 +48,10 @@ def parse_rate(value: str) -> tuple[int, float]:
     return count, period
 
 
-def format_rate(limit: int | None, period: float | None) -> str:
+def format_rate(limit: int | None, period: float | None) -> str | None:
+    """``"100/m"``; None when there is no rate (JSON null; tables show a dash)."""
     if not limit or not period:
-        return "-"
+        return None
     for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if period == seconds:
             return f"{limit}/{unit}"

@@ -165,6 +165,24 @@ class SharedAdmin:
     def job_count_by_queue(self, state: str) -> dict[str, int]:
         return {q: int(n) for q, n in self._read_rows("job_count_by_queue", {"state": state})}
 
+    def job_names(self, limit: int = 1000) -> list[str]:
+        return [str(r[0]) for r in self._read_rows("job_names", {"limit": limit})]
+
+    def queue_forget(self, name: str, actor: str) -> bool:
+        with self._transaction() as run:
+            forgotten = run("queue_forget", {"name": name}).rowcount > 0
+            if forgotten:
+                run(
+                    "audit_insert",
+                    {
+                        "actor": actor,
+                        "action": "forget",
+                        "job_id": None,
+                        "detail": json.dumps({"queue": name}),
+                    },
+                )
+        return forgotten
+
     # -- the worker registry ---------------------------------------------------------------
     def worker_register(self, info: WorkerInfo) -> None:
         self._write_count(

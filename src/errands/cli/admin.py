@@ -10,14 +10,15 @@ import click
 from ..app import App
 from ..jobs import ALL_STATES
 from ..masking import mask_value, sensitive_values
+from ..suggest import did_you_mean
 from . import render
-from .loading import default_actor, load_app
+from .loading import URL_HELP, default_actor, load_app
 
 STATE_CHOICE = click.Choice(ALL_STATES)
 
 
 def app_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    fn = click.option("--url", envvar="ERRANDS_URL", help="database URL (also ERRANDS_URL)")(fn)
+    fn = click.option("--url", help=URL_HELP)(fn)
     fn = click.option(
         "-A",
         "--app",
@@ -145,15 +146,14 @@ def jobs_list(
     before_id: int | None,
 ) -> None:
     """Jobs, newest first."""
-    found = _app(app_path, url).jobs(
-        state=state, queue=queue, name=name, limit=limit, before_id=before_id
-    )
+    app = _app(app_path, url)
+    found = app.jobs(state=state, queue=queue, name=name, limit=limit, before_id=before_id)
     if as_json:
         render.emit_json([render.job_dict(j) for j in found])
     elif found:
         render.table(None, render.JOB_COLUMNS, render.job_rows(found))
     else:
-        click.echo("no matching jobs")
+        click.echo("no matching jobs" + _unknown_filters(app, queue, name))
 
 
 def _show(app_path: str | None, url: str | None, job_id: int, as_json: bool) -> None:
@@ -230,15 +230,34 @@ def dlq_list(
     before_id: int | None,
 ) -> None:
     """Dead jobs, newest first, with their last error."""
-    found = _app(app_path, url).jobs(
-        state="dead", queue=queue, name=name, limit=limit, before_id=before_id
-    )
+    app = _app(app_path, url)
+    found = app.jobs(state="dead", queue=queue, name=name, limit=limit, before_id=before_id)
     if as_json:
         render.emit_json([render.job_dict(j) for j in found])
     elif found:
         render.table(None, render.JOB_COLUMNS, render.job_rows(found))
+    elif queue or name:
+        click.echo("no matching dead jobs" + _unknown_filters(app, queue, name))
     else:
         click.echo("the dead-letter queue is empty")
+
+
+def _warn_unknown_filters(
+    app: App, matched: list[int], queue: str | None, name: str | None
+) -> None:
+    if not matched and (hints := _unknown_filters(app, queue, name)):
+        click.echo(f"warning: nothing matched{hints}", err=True)
+
+
+def _unknown_filters(app: App, queue: str | None, name: str | None) -> str:
+    """``; no job name 'charge_order' (did you mean shop.charge_order?)`` for each filter
+    that no job, worker or code of the app has: a typo, not an empty result."""
+    hints = []
+    if queue and queue not in (known := app.known_queues()):
+        hints.append(did_you_mean("queue", queue, known))
+    if name and name not in (names := set(app.registry) | set(app.backend.job_names())):
+        hints.append(did_you_mean("job name", name, names))
+    return "".join(f"; {hint}" for hint in hints)
 
 
 @dlq.command("show")
@@ -302,10 +321,12 @@ def dlq_replay(
 ) -> None:
     """Run dead jobs again: same id, key and steps, attempts reset. Audited."""
     _selection(job_ids, all_, queue, name)
-    result = _app(app_path, url).replay(
+    app = _app(app_path, url)
+    result = app.replay(
         job_ids, all=all_, queue=queue, name=name, dry_run=dry_run, fresh=fresh, actor=actor
     )
     _report("replay", result, dry_run, as_json)
+    _warn_unknown_filters(app, result.matched, queue, name)
 
 
 @dlq.command("discard")
@@ -334,7 +355,9 @@ def dlq_discard(
     if not reason.strip():
         raise click.UsageError("--reason must say why (it is kept with the job)")
     _selection(job_ids, all_, queue, name)
-    result = _app(app_path, url).discard(
+    app = _app(app_path, url)
+    result = app.discard(
         job_ids, reason=reason, all=all_, queue=queue, name=name, dry_run=dry_run, actor=actor
     )
     _report("discard", result, dry_run, as_json)
+    _warn_unknown_filters(app, result.matched, queue, name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .loading import load_app
+from .loading import URL_HELP, load_app
 
 
 @click.command()
@@ -16,7 +16,7 @@ from .loading import load_app
     envvar="ERRANDS_APP",
     help="the App as module:attribute (also ERRANDS_APP)",
 )
-@click.option("--url", envvar="ERRANDS_URL", help="database URL, overriding the app's")
+@click.option("--url", help=URL_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
 @click.option(

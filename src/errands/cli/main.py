@@ -14,15 +14,17 @@ from typing import Any
 import click
 
 from .. import __version__
+from ..app import App
 from ..errors import ConfigurationError, ErrandsError
+from ..loading import sqlite_file
 from ..observability.logcontext import configure_logging
 from .admin import dlq, jobs, status
 from .dashboard import dashboard
-from .loading import load_app
+from .loading import URL_HELP, load_app
 from .scheduling import cron, queues
 
 APP_HELP = "the App as module:attribute (also ERRANDS_APP)"
-URL_HELP = "database URL, overriding the app's (also ERRANDS_URL)"
+log = logging.getLogger("errands.worker")
 
 
 class ErrandsGroup(click.Group):
@@ -45,7 +47,7 @@ def cli() -> None:
 @cli.command()
 @click.argument("app_path", required=False, metavar="MODULE:APP")
 @click.option("-A", "--app", "app_option", envvar="ERRANDS_APP", help=APP_HELP)
-@click.option("--url", envvar="ERRANDS_URL", help=URL_HELP)
+@click.option("--url", help=URL_HELP)
 @click.option("-q", "--queues", help="queues to serve: emails,payments or emails=10,payments=2")
 @click.option("-c", "--concurrency", type=click.IntRange(min=1), help="jobs at once (default 10)")
 @click.option(
@@ -148,6 +150,7 @@ def worker(
             "with a --metrics-port each instead"
         )
     app = load_app(app_path or app_option, url, need_code=True)
+    warn_new_database(app.url)
     if processes > 1:
         from ..worker.supervisor import Supervisor, child_command
 
@@ -175,6 +178,7 @@ def worker(
         app_path=app_path or app_option,
         suspect_lanes=suspect_lanes,
     )
+    warn_unserved_periodic(app, list(w.queue_limits))
     code = w.run()
     if w.stuck_threads():
         # A handler thread ignored its timeout or the shutdown; Python cannot kill it,
@@ -186,10 +190,45 @@ def worker(
     sys.exit(code)
 
 
+def warn_new_database(url: str) -> None:
+    """A worker about to create a new SQLite file: say so, with its absolute path (started
+    from the wrong folder, a worker would otherwise wait on an empty database)."""
+    path = sqlite_file(url)
+    if path is not None and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
+        click.echo(
+            f"warning: there is no database at {path} yet: this worker creates a new, empty "
+            "one. If your jobs are stored elsewhere, start it from that folder or pass "
+            "--url sqlite:////absolute/path/to/your.db",
+            err=True,
+        )
+
+
+def warn_unserved_periodic(app: App, queues: list[str]) -> None:
+    """Periodic jobs whose queue neither this worker nor another live one serves: their
+    runs would wait unseen, so say so at start-up."""
+    from ..fleet import live_served_queues, unserved_periodic
+
+    if not app.schedules:
+        return
+    try:
+        others = live_served_queues(app)
+    except Exception:  # the store is not ready: the worker's own start-up says why
+        return
+    for queue, names in sorted(unserved_periodic(app, set(queues) | others).items()):
+        log.warning(
+            "periodic job(s) %s run in queue %s, which this worker (-q %s) and no other "
+            "live worker serves: their runs wait there; add %s to -q or start a worker for it",
+            ", ".join(names),
+            queue,
+            ",".join(queues),
+            queue,
+        )
+
+
 @cli.command()
 @click.argument("app_path", required=False, metavar="MODULE:APP")
 @click.option("-A", "--app", "app_option", envvar="ERRANDS_APP", help=APP_HELP)
-@click.option("--url", envvar="ERRANDS_URL", help=URL_HELP)
+@click.option("--url", help=URL_HELP)
 @click.option(
     "--sql",
     "print_sql",

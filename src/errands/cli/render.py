@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import click
 from rich.console import Console
@@ -36,8 +37,15 @@ def age(seconds: float | None) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def when(value: datetime | None) -> str:
-    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+def when(value: datetime | float | None, tz: str | None = None) -> str:
+    """``2026-05-01 12:00:03 UTC``, or in time zone ``tz`` with its abbreviation
+    (``2026-05-01 14:00:03 CEST``): a time is never shown without its zone."""
+    if value is None:
+        return "-"
+    if not isinstance(value, datetime):
+        value = datetime.fromtimestamp(value, tz=UTC)
+    local = value.astimezone(ZoneInfo(tz) if tz else UTC)
+    return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname() or tz}"
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -189,6 +197,6 @@ def show_job(
     if audit:
         out.print("\n[bold]audit[/bold]")
         for event in reversed(audit):
-            stamp = datetime.fromtimestamp(event.at, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+            stamp = when(event.at)
             detail = f" {event.detail}" if event.detail else ""
             out.print(f"  {stamp} {event.action} by {event.actor}{detail}", markup=False)

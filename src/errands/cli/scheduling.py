@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..backends.base import queue_state
 from ..backends.limits import format_rate
 from ..retry import ExponentialBackoff, retry_delay
 from . import render
@@ -31,7 +32,7 @@ def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: b
         rows.append(
             {
                 "queue": name,
-                "state": "paused" if s is not None and s.paused else "active",
+                "state": queue_state(s),
                 "limit": None if limits is None else limits.max_running,
                 "rate": None
                 if limits is None
@@ -63,10 +64,15 @@ def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: b
 @queues.command("pause")
 @app_options
 @actor_option
+@click.option(
+    "--force",
+    is_flag=True,
+    help="pause a queue that no job, worker or code uses yet (else refused as a typo)",
+)
 @click.argument("name")
-def queues_pause(app_path: str | None, url: str | None, actor: str, name: str) -> None:
+def queues_pause(app_path: str | None, url: str | None, actor: str, force: bool, name: str) -> None:
     """Stop claims from a queue on every worker (running jobs finish). Audited."""
-    _app(app_path, url).pause(name, actor=actor)
+    _app(app_path, url).pause(name, actor=actor, force=force)
     click.echo(f"queue {name}: paused (workers stop claiming within one poll interval)")
 
 
@@ -80,6 +86,19 @@ def queues_resume(app_path: str | None, url: str | None, actor: str, name: str) 
     click.echo(f"queue {name}: resumed")
 
 
+@queues.command("forget")
+@app_options
+@actor_option
+@click.argument("name")
+def queues_forget(app_path: str | None, url: str | None, actor: str, name: str) -> None:
+    """Delete a queue's stored settings (paused flag, limits), so a mistyped queue stops
+    being listed. Refused while jobs wait in it. Audited."""
+    if _app(app_path, url).forget_queue(name, actor=actor):
+        click.echo(f"queue {name}: forgotten (its stored settings are deleted)")
+    else:
+        click.echo(f"queue {name}: nothing stored, nothing to forget")
+
+
 @click.group()
 def cron() -> None:
     """Periodic jobs."""
@@ -89,7 +108,8 @@ def cron() -> None:
 @app_options
 @json_option
 def cron_list(app_path: str | None, url: str | None, as_json: bool) -> None:
-    """Every periodic job with its schedule, next run and last enqueued slot."""
+    """Every periodic job with its queue, schedule, next run and last enqueued slot, times
+    in the job's own time zone. A queue no live worker serves is marked: its runs wait."""
     app = _app(app_path, url)
     infos = app.periodic_jobs()
     if as_json:
@@ -97,14 +117,23 @@ def cron_list(app_path: str | None, url: str | None, as_json: bool) -> None:
     elif infos:
         render.table(
             None,
-            ["name", "schedule", "tz", "next run", "last slot", "last job", "catch up"],
+            ["name", "queue", "schedule", "tz", "next run", "last slot", "last job", "catch up"],
             [
-                [i.name, i.expression, i.timezone, render.when(i.next_run),
-                 render.when(i.last_slot), i.last_job_id or "-",
+                [i.name, i.queue if i.served else f"{i.queue} (no live worker)", i.expression,
+                 i.timezone, render.when(i.next_run, i.timezone),
+                 render.when(i.last_slot, i.timezone), i.last_job_id or "-",
                  {None: "latest", True: "all", False: "skip"}[i.catch_up]]
                 for i in infos
             ],
         )  # fmt: skip
+        unserved = sorted({i.queue for i in infos if not i.served})
+        if unserved:
+            click.echo(
+                f"warning: no live worker serves {', '.join(unserved)}: those periodic jobs' "
+                "runs wait there; start a worker for it (errands worker module:app -q "
+                f"{','.join(unserved)})",
+                err=True,
+            )
     else:
         click.echo("no periodic jobs (declare them with @app.periodic; pass -A module:app)")
 

@@ -13,7 +13,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import actions, pages
+from . import actions, pages, web
 from .format import FILTERS
 from .security import RESOLVER_TIMEOUT, AuthConfig, Authorize, UserResolver
 from .web import Settings
@@ -147,7 +147,9 @@ def create_app(
             https_only=https_only,
         ),
     ]
-    dashboard = Starlette(routes=routes, middleware=middleware)
+    dashboard = Starlette(
+        routes=routes, middleware=middleware, exception_handlers={404: web.not_found}
+    )
     dashboard.state.errands = Settings(
         app=app,
         auth=auth,

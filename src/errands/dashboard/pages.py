@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..backends.base import queue_state
 from ..backends.limits import format_rate
 from ..errors import JobNotFound
+from ..fleet import MISSED_HEARTBEATS, presumed_dead, presumed_dead_after, queue_names
 from ..jobs import ALL_STATES, Job
 from ..masking import mask_text, mask_value, sensitive_values
 from . import charts
@@ -36,7 +39,6 @@ STATE_ORDER = (
     "discarded",
     "cancelled",
 )
-STALE_WORKER_SECONDS = 60.0
 
 
 def known_names(request: Request) -> tuple[list[str], list[str]]:
@@ -47,11 +49,30 @@ def known_names(request: Request) -> tuple[list[str], list[str]]:
     return names, queues
 
 
+def run_times(job: Job, now: float | None = None) -> dict[str, Any]:
+    """When the current (or last) attempt started, for how long it has run or how long it
+    took, and the worker running it."""
+    started = job.attempted_at.timestamp() if job.attempted_at else None
+    running = job.state.value == "running"
+    runtime = None
+    if started is not None and running:
+        runtime = max((now if now is not None else time.time()) - started, 0.0)
+    elif started is not None and job.finished_at is not None and job.state.is_terminal:
+        runtime = max(job.finished_at.timestamp() - started, 0.0)
+    return {
+        "started": started,
+        "runtime": runtime,
+        "running": running,
+        "worker": job.lease_owner if running else None,
+    }
+
+
 def masked_job(job: Job) -> dict[str, Any]:
     """What a page may show of a job: arguments masked, and masked in every free text."""
     secrets = sensitive_values(job)
     return {
         "job": job,
+        **run_times(job),
         "args": job.masked_args,
         "meta": mask_value(job.meta, secrets),
         "result": mask_value(job.result, secrets),
@@ -117,7 +138,7 @@ async def overview(request: Request, viewer: Viewer) -> Response:
             "total": total,
             "throughput": charts.throughput_chart(total),
             "failures": charts.failure_rate_chart(total),
-            "workers": data["workers"],
+            "workers": [w for w in data["workers"] if not presumed_dead(w, app.lease)],
             "live": True,
         },
     )
@@ -132,7 +153,9 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
     search = query_text(request, "q")
     before_id = query_int(request, "before_id")
     if state is not None and state not in ALL_STATES:
-        return error_page(request, 400, "Unknown state", f"Choose one of: {', '.join(ALL_STATES)}.")
+        return error_page(
+            request, 400, "Unknown state", f"Choose one of: {', '.join(ALL_STATES)}.", viewer
+        )
 
     def load() -> tuple[list[Job], bool]:
         if search:
@@ -222,7 +245,7 @@ async def job_detail(request: Request, viewer: Viewer) -> Response:
 
     data = await blocking(load)
     if data is None:
-        return error_page(request, 404, "No such job", f"There is no job with id {job_id}.")
+        return error_page(request, 404, "No such job", f"There is no job with id {job_id}.", viewer)
     job = data["job"]
     view = masked_job(job)
     secrets = sensitive_values(job)
@@ -281,15 +304,19 @@ async def dlq(request: Request, viewer: Viewer) -> Response:
 async def workers(request: Request, viewer: Viewer) -> Response:
     app = settings(request).app
     found = await blocking(app.backend.worker_list)
+    rows = [{"worker": w, "dead": presumed_dead(w, app.lease)} for w in found]
+    alive = [w for w in found if not presumed_dead(w, app.lease)]
     return render(
         request,
         viewer,
         "workers.html",
         {
             "nav": "workers",
-            "workers": found,
-            "stale_after": STALE_WORKER_SECONDS,
-            "in_flight": sum(w.in_flight for w in found),
+            "rows": rows,
+            "live_count": len(alive),
+            "dead_after": presumed_dead_after(app.lease),
+            "missed_beats": MISSED_HEARTBEATS,
+            "in_flight": sum(w.in_flight for w in alive),
             "live": True,
         },
     )
@@ -309,10 +336,11 @@ async def audit(request: Request, viewer: Viewer) -> Response:
 async def queues(request: Request, viewer: Viewer) -> Response:
     app = settings(request).app
 
-    def load() -> tuple[list[Any], list[Any]]:
-        return app.queue_stats(), app.queue_settings()
+    def load() -> tuple[list[Any], list[Any], list[Any]]:
+        return app.queue_stats(), app.queue_settings(), app.backend.worker_list()
 
-    stats, queue_settings = await blocking(load)
+    stats, queue_settings, registry = await blocking(load)
+    alive = [w for w in registry if not presumed_dead(w, app.lease)]
     rows: dict[str, dict[str, Any]] = {}
 
     def row(name: str) -> dict[str, Any]:
@@ -327,6 +355,9 @@ async def queues(request: Request, viewer: Viewer) -> Response:
     _, registered = known_names(request)
     for name in registered:
         row(name)
+    for entry in rows.values():
+        entry["state"] = queue_state(entry["settings"])
+        entry["workers"] = sum(1 for w in alive if entry["name"] in queue_names(w.queues))
     return render(
         request,
         viewer,

@@ -20,8 +20,9 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from .. import __version__
+from ..backends import redact_url
 from ..definition import check_text
-from ..errors import ErrandsError
+from ..errors import ErrandsError, SchemaOutdated
 from .security import (
     CSRF_FIELD,
     CSRF_HEADER,
@@ -123,14 +124,58 @@ def safe_next(request: Request, value: str | None) -> str:
     return path_for(request, "overview")
 
 
-def error_page(request: Request, status: int, title: str, message: str) -> Response:
+def error_page(
+    request: Request,
+    status: int,
+    title: str,
+    message: str,
+    viewer: Viewer | None = None,
+    fix: str = "",
+) -> Response:
+    """An error page; with the ``viewer`` (signed in) it has the navigation too."""
     conf = settings(request)
+    context = {"status": status, "heading": title, "message": message, "fix": fix}
     return conf.templates.TemplateResponse(
         request,
         "error.html",
-        {"status": status, "heading": title, "message": message, **base_context(request, None)},
+        {**context, **base_context(request, viewer)},
         status_code=status,
     )
+
+
+def store_problem(app: App) -> Exception | None:
+    """Why the app's database cannot serve the dashboard (unreachable, no or an outdated
+    schema), or None when it can."""
+    try:
+        app.backend.schema_check()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def store_error_page(request: Request, viewer: Viewer, problem: Exception) -> Response:
+    """503: what is wrong with the database and how to fix it, with the navigation."""
+    app = settings(request).app
+    shown = redact_url(app.url)
+    if isinstance(problem, SchemaOutdated):
+        title = "The database has no errands schema, or an outdated one"
+        fix = (
+            f"Run `errands migrate --url {shown}` (or `errands migrate module:app`; in a "
+            "Django project, `python manage.py migrate`), then reload this page."
+        )
+    else:
+        title = "The database cannot be reached"
+        fix = (
+            f"Check that the database server is running and reachable from here, and that "
+            f"the URL is right: {shown} (--url, the app's code or ERRANDS_URL). Then reload "
+            "this page."
+        )
+    message = (
+        str(problem)
+        if isinstance(problem, ErrandsError)
+        else f"{type(problem).__name__}: {problem}"
+    )
+    return error_page(request, 503, title, message, viewer, fix=fix)
 
 
 def base_context(request: Request, viewer: Viewer | None) -> dict[str, Any]:
@@ -249,10 +294,30 @@ def page(fn: PageHandler) -> Callable[[Request], Awaitable[Response]]:
             return viewer
         try:
             return await fn(request, viewer)
-        except ErrandsError as exc:  # a filter errands refuses, say: a clear 400, not a 500
-            return error_page(request, 400, "Bad request", str(exc))
+        except Exception as exc:
+            # The database (unreachable, not migrated): a page saying what to do.
+            problem = await blocking(store_problem, settings(request).app)
+            if problem is not None:
+                return store_error_page(request, viewer, problem)
+            if isinstance(exc, ErrandsError):  # a filter errands refuses: a clear 400
+                return error_page(request, 400, "Bad request", str(exc), viewer)
+            raise
 
     return endpoint
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    """404 for any path the dashboard does not have, with the navigation (signed in)."""
+    viewer = await authenticate(request)
+    if isinstance(viewer, Response):
+        return viewer
+    return error_page(
+        request,
+        404,
+        "Page not found",
+        f"The dashboard has no page at {request.url.path}. Use the links above.",
+        viewer,
+    )
 
 
 def csrf_ok(request: Request, form: FormData, viewer_token: str) -> bool:

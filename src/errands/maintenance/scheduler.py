@@ -180,14 +180,20 @@ class PeriodicInfo:
     next_run: datetime
     last_slot: datetime | None
     last_job_id: int | None
+    queue: str = ""  # where its runs are enqueued
+    served: bool = True  # some live worker serves that queue (else the runs wait there)
 
 
 def describe(app: App) -> list[PeriodicInfo]:
+    from ..fleet import live_served_queues
+
     now = datetime.fromtimestamp(app.backend.db_now(), tz=UTC)
     states = {s.name: s for s in app.backend.cron_states()}
+    served = live_served_queues(app) if app.schedules else set()
     infos = []
     for job in app.schedules.values():
         state = states.get(job.name)
+        queue = job.bound.request.queue
         infos.append(
             PeriodicInfo(
                 name=job.name,
@@ -199,6 +205,8 @@ def describe(app: App) -> list[PeriodicInfo]:
                 if state is None or state.last_slot is None
                 else datetime.fromtimestamp(state.last_slot, tz=UTC),
                 last_job_id=None if state is None else state.last_job_id,
+                queue=queue,
+                served=queue in served,
             )
         )
     return infos

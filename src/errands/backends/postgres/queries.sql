@@ -572,3 +572,18 @@ SET expression = excluded.expression, timezone = excluded.timezone,
 -- name: job_count_by_queue
 -- Jobs in one state per queue, from the (state, queue, id) index alone.
 SELECT queue, count(*) FROM {schema}.errands_jobs WHERE state = %(state)s GROUP BY queue
+
+-- name: job_names
+-- Every distinct job name, skipping through the (name, id) index (a loose index scan: one
+-- probe per name, not a scan of the table). For suggestions when a filter matched nothing.
+WITH RECURSIVE names AS (
+    (SELECT name FROM {schema}.errands_jobs ORDER BY name LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.name FROM {schema}.errands_jobs AS j WHERE j.name > names.name
+            ORDER BY j.name LIMIT 1)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT name FROM names WHERE name IS NOT NULL LIMIT %(limit)s
+
+-- name: queue_forget
+DELETE FROM {schema}.errands_queues WHERE name = %(name)s

@@ -470,3 +470,17 @@ SET expression = excluded.expression, timezone = excluded.timezone,
 -- name: job_count_by_queue
 -- Jobs in one state per queue, from the (state, queue, id) index alone.
 SELECT queue, count(*) FROM errands_jobs WHERE state = :state GROUP BY queue
+
+-- name: job_names
+-- Every distinct job name, skipping through the (name, id) index (a loose index scan: one
+-- probe per name, not a scan of the table). For suggestions when a filter matched nothing.
+WITH RECURSIVE names(name) AS (
+    SELECT min(name) FROM errands_jobs
+    UNION ALL
+    SELECT (SELECT min(j.name) FROM errands_jobs AS j WHERE j.name > names.name)
+    FROM names WHERE names.name IS NOT NULL
+)
+SELECT name FROM names WHERE name IS NOT NULL LIMIT :limit
+
+-- name: queue_forget
+DELETE FROM errands_queues WHERE name = :name

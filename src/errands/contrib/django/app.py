@@ -39,6 +39,7 @@ from ...errors import ConfigurationError, InvalidPayload, SchemaOutdated
 from ...jobs import Job, JobError, JobRow, JobState
 from ...outcomes import Permanent
 from ._compat import (
+    SUCCESSFUL,
     InvalidTask,
     Task,
     TaskContext,
@@ -79,7 +80,7 @@ STATUS_FOR_STATE = {
     JobState.AVAILABLE: TaskResultStatus.READY,
     JobState.RETRYABLE: TaskResultStatus.READY,  # "ready to be executed again"
     JobState.RUNNING: TaskResultStatus.RUNNING,
-    JobState.COMPLETED: TaskResultStatus.SUCCESSFUL,
+    JobState.COMPLETED: SUCCESSFUL,
     JobState.DEAD: TaskResultStatus.FAILED,
     JobState.CANCELLED: TaskResultStatus.FAILED,
     JobState.DISCARDED: TaskResultStatus.FAILED,
@@ -184,15 +185,21 @@ def _seconds(value: float | timedelta | None) -> float | None:
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
 
 
+class ResultNotJSON(Permanent):
+    """A task returned a value that is not JSON: a permanent failure (the same value comes
+    back on every retry). Raised from the framework's own error (a ``TypeError``), which
+    Django's ``TaskError.exception_class`` shows, as Django's built-in backends do."""
+
+
 def json_result(task: Task, value: Any) -> Any:
     """A task's return value as Django stores it (JSON types), or a permanent failure."""
     try:
         return normalize_json(value)
     except (TypeError, ValueError) as exc:
-        raise Permanent(
+        raise ResultNotJSON(
             f"{task.module_path} returned a {type(value).__name__}, which is not JSON "
             f"({exc}); Django tasks must return JSON-serialisable values"
-        ) from None
+        ) from exc
 
 
 class TaskDefinition(JobDefinition[Any, Any]):
@@ -299,11 +306,15 @@ def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
 
         async def run_task_async(ctx: Context, args: list[Any], kwargs: dict[str, Any]) -> Any:
             running = await asyncio.to_thread(app.running_result, task, ctx)
-            if task.takes_context:
-                value = await task.func(TaskContext(task_result=running), *args, **kwargs)
-            else:
-                value = await task.func(*args, **kwargs)
-            return json_result(task, value)
+            try:
+                if task.takes_context:
+                    value = await task.func(TaskContext(task_result=running), *args, **kwargs)
+                else:
+                    value = await task.func(*args, **kwargs)
+                return json_result(task, value)
+            except BaseException as exc:
+                app.failures.remember(ctx.job_id, exc)
+                raise
 
         return run_task_async
 
@@ -317,10 +328,54 @@ def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
             else:
                 value = task.func(*args, **kwargs)
             return json_result(task, value)
+        except BaseException as exc:
+            app.failures.remember(ctx.job_id, exc)
+            raise
         finally:
             close_old_connections()
 
     return run_task
+
+
+class TaskFailed(Exception):
+    """A task's failure, rebuilt from its recorded error when the exception itself is not
+    at hand (it was raised in a child process): the exception Django's ``task_finished``
+    log line shows when the recorded class cannot be rebuilt."""
+
+
+class Failures:
+    """The last exception each job's task raised in this process, kept until the job's
+    ``task_finished`` is sent, so the signal goes out inside an exception handler with it
+    (as Django's own backends send it), and Django's log line carries its traceback."""
+
+    LIMIT = 1000  # jobs: a failure whose signal never comes is dropped, oldest first
+
+    def __init__(self) -> None:
+        self._by_job: dict[int, BaseException] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, job_id: int, exc: BaseException) -> None:
+        with self._lock:
+            self._by_job.pop(job_id, None)
+            self._by_job[job_id] = exc
+            while len(self._by_job) > self.LIMIT:
+                self._by_job.pop(next(iter(self._by_job)))
+
+    def take(self, job: Job) -> BaseException | None:
+        """The exception of the job's last failed attempt: the one raised here, else one
+        rebuilt from its recorded error; None when no attempt failed."""
+        with self._lock:
+            found = self._by_job.pop(job.id, None)
+        if found is not None or job.last_error is None:
+            return found
+        error = job.last_error
+        try:
+            cls = import_string(exception_class_path(error))
+            if isinstance(cls, type) and issubclass(cls, BaseException):
+                return cls(error.message)
+        except Exception:
+            pass  # a class that cannot be imported or built from one message
+        return TaskFailed(f"{error.type}: {error.message}")
 
 
 class _Registry(dict[str, JobDefinition[Any, Any]]):
@@ -351,6 +406,7 @@ class DjangoApp(App):
         self._opened_url: str | None = None
         self._unresolvable: set[str] = set()
         self._register_lock = threading.RLock()
+        self.failures = Failures()
         kwargs: dict[str, Any] = {}
         for option, argument in (
             ("LEASE", "lease"),
@@ -492,7 +548,7 @@ class DjangoApp(App):
             changes["priority"] = job.priority
         run_after = django_meta.get("run_after")
         if isinstance(run_after, int | float):
-            changes["run_after"] = _django_time(datetime.fromtimestamp(run_after, tz=UTC))
+            changes["run_after"] = django_time(datetime.fromtimestamp(run_after, tz=UTC))
         if changes:
             # a queue no longer in QUEUES shows the task's own (the job row keeps the truth)
             with contextlib.suppress(InvalidTask):
@@ -504,17 +560,17 @@ class DjangoApp(App):
             task=task,
             id=str(job.id),
             status=status,
-            enqueued_at=_django_time(job.inserted_at),
-            started_at=_django_time(job.attempted_at),
-            finished_at=_django_time(job.finished_at) if finished else None,
-            last_attempted_at=_django_time(job.attempted_at),
+            enqueued_at=django_time(job.inserted_at),
+            started_at=django_time(job.attempted_at),
+            finished_at=django_time(job.finished_at) if finished else None,
+            last_attempted_at=django_time(job.attempted_at),
             args=list(args.get("args") or []),
             kwargs=dict(args.get("kwargs") or {}),
             backend=str(django_meta.get("backend") or backend_alias or self.task_backend_alias),
             errors=[task_error(e) for e in job.errors],
             worker_ids=worker_ids(job),
         )
-        if status == TaskResultStatus.SUCCESSFUL:
+        if status == SUCCESSFUL:
             object.__setattr__(result, "_return_value", job.result)
         return result
 
@@ -548,8 +604,18 @@ class DjangoApp(App):
             return
         from .backend import ErrandsBackend
 
-        result = self.task_result(self.get_job(event["job_id"]))
-        send_signal(task_finished, ErrandsBackend, result)
+        job = self.get_job(event["job_id"])
+        result = self.task_result(job)
+        failure = self.failures.take(job)
+        if result.status != TaskResultStatus.FAILED or failure is None:
+            send_signal(task_finished, ErrandsBackend, result)
+            return
+        # Inside the handler of the task's own exception, as Django's backends send it:
+        # Django's log_task_finished (and Sentry-style receivers) read sys.exc_info().
+        try:
+            raise failure
+        except BaseException:
+            send_signal(task_finished, ErrandsBackend, result)
 
 
 @contextmanager
@@ -568,20 +634,28 @@ def translate_missing_tables(database: str) -> Iterator[None]:
         raise
 
 
-def _django_time(value: datetime | None) -> datetime | None:
+def django_time(value: datetime | None) -> datetime | None:
     """errands' aware UTC times as Django expects them (naive local when USE_TZ=False)."""
     if value is None or settings.USE_TZ:
         return value
     return timezone.make_naive(value)
 
 
+_CAUSE_LINE = "The above exception was the direct cause of the following exception:"
+
+
 def exception_class_path(error: JobError) -> str:
     """``module.QualName`` of a recorded error, read from its traceback's last line (what
     ``traceback.format_exception`` writes), so Django's ``TaskError.exception_class``
-    imports it."""
+    imports it. For a :class:`ResultNotJSON`, the class of the error it was raised from."""
     if error.type == "WorkerLost" and not error.traceback:
         return f"{WorkerLost.__module__}.{WorkerLost.__qualname__}"
     lines = [line for line in (error.traceback or "").splitlines() if line.strip()]
+    if error.type == ResultNotJSON.__name__ and _CAUSE_LINE in lines:
+        cause = lines[: lines.index(_CAUSE_LINE)]
+        head = cause[-1].split(":", 1)[0].strip() if cause else ""
+        if _CLASS_PATH.match(head):
+            return head if "." in head else f"builtins.{head}"
     if lines and not lines[-1].startswith(" "):
         head = lines[-1].split(":", 1)[0].strip()
         if _CLASS_PATH.match(head) and head.rsplit(".", 1)[-1] == error.type.rsplit(".", 1)[-1]:

@@ -43,6 +43,7 @@ from .app import (
     DjangoApp,
     app_for,
     check_options,
+    django_time,
     send_signal,
     sqlite_path,
     translate_missing_tables,
@@ -129,8 +130,12 @@ class ErrandsBackend(BaseTaskBackend):
             )
             if handle.deduplicated:  # the key's job already exists: that is the result
                 return self.get_result(str(handle.id))
+            # The stored row's time (the database clock), so that the result equals what
+            # get_result() and refresh() give for it later.
+            stored = app.read_job(handle.id)
         object.__setattr__(result, "id", str(handle.id))
-        object.__setattr__(result, "enqueued_at", timezone.now())
+        enqueued_at = None if stored is None else django_time(stored.inserted_at)
+        object.__setattr__(result, "enqueued_at", enqueued_at or timezone.now())
         transaction.on_commit(
             lambda: send_signal(task_enqueued, type(self), result), using=self.database
         )

@@ -1,0 +1,59 @@
+"""What the workers' registry says: which workers are alive, which queues they serve, and
+which periodic jobs wait in a queue that no live worker serves.
+
+Each worker writes a registry heartbeat every third of its shortest lease (the lease
+keeper's beat); one that missed :data:`MISSED_HEARTBEATS` of them in a row is presumed
+dead. It stays listed (as dead) until the maintenance leader forgets it, 5 minutes later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from .backends.base import WorkerInfo
+
+if TYPE_CHECKING:
+    from .app import App
+
+MISSED_HEARTBEATS = 3
+BEAT_SLACK = 2.0  # seconds: a heartbeat's write may take a moment to land
+
+
+def heartbeat_interval(lease: float) -> float:
+    """How often a worker of an app with this lease beats, at the longest."""
+    return max(lease / 3, 0.2)
+
+
+def presumed_dead_after(lease: float) -> float:
+    """Seconds without a heartbeat after which a worker is presumed dead."""
+    return MISSED_HEARTBEATS * heartbeat_interval(lease) + BEAT_SLACK
+
+
+def presumed_dead(worker: WorkerInfo, lease: float) -> bool:
+    return worker.heartbeat_age > presumed_dead_after(lease)
+
+
+def queue_names(spec: str) -> list[str]:
+    """The queue names of a worker's registry entry (``"emails=10,payments"``)."""
+    return [part.split("=", 1)[0].strip() for part in spec.split(",") if part.strip()]
+
+
+def served_queues(workers: Iterable[WorkerInfo], lease: float) -> set[str]:
+    """Every queue some live worker serves."""
+    return {q for w in workers if not presumed_dead(w, lease) for q in queue_names(w.queues)}
+
+
+def live_served_queues(app: App) -> set[str]:
+    """:func:`served_queues` of the app's store."""
+    return served_queues(app.backend.worker_list(), app.lease)
+
+
+def unserved_periodic(app: App, served: set[str]) -> dict[str, list[str]]:
+    """The periodic jobs whose queue is not in ``served``, by queue."""
+    waiting: dict[str, list[str]] = {}
+    for periodic in app.schedules.values():
+        queue = periodic.bound.request.queue
+        if queue not in served:
+            waiting.setdefault(queue, []).append(periodic.name)
+    return waiting
