@@ -64,6 +64,23 @@ def test_overview_shows_counts_oldest_age_and_charts_per_queue(
     assert 'hx-trigger="every 5s"' in html
 
 
+def test_overview_names_pending_job_types_no_live_worker_defines(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    """A worker never claims a job type its code does not define: the overview lists the
+    pending jobs no live worker defines, and only while none does."""
+    jobs["charge"].enqueue(order_id=1)
+    store.backend.worker_register(
+        WorkerInfo("w-emails", "host", 1, "emails", 2, "0", jobs=(jobs["send_welcome"].name,))
+    )
+    html = client.get("/").text
+    assert 'id="unrunnable"' in html and jobs["charge"].name in html
+    store.backend.worker_register(
+        WorkerInfo("w-pay", "host", 2, "payments", 2, "0", jobs=(jobs["charge"].name,))
+    )
+    assert 'id="unrunnable"' not in client.get("/").text
+
+
 def test_jobs_page_filters_by_state_queue_and_name(
     store: errands.App, jobs: dict[str, Any], client: TestClient
 ) -> None:

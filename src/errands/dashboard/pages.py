@@ -99,7 +99,15 @@ async def overview(request: Request, viewer: Viewer) -> Response:
         rows = app.backend.job_throughput(charts.WINDOW_SECONDS, charts.BUCKET_SECONDS)
         workers = app.backend.worker_list()
         declared = app.queue_settings()
-        return {"stats": stats, "now": now, "rows": rows, "workers": workers, "declared": declared}
+        unrunnable = app.unrunnable_jobs()
+        return {
+            "stats": stats,
+            "now": now,
+            "rows": rows,
+            "workers": workers,
+            "declared": declared,
+            "unrunnable": unrunnable,
+        }
 
     data = await blocking(load)
     total, per_queue = charts.build_series(data["rows"], data["now"])
@@ -139,6 +147,7 @@ async def overview(request: Request, viewer: Viewer) -> Response:
             "throughput": charts.throughput_chart(total),
             "failures": charts.failure_rate_chart(total),
             "workers": [w for w in data["workers"] if not presumed_dead(w, app.lease)],
+            "unrunnable": data["unrunnable"],
             "live": True,
         },
     )
