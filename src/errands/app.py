@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -307,6 +308,29 @@ class App:
     # -- enqueue -----------------------------------------------------------------------
     def enqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:
         """Store many jobs in one transaction (the caller's, when ``conn`` is given)."""
+        requests = self._requests(jobs)
+        if not requests:
+            return []
+        return self._enqueued(jobs, self.backend.job_insert_many(requests, conn=conn))
+
+    async def aenqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:
+        """:meth:`enqueue_many` for async code: the event loop never blocks on the store.
+
+        ``conn``: the caller's async connection — a psycopg ``AsyncConnection``, an
+        aiosqlite connection, or an SQLAlchemy ``AsyncSession``/``AsyncConnection`` on
+        one — whose transaction the jobs commit or roll back with. Without it, the store's
+        own connection is used in a worker thread: cancelling the awaiting task then
+        does not undo an insert already sent (enqueue with ``key=`` to retry safely).
+
+        .. versionadded:: 0.2
+        """
+        requests = self._requests(jobs)
+        if not requests:
+            return []
+        return self._enqueued(jobs, await self.backend.ajob_insert_many(requests, conn=conn))
+
+    def _requests(self, jobs: Sequence[BoundJob]) -> list[Any]:
+        """Check ``jobs`` belong here; their requests, after the before-insert hooks."""
         for bound in jobs:
             if not isinstance(bound, BoundJob):
                 raise ConfigurationError(
@@ -316,8 +340,10 @@ class App:
                 raise ConfigurationError(f"job {bound.definition.name!r} belongs to another App")
         if not jobs:
             return []
-        requests = self.events.prepare_insert([b.request for b in jobs])
-        results = self.backend.job_insert_many(requests, conn=conn)
+        return self.events.prepare_insert([b.request for b in jobs])
+
+    def _enqueued(self, jobs: Sequence[BoundJob], results: Sequence[Any]) -> list[JobHandle]:
+        """Emit the enqueued events; the handles of what was stored."""
         if self.events.wants("errands.job.enqueued"):
             emit = self.events.emit
             for bound, result in zip(jobs, results, strict=True):
@@ -342,6 +368,13 @@ class App:
         if row is None:
             raise JobNotFound(f"no job with id {job_id}")
         return row.to_job()
+
+    async def aget_job(self, job_id: int) -> Job:
+        """:meth:`get_job` for async code (read in a worker thread; the loop never blocks).
+
+        .. versionadded:: 0.2
+        """
+        return await asyncio.to_thread(self.get_job, job_id)
 
     def jobs(
         self,
@@ -445,6 +478,13 @@ class App:
             for job_id in result.matched:
                 self.events.emit("errands.job.discarded", job_id=job_id, actor=actor, reason=reason)
         return result
+
+    async def acancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
+        """:meth:`cancel` for async code.
+
+        .. versionadded:: 0.2
+        """
+        return await asyncio.to_thread(self.cancel, job_id, actor=actor)
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""

@@ -10,6 +10,7 @@ A write whose token no longer matches changes nothing and is reported back as re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -244,6 +245,16 @@ class Backend(Protocol):
         """Insert in one transaction (the caller's, when ``conn`` is given)."""
         ...
 
+    async def ajob_insert_many(
+        self, requests: Sequence[EnqueueRequest], conn: Any = None
+    ) -> list[InsertResult]:
+        """:meth:`job_insert_many` for an event loop, which it never blocks: ``conn`` is
+        the caller's async connection (an aiosqlite or psycopg ``AsyncConnection``, or an
+        SQLAlchemy ``AsyncSession``/``AsyncConnection`` on one), and the jobs commit or
+        roll back with its transaction; without one, the store's own connection is used
+        in a thread."""
+        ...
+
     # -- the hot path --------------------------------------------------------------
     def job_claim(self, params: ClaimParams) -> list[JobRow]: ...
 
@@ -425,6 +436,29 @@ class ThroughputBucket:
     completed: int
     dead: int
     failed: int  # failed attempts (retried or not), each counted when its error was recorded
+
+
+def insert_params(req: EnqueueRequest) -> dict[str, Any]:
+    """The named parameters of one job's ``job_insert`` (the same names on every backend)."""
+    return {
+        "name": req.name,
+        "queue": req.queue,
+        "args": req.args_json,
+        "meta": json.dumps(req.meta, separators=(",", ":")),
+        "priority": req.priority,
+        "max_attempts": req.max_attempts,
+        "run_at": req.run_at,
+        "delay": req.delay,
+        "key": req.key,
+        "timeout": req.timeout,
+        "lease_seconds": req.lease_seconds,
+        "parent_id": req.parent_id,
+        "unique_for": req.unique_for,
+        "concurrency_key": req.concurrency_key,
+        "concurrency_limit": req.concurrency_limit,
+        "rate_limit": req.rate_limit,
+        "rate_period": req.rate_period,
+    }
 
 
 def unwrap_connection(conn: Any) -> Any:

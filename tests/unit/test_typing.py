@@ -1,0 +1,99 @@
+"""The public API type-checks in a user's project: errands ships ``py.typed``, and a small
+typed user module (sync and async calls, a Context, handles) passes mypy — and pyright,
+when it is installed — with the errands package as installed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import errands
+
+USER_MODULE = """
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import errands
+
+app = errands.App("sqlite:///typed.db")
+
+
+@app.job(queue="mail", retries=2)
+def send(ctx: errands.Context, user_id: int, email: str) -> str:
+    sent: str = ctx.step("send", lambda: f"{user_id}:{email}")
+    return sent
+
+
+def sync_side() -> int:
+    handle: errands.JobHandle = send.enqueue(user_id=1, email="a@b.c", key="k")
+    state: errands.JobState = handle.status()
+    job: errands.Job = app.get_job(handle.id)
+    handles: list[errands.JobHandle] = app.enqueue_many([send.bind(user_id=2, email="x")])
+    print(state, job.attempt, handles)
+    return handle.id
+
+
+async def async_side() -> int:
+    handle = await send.aenqueue(user_id=1, email="a@b.c", delay=timedelta(seconds=1))
+    state: errands.JobState = await handle.astatus()
+    job: errands.Job = await app.aget_job(handle.id)
+    many: list[errands.JobHandle] = await app.aenqueue_many([send.bind(user_id=3, email="y")])
+    try:
+        result = await handle.aresult(timeout=30)
+    except (errands.JobFailed, errands.JobCancelled, errands.ResultTimeout):
+        result = None
+    await handle.acancel()
+    print(state, job.state, many, result)
+    return handle.id
+
+
+if __name__ == "__main__":
+    asyncio.run(async_side())
+"""
+
+
+def _package_root() -> Path:
+    return Path(errands.__file__).resolve().parent
+
+
+def test_errands_ships_py_typed() -> None:
+    """The marker that tells type checkers to read errands' own annotations is shipped."""
+    assert (_package_root() / "py.typed").is_file()
+
+
+@pytest.fixture
+def user_project(tmp_path: Path) -> Path:
+    (tmp_path / "user_app.py").write_text(USER_MODULE, encoding="utf-8")
+    return tmp_path
+
+
+def test_a_typed_user_module_passes_mypy(user_project: Path) -> None:
+    """mypy --strict on a user module using the sync and async API reports no error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental",
+         "--cache-dir", os.devnull, "user_app.py"],
+        cwd=user_project, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_typed_user_module_passes_pyright(user_project: Path) -> None:
+    """pyright (the dev extra installs it) reports no error on the same module."""
+    pyright = shutil.which("pyright", path=str(Path(sys.executable).parent))
+    if pyright is None:
+        pytest.skip("pyright is not installed (pip install pyright)")
+    (user_project / "pyrightconfig.json").write_text(
+        '{"pythonVersion": "3.11", "typeCheckingMode": "standard"}', encoding="utf-8"
+    )
+    done = subprocess.run(
+        [pyright, "--pythonpath", sys.executable, "user_app.py"],
+        cwd=user_project, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
