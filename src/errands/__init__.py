@@ -32,6 +32,7 @@ from .errors import (
 from .handle import JobHandle
 from .jobs import Job, JobError, JobState
 from .outcomes import Permanent, Retry
+from .results import as_completed, wait_all
 from .retry import ExponentialBackoff
 
 __version__ = "0.1.0"
@@ -67,4 +68,6 @@ __all__ = [
     "TransactionEnded",
     "UnknownJob",
     "__version__",
+    "as_completed",
+    "wait_all",
 ]

@@ -29,6 +29,7 @@ from .jobs import Job, Step, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
+from .results import ResultHub
 from .retry import BackoffPolicy
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class App:
         self.events.subscribe(log_event, inline=True)
         self._backend: Backend | None = None
         self._backend_lock = threading.Lock()
+        self._results: ResultHub | None = None
 
     def __repr__(self) -> str:
         return f"<errands.App {redact_url(self.url)} jobs={len(self.registry)}>"
@@ -117,7 +119,18 @@ class App:
                     self._backend = open_backend(self.url)
         return self._backend
 
+    @property
+    def results(self) -> ResultHub:
+        """The waiters on this App's results, woken by one watcher of the store."""
+        if self._results is None:
+            with self._backend_lock:
+                if self._results is None:
+                    self._results = ResultHub(self)
+        return self._results
+
     def close(self) -> None:
+        if self._results is not None:
+            self._results.close()
         if self._backend is not None:
             self._backend.close()
             self._backend = None

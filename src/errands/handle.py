@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import JobCancelled, JobFailed, JobNotFound, ResultTimeout
+from .errors import JobCancelled, JobFailed, JobNotFound
 from .jobs import Job, JobState
+from .results import Pacer
 
 if TYPE_CHECKING:
     from .app import App
@@ -70,34 +70,42 @@ class JobHandle:
         """Wait for the job to finish and return its result.
 
         Raises JobFailed when it is dead (in the DLQ), JobCancelled when cancelled or
-        discarded, ResultTimeout when ``timeout`` seconds pass first.
+        discarded, ResultTimeout when ``timeout`` seconds pass first. The store wakes the
+        wait when the job's outcome commits (LISTEN/NOTIFY on PostgreSQL, commit
+        detection on SQLite; see errands.results); ``poll`` is the longest pause between
+        reads where it cannot (``listen=false``, an in-memory store).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = min(poll, 0.01)
-        while True:
-            job = self._read_finished(self._read())
-            if job is not None:
-                return self._outcome(job)
-            pause = self._pause(delay, deadline, timeout)
-            time.sleep(pause)
-            delay = min(delay * 2, poll)
+        hub = self.app.results
+        hub.ready()
+        pacer = Pacer(hub, poll, timeout)
+        with hub.watch([self.id]) as waiter:
+            while True:
+                job = self._read_finished(self._read())
+                if job is not None:
+                    return self._outcome(job)
+                waiter.wait(pacer.next(self._still()))
 
     async def aresult(
         self, timeout: float | None = None, poll: float = POLL_INTERVAL_DEFAULT
     ) -> Any:
-        """:meth:`result` for async code: the same outcomes and errors, and the event
-        loop never blocks. Cancelling the awaiting task stops only the wait.
+        """:meth:`result` for async code: the same outcomes and errors, woken the same
+        way, and the event loop never blocks. Cancelling the awaiting task stops only the
+        wait (its registration is removed).
 
         .. versionadded:: 0.2
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = min(poll, 0.01)
-        while True:
-            job = self._read_finished(await asyncio.to_thread(self._read))
-            if job is not None:
-                return self._outcome(job)
-            await asyncio.sleep(self._pause(delay, deadline, timeout))
-            delay = min(delay * 2, poll)
+        hub = self.app.results
+        await asyncio.to_thread(hub.ready)
+        pacer = Pacer(hub, poll, timeout)
+        with hub.watch([self.id], asyncio.get_running_loop()) as waiter:
+            while True:
+                job = self._read_finished(await asyncio.to_thread(self._read))
+                if job is not None:
+                    return self._outcome(job)
+                await waiter.await_wake(pacer.next(self._still()))
+
+    def _still(self) -> str:
+        return f"job {self.id} ({self.name}) is still {self._last_state}"
 
     def _read(self) -> Job:
         try:
@@ -106,17 +114,6 @@ class JobHandle:
             raise JobNotFound(
                 f"job {self.id} no longer exists (pruned after the retention period?)"
             ) from None
-
-    def _pause(self, delay: float, deadline: float | None, timeout: float | None) -> float:
-        """How long to wait before looking again; ResultTimeout once the time is up."""
-        if deadline is None:
-            return delay
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ResultTimeout(
-                f"job {self.id} ({self.name}) is still {self._last_state} after {timeout} s"
-            )
-        return min(delay, left)
 
     def _read_finished(self, job: Job) -> Job | None:
         """``job`` when it is over (completed, dead, cancelled, discarded), else None."""

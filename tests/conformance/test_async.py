@@ -37,6 +37,7 @@ def app(backend: Backend) -> Iterator[errands.App]:
     application = errands.App(backend.url)
     application._backend = backend
     yield application
+    application.results.close()
     application._backend = None  # the backend fixture closes it
 
 

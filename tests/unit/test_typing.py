@@ -36,7 +36,10 @@ def sync_side() -> int:
     state: errands.JobState = handle.status()
     job: errands.Job = app.get_job(handle.id)
     handles: list[errands.JobHandle] = app.enqueue_many([send.bind(user_id=2, email="x")])
-    print(state, job.attempt, handles)
+    errands.wait_all(handles, timeout=1.0)
+    for done in errands.as_completed(handles, timeout=1.0):
+        print(done.id)
+    print(state, job.attempt)
     return handle.id
 
 

@@ -11,6 +11,7 @@ A write whose token no longer matches changes nothing and is reported back as re
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -400,6 +401,19 @@ class Backend(Protocol):
         """A service calling ``on_queue(queue)`` when jobs may be due (None: any queue)."""
         ...
 
+    def result_listener(
+        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+    ) -> Listener | None:
+        """A service calling ``on_done(ids)`` when jobs ended (None: some may have, ask
+        :meth:`job_states`), and ``on_listen()`` whenever it (re)starts listening; its
+        ``listening`` event is set while it does. None: this store cannot push (waiters
+        poll). One per process serves every waiter (errands.results)."""
+        ...
+
+    def job_states(self, ids: Sequence[int]) -> dict[int, str]:
+        """The state of each job of ``ids`` that exists."""
+        ...
+
     # -- the dashboard ---------------------------------------------------------------------
     def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[ThroughputBucket]:
         """Completed and dead jobs and failed attempts per queue and time bucket, oldest first."""
@@ -421,6 +435,7 @@ class Backend(Protocol):
 
 class Listener(Protocol):
     self_test_passed: bool | None
+    listening: threading.Event  # set while notifications are received
 
     def start(self) -> None: ...
 

@@ -13,7 +13,7 @@ queries in it).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -161,6 +161,16 @@ class SharedAdmin:
         return [
             JobRow(*r) for r in self._read_rows("job_find_by_key", {"key": key, "limit": limit})
         ]
+
+    def job_states(self, ids: Sequence[int]) -> dict[int, str]:
+        if not ids:
+            return {}
+        rows = self._read_rows("job_states", {"ids": self._id_list(list(ids))})
+        return {int(r[0]): str(r[1]) for r in rows}
+
+    def _id_list(self, ids: list[int]) -> Any:
+        """A list of ids as the store's ``job_states`` query binds it."""
+        return ids
 
     def job_count_by_queue(self, state: str) -> dict[str, int]:
         return {q: int(n) for q, n in self._read_rows("job_count_by_queue", {"state": state})}

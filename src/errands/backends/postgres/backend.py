@@ -919,6 +919,26 @@ class PostgresBackend(PostgresAdmin):
 
         return Notifier(self.config.conninfo, self.channel, on_queue)
 
+    def result_listener(
+        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+    ) -> Any:
+        """One LISTEN connection on ``errands_done_<schema>``, where the errands_jobs_done
+        trigger announces the ids of the jobs each statement ended."""
+        if not self.config.listen:  # listen=false: waiters poll (e.g. behind PgBouncer)
+            return None
+        from .notifier import Notifier
+
+        def parse(payload: str) -> None:
+            try:
+                on_done(None if payload == "*" else [int(i) for i in payload.split(",")])
+            except ValueError:
+                on_done(None)
+
+        channel = f"errands_done_{self.schema}"
+        return Notifier(
+            self.config.conninfo, channel, parse, on_listen, "errands-results", "errands-results"
+        )
+
 
 def unwrap_connection(conn: Any) -> Any:
     """The DB-API connection behind a SQLAlchemy Session or Connection, else ``conn``."""

@@ -252,6 +252,9 @@ WHERE state = %(state)s
 ORDER BY id
 FOR UPDATE
 
+-- name: job_states
+SELECT id, state FROM {schema}.errands_jobs WHERE id = ANY(%(ids)s::bigint[])
+
 -- name: job_state_for_update
 SELECT state FROM {schema}.errands_jobs WHERE id = %(id)s FOR UPDATE
 

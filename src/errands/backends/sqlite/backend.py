@@ -787,6 +787,17 @@ class SQLiteBackend(SQLiteAdmin):
 
         return DataVersionWatcher(self.path, on_queue)
 
+    def result_listener(
+        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+    ) -> Any:
+        """Commits seen through PRAGMA data_version: the hub asks which watched jobs ended
+        (every commit of the file counts, so ``on_done`` gets None)."""
+        if self.memory:
+            return None
+        from .watcher import DataVersionWatcher
+
+        return DataVersionWatcher(self.path, lambda _: on_done(None))
+
 
 def _loads_or_raw(text: str | None) -> Any:
     if text is None:

@@ -186,6 +186,9 @@ ORDER BY id
 -- name: job_state
 SELECT state FROM errands_jobs WHERE id = :id
 
+-- name: job_states
+SELECT id, state FROM errands_jobs WHERE id IN (SELECT value FROM json_each(:ids))
+
 -- name: queue_stats
 SELECT queue, state, count(*) AS n,
        min(CASE WHEN state IN ('available', 'scheduled', 'retryable')

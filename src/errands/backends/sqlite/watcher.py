@@ -27,6 +27,7 @@ class DataVersionWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-watch", daemon=True)
         self.self_test_passed: bool | None = True
+        self.listening = threading.Event()  # set once the first version is read
 
     def start(self) -> None:
         self._thread.start()
@@ -44,6 +45,7 @@ class DataVersionWatcher:
             return
         try:
             last = conn.execute("PRAGMA data_version").fetchone()[0]
+            self.listening.set()  # any commit from here on is seen
             while not self._stop.wait(CHECK_INTERVAL):
                 try:
                     version = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -53,5 +55,6 @@ class DataVersionWatcher:
                     last = version
                     self.on_queue(None)
         finally:
+            self.listening.clear()
             with contextlib.suppress(sqlite3.Error):
                 conn.close()
