@@ -30,7 +30,7 @@ from .errors import (
     UnknownJob,
 )
 from .handle import JobHandle
-from .jobs import Job, JobError, JobState
+from .jobs import Job, JobError, JobState, Progress
 from .outcomes import Permanent, Retry
 from .results import as_completed, wait_all
 from .retry import ExponentialBackoff
@@ -60,6 +60,7 @@ __all__ = [
     "JobNotFound",
     "JobState",
     "Permanent",
+    "Progress",
     "ResultTimeout",
     "Retry",
     "SchemaOutdated",

@@ -56,6 +56,18 @@ class Context:
         """``ctx.step`` for async handlers: ``fn`` may be a coroutine function."""
         return await self._rt().astep(name, fn, *args, **kwargs)
 
+    def progress(self, fraction: float, message: str = "") -> None:
+        """Report how far this run is: ``fraction`` from 0.0 to 1.0, and a short message.
+
+        Kept in memory and stored with the worker's next heartbeat (no write of its own,
+        however often it is called); ``handle.progress()``, ``errands jobs show`` and the
+        dashboard show the latest, and the ``errands.job.progress`` event announces it.
+        A new attempt starts with none.
+
+        .. versionadded:: 0.2
+        """
+        self._rt().progress(fraction, message)
+
     def transaction(self) -> TransactionConnection:
         """A connection inside the transaction that will also complete this job.
 

@@ -6,7 +6,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from .errors import JobCancelled, JobFailed, JobNotFound
-from .jobs import Job, JobState
+from .jobs import Job, JobState, Progress
 from .results import Pacer
 
 if TYPE_CHECKING:
@@ -103,6 +103,14 @@ class JobHandle:
                 if job is not None:
                     return self._outcome(job)
                 await waiter.await_wake(pacer.next(self._still()))
+
+    def progress(self) -> Progress | None:
+        """What the running handler last reported with ``ctx.progress`` (as the worker's
+        last heartbeat stored it); None before any report, and when a new attempt starts.
+
+        .. versionadded:: 0.2
+        """
+        return self.job().progress
 
     def _still(self) -> str:
         return f"job {self.id} ({self.name}) is still {self._last_state}"

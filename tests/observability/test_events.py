@@ -68,6 +68,7 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
 
     @app.job(name="ev.slow")
     def slow(ctx: errands.Context) -> None:
+        ctx.progress(0.5, "half way")  # stored (and announced) by the next heartbeat
         while not ctx.cancelled and not release.is_set():
             time.sleep(0.01)
         if ctx.cancelled:
@@ -87,6 +88,10 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
                 handle.result(timeout=10)
             wait_until(lambda: handles[3].job().state.value == "dead", what="doomed dead")
             wait_until(lambda: slow_cancelled.job().state.value == "running", what="slow runs")
+            wait_until(
+                lambda: any(e.name == "errands.job.progress" for e in list(seen)),
+                what="progress stored by a heartbeat",
+            )
             app.cancel(slow_cancelled.id)
             wait_until(lambda: slow_cancelled.job().state.value == "cancelled", what="cancelled")
             app.replay([handles[3].id])

@@ -27,6 +27,7 @@ app = errands.App("sqlite:///typed.db")
 
 @app.job(queue="mail", retries=2)
 def send(ctx: errands.Context, user_id: int, email: str) -> str:
+    ctx.progress(0.5, "half way")
     sent: str = ctx.step("send", lambda: f"{user_id}:{email}")
     return sent
 
@@ -39,7 +40,8 @@ def sync_side() -> int:
     errands.wait_all(handles, timeout=1.0)
     for done in errands.as_completed(handles, timeout=1.0):
         print(done.id)
-    print(state, job.attempt)
+    progress: errands.Progress | None = handle.progress()
+    print(state, job.attempt, progress)
     return handle.id
 
 

@@ -70,6 +70,8 @@ class LeaseRef:
     id: int
     lease_token: str
     lease_seconds: float
+    progress: float | None = None  # ctx.progress to store with this heartbeat (None: as is)
+    progress_message: str | None = None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ STATE_ORDER = (
     "running",
     "scheduled",
     "retryable",
+    "waiting",
     "completed",
     "dead",
     "discarded",

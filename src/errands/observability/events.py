@@ -39,6 +39,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     "errands.job.dead": (*_RUN, "duration", "error_type", "error_message", "reason"),
     "errands.job.cancelled": (*_RUN, "duration"),
     "errands.job.stale_write_rejected": (*_RUN, "outcome"),
+    "errands.job.progress": (*_RUN, "progress", "message"),
     "errands.job.rescued": (*_RUN, "state", "reason", "worker"),
     "errands.job.released": _RUN,
     "errands.job.replayed": ("job_id", "actor"),

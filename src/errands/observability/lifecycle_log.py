@@ -18,6 +18,7 @@ _JOB_EVENT_LEVELS = {
     "errands.job.started": (worker_log, logging.INFO),
     "errands.job.completed": (worker_log, logging.INFO),
     "errands.job.cancelled": (worker_log, logging.INFO),
+    "errands.job.progress": (worker_log, logging.DEBUG),
 }
 
 
@@ -55,6 +56,10 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
             )
     elif name == "errands.job.completed":
         worker_log.info("completed in %.3f s", f.get("duration", 0.0), extra=extra)
+    elif name == "errands.job.progress":
+        worker_log.debug(
+            "progress %.0f%%: %s", 100 * f.get("progress", 0.0), f.get("message", ""), extra=extra
+        )
     elif name == "errands.job.retrying":
         worker_log.warning(
             "failed, retrying in %.1f s (attempt %d of %d): %s: %s",

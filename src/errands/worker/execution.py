@@ -83,6 +83,8 @@ class Attempt:
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
+    progress: tuple[float, str] | None = None  # ctx.progress, latest
+    progress_stored: tuple[float, str] | None = None  # ... as the last heartbeat stored it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("errands.worker")
 
+PROGRESS_MESSAGE_MAX = 500  # characters of a ctx.progress message kept
+
 
 class AttemptRuntime:
     def __init__(self, app: App, attempt: Attempt) -> None:
@@ -140,6 +142,17 @@ class AttemptRuntime:
         if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
             result = await result
         return await asyncio.to_thread(self._store_step, name, result)
+
+    # -- progress ----------------------------------------------------------------------------
+    def progress(self, fraction: float, message: str = "") -> None:
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise ValueError(f"ctx.progress: fraction must be a number, got {fraction!r}")
+        if not 0.0 <= fraction <= 1.0:  # NaN fails this too
+            raise ValueError(f"ctx.progress: fraction must be from 0.0 to 1.0, got {fraction!r}")
+        if not isinstance(message, str):
+            raise ValueError(f"ctx.progress: message must be a string, got {message!r}")
+        text = message.replace("\x00", "")[:PROGRESS_MESSAGE_MAX]  # storable text
+        self.attempt.progress = (float(fraction), text.encode("utf-8", "replace").decode())
 
     # -- the completion transaction ----------------------------------------------------------
     def transaction(self) -> TransactionConnection:

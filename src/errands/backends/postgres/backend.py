@@ -93,6 +93,8 @@ JOB_COLUMNS_SQL = ", ".join(
         "extract(epoch FROM j.lease_expires_at)::float8", "j.rescues",
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
         "j.discard_reason", "j.parent_id", "extract(epoch FROM j.unique_until)::float8",
+        "j.progress", "j.progress_message", "j.wait_signal",
+        "extract(epoch FROM j.wait_until)::float8",
     ]
 )  # fmt: skip
 
@@ -835,6 +837,8 @@ class PostgresBackend(PostgresAdmin):
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
                     "leases": [float(lease.lease_seconds) for lease in leases],
+                    "progress": [lease.progress for lease in leases],
+                    "messages": [lease.progress_message for lease in leases],
                 },
             ).fetchall()
         return HeartbeatResult(

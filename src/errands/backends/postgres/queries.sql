@@ -115,7 +115,8 @@ SET state = 'running',
     lease_owner = %(worker_id)s,
     lease_token = %(token)s,
     lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
-    attempted_at = now()
+    attempted_at = now(),
+    progress = NULL, progress_message = NULL
 FROM picked
 WHERE j.id = picked.id
 RETURNING {job_columns}
@@ -143,10 +144,14 @@ WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, o.token
 
 -- name: job_heartbeat_many
+-- The handlers' latest ctx.progress rides on the heartbeat (NULL: unchanged).
 UPDATE {schema}.errands_jobs AS j
-SET lease_expires_at = now() + make_interval(secs => o.lease_seconds)
-FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(leases)b::float8[])
-     AS o(id, token, lease_seconds)
+SET lease_expires_at = now() + make_interval(secs => o.lease_seconds),
+    progress = COALESCE(o.progress, j.progress),
+    progress_message = CASE WHEN o.progress IS NULL THEN j.progress_message ELSE o.message END
+FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(leases)b::float8[],
+            %(progress)s::float8[], %(messages)s::text[])
+     AS o(id, token, lease_seconds, progress, message)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, j.lease_token, j.cancel_requested
 
@@ -543,7 +548,8 @@ SET state = 'running',
     lease_owner = %(worker_id)s,
     lease_token = %(token)s,
     lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
-    attempted_at = now()
+    attempted_at = now(),
+    progress = NULL, progress_message = NULL
 WHERE j.id = ANY(%(ids)s::bigint[])
   AND j.state IN ('available', 'scheduled', 'retryable')
 RETURNING {job_columns}

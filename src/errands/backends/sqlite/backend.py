@@ -692,6 +692,8 @@ class SQLiteBackend(SQLiteAdmin):
                             "id": lease.id,
                             "token": lease.lease_token,
                             "lease_seconds": lease.lease_seconds,
+                            "progress": lease.progress,
+                            "message": lease.progress_message,
                         },
                     ).fetchone()
                     if row is not None:

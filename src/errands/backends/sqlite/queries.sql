@@ -40,7 +40,8 @@ SET state = 'running',
     lease_token = :token,
     lease_expires_at = (julianday('now') - 2440587.5) * 86400.0
                        + COALESCE(lease_seconds, :lease_default),
-    attempted_at = (julianday('now') - 2440587.5) * 86400.0
+    attempted_at = (julianday('now') - 2440587.5) * 86400.0,
+    progress = NULL, progress_message = NULL
 WHERE id IN (
     SELECT id FROM errands_jobs
     WHERE state IN ('available', 'scheduled', 'retryable')
@@ -55,7 +56,8 @@ WHERE id IN (
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+          lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 
 -- name: job_finish
 -- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
@@ -76,8 +78,11 @@ SET state = CASE WHEN cancel_requested = 1 AND :state IN ('retryable', 'dead')
 WHERE id = :id AND lease_token = :token AND state = 'running'
 
 -- name: job_heartbeat
+-- The handler's latest ctx.progress rides on the heartbeat (NULL: unchanged).
 UPDATE errands_jobs
-SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease_seconds
+SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease_seconds,
+    progress = COALESCE(:progress, progress),
+    progress_message = CASE WHEN :progress IS NULL THEN progress_message ELSE :message END
 WHERE id = :id AND lease_token = :token AND state = 'running'
 RETURNING id, lease_token, cancel_requested
 
@@ -159,14 +164,16 @@ DELETE FROM errands_steps WHERE job_id = :job_id
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 FROM errands_jobs WHERE id = :id
 
 -- name: job_list
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 FROM errands_jobs
 WHERE (:state IS NULL OR state = :state)
   AND (:queue IS NULL OR queue = :queue)
@@ -319,7 +326,8 @@ SELECT j.id, j.name, j.queue, j.args, j.meta, j.state, j.priority, j.attempt, j.
        j.run_at, j.idempotency_key, j.errors, j.result, j.inserted_at, j.attempted_at,
        j.finished_at, j.lease_owner, j.lease_token, j.lease_expires_at, j.rescues,
        j.cancel_requested, j.timeout, j.lease_seconds, j.discarded_by, j.discard_reason,
-       j.parent_id, j.unique_until
+       j.parent_id, j.unique_until, j.progress, j.progress_message, j.wait_signal,
+       j.wait_until
 FROM names JOIN errands_jobs AS j ON j.name = names.name AND j.idempotency_key = :key
 ORDER BY j.id DESC
 LIMIT :limit
@@ -441,13 +449,15 @@ SET state = 'running',
     lease_owner = :worker_id,
     lease_token = :token,
     lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + COALESCE(lease_seconds, :lease_default),
-    attempted_at = (julianday('now') - 2440587.5) * 86400.0
+    attempted_at = (julianday('now') - 2440587.5) * 86400.0,
+    progress = NULL, progress_message = NULL
 WHERE id IN (SELECT value FROM json_each(:ids))
   AND state IN ('available', 'scheduled', 'retryable')
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+          lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 
 -- name: cron_states
 SELECT name, last_slot, last_job_id, next_slot FROM errands_cron ORDER BY name
