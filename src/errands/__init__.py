@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from .app import App
+from .backends.base import SignalResult
 from .context import Context
 from .definition import BoundJob, JobDefinition
 from .errors import (
@@ -64,6 +65,7 @@ __all__ = [
     "ResultTimeout",
     "Retry",
     "SchemaOutdated",
+    "SignalResult",
     "StepError",
     "StorageFull",
     "TransactionEnded",

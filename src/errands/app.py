@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+from pydantic_core import PydanticSerializationError, to_json
+
 from .backends import SQLITE_URL_DEFAULT, Backend, open_backend, redact_url
 from .backends.base import (
     ActionParams,
@@ -19,10 +21,11 @@ from .backends.base import (
     ListParams,
     QueueSettings,
     QueueStats,
+    SignalResult,
 )
 from .backends.limits import parse_rate
 from .definition import BoundJob, JobDefinition, check_name, check_text, seconds
-from .errors import ConfigurationError, InvalidTransition, JobNotFound
+from .errors import ConfigurationError, InvalidPayload, InvalidTransition, JobNotFound
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
 from .jobs import Job, Step, parse_state
@@ -46,6 +49,7 @@ DEFAULT_QUEUE = "default"
 
 DeadHook = Callable[[Job], None]
 TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
+SIGNAL_NAME_MAX = 200  # bytes of a signal's name
 
 
 def _filter(what: str, value: str | None) -> str | None:
@@ -491,6 +495,41 @@ class App:
             for job_id in result.matched:
                 self.events.emit("errands.job.discarded", job_id=job_id, actor=actor, reason=reason)
         return result
+
+    def signal(
+        self, job_id: int, name: str, payload: Any = None, *, actor: str = "api"
+    ) -> SignalResult:
+        """Send signal ``name`` (with a JSON ``payload``) to a job: kept for the job's
+        ``ctx.wait_for_signal(name)``, and a job waiting for it now becomes available
+        (``resumed``). Audited. A signal sent before the wait is kept; a completed,
+        cancelled or discarded job refuses it (InvalidTransition), as does an unknown id
+        (JobNotFound).
+
+        .. versionadded:: 0.2
+        """
+        check_text("signal name", name, SIGNAL_NAME_MAX)
+        if not name:
+            raise ConfigurationError("a signal needs a name")
+        try:
+            payload_json = to_json(payload).decode("utf-8")
+        except (PydanticSerializationError, ValueError, TypeError) as exc:
+            raise InvalidPayload(f"signal {name!r}: the payload is not JSON: {exc}") from None
+        check_text(f"signal {name!r} payload", payload_json, self.max_payload_bytes)
+        result = self.backend.job_signal(int(job_id), name, payload_json, _actor(actor))
+        self.events.emit(
+            "errands.job.signalled", job_id=result.id, actor=actor, signal=name,
+            resumed=result.resumed,
+        )  # fmt: skip
+        return result
+
+    async def asignal(
+        self, job_id: int, name: str, payload: Any = None, *, actor: str = "api"
+    ) -> SignalResult:
+        """:meth:`signal` for async code.
+
+        .. versionadded:: 0.2
+        """
+        return await asyncio.to_thread(self.signal, job_id, name, payload, actor=actor)
 
     async def acancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """:meth:`cancel` for async code.

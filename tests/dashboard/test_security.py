@@ -36,6 +36,7 @@ ACTIONS = [
     ("/jobs/1/cancel", {}),
     ("/jobs/1/replay", {}),
     ("/jobs/1/discard", {"reason": "spam"}),
+    ("/jobs/1/signal", {"signal": "approved", "payload": "{}"}),
     ("/dlq/preview", {"op": "replay", "ids": "1"}),
     ("/dlq/apply", {"op": "replay", "ids": "1"}),
     ("/queues/emails/pause", {}),

@@ -74,6 +74,10 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
         if ctx.cancelled:
             raise RuntimeError("stopped half-way")  # after a cancel: recorded as cancelled
 
+    @app.job(name="ev.wait", retries=0)
+    def wait(ctx: errands.Context, timeout: float) -> object:
+        return ctx.wait_for_signal("go", timeout=timeout)
+
     @app.job(name="ev.lost", queue="elsewhere", retries=2)
     def lost() -> None:
         pass
@@ -94,6 +98,11 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
             )
             app.cancel(slow_cancelled.id)
             wait_until(lambda: slow_cancelled.job().state.value == "cancelled", what="cancelled")
+            signalled, timed_out = wait.enqueue(timeout=60), wait.enqueue(timeout=0.1)
+            wait_until(lambda: signalled.job().state.value == "waiting", what="a job waits")
+            app.signal(signalled.id, "go", "yes")
+            assert signalled.result(timeout=10) == "yes"
+            wait_until(lambda: timed_out.job().state.value == "dead", what="wait timed out")
             app.replay([handles[3].id])
             wait_until(lambda: doomed_again(handles[3]), what="doomed dead again")
             app.discard([handles[3].id], reason="not needed")

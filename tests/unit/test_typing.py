@@ -29,7 +29,8 @@ app = errands.App("sqlite:///typed.db")
 def send(ctx: errands.Context, user_id: int, email: str) -> str:
     ctx.progress(0.5, "half way")
     sent: str = ctx.step("send", lambda: f"{user_id}:{email}")
-    return sent
+    approval = ctx.wait_for_signal("approved", timeout=timedelta(days=2))
+    return f"{sent}:{approval}"
 
 
 def sync_side() -> int:
@@ -54,8 +55,9 @@ async def async_side() -> int:
         result = await handle.aresult(timeout=30)
     except (errands.JobFailed, errands.JobCancelled, errands.ResultTimeout):
         result = None
+    signalled: errands.SignalResult = app.signal(handle.id, "approved", {"by": "ops"})
     await handle.acancel()
-    print(state, job.state, many, result)
+    print(state, job.state, many, result, signalled.resumed)
     return handle.id
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol
 
 from ..jobs import EnqueueRequest, JobRow, Step
 
-FinishState = Literal["completed", "retryable", "dead", "cancelled"]
+FinishState = Literal["completed", "retryable", "dead", "cancelled", "waiting"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,11 @@ class FinishParams:
     error: dict[str, Any] | None = None
     delay: float = 0.0  # for retryable: seconds after database now
     children: Sequence[EnqueueRequest] = ()  # inserted with a completion, only if it lands
+    # state "waiting" (ctx.wait_for_signal): the signal awaited, and for how long (None:
+    # no limit). The suspension gives the attempt back uncharged; a signal already sent
+    # (or sent at the same moment) makes the job available at once instead.
+    wait_signal: str | None = None
+    wait_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,37 @@ class RescueParams:
     state: Literal["retryable", "dead", "cancelled"]
     error: dict[str, Any]
     delay: float
+
+
+@dataclass(frozen=True)
+class ExpiredWait:
+    """A job waiting for a signal past its ``wait_until`` (the maintenance leader's)."""
+
+    id: int
+    name: str
+    queue: str
+    attempt: int
+    max_attempts: int
+    wait_signal: str
+
+
+@dataclass(frozen=True)
+class WaitTimeoutParams:
+    """End an expired wait as a failed attempt; fenced by the job still waiting for
+    ``wait_signal`` past its ``wait_until`` (a signal that landed first wins)."""
+
+    id: int
+    wait_signal: str
+    state: Literal["retryable", "dead"]
+    error: dict[str, Any]
+    delay: float
+
+
+@dataclass(frozen=True)
+class SignalResult:
+    id: int
+    previous_state: str
+    resumed: bool  # the job was waiting for this signal and is available again
 
 
 @dataclass(frozen=True)
@@ -314,6 +350,21 @@ class Backend(Protocol):
     def job_discard(self, params: ActionParams) -> ActionResult: ...
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...
+
+    # -- durable signals ---------------------------------------------------------------
+    def job_signal(self, job_id: int, name: str, payload_json: str, actor: str) -> SignalResult:
+        """Store a signal for a job (audited, in one transaction) and, when the job is
+        waiting for that name, make it available. Raises JobNotFound, or InvalidTransition
+        for a completed, cancelled or discarded job (nothing would ever read it)."""
+        ...
+
+    def signal_get(self, job_id: int, name: str) -> str | None:
+        """The payload JSON of the first signal ``name`` sent to the job, or None."""
+        ...
+
+    def job_list_expired_waits(self, limit: int) -> list[ExpiredWait]: ...
+
+    def job_expire_waits(self, timeouts: Sequence[WaitTimeoutParams]) -> list[bool]: ...
 
     # -- queues and limits ------------------------------------------------------------------
     def queue_settings(self) -> list[QueueSettings]: ...

@@ -24,12 +24,36 @@ from .base import (
     ActionResult,
     AuditEvent,
     CancelResult,
+    ExpiredWait,
+    FinishParams,
     ListParams,
+    SignalResult,
+    WaitTimeoutParams,
     WorkerInfo,
     unwrap_connection,
 )
+from .program import Program, Stmt
 
 Run = Callable[..., Any]  # run(query_name, params=None) -> cursor, inside a transaction
+SIGNAL_REFUSED = ("completed", "cancelled", "discarded")
+
+
+def suspend_program(queries: dict[str, str], outcome: FinishParams) -> Program[bool]:
+    """A suspension's fenced write (ctx.wait_for_signal), then the resume that follows at
+    once when the signal is already stored: run inside one transaction."""
+    suspended = yield Stmt(
+        queries["job_suspend"] + "\nRETURNING id",
+        {
+            "id": outcome.id,
+            "token": outcome.lease_token,
+            "signal": outcome.wait_signal,
+            "timeout": outcome.wait_timeout,
+        },
+    )
+    if not suspended:
+        return False  # stale: the lease is no longer this attempt's
+    yield Stmt(queries["job_resume_if_signalled"], {"id": outcome.id})
+    return True
 
 
 class SharedAdmin:
@@ -112,7 +136,7 @@ class SharedAdmin:
             if row is None:
                 raise JobNotFound(f"no job with id {job_id}")
             previous = row[0]
-            if previous in ("available", "scheduled", "retryable"):
+            if previous in ("available", "scheduled", "retryable", "waiting"):
                 run("job_cancel_pending", {"id": job_id})
                 state = "cancelled"
             elif previous == "running":
@@ -120,8 +144,8 @@ class SharedAdmin:
                 state = "running"
             else:
                 raise InvalidTransition(
-                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
-                    "running jobs can be cancelled"
+                    f"job {job_id} is {previous}; only scheduled, available, retryable, "
+                    "waiting or running jobs can be cancelled"
                 )
             run(
                 "audit_insert",
@@ -133,6 +157,64 @@ class SharedAdmin:
                 },
             )
         return CancelResult(id=job_id, previous_state=previous, state=state)
+
+    # -- durable signals ----------------------------------------------------------------
+    def job_signal(self, job_id: int, name: str, payload_json: str, actor: str) -> SignalResult:
+        with self._transaction() as run:
+            row = run(self.STATE_QUERY, {"id": job_id}).fetchone()  # locks it (PostgreSQL)
+            if row is None:
+                raise JobNotFound(f"no job with id {job_id}")
+            previous = row[0]
+            if previous in SIGNAL_REFUSED:
+                raise InvalidTransition(
+                    f"job {job_id} is {previous}: no run of it will ever read a signal; only "
+                    "jobs that may still run (pending, running, waiting, dead) take signals"
+                )
+            run(
+                "signal_insert",
+                {"job_id": job_id, "name": name, "payload": payload_json, "actor": actor},
+            )
+            resumed = run("job_resume_if_signalled", {"id": job_id}).rowcount == 1
+            run(
+                "audit_insert",
+                {
+                    "actor": actor,
+                    "action": "signal",
+                    "job_id": job_id,
+                    "detail": json.dumps({"signal": name, "resumed": resumed}),
+                },
+            )
+        if resumed:
+            self._replayed([job_id])  # wake the queue's workers
+        return SignalResult(id=job_id, previous_state=previous, resumed=resumed)
+
+    def signal_get(self, job_id: int, name: str) -> str | None:
+        rows = self._read_rows("signal_get", {"job_id": job_id, "name": name})
+        return None if not rows else str(rows[0][0])
+
+    def job_list_expired_waits(self, limit: int) -> list[ExpiredWait]:
+        return [
+            ExpiredWait(*r) for r in self._read_rows("job_list_expired_waits", {"limit": limit})
+        ]
+
+    def job_expire_waits(self, timeouts: Sequence[WaitTimeoutParams]) -> list[bool]:
+        if not timeouts:
+            return []
+        with self._transaction() as run:
+            return [
+                run(
+                    "job_expire_wait",
+                    {
+                        "id": t.id,
+                        "signal": t.wait_signal,
+                        "state": t.state,
+                        "error": json.dumps(t.error),
+                        "delay": t.delay,
+                    },
+                ).rowcount
+                == 1
+                for t in timeouts
+            ]
 
     # -- reading -------------------------------------------------------------------------
     def job_get(self, job_id: int, conn: Any = None) -> JobRow | None:

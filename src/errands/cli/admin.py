@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -199,6 +200,41 @@ def jobs_cancel(
             click.echo(f"job {job_id}: cancelled (was {result.previous_state})")
         else:
             click.echo(f"job {job_id}: running; cancel requested, its worker stops it")
+
+
+@jobs.command("signal")
+@app_options
+@actor_option
+@json_option
+@click.argument("job_id", type=int)
+@click.argument("name")
+@click.option("--payload", default="null", show_default=True, help="the signal's payload, as JSON")
+def jobs_signal(
+    app_path: str | None,
+    url: str | None,
+    actor: str,
+    as_json: bool,
+    job_id: int,
+    name: str,
+    payload: str,
+) -> None:
+    """Send signal NAME to a job (ctx.wait_for_signal): a job waiting for it resumes; one
+    not waiting yet keeps it for its wait. Audited."""
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--payload") from None
+    result = _app(app_path, url).signal(job_id, name, value, actor=actor)
+    if as_json:
+        render.emit_json(
+            {"id": result.id, "previous_state": result.previous_state, "resumed": result.resumed}
+        )
+    elif result.resumed:
+        click.echo(f"job {job_id}: signal {name!r} sent; it was waiting for it and resumes")
+    else:
+        click.echo(
+            f"job {job_id}: signal {name!r} kept for its wait (job is {result.previous_state})"
+        )
 
 
 # -- dlq -------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Everything that changes state: login, logout, and the admin actions.
 
 Every admin action calls the App's admin API (``replay``, ``discard``, ``cancel``,
-``pause``, ``resume``) with the viewer's :attr:`~.security.Identity.actor`
+``pause``, ``resume``, ``signal``) with the viewer's :attr:`~.security.Identity.actor`
 (``dashboard:<user>``, or ``dashboard:<label> (shared password)`` and the like), so the
 audit log says who did it and how they signed in.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -135,6 +136,29 @@ async def job_cancel(request: Request, viewer: Viewer, form: FormData) -> Respon
             flash(request, f"Job {job_id} cancelled.")
         else:
             flash(request, f"Job {job_id} is running: asked it to stop.")
+    return redirect(request, "job", job_id=job_id)
+
+
+@action("signal")
+async def job_signal(request: Request, viewer: Viewer, form: FormData) -> Response:
+    job_id = _job_id(request)
+    name = form_text(form, "signal").strip()
+    text = form_text(form, "payload").strip() or "null"
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        flash(request, f"The payload is not JSON: {exc}", "error")
+        return redirect(request, "job", job_id=job_id)
+    app = settings(request).app
+    result = await _run(request, app.signal, job_id, name, payload, actor=viewer.actor)
+    if result is not None:
+        flash(
+            request,
+            f"Signal {name!r} sent to job {job_id}"
+            + (
+                "; it was waiting for it and resumes." if result.resumed else "; kept for its wait."
+            ),
+        )
     return redirect(request, "job", job_id=job_id)
 
 

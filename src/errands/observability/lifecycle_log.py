@@ -94,6 +94,21 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
         maintenance_log.warning("rescued (%s): %s", f.get("state"), f.get("reason"), extra=extra)
     elif name == "errands.job.released":
         worker_log.warning("released at shutdown (attempt not charged)", extra=extra)
+    elif name == "errands.job.waiting":
+        timeout = f.get("timeout")
+        worker_log.info(
+            "suspended: waiting for signal %r%s (holds no slot)",
+            f.get("signal"),
+            "" if timeout is None else f" for up to {timeout:g} s",
+            extra=extra,
+        )
+    elif name == "errands.job.wait_timed_out":
+        maintenance_log.warning(
+            "no signal %r in time: the wait failed (now %s)",
+            f.get("signal"),
+            f.get("state"),
+            extra=extra,
+        )
 
 
 def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
@@ -105,6 +120,15 @@ def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
     elif name == "errands.job.discarded":
         app_log.warning(
             "job %s discarded by %s: %s", f["job_id"], f["actor"], f.get("reason"), extra=extra
+        )
+    elif name == "errands.job.signalled":
+        app_log.info(
+            "job %s sent signal %r by %s%s",
+            f["job_id"],
+            f.get("signal"),
+            f["actor"],
+            " (resumed it)" if f.get("resumed") else "",
+            extra=extra,
         )
     elif name == "errands.job.cancel_requested":
         app_log.info(

@@ -48,6 +48,7 @@ from ..base import (
 )
 from ..limits import Claimed, claim_limited
 from ..program import Call, Program, Stmt, arun, async_driver_connection, run
+from ..shared_admin import suspend_program
 from ..sqlfile import load_migrations, load_queries
 from .admin import PostgresAdmin
 from .config import (
@@ -618,6 +619,16 @@ class PostgresBackend(PostgresAdmin):
     def _finish(
         self, conn: psycopg.Connection[Any], outcomes: Sequence[FinishParams]
     ) -> list[bool]:
+        if any(o.state == "waiting" for o in outcomes):  # suspensions: rare, one at a time
+            rest = [o for o in outcomes if o.state != "waiting"]
+            answers = dict(
+                zip(map(id, rest), self._finish(conn, rest) if rest else [], strict=True)
+            )
+            for o in outcomes:
+                if o.state == "waiting":
+                    with conn.transaction():  # the suspension locks the row, then looks
+                        answers[id(o)] = run(conn, suspend_program(self.q, o))
+            return [answers[id(o)] for o in outcomes]
         done = {
             (r[0], r[1])
             for r in conn.execute(

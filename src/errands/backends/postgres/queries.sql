@@ -285,8 +285,8 @@ WHERE id = %(id)s AND state = 'dead'
 
 -- name: job_cancel_pending
 UPDATE {schema}.errands_jobs
-SET state = 'cancelled', finished_at = now()
-WHERE id = %(id)s AND state IN ('available', 'scheduled', 'retryable')
+SET state = 'cancelled', finished_at = now(), wait_signal = NULL, wait_until = NULL
+WHERE id = %(id)s AND state IN ('available', 'scheduled', 'retryable', 'waiting')
 
 -- name: job_cancel_running
 UPDATE {schema}.errands_jobs SET cancel_requested = true
@@ -573,3 +573,54 @@ SET expression = excluded.expression, timezone = excluded.timezone,
 -- name: job_count_by_queue
 -- Jobs in one state per queue, from the (state, queue, id) index alone.
 SELECT queue, count(*) FROM {schema}.errands_jobs WHERE state = %(state)s GROUP BY queue
+
+-- name: job_suspend
+-- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot
+-- given back; an operator's cancel while it ran ends it cancelled instead. It locks the
+-- row; job_resume_if_signalled follows in the same transaction, so its fresh snapshot
+-- sees any signal committed before the lock (app.signal locks the row first, too).
+UPDATE {schema}.errands_jobs
+SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'waiting' END,
+    wait_signal = CASE WHEN cancel_requested THEN NULL ELSE %(signal)s::text END,
+    wait_until = CASE WHEN cancel_requested OR %(timeout)s::float8 IS NULL THEN NULL
+                      ELSE now() + make_interval(secs => %(timeout)s::float8) END,
+    attempt = attempt - 1,
+    run_at = now(),
+    finished_at = CASE WHEN cancel_requested THEN now() END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE id = %(id)s AND lease_token = %(token)s AND state = 'running'
+
+-- name: job_resume_if_signalled
+-- A waiting job whose signal is stored becomes available (after a suspension, and after
+-- app.signal stored one).
+UPDATE {schema}.errands_jobs AS j
+SET state = 'available', run_at = now(), wait_signal = NULL, wait_until = NULL
+WHERE j.id = %(id)s AND j.state = 'waiting'
+  AND EXISTS (SELECT 1 FROM {schema}.errands_signals AS s
+              WHERE s.job_id = j.id AND s.name = j.wait_signal)
+
+-- name: signal_insert
+INSERT INTO {schema}.errands_signals (job_id, name, payload, sent_by)
+VALUES (%(job_id)s, %(name)s, %(payload)s::jsonb, %(actor)s)
+
+-- name: signal_get
+SELECT payload::text FROM {schema}.errands_signals
+WHERE job_id = %(job_id)s AND name = %(name)s ORDER BY id LIMIT 1
+
+-- name: job_list_expired_waits
+SELECT id, name, queue, attempt, max_attempts, wait_signal FROM {schema}.errands_jobs
+WHERE state = 'waiting' AND wait_until <= now()
+ORDER BY wait_until
+LIMIT %(limit)s
+
+-- name: job_expire_wait
+-- A wait past its timeout is a failed attempt (charged now: the suspension was not).
+UPDATE {schema}.errands_jobs
+SET state = %(state)s,
+    attempt = attempt + 1,
+    errors = errors || jsonb_build_array(
+             %(error)s::jsonb || jsonb_build_object('at', extract(epoch FROM now()))),
+    run_at = now() + make_interval(secs => %(delay)s),
+    finished_at = CASE WHEN %(state)s = 'dead' THEN now() END,
+    wait_signal = NULL, wait_until = NULL
+WHERE id = %(id)s AND state = 'waiting' AND wait_signal = %(signal)s AND wait_until <= now()

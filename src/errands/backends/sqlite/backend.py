@@ -51,6 +51,7 @@ from ..base import (
 )
 from ..limits import Claimed, claim_limited
 from ..program import Program, Stmt, arun, async_driver_connection, run
+from ..shared_admin import suspend_program
 from .admin import SQLiteAdmin
 from .statements import MIGRATIONS, SCHEMA_VERSION, Q
 
@@ -479,6 +480,8 @@ class SQLiteBackend(SQLiteAdmin):
 
     def _finish(self, conn: sqlite3.Connection, o: FinishParams) -> bool:
         """The fenced write of one outcome; its children are inserted only if it lands."""
+        if o.state == "waiting":  # under the write lock: a signal is either stored or not
+            return run(conn, suspend_program(Q, o))
         ok = (
             conn.execute(
                 Q["job_finish"],
@@ -778,6 +781,7 @@ class SQLiteBackend(SQLiteAdmin):
             ]
             for job_id in ids:
                 conn.execute(Q["steps_delete"], {"job_id": job_id})
+                conn.execute(Q["signals_delete"], {"job_id": job_id})
                 conn.execute(Q["job_delete"], {"id": job_id})
         return len(ids)
 

@@ -221,8 +221,9 @@ WHERE id = :id AND state = 'dead'
 
 -- name: job_cancel_pending
 UPDATE errands_jobs
-SET state = 'cancelled', finished_at = (julianday('now') - 2440587.5) * 86400.0
-WHERE id = :id AND state IN ('available', 'scheduled', 'retryable')
+SET state = 'cancelled', finished_at = (julianday('now') - 2440587.5) * 86400.0,
+    wait_signal = NULL, wait_until = NULL
+WHERE id = :id AND state IN ('available', 'scheduled', 'retryable', 'waiting')
 
 -- name: job_cancel_running
 UPDATE errands_jobs SET cancel_requested = 1 WHERE id = :id AND state = 'running'
@@ -475,3 +476,54 @@ SET expression = excluded.expression, timezone = excluded.timezone,
 -- name: job_count_by_queue
 -- Jobs in one state per queue, from the (state, queue, id) index alone.
 SELECT queue, count(*) FROM errands_jobs WHERE state = :state GROUP BY queue
+
+-- name: job_suspend
+-- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot
+-- given back; an operator's cancel while it ran ends it cancelled instead.
+-- job_resume_if_signalled follows in the same transaction.
+UPDATE errands_jobs
+SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'waiting' END,
+    wait_signal = CASE WHEN cancel_requested = 1 THEN NULL ELSE :signal END,
+    wait_until = CASE WHEN cancel_requested = 1 OR :timeout IS NULL THEN NULL
+                      ELSE (julianday('now') - 2440587.5) * 86400.0 + :timeout END,
+    attempt = attempt - 1,
+    run_at = (julianday('now') - 2440587.5) * 86400.0,
+    finished_at = CASE WHEN cancel_requested = 1 THEN (julianday('now') - 2440587.5) * 86400.0 END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE id = :id AND lease_token = :token AND state = 'running'
+
+-- name: job_resume_if_signalled
+-- A waiting job whose signal is stored becomes available (after a suspension, and after
+-- app.signal stored one).
+UPDATE errands_jobs
+SET state = 'available', run_at = (julianday('now') - 2440587.5) * 86400.0, wait_signal = NULL, wait_until = NULL
+WHERE id = :id AND state = 'waiting'
+  AND EXISTS (SELECT 1 FROM errands_signals AS s
+              WHERE s.job_id = errands_jobs.id AND s.name = errands_jobs.wait_signal)
+
+-- name: signal_insert
+INSERT INTO errands_signals (job_id, name, payload, sent_at, sent_by)
+VALUES (:job_id, :name, :payload, (julianday('now') - 2440587.5) * 86400.0, :actor)
+
+-- name: signal_get
+SELECT payload FROM errands_signals WHERE job_id = :job_id AND name = :name ORDER BY id LIMIT 1
+
+-- name: signals_delete
+DELETE FROM errands_signals WHERE job_id = :job_id
+
+-- name: job_list_expired_waits
+SELECT id, name, queue, attempt, max_attempts, wait_signal FROM errands_jobs
+WHERE state = 'waiting' AND wait_until <= (julianday('now') - 2440587.5) * 86400.0
+ORDER BY wait_until
+LIMIT :limit
+
+-- name: job_expire_wait
+-- A wait past its timeout is a failed attempt (charged now: the suspension was not).
+UPDATE errands_jobs
+SET state = :state,
+    attempt = attempt + 1,
+    errors = json_insert(errors, '$[#]', json_set(json(:error), '$.at', (julianday('now') - 2440587.5) * 86400.0)),
+    run_at = (julianday('now') - 2440587.5) * 86400.0 + :delay,
+    finished_at = CASE WHEN :state = 'dead' THEN (julianday('now') - 2440587.5) * 86400.0 END,
+    wait_signal = NULL, wait_until = NULL
+WHERE id = :id AND state = 'waiting' AND wait_signal = :signal AND wait_until <= (julianday('now') - 2440587.5) * 86400.0
