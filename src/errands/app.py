@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from pydantic_core import PydanticSerializationError, to_json
@@ -18,13 +18,22 @@ from .backends.base import (
     ActionResult,
     AuditEvent,
     CancelResult,
+    EditParams,
+    JobEdit,
     ListParams,
     QueueSettings,
     QueueStats,
     SignalResult,
 )
 from .backends.limits import parse_rate
-from .definition import BoundJob, JobDefinition, check_name, check_text, seconds
+from .definition import (
+    BoundJob,
+    EnqueueOptions,
+    JobDefinition,
+    check_name,
+    check_text,
+    seconds,
+)
 from .errors import ConfigurationError, InvalidPayload, InvalidTransition, JobNotFound
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
@@ -496,6 +505,154 @@ class App:
                 self.events.emit("errands.job.discarded", job_id=job_id, actor=actor, reason=reason)
         return result
 
+    # -- editing pending jobs ---------------------------------------------------------------
+    def edit(
+        self,
+        ids: Iterable[int],
+        *,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        priority: int | None = None,
+        queue: str | None = None,
+        args: dict[str, Any] | None = None,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Change pending jobs (``scheduled``, ``available`` or ``retryable`` only): when
+        they run (``run_at=`` or ``delay=``), their ``priority``, their ``queue``, or their
+        arguments (``args=``, validated against each job's payload contract now:
+        InvalidPayload and nothing written when they do not fit). Each job's write is
+        guarded by its state, so an edit never lands on a running or finished job, and is
+        audited with ``actor``. ``dry_run`` changes nothing and reports what would be
+        changed. Returns the jobs changed and, for the others, why not.
+
+        .. versionadded:: 0.2
+        """
+        job_ids = list(dict.fromkeys(int(i) for i in ids))
+        if not job_ids:
+            raise ConfigurationError("edit: give at least one job id")
+        if run_at is None and delay is None and priority is None and queue is None and args is None:
+            raise ConfigurationError(
+                "edit: nothing to change; give run_at=, delay=, priority=, queue= or args="
+            )
+        if run_at is not None and delay is not None:
+            raise ConfigurationError("edit: give run_at= or delay=, not both")
+        when: float | None = None
+        if run_at is not None:
+            if not isinstance(run_at, datetime) or run_at.tzinfo is None:
+                raise ConfigurationError(
+                    f"edit: run_at={run_at!r} must be a datetime with a time zone"
+                )
+            when = run_at.timestamp()
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise ConfigurationError(f"edit: priority={priority!r} must be an int")
+        edits, skipped = self._edits(job_ids, args)
+        result = self.backend.job_edit(
+            EditParams(
+                actor=_actor(actor),
+                edits=edits,
+                run_at=when,
+                delay=seconds(delay, "delay"),
+                priority=priority,
+                queue=None if queue is None else check_name("queue", queue),
+                dry_run=dry_run,
+            )
+        )
+        result = ActionResult(result.matched, {**skipped, **result.skipped})
+        if not dry_run:
+            changes = sorted(
+                k
+                for k, v in {"run_at": when if delay is None else delay, "priority": priority,
+                             "queue": queue, "args": args}.items()
+                if v is not None
+            )  # fmt: skip
+            for job_id in result.matched:
+                self.events.emit("errands.job.edited", job_id=job_id, actor=actor, changes=changes)
+        return result
+
+    def _edits(
+        self, job_ids: list[int], args: dict[str, Any] | None
+    ) -> tuple[list[JobEdit], dict[int, str]]:
+        """Each job's edit; with ``args``, validated against the job's own definition."""
+        if args is None:
+            return [JobEdit(i) for i in job_ids], {}
+        if not isinstance(args, dict):
+            raise ConfigurationError("edit: args= takes a dict of the job's arguments")
+        edits: list[JobEdit] = []
+        skipped: dict[int, str] = {}
+        for job_id in job_ids:
+            row = self.backend.job_get(job_id)
+            if row is None:
+                skipped[job_id] = "no such job"
+                continue
+            definition = self.registry.get(row.name)
+            if definition is None:
+                skipped[job_id] = (
+                    f"this app has no job {row.name!r} to validate the new arguments against; "
+                    "edit it from an app that registers it"
+                )
+                continue
+            try:
+                request = definition.request((), dict(args), EnqueueOptions())
+            except InvalidPayload as exc:
+                raise InvalidPayload(
+                    f"job {job_id}: the new arguments do not fit {row.name}: {exc}",
+                    errors=exc.errors,
+                ) from None
+            edits.append(JobEdit(job_id, request.args_json, request.concurrency_key))
+        return edits, skipped
+
+    def reschedule(
+        self,
+        ids: Iterable[int],
+        *,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Move pending jobs to ``run_at`` (or ``delay`` from now); see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        if run_at is None and delay is None:
+            raise ConfigurationError("reschedule: give run_at= or delay=")
+        return self.edit(ids, run_at=run_at, delay=delay, dry_run=dry_run, actor=actor)
+
+    def reprioritise(
+        self, ids: Iterable[int], priority: int, *, dry_run: bool = False, actor: str = "api"
+    ) -> ActionResult:
+        """Give pending jobs a new priority; see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        return self.edit(ids, priority=priority, dry_run=dry_run, actor=actor)
+
+    def move(
+        self, ids: Iterable[int], queue: str, *, dry_run: bool = False, actor: str = "api"
+    ) -> ActionResult:
+        """Move pending jobs to another queue; see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        return self.edit(ids, queue=queue, dry_run=dry_run, actor=actor)
+
+    def replace_args(
+        self,
+        ids: Iterable[int],
+        args: dict[str, Any],
+        *,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Replace pending jobs' arguments, validated against each job's payload contract;
+        see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        return self.edit(ids, args=args, dry_run=dry_run, actor=actor)
+
+    # -- durable signals ----------------------------------------------------------------------
     def signal(
         self, job_id: int, name: str, payload: Any = None, *, actor: str = "api"
     ) -> SignalResult:

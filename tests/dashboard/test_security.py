@@ -37,6 +37,8 @@ ACTIONS = [
     ("/jobs/1/replay", {}),
     ("/jobs/1/discard", {"reason": "spam"}),
     ("/jobs/1/signal", {"signal": "approved", "payload": "{}"}),
+    ("/jobs/edit/preview", {"ids": "1", "priority": "5"}),
+    ("/jobs/edit/apply", {"ids": "1", "priority": "5"}),
     ("/dlq/preview", {"op": "replay", "ids": "1"}),
     ("/dlq/apply", {"op": "replay", "ids": "1"}),
     ("/queues/emails/pause", {}),

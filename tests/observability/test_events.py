@@ -98,6 +98,8 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
             )
             app.cancel(slow_cancelled.id)
             wait_until(lambda: slow_cancelled.job().state.value == "cancelled", what="cancelled")
+            later = slow.enqueue(delay=3600)
+            assert app.reprioritise([later.id], 5).matched == [later.id]
             signalled, timed_out = wait.enqueue(timeout=60), wait.enqueue(timeout=0.1)
             wait_until(lambda: signalled.job().state.value == "waiting", what="a job waits")
             app.signal(signalled.id, "go", "yes")

@@ -236,6 +236,32 @@ class ActionParams:
 
 
 @dataclass(frozen=True)
+class JobEdit:
+    """One job's new arguments (validated by the App), when the edit replaces them."""
+
+    id: int
+    args_json: str | None = None
+    concurrency_key: str | None = None  # derived from the new arguments
+
+
+@dataclass(frozen=True)
+class EditParams:
+    """An audited edit of pending jobs: what is not None changes, for every job of
+    ``edits``; only ``scheduled``, ``available`` and ``retryable`` jobs are changed."""
+
+    actor: str
+    edits: Sequence[JobEdit]
+    run_at: float | None = None  # epoch seconds; or delay: seconds from database now
+    delay: float | None = None
+    priority: int | None = None
+    queue: str | None = None
+    dry_run: bool = False
+
+
+EDITABLE_STATES = ("scheduled", "available", "retryable")
+
+
+@dataclass(frozen=True)
 class ActionResult:
     matched: list[int]  # the jobs the action applies (or, dry run, would apply) to
     skipped: dict[int, str]  # ids named explicitly that it could not apply to, with why
@@ -350,6 +376,11 @@ class Backend(Protocol):
     def job_discard(self, params: ActionParams) -> ActionResult: ...
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...
+
+    def job_edit(self, params: EditParams) -> ActionResult:
+        """Edit pending jobs, each a write guarded by its state, audited with the actor in
+        the same transaction; ``dry_run`` writes nothing and reports what would change."""
+        ...
 
     # -- durable signals ---------------------------------------------------------------
     def job_signal(self, job_id: int, name: str, payload_json: str, actor: str) -> SignalResult:

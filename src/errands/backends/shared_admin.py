@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidTransition, JobNotFound
 from ..jobs import JobRow
 from .base import (
+    EDITABLE_STATES,
     ActionParams,
     ActionResult,
     AuditEvent,
     CancelResult,
+    EditParams,
     ExpiredWait,
     FinishParams,
+    JobEdit,
     ListParams,
     SignalResult,
     WaitTimeoutParams,
@@ -157,6 +160,56 @@ class SharedAdmin:
                 },
             )
         return CancelResult(id=job_id, previous_state=previous, state=state)
+
+    # -- editing pending jobs ------------------------------------------------------------
+    def job_edit(self, params: EditParams) -> ActionResult:
+        matched: list[int] = []
+        skipped: dict[int, str] = {}
+        set_run_at = params.run_at is not None or params.delay is not None
+        with self._transaction() as run:
+            for edit in {e.id: e for e in params.edits}.values():
+                row = run(self.STATE_QUERY, {"id": edit.id}).fetchone()  # locks it (PostgreSQL)
+                if row is None:
+                    skipped[edit.id] = "no such job"
+                    continue
+                if row[0] not in EDITABLE_STATES:
+                    skipped[edit.id] = (
+                        f"not pending (state {row[0]}): only scheduled, available or "
+                        "retryable jobs can be edited"
+                    )
+                    continue
+                if params.dry_run:
+                    matched.append(edit.id)
+                    continue
+                changed = run(
+                    "job_edit",
+                    {
+                        "id": edit.id,
+                        "set_run_at": set_run_at,
+                        "run_at": params.run_at,
+                        "delay": params.delay if params.delay is not None else 0.0,
+                        "priority": params.priority,
+                        "queue": params.queue,
+                        "args": edit.args_json,
+                        "concurrency_key": edit.concurrency_key,
+                    },
+                ).rowcount
+                if changed != 1:  # pragma: no cover - the row is locked and was pending
+                    skipped[edit.id] = "changed state meanwhile"
+                    continue
+                matched.append(edit.id)
+                run(
+                    "audit_insert",
+                    {
+                        "actor": params.actor,
+                        "action": "edit",
+                        "job_id": edit.id,
+                        "detail": json.dumps(edit_detail(params, edit)),
+                    },
+                )
+        if matched and not params.dry_run:
+            self._replayed(matched)  # wake the (new) queues' workers
+        return ActionResult(matched=matched, skipped=skipped)
 
     # -- durable signals ----------------------------------------------------------------
     def job_signal(self, job_id: int, name: str, payload_json: str, actor: str) -> SignalResult:
@@ -291,6 +344,23 @@ class SharedAdmin:
 
     def worker_prune(self, older_than: float) -> int:
         return self._write_count("worker_prune", {"older_than": older_than})
+
+
+def edit_detail(params: EditParams, edit: JobEdit) -> dict[str, Any]:
+    """The audit detail of an edit: what changed (never the arguments' values, which may
+    be sensitive)."""
+    detail: dict[str, Any] = {}
+    if params.run_at is not None:
+        detail["run_at"] = params.run_at
+    if params.delay is not None:
+        detail["delay"] = params.delay
+    if params.priority is not None:
+        detail["priority"] = params.priority
+    if params.queue is not None:
+        detail["queue"] = params.queue
+    if edit.args_json is not None:
+        detail["args"] = "replaced"
+    return detail
 
 
 def action_detail(params: ActionParams) -> dict[str, Any]:

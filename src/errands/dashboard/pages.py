@@ -171,6 +171,8 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
             "known_names": names,
             "known_queues": queues,
             "live": before_id is None and not search,
+            # a pending state's listing can be edited in bulk (with a dry run first)
+            "editable": state in ("scheduled", "available", "retryable"),
         },
     )
 

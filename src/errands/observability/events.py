@@ -48,6 +48,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     "errands.job.replayed": ("job_id", "actor"),
     "errands.job.discarded": ("job_id", "actor", "reason"),
     "errands.job.cancel_requested": ("job_id", "actor", "previous_state"),
+    "errands.job.edited": ("job_id", "actor", "changes"),
     "errands.worker.started": ("worker_id", "queues", "concurrency", "store"),
     "errands.worker.stopped": ("worker_id", "processed"),
     "errands.leader.elected": ("worker_id",),

@@ -121,6 +121,11 @@ def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
         app_log.warning(
             "job %s discarded by %s: %s", f["job_id"], f["actor"], f.get("reason"), extra=extra
         )
+    elif name == "errands.job.edited":
+        app_log.warning(
+            "job %s edited by %s: %s", f["job_id"], f["actor"], ", ".join(f.get("changes", ())),
+            extra=extra,
+        )  # fmt: skip
     elif name == "errands.job.signalled":
         app_log.info(
             "job %s sent signal %r by %s%s",

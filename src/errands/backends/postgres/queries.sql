@@ -624,3 +624,25 @@ SET state = %(state)s,
     finished_at = CASE WHEN %(state)s = 'dead' THEN now() END,
     wait_signal = NULL, wait_until = NULL
 WHERE id = %(id)s AND state = 'waiting' AND wait_signal = %(signal)s AND wait_until <= now()
+
+-- name: job_edit
+-- An operator's edit of a pending job, guarded by its state: a running or finished job is
+-- never changed (the claim and this write serialise on the row: the claim skips a row
+-- this edit has locked, and this edit re-checks the state after a claim's). A new run_at
+-- makes the job scheduled or available by it (a retryable job stays retryable).
+UPDATE {schema}.errands_jobs AS j
+SET run_at = CASE WHEN %(set_run_at)s
+                  THEN COALESCE(to_timestamp(%(run_at)s::float8),
+                                now() + make_interval(secs => %(delay)s::float8))
+                  ELSE j.run_at END,
+    state = CASE WHEN %(set_run_at)s AND j.state <> 'retryable'
+                 THEN CASE WHEN COALESCE(to_timestamp(%(run_at)s::float8),
+                                         now() + make_interval(secs => %(delay)s::float8))
+                                > now() THEN 'scheduled' ELSE 'available' END
+                 ELSE j.state END,
+    priority = COALESCE(%(priority)s::int, j.priority),
+    queue = COALESCE(%(queue)s::text, j.queue),
+    args = COALESCE(%(args)s::jsonb, j.args),
+    concurrency_key = CASE WHEN %(args)s::text IS NULL THEN j.concurrency_key
+                           ELSE %(concurrency_key)s::text END
+WHERE j.id = %(id)s AND j.state IN ('scheduled', 'available', 'retryable')

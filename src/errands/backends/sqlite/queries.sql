@@ -527,3 +527,19 @@ SET state = :state,
     finished_at = CASE WHEN :state = 'dead' THEN (julianday('now') - 2440587.5) * 86400.0 END,
     wait_signal = NULL, wait_until = NULL
 WHERE id = :id AND state = 'waiting' AND wait_signal = :signal AND wait_until <= (julianday('now') - 2440587.5) * 86400.0
+
+-- name: job_edit
+-- An operator's edit of a pending job, guarded by its state: a running or finished job is
+-- never changed (the claim and this write serialise on the row). A new run_at makes the
+-- job scheduled or available by it (a retryable job stays retryable).
+UPDATE errands_jobs
+SET run_at = CASE WHEN :set_run_at = 1 THEN COALESCE(:run_at, (julianday('now') - 2440587.5) * 86400.0 + :delay) ELSE run_at END,
+    state = CASE WHEN :set_run_at = 1 AND state <> 'retryable'
+                 THEN CASE WHEN COALESCE(:run_at, (julianday('now') - 2440587.5) * 86400.0 + :delay) > (julianday('now') - 2440587.5) * 86400.0 + 0.0005
+                           THEN 'scheduled' ELSE 'available' END
+                 ELSE state END,
+    priority = COALESCE(:priority, priority),
+    queue = COALESCE(:queue, queue),
+    args = COALESCE(:args, args),
+    concurrency_key = CASE WHEN :args IS NULL THEN concurrency_key ELSE :concurrency_key END
+WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')
