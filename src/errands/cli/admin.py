@@ -75,6 +75,7 @@ def status(
         "available",
         "running",
         "retryable",
+        "waiting",
         "completed",
         "dead",
         "discarded",

@@ -242,7 +242,7 @@ async def job_detail(request: Request, viewer: Viewer) -> Response:
             "trace_id": trace_id(job.meta),
             "steps": steps,
             "children": [masked_job(c) for c in data["children"]],
-            "pending": job.state.is_pending or job.state.value == "running",
+            "pending": job.state.is_pending or job.state.value in ("running", "waiting"),
         },
     )
 
