@@ -317,3 +317,26 @@ def test_async_calls_keep_the_event_loop_free(app: errands.App) -> None:
         return worst
 
     assert run(scenario()) < 0.5
+
+
+def test_asignal_sends_a_signal_as_signal_does(app: errands.App, backend: Backend) -> None:
+    """asignal resumes a job waiting for the signal and refuses a finished one."""
+    from errands.backends.base import FinishParams
+
+    add, _ = _jobs(app)
+    waiting, done = add.enqueue(a=1, b=1, priority=9), add.enqueue(a=2, b=2)
+    row = claim_one(backend)
+    assert row.id == waiting.id
+    (ok,) = backend.job_finish_many(
+        [FinishParams(row.id, row.lease_token or "", "waiting", wait_signal="go")]
+    )
+    assert ok and waiting.status() is errands.JobState.WAITING
+    assert finish(backend, claim_one(backend), "completed", result_json="4")
+
+    async def scenario() -> None:
+        assert (await app.asignal(waiting.id, "go", {"n": 1})).resumed
+        with pytest.raises(errands.InvalidTransition):
+            await app.asignal(done.id, "go")
+
+    run(scenario())
+    assert waiting.status() is errands.JobState.AVAILABLE
