@@ -194,3 +194,23 @@ def test_the_cli_and_the_dashboard_send_signals(app: errands.App) -> None:
             )
         assert by_web.result(timeout=10) == "web"
     assert app.audit(job_id=by_web.id)[0].actor.startswith("dashboard:")
+
+
+def test_a_worker_on_postgresql_suspends_and_resumes_a_job(pg_url: str) -> None:
+    """The same flow on PostgreSQL: wait, signal, resume with the payload; the waiting
+    job is woken by the result listener when it completes."""
+    app = errands.App(pg_url)
+
+    @app.job(name="sig.pg")
+    def pg_wait(ctx: errands.Context, n: int) -> Any:
+        return {"n": n, "got": ctx.wait_for_signal("go", timeout=600)}
+
+    try:
+        with running_worker(app, concurrency=2):
+            handle = pg_wait.enqueue(n=3)
+            wait_until(lambda: _state(handle) == "waiting", what="the job to wait")
+            assert handle.job().lease_owner is None
+            assert app.signal(handle.id, "go", "yes").resumed
+            assert handle.result(timeout=20) == {"n": 3, "got": "yes"}
+    finally:
+        app.close()
