@@ -86,6 +86,7 @@ class ResultHub:
     def __init__(self, app: App) -> None:
         self.app = app
         self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
         self._by_job: dict[int, set[Waiter]] = {}
         self._watcher: Any = None
         self._started = False
@@ -93,25 +94,24 @@ class ResultHub:
 
     # -- the watcher -----------------------------------------------------------------------
     def _start(self) -> Any:
-        with self._lock:
-            if self._started:
-                return self._watcher
-            self._started = True
-        try:
-            watcher = self.app.backend.result_listener(self._on_done, self._on_listen)
-            if watcher is not None:
-                watcher.start()
-        except Exception:
-            log.exception("cannot watch the store for finished jobs; waiters poll")
-            watcher = None
-        with self._lock:
-            self._watcher = watcher
-        return watcher
+        """The watcher, started on the first call (the others wait for that start)."""
+        with self._start_lock:
+            if not self._started:
+                try:
+                    watcher = self.app.backend.result_listener(self._on_done, self._on_listen)
+                    if watcher is not None:
+                        watcher.start()
+                except Exception:
+                    log.exception("cannot watch the store for finished jobs; waiters poll")
+                    watcher = None
+                self._watcher, self._started = watcher, True
+            return self._watcher
 
     def ready(self, wait: float = READY_WAIT) -> bool:
         """Start the watcher (once) and wait up to ``wait`` s for it to listen: True when
-        waiters are woken by the store, False when they must poll."""
-        watcher = self._watcher if self._started else self._start()
+        waiters are woken by the store, False when they must poll. (A waiter that polls
+        is woken to read again once the watcher listens.)"""
+        watcher = self._start()
         return watcher is not None and watcher.listening.wait(wait)
 
     @property
@@ -124,7 +124,7 @@ class ResultHub:
         )
 
     def close(self) -> None:
-        with self._lock:
+        with self._start_lock:
             watcher, self._watcher, self._started = self._watcher, None, False
         if watcher is not None:
             watcher.stop()

@@ -802,7 +802,7 @@ class SQLiteBackend(SQLiteAdmin):
             return None
         from .watcher import DataVersionWatcher
 
-        return DataVersionWatcher(self.path, lambda _: on_done(None))
+        return DataVersionWatcher(self.path, lambda _: on_done(None), on_listen)
 
 
 def _loads_or_raw(text: str | None) -> Any:

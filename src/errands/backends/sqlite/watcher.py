@@ -21,9 +21,15 @@ CHECK_INTERVAL = 0.005
 
 
 class DataVersionWatcher:
-    def __init__(self, path: str, on_queue: Callable[[str | None], None]) -> None:
+    def __init__(
+        self,
+        path: str,
+        on_queue: Callable[[str | None], None],
+        on_listen: Callable[[], None] | None = None,
+    ) -> None:
         self.path = path
         self.on_queue = on_queue
+        self.on_listen = on_listen  # called once the first version is read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-watch", daemon=True)
         self.self_test_passed: bool | None = True
@@ -46,6 +52,8 @@ class DataVersionWatcher:
         try:
             last = conn.execute("PRAGMA data_version").fetchone()[0]
             self.listening.set()  # any commit from here on is seen
+            if self.on_listen is not None:
+                self.on_listen()
             while not self._stop.wait(CHECK_INTERVAL):
                 try:
                     version = conn.execute("PRAGMA data_version").fetchone()[0]
