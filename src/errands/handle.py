@@ -80,7 +80,8 @@ class JobHandle:
         pacer = Pacer(hub, poll, timeout)
         with hub.watch([self.id]) as waiter:
             while True:
-                job = self._read_finished(self._read())
+                row = waiter.rows.pop(self.id, None)  # read for us by the hub, or read now
+                job = self._read_finished(row.to_job() if row is not None else self._read())
                 if job is not None:
                     return self._outcome(job)
                 waiter.wait(pacer.next(self._still()))
@@ -99,7 +100,11 @@ class JobHandle:
         pacer = Pacer(hub, poll, timeout)
         with hub.watch([self.id], asyncio.get_running_loop()) as waiter:
             while True:
-                job = self._read_finished(await asyncio.to_thread(self._read))
+                row = waiter.rows.pop(self.id, None)  # read for us by the hub: no thread hop
+                if row is not None:
+                    job = self._read_finished(row.to_job())
+                else:
+                    job = self._read_finished(await asyncio.to_thread(self._read))
                 if job is not None:
                     return self._outcome(job)
                 await waiter.await_wake(pacer.next(self._still()))

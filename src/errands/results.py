@@ -36,7 +36,7 @@ from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError, ResultTimeout
-from .jobs import TERMINAL_STATES
+from .jobs import TERMINAL_STATES, JobRow
 
 if TYPE_CHECKING:
     from .app import App
@@ -54,10 +54,11 @@ class Waiter:
     """One waiter for one or more jobs: woken from the watcher's thread, waited on from a
     thread (``wait``) or a task (``await_wake``)."""
 
-    __slots__ = ("_async", "_flag", "_loop", "job_ids")
+    __slots__ = ("_async", "_flag", "_loop", "job_ids", "rows")
 
     def __init__(self, job_ids: frozenset[int], loop: asyncio.AbstractEventLoop | None) -> None:
         self.job_ids = job_ids
+        self.rows: dict[int, JobRow] = {}  # read for it by the hub when it woke it
         self._flag = threading.Event()
         self._loop = loop
         self._async = asyncio.Event() if loop is not None else None
@@ -135,7 +136,7 @@ class ResultHub:
 
     def _on_done(self, ids: Iterable[int] | None) -> None:
         if ids is not None:
-            self._wake(ids)
+            self._wake(ids, read=True)
             return
         with self._lock:  # SQLite, or too many ids: ask the store which watched jobs ended
             watched = list(self._by_job)
@@ -150,14 +151,32 @@ class ResultHub:
                 continue
             ended.extend(i for i in chunk if states.get(i, "pruned") in TERMINAL | {"pruned"})
         if ended:
-            self._wake(ended)
+            self._wake(ended, read=True)
 
-    def _wake(self, ids: Iterable[int] | None) -> None:
+    def _wake(self, ids: Iterable[int] | None, *, read: bool = False) -> None:
+        """Wake the waiters of ``ids`` (None: every waiter). ``read``: the jobs ended, so
+        read their rows here, in one query per chunk, and hand each waiter its job's: ten
+        thousand waiters woken at once then cost a few queries, not one read each."""
         with self._lock:
             if ids is None:
-                waiters = {w for group in self._by_job.values() for w in group}
+                groups = {0: {w for group in self._by_job.values() for w in group}}
             else:
-                waiters = {w for i in ids for w in self._by_job.get(i, ())}
+                groups = {i: set(self._by_job.get(i, ())) for i in ids}
+        woken = [i for i, group in groups.items() if group]
+        if read and ids is not None:
+            rows: dict[int, JobRow] = {}
+            for start in range(0, len(woken), STATES_CHUNK):
+                try:
+                    found = self.app.backend.job_get_many(woken[start : start + STATES_CHUNK])
+                except Exception as exc:  # each waiter reads its own job instead
+                    log.debug("reading ended jobs failed (%s); waiters read their own", exc)
+                    break
+                rows.update((row.id, row) for row in found)
+            for job_id, group in groups.items():
+                if job_id in rows:
+                    for waiter in group:
+                        waiter.rows[job_id] = rows[job_id]
+        waiters = {w for group in groups.values() for w in group}
         self.wakeups += len(waiters)
         for waiter in waiters:
             waiter.wake()
@@ -239,7 +258,8 @@ def as_completed(
     with hub.watch(pending) as waiter:
         while pending:
             for job_id, handle in list(pending.items()):
-                if handle.job().state.is_terminal:
+                row = waiter.rows.pop(job_id, None)  # read by the hub when it woke us
+                if (row.to_job() if row is not None else handle.job()).state.is_terminal:
                     del pending[job_id]
                     yield handle
             if pending:

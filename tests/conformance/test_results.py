@@ -24,6 +24,15 @@ def test_job_states_gives_the_state_of_each_existing_job(backend: Backend) -> No
     assert backend.job_states([]) == {}
 
 
+def test_job_get_many_reads_the_existing_jobs_of_a_list(backend: Backend) -> None:
+    """One query returns each existing job's full row; unknown ids are left out."""
+    first, second = insert(backend), insert(backend, delay=60)
+    rows = {r.id: r for r in backend.job_get_many([first, second, 999_999])}
+    assert set(rows) == {first, second}
+    assert rows[second].state == "scheduled" and rows[first] == backend.job_get(first)
+    assert backend.job_get_many([]) == []
+
+
 def test_the_result_listener_reports_a_job_that_ends(backend: Backend) -> None:
     """Once listening, the commit of an outcome reaches on_done: with the job's id, or
     with None (ask job_states), within a moment."""

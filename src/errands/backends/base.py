@@ -498,6 +498,11 @@ class Backend(Protocol):
         """The state of each job of ``ids`` that exists."""
         ...
 
+    def job_get_many(self, ids: Sequence[int]) -> list[JobRow]:
+        """The rows of the jobs of ``ids`` that exist, in no set order (one query: the
+        result hub reads every job a notification ended at once)."""
+        ...
+
     # -- the dashboard ---------------------------------------------------------------------
     def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[ThroughputBucket]:
         """Completed and dead jobs and failed attempts per queue and time bucket, oldest first."""

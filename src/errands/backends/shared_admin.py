@@ -303,6 +303,13 @@ class SharedAdmin:
         rows = self._read_rows("job_states", {"ids": self._id_list(list(ids))})
         return {int(r[0]): str(r[1]) for r in rows}
 
+    def job_get_many(self, ids: Sequence[int]) -> list[JobRow]:
+        if not ids:
+            return []
+        return [
+            JobRow(*r) for r in self._read_rows("job_get_many", {"ids": self._id_list(list(ids))})
+        ]
+
     def _id_list(self, ids: list[int]) -> Any:
         """A list of ids as the store's ``job_states`` query binds it."""
         return ids

@@ -260,6 +260,9 @@ FOR UPDATE
 -- name: job_states
 SELECT id, state FROM {schema}.errands_jobs WHERE id = ANY(%(ids)s::bigint[])
 
+-- name: job_get_many
+SELECT {job_columns} FROM {schema}.errands_jobs AS j WHERE j.id = ANY(%(ids)s::bigint[])
+
 -- name: job_state_for_update
 SELECT state FROM {schema}.errands_jobs WHERE id = %(id)s FOR UPDATE
 

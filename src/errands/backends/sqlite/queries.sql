@@ -196,6 +196,14 @@ SELECT state FROM errands_jobs WHERE id = :id
 -- name: job_states
 SELECT id, state FROM errands_jobs WHERE id IN (SELECT value FROM json_each(:ids))
 
+-- name: job_get_many
+SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+       idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+       lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+       progress, progress_message, wait_signal, wait_until
+FROM errands_jobs WHERE id IN (SELECT value FROM json_each(:ids))
+
 -- name: queue_stats
 SELECT queue, state, count(*) AS n,
        min(CASE WHEN state IN ('available', 'scheduled', 'retryable')
