@@ -8,7 +8,7 @@
   time from the commit's return to the waiter's return, p50 and p99 over N jobs.
 - **waiters per connection**: N asyncio tasks await ``aresult`` on N jobs at once; the
   figure is how many connections the process holds for *waiting* (PostgreSQL: sessions
-  with application name ``errands-results``), and how long all take to return once the
+  with application name ``errands-results:<pid>``), and how long all take to return once the
   jobs are completed in bulk.
 - **async enqueue**: jobs per second from one event loop: ``aenqueue`` without ``conn=``
   (64 in flight), ``aenqueue(conn=AsyncConnection)`` in one transaction per job, beside
@@ -128,8 +128,8 @@ def _waiting_connections(app: errands.App) -> int | None:
 
     with psycopg.connect(app.backend.config.conninfo, autocommit=True) as conn:  # type: ignore[attr-defined]
         row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'errands-results' "
-            "AND client_port IS NOT NULL AND pid <> pg_backend_pid()"
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+            (f"errands-results:{os.getpid()}",),
         ).fetchone()
     return int(row[0]) if row else 0
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -950,9 +951,8 @@ class PostgresBackend(PostgresAdmin):
                 on_done(None)
 
         channel = f"errands_done_{self.schema}"
-        return Notifier(
-            self.config.conninfo, channel, parse, on_listen, "errands-results", "errands-results"
-        )
+        name = f"errands-results:{os.getpid()}"  # which process's waiters, in pg_stat_activity
+        return Notifier(self.config.conninfo, channel, parse, on_listen, "errands-results", name)
 
 
 def unwrap_connection(conn: Any) -> Any:
