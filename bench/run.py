@@ -266,6 +266,8 @@ def scenarios_of(system: System, plan: Plan) -> list[tuple[str, str, dict[str, A
     out: list[tuple[str, str, dict[str, Any]]] = [
         ("enqueue_single", "enqueue_single", {"jobs": plan.single_jobs}),
     ]
+    if system.is_errands:  # issue 20: await aenqueue(...), beside the peers' async loops
+        out.append(("enqueue_async", "enqueue_async", {"jobs": plan.single_jobs}))
     if system.name != "huey":  # huey has no bulk enqueue
         out.append(("enqueue_bulk", "enqueue_bulk", {"jobs": plan.bulk_jobs}))
     for procs in (1, 2):
@@ -306,6 +308,11 @@ def summarise(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     fig["enqueue_single_raw"] = median([r["raw_rate"] for r in single if "raw_rate" in r])
     fig["enqueue_single_vs_raw"] = median([r["vs_raw"] for r in single if "vs_raw" in r])
     fig["enqueue_bulk"] = median([r["rate"] for r in raw.get("enqueue_bulk", [])])
+    if raw.get("enqueue_async"):
+        fig["enqueue_async"] = median([r["rate"] for r in raw["enqueue_async"]])
+        fig["enqueue_async_concurrent"] = median(
+            [r["rate_concurrent"] for r in raw["enqueue_async"]]
+        )
     for procs in (1, 2):
         runs = raw.get(f"throughput_{procs}", [])
         fig[f"throughput_{procs}"] = median([r["rate"] for r in runs])

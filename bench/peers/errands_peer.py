@@ -85,6 +85,35 @@ def enqueue_single(spec: dict[str, Any]) -> dict[str, Any]:
     return {"rate": n / ours, "raw_rate": n / theirs, "vs_raw": theirs / ours}
 
 
+def enqueue_async(spec: dict[str, Any]) -> dict[str, Any]:
+    """``await noop.aenqueue(...)`` from one event loop: one at a time (the shape of
+    procrastinate's ``defer_async`` and pgqueuer's ``enqueue`` loops in enqueue_single),
+    and 64 in flight."""
+    import asyncio
+
+    mod = _fresh(spec)
+    n = spec["jobs"]
+
+    async def go() -> tuple[float, float]:
+        await mod.noop.aenqueue(n=0)  # warm up outside the timing
+        t = time.perf_counter()
+        for i in range(n):
+            await mod.noop.aenqueue(n=i)
+        one = time.perf_counter() - t
+        gate = asyncio.Semaphore(64)
+
+        async def bounded(i: int) -> None:
+            async with gate:
+                await mod.noop.aenqueue(n=i)
+
+        t = time.perf_counter()
+        await asyncio.gather(*(bounded(i) for i in range(n)))
+        return one, time.perf_counter() - t
+
+    one, many = asyncio.run(go())
+    return {"rate": n / one, "rate_concurrent": n / many}
+
+
 def enqueue_bulk(spec: dict[str, Any]) -> dict[str, Any]:
     mod = _fresh(spec)
     mod.noop.enqueue(n=0)
@@ -119,6 +148,7 @@ if __name__ == "__main__":
         {
             "migrate": migrate,
             "enqueue_single": enqueue_single,
+            "enqueue_async": enqueue_async,
             "enqueue_bulk": enqueue_bulk,
             "throughput": throughput,
             "latency": latency,

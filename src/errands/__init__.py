@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from .app import App
+from .backends.base import SignalResult
 from .context import Context
 from .definition import BoundJob, JobDefinition
 from .errors import (
@@ -30,8 +31,9 @@ from .errors import (
     UnknownJob,
 )
 from .handle import JobHandle
-from .jobs import Job, JobError, JobState
+from .jobs import Job, JobError, JobState, Progress
 from .outcomes import Permanent, Retry
+from .results import as_completed, wait_all
 from .retry import ExponentialBackoff
 
 __version__ = "0.1.0"
@@ -59,12 +61,16 @@ __all__ = [
     "JobNotFound",
     "JobState",
     "Permanent",
+    "Progress",
     "ResultTimeout",
     "Retry",
     "SchemaOutdated",
+    "SignalResult",
     "StepError",
     "StorageFull",
     "TransactionEnded",
     "UnknownJob",
     "__version__",
+    "as_completed",
+    "wait_all",
 ]

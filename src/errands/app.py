@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from pydantic_core import PydanticSerializationError, to_json
 
 from .backends import SQLITE_URL_DEFAULT, Backend, open_backend, redact_url
 from .backends.base import (
@@ -15,19 +18,30 @@ from .backends.base import (
     ActionResult,
     AuditEvent,
     CancelResult,
+    EditParams,
+    JobEdit,
     ListParams,
     QueueSettings,
     QueueStats,
+    SignalResult,
 )
 from .backends.limits import parse_rate
-from .definition import BoundJob, JobDefinition, check_name, check_text, seconds
-from .errors import ConfigurationError, InvalidTransition, JobNotFound
+from .definition import (
+    BoundJob,
+    EnqueueOptions,
+    JobDefinition,
+    check_name,
+    check_text,
+    seconds,
+)
+from .errors import ConfigurationError, InvalidPayload, InvalidTransition, JobNotFound
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
 from .jobs import Job, Step, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
+from .results import ResultHub
 from .retry import BackoffPolicy
 from .suggest import did_you_mean
 
@@ -46,6 +60,7 @@ PENDING_STATES = ("scheduled", "available", "running", "retryable")
 
 DeadHook = Callable[[Job], None]
 TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
+SIGNAL_NAME_MAX = 200  # bytes of a signal's name
 
 
 def _filter(what: str, value: str | None) -> str | None:
@@ -105,6 +120,7 @@ class App:
         self.events.subscribe(log_event, inline=True)
         self._backend: Backend | None = None
         self._backend_lock = threading.Lock()
+        self._results: ResultHub | None = None
 
     def __repr__(self) -> str:
         return f"<errands.App {redact_url(self.url)} jobs={len(self.registry)}>"
@@ -118,7 +134,18 @@ class App:
                     self._backend = open_backend(self.url)
         return self._backend
 
+    @property
+    def results(self) -> ResultHub:
+        """The waiters on this App's results, woken by one watcher of the store."""
+        if self._results is None:
+            with self._backend_lock:
+                if self._results is None:
+                    self._results = ResultHub(self)
+        return self._results
+
     def close(self) -> None:
+        if self._results is not None:
+            self._results.close()
         if self._backend is not None:
             self._backend.close()
             self._backend = None
@@ -353,6 +380,29 @@ class App:
     # -- enqueue -----------------------------------------------------------------------
     def enqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:
         """Store many jobs in one transaction (the caller's, when ``conn`` is given)."""
+        requests = self._requests(jobs)
+        if not requests:
+            return []
+        return self._enqueued(jobs, self.backend.job_insert_many(requests, conn=conn))
+
+    async def aenqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:
+        """:meth:`enqueue_many` for async code: the event loop never blocks on the store.
+
+        ``conn``: the caller's async connection — a psycopg ``AsyncConnection``, an
+        aiosqlite connection, or an SQLAlchemy ``AsyncSession``/``AsyncConnection`` on
+        one — whose transaction the jobs commit or roll back with. Without it, the store's
+        own connection is used in a worker thread: cancelling the awaiting task then
+        does not undo an insert already sent (enqueue with ``key=`` to retry safely).
+
+        .. versionadded:: 0.2
+        """
+        requests = self._requests(jobs)
+        if not requests:
+            return []
+        return self._enqueued(jobs, await self.backend.ajob_insert_many(requests, conn=conn))
+
+    def _requests(self, jobs: Sequence[BoundJob]) -> list[Any]:
+        """Check ``jobs`` belong here; their requests, after the before-insert hooks."""
         for bound in jobs:
             if not isinstance(bound, BoundJob):
                 raise ConfigurationError(
@@ -362,8 +412,10 @@ class App:
                 raise ConfigurationError(f"job {bound.definition.name!r} belongs to another App")
         if not jobs:
             return []
-        requests = self.events.prepare_insert([b.request for b in jobs])
-        results = self.backend.job_insert_many(requests, conn=conn)
+        return self.events.prepare_insert([b.request for b in jobs])
+
+    def _enqueued(self, jobs: Sequence[BoundJob], results: Sequence[Any]) -> list[JobHandle]:
+        """Emit the enqueued events; the handles of what was stored."""
         if self.events.wants("errands.job.enqueued"):
             emit = self.events.emit
             for bound, result in zip(jobs, results, strict=True):
@@ -388,6 +440,13 @@ class App:
         if row is None:
             raise JobNotFound(f"no job with id {job_id}")
         return row.to_job()
+
+    async def aget_job(self, job_id: int) -> Job:
+        """:meth:`get_job` for async code (read in a worker thread; the loop never blocks).
+
+        .. versionadded:: 0.2
+        """
+        return await asyncio.to_thread(self.get_job, job_id)
 
     def jobs(
         self,
@@ -504,6 +563,196 @@ class App:
             for job_id in result.matched:
                 self.events.emit("errands.job.discarded", job_id=job_id, actor=actor, reason=reason)
         return result
+
+    # -- editing pending jobs ---------------------------------------------------------------
+    def edit(
+        self,
+        ids: Iterable[int],
+        *,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        priority: int | None = None,
+        queue: str | None = None,
+        args: dict[str, Any] | None = None,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Change pending jobs (``scheduled``, ``available`` or ``retryable`` only): when
+        they run (``run_at=`` or ``delay=``), their ``priority``, their ``queue``, or their
+        arguments (``args=``, validated against each job's payload contract now:
+        InvalidPayload and nothing written when they do not fit). Each job's write is
+        guarded by its state, so an edit never lands on a running or finished job, and is
+        audited with ``actor``. ``dry_run`` changes nothing and reports what would be
+        changed. Returns the jobs changed and, for the others, why not.
+
+        .. versionadded:: 0.2
+        """
+        job_ids = list(dict.fromkeys(int(i) for i in ids))
+        if not job_ids:
+            raise ConfigurationError("edit: give at least one job id")
+        if run_at is None and delay is None and priority is None and queue is None and args is None:
+            raise ConfigurationError(
+                "edit: nothing to change; give run_at=, delay=, priority=, queue= or args="
+            )
+        if run_at is not None and delay is not None:
+            raise ConfigurationError("edit: give run_at= or delay=, not both")
+        when: float | None = None
+        if run_at is not None:
+            if not isinstance(run_at, datetime) or run_at.tzinfo is None:
+                raise ConfigurationError(
+                    f"edit: run_at={run_at!r} must be a datetime with a time zone"
+                )
+            when = run_at.timestamp()
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise ConfigurationError(f"edit: priority={priority!r} must be an int")
+        edits, skipped = self._edits(job_ids, args)
+        result = self.backend.job_edit(
+            EditParams(
+                actor=_actor(actor),
+                edits=edits,
+                run_at=when,
+                delay=seconds(delay, "delay"),
+                priority=priority,
+                queue=None if queue is None else check_name("queue", queue),
+                dry_run=dry_run,
+            )
+        )
+        result = ActionResult(result.matched, {**skipped, **result.skipped})
+        if not dry_run:
+            changes = sorted(
+                k
+                for k, v in {"run_at": when if delay is None else delay, "priority": priority,
+                             "queue": queue, "args": args}.items()
+                if v is not None
+            )  # fmt: skip
+            for job_id in result.matched:
+                self.events.emit("errands.job.edited", job_id=job_id, actor=actor, changes=changes)
+        return result
+
+    def _edits(
+        self, job_ids: list[int], args: dict[str, Any] | None
+    ) -> tuple[list[JobEdit], dict[int, str]]:
+        """Each job's edit; with ``args``, validated against the job's own definition."""
+        if args is None:
+            return [JobEdit(i) for i in job_ids], {}
+        if not isinstance(args, dict):
+            raise ConfigurationError("edit: args= takes a dict of the job's arguments")
+        edits: list[JobEdit] = []
+        skipped: dict[int, str] = {}
+        for job_id in job_ids:
+            row = self.backend.job_get(job_id)
+            if row is None:
+                skipped[job_id] = "no such job"
+                continue
+            definition = self.registry.get(row.name)
+            if definition is None:
+                skipped[job_id] = (
+                    f"this app has no job {row.name!r} to validate the new arguments against; "
+                    "edit it from an app that registers it"
+                )
+                continue
+            try:
+                request = definition.request((), dict(args), EnqueueOptions())
+            except InvalidPayload as exc:
+                raise InvalidPayload(
+                    f"job {job_id}: the new arguments do not fit {row.name}: {exc}",
+                    errors=exc.errors,
+                ) from None
+            edits.append(JobEdit(job_id, request.args_json, request.concurrency_key))
+        return edits, skipped
+
+    def reschedule(
+        self,
+        ids: Iterable[int],
+        *,
+        run_at: datetime | None = None,
+        delay: float | timedelta | None = None,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Move pending jobs to ``run_at`` (or ``delay`` from now); see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        if run_at is None and delay is None:
+            raise ConfigurationError("reschedule: give run_at= or delay=")
+        return self.edit(ids, run_at=run_at, delay=delay, dry_run=dry_run, actor=actor)
+
+    def reprioritise(
+        self, ids: Iterable[int], priority: int, *, dry_run: bool = False, actor: str = "api"
+    ) -> ActionResult:
+        """Give pending jobs a new priority; see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        return self.edit(ids, priority=priority, dry_run=dry_run, actor=actor)
+
+    def move(
+        self, ids: Iterable[int], queue: str, *, dry_run: bool = False, actor: str = "api"
+    ) -> ActionResult:
+        """Move pending jobs to another queue; see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        return self.edit(ids, queue=queue, dry_run=dry_run, actor=actor)
+
+    def replace_args(
+        self,
+        ids: Iterable[int],
+        args: dict[str, Any],
+        *,
+        dry_run: bool = False,
+        actor: str = "api",
+    ) -> ActionResult:
+        """Replace pending jobs' arguments, validated against each job's payload contract;
+        see :meth:`edit`.
+
+        .. versionadded:: 0.2
+        """
+        return self.edit(ids, args=args, dry_run=dry_run, actor=actor)
+
+    # -- durable signals ----------------------------------------------------------------------
+    def signal(
+        self, job_id: int, name: str, payload: Any = None, *, actor: str = "api"
+    ) -> SignalResult:
+        """Send signal ``name`` (with a JSON ``payload``) to a job: kept for the job's
+        ``ctx.wait_for_signal(name)``, and a job waiting for it now becomes available
+        (``resumed``). Audited. A signal sent before the wait is kept; a completed,
+        cancelled or discarded job refuses it (InvalidTransition), as does an unknown id
+        (JobNotFound).
+
+        .. versionadded:: 0.2
+        """
+        check_text("signal name", name, SIGNAL_NAME_MAX)
+        if not name:
+            raise ConfigurationError("a signal needs a name")
+        try:
+            payload_json = to_json(payload).decode("utf-8")
+        except (PydanticSerializationError, ValueError, TypeError) as exc:
+            raise InvalidPayload(f"signal {name!r}: the payload is not JSON: {exc}") from None
+        check_text(f"signal {name!r} payload", payload_json, self.max_payload_bytes)
+        result = self.backend.job_signal(int(job_id), name, payload_json, _actor(actor))
+        self.events.emit(
+            "errands.job.signalled", job_id=result.id, actor=actor, signal=name,
+            resumed=result.resumed,
+        )  # fmt: skip
+        return result
+
+    async def asignal(
+        self, job_id: int, name: str, payload: Any = None, *, actor: str = "api"
+    ) -> SignalResult:
+        """:meth:`signal` for async code.
+
+        .. versionadded:: 0.2
+        """
+        return await asyncio.to_thread(self.signal, job_id, name, payload, actor=actor)
+
+    async def acancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
+        """:meth:`cancel` for async code.
+
+        .. versionadded:: 0.2
+        """
+        return await asyncio.to_thread(self.cancel, job_id, actor=actor)
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -55,6 +56,39 @@ class Context:
     ) -> Any:
         """``ctx.step`` for async handlers: ``fn`` may be a coroutine function."""
         return await self._rt().astep(name, fn, *args, **kwargs)
+
+    def wait_for_signal(self, name: str, timeout: float | timedelta | None = None) -> Any:
+        """The payload of signal ``name`` sent to this job with ``app.signal``.
+
+        When it has not arrived yet, the job is *suspended*: this run ends here (the
+        handler unwinds; ``finally`` blocks run), the job goes to state ``waiting``
+        holding no lease and no worker slot, and the attempt is not charged. When the
+        signal arrives, the job runs again from the top: steps return their stored
+        results and this call returns the payload (stored as step ``signal:<name>``, so
+        every later run gets the same one). A signal sent before the wait is kept and
+        returned at once. Past ``timeout`` (seconds or a timedelta; None: no limit) the
+        wait is a failed attempt (kind ``signal_timeout``): retried with backoff, then
+        dead. In an ``async def`` handler, ``await`` it.
+
+        .. versionadded:: 0.2
+        """
+        runtime = self._rt()
+        definition = runtime.attempt.definition
+        if definition is not None and definition.is_async:
+            return runtime.await_signal(name, timeout)
+        return runtime.wait_for_signal(name, timeout)
+
+    def progress(self, fraction: float, message: str = "") -> None:
+        """Report how far this run is: ``fraction`` from 0.0 to 1.0, and a short message.
+
+        Kept in memory and stored with the worker's next heartbeat (no write of its own,
+        however often it is called); ``handle.progress()``, ``errands jobs show`` and the
+        dashboard show the latest, and the ``errands.job.progress`` event announces it.
+        A new attempt starts with none.
+
+        .. versionadded:: 0.2
+        """
+        self._rt().progress(fraction, message)
 
     def transaction(self) -> TransactionConnection:
         """A connection inside the transaction that will also complete this job.

@@ -298,6 +298,27 @@ class JobDefinition(Generic[P, R]):
         )
         return self.app.enqueue_many([bound], conn=conn)[0]
 
+    async def aenqueue(
+        self,
+        *args: Any,
+        key: str | None = None,
+        delay: float | timedelta | None = None,
+        run_at: datetime | None = None,
+        priority: int | None = None,
+        queue: str | None = None,
+        unique_for: float | timedelta | None = None,
+        conn: Any = None,
+        **kwargs: Any,
+    ) -> JobHandle:
+        """:meth:`enqueue` for async code, with the same checks and errors; ``conn`` is the
+        caller's async connection (see ``App.aenqueue_many``).
+
+        .. versionadded:: 0.2
+        """
+        options = EnqueueOptions(key, delay, run_at, priority, queue, unique_for)
+        bound = BoundJob(self, self.request(args, kwargs, options))
+        return (await self.app.aenqueue_many([bound], conn=conn))[0]
+
     def request(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], options: EnqueueOptions
     ) -> EnqueueRequest:

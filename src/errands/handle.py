@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import time
+import asyncio
 from typing import TYPE_CHECKING, Any
 
-from .errors import JobCancelled, JobFailed, JobNotFound, ResultTimeout
-from .jobs import Job, JobState
+from .errors import JobCancelled, JobFailed, JobNotFound
+from .jobs import Job, JobState, Progress
+from .results import Pacer
 
 if TYPE_CHECKING:
     from .app import App
@@ -16,13 +17,14 @@ POLL_INTERVAL_DEFAULT = 0.05
 
 
 class JobHandle:
-    __slots__ = ("app", "deduplicated", "id", "name")
+    __slots__ = ("_last_state", "app", "deduplicated", "id", "name")
 
     def __init__(self, app: App, job_id: int, name: str, deduplicated: bool = False) -> None:
         self.app = app
         self.id = job_id
         self.name = name
         self.deduplicated = deduplicated
+        self._last_state = "pending"
 
     def __repr__(self) -> str:
         dedup = " deduplicated" if self.deduplicated else ""
@@ -37,45 +39,111 @@ class JobHandle:
     def job(self) -> Job:
         return self.app.get_job(self.id)
 
+    async def ajob(self) -> Job:
+        """:meth:`job` for async code.
+
+        .. versionadded:: 0.2
+        """
+        return await self.app.aget_job(self.id)
+
     def status(self) -> JobState:
         return self.job().state
 
+    async def astatus(self) -> JobState:
+        """:meth:`status` for async code.
+
+        .. versionadded:: 0.2
+        """
+        return (await self.ajob()).state
+
     def cancel(self, actor: str = "api") -> CancelResult:
         return self.app.cancel(self.id, actor=actor)
+
+    async def acancel(self, actor: str = "api") -> CancelResult:
+        """:meth:`cancel` for async code.
+
+        .. versionadded:: 0.2
+        """
+        return await self.app.acancel(self.id, actor=actor)
 
     def result(self, timeout: float | None = None, poll: float = POLL_INTERVAL_DEFAULT) -> Any:
         """Wait for the job to finish and return its result.
 
         Raises JobFailed when it is dead (in the DLQ), JobCancelled when cancelled or
-        discarded, ResultTimeout when ``timeout`` seconds pass first.
+        discarded, ResultTimeout when ``timeout`` seconds pass first. The store wakes the
+        wait when the job's outcome commits (LISTEN/NOTIFY on PostgreSQL, commit
+        detection on SQLite; see errands.results); ``poll`` is the longest pause between
+        reads where it cannot (``listen=false``, an in-memory store).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = min(poll, 0.01)
-        while True:
-            try:
-                job = self.app.get_job(self.id)
-            except JobNotFound:
-                raise JobNotFound(
-                    f"job {self.id} no longer exists (pruned after the retention period?)"
-                ) from None
-            if job.state is JobState.COMPLETED:
-                definition = self.app.registry.get(job.name)
-                return definition.payload.decode_result(job.result) if definition else job.result
-            if job.state is JobState.DEAD:
-                last = job.last_error
-                detail = f"{last.type}: {last.message}" if last else "no error recorded"
-                raise JobFailed(
-                    f"job {self.id} ({job.name}) is dead after {job.attempt} attempt(s): {detail}",
-                    job_id=self.id,
-                    last_error=None if last is None else last.__dict__,
-                )
-            if job.state in (JobState.CANCELLED, JobState.DISCARDED):
-                raise JobCancelled(f"job {self.id} ({job.name}) was {job.state.value}")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ResultTimeout(
-                    f"job {self.id} ({job.name}) is still {job.state.value} after {timeout} s"
-                )
-            time.sleep(
-                delay if deadline is None else max(min(delay, deadline - time.monotonic()), 0)
+        hub = self.app.results
+        hub.ready()
+        pacer = Pacer(hub, poll, timeout)
+        with hub.watch([self.id]) as waiter:
+            while True:
+                row = waiter.rows.pop(self.id, None)  # read for us by the hub, or read now
+                job = self._read_finished(row.to_job() if row is not None else self._read())
+                if job is not None:
+                    return self._outcome(job)
+                waiter.wait(pacer.next(self._still()))
+
+    async def aresult(
+        self, timeout: float | None = None, poll: float = POLL_INTERVAL_DEFAULT
+    ) -> Any:
+        """:meth:`result` for async code: the same outcomes and errors, woken the same
+        way, and the event loop never blocks. Cancelling the awaiting task stops only the
+        wait (its registration is removed).
+
+        .. versionadded:: 0.2
+        """
+        hub = self.app.results
+        await asyncio.to_thread(hub.ready)
+        pacer = Pacer(hub, poll, timeout)
+        with hub.watch([self.id], asyncio.get_running_loop()) as waiter:
+            while True:
+                row = waiter.rows.pop(self.id, None)  # read for us by the hub: no thread hop
+                if row is not None:
+                    job = self._read_finished(row.to_job())
+                else:
+                    job = self._read_finished(await asyncio.to_thread(self._read))
+                if job is not None:
+                    return self._outcome(job)
+                await waiter.await_wake(pacer.next(self._still()))
+
+    def progress(self) -> Progress | None:
+        """What the running handler last reported with ``ctx.progress`` (as the worker's
+        last heartbeat stored it); None before any report, and when a new attempt starts.
+
+        .. versionadded:: 0.2
+        """
+        return self.job().progress
+
+    def _still(self) -> str:
+        return f"job {self.id} ({self.name}) is still {self._last_state}"
+
+    def _read(self) -> Job:
+        try:
+            return self.app.get_job(self.id)
+        except JobNotFound:
+            raise JobNotFound(
+                f"job {self.id} no longer exists (pruned after the retention period?)"
+            ) from None
+
+    def _read_finished(self, job: Job) -> Job | None:
+        """``job`` when it is over (completed, dead, cancelled, discarded), else None."""
+        self._last_state = job.state.value
+        return job if job.state.is_terminal else None
+
+    def _outcome(self, job: Job) -> Any:
+        """A finished job's result, or the error that says how it ended."""
+        if job.state is JobState.COMPLETED:
+            definition = self.app.registry.get(job.name)
+            return definition.payload.decode_result(job.result) if definition else job.result
+        if job.state is JobState.DEAD:
+            last = job.last_error
+            detail = f"{last.type}: {last.message}" if last else "no error recorded"
+            raise JobFailed(
+                f"job {self.id} ({job.name}) is dead after {job.attempt} attempt(s): {detail}",
+                job_id=self.id,
+                last_error=None if last is None else last.__dict__,
             )
-            delay = min(delay * 2, poll)
+        raise JobCancelled(f"job {self.id} ({job.name}) was {job.state.value}")

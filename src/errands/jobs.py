@@ -20,6 +20,7 @@ class JobState(StrEnum):
     DEAD = "dead"
     DISCARDED = "discarded"
     CANCELLED = "cancelled"
+    WAITING = "waiting"  # suspended in ctx.wait_for_signal: no lease, no slot
 
     @property
     def is_terminal(self) -> bool:
@@ -77,6 +78,17 @@ class JobError:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """What a running handler last reported with ``ctx.progress`` (stored with a heartbeat).
+
+    .. versionadded:: 0.2
+    """
+
+    fraction: float  # 0.0 to 1.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class Job:
     """A snapshot of one job row, as returned by ``app.get_job`` and ``app.jobs``."""
 
@@ -105,6 +117,9 @@ class Job:
     discarded_by: str | None = None
     discard_reason: str | None = None
     parent_id: int | None = None  # the job whose completion inserted this one
+    progress: Progress | None = None  # ctx.progress of the attempt running now (or last)
+    waiting_for: str | None = None  # state waiting: the signal it waits for
+    wait_until: datetime | None = None  # ... and until when (None: no timeout)
 
     @property
     def last_error(self) -> JobError | None:
@@ -157,6 +172,10 @@ class JobRow:
     discard_reason: str | None
     parent_id: int | None = None
     unique_until: float | None = None  # set when the key was enqueued with unique_for
+    progress: float | None = None
+    progress_message: str | None = None
+    wait_signal: str | None = None
+    wait_until: float | None = None
 
     def to_job(self) -> Job:
         return Job(
@@ -185,6 +204,11 @@ class JobRow:
             discarded_by=self.discarded_by,
             discard_reason=self.discard_reason,
             parent_id=self.parent_id,
+            progress=None
+            if self.progress is None
+            else Progress(self.progress, self.progress_message or ""),
+            waiting_for=self.wait_signal,
+            wait_until=to_datetime(self.wait_until),
         )
 
 

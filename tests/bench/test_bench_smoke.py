@@ -60,6 +60,8 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
             "enqueue_single_raw",
             "enqueue_single_vs_raw",
             "enqueue_bulk",
+            "enqueue_async",
+            "enqueue_async_concurrent",
             "throughput_1",
             "throughput_2",
             "latency_p50",
@@ -74,3 +76,24 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
         assert memory["stopped_cleanly"] is True
     assert any(t["target"].startswith("Enqueue bulk") for t in results["targets"])
     assert "issue 8 targets" in run.stdout
+
+
+@pytest.mark.timeout(200)
+def test_the_waiting_bench_runs_and_records_every_figure(tmp_path: Path) -> None:
+    """`python -m bench.waiting --quick` (issue 20) measures wake-up latency, waiters per
+    connection and async enqueue on both stores; one connection serves every waiter."""
+    require_pg()
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.waiting", "--quick", "--results", str(tmp_path)],
+        cwd=ROOT, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "waiting.json").read_text())
+    assert results["preliminary"] is True
+    for store in ("sqlite", "postgres"):
+        figures = results[store]
+        assert figures["wake_latency"]["p50_ms"] > 0
+        assert figures["many_waiters"]["all_returned_s"] > 0
+        assert figures["enqueue"]["aenqueue_per_s"] > 0
+    assert results["postgres"]["many_waiters"]["waiting_connections"] == 1

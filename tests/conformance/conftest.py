@@ -104,6 +104,16 @@ class Harness:
         """Run one statement of the caller's own (business) SQL on ``conn``."""
         raise NotImplementedError
 
+    # -- the caller's own async connection (aenqueue(conn=...)) --------------------------
+    async def async_connection(self, backend: Backend, tmp_path: Path, *, same_store: bool) -> Any:
+        """An async driver connection (aiosqlite, psycopg AsyncConnection) with no
+        transaction open yet; the next write opens one. The caller closes it."""
+        raise NotImplementedError
+
+    def sqlalchemy_async_url(self, backend: Backend) -> str:
+        """The store as SQLAlchemy's async engines name it."""
+        raise NotImplementedError
+
 
 class SQLiteHarness(Harness):
     """A new database file per test; time warps are UPDATEs on a side connection."""
@@ -179,6 +189,15 @@ class SQLiteHarness(Harness):
 
     def execute(self, conn: sqlite3.Connection, sql: str) -> list[tuple[Any, ...]]:
         return conn.execute(sql).fetchall()
+
+    async def async_connection(self, backend: Backend, tmp_path: Path, *, same_store: bool) -> Any:
+        import aiosqlite
+
+        path = backend.path if same_store else str(tmp_path / "elsewhere.db")  # type: ignore[attr-defined]
+        return await aiosqlite.connect(path, timeout=10)  # implicit BEGIN at the first write
+
+    def sqlalchemy_async_url(self, backend: Backend) -> str:
+        return f"sqlite+aiosqlite:///{backend.path}"  # type: ignore[attr-defined]
 
 
 class PostgresHarness(Harness):
@@ -309,6 +328,19 @@ class PostgresHarness(Harness):
     def execute(self, conn: Any, sql: str) -> list[tuple[Any, ...]]:
         cur = conn.execute(sql)
         return cur.fetchall() if cur.description else []
+
+    async def async_connection(self, backend: Backend, tmp_path: Path, *, same_store: bool) -> Any:
+        import psycopg
+        from psycopg.conninfo import make_conninfo
+
+        conninfo: str = backend.config.conninfo  # type: ignore[attr-defined]
+        if not same_store:
+            conninfo = make_conninfo(conninfo, dbname="postgres")
+        return await psycopg.AsyncConnection.connect(conninfo)  # autocommit off
+
+    def sqlalchemy_async_url(self, backend: Backend) -> str:
+        conninfo: str = backend.config.conninfo  # type: ignore[attr-defined]
+        return conninfo.replace("postgresql://", "postgresql+psycopg://", 1)
 
 
 def _postgres_backend_exists() -> bool:

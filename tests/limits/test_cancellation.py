@@ -204,4 +204,4 @@ def test_jobs_cancel_command_cancels_pending_jobs_and_asks_running_ones_to_stop(
 
     again = run_cli("jobs", "cancel", str(pending.id), "--url", store.url)
     assert again.exit_code == 1
-    assert "is cancelled; only scheduled, available, retryable or running jobs" in again.output
+    assert "only scheduled, available, retryable, waiting or running jobs" in again.output

@@ -68,10 +68,15 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
 
     @app.job(name="ev.slow")
     def slow(ctx: errands.Context) -> None:
+        ctx.progress(0.5, "half way")  # stored (and announced) by the next heartbeat
         while not ctx.cancelled and not release.is_set():
             time.sleep(0.01)
         if ctx.cancelled:
             raise RuntimeError("stopped half-way")  # after a cancel: recorded as cancelled
+
+    @app.job(name="ev.wait", retries=0)
+    def wait(ctx: errands.Context, timeout: float) -> object:
+        return ctx.wait_for_signal("go", timeout=timeout)
 
     @app.job(name="ev.lost", queue="elsewhere", retries=2)
     def lost() -> None:
@@ -87,8 +92,19 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
                 handle.result(timeout=10)
             wait_until(lambda: handles[3].job().state.value == "dead", what="doomed dead")
             wait_until(lambda: slow_cancelled.job().state.value == "running", what="slow runs")
+            wait_until(
+                lambda: any(e.name == "errands.job.progress" for e in list(seen)),
+                what="progress stored by a heartbeat",
+            )
             app.cancel(slow_cancelled.id)
             wait_until(lambda: slow_cancelled.job().state.value == "cancelled", what="cancelled")
+            later = slow.enqueue(delay=3600)
+            assert app.reprioritise([later.id], 5).matched == [later.id]
+            signalled, timed_out = wait.enqueue(timeout=60), wait.enqueue(timeout=0.1)
+            wait_until(lambda: signalled.job().state.value == "waiting", what="a job waits")
+            app.signal(signalled.id, "go", "yes")
+            assert signalled.result(timeout=10) == "yes"
+            wait_until(lambda: timed_out.job().state.value == "dead", what="wait timed out")
             app.replay([handles[3].id])
             wait_until(lambda: doomed_again(handles[3]), what="doomed dead again")
             app.discard([handles[3].id], reason="not needed")

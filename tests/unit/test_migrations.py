@@ -145,3 +145,46 @@ def test_every_named_query_compiles_against_the_migrated_schema(tmp_path: Path) 
                 conn.execute(f"EXPLAIN {sql}", params)
             except sqlite3.Error as exc:  # pragma: no cover - the assertion message
                 pytest.fail(f"query {name!r} does not compile: {exc}")
+
+
+def test_migration_9_rebuilds_the_jobs_table_keeping_rows_ids_and_the_id_sequence(
+    tmp_path: Path,
+) -> None:
+    """A store at version 8 with jobs (the newest one pruned) migrates to 9: every row and
+    column is kept, a new job never reuses the pruned id, and 'waiting' is a valid state."""
+    path = tmp_path / "v8.db"
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute(
+            "CREATE TABLE errands_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+            "applied_at REAL NOT NULL)"
+        )
+        for version, name, sql in MIGRATIONS:
+            if version > 8:
+                break
+            conn.executescript(sql)
+            conn.execute("INSERT INTO errands_migrations VALUES (?, ?, 0)", (version, name))
+        for n in range(3):
+            conn.execute(
+                "INSERT INTO errands_jobs (name, queue, args, state, max_attempts, run_at, "
+                "inserted_at, concurrency_key) VALUES ('j', 'q', ?, 'available', 1, 0, 0, 'k')",
+                (f'{{"n": {n}}}',),
+            )
+        conn.execute("DELETE FROM errands_jobs WHERE id = 3")  # pruned: its id stays used
+    backend = open_backend(f"sqlite:///{path}")  # migrates to the current version
+    try:
+        rows = [backend.job_get(i) for i in (1, 2)]
+        assert [r.args for r in rows if r] == ['{"n": 0}', '{"n": 1}']
+        from errands.jobs import EnqueueRequest
+
+        (new,) = backend.job_insert_many([EnqueueRequest("j", "q", "{}", 0, 1, 0.0, None, None,
+                                                         None, None)])  # fmt: skip
+        assert new.id == 4
+    finally:
+        backend.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        assert conn.execute("SELECT concurrency_key FROM errands_jobs WHERE id = 2").fetchone() == (
+            "k",
+        )
+        conn.execute("UPDATE errands_jobs SET state = 'waiting' WHERE id = 1")
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute("UPDATE errands_jobs SET state = 'bogus' WHERE id = 1")

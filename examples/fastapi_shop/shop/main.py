@@ -1,4 +1,5 @@
-"""The FastAPI shop: an order and its payment job in one SQLAlchemy transaction, a status
+"""The FastAPI shop: async endpoints; an order and its payment job in one SQLAlchemy
+``AsyncSession`` transaction (``await job.aenqueue(..., conn=session)``), a status
 endpoint through the job's handle, errands' dashboard at /admin/jobs.
 
     uvicorn shop.main:api                            # then: errands worker shop.jobs:jobs
@@ -15,12 +16,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncSession
 
 import errands
 from errands.contrib.fastapi import ErrandsApp, lifespan, mount_dashboard
 
-from .db import Base, Order, engine, get_session
+from .db import Base, Order, async_engine, get_session
 from .jobs import charge_order, jobs
 
 ADMIN_TOKEN = os.environ.get("SHOP_ADMIN_TOKEN", "")
@@ -29,8 +30,10 @@ ADMIN_TOKEN = os.environ.get("SHOP_ADMIN_TOKEN", "")
 @asynccontextmanager
 async def create_tables(api: FastAPI) -> AsyncIterator[None]:
     """The shop's own tables (a real project uses Alembic); errands' come from migrate."""
-    Base.metadata.create_all(engine)
+    async with async_engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
     yield
+    await async_engine.dispose()
 
 
 api = FastAPI(title="fastapi_shop", lifespan=lifespan(jobs, migrate=True, inner=create_tables))
@@ -45,7 +48,7 @@ def admin_user(request: Any) -> str | None:
 with suppress(ImportError, errands.ConfigurationError):  # errands[dashboard] not installed
     mount_dashboard(api, jobs, path="/admin/jobs", user=admin_user)
 
-SessionDep = Annotated[Session, Depends(get_session)]
+SessionDep = Annotated[AsyncSession, Depends(get_session)]
 
 
 class OrderIn(BaseModel):
@@ -55,29 +58,31 @@ class OrderIn(BaseModel):
 
 
 @api.post("/orders", status_code=201)
-def create_order(body: OrderIn, session: SessionDep) -> dict[str, Any]:
-    with session.begin():  # the order and its payment job: both or neither
+async def create_order(body: OrderIn, session: SessionDep) -> dict[str, Any]:
+    async with session.begin():  # the order and its payment job: both or neither
         order = Order(email=body.email, amount_cents=body.amount_cents, card=body.card)
         session.add(order)
-        session.flush()
-        handle = charge_order.enqueue(order_id=order.id, key=f"order:{order.id}", conn=session)
+        await session.flush()
+        handle = await charge_order.aenqueue(
+            order_id=order.id, key=f"order:{order.id}", conn=session
+        )
         order.payment_job_id = handle.id
     return {"order": order.id, "payment_job": handle.id}
 
 
 @api.get("/orders/{order_id}")
-def order_status(order_id: int, session: SessionDep, app: ErrandsApp) -> dict[str, Any]:
-    order = session.get(Order, order_id)
+async def order_status(order_id: int, session: SessionDep, app: ErrandsApp) -> dict[str, Any]:
+    order = await session.get(Order, order_id)
     if order is None or order.payment_job_id is None:
         raise HTTPException(404, "no such order")
     handle = errands.JobHandle(app, order.payment_job_id, charge_order.name)
-    job = handle.job()
+    job = await handle.ajob()
     return {
         "order": order.id,
         "status": order.status,
         "payment": {
             "job": handle.id,
-            "state": str(handle.status()),
+            "state": str(job.state),
             "attempts": job.attempt,
             "errors": [f"{e.type}: {e.message}" for e in job.errors],
         },

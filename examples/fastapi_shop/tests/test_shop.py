@@ -83,3 +83,27 @@ def test_the_dashboard_is_mounted_for_admins(client: TestClient) -> None:
     page = client.get("/admin/jobs/", headers={"x-admin-token": "test-admin-token"})
     assert page.status_code == 200
     assert "errands" in page.text
+
+
+def test_a_rolled_back_async_session_keeps_neither_order_nor_job(client: TestClient) -> None:
+    """The endpoints' way: aenqueue inside an AsyncSession transaction that rolls back."""
+    import asyncio
+
+    from shop.db import AsyncSessionLocal
+
+    before = len(jobs.jobs(name=charge_order.name, limit=1000))
+
+    async def scenario() -> None:
+        async with AsyncSessionLocal() as session:
+            with pytest.raises(RuntimeError):
+                async with session.begin():
+                    new = Order(email="eve@example.com", amount_cents=5, card="tok_visa")
+                    session.add(new)
+                    await session.flush()
+                    await charge_order.aenqueue(order_id=new.id, conn=session)
+                    raise RuntimeError("stock check failed")
+
+    asyncio.run(scenario())
+    with SessionLocal() as session:
+        assert session.scalar(select(func.count()).where(Order.email == "eve@example.com")) == 0
+    assert len(jobs.jobs(name=charge_order.name, limit=1000)) == before

@@ -10,13 +10,15 @@ A write whose token no longer matches changes nothing and is reported back as re
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ..jobs import EnqueueRequest, JobRow, Step
 
-FinishState = Literal["completed", "retryable", "dead", "cancelled"]
+FinishState = Literal["completed", "retryable", "dead", "cancelled", "waiting"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class FinishParams:
     error: dict[str, Any] | None = None
     delay: float = 0.0  # for retryable: seconds after database now
     children: Sequence[EnqueueRequest] = ()  # inserted with a completion, only if it lands
+    # state "waiting" (ctx.wait_for_signal): the signal awaited, and for how long (None:
+    # no limit). The suspension gives the attempt back uncharged; a signal already sent
+    # (or sent at the same moment) makes the job available at once instead.
+    wait_signal: str | None = None
+    wait_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,8 @@ class LeaseRef:
     id: int
     lease_token: str
     lease_seconds: float
+    progress: float | None = None  # ctx.progress to store with this heartbeat (None: as is)
+    progress_message: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,37 @@ class RescueParams:
     state: Literal["retryable", "dead", "cancelled"]
     error: dict[str, Any]
     delay: float
+
+
+@dataclass(frozen=True)
+class ExpiredWait:
+    """A job waiting for a signal past its ``wait_until`` (the maintenance leader's)."""
+
+    id: int
+    name: str
+    queue: str
+    attempt: int
+    max_attempts: int
+    wait_signal: str
+
+
+@dataclass(frozen=True)
+class WaitTimeoutParams:
+    """End an expired wait as a failed attempt; fenced by the job still waiting for
+    ``wait_signal`` past its ``wait_until`` (a signal that landed first wins)."""
+
+    id: int
+    wait_signal: str
+    state: Literal["retryable", "dead"]
+    error: dict[str, Any]
+    delay: float
+
+
+@dataclass(frozen=True)
+class SignalResult:
+    id: int
+    previous_state: str
+    resumed: bool  # the job was waiting for this signal and is available again
 
 
 @dataclass(frozen=True)
@@ -215,6 +255,32 @@ class ActionParams:
 
 
 @dataclass(frozen=True)
+class JobEdit:
+    """One job's new arguments (validated by the App), when the edit replaces them."""
+
+    id: int
+    args_json: str | None = None
+    concurrency_key: str | None = None  # derived from the new arguments
+
+
+@dataclass(frozen=True)
+class EditParams:
+    """An audited edit of pending jobs: what is not None changes, for every job of
+    ``edits``; only ``scheduled``, ``available`` and ``retryable`` jobs are changed."""
+
+    actor: str
+    edits: Sequence[JobEdit]
+    run_at: float | None = None  # epoch seconds; or delay: seconds from database now
+    delay: float | None = None
+    priority: int | None = None
+    queue: str | None = None
+    dry_run: bool = False
+
+
+EDITABLE_STATES = ("scheduled", "available", "retryable")
+
+
+@dataclass(frozen=True)
 class ActionResult:
     matched: list[int]  # the jobs the action applies (or, dry run, would apply) to
     skipped: dict[int, str]  # ids named explicitly that it could not apply to, with why
@@ -261,6 +327,16 @@ class Backend(Protocol):
         self, requests: Sequence[EnqueueRequest], conn: Any = None
     ) -> list[InsertResult]:
         """Insert in one transaction (the caller's, when ``conn`` is given)."""
+        ...
+
+    async def ajob_insert_many(
+        self, requests: Sequence[EnqueueRequest], conn: Any = None
+    ) -> list[InsertResult]:
+        """:meth:`job_insert_many` for an event loop, which it never blocks: ``conn`` is
+        the caller's async connection (an aiosqlite or psycopg ``AsyncConnection``, or an
+        SQLAlchemy ``AsyncSession``/``AsyncConnection`` on one), and the jobs commit or
+        roll back with its transaction; without one, the store's own connection is used
+        in a thread."""
         ...
 
     # -- the hot path --------------------------------------------------------------
@@ -319,6 +395,26 @@ class Backend(Protocol):
     def job_discard(self, params: ActionParams) -> ActionResult: ...
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult: ...
+
+    def job_edit(self, params: EditParams) -> ActionResult:
+        """Edit pending jobs, each a write guarded by its state, audited with the actor in
+        the same transaction; ``dry_run`` writes nothing and reports what would change."""
+        ...
+
+    # -- durable signals ---------------------------------------------------------------
+    def job_signal(self, job_id: int, name: str, payload_json: str, actor: str) -> SignalResult:
+        """Store a signal for a job (audited, in one transaction) and, when the job is
+        waiting for that name, make it available. Raises JobNotFound, or InvalidTransition
+        for a completed, cancelled or discarded job (nothing would ever read it)."""
+        ...
+
+    def signal_get(self, job_id: int, name: str) -> str | None:
+        """The payload JSON of the first signal ``name`` sent to the job, or None."""
+        ...
+
+    def job_list_expired_waits(self, limit: int) -> list[ExpiredWait]: ...
+
+    def job_expire_waits(self, timeouts: Sequence[WaitTimeoutParams]) -> list[bool]: ...
 
     # -- queues and limits ------------------------------------------------------------------
     def queue_settings(self) -> list[QueueSettings]: ...
@@ -418,6 +514,24 @@ class Backend(Protocol):
         """A service calling ``on_queue(queue)`` when jobs may be due (None: any queue)."""
         ...
 
+    def result_listener(
+        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+    ) -> Listener | None:
+        """A service calling ``on_done(ids)`` when jobs ended (None: some may have, ask
+        :meth:`job_states`), and ``on_listen()`` whenever it (re)starts listening; its
+        ``listening`` event is set while it does. None: this store cannot push (waiters
+        poll). One per process serves every waiter (errands.results)."""
+        ...
+
+    def job_states(self, ids: Sequence[int]) -> dict[int, str]:
+        """The state of each job of ``ids`` that exists."""
+        ...
+
+    def job_get_many(self, ids: Sequence[int]) -> list[JobRow]:
+        """The rows of the jobs of ``ids`` that exist, in no set order (one query: the
+        result hub reads every job a notification ended at once)."""
+        ...
+
     # -- the dashboard ---------------------------------------------------------------------
     def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[ThroughputBucket]:
         """Completed and dead jobs and failed attempts per queue and time bucket, oldest first."""
@@ -448,6 +562,7 @@ class Backend(Protocol):
 
 class Listener(Protocol):
     self_test_passed: bool | None
+    listening: threading.Event  # set while notifications are received
 
     def start(self) -> None: ...
 
@@ -463,6 +578,29 @@ class ThroughputBucket:
     completed: int
     dead: int
     failed: int  # failed attempts (retried or not), each counted when its error was recorded
+
+
+def insert_params(req: EnqueueRequest) -> dict[str, Any]:
+    """The named parameters of one job's ``job_insert`` (the same names on every backend)."""
+    return {
+        "name": req.name,
+        "queue": req.queue,
+        "args": req.args_json,
+        "meta": json.dumps(req.meta, separators=(",", ":")),
+        "priority": req.priority,
+        "max_attempts": req.max_attempts,
+        "run_at": req.run_at,
+        "delay": req.delay,
+        "key": req.key,
+        "timeout": req.timeout,
+        "lease_seconds": req.lease_seconds,
+        "parent_id": req.parent_id,
+        "unique_for": req.unique_for,
+        "concurrency_key": req.concurrency_key,
+        "concurrency_limit": req.concurrency_limit,
+        "rate_limit": req.rate_limit,
+        "rate_period": req.rate_period,
+    }
 
 
 def unwrap_connection(conn: Any) -> Any:

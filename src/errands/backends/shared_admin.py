@@ -13,23 +13,50 @@ queries in it).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTransition, JobNotFound
 from ..jobs import JobRow
 from .base import (
+    EDITABLE_STATES,
     ActionParams,
     ActionResult,
     AuditEvent,
     CancelResult,
+    EditParams,
+    ExpiredWait,
+    FinishParams,
+    JobEdit,
     ListParams,
+    SignalResult,
+    WaitTimeoutParams,
     WorkerInfo,
     unwrap_connection,
 )
+from .program import Program, Stmt
 
 Run = Callable[..., Any]  # run(query_name, params=None) -> cursor, inside a transaction
+SIGNAL_REFUSED = ("completed", "cancelled", "discarded")
+
+
+def suspend_program(queries: dict[str, str], outcome: FinishParams) -> Program[bool]:
+    """A suspension's fenced write (ctx.wait_for_signal), then the resume that follows at
+    once when the signal is already stored: run inside one transaction."""
+    suspended = yield Stmt(
+        queries["job_suspend"] + "\nRETURNING id",
+        {
+            "id": outcome.id,
+            "token": outcome.lease_token,
+            "signal": outcome.wait_signal,
+            "timeout": outcome.wait_timeout,
+        },
+    )
+    if not suspended:
+        return False  # stale: the lease is no longer this attempt's
+    yield Stmt(queries["job_resume_if_signalled"], {"id": outcome.id})
+    return True
 
 
 class SharedAdmin:
@@ -112,7 +139,7 @@ class SharedAdmin:
             if row is None:
                 raise JobNotFound(f"no job with id {job_id}")
             previous = row[0]
-            if previous in ("available", "scheduled", "retryable"):
+            if previous in ("available", "scheduled", "retryable", "waiting"):
                 run("job_cancel_pending", {"id": job_id})
                 state = "cancelled"
             elif previous == "running":
@@ -120,8 +147,8 @@ class SharedAdmin:
                 state = "running"
             else:
                 raise InvalidTransition(
-                    f"job {job_id} is {previous}; only scheduled, available, retryable or "
-                    "running jobs can be cancelled"
+                    f"job {job_id} is {previous}; only scheduled, available, retryable, "
+                    "waiting or running jobs can be cancelled"
                 )
             run(
                 "audit_insert",
@@ -133,6 +160,114 @@ class SharedAdmin:
                 },
             )
         return CancelResult(id=job_id, previous_state=previous, state=state)
+
+    # -- editing pending jobs ------------------------------------------------------------
+    def job_edit(self, params: EditParams) -> ActionResult:
+        matched: list[int] = []
+        skipped: dict[int, str] = {}
+        set_run_at = params.run_at is not None or params.delay is not None
+        with self._transaction() as run:
+            for edit in {e.id: e for e in params.edits}.values():
+                row = run(self.STATE_QUERY, {"id": edit.id}).fetchone()  # locks it (PostgreSQL)
+                if row is None:
+                    skipped[edit.id] = "no such job"
+                    continue
+                if row[0] not in EDITABLE_STATES:
+                    skipped[edit.id] = (
+                        f"not pending (state {row[0]}): only scheduled, available or "
+                        "retryable jobs can be edited"
+                    )
+                    continue
+                if params.dry_run:
+                    matched.append(edit.id)
+                    continue
+                changed = run(
+                    "job_edit",
+                    {
+                        "id": edit.id,
+                        "set_run_at": set_run_at,
+                        "run_at": params.run_at,
+                        "delay": params.delay if params.delay is not None else 0.0,
+                        "priority": params.priority,
+                        "queue": params.queue,
+                        "args": edit.args_json,
+                        "concurrency_key": edit.concurrency_key,
+                    },
+                ).rowcount
+                if changed != 1:  # pragma: no cover - the row is locked and was pending
+                    skipped[edit.id] = "changed state meanwhile"
+                    continue
+                matched.append(edit.id)
+                run(
+                    "audit_insert",
+                    {
+                        "actor": params.actor,
+                        "action": "edit",
+                        "job_id": edit.id,
+                        "detail": json.dumps(edit_detail(params, edit)),
+                    },
+                )
+        if matched and not params.dry_run:
+            self._replayed(matched)  # wake the (new) queues' workers
+        return ActionResult(matched=matched, skipped=skipped)
+
+    # -- durable signals ----------------------------------------------------------------
+    def job_signal(self, job_id: int, name: str, payload_json: str, actor: str) -> SignalResult:
+        with self._transaction() as run:
+            row = run(self.STATE_QUERY, {"id": job_id}).fetchone()  # locks it (PostgreSQL)
+            if row is None:
+                raise JobNotFound(f"no job with id {job_id}")
+            previous = row[0]
+            if previous in SIGNAL_REFUSED:
+                raise InvalidTransition(
+                    f"job {job_id} is {previous}: no run of it will ever read a signal; only "
+                    "jobs that may still run (pending, running, waiting, dead) take signals"
+                )
+            run(
+                "signal_insert",
+                {"job_id": job_id, "name": name, "payload": payload_json, "actor": actor},
+            )
+            resumed = run("job_resume_if_signalled", {"id": job_id}).rowcount == 1
+            run(
+                "audit_insert",
+                {
+                    "actor": actor,
+                    "action": "signal",
+                    "job_id": job_id,
+                    "detail": json.dumps({"signal": name, "resumed": resumed}),
+                },
+            )
+        if resumed:
+            self._replayed([job_id])  # wake the queue's workers
+        return SignalResult(id=job_id, previous_state=previous, resumed=resumed)
+
+    def signal_get(self, job_id: int, name: str) -> str | None:
+        rows = self._read_rows("signal_get", {"job_id": job_id, "name": name})
+        return None if not rows else str(rows[0][0])
+
+    def job_list_expired_waits(self, limit: int) -> list[ExpiredWait]:
+        return [
+            ExpiredWait(*r) for r in self._read_rows("job_list_expired_waits", {"limit": limit})
+        ]
+
+    def job_expire_waits(self, timeouts: Sequence[WaitTimeoutParams]) -> list[bool]:
+        if not timeouts:
+            return []
+        with self._transaction() as run:
+            return [
+                run(
+                    "job_expire_wait",
+                    {
+                        "id": t.id,
+                        "signal": t.wait_signal,
+                        "state": t.state,
+                        "error": json.dumps(t.error),
+                        "delay": t.delay,
+                    },
+                ).rowcount
+                == 1
+                for t in timeouts
+            ]
 
     # -- reading -------------------------------------------------------------------------
     def job_get(self, job_id: int, conn: Any = None) -> JobRow | None:
@@ -161,6 +296,23 @@ class SharedAdmin:
         return [
             JobRow(*r) for r in self._read_rows("job_find_by_key", {"key": key, "limit": limit})
         ]
+
+    def job_states(self, ids: Sequence[int]) -> dict[int, str]:
+        if not ids:
+            return {}
+        rows = self._read_rows("job_states", {"ids": self._id_list(list(ids))})
+        return {int(r[0]): str(r[1]) for r in rows}
+
+    def job_get_many(self, ids: Sequence[int]) -> list[JobRow]:
+        if not ids:
+            return []
+        return [
+            JobRow(*r) for r in self._read_rows("job_get_many", {"ids": self._id_list(list(ids))})
+        ]
+
+    def _id_list(self, ids: list[int]) -> Any:
+        """A list of ids as the store's ``job_states`` query binds it."""
+        return ids
 
     def job_count_by_queue(self, state: str) -> dict[str, int]:
         return {q: int(n) for q, n in self._read_rows("job_count_by_queue", {"state": state})}
@@ -221,6 +373,23 @@ class SharedAdmin:
 
     def worker_prune(self, older_than: float) -> int:
         return self._write_count("worker_prune", {"older_than": older_than})
+
+
+def edit_detail(params: EditParams, edit: JobEdit) -> dict[str, Any]:
+    """The audit detail of an edit: what changed (never the arguments' values, which may
+    be sensitive)."""
+    detail: dict[str, Any] = {}
+    if params.run_at is not None:
+        detail["run_at"] = params.run_at
+    if params.delay is not None:
+        detail["delay"] = params.delay
+    if params.priority is not None:
+        detail["priority"] = params.priority
+    if params.queue is not None:
+        detail["queue"] = params.queue
+    if edit.args_json is not None:
+        detail["args"] = "replaced"
+    return detail
 
 
 def action_detail(params: ActionParams) -> dict[str, Any]:

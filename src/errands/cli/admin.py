@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -75,6 +77,7 @@ def status(
         "available",
         "running",
         "retryable",
+        "waiting",
         "completed",
         "dead",
         "discarded",
@@ -207,6 +210,85 @@ def jobs_cancel(
             click.echo(f"job {job_id}: running; cancel requested, its worker stops it")
 
 
+@jobs.command("signal")
+@app_options
+@actor_option
+@json_option
+@click.argument("job_id", type=int)
+@click.argument("name")
+@click.option("--payload", default="null", show_default=True, help="the signal's payload, as JSON")
+def jobs_signal(
+    app_path: str | None,
+    url: str | None,
+    actor: str,
+    as_json: bool,
+    job_id: int,
+    name: str,
+    payload: str,
+) -> None:
+    """Send signal NAME to a job (ctx.wait_for_signal): a job waiting for it resumes; one
+    not waiting yet keeps it for its wait. Audited."""
+    try:
+        value = json.loads(payload)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--payload") from None
+    result = _app(app_path, url).signal(job_id, name, value, actor=actor)
+    if as_json:
+        render.emit_json(
+            {"id": result.id, "previous_state": result.previous_state, "resumed": result.resumed}
+        )
+    elif result.resumed:
+        click.echo(f"job {job_id}: signal {name!r} sent; it was waiting for it and resumes")
+    else:
+        click.echo(
+            f"job {job_id}: signal {name!r} kept for its wait (job is {result.previous_state})"
+        )
+
+
+@jobs.command("edit")
+@app_options
+@actor_option
+@json_option
+@click.argument("job_ids", type=int, nargs=-1, required=True)
+@click.option("--run-at", type=click.DateTime(), help="run at this time (UTC unless it says)")
+@click.option("--delay", type=click.FloatRange(min=0), help="run this many seconds from now")
+@click.option("--priority", type=int, help="the new priority")
+@click.option("--queue", help="move to this queue")
+@click.option("--args", "args_json", help="replace the arguments (JSON object; needs -A)")
+@click.option("--dry-run", is_flag=True, help="show what would be changed; change nothing")
+def jobs_edit(
+    app_path: str | None,
+    url: str | None,
+    actor: str,
+    as_json: bool,
+    job_ids: tuple[int, ...],
+    run_at: datetime | None,
+    delay: float | None,
+    priority: int | None,
+    queue: str | None,
+    args_json: str | None,
+    dry_run: bool,
+) -> None:
+    """Edit pending jobs (scheduled, available, retryable): when they run, their priority,
+    queue or arguments. Running and finished jobs are skipped. Audited."""
+    args = None
+    if args_json is not None:
+        if not app_path:
+            raise click.UsageError("--args needs the app (-A module:app) to validate them")
+        try:
+            args = json.loads(args_json)
+        except ValueError as exc:
+            raise click.BadParameter(f"not JSON: {exc}", param_hint="--args") from None
+        if not isinstance(args, dict):
+            raise click.BadParameter("give a JSON object of arguments", param_hint="--args")
+    when = None if run_at is None else run_at.replace(tzinfo=run_at.tzinfo or UTC)
+    result = _app(app_path, url).edit(
+        job_ids, run_at=when, delay=delay, priority=priority, queue=queue, args=args,
+        dry_run=dry_run, actor=actor,
+    )  # fmt: skip
+    _report("edit", result, dry_run, as_json)
+
+
 # -- dlq -------------------------------------------------------------------------------
 @click.group()
 def dlq() -> None:
@@ -289,7 +371,9 @@ def _report(verb: str, result: Any, dry_run: bool, as_json: bool) -> None:
         )
     else:
         ids = ", ".join(map(str, result.matched)) or "none"
-        prefix = f"would {verb}" if dry_run else f"{verb}ed".replace("eed", "ed")
+        prefix = (
+            f"would {verb}" if dry_run else f"{verb}ed".replace("eed", "ed").replace("ited", "ited")
+        )
         click.echo(f"{prefix} {len(result.matched)} job(s): {ids}")
         for job_id, why in result.skipped.items():
             click.echo(f"skipped job {job_id}: {why}", err=True)

@@ -92,6 +92,11 @@ def job_dict(job: Job) -> dict[str, Any]:
         "result": mask_value(job.result, secrets),
         "discarded_by": job.discarded_by,
         "discard_reason": job.discard_reason,
+        "progress": None
+        if job.progress is None
+        else {"fraction": job.progress.fraction, "message": job.progress.message},
+        "waiting_for": job.waiting_for,
+        "wait_until": job.wait_until,
         "errors": [
             {
                 "at": e.at,
@@ -105,6 +110,14 @@ def job_dict(job: Job) -> dict[str, Any]:
             for e in job.errors
         ],
     }
+
+
+def progress_text(job: Job) -> str:
+    """``40% rendered 40 of 100 pages``, or "-" before any ``ctx.progress``."""
+    if job.progress is None:
+        return "-"
+    text = f"{job.progress.fraction * 100:.0f}%"
+    return f"{text} {job.progress.message}" if job.progress.message else text
 
 
 def short(value: Any, limit: int = 60) -> str:
@@ -161,6 +174,11 @@ def show_job(
             else "-",
         ),
     ]
+    if job.progress is not None:
+        fields.append(("progress", progress_text(job)))
+    if job.waiting_for is not None:
+        until = f" until {when(job.wait_until)}" if job.wait_until else " (no timeout)"
+        fields.append(("waiting for", f"signal {job.waiting_for!r}{until}"))
     if job.discard_reason:
         fields.append(("discarded", f"by {job.discarded_by}: {job.discard_reason}"))
     if job.cancel_requested:

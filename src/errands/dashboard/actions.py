@@ -1,14 +1,16 @@
 """Everything that changes state: login, logout, and the admin actions.
 
 Every admin action calls the App's admin API (``replay``, ``discard``, ``cancel``,
-``pause``, ``resume``) with the viewer's :attr:`~.security.Identity.actor`
+``pause``, ``resume``, ``signal``, ``edit``) with the viewer's :attr:`~.security.Identity.actor`
 (``dashboard:<user>``, or ``dashboard:<label> (shared password)`` and the like), so the
 audit log says who did it and how they signed in.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from datetime import UTC, datetime
 from typing import Any
 
 from anyio import sleep
@@ -135,6 +137,29 @@ async def job_cancel(request: Request, viewer: Viewer, form: FormData) -> Respon
             flash(request, f"Job {job_id} cancelled.")
         else:
             flash(request, f"Job {job_id} is running: asked it to stop.")
+    return redirect(request, "job", job_id=job_id)
+
+
+@action("signal")
+async def job_signal(request: Request, viewer: Viewer, form: FormData) -> Response:
+    job_id = _job_id(request)
+    name = form_text(form, "signal").strip()
+    text = form_text(form, "payload").strip() or "null"
+    try:
+        payload = json.loads(text)
+    except ValueError as exc:
+        flash(request, f"The payload is not JSON: {exc}", "error")
+        return redirect(request, "job", job_id=job_id)
+    app = settings(request).app
+    result = await _run(request, app.signal, job_id, name, payload, actor=viewer.actor)
+    if result is not None:
+        flash(
+            request,
+            f"Signal {name!r} sent to job {job_id}"
+            + (
+                "; it was waiting for it and resumes." if result.resumed else "; kept for its wait."
+            ),
+        )
     return redirect(request, "job", job_id=job_id)
 
 
@@ -268,6 +293,93 @@ async def dlq_apply(request: Request, viewer: Viewer, form: FormData) -> Respons
     if result is not None:
         _report(request, sel["op"], result)
     return redirect(request, "dlq", back)
+
+
+# -- editing pending jobs (one from its page, or many from the jobs page) -----------------
+def _edit_form(form: FormData) -> tuple[list[int], dict[str, Any]]:
+    """The ids and the edit a form asks for (ValueError, saying what is wrong)."""
+    ids: list[int] = []
+    for value in form.getlist("ids"):
+        for part in str(value).split(","):
+            if part.strip().isdigit() and len(part.strip()) < 19:
+                ids.append(int(part.strip()))
+    options: dict[str, Any] = {}
+    if form_text(form, "run_at"):
+        when = datetime.fromisoformat(form_text(form, "run_at"))
+        options["run_at"] = when if when.tzinfo else when.replace(tzinfo=UTC)
+    if form_text(form, "delay"):
+        options["delay"] = float(form_text(form, "delay"))
+    if form_text(form, "priority"):
+        options["priority"] = int(form_text(form, "priority"))
+    if form_text(form, "queue"):
+        options["queue"] = form_text(form, "queue")
+    if form_text(form, "args"):
+        args = json.loads(form_text(form, "args"))
+        if not isinstance(args, dict):
+            raise ValueError("the arguments must be a JSON object")
+        options["args"] = args
+    return list(dict.fromkeys(ids))[:MAX_IDS], options
+
+
+async def _edit(request: Request, viewer: Viewer, form: FormData, dry_run: bool) -> Any:
+    try:
+        ids, options = _edit_form(form)
+    except ValueError as exc:
+        flash(request, f"Cannot edit: {exc}", "error")
+        return None
+    if not ids:
+        flash(request, "Select at least one job to edit.", "error")
+        return None
+    app = settings(request).app
+    result = await _run(request, app.edit, ids, dry_run=dry_run, actor=viewer.actor, **options)
+    return None if result is None else (ids, options, result)
+
+
+def _back(form: FormData) -> dict[str, Any]:
+    return {
+        "state": form_text(form, "state") or None,
+        "queue": form_text(form, "back_queue") or None,
+    }
+
+
+@action("edit")
+async def jobs_edit_preview(request: Request, viewer: Viewer, form: FormData) -> Response:
+    """The dry run of an edit: the jobs it would change, and a button to apply it."""
+    done = await _edit(request, viewer, form, dry_run=True)
+    if done is None:
+        return redirect(request, "jobs", _back(form))
+    _, options, result = done
+    fields = {k: form_text(form, k) for k in ("run_at", "delay", "priority", "queue", "args")}
+    return render(
+        request,
+        viewer,
+        "edit_confirm.html",
+        {
+            "nav": "jobs",
+            "matched": result.matched,
+            "skipped": result.skipped,
+            "ids_value": ",".join(str(i) for i in result.matched),
+            "fields": fields,
+            "changes": sorted(options),
+            "back": _back(form),
+        },
+    )
+
+
+@action("edit")
+async def jobs_edit_apply(request: Request, viewer: Viewer, form: FormData) -> Response:
+    done = await _edit(request, viewer, form, dry_run=False)
+    if done is not None:
+        _, _, result = done
+        if result.matched:
+            flash(request, f"{len(result.matched)} job(s) edited: "
+                  + ", ".join(str(i) for i in result.matched[:10]) + ".")  # fmt: skip
+        for job_id, why in list(result.skipped.items())[:10]:
+            flash(request, f"Job {job_id} skipped: {why}.", "error")
+    ids = _edit_form(form)[0] if done is not None else []
+    if len(ids) == 1 and form_text(form, "from_job"):
+        return redirect(request, "job", job_id=ids[0])
+    return redirect(request, "jobs", _back(form))
 
 
 # -- queues ------------------------------------------------------------------------------

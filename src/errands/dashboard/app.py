@@ -83,7 +83,8 @@ def create_app(
     signed in): the only authenticated identity (``request.state.user``); a name typed on the
     login page is a label only. With none of them, only loopback clients are served.
     ``authorize(request)`` returns ``"all"``, ``"read"``, a set of actions
-    (``{"replay", "discard", "cancel", "pause"}``) or ``None`` (no access); default ``"all"``.
+    (``{"replay", "discard", "cancel", "pause", "signal", "edit"}``) or ``None`` (no access);
+    default ``"all"``.
     ``user`` and ``authorize`` may be ``async``; one that raises, returns something else or
     takes over ``resolver_timeout`` seconds denies the request (500) and logs why.
     ``secret_key`` signs the session cookie (default ``ERRANDS_DASHBOARD_SECRET``, else a
@@ -112,12 +113,22 @@ def create_app(
         Route("/jobs", pages.jobs, name="jobs"),
         Route("/jobs/{job_id:int}", pages.job_detail, name="job"),
         Route("/jobs/{job_id:int}/cancel", actions.job_cancel, methods=["POST"], name="job_cancel"),
+        Route("/jobs/{job_id:int}/signal", actions.job_signal, methods=["POST"], name="job_signal"),
         Route("/jobs/{job_id:int}/replay", actions.job_replay, methods=["POST"], name="job_replay"),
         Route(
             "/jobs/{job_id:int}/discard", actions.job_discard, methods=["POST"], name="job_discard"
         ),
         Route("/dlq", pages.dlq, name="dlq"),
         Route("/dlq/preview", actions.dlq_preview, methods=["POST"], name="dlq_preview"),
+        Route(
+            "/jobs/edit/preview",
+            actions.jobs_edit_preview,
+            methods=["POST"],
+            name="jobs_edit_preview",
+        ),
+        Route(
+            "/jobs/edit/apply", actions.jobs_edit_apply, methods=["POST"], name="jobs_edit_apply"
+        ),
         Route("/dlq/apply", actions.dlq_apply, methods=["POST"], name="dlq_apply"),
         Route("/queues", pages.queues, name="queues"),
         Route("/queues/{queue}/pause", actions.queue_pause, methods=["POST"], name="queue_pause"),

@@ -34,6 +34,7 @@ STATE_ORDER = (
     "running",
     "scheduled",
     "retryable",
+    "waiting",
     "completed",
     "dead",
     "discarded",
@@ -202,6 +203,8 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
             "known_names": names,
             "known_queues": queues,
             "live": before_id is None and not search,
+            # a pending state's listing can be edited in bulk (with a dry run first)
+            "editable": state in ("scheduled", "available", "retryable"),
         },
     )
 
@@ -271,7 +274,7 @@ async def job_detail(request: Request, viewer: Viewer) -> Response:
             "trace_id": trace_id(job.meta),
             "steps": steps,
             "children": [masked_job(c) for c in data["children"]],
-            "pending": job.state.is_pending or job.state.value == "running",
+            "pending": job.state.is_pending or job.state.value in ("running", "waiting"),
         },
     )
 

@@ -38,7 +38,7 @@ import anyio.to_thread
 from ..errors import ConfigurationError
 from .throttle import LoginThrottle
 
-ACTIONS = frozenset({"cancel", "replay", "discard", "pause"})
+ACTIONS = frozenset({"cancel", "replay", "discard", "pause", "signal", "edit"})
 """Action names ``authorize`` may grant: ``pause`` covers pausing and resuming queues."""
 
 PASSWORD_ENV = "ERRANDS_DASHBOARD_PASSWORD"

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..backends.base import ExpiredLease, RescueParams
+from ..backends.base import ExpiredLease, ExpiredWait, RescueParams, WaitTimeoutParams
 from ..backends.limits import RATE_PERIOD_MAX
 from ..hooks import protect_current_thread
 from ..retry import retry_delay
@@ -114,6 +114,7 @@ class Maintenance:
             return
         for name, duty in (
             ("rescue", self.rescue),
+            ("signal timeouts", self.expire_waits),
             ("promotion", backend.job_promote_due),
             ("cron", self.scheduler.run_once),
             ("pruning", self._prune_when_due),
@@ -208,6 +209,55 @@ class Maintenance:
             "kind": "poison" if message.startswith("poison") else "worker_lost",
         }
         return RescueParams(lease.id, lease.lease_token, state, error, delay)
+
+    def expire_waits(self) -> int:
+        """End waits for signals past their timeout: each is a failed attempt (kind
+        ``signal_timeout``), retried with the job's backoff, dead when out of attempts. A
+        signal that lands first wins (the write is fenced by the job still waiting)."""
+        backend = self.app.backend
+        expired = backend.job_list_expired_waits(RESCUE_BATCH)
+        plans = [self._plan_timeout(wait) for wait in expired]
+        done = backend.job_expire_waits(plans)
+        count = 0
+        for wait, plan, ok in zip(expired, plans, done, strict=True):
+            if not ok:
+                continue
+            count += 1
+            fields = {
+                "job_id": wait.id,
+                "job_name": wait.name,
+                "queue": wait.queue,
+                "attempt": wait.attempt + 1,
+                "max_attempts": wait.max_attempts,
+            }
+            self.app.events.emit(
+                "errands.job.wait_timed_out", **fields, signal=wait.wait_signal, state=plan.state
+            )
+            if plan.state == "dead":
+                self.app.events.emit(
+                    "errands.job.dead", **fields, duration=None, error_type="SignalTimeout",
+                    error_message=plan.error["message"], reason="signal_timeout",
+                )  # fmt: skip
+                self.app.dead_hooks_later(wait.id)
+        return count
+
+    def _plan_timeout(self, wait: ExpiredWait) -> WaitTimeoutParams:
+        attempt = wait.attempt + 1  # the suspension gave the attempt back: charge it now
+        state: Literal["retryable", "dead"] = "dead"
+        delay = 0.0
+        if attempt < wait.max_attempts:
+            definition = self.app.registry.get(wait.name)
+            policy = definition.backoff if definition is not None else None
+            state, delay = "retryable", retry_delay(policy, attempt, job=wait.name)
+        error: dict[str, Any] = {
+            "attempt": attempt,
+            "type": "SignalTimeout",
+            "message": f"no signal {wait.wait_signal!r} arrived before the wait's timeout",
+            "traceback": None,
+            "worker": None,
+            "kind": "signal_timeout",
+        }
+        return WaitTimeoutParams(wait.id, wait.wait_signal, state, error, delay)
 
     def prune(self) -> int:
         self.app.backend.worker_prune(WORKER_FORGET_AFTER)

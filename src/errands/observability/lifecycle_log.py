@@ -25,6 +25,7 @@ _JOB_EVENT_LEVELS = {
     "errands.job.started": (worker_log, logging.DEBUG),
     "errands.job.completed": (worker_log, logging.INFO),
     "errands.job.cancelled": (worker_log, logging.INFO),
+    "errands.job.progress": (worker_log, logging.DEBUG),
 }
 
 
@@ -69,6 +70,15 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
             _emit(worker_log, logging.DEBUG, "started %s(%s)", f["job_name"], args, extra=extra)
     elif name == "errands.job.completed":
         _emit(worker_log, logging.INFO, "completed in %.3f s", f.get("duration", 0.0), extra=extra)
+    elif name == "errands.job.progress":
+        _emit(
+            worker_log,
+            logging.DEBUG,
+            "progress %.0f%%: %s",
+            100 * f.get("progress", 0.0),
+            f.get("message", ""),
+            extra=extra,
+        )
     elif name == "errands.job.retrying":
         worker_log.warning(
             "failed, retrying in %.1f s (attempt %d of %d): %s: %s",
@@ -103,6 +113,21 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
         maintenance_log.warning("rescued (%s): %s", f.get("state"), f.get("reason"), extra=extra)
     elif name == "errands.job.released":
         worker_log.warning("released at shutdown (attempt not charged)", extra=extra)
+    elif name == "errands.job.waiting":
+        timeout = f.get("timeout")
+        worker_log.info(
+            "suspended: waiting for signal %r%s (holds no slot)",
+            f.get("signal"),
+            "" if timeout is None else f" for up to {timeout:g} s",
+            extra=extra,
+        )
+    elif name == "errands.job.wait_timed_out":
+        maintenance_log.warning(
+            "no signal %r in time: the wait failed (now %s)",
+            f.get("signal"),
+            f.get("state"),
+            extra=extra,
+        )
 
 
 def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
@@ -114,6 +139,20 @@ def _log_other(name: str, f: dict) -> None:  # type: ignore[type-arg]
     elif name == "errands.job.discarded":
         app_log.warning(
             "job %s discarded by %s: %s", f["job_id"], f["actor"], f.get("reason"), extra=extra
+        )
+    elif name == "errands.job.edited":
+        app_log.warning(
+            "job %s edited by %s: %s", f["job_id"], f["actor"], ", ".join(f.get("changes", ())),
+            extra=extra,
+        )  # fmt: skip
+    elif name == "errands.job.signalled":
+        app_log.info(
+            "job %s sent signal %r by %s%s",
+            f["job_id"],
+            f.get("signal"),
+            f["actor"],
+            " (resumed it)" if f.get("resumed") else "",
+            extra=extra,
         )
     elif name == "errands.job.cancel_requested":
         app_log.info(

@@ -6,7 +6,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-RunOutcome = Literal["completed", "retryable", "dead", "cancelled", "crashed", "rejected"]
+RunOutcome = Literal[
+    "completed", "retryable", "dead", "cancelled", "waiting", "crashed", "rejected"
+]
 
 
 @dataclass(frozen=True)

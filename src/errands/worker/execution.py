@@ -60,6 +60,17 @@ class JobTimeout(Exception):
     """The handler ran past its ``timeout``."""
 
 
+class Suspended(BaseException):
+    """Raised by ``ctx.wait_for_signal`` when the signal is not there yet: the handler
+    unwinds (a BaseException, so ``except Exception`` does not swallow it), and the
+    attempt ends as a suspension: the job waits, holding no lease and no slot."""
+
+    def __init__(self, signal: str, timeout: float | None) -> None:
+        super().__init__(signal)
+        self.signal = signal
+        self.timeout = timeout
+
+
 @dataclass(eq=False)
 class Attempt:
     row: JobRow
@@ -84,6 +95,8 @@ class Attempt:
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
     reported: int = 0  # "still running" lines written for it so far
+    progress: tuple[float, str] | None = None  # ctx.progress, latest
+    progress_stored: tuple[float, str] | None = None  # ... as the last heartbeat stored it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -220,6 +233,12 @@ def outcome_for(
     row = attempt.row
     if exc is None:
         return FinishParams(row.id, attempt.token, "completed", result_json=result_json)
+    if isinstance(exc, Suspended) or (isinstance(exc, ChildFailure) and exc.kind == "suspend"):
+        signal = exc.signal if isinstance(exc, Suspended) else str(exc)
+        timeout = exc.timeout if isinstance(exc, Suspended) else exc.after
+        return FinishParams(
+            row.id, attempt.token, "waiting", wait_signal=signal, wait_timeout=timeout
+        )
     definition = attempt.definition
     permanent = definition.permanent if definition is not None else ()
     if (
@@ -257,7 +276,7 @@ def outcome_for(
             )
         kind = "crash"
     if isinstance(exc, Retry) or (isinstance(exc, ChildFailure) and exc.kind == "retry"):
-        delay, kind = exc.after, "retry"  # type: ignore[union-attr]
+        delay, kind = exc.after or 0.0, "retry"  # type: ignore[union-attr]
     else:
         policy = definition.backoff if definition is not None else None
         delay = retry_delay(policy, row.attempt, job=row.name)

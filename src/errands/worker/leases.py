@@ -155,7 +155,11 @@ class LeaseKeeper:
         if not held:
             return
         sent_at = time.monotonic()
-        refs = [LeaseRef(a.id, a.token, a.lease_seconds) for a in held]
+        reports = {id(a): a.progress for a in held if a.progress != a.progress_stored}
+        refs = [
+            LeaseRef(a.id, a.token, a.lease_seconds, *(reports.get(id(a)) or (None, None)))
+            for a in held
+        ]
         backend = self.worker.app.backend
         caller = self._caller()
         try:
@@ -183,6 +187,10 @@ class LeaseKeeper:
             lease = (attempt.id, attempt.token)
             if lease in result.extended:
                 attempt.lease_valid_until = sent_at + attempt.lease_seconds
+                report = reports.get(id(attempt))
+                if report is not None:
+                    attempt.progress_stored = report
+                    self._progressed(attempt, report)
                 if lease in result.cancel_requested and not (attempt.ctx and attempt.ctx.cancelled):
                     log.info(
                         "job %s was cancelled by an operator; stopping its handler", attempt.id
@@ -196,6 +204,21 @@ class LeaseKeeper:
                     attempt.row.attempt,
                 )
                 attempt.interrupt(LEASE_LOST, loop)
+
+    def _progressed(self, attempt: Attempt, report: tuple[float, str]) -> None:
+        events = self.worker.app.events
+        if events.wants("errands.job.progress"):
+            row = attempt.row
+            events.emit(
+                "errands.job.progress",
+                job_id=row.id,
+                job_name=row.name,
+                queue=row.queue,
+                attempt=row.attempt,
+                max_attempts=row.max_attempts,
+                progress=report[0],
+                message=report[1],
+            )
 
     def _self_fence(self, held: list[Attempt]) -> None:
         horizon = time.monotonic() + self.interval * 1.5

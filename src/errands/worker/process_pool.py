@@ -51,11 +51,13 @@ class ChildResult:
 class ChildFailure(Exception):
     """A handler's exception, as reported by the child process that ran it."""
 
-    def __init__(self, type_name: str, message: str, trace: str, kind: str, after: float = 0.0):
+    def __init__(
+        self, type_name: str, message: str, trace: str, kind: str, after: float | None = 0.0
+    ):
         super().__init__(message)
         self.type_name = type_name
         self.trace = trace
-        self.kind = kind  # permanent | retry | transient | crash
+        self.kind = kind  # permanent | retry | transient | crash | suspend (after: timeout)
         self.after = after
 
 
@@ -237,7 +239,7 @@ def _run_one(app: Any, row: JobRow, worker_id: str) -> tuple[bool, Any]:
     from ..errors import InvalidPayload, StepError, TransactionEnded
     from ..outcomes import Permanent, Retry
     from .dispatch import encode
-    from .execution import Attempt, context_for, outcome_for
+    from .execution import Attempt, Suspended, context_for, outcome_for
     from .runtime import AttemptRuntime
 
     definition = app.registry[row.name]
@@ -259,7 +261,10 @@ def _run_one(app: Any, row: JobRow, worker_id: str) -> tuple[bool, Any]:
     except BaseException as exc:
         runtime.rollback()
         permanent = (InvalidPayload, Permanent, StepError, TransactionEnded, *definition.permanent)
-        if isinstance(exc, permanent):
+        after: float | None
+        if isinstance(exc, Suspended):  # the parent writes the suspension
+            kind, after = "suspend", exc.timeout
+        elif isinstance(exc, permanent):
             kind, after = "permanent", 0.0
         elif isinstance(exc, Retry):
             kind, after = "retry", exc.after

@@ -36,6 +36,7 @@ EVENT_OF_STATE = {
     "retryable": "errands.job.retrying",
     "cancelled": "errands.job.cancelled",
     "dead": "errands.job.dead",
+    "waiting": "errands.job.waiting",
 }
 
 
@@ -209,6 +210,10 @@ class OutcomeRecorder:
                 fields["error_message"] = error.get("message")
             if state == "dead":
                 fields["reason"] = error.get("kind")
+            if state == "waiting":
+                del fields["duration"]
+                fields["signal"] = outcome.wait_signal
+                fields["timeout"] = outcome.wait_timeout
             events.emit(name, **fields)
         if state == "dead":
             worker.app.dead_hooks_later(attempt.row.id)

@@ -35,6 +35,7 @@ from ..errors import ConfigurationError, StepError, TransactionEnded, is_transie
 from ..faults import fault_point
 from ..jobs import EnqueueRequest
 from ..payload import NUL_FIX, holds_nul
+from .execution import Suspended
 
 if TYPE_CHECKING:
     from ..app import App
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
     from .execution import Attempt
 
 log = logging.getLogger("errands.worker")
+
+PROGRESS_MESSAGE_MAX = 500  # characters of a ctx.progress message kept
+SIGNAL_NAME_MAX = 200
+SIGNAL_STEP = "signal:"  # the step a received signal's payload is stored under
 
 
 class AttemptRuntime:
@@ -140,6 +145,49 @@ class AttemptRuntime:
         if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
             result = await result
         return await asyncio.to_thread(self._store_step, name, result)
+
+    # -- durable signals ---------------------------------------------------------------------
+    def wait_for_signal(self, name: str, timeout: float | timedelta | None) -> Any:
+        """The payload of signal ``name``: from the step store (a resumed run), or the
+        signals sent so far (stored as the step now, so every later run gets the same
+        one); else raise Suspended, which ends this run as a suspension."""
+        if not isinstance(name, str) or not name or len(name) > SIGNAL_NAME_MAX:
+            raise ConfigurationError(
+                f"ctx.wait_for_signal needs a signal name of 1 to {SIGNAL_NAME_MAX} characters"
+            )
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if seconds is not None and (not isinstance(seconds, int | float) or seconds < 0):
+            raise ConfigurationError(
+                f"ctx.wait_for_signal({name!r}, timeout={timeout!r}): give seconds >= 0, a "
+                "timedelta, or None to wait without a limit"
+            )
+        if self.tx is not None:
+            raise ConfigurationError(
+                f"ctx.wait_for_signal({name!r}) inside ctx.transaction(): a suspended job "
+                "holds no transaction; wait for the signal before opening it"
+            )
+        step = SIGNAL_STEP + name
+        done, value = self._begin_step(step)
+        if done:
+            return value
+        payload = self.app.backend.signal_get(self.attempt.id, name)
+        if payload is not None:
+            return self._store_step(step, json.loads(payload))
+        raise Suspended(name, None if seconds is None else float(seconds))
+
+    async def await_signal(self, name: str, timeout: float | timedelta | None) -> Any:
+        return await asyncio.to_thread(self.wait_for_signal, name, timeout)
+
+    # -- progress ----------------------------------------------------------------------------
+    def progress(self, fraction: float, message: str = "") -> None:
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise ValueError(f"ctx.progress: fraction must be a number, got {fraction!r}")
+        if not 0.0 <= fraction <= 1.0:  # NaN fails this too
+            raise ValueError(f"ctx.progress: fraction must be from 0.0 to 1.0, got {fraction!r}")
+        if not isinstance(message, str):
+            raise ValueError(f"ctx.progress: message must be a string, got {message!r}")
+        text = message.replace("\x00", "")[:PROGRESS_MESSAGE_MAX]  # storable text
+        self.attempt.progress = (float(fraction), text.encode("utf-8", "replace").decode())
 
     # -- the completion transaction ----------------------------------------------------------
     def transaction(self) -> TransactionConnection:

@@ -49,3 +49,11 @@ def crash(ctx: errands.Context) -> None:
     """Kills its own worker process, like a segfault or the OOM killer would."""
     record(ctx)
     os._exit(1)
+
+
+@app.job(name="approval", retries=0)
+def approval(ctx: errands.Context, order: int) -> dict[str, Any]:
+    """Wait for signal ``approved`` (suspended, holding no slot, until it arrives)."""
+    record(ctx)
+    decision = ctx.wait_for_signal("approved", timeout=600)
+    return {"order": order, "decision": decision, "pid": os.getpid()}

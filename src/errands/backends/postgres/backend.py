@@ -14,9 +14,11 @@ remains, so PgBouncer in transaction mode (no LISTEN) still works.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -43,8 +45,11 @@ from ..base import (
     QueueClaim,
     QueueSettings,
     RescueParams,
+    insert_params,
 )
 from ..limits import Claimed, claim_limited
+from ..program import Call, Program, Stmt, arun, async_driver_connection, run
+from ..shared_admin import suspend_program
 from ..sqlfile import load_migrations, load_queries
 from .admin import PostgresAdmin
 from .config import (
@@ -90,6 +95,8 @@ JOB_COLUMNS_SQL = ", ".join(
         "extract(epoch FROM j.lease_expires_at)::float8", "j.rescues",
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
         "j.discard_reason", "j.parent_id", "extract(epoch FROM j.unique_until)::float8",
+        "j.progress", "j.progress_message", "j.wait_signal",
+        "extract(epoch FROM j.wait_until)::float8",
     ]
 )  # fmt: skip
 
@@ -352,20 +359,24 @@ class PostgresBackend(PostgresAdmin):
             )
 
     # -- enqueue -------------------------------------------------------------------------
-    def _caller_connection(self, conn: Any) -> psycopg.Connection[Any]:
-        raw = unwrap_connection(conn)
-        if not isinstance(raw, psycopg.Connection):
-            raise ConfigurationError(
-                "enqueue(conn=...) on PostgreSQL takes a psycopg 3 Connection, or a SQLAlchemy "
-                f"Connection/Session using psycopg; got {type(conn).__name__}"
-            )
+    def _caller_program(self, raw: Any) -> Program[None]:
+        """Check that a caller's connection (sync or async) reaches our server and
+        database: spelled as ours passes as is; any other spelling (localhost for
+        127.0.0.1, a Unix socket, a pooler, another host) is asked of the server once per
+        connection object, without disturbing its transaction."""
         info = raw.info
         if (info.host, info.port, info.dbname) == self._address:
-            return raw  # spelled as ours: our server and database
+            return  # spelled as ours: our server and database
         with self._verdicts_lock:
             verdict = self._verdicts.get(raw)
         if verdict is None:
-            verdict = self._reaches_our_database(raw)
+            opened = info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            theirs = yield from identity_of_caller(info.transaction_status, raw.autocommit)
+            if theirs != self._identity:  # or ours restarted since: ask ours again
+                self._identity = self._read(identity)
+            verdict = theirs == self._identity
+            if not verdict and opened and not raw.autocommit:  # leave it as found
+                yield Stmt("ROLLBACK")
             with self._verdicts_lock:
                 self._verdicts[raw] = verdict
         if not verdict:
@@ -377,83 +388,70 @@ class PostgresBackend(PostgresAdmin):
                 f"{self.config.display}); nothing was written. Open the connection on the "
                 "same server and the same database"
             )
+
+    def _caller_connection(self, conn: Any) -> psycopg.Connection[Any]:
+        raw = unwrap_connection(conn)
+        if not isinstance(raw, psycopg.Connection):
+            raise ConfigurationError(
+                "enqueue(conn=...) on PostgreSQL takes a psycopg 3 Connection, or a SQLAlchemy "
+                f"Connection/Session using psycopg; got {type(conn).__name__}"
+            )
+        run(raw, self._caller_program(raw))
         return raw
 
-    def _reaches_our_database(self, raw: psycopg.Connection[Any]) -> bool:
-        """Whether a caller's connection spelled differently from ours (localhost for
-        127.0.0.1, a Unix socket, a pooler, another host) reaches our server and database:
-        asked of the server, once per connection, without disturbing its transaction."""
-        opened = raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-        theirs = identity_of_caller(raw)
-        if theirs != self._identity:  # or ours restarted since: ask ours again
-            self._identity = self._read(identity)
-        if theirs == self._identity:
-            return True
-        if opened and not raw.autocommit:  # leave it as found: no transaction open
-            raw.rollback()
-        return False
-
-    @staticmethod
-    def _params(req: EnqueueRequest) -> dict[str, Any]:
-        return {
-            "name": req.name,
-            "queue": req.queue,
-            "args": req.args_json,
-            "meta": json.dumps(req.meta, separators=(",", ":")),
-            "priority": req.priority,
-            "max_attempts": req.max_attempts,
-            "run_at": req.run_at,
-            "delay": req.delay,
-            "key": req.key,
-            "timeout": req.timeout,
-            "lease_seconds": req.lease_seconds,
-            "parent_id": req.parent_id,
-            "unique_for": req.unique_for,
-            "concurrency_key": req.concurrency_key,
-            "concurrency_limit": req.concurrency_limit,
-            "rate_limit": req.rate_limit,
-            "rate_period": req.rate_period,
-        }
+    async def _acaller_connection(self, conn: Any) -> psycopg.AsyncConnection[Any]:
+        raw = await async_driver_connection(conn)
+        if not isinstance(raw, psycopg.AsyncConnection):
+            raise ConfigurationError(
+                "aenqueue(conn=...) on PostgreSQL takes a psycopg 3 AsyncConnection, or an "
+                "SQLAlchemy AsyncSession/AsyncConnection using psycopg; got "
+                f"{type(conn).__name__}"
+            )
+        await arun(raw, self._caller_program(raw))
+        return raw
 
     def _insert(
         self, conn: psycopg.Connection[Any], requests: Sequence[EnqueueRequest]
     ) -> list[InsertResult]:
+        return run(conn, self._insert_program(requests, copy=True))
+
+    def _insert_program(
+        self, requests: Sequence[EnqueueRequest], *, copy: bool
+    ) -> Program[list[InsertResult]]:
+        """Insert ``requests`` (and NOTIFY their queues, coalesced). ``copy``: jobs without
+        a key go in by COPY (a sync connection); else by the INSERT of jobs with keys."""
         for request in requests:
             if request.key is not None:
-                conn.execute(self.q["job_expire_key"], {"name": request.name, "key": request.key})
+                yield Stmt(self.q["job_expire_key"], {"name": request.name, "key": request.key})
         if len(requests) == 1:
             req = requests[0]
-            params = self._params(req)
+            params = insert_params(req)
             params["channel"] = self.channel if self._notify_due({req.queue}) else None
-            row = conn.execute(self.q["job_insert"], params).fetchone()
-            if row is not None and row[0] is not None:
-                return [InsertResult(row[0], False)]
-            existing = conn.execute(
-                self.q["job_id_by_key"], {"name": req.name, "key": req.key}
-            ).fetchone()
-            return [InsertResult(existing[0], True)]  # type: ignore[index]
-        else:
-            allocated = conn.execute(self.q["job_allocate_ids"], {"n": len(requests)}).fetchone()
-            assert allocated is not None  # an aggregate: always one row
-            ids, now = allocated  # now: the transaction's now(), as the INSERT would use
-            pairs = list(zip(ids, requests, strict=True))
-            plain = [(i, r) for i, r in pairs if r.key is None]
-            keyed = [(i, r) for i, r in pairs if r.key is not None]
-            if plain:  # no conflict possible: COPY, the fastest way in
-                self._copy(conn, plain, now)
-            inserted = {i for i, _ in plain}
-            if keyed:  # ON CONFLICT DO NOTHING needs an INSERT
-                inserted |= self._insert_keyed(conn, keyed)
-            results = []
-            for new_id, req in pairs:
-                if new_id in inserted:
-                    results.append(InsertResult(new_id, False))
-                else:
-                    existing = conn.execute(
-                        self.q["job_id_by_key"], {"name": req.name, "key": req.key}
-                    ).fetchone()
-                    results.append(InsertResult(existing[0], True))  # type: ignore[index]
-        self._maybe_notify(conn, {r.queue for r in requests})
+            rows = yield Stmt(self.q["job_insert"], params)
+            if rows and rows[0][0] is not None:
+                return [InsertResult(rows[0][0], False)]
+            rows = yield Stmt(self.q["job_id_by_key"], {"name": req.name, "key": req.key})
+            return [InsertResult(rows[0][0], True)]
+        [(ids, now)] = yield Stmt(self.q["job_allocate_ids"], {"n": len(requests)})
+        # now: the transaction's now(), as the INSERT would use
+        pairs = list(zip(ids, requests, strict=True))
+        plain = [(i, r) for i, r in pairs if r.key is None] if copy else []
+        rest = [(i, r) for i, r in pairs if r.key is not None] if copy else pairs
+        if plain:  # no conflict possible: COPY, the fastest way in
+            yield Call(lambda conn: self._copy(conn, plain, now))
+        inserted = {i for i, _ in plain}
+        if rest:  # ON CONFLICT DO NOTHING needs an INSERT
+            rows = yield Stmt(self.q["job_insert_many"], self._insert_many_params(rest))
+            inserted |= {r[0] for r in rows}
+        results = []
+        for new_id, req in pairs:
+            if new_id in inserted:
+                results.append(InsertResult(new_id, False))
+            else:
+                rows = yield Stmt(self.q["job_id_by_key"], {"name": req.name, "key": req.key})
+                results.append(InsertResult(rows[0][0], True))
+        for queue in self._notify_due({r.queue for r in requests}):
+            yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
         return results
 
     def _copy(
@@ -511,36 +509,29 @@ class PostgresBackend(PostgresAdmin):
                     row += chosen if len(optional) > 1 else (chosen,)
                 copy.write_row(row)
 
-    def _insert_keyed(
-        self, conn: psycopg.Connection[Any], rows: Sequence[tuple[int, EnqueueRequest]]
-    ) -> set[int]:
-        """Insert jobs with idempotency keys; the ids of those not already taken."""
+    @staticmethod
+    def _insert_many_params(rows: Sequence[tuple[int, EnqueueRequest]]) -> dict[str, Any]:
+        """The arrays of ``job_insert_many`` for jobs with pre-allocated ids."""
         requests = [r for _, r in rows]
         return {
-            r[0]
-            for r in conn.execute(
-                self.q["job_insert_many"],
-                {
-                    "ids": [i for i, _ in rows],
-                    "names": [r.name for r in requests],
-                    "queues": [r.queue for r in requests],
-                    "args": [r.args_json for r in requests],
-                    "metas": [json.dumps(r.meta, separators=(",", ":")) for r in requests],
-                    "priorities": [r.priority for r in requests],
-                    "max_attempts": [r.max_attempts for r in requests],
-                    "run_ats": [r.run_at for r in requests],
-                    "delays": [r.delay for r in requests],
-                    "keys": [r.key for r in requests],
-                    "timeouts": [r.timeout for r in requests],
-                    "leases": [r.lease_seconds for r in requests],
-                    "parents": [r.parent_id for r in requests],
-                    "unique_fors": [r.unique_for for r in requests],
-                    "ckeys": [r.concurrency_key for r in requests],
-                    "climits": [r.concurrency_limit for r in requests],
-                    "rlimits": [r.rate_limit for r in requests],
-                    "rperiods": [r.rate_period for r in requests],
-                },
-            ).fetchall()
+            "ids": [i for i, _ in rows],
+            "names": [r.name for r in requests],
+            "queues": [r.queue for r in requests],
+            "args": [r.args_json for r in requests],
+            "metas": [json.dumps(r.meta, separators=(",", ":")) for r in requests],
+            "priorities": [r.priority for r in requests],
+            "max_attempts": [r.max_attempts for r in requests],
+            "run_ats": [r.run_at for r in requests],
+            "delays": [r.delay for r in requests],
+            "keys": [r.key for r in requests],
+            "timeouts": [r.timeout for r in requests],
+            "leases": [r.lease_seconds for r in requests],
+            "parents": [r.parent_id for r in requests],
+            "unique_fors": [r.unique_for for r in requests],
+            "ckeys": [r.concurrency_key for r in requests],
+            "climits": [r.concurrency_limit for r in requests],
+            "rlimits": [r.rate_limit for r in requests],
+            "rperiods": [r.rate_period for r in requests],
         }
 
     def _notify_due(self, queues: set[str]) -> list[str]:
@@ -577,6 +568,16 @@ class PostgresBackend(PostgresAdmin):
             return results
 
         return self._again_if_lost(insert, lambda exc: self._uncertain(requests, exc))
+
+    async def ajob_insert_many(
+        self, requests: Sequence[EnqueueRequest], conn: Any = None
+    ) -> list[InsertResult]:
+        if not requests:
+            return []
+        if conn is None:  # the pool's connections, in a thread: the loop never blocks
+            return await asyncio.to_thread(self.job_insert_many, requests)
+        caller = await self._acaller_connection(conn)
+        return await arun(caller, self._insert_program(requests, copy=False))
 
     def _uncertain(self, requests: Sequence[EnqueueRequest], exc: psycopg.Error) -> Exception:
         names = ", ".join(sorted({r.name for r in requests}))
@@ -620,6 +621,16 @@ class PostgresBackend(PostgresAdmin):
     def _finish(
         self, conn: psycopg.Connection[Any], outcomes: Sequence[FinishParams]
     ) -> list[bool]:
+        if any(o.state == "waiting" for o in outcomes):  # suspensions: rare, one at a time
+            rest = [o for o in outcomes if o.state != "waiting"]
+            answers = dict(
+                zip(map(id, rest), self._finish(conn, rest) if rest else [], strict=True)
+            )
+            for o in outcomes:
+                if o.state == "waiting":
+                    with conn.transaction():  # the suspension locks the row, then looks
+                        answers[id(o)] = run(conn, suspend_program(self.q, o))
+            return [answers[id(o)] for o in outcomes]
         done = {
             (r[0], r[1])
             for r in conn.execute(
@@ -845,6 +856,8 @@ class PostgresBackend(PostgresAdmin):
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
                     "leases": [float(lease.lease_seconds) for lease in leases],
+                    "progress": [lease.progress for lease in leases],
+                    "messages": [lease.progress_message for lease in leases],
                 },
             ).fetchall()
         return HeartbeatResult(
@@ -928,6 +941,25 @@ class PostgresBackend(PostgresAdmin):
         from .notifier import Notifier
 
         return Notifier(self.config.conninfo, self.channel, on_queue)
+
+    def result_listener(
+        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+    ) -> Any:
+        """One LISTEN connection on ``errands_done_<schema>``, where the errands_jobs_done
+        trigger announces the ids of the jobs each statement ended."""
+        if not self.config.listen:  # listen=false: waiters poll (e.g. behind PgBouncer)
+            return None
+        from .notifier import Notifier
+
+        def parse(payload: str) -> None:
+            try:
+                on_done(None if payload == "*" else [int(i) for i in payload.split(",")])
+            except ValueError:
+                on_done(None)
+
+        channel = f"errands_done_{self.schema}"
+        name = f"errands-results:{os.getpid()}"  # which process's waiters, in pg_stat_activity
+        return Notifier(self.config.conninfo, channel, parse, on_listen, "errands-results", name)
 
 
 def unwrap_connection(conn: Any) -> Any:

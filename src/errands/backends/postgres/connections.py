@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigurationError
+from ..program import Program, Stmt
 from .config import PostgresConfig
 
 try:
@@ -123,30 +124,32 @@ def identity(conn: psycopg.Connection[Any]) -> Identity:
     return (row[0], row[1], row[2])
 
 
-def identity_of_caller(conn: psycopg.Connection[Any]) -> Identity:
-    """:func:`identity` asked on a caller's connection without disturbing its
-    transaction: inside a savepoint when one is open (an error rolls back to it, never
-    aborting the caller's work); when none is open and autocommit is off, the question
-    opens the transaction the enqueue would open anyway (rolled back after a refusal)."""
-    status = conn.info.transaction_status
-    if status == psycopg.pq.TransactionStatus.IDLE and not conn.autocommit:
+def identity_of_caller(status: Any, autocommit: bool) -> Program[Identity]:
+    """:func:`identity` asked on a caller's connection (sync or async: a program) without
+    disturbing its transaction: inside a savepoint when one is open (an error rolls back
+    to it, never aborting the caller's work); when none is open and autocommit is off,
+    the question opens the transaction the enqueue would open anyway (rolled back after
+    a refusal). ``status``: the connection's transaction status."""
+    if status == psycopg.pq.TransactionStatus.IDLE and not autocommit:
         try:
-            return identity(conn)  # opens the transaction the enqueue would open
+            rows = yield Stmt(IDENTITY_SQL)  # opens the transaction the enqueue would open
         except BaseException:
-            with contextlib.suppress(psycopg.Error):
-                conn.rollback()  # and leaves none open if the question failed
+            with contextlib.suppress(Exception):
+                yield Stmt("ROLLBACK")  # and leaves none open if the question failed
             raise
+        return (rows[0][0], rows[0][1], rows[0][2])
     if status != psycopg.pq.TransactionStatus.INTRANS:
-        return identity(conn)
-    conn.execute("SAVEPOINT errands_identity")
+        rows = yield Stmt(IDENTITY_SQL)
+        return (rows[0][0], rows[0][1], rows[0][2])
+    yield Stmt("SAVEPOINT errands_identity")
     try:
-        found = identity(conn)
+        rows = yield Stmt(IDENTITY_SQL)
     except BaseException:
-        conn.execute("ROLLBACK TO SAVEPOINT errands_identity")
-        conn.execute("RELEASE SAVEPOINT errands_identity")
+        yield Stmt("ROLLBACK TO SAVEPOINT errands_identity")
+        yield Stmt("RELEASE SAVEPOINT errands_identity")
         raise
-    conn.execute("RELEASE SAVEPOINT errands_identity")
-    return found
+    yield Stmt("RELEASE SAVEPOINT errands_identity")
+    return (rows[0][0], rows[0][1], rows[0][2])
 
 
 # The connections this session's role may open, from the tightest of the server's limits:

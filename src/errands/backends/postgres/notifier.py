@@ -16,6 +16,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -25,12 +26,25 @@ SELF_TEST_TIMEOUT = 2.0
 
 
 class Notifier:
-    def __init__(self, conninfo: str, channel: str, on_queue: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        channel: str,
+        on_queue: Callable[[str], None],
+        on_listen: Callable[[], None] | None = None,
+        name: str = "errands-listen",
+        application_name: str | None = None,
+    ) -> None:
         self.conninfo = conninfo
         self.channel = channel
         self.on_queue = on_queue
+        self.on_listen = on_listen  # called after each (re)LISTEN: what came meanwhile is lost
+        self.listening = threading.Event()  # set while LISTEN is in force
+        self._options: dict[str, Any] = {}
+        if application_name:
+            self._options["application_name"] = application_name
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="errands-listen", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._probe = f"__errands_selftest_{secrets.token_hex(4)}"
         self.self_test_passed: bool | None = None
@@ -55,9 +69,12 @@ class Notifier:
         first = True
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                with psycopg.connect(self.conninfo, autocommit=True, **self._options) as conn:
                     self._conn = conn
                     conn.execute(f'LISTEN "{self.channel}"')
+                    self.listening.set()
+                    if self.on_listen is not None:
+                        self.on_listen()
                     if first:
                         conn.execute("SELECT pg_notify(%s, %s)", (self.channel, self._probe))
                         self._probe_deadline = time.monotonic() + SELF_TEST_TIMEOUT
@@ -76,6 +93,7 @@ class Notifier:
                 pause = min(pause * 2, 30.0)
             finally:
                 self._conn = None
+                self.listening.clear()
 
     def _listen(self, conn: psycopg.Connection[tuple[object, ...]], testing: bool) -> None:
         while not self._stop.is_set():

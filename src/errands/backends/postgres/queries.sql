@@ -116,7 +116,8 @@ SET state = 'running',
     lease_owner = %(worker_id)s,
     lease_token = %(token)s,
     lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
-    attempted_at = now()
+    attempted_at = now(),
+    progress = NULL, progress_message = NULL
 FROM picked
 WHERE j.id = picked.id
 RETURNING {job_columns}
@@ -144,10 +145,14 @@ WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, o.token
 
 -- name: job_heartbeat_many
+-- The handlers' latest ctx.progress rides on the heartbeat (NULL: unchanged).
 UPDATE {schema}.errands_jobs AS j
-SET lease_expires_at = now() + make_interval(secs => o.lease_seconds)
-FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(leases)b::float8[])
-     AS o(id, token, lease_seconds)
+SET lease_expires_at = now() + make_interval(secs => o.lease_seconds),
+    progress = COALESCE(o.progress, j.progress),
+    progress_message = CASE WHEN o.progress IS NULL THEN j.progress_message ELSE o.message END
+FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(leases)b::float8[],
+            %(progress)s::float8[], %(messages)s::text[])
+     AS o(id, token, lease_seconds, progress, message)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, j.lease_token, j.cancel_requested
 
@@ -253,6 +258,12 @@ WHERE state = %(state)s
 ORDER BY id
 FOR UPDATE
 
+-- name: job_states
+SELECT id, state FROM {schema}.errands_jobs WHERE id = ANY(%(ids)s::bigint[])
+
+-- name: job_get_many
+SELECT {job_columns} FROM {schema}.errands_jobs AS j WHERE j.id = ANY(%(ids)s::bigint[])
+
 -- name: job_state_for_update
 SELECT state FROM {schema}.errands_jobs WHERE id = %(id)s FOR UPDATE
 
@@ -278,8 +289,8 @@ WHERE id = %(id)s AND state = 'dead'
 
 -- name: job_cancel_pending
 UPDATE {schema}.errands_jobs
-SET state = 'cancelled', finished_at = now()
-WHERE id = %(id)s AND state IN ('available', 'scheduled', 'retryable')
+SET state = 'cancelled', finished_at = now(), wait_signal = NULL, wait_until = NULL
+WHERE id = %(id)s AND state IN ('available', 'scheduled', 'retryable', 'waiting')
 
 -- name: job_cancel_running
 UPDATE {schema}.errands_jobs SET cancel_requested = true
@@ -548,7 +559,8 @@ SET state = 'running',
     lease_owner = %(worker_id)s,
     lease_token = %(token)s,
     lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
-    attempted_at = now()
+    attempted_at = now(),
+    progress = NULL, progress_message = NULL
 WHERE j.id = ANY(%(ids)s::bigint[])
   AND j.state IN ('available', 'scheduled', 'retryable')
 RETURNING {job_columns}
@@ -587,3 +599,76 @@ SELECT name FROM names WHERE name IS NOT NULL LIMIT %(limit)s
 
 -- name: queue_forget
 DELETE FROM {schema}.errands_queues WHERE name = %(name)s
+
+-- name: job_suspend
+-- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot
+-- given back; an operator's cancel while it ran ends it cancelled instead. It locks the
+-- row; job_resume_if_signalled follows in the same transaction, so its fresh snapshot
+-- sees any signal committed before the lock (app.signal locks the row first, too).
+UPDATE {schema}.errands_jobs
+SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'waiting' END,
+    wait_signal = CASE WHEN cancel_requested THEN NULL ELSE %(signal)s::text END,
+    wait_until = CASE WHEN cancel_requested OR %(timeout)s::float8 IS NULL THEN NULL
+                      ELSE now() + make_interval(secs => %(timeout)s::float8) END,
+    attempt = attempt - 1,
+    run_at = now(),
+    finished_at = CASE WHEN cancel_requested THEN now() END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE id = %(id)s AND lease_token = %(token)s AND state = 'running'
+
+-- name: job_resume_if_signalled
+-- A waiting job whose signal is stored becomes available (after a suspension, and after
+-- app.signal stored one).
+UPDATE {schema}.errands_jobs AS j
+SET state = 'available', run_at = now(), wait_signal = NULL, wait_until = NULL
+WHERE j.id = %(id)s AND j.state = 'waiting'
+  AND EXISTS (SELECT 1 FROM {schema}.errands_signals AS s
+              WHERE s.job_id = j.id AND s.name = j.wait_signal)
+
+-- name: signal_insert
+INSERT INTO {schema}.errands_signals (job_id, name, payload, sent_by)
+VALUES (%(job_id)s, %(name)s, %(payload)s::jsonb, %(actor)s)
+
+-- name: signal_get
+SELECT payload::text FROM {schema}.errands_signals
+WHERE job_id = %(job_id)s AND name = %(name)s ORDER BY id LIMIT 1
+
+-- name: job_list_expired_waits
+SELECT id, name, queue, attempt, max_attempts, wait_signal FROM {schema}.errands_jobs
+WHERE state = 'waiting' AND wait_until <= now()
+ORDER BY wait_until
+LIMIT %(limit)s
+
+-- name: job_expire_wait
+-- A wait past its timeout is a failed attempt (charged now: the suspension was not).
+UPDATE {schema}.errands_jobs
+SET state = %(state)s,
+    attempt = attempt + 1,
+    errors = errors || jsonb_build_array(
+             %(error)s::jsonb || jsonb_build_object('at', extract(epoch FROM now()))),
+    run_at = now() + make_interval(secs => %(delay)s),
+    finished_at = CASE WHEN %(state)s = 'dead' THEN now() END,
+    wait_signal = NULL, wait_until = NULL
+WHERE id = %(id)s AND state = 'waiting' AND wait_signal = %(signal)s AND wait_until <= now()
+
+-- name: job_edit
+-- An operator's edit of a pending job, guarded by its state: a running or finished job is
+-- never changed (the claim and this write serialise on the row: the claim skips a row
+-- this edit has locked, and this edit re-checks the state after a claim's). A new run_at
+-- makes the job scheduled or available by it (a retryable job stays retryable).
+UPDATE {schema}.errands_jobs AS j
+SET run_at = CASE WHEN %(set_run_at)s
+                  THEN COALESCE(to_timestamp(%(run_at)s::float8),
+                                now() + make_interval(secs => %(delay)s::float8))
+                  ELSE j.run_at END,
+    state = CASE WHEN %(set_run_at)s AND j.state <> 'retryable'
+                 THEN CASE WHEN COALESCE(to_timestamp(%(run_at)s::float8),
+                                         now() + make_interval(secs => %(delay)s::float8))
+                                > now() THEN 'scheduled' ELSE 'available' END
+                 ELSE j.state END,
+    priority = COALESCE(%(priority)s::int, j.priority),
+    queue = COALESCE(%(queue)s::text, j.queue),
+    args = COALESCE(%(args)s::jsonb, j.args),
+    concurrency_key = CASE WHEN %(args)s::text IS NULL THEN j.concurrency_key
+                           ELSE %(concurrency_key)s::text END
+WHERE j.id = %(id)s AND j.state IN ('scheduled', 'available', 'retryable')

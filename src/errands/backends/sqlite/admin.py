@@ -4,6 +4,7 @@ aggregates. A mixin of :class:`SQLiteBackend`, whose connections it uses."""
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 from collections.abc import Iterator
@@ -32,6 +33,9 @@ class SQLiteAdmin(SharedAdmin):
 
     def _statement(self, query: str) -> str:
         return Q[query]
+
+    def _id_list(self, ids: list[int]) -> Any:
+        return json.dumps(ids)
 
     def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]:
         with self._read() as conn:

@@ -9,6 +9,7 @@ a user; only a store locked for ``write_timeout`` seconds raises :class:`Databas
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -45,9 +46,12 @@ from ..base import (
     QueueClaim,
     QueueSettings,
     RescueParams,
+    insert_params,
     unwrap_connection,
 )
 from ..limits import Claimed, claim_limited
+from ..program import Program, Stmt, arun, async_driver_connection, run
+from ..shared_admin import suspend_program
 from .admin import SQLiteAdmin
 from .statements import MIGRATIONS, SCHEMA_VERSION, Q
 
@@ -363,6 +367,21 @@ class SQLiteBackend(SQLiteAdmin):
             )
 
     # -- enqueue ---------------------------------------------------------------------
+    def _caller_program(self, conn: Any) -> Program[None]:
+        """Check a caller's connection (sync or async) is on this store's file."""
+        if self.memory:
+            raise ConfigurationError(
+                "enqueue(conn=...) needs a file database: an in-memory SQLite database is "
+                "private to one connection"
+            )
+        rows = yield Stmt("PRAGMA database_list")
+        main = next((r[2] for r in rows if r[1] == "main"), "")
+        if not main or os.path.realpath(main) != os.path.realpath(self.path):
+            raise ConfigurationError(
+                f"enqueue(conn=...) got a connection to {main or 'an in-memory database'!r}, "
+                f"but this app stores jobs in {self.path!r}; open the connection on the same file"
+            )
+
     def _check_caller_connection(self, conn: Any) -> sqlite3.Connection:
         given, conn = conn, unwrap_connection(conn)  # a SQLAlchemy Session or Connection
         if not isinstance(conn, sqlite3.Connection):
@@ -370,50 +389,35 @@ class SQLiteBackend(SQLiteAdmin):
                 "enqueue(conn=...) on SQLite takes a sqlite3.Connection, or a SQLAlchemy "
                 f"Connection/Session using sqlite3; got {type(given).__name__}"
             )
-        if self.memory:
-            raise ConfigurationError(
-                "enqueue(conn=...) needs a file database: an in-memory SQLite database is "
-                "private to one connection"
-            )
-        rows = conn.execute("PRAGMA database_list").fetchall()
-        main = next((r[2] for r in rows if r[1] == "main"), "")
-        if not main or os.path.realpath(main) != os.path.realpath(self.path):
-            raise ConfigurationError(
-                f"enqueue(conn=...) got a connection to {main or 'an in-memory database'!r}, "
-                f"but this app stores jobs in {self.path!r}; open the connection on the same file"
-            )
+        run(conn, self._caller_program(conn))
         return conn
 
+    async def _acaller_connection(self, conn: Any) -> Any:
+        raw = await async_driver_connection(conn)
+        if not type(raw).__module__.startswith("aiosqlite"):
+            raise ConfigurationError(
+                "aenqueue(conn=...) on SQLite takes an aiosqlite Connection, or an SQLAlchemy "
+                f"AsyncSession/AsyncConnection using aiosqlite; got {type(conn).__name__}"
+            )
+        await arun(raw, self._caller_program(raw))
+        return raw
+
     @staticmethod
-    def _insert(conn: sqlite3.Connection, req: EnqueueRequest) -> InsertResult:
-        if req.key is not None:
-            conn.execute(Q["job_expire_key"], {"name": req.name, "key": req.key})
-        row = conn.execute(
-            Q["job_insert"],
-            {
-                "name": req.name,
-                "queue": req.queue,
-                "args": req.args_json,
-                "meta": json.dumps(req.meta, separators=(",", ":")),
-                "priority": req.priority,
-                "max_attempts": req.max_attempts,
-                "run_at": req.run_at,
-                "delay": req.delay,
-                "key": req.key,
-                "timeout": req.timeout,
-                "lease_seconds": req.lease_seconds,
-                "parent_id": req.parent_id,
-                "unique_for": req.unique_for,
-                "concurrency_key": req.concurrency_key,
-                "concurrency_limit": req.concurrency_limit,
-                "rate_limit": req.rate_limit,
-                "rate_period": req.rate_period,
-            },
-        ).fetchone()
-        if row is not None:
-            return InsertResult(id=row[0], deduplicated=False)
-        existing = conn.execute(Q["job_id_by_key"], {"name": req.name, "key": req.key}).fetchone()
-        return InsertResult(id=existing[0], deduplicated=True)
+    def _insert_program(requests: Sequence[EnqueueRequest]) -> Program[list[InsertResult]]:
+        results = []
+        for req in requests:
+            if req.key is not None:
+                yield Stmt(Q["job_expire_key"], {"name": req.name, "key": req.key})
+            rows = yield Stmt(Q["job_insert"], insert_params(req))
+            if rows:
+                results.append(InsertResult(id=rows[0][0], deduplicated=False))
+                continue
+            rows = yield Stmt(Q["job_id_by_key"], {"name": req.name, "key": req.key})
+            results.append(InsertResult(id=rows[0][0], deduplicated=True))
+        return results
+
+    def _insert(self, conn: sqlite3.Connection, req: EnqueueRequest) -> InsertResult:
+        return run(conn, self._insert_program([req]))[0]
 
     def job_insert_many(
         self, requests: Sequence[EnqueueRequest], conn: Any = None
@@ -421,13 +425,26 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is not None:
             caller = self._check_caller_connection(conn)
             try:
-                return [self._insert(caller, req) for req in requests]
+                return run(caller, self._insert_program(requests))
             except sqlite3.Error as exc:
                 if _is_full(exc):
                     raise self._storage_full(exc) from exc
                 raise
         with self._write() as own:
-            return [self._insert(own, req) for req in requests]
+            return run(own, self._insert_program(requests))
+
+    async def ajob_insert_many(
+        self, requests: Sequence[EnqueueRequest], conn: Any = None
+    ) -> list[InsertResult]:
+        if conn is None:  # the store's own connection, in a thread: the loop never blocks
+            return await asyncio.to_thread(self.job_insert_many, requests)
+        caller = await self._acaller_connection(conn)
+        try:
+            return await arun(caller, self._insert_program(requests))
+        except sqlite3.Error as exc:
+            if _is_full(exc):
+                raise self._storage_full(exc) from exc
+            raise
 
     # -- the hot path ------------------------------------------------------------------
     def job_claim(self, params: ClaimParams) -> list[JobRow]:
@@ -465,6 +482,8 @@ class SQLiteBackend(SQLiteAdmin):
 
     def _finish(self, conn: sqlite3.Connection, o: FinishParams) -> bool:
         """The fenced write of one outcome; its children are inserted only if it lands."""
+        if o.state == "waiting":  # under the write lock: a signal is either stored or not
+            return run(conn, suspend_program(Q, o))
         ok = (
             conn.execute(
                 Q["job_finish"],
@@ -684,6 +703,8 @@ class SQLiteBackend(SQLiteAdmin):
                             "id": lease.id,
                             "token": lease.lease_token,
                             "lease_seconds": lease.lease_seconds,
+                            "progress": lease.progress,
+                            "message": lease.progress_message,
                         },
                     ).fetchone()
                     if row is not None:
@@ -768,6 +789,7 @@ class SQLiteBackend(SQLiteAdmin):
             ]
             for job_id in ids:
                 conn.execute(Q["steps_delete"], {"job_id": job_id})
+                conn.execute(Q["signals_delete"], {"job_id": job_id})
                 conn.execute(Q["job_delete"], {"id": job_id})
         return len(ids)
 
@@ -778,6 +800,17 @@ class SQLiteBackend(SQLiteAdmin):
         from .watcher import DataVersionWatcher
 
         return DataVersionWatcher(self.path, on_queue)
+
+    def result_listener(
+        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+    ) -> Any:
+        """Commits seen through PRAGMA data_version: the hub asks which watched jobs ended
+        (every commit of the file counts, so ``on_done`` gets None)."""
+        if self.memory:
+            return None
+        from .watcher import DataVersionWatcher
+
+        return DataVersionWatcher(self.path, lambda _: on_done(None), on_listen)
 
 
 def _loads_or_raw(text: str | None) -> Any:

@@ -40,7 +40,8 @@ SET state = 'running',
     lease_token = :token,
     lease_expires_at = (julianday('now') - 2440587.5) * 86400.0
                        + COALESCE(lease_seconds, :lease_default),
-    attempted_at = (julianday('now') - 2440587.5) * 86400.0
+    attempted_at = (julianday('now') - 2440587.5) * 86400.0,
+    progress = NULL, progress_message = NULL
 WHERE id IN (
     SELECT id FROM errands_jobs
     WHERE state IN ('available', 'scheduled', 'retryable')
@@ -56,7 +57,8 @@ WHERE id IN (
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+          lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 
 -- name: job_finish
 -- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
@@ -77,8 +79,11 @@ SET state = CASE WHEN cancel_requested = 1 AND :state IN ('retryable', 'dead')
 WHERE id = :id AND lease_token = :token AND state = 'running'
 
 -- name: job_heartbeat
+-- The handler's latest ctx.progress rides on the heartbeat (NULL: unchanged).
 UPDATE errands_jobs
-SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease_seconds
+SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease_seconds,
+    progress = COALESCE(:progress, progress),
+    progress_message = CASE WHEN :progress IS NULL THEN progress_message ELSE :message END
 WHERE id = :id AND lease_token = :token AND state = 'running'
 RETURNING id, lease_token, cancel_requested
 
@@ -160,14 +165,16 @@ DELETE FROM errands_steps WHERE job_id = :job_id
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 FROM errands_jobs WHERE id = :id
 
 -- name: job_list
 SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-       lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 FROM errands_jobs
 WHERE (:state IS NULL OR state = :state)
   AND (:queue IS NULL OR queue = :queue)
@@ -186,6 +193,17 @@ ORDER BY id
 
 -- name: job_state
 SELECT state FROM errands_jobs WHERE id = :id
+
+-- name: job_states
+SELECT id, state FROM errands_jobs WHERE id IN (SELECT value FROM json_each(:ids))
+
+-- name: job_get_many
+SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+       idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+       lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+       progress, progress_message, wait_signal, wait_until
+FROM errands_jobs WHERE id IN (SELECT value FROM json_each(:ids))
 
 -- name: queue_stats
 SELECT queue, state, count(*) AS n,
@@ -212,8 +230,9 @@ WHERE id = :id AND state = 'dead'
 
 -- name: job_cancel_pending
 UPDATE errands_jobs
-SET state = 'cancelled', finished_at = (julianday('now') - 2440587.5) * 86400.0
-WHERE id = :id AND state IN ('available', 'scheduled', 'retryable')
+SET state = 'cancelled', finished_at = (julianday('now') - 2440587.5) * 86400.0,
+    wait_signal = NULL, wait_until = NULL
+WHERE id = :id AND state IN ('available', 'scheduled', 'retryable', 'waiting')
 
 -- name: job_cancel_running
 UPDATE errands_jobs SET cancel_requested = 1 WHERE id = :id AND state = 'running'
@@ -323,7 +342,8 @@ SELECT j.id, j.name, j.queue, j.args, j.meta, j.state, j.priority, j.attempt, j.
        j.run_at, j.idempotency_key, j.errors, j.result, j.inserted_at, j.attempted_at,
        j.finished_at, j.lease_owner, j.lease_token, j.lease_expires_at, j.rescues,
        j.cancel_requested, j.timeout, j.lease_seconds, j.discarded_by, j.discard_reason,
-       j.parent_id, j.unique_until
+       j.parent_id, j.unique_until, j.progress, j.progress_message, j.wait_signal,
+       j.wait_until
 FROM names JOIN errands_jobs AS j ON j.name = names.name AND j.idempotency_key = :key
 ORDER BY j.id DESC
 LIMIT :limit
@@ -446,13 +466,15 @@ SET state = 'running',
     lease_owner = :worker_id,
     lease_token = :token,
     lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + COALESCE(lease_seconds, :lease_default),
-    attempted_at = (julianday('now') - 2440587.5) * 86400.0
+    attempted_at = (julianday('now') - 2440587.5) * 86400.0,
+    progress = NULL, progress_message = NULL
 WHERE id IN (SELECT value FROM json_each(:ids))
   AND state IN ('available', 'scheduled', 'retryable')
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
-          lease_seconds, discarded_by, discard_reason, parent_id, unique_until
+          lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+          progress, progress_message, wait_signal, wait_until
 
 -- name: cron_states
 SELECT name, last_slot, last_job_id, next_slot FROM errands_cron ORDER BY name
@@ -484,3 +506,70 @@ SELECT name FROM names WHERE name IS NOT NULL LIMIT :limit
 
 -- name: queue_forget
 DELETE FROM errands_queues WHERE name = :name
+
+-- name: job_suspend
+-- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot
+-- given back; an operator's cancel while it ran ends it cancelled instead.
+-- job_resume_if_signalled follows in the same transaction.
+UPDATE errands_jobs
+SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'waiting' END,
+    wait_signal = CASE WHEN cancel_requested = 1 THEN NULL ELSE :signal END,
+    wait_until = CASE WHEN cancel_requested = 1 OR :timeout IS NULL THEN NULL
+                      ELSE (julianday('now') - 2440587.5) * 86400.0 + :timeout END,
+    attempt = attempt - 1,
+    run_at = (julianday('now') - 2440587.5) * 86400.0,
+    finished_at = CASE WHEN cancel_requested = 1 THEN (julianday('now') - 2440587.5) * 86400.0 END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE id = :id AND lease_token = :token AND state = 'running'
+
+-- name: job_resume_if_signalled
+-- A waiting job whose signal is stored becomes available (after a suspension, and after
+-- app.signal stored one).
+UPDATE errands_jobs
+SET state = 'available', run_at = (julianday('now') - 2440587.5) * 86400.0, wait_signal = NULL, wait_until = NULL
+WHERE id = :id AND state = 'waiting'
+  AND EXISTS (SELECT 1 FROM errands_signals AS s
+              WHERE s.job_id = errands_jobs.id AND s.name = errands_jobs.wait_signal)
+
+-- name: signal_insert
+INSERT INTO errands_signals (job_id, name, payload, sent_at, sent_by)
+VALUES (:job_id, :name, :payload, (julianday('now') - 2440587.5) * 86400.0, :actor)
+
+-- name: signal_get
+SELECT payload FROM errands_signals WHERE job_id = :job_id AND name = :name ORDER BY id LIMIT 1
+
+-- name: signals_delete
+DELETE FROM errands_signals WHERE job_id = :job_id
+
+-- name: job_list_expired_waits
+SELECT id, name, queue, attempt, max_attempts, wait_signal FROM errands_jobs
+WHERE state = 'waiting' AND wait_until <= (julianday('now') - 2440587.5) * 86400.0
+ORDER BY wait_until
+LIMIT :limit
+
+-- name: job_expire_wait
+-- A wait past its timeout is a failed attempt (charged now: the suspension was not).
+UPDATE errands_jobs
+SET state = :state,
+    attempt = attempt + 1,
+    errors = json_insert(errors, '$[#]', json_set(json(:error), '$.at', (julianday('now') - 2440587.5) * 86400.0)),
+    run_at = (julianday('now') - 2440587.5) * 86400.0 + :delay,
+    finished_at = CASE WHEN :state = 'dead' THEN (julianday('now') - 2440587.5) * 86400.0 END,
+    wait_signal = NULL, wait_until = NULL
+WHERE id = :id AND state = 'waiting' AND wait_signal = :signal AND wait_until <= (julianday('now') - 2440587.5) * 86400.0
+
+-- name: job_edit
+-- An operator's edit of a pending job, guarded by its state: a running or finished job is
+-- never changed (the claim and this write serialise on the row). A new run_at makes the
+-- job scheduled or available by it (a retryable job stays retryable).
+UPDATE errands_jobs
+SET run_at = CASE WHEN :set_run_at = 1 THEN COALESCE(:run_at, (julianday('now') - 2440587.5) * 86400.0 + :delay) ELSE run_at END,
+    state = CASE WHEN :set_run_at = 1 AND state <> 'retryable'
+                 THEN CASE WHEN COALESCE(:run_at, (julianday('now') - 2440587.5) * 86400.0 + :delay) > (julianday('now') - 2440587.5) * 86400.0 + 0.0005
+                           THEN 'scheduled' ELSE 'available' END
+                 ELSE state END,
+    priority = COALESCE(:priority, priority),
+    queue = COALESCE(:queue, queue),
+    args = COALESCE(:args, args),
+    concurrency_key = CASE WHEN :args IS NULL THEN concurrency_key ELSE :concurrency_key END
+WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')

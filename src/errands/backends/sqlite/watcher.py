@@ -21,12 +21,19 @@ CHECK_INTERVAL = 0.005
 
 
 class DataVersionWatcher:
-    def __init__(self, path: str, on_queue: Callable[[str | None], None]) -> None:
+    def __init__(
+        self,
+        path: str,
+        on_queue: Callable[[str | None], None],
+        on_listen: Callable[[], None] | None = None,
+    ) -> None:
         self.path = path
         self.on_queue = on_queue
+        self.on_listen = on_listen  # called once the first version is read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-watch", daemon=True)
         self.self_test_passed: bool | None = True
+        self.listening = threading.Event()  # set once the first version is read
 
     def start(self) -> None:
         self._thread.start()
@@ -44,6 +51,9 @@ class DataVersionWatcher:
             return
         try:
             last = conn.execute("PRAGMA data_version").fetchone()[0]
+            self.listening.set()  # any commit from here on is seen
+            if self.on_listen is not None:
+                self.on_listen()
             while not self._stop.wait(CHECK_INTERVAL):
                 try:
                     version = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -53,5 +63,6 @@ class DataVersionWatcher:
                     last = version
                     self.on_queue(None)
         finally:
+            self.listening.clear()
             with contextlib.suppress(sqlite3.Error):
                 conn.close()

@@ -1,0 +1,103 @@
+"""Statement programs: SQL logic written once, driven on a sync or an async connection.
+
+Enqueueing inside a caller's transaction runs on whatever connection the caller holds: a
+``sqlite3`` or psycopg connection (sync), or an aiosqlite or psycopg ``AsyncConnection``
+(async, also behind an SQLAlchemy ``AsyncSession``/``AsyncConnection``). Rather than
+write every such call twice (procrastinate's cost), the logic is a generator that
+*yields* the statements it wants run and *receives* their rows (sans-I/O)::
+
+    def insert(req):
+        rows = yield Stmt(Q["job_insert"], params)
+        return rows[0][0]
+
+    run(conn, insert(req))              # a sync connection
+    await arun(aconn, insert(req))      # an async one: the same statements, awaited
+
+A statement that fails is thrown into the program at its ``yield``, which may handle it
+(roll back to a savepoint) or let it propagate. A program may also yield a :class:`Call`
+(a function of the connection, for what only a sync driver offers, such as PostgreSQL's
+COPY); only sync programs do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Stmt:
+    """Run ``sql`` with ``params``; the program receives every row it returns (a list)."""
+
+    sql: str
+    params: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Call ``fn(conn)`` (sync drivers only); the program receives what it returns."""
+
+    fn: Callable[[Any], Any]
+
+
+Program = Generator[Stmt | Call, Any, T]
+
+
+def run(conn: Any, program: Program[T]) -> T:
+    """Drive ``program`` on a sync DB-API connection (sqlite3, psycopg)."""
+    try:
+        step = next(program)
+        while True:
+            try:
+                if isinstance(step, Call):
+                    answer = step.fn(conn)
+                else:
+                    cur = conn.execute(step.sql, step.params or ())
+                    answer = cur.fetchall() if cur.description else []
+            except Exception as exc:  # the program may handle it (a savepoint, a rollback)
+                step = program.throw(exc)
+                continue
+            step = program.send(answer)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+async def arun(conn: Any, program: Program[T]) -> T:
+    """Drive ``program`` on an async connection (aiosqlite, psycopg AsyncConnection):
+    each statement is awaited, so the event loop never blocks on the database."""
+    try:
+        step = next(program)
+        while True:
+            if isinstance(step, Call):  # pragma: no cover - async programs yield none
+                raise TypeError("a Call cannot run on an async connection")
+            try:
+                cur = await conn.execute(step.sql, step.params or ())
+                answer = await cur.fetchall() if cur.description else []
+            except Exception as exc:
+                step = program.throw(exc)
+                continue
+            step = program.send(answer)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+def is_async_connection(conn: Any) -> bool:
+    """Whether ``conn`` is an async driver connection or an SQLAlchemy async object."""
+    module = type(conn).__module__
+    return module.startswith(("aiosqlite", "sqlalchemy.ext.asyncio")) or (
+        module.startswith("psycopg") and type(conn).__name__ == "AsyncConnection"
+    )
+
+
+async def async_driver_connection(conn: Any) -> Any:
+    """The async driver connection behind an SQLAlchemy ``AsyncSession`` or
+    ``AsyncConnection`` (in the transaction it has open, or opens now), else ``conn``."""
+    if not type(conn).__module__.startswith("sqlalchemy.ext.asyncio"):
+        return conn
+    if hasattr(conn, "get_bind"):  # an AsyncSession: its connection, in its transaction
+        conn = await conn.connection()
+    raw = await conn.get_raw_connection()
+    return raw.driver_connection

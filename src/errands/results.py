@@ -1,0 +1,280 @@
+"""Waiting for results without polling: the store wakes the waiters.
+
+One :class:`ResultHub` per App multiplexes every waiter of the process (sync and async
+alike) over a single watcher of the store, started on the first wait:
+
+- PostgreSQL: one LISTEN connection on ``errands_done_<schema>``; a trigger sends one
+  NOTIFY per statement that ends jobs, carrying their ids (``*`` when too many), so a
+  waiter is woken by the commit of its job's outcome, not by a poll.
+- SQLite: a thread reads ``PRAGMA data_version`` every few milliseconds (it changes when
+  any other connection commits, in this process or another); on a change the hub reads
+  the states of every watched job in one query and wakes those that are over.
+
+::
+
+    handle.result()  ──register──> ResultHub ──(first waiter)──> watcher (LISTEN / data_version)
+         │  read the job; over? return                               │ ids that ended
+         └── wait on its flag <────────── wake(ids) <────────────────┘
+
+A waiter registers *before* it reads its job, and the watcher is listening before that
+read (the hub waits for it): a completion is either seen by the read or wakes the waiter.
+When the watcher reconnects, every waiter is woken to read again (notifications sent
+while it was away are lost). Polling stays as the fallback: with ``listen=false``
+(PgBouncer in transaction mode), an in-memory SQLite store, or a watcher that is down,
+waiters poll with backoff as before; even a healthy watcher's waiters read again every
+``SAFETY_RECHECK`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigurationError, ResultTimeout
+from .jobs import TERMINAL_STATES, JobRow
+
+if TYPE_CHECKING:
+    from .app import App
+    from .handle import JobHandle
+
+log = logging.getLogger("errands.results")
+
+READY_WAIT = 2.0  # seconds the first waiter waits for the watcher to listen, then polls
+SAFETY_RECHECK = 30.0  # a pushed waiter reads its job again at least this often
+STATES_CHUNK = 500  # job ids per states query
+TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
+
+
+class Waiter:
+    """One waiter for one or more jobs: woken from the watcher's thread, waited on from a
+    thread (``wait``) or a task (``await_wake``)."""
+
+    __slots__ = ("_async", "_flag", "_loop", "job_ids", "rows")
+
+    def __init__(self, job_ids: frozenset[int], loop: asyncio.AbstractEventLoop | None) -> None:
+        self.job_ids = job_ids
+        self.rows: dict[int, JobRow] = {}  # read for it by the hub when it woke it
+        self._flag = threading.Event()
+        self._loop = loop
+        self._async = asyncio.Event() if loop is not None else None
+
+    def wake(self) -> None:
+        self._flag.set()
+        if self._loop is not None and self._async is not None:
+            with suppress(RuntimeError):  # the loop is closed: its waiter is gone
+                self._loop.call_soon_threadsafe(self._async.set)
+
+    def wait(self, seconds: float) -> None:
+        self._flag.wait(max(seconds, 0.0))
+        self._flag.clear()
+
+    async def await_wake(self, seconds: float) -> None:
+        assert self._async is not None
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._async.wait(), max(seconds, 0.0))
+        self._async.clear()
+        self._flag.clear()
+
+
+class ResultHub:
+    """Every waiter of one App, woken by one watcher of its store."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._by_job: dict[int, set[Waiter]] = {}
+        self._watcher: Any = None
+        self._started = False
+        self.wakeups = 0  # waiters woken by the watcher (tests, bench)
+
+    # -- the watcher -----------------------------------------------------------------------
+    def _start(self) -> Any:
+        """The watcher, started on the first call (the others wait for that start)."""
+        with self._start_lock:
+            if not self._started:
+                try:
+                    watcher = self.app.backend.result_listener(self._on_done, self._on_listen)
+                    if watcher is not None:
+                        watcher.start()
+                except Exception:
+                    log.exception("cannot watch the store for finished jobs; waiters poll")
+                    watcher = None
+                self._watcher, self._started = watcher, True
+            return self._watcher
+
+    def ready(self, wait: float = READY_WAIT) -> bool:
+        """Start the watcher (once) and wait up to ``wait`` s for it to listen: True when
+        waiters are woken by the store, False when they must poll. (A waiter that polls
+        is woken to read again once the watcher listens.)"""
+        watcher = self._start()
+        return watcher is not None and watcher.listening.wait(wait)
+
+    @property
+    def pushing(self) -> bool:
+        watcher = self._watcher
+        return (
+            watcher is not None
+            and watcher.listening.is_set()
+            and watcher.self_test_passed is not False
+        )
+
+    def close(self) -> None:
+        with self._start_lock:
+            watcher, self._watcher, self._started = self._watcher, None, False
+        if watcher is not None:
+            watcher.stop()
+
+    def _on_listen(self) -> None:
+        """(Re)connected: what ended while the watcher was away sent no word: all read."""
+        self._wake(None)
+
+    def _on_done(self, ids: Iterable[int] | None) -> None:
+        if ids is not None:
+            self._wake(ids, read=True)
+            return
+        with self._lock:  # SQLite, or too many ids: ask the store which watched jobs ended
+            watched = list(self._by_job)
+        ended: list[int] = []
+        for start in range(0, len(watched), STATES_CHUNK):
+            chunk = watched[start : start + STATES_CHUNK]
+            try:
+                states = self.app.backend.job_states(chunk)
+            except Exception as exc:
+                log.debug("reading watched jobs' states failed (%s); waking them all", exc)
+                ended.extend(chunk)
+                continue
+            ended.extend(i for i in chunk if states.get(i, "pruned") in TERMINAL | {"pruned"})
+        if ended:
+            self._wake(ended, read=True)
+
+    def _wake(self, ids: Iterable[int] | None, *, read: bool = False) -> None:
+        """Wake the waiters of ``ids`` (None: every waiter). ``read``: the jobs ended, so
+        read their rows here, in one query per chunk, and hand each waiter its job's: ten
+        thousand waiters woken at once then cost a few queries, not one read each."""
+        with self._lock:
+            if ids is None:
+                groups = {0: {w for group in self._by_job.values() for w in group}}
+            else:
+                groups = {i: set(self._by_job.get(i, ())) for i in ids}
+        woken = [i for i, group in groups.items() if group]
+        if read and ids is not None:
+            rows: dict[int, JobRow] = {}
+            for start in range(0, len(woken), STATES_CHUNK):
+                try:
+                    found = self.app.backend.job_get_many(woken[start : start + STATES_CHUNK])
+                except Exception as exc:  # each waiter reads its own job instead
+                    log.debug("reading ended jobs failed (%s); waiters read their own", exc)
+                    break
+                rows.update((row.id, row) for row in found)
+            for job_id, group in groups.items():
+                if job_id in rows:
+                    for waiter in group:
+                        waiter.rows[job_id] = rows[job_id]
+        waiters = {w for group in groups.values() for w in group}
+        self.wakeups += len(waiters)
+        for waiter in waiters:
+            waiter.wake()
+
+    # -- waiters -----------------------------------------------------------------------------
+    @contextmanager
+    def watch(
+        self, job_ids: Iterable[int], loop: asyncio.AbstractEventLoop | None = None
+    ) -> Iterator[Waiter]:
+        """Register a waiter for ``job_ids`` for the block (call :meth:`ready` first)."""
+        waiter = Waiter(frozenset(job_ids), loop)
+        with self._lock:
+            for job_id in waiter.job_ids:
+                self._by_job.setdefault(job_id, set()).add(waiter)
+        try:
+            yield waiter
+        finally:
+            with self._lock:
+                for job_id in waiter.job_ids:
+                    group = self._by_job.get(job_id)
+                    if group is not None:
+                        group.discard(waiter)
+                        if not group:
+                            del self._by_job[job_id]
+
+    def waiting(self) -> int:
+        """How many jobs are watched now."""
+        with self._lock:
+            return len(self._by_job)
+
+
+class Pacer:
+    """How long a waiter waits before reading again: until woken, or SAFETY_RECHECK, while
+    the store pushes; exponential backoff up to ``poll`` while it must poll."""
+
+    def __init__(self, hub: ResultHub, poll: float, timeout: float | None) -> None:
+        self.hub = hub
+        self.poll = poll
+        self.delay = min(poll, 0.01)
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def next(self, what: str) -> float:
+        """Seconds to wait; ResultTimeout (naming ``what``) once the time is up."""
+        if self.hub.pushing:
+            pause = SAFETY_RECHECK
+        else:
+            pause, self.delay = self.delay, min(self.delay * 2, self.poll)
+        if self.deadline is None:
+            return pause
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ResultTimeout(f"{what} after {self.timeout} s")
+        return min(pause, left)
+
+
+POLL_DEFAULT = 0.05
+
+
+def as_completed(
+    handles: Iterable[JobHandle], timeout: float | None = None, poll: float = POLL_DEFAULT
+) -> Iterator[JobHandle]:
+    """Yield each handle as its job ends (completed, dead, cancelled or discarded), in the
+    order they end; ``ResultTimeout`` when ``timeout`` seconds pass first. Call
+    ``handle.result()`` on each for its result (or the error saying how it ended). The
+    handles must belong to one App; the store wakes the wait (see this module).
+
+    .. versionadded:: 0.2
+    """
+    pending = {h.id: h for h in handles}
+    if not pending:
+        return
+    apps = {id(h.app): h.app for h in pending.values()}
+    if len(apps) > 1:
+        raise ConfigurationError("as_completed and wait_all take handles of one App")
+    hub = next(iter(apps.values())).results
+    hub.ready()
+    pacer = Pacer(hub, poll, timeout)
+    with hub.watch(pending) as waiter:
+        while pending:
+            for job_id, handle in list(pending.items()):
+                row = waiter.rows.pop(job_id, None)  # read by the hub when it woke us
+                if (row.to_job() if row is not None else handle.job()).state.is_terminal:
+                    del pending[job_id]
+                    yield handle
+            if pending:
+                waiter.wait(pacer.next(f"{len(pending)} job(s) still not finished"))
+
+
+def wait_all(
+    handles: Iterable[JobHandle], timeout: float | None = None, poll: float = POLL_DEFAULT
+) -> list[JobHandle]:
+    """Wait until every job has ended; return the handles in the order given.
+    ``ResultTimeout`` when ``timeout`` seconds pass first.
+
+    .. versionadded:: 0.2
+    """
+    given = list(handles)
+    for _ in as_completed(given, timeout=timeout, poll=poll):
+        pass
+    return given

@@ -1,0 +1,135 @@
+"""Editing pending jobs through the App, the CLI and the dashboard: reschedule,
+reprioritise, move, replace arguments (validated against the payload contract), for
+scheduled, available and retryable jobs only, audited with the actor, in bulk and as a
+dry run; a worker then runs the edited job as edited."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+import errands
+from tests.conftest import running_worker
+
+from .helpers import wait_until
+
+
+@pytest.fixture
+def jobs(app: errands.App) -> dict[str, errands.JobDefinition]:  # type: ignore[type-arg]
+    @app.job(name="edit.greet")
+    def greet(name: str, times: int = 1) -> str:
+        return " ".join([f"hello {name}"] * times)
+
+    @app.job(name="edit.block")
+    def block(gate: str) -> None:
+        gates[gate].wait(10)
+
+    gates: dict[str, threading.Event] = {"g": threading.Event()}
+    app.__dict__["_gates"] = gates
+    return {"greet": greet, "block": block}
+
+
+def test_the_worker_runs_the_edited_arguments_in_the_edited_queue(
+    app: errands.App,
+    jobs: dict[str, errands.JobDefinition],  # type: ignore[type-arg]
+) -> None:
+    """Edited while scheduled: new arguments, queue, priority and time; the worker that
+    serves the new queue runs it with the new arguments."""
+    handle = jobs["greet"].enqueue(name="old", delay=3600)
+    result = app.edit(
+        [handle.id], args={"name": "new", "times": 2}, queue="vip", priority=3,
+        run_at=datetime.now(UTC) - timedelta(seconds=1), actor="ops",
+    )  # fmt: skip
+    assert result.matched == [handle.id] and result.skipped == {}
+    job = handle.job()
+    assert (job.queue, job.priority, job.args) == ("vip", 3, {"name": "new", "times": 2})
+    [event] = app.audit(job_id=handle.id)
+    assert (event.action, event.actor) == ("edit", "ops") and "new" not in str(event.detail)
+    with running_worker(app, queues="vip"):
+        assert handle.result(timeout=10) == "hello new hello new"
+
+
+def test_invalid_new_arguments_change_nothing(
+    app: errands.App,
+    jobs: dict[str, errands.JobDefinition],  # type: ignore[type-arg]
+) -> None:
+    """Arguments that do not fit the job's contract raise InvalidPayload; nothing written."""
+    handle = jobs["greet"].enqueue(name="old", delay=3600)
+    with pytest.raises(errands.InvalidPayload, match=f"job {handle.id}"):
+        app.replace_args([handle.id], {"name": "x", "times": "many"})
+    assert handle.job().args == {"name": "old"} and app.audit() == []
+
+
+def test_bulk_edits_skip_running_and_finished_jobs_and_dry_runs_write_nothing(
+    app: errands.App,
+    jobs: dict[str, errands.JobDefinition],  # type: ignore[type-arg]
+) -> None:
+    """A bulk reprioritise changes the pending jobs only; each other one says why."""
+    gates = app.__dict__["_gates"]
+    pending = [jobs["greet"].enqueue(name=str(i), delay=3600) for i in range(3)]
+    with running_worker(app, concurrency=1):
+        running = jobs["block"].enqueue(gate="g")
+        wait_until(lambda: running.status().value == "running", what="the blocker to run")
+        ids = [h.id for h in pending] + [running.id]
+        preview = app.reprioritise(ids, 9, dry_run=True)
+        assert preview.matched == [h.id for h in pending]
+        assert "running" in preview.skipped[running.id]
+        assert all(h.job().priority == 0 for h in pending) and app.audit() == []
+        applied = app.reprioritise(ids, 9, actor="ops")
+        assert applied.matched == preview.matched
+        assert running.job().priority == 0
+        gates["g"].set()
+        running.result(timeout=10)
+    assert all(h.job().priority == 9 for h in pending)
+    assert app.reschedule([running.id], delay=5).skipped[running.id].startswith("not pending")
+
+
+def test_the_cli_edits_with_a_dry_run_first(
+    app: errands.App,
+    jobs: dict[str, errands.JobDefinition],  # type: ignore[type-arg]
+) -> None:
+    """`errands jobs edit --dry-run` changes nothing; without it the jobs are edited."""
+    from click.testing import CliRunner
+
+    from errands.cli.main import cli
+
+    handle = jobs["greet"].enqueue(name="a", delay=3600)
+    runner = CliRunner()
+    base = ["jobs", "edit", str(handle.id), "--url", app.url, "--priority", "4"]
+    dry = runner.invoke(cli, [*base, "--dry-run"])
+    assert dry.exit_code == 0 and "would edit 1 job(s)" in dry.output, dry.output
+    assert handle.job().priority == 0
+    done = runner.invoke(cli, [*base, "--queue", "slow", "--actor", "cli:ops"])
+    assert done.exit_code == 0 and "edited 1 job(s)" in done.output, done.output
+    assert (handle.job().priority, handle.job().queue) == (4, "slow")
+    refused = runner.invoke(cli, [*base, "--args", '{"name": "b"}'])
+    assert refused.exit_code == 2 and "-A" in refused.output
+
+
+def test_the_dashboard_edits_in_bulk_after_a_dry_run(
+    app: errands.App,
+    jobs: dict[str, errands.JobDefinition],  # type: ignore[type-arg]
+) -> None:
+    """The jobs page of a pending state offers a bulk edit; its preview changes nothing,
+    its apply edits the jobs, audited with the dashboard's actor."""
+    from starlette.testclient import TestClient
+
+    from errands.dashboard import create_app
+
+    handles = [jobs["greet"].enqueue(name=str(i), delay=3600) for i in range(2)]
+    with TestClient(
+        create_app(app), base_url="http://127.0.0.1", client=("127.0.0.1", 50000)
+    ) as client:
+        page = client.get("/jobs", params={"state": "scheduled"})
+        assert "Edit the selected jobs" in page.text
+        csrf = page.text.split('name="csrf_token" value="')[1].split('"')[0]
+        form = {"csrf_token": csrf, "ids": [str(h.id) for h in handles], "priority": "7",
+                "state": "scheduled"}  # fmt: skip
+        preview = client.post("/jobs/edit/preview", data=form)
+        assert "Dry run" in preview.text and "would change (priority)" in preview.text
+        assert all(h.job().priority == 0 for h in handles)
+        client.post("/jobs/edit/apply", data=form)
+    assert all(h.job().priority == 7 for h in handles)
+    assert app.audit()[0].actor.startswith("dashboard:")

@@ -1,0 +1,111 @@
+"""Progress (``ctx.progress``): kept in memory, stored by the next heartbeat (no write per
+call), visible on ``handle.progress()``, ``errands jobs show``, the dashboard's running
+jobs, and the ``errands.job.progress`` event; a new attempt starts without it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import errands
+from errands.observability.events import Event
+from tests.conftest import running_worker
+
+from .helpers import wait_until
+
+
+def test_progress_is_stored_by_heartbeats_not_by_each_call(app: errands.App) -> None:
+    """A thousand ctx.progress calls make a handful of stored reports (one per heartbeat
+    at most): the latest reaches handle.progress() while the job runs."""
+    release = threading.Event()
+    stored: list[Event] = []
+    app.events.subscribe(lambda e: stored.append(e) if e.name == "errands.job.progress" else None)
+
+    @app.job(name="progress.render", lease=1.5)
+    def render(ctx: errands.Context, pages: int) -> str:
+        for page in range(1, pages + 1):
+            ctx.progress(page / pages, f"rendered {page} of {pages} pages")
+        release.wait(10)
+        return "done"
+
+    with running_worker(app):
+        handle = render.enqueue(pages=1000)
+        progress = wait_until(handle.progress, what="progress stored by a heartbeat")
+        assert progress == errands.Progress(1.0, "rendered 1000 of 1000 pages")
+        release.set()
+        assert handle.result(timeout=10) == "done"
+    assert 1 <= len(stored) <= 3, f"{len(stored)} reports stored for 1000 calls"
+    assert stored[-1]["progress"] == 1.0 and stored[-1]["job_id"] == handle.id
+
+
+def test_a_new_attempt_starts_without_the_last_attempts_progress(app: errands.App) -> None:
+    """A retry's handle.progress() is None until the retry reports its own."""
+    seen: list[errands.Progress | None] = []
+    gate = threading.Event()
+
+    @app.job(name="progress.flaky", lease=1.5, retries=1, backoff=0.01)
+    def flaky(ctx: errands.Context) -> None:
+        if ctx.attempt == 1:
+            ctx.progress(0.9, "almost")
+            wait_until(lambda: app.get_job(ctx.job_id).progress is not None, what="stored")
+            raise ConnectionError("blip")
+        seen.append(app.get_job(ctx.job_id).progress)
+        gate.set()
+
+    with running_worker(app):
+        handle = flaky.enqueue()
+        assert gate.wait(15)
+        handle.result(timeout=10)
+    assert seen == [None]
+
+
+def test_bad_progress_values_are_refused_with_a_clear_error(app: errands.App) -> None:
+    """Fractions outside 0..1 (or not numbers) raise ValueError in the handler."""
+    errors: list[str] = []
+
+    @app.job(name="progress.bad", retries=0)
+    def bad(ctx: errands.Context) -> None:
+        for value in (1.5, -0.1, float("nan"), "half", True):
+            try:
+                ctx.progress(value)  # type: ignore[arg-type]
+            except ValueError as exc:
+                errors.append(str(exc))
+
+    with running_worker(app):
+        bad.enqueue().result(timeout=10)
+    assert len(errors) == 5 and all("ctx.progress" in e for e in errors)
+
+
+def test_jobs_show_and_the_dashboard_show_a_running_jobs_progress(app: errands.App) -> None:
+    """The CLI's job view and the dashboard's running jobs show start, worker and progress."""
+    pytest.importorskip("starlette")
+    from click.testing import CliRunner
+    from starlette.testclient import TestClient
+
+    from errands.cli.main import cli
+    from errands.dashboard import create_app
+
+    release = threading.Event()
+
+    @app.job(name="progress.long", lease=1.5)
+    def long(ctx: errands.Context) -> None:
+        ctx.progress(0.4, "rendered 40 of 100 pages")
+        release.wait(10)
+
+    try:
+        with running_worker(app) as worker:
+            handle = long.enqueue()
+            wait_until(handle.progress, what="progress stored")
+            shown = CliRunner().invoke(cli, ["jobs", "show", str(handle.id), "--url", app.url])
+            assert "40% rendered 40 of 100 pages" in shown.output, shown.output
+            with TestClient(
+                create_app(app), base_url="http://127.0.0.1", client=("127.0.0.1", 50000)
+            ) as client:
+                page = client.get("/jobs", params={"state": "running"})
+            assert page.status_code == 200
+            assert "rendered 40 of 100 pages" in page.text
+            assert worker.id in page.text and "started" in page.text
+            release.set()
+    finally:
+        release.set()

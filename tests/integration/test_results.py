@@ -1,0 +1,159 @@
+"""Results without polling, with a real worker: a waiter is woken by the commit of its
+job's outcome (SQLite: commit detection; PostgreSQL: LISTEN/NOTIFY), many waiters share
+one watcher (one LISTEN connection on PostgreSQL), polling remains the fallback
+(``listen=false``), and ``wait_all`` / ``as_completed`` wait on many jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import errands
+from tests.conftest import running_worker
+
+# Far longer than any test here may take: a wait that ends sooner was woken, not polled.
+NO_POLL = 30.0
+
+
+def _app(url: str) -> errands.App:
+    app = errands.App(url)
+
+    @app.job(name="results.add")
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    @app.job(name="results.nap")
+    def nap(seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    @app.job(name="results.fail", retries=0)
+    def fail() -> None:
+        raise RuntimeError("no")
+
+    app.migrate()
+    return app
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, db_url: str) -> Iterator[errands.App]:
+    if request.param == "sqlite":
+        app = _app(db_url)
+        yield app
+        app.close()
+        return
+    from tests.pg import fresh_pg_url
+
+    for url in fresh_pg_url():
+        app = _app(url)
+        yield app
+        app.close()
+
+
+def test_result_is_woken_by_the_completion_not_by_polling(store: errands.App) -> None:
+    """With polling all but off (poll=30 s), result() returns within a moment of the job
+    ending: the store woke the waiter."""
+    add, nap = store.registry["results.add"], store.registry["results.nap"]
+    assert store.results.ready(), "the store's watcher never started listening"
+    with running_worker(store, concurrency=2):
+        handle = nap.enqueue(seconds=0.3)
+        started = time.monotonic()
+        assert handle.result(timeout=20, poll=NO_POLL) == 0.3
+        assert time.monotonic() - started < 5
+        assert add.enqueue(a=2, b=3).result(timeout=20, poll=NO_POLL) == 5
+    assert store.results.wakeups >= 1
+    assert store.results.waiting() == 0  # every registration removed
+
+
+def test_aresult_is_woken_by_the_completion(store: errands.App) -> None:
+    """The async waiter is woken the same way, and gets the same errors."""
+    nap, fail = store.registry["results.nap"], store.registry["results.fail"]
+
+    async def scenario() -> None:
+        handle = await nap.aenqueue(seconds=0.2)
+        assert await handle.aresult(timeout=20, poll=NO_POLL) == 0.2
+        with pytest.raises(errands.JobFailed, match="RuntimeError: no"):
+            await (await fail.aenqueue()).aresult(timeout=20, poll=NO_POLL)
+
+    with running_worker(store, concurrency=2):
+        started = time.monotonic()
+        asyncio.run(scenario())
+        assert time.monotonic() - started < 10
+
+
+def test_many_waiters_share_one_watcher(store: errands.App) -> None:
+    """Fifty threads and fifty tasks wait at once; all are woken, and the process holds
+    one watcher (on PostgreSQL: one LISTEN connection) for all of them."""
+    nap = store.registry["results.nap"]
+    postgres = store.url.startswith("postgresql")
+    handles = [nap.enqueue(seconds=0.01) for _ in range(100)]
+    results: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda h=h: results.append(h.result(timeout=30, poll=NO_POLL)))
+        for h in handles[:50]
+    ]
+
+    async def tasks() -> list[Any]:
+        return await asyncio.gather(*(h.aresult(timeout=30, poll=NO_POLL) for h in handles[50:]))
+
+    for thread in threads:
+        thread.start()
+    with running_worker(store, concurrency=4):
+        results.extend(asyncio.run(tasks()))
+        for thread in threads:
+            thread.join(timeout=30)
+    assert len(results) == 100
+    assert store.results._watcher is not None
+    if postgres:
+        listening = _listen_connections(store)
+        assert listening == 1, f"{listening} LISTEN connections for the waiters"
+
+
+def _listen_connections(app: errands.App) -> int:
+    import psycopg
+
+    with psycopg.connect(app.backend.config.conninfo, autocommit=True) as conn:  # type: ignore[attr-defined]
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+            (f"errands-results:{os.getpid()}",),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_wait_all_and_as_completed_follow_the_jobs_as_they_end(store: errands.App) -> None:
+    """as_completed yields the quick job before the slow one; wait_all returns every
+    handle once all have ended, dead ones included."""
+    nap, fail = store.registry["results.nap"], store.registry["results.fail"]
+    slow, quick = nap.enqueue(seconds=1.0), nap.enqueue(seconds=0.05)
+    dead = fail.enqueue()
+    with running_worker(store, concurrency=3):
+        order = [h.id for h in errands.as_completed([slow, quick], timeout=20, poll=NO_POLL)]
+        assert order == [quick.id, slow.id]
+        assert errands.wait_all([slow, quick, dead], timeout=20) == [slow, quick, dead]
+    with pytest.raises(errands.JobFailed):
+        dead.result(timeout=1)
+
+
+def test_wait_all_raises_result_timeout_for_jobs_that_do_not_end(store: errands.App) -> None:
+    """No worker runs: wait_all gives up at its timeout with ResultTimeout."""
+    add = store.registry["results.add"]
+    with pytest.raises(errands.ResultTimeout, match="still not finished"):
+        errands.wait_all([add.enqueue(a=1, b=1)], timeout=0.3)
+
+
+def test_with_listen_false_waiters_fall_back_to_polling(pg_url: str) -> None:
+    """Behind PgBouncer (listen=false) nothing is pushed: result() polls and still
+    returns the result."""
+    app = _app(pg_url + "&listen=false")
+    try:
+        assert not app.results.ready(wait=0.1)
+        with running_worker(app):
+            assert app.registry["results.add"].enqueue(a=1, b=2).result(timeout=20) == 3
+    finally:
+        app.close()

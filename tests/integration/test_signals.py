@@ -1,0 +1,216 @@
+"""Durable signals with a real worker: ``ctx.wait_for_signal`` suspends the job (state
+``waiting``, no lease, no slot, attempt not charged) and ``app.signal`` resumes it through
+the step store; a signal sent before the wait is kept; a timeout is a classified failure
+the maintenance leader records; sync and async handlers alike."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import errands
+from tests.conftest import running_worker
+
+from .helpers import wait_until
+
+
+def _state(handle: errands.JobHandle) -> str:
+    return handle.status().value
+
+
+def test_a_waiting_job_holds_no_lease_and_resumes_with_the_payload(app: errands.App) -> None:
+    """The job waits without a lease or a slot; the signal resumes it, the step before
+    the wait is not run again, and the handler returns the payload."""
+    charged: list[int] = []
+
+    @app.job(name="sig.approve")
+    def approve(ctx: errands.Context, order: int) -> Any:
+        ctx.step("reserve", lambda: charged.append(order))
+        decision = ctx.wait_for_signal("approved", timeout=timedelta(hours=1))
+        return {"order": order, "decision": decision, "attempt": ctx.attempt}
+
+    with running_worker(app, concurrency=2) as worker:
+        handle = approve.enqueue(order=7)
+        wait_until(lambda: _state(handle) == "waiting", what="the job to wait")
+        job = handle.job()
+        assert (job.lease_owner, job.waiting_for, job.attempt) == (None, "approved", 0)
+        assert job.wait_until is not None
+        wait_until(lambda: worker._free == worker.concurrency, what="its slot freed")
+        result = app.signal(handle.id, "approved", {"by": "ops"})
+        assert result.resumed and result.previous_state == "waiting"
+        assert handle.result(timeout=10) == {
+            "order": 7,
+            "decision": {"by": "ops"},
+            "attempt": 1,
+        }
+    assert charged == [7]
+    assert [e.action for e in app.audit(job_id=handle.id)] == ["signal"]
+
+
+def test_a_signal_sent_before_the_wait_is_kept(app: errands.App) -> None:
+    """Signalled while still queued, the job never suspends: the wait returns at once."""
+
+    @app.job(name="sig.early")
+    def early(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("go")
+
+    handle = early.enqueue()
+    assert app.signal(handle.id, "go", [1, 2]).resumed is False
+    with running_worker(app):
+        assert handle.result(timeout=10) == [1, 2]
+    assert not any(e.kind == "released" for e in handle.job().errors)
+
+
+def test_a_suspended_job_holds_no_slot(app: errands.App) -> None:
+    """With one slot, a waiting job leaves it to the next job, which completes."""
+
+    @app.job(name="sig.hold")
+    def hold(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("release")
+
+    @app.job(name="sig.quick")
+    def quick() -> str:
+        return "done"
+
+    with running_worker(app, concurrency=1):
+        waiting = hold.enqueue()
+        wait_until(lambda: _state(waiting) == "waiting", what="the first job to wait")
+        assert quick.enqueue().result(timeout=10) == "done"
+        app.signal(waiting.id, "release", "ok")
+        assert waiting.result(timeout=10) == "ok"
+
+
+def test_a_wait_past_its_timeout_is_a_classified_failure(app: errands.App) -> None:
+    """The maintenance leader ends a wait past its timeout: retried with backoff (and
+    waiting again), then dead with kind signal_timeout; the timeout event is emitted."""
+    seen: list[str] = []
+    app.events.subscribe(lambda e: seen.append(e.name))
+
+    @app.job(name="sig.late", retries=1, backoff=0.01)
+    def late(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("never", timeout=0.2)
+
+    with running_worker(app, maintenance_tick=0.05):
+        handle = late.enqueue()
+        with pytest.raises(errands.JobFailed, match="SignalTimeout"):
+            handle.result(timeout=20)
+    job = handle.job()
+    assert [e.kind for e in job.errors] == ["signal_timeout", "signal_timeout"]
+    assert job.attempt == 2 and job.state is errands.JobState.DEAD
+    assert seen.count("errands.job.wait_timed_out") == 2 and "errands.job.waiting" in seen
+
+
+def test_async_handlers_await_signals(app: errands.App) -> None:
+    """An async handler awaits ctx.wait_for_signal and is resumed the same way."""
+
+    @app.job(name="sig.async")
+    async def wait_async(ctx: errands.Context) -> Any:
+        payload = await ctx.wait_for_signal("ready")
+        return payload["n"] * 2
+
+    with running_worker(app):
+        handle = wait_async.enqueue()
+        wait_until(lambda: _state(handle) == "waiting", what="the async job to wait")
+        app.signal(handle.id, "ready", {"n": 21})
+        assert handle.result(timeout=10) == 42
+
+
+def test_signals_to_finished_or_unknown_jobs_are_refused(app: errands.App) -> None:
+    """A completed job takes no signal (nothing would read it); an unknown id raises
+    JobNotFound; a waiting job can be cancelled."""
+
+    @app.job(name="sig.done")
+    def done(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("x") if ctx.job_id % 2 == 0 else None
+
+    with running_worker(app):
+        finished = done.enqueue()
+        if finished.id % 2 == 0:
+            finished = done.enqueue()
+        finished.result(timeout=10)
+        with pytest.raises(errands.InvalidTransition, match="completed"):
+            app.signal(finished.id, "x")
+        with pytest.raises(errands.JobNotFound):
+            app.signal(999_999, "x")
+        waiting = done.enqueue()
+        if waiting.id % 2 == 1:
+            waiting = done.enqueue()
+        wait_until(lambda: _state(waiting) == "waiting", what="a job to wait")
+        assert app.cancel(waiting.id).state == "cancelled"
+        with pytest.raises(errands.JobCancelled):
+            waiting.result(timeout=5)
+
+
+def test_a_wait_inside_a_transaction_is_refused(app: errands.App) -> None:
+    """Waiting while ctx.transaction() is open fails the job permanently, saying why."""
+    opened = threading.Event()
+
+    @app.job(name="sig.tx")
+    def in_tx(ctx: errands.Context) -> None:
+        ctx.transaction()
+        opened.set()
+        ctx.wait_for_signal("x")
+
+    with running_worker(app):
+        handle = in_tx.enqueue()
+        with pytest.raises(errands.JobFailed, match=r"inside ctx\.transaction"):
+            handle.result(timeout=10)
+
+
+def test_the_cli_and_the_dashboard_send_signals(app: errands.App) -> None:
+    """`errands jobs signal` resumes a waiting job; the dashboard's Send signal button
+    (CSRF-protected, audited with the viewer) does too."""
+    from click.testing import CliRunner
+    from starlette.testclient import TestClient
+
+    from errands.cli.main import cli
+    from errands.dashboard import create_app
+
+    @app.job(name="sig.ui")
+    def ui(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("ok")
+
+    with running_worker(app):
+        by_cli, by_web = ui.enqueue(), ui.enqueue()
+        wait_until(lambda: _state(by_cli) == _state(by_web) == "waiting", what="both jobs to wait")
+        done = CliRunner().invoke(
+            cli, ["jobs", "signal", str(by_cli.id), "ok", "--payload", '{"via": "cli"}',
+                  "--url", app.url],
+        )  # fmt: skip
+        assert done.exit_code == 0 and "resumes" in done.output, done.output
+        assert by_cli.result(timeout=10) == {"via": "cli"}
+        with TestClient(
+            create_app(app), base_url="http://127.0.0.1", client=("127.0.0.1", 50000)
+        ) as client:
+            page = client.get(f"/jobs/{by_web.id}")
+            assert "Send signal" in page.text
+            csrf = page.text.split('name="csrf_token" value="')[1].split('"')[0]
+            client.post(
+                f"/jobs/{by_web.id}/signal",
+                data={"csrf_token": csrf, "signal": "ok", "payload": '"web"'},
+            )
+        assert by_web.result(timeout=10) == "web"
+    assert app.audit(job_id=by_web.id)[0].actor.startswith("dashboard:")
+
+
+def test_a_worker_on_postgresql_suspends_and_resumes_a_job(pg_url: str) -> None:
+    """The same flow on PostgreSQL: wait, signal, resume with the payload; the waiting
+    job is woken by the result listener when it completes."""
+    app = errands.App(pg_url)
+
+    @app.job(name="sig.pg")
+    def pg_wait(ctx: errands.Context, n: int) -> Any:
+        return {"n": n, "got": ctx.wait_for_signal("go", timeout=600)}
+
+    try:
+        with running_worker(app, concurrency=2):
+            handle = pg_wait.enqueue(n=3)
+            wait_until(lambda: _state(handle) == "waiting", what="the job to wait")
+            assert handle.job().lease_owner is None
+            assert app.signal(handle.id, "go", "yes").resumed
+            assert handle.result(timeout=20) == {"n": 3, "got": "yes"}
+    finally:
+        app.close()
