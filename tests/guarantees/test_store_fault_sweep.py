@@ -110,12 +110,6 @@ DEFECTS = {
     "only updates an existing row)",
     "job_get": "App.run_dead_hooks gives up on a dead job whose row it cannot read: one "
     "transient error drops every on_dead hook of that job",
-    **dict.fromkeys(
-        ("worker_prune", "rate_log_prune", "job_prune"),
-        "Maintenance._prune_when_due sets the next prune before pruning: a failed prune "
-        "is tried again only prune_interval (60 s) later, not at the next tick as the "
-        "other duties are",
-    ),
 }
 
 
