@@ -105,9 +105,6 @@ EXEMPT = {
 
 # Defects the sweep found, until they are fixed: the call's faults break a guarantee.
 DEFECTS = {
-    "worker_register": "Worker._register logs any failure and goes on: a transient error "
-    "at start leaves the worker out of the registry for its whole life (worker_heartbeat "
-    "only updates an existing row)",
     "job_get": "App.run_dead_hooks gives up on a dead job whose row it cannot read: one "
     "transient error drops every on_dead hook of that job",
 }
