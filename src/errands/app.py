@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -21,7 +22,7 @@ from .backends.base import (
 )
 from .backends.limits import parse_rate
 from .definition import BoundJob, JobDefinition, check_name, check_text, seconds
-from .errors import ConfigurationError, InvalidTransition, JobNotFound
+from .errors import ConfigurationError, InvalidTransition, JobNotFound, is_transient
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
 from .jobs import Job, Step, parse_state
@@ -40,6 +41,7 @@ log = logging.getLogger("errands")
 LEASE_DEFAULT = 30.0
 RETENTION_DEFAULT = timedelta(days=7)
 POISON_AFTER_DEFAULT = 3
+DEAD_JOB_RETRY_FOR = 2.0  # seconds the on_dead hooks retry reading their job (transient errors)
 DEFAULT_QUEUE = "default"
 
 DeadHook = Callable[[Job], None]
@@ -294,7 +296,7 @@ class App:
         if not self.dead_hooks:
             return
         try:
-            job = self.get_job(job_id)
+            job = self._dead_job(job_id)
         except Exception:
             log.exception("could not load dead job %s for the on_dead hooks", job_id)
             return
@@ -303,6 +305,22 @@ class App:
                 hook(job)
             except Exception:
                 log.exception("on_dead hook %r failed for job %s", hook, job_id)
+
+    def _dead_job(self, job_id: int) -> Job:
+        """The dead job for its hooks, read again while the store errs transiently (a
+        killed session, a busy SQLite file) for up to DEAD_JOB_RETRY_FOR seconds, and at
+        most half the hooks' time limit: one blip must not drop every hook of the job."""
+        give_up = time.monotonic() + min(DEAD_JOB_RETRY_FOR, self.hooks.hook_timeout / 2)
+        pause = 0.05
+        while True:
+            try:
+                return self.get_job(job_id)
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + pause > give_up:
+                    raise
+                log.warning("could not load dead job %s (%s); retrying", job_id, exc)
+            time.sleep(pause)
+            pause *= 2
 
     # -- enqueue -----------------------------------------------------------------------
     def enqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:

@@ -104,10 +104,7 @@ EXEMPT = {
 }
 
 # Defects the sweep found, until they are fixed: the call's faults break a guarantee.
-DEFECTS = {
-    "job_get": "App.run_dead_hooks gives up on a dead job whose row it cannot read: one "
-    "transient error drops every on_dead hook of that job",
-}
+DEFECTS = {}
 
 
 LOST_DEAD_REPLY = (
