@@ -110,7 +110,11 @@ class Sweep:
         @app.job(name="sweep.held", **options)
         def held(ctx: errands.Context) -> None:
             self._ran(ctx)
-            while self.hold.is_set() and not ctx.cancelled:
+            # Rescued (its lease lost to failing heartbeats), it runs as a suspect, alone in
+            # an embedded worker: held, it would keep every other rescued job waiting.
+            sql = "SELECT rescues FROM errands_jobs WHERE id = ?"
+            rescued = query(app, sql, (ctx.job_id,))[0][0]
+            while self.hold.is_set() and not rescued and not ctx.cancelled:
                 time.sleep(0.01)
 
         @app.periodic("* * * * *", name="sweep.cron", **options)
@@ -182,8 +186,9 @@ class Sweep:
             timeout=DEADLINE,
             what="every job of the workload terminal",
         )
+        held_states = ("running", *TERMINAL)  # rescued, it runs to its end: see its handler
         wait_until(
-            lambda: self.held in dict(self.runs) and self.state(self.held) == "running",
+            lambda: self.held in dict(self.runs) and self.state(self.held) in held_states,
             timeout=DEADLINE,
             what="the held job running",
         )
