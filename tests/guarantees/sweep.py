@@ -222,20 +222,23 @@ class Sweep:
         assert maintenance._thread.is_alive()
 
     def check_no_orphans(self) -> None:
-        """No job runs under worker A's lease without a live attempt in worker A. (A row
-        just claimed may not have its attempt yet: only one still running under the same
-        token a moment later, still unknown to the worker, is an orphan.)"""
+        """No job runs under worker A's lease without a live attempt in worker A, unless a
+        fault explains it (a claim whose reply was lost). A row just claimed may not have
+        its attempt yet: only one still running under the same token a moment later,
+        still unknown to the worker, is an orphan."""
         assert self.a is not None
         worker = self.a.worker
+        explained = _claims_lost(self.store.faults)
 
         def unknown() -> set[tuple[int, str]]:
             running = {(r["id"], r["token"]) for r in self.rows()
-                       if r["state"] == "running" and r["owner"] == worker.id}  # fmt: skip
+                       if r["state"] == "running" and r["owner"] == worker.id
+                       and r["id"] not in explained}  # fmt: skip
             return running - {(a.id, a.token) for a in worker.attempts()}
 
         suspects = unknown()
-        if suspects:
-            time.sleep(0.5)
+        if suspects:  # look again within the lease: an orphan is not rescued before then
+            time.sleep(LEASE * 2 / 3)
             orphans = suspects & unknown()
             assert not orphans, f"running in the store, unknown to worker A: {orphans}"
 
@@ -328,17 +331,19 @@ class Sweep:
         self.app.close()
 
 
+def _claims_lost(faults: list[Fault]) -> set[int]:
+    """Jobs claimed by a call whose reply was lost: running under worker A's lease, unknown
+    to it, until the leader rescues them."""
+    claims = ("job_claim", "job_claim_limited")
+    return {row.id for f in faults if f.method in claims and f.kind == "reply" for row in f.lost}
+
+
 def _lost_track(faults: list[Fault]) -> set[int]:
-    """Jobs a fault may have made worker A lose track of, so that the leader rescued them:
-    a claim whose reply was lost, a release that failed, heartbeats that failed while
-    they ran (their leases ran out)."""
-    found: set[int] = set()
-    for fault in faults:
-        if fault.method in ("job_claim", "job_claim_limited") and fault.kind == "reply":
-            found |= {row.id for row in fault.lost or []}
-        elif fault.method in ("job_release_many", "job_heartbeat_many"):
-            found |= job_ids([fault])
-    return found
+    """Jobs a fault may have made worker A lose (the leader then rescued them): a claim
+    whose reply was lost, a release that failed, heartbeats that failed while they ran
+    (their leases ran out)."""
+    renewals = ("job_release_many", "job_heartbeat_many")
+    return _claims_lost(faults) | job_ids(f for f in faults if f.method in renewals)
 
 
 def run_through(sweep: Sweep, *, stopping: Any = None, release: bool = True) -> None:
