@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -34,7 +35,13 @@ from .definition import (
     check_text,
     seconds,
 )
-from .errors import ConfigurationError, InvalidPayload, InvalidTransition, JobNotFound
+from .errors import (
+    ConfigurationError,
+    InvalidPayload,
+    InvalidTransition,
+    JobNotFound,
+    is_transient,
+)
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
 from .jobs import Job, Step, parse_state
@@ -55,6 +62,7 @@ log = logging.getLogger("errands")
 LEASE_DEFAULT = 30.0
 RETENTION_DEFAULT = timedelta(days=7)
 POISON_AFTER_DEFAULT = 3
+DEAD_JOB_RETRY_FOR = 2.0  # seconds the on_dead hooks retry reading their job (transient errors)
 DEFAULT_QUEUE = "default"
 PENDING_STATES = ("scheduled", "available", "running", "retryable")
 
@@ -367,7 +375,7 @@ class App:
         if not self.dead_hooks:
             return
         try:
-            job = self.get_job(job_id)
+            job = self._dead_job(job_id)
         except Exception:
             log.exception("could not load dead job %s for the on_dead hooks", job_id)
             return
@@ -376,6 +384,22 @@ class App:
                 hook(job)
             except Exception:
                 log.exception("on_dead hook %r failed for job %s", hook, job_id)
+
+    def _dead_job(self, job_id: int) -> Job:
+        """The dead job for its hooks, read again while the store errs transiently (a
+        killed session, a busy SQLite file) for up to DEAD_JOB_RETRY_FOR seconds, and at
+        most half the hooks' time limit: one blip must not drop every hook of the job."""
+        give_up = time.monotonic() + min(DEAD_JOB_RETRY_FOR, self.hooks.hook_timeout / 2)
+        pause = 0.05
+        while True:
+            try:
+                return self.get_job(job_id)
+            except Exception as exc:
+                if not is_transient(exc) or time.monotonic() + pause > give_up:
+                    raise
+                log.warning("could not load dead job %s (%s); retrying", job_id, exc)
+            time.sleep(pause)
+            pause *= 2
 
     # -- enqueue -----------------------------------------------------------------------
     def enqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:

@@ -18,16 +18,23 @@ def is_postgres(app: errands.App) -> bool:
     return app.url.startswith("postgres")
 
 
+def adapt(app: errands.App, sql: str) -> str:
+    """``sql`` for the store's own driver: on PostgreSQL, ``errands_`` table names are
+    qualified with the schema and ``?`` placeholders become ``%s``."""
+    if not is_postgres(app):
+        return sql
+    schema = app.backend.schema  # type: ignore[attr-defined]
+    return sql.replace("errands_", f'"{schema}".errands_').replace("?", "%s")
+
+
 def _run(app: errands.App, sql: str, params: tuple[Any, ...], fetch: bool) -> Any:
-    """One statement on the store through the test's own connection; ``errands_`` table
-    names are qualified with the schema on PostgreSQL, ``?`` placeholders adapted."""
+    """One statement on the store through the test's own connection (see :func:`adapt`)."""
     if is_postgres(app):
         import psycopg
 
         backend: Any = app.backend
-        text = sql.replace("errands_", f'"{backend.schema}".errands_').replace("?", "%s")
         with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
-            cursor = conn.execute(text, params)
+            cursor = conn.execute(adapt(app, sql), params)
             return cursor.fetchall() if fetch else cursor.rowcount
     with closing(sqlite3.connect(app.backend.path, timeout=30)) as conn, conn:  # type: ignore[attr-defined]
         cursor = conn.execute(sql, params)

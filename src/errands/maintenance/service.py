@@ -133,7 +133,11 @@ class Maintenance:
     def _prune_when_due(self) -> None:
         if time.monotonic() >= self._next_prune:
             self._next_prune = time.monotonic() + self.prune_interval
-            self.prune()
+            try:
+                self.prune()
+            except Exception:
+                self._next_prune = 0.0  # failed: the next tick tries again, as for any duty
+                raise
 
     def rescue(self) -> int:
         backend = self.app.backend

@@ -324,19 +324,22 @@ class Worker:
                 pause = min(pause * 2, CLAIM_RETRY_MAX)
 
     def _register(self) -> None:
+        """List this worker in the registry, retrying while the store errs transiently
+        (its heartbeats only update the row: a worker unlisted at start stays unlisted)."""
         from .. import __version__
 
+        info = WorkerInfo(
+            id=self.id,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            queues=",".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
+            concurrency=self.concurrency,
+            version=__version__,
+            jobs=tuple(sorted(self.app.registry)),
+        )
         try:
-            self.app.backend.worker_register(
-                WorkerInfo(
-                    id=self.id,
-                    host=socket.gethostname(),
-                    pid=os.getpid(),
-                    queues=",".join(f"{q}={n}" if n else q for q, n in self.queue_limits.items()),
-                    concurrency=self.concurrency,
-                    version=__version__,
-                    jobs=tuple(sorted(self.app.registry)),
-                )
+            self._at_startup(
+                "registering the worker", lambda: self.app.backend.worker_register(info)
             )
         except Exception:
             log.exception("could not register this worker; it runs unlisted")
