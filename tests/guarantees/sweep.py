@@ -31,9 +31,6 @@ GRACE = 0.1  # the held job is still running then: it is released
 QUEUES = ["default", "limited", "keyed", "lost", "parked"]  # "parked" is paused at first
 TERMINAL = ("completed", "dead", "cancelled")
 LOSSES = ("worker_lost", "poison")  # a rescue's record: an attempt charged without a run
-# Writes that can move a job to dead: when their reply is lost, the job gets no on_dead
-# hooks (a known defect: LOST_DEAD_REPLY in test_store_fault_sweep pins it).
-DEATH_WRITES = ("job_finish_many", "job_rescue_many")
 
 
 class Sweep:
@@ -249,8 +246,12 @@ class Sweep:
         self.a.stop()
         failed = self.store.faulted("job_release_many")
         unreleased = job_ids(f for f in failed if f.kind == "request")
-        running = {r["id"] for r in self.rows() if r["state"] == "running"}
-        assert running <= unreleased, f"running after worker A stopped: {running - unreleased}"
+        rows = self.rows()
+        running = {r["id"] for r in rows if r["state"] == "running"}
+        assert running <= unreleased, (
+            f"running after worker A stopped: {running - unreleased}: "
+            f"{[r for r in rows if r['id'] in running - unreleased]}"
+        )
 
     def drain(self) -> None:
         """Worker B, without faults, runs what is left: every job ends terminal."""
@@ -316,11 +317,7 @@ class Sweep:
                     f"job {job}: the step's effect ran {self.charged[job]} times, "
                     f"{unstored[job]} of its results lost before they were stored"
                 )
-        # Known defect (see DEATH_WRITES): a death whose write lost its reply has no hooks.
-        unheard = job_ids(
-            f for f in self.store.faults if f.kind == "reply" and f.method in DEATH_WRITES
-        )
-        dead = {r["id"] for r in rows if r["state"] == "dead"} - unheard
+        dead = {r["id"] for r in rows if r["state"] == "dead"}
         assert dead <= set(self.hooked), f"dead jobs whose on_dead hook never ran: {dead}"
 
     def close(self) -> None:

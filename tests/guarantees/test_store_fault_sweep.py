@@ -36,6 +36,7 @@ import errands
 import errands.hooks
 import errands.maintenance
 import errands.worker
+from errands.jobs import JobState
 
 from .faults import (
     PROTOCOL_METHODS,
@@ -105,15 +106,6 @@ EXEMPT = {
 
 # Defects the sweep found, until they are fixed: the call's faults break a guarantee.
 DEFECTS = {}
-
-
-LOST_DEAD_REPLY = (
-    "PostgreSQL, lost reply: the COMMIT of the completer's job_finish_many lands but its reply "
-    "is lost; the retry of the same batch is fenced out (the rows are no longer running), "
-    "so the completer takes its own outcome for a stale write and a job it moved to dead "
-    "gets no errands.job.dead event and no on_dead hooks (the leader's job_rescue_many "
-    "likewise skips the hooks of a rescue to dead whose reply was lost)"
-)
 
 
 @pytest.fixture
@@ -233,17 +225,57 @@ def test_every_store_call_failing_at_random(sweep: Sweep, seed: int) -> None:
     assert len(sweep.store.faults) >= 5, f"seed {seed}: only {sweep.store.faults} injected"
 
 
-@pytest.mark.xfail(strict=True, reason=LOST_DEAD_REPLY)
 def test_a_death_whose_reply_was_lost_still_runs_the_on_dead_hooks(sweep: Sweep) -> None:
-    """The write that moves the permanent job to dead commits, and its reply is lost."""
+    """The write that moves the permanent job to dead commits, and its reply is lost: the
+    retry is fenced out, so the completer reads the row back, finds its own outcome there
+    (errands.landed), and the death gets its event and its on_dead hooks."""
     if not sweep.store.replies:
         pytest.skip("a local SQLite commit does not lose its reply")
     sweep.store.plan = FailOnce(
         "job_finish_many", "reply", lambda args: any(o.state == "dead" for o in args[0])
     )
     sweep.start()
-    sweep.run_workload()
-    sweep.stop()
+    run_through(sweep)  # its last check: every dead job's on_dead hook ran
     assert sweep.store.faulted("job_finish_many"), "the death's write was not faulted"
+    assert [f.kind for f in sweep.store.faulted("job_finish_many")] == ["reply"]
     dead = {r["id"] for r in sweep.rows() if r["state"] == "dead"}
     assert dead and dead <= set(sweep.hooked), f"dead jobs whose on_dead hook never ran: {dead}"
+
+
+def test_a_rescue_to_dead_whose_reply_was_lost_still_runs_the_on_dead_hooks(
+    pg_url: str,
+) -> None:
+    """PostgreSQL: the leader's rescue of a job on its last attempt commits (dead) and
+    its reply is lost; the next tick reads the row back, finds its rescue there (by the
+    lease token in the error entry), and emits the death and runs the on_dead hooks once.
+    (A local SQLite commit cannot lose its reply.)"""
+    from errands.maintenance.service import Maintenance
+
+    from .faults import FailOnce, FaultyStore
+    from .helpers import claim_as_dead_worker, expire_lease
+
+    app = errands.App(pg_url, lease=2)
+    hooked: list[int] = []
+    app.on_dead(lambda job: hooked.append(job.id))
+
+    @app.job(name="sweep.last_attempt", retries=0)
+    def last() -> None: ...
+
+    try:
+        handle = last.enqueue()
+        store = FaultyStore.install(app)
+        claim_as_dead_worker(app)
+        expire_lease(app, handle.id)
+        store.plan = FailOnce("job_rescue_many", "reply", lambda args: True)
+        leader = Maintenance(app, "leader")
+        leader.run_once()  # the rescue commits; its reply is lost
+        assert store.faulted("job_rescue_many") and handle.status() is JobState.DEAD
+        assert hooked == []
+        leader.run_once()  # the next tick confirms it
+        wait_until(lambda: hooked, timeout=20, what="the on_dead hook")
+        leader.run_once()
+        assert hooked == [handle.id]  # once
+        assert leader.rescued == 1
+        leader.stop()
+    finally:
+        app.close()

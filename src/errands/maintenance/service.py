@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ..backends.base import ExpiredLease, ExpiredWait, RescueParams, WaitTimeoutParams
 from ..backends.limits import RATE_PERIOD_MAX
+from ..errors import is_transient
 from ..hooks import protect_current_thread
+from ..landed import landed, read_back
 from ..retry import retry_delay
 from .scheduler import Scheduler
 
@@ -75,6 +77,7 @@ class Maintenance:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-maintenance", daemon=True)
         self._next_prune = 0.0
+        self._unsure: list[tuple[RescueParams, ExpiredLease]] = []  # reply lost: did it land?
         self.scheduler = Scheduler(app)
 
     def start(self) -> None:
@@ -141,9 +144,10 @@ class Maintenance:
 
     def rescue(self) -> int:
         backend = self.app.backend
+        count = self._confirm_unsure()
         expired = backend.job_list_expired(RESCUE_BATCH)
         if not expired:
-            return 0
+            return count
         plans: list[RescueParams] = []
         by_id = {lease.id: lease for lease in expired}
         for lease in expired:
@@ -151,39 +155,59 @@ class Maintenance:
                 plans.append(self._plan(lease))
             except Exception:  # pragma: no cover - _plan calls nothing that raises
                 log.exception("job %s: planning its rescue failed; retrying it later", lease.id)
-        done = backend.job_rescue_many(plans)
-        count = 0
+        try:
+            done = backend.job_rescue_many(plans)
+        except Exception as exc:
+            if is_transient(exc):  # it may have committed: look next tick (errands.landed)
+                self._unsure = [(p, by_id[p.id]) for p in plans]
+            raise
         for plan, ok in zip(plans, done, strict=True):
-            if not ok:
-                continue  # its heartbeat landed first, or another rescuer won
-            count += 1
-            lease = by_id[plan.id]
-            fields = {
-                "job_id": lease.id,
-                "job_name": lease.name,
-                "queue": lease.queue,
-                "attempt": lease.attempt,
-                "max_attempts": lease.max_attempts,
-            }
-            self.app.events.emit(
-                "errands.job.rescued",
-                **fields,
-                state=plan.state,
-                reason=plan.error["message"],
-                worker=lease.lease_owner,
-            )
-            if plan.state == "dead":
-                self.app.events.emit(
-                    "errands.job.dead",
-                    **fields,
-                    duration=None,
-                    error_type=plan.error["type"],
-                    error_message=plan.error["message"],
-                    reason=plan.error["kind"],
-                )
-                self.app.dead_hooks_later(plan.id)
+            if ok:  # else its heartbeat landed first, or another rescuer won
+                count += self._rescued(plan, by_id[plan.id])
         self.rescued += count
         return count
+
+    def _confirm_unsure(self) -> int:
+        """The rescues of a batch whose reply was lost that did land: their events and
+        on_dead hooks are due now (those that did not land are simply expired again)."""
+        unsure, self._unsure = self._unsure, []
+        if not unsure:
+            return 0
+        rows = read_back(self.app.backend, [plan.id for plan, _ in unsure])
+        count = 0
+        for plan, lease in unsure:
+            if landed(rows.get(plan.id), plan.lease_token, plan.error["attempt"], True):
+                count += self._rescued(plan, lease)
+        self.rescued += count
+        return count
+
+    def _rescued(self, plan: RescueParams, lease: ExpiredLease) -> int:
+        """A rescue that landed: its events, and the on_dead hooks of a job it made dead."""
+        fields = {
+            "job_id": lease.id,
+            "job_name": lease.name,
+            "queue": lease.queue,
+            "attempt": lease.attempt,
+            "max_attempts": lease.max_attempts,
+        }
+        self.app.events.emit(
+            "errands.job.rescued",
+            **fields,
+            state=plan.state,
+            reason=plan.error["message"],
+            worker=lease.lease_owner,
+        )
+        if plan.state == "dead":
+            self.app.events.emit(
+                "errands.job.dead",
+                **fields,
+                duration=None,
+                error_type=plan.error["type"],
+                error_message=plan.error["message"],
+                reason=plan.error["kind"],
+            )
+            self.app.dead_hooks_later(plan.id)
+        return 1
 
     def _plan(self, lease: ExpiredLease) -> RescueParams:
         """What becomes of one expired lease (see the module doc)."""
@@ -211,6 +235,7 @@ class Maintenance:
             "traceback": None,
             "worker": lease.lease_owner,
             "kind": "poison" if message.startswith("poison") else "worker_lost",
+            "lease_token": lease.lease_token,  # which attempt it records (errands.landed)
         }
         return RescueParams(lease.id, lease.lease_token, state, error, delay)
 

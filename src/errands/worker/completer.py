@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from ..backends.base import FinishParams
 from ..errors import is_transient
 from ..hooks import protect_current_thread
+from ..landed import landed, read_back
 from .execution import Attempt
 
 if TYPE_CHECKING:
@@ -111,11 +112,15 @@ class Completer:
         outcome never holds the others back."""
         pause = 0.05
         refusals = 0
+        unsure = False  # an earlier try may have committed before its error
         while True:
             try:
                 accepted = self.app.backend.job_finish_many([o for _, o in batch])
+                if unsure and not all(accepted):
+                    accepted = self._landed_anyway(batch, accepted)
                 return list(zip(batch, accepted, strict=True))
             except Exception as exc:
+                unsure = unsure or is_transient(exc)
                 if not is_transient(exc):
                     refusals += 1
                     if refusals >= REFUSALS_BEFORE_SPLIT:
@@ -127,6 +132,22 @@ class Completer:
                 )
                 time.sleep(pause * (1 + random.random()))
                 pause = min(pause * 2, 5.0)
+
+    def _landed_anyway(
+        self, batch: list[tuple[Attempt, FinishParams]], accepted: list[bool]
+    ) -> list[bool]:
+        """After a retry that followed a connection error: the outcomes refused now may be
+        those the lost try wrote (errands.landed). Read them back."""
+        refused = [o.id for (_, o), ok in zip(batch, accepted, strict=True) if not ok]
+        try:
+            rows = read_back(self.app.backend, refused)
+        except Exception:
+            log.exception("could not read back %d refused outcome(s)", len(refused))
+            return accepted
+        return [
+            ok or landed(rows.get(o.id), o.lease_token, attempt.row.attempt, o.error is not None)
+            for (attempt, o), ok in zip(batch, accepted, strict=True)
+        ]
 
     def _store_apart(
         self, batch: list[tuple[Attempt, FinishParams]], exc: Exception

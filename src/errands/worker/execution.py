@@ -214,6 +214,7 @@ def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str)
         "traceback": scrub(trace, secrets),
         "worker": worker_id,
         "kind": kind,
+        "lease_token": attempt.token,  # which attempt wrote it (errands.landed)
     }
 
 

@@ -155,6 +155,7 @@ class OutcomeRecorder:
                 "traceback": None,
                 "worker": self.worker.id,
                 "kind": "transient",
+                "lease_token": attempt.token,
             },
             delay=2.0,
         )
