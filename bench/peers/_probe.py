@@ -277,7 +277,11 @@ def throughput(
 ) -> dict[str, Any]:
     """Pre-fill ``jobs``, start the workers, time the handlers from first to last."""
     n = spec["jobs"]
+    hooks = {"before_prefill": hook(spec, "before_prefill")}
     bulk_seconds = prefill(n)
+    # ANALYZE (every PostgreSQL system alike) and any other marks the harness asks for,
+    # between the prefill and the workers: see bench.pgstats.
+    hooks["after_prefill"] = hook(spec, "after_prefill")
     probe = Probe(slots=0)
     workers = Workers(commands(spec["procs"]), probe.env(), spec["cwd"])
     try:
@@ -304,7 +308,9 @@ def throughput(
     finally:
         workers.stop()
         probe.cleanup()
+    hooks["after_run"] = hook(spec, "after_run")
     return {
+        "hooks": {k: v for k, v in hooks.items() if v is not None},
         "rate": (count - 1) / (last - first) if last > first else None,
         "done": count,
         "window_s": last - first,
@@ -367,6 +373,89 @@ def latency(
         "seen": len(lat),
         "idle_memory": idle,
     }
+
+
+def hook(spec: dict[str, Any], name: str) -> Any:
+    """Run the command the harness put in ``spec[name]`` (an argv); its last JSON line.
+
+    The harness's own python runs it (psycopg, whatever the peer's venv has), so every
+    system gets the same ANALYZE and the same measurements.
+    """
+    argv = spec.get(name)
+    if not argv:
+        return None
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} hook failed: {out.stderr.strip()[-500:]}")
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def commands_scenario(commands: Callable[[int], list[list[str]]]) -> Any:
+    """An adapter scenario printing one replica's worker argv and the environment it needs
+    (the chaos scenarios of bench.scenarios start, kill and restart replicas themselves)."""
+
+    def scenario(spec: dict[str, Any]) -> dict[str, Any]:
+        argvs = commands(1)
+        env = {
+            k: v for k, v in os.environ.items() if k.startswith("BENCH_") or k in ("ERRANDS_URL",)
+        }
+        return {"argv": argvs[0], "all": argvs, "env": env}
+
+    return scenario
+
+
+def produce(spec: dict[str, Any], connect: Callable[[], Callable[[int], None]]) -> dict[str, Any]:
+    """Enqueue jobs 0, 1, 2, ... one call each at ``rate``/s until SIGTERM or ``seconds``.
+
+    ``connect()`` gives an enqueue function on a new connection; when a call fails (the
+    database restarted, the backend was killed) the producer reconnects and retries the
+    same job, so every number it reports was acknowledged by the store. Progress is
+    written to ``spec["progress"]`` (acknowledged count, failures) after every call.
+    """
+    rate = float(spec["rate"])
+    deadline = time.monotonic() + float(spec.get("seconds", 1e9))
+    path = spec["progress"]
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    enqueue: Callable[[int], None] | None = None
+    sent = failures = 0
+    t0 = time.monotonic()
+    with open(path, "wb+") as f:
+        os.ftruncate(f.fileno(), 24)
+        m = mmap.mmap(f.fileno(), 24)
+        while not stopping and time.monotonic() < deadline:
+            target = t0 + sent / rate
+            pause = target - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            try:
+                if enqueue is None:
+                    enqueue = connect()
+                enqueue(sent)
+                sent += 1
+            except Exception as exc:
+                failures += 1
+                enqueue = None
+                if failures <= 5 or failures % 100 == 0:
+                    print(f"produce: call {failures} failed: {exc!r}"[:300], file=sys.stderr)
+                time.sleep(0.2)
+            struct.pack_into("<qqd", m, 0, sent, failures, time.monotonic())
+        m.flush()
+    return {"sent": sent, "failures": failures}
+
+
+def progress(path: str) -> tuple[int, int]:
+    """(jobs acknowledged, failed calls) of a running :func:`produce`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(24)
+    except OSError:
+        return 0, 0
+    if len(data) < 24:
+        return 0, 0
+    sent, failures, _ = struct.unpack_from("<qqd", data, 0)
+    return sent, failures
 
 
 def timed(fn: Callable[[], Any]) -> float:

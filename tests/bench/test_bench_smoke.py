@@ -73,4 +73,13 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
         assert memory["checkpoints"][-1]["completed"] >= memory["jobs"]
         assert memory["stopped_cleanly"] is True
     assert any(t["target"].startswith("Enqueue bulk") for t in results["targets"])
-    assert "issue 8 targets" in run.stdout
+    assert "issue 8 and 17 targets" in run.stdout
+    # Both views, and every configuration's figures under its own label.
+    for name in ("errands-sqlite", "errands-pg"):
+        figures = results["systems"][name]["figures"]
+        assert set(figures["configs"]) == {"default", "tuned"}
+        assert figures["best_config"] == "tuned" or figures["configs"]["tuned"]["throughput_1"]
+        for config in figures["configs"].values():
+            assert config["throughput_1"] and config["latency_p50"], config
+    pg_runs = results["systems"]["errands-pg"]["raw"]["throughput_1@default"]
+    assert "after_prefill" in pg_runs[0]["hooks"]  # ANALYZE ran between prefill and workers
