@@ -327,14 +327,15 @@ def targets17(results: dict[str, Any]) -> list[dict[str, Any]]:
                 ok,
             )
         else:
-            rec = r.get("recovery_s")
-            stranded = r.get("stranded_last_s") or 0.0
+            rec = r.get("outage_s")
+            stranded = max(r.get("stranded_last_s") or 0.0, r.get("rerun_last_s") or 0.0)
             worst = None if rec is None else max(rec, stranded)
             add(
                 f"Recovery from {name} within 2 x (lease + poll) = {limit:.0f} s (errands-pg)",
                 "never"
                 if worst is None
-                else f"{worst:.0f} s (backlog {rec:.0f} s, last stranded job {stranded:.0f} s)",
+                else f"{worst:.0f} s (outage {rec:.0f} s, last stranded or re-run job "
+                f"{stranded:.0f} s)",
                 worst is not None and worst <= limit and r.get("lost", 0) == 0,
             )
     return rows
@@ -725,8 +726,10 @@ def scenario_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[
         "baseline /s",
         "recovery /s",
         "recovery / baseline",
-        "backlog back in",
+        "outage",
+        "back to 90 % after",
         "last stranded job ran after",
+        "last re-run started after",
         "lost",
         "duplicates",
         "producer errors",
@@ -779,6 +782,7 @@ def scenario_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[
             )
             continue
         rec_s = r.get("recovery_s")
+        outage = r.get("outage_s")
         chaos.append(
             [
                 name,
@@ -786,8 +790,10 @@ def scenario_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[
                 fmt(ph.get("baseline", {}).get("rate"), "rate"),
                 fmt(ph.get("recovery", {}).get("rate"), "rate"),
                 fmt(r.get("recovery_ratio"), "pct"),
+                "never" if outage is None else f"{outage:.0f} s",
                 "never" if rec_s is None else f"{rec_s:.0f} s",
                 f"{r.get('stranded_last_s', 0):.0f} s ({r.get('stranded', 0):,} jobs)",
+                f"{r.get('rerun_last_s', 0):.0f} s ({r.get('reruns', 0):,} jobs)",
                 f"{r['lost']:,}",
                 f"{r['duplicates']:,}",
                 f"{r['producer_failures']:,}",
@@ -1041,8 +1047,14 @@ def issue17_markdown(results: dict[str, Any]) -> str:
             f"`bench/scenarios.py` ({sc.get('where', '?')}): two worker replicas, a producer "
             f"offering {sc['rate']:,.0f} jobs/s one call each, phase durations x "
             f"{sc['scale']}, the horizon pinned for {sc['pressure_seconds']:,.0f} s. "
-            "*Backlog back in*: from the disruption's start until the backlog is back to "
-            "its baseline level; *lost*: acknowledged jobs that never ran once the queue "
+            "*Outage*: from the disruption's start until the completion rate is back at "
+            "90 % of the baseline's for 3 s in a row; *back to 90 % after*: the third-party "
+            "harness's recovery time, from the end of the chaos phases to the first second "
+            "at 90 % of the baseline; *last stranded job*: when the last job enqueued before "
+            "the disruption but not yet started ran; *last re-run*: when the last job whose "
+            "handler had started before the disruption started again (a killed worker's job, "
+            "after its lease or heartbeat); *lost*: acknowledged jobs that never ran once the "
+            "queue "
             f"had {sc['drain_seconds']:.0f} s to drain.\n"
         )
         for title, header, rows in scenario_tables(results):
@@ -1076,16 +1088,17 @@ def _spaced(text: str) -> str:
 PEER_NOTES = """\
 - **pgqueuer**: `pgq run` of 1.6.0 crashes while setting up its logger
   (`'str' object has no attribute 'name'`), so the adapter's worker calls
-  `PgQueuer.run(batch_size=10)` itself, as `pgq run` would (asyncpg driver, default batch).
+  `PgQueuer.run(batch_size=...)` itself, as `pgq run` would (asyncpg driver); without
+  `pgq run`'s supervisor a worker whose connection is lost exits (see the scenarios).
 - **awa-pg**: measured with its queue-storage engine installed
   (`install_queue_storage`), which its fast COPY enqueue (`enqueue_many_copy`) needs; its
   worker polls every 200 ms by default besides LISTEN/NOTIFY.
 - **oban** needs Python 3.12+: the harness finds a 3.12 interpreter on the machine for its
   venv. Open-source oban runs one process per node, so "2 processes" is two
   `oban start` nodes.
-- **procrastinate** slows down with a deep queue: with 20,000 jobs waiting its fetch ran
-  at tens of jobs/s here (with a few hundred queued it ran ~350 jobs/s), so its
-  processing runs end at the cap.
+- **procrastinate** runs at its default concurrency (1) and at `-c 32`; its tables are
+  analysed after every prefill like every system's (before issue 17 they were not, and
+  its fetch crawled with a deep queue).
 - **huey** has no bulk enqueue; its consumer polls (0.1 s, backing off), which is its
   pickup latency. **Celery** and **Dramatiq** run on Redis, as a reference outside SQL
   stores.
@@ -1101,8 +1114,19 @@ METHOD = """\
   with its own venv's python (`bench/.venvs/NAME`, installed from PyPI by the harness,
   pinned in `bench/systems.py`; errands runs from this tree). Every scenario gets a fresh
   store: a PostgreSQL database cloned from a migrated template, a flushed Redis database,
-  a new SQLite file. Runs are interleaved (run 1 of every system, then run 2, ...), so
-  drift on the machine spreads over all systems.
+  a new SQLite file; on PostgreSQL the harness runs `ANALYZE` between the prefill and the
+  workers, for every system alike (`bench/pgstats.py`). Runs are interleaved: run 1 of
+  every system, then run 2, ...; within a run every system's enqueue figures, then every
+  system's default configuration, then the tuned ones, the systems' order rotated each
+  run, so drift on the machine spreads over all systems. The 1-minute load average and
+  the share of CPU busy and stolen by the hypervisor during each scenario are in the JSON
+  (`load1`, `cpu`).
+- **Configurations**: every system twice or more, at its defaults (its worker command
+  with no tuning option: what a user gets first) and at the best throughput setting its
+  own documentation gives (the table above names the page). errands at defaults is
+  `errands worker errands_app:app` (-c 10, INFO log line per finished job); tuned is
+  `-c 32 --log-level warning`. "Best" in the tables is, per system, its tuned
+  configuration with the highest processing rate.
 - **Enqueue, one call per job**: {single_jobs:,} calls of the peer's documented enqueue
   (errands `job.enqueue(n=i)`, procrastinate `defer_async`, pgqueuer `Queries.enqueue`,
   oban `enqueue`, awa `insert`, Celery `delay`, Dramatiq `send`, huey call), timed after a
@@ -1115,11 +1139,13 @@ METHOD = """\
   (errands `enqueue_many`, procrastinate `batch_defer_async`, pgqueuer list `enqueue`,
   oban `enqueue_many`, awa `enqueue_many_copy`, Celery `group(...).apply_async()`, Dramatiq
   `group(...).run()`; huey has none).
-- **Processing**: {throughput_jobs:,} jobs pre-filled in bulk, then the workers start
-  (1 or 2 worker processes, concurrency {concurrency} per process where the peer has
-  such a setting); the rate is the jobs run divided by the time from the first handler
-  start to the last, so start-up is not counted. A run stops after {cap:.0f} s of
-  processing (slow peers): the rate is then over the jobs done.
+- **Processing**: {throughput_jobs:,} jobs pre-filled in bulk, `ANALYZE`, then the
+  workers start (1 or 2 worker processes in the configuration's settings); the rate is
+  the jobs run divided by the time from the first handler start to the last, so start-up
+  is not counted. A run stops after {cap:.0f} s of processing (slow peers): the rate is
+  then over the jobs done, and that system's later runs of the figure pre-fill 1.5 x
+  what {cap:.0f} s at its rate can drain (at least {min_window:.0f} s' worth), not the
+  full count.
 - **Pickup latency**: one idle worker process (it has run one warm-up job and then
   idled 1 s); {latency_jobs} jobs enqueued one call each at {latency_rate:.0f}/s; latency is
   handler start minus the instant before the enqueue call (so it includes the enqueue's
@@ -1133,6 +1159,11 @@ METHOD = """\
 - **Quick mode** (`make bench BENCH_ARGS=--quick`): 1 run, small counts, results in
   `bench/results/partial.json` only; `--only NAME` (repeatable) limits the systems
   (`errands`, `peers`, `limit`, `scale`, `memory` are accepted too).
+- **Storage, finished rows, scenarios** are separate steps (`make bench-storage`,
+  `make bench-finished`, `make bench-scenarios`), each merged into this page with
+  `--update`; they run on a throw-away PostgreSQL cluster the harness makes
+  (`--scratch-pg`): WAL per job needs a cluster nothing else writes to, and the chaos
+  scenarios restart the server.
 """
 
 

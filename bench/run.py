@@ -512,6 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     steps.add_argument("--drain-seconds", type=float, default=120.0)
     steps.add_argument(
+        "--scenario-work-ms",
+        type=float,
+        default=1.0,
+        help="synthetic work per job in the scenarios (the third-party JOB_WORK_MS, 1 ms)",
+    )
+    steps.add_argument(
         "--scratch-pg",
         action="store_true",
         help="run storage, finished rows and scenarios on a throw-away PostgreSQL cluster "
@@ -805,6 +811,7 @@ def run_steps(args: argparse.Namespace, plan: Plan, systems: list[System]) -> di
             out["scenarios"] = scenarios.run_scenarios(
                 runner, cells, names, args.scenario_rate, args.scenario_scale,
                 args.pressure_seconds, args.drain_seconds, restarter, log,
+                args.scenario_work_ms,
             )  # fmt: skip
             out["scenarios"]["where"] = where
     finally:

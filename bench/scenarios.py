@@ -110,8 +110,10 @@ class Cell:
         rate: float,
         restarter: Any,
         log: Callable[[str], None],
+        work_ms: float = 1.0,
     ) -> None:
         self.runner, self.system, self.name, self.rate = runner, system, name, rate
+        self.work_ms = work_ms
         self.restarter, self.log = restarter, log
         self.url = runner.store_url(system)
         self.db = runner.db(system)
@@ -131,7 +133,8 @@ class Cell:
 
     def start_replica(self, i: int) -> None:
         argv, env = self.worker
-        self.replicas[i] = _probe.Workers([argv], {**env, **self.probe.env()}, str(PEERS))
+        env = {**env, **self.probe.env(), "BENCH_WORK_MS": str(self.work_ms)}
+        self.replicas[i] = _probe.Workers([argv], env, str(PEERS))
         self.event(f"replica {i} started")
 
     def kill_replica(self, i: int) -> None:
@@ -363,9 +366,10 @@ class Cell:
                 with contextlib.suppress(Exception):
                     w.stop(grace=5)
         starts = self.probe.starts(sent)
+        lasts = self.probe.starts(sent, last=True)
         hits = self.probe.totals()[0]
         self.probe.cleanup()
-        return self.figures(plan, bounds, produced, starts, hits, drained_s)
+        return self.figures(plan, bounds, produced, starts, lasts, hits, drained_s)
 
     def _distinct(self, n: int) -> int:
         if self.probe.totals()[0] < n:
@@ -378,12 +382,14 @@ class Cell:
         bounds: dict[str, tuple[float, float]],
         produced: dict[str, Any],
         starts: list[float],
+        lasts: list[float],
         hits: int,
         drained_s: float,
     ) -> dict[str, Any]:
         rates = per_second(self.samples)
         out: dict[str, Any] = {
             "rate": self.rate,
+            "work_ms": self.work_ms,
             "phases": {},
             "events": self.events,
             "sent": produced["sent"],
@@ -410,7 +416,16 @@ class Cell:
         disruption = next((p for p in plan if p.action), None)
         if disruption is not None:
             t_event = bounds[disruption.label][0]
-            out["recovery_s"] = recovered_after(self.samples, bounds, t_event, self.rate)
+            chaos_end = max(b for label, (a, b) in bounds.items() if label not in
+                            ("warmup", "baseline", "clean", "recovery"))  # fmt: skip
+            threshold = 0.9 * (base.get("rate") or 0.0)
+            # The third-party definition: from the end of the chaos phases to the first
+            # recovery-phase second at >= 90 % of the baseline's median completion rate.
+            out["recovery_s"] = back_to_rate(rates, chaos_end, threshold, run=1)
+            # From the disruption's start until 3 seconds in a row are back at >= 90 %:
+            # the outage as the producer and workers lived it.
+            out["outage_s"] = back_to_rate(rates, t_event, threshold, run=3)
+            out["backlog_back_s"] = recovered_after(self.samples, bounds, t_event, self.rate)
             # Jobs enqueued before the disruption that had not run when it started: the
             # ones a dead worker held, or ones delayed by it; when did the last of them run?
             t_abs = self.t0 + t_event
@@ -418,6 +433,11 @@ class Cell:
             late = [s - t_abs for s in starts[:sent_then] if s > t_abs]
             out["stranded"] = len(late)
             out["stranded_last_s"] = max(late) if late else 0.0
+            # Jobs that started before and ran again after it (a killed handler's job
+            # re-run once its lease or heartbeat expired): when did the last re-run start?
+            again = [b - t_abs for a, b in zip(starts, lasts, strict=True) if a and b > a + 1e-6]
+            out["reruns"] = len(again)
+            out["rerun_last_s"] = max(again) if again else 0.0
         return out
 
 
@@ -428,6 +448,21 @@ def per_second(samples: list[dict[str, Any]]) -> list[tuple[float, float]]:
         if dt > 0:
             out.append((b["t"], (b["done"] - a["done"]) / dt))
     return out
+
+
+def back_to_rate(
+    rates: list[tuple[float, float]], t_from: float, threshold: float, run: int
+) -> float | None:
+    """Seconds from ``t_from`` to the first of ``run`` 1-s samples in a row whose
+    completion rate is at least ``threshold``; None if it never gets there."""
+    streak: list[float] = []
+    for t, r in rates:
+        if t <= t_from:
+            continue
+        streak = [*streak, t] if r >= threshold else []
+        if len(streak) >= run:
+            return max(streak[0] - 1.0 - t_from, 0.0)  # a sample covers the second before it
+    return None
 
 
 def recovered_after(
@@ -475,6 +510,7 @@ def run_scenarios(
     drain: float,
     restarter: Any,
     log: Callable[[str], None],
+    work_ms: float = 1.0,
 ) -> dict[str, Any]:
     """Every scenario for every system, the systems interleaved scenario by scenario."""
     out: dict[str, Any] = {
@@ -482,6 +518,7 @@ def run_scenarios(
         "scale": scale,
         "pressure_seconds": pressure,
         "drain_seconds": drain,
+        "work_ms": work_ms,
         "cells": {},
     }
     for name in names:
@@ -495,13 +532,16 @@ def run_scenarios(
                 continue
             log(f"scenario {name}: {system.name}")
             try:
-                cell = Cell(runner, system, name, rate, restarter, log)
+                cell = Cell(runner, system, name, rate, restarter, log, work_ms)
                 out["cells"][cell_key] = cell.run(scale, pressure, drain)
                 r = out["cells"][cell_key]
                 log(
                     f"scenario {name} {system.name}: recovery ratio "
-                    f"{r.get('recovery_ratio') or 0:.2f}, recovered in "
-                    f"{r.get('recovery_s')} s, lost {r['lost']}, duplicates {r['duplicates']}"
+                    f"{r.get('recovery_ratio') or 0:.2f}, outage {r.get('outage_s')} s, "
+                    f"back to 90 % {r.get('recovery_s')} s after the chaos phases, "
+                    f"last stranded job {r.get('stranded_last_s')} s, "
+                    f"last re-run {r.get('rerun_last_s')} s, lost {r['lost']}, "
+                    f"duplicates {r['duplicates']}, producer errors {r['producer_failures']}"
                 )
             except Exception as exc:
                 out["cells"][cell_key] = {"error": str(exc)[:500]}

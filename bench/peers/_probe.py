@@ -44,7 +44,7 @@ def _open() -> mmap.mmap | None:
     _slots = int(os.environ.get("BENCH_PROBE_SLOTS", "0"))
     _pid = os.getpid()
     path = os.path.join(folder, f"{_pid}.probe")
-    size = HEADER.size + SLOT.size * (_slots + 1)
+    size = HEADER.size + 2 * SLOT.size * (_slots + 1)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.ftruncate(fd, size)
@@ -54,8 +54,17 @@ def _open() -> mmap.mmap | None:
     return _map
 
 
+# Synthetic work per job, seconds (BENCH_WORK_MS; the chaos scenarios use 1 ms, as the
+# third-party harness's JOB_WORK_MS): 0 is a no-op. Handlers call work() / await awork().
+WORK = float(os.environ.get("BENCH_WORK_MS", "0")) / 1000
+
+
 def hit(n: int) -> None:
-    """Record that the handler of job ``n`` started now (call it first thing)."""
+    """Record that the handler of job ``n`` started now (call it first thing).
+
+    Slot *n* of the first region keeps the first start this process saw, slot *n* of the
+    second the last one: a job run again (after a crash, say) shows as last > first, or
+    in two processes' files."""
     now = time.monotonic()
     with _lock:
         m = _map if _pid == os.getpid() else None
@@ -66,7 +75,22 @@ def hit(n: int) -> None:
         count, first, _last = HEADER.unpack_from(m, 0)
         HEADER.pack_into(m, 0, count + 1, first or now, now)
         if 0 <= n < _slots:
-            SLOT.pack_into(m, HEADER.size + SLOT.size * n, now)
+            off = HEADER.size + SLOT.size * n
+            if not SLOT.unpack_from(m, off)[0]:
+                SLOT.pack_into(m, off, now)
+            SLOT.pack_into(m, off + SLOT.size * (_slots + 1), now)
+
+
+def work() -> None:
+    if WORK:
+        time.sleep(WORK)
+
+
+async def awork() -> None:
+    if WORK:
+        import asyncio
+
+        await asyncio.sleep(WORK)
 
 
 class Probe:
@@ -106,16 +130,18 @@ class Probe:
     def pids(self) -> list[int]:
         return sorted(pid for pid, _ in self._files())
 
-    def starts(self, n: int) -> list[float]:
-        """Handler start time of jobs 0..n-1 (0.0 where none was seen), earliest copy."""
+    def starts(self, n: int, last: bool = False) -> list[float]:
+        """Handler start time of jobs 0..n-1 (0.0 where none was seen), earliest copy;
+        ``last``: the latest start of each job over every process instead."""
         result = [0.0] * n
+        base = HEADER.size + (SLOT.size * (self.slots + 1) if last else 0)
         for _, data in self._files():
             for i in range(min(n, self.slots)):
-                off = HEADER.size + SLOT.size * i
+                off = base + SLOT.size * i
                 if off + SLOT.size > len(data):
                     break
                 (t,) = SLOT.unpack_from(data, off)
-                if t and (not result[i] or t < result[i]):
+                if t and (not result[i] or (t > result[i] if last else t < result[i])):
                     result[i] = t
         return result
 

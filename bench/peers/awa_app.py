@@ -26,6 +26,7 @@ async def _run(concurrency: int) -> None:
     @client.task(Noop, queue="bench")
     async def noop(job: awa.Job[Noop]) -> None:
         _probe.hit(job.args.n)
+        await _probe.awork()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -137,3 +137,11 @@ def test_pg_waldump_stats_are_parsed() -> None:
     assert m and m.group(1).strip() == "Heap/UPDATE" and int(m.group(3)) == 1926152
     t = storage.STAT_TOTAL.match(total)
     assert t and [int(x) for x in t.groups()] == [72733, 6694765, 0, 6694765]
+
+
+def test_the_outage_and_the_third_party_recovery_time_come_from_the_completion_rate() -> None:
+    rates = [(float(t), 100.0 if not 20 < t <= 30 else 0.0) for t in range(1, 50)]
+    # the rate falls at t=21 and is back for the second ending at t=31
+    assert scenarios.back_to_rate(rates, 20.0, 90.0, run=3) == 10.0
+    assert scenarios.back_to_rate(rates, 30.0, 90.0, run=1) == 0.0
+    assert scenarios.back_to_rate([(1.0, 0.0), (2.0, 50.0)], 0.0, 90.0, run=1) is None
