@@ -400,6 +400,8 @@ class Cell:
             "drain_s": drained_s,
         }
         out["lost"] = out["sent"] - out["ran"]
+        # The 1-s series itself, for the plots and for checking any figure above.
+        out["series"] = [[round(x["t"], 2), x["done"], x["sent"], x["dead"]] for x in self.samples]
         for label, (a, b) in bounds.items():
             in_phase = [r for t, r in rates if a <= t < b]
             dead = [s["dead"] for s in self.samples if a <= s["t"] < b and s["dead"] is not None]

@@ -13,7 +13,8 @@ worker process runs them all, a snapshot once its statistics are flushed. From t
   ``pg_waldump --relation`` per table and index of the system's database.
 - **Bytes per 1M finished jobs**: every user relation of the database after the run,
   less the freshly migrated schema's, per job, x 1,000,000 (finished rows a system keeps,
-  plus whatever dead space the queue table was left with).
+  plus whatever dead space the queue table was left with); and the same after VACUUM FULL
+  (the finished rows alone, compactly).
 - **Dead tuples** after the run (``pg_stat_user_tables``), per table.
 
 :func:`finished_scale` is the separate, slow step: claims with N (10,000,000 in the
@@ -163,11 +164,20 @@ def measure_one(
         result["wal"] = wal_breakdown(url, ready, after)
     except Exception as exc:  # a breakdown is evidence, not the figure
         result["wal"] = {"error": str(exc)}
+    # What the finished rows take once dead space is gone (VACUUM FULL rewrites every
+    # table and index compactly): the footprint a finished job leaves, bloat apart.
+    with connect(url) as conn:
+        conn.execute("VACUUM FULL")
+    compact = snapshot(url)
+    result["bytes_compact"] = compact["bytes"]
+    result["bytes_per_1m_compact"] = (compact["bytes"] - empty["bytes"]) / done * 1_000_000
+    result["relations_compact"] = {r["name"]: r["bytes"] for r in compact["relations"]}
     log(
         f"storage {system.name} [{label}{' after CHECKPOINT' if checkpoint else ''}]: "
         f"{result['wal_per_job']:,.0f} B WAL/job "
         f"(enqueue {result['enqueue_wal_per_job']:,.0f}), "
-        f"{result['bytes_per_1m'] / 2**20:,.0f} MiB per 1M finished, "
+        f"{result['bytes_per_1m'] / 2**20:,.0f} MiB per 1M finished "
+        f"({result['bytes_per_1m_compact'] / 2**20:,.0f} after VACUUM FULL), "
         f"{result['dead_after']:,} dead tuples"
     )
     return result
@@ -284,7 +294,7 @@ def finished_scale(
     """Processing rate of the system's tuned worker (1 process, ``jobs`` pre-filled)
     with ``rows`` finished rows in its tables against an empty database, in turns."""
     if not system.finished_tables:
-        return {"error": "no finished-row tables declared for this system (see systems.py)"}
+        return {"error": system.finished_note or "no finished-row tables declared (systems.py)"}
     label = system.best[0].label if system.best else system.default.label
     config = system.config(label).options
     full_db = runner.db(system) + "_full"

@@ -52,6 +52,7 @@ class System:
     # Tables holding the rows a finished job leaves behind (bench.storage replicates them
     # to measure claims against many finished rows); empty: none are kept.
     finished_tables: tuple[str, ...] = ()
+    finished_note: str = ""  # why there are none, for the report
 
     @property
     def is_errands(self) -> bool:
@@ -222,6 +223,9 @@ SYSTEMS: tuple[System, ...] = (
                 {"workers": 256, "max_connections": 10},
             ),
         ),
+        finished_note="awa's queue-storage engine keeps finished jobs in ring partitions "
+        "(ready_entries_N, lease_claims_N) that it rotates and truncates: copying rows into "
+        "them would not be what awa leaves behind",
     ),
     System(
         "celery",
