@@ -35,7 +35,7 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
-# The side-by-side figures (docs/benchmarks.md): about 2 1/4 hours on a quiet 2-core machine.
+# The side-by-side figures (docs/benchmarks.md): about 2 1/2 hours on a quiet 2-core machine.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 

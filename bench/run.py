@@ -1,6 +1,6 @@
 """``make bench``: errands and its peers, side by side, in one run on this machine.
 
-    python -m bench.run                 # full: every figure the median of 5 runs (~2 h)
+    python -m bench.run                 # full: every figure the median of 5 runs (~2.5 h)
     python -m bench.run --quick         # 1 run, small counts: a few minutes, for development
     python -m bench.run --only errands  # errands-sqlite + errands-pg (+ limit, scale, memory)
     python -m bench.run --only pgqueuer --only limit
@@ -66,7 +66,7 @@ class Plan:
 # Issue 17: >= 100,000 jobs or >= 10 s of processing per figure, >= 5 runs, interleaved.
 FULL = Plan(
     runs=5,
-    single_jobs=2000,
+    single_jobs=30_000,  # >= 10 s of calls at the fastest single-call enqueue seen here
     bulk_jobs=100_000,
     throughput_jobs=100_000,
     cap=20.0,

@@ -44,6 +44,7 @@ def test_the_default_configurations_add_no_tuning_knobs() -> None:
 def test_every_configuration_is_measured_in_every_run_and_processing_is_long_enough() -> None:
     assert run.FULL.runs >= 5
     assert run.FULL.throughput_jobs >= 100_000 or run.FULL.cap >= 10
+    assert run.FULL.bulk_jobs >= 100_000 and run.FULL.single_jobs >= 30_000  # >= 10 s of calls
     for system in SYSTEMS:
         keys = [key for key, _, _ in run.scenarios_of(system, run.FULL)]
         for config in system.configs:
