@@ -332,43 +332,50 @@ class Cell:
         bounds: dict[str, tuple[float, float]] = {}
         sampler = threading.Thread(target=self.sample_loop, daemon=True)
         try:
-            for i in (0, 1):
-                self.start_replica(i)
-            self.start_producer()
-            sampler.start()
-            for phase in plan:
-                self.phase = phase.label
-                start = time.monotonic() - self.t0
-                if phase.action:
-                    self.begin(phase.action, phase.seconds)
-                remaining = phase.seconds - (time.monotonic() - self.t0 - start)
-                time.sleep(max(remaining, 0))
-                if phase.action and phase.action not in ("kill", "start", "pg_restart"):
-                    self.end_disruptions()
-                bounds[phase.label] = (start, time.monotonic() - self.t0)
-                for i, w in self.replicas.items():
-                    dead = [p for p in w.procs if p.poll() is not None]
-                    if dead and phase.action != "kill":
-                        self.event(f"replica {i} exited with {dead[0].returncode}")
-            self.phase = "drain"
-            produced = self.stop_producer()
-            sent = produced["sent"]
-            deadline = time.monotonic() + drain
-            while time.monotonic() < deadline and self._distinct(sent) < sent:
-                time.sleep(1.0)
-            drained_s = drain - max(deadline - time.monotonic(), 0)
+            try:
+                for i in (0, 1):
+                    self.start_replica(i)
+                self.start_producer()
+                sampler.start()
+                for phase in plan:
+                    self.phase = phase.label
+                    start = time.monotonic() - self.t0
+                    if phase.action:
+                        self.begin(phase.action, phase.seconds)
+                    remaining = phase.seconds - (time.monotonic() - self.t0 - start)
+                    time.sleep(max(remaining, 0))
+                    if phase.action and phase.action not in ("kill", "start", "pg_restart"):
+                        self.end_disruptions()
+                    bounds[phase.label] = (start, time.monotonic() - self.t0)
+                    for i, w in self.replicas.items():
+                        dead = [p for p in w.procs if p.poll() is not None]
+                        if dead and phase.action != "kill":
+                            self.event(f"replica {i} exited with {dead[0].returncode}")
+                self.phase = "drain"
+                produced = self.stop_producer()
+                sent = produced["sent"]
+                deadline = time.monotonic() + drain
+                while time.monotonic() < deadline and self._distinct(sent) < sent:
+                    time.sleep(1.0)
+                drained_s = drain - max(deadline - time.monotonic(), 0)
+            finally:
+                self.stop.set()
+                self.end_disruptions()
+                if sampler.is_alive():
+                    sampler.join(timeout=10)
+                for w in self.replicas.values():
+                    with contextlib.suppress(Exception):
+                        w.stop(grace=5)
+                producer = getattr(self, "producer", None)
+                if producer is not None and producer.poll() is None:  # failed mid-cell
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(producer.pid, signal.SIGKILL)
+                    producer.wait()
+            starts = self.probe.starts(sent)
+            lasts = self.probe.starts(sent, last=True)
+            hits = self.probe.totals()[0]
         finally:
-            self.stop.set()
-            self.end_disruptions()
-            if sampler.is_alive():
-                sampler.join(timeout=10)
-            for w in self.replicas.values():
-                with contextlib.suppress(Exception):
-                    w.stop(grace=5)
-        starts = self.probe.starts(sent)
-        lasts = self.probe.starts(sent, last=True)
-        hits = self.probe.totals()[0]
-        self.probe.cleanup()
+            self.probe.cleanup()
         return self.figures(plan, bounds, produced, starts, lasts, hits, drained_s)
 
     def _distinct(self, n: int) -> int:
