@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integrations lint format bench soak clean
+.PHONY: demo test test-integrations lint format bench bench-storage bench-finished bench-scenarios soak clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,20 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
+# The side-by-side figures (docs/benchmarks.md): about 2 1/2 hours on a quiet 2-core machine.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+
+# Issue 17's separate steps, each on a throw-away PostgreSQL cluster the harness makes and
+# deletes (--scratch-pg), merged into bench/results/latest.json and docs/benchmarks.md.
+bench-storage: $(STAMP)  # WAL, bytes and dead tuples per job: ~10 min
+	$(BIN)/python -m bench.run --no-systems --storage --scratch-pg --update $(BENCH_ARGS)
+
+bench-finished: $(STAMP)  # claims with 10M finished rows against an empty table: ~45 min
+	$(BIN)/python -m bench.run --no-systems --finished-rows 10000000 --scratch-pg --update $(BENCH_ARGS)
+
+bench-scenarios: $(STAMP)  # the third-party chaos and pressure cells: ~2 1/2 hours
+	$(BIN)/python -m bench.run --no-systems --scenarios --scratch-pg --update $(BENCH_ARGS)
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak tests/soak $(PYTEST_ARGS)

@@ -66,6 +66,29 @@ def postgres_version(url: str) -> str:
         return f"unreachable ({exc})"
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters (/proc/stat, first line): user nice system idle
+    iowait irq softirq steal."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return []
+
+
+def cpu_share(before: list[int], after: list[int]) -> dict[str, float]:
+    """Between two :func:`cpu_times`: the share of CPU time busy, in iowait and stolen by
+    the hypervisor (steal: another guest had our core; figures taken then are low)."""
+    if len(before) < 8 or len(after) < 8:
+        return {}
+    d = [b - a for a, b in zip(before, after, strict=True)]
+    total = sum(d)
+    if total <= 0:
+        return {}
+    idle = d[3] + d[4]
+    return {"busy": (total - idle) / total, "iowait": d[4] / total, "steal": d[7] / total}
+
+
 def describe(pg_url: str, redis_url: str) -> dict[str, Any]:
     return {
         "cores": os.cpu_count(),

@@ -155,27 +155,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             f"{fmt(pg_tp, 'rate')} jobs/s = {fmt(v, 'pct')} of the best batch",
             v >= 0.5,
         )
-    python_peers = ["procrastinate", "pgqueuer", "oban"]
-    peer_best = {
-        p: _best(_fig(results, p, "throughput_1"), _fig(results, p, "throughput_2"))
-        for p in python_peers
-    }
-    peer_best = {p: v for p, v in peer_best.items() if v}
-    if pg_tp and peer_best:
-        top = max(peer_best, key=lambda p: peer_best[p])
-        r = pg_tp / peer_best[top]
-        add(
-            "PostgreSQL processing ≥ 2.5 x the best Python peer",
-            f"{r:.2f} x {top} ({fmt(peer_best[top], 'rate')} jobs/s)",
-            r >= 2.5,
-        )
-    awa = _best(_fig(results, "awa-pg", "throughput_1"), _fig(results, "awa-pg", "throughput_2"))
-    if pg_tp and awa:
-        add(
-            "PostgreSQL processing not behind awa-pg",
-            f"{pg_tp / awa:.2f} x awa-pg ({fmt(awa, 'rate')} jobs/s)",
-            pg_tp >= awa,
-        )
+    rows.extend(targets17(results))
     if s.get("enqueue_single_vs_insert") is not None:
         v = s["enqueue_single_vs_insert"]
         add(
@@ -210,9 +190,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     if q.get("processing_vs_best_batch") is not None:
         v = q["processing_vs_best_batch"]
         add(
-            "SQLite processing ≥ 50 % of the raw in-process claim-and-complete limit",
+            "SQLite processing ≥ 60 % of the raw in-process claim-and-complete limit",
             fmt(v, "pct"),
-            v >= 0.5,
+            v >= 0.6,
         )
     sq_tp = _best(
         _fig(results, "errands-sqlite", "throughput_1"),
@@ -221,9 +201,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     huey = _best(_fig(results, "huey", "throughput_1"), _fig(results, "huey", "throughput_2"))
     if sq_tp and huey:
         add(
-            "SQLite processing ahead of huey's SQLite storage",
+            "SQLite processing ≥ 3 x huey's SQLite storage (best vs best)",
             f"{sq_tp / huey:.2f} x huey",
-            sq_tp > huey,
+            sq_tp >= 3 * huey,
         )
     idle = _fig(results, "errands-pg", "idle_rss_mb")
     if idle is not None:
@@ -272,37 +252,182 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+PG_PEERS = ("procrastinate", "pgqueuer", "oban", "awa-pg")
+LEASE_S, POLL_S = 30.0, 1.0  # errands' defaults: App(lease=30), worker --poll-interval 1
+
+
+def targets17(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 17's targets: best against best, default against default, storage, chaos."""
+    rows: list[dict[str, Any]] = []
+
+    def add(target: str, measured: str, ok: bool | None) -> None:
+        rows.append({"target": target, "measured": measured, "met": ok})
+
+    systems = results.get("systems", {})
+    if "errands-pg" in systems:
+        for view in ("best", "default"):
+            _, mine = view_figures(systems["errands-pg"], view)
+            for procs in (1, 2):
+                key = f"throughput_{procs}"
+                peers = {
+                    p: view_figures(systems[p], view)[1].get(key) for p in PG_PEERS if p in systems
+                }
+                peers = {p: v for p, v in peers.items() if v}
+                if not mine.get(key) or not peers:
+                    continue
+                top = max(peers, key=lambda p: peers[p])
+                r = mine[key] / peers[top]
+                add(
+                    f"PostgreSQL processing, {procs} process(es), {view} vs {view}: "
+                    "≥ 1.25 x the best PostgreSQL peer",
+                    f"{r:.2f} x {top} ({fmt(mine[key], 'rate')} vs {fmt(peers[top], 'rate')})",
+                    r >= 1.25,
+                )
+        _, mine = view_figures(systems["errands-pg"], "best")
+        for key, label in (("enqueue_single", "one call per job"), ("enqueue_bulk", "bulk")):
+            peers = {p: systems[p].get("figures", {}).get(key) for p in PG_PEERS if p in systems}
+            peers = {p: v for p, v in peers.items() if v}
+            if mine.get(key) and peers:
+                top = max(peers, key=lambda p: peers[p])
+                r = mine[key] / peers[top]
+                add(f"Enqueue {label} ≥ 1.0 x the best PostgreSQL peer", f"{r:.2f} x {top}",
+                    r >= 1.0)  # fmt: skip
+    st = results.get("storage", {}).get("systems", {}).get("errands-pg", {})
+    for label, r in st.items():
+        if r.get("wal_per_job") is not None:
+            add(
+                f"WAL ≤ {WAL_TARGET:,} B per processed job (errands-pg, {label})",
+                f"{r['wal_per_job']:,.0f} B/job",
+                r["wal_per_job"] <= WAL_TARGET,
+            )
+    fin = results.get("finished", {}).get("systems", {}).get("errands-pg", {})
+    if fin.get("ratio") is not None:
+        add(
+            f"Claims with {results['finished']['rows']:,} finished rows within 10 % of an "
+            "empty table (errands-pg)",
+            f"{fin['ratio']:.2f}",
+            fin["ratio"] >= 0.9,
+        )
+    limit = 2 * (LEASE_S + POLL_S)
+    for key, r in results.get("scenarios", {}).get("cells", {}).items():
+        name, system = key.split("/", 1)
+        if system != "errands-pg" or r.get("skipped"):
+            continue
+        if r.get("error"):
+            add(f"Scenario {name} (errands-pg)", f"failed: {r['error'][:80]}", False)
+        elif name in ("idle_in_tx", "active_readers"):
+            stress = r["phases"].get("idle_in_tx") or r["phases"].get("readers") or {}
+            clean = r["phases"].get("clean", {}).get("dead_end")
+            end = stress.get("dead_end")
+            ok = None if clean is None or end is None else end <= 1.5 * clean + 1000
+            add(
+                f"Dead tuples flat while the horizon is pinned ({name}, errands-pg; flat: end "
+                "of pressure ≤ 1.5 x end of clean + 1,000)",
+                f"{clean} → {end} (peak {stress.get('dead_max')})",
+                ok,
+            )
+        else:
+            rec = r.get("outage_s")
+            stranded = max(r.get("stranded_last_s") or 0.0, r.get("rerun_last_s") or 0.0)
+            worst = None if rec is None else max(rec, stranded)
+            add(
+                f"Recovery from {name} within 2 x (lease + poll) = {limit:.0f} s (errands-pg)",
+                "never"
+                if worst is None
+                else f"{worst:.0f} s (outage {rec:.0f} s, last stranded or re-run job "
+                f"{stranded:.0f} s)",
+                worst is not None and worst <= limit and r.get("lost", 0) == 0,
+            )
+    return rows
+
+
 # -- the terminal --------------------------------------------------------------------------
 
 
-def _main_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    header = ["system", "store"] + [label for _, label, _ in COLUMNS]
+VIEWS = {
+    "best": "each system at its best configuration (errands tuned, every peer at the best "
+    "of its documented throughput settings)",
+    "default": "each system at its defaults (as its worker command starts without options)",
+}
+
+
+def view_figures(entry: dict[str, Any], view: str) -> tuple[str | None, dict[str, Any]]:
+    """(configuration label, figures) of a system in a view: enqueue figures, plus the
+    processing and latency figures of its best or its default configuration."""
+    fig = entry.get("figures", {})
+    label = fig.get("best_config" if view == "best" else "default_config")
+    out = {k: v for k, v in fig.items() if k.startswith("enqueue")}
+    out.update(fig.get("configs", {}).get(label, {}))
+    return label, out
+
+
+def _spread_cell(fig: dict[str, Any], key: str) -> str:
+    sp = fig.get("spread", {}).get(key) or fig.get("enqueue_spread", {}).get(key) or {}
+    if not sp or sp.get("n", 0) < 2:
+        return ""
+    return f" ({fmt(sp['min'], 'rate')}-{fmt(sp['max'], 'rate')})"
+
+
+def _main_rows(
+    results: dict[str, Any], view: str = "best", ranges: bool = False
+) -> tuple[list[str], list[list[str]]]:
+    header = ["system", "store", "configuration"] + [label for _, label, _ in COLUMNS]
     rows = []
     for name, entry in results["systems"].items():
-        fig = entry.get("figures", {})
         if entry.get("error") and not entry.get("raw"):
-            rows.append([name, entry["store"], f"failed: {entry['error'][:60]}"] + [""] * 7)
+            rows.append([name, entry["store"], "", f"failed: {entry['error'][:60]}"] + [""] * 7)
             continue
-        row = [name, entry["store"]]
+        label, fig = view_figures(entry, view)
+        row = [name, entry["store"], label or "—"]
         for key, _, kind in COLUMNS:
             cell = fmt(fig.get(key), kind)
             if key.startswith("throughput") and fig.get(f"{key}_capped"):
                 cell += "*"
+            if ranges and kind == "rate":
+                cell += _spread_cell(fig, key)
             row.append(cell)
         rows.append(row)
     return header, rows
 
 
-def _ratio_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+def _run_ratios(results: dict[str, Any], base: str, peer: str, view: str, key: str) -> list[float]:
+    """errands ÷ peer within each run (interleaved, so both saw the same minutes)."""
+    if not key.startswith("throughput") and not key.startswith("enqueue"):
+        return []
+    b_entry, p_entry = results["systems"][base], results["systems"][peer]
+    b_label, _ = view_figures(b_entry, view)
+    p_label, _ = view_figures(p_entry, view)
+    if key.startswith("throughput"):
+        b_raw = b_entry.get("raw", {}).get(f"{key}@{b_label}", [])
+        p_raw = p_entry.get("raw", {}).get(f"{key}@{p_label}", [])
+    else:
+        b_raw = b_entry.get("raw", {}).get(key, [])
+        p_raw = p_entry.get("raw", {}).get(key, [])
+    by_run = {r.get("run"): r.get("rate") for r in p_raw}
+    out = []
+    for r in b_raw:
+        other = by_run.get(r.get("run"))
+        if r.get("rate") and other:
+            out.append(r["rate"] / other)
+    return out
+
+
+def _ratio_rows(results: dict[str, Any], view: str = "best") -> tuple[list[str], list[list[str]]]:
     header = ["errands / peer"] + [label for _, label in RATIO_COLUMNS]
     rows = []
     for name, entry in results["systems"].items():
         base = entry.get("compare_to")
         if not base or not entry.get("figures") or base not in results["systems"]:
             continue
+        _, mine = view_figures(results["systems"][base], view)
+        _, theirs = view_figures(entry, view)
         row = [f"{base} / {name}"]
         for key, _ in RATIO_COLUMNS:
-            row.append(fmt(_ratio(_fig(results, base, key), entry["figures"].get(key)), "ratio"))
+            cell = fmt(_ratio(mine.get(key), theirs.get(key)), "ratio")
+            per_run = _run_ratios(results, base, name, view, key)
+            if len(per_run) > 1:
+                cell += f" (runs {min(per_run):.2f}-{max(per_run):.2f})"
+            row.append(cell)
         rows.append(row)
     return header, rows
 
@@ -375,14 +500,22 @@ def print_memory(memory: dict[str, Any]) -> None:
 
 
 def print_tables(results: dict[str, Any]) -> None:
-    header, rows = _main_rows(results)
-    show(
-        f"errands and peers ({results['mode']}, median of {results['plan']['runs']})", header, rows
-    )
-    show(
-        "errands / peer (rates: > 1 is errands faster; latency and memory: < 1 is errands better)",
-        *_ratio_rows(results),
-    )
+    for view in ("best", "default"):
+        header, rows = _main_rows(results, view, ranges=True)
+        show(
+            f"{view} vs {view}: {VIEWS[view]} ({results['mode']}, median of "
+            f"{results['plan']['runs']}, range over the runs)",
+            header,
+            rows,
+        )
+        show(
+            f"errands / peer, {view} vs {view} (rates: > 1 is errands faster; latency and "
+            "memory: < 1 is errands better; runs: the ratio within each interleaved run)",
+            *_ratio_rows(results, view),
+        )
+    show("storage cost per job (PostgreSQL)", *storage_rows(results))
+    for title, header, rows in scenario_tables(results):
+        show(title, header, rows)
     for store in ("postgres", "sqlite"):
         show(
             f"the limit on {store}: errands' own SQL in a tight loop",
@@ -395,7 +528,7 @@ def print_tables(results: dict[str, Any]) -> None:
     print_memory(results.get("memory", {}))
     t = results.get("targets", [])
     show(
-        "issue 8 targets (reported, not asserted)",
+        "issue 8 and 17 targets (reported, not asserted)",
         ["target", "measured", "met"],
         [[r["target"], r["measured"], {True: "yes", False: "NO", None: "—"}[r["met"]]] for r in t],
     )
@@ -467,6 +600,218 @@ def _scale_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+# -- issue 17: storage, finished rows, scenarios -------------------------------------------
+
+WAL_TARGET = 1024  # bytes of WAL per processed job
+
+
+def storage_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = [
+        "system",
+        "configuration",
+        "WAL B/job (process)",
+        "WAL B/job (enqueue)",
+        "of which FPI",
+        "MiB per 1M finished (as left / compacted)",
+        "dead tuples after",
+        "jobs",
+    ]
+    rows = []
+    for name, configs in results.get("storage", {}).get("systems", {}).items():
+        for label, r in configs.items():
+            if r.get("error"):
+                rows.append([name, label, f"failed: {r['error'][:80]}"] + [""] * 5)
+                continue
+            total = r.get("wal", {}).get("range", {}).get("total", {})
+            fpi = f"{total['fpi_bytes'] / total['bytes']:.0%}" if total.get("bytes") else "—"
+            rows.append(
+                [
+                    name,
+                    label,
+                    f"{r['wal_per_job']:,.0f}",
+                    f"{r['enqueue_wal_per_job']:,.0f}",
+                    fpi,
+                    f"{r['bytes_per_1m'] / 2**20:,.0f} / "
+                    + (
+                        f"{r['bytes_per_1m_compact'] / 2**20:,.0f}"
+                        if r.get("bytes_per_1m_compact") is not None
+                        else "—"
+                    ),
+                    f"{r['dead_after']:,}",
+                    f"{r['jobs']:,}",
+                ]
+            )
+    return header, rows
+
+
+def wal_relation_rows(results: dict[str, Any], system: str = "errands-pg") -> list[list[str]]:
+    """Where one system's processing WAL went, relation by relation (pg_waldump)."""
+    rows = []
+    for label, r in results.get("storage", {}).get("systems", {}).get(system, {}).items():
+        rels = r.get("wal", {}).get("relations", {})
+        jobs = r.get("jobs") or 1
+        for rel, st in sorted(rels.items(), key=lambda kv: -kv[1]["bytes"]):
+            if st["bytes"] < jobs:  # under 1 B a job: the leader and worker rows, say
+                continue
+            rows.append(
+                [
+                    label,
+                    rel,
+                    "index" if st["kind"] == "i" else "table",
+                    f"{st['bytes'] / jobs:,.0f}",
+                    f"{st['fpi_bytes'] / jobs:,.0f}",
+                    f"{st['records'] / jobs:.2f}",
+                ]
+            )
+        attributed = sum(st["bytes"] for st in rels.values())
+        total = r.get("wal", {}).get("range", {}).get("total", {}).get("bytes")
+        if rels and total:
+            rows.append(
+                [
+                    label,
+                    "(commit, XLOG and others)",
+                    "",
+                    f"{(total - attributed) / jobs:,.0f}",
+                    "",
+                    "",
+                ]
+            )
+    return rows
+
+
+def wal_type_rows(results: dict[str, Any], system: str = "errands-pg") -> list[list[str]]:
+    rows = []
+    for label, r in results.get("storage", {}).get("systems", {}).get(system, {}).items():
+        types = r.get("wal", {}).get("range", {}).get("types", {})
+        jobs = r.get("jobs") or 1
+        for name, st in sorted(types.items(), key=lambda kv: -kv[1]["bytes"])[:10]:
+            rows.append(
+                [
+                    label,
+                    name,
+                    f"{st['records'] / jobs:.2f}",
+                    f"{st['record_bytes'] / jobs:,.0f}",
+                    f"{st['fpi_bytes'] / jobs:,.0f}",
+                ]
+            )
+    return rows
+
+
+def finished_rows_table(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    fin = results.get("finished", {})
+    n = fin.get("rows", 0)
+    header = ["system", "configuration", "empty /s", f"{n:,} finished /s", "ratio", "runs"]
+    rows = []
+    for name, r in fin.get("systems", {}).items():
+        if r.get("error"):
+            rows.append([name, "", f"not measured: {r['error'][:90]}", "", "", ""])
+            continue
+        runs = ", ".join(
+            f"{a:,.0f}/{b:,.0f}" for a, b in zip(r["empty_runs"], r["full_runs"], strict=False)
+        )
+        rows.append(
+            [
+                name,
+                r["config"],
+                fmt(r["empty"], "rate"),
+                fmt(r["full"], "rate"),
+                fmt(r["ratio"], "ratio"),
+                runs,
+            ]
+        )
+    return header, rows
+
+
+def scenario_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    sc = results.get("scenarios", {})
+    cells = sc.get("cells", {})
+    if not cells:
+        return []
+    chaos_header = [
+        "scenario",
+        "system",
+        "baseline /s",
+        "recovery /s",
+        "recovery / baseline",
+        "outage",
+        "back to 90 % after",
+        "last stranded job ran after",
+        "last re-run started after",
+        "lost",
+        "duplicates",
+        "producer errors",
+    ]
+    chaos, pressure = [], []
+    pressure_header = [
+        "scenario",
+        "system",
+        "clean /s",
+        "under pressure /s",
+        "recovery /s",
+        "dead tuples end of clean",
+        "end of pressure",
+        "peak",
+        "lost",
+    ]
+    for key, r in cells.items():
+        name, system = key.split("/", 1)
+        if r.get("skipped") or r.get("error"):
+            text = f"skipped: {r['skipped']}" if r.get("skipped") else f"failed: {r['error'][:90]}"
+            (chaos if name not in ("idle_in_tx", "active_readers") else pressure).append(
+                [name, system, text]
+                + [""]
+                * (
+                    (
+                        len(chaos_header)
+                        if name not in ("idle_in_tx", "active_readers")
+                        else len(pressure_header)
+                    )
+                    - 3
+                )
+            )
+            continue
+        ph = r["phases"]
+        if name in ("idle_in_tx", "active_readers"):
+            stress = ph.get("idle_in_tx") or ph.get("readers") or {}
+            clean = ph.get("clean", {})
+            pressure.append(
+                [
+                    name,
+                    system,
+                    fmt(clean.get("rate"), "rate"),
+                    fmt(stress.get("rate"), "rate"),
+                    fmt(ph.get("recovery", {}).get("rate"), "rate"),
+                    fmt(clean.get("dead_end"), "rate"),
+                    fmt(stress.get("dead_end"), "rate"),
+                    fmt(stress.get("dead_max"), "rate"),
+                    f"{r['lost']:,}",
+                ]
+            )
+            continue
+        rec_s = r.get("recovery_s")
+        outage = r.get("outage_s")
+        chaos.append(
+            [
+                name,
+                system,
+                fmt(ph.get("baseline", {}).get("rate"), "rate"),
+                fmt(ph.get("recovery", {}).get("rate"), "rate"),
+                fmt(r.get("recovery_ratio"), "pct"),
+                "never" if outage is None else f"{outage:.0f} s",
+                "never" if rec_s is None else f"{rec_s:.0f} s",
+                f"{r.get('stranded_last_s', 0):.0f} s ({r.get('stranded', 0):,} jobs)",
+                f"{r.get('rerun_last_s', 0):.0f} s ({r.get('reruns', 0):,} jobs)",
+                f"{r['lost']:,}",
+                f"{r['duplicates']:,}",
+                f"{r['producer_failures']:,}",
+            ]
+        )
+    return [
+        ("chaos scenarios: recovery", chaos_header, chaos),
+        ("pressure scenarios: a pinned xmin horizon", pressure_header, pressure),
+    ]
+
+
 # -- docs/benchmarks.md -----------------------------------------------------------------
 
 
@@ -514,20 +859,35 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
         )
     add("## Results\n")
     add(
-        f"Median of {plan['runs']} runs. Rates in jobs per second; pickup latency from the "
-        "enqueue call to the handler's start on an idle worker; memory is the peak resident "
-        "set (VmHWM) of the busiest worker process after processing with 1 process. `*`: the "
-        f"run hit the {plan['cap']:.0f} s processing cap before the "
-        f"{plan['throughput_jobs']:,} jobs were done (rate over the jobs done).\n"
+        f"Median of {plan['runs']} runs, the range over the runs in brackets. The runs are "
+        "interleaved (run 1 of every system, then run 2, ...; within a run every system's "
+        "default configuration, then the tuned ones, the systems' order rotated each run), "
+        "so drift on the machine hits every system alike. Rates in jobs per second; "
+        "processing is the rate from the first handler start to the last over "
+        f"{plan['throughput_jobs']:,} pre-filled jobs (after ANALYZE on PostgreSQL), "
+        f"stopped after {plan['cap']:.0f} s for slow systems (`*`: the rate over the jobs "
+        "done; such a system's next runs pre-fill 1.5 x what it did). Pickup latency from "
+        "the enqueue call to the handler's start on an idle worker; memory is the peak "
+        "resident set (VmHWM) of the busiest worker process with 1 process.\n"
     )
-    add(_md_table(*_main_rows(results)))
-    add("\n### errands / peer\n")
-    add(
-        "Each peer against errands on the same store kind (PostgreSQL and Redis peers against "
-        "errands-pg, huey against errands-sqlite). Rates: above 1 means errands is faster. "
-        "Latency and memory: below 1 means errands is lower (better).\n"
-    )
-    add(_md_table(*_ratio_rows(results)))
+    for view, title in (("best", "Best against best"), ("default", "Default against default")):
+        add(f"\n### {title}\n")
+        add(
+            f"{VIEWS[view][0].upper()}{VIEWS[view][1:]}; the configurations are listed under "
+            "*Versions and "
+            "settings* with the page each setting comes from.\n"
+        )
+        add(_md_table(*_main_rows(results, view, ranges=True)))
+        add(
+            f"\n**errands / peer, {view} against {view}**: each peer against errands on the "
+            "same store kind (PostgreSQL and Redis peers against errands-pg, huey against "
+            "errands-sqlite). Rates: above 1 means errands is faster; latency and memory: "
+            "below 1 means errands is lower (better). In brackets: the lowest and the "
+            "highest of the ratios taken within each run (errands and the peer measured in "
+            "the same minutes).\n"
+        )
+        add(_md_table(*_ratio_rows(results, view)))
+    add(issue17_markdown(results))
     add("\n## The limit\n")
     add(
         "What the database itself allows: errands' own claim and complete statements "
@@ -584,7 +944,7 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
         "it (every sample is in the JSON).\n"
     )
     add(_md_table(*_memory_rows(results.get("memory", {}))))
-    add("\n## Targets (issue 8)\n")
+    add("\n## Targets (issues 8 and 17)\n")
     add("Reported from this run's figures; never asserted in the test suite.\n")
     add(
         _md_table(
@@ -608,14 +968,9 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
     rows = []
     for name, entry in results["systems"].items():
         v = entry.get("versions", {})
-        rows.append(
-            [
-                name,
-                ", ".join(f"{k} {val}" for k, val in v.items()) or "—",
-                entry.get("settings", ""),
-            ]
-        )
-    add(_md_table(["system", "versions", "workers"], rows))
+        rows.append([name, ", ".join(f"{k} {val}" for k, val in v.items()) or "—"])
+    add(_md_table(["system", "versions"], rows))
+    add("\n" + settings_markdown(results))
     add("\n### Notes on the peers\n")
     add(PEER_NOTES)
     failed = [(n, e) for n, e in results["systems"].items() if e.get("error") or e.get("failures")]
@@ -627,7 +982,7 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
             for f in entry.get("failures", [])[:5]:
                 add(f"- {name}: {f}\n")
     add("\n## Method\n")
-    add(METHOD.format(**plan))
+    add(METHOD.format(**{"min_window": 10.0, **plan}))  # runs from before min_window
     add("\n## Profile\n")
     if NOTES.exists():
         add(NOTES.read_text())
@@ -635,6 +990,91 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
         add("\n" + profile_tables(profile))
     add(f"\n---\n\nThis full run took {minutes:.1f} minutes on the machine above.\n")
     return _spaced("".join(parts))
+
+
+def settings_markdown(results: dict[str, Any]) -> str:
+    rows = []
+    for name, entry in results.get("systems", {}).items():
+        for label, c in entry.get("configs", {}).items():
+            rows.append([name, label, c["kind"], c["settings"], c["source"]])
+    return _md_table(["system", "configuration", "kind", "workers", "source"], rows)
+
+
+def issue17_markdown(results: dict[str, Any]) -> str:
+    """The storage, finished-rows and scenario sections (each only when measured)."""
+    out: list[str] = []
+    st = results.get("storage")
+    if st:
+        out.append("\n## Storage cost per job\n")
+        out.append(
+            f"Each PostgreSQL system and configuration on a fresh database "
+            f"({st.get('where', '?')}): {st['jobs']:,} no-op jobs pre-filled in bulk, "
+            "ANALYZE, one worker process runs them all. WAL per job is the difference of "
+            "`pg_current_wal_lsn()` from after the prefill to after the run, per job "
+            "processed (enqueue: before to after the prefill); FPI is the share of the "
+            "processing WAL that was full-page images (`pg_waldump --stats`); MiB per 1M "
+            "finished is every table and index of the database after the run, less the "
+            "empty schema, per job x 1,000,000, as the run left it and after VACUUM FULL "
+            "(the finished rows alone); `+checkpoint`: the tuned configuration again with a "
+            "CHECKPOINT just before the workers start, so every page the run touches costs "
+            "a full-page image once (a long run pays that once per checkpoint interval); "
+            "dead tuples from `pg_stat_user_tables` "
+            "once the workers' statistics were flushed. Background WAL on this cluster "
+            f"with nothing of ours running: {st.get('background_wal_per_s', 0):,.0f} B/s. "
+            f"Target: at most {WAL_TARGET:,} B of WAL per job. What dominates errands' WAL, "
+            "and the changes that would cut it: `bench/storage_notes.md`.\n"
+        )
+        out.append(_md_table(*storage_rows(results)))
+        rel = wal_relation_rows(results)
+        if rel:
+            out.append("\n**errands-pg: processing WAL by relation** (pg_waldump --relation)\n")
+            out.append(
+                _md_table(
+                    ["configuration", "relation", "kind", "B/job", "FPI B/job", "records/job"], rel
+                )
+            )
+        types = wal_type_rows(results)
+        if types:
+            out.append("\n**errands-pg: processing WAL by record type** (top 10)\n")
+            out.append(
+                _md_table(
+                    ["configuration", "record", "records/job", "record B/job", "FPI B/job"], types
+                )
+            )
+    fin = results.get("finished")
+    if fin:
+        out.append("\n## Claims with finished rows\n")
+        out.append(
+            f"Processing rate of each system's tuned worker (1 process, {fin['jobs']:,} jobs "
+            f"pre-filled, after ANALYZE) with {fin['rows']:,} finished rows in its own tables "
+            "against an empty database, in turns. The finished rows are the ones a real run "
+            "of the system left behind, copied (1M rows a transaction) until there are "
+            "enough, then VACUUM ANALYZE, as autovacuum would. Target: within 10 %.\n"
+        )
+        out.append(_md_table(*finished_rows_table(results)))
+    if results.get("scenarios"):
+        sc = results["scenarios"]
+        out.append("\n## Chaos and pressure scenarios\n")
+        out.append(
+            "The chaos and sustained-pressure cells of the third-party PostgreSQL job-queue "
+            "benchmark (hardbyte/postgresql-job-queue-benchmarking) re-created in "
+            f"`bench/scenarios.py` ({sc.get('where', '?')}): two worker replicas, a producer "
+            f"offering {sc['rate']:,.0f} jobs/s one call each, phase durations x "
+            f"{sc['scale']}, the horizon pinned for {sc['pressure_seconds']:,.0f} s. "
+            "*Outage*: from the disruption's start until the completion rate is back at "
+            "90 % of the baseline's for 3 s in a row; *back to 90 % after*: the third-party "
+            "harness's recovery time, from the end of the chaos phases to the first second "
+            "at 90 % of the baseline; *last stranded job*: when the last job enqueued before "
+            "the disruption but not yet started ran; *last re-run*: when the last job whose "
+            "handler had started before the disruption started again (a killed worker's job, "
+            "after its lease or heartbeat); *lost*: acknowledged jobs that never ran once the "
+            "queue "
+            f"had {sc['drain_seconds']:.0f} s to drain.\n"
+        )
+        for title, header, rows in scenario_tables(results):
+            out.append(f"\n**{title}**\n\n")
+            out.append(_md_table(header, rows))
+    return "".join(out)
 
 
 def _spaced(text: str) -> str:
@@ -662,16 +1102,17 @@ def _spaced(text: str) -> str:
 PEER_NOTES = """\
 - **pgqueuer**: `pgq run` of 1.6.0 crashes while setting up its logger
   (`'str' object has no attribute 'name'`), so the adapter's worker calls
-  `PgQueuer.run(batch_size=10)` itself, as `pgq run` would (asyncpg driver, default batch).
+  `PgQueuer.run(batch_size=...)` itself, as `pgq run` would (asyncpg driver); without
+  `pgq run`'s supervisor a worker whose connection is lost exits (see the scenarios).
 - **awa-pg**: measured with its queue-storage engine installed
   (`install_queue_storage`), which its fast COPY enqueue (`enqueue_many_copy`) needs; its
   worker polls every 200 ms by default besides LISTEN/NOTIFY.
 - **oban** needs Python 3.12+: the harness finds a 3.12 interpreter on the machine for its
   venv. Open-source oban runs one process per node, so "2 processes" is two
   `oban start` nodes.
-- **procrastinate** slows down with a deep queue: with 20,000 jobs waiting its fetch ran
-  at tens of jobs/s here (with a few hundred queued it ran ~350 jobs/s), so its
-  processing runs end at the cap.
+- **procrastinate** runs at its default concurrency (1) and at `-c 32`; its tables are
+  analysed after every prefill like every system's (before issue 17 they were not, and
+  its fetch crawled with a deep queue).
 - **huey** has no bulk enqueue; its consumer polls (0.1 s, backing off), which is its
   pickup latency. **Celery** and **Dramatiq** run on Redis, as a reference outside SQL
   stores.
@@ -687,8 +1128,19 @@ METHOD = """\
   with its own venv's python (`bench/.venvs/NAME`, installed from PyPI by the harness,
   pinned in `bench/systems.py`; errands runs from this tree). Every scenario gets a fresh
   store: a PostgreSQL database cloned from a migrated template, a flushed Redis database,
-  a new SQLite file. Runs are interleaved (run 1 of every system, then run 2, ...), so
-  drift on the machine spreads over all systems.
+  a new SQLite file; on PostgreSQL the harness runs `ANALYZE` between the prefill and the
+  workers, for every system alike (`bench/pgstats.py`). Runs are interleaved: run 1 of
+  every system, then run 2, ...; within a run every system's enqueue figures, then every
+  system's default configuration, then the tuned ones, the systems' order rotated each
+  run, so drift on the machine spreads over all systems. The 1-minute load average and
+  the share of CPU busy and stolen by the hypervisor during each scenario are in the JSON
+  (`load1`, `cpu`).
+- **Configurations**: every system twice or more, at its defaults (its worker command
+  with no tuning option: what a user gets first) and at the best throughput setting its
+  own documentation gives (the table above names the page). errands at defaults is
+  `errands worker errands_app:app` (-c 10, INFO log line per finished job); tuned is
+  `-c 32 --log-level warning`. "Best" in the tables is, per system, its tuned
+  configuration with the highest processing rate.
 - **Enqueue, one call per job**: {single_jobs:,} calls of the peer's documented enqueue
   (errands `job.enqueue(n=i)`, procrastinate `defer_async`, pgqueuer `Queries.enqueue`,
   oban `enqueue`, awa `insert`, Celery `delay`, Dramatiq `send`, huey call), timed after a
@@ -701,11 +1153,13 @@ METHOD = """\
   (errands `enqueue_many`, procrastinate `batch_defer_async`, pgqueuer list `enqueue`,
   oban `enqueue_many`, awa `enqueue_many_copy`, Celery `group(...).apply_async()`, Dramatiq
   `group(...).run()`; huey has none).
-- **Processing**: {throughput_jobs:,} jobs pre-filled in bulk, then the workers start
-  (1 or 2 worker processes, concurrency {concurrency} per process where the peer has
-  such a setting); the rate is the jobs run divided by the time from the first handler
-  start to the last, so start-up is not counted. A run stops after {cap:.0f} s of
-  processing (slow peers): the rate is then over the jobs done.
+- **Processing**: {throughput_jobs:,} jobs pre-filled in bulk, `ANALYZE`, then the
+  workers start (1 or 2 worker processes in the configuration's settings); the rate is
+  the jobs run divided by the time from the first handler start to the last, so start-up
+  is not counted. A run stops after {cap:.0f} s of processing (slow peers): the rate is
+  then over the jobs done, and that system's later runs of the figure pre-fill 1.5 x
+  what {cap:.0f} s at its rate can drain (at least {min_window:.0f} s' worth), not the
+  full count.
 - **Pickup latency**: one idle worker process (it has run one warm-up job and then
   idled 1 s); {latency_jobs} jobs enqueued one call each at {latency_rate:.0f}/s; latency is
   handler start minus the instant before the enqueue call (so it includes the enqueue's
@@ -719,6 +1173,11 @@ METHOD = """\
 - **Quick mode** (`make bench BENCH_ARGS=--quick`): 1 run, small counts, results in
   `bench/results/partial.json` only; `--only NAME` (repeatable) limits the systems
   (`errands`, `peers`, `limit`, `scale`, `memory` are accepted too).
+- **Storage, finished rows, scenarios** are separate steps (`make bench-storage`,
+  `make bench-finished`, `make bench-scenarios`), each merged into this page with
+  `--update`; they run on a throw-away PostgreSQL cluster the harness makes
+  (`--scratch-pg`): WAL per job needs a cluster nothing else writes to, and the chaos
+  scenarios restart the server.
 """
 
 

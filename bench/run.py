@@ -1,9 +1,12 @@
 """``make bench``: errands and its peers, side by side, in one run on this machine.
 
-    python -m bench.run                 # full: every figure the median of 3 runs
+    python -m bench.run                 # full: every figure the median of 5 runs (~2.5 h)
     python -m bench.run --quick         # 1 run, small counts: a few minutes, for development
     python -m bench.run --only errands  # errands-sqlite + errands-pg (+ limit, scale, memory)
     python -m bench.run --only pgqueuer --only limit
+    python -m bench.run --no-systems --storage --scratch-pg        # storage cost per job
+    python -m bench.run --no-systems --finished-rows 10000000 --scratch-pg   # slow: ~1 h
+    python -m bench.run --no-systems --scenarios --scratch-pg      # chaos and pressure
 
 Each system runs through a small adapter under ``bench/peers/`` with its own venv's
 python (see :mod:`bench.systems`); each scenario gets a fresh store (a PostgreSQL
@@ -29,8 +32,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from . import limit, machine, memory, report, scale
-from .systems import BENCH, PEERS, SYSTEMS, System, python_for, versions
+from . import limit, machine, memory, report, scale, scenarios, storage
+from .systems import BENCH, PEERS, SYSTEMS, System, by_name, python_for, versions
 
 RESULTS = BENCH / "results"
 WORK = BENCH / ".work"
@@ -57,14 +60,16 @@ class Plan:
     scale_jobs: int
     scale_runs: int
     memory_jobs: int  # jobs one worker runs while its RSS is sampled (bench.memory)
+    min_window: float = 10.0  # a capped system's prefill covers at least this long
 
 
+# Issue 17: >= 100,000 jobs or >= 10 s of processing per figure, >= 5 runs, interleaved.
 FULL = Plan(
-    runs=3,
-    single_jobs=1000,
-    bulk_jobs=20_000,
-    throughput_jobs=20_000,
-    cap=10.0,
+    runs=5,
+    single_jobs=30_000,  # >= 10 s of calls at the fastest single-call enqueue seen here
+    bulk_jobs=100_000,
+    throughput_jobs=100_000,
+    cap=20.0,
     latency_jobs=500,
     latency_rate=50.0,
     concurrency=32,
@@ -261,8 +266,12 @@ def run_adapter(argv: list[str], timeout: float) -> dict[str, Any]:
 
 
 def scenarios_of(system: System, plan: Plan) -> list[tuple[str, str, dict[str, Any]]]:
-    """(figure key, adapter scenario, spec) in the order one run measures them."""
-    c = plan.concurrency
+    """(figure key, adapter scenario, spec) in the order one run measures them.
+
+    Enqueue figures do not depend on how the workers run; processing and pickup latency
+    are measured for every configuration of the system (``KEY@LABEL``), its defaults
+    first.
+    """
     out: list[tuple[str, str, dict[str, Any]]] = [
         ("enqueue_single", "enqueue_single", {"jobs": plan.single_jobs}),
     ]
@@ -270,21 +279,33 @@ def scenarios_of(system: System, plan: Plan) -> list[tuple[str, str, dict[str, A
         out.append(("enqueue_async", "enqueue_async", {"jobs": plan.single_jobs}))
     if system.name != "huey":  # huey has no bulk enqueue
         out.append(("enqueue_bulk", "enqueue_bulk", {"jobs": plan.bulk_jobs}))
-    for procs in (1, 2):
+    for config in system.configs:
+        for procs in (1, 2):
+            out.append(
+                (
+                    f"throughput_{procs}@{config.label}",
+                    "throughput",
+                    {
+                        "jobs": plan.throughput_jobs,
+                        "procs": procs,
+                        "cap": plan.cap,
+                        "timeout": plan.cap + 120,
+                        "config": config.options,
+                    },
+                )
+            )
         out.append(
             (
-                f"throughput_{procs}",
-                "throughput",
-                {"jobs": plan.throughput_jobs, "procs": procs, "concurrency": c, "cap": plan.cap},
+                f"latency@{config.label}",
+                "latency",
+                {
+                    "jobs": plan.latency_jobs,
+                    "rate": plan.latency_rate,
+                    "procs": 1,
+                    "config": config.options,
+                },
             )
         )
-    out.append(
-        (
-            "latency",
-            "latency",
-            {"jobs": plan.latency_jobs, "rate": plan.latency_rate, "procs": 1, "concurrency": c},
-        )
-    )
     return out
 
 
@@ -293,13 +314,55 @@ def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarise(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """The median of each figure over the runs that produced it."""
+def _spread(values: list[Any]) -> dict[str, Any]:
+    v = [x for x in values if x is not None]
+    if not v:
+        return {}
+    return {
+        "min": min(v),
+        "max": max(v),
+        "n": len(v),
+        "spread": max(v) / min(v) if min(v) else None,
+    }
+
+
+def summarise_config(raw: dict[str, list[dict[str, Any]]], label: str) -> dict[str, Any]:
+    """One configuration's figures: the median over the runs, and each one's spread."""
 
     def mem_mb(r: dict[str, Any], key: str, field: str) -> float | None:
         values = [m[field] for m in r.get(key, {}).values() if m.get(field)]
         return max(values) / 1024 if values else None
 
+    fig: dict[str, Any] = {}
+    spread: dict[str, Any] = {}
+    for procs in (1, 2):
+        runs = raw.get(f"throughput_{procs}@{label}", [])
+        rates = [r["rate"] for r in runs]
+        fig[f"throughput_{procs}"] = median(rates)
+        fig[f"throughput_{procs}_capped"] = any(r.get("capped") for r in runs)
+        fig[f"throughput_{procs}_done"] = median([r["done"] for r in runs])
+        fig[f"throughput_{procs}_window_s"] = median([r.get("window_s") for r in runs])
+        fig[f"cpu_us_per_job_{procs}"] = median([r.get("cpu_us_per_job") for r in runs])
+        spread[f"throughput_{procs}"] = _spread(rates)
+    lat = raw.get(f"latency@{label}", [])
+    for q in ("p50", "p95", "p99"):
+        fig[f"latency_{q}"] = median([r[f"{q}_ms"] for r in lat])
+        spread[f"latency_{q}"] = _spread([r[f"{q}_ms"] for r in lat])
+    fig["memory_mb"] = median(
+        [mem_mb(r, "memory", "hwm_kb") for r in raw.get(f"throughput_1@{label}", [])]
+    )
+    fig["memory_2_mb"] = median(
+        [mem_mb(r, "memory", "hwm_kb") for r in raw.get(f"throughput_2@{label}", [])]
+    )
+    fig["idle_rss_mb"] = median([mem_mb(r, "idle_memory", "rss_kb") for r in lat])
+    fig["spread"] = spread
+    return fig
+
+
+def summarise(raw: dict[str, list[dict[str, Any]]], system: System | None = None) -> dict[str, Any]:
+    """The figures of a system: enqueue, then the best configuration's processing and
+    latency under the plain keys (``throughput_1`` ...), so the limit's shares and the
+    targets read errands' best; each configuration's own figures are in ``configs``."""
     fig: dict[str, Any] = {}
     single = raw.get("enqueue_single", [])
     fig["enqueue_single"] = median([r["rate"] for r in single])
@@ -308,25 +371,55 @@ def summarise(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     fig["enqueue_single_raw"] = median([r["raw_rate"] for r in single if "raw_rate" in r])
     fig["enqueue_single_vs_raw"] = median([r["vs_raw"] for r in single if "vs_raw" in r])
     fig["enqueue_bulk"] = median([r["rate"] for r in raw.get("enqueue_bulk", [])])
-    if raw.get("enqueue_async"):
+    if raw.get("enqueue_async"):  # errands' adapter: await aenqueue, one at a time and 64 at once
         fig["enqueue_async"] = median([r["rate"] for r in raw["enqueue_async"]])
         fig["enqueue_async_concurrent"] = median(
             [r["rate_concurrent"] for r in raw["enqueue_async"]]
         )
-    for procs in (1, 2):
-        runs = raw.get(f"throughput_{procs}", [])
-        fig[f"throughput_{procs}"] = median([r["rate"] for r in runs])
-        fig[f"throughput_{procs}_capped"] = any(r.get("capped") for r in runs)
-    for q in ("p50", "p95", "p99"):
-        fig[f"latency_{q}"] = median([r[f"{q}_ms"] for r in raw.get("latency", [])])
-    fig["memory_mb"] = median([mem_mb(r, "memory", "hwm_kb") for r in raw.get("throughput_1", [])])
-    fig["memory_2_mb"] = median(
-        [mem_mb(r, "memory", "hwm_kb") for r in raw.get("throughput_2", [])]
+    fig["enqueue_spread"] = {
+        "enqueue_single": _spread([r["rate"] for r in single]),
+        "enqueue_bulk": _spread([r["rate"] for r in raw.get("enqueue_bulk", [])]),
+    }
+    labels = (
+        [c.label for c in system.configs]
+        if system
+        else sorted({k.split("@", 1)[1] for k in raw if "@" in k})
     )
-    fig["idle_rss_mb"] = median(
-        [mem_mb(r, "idle_memory", "rss_kb") for r in raw.get("latency", [])]
+    configs = {label: summarise_config(raw, label) for label in labels}
+    fig["configs"] = configs
+    default = system.default.label if system else "default"
+    best_labels = (
+        [c.label for c in system.best] if system else [lb for lb in labels if lb != default]
     )
+    best = pick_best(configs, best_labels) or default
+    fig["best_config"] = best
+    fig["default_config"] = default
+    for key, value in configs.get(best, {}).items():
+        fig[key] = value
     return fig
+
+
+def pick_best(configs: dict[str, dict[str, Any]], labels: list[str]) -> str | None:
+    """The tuned configuration with the highest processing rate (2 processes, else 1)."""
+
+    def score(label: str) -> float:
+        c = configs.get(label, {})
+        return c.get("throughput_2") or c.get("throughput_1") or 0.0
+
+    present = [lb for lb in labels if score(lb)]
+    return max(present, key=score) if present else (labels[0] if labels else None)
+
+
+def prefill_size(plan: Plan, previous: list[dict[str, Any]]) -> int:
+    """Jobs to pre-fill: the plan's count, or for a system whose last run of this figure
+    hit the cap, enough for ``cap`` seconds at 1.5 x its rate (at least ``min_window``
+    seconds' worth and 5,000): a slow peer is not made to enqueue 100,000 jobs it
+    cannot reach. The count is recorded with each run."""
+    last = previous[-1] if previous else None
+    if not last or not last.get("capped") or not last.get("rate"):
+        return plan.throughput_jobs
+    wanted = max(last["rate"] * max(plan.cap, plan.min_window) * 1.5, 5000)
+    return int(min(plan.throughput_jobs, wanted))
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -375,10 +468,74 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pg-url", default=os.environ.get("BENCH_PG_URL", PG_URL_DEFAULT))
     parser.add_argument("--redis-url", default=os.environ.get("BENCH_REDIS_URL", REDIS_URL_DEFAULT))
-    parser.add_argument("--scenario-timeout", type=float, default=150.0)
+    parser.add_argument("--scenario-timeout", type=float, default=600.0)
     parser.add_argument(
         "--results", metavar="DIR", help="write the JSON there (default bench/results)"
     )
+    parser.add_argument(
+        "--no-systems",
+        action="store_true",
+        help="skip the side-by-side figures (run only the steps named by other options)",
+    )
+    steps = parser.add_argument_group("storage, finished rows and scenarios (issue 17)")
+    steps.add_argument(
+        "--storage",
+        action="store_true",
+        help="WAL bytes per job, bytes per 1M finished jobs and dead tuples, every "
+        "PostgreSQL system and configuration (on its own cluster: see --scratch-pg)",
+    )
+    steps.add_argument("--storage-jobs", type=int, default=20_000, help="jobs per system")
+    steps.add_argument(
+        "--finished-rows",
+        type=int,
+        metavar="N",
+        help="claims with N finished rows (10000000 for the lead's run) against an empty "
+        "table, every PostgreSQL system that keeps finished rows: slow, opt-in",
+    )
+    steps.add_argument(
+        "--finished-jobs", type=int, default=20_000, help="jobs per finished-rows figure"
+    )
+    steps.add_argument(
+        "--scenarios",
+        nargs="?",
+        const="all",
+        metavar="NAMES",
+        help="the third-party chaos and pressure scenarios for errands-pg, pgqueuer and "
+        "awa-pg (comma-separated names, or all): "
+        + ", ".join(scenarios.CHAOS + scenarios.PRESSURE),
+    )
+    steps.add_argument("--scenario-rate", type=float, default=500.0, help="jobs/s offered")
+    steps.add_argument(
+        "--scenario-scale",
+        type=float,
+        default=1.0,
+        help="multiply the scenarios' phase durations (0.25 for a quick check)",
+    )
+    steps.add_argument(
+        "--pressure-seconds",
+        type=float,
+        default=600.0,
+        help="how long the reader pins the xmin horizon (600 in the lead's run, 30 in CI)",
+    )
+    steps.add_argument("--drain-seconds", type=float, default=120.0)
+    steps.add_argument(
+        "--scenario-work-ms",
+        type=float,
+        default=1.0,
+        help="synthetic work per job in the scenarios (the third-party JOB_WORK_MS, 1 ms)",
+    )
+    steps.add_argument(
+        "--scratch-pg",
+        action="store_true",
+        help="run storage, finished rows and scenarios on a throw-away PostgreSQL cluster "
+        "the harness makes (initdb, port 55432) and deletes: WAL nobody else writes, and "
+        "a server the chaos scenarios may restart",
+    )
+    steps.add_argument(
+        "--storage-pg-url", help="a PostgreSQL the storage and scenario steps use instead"
+    )
+    steps.add_argument("--pg-stop-cmd", help="with --pg-start-cmd: how to stop the server")
+    steps.add_argument("--pg-start-cmd", help="(postgres_restart on a server not the harness's)")
     parser.add_argument(
         "--update",
         action="store_true",
@@ -391,11 +548,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs:
         plan = Plan(**{**plan.__dict__, "runs": args.runs, "scale_runs": args.runs})
     systems, with_limit, with_scale, with_memory = wanted(args.only)
+    step_systems = [s for s in systems if s.store == "postgres"]
+    if args.no_systems:
+        systems, with_limit, with_scale, with_memory = [], False, False, False
     with_limit = with_limit and not args.no_limit
     with_scale = with_scale and not args.no_scale
     with_memory = with_memory and not args.no_memory
     complete = (
         not args.only
+        and not args.no_systems
         and not args.quick
         and not args.no_scale
         and not args.no_limit
@@ -423,6 +584,15 @@ def main(argv: list[str] | None = None) -> int:
         entry = results["systems"][system.name] = {
             "store": system.store,
             "settings": system.settings,
+            "configs": {
+                c.label: {
+                    "kind": c.kind,
+                    "settings": c.settings,
+                    "source": c.source,
+                    "options": c.options,
+                }
+                for c in system.configs
+            },
             "compare_to": system.compare_to,
             "error": None,
             "failures": [],
@@ -440,28 +610,24 @@ def main(argv: list[str] | None = None) -> int:
     limit_runs: dict[str, list[dict[str, float]]] = {"postgres": [], "sqlite": []}
     limit_errors: dict[str, str] = {}
     for run in range(1, plan.runs + 1):
-        for system in ready:
-            entry = results["systems"][system.name]
-            for key, scenario, spec in scenarios_of(system, plan):
-                t = time.time()
-                try:
-                    out = runner.scenario(system, scenario, spec)
-                except Exception as exc:
-                    entry["failures"].append(f"run {run} {key}: {exc}")
-                    log(f"{system.name} {key}: FAILED: {str(exc)[:300]}")
-                    continue
-                out["load1"] = os.getloadavg()[0]
-                entry["raw"].setdefault(key, []).append(out)
-                log(
-                    f"run {run}/{plan.runs} {system.name} {key}: {report.brief(key, out)} "
-                    f"({time.time() - t:.0f} s)"
-                )
+        # Interleaved: within a run, every system's enqueue figures, then every system's
+        # default configuration, then the tuned ones, the systems' order rotated each
+        # run, so drift on the machine (and a neighbour's load) hits all of them alike.
+        order = ready[(run - 1) % len(ready) :] + ready[: (run - 1) % len(ready)] if ready else []
+        for phase in ("enqueue", "default", "best"):
+            for system in order:
+                for key, scenario, spec in scenarios_of(system, plan):
+                    label = key.split("@", 1)[1] if "@" in key else None
+                    kind = "enqueue" if label is None else system.config(label).kind
+                    if kind != phase:
+                        continue
+                    measure(runner, system, run, key, scenario, spec, results)
 
         if with_limit:  # in every run, beside the systems, so drift hits both alike
             run_limit(runner, plan, run, limit_runs, limit_errors)
 
-    for entry in results["systems"].values():
-        entry["figures"] = summarise(entry["raw"])
+    for name, entry in results["systems"].items():
+        entry["figures"] = summarise(entry["raw"], by_name(name))
         if entry["error"] is None and not entry["raw"]:
             entry["error"] = "every scenario failed: " + "; ".join(entry["failures"][-2:])
 
@@ -479,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
         results["scale"] = run_scale(runner, plan, errands_pg)
     if with_memory and errands_pg is not None:
         results["memory"] = run_memory(runner, plan, errands_pg)
+
+    if args.storage or args.finished_rows or args.scenarios:
+        results.update(run_steps(args, plan, step_systems))
 
     results["load_after"] = os.getloadavg()
     results["duration_s"] = time.time() - started
@@ -513,6 +682,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def measure(
+    runner: Runner,
+    system: System,
+    run: int,
+    key: str,
+    scenario: str,
+    spec: dict[str, Any],
+    results: dict[str, Any],
+) -> None:
+    """One scenario of one system in one run, recorded with the machine's load."""
+    entry = results["systems"][system.name]
+    plan = runner.plan
+    spec = dict(spec)
+    if scenario == "throughput":
+        spec["jobs"] = prefill_size(plan, entry["raw"].get(key, []))
+        if system.store == "postgres":
+            url = runner.store_url(system)
+            spec["after_prefill"] = [sys.executable, str(BENCH / "pgstats.py"), "analyze", url]
+    t = time.time()
+    cpu = machine.cpu_times()
+    try:
+        out = runner.scenario(system, scenario, spec)
+    except Exception as exc:
+        entry["failures"].append(f"run {run} {key}: {exc}")
+        log(f"{system.name} {key}: FAILED: {str(exc)[:300]}")
+        return
+    out["run"] = run
+    out["load1"] = os.getloadavg()[0]
+    out["cpu"] = machine.cpu_share(cpu, machine.cpu_times())
+    if scenario == "throughput":
+        out["prefilled"] = spec["jobs"]
+    entry["raw"].setdefault(key, []).append(out)
+    log(
+        f"run {run}/{plan.runs} {system.name} {key}: {report.brief(key, out)} "
+        f"({time.time() - t:.0f} s, load {out['load1']:.1f}, "
+        f"busy {out['cpu'].get('busy', 0):.0%}, steal {out['cpu'].get('steal', 0):.1%})"
+    )
+
+
 def _shown(path: Path) -> Path:
     return path.relative_to(BENCH.parent) if path.is_relative_to(BENCH.parent) else path
 
@@ -536,6 +744,10 @@ def merge_into(
     if with_memory and "memory" in part:
         base["memory"] = part["memory"]
         sections.append("memory")
+    for step in ("storage", "finished", "scenarios"):
+        if step in part:
+            base[step] = part[step]
+            sections.append(step)
     base.setdefault("updates", []).append(
         {
             "at": part["finished_at"],
@@ -548,6 +760,77 @@ def merge_into(
     base["shares"] = report.shares(base)
     base["targets"] = report.targets(base)
     return base
+
+
+def run_steps(args: argparse.Namespace, plan: Plan, systems: list[System]) -> dict[str, Any]:
+    """Storage cost, finished rows and the scenarios, on the PostgreSQL they should use."""
+    from .cluster import ScratchCluster, ServiceRestarter
+
+    out: dict[str, Any] = {}
+    cluster: ScratchCluster | None = None
+    if args.scratch_pg:
+        cluster = ScratchCluster()
+        cluster.up()
+        url = cluster.url
+        log(f"scratch PostgreSQL cluster at {cluster.dir} (port {cluster.port})")
+    else:
+        url = args.storage_pg_url or args.pg_url
+    restarter: Any = cluster
+    if restarter is None and args.pg_stop_cmd and args.pg_start_cmd:
+        restarter = ServiceRestarter(args.pg_stop_cmd, args.pg_start_cmd)
+    step_args = argparse.Namespace(**{**vars(args), "pg_url": url})
+    runner = Runner(step_args, plan)
+    where = "scratch cluster" if cluster else _safe_url(url)
+    try:
+        ready = []
+        for system in systems:
+            try:
+                runner.prepare(system)
+                ready.append(system)
+            except Exception as exc:
+                log(f"{system.name}: SKIPPED for the storage steps: {str(exc)[:300]}")
+        if args.storage:
+            out["storage"] = storage.run_storage(runner, ready, args.storage_jobs, log)
+            out["storage"]["where"] = where
+        if args.finished_rows:
+            fin: dict[str, Any] = {"rows": args.finished_rows, "jobs": args.finished_jobs,
+                                   "where": where, "systems": {}}  # fmt: skip
+            for system in ready:
+                try:
+                    fin["systems"][system.name] = storage.finished_scale(
+                        runner, system, args.finished_rows, args.finished_jobs,
+                        plan.scale_runs, log,
+                    )  # fmt: skip
+                except Exception as exc:
+                    fin["systems"][system.name] = {"error": str(exc)[:500]}
+                    log(f"finished rows {system.name}: FAILED: {str(exc)[:300]}")
+            out["finished"] = fin
+        if args.scenarios:
+            names = (
+                list(scenarios.CHAOS + scenarios.PRESSURE)
+                if args.scenarios == "all"
+                else [n.strip() for n in args.scenarios.split(",") if n.strip()]
+            )
+            unknown = set(names) - set(scenarios.CHAOS + scenarios.PRESSURE)
+            if unknown:
+                raise SystemExit(f"--scenarios: unknown {', '.join(sorted(unknown))}")
+            cells = [s for s in ready if s.name in ("errands-pg", "pgqueuer", "awa-pg")]
+            out["scenarios"] = scenarios.run_scenarios(
+                runner, cells, names, args.scenario_rate, args.scenario_scale,
+                args.pressure_seconds, args.drain_seconds, restarter, log,
+                args.scenario_work_ms,
+            )  # fmt: skip
+            out["scenarios"]["where"] = where
+    finally:
+        runner.cleanup()
+        if cluster is not None:
+            cluster.__exit__(None, None, None)
+    return out
+
+
+def _safe_url(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or 5432}"
 
 
 def run_limit(

@@ -16,10 +16,27 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 PEERS = BENCH / "peers"
 VENVS = BENCH / ".venvs"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of running a system's workers: its defaults, or a tuned configuration.
+
+    ``options`` reach the adapter as ``spec["config"]``; ``source`` says where each
+    setting comes from (a documentation page, or the peer's own source for a default),
+    so a reader can check that "best" is what the peer itself documents.
+    """
+
+    label: str  # "default", "tuned", "threads", ...
+    kind: str  # "default" | "best"
+    settings: str  # how the workers run, for the docs
+    source: str
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -30,14 +47,54 @@ class System:
     requirements: tuple[str, ...] = ()  # empty: the project's venv (errands itself)
     python: tuple[int, int] = (3, 11)  # the lowest Python the peer supports
     packages: tuple[str, ...] = ()  # distributions whose versions the report lists
-    settings: str = ""  # how its workers run, for the docs
     compare_to: str = ""  # the errands system this one is set against
-    options: dict[str, object] = field(default_factory=dict)
+    configs: tuple[Config, ...] = ()
+    # Tables holding the rows a finished job leaves behind (bench.storage replicates them
+    # to measure claims against many finished rows); empty: none are kept.
+    finished_tables: tuple[str, ...] = ()
+    finished_note: str = ""  # why there are none, for the report
 
     @property
     def is_errands(self) -> bool:
         return not self.requirements
 
+    @property
+    def settings(self) -> str:
+        return "; ".join(f"{c.label}: {c.settings}" for c in self.configs)
+
+    def config(self, label: str) -> Config:
+        for c in self.configs:
+            if c.label == label:
+                return c
+        raise KeyError(f"{self.name} has no configuration {label!r}")
+
+    @property
+    def default(self) -> Config:
+        return next(c for c in self.configs if c.kind == "default")
+
+    @property
+    def best(self) -> tuple[Config, ...]:
+        return tuple(c for c in self.configs if c.kind == "best")
+
+
+ERRANDS_DOCS = "docs/concurrency.md (-c, --prefetch) and docs/observability.md (log level)"
+ERRANDS_CONFIGS = (
+    Config(
+        "default",
+        "default",
+        "`errands worker errands_app:app [--processes 2]` (-c 10, prefetch 4 x -c, "
+        "INFO log line per finished job)",
+        "`errands worker --help` (src/errands/cli): defaults -c 10, --log-level info",
+        {},
+    ),
+    Config(
+        "tuned",
+        "best",
+        "`errands worker -c 32 --log-level warning [--processes 2]`",
+        ERRANDS_DOCS,
+        {"concurrency": 32, "log_level": "warning"},
+    ),
+)
 
 SYSTEMS: tuple[System, ...] = (
     System(
@@ -45,14 +102,15 @@ SYSTEMS: tuple[System, ...] = (
         "sqlite",
         "errands_peer.py",
         packages=("errands",),
-        settings="`errands worker -c 32 [--processes 2]`, SQLite WAL file",
+        configs=ERRANDS_CONFIGS,
     ),
     System(
         "errands-pg",
         "postgres",
         "errands_peer.py",
         packages=("errands", "psycopg", "psycopg-pool"),
-        settings="`errands worker -c 32 [--processes 2]`",
+        configs=ERRANDS_CONFIGS,
+        finished_tables=("errands_jobs",),
     ),
     System(
         "procrastinate",
@@ -60,8 +118,26 @@ SYSTEMS: tuple[System, ...] = (
         "procrastinate_peer.py",
         ("procrastinate==3.10.0", "psycopg[binary]"),
         packages=("procrastinate", "psycopg"),
-        settings="`procrastinate worker -c 32`, async task; one process per worker",
         compare_to="errands-pg",
+        configs=(
+            Config(
+                "default",
+                "default",
+                "`procrastinate worker -q bench` (concurrency 1), one process per worker",
+                "procrastinate 3.10.0 source, procrastinate/worker.py: WORKER_CONCURRENCY = 1",
+            ),
+            Config(
+                "tuned",
+                "best",
+                "`procrastinate worker -q bench -c 32`, async task",
+                "procrastinate docs, howto/production/concurrency "
+                "(https://procrastinate.readthedocs.io/en/stable/howto/production/"
+                "concurrency.html) and `procrastinate worker --help` (-c: parallel "
+                "asynchronous jobs); no figure is documented, 32 is errands' tuned -c",
+                {"concurrency": 32},
+            ),
+        ),
+        finished_tables=("procrastinate_jobs", "procrastinate_events"),
     ),
     System(
         "pgqueuer",
@@ -69,8 +145,26 @@ SYSTEMS: tuple[System, ...] = (
         "pgqueuer_peer.py",
         ("pgqueuer==1.6.0", "asyncpg"),
         packages=("pgqueuer", "asyncpg"),
-        settings="`PgQueuer.run(batch_size=10)` (asyncpg; `pgq run` 1.6.0 crashes on start)",
         compare_to="errands-pg",
+        configs=(
+            Config(
+                "default",
+                "default",
+                "`PgQueuer.run()` (batch_size 10), asyncpg; `pgq run` 1.6.0 crashes on start",
+                "pgqueuer 1.6.0 source, pgqueuer/core/qm.py QueueManager.run(batch_size=10)",
+                {"batch_size": 10},
+            ),
+            Config(
+                "tuned",
+                "best",
+                "`PgQueuer.run(batch_size=100)` after `pgq autovac`, asyncpg",
+                "pgqueuer docs, guides/performance-tuning.md (https://pgqueuer.readthedocs.io"
+                "/en/latest/guides/performance-tuning.html): raise batch_size for jobs "
+                "under 1 s; checklist: run `pgq autovac` after installation",
+                {"batch_size": 100, "autovac": True},
+            ),
+        ),
+        finished_tables=("pgqueuer_log",),
     ),
     System(
         "oban",
@@ -79,8 +173,27 @@ SYSTEMS: tuple[System, ...] = (
         ("oban==0.7.0",),
         python=(3, 12),
         packages=("oban", "psycopg"),
-        settings="`oban start --queues bench:32`; one process per worker",
         compare_to="errands-pg",
+        configs=(
+            Config(
+                "default",
+                "default",
+                "`oban start --queues bench:10`; one process per worker",
+                "`oban start --help` (oban 0.7.0): a queue needs a limit, the documented "
+                "example is `default:10`; pool 1-10 connections, log level INFO",
+                {"limit": 10},
+            ),
+            Config(
+                "tuned",
+                "best",
+                "`oban start --queues bench:32 --log-level warning`; one process per worker",
+                "oban-py docs, queue limits (`--queues name:limit`, "
+                "https://oban.pro/docs/py/); no figure is documented, 32 is errands' "
+                "tuned -c",
+                {"limit": 32, "log_level": "warning"},
+            ),
+        ),
+        finished_tables=("oban_jobs",),
     ),
     System(
         "awa-pg",
@@ -88,8 +201,31 @@ SYSTEMS: tuple[System, ...] = (
         "awa_peer.py",
         ("awa-pg==0.6.9",),
         packages=("awa-pg",),
-        settings="`AsyncClient.start([('bench', 32)])`, queue-storage engine, COPY bulk",
         compare_to="errands-pg",
+        configs=(
+            Config(
+                "default",
+                "default",
+                "`AsyncClient.start([('bench', 50)])` (max_workers 50, 10 connections), "
+                "queue-storage engine",
+                "awa docs/configuration.md (https://github.com/hardbyte/awa/blob/main/docs/"
+                "configuration.md): QueueConfig max_workers 50, AsyncClient "
+                "max_connections=10",
+                {"workers": 50, "max_connections": 10},
+            ),
+            Config(
+                "tuned",
+                "best",
+                "`AsyncClient.start([('bench', 256)])`, queue-storage engine",
+                "the third-party sweep of 2026-05-09 (https://github.com/hardbyte/"
+                "postgresql-job-queue-benchmarking/blob/main/results/2026-05-09-full-sweep/"
+                "SUMMARY.md): awa peaks at 1 x 256 workers; awa documents no figure",
+                {"workers": 256, "max_connections": 10},
+            ),
+        ),
+        finished_note="awa's queue-storage engine keeps finished jobs in ring partitions "
+        "(ready_entries_N, lease_claims_N) that it rotates and truncates: copying rows into "
+        "them would not be what awa leaves behind",
     ),
     System(
         "celery",
@@ -97,8 +233,36 @@ SYSTEMS: tuple[System, ...] = (
         "celery_peer.py",
         ("celery[redis]==5.7.0",),
         packages=("celery", "kombu", "redis"),
-        settings="`celery worker -P prefork -c 1|2`, Redis broker, no result backend",
         compare_to="errands-pg",
+        configs=(
+            Config(
+                "default",
+                "default",
+                "`celery worker -c 1|2` (prefork, prefetch multiplier 4), Redis, no results",
+                "Celery docs, workers guide (https://docs.celeryq.dev/en/stable/userguide/"
+                "workers.html#concurrency): prefork, -c defaults to the CPU count; "
+                "worker_prefetch_multiplier defaults to 4",
+                {"pool": "prefork"},
+            ),
+            Config(
+                "prefork",
+                "best",
+                "`celery worker -P prefork -c 1|2 --prefetch-multiplier 128`, Redis, no results",
+                "Celery docs, optimizing guide (https://docs.celeryq.dev/en/stable/"
+                "userguide/optimizing.html#prefetch-limits): many short tasks: a large "
+                "prefetch multiplier, 'say 64, or 128'",
+                {"pool": "prefork", "prefetch": 128},
+            ),
+            Config(
+                "threads",
+                "best",
+                "`celery worker -P threads -c 32` per worker node, Redis, no results",
+                "Celery docs, concurrency guide (https://docs.celeryq.dev/en/stable/"
+                "userguide/concurrency/index.html): the threads pool; -c 32 = errands' "
+                "tuned -c",
+                {"pool": "threads", "threads": 32},
+            ),
+        ),
     ),
     System(
         "dramatiq",
@@ -106,8 +270,25 @@ SYSTEMS: tuple[System, ...] = (
         "dramatiq_peer.py",
         ("dramatiq[redis]==2.2.1",),
         packages=("dramatiq", "redis"),
-        settings="`dramatiq --processes 1|2 --threads 8`, Redis broker",
         compare_to="errands-pg",
+        configs=(
+            Config(
+                "default",
+                "default",
+                "`dramatiq dramatiq_app --processes 1|2` (8 threads each), Redis",
+                "`dramatiq --help` (dramatiq 2.2.1): --threads defaults to 8",
+                {"threads": 8},
+            ),
+            Config(
+                "tuned",
+                "best",
+                "`dramatiq dramatiq_app --processes 1|2 --threads 32`, Redis",
+                "Dramatiq docs, cookbook/guide (https://dramatiq.io/guide.html, "
+                "`--processes`/`--threads`): more threads for short I/O-light tasks; 32 "
+                "= errands' tuned -c",
+                {"threads": 32},
+            ),
+        ),
     ),
     System(
         "huey",
@@ -115,8 +296,26 @@ SYSTEMS: tuple[System, ...] = (
         "huey_peer.py",
         ("huey==3.5.4",),
         packages=("huey",),
-        settings="`huey_consumer -k process -w 1|2`, SqliteHuey",
         compare_to="errands-sqlite",
+        configs=(
+            Config(
+                "default",
+                "default",
+                "`huey_consumer huey_app.huey -w 1|2` (thread workers), SqliteHuey",
+                "huey docs, consumer options (https://huey.readthedocs.io/en/latest/"
+                "consumer.html): -w 1, -k thread by default",
+                {"kind": "thread"},
+            ),
+            Config(
+                "tuned",
+                "best",
+                "`huey_consumer huey_app.huey -k process -w 1|2`, SqliteHuey",
+                "huey docs, consumer options (https://huey.readthedocs.io/en/latest/"
+                "consumer.html): -k process for CPU-bound work (a no-op job is all Python "
+                "overhead)",
+                {"kind": "process"},
+            ),
+        ),
     ),
 )
 

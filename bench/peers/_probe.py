@@ -44,7 +44,7 @@ def _open() -> mmap.mmap | None:
     _slots = int(os.environ.get("BENCH_PROBE_SLOTS", "0"))
     _pid = os.getpid()
     path = os.path.join(folder, f"{_pid}.probe")
-    size = HEADER.size + SLOT.size * (_slots + 1)
+    size = HEADER.size + 2 * SLOT.size * (_slots + 1)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         os.ftruncate(fd, size)
@@ -54,8 +54,17 @@ def _open() -> mmap.mmap | None:
     return _map
 
 
+# Synthetic work per job, seconds (BENCH_WORK_MS; the chaos scenarios use 1 ms, as the
+# third-party harness's JOB_WORK_MS): 0 is a no-op. Handlers call work() / await awork().
+WORK = float(os.environ.get("BENCH_WORK_MS", "0")) / 1000
+
+
 def hit(n: int) -> None:
-    """Record that the handler of job ``n`` started now (call it first thing)."""
+    """Record that the handler of job ``n`` started now (call it first thing).
+
+    Slot *n* of the first region keeps the first start this process saw, slot *n* of the
+    second the last one: a job run again (after a crash, say) shows as last > first, or
+    in two processes' files."""
     now = time.monotonic()
     with _lock:
         m = _map if _pid == os.getpid() else None
@@ -66,7 +75,22 @@ def hit(n: int) -> None:
         count, first, _last = HEADER.unpack_from(m, 0)
         HEADER.pack_into(m, 0, count + 1, first or now, now)
         if 0 <= n < _slots:
-            SLOT.pack_into(m, HEADER.size + SLOT.size * n, now)
+            off = HEADER.size + SLOT.size * n
+            if not SLOT.unpack_from(m, off)[0]:
+                SLOT.pack_into(m, off, now)
+            SLOT.pack_into(m, off + SLOT.size * (_slots + 1), now)
+
+
+def work() -> None:
+    if WORK:
+        time.sleep(WORK)
+
+
+async def awork() -> None:
+    if WORK:
+        import asyncio
+
+        await asyncio.sleep(WORK)
 
 
 class Probe:
@@ -106,16 +130,18 @@ class Probe:
     def pids(self) -> list[int]:
         return sorted(pid for pid, _ in self._files())
 
-    def starts(self, n: int) -> list[float]:
-        """Handler start time of jobs 0..n-1 (0.0 where none was seen), earliest copy."""
+    def starts(self, n: int, last: bool = False) -> list[float]:
+        """Handler start time of jobs 0..n-1 (0.0 where none was seen), earliest copy;
+        ``last``: the latest start of each job over every process instead."""
         result = [0.0] * n
+        base = HEADER.size + (SLOT.size * (self.slots + 1) if last else 0)
         for _, data in self._files():
             for i in range(min(n, self.slots)):
-                off = HEADER.size + SLOT.size * i
+                off = base + SLOT.size * i
                 if off + SLOT.size > len(data):
                     break
                 (t,) = SLOT.unpack_from(data, off)
-                if t and (not result[i] or t < result[i]):
+                if t and (not result[i] or (t > result[i] if last else t < result[i])):
                     result[i] = t
         return result
 
@@ -277,7 +303,11 @@ def throughput(
 ) -> dict[str, Any]:
     """Pre-fill ``jobs``, start the workers, time the handlers from first to last."""
     n = spec["jobs"]
+    hooks = {"before_prefill": hook(spec, "before_prefill")}
     bulk_seconds = prefill(n)
+    # ANALYZE (every PostgreSQL system alike) and any other marks the harness asks for,
+    # between the prefill and the workers: see bench.pgstats.
+    hooks["after_prefill"] = hook(spec, "after_prefill")
     probe = Probe(slots=0)
     workers = Workers(commands(spec["procs"]), probe.env(), spec["cwd"])
     try:
@@ -304,7 +334,9 @@ def throughput(
     finally:
         workers.stop()
         probe.cleanup()
+    hooks["after_run"] = hook(spec, "after_run")
     return {
+        "hooks": {k: v for k, v in hooks.items() if v is not None},
         "rate": (count - 1) / (last - first) if last > first else None,
         "done": count,
         "window_s": last - first,
@@ -367,6 +399,89 @@ def latency(
         "seen": len(lat),
         "idle_memory": idle,
     }
+
+
+def hook(spec: dict[str, Any], name: str) -> Any:
+    """Run the command the harness put in ``spec[name]`` (an argv); its last JSON line.
+
+    The harness's own python runs it (psycopg, whatever the peer's venv has), so every
+    system gets the same ANALYZE and the same measurements.
+    """
+    argv = spec.get(name)
+    if not argv:
+        return None
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} hook failed: {out.stderr.strip()[-500:]}")
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def commands_scenario(commands: Callable[[int], list[list[str]]]) -> Any:
+    """An adapter scenario printing one replica's worker argv and the environment it needs
+    (the chaos scenarios of bench.scenarios start, kill and restart replicas themselves)."""
+
+    def scenario(spec: dict[str, Any]) -> dict[str, Any]:
+        argvs = commands(1)
+        env = {
+            k: v for k, v in os.environ.items() if k.startswith("BENCH_") or k in ("ERRANDS_URL",)
+        }
+        return {"argv": argvs[0], "all": argvs, "env": env}
+
+    return scenario
+
+
+def produce(spec: dict[str, Any], connect: Callable[[], Callable[[int], None]]) -> dict[str, Any]:
+    """Enqueue jobs 0, 1, 2, ... one call each at ``rate``/s until SIGTERM or ``seconds``.
+
+    ``connect()`` gives an enqueue function on a new connection; when a call fails (the
+    database restarted, the backend was killed) the producer reconnects and retries the
+    same job, so every number it reports was acknowledged by the store. Progress is
+    written to ``spec["progress"]`` (acknowledged count, failures) after every call.
+    """
+    rate = float(spec["rate"])
+    deadline = time.monotonic() + float(spec.get("seconds", 1e9))
+    path = spec["progress"]
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    enqueue: Callable[[int], None] | None = None
+    sent = failures = 0
+    t0 = time.monotonic()
+    with open(path, "wb+") as f:
+        os.ftruncate(f.fileno(), 24)
+        m = mmap.mmap(f.fileno(), 24)
+        while not stopping and time.monotonic() < deadline:
+            target = t0 + sent / rate
+            pause = target - time.monotonic()
+            if pause > 0:
+                time.sleep(pause)
+            try:
+                if enqueue is None:
+                    enqueue = connect()
+                enqueue(sent)
+                sent += 1
+            except Exception as exc:
+                failures += 1
+                enqueue = None
+                if failures <= 5 or failures % 100 == 0:
+                    print(f"produce: call {failures} failed: {exc!r}"[:300], file=sys.stderr)
+                time.sleep(0.2)
+            struct.pack_into("<qqd", m, 0, sent, failures, time.monotonic())
+        m.flush()
+    return {"sent": sent, "failures": failures}
+
+
+def progress(path: str) -> tuple[int, int]:
+    """(jobs acknowledged, failed calls) of a running :func:`produce`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(24)
+    except OSError:
+        return 0, 0
+    if len(data) < 24:
+        return 0, 0
+    sent, failures, _ = struct.unpack_from("<qqd", data, 0)
+    return sent, failures
 
 
 def timed(fn: Callable[[], Any]) -> float:

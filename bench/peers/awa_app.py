@@ -20,11 +20,13 @@ class Noop:
 
 
 async def _run(concurrency: int) -> None:
-    client = awa.AsyncClient(os.environ["BENCH_PG_URL"], max_connections=20)
+    connections = int(os.environ.get("BENCH_AWA_CONNECTIONS", "10"))
+    client = awa.AsyncClient(os.environ["BENCH_PG_URL"], max_connections=connections)
 
     @client.task(Noop, queue="bench")
     async def noop(job: awa.Job[Noop]) -> None:
         _probe.hit(job.args.n)
+        await _probe.awork()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -67,7 +67,9 @@ def _commands(spec: dict[str, Any]) -> Any:
     os.environ["BENCH_PG_URL"] = spec["url"]
 
     def commands(procs: int) -> list[list[str]]:
-        argv = [sys.executable, "-m", "awa_app", str(spec["concurrency"])]
+        config = spec.get("config", {})
+        os.environ["BENCH_AWA_CONNECTIONS"] = str(config.get("max_connections", 10))
+        argv = [sys.executable, "-m", "awa_app", str(config.get("workers", 50))]
         return [argv for _ in range(procs)]
 
     return commands
@@ -95,10 +97,27 @@ def latency(spec: dict[str, Any]) -> dict[str, Any]:
         loop.close()
 
 
+def produce(spec: dict[str, Any]) -> dict[str, Any]:
+    loop = asyncio.new_event_loop()
+
+    def connect() -> Any:
+        client = _client(spec)
+        loop.run_until_complete(client.queue_stats())
+        return lambda i: loop.run_until_complete(client.insert(Noop(n=i), queue="bench"))
+
+    return _probe.produce(spec, connect)
+
+
+def commands(spec: dict[str, Any]) -> dict[str, Any]:
+    return _probe.commands_scenario(_commands(spec))(spec)
+
+
 if __name__ == "__main__":
     _probe.main(
         {
             "migrate": migrate,
+            "produce": produce,
+            "commands": commands,
             "enqueue_single": enqueue_single,
             "enqueue_bulk": enqueue_bulk,
             "throughput": throughput,

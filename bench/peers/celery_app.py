@@ -13,3 +13,4 @@ app.conf.worker_hijack_root_logger = False
 @app.task(name="noop", ignore_result=True)
 def noop(n: int) -> None:
     _probe.hit(n)
+    _probe.work()

@@ -54,9 +54,17 @@ def enqueue_bulk(spec: dict[str, Any]) -> dict[str, Any]:
 def _commands(spec: dict[str, Any]) -> Any:
     def commands(procs: int) -> list[list[str]]:
         exe = os.path.join(os.path.dirname(sys.executable), "celery")
-        argv = [exe, "-A", "celery_app", "worker", "-P", "prefork", "-c", str(procs)]
-        argv += ["-Q", "bench", "-l", "warning", "--without-gossip", "--without-mingle"]
-        argv += ["--without-heartbeat"]
+        config = spec.get("config", {})
+        base = [exe, "-A", "celery_app", "worker", "-Q", "bench"]
+        base += ["-l", "warning", "--without-gossip", "--without-mingle", "--without-heartbeat"]
+        if config.get("pool") == "threads":  # one node of -c threads per "process"
+            return [
+                [*base, "-P", "threads", "-c", str(config["threads"]), "-n", f"bench{i}@%h"]
+                for i in range(procs)
+            ]
+        argv = [*base, "-P", "prefork", "-c", str(procs)]
+        if "prefetch" in config:
+            argv += ["--prefetch-multiplier", str(config["prefetch"])]
         return [argv]
 
     return commands

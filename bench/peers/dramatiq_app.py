@@ -13,3 +13,4 @@ dramatiq.set_broker(broker)
 @dramatiq.actor(queue_name="bench", max_retries=0)
 def noop(n: int) -> None:
     _probe.hit(n)
+    _probe.work()

@@ -54,7 +54,8 @@ def enqueue_bulk(spec: dict[str, Any]) -> dict[str, Any]:
 def _commands(spec: dict[str, Any]) -> Any:
     def commands(procs: int) -> list[list[str]]:
         exe = os.path.join(os.path.dirname(sys.executable), "dramatiq")
-        argv = [exe, "dramatiq_app", "--processes", str(procs), "--threads", "8"]
+        threads = spec.get("config", {}).get("threads", 8)
+        argv = [exe, "dramatiq_app", "--processes", str(procs), "--threads", str(threads)]
         argv += ["-Q", "bench"]
         return [argv]
 

@@ -12,3 +12,4 @@ app = errands.App(os.environ.get("ERRANDS_URL", "sqlite:///bench-errands.db"))
 @app.job(name="bench.noop", queue="bench")
 def noop(n: int) -> None:
     _probe.hit(n)
+    _probe.work()

@@ -122,9 +122,15 @@ def enqueue_bulk(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _commands(spec: dict[str, Any]) -> Any:
     def commands(procs: int) -> list[list[str]]:
+        # As a user starts it: `errands worker module:app`, the URL from ERRANDS_URL (the
+        # app reads it), then only what the configuration names.
+        os.environ["ERRANDS_URL"] = spec["url"]
+        config = spec.get("config", {})
         argv = [sys.executable, "-m", "errands", "worker", "errands_app:app"]
-        argv += ["--url", spec["url"], "-q", "bench", "-c", str(spec["concurrency"])]
-        argv += ["--log-level", "warning"]
+        if "concurrency" in config:
+            argv += ["-c", str(config["concurrency"])]
+        if "log_level" in config:
+            argv += ["--log-level", config["log_level"]]
         if procs > 1:
             argv += ["--processes", str(procs)]
         return [argv]
@@ -143,10 +149,26 @@ def latency(spec: dict[str, Any]) -> dict[str, Any]:
     return _probe.latency(spec, lambda i: mod.noop.enqueue(n=i), _commands(spec))
 
 
+def produce(spec: dict[str, Any]) -> dict[str, Any]:
+    mod = _app(spec)
+
+    def connect() -> Any:
+        mod.app.backend.db_now()
+        return lambda i: mod.noop.enqueue(n=i)
+
+    return _probe.produce(spec, connect)
+
+
+def commands(spec: dict[str, Any]) -> dict[str, Any]:
+    return _probe.commands_scenario(_commands(spec))(spec)
+
+
 if __name__ == "__main__":
     _probe.main(
         {
             "migrate": migrate,
+            "produce": produce,
+            "commands": commands,
             "enqueue_single": enqueue_single,
             "enqueue_async": enqueue_async,
             "enqueue_bulk": enqueue_bulk,

@@ -11,3 +11,4 @@ huey = SqliteHuey("bench", filename=os.environ.get("BENCH_SQLITE_PATH", "bench-h
 @huey.task()
 def noop(n: int) -> None:
     _probe.hit(n)
+    _probe.work()

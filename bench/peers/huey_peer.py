@@ -41,7 +41,8 @@ def enqueue_single(spec: dict[str, Any]) -> dict[str, Any]:
 def _commands(spec: dict[str, Any]) -> Any:
     def commands(procs: int) -> list[list[str]]:
         exe = os.path.join(os.path.dirname(sys.executable), "huey_consumer")
-        return [[exe, "huey_app.huey", "-k", "process", "-w", str(procs), "-q"]]
+        kind = spec.get("config", {}).get("kind", "thread")
+        return [[exe, "huey_app.huey", "-k", kind, "-w", str(procs), "-q"]]
 
     return commands
 

@@ -8,3 +8,4 @@ from oban import worker
 class Noop:
     async def process(self, job):  # type: ignore[no-untyped-def]
         _probe.hit(job.args["n"])
+        await _probe.awork()

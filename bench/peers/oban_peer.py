@@ -73,8 +73,10 @@ def enqueue_bulk(spec: dict[str, Any]) -> dict[str, Any]:
 def _commands(spec: dict[str, Any]) -> Any:
     def commands(procs: int) -> list[list[str]]:
         exe = os.path.join(os.path.dirname(sys.executable), "oban")
-        argv = [exe, "start", "--dsn", spec["url"], "--queues", f"bench:{spec['concurrency']}"]
-        argv += ["--log-level", "warning"]
+        config = spec.get("config", {})
+        argv = [exe, "start", "--dsn", spec["url"], "--queues", f"bench:{config.get('limit', 10)}"]
+        if "log_level" in config:
+            argv += ["--log-level", config["log_level"]]
         return [argv for _ in range(procs)]
 
     return commands

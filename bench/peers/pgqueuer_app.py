@@ -16,6 +16,7 @@ async def create() -> PgQueuer:
     @pgq.entrypoint("noop")
     async def noop(job: Job) -> None:
         _probe.hit(int(job.payload or b"-1"))
+        await _probe.awork()
 
     return pgq
 

@@ -71,16 +71,27 @@ def _commands(spec: dict[str, Any]) -> Any:
     os.environ["BENCH_PG_URL"] = spec["url"]
 
     def commands(procs: int) -> list[list[str]]:
-        argv = [sys.executable, "-m", "pgqueuer_app", str(spec.get("batch_size", 10))]
+        batch = spec.get("config", {}).get("batch_size", 10)
+        argv = [sys.executable, "-m", "pgqueuer_app", str(batch)]
         return [argv for _ in range(procs)]
 
     return commands
+
+
+async def _autovac(spec: dict[str, Any], conn: Any) -> None:
+    """``pgq autovac``: the autovacuum settings pgqueuer's performance guide recommends."""
+    if not spec.get("config", {}).get("autovac"):
+        return
+    from pgqueuer.adapters.cli.sql_cmd import render_autovac
+
+    await conn.execute(render_autovac(False))
 
 
 def throughput(spec: dict[str, Any]) -> dict[str, Any]:
     def prefill(n: int) -> float:
         async def go() -> float:
             conn, q = await _queries(spec)
+            await _autovac(spec, conn)
             t = asyncio.get_running_loop().time()
             await _bulk(q, n)
             elapsed = asyncio.get_running_loop().time() - t
@@ -106,10 +117,26 @@ def latency(spec: dict[str, Any]) -> dict[str, Any]:
         loop.close()
 
 
+def produce(spec: dict[str, Any]) -> dict[str, Any]:
+    loop = asyncio.new_event_loop()
+
+    def connect() -> Any:
+        _conn, q = loop.run_until_complete(_queries(spec))
+        return lambda i: loop.run_until_complete(q.enqueue("noop", str(i).encode()))
+
+    return _probe.produce(spec, connect)
+
+
+def commands(spec: dict[str, Any]) -> dict[str, Any]:
+    return _probe.commands_scenario(_commands(spec))(spec)
+
+
 if __name__ == "__main__":
     _probe.main(
         {
             "migrate": migrate,
+            "produce": produce,
+            "commands": commands,
             "enqueue_single": enqueue_single,
             "enqueue_bulk": enqueue_bulk,
             "throughput": throughput,

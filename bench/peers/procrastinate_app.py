@@ -13,3 +13,4 @@ app = procrastinate.App(
 @app.task(name="noop", queue="bench")
 async def noop(n: int) -> None:
     _probe.hit(n)
+    await _probe.awork()

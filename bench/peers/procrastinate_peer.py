@@ -66,7 +66,8 @@ def _commands(spec: dict[str, Any]) -> Any:
     def commands(procs: int) -> list[list[str]]:
         exe = os.path.join(os.path.dirname(sys.executable), "procrastinate")
         argv = [exe, "--app=procrastinate_app.app", "worker", "-q", "bench"]
-        argv += ["-c", str(spec["concurrency"])]
+        if "concurrency" in spec.get("config", {}):
+            argv += ["-c", str(spec["config"]["concurrency"])]
         return [argv for _ in range(procs)]
 
     return commands

@@ -75,7 +75,55 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
         assert memory["checkpoints"][-1]["completed"] >= memory["jobs"]
         assert memory["stopped_cleanly"] is True
     assert any(t["target"].startswith("Enqueue bulk") for t in results["targets"])
-    assert "issue 8 targets" in run.stdout
+    assert "issue 8 and 17 targets" in run.stdout
+    # Both views, and every configuration's figures under its own label.
+    for name in ("errands-sqlite", "errands-pg"):
+        figures = results["systems"][name]["figures"]
+        assert set(figures["configs"]) == {"default", "tuned"}
+        assert figures["best_config"] == "tuned" or figures["configs"]["tuned"]["throughput_1"]
+        for config in figures["configs"].values():
+            assert config["throughput_1"] and config["latency_p50"], config
+    pg_runs = results["systems"]["errands-pg"]["raw"]["throughput_1@default"]
+    assert "after_prefill" in pg_runs[0]["hooks"]  # ANALYZE ran between prefill and workers
+
+
+@pytest.mark.timeout(300)
+def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
+    """Issue 17's steps at toy sizes on the test server: the storage cost per job (with
+    its pg_waldump breakdown when the server's WAL is readable here), one chaos cell that
+    acts on nothing but the system's own workers, and one pressure cell. The server-wide
+    cells (PostgreSQL restart, pool exhaustion) are skipped, as they must be on a shared
+    server; they run with --scratch-pg."""
+    require_pg()
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "bench.run", "--no-systems", "--only", "errands-pg",
+            "--storage", "--storage-jobs", "500",
+            "--scenarios", "crash_recovery,idle_in_tx,postgres_restart",
+            "--scenario-scale", "0.05", "--pressure-seconds", "5", "--scenario-rate", "100",
+            "--drain-seconds", "40", "--results", str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "partial.json").read_text())
+    cells = results["storage"]["systems"]["errands-pg"]
+    assert set(cells) == {"default", "tuned", "tuned+checkpoint"}
+    for cell in cells.values():
+        assert not cell.get("error"), cell
+        assert cell["jobs"] == 500 and cell["wal_per_job"] > 0 and cell["bytes_per_1m"] > 0
+    sc = results["scenarios"]["cells"]
+    assert "skipped" in sc["postgres_restart/errands-pg"]
+    for name in ("crash_recovery", "idle_in_tx"):
+        cell = sc[f"{name}/errands-pg"]
+        assert not cell.get("error"), cell
+        assert cell["sent"] > 0 and cell["lost"] == 0, cell
+        assert cell["series"] and cell["phases"]["recovery"]["rate"] is not None
+    assert any(t["target"].startswith("WAL ≤") for t in results["targets"])
 
 
 @pytest.mark.timeout(200)

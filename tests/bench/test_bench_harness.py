@@ -1,0 +1,148 @@
+"""What keeps the benchmark honest without running it (issue 17): every configuration a
+system is measured in names where its settings come from, both views exist for every
+system, the third-party scenarios keep their shape, and the figures are derived as the
+docs say. Fast: no database, no worker."""
+
+from __future__ import annotations
+
+import re
+
+from bench.systems import SYSTEMS
+
+from bench import report, run, scenarios, storage
+
+
+def test_every_system_has_one_default_and_a_best_configuration_each_naming_its_source() -> None:
+    for system in SYSTEMS:
+        kinds = [c.kind for c in system.configs]
+        assert kinds.count("default") == 1, system.name
+        assert kinds.count("best") >= 1, system.name
+        assert set(kinds) <= {"default", "best"}, system.name
+        labels = [c.label for c in system.configs]
+        assert len(set(labels)) == len(labels), system.name
+        for config in system.configs:
+            # A documentation page (a URL or a docs/ path) or the peer's own source or
+            # --help for a default: something a reader can open and check.
+            assert re.search(r"https?://|docs/|source|--help|\.py", config.source), (
+                system.name,
+                config.label,
+                config.source,
+            )
+            assert config.settings, (system.name, config.label)
+
+
+def test_the_default_configurations_add_no_tuning_knobs() -> None:
+    errands = next(s for s in SYSTEMS if s.name == "errands-pg")
+    # `errands worker module:app` as a user starts it: no -c, default log level.
+    assert errands.default.options == {}
+    assert errands.best[0].options == {"concurrency": 32, "log_level": "warning"}
+    pgqueuer = next(s for s in SYSTEMS if s.name == "pgqueuer")
+    assert pgqueuer.default.options["batch_size"] == 10
+    assert pgqueuer.best[0].options["batch_size"] >= 100
+
+
+def test_every_configuration_is_measured_in_every_run_and_processing_is_long_enough() -> None:
+    assert run.FULL.runs >= 5
+    assert run.FULL.throughput_jobs >= 100_000 or run.FULL.cap >= 10
+    assert run.FULL.bulk_jobs >= 100_000 and run.FULL.single_jobs >= 30_000  # >= 10 s of calls
+    for system in SYSTEMS:
+        keys = [key for key, _, _ in run.scenarios_of(system, run.FULL)]
+        for config in system.configs:
+            for key in ("throughput_1", "throughput_2", "latency"):
+                assert f"{key}@{config.label}" in keys, (system.name, key, config.label)
+
+
+def test_a_capped_system_prefills_what_it_can_reach_and_a_fast_one_the_full_count() -> None:
+    plan = run.FULL
+    assert run.prefill_size(plan, []) == plan.throughput_jobs
+    assert run.prefill_size(plan, [{"rate": 20_000, "capped": False}]) == plan.throughput_jobs
+    slow = run.prefill_size(plan, [{"rate": 250.0, "capped": True}])
+    assert slow == 7500  # 250/s x 20 s x 1.5: still more than the cap can drain
+    assert slow >= 250.0 * plan.cap
+
+
+def _raw(rates: list[float], label: str) -> dict[str, list[dict[str, object]]]:
+    return {
+        f"throughput_{p}@{label}": [
+            {"rate": r * p, "done": 100, "capped": False, "run": i + 1} for i, r in enumerate(rates)
+        ]
+        for p in (1, 2)
+    }
+
+
+def test_both_views_pick_the_right_configuration_and_ratios_come_per_run() -> None:
+    errands = next(s for s in SYSTEMS if s.name == "errands-pg")
+    pgq = next(s for s in SYSTEMS if s.name == "pgqueuer")
+    results = {
+        "systems": {
+            "errands-pg": {
+                "store": "postgres",
+                "compare_to": "",
+                "raw": {**_raw([100, 110], "default"), **_raw([300, 330], "tuned")},
+            },
+            "pgqueuer": {
+                "store": "postgres",
+                "compare_to": "errands-pg",
+                "raw": {**_raw([200, 200], "default"), **_raw([150, 300], "tuned")},
+            },
+        }
+    }
+    for name, system in (("errands-pg", errands), ("pgqueuer", pgq)):
+        entry = results["systems"][name]
+        entry["figures"] = run.summarise(entry["raw"], system)
+    assert results["systems"]["errands-pg"]["figures"]["best_config"] == "tuned"
+    label, fig = report.view_figures(results["systems"]["pgqueuer"], "default")
+    assert label == "default" and fig["throughput_1"] == 200
+    assert fig["spread"]["throughput_1"] == {"min": 200, "max": 200, "n": 2, "spread": 1.0}
+    per_run = report._run_ratios(results, "errands-pg", "pgqueuer", "best", "throughput_1")
+    assert per_run == [2.0, 1.1]
+    _, rows = report._ratio_rows(results, "default")
+    assert rows[0][3] == "0.53x (runs 0.50-0.55)"
+
+
+def test_the_scenarios_keep_the_third_party_phase_shapes() -> None:
+    def total(name: str) -> float:
+        return sum(p.seconds for p in scenarios.phases(name, 1.0, 600))
+
+    # bench_harness/phases.py of hardbyte/postgresql-job-queue-benchmarking
+    assert total("crash_recovery") == 30 + 60 + 60 + 60 + 60
+    assert total("postgres_restart") == 30 + 60 + 60 + 60
+    assert total("repeated_kills") == 30 + 60 + 120 + 60
+    assert total("pg_backend_kill") == total("pool_exhaustion") == 30 + 60 + 60 + 60
+    assert [p.seconds for p in scenarios.phases("active_readers", 1.0, 600)][2] == 600
+    assert set(scenarios.SERVER_WIDE) <= set(scenarios.CHAOS)
+
+
+def test_recovery_is_when_the_backlog_is_back_to_its_baseline_level() -> None:
+    samples = []
+    for t in range(40):
+        sent = 100 * t
+        done = sent - 50 if not 20 <= t < 30 else 100 * 20 - 50  # stalled from 20 to 29
+        if t >= 30:
+            done = sent - 50 if t >= 33 else sent - 300 * (33 - t)
+        samples.append({"t": float(t), "sent": sent, "done": done})
+    bounds = {"baseline": (5.0, 20.0)}
+    assert scenarios.recovered_after(samples, bounds, 20.0, 100.0) == 13.0  # back at t=33
+
+
+def test_pg_waldump_stats_are_parsed() -> None:
+    line = (
+        "Heap/UPDATE                                 9852 ( 13.55)              1926152 "
+        "( 28.77)                    0 (  0.00)              1926152 ( 28.77)"
+    )
+    total = (
+        "Total                                      72733                       6694765 "
+        "[100.00%]                    0 [0.00%]              6694765 [100%]"
+    )
+    m = storage.STAT_ROW.match(line)
+    assert m and m.group(1).strip() == "Heap/UPDATE" and int(m.group(3)) == 1926152
+    t = storage.STAT_TOTAL.match(total)
+    assert t and [int(x) for x in t.groups()] == [72733, 6694765, 0, 6694765]
+
+
+def test_the_outage_and_the_third_party_recovery_time_come_from_the_completion_rate() -> None:
+    rates = [(float(t), 100.0 if not 20 < t <= 30 else 0.0) for t in range(1, 50)]
+    # the rate falls at t=21 and is back for the second ending at t=31
+    assert scenarios.back_to_rate(rates, 20.0, 90.0, run=3) == 10.0
+    assert scenarios.back_to_rate(rates, 30.0, 90.0, run=1) == 0.0
+    assert scenarios.back_to_rate([(1.0, 0.0), (2.0, 50.0)], 0.0, 90.0, run=1) is None
