@@ -5,6 +5,7 @@ left, and the checks in SQL (see test_store_fault_sweep for what they prove).
 The workload: plain jobs (one with an idempotency key), a limited queue, jobs with a
 concurrency key, a transactional handler that fails twice after writing, a ``ctx.step``,
 a job failing once then succeeding, one failing for good (its ``on_dead`` hook reads it),
+a job reading a signal sent before its wait, one whose first wait times out,
 a periodic job, a job whose worker died (rescued), and a held job still running when the
 worker stops (released).
 """
@@ -118,6 +119,18 @@ class Sweep:
         def cron(ctx: errands.Context) -> None:
             self._ran(ctx)
 
+        @app.job(name="sweep.signal", **options)
+        def signalled(ctx: errands.Context) -> int:
+            self._ran(ctx)  # its signal was sent before the wait: read at once (signal_get)
+            payload = ctx.wait_for_signal("go", timeout=DEADLINE)
+            return int(payload["n"])
+
+        @app.job(name="sweep.expires", **options)
+        def expires(ctx: errands.Context) -> None:
+            self._ran(ctx)  # the first wait times out (the leader's job_expire_waits)
+            if ctx.attempt == 1:
+                ctx.wait_for_signal("never", timeout=0.1)
+
         @app.job(name="sweep.parked", queue="parked", **options)
         def parked(ctx: errands.Context) -> None:
             self._ran(ctx)
@@ -134,8 +147,9 @@ class Sweep:
             jobs["sweep.limited"].enqueue(n=n)
             jobs["sweep.keyed"].enqueue(account=1)
             jobs["sweep.tx"].enqueue()
-        for name in ("sweep.step", "sweep.flaky", "sweep.permanent"):
+        for name in ("sweep.step", "sweep.flaky", "sweep.permanent", "sweep.expires"):
             jobs[name].enqueue()
+        self.app.signal(jobs["sweep.signal"].enqueue().id, "go", {"n": 1})
         self.held = jobs["sweep.held"].enqueue().id
         # A job whose worker died (its lease runs out at once), and one held for the check
         # that the leader still rescues after the faults heal.

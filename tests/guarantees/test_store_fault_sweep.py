@@ -79,6 +79,7 @@ SWEEP: dict[str, Swept] = {
     "tx_begin": Swept("running"),
     "tx_finish": Swept("running"),
     "tx_rollback": Swept("running"),
+    "signal_get": Swept("running"),  # ctx.wait_for_signal
     # on_dead hooks (App.run_dead_hooks)
     "job_get": Swept("running"),
     # the maintenance leader: election, rescue, promotion, cron, pruning
@@ -86,6 +87,8 @@ SWEEP: dict[str, Swept] = {
     "job_list_expired": Swept("running"),
     "job_rescue_many": Swept("running"),
     "job_promote_due": Swept("running"),
+    "job_list_expired_waits": Swept("running"),
+    "job_expire_waits": Swept("running"),
     "db_now": Swept("running"),
     "cron_states": Swept("running"),
     "cron_save": Swept("running"),
