@@ -57,3 +57,29 @@ def pg_url() -> Iterator[str]:
     from tests.pg import fresh_pg_url
 
     yield from fresh_pg_url()
+
+
+@pytest.fixture
+def own_pg_url() -> Iterator[str]:
+    """A fresh schema on the tests' own PostgreSQL cluster, which the test may restart."""
+    from tests.pg import fresh_own_pg_url
+
+    yield from fresh_own_pg_url()
+
+
+# -- reports a test sends to the summary (the chaos soak's), also from xdist workers --------
+SUMMARY_SECTION = "chaos soak report: "  # tests/soak/conftest.py puts them in the report
+PRINTED: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, text in report.sections:
+        if name.startswith(SUMMARY_SECTION):
+            PRINTED.append((name.removeprefix(SUMMARY_SECTION), text))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for title, text in PRINTED:
+        terminalreporter.section(title, sep="=")
+        for line in text.splitlines():
+            terminalreporter.write_line(line)

@@ -7,9 +7,9 @@ reason saying how to enable them; with ``CI=true`` it fails them, since CI must 
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -110,25 +110,88 @@ def _connect_when_ready(psycopg: Any, url: str, wait: float = 60.0) -> None:
             time.sleep(0.5)
 
 
-# -- the server itself (suites that restart it on purpose) ---------------------------------
-def local_cluster(url: str | None = None) -> tuple[str, str] | None:
-    """(version, name) of the local ``pg_ctlcluster`` cluster serving ``url`` (default: the
-    test URL), or None when it cannot be restarted from here (another host, no
-    pg_ctlcluster, not root)."""
-    parts = urlsplit(url or pg_base_url())
-    if parts.hostname not in ("127.0.0.1", "localhost", "::1"):
-        return None
-    if not shutil.which("pg_lsclusters") or not shutil.which("pg_ctlcluster"):
-        return None
-    if os.geteuid() != 0:
-        return None
-    port = str(parts.port or 5432)
-    listing = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=False)
-    for line in listing.stdout.splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and fields[2] == port and fields[3].startswith("online"):
-            return fields[0], fields[1]
+# -- a server of the tests' own (suites that restart it on purpose) ------------------------
+class OwnServer:
+    """A PostgreSQL cluster this test process owns: initdb in a temporary folder, its own
+    loopback port, deleted when the process exits (bench.cluster.ScratchCluster). Suites
+    that restart, stop or crash the server do it to this one, never to the shared server
+    that other tests (other xdist workers) and other people use at the same time."""
+
+    def __init__(self) -> None:
+        from bench.cluster import ScratchCluster
+
+        self._cluster = ScratchCluster()
+        self._cluster.up()
+        self.url = self._cluster.url
+        self.closed = False
+
+    def stop(self, mode: str = "fast") -> None:
+        self._cluster.stop(mode)
+
+    def start(self) -> None:
+        """Start the server unless it is up; returns once it accepts connections."""
+        if not pg_ready(self.url):
+            self._cluster.start()
+            wait_pg_ready(self.url)
+
+    def restart(self, mode: str) -> float:
+        """Stop (``fast``, or ``immediate``: a crash and recovery) and start again; returns
+        once the server accepts connections, with the seconds it was away."""
+        started = time.monotonic()
+        try:
+            self.stop(mode)
+        finally:
+            self.start()
+        return time.monotonic() - started
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._cluster.__exit__(None, None, None)
+
+
+_own: list[OwnServer] = []
+
+
+def own_server() -> OwnServer:
+    """The test process's own PostgreSQL cluster, started on first use (a few seconds)."""
+    if not _own:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            unavailable("psycopg is not installed: pip install -e '.[postgres]' (make test does)")
+        try:
+            server = OwnServer()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            unavailable(
+                f"cannot start a PostgreSQL cluster of the tests' own ({exc}); these tests "
+                "restart PostgreSQL, which needs the server package's initdb and pg_ctl"
+            )
+        atexit.register(server.close)
+        _own.append(server)
+    return _own[0]
+
+
+def own_server_of(url: str) -> OwnServer | None:
+    """The tests' own cluster when ``url`` points at it, else None (a server the tests
+    must not restart)."""
+    if _own and urlsplit(url).port == urlsplit(_own[0].url).port:
+        return _own[0]
     return None
+
+
+def fresh_own_pg_url() -> Iterator[str]:
+    """Like fresh_pg_url, on the test process's own cluster (which the test may restart)."""
+    import psycopg
+
+    server = own_server()
+    schema = f"t_{secrets.token_hex(6)}"
+    try:
+        yield with_params(server.url, schema=schema, auto_migrate="true")
+    finally:
+        wait_pg_ready(server.url)
+        with psycopg.connect(server.url, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 def pg_ready(url: str | None = None) -> bool:
@@ -148,25 +211,3 @@ def wait_pg_ready(url: str | None = None, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"PostgreSQL did not accept connections within {timeout:g} s")
         time.sleep(0.1)
-
-
-def pg_ctlcluster(cluster: tuple[str, str], action: str, *options: str) -> None:
-    done = subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, action, *options],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert done.returncode == 0, f"pg_ctlcluster {action} failed: {done.stdout}{done.stderr}"
-
-
-def restart_postgres(cluster: tuple[str, str], mode: str, url: str | None = None) -> float:
-    """``pg_ctlcluster VERSION NAME restart -m MODE``; returns once the server accepts
-    connections again, with the seconds it was away as seen from here."""
-    started = time.monotonic()
-    try:
-        pg_ctlcluster(cluster, "restart", "-m", mode)
-    finally:
-        wait_pg_ready(url)
-    return time.monotonic() - started

@@ -34,10 +34,7 @@ import psycopg
 import errands
 from errands.backends.postgres.config import parse_postgres_url
 from tests.pg import (  # noqa: F401  (re-exported for the suites)
-    local_cluster,
     pg_base_url,
-    pg_ctlcluster,
-    restart_postgres,
     wait_pg_ready,
     with_params,
 )

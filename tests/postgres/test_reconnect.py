@@ -20,11 +20,13 @@ import psycopg
 import pytest
 
 import errands
-from tests.pg import unavailable
+from tests.pg import OwnServer, fresh_own_pg_url, own_server
 
-from .harness import local_cluster, restart_postgres, wait_until, with_params
+from .harness import wait_until, with_params
 
-pytestmark = pytest.mark.acceptance
+# One xdist worker runs every test that uses the tests' own PostgreSQL cluster: one
+# cluster per run, restarted by one test at a time.
+pytestmark = [pytest.mark.acceptance, pytest.mark.xdist_group("own_postgres")]
 
 POOLED = 5  # idle connections in the app's pool when the fault strikes
 
@@ -99,21 +101,32 @@ def _every_call_succeeds_at_once(shop: Shop, done: errands.JobHandle) -> None:
     assert done.result(timeout=10) == 7
 
 
+@pytest.fixture
+def server() -> OwnServer:
+    """The tests' own PostgreSQL cluster: restarting it disturbs no other test."""
+    return own_server()
+
+
+@pytest.fixture
+def shop_on_own_server(server: OwnServer) -> Iterator[Shop]:
+    for url in fresh_own_pg_url():
+        s = Shop(url, f"errands_reconnect_{id(url):x}")
+        try:
+            yield s
+        finally:
+            s.close()
+
+
 def test_every_enqueue_and_read_after_a_postgres_restart_succeeds_on_its_first_call(
-    shop: Shop,
+    shop_on_own_server: Shop, server: OwnServer
 ) -> None:
-    """pg_ctlcluster restart -m fast with POOLED idle connections in the app's pool: the
-    next enqueues, reads and handle.result() all succeed on their first call."""
-    cluster = local_cluster()
-    if cluster is None:
-        unavailable(
-            "restarting PostgreSQL needs a local pg_ctlcluster cluster on the test URL's "
-            "port, run as root"
-        )
+    """A restart (`pg_ctl restart -m fast`) with POOLED idle connections in the app's pool:
+    the next enqueues, reads and handle.result() all succeed on their first call."""
+    shop = shop_on_own_server
     done = shop.ship.enqueue(order=7)
     shop.complete(done.id, 7)
     shop.fill_pool()
-    restart_postgres(cluster, "fast")
+    server.restart("fast")
     _every_call_succeeds_at_once(shop, done)
 
 

@@ -6,7 +6,7 @@ Fault kinds (RELIABILITY.md):
 ``sigkill``     F1    SIGKILL a random worker mid-run, restart it
 ``sigstop``     F5    SIGSTOP a random worker for 3 x lease, then SIGCONT
 ``conn_kill``   F7    ``pg_terminate_backend`` on the workers' sessions, 3 rounds
-``pg_restart``  F6    ``pg_ctlcluster restart``, alternating ``-m immediate``/``fast``
+``pg_restart``  F6    ``pg_ctl restart`` of the tests' own cluster, ``-m immediate``/``fast``
 ``proxy_cut``   F8    blackhole one worker's TCP proxy for 2-3 x lease, then heal it
                       (half the time resetting every connection through it)
 ``cancel``      F19   freeze the worker of a running job and cancel that job right
@@ -32,7 +32,7 @@ from typing import Any
 import soak_app
 
 import errands
-from tests.pg import restart_postgres
+from tests.pg import OwnServer
 
 from .cluster import Cluster, Slot
 from .store import Store
@@ -78,7 +78,7 @@ class Chaos:
     kinds: tuple[str, ...]
     lease: float
     gap: tuple[float, float]
-    pg_cluster: tuple[str, str] | None = None
+    pg_cluster: OwnServer | None = None
     episodes: list[Episode] = field(default_factory=list)
     cancels: list[CancelRecord] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
@@ -198,7 +198,7 @@ class Chaos:
         mode = ("immediate", "fast")[self._restart_mode % 2]
         self._restart_mode += 1
         episode = Episode("pg_restart", time.time(), detail=f"-m {mode}")
-        away = restart_postgres(self.pg_cluster, mode, self.store.conninfo)
+        away = self.pg_cluster.restart(mode)
         episode.detail += f", away {away:.1f} s"
         episode.healed = time.time()
         self.store.forget()

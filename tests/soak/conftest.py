@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import SUMMARY_SECTION
+
 APPS_DIR = Path(__file__).resolve().parent / "apps"
 if str(APPS_DIR) not in sys.path:  # the test process imports the same app as the workers
     sys.path.insert(0, str(APPS_DIR))
 
-REPORTS: list[tuple[str, str]] = []
+REPORTS: list[tuple[str, str]] = []  # (title, text) of each run, printed in the summary
 
 if sys.platform == "win32":  # SIGKILL, SIGSTOP and friends are POSIX
     collect_ignore_glob = ["test_*.py"]
@@ -38,11 +39,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    for title, text in REPORTS:
-        terminalreporter.section(title, sep="=")
-        for line in text.splitlines():
-            terminalreporter.write_line(line)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
+    """The run's report goes into the test report (under xdist, the process that runs the
+    test is not the one that prints the summary)."""
+    report = yield
+    if report.when == "call":
+        while REPORTS:
+            title, text = REPORTS.pop(0)
+            report.sections.append((SUMMARY_SECTION + title, text))
+    return report
 
 
 @pytest.fixture
@@ -50,10 +56,5 @@ def soak_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> st
     """The store of one soak run: a fresh SQLite file or a fresh PostgreSQL schema."""
     if backend == "sqlite":
         return f"sqlite:///{tmp_path}/soak.db"
-    from tests.pg import pg_base_url, pg_ready, require_pg
-
-    require_pg()
-    deadline = time.monotonic() + 90  # another suite may just be restarting the server
-    while not pg_ready(pg_base_url()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return str(request.getfixturevalue("pg_url"))
+    # The tests' own cluster: the soak restarts it, which must disturb no other test.
+    return str(request.getfixturevalue("own_pg_url"))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import soak_app
 
-from tests.pg import local_cluster
+from tests.pg import own_server_of
 
 from . import dashboard_check
 from .chaos import POSTGRES_KINDS, SQLITE_KINDS, Chaos
@@ -84,12 +84,12 @@ def run_soak(config: SoakConfig, folder: Path, url: str) -> SoakResult:
     app.close()
     app.url = url
     app.migrate()
-    pg_cluster = None if store.sqlite else local_cluster(url)
+    pg_cluster = None if store.sqlite else own_server_of(url)
     kinds = config.kinds or (SQLITE_KINDS if store.sqlite else POSTGRES_KINDS)
     notes = []
     if not store.sqlite and pg_cluster is None:
         kinds = tuple(k for k in kinds if k != "pg_restart")
-        notes.append("PostgreSQL restarts skipped: no local pg_ctlcluster cluster (run as root)")
+        notes.append("PostgreSQL restarts skipped: the store is not the tests' own cluster")
     cluster = Cluster(
         folder,
         store,

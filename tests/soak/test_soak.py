@@ -22,6 +22,9 @@ from .run import SoakConfig, SoakResult, run_soak
 BACKENDS = ("sqlite", "postgres")
 # Issue 10's CI size, under a minute per backend on a 2-core machine; SQLite has 3 fault
 # kinds, so it goes round them twice.
+# One xdist worker runs every test that uses the tests' own PostgreSQL cluster.
+pytestmark = pytest.mark.xdist_group("own_postgres")
+
 CI_JOBS = {"sqlite": 5_000, "postgres": 5_000}
 CI_ROUNDS = {"sqlite": 2, "postgres": 1}
 # Full size: a steady rate well within what 3 workers sustain on 2 cores (about 150 jobs/s
