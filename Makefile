@@ -18,8 +18,12 @@ demo: $(STAMP)
 
 # The main suite, then the framework integrations on both Django stacks (own venvs) and
 # the FastAPI/Flask examples; both always run, and either failing fails the target.
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0: in this one); the tests
+# that restart PostgreSQL share one process and the tests' own cluster (tests/pg.py).
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	@status=0; $(BIN)/python -m pytest -q $(PYTEST_ARGS) || status=$$?; \
+	@status=0; $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) \
+	  || status=$$?; \
 	bash scripts/test_integrations.sh || status=$$((status ? status : 1)); \
 	exit $$status
 
