@@ -207,7 +207,7 @@ class Dispatcher:
         if timeout:
             attempt.deadline = attempt.started + timeout
             worker.leases.poke()
-        child = children.submit(attempt.row)
+        child = children.submit(attempt.row, on_progress=lambda r: _progressed(attempt, r))
         attempt.child = child
 
         def kill(exc: BaseException) -> None:
@@ -234,3 +234,9 @@ def encode(definition: JobDefinition[Any, Any], result: Any) -> str | None:
         raise InvalidPayload(
             f"{definition.name}: encoding the handler's result failed: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def _progressed(attempt: Attempt, report: tuple[float, str]) -> None:
+    """A child process's ctx.progress report: stored with the next heartbeat, as in a
+    thread."""
+    attempt.progress = report

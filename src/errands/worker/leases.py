@@ -221,13 +221,15 @@ class LeaseKeeper:
             )
 
     def _self_fence(self, held: list[Attempt]) -> None:
-        horizon = time.monotonic() + self.interval * 1.5
+        now = time.monotonic()
+        horizon = now + self.interval * 1.5
         for attempt in held:
             if not attempt.decided and attempt.lease_valid_until <= horizon:
                 log.error(
                     "cannot renew the lease of job %s: stopping its handler before the lease "
-                    "runs out, so no other worker races it",
+                    "runs out (in %.2f s), so no other worker races it",
                     attempt.id,
+                    attempt.lease_valid_until - now,
                 )
                 attempt.interrupt(LEASE_UNRENEWED, self.worker.loop)
 

@@ -9,6 +9,8 @@ a job without an owner:
 - a timeout or an operator's cancel kills the child (SIGKILL) and starts a new one;
 - a child that dies on its own fails the attempt ("worker process died", kind ``crash``),
   retried with backoff; the job stays a suspect, so it runs isolated again;
+- ``ctx.progress`` reports travel to the parent (at most one every PROGRESS_EVERY
+  seconds, the latest always kept), which stores them with its next heartbeat;
 - ``ctx.step`` and ``ctx.transaction()`` work in the child through its own connection;
   when the handler used ``ctx.transaction()``, the child writes the fenced completion in
   that transaction itself and reports whether it landed; children of ``ctx.enqueue``
@@ -29,7 +31,9 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 import traceback as tb
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +43,10 @@ from ..jobs import EnqueueRequest, JobRow
 log = logging.getLogger("errands.worker")
 
 READY = "ready"
+PROGRESS = "progress"  # a child's message during a run: (PROGRESS, fraction, message)
+PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
+
+Progress = Callable[[tuple[float, str]], None]
 
 
 @dataclass
@@ -108,7 +116,8 @@ class ProcessRunner:
             )
         return _Slot(process, parent)
 
-    def submit(self, row: JobRow) -> Future[Any]:
+    def submit(self, row: JobRow, on_progress: Progress | None = None) -> Future[Any]:
+        """Run ``row`` in a free child; ``on_progress`` receives its ctx.progress reports."""
         future: Future[Any] = Future()
         self._grow()
         with self._cond:
@@ -119,7 +128,9 @@ class ProcessRunner:
                 return future
             slot = self._free.pop()
             slot.busy = future
-        threading.Thread(target=self._run, args=(slot, row, future), daemon=True).start()
+        threading.Thread(
+            target=self._run, args=(slot, row, future, on_progress), daemon=True
+        ).start()
         return future
 
     def _grow(self) -> None:
@@ -141,10 +152,17 @@ class ProcessRunner:
             self._free.append(slot)
             self._cond.notify()
 
-    def _run(self, slot: _Slot, row: JobRow, future: Future[Any]) -> None:
+    def _run(
+        self, slot: _Slot, row: JobRow, future: Future[Any], on_progress: Progress | None
+    ) -> None:
         try:
             slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
-            ok, payload = slot.conn.recv()
+            message = slot.conn.recv()
+            while message[0] == PROGRESS:
+                if on_progress is not None:
+                    on_progress((message[1], message[2]))
+                message = slot.conn.recv()
+            ok, payload = message
         except (EOFError, OSError):
             slot.process.join(timeout=2)
             code = slot.process.exitcode
@@ -222,6 +240,7 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
         conn.send(f"{type(exc).__name__}: {exc}")
         return
     conn.send(READY)
+    reporter = _ProgressSender(conn)
     while True:
         try:
             message = conn.recv()
@@ -229,10 +248,51 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
             return
         if message is None:
             return
-        conn.send(_run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}"))
+        outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
+        reporter.send_outcome(outcome)
 
 
-def _run_one(app: Any, row: JobRow, worker_id: str) -> tuple[bool, Any]:
+class _ProgressSender:
+    """Sends a child's progress reports to the parent, at most one per PROGRESS_EVERY
+    seconds: a report held back goes out within that time (a flusher thread), or just
+    before the outcome. One lock orders every message on the pipe."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.sent_at = 0.0
+        self.held: tuple[float, str] | None = None
+        threading.Thread(target=self._flusher, name="errands-progress", daemon=True).start()
+
+    def __call__(self, report: tuple[float, str]) -> None:
+        with self.lock:
+            self.held = report
+            if time.monotonic() - self.sent_at >= PROGRESS_EVERY:
+                self._send_held()
+
+    def _send_held(self) -> None:
+        if self.held is not None:
+            self.conn.send((PROGRESS, *self.held))
+            self.held, self.sent_at = None, time.monotonic()
+
+    def _flusher(self) -> None:
+        while True:
+            time.sleep(PROGRESS_EVERY)
+            with self.lock:
+                try:
+                    self._send_held()
+                except OSError:  # the parent is gone: the child's loop ends too
+                    return
+
+    def send_outcome(self, outcome: tuple[bool, Any]) -> None:
+        with self.lock:
+            self._send_held()
+            self.conn.send(outcome)
+
+
+def _run_one(
+    app: Any, row: JobRow, worker_id: str, reporter: Progress | None = None
+) -> tuple[bool, Any]:
     import asyncio
     import inspect
 
@@ -245,6 +305,7 @@ def _run_one(app: Any, row: JobRow, worker_id: str) -> tuple[bool, Any]:
     definition = app.registry[row.name]
     attempt = Attempt(row=row, definition=definition, lease_seconds=row.lease_seconds or 30.0)
     runtime = attempt.runtime = AttemptRuntime(app, attempt)
+    runtime.report_progress = reporter
     try:
         kwargs = definition.payload.decode(row.args)
         attempt.kwargs = kwargs

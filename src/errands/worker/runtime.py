@@ -60,6 +60,8 @@ class AttemptRuntime:
         self._steps: dict[str, Any] | None = None
         self._used: set[str] = set()
         self._lock = threading.Lock()
+        # In a child process: where each progress report goes (the parent stores it)
+        self.report_progress: Callable[[tuple[float, str]], None] | None = None
 
     # -- steps -----------------------------------------------------------------------------
     def _begin_step(self, name: str) -> tuple[bool, Any]:
@@ -187,7 +189,10 @@ class AttemptRuntime:
         if not isinstance(message, str):
             raise ValueError(f"ctx.progress: message must be a string, got {message!r}")
         text = message.replace("\x00", "")[:PROGRESS_MESSAGE_MAX]  # storable text
-        self.attempt.progress = (float(fraction), text.encode("utf-8", "replace").decode())
+        report = (float(fraction), text.encode("utf-8", "replace").decode())
+        self.attempt.progress = report
+        if self.report_progress is not None:
+            self.report_progress(report)
 
     # -- the completion transaction ----------------------------------------------------------
     def transaction(self) -> TransactionConnection:

@@ -57,3 +57,15 @@ def approval(ctx: errands.Context, order: int) -> dict[str, Any]:
     record(ctx)
     decision = ctx.wait_for_signal("approved", timeout=600)
     return {"order": order, "decision": decision, "pid": os.getpid()}
+
+
+@app.job(name="reporting", retries=0)
+def reporting(ctx: errands.Context, until: str) -> int:
+    """Report progress in a tight loop, then wait (at most a minute) for file ``until``."""
+    record(ctx)
+    for page in range(1, 1001):
+        ctx.progress(page / 1000, f"rendered {page} of 1000 pages")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(until) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.getpid()
