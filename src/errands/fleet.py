@@ -8,6 +8,7 @@ dead. It stays listed (as dead) until the maintenance leader forgets it, 5 minut
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,8 @@ from .backends.base import WorkerInfo
 
 if TYPE_CHECKING:
     from .app import App
+
+log = logging.getLogger("errands.worker")
 
 MISSED_HEARTBEATS = 3
 BEAT_SLACK = 2.0  # seconds: a heartbeat's write may take a moment to land
@@ -57,3 +60,25 @@ def unserved_periodic(app: App, served: set[str]) -> dict[str, list[str]]:
         if queue not in served:
             waiting.setdefault(queue, []).append(periodic.name)
     return waiting
+
+
+def warn_unserved_periodic(app: App, queues: list[str]) -> None:
+    """Log a warning for each queue of periodic jobs that neither a worker serving
+    ``queues`` (starting now) nor another live worker serves: their runs would wait
+    unseen. Every worker says it at start-up, from the CLI or embedded. Best effort: a
+    store error skips the warning (the worker's own start-up reports the store)."""
+    if not app.schedules:
+        return
+    try:
+        others = live_served_queues(app)
+    except Exception:
+        return
+    for queue, names in sorted(unserved_periodic(app, set(queues) | others).items()):
+        log.warning(
+            "periodic job(s) %s run in queue %s, which this worker (-q %s) and no other "
+            "live worker serves: their runs wait there; add %s to -q or start a worker for it",
+            ", ".join(names),
+            queue,
+            ",".join(queues),
+            queue,
+        )

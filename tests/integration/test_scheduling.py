@@ -3,9 +3,11 @@
 import asyncio
 import threading
 import time
+from typing import Any
 
 import errands
 from errands import JobState
+from tests.conftest import running_worker
 
 
 class Gauge:
@@ -114,3 +116,29 @@ def test_delayed_jobs_do_not_start_before_their_run_at(app: errands.App, worker_
     assert started_at["delayed"] >= job.run_at.timestamp() - 0.002
     assert started_at["delayed"] - enqueued_at >= 0.5 - 0.002
     assert started_at["immediate"] < started_at["delayed"]
+
+
+def test_an_embedded_worker_warns_of_periodic_jobs_in_a_queue_no_live_worker_serves(
+    app: errands.App, caplog: Any
+) -> None:
+    """The start-up warning is the worker's, not the CLI's: a worker run from Python (or a
+    framework's embedded worker) serving only `emails` names the periodic job waiting in
+    `default`; a worker that serves `default` says nothing."""
+
+    @app.periodic("0 3 * * *", name="reconcile")
+    def reconcile() -> None:
+        pass
+
+    caplog.set_level("WARNING", logger="errands.worker")
+    with running_worker(app, queues=["emails"]):
+        pass
+    warned = [r.getMessage() for r in caplog.records if "periodic job(s)" in r.getMessage()]
+    assert warned == [
+        "periodic job(s) reconcile run in queue default, which this worker (-q emails) and "
+        "no other live worker serves: their runs wait there; add default to -q or start a "
+        "worker for it"
+    ]
+    caplog.clear()
+    with running_worker(app, queues=["default"]):
+        pass
+    assert not [r for r in caplog.records if "periodic job(s)" in r.getMessage()]

@@ -14,7 +14,6 @@ from typing import Any
 import click
 
 from .. import __version__
-from ..app import App
 from ..errors import ConfigurationError, ErrandsError
 from ..loading import sqlite_file
 from ..observability.logcontext import configure_logging
@@ -178,7 +177,6 @@ def worker(
         app_path=app_path or app_option,
         suspect_lanes=suspect_lanes,
     )
-    warn_unserved_periodic(app, list(w.queue_limits))
     code = w.run()
     if w.stuck_threads():
         # A handler thread ignored its timeout or the shutdown; Python cannot kill it,
@@ -200,28 +198,6 @@ def warn_new_database(url: str) -> None:
             "one. If your jobs are stored elsewhere, start it from that folder or pass "
             "--url sqlite:////absolute/path/to/your.db",
             err=True,
-        )
-
-
-def warn_unserved_periodic(app: App, queues: list[str]) -> None:
-    """Periodic jobs whose queue neither this worker nor another live one serves: their
-    runs would wait unseen, so say so at start-up."""
-    from ..fleet import live_served_queues, unserved_periodic
-
-    if not app.schedules:
-        return
-    try:
-        others = live_served_queues(app)
-    except Exception:  # the store is not ready: the worker's own start-up says why
-        return
-    for queue, names in sorted(unserved_periodic(app, set(queues) | others).items()):
-        log.warning(
-            "periodic job(s) %s run in queue %s, which this worker (-q %s) and no other "
-            "live worker serves: their runs wait there; add %s to -q or start a worker for it",
-            ", ".join(names),
-            queue,
-            ",".join(queues),
-            queue,
         )
 
 

@@ -52,6 +52,7 @@ from ..backends import redact_url
 from ..backends.base import LeaseRef, QueueClaim, QueueSettings, WorkerInfo
 from ..definition import check_name
 from ..errors import ConfigurationError, is_transient
+from ..fleet import warn_unserved_periodic
 from ..hooks import protect_current_thread
 from ..jobs import JobRow
 from ..maintenance import Maintenance
@@ -280,6 +281,7 @@ class Worker:
                 self.app_path or "", self.app.url, self.concurrency, worker_id=self.id
             )
         self._register()
+        warn_unserved_periodic(self.app, list(self.queue_limits))
         self._at_startup("declaring queue settings", self._declare)
         self.claimer.refresh(force=True)
         self.completer.start()
