@@ -79,11 +79,15 @@ class Storm:
         workers: int = 2,
         concurrency: int = 8,
         kill_every: tuple[float, float] | None = None,
-        timeout: float = 150.0,
+        max_kills: int = 12,
+        timeout: float = 240.0,
         describe: Callable[[], str] = lambda: "",
     ) -> None:
         """Keep ``workers`` job workers alive (restarting the dead), SIGKILL a random one
-        every ``kill_every`` seconds, until ``done()``; fail after ``timeout`` s."""
+        every ``kill_every`` seconds, ``max_kills`` times at most, until ``done()``; fail
+        after ``timeout`` s. The kills are counted, not timed: on a loaded machine a worker
+        may need seconds to start, and a storm paced by the clock alone would kill each
+        one before it ran anything (the jobs would never finish)."""
         leader = self._start_leader()
         job_worker = ("-c", str(concurrency), "--no-maintenance", "--log-level", "warning")
         slots: list[Proc] = [self.spawn(*job_worker) for _ in range(workers)]
@@ -110,7 +114,8 @@ class Storm:
                     self.exits[proc.returncode or 0] += 1
                     proc.close()
                     slots[i] = self.spawn(*job_worker)
-            if next_kill is not None and kill_every is not None and now >= next_kill:
+            storming = self.kills < max_kills
+            if storming and next_kill is not None and kill_every is not None and now >= next_kill:
                 victim = random.choice(slots)
                 if victim.alive:
                     victim.signal(signal.SIGKILL)
