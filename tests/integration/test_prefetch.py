@@ -102,7 +102,7 @@ def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charge
     worker.worker.stop()  # like SIGTERM: the two waiting jobs are released right away...
     wait_until(
         lambda: states(app, "pf.blocked") == {"running": 2, "available": 2},
-        timeout=5,
+        timeout=30,
         what="the prefetched jobs released while the running ones still run",
     )
     blocked.gate.set()  # ...and the running ones finish within the grace period
@@ -120,7 +120,7 @@ def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(
     app: errands.App, worker_factory
 ) -> None:
     blocked = Blocked(app)
-    with worker_factory(concurrency=1):
+    with worker_factory(concurrency=1) as worker:
         learn_handlers_are_quick(app)
         first = blocked.job.enqueue(n=1)
         waiting = blocked.job.enqueue(n=2)
@@ -128,7 +128,10 @@ def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(
         wait_until(lambda: blocked.ran == [1], what="the first one running")
 
         assert waiting.cancel().state == "running"  # cancel requested; the lease says so
-        time.sleep(0.6)  # heartbeats (a third of the 1 s lease) deliver the cancel
+        wait_until(  # a heartbeat (a third of the 1 s lease) delivers the cancel
+            lambda: any(a.id == waiting.id and a.stop_reason for a in worker.attempts()),
+            what="the cancel delivered to the prefetched attempt",
+        )
         blocked.gate.set()
         assert first.result(timeout=10) is None
         wait_until(lambda: waiting.status() is JobState.CANCELLED, what="the cancelled job")
