@@ -59,13 +59,11 @@ def test_a_write_locked_out_past_write_timeout_raises_database_busy_and_writes_n
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "jobs.db"
-    backend, holder = _held_elsewhere(path, 2.0, "?write_timeout=0.3")
-    started = time.monotonic()
+    backend, holder = _held_elsewhere(path, 3.0, "?write_timeout=0.3")
     with pytest.raises(DatabaseBusy, match=r"stayed locked for 0\.3 s.*long transaction"):
         backend.job_insert_many([request()])
-    gave_up_after = time.monotonic() - started
+    assert holder.is_alive()  # it gave up at its timeout, not when the holder let go
     holder.join()
-    assert gave_up_after < 1.5  # it gave up at its timeout, not when the holder let go
     assert sqlite3.connect(path).execute("SELECT count(*) FROM errands_jobs").fetchone() == (0,)
     backend.close()
 

@@ -15,6 +15,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import pgacc_basic
 import pytest
@@ -281,10 +282,12 @@ def test_worker_resumes_within_seconds_after_a_long_database_outage(pg_url: str)
     from tests.conftest import running_worker
     from tests.soak.proxy import FaultProxy, ProxyLoop
 
+    server = urlsplit(pg_url)
     loop = ProxyLoop()
-    proxy = FaultProxy(loop, "127.0.0.1", 5432)
+    proxy = FaultProxy(loop, server.hostname or "127.0.0.1", server.port or 5432)
     direct = errands.App(pg_url)
-    cut_off = errands.App(pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}", 1))
+    cut_off = errands.App(urlunsplit(server._replace(netloc=f"postgres@127.0.0.1:{proxy.port}")))
+    assert cut_off.url != pg_url
     for app in (direct, cut_off):
         app.job(name="outage.ping", retries=0)(_ping)
     try:
