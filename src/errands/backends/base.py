@@ -72,6 +72,8 @@ class FinishParams:
     # (or sent at the same moment) makes the job available at once instead.
     wait_signal: str | None = None
     wait_timeout: float | None = None
+    # a workflow member's completion: members it adds to its own workflow (ctx.add_to_workflow)
+    workflow_adds: Sequence[EnqueueRequest] = ()
 
 
 @dataclass(frozen=True)
