@@ -51,6 +51,7 @@ from .payload import MAX_PAYLOAD_BYTES_DEFAULT
 from .results import ResultHub
 from .retry import BackoffPolicy
 from .suggest import did_you_mean
+from .workflows import WORKFLOW_STATES, Member, Workflow, WorkflowHandle, WorkflowStatus
 
 if TYPE_CHECKING:
     from .maintenance.scheduler import Periodic, PeriodicInfo
@@ -457,6 +458,88 @@ class App:
             JobHandle(self, result.id, bound.request.name, result.deduplicated)
             for bound, result in zip(jobs, results, strict=True)
         ]
+
+    # -- workflows ---------------------------------------------------------------------
+    def enqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
+        """Store a workflow (or batch) — members, edges and callbacks — in one transaction
+        (the caller's, when ``conn`` is given). See docs/workflows.md."""
+        if not isinstance(workflow, Workflow):
+            raise ConfigurationError(
+                "enqueue_workflow takes an errands.Workflow or errands.Batch, got "
+                f"{type(workflow).__name__}"
+            )
+        if not workflow.nodes:
+            raise ConfigurationError(
+                f"workflow {workflow.name!r} has no members; add some with wf.add(job.bind(...))"
+            )
+        members = [bound for _, bound, _ in workflow.nodes]
+        requests = self._requests(members)
+        callbacks = dict(
+            zip(workflow.callbacks, self._requests(list(workflow.callbacks.values())), strict=True)
+        )
+        inserted = self.backend.workflow_insert(workflow.spec(requests, callbacks), conn=conn)
+        handles = self._enqueued(members, inserted.jobs)
+        if self.events.wants("errands.workflow.enqueued"):
+            self.events.emit(
+                "errands.workflow.enqueued",
+                workflow_id=inserted.id,
+                workflow_name=workflow.name,
+                kind=workflow.kind,
+                members=len(members),
+            )
+        nodes = [node.name for node, _, _ in workflow.nodes]
+        return WorkflowHandle(self, inserted.id, dict(zip(nodes, handles, strict=True)))
+
+    def workflow(self, workflow_id: int) -> WorkflowHandle:
+        """The handle of a stored workflow (raises JobNotFound if there is none)."""
+        self.workflow_status(workflow_id)
+        return WorkflowHandle(self, int(workflow_id))
+
+    def workflow_status(self, workflow_id: int) -> WorkflowStatus:
+        row = self.backend.workflow_get(int(workflow_id))
+        if row is None:
+            raise JobNotFound(f"no workflow with id {workflow_id}")
+        return WorkflowStatus.of(row)
+
+    def workflows(
+        self, *, state: str | None = None, before_id: int | None = None, limit: int = 100
+    ) -> list[WorkflowStatus]:
+        """Workflows newest first; ``state``: running, succeeded, failed or cancelled."""
+        if state is not None and state not in WORKFLOW_STATES:
+            raise ValueError(
+                f"unknown workflow state {state!r}; choose one of: {', '.join(WORKFLOW_STATES)}"
+            )
+        rows = self.backend.workflow_list(state=state, before_id=before_id, limit=limit)
+        return [WorkflowStatus.of(r) for r in rows]
+
+    def workflow_members(self, workflow_id: int) -> list[Member]:
+        """Every member of a workflow with its node, state and parents, in id order."""
+        members: list[Member] = []
+        after = 0
+        while True:
+            page = self.backend.workflow_members(int(workflow_id), after=after, limit=1000)
+            members.extend(Member.of(r) for r in page)
+            if len(page) < 1000:
+                return members
+            after = page[-1].job_id
+
+    def cancel_workflow(self, workflow_id: int, *, actor: str = "api") -> int:
+        """Cancel a workflow: its pending members (dependents included) at once, its
+        running ones asked to stop; it then settles ``cancelled``. The number cancelled."""
+        cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
+        if self.events.wants("errands.workflow.cancelled"):
+            self.events.emit(
+                "errands.workflow.cancelled",
+                workflow_id=int(workflow_id),
+                actor=actor,
+                cancelled=cancelled,
+            )
+        return cancelled
+
+    def job_result(self, job_id: int) -> Any:
+        """A completed job's result, decoded as its handler's return annotation says."""
+        job = self.get_job(job_id)
+        return JobHandle(self, job.id, job.name)._outcome(job)
 
     # -- reading -------------------------------------------------------------------------
     def get_job(self, job_id: int) -> Job:

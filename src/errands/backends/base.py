@@ -14,9 +14,18 @@ import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..jobs import EnqueueRequest, JobRow, Step
+
+if TYPE_CHECKING:
+    from .workflow_store import (
+        MemberRow,
+        ParentResultRow,
+        WorkflowInserted,
+        WorkflowRow,
+        WorkflowSpec,
+    )
 
 FinishState = Literal["completed", "retryable", "dead", "cancelled", "waiting"]
 
@@ -554,6 +563,35 @@ class Backend(Protocol):
     def queue_forget(self, name: str, actor: str) -> bool:
         """Delete a queue's stored settings (paused flag, limits), audited; False when it
         had none."""
+        ...
+
+    # -- workflows (errands.workflows; the SQL in each backend's workflows.sql) -----------
+    def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        """Store a workflow, its members (dependents waiting), edges and pending set in
+        one transaction (the caller's, when ``conn`` is given)."""
+        ...
+
+    def workflow_get(self, workflow_id: int) -> WorkflowRow | None: ...
+
+    def workflow_list(
+        self, state: str | None = None, before_id: int | None = None, limit: int = 100
+    ) -> list[WorkflowRow]:
+        """Workflows newest first (keyset pagination on ``before_id``)."""
+        ...
+
+    def workflow_members(
+        self, workflow_id: int, after: int = 0, limit: int = 1000
+    ) -> list[MemberRow]: ...
+
+    def workflow_parent_results(
+        self, job_id: int, after: int = 0, limit: int = 100
+    ) -> list[ParentResultRow]:
+        """The parents of member ``job_id`` with ids above ``after``, in id order."""
+        ...
+
+    def workflow_cancel(self, workflow_id: int, actor: str) -> int:
+        """Cancel pending members, ask running ones to stop (audited); raises
+        JobNotFound for an unknown workflow."""
         ...
 
     # -- health --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ConfigurationError
 from ..jobs import EnqueueRequest
-from .base import InsertResult
+from .base import FinishParams, InsertResult
 from .program import Program, Stmt
 
 KINDS = ("batch", "dag")
@@ -30,6 +30,10 @@ EVENTS = ("on_success", "on_settled", "on_dead")
 ENDED = frozenset({"completed", "dead", "cancelled", "discarded"})
 CANCELLABLE = frozenset({"available", "scheduled", "retryable", "waiting"})
 FAILED = frozenset({"dead", "cancelled"})
+
+# ctx.add_to_workflow marks the child requests it adds with this meta key (they travel
+# with the completion as ctx.enqueue's children do); the store takes them apart.
+WORKFLOW_ADD = "workflow_add"
 
 InsertJobs = Callable[[Sequence[EnqueueRequest]], Program[list[InsertResult]]]
 Notify = Callable[[set[str]], Program[None]]
@@ -100,6 +104,22 @@ class ParentResultRow:
     state: str | None
     result_json: str | None
     size: int
+
+
+def split_children(
+    outcome: FinishParams,
+) -> tuple[list[EnqueueRequest], list[EnqueueRequest]]:
+    """A completion's children: plain ones (ctx.enqueue), and members it adds to its own
+    workflow (``workflow_adds`` and the children ctx.add_to_workflow marked)."""
+    plain: list[EnqueueRequest] = []
+    adds = list(outcome.workflow_adds)
+    for child in outcome.children:
+        if child.meta.get(WORKFLOW_ADD):
+            meta = {k: v for k, v in child.meta.items() if k != WORKFLOW_ADD}
+            adds.append(replace(child, meta=meta))
+        else:
+            plain.append(child)
+    return plain, adds
 
 
 def request_to_json(request: EnqueueRequest) -> dict[str, Any]:

@@ -49,6 +49,8 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     "errands.job.discarded": ("job_id", "actor", "reason"),
     "errands.job.cancel_requested": ("job_id", "actor", "previous_state"),
     "errands.job.edited": ("job_id", "actor", "changes"),
+    "errands.workflow.enqueued": ("workflow_id", "workflow_name", "kind", "members"),
+    "errands.workflow.cancelled": ("workflow_id", "actor", "cancelled"),
     "errands.worker.started": ("worker_id", "queues", "concurrency", "store"),
     "errands.worker.stopped": ("worker_id", "processed"),
     "errands.leader.elected": ("worker_id",),

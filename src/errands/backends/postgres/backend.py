@@ -51,7 +51,13 @@ from ..limits import Claimed, claim_limited
 from ..program import Call, Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
 from ..sqlfile import load_migrations, load_queries
-from ..workflow_store import ENDED, WorkflowInserted, WorkflowSpec, WorkflowStore
+from ..workflow_store import (
+    ENDED,
+    WorkflowInserted,
+    WorkflowSpec,
+    WorkflowStore,
+    split_children,
+)
 from .admin import PostgresAdmin
 from .config import (
     CONNECT_TIMEOUT_DEFAULT,
@@ -671,13 +677,14 @@ class PostgresBackend(PostgresAdmin):
                 for o in rest:
                     if (o.id, o.lease_token) not in ended or o.state != "completed":
                         continue
-                    if o.children:
-                        self._insert(conn, o.children)
-                    if o.workflow_adds:
+                    plain, adds = split_children(o)
+                    if plain:
+                        self._insert(conn, plain)
+                    if adds:
                         [(workflow_id,)] = conn.execute(
                             self.q["wf_job_workflow"], {"id": o.id}
                         ).fetchall()
-                        run(conn, self.workflows.add(workflow_id, o.workflow_adds))
+                        run(conn, self.workflows.add(workflow_id, adds))
                 members = [o.id for o in rest if ended.get((o.id, o.lease_token)) in ENDED]
                 run(conn, self.workflows.fan_in(members))
             landed = {(o.id, o.lease_token) for o in rest} & set(ended)

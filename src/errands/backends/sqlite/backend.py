@@ -52,7 +52,13 @@ from ..base import (
 from ..limits import Claimed, claim_limited
 from ..program import Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
-from ..workflow_store import ENDED, WorkflowInserted, WorkflowSpec, WorkflowStore
+from ..workflow_store import (
+    ENDED,
+    WorkflowInserted,
+    WorkflowSpec,
+    WorkflowStore,
+    split_children,
+)
 from .admin import SQLiteAdmin
 from .statements import MIGRATIONS, SCHEMA_VERSION, Q
 
@@ -513,10 +519,11 @@ class SQLiteBackend(SQLiteAdmin):
         if not rows:
             return False
         if o.state == "completed":
-            for child in o.children:
+            plain, adds = split_children(o)
+            for child in plain:
                 self._insert(conn, child)
-            if o.workflow_adds and rows[0][0] is not None:
-                run(conn, self.workflows.add(rows[0][0], o.workflow_adds))
+            if adds and rows[0][0] is not None:
+                run(conn, self.workflows.add(rows[0][0], adds))
         self._fan_in(conn, [(o.id, *rows[0])])
         return True
 
