@@ -15,11 +15,13 @@ never gets its terminal write, so never reaches the fan-in.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import ConfigurationError
+from ..faults import fault_point
 from ..jobs import EnqueueRequest
 from .base import FinishParams, InsertResult
 from .program import Program, Stmt
@@ -169,6 +171,14 @@ class WorkflowStore:
         self.insert_jobs = insert
         self.array = array
         self.notify = notify
+        self._local = threading.local()
+
+    def take_fanned(self) -> bool:
+        """Whether a fan-in ran in this thread since the last call (the backends' finish
+        reaches fault point ``after_fan_in_commit`` once its transaction committed)."""
+        fanned = getattr(self._local, "fanned", False)
+        self._local.fanned = False
+        return bool(fanned)
 
     # -- inserting ---------------------------------------------------------------------
     def insert(self, spec: WorkflowSpec) -> Program[WorkflowInserted]:
@@ -254,6 +264,8 @@ class WorkflowStore:
         rows = yield Stmt(q["wf_pending_of"], {"ids": self.array(ids)})
         if not rows:
             return
+        fault_point("before_fan_in", job_ids=ids)
+        self._local.fanned = True
         cancelling: set[int] = set()
         for workflow_id in sorted({int(r[0]) for r in rows}):  # one order: no deadlock
             yield Stmt(q["wf_lock"], {"id": workflow_id})
@@ -328,6 +340,7 @@ class WorkflowStore:
                 yield from self._fire(row, "on_success", callbacks["on_success"])
 
     def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[None]:
+        fault_point("before_callback_insert", workflow_id=row.id, event=event)
         request = request_from_json(stored)
         request = replace(
             request,

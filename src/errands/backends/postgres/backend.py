@@ -637,11 +637,16 @@ class PostgresBackend(PostgresAdmin):
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
+        self.workflows.take_fanned()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
             with self._tx() as conn:
-                return self._finish(conn, outcomes)
-        with self._conn() as conn:  # one autocommit statement: one round trip
-            return self._finish(conn, outcomes)
+                answers = self._finish(conn, outcomes)
+        else:
+            with self._conn() as conn:  # one autocommit statement: one round trip
+                answers = self._finish(conn, outcomes)
+        if self.workflows.take_fanned():
+            fault_point("after_fan_in_commit")
+        return answers
 
     def _finish(
         self, conn: psycopg.Connection[Any], outcomes: Sequence[FinishParams]

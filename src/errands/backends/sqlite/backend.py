@@ -497,8 +497,12 @@ class SQLiteBackend(SQLiteAdmin):
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
+        self.workflows.take_fanned()
         with self._write() as conn:
-            return [self._finish(conn, o) for o in outcomes]
+            answers = [self._finish(conn, o) for o in outcomes]
+        if self.workflows.take_fanned():
+            fault_point("after_fan_in_commit")
+        return answers
 
     def _finish(self, conn: sqlite3.Connection, o: FinishParams) -> bool:
         """The fenced write of one outcome; its children are inserted only if it lands,
