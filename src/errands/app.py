@@ -526,7 +526,9 @@ class App:
     def cancel_workflow(self, workflow_id: int, *, actor: str = "api") -> int:
         """Cancel a workflow: its pending members (dependents included) at once, its
         running ones asked to stop; it then settles ``cancelled``. The number cancelled."""
+        self.backend.workflow_take_settled()
         cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
+        self.workflows_settled()
         if self.events.wants("errands.workflow.cancelled"):
             self.events.emit(
                 "errands.workflow.cancelled",
@@ -535,6 +537,21 @@ class App:
                 cancelled=cancelled,
             )
         return cancelled
+
+    def workflows_settled(self) -> None:
+        """Emit ``errands.workflow.settled`` for what this thread's last store calls
+        settled (called after a finish, rescue or cancel committed)."""
+        settled = self.backend.workflow_take_settled()
+        if settled and self.events.wants("errands.workflow.settled"):
+            for s in settled:
+                self.events.emit(
+                    "errands.workflow.settled",
+                    workflow_id=s.id,
+                    workflow_name=s.name,
+                    kind=s.kind,
+                    state=s.state,
+                    callbacks=s.fired,
+                )
 
     def job_result(self, job_id: int) -> Any:
         """A completed job's result, decoded as its handler's return annotation says."""
@@ -863,7 +880,9 @@ class App:
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""
+        self.backend.workflow_take_settled()
         result = self.backend.job_cancel(int(job_id), _actor(actor))
+        self.workflows_settled()
         self.events.emit(
             "errands.job.cancel_requested",
             job_id=result.id,

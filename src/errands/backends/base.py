@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .workflow_store import (
         MemberRow,
         ParentResultRow,
+        Settled,
         WorkflowInserted,
         WorkflowRow,
         WorkflowSpec,
@@ -587,6 +588,11 @@ class Backend(Protocol):
         self, job_id: int, after: int = 0, limit: int = 100
     ) -> list[ParentResultRow]:
         """The parents of member ``job_id`` with ids above ``after``, in id order."""
+        ...
+
+    def workflow_take_settled(self) -> list[Settled]:
+        """The workflows settled by this thread's store calls since the last call (read
+        after a finish, rescue or cancel returned: they committed), for events."""
         ...
 
     def workflow_cancel(self, workflow_id: int, actor: str) -> int:

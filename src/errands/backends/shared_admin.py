@@ -38,7 +38,13 @@ from .base import (
 from .program import Program, Stmt, run
 
 if TYPE_CHECKING:
-    from .workflow_store import MemberRow, ParentResultRow, WorkflowRow, WorkflowStore
+    from .workflow_store import (
+        MemberRow,
+        ParentResultRow,
+        Settled,
+        WorkflowRow,
+        WorkflowStore,
+    )
 
 T = TypeVar("T")
 SIGNAL_REFUSED = ("completed", "cancelled", "discarded")
@@ -125,6 +131,9 @@ class SharedAdmin:
         self, job_id: int, after: int = 0, limit: int = 100
     ) -> list[ParentResultRow]:
         return self._read_program(lambda: self.workflows.parent_results(job_id, after, limit))
+
+    def workflow_take_settled(self) -> list[Settled]:
+        return self.workflows.take_settled()
 
     def workflow_cancel(self, workflow_id: int, actor: str) -> int:
         """Cancel a workflow's pending members and ask its running ones to stop: three

@@ -66,6 +66,17 @@ class WorkflowInserted:
 
 
 @dataclass(frozen=True)
+class Settled:
+    """A workflow a transaction settled (or, after replays, turned succeeded)."""
+
+    id: int
+    name: str
+    kind: str
+    state: str
+    fired: list[str]  # the callbacks it inserted
+
+
+@dataclass(frozen=True)
 class WorkflowRow:
     id: int
     name: str
@@ -172,6 +183,18 @@ class WorkflowStore:
         self.array = array
         self.notify = notify
         self._local = threading.local()
+
+    def take_settled(self) -> list[Settled]:
+        """The workflows this thread's transactions settled since the last call (a backend
+        clears the list when a finish starts; the caller reads it once that committed)."""
+        settled = getattr(self._local, "settled", [])
+        self._local.settled = []
+        return list(settled)
+
+    def _settled(self, row: WorkflowRow, state: str, fired: list[str]) -> None:
+        if not hasattr(self._local, "settled"):
+            self._local.settled = []
+        self._local.settled.append(Settled(row.id, row.name, row.kind, state, fired))
 
     def take_fanned(self) -> bool:
         """Whether a fan-in ran in this thread since the last call (the backends' finish
@@ -327,17 +350,23 @@ class WorkflowStore:
         if (yield Stmt(q["wf_any_pending"], {"id": workflow_id})):
             return
         failed = row.dead + row.cancelled > 0
+        fired = []
         if row.settled_at is None:
             state = "cancelled" if row.cancel_requested else "failed" if failed else "succeeded"
             yield Stmt(q["wf_settle"], {"id": workflow_id, "state": state})
             if "on_settled" in callbacks:
                 yield from self._fire(row, "on_settled", callbacks["on_settled"])
+                fired.append("on_settled")
             if not failed and "on_success" in callbacks:
                 yield from self._fire(row, "on_success", callbacks["on_success"])
+                fired.append("on_success")
+            self._settled(row, state, fired)
         elif row.state == "failed" and not failed:  # its dead members were replayed
             yield Stmt(q["wf_settle"], {"id": workflow_id, "state": "succeeded"})
             if row.on_success_job is None and "on_success" in callbacks:
                 yield from self._fire(row, "on_success", callbacks["on_success"])
+                fired.append("on_success")
+            self._settled(row, "succeeded", fired)
 
     def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[None]:
         fault_point("before_callback_insert", workflow_id=row.id, event=event)

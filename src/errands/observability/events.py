@@ -51,6 +51,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     "errands.job.edited": ("job_id", "actor", "changes"),
     "errands.workflow.enqueued": ("workflow_id", "workflow_name", "kind", "members"),
     "errands.workflow.cancelled": ("workflow_id", "actor", "cancelled"),
+    "errands.workflow.settled": ("workflow_id", "workflow_name", "kind", "state", "callbacks"),
     "errands.worker.started": ("worker_id", "queues", "concurrency", "store"),
     "errands.worker.stopped": ("worker_id", "processed"),
     "errands.leader.elected": ("worker_id",),

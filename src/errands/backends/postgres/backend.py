@@ -638,6 +638,7 @@ class PostgresBackend(PostgresAdmin):
         if not outcomes:
             return []
         self.workflows.take_fanned()
+        self.workflows.take_settled()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
             with self._tx() as conn:
                 answers = self._finish(conn, outcomes)

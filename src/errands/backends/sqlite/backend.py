@@ -498,6 +498,7 @@ class SQLiteBackend(SQLiteAdmin):
         if not outcomes:
             return []
         self.workflows.take_fanned()
+        self.workflows.take_settled()
         with self._write() as conn:
             answers = [self._finish(conn, o) for o in outcomes]
         if self.workflows.take_fanned():
