@@ -299,3 +299,32 @@ def test_bad_workflows_are_refused_with_the_fix(make_app: Make) -> None:
         wf.add(step)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown workflow state"):
         app.workflows(state="done")
+
+
+def test_a_member_completing_through_ctx_transaction_fans_in_with_its_writes(
+    make_app: Make, errands_testing: Callable[..., Tester], store_url: str, effects: Any
+) -> None:
+    from effects_store import EffectsStore
+
+    app = make_app()
+    effects.create(["CREATE TABLE IF NOT EXISTS wf_tx_effects (id {serial}, n INTEGER NOT NULL)"])
+    table = EffectsStore.qualified(store_url, "wf_tx_effects")
+    mark = "?" if EffectsStore.is_sqlite(store_url) else "%s"
+
+    @app.job(name="write")
+    def write(ctx: errands.Context, n: int) -> int:
+        ctx.transaction().execute(f"INSERT INTO {table} (n) VALUES ({mark})", (n,))
+        return n
+
+    @app.job(name="after")
+    def after(ctx: errands.Context) -> int:
+        return sum(p.result for p in ctx.parent_results())
+
+    wf = errands.Workflow("tx")
+    writes = [wf.add(write.bind(n)) for n in (1, 2)]
+    wf.add(after.bind(), after=writes, name="after")
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(wf)
+    assert tester.drain_workflow(handle).state == "succeeded"
+    assert handle.result()["after"] == 3
+    assert sorted(r[0] for r in effects.execute("SELECT n FROM wf_tx_effects")) == [1, 2]

@@ -224,8 +224,12 @@ class SharedAdmin:
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult:
         with self._transaction() as run:
-            # a workflow member: its workflow's lock first, as the fan-in takes them
-            run.program(self.workflows.lock_for([job_id]))
+            # A pending workflow member: its workflow's lock first, as a fan-in that may
+            # end it takes them. Not for a running one: its worker's finish holds the job's
+            # row while it waits for the workflow's, and this only flags it.
+            seen = run("wf_job_state", {"id": job_id}).fetchone()
+            if seen is not None and seen[0] != "running":
+                run.program(self.workflows.lock_for([job_id]))
             row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
             if row is None:
                 raise JobNotFound(f"no job with id {job_id}")
