@@ -27,6 +27,7 @@ from .backends.base import (
     SignalResult,
 )
 from .backends.limits import parse_rate
+from .backends.workflow_store import WorkflowInserted, WorkflowSpec
 from .definition import (
     BoundJob,
     EnqueueOptions,
@@ -472,23 +473,42 @@ class App:
             raise ConfigurationError(
                 f"workflow {workflow.name!r} has no members; add some with wf.add(job.bind(...))"
             )
-        members = [bound for _, bound, _ in workflow.nodes]
-        requests = self._requests(members)
-        callbacks = dict(
-            zip(workflow.callbacks, self._requests(list(workflow.callbacks.values())), strict=True)
-        )
-        inserted = self.backend.workflow_insert(workflow.spec(requests, callbacks), conn=conn)
-        handles = self._enqueued(members, inserted.jobs)
+        inserted = self.backend.workflow_insert(self._workflow_spec(workflow), conn=conn)
+        return self._workflow_enqueued(workflow, inserted)
+
+    def _workflow_spec(self, workflow: Workflow) -> WorkflowSpec:
+        """The store's view of ``workflow`` (nested ones included), hooks applied."""
+        members = workflow.jobs()
+        requests = self._requests(members) if members else []
+        hooked = self._requests(list(workflow.callbacks.values())) if workflow.callbacks else []
+        children = {
+            node.index: self._workflow_spec(member)
+            for node, member, _ in workflow.nodes
+            if isinstance(member, Workflow)
+        }
+        return workflow.spec(requests, dict(zip(workflow.callbacks, hooked, strict=True)), children)
+
+    def _workflow_enqueued(self, workflow: Workflow, inserted: WorkflowInserted) -> WorkflowHandle:
+        """Emit the enqueued events; the workflow's handle (with its nested ones')."""
+        members = workflow.jobs()
+        handles = iter(self._enqueued(members, inserted.jobs) if members else [])
         if self.events.wants("errands.workflow.enqueued"):
             self.events.emit(
                 "errands.workflow.enqueued",
                 workflow_id=inserted.id,
                 workflow_name=workflow.name,
                 kind=workflow.kind,
-                members=len(members),
+                members=len(workflow.nodes),
             )
-        nodes = [node.name for node, _, _ in workflow.nodes]
-        return WorkflowHandle(self, inserted.id, dict(zip(nodes, handles, strict=True)))
+        jobs: dict[str, JobHandle] = {}
+        children: dict[str, WorkflowHandle] = {}
+        for node, member, _ in workflow.nodes:
+            if isinstance(member, Workflow):
+                nested = inserted.children[node.index]
+                children[node.name] = self._workflow_enqueued(member, nested)
+            else:
+                jobs[node.name] = next(handles)
+        return WorkflowHandle(self, inserted.id, jobs, children)
 
     def workflow(self, workflow_id: int) -> WorkflowHandle:
         """The handle of a stored workflow (raises JobNotFound if there is none)."""
@@ -515,7 +535,7 @@ class App:
     def workflow_members(self, workflow_id: int) -> list[Member]:
         """Every member of a workflow with its node, state and parents, in id order."""
         members: list[Member] = []
-        after = 0
+        after = 0  # from the start (nested workflows, with negative ids, included)
         while True:
             page = self.backend.workflow_members(int(workflow_id), after=after, limit=1000)
             members.extend(Member.of(r) for r in page)

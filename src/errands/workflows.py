@@ -78,7 +78,7 @@ class Workflow:
         if not isinstance(name, str) or not name.strip():
             raise ConfigurationError("a workflow needs a name: errands.Workflow('import-42')")
         self.name = check_text("workflow name", name, NAME_MAX_BYTES)
-        self.nodes: list[tuple[Node, BoundJob, tuple[Edge, ...]]] = []
+        self.nodes: list[tuple[Node, BoundJob | Workflow, tuple[Edge, ...]]] = []
         self.callbacks: dict[str, BoundJob] = {}
         for event, job in (("on_success", on_success), ("on_settled", on_settled),
                            ("on_dead", on_dead)):  # fmt: skip
@@ -93,16 +93,25 @@ class Workflow:
 
     def add(
         self,
-        job: BoundJob,
+        job: BoundJob | Workflow,
         *,
         after: Iterable[Node | Edge] = (),
         on_failure: str = "cancel",
         name: str | None = None,
     ) -> Node:
         """Add a member; it runs once every node of ``after`` ended (``on_failure``: what
-        it does when one of them died or was cancelled, unless an :class:`Edge` says)."""
-        bound = _bound(job, "add()")
-        node_name = name if name is not None else f"{bound.request.name}#{len(self.nodes)}"
+        it does when one of them died or was cancelled, unless an :class:`Edge` says).
+
+        A member may be a whole workflow or batch (nested): it starts at once, is pending
+        here until it settles (after its own callbacks), and then counts as completed
+        (succeeded), dead (failed) or cancelled; nodes may run after it."""
+        if isinstance(job, Workflow):
+            bound: BoundJob | Workflow = self._nested(job, after)
+            default = f"{job.name}#{len(self.nodes)}"
+        else:
+            bound = _bound(job, "add()")
+            default = f"{bound.request.name}#{len(self.nodes)}"
+        node_name = name if name is not None else default
         check_text("node name", node_name, NAME_MAX_BYTES)
         if any(n.name == node_name for n, _, _ in self.nodes):
             raise ConfigurationError(
@@ -120,23 +129,58 @@ class Workflow:
         self.nodes.append((node, bound, edges))
         return node
 
-    def spec(self, requests: Sequence[Any], callbacks: dict[str, Any]) -> WorkflowSpec:
-        """The store's view, with the requests the App prepared (hooks applied)."""
+    def _nested(self, child: Workflow, after: Iterable[Node | Edge]) -> Workflow:
+        if child is self or self in child.descendants():
+            raise ConfigurationError(f"workflow {self.name!r} cannot contain itself")
+        if list(after):
+            raise ConfigurationError(
+                f"nested workflow {child.name!r} starts at once: it cannot be added after= "
+                "other nodes (nodes may run after it)"
+            )
+        if not child.nodes:
+            raise ConfigurationError(
+                f"nested workflow {child.name!r} has no members; add some first"
+            )
+        return child
+
+    def descendants(self) -> list[Workflow]:
+        """The workflows nested in this one, at any depth."""
+        found: list[Workflow] = []
+        for _, member, _ in self.nodes:
+            if isinstance(member, Workflow):
+                found += [member, *member.descendants()]
+        return found
+
+    def jobs(self) -> list[BoundJob]:
+        """The job members of this workflow itself (not of nested ones), in node order."""
+        return [m for _, m, _ in self.nodes if isinstance(m, BoundJob)]
+
+    def spec(
+        self,
+        requests: Sequence[Any],
+        callbacks: dict[str, Any],
+        children: dict[int, WorkflowSpec] | None = None,
+    ) -> WorkflowSpec:
+        """The store's view, with the requests the App prepared (hooks applied): one per
+        job member, in order, and the specs of nested workflows by node index."""
         if not self.nodes:
             raise ConfigurationError(
                 f"workflow {self.name!r} has no members; add some with wf.add(job.bind(...))"
             )
+        given = iter(requests)
+        nested = children or {}
         return WorkflowSpec(
             name=self.name,
             kind=self.kind,
             nodes=[
                 NodeSpec(
                     node=node.name,
-                    request=request,
+                    request=None if isinstance(member, Workflow) else next(given),
                     after=tuple(e.parent.index for e in edges),
                     policies=tuple(e.on_failure for e in edges),
+                    child=nested.get(node.index),
                 )
-                for (node, _, edges), request in zip(self.nodes, requests, strict=True)
+                for node, member, edges in self.nodes
             ],
             callbacks=callbacks,
         )
@@ -252,12 +296,19 @@ class WorkflowStatus:
 
 @dataclass(frozen=True)
 class Member:
+    """One member of a workflow: a job, or (``job_id`` negative) a nested workflow."""
+
     job_id: int
     node: str
     job_name: str | None
     state: str | None  # the job's state (None once its row was pruned)
     outcome: str | None  # None while pending
     parents: list[int]
+
+    @property
+    def workflow_id(self) -> int | None:
+        """A nested workflow member's workflow id (its ``job_id`` is minus that)."""
+        return -self.job_id if self.job_id < 0 else None
 
     @classmethod
     def of(cls, row: MemberRow) -> Member:
@@ -267,10 +318,17 @@ class Member:
 class WorkflowHandle:
     """A stored workflow: its status, members, result, cancel and wait."""
 
-    def __init__(self, app: App, workflow_id: int, jobs: dict[str, JobHandle] | None = None):
+    def __init__(
+        self,
+        app: App,
+        workflow_id: int,
+        jobs: dict[str, JobHandle] | None = None,
+        children: dict[str, WorkflowHandle] | None = None,
+    ):
         self.app = app
         self.id = workflow_id
         self.jobs = jobs or {}  # node name -> handle (from enqueue_workflow)
+        self.children = children or {}  # node name -> a nested workflow's handle
 
     def __repr__(self) -> str:
         return f"<WorkflowHandle {self.id}>"
@@ -319,6 +377,9 @@ class WorkflowHandle:
             )
         results: dict[str, Any] = {}
         for member in members:
+            if member.workflow_id is not None:
+                results[member.node] = self.app.workflow(member.workflow_id).result()
+                continue
             if member.outcome == "skipped":
                 results[member.node] = None
                 continue

@@ -18,13 +18,14 @@ from .conftest import Harness
 from .support import QUEUE, claim, claim_one, error, finish, get, request
 
 CALLBACKS = "callbacks"  # the queue callbacks go to: never claimed by the member claims
+EVENTS = ("on_success", "on_settled", "on_dead")
 
 
 def spec(
     nodes: list[tuple[str, list[tuple[int, str]]]],
     *,
     kind: str = "dag",
-    events: tuple[str, ...] = ("on_success", "on_settled", "on_dead"),
+    events: tuple[str, ...] = EVENTS,
 ) -> WorkflowSpec:
     """A workflow of ``(node, [(parent index, policy), ...])``, every member in QUEUE."""
     return WorkflowSpec(
@@ -279,3 +280,81 @@ def test_listing_workflows_newest_first_with_counts(backend: Backend) -> None:
     assert [w.id for w in backend.workflow_list(before_id=second)] == [first]
     assert [w.id for w in backend.workflow_list(state="succeeded")] == []
     assert [m.node for m in backend.workflow_members(second)] == ["m0", "m1"]
+
+
+def nested(
+    inner: WorkflowSpec, *, after_it: bool = False, events: tuple[str, ...] = ("on_success",)
+) -> WorkflowSpec:
+    """A workflow of one job, the nested ``inner``, and (``after_it``) a job after it."""
+    nodes = [
+        NodeSpec(node="job", request=request(name="member.job")),
+        NodeSpec(node="inner", request=None, child=inner),
+    ]
+    if after_it:
+        nodes.append(
+            NodeSpec("after", request(name="member.after"), after=(1,), policies=("cancel",))
+        )
+    callbacks = {e: request(name=f"callback.outer.{e}", queue=CALLBACKS) for e in events}
+    return WorkflowSpec(name="outer", kind="dag", nodes=nodes, callbacks=callbacks)
+
+
+def test_a_nested_batch_settles_with_its_callbacks_before_its_parent_settles(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(nested(batch(2, events=("on_settled",))))
+    [inner] = inserted.children.values()
+    assert len(inserted.jobs) == 1 and len(inner.jobs) == 2
+    rows = claim_all(backend)
+    assert len(rows) == 3
+    for row in rows:
+        assert finish(backend, row, "completed")
+    assert callbacks(backend) == ["on_settled", "outer.on_success"]
+    [first, second] = backend.job_list(_list(CALLBACKS))[::-1]
+    assert (first.name, second.name) == ("callback.on_settled", "callback.outer.on_success")
+    outer = backend.workflow_get(inserted.id)
+    assert outer is not None and (outer.state, outer.total, outer.completed) == ("succeeded", 2, 2)
+    members = {m.node: m for m in backend.workflow_members(inserted.id)}
+    assert members["inner"].job_id == -inner.id and members["inner"].outcome == "completed"
+
+
+def _outer_and_inner(backend: Backend, outer_job: int) -> tuple[JobRow, JobRow]:
+    """The claimed outer job member and the nested workflow's one member."""
+    rows = claim_all(backend)
+    [outer] = [r for r in rows if r.id == outer_job]
+    [inner] = [r for r in rows if r.id != outer_job]
+    return outer, inner
+
+
+def test_a_node_after_a_nested_workflow_waits_for_it_to_settle(backend: Backend) -> None:
+    inserted = backend.workflow_insert(nested(batch(1, events=()), after_it=True))
+    after = inserted.jobs[1].id
+    job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    assert finish(backend, job, "completed")
+    assert get(backend, after).state == "waiting"
+    assert finish(backend, inner_member, "completed")
+    assert claim_one(backend).id == after
+    [parent] = backend.workflow_parent_results(after)
+    assert (parent.node, parent.state) == ("inner", "completed")
+
+
+def test_a_failed_nested_workflow_is_a_dead_member_of_its_parent(backend: Backend) -> None:
+    inserted = backend.workflow_insert(nested(batch(1, events=()), after_it=True, events=EVENTS))
+    after = inserted.jobs[1].id
+    job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    assert finish(backend, inner_member, "dead", error=error())
+    assert get(backend, after).state == "cancelled"  # policy cancel, on the nested node
+    assert callbacks(backend) == ["outer.on_dead"]
+    assert finish(backend, job, "completed")
+    outer = backend.workflow_get(inserted.id)
+    assert outer is not None and (outer.state, outer.dead, outer.cancelled) == ("failed", 1, 1)
+    assert callbacks(backend) == ["outer.on_dead", "outer.on_settled"]
+
+
+def test_cancelling_a_workflow_cancels_its_nested_workflows(backend: Backend) -> None:
+    inserted = backend.workflow_insert(nested(batch(2, events=()), events=("on_settled",)))
+    [inner] = inserted.children.values()
+    assert backend.workflow_cancel(inserted.id, "test") == 3
+    assert backend.workflow_get(inner.id).state == "cancelled"  # type: ignore[union-attr]
+    outer = backend.workflow_get(inserted.id)
+    assert outer is not None and (outer.state, outer.cancelled) == ("cancelled", 2)
+    assert callbacks(backend) == ["outer.on_settled"]

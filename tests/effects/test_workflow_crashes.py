@@ -73,12 +73,19 @@ def shapes() -> dict[str, tuple[errands.Workflow, int]]:
     wide.add(step.bind(n=WIDE + 1), after=fan)
     growing = errands.Batch("growing", **_callbacks())
     growing.add(step.bind(n=0, grow=GROW))
+    inner = errands.Batch("inner", **_callbacks())
+    for n in range(3):
+        inner.add(step.bind(n=n))
+    outer = errands.Workflow("outer", **_callbacks())
+    inner_node = outer.add(inner, name="inner")
+    outer.add(step.bind(n=9), after=[inner_node])
     return {
         "batch": (batch, 6),
         "chain": (chain, 5),
         "diamond": (diamond, 4),
         "wide": (wide, WIDE + 2),
         "growing": (growing, GROW + 1),
+        "nested": (outer, 2),
     }
 
 
@@ -90,13 +97,15 @@ def check(app: errands.App, effects: EffectsStore, expected: dict[int, int]) -> 
             "succeeded", total, total, 0,
         ), status  # fmt: skip
         members = app.workflow_members(workflow_id)
-        assert [m.state for m in members] == ["completed"] * total
+        assert [m.outcome for m in members] == ["completed"] * total
+        assert all(m.state == "completed" for m in members if m.workflow_id is None)
         assert all(cb is not None for cb in status.callbacks.values()), status
     runs = effects.execute("SELECT job_id, workflow_id, early FROM wf_runs")
     assert [r for r in runs if r[2]] == [], "a member ran before its parents completed"
     ran = {(int(r[1]), int(r[0])) for r in runs}
     for workflow_id in expected:
-        assert {m.job_id for m in app.workflow_members(workflow_id)} == {
+        members = app.workflow_members(workflow_id)
+        assert {m.job_id for m in members if m.workflow_id is None} == {
             job for wf, job in ran if wf == workflow_id
         }
     fired = effects.execute("SELECT job_id, workflow_id, event, pending FROM wf_callbacks")
@@ -120,7 +129,14 @@ def _describe(app: errands.App) -> str:
 
 
 def _enqueue_all(app: errands.App) -> dict[int, int]:
-    return {app.enqueue_workflow(wf).id: total for wf, total in shapes().values()}
+    """Every shape enqueued: ``{workflow id: members it ends with}``, nested ones too."""
+    expected = {}
+    for wf, total in shapes().values():
+        handle = app.enqueue_workflow(wf)
+        expected[handle.id] = total
+        for child in handle.children.values():
+            expected[child.id] = len(child.members())
+    return expected
 
 
 # Each point's crash probability: every member's end reaches the first and the last, only

@@ -328,3 +328,42 @@ def test_a_member_completing_through_ctx_transaction_fans_in_with_its_writes(
     assert tester.drain_workflow(handle).state == "succeeded"
     assert handle.result()["after"] == 3
     assert sorted(r[0] for r in effects.execute("SELECT n FROM wf_tx_effects")) == [1, 2]
+
+
+def test_a_nested_batch_runs_its_callbacks_before_its_parent_and_gates_its_dependents(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    order: list[str] = []
+
+    @app.job(name="thumb")
+    def thumb(n: int) -> int:
+        order.append(f"thumb-{n}")
+        return n
+
+    @app.job(name="publish")
+    def publish(ctx: errands.Context) -> None:
+        [album] = ctx.parent_results()
+        order.append(f"publish after {album.node} {album.state}")
+
+    @app.job(name="note")
+    def note(what: str) -> None:
+        order.append(what)
+
+    album = errands.Batch("thumbnails", on_success=note.bind("thumbnails done"))
+    for n in range(2):
+        album.add(thumb.bind(n))
+    wf = errands.Workflow("album", on_success=note.bind("album done"))
+    node = wf.add(album, name="thumbnails")
+    wf.add(publish.bind(), after=[node], name="publish")
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(wf)
+    assert set(handle.children) == {"thumbnails"}
+    assert tester.drain_workflow(handle).state == "succeeded"
+    # the nested batch's callback is inserted as it settles, with publish released, and
+    # before the outer workflow's (which waits for publish)
+    assert sorted(order[2:4]) == ["publish after thumbnails completed", "thumbnails done"]
+    assert order[4:] == ["album done"]
+    assert handle.result()["thumbnails"] == {"thumb#0": 0, "thumb#1": 1}
+    [nested] = [m for m in handle.members() if m.workflow_id is not None]
+    assert nested.workflow_id == handle.children["thumbnails"].id

@@ -136,16 +136,21 @@ class SharedAdmin:
         return self.workflows.take_settled()
 
     def workflow_cancel(self, workflow_id: int, actor: str) -> int:
-        """Cancel a workflow's pending members and ask its running ones to stop: three
-        short transactions (running members first, without the workflow's lock, as a
-        member's finish takes its job's lock before the workflow's; then the pending ones
-        under the lock; then members claimed in between). The number cancelled at once."""
+        """Cancel a workflow's pending members and ask its running ones to stop, in short
+        transactions: mark it cancelled; cancel its nested workflows (each the same way);
+        ask running members to stop, without the workflow's lock (a member's finish takes
+        its job's lock before the workflow's); cancel the pending ones under the lock; ask
+        again for members claimed in between. The number of jobs cancelled at once."""
         if self.workflow_get(workflow_id) is None:
             raise JobNotFound(f"no workflow with id {workflow_id}")
+        with self._transaction() as run:  # first: nested workflows then end in a cancelled one
+            run("wf_request_cancel", {"id": workflow_id})
+        nested = self._read_program(lambda: self.workflows.nested_pending(workflow_id))
+        cancelled = sum(self.workflow_cancel(child, actor) for child in nested)
         with self._transaction() as run:
             run.program(self.workflows.cancel_running(workflow_id))
         with self._transaction() as run:
-            cancelled = run.program(self.workflows.cancel_pending(workflow_id))
+            cancelled += run.program(self.workflows.cancel_pending(workflow_id))
             run(
                 "audit_insert",
                 {

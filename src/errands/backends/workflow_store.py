@@ -32,10 +32,14 @@ EVENTS = ("on_success", "on_settled", "on_dead")
 ENDED = frozenset({"completed", "dead", "cancelled", "discarded"})
 CANCELLABLE = frozenset({"available", "scheduled", "retryable", "waiting"})
 FAILED = frozenset({"dead", "cancelled"})
+# a nested workflow's settled state -> its outcome as a member of its parent
+NESTED_OUTCOME = {"succeeded": "completed", "failed": "dead", "cancelled": "cancelled"}
 
 # ctx.add_to_workflow marks the child requests it adds with this meta key (they travel
 # with the completion as ctx.enqueue's children do); the store takes them apart.
 WORKFLOW_ADD = "workflow_add"
+# Below every member id: nested workflows are members with negative ids (minus their own).
+FIRST = -(2**62)
 
 InsertJobs = Callable[[Sequence[EnqueueRequest]], Program[list[InsertResult]]]
 Notify = Callable[[set[str]], Program[None]]
@@ -46,9 +50,10 @@ class NodeSpec:
     """One member to insert: its node name, job, and parents (indexes into the spec)."""
 
     node: str
-    request: EnqueueRequest
+    request: EnqueueRequest | None  # None for a nested workflow
     after: tuple[int, ...] = ()
     policies: tuple[str, ...] = ()  # one per parent
+    child: WorkflowSpec | None = None  # a nested workflow: a member that ends as it settles
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,8 @@ class WorkflowSpec:
 @dataclass(frozen=True)
 class WorkflowInserted:
     id: int
-    jobs: list[InsertResult]
+    jobs: list[InsertResult]  # the job members', in node order
+    children: dict[int, WorkflowInserted] = field(default_factory=dict)  # by node index
 
 
 @dataclass(frozen=True)
@@ -218,16 +224,33 @@ class WorkflowStore:
             },
         )
         workflow_id = int(rows[0][0])
+        # A nested workflow is a member whose id is minus its workflow id (job ids are
+        # positive): it is pending in this one until it settles (see _leave_parent).
+        ids: list[int] = [0] * len(spec.nodes)
+        children: dict[int, WorkflowInserted] = {}
+        for i, node in enumerate(spec.nodes):
+            if node.child is not None:
+                children[i] = yield from self.insert(node.child)
+                ids[i] = -children[i].id
+        jobs = [i for i, n in enumerate(spec.nodes) if n.request is not None]
         results = yield from self._members(
-            workflow_id, [n.request for n in spec.nodes], [n.node for n in spec.nodes],
-            blocked=[i for i, n in enumerate(spec.nodes) if n.after],
-        )  # fmt: skip
-        ids = [r.id for r in results]
-        parents, children, policies = [], [], []
+            workflow_id,
+            [n.request for n in spec.nodes if n.request is not None],
+            [spec.nodes[i].node for i in jobs],
+            blocked=[k for k, i in enumerate(jobs) if spec.nodes[i].after],
+        )
+        for i, result in zip(jobs, results, strict=True):
+            ids[i] = result.id
+        if children:
+            nested = {"workflow_id": workflow_id, "ids": self.array([ids[i] for i in children])}
+            names = self.array([spec.nodes[i].node for i in children])
+            yield Stmt(q["wf_members_insert"], {**nested, "nodes": names})
+            yield Stmt(q["wf_pending_insert"], nested)
+        parents, dependents, policies = [], [], []
         for i, node in enumerate(spec.nodes):
             for parent, policy in zip(node.after, node.policies, strict=True):
                 parents.append(ids[parent])
-                children.append(ids[i])
+                dependents.append(ids[i])
                 policies.append(policy)
         if parents:
             yield Stmt(
@@ -235,11 +258,11 @@ class WorkflowStore:
                 {
                     "workflow_id": workflow_id,
                     "parents": self.array(parents),
-                    "children": self.array(children),
+                    "children": self.array(dependents),
                     "policies": self.array(policies),
                 },
             )
-        return WorkflowInserted(workflow_id, results)
+        return WorkflowInserted(workflow_id, results, children)
 
     def add(self, workflow_id: int, requests: Sequence[EnqueueRequest]) -> Program[None]:
         """Members a running member adds to its own workflow (with its completion, before
@@ -257,6 +280,8 @@ class WorkflowStore:
         blocked: Sequence[int],
     ) -> Program[list[InsertResult]]:
         q = self.q
+        if not requests:
+            return []
         tagged = [
             replace(r, meta={**r.meta, "workflow": workflow_id, "node": node})
             for r, node in zip(requests, nodes, strict=True)
@@ -296,51 +321,88 @@ class WorkflowStore:
             if workflow_row(row).cancel_requested:
                 cancelling.add(workflow_id)
         work: list[tuple[int, str | None]] = [(int(r[1]), None) for r in rows]
-        touched: dict[int, bool] = {}  # workflow -> a member died in this transaction
         queues: set[str] = set()
         while work:
-            job_id, forced = work.pop(0)
-            state = yield Stmt(q["wf_job_state"], {"id": job_id})
-            if not state or state[0][0] not in ENDED:
-                continue  # not ended (a retry): it stays pending
-            left = yield Stmt(q["wf_leave"], {"id": job_id})
-            if not left:
-                continue  # already left: a second delivery of the same end
-            workflow_id = int(left[0][0])
-            outcome = forced or ("dead" if state[0][0] == "discarded" else state[0][0])
-            touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
-            yield Stmt(q["wf_member_outcome"], {"id": job_id, "outcome": outcome})
-            yield Stmt(q["wf_count"], {"id": workflow_id, "outcome": outcome})
-            children = yield Stmt(q["wf_edges_resolve"], {"parent": job_id, "outcome": outcome})
-            for (child,) in children:
-                edges = yield Stmt(q["wf_edges_of_child"], {"child": child})
-                if any(outcome is None for _, _, outcome in edges):
-                    continue  # another parent has not ended yet
-                decision = "cancel" if workflow_id in cancelling else verdict(edges)
-                if decision == "run":
-                    released = yield Stmt(q["wf_release"], {"id": child})
-                    queues.update(str(r[0]) for r in released)
-                    continue
-                failed = [str(p) for p, _, o in edges if o in FAILED]
-                ended = yield Stmt(
-                    q["wf_end_blocked"],
-                    {
-                        "id": child,
-                        "type": "Skipped" if decision == "skip" else "Cancelled",
-                        "kind": "skipped" if decision == "skip" else "cancelled",
-                        "message": "the workflow was cancelled"
-                        if workflow_id in cancelling
-                        else f"parent job {', '.join(failed)} failed (policy {decision})",
-                    },
-                )
-                if ended:
-                    work.append((int(child), "skipped" if decision == "skip" else None))
-        for workflow_id, died in sorted(touched.items()):
-            yield from self._settle(workflow_id, died)
+            touched: dict[int, bool] = {}  # workflow -> a member died in this round
+            while work:
+                member, forced = work.pop(0)
+                yield from self._end_member(member, forced, cancelling, touched, work, queues)
+            for workflow_id, died in sorted(touched.items()):
+                state = yield from self._settle(workflow_id, died)
+                if state is not None:  # settled now: a nested workflow ends in its parent
+                    parent = yield from self._leave_parent(workflow_id, cancelling)
+                    if parent is not None:
+                        work.append((-workflow_id, NESTED_OUTCOME[state]))
         if queues and self.notify is not None:
             yield from self.notify(queues)
 
-    def _settle(self, workflow_id: int, died: bool) -> Program[None]:
+    def _end_member(
+        self,
+        member: int,
+        forced: str | None,
+        cancelling: set[int],
+        touched: dict[int, bool],
+        work: list[tuple[int, str | None]],
+        queues: set[str],
+    ) -> Program[None]:
+        """One member's end: out of the pending set, counted, its dependents decided.
+        ``member`` is a job id, or minus a nested workflow's id (``forced`` its outcome)."""
+        q = self.q
+        state = None
+        if member > 0:
+            rows = yield Stmt(q["wf_job_state"], {"id": member})
+            if not rows or rows[0][0] not in ENDED:
+                return  # not ended (a retry): it stays pending
+            state = rows[0][0]
+        left = yield Stmt(q["wf_leave"], {"id": member})
+        if not left:
+            return  # already left: a second delivery of the same end
+        workflow_id = int(left[0][0])
+        outcome = forced or ("dead" if state == "discarded" else str(state))
+        touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
+        yield Stmt(q["wf_member_outcome"], {"id": member, "outcome": outcome})
+        yield Stmt(q["wf_count"], {"id": workflow_id, "outcome": outcome})
+        children = yield Stmt(q["wf_edges_resolve"], {"parent": member, "outcome": outcome})
+        for (child,) in children:
+            edges = yield Stmt(q["wf_edges_of_child"], {"child": child})
+            if any(outcome is None for _, _, outcome in edges):
+                continue  # another parent has not ended yet
+            decision = "cancel" if workflow_id in cancelling else verdict(edges)
+            if decision == "run":
+                released = yield Stmt(q["wf_release"], {"id": child})
+                queues.update(str(r[0]) for r in released)
+                continue
+            failed = [str(p) for p, _, o in edges if o in FAILED]
+            ended = yield Stmt(
+                q["wf_end_blocked"],
+                {
+                    "id": child,
+                    "type": "Skipped" if decision == "skip" else "Cancelled",
+                    "kind": "skipped" if decision == "skip" else "cancelled",
+                    "message": "the workflow was cancelled"
+                    if workflow_id in cancelling
+                    else f"parent job {', '.join(failed)} failed (policy {decision})",
+                },
+            )
+            if ended:
+                work.append((int(child), "skipped" if decision == "skip" else None))
+
+    def _leave_parent(self, workflow_id: int, cancelling: set[int]) -> Program[int | None]:
+        """A nested workflow that just settled: lock its parent (if it has one), which its
+        end is then counted in. The parent's id."""
+        rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array([-workflow_id])})
+        if not rows:
+            return None
+        parent = int(rows[0][0])
+        yield Stmt(self.q["wf_lock"], {"id": parent})
+        [raw] = yield Stmt(self.q["wf_get_row"], {"id": parent})
+        if workflow_row(raw).cancel_requested:
+            cancelling.add(parent)
+        return parent
+
+    def _settle(self, workflow_id: int, died: bool) -> Program[str | None]:
+        """Fire ``on_dead`` on a first death; when the pending set is empty, settle the
+        workflow and fire its callbacks. The state it settled in now, else None."""
         q = self.q
         [raw] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
         row = workflow_row(raw)
@@ -348,7 +410,7 @@ class WorkflowStore:
         if died and row.on_dead_job is None and "on_dead" in callbacks:
             yield from self._fire(row, "on_dead", callbacks["on_dead"])
         if (yield Stmt(q["wf_any_pending"], {"id": workflow_id})):
-            return
+            return None
         failed = row.dead + row.cancelled > 0
         fired = []
         if row.settled_at is None:
@@ -361,12 +423,14 @@ class WorkflowStore:
                 yield from self._fire(row, "on_success", callbacks["on_success"])
                 fired.append("on_success")
             self._settled(row, state, fired)
-        elif row.state == "failed" and not failed:  # its dead members were replayed
+            return state
+        if row.state == "failed" and not failed:  # its dead members were replayed
             yield Stmt(q["wf_settle"], {"id": workflow_id, "state": "succeeded"})
             if row.on_success_job is None and "on_success" in callbacks:
                 yield from self._fire(row, "on_success", callbacks["on_success"])
                 fired.append("on_success")
             self._settled(row, "succeeded", fired)
+        return None
 
     def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[None]:
         fault_point("before_callback_insert", workflow_id=row.id, event=event)
@@ -398,6 +462,11 @@ class WorkflowStore:
                 yield Stmt(q["wf_lock"], {"id": rows[0][0]})
                 yield Stmt(q["wf_member_outcome"], {"id": job_id, "outcome": None})
                 yield Stmt(q["wf_uncount_dead"], {"id": rows[0][0]})
+
+    def nested_pending(self, workflow_id: int) -> Program[list[int]]:
+        """The ids of the nested workflows not yet settled in this one."""
+        rows = yield Stmt(self.q["wf_nested_pending"], {"id": workflow_id})
+        return [int(r[0]) for r in rows]
 
     def cancel_running(self, workflow_id: int) -> Program[int]:
         """Ask the workflow's running members to stop (no workflow lock: a member's finish
@@ -433,6 +502,7 @@ class WorkflowStore:
         return [workflow_row(r) for r in rows]
 
     def members(self, workflow_id: int, after: int, limit: int) -> Program[list[MemberRow]]:
+        after = FIRST if after == 0 else after  # 0: from the start, nested members included
         rows = yield Stmt(self.q["wf_members"], {"id": workflow_id, "after": after, "limit": limit})
         return [
             MemberRow(int(r[0]), r[1], r[2], r[3], r[4], [int(p) for p in json.loads(r[5] or "[]")])
@@ -442,6 +512,7 @@ class WorkflowStore:
     def parent_results(
         self, child_id: int, after: int, limit: int
     ) -> Program[list[ParentResultRow]]:
+        after = FIRST if after == 0 else after  # 0: from the start, nested parents included
         rows = yield Stmt(
             self.q["wf_parent_results"], {"child": child_id, "after": after, "limit": limit}
         )

@@ -87,7 +87,9 @@ def _member_row(member: Member, members: list[Member]) -> list[Any]:
     return [
         member.job_id,
         member.node,
-        member.job_name or "(pruned)",
+        f"workflow {member.workflow_id}"
+        if member.workflow_id is not None
+        else member.job_name or "(pruned)",
         member.state or "-",
         member.outcome or "pending",
         ", ".join(nodes.get(p, str(p)) for p in member.parents) or "-",

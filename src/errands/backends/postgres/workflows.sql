@@ -159,7 +159,7 @@ ORDER BY m.job_id
 LIMIT %(limit)s
 
 -- name: wf_parent_results
-SELECT e.parent_id, m.node, j.state, j.result::text, octet_length(j.result::text)
+SELECT e.parent_id, m.node, COALESCE(j.state, m.outcome), j.result::text, octet_length(j.result::text)
 FROM {schema}.errands_workflow_edges AS e
 JOIN {schema}.errands_workflow_members AS m ON m.job_id = e.parent_id
 LEFT JOIN {schema}.errands_jobs AS j ON j.id = e.parent_id
@@ -172,3 +172,7 @@ SELECT state FROM {schema}.errands_jobs WHERE id = %(id)s
 
 -- name: wf_job_workflow
 SELECT workflow_id FROM {schema}.errands_jobs WHERE id = %(id)s
+
+-- name: wf_nested_pending
+-- The nested workflows still pending in a workflow (members with negative ids).
+SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s AND job_id < 0

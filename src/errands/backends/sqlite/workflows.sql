@@ -156,7 +156,7 @@ ORDER BY m.job_id
 LIMIT :limit
 
 -- name: wf_parent_results
-SELECT e.parent_id, m.node, j.state, j.result, length(CAST(j.result AS BLOB))
+SELECT e.parent_id, m.node, COALESCE(j.state, m.outcome), j.result, length(CAST(j.result AS BLOB))
 FROM errands_workflow_edges AS e
 JOIN errands_workflow_members AS m ON m.job_id = e.parent_id
 LEFT JOIN errands_jobs AS j ON j.id = e.parent_id
@@ -169,3 +169,7 @@ SELECT state FROM errands_jobs WHERE id = :id
 
 -- name: wf_job_workflow
 SELECT workflow_id FROM errands_jobs WHERE id = :id
+
+-- name: wf_nested_pending
+-- The nested workflows still pending in a workflow (members with negative ids).
+SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id < 0
