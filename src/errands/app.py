@@ -464,6 +464,20 @@ class App:
     def enqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
         """Store a workflow (or batch) — members, edges and callbacks — in one transaction
         (the caller's, when ``conn`` is given). See docs/workflows.md."""
+        self._check_workflow(workflow)
+        inserted = self.backend.workflow_insert(self._workflow_spec(workflow), conn=conn)
+        return self._workflow_enqueued(workflow, inserted)
+
+    async def aenqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
+        """:meth:`enqueue_workflow` for async code: ``conn`` is the caller's async
+        connection (as :meth:`aenqueue_many` takes), and the event loop never blocks."""
+        self._check_workflow(workflow)
+        spec = self._workflow_spec(workflow)
+        inserted = await self.backend.aworkflow_insert(spec, conn=conn)
+        return self._workflow_enqueued(workflow, inserted)
+
+    @staticmethod
+    def _check_workflow(workflow: Any) -> None:
         if not isinstance(workflow, Workflow):
             raise ConfigurationError(
                 "enqueue_workflow takes an errands.Workflow or errands.Batch, got "
@@ -473,8 +487,6 @@ class App:
             raise ConfigurationError(
                 f"workflow {workflow.name!r} has no members; add some with wf.add(job.bind(...))"
             )
-        inserted = self.backend.workflow_insert(self._workflow_spec(workflow), conn=conn)
-        return self._workflow_enqueued(workflow, inserted)
 
     def _workflow_spec(self, workflow: Workflow) -> WorkflowSpec:
         """The store's view of ``workflow`` (nested ones included), hooks applied."""

@@ -358,3 +358,27 @@ def test_cancelling_a_workflow_cancels_its_nested_workflows(backend: Backend) ->
     outer = backend.workflow_get(inserted.id)
     assert outer is not None and (outer.state, outer.cancelled) == ("cancelled", 2)
     assert callbacks(backend) == ["outer.on_settled"]
+
+
+def test_a_workflow_commits_and_rolls_back_with_the_callers_async_connection(
+    backend: Backend, harness: Harness, tmp_path: Any
+) -> None:
+    import asyncio
+
+    async def scenario(commit: bool) -> int:
+        conn = await harness.async_connection(backend, tmp_path, same_store=True)
+        try:
+            inserted = await backend.aworkflow_insert(spec([("a", []), ("b", [(0, "cancel")])]),
+                                                      conn=conn)  # fmt: skip
+            await (conn.commit() if commit else conn.rollback())
+            return inserted.id
+        finally:
+            await conn.close()
+
+    gone = asyncio.run(scenario(commit=False))
+    assert backend.workflow_get(gone) is None
+    kept = asyncio.run(scenario(commit=True))
+    assert [m.node for m in backend.workflow_members(kept)] == ["a", "b"]
+    assert claim_one(backend).id == backend.workflow_members(kept)[0].job_id
+    assert claim_all(backend) == []  # b waits for a
+    assert asyncio.run(backend.aworkflow_insert(batch(1))).id > kept

@@ -367,3 +367,22 @@ def test_a_nested_batch_runs_its_callbacks_before_its_parent_and_gates_its_depen
     assert handle.result()["thumbnails"] == {"thumb#0": 0, "thumb#1": 1}
     [nested] = [m for m in handle.members() if m.workflow_id is not None]
     assert nested.workflow_id == handle.children["thumbnails"].id
+
+
+def test_aenqueue_workflow_stores_a_workflow_from_async_code(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    import asyncio
+
+    app = make_app()
+
+    @app.job(name="step")
+    def step(n: int) -> int:
+        return n
+
+    async def enqueue() -> errands.WorkflowHandle:
+        return await app.aenqueue_workflow(errands.chain(step.bind(1), step.bind(2)))
+
+    handle = asyncio.run(enqueue())
+    assert errands_testing(app).drain_workflow(handle).state == "succeeded"
+    assert sorted(handle.result().values()) == [1, 2]

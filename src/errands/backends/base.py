@@ -572,6 +572,11 @@ class Backend(Protocol):
         one transaction (the caller's, when ``conn`` is given)."""
         ...
 
+    async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        """:meth:`workflow_insert` for an event loop (``conn``: the caller's async
+        connection, as :meth:`ajob_insert_many` takes)."""
+        ...
+
     def workflow_get(self, workflow_id: int) -> WorkflowRow | None: ...
 
     def workflow_list(

@@ -612,6 +612,12 @@ class PostgresBackend(PostgresAdmin):
         with self._tx() as own:
             return run(own, self.workflows.insert(spec))
 
+    async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        if conn is None:  # the pool's connections, in a thread: the loop never blocks
+            return await asyncio.to_thread(self.workflow_insert, spec)
+        caller = await self._acaller_connection(conn)
+        return await arun(caller, self.workflows.insert(spec))
+
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         return self._read(lambda conn: run(conn, factory()))
 

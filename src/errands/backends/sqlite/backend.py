@@ -462,6 +462,12 @@ class SQLiteBackend(SQLiteAdmin):
         with self._write() as own:
             return run(own, self.workflows.insert(spec))
 
+    async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        if conn is None:  # the store's own connection, in a thread: the loop never blocks
+            return await asyncio.to_thread(self.workflow_insert, spec)
+        caller = await self._acaller_connection(conn)
+        return await arun(caller, self.workflows.insert(spec))
+
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         with self._read() as conn:
             return run(conn, factory())
