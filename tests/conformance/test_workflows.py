@@ -382,3 +382,18 @@ def test_a_workflow_commits_and_rolls_back_with_the_callers_async_connection(
     assert claim_one(backend).id == backend.workflow_members(kept)[0].job_id
     assert claim_all(backend) == []  # b waits for a
     assert asyncio.run(backend.aworkflow_insert(batch(1))).id > kept
+
+
+def test_pruning_deletes_settled_workflows_past_the_retention_and_keeps_running_ones(
+    backend: Backend,
+) -> None:
+    settled = backend.workflow_insert(batch(1, events=()))
+    running = backend.workflow_insert(spec([("a", []), ("b", [(0, "cancel")])], events=()))
+    row = claim(backend, QUEUE, 1)[0]
+    assert row.id == settled.jobs[0].id and finish(backend, row, "completed")
+    assert backend.workflow_prune(3600.0, 100) == 0  # settled just now: kept
+    assert backend.workflow_prune(-1.0, 100) == 1  # a retention already past
+    assert backend.workflow_get(settled.id) is None
+    assert backend.workflow_members(settled.id) == []
+    assert backend.workflow_get(running.id) is not None
+    assert [m.node for m in backend.workflow_members(running.id)] == ["a", "b"]

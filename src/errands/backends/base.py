@@ -595,6 +595,10 @@ class Backend(Protocol):
         """The parents of member ``job_id`` with ids above ``after``, in id order."""
         ...
 
+    def workflow_prune(self, older_than: float, limit: int) -> int:
+        """Delete workflows settled more than ``older_than`` s ago (their own rows)."""
+        ...
+
     def workflow_take_settled(self) -> list[Settled]:
         """The workflows settled by this thread's store calls since the last call (read
         after a finish, rescue or cancel returned: they committed), for events."""

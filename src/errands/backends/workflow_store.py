@@ -463,6 +463,17 @@ class WorkflowStore:
                 yield Stmt(q["wf_member_outcome"], {"id": job_id, "outcome": None})
                 yield Stmt(q["wf_uncount_dead"], {"id": rows[0][0]})
 
+    def prune(self, older_than: float, limit: int) -> Program[int]:
+        """Delete up to ``limit`` workflows settled more than ``older_than`` seconds ago,
+        with their members, edges and pending rows (their jobs are pruned as jobs are)."""
+        q = self.q
+        rows = yield Stmt(q["wf_prunable"], {"older_than": older_than, "limit": limit})
+        for (workflow_id,) in rows:
+            for query in ("wf_delete_edges", "wf_delete_members", "wf_delete_pending"):
+                yield Stmt(q[query], {"id": workflow_id})
+            yield Stmt(q["wf_delete"], {"id": workflow_id})
+        return len(rows)
+
     def nested_pending(self, workflow_id: int) -> Program[list[int]]:
         """The ids of the nested workflows not yet settled in this one."""
         rows = yield Stmt(self.q["wf_nested_pending"], {"id": workflow_id})

@@ -303,6 +303,7 @@ class Maintenance:
             if self._stop.is_set():
                 break
             n = self.app.backend.job_prune(self.app.retention, PRUNE_BATCH)
+            n += self.app.backend.workflow_prune(self.app.retention, PRUNE_BATCH)
             total += n
             if n < PRUNE_BATCH:
                 break

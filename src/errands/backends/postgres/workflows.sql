@@ -176,3 +176,20 @@ SELECT workflow_id FROM {schema}.errands_jobs WHERE id = %(id)s
 -- name: wf_nested_pending
 -- The nested workflows still pending in a workflow (members with negative ids).
 SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s AND job_id < 0
+
+-- name: wf_prunable
+SELECT id FROM {schema}.errands_workflows
+WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(older_than)s)
+LIMIT %(limit)s
+
+-- name: wf_delete_edges
+DELETE FROM {schema}.errands_workflow_edges WHERE workflow_id = %(id)s
+
+-- name: wf_delete_members
+DELETE FROM {schema}.errands_workflow_members WHERE workflow_id = %(id)s
+
+-- name: wf_delete_pending
+DELETE FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s
+
+-- name: wf_delete
+DELETE FROM {schema}.errands_workflows WHERE id = %(id)s

@@ -173,3 +173,21 @@ SELECT workflow_id FROM errands_jobs WHERE id = :id
 -- name: wf_nested_pending
 -- The nested workflows still pending in a workflow (members with negative ids).
 SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id < 0
+
+-- name: wf_prunable
+SELECT id FROM errands_workflows
+WHERE settled_at IS NOT NULL
+  AND settled_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+LIMIT :limit
+
+-- name: wf_delete_edges
+DELETE FROM errands_workflow_edges WHERE workflow_id = :id
+
+-- name: wf_delete_members
+DELETE FROM errands_workflow_members WHERE workflow_id = :id
+
+-- name: wf_delete_pending
+DELETE FROM errands_workflow_pending WHERE workflow_id = :id
+
+-- name: wf_delete
+DELETE FROM errands_workflows WHERE id = :id

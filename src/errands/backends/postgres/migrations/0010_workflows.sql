@@ -37,6 +37,8 @@ CREATE TABLE {schema}.errands_workflows (
     settled_at       timestamptz
 );
 CREATE INDEX errands_workflows_state ON {schema}.errands_workflows (state, id);
+-- Settled workflows the maintenance leader prunes past the retention period.
+CREATE INDEX errands_workflows_settled ON {schema}.errands_workflows (settled_at) WHERE settled_at IS NOT NULL;
 
 CREATE TABLE {schema}.errands_workflow_members (
     job_id      bigint PRIMARY KEY,

@@ -36,6 +36,8 @@ CREATE TABLE errands_workflows (
     settled_at       REAL
 );
 CREATE INDEX errands_workflows_state ON errands_workflows (state, id);
+-- Settled workflows the maintenance leader prunes past the retention period.
+CREATE INDEX errands_workflows_settled ON errands_workflows (settled_at) WHERE settled_at IS NOT NULL;
 
 CREATE TABLE errands_workflow_members (
     job_id      INTEGER PRIMARY KEY,
