@@ -35,6 +35,19 @@ from .jobs import Job, JobError, JobState, Progress
 from .outcomes import Permanent, Retry
 from .results import as_completed, wait_all
 from .retry import ExponentialBackoff
+from .workflows import (
+    Batch,
+    Edge,
+    ParentResults,
+    Workflow,
+    WorkflowFailed,
+    WorkflowHandle,
+    WorkflowStatus,
+    chain,
+    chord,
+    group,
+    map_jobs,
+)
 
 __version__ = "0.1.0"
 
@@ -43,10 +56,12 @@ logging.getLogger("errands").addHandler(logging.NullHandler())
 
 __all__ = [
     "App",
+    "Batch",
     "BoundJob",
     "ConfigurationError",
     "Context",
     "DatabaseBusy",
+    "Edge",
     "EnqueueUncertain",
     "ErrandsError",
     "ExponentialBackoff",
@@ -60,6 +75,7 @@ __all__ = [
     "JobHandle",
     "JobNotFound",
     "JobState",
+    "ParentResults",
     "Permanent",
     "Progress",
     "ResultTimeout",
@@ -70,7 +86,15 @@ __all__ = [
     "StorageFull",
     "TransactionEnded",
     "UnknownJob",
+    "Workflow",
+    "WorkflowFailed",
+    "WorkflowHandle",
+    "WorkflowStatus",
     "__version__",
     "as_completed",
+    "chain",
+    "chord",
+    "group",
+    "map_jobs",
     "wait_all",
 ]

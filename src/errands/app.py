@@ -27,6 +27,7 @@ from .backends.base import (
     SignalResult,
 )
 from .backends.limits import parse_rate
+from .backends.workflow_store import WorkflowInserted, WorkflowSpec
 from .definition import (
     BoundJob,
     EnqueueOptions,
@@ -51,6 +52,7 @@ from .payload import MAX_PAYLOAD_BYTES_DEFAULT
 from .results import ResultHub
 from .retry import BackoffPolicy
 from .suggest import did_you_mean
+from .workflows import WORKFLOW_STATES, Member, Workflow, WorkflowHandle, WorkflowStatus
 
 if TYPE_CHECKING:
     from .maintenance.scheduler import Periodic, PeriodicInfo
@@ -458,6 +460,136 @@ class App:
             for bound, result in zip(jobs, results, strict=True)
         ]
 
+    # -- workflows ---------------------------------------------------------------------
+    def enqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
+        """Store a workflow (or batch) — members, edges and callbacks — in one transaction
+        (the caller's, when ``conn`` is given). See docs/workflows.md."""
+        self._check_workflow(workflow)
+        inserted = self.backend.workflow_insert(self._workflow_spec(workflow), conn=conn)
+        return self._workflow_enqueued(workflow, inserted)
+
+    async def aenqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
+        """:meth:`enqueue_workflow` for async code: ``conn`` is the caller's async
+        connection (as :meth:`aenqueue_many` takes), and the event loop never blocks."""
+        self._check_workflow(workflow)
+        spec = self._workflow_spec(workflow)
+        inserted = await self.backend.aworkflow_insert(spec, conn=conn)
+        return self._workflow_enqueued(workflow, inserted)
+
+    @staticmethod
+    def _check_workflow(workflow: Any) -> None:
+        if not isinstance(workflow, Workflow):
+            raise ConfigurationError(
+                "enqueue_workflow takes an errands.Workflow or errands.Batch, got "
+                f"{type(workflow).__name__}"
+            )
+        if not workflow.nodes:
+            raise ConfigurationError(
+                f"workflow {workflow.name!r} has no members; add some with wf.add(job.bind(...))"
+            )
+
+    def _workflow_spec(self, workflow: Workflow) -> WorkflowSpec:
+        """The store's view of ``workflow`` (nested ones included), hooks applied."""
+        members = workflow.jobs()
+        requests = self._requests(members) if members else []
+        hooked = self._requests(list(workflow.callbacks.values())) if workflow.callbacks else []
+        children = {
+            node.index: self._workflow_spec(member)
+            for node, member, _ in workflow.nodes
+            if isinstance(member, Workflow)
+        }
+        return workflow.spec(requests, dict(zip(workflow.callbacks, hooked, strict=True)), children)
+
+    def _workflow_enqueued(self, workflow: Workflow, inserted: WorkflowInserted) -> WorkflowHandle:
+        """Emit the enqueued events; the workflow's handle (with its nested ones')."""
+        members = workflow.jobs()
+        handles = iter(self._enqueued(members, inserted.jobs) if members else [])
+        if self.events.wants("errands.workflow.enqueued"):
+            self.events.emit(
+                "errands.workflow.enqueued",
+                workflow_id=inserted.id,
+                workflow_name=workflow.name,
+                kind=workflow.kind,
+                members=len(workflow.nodes),
+            )
+        jobs: dict[str, JobHandle] = {}
+        children: dict[str, WorkflowHandle] = {}
+        for node, member, _ in workflow.nodes:
+            if isinstance(member, Workflow):
+                nested = inserted.children[node.index]
+                children[node.name] = self._workflow_enqueued(member, nested)
+            else:
+                jobs[node.name] = next(handles)
+        return WorkflowHandle(self, inserted.id, jobs, children)
+
+    def workflow(self, workflow_id: int) -> WorkflowHandle:
+        """The handle of a stored workflow (raises JobNotFound if there is none)."""
+        self.workflow_status(workflow_id)
+        return WorkflowHandle(self, int(workflow_id))
+
+    def workflow_status(self, workflow_id: int) -> WorkflowStatus:
+        row = self.backend.workflow_get(int(workflow_id))
+        if row is None:
+            raise JobNotFound(f"no workflow with id {workflow_id}")
+        return WorkflowStatus.of(row)
+
+    def workflows(
+        self, *, state: str | None = None, before_id: int | None = None, limit: int = 100
+    ) -> list[WorkflowStatus]:
+        """Workflows newest first; ``state``: running, succeeded, failed or cancelled."""
+        if state is not None and state not in WORKFLOW_STATES:
+            raise ValueError(
+                f"unknown workflow state {state!r}; choose one of: {', '.join(WORKFLOW_STATES)}"
+            )
+        rows = self.backend.workflow_list(state=state, before_id=before_id, limit=limit)
+        return [WorkflowStatus.of(r) for r in rows]
+
+    def workflow_members(self, workflow_id: int) -> list[Member]:
+        """Every member of a workflow with its node, state and parents, in id order."""
+        members: list[Member] = []
+        after = 0  # from the start (nested workflows, with negative ids, included)
+        while True:
+            page = self.backend.workflow_members(int(workflow_id), after=after, limit=1000)
+            members.extend(Member.of(r) for r in page)
+            if len(page) < 1000:
+                return members
+            after = page[-1].job_id
+
+    def cancel_workflow(self, workflow_id: int, *, actor: str = "api") -> int:
+        """Cancel a workflow: its pending members (dependents included) at once, its
+        running ones asked to stop; it then settles ``cancelled``. The number cancelled."""
+        self.backend.workflow_take_settled()
+        cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
+        self.workflows_settled()
+        if self.events.wants("errands.workflow.cancelled"):
+            self.events.emit(
+                "errands.workflow.cancelled",
+                workflow_id=int(workflow_id),
+                actor=actor,
+                cancelled=cancelled,
+            )
+        return cancelled
+
+    def workflows_settled(self) -> None:
+        """Emit ``errands.workflow.settled`` for what this thread's last store calls
+        settled (called after a finish, rescue or cancel committed)."""
+        settled = self.backend.workflow_take_settled()
+        if settled and self.events.wants("errands.workflow.settled"):
+            for s in settled:
+                self.events.emit(
+                    "errands.workflow.settled",
+                    workflow_id=s.id,
+                    workflow_name=s.name,
+                    kind=s.kind,
+                    state=s.state,
+                    callbacks=s.fired,
+                )
+
+    def job_result(self, job_id: int) -> Any:
+        """A completed job's result, decoded as its handler's return annotation says."""
+        job = self.get_job(job_id)
+        return JobHandle(self, job.id, job.name)._outcome(job)
+
     # -- reading -------------------------------------------------------------------------
     def get_job(self, job_id: int) -> Job:
         row = self.backend.job_get(int(job_id))
@@ -780,7 +912,9 @@ class App:
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""
+        self.backend.workflow_take_settled()
         result = self.backend.job_cancel(int(job_id), _actor(actor))
+        self.workflows_settled()
         self.events.emit(
             "errands.job.cancel_requested",
             job_id=result.id,

@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from .errors import ConfigurationError
+
 if TYPE_CHECKING:
     from .worker.runtime import AttemptRuntime, TransactionConnection
+    from .workflows import Member, ParentResults, WorkflowStatus
 
 _CANCEL_LOCK = threading.Lock()
 
@@ -103,6 +106,48 @@ class Context:
         """Enqueue a child job, inserted with this job's completion (never on a failed or
         rescued attempt). Takes the same arguments as ``job.enqueue``, or a ``job.bind()``."""
         self._rt().enqueue(job, *args, **options)
+
+    # -- workflows (docs/workflows.md) ---------------------------------------------------
+    @property
+    def workflow_id(self) -> int | None:
+        """The workflow this job is a member of (or, for a callback, fired by); None for
+        a job outside workflows."""
+        return self._rt().workflow_id()
+
+    def workflow(self) -> WorkflowStatus:
+        """The status of this job's workflow: counts by outcome, and for a callback such
+        as ``on_settled``, the final ones. ``ctx.workflow_members()`` lists the members."""
+        return self._rt().app.workflow_status(self._workflow_required("ctx.workflow()"))
+
+    def workflow_members(self) -> list[Member]:
+        """Every member of this job's workflow with its node, state and outcome (the
+        failed ones of a batch are those whose ``outcome`` is ``dead`` or ``cancelled``)."""
+        return self._rt().app.workflow_members(self._workflow_required("ctx.workflow_members()"))
+
+    def parent_results(
+        self, *, after: int = 0, limit: int = 100, max_bytes: int = 1_000_000
+    ) -> ParentResults:
+        """The results of the parents this member ran after, a page at a time: up to
+        ``limit`` parents with ids above ``after``, and at most ``max_bytes`` of results
+        (a result that would pass it is left out, marked ``truncated``; read it with
+        ``app.get_job``). ``page.next_after`` is the ``after=`` of the next page."""
+        return self._rt().parent_results(after, limit, max_bytes)
+
+    def add_to_workflow(self, job: Any) -> None:
+        """Add a member (a ``job.bind(...)``) to this job's own workflow, inserted with
+        this job's completion and before it leaves the workflow's pending set: the
+        workflow cannot settle in between, and a failed attempt adds nothing."""
+        self._workflow_required("ctx.add_to_workflow()")
+        self._rt().add_to_workflow(job)
+
+    def _workflow_required(self, what: str) -> int:
+        workflow_id = self.workflow_id
+        if workflow_id is None:
+            raise ConfigurationError(
+                f"{what}: job {self.job_id} ({self.name}) is not in a workflow; enqueue it "
+                "with app.enqueue_workflow"
+            )
+        return workflow_id
 
     @property
     def idempotency_key(self) -> str:

@@ -145,3 +145,21 @@ def test_the_waiting_bench_runs_and_records_every_figure(tmp_path: Path) -> None
         assert figures["many_waiters"]["all_returned_s"] > 0
         assert figures["enqueue"]["aenqueue_per_s"] > 0
     assert results["postgres"]["many_waiters"]["waiting_connections"] == 1
+
+
+@pytest.mark.timeout(200)
+def test_the_workflow_bench_runs_and_records_every_figure(tmp_path: Path) -> None:
+    """`python -m bench.workflows --quick` (issue 18): fan-in latency, a fan-out/fan-in's
+    and a chain's throughput, with a real worker process."""
+    out = tmp_path / "workflows.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.workflows", "--quick", "--url",
+         f"sqlite:///{tmp_path}/wf.db", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert figures["fan_in_latency"]["p50_ms"] > 0
+    assert figures["fan_out_fan_in"]["members_per_s"] > 0
+    assert figures["chain"]["steps_per_s"] > 0

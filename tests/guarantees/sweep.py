@@ -131,6 +131,11 @@ class Sweep:
             if ctx.attempt == 1:
                 ctx.wait_for_signal("never", timeout=0.1)
 
+        @app.job(name="sweep.after", **options)
+        def after(ctx: errands.Context) -> int:
+            self._ran(ctx)  # a workflow member: reads its parent's result
+            return sum(p.result for p in ctx.parent_results())
+
         @app.job(name="sweep.parked", queue="parked", **options)
         def parked(ctx: errands.Context) -> None:
             self._ran(ctx)
@@ -150,6 +155,10 @@ class Sweep:
         for name in ("sweep.step", "sweep.flaky", "sweep.permanent", "sweep.expires"):
             jobs[name].enqueue()
         self.app.signal(jobs["sweep.signal"].enqueue().id, "go", {"n": 1})
+        workflow = errands.Workflow("sweep")  # its fan-in runs in job_finish_many
+        first = workflow.add(jobs["sweep.plain"].bind(n=20))
+        workflow.add(jobs["sweep.after"].bind(), after=[first])
+        self.app.enqueue_workflow(workflow)
         self.held = jobs["sweep.held"].enqueue().id
         # A job whose worker died (its lease runs out at once), and one held for the check
         # that the leader still rescues after the faults heal.

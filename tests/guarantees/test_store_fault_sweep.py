@@ -80,6 +80,7 @@ SWEEP: dict[str, Swept] = {
     "tx_finish": Swept("running"),
     "tx_rollback": Swept("running"),
     "signal_get": Swept("running"),  # ctx.wait_for_signal
+    "workflow_parent_results": Swept("running"),  # ctx.parent_results
     # on_dead hooks (App.run_dead_hooks)
     "job_get": Swept("running"),
     # the maintenance leader: election, rescue, promotion, cron, pruning
@@ -96,6 +97,7 @@ SWEEP: dict[str, Swept] = {
     "worker_prune": Swept("running"),
     "rate_log_prune": Swept("running"),
     "job_prune": Swept("running"),
+    "workflow_prune": Swept("running"),
     # a graceful stop: each made once
     "job_release_many": Swept("stopping", 1),
     "leader_resign": Swept("stopping", 1),
@@ -105,6 +107,8 @@ SWEEP: dict[str, Swept] = {
 EXEMPT = {
     "worker_list": "the start-up warning about periodic jobs no live worker serves reads "
     "the registry once, best effort: a failure skips that warning and nothing else",
+    "workflow_take_settled": "reads what this thread's last store calls settled, kept in "
+    "memory by the store: no store I/O",
     "listener": "builds the wake-up listener and does no store I/O; the listener's own "
     "connection is outside the Backend protocol",
 }

@@ -78,6 +78,10 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
     def wait(ctx: errands.Context, timeout: float) -> object:
         return ctx.wait_for_signal("go", timeout=timeout)
 
+    @app.job(name="ev.member")
+    def member() -> None:
+        pass
+
     @app.job(name="ev.lost", queue="elsewhere", retries=2)
     def lost() -> None:
         pass
@@ -108,6 +112,12 @@ def test_emitted_events_carry_exactly_the_catalogued_fields(tmp_path: Path) -> N
             app.replay([handles[3].id])
             wait_until(lambda: doomed_again(handles[3]), what="doomed dead again")
             app.discard([handles[3].id], reason="not needed")
+            batch = errands.Batch("ev.batch")
+            batch.add(member.bind())
+            assert app.enqueue_workflow(batch).result(timeout=10)  # settled by the worker
+            to_cancel = errands.Batch("ev.cancelled")
+            to_cancel.add(member.bind(delay=3600))
+            app.enqueue_workflow(to_cancel).cancel()  # settled by the cancel
             slow.enqueue()  # still running at the stop: released (grace=0)
             wait_until(
                 lambda: any(e.name == "errands.job.started" and e["job_name"] == "ev.slow"

@@ -14,9 +14,19 @@ import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..jobs import EnqueueRequest, JobRow, Step
+
+if TYPE_CHECKING:
+    from .workflow_store import (
+        MemberRow,
+        ParentResultRow,
+        Settled,
+        WorkflowInserted,
+        WorkflowRow,
+        WorkflowSpec,
+    )
 
 FinishState = Literal["completed", "retryable", "dead", "cancelled", "waiting"]
 
@@ -72,6 +82,8 @@ class FinishParams:
     # (or sent at the same moment) makes the job available at once instead.
     wait_signal: str | None = None
     wait_timeout: float | None = None
+    # a workflow member's completion: members it adds to its own workflow (ctx.add_to_workflow)
+    workflow_adds: Sequence[EnqueueRequest] = ()
 
 
 @dataclass(frozen=True)
@@ -552,6 +564,49 @@ class Backend(Protocol):
     def queue_forget(self, name: str, actor: str) -> bool:
         """Delete a queue's stored settings (paused flag, limits), audited; False when it
         had none."""
+        ...
+
+    # -- workflows (errands.workflows; the SQL in each backend's workflows.sql) -----------
+    def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        """Store a workflow, its members (dependents waiting), edges and pending set in
+        one transaction (the caller's, when ``conn`` is given)."""
+        ...
+
+    async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        """:meth:`workflow_insert` for an event loop (``conn``: the caller's async
+        connection, as :meth:`ajob_insert_many` takes)."""
+        ...
+
+    def workflow_get(self, workflow_id: int) -> WorkflowRow | None: ...
+
+    def workflow_list(
+        self, state: str | None = None, before_id: int | None = None, limit: int = 100
+    ) -> list[WorkflowRow]:
+        """Workflows newest first (keyset pagination on ``before_id``)."""
+        ...
+
+    def workflow_members(
+        self, workflow_id: int, after: int = 0, limit: int = 1000
+    ) -> list[MemberRow]: ...
+
+    def workflow_parent_results(
+        self, job_id: int, after: int = 0, limit: int = 100
+    ) -> list[ParentResultRow]:
+        """The parents of member ``job_id`` with ids above ``after``, in id order."""
+        ...
+
+    def workflow_prune(self, older_than: float, limit: int) -> int:
+        """Delete workflows settled more than ``older_than`` s ago (their own rows)."""
+        ...
+
+    def workflow_take_settled(self) -> list[Settled]:
+        """The workflows settled by this thread's store calls since the last call (read
+        after a finish, rescue or cancel returned: they committed), for events."""
+        ...
+
+    def workflow_cancel(self, workflow_id: int, actor: str) -> int:
+        """Cancel pending members, ask running ones to stop (audited); raises
+        JobNotFound for an unknown workflow."""
         ...
 
     # -- health --------------------------------------------------------------------------

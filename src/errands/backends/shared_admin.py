@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import InvalidTransition, JobNotFound
 from ..jobs import JobRow
@@ -35,17 +35,47 @@ from .base import (
     WorkerInfo,
     unwrap_connection,
 )
-from .program import Program, Stmt
+from .program import Program, Stmt, run
 
-Run = Callable[..., Any]  # run(query_name, params=None) -> cursor, inside a transaction
+if TYPE_CHECKING:
+    from .workflow_store import (
+        MemberRow,
+        ParentResultRow,
+        Settled,
+        WorkflowRow,
+        WorkflowStore,
+    )
+
+T = TypeVar("T")
 SIGNAL_REFUSED = ("completed", "cancelled", "discarded")
 
 
-def suspend_program(queries: dict[str, str], outcome: FinishParams) -> Program[bool]:
+class TxRun:
+    """Runs a backend's named queries (``run(query_name, params=None)`` -> cursor), and
+    statement programs (``run.program(p)``), inside one open transaction."""
+
+    def __init__(self, conn: Any, queries: dict[str, str], no_params: Any) -> None:
+        self.conn = conn
+        self.queries = queries
+        self.no_params = no_params
+
+    def __call__(self, query: str, params: dict[str, Any] | None = None) -> Any:
+        return self.conn.execute(self.queries[query], params or self.no_params)
+
+    def program(self, program: Program[T]) -> T:
+        return run(self.conn, program)
+
+
+def suspend_program(
+    queries: dict[str, str],
+    outcome: FinishParams,
+    fan_in: Callable[[list[int]], Program[None]] | None = None,
+) -> Program[bool]:
     """A suspension's fenced write (ctx.wait_for_signal), then the resume that follows at
-    once when the signal is already stored: run inside one transaction."""
+    once when the signal is already stored: run inside one transaction. A cancel
+    requested meanwhile ends the job instead: a workflow member then fans in."""
     suspended = yield Stmt(
-        queries["job_suspend"] + "\nRETURNING id",
+        queries["job_suspend"] + "\nRETURNING id, state, workflow_id",
         {
             "id": outcome.id,
             "token": outcome.lease_token,
@@ -55,6 +85,10 @@ def suspend_program(queries: dict[str, str], outcome: FinishParams) -> Program[b
     )
     if not suspended:
         return False  # stale: the lease is no longer this attempt's
+    if suspended[0][1] == "cancelled":
+        if suspended[0][2] is not None and fan_in is not None:
+            yield from fan_in([outcome.id])
+        return True
     yield Stmt(queries["job_resume_if_signalled"], {"id": outcome.id})
     return True
 
@@ -70,7 +104,69 @@ class SharedAdmin:
 
         def _write_count(self, query: str, params: dict[str, Any]) -> int: ...
 
-        def _transaction(self) -> AbstractContextManager[Run]: ...
+        def _transaction(self) -> AbstractContextManager[TxRun]: ...
+
+        workflows: WorkflowStore
+
+    def _read_program(self, factory: Callable[[], Program[T]]) -> T:
+        """Run the program ``factory()`` makes on a read connection."""
+        with self._transaction() as run:  # a backend may read more cheaply (overrides)
+            return run.program(factory())
+
+    # -- workflows -----------------------------------------------------------------------
+    def workflow_get(self, workflow_id: int) -> WorkflowRow | None:
+        return self._read_program(lambda: self.workflows.get(workflow_id))
+
+    def workflow_list(
+        self, state: str | None = None, before_id: int | None = None, limit: int = 100
+    ) -> list[WorkflowRow]:
+        return self._read_program(lambda: self.workflows.listing(state, before_id, limit))
+
+    def workflow_members(
+        self, workflow_id: int, after: int = 0, limit: int = 1000
+    ) -> list[MemberRow]:
+        return self._read_program(lambda: self.workflows.members(workflow_id, after, limit))
+
+    def workflow_parent_results(
+        self, job_id: int, after: int = 0, limit: int = 100
+    ) -> list[ParentResultRow]:
+        return self._read_program(lambda: self.workflows.parent_results(job_id, after, limit))
+
+    def workflow_prune(self, older_than: float, limit: int) -> int:
+        with self._transaction() as run:
+            return run.program(self.workflows.prune(older_than, limit))
+
+    def workflow_take_settled(self) -> list[Settled]:
+        return self.workflows.take_settled()
+
+    def workflow_cancel(self, workflow_id: int, actor: str) -> int:
+        """Cancel a workflow's pending members and ask its running ones to stop, in short
+        transactions: mark it cancelled; cancel its nested workflows (each the same way);
+        ask running members to stop, without the workflow's lock (a member's finish takes
+        its job's lock before the workflow's); cancel the pending ones under the lock; ask
+        again for members claimed in between. The number of jobs cancelled at once."""
+        if self.workflow_get(workflow_id) is None:
+            raise JobNotFound(f"no workflow with id {workflow_id}")
+        with self._transaction() as run:  # first: nested workflows then end in a cancelled one
+            run("wf_request_cancel", {"id": workflow_id})
+        nested = self._read_program(lambda: self.workflows.nested_pending(workflow_id))
+        cancelled = sum(self.workflow_cancel(child, actor) for child in nested)
+        with self._transaction() as run:
+            run.program(self.workflows.cancel_running(workflow_id))
+        with self._transaction() as run:
+            cancelled += run.program(self.workflows.cancel_pending(workflow_id))
+            run(
+                "audit_insert",
+                {
+                    "actor": actor,
+                    "action": "workflow_cancel",
+                    "job_id": None,
+                    "detail": json.dumps({"workflow": workflow_id, "cancelled": cancelled}),
+                },
+            )
+        with self._transaction() as run:
+            run.program(self.workflows.cancel_running(workflow_id))
+        return cancelled
 
     def _replayed(self, ids: list[int]) -> None:
         """Called once a replay committed (PostgreSQL wakes the queues' listeners)."""
@@ -112,6 +208,8 @@ class SharedAdmin:
                 if action == "replay" and params.fresh:
                     run("steps_delete", {"job_id": job_id})
                 run(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
+                if action == "replay":
+                    run.program(self.workflows.reenter([job_id]))
                 run(
                     "audit_insert",
                     {
@@ -135,12 +233,19 @@ class SharedAdmin:
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult:
         with self._transaction() as run:
+            # A pending workflow member: its workflow's lock first, as a fan-in that may
+            # end it takes them. Not for a running one: its worker's finish holds the job's
+            # row while it waits for the workflow's, and this only flags it.
+            seen = run("wf_job_state", {"id": job_id}).fetchone()
+            if seen is not None and seen[0] != "running":
+                run.program(self.workflows.lock_for([job_id]))
             row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
             if row is None:
                 raise JobNotFound(f"no job with id {job_id}")
             previous = row[0]
             if previous in ("available", "scheduled", "retryable", "waiting"):
                 run("job_cancel_pending", {"id": job_id})
+                run.program(self.workflows.fan_in([job_id]))
                 state = "cancelled"
             elif previous == "running":
                 run("job_cancel_running", {"id": job_id})
@@ -254,7 +359,7 @@ class SharedAdmin:
         if not timeouts:
             return []
         with self._transaction() as run:
-            return [
+            answers = [
                 run(
                     "job_expire_wait",
                     {
@@ -268,6 +373,11 @@ class SharedAdmin:
                 == 1
                 for t in timeouts
             ]
+            dead = [
+                t.id for t, ok in zip(timeouts, answers, strict=True) if ok and t.state == "dead"
+            ]
+            run.program(self.workflows.fan_in(dead))
+        return answers
 
     # -- reading -------------------------------------------------------------------------
     def job_get(self, job_id: int, conn: Any = None) -> JobRow | None:

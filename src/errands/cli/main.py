@@ -1,4 +1,4 @@
-"""``errands worker | status | jobs | dlq | migrate | demo``.
+"""``errands worker | status | jobs | dlq | workflows | migrate | demo``.
 
 Every listing takes ``--json``. Errors print one line naming the problem and the fix, and
 exit non-zero (1 for a failed operation, 2 for bad usage) — never a traceback.
@@ -21,6 +21,7 @@ from .admin import dlq, jobs, status
 from .dashboard import dashboard
 from .loading import URL_HELP, load_app
 from .scheduling import cron, queues
+from .workflows import workflows
 
 APP_HELP = "the App as module:attribute (also ERRANDS_APP)"
 log = logging.getLogger("errands.worker")
@@ -266,6 +267,7 @@ cli.add_command(cron)
 cli.add_command(jobs)
 cli.add_command(dlq)
 cli.add_command(dashboard)
+cli.add_command(workflows)
 
 
 def main() -> None:

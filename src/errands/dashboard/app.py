@@ -137,6 +137,8 @@ def create_app(
         ),
         Route("/workers", pages.workers, name="workers"),
         Route("/cron", pages.cron, name="cron"),
+        Route("/workflows", pages.workflows, name="workflows"),
+        Route("/workflows/{workflow_id:int}", pages.workflow_detail, name="workflow"),
         Route("/audit", pages.audit, name="audit"),
         Route("/login", actions.login_form, methods=["GET"], name="login"),
         Route("/login", actions.login_submit, methods=["POST"], name="login_submit"),

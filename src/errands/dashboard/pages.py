@@ -15,6 +15,7 @@ from ..errors import JobNotFound
 from ..fleet import MISSED_HEARTBEATS, presumed_dead, presumed_dead_after, queue_names
 from ..jobs import ALL_STATES, Job
 from ..masking import mask_text, mask_value, sensitive_values
+from ..workflows import WORKFLOW_STATES
 from . import charts
 from .format import trace_id
 from .web import (
@@ -27,6 +28,7 @@ from .web import (
     render,
     settings,
 )
+from .workflow_graph import layout
 
 PAGE_SIZE = 50
 STATE_ORDER = (
@@ -375,6 +377,61 @@ async def queues(request: Request, viewer: Viewer) -> Response:
         viewer,
         "queues.html",
         {"nav": "queues", "queues": [rows[n] for n in sorted(rows)], "live": True},
+    )
+
+
+@page
+async def workflows(request: Request, viewer: Viewer) -> Response:
+    app = settings(request).app
+    state = query_text(request, "state")
+    if state not in (None, *WORKFLOW_STATES):
+        state = None
+    before = query_int(request, "before")
+    rows = await blocking(app.workflows, state=state, before_id=before, limit=PAGE_SIZE)
+    return render(
+        request,
+        viewer,
+        "workflows.html",
+        {
+            "nav": "workflows",
+            "rows": rows,
+            "states": list(WORKFLOW_STATES),
+            "current_state": state,
+            "next_before": rows[-1].id if len(rows) == PAGE_SIZE else None,
+        },
+    )
+
+
+@page
+async def workflow_detail(request: Request, viewer: Viewer) -> Response:
+    app = settings(request).app
+    workflow_id = int(request.path_params["workflow_id"])
+
+    def load() -> tuple[Any, list[Any]]:
+        return app.workflow_status(workflow_id), app.workflow_members(workflow_id)
+
+    try:
+        status, members = await blocking(load)
+    except JobNotFound:
+        return error_page(
+            request,
+            404,
+            "Workflow not found",
+            f"No workflow with id {workflow_id}.",
+            viewer,
+            fix="It may never have been stored (its enqueue rolled back).",
+        )
+    return render(
+        request,
+        viewer,
+        "workflow.html",
+        {
+            "nav": "workflows",
+            "w": status,
+            "members": members,
+            "nodes": {m.job_id: m.node for m in members},
+            "graph": layout(members),
+        },
     )
 
 

@@ -156,7 +156,9 @@ class Maintenance:
             except Exception:  # pragma: no cover - _plan calls nothing that raises
                 log.exception("job %s: planning its rescue failed; retrying it later", lease.id)
         try:
+            backend.workflow_take_settled()
             done = backend.job_rescue_many(plans)
+            self.app.workflows_settled()
         except Exception as exc:
             if is_transient(exc):  # it may have committed: look next tick (errands.landed)
                 self._unsure = [(p, by_id[p.id]) for p in plans]
@@ -301,6 +303,7 @@ class Maintenance:
             if self._stop.is_set():
                 break
             n = self.app.backend.job_prune(self.app.retention, PRUNE_BATCH)
+            n += self.app.backend.workflow_prune(self.app.retention, PRUNE_BATCH)
             total += n
             if n < PRUNE_BATCH:
                 break

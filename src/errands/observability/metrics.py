@@ -137,6 +137,12 @@ class ErrandsMetrics:
             ["queue", "job"],
             registry=registry,
         )
+        self.workflows = Counter(
+            "errands_workflows_settled",
+            "Workflows whose settling this process committed, by kind and final state",
+            ["kind", "state"],
+            registry=registry,
+        )
         self.leader = Gauge(
             "errands_leader",
             "1 while this process's worker is the maintenance leader",
@@ -158,6 +164,8 @@ class ErrandsMetrics:
                 self.leader.set(1)
             elif name == "errands.leader.resigned":
                 self.leader.set(0)
+            elif name == "errands.workflow.settled":
+                self.workflows.labels(str(f.get("kind")), str(f.get("state"))).inc()
             return
         queue, job = str(f.get("queue", "")), str(f.get("job_name", ""))
         if name == "errands.job.enqueued":

@@ -38,6 +38,7 @@ from ..jobs import Job
 from ..maintenance import Maintenance
 from ..observability.logcontext import current_job
 from ..worker.execution import Attempt
+from ..workflows import WorkflowHandle, WorkflowStatus
 from . import faults
 from ._store import PENDING, store_tools
 from ._worker import HarnessWorker
@@ -370,6 +371,40 @@ class Tester:
         plan = _DuplicatePlan(effects, variant, report)
         report.drain = self._drain(queue, with_retries, with_scheduled, max_runs, plan)
         return report
+
+    def drain_workflow(
+        self, workflow: WorkflowHandle | int, *, max_runs: int = MAX_RUNS_DEFAULT
+    ) -> WorkflowStatus:
+        """Drain (retries and scheduled jobs included) until the workflow settled and the
+        callbacks it fired ran; its final status. AssertionError, naming the members
+        still pending, when it cannot settle (a paused queue, a job of another App)."""
+        self._check_open()
+        workflow_id = workflow if isinstance(workflow, int) else workflow.id
+        self._drain(None, True, True, max_runs)
+        status = self.app.workflow_status(workflow_id)
+        if not status.settled:
+            stuck = [
+                f"{m.node} (job {m.job_id}, {m.state})"
+                for m in self.app.workflow_members(workflow_id)
+                if m.outcome is None
+            ]
+            raise AssertionError(
+                f"workflow {workflow_id} ({status.name}) did not settle: "
+                f"{status.pending} of {status.total} members pending: {', '.join(stuck)}"
+            )
+        return status
+
+    def assert_callbacks(self, workflow: WorkflowHandle | int, *events: str) -> None:
+        """Assert exactly ``events`` (``on_success``, ``on_settled``, ``on_dead``) of the
+        workflow fired, each once (a callback fires at most once by construction)."""
+        workflow_id = workflow if isinstance(workflow, int) else workflow.id
+        status = self.app.workflow_status(workflow_id)
+        fired = sorted(event for event, job_id in status.callbacks.items() if job_id is not None)
+        if fired != sorted(events):
+            raise AssertionError(
+                f"workflow {workflow_id} ({status.name}, {status.state}): expected callbacks "
+                f"{sorted(events)} to have fired, fired {fired}"
+            )
 
     def _driver_worker(self) -> HarnessWorker:
         with self._lock:

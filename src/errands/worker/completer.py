@@ -116,6 +116,7 @@ class Completer:
         while True:
             try:
                 accepted = self.app.backend.job_finish_many([o for _, o in batch])
+                self.app.workflows_settled()
                 if unsure and not all(accepted):
                     accepted = self._landed_anyway(batch, accepted)
                 return list(zip(batch, accepted, strict=True))

@@ -26,11 +26,13 @@ import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
+from ..backends.workflow_store import WORKFLOW_ADD
 from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
 from ..faults import fault_point
 from ..jobs import EnqueueRequest
@@ -40,6 +42,7 @@ from .execution import Suspended
 if TYPE_CHECKING:
     from ..app import App
     from ..definition import BoundJob, JobDefinition
+    from ..workflows import ParentResults
     from .execution import Attempt
 
 log = logging.getLogger("errands.worker")
@@ -249,6 +252,57 @@ class AttemptRuntime:
                 self.app.backend.tx_rollback(tx)
             except Exception:
                 log.exception("could not roll back the transaction of job %s", self.attempt.id)
+
+    # -- workflows -----------------------------------------------------------------------------
+    def workflow_id(self) -> int | None:
+        meta = self.attempt.row.meta
+        if '"workflow' not in meta:  # most jobs: no JSON decoding
+            return None
+        try:
+            data = json.loads(meta)
+        except ValueError:
+            return None
+        found = data.get("workflow") or (data.get("workflow_callback") or {}).get("workflow")
+        return int(found) if isinstance(found, int) else None
+
+    def parent_results(self, after: int, limit: int, max_bytes: int) -> ParentResults:
+        from ..workflows import ParentResult, ParentResults
+
+        if limit < 1 or max_bytes < 1:
+            raise ConfigurationError("ctx.parent_results: limit and max_bytes must be >= 1")
+        rows = self.app.backend.workflow_parent_results(self.attempt.id, after, limit + 1)
+        more = len(rows) > limit
+        items: list[ParentResult] = []
+        used = 0
+        for row in rows[:limit]:
+            truncated = row.result_json is not None and used + row.size > max_bytes
+            if truncated and items:
+                more = True  # the next page starts here, with a fresh budget
+                break
+            used += 0 if truncated else row.size
+            result = None
+            if row.state == "completed" and row.result_json is not None and not truncated:
+                result = self._decode_parent(row.job_id, row.result_json)
+            items.append(ParentResult(row.job_id, row.node, row.state, result, truncated))
+        return ParentResults(items, items[-1].job_id if more and items else None)
+
+    def _decode_parent(self, job_id: int, result_json: str) -> Any:
+        try:
+            return json.loads(result_json)
+        except ValueError:
+            log.warning("job %s: parent %s has an unreadable result", self.attempt.id, job_id)
+            return None
+
+    def add_to_workflow(self, job: BoundJob) -> None:
+        from ..definition import BoundJob
+
+        if not isinstance(job, BoundJob):
+            raise ConfigurationError(
+                f"ctx.add_to_workflow takes job.bind(...), got {type(job).__name__}"
+            )
+        request = replace(job.request, meta={**job.request.meta, WORKFLOW_ADD: True})
+        with self._lock:
+            self.children.append(request)
 
     # -- children ------------------------------------------------------------------------------
     def enqueue(

@@ -61,6 +61,31 @@ def pay(ctx: errands.Context, order_id: int) -> dict[str, Any]:
     return dict(charge)
 
 
+@app.job(name="wf_step", retries=1000, backoff=0.05)
+def wf_step(ctx: errands.Context, n: int, grow: int = 0) -> int:
+    """A workflow member: records its run and any parent not completed (none may be),
+    and with ``grow`` adds one more member to its own workflow, which adds the next."""
+    early = [p.node for p in ctx.parent_results(limit=1000) if p.state != "completed"]
+    effects().execute(
+        "INSERT INTO wf_runs (job_id, workflow_id, early) VALUES (%s, %s, %s)",
+        (ctx.job_id, ctx.workflow_id, ",".join(early)),
+    )
+    if grow:
+        ctx.add_to_workflow(wf_step.bind(n=n + 1, grow=grow - 1))
+    time.sleep(random.uniform(0.0, 0.005))
+    return n
+
+
+@app.job(name="wf_callback", retries=1000, backoff=0.05)
+def wf_callback(ctx: errands.Context, event: str) -> None:
+    """A workflow callback: records its run and the members still pending (must be 0)."""
+    status = ctx.workflow()
+    effects().execute(
+        "INSERT INTO wf_callbacks (job_id, workflow_id, event, pending) VALUES (%s, %s, %s, %s)",
+        (ctx.job_id, status.id, event, status.pending),
+    )
+
+
 @app.job(name="tx_write", retries=1000, backoff=0.05)
 def tx_write(ctx: errands.Context, n: int) -> int:
     """Write the effect row through ctx.transaction(): it commits with the completion."""

@@ -30,6 +30,17 @@ TX_TABLES = (
         id {serial}, job_id INTEGER NOT NULL, n INTEGER NOT NULL, attempt INTEGER NOT NULL)""",
 )
 
+WORKFLOW_TABLES = (
+    # Every run of a workflow member, with the parents it found not completed (must be none).
+    """CREATE TABLE IF NOT EXISTS wf_runs (
+        id {serial}, job_id INTEGER NOT NULL, workflow_id INTEGER NOT NULL,
+        early TEXT NOT NULL)""",
+    # Every run of a callback, with the members it found pending (must be 0).
+    """CREATE TABLE IF NOT EXISTS wf_callbacks (
+        id {serial}, job_id INTEGER NOT NULL, workflow_id INTEGER NOT NULL,
+        event TEXT NOT NULL, pending INTEGER NOT NULL)""",
+)
+
 
 class EffectsStore:
     def __init__(self, url: str) -> None:

@@ -13,7 +13,7 @@ from ..base import (
     QueueStats,
     StoreHealth,
 )
-from ..shared_admin import Run, SharedAdmin
+from ..shared_admin import SharedAdmin, TxRun
 
 if TYPE_CHECKING:
     import psycopg
@@ -51,9 +51,9 @@ class PostgresAdmin(SharedAdmin):
             return conn.execute(self.q[query], params).rowcount
 
     @contextmanager
-    def _transaction(self) -> Iterator[Run]:
+    def _transaction(self) -> Iterator[TxRun]:
         with self._tx() as conn:
-            yield lambda query, params=None: conn.execute(self.q[query], params)
+            yield TxRun(conn, self.q, None)
 
     def _replayed(self, ids: list[int]) -> None:
         queues = set()

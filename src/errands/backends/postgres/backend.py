@@ -51,6 +51,13 @@ from ..limits import Claimed, claim_limited
 from ..program import Call, Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
 from ..sqlfile import load_migrations, load_queries
+from ..workflow_store import (
+    ENDED,
+    WorkflowInserted,
+    WorkflowSpec,
+    WorkflowStore,
+    split_children,
+)
 from .admin import PostgresAdmin
 from .config import (
     CONNECT_TIMEOUT_DEFAULT,
@@ -138,7 +145,7 @@ def fill_markers(text: str, schema: str) -> str:
     return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL)
 
 
-_RAW_QUERIES = load_queries(__package__)
+_RAW_QUERIES = load_queries(__package__) | load_queries(__package__, "workflows.sql")
 MIGRATIONS = load_migrations(__package__)
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
@@ -193,6 +200,10 @@ class PostgresBackend(PostgresAdmin):
             weakref.WeakKeyDictionary()
         )
         self._verdicts_lock = threading.Lock()
+        self.workflows = WorkflowStore(
+            self.q, lambda requests: self._insert_program(requests, copy=False), list,
+            self._notify_program,
+        )  # fmt: skip
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
             self.migrate()
 
@@ -545,6 +556,10 @@ class PostgresBackend(PostgresAdmin):
                     due.append(queue)
         return due
 
+    def _notify_program(self, queues: set[str]) -> Program[None]:
+        for queue in self._notify_due(queues):
+            yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
+
     def _maybe_notify(self, conn: psycopg.Connection[Any], queues: set[str]) -> None:
         for queue in self._notify_due(queues):
             conn.execute(self.q["notify"], {"channel": self.channel, "payload": queue})
@@ -590,6 +605,22 @@ class PostgresBackend(PostgresAdmin):
             "once); without a key, a retry may enqueue it twice"
         )
 
+    # -- workflows ---------------------------------------------------------------------
+    def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        if conn is not None:
+            return run(self._caller_connection(conn), self.workflows.insert(spec))
+        with self._tx() as own:
+            return run(own, self.workflows.insert(spec))
+
+    async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        if conn is None:  # the pool's connections, in a thread: the loop never blocks
+            return await asyncio.to_thread(self.workflow_insert, spec)
+        caller = await self._acaller_connection(conn)
+        return await arun(caller, self.workflows.insert(spec))
+
+    def _read_program(self, factory: Callable[[], Program[T]]) -> T:
+        return self._read(lambda conn: run(conn, factory()))
+
     # -- the hot path ----------------------------------------------------------------------
     def job_claim(self, params: ClaimParams) -> list[JobRow]:
         if params.limit <= 0 or not params.queues:
@@ -612,11 +643,17 @@ class PostgresBackend(PostgresAdmin):
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
+        self.workflows.take_fanned()
+        self.workflows.take_settled()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
             with self._tx() as conn:
-                return self._finish(conn, outcomes)
-        with self._conn() as conn:  # one autocommit statement: one round trip
-            return self._finish(conn, outcomes)
+                answers = self._finish(conn, outcomes)
+        else:
+            with self._conn() as conn:  # one autocommit statement: one round trip
+                answers = self._finish(conn, outcomes)
+        if self.workflows.take_fanned():
+            fault_point("after_fan_in_commit")
+        return answers
 
     def _finish(
         self, conn: psycopg.Connection[Any], outcomes: Sequence[FinishParams]
@@ -629,10 +666,53 @@ class PostgresBackend(PostgresAdmin):
             for o in outcomes:
                 if o.state == "waiting":
                     with conn.transaction():  # the suspension locks the row, then looks
-                        answers[id(o)] = run(conn, suspend_program(self.q, o))
+                        answers[id(o)] = run(
+                            conn, suspend_program(self.q, o, self.workflows.fan_in)
+                        )
             return [answers[id(o)] for o in outcomes]
-        done = {
-            (r[0], r[1])
+        # Jobs outside workflows: one statement, as ever. Workflow members (and stale
+        # outcomes, which no statement accepts) then in a transaction with their fan-in.
+        done = self._finish_rows(conn, outcomes, members=False)
+        accepted = [(o.id, o.lease_token) in done for o in outcomes]
+        rest = [o for o, ok in zip(outcomes, accepted, strict=True) if not ok]
+        children = [
+            child
+            for o, ok in zip(outcomes, accepted, strict=True)
+            if ok and o.state == "completed"
+            for child in o.children
+        ]
+        if children:
+            self._insert(conn, children)
+        if rest:
+            with conn.transaction():
+                ended = self._finish_rows(conn, rest, members=True)
+                for o in rest:
+                    if (o.id, o.lease_token) not in ended or o.state != "completed":
+                        continue
+                    plain, adds = split_children(o)
+                    if plain:
+                        self._insert(conn, plain)
+                    if adds:
+                        [(workflow_id,)] = conn.execute(
+                            self.q["wf_job_workflow"], {"id": o.id}
+                        ).fetchall()
+                        run(conn, self.workflows.add(workflow_id, adds))
+                members = [o.id for o in rest if ended.get((o.id, o.lease_token)) in ENDED]
+                run(conn, self.workflows.fan_in(members))
+            landed = {(o.id, o.lease_token) for o in rest} & set(ended)
+            accepted = [
+                ok or (o.id, o.lease_token) in landed
+                for o, ok in zip(outcomes, accepted, strict=True)
+            ]
+        return accepted
+
+    def _finish_rows(
+        self, conn: psycopg.Connection[Any], outcomes: Sequence[FinishParams], members: bool
+    ) -> dict[tuple[int, str], str]:
+        """The fenced write of ``outcomes`` (of members or of other jobs): the state each
+        one that landed is in, by ``(id, lease token)``."""
+        return {
+            (r[0], r[1]): r[2]
             for r in conn.execute(
                 self.q["job_finish_many"],
                 {
@@ -642,19 +722,10 @@ class PostgresBackend(PostgresAdmin):
                     "results": [o.result_json for o in outcomes],
                     "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
                     "delays": [float(o.delay) for o in outcomes],
+                    "members": members,
                 },
             ).fetchall()
         }
-        accepted = [(o.id, o.lease_token) in done for o in outcomes]
-        children = [
-            child
-            for o, ok in zip(outcomes, accepted, strict=True)
-            if ok and o.state == "completed"
-            for child in o.children
-        ]
-        if children:
-            self._insert(conn, children)
-        return accepted
 
     # -- queues and limits ----------------------------------------------------------------
     def queue_settings(self) -> list[QueueSettings]:
@@ -867,19 +938,24 @@ class PostgresBackend(PostgresAdmin):
     def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
         if not leases:
             return []
-        with self._conn() as conn:
-            done = {
-                r[0]
-                for r in conn.execute(
-                    self.q["job_release_many"],
-                    {
-                        "ids": [lease.id for lease in leases],
-                        "tokens": [lease.lease_token for lease in leases],
-                        "message": message,
-                    },
-                ).fetchall()
-            }
+        with self._tx() as conn:
+            rows = conn.execute(
+                self.q["job_release_many"],
+                {
+                    "ids": [lease.id for lease in leases],
+                    "tokens": [lease.lease_token for lease in leases],
+                    "message": message,
+                },
+            ).fetchall()
+            self._fan_in(conn, rows)
+        done = {r[0] for r in rows}
         return [lease.id in done for lease in leases]
+
+    def _fan_in(self, conn: psycopg.Connection[Any], ended: Sequence[Any]) -> None:
+        """The fan-in of the ``(id, workflow_id, state)`` just written that ended members."""
+        members = [r[0] for r in ended if r[1] is not None and r[2] in ENDED]
+        if members:
+            run(conn, self.workflows.fan_in(members))
 
     # -- maintenance ---------------------------------------------------------------------
     def leader_attempt_elect(self, name: str, owner: str, ttl: float) -> bool:
@@ -907,20 +983,19 @@ class PostgresBackend(PostgresAdmin):
     def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]:
         if not rescues:
             return []
-        with self._conn() as conn:
-            done = {
-                r[0]
-                for r in conn.execute(
-                    self.q["job_rescue_many"],
-                    {
-                        "ids": [r.id for r in rescues],
-                        "tokens": [r.lease_token for r in rescues],
-                        "states": [r.state for r in rescues],
-                        "errors": [json.dumps(r.error) for r in rescues],
-                        "delays": [r.delay for r in rescues],
-                    },
-                ).fetchall()
-            }
+        with self._tx() as conn:
+            rows = conn.execute(
+                self.q["job_rescue_many"],
+                {
+                    "ids": [r.id for r in rescues],
+                    "tokens": [r.lease_token for r in rescues],
+                    "states": [r.state for r in rescues],
+                    "errors": [json.dumps(r.error) for r in rescues],
+                    "delays": [r.delay for r in rescues],
+                },
+            ).fetchall()
+            self._fan_in(conn, rows)
+        done = {r[0] for r in rows}
         return [r.id in done for r in rescues]
 
     def job_promote_due(self) -> int:

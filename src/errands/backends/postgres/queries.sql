@@ -142,7 +142,8 @@ FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(states)b::text[], %(results
             %(errors)b::text[], %(delays)b::float8[])
      AS o(id, token, state, result, error, delay)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-RETURNING j.id, o.token
+  AND (j.workflow_id IS NOT NULL) = %(members)s
+RETURNING j.id, o.token, j.state
 
 -- name: job_heartbeat_many
 -- The handlers' latest ctx.progress rides on the heartbeat (NULL: unchanged).
@@ -172,7 +173,7 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-RETURNING j.id
+RETURNING j.id, j.workflow_id, j.state
 
 -- name: leader_attempt_elect
 INSERT INTO {schema}.errands_leaders AS l (name, owner, elected_at, expires_at)
@@ -210,7 +211,7 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::text[], %(states)s::text[], %(errors)
             %(delays)s::float8[]) AS o(id, token, state, error, delay)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
   AND j.lease_expires_at < now()
-RETURNING j.id
+RETURNING j.id, j.workflow_id, j.state
 
 -- name: job_promote_due
 UPDATE {schema}.errands_jobs

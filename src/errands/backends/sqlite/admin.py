@@ -15,7 +15,7 @@ from ..base import (
     QueueStats,
     StoreHealth,
 )
-from ..shared_admin import Run, SharedAdmin
+from ..shared_admin import SharedAdmin, TxRun
 from .statements import Q
 
 
@@ -46,9 +46,9 @@ class SQLiteAdmin(SharedAdmin):
             return conn.execute(Q[query], params).rowcount
 
     @contextmanager
-    def _transaction(self) -> Iterator[Run]:
+    def _transaction(self) -> Iterator[TxRun]:
         with self._write() as conn:
-            yield lambda query, params=None: conn.execute(Q[query], params or ())
+            yield TxRun(conn, Q, ())
 
     # -- reading -------------------------------------------------------------------------
     def queue_stats(self) -> list[QueueStats]:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from ...errors import (
@@ -52,10 +52,18 @@ from ..base import (
 from ..limits import Claimed, claim_limited
 from ..program import Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
+from ..workflow_store import (
+    ENDED,
+    WorkflowInserted,
+    WorkflowSpec,
+    WorkflowStore,
+    split_children,
+)
 from .admin import SQLiteAdmin
 from .statements import MIGRATIONS, SCHEMA_VERSION, Q
 
 log = logging.getLogger("errands.sqlite")
+T = TypeVar("T")
 
 BUSY_TIMEOUT_MS_DEFAULT = 5_000
 WRITE_TIMEOUT_DEFAULT = 60.0
@@ -157,6 +165,7 @@ class SQLiteBackend(SQLiteAdmin):
         self._memory_lock = threading.RLock() if self.memory else None
         self._writer = threading.Lock()  # one write transaction of this process at a time
         self._pid = os.getpid()
+        self.workflows = WorkflowStore(Q, self._insert_program, json.dumps)
         if auto_migrate:
             self.migrate()
 
@@ -446,6 +455,23 @@ class SQLiteBackend(SQLiteAdmin):
                 raise self._storage_full(exc) from exc
             raise
 
+    # -- workflows ---------------------------------------------------------------------
+    def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        if conn is not None:
+            return run(self._check_caller_connection(conn), self.workflows.insert(spec))
+        with self._write() as own:
+            return run(own, self.workflows.insert(spec))
+
+    async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
+        if conn is None:  # the store's own connection, in a thread: the loop never blocks
+            return await asyncio.to_thread(self.workflow_insert, spec)
+        caller = await self._acaller_connection(conn)
+        return await arun(caller, self.workflows.insert(spec))
+
+    def _read_program(self, factory: Callable[[], Program[T]]) -> T:
+        with self._read() as conn:
+            return run(conn, factory())
+
     # -- the hot path ------------------------------------------------------------------
     def job_claim(self, params: ClaimParams) -> list[JobRow]:
         if params.limit <= 0:
@@ -477,31 +503,46 @@ class SQLiteBackend(SQLiteAdmin):
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
+        self.workflows.take_fanned()
+        self.workflows.take_settled()
         with self._write() as conn:
-            return [self._finish(conn, o) for o in outcomes]
+            answers = [self._finish(conn, o) for o in outcomes]
+        if self.workflows.take_fanned():
+            fault_point("after_fan_in_commit")
+        return answers
 
     def _finish(self, conn: sqlite3.Connection, o: FinishParams) -> bool:
-        """The fenced write of one outcome; its children are inserted only if it lands."""
+        """The fenced write of one outcome; its children are inserted only if it lands,
+        and a workflow member's fan-in runs in the same transaction."""
         if o.state == "waiting":  # under the write lock: a signal is either stored or not
-            return run(conn, suspend_program(Q, o))
-        ok = (
-            conn.execute(
-                Q["job_finish"],
-                {
-                    "id": o.id,
-                    "token": o.lease_token,
-                    "state": o.state,
-                    "result": o.result_json,
-                    "error": None if o.error is None else json.dumps(o.error),
-                    "delay": o.delay,
-                },
-            ).rowcount
-            == 1
-        )
-        if ok and o.children and o.state == "completed":
-            for child in o.children:
+            return run(conn, suspend_program(Q, o, self.workflows.fan_in))
+        rows = conn.execute(
+            Q["job_finish"],
+            {
+                "id": o.id,
+                "token": o.lease_token,
+                "state": o.state,
+                "result": o.result_json,
+                "error": None if o.error is None else json.dumps(o.error),
+                "delay": o.delay,
+            },
+        ).fetchall()
+        if not rows:
+            return False
+        if o.state == "completed":
+            plain, adds = split_children(o)
+            for child in plain:
                 self._insert(conn, child)
-        return ok
+            if adds and rows[0][0] is not None:
+                run(conn, self.workflows.add(rows[0][0], adds))
+        self._fan_in(conn, [(o.id, *rows[0])])
+        return True
+
+    def _fan_in(self, conn: sqlite3.Connection, ended: Sequence[tuple[int, Any, Any]]) -> None:
+        """The fan-in of the ``(id, workflow_id, state)`` just written that ended members."""
+        members = [i for i, workflow, state in ended if workflow is not None and state in ENDED]
+        if members:
+            run(conn, self.workflows.fan_in(members))
 
     # -- queues and limits ----------------------------------------------------------------
     def queue_settings(self) -> list[QueueSettings]:
@@ -716,15 +757,16 @@ class SQLiteBackend(SQLiteAdmin):
     def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
         if not leases:
             return []
+        answers = []
         with self._write() as conn:
-            return [
-                conn.execute(
+            for lease in leases:
+                rows = conn.execute(
                     Q["job_release"],
                     {"id": lease.id, "token": lease.lease_token, "message": message},
-                ).rowcount
-                == 1
-                for lease in leases
-            ]
+                ).fetchall()
+                answers.append(bool(rows))
+                self._fan_in(conn, [(lease.id, *r) for r in rows])
+        return answers
 
     # -- maintenance ---------------------------------------------------------------------
     def leader_attempt_elect(self, name: str, owner: str, ttl: float) -> bool:
@@ -759,9 +801,10 @@ class SQLiteBackend(SQLiteAdmin):
     def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]:
         if not rescues:
             return []
+        answers = []
         with self._write() as conn:
-            return [
-                conn.execute(
+            for r in rescues:
+                rows = conn.execute(
                     Q["job_rescue"],
                     {
                         "id": r.id,
@@ -770,10 +813,10 @@ class SQLiteBackend(SQLiteAdmin):
                         "error": json.dumps(r.error),
                         "delay": r.delay,
                     },
-                ).rowcount
-                == 1
-                for r in rescues
-            ]
+                ).fetchall()
+                answers.append(bool(rows))
+                self._fan_in(conn, [(r.id, *row) for row in rows])
+        return answers
 
     def job_promote_due(self) -> int:
         with self._write() as conn:

@@ -77,6 +77,7 @@ SET state = CASE WHEN cancel_requested = 1 AND :state IN ('retryable', 'dead')
                        ELSE (julianday('now') - 2440587.5) * 86400.0 END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 WHERE id = :id AND lease_token = :token AND state = 'running'
+RETURNING workflow_id, state
 
 -- name: job_heartbeat
 -- The handler's latest ctx.progress rides on the heartbeat (NULL: unchanged).
@@ -103,6 +104,7 @@ SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END
                        THEN (julianday('now') - 2440587.5) * 86400.0 END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 WHERE id = :id AND lease_token = :token AND state = 'running'
+RETURNING workflow_id, state
 
 -- name: leader_attempt_elect
 INSERT INTO errands_leaders (name, owner, elected_at, expires_at)
@@ -142,6 +144,7 @@ SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE :state END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 WHERE id = :id AND lease_token = :token AND state = 'running'
   AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0
+RETURNING workflow_id, state
 
 -- name: job_promote_due
 UPDATE errands_jobs

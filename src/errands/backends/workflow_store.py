@@ -1,0 +1,530 @@
+"""Workflows in the store: the statement programs of batches, chains and DAGs, written
+once over each backend's named queries (``workflows.sql``) and run on either backend.
+
+The fan-in (:meth:`WorkflowStore.fan_in`) runs inside the transaction of every write that
+can end a member (a worker's finish, ``ctx.transaction()``'s commit, a rescue, a release
+or suspension that ends a cancel-requested job, an operator's cancel, a signal wait that
+times out to dead): members leave the workflow's *set* of pending members
+(``errands_workflow_pending``, one row each) in the same transaction as their own
+fenced terminal write, and the transaction that empties the set inserts the callbacks,
+each guarded by a column set once under the workflow's row lock. A second delivery of
+the same outcome finds the member gone from the set and changes nothing; a stale attempt
+never gets its terminal write, so never reaches the fan-in.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..errors import ConfigurationError
+from ..faults import fault_point
+from ..jobs import EnqueueRequest
+from .base import FinishParams, InsertResult
+from .program import Program, Stmt
+
+KINDS = ("batch", "dag")
+POLICIES = ("cancel", "run_anyway", "skip")
+EVENTS = ("on_success", "on_settled", "on_dead")
+ENDED = frozenset({"completed", "dead", "cancelled", "discarded"})
+CANCELLABLE = frozenset({"available", "scheduled", "retryable", "waiting"})
+FAILED = frozenset({"dead", "cancelled"})
+# a nested workflow's settled state -> its outcome as a member of its parent
+NESTED_OUTCOME = {"succeeded": "completed", "failed": "dead", "cancelled": "cancelled"}
+
+# ctx.add_to_workflow marks the child requests it adds with this meta key (they travel
+# with the completion as ctx.enqueue's children do); the store takes them apart.
+WORKFLOW_ADD = "workflow_add"
+# Below every member id: nested workflows are members with negative ids (minus their own).
+FIRST = -(2**62)
+
+InsertJobs = Callable[[Sequence[EnqueueRequest]], Program[list[InsertResult]]]
+Notify = Callable[[set[str]], Program[None]]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One member to insert: its node name, job, and parents (indexes into the spec)."""
+
+    node: str
+    request: EnqueueRequest | None  # None for a nested workflow
+    after: tuple[int, ...] = ()
+    policies: tuple[str, ...] = ()  # one per parent
+    child: WorkflowSpec | None = None  # a nested workflow: a member that ends as it settles
+
+
+@dataclass(frozen=True)
+class WorkflowSpec:
+    name: str
+    kind: str
+    nodes: Sequence[NodeSpec]
+    callbacks: dict[str, EnqueueRequest] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkflowInserted:
+    id: int
+    jobs: list[InsertResult]  # the job members', in node order
+    children: dict[int, WorkflowInserted] = field(default_factory=dict)  # by node index
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A workflow a transaction settled (or, after replays, turned succeeded)."""
+
+    id: int
+    name: str
+    kind: str
+    state: str
+    fired: list[str]  # the callbacks it inserted
+
+
+@dataclass(frozen=True)
+class WorkflowRow:
+    id: int
+    name: str
+    kind: str
+    state: str  # running, succeeded, failed, cancelled
+    total: int
+    completed: int
+    dead: int
+    cancelled: int
+    skipped: int
+    callbacks: str  # JSON: event -> the callback's stored request
+    on_success_job: int | None
+    on_settled_job: int | None
+    on_dead_job: int | None
+    cancel_requested: bool
+    created_at: float
+    settled_at: float | None
+
+    @property
+    def pending(self) -> int:
+        return self.total - self.completed - self.dead - self.cancelled - self.skipped
+
+
+@dataclass(frozen=True)
+class MemberRow:
+    job_id: int
+    node: str
+    name: str | None  # None once the job's row was pruned
+    state: str | None
+    outcome: str | None  # None while pending; completed, dead, cancelled, skipped
+    parents: list[int]
+
+
+@dataclass(frozen=True)
+class ParentResultRow:
+    job_id: int
+    node: str
+    state: str | None
+    result_json: str | None
+    size: int
+
+
+def split_children(
+    outcome: FinishParams,
+) -> tuple[list[EnqueueRequest], list[EnqueueRequest]]:
+    """A completion's children: plain ones (ctx.enqueue), and members it adds to its own
+    workflow (``workflow_adds`` and the children ctx.add_to_workflow marked)."""
+    plain: list[EnqueueRequest] = []
+    adds = list(outcome.workflow_adds)
+    for child in outcome.children:
+        if child.meta.get(WORKFLOW_ADD):
+            meta = {k: v for k, v in child.meta.items() if k != WORKFLOW_ADD}
+            adds.append(replace(child, meta=meta))
+        else:
+            plain.append(child)
+    return plain, adds
+
+
+def request_to_json(request: EnqueueRequest) -> dict[str, Any]:
+    return asdict(request)
+
+
+def request_from_json(data: dict[str, Any]) -> EnqueueRequest:
+    return EnqueueRequest(**data)
+
+
+def workflow_row(r: Sequence[Any]) -> WorkflowRow:
+    return WorkflowRow(
+        id=int(r[0]), name=r[1], kind=r[2], state=r[3], total=int(r[4]), completed=int(r[5]),
+        dead=int(r[6]), cancelled=int(r[7]), skipped=int(r[8]), callbacks=r[9] or "{}",
+        on_success_job=r[10], on_settled_job=r[11], on_dead_job=r[12],
+        cancel_requested=bool(r[13]), created_at=float(r[14]),
+        settled_at=None if r[15] is None else float(r[15]),
+    )  # fmt: skip
+
+
+def verdict(edges: Iterable[Sequence[Any]]) -> str:
+    """What a dependent whose parents all ended does: ``run``, ``cancel`` or ``skip``.
+
+    A parent that died or was cancelled is a failed parent; a skipped one is not. Policy
+    ``cancel`` on any failed parent cancels; else ``skip`` on any failed parent skips;
+    else (no failure, or ``run_anyway``) the dependent runs."""
+    policies = {policy for _, policy, outcome in edges if outcome in FAILED}
+    if "cancel" in policies:
+        return "cancel"
+    if "skip" in policies:
+        return "skip"
+    return "run"
+
+
+class WorkflowStore:
+    """The workflow programs of one backend: its named queries ``q``, how it inserts jobs
+    in a transaction (``insert``), binds a list (``array``) and wakes workers (``notify``)."""
+
+    def __init__(
+        self,
+        q: dict[str, str],
+        insert: InsertJobs,
+        array: Callable[[list[Any]], Any],
+        notify: Notify | None = None,
+    ) -> None:
+        self.q = q
+        self.insert_jobs = insert
+        self.array = array
+        self.notify = notify
+        self._local = threading.local()
+
+    def take_settled(self) -> list[Settled]:
+        """The workflows this thread's transactions settled since the last call (a backend
+        clears the list when a finish starts; the caller reads it once that committed)."""
+        settled = getattr(self._local, "settled", [])
+        self._local.settled = []
+        return list(settled)
+
+    def _settled(self, row: WorkflowRow, state: str, fired: list[str]) -> None:
+        if not hasattr(self._local, "settled"):
+            self._local.settled = []
+        self._local.settled.append(Settled(row.id, row.name, row.kind, state, fired))
+
+    def take_fanned(self) -> bool:
+        """Whether a fan-in ran in this thread since the last call (the backends' finish
+        reaches fault point ``after_fan_in_commit`` once its transaction committed)."""
+        fanned = getattr(self._local, "fanned", False)
+        self._local.fanned = False
+        return bool(fanned)
+
+    # -- inserting ---------------------------------------------------------------------
+    def insert(self, spec: WorkflowSpec) -> Program[WorkflowInserted]:
+        """The workflow row, its members (dependents waiting), edges and pending set."""
+        q = self.q
+        callbacks = {event: request_to_json(r) for event, r in spec.callbacks.items()}
+        rows = yield Stmt(
+            q["wf_insert"],
+            {
+                "name": spec.name,
+                "kind": spec.kind,
+                "total": len(spec.nodes),
+                "callbacks": json.dumps(callbacks, separators=(",", ":")),
+            },
+        )
+        workflow_id = int(rows[0][0])
+        # A nested workflow is a member whose id is minus its workflow id (job ids are
+        # positive): it is pending in this one until it settles (see _leave_parent).
+        ids: list[int] = [0] * len(spec.nodes)
+        children: dict[int, WorkflowInserted] = {}
+        for i, node in enumerate(spec.nodes):
+            if node.child is not None:
+                children[i] = yield from self.insert(node.child)
+                ids[i] = -children[i].id
+        jobs = [i for i, n in enumerate(spec.nodes) if n.request is not None]
+        results = yield from self._members(
+            workflow_id,
+            [n.request for n in spec.nodes if n.request is not None],
+            [spec.nodes[i].node for i in jobs],
+            blocked=[k for k, i in enumerate(jobs) if spec.nodes[i].after],
+        )
+        for i, result in zip(jobs, results, strict=True):
+            ids[i] = result.id
+        if children:
+            nested = {"workflow_id": workflow_id, "ids": self.array([ids[i] for i in children])}
+            names = self.array([spec.nodes[i].node for i in children])
+            yield Stmt(q["wf_members_insert"], {**nested, "nodes": names})
+            yield Stmt(q["wf_pending_insert"], nested)
+        parents, dependents, policies = [], [], []
+        for i, node in enumerate(spec.nodes):
+            for parent, policy in zip(node.after, node.policies, strict=True):
+                parents.append(ids[parent])
+                dependents.append(ids[i])
+                policies.append(policy)
+        if parents:
+            yield Stmt(
+                q["wf_edges_insert"],
+                {
+                    "workflow_id": workflow_id,
+                    "parents": self.array(parents),
+                    "children": self.array(dependents),
+                    "policies": self.array(policies),
+                },
+            )
+        return WorkflowInserted(workflow_id, results, children)
+
+    def add(self, workflow_id: int, requests: Sequence[EnqueueRequest]) -> Program[None]:
+        """Members a running member adds to its own workflow (with its completion, before
+        it leaves the pending set: the workflow cannot settle in between)."""
+        if not requests:
+            return
+        yield from self._members(workflow_id, requests, [r.name for r in requests], blocked=[])
+        yield Stmt(self.q["wf_add_total"], {"id": workflow_id, "n": len(requests)})
+
+    def _members(
+        self,
+        workflow_id: int,
+        requests: Sequence[EnqueueRequest],
+        nodes: Sequence[str],
+        blocked: Sequence[int],
+    ) -> Program[list[InsertResult]]:
+        q = self.q
+        if not requests:
+            return []
+        tagged = [
+            replace(r, meta={**r.meta, "workflow": workflow_id, "node": node})
+            for r, node in zip(requests, nodes, strict=True)
+        ]
+        results = yield from self.insert_jobs(tagged)
+        for node, result in zip(nodes, results, strict=True):
+            if result.deduplicated:
+                raise ConfigurationError(
+                    f"workflow member {node!r}: its key= matches job {result.id}, already "
+                    "stored; a workflow's members are new jobs. Drop the key= of members (give "
+                    "the workflow a unique name instead), or wait for that job"
+                )
+        ids = [r.id for r in results]
+        params = {"workflow_id": workflow_id, "ids": self.array(ids)}
+        yield Stmt(q["wf_members_insert"], {**params, "nodes": self.array(list(nodes))})
+        yield Stmt(q["wf_pending_insert"], params)
+        yield Stmt(q["wf_jobs_join"], {**params, "blocked": self.array([ids[i] for i in blocked])})
+        return results
+
+    # -- the fan-in -------------------------------------------------------------------
+    def fan_in(self, job_ids: Sequence[int]) -> Program[None]:
+        """Run in the transaction that just wrote these jobs' outcomes (any job: those not
+        pending in a workflow are ignored at the cost of one index probe)."""
+        q = self.q
+        ids = list(dict.fromkeys(job_ids))
+        if not ids:
+            return
+        rows = yield Stmt(q["wf_pending_of"], {"ids": self.array(ids)})
+        if not rows:
+            return
+        fault_point("before_fan_in", job_ids=ids)
+        self._local.fanned = True
+        cancelling: set[int] = set()
+        for workflow_id in sorted({int(r[0]) for r in rows}):  # one order: no deadlock
+            yield Stmt(q["wf_lock"], {"id": workflow_id})
+            [row] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
+            if workflow_row(row).cancel_requested:
+                cancelling.add(workflow_id)
+        work: list[tuple[int, str | None]] = [(int(r[1]), None) for r in rows]
+        queues: set[str] = set()
+        while work:
+            touched: dict[int, bool] = {}  # workflow -> a member died in this round
+            while work:
+                member, forced = work.pop(0)
+                yield from self._end_member(member, forced, cancelling, touched, work, queues)
+            for workflow_id, died in sorted(touched.items()):
+                state = yield from self._settle(workflow_id, died)
+                if state is not None:  # settled now: a nested workflow ends in its parent
+                    parent = yield from self._leave_parent(workflow_id, cancelling)
+                    if parent is not None:
+                        work.append((-workflow_id, NESTED_OUTCOME[state]))
+        if queues and self.notify is not None:
+            yield from self.notify(queues)
+
+    def _end_member(
+        self,
+        member: int,
+        forced: str | None,
+        cancelling: set[int],
+        touched: dict[int, bool],
+        work: list[tuple[int, str | None]],
+        queues: set[str],
+    ) -> Program[None]:
+        """One member's end: out of the pending set, counted, its dependents decided.
+        ``member`` is a job id, or minus a nested workflow's id (``forced`` its outcome)."""
+        q = self.q
+        state = None
+        if member > 0:
+            rows = yield Stmt(q["wf_job_state"], {"id": member})
+            if not rows or rows[0][0] not in ENDED:
+                return  # not ended (a retry): it stays pending
+            state = rows[0][0]
+        left = yield Stmt(q["wf_leave"], {"id": member})
+        if not left:
+            return  # already left: a second delivery of the same end
+        workflow_id = int(left[0][0])
+        outcome = forced or ("dead" if state == "discarded" else str(state))
+        touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
+        yield Stmt(q["wf_member_outcome"], {"id": member, "outcome": outcome})
+        yield Stmt(q["wf_count"], {"id": workflow_id, "outcome": outcome})
+        children = yield Stmt(q["wf_edges_resolve"], {"parent": member, "outcome": outcome})
+        for (child,) in children:
+            edges = yield Stmt(q["wf_edges_of_child"], {"child": child})
+            if any(outcome is None for _, _, outcome in edges):
+                continue  # another parent has not ended yet
+            decision = "cancel" if workflow_id in cancelling else verdict(edges)
+            if decision == "run":
+                released = yield Stmt(q["wf_release"], {"id": child})
+                queues.update(str(r[0]) for r in released)
+                continue
+            failed = [str(p) for p, _, o in edges if o in FAILED]
+            ended = yield Stmt(
+                q["wf_end_blocked"],
+                {
+                    "id": child,
+                    "type": "Skipped" if decision == "skip" else "Cancelled",
+                    "kind": "skipped" if decision == "skip" else "cancelled",
+                    "message": "the workflow was cancelled"
+                    if workflow_id in cancelling
+                    else f"parent job {', '.join(failed)} failed (policy {decision})",
+                },
+            )
+            if ended:
+                work.append((int(child), "skipped" if decision == "skip" else None))
+
+    def _leave_parent(self, workflow_id: int, cancelling: set[int]) -> Program[int | None]:
+        """A nested workflow that just settled: lock its parent (if it has one), which its
+        end is then counted in. The parent's id."""
+        rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array([-workflow_id])})
+        if not rows:
+            return None
+        parent = int(rows[0][0])
+        yield Stmt(self.q["wf_lock"], {"id": parent})
+        [raw] = yield Stmt(self.q["wf_get_row"], {"id": parent})
+        if workflow_row(raw).cancel_requested:
+            cancelling.add(parent)
+        return parent
+
+    def _settle(self, workflow_id: int, died: bool) -> Program[str | None]:
+        """Fire ``on_dead`` on a first death; when the pending set is empty, settle the
+        workflow and fire its callbacks. The state it settled in now, else None."""
+        q = self.q
+        [raw] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
+        row = workflow_row(raw)
+        callbacks = json.loads(row.callbacks)
+        if died and row.on_dead_job is None and "on_dead" in callbacks:
+            yield from self._fire(row, "on_dead", callbacks["on_dead"])
+        if (yield Stmt(q["wf_any_pending"], {"id": workflow_id})):
+            return None
+        failed = row.dead + row.cancelled > 0
+        fired = []
+        if row.settled_at is None:
+            state = "cancelled" if row.cancel_requested else "failed" if failed else "succeeded"
+            yield Stmt(q["wf_settle"], {"id": workflow_id, "state": state})
+            if "on_settled" in callbacks:
+                yield from self._fire(row, "on_settled", callbacks["on_settled"])
+                fired.append("on_settled")
+            if not failed and "on_success" in callbacks:
+                yield from self._fire(row, "on_success", callbacks["on_success"])
+                fired.append("on_success")
+            self._settled(row, state, fired)
+            return state
+        if row.state == "failed" and not failed:  # its dead members were replayed
+            yield Stmt(q["wf_settle"], {"id": workflow_id, "state": "succeeded"})
+            if row.on_success_job is None and "on_success" in callbacks:
+                yield from self._fire(row, "on_success", callbacks["on_success"])
+                fired.append("on_success")
+            self._settled(row, "succeeded", fired)
+        return None
+
+    def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[None]:
+        fault_point("before_callback_insert", workflow_id=row.id, event=event)
+        request = request_from_json(stored)
+        request = replace(
+            request,
+            key=f"errands-workflow-{row.id}-{event}",
+            unique_for=None,
+            meta={**request.meta, "workflow_callback": {"workflow": row.id, "event": event}},
+        )
+        [result] = yield from self.insert_jobs([request])
+        yield Stmt(self.q["wf_fired"], {"id": row.id, "event": event, "job": result.id})
+
+    # -- operators ---------------------------------------------------------------------
+    def lock_for(self, job_ids: Sequence[int]) -> Program[None]:
+        """Lock the workflows these jobs are pending in (before locking the jobs: the
+        order every fan-in that may change a waiting member takes them in)."""
+        rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array(list(job_ids))})
+        for workflow_id in sorted({int(r[0]) for r in rows}):
+            yield Stmt(self.q["wf_lock"], {"id": workflow_id})
+
+    def reenter(self, job_ids: Sequence[int]) -> Program[None]:
+        """Replayed dead members are pending in their workflow again (after job_replay
+        in the same transaction); see docs/workflows.md, "Replaying a member"."""
+        q = self.q
+        for job_id in job_ids:
+            rows = yield Stmt(q["wf_reenter"], {"id": job_id})
+            if rows:
+                yield Stmt(q["wf_lock"], {"id": rows[0][0]})
+                yield Stmt(q["wf_member_outcome"], {"id": job_id, "outcome": None})
+                yield Stmt(q["wf_uncount_dead"], {"id": rows[0][0]})
+
+    def prune(self, older_than: float, limit: int) -> Program[int]:
+        """Delete up to ``limit`` workflows settled more than ``older_than`` seconds ago,
+        with their members, edges and pending rows (their jobs are pruned as jobs are)."""
+        q = self.q
+        rows = yield Stmt(q["wf_prunable"], {"older_than": older_than, "limit": limit})
+        for (workflow_id,) in rows:
+            for query in ("wf_delete_edges", "wf_delete_members", "wf_delete_pending"):
+                yield Stmt(q[query], {"id": workflow_id})
+            yield Stmt(q["wf_delete"], {"id": workflow_id})
+        return len(rows)
+
+    def nested_pending(self, workflow_id: int) -> Program[list[int]]:
+        """The ids of the nested workflows not yet settled in this one."""
+        rows = yield Stmt(self.q["wf_nested_pending"], {"id": workflow_id})
+        return [int(r[0]) for r in rows]
+
+    def cancel_running(self, workflow_id: int) -> Program[int]:
+        """Ask the workflow's running members to stop (no workflow lock: a member's finish
+        locks its job row, then the workflow's)."""
+        rows = yield Stmt(self.q["wf_cancel_running"] + "\nRETURNING id", {"id": workflow_id})
+        return len(rows)
+
+    def cancel_pending(self, workflow_id: int) -> Program[int]:
+        """Cancel every member not running, under the workflow's lock, and fan in."""
+        q = self.q
+        locked = yield Stmt(q["wf_lock"], {"id": workflow_id})
+        if not locked:
+            return 0
+        yield Stmt(q["wf_request_cancel"], {"id": workflow_id})
+        ended = []
+        for job_id, state in (yield Stmt(q["wf_pending_members"], {"id": workflow_id})):
+            if state in CANCELLABLE and (yield Stmt(q["wf_cancel_member"], {"id": job_id})):
+                ended.append(int(job_id))
+        yield from self.fan_in(ended)
+        return len(ended)
+
+    # -- reading ------------------------------------------------------------------------
+    def get(self, workflow_id: int) -> Program[WorkflowRow | None]:
+        rows = yield Stmt(self.q["wf_get_row"], {"id": workflow_id})
+        return workflow_row(rows[0]) if rows else None
+
+    def listing(
+        self, state: str | None, before_id: int | None, limit: int
+    ) -> Program[list[WorkflowRow]]:
+        rows = yield Stmt(
+            self.q["wf_list"], {"state": state, "before_id": before_id, "limit": limit}
+        )
+        return [workflow_row(r) for r in rows]
+
+    def members(self, workflow_id: int, after: int, limit: int) -> Program[list[MemberRow]]:
+        after = FIRST if after == 0 else after  # 0: from the start, nested members included
+        rows = yield Stmt(self.q["wf_members"], {"id": workflow_id, "after": after, "limit": limit})
+        return [
+            MemberRow(int(r[0]), r[1], r[2], r[3], r[4], [int(p) for p in json.loads(r[5] or "[]")])
+            for r in rows
+        ]
+
+    def parent_results(
+        self, child_id: int, after: int, limit: int
+    ) -> Program[list[ParentResultRow]]:
+        after = FIRST if after == 0 else after  # 0: from the start, nested parents included
+        rows = yield Stmt(
+            self.q["wf_parent_results"], {"child": child_id, "after": after, "limit": limit}
+        )
+        return [ParentResultRow(int(r[0]), r[1], r[2], r[3], int(r[4] or 0)) for r in rows]

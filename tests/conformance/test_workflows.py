@@ -1,0 +1,399 @@
+"""Workflows in the store: the fan-in set, dependents and callbacks, on every backend.
+
+Each callback must be inserted exactly once, never early, whatever delivers a member's
+end (a finish, a duplicate of it, a stale attempt, a rescue, an operator's cancel or a
+replay); dependents stay out of every claim until their last parent ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from errands.backends import Backend
+from errands.backends.base import ActionParams, FinishParams, RescueParams
+from errands.backends.workflow_store import NodeSpec, WorkflowSpec
+from errands.jobs import JobRow
+
+from .conftest import Harness
+from .support import QUEUE, claim, claim_one, error, finish, get, request
+
+CALLBACKS = "callbacks"  # the queue callbacks go to: never claimed by the member claims
+EVENTS = ("on_success", "on_settled", "on_dead")
+
+
+def spec(
+    nodes: list[tuple[str, list[tuple[int, str]]]],
+    *,
+    kind: str = "dag",
+    events: tuple[str, ...] = EVENTS,
+) -> WorkflowSpec:
+    """A workflow of ``(node, [(parent index, policy), ...])``, every member in QUEUE."""
+    return WorkflowSpec(
+        name="wf",
+        kind=kind,
+        nodes=[
+            NodeSpec(
+                node=node,
+                request=request(name=f"member.{node}", args_json=f'{{"node": "{node}"}}'),
+                after=tuple(p for p, _ in parents),
+                policies=tuple(policy for _, policy in parents),
+            )
+            for node, parents in nodes
+        ],
+        callbacks={e: request(name=f"callback.{e}", queue=CALLBACKS) for e in events},
+    )
+
+
+def batch(n: int, **kwargs: Any) -> WorkflowSpec:
+    return spec([(f"m{i}", []) for i in range(n)], kind="batch", **kwargs)
+
+
+def callbacks(backend: Backend) -> list[str]:
+    """The callback jobs inserted so far, by event name, in id order."""
+    rows = backend.job_list(_list(CALLBACKS))
+    return sorted((r.name.removeprefix("callback.") for r in rows), key=str)
+
+
+def _list(queue: str) -> Any:
+    from errands.backends.base import ListParams
+
+    return ListParams(queue=queue, limit=1000)
+
+
+def claim_all(backend: Backend) -> list[JobRow]:
+    return claim(backend, QUEUE, 100)
+
+
+def test_a_batch_fires_on_success_and_on_settled_once_when_its_last_member_completes(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(batch(3))
+    rows = claim_all(backend)
+    assert {r.id for r in rows} == {j.id for j in inserted.jobs}
+    for row in rows[:-1]:
+        assert finish(backend, row, "completed", result_json="1")
+        assert callbacks(backend) == []  # never early
+    assert finish(backend, rows[-1], "completed", result_json="1")
+    assert callbacks(backend) == ["on_settled", "on_success"]
+    status = backend.workflow_get(inserted.id)
+    assert status is not None
+    assert (status.state, status.total, status.completed, status.pending) == ("succeeded", 3, 3, 0)
+    assert status.on_success_job is not None and status.on_settled_job is not None
+
+
+def test_a_duplicate_delivery_of_the_last_outcome_changes_nothing(backend: Backend) -> None:
+    backend.workflow_insert(batch(2))
+    first, last = claim_all(backend)
+    assert finish(backend, first, "completed")
+    outcome = FinishParams(id=last.id, lease_token=last.lease_token or "", state="completed")
+    assert backend.job_finish_many([outcome, outcome])[0]  # the same outcome twice in a batch
+    assert backend.job_finish_many([outcome]) == [False]
+    assert callbacks(backend) == ["on_settled", "on_success"]
+
+
+def test_a_stale_attempt_neither_counts_nor_fires(backend: Backend, harness: Harness) -> None:
+    inserted = backend.workflow_insert(batch(1))
+    stale = claim_one(backend)
+    harness.expire_lease(backend, stale.id)
+    rescue = RescueParams(stale.id, stale.lease_token or "", "retryable", error(), 0.0)
+    assert backend.job_rescue_many([rescue]) == [True]
+    assert callbacks(backend) == []  # a retry is not an end
+    current = claim_one(backend, suspects=True)
+    assert not finish(backend, stale, "completed")
+    assert callbacks(backend) == []
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and status.completed == 0 and status.pending == 1
+    assert finish(backend, current, "completed")
+    assert callbacks(backend) == ["on_settled", "on_success"]
+
+
+def test_a_rescue_to_dead_settles_the_batch_failed_and_fires_on_dead_once(
+    backend: Backend, harness: Harness
+) -> None:
+    inserted = backend.workflow_insert(batch(2))
+    lost, other = claim_all(backend)
+    harness.expire_lease(backend, lost.id)
+    rescue = RescueParams(lost.id, lost.lease_token or "", "dead", error(), 0.0)
+    assert backend.job_rescue_many([rescue]) == [True]
+    assert callbacks(backend) == ["on_dead"]
+    assert finish(backend, other, "dead", error=error())
+    assert callbacks(backend) == ["on_dead", "on_settled"]  # on_dead once; no on_success
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.dead) == ("failed", 2)
+
+
+def test_a_chain_keeps_each_dependent_out_of_every_claim_until_its_parent_completes(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(
+        spec([("a", []), ("b", [(0, "cancel")]), ("c", [(1, "cancel")])])
+    )
+    a, b, c = (j.id for j in inserted.jobs)
+    assert get(backend, b).state == "waiting" and get(backend, c).state == "waiting"
+    row = claim_one(backend)
+    assert row.id == a and claim_all(backend) == []
+    assert finish(backend, row, "completed", result_json='"A"')
+    row = claim_one(backend)
+    assert row.id == b and claim_all(backend) == []
+    assert finish(backend, row, "completed", result_json='"B"')
+    row = claim_one(backend)
+    assert row.id == c
+    [parent] = backend.workflow_parent_results(c)
+    assert (parent.job_id, parent.node, parent.state, parent.result_json) == (
+        b,
+        "b",
+        "completed",
+        '"B"',
+    )
+    assert finish(backend, row, "completed")
+    assert callbacks(backend) == ["on_settled", "on_success"]
+
+
+def test_a_failed_parent_cancels_skips_or_runs_its_dependents_by_edge_policy(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(
+        spec(
+            [
+                ("root", []),
+                ("cancelled", [(0, "cancel")]),
+                ("anyway", [(0, "run_anyway")]),
+                ("skipped", [(0, "skip")]),
+                ("after_cancelled", [(1, "cancel")]),
+                ("after_skipped", [(3, "cancel")]),
+            ]
+        )
+    )
+    ids = [j.id for j in inserted.jobs]
+    root = claim_one(backend)
+    assert finish(backend, root, "dead", error=error())
+    states = {i: get(backend, i).state for i in ids}
+    assert states[ids[1]] == "cancelled" and states[ids[4]] == "cancelled"  # cascades
+    assert states[ids[3]] == "cancelled"  # skipped: it never runs ...
+    assert {r.id for r in claim_all(backend)} == {ids[2], ids[5]}  # ... its dependent does
+    members = {m.node: m.outcome for m in backend.workflow_members(inserted.id)}
+    assert members["skipped"] == "skipped" and members["cancelled"] == "cancelled"
+    [parent] = backend.workflow_parent_results(ids[2])
+    assert parent.state == "dead"
+
+
+def test_a_diamond_fans_in_once_when_both_branches_complete(backend: Backend) -> None:
+    inserted = backend.workflow_insert(
+        spec([("a", []), ("b", [(0, "cancel")]), ("c", [(0, "cancel")]),
+              ("d", [(1, "cancel"), (2, "cancel")])])
+    )  # fmt: skip
+    d = inserted.jobs[3].id
+    assert finish(backend, claim_one(backend), "completed")
+    b, c = claim_all(backend)
+    assert finish(backend, b, "completed")
+    assert get(backend, d).state == "waiting"
+    assert finish(backend, c, "completed")
+    assert claim_one(backend).id == d
+    assert [p.node for p in backend.workflow_parent_results(d)] == ["b", "c"]
+    assert [p.node for p in backend.workflow_parent_results(d, limit=1)] == ["b"]
+    assert [p.node for p in backend.workflow_parent_results(d, after=b.id)] == ["c"]
+
+
+def test_replaying_a_dead_member_of_a_settled_batch_fires_on_success_once_it_completes(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(batch(2))
+    dead, ok = claim_all(backend)
+    assert finish(backend, dead, "dead", error=error())
+    assert finish(backend, ok, "completed")
+    assert callbacks(backend) == ["on_dead", "on_settled"]
+    replay = ActionParams(actor="test", ids=[dead.id])
+    assert backend.job_replay(replay).matched == [dead.id]
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.dead, status.pending) == ("failed", 0, 1)
+    assert finish(backend, claim_one(backend), "completed")
+    assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]  # each once
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.completed) == ("succeeded", 2)
+
+
+def test_replaying_a_member_before_the_batch_settles_keeps_it_in_the_fan_in(
+    backend: Backend,
+) -> None:
+    backend.workflow_insert(batch(2))
+    dead, other = claim_all(backend)
+    assert finish(backend, dead, "dead", error=error())
+    backend.job_replay(ActionParams(actor="test", ids=[dead.id]))
+    assert finish(backend, other, "completed")
+    assert callbacks(backend) == ["on_dead"]  # the replayed member is pending again
+    assert finish(backend, claim_one(backend), "completed")
+    assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]
+
+
+def test_cancelling_a_pending_member_fans_in(backend: Backend) -> None:
+    inserted = backend.workflow_insert(spec([("a", []), ("b", [(0, "cancel")])]))
+    a, b = (j.id for j in inserted.jobs)
+    backend.job_cancel(a, "test")
+    assert get(backend, b).state == "cancelled"
+    assert callbacks(backend) == ["on_settled"]
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.cancelled) == ("failed", 2)
+
+
+def test_cancelling_a_workflow_cancels_pending_members_and_stops_running_ones(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(spec([("a", []), ("b", []), ("c", [(0, "run_anyway")])]))
+    running = claim(backend, QUEUE, 1)[0]
+    assert backend.workflow_cancel(inserted.id, "test") == 2  # b, and c waiting
+    assert get(backend, running.id).cancel_requested
+    assert callbacks(backend) == []  # a is still running
+    assert finish(backend, running, "completed")
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and status.state == "cancelled"
+    assert callbacks(backend) == ["on_settled"]
+
+
+def test_members_a_member_adds_keep_the_batch_open_until_they_end(backend: Backend) -> None:
+    inserted = backend.workflow_insert(batch(1))
+    adder = claim_one(backend)
+    added = [request(name="member.added") for _ in range(2)]
+    assert backend.job_finish_many(
+        [FinishParams(adder.id, adder.lease_token or "", "completed", workflow_adds=added)]
+    ) == [True]
+    assert callbacks(backend) == []
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.total, status.pending) == (3, 2)
+    for row in claim_all(backend):
+        assert get(backend, row.id).meta.count('"workflow"') == 1
+        assert finish(backend, row, "completed")
+    assert callbacks(backend) == ["on_settled", "on_success"]
+
+
+def test_a_retry_of_a_member_keeps_it_pending(backend: Backend, harness: Harness) -> None:
+    inserted = backend.workflow_insert(batch(1))
+    row = claim_one(backend)
+    assert finish(backend, row, "retryable", error=error(), delay=0.0)
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and status.pending == 1 and callbacks(backend) == []
+
+
+def test_listing_workflows_newest_first_with_counts(backend: Backend) -> None:
+    first = backend.workflow_insert(batch(1)).id
+    second = backend.workflow_insert(batch(2)).id
+    assert [w.id for w in backend.workflow_list()] == [second, first]
+    assert [w.id for w in backend.workflow_list(before_id=second)] == [first]
+    assert [w.id for w in backend.workflow_list(state="succeeded")] == []
+    assert [m.node for m in backend.workflow_members(second)] == ["m0", "m1"]
+
+
+def nested(
+    inner: WorkflowSpec, *, after_it: bool = False, events: tuple[str, ...] = ("on_success",)
+) -> WorkflowSpec:
+    """A workflow of one job, the nested ``inner``, and (``after_it``) a job after it."""
+    nodes = [
+        NodeSpec(node="job", request=request(name="member.job")),
+        NodeSpec(node="inner", request=None, child=inner),
+    ]
+    if after_it:
+        nodes.append(
+            NodeSpec("after", request(name="member.after"), after=(1,), policies=("cancel",))
+        )
+    callbacks = {e: request(name=f"callback.outer.{e}", queue=CALLBACKS) for e in events}
+    return WorkflowSpec(name="outer", kind="dag", nodes=nodes, callbacks=callbacks)
+
+
+def test_a_nested_batch_settles_with_its_callbacks_before_its_parent_settles(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(nested(batch(2, events=("on_settled",))))
+    [inner] = inserted.children.values()
+    assert len(inserted.jobs) == 1 and len(inner.jobs) == 2
+    rows = claim_all(backend)
+    assert len(rows) == 3
+    for row in rows:
+        assert finish(backend, row, "completed")
+    assert callbacks(backend) == ["on_settled", "outer.on_success"]
+    [first, second] = backend.job_list(_list(CALLBACKS))[::-1]
+    assert (first.name, second.name) == ("callback.on_settled", "callback.outer.on_success")
+    outer = backend.workflow_get(inserted.id)
+    assert outer is not None and (outer.state, outer.total, outer.completed) == ("succeeded", 2, 2)
+    members = {m.node: m for m in backend.workflow_members(inserted.id)}
+    assert members["inner"].job_id == -inner.id and members["inner"].outcome == "completed"
+
+
+def _outer_and_inner(backend: Backend, outer_job: int) -> tuple[JobRow, JobRow]:
+    """The claimed outer job member and the nested workflow's one member."""
+    rows = claim_all(backend)
+    [outer] = [r for r in rows if r.id == outer_job]
+    [inner] = [r for r in rows if r.id != outer_job]
+    return outer, inner
+
+
+def test_a_node_after_a_nested_workflow_waits_for_it_to_settle(backend: Backend) -> None:
+    inserted = backend.workflow_insert(nested(batch(1, events=()), after_it=True))
+    after = inserted.jobs[1].id
+    job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    assert finish(backend, job, "completed")
+    assert get(backend, after).state == "waiting"
+    assert finish(backend, inner_member, "completed")
+    assert claim_one(backend).id == after
+    [parent] = backend.workflow_parent_results(after)
+    assert (parent.node, parent.state) == ("inner", "completed")
+
+
+def test_a_failed_nested_workflow_is_a_dead_member_of_its_parent(backend: Backend) -> None:
+    inserted = backend.workflow_insert(nested(batch(1, events=()), after_it=True, events=EVENTS))
+    after = inserted.jobs[1].id
+    job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    assert finish(backend, inner_member, "dead", error=error())
+    assert get(backend, after).state == "cancelled"  # policy cancel, on the nested node
+    assert callbacks(backend) == ["outer.on_dead"]
+    assert finish(backend, job, "completed")
+    outer = backend.workflow_get(inserted.id)
+    assert outer is not None and (outer.state, outer.dead, outer.cancelled) == ("failed", 1, 1)
+    assert callbacks(backend) == ["outer.on_dead", "outer.on_settled"]
+
+
+def test_cancelling_a_workflow_cancels_its_nested_workflows(backend: Backend) -> None:
+    inserted = backend.workflow_insert(nested(batch(2, events=()), events=("on_settled",)))
+    [inner] = inserted.children.values()
+    assert backend.workflow_cancel(inserted.id, "test") == 3
+    assert backend.workflow_get(inner.id).state == "cancelled"  # type: ignore[union-attr]
+    outer = backend.workflow_get(inserted.id)
+    assert outer is not None and (outer.state, outer.cancelled) == ("cancelled", 2)
+    assert callbacks(backend) == ["outer.on_settled"]
+
+
+def test_a_workflow_commits_and_rolls_back_with_the_callers_async_connection(
+    backend: Backend, harness: Harness, tmp_path: Any
+) -> None:
+    import asyncio
+
+    async def scenario(commit: bool) -> int:
+        conn = await harness.async_connection(backend, tmp_path, same_store=True)
+        try:
+            inserted = await backend.aworkflow_insert(spec([("a", []), ("b", [(0, "cancel")])]),
+                                                      conn=conn)  # fmt: skip
+            await (conn.commit() if commit else conn.rollback())
+            return inserted.id
+        finally:
+            await conn.close()
+
+    gone = asyncio.run(scenario(commit=False))
+    assert backend.workflow_get(gone) is None
+    kept = asyncio.run(scenario(commit=True))
+    assert [m.node for m in backend.workflow_members(kept)] == ["a", "b"]
+    assert claim_one(backend).id == backend.workflow_members(kept)[0].job_id
+    assert claim_all(backend) == []  # b waits for a
+    assert asyncio.run(backend.aworkflow_insert(batch(1))).id > kept
+
+
+def test_pruning_deletes_settled_workflows_past_the_retention_and_keeps_running_ones(
+    backend: Backend,
+) -> None:
+    settled = backend.workflow_insert(batch(1, events=()))
+    running = backend.workflow_insert(spec([("a", []), ("b", [(0, "cancel")])], events=()))
+    row = claim(backend, QUEUE, 1)[0]
+    assert row.id == settled.jobs[0].id and finish(backend, row, "completed")
+    assert backend.workflow_prune(3600.0, 100) == 0  # settled just now: kept
+    assert backend.workflow_prune(-1.0, 100) == 1  # a retention already past
+    assert backend.workflow_get(settled.id) is None
+    assert backend.workflow_members(settled.id) == []
+    assert backend.workflow_get(running.id) is not None
+    assert [m.node for m in backend.workflow_members(running.id)] == ["a", "b"]

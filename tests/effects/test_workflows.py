@@ -1,0 +1,388 @@
+"""Workflows through the public API and the real worker code, on SQLite and PostgreSQL:
+the builder, batches and their callbacks, parents' results, members added by a member,
+the canvas shorthands, the handle (status, result, cancel, wait) and errands.testing's
+workflow tools."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import errands
+from errands.testing import Tester
+
+Make = Callable[..., Any]
+
+
+def test_an_import_pipeline_runs_in_order_and_each_step_reads_its_parents_results(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    seen: list[tuple[str, Any]] = []
+
+    @app.job(name="fetch")
+    def fetch(url: str) -> list[int]:
+        seen.append(("fetch", url))
+        return [1, 2, 3]
+
+    @app.job(name="parse")
+    def parse(ctx: errands.Context) -> int:
+        [rows] = ctx.parent_results()
+        seen.append(("parse", rows.result))
+        return sum(rows.result)
+
+    @app.job(name="report")
+    def report(ctx: errands.Context) -> str:
+        results = ctx.parent_results().by_node()
+        seen.append(("report", results))
+        return "done"
+
+    @app.job(name="notify")
+    def notify(ctx: errands.Context) -> None:
+        status = ctx.workflow()
+        seen.append(("notify", (status.state, status.completed)))
+
+    wf = errands.Workflow("import-42", on_success=notify.bind())
+    a = wf.add(fetch.bind(url="https://example.com/rows.csv"), name="fetch")
+    b = wf.add(parse.bind(), after=[a], name="parse")
+    wf.add(report.bind(), after=[a, b], name="report")
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(wf)
+    assert set(handle.jobs) == {"fetch", "parse", "report"}
+    assert handle.status().pending == 3
+
+    status = tester.drain_workflow(handle)
+    assert (status.state, status.completed, status.pending) == ("succeeded", 3, 0)
+    tester.assert_callbacks(handle, "on_success")
+    assert seen == [
+        ("fetch", "https://example.com/rows.csv"),
+        ("parse", [1, 2, 3]),
+        ("report", {"fetch": [1, 2, 3], "parse": 6}),
+        ("notify", ("succeeded", 3)),
+    ]
+    assert handle.result(timeout=5) == {"fetch": [1, 2, 3], "parse": 6, "report": "done"}
+
+
+def test_a_batch_fires_on_dead_and_on_settled_with_the_failed_members(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    settled: list[Any] = []
+
+    @app.job(name="thumbnail", retries=0)
+    def thumbnail(n: int) -> int:
+        if n == 2:
+            raise errands.Permanent("corrupt image")
+        return n
+
+    @app.job(name="on_settled")
+    def on_settled(ctx: errands.Context) -> None:
+        failed = [m.node for m in ctx.workflow_members() if m.outcome in ("dead", "cancelled")]
+        settled.append((ctx.workflow().state, failed))
+
+    @app.job(name="alert")
+    def alert() -> None:
+        settled.append("alert")
+
+    batch = errands.Batch("album-7", on_settled=on_settled.bind(), on_dead=alert.bind())
+    for n in range(4):
+        batch.add(thumbnail.bind(n), name=f"thumb-{n}")
+    tester = errands_testing(app, raise_errors=False)
+    handle = app.enqueue_workflow(batch)
+    status = tester.drain_workflow(handle)
+    assert (status.state, status.completed, status.dead) == ("failed", 3, 1)
+    tester.assert_callbacks(handle, "on_dead", "on_settled")
+    assert sorted(settled, key=str) == sorted(["alert", ("failed", ["thumb-2"])], key=str)
+    with pytest.raises(errands.WorkflowFailed) as failed:
+        handle.result(timeout=5)
+    assert failed.value.failed == {"thumb-2": "dead"}
+
+
+def test_a_run_anyway_member_sees_its_failed_parent_and_a_skipped_one_does_not_run(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    ran: list[Any] = []
+
+    @app.job(name="charge", retries=0)
+    def charge() -> None:
+        raise errands.Permanent("card declined")
+
+    @app.job(name="compensate")
+    def compensate(ctx: errands.Context) -> None:
+        ran.append(("compensate", [p.node for p in ctx.parent_results().failed]))
+
+    @app.job(name="ship")
+    def ship() -> None:
+        ran.append("ship")
+
+    wf = errands.Workflow("order-9")
+    c = wf.add(charge.bind(), name="charge")
+    wf.add(compensate.bind(), after=[c], on_failure="run_anyway", name="compensate")
+    wf.add(ship.bind(), after=[errands.Edge(c, "skip")], name="ship")
+    tester = errands_testing(app, raise_errors=False)
+    handle = app.enqueue_workflow(wf)
+    status = tester.drain_workflow(handle)
+    assert ran == [("compensate", ["charge"])]
+    assert (status.dead, status.completed, status.skipped) == (1, 1, 1)
+    outcomes = {m.node: m.outcome for m in handle.members()}
+    assert outcomes == {"charge": "dead", "compensate": "completed", "ship": "skipped"}
+
+
+def test_a_member_adds_members_to_its_own_batch_before_it_settles(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    done: list[str] = []
+
+    @app.job(name="page")
+    def page(n: int, ctx: errands.Context) -> None:
+        if n < 3:
+            ctx.add_to_workflow(page.bind(n + 1))
+        done.append(f"page-{n}")
+
+    @app.job(name="finished")
+    def finished(ctx: errands.Context) -> None:
+        done.append(f"finished after {ctx.workflow().completed}")
+
+    batch = errands.Batch("crawl", on_success=finished.bind())
+    batch.add(page.bind(1))
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(batch)
+    status = tester.drain_workflow(handle)
+    assert (status.total, status.completed) == (3, 3)
+    assert done == ["page-1", "page-2", "page-3", "finished after 3"]
+
+
+def test_a_failed_attempt_adds_no_members(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    attempts: list[int] = []
+
+    @app.job(name="flaky", retries=1)
+    def flaky(ctx: errands.Context) -> None:
+        ctx.add_to_workflow(child.bind())
+        attempts.append(ctx.attempt)
+        if ctx.attempt == 1:
+            raise RuntimeError("first attempt fails after adding")
+
+    @app.job(name="child")
+    def child() -> None: ...
+
+    batch = errands.Batch("flaky")
+    batch.add(flaky.bind())
+    tester = errands_testing(app, raise_errors=False)
+    handle = app.enqueue_workflow(batch)
+    status = tester.drain_workflow(handle)
+    assert attempts == [1, 2]
+    assert (status.total, status.completed) == (2, 2)  # one child: the completion's
+
+
+def test_the_canvas_shorthands_build_chains_groups_chords_and_maps(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+
+    @app.job(name="add")
+    def add(x: int, y: int = 0) -> int:
+        return x + y
+
+    @app.job(name="total")
+    def total(ctx: errands.Context) -> int:
+        return sum(p.result for p in ctx.parent_results())
+
+    tester = errands_testing(app)
+    chord = app.enqueue_workflow(errands.chord([add.bind(1), add.bind(2)], total.bind()))
+    chain = app.enqueue_workflow(errands.chain(add.bind(1), add.bind(2), add.bind(3)))
+    group = app.enqueue_workflow(errands.group(add.bind(1), add.bind(2, 2)))
+    mapped = app.enqueue_workflow(errands.map_jobs(add, [1, {"x": 2, "y": 3}]))
+    for handle in (chord, chain, group, mapped):
+        assert tester.drain_workflow(handle).state == "succeeded"
+    assert chord.result()["body"] == 3
+    assert [m.parents for m in chain.members()][1:] == [
+        [chain.members()[0].job_id],
+        [chain.members()[1].job_id],
+    ]
+    assert sorted(group.result().values()) == [1, 4]
+    assert sorted(mapped.result().values()) == [1, 5]
+
+
+def test_cancelling_a_workflow_cancels_its_pending_members_and_settles_it_cancelled(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+
+    @app.job(name="step")
+    def step() -> None: ...
+
+    @app.job(name="on_settled")
+    def on_settled() -> None: ...
+
+    wf = errands.Workflow("to-cancel", on_settled=on_settled.bind())
+    first = wf.add(step.bind())
+    wf.add(step.bind(), after=[first])
+    handle = app.enqueue_workflow(wf)
+    assert handle.cancel(actor="ops") == 2
+    status = handle.wait(timeout=10)
+    assert (status.state, status.cancelled) == ("cancelled", 2)
+    tester = errands_testing(app)
+    tester.drain()
+    tester.assert_callbacks(handle, "on_settled")
+    assert app.audit(limit=1)[0].action == "workflow_cancel"
+
+
+def test_waiting_for_a_workflow_that_does_not_settle_times_out(make_app: Make) -> None:
+    app = make_app()
+
+    @app.job(name="step")
+    def step() -> None: ...
+
+    batch = errands.Batch("never-run")
+    batch.add(step.bind())
+    handle = app.enqueue_workflow(batch)
+    with pytest.raises(errands.ResultTimeout, match="1 of 1 members still pending"):
+        handle.wait(timeout=0.2)
+
+
+def test_a_workflow_commits_or_rolls_back_with_the_callers_transaction(
+    make_app: Make, store_url: str
+) -> None:
+    app = make_app()
+
+    @app.job(name="step")
+    def step() -> None: ...
+
+    batch = errands.Batch("in-my-transaction")
+    batch.add(step.bind())
+    if store_url.startswith("sqlite"):
+        import sqlite3
+
+        conn: Any = sqlite3.connect(store_url.removeprefix("sqlite:///"))
+    else:
+        import psycopg
+
+        conn = psycopg.connect(app.backend.config.conninfo)  # type: ignore[attr-defined]
+    try:
+        handle = app.enqueue_workflow(batch, conn=conn)
+        conn.rollback()
+    finally:
+        conn.close()
+    with pytest.raises(errands.JobNotFound):
+        handle.status()
+    assert app.workflows() == []
+
+
+def test_bad_workflows_are_refused_with_the_fix(make_app: Make) -> None:
+    app = make_app()
+
+    @app.job(name="step")
+    def step() -> None: ...
+
+    with pytest.raises(errands.ConfigurationError, match="needs a name"):
+        errands.Workflow("")
+    with pytest.raises(errands.ConfigurationError, match="has no members"):
+        app.enqueue_workflow(errands.Workflow("empty"))
+    other = errands.Workflow("other")
+    foreign = other.add(step.bind())
+    wf = errands.Workflow("wf")
+    with pytest.raises(errands.ConfigurationError, match="belongs to another workflow"):
+        wf.add(step.bind(), after=[foreign])
+    with pytest.raises(errands.ConfigurationError, match="choose one of cancel, run_anyway"):
+        wf.add(step.bind(), after=[wf.add(step.bind())], on_failure="ignore")
+    batch = errands.Batch("b")
+    with pytest.raises(errands.ConfigurationError, match="use errands"):
+        batch.add(step.bind(), after=[batch.add(step.bind())])
+    with pytest.raises(errands.ConfigurationError, match="takes a job made with job"):
+        wf.add(step)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown workflow state"):
+        app.workflows(state="done")
+
+
+def test_a_member_completing_through_ctx_transaction_fans_in_with_its_writes(
+    make_app: Make, errands_testing: Callable[..., Tester], store_url: str, effects: Any
+) -> None:
+    from effects_store import EffectsStore
+
+    app = make_app()
+    effects.create(["CREATE TABLE IF NOT EXISTS wf_tx_effects (id {serial}, n INTEGER NOT NULL)"])
+    table = EffectsStore.qualified(store_url, "wf_tx_effects")
+    mark = "?" if EffectsStore.is_sqlite(store_url) else "%s"
+
+    @app.job(name="write")
+    def write(ctx: errands.Context, n: int) -> int:
+        ctx.transaction().execute(f"INSERT INTO {table} (n) VALUES ({mark})", (n,))
+        return n
+
+    @app.job(name="after")
+    def after(ctx: errands.Context) -> int:
+        return sum(p.result for p in ctx.parent_results())
+
+    wf = errands.Workflow("tx")
+    writes = [wf.add(write.bind(n)) for n in (1, 2)]
+    wf.add(after.bind(), after=writes, name="after")
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(wf)
+    assert tester.drain_workflow(handle).state == "succeeded"
+    assert handle.result()["after"] == 3
+    assert sorted(r[0] for r in effects.execute("SELECT n FROM wf_tx_effects")) == [1, 2]
+
+
+def test_a_nested_batch_runs_its_callbacks_before_its_parent_and_gates_its_dependents(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    app = make_app()
+    order: list[str] = []
+
+    @app.job(name="thumb")
+    def thumb(n: int) -> int:
+        order.append(f"thumb-{n}")
+        return n
+
+    @app.job(name="publish")
+    def publish(ctx: errands.Context) -> None:
+        [album] = ctx.parent_results()
+        order.append(f"publish after {album.node} {album.state}")
+
+    @app.job(name="note")
+    def note(what: str) -> None:
+        order.append(what)
+
+    album = errands.Batch("thumbnails", on_success=note.bind("thumbnails done"))
+    for n in range(2):
+        album.add(thumb.bind(n))
+    wf = errands.Workflow("album", on_success=note.bind("album done"))
+    node = wf.add(album, name="thumbnails")
+    wf.add(publish.bind(), after=[node], name="publish")
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(wf)
+    assert set(handle.children) == {"thumbnails"}
+    assert tester.drain_workflow(handle).state == "succeeded"
+    # the nested batch's callback is inserted as it settles, with publish released, and
+    # before the outer workflow's (which waits for publish)
+    assert sorted(order[2:4]) == ["publish after thumbnails completed", "thumbnails done"]
+    assert order[4:] == ["album done"]
+    assert handle.result()["thumbnails"] == {"thumb#0": 0, "thumb#1": 1}
+    [nested] = [m for m in handle.members() if m.workflow_id is not None]
+    assert nested.workflow_id == handle.children["thumbnails"].id
+
+
+def test_aenqueue_workflow_stores_a_workflow_from_async_code(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    import asyncio
+
+    app = make_app()
+
+    @app.job(name="step")
+    def step(n: int) -> int:
+        return n
+
+    async def enqueue() -> errands.WorkflowHandle:
+        return await app.aenqueue_workflow(errands.chain(step.bind(1), step.bind(2)))
+
+    handle = asyncio.run(enqueue())
+    assert errands_testing(app).drain_workflow(handle).state == "succeeded"
+    assert sorted(handle.result().values()) == [1, 2]

@@ -1,0 +1,86 @@
+"""Workflows with a real worker in threads, and the ``errands workflows`` commands: a DAG
+runs to its result, its events are emitted, and the CLI lists, shows and cancels."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from click.testing import CliRunner
+
+import errands
+from errands.cli.main import cli
+from tests.conftest import running_worker
+
+
+def _cli(app: errands.App, *args: str) -> Any:
+    result = CliRunner().invoke(cli, [*args, "--url", app.url], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_a_dag_runs_to_its_result_on_a_real_worker_and_the_cli_shows_it(
+    app: errands.App,
+) -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    app.events.subscribe(lambda e: events.append((e.name, dict(e.fields))))
+
+    @app.job(name="wf.square")
+    def square(x: int) -> int:
+        return x * x
+
+    @app.job(name="wf.total")
+    def total(ctx: errands.Context) -> int:
+        return sum(p.result for p in ctx.parent_results())
+
+    @app.job(name="wf.done")
+    def done(ctx: errands.Context) -> None:
+        assert ctx.workflow().pending == 0
+
+    wf = errands.Workflow("squares", on_success=done.bind())
+    parts = [wf.add(square.bind(x), name=f"square-{x}") for x in range(1, 4)]
+    wf.add(total.bind(), after=parts, name="total")
+    with running_worker(app, concurrency=4):
+        handle = app.enqueue_workflow(wf)
+        assert handle.result(timeout=30)["total"] == 14
+        callback = handle.status().callbacks["on_success"]
+        assert callback is not None
+        assert app.get_job(callback).meta["workflow_callback"] == {
+            "workflow": handle.id,
+            "event": "on_success",
+        }
+        errands.JobHandle(app, callback, "wf.done").result(timeout=30)
+    assert ("errands.workflow.enqueued", {"workflow_id": handle.id, "workflow_name": "squares",
+            "kind": "dag", "members": 4}) in events  # fmt: skip
+
+    listed = json.loads(_cli(app, "workflows", "list", "--json"))
+    assert [(w["id"], w["state"], w["completed"]) for w in listed] == [(handle.id, "succeeded", 4)]
+    shown = json.loads(_cli(app, "workflows", "show", str(handle.id), "--json"))
+    by_node = {m["node"]: m for m in shown["members"]}
+    assert by_node["total"]["parents"] == [by_node[f"square-{x}"]["job_id"] for x in (1, 2, 3)]
+    assert shown["callbacks"] == {"on_success": callback}
+    text = _cli(app, "workflows", "show", str(handle.id))
+    assert "square-1, square-2, square-3" in text and f"on_success: job {callback}" in text
+    assert "squares" in _cli(app, "workflows", "list", "--state", "succeeded")
+    assert _cli(app, "workflows", "list", "--state", "failed").strip() == (
+        "no workflows in state failed"
+    )
+
+
+def test_the_cli_cancels_a_workflow_and_an_unknown_one_is_one_clear_line(
+    app: errands.App,
+) -> None:
+    @app.job(name="wf.step")
+    def step() -> None: ...
+
+    wf = errands.Workflow("to-cancel")
+    wf.add(step.bind(), after=[wf.add(step.bind())])
+    handle = app.enqueue_workflow(wf)
+    out = _cli(app, "workflows", "cancel", str(handle.id), "--actor", "ops")
+    assert out.strip() == (
+        f"workflow {handle.id}: 2 pending member(s) cancelled; running ones asked to stop"
+    )
+    assert handle.status().state == "cancelled"
+    assert app.audit(limit=1)[0].actor == "ops"
+    missing = CliRunner().invoke(cli, ["workflows", "show", "999", "--url", app.url])
+    assert missing.exit_code == 1 and missing.output == "error: no workflow with id 999\n"
