@@ -47,6 +47,7 @@ class ClaimRound:
     rows: list[JobRow] = field(default_factory=list)
     error: Exception | None = None
     retry_in: float | None = None  # a rate window frees up then: look again at that time
+    gated: int = 0  # due jobs held back by a concurrency key or a rate: the queue is not idle
 
 
 class Claimer:
@@ -144,6 +145,7 @@ class Claimer:
                     ),
                 )
                 rows += limited
+                result.gated += getattr(limited, "gated", 0)
                 retry_in = getattr(limited, "retry_in", None)
                 if retry_in is not None:
                     result.retry_in = min(result.retry_in or retry_in, retry_in)
@@ -180,4 +182,5 @@ def _limits(settings: object) -> bool:
     return (
         getattr(settings, "max_running", None) is not None
         or getattr(settings, "rate_limit", None) is not None
+        or bool(getattr(settings, "fair", False))
     )

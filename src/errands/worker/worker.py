@@ -360,6 +360,8 @@ class Worker:
                 rate_limit=declared.rate_limit,
                 rate_period=declared.rate_period,
                 jobs_declare_limits=name in keyed,
+                fair=declared.fair,
+                aging=declared.aging,
             )
             backend.queue_declare(settings, f"worker:{self.id}")
         for definition in self.app.registry.values():  # a rate removed in code is cleared

@@ -49,6 +49,7 @@ from ..base import (
     insert_params,
     unwrap_connection,
 )
+from ..fair import fold_params
 from ..limits import Claimed, claim_limited
 from ..program import Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
@@ -484,6 +485,7 @@ class SQLiteBackend(SQLiteAdmin):
         """The fenced write of one outcome; its children are inserted only if it lands."""
         if o.state == "waiting":  # under the write lock: a signal is either stored or not
             return run(conn, suspend_program(Q, o))
+        conn.execute(Q["fair_fold"], fold_params(o.id, o.lease_token))
         ok = (
             conn.execute(
                 Q["job_finish"],
@@ -519,6 +521,8 @@ class SQLiteBackend(SQLiteAdmin):
                     "rate_limit": settings.rate_limit,
                     "rate_period": settings.rate_period,
                     "has_keys": int(settings.jobs_declare_limits),
+                    "fair": int(settings.fair),
+                    "aging": settings.aging,
                     "actor": actor,
                 },
             )
@@ -576,6 +580,7 @@ class SQLiteBackend(SQLiteAdmin):
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in
+        claimed.gated = rows.gated
         return claimed
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
@@ -717,14 +722,17 @@ class SQLiteBackend(SQLiteAdmin):
         if not leases:
             return []
         with self._write() as conn:
-            return [
-                conn.execute(
-                    Q["job_release"],
-                    {"id": lease.id, "token": lease.lease_token, "message": message},
-                ).rowcount
-                == 1
-                for lease in leases
-            ]
+            return [self._release(conn, lease, message) for lease in leases]
+
+    @staticmethod
+    def _release(conn: sqlite3.Connection, lease: LeaseRef, message: str) -> bool:
+        conn.execute(Q["fair_fold"], fold_params(lease.id, lease.lease_token))
+        return (
+            conn.execute(
+                Q["job_release"], {"id": lease.id, "token": lease.lease_token, "message": message}
+            ).rowcount
+            == 1
+        )
 
     # -- maintenance ---------------------------------------------------------------------
     def leader_attempt_elect(self, name: str, owner: str, ttl: float) -> bool:
@@ -760,20 +768,24 @@ class SQLiteBackend(SQLiteAdmin):
         if not rescues:
             return []
         with self._write() as conn:
-            return [
-                conn.execute(
-                    Q["job_rescue"],
-                    {
-                        "id": r.id,
-                        "token": r.lease_token,
-                        "state": r.state,
-                        "error": json.dumps(r.error),
-                        "delay": r.delay,
-                    },
-                ).rowcount
-                == 1
-                for r in rescues
-            ]
+            return [self._rescue(conn, r) for r in rescues]
+
+    @staticmethod
+    def _rescue(conn: sqlite3.Connection, r: RescueParams) -> bool:
+        conn.execute(Q["fair_fold"], fold_params(r.id, r.lease_token, expired=True))
+        return (
+            conn.execute(
+                Q["job_rescue"],
+                {
+                    "id": r.id,
+                    "token": r.lease_token,
+                    "state": r.state,
+                    "error": json.dumps(r.error),
+                    "delay": r.delay,
+                },
+            ).rowcount
+            == 1
+        )
 
     def job_promote_due(self) -> int:
         with self._write() as conn:
@@ -832,6 +844,8 @@ def _settings(r: tuple[Any, ...]) -> QueueSettings:
         jobs_declare_limits=bool(r[5]),
         updated_at=r[6],
         updated_by=r[7],
+        fair=bool(r[8]),
+        aging=r[9],
     )
 
 
