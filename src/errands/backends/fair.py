@@ -54,6 +54,7 @@ class FairCandidate:
     fair_key: str
     priority: int
     run_at: float
+    rescued: bool = False  # a suspect: claimed by the worker's suspect claim
 
 
 @dataclass

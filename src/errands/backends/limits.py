@@ -165,8 +165,8 @@ def claim_limited(
     room_per_name = _rooms(store, rates, result)
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
     pick = _Pick(store, queue, room, rates, room_per_name, blocked, names, result)
-    if (fair or aging) and not suspects:
-        chosen = _pick_fair(pick, None if aging is None else float(aging))  # type: ignore[arg-type]
+    if fair or aging:
+        chosen = _pick_fair(pick, None if aging is None else float(aging), suspects)  # type: ignore[arg-type]
     else:
         chosen = _pick_in_order(pick, suspects)
     if not chosen:
@@ -241,19 +241,26 @@ def _pick_in_order(pick: _Pick, suspects: bool) -> list[Candidate]:
     return choose(candidates, pick.room, _running(store, candidates), pick.room_per_name)
 
 
-def _pick_fair(pick: _Pick, aging: float | None) -> list[Candidate]:
-    """The due jobs of a fair queue to claim, in fair order (errands.backends.fair)."""
+def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candidate]:
+    """The due jobs of a fair queue to claim, in fair order (errands.backends.fair).
+
+    Rescued jobs (suspects) take their turn like the others: the worker's suspect claim
+    orders fresh and rescued jobs together and keeps the rescued ones it picked, so a
+    key whose jobs keep getting rescued never takes the turns of the keys behind it; the
+    fresh claim leaves rescued jobs out."""
     store, queue, room = pick.store, pick.queue, pick.room
-    params = pick.params()
+    params = {**pick.params(), "suspects": suspects}
     candidates = _fair_rows(store, "fair_heads", {**params, "per_key": 1, "keys": None})
     unkeyed_params = {**params, "limit": room, "unkeyed": True}
-    candidates += _fair_rows(store, "claim_candidates", unkeyed_params)
+    unkeyed = _fair_rows(store, "claim_candidates", unkeyed_params)
+    if suspects:
+        unkeyed += _fair_rows(store, "claim_candidates_suspect", unkeyed_params, rescued=True)
+    candidates += unkeyed
     if not candidates:
         return []
     keys = sorted({c.fair_key for c in candidates})
     if room > len(keys):  # room for more than one job per key: read more of each
         more = {**params, "per_key": room, "keys": store.id_list(list(keys))}
-        unkeyed = [c for c in candidates if c.fair_key == UNKEYED]
         candidates = _fair_rows(store, "fair_heads", more) + unkeyed
     pick.learn_rates(candidates)
     states, now = fair_states(store, queue, keys)
@@ -277,16 +284,20 @@ def _pick_fair(pick: _Pick, aging: float | None) -> list[Candidate]:
     return [
         Candidate(c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period)
         for c in picked.chosen
+        if c.rescued == suspects
     ]
 
 
 def _fair_rows(
-    store: LimitedClaimStore, query: str, params: dict[str, object]
+    store: LimitedClaimStore, query: str, params: dict[str, object], *, rescued: bool = False
 ) -> list[FairCandidate]:
+    """Candidates of a fair queue (``rescued``: the query's rows are suspects, unless it
+    says so in a tenth column)."""
     return [
         FairCandidate(
             int(r[0]), str(r[1]), r[2], r[3], r[4], r[5],  # type: ignore[arg-type,call-overload]
             UNKEYED if r[6] is None else str(r[6]), int(r[7]), float(r[8]),  # type: ignore[call-overload,arg-type]
+            bool(r[9]) if len(r) > 9 else rescued,
         )
         for r in store.rows(query, params)
     ]  # fmt: skip

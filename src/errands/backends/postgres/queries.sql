@@ -742,7 +742,8 @@ SELECT count(*) FROM ended
 -- A fair queue's due rows, per (key, priority level): the first per_key of each level in
 -- (run_at, id) order; only the keys of keys when it is not NULL. The levels are found by
 -- skipping through errands_jobs_fair (one probe per key and level). Rows of a busy
--- concurrency key, or of a job type out of rate room (blocked), are left out.
+-- concurrency key, or of a job type out of rate room (blocked), are left out. Rescued
+-- rows (suspects) come with the fresh ones when suspects, marked: see _pick_fair.
 WITH RECURSIVE levels AS (
     (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
      WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
@@ -758,13 +759,13 @@ WITH RECURSIVE levels AS (
         ORDER BY fair_key, priority LIMIT 1) AS n
 )
 SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
-       c.fair_key, c.priority, extract(epoch FROM c.run_at)::float8
+       c.fair_key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0
 FROM levels AS l
 CROSS JOIN LATERAL (
     SELECT j.* FROM {schema}.errands_jobs AS j
     WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')
       AND j.fair_key = l.key AND j.priority = l.priority
-      AND j.run_at <= now() AND j.rescues = 0
+      AND j.run_at <= now() AND (%(suspects)s OR j.rescues = 0)
       AND NOT (j.name = ANY(%(blocked)s::text[]))
       AND (%(names)s::text[] IS NULL OR j.name = ANY(%(names)s::text[]))
       AND (j.concurrency_key IS NULL

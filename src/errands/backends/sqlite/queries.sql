@@ -611,6 +611,7 @@ SET usage = usage * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.u
 -- (run_at, id) order; only the keys of :keys (a JSON list) when it is not NULL. The levels
 -- are found by skipping through errands_jobs_fair (one probe per key and level). Rows of
 -- a busy concurrency key, or of a job type out of rate room (:blocked), are left out.
+-- Rescued rows (suspects) come with the fresh ones when :suspects, marked: see _pick_fair.
 WITH RECURSIVE levels(id, key, priority) AS (
     SELECT id, fair_key, priority FROM (
         SELECT id, fair_key, priority FROM errands_jobs
@@ -627,14 +628,14 @@ WITH RECURSIVE levels(id, key, priority) AS (
         ORDER BY fair_key, priority LIMIT 1)
 )
 SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
-       j.fair_key, j.priority, j.run_at
+       j.fair_key, j.priority, j.run_at, j.rescues > 0
 FROM levels AS l
 JOIN errands_jobs AS j ON j.id IN (
     SELECT c.id FROM errands_jobs AS c
     WHERE c.queue = :queue AND c.state IN ('available', 'scheduled', 'retryable')
       AND c.fair_key = l.key AND c.priority = l.priority
       AND c.run_at <= (julianday('now') - 2440587.5) * 86400.0
-      AND c.rescues = 0
+      AND (:suspects = 1 OR c.rescues = 0)
       AND c.name NOT IN (SELECT value FROM json_each(:blocked))
       AND (:names IS NULL OR c.name IN (SELECT value FROM json_each(:names)))
       AND (c.concurrency_key IS NULL
