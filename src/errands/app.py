@@ -20,6 +20,7 @@ from .backends.base import (
     AuditEvent,
     CancelResult,
     EditParams,
+    FairKeyFigures,
     JobEdit,
     ListParams,
     QueueSettings,
@@ -550,6 +551,11 @@ class App:
 
     def queue_stats(self) -> list[QueueStats]:
         return self.backend.queue_stats()
+
+    def fair_figures(self, queue: str) -> list[FairKeyFigures]:
+        """Per fair key of ``queue``: recent and total worker seconds, attempts, dwell
+        (due -> start), jobs running and due, weight."""
+        return self.backend.fair_figures(check_name("queue", queue))
 
     def unrunnable_jobs(self) -> dict[str, int]:
         """Pending jobs per job type that no live worker's code defines: a worker never

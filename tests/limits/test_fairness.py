@@ -7,12 +7,17 @@ whose jobs take longer does not get more of the workers' time for it.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
-import errands
+import pytest
+from click.testing import CliRunner
 
-from .helpers import wait_until, workers
+import errands
+from errands.cli.main import cli
+
+from .helpers import run_cli, wait_until, workers
 
 NOISY = 120
 QUIET = 5
@@ -81,3 +86,36 @@ def test_a_tenant_with_slower_jobs_gets_no_more_than_its_share_of_worker_time(
     assert share < 0.8, busy  # by job count it would be 0.91
     figures = {f.key: f for f in store.backend.fair_figures("mixed")}
     assert set(figures) == {"slow", "fast"}
+
+
+def test_queues_show_lists_each_keys_worker_time_share_and_dwell_and_weight_sets_it(
+    store: errands.App,
+) -> None:
+    """`errands queues weight` stores an audited weight; `errands queues show Q --json`
+    gives per-key figures, the top keys one by one and the rest as "other"."""
+    store.queue("reports", fair=True, aging=30)
+
+    @store.job(name="reports.build", queue="reports", fair_key="tenant:{tenant}")
+    def build(tenant: int, n: int) -> None:
+        time.sleep(0.01)
+
+    handles = store.enqueue_many([build.bind(tenant=n % 6, n=n) for n in range(24)])
+    weighted = run_cli("queues", "weight", "tenant:0", "5", "--url", store.url, "--actor", "ops")
+    assert weighted.output == "fair key tenant:0: weight 5\n"
+    with workers([store], concurrency=3):
+        for handle in handles:
+            handle.result(timeout=60)
+    shown = run_cli("queues", "show", "reports", "--url", store.url, "--json", "--top", "3")
+    data = json.loads(shown.output)
+    assert (data["fair"], data["aging"]) == (True, 30.0)
+    keys = data["keys"]
+    assert [k["keys"] for k in keys] == [1, 1, 1, 3] and keys[-1]["key"] == "other"
+    assert sum(k["attempts"] for k in keys) == 24
+    assert all(k["mean_dwell_seconds"] is not None and k["due"] == 0 for k in keys)
+    assert sum(k["share"] for k in keys) == pytest.approx(1.0, abs=0.01)
+    weights = {k["key"]: k["weight"] for k in keys}
+    assert weights.get("tenant:0", 5.0) == 5.0
+    table = run_cli("queues", "show", "reports", "--url", store.url).output
+    assert table.startswith("queue reports: active, fair, aging 30s\n") and "tenant:" in table
+    refused = CliRunner().invoke(cli, ["queues", "weight", "tenant:0", "0", "--url", store.url])
+    assert refused.exit_code != 0 and "weight must be a number above 0" in refused.output
