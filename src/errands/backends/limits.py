@@ -232,7 +232,7 @@ def _pick_in_order(pick: _Pick, suspects: bool) -> list[Candidate]:
         Candidate(int(r[0]), str(r[1]), r[2], r[3], r[4], r[5])  # type: ignore[call-overload,arg-type]
         for r in store.rows(
             "claim_candidates_suspect" if suspects else "claim_candidates",
-            {**pick.params(), "limit": lookahead(pick.room), "unkeyed": False},
+            {**pick.params(), "limit": lookahead(pick.room)},
         )
     ]
     if not candidates:
@@ -251,10 +251,7 @@ def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candida
     store, queue, room = pick.store, pick.queue, pick.room
     params = {**pick.params(), "suspects": suspects}
     candidates = _fair_rows(store, "fair_heads", {**params, "per_key": 1, "keys": None})
-    unkeyed_params = {**params, "limit": room, "unkeyed": True}
-    unkeyed = _fair_rows(store, "claim_candidates", unkeyed_params)
-    if suspects:
-        unkeyed += _fair_rows(store, "claim_candidates_suspect", unkeyed_params, rescued=True)
+    unkeyed = _fair_rows(store, "fair_unkeyed", {**params, "lookahead": lookahead(room)})
     candidates += unkeyed
     if not candidates:
         return []
@@ -289,15 +286,13 @@ def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candida
 
 
 def _fair_rows(
-    store: LimitedClaimStore, query: str, params: dict[str, object], *, rescued: bool = False
+    store: LimitedClaimStore, query: str, params: dict[str, object]
 ) -> list[FairCandidate]:
-    """Candidates of a fair queue (``rescued``: the query's rows are suspects, unless it
-    says so in a tenth column)."""
     return [
         FairCandidate(
             int(r[0]), str(r[1]), r[2], r[3], r[4], r[5],  # type: ignore[arg-type,call-overload]
             UNKEYED if r[6] is None else str(r[6]), int(r[7]), float(r[8]),  # type: ignore[call-overload,arg-type]
-            bool(r[9]) if len(r) > 9 else rescued,
+            bool(r[9]),
         )
         for r in store.rows(query, params)
     ]  # fmt: skip

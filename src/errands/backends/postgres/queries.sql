@@ -552,14 +552,11 @@ WHERE at < now() - make_interval(secs => LEAST(period, %(older_than)s))
 -- variants. Jobs whose key already runs at its limit, and job types out of rate-limit
 -- room (blocked), are left out here, so they never fill the lookahead and hold claimable
 -- jobs behind them. claim_limited checks the rest under the key and rate locks.
--- unkeyed: only rows without a fair key (a fair queue's jobs enqueued without one).
-SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, fair_key, priority,
-       extract(epoch FROM run_at)::float8
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period
 FROM {schema}.errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = %(queue)s
   AND $RESCUED
-  AND (NOT %(unkeyed)s OR fair_key IS NULL)
   AND run_at <= now()
   AND NOT (name = ANY(%(blocked)s::text[]))
   AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
@@ -753,10 +750,17 @@ WITH RECURSIVE levels AS (
     SELECT n.key, n.priority
     FROM levels AS l
     CROSS JOIN LATERAL (
-        SELECT fair_key AS key, priority FROM {schema}.errands_jobs
-        WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
-          AND fair_key IS NOT NULL AND (fair_key, priority) > (l.key, l.priority)
-        ORDER BY fair_key, priority LIMIT 1) AS n
+        -- the key's next level, else the next key's first: two index seeks
+        (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
+         WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key = l.key AND priority > l.priority
+         ORDER BY priority LIMIT 1)
+        UNION ALL
+        (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
+         WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key > l.key
+         ORDER BY fair_key, priority LIMIT 1)
+        LIMIT 1) AS n
 )
 SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
        c.fair_key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0
@@ -775,6 +779,19 @@ CROSS JOIN LATERAL (
     ORDER BY j.run_at, j.id
     LIMIT %(per_key)s) AS c
 WHERE %(keys)s::text[] IS NULL OR l.key = ANY(%(keys)s::text[])
+
+-- name: fair_unkeyed
+-- A fair queue's due rows without a fair key (enqueued by code that gave them none), which
+-- share one key: only those among the queue's first lookahead due rows in claim order
+-- (no index finds them apart from the keyed ones, so the read stays bounded).
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, NULL::text,
+       priority, extract(epoch FROM run_at)::float8, rescues > 0
+FROM (SELECT * FROM {schema}.errands_jobs
+      WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+        AND run_at <= now() AND (%(suspects)s OR rescues = 0)
+      ORDER BY priority DESC, run_at, id
+      LIMIT %(lookahead)s) AS j
+WHERE fair_key IS NULL AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
 
 -- name: fair_states
 -- Per key of keys in a queue: its folded usage (usage, recent attempts, when folded, last

@@ -444,15 +444,12 @@ WHERE at < (julianday('now') - 2440587.5) * 86400.0 - min(period, :older_than)
 -- Due rows of one limited queue in claim order; $RESCUED makes the fresh and the suspect
 -- variants. Jobs whose key already runs at its limit, and job types out of rate-limit
 -- room (:blocked, a JSON list), are left out here, so they never fill the lookahead and
--- hold claimable jobs behind them. unkeyed: only rows without a fair key (a fair queue's
--- jobs enqueued without one, which share one key).
-SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, fair_key, priority,
-       run_at
+-- hold claimable jobs behind them.
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period
 FROM errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
   AND queue = :queue
   AND $RESCUED
-  AND (:unkeyed = 0 OR fair_key IS NULL)
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
   AND name NOT IN (SELECT value FROM json_each(:blocked))
   AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
@@ -621,11 +618,17 @@ WITH RECURSIVE levels(id, key, priority) AS (
     UNION ALL
     SELECT n.id, n.fair_key, n.priority
     FROM levels AS l
-    JOIN errands_jobs AS n ON n.id = (
-        SELECT id FROM errands_jobs
-        WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
-          AND fair_key IS NOT NULL AND (fair_key, priority) > (l.key, l.priority)
-        ORDER BY fair_key, priority LIMIT 1)
+    -- the key's next level, else the next key's first: two index seeks (a row-value
+    -- comparison would scan the rest of the key's level)
+    JOIN errands_jobs AS n ON n.id = COALESCE(
+        (SELECT id FROM errands_jobs
+         WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key = l.key AND priority > l.priority
+         ORDER BY priority LIMIT 1),
+        (SELECT id FROM errands_jobs
+         WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key > l.key
+         ORDER BY fair_key, priority LIMIT 1))
 )
 SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
        j.fair_key, j.priority, j.run_at, j.rescues > 0
@@ -645,6 +648,20 @@ JOIN errands_jobs AS j ON j.id IN (
     ORDER BY c.run_at, c.id
     LIMIT :per_key)
 WHERE :keys IS NULL OR l.key IN (SELECT value FROM json_each(:keys))
+
+-- name: fair_unkeyed
+-- A fair queue's due rows without a fair key (enqueued by code that gave them none), which
+-- share one key: only those among the queue's first :lookahead due rows in claim order
+-- (no index finds them apart from the keyed ones, so the read stays bounded).
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, NULL,
+       priority, run_at, rescues > 0
+FROM (SELECT * FROM errands_jobs
+      WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+        AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+        AND (:suspects = 1 OR rescues = 0)
+      ORDER BY priority DESC, run_at, id
+      LIMIT :lookahead)
+WHERE fair_key IS NULL AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
 
 -- name: fair_states
 -- Per key of :keys (a JSON list) in a queue: its folded usage (usage, recent attempts,
