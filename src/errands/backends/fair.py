@@ -30,6 +30,7 @@ job, or the next key, is taken instead, so a gated key never blocks the keys beh
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -120,31 +121,31 @@ def fair_pick(
         )
         keys.append(_Key(name, states.get(name) or KeyState(), jobs))
     _mark_shares(keys)
-    while len(result.chosen) < room:
-        best: _Key | None = None
-        best_rank: tuple[float, ...] | None = None
-        top = max(
-            (effective_priority(h.priority, h.run_at, now, aging) for k in keys if (h := k.head())),
-            default=None,
-        )
-        if top is None:
-            break
-        for key in keys:
-            head = key.head()
-            if head is None or effective_priority(head.priority, head.run_at, now, aging) < top:
-                continue
-            rank = _rank(key, head)
-            if best_rank is None or rank < best_rank:
-                best, best_rank = key, rank
-        assert best is not None
-        job = best.jobs[best.position]
-        best.position += 1
-        if not admit(job):
+    # One heap entry per key with a job left: (-its next job's level, its rank, index).
+    # Only the taken key's entry changes after a pick, so a claim over k keys costs
+    # O(k + room log k), not O(k x room).
+    heap = [_entry(i, key, now, aging) for i, key in enumerate(keys) if key.head() is not None]
+    heapq.heapify(heap)
+    while heap and len(result.chosen) < room:
+        index = heapq.heappop(heap)[-1]
+        key = keys[int(index)]
+        job = key.jobs[key.position]
+        key.position += 1
+        if admit(job):
+            key.picked += 1
+            result.chosen.append(job)
+        else:
             result.gated += 1
-            continue
-        best.picked += 1
-        result.chosen.append(job)
+        if key.head() is not None:
+            heapq.heappush(heap, _entry(int(index), key, now, aging))
     return result
+
+
+def _entry(index: int, key: _Key, now: float, aging: float | None) -> tuple[float, ...]:
+    head = key.head()
+    assert head is not None
+    level = effective_priority(head.priority, head.run_at, now, aging)
+    return (-float(level), *_rank(key, head), float(index))
 
 
 def _rank(key: _Key, head: FairCandidate) -> tuple[float, ...]:
