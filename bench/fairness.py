@@ -36,7 +36,7 @@ from typing import Any
 
 import errands
 
-WORK_SECONDS = 0.005  # one job's handler time; the slow tenant's is 10 times this
+WORK_SECONDS = 0.05  # one job's handler time (--work); the slow tenant's is 10 times this
 
 
 @dataclass
@@ -94,7 +94,12 @@ class Bench:
 
 
 def _quiet_traffic(
-    job: Any, quiet: int, seconds: float, stop: threading.Event, sent: list[tuple[int, float]]
+    job: Any,
+    quiet: int,
+    seconds: float,
+    work: float,
+    stop: threading.Event,
+    sent: list[tuple[int, float]],
 ) -> None:
     """Each quiet tenant sends one job a second, spread over the second."""
     seq = 1_000_000_000
@@ -108,7 +113,7 @@ def _quiet_traffic(
                 return
             seq += 1
             now = time.time()
-            job.enqueue(tenant=f"quiet{i}", sent=now, seq=seq, seconds=WORK_SECONDS)
+            job.enqueue(tenant=f"quiet{i}", sent=now, seq=seq, seconds=work)
             sent.append((seq, now))
         tick += 1
 
@@ -121,14 +126,14 @@ def quiet_dwell(bench: Bench, *, kind: str, fair: bool, backlog: int, args: Any)
         for start in range(0, backlog, 5000):
             bench.app.enqueue_many(
                 [
-                    job.bind(tenant="noisy", sent=now, seq=n, seconds=WORK_SECONDS)
+                    job.bind(tenant="noisy", sent=now, seq=n, seconds=args.work)
                     for n in range(start, min(backlog, start + 5000))
                 ]
             )
     sent: list[tuple[int, float]] = []
     stop = threading.Event()
     producer = threading.Thread(
-        target=_quiet_traffic, args=(job, args.quiet, args.seconds, stop, sent)
+        target=_quiet_traffic, args=(job, args.quiet, args.seconds, args.work, stop, sent)
     )
     t0 = time.time()
     with bench.worker(job.queue):
@@ -165,10 +170,10 @@ def shares(bench: Bench, args: Any) -> dict[str, Any]:
     job = bench.queue("shares", fair=True)
     weights = {"a": 1.0, "c": 2.0, "d": 1.0, "slow": 1.0}
     bench.app.fair_weight("c", 2.0, actor="bench")
-    per = max(int(args.seconds * bench.concurrency / WORK_SECONDS), 1000)
+    per = max(int(args.seconds * bench.concurrency / args.work), 1000)
     now = time.time()
     for tenant in weights:
-        seconds = WORK_SECONDS * (10 if tenant == "slow" else 1)
+        seconds = args.work * (10 if tenant == "slow" else 1)
         count = per // (10 if tenant == "slow" else 1)
         for start in range(0, count, 5000):
             bench.app.enqueue_many(
@@ -239,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=60.0, help="quiet traffic per run")
     parser.add_argument("--grace", type=float, default=10.0, help="wait for the last quiet jobs")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--work", type=float, default=WORK_SECONDS, help="a job's seconds")
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--keys-jobs", type=int, default=20_000)
     args = parser.parse_args(argv)
