@@ -44,6 +44,9 @@ def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: b
                 "running": counts.get("running", 0),
                 "dead": counts.get("dead", 0),
                 "updated_by": None if s is None else s.updated_by,
+                "fair": bool(
+                    (s is not None and s.fair) or (declared is not None and declared.fair)
+                ),
             }
         )
     if as_json:
