@@ -249,6 +249,8 @@ def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candida
     key whose jobs keep getting rescued never takes the turns of the keys behind it; the
     fresh claim leaves rescued jobs out."""
     store, queue, room = pick.store, pick.queue, pick.room
+    if suspects and not store.rows("claim_candidates_suspect", {**pick.params(), "limit": 1}):
+        return []  # no rescued job due: the common case, read through its own index
     params = {**pick.params(), "suspects": suspects}
     candidates = _fair_rows(store, "fair_heads", {**params, "per_key": 1, "keys": None})
     unkeyed = _fair_rows(store, "fair_unkeyed", {**params, "lookahead": lookahead(room)})

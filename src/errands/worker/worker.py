@@ -457,7 +457,13 @@ class Worker:
                     continue
             else:
                 pause = self.poll_interval
-            self._backlog = bool(rows) and len(rows) >= room
+            if not rows and claimed.limited_starved and self._backlog:
+                # The limited queues wait for a free slot, which wakes us (the backlog
+                # stays on) rather than the next poll.
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+                continue
+            self._backlog = bool(rows) and (len(rows) >= room or claimed.limited_full)
             if self._backlog:
                 continue
             # Woken by a notification: look once more shortly after, since notifications
