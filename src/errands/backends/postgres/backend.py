@@ -138,10 +138,8 @@ def _copy_plain(r: EnqueueRequest) -> bool:
 
 def fill_markers(text: str, schema: str) -> str:
     quoted = '"' + schema + '"'  # validated by parse_postgres_url: [a-z_][a-z0-9_]*
-    fold = _RAW_QUERIES["fair_fold_cte"].format(schema=quoted, half_life=repr(HALF_LIFE))
-    return text.format(
-        schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=fold, half_life=repr(HALF_LIFE)
-    )
+    fold = _RAW_QUERIES["fair_fold_cte"].format(schema=quoted)  # SQL of this file, no value
+    return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=fold)
 
 
 _RAW_QUERIES = load_queries(__package__)
@@ -650,6 +648,7 @@ class PostgresBackend(PostgresAdmin):
                     "results": [o.result_json for o in outcomes],
                     "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
                     "delays": [float(o.delay) for o in outcomes],
+                    "half_life": HALF_LIFE,
                 },
             ).fetchall()
         }
@@ -888,6 +887,7 @@ class PostgresBackend(PostgresAdmin):
                         "ids": [lease.id for lease in leases],
                         "tokens": [lease.lease_token for lease in leases],
                         "message": message,
+                        "half_life": HALF_LIFE,
                     },
                 ).fetchall()
             }
@@ -930,6 +930,7 @@ class PostgresBackend(PostgresAdmin):
                         "states": [r.state for r in rescues],
                         "errors": [json.dumps(r.error) for r in rescues],
                         "delays": [r.delay for r in rescues],
+                        "half_life": HALF_LIFE,
                     },
                 ).fetchall()
             }

@@ -713,9 +713,9 @@ fold AS (
     ORDER BY e.f_queue, e.f_key
     ON CONFLICT (queue, key) DO UPDATE
     SET usage = u.usage * power(0.5, greatest(extract(epoch FROM excluded.at - u.at), 0)
-                                     / {half_life}) + excluded.usage,
+                                     / %(half_life)s::float8) + excluded.usage,
         recent = u.recent * power(0.5, greatest(extract(epoch FROM excluded.at - u.at), 0)
-                                       / {half_life}) + excluded.recent,
+                                       / %(half_life)s::float8) + excluded.recent,
         at = excluded.at,
         last_started = greatest(u.last_started, excluded.last_started),
         seconds_total = u.seconds_total + excluded.seconds_total,
