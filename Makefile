@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integrations lint format bench bench-storage bench-finished bench-scenarios soak clean
+.PHONY: demo test test-integrations lint format bench bench-storage bench-finished bench-scenarios bench-fairness soak clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ bench-finished: $(STAMP)  # claims with 10M finished rows against an empty table
 
 bench-scenarios: $(STAMP)  # the third-party chaos and pressure cells: ~2 1/2 hours
 	$(BIN)/python -m bench.run --no-systems --scenarios --scratch-pg --update $(BENCH_ARGS)
+
+# The noisy-neighbour benchmark (issue 19): fair claiming against FIFO, on SQLite and on
+# the PostgreSQL of BENCH_PG_URL (a scratch database): ~10 min each with the defaults.
+bench-fairness: $(STAMP)
+	$(BIN)/python -m bench.fairness --url sqlite:///bench-fairness.db $(BENCH_ARGS)
+	$(BIN)/python -m bench.fairness --url "$${BENCH_PG_URL:-postgresql://postgres@127.0.0.1:5432/errands_bench}" $(BENCH_ARGS)
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak tests/soak $(PYTEST_ARGS)

@@ -20,15 +20,18 @@ from .backends.base import (
     AuditEvent,
     CancelResult,
     EditParams,
+    FairKeyFigures,
     JobEdit,
     ListParams,
     QueueSettings,
     QueueStats,
     SignalResult,
 )
+from .backends.fair import check_weight
 from .backends.limits import parse_rate
 from .backends.workflow_store import WorkflowInserted, WorkflowSpec
 from .definition import (
+    KEY_MAX_BYTES,
     BoundJob,
     EnqueueOptions,
     JobDefinition,
@@ -192,6 +195,7 @@ class App:
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
         rate: str | None = None,
+        fair_key: str | None = None,
     ) -> Callable[[F], JobDefinition[Any, Any]]: ...
 
     def job(
@@ -212,6 +216,7 @@ class App:
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
         rate: str | None = None,
+        fair_key: str | None = None,
     ) -> Any:
         """Register a function as a job. Usable bare (``@app.job``) or with options."""
 
@@ -232,6 +237,7 @@ class App:
                 concurrency_key=concurrency_key,
                 concurrency_limit=concurrency_limit,
                 rate=rate,
+                fair_key=fair_key,
             )
             if definition.name in self.registry:
                 raise ConfigurationError(
@@ -243,17 +249,53 @@ class App:
 
         return register(fn) if fn is not None else register
 
-    def queue(self, name: str, *, limit: int | None = None, rate: str | None = None) -> None:
+    def queue(
+        self,
+        name: str,
+        *,
+        limit: int | None = None,
+        rate: str | None = None,
+        fair: bool = False,
+        aging: float | timedelta | None = None,
+    ) -> None:
         """Declare a queue's cluster-wide limits: at most ``limit`` jobs running at once
-        across every worker and host, at most ``rate`` starts (``"100/m"``). Workers store
-        the declaration when they start; ``errands queues`` shows it."""
+        across every worker and host, at most ``rate`` starts (``"100/m"``). ``fair=True``
+        shares its workers among the jobs' fair keys (``@app.job(fair_key=...)``) by
+        recent worker time and weight; ``aging`` (fair queues) moves a job waiting that
+        many seconds up one priority level, and one more per further ``aging``. Workers
+        store the declaration when they start; ``errands queues`` shows it."""
         check_name("queue", name)
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ConfigurationError(f"app.queue({name!r}, limit={limit!r}): limit must be >= 1")
         rate_limit, rate_period = parse_rate(rate) if rate is not None else (None, None)
+        if not isinstance(fair, bool):
+            raise ConfigurationError(f"app.queue({name!r}, fair={fair!r}): fair must be a bool")
+        aging_seconds = seconds(aging, "aging", f"app.queue({name!r}): ")
+        if aging_seconds is not None and not fair:
+            raise ConfigurationError(
+                f"app.queue({name!r}, aging={aging!r}): aging applies to fair queues; pass "
+                "fair=True as well"
+            )
+        if aging_seconds is not None and aging_seconds < 1:
+            raise ConfigurationError(
+                f"app.queue({name!r}, aging={aging!r}): aging must be at least 1 second"
+            )
         self.queues[name] = QueueSettings(
-            name=name, max_running=limit, rate_limit=rate_limit, rate_period=rate_period
+            name=name,
+            max_running=limit,
+            rate_limit=rate_limit,
+            rate_period=rate_period,
+            fair=fair,
+            aging=aging_seconds,
         )
+
+    def fair_weight(self, key: str, weight: float | None, *, actor: str = "api") -> None:
+        """Store fair key ``key``'s weight (persisted and audited; None: back to 1). In a
+        fair queue a key of weight 5 gets five times the worker time of a key of weight 1
+        while both have jobs waiting. Takes effect at the next claim."""
+        key = check_text("fair_weight key", key, KEY_MAX_BYTES)
+        value = None if weight is None else check_weight(key, weight)
+        self.backend.fair_weight_set(key, value, _actor(actor))
 
     def pause(self, queue: str, *, actor: str = "api", force: bool = False) -> None:
         """Stop every worker from claiming from ``queue`` (persisted and audited); running
@@ -642,6 +684,11 @@ class App:
     def queue_stats(self) -> list[QueueStats]:
         return self.backend.queue_stats()
 
+    def fair_figures(self, queue: str) -> list[FairKeyFigures]:
+        """Per fair key of ``queue``: recent and total worker seconds, attempts, dwell
+        (due -> start), jobs running and due, weight."""
+        return self.backend.fair_figures(check_name("queue", queue))
+
     def unrunnable_jobs(self) -> dict[str, int]:
         """Pending jobs per job type that no live worker's code defines: a worker never
         claims a job type it does not know (a rolling deploy's newer types wait, uncharged,
@@ -814,7 +861,9 @@ class App:
                     f"job {job_id}: the new arguments do not fit {row.name}: {exc}",
                     errors=exc.errors,
                 ) from None
-            edits.append(JobEdit(job_id, request.args_json, request.concurrency_key))
+            edits.append(
+                JobEdit(job_id, request.args_json, request.concurrency_key, request.fair_key)
+            )
         return edits, skipped
 
     def reschedule(

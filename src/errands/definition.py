@@ -165,6 +165,7 @@ class JobDefinition(Generic[P, R]):
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
         rate: str | None = None,
+        fair_key: str | None = None,
     ) -> None:
         self.app = app
         self.fn = fn
@@ -203,6 +204,7 @@ class JobDefinition(Generic[P, R]):
             concurrency_key, concurrency_limit
         )
         self.rate = parse_rate(rate) if rate is not None else None
+        self.fair_key = None if fair_key is None else self._check_template("fair_key", fair_key)
         self.logger = logging.getLogger(f"errands.job.{self.name}")  # ctx.logger
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]
 
@@ -214,22 +216,32 @@ class JobDefinition(Generic[P, R]):
                     "as in concurrency_key='account:{account_id}'"
                 )
             return None, None
-        try:
-            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f}
-        except ValueError as exc:
-            raise ConfigurationError(
-                f"job {self.name!r}: concurrency_key={template!r} is not a valid template: {exc}"
-            ) from None
-        unknown = {f.split(".")[0].split("[")[0] for f in fields} - set(self.payload.fields)
-        if unknown:
-            raise ConfigurationError(
-                f"job {self.name!r}: concurrency_key={template!r} names {sorted(unknown)}, which "
-                f"are not parameters; parameters are {list(self.payload.fields)}"
-            )
+        self._check_template("concurrency_key", template)
         limit = 1 if limit is None else limit
         if not isinstance(limit, int) or limit < 1:
             raise ConfigurationError(f"job {self.name!r}: concurrency_limit must be an int >= 1")
         return template, limit
+
+    def _check_template(self, option: str, template: object) -> str:
+        """A key template (``"account:{account_id}"``) over this job's parameters."""
+        if not isinstance(template, str):
+            raise ConfigurationError(
+                f"job {self.name!r}: {option}= must be a str template, as in "
+                f"{option}='tenant:{{tenant_id}}'"
+            )
+        try:
+            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f}
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"job {self.name!r}: {option}={template!r} is not a valid template: {exc}"
+            ) from None
+        unknown = {f.split(".")[0].split("[")[0] for f in fields} - set(self.payload.fields)
+        if unknown:
+            raise ConfigurationError(
+                f"job {self.name!r}: {option}={template!r} names {sorted(unknown)}, which "
+                f"are not parameters; parameters are {list(self.payload.fields)}"
+            )
+        return template
 
     @property
     def limited(self) -> bool:
@@ -346,9 +358,10 @@ class JobDefinition(Generic[P, R]):
         priority = self.priority if options.priority is None else options.priority
         if not isinstance(priority, int):
             raise ConfigurationError(f"{self.name}: priority= must be an int")
+        queue = check_name("queue", options.queue) if options.queue else self.queue
         return EnqueueRequest(
             name=self.name,
-            queue=check_name("queue", options.queue) if options.queue else self.queue,
+            queue=queue,
             args_json=args_json,
             priority=priority,
             max_attempts=self.max_attempts,
@@ -359,25 +372,33 @@ class JobDefinition(Generic[P, R]):
             lease_seconds=self.lease,
             meta={"sensitive": sorted(self.sensitive)} if self.sensitive else {},
             unique_for=self._unique_for(options),
-            concurrency_key=self._key_for(args_json),
+            concurrency_key=self._format_key("concurrency_key", self.concurrency_key, args_json),
+            fair_key=self._fair_key_for(queue, args_json),
             concurrency_limit=self.concurrency_limit,
             rate_limit=self.rate[0] if self.rate else None,
             rate_period=self.rate[1] if self.rate else None,
         )
 
-    def _key_for(self, args_json: str) -> str | None:
-        if self.concurrency_key is None:
+    def _fair_key_for(self, queue: str, args_json: str) -> str | None:
+        """The job's fair key: its template's, or in a queue this app declares fair,
+        ``job:<name>`` (each job type without a template is its own key there)."""
+        if self.fair_key is not None:
+            return self._format_key("fair_key", self.fair_key, args_json)
+        declared = self.app.queues.get(queue)
+        return f"job:{self.name}" if declared is not None and declared.fair else None
+
+    def _format_key(self, option: str, template: str | None, args_json: str) -> str | None:
+        if template is None:
             return None
         values = {name: None for name in self.payload.fields}
         values.update(json.loads(args_json))
         try:
             # Not prefixed with the job name: job types sharing a key share its limit.
-            key = self.concurrency_key.format(**values)
-            return check_text(f"{self.name}: concurrency_key", key, KEY_MAX_BYTES)
+            key = template.format(**values)
+            return check_text(f"{self.name}: {option}", key, KEY_MAX_BYTES)
         except (KeyError, IndexError, AttributeError, ValueError, ConfigurationError) as exc:
             raise InvalidPayload(
-                f"{self.name}: cannot build concurrency_key {self.concurrency_key!r} from the "
-                f"arguments: {exc}"
+                f"{self.name}: cannot build {option} {template!r} from the arguments: {exc}"
             ) from None
 
     def _unique_for(self, options: EnqueueOptions) -> float | None:

@@ -246,6 +246,7 @@ class EnqueueRequest:
     concurrency_limit: int | None = None
     rate_limit: int | None = None  # the job type's rate (starts per rate_period), on the row
     rate_period: float | None = None
+    fair_key: str | None = None  # the tenant a fair queue shares its workers among
 
     @property
     def limited(self) -> bool:

@@ -284,6 +284,28 @@ def test_queues_page_pauses_and_resumes_a_queue_with_the_user_audited(
     ]
 
 
+def test_a_fair_queue_links_to_its_tenants_with_their_share_of_worker_time_and_dwell(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    store.queue("reports", fair=True, aging=60)
+    store.backend.queue_declare(store.queues["reports"], "worker:w-1")  # as a worker does
+
+    @store.job(name="reports.build", queue="reports", fair_key="tenant:{tenant}")
+    def build(tenant: str) -> None:
+        pass
+
+    store.enqueue_many([build.bind(tenant=t) for t in ("acme", "acme", "globex")])
+    store.fair_weight("tenant:acme", 3)
+    assert len(finish_due(store, "reports", "completed")) == 3
+    html = client.get("/queues").text
+    assert 'href="/queues/reports/tenants"' in html
+    html = client.get("/queues/reports/tenants").text
+    assert "Tenants of" in html and "tenant:acme" in html and "tenant:globex" in html
+    assert "one priority level" in html  # aging is described
+    assert '<td class="num">3</td>' in html  # acme's weight
+    assert "not fair" in client.get("/queues/emails/tenants").text
+
+
 def test_cron_page_shows_next_and_last_runs(store: errands.App, client: TestClient) -> None:
     @store.periodic("*/5 * * * *", name="reports.nightly_totals")
     def nightly_totals() -> None:

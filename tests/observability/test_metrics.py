@@ -237,3 +237,34 @@ def test_the_grafana_dashboard_is_valid_json_with_the_promised_panels() -> None:
         assert metric in exprs, metric
     assert "histogram_quantile(0.95" in exprs and "histogram_quantile(0.5" in exprs
     assert "by (outcome)" in exprs and "by (state)" in exprs
+
+
+def test_fair_queues_report_per_key_share_and_dwell_for_the_top_keys_and_other(
+    app: errands.App, worker_factory: Any
+) -> None:
+    """A fair queue with 13 tenants: the metrics carry at most 10 keys plus "other", so
+    the label count stays bounded however many tenants there are."""
+    app.queue("reports", fair=True)
+
+    @app.job(name="m.report", queue="reports", fair_key="tenant:{tenant}")
+    def report(tenant: int, n: int) -> None:
+        pass
+
+    handles = app.enqueue_many([report.bind(tenant=n % 13, n=n) for n in range(39)])
+    with worker_factory(queues=["reports"]):
+        for handle in handles:
+            handle.result(timeout=30)
+    metrics = install_metrics(app, cache_seconds=0)
+    status, body = scrape(asgi_app(app, metrics.registry))
+    assert status == 200
+    found = samples(body)
+    keys = {
+        dict(labels)["key"]
+        for name, labels in found
+        if name == "errands_fair_key_worker_seconds" and dict(labels)["queue"] == "reports"
+    }
+    assert len(keys) == 11 and "other" in keys
+    dwell = [v for (name, _), v in found.items() if name == "errands_fair_key_mean_dwell_seconds"]
+    assert len(dwell) == 11 and all(v >= 0 for v in dwell)
+    shares = [v for (name, _), v in found.items() if name == "errands_fair_key_worker_share"]
+    assert sum(shares) == pytest.approx(1.0, abs=0.01)

@@ -226,11 +226,43 @@ class QueueSettings:
     jobs_declare_limits: bool = False
     updated_at: float | None = None
     updated_by: str | None = None
+    fair: bool = False  # claimed fairly across the jobs' fair keys (errands.backends.fair)
+    aging: float | None = None  # seconds due per level a fair queue's job moves up
 
     @property
     def state(self) -> str:
         """``"paused"`` or ``"active"``: the one word the CLI and the dashboard show."""
         return queue_state(self)
+
+
+@dataclass(frozen=True)
+class FairWeight:
+    """A fair key's stored weight (``app.fair_weight``); keys without one weigh 1."""
+
+    key: str
+    weight: float
+    updated_at: float | None = None
+    updated_by: str | None = None
+
+
+@dataclass(frozen=True)
+class FairKeyFigures:
+    """One fair key's figures in a queue: worker seconds of recent attempts (decayed, the
+    running ones included), in all, its ended attempts, their summed dwell (due ->
+    start), the attempts running now, the jobs due now, and its weight."""
+
+    key: str
+    recent_seconds: float
+    seconds_total: float
+    attempts: int
+    dwell_total: float
+    running: int
+    due: int
+    weight: float
+
+    @property
+    def mean_dwell(self) -> float | None:
+        return self.dwell_total / self.attempts if self.attempts else None
 
 
 QUEUE_ACTIVE = "active"  # workers claim from it
@@ -273,6 +305,7 @@ class JobEdit:
     id: int
     args_json: str | None = None
     concurrency_key: str | None = None  # derived from the new arguments
+    fair_key: str | None = None  # derived from the new arguments
 
 
 @dataclass(frozen=True)
@@ -442,6 +475,16 @@ class Backend(Protocol):
     def job_limit_declare(
         self, name: str, queue: str, rate_limit: int | None, rate_period: float | None
     ) -> None: ...
+
+    def fair_weight_set(self, key: str, weight: float | None, actor: str) -> None:
+        """Store a fair key's weight (None: back to 1), audited in the same transaction."""
+        ...
+
+    def fair_weights(self) -> list[FairWeight]: ...
+
+    def fair_figures(self, queue: str) -> list[FairKeyFigures]:
+        """Per fair key of ``queue``: its worker time, dwell and backlog (by key)."""
+        ...
 
     def job_claim_limited(
         self,
@@ -655,6 +698,7 @@ def insert_params(req: EnqueueRequest) -> dict[str, Any]:
         "concurrency_limit": req.concurrency_limit,
         "rate_limit": req.rate_limit,
         "rate_period": req.rate_period,
+        "fair_key": req.fair_key,
     }
 
 

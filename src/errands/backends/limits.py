@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ConfigurationError
+from .fair import UNKEYED, FairCandidate, KeyState, decayed, fair_pick
 
 LOOKAHEAD_FACTOR = 10
 LOOKAHEAD_MIN = 100
@@ -117,6 +118,7 @@ class Claimed(list):  # type: ignore[type-arg]
     (None when no rate limit held the claim back), so the worker wakes then, not later."""
 
     retry_in: float | None = None
+    gated: int = 0  # due jobs a concurrency key or a rate held back (not idle: gated)
 
 
 def claim_limited(
@@ -135,8 +137,10 @@ def claim_limited(
     """
     result = Claimed()
     settings = store.rows("queue_settings_get", {"name": queue})
+    fair, aging = False, None
     if settings:
         _, paused, max_running, rate_limit, rate_period = settings[0][:5]
+        fair, aging = bool(settings[0][8]), settings[0][9]
     else:
         paused, max_running, rate_limit, rate_period = False, None, None, None
     if paused:
@@ -160,25 +164,11 @@ def claim_limited(
         rates[str(name)] = (int(limit), float(period))  # type: ignore[call-overload,arg-type]
     room_per_name = _rooms(store, rates, result)
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
-    candidates = [
-        Candidate(int(r[0]), str(r[1]), r[2], r[3], r[4], r[5])  # type: ignore[call-overload,arg-type]
-        for r in store.rows(
-            "claim_candidates_suspect" if suspects else "claim_candidates",
-            {
-                "queue": queue,
-                "limit": lookahead(room),
-                "blocked": store.id_list(blocked),
-                "names": None if names is None else store.id_list(list(names)),
-            },
-        )
-    ]
-    if not candidates:
-        return result
-    for c in candidates:  # a type whose first due row appeared since the first reading
-        if c.rate_limit is not None and c.rate_period and c.name not in rates:
-            rates[c.name] = (c.rate_limit, c.rate_period)
-            room_per_name.update(_rooms(store, {c.name: rates[c.name]}, result))
-    chosen = choose(candidates, room, _running(store, candidates), room_per_name)
+    pick = _Pick(store, queue, room, rates, room_per_name, blocked, names, result)
+    if fair or aging:
+        chosen = _pick_fair(pick, None if aging is None else float(aging), suspects)  # type: ignore[arg-type]
+    else:
+        chosen = _pick_in_order(pick, suspects)
     if not chosen:
         return result
     # Lock what the chosen rows take (their keys, their types' rate buckets), then count
@@ -205,6 +195,135 @@ def claim_limited(
     return result
 
 
+@dataclass
+class _Pick:
+    """What choosing a limited claim's jobs reads and updates."""
+
+    store: LimitedClaimStore
+    queue: str
+    room: int
+    rates: dict[str, tuple[int, float]]  # the rate-limited job types' (count, period)
+    room_per_name: dict[str, int]  # starts left in each rate-limited type's window
+    blocked: list[object]  # types without room: left out in SQL
+    names: Sequence[str] | None  # the types the claiming worker can run
+    result: Claimed
+
+    def params(self) -> dict[str, object]:
+        return {
+            "queue": self.queue,
+            "blocked": self.store.id_list(self.blocked),
+            "names": None if self.names is None else self.store.id_list(list(self.names)),
+        }
+
+    def learn_rates(self, candidates: Sequence[Candidate | FairCandidate]) -> None:
+        """Add the rates of job types whose first due row appeared since the first
+        reading."""
+        for c in candidates:
+            if c.rate_limit is not None and c.rate_period and c.name not in self.rates:
+                self.rates[c.name] = (c.rate_limit, c.rate_period)
+                fresh = _rooms(self.store, {c.name: self.rates[c.name]}, self.result)
+                self.room_per_name.update(fresh)
+
+
+def _pick_in_order(pick: _Pick, suspects: bool) -> list[Candidate]:
+    """The due jobs to claim in claim order (priority, due time, id), within limits."""
+    store = pick.store
+    candidates = [
+        Candidate(int(r[0]), str(r[1]), r[2], r[3], r[4], r[5])  # type: ignore[call-overload,arg-type]
+        for r in store.rows(
+            "claim_candidates_suspect" if suspects else "claim_candidates",
+            {**pick.params(), "limit": lookahead(pick.room)},
+        )
+    ]
+    if not candidates:
+        return []
+    pick.learn_rates(candidates)
+    return choose(candidates, pick.room, _running(store, candidates), pick.room_per_name)
+
+
+def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candidate]:
+    """The due jobs of a fair queue to claim, in fair order (errands.backends.fair).
+
+    Rescued jobs (suspects) take their turn like the others: the worker's suspect claim
+    orders fresh and rescued jobs together and keeps the rescued ones it picked, so a
+    key whose jobs keep getting rescued never takes the turns of the keys behind it; the
+    fresh claim leaves rescued jobs out."""
+    store, queue, room = pick.store, pick.queue, pick.room
+    if suspects and not store.rows("claim_candidates_suspect", {**pick.params(), "limit": 1}):
+        return []  # no rescued job due: the common case, read through its own index
+    params = {**pick.params(), "suspects": suspects}
+    candidates = _fair_rows(store, "fair_heads", {**params, "per_key": 1, "keys": None})
+    unkeyed = _fair_rows(store, "fair_unkeyed", {**params, "lookahead": lookahead(room)})
+    candidates += unkeyed
+    if not candidates:
+        return []
+    keys = sorted({c.fair_key for c in candidates})
+    if room > len(keys):  # room for more than one job per key: read more of each
+        more = {**params, "per_key": room, "keys": store.id_list(list(keys))}
+        candidates = _fair_rows(store, "fair_heads", more) + unkeyed
+    pick.learn_rates(candidates)
+    states, now = fair_states(store, queue, keys)
+    running = _running(store, candidates)
+    names_left = dict(pick.room_per_name)
+
+    def admit(c: FairCandidate) -> bool:
+        key = c.concurrency_key
+        if key is not None and running.get(key, 0) >= (c.concurrency_limit or 1):
+            return False
+        if c.name in names_left and names_left[c.name] <= 0:
+            return False
+        if key is not None:
+            running[key] = running.get(key, 0) + 1
+        if c.name in names_left:
+            names_left[c.name] -= 1
+        return True
+
+    picked = fair_pick(candidates, states, room, admit, now=now, aging=aging)
+    pick.result.gated += picked.gated
+    return [
+        Candidate(c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period)
+        for c in picked.chosen
+        if c.rescued == suspects
+    ]
+
+
+def _fair_rows(
+    store: LimitedClaimStore, query: str, params: dict[str, object]
+) -> list[FairCandidate]:
+    return [
+        FairCandidate(
+            int(r[0]), str(r[1]), r[2], r[3], r[4], r[5],  # type: ignore[arg-type,call-overload]
+            UNKEYED if r[6] is None else str(r[6]), int(r[7]), float(r[8]),  # type: ignore[call-overload,arg-type]
+            bool(r[9]),
+        )
+        for r in store.rows(query, params)
+    ]  # fmt: skip
+
+
+def fair_states(
+    store: LimitedClaimStore, queue: str, keys: Sequence[str]
+) -> tuple[dict[str, KeyState], float]:
+    """Each key's standing in ``queue`` (see :class:`KeyState`), and the database's now."""
+    states: dict[str, KeyState] = {}
+    now = 0.0
+    for key, usage, recent, at, last, running, running_last, weight, t in store.rows(
+        "fair_states", {"queue": queue, "keys": store.id_list(list(keys))}
+    ):
+        now = float(t)  # type: ignore[arg-type]
+        state = KeyState(weight=1.0 if weight is None else float(weight))  # type: ignore[arg-type]
+        if usage is not None:
+            state.usage = decayed(float(usage), now - float(at))  # type: ignore[arg-type]
+            if recent:
+                state.mean_cost = max(float(usage) / float(recent), 0.001)  # type: ignore[arg-type]
+            state.last_started = float(last)  # type: ignore[arg-type]
+        if running is not None:
+            state.usage += float(running)  # type: ignore[arg-type]
+        if running_last is not None:
+            state.last_started = max(state.last_started or 0.0, float(running_last))  # type: ignore[arg-type]
+        states[str(key)] = state
+    return states, now
+
+
 def _rooms(
     store: LimitedClaimStore, rates: dict[str, tuple[int, float]], result: Claimed
 ) -> dict[str, int]:
@@ -218,7 +337,9 @@ def _rooms(
     return rooms
 
 
-def _running(store: LimitedClaimStore, candidates: list[Candidate]) -> dict[str, int]:
+def _running(
+    store: LimitedClaimStore, candidates: Sequence[Candidate | FairCandidate]
+) -> dict[str, int]:
     """Running jobs per concurrency key of ``candidates``, in any queue."""
     keys = sorted({c.concurrency_key for c in candidates if c.concurrency_key is not None})
     running: dict[str, int] = {}

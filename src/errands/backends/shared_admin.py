@@ -27,6 +27,8 @@ from .base import (
     CancelResult,
     EditParams,
     ExpiredWait,
+    FairKeyFigures,
+    FairWeight,
     FinishParams,
     JobEdit,
     ListParams,
@@ -35,6 +37,7 @@ from .base import (
     WorkerInfo,
     unwrap_connection,
 )
+from .fair import HALF_LIFE, fold_params
 from .program import Program, Stmt, run
 
 if TYPE_CHECKING:
@@ -73,7 +76,9 @@ def suspend_program(
 ) -> Program[bool]:
     """A suspension's fenced write (ctx.wait_for_signal), then the resume that follows at
     once when the signal is already stored: run inside one transaction. A cancel
-    requested meanwhile ends the job instead: a workflow member then fans in."""
+    requested meanwhile ends the job instead: a workflow member then fans in. A fair
+    key's usage is folded first, under the same fence."""
+    yield Stmt(queries["fair_fold"], fold_params(outcome.id, outcome.lease_token))
     suspended = yield Stmt(
         queries["job_suspend"] + "\nRETURNING id, state, workflow_id",
         {
@@ -297,6 +302,7 @@ class SharedAdmin:
                         "queue": params.queue,
                         "args": edit.args_json,
                         "concurrency_key": edit.concurrency_key,
+                        "fair_key": edit.fair_key,
                     },
                 ).rowcount
                 if changed != 1:  # pragma: no cover - the row is locked and was pending
@@ -444,6 +450,39 @@ class SharedAdmin:
                     },
                 )
         return forgotten
+
+    # -- fair claiming --------------------------------------------------------------------
+    def fair_weight_set(self, key: str, weight: float | None, actor: str) -> None:
+        with self._transaction() as run:
+            if weight is None:
+                run("fair_weight_delete", {"key": key})
+            else:
+                run("fair_weight_set", {"key": key, "weight": weight, "actor": actor})
+            run(
+                "audit_insert",
+                {
+                    "actor": actor,
+                    "action": "fair_weight",
+                    "job_id": None,
+                    "detail": json.dumps({"key": key, "weight": weight}),
+                },
+            )
+
+    def fair_weights(self) -> list[FairWeight]:
+        return [
+            FairWeight(str(r[0]), float(r[1]), r[2], r[3])
+            for r in self._read_rows("fair_weights_list")
+        ]
+
+    def fair_figures(self, queue: str) -> list[FairKeyFigures]:
+        return [
+            FairKeyFigures(
+                key=str(r[0]), recent_seconds=float(r[1]), seconds_total=float(r[2]),
+                attempts=int(r[3]), dwell_total=float(r[4]), running=int(r[5]), due=int(r[6]),
+                weight=float(r[7]),
+            )
+            for r in self._read_rows("fair_usage_list", {"queue": queue, "half_life": HALF_LIFE})
+        ]  # fmt: skip
 
     # -- the worker registry ---------------------------------------------------------------
     def worker_register(self, info: WorkerInfo) -> None:

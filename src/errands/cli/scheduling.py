@@ -6,6 +6,7 @@ import click
 
 from ..backends.base import queue_state
 from ..backends.limits import format_rate
+from ..observability.fair_keys import TOP_KEYS_DEFAULT, top_keys
 from ..retry import ExponentialBackoff, retry_delay
 from . import render
 from .admin import _app, actor_option, app_options, jobs, json_option
@@ -43,6 +44,9 @@ def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: b
                 "running": counts.get("running", 0),
                 "dead": counts.get("dead", 0),
                 "updated_by": None if s is None else s.updated_by,
+                "fair": bool(
+                    (s is not None and s.fair) or (declared is not None and declared.fair)
+                ),
             }
         )
     if as_json:
@@ -59,6 +63,85 @@ def queues(ctx: click.Context, app_path: str | None, url: str | None, as_json: b
         )  # fmt: skip
     else:
         click.echo("no queues yet")
+
+
+@queues.command("show")
+@app_options
+@json_option
+@click.option(
+    "--top",
+    type=click.IntRange(1, 1000),
+    default=TOP_KEYS_DEFAULT,
+    show_default=True,
+    help="fair queues: the keys shown one by one (the most recent worker time first); "
+    "the rest are summed as 'other'",
+)
+@click.argument("name")
+def queues_show(app_path: str | None, url: str | None, as_json: bool, top: int, name: str) -> None:
+    """One queue's settings and, for a fair queue, its keys: worker time, share, dwell."""
+    app = _app(app_path, url)
+    if name not in app.known_queues():
+        raise click.ClickException(f"no queue named {name!r}; `errands queues` lists them")
+    stored = next((s for s in app.queue_settings() if s.name == name), None)
+    settings = stored or app.queues.get(name)
+    fair = settings is not None and settings.fair
+    keys = [row.as_dict() for row in top_keys(app.fair_figures(name), top)]
+    data = {
+        "queue": name,
+        "state": queue_state(stored),
+        "fair": fair,
+        "aging": None if settings is None else settings.aging,
+        "limit": None if settings is None else settings.max_running,
+        "rate": None
+        if settings is None
+        else format_rate(settings.rate_limit, settings.rate_period),
+        "keys": keys,
+    }
+    if as_json:
+        render.emit_json(data)
+        return
+    aging = data["aging"]
+    click.echo(
+        f"queue {name}: {data['state']}, {'fair' if fair else 'not fair'}"
+        + (f", aging {aging:g}s" if aging else "")
+    )
+    if keys:
+        render.table(
+            None,
+            ["key", "weight", "due", "running", "recent s", "share", "total s", "attempts",
+             "mean dwell"],
+            [
+                [k["key"] if k["keys"] == 1 else f"other ({k['keys']} keys)", f"{k['weight']:g}",
+                 k["due"], k["running"], f"{k['recent_worker_seconds']:.1f}",
+                 f"{100 * k['share']:.0f}%", f"{k['worker_seconds_total']:.1f}", k["attempts"],
+                 "-" if k["mean_dwell_seconds"] is None else f"{k['mean_dwell_seconds']:.2f}s"]
+                for k in keys
+            ],
+        )  # fmt: skip
+    elif fair:
+        click.echo("no fair keys have run or wait here yet")
+
+
+@queues.command("weight")
+@app_options
+@actor_option
+@click.argument("key")
+@click.argument("weight")
+def queues_weight(app_path: str | None, url: str | None, actor: str, key: str, weight: str) -> None:
+    """Set a fair key's weight (a number above 0; 'reset' for the default, 1), for every
+    fair queue. A key of weight 5 gets five times the worker time of one of weight 1
+    while both have jobs waiting. Audited."""
+    if weight == "reset":
+        value = None
+    else:
+        try:
+            value = float(weight)
+        except ValueError:
+            raise click.BadParameter(
+                f"{weight!r}: write a number above 0, such as 5 or 0.5, or 'reset'"
+            ) from None
+    _app(app_path, url).fair_weight(key, value, actor=actor)
+    click.echo(f"fair key {key}: weight {'1 (default)' if value is None else f'{value:g}'}")
 
 
 @queues.command("pause")

@@ -131,6 +131,7 @@ def create_app(
         ),
         Route("/dlq/apply", actions.dlq_apply, methods=["POST"], name="dlq_apply"),
         Route("/queues", pages.queues, name="queues"),
+        Route("/queues/{queue}/tenants", pages.queue_tenants, name="queue_tenants"),
         Route("/queues/{queue}/pause", actions.queue_pause, methods=["POST"], name="queue_pause"),
         Route(
             "/queues/{queue}/resume", actions.queue_resume, methods=["POST"], name="queue_resume"

@@ -15,6 +15,7 @@ from ..errors import JobNotFound
 from ..fleet import MISSED_HEARTBEATS, presumed_dead, presumed_dead_after, queue_names
 from ..jobs import ALL_STATES, Job
 from ..masking import mask_text, mask_value, sensitive_values
+from ..observability.fair_keys import KeyRow, top_keys
 from ..workflows import WORKFLOW_STATES
 from . import charts
 from .format import trace_id
@@ -377,6 +378,28 @@ async def queues(request: Request, viewer: Viewer) -> Response:
         viewer,
         "queues.html",
         {"nav": "queues", "queues": [rows[n] for n in sorted(rows)], "live": True},
+    )
+
+
+TENANTS_SHOWN = 50  # keys shown one by one on a fair queue's tenants page; the rest summed
+
+
+@page
+async def queue_tenants(request: Request, viewer: Viewer) -> Response:
+    """A fair queue's keys (tenants): weight, backlog, worker time and share, dwell."""
+    app = settings(request).app
+    name = request.path_params["queue"]
+
+    def load() -> tuple[Any, list[KeyRow]]:
+        stored = next((s for s in app.queue_settings() if s.name == name), None)
+        return stored or app.queues.get(name), top_keys(app.fair_figures(name), TENANTS_SHOWN)
+
+    queue, rows = await blocking(load)
+    return render(
+        request,
+        viewer,
+        "tenants.html",
+        {"nav": "queues", "queue": name, "settings": queue, "rows": rows, "live": True},
     )
 
 

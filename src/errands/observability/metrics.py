@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigurationError
 from ..jobs import ALL_STATES
 from .events import Event
+from .fair_keys import KeyRow, top_keys
 
 try:
     from prometheus_client import (
@@ -213,15 +214,16 @@ class StoreCollector(Collector):
         self._read_at = -float("inf")
         self._stats: list[QueueStats] = []
         self._health: StoreHealth | None = None
+        self._fair: dict[str, list[KeyRow]] = {}  # per fair queue: its top keys
         self.queries = 0  # how many times the store was asked (tests and debugging)
 
     def describe(self) -> Iterable[Metric]:
         # Named without samples, so registering never queries the database.
-        return list(self._families(describing=True))
+        return [*self._families(describing=True), *_fair_families({})]
 
     def collect(self) -> Iterable[Metric]:
         self._refresh()
-        return list(self._families(self._stats, self._health))
+        return [*self._families(self._stats, self._health), *_fair_families(self._fair)]
 
     def _refresh(self) -> None:
         with self._lock:
@@ -233,6 +235,11 @@ class StoreCollector(Collector):
             try:
                 self._stats = app.queue_stats()
                 self._health = app.backend.store_health() if self.store_health else None
+                self._fair = {
+                    s.name: top_keys(app.fair_figures(s.name))
+                    for s in app.queue_settings()
+                    if s.fair
+                }
                 self.queries += 1
             except Exception as exc:  # a scrape must not fail; show what we last knew
                 log.warning("metrics: reading queue statistics failed: %s", exc)
@@ -291,6 +298,38 @@ class StoreCollector(Collector):
                 yield GaugeMetricFamily(name, doc)
             elif value is not None:  # only the gauges this kind of store has
                 yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _fair_families(fair: dict[str, list[KeyRow]]) -> Iterator[Metric]:
+    """Per fair queue, its top keys by recent worker time and one "other" (bounded)."""
+    labels = ["queue", "key"]
+    share = GaugeMetricFamily(
+        "errands_fair_key_worker_share",
+        "Fair queues: each key's share of the queue's recent worker time (decayed, 0..1)",
+        labels=labels,
+    )
+    seconds = GaugeMetricFamily(
+        "errands_fair_key_worker_seconds",
+        "Fair queues: worker seconds of each key's ended attempts, in all",
+        labels=labels,
+    )
+    dwell = GaugeMetricFamily(
+        "errands_fair_key_mean_dwell_seconds",
+        "Fair queues: each key's mean dwell, from due to start, over its ended attempts",
+        labels=labels,
+    )
+    due = GaugeMetricFamily(
+        "errands_fair_key_due_jobs", "Fair queues: each key's jobs due now", labels=labels
+    )
+    for queue, rows in fair.items():
+        for row in rows:
+            f = row.figures
+            share.add_metric([queue, f.key], row.share)
+            seconds.add_metric([queue, f.key], f.seconds_total)
+            if f.mean_dwell is not None:
+                dwell.add_metric([queue, f.key], f.mean_dwell)
+            due.add_metric([queue, f.key], f.due)
+    yield from (share, seconds, dwell, due)
 
 
 def install_metrics(

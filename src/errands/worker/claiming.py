@@ -47,6 +47,14 @@ class ClaimRound:
     rows: list[JobRow] = field(default_factory=list)
     error: Exception | None = None
     retry_in: float | None = None  # a rate window frees up then: look again at that time
+    gated: int = 0  # due jobs held back by a concurrency key or a rate: the queue is not idle
+    # A limited queue gave every job asked of it (its free slots): more may be due, so the
+    # worker claims again as slots free up instead of waiting for its next poll (a limited
+    # claim never fills the prefetch room, so "the round was full" cannot say it).
+    limited_full: bool = False
+    # A limited queue was left out for want of a free slot (the prefetch room is not
+    # theirs): claim again when a slot frees up.
+    limited_starved: bool = False
 
 
 class Claimer:
@@ -135,6 +143,8 @@ class Claimer:
             rows += sorted(claimed, key=queue_order)
         for queue in plan:
             take = min(queue.limit, free - len(rows))
+            if queue.name in self.with_limits and take <= 0:
+                result.limited_starved = True
             if queue.name in self.with_limits and take > 0:
                 claim = QueueClaim(queue.name, take)
                 limited = self._step(
@@ -144,6 +154,8 @@ class Claimer:
                     ),
                 )
                 rows += limited
+                result.gated += getattr(limited, "gated", 0)
+                result.limited_full = result.limited_full or len(limited) >= take
                 retry_in = getattr(limited, "retry_in", None)
                 if retry_in is not None:
                     result.retry_in = min(result.retry_in or retry_in, retry_in)
@@ -180,4 +192,5 @@ def _limits(settings: object) -> bool:
     return (
         getattr(settings, "max_running", None) is not None
         or getattr(settings, "rate_limit", None) is not None
+        or bool(getattr(settings, "fair", False))
     )

@@ -362,6 +362,8 @@ class Worker:
                 rate_limit=declared.rate_limit,
                 rate_period=declared.rate_period,
                 jobs_declare_limits=name in keyed,
+                fair=declared.fair,
+                aging=declared.aging,
             )
             backend.queue_declare(settings, f"worker:{self.id}")
         for definition in self.app.registry.values():  # a rate removed in code is cleared
@@ -457,7 +459,13 @@ class Worker:
                     continue
             else:
                 pause = self.poll_interval
-            self._backlog = bool(rows) and len(rows) >= room
+            if not rows and claimed.limited_starved and self._backlog:
+                # The limited queues wait for a free slot, which wakes us (the backlog
+                # stays on) rather than the next poll.
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+                continue
+            self._backlog = bool(rows) and (len(rows) >= room or claimed.limited_full)
             if self._backlog:
                 continue
             # Woken by a notification: look once more shortly after, since notifications

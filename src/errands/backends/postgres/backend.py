@@ -47,6 +47,7 @@ from ..base import (
     RescueParams,
     insert_params,
 )
+from ..fair import HALF_LIFE
 from ..limits import Claimed, claim_limited
 from ..program import Call, Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
@@ -122,6 +123,7 @@ COPY_OPTIONAL: tuple[tuple[str, Callable[[EnqueueRequest], Any]], ...] = (
     ("concurrency_limit", lambda r: r.concurrency_limit is not None),
     ("rate_limit", lambda r: r.rate_limit is not None),
     ("rate_period", lambda r: r.rate_period is not None),
+    ("fair_key", lambda r: r.fair_key is not None),
 )
 
 
@@ -137,12 +139,14 @@ def _copy_plain(r: EnqueueRequest) -> bool:
         and r.concurrency_key is None
         and r.concurrency_limit is None
         and r.rate_limit is None
+        and r.fair_key is None
     )
 
 
 def fill_markers(text: str, schema: str) -> str:
     quoted = '"' + schema + '"'  # validated by parse_postgres_url: [a-z_][a-z0-9_]*
-    return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL)
+    fold = _RAW_QUERIES["fair_fold_cte"].format(schema=quoted)  # SQL of this file, no value
+    return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=fold)
 
 
 _RAW_QUERIES = load_queries(__package__) | load_queries(__package__, "workflows.sql")
@@ -515,6 +519,7 @@ class PostgresBackend(PostgresAdmin):
                         r.concurrency_limit,
                         r.rate_limit,
                         r.rate_period,
+                        r.fair_key,
                     )
                     chosen = pick(values)
                     row += chosen if len(optional) > 1 else (chosen,)
@@ -543,6 +548,7 @@ class PostgresBackend(PostgresAdmin):
             "climits": [r.concurrency_limit for r in requests],
             "rlimits": [r.rate_limit for r in requests],
             "rperiods": [r.rate_period for r in requests],
+            "fkeys": [r.fair_key for r in requests],
         }
 
     def _notify_due(self, queues: set[str]) -> list[str]:
@@ -723,6 +729,7 @@ class PostgresBackend(PostgresAdmin):
                     "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
                     "delays": [float(o.delay) for o in outcomes],
                     "members": members,
+                    "half_life": HALF_LIFE,
                 },
             ).fetchall()
         }
@@ -735,6 +742,7 @@ class PostgresBackend(PostgresAdmin):
             QueueSettings(
                 name=r[0], paused=bool(r[1]), max_running=r[2], rate_limit=r[3],
                 rate_period=r[4], jobs_declare_limits=bool(r[5]), updated_at=r[6], updated_by=r[7],
+                fair=bool(r[8]), aging=r[9],
             )
             for r in rows
         ]  # fmt: skip
@@ -749,6 +757,8 @@ class PostgresBackend(PostgresAdmin):
                     "rate_limit": settings.rate_limit,
                     "rate_period": settings.rate_period,
                     "has_keys": settings.jobs_declare_limits,
+                    "fair": settings.fair,
+                    "aging": settings.aging,
                     "actor": actor,
                 },
             )
@@ -809,6 +819,7 @@ class PostgresBackend(PostgresAdmin):
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in
+        claimed.gated = rows.gated
         return claimed
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
@@ -945,6 +956,7 @@ class PostgresBackend(PostgresAdmin):
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
                     "message": message,
+                    "half_life": HALF_LIFE,
                 },
             ).fetchall()
             self._fan_in(conn, rows)
@@ -992,6 +1004,7 @@ class PostgresBackend(PostgresAdmin):
                     "states": [r.state for r in rescues],
                     "errors": [json.dumps(r.error) for r in rescues],
                     "delays": [r.delay for r in rescues],
+                    "half_life": HALF_LIFE,
                 },
             ).fetchall()
             self._fan_in(conn, rows)

@@ -13,7 +13,7 @@ WITH ins AS (
 INSERT INTO {schema}.errands_jobs AS j
     (name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
      timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit,
-     rate_limit, rate_period)
+     rate_limit, rate_period, fair_key)
 VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(meta)s::jsonb,
         CASE WHEN COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s))
                   > now() THEN 'scheduled' ELSE 'available' END,
@@ -21,7 +21,7 @@ VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(meta)s::jsonb,
         COALESCE(to_timestamp(%(run_at)s), now() + make_interval(secs => %(delay)s)),
         %(key)s, %(timeout)s, %(lease_seconds)s, %(parent_id)s,
         now() + make_interval(secs => %(unique_for)s), %(concurrency_key)s,
-        %(concurrency_limit)s, %(rate_limit)s, %(rate_period)s)
+        %(concurrency_limit)s, %(rate_limit)s, %(rate_period)s, %(fair_key)s)
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
 ), note AS (
@@ -35,7 +35,7 @@ SELECT (SELECT id FROM ins), (SELECT count(*) FROM note)
 INSERT INTO {schema}.errands_jobs AS j
     (id, name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
      timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit,
-     rate_limit, rate_period)
+     rate_limit, rate_period, fair_key)
 SELECT r.id, r.name, r.queue, r.args::jsonb, r.meta::jsonb,
        CASE WHEN COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay))
                  > now() THEN 'scheduled' ELSE 'available' END,
@@ -43,16 +43,16 @@ SELECT r.id, r.name, r.queue, r.args::jsonb, r.meta::jsonb,
        COALESCE(to_timestamp(r.run_at), now() + make_interval(secs => r.delay)),
        r.key, r.timeout, r.lease_seconds, r.parent_id,
        now() + make_interval(secs => r.unique_for), r.concurrency_key, r.concurrency_limit,
-       r.rate_limit, r.rate_period
+       r.rate_limit, r.rate_period, r.fair_key
 FROM unnest(%(ids)s::bigint[], %(names)s::text[], %(queues)s::text[], %(args)s::text[],
             %(metas)s::text[], %(priorities)s::int[], %(max_attempts)s::int[],
             %(run_ats)s::float8[], %(delays)s::float8[], %(keys)s::text[],
             %(timeouts)s::float8[], %(leases)s::float8[], %(parents)s::bigint[],
             %(unique_fors)s::float8[], %(ckeys)s::text[], %(climits)s::int[],
-            %(rlimits)s::int[], %(rperiods)s::float8[])
+            %(rlimits)s::int[], %(rperiods)s::float8[], %(fkeys)s::text[])
      AS r(id, name, queue, args, meta, priority, max_attempts, run_at, delay, key, timeout,
           lease_seconds, parent_id, unique_for, concurrency_key, concurrency_limit,
-          rate_limit, rate_period)
+          rate_limit, rate_period, fair_key)
 ORDER BY r.id
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
@@ -124,7 +124,9 @@ RETURNING {job_columns}
 
 -- name: job_finish_many
 -- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
--- it never runs again, and an operator's cancel is not reported as a dead job.
+-- it never runs again, and an operator's cancel is not reported as a dead job. The ended
+-- attempts of fair keys are folded into their usage in the same statement (fair_fold_cte).
+WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN j.cancel_requested AND o.state IN ('retryable', 'dead')
                  THEN 'cancelled' ELSE o.state END,
@@ -140,10 +142,14 @@ SET state = CASE WHEN j.cancel_requested AND o.state IN ('retryable', 'dead')
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(states)b::text[], %(results)b::text[],
             %(errors)b::text[], %(delays)b::float8[])
-     AS o(id, token, state, result, error, delay)
-WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
+     AS o(id, token, state, result, error, delay),
+     {schema}.errands_jobs AS prev
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running' AND prev.id = j.id
   AND (j.workflow_id IS NOT NULL) = %(members)s
-RETURNING j.id, o.token, j.state
+RETURNING j.id, o.token, j.state, j.queue AS f_queue, j.fair_key AS f_key,
+          j.attempted_at AS f_started, prev.run_at AS f_due
+), {fair_fold}
+SELECT id, token, state FROM ended
 
 -- name: job_heartbeat_many
 -- The handlers' latest ctx.progress rides on the heartbeat (NULL: unchanged).
@@ -160,7 +166,8 @@ RETURNING j.id, j.lease_token, j.cancel_requested
 -- name: job_release_many
 -- Shutdown: the attempt is given back uncharged (attempt - 1), and recorded in errors with
 -- kind 'released', its attempt number and lease token, so the run that follows is
--- explained (I4).
+-- explained (I4). Fair keys' usage is folded in the same statement.
+WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
     errors = j.errors || jsonb_build_array(jsonb_build_object(
@@ -171,9 +178,13 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
     run_at = now(),
     finished_at = CASE WHEN j.cancel_requested THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
-FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token)
-WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-RETURNING j.id, j.workflow_id, j.state
+FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token),
+     {schema}.errands_jobs AS prev
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running' AND prev.id = j.id
+RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
+          j.attempted_at AS f_started, prev.run_at AS f_due
+), {fair_fold}
+SELECT id, workflow_id, state FROM ended
 
 -- name: leader_attempt_elect
 INSERT INTO {schema}.errands_leaders AS l (name, owner, elected_at, expires_at)
@@ -198,7 +209,9 @@ LIMIT %(limit)s
 
 -- name: job_rescue_many
 -- Fenced twice: the token must be the expired claim's, and the lease must still be expired
--- (a heartbeat that landed in between wins).
+-- (a heartbeat that landed in between wins). Fair keys' usage is folded in the same
+-- statement.
+WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE o.state END,
     rescues = j.rescues + 1,
@@ -208,10 +221,14 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE o.state END,
     finished_at = CASE WHEN j.cancel_requested OR o.state <> 'retryable' THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)s::bigint[], %(tokens)s::text[], %(states)s::text[], %(errors)s::text[],
-            %(delays)s::float8[]) AS o(id, token, state, error, delay)
+            %(delays)s::float8[]) AS o(id, token, state, error, delay),
+     {schema}.errands_jobs AS prev
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-  AND j.lease_expires_at < now()
-RETURNING j.id, j.workflow_id, j.state
+  AND j.lease_expires_at < now() AND prev.id = j.id
+RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
+          j.attempted_at AS f_started, prev.run_at AS f_due
+), {fair_fold}
+SELECT id, workflow_id, state FROM ended
 
 -- name: job_promote_due
 UPDATE {schema}.errands_jobs
@@ -424,26 +441,29 @@ LIMIT %(limit)s
 
 -- name: queue_settings_get
 SELECT name, paused, max_running, rate_limit, rate_period, has_keys,
-       extract(epoch FROM updated_at)::float8, updated_by
+       extract(epoch FROM updated_at)::float8, updated_by, fair, aging
 FROM {schema}.errands_queues WHERE name = %(name)s
 
 -- name: queue_settings_list
 SELECT name, paused, max_running, rate_limit, rate_period, has_keys,
-       extract(epoch FROM updated_at)::float8, updated_by
+       extract(epoch FROM updated_at)::float8, updated_by, fair, aging
 FROM {schema}.errands_queues ORDER BY name
 
 -- name: queue_declare
 INSERT INTO {schema}.errands_queues AS s
-    (name, max_running, rate_limit, rate_period, has_keys, updated_by)
-VALUES (%(name)s, %(max_running)s, %(rate_limit)s, %(rate_period)s, %(has_keys)s, %(actor)s)
+    (name, max_running, rate_limit, rate_period, has_keys, updated_by, fair, aging)
+VALUES (%(name)s, %(max_running)s, %(rate_limit)s, %(rate_period)s, %(has_keys)s, %(actor)s,
+        %(fair)s, %(aging)s)
 ON CONFLICT (name) DO UPDATE
 SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
     rate_period = excluded.rate_period, has_keys = s.has_keys OR excluded.has_keys,
-    updated_at = now(), updated_by = excluded.updated_by
+    updated_at = now(), updated_by = excluded.updated_by,
+    fair = excluded.fair, aging = excluded.aging
 WHERE s.max_running IS DISTINCT FROM excluded.max_running
    OR s.rate_limit IS DISTINCT FROM excluded.rate_limit
    OR s.rate_period IS DISTINCT FROM excluded.rate_period
    OR (excluded.has_keys AND NOT s.has_keys)
+   OR s.fair IS DISTINCT FROM excluded.fair OR s.aging IS DISTINCT FROM excluded.aging
 
 -- name: queue_set_paused
 INSERT INTO {schema}.errands_queues (name, paused, updated_by)
@@ -491,7 +511,8 @@ WHERE n.name IS NOT NULL
 -- concurrency key or a job type's rate), whatever queue they were enqueued into.
 SELECT q.name FROM unnest(%(queues)s::text[]) AS q(name)
 WHERE EXISTS (SELECT 1 FROM {schema}.errands_queues AS s
-              WHERE s.name = q.name AND (s.max_running IS NOT NULL OR s.rate_limit IS NOT NULL))
+              WHERE s.name = q.name AND (s.max_running IS NOT NULL OR s.rate_limit IS NOT NULL
+                                         OR s.fair OR s.aging IS NOT NULL))
    OR EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j
               WHERE j.queue = q.name AND j.state IN ('available', 'scheduled', 'retryable')
                 AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL))
@@ -671,5 +692,170 @@ SET run_at = CASE WHEN %(set_run_at)s
     queue = COALESCE(%(queue)s::text, j.queue),
     args = COALESCE(%(args)s::jsonb, j.args),
     concurrency_key = CASE WHEN %(args)s::text IS NULL THEN j.concurrency_key
-                           ELSE %(concurrency_key)s::text END
+                           ELSE %(concurrency_key)s::text END,
+    fair_key = CASE WHEN %(args)s::text IS NULL THEN j.fair_key ELSE %(fair_key)s::text END
 WHERE j.id = %(id)s AND j.state IN ('scheduled', 'available', 'retryable')
+
+-- name: fair_fold_cte
+-- Not run alone: the fair_fold marker of the statements that end attempts (finish,
+-- release, rescue, and fair_fold). It folds the attempts of CTE "ended" (f_queue, f_key,
+-- f_started, f_due) into their keys' usage, decayed by the half-life, with their dwell
+-- (due -> start), one row per key (ordered, so concurrent folds never deadlock).
+fold AS (
+    INSERT INTO {schema}.errands_fair_usage AS u
+        (queue, key, usage, recent, at, last_started, seconds_total, dwell_total, attempts)
+    SELECT e.f_queue, e.f_key, sum(greatest(extract(epoch FROM now() - e.f_started), 0)),
+           count(*), now(), max(e.f_started),
+           sum(greatest(extract(epoch FROM now() - e.f_started), 0)),
+           sum(greatest(extract(epoch FROM e.f_started - e.f_due), 0)), count(*)
+    FROM ended AS e
+    WHERE e.f_key IS NOT NULL
+    GROUP BY e.f_queue, e.f_key
+    ORDER BY e.f_queue, e.f_key
+    ON CONFLICT (queue, key) DO UPDATE
+    SET usage = u.usage * power(0.5, greatest(extract(epoch FROM excluded.at - u.at), 0)
+                                     / %(half_life)s::float8) + excluded.usage,
+        recent = u.recent * power(0.5, greatest(extract(epoch FROM excluded.at - u.at), 0)
+                                       / %(half_life)s::float8) + excluded.recent,
+        at = excluded.at,
+        last_started = greatest(u.last_started, excluded.last_started),
+        seconds_total = u.seconds_total + excluded.seconds_total,
+        dwell_total = u.dwell_total + excluded.dwell_total,
+        attempts = u.attempts + excluded.attempts
+)
+
+-- name: fair_fold
+-- A suspension's fold (ctx.wait_for_signal): the attempt's row locked under its fence,
+-- its usage folded; job_suspend follows in the same transaction.
+WITH ended AS (
+    SELECT queue AS f_queue, fair_key AS f_key, attempted_at AS f_started, run_at AS f_due
+    FROM {schema}.errands_jobs
+    WHERE id = %(id)s AND lease_token = %(token)s AND state = 'running'
+      AND (%(expired)s = 0 OR lease_expires_at < now())
+    FOR UPDATE
+), {fair_fold}
+SELECT count(*) FROM ended
+
+-- name: fair_heads
+-- A fair queue's due rows, per (key, priority level): the first per_key of each level in
+-- (run_at, id) order; only the keys of keys when it is not NULL. The levels are found by
+-- skipping through errands_jobs_fair (one probe per key and level). Rows of a busy
+-- concurrency key, or of a job type out of rate room (blocked), are left out. Rescued
+-- rows (suspects) come with the fresh ones when suspects, marked: see _pick_fair.
+WITH RECURSIVE levels AS (
+    (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
+     WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+       AND fair_key IS NOT NULL
+     ORDER BY fair_key, priority LIMIT 1)
+    UNION ALL
+    SELECT n.key, n.priority
+    FROM levels AS l
+    CROSS JOIN LATERAL (
+        -- the key's next level, else the next key's first: two index seeks
+        (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
+         WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key = l.key AND priority > l.priority
+         ORDER BY priority LIMIT 1)
+        UNION ALL
+        (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
+         WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key > l.key
+         ORDER BY fair_key, priority LIMIT 1)
+        LIMIT 1) AS n
+)
+SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
+       c.fair_key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0
+FROM levels AS l
+CROSS JOIN LATERAL (
+    SELECT j.* FROM {schema}.errands_jobs AS j
+    WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')
+      AND j.fair_key = l.key AND j.priority = l.priority
+      AND j.run_at <= now() AND (%(suspects)s OR j.rescues = 0)
+      AND NOT (j.name = ANY(%(blocked)s::text[]))
+      AND (%(names)s::text[] IS NULL OR j.name = ANY(%(names)s::text[]))
+      AND (j.concurrency_key IS NULL
+           OR (SELECT count(*) FROM {schema}.errands_jobs AS r
+               WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
+              < COALESCE(j.concurrency_limit, 1))
+    ORDER BY j.run_at, j.id
+    LIMIT %(per_key)s) AS c
+WHERE %(keys)s::text[] IS NULL OR l.key = ANY(%(keys)s::text[])
+
+-- name: fair_unkeyed
+-- A fair queue's due rows without a fair key (enqueued by code that gave them none), which
+-- share one key: only those among the queue's first lookahead due rows in claim order
+-- (no index finds them apart from the keyed ones, so the read stays bounded).
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, NULL::text,
+       priority, extract(epoch FROM run_at)::float8, rescues > 0
+FROM (SELECT * FROM {schema}.errands_jobs
+      WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+        AND run_at <= now() AND (%(suspects)s OR rescues = 0)
+      ORDER BY priority DESC, run_at, id
+      LIMIT %(lookahead)s) AS j
+WHERE fair_key IS NULL AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
+
+-- name: fair_states
+-- Per key of keys in a queue: its folded usage (usage, recent attempts, when folded, last
+-- start), the seconds its running attempts have used so far and their latest start, its
+-- weight, and the database's now (all times epoch seconds).
+-- The running rows are read once, grouped by key (errands_jobs_fair_running).
+WITH running AS (
+    SELECT fair_key AS key,
+           sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
+           extract(epoch FROM max(attempted_at))::float8 AS latest
+    FROM {schema}.errands_jobs
+    WHERE queue = %(queue)s AND state = 'running' AND fair_key IS NOT NULL
+    GROUP BY fair_key
+)
+SELECT k.key, u.usage, u.recent, extract(epoch FROM u.at)::float8,
+       extract(epoch FROM u.last_started)::float8, r.seconds, r.latest, w.weight,
+       extract(epoch FROM now())::float8
+FROM unnest(%(keys)s::text[]) AS k(key)
+LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = k.key
+LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = k.key
+LEFT JOIN running AS r ON r.key = k.key
+
+-- name: fair_weight_set
+INSERT INTO {schema}.errands_fair_weights AS w (key, weight, updated_by)
+VALUES (%(key)s, %(weight)s, %(actor)s)
+ON CONFLICT (key) DO UPDATE
+SET weight = excluded.weight, updated_at = now(), updated_by = excluded.updated_by
+
+-- name: fair_weight_delete
+DELETE FROM {schema}.errands_fair_weights WHERE key = %(key)s
+
+-- name: fair_weights_list
+SELECT key, weight, extract(epoch FROM updated_at)::float8, updated_by
+FROM {schema}.errands_fair_weights ORDER BY key
+
+-- name: fair_usage_list
+-- Per key of a queue: worker seconds (decayed, and in all), attempts, dwell in all, the
+-- attempts running now, and the jobs due now.
+WITH keys AS (
+    SELECT key FROM {schema}.errands_fair_usage WHERE queue = %(queue)s
+    UNION
+    SELECT fair_key FROM {schema}.errands_jobs
+    WHERE queue = %(queue)s AND state = 'running' AND fair_key IS NOT NULL
+    UNION
+    SELECT fair_key FROM {schema}.errands_jobs
+    WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+      AND fair_key IS NOT NULL
+)
+SELECT keys.key,
+       COALESCE(u.usage * power(0.5, greatest(extract(epoch FROM now() - u.at), 0)
+                                     / %(half_life)s), 0) + COALESCE(r.seconds, 0),
+       COALESCE(u.seconds_total, 0), COALESCE(u.attempts, 0), COALESCE(u.dwell_total, 0),
+       COALESCE(r.n, 0),
+       (SELECT count(*) FROM {schema}.errands_jobs AS p
+        WHERE p.queue = %(queue)s AND p.fair_key = keys.key
+          AND p.state IN ('available', 'scheduled', 'retryable') AND p.run_at <= now()),
+       COALESCE(w.weight, 1.0)
+FROM keys
+LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = keys.key
+LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = keys.key
+LEFT JOIN LATERAL (
+    SELECT sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
+           count(*) AS n
+    FROM {schema}.errands_jobs
+    WHERE queue = %(queue)s AND fair_key = keys.key AND state = 'running') AS r ON true
+ORDER BY keys.key

@@ -49,6 +49,7 @@ from ..base import (
     insert_params,
     unwrap_connection,
 )
+from ..fair import fold_params
 from ..limits import Claimed, claim_limited
 from ..program import Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
@@ -516,6 +517,7 @@ class SQLiteBackend(SQLiteAdmin):
         and a workflow member's fan-in runs in the same transaction."""
         if o.state == "waiting":  # under the write lock: a signal is either stored or not
             return run(conn, suspend_program(Q, o, self.workflows.fan_in))
+        conn.execute(Q["fair_fold"], fold_params(o.id, o.lease_token))  # under the fence
         rows = conn.execute(
             Q["job_finish"],
             {
@@ -560,6 +562,8 @@ class SQLiteBackend(SQLiteAdmin):
                     "rate_limit": settings.rate_limit,
                     "rate_period": settings.rate_period,
                     "has_keys": int(settings.jobs_declare_limits),
+                    "fair": int(settings.fair),
+                    "aging": settings.aging,
                     "actor": actor,
                 },
             )
@@ -617,6 +621,7 @@ class SQLiteBackend(SQLiteAdmin):
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in
+        claimed.gated = rows.gated
         return claimed
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
@@ -760,6 +765,7 @@ class SQLiteBackend(SQLiteAdmin):
         answers = []
         with self._write() as conn:
             for lease in leases:
+                conn.execute(Q["fair_fold"], fold_params(lease.id, lease.lease_token))
                 rows = conn.execute(
                     Q["job_release"],
                     {"id": lease.id, "token": lease.lease_token, "message": message},
@@ -804,6 +810,7 @@ class SQLiteBackend(SQLiteAdmin):
         answers = []
         with self._write() as conn:
             for r in rescues:
+                conn.execute(Q["fair_fold"], fold_params(r.id, r.lease_token, expired=True))
                 rows = conn.execute(
                     Q["job_rescue"],
                     {
@@ -875,6 +882,8 @@ def _settings(r: tuple[Any, ...]) -> QueueSettings:
         jobs_declare_limits=bool(r[5]),
         updated_at=r[6],
         updated_by=r[7],
+        fair=bool(r[8]),
+        aging=r[9],
     )
 
 

@@ -6,12 +6,12 @@
 INSERT INTO errands_jobs (name, queue, args, meta, state, priority, max_attempts, run_at,
                           idempotency_key, timeout, lease_seconds, inserted_at, parent_id,
                           unique_until, concurrency_key, concurrency_limit, rate_limit,
-                          rate_period)
+                          rate_period, fair_key)
 SELECT :name, :queue, :args, :meta,
        CASE WHEN due > t_now + 0.0005 THEN 'scheduled' ELSE 'available' END,
        :priority, :max_attempts, due, :key, :timeout, :lease_seconds, t_now, :parent_id,
        CASE WHEN :unique_for IS NULL THEN NULL ELSE t_now + :unique_for END,
-       :concurrency_key, :concurrency_limit, :rate_limit, :rate_period
+       :concurrency_key, :concurrency_limit, :rate_limit, :rate_period, :fair_key
 FROM (SELECT COALESCE(:run_at, t_now + :delay) AS due, t_now
       FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t_now))
 WHERE true
@@ -352,23 +352,28 @@ ORDER BY j.id DESC
 LIMIT :limit
 
 -- name: queue_settings_get
-SELECT name, paused, max_running, rate_limit, rate_period, has_keys, updated_at, updated_by
+SELECT name, paused, max_running, rate_limit, rate_period, has_keys, updated_at, updated_by,
+       fair, aging
 FROM errands_queues WHERE name = :name
 
 -- name: queue_settings_list
-SELECT name, paused, max_running, rate_limit, rate_period, has_keys, updated_at, updated_by
+SELECT name, paused, max_running, rate_limit, rate_period, has_keys, updated_at, updated_by,
+       fair, aging
 FROM errands_queues ORDER BY name
 
 -- name: queue_declare
 INSERT INTO errands_queues (name, max_running, rate_limit, rate_period, has_keys, updated_at,
-                            updated_by)
-VALUES (:name, :max_running, :rate_limit, :rate_period, :has_keys, (julianday('now') - 2440587.5) * 86400.0, :actor)
+                            updated_by, fair, aging)
+VALUES (:name, :max_running, :rate_limit, :rate_period, :has_keys, (julianday('now') - 2440587.5) * 86400.0, :actor,
+        :fair, :aging)
 ON CONFLICT (name) DO UPDATE
 SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
     rate_period = excluded.rate_period, has_keys = max(has_keys, excluded.has_keys),
-    updated_at = excluded.updated_at, updated_by = excluded.updated_by
+    updated_at = excluded.updated_at, updated_by = excluded.updated_by,
+    fair = excluded.fair, aging = excluded.aging
 WHERE max_running IS NOT excluded.max_running OR rate_limit IS NOT excluded.rate_limit
    OR rate_period IS NOT excluded.rate_period OR (excluded.has_keys = 1 AND has_keys = 0)
+   OR fair IS NOT excluded.fair OR aging IS NOT excluded.aging
 
 -- name: queue_set_paused
 INSERT INTO errands_queues (name, paused, updated_at, updated_by)
@@ -413,7 +418,8 @@ JOIN errands_jobs AS r ON r.id = (
 SELECT q.value FROM json_each(:queues) AS q
 WHERE EXISTS (SELECT 1 FROM errands_queues AS s
               WHERE s.name = q.value
-                AND (s.max_running IS NOT NULL OR s.rate_limit IS NOT NULL))
+                AND (s.max_running IS NOT NULL OR s.rate_limit IS NOT NULL OR s.fair = 1
+                     OR s.aging IS NOT NULL))
    OR EXISTS (SELECT 1 FROM errands_jobs AS j
               WHERE j.queue = q.value AND j.state IN ('available', 'scheduled', 'retryable')
                 AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL))
@@ -574,5 +580,150 @@ SET run_at = CASE WHEN :set_run_at = 1 THEN COALESCE(:run_at, (julianday('now') 
     priority = COALESCE(:priority, priority),
     queue = COALESCE(:queue, queue),
     args = COALESCE(:args, args),
-    concurrency_key = CASE WHEN :args IS NULL THEN concurrency_key ELSE :concurrency_key END
+    concurrency_key = CASE WHEN :args IS NULL THEN concurrency_key ELSE :concurrency_key END,
+    fair_key = CASE WHEN :args IS NULL THEN fair_key ELSE :fair_key END
 WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')
+
+-- name: fair_fold
+-- The worker time of an attempt that ends, folded into its key's usage (decayed by the
+-- half-life :half_life), with its dwell (due -> start). Runs in the transaction of the
+-- fenced write that ends the attempt, just before it and under the same fence (:expired:
+-- the rescue's extra condition), so it counts exactly the attempts that write ends. No
+-- claim writes here: only the end of an attempt.
+INSERT INTO errands_fair_usage (queue, key, usage, recent, at, last_started, seconds_total,
+                                dwell_total, attempts)
+SELECT queue, fair_key, max(t - attempted_at, 0), 1, t, attempted_at, max(t - attempted_at, 0),
+       max(attempted_at - run_at, 0), 1
+FROM errands_jobs, (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t)
+WHERE id = :id AND lease_token = :token AND state = 'running' AND fair_key IS NOT NULL
+  AND (:expired = 0 OR lease_expires_at < t)
+ON CONFLICT (queue, key) DO UPDATE
+SET usage = usage * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.usage,
+    recent = recent * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.recent,
+    at = excluded.at,
+    last_started = max(last_started, excluded.last_started),
+    seconds_total = seconds_total + excluded.seconds_total,
+    dwell_total = dwell_total + excluded.dwell_total,
+    attempts = attempts + excluded.attempts
+
+-- name: fair_heads
+-- A fair queue's due rows, per (key, priority level): the first :per_key of each level in
+-- (run_at, id) order; only the keys of :keys (a JSON list) when it is not NULL. The levels
+-- are found by skipping through errands_jobs_fair (one probe per key and level). Rows of
+-- a busy concurrency key, or of a job type out of rate room (:blocked), are left out.
+-- Rescued rows (suspects) come with the fresh ones when :suspects, marked: see _pick_fair.
+WITH RECURSIVE levels(id, key, priority) AS (
+    SELECT id, fair_key, priority FROM (
+        SELECT id, fair_key, priority FROM errands_jobs
+        WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+          AND fair_key IS NOT NULL
+        ORDER BY fair_key, priority LIMIT 1)
+    UNION ALL
+    SELECT n.id, n.fair_key, n.priority
+    FROM levels AS l
+    -- the key's next level, else the next key's first: two index seeks (a row-value
+    -- comparison would scan the rest of the key's level)
+    JOIN errands_jobs AS n ON n.id = COALESCE(
+        (SELECT id FROM errands_jobs
+         WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key = l.key AND priority > l.priority
+         ORDER BY priority LIMIT 1),
+        (SELECT id FROM errands_jobs
+         WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key > l.key
+         ORDER BY fair_key, priority LIMIT 1))
+)
+SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
+       j.fair_key, j.priority, j.run_at, j.rescues > 0
+FROM levels AS l
+JOIN errands_jobs AS j ON j.id IN (
+    SELECT c.id FROM errands_jobs AS c
+    WHERE c.queue = :queue AND c.state IN ('available', 'scheduled', 'retryable')
+      AND c.fair_key = l.key AND c.priority = l.priority
+      AND c.run_at <= (julianday('now') - 2440587.5) * 86400.0
+      AND (:suspects = 1 OR c.rescues = 0)
+      AND c.name NOT IN (SELECT value FROM json_each(:blocked))
+      AND (:names IS NULL OR c.name IN (SELECT value FROM json_each(:names)))
+      AND (c.concurrency_key IS NULL
+           OR (SELECT count(*) FROM errands_jobs AS r
+               WHERE r.state = 'running' AND r.concurrency_key = c.concurrency_key)
+              < COALESCE(c.concurrency_limit, 1))
+    ORDER BY c.run_at, c.id
+    LIMIT :per_key)
+WHERE :keys IS NULL OR l.key IN (SELECT value FROM json_each(:keys))
+
+-- name: fair_unkeyed
+-- A fair queue's due rows without a fair key (enqueued by code that gave them none), which
+-- share one key: only those among the queue's first :lookahead due rows in claim order
+-- (no index finds them apart from the keyed ones, so the read stays bounded).
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, NULL,
+       priority, run_at, rescues > 0
+FROM (SELECT * FROM errands_jobs
+      WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+        AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+        AND (:suspects = 1 OR rescues = 0)
+      ORDER BY priority DESC, run_at, id
+      LIMIT :lookahead)
+WHERE fair_key IS NULL AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
+
+-- name: fair_states
+-- Per key of :keys (a JSON list) in a queue: its folded usage (usage, recent attempts,
+-- when folded, last start), the seconds its running attempts have used so far and their
+-- latest start, its weight, and the database's now.
+-- The running rows are read once, grouped by key (errands_jobs_fair_running).
+WITH now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
+running AS MATERIALIZED (
+    SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
+           max(r.attempted_at) AS latest
+    FROM errands_jobs AS r, now
+    WHERE r.queue = :queue AND r.state = 'running' AND r.fair_key IS NOT NULL
+    GROUP BY r.fair_key
+)
+SELECT k.value, u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t
+FROM json_each(:keys) AS k
+CROSS JOIN now
+LEFT JOIN errands_fair_usage AS u ON u.queue = :queue AND u.key = k.value
+LEFT JOIN running AS r ON r.key = k.value
+LEFT JOIN errands_fair_weights AS w ON w.key = k.value
+
+-- name: fair_weight_set
+INSERT INTO errands_fair_weights (key, weight, updated_at, updated_by)
+VALUES (:key, :weight, (julianday('now') - 2440587.5) * 86400.0, :actor)
+ON CONFLICT (key) DO UPDATE
+SET weight = excluded.weight, updated_at = excluded.updated_at, updated_by = excluded.updated_by
+
+-- name: fair_weight_delete
+DELETE FROM errands_fair_weights WHERE key = :key
+
+-- name: fair_weights_list
+SELECT key, weight, updated_at, updated_by FROM errands_fair_weights ORDER BY key
+
+-- name: fair_usage_list
+-- Per key of a queue: worker seconds (decayed, and in all), attempts, dwell in all, the
+-- attempts running now, and the jobs due now.
+WITH now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
+keys(key) AS (
+    SELECT key FROM errands_fair_usage WHERE queue = :queue
+    UNION
+    SELECT fair_key FROM errands_jobs
+    WHERE queue = :queue AND state = 'running' AND fair_key IS NOT NULL
+    UNION
+    SELECT fair_key FROM errands_jobs
+    WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+      AND fair_key IS NOT NULL
+)
+SELECT keys.key,
+       COALESCE(u.usage * pow(0.5, max(now.t - u.at, 0) / :half_life), 0)
+         + COALESCE((SELECT sum(max(now.t - r.attempted_at, 0)) FROM errands_jobs AS r
+                     WHERE r.queue = :queue AND r.fair_key = keys.key AND r.state = 'running'), 0),
+       COALESCE(u.seconds_total, 0), COALESCE(u.attempts, 0), COALESCE(u.dwell_total, 0),
+       (SELECT count(*) FROM errands_jobs AS r
+        WHERE r.queue = :queue AND r.fair_key = keys.key AND r.state = 'running'),
+       (SELECT count(*) FROM errands_jobs AS p
+        WHERE p.queue = :queue AND p.fair_key = keys.key
+          AND p.state IN ('available', 'scheduled', 'retryable') AND p.run_at <= now.t),
+       COALESCE(w.weight, 1.0)
+FROM keys CROSS JOIN now
+LEFT JOIN errands_fair_usage AS u ON u.queue = :queue AND u.key = keys.key
+LEFT JOIN errands_fair_weights AS w ON w.key = keys.key
+ORDER BY keys.key

@@ -1,0 +1,197 @@
+"""Fair claiming across keys (tenants) in a fair queue: which due jobs a claim takes.
+
+A fair queue (``app.queue(name, fair=True)``) is claimed through the limited claim
+(:func:`errands.backends.limits.claim_limited`), which reads, under its serialising lock:
+
+* each key's next due jobs, per priority level (a skip through ``errands_jobs_fair``:
+  one probe per key and level, however long a key's backlog);
+* each key's recent worker time: the decayed seconds of its ended attempts
+  (``errands_fair_usage``, written only by the fenced write that ends an attempt) plus the
+  seconds its running attempts have used so far, and when it last started one;
+* each key's weight (``app.fair_weight``; 1 when none is stored).
+
+:func:`fair_pick` then orders the claim, one job at a time:
+
+1. **Priority first.** Only keys whose next job has the highest (effective) priority
+   compete; with ``aging``, a job's effective priority is its priority plus one level per
+   ``aging`` seconds it has been due.
+2. **Round-robin among keys within their share.** A key whose recent worker time is
+   within its weighted share of the backlogged keys' total (plus one of its jobs, at
+   least ``QUANTUM`` seconds) takes one job per round, least recently started key first.
+   So with ``k`` such keys and ``s`` free slots per round, each is claimed within
+   ``ceil(k / s)`` rounds.
+3. **The rest by weighted worker time.** Slots left over (more slots than keys, or keys
+   over their share) go one at a time to the key with the least
+   ``(recent worker time + its mean job time x jobs picked this round) / weight``.
+
+Jobs held back by a concurrency key or a rate are skipped ("gated") and the key's next
+job, or the next key, is taken instead, so a gated key never blocks the keys behind it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+HALF_LIFE = 60.0  # seconds: a key's ended worker time counts half after a minute
+QUANTUM = 1.0  # seconds of worker time a key may run over its share and still take turns
+DEFAULT_COST = 1.0  # seconds: a key's mean job time before any of its attempts ended
+WEIGHT_MAX = 1_000_000.0
+UNKEYED = ""  # the key of a fair queue's jobs enqueued without one
+
+
+@dataclass(frozen=True)
+class FairCandidate:
+    """A due job of a fair queue, with what its claim needs to know."""
+
+    id: int
+    name: str
+    concurrency_key: str | None
+    concurrency_limit: int | None
+    rate_limit: int | None
+    rate_period: float | None
+    fair_key: str
+    priority: int
+    run_at: float
+    rescued: bool = False  # a suspect: claimed by the worker's suspect claim
+
+
+@dataclass
+class KeyState:
+    """One key's standing: recent worker time (decayed, running attempts included)."""
+
+    usage: float = 0.0
+    mean_cost: float = DEFAULT_COST
+    last_started: float | None = None
+    weight: float = 1.0
+
+
+def effective_priority(priority: int, run_at: float, now: float, aging: float | None) -> int:
+    """``priority`` plus one level per ``aging`` seconds the job has been due."""
+    if not aging:
+        return priority
+    return priority + int(max(now - run_at, 0.0) // aging)
+
+
+@dataclass
+class _Key:
+    name: str
+    state: KeyState
+    jobs: list[FairCandidate]
+    within_share: bool = True
+    picked: int = 0
+    position: int = 0
+
+    def head(self) -> FairCandidate | None:
+        return self.jobs[self.position] if self.position < len(self.jobs) else None
+
+
+@dataclass
+class FairPick:
+    """What :func:`fair_pick` chose, in claim order, and how many due jobs it skipped
+    because a concurrency key or a rate held them back (the claim was "gated")."""
+
+    chosen: list[FairCandidate] = field(default_factory=list)
+    gated: int = 0
+
+
+def fair_pick(
+    candidates: Sequence[FairCandidate],
+    states: dict[str, KeyState],
+    room: int,
+    admit: Callable[[FairCandidate], bool],
+    *,
+    now: float,
+    aging: float | None = None,
+) -> FairPick:
+    """Up to ``room`` of ``candidates`` in fair claim order (see the module).
+
+    ``admit(candidate)`` says whether its concurrency key and rate let it start now, and
+    counts it when it does (so a key's later candidates see its room shrink)."""
+    result = FairPick()
+    by_key: dict[str, list[FairCandidate]] = {}
+    for c in candidates:
+        by_key.setdefault(c.fair_key, []).append(c)
+    keys = []
+    for name, jobs in by_key.items():
+        jobs.sort(
+            key=lambda c: (-effective_priority(c.priority, c.run_at, now, aging), c.run_at, c.id)
+        )
+        keys.append(_Key(name, states.get(name) or KeyState(), jobs))
+    _mark_shares(keys)
+    # One heap entry per key with a job left: (-its next job's level, its rank, index).
+    # Only the taken key's entry changes after a pick, so a claim over k keys costs
+    # O(k + room log k), not O(k x room).
+    heap = [_entry(i, key, now, aging) for i, key in enumerate(keys) if key.head() is not None]
+    heapq.heapify(heap)
+    while heap and len(result.chosen) < room:
+        index = heapq.heappop(heap)[-1]
+        key = keys[int(index)]
+        job = key.jobs[key.position]
+        key.position += 1
+        if admit(job):
+            key.picked += 1
+            result.chosen.append(job)
+        else:
+            result.gated += 1
+        if key.head() is not None:
+            heapq.heappush(heap, _entry(int(index), key, now, aging))
+    return result
+
+
+def _entry(index: int, key: _Key, now: float, aging: float | None) -> tuple[float, ...]:
+    head = key.head()
+    assert head is not None
+    level = effective_priority(head.priority, head.run_at, now, aging)
+    return (-float(level), *_rank(key, head), float(index))
+
+
+def _rank(key: _Key, head: FairCandidate) -> tuple[float, ...]:
+    if key.picked == 0 and key.within_share:
+        started = -math.inf if key.state.last_started is None else key.state.last_started
+        return (0.0, started, head.run_at, float(head.id))
+    s = key.state
+    virtual = (s.usage + s.mean_cost * key.picked) / s.weight
+    return (1.0, virtual, head.run_at, float(head.id))
+
+
+def _mark_shares(keys: list[_Key]) -> None:
+    """A key more than one job (at least QUANTUM) over its weighted share of the
+    backlogged keys' recent worker time waits out the round-robin turns."""
+    total = sum(k.state.usage for k in keys)
+    weights = sum(k.state.weight for k in keys)
+    if total <= 0 or weights <= 0:
+        return
+    for key in keys:
+        share = total * key.state.weight / weights
+        key.within_share = key.state.usage <= share + max(key.state.mean_cost, QUANTUM)
+
+
+def decayed(usage: float, age: float) -> float:
+    """``usage`` seconds of worker time, ``age`` seconds later (half-life HALF_LIFE)."""
+    return usage * 0.5 ** (max(age, 0.0) / HALF_LIFE)
+
+
+def fold_params(job_id: int, token: str | None, *, expired: bool = False) -> dict[str, object]:
+    """The parameters of ``fair_fold`` for the attempt a fenced write is about to end
+    (``expired``: the rescue's fence, which also requires the lease to have expired)."""
+    return {"id": job_id, "token": token, "expired": int(expired), "half_life": HALF_LIFE}
+
+
+def check_weight(key: str, weight: object) -> float:
+    from ..errors import ConfigurationError
+
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or not 0 < weight <= WEIGHT_MAX
+        or math.isnan(weight)
+    ):
+        raise ConfigurationError(
+            f"fair_weight({key!r}, {weight!r}): the weight must be a number above 0 and at "
+            f"most {WEIGHT_MAX:g}; a key of weight 2 gets twice the worker time of a key of "
+            "weight 1 (the default)"
+        )
+    return float(weight)

@@ -1,0 +1,189 @@
+"""Fair queues: claims across fair keys, weights, aging, gating, and the usage folded by
+the fenced write that ends each attempt, on every backend."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import Counter
+
+from errands.backends import Backend
+from errands.backends.base import FinishParams, LeaseRef, QueueClaim, QueueSettings, RescueParams
+from errands.jobs import EnqueueRequest, JobRow
+
+from .conftest import Harness
+from .support import WORKER, error, get
+
+_queues = itertools.count()
+
+
+def fair_queue(backend: Backend, *, aging: float | None = None) -> str:
+    name = f"fair{next(_queues)}"
+    backend.queue_declare(QueueSettings(name, fair=True, aging=aging), "test")
+    return name
+
+
+def add(
+    backend: Backend,
+    queue: str,
+    key: str | None,
+    n: int = 1,
+    *,
+    priority: int = 0,
+    concurrency_key: str | None = None,
+) -> list[int]:
+    requests = [
+        EnqueueRequest(
+            name="fair.job", queue=queue, args_json="{}", priority=priority, max_attempts=3,
+            delay=0.0, run_at=None, key=None, timeout=None, lease_seconds=None,
+            concurrency_key=concurrency_key, concurrency_limit=1 if concurrency_key else None,
+            fair_key=key,
+        )
+        for _ in range(n)
+    ]  # fmt: skip
+    return [r.id for r in backend.job_insert_many(requests)]
+
+
+def take(backend: Backend, queue: str, n: int) -> list[JobRow]:
+    return list(backend.job_claim_limited(QueueClaim(queue, n), WORKER, 30.0))
+
+
+_KEYS: dict[int, str | None] = {}  # each job's fair key, as enqueued
+
+
+def keys(rows: list[JobRow]) -> Counter[str | None]:
+    return Counter(_KEYS[r.id] for r in rows)
+
+
+def add_keyed(backend: Backend, queue: str, key: str | None, n: int = 1, **kw: object) -> list[int]:
+    ids = add(backend, queue, key, n, **kw)  # type: ignore[arg-type]
+    _KEYS.update(dict.fromkeys(ids, key))
+    return ids
+
+
+def complete(backend: Backend, rows: list[JobRow]) -> None:
+    outcomes = [FinishParams(r.id, r.lease_token or "", "completed", result_json="1") for r in rows]
+    assert backend.job_finish_many(outcomes) == [True] * len(rows)
+
+
+def test_a_fair_queue_is_claimed_through_the_limited_path_and_stores_its_settings(
+    backend: Backend,
+) -> None:
+    queue = fair_queue(backend, aging=30.0)
+    (stored,) = [s for s in backend.queue_settings() if s.name == queue]
+    assert (stored.fair, stored.aging) == (True, 30.0)
+    assert backend.queues_with_limits([queue, "plain"]) == {queue}
+
+
+def test_a_backlog_enqueued_first_does_not_hold_back_the_keys_behind_it(
+    backend: Backend,
+) -> None:
+    """Tenant A dumps 50 jobs, then B and C send one each: a claim of 3 takes one of each."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "tenant:a", 50)
+    add_keyed(backend, queue, "tenant:b")
+    add_keyed(backend, queue, "tenant:c")
+    rows = take(backend, queue, 3)
+    assert keys(rows) == Counter({"tenant:a": 1, "tenant:b": 1, "tenant:c": 1})
+    assert keys(take(backend, queue, 3)) == Counter({"tenant:a": 3})
+
+
+def test_with_more_slots_than_keys_weights_share_the_claim(backend: Backend) -> None:
+    """Weight 4 against 1 (no worker time used yet): 8 of 10 slots against 2."""
+    queue = fair_queue(backend)
+    backend.fair_weight_set("tenant:big", 4.0, "ops")
+    add_keyed(backend, queue, "tenant:big", 20)
+    add_keyed(backend, queue, "tenant:small", 20)
+    assert keys(take(backend, queue, 10)) == Counter({"tenant:big": 8, "tenant:small": 2})
+    assert [(w.key, w.weight, w.updated_by) for w in backend.fair_weights()] == [
+        ("tenant:big", 4.0, "ops")
+    ]
+    assert backend.audit_list(limit=1)[0].action == "fair_weight"
+    backend.fair_weight_set("tenant:big", None, "ops")
+    assert backend.fair_weights() == []
+
+
+def test_a_key_that_used_more_worker_time_gets_fewer_of_the_extra_slots(
+    backend: Backend,
+) -> None:
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "slow", 20)
+    add_keyed(backend, queue, "fast", 20)
+    first = take(backend, queue, 2)  # one of each
+    slow = [r for r in first if _KEYS[r.id] == "slow"]
+    complete(backend, [r for r in first if _KEYS[r.id] == "fast"])
+    time.sleep(1.5)
+    complete(backend, slow)  # slow: 1.5 s of worker time; fast: a few ms
+    rows = take(backend, queue, 6)
+    counted = keys(rows)
+    assert counted["fast"] >= 4 and counted["slow"] >= 1, counted
+    figures = {f.key: f for f in backend.fair_figures(queue)}
+    assert figures["slow"].seconds_total >= 1.4
+    assert figures["fast"].seconds_total < figures["slow"].seconds_total
+
+
+def test_a_key_at_its_concurrency_cap_never_blocks_the_next_key(backend: Backend) -> None:
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "capped", 30, concurrency_key="acct:1")
+    add_keyed(backend, queue, "free", 3)
+    assert keys(take(backend, queue, 1)) in (Counter({"capped": 1}), Counter({"free": 1}))
+    rows = take(backend, queue, 10)
+    counted = keys(rows)
+    assert counted["capped"] <= 1 and counted["free"] >= 2
+
+
+def test_priorities_order_levels_and_aging_lifts_a_long_waiting_job(
+    backend: Backend, harness: Harness
+) -> None:
+    queue = fair_queue(backend, aging=10.0)
+    (old,) = add_keyed(backend, queue, "a", priority=0)
+    harness.backdate_run_at(backend, old, 25.0)  # due 25 s ago: two levels up, at 2
+    add_keyed(backend, queue, "b", priority=1)
+    (high,) = add_keyed(backend, queue, "c", priority=3)
+    assert [r.id for r in take(backend, queue, 1)] == [high]
+    assert [r.id for r in take(backend, queue, 1)] == [old]
+
+
+def test_every_path_that_ends_an_attempt_folds_its_worker_time_once(
+    backend: Backend, harness: Harness
+) -> None:
+    """Completion, failure, cancel, release, rescue and suspension each fold the attempt
+    into its key's usage; a stale (fenced-out) write folds nothing; no slot stays taken."""
+    queue = fair_queue(backend)
+    ids = add_keyed(backend, queue, "k", 6)
+    rows = {r.id: r for r in take(backend, queue, 6)}
+    assert set(rows) == set(ids)
+    a, b, c, d, e, f = (rows[i] for i in ids)
+    backend.job_cancel(c.id, "ops")  # running: cancel requested, ends at its next write
+    assert (
+        backend.job_finish_many(
+            [
+                FinishParams(a.id, a.lease_token or "", "completed", result_json="1"),
+                FinishParams(b.id, b.lease_token or "", "retryable", error=error(), delay=60.0),
+                FinishParams(c.id, c.lease_token or "", "retryable", error=error(), delay=1.0),
+                FinishParams(f.id, f.lease_token or "", "waiting", wait_signal="go"),
+            ]
+        )
+        == [True] * 4
+    )
+    assert backend.job_release_many([LeaseRef(d.id, d.lease_token or "", 30.0)]) == [True]
+    harness.expire_lease(backend, e.id)
+    rescue = RescueParams(e.id, e.lease_token or "", "retryable", error(), 0.0)
+    assert backend.job_rescue_many([rescue]) == [True]
+    # stale writes: fenced out, folding nothing
+    assert backend.job_finish_many([FinishParams(a.id, a.lease_token or "", "completed")]) == [
+        False
+    ]
+    assert backend.job_rescue_many([rescue]) == [False]
+    (figures,) = backend.fair_figures(queue)
+    assert (figures.key, figures.attempts, figures.running) == ("k", 6, 0)
+    assert get(backend, c.id).state == "cancelled"
+    assert figures.dwell_total >= 0 and figures.seconds_total >= 0
+
+
+def test_jobs_without_a_fair_key_in_a_fair_queue_are_still_claimed(backend: Backend) -> None:
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "a", 5)
+    (unkeyed,) = add_keyed(backend, queue, None)
+    rows = take(backend, queue, 2)
+    assert unkeyed in {r.id for r in rows}

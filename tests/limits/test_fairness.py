@@ -1,0 +1,121 @@
+"""Fair queues with real workers: ``app.queue("reports", fair=True)`` and
+``@app.job(fair_key="tenant:{tenant_id}")``, on both backends.
+
+A tenant that dumps a backlog first does not hold back the tenants behind it, and a tenant
+whose jobs take longer does not get more of the workers' time for it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import errands
+from errands.cli.main import cli
+
+from .helpers import run_cli, wait_until, workers
+
+NOISY = 120
+QUIET = 5
+
+
+def _starts(store: errands.App, *, fair: bool) -> list[str]:
+    """Run a noisy tenant's backlog, enqueued first, and one job of each of QUIET quiet
+    tenants enqueued after it; the tenants in the order their jobs started."""
+    queue = "reports" if fair else "fifo"
+    if fair:
+        store.queue(queue, fair=True)
+    else:
+        store.queue(queue, limit=1000)  # a limited (counting) queue, without fairness
+    started: list[str] = []
+    lock = threading.Lock()
+
+    @store.job(name=f"{queue}.build", queue=queue, fair_key="tenant:{tenant}")
+    def build(tenant: str, n: int) -> None:
+        with lock:
+            started.append(tenant)
+        time.sleep(0.005)
+
+    store.enqueue_many([build.bind(tenant="noisy", n=i) for i in range(NOISY)])
+    store.enqueue_many([build.bind(tenant=f"quiet{i}", n=0) for i in range(QUIET)])
+    with workers([store], concurrency=4):
+        wait_until(lambda: len(started) == NOISY + QUIET, 120, "every job started")
+    return started
+
+
+def test_quiet_tenants_start_before_a_backlog_enqueued_ahead_of_them_drains(
+    store: errands.App,
+) -> None:
+    """120 jobs of a noisy tenant, then one job of each of 5 quiet tenants, on 4 slots:
+    in a fair queue every quiet job starts within the first claim rounds (the bound is
+    ceil(6 keys / 4 slots) + 1 = 3 rounds, at most 12 starts; 20 are allowed for rounds
+    that free one slot at a time); in a queue without fairness they start last."""
+    fair = _starts(store, fair=True)
+    last_quiet = max(i for i, tenant in enumerate(fair) if tenant != "noisy")
+    assert last_quiet < 20, fair[:30]
+    fifo = _starts(store, fair=False)
+    assert min(i for i, tenant in enumerate(fifo) if tenant != "noisy") >= NOISY - 8
+
+
+def test_a_tenant_with_slower_jobs_gets_no_more_than_its_share_of_worker_time(
+    store: errands.App,
+) -> None:
+    """Two backlogged tenants on 2 slots; one's jobs take 10x longer. Counting jobs (one
+    each per round) would give it 10/11 of the worker time; fair claiming weighs worker
+    time, so once it is a quantum over its half it waits and the other catches up."""
+    store.queue("mixed", fair=True)
+    busy: dict[str, float] = {"slow": 0.0, "fast": 0.0}
+    lock = threading.Lock()
+
+    @store.job(name="mixed.work", queue="mixed", fair_key="{tenant}")
+    def work(tenant: str, n: int) -> None:
+        t0 = time.monotonic()
+        time.sleep(0.4 if tenant == "slow" else 0.04)
+        with lock:
+            busy[tenant] += time.monotonic() - t0
+
+    store.enqueue_many([work.bind(tenant="slow", n=i) for i in range(100)])
+    store.enqueue_many([work.bind(tenant="fast", n=i) for i in range(1000)])
+    with workers([store], concurrency=2):
+        wait_until(lambda: busy["slow"] + busy["fast"] >= 12.0, 120, "12 s of worker time")
+    share = busy["slow"] / (busy["slow"] + busy["fast"])
+    assert share < 0.8, busy  # by job count it would be 0.91
+    figures = {f.key: f for f in store.backend.fair_figures("mixed")}
+    assert set(figures) == {"slow", "fast"}
+
+
+def test_queues_show_lists_each_keys_worker_time_share_and_dwell_and_weight_sets_it(
+    store: errands.App,
+) -> None:
+    """`errands queues weight` stores an audited weight; `errands queues show Q --json`
+    gives per-key figures, the top keys one by one and the rest as "other"."""
+    store.queue("reports", fair=True, aging=30)
+
+    @store.job(name="reports.build", queue="reports", fair_key="tenant:{tenant}")
+    def build(tenant: int, n: int) -> None:
+        time.sleep(0.01)
+
+    handles = store.enqueue_many([build.bind(tenant=n % 6, n=n) for n in range(24)])
+    weighted = run_cli("queues", "weight", "tenant:0", "5", "--url", store.url, "--actor", "ops")
+    assert weighted.output == "fair key tenant:0: weight 5\n"
+    with workers([store], concurrency=3):
+        for handle in handles:
+            handle.result(timeout=60)
+    shown = run_cli("queues", "show", "reports", "--url", store.url, "--json", "--top", "3")
+    data = json.loads(shown.output)
+    assert (data["fair"], data["aging"]) == (True, 30.0)
+    keys = data["keys"]
+    assert [k["keys"] for k in keys] == [1, 1, 1, 3] and keys[-1]["key"] == "other"
+    assert sum(k["attempts"] for k in keys) == 24
+    assert all(k["mean_dwell_seconds"] is not None and k["due"] == 0 for k in keys)
+    assert sum(k["share"] for k in keys) == pytest.approx(1.0, abs=0.01)
+    weights = {k["key"]: k["weight"] for k in keys}
+    assert weights.get("tenant:0", 5.0) == 5.0
+    table = run_cli("queues", "show", "reports", "--url", store.url).output
+    assert table.startswith("queue reports: active, fair, aging 30s\n") and "tenant:" in table
+    refused = CliRunner().invoke(cli, ["queues", "weight", "tenant:0", "0", "--url", store.url])
+    assert refused.exit_code != 0 and "weight must be a number above 0" in refused.output
