@@ -20,7 +20,9 @@ from tests.pg import require_pg
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.acceptance
+# The harness makes and drops databases of fixed names (bench_errands_pg, bench_limit, ...)
+# on the test server: one xdist process runs these tests, one at a time.
+pytestmark = [pytest.mark.acceptance, pytest.mark.xdist_group("bench_databases")]
 
 
 @pytest.mark.timeout(300)
