@@ -47,7 +47,10 @@ SQLITE_KINDS = ("sigkill", "sigstop", "cancel", "sigterm")
 POSTGRES_KINDS = (
     "sigkill", "sigstop", "conn_kill", "pg_restart", "proxy_cut", "cancel", "sigterm",
 )  # fmt: skip
-CANARY_TIMEOUT = 90.0
+# Generous waits for events (a canary's pickup, a target job starting): the machine may be
+# loaded; only the full-size run holds the recovery times to I9's bound.
+CANARY_TIMEOUT = 180.0
+TARGET_WAIT = 90.0
 WARMUP = 2.0  # seconds of calm before the first fault
 TARGET_SECONDS = 5.0  # the jobs the cancel fault cancels run this long
 RELEASE_TARGET_SECONDS = 15.0  # ... and the ones a graceful stop releases (> the grace)
@@ -324,7 +327,7 @@ class Chaos:
             seq, key = self.workload.next_key()
             job = definition.bind(n=seq, seconds=seconds, key=key, priority=500)
             ids.append(self.workload.enqueue_extra(kind, job))
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + TARGET_WAIT
         marks = ", ".join(["%s"] * len(ids))
         while time.monotonic() < deadline:
             live = self.cluster.live_ids()

@@ -325,7 +325,7 @@ class Cluster:
             proc.signal(signal.SIGTERM if graceful else signal.SIGKILL)
         for proc in live:
             try:
-                codes[proc.label] = proc.popen.wait(timeout=30)
+                codes[proc.label] = proc.popen.wait(timeout=60)  # grace 5 s, hooks 5 s, load
             except subprocess.TimeoutExpired:
                 codes[proc.label] = None
                 proc.kill()
