@@ -52,7 +52,7 @@ MIX = {
     # issue 16 part B: the shapes of the defects of part A
     "slow_return": 2,
     "aslow": 2,
-    "keyed": 3,
+    "keyed": 2,
     "plain": 3,
     "uniq_retry": 1,
     "bad_backoff": 1,

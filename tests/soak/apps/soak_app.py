@@ -311,7 +311,7 @@ def tx_hold(ctx: errands.Context, n: int, hold: float) -> dict[str, Any]:
     return done(ctx, token, cut_short=stopped)
 
 
-KEY_ACCOUNTS = 4  # accounts the keyed jobs share: enough contention that limits matter
+KEY_ACCOUNTS = 8  # accounts the keyed jobs share: contention, yet room for their share
 KEYED = {
     "concurrency_key": "acct:{account}",
     "concurrency_limit": 1,
