@@ -11,7 +11,13 @@ Fault kinds (RELIABILITY.md):
                       (half the time resetting every connection through it)
 ``cancel``      F19   freeze the worker of a running job and cancel that job right
                       around its lease expiry, racing the rescue
+``sigterm``     F4    SIGTERM the worker of a long job (a graceful stop mid-job): the
+                      job outlives the grace period and is released; restart the worker
 ==============  ====  ============================================================
+
+The long jobs these faults aim at are, in turn, a sync handler that raises when asked to
+stop (``soak.slow``), one that returns normally (``soak.slow_return``) and an async one
+(``soak.aslow``); while one runs, the driver reads its stored ``ctx.progress``.
 
 The driver draws kinds from a shuffled deck (every kind once per round), so a short run
 still injects each kind; between faults it waits a random gap. After each heal it
@@ -32,17 +38,28 @@ from typing import Any
 import soak_app
 
 import errands
-from tests.pg import OwnServer
 
 from .cluster import Cluster, Slot
 from .store import Store
 from .workload import Workload
 
-SQLITE_KINDS = ("sigkill", "sigstop", "cancel")
-POSTGRES_KINDS = ("sigkill", "sigstop", "conn_kill", "pg_restart", "proxy_cut", "cancel")
-CANARY_TIMEOUT = 90.0
+SQLITE_KINDS = ("sigkill", "sigstop", "cancel", "sigterm")
+POSTGRES_KINDS = (
+    "sigkill", "sigstop", "conn_kill", "pg_restart", "proxy_cut", "cancel", "sigterm",
+)  # fmt: skip
+# Generous waits for events (a canary's pickup, a target job starting): the machine may be
+# loaded; only the full-size run holds the recovery times to I9's bound.
+CANARY_TIMEOUT = 180.0
+TARGET_WAIT = 90.0
 WARMUP = 2.0  # seconds of calm before the first fault
 TARGET_SECONDS = 5.0  # the jobs the cancel fault cancels run this long
+RELEASE_TARGET_SECONDS = 15.0  # ... and the ones a graceful stop releases (> the grace)
+TARGET_KINDS = ("slow", "slow_return", "aslow")
+STOP_TIMEOUT = 60.0  # seconds a SIGTERMed worker may take to exit (grace 5 s + hooks)
+
+# (mode) -> seconds the server was away: restarts PostgreSQL, returns once it accepts
+# connections again
+Restarter = Callable[[str], float]
 
 
 @dataclass
@@ -78,12 +95,15 @@ class Chaos:
     kinds: tuple[str, ...]
     lease: float
     gap: tuple[float, float]
-    pg_cluster: OwnServer | None = None
+    pg_restart: Restarter | None = None
     episodes: list[Episode] = field(default_factory=list)
     cancels: list[CancelRecord] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
     terminated: int = 0  # sessions ended by conn_kill
     log: list[str] = field(default_factory=list)
+    stop_exits: list[int | None] = field(default_factory=list)  # exit codes after SIGTERM
+    released_targets: list[int] = field(default_factory=list)  # running at the SIGTERM
+    progress_seen: Counter[str] = field(default_factory=Counter)  # target kind -> runs seen
 
     def __post_init__(self) -> None:
         self._helper = ThreadPoolExecutor(1, thread_name_prefix="soak-chaos")
@@ -193,12 +213,12 @@ class Chaos:
         return episode
 
     def _pg_restart(self) -> Episode | None:
-        if self.pg_cluster is None:
+        if self.pg_restart is None:
             return None
         mode = ("immediate", "fast")[self._restart_mode % 2]
         self._restart_mode += 1
         episode = Episode("pg_restart", time.time(), detail=f"-m {mode}")
-        away = self.pg_cluster.restart(mode)
+        away = self.pg_restart(mode)
         episode.detail += f", away {away:.1f} s"
         episode.healed = time.time()
         self.store.forget()
@@ -270,6 +290,23 @@ class Chaos:
         )
         return episode
 
+    def _sigterm(self) -> Episode:
+        """A graceful stop mid-job (F4): the long job outlives the grace period, so the
+        worker releases it (recorded on the job, the attempt not charged) and exits 0."""
+        target = self._running_target(RELEASE_TARGET_SECONDS)
+        if target is None:
+            slot, victim = self._slot()
+        else:
+            _, victim, slot = target
+            self.released_targets.append(target[0])
+        episode = Episode("sigterm", time.time(), victim=victim)
+        code = self.cluster.stop(slot, STOP_TIMEOUT)
+        self.stop_exits.append(code)
+        self.cluster.spawn(slot)
+        episode.healed = time.time()
+        episode.detail = f"exit {code}" + (f", job {target[0]} was running" if target else "")
+        return episode
+
     def _lease_expiry(self, job_id: int) -> float | None:
         rows = self.store.query(
             f"SELECT {self.store.epoch('lease_expires_at')} FROM {{s}}errands_jobs "
@@ -278,24 +315,31 @@ class Chaos:
         )
         return float(rows[0][0]) if rows and rows[0][0] is not None else None
 
-    def _running_target(self) -> tuple[int, str, Slot] | None:
-        """A long slow job (enqueued here, ahead of the backlog) running on a live worker."""
+    def _running_target(self, seconds: float = TARGET_SECONDS) -> tuple[int, str, Slot] | None:
+        """A long job (enqueued here, ahead of the backlog) running on a live worker: two
+        of one of TARGET_KINDS, in turn. Notes whether its ctx.progress was stored."""
+        kind = TARGET_KINDS[sum(self.counts.values()) % len(TARGET_KINDS)]
+        definition = {
+            "slow": soak_app.slow, "slow_return": soak_app.slow_return, "aslow": soak_app.aslow,
+        }[kind]  # fmt: skip
         ids = []
         for _ in range(2):
             seq, key = self.workload.next_key()
-            job = soak_app.slow.bind(n=seq, seconds=TARGET_SECONDS, key=key, priority=500)
-            ids.append(self.workload.enqueue_extra("slow", job))
-        deadline = time.monotonic() + 30
+            job = definition.bind(n=seq, seconds=seconds, key=key, priority=500)
+            ids.append(self.workload.enqueue_extra(kind, job))
+        deadline = time.monotonic() + TARGET_WAIT
         marks = ", ".join(["%s"] * len(ids))
         while time.monotonic() < deadline:
             live = self.cluster.live_ids()
             rows = self.store.query(
-                f"SELECT id, lease_owner FROM {{s}}errands_jobs "
+                f"SELECT id, lease_owner, progress FROM {{s}}errands_jobs "
                 f"WHERE state = 'running' AND id IN ({marks})",
                 tuple(ids),
             )
-            choices = [(int(i), str(o)) for i, o in rows if o in live]
+            choices = [(int(i), str(o)) for i, o, _ in rows if o in live]
             if choices:
+                if any(p is not None for *_, p in rows):
+                    self.progress_seen[kind] += 1
                 job_id, owner = self.rng.choice(choices)
                 return job_id, owner, live[owner]
             self.idle(0.05)

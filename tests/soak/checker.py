@@ -5,103 +5,52 @@ the run has drained, and checks them against the generator's ledger and the chao
 driver's records. Each broken invariant adds a line to
 ``violations``; the figures feed the report.
 
-Execution accounting (I4): an *execution* is one ``run`` row (a handler started). Each
-is explained by what the store recorded about its attempt: a failure (the handler raised,
-timed out, was cancelled: the attempt's own error entry), a lease loss (a ``WorkerLost``
-entry: the attempt was rescued from a killed, frozen or cut-off worker), or the one
-completing attempt. A job's *duplicate executions* are its executions beyond the first
-that no failure explains; I4 holds when each is matched by a recorded lease loss.
+Execution accounting (I4): an *execution* is one ``run`` row (a handler started), and
+carries the lease token of its claim. Each is explained by what the store recorded under
+that token: the handler's own failure (kinds ``transient``, ``timeout``, ``retry``,
+``permanent``, ``cancelled``), a lost lease (``worker_lost`` or ``poison``: rescued from a
+killed, frozen or cut-off worker; ``lease_lost``: the worker stopped the handler because
+its lease was lost or could not be renewed; ``released``: a graceful stop gave the job
+back; ``crash``: the child process running it died), or the completion (the result names
+its token). A job's *duplicate executions* are its executions beyond the first that no
+failure of its own explains; I4 holds when each is matched by a recorded loss. A release
+gives its attempt back (the next run has the same number); a wait for a signal does too,
+but a suspended run writes no row (``soak.signalled`` records after the wait). Every
+attempt the store charged has a run or a recorded loss (a rescue of a job claimed but
+never begun, a ``signal_timeout``).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from soak_app import CRON_STEP
 
+from . import shapes
 from .chaos import Chaos
-from .store import Store, as_json
+from .records import (
+    LOSS_KINDS,
+    TERMINAL,
+    Findings,
+    JobInfo,
+    Run,
+    brief,
+    load_effects,
+    load_jobs,
+    percentile,
+)
+from .store import Store
 from .workload import Ledger
 
-TERMINAL = ("completed", "dead", "cancelled", "discarded")
 COMPLETING_KINDS = {
     "fast", "delayed", "slow", "flaky", "pay", "tx", "order", "unique", "canary", "cron",
+    "slow_return", "aslow", "tx_hold", "keyed", "plain", "uniq_retry", "bad_backoff", "signalled",
 }  # fmt: skip
-
-
-@dataclass
-class JobInfo:
-    id: int
-    name: str
-    state: str
-    attempt: int
-    max_attempts: int
-    errors: list[dict[str, Any]]
-    result: Any
-    key: str | None
-    args: dict[str, Any]
-    inserted_at: float
-    attempted_at: float | None
-    priority: int
-
-
-@dataclass
-class Run:
-    job_id: int
-    attempt: int
-    token: str | None
-    kind: str
-    worker: str
-    at: float
-    run_at: float | None
-    claimed_at: float | None
-    detail: str | None
-
-
-@dataclass
-class Findings:
-    figures: dict[str, Any] = field(default_factory=dict)
-    violations: list[str] = field(default_factory=list)
-    observations: list[str] = field(default_factory=list)  # known issues: reported, not failed
-
-    def fail(self, invariant: str, message: str, examples: list[Any] | None = None) -> None:
-        shown = f" e.g. {examples[:8]}" if examples else ""
-        self.violations.append(f"{invariant}: {message}{shown}")
-
-
-def percentile(values: list[float], p: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))
-    return ordered[index]
-
-
-def load_jobs(store: Store) -> dict[int, JobInfo]:
-    e = store.epoch
-    rows = store.query(
-        f"SELECT id, name, state, attempt, max_attempts, errors, result, idempotency_key, "
-        f"args, {e('inserted_at')}, {e('attempted_at')}, priority FROM {{s}}errands_jobs"
-    )
-    return {
-        r[0]: JobInfo(r[0], r[1], r[2], r[3], r[4], as_json(r[5]) or [],
-                      as_json(r[6]) if r[6] is not None else None, r[7],
-                      as_json(r[8]) or {}, r[9], r[10], r[11])
-        for r in rows
-    }  # fmt: skip
-
-
-def load_effects(store: Store) -> list[Run]:
-    rows = store.query(
-        "SELECT job_id, attempt, token, kind, worker, at, run_at, claimed_at, detail "
-        "FROM {s}soak_effects ORDER BY id"
-    )
-    return [Run(*r) for r in rows]
+TX_JOBS = ("soak.tx", "soak.tx_hold")
+LONG_JOBS = ("soak.slow", "soak.slow_return", "soak.aslow")
 
 
 def check(
@@ -112,7 +61,11 @@ def check(
     quiesced_at: float,
     lease: float,
     poll_interval: float,
+    enforce_i9: bool = True,
 ) -> Findings:
+    """``enforce_i9``: a recovery or rescued-job wait past the I9 bound is a violation
+    (the full-size run); otherwise it is reported under observations (the CI-sized run:
+    a timing bound must not fail a test on a loaded 2-core machine)."""
     out = Findings()
     jobs = load_jobs(store)
     runs = load_effects(store)
@@ -130,12 +83,13 @@ def check(
     _time(out, jobs, runs, poll_interval)
     _uniqueness(out, store, ledger)
     _phantoms(out, store, jobs, ledger, by_job)
-    _liveness(out, chaos, lease, poll_interval)
+    _liveness(out, chaos, lease, poll_interval, enforce_i9)
     _rescues(out, jobs, by_job, chaos)
     _cancels(out, jobs, by_job, chaos)
     _self_fencing(out, jobs, by_job, chaos)
     _health(out, store)
-    _latency(out, jobs, runs, chaos, 2 * (lease + poll_interval))
+    _latency(out, jobs, runs, chaos, 2 * (lease + poll_interval), enforce_i9)
+    shapes.check(out, jobs, by_job, ledger, chaos)
     return out
 
 
@@ -178,6 +132,14 @@ def _outcomes(
             ok = job.state == "dead" and last_kind in ("permanent", "poison")
         elif kind == "exhaust":
             ok = job.state == "dead" and job.attempt == job.max_attempts
+        elif kind == "hooked":
+            ok = job.state == "dead" and bool(job.errors) and job.errors[-1].get("kind") in (
+                "permanent", "poison",
+            )  # fmt: skip
+        elif kind == "signal_never":
+            last_kind = job.errors[-1].get("kind") if job.errors else None
+            # a rescue of its short run before the wait may end it instead
+            ok = job.state == "dead" and last_kind in ("signal_timeout", "worker_lost", "poison")
         else:
             ok = True
         if not ok:
@@ -190,45 +152,66 @@ def _outcomes(
 
 # -- I4 accounted duplicates ----------------------------------------------------------------------
 def _executions(out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[Run]]) -> None:
-    executions = duplicates = explained = lost_total = 0
-    twice, unexplained_rows, no_run, tokens_reused = [], [], [], []
+    executions = duplicates = explained = 0
+    losses: Counter[str] = Counter()
+    twice, unexplained_rows, no_run, tokens_reused, uncharged = [], [], [], [], []
     for job in jobs.values():
         starts = [r for r in by_job.get(job.id, []) if r.kind == "run"]
         executions += len(starts)
-        lost = {e["attempt"] for e in job.errors if e.get("type") == "WorkerLost"}
-        failed = {e["attempt"] for e in job.errors if e.get("type") != "WorkerLost"}
-        lost_total += sum(1 for e in job.errors if e.get("type") == "WorkerLost")
-        per_attempt = Counter(r.attempt for r in starts)
-        if any(n > 1 for n in per_attempt.values()):
-            twice.append((job.id, dict(per_attempt)))
+        ends: dict[str, list[str]] = defaultdict(list)  # lease token -> error kinds
+        for e in job.errors:
+            kind = str(e.get("kind"))
+            if kind in LOSS_KINDS:
+                losses[kind] += 1
+            if e.get("lease_token"):
+                ends[str(e["lease_token"])].append(kind)
         tokens = [r.token for r in starts if r.token]
         if len(tokens) != len(set(tokens)):
             tokens_reused.append(job.id)
-        final = job.attempt if job.state == "completed" else None
-        if final is not None and per_attempt.get(final, 0) != 1:
-            no_run.append((job.id, final, sorted(per_attempt)))
-        counted = [r for r in starts if r.attempt not in failed]
-        dup = max(0, len(counted) - 1)
-        duplicates += dup
-        explained += min(dup, len(lost))
-        for r in counted:
-            if r.attempt != final and r.attempt not in lost:
+        completing = _completing_token(job, starts, ends)
+        if job.state == "completed" and (completing is None or tokens.count(completing) != 1):
+            no_run.append((job.id, job.attempt, completing, sorted(r.attempt for r in starts)))
+        counted = lost_runs = 0
+        for r in starts:
+            kinds = ends.get(r.token or "", [])
+            if r.token is not None and r.token == completing:
+                counted += 1
+            elif any(k in LOSS_KINDS for k in kinds):
+                counted += 1
+                lost_runs += 1
+            elif not kinds:
                 unexplained_rows.append((job.id, r.attempt, job.state, brief(job.errors)))
+        dup = max(0, counted - 1)
+        duplicates += dup
+        explained += min(dup, lost_runs)
+        # An attempt number runs once, unless a release gave it back.
+        per_attempt = Counter(r.attempt for r in starts)
+        released = Counter(e.get("attempt") for e in job.errors if e.get("kind") == "released")
+        again = {n: k for n, k in per_attempt.items() if k > 1 + released[n]}
+        if again:
+            twice.append((job.id, again, brief(job.errors)))
+        # Every attempt charged ran, or its loss is recorded (a rescue, a signal timeout).
+        recorded = {e.get("attempt") for e in job.errors}
+        bare = [n for n in range(1, job.attempt + 1) if n not in per_attempt and n not in recorded]
+        if bare:
+            uncharged.append((job.id, job.name, job.state, bare, brief(job.errors)))
     out.figures["executions"] = executions
     out.figures["duplicate executions"] = duplicates
     out.figures["duplicates explained by lease losses"] = explained
     out.figures["explained share"] = 1.0 if duplicates == 0 else explained / duplicates
-    out.figures["lease losses recorded (WorkerLost)"] = lost_total
+    out.figures["lease losses recorded (WorkerLost)"] = losses["worker_lost"] + losses["poison"]
+    out.figures["runs ended by a loss, by kind"] = dict(losses)
     if twice:
-        out.fail("I4", f"{len(twice)} job(s) ran one attempt number twice", twice)
+        out.fail("I4", f"{len(twice)} job(s) ran one attempt number twice without a release",
+                 twice)  # fmt: skip
     if tokens_reused:
         out.fail("I4", f"{len(tokens_reused)} job(s) ran twice under one lease token",
                  tokens_reused)  # fmt: skip
     if unexplained_rows:
         out.fail(
             "I4",
-            f"{len(unexplained_rows)} execution(s) explained by no failure, lease loss or the "
-            "completing attempt",
+            f"{len(unexplained_rows)} execution(s) explained by no failure, lease loss, release "
+            "or the completion",
             unexplained_rows,
         )
     if explained != duplicates:
@@ -236,10 +219,21 @@ def _executions(out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[
     if no_run:
         out.fail("I4", f"{len(no_run)} completed job(s) whose completing attempt ran != 1 time",
                  no_run)  # fmt: skip
+    if uncharged:
+        out.fail("I5", f"{len(uncharged)} job(s) charged an attempt without a run or a "
+                 "recorded loss", uncharged)  # fmt: skip
 
 
-def brief(errors: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    return [(e.get("attempt"), e.get("type"), e.get("kind")) for e in errors]
+def _completing_token(job: JobInfo, starts: list[Run], ends: dict[str, list[str]]) -> str | None:
+    """The lease token of the run whose completion the store recorded: the one its result
+    names (every completing handler returns its token), else the run of the final attempt
+    that recorded nothing else."""
+    if job.state != "completed":
+        return None
+    if isinstance(job.result, dict) and job.result.get("token"):
+        return str(job.result["token"])
+    bare = [r.token for r in starts if r.attempt == job.attempt and not ends.get(r.token or "")]
+    return bare[0] if len(bare) == 1 else None
 
 
 # -- I3 effect once -------------------------------------------------------------------------------
@@ -248,7 +242,7 @@ def _effects_once(
 ) -> None:
     bad_tx, tx_rows = [], 0
     for job in jobs.values():
-        if job.name != "soak.tx":
+        if job.name not in TX_JOBS:
             continue
         rows = [r for r in by_job.get(job.id, []) if r.kind == "tx"]
         tx_rows += len(rows)
@@ -314,9 +308,9 @@ def _fencing(out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[Run
     for job in jobs.values():
         if job.state != "completed" or not isinstance(job.result, dict):
             continue
-        starts = {r.attempt: r.token for r in by_job.get(job.id, []) if r.kind == "run"}
+        starts = {r.token: r.attempt for r in by_job.get(job.id, []) if r.kind == "run"}
         if job.result.get("attempt") != job.attempt or (
-            job.result.get("token") and starts.get(job.attempt) != job.result.get("token")
+            job.result.get("token") and starts.get(job.result["token"]) != job.attempt
         ):
             wrong.append((job.id, job.attempt, job.result))
     if wrong:
@@ -419,7 +413,7 @@ def _phantoms(
 
 
 # -- I9 liveness ----------------------------------------------------------------------------------
-def _liveness(out: Findings, chaos: Chaos, lease: float, poll: float) -> None:
+def _liveness(out: Findings, chaos: Chaos, lease: float, poll: float, enforce: bool) -> None:
     bound = 2 * (lease + poll)
     out.figures["recovery bound (2 x (lease + poll)) s"] = bound
     by_kind: dict[str, list[float]] = defaultdict(list)
@@ -445,8 +439,13 @@ def _liveness(out: Findings, chaos: Chaos, lease: float, poll: float) -> None:
     out.figures["recovery s by fault (max)"] = {k: round(max(v), 3) for k, v in by_kind.items()}
     if never:
         out.fail("I9", f"{len(never)} fault(s) after which the canary was never picked up", never)
-    if slow:
+    if slow and enforce:
         out.fail("I9", f"{len(slow)} recovery time(s) above {bound:g} s", slow)
+    elif slow:
+        out.observations.append(
+            f"I9 (reported, not enforced at this size): {len(slow)} recovery time(s) above "
+            f"{bound:g} s: {slow[:8]}"
+        )
 
 
 def _rescues(
@@ -517,7 +516,7 @@ def _self_fencing(
     cuts = [ep for ep in chaos.episodes if ep.kind == "proxy_cut" and ep.victim]
     for ep in cuts:
         for job in jobs.values():
-            if job.name != "soak.slow":
+            if job.name not in LONG_JOBS:
                 continue
             for err in job.errors:
                 if err.get("type") != "WorkerLost" or err.get("worker") != ep.victim:
@@ -582,28 +581,45 @@ def _health(out: Findings, store: Store) -> None:
     )
 
 
-# -- pickup latency -------------------------------------------------------------------------------
+# -- pickup latency and I9 for rescued jobs --------------------------------------------------------
 def _latency(
-    out: Findings, jobs: dict[int, JobInfo], runs: list[Run], chaos: Chaos, settle: float
+    out: Findings,
+    jobs: dict[int, JobInfo],
+    runs: list[Run],
+    chaos: Chaos,
+    settle: float,
+    enforce: bool,
 ) -> None:
     """Claim time minus due time, over every claim; over the claims made away from any
     fault (not between a fault's start and ``settle`` seconds after its heal); and over
-    the claims of rescued jobs (a lease of theirs was lost before), which errands claims
-    on a path of their own ("suspects": one at a time per worker)."""
+    the claims of rescued jobs (a lease of theirs was lost before): I9 says those start
+    within the bound. Claims while PostgreSQL restarts are left out of the bound (its
+    pool's reconnect backoff, a known issue) and counted apart."""
     windows = [(ep.started, ep.healed + settle) for ep in chaos.episodes]
+    restarts = [
+        (ep.started, ep.healed + settle) for ep in chaos.episodes if ep.kind == "pg_restart"
+    ]
     rescued_before: dict[int, list[int]] = {
         j.id: [e["attempt"] for e in j.errors if e.get("type") == "WorkerLost"]
         for j in jobs.values()
         if j.errors
     }
-    waits, calm, rescued = [], [], []
+    waits, calm, rescued, restart_rescued = [], [], [], []
+    late: list[tuple[int, int, float]] = []
+    by_type: dict[str, list[float]] = defaultdict(list)
     for r in runs:
         if r.kind != "run" or r.claimed_at is None or r.run_at is None:
             continue
         wait = max(r.claimed_at - r.run_at, 0.0)
         waits.append(wait)
+        by_type[r.name.removeprefix("soak.")].append(wait)
         if any(a < r.attempt for a in rescued_before.get(r.job_id, ())):
+            if any(a <= r.claimed_at <= b for a, b in restarts):
+                restart_rescued.append(wait)
+                continue
             rescued.append(wait)
+            if wait > settle:
+                late.append((r.job_id, r.attempt, round(wait, 2)))
         elif not any(a <= r.claimed_at <= b for a, b in windows):
             calm.append(wait)
     out.figures["pickup latency s (p50, p99)"] = (percentile(waits, 50), percentile(waits, 99))
@@ -616,12 +632,24 @@ def _latency(
         percentile(rescued, 99),
         max(rescued, default=None),
     )
-    slowest = max(rescued, default=0.0)
-    if slowest > settle:
-        out.observations.append(
-            f"I9 not met for rescued jobs: {len(rescued)} claims of jobs rescued earlier waited "
-            f"up to {slowest:.1f} s (p99 {percentile(rescued, 99):.1f} s), past the "
-            f"{settle:g} s bound: errands runs rescued jobs one at a time per worker (suspect "
-            "isolation), so a burst of them queues behind each other (docs/reliability.md, "
-            "known issues)"
+    out.figures["pickup latency s by job type (p50/p99)"] = {
+        name: f"{percentile(v, 50):.3f}/{percentile(v, 99):.3f}"
+        for name, v in sorted(by_type.items())
+    }
+    out.figures["rescued jobs claimed (past the I9 bound)"] = f"{len(rescued)} ({len(late)})"
+    if restart_rescued:
+        out.figures["rescued jobs claimed while PostgreSQL restarted s (n, max)"] = (
+            len(restart_rescued),
+            max(restart_rescued),
         )
+    out.figures["I9 enforced"] = "yes (full size)" if enforce else "no: reported (CI size)"
+    if not late:
+        return
+    message = (
+        f"{len(late)} of {len(rescued)} claims of rescued jobs waited past the {settle:g} s "
+        f"bound, up to {max(w for *_, w in late):.1f} s (p99 {percentile(rescued, 99):.1f} s)"
+    )
+    if enforce:
+        out.fail("I9", message, sorted(late, key=lambda x: -x[2]))
+    else:
+        out.observations.append(f"I9 (reported, not enforced at this size): {message}")

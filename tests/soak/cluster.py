@@ -280,6 +280,21 @@ class Cluster:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=10)
 
+    def stop(self, slot: Slot, timeout: float) -> int | None:
+        """SIGTERM the slot's worker (a graceful stop) and wait for it to exit; its exit
+        code (None: still alive after ``timeout``, then killed)."""
+        proc = slot.proc
+        assert proc is not None
+        proc.expected_exit = True
+        proc.signal(signal.SIGTERM)
+        try:
+            return proc.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return None
+        finally:
+            proc.close()
+
     def sigstop(self, slot: Slot) -> None:
         assert slot.proc is not None
         slot.proc.stopped = True
@@ -310,7 +325,7 @@ class Cluster:
             proc.signal(signal.SIGTERM if graceful else signal.SIGKILL)
         for proc in live:
             try:
-                codes[proc.label] = proc.popen.wait(timeout=30)
+                codes[proc.label] = proc.popen.wait(timeout=60)  # grace 5 s, hooks 5 s, load
             except subprocess.TimeoutExpired:
                 codes[proc.label] = None
                 proc.kill()

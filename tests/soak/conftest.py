@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +53,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
     return report
 
 
+@dataclass
+class SoakStore:
+    url: str
+    # restarts the PostgreSQL server (mode) -> seconds away; None: no restarts
+    restart: Callable[[str], float] | None = None
+
+
 @pytest.fixture
-def soak_url(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
-    """The store of one soak run: a fresh SQLite file or a fresh PostgreSQL schema."""
+def soak_store(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[SoakStore]:
+    """The store of one soak run: a fresh SQLite file, or a fresh PostgreSQL schema on the
+    tests' own cluster (tests/pg.py), which the soak restarts: that disturbs no other
+    test and no other user of the machine's server."""
     if backend == "sqlite":
-        return f"sqlite:///{tmp_path}/soak.db"
-    # The tests' own cluster: the soak restarts it, which must disturb no other test.
-    return str(request.getfixturevalue("own_pg_url"))
+        yield SoakStore(f"sqlite:///{tmp_path}/soak.db")
+        return
+    from tests.pg import own_server
+
+    url = str(request.getfixturevalue("own_pg_url"))
+    yield SoakStore(url, own_server().restart)

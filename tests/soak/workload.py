@@ -6,12 +6,18 @@ is simply retried: if the first try had committed, the retry returns the same jo
 (DESIGN §3). Only enqueues that returned are written in the :class:`Ledger` — those
 are the jobs I1 says must never be lost.
 
-Besides the plain mix it does two things the checker needs:
+Besides the plain mix it does what the checker needs:
 
 - transactional enqueues (RELIABILITY I2): an ``soak_orders`` row and its job inserted
   in one transaction of the generator's own connection, committed or (about a third of
   the time) rolled back;
-- bursts of concurrent enqueues of one idempotency key from many threads (I8).
+- bursts of concurrent enqueues of one idempotency key from many threads (I8);
+- bursts of transactional handlers (``soak.tx_hold``), one per slot of the whole cluster,
+  so every handler of a worker holds a ``ctx.transaction()`` at once, as many as its pool
+  has connections or more (issue 16 A2);
+- a second enqueue of each ``unique_for`` key once the first job's key has expired (the
+  first job's retry then runs beside a second job that took its key: A6);
+- the signals the ``soak.signalled`` jobs wait for, some sent before the job runs.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 import soak_app
 
 import errands
-from errands.errors import DatabaseBusy
+from errands.errors import DatabaseBusy, InvalidTransition
 
 from .store import Store, is_connection_error
 
@@ -43,11 +49,25 @@ MIX = {
     "exhaust": 3,
     "pay": 14,
     "tx": 14,
+    # issue 16 part B: the shapes of the defects of part A
+    "slow_return": 2,
+    "aslow": 2,
+    "keyed": 2,
+    "plain": 3,
+    "uniq_retry": 1,
+    "bad_backoff": 1,
+    "hooked": 0.3,
+    "signalled": 1.5,
+    "signal_never": 0.3,
 }
 BATCH = 100
 ORDER_EVERY = 2  # batches between two transactional enqueues
 ORDER_ROLLBACK = 0.35
 UNIQUE_THREADS = 24
+TX_BURST = 24  # one per slot of the cluster (3 workers x 8)
+TX_BURST_EVERY = 10  # batches between two bursts
+TX_HOLD = (0.2, 0.5)  # seconds each holds its transaction (PostgreSQL; SQLite: 0, see below)
+SIGNAL_AFTER = (-0.5, 2.0)  # seconds after the enqueue; <= 0: at once, before any run
 
 
 @dataclass
@@ -67,6 +87,10 @@ class Ledger:
     orders_unknown: set[int] = field(default_factory=set)  # the commit itself failed
     bursts: list[UniqueBurst] = field(default_factory=list)
     enqueue_retries: int = 0
+    signals: dict[int, Any] = field(default_factory=dict)  # job id -> payload sent
+    # unique_for keys enqueued twice: (key, first job id, second job id)
+    unique_pairs: list[tuple[str, int, int]] = field(default_factory=list)
+    tx_bursts: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, ids: list[int], kinds: list[str]) -> None:
@@ -111,6 +135,8 @@ class Workload:
         self._thread = threading.Thread(target=self._main, name="soak-workload", daemon=True)
         self._pool = ThreadPoolExecutor(UNIQUE_THREADS, thread_name_prefix="soak-unique")
         self._order_conn: Any = None
+        self._to_signal: list[tuple[float, int, int]] = []  # (due, job id, seq)
+        self._to_reenqueue: list[tuple[float, int, str, int]] = []  # (due, seq, key, first id)
 
     def start(self) -> None:
         self._thread.start()
@@ -149,11 +175,17 @@ class Workload:
             batches += 1
             if batches % ORDER_EVERY == 0:
                 self._transactional_enqueue()
+            if batches % TX_BURST_EVERY == 1:
+                self._tx_burst()
             if time.monotonic() >= next_unique:
                 self._unique_burst()
                 next_unique = time.monotonic() + self.unique_every
+            self._due_followups(time.monotonic())
         if not self.ledger.bursts and not self.stop.is_set():
             self._unique_burst()  # at least one, however short the run
+        while (self._to_signal or self._to_reenqueue) and not self.stop.is_set():
+            self._due_followups(time.monotonic())  # every signal sent, every key re-used
+            time.sleep(0.05)
 
     def _backlog(self) -> int:
         return int(
@@ -194,14 +226,86 @@ class Workload:
             return soak_app.pay.bind(order=seq, amount=100 + seq % 900, key=key)
         if kind == "tx":
             return soak_app.tx.bind(n=seq, key=key)
+        if kind in ("slow_return", "aslow"):
+            job = soak_app.slow_return if kind == "slow_return" else soak_app.aslow
+            return job.bind(n=seq, seconds=round(rng.uniform(0.2, 1.5), 2), key=key)
+        if kind == "keyed":
+            # keyed_a and keyed_b share the key template; a third run in a queue not their
+            # own: the other's, or the plain queue, where no keyed job type lives (not the
+            # default queue: its claims would then all take the limited path, see
+            # docs/reliability.md, known issues)
+            job, other = rng.choice(((soak_app.keyed_a, "keys_b"), (soak_app.keyed_b, "keys_a")))
+            queue = rng.choice((None, None, None, None, other, "plain"))
+            return job.bind(
+                n=seq, account=rng.randrange(soak_app.KEY_ACCOUNTS),
+                seconds=round(rng.uniform(0.02, 0.1), 3), key=key, queue=queue,
+            )  # fmt: skip
+        if kind == "plain":
+            return soak_app.plain.bind(n=seq, key=key)
+        if kind == "uniq_retry":
+            return soak_app.uniq_retry.bind(n=seq, key=key, unique_for=soak_app.UNIQUE_FOR)
+        if kind == "bad_backoff":
+            return soak_app.bad_backoff.bind(n=seq, key=key)
+        if kind == "hooked":
+            return soak_app.hooked.bind(n=seq, key=key)
+        if kind == "signalled":
+            return soak_app.signalled.bind(n=seq, key=key)
+        if kind == "signal_never":
+            return soak_app.signal_never.bind(n=seq, key=key)
         raise ValueError(kind)
 
     def _enqueue_batch(self, size: int) -> None:
         kinds = self.rng.choices(list(MIX), weights=list(MIX.values()), k=size)
-        bound = [self.bind(kind, self.next_key()[0]) for kind in kinds]
+        seqs = [self.next_key()[0] for _ in kinds]
+        bound = [self.bind(kind, seq) for kind, seq in zip(kinds, seqs, strict=True)]
         handles = self._retrying(lambda: self.app.enqueue_many(bound))
         self.ledger.add([h.id for h in handles], kinds)
         self.enqueued += size
+        now = time.monotonic()
+        for kind, seq, handle in zip(kinds, seqs, handles, strict=True):
+            if kind == "signalled":
+                self._to_signal.append((now + self.rng.uniform(*SIGNAL_AFTER), handle.id, seq))
+            elif kind == "uniq_retry":
+                due = now + soak_app.UNIQUE_FOR + self.rng.uniform(0.1, 0.8)
+                self._to_reenqueue.append((due, seq, f"soak:{seq}", handle.id))
+
+    def _due_followups(self, now: float) -> None:
+        """Send the signals that are due; enqueue again the unique_for keys that expired."""
+        due, self._to_signal = (
+            [s for s in self._to_signal if s[0] <= now],
+            [s for s in self._to_signal if s[0] > now],
+        )
+        for _, job_id, seq in due:
+            payload = {"seq": seq}
+            # InvalidTransition: a retried signal whose first try had landed; it is done
+            with contextlib.suppress(InvalidTransition):
+                self._retrying(lambda j=job_id, p=payload: self.app.signal(j, soak_app.SIGNAL, p))
+            with self.ledger.lock:
+                self.ledger.signals[job_id] = payload
+        again, self._to_reenqueue = (
+            [r for r in self._to_reenqueue if r[0] <= now],
+            [r for r in self._to_reenqueue if r[0] > now],
+        )
+        for _, seq, key, first in again:
+            job = soak_app.uniq_retry.bind(n=seq, key=key, unique_for=soak_app.UNIQUE_FOR)
+            second = self.enqueue_extra("uniq_retry", job)
+            with self.ledger.lock:
+                self.ledger.unique_pairs.append((key, first, second))
+
+    # -- A2: as many open ctx.transaction() as slots ------------------------------------------
+    def _tx_burst(self) -> None:
+        """One tx_hold job per slot of the cluster at once. On SQLite a transaction holds
+        the file's write lock, so there they hold it for no longer than the write."""
+        jobs, kinds = [], []
+        for _ in range(TX_BURST):
+            seq, key = self.next_key()
+            hold = 0.0 if self.store.sqlite else round(self.rng.uniform(*TX_HOLD), 2)
+            jobs.append(soak_app.tx_hold.bind(n=seq, hold=hold, key=key))
+            kinds.append("tx_hold")
+        handles = self._retrying(lambda: self.app.enqueue_many(jobs))
+        self.ledger.add([h.id for h in handles], kinds)
+        with self.ledger.lock:
+            self.ledger.tx_bursts += 1
 
     def enqueue_extra(self, kind: str, job: errands.BoundJob) -> int:
         """Enqueue one job for the chaos driver (slow targets, canaries); ledgered."""

@@ -17,6 +17,7 @@ times, and only a real bug — never the chaos itself — may keep a job from it
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sqlite3
 import threading
@@ -154,18 +155,16 @@ def fast(ctx: errands.Context, n: int) -> dict[str, Any]:
 
 @app.job(name="soak.slow", queue="slow", retries=RETRIES, backoff=QUICK)
 def slow(ctx: errands.Context, n: int, seconds: float) -> dict[str, Any]:
-    """Work for ``seconds``, stopping early (with an error) when the worker asks: lease
-    lost, lease not renewable (self-fencing), operator cancel. Records how it ended."""
+    """Work for ``seconds`` (reporting ctx.progress), stopping early (with an error) when
+    the worker asks: lease lost, lease not renewable (self-fencing), operator cancel,
+    shutdown. Records how it ended."""
     token = record(ctx)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not ctx.cancelled:
-        time.sleep(0.02)
+    stopped = _work(ctx, seconds)
     # "end" rows carry the moment the handler stopped (the row's own time is when the
     # insert landed, later when the store is slow).
-    if ctx.cancelled:
-        record(ctx, "end", f"stopped:{ctx.cancel_reason}@{time.time():.3f}")
+    _end(ctx, stopped)
+    if stopped:
         raise RuntimeError(f"stopped: {ctx.cancel_reason}")
-    record(ctx, "end", f"finished@{time.time():.3f}")
     return done(ctx, token)
 
 
@@ -251,3 +250,171 @@ def canary(ctx: errands.Context, n: int) -> dict[str, Any]:
 def cron(ctx: errands.Context) -> dict[str, Any]:
     """One job per 5-second slot; catch_up=True, so no slot may be missing either (I7)."""
     return done(ctx, record(ctx, detail=ctx.key))
+
+
+# -- issue 16 part B: the shapes the defects of part A lived in --------------------------------
+# A slow stop idiom: between units of work a handler calls ctx.progress() and checks
+# ctx.cancelled. "end" rows carry how the run stopped (see slow()).
+def _work(ctx: errands.Context, seconds: float) -> bool:
+    """Work for ``seconds`` (reporting progress) or until asked to stop; True if stopped."""
+    started = time.monotonic()
+    deadline = started + seconds
+    while time.monotonic() < deadline and not ctx.cancelled:
+        ctx.progress(min((time.monotonic() - started) / max(seconds, 0.001), 1.0), "working")
+        time.sleep(0.02)
+    return ctx.cancelled
+
+
+def _end(ctx: errands.Context, stopped: bool) -> None:
+    how = f"stopped:{ctx.cancel_reason}" if stopped else "finished"
+    record(ctx, "end", f"{how}@{time.time():.3f}")
+
+
+@app.job(name="soak.slow_return", queue="slow", retries=RETRIES, backoff=QUICK)
+def slow_return(ctx: errands.Context, n: int, seconds: float) -> dict[str, Any]:
+    """Like slow, but returns normally when asked to stop (``if ctx.cancelled: return``):
+    errands must not record such a return as a completion (issue 16 A3). The result says
+    whether the work was cut short, so a wrongly recorded completion shows."""
+    token = record(ctx)
+    stopped = _work(ctx, seconds)
+    _end(ctx, stopped)
+    return done(ctx, token, cut_short=stopped)
+
+
+@app.job(name="soak.aslow", queue="slow", retries=RETRIES, backoff=QUICK)
+async def aslow(ctx: errands.Context, n: int, seconds: float) -> dict[str, Any]:
+    """An async handler: works in awaits, reports progress, is stopped with CancelledError."""
+    token = await asyncio.to_thread(record, ctx)
+    started = time.monotonic()
+    try:
+        while time.monotonic() - started < seconds:
+            ctx.progress(min((time.monotonic() - started) / seconds, 1.0), "working")
+            await asyncio.sleep(0.02)
+    except asyncio.CancelledError:
+        _end(ctx, True)  # blocking for a moment: the task is being torn down anyway
+        raise
+    await asyncio.to_thread(_end, ctx, False)
+    return done(ctx, token)
+
+
+@app.job(name="soak.tx_hold", queue="txwide", retries=RETRIES, backoff=QUICK)
+def tx_hold(ctx: errands.Context, n: int, hold: float) -> dict[str, Any]:
+    """Holds ``ctx.transaction()`` open for ``hold`` seconds. Enqueued in bursts of a
+    whole cluster's slots, so every handler of a worker holds a transaction at once: as
+    many as (or more than) the worker's pool has connections (issue 16 A2). Returns
+    normally when asked to stop; the transaction must then roll back, not complete."""
+    token = record(ctx)
+    conn = ctx.transaction()
+    fx = effects()
+    conn.execute(fx.sql(INSERT_EFFECT), effect_params(ctx, "tx", str(n)))
+    stopped = _work(ctx, hold) if hold > 0 else ctx.cancelled
+    return done(ctx, token, cut_short=stopped)
+
+
+KEY_ACCOUNTS = 8  # accounts the keyed jobs share: contention, yet room for their share
+KEYED = {
+    "concurrency_key": "acct:{account}",
+    "concurrency_limit": 1,
+    "retries": RETRIES,
+    "backoff": QUICK,
+}
+
+
+def _keyed(ctx: errands.Context, account: int, seconds: float) -> dict[str, Any]:
+    token = record(ctx, detail=f"acct:{account}")
+    time.sleep(seconds)
+    record(ctx, "end", f"acct:{account}")
+    return done(ctx, token)
+
+
+@app.job(name="soak.plain", queue="plain", retries=RETRIES, backoff=QUICK)
+def plain(ctx: errands.Context, n: int) -> dict[str, Any]:
+    """A job of a queue no keyed job type declares; keyed jobs are moved into it too."""
+    return done(ctx, record(ctx))
+
+
+@app.job(name="soak.keyed_a", queue="keys_a", **KEYED)  # type: ignore[arg-type]
+def keyed_a(ctx: errands.Context, n: int, account: int, seconds: float) -> dict[str, Any]:
+    """One job per account at a time, whatever its queue: keyed_a and keyed_b share the
+    key template in different queues, and the workload moves some of each to the other's
+    queue or to the ``plain`` queue (which no keyed job type declares) (issue 16 A5)."""
+    return _keyed(ctx, account, seconds)
+
+
+@app.job(name="soak.keyed_b", queue="keys_b", **KEYED)  # type: ignore[arg-type]
+def keyed_b(ctx: errands.Context, n: int, account: int, seconds: float) -> dict[str, Any]:
+    return _keyed(ctx, account, seconds)
+
+
+UNIQUE_FOR = 0.5  # seconds the key of a uniq_retry job is unique
+UNIQUE_RETRY_BACKOFF = 1.5  # > UNIQUE_FOR: the retry comes after the key was released
+
+
+@app.job(name="soak.uniq_retry", retries=RETRIES, backoff=UNIQUE_RETRY_BACKOFF)
+def uniq_retry(ctx: errands.Context, n: int) -> dict[str, Any]:
+    """Enqueued with ``unique_for``; fails its first attempt, and its retry comes after
+    the key expired, when the workload has enqueued the same key again (a second job).
+    Records ``ctx.idempotency_key``: the same on every attempt, never another job's (A6)."""
+    token = record(ctx, detail=ctx.idempotency_key)
+    if ctx.attempt == 1:
+        raise RuntimeError("uniq_retry: failing the first attempt")
+    return done(ctx, token, idem=ctx.idempotency_key)
+
+
+def raising_backoff(attempt: int) -> float:
+    raise ZeroDivisionError(f"soak: a backoff policy that raises (attempt {attempt})")
+
+
+@app.job(name="soak.bad_backoff", retries=RETRIES, backoff=raising_backoff)
+def bad_backoff(ctx: errands.Context, n: int) -> dict[str, Any]:
+    """Fails its first attempt with a backoff callable that raises: errands falls back to
+    its default policy; the job must neither wedge nor stop the leader (A1)."""
+    token = record(ctx)
+    if ctx.attempt == 1:
+        raise RuntimeError("bad_backoff: failing the first attempt")
+    return done(ctx, token)
+
+
+HOOK_SLOW = 1.5  # seconds the on_dead hook takes for soak.hooked jobs
+
+
+@app.job(name="soak.hooked", retries=RETRIES, backoff=QUICK)
+def hooked(ctx: errands.Context, n: int) -> None:
+    """Dies at once; its on_dead hook is slow (A7: hooks run off the worker's threads)."""
+    record(ctx)
+    raise errands.Permanent(f"hooked job {n}: dies so that its slow on_dead hook runs")
+
+
+@app.on_dead
+def on_dead(job: errands.Job) -> None:
+    """Every dead job's hook appends a ``hook`` row; soak.hooked's takes HOOK_SLOW s."""
+    if job.name == "soak.hooked":
+        time.sleep(HOOK_SLOW)
+    fx = effects()
+    with fx.transaction() as conn:
+        conn.execute(
+            fx.sql(INSERT_EFFECT),
+            (job.id, job.attempt, None, "hook", job.name, os.getpid(), "hook", None, None,
+             job.state),
+        )  # fmt: skip
+
+
+SIGNAL = "go"
+SIGNAL_NEVER_TIMEOUT = 0.5
+
+
+@app.job(name="soak.signalled", retries=RETRIES, backoff=QUICK)
+def signalled(ctx: errands.Context, n: int) -> dict[str, Any]:
+    """Waits for signal ``go``, which the workload sends (sometimes before the wait).
+    Suspended runs write nothing: the ``run`` row comes after the wait returned."""
+    payload = ctx.wait_for_signal(SIGNAL, timeout=600)
+    token = record(ctx, detail=str(payload))
+    return done(ctx, token, payload=payload)
+
+
+@app.job(name="soak.signal_never", retries=1, backoff=QUICK)
+def signal_never(ctx: errands.Context, n: int) -> None:
+    """Waits for a signal nobody sends: each wait times out (kind signal_timeout), an
+    attempt charged without a run; dead after its 2 attempts."""
+    ctx.wait_for_signal("never", timeout=SIGNAL_NEVER_TIMEOUT)
+    record(ctx)

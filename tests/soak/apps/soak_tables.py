@@ -7,8 +7,9 @@ what really ran independently of what errands recorded.
 
 - ``soak_effects``: append-only, one row per thing a handler did: ``run`` (a handler
   started: one row per execution), ``end`` (a slow handler stopped or finished), ``tx``
-  (written through ``ctx.transaction()``, commits with the completion) and ``psp_call``
-  (a call that reached the fake payment provider). Each row carries the attempt and the
+  (written through ``ctx.transaction()``, commits with the completion), ``psp_call``
+  (a call that reached the fake payment provider) and ``hook`` (an ``on_dead`` hook ran;
+  its ``detail`` is the job's state then). Each row carries the attempt and the
   lease token of the claim that ran it, the claimed row's ``run_at`` and claim time, the
   worker and the database time.
 - ``soak_charges``: the fake payment provider's charges, at most one per idempotency key

@@ -1,0 +1,107 @@
+"""The soak's checker catches what it is there to catch: each check on rows made up to
+break it (a checker that never fails proves nothing), and accepts what the store may
+legitimately record (a release, a rescue, a signal timeout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import shapes
+from .checker import _executions
+from .records import Findings, JobInfo, Run
+from .workload import Ledger
+
+
+def job(job_id: int, name: str, state: str, attempt: int, errors: list[dict[str, Any]],
+        result: Any = None) -> JobInfo:  # fmt: skip
+    return JobInfo(job_id, name, state, attempt, 25, errors, result, None, {}, 0.0, None, 0)
+
+
+def run(job_id: int, attempt: int, token: str, kind: str = "run", at: float = 0.0,
+        detail: str | None = None) -> Run:  # fmt: skip
+    return Run(job_id, attempt, token, kind, "w-1", at, 0.0, 0.0, detail, "soak.fast")
+
+
+def entry(attempt: int, kind: str, token: str | None) -> dict[str, Any]:
+    return {"attempt": attempt, "kind": kind, "lease_token": token, "type": kind}
+
+
+def executions(jobs: list[JobInfo], runs: list[Run]) -> Findings:
+    out = Findings()
+    by_job: dict[int, list[Run]] = {}
+    for r in runs:
+        by_job.setdefault(r.job_id, []).append(r)
+    _executions(out, {j.id: j for j in jobs}, by_job)
+    return out
+
+
+def test_a_released_attempt_that_runs_again_is_explained() -> None:
+    released = job(1, "soak.fast", "completed", 1, [entry(1, "released", "t1")],
+                   {"attempt": 1, "token": "t2"})  # fmt: skip
+    out = executions([released], [run(1, 1, "t1"), run(1, 1, "t2")])
+    assert out.violations == []
+    assert out.figures["duplicate executions"] == 1
+    assert out.figures["duplicates explained by lease losses"] == 1
+
+
+def test_an_attempt_number_run_twice_without_a_release_is_a_violation() -> None:
+    twice = job(1, "soak.fast", "completed", 1, [entry(1, "transient", "t1")],
+                {"attempt": 1, "token": "t2"})  # fmt: skip
+    out = executions([twice], [run(1, 1, "t1"), run(1, 1, "t2")])
+    assert any("ran one attempt number twice" in v for v in out.violations), out.violations
+
+
+def test_a_run_nothing_recorded_an_end_for_is_unexplained() -> None:
+    silent = job(1, "soak.fast", "completed", 2, [], {"attempt": 2, "token": "t2"})
+    out = executions([silent], [run(1, 1, "t1"), run(1, 2, "t2")])
+    assert any("explained by no failure" in v for v in out.violations), out.violations
+
+
+def test_an_attempt_charged_without_a_run_or_a_recorded_loss_is_a_violation() -> None:
+    charged = job(1, "soak.fast", "completed", 2, [], {"attempt": 2, "token": "t2"})
+    out = executions([charged], [run(1, 2, "t2")])
+    assert any("without a run or a recorded loss" in v for v in out.violations)
+
+
+def test_a_signal_timeout_or_a_rescue_explains_a_charged_attempt_without_a_run() -> None:
+    waits = [entry(1, "signal_timeout", None), entry(2, "signal_timeout", None)]
+    timed_out = job(1, "soak.signal_never", "dead", 2, waits)
+    rescued = job(2, "soak.fast", "completed", 2, [entry(1, "worker_lost", "t1")],
+                  {"attempt": 2, "token": "t2"})  # fmt: skip
+    out = executions([timed_out, rescued], [run(2, 2, "t2")])
+    assert out.violations == []
+
+
+def test_a_return_after_a_stop_request_recorded_completed_is_a_violation() -> None:
+    out = Findings()
+    cut = job(1, "soak.slow_return", "completed", 1, [], {"attempt": 1, "cut_short": True})
+    shapes._cut_short(out, {1: cut})
+    assert any(v.startswith("A3") for v in out.violations), out.violations
+
+
+def test_overlapping_runs_of_one_account_are_a_violation_unless_a_loss_ended_one() -> None:
+    first = job(1, "soak.keyed_a", "completed", 1, [], {"attempt": 1, "token": "a"})
+    second = job(2, "soak.keyed_b", "completed", 1, [], {"attempt": 1, "token": "b"})
+    rows = {
+        1: [run(1, 1, "a", at=10.0, detail="acct:1"), run(1, 1, "a", "end", 10.5, "acct:1")],
+        2: [run(2, 1, "b", at=10.2, detail="acct:1"), run(2, 1, "b", "end", 10.3, "acct:1")],
+    }
+    out = Findings()
+    shapes._keys(out, {1: first, 2: second}, rows)
+    assert any(v.startswith("A5") for v in out.violations), out.violations
+    first.errors = [entry(1, "worker_lost", "a")]  # the first was rescued: not a breach
+    out = Findings()
+    shapes._keys(out, {1: first, 2: second}, rows)
+    assert out.violations == []
+
+
+def test_an_idempotency_key_that_changes_or_is_shared_is_a_violation() -> None:
+    a = job(1, "soak.uniq_retry", "completed", 2, [])
+    b = job(2, "soak.uniq_retry", "completed", 2, [])
+    rows = {
+        1: [run(1, 1, "a1", detail="soak.uniq_retry:k"), run(1, 2, "a2", detail="x:1")],
+        2: [run(2, 1, "b1", detail="soak.uniq_retry:k")],
+    }
+    out = Findings()
+    shapes._idempotency_keys(out, {1: a, 2: b}, rows, Ledger())
+    assert sum(v.startswith("A6") for v in out.violations) == 2, out.violations
