@@ -217,7 +217,7 @@ def test_on_a_390_px_phone_no_page_overflows_and_every_page_has_the_navigation(
 
     base = f"http://127.0.0.1:{e2e['port']}"
     pages = ["/", "/jobs", f"/jobs/{dead.id}", f"/jobs/{running.id}", "/dlq", "/queues",
-             "/workers", "/cron", "/audit", "/no-such-page"]  # fmt: skip
+             "/workflows", "/workers", "/cron", "/audit", "/no-such-page"]  # fmt: skip
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -232,7 +232,7 @@ def test_on_a_390_px_phone_no_page_overflows_and_every_page_has_the_navigation(
                 page.goto(base + path)
                 width = page.evaluate("document.documentElement.scrollWidth")
                 assert width <= PHONE["width"], f"{path} is {width} px wide at 390 px"
-                expect(page.locator(".top nav a")).to_have_count(7)
+                expect(page.locator(".top nav a")).to_have_count(8)
             expect(page.locator("h1")).to_have_text("Page not found")  # the last one
 
             page.goto(base + "/jobs?state=running")

@@ -290,12 +290,14 @@ class TaskDefinition(JobDefinition[Any, Any]):
                 f"{self.name}: cannot build the key {template!r} from the arguments: {exc}"
             ) from None
 
-    def _key_for(self, args_json: str) -> str | None:
-        if self.concurrency_key is None:
+    def _format_key(self, option: str, template: str | None, args_json: str) -> str | None:
+        """A key template (concurrency_key, fair_key) over the task's own parameters: the
+        stored payload is the call's ``args``/``kwargs``, bound to the task's signature."""
+        if template is None:
             return None
         stored = json.loads(args_json)
         arguments = self.arguments(stored.get("args", []), stored.get("kwargs", {}))
-        return self.format_key(self.concurrency_key, arguments)
+        return self.format_key(template, arguments)
 
 
 def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
