@@ -156,8 +156,9 @@ def test_kill_storm_loses_no_job_and_every_duplicate_is_a_recorded_lease_loss(
         f"storm: {STORM_JOBS} jobs, {kills} SIGKILLs, {lost_total} lease losses recorded, "
         f"{sum(executions.values()) - STORM_JOBS} duplicate executions, 0 lost"
     )
-    for proc in workers:
-        proc.signal(signal.SIGTERM)
+    for proc in workers:  # a worker respawned a moment ago may still be importing: its
+        proc.wait_log(r"worker w-[0-9a-f]+ started", timeout=60)  # SIGTERM handler is not in
+        proc.signal(signal.SIGTERM)  # place yet, and the default action would end it
     for proc in workers:
         assert proc.wait_exit(15) == 0, proc.label
 
