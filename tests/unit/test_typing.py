@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import errands
+from tests.pg import unavailable
 
 USER_MODULE = """
 from __future__ import annotations
@@ -104,4 +105,4 @@ def test_a_typed_user_module_passes_mypy_and_pyright(user_project: Path) -> None
         output, _ = process.communicate(timeout=240)
         assert process.returncode == 0, f"{name}:\n{output}"
     if pyright is None:
-        pytest.skip("mypy passed; pyright is not installed (pip install pyright) to check too")
+        unavailable("mypy passed; pyright is not installed (pip install pyright; make test does)")
