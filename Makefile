@@ -17,13 +17,17 @@ demo: $(STAMP)
 	$(BIN)/errands demo
 
 # The main suite, then the framework integrations on both Django stacks (own venvs) and
-# the FastAPI/Flask examples; both always run, and either failing fails the target.
+# the FastAPI/Flask examples; both always run, and either failing fails the target. The
+# integrations' venvs are installed while the main suite runs.
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0: in this one); the tests
 # that restart PostgreSQL share one process and the tests' own cluster (tests/pg.py).
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	@status=0; $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) \
+	@bash scripts/test_integrations.sh --prepare > $(VENV)/integrations-prepare.log 2>&1 & \
+	prepare=$$!; status=0; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) \
 	  || status=$$?; \
+	wait $$prepare; \
 	bash scripts/test_integrations.sh || status=$$((status ? status : 1)); \
 	exit $$status
 

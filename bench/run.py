@@ -98,6 +98,26 @@ QUICK = Plan(
     scale_runs=1,
     memory_jobs=10_000,
 )
+# The suite's smoke test (tests/bench): every step runs and records a figure; no figure
+# from it means anything.
+SMOKE = Plan(
+    runs=1,
+    single_jobs=50,
+    bulk_jobs=500,
+    throughput_jobs=600,
+    cap=2.0,
+    latency_jobs=20,
+    latency_rate=50.0,
+    concurrency=8,
+    limit_jobs=600,
+    limit_single=50,
+    limit_cap=2.0,
+    scale_rows=10_000,
+    scale_jobs=600,
+    scale_runs=1,
+    memory_jobs=2_000,
+    min_window=1.0,
+)
 
 
 def log(message: str) -> None:
@@ -108,12 +128,22 @@ def log(message: str) -> None:
 
 
 class Postgres:
+    """The harness's databases on one server. Their names start with ``bench_``, or with
+    ``$BENCH_DB_PREFIX`` instead, so two runs on one server (two checkouts' test suites)
+    never drop each other's databases."""
+
     def __init__(self, base: str) -> None:
         self.base = base
+        self.prefix = os.environ.get("BENCH_DB_PREFIX", "bench_")
+
+    def name(self, db: str) -> str:
+        if db.startswith(self.prefix) or not db.startswith("bench_"):
+            return db
+        return self.prefix + db.removeprefix("bench_")
 
     def url(self, db: str) -> str:
         parts = urlsplit(self.base)
-        return urlunsplit(parts._replace(path=f"/{db}", query=""))
+        return urlunsplit(parts._replace(path=f"/{self.name(db)}", query=""))
 
     def _admin(self) -> Any:
         import psycopg
@@ -121,6 +151,7 @@ class Postgres:
         return psycopg.connect(self.base, autocommit=True, connect_timeout=10)
 
     def recreate(self, db: str, template: str | None = None) -> None:
+        db, template = self.name(db), template and self.name(template)
         with self._admin() as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
             conn.execute(
@@ -140,6 +171,7 @@ class Postgres:
                 time.sleep(1.0)
 
     def drop(self, db: str) -> None:
+        db = self.name(db)
         with self._admin() as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
 
@@ -161,7 +193,7 @@ class Runner:
         self.templates: set[str] = set()
 
     def db(self, system: System) -> str:
-        return "bench_" + system.name.replace("-", "_")
+        return self.pg.name("bench_" + system.name.replace("-", "_"))
 
     def store_url(self, system: System) -> str:
         if system.store == "postgres":
@@ -453,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 run with small counts")
     parser.add_argument(
+        "--smoke", action="store_true", help="1 run with tiny counts: proves every step runs"
+    )
+    parser.add_argument(
         "--only",
         action="append",
         default=[],
@@ -544,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    plan = QUICK if args.quick else FULL
+    args.quick = args.quick or args.smoke
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.runs:
         plan = Plan(**{**plan.__dict__, "runs": args.runs, "scale_runs": args.runs})
     systems, with_limit, with_scale, with_memory = wanted(args.only)
@@ -566,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     runner = Runner(args, plan)
     results: dict[str, Any] = {
-        "mode": "quick" if args.quick else "full",
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "complete": complete,
         "plan": plan.__dict__,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The framework integrations' tests (docs/integrations.md), run by `make test` after the
 # main suite, and by hand: scripts/test_integrations.sh [django52] [django6] [web]
+# (scripts/test_integrations.sh --prepare only installs the venvs and fetches what the
+# runs need: `make test` does that while the main suite runs)
 #
 #   django52  .venv-django52: Python 3.11, Django 5.2 + the django-tasks backport
 #   django6   .venv-django6:  Python 3.12, Django 6.1.3 (django.tasks; pinned for the next)
@@ -140,6 +142,22 @@ django_stack() {  # django_stack LABEL VENV PYTHON REQUIREMENTS [upstream]
   fi
   step "$label: examples/django_shop" examples/django_shop "$py" manage.py test --noinput
 }
+
+if [[ ${1:-} == --prepare ]]; then
+  # `make test` runs this beside the main suite: the Django venvs' installs and the
+  # upstream tests' download are network and disk work that need not wait for pytest.
+  # Whatever fails here is tried again, and reported, by the real run.
+  if py=$(find_python 3.11 "${ERRANDS_PY311:-}"); then
+    ensure_venv .venv-django52 "$py" integration/requirements-django52.txt \
+      examples/django_shop/requirements.txt
+  fi
+  if py=$(find_python 3.12 "${ERRANDS_PY312:-}") &&
+     ensure_venv .venv-django6 "$py" integration/requirements-django6.txt \
+       examples/django_shop/requirements.txt; then
+    (cd integration/django && "$ROOT/.venv-django6/bin/python" upstream.py --fetch)
+  fi
+  exit 0
+fi
 
 targets=("$@")
 (( ${#targets[@]} )) || targets=(django52 django6 web)

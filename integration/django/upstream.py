@@ -169,6 +169,9 @@ def main() -> int:
     parser.add_argument("-v", "--verbosity", type=int, default=1)
     parser.add_argument("--list", action="store_true", help="print the expected failures")
     parser.add_argument(
+        "--fetch", action="store_true", help="only fetch Django's tests/tasks (no run)"
+    )
+    parser.add_argument(
         "--discover",
         action="store_true",
         help="run without the list and print the tests that fail (when moving the pin)",
@@ -191,7 +194,10 @@ def main() -> int:
     from django.conf import settings
     from django.test.utils import get_runner
 
-    sys.path.insert(0, str(upstream_tests(test_settings.STATE.parent)))
+    tests = upstream_tests(test_settings.STATE.parent)
+    if options.fetch:
+        return 0
+    sys.path.insert(0, str(tests))
     rewrite_tasks_settings()
     django.setup()
     print(f"Django {DJANGO_VERSION}'s tests/tasks on ErrandsBackend ({options.db})", flush=True)

@@ -1,8 +1,8 @@
 """A small-N run of ``make bench`` so the harness cannot rot (issue 8, item 5).
 
-It runs the real entry point (``python -m bench.run --quick``) for errands on SQLite and
-PostgreSQL, the raw SQL limit and the long-run memory section, then checks the JSON it
-wrote: every figure measured, nothing failed. Figures are never compared with a time or
+It runs the real entry point (``python -m bench.run --smoke``: tiny counts) for errands
+on SQLite and PostgreSQL, the raw SQL limit and the long-run memory section, then checks
+the JSON it wrote: every figure measured, nothing failed. Figures are never compared with a time or
 a rate here (benchmarks report, they do not assert); the full run is ``make bench``.
 """
 
@@ -20,9 +20,11 @@ from tests.pg import require_pg
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The harness makes and drops databases of fixed names (bench_errands_pg, bench_limit, ...)
-# on the test server: one xdist process runs these tests, one at a time.
-pytestmark = [pytest.mark.acceptance, pytest.mark.xdist_group("bench_databases")]
+pytestmark = pytest.mark.acceptance
+# The harness makes and drops databases named bench_errands_pg, bench_limit, ...: here
+# under a prefix of this process's own, so two suites on one server (two checkouts, two
+# xdist processes) never drop each other's.
+ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "BENCH_DB_PREFIX": f"bench_t{os.getpid()}_"}
 
 
 @pytest.mark.timeout(300)
@@ -33,7 +35,7 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
             sys.executable,
             "-m",
             "bench.run",
-            "--quick",
+            "--smoke",
             "--only",
             "errands",
             "--only",
@@ -45,14 +47,14 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
             str(tmp_path),
         ],
         cwd=ROOT,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=280,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "partial.json").read_text())
-    assert results["mode"] == "quick"
+    assert results["mode"] == "smoke"
     for name in ("errands-sqlite", "errands-pg"):
         system = results["systems"][name]
         assert system["error"] is None and system["failures"] == [], system
@@ -106,7 +108,7 @@ def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
             "--drain-seconds", "40", "--results", str(tmp_path),
         ],
         cwd=ROOT,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=280,
@@ -135,7 +137,7 @@ def test_the_waiting_bench_runs_and_records_every_figure(tmp_path: Path) -> None
     require_pg()
     run = subprocess.run(
         [sys.executable, "-m", "bench.waiting", "--quick", "--results", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        cwd=ROOT, env=ENV,
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -157,7 +159,7 @@ def test_the_workflow_bench_runs_and_records_every_figure(tmp_path: Path) -> Non
     run = subprocess.run(
         [sys.executable, "-m", "bench.workflows", "--quick", "--url",
          f"sqlite:///{tmp_path}/wf.db", "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        cwd=ROOT, env=ENV,
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
