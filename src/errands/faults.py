@@ -11,7 +11,10 @@ dictionary lookup. They are armed
       ERRANDS_FAULT_POINTS="after_complete_commit:0.05,after_step:0.01" errands worker ...
 
   each ``name:probability`` (probability 1 when omitted) ends the process with
-  ``os._exit(86)`` when reached (see :func:`crash`);
+  ``os._exit(86)`` when reached (see :func:`crash`); ``name:probability:most`` crashes
+  at most ``most`` times across every process given the same folder in
+  ``ERRANDS_FAULT_DIR`` (each crash takes a ticket file there first: a storm of crashes
+  stays a bounded number of restarts);
 - in this process, with :func:`arm` and :func:`disarm`.
 
 This module is the hook only, so the worker and the backends need not import the test
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ENV = "ERRANDS_FAULT_POINTS"
+DIR_ENV = "ERRANDS_FAULT_DIR"
 CRASH_EXIT_CODE = 86
 POINTS = (
     "after_step",
@@ -60,17 +64,46 @@ class _Armed:
     when: When | None = None
 
 
-def _parse(spec: str) -> dict[str, _Armed]:
+def budgeted(folder: str, most: int) -> Action:
+    """:func:`crash`, but at most ``most`` times across every process that shares
+    ``folder``: a crash first creates one of the ticket files ``<point>-0 ..
+    <point>-<most-1>`` there (atomically: ``O_EXCL``); with none left it does nothing."""
+
+    def action(name: str) -> None:
+        for ticket in range(most):
+            try:
+                os.close(os.open(os.path.join(folder, f"{name}-{ticket}"), _TICKET, 0o644))
+            except FileExistsError:
+                continue
+            crash(name)
+            return
+
+    return action
+
+
+_TICKET = os.O_CREAT | os.O_EXCL | os.O_WRONLY
+
+
+def _parse(spec: str, folder: str | None = None) -> dict[str, _Armed]:
     armed: dict[str, _Armed] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, probability = part.partition(":")
+        name, _, rest = part.partition(":")
+        probability, _, most = rest.partition(":")
         if name not in POINTS:
             raise ValueError(f"{ENV}: unknown fault point {name!r}; known: {', '.join(POINTS)}")
-        armed[name] = _Armed(float(probability) if probability else 1.0, crash)
+        action = crash
+        if most:
+            if not folder:
+                raise ValueError(
+                    f"{ENV}: {part!r} limits its crashes: set {DIR_ENV} to a folder every "
+                    "process of the run shares (its crash tickets are kept there)"
+                )
+            action = budgeted(folder, int(most))
+        armed[name] = _Armed(float(probability) if probability else 1.0, action)
     return armed
 
 
-_armed: dict[str, _Armed] = _parse(os.environ.get(ENV, ""))
+_armed: dict[str, _Armed] = _parse(os.environ.get(ENV, ""), os.environ.get(DIR_ENV))
 
 
 def arm(

@@ -57,6 +57,9 @@ class Storm:
         env = dict(self.env)
         if faults and self.faults:
             env["ERRANDS_FAULT_POINTS"] = self.faults
+            tickets = self.folder / "fault-tickets"  # for points armed with a crash budget
+            tickets.mkdir(exist_ok=True)
+            env["ERRANDS_FAULT_DIR"] = str(tickets)
         argv = ["worker", "effects_app:app", *WORKER_FLAGS, *args]
         out_file, err_file = out.open("wb"), err.open("wb")
         popen = subprocess.Popen(

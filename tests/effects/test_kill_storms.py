@@ -28,8 +28,11 @@ import errands
 
 from .storm import Storm, settled
 
+# The suite's sizes: each storm proves its windows were hit (asserted below) at a bounded
+# number of worker restarts (crash budgets, a kill cap); every restart costs a process
+# start and a lease, which dominate the run.
 ORDERS = 1_000
-TX_JOBS = 100
+TX_JOBS = 60
 UNFINISHED = (
     "SELECT count(*) FROM errands_jobs WHERE state IN "
     "('available', 'scheduled', 'retryable', 'running')"
@@ -68,12 +71,13 @@ def test_payment_step_charges_each_order_exactly_once_through_a_sigkill_storm(
     psp.create(PAYMENT_TABLES)
     app.enqueue_many([effects_app.pay.bind(order_id=n) for n in range(ORDERS)])
 
-    storm = storm_factory(store_url, psp_url, faults="after_step:0.01")
+    storm = storm_factory(store_url, psp_url, faults="after_step:0.02:3")
     storm.run(
         lambda: effects.execute(UNFINISHED)[0][0] == 0,
         workers=2,
         concurrency=8,
         kill_every=(1.0, 2.5),
+        max_kills=6,
         describe=lambda: f"states: {dict(_states(effects))}",
     )
 
@@ -130,7 +134,7 @@ def test_transaction_effect_row_exists_once_per_job_with_crashes_around_the_comp
     handles = app.enqueue_many([effects_app.tx_write.bind(n=n) for n in range(TX_JOBS)])
 
     storm = storm_factory(
-        store_url, store_url, faults="before_complete_commit:0.08,after_complete_commit:0.08"
+        store_url, store_url, faults="before_complete_commit:0.1:3,after_complete_commit:0.1:3"
     )
     storm.run(
         lambda: effects.execute(UNFINISHED)[0][0] == 0,
