@@ -91,7 +91,7 @@ def _parse(spec: str, folder: str | None = None) -> dict[str, _Armed]:
         probability, _, most = rest.partition(":")
         if name not in POINTS:
             raise ValueError(f"{ENV}: unknown fault point {name!r}; known: {', '.join(POINTS)}")
-        action = crash
+        action: Action = crash
         if most:
             if not folder:
                 raise ValueError(
