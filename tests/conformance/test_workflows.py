@@ -149,6 +149,32 @@ def test_a_chain_keeps_each_dependent_out_of_every_claim_until_its_parent_comple
     assert callbacks(backend) == ["on_settled", "on_success"]
 
 
+def test_a_dependents_own_delay_counts_from_its_release_not_its_insert(
+    backend: Backend, harness: Harness
+) -> None:
+    later = backend.db_now() + 3600.0
+    nodes = [
+        NodeSpec("a", request(name="member.a")),
+        NodeSpec("delayed", request(name="member.delayed", delay=60.0), (0,), ("cancel",)),
+        NodeSpec("at", request(name="member.at", run_at=later), (0,), ("cancel",)),
+        NodeSpec("past", request(name="member.past", run_at=1.0), (0,), ("cancel",)),
+    ]
+    inserted = backend.workflow_insert(WorkflowSpec("wf", "dag", nodes))
+    delayed, at, past = (j.id for j in inserted.jobs[1:])
+    harness.backdate_run_at(backend, delayed, 120.0)  # its insert-time delay long passed
+    a = claim_one(backend)
+    released = backend.db_now()
+    assert finish(backend, a, "completed")
+    assert claim_one(backend).id == past  # a run_at already past: at once
+    row = get(backend, delayed)
+    assert row.state == "scheduled" and row.run_at >= released + 59.0
+    row = get(backend, at)
+    assert row.state == "scheduled" and abs(row.run_at - later) < 1.0
+    assert claim_all(backend) == []
+    harness.backdate_run_at(backend, delayed, 0.0)  # its delay after the release passed
+    assert claim_one(backend).id == delayed
+
+
 def test_a_failed_parent_cancels_skips_or_runs_its_dependents_by_edge_policy(
     backend: Backend,
 ) -> None:

@@ -38,6 +38,8 @@ NESTED_OUTCOME = {"succeeded": "completed", "failed": "dead", "cancelled": "canc
 # ctx.add_to_workflow marks the child requests it adds with this meta key (they travel
 # with the completion as ctx.enqueue's children do); the store takes them apart.
 WORKFLOW_ADD = "workflow_add"
+# A dependent's own delay, counted from its release (see release_delay).
+RELEASE_DELAY = "release_delay"
 # Below every member id: nested workflows are members with negative ids (minus their own).
 FIRST = -(2**62)
 
@@ -139,6 +141,16 @@ def split_children(
         else:
             plain.append(child)
     return plain, adds
+
+
+def release_delay(request: EnqueueRequest) -> dict[str, float]:
+    """A dependent's ``delay=`` counts from its release (when its last parent ends), not
+    from its insert: the meta key ``release_delay`` carries it to ``wf_release``, which
+    makes the dependent scheduled that long after. A ``run_at=`` is kept as is (the
+    dependent then runs at its release or at ``run_at``, whichever is later)."""
+    if request.run_at is None and request.delay > 0:
+        return {RELEASE_DELAY: float(request.delay)}
+    return {}
 
 
 def request_to_json(request: EnqueueRequest) -> dict[str, Any]:
@@ -282,9 +294,18 @@ class WorkflowStore:
         q = self.q
         if not requests:
             return []
+        waits = set(blocked)
         tagged = [
-            replace(r, meta={**r.meta, "workflow": workflow_id, "node": node})
-            for r, node in zip(requests, nodes, strict=True)
+            replace(
+                r,
+                meta={
+                    **r.meta,
+                    "workflow": workflow_id,
+                    "node": node,
+                    **(release_delay(r) if i in waits else {}),
+                },
+            )
+            for i, (r, node) in enumerate(zip(requests, nodes, strict=True))
         ]
         results = yield from self.insert_jobs(tagged)
         for node, result in zip(nodes, results, strict=True):

@@ -67,10 +67,16 @@ SELECT parent_id, policy, outcome FROM {schema}.errands_workflow_edges
 WHERE child_id = %(child)s
 
 -- name: wf_release
-UPDATE {schema}.errands_jobs
-SET state = 'available', run_at = now()
-WHERE id = %(id)s AND state = 'waiting' AND wait_signal IS NULL
-RETURNING queue
+-- A dependent whose parents all ended runs: now, or its own delay after now (the meta key
+-- release_delay), or at its run_at if that is later.
+UPDATE {schema}.errands_jobs AS j
+SET state = CASE WHEN r.at > now() THEN 'scheduled' ELSE 'available' END, run_at = r.at
+FROM (SELECT id, CASE WHEN meta ? 'release_delay'
+                      THEN now() + make_interval(secs => (meta->>'release_delay')::float8)
+                      ELSE greatest(run_at, now()) END AS at
+      FROM {schema}.errands_jobs WHERE id = %(id)s) AS r
+WHERE j.id = r.id AND j.state = 'waiting' AND j.wait_signal IS NULL
+RETURNING j.queue
 
 -- name: wf_end_blocked
 -- A dependent that will not run: cancelled (a parent failed under policy cancel, or the

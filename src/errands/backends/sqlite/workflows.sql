@@ -68,8 +68,14 @@ RETURNING child_id
 SELECT parent_id, policy, outcome FROM errands_workflow_edges WHERE child_id = :child
 
 -- name: wf_release
+-- A dependent whose parents all ended runs: now, or its own delay after now (the meta key
+-- release_delay), or at its run_at if that is later.
 UPDATE errands_jobs
-SET state = 'available', run_at = (julianday('now') - 2440587.5) * 86400.0
+SET state = CASE WHEN r.at > r.now THEN 'scheduled' ELSE 'available' END, run_at = r.at
+FROM (SELECT now, CASE WHEN delay IS NOT NULL THEN now + delay ELSE max(run_at, now) END AS at
+      FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS now,
+                   json_extract(meta, '$.release_delay') AS delay, run_at
+            FROM errands_jobs WHERE id = :id)) AS r
 WHERE id = :id AND state = 'waiting' AND wait_signal IS NULL
 RETURNING queue
 
