@@ -423,7 +423,8 @@ class WorkflowStore:
 
     def _settle(self, workflow_id: int, died: bool) -> Program[str | None]:
         """Fire ``on_dead`` on a first death; when the pending set is empty, settle the
-        workflow and fire its callbacks. The state it settled in now, else None."""
+        workflow and fire its callbacks. The state it settled in now (or, settled before,
+        is in once its replayed members ended again), else None."""
         q = self.q
         [raw] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
         row = workflow_row(raw)
@@ -445,13 +446,15 @@ class WorkflowStore:
                 fired.append("on_success")
             self._settled(row, state, fired)
             return state
-        if row.state == "failed" and not failed:  # its dead members were replayed
+        # Settled before: the members replayed since (see reenter) all ended again.
+        if row.state == "failed" and not failed:
             yield Stmt(q["wf_settle"], {"id": workflow_id, "state": "succeeded"})
             if row.on_success_job is None and "on_success" in callbacks:
                 yield from self._fire(row, "on_success", callbacks["on_success"])
                 fired.append("on_success")
             self._settled(row, "succeeded", fired)
-        return None
+            return "succeeded"
+        return row.state  # still failed: a nested one re-entered in its parent ends again
 
     def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[None]:
         fault_point("before_callback_insert", workflow_id=row.id, event=event)
@@ -475,14 +478,21 @@ class WorkflowStore:
 
     def reenter(self, job_ids: Sequence[int]) -> Program[None]:
         """Replayed dead members are pending in their workflow again (after job_replay
-        in the same transaction); see docs/workflows.md, "Replaying a member"."""
+        in the same transaction); see docs/workflows.md, "Replaying a member". A nested
+        workflow that had failed, one of whose members is replayed, is pending again in
+        its parent in turn (it then ends there again as it settles again)."""
         q = self.q
         for job_id in job_ids:
-            rows = yield Stmt(q["wf_reenter"], {"id": job_id})
-            if rows:
-                yield Stmt(q["wf_lock"], {"id": rows[0][0]})
-                yield Stmt(q["wf_member_outcome"], {"id": job_id, "outcome": None})
-                yield Stmt(q["wf_uncount_dead"], {"id": rows[0][0]})
+            member: int | None = job_id
+            while member is not None:  # the member, then each failed workflow it re-opens
+                rows = yield Stmt(q["wf_reenter"], {"id": member})
+                if not rows:
+                    break
+                workflow_id = int(rows[0][0])
+                yield Stmt(q["wf_lock"], {"id": workflow_id})
+                yield Stmt(q["wf_member_outcome"], {"id": member, "outcome": None})
+                yield Stmt(q["wf_uncount_dead"], {"id": workflow_id})
+                member = -workflow_id  # up to its parent, if it is nested in one
 
     def prune(self, older_than: float, limit: int) -> Program[int]:
         """Delete up to ``limit`` workflows settled more than ``older_than`` seconds ago,
