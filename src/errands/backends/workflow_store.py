@@ -335,12 +335,7 @@ class WorkflowStore:
             return
         fault_point("before_fan_in", job_ids=ids)
         self._local.fanned = True
-        cancelling: set[int] = set()
-        for workflow_id in sorted({int(r[0]) for r in rows}):  # one order: no deadlock
-            yield Stmt(q["wf_lock"], {"id": workflow_id})
-            [row] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
-            if workflow_row(row).cancel_requested:
-                cancelling.add(workflow_id)
+        cancelling = yield from self._lock_up([int(r[1]) for r in rows])
         work: list[tuple[int, str | None]] = [(int(r[1]), None) for r in rows]
         queues: set[str] = set()
         while work:
@@ -408,9 +403,19 @@ class WorkflowStore:
             if ended:
                 work.append((int(child), "skipped" if decision == "skip" else None))
 
+    def _lock_up(self, job_ids: Sequence[int], workflows: Sequence[int] = ()) -> Program[set[int]]:
+        """Lock ``workflows``, those ``job_ids`` are members of, and the workflows these
+        are nested in, in id order: the one order every writer takes them in (no two
+        transactions each hold one while waiting for the other's). Those being cancelled."""
+        rows = yield Stmt(
+            self.q["wf_lock_up"],
+            {"ids": self.array(list(job_ids)), "workflows": self.array(list(workflows))},
+        )
+        return {int(r[0]) for r in rows if r[1]}
+
     def _leave_parent(self, workflow_id: int, cancelling: set[int]) -> Program[int | None]:
-        """A nested workflow that just settled: lock its parent (if it has one), which its
-        end is then counted in. The parent's id."""
+        """A nested workflow that just settled: lock its parent (if it has one; the fan-in
+        locked it already, with its own), which its end is then counted in. Its id."""
         rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array([-workflow_id])})
         if not rows:
             return None
@@ -469,12 +474,11 @@ class WorkflowStore:
         yield Stmt(self.q["wf_fired"], {"id": row.id, "event": event, "job": result.id})
 
     # -- operators ---------------------------------------------------------------------
-    def lock_for(self, job_ids: Sequence[int]) -> Program[None]:
-        """Lock the workflows these jobs are pending in (before locking the jobs: the
-        order every fan-in that may change a waiting member takes them in)."""
-        rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array(list(job_ids))})
-        for workflow_id in sorted({int(r[0]) for r in rows}):
-            yield Stmt(self.q["wf_lock"], {"id": workflow_id})
+    def lock_members_of(self, job_ids: Sequence[int]) -> Program[None]:
+        """Lock the workflows these jobs are members of, and those these are nested in,
+        before locking the jobs: the order every fan-in that may change a waiting member
+        (release it, cancel it) takes them in."""
+        yield from self._lock_up(job_ids)
 
     def reenter(self, job_ids: Sequence[int]) -> Program[None]:
         """Replayed dead members are pending in their workflow again (after job_replay
@@ -519,9 +523,7 @@ class WorkflowStore:
     def cancel_pending(self, workflow_id: int) -> Program[int]:
         """Cancel every member not running, under the workflow's lock, and fan in."""
         q = self.q
-        locked = yield Stmt(q["wf_lock"], {"id": workflow_id})
-        if not locked:
-            return 0
+        yield from self._lock_up((), [workflow_id])
         yield Stmt(q["wf_request_cancel"], {"id": workflow_id})
         ended = []
         for job_id, state in (yield Stmt(q["wf_pending_members"], {"id": workflow_id})):

@@ -43,6 +43,22 @@ WHERE job_id IN (SELECT value FROM json_each(:ids))
 -- name: wf_lock
 SELECT id FROM errands_workflows WHERE id = :id
 
+-- name: wf_lock_up
+-- The workflows given, those the jobs given are members of, and every workflow these are
+-- nested in up to the outermost, in id order, each with its cancel_requested (the file's
+-- write lock is the lock: PostgreSQL locks these rows in this order).
+WITH RECURSIVE up(id) AS (
+    SELECT value FROM json_each(:workflows)
+    UNION
+    SELECT workflow_id FROM errands_workflow_members
+    WHERE job_id IN (SELECT value FROM json_each(:ids))
+    UNION
+    SELECT m.workflow_id FROM errands_workflow_members AS m JOIN up ON m.job_id = -up.id
+)
+SELECT w.id, w.cancel_requested FROM errands_workflows AS w
+WHERE w.id IN (SELECT id FROM up)
+ORDER BY w.id
+
 -- name: wf_leave
 -- A member leaves the fan-in set (once: a second delete finds no row).
 DELETE FROM errands_workflow_pending WHERE job_id = :id
