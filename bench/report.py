@@ -823,6 +823,57 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+WORKFLOWS = BENCH / "results" / "workflows.json"
+
+
+def workflows_markdown(path: Path = WORKFLOWS) -> str:
+    """The workflow shapes beside Celery's canvas (``python -m bench.workflows --celery
+    --json bench/results/workflows.json``), when such a run was kept; else nothing."""
+    if not path.exists():
+        return ""
+    import json
+
+    figures = json.loads(path.read_text())
+    run = figures.get("run", {})
+    rows = []
+    errands = "errands-" + run.get("store", "?")
+    for name, f in ((errands, figures), ("celery", figures.get("celery"))):
+        if f is None:
+            continue
+        lat, fan, chain = f["fan_in_latency"], f["fan_out_fan_in"], f["chain"]
+        rows.append([
+            name, f"{lat['p50_ms']:.1f}", f"{lat['p99_ms']:.1f}",
+            f"{fan['members_per_s']:,.0f}", f"{chain['steps_per_s']:,.0f}",
+        ])  # fmt: skip
+    lat, fan, chain = figures["fan_in_latency"], figures["fan_out_fan_in"], figures["chain"]
+    return (
+        "\n## Workflows (issue 18): preliminary\n\n"
+        f"**Preliminary figures**: one run ({run.get('at', '?')}) on a machine other work "
+        f"shared (1-minute load average {run.get('load_before', '?')} before, "
+        f"{run.get('load_after', '?')} after, on 2 cores), smaller than the issue's sizes; "
+        "they are to be taken again on a quiet machine (on a machine this loaded every "
+        "process gets a sliver of a core: the absolute figures are far below a quiet "
+        "machine's, and the ratios are no verdict either). `python -m bench.workflows "
+        "--celery`: one `errands worker -c 8` against one `celery worker -P threads -c 8` "
+        "(Redis as broker and result backend: a chord needs one). Fan-in latency: from a "
+        f"batch's last member ending to its callback starting, {lat['batches']} batches of "
+        f"{lat['width']} one at a time (Celery: a `chord`); fan-out/fan-in: 1 → "
+        f"{fan['width']:,} → 1, members per second from the enqueue to the last one done "
+        f"(Celery: `chain(a, chord([...], body))`); chain: {chain['steps']:,} steps "
+        "(Celery: `chain`).\n\n"
+        + _md_table(
+            [
+                "system",
+                "fan-in p50 ms",
+                "fan-in p99 ms",
+                "fan-out/fan-in members/s",
+                "chain steps/s",
+            ],
+            rows,
+        )
+    )
+
+
 def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
     m = results["machine"]
     plan = results["plan"]
@@ -955,6 +1006,7 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
             ],
         )
     )
+    add(workflows_markdown())
     add("\n## Machine\n")
     add(
         f"- {m['cores']} cores, {m['memory_gib']} GiB memory, CPU: {m['cpu']} "

@@ -10,6 +10,10 @@ A separate ``errands worker`` process (``-c 8``) serves the jobs; this process e
   members per second from the workflow's enqueue to the last job's completion;
 - **chain**: ``--chain`` jobs each after the one before: steps per second.
 
+``--celery`` runs the same shapes in Celery beside it (bench/peers/celery_workflows.py: a
+``chord`` with Redis as broker and result backend, a ``chain``; ``celery worker -P threads
+-c 8``), in Celery's bench venv.
+
 ::
 
     python -m bench.workflows                                   # PostgreSQL on 127.0.0.1
@@ -125,9 +129,15 @@ def run(url: str, batches: int, width: int, fan: int, steps: int) -> dict[str, A
                 worker.kill()
                 worker.wait()
             app.close()
+    return _figures(waits, width, fan, fan_rate, steps, chain_rate)
+
+
+def _figures(
+    waits: list[float], width: int, fan: int, fan_rate: float, steps: int, chain_rate: float
+) -> dict[str, Any]:
     return {
         "fan_in_latency": {
-            "batches": batches,
+            "batches": len(waits),
             "width": width,
             "p50_ms": percentile(waits, 50) * 1000,
             "p99_ms": percentile(waits, 99) * 1000,
@@ -136,6 +146,37 @@ def run(url: str, batches: int, width: int, fan: int, steps: int) -> dict[str, A
         "fan_out_fan_in": {"width": fan, "members_per_s": fan_rate},
         "chain": {"steps": steps, "steps_per_s": chain_rate},
     }
+
+
+def celery(redis_url: str, *, batches: int, width: int, fan: int, steps: int) -> dict[str, Any]:
+    """The same shapes in Celery (a chord on Redis, bench/peers/celery_workflows.py), in
+    Celery's bench venv (made on first use, bench.systems)."""
+    from .systems import PEERS, by_name, python_for
+
+    python = python_for(by_name("celery"))
+    argv = [python, str(PEERS / "celery_workflows.py"), "--batches", str(batches),
+            "--width", str(width), "--fan", str(fan), "--chain", str(steps)]  # fmt: skip
+    env = {**os.environ, "BENCH_REDIS_URL": redis_url}
+    done = subprocess.run(
+        argv, cwd=PEERS, env=env, capture_output=True, text=True, timeout=3600, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the Celery run failed: {done.stderr[-2000:]}")
+    raw = json.loads(done.stdout.strip().splitlines()[-1])
+    return _figures(raw["waits"], width, fan, raw["fan_rate"], steps, raw["chain_rate"])
+
+
+def _print(title: str, figures: dict[str, Any]) -> None:
+    latency = figures["fan_in_latency"]
+    print(title)
+    print(
+        f"fan-in latency (last member done -> callback started), {latency['batches']} "
+        f"batches of {latency['width']}: p50 {latency['p50_ms']:.1f} ms, p99 "
+        f"{latency['p99_ms']:.1f} ms, max {latency['max_ms']:.1f} ms"
+    )
+    fan = figures["fan_out_fan_in"]
+    print(f"1 -> {fan['width']} -> 1 fan-out/fan-in: {fan['members_per_s']:.0f} members/s")
+    print(f"{figures['chain']['steps']}-step chain: {figures['chain']['steps_per_s']:.0f} steps/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chain", type=int, default=1_000, help="chain length (default 1000)")
     parser.add_argument("--quick", action="store_true", help="20 batches, 200 wide, 50 steps")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument(
+        "--celery", action="store_true", help="also run the same shapes in Celery (chords)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/3"),
+        help="Celery's broker and result backend (its database is emptied)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.fan, args.chain = 20, 200, 50
@@ -161,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             url = _with_params(url, auto_migrate="true")
     elif urlsplit(url).scheme != "sqlite":
         parser.error(f"unsupported URL {args.url!r}: postgresql://... or sqlite:///...")
+    load_before = os.getloadavg()[0]
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     try:
         figures = run(url, args.batches, args.width, args.fan, args.chain)
     finally:
@@ -174,19 +225,21 @@ def main(argv: list[str] | None = None) -> int:
                 psycopg.connect(parse_postgres_url(url).conninfo, autocommit=True) as conn,
             ):
                 conn.execute(f'DROP SCHEMA IF EXISTS "{own_schema}" CASCADE')
-    latency = figures["fan_in_latency"]
-    print(f"errands workflows on {urlsplit(url).scheme} (worker -c 8, this machine)")
-    print(
-        f"fan-in latency (last member done -> callback started), {latency['batches']} "
-        f"batches of {latency['width']}: p50 {latency['p50_ms']:.1f} ms, p99 "
-        f"{latency['p99_ms']:.1f} ms, max {latency['max_ms']:.1f} ms"
-    )
-    print(
-        f"1 -> {args.fan} -> 1 fan-out/fan-in: "
-        f"{figures['fan_out_fan_in']['members_per_s']:.0f} members/s"
-    )
-    print(f"{args.chain}-step chain: {figures['chain']['steps_per_s']:.0f} steps/s")
+    _print(f"errands workflows on {urlsplit(url).scheme} (worker -c 8, this machine)", figures)
+    if args.celery:
+        peer = celery(
+            args.redis_url, batches=args.batches, width=args.width, fan=args.fan, steps=args.chain
+        )
+        _print("Celery canvas, Redis broker and result backend (worker -P threads -c 8)", peer)
+        figures = {**figures, "celery": peer}
     if args.json is not None:
+        figures["run"] = {
+            "at": started,
+            "store": urlsplit(url).scheme.split("+")[0],
+            "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+            "quick": args.quick,
+        }
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from errands.backends import Backend
 from errands.backends.base import ActionParams, FinishParams, RescueParams
-from errands.backends.workflow_store import NodeSpec, WorkflowSpec
+from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
 from errands.jobs import JobRow
 
 from .conftest import Harness
@@ -147,6 +147,32 @@ def test_a_chain_keeps_each_dependent_out_of_every_claim_until_its_parent_comple
     )
     assert finish(backend, row, "completed")
     assert callbacks(backend) == ["on_settled", "on_success"]
+
+
+def test_a_dependents_own_delay_counts_from_its_release_not_its_insert(
+    backend: Backend, harness: Harness
+) -> None:
+    later = backend.db_now() + 3600.0
+    nodes = [
+        NodeSpec("a", request(name="member.a")),
+        NodeSpec("delayed", request(name="member.delayed", delay=60.0), (0,), ("cancel",)),
+        NodeSpec("at", request(name="member.at", run_at=later), (0,), ("cancel",)),
+        NodeSpec("past", request(name="member.past", run_at=1.0), (0,), ("cancel",)),
+    ]
+    inserted = backend.workflow_insert(WorkflowSpec("wf", "dag", nodes))
+    delayed, at, past = (j.id for j in inserted.jobs[1:])
+    harness.backdate_run_at(backend, delayed, 120.0)  # its insert-time delay long passed
+    a = claim_one(backend)
+    released = backend.db_now()
+    assert finish(backend, a, "completed")
+    assert claim_one(backend).id == past  # a run_at already past: at once
+    row = get(backend, delayed)
+    assert row.state == "scheduled" and row.run_at >= released + 59.0
+    row = get(backend, at)
+    assert row.state == "scheduled" and abs(row.run_at - later) < 1.0
+    assert claim_all(backend) == []
+    harness.backdate_run_at(backend, delayed, 0.0)  # its delay after the release passed
+    assert claim_one(backend).id == delayed
 
 
 def test_a_failed_parent_cancels_skips_or_runs_its_dependents_by_edge_policy(
@@ -348,6 +374,63 @@ def test_a_failed_nested_workflow_is_a_dead_member_of_its_parent(backend: Backen
     outer = backend.workflow_get(inserted.id)
     assert outer is not None and (outer.state, outer.dead, outer.cancelled) == ("failed", 1, 1)
     assert callbacks(backend) == ["outer.on_dead", "outer.on_settled"]
+
+
+def _replay(backend: Backend, job_id: int) -> None:
+    assert backend.job_replay(ActionParams(actor="test", ids=[job_id])).matched == [job_id]
+
+
+def _state(backend: Backend, workflow_id: int) -> tuple[str, int, int, int]:
+    row = backend.workflow_get(workflow_id)
+    assert row is not None
+    return (row.state, row.completed, row.dead, row.pending)
+
+
+def _nested_member_dead(
+    backend: Backend,
+) -> tuple[WorkflowInserted, WorkflowInserted, JobRow, JobRow]:
+    """A workflow of a job and a nested batch of one member, claimed; that member dead.
+    The workflow, the nested one, the job's claimed row, the nested member's."""
+    inserted = backend.workflow_insert(nested(batch(1), events=EVENTS))
+    [inner] = inserted.children.values()
+    job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    assert finish(backend, inner_member, "dead", error=error())
+    return inserted, inner, job, inner_member
+
+
+def test_a_failed_nested_batch_whose_replayed_member_completes_turns_its_parent_succeeded(
+    backend: Backend,
+) -> None:
+    inserted, inner, job, inner_member = _nested_member_dead(backend)
+    assert finish(backend, job, "completed")
+    assert _state(backend, inserted.id) == ("failed", 1, 1, 0)
+    fired = ["on_dead", "on_settled", "outer.on_dead", "outer.on_settled"]
+    assert callbacks(backend) == fired
+    _replay(backend, inner_member.id)  # the nested batch is pending in its parent again
+    assert _state(backend, inner.id) == ("failed", 0, 0, 1)
+    assert _state(backend, inserted.id) == ("failed", 1, 0, 1)
+    assert finish(backend, claim_one(backend), "completed")
+    assert _state(backend, inner.id) == ("succeeded", 1, 0, 0)
+    assert _state(backend, inserted.id) == ("succeeded", 2, 0, 0)
+    assert callbacks(backend) == sorted([*fired, "on_success", "outer.on_success"])  # once each
+    last_two = [r.name for r in backend.job_list(_list(CALLBACKS))[:2]]
+    assert last_two == ["callback.outer.on_success", "callback.on_success"]  # child first
+    members = {m.node: m.outcome for m in backend.workflow_members(inserted.id)}
+    assert members == {"job": "completed", "inner": "completed"}
+
+
+def test_a_replayed_member_of_a_nested_batch_that_dies_again_ends_it_dead_in_its_parent_again(
+    backend: Backend,
+) -> None:
+    inserted, inner, job, inner_member = _nested_member_dead(backend)
+    _replay(backend, inner_member.id)  # before the parent settled: it waits for it again
+    assert _state(backend, inserted.id) == ("running", 0, 0, 2)
+    assert finish(backend, claim_one(backend), "dead", error=error())
+    assert _state(backend, inner.id) == ("failed", 0, 1, 0)
+    assert _state(backend, inserted.id) == ("running", 0, 1, 1)
+    assert finish(backend, job, "completed")
+    assert _state(backend, inserted.id) == ("failed", 1, 1, 0)
+    assert callbacks(backend) == ["on_dead", "on_settled", "outer.on_dead", "outer.on_settled"]
 
 
 def test_cancelling_a_workflow_cancels_its_nested_workflows(backend: Backend) -> None:

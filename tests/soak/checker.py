@@ -29,7 +29,7 @@ from typing import Any
 
 from soak_app import CRON_STEP
 
-from . import shapes
+from . import shapes, workflows
 from .chaos import Chaos
 from .records import (
     LOSS_KINDS,
@@ -90,6 +90,7 @@ def check(
     _health(out, store)
     _latency(out, jobs, runs, chaos, 2 * (lease + poll_interval), enforce_i9)
     shapes.check(out, jobs, by_job, ledger, chaos)
+    workflows.check(out, store, ledger.workflows, by_job)
     return out
 
 

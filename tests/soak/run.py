@@ -30,7 +30,11 @@ from .report import render
 from .store import Store
 from .workload import Ledger, Workload
 
-FAULT_POINTS = "after_step:0.002,before_complete_commit:0.003,after_complete_commit:0.003"
+FAULT_POINTS = (
+    "after_step:0.002,before_complete_commit:0.003,after_complete_commit:0.003,"
+    # the workflows' fan-in path (tests/soak/workflows.py): a few crashes per CI run
+    "before_fan_in:0.01,before_callback_insert:0.02,after_fan_in_commit:0.01"
+)
 
 # Rough seconds one fault of each kind takes (fault, heal, canary, gap), to pace the
 # workload so that jobs keep flowing for the whole chaos plan.

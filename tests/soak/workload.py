@@ -38,6 +38,7 @@ import errands
 from errands.errors import DatabaseBusy, InvalidTransition
 
 from .store import Store, is_connection_error
+from .workflows import WorkflowFeed
 
 # kind -> weight in the mix (orders, unique bursts, canaries and cron come on their own)
 MIX = {
@@ -91,6 +92,7 @@ class Ledger:
     # unique_for keys enqueued twice: (key, first job id, second job id)
     unique_pairs: list[tuple[str, int, int]] = field(default_factory=list)
     tx_bursts: int = 0
+    workflows: dict[int, str] = field(default_factory=dict)  # acknowledged: id -> shape
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, ids: list[int], kinds: list[str]) -> None:
@@ -137,6 +139,9 @@ class Workload:
         self._order_conn: Any = None
         self._to_signal: list[tuple[float, int, int]] = []  # (due, job id, seq)
         self._to_reenqueue: list[tuple[float, int, str, int]] = []  # (due, seq, key, first id)
+        self.workflows = WorkflowFeed(
+            app, rng, self._retrying, lambda: self.next_key()[0], ledger.workflows
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -181,6 +186,7 @@ class Workload:
                 self._unique_burst()
                 next_unique = time.monotonic() + self.unique_every
             self._due_followups(time.monotonic())
+            self.workflows.after_batch(batches)
         if not self.ledger.bursts and not self.stop.is_set():
             self._unique_burst()  # at least one, however short the run
         while (self._to_signal or self._to_reenqueue) and not self.stop.is_set():

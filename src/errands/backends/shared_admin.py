@@ -13,6 +13,9 @@ queries in it).
 from __future__ import annotations
 
 import json
+import logging
+import random
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,6 +54,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 SIGNAL_REFUSED = ("completed", "cancelled", "discarded")
+# An operator's write transaction that the server aborts to break a lock cycle (with a
+# worker's finish, a fan-in, or another operator) runs again, this many times at most.
+LOCK_CONFLICT_TRIES = 5
+log = logging.getLogger("errands.admin")
 
 
 class TxRun:
@@ -113,6 +120,27 @@ class SharedAdmin:
 
         workflows: WorkflowStore
 
+    def _lock_conflict(self, exc: BaseException) -> bool:
+        """Whether the store aborted a transaction to break a deadlock (or a serialization
+        conflict): the whole transaction can simply run again. Never, on SQLite (one
+        writer at a time)."""
+        return False
+
+    def _write_tx(self, action: str, body: Callable[[TxRun], T]) -> T:
+        """Run ``body`` in a write transaction of its own; when the store aborts it to
+        break a lock cycle, run it again (from the start, seeing what the other side
+        committed): an operator never sees a deadlock. Any other error propagates."""
+        for attempt in range(1, LOCK_CONFLICT_TRIES + 1):
+            try:
+                with self._transaction() as run:
+                    return body(run)
+            except Exception as exc:
+                if attempt == LOCK_CONFLICT_TRIES or not self._lock_conflict(exc):
+                    raise
+                log.info("%s: the store broke a lock cycle (%s); running it again", action, exc)
+                time.sleep(random.uniform(0.0, 0.01 * attempt))  # jitter
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         """Run the program ``factory()`` makes on a read connection."""
         with self._transaction() as run:  # a backend may read more cheaply (overrides)
@@ -152,25 +180,30 @@ class SharedAdmin:
         again for members claimed in between. The number of jobs cancelled at once."""
         if self.workflow_get(workflow_id) is None:
             raise JobNotFound(f"no workflow with id {workflow_id}")
-        with self._transaction() as run:  # first: nested workflows then end in a cancelled one
-            run("wf_request_cancel", {"id": workflow_id})
+        # first: nested workflows then end in a cancelled one
+        self._write_tx("workflow_cancel", lambda run: run("wf_request_cancel", {"id": workflow_id}))
         nested = self._read_program(lambda: self.workflows.nested_pending(workflow_id))
         cancelled = sum(self.workflow_cancel(child, actor) for child in nested)
-        with self._transaction() as run:
-            run.program(self.workflows.cancel_running(workflow_id))
-        with self._transaction() as run:
-            cancelled += run.program(self.workflows.cancel_pending(workflow_id))
+
+        def ask_running(run: TxRun) -> int:
+            return run.program(self.workflows.cancel_running(workflow_id))
+
+        def cancel_pending(run: TxRun) -> int:
+            ended = run.program(self.workflows.cancel_pending(workflow_id))
             run(
                 "audit_insert",
                 {
                     "actor": actor,
                     "action": "workflow_cancel",
                     "job_id": None,
-                    "detail": json.dumps({"workflow": workflow_id, "cancelled": cancelled}),
+                    "detail": json.dumps({"workflow": workflow_id, "cancelled": cancelled + ended}),
                 },
             )
-        with self._transaction() as run:
-            run.program(self.workflows.cancel_running(workflow_id))
+            return ended
+
+        self._write_tx("workflow_cancel", ask_running)
+        cancelled += self._write_tx("workflow_cancel", cancel_pending)
+        self._write_tx("workflow_cancel", ask_running)
         return cancelled
 
     def _replayed(self, ids: list[int]) -> None:
@@ -188,44 +221,56 @@ class SharedAdmin:
 
     # -- admin actions -------------------------------------------------------------------
     def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
-        with self._transaction() as run:
-            if params.all_matching:
-                found = run(
-                    "job_ids_matching",
-                    {"state": "dead", "queue": params.queue, "name": params.name},
-                )
-                ids = [r[0] for r in found.fetchall()]
+        result = self._write_tx(
+            action, lambda run: self._dead_action_tx(run, params, query, action)
+        )
+        if action == "replay" and result.matched and not params.dry_run:
+            self._replayed(result.matched)
+        return result
+
+    def _dead_action_tx(
+        self, run: TxRun, params: ActionParams, query: str, action: str
+    ) -> ActionResult:
+        if params.all_matching:
+            found = run(
+                "job_ids_matching",
+                {"state": "dead", "queue": params.queue, "name": params.name},
+            )
+            ids = [r[0] for r in found.fetchall()]
+        else:
+            ids = list(dict.fromkeys(params.ids))
+        if action == "replay" and not params.dry_run:
+            # The workflows the replayed members re-enter (and their parents) are locked
+            # first, in id order, as a fan-in locks them, then the jobs: a replay and a
+            # settling fan-in never hold one lock each while waiting for the other's.
+            run.program(self.workflows.lock_members_of(ids))
+        matched: list[int] = []
+        skipped: dict[int, str] = {}
+        for job_id in ids:
+            row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
+            if row is None:
+                skipped[job_id] = "no such job"
+            elif row[0] != "dead":
+                skipped[job_id] = f"not in the dead-letter queue (state {row[0]})"
             else:
-                ids = list(dict.fromkeys(params.ids))
-            matched: list[int] = []
-            skipped: dict[int, str] = {}
-            for job_id in ids:
-                row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
-                if row is None:
-                    skipped[job_id] = "no such job"
-                elif row[0] != "dead":
-                    skipped[job_id] = f"not in the dead-letter queue (state {row[0]})"
-                else:
-                    matched.append(job_id)
-            if params.dry_run:  # nothing written: the transaction commits nothing
-                return ActionResult(matched=matched, skipped=skipped)
-            for job_id in matched:
-                if action == "replay" and params.fresh:
-                    run("steps_delete", {"job_id": job_id})
-                run(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
-                if action == "replay":
-                    run.program(self.workflows.reenter([job_id]))
-                run(
-                    "audit_insert",
-                    {
-                        "actor": params.actor,
-                        "action": action,
-                        "job_id": job_id,
-                        "detail": json.dumps(action_detail(params)),
-                    },
-                )
-        if action == "replay" and matched:
-            self._replayed(matched)
+                matched.append(job_id)
+        if params.dry_run:  # nothing written: the transaction commits nothing
+            return ActionResult(matched=matched, skipped=skipped)
+        for job_id in matched:
+            if action == "replay" and params.fresh:
+                run("steps_delete", {"job_id": job_id})
+            run(query, {"id": job_id, "actor": params.actor, "reason": params.reason})
+            if action == "replay":
+                run.program(self.workflows.reenter([job_id]))
+            run(
+                "audit_insert",
+                {
+                    "actor": params.actor,
+                    "action": action,
+                    "job_id": job_id,
+                    "detail": json.dumps(action_detail(params)),
+                },
+            )
         return ActionResult(matched=matched, skipped=skipped)
 
     def job_replay(self, params: ActionParams) -> ActionResult:
@@ -237,38 +282,43 @@ class SharedAdmin:
         return self._dead_action(params, "job_discard", "discard")
 
     def job_cancel(self, job_id: int, actor: str) -> CancelResult:
-        with self._transaction() as run:
-            # A pending workflow member: its workflow's lock first, as a fan-in that may
-            # end it takes them. Not for a running one: its worker's finish holds the job's
-            # row while it waits for the workflow's, and this only flags it.
-            seen = run("wf_job_state", {"id": job_id}).fetchone()
-            if seen is not None and seen[0] != "running":
-                run.program(self.workflows.lock_for([job_id]))
-            row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
-            if row is None:
-                raise JobNotFound(f"no job with id {job_id}")
-            previous = row[0]
-            if previous in ("available", "scheduled", "retryable", "waiting"):
-                run("job_cancel_pending", {"id": job_id})
-                run.program(self.workflows.fan_in([job_id]))
-                state = "cancelled"
-            elif previous == "running":
-                run("job_cancel_running", {"id": job_id})
-                state = "running"
-            else:
-                raise InvalidTransition(
-                    f"job {job_id} is {previous}; only scheduled, available, retryable, "
-                    "waiting or running jobs can be cancelled"
-                )
-            run(
-                "audit_insert",
-                {
-                    "actor": actor,
-                    "action": "cancel",
-                    "job_id": job_id,
-                    "detail": json.dumps({"previous_state": previous}),
-                },
+        return self._write_tx("cancel", lambda run: self._cancel_tx(run, job_id, actor))
+
+    def _cancel_tx(self, run: TxRun, job_id: int, actor: str) -> CancelResult:
+        # The locks in the order of the writers this may meet. A waiting workflow member
+        # (a dependent): its workflows first, as the fan-in that may release it takes
+        # them. A job a worker may claim: the job first, as the worker's finish takes it
+        # before its workflows (and a claim skips it meanwhile); a running one is only
+        # flagged. A cycle left (say, with a workflow cancel) is broken by the store and
+        # this runs again (_write_tx).
+        seen = run("wf_job_state", {"id": job_id}).fetchone()
+        if seen is not None and seen[0] == "waiting":
+            run.program(self.workflows.lock_members_of([job_id]))
+        row = run(self.STATE_QUERY, {"id": job_id}).fetchone()
+        if row is None:
+            raise JobNotFound(f"no job with id {job_id}")
+        previous = row[0]
+        if previous in ("available", "scheduled", "retryable", "waiting"):
+            run("job_cancel_pending", {"id": job_id})
+            run.program(self.workflows.fan_in([job_id]))
+            state = "cancelled"
+        elif previous == "running":
+            run("job_cancel_running", {"id": job_id})
+            state = "running"
+        else:
+            raise InvalidTransition(
+                f"job {job_id} is {previous}; only scheduled, available, retryable, "
+                "waiting or running jobs can be cancelled"
             )
+        run(
+            "audit_insert",
+            {
+                "actor": actor,
+                "action": "cancel",
+                "job_id": job_id,
+                "detail": json.dumps({"previous_state": previous}),
+            },
+        )
         return CancelResult(id=job_id, previous_state=previous, state=state)
 
     # -- editing pending jobs ------------------------------------------------------------

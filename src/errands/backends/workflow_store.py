@@ -38,6 +38,8 @@ NESTED_OUTCOME = {"succeeded": "completed", "failed": "dead", "cancelled": "canc
 # ctx.add_to_workflow marks the child requests it adds with this meta key (they travel
 # with the completion as ctx.enqueue's children do); the store takes them apart.
 WORKFLOW_ADD = "workflow_add"
+# A dependent's own delay, counted from its release (see release_delay).
+RELEASE_DELAY = "release_delay"
 # Below every member id: nested workflows are members with negative ids (minus their own).
 FIRST = -(2**62)
 
@@ -139,6 +141,16 @@ def split_children(
         else:
             plain.append(child)
     return plain, adds
+
+
+def release_delay(request: EnqueueRequest) -> dict[str, float]:
+    """A dependent's ``delay=`` counts from its release (when its last parent ends), not
+    from its insert: the meta key ``release_delay`` carries it to ``wf_release``, which
+    makes the dependent scheduled that long after. A ``run_at=`` is kept as is (the
+    dependent then runs at its release or at ``run_at``, whichever is later)."""
+    if request.run_at is None and request.delay > 0:
+        return {RELEASE_DELAY: float(request.delay)}
+    return {}
 
 
 def request_to_json(request: EnqueueRequest) -> dict[str, Any]:
@@ -282,9 +294,18 @@ class WorkflowStore:
         q = self.q
         if not requests:
             return []
+        waits = set(blocked)
         tagged = [
-            replace(r, meta={**r.meta, "workflow": workflow_id, "node": node})
-            for r, node in zip(requests, nodes, strict=True)
+            replace(
+                r,
+                meta={
+                    **r.meta,
+                    "workflow": workflow_id,
+                    "node": node,
+                    **(release_delay(r) if i in waits else {}),
+                },
+            )
+            for i, (r, node) in enumerate(zip(requests, nodes, strict=True))
         ]
         results = yield from self.insert_jobs(tagged)
         for node, result in zip(nodes, results, strict=True):
@@ -314,12 +335,7 @@ class WorkflowStore:
             return
         fault_point("before_fan_in", job_ids=ids)
         self._local.fanned = True
-        cancelling: set[int] = set()
-        for workflow_id in sorted({int(r[0]) for r in rows}):  # one order: no deadlock
-            yield Stmt(q["wf_lock"], {"id": workflow_id})
-            [row] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
-            if workflow_row(row).cancel_requested:
-                cancelling.add(workflow_id)
+        cancelling = yield from self._lock_up([int(r[1]) for r in rows])
         work: list[tuple[int, str | None]] = [(int(r[1]), None) for r in rows]
         queues: set[str] = set()
         while work:
@@ -387,9 +403,19 @@ class WorkflowStore:
             if ended:
                 work.append((int(child), "skipped" if decision == "skip" else None))
 
+    def _lock_up(self, job_ids: Sequence[int], workflows: Sequence[int] = ()) -> Program[set[int]]:
+        """Lock ``workflows``, those ``job_ids`` are members of, and the workflows these
+        are nested in, in id order: the one order every writer takes them in (no two
+        transactions each hold one while waiting for the other's). Those being cancelled."""
+        rows = yield Stmt(
+            self.q["wf_lock_up"],
+            {"ids": self.array(list(job_ids)), "workflows": self.array(list(workflows))},
+        )
+        return {int(r[0]) for r in rows if r[1]}
+
     def _leave_parent(self, workflow_id: int, cancelling: set[int]) -> Program[int | None]:
-        """A nested workflow that just settled: lock its parent (if it has one), which its
-        end is then counted in. The parent's id."""
+        """A nested workflow that just settled: lock its parent (if it has one; the fan-in
+        locked it already, with its own), which its end is then counted in. Its id."""
         rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array([-workflow_id])})
         if not rows:
             return None
@@ -402,7 +428,8 @@ class WorkflowStore:
 
     def _settle(self, workflow_id: int, died: bool) -> Program[str | None]:
         """Fire ``on_dead`` on a first death; when the pending set is empty, settle the
-        workflow and fire its callbacks. The state it settled in now, else None."""
+        workflow and fire its callbacks. The state it settled in now (or, settled before,
+        is in once its replayed members ended again), else None."""
         q = self.q
         [raw] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
         row = workflow_row(raw)
@@ -424,13 +451,15 @@ class WorkflowStore:
                 fired.append("on_success")
             self._settled(row, state, fired)
             return state
-        if row.state == "failed" and not failed:  # its dead members were replayed
+        # Settled before: the members replayed since (see reenter) all ended again.
+        if row.state == "failed" and not failed:
             yield Stmt(q["wf_settle"], {"id": workflow_id, "state": "succeeded"})
             if row.on_success_job is None and "on_success" in callbacks:
                 yield from self._fire(row, "on_success", callbacks["on_success"])
                 fired.append("on_success")
             self._settled(row, "succeeded", fired)
-        return None
+            return "succeeded"
+        return row.state  # still failed: a nested one re-entered in its parent ends again
 
     def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[None]:
         fault_point("before_callback_insert", workflow_id=row.id, event=event)
@@ -445,23 +474,29 @@ class WorkflowStore:
         yield Stmt(self.q["wf_fired"], {"id": row.id, "event": event, "job": result.id})
 
     # -- operators ---------------------------------------------------------------------
-    def lock_for(self, job_ids: Sequence[int]) -> Program[None]:
-        """Lock the workflows these jobs are pending in (before locking the jobs: the
-        order every fan-in that may change a waiting member takes them in)."""
-        rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array(list(job_ids))})
-        for workflow_id in sorted({int(r[0]) for r in rows}):
-            yield Stmt(self.q["wf_lock"], {"id": workflow_id})
+    def lock_members_of(self, job_ids: Sequence[int]) -> Program[None]:
+        """Lock the workflows these jobs are members of, and those these are nested in,
+        before locking the jobs: the order every fan-in that may change a waiting member
+        (release it, cancel it) takes them in."""
+        yield from self._lock_up(job_ids)
 
     def reenter(self, job_ids: Sequence[int]) -> Program[None]:
         """Replayed dead members are pending in their workflow again (after job_replay
-        in the same transaction); see docs/workflows.md, "Replaying a member"."""
+        in the same transaction); see docs/workflows.md, "Replaying a member". A nested
+        workflow that had failed, one of whose members is replayed, is pending again in
+        its parent in turn (it then ends there again as it settles again)."""
         q = self.q
         for job_id in job_ids:
-            rows = yield Stmt(q["wf_reenter"], {"id": job_id})
-            if rows:
-                yield Stmt(q["wf_lock"], {"id": rows[0][0]})
-                yield Stmt(q["wf_member_outcome"], {"id": job_id, "outcome": None})
-                yield Stmt(q["wf_uncount_dead"], {"id": rows[0][0]})
+            member: int | None = job_id
+            while member is not None:  # the member, then each failed workflow it re-opens
+                rows = yield Stmt(q["wf_reenter"], {"id": member})
+                if not rows:
+                    break
+                workflow_id = int(rows[0][0])
+                yield Stmt(q["wf_lock"], {"id": workflow_id})
+                yield Stmt(q["wf_member_outcome"], {"id": member, "outcome": None})
+                yield Stmt(q["wf_uncount_dead"], {"id": workflow_id})
+                member = -workflow_id  # up to its parent, if it is nested in one
 
     def prune(self, older_than: float, limit: int) -> Program[int]:
         """Delete up to ``limit`` workflows settled more than ``older_than`` seconds ago,
@@ -488,9 +523,7 @@ class WorkflowStore:
     def cancel_pending(self, workflow_id: int) -> Program[int]:
         """Cancel every member not running, under the workflow's lock, and fan in."""
         q = self.q
-        locked = yield Stmt(q["wf_lock"], {"id": workflow_id})
-        if not locked:
-            return 0
+        yield from self._lock_up((), [workflow_id])
         yield Stmt(q["wf_request_cancel"], {"id": workflow_id})
         ended = []
         for job_id, state in (yield Stmt(q["wf_pending_members"], {"id": workflow_id})):

@@ -18,6 +18,7 @@ times, and only a real bug — never the chaos itself — may keep a job from it
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import threading
@@ -418,3 +419,13 @@ def signal_never(ctx: errands.Context, n: int) -> None:
     attempt charged without a run; dead after its 2 attempts."""
     ctx.wait_for_signal("never", timeout=SIGNAL_NEVER_TIMEOUT)
     record(ctx)
+
+
+# -- workflows (issue 18; tests/soak/workflows.py) ---------------------------------------------
+@app.job(name="soak.wf_callback", retries=RETRIES, backoff=QUICK)
+def wf_callback(ctx: errands.Context, event: str) -> dict[str, Any]:
+    """A workflow's callback: records the workflow's status as it saw it (none of its
+    members may still be pending when a callback runs: never early)."""
+    status = ctx.workflow()
+    seen = {"event": event, "state": status.state, "pending": status.pending}
+    return done(ctx, record(ctx, detail=json.dumps(seen)))

@@ -41,6 +41,10 @@ class PostgresAdmin(SharedAdmin):
     def _statement(self, query: str) -> str:
         return self.q[query]
 
+    def _lock_conflict(self, exc: BaseException) -> bool:
+        # deadlock_detected, serialization_failure: the server rolled the transaction back
+        return getattr(exc, "sqlstate", None) in ("40P01", "40001")
+
     # Reads run again on a fresh connection when theirs is lost (a restart, a killed
     # session): an application's reads after a fail-over succeed at the first call.
     def _read_rows(self, query: str, params: dict[str, Any] | None = None) -> list[Any]:

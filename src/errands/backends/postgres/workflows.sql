@@ -41,6 +41,24 @@ WHERE job_id = ANY(%(ids)s::bigint[])
 -- name: wf_lock
 SELECT id FROM {schema}.errands_workflows WHERE id = %(id)s FOR UPDATE
 
+-- name: wf_lock_up
+-- The workflows given, those the jobs given are members of, and every workflow these are
+-- nested in up to the outermost, locked in id order (the rows are locked as the sort
+-- returns them): every fan-in and every operator's write takes its workflows this way,
+-- before the rows of their members' dependents. Each with its cancel_requested.
+WITH RECURSIVE up(id) AS (
+    SELECT unnest(%(workflows)s::bigint[])
+    UNION
+    SELECT workflow_id FROM {schema}.errands_workflow_members
+    WHERE job_id = ANY(%(ids)s::bigint[])
+    UNION
+    SELECT m.workflow_id FROM {schema}.errands_workflow_members AS m JOIN up ON m.job_id = -up.id
+)
+SELECT w.id, w.cancel_requested FROM {schema}.errands_workflows AS w
+WHERE w.id IN (SELECT id FROM up)
+ORDER BY w.id
+FOR UPDATE OF w
+
 -- name: wf_leave
 -- A member leaves the fan-in set (once: a second delete finds no row).
 DELETE FROM {schema}.errands_workflow_pending WHERE job_id = %(id)s
@@ -67,10 +85,16 @@ SELECT parent_id, policy, outcome FROM {schema}.errands_workflow_edges
 WHERE child_id = %(child)s
 
 -- name: wf_release
-UPDATE {schema}.errands_jobs
-SET state = 'available', run_at = now()
-WHERE id = %(id)s AND state = 'waiting' AND wait_signal IS NULL
-RETURNING queue
+-- A dependent whose parents all ended runs: now, or its own delay after now (the meta key
+-- release_delay), or at its run_at if that is later.
+UPDATE {schema}.errands_jobs AS j
+SET state = CASE WHEN r.at > now() THEN 'scheduled' ELSE 'available' END, run_at = r.at
+FROM (SELECT id, CASE WHEN meta ? 'release_delay'
+                      THEN now() + make_interval(secs => (meta->>'release_delay')::float8)
+                      ELSE greatest(run_at, now()) END AS at
+      FROM {schema}.errands_jobs WHERE id = %(id)s) AS r
+WHERE j.id = r.id AND j.state = 'waiting' AND j.wait_signal IS NULL
+RETURNING j.queue
 
 -- name: wf_end_blocked
 -- A dependent that will not run: cancelled (a parent failed under policy cancel, or the

@@ -43,6 +43,22 @@ WHERE job_id IN (SELECT value FROM json_each(:ids))
 -- name: wf_lock
 SELECT id FROM errands_workflows WHERE id = :id
 
+-- name: wf_lock_up
+-- The workflows given, those the jobs given are members of, and every workflow these are
+-- nested in up to the outermost, in id order, each with its cancel_requested (the file's
+-- write lock is the lock: PostgreSQL locks these rows in this order).
+WITH RECURSIVE up(id) AS (
+    SELECT value FROM json_each(:workflows)
+    UNION
+    SELECT workflow_id FROM errands_workflow_members
+    WHERE job_id IN (SELECT value FROM json_each(:ids))
+    UNION
+    SELECT m.workflow_id FROM errands_workflow_members AS m JOIN up ON m.job_id = -up.id
+)
+SELECT w.id, w.cancel_requested FROM errands_workflows AS w
+WHERE w.id IN (SELECT id FROM up)
+ORDER BY w.id
+
 -- name: wf_leave
 -- A member leaves the fan-in set (once: a second delete finds no row).
 DELETE FROM errands_workflow_pending WHERE job_id = :id
@@ -68,8 +84,14 @@ RETURNING child_id
 SELECT parent_id, policy, outcome FROM errands_workflow_edges WHERE child_id = :child
 
 -- name: wf_release
+-- A dependent whose parents all ended runs: now, or its own delay after now (the meta key
+-- release_delay), or at its run_at if that is later.
 UPDATE errands_jobs
-SET state = 'available', run_at = (julianday('now') - 2440587.5) * 86400.0
+SET state = CASE WHEN r.at > r.now THEN 'scheduled' ELSE 'available' END, run_at = r.at
+FROM (SELECT now, CASE WHEN delay IS NOT NULL THEN now + delay ELSE max(run_at, now) END AS at
+      FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS now,
+                   json_extract(meta, '$.release_delay') AS delay, run_at
+            FROM errands_jobs WHERE id = :id)) AS r
 WHERE id = :id AND state = 'waiting' AND wait_signal IS NULL
 RETURNING queue
 

@@ -1,0 +1,211 @@
+"""An operator's write meets a worker's finish and a fan-in on real PostgreSQL locks.
+
+A worker's finish locks its job's row, then (its fan-in) its workflows' rows; a fan-in
+locks its workflows, then the dependents it releases. An operator's cancel and a DLQ
+replay take their locks in the same orders (docs/workflows.md, "Guarantees"), so the two
+windows where each side held one lock and waited for the other's are closed; a cycle left
+(two operators, say) is broken by the server and the operator's transaction runs again.
+
+Each test opens the window for sure: a third connection (``holder``) holds a workflow's
+row while the two sides line up behind it, the operator first; the deadlock check of the
+side that waited first has passed by the time the holder lets go (the server checks each
+wait once, ``deadlock_timeout`` after it began), so a cycle formed then would be detected
+by, and abort, the operator's transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from errands.backends import Backend, open_backend
+from errands.backends.base import ActionParams, FinishParams
+from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
+from errands.errors import InvalidTransition
+from tests.conformance.support import claim, error, finish, request
+
+CALLBACKS = "callbacks"
+
+
+@pytest.fixture
+def backend(pg_url: str) -> Iterator[Backend]:
+    store = open_backend(pg_url)
+    store.migrate()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def batch(backend: Backend, n: int) -> WorkflowInserted:
+    return backend.workflow_insert(
+        WorkflowSpec(
+            name="wf",
+            kind="batch",
+            nodes=[NodeSpec(f"m{i}", request(name=f"member.m{i}")) for i in range(n)],
+            callbacks={
+                e: request(name=f"callback.{e}", queue=CALLBACKS)
+                for e in ("on_success", "on_settled", "on_dead")
+            },
+        )
+    )
+
+
+class Call(threading.Thread):
+    """``fn()`` in a thread: its answer, or what it raised."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self.fn = fn
+        self.answer: Any = None
+        self.raised: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.answer = self.fn()
+        except BaseException as exc:  # handed to the test
+            self.raised = exc
+
+    def result(self) -> Any:
+        self.join(60)
+        assert not self.is_alive(), "the call is still blocked"
+        if self.raised is not None:
+            raise self.raised
+        return self.answer
+
+
+def lock_waits(backend: Backend) -> int:
+    """How many sessions of this test's schema wait for a row lock."""
+    schema: str = backend.schema  # type: ignore[attr-defined]
+    with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:  # type: ignore[attr-defined]
+        [(n,)] = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND position(%s IN query) > 0",
+            (f'"{schema}".',),
+        ).fetchall()
+    return int(n)
+
+
+def wait_for(what: str, done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 60.0
+    while not done():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.02)
+
+
+def blocked_or_done(backend: Backend, waiting: int, *calls: Call) -> Callable[[], bool]:
+    return lambda: lock_waits(backend) + sum(not c.is_alive() for c in calls) >= waiting
+
+
+class Holder:
+    """A connection of the test's own that holds one workflow's row (FOR UPDATE)."""
+
+    def __init__(self, backend: Backend, workflow_id: int) -> None:
+        self.schema: str = backend.schema  # type: ignore[attr-defined]
+        self.conn = psycopg.connect(backend.config.conninfo)  # type: ignore[attr-defined]
+        self.conn.execute("SET deadlock_timeout = '30s'")  # never the side that detects
+        self.conn.execute(
+            f'SELECT id FROM "{self.schema}".errands_workflows WHERE id = %s FOR UPDATE',
+            (workflow_id,),
+        )
+
+    def let_go(self, after_checks: bool = True) -> None:
+        if after_checks:
+            time.sleep(1.5)  # the waits so far were each checked once (deadlock_timeout 1 s)
+        self.conn.rollback()
+        self.conn.close()
+
+
+def callbacks(backend: Backend) -> list[str]:
+    from errands.backends.base import ListParams
+
+    rows = backend.job_list(ListParams(queue=CALLBACKS, limit=100))
+    return sorted(r.name.removeprefix("callback.") for r in rows)
+
+
+def test_an_operator_cancel_meeting_a_members_claim_and_finish_gets_an_answer_not_a_deadlock(
+    backend: Backend,
+) -> None:
+    inserted = batch(backend, 1)
+    [member] = inserted.jobs
+    holder = Holder(backend, inserted.id)
+    operator = Call(lambda: backend.job_cancel(member.id, "ops"))
+    operator.start()
+    wait_for("the operator waits", blocked_or_done(backend, 1, operator))
+
+    def claim_and_finish() -> list[Any]:
+        return [finish(backend, row, "completed") for row in claim(backend)]
+
+    worker = Call(claim_and_finish)
+    worker.start()
+    wait_for("the worker waits or is done", blocked_or_done(backend, 2, operator, worker))
+    holder.let_go()
+    answer = operator.result()  # no DeadlockDetected, whichever side got there first
+    assert answer.state == "cancelled" and worker.result() == []  # the claim skipped it
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.cancelled) == ("failed", 1)
+    assert callbacks(backend) == ["on_settled"]
+
+
+def test_a_dlq_replay_meeting_a_settling_fan_in_gets_an_answer_not_a_deadlock(
+    backend: Backend,
+) -> None:
+    low, high = batch(backend, 2), batch(backend, 2)  # low.id < high.id
+    rows = {r.id: r for r in claim(backend, limit=4)}
+    for workflow in (low, high):
+        assert finish(backend, rows[workflow.jobs[0].id], "dead", error=error())
+    holder = Holder(backend, high.id)
+    replay = ActionParams(actor="ops", ids=[high.jobs[0].id, low.jobs[0].id])
+    operator = Call(lambda: backend.job_replay(replay))
+    operator.start()
+    wait_for("the operator waits", blocked_or_done(backend, 1, operator))
+    last = [rows[w.jobs[1].id] for w in (low, high)]
+    outcomes = [FinishParams(r.id, r.lease_token or "", "completed") for r in last]
+    worker = Call(lambda: backend.job_finish_many(outcomes))  # fans in both batches
+    worker.start()
+    wait_for("the worker waits or is done", blocked_or_done(backend, 2, operator, worker))
+    holder.let_go()
+    assert operator.result().matched == replay.ids
+    assert worker.result() == [True, True]
+    for replayed in claim(backend, limit=4):
+        assert finish(backend, replayed, "completed")
+    for workflow in (low, high):
+        status = backend.workflow_get(workflow.id)
+        assert status is not None and (status.state, status.completed) == ("succeeded", 2)
+    assert callbacks(backend) == ["on_dead"] * 2 + ["on_settled"] * 2 + ["on_success"] * 2
+
+
+def test_a_cancel_the_server_aborts_to_break_a_lock_cycle_runs_again(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    inserted = batch(backend, 2)
+    member = inserted.jobs[0]
+    holder = Holder(backend, inserted.id)  # as a workflow cancel: the workflow, then members
+    operator = Call(lambda: backend.job_cancel(member.id, "ops"))
+    with caplog.at_level(logging.INFO, logger="errands.admin"):
+        operator.start()  # locks the member, cancels it, then waits for the workflow
+        wait_for("the operator waits", blocked_or_done(backend, 1, operator))
+
+        def holder_takes_the_member() -> None:
+            holder.conn.execute(
+                f'SELECT id FROM "{holder.schema}".errands_jobs WHERE id = %s FOR UPDATE',
+                (member.id,),
+            )
+
+        cycle = Call(holder_takes_the_member)
+        cycle.start()  # each side now waits for the other: the operator's check aborts it
+        cycle.result()  # the holder got the member: the operator's transaction rolled back
+        holder.let_go(after_checks=False)
+        answer = operator.result()
+    assert (answer.previous_state, answer.state) == ("available", "cancelled")
+    assert any("broke a lock cycle" in r.getMessage() for r in caplog.records)
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.cancelled, status.pending) == (1, 1)
+    with pytest.raises(InvalidTransition):  # cancelled once: a second cancel is refused
+        backend.job_cancel(member.id, "ops")
