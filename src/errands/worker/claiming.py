@@ -150,7 +150,11 @@ class Claimer:
                 limited = self._step(
                     result,
                     lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
-                        claim, self.worker_id, self.app.lease, names=self.names
+                        claim,
+                        self.worker_id,
+                        self.app.lease,
+                        names=self.names,
+                        weights=self.app.fair_weights,
                     ),
                 )
                 rows += limited
@@ -178,7 +182,12 @@ class Claimer:
                 result.rows += self._step(
                     result,
                     lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
-                        claim, self.worker_id, self.app.lease, suspects=True, names=self.names
+                        claim,
+                        self.worker_id,
+                        self.app.lease,
+                        suspects=True,
+                        names=self.names,
+                        weights=self.app.fair_weights,
                     ),
                 )
         if not result.rows:

@@ -14,7 +14,7 @@ import time
 import traceback as tb
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams, FinishState
@@ -219,6 +219,30 @@ def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str)
 
 
 def outcome_for(
+    attempt: Attempt,
+    exc: BaseException | None,
+    result_json: str | None,
+    worker_id: str,
+    poison_after: int = 3,
+) -> FinishParams:
+    """Classify an attempt's end (DESIGN §5) into the fenced write that records it, with
+    what a fair queue's fold needs: whether the job has a fair key (none: the write skips
+    the fold) and the seconds its handler ran (see :func:`handler_seconds`)."""
+    return replace(
+        _classify(attempt, exc, result_json, worker_id, poison_after),
+        fair=attempt.row.fair_key is not None,
+        ran=handler_seconds(attempt),
+    )
+
+
+def handler_seconds(attempt: Attempt) -> float:
+    """The seconds from the handler's start to the moment its outcome was decided: what a
+    fair key is charged, without the claim before it or the write after it."""
+    ended = attempt.ended or time.monotonic()
+    return max(ended - attempt.started, 0.0)
+
+
+def _classify(
     attempt: Attempt,
     exc: BaseException | None,
     result_json: str | None,
