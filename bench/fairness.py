@@ -60,6 +60,7 @@ class Record:
 class Bench:
     def __init__(self, url: str, concurrency: int) -> None:
         self.app = errands.App(url)
+        self.app.migrate()  # a fresh PostgreSQL database has no tables yet
         self.concurrency = concurrency
         self.record = Record()
         self._serial = 0
@@ -236,7 +237,7 @@ def _pct(values: list[float], pct: float) -> float | None:
     return round(values[index], 4)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__)
     parser.add_argument("--url", default="sqlite:///bench-fairness.db")
     parser.add_argument("--backlog", type=int, default=100_000)
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
     finally:
         bench.app.close()
-    print(json.dumps(result, indent=2))
+    if echo:
+        print(json.dumps(result, indent=2))
     return result
 
 

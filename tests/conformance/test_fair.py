@@ -161,6 +161,30 @@ def test_a_key_that_used_more_worker_time_gets_fewer_of_the_extra_slots(
     assert figures["fast"].seconds_total < figures["slow"].seconds_total
 
 
+def test_a_keys_running_attempts_count_at_its_mean_job_time_so_slow_jobs_do_not_pile_up(
+    backend: Backend,
+) -> None:
+    """A key whose jobs take 3 s (its folded history) and another of 10 ms jobs: a
+    running attempt counts at least its key's mean job time, not only the moment it has
+    run so far. So once two slow jobs run the slow key is over its share and the claim
+    gives every slot to the other key; counting only the elapsed seconds, the slow key
+    would look within its share and start one more at every claim."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "slow", 10)
+    add_keyed(backend, queue, "fast", 30)
+    first = take(backend, queue, 2)
+    assert keys(first) == Counter({"slow": 1, "fast": 1})
+    done = [
+        FinishParams(r.id, r.lease_token or "", "completed", fair=True,
+                     ran=3.0 if _KEYS[r.id] == "slow" else 0.01)
+        for r in first
+    ]  # fmt: skip
+    assert backend.job_finish_many(done) == [True, True]
+    assert keys(take(backend, queue, 4))["slow"] == 1  # its turn, then the rest by time
+    assert keys(take(backend, queue, 4))["slow"] == 1  # one running: within one job of it
+    assert keys(take(backend, queue, 4)) == Counter({"fast": 4})  # two: over its share
+
+
 def test_a_key_at_its_concurrency_cap_never_blocks_the_next_key(backend: Backend) -> None:
     queue = fair_queue(backend)
     add_keyed(backend, queue, "capped", 30, concurrency_key="acct:1")

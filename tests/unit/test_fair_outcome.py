@@ -34,3 +34,11 @@ def test_an_outcome_carries_its_handlers_seconds_and_whether_the_job_has_a_fair_
     assert (fair.fair, fair.ran) == (True, pytest.approx(0.25))
     plain = outcome_for(_attempt(None, 100.0, 102.0), error, "1", "w")
     assert (plain.fair, plain.ran) == (False, pytest.approx(2.0))
+
+
+def test_the_handlers_own_call_is_charged_when_the_worker_timed_it() -> None:
+    """The dispatcher times the handler's call itself (``Attempt.ran``): the arguments'
+    decoding before it and the result's encoding after it are not the tenant's work."""
+    attempt = _attempt("tenant:7", 100.0, 101.0)
+    attempt.ran = 0.4
+    assert outcome_for(attempt, None, "1", "w").ran == pytest.approx(0.4)

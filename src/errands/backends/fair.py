@@ -5,9 +5,9 @@ A fair queue (``app.queue(name, fair=True)``) is claimed through the limited cla
 
 * each key's next due jobs, per priority level (a skip through ``errands_jobs_fair``:
   one probe per key and level, however long a key's backlog);
-* each key's recent worker time: the decayed seconds of its ended attempts
-  (``errands_fair_usage``, written only by the fenced write that ends an attempt) plus the
-  seconds its running attempts have used so far, and when it last started one;
+* each key's recent worker time: the decayed handler seconds of its ended attempts
+  (``errands_fair_usage``, written only by the fenced write that ends an attempt) plus its
+  running attempts (each at least the key's mean job time), and when it last started one;
 * each key's weight (``app.fair_weight``; 1 when none is stored).
 
 :func:`fair_pick` then orders the claim, one job at a time:

@@ -186,6 +186,10 @@ def claim_limited(
     claimed = store.rows(
         "job_claim_ids", {**claim_params, "ids": store.id_list([c.id for c in chosen])}
     )
+    # In the order chosen (a fair queue's: each key's turn), not the rows' order: a worker
+    # starts a prefetched batch first in, first out.
+    order = {c.id: i for i, c in enumerate(chosen)}
+    claimed.sort(key=lambda row: order[int(row[0])])  # type: ignore[call-overload]
     if rate_limit is not None and rate_period:
         _log_starts(store, f"queue:{queue}", len(claimed), float(rate_period))  # type: ignore[arg-type]
     started: dict[str, int] = {}
@@ -312,7 +316,7 @@ def fair_states(
     states: dict[str, KeyState] = {}
     unweighted: list[str] = []
     now = 0.0
-    for key, usage, recent, at, last, running, running_last, weight, t in store.rows(
+    for key, usage, recent, at, last, running, running_last, weight, t, n in store.rows(
         "fair_states", {"queue": queue, "keys": store.id_list(list(keys))}
     ):
         now = float(t)  # type: ignore[arg-type]
@@ -325,7 +329,10 @@ def fair_states(
                 state.mean_cost = max(float(usage) / float(recent), 0.001)  # type: ignore[arg-type]
             state.last_started = float(last)  # type: ignore[arg-type]
         if running is not None:
-            state.usage += float(running)  # type: ignore[arg-type]
+            # A running attempt counts at least its key's mean job time: what it will use,
+            # not only what it has used so far. Else a key of slow jobs, within its share
+            # at each claim, starts one more at each and overshoots by all of them.
+            state.usage += max(float(running), int(n) * state.mean_cost)  # type: ignore[arg-type,call-overload]
         if running_last is not None:
             state.last_started = max(state.last_started or 0.0, float(running_last))  # type: ignore[arg-type]
         states[str(key)] = state

@@ -91,6 +91,7 @@ class Attempt:
     child: Future[Any] | None = None  # process pool, isolated suspect: the child's answer
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired
+    ran: float | None = None  # seconds the handler's own call took, once it returned or raised
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
@@ -236,8 +237,12 @@ def outcome_for(
 
 
 def handler_seconds(attempt: Attempt) -> float:
-    """The seconds from the handler's start to the moment its outcome was decided: what a
-    fair key is charged, without the claim before it or the write after it."""
+    """What a fair key is charged for the attempt: the seconds its handler's call took,
+    without the claim before it or the write after it (nor the decoding of its arguments
+    and the encoding of its result). A handler still running when its outcome was decided
+    (a timeout, a process-pool child) counts from its start to that moment."""
+    if attempt.ran is not None:
+        return attempt.ran
     ended = attempt.ended or time.monotonic()
     return max(ended - attempt.started, 0.0)
 

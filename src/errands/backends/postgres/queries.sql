@@ -804,20 +804,20 @@ WHERE fair_key IS NULL AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::t
 
 -- name: fair_states
 -- Per key of keys in a queue: its folded usage (usage, recent attempts, when folded, last
--- start), the seconds its running attempts have used so far and their latest start, its
--- weight, and the database's now (all times epoch seconds).
+-- start), the seconds its running attempts have used so far, their latest start, its
+-- weight, the database's now (all times epoch seconds), and how many attempts run.
 -- The running rows are read once, grouped by key (errands_jobs_fair_running).
 WITH running AS (
     SELECT fair_key AS key,
            sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
-           extract(epoch FROM max(attempted_at))::float8 AS latest
+           extract(epoch FROM max(attempted_at))::float8 AS latest, count(*) AS n
     FROM {schema}.errands_jobs
     WHERE queue = %(queue)s AND state = 'running' AND fair_key IS NOT NULL
     GROUP BY fair_key
 )
 SELECT k.key, u.usage, u.recent, extract(epoch FROM u.at)::float8,
        extract(epoch FROM u.last_started)::float8, r.seconds, r.latest, w.weight,
-       extract(epoch FROM now())::float8
+       extract(epoch FROM now())::float8, r.n
 FROM unnest(%(keys)s::text[]) AS k(key)
 LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = k.key
 LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = k.key

@@ -669,18 +669,19 @@ WHERE fair_key IS NULL AND (:names IS NULL OR name IN (SELECT value FROM json_ea
 
 -- name: fair_states
 -- Per key of :keys (a JSON list) in a queue: its folded usage (usage, recent attempts,
--- when folded, last start), the seconds its running attempts have used so far and their
--- latest start, its weight, and the database's now.
+-- when folded, last start), the seconds its running attempts have used so far, their
+-- latest start, its weight, the database's now, and how many attempts run.
 -- The running rows are read once, grouped by key (errands_jobs_fair_running).
 WITH now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
 running AS MATERIALIZED (
     SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
-           max(r.attempted_at) AS latest
+           max(r.attempted_at) AS latest, count(*) AS n
     FROM errands_jobs AS r, now
     WHERE r.queue = :queue AND r.state = 'running' AND r.fair_key IS NOT NULL
     GROUP BY r.fair_key
 )
-SELECT k.value, u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t
+SELECT k.value, u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t,
+       r.n
 FROM json_each(:keys) AS k
 CROSS JOIN now
 LEFT JOIN errands_fair_usage AS u ON u.queue = :queue AND u.key = k.value
