@@ -43,7 +43,8 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
-# The side-by-side figures (docs/benchmarks.md): about 2 1/2 hours on a quiet 2-core machine.
+# The side-by-side figures (docs/benchmarks.md): about 2 1/2 hours on a quiet 2-core machine,
+# then the noisy-neighbour benchmark (fair queue and FIFO, both stores): ~20 min more.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
@@ -58,11 +59,11 @@ bench-finished: $(STAMP)  # claims with 10M finished rows against an empty table
 bench-scenarios: $(STAMP)  # the third-party chaos and pressure cells: ~2 1/2 hours
 	$(BIN)/python -m bench.run --no-systems --scenarios --scratch-pg --update $(BENCH_ARGS)
 
-# The noisy-neighbour benchmark (issue 19): fair claiming against FIFO, on SQLite and on
-# the PostgreSQL of BENCH_PG_URL (a scratch database): ~10 min each with the defaults.
+# The noisy-neighbour benchmark (issue 19) alone: fair claiming against FIFO, on SQLite and
+# on a scratch database of BENCH_PG_URL's server, ~10 min each with the defaults; into
+# bench/results/partial.json (FAIRNESS_ARGS for bench/fairness.py, e.g. '--backlog 20000').
 bench-fairness: $(STAMP)
-	$(BIN)/python -m bench.fairness --url sqlite:///bench-fairness.db $(BENCH_ARGS)
-	$(BIN)/python -m bench.fairness --url "$${BENCH_PG_URL:-postgresql://postgres@127.0.0.1:5432/errands_bench}" $(BENCH_ARGS)
+	$(BIN)/python -m bench.run --no-systems --fairness --fairness-args "$(FAIRNESS_ARGS)" $(BENCH_ARGS)
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -q -m soak tests/soak $(PYTEST_ARGS)

@@ -60,6 +60,7 @@ class Record:
 class Bench:
     def __init__(self, url: str, concurrency: int) -> None:
         self.app = errands.App(url)
+        self.app.migrate()  # a fresh PostgreSQL database has no tables yet
         self.concurrency = concurrency
         self.record = Record()
         self._serial = 0
@@ -236,7 +237,7 @@ def _pct(values: list[float], pct: float) -> float | None:
     return round(values[index], 4)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__)
     parser.add_argument("--url", default="sqlite:///bench-fairness.db")
     parser.add_argument("--backlog", type=int, default=100_000)
@@ -247,32 +248,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--work", type=float, default=WORK_SECONDS, help="a job's seconds")
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--keys-jobs", type=int, default=20_000)
+    parser.add_argument(
+        "--only",
+        default="dwell,shares,keys",
+        help="the parts to run, comma-separated: dwell (idle, fair, fifo), shares, keys",
+    )
     args = parser.parse_args(argv)
+    parts = set(args.only.split(","))
+    unknown = parts - {"dwell", "shares", "keys"}
+    if unknown:
+        parser.error(f"--only: unknown part(s) {sorted(unknown)}; choose among dwell, shares, keys")
     bench = Bench(args.url, args.concurrency)
+    result: dict[str, Any] = {
+        "store": args.url.split(":", 1)[0],
+        "settings": {k: v for k, v in vars(args).items() if k != "url"},
+    }
     try:
-        idle = quiet_dwell(bench, kind="idle", fair=True, backlog=0, args=args)
-        fair = quiet_dwell(bench, kind="fair", fair=True, backlog=args.backlog, args=args)
-        fifo = quiet_dwell(bench, kind="fifo", fair=False, backlog=args.backlog, args=args)
-        result: dict[str, Any] = {
-            "store": args.url.split(":", 1)[0],
-            "settings": {k: v for k, v in vars(args).items() if k != "url"},
-            "idle": idle,
-            "fair": fair,
-            "fifo": fifo,
-            "quiet_p99_fair_over_idle": _ratio(fair["quiet_dwell_p99"], idle["quiet_dwell_p99"]),
-            "quiet_p99_fifo_over_idle": _ratio(fifo["quiet_dwell_p99"], idle["quiet_dwell_p99"]),
-            "shares": shares(bench, args),
-        }
-        fair_keys = many_keys(bench, fair=True, args=args)
-        plain_keys = many_keys(bench, fair=False, args=args)
-        result["keys"] = {
-            "fair": fair_keys,
-            "fifo": plain_keys,
-            "fair_over_fifo": _ratio(fair_keys["throughput_per_s"], plain_keys["throughput_per_s"]),
-        }
+        if "dwell" in parts:
+            idle = quiet_dwell(bench, kind="idle", fair=True, backlog=0, args=args)
+            fair = quiet_dwell(bench, kind="fair", fair=True, backlog=args.backlog, args=args)
+            fifo = quiet_dwell(bench, kind="fifo", fair=False, backlog=args.backlog, args=args)
+            result |= {
+                "idle": idle,
+                "fair": fair,
+                "fifo": fifo,
+                "quiet_p99_fair_over_idle": _ratio(
+                    fair["quiet_dwell_p99"], idle["quiet_dwell_p99"]
+                ),
+                "quiet_p99_fifo_over_idle": _ratio(
+                    fifo["quiet_dwell_p99"], idle["quiet_dwell_p99"]
+                ),
+            }
+        if "shares" in parts:
+            result["shares"] = shares(bench, args)
+        if "keys" in parts:
+            fair_keys = many_keys(bench, fair=True, args=args)
+            plain_keys = many_keys(bench, fair=False, args=args)
+            result["keys"] = {
+                "fair": fair_keys,
+                "fifo": plain_keys,
+                "fair_over_fifo": _ratio(
+                    fair_keys["throughput_per_s"], plain_keys["throughput_per_s"]
+                ),
+            }
     finally:
         bench.app.close()
-    print(json.dumps(result, indent=2))
+    if echo:
+        print(json.dumps(result, indent=2))
     return result
 
 

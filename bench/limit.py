@@ -3,10 +3,11 @@
 The statements are read from errands' ``queries.sql`` through its backend modules (never
 copied here), so the limit follows the SQL that errands actually runs:
 
-- PostgreSQL: ``job_claim`` then ``job_finish_many`` over 4 connections (one process
-  each, prepared statements, autocommit like the backend), batch sizes 1, 10 and 100; a
-  single-row ``job_insert`` in autocommit (one insert-and-commit per job); the multi-row
-  ``job_insert_many``; and ``COPY`` into the jobs table.
+- PostgreSQL: ``job_claim`` then ``job_finish_many`` (its variant for jobs without a fair
+  key) over 4 connections (one process each, prepared statements, autocommit like the
+  backend), batch sizes 1, 10 and 100; a single-row ``job_insert`` in autocommit (one
+  insert-and-commit per job); the multi-row ``job_insert_many``; and ``COPY`` into the
+  jobs table.
 - SQLite: the raw in-process loop, one connection with errands' pragmas: ``job_claim``
   in one ``BEGIN IMMEDIATE`` transaction, then ``job_finish`` for each row in another,
   as the backend does; single-row ``job_insert`` + commit; ``executemany`` in one
@@ -28,6 +29,8 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from errands.backends.fair import HALF_LIFE
+
 PG_CONNECTIONS = 4
 BATCHES = (1, 10, 100)
 # Rows per call (and per transaction) of every bulk enqueue measured: CHUNK in each
@@ -48,9 +51,9 @@ def binder(sql: str) -> Any:
 
 
 def pg_queries() -> dict[str, str]:
-    from errands.backends.postgres.backend import _RAW_QUERIES, fill_markers
+    from errands.backends.postgres.backend import filled_queries
 
-    return {name: fill_markers(text, "public") for name, text in _RAW_QUERIES.items()}
+    return filled_queries("public")
 
 
 def sqlite_queries() -> dict[str, str]:
@@ -97,7 +100,8 @@ def _pg_claim(url: str, batch: int, cap: float, barrier: Any) -> tuple[int, floa
     import psycopg
 
     q = pg_queries()
-    claim_sql, finish_sql = q["job_claim"], q["job_finish_many"]
+    # the write of a worker's plain jobs (none with a fair key: no fold)
+    claim_sql, finish_sql = q["job_claim"], q["job_finish_many_plain"]
     claim_params, finish_params = binder(claim_sql), binder(finish_sql)
     done = 0
     with psycopg.connect(url, autocommit=True, prepare_threshold=0) as conn:
@@ -132,6 +136,8 @@ def _pg_claim(url: str, batch: int, cap: float, barrier: Any) -> tuple[int, floa
                         "results": [None] * k,
                         "errors": [None] * k,
                         "delays": [0.0] * k,
+                        "members": False,  # no workflow members: the plain jobs' write
+                        "half_life": HALF_LIFE,
                     }
                 ),
             ).fetchall()

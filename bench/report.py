@@ -526,11 +526,95 @@ def print_tables(results: dict[str, Any]) -> None:
     rows_loaded = results["plan"]["scale_rows"]
     show(f"scale: {rows_loaded:,} finished rows vs an empty table", *scale_rows)
     print_memory(results.get("memory", {}))
+    if results.get("fairness"):
+        show("fair queues: the noisy-neighbour benchmark (issue 19)", *fairness_rows(results))
     t = results.get("targets", [])
     show(
         "issue 8 and 17 targets (reported, not asserted)",
         ["target", "measured", "met"],
         [[r["target"], r["measured"], {True: "yes", False: "NO", None: "—"}[r["met"]]] for r in t],
+    )
+
+
+FAIR_STORES = (("sqlite", "SQLite"), ("postgres", "PostgreSQL"))
+
+
+def _num(value: Any, digits: int = 2, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:,.{digits}f}{suffix}"
+
+
+def _dwell(run: dict[str, Any] | None) -> str:
+    if not run:
+        return "—"
+    p99 = _num(run.get("quiet_dwell_p99"), 2, " s")
+    return f"over {p99}" if run.get("quiet_dwell_p99_is_lower_bound") else p99
+
+
+def fairness_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The noisy-neighbour benchmark (bench/fairness.py): the fair queue and the FIFO one
+    (errands without fairness) side by side, on each store, against issue 19's targets."""
+    runs = results.get("fairness") or {}
+    header = ["figure"]
+    for _, title in FAIR_STORES:
+        header += [f"{title} fair", f"{title} FIFO"]
+    header.append("target")
+
+    def row(name: str, target: str, cell: Any) -> list[str]:
+        out = [name]
+        for store, _ in FAIR_STORES:
+            run = runs.get(store) or {}
+            out += list(cell(run)) if "error" not in run else ["failed", "failed"]
+        return [*out, target]
+
+    def keys(run: dict[str, Any], queue: str) -> str:
+        return _num((run.get("keys") or {}).get(queue, {}).get("throughput_per_s"), 0, " /s")
+
+    def shares(run: dict[str, Any], key: str, digits: int = 3) -> str:
+        return _num((run.get("shares") or {}).get(key), digits)
+
+    rows = [
+        row("quiet tenants' dwell p99, idle queue", "",
+            lambda r: (_dwell(r.get("idle")), "")),
+        row("... behind the backlog", "at most 2 x idle",
+            lambda r: (_dwell(r.get("fair")), _dwell(r.get("fifo")))),
+        row("... against idle", "at most 2",
+            lambda r: (_num(r.get("quiet_p99_fair_over_idle")),
+                       _num(r.get("quiet_p99_fifo_over_idle")))),
+        row("Jain's index over worker time per weight", "at least 0.95",
+            lambda r: (shares(r, "jain_index_per_weight"), "")),
+        row("weight 2 against weight 1", "2, within 5 %",
+            lambda r: (shares(r, "weight_2_over_weight_1"), "")),
+        row("10x slower tenant's share / its weighted share", "at most 1 (+5 %)",
+            lambda r: (shares(r, "slow_share_over_its_weighted_share"), "")),
+        row("1,000 backlogged keys: throughput", "fair within 10 % of FIFO",
+            lambda r: (keys(r, "fair"), keys(r, "fifo"))),
+        row("... fair against FIFO", "at least 0.90",
+            lambda r: (_num((r.get("keys") or {}).get("fair_over_fifo"), 3), "")),
+        row("load average (1 min) before, after", "",
+            lambda r: (f"{_num(r.get('load1_before'), 1)}, {_num(r.get('load1_after'), 1)}", "")),
+    ]  # fmt: skip
+    return header, rows
+
+
+def fairness_markdown(results: dict[str, Any]) -> str:
+    runs = results.get("fairness")
+    if not runs:
+        return ""
+    settings = next((r.get("settings") for r in runs.values() if r.get("settings")), {})
+    backlog = settings.get("backlog", 0)
+    return (
+        "\n## Fair queues (issue 19)\n"
+        "The noisy-neighbour benchmark (`bench/fairness.py`, `make bench-fairness`), one "
+        f"in-process worker of {settings.get('concurrency', '?')} threads and jobs of "
+        f"{settings.get('work', 0) * 1000:.0f} ms: tenant `noisy` dumps {backlog:,} jobs, then "
+        f"{settings.get('quiet', '?')} quiet tenants each send one job a second for "
+        f"{settings.get('seconds', '?')} s, in a queue declared `fair=True` and in a plain "
+        "one (FIFO: errands without fairness); four backlogged tenants of weights 1, 2, 1 "
+        "and 1, the last with 10 times slower jobs (worker time measured by the handlers); "
+        f"and {settings.get('keys', 0):,} backlogged keys ({settings.get('keys_jobs', 0):,} "
+        "no-op jobs) drained by a fair queue and by a plain one. A dwell marked *over* "
+        "counts the quiet jobs not started by the end at their wait so far (a lower "
+        "bound). Reported, never asserted.\n\n" + _md_table(*fairness_rows(results))
     )
 
 
@@ -995,6 +1079,7 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
         "it (every sample is in the JSON).\n"
     )
     add(_md_table(*_memory_rows(results.get("memory", {}))))
+    add(fairness_markdown(results))
     add("\n## Targets (issues 8 and 17)\n")
     add("Reported from this run's figures; never asserted in the test suite.\n")
     add(

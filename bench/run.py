@@ -571,6 +571,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     steps.add_argument("--pg-stop-cmd", help="with --pg-start-cmd: how to stop the server")
     steps.add_argument("--pg-start-cmd", help="(postgres_restart on a server not the harness's)")
+    fair = parser.add_argument_group("fair queues (issue 19)")
+    fair.add_argument(
+        "--fairness",
+        action="store_true",
+        help="the noisy-neighbour benchmark (bench/fairness.py), fair queue and FIFO, on "
+        "SQLite and PostgreSQL (part of every full run)",
+    )
+    fair.add_argument("--no-fairness", action="store_true", help="skip it in a full run")
+    fair.add_argument(
+        "--fairness-args",
+        default="",
+        help="arguments for bench/fairness.py (default: its own, a 100,000-job backlog), "
+        "as in --fairness-args='--backlog 20000 --seconds 30'",
+    )
     parser.add_argument(
         "--update",
         action="store_true",
@@ -597,7 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         and not args.no_scale
         and not args.no_limit
         and not args.no_memory
+        and not args.no_fairness
     )
+    with_fairness = args.fairness or complete
 
     started = time.time()
     runner = Runner(args, plan)
@@ -684,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.storage or args.finished_rows or args.scenarios:
         results.update(run_steps(args, plan, step_systems))
+    if with_fairness:
+        results["fairness"] = run_fairness(runner, args.fairness_args)
 
     results["load_after"] = os.getloadavg()
     results["duration_s"] = time.time() - started
@@ -780,7 +798,7 @@ def merge_into(
     if with_memory and "memory" in part:
         base["memory"] = part["memory"]
         sections.append("memory")
-    for step in ("storage", "finished", "scenarios"):
+    for step in ("storage", "finished", "scenarios", "fairness"):
         if step in part:
             base[step] = part[step]
             sections.append(step)
@@ -861,6 +879,40 @@ def run_steps(args: argparse.Namespace, plan: Plan, systems: list[System]) -> di
         runner.cleanup()
         if cluster is not None:
             cluster.__exit__(None, None, None)
+    return out
+
+
+def run_fairness(runner: Runner, extra: str) -> dict[str, Any]:
+    """bench/fairness.py on SQLite (a fresh file) and on PostgreSQL (a fresh database):
+    the fair queue and the FIFO one (errands without fairness) side by side."""
+    import shlex
+
+    from . import fairness
+
+    out: dict[str, Any] = {}
+    WORK.mkdir(parents=True, exist_ok=True)
+    db = "errands_bench_fairness"
+    for store in ("sqlite", "postgres"):
+        if store == "sqlite":
+            path = WORK / "fairness.db"
+            for leftover in WORK.glob("fairness.db*"):
+                leftover.unlink()
+            url = f"sqlite:///{path}"
+        else:
+            runner.pg.recreate(db)
+            url = runner.pg.url(db)
+        log(f"fairness: noisy-neighbour benchmark on {store}")
+        load = os.getloadavg()[0]
+        try:
+            out[store] = fairness.main(["--url", url, *shlex.split(extra)], echo=False)
+            out[store]["load1_before"] = load
+            out[store]["load1_after"] = os.getloadavg()[0]
+        except Exception as exc:
+            out[store] = {"error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            log(f"fairness on {store}: FAILED: {str(exc)[:300]}")
+        finally:
+            if store == "postgres":
+                runner.pg.drop(db)
     return out
 
 

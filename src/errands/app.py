@@ -27,7 +27,7 @@ from .backends.base import (
     QueueStats,
     SignalResult,
 )
-from .backends.fair import check_weight
+from .backends.fair import CallableWeights, check_weight
 from .backends.limits import parse_rate
 from .backends.workflow_store import WorkflowInserted, WorkflowSpec
 from .definition import (
@@ -85,6 +85,9 @@ def _actor(value: str) -> str:
     return check_text("actor", value, TEXT_MAX_BYTES)
 
 
+_NO_WEIGHT = object()  # fair_weight(key) without a weight: a mistake, named
+
+
 class App:
     """One application's jobs and the database that holds them.
 
@@ -134,6 +137,7 @@ class App:
         self._backend: Backend | None = None
         self._backend_lock = threading.Lock()
         self._results: ResultHub | None = None
+        self.fair_weights: CallableWeights | None = None  # app.fair_weight(fn)
 
     def __repr__(self) -> str:
         return f"<errands.App {redact_url(self.url)} jobs={len(self.registry)}>"
@@ -157,6 +161,8 @@ class App:
         return self._results
 
     def close(self) -> None:
+        if self.fair_weights is not None:
+            self.fair_weights.close()
         if self._results is not None:
             self._results.close()
         if self._backend is not None:
@@ -289,13 +295,49 @@ class App:
             aging=aging_seconds,
         )
 
-    def fair_weight(self, key: str, weight: float | None, *, actor: str = "api") -> None:
+    @overload
+    def fair_weight(self, key: str, weight: float | None, *, actor: str = "api") -> None: ...
+
+    @overload
+    def fair_weight(self, key: Callable[[str], float], /) -> Callable[[str], float]: ...
+
+    def fair_weight(
+        self,
+        key: str | Callable[[str], float],
+        weight: object = _NO_WEIGHT,
+        *,
+        actor: str = "api",
+    ) -> Callable[[str], float] | None:
         """Store fair key ``key``'s weight (persisted and audited; None: back to 1). In a
         fair queue a key of weight 5 gets five times the worker time of a key of weight 1
-        while both have jobs waiting. Takes effect at the next claim."""
+        while both have jobs waiting. Takes effect at the next claim.
+
+        ``app.fair_weight(fn)`` (or ``@app.fair_weight`` on a function) gives the weight
+        of every key without a stored one by code: ``fn(key) -> weight``, asked by this
+        app's workers off the claim, its answer used for a minute. A stored weight wins
+        (an operator's override). A callable that raises or returns a bad value gives
+        weight 1 (logged); one slower than 20 ms leaves the key at its previous weight
+        until it answers, so it never holds a claim up. Returns ``fn``."""
+        if callable(key):
+            if weight is not _NO_WEIGHT:
+                raise ConfigurationError(
+                    "fair_weight(fn): a callable gives every key its weight; pass it alone, "
+                    "as app.fair_weight(fn), or store one key's weight: fair_weight(key, 5)"
+                )
+            if self.fair_weights is not None:
+                self.fair_weights.close()
+            self.fair_weights = CallableWeights(key)
+            return key
+        if weight is _NO_WEIGHT:
+            raise ConfigurationError(
+                f"fair_weight({key!r}): give the key's weight, as fair_weight({key!r}, 5), "
+                "or None to reset it to 1; or pass a callable, fair_weight(fn), to weigh "
+                "every key by code"
+            )
         key = check_text("fair_weight key", key, KEY_MAX_BYTES)
         value = None if weight is None else check_weight(key, weight)
         self.backend.fair_weight_set(key, value, _actor(actor))
+        return None
 
     def pause(self, queue: str, *, actor: str = "api", force: bool = False) -> None:
         """Stop every worker from claiming from ``queue`` (persisted and audited); running

@@ -176,6 +176,7 @@ class JobRow:
     progress_message: str | None = None
     wait_signal: str | None = None
     wait_until: float | None = None
+    fair_key: str | None = None  # the job's key in a fair queue (the fold needs to know)
 
     def to_job(self) -> Job:
         return Job(

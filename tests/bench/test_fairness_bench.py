@@ -8,6 +8,8 @@ from pathlib import Path
 
 from bench import fairness
 
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
 
 def test_the_noisy_neighbour_benchmark_runs_end_to_end_and_reports_every_figure(
     tmp_path: Path,
@@ -26,3 +28,24 @@ def test_the_noisy_neighbour_benchmark_runs_end_to_end_and_reports_every_figure(
     assert set(result["shares"]["worker_seconds"]) == {"a", "c", "d", "slow"}
     assert 0 < result["shares"]["jain_index_per_weight"] <= 1
     assert result["keys"]["fair"]["jobs"] == result["keys"]["fifo"]["jobs"] == 100
+
+
+def test_make_bench_reports_the_fair_queue_beside_the_fifo_run_on_both_stores() -> None:
+    """``bench.run`` stores the benchmark under ``results["fairness"][store]``; the report
+    puts the fair and the FIFO figures side by side, with issue 19's targets, and names a
+    store whose run failed."""
+    import json
+
+    from bench import report
+
+    recorded = json.loads((RESULTS / "fairness-sqlite.json").read_text())
+    results = {"fairness": {"sqlite": recorded, "postgres": {"error": "RuntimeError: down"}}}
+    header, rows = report.fairness_rows(results)
+    assert header == ["figure", "SQLite fair", "SQLite FIFO", "PostgreSQL fair",
+                      "PostgreSQL FIFO", "target"]  # fmt: skip
+    by_name = {row[0]: row for row in rows}
+    keys = by_name["1,000 backlogged keys: throughput"]
+    assert keys[1].endswith(" /s") and keys[2].endswith(" /s") and keys[3:5] == ["failed"] * 2
+    assert by_name["... behind the backlog"][2].startswith("over ")  # FIFO: none started
+    assert "## Fair queues (issue 19)" in report.fairness_markdown(results)
+    assert report.fairness_markdown({}) == ""

@@ -7,8 +7,18 @@ import itertools
 import time
 from collections import Counter
 
+import pytest
+
 from errands.backends import Backend
-from errands.backends.base import FinishParams, LeaseRef, QueueClaim, QueueSettings, RescueParams
+from errands.backends.base import (
+    ClaimParams,
+    FinishParams,
+    LeaseRef,
+    QueueClaim,
+    QueueSettings,
+    RescueParams,
+)
+from errands.backends.fair import CallableWeights
 from errands.jobs import EnqueueRequest, JobRow
 
 from .conftest import Harness
@@ -103,6 +113,35 @@ def test_with_more_slots_than_keys_weights_share_the_claim(backend: Backend) -> 
     assert backend.fair_weights() == []
 
 
+def test_weights_given_by_code_share_the_claim_and_a_stored_weight_overrides_them(
+    backend: Backend,
+) -> None:
+    """``app.fair_weight(fn)``: the keys without a stored weight weigh what the callable
+    gives (asked off the claim, cached); a weight stored by an operator wins."""
+    queue = fair_queue(backend)
+    asked: list[str] = []
+
+    def weight(key: str) -> float:
+        asked.append(key)
+        return 4.0 if key == "tenant:big" else 1.0
+
+    weights = CallableWeights(weight, budget=30.0)  # a quick callable: answered at once
+    try:
+        add_keyed(backend, queue, "tenant:big", 20)
+        add_keyed(backend, queue, "tenant:small", 20)
+        rows = backend.job_claim_limited(QueueClaim(queue, 10), WORKER, 30.0, weights=weights)
+        assert keys(list(rows)) == Counter({"tenant:big": 8, "tenant:small": 2})
+        assert sorted(asked) == ["tenant:big", "tenant:small"]
+        backend.fair_weight_set("tenant:small", 4.0, "ops")  # the override: now even
+        rows = backend.job_claim_limited(QueueClaim(queue, 10), WORKER, 30.0, weights=weights)
+        counted = keys(list(rows))
+        assert counted["tenant:small"] >= 4, counted
+        assert len(asked) == 2  # cached: not asked again within its ttl
+    finally:
+        weights.close()
+        backend.fair_weight_set("tenant:small", None, "ops")
+
+
 def test_a_key_that_used_more_worker_time_gets_fewer_of_the_extra_slots(
     backend: Backend,
 ) -> None:
@@ -120,6 +159,30 @@ def test_a_key_that_used_more_worker_time_gets_fewer_of_the_extra_slots(
     figures = {f.key: f for f in backend.fair_figures(queue)}
     assert figures["slow"].seconds_total >= 1.4
     assert figures["fast"].seconds_total < figures["slow"].seconds_total
+
+
+def test_a_keys_running_attempts_count_at_its_mean_job_time_so_slow_jobs_do_not_pile_up(
+    backend: Backend,
+) -> None:
+    """A key whose jobs take 3 s (its folded history) and another of 10 ms jobs: a
+    running attempt counts at least its key's mean job time, not only the moment it has
+    run so far. So once two slow jobs run the slow key is over its share and the claim
+    gives every slot to the other key; counting only the elapsed seconds, the slow key
+    would look within its share and start one more at every claim."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "slow", 10)
+    add_keyed(backend, queue, "fast", 30)
+    first = take(backend, queue, 2)
+    assert keys(first) == Counter({"slow": 1, "fast": 1})
+    done = [
+        FinishParams(r.id, r.lease_token or "", "completed", fair=True,
+                     ran=3.0 if _KEYS[r.id] == "slow" else 0.01)
+        for r in first
+    ]  # fmt: skip
+    assert backend.job_finish_many(done) == [True, True]
+    assert keys(take(backend, queue, 4))["slow"] == 1  # its turn, then the rest by time
+    assert keys(take(backend, queue, 4))["slow"] == 1  # one running: within one job of it
+    assert keys(take(backend, queue, 4)) == Counter({"fast": 4})  # two: over its share
 
 
 def test_a_key_at_its_concurrency_cap_never_blocks_the_next_key(backend: Backend) -> None:
@@ -187,3 +250,83 @@ def test_jobs_without_a_fair_key_in_a_fair_queue_are_still_claimed(backend: Back
     (unkeyed,) = add_keyed(backend, queue, None)
     rows = take(backend, queue, 2)
     assert unkeyed in {r.id for r in rows}
+
+
+def test_the_fold_charges_the_handlers_seconds_and_the_dwell_before_the_write_moved_the_job(
+    backend: Backend, harness: Harness
+) -> None:
+    """A write that carries its handler's seconds (``ran``) charges those, not the time
+    from the claim to the write; the dwell is measured from the due time the job had
+    before the write (a retry, a release and a rescue each move it)."""
+    queue = fair_queue(backend)
+    ids = add_keyed(backend, queue, "k", 4)
+    for job_id in ids:
+        harness.backdate_run_at(backend, job_id, 100.0)  # due 100 s before its claim
+    rows = {r.id: r for r in take(backend, queue, 4)}
+    a, b, c, d = (rows[i] for i in ids)
+    assert {r.fair_key for r in rows.values()} == {"k"}  # the worker knows: fair=True
+    time.sleep(0.3)  # the writes come later than the handlers' ends
+    done = backend.job_finish_many(
+        [
+            FinishParams(a.id, a.lease_token or "", "completed", fair=True, ran=0.05),
+            FinishParams(b.id, b.lease_token or "", "retryable", error=error(), delay=60.0,
+                         fair=True, ran=0.1),
+        ]
+    )  # fmt: skip
+    assert done == [True, True]
+    (figures,) = backend.fair_figures(queue)
+    assert figures.attempts == 2
+    assert figures.seconds_total == pytest.approx(0.15)
+    assert figures.dwell_total >= 2 * 99.0
+    assert backend.job_release_many([LeaseRef(c.id, c.lease_token or "", 30.0, fair=True)]) == [
+        True
+    ]
+    harness.expire_lease(backend, d.id)
+    rescue = RescueParams(d.id, d.lease_token or "", "retryable", error(), 0.0, fair=True)
+    assert backend.job_rescue_many([rescue]) == [True]
+    (figures,) = backend.fair_figures(queue)
+    assert figures.attempts == 4 and figures.running == 0
+    assert figures.dwell_total >= 4 * 99.0
+    assert figures.seconds_total >= 0.15 + 2 * 0.3  # no handler time known: claim to write
+
+
+def test_a_write_of_jobs_without_a_fair_key_reads_and_folds_nothing(
+    backend: Backend, harness: Harness
+) -> None:
+    """The worker tells the write which jobs have no fair key (their claimed rows say
+    so): for those the write skips the fold altogether, on every path that ends an
+    attempt; a job whose key it does not know (``fair=None``) is looked up and folded."""
+    plain = next(_queues)
+    backend.job_insert_many(
+        [
+            EnqueueRequest(
+                name="plain.job", queue=f"plain{plain}", args_json="{}", priority=0,
+                max_attempts=3, delay=0.0, run_at=None, key=None, timeout=None,
+                lease_seconds=None,
+            )
+        ]
+    )  # fmt: skip
+    (row,) = backend.job_claim(ClaimParams([QueueClaim(f"plain{plain}", 1)], 1, WORKER, 30.0))
+    assert row.fair_key is None
+    assert backend.job_finish_many(
+        [FinishParams(row.id, row.lease_token or "", "completed", fair=False, ran=0.1)]
+    ) == [True]
+    # A fair job written as if it had no key: nothing is folded, whatever the path.
+    queue = fair_queue(backend)
+    ids = add_keyed(backend, queue, "k", 4)
+    rows = {r.id: r for r in take(backend, queue, 4)}
+    a, b, c, d = (rows[i] for i in ids)
+    assert backend.job_finish_many(
+        [FinishParams(a.id, a.lease_token or "", "completed", fair=False)]
+    ) == [True]
+    assert backend.job_release_many([LeaseRef(b.id, b.lease_token or "", 30.0, fair=False)]) == [
+        True
+    ]
+    harness.expire_lease(backend, c.id)
+    rescue = RescueParams(c.id, c.lease_token or "", "retryable", error(), 0.0, fair=False)
+    assert backend.job_rescue_many([rescue]) == [True]
+    assert [f.attempts for f in backend.fair_figures(queue) if f.key == "k"] in ([], [0])
+    assert backend.job_finish_many(
+        [FinishParams(d.id, d.lease_token or "", "completed", fair=None)]
+    ) == [True]
+    assert [f.attempts for f in backend.fair_figures(queue) if f.key == "k"] == [1]

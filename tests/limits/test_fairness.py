@@ -119,3 +119,29 @@ def test_queues_show_lists_each_keys_worker_time_share_and_dwell_and_weight_sets
     assert table.startswith("queue reports: active, fair, aging 30s\n") and "tenant:" in table
     refused = CliRunner().invoke(cli, ["queues", "weight", "tenant:0", "0", "--url", store.url])
     assert refused.exit_code != 0 and "weight must be a number above 0" in refused.output
+
+
+def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_one_does_not(
+    store: errands.App,
+) -> None:
+    """A fair claim reads every backlogged key, so with many keys and quick jobs a batch
+    spreads its cost: a fair queue declared without a limit or rate fills the prefetch
+    room like a plain queue; one with a cluster-wide limit claims for free slots only."""
+    from errands.backends.base import QueueClaim
+    from errands.worker.claiming import Claimer
+
+    store.queue("open", fair=True)
+    store.queue("capped", fair=True, limit=50)
+    for queue in ("open", "capped"):
+        store.backend.queue_declare(store.queues[queue], "test")
+
+        @store.job(name=f"{queue}.job", queue=queue, fair_key="{tenant}")
+        def job(tenant: str, n: int) -> None: ...
+
+        store.enqueue_many([job.bind(tenant=f"t{n % 4}", n=n) for n in range(20)])
+    claimer = Claimer(store, "w-test", ["open", "capped"], 1.0)
+    opened = claimer.claim([QueueClaim("open", 20)], room=6, free=2, suspects=0)
+    capped = claimer.claim([QueueClaim("capped", 20)], room=6, free=2, suspects=0)
+    assert (opened.error, capped.error) == (None, None)
+    assert (len(opened.rows), len(capped.rows)) == (6, 2)
+    assert len({r.fair_key for r in opened.rows}) == 4  # still spread over the keys

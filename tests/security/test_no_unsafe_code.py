@@ -193,7 +193,7 @@ def test_sql_is_only_ever_formatted_from_allow_listed_safe_values() -> None:
 def test_every_named_query_takes_its_values_as_bound_parameters(backend: str) -> None:
     """SQLite queries use :name placeholders and nothing else; PostgreSQL's use %(name)s and
     only the markers the loader fills from constants ({schema}, {job_columns}, and
-    {fair_fold}: the fair_fold_cte block of the same file)."""
+    {fair_fold} and {fair_due}: the fair_fold_cte and fair_due blocks of the same file)."""
     folder = SRC / "backends" / backend
     texts = [(folder / "queries.sql").read_text()]
     texts += [p.read_text() for p in sorted((folder / "migrations").glob("*.sql"))]
@@ -205,5 +205,5 @@ def test_every_named_query_takes_its_values_as_bound_parameters(backend: str) ->
             assert re.findall(r"\?\d*", code) == [], "positional ? placeholders"
         else:
             markers = set(re.findall(r"(?<!\{)\{(\w*)\}(?!\})", code))
-            assert markers <= {"schema", "job_columns", "fair_fold"}, markers
+            assert markers <= {"schema", "job_columns", "fair_fold", "fair_due"}, markers
             assert re.findall(r"%[^(%]", code) == [], "a bare % (positional or stray) in SQL"

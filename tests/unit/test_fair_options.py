@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -10,6 +13,7 @@ import pytest
 
 import errands
 from errands import ConfigurationError
+from errands.backends.fair import CallableWeights
 from errands.errors import InvalidPayload
 
 
@@ -77,3 +81,77 @@ def test_fair_weights_are_stored_audited_and_checked(app: errands.App) -> None:
     assert app.backend.fair_weights() == []
     with pytest.raises(ConfigurationError, match="weight must be a number above 0"):
         app.fair_weight("tenant:acme", 0)
+
+
+def test_weights_given_by_a_callable_are_asked_once_per_key_and_cached() -> None:
+    asked: list[str] = []
+
+    def weight(key: str) -> float:
+        asked.append(key)
+        return {"tenant:acme": 5.0}.get(key, 1.0)
+
+    weights = CallableWeights(weight, budget=30.0)
+    try:
+        assert weights(["tenant:acme", "tenant:zed"]) == {"tenant:acme": 5.0, "tenant:zed": 1.0}
+        assert weights(["tenant:acme"]) == {"tenant:acme": 5.0}
+        assert sorted(asked) == ["tenant:acme", "tenant:zed"]
+    finally:
+        weights.close()
+
+
+@pytest.mark.parametrize("answer", [RuntimeError("no plan table"), 0, -2.0, "5", float("nan")])
+def test_a_weight_callable_that_raises_or_gives_a_bad_value_gives_weight_1_and_logs(
+    answer: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    def weight(key: str) -> float:
+        if isinstance(answer, Exception):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    weights = CallableWeights(weight, budget=30.0)
+    try:
+        with caplog.at_level(logging.WARNING, "errands.fair"):
+            assert weights(["tenant:acme"]) == {"tenant:acme": 1.0}
+    finally:
+        weights.close()
+    assert "fair weight callable" in caplog.text and "'tenant:acme'" in caplog.text
+    assert "gets weight 1" in caplog.text
+
+
+def test_a_slow_weight_callable_never_holds_a_claim_up(caplog: pytest.LogCaptureFixture) -> None:
+    """The claim waits its budget at most: a callable still running is left behind (the
+    key weighs 1 meanwhile, a warning says so), and its answer is used once it comes."""
+    release = threading.Event()
+
+    def weight(key: str) -> float:
+        release.wait(60)
+        return 3.0
+
+    weights = CallableWeights(weight, budget=0.01)
+    try:
+        with caplog.at_level(logging.WARNING, "errands.fair"):
+            assert weights(["tenant:acme"]) == {}  # no answer yet: the claim uses 1
+        assert not release.is_set()  # the callable is still running: the claim went on
+        assert "not answered within" in caplog.text
+        release.set()
+        deadline = time.monotonic() + 60
+        while weights(["tenant:acme"]) != {"tenant:acme": 3.0}:
+            assert time.monotonic() < deadline, "the late answer never came"
+            time.sleep(0.01)
+    finally:
+        release.set()
+        weights.close()
+
+
+def test_fair_weight_takes_a_callable_as_a_decorator_and_names_the_mistakes(
+    app: errands.App,
+) -> None:
+    @app.fair_weight
+    def weight(key: str) -> float:
+        return 2.0
+
+    assert app.fair_weights is not None and app.fair_weights.fn is weight
+    with pytest.raises(ConfigurationError, match=r"give the key's weight, as fair_weight"):
+        app.fair_weight("tenant:acme")  # type: ignore[call-overload]
+    with pytest.raises(ConfigurationError, match="pass it alone"):
+        app.fair_weight(weight, 2)  # type: ignore[call-overload]

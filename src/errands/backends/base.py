@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from ..jobs import EnqueueRequest, JobRow, Step
 
 if TYPE_CHECKING:
+    from .fair import Weigher
     from .workflow_store import (
         MemberRow,
         ParentResultRow,
@@ -84,6 +85,12 @@ class FinishParams:
     wait_timeout: float | None = None
     # a workflow member's completion: members it adds to its own workflow (ctx.add_to_workflow)
     workflow_adds: Sequence[EnqueueRequest] = ()
+    # Fair queues (the fold of the attempt's worker time into its key's usage):
+    # whether the job has a fair key, as its claimed row said (False: the write skips the
+    # fold altogether; None: not known, the write looks at the row), and the seconds its
+    # handler ran (None: counted from the claim to this write).
+    fair: bool | None = None
+    ran: float | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class LeaseRef:
     lease_seconds: float
     progress: float | None = None  # ctx.progress to store with this heartbeat (None: as is)
     progress_message: str | None = None
+    fair: bool | None = None  # a release: whether the job has a fair key (as FinishParams)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class ExpiredLease:
     rescues: int
     cancel_requested: bool
     lease_owner: str | None
+    fair: bool | None = None  # whether the job has a fair key
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,7 @@ class RescueParams:
     state: Literal["retryable", "dead", "cancelled"]
     error: dict[str, Any]
     delay: float
+    fair: bool | None = None  # whether the job has a fair key (as FinishParams)
 
 
 @dataclass(frozen=True)
@@ -493,9 +503,11 @@ class Backend(Protocol):
         lease_default: float,
         suspects: bool = False,
         names: Sequence[str] | None = None,
+        weights: Weigher | None = None,
     ) -> list[JobRow]:
         """Claim from a limited queue, one claimer at a time (see backends.limits); only
-        job types in ``names`` when it is given (as ``ClaimParams.names``)."""
+        job types in ``names`` when it is given (as ``ClaimParams.names``); a fair queue's
+        keys without a stored weight weigh what ``weights`` gives them (app.fair_weight)."""
         ...
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:

@@ -5,9 +5,9 @@ A fair queue (``app.queue(name, fair=True)``) is claimed through the limited cla
 
 * each key's next due jobs, per priority level (a skip through ``errands_jobs_fair``:
   one probe per key and level, however long a key's backlog);
-* each key's recent worker time: the decayed seconds of its ended attempts
-  (``errands_fair_usage``, written only by the fenced write that ends an attempt) plus the
-  seconds its running attempts have used so far, and when it last started one;
+* each key's recent worker time: the decayed handler seconds of its ended attempts
+  (``errands_fair_usage``, written only by the fenced write that ends an attempt) plus its
+  running attempts (each at least the key's mean job time), and when it last started one;
 * each key's weight (``app.fair_weight``; 1 when none is stored).
 
 :func:`fair_pick` then orders the claim, one job at a time:
@@ -31,9 +31,15 @@ job, or the next key, is taken instead, so a gated key never blocks the keys beh
 from __future__ import annotations
 
 import heapq
+import logging
 import math
+import queue
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+log = logging.getLogger("errands.fair")
 
 HALF_LIFE = 60.0  # seconds: a key's ended worker time counts half after a minute
 QUANTUM = 1.0  # seconds of worker time a key may run over its share and still take turns
@@ -174,10 +180,15 @@ def decayed(usage: float, age: float) -> float:
     return usage * 0.5 ** (max(age, 0.0) / HALF_LIFE)
 
 
-def fold_params(job_id: int, token: str | None, *, expired: bool = False) -> dict[str, object]:
+def fold_params(
+    job_id: int, token: str | None, *, expired: bool = False, ran: float | None = None
+) -> dict[str, object]:
     """The parameters of ``fair_fold`` for the attempt a fenced write is about to end
-    (``expired``: the rescue's fence, which also requires the lease to have expired)."""
-    return {"id": job_id, "token": token, "expired": int(expired), "half_life": HALF_LIFE}
+    (``expired``: the rescue's fence, which also requires the lease to have expired;
+    ``ran``: the seconds its handler ran, None to count from the claim to the write)."""
+    return {
+        "id": job_id, "token": token, "expired": int(expired), "half_life": HALF_LIFE, "ran": ran
+    }  # fmt: skip
 
 
 def check_weight(key: str, weight: object) -> float:
@@ -195,3 +206,103 @@ def check_weight(key: str, weight: object) -> float:
             "weight 1 (the default)"
         )
     return float(weight)
+
+
+WEIGHT_TTL = 60.0  # seconds a weight given by the callable is used before it is asked again
+WEIGHT_BUDGET = 0.02  # seconds a claim waits, at most, for the callable's new answers
+
+Weigher = Callable[[Sequence[str]], dict[str, float]]  # keys -> their weights (some of them)
+
+
+class CallableWeights:
+    """Weights given by code: ``app.fair_weight(fn)``, ``fn(key) -> weight``.
+
+    A claim holds its queue's serialising lock, so the callable never runs inside it:
+    the answers are cached per key for ``ttl`` seconds, and a key without a fresh answer
+    is asked on a few daemon threads, the claim waiting ``budget`` seconds at most. A key
+    whose answer is late is claimed at its previous weight (1 the first time) and gets
+    the new one at a later claim; a callable that raises or returns anything but a
+    number above 0 (and at most WEIGHT_MAX) gives weight 1, logged. A weight stored with
+    ``app.fair_weight(key, w)`` (or the CLI) is an operator's override: it wins.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[str], float],
+        *,
+        ttl: float = WEIGHT_TTL,
+        budget: float = WEIGHT_BUDGET,
+        threads: int = 2,
+    ) -> None:
+        self.fn = fn
+        self.ttl = ttl
+        self.budget = budget
+        self.threads = threads
+        self._known: dict[str, tuple[float, float]] = {}  # key -> (weight, answered at)
+        self._asking: set[str] = set()
+        self._todo: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._started = 0
+        self._warned = -math.inf  # monotonic time of the last "late" warning
+
+    def __call__(self, keys: Sequence[str]) -> dict[str, float]:
+        """The weights of ``keys`` known now (after waiting ``budget`` at most for the
+        keys asked anew); a key left out weighs 1 or its stored weight."""
+        now = time.monotonic()
+        deadline = now + self.budget
+        with self._cond:
+            for key in keys:
+                if (
+                    key not in self._asking
+                    and now - self._known.get(key, (0, -math.inf))[1] >= self.ttl
+                ):
+                    self._asking.add(key)
+                    self._todo.put(key)
+            while self._started < self.threads and self._asking:
+                self._started += 1
+                name = f"errands-fair-weight-{self._started}"
+                threading.Thread(target=self._serve, name=name, daemon=True).start()
+            pending = {k for k in keys if k in self._asking}
+            while pending and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+                pending = {k for k in pending if k in self._asking}
+            answers = {k: self._known[k][0] for k in keys if k in self._known}
+            warn = bool(pending) and now - self._warned >= self.ttl
+            if warn:
+                self._warned = now
+        if warn:
+            log.warning(
+                "fair weight callable %s: %d key(s) not answered within %g s; they are "
+                "claimed at their previous weight (1 at first) until it answers",
+                _name(self.fn), len(pending), self.budget,
+            )  # fmt: skip
+        return answers
+
+    def _serve(self) -> None:
+        while (key := self._todo.get()) is not None:
+            weight = self._ask(key)
+            with self._cond:
+                self._known[key] = (weight, time.monotonic())
+                self._asking.discard(key)
+                self._cond.notify_all()
+
+    def _ask(self, key: str) -> float:
+        """``fn(key)``, checked; weight 1 (logged) when it raises or gives a bad value."""
+        try:
+            return check_weight(key, self.fn(key))
+        except Exception as exc:
+            log.warning(
+                "fair weight callable %s failed for key %r (%s: %s); the key gets weight 1 "
+                "for %g s",
+                _name(self.fn), key, type(exc).__name__, exc, self.ttl,
+            )  # fmt: skip
+            return 1.0
+
+    def close(self) -> None:
+        """Stop the threads once they are done with what they are asking."""
+        for _ in range(self._started):
+            self._todo.put(None)
+
+
+def _name(fn: object) -> str:
+    return str(getattr(fn, "__qualname__", None) or repr(fn))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ConfigurationError
-from .fair import UNKEYED, FairCandidate, KeyState, decayed, fair_pick
+from .fair import UNKEYED, FairCandidate, KeyState, Weigher, decayed, fair_pick
 
 LOOKAHEAD_FACTOR = 10
 LOOKAHEAD_MIN = 100
@@ -129,9 +129,12 @@ def claim_limited(
     *,
     suspects: bool = False,
     names: Sequence[str] | None = None,
+    weights: Weigher | None = None,
 ) -> Claimed:
     """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order);
     only job types in ``names`` when given (those the claiming worker can run).
+    ``weights``: a fair queue's weights given by code (``app.fair_weight(fn)``), for the
+    keys without a stored one.
 
     Call inside the transaction that serialises this queue's limited claims.
     """
@@ -164,7 +167,7 @@ def claim_limited(
         rates[str(name)] = (int(limit), float(period))  # type: ignore[call-overload,arg-type]
     room_per_name = _rooms(store, rates, result)
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
-    pick = _Pick(store, queue, room, rates, room_per_name, blocked, names, result)
+    pick = _Pick(store, queue, room, rates, room_per_name, blocked, names, result, weights)
     if fair or aging:
         chosen = _pick_fair(pick, None if aging is None else float(aging), suspects)  # type: ignore[arg-type]
     else:
@@ -183,6 +186,10 @@ def claim_limited(
     claimed = store.rows(
         "job_claim_ids", {**claim_params, "ids": store.id_list([c.id for c in chosen])}
     )
+    # In the order chosen (a fair queue's: each key's turn), not the rows' order: a worker
+    # starts a prefetched batch first in, first out.
+    order = {c.id: i for i, c in enumerate(chosen)}
+    claimed.sort(key=lambda row: order[int(row[0])])  # type: ignore[call-overload]
     if rate_limit is not None and rate_period:
         _log_starts(store, f"queue:{queue}", len(claimed), float(rate_period))  # type: ignore[arg-type]
     started: dict[str, int] = {}
@@ -207,6 +214,7 @@ class _Pick:
     blocked: list[object]  # types without room: left out in SQL
     names: Sequence[str] | None  # the types the claiming worker can run
     result: Claimed
+    weights: Weigher | None = None  # fair weights given by code, for keys without a stored one
 
     def params(self) -> dict[str, object]:
         return {
@@ -262,7 +270,7 @@ def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candida
         more = {**params, "per_key": room, "keys": store.id_list(list(keys))}
         candidates = _fair_rows(store, "fair_heads", more) + unkeyed
     pick.learn_rates(candidates)
-    states, now = fair_states(store, queue, keys)
+    states, now = fair_states(store, queue, keys, pick.weights)
     running = _running(store, candidates)
     names_left = dict(pick.room_per_name)
 
@@ -301,26 +309,36 @@ def _fair_rows(
 
 
 def fair_states(
-    store: LimitedClaimStore, queue: str, keys: Sequence[str]
+    store: LimitedClaimStore, queue: str, keys: Sequence[str], weights: Weigher | None = None
 ) -> tuple[dict[str, KeyState], float]:
-    """Each key's standing in ``queue`` (see :class:`KeyState`), and the database's now."""
+    """Each key's standing in ``queue`` (see :class:`KeyState`), and the database's now.
+    A key's weight is its stored one, else the one ``weights`` gives, else 1."""
     states: dict[str, KeyState] = {}
+    unweighted: list[str] = []
     now = 0.0
-    for key, usage, recent, at, last, running, running_last, weight, t in store.rows(
+    for key, usage, recent, at, last, running, running_last, weight, t, n in store.rows(
         "fair_states", {"queue": queue, "keys": store.id_list(list(keys))}
     ):
         now = float(t)  # type: ignore[arg-type]
         state = KeyState(weight=1.0 if weight is None else float(weight))  # type: ignore[arg-type]
+        if weight is None:
+            unweighted.append(str(key))
         if usage is not None:
             state.usage = decayed(float(usage), now - float(at))  # type: ignore[arg-type]
             if recent:
                 state.mean_cost = max(float(usage) / float(recent), 0.001)  # type: ignore[arg-type]
             state.last_started = float(last)  # type: ignore[arg-type]
         if running is not None:
-            state.usage += float(running)  # type: ignore[arg-type]
+            # A running attempt counts at least its key's mean job time: what it will use,
+            # not only what it has used so far. Else a key of slow jobs, within its share
+            # at each claim, starts one more at each and overshoots by all of them.
+            state.usage += max(float(running), int(n) * state.mean_cost)  # type: ignore[arg-type,call-overload]
         if running_last is not None:
             state.last_started = max(state.last_started or 0.0, float(running_last))  # type: ignore[arg-type]
         states[str(key)] = state
+    if weights is not None and unweighted:
+        for key, given in weights(unweighted).items():
+            states[key].weight = given
     return states, now
 
 

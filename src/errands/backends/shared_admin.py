@@ -85,7 +85,10 @@ def suspend_program(
     once when the signal is already stored: run inside one transaction. A cancel
     requested meanwhile ends the job instead: a workflow member then fans in. A fair
     key's usage is folded first, under the same fence."""
-    yield Stmt(queries["fair_fold"], fold_params(outcome.id, outcome.lease_token))
+    if outcome.fair is not False:
+        yield Stmt(
+            queries["fair_fold"], fold_params(outcome.id, outcome.lease_token, ran=outcome.ran)
+        )
     suspended = yield Stmt(
         queries["job_suspend"] + "\nRETURNING id, state, workflow_id",
         {

@@ -239,7 +239,7 @@ class Maintenance:
             "kind": "poison" if message.startswith("poison") else "worker_lost",
             "lease_token": lease.lease_token,  # which attempt it records (errands.landed)
         }
-        return RescueParams(lease.id, lease.lease_token, state, error, delay)
+        return RescueParams(lease.id, lease.lease_token, state, error, delay, fair=lease.fair)
 
     def expire_waits(self) -> int:
         """End waits for signals past their timeout: each is a failed attempt (kind

@@ -181,7 +181,10 @@ class HarnessWorker(Worker):
     def release_row(self, row: JobRow) -> None:
         """Give a claimed row back without running it (as a shutdown does)."""
         lease = row.lease_seconds or self.app.lease
-        self.app.backend.job_release_many([LeaseRef(row.id, row.lease_token or "", lease)])
+        fair = row.fair_key is not None
+        self.app.backend.job_release_many(
+            [LeaseRef(row.id, row.lease_token or "", lease, fair=fair)]
+        )
 
     def run_row(self, row: JobRow, *, duplicate: bool = False, timeout: float = 60.0) -> Run:
         """Run ``row`` (claimed by this worker) and wait until its outcome is written.

@@ -71,6 +71,14 @@ class Claimer:
         # The queues claimed through job_claim_limited (which counts keys, rates and
         # cluster-wide limits); the plain claim serves the others.
         self.with_limits: set[str] = set(self.declared)
+        # Fair queues this app declares without a cluster-wide limit or rate: their claim
+        # may fill the prefetch room too, as a plain queue's does. A fair claim reads every
+        # backlogged key, so with many keys and quick jobs a batch spreads that cost.
+        self.prefetching = {
+            name
+            for name, s in app.queues.items()
+            if name in self.queues and s.fair and s.max_running is None and s.rate_limit is None
+        }
         self._refresh_due = 0.0
         self._suspect_due = 0.0
 
@@ -142,7 +150,7 @@ class Claimer:
             # (handler threads take them first in, first out).
             rows += sorted(claimed, key=queue_order)
         for queue in plan:
-            take = min(queue.limit, free - len(rows))
+            take = min(queue.limit, (room if queue.name in self.prefetching else free) - len(rows))
             if queue.name in self.with_limits and take <= 0:
                 result.limited_starved = True
             if queue.name in self.with_limits and take > 0:
@@ -150,7 +158,11 @@ class Claimer:
                 limited = self._step(
                     result,
                     lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
-                        claim, self.worker_id, self.app.lease, names=self.names
+                        claim,
+                        self.worker_id,
+                        self.app.lease,
+                        names=self.names,
+                        weights=self.app.fair_weights,
                     ),
                 )
                 rows += limited
@@ -178,7 +190,12 @@ class Claimer:
                 result.rows += self._step(
                     result,
                     lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
-                        claim, self.worker_id, self.app.lease, suspects=True, names=self.names
+                        claim,
+                        self.worker_id,
+                        self.app.lease,
+                        suspects=True,
+                        names=self.names,
+                        weights=self.app.fair_weights,
                     ),
                 )
         if not result.rows:

@@ -149,14 +149,18 @@ class Dispatcher:
             attempt.deadline = began + timeout
             worker.leases.poke()
         events = worker.app.events
+        called = time.monotonic()
         try:
             with job_context(log_ctx):
-                if not events.wrappers:  # the common case: nothing to wrap it in
-                    result = definition.fn(**kwargs)
-                else:
-                    info = {**job_fields(attempt.row), "meta": attempt.row.meta}
-                    with events.around_handler(info):
+                try:
+                    if not events.wrappers:  # the common case: nothing to wrap it in
                         result = definition.fn(**kwargs)
+                    else:
+                        info = {**job_fields(attempt.row), "meta": attempt.row.meta}
+                        with events.around_handler(info):
+                            result = definition.fn(**kwargs)
+                finally:
+                    attempt.ran = time.monotonic() - called
                 return encode(definition, result)
         finally:
             worker.ran_for(time.monotonic() - began)
@@ -172,6 +176,7 @@ class Dispatcher:
             raise Interrupted(attempt.ctx.cancel_reason)
         timeout = attempt.row.timeout
         info = {**job_fields(attempt.row), "meta": attempt.row.meta}
+        called = time.monotonic()
         with job_context(log_ctx), self.worker.app.events.around_handler(info):
             try:
                 if timeout:
@@ -185,6 +190,8 @@ class Dispatcher:
             except asyncio.CancelledError:
                 reason = attempt.ctx.cancel_reason if attempt.ctx else "cancelled"
                 raise Interrupted(reason or "cancelled") from None
+            finally:
+                attempt.ran = time.monotonic() - called
         return await asyncio.to_thread(encode, definition, result)
 
     def _async_done(self, attempt: Attempt, future: Any) -> None:

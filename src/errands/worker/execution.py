@@ -14,7 +14,7 @@ import time
 import traceback as tb
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams, FinishState
@@ -91,6 +91,7 @@ class Attempt:
     child: Future[Any] | None = None  # process pool, isolated suspect: the child's answer
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired
+    ran: float | None = None  # seconds the handler's own call took, once it returned or raised
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
@@ -219,6 +220,34 @@ def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str)
 
 
 def outcome_for(
+    attempt: Attempt,
+    exc: BaseException | None,
+    result_json: str | None,
+    worker_id: str,
+    poison_after: int = 3,
+) -> FinishParams:
+    """Classify an attempt's end (DESIGN §5) into the fenced write that records it, with
+    what a fair queue's fold needs: whether the job has a fair key (none: the write skips
+    the fold) and the seconds its handler ran (see :func:`handler_seconds`)."""
+    return replace(
+        _classify(attempt, exc, result_json, worker_id, poison_after),
+        fair=attempt.row.fair_key is not None,
+        ran=handler_seconds(attempt),
+    )
+
+
+def handler_seconds(attempt: Attempt) -> float:
+    """What a fair key is charged for the attempt: the seconds its handler's call took,
+    without the claim before it or the write after it (nor the decoding of its arguments
+    and the encoding of its result). A handler still running when its outcome was decided
+    (a timeout, a process-pool child) counts from its start to that moment."""
+    if attempt.ran is not None:
+        return attempt.ran
+    ended = attempt.ended or time.monotonic()
+    return max(ended - attempt.started, 0.0)
+
+
+def _classify(
     attempt: Attempt,
     exc: BaseException | None,
     result_json: str | None,

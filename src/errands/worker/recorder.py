@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams
 from ..errors import ConfigurationError, TransactionEnded
-from .execution import SHUTDOWN, Attempt, Interrupted, JobTimeout, outcome_for
+from .execution import SHUTDOWN, Attempt, Interrupted, JobTimeout, handler_seconds, outcome_for
 from .process_pool import ChildResult
 
 if TYPE_CHECKING:
@@ -158,6 +158,8 @@ class OutcomeRecorder:
                 "lease_token": attempt.token,
             },
             delay=2.0,
+            fair=attempt.row.fair_key is not None,
+            ran=handler_seconds(attempt),
         )
 
     def child_done(self, attempt: Attempt, result: ChildResult) -> None:

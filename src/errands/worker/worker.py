@@ -582,7 +582,10 @@ class Worker:
         the release recorded on the job)."""
         try:
             released = self.app.backend.job_release_many(
-                [LeaseRef(a.id, a.token, a.lease_seconds) for a in attempts],
+                [
+                    LeaseRef(a.id, a.token, a.lease_seconds, fair=a.row.fair_key is not None)
+                    for a in attempts
+                ],
                 f"released by worker {self.id} ({message % len(attempts)}); the attempt is "
                 "not charged and the job runs again",
             )

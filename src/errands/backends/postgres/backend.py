@@ -47,7 +47,7 @@ from ..base import (
     RescueParams,
     insert_params,
 )
-from ..fair import HALF_LIFE
+from ..fair import HALF_LIFE, Weigher
 from ..limits import Claimed, claim_limited
 from ..program import Call, Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
@@ -104,7 +104,7 @@ JOB_COLUMNS_SQL = ", ".join(
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
         "j.discard_reason", "j.parent_id", "extract(epoch FROM j.unique_until)::float8",
         "j.progress", "j.progress_message", "j.wait_signal",
-        "extract(epoch FROM j.wait_until)::float8",
+        "extract(epoch FROM j.wait_until)::float8", "j.fair_key",
     ]
 )  # fmt: skip
 
@@ -143,10 +143,32 @@ def _copy_plain(r: EnqueueRequest) -> bool:
     )
 
 
-def fill_markers(text: str, schema: str) -> str:
+# The fold of a write none of whose jobs has a fair key (as the worker's claimed rows
+# said): an unreferenced CTE that reads nothing, so the write touches no fairness table.
+NO_FOLD = "fold AS (SELECT NULL)"
+# The statements that end attempts: each also has a "<name>_plain" variant without the fold.
+FOLDING = ("job_finish_many", "job_release_many", "job_rescue_many")
+
+
+def fill_markers(text: str, schema: str, *, fold: bool = True) -> str:
     quoted = '"' + schema + '"'  # validated by parse_postgres_url: [a-z_][a-z0-9_]*
-    fold = _RAW_QUERIES["fair_fold_cte"].format(schema=quoted)  # SQL of this file, no value
-    return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=fold)
+    # SQL of this file, no value:
+    cte = _RAW_QUERIES["fair_fold_cte"].format(schema=quoted) if fold else NO_FOLD
+    due = _RAW_QUERIES["fair_due"].format(schema=quoted)
+    return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=cte, fair_due=due)
+
+
+def filled_queries(schema: str) -> dict[str, str]:
+    """Every named query with its markers filled, and the plain variants of FOLDING."""
+    queries = {name: fill_markers(text, schema) for name, text in _RAW_QUERIES.items()}
+    for name in FOLDING:
+        queries[f"{name}_plain"] = fill_markers(_RAW_QUERIES[name], schema, fold=False)
+    return queries
+
+
+def folding(name: str, fair: Sequence[bool | None]) -> str:
+    """``name``, or its plain variant when no job it ends has a fair key."""
+    return name if any(f is not False for f in fair) else f"{name}_plain"
 
 
 _RAW_QUERIES = load_queries(__package__) | load_queries(__package__, "workflows.sql")
@@ -167,7 +189,7 @@ class PostgresBackend(PostgresAdmin):
         self.url = url
         self.config: PostgresConfig = parse_postgres_url(url)
         self.schema = self.config.schema
-        self.q = {name: fill_markers(text, self.schema) for name, text in _RAW_QUERIES.items()}
+        self.q = filled_queries(self.schema)
         self.channel = channel_name(self.schema)
         self._last_notify: dict[str, float] = {}
         self._notify_lock = threading.Lock()
@@ -720,7 +742,7 @@ class PostgresBackend(PostgresAdmin):
         return {
             (r[0], r[1]): r[2]
             for r in conn.execute(
-                self.q["job_finish_many"],
+                self.q[folding("job_finish_many", [o.fair for o in outcomes])],
                 {
                     "ids": [o.id for o in outcomes],
                     "tokens": [o.lease_token for o in outcomes],
@@ -728,6 +750,7 @@ class PostgresBackend(PostgresAdmin):
                     "results": [o.result_json for o in outcomes],
                     "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
                     "delays": [float(o.delay) for o in outcomes],
+                    "rans": [o.ran for o in outcomes],
                     "members": members,
                     "half_life": HALF_LIFE,
                 },
@@ -799,6 +822,7 @@ class PostgresBackend(PostgresAdmin):
         lease_default: float,
         suspects: bool = False,
         names: Sequence[str] | None = None,
+        weights: Weigher | None = None,
     ) -> list[JobRow]:
         with self._tx() as conn:
             # One limited claimer per queue at a time, cluster-wide, for this transaction.
@@ -816,6 +840,7 @@ class PostgresBackend(PostgresAdmin):
                 },
                 suspects=suspects,
                 names=names,
+                weights=weights,
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in
@@ -951,7 +976,7 @@ class PostgresBackend(PostgresAdmin):
             return []
         with self._tx() as conn:
             rows = conn.execute(
-                self.q["job_release_many"],
+                self.q[folding("job_release_many", [lease.fair for lease in leases])],
                 {
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
@@ -988,6 +1013,7 @@ class PostgresBackend(PostgresAdmin):
             ExpiredLease(
                 id=r[0], name=r[1], queue=r[2], lease_token=r[3], attempt=r[4],
                 max_attempts=r[5], rescues=r[6], cancel_requested=bool(r[7]), lease_owner=r[8],
+                fair=bool(r[9]),
             )
             for r in rows
         ]  # fmt: skip
@@ -997,7 +1023,7 @@ class PostgresBackend(PostgresAdmin):
             return []
         with self._tx() as conn:
             rows = conn.execute(
-                self.q["job_rescue_many"],
+                self.q[folding("job_rescue_many", [r.fair for r in rescues])],
                 {
                     "ids": [r.id for r in rescues],
                     "tokens": [r.lease_token for r in rescues],

@@ -141,13 +141,12 @@ SET state = CASE WHEN j.cancel_requested AND o.state IN ('retryable', 'dead')
                        ELSE now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(states)b::text[], %(results)b::text[],
-            %(errors)b::text[], %(delays)b::float8[])
-     AS o(id, token, state, result, error, delay),
-     {schema}.errands_jobs AS prev
-WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running' AND prev.id = j.id
+            %(errors)b::text[], %(delays)b::float8[], %(rans)b::float8[])
+     AS o(id, token, state, result, error, delay, ran)
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
   AND (j.workflow_id IS NOT NULL) = %(members)s
 RETURNING j.id, o.token, j.state, j.queue AS f_queue, j.fair_key AS f_key,
-          j.attempted_at AS f_started, prev.run_at AS f_due
+          j.attempted_at AS f_started, o.ran AS f_ran, {fair_due}
 ), {fair_fold}
 SELECT id, token, state FROM ended
 
@@ -178,11 +177,10 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
     run_at = now(),
     finished_at = CASE WHEN j.cancel_requested THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
-FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token),
-     {schema}.errands_jobs AS prev
-WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running' AND prev.id = j.id
+FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token)
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
-          j.attempted_at AS f_started, prev.run_at AS f_due
+          j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
 ), {fair_fold}
 SELECT id, workflow_id, state FROM ended
 
@@ -201,7 +199,7 @@ DELETE FROM {schema}.errands_leaders WHERE name = %(name)s AND owner = %(owner)s
 
 -- name: job_list_expired
 SELECT id, name, queue, lease_token, attempt, max_attempts, rescues, cancel_requested,
-       lease_owner
+       lease_owner, fair_key IS NOT NULL
 FROM {schema}.errands_jobs
 WHERE state = 'running' AND lease_expires_at < now()
 ORDER BY lease_expires_at
@@ -221,12 +219,11 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE o.state END,
     finished_at = CASE WHEN j.cancel_requested OR o.state <> 'retryable' THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)s::bigint[], %(tokens)s::text[], %(states)s::text[], %(errors)s::text[],
-            %(delays)s::float8[]) AS o(id, token, state, error, delay),
-     {schema}.errands_jobs AS prev
+            %(delays)s::float8[]) AS o(id, token, state, error, delay)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-  AND j.lease_expires_at < now() AND prev.id = j.id
+  AND j.lease_expires_at < now()
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
-          j.attempted_at AS f_started, prev.run_at AS f_due
+          j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
 ), {fair_fold}
 SELECT id, workflow_id, state FROM ended
 
@@ -699,16 +696,19 @@ WHERE j.id = %(id)s AND j.state IN ('scheduled', 'available', 'retryable')
 -- name: fair_fold_cte
 -- Not run alone: the fair_fold marker of the statements that end attempts (finish,
 -- release, rescue, and fair_fold). It folds the attempts of CTE "ended" (f_queue, f_key,
--- f_started, f_due) into their keys' usage, decayed by the half-life, with their dwell
--- (due -> start), one row per key (ordered, so concurrent folds never deadlock).
+-- f_started, f_ran, f_due) into their keys' usage, decayed by the half-life, with their
+-- dwell (due -> start), one row per key (ordered, so concurrent folds never deadlock).
+-- An attempt counts the seconds its handler ran (f_ran, the worker's clock) when the
+-- write carries them, else the seconds from its claim to this write.
 fold AS (
     INSERT INTO {schema}.errands_fair_usage AS u
         (queue, key, usage, recent, at, last_started, seconds_total, dwell_total, attempts)
-    SELECT e.f_queue, e.f_key, sum(greatest(extract(epoch FROM now() - e.f_started), 0)),
-           count(*), now(), max(e.f_started),
-           sum(greatest(extract(epoch FROM now() - e.f_started), 0)),
-           sum(greatest(extract(epoch FROM e.f_started - e.f_due), 0)), count(*)
-    FROM ended AS e
+    SELECT e.f_queue, e.f_key, sum(e.seconds), count(*), now(), max(e.f_started),
+           sum(e.seconds), sum(greatest(extract(epoch FROM e.f_started - e.f_due), 0)),
+           count(*)
+    FROM (SELECT f_queue, f_key, f_started, f_due,
+                 greatest(COALESCE(f_ran, extract(epoch FROM now() - f_started)), 0) AS seconds
+          FROM ended) AS e
     WHERE e.f_key IS NOT NULL
     GROUP BY e.f_queue, e.f_key
     ORDER BY e.f_queue, e.f_key
@@ -724,11 +724,19 @@ fold AS (
         attempts = u.attempts + excluded.attempts
 )
 
+-- name: fair_due
+-- Not run alone: the fair_due marker of the statements that end attempts. A fair row's
+-- due time before the statement's own update (a subquery reads the statement's snapshot,
+-- which its update does not change); nothing is read for a row without a fair key.
+CASE WHEN j.fair_key IS NOT NULL
+     THEN (SELECT p.run_at FROM {schema}.errands_jobs AS p WHERE p.id = j.id) END AS f_due
+
 -- name: fair_fold
 -- A suspension's fold (ctx.wait_for_signal): the attempt's row locked under its fence,
 -- its usage folded; job_suspend follows in the same transaction.
 WITH ended AS (
-    SELECT queue AS f_queue, fair_key AS f_key, attempted_at AS f_started, run_at AS f_due
+    SELECT queue AS f_queue, fair_key AS f_key, attempted_at AS f_started,
+           %(ran)s::float8 AS f_ran, run_at AS f_due
     FROM {schema}.errands_jobs
     WHERE id = %(id)s AND lease_token = %(token)s AND state = 'running'
       AND (%(expired)s = 0 OR lease_expires_at < now())
@@ -796,20 +804,20 @@ WHERE fair_key IS NULL AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::t
 
 -- name: fair_states
 -- Per key of keys in a queue: its folded usage (usage, recent attempts, when folded, last
--- start), the seconds its running attempts have used so far and their latest start, its
--- weight, and the database's now (all times epoch seconds).
+-- start), the seconds its running attempts have used so far, their latest start, its
+-- weight, the database's now (all times epoch seconds), and how many attempts run.
 -- The running rows are read once, grouped by key (errands_jobs_fair_running).
 WITH running AS (
     SELECT fair_key AS key,
            sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
-           extract(epoch FROM max(attempted_at))::float8 AS latest
+           extract(epoch FROM max(attempted_at))::float8 AS latest, count(*) AS n
     FROM {schema}.errands_jobs
     WHERE queue = %(queue)s AND state = 'running' AND fair_key IS NOT NULL
     GROUP BY fair_key
 )
 SELECT k.key, u.usage, u.recent, extract(epoch FROM u.at)::float8,
        extract(epoch FROM u.last_started)::float8, r.seconds, r.latest, w.weight,
-       extract(epoch FROM now())::float8
+       extract(epoch FROM now())::float8, r.n
 FROM unnest(%(keys)s::text[]) AS k(key)
 LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = k.key
 LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = k.key

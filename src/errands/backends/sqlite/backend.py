@@ -49,7 +49,7 @@ from ..base import (
     insert_params,
     unwrap_connection,
 )
-from ..fair import fold_params
+from ..fair import Weigher, fold_params
 from ..limits import Claimed, claim_limited
 from ..program import Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
@@ -517,7 +517,8 @@ class SQLiteBackend(SQLiteAdmin):
         and a workflow member's fan-in runs in the same transaction."""
         if o.state == "waiting":  # under the write lock: a signal is either stored or not
             return run(conn, suspend_program(Q, o, self.workflows.fan_in))
-        conn.execute(Q["fair_fold"], fold_params(o.id, o.lease_token))  # under the fence
+        if o.fair is not False:  # under the fence; a job known to have no fair key: nothing
+            conn.execute(Q["fair_fold"], fold_params(o.id, o.lease_token, ran=o.ran))
         rows = conn.execute(
             Q["job_finish"],
             {
@@ -604,6 +605,7 @@ class SQLiteBackend(SQLiteAdmin):
         lease_default: float,
         suspects: bool = False,
         names: Sequence[str] | None = None,
+        weights: Weigher | None = None,
     ) -> list[JobRow]:
         with self._write() as conn:  # BEGIN IMMEDIATE: limited claims run one at a time
             store = _LimitedStore(conn)
@@ -618,6 +620,7 @@ class SQLiteBackend(SQLiteAdmin):
                 },
                 suspects=suspects,
                 names=names,
+                weights=weights,
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in
@@ -765,7 +768,8 @@ class SQLiteBackend(SQLiteAdmin):
         answers = []
         with self._write() as conn:
             for lease in leases:
-                conn.execute(Q["fair_fold"], fold_params(lease.id, lease.lease_token))
+                if lease.fair is not False:
+                    conn.execute(Q["fair_fold"], fold_params(lease.id, lease.lease_token))
                 rows = conn.execute(
                     Q["job_release"],
                     {"id": lease.id, "token": lease.lease_token, "message": message},
@@ -800,6 +804,7 @@ class SQLiteBackend(SQLiteAdmin):
                 rescues=r[6],
                 cancel_requested=bool(r[7]),
                 lease_owner=r[8],
+                fair=bool(r[9]),
             )
             for r in rows
         ]
@@ -810,7 +815,8 @@ class SQLiteBackend(SQLiteAdmin):
         answers = []
         with self._write() as conn:
             for r in rescues:
-                conn.execute(Q["fair_fold"], fold_params(r.id, r.lease_token, expired=True))
+                if r.fair is not False:
+                    conn.execute(Q["fair_fold"], fold_params(r.id, r.lease_token, expired=True))
                 rows = conn.execute(
                     Q["job_rescue"],
                     {

@@ -58,7 +58,7 @@ RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, r
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
           lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
-          progress, progress_message, wait_signal, wait_until
+          progress, progress_message, wait_signal, wait_until, fair_key
 
 -- name: job_finish
 -- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
@@ -124,7 +124,7 @@ DELETE FROM errands_leaders WHERE name = :name AND owner = :owner
 
 -- name: job_list_expired
 SELECT id, name, queue, lease_token, attempt, max_attempts, rescues, cancel_requested,
-       lease_owner
+       lease_owner, fair_key IS NOT NULL
 FROM errands_jobs
 WHERE state = 'running' AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0
 ORDER BY lease_expires_at
@@ -169,7 +169,7 @@ SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
        lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
-          progress, progress_message, wait_signal, wait_until
+          progress, progress_message, wait_signal, wait_until, fair_key
 FROM errands_jobs WHERE id = :id
 
 -- name: job_list
@@ -177,7 +177,7 @@ SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
        lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
-          progress, progress_message, wait_signal, wait_until
+          progress, progress_message, wait_signal, wait_until, fair_key
 FROM errands_jobs
 WHERE (:state IS NULL OR state = :state)
   AND (:queue IS NULL OR queue = :queue)
@@ -205,7 +205,7 @@ SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_
        idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
        lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
        lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
-       progress, progress_message, wait_signal, wait_until
+       progress, progress_message, wait_signal, wait_until, fair_key
 FROM errands_jobs WHERE id IN (SELECT value FROM json_each(:ids))
 
 -- name: queue_stats
@@ -346,7 +346,7 @@ SELECT j.id, j.name, j.queue, j.args, j.meta, j.state, j.priority, j.attempt, j.
        j.finished_at, j.lease_owner, j.lease_token, j.lease_expires_at, j.rescues,
        j.cancel_requested, j.timeout, j.lease_seconds, j.discarded_by, j.discard_reason,
        j.parent_id, j.unique_until, j.progress, j.progress_message, j.wait_signal,
-       j.wait_until
+       j.wait_until, j.fair_key
 FROM names JOIN errands_jobs AS j ON j.name = names.name AND j.idempotency_key = :key
 ORDER BY j.id DESC
 LIMIT :limit
@@ -483,7 +483,7 @@ RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, r
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
           lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
-          progress, progress_message, wait_signal, wait_until
+          progress, progress_message, wait_signal, wait_until, fair_key
 
 -- name: cron_states
 SELECT name, last_slot, last_job_id, next_slot FROM errands_cron ORDER BY name
@@ -589,11 +589,12 @@ WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')
 -- half-life :half_life), with its dwell (due -> start). Runs in the transaction of the
 -- fenced write that ends the attempt, just before it and under the same fence (:expired:
 -- the rescue's extra condition), so it counts exactly the attempts that write ends. No
--- claim writes here: only the end of an attempt.
+-- claim writes here: only the end of an attempt. It counts the seconds the handler ran
+-- (:ran, the worker's clock) when the write carries them, else those from claim to now.
 INSERT INTO errands_fair_usage (queue, key, usage, recent, at, last_started, seconds_total,
                                 dwell_total, attempts)
-SELECT queue, fair_key, max(t - attempted_at, 0), 1, t, attempted_at, max(t - attempted_at, 0),
-       max(attempted_at - run_at, 0), 1
+SELECT queue, fair_key, max(coalesce(:ran, t - attempted_at), 0), 1, t, attempted_at,
+       max(coalesce(:ran, t - attempted_at), 0), max(attempted_at - run_at, 0), 1
 FROM errands_jobs, (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t)
 WHERE id = :id AND lease_token = :token AND state = 'running' AND fair_key IS NOT NULL
   AND (:expired = 0 OR lease_expires_at < t)
@@ -668,18 +669,19 @@ WHERE fair_key IS NULL AND (:names IS NULL OR name IN (SELECT value FROM json_ea
 
 -- name: fair_states
 -- Per key of :keys (a JSON list) in a queue: its folded usage (usage, recent attempts,
--- when folded, last start), the seconds its running attempts have used so far and their
--- latest start, its weight, and the database's now.
+-- when folded, last start), the seconds its running attempts have used so far, their
+-- latest start, its weight, the database's now, and how many attempts run.
 -- The running rows are read once, grouped by key (errands_jobs_fair_running).
 WITH now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
 running AS MATERIALIZED (
     SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
-           max(r.attempted_at) AS latest
+           max(r.attempted_at) AS latest, count(*) AS n
     FROM errands_jobs AS r, now
     WHERE r.queue = :queue AND r.state = 'running' AND r.fair_key IS NOT NULL
     GROUP BY r.fair_key
 )
-SELECT k.value, u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t
+SELECT k.value, u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t,
+       r.n
 FROM json_each(:keys) AS k
 CROSS JOIN now
 LEFT JOIN errands_fair_usage AS u ON u.queue = :queue AND u.key = k.value
