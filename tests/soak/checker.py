@@ -582,6 +582,11 @@ def _health(out: Findings, store: Store) -> None:
 
 
 # -- pickup latency and I9 for rescued jobs --------------------------------------------------------
+def _p(values: list[float], p: float) -> str:
+    value = percentile(values, p)
+    return "-" if value is None else f"{value:.3f}"
+
+
 # Job types whose ``run`` row is written after a wait (a signal), not when the handler starts.
 RUN_ROW_AFTER_A_WAIT = frozenset({"soak.signalled", "soak.signal_never"})
 
@@ -609,6 +614,8 @@ def _latency(
         if j.errors
     }
     waits, calm, rescued, restart_rescued, rescued_started = [], [], [], [], []
+    # claim -> handler start (its run row): rescued jobs (a child process each) vs the rest
+    begun: dict[bool, list[float]] = {True: [], False: []}
     late: list[tuple[int, int, float]] = []
     late_types: Counter[str] = Counter()
     by_type: dict[str, list[float]] = defaultdict(list)
@@ -618,7 +625,10 @@ def _latency(
         wait = max(r.claimed_at - r.run_at, 0.0)
         waits.append(wait)
         by_type[r.name.removeprefix("soak.")].append(wait)
-        if any(a < r.attempt for a in rescued_before.get(r.job_id, ())):
+        was_rescued = any(a < r.attempt for a in rescued_before.get(r.job_id, ()))
+        if r.name not in RUN_ROW_AFTER_A_WAIT:  # its run row is its handler's start
+            begun[was_rescued].append(max(r.at - r.claimed_at, 0.0))
+        if was_rescued:
             if any(a <= r.claimed_at <= b for a, b in restarts):
                 restart_rescued.append(wait)
                 continue
@@ -652,6 +662,10 @@ def _latency(
         percentile(rescued_started, 50),
         percentile(rescued_started, 99),
         max(rescued_started, default=None),
+    )
+    out.figures["claim to handler start s (p50, p99): rescued / others"] = (
+        f"{_p(begun[True], 50)}, {_p(begun[True], 99)} / "
+        f"{_p(begun[False], 50)}, {_p(begun[False], 99)}"
     )
     if restart_rescued:
         out.figures["rescued jobs claimed while PostgreSQL restarted s (n, max)"] = (
