@@ -42,6 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backends import url_scheme
 from ..jobs import EnqueueRequest, JobRow
 
 log = logging.getLogger("errands.worker")
@@ -82,7 +83,18 @@ class _Slot:
     idle_since: float = field(default_factory=time.monotonic)
 
 
-def start_context(app_path: str) -> Any:
+# What a child needs besides the app: imported once in the forkserver, not in each child
+# on its first job (the handler's path, and the store's driver: psycopg alone takes a
+# good part of a second on a busy machine).
+PRELOAD = ("errands.loading", __name__, "errands.worker.dispatch")
+BACKEND_MODULES = {
+    "sqlite": "errands.backends.sqlite",
+    "postgres": "errands.backends.postgres",
+    "postgresql": "errands.backends.postgres",
+}
+
+
+def start_context(app_path: str, url: str = "") -> Any:
     """How children start: ``forkserver`` where the platform has it, else ``spawn``.
 
     A spawned child is a fresh interpreter that imports errands and the app: about half a
@@ -99,8 +111,9 @@ def start_context(app_path: str) -> Any:
     # The server imports these before forking any child (an ImportError is skipped: the
     # child then imports, and reports, as a spawned one would). Process-wide, and fixed
     # once the server runs: both of a worker's runners load the same app.
+    backend = BACKEND_MODULES.get(url_scheme(url)) if url else None
     ctx.set_forkserver_preload(
-        ["__main__", "errands.loading", __name__, app_path.partition(":")[0]]
+        ["__main__", *PRELOAD, *([backend] if backend else []), app_path.partition(":")[0]]
     )
     return ctx
 
@@ -129,7 +142,7 @@ class ProcessRunner:
         self.size = size
         self.spare = min(spare, size)
         self.idle_retire = idle_retire
-        self.ctx = start_context(app_path)
+        self.ctx = start_context(app_path, url)
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._cond = threading.Condition()
