@@ -163,8 +163,8 @@ class ProcessRunner:
         except _ChildRefused:
             raise
         except Exception as exc:  # the forkserver could not start or fork: spawn instead
-            if self.ctx.get_start_method() != "forkserver":
-                raise
+            if self._closed or self.ctx.get_start_method() != "forkserver":
+                raise  # closing (the process may be exiting, its forkserver gone)
             log.warning("forkserver unavailable (%s); starting worker children with spawn", exc)
             self.ctx = multiprocessing.get_context("spawn")
             return self._start_child()
@@ -240,7 +240,8 @@ class ProcessRunner:
         try:
             slot = self._spawn()
         except Exception:
-            log.exception("could not start %s", what)
+            if not self._closed:  # closing: a start cut short is no news
+                log.exception("could not start %s", what)
             raise
         finally:
             with self._cond:
