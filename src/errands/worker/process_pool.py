@@ -165,7 +165,7 @@ class ProcessRunner:
         except Exception as exc:  # the forkserver could not start or fork: spawn instead
             if self._closed or self.ctx.get_start_method() != "forkserver":
                 raise  # closing (the process may be exiting, its forkserver gone)
-            log.warning("forkserver unavailable (%s); starting worker children with spawn", exc)
+            log.warning("forkserver unavailable (%r); starting worker children with spawn", exc)
             self.ctx = multiprocessing.get_context("spawn")
             return self._start_child()
 
