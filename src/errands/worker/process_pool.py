@@ -151,6 +151,7 @@ class ProcessRunner:
         self._warm = False
         self.killed = 0
         self.started = 0  # children started (the replacements included)
+        self.start_failures = 0  # children that could not start
         self.retired = 0  # idle children stopped
         for _ in range(size if start else 0):
             self._add(self._spawn())
@@ -241,12 +242,19 @@ class ProcessRunner:
             slot = self._spawn()
         except Exception:
             if not self._closed:  # closing: a start cut short is no news
+                self.start_failures += 1
                 log.exception("could not start %s", what)
             raise
         finally:
             with self._cond:
                 self._starting -= 1
         self._add(slot)
+
+    @property
+    def ready(self) -> bool:
+        """A child has started (the forkserver runs: the next one forks in milliseconds),
+        or starting one failed (so a job submitted now fails visibly, not silently)."""
+        return self.started > 0 or self.start_failures > 0
 
     def pids(self) -> list[int]:
         """The process ids of the children started now (busy or idle)."""

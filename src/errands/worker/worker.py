@@ -85,10 +85,12 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
 ABANDON_AFTER_DEFAULT = 10.0
-# Suspects: a spare child process is started this long after the worker (not competing
-# with its start-up, nor with a fleet's restarting at once), then kept; children idle
-# longer than SUSPECT_IDLE_RETIRE beyond the spare are stopped.
-SUSPECT_WARM_AFTER = 5.0
+# Suspects: a spare child process is started as the worker starts, then kept (children
+# idle longer than SUSPECT_IDLE_RETIRE beyond the spare are stopped). The worker claims
+# no suspect before its first child is up: on a loaded machine the forkserver's start-up
+# (importing the app) took 12-14 s, and suspects claimed meanwhile waited for it,
+# claimed, while warm workers could have run them.
+SUSPECT_WARM_AFTER = 0.0
 SUSPECT_SPARE = 1
 SUSPECT_IDLE_RETIRE = 60.0
 HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and events
@@ -278,6 +280,11 @@ class Worker:
             )
         return self.suspect_processes
 
+    def _suspects_startable(self) -> bool:
+        """Whether a suspect claimed now starts at once (isolated: once a child is up)."""
+        runner = self.suspect_processes
+        return not self.isolates_suspects or (runner is not None and runner.ready)
+
     def _running_handlers(self) -> int:
         return self.concurrency - self._free  # an int read: no lock needed for a hint
 
@@ -456,6 +463,8 @@ class Worker:
                 room = free + self._extra
                 plan = self._claim_plan(room) if room > 0 else []
                 suspects = min(max(self.suspect_lanes - self._suspects, 0), max(free, 0))
+                if not self._suspects_startable():
+                    suspects = 0
             if not plan:  # every slot busy: a finishing handler wakes us
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
