@@ -70,8 +70,8 @@ def wait_until(
         time.sleep(interval)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (Linux /proc; empty elsewhere)."""
+def _children() -> dict[int, list[int]]:
+    """Live processes by parent pid (Linux /proc; empty elsewhere)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -80,6 +80,17 @@ def descendants(pid: int) -> list[int]:
             continue
         fields = stat.rsplit(")", 1)[-1].split()
         children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    return children
+
+
+def children_of(pid: int) -> list[int]:
+    """The live processes ``pid`` started itself (not theirs: a worker's own children)."""
+    return _children().get(pid, [])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc; empty elsewhere)."""
+    children = _children()
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

@@ -14,7 +14,7 @@ import sys
 import acc_basic
 import pytest
 
-from .harness import WORKER_FLAGS, Cluster, descendants, pid_alive, wait_until
+from .harness import WORKER_FLAGS, Cluster, children_of, pid_alive, wait_until
 
 pytestmark = [
     pytest.mark.acceptance,
@@ -33,7 +33,8 @@ def test_processes_supervisor_restarts_a_killed_child_and_stops_all_children_on_
     )
     # The children inherit the supervisor's stderr: both workers log there.
     supervisor.wait_log(STARTED, 20, count=2)
-    children = descendants(supervisor.pid)
+    # its own children: each worker has children too (a forkserver, a spare)
+    children = children_of(supervisor.pid)
     assert len(children) == 2, children
     assert len(set(re.findall(STARTED, supervisor.stderr()))) == 2  # two distinct workers
 
@@ -47,13 +48,13 @@ def test_processes_supervisor_restarts_a_killed_child_and_stops_all_children_on_
     victim, survivor = children
     os.kill(victim, signal.SIGKILL)
     replacement = wait_until(
-        lambda: [p for p in descendants(supervisor.pid) if p not in children],
+        lambda: [p for p in children_of(supervisor.pid) if p not in children],
         15,
         "the supervisor to start a replacement child",
         describe=lambda: supervisor.stderr()[-3000:],
     )[0]
     assert not pid_alive(victim)
-    assert sorted(descendants(supervisor.pid)) == sorted([survivor, replacement])
+    assert sorted(children_of(supervisor.pid)) == sorted([survivor, replacement])
     supervisor.wait_log(STARTED, 20, count=3)
 
     second = app.enqueue_many([acc_basic.noop.bind(n=i) for i in range(200)])

@@ -5,19 +5,24 @@ its process takes none of the others along (real ``errands worker`` processes on
 
 from __future__ import annotations
 
+import importlib
+import json
+import secrets
 import signal
+from pathlib import Path
 
 import acc_basic
 import pytest
 
 from errands.backends.base import ClaimParams, QueueClaim
 from errands.maintenance.service import Maintenance
+from errands.worker.process_pool import ProcessRunner
 
 from .harness import Cluster, wait_until
 
 pytestmark = pytest.mark.acceptance
 
-SLEEP = 1.5
+MEETING = 7  # with the crasher, as many suspects as the worker's 8 slots (4 lanes before)
 
 
 def _strand_as_suspects(cluster: Cluster, ids: list[int]) -> None:
@@ -32,38 +37,37 @@ def _strand_as_suspects(cluster: Cluster, ids: list[int]) -> None:
     assert Maintenance(app, "test-rescuer").rescue() == len(ids)
 
 
-def test_suspects_run_several_at_once_each_in_its_own_child_and_a_crasher_takes_none_along(
+def test_a_burst_of_suspects_runs_at_once_each_in_its_own_child_and_a_crasher_takes_none_along(
     cluster: Cluster,
 ) -> None:
-    """Given three sleeping jobs and one that kills its process, all rescued once, when one
-    worker (-c 8, so 4 suspect lanes) takes them, then the sleepers run at the same time in
-    distinct child processes and complete with one rescue each and nothing else charged;
-    the crasher kills only its children, is recorded at once as crashes, and goes dead as
-    poison after its third death; the worker itself never dies."""
+    """Given seven jobs that each wait until all seven have begun, and one that kills its
+    process, all rescued at once, when one worker (-c 8) takes them, then the seven run
+    at the same time (none waits for a lane: each suspect has a child of its own, up to
+    the worker's slots), in distinct child processes, and complete with one rescue each
+    and nothing else charged; the crasher kills only its children, is recorded at once
+    as crashes, and goes dead as poison after its third death; the worker never dies."""
     app = cluster.app()
-    sleepers = [acc_basic.sleepy.enqueue(seconds=SLEEP) for _ in range(3)]
+    meeting = [acc_basic.rendezvous.enqueue(expected=MEETING) for _ in range(MEETING)]
     crash = acc_basic.crash.enqueue()
-    _strand_as_suspects(cluster, [h.id for h in sleepers] + [crash.id])
+    _strand_as_suspects(cluster, [h.id for h in meeting] + [crash.id])
 
     worker = cluster.start_worker("-c", "8", label="worker")
     wait_until(
         lambda: (
-            all(cluster.state_of(h.id) == "completed" for h in sleepers)
+            all(cluster.state_of(h.id) == "completed" for h in meeting)
             and cluster.state_of(crash.id) == "dead"
         ),
-        60,
-        "the sleepers completed and the crasher dead",
+        90,
+        "the meeting jobs completed and the crasher dead",
         describe=lambda: str(dict(cluster.states())),
     )
     assert worker.alive, "a suspect took the worker down"
 
-    pids = {pid for handle in sleepers for _, _, pid, _ in cluster.effects(handle.id)}
-    assert len(pids) == 3  # one child process each
+    jobs = [app.get_job(h.id) for h in meeting]
+    assert [j.result["met"] for j in jobs] == [True] * MEETING, "they did not all run at once"
+    pids = {j.result["pid"] for j in jobs}
+    assert len(pids) == MEETING  # one child process each
     assert worker.pid not in pids  # never in the worker itself
-    jobs = [app.get_job(h.id) for h in sleepers]
-    latest_start = max(j.attempted_at for j in jobs)  # type: ignore[type-var]
-    earliest_end = min(j.finished_at for j in jobs)  # type: ignore[type-var]
-    assert latest_start < earliest_end, "they ran one after another, not at once"
     for job in jobs:
         assert (job.rescues, [e.type for e in job.errors]) == (1, ["WorkerLost"])
 
@@ -73,3 +77,54 @@ def test_suspects_run_several_at_once_each_in_its_own_child_and_a_crasher_takes_
     assert job.errors[-1].message.startswith("poison: worker died 3 times")
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit(15) == 0
+
+
+WAITER = """
+import os
+import time
+
+import errands
+
+app = errands.App()
+
+
+@app.job(name="waiter")
+def waiter(path: str) -> int:
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return os.getpid()
+"""
+
+
+def test_a_warm_runner_keeps_a_spare_child_ahead_of_need_and_retires_idle_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given the suspects' child runner, warmed (one spare), when a job takes the spare,
+    then the job runs in that child, started before the job came; another spare is
+    started in the background at once; and once both are idle past ``idle_retire``, the
+    one beyond the spare is stopped."""
+    name = f"spare_app_{secrets.token_hex(4)}"  # children import it afresh, whatever ran before
+    (tmp_path / f"{name}.py").write_text(WAITER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = importlib.import_module(name).app
+    app.url = f"sqlite:///{tmp_path}/store.db"
+    go = tmp_path / "go"
+    app.registry["waiter"].enqueue(path=str(go))
+    (row,) = app.backend.job_claim(ClaimParams([QueueClaim("default", 1)], 1, "test", 30.0))
+    runner = ProcessRunner(f"{name}:app", app.url, 3, start=False, spare=1, idle_retire=0.5)
+    try:
+        runner.warm()
+        wait_until(runner.idle, 60, "the spare child")
+        (spare,) = runner.pids()
+
+        running = runner.submit(row)
+        wait_until(lambda: runner.idle() == 1, 60, "a new spare, started in the background")
+        assert len(runner.pids()) == 2 and spare in runner.pids()
+        go.touch()
+        assert json.loads(running.result(60).result_json) == spare  # ran in the spare
+
+        wait_until(lambda: len(runner.pids()) == 1, 60, "the idle child beyond the spare stopped")
+        assert (runner.idle(), runner.retired) == (1, 1)
+    finally:
+        runner.shutdown()
+        app.close()

@@ -225,7 +225,8 @@ def test_worker_frozen_past_its_lease_has_its_late_completion_rejected(pgc: PgCl
     assert job.state == "completed"
     # a rescued job runs isolated, in a child process of the worker that took it over
     assert job.result == {"attempt": 2, "pid": job.result["pid"], "worker": other.worker_id}
-    assert _parent_pid(job.result["pid"]) == other.pid
+    parent = _parent_pid(job.result["pid"])  # the worker's forkserver (or the worker)
+    assert other.pid in (parent, _parent_pid(parent))
     assert [(e.type, e.attempt) for e in job.errors] == [("WorkerLost", 1)]
     assert [(a, w) for _, a, _, w in pgc.effects(handle.id)] == [
         (1, frozen.worker_id),

@@ -4,7 +4,8 @@
   once, about a minute per backend); runs in ``make test``.
 - ``test_chaos_soak_full``: the published figures (``make soak``): 100,000 jobs per
   backend by default (``SOAK_JOBS`` overrides), every fault kind at least 10 times
-  (``SOAK_MIN_FAULTS``); see docs/reliability.md.
+  (``SOAK_MIN_FAULTS``), a random seed (``SOAK_SEED`` replays a report's); see
+  docs/reliability.md.
 
 Both assert I1-I10 (see checker.py) and print their report in the terminal summary,
 except I9's timing bound, which only the full-size run enforces (the CI-sized one reports
@@ -79,6 +80,8 @@ def test_chaos_soak_full(backend: str, soak_store: SoakStore, tmp_path: Path) ->
         drain_timeout=900.0,
         chaos_limit=3 * 3600.0,
     )
+    if os.environ.get("SOAK_SEED"):  # replay a run's workload and faults (its report's seed)
+        config.seed = int(os.environ["SOAK_SEED"])
     result = _run(config, tmp_path, soak_store, f"chaos soak (full size) on {backend}")
     faults = result.findings.figures["faults injected"]
     assert all(

@@ -98,8 +98,8 @@ def cli() -> None:
     "--suspect-lanes",
     type=click.IntRange(min=1),
     help="rescued jobs (which may have crashed their last worker) run at most this many at "
-    "once, each in a child process of its own (default: 4, at most -c; 1: one at a time "
-    "in this process)",
+    "once, each in a child process of its own (default and at most: -c; 1: one at a time "
+    "in this process). Fewer lanes hold fewer child processes after a burst of rescues",
 )
 @click.option(
     "--no-maintenance",

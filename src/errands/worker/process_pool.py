@@ -20,8 +20,12 @@ Arguments and results cross the process boundary as the job's stored JSON, never
 user objects; failures come back as their type name, message, traceback and class.
 
 The same runner isolates *suspects* (rescued jobs, which may have killed their worker) in
-thread mode: a few children, started on first need and kept, each running one suspect
-at a time, sync or ``async def``.
+thread mode: one child per suspect running (up to the worker's suspect lanes), sync or
+``async def``. A spare child is kept started ahead of need (and replaced in the
+background as soon as it is taken), so a burst of rescued jobs does not queue behind
+child start-ups; children idle for a while beyond the spare are stopped.
+
+Children start from a forkserver where the platform has one (see :func:`start_context`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backends import url_scheme
 from ..jobs import EnqueueRequest, JobRow
 
 log = logging.getLogger("errands.worker")
@@ -75,31 +80,98 @@ class _Slot:
     conn: Any
     busy: Future[Any] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+# What a child needs besides the app: imported once in the forkserver, not in each child
+# on its first job (the handler's path, and the store's driver: psycopg alone takes a
+# good part of a second on a busy machine).
+PRELOAD = ("errands.loading", __name__, "errands.worker.dispatch")
+BACKEND_MODULES = {
+    "sqlite": "errands.backends.sqlite",
+    "postgres": "errands.backends.postgres",
+    "postgresql": "errands.backends.postgres",
+}
+
+
+def start_context(app_path: str, url: str = "") -> Any:
+    """How children start: ``forkserver`` where the platform has it, else ``spawn``.
+
+    A spawned child is a fresh interpreter that imports errands and the app: about half a
+    second of CPU for a small app, seconds for a big one, and several children starting
+    at once on a busy machine took ~3 s each (the soak's rescue bursts). The forkserver
+    imports them once (its preload, the app's module included); each child is then a
+    fork of it, ready in tens of milliseconds. The server itself is a clean process (no
+    threads, no connections), so forking it is safe; code that opens a connection at
+    import time would share it between children, as under any preforking server.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # The server imports these before forking any child (an ImportError is skipped: the
+    # child then imports, and reports, as a spawned one would). Process-wide, and fixed
+    # once the server runs: both of a worker's runners load the same app.
+    backend = BACKEND_MODULES.get(url_scheme(url)) if url else None
+    ctx.set_forkserver_preload(
+        ["__main__", *PRELOAD, *([backend] if backend else []), app_path.partition(":")[0]]
+    )
+    return ctx
 
 
 class ProcessRunner:
     def __init__(
-        self, app_path: str, url: str, size: int, *, start: bool = True, worker_id: str = ""
+        self,
+        app_path: str,
+        url: str,
+        size: int,
+        *,
+        start: bool = True,
+        worker_id: str = "",
+        spare: int = 0,
+        idle_retire: float | None = None,
     ) -> None:
-        """``size`` children; ``start=False`` starts each when first needed. A handler in
-        a child sees ``worker_id`` (the parent worker's) as ``ctx.worker_id``."""
+        """``size`` children at most; ``start=False`` starts each when first needed. A
+        handler in a child sees ``worker_id`` (the parent worker's) as ``ctx.worker_id``.
+
+        ``spare``: after :meth:`warm`, keep this many idle children started ahead of need
+        (in the background, as each is taken), so the next job does not wait for one to
+        start. ``idle_retire``: stop children idle this many seconds, beyond the spares."""
         self.app_path = app_path
         self.url = url
         self.worker_id = worker_id
         self.size = size
-        self.ctx = multiprocessing.get_context("spawn")
+        self.spare = min(spare, size)
+        self.idle_retire = idle_retire
+        self.ctx = start_context(app_path, url)
         self._slots: list[_Slot] = []
         self._free: list[_Slot] = []
         self._cond = threading.Condition()
         self._closed = False
         self._starting = 0
+        self._warm = False
         self.killed = 0
+        self.started = 0  # children started (the replacements included)
+        self.start_failures = 0  # children that could not start
+        self.retired = 0  # idle children stopped
         for _ in range(size if start else 0):
-            slot = self._spawn()
-            self._slots.append(slot)
-            self._free.append(slot)
+            self._add(self._spawn())
+        if idle_retire is not None:
+            threading.Thread(target=self._retire_idle, name="errands-children", daemon=True).start()
 
     def _spawn(self) -> _Slot:
+        try:
+            return self._start_child()
+        except _ChildRefused:
+            raise
+        except Exception as exc:  # the forkserver could not start or fork: spawn instead
+            if self._closed or self.ctx.get_start_method() != "forkserver":
+                raise  # closing (the process may be exiting, its forkserver gone)
+            log.warning("forkserver unavailable (%r); starting worker children with spawn", exc)
+            self.ctx = multiprocessing.get_context("spawn")
+            return self._start_child()
+
+    def _start_child(self) -> _Slot:
+        began = time.monotonic()
         parent, child = self.ctx.Pipe()
         process = self.ctx.Process(
             target=child_main, args=(self.app_path, self.url, child, self.worker_id), daemon=True,
@@ -110,11 +182,32 @@ class ProcessRunner:
         message = parent.recv() if parent.poll(60) else None
         if message != READY:
             process.kill()
-            raise RuntimeError(
+            raise _ChildRefused(
                 f"worker child process failed to start: {message!r} (can it import "
                 f"{self.app_path!r}?)"
             )
+        self.started += 1
+        log.debug(
+            "worker child %s started (%s) in %.3f s",
+            process.pid,
+            self.ctx.get_start_method(),
+            time.monotonic() - began,
+        )
         return _Slot(process, parent)
+
+    def _add(self, slot: _Slot, replacing: _Slot | None = None) -> None:
+        """A started child joins the free ones (stopped at once if the runner closed)."""
+        with self._cond:
+            if not self._closed:
+                if replacing is not None and replacing in self._slots:
+                    self._slots[self._slots.index(replacing)] = slot
+                else:
+                    self._slots.append(slot)
+                slot.idle_since = time.monotonic()
+                self._free.append(slot)
+                self._cond.notify()
+                return
+        _stop(slot)
 
     def submit(self, row: JobRow, on_progress: Progress | None = None) -> Future[Any]:
         """Run ``row`` in a free child; ``on_progress`` receives its ctx.progress reports."""
@@ -128,29 +221,97 @@ class ProcessRunner:
                 return future
             slot = self._free.pop()
             slot.busy = future
+        self._top_up()
         threading.Thread(
             target=self._run, args=(slot, row, future, on_progress), daemon=True
         ).start()
         return future
 
     def _grow(self) -> None:
-        """Start one more child when none is free and fewer than ``size`` exist."""
+        """Start one more child here when none is free and fewer than ``size`` exist
+        (a burst's jobs each start theirs at once, not one after another)."""
         with self._cond:
-            if self._free or len(self._slots) + self._starting >= self.size or self._closed:
+            if self._free or self._room() <= 0 or self._closed:
                 return
             self._starting += 1
+        self._start_counted("a worker child process")
+
+    def _start_counted(self, what: str) -> None:
+        """Start a child already counted in ``_starting``; it joins the free ones."""
         try:
             slot = self._spawn()
         except Exception:
-            log.exception("could not start a worker child process")
+            if not self._closed:  # closing: a start cut short is no news
+                self.start_failures += 1
+                log.exception("could not start %s", what)
+            raise
+        finally:
             with self._cond:
                 self._starting -= 1
-            raise
+        self._add(slot)
+
+    @property
+    def ready(self) -> bool:
+        """A child has started (the forkserver runs: the next one forks in milliseconds),
+        or starting one failed (so a job submitted now fails visibly, not silently)."""
+        return self.started > 0 or self.start_failures > 0
+
+    def pids(self) -> list[int]:
+        """The process ids of the children started now (busy or idle)."""
         with self._cond:
-            self._starting -= 1
-            self._slots.append(slot)
-            self._free.append(slot)
-            self._cond.notify()
+            return [slot.process.pid for slot in self._slots]
+
+    def idle(self) -> int:
+        """How many children wait for a job."""
+        with self._cond:
+            return len(self._free)
+
+    def _room(self) -> int:
+        return self.size - len(self._slots) - self._starting
+
+    def warm(self) -> None:
+        """Start the spare children now, in the background, and keep them topped up."""
+        self._warm = True
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """Start children in the background until ``spare`` are free or starting."""
+        if not self._warm:
+            return
+        with self._cond:
+            if self._closed:
+                return
+            count = min(self.spare - len(self._free) - self._starting, self._room())
+            if count <= 0:
+                return
+            self._starting += count
+        for _ in range(count):
+            threading.Thread(
+                target=self._start_spare, name="errands-child-start", daemon=True
+            ).start()
+
+    def _start_spare(self) -> None:
+        with contextlib.suppress(Exception):  # logged; the next submit starts one itself
+            self._start_counted("a spare worker child process")
+
+    def _retire_idle(self) -> None:
+        """Stop the children idle longer than ``idle_retire``, but keep ``spare`` of them."""
+        assert self.idle_retire is not None
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed, timeout=self.idle_retire / 4)
+                if self._closed:
+                    return
+                cutoff = time.monotonic() - self.idle_retire
+                keep = self.spare if self._warm else 0
+                old = [s for s in self._free if s.idle_since < cutoff]
+                old = sorted(old, key=lambda s: s.idle_since)[: max(len(self._free) - keep, 0)]
+                for slot in old:
+                    self._free.remove(slot)
+                    self._slots.remove(slot)
+                self.retired += len(old)
+            for slot in old:
+                _stop(slot)
 
     def _run(
         self, slot: _Slot, row: JobRow, future: Future[Any], on_progress: Progress | None
@@ -166,8 +327,7 @@ class ProcessRunner:
         except (EOFError, OSError):
             slot.process.join(timeout=2)
             code = slot.process.exitcode
-            self._replace(slot)
-            if not future.done():
+            if not future.done():  # the outcome first; the replacement may take a while
                 future.set_exception(
                     ChildFailure(
                         "WorkerProcessDied",
@@ -176,9 +336,11 @@ class ProcessRunner:
                         "crash",
                     )
                 )
+            self._replace(slot)
             return
         with self._cond:
             slot.busy = None
+            slot.idle_since = time.monotonic()
             self._free.append(slot)
             self._cond.notify()
         if not future.done():
@@ -189,7 +351,7 @@ class ProcessRunner:
 
     def kill(self, future: Future[Any], exc: BaseException) -> bool:
         """Kill the child running ``future`` (timeout, cancel); the future fails with ``exc``."""
-        for slot in self._slots:
+        for slot in list(self._slots):
             if slot.busy is future:
                 if not future.done():
                     future.set_exception(exc)
@@ -207,23 +369,40 @@ class ProcessRunner:
             fresh = self._spawn()
         except Exception:
             log.exception("could not start a replacement worker child process")
+            with self._cond:
+                if slot in self._slots:
+                    self._slots.remove(slot)  # the next submit starts one when needed
             return
-        with self._cond:
-            self._slots[self._slots.index(slot)] = fresh
-            self._free.append(fresh)
-            self._cond.notify()
+        self._add(fresh, replacing=slot)
 
     def shutdown(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        for slot in self._slots:
+            slots = list(self._slots)
+        for slot in slots:
             with contextlib.suppress(OSError):
                 slot.conn.send(None)
-        for slot in self._slots:
+        for slot in slots:
             slot.process.join(timeout=2)
             if slot.process.is_alive():
                 slot.process.kill()
+
+
+class _ChildRefused(RuntimeError):
+    """A child started but could not load the app: it said why."""
+
+
+def _stop(slot: _Slot) -> None:
+    """Tell an idle child to leave, and wait for it (killed if it does not)."""
+    with contextlib.suppress(OSError):
+        slot.conn.send(None)
+    slot.process.join(timeout=2)
+    if slot.process.is_alive():
+        slot.process.kill()
+        slot.process.join(timeout=2)
+    with contextlib.suppress(OSError):
+        slot.conn.close()
 
 
 def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:

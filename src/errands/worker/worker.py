@@ -24,9 +24,11 @@ they wait in the thread pool's queue, and the handler thread that takes one up p
 it (payload, Context) and runs it, while the claim loop waits on its next claim.
 
 Rescued jobs (suspects) may be what killed their last worker. With the worker's app path
-known (``errands worker module:app``), up to ``suspect_lanes`` run at once, each in a
-child process of its own, so a job that crashes its process takes nothing else with it;
-without one (an embedded worker), one runs at a time, never beside another suspect.
+known (``errands worker module:app``), up to ``suspect_lanes`` (default: the concurrency)
+run at once, each in a child process of its own, so a job that crashes its process takes
+nothing else with it; a spare child is kept started ahead of need, so a burst of rescued
+jobs does not wait for child start-ups. Without an app path (an embedded worker), one runs
+at a time, never beside another suspect.
 
 Graceful stop (SIGTERM/SIGINT, DESIGN §7): stop claiming; let in-flight handlers finish
 within ``grace`` seconds while heartbeats keep their leases; stop what still runs (as a
@@ -83,7 +85,14 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
 ABANDON_AFTER_DEFAULT = 10.0
-SUSPECT_LANES_DEFAULT = 4  # isolated suspects at once (child processes), at most
+# Suspects: a spare child process is started as the worker starts, then kept (children
+# idle longer than SUSPECT_IDLE_RETIRE beyond the spare are stopped). The worker claims
+# no suspect before its first child is up: on a loaded machine the forkserver's start-up
+# (importing the app) took 12-14 s, and suspects claimed meanwhile waited for it,
+# claimed, while warm workers could have run them.
+SUSPECT_WARM_AFTER = 0.0
+SUSPECT_SPARE = 1
+SUSPECT_IDLE_RETIRE = 60.0
 HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and events
 EXIT_NOW_CODE = 1
 
@@ -182,9 +191,11 @@ class Worker:
         self.prefetch = prefetch if threads_only else 0
         if suspect_lanes is not None and suspect_lanes < 1:
             raise ConfigurationError("suspect_lanes must be at least 1")
-        # Suspects run isolated in child processes when children can import the app.
-        lanes = suspect_lanes or min(SUSPECT_LANES_DEFAULT, concurrency)
+        # Suspects run isolated in child processes when children can import the app: as
+        # many at once as the worker has slots, unless capped (each child costs memory).
+        lanes = min(suspect_lanes or concurrency, concurrency)
         self.suspect_lanes = lanes if app_path else 1
+        self._warm_at = float("inf")  # when the suspects' spare child is started
         self.processes: ProcessRunner | None = None
         self.suspect_processes: ProcessRunner | None = None
         self.poll_interval = poll_interval
@@ -243,15 +254,36 @@ class Worker:
         process mode, the suspects' own for a rescued job (when children can load the
         app), else None (a thread or the event loop)."""
         definition = attempt.definition
-        if attempt.row.rescues > 0 and self.app_path and self.suspect_lanes > 1:
-            if self.suspect_processes is None:
-                self.suspect_processes = ProcessRunner(
-                    self.app_path, self.app.url, self.suspect_lanes, start=False, worker_id=self.id
-                )
-            return self.suspect_processes
+        if attempt.row.rescues > 0 and self.isolates_suspects:
+            return self.suspect_runner()
         if self.processes is not None and definition is not None and not definition.is_async:
             return self.processes
         return None
+
+    @property
+    def isolates_suspects(self) -> bool:
+        """Rescued jobs run in child processes (several at once), not in this one."""
+        return bool(self.app_path) and self.suspect_lanes > 1
+
+    def suspect_runner(self) -> ProcessRunner:
+        """The suspects' child processes: one per suspect running, started on need, one
+        spare ahead of need once warm (:meth:`ProcessRunner.warm`)."""
+        if self.suspect_processes is None:
+            self.suspect_processes = ProcessRunner(
+                self.app_path or "",
+                self.app.url,
+                self.suspect_lanes,
+                start=False,
+                worker_id=self.id,
+                spare=SUSPECT_SPARE,
+                idle_retire=SUSPECT_IDLE_RETIRE,
+            )
+        return self.suspect_processes
+
+    def _suspects_startable(self) -> bool:
+        """Whether a suspect claimed now starts at once (isolated: once a child is up)."""
+        runner = self.suspect_processes
+        return not self.isolates_suspects or (runner is not None and runner.ready)
 
     def _running_handlers(self) -> int:
         return self.concurrency - self._free  # an int read: no lock needed for a hint
@@ -276,6 +308,8 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
         self.started_at = time.monotonic()
+        if self.isolates_suspects:
+            self._warm_at = self.started_at + SUSPECT_WARM_AFTER
         if self.pool == "process":
             self.processes = ProcessRunner(
                 self.app_path or "", self.app.url, self.concurrency, worker_id=self.id
@@ -419,6 +453,9 @@ class Worker:
         pause = self.poll_interval
         gathered = False
         while not self._stopping.is_set():
+            if time.monotonic() >= self._warm_at:
+                self._warm_at = float("inf")
+                self.suspect_runner().warm()
             self._extra = self._prefetch_now()
             self._refill_at = max(1, (self.concurrency + self._extra) // 2)
             with self._lock:
@@ -426,6 +463,8 @@ class Worker:
                 room = free + self._extra
                 plan = self._claim_plan(room) if room > 0 else []
                 suspects = min(max(self.suspect_lanes - self._suspects, 0), max(free, 0))
+                if not self._suspects_startable():
+                    suspects = 0
             if not plan:  # every slot busy: a finishing handler wakes us
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()

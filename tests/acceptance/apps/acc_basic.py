@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any
 
-from acc_support import record
+from acc_support import record, runs
 
 import errands
 
@@ -28,6 +28,18 @@ def sleepy(ctx: errands.Context, seconds: float, first_only: bool = False) -> di
     if not first_only or ctx.attempt == 1:
         time.sleep(seconds)
     return {"attempt": ctx.attempt, "pid": os.getpid(), "worker": ctx.worker_id}
+
+
+@app.job(name="rendezvous", retries=3, backoff=QUICK_BACKOFF)
+def rendezvous(ctx: errands.Context, expected: int, patience: float = 60.0) -> dict[str, Any]:
+    """Wait until ``expected`` rendezvous runs have begun (``patience`` s at most): they
+    all complete met only if they all ran at once."""
+    record(ctx)
+    record(ctx, "meet")
+    deadline = time.monotonic() + patience
+    while (seen := runs("meet")) < expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return {"met": seen >= expected, "pid": os.getpid()}
 
 
 @app.job(name="noop", retries=3, backoff=QUICK_BACKOFF)

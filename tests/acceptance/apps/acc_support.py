@@ -74,3 +74,9 @@ def record(ctx: errands.Context, kind: str = "run") -> int:
             conn.execute("ROLLBACK")
         raise
     return int(before)
+
+
+def runs(kind: str = "run") -> int:
+    """How many effect rows of ``kind`` have been recorded, every job's."""
+    (count,) = _conn().execute("SELECT count(*) FROM effects WHERE kind = ?", (kind,)).fetchone()
+    return int(count)
