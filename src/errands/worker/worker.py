@@ -85,12 +85,15 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
 ABANDON_AFTER_DEFAULT = 10.0
-# Suspects: a spare child process is started as the worker starts, then kept (children
-# idle longer than SUSPECT_IDLE_RETIRE beyond the spare are stopped). The worker claims
-# no suspect before its first child is up: on a loaded machine the forkserver's start-up
-# (importing the app) took 12-14 s, and suspects claimed meanwhile waited for it,
-# claimed, while warm workers could have run them.
-SUSPECT_WARM_AFTER = 0.0
+# Suspects: a spare child process is started SUSPECT_WARM_AFTER seconds after the worker
+# starts, then kept (children idle longer than SUSPECT_IDLE_RETIRE beyond the spare are
+# stopped). The worker claims no suspect before its first child is up: on a loaded machine
+# the forkserver's start-up (importing the app) took 12-14 s, and suspects claimed
+# meanwhile waited for it, claimed, while warm workers could have run them. The delay: the
+# forkserver and the spare double the CPU a worker's start costs (measured: ~0.5 s), which
+# a worker that runs for seconds (a one-off, a test) should not pay; a fleet's workers
+# are warm long before a rescue (which waits for a lease to run out) hands them suspects.
+SUSPECT_WARM_AFTER = 5.0
 SUSPECT_SPARE = 1
 SUSPECT_IDLE_RETIRE = 60.0
 HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and events
