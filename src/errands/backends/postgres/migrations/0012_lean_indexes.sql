@@ -1,0 +1,51 @@
+-- Version 12 (issue 17, item 4): less WAL per job. Claiming and finishing a job each
+-- write a new version of its row, and neither can be a HOT update (both change state),
+-- so each version is entered into every index whose predicate it matches. Before this
+-- version that was four full indexes twice per job (pkey, state, name, queue): 59 % of
+-- the ~1.4 KiB of WAL a job cost (bench/storage_notes.md has the measurements).
+--
+-- * errands_jobs_name and errands_jobs_queue (version 4, every row) are dropped, and
+--   errands_jobs_state (every row) is replaced by two partial indexes that leave out the
+--   two states every job passes through, running (few rows at a time: errands_jobs_leases
+--   finds them) and completed (the bulk, listed newest first by the primary key):
+--   errands_jobs_state_queue (state, queue, id) and errands_jobs_state_name
+--   (state, name, id). A job that runs and completes adds no entry to either; pending,
+--   waiting, dead, cancelled and discarded rows are listed by state plus queue or name
+--   through them, in id order.
+-- * errands_jobs_bloom: a BRIN bloom index over (queue, name), a summary per 8 heap pages
+--   that finds the pages holding a rare queue or job name among millions of completed
+--   rows. It is written once per range (when autovacuum summarises it), not per row.
+-- * fillfactor 50 (was 90, unless changed since): the claim's and the completion's row
+--   versions then fit on their row's own page, so PostgreSQL logs only the changed bytes
+--   of each and no extra lock record; finished rows take about the same space as before
+--   (the room is filled by their own updates).
+--
+-- A job that runs once and completes now writes 2 primary-key entries, one in
+-- errands_jobs_leases and one in errands_jobs_finished. On a large live table, build the
+-- new indexes first with CREATE INDEX CONCURRENTLY under the same names: these statements
+-- then skip them.
+
+CREATE INDEX IF NOT EXISTS errands_jobs_state_queue ON {schema}.errands_jobs (state, queue, id)
+    WHERE state NOT IN ('running', 'completed');
+
+CREATE INDEX IF NOT EXISTS errands_jobs_state_name ON {schema}.errands_jobs (state, name, id)
+    WHERE state NOT IN ('running', 'completed');
+
+CREATE INDEX IF NOT EXISTS errands_jobs_bloom ON {schema}.errands_jobs
+    USING brin (queue text_bloom_ops (n_distinct_per_range = 64),
+                name text_bloom_ops (n_distinct_per_range = 64))
+    WITH (pages_per_range = 8, autosummarize = on);
+
+DROP INDEX IF EXISTS {schema}.errands_jobs_name;
+DROP INDEX IF EXISTS {schema}.errands_jobs_queue;
+DROP INDEX IF EXISTS {schema}.errands_jobs_state;
+
+-- The shipped 90 only: a fillfactor an operator chose is kept (docs/postgres.md).
+DO $$
+BEGIN
+    IF (SELECT 'fillfactor=90' = ANY(c.reloptions) FROM pg_class AS c
+        WHERE c.oid = '{schema}.errands_jobs'::regclass) THEN
+        ALTER TABLE {schema}.errands_jobs SET (fillfactor = 50);
+    END IF;
+END
+$$;
