@@ -14,7 +14,11 @@
 --   through them, in id order.
 -- * errands_jobs_bloom: a BRIN bloom index over (queue, name), a summary per 8 heap pages
 --   that finds the pages holding a rare queue or job name among millions of completed
---   rows. It is written once per range (when autovacuum summarises it), not per row.
+--   rows. A range is summarised by (auto)vacuum, which this table gets every 1 % of dead
+--   rows; a row version then costs WAL only when its value is new to its range's summary.
+--   Ranges not yet summarised (the newest pages) are read by every such listing. Not
+--   autosummarize: at bulk-enqueue rates its requests overflow autovacuum's work-item
+--   queue, each one a line in the server log.
 -- * fillfactor 50 (was 90, unless changed since): the claim's and the completion's row
 --   versions then fit on their row's own page, so PostgreSQL logs only the changed bytes
 --   of each and no extra lock record; finished rows take about the same space as before
@@ -34,7 +38,7 @@ CREATE INDEX IF NOT EXISTS errands_jobs_state_name ON {schema}.errands_jobs (sta
 CREATE INDEX IF NOT EXISTS errands_jobs_bloom ON {schema}.errands_jobs
     USING brin (queue text_bloom_ops (n_distinct_per_range = 64),
                 name text_bloom_ops (n_distinct_per_range = 64))
-    WITH (pages_per_range = 8, autosummarize = on);
+    WITH (pages_per_range = 8);
 
 DROP INDEX IF EXISTS {schema}.errands_jobs_name;
 DROP INDEX IF EXISTS {schema}.errands_jobs_queue;
