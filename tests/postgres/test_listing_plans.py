@@ -44,7 +44,7 @@ CROSS JOIN LATERAL (SELECT CASE
     WHEN g > %(rows)s - 200 THEN 'available'
     WHEN g > %(rows)s - 210 THEN 'running'
     WHEN g > %(rows)s - 220 THEN 'waiting'
-    WHEN g %% 100 = 0 OR g %% 4000 = 8 THEN 'dead'
+    WHEN g %% 1000 = 0 OR g %% 4000 = 8 THEN 'dead'
     WHEN g %% 500 = 1 THEN 'cancelled'
     ELSE 'completed' END) AS s(state)
 """
