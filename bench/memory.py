@@ -85,7 +85,8 @@ def _feeder(url: str) -> tuple[Any, Any]:
 
 
 def _completed_counter(url: str) -> tuple[Callable[[], int], Callable[[], None]]:
-    """A cheap count of completed jobs (an index-only scan of ``errands_jobs_state``)."""
+    """A count of completed jobs (on PostgreSQL through errands_jobs_finished or a scan of
+    the table: since schema version 12 no index holds completed rows by state alone)."""
     sql = "SELECT count(*) FROM errands_jobs WHERE state = 'completed'"
     if url.startswith("sqlite:///"):
         from . import limit

@@ -1158,8 +1158,8 @@ def issue17_markdown(results: dict[str, Any]) -> str:
             "dead tuples from `pg_stat_user_tables` "
             "once the workers' statistics were flushed. Background WAL on this cluster "
             f"with nothing of ours running: {st.get('background_wal_per_s', 0):,.0f} B/s. "
-            f"Target: at most {WAL_TARGET:,} B of WAL per job. What dominates errands' WAL, "
-            "and the changes that would cut it: `bench/storage_notes.md`.\n"
+            f"Target: at most {WAL_TARGET:,} B of WAL per job. What errands' WAL is made of, "
+            "and what schema version 12 changed: `bench/storage_notes.md`.\n"
         )
         out.append(_md_table(*storage_rows(results)))
         rel = wal_relation_rows(results)

@@ -1,0 +1,6 @@
+-- Version 12: nothing changes in SQLite. The PostgreSQL migration of the same number
+-- trims the indexes every job's two row updates write to (WAL per job, issue 17); SQLite
+-- keeps errands_jobs_state, errands_jobs_name and errands_jobs_queue, because its planner
+-- uses a partial index only when a query's WHERE clause repeats the index's condition
+-- (never with the bound state of the listings), and it has no BRIN. Both backends keep
+-- one numbering of schema versions.
