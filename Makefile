@@ -21,7 +21,7 @@ demo: $(STAMP)
 # integrations' venvs are installed while the main suite runs.
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist; 0: in this one); the tests
 # that restart PostgreSQL share one process and the tests' own cluster (tests/pg.py).
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 test: $(STAMP)
 	@bash scripts/test_integrations.sh --prepare > $(VENV)/integrations-prepare.log 2>&1 & \
 	prepare=$$!; status=0; \

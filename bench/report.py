@@ -908,6 +908,53 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 WORKFLOWS = BENCH / "results" / "workflows.json"
+WAITING = BENCH / "results" / "waiting.json"
+
+
+def waiting_markdown(path: Path = WAITING) -> str:
+    """Issue 20's figures (``python -m bench.waiting``: result wake-ups, waiters per
+    connection, async enqueue), when a full run was kept; else nothing."""
+    if not path.exists():
+        return ""
+    import json
+
+    figures = json.loads(path.read_text())
+    if figures.get("quick"):
+        return ""
+    rows = []
+    for store in ("postgres", "sqlite"):
+        f = figures.get(store)
+        if not f:
+            continue
+        wake, many, enq = f["wake_latency"], f["many_waiters"], f["enqueue"]
+        rows.append([
+            store, f"{wake['p50_ms']:.2f}", f"{wake['p99_ms']:.2f}",
+            f"{many['waiters']:,}", str(many.get("waiting_connections") or 0),
+            f"{many['all_returned_s']:.1f}", f"{enq['sync_enqueue_per_s']:,}",
+            f"{enq['aenqueue_per_s']:,}",
+        ])  # fmt: skip
+    return (
+        "\n## Waiting for results and async enqueue (issue 20)\n\n"
+        "`python -m bench.waiting`, one run (docs/async.md says when and on what load): "
+        "wake-up is from the completion's commit to `handle.result()` returning in another "
+        "thread; the waiters column counts the connections the process holds for waiting "
+        "while that many `aresult` tasks wait at once (SQLite: none, one watcher thread); "
+        "`aenqueue` keeps 64 calls in flight from one event loop. Target: PostgreSQL "
+        "wake-up p99 ≤ 10 ms.\n\n"
+        + _md_table(
+            [
+                "store",
+                "wake-up p50 ms",
+                "wake-up p99 ms",
+                "waiters",
+                "waiting connections",
+                "all returned s",
+                "enqueue /s",
+                "aenqueue /s",
+            ],
+            rows,
+        )
+    )
 
 
 def workflows_markdown(path: Path = WORKFLOWS) -> str:
@@ -1091,6 +1138,7 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
             ],
         )
     )
+    add(waiting_markdown())
     add(workflows_markdown())
     add("\n## Machine\n")
     add(

@@ -5,7 +5,10 @@ docs say. Fast: no database, no worker."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
+from typing import Any
 
 from bench.systems import SYSTEMS
 
@@ -146,3 +149,25 @@ def test_the_outage_and_the_third_party_recovery_time_come_from_the_completion_r
     assert scenarios.back_to_rate(rates, 20.0, 90.0, run=3) == 10.0
     assert scenarios.back_to_rate(rates, 30.0, 90.0, run=1) == 0.0
     assert scenarios.back_to_rate([(1.0, 0.0), (2.0, 50.0)], 0.0, 90.0, run=1) is None
+
+
+def test_the_benchmarks_page_shows_a_kept_waiting_run_and_leaves_out_a_quick_one(
+    tmp_path: Path,
+) -> None:
+    from bench.report import waiting_markdown
+
+    def store(connections: int | None) -> dict[str, Any]:
+        return {
+            "wake_latency": {"jobs": 500, "p50_ms": 0.6, "p99_ms": 2.9},
+            "many_waiters": {"waiters": 10000, "waiting_connections": connections,
+                             "all_returned_s": 5.5},
+            "enqueue": {"jobs": 5000, "sync_enqueue_per_s": 1775, "aenqueue_per_s": 3243},
+        }  # fmt: skip
+
+    kept = tmp_path / "waiting.json"
+    kept.write_text(json.dumps({"quick": False, "postgres": store(1), "sqlite": store(None)}))
+    page = waiting_markdown(kept)
+    assert "| postgres | 0.60 | 2.90 | 10,000 | 1 | 5.5 | 1,775 | 3,243 |" in page
+    assert "| sqlite | 0.60 | 2.90 | 10,000 | 0 |" in page
+    kept.write_text(json.dumps({"quick": True, "postgres": store(1)}))
+    assert waiting_markdown(kept) == ""

@@ -104,7 +104,7 @@ def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
             sys.executable, "-m", "bench.run", "--no-systems", "--only", "errands-pg",
             "--storage", "--storage-jobs", "500",
             "--scenarios", "crash_recovery,idle_in_tx,postgres_restart",
-            "--scenario-scale", "0.05", "--pressure-seconds", "5", "--scenario-rate", "100",
+            "--scenario-scale", "0.01", "--pressure-seconds", "3", "--scenario-rate", "100",
             "--drain-seconds", "40", "--results", str(tmp_path),
         ],
         cwd=ROOT,
