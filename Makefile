@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integrations lint format bench bench-storage bench-finished bench-scenarios bench-fairness soak clean
+.PHONY: demo test test-peers test-integrations lint format bench bench-storage bench-finished bench-scenarios bench-fairness soak clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: $(STAMP)
 	wait $$prepare; \
 	bash scripts/test_integrations.sh || status=$$((status ? status : 1)); \
 	exit $$status
+
+# The benchmarks' peer adapters at tiny sizes, each in its own venv (made on first use).
+test-peers: $(STAMP)
+	$(BIN)/python -m pytest -q -m peers $(PYTEST_ARGS)
 
 test-integrations: $(STAMP)
 	bash scripts/test_integrations.sh $(INTEGRATIONS)

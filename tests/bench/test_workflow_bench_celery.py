@@ -30,6 +30,9 @@ def require_redis() -> None:
         unavailable(f"no Redis at {REDIS_URL} ({exc}); start one or set BENCH_REDIS_URL")
 
 
+# Like every peer adapter of the benchmarks (none runs in make test: each needs its own
+# venv installed), it runs in `make test-peers`.
+@pytest.mark.peers
 @pytest.mark.timeout(600)  # the first run makes Celery's venv (pip install)
 def test_the_celery_side_of_the_workflow_bench_runs_and_records_every_figure() -> None:
     require_redis()

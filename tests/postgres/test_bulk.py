@@ -16,13 +16,13 @@ from .harness import PgCluster, brief, wait_until
 
 pytestmark = pytest.mark.acceptance
 
-JOBS = 20_000
+JOBS = 10_000
 CHUNK = 2_000
 WORKERS = 4
 
 
-def test_four_workers_complete_twenty_thousand_jobs_exactly_once(pgc: PgCluster) -> None:
-    """Given 20,000 jobs enqueued in bulk and 4 worker processes, every job completes
+def test_four_workers_complete_ten_thousand_jobs_exactly_once(pgc: PgCluster) -> None:
+    """Given 10,000 jobs enqueued in bulk and 4 worker processes, every job completes
     and its handler ran exactly once: one effects row per job, none lost, none twice."""
     app = pgc.app()
     workers = [pgc.start_worker("-c", "8", label=f"worker{i}") for i in range(WORKERS)]
