@@ -114,10 +114,22 @@ class ScratchCluster:
         }
 
     def up(self) -> None:
-        """initdb and start; the folder is removed again if the server does not start."""
+        """initdb and start; the folder is removed again if the server does not start.
+        A port taken between the choice and the server's bind (another process chose it
+        too: two scratch clusters starting at once) moves the server to the next free one."""
         try:
             self.init()
-            self.start()
+            for attempt in range(5):
+                try:
+                    self.start()
+                    break
+                except subprocess.CalledProcessError:
+                    taken = self.log.exists() and "Address already in use" in self.log.read_text()
+                    if not taken or attempt == 4:
+                        raise
+                    self.port = free_port(self.port + 1)
+                    with open(self.data / "postgresql.conf", "a") as f:
+                        f.write(f"port = {self.port}  # the one before was taken\n")
         except Exception as exc:
             log = self.log.read_text()[-600:] if self.log.exists() else ""
             with contextlib.suppress(OSError):

@@ -115,6 +115,12 @@ def _states(out: Findings, jobs: dict[int, JobInfo], ledger: Ledger, quiesced_at
         out.fail("I1", f"{len(stuck)} job(s) not terminal after the drain", detail)
 
 
+# What a job's own store calls raise while the database restarts or its session is cut.
+STORE_AWAY = frozenset({
+    "AdminShutdown", "OperationalError", "ConnectionTimeout", "PoolTimeout", "InterfaceError",
+})  # fmt: skip
+
+
 def _outcomes(
     out: Findings, jobs: dict[int, JobInfo], ledger: Ledger, cancelled: dict[int, Any]
 ) -> None:
@@ -138,9 +144,14 @@ def _outcomes(
                 "permanent", "poison",
             )  # fmt: skip
         elif kind == "signal_never":
-            last_kind = job.errors[-1].get("kind") if job.errors else None
-            # a rescue of its short run before the wait may end it instead
-            ok = job.state == "dead" and last_kind in ("signal_timeout", "worker_lost", "poison")
+            last = job.errors[-1] if job.errors else {}
+            # a rescue of its short run before the wait may end it instead, and so may the
+            # store going away under its wait's own reads (a transient failure, retried:
+            # with 2 attempts, two database restarts can use them up)
+            ok = job.state == "dead" and (
+                last.get("kind") in ("signal_timeout", "worker_lost", "poison")
+                or (last.get("kind") == "transient" and last.get("type") in STORE_AWAY)
+            )
         else:
             ok = True
         if not ok:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import shapes
-from .checker import _executions
+from .checker import _executions, _outcomes
 from .records import Findings, JobInfo, Run
 from .workload import Ledger
 
@@ -105,3 +105,17 @@ def test_an_idempotency_key_that_changes_or_is_shared_is_a_violation() -> None:
     out = Findings()
     shapes._idempotency_keys(out, {1: a, 2: b}, rows, Ledger())
     assert sum(v.startswith("A6") for v in out.violations) == 2, out.violations
+
+
+def test_a_signal_waiter_that_database_restarts_used_up_ends_dead_as_expected() -> None:
+    """Its wait's own store reads failing while the database restarts are transient
+    failures (retried): with 2 attempts two restarts can end it; any other error cannot."""
+    away = {**entry(2, "transient", None), "type": "AdminShutdown"}
+    broken = {**entry(2, "transient", None), "type": "ValueError"}
+    ledger = Ledger(jobs={1: "signal_never", 2: "signal_never"})
+    jobs = {1: job(1, "soak.signal_never", "dead", 2, [away]),
+            2: job(2, "soak.signal_never", "dead", 2, [broken])}  # fmt: skip
+    out = Findings()
+    _outcomes(out, jobs, ledger, {})
+    assert out.figures["unexpected outcomes"] == 1
+    assert any("(2, 'signal_never'" in v for v in out.violations), out.violations
