@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -726,10 +727,23 @@ class App:
     def queue_stats(self) -> list[QueueStats]:
         return self.backend.queue_stats()
 
-    def fair_figures(self, queue: str) -> list[FairKeyFigures]:
+    def fair_figures(self, queue: str, *, weight_wait: float = 1.0) -> list[FairKeyFigures]:
         """Per fair key of ``queue``: recent and total worker seconds, attempts, dwell
-        (due -> start), jobs running and due, weight."""
-        return self.backend.fair_figures(check_name("queue", queue))
+        (due -> start), jobs running and due, and the weight its claims use: the stored
+        one, else the answer of this app's ``fair_weight`` callable (waited for
+        ``weight_wait`` seconds at most; a key it has not answered by then shows 1, as
+        a claim would use it), else 1; ``weight_source`` says which."""
+        figures = self.backend.fair_figures(check_name("queue", queue))
+        stored = {w.key for w in self.backend.fair_weights()}
+        figures = [replace(f, weight_source="stored") if f.key in stored else f for f in figures]
+        if self.fair_weights is None:
+            return figures
+        asked = [f.key for f in figures if f.key not in stored]
+        answers = self.fair_weights(asked, budget=weight_wait) if asked else {}
+        return [
+            replace(f, weight=answers[f.key], weight_source="code") if f.key in answers else f
+            for f in figures
+        ]
 
     def unrunnable_jobs(self) -> dict[str, int]:
         """Pending jobs per job type that no live worker's code defines: a worker never

@@ -234,12 +234,13 @@ def test_every_store_call_failing_at_random(sweep: Sweep, seed: int) -> None:
     assert len(sweep.store.faults) >= 5, f"seed {seed}: only {sweep.store.faults} injected"
 
 
+# PostgreSQL only: a local SQLite commit cannot lose its reply (no network in between).
+@pytest.mark.parametrize("store_url", ["postgres"], indirect=True)
 def test_a_death_whose_reply_was_lost_still_runs_the_on_dead_hooks(sweep: Sweep) -> None:
     """The write that moves the permanent job to dead commits, and its reply is lost: the
     retry is fenced out, so the completer reads the row back, finds its own outcome there
     (errands.landed), and the death gets its event and its on_dead hooks."""
-    if not sweep.store.replies:
-        pytest.skip("a local SQLite commit does not lose its reply")
+    assert sweep.store.replies
     sweep.store.plan = FailOnce(
         "job_finish_many", "reply", lambda args: any(o.state == "dead" for o in args[0])
     )

@@ -121,6 +121,37 @@ def test_queues_show_lists_each_keys_worker_time_share_and_dwell_and_weight_sets
     assert refused.exit_code != 0 and "weight must be a number above 0" in refused.output
 
 
+def test_queues_show_gives_the_weights_of_the_apps_callable_and_a_stored_one_wins(
+    store: errands.App,
+) -> None:
+    """Keys without a stored weight show what ``app.fair_weight(fn)`` answers (marked
+    "code"); a stored weight wins ("stored"); a key the callable fails for shows 1, as its
+    claims use it."""
+    store.queue("reports", fair=True)
+
+    @store.fair_weight
+    def weight(key: str) -> float:
+        if key == "tenant:2":
+            raise LookupError("no such plan")
+        return 3.0
+
+    @store.job(name="reports.build", queue="reports", fair_key="tenant:{tenant}")
+    def build(tenant: int) -> None:
+        pass
+
+    handles = store.enqueue_many([build.bind(tenant=n) for n in range(3)])
+    store.fair_weight("tenant:1", 7, actor="ops")
+    with workers([store], concurrency=2):
+        for handle in handles:
+            handle.result(timeout=60)
+    figures = {f.key: (f.weight, f.weight_source) for f in store.fair_figures("reports")}
+    assert figures == {
+        "tenant:0": (3.0, "code"),
+        "tenant:1": (7.0, "stored"),
+        "tenant:2": (1.0, "code"),
+    }
+
+
 def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_one_does_not(
     store: errands.App,
 ) -> None:

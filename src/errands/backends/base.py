@@ -269,6 +269,9 @@ class FairKeyFigures:
     running: int
     due: int
     weight: float
+    # where the weight comes from: "stored" (app.fair_weight(key, w) or the CLI), "code"
+    # (the app's fair_weight callable), "default" (1)
+    weight_source: str = "default"
 
     @property
     def mean_dwell(self) -> float | None:

@@ -245,11 +245,12 @@ class CallableWeights:
         self._started = 0
         self._warned = -math.inf  # monotonic time of the last "late" warning
 
-    def __call__(self, keys: Sequence[str]) -> dict[str, float]:
-        """The weights of ``keys`` known now (after waiting ``budget`` at most for the
-        keys asked anew); a key left out weighs 1 or its stored weight."""
+    def __call__(self, keys: Sequence[str], budget: float | None = None) -> dict[str, float]:
+        """The weights of ``keys`` known now (after waiting ``budget`` seconds at most,
+        default the claim's, for the keys asked anew); a key left out weighs 1 or its
+        stored weight."""
         now = time.monotonic()
-        deadline = now + self.budget
+        deadline = now + (self.budget if budget is None else budget)
         with self._cond:
             for key in keys:
                 if (

@@ -380,9 +380,9 @@ class WorkflowStore:
         yield Stmt(q["wf_count"], {"id": workflow_id, "outcome": outcome})
         children = yield Stmt(q["wf_edges_resolve"], {"parent": member, "outcome": outcome})
         for (child,) in children:
-            edges = yield Stmt(q["wf_edges_of_child"], {"child": child})
-            if any(outcome is None for _, _, outcome in edges):
+            if (yield Stmt(q["wf_edge_open"], {"child": child})):
                 continue  # another parent has not ended yet
+            edges = yield Stmt(q["wf_edges_of_child"], {"child": child})
             decision = "cancel" if workflow_id in cancelling else verdict(edges)
             if decision == "run":
                 released = yield Stmt(q["wf_release"], {"id": child})

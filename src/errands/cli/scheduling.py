@@ -111,7 +111,8 @@ def queues_show(app_path: str | None, url: str | None, as_json: bool, top: int, 
             ["key", "weight", "due", "running", "recent s", "share", "total s", "attempts",
              "mean dwell"],
             [
-                [k["key"] if k["keys"] == 1 else f"other ({k['keys']} keys)", f"{k['weight']:g}",
+                [k["key"] if k["keys"] == 1 else f"other ({k['keys']} keys)",
+                 f"{k['weight']:g}" + (" (code)" if k["weight_source"] == "code" else ""),
                  k["due"], k["running"], f"{k['recent_worker_seconds']:.1f}",
                  f"{100 * k['share']:.0f}%", f"{k['worker_seconds_total']:.1f}", k["attempts"],
                  "-" if k["mean_dwell_seconds"] is None else f"{k['mean_dwell_seconds']:.2f}s"]

@@ -392,7 +392,9 @@ async def queue_tenants(request: Request, viewer: Viewer) -> Response:
 
     def load() -> tuple[Any, list[KeyRow]]:
         stored = next((s for s in app.queue_settings() if s.name == name), None)
-        return stored or app.queues.get(name), top_keys(app.fair_figures(name), TENANTS_SHOWN)
+        return stored or app.queues.get(name), top_keys(
+            app.fair_figures(name, weight_wait=0.5), TENANTS_SHOWN
+        )
 
     queue, rows = await blocking(load)
     return render(

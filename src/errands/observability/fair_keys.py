@@ -28,6 +28,7 @@ class KeyRow:
             "key": f.key,
             "keys": self.keys,
             "weight": f.weight,
+            "weight_source": f.weight_source if self.keys == 1 else None,
             "due": f.due,
             "running": f.running,
             "recent_worker_seconds": round(f.recent_seconds, 3),

@@ -236,7 +236,7 @@ class StoreCollector(Collector):
                 self._stats = app.queue_stats()
                 self._health = app.backend.store_health() if self.store_health else None
                 self._fair = {
-                    s.name: top_keys(app.fair_figures(s.name))
+                    s.name: top_keys(app.fair_figures(s.name, weight_wait=0.05))
                     for s in app.queue_settings()
                     if s.fair
                 }

@@ -80,6 +80,12 @@ UPDATE errands_workflow_edges SET outcome = :outcome
 WHERE parent_id = :parent AND outcome IS NULL
 RETURNING child_id
 
+-- name: wf_edge_open
+-- One edge into this dependent whose parent has not ended (errands_workflow_edges_open):
+-- none left, and its edges are read once, to decide it.
+SELECT 1 FROM errands_workflow_edges WHERE child_id = :child AND outcome IS NULL
+LIMIT 1
+
 -- name: wf_edges_of_child
 SELECT parent_id, policy, outcome FROM errands_workflow_edges WHERE child_id = :child
 
