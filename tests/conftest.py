@@ -83,3 +83,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section(title, sep="=")
         for line in text.splitlines():
             terminalreporter.write_line(line)
+
+
+# -- the order the xdist workers take tests in ------------------------------------------------
+# `make test` runs `pytest -n 3 --dist loadgroup`: the tests on the tests' own PostgreSQL
+# cluster (xdist_group "own_postgres": the CI-sized soaks, the fault and reconnect suites,
+# several minutes in one process) would be handed out where they are collected, two thirds
+# into the run, and end it on one process while the others sit idle. They go first; the
+# other processes share out the rest meanwhile.
+FIRST_GROUP = "own_postgres"
+
+
+def _in_first_group(item: pytest.Item) -> bool:
+    return any(mark.args[:1] == (FIRST_GROUP,) for mark in item.iter_markers("xdist_group"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not _in_first_group(item))  # stable: the rest keep their order

@@ -130,3 +130,34 @@ def _keyed(name: str) -> Any:
     from errands.backends.base import QueueSettings
 
     return QueueSettings(name, jobs_declare_limits=True)
+
+
+def test_a_keyed_job_is_not_held_back_by_a_backlog_of_plain_jobs_enqueued_before_it(
+    store: errands.App,
+) -> None:
+    """Given a worker whose plain queue has a backlog that keeps every slot busy, and one
+    keyed job (a limited queue) enqueued after it, then the keyed job starts while most of
+    the backlog still waits: each claim round turns which path goes first, so the plain
+    claim does not take every free slot of every round (it did: limited queues waited for
+    the plain backlog to drain, minutes in the PostgreSQL chaos soak)."""
+    backlog = 400
+    started: list[str] = []
+
+    @store.job(name="bulk.item", queue="bulk")
+    def item(n: int) -> None:
+        started.append("bulk")
+        time.sleep(0.002)
+
+    @store.job(
+        name="accounts.sync", queue="accounts", concurrency_key="account:{a}", concurrency_limit=1
+    )
+    def sync(a: int) -> None:
+        started.append("keyed")
+
+    store.enqueue_many([item.bind(n=n) for n in range(backlog)])
+    handle = sync.enqueue(a=1)
+    with workers([store], concurrency=2, queues=["bulk", "accounts"]):
+        handle.result(timeout=60)
+        ahead = started.index("keyed")
+        wait_until(lambda: len(started) == backlog + 1, 60, "the backlog drained")
+    assert ahead < backlog // 2, f"the keyed job started after {ahead} of {backlog} bulk jobs"

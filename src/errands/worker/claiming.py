@@ -2,8 +2,9 @@
 
 Failure contract: a round returns every row it claimed, even when a later step of the
 round fails. It claims suspects (rescued jobs) first, then the plain queues in one
-statement, then each limited queue on its own serialised path; if the third step raises
-(a killed session, a busy SQLite file), the rows of the first two are already ``running``
+statement and each limited queue on its own serialised path (which of the two goes first
+turns with the worker's queue rotation, so neither starves the other); if a later step raises
+(a killed session, a busy SQLite file), the rows of the earlier ones are already ``running``
 under this worker's leases, and dropping them would leave them unstarted until their
 lease expired, then charge them an attempt as "worker lost" without their ever running.
 So :meth:`Claimer.claim` returns those rows *and* the error; the worker starts the rows.
@@ -128,7 +129,6 @@ class Claimer:
         self, result: ClaimRound, plan: list[QueueClaim], room: int, free: int, suspects: int
     ) -> None:
         self.refresh()
-        backend = self.app.backend
         rows = result.rows
         if suspects > 0 and time.monotonic() >= self._suspect_due:
             # Rescued jobs first: a steady backlog of fresh jobs fills every free slot,
@@ -140,8 +140,24 @@ class Claimer:
                 taken[row.queue] = taken.get(row.queue, 0) + 1
             plan = [QueueClaim(q.name, q.limit - taken.get(q.name, 0)) for q in plan]
             plan = [q for q in plan if q.limit > 0]
+        # Which path goes first follows the plan's rotation (the worker starts the plan
+        # at the next queue each round): a limited queue at its head is claimed before the
+        # plain ones. Always plain first, a steady backlog of plain jobs took every free
+        # slot of every round, and limited queues (keys, rates, fair) waited until it
+        # drained: minutes, in the chaos soak on PostgreSQL.
+        limited_first = bool(plan) and plan[0].name in self.with_limits
+        if not limited_first:
+            self._claim_plain(result, plan, room)
+        self._claim_limited(result, plan, room, free)
+        if limited_first:
+            self._claim_plain(result, plan, room)
+
+    def _claim_plain(self, result: ClaimRound, plan: list[QueueClaim], room: int) -> None:
+        """The plain queues of ``plan``, in one statement, up to ``room`` rows in all."""
+        rows = result.rows
         fast = [q for q in plan if q.name not in self.with_limits]
         if fast and room > len(rows):
+            backend = self.app.backend
             params = ClaimParams(
                 fast, room - len(rows), self.worker_id, self.app.lease, names=self.names
             )
@@ -149,6 +165,14 @@ class Claimer:
             # A claim's rows come back in no set order; a batch starts in queue order
             # (handler threads take them first in, first out).
             rows += sorted(claimed, key=queue_order)
+
+    def _claim_limited(
+        self, result: ClaimRound, plan: list[QueueClaim], room: int, free: int
+    ) -> None:
+        """Each limited queue of ``plan`` on its own serialised path, for the free slots
+        (for the prefetch room too, in a fair queue without a cluster-wide limit)."""
+        backend = self.app.backend
+        rows = result.rows
         for queue in plan:
             take = min(queue.limit, (room if queue.name in self.prefetching else free) - len(rows))
             if queue.name in self.with_limits and take <= 0:
