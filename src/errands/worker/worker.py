@@ -78,7 +78,7 @@ CONCURRENCY_DEFAULT = 10
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 RECHECK_AFTER_NOTIFY = 0.02
-CLAIM_RETRY_MAX = 5.0  # seconds: failed claims are retried after poll_interval, doubling to this
+CLAIM_RETRY_MAX = 2.0  # seconds: failed claims are retried after poll_interval, doubling to this
 BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth of free slots
 # A prefetched job waits for a handler thread at most about this long on average: the
 # worker holds concurrency * PREFETCH_HORIZON / (mean handler time) jobs beyond its slots.
@@ -496,7 +496,7 @@ class Worker:
                         f"retrying in {pause:.1f} s" if not rows else "going on",
                     )
                 if not rows:  # nothing claimed at all: back off before trying again
-                    self._stopping.wait(pause)
+                    self._back_off(pause)
                     pause = min(pause * 2, CLAIM_RETRY_MAX)
                     continue
             else:
@@ -518,6 +518,19 @@ class Worker:
             self._notified = False
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _back_off(self, pause: float) -> None:
+        """Wait ``pause`` seconds after a failed claim, or less: a notification (a job
+        committed, announced by the store) shows the store answers again, so the next
+        claim need not wait out a backoff grown while it was away (after a database
+        restart that wait delayed claims, rescued jobs among them, by seconds)."""
+        deadline = time.monotonic() + pause
+        self._notified = False
+        while not self._stopping.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._wake.wait(left)
+            self._wake.clear()
+            if self._notified:
+                return
 
     def _prefetch_now(self) -> int:
         """Jobs to hold beyond the slots: enough that one claim carries a batch, few enough
