@@ -6,6 +6,7 @@ longer than its lease. The stale attempt's handler is still running when that ha
 """
 
 import threading
+import time
 
 import pytest
 
@@ -297,3 +298,45 @@ def test_a_burst_of_rescued_jobs_drains_as_fast_as_they_run_not_one_per_poll_int
         assert [h.result(timeout=10) for h in handles] == list(range(5))
 
     assert overlap == []  # never two suspects side by side
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_claim_whose_reply_came_back_after_its_lease_ran_out_is_not_run(
+    app: errands.App, worker_factory, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The store starts a lease when it runs the claim; a reply held up past the lease (a
+    network cut that delivers it late) must not start the handler: the job may be
+    rescued and running elsewhere by then. The worker counts the lease from the claim's
+    send, hands the lease back, and the job runs once, on a later claim."""
+    held: list[str] = []
+    real_claim = app.backend.job_claim
+
+    def claim(params):
+        rows = real_claim(params)
+        if rows and not held:
+            held.extend(row.lease_token or "" for row in rows)
+            time.sleep(1.3)  # the reply held past the 1 s lease
+        return rows
+
+    monkeypatch.setattr(app.backend, "job_claim", claim)
+    ran: list[str] = []
+
+    def token(ctx: errands.Context) -> str:
+        return ctx._runtime.attempt.row.lease_token  # type: ignore[attr-defined]
+
+    if kind == "sync":
+
+        @app.job(name="lease.held_reply", lease=1)
+        def job(ctx: errands.Context) -> None:
+            ran.append(token(ctx))
+
+    else:
+
+        @app.job(name="lease.held_reply", lease=1)
+        async def job(ctx: errands.Context) -> None:
+            ran.append(token(ctx))
+
+    handle = job.enqueue()
+    with worker_factory(concurrency=2):
+        assert handle.result(timeout=60) is None
+    assert held and len(ran) == 1 and ran[0] not in held, (held, ran)

@@ -167,6 +167,14 @@ class Dispatcher:
 
     async def _run_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
         attempt.task = asyncio.current_task()
+        if time.monotonic() >= attempt.lease_valid_until:
+            # As _begin: no heartbeat confirmed the lease for a whole lease (a claim reply
+            # held up, a frozen process): another worker may run it now. Hand it back.
+            attempt.released = True
+            message = "released %d job(s) whose lease may have run out"
+            await asyncio.to_thread(self.worker.release, [attempt], message)
+            self.worker.slot_freed(attempt)
+            return None
         attempt.started = time.monotonic()
         prepared = await asyncio.to_thread(self.prepare, attempt)  # validators off the loop
         if prepared is None:

@@ -480,10 +480,11 @@ class Worker:
                 self._wake.clear()
                 continue
             gathered = False
+            sent = time.monotonic()  # each claimed lease runs from (at latest) the claim's send
             claimed = self.claimer.claim(plan, room, free, suspects)
             if claimed.retry_in is not None:
                 self._wake_at = min(self._wake_at, time.monotonic() + claimed.retry_in)
-            self._start_all(claimed.rows)  # everything claimed starts, even after an error
+            self._start_all(claimed.rows, sent)  # all claimed starts, even after an error
             rows = claimed.rows
             if claimed.error is not None:
                 now = time.monotonic()
@@ -545,14 +546,24 @@ class Worker:
         mean = self._mean_run  # a racy update of a float: a lost sample is harmless
         self._mean_run = seconds if mean is None else mean + (seconds - mean) * 0.1
 
-    def _start_all(self, rows: list[JobRow]) -> None:
-        """Take on a claim's rows: one hold of the lock for the batch, then dispatch each."""
+    def _start_all(self, rows: list[JobRow], sent: float | None = None) -> None:
+        """Take on a claim's rows: one hold of the lock for the batch, then dispatch each.
+
+        ``sent``: when the claim was sent (monotonic). The store started each lease when
+        it ran the claim, so this worker counts the lease from the send, not from the
+        reply: a reply held up (a network cut that delivers it late) would otherwise make
+        a lease that ran out at the store look valid here for the time it was held, and
+        its handler run beside the rescue."""
         if not rows:
             return
         registry, lease = self.app.registry, self.app.lease
+        since = {} if sent is None else {"started": sent}
         attempts = [
             Attempt(
-                row=row, definition=registry.get(row.name), lease_seconds=row.lease_seconds or lease
+                row=row,
+                definition=registry.get(row.name),
+                lease_seconds=row.lease_seconds or lease,
+                **since,
             )
             for row in rows
         ]
