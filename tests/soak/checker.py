@@ -29,7 +29,7 @@ from typing import Any
 
 from soak_app import CRON_STEP
 
-from . import shapes, workflows
+from . import shapes, tenants, workflows
 from .chaos import Chaos
 from .records import (
     LOSS_KINDS,
@@ -48,6 +48,7 @@ from .workload import Ledger
 COMPLETING_KINDS = {
     "fast", "delayed", "slow", "flaky", "pay", "tx", "order", "unique", "canary", "cron",
     "slow_return", "aslow", "tx_hold", "keyed", "plain", "uniq_retry", "bad_backoff", "signalled",
+    "tenant", "tenant_noisy",
 }  # fmt: skip
 TX_JOBS = ("soak.tx", "soak.tx_hold")
 LONG_JOBS = ("soak.slow", "soak.slow_return", "soak.aslow")
@@ -90,6 +91,7 @@ def check(
     _health(out, store)
     _latency(out, jobs, runs, chaos, 2 * (lease + poll_interval), enforce_i9)
     shapes.check(out, jobs, by_job, ledger, chaos)
+    tenants.check(out, store, jobs, runs, enforce=enforce_i9)
     workflows.check(out, store, ledger.workflows, by_job)
     return out
 

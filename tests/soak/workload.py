@@ -60,6 +60,7 @@ MIX = {
     "hooked": 0.3,
     "signalled": 1.5,
     "signal_never": 0.3,
+    "tenant": 1.5,  # a quiet tenant's job in the fair queue (issue 19)
 }
 BATCH = 100
 ORDER_EVERY = 2  # batches between two transactional enqueues
@@ -69,6 +70,9 @@ TX_BURST = 24  # one per slot of the cluster (3 workers x 8)
 TX_BURST_EVERY = 10  # batches between two bursts
 TX_HOLD = (0.2, 0.5)  # seconds each holds its transaction (PostgreSQL; SQLite: 0, see below)
 SIGNAL_AFTER = (-0.5, 2.0)  # seconds after the enqueue; <= 0: at once, before any run
+NOISY_BURST = 150  # the noisy tenant's jobs at once, in the fair queue (issue 19)
+NOISY_EVERY = 12  # batches between two bursts
+TENANT_JOB = (0.01, 0.04)  # seconds a tenant's job works
 
 
 @dataclass
@@ -182,6 +186,8 @@ class Workload:
                 self._transactional_enqueue()
             if batches % TX_BURST_EVERY == 1:
                 self._tx_burst()
+            if batches % NOISY_EVERY == 2:
+                self._noisy_burst()
             if time.monotonic() >= next_unique:
                 self._unique_burst()
                 next_unique = time.monotonic() + self.unique_every
@@ -248,6 +254,11 @@ class Workload:
             )  # fmt: skip
         if kind == "plain":
             return soak_app.plain.bind(n=seq, key=key)
+        if kind == "tenant":
+            return soak_app.tenant.bind(
+                n=seq, tenant=f"quiet{rng.randrange(soak_app.QUIET_TENANTS)}",
+                seconds=round(rng.uniform(*TENANT_JOB), 3), key=key,
+            )  # fmt: skip
         if kind == "uniq_retry":
             return soak_app.uniq_retry.bind(n=seq, key=key, unique_for=soak_app.UNIQUE_FOR)
         if kind == "bad_backoff":
@@ -312,6 +323,18 @@ class Workload:
         self.ledger.add([h.id for h in handles], kinds)
         with self.ledger.lock:
             self.ledger.tx_bursts += 1
+
+    # -- issue 19: a noisy tenant dumps a burst into the fair queue ---------------------------
+    def _noisy_burst(self) -> None:
+        jobs = []
+        for _ in range(NOISY_BURST):
+            seq, key = self.next_key()
+            seconds = round(self.rng.uniform(*TENANT_JOB), 3)
+            jobs.append(
+                soak_app.tenant.bind(n=seq, tenant=soak_app.NOISY, seconds=seconds, key=key)
+            )
+        handles = self._retrying(lambda: self.app.enqueue_many(jobs))
+        self.ledger.add([h.id for h in handles], ["tenant_noisy"] * len(handles))
 
     def enqueue_extra(self, kind: str, job: errands.BoundJob) -> int:
         """Enqueue one job for the chaos driver (slow targets, canaries); ledgered."""

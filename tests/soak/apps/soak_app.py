@@ -328,6 +328,29 @@ def _keyed(ctx: errands.Context, account: int, seconds: float) -> dict[str, Any]
     return done(ctx, token)
 
 
+# Issue 19: a fair queue with a noisy tenant. The workload sends quiet tenants' jobs in
+# the mix and, now and then, a burst of the noisy tenant's: a quiet job must not wait
+# behind the burst (the checker's starvation bound), and every claim's worker time is
+# folded into its key once (no fair slot leaked).
+TENANTS_QUEUE = "tenants"
+QUIET_TENANTS = 5
+NOISY = "noisy"
+app.queue(TENANTS_QUEUE, fair=True)
+
+
+@app.job(
+    name="soak.tenant",
+    queue=TENANTS_QUEUE,
+    fair_key="tenant:{tenant}",
+    retries=RETRIES,
+    backoff=QUICK,
+)
+def tenant(ctx: errands.Context, n: int, tenant: str, seconds: float) -> dict[str, Any]:
+    token = record(ctx, detail=f"tenant:{tenant}")
+    time.sleep(seconds)
+    return done(ctx, token)
+
+
 @app.job(name="soak.plain", queue="plain", retries=RETRIES, backoff=QUICK)
 def plain(ctx: errands.Context, n: int) -> dict[str, Any]:
     """A job of a queue no keyed job type declares; keyed jobs are moved into it too."""
