@@ -9,6 +9,7 @@ import importlib
 import json
 import secrets
 import signal
+import threading
 from pathlib import Path
 
 import acc_basic
@@ -16,6 +17,7 @@ import pytest
 
 from errands.backends.base import ClaimParams, QueueClaim
 from errands.maintenance.service import Maintenance
+from errands.worker import worker as worker_module
 from errands.worker.process_pool import ProcessRunner
 
 from .harness import Cluster, wait_until
@@ -128,3 +130,26 @@ def test_a_warm_runner_keeps_a_spare_child_ahead_of_need_and_retires_idle_ones(
     finally:
         runner.shutdown()
         app.close()
+
+
+def test_a_worker_that_finds_a_rescued_job_due_starts_its_children_at_once(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker runs suspects in child processes it starts SUSPECT_WARM_AFTER seconds
+    after its own start (here 10 minutes), and claims none before: a worker restarted
+    after a crash, often the one whose jobs were rescued, would leave them waiting. It
+    asks the store whether a rescued job is due and, if so, starts its children now."""
+    monkeypatch.setattr(worker_module, "SUSPECT_WARM_AFTER", 600.0)
+    monkeypatch.setenv("ERRANDS_TEST_EFFECTS", str(cluster.effects_path))  # the children's
+    app = cluster.app()
+    handle = acc_basic.noop.enqueue(n=7)
+    _strand_as_suspects(cluster, [handle.id])
+    worker = app.worker(concurrency=2, app_path="acc_basic:app", poll_interval=0.05)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        assert handle.result(timeout=60) == 7, "the suspect waited for the warm-up delay"
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert app.get_job(handle.id).rescues == 1

@@ -199,6 +199,27 @@ def test_rescued_jobs_are_claimed_only_as_suspects_and_no_more_than_asked(
     assert sorted(r.id for r in suspects + rest) == sorted(ids)
 
 
+def test_suspects_due_tells_whether_a_rescued_job_waits_in_one_of_the_queues(
+    backend: Backend, harness: Harness
+) -> None:
+    """What a worker asks before its suspects' child processes are started: a rescued
+    job due in one of its queues (not a fresh one, not one rescued into the future)."""
+    queue = "suspects_due"
+    assert backend.suspects_due([queue]) is False
+    fresh = insert(backend, queue=queue)
+    assert backend.suspects_due([queue]) is False  # fresh: not a suspect
+    row = claim_one(backend, queue)
+    assert row.id == fresh
+    harness.expire_lease(backend, row.id)
+    rescue = RescueParams(row.id, row.lease_token or "", "retryable", {"message": "lost"}, 60.0)
+    assert backend.job_rescue_many([rescue]) == [True]
+    assert backend.suspects_due([queue]) is False  # rescued, due in a minute
+    harness.backdate_run_at(backend, row.id, 1.0)
+    assert backend.suspects_due([queue, "other"]) is True
+    assert backend.suspects_due(["other"]) is False
+    assert backend.suspects_due([]) is False
+
+
 def test_rate_log_rows_are_pruned_after_their_own_period_not_after_a_day(
     backend: Backend,
 ) -> None:

@@ -521,6 +521,12 @@ class Backend(Protocol):
 
     def rate_log_prune(self, older_than: float) -> int: ...
 
+    def suspects_due(self, queues: Sequence[str]) -> bool:
+        """Whether a rescued job (a suspect) is due in one of ``queues``: a worker whose
+        suspects' child processes are not started yet starts them at once then, instead
+        of after its warm-up delay."""
+        ...
+
     # -- cron ------------------------------------------------------------------------------
     def cron_states(self) -> list[CronState]: ...
 

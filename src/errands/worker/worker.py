@@ -94,6 +94,7 @@ ABANDON_AFTER_DEFAULT = 10.0
 # a worker that runs for seconds (a one-off, a test) should not pay; a fleet's workers
 # are warm long before a rescue (which waits for a lease to run out) hands them suspects.
 SUSPECT_WARM_AFTER = 5.0
+SUSPECT_LOOK_EVERY = 0.25  # ... until then, ask this often whether rescued jobs are due
 SUSPECT_SPARE = 1
 SUSPECT_IDLE_RETIRE = 60.0
 HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and events
@@ -199,6 +200,7 @@ class Worker:
         lanes = min(suspect_lanes or concurrency, concurrency)
         self.suspect_lanes = lanes if app_path else 1
         self._warm_at = float("inf")  # when the suspects' spare child is started
+        self._suspects_look_at = 0.0  # when to ask next whether rescued jobs are due
         self.processes: ProcessRunner | None = None
         self.suspect_processes: ProcessRunner | None = None
         self.poll_interval = poll_interval
@@ -456,7 +458,7 @@ class Worker:
         pause = self.poll_interval
         gathered = False
         while not self._stopping.is_set():
-            if time.monotonic() >= self._warm_at:
+            if time.monotonic() >= self._warm_at or self._suspects_waiting():
                 self._warm_at = float("inf")
                 self.suspect_runner().warm()
             self._extra = self._prefetch_now()
@@ -520,6 +522,22 @@ class Worker:
             self._wake.wait(wait)
             self._wake.clear()
 
+    def _suspects_waiting(self) -> bool:
+        """Before its suspects' children are started (SUSPECT_WARM_AFTER), a worker asks
+        the store, at most every SUSPECT_LOOK_EVERY seconds, whether a rescued job is due:
+        then it starts them now. A worker restarted after a crash is often the one whose
+        jobs were rescued; waiting out its warm-up left rescued jobs unclaimed by it (and
+        by every worker, when all had just restarted) for seconds (the full-size soak)."""
+        now = time.monotonic()
+        if self._warm_at == float("inf") or now < self._suspects_look_at:
+            return False
+        self._suspects_look_at = now + SUSPECT_LOOK_EVERY
+        try:
+            return self.app.backend.suspects_due(list(self.queue_limits))
+        except Exception as exc:  # best effort: they start after the warm-up delay
+            log.debug("could not ask whether rescued jobs are due (%s)", exc)
+            return False
+
     def _back_off(self, pause: float) -> None:
         """Wait ``pause`` seconds after a failed claim, or less: a notification (a job
         committed, announced by the store) shows the store answers again, so the next
@@ -557,13 +575,13 @@ class Worker:
         if not rows:
             return
         registry, lease = self.app.registry, self.app.lease
-        since = {} if sent is None else {"started": sent}
+        started = time.monotonic() if sent is None else sent
         attempts = [
             Attempt(
                 row=row,
                 definition=registry.get(row.name),
                 lease_seconds=row.lease_seconds or lease,
-                **since,
+                started=started,
             )
             for row in rows
         ]

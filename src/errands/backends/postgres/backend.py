@@ -854,6 +854,13 @@ class PostgresBackend(PostgresAdmin):
             rows = conn.execute(self.q["queues_with_limits"], {"queues": list(queues)}).fetchall()
         return {r[0] for r in rows}
 
+    def suspects_due(self, queues: Sequence[str]) -> bool:
+        if not queues:
+            return False
+        with self._conn() as conn:
+            row = conn.execute(self.q["suspects_due"], {"queues": list(queues)}).fetchone()
+        return bool(row and row[0])
+
     def rate_log_prune(self, older_than: float) -> int:
         with self._conn() as conn:
             return conn.execute(self.q["rate_log_prune"], {"older_than": older_than}).rowcount

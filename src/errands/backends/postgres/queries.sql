@@ -522,6 +522,13 @@ SELECT pg_advisory_xact_lock(hashtext(%(prefix)s || l.name))
 FROM unnest(%(names)s::text[]) WITH ORDINALITY AS l(name, n)
 ORDER BY l.n
 
+-- name: suspects_due
+-- A rescued job due in one of these queues (errands_jobs_suspects: pending rows with a
+-- rescue only).
+SELECT EXISTS (SELECT 1 FROM {schema}.errands_jobs
+               WHERE queue = ANY(%(queues)s::text[]) AND rescues > 0 AND run_at <= now()
+                 AND state IN ('available', 'scheduled', 'retryable'))
+
 -- name: queue_claim_lock
 SELECT pg_advisory_xact_lock(hashtext(%(lock)s))
 

@@ -634,6 +634,13 @@ class SQLiteBackend(SQLiteAdmin):
             rows = conn.execute(Q["queues_with_limits"], {"queues": json.dumps(list(queues))})
             return {r[0] for r in rows.fetchall()}
 
+    def suspects_due(self, queues: Sequence[str]) -> bool:
+        if not queues:
+            return False
+        with self._read() as conn:
+            row = conn.execute(Q["suspects_due"], {"queues": json.dumps(list(queues))}).fetchone()
+        return bool(row and row[0])
+
     def rate_log_prune(self, older_than: float) -> int:
         with self._write() as conn:
             return conn.execute(Q["rate_log_prune"], {"older_than": older_than}).rowcount

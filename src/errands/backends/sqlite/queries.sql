@@ -424,6 +424,14 @@ WHERE EXISTS (SELECT 1 FROM errands_queues AS s
               WHERE j.queue = q.value AND j.state IN ('available', 'scheduled', 'retryable')
                 AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL))
 
+-- name: suspects_due
+-- A rescued job due in one of these queues (:queues, a JSON list; errands_jobs_suspects:
+-- pending rows with a rescue only).
+SELECT EXISTS (SELECT 1 FROM errands_jobs
+               WHERE queue IN (SELECT value FROM json_each(:queues)) AND rescues > 0
+                 AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+                 AND state IN ('available', 'scheduled', 'retryable'))
+
 -- name: queue_running_count
 SELECT count(*) FROM errands_jobs WHERE state = 'running' AND queue = :queue
 
