@@ -9,7 +9,7 @@ from the job rows, the ``soak_effects`` run rows and the fair usage rows:
   ceil(keys / slots) + 1 claim rounds) counted in claims: at most
   ``slots x (ceil(keys / slots) + 1)`` of the noisy tenant's jobs, due before the quiet
   job, are claimed between the quiet job falling due and its claim. FIFO would let the
-  whole burst (150) go first. Enforced at full size, reported at CI size (a run that
+  whole burst (100) go first. Enforced at full size, reported at CI size (a run that
   small may not overlap a burst and a quiet job often enough to mean much);
 - **no fair slot leaked**: every claim of a tenant's job is folded into its key's usage
   exactly once, on whatever path it ended (completion, failure, rescue, release): per

@@ -70,8 +70,8 @@ TX_BURST = 24  # one per slot of the cluster (3 workers x 8)
 TX_BURST_EVERY = 10  # batches between two bursts
 TX_HOLD = (0.2, 0.5)  # seconds each holds its transaction (PostgreSQL; SQLite: 0, see below)
 SIGNAL_AFTER = (-0.5, 2.0)  # seconds after the enqueue; <= 0: at once, before any run
-NOISY_BURST = 150  # the noisy tenant's jobs at once, in the fair queue (issue 19)
-NOISY_EVERY = 12  # batches between two bursts
+NOISY_BURST = 100  # the noisy tenant's jobs at once, in the fair queue (issue 19): ~4 % of the load
+NOISY_EVERY = 25  # batches between two bursts
 TENANT_JOB = (0.01, 0.04)  # seconds a tenant's job works
 
 
