@@ -22,6 +22,7 @@ never begun, a ``signal_timeout``).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import Counter, defaultdict
 from datetime import UTC, datetime
@@ -596,6 +597,47 @@ def _health(out: Findings, store: Store) -> None:
 
 
 # -- pickup latency and I9 for rescued jobs --------------------------------------------------------
+def _passed_over(
+    late: list[tuple[int, int, float]],
+    jobs: dict[int, JobInfo],
+    runs: list[Run],
+    rescued_before: dict[int, list[int]],
+) -> str:
+    """How many of the late rescued claims a job of no higher priority, due no earlier and
+    never rescued, was claimed ahead of (a claim round that could have taken the rescued
+    job took a fresher one: the suspect path's delay), against those that waited with
+    every claim of their time taken by jobs due before them or of higher priority (the
+    cluster's slots were full)."""
+    if not late:
+        return "0 of 0"
+    claims = sorted(
+        (r.claimed_at, r.run_at, r.job_id)
+        for r in runs
+        if r.kind == "run" and r.claimed_at is not None and r.run_at is not None
+        and not rescued_before.get(r.job_id)
+    )  # fmt: skip
+    times = [c for c, _, _ in claims]
+    by_run = {
+        (r.job_id, r.attempt): r
+        for r in runs
+        if r.kind == "run" and r.claimed_at is not None and r.run_at is not None
+    }
+    passed = 0
+    for job_id, attempt, _ in late:
+        mine = by_run.get((job_id, attempt))
+        if mine is None or job_id not in jobs:
+            continue
+        due, claimed, priority = mine.run_at, mine.claimed_at, jobs[job_id].priority
+        assert due is not None and claimed is not None
+        lo, hi = bisect.bisect_right(times, due), bisect.bisect_left(times, claimed)
+        if any(
+            other_due >= due and other in jobs and jobs[other].priority <= priority
+            for _, other_due, other in claims[lo:hi]
+        ):
+            passed += 1
+    return f"{passed} of {len(late)}"
+
+
 def _p(values: list[float], p: float) -> str:
     value = percentile(values, p)
     return "-" if value is None else f"{value:.3f}"
@@ -669,6 +711,9 @@ def _latency(
         for name, v in sorted(by_type.items())
     }
     out.figures["rescued jobs claimed (past the I9 bound)"] = f"{len(rescued)} ({len(late)})"
+    out.figures["rescued jobs past the bound passed over by a fresher job"] = _passed_over(
+        late, jobs, runs, rescued_before
+    )
     out.figures["rescued jobs past the I9 bound, by job type"] = dict(late_types.most_common())
     # Claim to start is not in I9's bound (a claimed job holds its lease) but is what a
     # user waits: isolated suspects start in a child process of their own.

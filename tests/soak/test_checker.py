@@ -119,3 +119,22 @@ def test_a_signal_waiter_that_database_restarts_used_up_ends_dead_as_expected() 
     _outcomes(out, jobs, ledger, {})
     assert out.figures["unexpected outcomes"] == 1
     assert any("(2, 'signal_never'" in v for v in out.violations), out.violations
+
+
+def test_a_late_rescued_claim_is_told_apart_by_whether_a_fresher_job_went_ahead_of_it() -> None:
+    """Diagnosis of I9's rescued-job waits: a fresher job of no higher priority claimed
+    while the rescued one waited means a claim round passed it over; jobs due before it
+    (a full cluster draining its backlog in order) do not."""
+    from .checker import _passed_over
+
+    jobs = {i: job(i, "soak.fast", "completed", 1, []) for i in (1, 2, 3)}
+
+    def claimed(job_id: int, due: float, at: float, attempt: int = 1) -> Run:
+        return Run(job_id, attempt, f"t{job_id}", "run", "w-1", at, due, at, None, "soak.fast")
+
+    late = [(1, 2, 6.0)]  # job 1's second attempt: due at 10, claimed at 16
+    rescued_before = {1: [1]}
+    older = [claimed(1, 10.0, 16.0, attempt=2), claimed(2, 5.0, 12.0)]  # job 2 due before it
+    assert _passed_over(late, jobs, older, rescued_before) == "0 of 1"
+    fresher = [*older, claimed(3, 11.0, 13.0)]  # job 3 due after it, claimed ahead of it
+    assert _passed_over(late, jobs, fresher, rescued_before) == "1 of 1"
