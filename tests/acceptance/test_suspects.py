@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import secrets
 import signal
 import threading
 from pathlib import Path
 
 import acc_basic
+import acc_plain
 import pytest
 
 from errands.backends.base import ClaimParams, QueueClaim
@@ -140,16 +142,17 @@ def test_a_worker_that_finds_a_rescued_job_due_starts_its_children_at_once(
     after a crash, often the one whose jobs were rescued, would leave them waiting. It
     asks the store whether a rescued job is due and, if so, starts its children now."""
     monkeypatch.setattr(worker_module, "SUSPECT_WARM_AFTER", 600.0)
-    monkeypatch.setenv("ERRANDS_TEST_EFFECTS", str(cluster.effects_path))  # the children's
-    app = cluster.app()
-    handle = acc_basic.noop.enqueue(n=7)
+    app = cluster.app("acc_plain")
+    handle = acc_plain.plain_pid.enqueue(n=7)
     _strand_as_suspects(cluster, [handle.id])
-    worker = app.worker(concurrency=2, app_path="acc_basic:app", poll_interval=0.05)
+    worker = app.worker(concurrency=2, app_path="acc_plain:app", poll_interval=0.05)
     thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
     thread.start()
     try:
-        assert handle.result(timeout=60) == 7, "the suspect waited for the warm-up delay"
+        result = handle.result(timeout=60)
     finally:
         worker.stop()
         thread.join(30)
+    assert result["n"] == 7, "the suspect waited for the warm-up delay"
+    assert result["pid"] != os.getpid()  # isolated: in a child process
     assert app.get_job(handle.id).rescues == 1
