@@ -5,6 +5,7 @@ failed attempt's lines at WARNING / ERROR with its (scrubbed) traceback."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -18,7 +19,15 @@ from typing import Any
 import pytest
 
 import errands
-from errands.observability.logcontext import BackgroundHandler, TextFormatter
+from errands.observability.events import Event
+from errands.observability.lifecycle_log import log_event, worker_log
+from errands.observability.logcontext import (
+    BackgroundHandler,
+    JsonFormatter,
+    TextFormatter,
+    direct_writer,
+    install_record_factory,
+)
 from tests.integration.helpers import wait_until
 
 SRC = str(Path(errands.__file__).resolve().parents[1])
@@ -231,3 +240,97 @@ def test_a_failed_attempt_logs_its_traceback_at_warning_and_the_dead_one_at_erro
         assert "in fragile" in text and text.rstrip().endswith(
             "ConnectionError: payment gateway down for order 7"
         )
+
+
+@pytest.mark.parametrize("formatter", [TextFormatter, JsonFormatter])
+def test_a_lifecycle_line_reads_the_same_whether_the_writer_gets_a_record_or_its_fields(
+    formatter: type[logging.Formatter],
+) -> None:
+    """With the background writer alone on the root logger (a worker's setup), errands'
+    own lines hand it their fields instead of a LogRecord; any other handler or filter
+    gets records again. Both ways write the same line."""
+    stream = io.StringIO()
+    handler = BackgroundHandler(stream)
+    handler.setFormatter(formatter())
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    install_record_factory()
+    job = {"job_id": 41, "job_name": "shop.charge", "queue": "payments", "max_attempts": 3}
+    events = [
+        Event("errands.job.completed", {**job, "attempt": 1, "duration": 0.0123}),
+        Event(
+            "errands.job.retrying",
+            {
+                **job,
+                "attempt": 2,
+                "duration": 0.5,
+                "delay": 2.25,
+                "error_type": "ValueError",
+                "error_message": "bad card ***",
+                "traceback": "Traceback (most recent call "
+                'last):\n  File "shop.py", line 3, in charge\nValueError: bad card ***\n',
+            },
+        ),
+    ]
+
+    def written() -> list[str]:
+        for event in events:
+            log_event(event)
+        handler.flush()
+        text = stream.getvalue()
+        stream.seek(0)
+        stream.truncate()
+        if formatter is JsonFormatter:
+            return [json.dumps({**json.loads(line), "ts": "-"}) for line in text.splitlines()]
+        return [line[24:] if line[:4].isdigit() else line for line in text.splitlines()]
+
+    try:
+        root.handlers[:] = [handler]
+        root.setLevel(logging.INFO)
+        assert direct_writer(worker_log, logging.INFO) is handler
+        direct = written()
+        handler.addFilter(lambda record: True)
+        assert direct_writer(worker_log, logging.INFO) is None
+        through_records = written()
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+        handler.close()
+    assert direct == through_records
+    assert len(direct) == (2 if formatter is JsonFormatter else 5)  # with the traceback lines
+    if formatter is JsonFormatter:
+        completed, retrying = (json.loads(line) for line in direct)
+        assert (completed["message"], completed["job_id"]) == ("completed in 0.012 s", 41)
+        assert retrying["level"] == "warning" and retrying["attempt"] == 2
+        assert retrying["exception"].endswith("ValueError: bad card ***")
+    else:
+        assert (
+            "INFO    errands.worker [job 41 shop.charge@payments #1] completed in 0.012 s"
+            in (direct[0])
+        )
+        assert direct[1].startswith("WARNING errands.worker [job 41 shop.charge@payments #2]")
+        assert direct[-1] == "ValueError: bad card ***"
+
+
+def test_any_other_handler_on_the_way_gets_real_records() -> None:
+    handler = BackgroundHandler(io.StringIO())
+    handler.setFormatter(TextFormatter())
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    try:
+        root.handlers[:] = [handler]
+        assert direct_writer(worker_log, logging.INFO) is handler
+        extra = logging.StreamHandler(io.StringIO())
+        worker_log.addHandler(extra)
+        try:
+            assert direct_writer(worker_log, logging.INFO) is None
+        finally:
+            worker_log.removeHandler(extra)
+        root.handlers[:] = [handler, logging.StreamHandler(io.StringIO())]
+        assert direct_writer(worker_log, logging.INFO) is None
+        root.handlers[:] = [handler]
+        handler.setLevel(logging.ERROR)
+        assert direct_writer(worker_log, logging.INFO) is None
+    finally:
+        root.handlers[:] = saved
+        handler.close()

@@ -10,10 +10,11 @@ while it runs: the lease keeper writes ``still running after N s`` at INFO."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from .events import CATALOGUE, Event
-from .logcontext import record_factory
+from .logcontext import direct_writer, record_factory
 
 worker_log = logging.getLogger("errands.worker")
 maintenance_log = logging.getLogger("errands.maintenance")
@@ -58,14 +59,23 @@ def _emit(
     """``logger.log(level, msg, *args, extra=attrs)``, for errands' own lines: without
     logging's walk up the stack for the caller (a third of a line's cost), and with the
     job fields set on the record directly (no context variable set and reset per line,
-    and the record factory errands installs skipped: it would only add them).
-    ``exc_text``: a traceback already rendered (and scrubbed), shown after the line."""
-    if logger.isEnabledFor(level):
-        record = record_factory()(logger.name, level, "", 0, msg, args, None, None, None)
-        record.__dict__.update(attrs)
-        if exc_text:
-            record.exc_text = exc_text.rstrip("\n")
-        logger.handle(record)
+    and the record factory errands installs skipped: it would only add them). When only
+    errands' background writer would see the record, it gets the line's fields instead
+    (:func:`~errands.observability.logcontext.direct_writer`): the same text, without
+    making a LogRecord. ``exc_text``: a traceback already rendered (and scrubbed)."""
+    if not logger.isEnabledFor(level):
+        return
+    if exc_text:
+        exc_text = exc_text.rstrip("\n")
+    writer = direct_writer(logger, level)
+    if writer is not None:  # nothing but errands' writer would see the record: skip it
+        writer.emit_line((time.time(), level, logger.name, msg, args, attrs, exc_text or None))
+        return
+    record = record_factory()(logger.name, level, "", 0, msg, args, None, None, None)
+    record.__dict__.update(attrs)
+    if exc_text:
+        record.exc_text = exc_text
+    logger.handle(record)
 
 
 def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]

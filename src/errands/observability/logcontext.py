@@ -97,11 +97,30 @@ class TextFormatter(logging.Formatter):
         self._second_text = ""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        second = int(record.created)
+        return self._stamp(record.created, record.msecs)
+
+    def _stamp(self, created: float, msecs: float) -> str:
+        second = int(created)
         if second != self._second:  # a racy cache of one string: a miss only costs time
             self._second_text = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
             self._second = second
-        return f"{self._second_text},{int(record.msecs):03d}"
+        return f"{self._second_text},{int(msecs):03d}"
+
+    def format_line(self, line: Line) -> str:
+        """The text :meth:`format` makes of the record ``line`` stands for."""
+        created, levelno, name, msg, args, attrs, exc_text = line
+        message = msg % args if args else msg
+        job_id = attrs.get("job_id")
+        if job_id is not None:
+            message = (
+                f"[job {job_id} {attrs.get('job_name', '?')}@"
+                f"{attrs.get('queue', '?')} #{attrs.get('attempt', '?')}] {message}"
+            )
+        stamp = self._stamp(created, _msecs(created))
+        text = f"{stamp} {logging.getLevelName(levelno):<7} {name} {message}"
+        if exc_text:
+            text += "\n" + exc_text
+        return text
 
     def format(self, record: logging.LogRecord) -> str:
         message = _message(record)
@@ -158,8 +177,72 @@ class JsonFormatter(logging.Formatter):
             data["exception"] = exception
         return json.dumps(data, default=str)
 
+    def format_line(self, line: Line) -> str:
+        """The JSON :meth:`format` makes of the record ``line`` stands for."""
+        created, levelno, name, msg, args, attrs, exc_text = line
+        data: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+            + f".{int(_msecs(created)):03d}Z",
+            "level": logging.getLevelName(levelno).lower(),
+            "logger": name,
+            "message": msg % args if args else msg,
+        }
+        for key, value in attrs.items():
+            if key not in self._skip and not key.startswith("_"):
+                data[key] = value
+        if exc_text:
+            data["exception"] = exc_text
+        return json.dumps(data, default=str)
+
+
+def _msecs(created: float) -> float:
+    return int((created - int(created)) * 1000) + 0.0  # as LogRecord computes it
+
 
 _MADE = "_errands_message"  # the message text BackgroundHandler made when it was logged
+
+# A record errands' own lines hand to the writer without making a LogRecord, when nothing
+# but that writer would see it (see direct_writer): (created, levelno, logger name, msg,
+# args, attributes, traceback text or None). The writer formats it as it would the record.
+Line = tuple[float, int, str, str, tuple[Any, ...], dict[str, Any], str | None]
+
+
+def direct_writer(logger: logging.Logger, level: int) -> BackgroundHandler | None:
+    """The :class:`BackgroundHandler` that alone would handle a ``level`` record of
+    ``logger``, with one of errands' formatters, no filter and the standard record
+    factory, else None.
+
+    Then a line of errands' own can skip the record (its making is most of a line's cost
+    on the logging thread) and give the writer its fields: the output is the same. Any
+    other handler, filter, formatter or record factory (a test's capture, Sentry, an
+    OpenTelemetry factory) gets real records, as before. Looked up on every call, so a
+    handler added later is seen at once.
+    """
+    if logger.filters or record_factory() is not logging.LogRecord:
+        return None
+    current: logging.Logger | None = logger
+    while current is not None:
+        handlers = current.handlers
+        if current.parent is None:  # the root
+            if len(handlers) != 1:
+                return None
+            handler = handlers[0]
+            if (
+                type(handler) is BackgroundHandler
+                and level >= handler.level
+                and not handler.filters
+                and not handler._closed
+                and type(handler.formatter) in _LINE_FORMATTERS
+            ):
+                return handler
+            return None
+        if not current.propagate:
+            return None
+        for other in handlers:  # the NullHandler a library puts on its logger is no one
+            if type(other) is not logging.NullHandler:
+                return None
+        current = current.parent
+    return None
 
 
 class BackgroundHandler(logging.Handler):
@@ -186,7 +269,7 @@ class BackgroundHandler(logging.Handler):
         self.stream: IO[str] = stream if stream is not None else sys.stderr
         self.linger = linger
         self.capacity = capacity
-        self._records: collections.deque[logging.LogRecord] = collections.deque()
+        self._records: collections.deque[logging.LogRecord | Line] = collections.deque()
         self._writing = threading.RLock()  # reentrant: a signal handler may flush
         self._wake = threading.Event()
         self._sleeping = False
@@ -221,18 +304,27 @@ class BackgroundHandler(logging.Handler):
             if record.exc_info and not record.exc_text:
                 record.exc_text = (self.formatter or _PLAIN).formatException(record.exc_info)
             self._records.append(record)
-            if self._sleeping:
-                self._sleeping = False
-                self._wake.set()
-            elif self._thread is None or self._closed:
-                if self._closed or not self._start():
-                    self._write_queued()
-            elif len(self._records) >= self.capacity:
-                self._write_queued()  # the writer fell behind: wait as a stream would
+            self._queued()
         except RecursionError:
             raise
         except Exception:
             self.handleError(record)
+
+    def emit_line(self, line: Line) -> None:
+        """Queue one of errands' own lines (see :func:`direct_writer`); its arguments
+        are numbers and strings, so its text can be made later."""
+        self._records.append(line)
+        self._queued()
+
+    def _queued(self) -> None:
+        if self._sleeping:
+            self._sleeping = False
+            self._wake.set()
+        elif self._thread is None or self._closed:
+            if self._closed or not self._start():
+                self._write_queued()
+        elif len(self._records) >= self.capacity:
+            self._write_queued()  # the writer fell behind: wait as a stream would
 
     def flush(self) -> None:
         """Write every line queued so far, from this thread."""
@@ -274,16 +366,19 @@ class BackgroundHandler(logging.Handler):
         with self._writing:
             while records:
                 texts = []
-                last = None
+                last: logging.LogRecord | Line | None = None
                 for _ in range(1000):
                     try:
                         last = records.popleft()
                     except IndexError:
                         break
                     try:
-                        texts.append(self.format(last))
+                        if type(last) is tuple:
+                            texts.append(self.formatter.format_line(last))  # type: ignore[union-attr]
+                        else:
+                            texts.append(self.format(last))  # type: ignore[arg-type]
                     except Exception:
-                        self.handleError(last)
+                        self.handleError(_as_record(last))
                 if not texts or last is None:
                     continue
                 try:
@@ -291,7 +386,7 @@ class BackgroundHandler(logging.Handler):
                     self.stream.write("\n".join(texts))
                     self.stream.flush()
                 except Exception:
-                    self.handleError(last)
+                    self.handleError(_as_record(last))
 
     def _after_fork(self) -> None:
         """In a forked child: what the parent had queued is the parent's; start afresh."""
@@ -307,6 +402,16 @@ class BackgroundHandler(logging.Handler):
 
 
 _PLAIN = logging.Formatter()
+_LINE_FORMATTERS = (TextFormatter, JsonFormatter)
+
+
+def _as_record(item: logging.LogRecord | Line) -> logging.LogRecord:
+    if not isinstance(item, tuple):
+        return item
+    created, levelno, name, msg, args, attrs, exc_text = item
+    record = logging.LogRecord(name, levelno, "", 0, msg, args, None)
+    record.__dict__.update(attrs, created=created, exc_text=exc_text)
+    return record
 
 
 def configure_logging(
