@@ -206,6 +206,7 @@ class Maintenance:
                 duration=None,
                 error_type=plan.error["type"],
                 error_message=plan.error["message"],
+                traceback=None,
                 reason=plan.error["kind"],
             )
             self.app.dead_hooks_later(plan.id)
@@ -267,7 +268,7 @@ class Maintenance:
             if plan.state == "dead":
                 self.app.events.emit(
                     "errands.job.dead", **fields, duration=None, error_type="SignalTimeout",
-                    error_message=plan.error["message"], reason="signal_timeout",
+                    error_message=plan.error["message"], traceback=None, reason="signal_timeout",
                 )  # fmt: skip
                 self.app.dead_hooks_later(wait.id)
         return count

@@ -211,6 +211,7 @@ class OutcomeRecorder:
             if state in ("retryable", "dead"):
                 fields["error_type"] = error.get("type")
                 fields["error_message"] = error.get("message")
+                fields["traceback"] = error.get("traceback")  # scrubbed, as stored
             if state == "dead":
                 fields["reason"] = error.get("kind")
             if state == "waiting":
