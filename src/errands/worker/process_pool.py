@@ -416,9 +416,13 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
 
         app = load_app(app_path, url, need_code=True)
     except BaseException as exc:  # report why it cannot start, then leave
-        conn.send(f"{type(exc).__name__}: {exc}")
+        with contextlib.suppress(OSError):  # the worker stopped meanwhile: nobody to tell
+            conn.send(f"{type(exc).__name__}: {exc}")
         return
-    conn.send(READY)
+    try:
+        conn.send(READY)
+    except OSError:  # the worker stopped while this child started (a spare): leave quietly
+        return
     reporter = _ProgressSender(conn)
     while True:
         try:
