@@ -673,6 +673,7 @@ class PostgresBackend(PostgresAdmin):
             return []
         self.workflows.take_fanned()
         self.workflows.take_settled()
+        self.workflows.take_released()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
             with self._tx() as conn:
                 answers = self._finish(conn, outcomes)

@@ -506,6 +506,7 @@ class SQLiteBackend(SQLiteAdmin):
             return []
         self.workflows.take_fanned()
         self.workflows.take_settled()
+        self.workflows.take_released()
         with self._write() as conn:
             answers = [self._finish(conn, o) for o in outcomes]
         if self.workflows.take_fanned():
