@@ -51,6 +51,9 @@ RELEASE_DELAY = "release_delay"
 FIRST = -(2**62)
 
 InsertJobs = Callable[[Sequence[EnqueueRequest]], Program[list[InsertResult]]]
+# Members without keys written already joined to their workflow (workflow_id set, the
+# dependents at the given indexes 'waiting'): a sync bulk path (PostgreSQL's COPY).
+InsertJoined = Callable[[Sequence[EnqueueRequest], int, Sequence[int]], Program[list[InsertResult]]]
 Notify = Callable[[set[str]], Program[None]]
 
 
@@ -202,11 +205,13 @@ class WorkflowStore:
         insert: InsertJobs,
         array: Callable[[list[Any]], Any],
         notify: Notify | None = None,
+        insert_joined: InsertJoined | None = None,
     ) -> None:
         self.q = q
         self.insert_jobs = insert
         self.array = array
         self.notify = notify
+        self.insert_joined = insert_joined
         self._local = threading.local()
 
     def take_settled(self) -> list[Settled]:
@@ -242,8 +247,10 @@ class WorkflowStore:
         return bool(fanned)
 
     # -- inserting ---------------------------------------------------------------------
-    def insert(self, spec: WorkflowSpec) -> Program[WorkflowInserted]:
-        """The workflow row, its members (dependents waiting), edges and pending set."""
+    def insert(self, spec: WorkflowSpec, *, bulk: bool = False) -> Program[WorkflowInserted]:
+        """The workflow row, its members (dependents waiting), edges and pending set.
+        ``bulk``: the connection is sync, so the store's bulk path may write the members
+        already joined (``insert_joined``: no second write of every member's row)."""
         q = self.q
         callbacks = {event: request_to_json(r) for event, r in spec.callbacks.items()}
         rows = yield Stmt(
@@ -262,7 +269,7 @@ class WorkflowStore:
         children: dict[int, WorkflowInserted] = {}
         for i, node in enumerate(spec.nodes):
             if node.child is not None:
-                children[i] = yield from self.insert(node.child)
+                children[i] = yield from self.insert(node.child, bulk=bulk)
                 ids[i] = -children[i].id
         jobs = [i for i, n in enumerate(spec.nodes) if n.request is not None]
         results = yield from self._members(
@@ -270,6 +277,7 @@ class WorkflowStore:
             [n.request for n in spec.nodes if n.request is not None],
             [spec.nodes[i].node for i in jobs],
             blocked=[k for k, i in enumerate(jobs) if spec.nodes[i].after],
+            bulk=bulk,
         )
         for i, result in zip(jobs, results, strict=True):
             ids[i] = result.id
@@ -310,6 +318,7 @@ class WorkflowStore:
         requests: Sequence[EnqueueRequest],
         nodes: Sequence[str],
         blocked: Sequence[int],
+        bulk: bool = False,
     ) -> Program[list[InsertResult]]:
         q = self.q
         if not requests:
@@ -327,7 +336,16 @@ class WorkflowStore:
             )
             for i, (r, node) in enumerate(zip(requests, nodes, strict=True))
         ]
-        results = yield from self.insert_jobs(tagged)
+        joined = (
+            bulk
+            and self.insert_joined is not None
+            and len(tagged) > 1
+            and all(r.key is None for r in tagged)
+        )
+        if joined and self.insert_joined is not None:
+            results = yield from self.insert_joined(tagged, workflow_id, blocked)
+        else:
+            results = yield from self.insert_jobs(tagged)
         for node, result in zip(nodes, results, strict=True):
             if result.deduplicated:
                 raise ConfigurationError(
@@ -339,7 +357,9 @@ class WorkflowStore:
         params = {"workflow_id": workflow_id, "ids": self.array(ids)}
         yield Stmt(q["wf_members_insert"], {**params, "nodes": self.array(list(nodes))})
         yield Stmt(q["wf_pending_insert"], params)
-        yield Stmt(q["wf_jobs_join"], {**params, "blocked": self.array([ids[i] for i in blocked])})
+        if not joined:
+            blocked_ids = self.array([ids[i] for i in blocked])
+            yield Stmt(q["wf_jobs_join"], {**params, "blocked": blocked_ids})
         return results
 
     # -- the fan-in -------------------------------------------------------------------
@@ -364,10 +384,13 @@ class WorkflowStore:
         queues: set[str] = set()
         while work:
             touched: dict[int, bool] = {}  # workflow -> a member died in this round
+            rows_now: dict[int, Sequence[Any]] = {}  # each one's row, as its counts left it
             while work:  # the members given, then the dependents their ends cancel or skip
-                work = yield from self._end_members(work, cancelling, dags, touched, queues)
+                work = yield from self._end_members(
+                    work, cancelling, dags, touched, rows_now, queues
+                )
             for workflow_id, died in sorted(touched.items()):
-                state = yield from self._settle(workflow_id, died)
+                state = yield from self._settle(workflow_id, died, rows_now.get(workflow_id))
                 if state is not None:  # settled now: a nested workflow ends in its parent
                     parent = yield from self._leave_parent(workflow_id, cancelling, dags)
                     if parent is not None:
@@ -383,6 +406,7 @@ class WorkflowStore:
         cancelling: set[int],
         dags: set[int],
         touched: dict[int, bool],
+        rows_now: dict[int, Sequence[Any]],
         queues: set[str],
     ) -> Program[list[tuple[int, str | None]]]:
         """Members' ends, set-based (a handful of statements however many members end and
@@ -411,8 +435,10 @@ class WorkflowStore:
         members = array([m for m, _, _ in ended])
         outcomes = array([o for _, _, o in ended])
         yield Stmt(q["wf_member_outcomes"], {"ids": members, "outcomes": outcomes})
-        workflows = sorted(counts)  # each locked already (_lock_up)
-        yield Stmt(
+        workflows = sorted(counts)  # each locked already (wf_lock_pending)
+        # The counts move; each workflow's row comes back as they left it, with whether a
+        # member is still pending (what settling it needs: no read of its own).
+        counted = yield Stmt(
             q["wf_count_many"],
             {
                 "ids": array(workflows),
@@ -422,6 +448,7 @@ class WorkflowStore:
                 },
             },
         )
+        rows_now.update((int(r[0]), r) for r in counted)
         parents = [(m, o) for m, w, o in ended if w in dags]
         if not parents:
             return []
@@ -498,12 +525,16 @@ class WorkflowStore:
             dags.add(parent)
         return parent
 
-    def _settle(self, workflow_id: int, died: bool) -> Program[str | None]:
+    def _settle(
+        self, workflow_id: int, died: bool, raw: Sequence[Any] | None = None
+    ) -> Program[str | None]:
         """Fire ``on_dead`` on a first death; when the pending set is empty, settle the
         workflow and fire its callbacks. The state it settled in now (or, settled before,
-        is in once its replayed members ended again), else None."""
+        is in once its replayed members ended again), else None. ``raw``: its row as this
+        transaction's last count left it (``wf_settle_row``'s columns), else read here."""
         q = self.q
-        [raw] = yield Stmt(q["wf_settle_row"], {"id": workflow_id})
+        if raw is None:
+            [raw] = yield Stmt(q["wf_settle_row"], {"id": workflow_id})
         row, pending = workflow_row(raw), bool(raw[16])  # and whether a member is pending
         callbacks = json.loads(row.callbacks)
         fired: dict[str, int] = {}  # event -> the callback job inserted now

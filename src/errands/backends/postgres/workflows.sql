@@ -98,13 +98,20 @@ FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[]) AS u(j, o)
 WHERE m.job_id = u.j AND m.job_id = ANY(%(ids)s::bigint[])  -- by index, whatever the stats
 
 -- name: wf_count_many
--- Each workflow's counts by outcome, moved by the members that just ended in it.
+-- Each workflow's counts by outcome, moved by the members that just ended in it; its row
+-- as they leave it (wf_settle_row's columns: with whether a member is still pending).
 UPDATE {schema}.errands_workflows AS w
 SET completed = w.completed + u.c, dead = w.dead + u.d,
     cancelled = w.cancelled + u.x, skipped = w.skipped + u.s
 FROM unnest(%(ids)s::bigint[], %(completed)s::int[], %(dead)s::int[],
             %(cancelled)s::int[], %(skipped)s::int[]) AS u(id, c, d, x, s)
 WHERE w.id = u.id AND w.id = ANY(%(ids)s::bigint[])
+RETURNING w.id, w.name, w.kind, w.state, w.total, w.completed, w.dead, w.cancelled,
+          w.skipped, w.callbacks::text, w.on_success_job, w.on_settled_job, w.on_dead_job,
+          w.cancel_requested, extract(epoch FROM w.created_at)::float8,
+          extract(epoch FROM w.settled_at)::float8,
+          EXISTS (SELECT 1 FROM {schema}.errands_workflow_pending AS p
+                  WHERE p.workflow_id = w.id)
 
 -- name: wf_edges_resolve_many
 -- The edges out of the members that just ended carry their outcomes; their dependents.

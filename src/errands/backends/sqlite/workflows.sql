@@ -93,7 +93,8 @@ FROM (SELECT j.value AS j, o.value AS o
 WHERE errands_workflow_members.job_id = u.j
 
 -- name: wf_count_many
--- Each workflow's counts by outcome, moved by the members that just ended in it.
+-- Each workflow's counts by outcome, moved by the members that just ended in it; its row
+-- as they leave it (wf_settle_row's columns: with whether a member is still pending).
 UPDATE errands_workflows
 SET completed = completed + u.c, dead = dead + u.d, cancelled = cancelled + u.x,
     skipped = skipped + u.s
@@ -104,6 +105,11 @@ FROM (SELECT i.value AS wid, c.value AS c, d.value AS d, x.value AS x, s.value A
       JOIN json_each(:cancelled) AS x ON x.key = i.key
       JOIN json_each(:skipped) AS s ON s.key = i.key) AS u
 WHERE errands_workflows.id = u.wid
+RETURNING id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks,
+          on_success_job, on_settled_job, on_dead_job, cancel_requested, created_at,
+          settled_at,
+          EXISTS (SELECT 1 FROM errands_workflow_pending AS p
+                  WHERE p.workflow_id = errands_workflows.id)
 
 -- name: wf_edges_resolve_many
 -- The edges out of the members that just ended carry their outcomes; their dependents.
