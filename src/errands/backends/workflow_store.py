@@ -206,13 +206,24 @@ class WorkflowStore:
         array: Callable[[list[Any]], Any],
         notify: Notify | None = None,
         insert_joined: InsertJoined | None = None,
+        rows: Callable[[list[list[Any]]], Any] | None = None,
     ) -> None:
         self.q = q
         self.insert_jobs = insert
         self.array = array
         self.notify = notify
         self.insert_joined = insert_joined
+        self.rows = rows
         self._local = threading.local()
+
+    def columns(self, **columns: Sequence[Any]) -> dict[str, Any]:
+        """Parallel lists as a statement's parameters: one array each (PostgreSQL's
+        unnest takes them side by side), or, given ``rows``, one parameter ``rows`` holding
+        them row by row in the order given (SQLite: a join of one json_each per list on its
+        key has no index, and costs the product of their lengths)."""
+        if self.rows is not None:
+            return {"rows": self.rows([list(r) for r in zip(*columns.values(), strict=True)])}
+        return {name: self.array(list(values)) for name, values in columns.items()}
 
     def take_settled(self) -> list[Settled]:
         """The workflows this thread's transactions settled since the last call (a backend
@@ -283,8 +294,10 @@ class WorkflowStore:
             ids[i] = result.id
         if children:
             nested = {"workflow_id": workflow_id, "ids": self.array([ids[i] for i in children])}
-            names = self.array([spec.nodes[i].node for i in children])
-            yield Stmt(q["wf_members_insert"], {**nested, "nodes": names})
+            names = self.columns(
+                ids=[ids[i] for i in children], nodes=[spec.nodes[i].node for i in children]
+            )
+            yield Stmt(q["wf_members_insert"], {"workflow_id": workflow_id, **names})
             yield Stmt(q["wf_pending_insert"], nested)
         parents, dependents, policies = [], [], []
         for i, node in enumerate(spec.nodes):
@@ -297,9 +310,7 @@ class WorkflowStore:
                 q["wf_edges_insert"],
                 {
                     "workflow_id": workflow_id,
-                    "parents": self.array(parents),
-                    "children": self.array(dependents),
-                    "policies": self.array(policies),
+                    **self.columns(parents=parents, children=dependents, policies=policies),
                 },
             )
         return WorkflowInserted(workflow_id, results, children)
@@ -355,7 +366,10 @@ class WorkflowStore:
                 )
         ids = [r.id for r in results]
         params = {"workflow_id": workflow_id, "ids": self.array(ids)}
-        yield Stmt(q["wf_members_insert"], {**params, "nodes": self.array(list(nodes))})
+        yield Stmt(
+            q["wf_members_insert"],
+            {"workflow_id": workflow_id, **self.columns(ids=ids, nodes=list(nodes))},
+        )
         yield Stmt(q["wf_pending_insert"], params)
         if not joined:
             blocked_ids = self.array([ids[i] for i in blocked])
@@ -432,21 +446,19 @@ class WorkflowStore:
             ended.append((member, workflow_id, outcome))
             counts.setdefault(workflow_id, [0, 0, 0, 0])[OUTCOMES.index(outcome)] += 1
             touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
-        members = array([m for m, _, _ in ended])
-        outcomes = array([o for _, _, o in ended])
-        yield Stmt(q["wf_member_outcomes"], {"ids": members, "outcomes": outcomes})
+        yield Stmt(
+            q["wf_member_outcomes"],
+            self.columns(ids=[m for m, _, _ in ended], outcomes=[o for _, _, o in ended]),
+        )
         workflows = sorted(counts)  # each locked already (wf_lock_pending)
         # The counts move; each workflow's row comes back as they left it, with whether a
         # member is still pending (what settling it needs: no read of its own).
         counted = yield Stmt(
             q["wf_count_many"],
-            {
-                "ids": array(workflows),
-                **{
-                    name: array([counts[w][i] for w in workflows])
-                    for i, name in enumerate(OUTCOMES)
-                },
-            },
+            self.columns(
+                ids=workflows,
+                **{name: [counts[w][i] for w in workflows] for i, name in enumerate(OUTCOMES)},
+            ),
         )
         rows_now.update((int(r[0]), r) for r in counted)
         parents = [(m, o) for m, w, o in ended if w in dags]
@@ -454,7 +466,7 @@ class WorkflowStore:
             return []
         resolved = yield Stmt(
             q["wf_edges_resolve_many"],
-            {"parents": array([m for m, _ in parents]), "outcomes": array([o for _, o in parents])},
+            self.columns(parents=[m for m, _ in parents], outcomes=[o for _, o in parents]),
         )
         children = sorted({int(r[0]) for r in resolved})
         if not children:
@@ -487,12 +499,12 @@ class WorkflowStore:
         skip = [d == "skip" for _, d, _ in blocked]
         rows = yield Stmt(
             q["wf_end_blocked_many"],
-            {
-                "ids": array([c for c, _, _ in blocked]),
-                "types": array(["Skipped" if s else "Cancelled" for s in skip]),
-                "kinds": array(["skipped" if s else "cancelled" for s in skip]),
-                "messages": array([why for _, _, why in blocked]),
-            },
+            self.columns(
+                ids=[c for c, _, _ in blocked],
+                types=["Skipped" if s else "Cancelled" for s in skip],
+                kinds=["skipped" if s else "cancelled" for s in skip],
+                messages=[why for _, _, why in blocked],
+            ),
         )
         stopped = {int(r[0]) for r in rows}
         return [(c, "skipped" if d == "skip" else None) for c, d, _ in blocked if c in stopped]

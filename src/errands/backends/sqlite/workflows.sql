@@ -9,20 +9,21 @@ VALUES (:name, :kind, :total, :callbacks, (julianday('now') - 2440587.5) * 86400
 RETURNING id
 
 -- name: wf_members_insert
+-- :rows is [[job_id, node], ...] (one json_each: a join of two on their keys has no index).
 INSERT INTO errands_workflow_members (job_id, workflow_id, node)
-SELECT j.value, :workflow_id, n.value
-FROM json_each(:ids) AS j JOIN json_each(:nodes) AS n ON n.key = j.key
+SELECT json_extract(value, '$[0]'), :workflow_id, json_extract(value, '$[1]')
+FROM json_each(:rows)
 
 -- name: wf_pending_insert
 INSERT INTO errands_workflow_pending (job_id, workflow_id)
 SELECT value, :workflow_id FROM json_each(:ids)
 
 -- name: wf_edges_insert
+-- :rows is [[parent_id, child_id, policy], ...].
 INSERT INTO errands_workflow_edges (parent_id, child_id, workflow_id, policy)
-SELECT p.value, c.value, :workflow_id, k.value
-FROM json_each(:parents) AS p
-JOIN json_each(:children) AS c ON c.key = p.key
-JOIN json_each(:policies) AS k ON k.key = p.key
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), :workflow_id,
+       json_extract(value, '$[2]')
+FROM json_each(:rows)
 
 -- name: wf_jobs_join
 -- Members join their workflow; dependents wait (state waiting, no signal: no claim query
@@ -87,23 +88,23 @@ RETURNING job_id, workflow_id,
           (SELECT j.state FROM errands_jobs AS j WHERE j.id = errands_workflow_pending.job_id)
 
 -- name: wf_member_outcomes
+-- :rows is [[job_id, outcome], ...].
 UPDATE errands_workflow_members SET outcome = u.o
-FROM (SELECT j.value AS j, o.value AS o
-      FROM json_each(:ids) AS j JOIN json_each(:outcomes) AS o ON o.key = j.key) AS u
+FROM (SELECT json_extract(value, '$[0]') AS j, json_extract(value, '$[1]') AS o
+      FROM json_each(:rows)) AS u
 WHERE errands_workflow_members.job_id = u.j
 
 -- name: wf_count_many
 -- Each workflow's counts by outcome, moved by the members that just ended in it; its row
 -- as they leave it (wf_settle_row's columns: with whether a member is still pending).
+-- :rows is [[workflow_id, completed, dead, cancelled, skipped], ...].
 UPDATE errands_workflows
 SET completed = completed + u.c, dead = dead + u.d, cancelled = cancelled + u.x,
     skipped = skipped + u.s
-FROM (SELECT i.value AS wid, c.value AS c, d.value AS d, x.value AS x, s.value AS s
-      FROM json_each(:ids) AS i
-      JOIN json_each(:completed) AS c ON c.key = i.key
-      JOIN json_each(:dead) AS d ON d.key = i.key
-      JOIN json_each(:cancelled) AS x ON x.key = i.key
-      JOIN json_each(:skipped) AS s ON s.key = i.key) AS u
+FROM (SELECT json_extract(value, '$[0]') AS wid, json_extract(value, '$[1]') AS c,
+             json_extract(value, '$[2]') AS d, json_extract(value, '$[3]') AS x,
+             json_extract(value, '$[4]') AS s
+      FROM json_each(:rows)) AS u
 WHERE errands_workflows.id = u.wid
 RETURNING id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks,
           on_success_job, on_settled_job, on_dead_job, cancel_requested, created_at,
@@ -113,9 +114,10 @@ RETURNING id, name, kind, state, total, completed, dead, cancelled, skipped, cal
 
 -- name: wf_edges_resolve_many
 -- The edges out of the members that just ended carry their outcomes; their dependents.
+-- :rows is [[parent_id, outcome], ...].
 UPDATE errands_workflow_edges SET outcome = u.o
-FROM (SELECT p.value AS p, o.value AS o
-      FROM json_each(:parents) AS p JOIN json_each(:outcomes) AS o ON o.key = p.key) AS u
+FROM (SELECT json_extract(value, '$[0]') AS p, json_extract(value, '$[1]') AS o
+      FROM json_each(:rows)) AS u
 WHERE errands_workflow_edges.parent_id = u.p AND errands_workflow_edges.outcome IS NULL
 RETURNING child_id
 
@@ -149,16 +151,15 @@ RETURNING queue
 -- name: wf_end_blocked_many
 -- Dependents that will not run: cancelled (a parent failed under policy cancel, or the
 -- workflow was cancelled) or skipped (policy skip), each with its reason in its errors.
+-- :rows is [[job_id, type, kind, message], ...].
 UPDATE errands_jobs
 SET state = 'cancelled', finished_at = (julianday('now') - 2440587.5) * 86400.0,
     errors = json_insert(errors, '$[#]', json_object(
         'attempt', attempt, 'type', u.t, 'message', u.m, 'traceback', NULL,
         'worker', NULL, 'kind', u.k, 'at', (julianday('now') - 2440587.5) * 86400.0))
-FROM (SELECT i.value AS jid, t.value AS t, k.value AS k, m.value AS m
-      FROM json_each(:ids) AS i
-      JOIN json_each(:types) AS t ON t.key = i.key
-      JOIN json_each(:kinds) AS k ON k.key = i.key
-      JOIN json_each(:messages) AS m ON m.key = i.key) AS u
+FROM (SELECT json_extract(value, '$[0]') AS jid, json_extract(value, '$[1]') AS t,
+             json_extract(value, '$[2]') AS k, json_extract(value, '$[3]') AS m
+      FROM json_each(:rows)) AS u
 WHERE errands_jobs.id = u.jid AND state = 'waiting' AND wait_signal IS NULL
 RETURNING id
 
