@@ -291,6 +291,23 @@ def test_parents_ending_in_one_write_decide_each_shared_dependent_once_by_its_po
     assert why == f"parent job {a.id} failed (policy cancel)"
 
 
+def test_a_finish_tells_its_thread_which_queues_its_fan_in_released_jobs_into(
+    backend: Backend,
+) -> None:
+    backend.workflow_insert(spec([("a", []), ("b", [(0, "cancel")]), ("c", [(1, "cancel")])]))
+    backend.workflow_take_released()
+    assert finish(backend, claim_one(backend), "completed")
+    assert backend.workflow_take_released() == {QUEUE}  # b released: its worker claims now
+    assert backend.workflow_take_released() == set()  # read once
+    b = claim_one(backend)
+    assert finish(backend, b, "completed")
+    assert backend.workflow_take_released() == {QUEUE}
+    assert finish(backend, claim_one(backend), "completed")  # c: the callbacks, no dependent
+    assert backend.workflow_take_released() == {CALLBACKS}
+    assert not finish(backend, b, "completed")  # a stale duplicate releases nothing
+    assert backend.workflow_take_released() == set()
+
+
 def test_replaying_a_dead_member_of_a_settled_batch_fires_on_success_once_it_completes(
     backend: Backend,
 ) -> None:
