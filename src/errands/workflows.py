@@ -79,6 +79,7 @@ class Workflow:
             raise ConfigurationError("a workflow needs a name: errands.Workflow('import-42')")
         self.name = check_text("workflow name", name, NAME_MAX_BYTES)
         self.nodes: list[tuple[Node, BoundJob | Workflow, tuple[Edge, ...]]] = []
+        self._names: set[str] = set()  # the node names taken (a set: 10,000 adds stay linear)
         self.callbacks: dict[str, BoundJob] = {}
         for event, job in (("on_success", on_success), ("on_settled", on_settled),
                            ("on_dead", on_dead)):  # fmt: skip
@@ -113,7 +114,7 @@ class Workflow:
             default = f"{bound.request.name}#{len(self.nodes)}"
         node_name = name if name is not None else default
         check_text("node name", node_name, NAME_MAX_BYTES)
-        if any(n.name == node_name for n, _, _ in self.nodes):
+        if node_name in self._names:
             raise ConfigurationError(
                 f"workflow {self.name!r} has a node named {node_name!r} already; pass another name="
             )
@@ -127,6 +128,7 @@ class Workflow:
             raise ConfigurationError(f"node {node_name!r}: a parent is listed twice in after=")
         node = Node(self, len(self.nodes), node_name)
         self.nodes.append((node, bound, edges))
+        self._names.add(node_name)
         return node
 
     def _nested(self, child: Workflow, after: Iterable[Node | Edge]) -> Workflow:

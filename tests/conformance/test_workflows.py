@@ -15,7 +15,7 @@ from errands.backends.workflow_store import NodeSpec, WorkflowInserted, Workflow
 from errands.jobs import JobRow
 
 from .conftest import Harness
-from .support import QUEUE, claim, claim_one, error, finish, get, request
+from .support import QUEUE, claim, claim_one, error, errors_of, finish, get, request
 
 CALLBACKS = "callbacks"  # the queue callbacks go to: never claimed by the member claims
 EVENTS = ("on_success", "on_settled", "on_dead")
@@ -218,6 +218,94 @@ def test_a_diamond_fans_in_once_when_both_branches_complete(backend: Backend) ->
     assert [p.node for p in backend.workflow_parent_results(d)] == ["b", "c"]
     assert [p.node for p in backend.workflow_parent_results(d, limit=1)] == ["b"]
     assert [p.node for p in backend.workflow_parent_results(d, after=b.id)] == ["c"]
+
+
+def test_a_wide_fan_out_is_released_by_its_roots_end_and_fans_in_once_in_one_write(
+    backend: Backend,
+) -> None:
+    width = 30
+    inserted = backend.workflow_insert(
+        spec(
+            [("root", []), *((f"m{i}", [(0, "cancel")]) for i in range(width)),
+             ("last", [(i + 1, "cancel") for i in range(width)])]
+        )
+    )  # fmt: skip
+    ids = [j.id for j in inserted.jobs]
+    assert finish(backend, claim_one(backend), "completed")
+    middle = claim(backend, QUEUE, 100)
+    assert sorted(r.id for r in middle) == ids[1:-1]  # all released with the root's end
+    assert get(backend, ids[-1]).state == "waiting"
+
+    def done(rows: list[JobRow]) -> list[FinishParams]:
+        return [FinishParams(id=r.id, lease_token=r.lease_token or "", state="completed")
+                for r in rows]  # fmt: skip
+
+    assert backend.job_finish_many(done(middle[:-1])) == [True] * (width - 1)
+    assert get(backend, ids[-1]).state == "waiting"  # one parent still to end
+    assert claim_all(backend) == []
+    # the last parent, delivered twice in one write and once more after: released once
+    assert backend.job_finish_many(done(middle[-1:] * 2))[0]
+    assert backend.job_finish_many(done(middle[-1:])) == [False]
+    last = claim_one(backend)
+    assert last.id == ids[-1] and claim_all(backend) == []
+    assert len(backend.workflow_parent_results(last.id, limit=100)) == width
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.completed, status.pending) == (width + 1, 1)
+    assert finish(backend, last, "completed")
+    assert callbacks(backend) == ["on_settled", "on_success"]
+
+
+def test_parents_ending_in_one_write_decide_each_shared_dependent_once_by_its_policies(
+    backend: Backend,
+) -> None:
+    inserted = backend.workflow_insert(
+        spec(
+            [
+                ("a", []),
+                ("b", []),
+                ("both", [(0, "cancel"), (1, "cancel")]),
+                ("anyway", [(0, "run_anyway"), (1, "run_anyway")]),
+                ("skipped", [(0, "skip"), (1, "cancel")]),
+                ("after_skipped", [(4, "cancel")]),
+            ]
+        )
+    )
+    ids = [j.id for j in inserted.jobs]
+    a, b = sorted(claim_all(backend), key=lambda r: r.id)
+    outcomes = [
+        FinishParams(id=a.id, lease_token=a.lease_token or "", state="dead", error=error()),
+        FinishParams(id=b.id, lease_token=b.lease_token or "", state="completed"),
+    ]
+    assert backend.job_finish_many(outcomes) == [True, True]
+    assert get(backend, ids[2]).state == "cancelled" and get(backend, ids[4]).state == "cancelled"
+    assert {r.id for r in claim_all(backend)} == {ids[3], ids[5]}
+    members = {m.node: m.outcome for m in backend.workflow_members(inserted.id)}
+    assert (members["both"], members["skipped"]) == ("cancelled", "skipped")
+    status = backend.workflow_get(inserted.id)
+    assert status is not None
+    assert (status.completed, status.dead, status.cancelled, status.skipped, status.pending) == (
+        1, 1, 1, 1, 2,
+    )  # fmt: skip
+    assert callbacks(backend) == ["on_dead"]
+    [why] = [e["message"] for e in errors_of(get(backend, ids[2]))]
+    assert why == f"parent job {a.id} failed (policy cancel)"
+
+
+def test_a_finish_tells_its_thread_which_queues_its_fan_in_released_jobs_into(
+    backend: Backend,
+) -> None:
+    backend.workflow_insert(spec([("a", []), ("b", [(0, "cancel")]), ("c", [(1, "cancel")])]))
+    backend.workflow_take_released()
+    assert finish(backend, claim_one(backend), "completed")
+    assert backend.workflow_take_released() == {QUEUE}  # b released: its worker claims now
+    assert backend.workflow_take_released() == set()  # read once
+    b = claim_one(backend)
+    assert finish(backend, b, "completed")
+    assert backend.workflow_take_released() == {QUEUE}
+    assert finish(backend, claim_one(backend), "completed")  # c: the callbacks, no dependent
+    assert backend.workflow_take_released() == {CALLBACKS}
+    assert not finish(backend, b, "completed")  # a stale duplicate releases nothing
+    assert backend.workflow_take_released() == set()
 
 
 def test_replaying_a_dead_member_of_a_settled_batch_fires_on_success_once_it_completes(

@@ -297,6 +297,9 @@ def test_bad_workflows_are_refused_with_the_fix(make_app: Make) -> None:
         batch.add(step.bind(), after=[batch.add(step.bind())])
     with pytest.raises(errands.ConfigurationError, match="takes a job made with job"):
         wf.add(step)  # type: ignore[arg-type]
+    wf.add(step.bind(), name="same")
+    with pytest.raises(errands.ConfigurationError, match="has a node named 'same' already"):
+        wf.add(step.bind(), name="same")
     with pytest.raises(ValueError, match="unknown workflow state"):
         app.workflows(state="done")
 

@@ -109,6 +109,8 @@ EXEMPT = {
     "the registry once, best effort: a failure skips that warning and nothing else",
     "workflow_take_settled": "reads what this thread's last store calls settled, kept in "
     "memory by the store: no store I/O",
+    "workflow_take_released": "reads the queues this thread's last finish released jobs "
+    "into, kept in memory by the store: no store I/O",
     "listener": "builds the wake-up listener and does no store I/O; the listener's own "
     "connection is outside the Backend protocol",
     "suspects_due": "asked only by a worker that runs suspects in child processes (an app "

@@ -668,6 +668,12 @@ class Backend(Protocol):
         after a finish, rescue or cancel returned: they committed), for events."""
         ...
 
+    def workflow_take_released(self) -> set[str]:
+        """The queues into which this thread's last :meth:`job_finish_many` released
+        dependents or inserted callbacks (read once it returned: committed). The worker
+        that wrote the finish claims them at once, without waiting for a wake-up."""
+        ...
+
     def workflow_cancel(self, workflow_id: int, actor: str) -> int:
         """Cancel pending members, ask running ones to stop (audited); raises
         JobNotFound for an unknown workflow."""

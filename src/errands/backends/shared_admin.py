@@ -175,6 +175,9 @@ class SharedAdmin:
     def workflow_take_settled(self) -> list[Settled]:
         return self.workflows.take_settled()
 
+    def workflow_take_released(self) -> set[str]:
+        return self.workflows.take_released()
+
     def workflow_cancel(self, workflow_id: int, actor: str) -> int:
         """Cancel a workflow's pending members and ask its running ones to stop, in short
         transactions: mark it cancelled; cancel its nested workflows (each the same way);

@@ -10,6 +10,11 @@ fenced terminal write, and the transaction that empties the set inserts the call
 each guarded by a column set once under the workflow's row lock. A second delivery of
 the same outcome finds the member gone from the set and changes nothing; a stale attempt
 never gets its terminal write, so never reaches the fan-in.
+
+The fan-in is set-based: the members a finish ends leave the set, are counted and resolve
+their edges in one statement each, and the dependents they free are decided, released
+or cancelled in one statement each, so a finish costs a handful of statements whether it
+ends one member or 500, and a root's end releases 10,000 dependents as cheaply.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ KINDS = ("batch", "dag")
 POLICIES = ("cancel", "run_anyway", "skip")
 EVENTS = ("on_success", "on_settled", "on_dead")
 ENDED = frozenset({"completed", "dead", "cancelled", "discarded"})
+# A member's outcome in its workflow (a discarded job counts as dead); the counts' columns.
+OUTCOMES = ("completed", "dead", "cancelled", "skipped")
 CANCELLABLE = frozenset({"available", "scheduled", "retryable", "waiting"})
 FAILED = frozenset({"dead", "cancelled"})
 # a nested workflow's settled state -> its outcome as a member of its parent
@@ -44,6 +51,9 @@ RELEASE_DELAY = "release_delay"
 FIRST = -(2**62)
 
 InsertJobs = Callable[[Sequence[EnqueueRequest]], Program[list[InsertResult]]]
+# Members without keys written already joined to their workflow (workflow_id set, the
+# dependents at the given indexes 'waiting'): a sync bulk path (PostgreSQL's COPY).
+InsertJoined = Callable[[Sequence[EnqueueRequest], int, Sequence[int]], Program[list[InsertResult]]]
 Notify = Callable[[set[str]], Program[None]]
 
 
@@ -195,12 +205,25 @@ class WorkflowStore:
         insert: InsertJobs,
         array: Callable[[list[Any]], Any],
         notify: Notify | None = None,
+        insert_joined: InsertJoined | None = None,
+        rows: Callable[[list[list[Any]]], Any] | None = None,
     ) -> None:
         self.q = q
         self.insert_jobs = insert
         self.array = array
         self.notify = notify
+        self.insert_joined = insert_joined
+        self.rows = rows
         self._local = threading.local()
+
+    def columns(self, **columns: Sequence[Any]) -> dict[str, Any]:
+        """Parallel lists as a statement's parameters: one array each (PostgreSQL's
+        unnest takes them side by side), or, given ``rows``, one parameter ``rows`` holding
+        them row by row in the order given (SQLite: a join of one json_each per list on its
+        key has no index, and costs the product of their lengths)."""
+        if self.rows is not None:
+            return {"rows": self.rows([list(r) for r in zip(*columns.values(), strict=True)])}
+        return {name: self.array(list(values)) for name, values in columns.items()}
 
     def take_settled(self) -> list[Settled]:
         """The workflows this thread's transactions settled since the last call (a backend
@@ -214,6 +237,19 @@ class WorkflowStore:
             self._local.settled = []
         self._local.settled.append(Settled(row.id, row.name, row.kind, state, fired))
 
+    def take_released(self) -> set[str]:
+        """The queues into which this thread's fan-ins since the last call released
+        dependents or inserted callbacks (read once the transaction committed: a worker
+        that serves one of them claims at once, without waiting for its wake-up)."""
+        released: set[str] = getattr(self._local, "released", set())
+        self._local.released = set()
+        return set(released)
+
+    def _released(self, queues: set[str]) -> None:
+        if not hasattr(self._local, "released"):
+            self._local.released = set()
+        self._local.released.update(queues)
+
     def take_fanned(self) -> bool:
         """Whether a fan-in ran in this thread since the last call (the backends' finish
         reaches fault point ``after_fan_in_commit`` once its transaction committed)."""
@@ -222,8 +258,10 @@ class WorkflowStore:
         return bool(fanned)
 
     # -- inserting ---------------------------------------------------------------------
-    def insert(self, spec: WorkflowSpec) -> Program[WorkflowInserted]:
-        """The workflow row, its members (dependents waiting), edges and pending set."""
+    def insert(self, spec: WorkflowSpec, *, bulk: bool = False) -> Program[WorkflowInserted]:
+        """The workflow row, its members (dependents waiting), edges and pending set.
+        ``bulk``: the connection is sync, so the store's bulk path may write the members
+        already joined (``insert_joined``: no second write of every member's row)."""
         q = self.q
         callbacks = {event: request_to_json(r) for event, r in spec.callbacks.items()}
         rows = yield Stmt(
@@ -242,7 +280,7 @@ class WorkflowStore:
         children: dict[int, WorkflowInserted] = {}
         for i, node in enumerate(spec.nodes):
             if node.child is not None:
-                children[i] = yield from self.insert(node.child)
+                children[i] = yield from self.insert(node.child, bulk=bulk)
                 ids[i] = -children[i].id
         jobs = [i for i, n in enumerate(spec.nodes) if n.request is not None]
         results = yield from self._members(
@@ -250,13 +288,16 @@ class WorkflowStore:
             [n.request for n in spec.nodes if n.request is not None],
             [spec.nodes[i].node for i in jobs],
             blocked=[k for k, i in enumerate(jobs) if spec.nodes[i].after],
+            bulk=bulk,
         )
         for i, result in zip(jobs, results, strict=True):
             ids[i] = result.id
         if children:
             nested = {"workflow_id": workflow_id, "ids": self.array([ids[i] for i in children])}
-            names = self.array([spec.nodes[i].node for i in children])
-            yield Stmt(q["wf_members_insert"], {**nested, "nodes": names})
+            names = self.columns(
+                ids=[ids[i] for i in children], nodes=[spec.nodes[i].node for i in children]
+            )
+            yield Stmt(q["wf_members_insert"], {"workflow_id": workflow_id, **names})
             yield Stmt(q["wf_pending_insert"], nested)
         parents, dependents, policies = [], [], []
         for i, node in enumerate(spec.nodes):
@@ -269,9 +310,7 @@ class WorkflowStore:
                 q["wf_edges_insert"],
                 {
                     "workflow_id": workflow_id,
-                    "parents": self.array(parents),
-                    "children": self.array(dependents),
-                    "policies": self.array(policies),
+                    **self.columns(parents=parents, children=dependents, policies=policies),
                 },
             )
         return WorkflowInserted(workflow_id, results, children)
@@ -290,6 +329,7 @@ class WorkflowStore:
         requests: Sequence[EnqueueRequest],
         nodes: Sequence[str],
         blocked: Sequence[int],
+        bulk: bool = False,
     ) -> Program[list[InsertResult]]:
         q = self.q
         if not requests:
@@ -307,7 +347,16 @@ class WorkflowStore:
             )
             for i, (r, node) in enumerate(zip(requests, nodes, strict=True))
         ]
-        results = yield from self.insert_jobs(tagged)
+        joined = (
+            bulk
+            and self.insert_joined is not None
+            and len(tagged) > 1
+            and all(r.key is None for r in tagged)
+        )
+        if joined and self.insert_joined is not None:
+            results = yield from self.insert_joined(tagged, workflow_id, blocked)
+        else:
+            results = yield from self.insert_jobs(tagged)
         for node, result in zip(nodes, results, strict=True):
             if result.deduplicated:
                 raise ConfigurationError(
@@ -317,9 +366,14 @@ class WorkflowStore:
                 )
         ids = [r.id for r in results]
         params = {"workflow_id": workflow_id, "ids": self.array(ids)}
-        yield Stmt(q["wf_members_insert"], {**params, "nodes": self.array(list(nodes))})
+        yield Stmt(
+            q["wf_members_insert"],
+            {"workflow_id": workflow_id, **self.columns(ids=ids, nodes=list(nodes))},
+        )
         yield Stmt(q["wf_pending_insert"], params)
-        yield Stmt(q["wf_jobs_join"], {**params, "blocked": self.array([ids[i] for i in blocked])})
+        if not joined:
+            blocked_ids = self.array([ids[i] for i in blocked])
+            yield Stmt(q["wf_jobs_join"], {**params, "blocked": blocked_ids})
         return results
 
     # -- the fan-in -------------------------------------------------------------------
@@ -330,78 +384,130 @@ class WorkflowStore:
         ids = list(dict.fromkeys(job_ids))
         if not ids:
             return
-        rows = yield Stmt(q["wf_pending_of"], {"ids": self.array(ids)})
+        # The workflows these jobs are pending in, with those they are nested in, locked
+        # (in id order, as every writer takes them); none: nothing to do (a job outside
+        # workflows, a second delivery of an end already counted).
+        rows = yield Stmt(q["wf_lock_pending"], {"ids": self.array(ids)})
         if not rows:
             return
         fault_point("before_fan_in", job_ids=ids)
         self._local.fanned = True
-        cancelling = yield from self._lock_up([int(r[1]) for r in rows])
-        work: list[tuple[int, str | None]] = [(int(r[1]), None) for r in rows]
+        cancelling = {int(r[0]) for r in rows if r[1]}
+        dags = {int(r[0]) for r in rows if r[2] == "dag"}  # a batch has no edges to resolve
+        work: list[tuple[int, str | None]] = [(i, None) for i in ids]
         queues: set[str] = set()
         while work:
             touched: dict[int, bool] = {}  # workflow -> a member died in this round
-            while work:
-                member, forced = work.pop(0)
-                yield from self._end_member(member, forced, cancelling, touched, work, queues)
+            rows_now: dict[int, Sequence[Any]] = {}  # each one's row, as its counts left it
+            while work:  # the members given, then the dependents their ends cancel or skip
+                work = yield from self._end_members(
+                    work, cancelling, dags, touched, rows_now, queues
+                )
             for workflow_id, died in sorted(touched.items()):
-                state = yield from self._settle(workflow_id, died)
+                state = yield from self._settle(workflow_id, died, rows_now.get(workflow_id))
                 if state is not None:  # settled now: a nested workflow ends in its parent
-                    parent = yield from self._leave_parent(workflow_id, cancelling)
+                    parent = yield from self._leave_parent(workflow_id, cancelling, dags)
                     if parent is not None:
                         work.append((-workflow_id, NESTED_OUTCOME[state]))
-        if queues and self.notify is not None:
-            yield from self.notify(queues)
+        if queues:
+            self._released(queues)
+            if self.notify is not None:
+                yield from self.notify(queues)
 
-    def _end_member(
+    def _end_members(
         self,
-        member: int,
-        forced: str | None,
+        batch: Sequence[tuple[int, str | None]],
         cancelling: set[int],
+        dags: set[int],
         touched: dict[int, bool],
-        work: list[tuple[int, str | None]],
+        rows_now: dict[int, Sequence[Any]],
         queues: set[str],
-    ) -> Program[None]:
-        """One member's end: out of the pending set, counted, its dependents decided.
-        ``member`` is a job id, or minus a nested workflow's id (``forced`` its outcome)."""
-        q = self.q
-        state = None
-        if member > 0:
-            rows = yield Stmt(q["wf_job_state"], {"id": member})
-            if not rows or rows[0][0] not in ENDED:
-                return  # not ended (a retry): it stays pending
-            state = rows[0][0]
-        left = yield Stmt(q["wf_leave"], {"id": member})
+    ) -> Program[list[tuple[int, str | None]]]:
+        """Members' ends, set-based (a handful of statements however many members end and
+        however many dependents they have): out of the pending set, counted, their
+        dependents decided. A member is a job id, or minus a nested workflow's id (then its
+        outcome is given: ``(member, outcome)``). The dependents this cancels or skips are
+        returned: they end in turn."""
+        q, array = self.q, self.array
+        given: dict[int, str | None] = {}
+        for member, forced in batch:
+            given.setdefault(member, forced)
+        # Those that ended leave the set, once (a job still retrying stays pending; a
+        # second delivery of the same end finds its row gone).
+        left = yield Stmt(
+            q["wf_leave_ended"], {"ids": array(list(given)), "ended": array(sorted(ENDED))}
+        )
         if not left:
-            return  # already left: a second delivery of the same end
-        workflow_id = int(left[0][0])
-        outcome = forced or ("dead" if state == "discarded" else str(state))
-        touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
-        yield Stmt(q["wf_member_outcome"], {"id": member, "outcome": outcome})
-        yield Stmt(q["wf_count"], {"id": workflow_id, "outcome": outcome})
-        children = yield Stmt(q["wf_edges_resolve"], {"parent": member, "outcome": outcome})
-        for (child,) in children:
-            if (yield Stmt(q["wf_edge_open"], {"child": child})):
-                continue  # another parent has not ended yet
-            edges = yield Stmt(q["wf_edges_of_child"], {"child": child})
-            decision = "cancel" if workflow_id in cancelling else verdict(edges)
-            if decision == "run":
-                released = yield Stmt(q["wf_release"], {"id": child})
-                queues.update(str(r[0]) for r in released)
-                continue
-            failed = [str(p) for p, _, o in edges if o in FAILED]
-            ended = yield Stmt(
-                q["wf_end_blocked"],
-                {
-                    "id": child,
-                    "type": "Skipped" if decision == "skip" else "Cancelled",
-                    "kind": "skipped" if decision == "skip" else "cancelled",
-                    "message": "the workflow was cancelled"
-                    if workflow_id in cancelling
-                    else f"parent job {', '.join(failed)} failed (policy {decision})",
-                },
+            return []
+        ended: list[tuple[int, int, str]] = []  # member, its workflow, its outcome
+        counts: dict[int, list[int]] = {}  # workflow -> completed, dead, cancelled, skipped
+        for member, workflow_id, state in sorted((int(r[0]), int(r[1]), r[2]) for r in left):
+            outcome = given[member] or ("dead" if state == "discarded" else str(state))
+            ended.append((member, workflow_id, outcome))
+            counts.setdefault(workflow_id, [0, 0, 0, 0])[OUTCOMES.index(outcome)] += 1
+            touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
+        yield Stmt(
+            q["wf_member_outcomes"],
+            self.columns(ids=[m for m, _, _ in ended], outcomes=[o for _, _, o in ended]),
+        )
+        workflows = sorted(counts)  # each locked already (wf_lock_pending)
+        # The counts move; each workflow's row comes back as they left it, with whether a
+        # member is still pending (what settling it needs: no read of its own).
+        counted = yield Stmt(
+            q["wf_count_many"],
+            self.columns(
+                ids=workflows,
+                **{name: [counts[w][i] for w in workflows] for i, name in enumerate(OUTCOMES)},
+            ),
+        )
+        rows_now.update((int(r[0]), r) for r in counted)
+        parents = [(m, o) for m, w, o in ended if w in dags]
+        if not parents:
+            return []
+        resolved = yield Stmt(
+            q["wf_edges_resolve_many"],
+            self.columns(parents=[m for m, _ in parents], outcomes=[o for _, o in parents]),
+        )
+        children = sorted({int(r[0]) for r in resolved})
+        if not children:
+            return []
+        # The dependents none of whose parents is still to end, with all their edges
+        # (read once, here): each is decided now.
+        rows = yield Stmt(q["wf_ready_edges"], {"children": array(children)})
+        ready: dict[int, tuple[int, list[tuple[int, str, str | None]]]] = {}
+        for child, workflow_id, parent, policy, outcome in rows:
+            ready.setdefault(int(child), (int(workflow_id), []))[1].append(
+                (int(parent), policy, outcome)
             )
-            if ended:
-                work.append((int(child), "skipped" if decision == "skip" else None))
+        release: list[int] = []
+        blocked: list[tuple[int, str, str]] = []  # dependent, decision, why
+        for child, (workflow_id, edges) in sorted(ready.items()):
+            if workflow_id in cancelling:
+                blocked.append((child, "cancel", "the workflow was cancelled"))
+                continue
+            decision = verdict(edges)
+            if decision == "run":
+                release.append(child)
+                continue
+            failed = ", ".join(str(p) for p, _, o in edges if o in FAILED)
+            blocked.append((child, decision, f"parent job {failed} failed (policy {decision})"))
+        if release:
+            released = yield Stmt(q["wf_release_many"], {"ids": array(release)})
+            queues.update(str(r[0]) for r in released)
+        if not blocked:
+            return []
+        skip = [d == "skip" for _, d, _ in blocked]
+        rows = yield Stmt(
+            q["wf_end_blocked_many"],
+            self.columns(
+                ids=[c for c, _, _ in blocked],
+                types=["Skipped" if s else "Cancelled" for s in skip],
+                kinds=["skipped" if s else "cancelled" for s in skip],
+                messages=[why for _, _, why in blocked],
+            ),
+        )
+        stopped = {int(r[0]) for r in rows}
+        return [(c, "skipped" if d == "skip" else None) for c, d, _ in blocked if c in stopped]
 
     def _lock_up(self, job_ids: Sequence[int], workflows: Sequence[int] = ()) -> Program[set[int]]:
         """Lock ``workflows``, those ``job_ids`` are members of, and the workflows these
@@ -413,7 +519,9 @@ class WorkflowStore:
         )
         return {int(r[0]) for r in rows if r[1]}
 
-    def _leave_parent(self, workflow_id: int, cancelling: set[int]) -> Program[int | None]:
+    def _leave_parent(
+        self, workflow_id: int, cancelling: set[int], dags: set[int]
+    ) -> Program[int | None]:
         """A nested workflow that just settled: lock its parent (if it has one; the fan-in
         locked it already, with its own), which its end is then counted in. Its id."""
         rows = yield Stmt(self.q["wf_pending_of"], {"ids": self.array([-workflow_id])})
@@ -422,46 +530,59 @@ class WorkflowStore:
         parent = int(rows[0][0])
         yield Stmt(self.q["wf_lock"], {"id": parent})
         [raw] = yield Stmt(self.q["wf_get_row"], {"id": parent})
-        if workflow_row(raw).cancel_requested:
+        row = workflow_row(raw)
+        if row.cancel_requested:
             cancelling.add(parent)
+        if row.kind == "dag":
+            dags.add(parent)
         return parent
 
-    def _settle(self, workflow_id: int, died: bool) -> Program[str | None]:
+    def _settle(
+        self, workflow_id: int, died: bool, raw: Sequence[Any] | None = None
+    ) -> Program[str | None]:
         """Fire ``on_dead`` on a first death; when the pending set is empty, settle the
         workflow and fire its callbacks. The state it settled in now (or, settled before,
-        is in once its replayed members ended again), else None."""
+        is in once its replayed members ended again), else None. ``raw``: its row as this
+        transaction's last count left it (``wf_settle_row``'s columns), else read here."""
         q = self.q
-        [raw] = yield Stmt(q["wf_get_row"], {"id": workflow_id})
-        row = workflow_row(raw)
+        if raw is None:
+            [raw] = yield Stmt(q["wf_settle_row"], {"id": workflow_id})
+        row, pending = workflow_row(raw), bool(raw[16])  # and whether a member is pending
         callbacks = json.loads(row.callbacks)
+        fired: dict[str, int] = {}  # event -> the callback job inserted now
         if died and row.on_dead_job is None and "on_dead" in callbacks:
-            yield from self._fire(row, "on_dead", callbacks["on_dead"])
-        if (yield Stmt(q["wf_any_pending"], {"id": workflow_id})):
+            fired["on_dead"] = yield from self._fire(row, "on_dead", callbacks["on_dead"])
+        state: str | None = None  # the state it settles in now (None: unchanged)
+        if not pending:
+            failed = row.dead + row.cancelled > 0
+            if row.settled_at is None:
+                state = "cancelled" if row.cancel_requested else "failed" if failed else "succeeded"
+                events = ["on_settled"] + ([] if failed else ["on_success"])
+            elif row.state == "failed" and not failed:
+                # Settled before: the members replayed since (see reenter) all ended again.
+                state = "succeeded"
+                events = [] if row.on_success_job is not None else ["on_success"]
+            else:
+                events = []
+            for event in events:
+                if event in callbacks:
+                    fired[event] = yield from self._fire(row, event, callbacks[event])
+        if state is not None or fired:
+            # One write settles it and records the callbacks: each column set once, under
+            # the workflow's lock (the callbacks' exactly-once guard).
+            yield Stmt(
+                q["wf_settle_fire"],
+                {"id": workflow_id, "state": state, **{e: fired.get(e) for e in EVENTS}},
+            )
+        if pending:
             return None
-        failed = row.dead + row.cancelled > 0
-        fired = []
-        if row.settled_at is None:
-            state = "cancelled" if row.cancel_requested else "failed" if failed else "succeeded"
-            yield Stmt(q["wf_settle"], {"id": workflow_id, "state": state})
-            if "on_settled" in callbacks:
-                yield from self._fire(row, "on_settled", callbacks["on_settled"])
-                fired.append("on_settled")
-            if not failed and "on_success" in callbacks:
-                yield from self._fire(row, "on_success", callbacks["on_success"])
-                fired.append("on_success")
-            self._settled(row, state, fired)
-            return state
-        # Settled before: the members replayed since (see reenter) all ended again.
-        if row.state == "failed" and not failed:
-            yield Stmt(q["wf_settle"], {"id": workflow_id, "state": "succeeded"})
-            if row.on_success_job is None and "on_success" in callbacks:
-                yield from self._fire(row, "on_success", callbacks["on_success"])
-                fired.append("on_success")
-            self._settled(row, "succeeded", fired)
-            return "succeeded"
-        return row.state  # still failed: a nested one re-entered in its parent ends again
+        if state is None:
+            return row.state  # still failed: a nested one re-entered in its parent ends again
+        self._settled(row, state, [e for e in fired if e != "on_dead"])
+        return state
 
-    def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[None]:
+    def _fire(self, row: WorkflowRow, event: str, stored: dict[str, Any]) -> Program[int]:
+        """Insert the ``event`` callback (keyed); its job id, for ``wf_settle_fire``."""
         fault_point("before_callback_insert", workflow_id=row.id, event=event)
         request = request_from_json(stored)
         request = replace(
@@ -471,7 +592,8 @@ class WorkflowStore:
             meta={**request.meta, "workflow_callback": {"workflow": row.id, "event": event}},
         )
         [result] = yield from self.insert_jobs([request])
-        yield Stmt(self.q["wf_fired"], {"id": row.id, "event": event, "job": result.id})
+        self._released({request.queue})
+        return result.id
 
     # -- operators ---------------------------------------------------------------------
     def lock_members_of(self, job_ids: Sequence[int]) -> Program[None]:

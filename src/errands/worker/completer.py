@@ -39,14 +39,22 @@ LINGER = 0.001
 
 
 Written = Callable[[Attempt, FinishParams, bool], None]
+Released = Callable[[set[str]], None]
 
 
 class Completer:
     def __init__(
-        self, app: App, on_written: Written, running: Callable[[], int] | None = None
+        self,
+        app: App,
+        on_written: Written,
+        running: Callable[[], int] | None = None,
+        on_released: Released | None = None,
     ) -> None:
         self.app = app
         self.on_written = on_written
+        # A batch's workflow fan-ins released dependents (or inserted callbacks) into
+        # these queues: this worker may claim them at once, without a wake-up's round trip.
+        self.on_released = on_released
         self._running = running or (lambda: 0)  # handlers whose outcome is still to come
         self._queue: queue.SimpleQueue[tuple[Attempt, FinishParams] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="errands-completer", daemon=True)
@@ -116,6 +124,7 @@ class Completer:
         while True:
             try:
                 accepted = self.app.backend.job_finish_many([o for _, o in batch])
+                self._released()
                 self.app.workflows_settled()
                 if unsure and not all(accepted):
                     accepted = self._landed_anyway(batch, accepted)
@@ -133,6 +142,14 @@ class Completer:
                 )
                 time.sleep(pause * (1 + random.random()))
                 pause = min(pause * 2, 5.0)
+
+    def _released(self) -> None:
+        try:
+            released = self.app.backend.workflow_take_released()
+            if released and self.on_released is not None:
+                self.on_released(released)
+        except Exception:  # a wake-up missed: the store's own notification still comes
+            log.exception("could not wake the worker for the jobs a fan-in released")
 
     def _landed_anyway(
         self, batch: list[tuple[Attempt, FinishParams]], accepted: list[bool]

@@ -232,6 +232,7 @@ class Worker:
             app,
             lambda attempt, outcome, ok: self.recorder.on_written(attempt, outcome, ok),
             running=self._running_handlers,
+            on_released=self._on_released,
         )
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
         self.leases = LeaseKeeper(
@@ -427,6 +428,13 @@ class Worker:
         if queue is None or queue in self.queue_limits:
             self._notified = True
             self._wake.set()
+
+    def _on_released(self, queues: set[str]) -> None:
+        """This worker's own finish released workflow dependents (or inserted callbacks)
+        into these queues: claim now, as a notification would make it (a chain's next
+        step starts without the round trip through the store's wake-up)."""
+        for queue in queues:
+            self._on_notify(queue)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._signals += 1

@@ -228,7 +228,7 @@ class PostgresBackend(PostgresAdmin):
         self._verdicts_lock = threading.Lock()
         self.workflows = WorkflowStore(
             self.q, lambda requests: self._insert_program(requests, copy=False), list,
-            self._notify_program,
+            self._notify_program, self._insert_joined,
         )  # fmt: skip
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
             self.migrate()
@@ -491,18 +491,39 @@ class PostgresBackend(PostgresAdmin):
             yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
         return results
 
+    def _insert_joined(
+        self, requests: Sequence[EnqueueRequest], workflow_id: int, waiting: Sequence[int]
+    ) -> Program[list[InsertResult]]:
+        """Workflow members without keys by COPY, written joined to their workflow (the
+        dependents at the indexes ``waiting`` in state 'waiting'): one write per row, not
+        an insert and then wf_jobs_join's update of every member. Sync connections only."""
+        [(ids, now)] = yield Stmt(self.q["job_allocate_ids"], {"n": len(requests)})
+        rows = list(zip(ids, requests, strict=True))
+        held = frozenset(waiting)
+        yield Call(lambda conn: self._copy(conn, rows, now, workflow_id, held))
+        runnable = {r.queue for i, r in enumerate(requests) if i not in held}
+        for queue in self._notify_due(runnable):
+            yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
+        return [InsertResult(i, False) for i in ids]
+
     def _copy(
         self,
         conn: psycopg.Connection[Any],
         rows: Sequence[tuple[int, EnqueueRequest]],
         now: datetime,
+        workflow_id: int | None = None,
+        waiting: frozenset[int] = frozenset(),
     ) -> None:
         """COPY jobs without idempotency keys, computing state and times from ``now``
-        exactly as the ``job_insert_many`` statement does from ``now()``."""
+        exactly as the ``job_insert_many`` statement does from ``now()``. With a
+        ``workflow_id``, the rows are members of it, those at the indexes ``waiting`` in
+        state 'waiting' (dependents; no signal)."""
         # Most batches set none of the optional columns: one test per job finds that out.
         special = [r for _, r in rows if not _copy_plain(r)]
         optional = [i for i, (_, sets) in enumerate(COPY_OPTIONAL) if any(map(sets, special))]
-        columns = ", ".join([*COPY_REQUIRED, *(COPY_OPTIONAL[i][0] for i in optional)])
+        names = [*COPY_REQUIRED, *(COPY_OPTIONAL[i][0] for i in optional)]
+        joined = () if workflow_id is None else (workflow_id,)
+        columns = ", ".join([*names, "workflow_id"] if joined else names)
         pick = itemgetter(*optional) if optional else None
         statement = self.q["job_copy"].format(columns=columns)
         # Times go in as ISO text, written once for the common "now": psycopg dumping a
@@ -510,7 +531,7 @@ class PostgresBackend(PostgresAdmin):
         # way: both carry microseconds, as timestamptz does).
         now_text = now.isoformat()
         with conn.cursor() as cur, cur.copy(statement) as copy:
-            for job_id, r in rows:
+            for index, (job_id, r) in enumerate(rows):
                 if r.run_at is None and not r.delay:
                     state, run_at_text = "available", now_text
                 else:
@@ -520,6 +541,8 @@ class PostgresBackend(PostgresAdmin):
                         run_at = now + timedelta(seconds=r.delay)
                     state = "scheduled" if run_at > now else "available"
                     run_at_text = run_at.isoformat()
+                if index in waiting:
+                    state = "waiting"
                 row = (
                     job_id,
                     r.name,
@@ -545,7 +568,7 @@ class PostgresBackend(PostgresAdmin):
                     )
                     chosen = pick(values)
                     row += chosen if len(optional) > 1 else (chosen,)
-                copy.write_row(row)
+                copy.write_row(row + joined)
 
     @staticmethod
     def _insert_many_params(rows: Sequence[tuple[int, EnqueueRequest]]) -> dict[str, Any]:
@@ -636,9 +659,9 @@ class PostgresBackend(PostgresAdmin):
     # -- workflows ---------------------------------------------------------------------
     def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is not None:
-            return run(self._caller_connection(conn), self.workflows.insert(spec))
+            return run(self._caller_connection(conn), self.workflows.insert(spec, bulk=True))
         with self._tx() as own:
-            return run(own, self.workflows.insert(spec))
+            return run(own, self.workflows.insert(spec, bulk=True))
 
     async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
@@ -673,6 +696,7 @@ class PostgresBackend(PostgresAdmin):
             return []
         self.workflows.take_fanned()
         self.workflows.take_settled()
+        self.workflows.take_released()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
             with self._tx() as conn:
                 answers = self._finish(conn, outcomes)

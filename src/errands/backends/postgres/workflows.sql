@@ -1,8 +1,10 @@
 -- The SQL of workflows (batches, chains, DAGs) on PostgreSQL; the logic that runs it is
 -- errands.backends.workflow_store, shared with SQLite. Every fan-in locks the workflow's
--- row first (wf_lock), so the members of one workflow settle one transaction at a time
--- and each sees what the one before it committed (READ COMMITTED: a fresh snapshot per
--- statement). %(ids)s and the other lists are arrays.
+-- row first (wf_lock_pending), so the members of one workflow settle one transaction at a
+-- time and each sees what the one before it committed (READ COMMITTED: a fresh snapshot
+-- per statement). %(ids)s and the other lists are arrays. A fan-in is set-based: a
+-- handful of statements per finish, however many members end in it and however many
+-- dependents they release.
 
 -- name: wf_insert
 INSERT INTO {schema}.errands_workflows (name, kind, total, callbacks)
@@ -45,77 +47,132 @@ SELECT id FROM {schema}.errands_workflows WHERE id = %(id)s FOR UPDATE
 -- The workflows given, those the jobs given are members of, and every workflow these are
 -- nested in up to the outermost, locked in id order (the rows are locked as the sort
 -- returns them): every fan-in and every operator's write takes its workflows this way,
--- before the rows of their members' dependents. Each with its cancel_requested.
+-- before the rows of their members' dependents. Each with its cancel_requested. (The
+-- start is one array, whatever the number of jobs: the planner's estimate of the
+-- recursion stays small, and no JIT compilation is paid for a few index probes.)
 WITH RECURSIVE up(id) AS (
-    SELECT unnest(%(workflows)s::bigint[])
+    SELECT unnest(%(workflows)s::bigint[] || ARRAY(
+        SELECT workflow_id FROM {schema}.errands_workflow_members
+        WHERE job_id = ANY(%(ids)s::bigint[])))
     UNION
-    SELECT workflow_id FROM {schema}.errands_workflow_members
-    WHERE job_id = ANY(%(ids)s::bigint[])
-    UNION
-    SELECT m.workflow_id FROM {schema}.errands_workflow_members AS m JOIN up ON m.job_id = -up.id
+    SELECT (SELECT m.workflow_id FROM {schema}.errands_workflow_members AS m
+            WHERE m.job_id = -up.id)
+    FROM up WHERE up.id IS NOT NULL
 )
 SELECT w.id, w.cancel_requested FROM {schema}.errands_workflows AS w
-WHERE w.id IN (SELECT id FROM up)
+WHERE w.id = ANY(ARRAY(SELECT id FROM up))
 ORDER BY w.id
 FOR UPDATE OF w
 
--- name: wf_leave
--- A member leaves the fan-in set (once: a second delete finds no row).
-DELETE FROM {schema}.errands_workflow_pending WHERE job_id = %(id)s
-RETURNING workflow_id
+-- name: wf_lock_pending
+-- A fan-in's first statement: the workflows the jobs given are pending in, and every
+-- workflow these are nested in up to the outermost, locked in id order as wf_lock_up
+-- locks them; no row when none of the jobs is pending (a job outside workflows, a second
+-- delivery of an end already counted). Each with its cancel_requested and kind. (The
+-- start is one array, as in wf_lock_up: 300 jobs do not make a recursion the planner
+-- estimates at 250,000, which costs a JIT compilation of 6 to 15 ms each time.)
+WITH RECURSIVE up(id) AS (
+    SELECT unnest(ARRAY(SELECT DISTINCT workflow_id FROM {schema}.errands_workflow_pending
+                        WHERE job_id = ANY(%(ids)s::bigint[])))
+    UNION
+    SELECT (SELECT m.workflow_id FROM {schema}.errands_workflow_members AS m
+            WHERE m.job_id = -up.id)
+    FROM up WHERE up.id IS NOT NULL
+)
+SELECT w.id, w.cancel_requested, w.kind FROM {schema}.errands_workflows AS w
+WHERE w.id = ANY(ARRAY(SELECT id FROM up))
+ORDER BY w.id
+FOR UPDATE OF w
 
--- name: wf_member_outcome
-UPDATE {schema}.errands_workflow_members SET outcome = %(outcome)s WHERE job_id = %(id)s
+-- name: wf_leave_ended
+-- The members given that ended leave the fan-in set, once (a second delete finds no row),
+-- each with its workflow and its job's state; a job not ended (a retry) stays. Nested
+-- workflows (negative ids, no job) leave as given.
+-- (The job's state is a scalar subquery, one index probe per member: an EXISTS here may
+-- be planned as a hash of every ended job in the table.)
+DELETE FROM {schema}.errands_workflow_pending AS p
+WHERE p.job_id = ANY(%(ids)s::bigint[])
+  AND (p.job_id < 0 OR (SELECT j.state FROM {schema}.errands_jobs AS j WHERE j.id = p.job_id)
+                       = ANY(%(ended)s::text[]))
+RETURNING p.job_id, p.workflow_id,
+          (SELECT j.state FROM {schema}.errands_jobs AS j WHERE j.id = p.job_id)
 
--- name: wf_count
-UPDATE {schema}.errands_workflows
-SET completed = completed + (%(outcome)s = 'completed')::int,
-    dead = dead + (%(outcome)s = 'dead')::int,
-    cancelled = cancelled + (%(outcome)s = 'cancelled')::int,
-    skipped = skipped + (%(outcome)s = 'skipped')::int
-WHERE id = %(id)s
+-- name: wf_member_outcomes
+UPDATE {schema}.errands_workflow_members AS m SET outcome = u.o
+FROM unnest(%(ids)s::bigint[], %(outcomes)s::text[]) AS u(j, o)
+WHERE m.job_id = u.j AND m.job_id = ANY(%(ids)s::bigint[])  -- by index, whatever the stats
 
--- name: wf_edges_resolve
-UPDATE {schema}.errands_workflow_edges SET outcome = %(outcome)s
-WHERE parent_id = %(parent)s AND outcome IS NULL
-RETURNING child_id
+-- name: wf_count_many
+-- Each workflow's counts by outcome, moved by the members that just ended in it; its row
+-- as they leave it (wf_settle_row's columns: with whether a member is still pending).
+UPDATE {schema}.errands_workflows AS w
+SET completed = w.completed + u.c, dead = w.dead + u.d,
+    cancelled = w.cancelled + u.x, skipped = w.skipped + u.s
+FROM unnest(%(ids)s::bigint[], %(completed)s::int[], %(dead)s::int[],
+            %(cancelled)s::int[], %(skipped)s::int[]) AS u(id, c, d, x, s)
+WHERE w.id = u.id AND w.id = ANY(%(ids)s::bigint[])
+RETURNING w.id, w.name, w.kind, w.state, w.total, w.completed, w.dead, w.cancelled,
+          w.skipped, w.callbacks::text, w.on_success_job, w.on_settled_job, w.on_dead_job,
+          w.cancel_requested, extract(epoch FROM w.created_at)::float8,
+          extract(epoch FROM w.settled_at)::float8,
+          EXISTS (SELECT 1 FROM {schema}.errands_workflow_pending AS p
+                  WHERE p.workflow_id = w.id)
 
--- name: wf_edge_open
--- One edge into this dependent whose parent has not ended (errands_workflow_edges_open):
--- none left, and its edges are read once, to decide it.
-SELECT 1 FROM {schema}.errands_workflow_edges WHERE child_id = %(child)s AND outcome IS NULL
-LIMIT 1
+-- name: wf_edges_resolve_many
+-- The edges out of the members that just ended carry their outcomes; their dependents.
+UPDATE {schema}.errands_workflow_edges AS e SET outcome = u.o
+FROM unnest(%(parents)s::bigint[], %(outcomes)s::text[]) AS u(p, o)
+WHERE e.parent_id = u.p AND e.parent_id = ANY(%(parents)s::bigint[]) AND e.outcome IS NULL
+RETURNING e.child_id
 
--- name: wf_edges_of_child
-SELECT parent_id, policy, outcome FROM {schema}.errands_workflow_edges
-WHERE child_id = %(child)s
+-- name: wf_ready_edges
+-- Of the dependents given, those with no open edge left (asked through
+-- errands_workflow_edges_open, which holds only the edges whose parent has not ended):
+-- every edge into each, read once, to decide it. A dependent still waiting for a parent
+-- costs one index probe, however many parents it has. (The probe and the read are
+-- correlated subqueries, one index scan per dependent: never a scan of all the edges,
+-- whatever the planner's statistics say.)
+WITH ready AS MATERIALIZED (
+    SELECT c.id FROM unnest(%(children)s::bigint[]) AS c(id)
+    WHERE (SELECT 1 FROM {schema}.errands_workflow_edges AS o
+           WHERE o.child_id = c.id AND o.outcome IS NULL LIMIT 1) IS NULL
+)
+SELECT ready.id, e.workflow_id, e.parent_id, e.policy, e.outcome
+FROM ready CROSS JOIN LATERAL (
+    SELECT workflow_id, parent_id, policy, outcome FROM {schema}.errands_workflow_edges
+    WHERE child_id = ready.id ORDER BY parent_id
+) AS e
 
--- name: wf_release
--- A dependent whose parents all ended runs: now, or its own delay after now (the meta key
--- release_delay), or at its run_at if that is later.
+-- name: wf_release_many
+-- Dependents whose parents all ended run: now, or their own delay after now (the meta key
+-- release_delay), or at their run_at if that is later. Their queues (one row each).
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN r.at > now() THEN 'scheduled' ELSE 'available' END, run_at = r.at
 FROM (SELECT id, CASE WHEN meta ? 'release_delay'
                       THEN now() + make_interval(secs => (meta->>'release_delay')::float8)
                       ELSE greatest(run_at, now()) END AS at
-      FROM {schema}.errands_jobs WHERE id = %(id)s) AS r
-WHERE j.id = r.id AND j.state = 'waiting' AND j.wait_signal IS NULL
+      FROM {schema}.errands_jobs WHERE id = ANY(%(ids)s::bigint[])) AS r
+WHERE j.id = r.id AND j.id = ANY(%(ids)s::bigint[]) AND j.state = 'waiting'
+  AND j.wait_signal IS NULL
 RETURNING j.queue
 
--- name: wf_end_blocked
--- A dependent that will not run: cancelled (a parent failed under policy cancel, or the
--- workflow was cancelled) or skipped (policy skip), with the reason in its errors.
-UPDATE {schema}.errands_jobs
+-- name: wf_end_blocked_many
+-- Dependents that will not run: cancelled (a parent failed under policy cancel, or the
+-- workflow was cancelled) or skipped (policy skip), each with its reason in its errors.
+UPDATE {schema}.errands_jobs AS j
 SET state = 'cancelled', finished_at = now(),
-    errors = errors || jsonb_build_array(jsonb_build_object(
-        'attempt', attempt, 'type', %(type)s::text, 'message', %(message)s::text,
-        'traceback', NULL, 'worker', NULL, 'kind', %(kind)s::text,
+    errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempt, 'type', u.t, 'message', u.m,
+        'traceback', NULL, 'worker', NULL, 'kind', u.k,
         'at', extract(epoch FROM now())))
-WHERE id = %(id)s AND state = 'waiting' AND wait_signal IS NULL
-RETURNING id
+FROM unnest(%(ids)s::bigint[], %(types)s::text[], %(kinds)s::text[], %(messages)s::text[])
+     AS u(id, t, k, m)
+WHERE j.id = u.id AND j.id = ANY(%(ids)s::bigint[]) AND j.state = 'waiting'
+  AND j.wait_signal IS NULL
+RETURNING j.id
 
--- name: wf_any_pending
-SELECT 1 FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s LIMIT 1
+-- name: wf_member_outcome
+UPDATE {schema}.errands_workflow_members SET outcome = %(outcome)s WHERE job_id = %(id)s
 
 -- name: wf_get_row
 SELECT id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks::text,
@@ -123,17 +180,26 @@ SELECT id, name, kind, state, total, completed, dead, cancelled, skipped, callba
        extract(epoch FROM created_at)::float8, extract(epoch FROM settled_at)::float8
 FROM {schema}.errands_workflows WHERE id = %(id)s
 
--- name: wf_settle
-UPDATE {schema}.errands_workflows
-SET state = %(state)s, settled_at = COALESCE(settled_at, now())
-WHERE id = %(id)s
+-- name: wf_settle_row
+-- The workflow's row (as wf_get_row), and whether a member is still pending.
+SELECT w.id, w.name, w.kind, w.state, w.total, w.completed, w.dead, w.cancelled, w.skipped,
+       w.callbacks::text, w.on_success_job, w.on_settled_job, w.on_dead_job,
+       w.cancel_requested, extract(epoch FROM w.created_at)::float8,
+       extract(epoch FROM w.settled_at)::float8,
+       EXISTS (SELECT 1 FROM {schema}.errands_workflow_pending AS p WHERE p.workflow_id = w.id)
+FROM {schema}.errands_workflows AS w WHERE w.id = %(id)s
 
--- name: wf_fired
--- The callback's exactly-once guard: the column is set once, under the workflow's lock.
+-- name: wf_settle_fire
+-- A workflow settles (in %(state)s; NULL: unchanged) and records the callback jobs just
+-- inserted (NULL: none). Each callback column is set once, under the workflow's lock:
+-- the callback's exactly-once guard.
 UPDATE {schema}.errands_workflows
-SET on_success_job = CASE WHEN %(event)s::text = 'on_success' THEN %(job)s::bigint ELSE on_success_job END,
-    on_settled_job = CASE WHEN %(event)s::text = 'on_settled' THEN %(job)s::bigint ELSE on_settled_job END,
-    on_dead_job = CASE WHEN %(event)s::text = 'on_dead' THEN %(job)s::bigint ELSE on_dead_job END
+SET state = COALESCE(%(state)s::text, state),
+    settled_at = CASE WHEN %(state)s::text IS NULL THEN settled_at
+                      ELSE COALESCE(settled_at, now()) END,
+    on_success_job = COALESCE(%(on_success)s::bigint, on_success_job),
+    on_settled_job = COALESCE(%(on_settled)s::bigint, on_settled_job),
+    on_dead_job = COALESCE(%(on_dead)s::bigint, on_dead_job)
 WHERE id = %(id)s
 
 -- name: wf_reenter

@@ -166,7 +166,7 @@ class SQLiteBackend(SQLiteAdmin):
         self._memory_lock = threading.RLock() if self.memory else None
         self._writer = threading.Lock()  # one write transaction of this process at a time
         self._pid = os.getpid()
-        self.workflows = WorkflowStore(Q, self._insert_program, json.dumps)
+        self.workflows = WorkflowStore(Q, self._insert_program, json.dumps, rows=json.dumps)
         if auto_migrate:
             self.migrate()
 
@@ -506,6 +506,7 @@ class SQLiteBackend(SQLiteAdmin):
             return []
         self.workflows.take_fanned()
         self.workflows.take_settled()
+        self.workflows.take_released()
         with self._write() as conn:
             answers = [self._finish(conn, o) for o in outcomes]
         if self.workflows.take_fanned():

@@ -9,20 +9,21 @@ VALUES (:name, :kind, :total, :callbacks, (julianday('now') - 2440587.5) * 86400
 RETURNING id
 
 -- name: wf_members_insert
+-- :rows is [[job_id, node], ...] (one json_each: a join of two on their keys has no index).
 INSERT INTO errands_workflow_members (job_id, workflow_id, node)
-SELECT j.value, :workflow_id, n.value
-FROM json_each(:ids) AS j JOIN json_each(:nodes) AS n ON n.key = j.key
+SELECT json_extract(value, '$[0]'), :workflow_id, json_extract(value, '$[1]')
+FROM json_each(:rows)
 
 -- name: wf_pending_insert
 INSERT INTO errands_workflow_pending (job_id, workflow_id)
 SELECT value, :workflow_id FROM json_each(:ids)
 
 -- name: wf_edges_insert
+-- :rows is [[parent_id, child_id, policy], ...].
 INSERT INTO errands_workflow_edges (parent_id, child_id, workflow_id, policy)
-SELECT p.value, c.value, :workflow_id, k.value
-FROM json_each(:parents) AS p
-JOIN json_each(:children) AS c ON c.key = p.key
-JOIN json_each(:policies) AS k ON k.key = p.key
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), :workflow_id,
+       json_extract(value, '$[2]')
+FROM json_each(:rows)
 
 -- name: wf_jobs_join
 -- Members join their workflow; dependents wait (state waiting, no signal: no claim query
@@ -59,78 +60,136 @@ SELECT w.id, w.cancel_requested FROM errands_workflows AS w
 WHERE w.id IN (SELECT id FROM up)
 ORDER BY w.id
 
--- name: wf_leave
--- A member leaves the fan-in set (once: a second delete finds no row).
-DELETE FROM errands_workflow_pending WHERE job_id = :id
-RETURNING workflow_id
+-- name: wf_lock_pending
+-- A fan-in's first statement: the workflows the jobs given are pending in, and every
+-- workflow these are nested in up to the outermost, in id order (the file's write lock
+-- is the lock); no row when none of the jobs is pending (a job outside workflows, a second
+-- delivery of an end already counted). Each with its cancel_requested and kind.
+WITH RECURSIVE up(id) AS (
+    SELECT workflow_id FROM errands_workflow_pending
+    WHERE job_id IN (SELECT value FROM json_each(:ids))
+    UNION
+    SELECT m.workflow_id FROM errands_workflow_members AS m JOIN up ON m.job_id = -up.id
+)
+SELECT w.id, w.cancel_requested, w.kind FROM errands_workflows AS w
+WHERE w.id IN (SELECT id FROM up)
+ORDER BY w.id
 
--- name: wf_member_outcome
-UPDATE errands_workflow_members SET outcome = :outcome WHERE job_id = :id
+-- name: wf_leave_ended
+-- The members given that ended leave the fan-in set, once (a second delete finds no row),
+-- each with its workflow and its job's state; a job not ended (a retry) stays. Nested
+-- workflows (negative ids, no job) leave as given.
+DELETE FROM errands_workflow_pending
+WHERE job_id IN (SELECT value FROM json_each(:ids))
+  AND (job_id < 0 OR EXISTS (SELECT 1 FROM errands_jobs AS j
+                             WHERE j.id = errands_workflow_pending.job_id
+                               AND j.state IN (SELECT value FROM json_each(:ended))))
+RETURNING job_id, workflow_id,
+          (SELECT j.state FROM errands_jobs AS j WHERE j.id = errands_workflow_pending.job_id)
 
--- name: wf_count
+-- name: wf_member_outcomes
+-- :rows is [[job_id, outcome], ...].
+UPDATE errands_workflow_members SET outcome = u.o
+FROM (SELECT json_extract(value, '$[0]') AS j, json_extract(value, '$[1]') AS o
+      FROM json_each(:rows)) AS u
+WHERE errands_workflow_members.job_id = u.j
+
+-- name: wf_count_many
+-- Each workflow's counts by outcome, moved by the members that just ended in it; its row
+-- as they leave it (wf_settle_row's columns: with whether a member is still pending).
+-- :rows is [[workflow_id, completed, dead, cancelled, skipped], ...].
 UPDATE errands_workflows
-SET completed = completed + (:outcome = 'completed'),
-    dead = dead + (:outcome = 'dead'),
-    cancelled = cancelled + (:outcome = 'cancelled'),
-    skipped = skipped + (:outcome = 'skipped')
-WHERE id = :id
+SET completed = completed + u.c, dead = dead + u.d, cancelled = cancelled + u.x,
+    skipped = skipped + u.s
+FROM (SELECT json_extract(value, '$[0]') AS wid, json_extract(value, '$[1]') AS c,
+             json_extract(value, '$[2]') AS d, json_extract(value, '$[3]') AS x,
+             json_extract(value, '$[4]') AS s
+      FROM json_each(:rows)) AS u
+WHERE errands_workflows.id = u.wid
+RETURNING id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks,
+          on_success_job, on_settled_job, on_dead_job, cancel_requested, created_at,
+          settled_at,
+          EXISTS (SELECT 1 FROM errands_workflow_pending AS p
+                  WHERE p.workflow_id = errands_workflows.id)
 
--- name: wf_edges_resolve
-UPDATE errands_workflow_edges SET outcome = :outcome
-WHERE parent_id = :parent AND outcome IS NULL
+-- name: wf_edges_resolve_many
+-- The edges out of the members that just ended carry their outcomes; their dependents.
+-- :rows is [[parent_id, outcome], ...].
+UPDATE errands_workflow_edges SET outcome = u.o
+FROM (SELECT json_extract(value, '$[0]') AS p, json_extract(value, '$[1]') AS o
+      FROM json_each(:rows)) AS u
+WHERE errands_workflow_edges.parent_id = u.p AND errands_workflow_edges.outcome IS NULL
 RETURNING child_id
 
--- name: wf_edge_open
--- One edge into this dependent whose parent has not ended (errands_workflow_edges_open):
--- none left, and its edges are read once, to decide it.
-SELECT 1 FROM errands_workflow_edges WHERE child_id = :child AND outcome IS NULL
-LIMIT 1
+-- name: wf_ready_edges
+-- Of the dependents given, those with no open edge left (asked through
+-- errands_workflow_edges_open, which holds only the edges whose parent has not ended):
+-- every edge into each, read once, to decide it. A dependent still waiting for a parent
+-- costs one index probe, however many parents it has.
+WITH ready AS MATERIALIZED (
+    SELECT c.value AS id FROM json_each(:children) AS c
+    WHERE NOT EXISTS (SELECT 1 FROM errands_workflow_edges AS o
+                      WHERE o.child_id = c.value AND o.outcome IS NULL)
+)
+SELECT e.child_id, e.workflow_id, e.parent_id, e.policy, e.outcome
+FROM ready JOIN errands_workflow_edges AS e ON e.child_id = ready.id
+ORDER BY e.child_id, e.parent_id
 
--- name: wf_edges_of_child
-SELECT parent_id, policy, outcome FROM errands_workflow_edges WHERE child_id = :child
-
--- name: wf_release
--- A dependent whose parents all ended runs: now, or its own delay after now (the meta key
--- release_delay), or at its run_at if that is later.
+-- name: wf_release_many
+-- Dependents whose parents all ended run: now, or their own delay after now (the meta key
+-- release_delay), or at their run_at if that is later. Their queues (one row each).
 UPDATE errands_jobs
 SET state = CASE WHEN r.at > r.now THEN 'scheduled' ELSE 'available' END, run_at = r.at
-FROM (SELECT now, CASE WHEN delay IS NOT NULL THEN now + delay ELSE max(run_at, now) END AS at
-      FROM (SELECT (julianday('now') - 2440587.5) * 86400.0 AS now,
+FROM (SELECT rid, now,
+             CASE WHEN delay IS NOT NULL THEN now + delay ELSE max(run_at, now) END AS at
+      FROM (SELECT id AS rid, (julianday('now') - 2440587.5) * 86400.0 AS now,
                    json_extract(meta, '$.release_delay') AS delay, run_at
-            FROM errands_jobs WHERE id = :id)) AS r
-WHERE id = :id AND state = 'waiting' AND wait_signal IS NULL
+            FROM errands_jobs WHERE id IN (SELECT value FROM json_each(:ids)))) AS r
+WHERE errands_jobs.id = r.rid AND state = 'waiting' AND wait_signal IS NULL
 RETURNING queue
 
--- name: wf_end_blocked
--- A dependent that will not run: cancelled (a parent failed under policy cancel, or the
--- workflow was cancelled) or skipped (policy skip), with the reason in its errors.
+-- name: wf_end_blocked_many
+-- Dependents that will not run: cancelled (a parent failed under policy cancel, or the
+-- workflow was cancelled) or skipped (policy skip), each with its reason in its errors.
+-- :rows is [[job_id, type, kind, message], ...].
 UPDATE errands_jobs
 SET state = 'cancelled', finished_at = (julianday('now') - 2440587.5) * 86400.0,
     errors = json_insert(errors, '$[#]', json_object(
-        'attempt', attempt, 'type', :type, 'message', :message, 'traceback', NULL,
-        'worker', NULL, 'kind', :kind, 'at', (julianday('now') - 2440587.5) * 86400.0))
-WHERE id = :id AND state = 'waiting' AND wait_signal IS NULL
+        'attempt', attempt, 'type', u.t, 'message', u.m, 'traceback', NULL,
+        'worker', NULL, 'kind', u.k, 'at', (julianday('now') - 2440587.5) * 86400.0))
+FROM (SELECT json_extract(value, '$[0]') AS jid, json_extract(value, '$[1]') AS t,
+             json_extract(value, '$[2]') AS k, json_extract(value, '$[3]') AS m
+      FROM json_each(:rows)) AS u
+WHERE errands_jobs.id = u.jid AND state = 'waiting' AND wait_signal IS NULL
 RETURNING id
 
--- name: wf_any_pending
-SELECT 1 FROM errands_workflow_pending WHERE workflow_id = :id LIMIT 1
+-- name: wf_member_outcome
+UPDATE errands_workflow_members SET outcome = :outcome WHERE job_id = :id
 
 -- name: wf_get_row
 SELECT id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks,
        on_success_job, on_settled_job, on_dead_job, cancel_requested, created_at, settled_at
 FROM errands_workflows WHERE id = :id
 
--- name: wf_settle
-UPDATE errands_workflows
-SET state = :state, settled_at = COALESCE(settled_at, (julianday('now') - 2440587.5) * 86400.0)
-WHERE id = :id
+-- name: wf_settle_row
+-- The workflow's row (as wf_get_row), and whether a member is still pending.
+SELECT w.id, w.name, w.kind, w.state, w.total, w.completed, w.dead, w.cancelled, w.skipped,
+       w.callbacks, w.on_success_job, w.on_settled_job, w.on_dead_job, w.cancel_requested,
+       w.created_at, w.settled_at,
+       EXISTS (SELECT 1 FROM errands_workflow_pending AS p WHERE p.workflow_id = w.id)
+FROM errands_workflows AS w WHERE w.id = :id
 
--- name: wf_fired
--- The callback's exactly-once guard: the column is set once, under the workflow's lock.
+-- name: wf_settle_fire
+-- A workflow settles (in :state; NULL: unchanged) and records the callback jobs just
+-- inserted (NULL: none). Each callback column is set once, under the workflow's lock:
+-- the callback's exactly-once guard.
 UPDATE errands_workflows
-SET on_success_job = CASE WHEN :event = 'on_success' THEN :job ELSE on_success_job END,
-    on_settled_job = CASE WHEN :event = 'on_settled' THEN :job ELSE on_settled_job END,
-    on_dead_job = CASE WHEN :event = 'on_dead' THEN :job ELSE on_dead_job END
+SET state = COALESCE(:state, state),
+    settled_at = CASE WHEN :state IS NULL THEN settled_at
+                      ELSE COALESCE(settled_at, (julianday('now') - 2440587.5) * 86400.0) END,
+    on_success_job = COALESCE(:on_success, on_success_job),
+    on_settled_job = COALESCE(:on_settled, on_settled_job),
+    on_dead_job = COALESCE(:on_dead, on_dead_job)
 WHERE id = :id
 
 -- name: wf_reenter

@@ -1,0 +1,53 @@
+"""The completer hands the queues a finish's fan-in released jobs into to the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from errands.backends.base import FinishParams
+from errands.worker.completer import Completer
+
+
+class Backend:
+    def __init__(self, released: set[str]) -> None:
+        self.released = released
+        self.writes = 0
+
+    def job_finish_many(self, outcomes: list[FinishParams]) -> list[bool]:
+        self.writes += 1
+        return [True] * len(outcomes)
+
+    def workflow_take_released(self) -> set[str]:
+        released, self.released = self.released, set()
+        return released
+
+
+class App:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def workflows_settled(self) -> None: ...
+
+
+OUTCOME = FinishParams(id=1, lease_token="t", state="completed")
+
+
+def test_the_queues_a_finish_released_jobs_into_wake_the_worker_once_written() -> None:
+    woken: list[set[str]] = []
+    app: Any = App(Backend({"default"}))
+    completer = Completer(app, lambda *_: None, on_released=woken.append)
+    assert completer._store([(None, OUTCOME)]) == [((None, OUTCOME), True)]  # type: ignore[list-item]
+    assert woken == [{"default"}]
+    completer._store([(None, OUTCOME)])  # type: ignore[list-item]
+    assert woken == [{"default"}]  # nothing released by this one
+
+
+def test_a_wake_up_that_raises_never_writes_the_outcomes_again() -> None:
+    def fail(queues: set[str]) -> None:
+        raise RuntimeError("boom")
+
+    backend = Backend({"default"})
+    app: Any = App(backend)
+    completer = Completer(app, lambda *_: None, on_released=fail)
+    assert completer._store([(None, OUTCOME)]) == [((None, OUTCOME), True)]  # type: ignore[list-item]
+    assert backend.writes == 1
