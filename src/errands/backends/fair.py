@@ -1,10 +1,14 @@
 """Fair claiming across keys (tenants) in a fair queue: which due jobs a claim takes.
 
 A fair queue (``app.queue(name, fair=True)``) is claimed through the limited claim
-(:func:`errands.backends.limits.claim_limited`), which reads, under its serialising lock:
+(:func:`errands.backends.limits.claim_limited`), which reads, under its serialising lock,
+for the keys of its **window** (the next ``2 x room`` keys, at least 32, of a rotation
+over the keys with due jobs, kept by the claiming process: see ``limits._pick_fair``;
+every key in a queue with ``aging`` and in a suspect claim):
 
 * each key's next due jobs, per priority level (a skip through ``errands_jobs_fair``:
-  one probe per key and level, however long a key's backlog);
+  one probe per key and level, however long a key's backlog), and the keyed jobs of a
+  higher priority than the window's, from the queue's first due rows in claim order;
 * each key's recent worker time: the decayed handler seconds of its ended attempts
   (``errands_fair_usage``, written only by the fenced write that ends an attempt) plus its
   running attempts (each at least the key's mean job time), and when it last started one;
@@ -16,7 +20,7 @@ A fair queue (``app.queue(name, fair=True)``) is claimed through the limited cla
    compete; with ``aging``, a job's effective priority is its priority plus one level per
    ``aging`` seconds it has been due.
 2. **Round-robin among keys within their share.** A key whose recent worker time is
-   within its weighted share of the backlogged keys' total (plus one of its jobs, at
+   within its weighted share of the total of the keys read (plus one of its jobs, at
    least ``QUANTUM`` seconds) takes one job per round, least recently started key first.
    So with ``k`` such keys and ``s`` free slots per round, each is claimed within
    ``ceil(k / s)`` rounds.
