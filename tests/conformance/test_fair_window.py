@@ -154,8 +154,9 @@ def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path) -> None: 
         class Counting(_LimitedStore):
             def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
                 got = super().rows(query, params)
-                if query == "fair_heads":
+                if query == "fair_heads":  # each row carries its key's standing
                     reads["head rows"] += len(got)
+                    reads["weighed keys"] += len({row[6] for row in got})
                 if query == "fair_states":
                     reads["weighed keys"] += len(json.loads(str(params["keys"])))
                 return got

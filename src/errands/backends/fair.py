@@ -2,7 +2,7 @@
 
 A fair queue (``app.queue(name, fair=True)``) is claimed through the limited claim
 (:func:`errands.backends.limits.claim_limited`), which reads, under its serialising lock,
-for the keys of its **window** (the next ``2 x room`` keys, at least 32, of a rotation
+for the keys of its **window** (the next ``room + 16`` keys, at least 32, of a rotation
 over the keys with due jobs, kept by the claiming process: see ``limits._pick_fair``;
 every key in a queue with ``aging`` and in a suspect claim):
 

@@ -18,7 +18,7 @@ attempt.
 from __future__ import annotations
 
 import re
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +28,7 @@ from .fair import UNKEYED, FairCandidate, KeyState, Weigher, decayed, fair_pick
 LOOKAHEAD_FACTOR = 10
 LOOKAHEAD_MIN = 100
 WINDOW_MIN = 32  # keys with due jobs a windowed fair claim reads, at least
+WINDOW_SPARE = 16  # keys a windowed fair claim reads beyond its room
 WINDOW_READS = 4  # windows' worth of keys a claim reads at most (keys with none due pass)
 UNBOUNDED = 2**31 - 1  # keys: all of them
 LEVEL_MIN = -(2**31)  # below every priority
@@ -269,17 +270,17 @@ def _pick_fair(
     """The due jobs of a fair queue to claim, in fair order (errands.backends.fair).
 
     A claim reads a **window** of the keys with due jobs, not all of them: the next
-    ``window_size(room)`` keys in key order after the queue's cursor (``cursors``: kept by
-    the claiming process, not in the database), wrapping around at the last key; it
-    ranks them as :func:`fair_pick` does every key, and moves the cursor past the last
-    key it served (past the whole window when the window could not fill the room). So a
-    claim costs O(window x log keys) whatever the number of keys, the rotation brings
-    every key into a window, and a queue with fewer keys than a window is claimed
-    exactly as if every key were read. The keyed rows
-    of a priority above the window's lowest come from the queue's first rows in claim
-    order (``fair_lookahead``, which also brings the rows without a key), so priorities
-    still order levels. A queue with ``aging``, a suspect claim, or a claim without
-    ``cursors`` reads every key (its ranking needs every key's head).
+    ``window_size(room)`` keys (room + 16, at least 32) in key order after the queue's
+    cursor (``cursors``: kept by the claiming process, not in the database), wrapping
+    around at the last key; it ranks them as :func:`fair_pick` does every key, and moves
+    the cursor past the last key it served (past the whole window when the window could
+    not fill the room). So a claim costs O(window x log keys) whatever the number of
+    keys, the rotation brings every key into a window, and a queue with fewer keys than
+    a window is claimed exactly as if every key were read. The keyed rows of a priority
+    above the window's lowest come from the queue's first ``window_size(room)`` due rows
+    in claim order (``fair_lookahead``, which also brings the rows without a key), so
+    priorities still order levels. A queue with ``aging``, a suspect claim, or a claim
+    without ``cursors`` reads every key (its ranking needs every key's head).
 
     Rescued jobs (suspects) take their turn like the others: the worker's suspect claim
     orders fresh and rescued jobs together and keeps the rescued ones it picked, so a
@@ -292,16 +293,20 @@ def _pick_fair(
     windowed = cursors is not None and aging is None and not suspects
     cursor = cursors.get(queue) if cursors is not None and windowed else None
     if windowed:
-        candidates, read = _fair_window(store, params, cursor, window_size(room))
+        candidates, read, standing = _fair_window(store, params, cursor, window_size(room))
         low = min((c.priority for c in candidates), default=LEVEL_MIN)
     else:
         heads = {**params, "after": None, "before": None, "limit": UNBOUNDED, "per_key": 1}
-        candidates, read = _fair_rows(store, "fair_heads", heads), []
+        rows = store.rows("fair_heads", heads)
+        candidates = [_candidate(r) for r in rows if r[0] is not None]
+        standing = list({str(r[6]): (r[6], *r[10:19]) for r in rows}.values())
+        read = []
         low = None  # every key's heads are read: no keyed row of the lookahead is needed
     window = set(read)
+    ahead_rows = window_size(room) if windowed else lookahead(room)
     ahead = [
         c
-        for c in _fair_rows(store, "fair_lookahead", {**params, "lookahead": lookahead(room),
+        for c in _fair_rows(store, "fair_lookahead", {**params, "lookahead": ahead_rows,
                                                       "above": low})
         if c.fair_key not in window
     ]  # fmt: skip
@@ -317,7 +322,15 @@ def _pick_fair(
         unkeyed = [c for c in candidates if c.fair_key == UNKEYED]
         candidates = _fair_rows(store, "fair_more", more) + unkeyed
     pick.learn_rates(candidates)
-    states, now = fair_states(store, queue, keys, pick.weights)
+    # The standings came with the heads; the lookahead's keys (and the rows without a
+    # key) are read apart, when there are any.
+    wanted = set(keys)
+    standing = [r for r in standing if str(r[0]) in wanted]
+    missing = sorted(wanted - {str(r[0]) for r in standing})
+    if missing:
+        more_keys = store.id_list(list[object](missing))
+        standing += store.rows("fair_states", {"queue": queue, "keys": more_keys})
+    states, now = _states(standing, pick.weights)
     running = _running(store, candidates)
     names_left = dict(pick.room_per_name)
 
@@ -354,21 +367,24 @@ def _pick_fair(
 
 
 def window_size(room: int) -> int:
-    """Keys with due jobs a windowed fair claim reads: twice its room, at least
-    WINDOW_MIN (the share of worker time is judged among them)."""
-    return max(2 * room, WINDOW_MIN)
+    """Keys with due jobs a windowed fair claim reads: its room and WINDOW_SPARE more (to
+    serve keys past the ones it skips), at least WINDOW_MIN (the share of worker time
+    is judged among them). Also the lookahead of a windowed claim (see _pick_fair)."""
+    return max(room + WINDOW_SPARE, WINDOW_MIN)
 
 
 def _fair_window(
     store: LimitedClaimStore, params: dict[str, object], cursor: str | None, size: int
-) -> tuple[list[FairCandidate], list[str]]:
+) -> tuple[list[FairCandidate], list[str], list[Sequence[object]]]:
     """The heads of the next ``size`` keys with due jobs after ``cursor`` (wrapping
-    around once), and every key read, in rotation order. Keys whose rows are not due
+    around once), every key read, in rotation order, and their standings (fair_states'
+    rows). Keys whose rows are not due
     (scheduled later) are read and passed, up to WINDOW_READS windows' worth once a key
     with due jobs is found (until one is, or every key was read: a claim never reports
     an idle queue while a key has a due job)."""
     candidates: list[FairCandidate] = []
     read: list[str] = []
+    standing: list[Sequence[object]] = []
     with_heads: set[str] = set()
     after, before, wrapped = cursor, None, cursor is None
     while True:
@@ -381,6 +397,7 @@ def _fair_window(
             key = str(row[6])
             if not stretch or stretch[-1] != key:
                 stretch.append(key)
+                standing.append((key, *row[10:19]))
             if row[0] is not None:
                 candidates.append(_candidate(row))
                 with_heads.add(key)
@@ -393,7 +410,7 @@ def _fair_window(
             wrapped, after, before = True, None, cursor
         else:
             after = stretch[-1]
-    return candidates, read
+    return candidates, read, standing
 
 
 def _fair_rows(
@@ -415,12 +432,19 @@ def fair_states(
 ) -> tuple[dict[str, KeyState], float]:
     """Each key's standing in ``queue`` (see :class:`KeyState`), and the database's now.
     A key's weight is its stored one, else the one ``weights`` gives, else 1."""
+    rows = store.rows("fair_states", {"queue": queue, "keys": store.id_list(list(keys))})
+    return _states(rows, weights)
+
+
+def _states(
+    rows: Iterable[Sequence[object]], weights: Weigher | None
+) -> tuple[dict[str, KeyState], float]:
+    """The standings of fair_states' rows (key, usage, recent, at, last start, running
+    seconds, running's latest start, weight, now, running attempts), and now."""
     states: dict[str, KeyState] = {}
     unweighted: list[str] = []
     now = 0.0
-    for key, usage, recent, at, last, running, running_last, weight, t, n in store.rows(
-        "fair_states", {"queue": queue, "keys": store.id_list(list(keys))}
-    ):
+    for key, usage, recent, at, last, running, running_last, weight, t, n in rows:
         now = float(t)  # type: ignore[arg-type]
         state = KeyState(weight=1.0 if weight is None else float(weight))  # type: ignore[arg-type]
         if weight is None:

@@ -751,7 +751,8 @@ SELECT count(*) FROM ended
 -- in (run_at, id) order. A key read whose rows are none due now comes once with NULLs (the
 -- rotation moves past it). Rows of a busy concurrency key, or of a job type out of rate
 -- room (blocked), are left out. Rescued rows (suspects) come with the fresh ones when
--- suspects, marked: see _pick_fair.
+-- suspects, marked: see _pick_fair. Each row also carries its key's standing (the columns
+-- of fair_states), so a claim reads its window's keys in one statement.
 WITH RECURSIVE levels AS (
     SELECT * FROM (
         (SELECT fair_key AS key, priority, 1 AS n FROM {schema}.errands_jobs
@@ -785,8 +786,19 @@ WITH RECURSIVE levels AS (
       AND (%(before)s::text IS NULL OR n.key <= %(before)s::text)
 )
 SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
-       l.key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0
+       l.key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0,
+       -- the key's standing, as fair_states gives it
+       u.usage, u.recent, extract(epoch FROM u.at)::float8,
+       extract(epoch FROM u.last_started)::float8, r.seconds, r.latest, w.weight,
+       extract(epoch FROM now())::float8, r.n
 FROM levels AS l
+LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = l.key
+LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = l.key
+CROSS JOIN LATERAL (
+    SELECT sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
+           extract(epoch FROM max(attempted_at))::float8 AS latest, count(*) AS n
+    FROM {schema}.errands_jobs
+    WHERE queue = %(queue)s AND state = 'running' AND fair_key = l.key) AS r
 LEFT JOIN LATERAL (
     SELECT j.* FROM {schema}.errands_jobs AS j
     WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')

@@ -615,8 +615,17 @@ SET usage = usage * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.u
 -- rows in (run_at, id) order. A key read whose rows are none due now comes once with NULLs
 -- (the rotation moves past it). Rows of a busy concurrency key, or of a job type out of
 -- rate room (:blocked), are left out. Rescued rows (suspects) come with the fresh ones
--- when :suspects, marked: see _pick_fair.
-WITH RECURSIVE levels(key, priority, n) AS (
+-- when :suspects, marked: see _pick_fair. Each row also carries its key's standing (the
+-- columns of fair_states), so a claim reads its window's keys in one statement.
+WITH RECURSIVE now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
+running AS MATERIALIZED (
+    SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
+           max(r.attempted_at) AS latest, count(*) AS n
+    FROM errands_jobs AS r, now
+    WHERE r.queue = :queue AND r.state = 'running' AND r.fair_key IS NOT NULL
+    GROUP BY r.fair_key
+),
+levels(key, priority, n) AS (
     SELECT fair_key, priority, 1 FROM errands_jobs
     WHERE id = COALESCE(
         (SELECT id FROM errands_jobs
@@ -645,8 +654,14 @@ WITH RECURSIVE levels(key, priority, n) AS (
     WHERE :before IS NULL OR n.fair_key <= :before
 )
 SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
-       l.key, j.priority, j.run_at, j.rescues > 0
+       l.key, j.priority, j.run_at, j.rescues > 0,
+       -- the key's standing, as fair_states gives it
+       u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t, r.n
 FROM levels AS l
+CROSS JOIN now
+LEFT JOIN errands_fair_usage AS u ON u.queue = :queue AND u.key = l.key
+LEFT JOIN errands_fair_weights AS w ON w.key = l.key
+LEFT JOIN running AS r ON r.key = l.key
 LEFT JOIN errands_jobs AS j ON j.id IN (
     SELECT c.id FROM errands_jobs AS c
     WHERE c.queue = :queue AND c.state IN ('available', 'scheduled', 'retryable')
