@@ -23,7 +23,16 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ConfigurationError
-from .fair import UNKEYED, FairCandidate, KeyState, Weigher, decayed, fair_pick
+from .fair import (
+    UNKEYED,
+    FairCandidate,
+    FairPick,
+    KeyState,
+    Weigher,
+    decayed,
+    fair_pick,
+    over_share,
+)
 
 LOOKAHEAD_FACTOR = 10
 LOOKAHEAD_MIN = 100
@@ -316,12 +325,6 @@ def _pick_fair(
             cursors[queue] = read[-1]
         return []
     keys = sorted({c.fair_key for c in candidates})
-    if room > len(keys):  # room for more than one job per key: read more of each
-        keyed = [k for k in keys if k != UNKEYED]
-        more = {**params, "per_key": room, "keys": store.id_list(list(keyed))}
-        unkeyed = [c for c in candidates if c.fair_key == UNKEYED]
-        candidates = _fair_rows(store, "fair_more", more) + unkeyed
-    pick.learn_rates(candidates)
     # The standings came with the heads; the lookahead's keys (and the rows without a
     # key) are read apart, when there are any.
     wanted = set(keys)
@@ -331,22 +334,30 @@ def _pick_fair(
         more_keys = store.id_list(list[object](missing))
         standing += store.rows("fair_states", {"queue": queue, "keys": more_keys})
     states, now = _states(standing, pick.weights)
-    running = _running(store, candidates)
-    names_left = dict(pick.room_per_name)
-
-    def admit(c: FairCandidate) -> bool:
-        key = c.concurrency_key
-        if key is not None and running.get(key, 0) >= (c.concurrency_limit or 1):
-            return False
-        if c.name in names_left and names_left[c.name] <= 0:
-            return False
-        if key is not None:
-            running[key] = running.get(key, 0) + 1
-        if c.name in names_left:
-            names_left[c.name] -= 1
-        return True
-
-    picked = fair_pick(candidates, states, room, admit, now=now, aging=aging)
+    # Room for more than one job per key that may take turns: read more of each such
+    # key, as many as the room left beyond one each. Else, with one job read per key, a
+    # key over its share got the slots its own turn did not fill (every other key's
+    # only job taken): a key of 10x slower jobs had 1.5x its share on PostgreSQL.
+    over = over_share(states, keys)
+    eligible = [k for k in keys if k != UNKEYED and k not in over]
+    if eligible and room > len(eligible) + (UNKEYED in wanted):
+        per_key = room - len(eligible) + 1
+        more = {**params, "per_key": per_key, "keys": store.id_list(list[object](eligible))}
+        chosen_keys = set(eligible)
+        candidates = [c for c in candidates if c.fair_key not in chosen_keys]
+        candidates += _fair_rows(store, "fair_more", more)
+    pick.learn_rates(candidates)
+    picked = _fair_choose(pick, candidates, states, now, aging)
+    if len(picked.chosen) < room and any(
+        sum(1 for c in candidates if c.fair_key == k) == picked.taken.get(k, 0) for k in over
+    ):
+        # Work-conserving: the room is not full and a key over its share, read one job
+        # deep, had its every job read taken: read more of every key.
+        more = {**params, "per_key": room, "keys": store.id_list(list[object](keys))}
+        unkeyed = [c for c in candidates if c.fair_key == UNKEYED]
+        candidates = _fair_rows(store, "fair_more", more) + unkeyed
+        pick.learn_rates(candidates)
+        picked = _fair_choose(pick, candidates, states, now, aging)
     pick.result.gated += picked.gated
     if windowed and read and cursors is not None:
         # Past the last key of the window served (in rotation order); past the whole
@@ -364,6 +375,33 @@ def _pick_fair(
         for c in picked.chosen
         if c.rescued == suspects
     ]
+
+
+def _fair_choose(
+    pick: _Pick,
+    candidates: list[FairCandidate],
+    states: dict[str, KeyState],
+    now: float,
+    aging: float | None,
+) -> FairPick:
+    """:func:`fair_pick` over ``candidates``, within the concurrency keys' and rates'
+    room."""
+    running = _running(pick.store, candidates)
+    names_left = dict(pick.room_per_name)
+
+    def admit(c: FairCandidate) -> bool:
+        key = c.concurrency_key
+        if key is not None and running.get(key, 0) >= (c.concurrency_limit or 1):
+            return False
+        if c.name in names_left and names_left[c.name] <= 0:
+            return False
+        if key is not None:
+            running[key] = running.get(key, 0) + 1
+        if c.name in names_left:
+            names_left[c.name] -= 1
+        return True
+
+    return fair_pick(candidates, states, pick.room, admit, now=now, aging=aging)
 
 
 def window_size(room: int) -> int:
