@@ -330,3 +330,26 @@ def test_a_write_of_jobs_without_a_fair_key_reads_and_folds_nothing(
         [FinishParams(d.id, d.lease_token or "", "completed", fair=None)]
     ) == [True]
     assert [f.attempts for f in backend.fair_figures(queue) if f.key == "k"] == [1]
+
+
+def test_a_key_over_its_share_gets_no_slot_while_the_others_have_jobs_to_fill_it(
+    backend: Backend,
+) -> None:
+    """Four keys, claims of 4: once "slow" is over its share (two 5 s attempts against
+    the others' 10 ms ones), the claim fills all 4 slots from the other three, two jobs
+    for one of them. With one job read per key the fourth slot went to "slow": its turn
+    was over, but every other key's only job read was taken."""
+    queue = fair_queue(backend)
+    for key in ("a", "b", "c", "slow"):
+        add_keyed(backend, queue, key, 20)
+    for _ in range(2):
+        rows = take(backend, queue, 4)
+        assert keys(rows) == Counter({"a": 1, "b": 1, "c": 1, "slow": 1})
+        done = [
+            FinishParams(r.id, r.lease_token or "", "completed", fair=True,
+                         ran=5.0 if _KEYS[r.id] == "slow" else 0.01)
+            for r in rows
+        ]  # fmt: skip
+        assert backend.job_finish_many(done) == [True] * 4
+    counted = keys(take(backend, queue, 4))
+    assert counted["slow"] == 0 and sum(counted.values()) == 4, counted

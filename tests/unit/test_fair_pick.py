@@ -119,3 +119,18 @@ def test_decay_halves_usage_every_half_life() -> None:
 def test_a_weight_must_be_a_positive_number(weight: object) -> None:
     with pytest.raises(ConfigurationError, match="weight must be a number above 0"):
         check_weight("tenant:a", weight)
+
+
+def test_a_key_more_than_its_slack_under_its_share_goes_before_the_round_robin_turns() -> None:
+    """Keys of weight 1 at their slack's edge (a second over their share) would keep
+    taking turns with a key of weight 2 three seconds under its own: it goes first,
+    though it started a job last; keys within their slack keep their turns."""
+    cands = jobs("a", 5) + jobs("c", 5, first=100) + jobs("d", 5, first=200)
+    states = {
+        "a": KeyState(usage=24.0, mean_cost=0.05, last_started=NOW - 3),
+        "c": KeyState(usage=44.0, mean_cost=0.05, last_started=NOW - 1, weight=2.0),
+        "d": KeyState(usage=24.0, mean_cost=0.05, last_started=NOW - 2),
+    }  # total 92: shares 23, 46, 23
+    assert keys_of(fair_pick(cands, states, 1, admit_all, now=NOW)) == ["c"]
+    states["c"].usage = 46.0  # within its slack: back to the turns, longest waiting first
+    assert keys_of(fair_pick(cands, states, 3, admit_all, now=NOW)) == ["a", "d", "c"]

@@ -1,10 +1,14 @@
 """Fair claiming across keys (tenants) in a fair queue: which due jobs a claim takes.
 
 A fair queue (``app.queue(name, fair=True)``) is claimed through the limited claim
-(:func:`errands.backends.limits.claim_limited`), which reads, under its serialising lock:
+(:func:`errands.backends.limits.claim_limited`), which reads, under its serialising lock,
+for the keys of its **window** (the next ``room + 16`` keys, at least 32, of a rotation
+over the keys with due jobs, kept by the claiming process: see ``limits._pick_fair``;
+every key in a queue with ``aging`` and in a suspect claim):
 
 * each key's next due jobs, per priority level (a skip through ``errands_jobs_fair``:
-  one probe per key and level, however long a key's backlog);
+  one probe per key and level, however long a key's backlog), and the keyed jobs of a
+  higher priority than the window's, from the queue's first due rows in claim order;
 * each key's recent worker time: the decayed handler seconds of its ended attempts
   (``errands_fair_usage``, written only by the fenced write that ends an attempt) plus its
   running attempts (each at least the key's mean job time), and when it last started one;
@@ -16,10 +20,11 @@ A fair queue (``app.queue(name, fair=True)``) is claimed through the limited cla
    compete; with ``aging``, a job's effective priority is its priority plus one level per
    ``aging`` seconds it has been due.
 2. **Round-robin among keys within their share.** A key whose recent worker time is
-   within its weighted share of the backlogged keys' total (plus one of its jobs, at
-   least ``QUANTUM`` seconds) takes one job per round, least recently started key first.
-   So with ``k`` such keys and ``s`` free slots per round, each is claimed within
-   ``ceil(k / s)`` rounds.
+   within its weighted share of the total of the keys read (plus one of its jobs, at
+   least ``QUANTUM`` seconds: its slack) takes one job per round, least recently started
+   key first; a key more than its slack under its share goes before them (least
+   weighted worker time first). So with ``k`` such keys and ``s`` free slots per round,
+   each is claimed within ``ceil(k / s)`` rounds.
 3. **The rest by weighted worker time.** Slots left over (more slots than keys, or keys
    over their share) go one at a time to the key with the least
    ``(recent worker time + its mean job time x jobs picked this round) / weight``.
@@ -87,6 +92,7 @@ class _Key:
     state: KeyState
     jobs: list[FairCandidate]
     within_share: bool = True
+    behind: bool = False  # more than its slack under its share: goes before the turns
     picked: int = 0
     position: int = 0
 
@@ -101,6 +107,7 @@ class FairPick:
 
     chosen: list[FairCandidate] = field(default_factory=list)
     gated: int = 0
+    taken: dict[str, int] = field(default_factory=dict)  # jobs chosen or gated, per key
 
 
 def fair_pick(
@@ -137,6 +144,7 @@ def fair_pick(
         key = keys[int(index)]
         job = key.jobs[key.position]
         key.position += 1
+        result.taken[key.name] = key.position
         if admit(job):
             key.picked += 1
             result.chosen.append(job)
@@ -155,6 +163,8 @@ def _entry(index: int, key: _Key, now: float, aging: float | None) -> tuple[floa
 
 
 def _rank(key: _Key, head: FairCandidate) -> tuple[float, ...]:
+    if key.picked == 0 and key.behind:
+        return (-1.0, key.state.usage / key.state.weight, head.run_at, float(head.id))
     if key.picked == 0 and key.within_share:
         started = -math.inf if key.state.last_started is None else key.state.last_started
         return (0.0, started, head.run_at, float(head.id))
@@ -163,16 +173,29 @@ def _rank(key: _Key, head: FairCandidate) -> tuple[float, ...]:
     return (1.0, virtual, head.run_at, float(head.id))
 
 
+def over_share(states: dict[str, KeyState], keys: Sequence[str]) -> set[str]:
+    """The ``keys`` more than their slack over their weighted share (as
+    :func:`fair_pick` judges them): they take no round-robin turn."""
+    marked = [_Key(k, states.get(k) or KeyState(), []) for k in keys]
+    _mark_shares(marked)
+    return {k.name for k in marked if not k.within_share}
+
+
 def _mark_shares(keys: list[_Key]) -> None:
-    """A key more than one job (at least QUANTUM) over its weighted share of the
-    backlogged keys' recent worker time waits out the round-robin turns."""
+    """A key more than its slack (one of its jobs, at least QUANTUM) over its weighted
+    share of the backlogged keys' recent worker time waits out the round-robin turns; a
+    key more than its slack under it goes before them. Else the keys at their slack's
+    edge (one more job each) would keep a key of weight 2 that far under its share per
+    key of weight 1: 2 keys of weight 1 and one of 2 over a 30 s run measured 1.84."""
     total = sum(k.state.usage for k in keys)
     weights = sum(k.state.weight for k in keys)
     if total <= 0 or weights <= 0:
         return
     for key in keys:
         share = total * key.state.weight / weights
-        key.within_share = key.state.usage <= share + max(key.state.mean_cost, QUANTUM)
+        slack = max(key.state.mean_cost, QUANTUM)
+        key.within_share = key.state.usage <= share + slack
+        key.behind = key.state.usage < share - slack
 
 
 def decayed(usage: float, age: float) -> float:

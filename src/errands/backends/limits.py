@@ -18,15 +18,31 @@ attempt.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import ConfigurationError
-from .fair import UNKEYED, FairCandidate, KeyState, Weigher, decayed, fair_pick
+from .fair import (
+    UNKEYED,
+    FairCandidate,
+    FairPick,
+    KeyState,
+    Weigher,
+    decayed,
+    fair_pick,
+    over_share,
+)
 
 LOOKAHEAD_FACTOR = 10
 LOOKAHEAD_MIN = 100
+WINDOW_MIN = 32  # keys with due jobs a windowed fair claim reads, at least
+WINDOW_SPARE = 16  # keys a windowed fair claim reads beyond its room
+WINDOW_READS = 4  # windows' worth of keys a claim reads at most (keys with none due pass)
+UNBOUNDED = 2**31 - 1  # keys: all of them
+LEVEL_MIN = -(2**31)  # below every priority
+
+FairCursors = MutableMapping[str, str]  # queue -> the last key its rotation passed
 RATE_PERIOD_MAX = 86_400.0
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(s|sec|m|min|h|hour|d|day)\s*$")
 _UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
@@ -130,11 +146,14 @@ def claim_limited(
     suspects: bool = False,
     names: Sequence[str] | None = None,
     weights: Weigher | None = None,
+    cursors: FairCursors | None = None,
 ) -> Claimed:
     """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order);
     only job types in ``names`` when given (those the claiming worker can run).
     ``weights``: a fair queue's weights given by code (``app.fair_weight(fn)``), for the
-    keys without a stored one.
+    keys without a stored one. ``cursors``: where each fair queue's rotation over its keys
+    stands, kept by the caller between claims (see :func:`_pick_fair`); without it a fair
+    claim reads every key.
 
     Call inside the transaction that serialises this queue's limited claims.
     """
@@ -169,7 +188,12 @@ def claim_limited(
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
     pick = _Pick(store, queue, room, rates, room_per_name, blocked, names, result, weights)
     if fair or aging:
-        chosen = _pick_fair(pick, None if aging is None else float(aging), suspects)  # type: ignore[arg-type]
+        chosen = _pick_fair(
+            pick,
+            None if aging is None else float(aging),  # type: ignore[arg-type]
+            suspects,
+            cursors,
+        )
     else:
         chosen = _pick_in_order(pick, suspects)
     if not chosen:
@@ -249,8 +273,23 @@ def _pick_in_order(pick: _Pick, suspects: bool) -> list[Candidate]:
     return choose(candidates, pick.room, _running(store, candidates), pick.room_per_name)
 
 
-def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candidate]:
+def _pick_fair(
+    pick: _Pick, aging: float | None, suspects: bool, cursors: FairCursors | None
+) -> list[Candidate]:
     """The due jobs of a fair queue to claim, in fair order (errands.backends.fair).
+
+    A claim reads a **window** of the keys with due jobs, not all of them: the next
+    ``window_size(room)`` keys (room + 16, at least 32) in key order after the queue's
+    cursor (``cursors``: kept by the claiming process, not in the database), wrapping
+    around at the last key; it ranks them as :func:`fair_pick` does every key, and moves
+    the cursor past the last key it served (past the whole window when the window could
+    not fill the room). So a claim costs O(window x log keys) whatever the number of
+    keys, the rotation brings every key into a window, and a queue with fewer keys than
+    a window is claimed exactly as if every key were read. The keyed rows of a priority
+    above the window's lowest come from the queue's first ``window_size(room)`` due rows
+    in claim order (``fair_lookahead``, which also brings the rows without a key), so
+    priorities still order levels. A queue with ``aging``, a suspect claim, or a claim
+    without ``cursors`` reads every key (its ranking needs every key's head).
 
     Rescued jobs (suspects) take their turn like the others: the worker's suspect claim
     orders fresh and rescued jobs together and keeps the rescued ones it picked, so a
@@ -260,18 +299,94 @@ def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candida
     if suspects and not store.rows("claim_candidates_suspect", {**pick.params(), "limit": 1}):
         return []  # no rescued job due: the common case, read through its own index
     params = {**pick.params(), "suspects": suspects}
-    candidates = _fair_rows(store, "fair_heads", {**params, "per_key": 1, "keys": None})
-    unkeyed = _fair_rows(store, "fair_unkeyed", {**params, "lookahead": lookahead(room)})
-    candidates += unkeyed
+    windowed = cursors is not None and aging is None and not suspects
+    cursor = cursors.get(queue) if cursors is not None and windowed else None
+    if windowed:
+        candidates, read, standing = _fair_window(store, params, cursor, window_size(room))
+        low = min((c.priority for c in candidates), default=LEVEL_MIN)
+    else:
+        heads = {**params, "after": None, "before": None, "limit": UNBOUNDED, "per_key": 1}
+        rows = store.rows("fair_heads", heads)
+        candidates = [_candidate(r) for r in rows if r[0] is not None]
+        standing = list({str(r[6]): (r[6], *r[10:19]) for r in rows}.values())
+        read = []
+        low = None  # every key's heads are read: no keyed row of the lookahead is needed
+    window = set(read)
+    ahead_rows = window_size(room) if windowed else lookahead(room)
+    ahead = [
+        c
+        for c in _fair_rows(store, "fair_lookahead", {**params, "lookahead": ahead_rows,
+                                                      "above": low})
+        if c.fair_key not in window
+    ]  # fmt: skip
+    candidates += ahead
     if not candidates:
+        if windowed and read and cursors is not None:
+            cursors[queue] = read[-1]
         return []
     keys = sorted({c.fair_key for c in candidates})
-    if room > len(keys):  # room for more than one job per key: read more of each
-        more = {**params, "per_key": room, "keys": store.id_list(list(keys))}
-        candidates = _fair_rows(store, "fair_heads", more) + unkeyed
+    # The standings came with the heads; the lookahead's keys (and the rows without a
+    # key) are read apart, when there are any.
+    wanted = set(keys)
+    standing = [r for r in standing if str(r[0]) in wanted]
+    missing = sorted(wanted - {str(r[0]) for r in standing})
+    if missing:
+        more_keys = store.id_list(list[object](missing))
+        standing += store.rows("fair_states", {"queue": queue, "keys": more_keys})
+    states, now = _states(standing, pick.weights)
+    # Room for more than one job per key that may take turns: read more of each such
+    # key, as many as the room left beyond one each. Else, with one job read per key, a
+    # key over its share got the slots its own turn did not fill (every other key's
+    # only job taken): a key of 10x slower jobs had 1.5x its share on PostgreSQL.
+    over = over_share(states, keys)
+    eligible = [k for k in keys if k != UNKEYED and k not in over]
+    if eligible and room > len(eligible) + (UNKEYED in wanted):
+        per_key = room - len(eligible) + 1
+        more = {**params, "per_key": per_key, "keys": store.id_list(list[object](eligible))}
+        chosen_keys = set(eligible)
+        candidates = [c for c in candidates if c.fair_key not in chosen_keys]
+        candidates += _fair_rows(store, "fair_more", more)
     pick.learn_rates(candidates)
-    states, now = fair_states(store, queue, keys, pick.weights)
-    running = _running(store, candidates)
+    picked = _fair_choose(pick, candidates, states, now, aging)
+    if len(picked.chosen) < room and any(
+        sum(1 for c in candidates if c.fair_key == k) == picked.taken.get(k, 0) for k in over
+    ):
+        # Work-conserving: the room is not full and a key over its share, read one job
+        # deep, had its every job read taken: read more of every key.
+        more = {**params, "per_key": room, "keys": store.id_list(list[object](keys))}
+        unkeyed = [c for c in candidates if c.fair_key == UNKEYED]
+        candidates = _fair_rows(store, "fair_more", more) + unkeyed
+        pick.learn_rates(candidates)
+        picked = _fair_choose(pick, candidates, states, now, aging)
+    pick.result.gated += picked.gated
+    if windowed and read and cursors is not None:
+        # Past the last key of the window served (in rotation order); past the whole
+        # window when it could not fill the room. A key skipped though within its share
+        # (others had waited longer) started a job longer ago than the keys served: it
+        # goes first in the next window that reads it.
+        place = {key: i for i, key in enumerate(read)}
+        served = [place[c.fair_key] for c in picked.chosen if c.fair_key in place]
+        if len(picked.chosen) < room:
+            cursors[queue] = read[-1]
+        elif served:
+            cursors[queue] = read[max(served)]
+    return [
+        Candidate(c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period)
+        for c in picked.chosen
+        if c.rescued == suspects
+    ]
+
+
+def _fair_choose(
+    pick: _Pick,
+    candidates: list[FairCandidate],
+    states: dict[str, KeyState],
+    now: float,
+    aging: float | None,
+) -> FairPick:
+    """:func:`fair_pick` over ``candidates``, within the concurrency keys' and rates'
+    room."""
+    running = _running(pick.store, candidates)
     names_left = dict(pick.room_per_name)
 
     def admit(c: FairCandidate) -> bool:
@@ -286,26 +401,68 @@ def _pick_fair(pick: _Pick, aging: float | None, suspects: bool) -> list[Candida
             names_left[c.name] -= 1
         return True
 
-    picked = fair_pick(candidates, states, room, admit, now=now, aging=aging)
-    pick.result.gated += picked.gated
-    return [
-        Candidate(c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period)
-        for c in picked.chosen
-        if c.rescued == suspects
-    ]
+    return fair_pick(candidates, states, pick.room, admit, now=now, aging=aging)
+
+
+def window_size(room: int) -> int:
+    """Keys with due jobs a windowed fair claim reads: its room and WINDOW_SPARE more (to
+    serve keys past the ones it skips), at least WINDOW_MIN (the share of worker time
+    is judged among them). Also the lookahead of a windowed claim (see _pick_fair)."""
+    return max(room + WINDOW_SPARE, WINDOW_MIN)
+
+
+def _fair_window(
+    store: LimitedClaimStore, params: dict[str, object], cursor: str | None, size: int
+) -> tuple[list[FairCandidate], list[str], list[Sequence[object]]]:
+    """The heads of the next ``size`` keys with due jobs after ``cursor`` (wrapping
+    around once), every key read, in rotation order, and their standings (fair_states'
+    rows). Keys whose rows are not due
+    (scheduled later) are read and passed, up to WINDOW_READS windows' worth once a key
+    with due jobs is found (until one is, or every key was read: a claim never reports
+    an idle queue while a key has a due job)."""
+    candidates: list[FairCandidate] = []
+    read: list[str] = []
+    standing: list[Sequence[object]] = []
+    with_heads: set[str] = set()
+    after, before, wrapped = cursor, None, cursor is None
+    while True:
+        rows = store.rows(
+            "fair_heads",
+            {**params, "after": after, "before": before, "limit": size, "per_key": 1},
+        )
+        stretch: list[str] = []
+        for row in rows:
+            key = str(row[6])
+            if not stretch or stretch[-1] != key:
+                stretch.append(key)
+                standing.append((key, *row[10:19]))
+            if row[0] is not None:
+                candidates.append(_candidate(row))
+                with_heads.add(key)
+        read += stretch
+        if len(with_heads) >= size or (with_heads and len(read) >= WINDOW_READS * size):
+            break
+        if len(stretch) < size:  # the last key: wrap around to the first, once
+            if wrapped:
+                break
+            wrapped, after, before = True, None, cursor
+        else:
+            after = stretch[-1]
+    return candidates, read, standing
 
 
 def _fair_rows(
     store: LimitedClaimStore, query: str, params: dict[str, object]
 ) -> list[FairCandidate]:
-    return [
-        FairCandidate(
-            int(r[0]), str(r[1]), r[2], r[3], r[4], r[5],  # type: ignore[arg-type,call-overload]
-            UNKEYED if r[6] is None else str(r[6]), int(r[7]), float(r[8]),  # type: ignore[call-overload,arg-type]
-            bool(r[9]),
-        )
-        for r in store.rows(query, params)
-    ]  # fmt: skip
+    return [_candidate(r) for r in store.rows(query, params)]
+
+
+def _candidate(r: Sequence[object]) -> FairCandidate:
+    return FairCandidate(
+        int(r[0]), str(r[1]), r[2], r[3], r[4], r[5],  # type: ignore[arg-type,call-overload]
+        UNKEYED if r[6] is None else str(r[6]), int(r[7]), float(r[8]),  # type: ignore[call-overload,arg-type]
+        bool(r[9]),
+    )  # fmt: skip
 
 
 def fair_states(
@@ -313,12 +470,19 @@ def fair_states(
 ) -> tuple[dict[str, KeyState], float]:
     """Each key's standing in ``queue`` (see :class:`KeyState`), and the database's now.
     A key's weight is its stored one, else the one ``weights`` gives, else 1."""
+    rows = store.rows("fair_states", {"queue": queue, "keys": store.id_list(list(keys))})
+    return _states(rows, weights)
+
+
+def _states(
+    rows: Iterable[Sequence[object]], weights: Weigher | None
+) -> tuple[dict[str, KeyState], float]:
+    """The standings of fair_states' rows (key, usage, recent, at, last start, running
+    seconds, running's latest start, weight, now, running attempts), and now."""
     states: dict[str, KeyState] = {}
     unweighted: list[str] = []
     now = 0.0
-    for key, usage, recent, at, last, running, running_last, weight, t, n in store.rows(
-        "fair_states", {"queue": queue, "keys": store.id_list(list(keys))}
-    ):
+    for key, usage, recent, at, last, running, running_last, weight, t, n in rows:
         now = float(t)  # type: ignore[arg-type]
         state = KeyState(weight=1.0 if weight is None else float(weight))  # type: ignore[arg-type]
         if weight is None:

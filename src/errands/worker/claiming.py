@@ -73,8 +73,8 @@ class Claimer:
         # cluster-wide limits); the plain claim serves the others.
         self.with_limits: set[str] = set(self.declared)
         # Fair queues this app declares without a cluster-wide limit or rate: their claim
-        # may fill the prefetch room too, as a plain queue's does. A fair claim reads every
-        # backlogged key, so with many keys and quick jobs a batch spreads that cost.
+        # may fill the prefetch room too, as a plain queue's does: with quick jobs a batch
+        # spreads the cost of the fair claim's reads (a window of keys per claim).
         self.prefetching = {
             name
             for name, s in app.queues.items()

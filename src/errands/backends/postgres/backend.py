@@ -187,6 +187,9 @@ class PostgresBackend(PostgresAdmin):
 
     def __init__(self, url: str, *, auto_migrate: bool | None = None) -> None:
         self.url = url
+        # Where each fair queue's rotation over its keys stands (errands.backends.limits):
+        # this process's own, never stored (no row that every claim would update).
+        self._fair_cursors: dict[str, str] = {}
         self.config: PostgresConfig = parse_postgres_url(url)
         self.schema = self.config.schema
         self.q = filled_queries(self.schema)
@@ -865,6 +868,7 @@ class PostgresBackend(PostgresAdmin):
                 suspects=suspects,
                 names=names,
                 weights=weights,
+                cursors=self._fair_cursors,
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in

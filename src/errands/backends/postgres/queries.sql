@@ -751,31 +751,92 @@ WITH ended AS (
 SELECT count(*) FROM ended
 
 -- name: fair_heads
--- A fair queue's due rows, per (key, priority level): the first per_key of each level in
--- (run_at, id) order; only the keys of keys when it is not NULL. The levels are found by
--- skipping through errands_jobs_fair (one probe per key and level). Rows of a busy
--- concurrency key, or of a job type out of rate room (blocked), are left out. Rescued
--- rows (suspects) come with the fresh ones when suspects, marked: see _pick_fair.
+-- A fair queue's due rows, per (key, priority level), for at most %(limit)s keys in key
+-- order: those after %(after)s (from the first key when NULL) and, when %(before)s is not
+-- NULL, up to it (the rotation's wrap). Each key's levels are found by skipping through
+-- errands_jobs_fair (one probe per key and level); each level gives its first per_key rows
+-- in (run_at, id) order. A key read whose rows are none due now comes once with NULLs (the
+-- rotation moves past it). Rows of a busy concurrency key, or of a job type out of rate
+-- room (blocked), are left out. Rescued rows (suspects) come with the fresh ones when
+-- suspects, marked: see _pick_fair. Each row also carries its key's standing (the columns
+-- of fair_states), so a claim reads its window's keys in one statement.
 WITH RECURSIVE levels AS (
-    (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
-     WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
-       AND fair_key IS NOT NULL
-     ORDER BY fair_key, priority LIMIT 1)
+    SELECT * FROM (
+        (SELECT fair_key AS key, priority, 1 AS n FROM {schema}.errands_jobs
+         WHERE %(after)s::text IS NULL
+           AND queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key IS NOT NULL
+         ORDER BY fair_key, priority LIMIT 1)
+        UNION ALL
+        (SELECT fair_key AS key, priority, 1 AS n FROM {schema}.errands_jobs
+         WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key > %(after)s::text
+         ORDER BY fair_key, priority LIMIT 1)
+        LIMIT 1) AS first
+    WHERE %(before)s::text IS NULL OR first.key <= %(before)s::text
     UNION ALL
-    SELECT n.key, n.priority
+    SELECT n.key, n.priority, l.n + n.step
     FROM levels AS l
     CROSS JOIN LATERAL (
         -- the key's next level, else the next key's first: two index seeks
-        (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
+        (SELECT fair_key AS key, priority, 0 AS step FROM {schema}.errands_jobs
          WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
            AND fair_key = l.key AND priority > l.priority
          ORDER BY priority LIMIT 1)
         UNION ALL
-        (SELECT fair_key AS key, priority FROM {schema}.errands_jobs
+        (SELECT fair_key AS key, priority, 1 AS step FROM {schema}.errands_jobs
          WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
            AND fair_key > l.key
          ORDER BY fair_key, priority LIMIT 1)
         LIMIT 1) AS n
+    WHERE (n.step = 0 OR l.n < %(limit)s)
+      AND (%(before)s::text IS NULL OR n.key <= %(before)s::text)
+)
+SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
+       l.key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0,
+       -- the key's standing, as fair_states gives it
+       u.usage, u.recent, extract(epoch FROM u.at)::float8,
+       extract(epoch FROM u.last_started)::float8, r.seconds, r.latest, w.weight,
+       extract(epoch FROM now())::float8, r.n
+FROM levels AS l
+LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = l.key
+LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = l.key
+CROSS JOIN LATERAL (
+    SELECT sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
+           extract(epoch FROM max(attempted_at))::float8 AS latest, count(*) AS n
+    FROM {schema}.errands_jobs
+    WHERE queue = %(queue)s AND state = 'running' AND fair_key = l.key) AS r
+LEFT JOIN LATERAL (
+    SELECT j.* FROM {schema}.errands_jobs AS j
+    WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')
+      AND j.fair_key = l.key AND j.priority = l.priority
+      AND j.run_at <= now() AND (%(suspects)s OR j.rescues = 0)
+      AND NOT (j.name = ANY(%(blocked)s::text[]))
+      AND (%(names)s::text[] IS NULL OR j.name = ANY(%(names)s::text[]))
+      AND (j.concurrency_key IS NULL
+           OR (SELECT count(*) FROM {schema}.errands_jobs AS r
+               WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
+              < COALESCE(j.concurrency_limit, 1))
+    ORDER BY j.run_at, j.id
+    LIMIT %(per_key)s) AS c ON true
+ORDER BY l.n, l.priority, c.run_at, c.id
+
+-- name: fair_more
+-- The first per_key due rows of each level of the keys of keys (a claim with more room
+-- than keys reads more of each): the same rows as fair_heads, for those keys only.
+WITH RECURSIVE levels AS (
+    SELECT k.key, (SELECT priority FROM {schema}.errands_jobs
+                   WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+                     AND fair_key = k.key
+                   ORDER BY priority LIMIT 1) AS priority
+    FROM unnest(%(keys)s::text[]) AS k(key)
+    UNION ALL
+    SELECT l.key, (SELECT priority FROM {schema}.errands_jobs
+                   WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+                     AND fair_key = l.key AND priority > l.priority
+                   ORDER BY priority LIMIT 1)
+    FROM levels AS l
+    WHERE l.priority IS NOT NULL
 )
 SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
        c.fair_key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0
@@ -793,32 +854,34 @@ CROSS JOIN LATERAL (
               < COALESCE(j.concurrency_limit, 1))
     ORDER BY j.run_at, j.id
     LIMIT %(per_key)s) AS c
-WHERE %(keys)s::text[] IS NULL OR l.key = ANY(%(keys)s::text[])
+WHERE l.priority IS NOT NULL
 
--- name: fair_unkeyed
--- A fair queue's due rows without a fair key (enqueued by code that gave them none), which
--- share one key: only those among the queue's first lookahead due rows in claim order
--- (no index finds them apart from the keyed ones, so the read stays bounded).
-SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, NULL::text,
+-- name: fair_lookahead
+-- A fair queue's first due rows in claim order (priority, due time, id): the rows without a
+-- fair key (enqueued by code that gave them none, which share one key: no index finds them
+-- apart from the keyed ones, so the read stays bounded), and the keyed rows of a priority
+-- above `above` (NULL: none), which a windowed claim needs (see _pick_fair).
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, fair_key,
        priority, extract(epoch FROM run_at)::float8, rescues > 0
 FROM (SELECT * FROM {schema}.errands_jobs
       WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
         AND run_at <= now() AND (%(suspects)s OR rescues = 0)
       ORDER BY priority DESC, run_at, id
       LIMIT %(lookahead)s) AS j
-WHERE fair_key IS NULL AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
+WHERE (fair_key IS NULL OR priority > %(above)s::int)
+  AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
 
 -- name: fair_states
 -- Per key of keys in a queue: its folded usage (usage, recent attempts, when folded, last
 -- start), the seconds its running attempts have used so far, their latest start, its
 -- weight, the database's now (all times epoch seconds), and how many attempts run.
--- The running rows are read once, grouped by key (errands_jobs_fair_running).
+-- The running rows of those keys are read once, grouped by key (errands_jobs_fair_running).
 WITH running AS (
     SELECT fair_key AS key,
            sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
            extract(epoch FROM max(attempted_at))::float8 AS latest, count(*) AS n
     FROM {schema}.errands_jobs
-    WHERE queue = %(queue)s AND state = 'running' AND fair_key IS NOT NULL
+    WHERE queue = %(queue)s AND state = 'running' AND fair_key = ANY(%(keys)s::text[])
     GROUP BY fair_key
 )
 SELECT k.key, u.usage, u.recent, extract(epoch FROM u.at)::float8,

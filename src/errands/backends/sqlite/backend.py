@@ -135,6 +135,9 @@ class SQLiteBackend(SQLiteAdmin):
 
     def __init__(self, url: str, *, auto_migrate: bool = True) -> None:
         self.url = url
+        # Where each fair queue's rotation over its keys stands (errands.backends.limits):
+        # this process's own, never stored (no row that every claim would update).
+        self._fair_cursors: dict[str, str] = {}
         path, options = parse_sqlite_url(url)
         self.memory = path == ":memory:"
         self.path = path if self.memory else os.path.abspath(path)
@@ -622,6 +625,7 @@ class SQLiteBackend(SQLiteAdmin):
                 suspects=suspects,
                 names=names,
                 weights=weights,
+                cursors=self._fair_cursors,
             )
         claimed = Claimed(JobRow(*r) for r in rows)
         claimed.retry_in = rows.retry_in

@@ -616,19 +616,37 @@ SET usage = usage * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.u
     attempts = attempts + excluded.attempts
 
 -- name: fair_heads
--- A fair queue's due rows, per (key, priority level): the first :per_key of each level in
--- (run_at, id) order; only the keys of :keys (a JSON list) when it is not NULL. The levels
--- are found by skipping through errands_jobs_fair (one probe per key and level). Rows of
--- a busy concurrency key, or of a job type out of rate room (:blocked), are left out.
--- Rescued rows (suspects) come with the fresh ones when :suspects, marked: see _pick_fair.
-WITH RECURSIVE levels(id, key, priority) AS (
-    SELECT id, fair_key, priority FROM (
-        SELECT id, fair_key, priority FROM errands_jobs
-        WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
-          AND fair_key IS NOT NULL
-        ORDER BY fair_key, priority LIMIT 1)
+-- A fair queue's due rows, per (key, priority level), for at most :limit keys in key
+-- order: those after :after (from the first key when NULL) and, when :before is not NULL,
+-- up to it (the rotation's wrap). Each key's levels are found by skipping through
+-- errands_jobs_fair (one probe per key and level); each level gives its first :per_key
+-- rows in (run_at, id) order. A key read whose rows are none due now comes once with NULLs
+-- (the rotation moves past it). Rows of a busy concurrency key, or of a job type out of
+-- rate room (:blocked), are left out. Rescued rows (suspects) come with the fresh ones
+-- when :suspects, marked: see _pick_fair. Each row also carries its key's standing (the
+-- columns of fair_states), so a claim reads its window's keys in one statement.
+WITH RECURSIVE now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
+running AS MATERIALIZED (
+    SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
+           max(r.attempted_at) AS latest, count(*) AS n
+    FROM errands_jobs AS r, now
+    WHERE r.queue = :queue AND r.state = 'running' AND r.fair_key IS NOT NULL
+    GROUP BY r.fair_key
+),
+levels(key, priority, n) AS (
+    SELECT fair_key, priority, 1 FROM errands_jobs
+    WHERE id = COALESCE(
+        (SELECT id FROM errands_jobs
+         WHERE :after IS NULL AND queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key IS NOT NULL
+         ORDER BY fair_key, priority LIMIT 1),
+        (SELECT id FROM errands_jobs
+         WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+           AND fair_key > :after
+         ORDER BY fair_key, priority LIMIT 1))
+      AND (:before IS NULL OR fair_key <= :before)
     UNION ALL
-    SELECT n.id, n.fair_key, n.priority
+    SELECT n.fair_key, n.priority, l.n + (n.fair_key <> l.key)
     FROM levels AS l
     -- the key's next level, else the next key's first: two index seeks (a row-value
     -- comparison would scan the rest of the key's level)
@@ -638,9 +656,53 @@ WITH RECURSIVE levels(id, key, priority) AS (
            AND fair_key = l.key AND priority > l.priority
          ORDER BY priority LIMIT 1),
         (SELECT id FROM errands_jobs
-         WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+         WHERE l.n < :limit AND queue = :queue AND state IN ('available', 'scheduled', 'retryable')
            AND fair_key > l.key
          ORDER BY fair_key, priority LIMIT 1))
+    WHERE :before IS NULL OR n.fair_key <= :before
+)
+SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
+       l.key, j.priority, j.run_at, j.rescues > 0,
+       -- the key's standing, as fair_states gives it
+       u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t, r.n
+FROM levels AS l
+CROSS JOIN now
+LEFT JOIN errands_fair_usage AS u ON u.queue = :queue AND u.key = l.key
+LEFT JOIN errands_fair_weights AS w ON w.key = l.key
+LEFT JOIN running AS r ON r.key = l.key
+LEFT JOIN errands_jobs AS j ON j.id IN (
+    SELECT c.id FROM errands_jobs AS c
+    WHERE c.queue = :queue AND c.state IN ('available', 'scheduled', 'retryable')
+      AND c.fair_key = l.key AND c.priority = l.priority
+      AND c.run_at <= (julianday('now') - 2440587.5) * 86400.0
+      AND (:suspects = 1 OR c.rescues = 0)
+      AND c.name NOT IN (SELECT value FROM json_each(:blocked))
+      AND (:names IS NULL OR c.name IN (SELECT value FROM json_each(:names)))
+      AND (c.concurrency_key IS NULL
+           OR (SELECT count(*) FROM errands_jobs AS r
+               WHERE r.state = 'running' AND r.concurrency_key = c.concurrency_key)
+              < COALESCE(c.concurrency_limit, 1))
+    ORDER BY c.run_at, c.id
+    LIMIT :per_key)
+ORDER BY l.n, l.priority, j.run_at, j.id
+
+-- name: fair_more
+-- The first :per_key due rows of each level of the keys of :keys (a JSON list; a claim
+-- with more room than keys reads more of each): the same rows as fair_heads, for those
+-- keys only.
+WITH RECURSIVE levels(key, priority) AS (
+    SELECT k.value, (SELECT priority FROM errands_jobs
+                     WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+                       AND fair_key = k.value
+                     ORDER BY priority LIMIT 1)
+    FROM json_each(:keys) AS k
+    UNION ALL
+    SELECT l.key, (SELECT priority FROM errands_jobs
+                   WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
+                     AND fair_key = l.key AND priority > l.priority
+                   ORDER BY priority LIMIT 1)
+    FROM levels AS l
+    WHERE l.priority IS NOT NULL
 )
 SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
        j.fair_key, j.priority, j.run_at, j.rescues > 0
@@ -659,13 +721,14 @@ JOIN errands_jobs AS j ON j.id IN (
               < COALESCE(c.concurrency_limit, 1))
     ORDER BY c.run_at, c.id
     LIMIT :per_key)
-WHERE :keys IS NULL OR l.key IN (SELECT value FROM json_each(:keys))
+WHERE l.priority IS NOT NULL
 
--- name: fair_unkeyed
--- A fair queue's due rows without a fair key (enqueued by code that gave them none), which
--- share one key: only those among the queue's first :lookahead due rows in claim order
--- (no index finds them apart from the keyed ones, so the read stays bounded).
-SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, NULL,
+-- name: fair_lookahead
+-- A fair queue's first due rows in claim order (priority, due time, id): the rows without a
+-- fair key (enqueued by code that gave them none, which share one key: no index finds them
+-- apart from the keyed ones, so the read stays bounded), and the keyed rows of a priority
+-- above `above` (NULL: none), which a windowed claim needs (see _pick_fair).
+SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period, fair_key,
        priority, run_at, rescues > 0
 FROM (SELECT * FROM errands_jobs
       WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
@@ -673,19 +736,21 @@ FROM (SELECT * FROM errands_jobs
         AND (:suspects = 1 OR rescues = 0)
       ORDER BY priority DESC, run_at, id
       LIMIT :lookahead)
-WHERE fair_key IS NULL AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
+WHERE (fair_key IS NULL OR priority > :above)
+  AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
 
 -- name: fair_states
 -- Per key of :keys (a JSON list) in a queue: its folded usage (usage, recent attempts,
 -- when folded, last start), the seconds its running attempts have used so far, their
 -- latest start, its weight, the database's now, and how many attempts run.
--- The running rows are read once, grouped by key (errands_jobs_fair_running).
+-- The running rows of those keys are read once, grouped by key (errands_jobs_fair_running).
 WITH now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
 running AS MATERIALIZED (
     SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
            max(r.attempted_at) AS latest, count(*) AS n
     FROM errands_jobs AS r, now
-    WHERE r.queue = :queue AND r.state = 'running' AND r.fair_key IS NOT NULL
+    WHERE r.queue = :queue AND r.state = 'running'
+      AND r.fair_key IN (SELECT value FROM json_each(:keys))
     GROUP BY r.fair_key
 )
 SELECT k.value, u.usage, u.recent, u.at, u.last_started, r.seconds, r.latest, w.weight, now.t,
