@@ -957,6 +957,9 @@ def waiting_markdown(path: Path = WAITING) -> str:
     )
 
 
+QUIET_LOAD = 2.5  # a 1-minute load average at most this on 2 cores: nothing else ran
+
+
 def workflows_markdown(path: Path = WORKFLOWS) -> str:
     """The workflow shapes beside Celery's canvas (``python -m bench.workflows --celery
     --json bench/results/workflows.json``), when such a run was kept; else nothing."""
@@ -977,14 +980,21 @@ def workflows_markdown(path: Path = WORKFLOWS) -> str:
             f"{fan['members_per_s']:,.0f}", f"{chain['steps_per_s']:,.0f}",
         ])  # fmt: skip
     lat, fan, chain = figures["fan_in_latency"], figures["fan_out_fan_in"], figures["chain"]
+    load = run.get("load_before")
+    quiet = isinstance(load, int | float) and load <= QUIET_LOAD
+    loads = f"1-minute load average {load} before, {run.get('load_after', '?')} after"
+    about = (
+        f"One run ({run.get('at', '?')}) on an otherwise idle machine ({loads}, on 2 cores). "
+        if quiet
+        else f"**Preliminary figures**: one run ({run.get('at', '?')}) on a machine other "
+        f"work shared ({loads}, on 2 cores); they are to be taken again on a quiet machine "
+        "(on a machine this loaded every process gets a sliver of a core: the absolute "
+        "figures are far below a quiet machine's, and the ratios are no verdict either). "
+    )
     return (
-        "\n## Workflows (issue 18): preliminary\n\n"
-        f"**Preliminary figures**: one run ({run.get('at', '?')}) on a machine other work "
-        f"shared (1-minute load average {run.get('load_before', '?')} before, "
-        f"{run.get('load_after', '?')} after, on 2 cores), smaller than the issue's sizes; "
-        "they are to be taken again on a quiet machine (on a machine this loaded every "
-        "process gets a sliver of a core: the absolute figures are far below a quiet "
-        "machine's, and the ratios are no verdict either). `python -m bench.workflows "
+        f"\n## Workflows (issue 18){'' if quiet else ': preliminary'}\n\n"
+        + about
+        + "`python -m bench.workflows "
         "--celery`: one `errands worker -c 8` against one `celery worker -P threads -c 8` "
         "(Redis as broker and result backend: a chord needs one). Fan-in latency: from a "
         f"batch's last member ending to its callback starting, {lat['batches']} batches of "
