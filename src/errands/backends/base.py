@@ -527,6 +527,18 @@ class Backend(Protocol):
         of after its warm-up delay."""
         ...
 
+    def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
+        """Dead jobs whose ``on_dead`` hooks are due for more than ``older_than`` seconds,
+        oldest first, at most ``limit`` (0: none). Records of jobs no longer dead (replayed,
+        discarded) are forgotten first. A job's death writes its record in the same
+        transaction (a trigger, migration 14), whichever path made it dead."""
+        ...
+
+    def dead_hooks_done(self, job_id: int, died_at: float) -> None:
+        """The ``on_dead`` hooks of the job's death at ``died_at`` (epoch seconds, its
+        finished_at) ran: forget that death's record (a later death keeps its own)."""
+        ...
+
     # -- cron ------------------------------------------------------------------------------
     def cron_states(self) -> list[CronState]: ...
 

@@ -706,6 +706,7 @@ class PostgresBackend(PostgresAdmin):
         else:
             with self._conn() as conn:  # one autocommit statement: one round trip
                 answers = self._finish(conn, outcomes)
+        fault_point("after_finish_commit")
         if self.workflows.take_fanned():
             fault_point("after_fan_in_commit")
         return answers
@@ -888,6 +889,20 @@ class PostgresBackend(PostgresAdmin):
         with self._conn() as conn:
             row = conn.execute(self.q["suspects_due"], {"queues": list(queues)}).fetchone()
         return bool(row and row[0])
+
+    def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
+        with self._tx() as conn:
+            conn.execute(self.q["dead_hooks_forget"], {"older_than": older_than})
+            if limit <= 0:
+                return []
+            rows = conn.execute(
+                self.q["dead_hooks_due"], {"older_than": older_than, "limit": limit}
+            ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def dead_hooks_done(self, job_id: int, died_at: float) -> None:
+        with self._conn() as conn:
+            conn.execute(self.q["dead_hooks_done"], {"job_id": job_id, "died_at": died_at})
 
     def rate_log_prune(self, older_than: float) -> int:
         with self._conn() as conn:
