@@ -91,6 +91,10 @@ class FinishParams:
     # handler ran (None: counted from the claim to this write).
     fair: bool | None = None
     ran: float | None = None
+    # Whether the job is a workflow member, as its claimed row said (True: the write goes
+    # straight to the members' path with its fan-in; None or False: it is tried as a
+    # plain job first, as a row without the column cannot tell).
+    member: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ JOB_COLUMNS_SQL = ", ".join(
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
         "j.discard_reason", "j.parent_id", "extract(epoch FROM j.unique_until)::float8",
         "j.progress", "j.progress_message", "j.wait_signal",
-        "extract(epoch FROM j.wait_until)::float8", "j.fair_key",
+        "extract(epoch FROM j.wait_until)::float8", "j.fair_key", "j.workflow_id",
     ]
 )  # fmt: skip
 
@@ -727,8 +727,10 @@ class PostgresBackend(PostgresAdmin):
                         )
             return [answers[id(o)] for o in outcomes]
         # Jobs outside workflows: one statement, as ever. Workflow members (and stale
-        # outcomes, which no statement accepts) then in a transaction with their fan-in.
-        done = self._finish_rows(conn, outcomes, members=False)
+        # outcomes, which no statement accepts) then in a transaction with their fan-in;
+        # the members known from their claimed rows go there at once.
+        others = [o for o in outcomes if not o.member]
+        done = self._finish_rows(conn, others, members=False) if others else {}
         accepted = [(o.id, o.lease_token) in done for o in outcomes]
         rest = [o for o, ok in zip(outcomes, accepted, strict=True) if not ok]
         children = [
