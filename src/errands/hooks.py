@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -35,6 +36,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
+
+from .interrupts import aim_unless_shielded
 
 log = logging.getLogger("errands.hooks")
 
@@ -176,9 +179,14 @@ class Lane:
             ]
             if not late or len(self._retired) >= STUCK_MAX:
                 return
-            for ident, _call in late:
-                self._retired.add(ident)
-                _aim(ident, HookTimeout)  # under the lock: it is still inside that call
+            aimed = []
+            for ident, call in late:
+                # Not inside errands' own store call (errands.interrupts): the next look
+                # interrupts it once it is out.
+                if aim_unless_shielded(ident, functools.partial(_aim, ident, HookTimeout)):
+                    self._retired.add(ident)  # under the lock: it is still inside that call
+                    aimed.append(call)
+            late = [(0, call) for call in aimed]
         for _ident, call in late:
             self.timed_out += 1
             log.error(

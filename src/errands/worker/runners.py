@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import functools
 import logging
 import queue
 import threading
@@ -21,11 +22,14 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
+from ..interrupts import aim_unless_shielded
+
 Done = Callable[[BaseException | None, Any], None]
 
 log = logging.getLogger("errands.worker")
 
 _STOP = object()
+SHIELD_RETRY = 0.01  # seconds: an interrupt deferred by a shield is tried again after
 _NUDGE = object()  # queued behind an urgent call: wakes an idle thread to look for it
 
 
@@ -153,8 +157,14 @@ class ThreadRunner:
         with self._lock:
             for ident, running in self._running.items():
                 if running is call:
-                    self._aimed.add(ident)
-                    _raise_in_thread(ident, HandlerInterrupt)
+                    if aim_unless_shielded(
+                        ident, functools.partial(_raise_in_thread, ident, HandlerInterrupt)
+                    ):
+                        self._aimed.add(ident)
+                    else:  # inside errands' own store call: once it is out
+                        timer = threading.Timer(SHIELD_RETRY, self.interrupt, (call,))
+                        timer.daemon = True
+                        timer.start()
                     return True
         return False
 

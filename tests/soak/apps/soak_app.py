@@ -39,12 +39,10 @@ CRON_STEP = 5.0
 CANARY_PRIORITY = 1000
 
 # Hooks: the slow one takes HOOK_SLOW s and its effect write may wait seconds for a busy
-# store, within the 6 s limit (one past it is interrupted, counted as run, and would show
-# as a hook that never ran); the leader runs the hooks of a death no worker marked done
-# within 8 s (a worker killed before it ran them).
-app = errands.App(
-    lease=LEASE, poison_after=20, retention=None, hook_timeout=6.0, dead_hooks_grace=8.0
-)
+# store, within the default 10 s limit (one past it is interrupted, counted as run, and
+# would show as a hook that never ran); the leader runs the hooks of a death no worker
+# marked done within 12 s (a worker killed before it ran them).
+app = errands.App(lease=LEASE, poison_after=20, retention=None, dead_hooks_grace=12.0)
 
 
 # -- the soak's tables, through connections of their own ------------------------------------
@@ -91,8 +89,8 @@ class Effects:
         """A connection in a transaction (committed at the end, rolled back on error)."""
         if self.sqlite:
             conn = self._sqlite()
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            try:  # BEGIN inside: an interrupt (a hook's time limit) right after it rolls back
+                conn.execute("BEGIN IMMEDIATE")
                 yield conn
                 conn.execute("COMMIT")
             except BaseException:

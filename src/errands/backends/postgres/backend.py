@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from ...errors import ConfigurationError, EnqueueUncertain, SchemaOutdated
 from ...faults import fault_point
+from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ..base import (
     RELEASED,
@@ -242,12 +243,13 @@ class PostgresBackend(PostgresAdmin):
         """A pool connection the server has not closed; ``timeout``: wait at most that
         long for one (default 30 s)."""
         try:
-            conn = checkout(self.pool, timeout)
-            try:
-                with conn:  # as pool.connection() does: commit, or roll back on error
-                    yield conn
-            finally:
-                self.pool.putconn(conn)
+            with shielded():  # no hook's or handler's interrupt lands inside (interrupts)
+                conn = checkout(self.pool, timeout)
+                try:
+                    with conn:  # as pool.connection() does: commit, or roll back on error
+                        yield conn
+                finally:
+                    self.pool.putconn(conn)
         except pg_errors.UndefinedTable as exc:
             raise SchemaOutdated(
                 f"errands' tables are missing in schema {self.schema!r} of "

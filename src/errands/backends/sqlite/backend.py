@@ -31,6 +31,7 @@ from ...errors import (
     StorageFull,
 )
 from ...faults import fault_point
+from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from .. import redact_url
 from ..base import (
@@ -282,6 +283,12 @@ class SQLiteBackend(SQLiteAdmin):
         completion loops, taking it again and again, could keep a heartbeat out past its
         lease; it tries for the file directly, between their transactions.
         """
+        # no hook's or handler's interrupt lands while the lock is held (errands.interrupts)
+        with shielded(), self._write_unshielded(timeout) as conn:
+            yield conn
+
+    @contextmanager
+    def _write_unshielded(self, timeout: float | None) -> Iterator[sqlite3.Connection]:
         conn = self._conn()
         started = time.monotonic()
         lock = self._memory_lock or (self._writer if timeout is None else None)
@@ -316,13 +323,14 @@ class SQLiteBackend(SQLiteAdmin):
     def _read(self) -> Iterator[sqlite3.Connection]:
         conn = self._conn()
         lock = self._memory_lock
-        if lock is not None:
-            lock.acquire()
-        try:
-            yield conn
-        finally:
+        with shielded():
             if lock is not None:
-                lock.release()
+                lock.acquire()
+            try:
+                yield conn
+            finally:
+                if lock is not None:
+                    lock.release()
 
     # -- schema ----------------------------------------------------------------------
     def _applied_version(self, conn: sqlite3.Connection) -> int:
