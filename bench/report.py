@@ -968,6 +968,10 @@ WORKFLOW_PEERS = (
 )
 
 
+def _rate(value: float) -> str:
+    return f"{value:,.1f}" if value < 10 else f"{value:,.0f}"
+
+
 def _ratio(value: float, by: float) -> str:
     return f"{value / by:,.1f}x" if by > 0 else "—"
 
@@ -991,7 +995,7 @@ def workflows_markdown(path: Path = WORKFLOWS) -> str:
         peer_lat, peer_fan, peer_chain = f["fan_in_latency"], f["fan_out_fan_in"], f["chain"]
         rows.append([
             name, f"{peer_lat['p50_ms']:.1f}", f"{peer_lat['p99_ms']:.1f}",
-            f"{peer_fan['members_per_s']:,.0f}", f"{peer_chain['steps_per_s']:,.0f}",
+            _rate(peer_fan["members_per_s"]), _rate(peer_chain["steps_per_s"]),
         ])  # fmt: skip
         if f is not figures:
             ratios.append([

@@ -230,8 +230,8 @@ def _print(title: str, figures: dict[str, Any]) -> None:
         f"{latency['p99_ms']:.1f} ms, max {latency['max_ms']:.1f} ms"
     )
     fan = figures["fan_out_fan_in"]
-    print(f"1 -> {fan['width']} -> 1 fan-out/fan-in: {fan['members_per_s']:.0f} members/s")
-    print(f"{figures['chain']['steps']}-step chain: {figures['chain']['steps_per_s']:.0f} steps/s")
+    print(f"1 -> {fan['width']} -> 1 fan-out/fan-in: {fan['members_per_s']:.1f} members/s")
+    print(f"{figures['chain']['steps']}-step chain: {figures['chain']['steps_per_s']:.1f} steps/s")
 
 
 def main(argv: list[str] | None = None) -> int:

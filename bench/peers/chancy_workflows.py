@@ -8,9 +8,10 @@ workflows (``chancy.plugins.workflow``: a ``Workflow`` of steps with ``dependenc
 advanced by the leader worker's ``WorkflowPlugin``) express every shape:
 
 - **fan-in latency**: a workflow of ``--width`` no-op members and a callback step that
-  depends on them all, one at a time: from the last member's completion (its
-  ``completed_at``, which Chancy's executor stamps when the handler returns) to the
-  callback's handler starting (``time.time()`` in the worker; one machine);
+  depends on them all, one at a time, each after a random pause of up to one update
+  period (below): from the last member's completion (its ``completed_at``, which
+  Chancy's executor stamps when the handler returns) to the callback's handler starting
+  (``time.time()`` in the worker; one machine);
 - **fan-out/fan-in**: a root step, ``--fan`` members that depend on it, a last step that
   depends on them all: members per second from the push to the last step's completion;
 - **chain**: ``--chain`` steps each depending on the one before (what Chancy's
@@ -35,6 +36,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -117,9 +119,16 @@ class Driver:
                 raise TimeoutError(f"the callback of {tag} never started")
             await asyncio.sleep(0.005)
 
-    async def fan_in_latency(self, batches: int, width: int, prefix: str) -> list[float]:
+    async def fan_in_latency(
+        self, batches: int, width: int, prefix: str, updates_s: float
+    ) -> list[float]:
         waits = []
         for n in range(batches):
+            # The worker writes finished jobs' states every ``updates_s``: a batch pushed
+            # the moment the one before it ended would end just after such a write, every
+            # time, and wait a whole period for the next. A random pause first samples
+            # the timer's phase evenly, as work that arrives on its own would.
+            await asyncio.sleep(random.uniform(0, updates_s))
             tag = f"{prefix}-{n}"
             wf = Workflow(tag)
             members = [f"m{i:05d}" for i in range(width)]
@@ -211,8 +220,9 @@ async def run(
             try:
                 driver = Driver(chancy, folder)
                 await driver.wait_leader(worker_id, 300)
-                await driver.fan_in_latency(2, width, "warm")  # warm up
-                waits = await driver.fan_in_latency(batches, width, "latency")
+                period = 1.0 if updates_s is None else updates_s  # Chancy's default: 1 s
+                await driver.fan_in_latency(2, width, "warm", period)  # warm up
+                waits = await driver.fan_in_latency(batches, width, "latency", period)
                 fan_rate = await driver.fan_out_fan_in(fan)
                 chain_rate = await driver.chain(length)
             except BaseException:

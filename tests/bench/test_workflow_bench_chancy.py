@@ -58,7 +58,7 @@ def test_the_benchmarks_page_shows_chancy_beside_errands_with_the_ratios(
     page = workflows_markdown(kept)
     assert "`python -m bench.workflows --celery --chancy`" in page
     assert "**Small sizes** (`--quick`" in page
-    assert "| chancy | 900.0 | 1800.0 | 40 | 2 |" in page
+    assert "| chancy | 900.0 | 1800.0 | 40 | 2.0 |" in page
     assert "| chancy, updates every 50 ms | 50.0 | 100.0 | 200 | 20 |" in page
     # latency: the peer's over errands'; rates: errands' over the peer's
     assert "| chancy | 180.0x | 180.0x | 25.0x | 50.0x |" in page
