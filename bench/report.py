@@ -1021,8 +1021,10 @@ def workflows_markdown(path: Path = WORKFLOWS) -> str:
             "and 1,000 steps; rates at these sizes include more of the start-up). "
         )
     chancy_text = (
-        " Chancy 0.26 (its own database; one worker, `AsyncExecutor`, concurrency 8, "
-        "eager polling, as its docs advise for many light jobs) runs each shape as a "
+        " Chancy 0.26 (its own database; one worker, concurrency 8, the `AsyncExecutor` "
+        "its docs give for I/O-bound async jobs and the `eager_polling` they give for "
+        "queues whose jobs are continuously available; the pages are cited in "
+        "bench/systems.py) runs each shape as a "
         "`Workflow` whose steps list their `dependencies` (the fan-in's callback depends "
         "on every member; a chain is what its `Sequence` builds): every shape is "
         "expressible. Its leader worker advances a workflow when a finished job's state "
