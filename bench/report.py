@@ -960,26 +960,50 @@ def waiting_markdown(path: Path = WAITING) -> str:
 QUIET_LOAD = 2.5  # a 1-minute load average at most this on 2 cores: nothing else ran
 
 
+# The peers a workflows run may hold, under their key: the name of their row.
+WORKFLOW_PEERS = (
+    ("celery", "celery"),
+    ("chancy", "chancy"),
+    ("chancy_fast_updates", "chancy, updates every 50 ms"),
+)
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.1f}" if value < 10 else f"{value:,.0f}"
+
+
+def _ratio(value: float, by: float) -> str:
+    return f"{value / by:,.1f}x" if by > 0 else "—"
+
+
 def workflows_markdown(path: Path = WORKFLOWS) -> str:
-    """The workflow shapes beside Celery's canvas (``python -m bench.workflows --celery
-    --json bench/results/workflows.json``), when such a run was kept; else nothing."""
+    """The workflow shapes beside Celery's canvas and Chancy's workflows (``python -m
+    bench.workflows --celery --chancy --json bench/results/workflows.json``), when such a
+    run was kept; else nothing."""
     if not path.exists():
         return ""
     import json
 
     figures = json.loads(path.read_text())
     run = figures.get("run", {})
-    rows = []
+    rows, ratios = [], []
     errands = "errands-" + run.get("store", "?")
-    for name, f in ((errands, figures), ("celery", figures.get("celery"))):
+    lat, fan, chain = figures["fan_in_latency"], figures["fan_out_fan_in"], figures["chain"]
+    for name, f in ((errands, figures), *((n, figures.get(k)) for k, n in WORKFLOW_PEERS)):
         if f is None:
             continue
-        lat, fan, chain = f["fan_in_latency"], f["fan_out_fan_in"], f["chain"]
+        peer_lat, peer_fan, peer_chain = f["fan_in_latency"], f["fan_out_fan_in"], f["chain"]
         rows.append([
-            name, f"{lat['p50_ms']:.1f}", f"{lat['p99_ms']:.1f}",
-            f"{fan['members_per_s']:,.0f}", f"{chain['steps_per_s']:,.0f}",
+            name, f"{peer_lat['p50_ms']:.1f}", f"{peer_lat['p99_ms']:.1f}",
+            _rate(peer_fan["members_per_s"]), _rate(peer_chain["steps_per_s"]),
         ])  # fmt: skip
-    lat, fan, chain = figures["fan_in_latency"], figures["fan_out_fan_in"], figures["chain"]
+        if f is not figures:
+            ratios.append([
+                name, _ratio(peer_lat["p50_ms"], lat["p50_ms"]),
+                _ratio(peer_lat["p99_ms"], lat["p99_ms"]),
+                _ratio(fan["members_per_s"], peer_fan["members_per_s"]),
+                _ratio(chain["steps_per_s"], peer_chain["steps_per_s"]),
+            ])  # fmt: skip
     load = run.get("load_before")
     quiet = isinstance(load, int | float) and load <= QUIET_LOAD
     loads = f"1-minute load average {load} before, {run.get('load_after', '?')} after"
@@ -991,17 +1015,40 @@ def workflows_markdown(path: Path = WORKFLOWS) -> str:
         "(on a machine this loaded every process gets a sliver of a core: the absolute "
         "figures are far below a quiet machine's, and the ratios are no verdict either). "
     )
+    if run.get("quick"):
+        about += (
+            "**Small sizes** (`--quick`: the full sizes are 200 batches, 1 → 10,000 → 1 "
+            "and 1,000 steps; rates at these sizes include more of the start-up). "
+        )
+    chancy_text = (
+        " Chancy 0.26 (its own database; one worker, concurrency 8, the `AsyncExecutor` "
+        "its docs give for I/O-bound async jobs and the `eager_polling` they give for "
+        "queues whose jobs are continuously available; the pages are cited in "
+        "bench/systems.py) runs each shape as a "
+        "`Workflow` whose steps list their `dependencies` (the fan-in's callback depends "
+        "on every member; a chain is what its `Sequence` builds): every shape is "
+        "expressible. Its leader worker advances a workflow when a finished job's state "
+        "reaches the database, which a Chancy worker writes in batches every second as "
+        "shipped; the second Chancy row writes them every 50 ms (`send_outgoing_interval`"
+        ", a documented worker attribute; no figure is documented)."
+        if any(k.startswith("chancy") for k in figures)
+        else ""
+    )
+    command = " ".join(
+        ["python -m bench.workflows"] + [f"--{k}" for k in ("celery", "chancy") if k in figures]
+    )
     return (
         f"\n## Workflows (issue 18){'' if quiet else ': preliminary'}\n\n"
         + about
-        + "`python -m bench.workflows "
-        "--celery`: one `errands worker -c 8` against one `celery worker -P threads -c 8` "
+        + f"`{command}`: one `errands worker -c 8` against one `celery worker -P threads -c 8` "
         "(Redis as broker and result backend: a chord needs one). Fan-in latency: from a "
         f"batch's last member ending to its callback starting, {lat['batches']} batches of "
         f"{lat['width']} one at a time (Celery: a `chord`); fan-out/fan-in: 1 → "
         f"{fan['width']:,} → 1, members per second from the enqueue to the last one done "
         f"(Celery: `chain(a, chord([...], body))`); chain: {chain['steps']:,} steps "
-        "(Celery: `chain`).\n\n"
+        "(Celery: `chain`)."
+        + chancy_text
+        + "\n\n"
         + _md_table(
             [
                 "system",
@@ -1011,6 +1058,22 @@ def workflows_markdown(path: Path = WORKFLOWS) -> str:
                 "chain steps/s",
             ],
             rows,
+        )
+        + (
+            "\nerrands against each peer (latency: the peer's ÷ errands'; rates: errands' "
+            "÷ the peer's; above 1x errands is ahead):\n\n"
+            + _md_table(
+                [
+                    "peer",
+                    "fan-in p50",
+                    "fan-in p99",
+                    "fan-out/fan-in",
+                    "chain",
+                ],
+                ratios,
+            )
+            if ratios
+            else ""
         )
     )
 

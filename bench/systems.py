@@ -320,8 +320,50 @@ SYSTEMS: tuple[System, ...] = (
 )
 
 
+# Peers of one benchmark only, not of `make bench`'s throughput runs (no adapter there).
+WORKFLOW_PEERS: tuple[System, ...] = (
+    System(
+        "chancy",
+        "postgres",
+        "chancy_workflows.py",  # bench.workflows --chancy
+        ("chancy==0.26.0", "psycopg[binary,pool]"),
+        packages=("chancy", "psycopg", "psycopg-pool"),
+        compare_to="errands-pg",
+        configs=(
+            Config(
+                "documented",
+                "best",
+                "one `Worker`, queue `Queue('bench_wf', concurrency=8, "
+                "executor=Chancy.Executor.Async, eager_polling=True)`, log level WARNING; "
+                "job updates written in batches every 1 s (`send_outgoing_interval`, "
+                "as shipped)",
+                "Chancy docs: executors (https://tkte.ch/chancy/chancy.executors.html): "
+                "AsyncExecutor for I/O-bound jobs, no process overhead; Queue.eager_polling "
+                "(https://tkte.ch/chancy/chancy.queue.html): poll again as soon as a slot "
+                "frees, for continuously available jobs; concurrency 8 = the errands and "
+                "Celery workers of bench.workflows",
+                {"send_outgoing_interval": None},
+            ),
+            Config(
+                "fast-updates",
+                "best",
+                "the same with `worker.send_outgoing_interval = 0.05` (job updates, and "
+                "so workflow progress, written every 50 ms instead of every second)",
+                "Chancy docs, Worker.send_outgoing_interval (https://tkte.ch/chancy/"
+                "chancy.worker.html): 'the number of seconds between sending outgoing "
+                "updates to the database'; chancy/worker.py _maintain_updates: updates "
+                "are batched to save transactions and 'the frequency of these updates "
+                "can be controlled by setting the send_outgoing_interval attribute'; no "
+                "figure is documented, 50 ms is ours",
+                {"send_outgoing_interval": 0.05},
+            ),
+        ),
+    ),
+)
+
+
 def by_name(name: str) -> System:
-    for system in SYSTEMS:
+    for system in SYSTEMS + WORKFLOW_PEERS:
         if system.name == name:
             return system
     raise KeyError(name)

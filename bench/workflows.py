@@ -14,6 +14,12 @@ A separate ``errands worker`` process (``-c 8``) serves the jobs; this process e
 ``chord`` with Redis as broker and result backend, a ``chain``; ``celery worker -P threads
 -c 8``), in Celery's bench venv.
 
+``--chancy`` runs them in Chancy's workflows too (bench/peers/chancy_workflows.py: a
+``Workflow`` whose steps list their ``dependencies``; one Chancy worker, ``AsyncExecutor``,
+concurrency 8, eager polling), in Chancy's bench venv and its own database
+(``--chancy-url``, default ``bench_chancy``, made afresh), twice: with the worker's job
+updates batched every second as shipped, then every 50 ms (``send_outgoing_interval``).
+
 ::
 
     python -m bench.workflows                                   # PostgreSQL on 127.0.0.1
@@ -35,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import errands
 
@@ -175,6 +181,46 @@ def celery(redis_url: str, *, batches: int, width: int, fan: int, steps: int) ->
     return _figures(raw["waits"], width, fan, raw["fan_rate"], steps, raw["chain_rate"])
 
 
+CHANCY_URL = "postgresql://postgres@127.0.0.1:5432/bench_chancy"
+
+
+def chancy(
+    url: str,
+    *,
+    batches: int,
+    width: int,
+    fan: int,
+    steps: int,
+    send_outgoing_interval: float | None = None,
+) -> dict[str, Any]:
+    """The same shapes as Chancy workflows (bench/peers/chancy_workflows.py), in Chancy's
+    bench venv (made on first use, bench.systems), against the database at ``url``, which
+    is dropped and made afresh (named ``bench_...``: ``$BENCH_DB_PREFIX`` applies)."""
+    from .run import Postgres
+    from .systems import PEERS, by_name, python_for
+
+    parts = urlsplit(url)
+    server = Postgres(urlunsplit(parts._replace(path="/postgres", query="")))
+    db = server.name(parts.path.lstrip("/"))
+    server.recreate(db)
+    python = python_for(by_name("chancy"))
+    argv = [python, str(PEERS / "chancy_workflows.py"), "--batches", str(batches),
+            "--width", str(width), "--fan", str(fan), "--chain", str(steps)]  # fmt: skip
+    if send_outgoing_interval is not None:
+        argv += ["--send-outgoing-interval", str(send_outgoing_interval)]
+    env = {**os.environ, "BENCH_CHANCY_URL": server.url(db)}
+    try:
+        done = subprocess.run(
+            argv, cwd=PEERS, env=env, capture_output=True, text=True, timeout=7200, check=False
+        )
+    finally:
+        server.drop(db)
+    if done.returncode != 0:
+        raise RuntimeError(f"the Chancy run failed: {done.stderr[-3000:]}")
+    raw = json.loads(done.stdout.strip().splitlines()[-1])
+    return _figures(raw["waits"], width, fan, raw["fan_rate"], steps, raw["chain_rate"])
+
+
 def _print(title: str, figures: dict[str, Any]) -> None:
     latency = figures["fan_in_latency"]
     print(title)
@@ -184,8 +230,8 @@ def _print(title: str, figures: dict[str, Any]) -> None:
         f"{latency['p99_ms']:.1f} ms, max {latency['max_ms']:.1f} ms"
     )
     fan = figures["fan_out_fan_in"]
-    print(f"1 -> {fan['width']} -> 1 fan-out/fan-in: {fan['members_per_s']:.0f} members/s")
-    print(f"{figures['chain']['steps']}-step chain: {figures['chain']['steps_per_s']:.0f} steps/s")
+    print(f"1 -> {fan['width']} -> 1 fan-out/fan-in: {fan['members_per_s']:.1f} members/s")
+    print(f"{figures['chain']['steps']}-step chain: {figures['chain']['steps_per_s']:.1f} steps/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +245,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     parser.add_argument(
         "--celery", action="store_true", help="also run the same shapes in Celery (chords)"
+    )
+    parser.add_argument(
+        "--chancy",
+        action="store_true",
+        help="also run the same shapes in Chancy's workflows (PostgreSQL), at its "
+        "documented settings and with job updates every 50 ms",
+    )
+    parser.add_argument(
+        "--chancy-url",
+        default=os.environ.get("BENCH_CHANCY_URL", CHANCY_URL),
+        help="Chancy's own database (dropped and made afresh)",
     )
     parser.add_argument(
         "--redis-url",
@@ -241,6 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         _print("Celery canvas, Redis broker and result backend (worker -P threads -c 8)", peer)
         figures = {**figures, "celery": peer}
+    if args.chancy:
+        sizes = {"batches": args.batches, "width": args.width, "fan": args.fan,
+                 "steps": args.chain}  # fmt: skip
+        peer = chancy(args.chancy_url, **sizes)
+        _print("Chancy workflows, PostgreSQL (AsyncExecutor, concurrency 8, eager polling; "
+               "job updates every 1 s, as shipped)", peer)  # fmt: skip
+        fast = chancy(args.chancy_url, **sizes, send_outgoing_interval=0.05)
+        _print("Chancy workflows, the same with job updates every 50 ms", fast)
+        figures = {**figures, "chancy": peer, "chancy_fast_updates": fast}
     if args.json is not None:
         figures["run"] = {
             "at": started,
