@@ -76,11 +76,14 @@ FULL_WORKFLOWS = Sizes(batches=1000, batch_size=100, dags=200)
 
 def workflow_sizes(default: Sizes) -> Sizes:
     """``default``, with what SOAK_WF_BATCHES, SOAK_WF_BATCH_SIZE, SOAK_WF_DAGS say."""
-    return Sizes(
+    sizes = Sizes(
         batches=int(os.environ.get("SOAK_WF_BATCHES", default.batches)),
         batch_size=int(os.environ.get("SOAK_WF_BATCH_SIZE", default.batch_size)),
         dags=int(os.environ.get("SOAK_WF_DAGS", default.dags)),
     )
+    if min(sizes.batches, sizes.dags) < 0 or sizes.batch_size < 1:
+        raise ValueError(f"SOAK_WF_*: counts >= 0 and a batch size >= 1, got {sizes}")
+    return sizes
 
 
 @dataclass
