@@ -63,12 +63,17 @@ if TYPE_CHECKING:
     from .worker.worker import Worker
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 log = logging.getLogger("errands")
 
 LEASE_DEFAULT = 30.0
 RETENTION_DEFAULT = timedelta(days=7)
 POISON_AFTER_DEFAULT = 3
 DEAD_JOB_RETRY_FOR = 2.0  # seconds the on_dead hooks retry reading their job (transient errors)
+# The leader runs the on_dead hooks of a death that no worker marked done within
+# max(DEAD_HOOKS_GRACE_MIN, DEAD_HOOKS_GRACE_TIMEOUTS * hook_timeout) seconds.
+DEAD_HOOKS_GRACE_MIN = 60.0
+DEAD_HOOKS_GRACE_TIMEOUTS = 3
 DEFAULT_QUEUE = "default"
 PENDING_STATES = ("scheduled", "available", "running", "retryable")
 
@@ -106,6 +111,7 @@ class App:
         retention: float | timedelta = RETENTION_DEFAULT,
         poison_after: int = POISON_AFTER_DEFAULT,
         hook_timeout: float | timedelta = HOOK_TIMEOUT_DEFAULT,
+        dead_hooks_grace: float | timedelta | None = None,
     ) -> None:
         self.url = url or os.environ.get("ERRANDS_URL") or SQLITE_URL_DEFAULT
         self.default_queue = check_name("queue", default_queue)
@@ -129,8 +135,21 @@ class App:
             )
         # on_dead hooks and event subscribers: off the worker's own threads (errands.hooks)
         self.hooks = HookRunner(limit)
+        grace = seconds(dead_hooks_grace, "dead_hooks_grace")
+        if grace is None:
+            grace = max(DEAD_HOOKS_GRACE_MIN, DEAD_HOOKS_GRACE_TIMEOUTS * limit)
+        if grace <= limit:
+            raise ConfigurationError(
+                f"App(dead_hooks_grace={dead_hooks_grace!r}): the leader runs the on_dead "
+                "hooks of a death its worker did not mark done within this many seconds, so "
+                f"it must exceed hook_timeout ({limit:g} s), or every slow hook runs twice"
+            )
+        # after this long, the leader runs the hooks of a death no worker marked done
+        self.dead_hooks_grace = grace
         self.registry: dict[str, JobDefinition[Any, Any]] = {}
         self.dead_hooks: list[DeadHook] = []
+        self._dead_hooks_queued: set[int] = set()  # job ids whose hooks wait on the lane
+        self._dead_hooks_lock = threading.Lock()
         self.queues: dict[str, QueueSettings] = {}
         self.schedules: dict[str, Periodic] = {}
         self.events = EventBus(self.hooks)
@@ -444,47 +463,92 @@ class App:
         outcomes or rescue jobs; each may run ``hook_timeout`` seconds (App option,
         default 10 s), after which it is interrupted and logged, and the next one runs.
         A hook that raises is logged and changes nothing.
+
+        At least once per death: the death and the record that its hooks are due are one
+        write; the worker that runs them deletes the record, and the maintenance leader
+        runs the hooks of a record older than ``dead_hooks_grace`` (the worker died, or
+        fell that far behind). So a crash never loses them, and may run them twice.
         """
         self.dead_hooks.append(fn)
         return fn
 
     def dead_hooks_later(self, job_id: int) -> None:
-        """Queue the ``on_dead`` hooks of a job that just died (the worker and the
-        maintenance leader call this; it never waits for the hooks)."""
-        if self.dead_hooks:
-            self.hooks.lane("dead").submit(
-                self.run_dead_hooks, job_id, what=f"on_dead hooks of job {job_id}"
-            )
+        """Queue the ``on_dead`` hooks of a job that died (the worker and the maintenance
+        leader call this; it never waits for the hooks). A job's hooks already queued in
+        this process are not queued twice."""
+        if not self.dead_hooks:
+            return
+        with self._dead_hooks_lock:
+            if job_id in self._dead_hooks_queued:
+                return
+            self._dead_hooks_queued.add(job_id)
+        future = self.hooks.lane("dead").submit(
+            self.run_dead_hooks, job_id, what=f"on_dead hooks of job {job_id}"
+        )
+        if future is None:  # the lane is full (logged): the leader runs them after the grace
+            with self._dead_hooks_lock:
+                self._dead_hooks_queued.discard(job_id)
 
     def run_dead_hooks(self, job_id: int) -> None:
         """Call every ``on_dead`` hook with the job, here and now; a failing hook is logged,
-        not fatal."""
-        if not self.dead_hooks:
-            return
+        not fatal. Then mark the death's hooks done in the store, even when a hook failed
+        or ran past its time limit (a hook that hangs is not run again and again); only a
+        crash before that leaves the record for the leader."""
         try:
-            job = self._dead_job(job_id)
-        except Exception:
-            log.exception("could not load dead job %s for the on_dead hooks", job_id)
-            return
-        for hook in self.dead_hooks:
+            if not self.dead_hooks:
+                return
             try:
-                hook(job)
+                job = self._dead_job(job_id)
             except Exception:
-                log.exception("on_dead hook %r failed for job %s", hook, job_id)
+                log.exception("could not load dead job %s for the on_dead hooks", job_id)
+                return
+            if job.state != "dead":  # replayed (or discarded) since: nothing to tell
+                return
+            try:
+                for hook in self.dead_hooks:
+                    try:
+                        hook(job)
+                    except Exception:
+                        log.exception("on_dead hook %r failed for job %s", hook, job_id)
+            finally:
+                self._dead_hooks_done(job)
+        finally:
+            with self._dead_hooks_lock:
+                self._dead_hooks_queued.discard(job_id)
+
+    def _dead_hooks_done(self, job: Job) -> None:
+        if job.finished_at is None:
+            return
+        died_at = job.finished_at.timestamp()
+        try:
+            self._retrying_blips(
+                f"mark the on_dead hooks of job {job.id} done",
+                lambda: self.backend.dead_hooks_done(job.id, died_at),
+            )
+        except Exception as exc:  # the leader runs them again after the grace
+            log.warning(
+                "could not mark the on_dead hooks of job %s done (%s): they may run again",
+                job.id,
+                exc,
+            )
 
     def _dead_job(self, job_id: int) -> Job:
-        """The dead job for its hooks, read again while the store errs transiently (a
-        killed session, a busy SQLite file) for up to DEAD_JOB_RETRY_FOR seconds, and at
-        most half the hooks' time limit: one blip must not drop every hook of the job."""
+        """The dead job for its hooks (see :meth:`_retrying_blips`)."""
+        return self._retrying_blips(f"load dead job {job_id}", lambda: self.get_job(job_id))
+
+    def _retrying_blips(self, what: str, call: Callable[[], T]) -> T:
+        """``call()``, made again while the store errs transiently (a killed session, a
+        busy SQLite file) for up to DEAD_JOB_RETRY_FOR seconds, and at most half the
+        hooks' time limit: one blip must not drop (or repeat) every hook of a job."""
         give_up = time.monotonic() + min(DEAD_JOB_RETRY_FOR, self.hooks.hook_timeout / 2)
         pause = 0.05
         while True:
             try:
-                return self.get_job(job_id)
+                return call()
             except Exception as exc:
                 if not is_transient(exc) or time.monotonic() + pause > give_up:
                     raise
-                log.warning("could not load dead job %s (%s); retrying", job_id, exc)
+                log.warning("could not %s (%s); retrying", what, exc)
             time.sleep(pause)
             pause *= 2
 

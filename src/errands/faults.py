@@ -1,7 +1,8 @@
 """The fault-point hook: named places on the worker's and the backends' paths where a
 test can make the process crash, to prove a recovery path.
 
-The points (``after_step``, ``before_complete_commit``, ``after_complete_commit``, and the
+The points (``after_step``, ``before_complete_commit``, ``after_complete_commit``,
+``after_finish_commit``, and the
 workflow fan-in's ``before_fan_in``, ``before_callback_insert``, ``after_fan_in_commit``) call
 :func:`fault_point`, which does nothing unless the point is armed: disarmed, it costs one
 dictionary lookup. They are armed
@@ -35,8 +36,9 @@ DIR_ENV = "ERRANDS_FAULT_DIR"
 CRASH_EXIT_CODE = 86
 POINTS = (
     "after_step",
-    "before_complete_commit",
-    "after_complete_commit",
+    "before_complete_commit",  # ctx.transaction(): the outcome written, not yet committed
+    "after_complete_commit",  # ... committed
+    "after_finish_commit",  # the completer's batch of outcomes committed (their hooks next)
     # the workflow fan-in (errands.backends.workflow_store): a member's end written, its
     # fan-in about to run; a workflow settling, its callbacks about to be inserted (both
     # inside the transaction); and a finish that fanned in, just after its commit

@@ -177,6 +177,8 @@ class JobRow:
     wait_signal: str | None = None
     wait_until: float | None = None
     fair_key: str | None = None  # the job's key in a fair queue (the fold needs to know)
+    # its workflow (PostgreSQL rows; None on SQLite, whose finish does not need it)
+    workflow_id: int | None = None
 
     def to_job(self) -> Job:
         return Job(

@@ -255,7 +255,9 @@ class Cluster:
         env.update(extra)
         return env
 
-    def spawn(self, args: Sequence[str], label: str | None = None) -> Proc:
+    def spawn(
+        self, args: Sequence[str], label: str | None = None, env: dict[str, str] | None = None
+    ) -> Proc:
         self._counter += 1
         label = label or f"proc{self._counter}"
         stem = f"{self._counter:02d}-{label}"
@@ -268,7 +270,7 @@ class Cluster:
             stdout=out,
             stderr=err,
             cwd=self.folder,
-            env=self.env(),
+            env=self.env(**(env or {})),
             preexec_fn=_die_with_parent,
         )
         proc = Proc(label, list(args), popen, out_path, err_path, [out, err])
@@ -282,6 +284,7 @@ class Cluster:
         label: str = "worker",
         ready: bool = True,
         leader: bool = False,
+        env: dict[str, str] | None = None,
     ) -> Proc:
         """``errands worker APP --poll-interval 0.05 --maintenance-tick 0.2 *options``.
 
@@ -289,7 +292,7 @@ class Cluster:
         the test knows it claims from now on; with ``leader`` also until the leaders table
         names it the maintenance leader.
         """
-        proc = self.spawn(["worker", app, *WORKER_FLAGS, *options], label)
+        proc = self.spawn(["worker", app, *WORKER_FLAGS, *options], label, env)
         if ready:
             text = proc.wait_log(_STARTED.pattern, timeout=20)
             match = _STARTED.search(text)

@@ -568,3 +568,34 @@ def test_pruning_deletes_settled_workflows_past_the_retention_and_keeps_running_
     assert backend.workflow_members(settled.id) == []
     assert backend.workflow_get(running.id) is not None
     assert [m.node for m in backend.workflow_members(running.id)] == ["a", "b"]
+
+
+def test_an_outcome_marked_as_a_members_lands_fans_in_and_stays_fenced(
+    backend: Backend, harness: Harness
+) -> None:
+    """A worker marks a member's outcome as a member's (from its claimed row), so the write
+    goes straight to the members' path: it lands and fans in once; a stale attempt's
+    outcome so marked is still refused, and a plain job's outcome with or without the mark
+    lands as ever."""
+    backend.workflow_insert(batch(2))
+    first, last = claim_all(backend)
+    harness.expire_lease(backend, first.id)
+    rescue = RescueParams(first.id, first.lease_token or "", "retryable", error(), 0.0)
+    assert backend.job_rescue_many([rescue]) == [True]
+    current = claim_one(backend, suspects=True)
+
+    def marked(row: JobRow) -> FinishParams:
+        return FinishParams(row.id, row.lease_token or "", "completed", member=True)
+
+    assert backend.job_finish_many([marked(first)]) == [False]  # stale: refused
+    assert backend.job_finish_many([marked(current), marked(last)]) == [True, True]
+    assert callbacks(backend) == ["on_settled", "on_success"]
+    assert backend.job_finish_many([marked(last)]) == [False]  # delivered again: nothing
+
+    plain_id = backend.job_insert_many([request()])[0].id
+    plain = claim_one(backend)
+    assert plain.id == plain_id
+    assert backend.job_finish_many(
+        [FinishParams(plain.id, plain.lease_token or "", "completed", member=False)]
+    ) == [True]
+    assert get(backend, plain_id).state == "completed"

@@ -81,8 +81,9 @@ SWEEP: dict[str, Swept] = {
     "tx_rollback": Swept("running"),
     "signal_get": Swept("running"),  # ctx.wait_for_signal
     "workflow_parent_results": Swept("running"),  # ctx.parent_results
-    # on_dead hooks (App.run_dead_hooks)
+    # on_dead hooks (App.run_dead_hooks), then their record (a failure: they run again later)
     "job_get": Swept("running"),
+    "dead_hooks_done": Swept("running"),
     # the maintenance leader: election, rescue, promotion, cron, pruning
     "leader_attempt_elect": Swept("running"),
     "job_list_expired": Swept("running"),
@@ -98,6 +99,7 @@ SWEEP: dict[str, Swept] = {
     "rate_log_prune": Swept("running"),
     "job_prune": Swept("running"),
     "workflow_prune": Swept("running"),
+    "dead_hooks_due": Swept("running"),  # the leader's look for hooks no worker ran
     # a graceful stop: each made once
     "job_release_many": Swept("stopping", 1),
     "leader_resign": Swept("stopping", 1),

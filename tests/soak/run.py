@@ -247,8 +247,9 @@ def drain(store: Store, cluster: Cluster, timeout: float) -> tuple[float, float]
     """Wait until every job inserted so far is terminal, and every job inserted since
     too except cron's (cron keeps adding slots): a workflow whose last member ends
     during the drain inserts its callbacks then, and they must run before the workers
-    stop (a CI-sized run once stopped them with two callbacks still available); returns
-    (the moment the drain began, seconds it took)."""
+    stop (a CI-sized run once stopped them with two callbacks still available); then until
+    every death's on_dead hooks ran; returns (the moment the drain began, seconds it
+    took)."""
     since = time.time()
     begun = time.monotonic()
     marks = ", ".join(f"'{s}'" for s in TERMINAL)
@@ -260,6 +261,13 @@ def drain(store: Store, cluster: Cluster, timeout: float) -> tuple[float, float]
             (since, CRON_JOB),
         )
         if not left:
+            break
+        time.sleep(0.1)
+    # Then the on_dead hooks of every death: a worker killed before it ran them left their
+    # record, which the leader takes over after the app's grace (soak_app: 6 s).
+    while time.monotonic() - begun < timeout:
+        cluster.supervise()
+        if not store.scalar("SELECT count(*) FROM {s}errands_dead_hooks"):
             break
         time.sleep(0.1)
     return since, time.monotonic() - begun

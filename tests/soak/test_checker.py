@@ -138,3 +138,18 @@ def test_a_late_rescued_claim_is_told_apart_by_whether_a_fresher_job_went_ahead_
     assert _passed_over(late, jobs, older, rescued_before) == "0 of 1"
     fresher = [*older, claimed(3, 11.0, 13.0)]  # job 3 due after it, claimed ahead of it
     assert _passed_over(late, jobs, fresher, rescued_before) == "1 of 1"
+
+
+def test_a_dead_job_whose_on_dead_hooks_never_ran_is_a_violation() -> None:
+    """Hooks run at least once per death (the leader takes over a killed worker's): a
+    dead job with no hook row fails A7; one run twice is reported, not failed."""
+    jobs = {1: job(1, "soak.doomed", "dead", 1, []), 2: job(2, "soak.hooked", "dead", 1, []),
+            3: job(3, "soak.doomed", "dead", 1, [])}  # fmt: skip
+    rows = {1: [run(1, 1, None, kind="hook")],
+            2: [run(2, 1, None, kind="hook"), run(2, 1, None, kind="hook")]}  # fmt: skip
+    out = Findings()
+    shapes._hooks(out, jobs, rows)
+    assert [v for v in out.violations if v.startswith("A7")] == [
+        "A7: 1 dead job(s) whose on_dead hooks never ran e.g. [3]"
+    ], out.violations
+    assert out.figures["on_dead hooks run more than once for a job"] == 1

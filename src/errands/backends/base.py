@@ -91,6 +91,10 @@ class FinishParams:
     # handler ran (None: counted from the claim to this write).
     fair: bool | None = None
     ran: float | None = None
+    # Whether the job is a workflow member, as its claimed row said (True: the write goes
+    # straight to the members' path with its fan-in; None or False: it is tried as a
+    # plain job first, as a row without the column cannot tell).
+    member: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -525,6 +529,18 @@ class Backend(Protocol):
         """Whether a rescued job (a suspect) is due in one of ``queues``: a worker whose
         suspects' child processes are not started yet starts them at once then, instead
         of after its warm-up delay."""
+        ...
+
+    def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
+        """Dead jobs whose ``on_dead`` hooks are due for more than ``older_than`` seconds,
+        oldest first, at most ``limit`` (0: none). Records of jobs no longer dead (replayed,
+        discarded) are forgotten first. A job's death writes its record in the same
+        transaction (a trigger, migration 14), whichever path made it dead."""
+        ...
+
+    def dead_hooks_done(self, job_id: int, died_at: float) -> None:
+        """The ``on_dead`` hooks of the job's death at ``died_at`` (epoch seconds, its
+        finished_at) ran: forget that death's record (a later death keeps its own)."""
         ...
 
     # -- cron ------------------------------------------------------------------------------

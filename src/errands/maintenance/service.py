@@ -56,6 +56,8 @@ PRUNE_BATCH = 1000
 PRUNE_BATCHES_PER_ROUND = 10
 PRUNE_BACKLOG_TICKS = 5  # with a backlog left, prune again after this many ticks
 WORKER_FORGET_AFTER = 300.0  # seconds without a heartbeat before a worker leaves the registry
+DEAD_HOOKS_EVERY = 5.0  # seconds between two looks for on_dead hooks no worker ran
+DEAD_HOOKS_BATCH = 100
 
 
 class Maintenance:
@@ -77,6 +79,8 @@ class Maintenance:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-maintenance", daemon=True)
         self._next_prune = 0.0
+        self._next_dead_hooks = 0.0
+        self.dead_hooks_taken_over = 0
         self._unsure: list[tuple[RescueParams, ExpiredLease]] = []  # reply lost: did it land?
         self.scheduler = Scheduler(app)
 
@@ -121,6 +125,7 @@ class Maintenance:
             ("promotion", backend.job_promote_due),
             ("cron", self.scheduler.run_once),
             ("pruning", self._prune_when_due),
+            ("on_dead hooks", self._dead_hooks_when_due),
         ):
             self._duty(name, duty)
 
@@ -132,6 +137,32 @@ class Maintenance:
         except Exception:
             log.exception("maintenance %s failed; the other duties go on", name)
             return False
+
+    def _dead_hooks_when_due(self) -> None:
+        """Every DEAD_HOOKS_EVERY seconds: run the on_dead hooks of the deaths that no
+        worker marked done within the app's ``dead_hooks_grace`` (their worker was killed
+        before it ran them, or fell that far behind). They run on this process's hook lane,
+        never on this thread; an app without hooks only forgets records of jobs that are
+        no longer dead."""
+        now = time.monotonic()
+        if now < self._next_dead_hooks:
+            return
+        self._next_dead_hooks = now + DEAD_HOOKS_EVERY
+        app = self.app
+        due = app.backend.dead_hooks_due(
+            app.dead_hooks_grace, DEAD_HOOKS_BATCH if app.dead_hooks else 0
+        )
+        if due:
+            log.warning(
+                "running the on_dead hooks of %d dead job(s) that no worker ran within %g s "
+                "(it stopped or fell behind), e.g. job %s",
+                len(due),
+                app.dead_hooks_grace,
+                due[0],
+            )
+            self.dead_hooks_taken_over += len(due)
+        for job_id in due:
+            app.dead_hooks_later(job_id)
 
     def _prune_when_due(self) -> None:
         if time.monotonic() >= self._next_prune:

@@ -233,6 +233,7 @@ def outcome_for(
         _classify(attempt, exc, result_json, worker_id, poison_after),
         fair=attempt.row.fair_key is not None,
         ran=handler_seconds(attempt),
+        member=attempt.row.workflow_id is not None,
     )
 
 

@@ -160,6 +160,7 @@ class OutcomeRecorder:
             delay=2.0,
             fair=attempt.row.fair_key is not None,
             ran=handler_seconds(attempt),
+            member=attempt.row.workflow_id is not None,
         )
 
     def child_done(self, attempt: Attempt, result: ChildResult) -> None:

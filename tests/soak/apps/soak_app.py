@@ -38,7 +38,13 @@ CRON = "*/5 * * * * *"  # every 5 s (cronsim's optional seconds field)
 CRON_STEP = 5.0
 CANARY_PRIORITY = 1000
 
-app = errands.App(lease=LEASE, poison_after=20, retention=None)
+# Hooks: the slow one takes HOOK_SLOW s and its effect write may wait seconds for a busy
+# store, within the 6 s limit (one past it is interrupted, counted as run, and would show
+# as a hook that never ran); the leader runs the hooks of a death no worker marked done
+# within 8 s (a worker killed before it ran them).
+app = errands.App(
+    lease=LEASE, poison_after=20, retention=None, hook_timeout=6.0, dead_hooks_grace=8.0
+)
 
 
 # -- the soak's tables, through connections of their own ------------------------------------

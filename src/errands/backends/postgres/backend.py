@@ -104,7 +104,7 @@ JOB_COLUMNS_SQL = ", ".join(
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
         "j.discard_reason", "j.parent_id", "extract(epoch FROM j.unique_until)::float8",
         "j.progress", "j.progress_message", "j.wait_signal",
-        "extract(epoch FROM j.wait_until)::float8", "j.fair_key",
+        "extract(epoch FROM j.wait_until)::float8", "j.fair_key", "j.workflow_id",
     ]
 )  # fmt: skip
 
@@ -706,6 +706,7 @@ class PostgresBackend(PostgresAdmin):
         else:
             with self._conn() as conn:  # one autocommit statement: one round trip
                 answers = self._finish(conn, outcomes)
+        fault_point("after_finish_commit")
         if self.workflows.take_fanned():
             fault_point("after_fan_in_commit")
         return answers
@@ -726,8 +727,10 @@ class PostgresBackend(PostgresAdmin):
                         )
             return [answers[id(o)] for o in outcomes]
         # Jobs outside workflows: one statement, as ever. Workflow members (and stale
-        # outcomes, which no statement accepts) then in a transaction with their fan-in.
-        done = self._finish_rows(conn, outcomes, members=False)
+        # outcomes, which no statement accepts) then in a transaction with their fan-in;
+        # the members known from their claimed rows go there at once.
+        others = [o for o in outcomes if not o.member]
+        done = self._finish_rows(conn, others, members=False) if others else {}
         accepted = [(o.id, o.lease_token) in done for o in outcomes]
         rest = [o for o, ok in zip(outcomes, accepted, strict=True) if not ok]
         children = [
@@ -888,6 +891,20 @@ class PostgresBackend(PostgresAdmin):
         with self._conn() as conn:
             row = conn.execute(self.q["suspects_due"], {"queues": list(queues)}).fetchone()
         return bool(row and row[0])
+
+    def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
+        with self._tx() as conn:
+            conn.execute(self.q["dead_hooks_forget"], {"older_than": older_than})
+            if limit <= 0:
+                return []
+            rows = conn.execute(
+                self.q["dead_hooks_due"], {"older_than": older_than, "limit": limit}
+            ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def dead_hooks_done(self, job_id: int, died_at: float) -> None:
+        with self._conn() as conn:
+            conn.execute(self.q["dead_hooks_done"], {"job_id": job_id, "died_at": died_at})
 
     def rate_log_prune(self, older_than: float) -> int:
         with self._conn() as conn:

@@ -529,6 +529,27 @@ SELECT EXISTS (SELECT 1 FROM {schema}.errands_jobs
                WHERE queue = ANY(%(queues)s::text[]) AND rescues > 0 AND run_at <= now()
                  AND state IN ('available', 'scheduled', 'retryable'))
 
+-- name: dead_hooks_forget
+-- Records of on_dead hooks whose job is no longer dead (replayed, discarded, deleted):
+-- nothing to run for them.
+DELETE FROM {schema}.errands_dead_hooks AS h
+WHERE h.died_at < now() - make_interval(secs => %(older_than)s)
+  AND NOT EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j
+                  WHERE j.id = h.job_id AND j.state = 'dead')
+
+-- name: dead_hooks_due
+-- Dead jobs whose on_dead hooks are due longer than older_than seconds, oldest first.
+SELECT job_id FROM {schema}.errands_dead_hooks
+WHERE died_at < now() - make_interval(secs => %(older_than)s)
+ORDER BY died_at
+LIMIT %(limit)s
+
+-- name: dead_hooks_done
+-- The hooks of the job's death at died_at ran (a later death keeps its record; the
+-- millisecond covers the float the caller read the time as).
+DELETE FROM {schema}.errands_dead_hooks
+WHERE job_id = %(job_id)s AND died_at <= to_timestamp(%(died_at)s) + interval '1 millisecond'
+
 -- name: queue_claim_lock
 SELECT pg_advisory_xact_lock(hashtext(%(lock)s))
 

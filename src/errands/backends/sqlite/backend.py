@@ -512,6 +512,7 @@ class SQLiteBackend(SQLiteAdmin):
         self.workflows.take_released()
         with self._write() as conn:
             answers = [self._finish(conn, o) for o in outcomes]
+        fault_point("after_finish_commit")
         if self.workflows.take_fanned():
             fault_point("after_fan_in_commit")
         return answers
@@ -645,6 +646,20 @@ class SQLiteBackend(SQLiteAdmin):
         with self._read() as conn:
             row = conn.execute(Q["suspects_due"], {"queues": json.dumps(list(queues))}).fetchone()
         return bool(row and row[0])
+
+    def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
+        with self._write() as conn:
+            conn.execute(Q["dead_hooks_forget"], {"older_than": older_than})
+            if limit <= 0:
+                return []
+            rows = conn.execute(
+                Q["dead_hooks_due"], {"older_than": older_than, "limit": limit}
+            ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    def dead_hooks_done(self, job_id: int, died_at: float) -> None:
+        with self._write() as conn:
+            conn.execute(Q["dead_hooks_done"], {"job_id": job_id, "died_at": died_at})
 
     def rate_log_prune(self, older_than: float) -> int:
         with self._write() as conn:

@@ -432,6 +432,26 @@ SELECT EXISTS (SELECT 1 FROM errands_jobs
                  AND run_at <= (julianday('now') - 2440587.5) * 86400.0
                  AND state IN ('available', 'scheduled', 'retryable'))
 
+-- name: dead_hooks_forget
+-- Records of on_dead hooks whose job is no longer dead (replayed, discarded, deleted):
+-- nothing to run for them.
+DELETE FROM errands_dead_hooks
+WHERE died_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+  AND NOT EXISTS (SELECT 1 FROM errands_jobs AS j
+                  WHERE j.id = errands_dead_hooks.job_id AND j.state = 'dead')
+
+-- name: dead_hooks_due
+-- Dead jobs whose on_dead hooks are due longer than older_than seconds, oldest first.
+SELECT job_id FROM errands_dead_hooks
+WHERE died_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+ORDER BY died_at
+LIMIT :limit
+
+-- name: dead_hooks_done
+-- The hooks of the job's death at died_at ran (a later death keeps its record; the
+-- millisecond covers the float the caller read the time as).
+DELETE FROM errands_dead_hooks WHERE job_id = :job_id AND died_at <= :died_at + 0.001
+
 -- name: queue_running_count
 SELECT count(*) FROM errands_jobs WHERE state = 'running' AND queue = :queue
 
