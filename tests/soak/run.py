@@ -45,7 +45,7 @@ FAN_IN_CRASHES = 10
 def fan_in_points(sizes: Sizes) -> str:
     """The fan-in fault points for a run carrying ``sizes``' workflows."""
     reached = {
-        "before_fan_in": sizes.jobs(),  # each member's end (a callback's too: not pending)
+        "before_fan_in": sizes.jobs(),  # each member's end (sizes.jobs() counts callbacks too)
         "before_callback_insert": sizes.callbacks(),
         "after_fan_in_commit": sizes.jobs(),
     }
