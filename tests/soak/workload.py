@@ -35,7 +35,7 @@ from typing import Any
 import soak_app
 
 import errands
-from errands.errors import DatabaseBusy, InvalidTransition
+from errands.errors import DatabaseBusy, EnqueueUncertain, InvalidTransition
 
 from .store import Store, is_connection_error
 from .workflows import Sizes, WorkflowFeed
@@ -106,7 +106,11 @@ class Ledger:
 
 
 def transient(exc: BaseException) -> bool:
-    return is_connection_error(exc) or isinstance(exc, DatabaseBusy)
+    """An error the generator retries its call after: the store away or busy, or an
+    enqueue whose commit was lost (EnqueueUncertain: the mix's jobs carry keys, so the
+    retry stores them once; a workflow retried may be stored twice, which the checker
+    allows: W1)."""
+    return is_connection_error(exc) or isinstance(exc, DatabaseBusy | EnqueueUncertain)
 
 
 class Workload:
