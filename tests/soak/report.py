@@ -51,6 +51,8 @@ def render(
         f"  {config.jobs:,} jobs of the mix over {config.workers} worker processes x "
         f"{config.concurrency}, lease {config.lease:g} s, poll {config.poll_interval:g} s, "
         f"maintenance tick {config.maintenance_tick:g} s, seed {config.seed}",
+        f"  workflows beside the mix: {config.workflows.batches:,} batches of "
+        f"{config.workflows.batch_size} members, {config.workflows.dags:,} DAGs",
         "",
         f"  enqueued            {f.get('enqueued', 0):>9,}   (+ {f.get('cron jobs', 0)} cron)",
         f"  completed           {states.get('completed', 0):>9,}",
@@ -68,6 +70,12 @@ def render(
         f"  rescued jobs s      p50, p99, max: "
         f"{_fmt(f.get('pickup latency of rescued jobs s (p50, p99, max)'))}",
         f"  store health        {f.get('store health')}",
+        f"  workflows           {_fmt(f.get('workflows by shape'))} "
+        f"(acknowledged / stored {f.get('workflows (acknowledged / stored)', '-')})",
+        f"  workflow members    expected / enqueued / ended "
+        f"{f.get('workflow members (expected / enqueued / ended)', '-')}",
+        f"  callbacks fired     {_fmt(f.get('workflow callbacks fired'))}",
+        f"  workflows stuck     {f.get('workflows stuck', 0):>9,}   (must be 0)",
         "",
         "  timings s: " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()),
     ]
@@ -75,7 +83,9 @@ def render(
         "states", "explained share", "dead by reason", "cron jobs", "recovery s by fault (max)",
         "recovery bound (2 x (lease + poll)) s", "notes", "episodes",
         "pickup latency away from faults s (p50, p99)",
-        "pickup latency of rescued jobs s (p50, p99, max)", *HEADLINE,
+        "pickup latency of rescued jobs s (p50, p99, max)", "workflows by shape",
+        "workflows (acknowledged / stored)", "workflow members (expected / enqueued / ended)",
+        "workflow callbacks fired", "workflows stuck", *HEADLINE,
     }  # fmt: skip
     for key, value in f.items():
         if key not in shown:

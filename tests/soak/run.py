@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import random
 import time
@@ -28,15 +29,31 @@ from .checker import TERMINAL, Findings, check
 from .cluster import Cluster
 from .report import render
 from .store import Store
+from .workflows import Sizes
 from .workload import Ledger, Workload
 
 CRON_JOB = "soak.cron"  # its slots keep coming: the drain waits only for those due before it
 
-FAULT_POINTS = (
-    "after_step:0.002,before_complete_commit:0.003,after_complete_commit:0.003,"
-    # the workflows' fan-in path (tests/soak/workflows.py): a few crashes per CI run
-    "before_fan_in:0.01,before_callback_insert:0.02,after_fan_in_commit:0.01"
-)
+FAULT_POINTS = "after_step:0.002,before_complete_commit:0.003,after_complete_commit:0.003"
+# The workflows' fan-in path (tests/soak/workflows.py): each point at this probability,
+# lowered so that it fires about FAN_IN_CRASHES times in the run however many members
+# end (1,000 batches of 100 would otherwise mean a thousand worker restarts).
+FAN_IN_POINTS = {"before_fan_in": 0.01, "before_callback_insert": 0.02, "after_fan_in_commit": 0.01}
+FAN_IN_CRASHES = 10
+
+
+def fan_in_points(sizes: Sizes) -> str:
+    """The fan-in fault points for a run carrying ``sizes``' workflows."""
+    reached = {
+        "before_fan_in": sizes.jobs(),  # each member's end (sizes.jobs() counts callbacks too)
+        "before_callback_insert": sizes.callbacks(),
+        "after_fan_in_commit": sizes.jobs(),
+    }
+    return ",".join(
+        f"{point}:{min(p, FAN_IN_CRASHES / max(reached[point], 1)):.2g}"
+        for point, p in FAN_IN_POINTS.items()
+    )
+
 
 # Rough seconds one fault of each kind takes (fault, heal, canary, gap), to pace the
 # workload so that jobs keep flowing for the whole chaos plan.
@@ -49,6 +66,24 @@ EPISODE_SECONDS = {
     "cancel": 6.0,
     "sigterm": 9.0,
 }
+
+
+# Workflows at the CI size: every shape twice or more, a few batches (one of them dead).
+CI_WORKFLOWS = Sizes(batches=5, batch_size=10, dags=14)
+# Issue 18's full size: 1,000 batches of 100 members and 200 DAGs.
+FULL_WORKFLOWS = Sizes(batches=1000, batch_size=100, dags=200)
+
+
+def workflow_sizes(default: Sizes) -> Sizes:
+    """``default``, with what SOAK_WF_BATCHES, SOAK_WF_BATCH_SIZE, SOAK_WF_DAGS say."""
+    sizes = Sizes(
+        batches=int(os.environ.get("SOAK_WF_BATCHES", default.batches)),
+        batch_size=int(os.environ.get("SOAK_WF_BATCH_SIZE", default.batch_size)),
+        dags=int(os.environ.get("SOAK_WF_DAGS", default.dags)),
+    )
+    if min(sizes.batches, sizes.dags) < 0 or sizes.batch_size < 1:
+        raise ValueError(f"SOAK_WF_*: counts >= 0 and a batch size >= 1, got {sizes}")
+    return sizes
 
 
 @dataclass
@@ -65,7 +100,9 @@ class SoakConfig:
     backlog_cap: int = 3000
     rate: float | None = None  # jobs/s of the mix; None: spread over the fault plan
     unique_every: float = 8.0
-    fault_points: str = FAULT_POINTS
+    fault_points: str = FAULT_POINTS  # and the fan-in's, by the workflows' sizes
+    # workflows spread over the run (tests/soak/workflows.py); the CI size by default
+    workflows: Sizes = field(default_factory=lambda: CI_WORKFLOWS)
     chaos_limit: float = 3600.0  # stop injecting after this long, whatever the plan
     drain_timeout: float = 180.0
     kinds: tuple[str, ...] | None = None  # only these fault kinds (default: all of the backend)
@@ -115,12 +152,14 @@ def run_soak(
         poll_interval=config.poll_interval,
         maintenance_tick=config.maintenance_tick,
         lease=config.lease,
-        fault_points=config.fault_points,
+        fault_points=",".join(
+            p for p in (config.fault_points, fan_in_points(config.workflows)) if p
+        ),
     )
     ledger = Ledger()
     planned = config.min_faults * sum(EPISODE_SECONDS[k] for k in kinds)
-    if config.rate:
-        planned = max(planned, config.jobs / config.rate)
+    if config.rate:  # the mix and the workflows' jobs together keep to the rate
+        planned = max(planned, (config.jobs + config.workflows.jobs()) / config.rate)
     workload = Workload(
         store,
         app,
@@ -130,6 +169,7 @@ def run_soak(
         backlog_cap=config.backlog_cap,
         unique_every=config.unique_every,
         rng=random.Random(rng.random()),
+        workflows=config.workflows,
     )
     chaos = Chaos(
         cluster=cluster,
@@ -302,8 +342,6 @@ def _cpu() -> str:
 
 
 def _cores() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
 
 

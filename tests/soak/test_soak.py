@@ -1,16 +1,17 @@
 """The chaos soak of RELIABILITY.md on both backends (issue 10).
 
-- ``test_chaos_soak_ci``: CI-sized (5,000 jobs per backend, every fault kind at least
-  once, about a minute per backend); runs in ``make test``.
+- ``test_chaos_soak_ci``: CI-sized (5,000 jobs per backend and a few workflows of every
+  shape, every fault kind at least once, about a minute per backend); runs in ``make test``.
 - ``test_chaos_soak_full``: the published figures (``make soak``): 100,000 jobs per
-  backend by default (``SOAK_JOBS`` overrides), every fault kind at least 10 times
-  (``SOAK_MIN_FAULTS``), a random seed (``SOAK_SEED`` replays a report's); see
-  docs/reliability.md.
+  backend by default (``SOAK_JOBS`` overrides) beside issue 18's workflows (1,000 batches
+  of 100 members and 200 DAGs: ``SOAK_WF_BATCHES``, ``SOAK_WF_BATCH_SIZE``,
+  ``SOAK_WF_DAGS``), every fault kind at least 10 times (``SOAK_MIN_FAULTS``), a random
+  seed (``SOAK_SEED`` replays a report's); see docs/reliability.md.
 
-Both assert I1-I10 (see checker.py) and print their report in the terminal summary,
-except I9's timing bound, which only the full-size run enforces (the CI-sized one reports
-it). On PostgreSQL both run on the tests' own cluster (tests/pg.py), so the restarts
-they inject touch no shared server.
+Both assert I1-I10 (see checker.py) and W1-W7 (workflows.py) and print their report in
+the terminal summary, except I9's timing bound, which only the full-size run enforces
+(the CI-sized one reports it). On PostgreSQL both run on the tests' own cluster
+(tests/pg.py), so the restarts they inject touch no shared server.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPORTS, SoakStore
-from .run import SoakConfig, SoakResult, run_soak
+from .run import CI_WORKFLOWS, FULL_WORKFLOWS, SoakConfig, SoakResult, run_soak, workflow_sizes
 
 BACKENDS = ("sqlite", "postgres")
 # Issue 10's CI size, under a minute per backend on a 2-core machine: every fault kind of
@@ -61,6 +62,7 @@ def test_chaos_soak_ci(backend: str, soak_store: SoakStore, tmp_path: Path) -> N
         jobs=CI_JOBS[backend],
         min_faults=CI_ROUNDS[backend],
         enforce_i9=False,
+        workflows=workflow_sizes(CI_WORKFLOWS),
     )
     _run(config, tmp_path, soak_store, f"chaos soak (CI size) on {backend}")
 
@@ -79,6 +81,7 @@ def test_chaos_soak_full(backend: str, soak_store: SoakStore, tmp_path: Path) ->
         gap=(2.0, 8.0),  # faults at random intervals, with time to recover in between
         drain_timeout=900.0,
         chaos_limit=3 * 3600.0,
+        workflows=workflow_sizes(FULL_WORKFLOWS),
     )
     if os.environ.get("SOAK_SEED"):  # replay a run's workload and faults (its report's seed)
         config.seed = int(os.environ["SOAK_SEED"])

@@ -35,10 +35,10 @@ from typing import Any
 import soak_app
 
 import errands
-from errands.errors import DatabaseBusy, InvalidTransition
+from errands.errors import DatabaseBusy, EnqueueUncertain, InvalidTransition
 
 from .store import Store, is_connection_error
-from .workflows import WorkflowFeed
+from .workflows import Sizes, WorkflowFeed
 
 # kind -> weight in the mix (orders, unique bursts, canaries and cron come on their own)
 MIX = {
@@ -106,7 +106,11 @@ class Ledger:
 
 
 def transient(exc: BaseException) -> bool:
-    return is_connection_error(exc) or isinstance(exc, DatabaseBusy)
+    """An error the generator retries its call after: the store away or busy, or an
+    enqueue whose commit was lost (EnqueueUncertain: the mix's jobs carry keys, so the
+    retry stores them once; a workflow retried may be stored twice, which the checker
+    allows: W1)."""
+    return is_connection_error(exc) or isinstance(exc, DatabaseBusy | EnqueueUncertain)
 
 
 class Workload:
@@ -121,6 +125,7 @@ class Workload:
         backlog_cap: int,
         unique_every: float,
         rng: random.Random,
+        workflows: Sizes,
     ) -> None:
         self.store = store
         self.app = app
@@ -144,7 +149,7 @@ class Workload:
         self._to_signal: list[tuple[float, int, int]] = []  # (due, job id, seq)
         self._to_reenqueue: list[tuple[float, int, str, int]] = []  # (due, seq, key, first id)
         self.workflows = WorkflowFeed(
-            app, rng, self._retrying, lambda: self.next_key()[0], ledger.workflows
+            app, rng, self._retrying, lambda: self.next_key()[0], ledger.workflows, workflows
         )
 
     def start(self) -> None:
@@ -192,7 +197,7 @@ class Workload:
                 self._unique_burst()
                 next_unique = time.monotonic() + self.unique_every
             self._due_followups(time.monotonic())
-            self.workflows.after_batch(batches)
+            self.workflows.after_batch(self.enqueued / max(self.total, 1))
         if not self.ledger.bursts and not self.stop.is_set():
             self._unique_burst()  # at least one, however short the run
         while (self._to_signal or self._to_reenqueue) and not self.stop.is_set():

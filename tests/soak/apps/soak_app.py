@@ -456,3 +456,16 @@ def wf_callback(ctx: errands.Context, event: str) -> dict[str, Any]:
     status = ctx.workflow()
     seen = {"event": event, "state": status.state, "pending": status.pending}
     return done(ctx, record(ctx, detail=json.dumps(seen)))
+
+
+@app.job(name="soak.wf_grow", retries=RETRIES, backoff=QUICK)
+def wf_grow(ctx: errands.Context, n: int, adds: int) -> dict[str, Any]:
+    """A member that adds ``adds`` members (``soak.fast``) to its own workflow, then fails
+    its first attempt: a failed (or lost) attempt adds nothing, so the workflow must end
+    with exactly ``adds`` added members, each completed before its callbacks (W7, W4)."""
+    token = record(ctx)
+    for i in range(adds):
+        ctx.add_to_workflow(fast.bind(n=n * 100 + i))
+    if ctx.attempt == 1:
+        raise RuntimeError("wf_grow: failing the first attempt after adding its members")
+    return done(ctx, token)
