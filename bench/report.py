@@ -972,7 +972,9 @@ def _rate(value: float) -> str:
     return f"{value:,.1f}" if value < 10 else f"{value:,.0f}"
 
 
-def _ratio(value: float, by: float) -> str:
+def _times(value: float, by: float) -> str:
+    """``value / by`` as a workflow table's ratio cell (the name ``_ratio`` is the
+    systems tables' number)."""
     return f"{value / by:,.1f}x" if by > 0 else "—"
 
 
@@ -999,10 +1001,10 @@ def workflows_markdown(path: Path = WORKFLOWS) -> str:
         ])  # fmt: skip
         if f is not figures:
             ratios.append([
-                name, _ratio(peer_lat["p50_ms"], lat["p50_ms"]),
-                _ratio(peer_lat["p99_ms"], lat["p99_ms"]),
-                _ratio(fan["members_per_s"], peer_fan["members_per_s"]),
-                _ratio(chain["steps_per_s"], peer_chain["steps_per_s"]),
+                name, _times(peer_lat["p50_ms"], lat["p50_ms"]),
+                _times(peer_lat["p99_ms"], lat["p99_ms"]),
+                _times(fan["members_per_s"], peer_fan["members_per_s"]),
+                _times(chain["steps_per_s"], peer_chain["steps_per_s"]),
             ])  # fmt: skip
     load = run.get("load_before")
     quiet = isinstance(load, int | float) and load <= QUIET_LOAD
