@@ -20,6 +20,8 @@ from errands.backends.limits import claim_limited
 from errands.backends.postgres.backend import _LimitedStore
 from tests.pg import fresh_pg_url
 
+from .counting import statements
+
 CLAIMS = 12
 
 
@@ -68,3 +70,30 @@ def test_a_fair_claim_runs_its_window_read_on_the_generic_plan_not_replanned_eac
                 assert generic >= CLAIMS - 5 and custom == 0, (generic, custom)
         finally:
             app.close()
+
+
+def test_a_fair_claim_takes_its_lock_settings_and_rates_in_one_statement(pg_url: str) -> None:
+    """The claim's first statement serialises the queue's claims (its advisory lock) and
+    reads the queue's settings and rate-limited job types at once: a fair claim that
+    needs no deeper read is five statements (with the plan switch, the window, the
+    lookahead and the claim), not seven. Counted on the client."""
+    from errands.backends.base import QueueClaim
+
+    app = errands.App(pg_url)
+    app.queue("tenants", fair=True)
+
+    @app.job(name="plans.counted", queue="tenants", fair_key="tenant:{n}")
+    def job(n: int) -> None: ...
+
+    try:
+        app.enqueue_many([job.bind(n=n % 50) for n in range(100)])
+        backend: Any = app.backend
+        backend.queue_declare(app.queues["tenants"], "test")
+        rows, sent = statements(
+            lambda: backend.job_claim_limited(QueueClaim("tenants", 8), "w", 30.0)
+        )
+        assert len(rows) == 8
+        assert sent[0].startswith("-- A limited claim's first statement"), sent
+        assert len(sent) <= 5, sent
+    finally:
+        app.close()

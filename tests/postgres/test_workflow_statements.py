@@ -10,35 +10,16 @@ counted here on the client, not timed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-import psycopg
 
 import errands
 from errands.backends.base import ClaimParams, FinishParams, QueueClaim
 
+from .counting import statements
+
 # A chain step's finish with its fan-in: the member's write, the workflows' lock, the two
 # fused statements, the release, the wake-up (9 before they were fused, counted alike).
 MOST = 6
-
-
-def _sent(call: Callable[[], bool]) -> list[str]:
-    """The statements ``call`` sends through psycopg (the first line of each); it must
-    return True."""
-    sent: list[str] = []
-    execute = psycopg.Cursor.execute
-
-    def counting(self: Any, query: Any, params: Any = None, **kw: Any) -> Any:
-        sent.append(str(query).split("\n", 1)[0][:80])
-        return execute(self, query, params, **kw)
-
-    psycopg.Cursor.execute = counting  # type: ignore[method-assign]
-    try:
-        assert call()
-    finally:
-        psycopg.Cursor.execute = execute  # type: ignore[method-assign]
-    return sent
 
 
 def test_a_chain_steps_finish_and_fan_in_run_a_fixed_handful_of_statements(pg_url: str) -> None:
@@ -58,7 +39,8 @@ def test_a_chain_steps_finish_and_fan_in_run_a_fixed_handful_of_statements(pg_ur
         claim = ClaimParams([QueueClaim("default", 10)], 10, "w", 30.0)
         [row] = backend.job_claim(claim)
         finish = FinishParams(row.id, row.lease_token or "", "completed", member=True)
-        sent = _sent(lambda: backend.job_finish_many([finish]) == [True])
+        answers, sent = statements(lambda: backend.job_finish_many([finish]))
+        assert answers == [True]
         assert len(sent) <= MOST, sent
         [released] = backend.job_claim(claim)  # the next step, and only it
         assert released.args == '{"n": 1}'

@@ -857,10 +857,6 @@ class PostgresBackend(PostgresAdmin):
         weights: Weigher | None = None,
     ) -> list[JobRow]:
         with self._tx() as conn:
-            # One limited claimer per queue at a time, cluster-wide, for this transaction.
-            conn.execute(
-                self.q["queue_claim_lock"], {"lock": f"errands:{self.schema}:{queue.name}"}
-            )
             rows = claim_limited(
                 _LimitedStore(conn, self.q, f"errands:{self.schema}:"),
                 queue.name,
@@ -1147,7 +1143,7 @@ def unwrap_connection(conn: Any) -> Any:
 # generic plan is as good and planning them costs more than running them (queries.sql,
 # plan_generic), and those whose generic plan is worse.
 GENERIC_PLANS = frozenset({"fair_heads", "fair_lookahead"})
-CUSTOM_PLANS = frozenset({"claim_candidates", "claim_candidates_suspect", "rate_limited_names"})
+CUSTOM_PLANS = frozenset({"claim_candidates", "claim_candidates_suspect", "limited_claim_start"})
 
 
 class _LimitedStore:
@@ -1158,6 +1154,14 @@ class _LimitedStore:
         # Plans are cached only for prepared statements (not with prepare=false).
         self.prepared = conn.prepare_threshold is not None
         self.generic = False  # plan_cache_mode is force_generic_plan in this transaction
+
+    def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+        """One limited claimer per queue at a time, cluster-wide, for this transaction;
+        the queue's settings and its rate-limited types: one statement."""
+        [row] = self.rows("limited_claim_start", {"lock": self.prefix + queue, "queue": queue})
+        settings = [row[:10]] if row[0] is not None else []
+        rates = [tuple(rate) for rate in json.loads(str(row[10]))] if row[10] else []
+        return settings, rates
 
     def lock(self, names: list[str]) -> None:
         if names:
