@@ -1139,21 +1139,11 @@ def unwrap_connection(conn: Any) -> Any:
     return conn
 
 
-# A limited claim's statements that PostgreSQL would plan anew at each run, though their
-# generic plan is as good and planning them costs more than running them (queries.sql,
-# plan_generic), and those whose generic plan is worse.
-GENERIC_PLANS = frozenset({"fair_heads", "fair_lookahead"})
-CUSTOM_PLANS = frozenset({"claim_candidates", "claim_candidates_suspect", "limited_claim_start"})
-
-
 class _LimitedStore:
     def __init__(self, conn: psycopg.Connection[Any], queries: dict[str, str], prefix: str) -> None:
         self.conn = conn
         self.q = queries
         self.prefix = prefix  # lock names are per schema
-        # Plans are cached only for prepared statements (not with prepare=false).
-        self.prepared = conn.prepare_threshold is not None
-        self.generic = False  # plan_cache_mode is force_generic_plan in this transaction
 
     def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
         """One limited claimer per queue at a time, cluster-wide, for this transaction;
@@ -1168,11 +1158,6 @@ class _LimitedStore:
             self.conn.execute(self.q["limit_locks"], {"prefix": self.prefix, "names": names})
 
     def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
-        # Switched on for the statements that gain, back off only for those that lose.
-        wanted = query in GENERIC_PLANS or (self.generic and query not in CUSTOM_PLANS)
-        if self.prepared and wanted != self.generic:
-            self.generic = wanted
-            self.conn.execute(self.q["plan_generic" if wanted else "plan_auto"])
         cur = self.conn.execute(self.q[query], params)
         return cur.fetchall() if cur.description else []
 

@@ -561,18 +561,6 @@ LIMIT %(limit)s
 DELETE FROM {schema}.errands_dead_hooks
 WHERE job_id = %(job_id)s AND died_at <= to_timestamp(%(died_at)s) + interval '1 millisecond'
 
--- name: plan_generic
--- For the rest of a limited claim's transaction, a prepared statement runs its generic plan
--- instead of being planned anew with each run's values. PostgreSQL keeps re-planning
--- fair_heads (its generic plan's estimate is higher), and planning costs more than running
--- it: 2.9 ms a run against 1.1 generic (1,000 keys, a 32-key window); fair_lookahead 0.63
--- against 0.45; the statements after them in a claim run as fast either way. Not for
--- claim_candidates or rate_limited_names, whose generic plans are slower (plan_auto).
-SET LOCAL plan_cache_mode = force_generic_plan
-
--- name: plan_auto
-SET LOCAL plan_cache_mode = auto
-
 -- name: queue_running_count
 SELECT count(*) FROM {schema}.errands_jobs WHERE state = 'running' AND queue = %(queue)s
 
