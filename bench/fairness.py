@@ -16,6 +16,9 @@ fresh queue of the store, with one in-process worker (``--concurrency`` threads)
    2, within 5 %), and ``slow``'s share against its weighted share (1/5).
 4. **keys**: ``--keys`` tenants (1,000) with a backlog each, drained by a fair queue and
    by a plain one: throughput of each (target: fair within 10 % of plain).
+5. **peer** (``--peer pgqueuer``, PostgreSQL only): the dwell run of 2 in a peer without
+   fair claiming (bench/peers/pgqueuer_fairness.py, in the peer's own venv and database),
+   its worker as many jobs at a time as ours: what its users get behind a backlog.
 
 Worker time and dwell are measured by the handlers (one clock: the benchmark's process).
 It prints one JSON document; it reports, it does not assert.
@@ -230,6 +233,46 @@ def many_keys(bench: Bench, *, fair: bool, args: Any) -> dict[str, Any]:
             "throughput_per_s": round(done / elapsed, 1)}  # fmt: skip
 
 
+PEER_TIMEOUT = 900.0  # seconds a peer's dwell run may take (its backlog drains past it)
+
+
+def peer_dwell(peer: str, url: str, args: Any) -> dict[str, Any]:
+    """The dwell run behind the backlog in ``peer`` (bench/peers/PEER_fairness.py), on a
+    fresh database of ``url``'s server, with this run's traffic and concurrency."""
+    import subprocess
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg
+
+    from .systems import PEERS, by_name, python_for
+
+    parts = urlsplit(url)
+    db = f"{parts.path.lstrip('/') or 'errands'}_{peer}"
+    with psycopg.connect(urlunsplit(parts._replace(path="/postgres")), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{db}"')
+    spec = {
+        "url": urlunsplit(parts._replace(path=f"/{db}", query="")),
+        "backlog": args.backlog, "quiet": args.quiet, "seconds": args.seconds,
+        "grace": args.grace, "concurrency": args.concurrency, "work": args.work,
+    }  # fmt: skip
+    try:
+        done = subprocess.run(
+            [python_for(by_name(peer)), str(PEERS / f"{peer}_fairness.py"), json.dumps(spec)],
+            cwd=PEERS,
+            capture_output=True,
+            text=True,
+            timeout=PEER_TIMEOUT,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{peer}'s dwell run failed: {done.stderr.strip()[-500:]}")
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+    finally:
+        with psycopg.connect(urlunsplit(parts._replace(path="/postgres")), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
 def _pct(values: list[float], pct: float) -> float | None:
     if not values:
         return None
@@ -249,6 +292,11 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--keys-jobs", type=int, default=20_000)
     parser.add_argument(
+        "--peer",
+        choices=["pgqueuer"],
+        help="also run the dwell behind the backlog in this peer (PostgreSQL --url only)",
+    )
+    parser.add_argument(
         "--only",
         default="dwell,shares,keys",
         help="the parts to run, comma-separated: dwell (idle, fair, fifo), shares, keys",
@@ -258,6 +306,8 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     unknown = parts - {"dwell", "shares", "keys"}
     if unknown:
         parser.error(f"--only: unknown part(s) {sorted(unknown)}; choose among dwell, shares, keys")
+    if args.peer and not args.url.startswith("postgresql"):
+        parser.error("--peer: the peer runs on PostgreSQL; give a postgresql:// --url")
     bench = Bench(args.url, args.concurrency)
     result: dict[str, Any] = {
         "store": args.url.split(":", 1)[0],
@@ -279,6 +329,12 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
                     fifo["quiet_dwell_p99"], idle["quiet_dwell_p99"]
                 ),
             }
+            if args.peer:
+                peer = peer_dwell(args.peer, args.url, args)
+                result["peer"] = peer
+                result["quiet_p99_peer_over_idle"] = _ratio(
+                    peer["quiet_dwell_p99"], idle["quiet_dwell_p99"]
+                )
         if "shares" in parts:
             result["shares"] = shares(bench, args)
         if "keys" in parts:

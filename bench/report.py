@@ -580,6 +580,10 @@ def fairness_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
         row("... against idle", "at most 2",
             lambda r: (_num(r.get("quiet_p99_fair_over_idle")),
                        _num(r.get("quiet_p99_fifo_over_idle")))),
+        row("a peer without fair claiming (pgqueuer): dwell p99 behind the backlog", "",
+            lambda r: ("", _dwell(r.get("peer")) if r.get("peer") else "")),
+        row("... the peer's against idle", "",
+            lambda r: ("", _num(r.get("quiet_p99_peer_over_idle")))),
         row("Jain's index over worker time per weight", "at least 0.95",
             lambda r: (shares(r, "jain_index_per_weight"), "")),
         row("weight 2 against weight 1", "2, within 5 %",
@@ -612,7 +616,10 @@ def fairness_markdown(results: dict[str, Any]) -> str:
         "one (FIFO: errands without fairness); four backlogged tenants of weights 1, 2, 1 "
         "and 1, the last with 10 times slower jobs (worker time measured by the handlers); "
         f"and {settings.get('keys', 0):,} backlogged keys ({settings.get('keys_jobs', 0):,} "
-        "no-op jobs) drained by a fair queue and by a plain one. A dwell marked *over* "
+        "no-op jobs) drained by a fair queue and by a plain one. On PostgreSQL, the same "
+        "backlog and quiet traffic in pgqueuer (no fair claiming: it orders by priority, "
+        "then id), its entrypoint run as many at a time (`concurrency_limit`), in the FIFO "
+        "column. A dwell marked *over* "
         "counts the quiet jobs not started by the end at their wait so far (a lower "
         "bound). Reported, never asserted.\n\n" + _md_table(*fairness_rows(results))
     )

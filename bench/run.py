@@ -884,7 +884,8 @@ def run_steps(args: argparse.Namespace, plan: Plan, systems: list[System]) -> di
 
 def run_fairness(runner: Runner, extra: str) -> dict[str, Any]:
     """bench/fairness.py on SQLite (a fresh file) and on PostgreSQL (a fresh database):
-    the fair queue and the FIFO one (errands without fairness) side by side."""
+    the fair queue and the FIFO one (errands without fairness) side by side, and on
+    PostgreSQL a peer without fair claiming (pgqueuer) behind the same backlog."""
     import shlex
 
     from . import fairness
@@ -904,7 +905,9 @@ def run_fairness(runner: Runner, extra: str) -> dict[str, Any]:
         log(f"fairness: noisy-neighbour benchmark on {store}")
         load = os.getloadavg()[0]
         try:
-            out[store] = fairness.main(["--url", url, *shlex.split(extra)], echo=False)
+            peer = ["--peer", "pgqueuer"] if store == "postgres" else []
+            argv = ["--url", url, *peer, *shlex.split(extra)]
+            out[store] = fairness.main(argv, echo=False)
             out[store]["load1_before"] = load
             out[store]["load1_after"] = os.getloadavg()[0]
         except Exception as exc:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import fairness
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -49,3 +51,50 @@ def test_make_bench_reports_the_fair_queue_beside_the_fifo_run_on_both_stores() 
     assert by_name["... behind the backlog"][2].startswith("over ")  # FIFO: none started
     assert "## Fair queues (issue 19)" in report.fairness_markdown(results)
     assert report.fairness_markdown({}) == ""
+
+
+# Like every peer adapter (each needs its own venv installed), it runs in `make test-peers`.
+@pytest.mark.peers
+@pytest.mark.acceptance
+@pytest.mark.xdist_group("bench_databases")
+@pytest.mark.timeout(900)  # the first run makes pgqueuer's venv (pip install)
+def test_the_peer_without_fair_claiming_runs_the_same_dwell_traffic_on_postgres() -> None:
+    """``--peer pgqueuer`` runs the backlog and the quiet tenants' traffic in pgqueuer
+    (its own venv and database), every figure measured, beside errands' runs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from tests.pg import pg_base_url, require_pg
+
+    require_pg()
+    parts = urlsplit(pg_base_url())
+    url = urlunsplit(parts._replace(path="/bench_fairness_smoke", query=""))
+    import psycopg
+
+    with psycopg.connect(pg_base_url(), autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS bench_fairness_smoke WITH (FORCE)")
+        conn.execute("CREATE DATABASE bench_fairness_smoke")
+    result = fairness.main(
+        [
+            "--url", url, "--peer", "pgqueuer", "--only", "dwell", "--backlog", "300",
+            "--quiet", "3", "--seconds", "2", "--grace", "2", "--work", "0.002",
+            "--concurrency", "4",
+        ]
+    )  # fmt: skip
+    peer = result["peer"]
+    assert (peer["queue"], peer["backlog"]) == ("pgqueuer", 300)
+    assert peer["quiet_jobs"] >= 3 and peer["quiet_dwell_p99"] is not None
+    assert result["quiet_p99_peer_over_idle"] is not None
+
+
+def test_the_report_puts_the_peer_in_the_postgresql_fifo_column() -> None:
+    from bench import report
+
+    peer = {"quiet_dwell_p99": 41.5, "quiet_dwell_p99_is_lower_bound": True}
+    results = {"fairness": {"postgres": {"peer": peer, "quiet_p99_peer_over_idle": 300.0}}}
+    header, rows = report.fairness_rows(results)
+    by_name = {row[0]: row for row in rows}
+    assert len(by_name) == len(rows)  # every figure named once
+    cells = dict(zip(header, by_name[next(n for n in by_name if "pgqueuer" in n)], strict=True))
+    assert cells["PostgreSQL FIFO"] == "over 41.50 s"
+    assert cells["SQLite FIFO"] == ""
+    assert by_name["... the peer's against idle"][header.index("PostgreSQL FIFO")] == "300.00"

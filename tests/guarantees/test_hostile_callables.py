@@ -152,8 +152,9 @@ def test_a_hung_on_dead_hook_is_stopped_at_its_time_limit_and_the_next_runs(
     store_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Given hook_timeout=0.5 and an on_dead hook that loops for ever on the first job,
-    when two jobs die, then the hook is interrupted after its limit (logged) and the
-    second job's hook still runs."""
+    when two jobs die, then the hook is interrupted after its limit (logged), the second
+    job's hook still runs, and the hung hook's death is marked done: the leader does not
+    run a hook that hangs again and again (no record is left for either death)."""
     app = errands.App(store_url, hook_timeout=0.5)
     seen: list[int] = []
 
@@ -172,7 +173,7 @@ def test_a_hung_on_dead_hook_is_stopped_at_its_time_limit_and_the_next_runs(
 
     try:
         with caplog.at_level(logging.ERROR, "errands.hooks"), running_worker(app):
-            dies.enqueue(n=0)
+            hung = dies.enqueue(n=0)
             wait_until(
                 lambda: "ran longer than its 0.5 s limit" in caplog.text,
                 timeout=30,
@@ -180,6 +181,12 @@ def test_a_hung_on_dead_hook_is_stopped_at_its_time_limit_and_the_next_runs(
             )
             dies.enqueue(n=1)
             wait_until(lambda: seen == [1], timeout=30, what="the second hook")
+            wait_until(
+                lambda: app.backend.dead_hooks_due(older_than=0, limit=10) == [],
+                timeout=30,
+                what="both deaths' hook records marked done",
+            )
+        assert hung.job().state == "dead"
     finally:
         app.close()
 

@@ -16,7 +16,7 @@ import pytest
 import errands
 from errands import JobState
 
-from .helpers import query, wait_until
+from .helpers import claim_as_dead_worker, force_rescue, query, raw_row, wait_until
 
 
 def states(app: errands.App, name: str) -> dict[str, int]:
@@ -210,3 +210,46 @@ def test_a_worker_that_serves_async_handlers_does_not_prefetch(app: errands.App)
 def test_a_negative_prefetch_is_refused_with_a_clear_error(app: errands.App) -> None:
     with pytest.raises(errands.ConfigurationError, match="prefetch must be 0"):
         app.worker(prefetch=-1)
+
+
+def test_a_rescued_job_is_claimed_ahead_of_fresh_ones_while_prefetched_jobs_hold_every_slot(
+    app: errands.App, worker_factory
+) -> None:
+    """Issue 16, I9: a worker with quick handlers keeps jobs prefetched, so a slot that
+    frees is taken by one of them at once and its claim rounds never see a free slot. A
+    rescued job due meanwhile is still claimed by its next round, ahead of the fresh
+    backlog (it starts at the next free slot, before the prefetched ones); it used to be
+    claimed only by a round that found a slot free, which a backlog of quick jobs never
+    leaves: in the full-size soak, rescued jobs waited up to 5.6 s behind fresh ones."""
+    gates = [threading.Event() for _ in range(8)]
+
+    @app.job(name="pf.gated", lease=10)
+    def gated(n: int) -> None:
+        gates[n].wait(20)
+
+    @app.job(name="pf.rescued", retries=3, backoff=0)
+    def rescued() -> str:
+        return "ran"
+
+    late = rescued.enqueue()
+    claim_as_dead_worker(app, late.id, lease=10.0)
+    with worker_factory(concurrency=2, prefetch=2, poll_interval=0.1, maintenance=False):
+        learn_handlers_are_quick(app)
+        handles = [gated.enqueue(n=i) for i in range(8)]
+        # two run, two are prefetched: no free slot, and no room for another claim
+        wait_until(lambda: states(app, "pf.gated").get("running") == 4, what="4 claimed")
+        force_rescue(app, late.id)
+        time.sleep(0.3)  # past the poll interval: the next round looks for rescued jobs
+        gates[0].set()  # a slot frees; a prefetched job takes it; one claim's room opens
+        wait_until(
+            lambda: raw_row(app, late.id).state == "running",
+            timeout=10,
+            what="the rescued job claimed by the next round",
+        )
+        assert states(app, "pf.gated").get("available") == 4  # claimed ahead of them
+        for gate in gates:
+            gate.set()
+        assert late.result(timeout=10) == "ran"
+        for handle in handles:
+            handle.result(timeout=10)
+    assert late.job().rescues == 1

@@ -119,6 +119,13 @@ def choose(
 class LimitedClaimStore(Protocol):
     """What :func:`claim_limited` needs from a backend, inside one serialised transaction."""
 
+    def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+        """The claim's first step: serialise the claims of ``queue`` for the transaction
+        (where the backend needs a lock for it), then read the queue's settings
+        (``queue_settings_get``'s rows: none when it has none) and the rate-limited job
+        types with due rows (``rate_limited_names``' rows: name, limit, period)."""
+        ...
+
     def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]: ...
 
     def id_list(self, values: list[object]) -> object: ...
@@ -155,10 +162,10 @@ def claim_limited(
     stands, kept by the caller between claims (see :func:`_pick_fair`); without it a fair
     claim reads every key.
 
-    Call inside the transaction that serialises this queue's limited claims.
+    Call inside the transaction of the claim (``store.start`` serialises it).
     """
     result = Claimed()
-    settings = store.rows("queue_settings_get", {"name": queue})
+    settings, named_rates = store.start(queue)
     fair, aging = False, None
     if settings:
         _, paused, max_running, rate_limit, rate_period = settings[0][:5]
@@ -182,7 +189,7 @@ def claim_limited(
     # The job types' rates, from their due rows: a first reading, to leave the exhausted
     # ones out of the lookahead; the chosen are counted again under their locks below.
     rates: dict[str, tuple[int, float]] = {}
-    for name, limit, period in store.rows("rate_limited_names", {"queue": queue}):
+    for name, limit, period in named_rates:
         rates[str(name)] = (int(limit), float(period))  # type: ignore[call-overload,arg-type]
     room_per_name = _rooms(store, rates, result)
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]

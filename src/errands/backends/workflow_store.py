@@ -432,48 +432,15 @@ class WorkflowStore:
         given: dict[int, str | None] = {}
         for member, forced in batch:
             given.setdefault(member, forced)
-        # Those that ended leave the set, once (a job still retrying stays pending; a
-        # second delivery of the same end finds its row gone).
-        left = yield Stmt(
-            q["wf_leave_ended"], {"ids": array(list(given)), "ended": array(sorted(ENDED))}
-        )
-        if not left:
+        ended = yield from self._leave(given, rows_now)
+        if not ended:
             return []
-        ended: list[tuple[int, int, str]] = []  # member, its workflow, its outcome
-        counts: dict[int, list[int]] = {}  # workflow -> completed, dead, cancelled, skipped
-        for member, workflow_id, state in sorted((int(r[0]), int(r[1]), r[2]) for r in left):
-            outcome = given[member] or ("dead" if state == "discarded" else str(state))
-            ended.append((member, workflow_id, outcome))
-            counts.setdefault(workflow_id, [0, 0, 0, 0])[OUTCOMES.index(outcome)] += 1
+        for _, workflow_id, outcome in ended:
             touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
-        yield Stmt(
-            q["wf_member_outcomes"],
-            self.columns(ids=[m for m, _, _ in ended], outcomes=[o for _, _, o in ended]),
-        )
-        workflows = sorted(counts)  # each locked already (wf_lock_pending)
-        # The counts move; each workflow's row comes back as they left it, with whether a
-        # member is still pending (what settling it needs: no read of its own).
-        counted = yield Stmt(
-            q["wf_count_many"],
-            self.columns(
-                ids=workflows,
-                **{name: [counts[w][i] for w in workflows] for i, name in enumerate(OUTCOMES)},
-            ),
-        )
-        rows_now.update((int(r[0]), r) for r in counted)
         parents = [(m, o) for m, w, o in ended if w in dags]
         if not parents:
             return []
-        resolved = yield Stmt(
-            q["wf_edges_resolve_many"],
-            self.columns(parents=[m for m, _ in parents], outcomes=[o for _, o in parents]),
-        )
-        children = sorted({int(r[0]) for r in resolved})
-        if not children:
-            return []
-        # The dependents none of whose parents is still to end, with all their edges
-        # (read once, here): each is decided now.
-        rows = yield Stmt(q["wf_ready_edges"], {"children": array(children)})
+        rows = yield from self._ready(parents)
         ready: dict[int, tuple[int, list[tuple[int, str, str | None]]]] = {}
         for child, workflow_id, parent, policy, outcome in rows:
             ready.setdefault(int(child), (int(workflow_id), []))[1].append(
@@ -508,6 +475,68 @@ class WorkflowStore:
         )
         stopped = {int(r[0]) for r in rows}
         return [(c, "skipped" if d == "skip" else None) for c, d, _ in blocked if c in stopped]
+
+    def _leave(
+        self, given: dict[int, str | None], rows_now: dict[int, Sequence[Any]]
+    ) -> Program[list[tuple[int, int, str]]]:
+        """The members given that ended leave the set, once (a job still retrying stays
+        pending; a second delivery of the same end finds its row gone), each with its
+        outcome (``given``'s forced one, else its job's state; discarded counts as dead),
+        counted in its workflow, whose row as the counts leave it goes to ``rows_now``.
+        Returns (member, its workflow, its outcome), by member. One statement where the
+        backend has ``wf_leave_count`` (PostgreSQL), three otherwise."""
+        q, array = self.q, self.array
+        ids, ends = array(list(given)), array(sorted(ENDED))
+        ended: list[tuple[int, int, str]] = []  # member, its workflow, its outcome
+        if "wf_leave_count" in q:
+            forced = array([given[m] for m in given])
+            counted = yield Stmt(q["wf_leave_count"], {"ids": ids, "forced": forced, "ended": ends})
+            for r in counted:
+                rows_now[int(r[0])] = r[:17]
+                ended += [(int(m), int(r[0]), str(o)) for m, o in json.loads(r[17])]
+            return sorted(ended)
+        left = yield Stmt(q["wf_leave_ended"], {"ids": ids, "ended": ends})
+        if not left:
+            return []
+        counts: dict[int, list[int]] = {}  # workflow -> completed, dead, cancelled, skipped
+        for member, workflow_id, state in sorted((int(r[0]), int(r[1]), r[2]) for r in left):
+            outcome = given[member] or ("dead" if state == "discarded" else str(state))
+            ended.append((member, workflow_id, outcome))
+            counts.setdefault(workflow_id, [0, 0, 0, 0])[OUTCOMES.index(outcome)] += 1
+        yield Stmt(
+            q["wf_member_outcomes"],
+            self.columns(ids=[m for m, _, _ in ended], outcomes=[o for _, _, o in ended]),
+        )
+        workflows = sorted(counts)  # each locked already (wf_lock_pending)
+        # The counts move; each workflow's row comes back as they left it, with whether a
+        # member is still pending (what settling it needs: no read of its own).
+        counted = yield Stmt(
+            q["wf_count_many"],
+            self.columns(
+                ids=workflows,
+                **{name: [counts[w][i] for w in workflows] for i, name in enumerate(OUTCOMES)},
+            ),
+        )
+        rows_now.update((int(r[0]), r) for r in counted)
+        return ended
+
+    def _ready(self, parents: list[tuple[int, str]]) -> Program[list[Sequence[Any]]]:
+        """The edges out of ``parents`` (members that just ended, with their outcomes)
+        carry those outcomes; the dependents none of whose parents is still to end, with
+        all their edges (read once, here): (child, workflow, parent, policy, outcome).
+        One statement where the backend has ``wf_resolve_ready`` (PostgreSQL), two
+        otherwise."""
+        q = self.q
+        edges = self.columns(parents=[m for m, _ in parents], outcomes=[o for _, o in parents])
+        if "wf_resolve_ready" in q:
+            rows: list[Sequence[Any]] = yield Stmt(q["wf_resolve_ready"], edges)
+            return rows
+        resolved = yield Stmt(q["wf_edges_resolve_many"], edges)
+        children = sorted({int(r[0]) for r in resolved})
+        if not children:
+            return []
+        rows = yield Stmt(q["wf_ready_edges"], {"children": self.array(children)})
+        return rows
 
     def _lock_up(self, job_ids: Sequence[int], workflows: Sequence[int] = ()) -> Program[set[int]]:
         """Lock ``workflows``, those ``job_ids`` are members of, and the workflows these

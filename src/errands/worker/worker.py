@@ -475,7 +475,12 @@ class Worker:
                 free = self._free
                 room = free + self._extra
                 plan = self._claim_plan(room) if room > 0 else []
-                suspects = min(max(self.suspect_lanes - self._suspects, 0), max(free, 0))
+                # Rescued jobs take the claim's room, prefetch included: they start at the
+                # next free slot, ahead of the prefetched jobs (dispatched urgent). Counted
+                # against free slots only, a worker with quick handlers, whose prefetched
+                # jobs take each slot the moment it frees, never claimed one while fresh
+                # jobs kept coming (I9: rescued jobs waited seconds behind fresh ones).
+                suspects = min(max(self.suspect_lanes - self._suspects, 0), max(room, 0))
                 if not self._suspects_startable():
                     suspects = 0
             if not plan:  # every slot busy: a finishing handler wakes us

@@ -857,10 +857,6 @@ class PostgresBackend(PostgresAdmin):
         weights: Weigher | None = None,
     ) -> list[JobRow]:
         with self._tx() as conn:
-            # One limited claimer per queue at a time, cluster-wide, for this transaction.
-            conn.execute(
-                self.q["queue_claim_lock"], {"lock": f"errands:{self.schema}:{queue.name}"}
-            )
             rows = claim_limited(
                 _LimitedStore(conn, self.q, f"errands:{self.schema}:"),
                 queue.name,
@@ -1148,6 +1144,14 @@ class _LimitedStore:
         self.conn = conn
         self.q = queries
         self.prefix = prefix  # lock names are per schema
+
+    def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+        """One limited claimer per queue at a time, cluster-wide, for this transaction;
+        the queue's settings and its rate-limited types: one statement."""
+        [row] = self.rows("limited_claim_start", {"lock": self.prefix + queue, "queue": queue})
+        settings = [row[:10]] if row[0] is not None else []
+        rates = [tuple(rate) for rate in json.loads(str(row[10]))] if row[10] else []
+        return settings, rates
 
     def lock(self, names: list[str]) -> None:
         if names:

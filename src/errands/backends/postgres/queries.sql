@@ -475,10 +475,17 @@ ON CONFLICT (name) DO UPDATE
 SET queue = excluded.queue, rate_limit = excluded.rate_limit,
     rate_period = excluded.rate_period, updated_at = now()
 
--- name: rate_limited_names
--- The rate-limited job types with due rows in a queue, each with its rate (a row's own:
--- rows of one type agree but while a deploy changes the rate). A loose index scan over
--- errands_jobs_limited: one probe per distinct name, however many rows each has.
+-- name: limited_claim_start
+-- A limited claim's first statement on PostgreSQL: three in one round trip. The queue's
+-- claim lock (an advisory lock: one limited claimer per queue, to the transaction's end),
+-- its settings (queue_settings_get's columns; NULLs when the queue has no row) and the
+-- rate-limited job types with due rows, each with its rate (a row's own: rows of one type
+-- agree but while a deploy changes the rate; a loose index scan over errands_jobs_limited,
+-- one probe per distinct name), as a JSON array. When the lock waits for another claimer,
+-- this statement's snapshot is from before that claimer's commit: the settings and this
+-- first reading of the rates may be from just before it (the rates are counted again
+-- under their own locks before anything is claimed); every later statement of the claim
+-- reads after it.
 WITH RECURSIVE names AS (
     (SELECT name FROM {schema}.errands_jobs
      WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
@@ -492,15 +499,19 @@ WITH RECURSIVE names AS (
             ORDER BY j.name LIMIT 1)
     FROM names WHERE names.name IS NOT NULL
 )
-SELECT n.name, r.rate_limit, r.rate_period
-FROM names AS n
-CROSS JOIN LATERAL (
-    SELECT rate_limit, rate_period FROM {schema}.errands_jobs
-    WHERE queue = %(queue)s AND name = n.name AND state IN ('available', 'scheduled', 'retryable')
-      AND (concurrency_key IS NOT NULL OR rate_limit IS NOT NULL) AND rate_limit IS NOT NULL
-    LIMIT 1
-) AS r
-WHERE n.name IS NOT NULL
+SELECT s.name, s.paused, s.max_running, s.rate_limit, s.rate_period, s.has_keys,
+       extract(epoch FROM s.updated_at)::float8, s.updated_by, s.fair, s.aging,
+       (SELECT json_agg(json_build_array(n.name, r.rate_limit, r.rate_period))
+        FROM names AS n
+        CROSS JOIN LATERAL (
+            SELECT rate_limit, rate_period FROM {schema}.errands_jobs
+            WHERE queue = %(queue)s AND name = n.name AND state IN ('available', 'scheduled', 'retryable')
+              AND (concurrency_key IS NOT NULL OR rate_limit IS NOT NULL) AND rate_limit IS NOT NULL
+            LIMIT 1
+        ) AS r
+        WHERE n.name IS NOT NULL)::text
+FROM (SELECT pg_advisory_xact_lock(hashtext(%(lock)s))) AS l
+LEFT JOIN {schema}.errands_queues AS s ON s.name = %(queue)s
 
 -- name: queues_with_limits
 -- Which of a worker's queues must be claimed through claim_limited: a queue with a
@@ -549,9 +560,6 @@ LIMIT %(limit)s
 -- millisecond covers the float the caller read the time as).
 DELETE FROM {schema}.errands_dead_hooks
 WHERE job_id = %(job_id)s AND died_at <= to_timestamp(%(died_at)s) + interval '1 millisecond'
-
--- name: queue_claim_lock
-SELECT pg_advisory_xact_lock(hashtext(%(lock)s))
 
 -- name: queue_running_count
 SELECT count(*) FROM {schema}.errands_jobs WHERE state = 'running' AND queue = %(queue)s

@@ -118,6 +118,86 @@ RETURNING w.id, w.name, w.kind, w.state, w.total, w.completed, w.dead, w.cancell
           EXISTS (SELECT 1 FROM {schema}.errands_workflow_pending AS p
                   WHERE p.workflow_id = w.id)
 
+-- name: wf_leave_count
+-- wf_leave_ended, wf_member_outcomes and wf_count_many in one statement (PostgreSQL only:
+-- the fan-in uses it when the backend's queries have it; one round trip instead of
+-- three per finish that ends members). The members given that ended leave the pending
+-- set; each gets its outcome (the one forced for it, else its job's state, a discarded
+-- job counting as dead); each workflow's counts move by them. One row per workflow, as
+-- wf_count_many returns it, and its members that ended now, [[member, outcome], ...].
+-- Every part reads the snapshot from before the statement's own writes, so "a member is
+-- still pending" leaves out the rows this statement deleted.
+WITH left_set AS (
+    DELETE FROM {schema}.errands_workflow_pending AS p
+    WHERE p.job_id = ANY(%(ids)s::bigint[])
+      AND (p.job_id < 0 OR (SELECT j.state FROM {schema}.errands_jobs AS j
+                            WHERE j.id = p.job_id) = ANY(%(ended)s::text[]))
+    RETURNING p.job_id, p.workflow_id,
+              (SELECT j.state FROM {schema}.errands_jobs AS j WHERE j.id = p.job_id) AS state
+),
+ended AS MATERIALIZED (
+    SELECT l.job_id, l.workflow_id,
+           COALESCE(g.forced, CASE WHEN l.state = 'discarded' THEN 'dead' ELSE l.state END)
+               AS outcome
+    FROM left_set AS l
+    JOIN unnest(%(ids)s::bigint[], %(forced)s::text[]) AS g(id, forced) ON g.id = l.job_id
+),
+outcomes AS (
+    UPDATE {schema}.errands_workflow_members AS m SET outcome = e.outcome
+    FROM ended AS e
+    WHERE m.job_id = e.job_id AND m.job_id = ANY(%(ids)s::bigint[])  -- by index
+),
+counts AS (
+    SELECT workflow_id AS id,
+           (count(*) FILTER (WHERE outcome = 'completed'))::int AS c,
+           (count(*) FILTER (WHERE outcome = 'dead'))::int AS d,
+           (count(*) FILTER (WHERE outcome = 'cancelled'))::int AS x,
+           (count(*) FILTER (WHERE outcome = 'skipped'))::int AS s,
+           jsonb_agg(jsonb_build_array(job_id, outcome) ORDER BY job_id)::text AS members
+    FROM ended GROUP BY workflow_id
+)
+UPDATE {schema}.errands_workflows AS w
+SET completed = w.completed + u.c, dead = w.dead + u.d,
+    cancelled = w.cancelled + u.x, skipped = w.skipped + u.s
+FROM counts AS u
+WHERE w.id = u.id
+RETURNING w.id, w.name, w.kind, w.state, w.total, w.completed, w.dead, w.cancelled,
+          w.skipped, w.callbacks::text, w.on_success_job, w.on_settled_job, w.on_dead_job,
+          w.cancel_requested, extract(epoch FROM w.created_at)::float8,
+          extract(epoch FROM w.settled_at)::float8,
+          EXISTS (SELECT 1 FROM {schema}.errands_workflow_pending AS p
+                  WHERE p.workflow_id = w.id
+                    AND p.job_id <> ALL (ARRAY(SELECT job_id FROM left_set))),
+          u.members
+
+-- name: wf_resolve_ready
+-- wf_edges_resolve_many and wf_ready_edges in one statement (PostgreSQL only, as
+-- wf_leave_count): the edges out of the members that just ended carry their outcomes;
+-- of their dependents, those with no open edge left, with every edge into each. The reads
+-- see the edges as they were before this statement's update, so the edges it resolves
+-- are left out of "open" and their outcomes taken from its RETURNING.
+WITH resolved AS (
+    UPDATE {schema}.errands_workflow_edges AS e SET outcome = u.o
+    FROM unnest(%(parents)s::bigint[], %(outcomes)s::text[]) AS u(p, o)
+    WHERE e.parent_id = u.p AND e.parent_id = ANY(%(parents)s::bigint[]) AND e.outcome IS NULL
+    RETURNING e.child_id, e.parent_id, e.outcome
+),
+ready AS MATERIALIZED (
+    SELECT c.id FROM (SELECT DISTINCT child_id AS id FROM resolved) AS c
+    WHERE (SELECT 1 FROM {schema}.errands_workflow_edges AS o
+           WHERE o.child_id = c.id AND o.outcome IS NULL
+             AND o.parent_id <> ALL (ARRAY(SELECT r.parent_id FROM resolved AS r
+                                           WHERE r.child_id = c.id))
+           LIMIT 1) IS NULL
+)
+SELECT ready.id, e.workflow_id, e.parent_id, e.policy, COALESCE(r.outcome, e.outcome)
+FROM ready CROSS JOIN LATERAL (
+    SELECT workflow_id, parent_id, policy, outcome FROM {schema}.errands_workflow_edges
+    WHERE child_id = ready.id ORDER BY parent_id
+) AS e
+LEFT JOIN resolved AS r ON r.child_id = ready.id AND r.parent_id = e.parent_id
+ORDER BY ready.id, e.parent_id
+
 -- name: wf_edges_resolve_many
 -- The edges out of the members that just ended carry their outcomes; their dependents.
 UPDATE {schema}.errands_workflow_edges AS e SET outcome = u.o

@@ -932,6 +932,12 @@ class _LimitedStore:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
 
+    def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+        """The queue's settings and its rate-limited types (the file's write lock, held
+        already, serialises the claim)."""
+        settings = self.rows("queue_settings_get", {"name": queue})
+        return settings, self.rows("rate_limited_names", {"queue": queue})
+
     def lock(self, names: list[str]) -> None:
         """Nothing to lock: every claim runs under the file's write lock."""
 

@@ -497,6 +497,9 @@ WHERE state = 'running' AND concurrency_key IN (SELECT value FROM json_each(:key
 GROUP BY concurrency_key
 
 -- name: job_claim_ids
+-- The rows a limited claim chose, found by id. `+state` keeps the state index out: with no
+-- statistics (errands never runs ANALYZE) SQLite would otherwise walk every pending row of
+-- the state index to find a few ids (3.7 ms for 20 rows among 40,000 pending, 0.55 by id).
 UPDATE errands_jobs
 SET state = 'running',
     attempt = attempt + 1,
@@ -506,7 +509,7 @@ SET state = 'running',
     attempted_at = (julianday('now') - 2440587.5) * 86400.0,
     progress = NULL, progress_message = NULL
 WHERE id IN (SELECT value FROM json_each(:ids))
-  AND state IN ('available', 'scheduled', 'retryable')
+  AND +state IN ('available', 'scheduled', 'retryable')
 RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
           idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
           lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,

@@ -1,0 +1,49 @@
+"""A workflow member's end costs a fixed handful of statements on PostgreSQL.
+
+The fan-in runs in the transaction of the member's own terminal write. On PostgreSQL its
+steps that follow one another without a decision in between are one statement each
+(wf_leave_count: out of the pending set, the outcome, the workflow's counts;
+wf_resolve_ready: the edges' outcomes and the dependents now ready), so a chain step's
+finish is the member's write, the workflow's lock, those two, the release and its wake-up:
+counted here on the client, not timed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import errands
+from errands.backends.base import ClaimParams, FinishParams, QueueClaim
+
+from .counting import statements
+
+# A chain step's finish with its fan-in: the member's write, the workflows' lock, the two
+# fused statements, the release, the wake-up (9 before they were fused, counted alike).
+MOST = 6
+
+
+def test_a_chain_steps_finish_and_fan_in_run_a_fixed_handful_of_statements(pg_url: str) -> None:
+    app = errands.App(pg_url)
+
+    @app.job(name="statements.step")
+    def step(n: int) -> int:
+        return n
+
+    try:
+        wf = errands.Workflow("chain")
+        first = wf.add(step.bind(n=0))
+        second = wf.add(step.bind(n=1), after=[first])
+        wf.add(step.bind(n=2), after=[second])
+        app.enqueue_workflow(wf)
+        backend: Any = app.backend
+        claim = ClaimParams([QueueClaim("default", 10)], 10, "w", 30.0)
+        [row] = backend.job_claim(claim)
+        finish = FinishParams(row.id, row.lease_token or "", "completed", member=True)
+        answers, sent = statements(lambda: backend.job_finish_many([finish]))
+        assert answers == [True]
+        assert len(sent) <= MOST, sent
+        [released] = backend.job_claim(claim)  # the next step, and only it
+        assert released.args == '{"n": 1}'
+        assert backend.job_claim(claim) == []
+    finally:
+        app.close()

@@ -1,0 +1,29 @@
+"""The SQLite statements a limited (or fair) claim runs find their rows through the index
+meant for them, on a database without statistics: errands never runs ANALYZE, and without
+it SQLite's planner guesses."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from errands.backends.sqlite.statements import MIGRATIONS, Q
+
+
+def _plan(sql: str, params: dict[str, object]) -> str:
+    conn = sqlite3.connect(":memory:")
+    for _version, _name, migration in MIGRATIONS:
+        conn.executescript(migration)
+    rows = conn.execute(f"EXPLAIN QUERY PLAN {sql}", params).fetchall()
+    return "\n".join(str(row[-1]) for row in rows)
+
+
+def test_a_limited_claim_updates_its_chosen_rows_by_id_not_by_walking_the_pending_rows() -> None:
+    """job_claim_ids (the write of a limited or fair claim) looks its rows up by primary
+    key: through the state index it read every pending row to find 20 (3.7 ms among
+    40,000 pending, 0.55 ms by id)."""
+    plan = _plan(
+        Q["job_claim_ids"],
+        {"worker_id": "w", "token": "t", "lease_default": 30.0, "ids": "[1, 2, 3]"},
+    )
+    assert "INTEGER PRIMARY KEY" in plan, plan
+    assert "errands_jobs_state" not in plan, plan
