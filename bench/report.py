@@ -618,8 +618,9 @@ def fairness_markdown(results: dict[str, Any]) -> str:
         f"and {settings.get('keys', 0):,} backlogged keys ({settings.get('keys_jobs', 0):,} "
         "no-op jobs) drained by a fair queue and by a plain one. On PostgreSQL, the same "
         "backlog and quiet traffic in pgqueuer (no fair claiming: it orders by priority, "
-        "then id), its entrypoint run as many at a time (`concurrency_limit`), in the FIFO "
-        "column. A dwell marked *over* "
+        "then id), its entrypoint run as many at a time (`concurrency_limit`) at its "
+        "default batch of 10 (its guide's 100 is for throughput; no batch size changes its "
+        "order), in the FIFO column. A dwell marked *over* "
         "counts the quiet jobs not started by the end at their wait so far (a lower "
         "bound). Reported, never asserted.\n\n" + _md_table(*fairness_rows(results))
     )

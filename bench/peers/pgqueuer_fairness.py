@@ -8,6 +8,12 @@ has no fair claiming (it orders by priority, then id), so this is what its users
 the quiet tenants wait behind the backlog. Dwell is enqueue to the handler's start, one
 clock (this process). Prints one JSON document.
 
+pgqueuer runs at its default batch size (10; at most ``concurrency``), not the 100 its
+performance guide gives for throughput: the quiet tenants' wait comes from its claim order
+(priority, then id), which no batch size changes; a larger batch only claims more of the
+backlog ahead of them. The result shape mirrors bench/fairness.py's ``quiet_dwell`` (this
+script runs in pgqueuer's venv and cannot import the bench package).
+
     python pgqueuer_fairness.py '{"url": "postgresql://...", "backlog": 20000, ...}'
 """
 
