@@ -28,6 +28,7 @@ canary's first pickup are the fault's recovery time (I9).
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from typing import Any
 import soak_app
 
 import errands
+from errands.faults import CRASH_EXIT_CODE
 
 from .cluster import Cluster, Slot
 from .store import Store
@@ -102,6 +104,9 @@ class Chaos:
     terminated: int = 0  # sessions ended by conn_kill
     log: list[str] = field(default_factory=list)
     stop_exits: list[int | None] = field(default_factory=list)  # exit codes after SIGTERM
+    # graceful stops cut short by an armed fault point (F2) firing in the jobs the worker
+    # was finishing: a crash the soak injected, not a failed stop (exit 86, the point named)
+    stops_crashed: list[str] = field(default_factory=list)
     released_targets: list[int] = field(default_factory=list)  # running at the SIGTERM
     progress_seen: Counter[str] = field(default_factory=Counter)  # target kind -> runs seen
 
@@ -300,11 +305,20 @@ class Chaos:
             _, victim, slot = target
             self.released_targets.append(target[0])
         episode = Episode("sigterm", time.time(), victim=victim)
+        proc = slot.proc
         code = self.cluster.stop(slot, STOP_TIMEOUT)
-        self.stop_exits.append(code)
+        point = _fault_point_fired(proc.stderr()) if proc and code == CRASH_EXIT_CODE else None
+        if point is None:
+            self.stop_exits.append(code)
+        else:  # the stop became an injected crash: its release cannot be asked of it (A10)
+            self.stops_crashed.append(point)
+            if target is not None:
+                self.released_targets.remove(target[0])
         self.cluster.spawn(slot)
         episode.healed = time.time()
         episode.detail = f"exit {code}" + (f", job {target[0]} was running" if target else "")
+        if point is not None:
+            episode.detail += f" (fault point {point} fired while it finished its jobs)"
         return episode
 
     def _lease_expiry(self, job_id: int) -> float | None:
@@ -344,3 +358,9 @@ class Chaos:
                 return job_id, owner, live[owner]
             self.idle(0.05)
         return None
+
+
+def _fault_point_fired(stderr: str) -> str | None:
+    """The fault point that ended a worker (its last line, see errands.faults.crash)."""
+    found = re.findall(r"errands fault point (\w+): crashing", stderr[-4000:])
+    return found[-1] if found else None

@@ -192,6 +192,9 @@ def _releases(out: Findings, jobs: dict[int, JobInfo], chaos: Chaos) -> None:
         j for j in targets if any(e.get("kind") == "released" for e in j.errors)
     ]  # fmt: skip
     out.figures["graceful stops mid-job: exits"] = dict(Counter(str(c) for c in chaos.stop_exits))
+    out.figures["graceful stops cut short by an armed fault point (F2 crash)"] = dict(
+        Counter(chaos.stops_crashed)
+    )
     out.figures["releases recorded (targets of a graceful stop released)"] = (
         f"{releases} ({len(with_release)} of {len(targets)})"
     )

@@ -153,3 +153,27 @@ def test_a_dead_job_whose_on_dead_hooks_never_ran_is_a_violation() -> None:
         "A7: 1 dead job(s) whose on_dead hooks never ran e.g. [3]"
     ], out.violations
     assert out.figures["on_dead hooks run more than once for a job"] == 1
+
+
+def test_a_graceful_stop_ended_by_an_armed_fault_point_is_a_crash_not_a_failed_stop() -> None:
+    """A worker asked to stop finishes its jobs; an armed fault point (F2) may fire in one
+    of them and end it with exit 86. That is the soak's own crash, counted with the
+    crashes; any other exit but 0 still fails F4."""
+    from types import SimpleNamespace
+
+    from .chaos import _fault_point_fired
+
+    log = "worker w-1 stopping\nerrands fault point after_complete_commit: crashing (exit 86)\n"
+    assert _fault_point_fired(log) == "after_complete_commit"
+    assert _fault_point_fired("worker w-1 stopped after 3 job(s)\n") is None
+    chaos: Any = SimpleNamespace(stop_exits=[0], stops_crashed=["after_complete_commit"],
+                                 released_targets=[])  # fmt: skip
+    out = Findings()
+    shapes._releases(out, {}, chaos)
+    assert out.violations == []
+    assert out.figures["graceful stops cut short by an armed fault point (F2 crash)"] == {
+        "after_complete_commit": 1
+    }
+    chaos.stop_exits.append(86)
+    shapes._releases(out, {}, chaos)
+    assert out.violations == ["F4: 1 worker(s) did not exit 0 on a graceful stop mid-run e.g. [86]"]
