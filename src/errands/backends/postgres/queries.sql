@@ -820,21 +820,35 @@ WITH RECURSIVE levels AS (
         LIMIT 1) AS n
     WHERE (n.step = 0 OR l.n < %(limit)s)
       AND (%(before)s::text IS NULL OR n.key <= %(before)s::text)
+), running AS MATERIALIZED (
+    -- the window's running rows, read once, grouped by key into one object that each key
+    -- looks itself up in (a per-key aggregate, or a join the planner could not size, let
+    -- a planner with statistics from before the rows existed read them once per key)
+    SELECT jsonb_object_agg(g.key, jsonb_build_array(g.seconds, g.latest, g.n)) AS by_key
+    FROM (SELECT fair_key AS key,
+                 sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
+                 extract(epoch FROM max(attempted_at))::float8 AS latest, count(*) AS n
+          FROM {schema}.errands_jobs
+          WHERE queue = %(queue)s AND state = 'running'
+            AND fair_key = ANY(ARRAY(SELECT key FROM levels))
+          GROUP BY fair_key) AS g
 )
 SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
        l.key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0,
        -- the key's standing, as fair_states gives it
        u.usage, u.recent, extract(epoch FROM u.at)::float8,
-       extract(epoch FROM u.last_started)::float8, r.seconds, r.latest, w.weight,
-       extract(epoch FROM now())::float8, r.n
+       extract(epoch FROM u.last_started)::float8, (r.by_key -> l.key ->> 0)::float8,
+       (r.by_key -> l.key ->> 1)::float8, w.weight, extract(epoch FROM now())::float8,
+       COALESCE((r.by_key -> l.key ->> 2)::bigint, 0)
 FROM levels AS l
-LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = l.key
-LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = l.key
-CROSS JOIN LATERAL (
-    SELECT sum(greatest(extract(epoch FROM now() - attempted_at), 0))::float8 AS seconds,
-           extract(epoch FROM max(attempted_at))::float8 AS latest, count(*) AS n
-    FROM {schema}.errands_jobs
-    WHERE queue = %(queue)s AND state = 'running' AND fair_key = l.key) AS r
+CROSS JOIN running AS r
+-- one primary-key probe per key (LIMIT 1 keeps each a probe: joined, a planner that
+-- thought the usage table empty read all of it once per key)
+LEFT JOIN LATERAL (
+    SELECT usage, recent, at, last_started FROM {schema}.errands_fair_usage
+    WHERE queue = %(queue)s AND key = l.key LIMIT 1) AS u ON true
+LEFT JOIN LATERAL (
+    SELECT weight FROM {schema}.errands_fair_weights WHERE key = l.key LIMIT 1) AS w ON true
 LEFT JOIN LATERAL (
     SELECT j.* FROM {schema}.errands_jobs AS j
     WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')
