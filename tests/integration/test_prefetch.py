@@ -253,3 +253,44 @@ def test_a_rescued_job_is_claimed_ahead_of_fresh_ones_while_prefetched_jobs_hold
         for handle in handles:
             handle.result(timeout=10)
     assert late.job().rescues == 1
+
+
+def test_a_quiet_tenants_job_starts_ahead_of_a_noisy_tenants_prefetched_ones(
+    app: errands.App, worker_factory
+) -> None:
+    """Issue 19: in a fair queue the claim ranks keys fairly, but prefetched jobs waited
+    for a thread in arrival order, so a quiet tenant's job claimed behind a noisy
+    tenant's prefetched ones waited for all of them (its dwell p99 was 10x an idle
+    queue's). A job whose key has none waiting in the worker goes ahead of the waiting
+    ones; the noisy tenant's next job waits its turn behind it."""
+    app.queue("pf_fair", fair=True)
+    gates = {("noisy", n): threading.Event() for n in range(6)}
+    gates[("quiet", 0)] = threading.Event()
+    gates[("quiet", 0)].set()
+    started: list[tuple[str, int]] = []
+
+    @app.job(name="pf.tenant", queue="pf_fair", fair_key="{tenant}", lease=10)
+    def tenant(tenant: str, n: int) -> None:
+        started.append((tenant, n))
+        gates[(tenant, n)].wait(20)
+
+    with worker_factory(concurrency=1, prefetch=2, queues=["default", "pf_fair"],
+                        maintenance=False):  # fmt: skip
+        learn_handlers_are_quick(app)
+        noisy = [tenant.enqueue(tenant="noisy", n=n) for n in range(6)]
+        # one runs, two wait prefetched: the claim has no room left
+        wait_until(lambda: states(app, "pf.tenant").get("running") == 3, what="3 claimed")
+        quiet = tenant.enqueue(tenant="quiet", n=0)
+        gates[("noisy", 0)].set()  # noisy 1 takes the slot; the room opens for the quiet job
+        wait_until(
+            lambda: raw_row(app, quiet.id).state != "available",
+            timeout=10,
+            what="the quiet job claimed behind two prefetched noisy ones",
+        )
+        gates[("noisy", 1)].set()
+        wait_until(lambda: len(started) >= 3, timeout=10, what="the next job started")
+        assert started[:3] == [("noisy", 0), ("noisy", 1), ("quiet", 0)], started
+        for gate in gates.values():
+            gate.set()
+        for handle in [*noisy, quiet]:
+            handle.result(timeout=10)
