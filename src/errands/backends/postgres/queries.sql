@@ -931,8 +931,11 @@ SELECT k.key, u.usage, u.recent, extract(epoch FROM u.at)::float8,
        extract(epoch FROM u.last_started)::float8, r.seconds, r.latest, w.weight,
        extract(epoch FROM now())::float8, r.n
 FROM unnest(%(keys)s::text[]) AS k(key)
-LEFT JOIN {schema}.errands_fair_usage AS u ON u.queue = %(queue)s AND u.key = k.key
-LEFT JOIN {schema}.errands_fair_weights AS w ON w.key = k.key
+LEFT JOIN LATERAL (  -- primary-key probes, whatever the statistics say (see fair_heads)
+    SELECT usage, recent, at, last_started FROM {schema}.errands_fair_usage
+    WHERE queue = %(queue)s AND key = k.key LIMIT 1) AS u ON true
+LEFT JOIN LATERAL (
+    SELECT weight FROM {schema}.errands_fair_weights WHERE key = k.key LIMIT 1) AS w ON true
 LEFT JOIN running AS r ON r.key = k.key
 
 -- name: fair_weight_set
