@@ -907,6 +907,26 @@ def scenario_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[
 # -- docs/benchmarks.md -----------------------------------------------------------------
 
 
+def group_markdown(group: dict[str, Any]) -> str:
+    """A group of peers measured in a run of its own with errands beside them (``python -m
+    bench.run --only errands --only PEER ...``): its tables, whose ratios are taken
+    within that run, never against the errands figures of another run."""
+    names = ", ".join(n for n in group["systems"] if not n.startswith("errands"))
+    out = [
+        f"\n### Measured in their own run: {names}\n",
+        f"\n{group['plan']['runs']} interleaved runs with errands beside them, started "
+        f"{group['started_at']} ({group['duration_s'] / 60:.0f} min; load average before "
+        f"{group['load_before'][0]:.2f}, after {group['load_after'][0]:.2f}); the errands rows "
+        "and every ratio here are from this run, the same harness and settings as above.\n",
+    ]
+    for view, title in (("best", "best against best"), ("default", "default against default")):
+        out.append(f"\n**{title[0].upper()}{title[1:]}**\n\n")
+        out.append(_md_table(*_main_rows(group, view, ranges=True)))
+        out.append("\n")
+        out.append(_md_table(*_ratio_rows(group, view)))
+    return "".join(out)
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
     if not rows:
         return "_(not measured)_\n"
@@ -1152,6 +1172,8 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
             "the same minutes).\n"
         )
         add(_md_table(*_ratio_rows(results, view)))
+    for group in results.get("groups", []):
+        add(group_markdown(group))
     add(issue17_markdown(results))
     add("\n## The limit\n")
     add(

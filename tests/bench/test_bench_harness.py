@@ -103,6 +103,30 @@ def test_both_views_pick_the_right_configuration_and_ratios_come_per_run() -> No
     assert rows[0][3] == "0.53x (runs 0.50-0.55)"
 
 
+def test_a_group_of_peers_measured_in_its_own_run_is_set_against_that_runs_errands() -> None:
+    """Peers measured in a run of their own (bench.run --only errands --only PEER) come on
+    the page with that run's errands figures and ratios, never another run's."""
+    errands = next(s for s in SYSTEMS if s.name == "errands-pg")
+    proc = next(s for s in SYSTEMS if s.name == "procrastinate")
+    group: dict[str, Any] = {
+        "started_at": "2026-12-03T15:27:00+0000", "duration_s": 3600.0,
+        "load_before": [0.5], "load_after": [1.0], "plan": {"runs": 2},
+        "systems": {
+            "errands-pg": {"store": "postgres", "compare_to": "",
+                           "raw": {**_raw([100, 100], "default"), **_raw([400, 400], "tuned")}},
+            "procrastinate": {"store": "postgres", "compare_to": "errands-pg",
+                              "raw": {**_raw([50, 50], "default"), **_raw([100, 200], "tuned")}},
+        },
+    }  # fmt: skip
+    for name, system in (("errands-pg", errands), ("procrastinate", proc)):
+        entry = group["systems"][name]
+        entry["figures"] = run.summarise(entry["raw"], system)
+    text = report.group_markdown(group)
+    assert "Measured in their own run: procrastinate" in text
+    assert "errands-pg / procrastinate" in text
+    assert "(runs 2.00-4.00)" in text  # best against best, run by run: 400/200 and 400/100
+
+
 def test_the_scenarios_keep_the_third_party_phase_shapes() -> None:
     def total(name: str) -> float:
         return sum(p.seconds for p in scenarios.phases(name, 1.0, 600))
