@@ -8,13 +8,14 @@ shutdown release — whichever comes first; the losers are ignored.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
 import traceback as tb
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams, FinishState
@@ -229,12 +230,7 @@ def outcome_for(
     """Classify an attempt's end (DESIGN §5) into the fenced write that records it, with
     what a fair queue's fold needs: whether the job has a fair key (none: the write skips
     the fold) and the seconds its handler ran (see :func:`handler_seconds`)."""
-    return replace(
-        _classify(attempt, exc, result_json, worker_id, poison_after),
-        fair=attempt.row.fair_key is not None,
-        ran=handler_seconds(attempt),
-        member=attempt.row.workflow_id is not None,
-    )
+    return _classify(attempt, exc, result_json, worker_id, poison_after)
 
 
 def handler_seconds(attempt: Attempt) -> float:
@@ -262,14 +258,22 @@ def _classify(
     (rescues and crashes) make it dead, reason ``poison``.
     """
     row = attempt.row
+    # Built once per attempt, with what a fair queue's fold and a workflow's fan-in need
+    # (dataclasses.replace on top of it cost a second object and a field walk per job).
+    finish = functools.partial(
+        FinishParams,
+        row.id,
+        attempt.token,
+        fair=row.fair_key is not None,
+        ran=handler_seconds(attempt),
+        member=row.workflow_id is not None,
+    )
     if exc is None:
-        return FinishParams(row.id, attempt.token, "completed", result_json=result_json)
+        return finish("completed", result_json=result_json)
     if isinstance(exc, Suspended) or (isinstance(exc, ChildFailure) and exc.kind == "suspend"):
         signal = exc.signal if isinstance(exc, Suspended) else str(exc)
         timeout = exc.timeout if isinstance(exc, Suspended) else exc.after
-        return FinishParams(
-            row.id, attempt.token, "waiting", wait_signal=signal, wait_timeout=timeout
-        )
+        return finish("waiting", wait_signal=signal, wait_timeout=timeout)
     definition = attempt.definition
     permanent = definition.permanent if definition is not None else ()
     if (
@@ -282,13 +286,9 @@ def _classify(
         or (permanent and isinstance(exc, permanent))
         or (isinstance(exc, ChildFailure) and exc.kind == "permanent")
     ):
-        return FinishParams(
-            row.id, attempt.token, "dead", error=error_entry(attempt, exc, worker_id, "permanent")
-        )
+        return finish("dead", error=error_entry(attempt, exc, worker_id, "permanent"))
     if isinstance(exc, Interrupted) and exc.reason == CANCELLED:
-        return FinishParams(
-            row.id,
-            attempt.token,
+        return finish(
             "cancelled",
             error=error_entry(attempt, exc, worker_id, "cancelled"),
         )
@@ -302,9 +302,7 @@ def _classify(
                 exc.type_name, f"poison: worker died {deaths} times on this job; last: {exc}", "",
                 "crash",
             )  # fmt: skip
-            return FinishParams(
-                row.id, attempt.token, "dead", error=error_entry(attempt, exc, worker_id, "poison")
-            )
+            return finish("dead", error=error_entry(attempt, exc, worker_id, "poison"))
         kind = "crash"
     if isinstance(exc, Retry) or (isinstance(exc, ChildFailure) and exc.kind == "retry"):
         delay, kind = exc.after or 0.0, "retry"  # type: ignore[union-attr]
@@ -312,9 +310,7 @@ def _classify(
         policy = definition.backoff if definition is not None else None
         delay = retry_delay(policy, row.attempt, job=row.name)
     state: FinishState = "retryable" if row.attempt < row.max_attempts else "dead"
-    return FinishParams(
-        row.id, attempt.token, state, error=error_entry(attempt, exc, worker_id, kind), delay=delay
-    )
+    return finish(state, error=error_entry(attempt, exc, worker_id, kind), delay=delay)
 
 
 def _crashes(row: JobRow) -> int:
