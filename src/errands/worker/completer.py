@@ -49,6 +49,7 @@ class Completer:
         on_written: Written,
         running: Callable[[], int] | None = None,
         on_released: Released | None = None,
+        on_batch: Callable[[], None] | None = None,
     ) -> None:
         self.app = app
         self.on_written = on_written
@@ -60,12 +61,20 @@ class Completer:
         self._thread = threading.Thread(target=self._run, name="errands-completer", daemon=True)
         self._closing = False
         self.stale_rejected = 0
+        self._writing = 0  # outcomes of the batch being written now
+        self.on_batch = on_batch  # after each batch: the worker may claim again (pending)
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, attempt: Attempt, outcome: FinishParams) -> None:
         self._queue.put((attempt, outcome))
+
+    @property
+    def pending(self) -> int:
+        """Outcomes decided and not yet written (queued, or in the batch being written):
+        the worker claims no more while these are too many (see Worker._produce)."""
+        return self._queue.qsize() + self._writing
 
     def _run(self) -> None:
         protect_current_thread()
@@ -75,7 +84,13 @@ class Completer:
                 return
             batch = [first]
             stop = self._gather(batch)
-            self._write(batch)
+            self._writing = len(batch)
+            try:
+                self._write(batch)
+            finally:
+                self._writing = 0
+            if self.on_batch is not None:
+                self.on_batch()
             if stop:
                 return
 

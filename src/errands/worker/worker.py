@@ -60,7 +60,7 @@ from ..jobs import JobRow
 from ..maintenance import Maintenance
 from ..observability.logcontext import install_record_factory
 from .claiming import Claimer
-from .completer import Completer
+from .completer import BATCH_MAX, Completer
 from .dispatch import Dispatcher
 from .execution import SHUTDOWN, Attempt
 from .leases import LeaseKeeper
@@ -79,6 +79,7 @@ GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 RECHECK_AFTER_NOTIFY = 0.02
 CLAIM_RETRY_MAX = 2.0  # seconds: failed claims are retried after poll_interval, doubling to this
+THROTTLE_WARN_EVERY = 60.0  # seconds between two warnings that outcomes are written slowly
 BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth of free slots
 # A prefetched job waits for a handler thread at most about this long on average: the
 # worker holds concurrency * PREFETCH_HORIZON / (mean handler time) jobs beyond its slots.
@@ -233,7 +234,13 @@ class Worker:
             lambda attempt, outcome, ok: self.recorder.on_written(attempt, outcome, ok),
             running=self._running_handlers,
             on_released=self._on_released,
+            on_batch=self._on_batch_written,
         )
+        # Outcomes decided but not yet written, beyond which the worker claims nothing (see
+        # _produce): a few batches' worth, never below what its slots and prefetch hold.
+        self._unwritten_max = max(BATCH_MAX, 2 * (concurrency + self.prefetch))
+        self._throttled = False
+        self._throttle_warned_at = float("-inf")
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
         self.leases = LeaseKeeper(
             self, interval=max(shortest / 3, 0.2), on_timeout=lambda a: on_deadline(self, a)
@@ -483,6 +490,20 @@ class Worker:
                 suspects = min(max(self.suspect_lanes - self._suspects, 0), max(room, 0))
                 if not self._suspects_startable():
                     suspects = 0
+            unwritten = self.completer.pending
+            if plan and unwritten >= self._unwritten_max:
+                # The store records outcomes slower than the handlers produce them (a slow
+                # or struggling store): claim nothing until the completer catches up. Else
+                # the worker ran on, its unwritten outcomes piled up in memory, each still
+                # heartbeated, and the heartbeats grew with them (a PostgreSQL worker grew
+                # by 80 MB and wrote ~160 outcomes a second for 100 s in the memory
+                # benchmark). The completer wakes us after each batch.
+                self._throttled = True
+                self._warn_throttled(unwritten)
+                self._wake.wait(self.poll_interval)
+                self._wake.clear()
+                continue
+            self._throttled = False
             if not plan:  # every slot busy: a finishing handler wakes us
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
@@ -534,6 +555,20 @@ class Worker:
             self._notified = False
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _on_batch_written(self) -> None:
+        if self._throttled:
+            self._wake.set()
+
+    def _warn_throttled(self, unwritten: int) -> None:
+        now = time.monotonic()
+        if now >= self._throttle_warned_at + THROTTLE_WARN_EVERY:
+            self._throttle_warned_at = now
+            log.warning(
+                "%d outcome(s) wait to be written (the store records them slower than the "
+                "handlers finish): claiming no more jobs until it catches up",
+                unwritten,
+            )
 
     def _suspects_waiting(self) -> bool:
         """Before its suspects' children are started (SUSPECT_WARM_AFTER), a worker asks
