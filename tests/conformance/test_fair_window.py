@@ -14,22 +14,19 @@ import math
 import sqlite3
 from collections import Counter
 
-import pytest
-
 from errands.backends import Backend, open_backend
 from errands.backends.base import FinishParams, QueueClaim, QueueSettings
 from errands.backends.limits import WINDOW_READS, claim_limited, window_size
 from errands.jobs import EnqueueRequest, JobRow
 
-from .conftest import Harness
 from .support import WORKER
 
 _queues = itertools.count()
 
 
-def fair_queue(backend: Backend, *, aging: float | None = None) -> str:
+def fair_queue(backend: Backend) -> str:
     name = f"window{next(_queues)}"
-    backend.queue_declare(QueueSettings(name, fair=True, aging=aging), "test")
+    backend.queue_declare(QueueSettings(name, fair=True), "test")
     return name
 
 
@@ -115,23 +112,6 @@ def test_a_higher_priority_job_of_a_key_outside_the_window_is_claimed_first(
     assert all(key_of[r.id] != "tenant:zzz" for r in take_and_finish(backend, queue, 4))
 
 
-def test_a_job_aging_lifted_above_the_window_is_claimed_first_though_its_key_is_outside(
-    backend: Backend, harness: Harness
-) -> None:
-    """A queue with aging reads a window of keys too (it used to read every key): the
-    keyed rows aging has lifted come beside it, so a job of a key outside the window,
-    due long enough to rank above every window's level, goes first; then the rotation
-    goes on as before."""
-    queue = fair_queue(backend, aging=10.0)
-    key_of = add(backend, queue, [f"tenant:{k:03d}" for k in range(100)], 2, priority=1)
-    lifted = add(backend, queue, ["tenant:zzz"], 1, priority=0)  # last in key order
-    (old,) = lifted
-    key_of |= lifted
-    harness.backdate_run_at(backend, old, 25.0)  # due 25 s ago: two levels up, at 2
-    assert [r.id for r in take_and_finish(backend, queue, 1)] == [old]
-    assert all(key_of[r.id] != "tenant:zzz" for r in take_and_finish(backend, queue, 4))
-
-
 def test_keys_with_nothing_due_are_passed_and_the_due_keys_behind_them_claimed(
     backend: Backend,
 ) -> None:
@@ -158,22 +138,16 @@ def test_a_claim_reads_on_until_it_finds_a_due_key_so_the_queue_never_looks_idle
     assert [key_of[r.id] for r in take_and_finish(backend, queue, 1)] == ["z"]
 
 
-@pytest.mark.parametrize("aging", [None, 10.0], ids=["plain", "aging"])
-def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path, aging) -> None:  # type: ignore[no-untyped-def]
+def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The claim's own reads, counted on SQLite: with 2,000 backlogged keys a claim of 10
     reads the heads of at most one window of keys (window_size(10) = 32), weighs only
-    those keys, and the next claim starts where it stopped. A queue with aging too (it
-    read every key before): with every job lifted, its lifted rows add at most a
-    window's worth per level."""
+    those keys, and the next claim starts where it stopped."""
     from errands.backends.sqlite.backend import SQLiteBackend, _LimitedStore
 
     backend = SQLiteBackend(f"sqlite:///{tmp_path / 'window.db'}")
     try:
-        queue = fair_queue(backend, aging=aging)
+        queue = fair_queue(backend)
         add(backend, queue, [f"tenant:{k:04d}" for k in range(2000)], 2)
-        if aging:  # every job due 15 s ago: each lifted one level
-            with sqlite3.connect(tmp_path / "window.db") as side:
-                side.execute("UPDATE errands_jobs SET run_at = run_at - 15")
         conn = sqlite3.connect(tmp_path / "window.db", isolation_level=None)
         reads: Counter[str] = Counter()
 
@@ -185,8 +159,6 @@ def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path, aging) ->
                     reads["weighed keys"] += len({row[6] for row in got})
                 if query == "fair_states":
                     reads["weighed keys"] += len(json.loads(str(params["keys"])))
-                if query == "fair_aged":
-                    reads["lifted rows"] += len(got)
                 return got
 
         cursors: dict[str, str] = {}
@@ -198,12 +170,8 @@ def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path, aging) ->
             conn.execute("COMMIT")
         assert len(claimed) == 20
         assert reads["head rows"] <= 2 * window_size(10)
-        if aging is None:
-            assert reads["weighed keys"] <= 2 * window_size(10)
-            assert cursors[queue] == "tenant:0019"  # 20 keys served, in key order
-        else:  # and the lifted rows (one level here) of at most a window's keys more
-            assert 0 < reads["lifted rows"] <= 2 * window_size(10)
-            assert reads["weighed keys"] <= 2 * 2 * window_size(10)
+        assert reads["weighed keys"] <= 2 * window_size(10)
+        assert cursors[queue] == "tenant:0019"  # 20 keys served, in key order
         conn.close()
     finally:
         backend.close()

@@ -4,8 +4,7 @@ A fair queue (``app.queue(name, fair=True)``) is claimed through the limited cla
 (:func:`errands.backends.limits.claim_limited`), which reads, under its serialising lock,
 for the keys of its **window** (the next ``room + 16`` keys, at least 32, of a rotation
 over the keys with due jobs, kept by the claiming process: see ``limits._pick_fair``;
-with ``aging``, also the keyed jobs it lifted, the longest due of each level; every key
-in a suspect claim):
+every key in a queue with ``aging`` and in a suspect claim):
 
 * each key's next due jobs, per priority level (a skip through ``errands_jobs_fair``:
   one probe per key and level, however long a key's backlog), and the keyed jobs of a

@@ -295,10 +295,8 @@ def _pick_fair(
     a window is claimed exactly as if every key were read. The keyed rows of a priority
     above the window's lowest come from the queue's first ``window_size(room)`` due rows
     in claim order (``fair_lookahead``, which also brings the rows without a key), so
-    priorities still order levels. In a queue with ``aging``, the keyed rows aging lifted
-    come too: per priority level, the ``window_size(room)`` due longest (``fair_aged``),
-    so a lifted job outside the window ranks at its lifted level. A suspect claim, or a
-    claim without ``cursors``, reads every key (its ranking needs every key's head).
+    priorities still order levels. A queue with ``aging``, a suspect claim, or a claim
+    without ``cursors`` reads every key (its ranking needs every key's head).
 
     Rescued jobs (suspects) take their turn like the others: the worker's suspect claim
     orders fresh and rescued jobs together and keeps the rescued ones it picked, so a
@@ -308,7 +306,7 @@ def _pick_fair(
     if suspects and not store.rows("claim_candidates_suspect", {**pick.params(), "limit": 1}):
         return []  # no rescued job due: the common case, read through its own index
     params = {**pick.params(), "suspects": suspects}
-    windowed = cursors is not None and not suspects
+    windowed = cursors is not None and aging is None and not suspects
     cursor = cursors.get(queue) if cursors is not None and windowed else None
     if windowed:
         candidates, read, standing = _fair_window(store, params, cursor, window_size(room))
@@ -328,14 +326,6 @@ def _pick_fair(
                                                       "above": low})
         if c.fair_key not in window
     ]  # fmt: skip
-    if windowed and aging:
-        seen = {c.id for c in ahead}
-        ahead += [
-            c
-            for c in _fair_rows(store, "fair_aged", {**params, "limit": ahead_rows,
-                                                     "aging": aging})
-            if c.fair_key not in window and c.id not in seen
-        ]  # fmt: skip
     candidates += ahead
     if not candidates:
         if windowed and read and cursors is not None:

@@ -914,38 +914,6 @@ FROM (SELECT * FROM {schema}.errands_jobs
 WHERE (fair_key IS NULL OR priority > %(above)s::int)
   AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
 
--- name: fair_aged
--- A fair queue with aging, for a windowed claim (see _pick_fair): per priority level of its
--- due rows, the %(limit)s keyed rows due longest, of those due at least %(aging)s seconds
--- (the rows aging has lifted, the most lifted first). So a job of a key outside the window
--- that aging lifted above the window's levels is seen. The levels are found by skipping
--- through errands_jobs_due (queue, priority DESC, run_at, id), one probe each; each
--- level's rows are one range of it.
-WITH RECURSIVE levels AS (
-    (SELECT priority FROM {schema}.errands_jobs
-     WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
-     ORDER BY priority DESC LIMIT 1)
-    UNION ALL
-    SELECT n.priority FROM levels AS l
-    CROSS JOIN LATERAL (
-        SELECT j.priority FROM {schema}.errands_jobs AS j
-        WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')
-          AND j.priority < l.priority
-        ORDER BY j.priority DESC LIMIT 1) AS n
-)
-SELECT c.id, c.name, c.concurrency_key, c.concurrency_limit, c.rate_limit, c.rate_period,
-       c.fair_key, c.priority, extract(epoch FROM c.run_at)::float8, c.rescues > 0
-FROM levels AS l
-CROSS JOIN LATERAL (
-    SELECT j.* FROM {schema}.errands_jobs AS j
-    WHERE j.queue = %(queue)s AND j.state IN ('available', 'scheduled', 'retryable')
-      AND j.priority = l.priority
-      AND j.run_at <= now() - make_interval(secs => %(aging)s::float8)
-      AND j.fair_key IS NOT NULL AND (%(suspects)s OR j.rescues = 0)
-      AND (%(names)s::text[] IS NULL OR j.name = ANY(%(names)s::text[]))
-    ORDER BY j.run_at, j.id
-    LIMIT %(limit)s) AS c
-
 -- name: fair_states
 -- Per key of keys in a queue: its folded usage (usage, recent attempts, when folded, last
 -- start), the seconds its running attempts have used so far, their latest start, its

@@ -762,38 +762,6 @@ FROM (SELECT * FROM errands_jobs
 WHERE (fair_key IS NULL OR priority > :above)
   AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
 
--- name: fair_aged
--- A fair queue with aging, for a windowed claim (see _pick_fair): per priority level of its
--- due rows, the :limit keyed rows due longest, of those due at least :aging seconds (the
--- rows aging has lifted, the most lifted first). So a job of a key outside the window that
--- aging lifted above the window's levels is seen. The levels are found by skipping through
--- errands_jobs_due (queue, priority DESC, run_at, id), one probe each; each level's rows
--- are one range of it.
-WITH RECURSIVE now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
-levels(priority) AS (
-    SELECT (SELECT priority FROM errands_jobs
-            WHERE queue = :queue AND state IN ('available', 'scheduled', 'retryable')
-            ORDER BY priority DESC LIMIT 1)
-    UNION ALL
-    SELECT (SELECT j.priority FROM errands_jobs AS j
-            WHERE j.queue = :queue AND j.state IN ('available', 'scheduled', 'retryable')
-              AND j.priority < l.priority
-            ORDER BY j.priority DESC LIMIT 1)
-    FROM levels AS l WHERE l.priority IS NOT NULL
-)
-SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
-       j.fair_key, j.priority, j.run_at, j.rescues > 0
-FROM levels AS l
-JOIN errands_jobs AS j ON j.id IN (
-    SELECT c.id FROM errands_jobs AS c, now
-    WHERE c.queue = :queue AND c.state IN ('available', 'scheduled', 'retryable')
-      AND c.priority = l.priority AND c.run_at <= now.t - :aging
-      AND c.fair_key IS NOT NULL AND (:suspects = 1 OR c.rescues = 0)
-      AND (:names IS NULL OR c.name IN (SELECT value FROM json_each(:names)))
-    ORDER BY c.run_at, c.id
-    LIMIT :limit)
-WHERE l.priority IS NOT NULL
-
 -- name: fair_states
 -- Per key of :keys (a JSON list) in a queue: its folded usage (usage, recent attempts,
 -- when folded, last start), the seconds its running attempts have used so far, their
