@@ -19,14 +19,15 @@ from errands.backends.base import FinishParams, QueueClaim, QueueSettings
 from errands.backends.limits import WINDOW_READS, claim_limited, window_size
 from errands.jobs import EnqueueRequest, JobRow
 
+from .conftest import Harness
 from .support import WORKER
 
 _queues = itertools.count()
 
 
-def fair_queue(backend: Backend) -> str:
+def fair_queue(backend: Backend, *, aging: float | None = None) -> str:
     name = f"window{next(_queues)}"
-    backend.queue_declare(QueueSettings(name, fair=True), "test")
+    backend.queue_declare(QueueSettings(name, fair=True, aging=aging), "test")
     return name
 
 
@@ -109,6 +110,21 @@ def test_a_higher_priority_job_of_a_key_outside_the_window_is_claimed_first(
     assert [key_of[r.id] for r in take_and_finish(backend, queue, 2)] == ["tenant:zzz"] * 2
     first, second = (key_of[r.id] for r in take_and_finish(backend, queue, 2))
     assert first == "tenant:zzz" and second != "tenant:zzz"
+    assert all(key_of[r.id] != "tenant:zzz" for r in take_and_finish(backend, queue, 4))
+
+
+def test_a_job_aging_lifted_above_every_level_is_claimed_first_among_many_keys(
+    backend: Backend, harness: Harness
+) -> None:
+    """A queue with aging ranks every key's head (not a window's): a job of the last
+    key in key order, due long enough to rank above every other level, goes first."""
+    queue = fair_queue(backend, aging=10.0)
+    key_of = add(backend, queue, [f"tenant:{k:03d}" for k in range(100)], 2, priority=1)
+    lifted = add(backend, queue, ["tenant:zzz"], 1, priority=0)
+    (old,) = lifted
+    key_of |= lifted
+    harness.backdate_run_at(backend, old, 25.0)  # due 25 s ago: two levels up, at 2
+    assert [r.id for r in take_and_finish(backend, queue, 1)] == [old]
     assert all(key_of[r.id] != "tenant:zzz" for r in take_and_finish(backend, queue, 4))
 
 

@@ -294,3 +294,42 @@ def test_a_quiet_tenants_job_starts_ahead_of_a_noisy_tenants_prefetched_ones(
             gate.set()
         for handle in [*noisy, quiet]:
             handle.result(timeout=10)
+
+
+def test_a_fair_queues_job_never_goes_ahead_of_another_queues_prefetched_job(
+    app: errands.App, worker_factory
+) -> None:
+    """The fair order of prefetched jobs stays within the fair queue: a plain queue's job
+    prefetched first still starts first (a fair job going ahead of every other queue's
+    could keep one waiting for as long as new keys kept coming)."""
+    app.queue("pf_fair2", fair=True)
+    gates = {n: threading.Event() for n in range(2)}
+    started: list[str] = []
+
+    @app.job(name="pf.plain", lease=10)
+    def plain(n: int) -> None:
+        started.append(f"plain {n}")
+        gates[n].wait(20)
+
+    @app.job(name="pf.tenant2", queue="pf_fair2", fair_key="{tenant}", lease=10)
+    def tenant(tenant: str) -> None:
+        started.append(tenant)
+
+    with worker_factory(concurrency=1, prefetch=2, queues=["default", "pf_fair2"],
+                        maintenance=False):  # fmt: skip
+        learn_handlers_are_quick(app)
+        plains = [plain.enqueue(n=n) for n in range(2)]
+        # plain 0 runs, plain 1 waits prefetched: one claim's room is left
+        wait_until(lambda: states(app, "pf.plain").get("running") == 2, what="2 claimed")
+        quiet = tenant.enqueue(tenant="quiet")
+        wait_until(
+            lambda: raw_row(app, quiet.id).state != "available",
+            timeout=10,
+            what="the fair job claimed behind the prefetched plain one",
+        )
+        gates[0].set()
+        wait_until(lambda: len(started) >= 2, timeout=10, what="the next job started")
+        assert started[:2] == ["plain 0", "plain 1"], started
+        gates[1].set()
+        for handle in [*plains, quiet]:
+            handle.result(timeout=10)

@@ -23,6 +23,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidPayload, UnknownJob
+from ..jobs import JobRow
 from ..observability.logcontext import JobLogContext, job_context
 from ..payload import mask
 from .execution import Attempt, Interrupted, JobTimeout, context_for
@@ -40,34 +41,60 @@ log = logging.getLogger("errands.worker")
 class Dispatcher:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        # A fair queue's prefetched jobs waiting here for a handler thread, per fair key
-        # (see _fair_wait).
+        # The order prefetched jobs wait in for a handler thread (see _goes_first): the
+        # jobs waiting in arrival order, by queue, and a prefetching fair queue's waiting
+        # jobs by (queue, fair key); how many went ahead since a job in arrival order began.
+        self._waiting_queues: Counter[str] = Counter()
         self._waiting_keys: Counter[tuple[str, str]] = Counter()
-        self._keys_lock = threading.Lock()
+        self._went_ahead = 0
+        self._order_lock = threading.Lock()
 
-    def _fair_wait(self, attempt: Attempt) -> tuple[tuple[str, str] | None, bool]:
-        """The (queue, fair key) of an attempt of a prefetching fair queue, now counted as
-        waiting here, and whether it is its key's only one; (None, False) for any other
-        attempt. The claim ranks keys fairly, but prefetched jobs wait for a thread in
-        arrival order: a quiet tenant's job claimed behind a noisy tenant's prefetched ones
-        waited for all of them (issue 19: its dwell p99 was 10x an idle queue's on
-        SQLite). So a job whose key has none waiting here goes ahead of the waiting ones
-        (dispatched urgent); the next of the same key waits its turn behind the others."""
-        row = attempt.row
-        if row.fair_key is None or row.queue not in self.worker.claimer.prefetching:
-            return None, False
-        key = (row.queue, row.fair_key)
-        with self._keys_lock:
-            alone = key not in self._waiting_keys
-            self._waiting_keys[key] += 1
-        return key, alone
+    def _goes_first(self, row: JobRow) -> tuple[tuple[str, str] | None, bool]:
+        """Where a sync handler's job waits for a thread: the (queue, fair key) it is
+        counted under (None: not a prefetching fair queue's) and whether it goes ahead of
+        the jobs waiting (dispatched urgent); a job that does not is counted as waiting in
+        arrival order.
 
-    def _taken(self, key: tuple[str, str] | None) -> None:
-        if key is not None:
-            with self._keys_lock:
+        The claim ranks a fair queue's keys fairly, but prefetched jobs wait for a thread
+        in arrival order: a quiet tenant's job claimed behind a noisy tenant's prefetched
+        ones waited for all of them (issue 19: its dwell p99 was 10x an idle queue's on
+        SQLite). So a job whose key has none waiting here goes first, and the next of the
+        same key waits its turn behind the others. Bounded: only ahead of its own queue's
+        jobs (never ahead of another queue's), and at most ``concurrency`` jobs go ahead
+        before the oldest job waiting in arrival order begins."""
+        urgent = row.rescues > 0  # rescued jobs start at the next free slot (I9)
+        key = None
+        if row.fair_key is not None and row.queue in self.worker.claimer.prefetching:
+            key = (row.queue, row.fair_key)
+        with self._order_lock:
+            if key is not None:
+                alone = key not in self._waiting_keys
+                self._waiting_keys[key] += 1
+                waiting = self._waiting_queues.total()
+                if (
+                    alone
+                    and not urgent
+                    and waiting == self._waiting_queues[row.queue]
+                    and (not waiting or self._went_ahead < self.worker.concurrency)
+                ):
+                    urgent = True
+                    self._went_ahead += waiting > 0  # it passed jobs waiting in order
+            if not urgent:
+                self._waiting_queues[row.queue] += 1
+        return key, urgent
+
+    def _begins(self, queue: str, key: tuple[str, str] | None, urgent: bool) -> None:
+        """A handler thread takes up a job counted by _goes_first."""
+        with self._order_lock:
+            if key is not None:
                 self._waiting_keys[key] -= 1
                 if self._waiting_keys[key] <= 0:
                     del self._waiting_keys[key]
+            if not urgent:
+                self._went_ahead = 0
+                self._waiting_queues[queue] -= 1
+                if self._waiting_queues[queue] <= 0:
+                    del self._waiting_queues[queue]
 
     def dispatch(self, attempt: Attempt) -> None:
         """Start ``attempt`` where its handler runs (called on the claim loop's thread)."""
@@ -93,17 +120,17 @@ class Dispatcher:
         if not definition.is_async:
             # A sync handler: the thread that runs it also prepares it (payload, Context),
             # while the claim loop is already waiting on the next claim.
-            key, alone = self._fair_wait(attempt)
+            key, urgent = self._goes_first(row)
 
             def run() -> Any:
-                self._taken(key)
+                self._begins(row.queue, key, urgent)
                 return self._run_in_thread(attempt, definition)
 
             attempt.waiting = True
             attempt.future = worker.threads.submit(
                 run,
                 lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
-                urgent=row.rescues > 0 or alone,
+                urgent=urgent,
             )
             return
         future = worker.loop_runner_started().submit(lambda: self._run_async(attempt, definition))
