@@ -490,6 +490,7 @@ class Worker:
                 suspects = min(max(self.suspect_lanes - self._suspects, 0), max(room, 0))
                 if not self._suspects_startable():
                     suspects = 0
+            self._throttled = bool(plan)  # before reading: a batch written after it wakes us
             unwritten = self.completer.pending
             if plan and unwritten >= self._unwritten_max:
                 # The store records outcomes slower than the handlers produce them (a slow
@@ -498,7 +499,6 @@ class Worker:
                 # heartbeated, and the heartbeats grew with them (a PostgreSQL worker grew
                 # by 80 MB and wrote ~160 outcomes a second for 100 s in the memory
                 # benchmark). The completer wakes us after each batch.
-                self._throttled = True
                 self._warn_throttled(unwritten)
                 self._wake.wait(self.poll_interval)
                 self._wake.clear()
