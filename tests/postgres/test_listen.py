@@ -81,3 +81,32 @@ def test_listen_false_turns_wakeups_off_and_the_worker_still_polls(pgc: PgCluste
     handle = pgacc_basic.touch.enqueue(n=3)
     wait_until(lambda: handle.status() == "completed", 15, "the job to complete by polling")
     assert not _listening(pgc)
+
+
+def test_a_woken_worker_looks_again_just_past_the_notify_window(pg_url: str) -> None:
+    """A job enqueued within notify_window after a notified one sends no NOTIFY: the
+    worker woken by the first looks once more the window plus 5 ms later (it was a flat
+    20 ms, four times the default window of 5 ms: now 10 ms there)."""
+    import threading
+
+    import errands
+
+    for window, recheck in (("0.02", 0.025), ("0.05", 0.055)):
+        app = errands.App(with_params(pg_url, notify_window=window))
+        try:
+            worker = app.worker(concurrency=1, poll_interval=0.05)
+            assert worker.recheck_after_notify == pytest.approx(0.01)  # until it starts
+            thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+            thread.start()
+            try:
+                wait_until(
+                    lambda w=worker: w.recheck_after_notify != pytest.approx(0.01),
+                    timeout=30,
+                    what="the worker started",
+                )
+                assert worker.recheck_after_notify == pytest.approx(recheck)
+            finally:
+                worker.stop()
+                thread.join(30)
+        finally:
+            app.close()

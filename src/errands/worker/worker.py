@@ -77,7 +77,14 @@ log = logging.getLogger("errands.worker")
 CONCURRENCY_DEFAULT = 10
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
-RECHECK_AFTER_NOTIFY = 0.02
+# After a claim a notification woke, the worker looks once more this long after the
+# store's notification window (PostgreSQL's notify_window: an enqueuing process sends at
+# most one NOTIFY per queue per window, so a job committed within it after a notified one
+# sent none). It was a flat 20 ms, four times the default window: a job enqueued a few
+# milliseconds after another waited up to 20 ms more (the PostgreSQL fair queue's idle
+# dwell p99, 29 ms with quiet tenants enqueueing 50 jobs a second).
+RECHECK_MARGIN = 0.005
+RECHECK_AFTER_NOTIFY_MIN = 0.01
 CLAIM_RETRY_MAX = 2.0  # seconds: failed claims are retried after poll_interval, doubling to this
 THROTTLE_WARN_EVERY = 60.0  # seconds between two warnings that outcomes are written slowly
 BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth of free slots
@@ -239,6 +246,7 @@ class Worker:
         # Outcomes decided but not yet written, beyond which the worker claims nothing (see
         # _produce): a few batches' worth, never below what its slots and prefetch hold.
         self._unwritten_max = max(BATCH_MAX, 2 * (concurrency + self.prefetch))
+        self.recheck_after_notify = RECHECK_AFTER_NOTIFY_MIN  # set from the store in run()
         self._throttled = False
         self._throttle_warned_at = float("-inf")
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
@@ -317,6 +325,8 @@ class Worker:
         self._at_startup(
             "sizing connections", lambda: self.app.backend.configure_worker(self.concurrency)
         )
+        window = getattr(getattr(self.app.backend, "config", None), "notify_window", 0.0)
+        self.recheck_after_notify = max(RECHECK_AFTER_NOTIFY_MIN, float(window) + RECHECK_MARGIN)
         if install_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
@@ -549,7 +559,7 @@ class Worker:
                 continue
             # Woken by a notification: look once more shortly after, since notifications
             # are coalesced and a job committed just after this claim may have sent none.
-            wait = RECHECK_AFTER_NOTIFY if self._notified else self.poll_interval
+            wait = self.recheck_after_notify if self._notified else self.poll_interval
             wait = max(min(wait, self._wake_at - time.monotonic()), 0.0)
             self._wake_at = float("inf")
             self._notified = False
