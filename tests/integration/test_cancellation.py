@@ -6,6 +6,7 @@ every third of a second so these tests stay fast.
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -114,6 +115,33 @@ def test_cancelling_a_running_sync_job_sets_ctx_cancelled_and_it_never_runs_agai
     assert runs == [1]
     assert reasons == ["cancelled"]
     assert handle.job().attempt == 1
+
+
+def test_a_handler_without_a_context_cancelled_while_running_ends_cancelled_and_is_reported_so(
+    app: errands.App, worker_factory
+) -> None:
+    """A sync handler that takes no Context gets none (nothing could reach it); its stop
+    is still known: cancelled while it runs, then raising, it ends ``cancelled`` with a
+    ``cancelled`` event, never retried."""
+    started, release = threading.Event(), threading.Event()
+    events: list[str] = []
+    app.events.subscribe(lambda e: events.append(e.name))
+
+    @app.job(name="cancel.no_ctx", lease=1, retries=3, backoff=0.01)
+    def no_ctx() -> None:
+        started.set()
+        release.wait(10)
+        raise RuntimeError("stopped half-way")
+
+    handle = no_ctx.enqueue()
+    with worker_factory():
+        assert started.wait(10)
+        assert handle.cancel().state == "running"
+        time.sleep(0.6)  # past a heartbeat (lease 1 s: every 0.33 s), which delivers it
+        release.set()
+        wait_until(lambda: handle.status() is JobState.CANCELLED, what="the job cancelled")
+    assert handle.job().attempt == 1
+    assert "errands.job.cancelled" in events and "errands.job.retrying" not in events
 
 
 def test_async_job_that_swallows_its_cancellation_and_raises_never_runs_again(

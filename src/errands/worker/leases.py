@@ -191,12 +191,12 @@ class LeaseKeeper:
                 if report is not None:
                     attempt.progress_stored = report
                     self._progressed(attempt, report)
-                if lease in result.cancel_requested and not (attempt.ctx and attempt.ctx.cancelled):
+                if lease in result.cancel_requested and attempt.stop_reason is None:
                     log.info(
                         "job %s was cancelled by an operator; stopping its handler", attempt.id
                     )
                     attempt.interrupt("cancelled", loop)
-            elif not attempt.decided and not (attempt.ctx and attempt.ctx.cancelled):
+            elif not attempt.decided and attempt.stop_reason is None:
                 log.warning(
                     "lease of job %s (attempt %s) is lost: another worker may run it now; "
                     "stopping the handler, and its outcome will be rejected",

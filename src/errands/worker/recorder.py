@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams
 from ..errors import ConfigurationError, TransactionEnded
-from .execution import SHUTDOWN, Attempt, Interrupted, JobTimeout, handler_seconds, outcome_for
+from .execution import (
+    CANCELLED,
+    SHUTDOWN,
+    Attempt,
+    Interrupted,
+    JobTimeout,
+    handler_seconds,
+    outcome_for,
+)
 from .process_pool import ChildResult
 
 if TYPE_CHECKING:
@@ -199,7 +207,7 @@ class OutcomeRecorder:
                 events.emit("errands.job.stale_write_rejected", **fields, outcome=outcome.state)
             return
         state = outcome.state
-        cancelled = attempt.ctx is not None and attempt.ctx.cancel_reason == "cancelled"
+        cancelled = attempt.stop_reason == CANCELLED  # the first stop asked of it (= ctx's)
         if state in ("retryable", "dead") and cancelled:
             state = "cancelled"  # the store records a failure after a cancel as cancelled
         name = EVENT_OF_STATE[state]
