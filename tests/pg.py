@@ -97,6 +97,33 @@ def fresh_pg_url() -> Iterator[str]:
 RESTARTING = ("starting up", "not yet accepting", "shutting down", "Connection refused")
 
 
+def fresh_schema_conn() -> Iterator[tuple[Any, dict[str, str]]]:
+    """A migrated schema on a fresh URL: an autocommit connection whose search_path is
+    that schema, and the backend's queries (markers filled) for it. For the plan tests:
+    they fill the tables by SQL and read EXPLAIN ANALYZE."""
+    import psycopg
+
+    import errands
+
+    for url in fresh_pg_url():
+        app = errands.App(url)
+        try:
+            app.migrate()
+            backend: Any = app.backend
+            with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
+                conn.execute(f'SET search_path TO "{backend.schema}"')
+                yield conn, backend.q
+        finally:
+            app.close()
+
+
+def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan, depth first."""
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from plan_nodes(child)
+
+
 def _connect_when_ready(psycopg: Any, url: str, wait: float = 60.0) -> None:
     """Connect once, waiting while the server restarts (some suites restart it on purpose)."""
     deadline = time.monotonic() + wait

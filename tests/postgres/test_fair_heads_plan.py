@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-import errands
-from tests.pg import fresh_pg_url
+from tests.pg import fresh_schema_conn, plan_nodes
 
 KEYS = 1_000
 RUNNING = 40
@@ -45,29 +44,13 @@ FROM generate_series(0, %(keys)s - 1) AS g
 
 @pytest.fixture(params=["statistics from when the tables were empty", "fresh statistics"])
 def filled(request: pytest.FixtureRequest) -> Iterator[tuple[Any, dict[str, str]]]:
-    import psycopg
-
-    for url in fresh_pg_url():
-        app = errands.App(url)
-        try:
-            app.migrate()
-            backend: Any = app.backend
-            with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
-                conn.execute(f'SET search_path TO "{backend.schema}"')
-                conn.execute("ANALYZE errands_jobs; ANALYZE errands_fair_usage")
-                for statement in FILL:
-                    conn.execute(statement, {"keys": KEYS, "running": RUNNING})
-                if request.param == "fresh statistics":
-                    conn.execute("ANALYZE errands_jobs; ANALYZE errands_fair_usage")
-                yield conn, backend.q
-        finally:
-            app.close()
-
-
-def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from _nodes(child)
+    for conn, queries in fresh_schema_conn():
+        conn.execute("ANALYZE errands_jobs; ANALYZE errands_fair_usage")
+        for statement in FILL:
+            conn.execute(statement, {"keys": KEYS, "running": RUNNING})
+        if request.param == "fresh statistics":
+            conn.execute("ANALYZE errands_jobs; ANALYZE errands_fair_usage")
+        yield conn, queries
 
 
 def test_a_fair_window_read_throws_away_few_rows_whatever_the_statistics(
@@ -89,7 +72,7 @@ def test_a_fair_window_read_throws_away_few_rows_whatever_the_statistics(
             (n.get("Rows Removed by Filter", 0) + n.get("Rows Removed by Join Filter", 0))
             * n.get("Actual Loops", 1),
         )
-        for n in _nodes(explained["Plan"])
+        for n in plan_nodes(explained["Plan"])
     ]
     assert sum(n for _, n in thrown) <= RUNNING + 2 * WINDOW, [t for t in thrown if t[1]]
     rows = conn.execute(queries["fair_heads"], params).fetchall()

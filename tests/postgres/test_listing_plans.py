@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-import errands
-from tests.pg import fresh_pg_url
+from tests.pg import fresh_schema_conn, plan_nodes
 
 ROWS = 20_000
 # A listing of rare rows may read this share of the table's pages at most (found through
@@ -54,23 +53,13 @@ CROSS JOIN LATERAL (SELECT CASE
 def listed() -> Iterator[tuple[Any, dict[str, str], int]]:
     """A migrated schema holding the 20,000 rows: its connection, the backend's queries,
     and the table's pages."""
-    import psycopg
-
-    for url in fresh_pg_url():
-        app = errands.App(url)
-        try:
-            app.migrate()
-            backend: Any = app.backend
-            with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
-                conn.execute(f'SET search_path TO "{backend.schema}"')
-                conn.execute(FILL, {"rows": ROWS})
-                conn.execute("VACUUM ANALYZE errands_jobs")
-                pages = conn.execute(
-                    "SELECT relpages FROM pg_class WHERE oid = 'errands_jobs'::regclass"
-                ).fetchone()[0]
-                yield conn, backend.q, pages
-        finally:
-            app.close()
+    for conn, queries in fresh_schema_conn():
+        conn.execute(FILL, {"rows": ROWS})
+        conn.execute("VACUUM ANALYZE errands_jobs")
+        pages = conn.execute(
+            "SELECT relpages FROM pg_class WHERE oid = 'errands_jobs'::regclass"
+        ).fetchone()[0]
+        yield conn, queries, pages
 
 
 def _listing(**filters: Any) -> tuple[str, dict[str, Any]]:
@@ -105,12 +94,6 @@ LISTINGS = {
 }
 
 
-def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from _nodes(child)
-
-
 @pytest.mark.parametrize("listing", list(LISTINGS))
 def test_a_listing_reads_few_pages_through_an_index_among_many_completed_rows(
     listed: tuple[Any, dict[str, str], int], listing: str
@@ -123,7 +106,7 @@ def test_a_listing_reads_few_pages_through_an_index_among_many_completed_rows(
         "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queries[query], params
     ).fetchone()[0][0]
     plan = explained["Plan"]
-    scans = [n for n in _nodes(plan) if n.get("Relation Name") == "errands_jobs"]
+    scans = [n for n in plan_nodes(plan) if n.get("Relation Name") == "errands_jobs"]
     read = plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0)
     shown = [f"{n['Node Type']} {n.get('Index Name', '')}".strip() for n in scans]
     assert scans, f"{listing}: no scan of errands_jobs in {shown}"
