@@ -66,6 +66,34 @@ def postgres_version(url: str) -> str:
         return f"unreachable ({exc})"
 
 
+# The server settings that move these figures; each with where it was set.
+PG_SETTINGS = ("autovacuum", "fsync", "synchronous_commit", "shared_buffers", "max_wal_size")
+
+
+def postgres_settings(url: str) -> dict[str, str]:
+    """PG_SETTINGS as the server runs them: value (and unit), and the file that set one
+    away from its default (this machine's server runs with autovacuum off: every system
+    is measured alike, and the harness ANALYZEs after each prefill)."""
+    try:
+        import psycopg
+
+        with psycopg.connect(url, connect_timeout=5) as conn:
+            rows = conn.execute(
+                "SELECT name, current_setting(name), source, sourcefile FROM pg_settings "
+                "WHERE name = ANY(%s)",
+                (list(PG_SETTINGS),),
+            ).fetchall()
+    except Exception:
+        return {}
+    out = {}
+    for name, setting, source, sourcefile in rows:
+        value = str(setting)
+        if source != "default":
+            value += f" (set in {sourcefile or source})"
+        out[str(name)] = value
+    return out
+
+
 def cpu_times() -> list[int]:
     """The machine's CPU time counters (/proc/stat, first line): user nice system idle
     iowait irq softirq steal."""
@@ -97,6 +125,7 @@ def describe(pg_url: str, redis_url: str) -> dict[str, Any]:
         "kernel": platform.release(),
         "python": sys.version.split()[0],
         "postgresql": postgres_version(pg_url),
+        "postgresql_settings": postgres_settings(pg_url),
         "sqlite": sqlite3.sqlite_version,
         "redis": redis_version(redis_url),
     }

@@ -907,6 +907,14 @@ def scenario_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[
 # -- docs/benchmarks.md -----------------------------------------------------------------
 
 
+def _pg_settings_line(machine: dict[str, Any]) -> str:
+    settings = machine.get("postgresql_settings")
+    if not settings:
+        return "PostgreSQL's settings were not recorded by this run"
+    shown = ", ".join(f"{name} {value}" for name, value in sorted(settings.items()))
+    return f"PostgreSQL settings: {shown}"
+
+
 def group_markdown(group: dict[str, Any]) -> str:
     """A group of peers measured in a run of its own with errands beside them (``python -m
     bench.run --only errands --only PEER ...``): its tables, whose ratios are taken
@@ -1251,8 +1259,8 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
         f"(kernel {m['kernel']})\n"
         f"- Python {m['python']}, PostgreSQL {m['postgresql']}, SQLite {m['sqlite']}, "
         f"Redis {m['redis']}\n"
-        "- PostgreSQL with its default settings (fsync and synchronous_commit on); every "
-        "system and the harness share the 2 cores with the database.\n"
+        f"- {_pg_settings_line(m)}; every system and the harness share the 2 cores with "
+        "the database.\n"
     )
     add("\n## Versions and settings\n")
     rows = []

@@ -195,3 +195,13 @@ def test_the_benchmarks_page_shows_a_kept_waiting_run_and_leaves_out_a_quick_one
     assert "| sqlite | 0.60 | 2.90 | 10,000 | 0 |" in page
     kept.write_text(json.dumps({"quick": True, "postgres": store(1)}))
     assert waiting_markdown(kept) == ""
+
+
+def test_the_machine_section_says_how_postgresql_ran_not_that_it_ran_at_its_defaults() -> None:
+    """This machine's server runs with autovacuum off (a conf.d file): the page says so,
+    and says when a run did not record its settings, instead of claiming defaults."""
+    machine = {"postgresql_settings": {"autovacuum": "off (set in /etc/x/90-ci.conf)",
+                                       "fsync": "on"}}  # fmt: skip
+    line = report._pg_settings_line(machine)
+    assert line == "PostgreSQL settings: autovacuum off (set in /etc/x/90-ci.conf), fsync on"
+    assert "not recorded" in report._pg_settings_line({})
