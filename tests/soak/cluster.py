@@ -37,6 +37,7 @@ LOG_PATTERNS = {
     "failed heartbeats": re.compile(r"heartbeat failed"),
     "failed claims": re.compile(r"claim failed"),
     "failed outcome writes": re.compile(r"could not record \d+ outcome"),
+    "claims paused for unwritten outcomes": re.compile(r"outcome\(s\) wait to be written"),
     "maintenance errors": re.compile(r"maintenance tick failed"),
     "fault points fired": re.compile(r"^errands fault point ", re.M),
     "tracebacks": re.compile(r"^Traceback", re.M),
