@@ -126,9 +126,6 @@ RETURNING {job_columns}
 -- A cancel requested while the job ran turns a failure (retry or dead) into 'cancelled':
 -- it never runs again, and an operator's cancel is not reported as a dead job. The ended
 -- attempts of fair keys are folded into their usage in the same statement (fair_fold_cte).
--- `j.id = ANY(ids)` repeats the join's ids as an index condition (here and in every batch
--- write below): without it a planner whose statistics say no row runs (taken before any
--- did) hashed the batch against every running row it read through errands_jobs_running.
 WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN j.cancel_requested AND o.state IN ('retryable', 'dead')
@@ -146,7 +143,7 @@ SET state = CASE WHEN j.cancel_requested AND o.state IN ('retryable', 'dead')
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(states)b::text[], %(results)b::text[],
             %(errors)b::text[], %(delays)b::float8[], %(rans)b::float8[])
      AS o(id, token, state, result, error, delay, ran)
-WHERE j.id = o.id AND j.id = ANY(%(ids)b::bigint[]) AND j.lease_token = o.token AND j.state = 'running'
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
   AND (j.workflow_id IS NOT NULL) = %(members)s
 RETURNING j.id, o.token, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, o.ran AS f_ran, {fair_due}
@@ -162,7 +159,7 @@ SET lease_expires_at = now() + make_interval(secs => o.lease_seconds),
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(leases)b::float8[],
             %(progress)s::float8[], %(messages)s::text[])
      AS o(id, token, lease_seconds, progress, message)
-WHERE j.id = o.id AND j.id = ANY(%(ids)b::bigint[]) AND j.lease_token = o.token AND j.state = 'running'
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, j.lease_token, j.cancel_requested
 
 -- name: job_release_many
@@ -181,7 +178,7 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
     finished_at = CASE WHEN j.cancel_requested THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token)
-WHERE j.id = o.id AND j.id = ANY(%(ids)b::bigint[]) AND j.lease_token = o.token AND j.state = 'running'
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
 ), {fair_fold}
@@ -223,7 +220,7 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE o.state END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)s::bigint[], %(tokens)s::text[], %(states)s::text[], %(errors)s::text[],
             %(delays)s::float8[]) AS o(id, token, state, error, delay)
-WHERE j.id = o.id AND j.id = ANY(%(ids)s::bigint[]) AND j.lease_token = o.token AND j.state = 'running'
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
   AND j.lease_expires_at < now()
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
