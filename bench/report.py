@@ -927,6 +927,8 @@ def group_markdown(group: dict[str, Any]) -> str:
         f"{group['load_before'][0]:.2f}, after {group['load_after'][0]:.2f}); the errands rows "
         "and every ratio here are from this run, the same harness and settings as above.\n",
     ]
+    if group.get("note"):
+        out.append(f"\n{group['note']}\n")
     for view, title in (("best", "best against best"), ("default", "default against default")):
         out.append(f"\n**{title[0].upper()}{title[1:]}**\n\n")
         out.append(_md_table(*_main_rows(group, view, ranges=True)))
@@ -1264,7 +1266,7 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
     )
     add("\n## Versions and settings\n")
     rows = []
-    for name, entry in results["systems"].items():
+    for name, entry in _every_system(results).items():
         v = entry.get("versions", {})
         rows.append([name, ", ".join(f"{k} {val}" for k, val in v.items()) or "—"])
     add(_md_table(["system", "versions"], rows))
@@ -1290,9 +1292,18 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
     return _spaced("".join(parts))
 
 
+def _every_system(results: dict[str, Any]) -> dict[str, Any]:
+    """The run's systems, then the peers of its groups (measured in runs of their own)."""
+    systems = dict(results.get("systems", {}))
+    for group in results.get("groups", []):
+        for name, entry in group.get("systems", {}).items():
+            systems.setdefault(name, entry)
+    return systems
+
+
 def settings_markdown(results: dict[str, Any]) -> str:
     rows = []
-    for name, entry in results.get("systems", {}).items():
+    for name, entry in _every_system(results).items():
         for label, c in entry.get("configs", {}).items():
             rows.append([name, label, c["kind"], c["settings"], c["source"]])
     return _md_table(["system", "configuration", "kind", "workers", "source"], rows)
