@@ -125,6 +125,11 @@ def test_a_group_of_peers_measured_in_its_own_run_is_set_against_that_runs_erran
     assert "Measured in their own run: procrastinate" in text
     assert "errands-pg / procrastinate" in text
     assert "(runs 2.00-4.00)" in text  # best against best, run by run: 400/200 and 400/100
+    group["systems"]["procrastinate"]["configs"] = {
+        "tuned": {"kind": "best", "settings": "concurrency 32", "source": "its docs"}
+    }
+    settings = report.settings_markdown({"systems": {}, "groups": [group]})
+    assert "| procrastinate | tuned | best | concurrency 32 | its docs |" in settings
 
 
 def test_the_scenarios_keep_the_third_party_phase_shapes() -> None:
