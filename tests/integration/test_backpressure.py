@@ -10,6 +10,7 @@ for 100 s in the memory benchmark). Now it claims nothing while too many wait.
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from typing import Any
@@ -67,4 +68,46 @@ def test_a_worker_claims_no_more_while_its_outcomes_wait_to_be_written(
             watcher.join(5)
     # a claim in flight when the ceiling is reached adds at most its room
     assert max(unwritten) <= LIMIT + CONCURRENCY, max(unwritten)
+    assert max(held) <= LIMIT + 2 * CONCURRENCY, max(held)
+
+
+def test_a_worker_held_back_by_a_store_that_refuses_writes_resumes_when_it_answers(
+    app: errands.App, worker_factory: Any
+) -> None:
+    """The completer retries a write the store refuses for a while (a busy or restarting
+    store); meanwhile the worker claims nothing past its ceiling, and once the store
+    answers again it catches up and claims on: every job completes, none twice."""
+    ran: list[int] = []
+
+    @app.job(name="bp.counted")
+    def counted(n: int) -> int:
+        ran.append(n)
+        return n
+
+    app.enqueue_many([counted.bind(n=i) for i in range(JOBS)])
+    backend: Any = app.backend
+    write = backend.job_finish_many
+    refusals = {"left": 6}
+
+    def flaky_write(outcomes: Any) -> Any:
+        if refusals["left"] > 0:
+            refusals["left"] -= 1
+            raise sqlite3.OperationalError("database is locked")  # transient: retried
+        return write(outcomes)
+
+    backend.job_finish_many = flaky_write
+    held: list[int] = []
+    with worker_factory(concurrency=CONCURRENCY, prefetch=0) as worker:
+        worker._unwritten_max = LIMIT
+        wait_until(
+            lambda: (
+                held.append(len(worker.attempts()))
+                or query(app, "SELECT count(*) FROM errands_jobs WHERE state = 'completed'")
+                == [(JOBS,)]
+            ),
+            timeout=60,
+            what="every job completed after the store answered again",
+        )
+    assert refusals["left"] == 0
+    assert sorted(ran) == list(range(JOBS))  # each ran once: no lease ran out meanwhile
     assert max(held) <= LIMIT + 2 * CONCURRENCY, max(held)

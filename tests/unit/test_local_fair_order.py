@@ -48,3 +48,13 @@ def test_a_rescued_job_goes_first_whatever_its_queue() -> None:
     d = _dispatcher(1)
     d._goes_first(_row("plain", None))
     assert d._goes_first(_row("plain", None, rescues=1))[1] is True
+
+
+def test_a_worker_without_a_prefetching_fair_queue_keeps_arrival_order_and_counts_nothing() -> None:
+    worker = SimpleNamespace(concurrency=2, claimer=SimpleNamespace(prefetching=set()))
+    d: Any = Dispatcher(worker)  # type: ignore[arg-type]
+    assert d._goes_first(_row("plain", None)) == (None, False)
+    assert d._goes_first(_row("plain", "tenant")) == (None, False)
+    assert d._goes_first(_row("plain", None, rescues=1)) == (None, True)
+    d._begins("plain", None, False)
+    assert not d._waiting_queues and not d._waiting_keys

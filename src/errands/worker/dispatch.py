@@ -63,8 +63,11 @@ class Dispatcher:
         jobs (never ahead of another queue's), and at most ``concurrency`` jobs go ahead
         before the oldest job waiting in arrival order begins."""
         urgent = row.rescues > 0  # rescued jobs start at the next free slot (I9)
+        prefetching = self.worker.claimer.prefetching
+        if not prefetching:  # no fair queue reorders here: arrival order, nothing counted
+            return None, urgent
         key = None
-        if row.fair_key is not None and row.queue in self.worker.claimer.prefetching:
+        if row.fair_key is not None and row.queue in prefetching:
             key = (row.queue, row.fair_key)
         with self._order_lock:
             if key is not None:
@@ -85,6 +88,8 @@ class Dispatcher:
 
     def _begins(self, queue: str, key: tuple[str, str] | None, urgent: bool) -> None:
         """A handler thread takes up a job counted by _goes_first."""
+        if not self.worker.claimer.prefetching:
+            return
         with self._order_lock:
             if key is not None:
                 self._waiting_keys[key] -= 1
