@@ -638,6 +638,47 @@ def _passed_over(
     return f"{passed} of {len(late)}"
 
 
+def _passers(
+    late: list[tuple[int, int, float]],
+    jobs: dict[int, JobInfo],
+    runs: list[Run],
+    rescued_before: dict[int, list[int]],
+) -> dict[str, Any]:
+    """Who went ahead of the late rescued claims: for each, its queue and type, the worker
+    that claimed it in the end, and the workers that claimed fresher jobs of its own queue
+    (no higher priority) while it waited. A worker that claims fresh jobs of a queue while
+    a rescued one of that queue is due passes it over; one that claims only other queues'
+    jobs had no claim on it."""
+    claims = sorted(
+        (r.claimed_at, r.run_at, r.job_id, r.worker)
+        for r in runs
+        if r.kind == "run" and r.claimed_at is not None and r.run_at is not None
+        and not rescued_before.get(r.job_id)
+    )  # fmt: skip
+    times = [c[0] for c in claims]
+    by_run = {(r.job_id, r.attempt): r for r in runs if r.kind == "run" and r.claimed_at}
+    details: list[str] = []
+    by_worker: Counter[str] = Counter()
+    for job_id, attempt, wait in late:
+        mine, info = by_run.get((job_id, attempt)), jobs.get(job_id)
+        if mine is None or info is None or mine.run_at is None or mine.claimed_at is None:
+            continue
+        lo = bisect.bisect_right(times, mine.run_at)
+        hi = bisect.bisect_left(times, mine.claimed_at)
+        ahead: Counter[str] = Counter(
+            worker
+            for _, due, other, worker in claims[lo:hi]
+            if due >= mine.run_at and other in jobs and jobs[other].queue == info.queue
+            and jobs[other].priority <= info.priority
+        )  # fmt: skip
+        by_worker.update(ahead)
+        details.append(
+            f"{job_id}/{attempt} {info.name.removeprefix('soak.')}@{info.queue} {wait:.1f}s "
+            f"by {mine.worker}; ahead {dict(ahead.most_common(3)) or '-'}"
+        )
+    return {"claims of fresher same-queue jobs by worker": dict(by_worker), "late": details}
+
+
 def _p(values: list[float], p: float) -> str:
     value = percentile(values, p)
     return "-" if value is None else f"{value:.3f}"
@@ -715,6 +756,10 @@ def _latency(
         late, jobs, runs, rescued_before
     )
     out.figures["rescued jobs past the I9 bound, by job type"] = dict(late_types.most_common())
+    if late:
+        out.figures["rescued jobs past the I9 bound, who went ahead"] = _passers(
+            late, jobs, runs, rescued_before
+        )
     # Claim to start is not in I9's bound (a claimed job holds its lease) but is what a
     # user waits: isolated suspects start in a child process of their own.
     out.figures["rescued jobs due to handler start s (p50, p99, max)"] = (

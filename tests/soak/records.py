@@ -29,6 +29,7 @@ class JobInfo:
     attempted_at: float | None
     priority: int
     progress: float | None = None
+    queue: str = ""
 
 
 @dataclass
@@ -68,13 +69,13 @@ def load_jobs(store: Store) -> dict[int, JobInfo]:
     e = store.epoch
     rows = store.query(
         f"SELECT id, name, state, attempt, max_attempts, errors, result, idempotency_key, "
-        f"args, {e('inserted_at')}, {e('attempted_at')}, priority, progress "
+        f"args, {e('inserted_at')}, {e('attempted_at')}, priority, progress, queue "
         f"FROM {{s}}errands_jobs"
     )
     return {
         r[0]: JobInfo(r[0], r[1], r[2], r[3], r[4], as_json(r[5]) or [],
                       as_json(r[6]) if r[6] is not None else None, r[7],
-                      as_json(r[8]) or {}, r[9], r[10], r[11], r[12])
+                      as_json(r[8]) or {}, r[9], r[10], r[11], r[12], r[13])
         for r in rows
     }  # fmt: skip
 

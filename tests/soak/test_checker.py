@@ -125,7 +125,7 @@ def test_a_late_rescued_claim_is_told_apart_by_whether_a_fresher_job_went_ahead_
     """Diagnosis of I9's rescued-job waits: a fresher job of no higher priority claimed
     while the rescued one waited means a claim round passed it over; jobs due before it
     (a full cluster draining its backlog in order) do not."""
-    from .checker import _passed_over
+    from .checker import _passed_over, _passers
 
     jobs = {i: job(i, "soak.fast", "completed", 1, []) for i in (1, 2, 3)}
 
@@ -138,6 +138,12 @@ def test_a_late_rescued_claim_is_told_apart_by_whether_a_fresher_job_went_ahead_
     assert _passed_over(late, jobs, older, rescued_before) == "0 of 1"
     fresher = [*older, claimed(3, 11.0, 13.0)]  # job 3 due after it, claimed ahead of it
     assert _passed_over(late, jobs, fresher, rescued_before) == "1 of 1"
+    who = _passers(late, jobs, fresher, rescued_before)
+    assert who["claims of fresher same-queue jobs by worker"] == {"w-1": 1}
+    jobs[3].queue = "other"  # a fresher job of another queue had no claim on it
+    assert _passers(late, jobs, fresher, rescued_before)["late"] == [
+        "1/2 fast@ 6.0s by w-1; ahead -"
+    ]
 
 
 def test_a_dead_job_whose_on_dead_hooks_never_ran_is_a_violation() -> None:
