@@ -246,3 +246,31 @@ def test_enqueue_lost_while_it_may_have_committed_raises_enqueue_uncertain_sayin
     again = shop.ship.enqueue(order=9, key="order-9")
     assert again.id == first.id and again.deduplicated
     assert _orders(shop) == [9]  # the lost statement was rolled back by the server
+
+
+def test_a_lost_connection_is_opened_again_within_a_second_not_after_psycopg_pools_1_2_4_s() -> (
+    None
+):
+    """psycopg_pool tries a failed connect again after 1 s, then 2 and 4 s: after a restart
+    of under a second whose first attempts failed, a worker had no connection for up to
+    5 s (rescued jobs claimed 5 s late in the chaos soak). errands' pools try again after
+    0.1 s, doubling up to 1 s (+-10 %), until RECONNECT_WINDOW, then start afresh. Checked
+    through psycopg_pool's own hook, so an upgrade that moves it fails here."""
+    from errands.backends.postgres import connections
+    from errands.backends.postgres.config import parse_postgres_url
+
+    config = parse_postgres_url("postgresql://postgres@127.0.0.1:1/nowhere?connect_timeout=1")
+    pool = connections.make_pool(config, "errands-reconnect-test", 0, 1)
+    scheduled: list[tuple[Any, float]] = []
+    pool.schedule_task = lambda task, delay: scheduled.append((task, delay))  # type: ignore[method-assign]
+    pool._add_connection(None)  # the first attempt, as the pool makes it after a loss
+    while scheduled and len(scheduled) < 12:  # each failed connect schedules the next
+        task, _ = scheduled[-1]
+        before = len(scheduled)
+        pool._add_connection(task.attempt)
+        if len(scheduled) == before:  # given up: RECONNECT_WINDOW ran out
+            break
+    delays = [delay for _, delay in scheduled]
+    assert len(delays) >= 4, delays
+    assert 0.09 <= delays[0] <= 0.11, delays
+    assert max(delays) <= connections.RECONNECT_PAUSE_MAX * 1.1, delays
