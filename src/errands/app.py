@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -491,9 +492,11 @@ class App:
 
     def run_dead_hooks(self, job_id: int) -> None:
         """Call every ``on_dead`` hook with the job, here and now; a failing hook is logged,
-        not fatal. Then mark the death's hooks done in the store, even when a hook failed
-        or ran past its time limit (a hook that hangs is not run again and again); only a
-        crash before that leaves the record for the leader."""
+        not fatal (one failing with a connection error is called again for up to
+        DEAD_JOB_RETRY_FOR seconds, at most half the hooks' time limit). Then mark the
+        death's hooks done in the store, even when a hook failed or ran past its time
+        limit (a hook that hangs is not run again and again); only a crash before that
+        leaves the record for the leader."""
         try:
             if not self.dead_hooks:
                 return
@@ -507,7 +510,13 @@ class App:
             try:
                 for hook in self.dead_hooks:
                     try:
-                        hook(job)
+                        # A hook failing on a connection blip (its alerting service or
+                        # database away for a moment) is called again, as the store
+                        # calls around it are: else that death's alert was lost.
+                        self._retrying_blips(
+                            f"run on_dead hook {hook!r} for job {job_id}",
+                            functools.partial(hook, job),
+                        )
                     except Exception:
                         log.exception("on_dead hook %r failed for job %s", hook, job_id)
             finally:

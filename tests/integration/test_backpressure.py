@@ -24,9 +24,13 @@ LIMIT = 10  # the worker's ceiling on unwritten outcomes, lowered for the test
 CONCURRENCY = 4
 
 
-def test_a_worker_claims_no_more_while_its_outcomes_wait_to_be_written(
-    app: errands.App, worker_factory: Any
-) -> None:
+def _run_on_a_slow_store(
+    app: errands.App, worker_factory: Any, *, prefetch: int, limit: int | None
+) -> tuple[list[int], list[int], int]:
+    """Run JOBS quick jobs on a store taking 0.1 s per batch of outcomes; ``limit``: the
+    worker's ceiling, lowered for the test (None: its default). What it held unwritten,
+    what it held in all, sampled, and the ceiling it ran with."""
+
     @app.job(name="bp.quick")
     def quick(n: int) -> int:
         return n
@@ -43,8 +47,10 @@ def test_a_worker_claims_no_more_while_its_outcomes_wait_to_be_written(
     unwritten: list[int] = []
     held: list[int] = []
     stop = threading.Event()
-    with worker_factory(concurrency=CONCURRENCY, prefetch=0) as worker:
-        worker._unwritten_max = LIMIT
+    with worker_factory(concurrency=CONCURRENCY, prefetch=prefetch) as worker:
+        if limit is not None:
+            worker._unwritten_max = limit
+        ceiling = worker._unwritten_max
 
         def watch() -> None:
             while not stop.is_set():
@@ -66,9 +72,33 @@ def test_a_worker_claims_no_more_while_its_outcomes_wait_to_be_written(
         finally:
             stop.set()
             watcher.join(5)
+    return unwritten, held, ceiling
+
+
+def test_a_worker_claims_no_more_while_its_outcomes_wait_to_be_written(
+    app: errands.App, worker_factory: Any
+) -> None:
+    unwritten, held, _ = _run_on_a_slow_store(app, worker_factory, prefetch=0, limit=LIMIT)
     # a claim in flight when the ceiling is reached adds at most its room
     assert max(unwritten) <= LIMIT + CONCURRENCY, max(unwritten)
     assert max(held) <= LIMIT + 2 * CONCURRENCY, max(held)
+
+
+def test_by_default_a_worker_holds_at_most_twice_its_slots_and_prefetch_unwritten(
+    app: errands.App, worker_factory: Any
+) -> None:
+    """Each unwritten outcome is a job that ran and runs again if the worker then loses
+    the store past its lease. The default ceiling is twice the slots and prefetch (here
+    2 x (4 + 4) = 16), not a batch of 500: a soak worker held 505 when its connection
+    went, and their rescues queued for isolated runs for seconds."""
+    prefetch = 4
+    unwritten, held, ceiling = _run_on_a_slow_store(
+        app, worker_factory, prefetch=prefetch, limit=None
+    )
+    assert ceiling == 2 * (CONCURRENCY + prefetch)
+    room = CONCURRENCY + prefetch  # a claim in flight when the ceiling is reached
+    assert max(unwritten) <= ceiling + room, max(unwritten)
+    assert max(held) <= ceiling + 2 * room, max(held)
 
 
 def test_a_worker_held_back_by_a_store_that_refuses_writes_resumes_when_it_answers(

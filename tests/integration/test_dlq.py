@@ -136,6 +136,40 @@ def test_on_dead_hooks_get_the_job_and_a_failing_hook_does_not_break_the_worker(
     assert all(r.levelno == logging.ERROR and r.exc_info for r in hook_failures)
 
 
+def test_an_on_dead_hook_failing_on_a_connection_blip_is_called_again_a_bug_is_not(
+    app: errands.App, worker_factory
+) -> None:
+    """A dead-letter alert whose service is away for a moment (a connection error) is
+    called again, briefly, rather than lost; a hook failing for any other reason is
+    called once and logged (a bug does not become a retry loop)."""
+    calls = {"alert": 0, "buggy": 0}
+    alerted: list[int] = []
+
+    @app.on_dead
+    def alert(job: errands.Job) -> None:
+        calls["alert"] += 1
+        if calls["alert"] == 1:
+            raise ConnectionResetError("the pager's connection was reset")
+        alerted.append(job.id)
+
+    @app.on_dead
+    def buggy(job: errands.Job) -> None:
+        calls["buggy"] += 1
+        raise KeyError("pager_channel")
+
+    @app.job(name="dlq.blip", retries=0)
+    def doomed(n: int) -> None:
+        raise ValueError(f"cannot handle {n}")
+
+    handle = doomed.enqueue(n=1)
+    with worker_factory(concurrency=1):
+        with pytest.raises(errands.JobFailed):
+            handle.result(timeout=10)
+        wait_until(lambda: calls["buggy"] >= 1, what="both on_dead hooks")
+    assert alerted == [handle.id]
+    assert calls == {"alert": 2, "buggy": 1}
+
+
 def test_a_job_entering_the_dead_letter_queue_logs_at_error(
     app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
 ) -> None:

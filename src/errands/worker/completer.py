@@ -31,6 +31,11 @@ log = logging.getLogger("errands.worker")
 
 BATCH_MAX = 500
 REFUSALS_BEFORE_SPLIT = 3
+# A failed batch is written again after 0.05 s, doubling up to this (with jitter up to
+# 2x): the store's return is seen within about a second. It was 5 s: a worker whose writes
+# failed for a moment then waited seconds with the store back, its outcomes held (and
+# heartbeated) meanwhile, while its claims went through.
+RETRY_PAUSE_MAX = 1.0
 # While handlers are still running, a batch smaller than this waits up to LINGER seconds
 # for their outcomes: one statement then carries many jobs instead of a handful (each
 # statement costs the store a round trip and a commit). An idle worker never waits.
@@ -156,7 +161,7 @@ class Completer:
                     pause,
                 )
                 time.sleep(pause * (1 + random.random()))
-                pause = min(pause * 2, 5.0)
+                pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _released(self) -> None:
         try:

@@ -60,7 +60,7 @@ from ..jobs import JobRow
 from ..maintenance import Maintenance
 from ..observability.logcontext import install_record_factory
 from .claiming import Claimer
-from .completer import BATCH_MAX, Completer
+from .completer import Completer
 from .dispatch import Dispatcher
 from .execution import SHUTDOWN, Attempt
 from .leases import LeaseKeeper
@@ -244,8 +244,12 @@ class Worker:
             on_batch=self._on_batch_written,
         )
         # Outcomes decided but not yet written, beyond which the worker claims nothing (see
-        # _produce): a few batches' worth, never below what its slots and prefetch hold.
-        self._unwritten_max = max(BATCH_MAX, 2 * (concurrency + self.prefetch))
+        # _produce): twice what its slots and prefetch hold. Each is a job that ran and
+        # runs again if this worker loses the store for longer than its lease: the floor
+        # was a batch (500) until a chaos soak's worker, its outcome writes failing while
+        # its claims went through, held 505 when it lost its connection, and the 505
+        # rescued jobs queued for isolated runs for up to 6 s (I9).
+        self._unwritten_max = 2 * (concurrency + self.prefetch)
         self.recheck_after_notify = RECHECK_AFTER_NOTIFY_MIN  # set from the store in run()
         self._throttled = False
         self._throttle_warned_at = float("-inf")
