@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import threading
@@ -46,6 +45,7 @@ from .errors import (
     InvalidPayload,
     InvalidTransition,
     JobNotFound,
+    connection_lost,
     is_transient,
 )
 from .handle import JobHandle
@@ -70,6 +70,7 @@ log = logging.getLogger("errands")
 LEASE_DEFAULT = 30.0
 RETENTION_DEFAULT = timedelta(days=7)
 POISON_AFTER_DEFAULT = 3
+DEAD_HOOK_RETRY_AFTER = 0.1  # seconds before an on_dead hook that lost its connection runs again
 DEAD_JOB_RETRY_FOR = 2.0  # seconds the on_dead hooks retry reading their job (transient errors)
 # The leader runs the on_dead hooks of a death that no worker marked done within
 # max(DEAD_HOOKS_GRACE_MIN, DEAD_HOOKS_GRACE_TIMEOUTS * hook_timeout) seconds.
@@ -492,8 +493,8 @@ class App:
 
     def run_dead_hooks(self, job_id: int) -> None:
         """Call every ``on_dead`` hook with the job, here and now; a failing hook is logged,
-        not fatal (one failing with a connection error is called again for up to
-        DEAD_JOB_RETRY_FOR seconds, at most half the hooks' time limit). Then mark the
+        not fatal (one failing on a lost connection is called once more: see
+        _call_dead_hook). Then mark the
         death's hooks done in the store, even when a hook failed or ran past its time
         limit (a hook that hangs is not run again and again); only a crash before that
         leaves the record for the leader."""
@@ -508,15 +509,12 @@ class App:
             if job.state != "dead":  # replayed (or discarded) since: nothing to tell
                 return
             try:
+                # A death's hooks share one hook_timeout (the lane times the whole call):
+                # a retry may only take what half of it leaves.
+                retry_until = time.monotonic() + self.hooks.hook_timeout / 2
                 for hook in self.dead_hooks:
                     try:
-                        # A hook failing on a connection blip (its alerting service or
-                        # database away for a moment) is called again, as the store
-                        # calls around it are: else that death's alert was lost.
-                        self._retrying_blips(
-                            f"run on_dead hook {hook!r} for job {job_id}",
-                            functools.partial(hook, job),
-                        )
+                        self._call_dead_hook(hook, job, retry_until)
                     except Exception:
                         log.exception("on_dead hook %r failed for job %s", hook, job_id)
             finally:
@@ -524,6 +522,23 @@ class App:
         finally:
             with self._dead_hooks_lock:
                 self._dead_hooks_queued.discard(job_id)
+
+    @staticmethod
+    def _call_dead_hook(hook: Callable[[Job], Any], job: Job, retry_until: float) -> None:
+        """``hook(job)``; called once more, DEAD_HOOK_RETRY_AFTER later, when it failed on
+        a lost or refused connection (its pager or database away for a moment: that
+        death's alert was lost) and ``retry_until`` leaves the time. Once: a pager that
+        is down costs each death one more call, not a loop."""
+        try:
+            hook(job)
+        except Exception as exc:
+            if not connection_lost(exc) or time.monotonic() + DEAD_HOOK_RETRY_AFTER > retry_until:
+                raise
+            log.warning(
+                "on_dead hook %r failed for job %s (%s); calling it once more", hook, job.id, exc
+            )
+            time.sleep(DEAD_HOOK_RETRY_AFTER)
+            hook(job)
 
     def _dead_hooks_done(self, job: Job) -> None:
         if job.finished_at is None:

@@ -122,6 +122,22 @@ class ResultTimeout(ErrandsError, TimeoutError):
     """The job did not finish within the time given to ``JobHandle.result``."""
 
 
+# Exception class names (anywhere in the MRO) that say a connection was lost or refused:
+# the builtin ConnectionError family, requests' ConnectionError, httpx's ConnectError, DB-API
+# drivers' OperationalError and InterfaceError (psycopg's on a lost session, sqlite3's on a
+# locked file).
+CONNECTION_LOST = frozenset(
+    {"ConnectionError", "ConnectError", "OperationalError", "InterfaceError"}
+)
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether user code (an on_dead hook) failed on a lost or refused connection, by its
+    exception's class names: a call made again may get through. Narrower than
+    :func:`is_transient`: an HTTP 4xx or a read timeout (both OSErrors in requests) is not."""
+    return bool({cls.__name__ for cls in type(exc).__mro__} & CONNECTION_LOST)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Connectivity or locking trouble that a retry as-is can outlast (a killed session, a
     restart, a busy SQLite file), as opposed to content the store refuses. Shared by the

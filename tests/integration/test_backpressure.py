@@ -1,4 +1,4 @@
-"""A worker never runs further ahead of its store than a few batches of outcomes.
+"""A worker never runs further ahead of its store than twice its slots and prefetch.
 
 Handlers hand their outcomes to the completer, which writes them in batches; the slot is
 free again at once. When the store records outcomes slower than the handlers finish (a

@@ -136,13 +136,13 @@ def test_on_dead_hooks_get_the_job_and_a_failing_hook_does_not_break_the_worker(
     assert all(r.levelno == logging.ERROR and r.exc_info for r in hook_failures)
 
 
-def test_an_on_dead_hook_failing_on_a_connection_blip_is_called_again_a_bug_is_not(
+def test_an_on_dead_hook_that_lost_its_connection_is_called_once_more_a_bug_is_not(
     app: errands.App, worker_factory
 ) -> None:
-    """A dead-letter alert whose service is away for a moment (a connection error) is
-    called again, briefly, rather than lost; a hook failing for any other reason is
-    called once and logged (a bug does not become a retry loop)."""
-    calls = {"alert": 0, "buggy": 0}
+    """A dead-letter alert whose service was away for a moment (a lost or refused
+    connection) is called once more rather than lost; one whose service is down is
+    called twice, not in a loop; a hook failing for any other reason (a bug) once."""
+    calls = {"alert": 0, "buggy": 0, "down": 0}
     alerted: list[int] = []
 
     @app.on_dead
@@ -157,6 +157,11 @@ def test_an_on_dead_hook_failing_on_a_connection_blip_is_called_again_a_bug_is_n
         calls["buggy"] += 1
         raise KeyError("pager_channel")
 
+    @app.on_dead
+    def down(job: errands.Job) -> None:
+        calls["down"] += 1
+        raise ConnectionRefusedError("the metrics sink is down")
+
     @app.job(name="dlq.blip", retries=0)
     def doomed(n: int) -> None:
         raise ValueError(f"cannot handle {n}")
@@ -165,9 +170,9 @@ def test_an_on_dead_hook_failing_on_a_connection_blip_is_called_again_a_bug_is_n
     with worker_factory(concurrency=1):
         with pytest.raises(errands.JobFailed):
             handle.result(timeout=10)
-        wait_until(lambda: calls["buggy"] >= 1, what="both on_dead hooks")
+        wait_until(lambda: calls["down"] >= 2, what="every on_dead hook")
     assert alerted == [handle.id]
-    assert calls == {"alert": 2, "buggy": 1}
+    assert calls == {"alert": 2, "buggy": 1, "down": 2}
 
 
 def test_a_job_entering_the_dead_letter_queue_logs_at_error(

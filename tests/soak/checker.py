@@ -676,7 +676,13 @@ def _passers(
             f"{job_id}/{attempt} {info.name.removeprefix('soak.')}@{info.queue} {wait:.1f}s "
             f"by {mine.worker}; ahead {dict(ahead.most_common(3)) or '-'}"
         )
-    return {"claims of fresher same-queue jobs by worker": dict(by_worker), "late": details}
+    shown = details[:LATE_SHOWN] + (
+        [f"... and {len(details) - LATE_SHOWN} more"] if len(details) > LATE_SHOWN else []
+    )
+    return {"claims of fresher same-queue jobs by worker": dict(by_worker), "late": shown}
+
+
+LATE_SHOWN = 20  # late rescued claims described one by one in the report
 
 
 def _p(values: list[float], p: float) -> str:

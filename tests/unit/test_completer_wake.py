@@ -51,3 +51,38 @@ def test_a_wake_up_that_raises_never_writes_the_outcomes_again() -> None:
     completer = Completer(app, lambda *_: None, on_released=fail)
     assert completer._store([(None, OUTCOME)]) == [((None, OUTCOME), True)]  # type: ignore[list-item]
     assert backend.writes == 1
+
+
+def test_a_failed_batch_is_tried_again_within_a_second_and_logged_once_per_streak(
+    monkeypatch: Any, caplog: Any
+) -> None:
+    """While the store is away the completer tries again at most RETRY_PAUSE_MAX (1 s)
+    apart, so its outcomes are written within a second of the store's return (it was up
+    to 10 s); the streak logs one traceback, not one per try."""
+    import logging
+
+    import psycopg
+
+    from errands.worker import completer as module
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(module.time, "sleep", sleeps.append)
+    backend = Backend(set())
+    fails = {"left": 9}
+    write = backend.job_finish_many
+
+    def flaky(outcomes: list[FinishParams]) -> list[bool]:
+        if fails["left"]:
+            fails["left"] -= 1
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return write(outcomes)
+
+    backend.job_finish_many = flaky  # type: ignore[method-assign]
+    app: Any = App(backend)
+    completer = Completer(app, lambda *_: None)
+    with caplog.at_level(logging.WARNING, logger="errands.worker"):
+        assert completer._store([(None, OUTCOME)]) == [((None, OUTCOME), True)]  # type: ignore[list-item]
+    assert len(sleeps) == 9
+    assert max(sleeps) <= module.RETRY_PAUSE_MAX, sleeps
+    assert sleeps[-1] >= module.RETRY_PAUSE_MAX / 2, sleeps  # the pause grew to the cap
+    assert sum(1 for r in caplog.records if r.exc_info) == 1

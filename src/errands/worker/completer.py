@@ -31,11 +31,13 @@ log = logging.getLogger("errands.worker")
 
 BATCH_MAX = 500
 REFUSALS_BEFORE_SPLIT = 3
-# A failed batch is written again after 0.05 s, doubling up to this (with jitter up to
-# 2x): the store's return is seen within about a second. It was 5 s: a worker whose writes
-# failed for a moment then waited seconds with the store back, its outcomes held (and
-# heartbeated) meanwhile, while its claims went through.
+# A failed batch is written again within 0.05 s, the pause doubling up to this (each
+# sleep between half the pause and all of it): the store's return is seen within a
+# second. It was 5 s (with jitter up to 10 s): a worker whose writes failed for a moment
+# then waited seconds with the store back, its outcomes held (and heartbeated) meanwhile,
+# while its claims went through.
 RETRY_PAUSE_MAX = 1.0
+RETRY_REPORT_EVERY = 10.0  # seconds between two log lines of one streak of failed writes
 # While handlers are still running, a batch smaller than this waits up to LINGER seconds
 # for their outcomes: one statement then carries many jobs instead of a handful (each
 # statement costs the store a round trip and a commit). An idle worker never waits.
@@ -139,7 +141,8 @@ class Completer:
         cannot be stored on its own is recorded as dead with the reason, so one bad
         outcome never holds the others back."""
         pause = 0.05
-        refusals = 0
+        refusals = failures = 0
+        next_report = 0.0
         unsure = False  # an earlier try may have committed before its error
         while True:
             try:
@@ -155,12 +158,25 @@ class Completer:
                     refusals += 1
                     if refusals >= REFUSALS_BEFORE_SPLIT:
                         return self._store_apart(batch, exc)
-                log.exception(
-                    "could not record %d outcome(s); retrying in %.2f s (leases keep them safe)",
-                    len(batch),
-                    pause,
-                )
-                time.sleep(pause * (1 + random.random()))
+                failures += 1
+                now = time.monotonic()
+                if failures == 1:  # the first failure of a streak with its traceback
+                    log.exception(
+                        "could not record %d outcome(s); retrying within %.2f s (leases keep "
+                        "them safe)",
+                        len(batch),
+                        pause,
+                    )
+                elif now >= next_report:  # then a line every RETRY_REPORT_EVERY at most
+                    log.warning(
+                        "could not record %d outcome(s) in %d tries (%s); still retrying",
+                        len(batch),
+                        failures,
+                        exc,
+                    )
+                if now >= next_report:
+                    next_report = now + RETRY_REPORT_EVERY
+                time.sleep(pause * (0.5 + random.random() / 2))
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _released(self) -> None:

@@ -26,6 +26,9 @@ replacement) and the next one taken. This costs one non-blocking ``poll()`` per 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import logging
 import random
 import select
 import time
@@ -35,6 +38,8 @@ from typing import Any
 from ...errors import ConfigurationError
 from ..program import Program, Stmt
 from .config import PostgresConfig
+
+log = logging.getLogger("errands.postgres")
 
 try:
     import psycopg
@@ -52,10 +57,30 @@ RECONNECT_FIRST = 0.1
 RECONNECT_PAUSE_MAX = 1.0
 POOL_TIMEOUT = 30.0  # seconds a caller waits for a pool connection before PoolTimeout
 
-try:
-    from psycopg_pool.base import AttemptWithBackoff
 
-    class ReconnectSoon(AttemptWithBackoff):
+@functools.cache
+def _pool_class() -> Any:
+    """ConnectionPool with lost connections opened again at errands' pace (see
+    RECONNECT_FIRST), through psycopg_pool's own hook: ``_add_connection(attempt,
+    growing)`` and ``AttemptWithBackoff`` (3.2.1 to 3.3 at least). A version without them,
+    or whose hook takes other parameters, gets the plain pool and its own pace (logged
+    once at debug level): overriding a hook that changed could leave a pool that never
+    reconnects."""
+    try:
+        from psycopg_pool.base import AttemptWithBackoff
+    except ImportError:  # pragma: no cover - psycopg_pool older than 3.2.1
+        log.debug("psycopg_pool has no AttemptWithBackoff: reconnects at its own pace")
+        return ConnectionPool
+    hook = getattr(ConnectionPool, "_add_connection", None)
+    try:
+        params = list(inspect.signature(hook).parameters) if hook is not None else []
+    except (TypeError, ValueError):  # pragma: no cover - not introspectable
+        params = []
+    if params[:3] != ["self", "attempt", "growing"]:  # pragma: no cover - a changed hook
+        log.debug("psycopg_pool's _add_connection changed: reconnects at its own pace")
+        return ConnectionPool
+
+    class ReconnectSoon(AttemptWithBackoff):  # type: ignore[misc,valid-type]
         """psycopg_pool's reconnect attempt at errands' pace (see RECONNECT_FIRST)."""
 
         INITIAL_DELAY = RECONNECT_FIRST
@@ -65,23 +90,20 @@ try:
             jitter = 1.0 + random.uniform(-self.DELAY_JITTER, self.DELAY_JITTER)
             self.delay = min(self.delay, RECONNECT_PAUSE_MAX * jitter)
 
-    class ErrandsPool(ConnectionPool):
-        """A ConnectionPool whose lost connections are opened again at errands' pace. The
-        hook is psycopg_pool's own (``_add_connection``, 3.1 to 3.3); a version without
-        it keeps psycopg_pool's pace."""
+    class ErrandsPool(ConnectionPool):  # type: ignore[misc,valid-type]
+        """A ConnectionPool whose lost connections are opened again at errands' pace."""
 
-        def _add_connection(self, attempt: Any, growing: bool = False) -> None:
-            if attempt is None:
+        def _add_connection(self, attempt: Any = None, *args: Any, **kwargs: Any) -> None:
+            if attempt is None:  # a first attempt: a connection was lost, or is added
                 attempt = ReconnectSoon(timeout=self.reconnect_timeout)
-            super()._add_connection(attempt, growing)
+            super()._add_connection(attempt, *args, **kwargs)
 
-except (ImportError, NameError):  # pragma: no cover - no psycopg_pool, or one without it
-    ErrandsPool = globals().get("ConnectionPool")  # type: ignore[misc,assignment]
+    return ErrandsPool
 
 
 def make_pool(config: PostgresConfig, name: str, min_size: int, max_size: int) -> ConnectionPool:
     """A pool of autocommit connections as errands uses them, not yet open."""
-    return ErrandsPool(
+    return _pool_class()(
         config.conninfo,
         min_size=min_size,
         max_size=max_size,
