@@ -32,10 +32,12 @@ pytestmark = pytest.mark.xdist_group("own_postgres")
 
 CI_JOBS = {"sqlite": 5_000, "postgres": 5_000}
 CI_ROUNDS = {"sqlite": 1, "postgres": 1}
-# Full size: a steady rate well within what 3 workers sustain on 2 cores (about 150 jobs/s
-# on SQLite and 230 on PostgreSQL without faults), so pickup latency measures the faults,
-# not a standing backlog.
-FULL_RATE = {"sqlite": 90.0, "postgres": 150.0}
+# Full size: a steady rate (the mix and the workflows' members together) within what 3
+# workers sustain on 2 cores under the faults, so pickup latency measures the faults, not
+# a standing backlog. PostgreSQL was offered 150 until the evening of 2026-12-03, when
+# its full-size runs with the workflows sustained 103 and 131 jobs/s (docs/reliability.md);
+# SQLite's 90 is not yet measured with the workflows.
+FULL_RATE = {"sqlite": 90.0, "postgres": 110.0}
 
 
 def _run(config: SoakConfig, tmp_path: Path, store: SoakStore, title: str) -> SoakResult:
