@@ -135,14 +135,19 @@ def connection_lost(exc: BaseException) -> bool:
     """Whether user code (an on_dead hook) failed on a lost or refused connection, by its
     exception's class names: a call made again may get through. Narrower than
     :func:`is_transient`: an HTTP 4xx or a read timeout (both OSErrors in requests) is not."""
-    return bool({cls.__name__ for cls in type(exc).__mro__} & CONNECTION_LOST)
+    return bool(_class_names(exc) & CONNECTION_LOST)
+
+
+def _class_names(exc: BaseException) -> set[str]:
+    """The names of ``exc``'s class and its bases: drivers are matched by name, not
+    imported."""
+    return {cls.__name__ for cls in type(exc).__mro__}
 
 
 def is_transient(exc: BaseException) -> bool:
     """Connectivity or locking trouble that a retry as-is can outlast (a killed session, a
     restart, a busy SQLite file), as opposed to content the store refuses. Shared by the
     completer's outcome writes and the worker's startup steps."""
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    return bool(names & {"OperationalError", "InterfaceError", "PoolTimeout", "DatabaseBusy"}) or (
-        isinstance(exc, OSError | TimeoutError)
-    )
+    return bool(
+        _class_names(exc) & {"OperationalError", "InterfaceError", "PoolTimeout", "DatabaseBusy"}
+    ) or (isinstance(exc, OSError | TimeoutError))
