@@ -427,12 +427,15 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
     while True:
         try:
             message = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the worker is gone (a SIGKILL resets the pipe): leave
             return
         if message is None:
             return
         outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
-        reporter.send_outcome(outcome)
+        try:
+            reporter.send_outcome(outcome)
+        except OSError:  # the worker died while the job ran: its rescue runs it again
+            return
 
 
 class _ProgressSender:
