@@ -156,3 +156,35 @@ def test_a_worker_that_finds_a_rescued_job_due_starts_its_children_at_once(
     assert result["n"] == 7, "the suspect waited for the warm-up delay"
     assert result["pid"] != os.getpid()  # isolated: in a child process
     assert app.get_job(handle.id).rescues == 1
+
+
+def test_a_worker_that_sees_a_running_jobs_lease_go_silent_starts_its_children_before_the_rescue(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose worker died stays ``running`` until its lease runs out and the leader
+    rescues it; a worker whose suspects' children are not started yet then took their
+    start-up (seconds on a loaded machine) after the rescue. A lease with less than half
+    its length left belongs to a worker that stopped renewing it (renewals come every
+    third): seeing one, the worker starts its children while the lease runs out. No
+    maintenance here, so no rescue ever comes: only the silent lease can start them."""
+    monkeypatch.setattr(worker_module, "SUSPECT_WARM_AFTER", 600.0)
+    app = cluster.app("acc_plain")
+    handle = acc_plain.plain_pid.enqueue(n=8)
+    # Claimed by a worker that then died: 14 s of a lease the app sets at 30 s.
+    claimed = app.backend.job_claim(ClaimParams([QueueClaim("default", 1)], 1, "dead", 14.0))
+    assert [r.id for r in claimed] == [handle.id]
+    worker = app.worker(
+        concurrency=2, app_path="acc_plain:app", poll_interval=0.05, maintenance=False
+    )
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: worker.suspect_processes is not None, 60, "the children asked for")
+        row = app.get_job(handle.id)
+        assert (row.state, row.rescues, row.lease_owner) == ("running", 0, "dead")
+        assert row.lease_expires_at is not None
+        assert app.backend.db_now() < row.lease_expires_at.timestamp(), "only once it ran out"
+        wait_until(lambda: worker.suspect_processes.ready, 120, "the suspects' child started")
+    finally:
+        worker.stop()
+        thread.join(30)

@@ -220,6 +220,23 @@ def test_suspects_due_tells_whether_a_rescued_job_waits_in_one_of_the_queues(
     assert backend.suspects_due([]) is False
 
 
+def test_suspects_due_tells_whether_a_running_jobs_lease_is_about_to_run_out(
+    backend: Backend, harness: Harness
+) -> None:
+    """A worker asks it with half the lease as ``soon``: a lease renewed every third of it
+    always has more left, so less means its worker stopped and a rescue is coming; the
+    worker then starts its suspects' children while the lease runs out."""
+    queue = "suspects_soon"
+    insert(backend, queue=queue)
+    row = claim_one(backend, queue, lease=60.0)
+    assert backend.suspects_due([queue], soon=30.0) is False  # renewed: 60 s left
+    assert backend.suspects_due([queue], soon=90.0) is True  # less than 90 s left
+    assert backend.suspects_due(["other"], soon=90.0) is False
+    harness.expire_lease(backend, row.id)
+    assert backend.suspects_due([queue]) is True  # run out, not rescued yet
+    assert get(backend, row.id).state == "running"
+
+
 def test_rate_log_rows_are_pruned_after_their_own_period_not_after_a_day(
     backend: Backend,
 ) -> None:

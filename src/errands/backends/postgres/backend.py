@@ -883,11 +883,12 @@ class PostgresBackend(PostgresAdmin):
             rows = conn.execute(self.q["queues_with_limits"], {"queues": list(queues)}).fetchall()
         return {r[0] for r in rows}
 
-    def suspects_due(self, queues: Sequence[str]) -> bool:
+    def suspects_due(self, queues: Sequence[str], soon: float = 0.0) -> bool:
         if not queues:
             return False
         with self._conn() as conn:
-            row = conn.execute(self.q["suspects_due"], {"queues": list(queues)}).fetchone()
+            params = {"queues": list(queues), "soon": soon}
+            row = conn.execute(self.q["suspects_due"], params).fetchone()
         return bool(row and row[0])
 
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:

@@ -648,11 +648,12 @@ class SQLiteBackend(SQLiteAdmin):
             rows = conn.execute(Q["queues_with_limits"], {"queues": json.dumps(list(queues))})
             return {r[0] for r in rows.fetchall()}
 
-    def suspects_due(self, queues: Sequence[str]) -> bool:
+    def suspects_due(self, queues: Sequence[str], soon: float = 0.0) -> bool:
         if not queues:
             return False
         with self._read() as conn:
-            row = conn.execute(Q["suspects_due"], {"queues": json.dumps(list(queues))}).fetchone()
+            params = {"queues": json.dumps(list(queues)), "soon": soon}
+            row = conn.execute(Q["suspects_due"], params).fetchone()
         return bool(row and row[0])
 
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
