@@ -170,7 +170,7 @@ def test_a_worker_that_sees_a_running_jobs_lease_go_silent_starts_its_children_b
     monkeypatch.setattr(worker_module, "SUSPECT_WARM_AFTER", 600.0)
     app = cluster.app("acc_plain")
     handle = acc_plain.plain_pid.enqueue(n=8)
-    # Claimed by a worker that then died: 14 s of a lease the app sets at 30 s.
+    # Claimed by a worker that then died, for 14 s: less than half of the app's 30 s.
     claimed = app.backend.job_claim(ClaimParams([QueueClaim("default", 1)], 1, "dead", 14.0))
     assert [r.id for r in claimed] == [handle.id]
     worker = app.worker(

@@ -223,15 +223,19 @@ def test_suspects_due_tells_whether_a_rescued_job_waits_in_one_of_the_queues(
 def test_suspects_due_tells_whether_a_running_jobs_lease_is_about_to_run_out(
     backend: Backend, harness: Harness
 ) -> None:
-    """A worker asks it with half the lease as ``soon``: a lease renewed every third of it
-    always has more left, so less means its worker stopped and a rescue is coming; the
-    worker then starts its suspects' children while the lease runs out."""
+    """Less than half its lease left (the row's own, else the one given): its worker
+    stopped renewing it (renewals come every third) or stops its handler for want of
+    one, so a rescue is coming; a worker then starts its suspects' children while the
+    lease runs out."""
     queue = "suspects_soon"
     insert(backend, queue=queue)
     row = claim_one(backend, queue, lease=60.0)
-    assert backend.suspects_due([queue], soon=30.0) is False  # renewed: 60 s left
-    assert backend.suspects_due([queue], soon=90.0) is True  # less than 90 s left
-    assert backend.suspects_due(["other"], soon=90.0) is False
+    assert backend.suspects_due([queue], lease=60.0) is False  # all 60 s left
+    assert backend.suspects_due([queue], lease=150.0) is True  # 60 of 150 s left
+    assert backend.suspects_due(["other"], lease=150.0) is False
+    own = insert(backend, queue="suspects_own", lease_seconds=150.0)
+    assert claim_one(backend, "suspects_own", lease=60.0).id == own  # for its own 150 s
+    assert backend.suspects_due(["suspects_own"], lease=1000.0) is False  # its own counts
     harness.expire_lease(backend, row.id)
     assert backend.suspects_due([queue]) is True  # run out, not rescued yet
     assert get(backend, row.id).state == "running"

@@ -434,7 +434,9 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
         outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
         try:
             reporter.send_outcome(outcome)
-        except OSError:  # the worker died while the job ran: its rescue runs it again
+        except OSError:  # the worker died while the job ran: a transactional job's outcome
+            # is written already (by _run_one); any other is rescued when its lease
+            # runs out
             return
 
 

@@ -254,9 +254,6 @@ class Worker:
         self._throttled = False
         self._throttle_warned_at = float("-inf")
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
-        # A lease renewed every third of it never has less than two thirds left: one with
-        # less than half left belongs to a worker that stopped (see _suspects_waiting).
-        self._lease_silent = shortest / 2
         self.leases = LeaseKeeper(
             self, interval=max(shortest / 3, 0.2), on_timeout=lambda a: on_deadline(self, a)
         )
@@ -590,19 +587,23 @@ class Worker:
     def _suspects_waiting(self) -> bool:
         """Before its suspects' children are started (SUSPECT_WARM_AFTER), a worker asks
         the store, at most every SUSPECT_LOOK_EVERY seconds, whether a rescued job is due,
-        or a running job's lease has less than half its length left (its worker stopped
-        renewing it: the rescue comes when it runs out): then it starts them now. A worker
-        restarted after a crash is often the one whose jobs are rescued; waiting out its
-        warm-up left rescued jobs unclaimed by it (and by every worker, when all had just
-        restarted) for seconds (the full-size soak), and starting the children only once
-        they were due still made them wait a child's start-up (seconds on a loaded
-        machine): asked from the silent lease, the start-up overlaps the lease's rest."""
+        or a running job has less than half its lease left: then it starts them now. A
+        live worker renews a lease every third of it, and stops the handler itself when a
+        renewal fails with less than half left (self-fencing), so such a job is rescued
+        when its lease runs out (a renewal slower than a sixth of the lease can also show
+        one: the children then start early, which costs CPU only). A worker restarted
+        after a crash is often the one whose jobs are rescued; waiting out its warm-up left
+        rescued jobs unclaimed by it (and by every worker, when all had just restarted)
+        for seconds (the full-size soak), and starting the children only once they were
+        due still made them wait a child's start-up (seconds on a loaded machine): asked
+        from the lease, the start-up overlaps the lease's second half. (Only a worker's
+        first SUSPECT_WARM_AFTER seconds ask: this matters for leases of a few seconds.)"""
         now = time.monotonic()
         if self._warm_at == float("inf") or now < self._suspects_look_at:
             return False
         self._suspects_look_at = now + SUSPECT_LOOK_EVERY
         try:
-            return self.app.backend.suspects_due(list(self.queue_limits), self._lease_silent)
+            return self.app.backend.suspects_due(list(self.queue_limits), self.app.lease)
         except Exception as exc:  # best effort: they start after the warm-up delay
             log.debug("could not ask whether rescued jobs are due (%s)", exc)
             return False

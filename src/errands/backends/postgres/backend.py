@@ -883,11 +883,11 @@ class PostgresBackend(PostgresAdmin):
             rows = conn.execute(self.q["queues_with_limits"], {"queues": list(queues)}).fetchall()
         return {r[0] for r in rows}
 
-    def suspects_due(self, queues: Sequence[str], soon: float = 0.0) -> bool:
+    def suspects_due(self, queues: Sequence[str], lease: float = 0.0) -> bool:
         if not queues:
             return False
         with self._conn() as conn:
-            params = {"queues": list(queues), "soon": soon}
+            params = {"queues": list(queues), "lease": lease}
             row = conn.execute(self.q["suspects_due"], params).fetchone()
         return bool(row and row[0])
 

@@ -535,15 +535,17 @@ ORDER BY l.n
 
 -- name: suspects_due
 -- A rescued job due in one of these queues (errands_jobs_suspects: pending rows with a
--- rescue only), or one of theirs still running whose lease runs out within %(soon)s
--- seconds: its worker stopped renewing it, so its rescue is coming (the running rows are
--- few: errands_jobs_running).
+-- rescue only), or one of theirs still running with less than half its lease left (the
+-- row's own lease_seconds, else %(lease)s): its worker stopped renewing it, or is about to
+-- stop its handler for want of a renewal (self-fencing), so its rescue is coming (the
+-- running rows are few: errands_jobs_running).
 SELECT EXISTS (SELECT 1 FROM {schema}.errands_jobs
                WHERE queue = ANY(%(queues)s::text[]) AND rescues > 0 AND run_at <= now()
                  AND state IN ('available', 'scheduled', 'retryable'))
     OR EXISTS (SELECT 1 FROM {schema}.errands_jobs
                WHERE state = 'running' AND queue = ANY(%(queues)s::text[])
-                 AND lease_expires_at < now() + make_interval(secs => %(soon)s))
+                 AND lease_expires_at
+                     < now() + make_interval(secs => coalesce(lease_seconds, %(lease)s) / 2))
 
 -- name: dead_hooks_forget
 -- Records of on_dead hooks whose job is no longer dead (replayed, discarded, deleted):

@@ -648,11 +648,11 @@ class SQLiteBackend(SQLiteAdmin):
             rows = conn.execute(Q["queues_with_limits"], {"queues": json.dumps(list(queues))})
             return {r[0] for r in rows.fetchall()}
 
-    def suspects_due(self, queues: Sequence[str], soon: float = 0.0) -> bool:
+    def suspects_due(self, queues: Sequence[str], lease: float = 0.0) -> bool:
         if not queues:
             return False
         with self._read() as conn:
-            params = {"queues": json.dumps(list(queues)), "soon": soon}
+            params = {"queues": json.dumps(list(queues)), "lease": lease}
             row = conn.execute(Q["suspects_due"], params).fetchone()
         return bool(row and row[0])
 
