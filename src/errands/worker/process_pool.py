@@ -9,6 +9,9 @@ a job without an owner:
 - a timeout or an operator's cancel kills the child (SIGKILL) and starts a new one;
 - a child that dies on its own fails the attempt ("worker process died", kind ``crash``),
   retried with backoff; the job stays a suspect, so it runs isolated again;
+- a child whose worker dies (SIGKILL, OOM) leaves at once, its handler cut short: the
+  worker's jobs are rescued when their leases run out, and a child left running one
+  would race its rescued run (two runs of one job at once, a per-key limit broken);
 - ``ctx.progress`` reports travel to the parent (at most one every PROGRESS_EVERY
   seconds, the latest always kept), which stores them with its next heartbeat;
 - ``ctx.step`` and ``ctx.transaction()`` work in the child through its own connection;
@@ -405,12 +408,42 @@ def _stop(slot: _Slot) -> None:
         slot.conn.close()
 
 
+# A child whose worker died exits with this code (os._exit: its handler is cut short).
+ORPHAN_EXIT = 3
+
+
+def _leave_with_the_worker() -> None:
+    """Exit this child as soon as the worker that started it dies. The worker's jobs are
+    rescued when their leases run out; a child running on would race the rescued run
+    (seen: a child of a SIGKILLed worker still sleeping through its job, and the
+    forkserver kept alive by it). The child learns of its worker's death otherwise only
+    when it next writes to it, after the job."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a child process (in-process tests)
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        wait([parent.sentinel])
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                f"errands: the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
+                "leaving (its jobs are rescued when their leases run out)\n".encode(),
+            )
+        os._exit(ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="errands-worker-watch", daemon=True).start()
+
+
 def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
     """A child's loop: import the app, then run one job per message until told to stop."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _leave_with_the_worker()
     try:
         from ..loading import load_app
 
