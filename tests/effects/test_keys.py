@@ -54,6 +54,33 @@ def test_unique_for_deduplicates_within_the_period_and_forgets_the_key_after_it(
     assert {j.id for j in tester.all_enqueued(welcome)} == {first.id, later.id}
 
 
+def test_a_batch_releases_the_keys_whose_period_is_over_and_deduplicates_the_others(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """In one enqueue_many: a key whose unique_for period is over is released and taken
+    by a new job, a key still within its period returns its job, a new key makes one."""
+    app, welcome = _welcome_app(make_app)
+    tester = errands_testing(app)
+    period = timedelta(minutes=10)
+    old = welcome.enqueue(user_id=1, key="welcome:1", unique_for=period)
+    tester.clock.advance(timedelta(minutes=8))
+    held = welcome.enqueue(user_id=2, key="welcome:2", unique_for=period)
+    tester.clock.advance(timedelta(minutes=3))  # welcome:1's period is over, not welcome:2's
+
+    again, same, new = app.enqueue_many(
+        [
+            welcome.bind(user_id=1, key="welcome:1", unique_for=period),
+            welcome.bind(user_id=2, key="welcome:2", unique_for=period),
+            welcome.bind(user_id=3, key="welcome:3", unique_for=period),
+        ]
+    )
+    assert (again.deduplicated, same.deduplicated, new.deduplicated) == (False, True, False)
+    assert again.id != old.id and same.id == held.id
+    assert old.job().idempotency_key is None and old.job().meta["expired_key"] == "welcome:1"
+    assert again.job().idempotency_key == "welcome:1"
+    assert new.job().idempotency_key == "welcome:3"
+
+
 def test_unique_for_declared_on_the_job_applies_to_every_keyed_enqueue(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

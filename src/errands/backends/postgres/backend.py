@@ -461,10 +461,12 @@ class PostgresBackend(PostgresAdmin):
         self, requests: Sequence[EnqueueRequest], *, copy: bool
     ) -> Program[list[InsertResult]]:
         """Insert ``requests`` (and NOTIFY their queues, coalesced). ``copy``: jobs without
-        a key go in by COPY (a sync connection); else by the INSERT of jobs with keys."""
-        for request in requests:
-            if request.key is not None:
-                yield Stmt(self.q["job_expire_key"], {"name": request.name, "key": request.key})
+        a key go in by COPY (a sync connection); else by the INSERT of jobs with keys.
+
+        A key is tried first: only when it is taken does a second statement release it if
+        its ``unique_for`` period is over (then the insert is tried again), so a new key
+        costs one statement, not two (every keyed enqueue, and every workflow callback,
+        paid a release statement that found nothing)."""
         if len(requests) == 1:
             req = requests[0]
             params = insert_params(req)
@@ -472,6 +474,10 @@ class PostgresBackend(PostgresAdmin):
             rows = yield Stmt(self.q["job_insert"], params)
             if rows and rows[0][0] is not None:
                 return [InsertResult(rows[0][0], False)]
+            if (yield from self._expire_key(req)):
+                rows = yield Stmt(self.q["job_insert"], params)
+                if rows and rows[0][0] is not None:
+                    return [InsertResult(rows[0][0], False)]
             rows = yield Stmt(self.q["job_id_by_key"], {"name": req.name, "key": req.key})
             return [InsertResult(rows[0][0], True)]
         [(ids, now)] = yield Stmt(self.q["job_allocate_ids"], {"n": len(requests)})
@@ -485,6 +491,13 @@ class PostgresBackend(PostgresAdmin):
         if rest:  # ON CONFLICT DO NOTHING needs an INSERT
             rows = yield Stmt(self.q["job_insert_many"], self._insert_many_params(rest))
             inserted |= {r[0] for r in rows}
+            again = []
+            for i, r in rest:
+                if i not in inserted and (yield from self._expire_key(r)):
+                    again.append((i, r))
+            if again:  # keys whose unique_for period was over: released, try once more
+                rows = yield Stmt(self.q["job_insert_many"], self._insert_many_params(again))
+                inserted |= {r[0] for r in rows}
         results = []
         for new_id, req in pairs:
             if new_id in inserted:
@@ -495,6 +508,12 @@ class PostgresBackend(PostgresAdmin):
         for queue in self._notify_due({r.queue for r in requests}):
             yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
         return results
+
+    def _expire_key(self, request: EnqueueRequest) -> Program[bool]:
+        """Release ``request``'s key if the job holding it was enqueued with a
+        ``unique_for`` period that is over; whether it was."""
+        rows = yield Stmt(self.q["job_expire_key"], {"name": request.name, "key": request.key})
+        return bool(rows)
 
     def _insert_joined(
         self, requests: Sequence[EnqueueRequest], workflow_id: int, waiting: Sequence[int]

@@ -75,11 +75,13 @@ FROM s CROSS JOIN generate_series(1, %(n)s)
 COPY {schema}.errands_jobs ({{columns}}) FROM STDIN
 
 -- name: job_expire_key
--- unique_for: a key whose period is over is released (kept in meta as expired_key).
+-- unique_for: a key whose period is over is released (kept in meta as expired_key). Run
+-- only after an insert found the key taken; the insert is then tried again if it was.
 UPDATE {schema}.errands_jobs
 SET meta = meta || jsonb_build_object('expired_key', idempotency_key), idempotency_key = NULL
 WHERE name = %(name)s AND idempotency_key = %(key)s
   AND unique_until IS NOT NULL AND unique_until <= now()
+RETURNING id
 
 -- name: job_id_by_key
 SELECT id FROM {schema}.errands_jobs WHERE name = %(name)s AND idempotency_key = %(key)s
