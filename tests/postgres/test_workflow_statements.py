@@ -47,3 +47,40 @@ def test_a_chain_steps_finish_and_fan_in_run_a_fixed_handful_of_statements(pg_ur
         assert backend.job_claim(claim) == []
     finally:
         app.close()
+
+
+# A batch's last member's finish: the member's write, the workflows' lock, the fused
+# leave-and-count, the callback's keyed insert, the settling write (7 before the insert
+# stopped releasing a key it had not found taken, and a lone workflow stopped looking up
+# a parent it cannot have).
+LAST_MEMBER_MOST = 5
+
+
+def test_a_batchs_last_member_settles_it_and_inserts_its_callback_in_a_handful(
+    pg_url: str,
+) -> None:
+    app = errands.App(pg_url)
+
+    @app.job(name="statements.member")
+    def member(n: int) -> int:
+        return n
+
+    @app.job(name="statements.done")
+    def done() -> None: ...
+
+    try:
+        batch = errands.Batch("last", on_success=done.bind())
+        batch.add(member.bind(n=0))
+        handle = app.enqueue_workflow(batch)
+        backend: Any = app.backend
+        claim = ClaimParams([QueueClaim("default", 10)], 10, "w", 30.0)
+        [row] = backend.job_claim(claim)
+        finish = FinishParams(row.id, row.lease_token or "", "completed", member=True)
+        answers, sent = statements(lambda: backend.job_finish_many([finish]))
+        assert answers == [True]
+        assert len(sent) <= LAST_MEMBER_MOST, sent
+        [callback] = backend.job_claim(claim)
+        assert callback.name == "statements.done"
+        assert handle.status().callbacks["on_success"] == callback.id
+    finally:
+        app.close()

@@ -392,6 +392,9 @@ class WorkflowStore:
             return
         fault_point("before_fan_in", job_ids=ids)
         self._local.fanned = True
+        # One workflow locked: it is nested in none (its parents would be locked with it),
+        # so when it settles there is no parent to look up.
+        nested = len(rows) > 1
         cancelling = {int(r[0]) for r in rows if r[1]}
         dags = {int(r[0]) for r in rows if r[2] == "dag"}  # a batch has no edges to resolve
         work: list[tuple[int, str | None]] = [(i, None) for i in ids]
@@ -405,7 +408,7 @@ class WorkflowStore:
                 )
             for workflow_id, died in sorted(touched.items()):
                 state = yield from self._settle(workflow_id, died, rows_now.get(workflow_id))
-                if state is not None:  # settled now: a nested workflow ends in its parent
+                if state is not None and nested:  # settled now: a nested one ends in its parent
                     parent = yield from self._leave_parent(workflow_id, cancelling, dags)
                     if parent is not None:
                         work.append((-workflow_id, NESTED_OUTCOME[state]))
