@@ -22,6 +22,18 @@ from .counting import statements
 MOST = 6
 
 
+CLAIM = ClaimParams([QueueClaim("default", 10)], 10, "w", 30.0)
+
+
+def _finish_the_first(backend: Any) -> list[str]:
+    """Claim the one job due, complete it; the statements its finish sent."""
+    [row] = backend.job_claim(CLAIM)
+    finish = FinishParams(row.id, row.lease_token or "", "completed", member=True)
+    answers, sent = statements(lambda: backend.job_finish_many([finish]))
+    assert answers == [True]
+    return sent
+
+
 def test_a_chain_steps_finish_and_fan_in_run_a_fixed_handful_of_statements(pg_url: str) -> None:
     app = errands.App(pg_url)
 
@@ -36,15 +48,11 @@ def test_a_chain_steps_finish_and_fan_in_run_a_fixed_handful_of_statements(pg_ur
         wf.add(step.bind(n=2), after=[second])
         app.enqueue_workflow(wf)
         backend: Any = app.backend
-        claim = ClaimParams([QueueClaim("default", 10)], 10, "w", 30.0)
-        [row] = backend.job_claim(claim)
-        finish = FinishParams(row.id, row.lease_token or "", "completed", member=True)
-        answers, sent = statements(lambda: backend.job_finish_many([finish]))
-        assert answers == [True]
+        sent = _finish_the_first(backend)
         assert len(sent) <= MOST, sent
-        [released] = backend.job_claim(claim)  # the next step, and only it
+        [released] = backend.job_claim(CLAIM)  # the next step, and only it
         assert released.args == '{"n": 1}'
-        assert backend.job_claim(claim) == []
+        assert backend.job_claim(CLAIM) == []
     finally:
         app.close()
 
@@ -73,13 +81,9 @@ def test_a_batchs_last_member_settles_it_and_inserts_its_callback_in_a_handful(
         batch.add(member.bind(n=0))
         handle = app.enqueue_workflow(batch)
         backend: Any = app.backend
-        claim = ClaimParams([QueueClaim("default", 10)], 10, "w", 30.0)
-        [row] = backend.job_claim(claim)
-        finish = FinishParams(row.id, row.lease_token or "", "completed", member=True)
-        answers, sent = statements(lambda: backend.job_finish_many([finish]))
-        assert answers == [True]
+        sent = _finish_the_first(backend)
         assert len(sent) <= LAST_MEMBER_MOST, sent
-        [callback] = backend.job_claim(claim)
+        [callback] = backend.job_claim(CLAIM)
         assert callback.name == "statements.done"
         assert handle.status().callbacks["on_success"] == callback.id
     finally:
