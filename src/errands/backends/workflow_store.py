@@ -207,8 +207,12 @@ class WorkflowStore:
         notify: Notify | None = None,
         insert_joined: InsertJoined | None = None,
         rows: Callable[[list[list[Any]]], Any] | None = None,
+        release_channel: str | None = None,
     ) -> None:
         self.q = q
+        # Where the release of dependents NOTIFYs their queues itself (PostgreSQL: its
+        # channel), else None: then ``notify`` wakes them after the fan-in.
+        self.release_channel = release_channel
         self.insert_jobs = insert
         self.array = array
         self.notify = notify
@@ -414,7 +418,7 @@ class WorkflowStore:
                         work.append((-workflow_id, NESTED_OUTCOME[state]))
         if queues:
             self._released(queues)
-            if self.notify is not None:
+            if self.notify is not None and self.release_channel is None:
                 yield from self.notify(queues)
 
     def _end_members(
@@ -462,7 +466,8 @@ class WorkflowStore:
             failed = ", ".join(str(p) for p, _, o in edges if o in FAILED)
             blocked.append((child, decision, f"parent job {failed} failed (policy {decision})"))
         if release:
-            released = yield Stmt(q["wf_release_many"], {"ids": array(release)})
+            params = {"ids": array(release), "channel": self.release_channel}
+            released = yield Stmt(q["wf_release_many"], params)
             queues.update(str(r[0]) for r in released)
         if not blocked:
             return []

@@ -232,7 +232,7 @@ class PostgresBackend(PostgresAdmin):
         self._verdicts_lock = threading.Lock()
         self.workflows = WorkflowStore(
             self.q, lambda requests: self._insert_program(requests, copy=False), list,
-            self._notify_program, self._insert_joined,
+            self._notify_program, self._insert_joined, release_channel=self.channel,
         )  # fmt: skip
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
             self.migrate()

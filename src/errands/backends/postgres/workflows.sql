@@ -225,7 +225,10 @@ FROM ready CROSS JOIN LATERAL (
 
 -- name: wf_release_many
 -- Dependents whose parents all ended run: now, or their own delay after now (the meta key
--- release_delay), or at their run_at if that is later. Their queues (one row each).
+-- release_delay), or at their run_at if that is later. Their queues (one row each), each
+-- queue NOTIFYed once on %(channel)s in the same statement (a chain step's finish saves a
+-- round trip; the wake-up is sent at commit, as any NOTIFY).
+WITH released AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN r.at > now() THEN 'scheduled' ELSE 'available' END, run_at = r.at
 FROM (SELECT id, CASE WHEN meta ? 'release_delay'
@@ -235,6 +238,10 @@ FROM (SELECT id, CASE WHEN meta ? 'release_delay'
 WHERE j.id = r.id AND j.id = ANY(%(ids)s::bigint[]) AND j.state = 'waiting'
   AND j.wait_signal IS NULL
 RETURNING j.queue
+), note AS (
+    SELECT pg_notify(%(channel)s::text, q.queue) FROM (SELECT DISTINCT queue FROM released) AS q
+)
+SELECT r.queue FROM released AS r CROSS JOIN (SELECT count(*) FROM note) AS n
 
 -- name: wf_end_blocked_many
 -- Dependents that will not run: cancelled (a parent failed under policy cancel, or the
