@@ -23,7 +23,7 @@ import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ConfigurationError
 from ..faults import fault_point
@@ -55,6 +55,18 @@ InsertJobs = Callable[[Sequence[EnqueueRequest]], Program[list[InsertResult]]]
 # dependents at the given indexes 'waiting'): a sync bulk path (PostgreSQL's COPY).
 InsertJoined = Callable[[Sequence[EnqueueRequest], int, Sequence[int]], Program[list[InsertResult]]]
 Notify = Callable[[set[str]], Program[None]]
+
+
+class ReleaseWakeup(Protocol):
+    """A store whose release of dependents sends their wake-up itself (PostgreSQL)."""
+
+    def params(self) -> dict[str, Any]:
+        """The release statement's wake-up parameters (its channel, what to skip)."""
+        ...
+
+    def sent(self, queues: set[str]) -> None:
+        """The release statement ran, these queues released: record the wake-ups."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -207,12 +219,13 @@ class WorkflowStore:
         notify: Notify | None = None,
         insert_joined: InsertJoined | None = None,
         rows: Callable[[list[list[Any]]], Any] | None = None,
-        release_channel: str | None = None,
+        release_wakeup: ReleaseWakeup | None = None,
     ) -> None:
         self.q = q
-        # Where the release of dependents NOTIFYs their queues itself (PostgreSQL: its
-        # channel), else None: then ``notify`` wakes them after the fan-in.
-        self.release_channel = release_channel
+        # Where the release of dependents NOTIFYs their queues in its own statement
+        # (PostgreSQL): the wake-up's parameters for that statement, asked before it, and
+        # what to call with the queues it released; else ``notify`` wakes them after.
+        self.release_wakeup = release_wakeup
         self.insert_jobs = insert
         self.array = array
         self.notify = notify
@@ -418,7 +431,7 @@ class WorkflowStore:
                         work.append((-workflow_id, NESTED_OUTCOME[state]))
         if queues:
             self._released(queues)
-            if self.notify is not None and self.release_channel is None:
+            if self.notify is not None and self.release_wakeup is None:
                 yield from self.notify(queues)
 
     def _end_members(
@@ -466,9 +479,13 @@ class WorkflowStore:
             failed = ", ".join(str(p) for p, _, o in edges if o in FAILED)
             blocked.append((child, decision, f"parent job {failed} failed (policy {decision})"))
         if release:
-            params = {"ids": array(release), "channel": self.release_channel}
+            wakeup = self.release_wakeup
+            params = {"ids": array(release), **(wakeup.params() if wakeup else {})}
             released = yield Stmt(q["wf_release_many"], params)
-            queues.update(str(r[0]) for r in released)
+            woken = {str(r[0]) for r in released}
+            if wakeup is not None:
+                wakeup.sent(woken)
+            queues.update(woken)
         if not blocked:
             return []
         skip = [d == "skip" for _, d, _ in blocked]

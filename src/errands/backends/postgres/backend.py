@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from operator import itemgetter
 from typing import Any, TypeVar
 
-from ...errors import ConfigurationError, EnqueueUncertain, SchemaOutdated
+from ...errors import ConfigurationError, DatabaseBusy, EnqueueUncertain, SchemaOutdated
 from ...faults import fault_point
 from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
@@ -93,6 +93,9 @@ log = logging.getLogger("errands.postgres")
 T = TypeVar("T")
 
 MIGRATE_LOCK_KEY = 7_203_148_551  # pg_advisory_xact_lock key for `errands migrate`
+# A keyed insert that found its key taken, the key then freed by another caller before
+# it could read who holds it, tries again: this many times at most (see _insert_program).
+KEY_TRIES = 5
 
 JOB_COLUMNS_SQL = ", ".join(
     [
@@ -232,7 +235,7 @@ class PostgresBackend(PostgresAdmin):
         self._verdicts_lock = threading.Lock()
         self.workflows = WorkflowStore(
             self.q, lambda requests: self._insert_program(requests, copy=False), list,
-            self._notify_program, self._insert_joined, release_channel=self.channel,
+            self._notify_program, self._insert_joined, release_wakeup=_ReleaseWakeup(self),
         )  # fmt: skip
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
             self.migrate()
@@ -466,20 +469,23 @@ class PostgresBackend(PostgresAdmin):
         A key is tried first: only when it is taken does a second statement release it if
         its ``unique_for`` period is over (then the insert is tried again), so a new key
         costs one statement, not two (every keyed enqueue, and every workflow callback,
-        paid a release statement that found nothing)."""
+        paid a release statement that found nothing). Statements outside a transaction
+        (``conn=`` in autocommit mode) can see another caller free the key between them:
+        the insert is then tried again, KEY_TRIES times at most."""
         if len(requests) == 1:
             req = requests[0]
             params = insert_params(req)
             params["channel"] = self.channel if self._notify_due({req.queue}) else None
-            rows = yield Stmt(self.q["job_insert"], params)
-            if rows and rows[0][0] is not None:
-                return [InsertResult(rows[0][0], False)]
-            if (yield from self._expire_key(req)):
+            for _ in range(KEY_TRIES):
                 rows = yield Stmt(self.q["job_insert"], params)
                 if rows and rows[0][0] is not None:
                     return [InsertResult(rows[0][0], False)]
-            rows = yield Stmt(self.q["job_id_by_key"], {"name": req.name, "key": req.key})
-            return [InsertResult(rows[0][0], True)]
+                if (yield from self._expire_key(req)):
+                    continue  # its period was over: released, insert again
+                holder = yield from self._key_holder(req)
+                if holder is not None:
+                    return [InsertResult(holder, True)]
+            raise self._key_race(req)
         [(ids, now)] = yield Stmt(self.q["job_allocate_ids"], {"n": len(requests)})
         # now: the transaction's now(), as the INSERT would use
         pairs = list(zip(ids, requests, strict=True))
@@ -491,23 +497,44 @@ class PostgresBackend(PostgresAdmin):
         if rest:  # ON CONFLICT DO NOTHING needs an INSERT
             rows = yield Stmt(self.q["job_insert_many"], self._insert_many_params(rest))
             inserted |= {r[0] for r in rows}
+        holders: dict[int, int] = {}  # request's id -> the job holding its key
+        for tried in range(KEY_TRIES + 1):
             again = []
             for i, r in rest:
-                if i not in inserted and (yield from self._expire_key(r)):
-                    again.append((i, r))
-            if again:  # keys whose unique_for period was over: released, try once more
-                rows = yield Stmt(self.q["job_insert_many"], self._insert_many_params(again))
-                inserted |= {r[0] for r in rows}
-        results = []
-        for new_id, req in pairs:
-            if new_id in inserted:
-                results.append(InsertResult(new_id, False))
-            else:
-                rows = yield Stmt(self.q["job_id_by_key"], {"name": req.name, "key": req.key})
-                results.append(InsertResult(rows[0][0], True))
+                if i in inserted or i in holders:
+                    continue
+                if (yield from self._expire_key(r)):
+                    again.append((i, r))  # its period was over: released, insert again
+                elif (holder := (yield from self._key_holder(r))) is not None:
+                    holders[i] = holder
+                else:
+                    again.append((i, r))  # freed meanwhile by another caller
+            if not again:
+                break
+            if tried == KEY_TRIES:
+                raise self._key_race(again[0][1])
+            rows = yield Stmt(self.q["job_insert_many"], self._insert_many_params(again))
+            inserted |= {r[0] for r in rows}
+        results = [
+            InsertResult(i, False) if i in inserted else InsertResult(holders[i], True)
+            for i, _ in pairs
+        ]
         for queue in self._notify_due({r.queue for r in requests}):
             yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
         return results
+
+    def _key_holder(self, request: EnqueueRequest) -> Program[int | None]:
+        """The job holding ``request``'s key; None if no job does (any more)."""
+        rows = yield Stmt(self.q["job_id_by_key"], {"name": request.name, "key": request.key})
+        return int(rows[0][0]) if rows else None
+
+    @staticmethod
+    def _key_race(request: EnqueueRequest) -> DatabaseBusy:
+        return DatabaseBusy(
+            f"enqueue of {request.name} with key {request.key!r}: the key was taken and "
+            f"freed again by other callers {KEY_TRIES} times in a row; nothing was stored "
+            "by this call; try again"
+        )
 
     def _expire_key(self, request: EnqueueRequest) -> Program[bool]:
         """Release ``request``'s key if the job holding it was enqueued with a
@@ -619,6 +646,13 @@ class PostgresBackend(PostgresAdmin):
             "rperiods": [r.rate_period for r in requests],
             "fkeys": [r.fair_key for r in requests],
         }
+
+    def _notified_lately(self) -> list[str]:
+        """The queues this process NOTIFYed within the window: not again yet."""
+        now = time.monotonic()
+        window = self.config.notify_window
+        with self._notify_lock:
+            return [q for q, at in self._last_notify.items() if now - at < window]
 
     def _notify_due(self, queues: set[str]) -> list[str]:
         """The queues this process should NOTIFY now: at most once per queue per window."""
@@ -1183,3 +1217,18 @@ class _LimitedStore:
 
     def id_list(self, values: list[object]) -> object:
         return values
+
+
+class _ReleaseWakeup:
+    """The release of workflow dependents NOTIFYs their queues in its own statement,
+    coalesced as every wake-up of this process is: a queue NOTIFYed within the window is
+    skipped, and the queues the statement NOTIFYed are recorded."""
+
+    def __init__(self, backend: PostgresBackend) -> None:
+        self.backend = backend
+
+    def params(self) -> dict[str, Any]:
+        return {"channel": self.backend.channel, "recent": self.backend._notified_lately()}
+
+    def sent(self, queues: set[str]) -> None:
+        self.backend._notify_due(queues)  # records them (the statement sent what was due)

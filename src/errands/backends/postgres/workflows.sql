@@ -226,8 +226,9 @@ FROM ready CROSS JOIN LATERAL (
 -- name: wf_release_many
 -- Dependents whose parents all ended run: now, or their own delay after now (the meta key
 -- release_delay), or at their run_at if that is later. Their queues (one row each), each
--- queue NOTIFYed once on %(channel)s in the same statement (a chain step's finish saves a
--- round trip; the wake-up is sent at commit, as any NOTIFY).
+-- queue NOTIFYed once on %(channel)s in the same statement unless this process NOTIFYed it
+-- within its window (%(recent)s; coalesced as an enqueue's): a chain step's finish saves a
+-- round trip. The wake-up is sent at commit, as any NOTIFY.
 WITH released AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN r.at > now() THEN 'scheduled' ELSE 'available' END, run_at = r.at
@@ -240,6 +241,7 @@ WHERE j.id = r.id AND j.id = ANY(%(ids)s::bigint[]) AND j.state = 'waiting'
 RETURNING j.queue
 ), note AS (
     SELECT pg_notify(%(channel)s::text, q.queue) FROM (SELECT DISTINCT queue FROM released) AS q
+    WHERE q.queue <> ALL(%(recent)s::text[])
 )
 SELECT r.queue FROM released AS r CROSS JOIN (SELECT count(*) FROM note) AS n
 

@@ -1,0 +1,82 @@
+"""A keyed enqueue whose key another caller frees between its statements inserts again.
+
+The insert is tried first; only when its key is taken are the expired key's release and
+the holder's lookup run, each a statement of its own (outside a transaction, each its own
+commit). Here another caller deletes the holder (as the pruning of a finished job does)
+just before the release runs: nothing to release, nobody holding the key; the enqueue
+must then store its job, not fail looking up a holder that is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import errands
+from errands.backends.postgres.backend import PostgresBackend
+from errands.backends.postgres.config import parse_postgres_url
+
+
+@pytest.fixture
+def app(pg_url: str) -> Iterator[errands.App]:
+    app = errands.App(pg_url)
+    yield app
+    app.close()
+
+
+def _free_the_key_before_the_release(
+    monkeypatch: pytest.MonkeyPatch, app: errands.App, key: str
+) -> list[str]:
+    """Another caller deletes the job holding ``key`` just before the release runs."""
+    backend: Any = app.backend
+    freed: list[str] = []
+    release = PostgresBackend._expire_key
+
+    def racing(self: PostgresBackend, request: Any) -> Any:
+        if request.key == key and not freed:
+            url = parse_postgres_url(app.url)
+            with psycopg.connect(url.conninfo, autocommit=True) as other:
+                other.execute(
+                    f'DELETE FROM "{backend.schema}".errands_jobs WHERE idempotency_key = %s',
+                    (key,),
+                )
+            freed.append(key)
+        return (yield from release(self, request))
+
+    monkeypatch.setattr(PostgresBackend, "_expire_key", racing)
+    return freed
+
+
+def test_a_single_keyed_enqueue_inserts_again_when_the_holder_is_gone(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="race.single")
+    def job(n: int) -> None: ...
+
+    first = job.enqueue(n=1, key="k")
+    freed = _free_the_key_before_the_release(monkeypatch, app, "k")
+    second = job.enqueue(n=2, key="k")
+    assert freed == ["k"]
+    assert second.deduplicated is False and second.id != first.id
+    assert second.job().idempotency_key == "k" and second.job().args == {"n": 2}
+
+
+def test_a_batchs_keyed_job_inserts_again_when_the_holder_is_gone(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="race.batch")
+    def job(n: int) -> None: ...
+
+    first = job.enqueue(n=1, key="k")
+    held = job.enqueue(n=2, key="held")
+    freed = _free_the_key_before_the_release(monkeypatch, app, "k")
+    again, same, new = app.enqueue_many(
+        [job.bind(n=3, key="k"), job.bind(n=4, key="held"), job.bind(n=5)]
+    )
+    assert freed == ["k"]
+    assert (again.deduplicated, same.deduplicated, new.deduplicated) == (False, True, False)
+    assert again.id != first.id and same.id == held.id
+    assert again.job().args == {"n": 3}
