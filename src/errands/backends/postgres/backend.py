@@ -679,7 +679,9 @@ class PostgresBackend(PostgresAdmin):
         if not requests:
             return []
         if conn is not None:
-            return self._insert(self._caller_connection(conn), requests)
+            caller = self._caller_connection(conn)
+            with _atomic(caller, several=len(requests) > 1 or requests[0].key is not None):
+                return self._insert(caller, requests)
         single = len(requests) == 1 and requests[0].key is None
 
         def insert(own: psycopg.Connection[Any], progress: Progress) -> list[InsertResult]:
@@ -701,6 +703,9 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
+        if _on_its_own(caller) and (len(requests) > 1 or requests[0].key is not None):
+            async with caller.transaction():  # see _atomic
+                return await arun(caller, self._insert_program(requests, copy=False))
         return await arun(caller, self._insert_program(requests, copy=False))
 
     def _uncertain(self, requests: Sequence[EnqueueRequest], exc: psycopg.Error) -> Exception:
@@ -717,7 +722,9 @@ class PostgresBackend(PostgresAdmin):
     # -- workflows ---------------------------------------------------------------------
     def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is not None:
-            return run(self._caller_connection(conn), self.workflows.insert(spec, bulk=True))
+            caller = self._caller_connection(conn)
+            with _atomic(caller, several=True):
+                return run(caller, self.workflows.insert(spec, bulk=True))
         with self._tx() as own:
             return run(own, self.workflows.insert(spec, bulk=True))
 
@@ -725,6 +732,9 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
+        if _on_its_own(caller):
+            async with caller.transaction():  # see _atomic
+                return await arun(caller, self.workflows.insert(spec))
         return await arun(caller, self.workflows.insert(spec))
 
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
@@ -1232,3 +1242,24 @@ class _ReleaseWakeup:
 
     def sent(self, queues: set[str]) -> None:
         self.backend._notify_due(queues)  # records them (the statement sent what was due)
+
+
+def _atomic(
+    conn: psycopg.Connection[Any], *, several: bool
+) -> contextlib.AbstractContextManager[Any]:
+    """A caller's connection in autocommit mode commits each statement on its own: an
+    enqueue of several statements (a batch, a keyed job, a workflow) runs in a transaction
+    of its own there, so it is stored whole or not at all (a workflow's nested members
+    were claimable before their parent's rows existed; a batch's COPY stayed when its
+    keyed INSERT failed). A connection in a transaction keeps the caller's: the enqueue
+    commits or rolls back with it, as documented."""
+    if several and _on_its_own(conn):
+        return conn.transaction()
+    return contextlib.nullcontext()
+
+
+def _on_its_own(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """An autocommit connection with no transaction open (a BEGIN sent by hand opens one:
+    the enqueue is then part of it)."""
+    idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    return bool(conn.autocommit and idle)

@@ -1,0 +1,133 @@
+"""``conn=`` with a psycopg connection in autocommit mode: an enqueue of several statements
+(a batch, a keyed job, a workflow) is stored whole or not at all.
+
+On such a connection every statement commits on its own, so a batch whose keyed INSERT
+failed kept the jobs its COPY had written, and a workflow's nested members were committed,
+and claimable, before the rows that make them members of their parent existed. Each now
+runs in a transaction of its own there; on a connection in a transaction it joins the
+caller's, which commits or rolls it back (tests/conformance/test_insert.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import errands
+from errands.backends.postgres.backend import PostgresBackend
+from errands.backends.postgres.config import parse_postgres_url
+
+
+class Injected(RuntimeError):
+    """The failure the test injects midway through an enqueue."""
+
+
+@pytest.fixture
+def app(pg_url: str) -> Iterator[errands.App]:
+    app = errands.App(pg_url)
+    app.queue_stats()  # migrated before the caller's connection looks
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def autocommit(app: errands.App) -> Iterator[psycopg.Connection[Any]]:
+    conninfo = parse_postgres_url(app.url).conninfo
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        yield conn
+
+
+def _count(app: errands.App, table: str) -> int:
+    backend: Any = app.backend
+    with psycopg.connect(parse_postgres_url(app.url).conninfo) as conn:
+        row = conn.execute(f'SELECT count(*) FROM "{backend.schema}".{table}').fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_batch_on_an_autocommit_connection_is_stored_whole_or_not_at_all(
+    app: errands.App, autocommit: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="atomic.job")
+    def job(n: int) -> None: ...
+
+    def failing(self: PostgresBackend, rows: Any) -> Any:
+        raise Injected("the keyed INSERT fails after the COPY wrote the others")
+
+    monkeypatch.setattr(PostgresBackend, "_insert_many_params", failing)
+    with pytest.raises(Injected):
+        app.enqueue_many([job.bind(n=1), job.bind(n=2), job.bind(n=3, key="k")], conn=autocommit)
+    assert _count(app, "errands_jobs") == 0
+    assert autocommit.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    monkeypatch.undo()
+    handles = app.enqueue_many([job.bind(n=1), job.bind(n=3, key="k")], conn=autocommit)
+    assert [h.job().args for h in handles] == [{"n": 1}, {"n": 3}]  # committed: seen by others
+
+
+def test_a_workflow_on_an_autocommit_connection_is_stored_whole_or_not_at_all(
+    app: errands.App, autocommit: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="atomic.member")
+    def member(n: int) -> None: ...
+
+    inner = errands.Batch("inner")
+    outer = errands.Batch("outer")
+    for n in range(2):
+        inner.add(member.bind(n=n))
+        outer.add(member.bind(n=10 + n))
+    outer.add(inner)
+    workflows: Any = app.backend.workflows  # type: ignore[attr-defined]
+    joined = workflows.insert_joined
+    calls: list[int] = []
+
+    def failing(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # the outer batch's members, after the inner batch's
+            raise Injected("the outer batch's members fail after the inner batch's")
+        return (yield from joined(*args))
+
+    monkeypatch.setattr(workflows, "insert_joined", failing)
+    with pytest.raises(Injected):
+        app.enqueue_workflow(outer, conn=autocommit)
+    assert (_count(app, "errands_jobs"), _count(app, "errands_workflows")) == (0, 0)
+    monkeypatch.undo()
+    handle = app.enqueue_workflow(outer, conn=autocommit)
+    assert handle.status().state == "running" and _count(app, "errands_jobs") == 4
+
+
+def test_an_enqueue_in_a_transaction_begun_by_hand_stays_the_callers(
+    app: errands.App, autocommit: psycopg.Connection[Any]
+) -> None:
+    """BEGIN sent by hand on an autocommit connection: the batch is part of that
+    transaction, and its ROLLBACK takes the jobs back."""
+
+    @app.job(name="atomic.manual")
+    def job(n: int) -> None: ...
+
+    autocommit.execute("BEGIN")
+    app.enqueue_many([job.bind(n=1), job.bind(n=2, key="k")], conn=autocommit)
+    autocommit.execute("ROLLBACK")
+    assert _count(app, "errands_jobs") == 0
+
+
+def test_an_async_batch_on_an_autocommit_connection_is_stored_whole_or_not_at_all(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="atomic.async")
+    def job(n: int) -> None: ...
+
+    def failing(self: PostgresBackend, queues: Any) -> Any:
+        raise Injected("the wake-up fails after the batch's INSERT")
+
+    async def enqueue() -> None:
+        conninfo = parse_postgres_url(app.url).conninfo
+        async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+            with pytest.raises(Injected):
+                await app.aenqueue_many([job.bind(n=1), job.bind(n=2, key="k")], conn=conn)
+
+    monkeypatch.setattr(PostgresBackend, "_notify_due", failing)
+    asyncio.run(enqueue())
+    assert _count(app, "errands_jobs") == 0
