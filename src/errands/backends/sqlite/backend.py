@@ -19,7 +19,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
@@ -446,7 +446,8 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is not None:
             caller = self._check_caller_connection(conn)
             try:
-                return run(caller, self._insert_program(requests))
+                with _atomic(caller, several=_several(requests)):
+                    return run(caller, self._insert_program(requests))
             except sqlite3.Error as exc:
                 if _is_full(exc):
                     raise self._storage_full(exc) from exc
@@ -461,7 +462,8 @@ class SQLiteBackend(SQLiteAdmin):
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
         try:
-            return await arun(caller, self._insert_program(requests))
+            async with _aatomic(caller, several=_several(requests)):
+                return await arun(caller, self._insert_program(requests))
         except sqlite3.Error as exc:
             if _is_full(exc):
                 raise self._storage_full(exc) from exc
@@ -470,7 +472,9 @@ class SQLiteBackend(SQLiteAdmin):
     # -- workflows ---------------------------------------------------------------------
     def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is not None:
-            return run(self._check_caller_connection(conn), self.workflows.insert(spec))
+            caller = self._check_caller_connection(conn)
+            with _atomic(caller, several=True):
+                return run(caller, self.workflows.insert(spec))
         with self._write() as own:
             return run(own, self.workflows.insert(spec))
 
@@ -478,7 +482,8 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is None:  # the store's own connection, in a thread: the loop never blocks
             return await asyncio.to_thread(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
-        return await arun(caller, self.workflows.insert(spec))
+        async with _aatomic(caller, several=True):
+            return await arun(caller, self.workflows.insert(spec))
 
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         with self._read() as conn:
@@ -953,3 +958,50 @@ class _LimitedStore:
 
     def id_list(self, values: list[object]) -> object:
         return json.dumps(values)
+
+
+# -- a caller's connection in autocommit mode ---------------------------------------------
+def _several(requests: Sequence[EnqueueRequest]) -> bool:
+    """Whether enqueueing ``requests`` writes more than one statement."""
+    return len(requests) > 1 or requests[0].key is not None
+
+
+def _on_its_own(conn: Any) -> bool:
+    """A caller's connection that commits each statement on its own (isolation_level None,
+    or Python 3.12's autocommit=True) and has no transaction open (a BEGIN of the
+    caller's opens one: the enqueue is then part of it)."""
+    mode = getattr(conn, "autocommit", None)
+    own = mode is True or (mode in (None, -1) and conn.isolation_level is None)
+    return bool(own and not conn.in_transaction)
+
+
+@contextlib.contextmanager
+def _atomic(conn: sqlite3.Connection, *, several: bool) -> Iterator[None]:
+    """An enqueue of several statements on a caller's connection in autocommit mode runs
+    in a transaction of its own, stored whole or not at all (each statement committed on
+    its own: a failure midway kept part of a batch). Elsewhere it is the caller's."""
+    if not (several and _on_its_own(conn)):
+        yield
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+@contextlib.asynccontextmanager
+async def _aatomic(conn: Any, *, several: bool) -> AsyncIterator[None]:
+    """:func:`_atomic` for an aiosqlite connection."""
+    if not (several and _on_its_own(conn)):
+        yield
+        return
+    await conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        await conn.execute("ROLLBACK")
+        raise
+    await conn.execute("COMMIT")

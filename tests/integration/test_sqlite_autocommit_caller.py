@@ -1,0 +1,114 @@
+"""``conn=`` with a sqlite3 connection in autocommit mode (``isolation_level=None``): an
+enqueue of several statements (a batch, a keyed job, a workflow) is stored whole or not
+at all; a transaction the caller opened keeps it (its ROLLBACK takes the jobs back).
+
+Each statement committed on its own there: a failure midway kept part of a batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import pytest
+
+import errands
+from errands.backends.sqlite import backend as sqlite_backend
+
+
+class Injected(RuntimeError):
+    """The failure the test injects midway through an enqueue."""
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[errands.App]:
+    app = errands.App(f"sqlite:///{tmp_path / 'jobs.db'}")
+    app.queue_stats()  # the file and its schema exist before the caller connects
+    yield app
+    app.close()
+
+
+def _path(app: errands.App) -> str:
+    return app.url.removeprefix("sqlite:///")
+
+
+def _fail_the_second_insert(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = sqlite_backend.insert_params
+    calls: list[int] = []
+
+    def failing(request: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise Injected("the second job's insert fails after the first's")
+        return real(request)
+
+    monkeypatch.setattr(sqlite_backend, "insert_params", failing)
+
+
+def _jobs(app: errands.App) -> int:
+    with sqlite3.connect(_path(app)) as conn:
+        return int(conn.execute("SELECT count(*) FROM errands_jobs").fetchone()[0])
+
+
+def test_a_batch_on_an_autocommit_connection_is_stored_whole_or_not_at_all(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="atomic.job")
+    def job(n: int) -> None: ...
+
+    conn = sqlite3.connect(_path(app), isolation_level=None)
+    try:
+        _fail_the_second_insert(monkeypatch)
+        with pytest.raises(Injected):
+            app.enqueue_many([job.bind(n=1), job.bind(n=2)], conn=conn)
+        assert _jobs(app) == 0 and not conn.in_transaction
+        monkeypatch.undo()
+        app.enqueue_many([job.bind(n=1), job.bind(n=2)], conn=conn)
+        assert _jobs(app) == 2  # committed: seen from another connection
+        conn.execute("BEGIN")
+        app.enqueue_many([job.bind(n=3), job.bind(n=4, key="k")], conn=conn)
+        conn.execute("ROLLBACK")  # the caller's own transaction: its jobs go with it
+        assert _jobs(app) == 2
+    finally:
+        conn.close()
+
+
+def test_a_workflow_on_an_autocommit_connection_is_stored_whole_or_not_at_all(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="atomic.member")
+    def member(n: int) -> None: ...
+
+    batch = errands.Batch("batch")
+    for n in range(3):
+        batch.add(member.bind(n=n))
+    conn = sqlite3.connect(_path(app), isolation_level=None)
+    try:
+        _fail_the_second_insert(monkeypatch)
+        with pytest.raises(Injected):
+            app.enqueue_workflow(batch, conn=conn)
+        with sqlite3.connect(_path(app)) as other:
+            assert other.execute("SELECT count(*) FROM errands_workflows").fetchone()[0] == 0
+        assert _jobs(app) == 0
+    finally:
+        conn.close()
+
+
+def test_an_async_batch_on_an_autocommit_connection_is_stored_whole_or_not_at_all(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="atomic.async")
+    def job(n: int) -> None: ...
+
+    async def enqueue() -> None:
+        async with aiosqlite.connect(_path(app), isolation_level=None) as conn:
+            with pytest.raises(Injected):
+                await app.aenqueue_many([job.bind(n=1), job.bind(n=2)], conn=conn)
+
+    _fail_the_second_insert(monkeypatch)
+    asyncio.run(enqueue())
+    assert _jobs(app) == 0
