@@ -18,6 +18,7 @@ import pytest
 import errands
 from errands.backends.postgres.backend import PostgresBackend
 from errands.backends.postgres.config import parse_postgres_url
+from errands.errors import DatabaseBusy
 
 
 @pytest.fixture
@@ -80,3 +81,25 @@ def test_a_batchs_keyed_job_inserts_again_when_the_holder_is_gone(
     assert (again.deduplicated, same.deduplicated, new.deduplicated) == (False, True, False)
     assert again.id != first.id and same.id == held.id
     assert again.job().args == {"n": 3}
+
+
+def test_a_keyed_enqueue_whose_key_keeps_changing_hands_gives_up_with_a_clear_error(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taken at every insert, held by nobody at every lookup (other callers freeing and
+    taking it in between, every time): after KEY_TRIES rounds the enqueue stops with an
+    error that names the job and the key, and stores nothing."""
+
+    @app.job(name="race.endless")
+    def job(n: int) -> None: ...
+
+    job.enqueue(n=1, key="k")
+
+    def nobody(self: PostgresBackend, request: Any) -> Any:
+        yield from ()
+        return None
+
+    monkeypatch.setattr(PostgresBackend, "_key_holder", nobody)
+    with pytest.raises(DatabaseBusy, match=r"race\.endless with key 'k'.*nothing was stored"):
+        job.enqueue(n=2, key="k")
+    assert [j.args for j in app.backend.job_find_by_key("k")] == ['{"n": 1}']

@@ -726,6 +726,13 @@ class ThroughputBucket:
     failed: int  # failed attempts (retried or not), each counted when its error was recorded
 
 
+def writes_several(requests: Sequence[EnqueueRequest]) -> bool:
+    """Whether enqueueing ``requests`` takes more than one statement (a batch, or a key:
+    its release and lookup); on a caller's autocommit connection such an enqueue runs in
+    a transaction of its own, so it is stored whole or not at all."""
+    return len(requests) > 1 or requests[0].key is not None
+
+
 def insert_params(req: EnqueueRequest) -> dict[str, Any]:
     """The named parameters of one job's ``job_insert`` (the same names on every backend)."""
     return {

@@ -47,6 +47,7 @@ from ..base import (
     QueueSettings,
     RescueParams,
     insert_params,
+    writes_several,
 )
 from ..fair import HALF_LIFE, Weigher
 from ..limits import Claimed, claim_limited
@@ -680,7 +681,7 @@ class PostgresBackend(PostgresAdmin):
             return []
         if conn is not None:
             caller = self._caller_connection(conn)
-            with _atomic(caller, several=len(requests) > 1 or requests[0].key is not None):
+            with _atomic(caller, several=writes_several(requests)):
                 return self._insert(caller, requests)
         single = len(requests) == 1 and requests[0].key is None
 
@@ -703,7 +704,7 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
-        if _on_its_own(caller) and (len(requests) > 1 or requests[0].key is not None):
+        if _on_its_own(caller) and writes_several(requests):
             async with caller.transaction():  # see _atomic
                 return await arun(caller, self._insert_program(requests, copy=False))
         return await arun(caller, self._insert_program(requests, copy=False))

@@ -49,6 +49,7 @@ from ..base import (
     RescueParams,
     insert_params,
     unwrap_connection,
+    writes_several,
 )
 from ..fair import Weigher, fold_params
 from ..limits import Claimed, claim_limited
@@ -446,7 +447,7 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is not None:
             caller = self._check_caller_connection(conn)
             try:
-                with _atomic(caller, several=_several(requests)):
+                with _atomic(caller, several=writes_several(requests)):
                     return run(caller, self._insert_program(requests))
             except sqlite3.Error as exc:
                 if _is_full(exc):
@@ -462,7 +463,7 @@ class SQLiteBackend(SQLiteAdmin):
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
         try:
-            async with _aatomic(caller, several=_several(requests)):
+            async with _aatomic(caller, several=writes_several(requests)):
                 return await arun(caller, self._insert_program(requests))
         except sqlite3.Error as exc:
             if _is_full(exc):
@@ -961,11 +962,6 @@ class _LimitedStore:
 
 
 # -- a caller's connection in autocommit mode ---------------------------------------------
-def _several(requests: Sequence[EnqueueRequest]) -> bool:
-    """Whether enqueueing ``requests`` writes more than one statement."""
-    return len(requests) > 1 or requests[0].key is not None
-
-
 def _on_its_own(conn: Any) -> bool:
     """A caller's connection that commits each statement on its own (isolation_level None,
     or Python 3.12's autocommit=True) and has no transaction open (a BEGIN of the
