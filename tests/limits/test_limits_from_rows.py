@@ -75,7 +75,7 @@ def test_a_rate_limited_job_enqueued_into_another_queue_keeps_its_rate(
     store: errands.App,
 ) -> None:
     """Given a job type with rate '2/s', when six of its jobs are enqueued into another
-    queue and served there by two workers, then no second holds more than two starts."""
+    queue and served there by two workers, then no second holds more than two claims."""
     starts: list[float] = []
 
     def ping(n: int) -> None:
@@ -91,7 +91,11 @@ def test_a_rate_limited_job_enqueued_into_another_queue_keeps_its_rate(
     finally:
         peer.close()
     assert len(starts) == 6
-    assert most_in_window(sorted(starts), 0.95) <= 2, sorted(s - starts[0] for s in starts)
+    # The rate paces claims, so the claims' times in the store are measured (a handler's
+    # own start can lag its claim on a busy machine and bunch up with the next one's).
+    claimed = [j.attempted_at.timestamp() for j in store.jobs(name="rows.ping") if j.attempted_at]
+    assert len(claimed) == 6
+    assert most_in_window(claimed, 1.0) <= 2, sorted(t - min(claimed) for t in claimed)
 
 
 def test_job_types_of_different_queues_sharing_a_key_never_run_together(

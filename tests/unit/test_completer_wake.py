@@ -66,7 +66,7 @@ def test_a_failed_batch_is_tried_again_within_a_second_and_logged_once_per_strea
     from errands.worker import completer as module
 
     sleeps: list[float] = []
-    monkeypatch.setattr(module.time, "sleep", sleeps.append)
+    monkeypatch.setattr(module, "_pause", sleeps.append)  # not time.sleep: every thread's
     backend = Backend(set())
     fails = {"left": 9}
     write = backend.job_finish_many

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("errands.worker")
 
+_pause = time.sleep  # the completer's own name for its retry pause (tests replace it)
+
 BATCH_MAX = 500
 REFUSALS_BEFORE_SPLIT = 3
 # A failed batch is written again within 0.05 s, the pause doubling up to this (each
@@ -176,7 +178,7 @@ class Completer:
                     )
                 if now >= next_report:
                     next_report = now + RETRY_REPORT_EVERY
-                time.sleep(pause * (0.5 + random.random() / 2))
+                _pause(pause * (0.5 + random.random() / 2))
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
 
     def _released(self) -> None:
