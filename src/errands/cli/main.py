@@ -150,7 +150,7 @@ def worker(
             "with a --metrics-port each instead"
         )
     app = load_app(app_path or app_option, url, need_code=True)
-    warn_new_database(app.url)
+    warn_new_database(app.url, log_format)
     if processes > 1:
         from ..worker.supervisor import Supervisor, child_command
 
@@ -189,17 +189,21 @@ def worker(
     sys.exit(code)
 
 
-def warn_new_database(url: str) -> None:
+def warn_new_database(url: str, log_format: str = "text") -> None:
     """A worker about to create a new SQLite file: say so, with its absolute path (started
-    from the wrong folder, a worker would otherwise wait on an empty database)."""
+    from the wrong folder, a worker would otherwise wait on an empty database). A worker
+    logging JSON says it as a log record, so every line of its log is JSON."""
     path = sqlite_file(url)
     if path is not None and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
-        click.echo(
-            f"warning: there is no database at {path} yet: this worker creates a new, empty "
+        text = (
+            f"there is no database at {path} yet: this worker creates a new, empty "
             "one. If your jobs are stored elsewhere, start it from that folder or pass "
-            "--url sqlite:////absolute/path/to/your.db",
-            err=True,
+            "--url sqlite:////absolute/path/to/your.db"
         )
+        if log_format == "json":
+            log.warning(text)
+        else:
+            click.echo(f"warning: {text}", err=True)
 
 
 @cli.command()

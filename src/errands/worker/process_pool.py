@@ -412,12 +412,14 @@ def _stop(slot: _Slot) -> None:
 ORPHAN_EXIT = 3
 
 
-def _leave_with_the_worker() -> None:
+def _leave_with_the_worker(running: threading.Event) -> None:
     """Exit this child as soon as the worker that started it dies. The worker's jobs are
     rescued when their leases run out; a child running on would race the rescued run
     (seen: a child of a SIGKILLed worker still sleeping through its job, and the
     forkserver kept alive by it). The child learns of its worker's death otherwise only
-    when it next writes to it, after the job."""
+    when it next writes to it, after the job. A child cut off in a job says so on
+    stderr; one idle or still starting leaves quietly (a worker that stopped gracefully
+    while its spare child started is no news, and its log stays one format)."""
     parent = multiprocessing.parent_process()
     if parent is None:  # not a child process (in-process tests)
         return
@@ -426,12 +428,13 @@ def _leave_with_the_worker() -> None:
         from multiprocessing.connection import wait
 
         wait([parent.sentinel])
-        with contextlib.suppress(OSError):
-            os.write(
-                2,
-                f"errands: the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
-                "leaving (its jobs are rescued when their leases run out)\n".encode(),
-            )
+        if running.is_set():
+            with contextlib.suppress(OSError):
+                os.write(
+                    2,
+                    f"errands: the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
+                    "leaving its job (rescued when its lease runs out)\n".encode(),
+                )
         os._exit(ORPHAN_EXIT)
 
     threading.Thread(target=watch, name="errands-worker-watch", daemon=True).start()
@@ -443,7 +446,8 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _leave_with_the_worker()
+    running = threading.Event()  # set while a job runs here
+    _leave_with_the_worker(running)
     try:
         from ..loading import load_app
 
@@ -464,7 +468,9 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
             return
         if message is None:
             return
+        running.set()
         outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
+        running.clear()
         try:
             reporter.send_outcome(outcome)
         except OSError:  # the worker died while the job ran: a transactional job's outcome
