@@ -91,13 +91,22 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # several minutes in one process) would be handed out where they are collected, two thirds
 # into the run, and end it on one process while the others sit idle. They go first; the
 # other processes share out the rest meanwhile.
+# The longest tests outside it (the SQLite soak, the bench smokes: a minute each under
+# load) follow: started last, each would end the run alone.
 FIRST_GROUP = "own_postgres"
+EARLY = ("tests/soak/", "tests/bench/test_bench_smoke.py")
 
 
 def _in_first_group(item: pytest.Item) -> bool:
     return any(mark.args[:1] == (FIRST_GROUP,) for mark in item.iter_markers("xdist_group"))
 
 
+def _order(item: pytest.Item) -> int:
+    if _in_first_group(item):
+        return 0
+    return 1 if item.nodeid.startswith(EARLY) else 2
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not _in_first_group(item))  # stable: the rest keep their order
+    items.sort(key=_order)  # stable: the rest keep their order

@@ -97,11 +97,13 @@ ABANDON_AFTER_DEFAULT = 10.0
 # starts, then kept (children idle longer than SUSPECT_IDLE_RETIRE beyond the spare are
 # stopped). The worker claims no suspect before its first child is up: on a loaded machine
 # the forkserver's start-up (importing the app) took 12-14 s, and suspects claimed
-# meanwhile waited for it, claimed, while warm workers could have run them. The delay: the
-# forkserver and the spare double the CPU a worker's start costs (measured: ~0.5 s), which
-# a worker that runs for seconds (a one-off, a test) should not pay; a fleet's workers
-# are warm long before a rescue (which waits for a lease to run out) hands them suspects.
-SUSPECT_WARM_AFTER = 5.0
+# meanwhile waited for it, claimed, while warm workers could have run them. Started with
+# the worker (it was 5 s after, until 2026-12-04): the forkserver and the spare cost a
+# worker's start ~0.5 s more CPU, once, but a worker restarted after a crash, or a fleet
+# restarted by a deploy that killed its predecessors, is the one the rescued jobs come
+# to a lease later; with a 2 s lease (the chaos soak's) they waited for its children
+# (15 of the 19 late rescued claims of a full-size PostgreSQL run, all in its first 15 s).
+SUSPECT_WARM_AFTER = 0.0
 SUSPECT_LOOK_EVERY = 0.25  # ... until then, ask this often whether rescued jobs are due
 SUSPECT_SPARE = 1
 SUSPECT_IDLE_RETIRE = 60.0
