@@ -49,40 +49,71 @@ def test_a_child_whose_worker_is_killed_leaves_at_once_and_does_not_race_the_res
     assert [a for _, a, *_ in cluster.effects(handle.id)] == [1, 2]
 
 
-def _with_token(token: str) -> list[int]:
-    """The live processes whose environment holds ``token``."""
-    found = []
+def _family(token: str) -> dict[int, int]:
+    """The live processes whose environment holds ``token``: pid -> parent pid."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 if token.encode() in (entry / "environ").read_bytes() and _running(int(entry.name)):
-                    found.append(int(entry.name))
-            except OSError:  # gone meanwhile, or not ours to read
+                    status = (entry / "status").read_text()
+                    found[int(entry.name)] = int(status.split("\nPPid:\t")[1].split()[0])
+            except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
                 continue
     return found
+
+
+def _json_lines(text: str) -> list[dict[str, object]]:
+    """Every line of ``text`` as JSON (a line that is not JSON fails the test here)."""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_a_child_cut_off_in_its_job_says_so_in_the_worker_log_format(cluster: Cluster) -> None:
+    """Given a worker logging JSON whose job runs in a child process, when the worker is
+    SIGKILLed, then the child leaves with one line saying its worker is gone, as a JSON
+    record like the worker's own (it was plain text in a JSON log)."""
+    cluster.app()
+    worker = cluster.start_worker("--pool", "process", "-c", "1", "--log-format", "json")
+    handle = acc_basic.sleepy.enqueue(seconds=120.0, first_only=True)
+    wait_until(lambda: cluster.effects(handle.id), 60, "the job running in a child")
+    [(_, _, child, _)] = cluster.effects(handle.id)
+    worker.signal(signal.SIGKILL)
+    worker.wait_exit(10)
+    wait_until(lambda: not _running(child), 30, f"the worker's child {child} to leave")
+    time.sleep(0.2)  # its last line is in the file by now
+    gone = [r for r in _json_lines(worker.stderr()) if "is gone" in str(r["message"])]
+    assert [(r["level"], r["logger"]) for r in gone] == [("warning", "errands.worker")], gone
 
 
 def test_a_worker_stopped_while_its_spare_child_starts_exits_cleanly_and_the_child_leaves_quietly(
     cluster: Cluster,
 ) -> None:
     """Given a worker logging JSON whose suspects' spare child (started as the worker
-    starts) takes 2 s to import the app, when the worker is stopped gracefully while that
-    child starts, then the worker exits 0, the child and its forkserver leave within
-    seconds, and the child writes nothing: every line of the worker's log is JSON (it
-    used to print that its worker was gone, as if the worker had died)."""
-    cluster.app()
+    starts) takes 2 s to start, when the worker is stopped gracefully while that child
+    starts, then the worker exits 0, the child and its forkserver leave within seconds,
+    and every line of the worker's log is JSON, its warning of a new database file
+    included (tests/unit/test_child_leaves_quietly.py proves an idle child's silence
+    deterministically; here the worker's exit usually terminates the child first)."""
     token = f"acc-{uuid.uuid4().hex}"
+    loading = cluster.folder / "child-loading"
     worker = cluster.start_worker(
         "--log-format",
         "json",
+        "--url",
+        cluster.url,  # a SQLite file not made yet: the worker's warning is JSON too
         app="acc_slow_child:app",
-        env={"ACC_SLOW_CHILD_IMPORT": "2", "ACC_TOKEN": token},
+        env={
+            "ACC_SLOW_CHILD_START": "2",
+            "ACC_CHILD_LOADING": str(loading),
+            "ACC_TOKEN": token,
+        },
     )
-    wait_until(lambda: len(_with_token(token)) >= 2, 20, "the worker's forkserver to start")
+    wait_until(loading.exists, 20, "the worker's spare child to be loading the app")
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit(20) == 0, worker.stderr()[-4000:]
-    wait_until(lambda: not _with_token(token), 30, "the forkserver and the child to leave")
+    wait_until(lambda: not _family(token), 30, "the forkserver and the child to leave")
     time.sleep(0.2)  # anything they wrote on their way out is in the file by now
-    lines = [line for line in worker.stderr().splitlines() if line.strip()]
-    records = [json.loads(line) for line in lines]  # a line that is not JSON fails here
-    assert "errands.worker.stopped" in [r.get("event") for r in records], lines
+    records = _json_lines(worker.stderr())
+    assert "errands.worker.stopped" in [r.get("event") for r in records], records
+    assert [r["level"] for r in records if "no database" in str(r["message"])] == ["warning"]
+    assert not [r for r in records if "is gone" in str(r["message"])], records

@@ -76,3 +76,49 @@ def test_a_child_whose_worker_died_while_its_job_ran_leaves_quietly(
     thread.join(5)
     assert not thread.is_alive()
     assert errors == []
+
+
+# A worker (this script) starts a child that watches it, then dies at once (os._exit: no
+# atexit, which would terminate the child itself). argv[1]: "running" or "idle".
+_ORPHAN = """
+import multiprocessing, os, sys, threading, time
+from errands.worker import process_pool
+
+def child(running):
+    event = threading.Event()
+    if running:
+        event.set()
+    process_pool._leave_with_the_worker(event)
+    time.sleep(30)
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("fork").Process(
+        target=child, args=(sys.argv[1] == "running",), daemon=True
+    )
+    process.start()
+    print(process.pid, flush=True)
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("state", ["idle", "running"])
+def test_a_child_whose_worker_dies_leaves_at_once_and_speaks_only_if_it_had_a_job(
+    tmp_path: Any, state: str
+) -> None:
+    """Real processes: the child of a worker that dies exits within seconds (code 3); it
+    says so on stderr only when it was running a job (idle, or still starting, there is
+    nothing to report: a graceful stop with a spare child starting printed it before)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN)
+    done = subprocess.run(
+        [sys.executable, str(script), state], capture_output=True, text=True, timeout=20
+    )  # returns once the child, which holds the pipes too, has left
+    child = int(done.stdout.split()[0])
+    lines = done.stderr.splitlines()
+    if state == "idle":
+        assert lines == []
+    else:
+        assert len(lines) == 1 and f"of child {child} is gone" in lines[0], lines

@@ -15,6 +15,7 @@ import click
 from .. import loading
 from ..app import App
 from ..backends import redact_url
+from .render import notice
 
 URL_HELP = "database URL, overriding the app's (without an app: ERRANDS_URL)"
 
@@ -38,11 +39,10 @@ def load_app(
         raise click.UsageError(str(exc)) from None
     from_env = os.environ.get("ERRANDS_URL")
     if path and not url and from_env and from_env != app.url:
-        click.echo(
-            f"warning: ERRANDS_URL ({redact_url(from_env)}) is not used: {path} names its "
+        notice(
+            f"ERRANDS_URL ({redact_url(from_env)}) is not used: {path} names its "
             f"own database ({redact_url(loading.absolute_url(app.url))}), and a URL in code "
-            "wins over ERRANDS_URL; pass --url to choose another",
-            err=True,
+            "wins over ERRANDS_URL; pass --url to choose another"
         )
     app.url = loading.absolute_url(app.url)
     return app

@@ -20,6 +20,7 @@ from ..observability.logcontext import configure_logging
 from .admin import dlq, jobs, status
 from .dashboard import dashboard
 from .loading import URL_HELP, load_app
+from .render import notice
 from .scheduling import cron, queues
 from .workflows import workflows
 
@@ -34,7 +35,7 @@ class ErrandsGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ErrandsError as exc:
-            click.echo(f"error: {exc}", err=True)
+            notice(str(exc), "error")
             ctx.exit(1)
 
 
@@ -150,7 +151,7 @@ def worker(
             "with a --metrics-port each instead"
         )
     app = load_app(app_path or app_option, url, need_code=True)
-    warn_new_database(app.url, log_format)
+    warn_new_database(app.url)
     if processes > 1:
         from ..worker.supervisor import Supervisor, child_command
 
@@ -189,10 +190,9 @@ def worker(
     sys.exit(code)
 
 
-def warn_new_database(url: str, log_format: str = "text") -> None:
+def warn_new_database(url: str) -> None:
     """A worker about to create a new SQLite file: say so, with its absolute path (started
-    from the wrong folder, a worker would otherwise wait on an empty database). A worker
-    logging JSON says it as a log record, so every line of its log is JSON."""
+    from the wrong folder, a worker would otherwise wait on an empty database)."""
     path = sqlite_file(url)
     if path is not None and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
         text = (
@@ -200,10 +200,7 @@ def warn_new_database(url: str, log_format: str = "text") -> None:
             "one. If your jobs are stored elsewhere, start it from that folder or pass "
             "--url sqlite:////absolute/path/to/your.db"
         )
-        if log_format == "json":
-            log.warning(text)
-        else:
-            click.echo(f"warning: {text}", err=True)
+        notice(text)
 
 
 @cli.command()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -23,6 +24,18 @@ def console() -> Console:
 
 def emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
+
+
+def notice(text: str, level: str = "warning") -> None:
+    """A warning or error of the CLI itself on stderr: ``warning: text``, or, in a
+    process whose logging is JSON (``errands worker --log-format json``), a JSON log
+    record of that level (logger ``errands.cli``), so its log stays JSON lines."""
+    from ..observability import logcontext
+
+    if logcontext.current_format() == "json":
+        logging.getLogger("errands.cli").log(logging.getLevelName(level.upper()), text)
+    else:
+        click.echo(f"{level}: {text}", err=True)
 
 
 def age(seconds: float | None) -> str:

@@ -414,6 +414,18 @@ def _as_record(item: logging.LogRecord | Line) -> logging.LogRecord:
     return record
 
 
+def current_format() -> str | None:
+    """The format of errands' log handler on the root logger now ("json" or "text"; None
+    when configure_logging did not set one up): the CLI's own warnings and errors, and a
+    worker's child processes, follow it, so a worker logging JSON writes only JSON lines."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler.formatter, JsonFormatter):
+            return "json"
+        if isinstance(handler.formatter, TextFormatter):
+            return "text"
+    return None
+
+
 def configure_logging(
     fmt: str = "text", level: str | int = "INFO", *, background: bool = True
 ) -> None:

@@ -177,8 +177,8 @@ class ProcessRunner:
         began = time.monotonic()
         parent, child = self.ctx.Pipe()
         process = self.ctx.Process(
-            target=child_main, args=(self.app_path, self.url, child, self.worker_id), daemon=True,
-            name="errands-child",
+            target=child_main, args=(self.app_path, self.url, child, self.worker_id, _logging()),
+            daemon=True, name="errands-child",
         )  # fmt: skip
         process.start()
         child.close()
@@ -412,6 +412,27 @@ def _stop(slot: _Slot) -> None:
 ORPHAN_EXIT = 3
 
 
+def _logging() -> tuple[str, int] | None:
+    """How this worker logs (format and level), for its children to log alike; None when
+    it set up no logging of errands' (an embedded worker: its app's logging rules)."""
+    from ..observability import logcontext
+
+    fmt = logcontext.current_format()
+    return None if fmt is None else (fmt, logging.getLogger().level)
+
+
+def _line(text: str) -> bytes:
+    """``text`` as one line of this process's log format (a WARNING of errands.worker in
+    JSON), made without taking the logging module's locks: it is written just before an
+    os._exit, from a thread that must not wait on another."""
+    from ..observability import logcontext
+
+    if logcontext.current_format() == "json":
+        record = logging.LogRecord("errands.worker", logging.WARNING, __file__, 0, text, None, None)
+        return (logcontext.JsonFormatter().format(record) + "\n").encode()
+    return f"errands: {text}\n".encode()
+
+
 def _leave_with_the_worker(running: threading.Event) -> None:
     """Exit this child as soon as the worker that started it dies. The worker's jobs are
     rescued when their leases run out; a child running on would race the rescued run
@@ -432,21 +453,36 @@ def _leave_with_the_worker(running: threading.Event) -> None:
             with contextlib.suppress(OSError):
                 os.write(
                     2,
-                    f"errands: the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
-                    "leaving its job (rescued when its lease runs out)\n".encode(),
+                    _line(
+                        f"the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
+                        "leaving its job (rescued when its lease runs out, unless its "
+                        "outcome was written already)"
+                    ),
                 )
         os._exit(ORPHAN_EXIT)
 
     threading.Thread(target=watch, name="errands-worker-watch", daemon=True).start()
 
 
-def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
-    """A child's loop: import the app, then run one job per message until told to stop."""
+def child_main(
+    app_path: str,
+    url: str,
+    conn: Any,
+    worker_id: str = "",
+    logs: tuple[str, int] | None = None,
+) -> None:
+    """A child's loop: import the app, then run one job per message until told to stop.
+    ``logs``: the worker's log format and level, which the child's own lines follow (a
+    handler's log lines, and the line it leaves with), so a JSON log stays JSON."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    running = threading.Event()  # set while a job runs here
+    if logs is not None:
+        from ..observability.logcontext import configure_logging
+
+        configure_logging(logs[0], logs[1], background=False)
+    running = threading.Event()  # set while a job runs here, until its outcome is sent
     _leave_with_the_worker(running)
     try:
         from ..loading import load_app
@@ -469,14 +505,16 @@ def child_main(app_path: str, url: str, conn: Any, worker_id: str = "") -> None:
         if message is None:
             return
         running.set()
-        outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
-        running.clear()
         try:
-            reporter.send_outcome(outcome)
-        except OSError:  # the worker died while the job ran: a transactional job's outcome
-            # is written already (by _run_one); any other is rescued when its lease
-            # runs out
-            return
+            outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
+            try:
+                reporter.send_outcome(outcome)
+            except OSError:  # the worker died while the job ran: a transactional job's
+                # outcome is written already (by _run_one); any other is rescued when its
+                # lease runs out
+                return
+        finally:
+            running.clear()
 
 
 class _ProgressSender:
