@@ -11,6 +11,7 @@ import atexit
 import os
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -151,6 +152,37 @@ class OwnServer:
         self._cluster.up()
         self.url = self._cluster.url
         self.closed = False
+        self._watch_owner()
+
+    def _watch_owner(self) -> None:
+        """A watchdog process that stops the cluster and deletes its folder once this test
+        process is gone, however it ended: pytest-timeout's thread method ends a process
+        with os._exit, which runs no atexit (the normal path, close(), is unchanged)."""
+        c = self._cluster
+        stop = [str(c.bin / "pg_ctl"), "-D", str(c.data), "-m", "immediate", "-w", "stop"]
+        script = (
+            "import os, shutil, subprocess, sys, time\n"
+            f"owner, folder, stop = {os.getpid()}, {str(c.dir)!r}, {stop!r}\n"
+            "while True:\n"
+            "    try:\n"
+            "        os.kill(owner, 0)\n"
+            "    except ProcessLookupError:\n"
+            "        break\n"
+            "    if not os.path.isdir(folder):\n"
+            "        sys.exit(0)\n"  # closed normally: nothing to do
+            "    time.sleep(1)\n"
+            "if os.path.isdir(folder):\n"
+            "    subprocess.run(stop, capture_output=True, timeout=60,\n"
+            f"                   user={c.user!r})\n"
+            "    shutil.rmtree(folder, ignore_errors=True)\n"
+        )
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # outlives its owner, and no signal to the group hits it
+        )
 
     def stop(self, mode: str = "fast") -> None:
         self._cluster.stop(mode)
