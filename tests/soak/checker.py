@@ -638,11 +638,26 @@ def _passed_over(
     return f"{passed} of {len(late)}"
 
 
+def _faults_around(episodes: list[Any], due: float, claimed: float, lease: float) -> str:
+    """The faults in play while a rescued job waited: each episode from ``2 * lease``
+    before it was due (the fault that lost its lease, at the latest) until its claim, as
+    kind(victim)@start..heal in seconds relative to the due time ("-" for none)."""
+    shown = [
+        f"{ep.kind}{f'({ep.victim})' if ep.victim else ''}@{ep.started - due:+.1f}.."
+        f"{(ep.healed or claimed) - due:+.1f}"
+        for ep in episodes
+        if ep.started <= claimed and (ep.healed or claimed) >= due - 2 * lease
+    ]
+    return ", ".join(shown) or "-"
+
+
 def _passers(
     late: list[tuple[int, int, float]],
     jobs: dict[int, JobInfo],
     runs: list[Run],
     rescued_before: dict[int, list[int]],
+    episodes: list[Any],
+    lease: float,
 ) -> dict[str, Any]:
     """Who went ahead of the late rescued claims: for each, its queue and type, the worker
     that claimed it in the end, and the workers that claimed fresher jobs of its own queue
@@ -674,7 +689,8 @@ def _passers(
         by_worker.update(ahead)
         details.append(
             f"{job_id}/{attempt} {info.name.removeprefix('soak.')}@{info.queue} {wait:.1f}s "
-            f"by {mine.worker}; ahead {dict(ahead.most_common(3)) or '-'}"
+            f"by {mine.worker}; ahead {dict(ahead.most_common(3)) or '-'}; faults "
+            f"{_faults_around(episodes, mine.run_at, mine.claimed_at, lease)}"
         )
     shown = details[:LATE_SHOWN] + (
         [f"... and {len(details) - LATE_SHOWN} more"] if len(details) > LATE_SHOWN else []
@@ -764,7 +780,12 @@ def _latency(
     out.figures["rescued jobs past the I9 bound, by job type"] = dict(late_types.most_common())
     if late:
         out.figures["rescued jobs past the I9 bound, who went ahead"] = _passers(
-            late, jobs, runs, rescued_before
+            late,
+            jobs,
+            runs,
+            rescued_before,
+            chaos.episodes,
+            settle / 2,  # lease + poll
         )
     # Claim to start is not in I9's bound (a claimed job holds its lease) but is what a
     # user waits: isolated suspects start in a child process of their own.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import shapes
+from .chaos import Episode
 from .checker import _executions, _outcomes
 from .records import Findings, JobInfo, Run
 from .workload import Ledger
@@ -138,11 +139,20 @@ def test_a_late_rescued_claim_is_told_apart_by_whether_a_fresher_job_went_ahead_
     assert _passed_over(late, jobs, older, rescued_before) == "0 of 1"
     fresher = [*older, claimed(3, 11.0, 13.0)]  # job 3 due after it, claimed ahead of it
     assert _passed_over(late, jobs, fresher, rescued_before) == "1 of 1"
-    who = _passers(late, jobs, fresher, rescued_before)
+    who = _passers(late, jobs, fresher, rescued_before, [], 2.0)
     assert who["claims of fresher same-queue jobs by worker"] == {"w-1": 1}
     jobs[3].queue = "other"  # a fresher job of another queue had no claim on it
-    assert _passers(late, jobs, fresher, rescued_before)["late"] == [
-        "1/2 fast@ 6.0s by w-1; ahead -"
+    # The faults in play while it waited, relative to its due time: the kill that lost
+    # its lease (3 s before) and a restart of the database during the wait; a fault
+    # healed long before, or begun after its claim, is not shown.
+    episodes = [
+        Episode("sigkill", 7.0, healed=7.1, victim="w-9"),
+        Episode("pg_restart", 12.0, healed=14.5),
+        Episode("sigstop", 1.0, healed=2.0, victim="w-8"),
+        Episode("conn_kill", 16.5, healed=17.0),
+    ]
+    assert _passers(late, jobs, fresher, rescued_before, episodes, 2.0)["late"] == [
+        "1/2 fast@ 6.0s by w-1; ahead -; faults sigkill(w-9)@-3.0..-2.9, pg_restart@+2.0..+4.5"
     ]
 
 
