@@ -8,6 +8,7 @@ reason saying how to enable them; with ``CI=true`` it fails them, since CI must 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import secrets
 import subprocess
@@ -176,7 +177,7 @@ class OwnServer:
             f"                   user={c.user!r})\n"
             "    shutil.rmtree(folder, ignore_errors=True)\n"
         )
-        subprocess.Popen(
+        self._watchdog = subprocess.Popen(
             [sys.executable, "-c", script],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -207,6 +208,11 @@ class OwnServer:
         if not self.closed:
             self.closed = True
             self._cluster.__exit__(None, None, None)
+            # Kept and reaped here: a Popen collected while its process runs warns
+            # (ResourceWarning, an error under the suite's filterwarnings). With the
+            # folder gone it leaves within a second.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._watchdog.wait(timeout=5)
 
 
 _own: list[OwnServer] = []

@@ -106,6 +106,17 @@ class Proc:
         with contextlib.suppress(ProcessLookupError):
             self.popen.send_signal(sig)
 
+    def dump_and_kill(self) -> None:
+        """A worker that did not stop in time: SIGABRT first, so Python's faulthandler
+        (PYTHONFAULTHANDLER, set for every worker) writes every thread's stack to its
+        stderr file, which shows where the stop hung; then SIGKILL."""
+        if self.alive:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=5)
+        self.kill()
+
     def kill(self) -> None:
         if self.alive:
             self.signal(signal.SIGCONT)
@@ -183,6 +194,7 @@ class Cluster:
             PYTHONPATH=os.pathsep.join(p for p in [str(APPS_DIR), env.get("PYTHONPATH", "")] if p),
             PYTHONUNBUFFERED="1",
             PYTHONDONTWRITEBYTECODE="1",
+            PYTHONFAULTHANDLER="1",  # a hung worker's stacks, on the SIGABRT of dump_and_kill
         )
         if self.fault_points:
             env["ERRANDS_FAULT_POINTS"] = self.fault_points
@@ -291,7 +303,7 @@ class Cluster:
         try:
             return proc.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            proc.dump_and_kill()
             return None
         finally:
             proc.close()
@@ -329,7 +341,7 @@ class Cluster:
                 codes[proc.label] = proc.popen.wait(timeout=60)  # grace 5 s, hooks 5 s, load
             except subprocess.TimeoutExpired:
                 codes[proc.label] = None
-                proc.kill()
+                proc.dump_and_kill()
         return codes
 
     def close(self) -> None:
