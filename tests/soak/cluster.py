@@ -106,23 +106,16 @@ class Proc:
         with contextlib.suppress(ProcessLookupError):
             self.popen.send_signal(sig)
 
-    def dump_and_kill(self) -> None:
-        """A worker that did not stop in time: SIGABRT first, so Python's faulthandler
-        (PYTHONFAULTHANDLER, set for every worker) writes every thread's stack to its
-        stderr file, which shows where the stop hung; then SIGKILL."""
-        if self.alive:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGABRT)
+    def kill(self, dump_stacks: bool = False) -> None:
+        """SIGKILL the worker; with ``dump_stacks`` (a worker that did not stop in time)
+        SIGABRT it first, so Python's faulthandler (PYTHONFAULTHANDLER, set for every
+        worker) writes every thread's stack to its stderr file: where the stop hung."""
+        for sig, wait in [(signal.SIGABRT, 5.0)] * dump_stacks + [(signal.SIGKILL, 10.0)]:
+            if self.alive:
+                self.signal(signal.SIGCONT)
+                self.signal(sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout=5)
-        self.kill()
-
-    def kill(self) -> None:
-        if self.alive:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
+                self.popen.wait(timeout=wait)
         self.close()
 
     def close(self) -> None:
@@ -194,7 +187,7 @@ class Cluster:
             PYTHONPATH=os.pathsep.join(p for p in [str(APPS_DIR), env.get("PYTHONPATH", "")] if p),
             PYTHONUNBUFFERED="1",
             PYTHONDONTWRITEBYTECODE="1",
-            PYTHONFAULTHANDLER="1",  # a hung worker's stacks, on the SIGABRT of dump_and_kill
+            PYTHONFAULTHANDLER="1",  # a hung worker's stacks, on the SIGABRT of Proc.kill
         )
         if self.fault_points:
             env["ERRANDS_FAULT_POINTS"] = self.fault_points
@@ -303,7 +296,7 @@ class Cluster:
         try:
             return proc.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc.dump_and_kill()
+            proc.kill(dump_stacks=True)
             return None
         finally:
             proc.close()
@@ -341,7 +334,7 @@ class Cluster:
                 codes[proc.label] = proc.popen.wait(timeout=60)  # grace 5 s, hooks 5 s, load
             except subprocess.TimeoutExpired:
                 codes[proc.label] = None
-                proc.dump_and_kill()
+                proc.kill(dump_stacks=True)
         return codes
 
     def close(self) -> None:

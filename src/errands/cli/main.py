@@ -195,12 +195,11 @@ def warn_new_database(url: str) -> None:
     from the wrong folder, a worker would otherwise wait on an empty database)."""
     path = sqlite_file(url)
     if path is not None and not os.path.exists(path) and os.path.isdir(os.path.dirname(path)):
-        text = (
+        notice(
             f"there is no database at {path} yet: this worker creates a new, empty "
             "one. If your jobs are stored elsewhere, start it from that folder or pass "
             "--url sqlite:////absolute/path/to/your.db"
         )
-        notice(text)
 
 
 @cli.command()
