@@ -19,7 +19,6 @@ import pytest
 
 from errands.backends.base import ClaimParams, QueueClaim
 from errands.maintenance.service import Maintenance
-from errands.worker import worker as worker_module
 from errands.worker.process_pool import ProcessRunner
 
 from .harness import Cluster, wait_until
@@ -134,14 +133,30 @@ def test_a_warm_runner_keeps_a_spare_child_ahead_of_need_and_retires_idle_ones(
         app.close()
 
 
-def test_a_worker_that_finds_a_rescued_job_due_starts_its_children_at_once(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+def test_an_idle_worker_starts_its_suspects_spare_child_with_itself(cluster: Cluster) -> None:
+    """A worker restarted after a crash is often the one its rescued jobs come back to a
+    lease later: it starts its suspects' forkserver and spare child as it starts, with no
+    rescued job in sight (after a warm-up delay, rescued jobs waited for the start-up)."""
+    app = cluster.app("acc_plain")
+    worker = app.worker(concurrency=2, app_path="acc_plain:app", poll_interval=0.05)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_until(
+            lambda: worker.suspect_processes is not None and worker.suspect_processes.idle() == 1,
+            120,
+            "the suspects' spare child, started with the worker",
+        )
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert worker.suspect_processes.started == 1 and worker.processed == 0
+
+
+def test_a_worker_runs_a_rescued_job_due_at_its_start_in_a_child_process(
+    cluster: Cluster,
 ) -> None:
-    """A worker runs suspects in child processes it starts SUSPECT_WARM_AFTER seconds
-    after its own start (here 10 minutes), and claims none before: a worker restarted
-    after a crash, often the one whose jobs were rescued, would leave them waiting. It
-    asks the store whether a rescued job is due and, if so, starts its children now."""
-    monkeypatch.setattr(worker_module, "SUSPECT_WARM_AFTER", 600.0)
+    """A rescued job due when a worker starts runs isolated, in a child process."""
     app = cluster.app("acc_plain")
     handle = acc_plain.plain_pid.enqueue(n=7)
     _strand_as_suspects(cluster, [handle.id])
@@ -153,38 +168,6 @@ def test_a_worker_that_finds_a_rescued_job_due_starts_its_children_at_once(
     finally:
         worker.stop()
         thread.join(30)
-    assert result["n"] == 7, "the suspect waited for the warm-up delay"
+    assert result["n"] == 7
     assert result["pid"] != os.getpid()  # isolated: in a child process
     assert app.get_job(handle.id).rescues == 1
-
-
-def test_a_worker_that_sees_a_running_jobs_lease_go_silent_starts_its_children_before_the_rescue(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A job whose worker died stays ``running`` until its lease runs out and the leader
-    rescues it; a worker whose suspects' children are not started yet then took their
-    start-up (seconds on a loaded machine) after the rescue. A lease with less than half
-    its length left belongs to a worker that stopped renewing it (renewals come every
-    third): seeing one, the worker starts its children while the lease runs out. No
-    maintenance here, so no rescue ever comes: only the silent lease can start them."""
-    monkeypatch.setattr(worker_module, "SUSPECT_WARM_AFTER", 600.0)
-    app = cluster.app("acc_plain")
-    handle = acc_plain.plain_pid.enqueue(n=8)
-    # Claimed by a worker that then died, for 14 s: less than half of the app's 30 s.
-    claimed = app.backend.job_claim(ClaimParams([QueueClaim("default", 1)], 1, "dead", 14.0))
-    assert [r.id for r in claimed] == [handle.id]
-    worker = app.worker(
-        concurrency=2, app_path="acc_plain:app", poll_interval=0.05, maintenance=False
-    )
-    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: worker.suspect_processes is not None, 60, "the children asked for")
-        row = app.get_job(handle.id)
-        assert (row.state, row.rescues, row.lease_owner) == ("running", 0, "dead")
-        assert row.lease_expires_at is not None
-        assert app.backend.db_now() < row.lease_expires_at.timestamp(), "only once it ran out"
-        wait_until(lambda: worker.suspect_processes.ready, 120, "the suspects' child started")
-    finally:
-        worker.stop()
-        thread.join(30)

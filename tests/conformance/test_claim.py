@@ -199,48 +199,6 @@ def test_rescued_jobs_are_claimed_only_as_suspects_and_no_more_than_asked(
     assert sorted(r.id for r in suspects + rest) == sorted(ids)
 
 
-def test_suspects_due_tells_whether_a_rescued_job_waits_in_one_of_the_queues(
-    backend: Backend, harness: Harness
-) -> None:
-    """What a worker asks before its suspects' child processes are started: a rescued
-    job due in one of its queues (not a fresh one, not one rescued into the future)."""
-    queue = "suspects_due"
-    assert backend.suspects_due([queue]) is False
-    fresh = insert(backend, queue=queue)
-    assert backend.suspects_due([queue]) is False  # fresh: not a suspect
-    row = claim_one(backend, queue)
-    assert row.id == fresh
-    harness.expire_lease(backend, row.id)
-    rescue = RescueParams(row.id, row.lease_token or "", "retryable", {"message": "lost"}, 60.0)
-    assert backend.job_rescue_many([rescue]) == [True]
-    assert backend.suspects_due([queue]) is False  # rescued, due in a minute
-    harness.backdate_run_at(backend, row.id, 1.0)
-    assert backend.suspects_due([queue, "other"]) is True
-    assert backend.suspects_due(["other"]) is False
-    assert backend.suspects_due([]) is False
-
-
-def test_suspects_due_tells_whether_a_running_jobs_lease_is_about_to_run_out(
-    backend: Backend, harness: Harness
-) -> None:
-    """Less than half its lease left (the row's own, else the one given): its worker
-    stopped renewing it (renewals come every third) or stops its handler for want of
-    one, so a rescue is coming; a worker then starts its suspects' children while the
-    lease runs out."""
-    queue = "suspects_soon"
-    insert(backend, queue=queue)
-    row = claim_one(backend, queue, lease=60.0)
-    assert backend.suspects_due([queue], lease=60.0) is False  # all 60 s left
-    assert backend.suspects_due([queue], lease=150.0) is True  # 60 of 150 s left
-    assert backend.suspects_due(["other"], lease=150.0) is False
-    own = insert(backend, queue="suspects_own", lease_seconds=150.0)
-    assert claim_one(backend, "suspects_own", lease=60.0).id == own  # for its own 150 s
-    assert backend.suspects_due(["suspects_own"], lease=1000.0) is False  # its own counts
-    harness.expire_lease(backend, row.id)
-    assert backend.suspects_due([queue]) is True  # run out, not rescued yet
-    assert get(backend, row.id).state == "running"
-
-
 def test_rate_log_rows_are_pruned_after_their_own_period_not_after_a_day(
     backend: Backend,
 ) -> None:

@@ -115,9 +115,6 @@ EXEMPT = {
     "into, kept in memory by the store: no store I/O",
     "listener": "builds the wake-up listener and does no store I/O; the listener's own "
     "connection is outside the Backend protocol",
-    "suspects_due": "asked only by a worker that runs suspects in child processes (an app "
-    "path: the sweep's worker runs in this process), before they are started, best effort: "
-    "a failure leaves them to start after the warm-up delay",
 }
 
 # Defects the sweep found, until they are fixed: the call's faults break a guarantee.

@@ -528,14 +528,6 @@ class Backend(Protocol):
 
     def rate_log_prune(self, older_than: float) -> int: ...
 
-    def suspects_due(self, queues: Sequence[str], lease: float = 0.0) -> bool:
-        """Whether a rescued job (a suspect) is due in one of ``queues``, or one of their
-        running jobs has less than half its lease left (the job's own lease, else
-        ``lease``: its worker stopped renewing it, or stops its handler now for want of a
-        renewal, so a rescue is coming): a worker whose suspects' child processes are not
-        started yet starts them at once then, instead of after its warm-up delay."""
-        ...
-
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
         """Dead jobs whose ``on_dead`` hooks are due for more than ``older_than`` seconds,
         oldest first, at most ``limit`` (0: none). Records of jobs no longer dead (replayed,

@@ -93,18 +93,17 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
 ABANDON_AFTER_DEFAULT = 10.0
-# Suspects: a spare child process is started SUSPECT_WARM_AFTER seconds after the worker
-# starts, then kept (children idle longer than SUSPECT_IDLE_RETIRE beyond the spare are
-# stopped). The worker claims no suspect before its first child is up: on a loaded machine
-# the forkserver's start-up (importing the app) took 12-14 s, and suspects claimed
-# meanwhile waited for it, claimed, while warm workers could have run them. Started with
-# the worker (it was 5 s after, until 2026-12-04): the forkserver and the spare cost a
-# worker's start ~0.5 s more CPU, once, but a worker restarted after a crash, or a fleet
-# restarted by a deploy that killed its predecessors, is the one the rescued jobs come
-# to a lease later; with a 2 s lease (the chaos soak's) they waited for its children
-# (15 of the 19 late rescued claims of a full-size PostgreSQL run, all in its first 15 s).
-SUSPECT_WARM_AFTER = 0.0
-SUSPECT_LOOK_EVERY = 0.25  # ... until then, ask this often whether rescued jobs are due
+# Suspects: a spare child process is started with the worker, then kept (children idle
+# longer than SUSPECT_IDLE_RETIRE beyond the spare are stopped). The worker claims no
+# suspect before its first child is up: on a loaded machine the forkserver's start-up
+# (importing the app) took 12-14 s, and suspects claimed meanwhile waited for it, claimed,
+# while warm workers could have run them. Started with the worker (it was 5 s after, with
+# an early start when the store showed a rescue coming, until 2026-12-04): the forkserver
+# and the spare cost a worker's start ~0.5 s more CPU, once, but a worker restarted after
+# a crash, or a fleet restarted by a deploy that killed its predecessors, is the one the
+# rescued jobs come to a lease later; with a 2 s lease (the chaos soak's) they waited for
+# its children (15 of the 19 late rescued claims of a full-size PostgreSQL run, all in
+# its first 15 s).
 SUSPECT_SPARE = 1
 SUSPECT_IDLE_RETIRE = 60.0
 HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and events
@@ -209,8 +208,6 @@ class Worker:
         # many at once as the worker has slots, unless capped (each child costs memory).
         lanes = min(suspect_lanes or concurrency, concurrency)
         self.suspect_lanes = lanes if app_path else 1
-        self._warm_at = float("inf")  # when the suspects' spare child is started
-        self._suspects_look_at = 0.0  # when to ask next whether rescued jobs are due
         self.processes: ProcessRunner | None = None
         self.suspect_processes: ProcessRunner | None = None
         self.poll_interval = poll_interval
@@ -338,7 +335,7 @@ class Worker:
                 signal.signal(sig, self._on_signal)
         self.started_at = time.monotonic()
         if self.isolates_suspects:
-            self._warm_at = self.started_at + SUSPECT_WARM_AFTER
+            self.suspect_runner().warm()  # its forkserver and a spare child, in the background
         if self.pool == "process":
             self.processes = ProcessRunner(
                 self.app_path or "", self.app.url, self.concurrency, worker_id=self.id
@@ -489,9 +486,6 @@ class Worker:
         pause = self.poll_interval
         gathered = False
         while not self._stopping.is_set():
-            if time.monotonic() >= self._warm_at or self._suspects_waiting():
-                self._warm_at = float("inf")
-                self.suspect_runner().warm()
             self._extra = self._prefetch_now()
             self._refill_at = max(1, (self.concurrency + self._extra) // 2)
             with self._lock:
@@ -585,30 +579,6 @@ class Worker:
                 "handlers finish): claiming no more jobs until it catches up",
                 unwritten,
             )
-
-    def _suspects_waiting(self) -> bool:
-        """Before its suspects' children are started (SUSPECT_WARM_AFTER), a worker asks
-        the store, at most every SUSPECT_LOOK_EVERY seconds, whether a rescued job is due,
-        or a running job has less than half its lease left: then it starts them now. A
-        live worker renews a lease every third of it, and stops the handler itself when a
-        renewal fails with less than half left (self-fencing), so such a job is rescued
-        when its lease runs out (a renewal slower than a sixth of the lease can also show
-        one: the children then start early, which costs CPU only). A worker restarted
-        after a crash is often the one whose jobs are rescued; waiting out its warm-up left
-        rescued jobs unclaimed by it (and by every worker, when all had just restarted)
-        for seconds (the full-size soak), and starting the children only once they were
-        due still made them wait a child's start-up (seconds on a loaded machine): asked
-        from the lease, the start-up overlaps the lease's second half. (Only a worker's
-        first SUSPECT_WARM_AFTER seconds ask: this matters for leases of a few seconds.)"""
-        now = time.monotonic()
-        if self._warm_at == float("inf") or now < self._suspects_look_at:
-            return False
-        self._suspects_look_at = now + SUSPECT_LOOK_EVERY
-        try:
-            return self.app.backend.suspects_due(list(self.queue_limits), self.app.lease)
-        except Exception as exc:  # best effort: they start after the warm-up delay
-            log.debug("could not ask whether rescued jobs are due (%s)", exc)
-            return False
 
     def _back_off(self, pause: float) -> None:
         """Wait ``pause`` seconds after a failed claim, or less: a notification (a job

@@ -947,14 +947,6 @@ class PostgresBackend(PostgresAdmin):
             rows = conn.execute(self.q["queues_with_limits"], {"queues": list(queues)}).fetchall()
         return {r[0] for r in rows}
 
-    def suspects_due(self, queues: Sequence[str], lease: float = 0.0) -> bool:
-        if not queues:
-            return False
-        with self._conn() as conn:
-            params = {"queues": list(queues), "lease": lease}
-            row = conn.execute(self.q["suspects_due"], params).fetchone()
-        return bool(row and row[0])
-
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
         with self._tx() as conn:
             conn.execute(self.q["dead_hooks_forget"], {"older_than": older_than})

@@ -535,20 +535,6 @@ SELECT pg_advisory_xact_lock(hashtext(%(prefix)s || l.name))
 FROM unnest(%(names)s::text[]) WITH ORDINALITY AS l(name, n)
 ORDER BY l.n
 
--- name: suspects_due
--- A rescued job due in one of these queues (errands_jobs_suspects: pending rows with a
--- rescue only), or one of theirs still running with less than half its lease left (the
--- row's own lease_seconds, else %(lease)s): its worker stopped renewing it, or is about to
--- stop its handler for want of a renewal (self-fencing), so its rescue is coming (the
--- running rows are few: errands_jobs_running).
-SELECT EXISTS (SELECT 1 FROM {schema}.errands_jobs
-               WHERE queue = ANY(%(queues)s::text[]) AND rescues > 0 AND run_at <= now()
-                 AND state IN ('available', 'scheduled', 'retryable'))
-    OR EXISTS (SELECT 1 FROM {schema}.errands_jobs
-               WHERE state = 'running' AND queue = ANY(%(queues)s::text[])
-                 AND lease_expires_at
-                     < now() + make_interval(secs => coalesce(lease_seconds, %(lease)s) / 2))
-
 -- name: dead_hooks_forget
 -- Records of on_dead hooks whose job is no longer dead (replayed, discarded, deleted):
 -- nothing to run for them.

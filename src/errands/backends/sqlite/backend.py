@@ -654,14 +654,6 @@ class SQLiteBackend(SQLiteAdmin):
             rows = conn.execute(Q["queues_with_limits"], {"queues": json.dumps(list(queues))})
             return {r[0] for r in rows.fetchall()}
 
-    def suspects_due(self, queues: Sequence[str], lease: float = 0.0) -> bool:
-        if not queues:
-            return False
-        with self._read() as conn:
-            params = {"queues": json.dumps(list(queues)), "lease": lease}
-            row = conn.execute(Q["suspects_due"], params).fetchone()
-        return bool(row and row[0])
-
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
         with self._write() as conn:
             conn.execute(Q["dead_hooks_forget"], {"older_than": older_than})

@@ -424,21 +424,6 @@ WHERE EXISTS (SELECT 1 FROM errands_queues AS s
               WHERE j.queue = q.value AND j.state IN ('available', 'scheduled', 'retryable')
                 AND (j.concurrency_key IS NOT NULL OR j.rate_limit IS NOT NULL))
 
--- name: suspects_due
--- A rescued job due in one of these queues (:queues, a JSON list; errands_jobs_suspects:
--- pending rows with a rescue only), or one of theirs still running with less than half
--- its lease left (the row's own lease_seconds, else :lease): its worker stopped renewing
--- it, or is about to stop its handler for want of a renewal (self-fencing), so its
--- rescue is coming (errands_jobs_state: by state and queue).
-SELECT EXISTS (SELECT 1 FROM errands_jobs
-               WHERE queue IN (SELECT value FROM json_each(:queues)) AND rescues > 0
-                 AND run_at <= (julianday('now') - 2440587.5) * 86400.0
-                 AND state IN ('available', 'scheduled', 'retryable'))
-    OR EXISTS (SELECT 1 FROM errands_jobs
-               WHERE state = 'running' AND queue IN (SELECT value FROM json_each(:queues))
-                 AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0
-                                        + coalesce(lease_seconds, :lease) / 2)
-
 -- name: dead_hooks_forget
 -- Records of on_dead hooks whose job is no longer dead (replayed, discarded, deleted):
 -- nothing to run for them.
