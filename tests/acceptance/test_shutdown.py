@@ -8,7 +8,10 @@ grace period exits at once with a non-zero code.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import acc_basic
 import pytest
@@ -97,3 +100,67 @@ def test_second_signal_during_grace_exits_at_once_with_nonzero_code(
     # Not released: the lease stays until it expires and the job is rescued.
     job = app.get_job(long_job.id)
     assert job.state.value == "running" and job.attempt == 1
+
+
+# A worker whose claim loop holds its wake-up event's lock when SIGTERM's Python handler
+# runs (the handler runs in the main thread, between two bytecodes, wherever that thread
+# is): the event's first clear() after the start sends the signal with the lock held.
+SIGNALLED_WHILE_LOCKED = """
+import logging, os, signal, sys, threading, time
+import errands
+
+logging.basicConfig(level=logging.INFO)
+
+app = errands.App(url=sys.argv[1])
+
+
+@app.job()
+def noop() -> None: ...
+
+
+worker = app.worker(concurrency=1, poll_interval=0.05)
+
+
+class SignalledWhileLocked(threading.Event):
+    fired = False
+
+    def clear(self):
+        with self._cond:
+            if not SignalledWhileLocked.fired and worker.started_at:
+                SignalledWhileLocked.fired = True
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(20):  # the handler runs in here, the lock held
+                    time.sleep(0.01)
+                print("signalled with the lock held", file=sys.stderr, flush=True)
+            self._flag = False
+
+
+worker._wake = SignalledWhileLocked()
+sys.exit(worker.run())
+"""
+
+
+def test_sigterm_arriving_while_the_claim_loop_holds_a_lock_still_stops_the_worker(
+    tmp_path: Path,
+) -> None:
+    """A signal handler that woke the claim loop itself (``Event.set``) waited for ever
+    for the lock its own thread held: the worker never stopped (a CI-sized chaos soak's
+    worker did not exit within 60 s of its SIGTERM). The handler only hands the signal to
+    a thread of its own, which stops the worker once the lock is free."""
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED_WHILE_LOCKED)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), f"sqlite:///{tmp_path}/store.db"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        pytest.fail(f"the worker did not stop within 60 s of its SIGTERM; it logged:\n{stderr}")
+    assert "signalled with the lock held" in stderr
+    assert "SIGTERM received" in stderr
+    assert proc.returncode == 0, stderr

@@ -67,6 +67,7 @@ from .leases import LeaseKeeper
 from .process_pool import ProcessRunner
 from .recorder import OutcomeRecorder, job_fields
 from .runners import LoopRunner, ThreadRunner
+from .signals import SignalRelay
 from .timeouts import INTERRUPT_AFTER, interrupt_threads, on_deadline
 
 if TYPE_CHECKING:
@@ -221,7 +222,6 @@ class Worker:
         self._mean_run: float | None = None  # handler time, moving average (seconds)
         self._wake = threading.Event()
         self._stopping = threading.Event()
-        self._signals = 0
         self._backlog = False
         # With a backlog, the producer waits (up to BATCH_GATHER) for this many free slots
         # before claiming: one round trip brings a batch instead of one or two jobs.
@@ -330,9 +330,10 @@ class Worker:
         )
         window = getattr(getattr(self.app.backend, "config", None), "notify_window", 0.0)
         self.recheck_after_notify = max(RECHECK_AFTER_NOTIFY_MIN, float(window) + RECHECK_MARGIN)
+        relay = None
         if install_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._on_signal)
+            relay = SignalRelay(self._on_signal)
+            relay.install()
         self.started_at = time.monotonic()
         if self.isolates_suspects:
             self.suspect_runner().warm()  # its forkserver and a spare child, in the background
@@ -366,6 +367,8 @@ class Worker:
                 self._shutdown()
             finally:
                 protect_current_thread(False)
+                if relay is not None:
+                    relay.uninstall()
         return 0
 
     def _at_startup(self, what: str, step: Callable[[], object]) -> None:
@@ -456,9 +459,11 @@ class Worker:
         for queue in queues:
             self._on_notify(queue)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signals += 1
-        if self._signals > 1:
+    def _on_signal(self, signum: int, count: int) -> None:
+        """SIGTERM or SIGINT, on the signal relay's thread (never in a signal handler: see
+        :mod:`errands.worker.signals`): the first begins a graceful stop, a second exits
+        at once."""
+        if count > 1:
             log.warning("second signal: exiting now; running jobs are rescued after their lease")
             logging.shutdown()
             os._exit(EXIT_NOW_CODE)
