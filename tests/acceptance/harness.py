@@ -256,8 +256,15 @@ class Cluster:
         return env
 
     def spawn(
-        self, args: Sequence[str], label: str | None = None, env: dict[str, str] | None = None
+        self,
+        args: Sequence[str],
+        label: str | None = None,
+        env: dict[str, str] | None = None,
+        *,
+        own_group: bool = False,
     ) -> Proc:
+        """``errands *args``; with ``own_group``, in a process group of its own (a terminal's
+        foreground group, which its Ctrl-C reaches as a whole)."""
         self._counter += 1
         label = label or f"proc{self._counter}"
         stem = f"{self._counter:02d}-{label}"
@@ -272,6 +279,7 @@ class Cluster:
             cwd=self.folder,
             env=self.env(**(env or {})),
             preexec_fn=_die_with_parent,
+            process_group=0 if own_group else None,
         )
         proc = Proc(label, list(args), popen, out_path, err_path, [out, err])
         self.procs.append(proc)

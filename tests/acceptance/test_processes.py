@@ -14,6 +14,8 @@ import sys
 import acc_basic
 import pytest
 
+from errands.worker.supervisor import Supervisor
+
 from .harness import WORKER_FLAGS, Cluster, children_of, pid_alive, wait_until
 
 pytestmark = [
@@ -69,3 +71,48 @@ def test_processes_supervisor_restarts_a_killed_child_and_stops_all_children_on_
     for pid in (survivor, replacement):
         wait_until(lambda pid=pid: not pid_alive(pid), 5, f"child {pid} to exit")
     assert "Traceback" not in supervisor.stderr()
+
+
+def test_ctrl_c_in_a_terminal_stops_every_child_gracefully(cluster: Cluster) -> None:
+    """A terminal's Ctrl-C sends SIGINT to its whole foreground process group. The
+    children were in the supervisor's group and got it twice (from the terminal, and
+    forwarded): each exited at once, skipping --grace, its running job left to be
+    rescued. In sessions of their own they get it once, from the supervisor."""
+    app = cluster.app()
+    supervisor = cluster.spawn(
+        ["worker", "acc_basic:app", *WORKER_FLAGS, "--processes", "2", "--grace", "30"],
+        "supervisor",
+        own_group=True,
+    )
+    supervisor.wait_log(STARTED, 20, count=2)
+    # Outside the terminal's group: the two deliveries were merged when they came close
+    # together (a pending signal is not queued twice), so this is what decides it.
+    for child in children_of(supervisor.pid):
+        assert os.getpgid(child) != os.getpgid(supervisor.pid)
+    job = acc_basic.sleepy.enqueue(seconds=2)
+    wait_until(lambda: cluster.effects(job.id), 15, "the job to start")
+
+    os.killpg(supervisor.pid, signal.SIGINT)  # what the terminal does
+    assert supervisor.wait_exit(30) == 0, supervisor.stderr()[-3000:]
+    done = app.get_job(job.id)
+    assert (done.state.value, done.attempt) == ("completed", 1)
+
+
+def test_a_supervisor_stopped_while_it_starts_its_children_starts_no_more() -> None:
+    """A signal forwarded while the supervisor was starting its children reached only
+    those started before it; the rest ran on, and the supervisor waited for them for
+    ever. Spawning and forwarding take turns: none starts once it stops."""
+    supervisor = Supervisor([sys.executable, "-c", "import time; time.sleep(60)"], 3)
+    spawn = supervisor._spawn
+    started: list[int] = []
+
+    def spawn_then_signal(slot: int) -> None:
+        spawn(slot)
+        started.append(slot)
+        if slot == 0:  # SIGTERM arrives after the first child started
+            supervisor._on_signal(signal.SIGTERM, 1)
+
+    supervisor._spawn = spawn_then_signal  # type: ignore[method-assign]
+    assert supervisor._supervise() == 1  # the child stopped by SIGTERM: not a clean exit
+    assert started == [0, 1, 2] and list(supervisor.children) == [0]
+    assert supervisor.children[0].returncode == -signal.SIGTERM

@@ -164,3 +164,21 @@ def test_sigterm_arriving_while_the_claim_loop_holds_a_lock_still_stops_the_work
     assert "signalled with the lock held" in stderr
     assert "SIGTERM received" in stderr
     assert proc.returncode == 0, stderr
+
+
+def test_a_sigterm_to_a_process_a_handler_forked_stops_that_process_not_the_worker(
+    cluster: Cluster,
+) -> None:
+    """A process forked by a handler (``multiprocessing.Pool`` under the fork start
+    method) inherits the worker's signal handler, not its signal thread: a SIGTERM sent
+    to it (``Pool.__exit__`` terminates its workers) ends it as by default, and the
+    worker, which did not receive one, runs on."""
+    app = cluster.app("acc_forks")
+    worker = cluster.start_worker(app="acc_forks:app", label="worker")
+    handle = app.registry["fork_and_terminate"].enqueue()
+    assert handle.result(timeout=60) == -signal.SIGTERM
+    time.sleep(0.5)  # a stop begun by the child's signal would show by now
+    assert worker.alive, worker.stderr()[-3000:]
+    assert "received" not in worker.stderr()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(15) == 0

@@ -426,6 +426,17 @@ def current_format() -> str | None:
     return None
 
 
+def lockless_line(text: str, logger: str = "errands.worker", level: int = logging.WARNING) -> bytes:
+    """``text`` as one line of this process's log format (a record of ``logger`` in JSON),
+    made without taking the logging module's locks, for ``os.write(2, ...)``: written just
+    before an ``os._exit``, from a signal handler or a thread that must not wait on
+    another (the handlers' lines queued meanwhile are not flushed)."""
+    if current_format() == "json":
+        record = logging.LogRecord(logger, level, __file__, 0, text, None, None)
+        return (JsonFormatter().format(record) + "\n").encode()
+    return f"errands: {text}\n".encode()
+
+
 def configure_logging(
     fmt: str = "text", level: str | int = "INFO", *, background: bool = True
 ) -> None:

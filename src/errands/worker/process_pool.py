@@ -53,6 +53,7 @@ log = logging.getLogger("errands.worker")
 READY = "ready"
 PROGRESS = "progress"  # a child's message during a run: (PROGRESS, fraction, message)
 PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
+STOP_WAIT = 2.0  # seconds a stopping runner waits for its children to leave, then kills
 
 Progress = Callable[[tuple[float, str]], None]
 
@@ -386,10 +387,13 @@ class ProcessRunner:
         for slot in slots:
             with contextlib.suppress(OSError):
                 slot.conn.send(None)
+        deadline = time.monotonic() + STOP_WAIT  # one wait for them all, not one each
         for slot in slots:
-            slot.process.join(timeout=2)
+            slot.process.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for slot in slots:
             if slot.process.is_alive():
                 slot.process.kill()
+                slot.process.join(timeout=STOP_WAIT)
 
 
 class _ChildRefused(RuntimeError):
@@ -400,10 +404,10 @@ def _stop(slot: _Slot) -> None:
     """Tell an idle child to leave, and wait for it (killed if it does not)."""
     with contextlib.suppress(OSError):
         slot.conn.send(None)
-    slot.process.join(timeout=2)
+    slot.process.join(timeout=STOP_WAIT)
     if slot.process.is_alive():
         slot.process.kill()
-        slot.process.join(timeout=2)
+        slot.process.join(timeout=STOP_WAIT)
     with contextlib.suppress(OSError):
         slot.conn.close()
 
@@ -421,18 +425,6 @@ def _logging() -> tuple[str, int] | None:
     return None if fmt is None else (fmt, logging.getLogger().level)
 
 
-def _line(text: str) -> bytes:
-    """``text`` as one line of this process's log format (a WARNING of errands.worker in
-    JSON), made without taking the logging module's locks: it is written just before an
-    os._exit, from a thread that must not wait on another."""
-    from ..observability import logcontext
-
-    if logcontext.current_format() == "json":
-        record = logging.LogRecord("errands.worker", logging.WARNING, __file__, 0, text, None, None)
-        return (logcontext.JsonFormatter().format(record) + "\n").encode()
-    return f"errands: {text}\n".encode()
-
-
 def _leave_with_the_worker(running: threading.Event) -> None:
     """Exit this child as soon as the worker that started it dies. The worker's jobs are
     rescued when their leases run out; a child running on would race the rescued run
@@ -448,12 +440,14 @@ def _leave_with_the_worker(running: threading.Event) -> None:
     def watch() -> None:
         from multiprocessing.connection import wait
 
+        from ..observability.logcontext import lockless_line
+
         wait([parent.sentinel])
         if running.is_set():
             with contextlib.suppress(OSError):
                 os.write(
                     2,
-                    _line(
+                    lockless_line(
                         f"the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
                         "leaving its job (rescued when its lease runs out, unless its "
                         "outcome was written already)"

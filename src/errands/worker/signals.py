@@ -8,10 +8,16 @@ to wake the claim loop, a log line) then waits for ever for a lock its own threa
 the worker never stops, and a deploy's SIGTERM ends in a SIGKILL (the CI-sized chaos soak
 had one worker not exit within 60 s of its SIGTERM).
 
-So the handler installed here does one thing no lock guards: it writes the signal's
-number to a pipe. A daemon thread reads the pipe and calls ``on_signal(signum, count)``
+So the handler installed here takes no lock: it counts the signal and writes its number
+to a pipe, and a daemon thread reading the pipe calls ``on_signal(signum, count)``
 (``count``: the signals received so far, this one included), where taking locks, logging
-and waking threads is safe.
+and waking threads is safe. ``on_repeat(signum)``, when given, runs in the handler itself
+from the second signal on (it must take no lock either: an exit at once, which must not
+wait for a relay thread busy with the first signal, in a log call that blocks).
+
+A process forked from this one (a handler's ``multiprocessing.Pool`` under the fork start
+method) inherits the handler but not the thread: a signal sent to it there is not the
+worker's, and ends it as the default action would.
 """
 
 from __future__ import annotations
@@ -31,38 +37,55 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class SignalRelay:
     def __init__(
-        self, on_signal: Callable[[int, int], None], signals: Sequence[int] = STOP_SIGNALS
+        self,
+        on_signal: Callable[[int, int], None],
+        *,
+        on_repeat: Callable[[int], None] | None = None,
+        signals: Sequence[int] = STOP_SIGNALS,
     ) -> None:
         self.on_signal = on_signal
+        self.on_repeat = on_repeat
         self.signals = tuple(signals)
         self._previous: dict[int, Any] = {}
         self._write_fd = -1
-        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._count = 0
 
     def install(self) -> None:
         """Install the handlers (from the main thread, as Python requires) and start the
         thread that acts on them."""
         read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)  # a flood of signals never blocks the handler
-        self._thread = threading.Thread(
+        if hasattr(os, "set_blocking"):  # POSIX (Windows from 3.12)
+            os.set_blocking(self._write_fd, False)  # a flood of signals never blocks
+        self._pid = os.getpid()
+        threading.Thread(
             target=self._relay, args=(read_fd,), name="errands-signals", daemon=True
-        )
-        self._thread.start()
+        ).start()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handler)
 
     def uninstall(self) -> None:
         """Put the handlers found at :meth:`install` back and end the thread."""
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-        if self._write_fd >= 0:
-            os.close(self._write_fd)  # the thread reads the end of the pipe and leaves
-            self._write_fd = -1
+        try:
+            for sig, previous in self._previous.items():
+                # None: the previous handler was not installed from Python (an embedding
+                # host's); the default is the closest Python can put back
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        finally:
+            self._previous.clear()
+            if self._write_fd >= 0:
+                os.close(self._write_fd)  # the thread reads the end of the pipe and leaves
+                self._write_fd = -1
 
     def _handler(self, signum: int, frame: Any) -> None:
-        # Runs in the main thread between two bytecodes: no lock, no logging, no allocation
-        # of threads here (see the module).
+        # Runs in the main thread between two bytecodes: no lock, no logging (see module).
+        if os.getpid() != self._pid:  # a forked child's signal: not the worker's to act on
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._count += 1
+        if self._count > 1 and self.on_repeat is not None:
+            self.on_repeat(signum)
         with contextlib.suppress(OSError):  # the pipe is full: the signals in it suffice
             os.write(self._write_fd, bytes([signum]))
 

@@ -3,7 +3,9 @@
 Each child is a full worker (its own id, pool and leases), started as a fresh interpreter
 running the same command without ``--processes``, so nothing is shared by fork. The
 supervisor forwards SIGTERM/SIGINT to every child and waits for them (each honours its
-own ``--grace``); a second signal is forwarded too, and the children exit at once. A
+own ``--grace``); a second signal is forwarded too, and the children exit at once; a
+SIGHUP is forwarded as SIGTERM. The children run in sessions of their own, so that a
+terminal's Ctrl-C reaches them once, through the supervisor. A
 child that dies on its own (crash, OOM kill) is restarted after a short backoff, so
 capacity comes back; its running jobs are rescued after their leases expire.
 """
@@ -14,13 +16,17 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+
+from .signals import STOP_SIGNALS, SignalRelay
 
 log = logging.getLogger("errands.supervisor")
 
 RESTART_BACKOFF_MAX = 30.0
+HANGUP = getattr(signal, "SIGHUP", None)  # POSIX only
+HANGUP_SIGNALS = () if HANGUP is None else (HANGUP,)
 
 
 class Supervisor:
@@ -29,24 +35,43 @@ class Supervisor:
         self.processes = processes
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self._stopping = False
-        self._signals = 0
         self._restarts: dict[int, int] = {}
+        # Spawning and forwarding a signal take turns: a child started while a signal was
+        # forwarded would never get it, and the supervisor would wait for it for ever.
+        self._lock = threading.Lock()
 
     def _spawn(self, slot: int) -> None:
-        child = subprocess.Popen(self.command)
-        self.children[slot] = child
+        with self._lock:
+            if self._stopping:
+                return
+            # In a session of its own: a terminal's Ctrl-C (sent to the whole foreground
+            # process group) reaches the supervisor only, which forwards it once; sent to
+            # the children too, each saw two signals and exited at once, skipping --grace.
+            child = subprocess.Popen(self.command, start_new_session=True)
+            self.children[slot] = child
         log.info("started worker process %d (pid %d)", slot, child.pid)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self._signals += 1
-        self._stopping = True
-        for child in self.children.values():
+    def _on_signal(self, signum: int, count: int) -> None:
+        """A SIGTERM or SIGINT, on the signal relay's thread (errands.worker.signals):
+        forwarded to every child (each stops gracefully; at a second, at once)."""
+        with self._lock:
+            self._stopping = True
+            children = list(self.children.values())
+        if signum == HANGUP:  # the terminal closed: its children, in their own sessions,
+            signum = signal.SIGTERM  # got no SIGHUP of their own; they stop gracefully
+        for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+        relay = SignalRelay(self._on_signal, signals=(*STOP_SIGNALS, *HANGUP_SIGNALS))
+        relay.install()
+        try:
+            return self._supervise()
+        finally:
+            relay.uninstall()
+
+    def _supervise(self) -> int:
         for slot in range(self.processes):
             self._spawn(slot)
         pending_restart: dict[int, float] = {}

@@ -40,6 +40,7 @@ signal exits the process at once; those leases then expire and are rescued.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -58,7 +59,7 @@ from ..fleet import warn_unserved_periodic
 from ..hooks import protect_current_thread
 from ..jobs import JobRow
 from ..maintenance import Maintenance
-from ..observability.logcontext import install_record_factory
+from ..observability.logcontext import install_record_factory, lockless_line
 from .claiming import Claimer
 from .completer import Completer
 from .dispatch import Dispatcher
@@ -332,19 +333,28 @@ class Worker:
         self.recheck_after_notify = max(RECHECK_AFTER_NOTIFY_MIN, float(window) + RECHECK_MARGIN)
         relay = None
         if install_signals and threading.current_thread() is threading.main_thread():
-            relay = SignalRelay(self._on_signal)
+            relay = SignalRelay(self._on_signal, on_repeat=self._exit_now)
             relay.install()
+        try:
+            return self._run()
+        finally:
+            if relay is not None:  # also when the start-up fails: the handlers go back
+                relay.uninstall()
+
+    def _run(self) -> int:
         self.started_at = time.monotonic()
+        self._register()
+        warn_unserved_periodic(self.app, list(self.queue_limits))
+        self._at_startup("declaring queue settings", self._declare)
+        self.claimer.refresh(force=True)
+        # Child processes after the steps that may fail (which would leave them running):
+        # from here on, _shutdown stops whatever started.
         if self.isolates_suspects:
             self.suspect_runner().warm()  # its forkserver and a spare child, in the background
         if self.pool == "process":
             self.processes = ProcessRunner(
                 self.app_path or "", self.app.url, self.concurrency, worker_id=self.id
             )
-        self._register()
-        warn_unserved_periodic(self.app, list(self.queue_limits))
-        self._at_startup("declaring queue settings", self._declare)
-        self.claimer.refresh(force=True)
         self.completer.start()
         self.leases.start()
         self.listener = self.app.backend.listener(self._on_notify)
@@ -367,8 +377,6 @@ class Worker:
                 self._shutdown()
             finally:
                 protect_current_thread(False)
-                if relay is not None:
-                    relay.uninstall()
         return 0
 
     def _at_startup(self, what: str, step: Callable[[], object]) -> None:
@@ -461,18 +469,30 @@ class Worker:
 
     def _on_signal(self, signum: int, count: int) -> None:
         """SIGTERM or SIGINT, on the signal relay's thread (never in a signal handler: see
-        :mod:`errands.worker.signals`): the first begins a graceful stop, a second exits
-        at once."""
+        :mod:`errands.worker.signals`): the first begins a graceful stop."""
         if count > 1:
-            log.warning("second signal: exiting now; running jobs are rescued after their lease")
-            logging.shutdown()
-            os._exit(EXIT_NOW_CODE)
+            return  # a second one exits in the handler itself (_exit_now)
         log.info(
             "%s received: finishing in-flight jobs (up to %.0f s), claiming no more",
             signal.Signals(signum).name,
             self.grace,
         )
         self.stop()
+
+    @staticmethod
+    def _exit_now(signum: int) -> None:
+        """A second SIGTERM or SIGINT: exit at once, from the signal handler (no lock is
+        taken: the line is written straight to stderr; lines still queued in the log
+        writer are dropped)."""
+        with contextlib.suppress(OSError):
+            os.write(
+                2,
+                lockless_line(
+                    f"second signal ({signal.Signals(signum).name}): exiting now; running "
+                    "jobs are rescued after their lease"
+                ),
+            )
+        os._exit(EXIT_NOW_CODE)
 
     # -- the claim loop ----------------------------------------------------------------
     def _claim_plan(self, room: int) -> list[QueueClaim]:
