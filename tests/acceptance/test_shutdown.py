@@ -182,3 +182,38 @@ def test_a_sigterm_to_a_process_a_handler_forked_stops_that_process_not_the_work
     assert "received" not in worker.stderr()
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit(15) == 0
+
+
+START_FAILS = """
+import signal, sys
+import errands
+
+app = errands.App(url=sys.argv[1])
+worker = app.worker(concurrency=1)
+
+
+def declare():
+    raise RuntimeError("declaring failed")
+
+
+worker._declare = declare
+try:
+    worker.run()
+except RuntimeError as exc:
+    print(exc, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+"""
+
+
+def test_a_worker_whose_start_fails_puts_the_signal_handlers_back(tmp_path: Path) -> None:
+    """A worker that raises while starting leaves no handler of its own behind: a
+    SIGTERM after it ends the process as before (a handler left installed would only
+    ask the dead worker to stop, and the process would run on)."""
+    script = tmp_path / "start_fails.py"
+    script.write_text(START_FAILS)
+    done = subprocess.run(
+        [sys.executable, str(script), f"sqlite:///{tmp_path}/store.db"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "declaring failed True", done.stderr
