@@ -12,7 +12,7 @@ import pytest
 
 import errands
 from errands import JobState
-from errands.maintenance.service import Maintenance
+from errands.maintenance.service import Maintenance, leader_ttl
 
 from .helpers import claim_as_dead_worker, expire_lease, force_rescue, raw_row, wait_until
 
@@ -340,3 +340,26 @@ def test_a_claim_whose_reply_came_back_after_its_lease_ran_out_is_not_run(
     with worker_factory(concurrency=2):
         assert handle.result(timeout=60) is None
     assert held and len(ran) == 1 and ran[0] not in held, (held, ran)
+
+
+def test_leadership_lasts_no_longer_than_a_lease_so_a_stopped_leaders_rescues_move_on(
+    app: errands.App,
+) -> None:
+    """A leader that stops (SIGSTOP, a frozen VM) stops the rescues until its leadership
+    runs out: it lasts five ticks, at least 5 s, but no longer than the app's lease (at
+    least two ticks), so the jobs of a worker that died beside it are rescued about as
+    soon as their own leases run out (the full-size soak: 21 rescued jobs waited 4.2-5.7 s
+    behind a stopped leader, with 2 s leases)."""
+    assert leader_ttl(1.0, 30.0) == 5.0  # the defaults: unchanged
+    assert leader_ttl(2.0, 60.0) == 10.0
+    assert leader_ttl(0.2, 2.0) == 2.0  # the soak's: a lease
+    assert leader_ttl(1.0, 0.5) == 2.0  # two ticks at least
+    app.lease = 3.0
+    stopped, other = Maintenance(app, "w-stopped"), Maintenance(app, "w-other")
+    assert stopped.ttl == 3.0
+    stopped.run_once()
+    assert stopped.is_leader
+    other.run_once()
+    assert not other.is_leader  # the leadership is held while renewed
+    # the leader ticks no more: once its leadership runs out, the other takes over
+    wait_until(lambda: other.run_once() or other.is_leader, timeout=30, interval=0.2)
