@@ -116,3 +116,63 @@ def test_a_supervisor_stopped_while_it_starts_its_children_starts_no_more() -> N
     assert supervisor._supervise() == 1  # the child stopped by SIGTERM: not a clean exit
     assert started == [0, 1, 2] and list(supervisor.children) == [0]
     assert supervisor.children[0].returncode == -signal.SIGTERM
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: the killed supervisor cannot reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_children_of_a_killed_supervisor_stop_gracefully(cluster: Cluster) -> None:
+    """A supervisor SIGKILLed, or killed with its process group by a tool that kills
+    groups (its children run in sessions of their own), forwards nothing: its children
+    see it gone and stop gracefully, rather than claim jobs on with no one to stop
+    them."""
+    supervisor = cluster.spawn(
+        ["worker", "acc_basic:app", *WORKER_FLAGS, "--processes", "2"], "supervisor"
+    )
+    supervisor.wait_log(STARTED, 20, count=2)
+    children = children_of(supervisor.pid)
+    assert len(children) == 2, children
+
+    supervisor.popen.send_signal(signal.SIGKILL)
+    supervisor.popen.wait(10)
+    for pid in children:
+        wait_until(
+            lambda pid=pid: _gone(pid),
+            60,
+            f"child {pid} to stop once its supervisor is gone",
+            describe=lambda: supervisor.stderr()[-3000:],
+        )
+    assert supervisor.stderr().count("the supervisor (pid") == 2  # the children's stderr
+
+
+class _Child:
+    """A child's stand-in that records the signals forwarded to it."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def poll(self) -> None:
+        return None
+
+    def send_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+
+
+def test_a_hangup_stops_the_children_gracefully_once() -> None:
+    """The terminal closed: the children, in sessions of their own, got no SIGHUP; the
+    supervisor forwards it as one SIGTERM (a hangup can come twice: a second SIGTERM
+    would make them skip the grace period); a SIGTERM after it is forwarded, as ever."""
+    supervisor = Supervisor(["unused"], 2)
+    children = [_Child(), _Child()]
+    supervisor.children = dict(enumerate(children))  # type: ignore[arg-type]
+    supervisor._on_signal(signal.SIGHUP, 1)
+    supervisor._on_signal(signal.SIGHUP, 2)
+    assert [c.signals for c in children] == [[signal.SIGTERM]] * 2
+    supervisor._on_signal(signal.SIGTERM, 3)
+    assert [c.signals for c in children] == [[signal.SIGTERM] * 2] * 2

@@ -200,14 +200,14 @@ worker._declare = declare
 try:
     worker.run()
 except RuntimeError as exc:
-    print(exc, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    print(exc, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, app.backend.worker_list())
 """
 
 
 def test_a_worker_whose_start_fails_puts_the_signal_handlers_back(tmp_path: Path) -> None:
-    """A worker that raises while starting leaves no handler of its own behind: a
-    SIGTERM after it ends the process as before (a handler left installed would only
-    ask the dead worker to stop, and the process would run on)."""
+    """A worker that raises while starting leaves no handler of its own behind (one left
+    installed would only ask the dead worker to stop, and the process would run on), and
+    no entry in the workers' registry."""
     script = tmp_path / "start_fails.py"
     script.write_text(START_FAILS)
     done = subprocess.run(
@@ -216,4 +216,4 @@ def test_a_worker_whose_start_fails_puts_the_signal_handlers_back(tmp_path: Path
         text=True,
         timeout=60,
     )
-    assert done.stdout.strip() == "declaring failed True", done.stderr
+    assert done.stdout.strip() == "declaring failed True []", done.stderr

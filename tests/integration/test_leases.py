@@ -363,3 +363,31 @@ def test_leadership_lasts_no_longer_than_a_lease_so_a_stopped_leaders_rescues_mo
     assert not other.is_leader  # the leadership is held while renewed
     # the leader ticks no more: once its leadership runs out, the other takes over
     wait_until(lambda: other.run_once() or other.is_leader, timeout=30, interval=0.2)
+
+
+def test_a_leader_whose_tick_outlasts_a_third_of_its_leadership_renews_it_between_duties(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leadership is renewed at the start of a tick; a tick slower than a third of it (a
+    big rescue batch, a prune, a store waiting on a lock) renews it again between its
+    duties, so that no other worker takes it over and runs the same duties beside it."""
+    app.lease = 3.0  # leadership: 3 s
+    leader = Maintenance(app, "w-slow")
+    elections: list[str] = []
+    elect = app.backend.leader_attempt_elect
+
+    def counted(name: str, worker_id: str, ttl: float) -> bool:
+        elections.append(worker_id)
+        return elect(name, worker_id, ttl)
+
+    promote = app.backend.job_promote_due
+
+    def slow_promotion() -> int:
+        time.sleep(1.2)  # past a third of the leadership
+        return promote()
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
+    monkeypatch.setattr(app.backend, "job_promote_due", slow_promotion)
+    leader.run_once()
+    assert leader.is_leader
+    assert elections == ["w-slow", "w-slow"]  # at the start, and after the slow duty

@@ -179,6 +179,9 @@ def worker(
         app_path=app_path or app_option,
         suspect_lanes=suspect_lanes,
     )
+    from ..worker.supervisor import stop_with_supervisor
+
+    stop_with_supervisor(w)  # a child of --processes N: stops once its supervisor is gone
     code = w.run()
     if w.stuck_threads():
         # A handler thread ignored its timeout or the shutdown; Python cannot kill it,

@@ -94,6 +94,7 @@ class Maintenance:
         self._next_dead_hooks = 0.0
         self.dead_hooks_taken_over = 0
         self._unsure: list[tuple[RescueParams, ExpiredLease]] = []  # reply lost: did it land?
+        self._renewed_at = 0.0  # when the leadership was last taken or renewed (monotonic)
         self.scheduler = Scheduler(app)
 
     def start(self) -> None:
@@ -122,14 +123,9 @@ class Maintenance:
 
     def run_once(self) -> None:
         backend = self.app.backend
-        was_leader = self.is_leader
-        self.is_leader = backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
-        if self.is_leader != was_leader:
-            self.app.events.emit(
-                "errands.leader.elected" if self.is_leader else "errands.leader.resigned",
-                worker_id=self.worker_id,
-            )
-        if not self.is_leader:
+        if self._unsure:  # a batch rescued as leader, its reply lost: whoever leads now
+            self._duty("rescue", self._confirm_unsure)
+        if not self._elect():
             return
         for name, duty in (
             ("rescue", self.rescue),
@@ -139,7 +135,32 @@ class Maintenance:
             ("pruning", self._prune_when_due),
             ("on_dead hooks", self._dead_hooks_when_due),
         ):
+            if not self._still_leader():
+                return
             self._duty(name, duty)
+
+    def _elect(self) -> bool:
+        """Take or renew the leadership; True while this worker holds it."""
+        was_leader = self.is_leader
+        self.is_leader = self.app.backend.leader_attempt_elect(
+            LEADER_NAME, self.worker_id, self.ttl
+        )
+        self._renewed_at = time.monotonic()
+        if self.is_leader != was_leader:
+            self.app.events.emit(
+                "errands.leader.elected" if self.is_leader else "errands.leader.resigned",
+                worker_id=self.worker_id,
+            )
+        return self.is_leader
+
+    def _still_leader(self) -> bool:
+        """Between two duties of a tick (and two prune batches): renew the leadership
+        once a third of it has gone, so that a slow tick (a big rescue batch, a prune, a
+        store waiting on a lock) keeps it rather than leave another worker to take it and
+        run the same duties beside this one (every duty is fenced, but twice is waste)."""
+        if time.monotonic() - self._renewed_at < self.ttl / 3:
+            return self.is_leader
+        return self._elect()
 
     def _duty(self, name: str, duty: Callable[[], object]) -> bool:
         """Run one duty of the tick; a failure is logged and never skips the others."""
@@ -344,8 +365,8 @@ class Maintenance:
         # shortened, a long outage) drains over several rounds instead of hammering the
         # store in one long burst; a full last batch brings the next round forward.
         for _ in range(PRUNE_BATCHES_PER_ROUND):
-            if self._stop.is_set():
-                break
+            if self._stop.is_set() or (self.is_leader and not self._still_leader()):
+                break  # (called outside a tick, by a test, it prunes as asked)
             n = self.app.backend.job_prune(self.app.retention, PRUNE_BATCH)
             n += self.app.backend.workflow_prune(self.app.retention, PRUNE_BATCH)
             total += n

@@ -157,8 +157,12 @@ class ProcessRunner:
         self.started = 0  # children started (the replacements included)
         self.start_failures = 0  # children that could not start
         self.retired = 0  # idle children stopped
-        for _ in range(size if start else 0):
-            self._add(self._spawn())
+        try:
+            for _ in range(size if start else 0):
+                self._add(self._spawn())
+        except BaseException:  # the children started before the one that failed: stopped
+            self.shutdown()
+            raise
         if idle_retire is not None:
             threading.Thread(target=self._retire_idle, name="errands-children", daemon=True).start()
 

@@ -12,12 +12,13 @@ So the handler installed here takes no lock: it counts the signal and writes its
 to a pipe, and a daemon thread reading the pipe calls ``on_signal(signum, count)``
 (``count``: the signals received so far, this one included), where taking locks, logging
 and waking threads is safe. ``on_repeat(signum)``, when given, runs in the handler itself
-from the second signal on (it must take no lock either: an exit at once, which must not
-wait for a relay thread busy with the first signal, in a log call that blocks).
+from the second signal on (it must take no lock and never block either: an exit at once,
+which must not wait for a relay thread busy with the first signal, in a log call that
+blocks).
 
 A process forked from this one (a handler's ``multiprocessing.Pool`` under the fork start
 method) inherits the handler but not the thread: a signal sent to it there is not the
-worker's, and ends it as the default action would.
+worker's, and is handled as before the install (the default action for SIGTERM).
 """
 
 from __future__ import annotations
@@ -73,14 +74,15 @@ class SignalRelay:
                 signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         finally:
             self._previous.clear()
-            if self._write_fd >= 0:
-                os.close(self._write_fd)  # the thread reads the end of the pipe and leaves
-                self._write_fd = -1
+            fd, self._write_fd = self._write_fd, -1  # a late handler writes nowhere
+            if fd >= 0:
+                os.close(fd)  # the thread reads the end of the pipe and leaves
 
     def _handler(self, signum: int, frame: Any) -> None:
         # Runs in the main thread between two bytecodes: no lock, no logging (see module).
         if os.getpid() != self._pid:  # a forked child's signal: not the worker's to act on
-            signal.signal(signum, signal.SIG_DFL)
+            previous = self._previous.get(signum)  # as if this handler were never installed
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
             os.kill(os.getpid(), signum)
             return
         self._count += 1

@@ -13,18 +13,25 @@ capacity comes back; its running jobs are rescued after their leases expire.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .signals import STOP_SIGNALS, SignalRelay
+
+if TYPE_CHECKING:
+    from .worker import Worker
 
 log = logging.getLogger("errands.supervisor")
 
 RESTART_BACKOFF_MAX = 30.0
+SUPERVISOR_ENV = "ERRANDS_SUPERVISOR_PID"  # set in the environment of each child worker
+SUPERVISOR_WATCH_EVERY = 0.5  # seconds between a child's looks for its supervisor
 HANGUP = getattr(signal, "SIGHUP", None)  # POSIX only
 HANGUP_SIGNALS = () if HANGUP is None else (HANGUP,)
 
@@ -47,7 +54,8 @@ class Supervisor:
             # In a session of its own: a terminal's Ctrl-C (sent to the whole foreground
             # process group) reaches the supervisor only, which forwards it once; sent to
             # the children too, each saw two signals and exited at once, skipping --grace.
-            child = subprocess.Popen(self.command, start_new_session=True)
+            env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+            child = subprocess.Popen(self.command, start_new_session=True, env=env)
             self.children[slot] = child
         log.info("started worker process %d (pid %d)", slot, child.pid)
 
@@ -55,16 +63,20 @@ class Supervisor:
         """A SIGTERM or SIGINT, on the signal relay's thread (errands.worker.signals):
         forwarded to every child (each stops gracefully; at a second, at once)."""
         with self._lock:
-            self._stopping = True
+            stopping, self._stopping = self._stopping, True
             children = list(self.children.values())
         if signum == HANGUP:  # the terminal closed: its children, in their own sessions,
-            signum = signal.SIGTERM  # got no SIGHUP of their own; they stop gracefully
+            if stopping:  # got no SIGHUP of their own; they stop gracefully, once (a hangup
+                return  # can come twice, and a second SIGTERM would skip the grace period)
+            signum = signal.SIGTERM
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
     def run(self) -> int:
-        relay = SignalRelay(self._on_signal, signals=(*STOP_SIGNALS, *HANGUP_SIGNALS))
+        # A hangup stops the workers unless it is ignored (nohup): then it stays ignored.
+        hangup = [s for s in HANGUP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+        relay = SignalRelay(self._on_signal, signals=(*STOP_SIGNALS, *hangup))
         relay.install()
         try:
             return self._supervise()
@@ -126,3 +138,21 @@ def child_command(argv: Sequence[str]) -> list[str]:
             continue
         out.append(arg)
     return [sys.executable, "-m", "errands", *out, "--processes", "1"]
+
+
+def stop_with_supervisor(worker: Worker) -> None:
+    """In a worker started by a supervisor (``--processes N``): stop gracefully once the
+    supervisor is gone (SIGKILLed, or killed with its process group by a tool that kills
+    groups: the children run in sessions of their own), rather than claim jobs on with no
+    one to stop them. Nothing in a worker started otherwise."""
+    supervisor = os.environ.pop(SUPERVISOR_ENV, None)  # not inherited by what it starts
+    if not supervisor or not supervisor.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(supervisor):
+            time.sleep(SUPERVISOR_WATCH_EVERY)
+        log.warning("the supervisor (pid %s) is gone: stopping gracefully", supervisor)
+        worker.stop()
+
+    threading.Thread(target=watch, name="errands-supervisor-watch", daemon=True).start()

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import threading
@@ -344,11 +345,28 @@ class Worker:
     def _run(self) -> int:
         self.started_at = time.monotonic()
         self._register()
+        try:
+            self._start()
+        except BaseException:  # what started stops, and the worker leaves the registry
+            with contextlib.suppress(Exception):  # the start-up's error is the one to see
+                self._shutdown()
+            raise
+        protect_current_thread()  # the claim loop: user code reached from here goes to a lane
+        try:
+            self._produce()
+        finally:
+            try:
+                self._shutdown()
+            finally:
+                protect_current_thread(False)
+        return 0
+
+    def _start(self) -> None:
+        """The start-up steps after registering; any may fail, and _shutdown then stops
+        whatever they started (child processes, threads)."""
         warn_unserved_periodic(self.app, list(self.queue_limits))
         self._at_startup("declaring queue settings", self._declare)
         self.claimer.refresh(force=True)
-        # Child processes after the steps that may fail (which would leave them running):
-        # from here on, _shutdown stops whatever started.
         if self.isolates_suspects:
             self.suspect_runner().warm()  # its forkserver and a spare child, in the background
         if self.pool == "process":
@@ -369,15 +387,6 @@ class Worker:
             concurrency=self.concurrency,
             store=redact_url(self.app.url),
         )
-        protect_current_thread()  # the claim loop: user code reached from here goes to a lane
-        try:
-            self._produce()
-        finally:
-            try:
-                self._shutdown()
-            finally:
-                protect_current_thread(False)
-        return 0
 
     def _at_startup(self, what: str, step: Callable[[], object]) -> None:
         """Run a startup step, retrying while the store errs transiently (a killed session,
@@ -481,17 +490,19 @@ class Worker:
 
     @staticmethod
     def _exit_now(signum: int) -> None:
-        """A second SIGTERM or SIGINT: exit at once, from the signal handler (no lock is
-        taken: the line is written straight to stderr; lines still queued in the log
-        writer are dropped)."""
-        with contextlib.suppress(OSError):
-            os.write(
-                2,
-                lockless_line(
-                    f"second signal ({signal.Signals(signum).name}): exiting now; running "
-                    "jobs are rescued after their lease"
-                ),
-            )
+        """A second SIGTERM or SIGINT: exit at once, from the signal handler. Nothing here
+        waits: no lock is taken, and the line goes straight to stderr only when stderr
+        takes it without blocking (a full pipe, the case where a log call blocks, gets no
+        line); lines still queued in the log writer are dropped."""
+        with contextlib.suppress(OSError, ValueError):
+            if select.select([], [2], [], 0)[1]:  # room for a line below PIPE_BUF: no wait
+                os.write(
+                    2,
+                    lockless_line(
+                        f"second signal ({signal.Signals(signum).name}): exiting now; "
+                        "running jobs are rescued after their lease"
+                    ),
+                )
         os._exit(EXIT_NOW_CODE)
 
     # -- the claim loop ----------------------------------------------------------------
