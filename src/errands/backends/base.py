@@ -576,11 +576,12 @@ class Backend(Protocol):
 
     def tx_rollback(self, conn: Any) -> None: ...
 
-    def configure_worker(self, concurrency: int) -> None:
+    def configure_worker(self, concurrency: int, lease: float | None = None) -> None:
         """A worker in this process runs up to ``concurrency`` handlers at once (called
         once, at its start): size what handlers hold (PostgreSQL: the connections of
         ``ctx.transaction()``), and raise ConfigurationError, naming the setting and the
-        fix, when the store cannot serve that many."""
+        fix, when the store cannot serve that many. ``lease``: the app's job lease, which
+        sets how long the store lets one of errands' own transactions idle (PostgreSQL)."""
         ...
 
     # -- the worker registry ------------------------------------------------------------

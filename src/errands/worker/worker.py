@@ -328,7 +328,8 @@ class Worker:
         install_record_factory()
         self._at_startup("checking the schema", lambda: self.app.backend.schema_check())
         self._at_startup(
-            "sizing connections", lambda: self.app.backend.configure_worker(self.concurrency)
+            "sizing connections",
+            lambda: self.app.backend.configure_worker(self.concurrency, self.app.lease),
         )
         window = getattr(getattr(self.app.backend, "config", None), "notify_window", 0.0)
         self.recheck_after_notify = max(RECHECK_AFTER_NOTIFY_MIN, float(window) + RECHECK_MARGIN)

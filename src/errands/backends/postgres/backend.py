@@ -97,6 +97,9 @@ MIGRATE_LOCK_KEY = 7_203_148_551  # pg_advisory_xact_lock key for `errands migra
 # A keyed insert that found its key taken, the key then freed by another caller before
 # it could read who holds it, tries again: this many times at most (see _insert_program).
 KEY_TRIES = 5
+# One of errands' own transactions idling longer than this is ended by the server
+# (idle_limit: half the lease, within these bounds, in seconds).
+IDLE_MIN, IDLE_MAX = 1.0, 5.0
 
 JOB_COLUMNS_SQL = ", ".join(
     [
@@ -195,6 +198,7 @@ class PostgresBackend(PostgresAdmin):
         # Where each fair queue's rotation over its keys stands (errands.backends.limits):
         # this process's own, never stored (no row that every claim would update).
         self._fair_cursors: dict[str, str] = {}
+        self._idle = idle_limit(30.0)  # configure_worker sets it from the app's lease
         self.config: PostgresConfig = parse_postgres_url(url)
         self.schema = self.config.schema
         self.q = filled_queries(self.schema)
@@ -262,9 +266,18 @@ class PostgresBackend(PostgresAdmin):
             ) from None
 
     @contextmanager
-    def _tx(self) -> Iterator[psycopg.Connection[Any]]:
+    def _tx(self, *, guard: bool = True) -> Iterator[psycopg.Connection[Any]]:
+        """A pool connection in a transaction, guarded (tx_guard) unless its first
+        statement sets the guard itself."""
         with self._conn() as conn, conn.transaction():
+            if guard:
+                self._guard(conn)
             yield conn
+
+    def _guard(self, conn: psycopg.Connection[Any]) -> None:
+        """Let the server end this transaction if it idles past the idle limit (its client
+        went silent), releasing its locks: see tx_guard."""
+        conn.execute(self.q["tx_guard"], {"idle": self._idle})
 
     def _again_if_lost(
         self,
@@ -303,12 +316,14 @@ class PostgresBackend(PostgresAdmin):
         if handlers is not None:
             handlers.close()
 
-    def configure_worker(self, concurrency: int) -> None:
+    def configure_worker(self, concurrency: int, lease: float | None = None) -> None:
         """A worker in this process runs up to ``concurrency`` handlers at once: size the
         handler pool to match (one connection per open ``ctx.transaction()``, unless the
         URL sets tx_pool_size), and refuse a worker the server would not let open every
         connection it may need (ConfigurationError naming the settings and the fix).
         Several workers started on one backend in a process keep the largest size."""
+        if lease is not None:
+            self._idle = idle_limit(lease)
         with self._conn() as conn:
             budget = check_budget(conn, self.config, concurrency)
         with self._handler_lock:
@@ -808,6 +823,7 @@ class PostgresBackend(PostgresAdmin):
         if children:
             self._insert(conn, children)
         if rest:
+            # Not guarded (tx_guard): a chain's step is a fixed handful of statements.
             with conn.transaction():
                 ended = self._finish_rows(conn, rest, members=True)
                 for o in rest:
@@ -920,9 +936,9 @@ class PostgresBackend(PostgresAdmin):
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
     ) -> list[JobRow]:
-        with self._tx() as conn:
+        with self._tx(guard=False) as conn:  # limited_claim_start sets the guard
             rows = claim_limited(
-                _LimitedStore(conn, self.q, f"errands:{self.schema}:"),
+                _LimitedStore(conn, self.q, f"errands:{self.schema}:", idle_limit(lease_default)),
                 queue.name,
                 queue.limit,
                 {
@@ -1183,6 +1199,16 @@ class PostgresBackend(PostgresAdmin):
         return Notifier(self.config.conninfo, channel, parse, on_listen, "errands-results", name)
 
 
+def idle_limit(lease: float) -> str:
+    """How long (ms, as text for set_config) one of errands' own transactions may idle
+    before the server ends it: half a lease, between 1 and 5 s. Its statements follow one
+    another at once; a transaction that idles longer has a client gone silent (a network
+    cut, a frozen process) and holds locks others wait for: a limited queue's claim lock
+    held so stopped every worker's claims, rescued jobs among them, for the 5 s of a cut
+    (the full-size chaos soak)."""
+    return str(int(min(max(lease / 2, IDLE_MIN), IDLE_MAX) * 1000))
+
+
 def unwrap_connection(conn: Any) -> Any:
     """The DB-API connection behind a SQLAlchemy Session or Connection, else ``conn``."""
     module = type(conn).__module__
@@ -1197,15 +1223,20 @@ def unwrap_connection(conn: Any) -> Any:
 
 
 class _LimitedStore:
-    def __init__(self, conn: psycopg.Connection[Any], queries: dict[str, str], prefix: str) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], queries: dict[str, str], prefix: str, idle: str
+    ) -> None:
         self.conn = conn
         self.q = queries
         self.prefix = prefix  # lock names are per schema
+        self.idle = idle  # the claim transaction's idle limit (tx_guard)
 
     def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
         """One limited claimer per queue at a time, cluster-wide, for this transaction;
         the queue's settings and its rate-limited types: one statement."""
-        [row] = self.rows("limited_claim_start", {"lock": self.prefix + queue, "queue": queue})
+        [row] = self.rows(
+            "limited_claim_start", {"lock": self.prefix + queue, "queue": queue, "idle": self.idle}
+        )
         settings = [row[:10]] if row[0] is not None else []
         rates = [tuple(rate) for rate in json.loads(str(row[10]))] if row[10] else []
         return settings, rates

@@ -701,7 +701,7 @@ class SQLiteBackend(SQLiteAdmin):
             )
 
     # -- transactional completion (ctx.transaction) ---------------------------------------
-    def configure_worker(self, concurrency: int) -> None:
+    def configure_worker(self, concurrency: int, lease: float | None = None) -> None:
         """Nothing to size or refuse: each ctx.transaction() opens a connection of its own
         to the file, and SQLite has no connection limit."""
 
