@@ -149,5 +149,14 @@ def is_transient(exc: BaseException) -> bool:
     restart, a busy SQLite file), as opposed to content the store refuses. Shared by the
     completer's outcome writes and the worker's startup steps."""
     return bool(
-        _class_names(exc) & {"OperationalError", "InterfaceError", "PoolTimeout", "DatabaseBusy"}
+        _class_names(exc)
+        & {
+            "OperationalError",
+            "InterfaceError",
+            "PoolTimeout",
+            "DatabaseBusy",
+            # PostgreSQL ended a transaction left idle past its limit (SQLSTATE 25P03):
+            # its client went silent, and the session is gone (errands' tx_guard)
+            "IdleInTransactionSessionTimeout",
+        }
     ) or (isinstance(exc, OSError | TimeoutError))

@@ -13,8 +13,16 @@ import pytest
 import errands
 from errands.backends.base import QueueClaim
 from errands.backends.postgres.backend import _LimitedStore, idle_limit
+from errands.errors import is_transient
 
 pytestmark = pytest.mark.acceptance
+
+
+def test_a_transaction_ended_for_idling_is_a_transient_error_retried_as_a_lost_connection() -> None:
+    """The session is gone; what the transaction would have written is not: the completer
+    writes the outcome again (a content refusal would split the batch and end the job
+    dead as UnstorableOutcome), a claim round retries."""
+    assert is_transient(psycopg.errors.IdleInTransactionSessionTimeout("idle too long"))
 
 
 def test_idle_limit_is_half_a_lease_between_one_and_five_seconds() -> None:

@@ -150,6 +150,9 @@ def worker(
             "--metrics-port serves one process's metrics; with --processes N, run N workers "
             "with a --metrics-port each instead"
         )
+    from ..worker.supervisor import stop_with_supervisor, supervisor_pid
+
+    supervisor = supervisor_pid()  # before the app's import, which may start processes
     app = load_app(app_path or app_option, url, need_code=True)
     warn_new_database(app.url)
     if processes > 1:
@@ -179,9 +182,7 @@ def worker(
         app_path=app_path or app_option,
         suspect_lanes=suspect_lanes,
     )
-    from ..worker.supervisor import stop_with_supervisor
-
-    stop_with_supervisor(w)  # a child of --processes N: stops once its supervisor is gone
+    stop_with_supervisor(w, supervisor)  # a child of --processes N: stops once it is gone
     code = w.run()
     if w.stuck_threads():
         # A handler thread ignored its timeout or the shutdown; Python cannot kill it,

@@ -123,8 +123,6 @@ class Maintenance:
 
     def run_once(self) -> None:
         backend = self.app.backend
-        if self._unsure:  # a batch rescued as leader, its reply lost: whoever leads now
-            self._duty("rescue", self._confirm_unsure)
         if not self._elect():
             return
         for name, duty in (
@@ -236,10 +234,11 @@ class Maintenance:
     def _confirm_unsure(self) -> int:
         """The rescues of a batch whose reply was lost that did land: their events and
         on_dead hooks are due now (those that did not land are simply expired again)."""
-        unsure, self._unsure = self._unsure, []
+        unsure = self._unsure
         if not unsure:
             return 0
         rows = read_back(self.app.backend, [plan.id for plan, _ in unsure])
+        self._unsure = []  # after the read: a read that fails keeps them for the next tick
         count = 0
         for plan, lease in unsure:
             if landed(rows.get(plan.id), plan.lease_token, plan.error["attempt"], True):

@@ -140,17 +140,25 @@ def child_command(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "errands", *out, "--processes", "1"]
 
 
-def stop_with_supervisor(worker: Worker) -> None:
-    """In a worker started by a supervisor (``--processes N``): stop gracefully once the
-    supervisor is gone (SIGKILLed, or killed with its process group by a tool that kills
-    groups: the children run in sessions of their own), rather than claim jobs on with no
-    one to stop them. Nothing in a worker started otherwise."""
-    supervisor = os.environ.pop(SUPERVISOR_ENV, None)  # not inherited by what it starts
-    if not supervisor or not supervisor.isdigit():
+def supervisor_pid() -> int | None:
+    """The pid of the supervisor that started this worker (``--processes N``), taken out
+    of the environment (so that nothing this worker starts inherits it); None when it was
+    not started by one. Call it before the app is imported."""
+    value = os.environ.pop(SUPERVISOR_ENV, None)
+    return int(value) if value and value.isdigit() else None
+
+
+def stop_with_supervisor(worker: Worker, supervisor: int | None) -> None:
+    """In a worker started by a supervisor: stop gracefully once the supervisor is gone
+    (SIGKILLed, or killed with its process group by a tool that kills groups: the children
+    run in sessions of their own), rather than claim jobs on with no one to stop them.
+    Nothing when this process's parent is not that supervisor (a stale variable in a
+    shell, a wrapper that forked): the watch would stop a worker nobody asked to stop."""
+    if supervisor is None or os.getppid() != supervisor:
         return
 
     def watch() -> None:
-        while os.getppid() == int(supervisor):
+        while os.getppid() == supervisor:
             time.sleep(SUPERVISOR_WATCH_EVERY)
         log.warning("the supervisor (pid %s) is gone: stopping gracefully", supervisor)
         worker.stop()

@@ -266,9 +266,10 @@ class PostgresBackend(PostgresAdmin):
             ) from None
 
     @contextmanager
-    def _tx(self, *, guard: bool = True) -> Iterator[psycopg.Connection[Any]]:
-        """A pool connection in a transaction, guarded (tx_guard) unless its first
-        statement sets the guard itself."""
+    def _tx(self, *, guard: bool = False) -> Iterator[psycopg.Connection[Any]]:
+        """A pool connection in a transaction; ``guard``: one of the worker's own, which
+        holds locks other workers wait for (a rescue, a release, a finish with children):
+        ended by the server if it idles past the idle limit (tx_guard)."""
         with self._conn() as conn, conn.transaction():
             if guard:
                 self._guard(conn)
@@ -782,7 +783,7 @@ class PostgresBackend(PostgresAdmin):
         self.workflows.take_settled()
         self.workflows.take_released()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
-            with self._tx() as conn:
+            with self._tx(guard=True) as conn:
                 answers = self._finish(conn, outcomes)
         else:
             with self._conn() as conn:  # one autocommit statement: one round trip
@@ -936,9 +937,9 @@ class PostgresBackend(PostgresAdmin):
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
     ) -> list[JobRow]:
-        with self._tx(guard=False) as conn:  # limited_claim_start sets the guard
+        with self._tx() as conn:  # guarded by its first statement, limited_claim_start
             rows = claim_limited(
-                _LimitedStore(conn, self.q, f"errands:{self.schema}:", idle_limit(lease_default)),
+                _LimitedStore(conn, self.q, f"errands:{self.schema}:", self._idle),
                 queue.name,
                 queue.limit,
                 {
@@ -964,7 +965,7 @@ class PostgresBackend(PostgresAdmin):
         return {r[0] for r in rows}
 
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
-        with self._tx() as conn:
+        with self._tx(guard=True) as conn:
             conn.execute(self.q["dead_hooks_forget"], {"older_than": older_than})
             if limit <= 0:
                 return []
@@ -1097,7 +1098,7 @@ class PostgresBackend(PostgresAdmin):
     def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
         if not leases:
             return []
-        with self._tx() as conn:
+        with self._tx(guard=True) as conn:
             rows = conn.execute(
                 self.q[folding("job_release_many", [lease.fair for lease in leases])],
                 {
@@ -1144,7 +1145,7 @@ class PostgresBackend(PostgresAdmin):
     def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]:
         if not rescues:
             return []
-        with self._tx() as conn:
+        with self._tx(guard=True) as conn:
             rows = conn.execute(
                 self.q[folding("job_rescue_many", [r.fair for r in rescues])],
                 {
