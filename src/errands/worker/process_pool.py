@@ -388,32 +388,28 @@ class ProcessRunner:
             self._closed = True
             self._cond.notify_all()
             slots = list(self._slots)
-        for slot in slots:
-            with contextlib.suppress(OSError):
-                slot.conn.send(None)
-        deadline = time.monotonic() + STOP_WAIT  # one wait for them all, not one each
-        for slot in slots:
-            slot.process.join(timeout=max(deadline - time.monotonic(), 0.0))
-        for slot in slots:
-            if slot.process.is_alive():
-                slot.process.kill()
-                slot.process.join(timeout=STOP_WAIT)
+        _stop(*slots)
 
 
 class _ChildRefused(RuntimeError):
     """A child started but could not load the app: it said why."""
 
 
-def _stop(slot: _Slot) -> None:
-    """Tell an idle child to leave, and wait for it (killed if it does not)."""
-    with contextlib.suppress(OSError):
-        slot.conn.send(None)
-    slot.process.join(timeout=STOP_WAIT)
-    if slot.process.is_alive():
-        slot.process.kill()
-        slot.process.join(timeout=STOP_WAIT)
-    with contextlib.suppress(OSError):
-        slot.conn.close()
+def _stop(*slots: _Slot) -> None:
+    """Tell children to leave, and wait for them: one wait for them all, not one each
+    (those still running after it are killed)."""
+    for slot in slots:
+        with contextlib.suppress(OSError):
+            slot.conn.send(None)
+    deadline = time.monotonic() + STOP_WAIT
+    for slot in slots:
+        slot.process.join(timeout=max(deadline - time.monotonic(), 0.0))
+    for slot in slots:
+        if slot.process.is_alive():
+            slot.process.kill()
+            slot.process.join(timeout=STOP_WAIT)
+        with contextlib.suppress(OSError):
+            slot.conn.close()
 
 
 # A child whose worker died exits with this code (os._exit: its handler is cut short).
