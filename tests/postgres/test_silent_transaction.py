@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 import errands
-from errands.backends.base import QueueClaim
+from errands import faults
+from errands.backends.base import ClaimParams, FinishParams, QueueClaim
 from errands.backends.postgres.backend import _LimitedStore, idle_limit
 from errands.errors import is_transient
 
@@ -58,10 +59,9 @@ def test_a_claimer_gone_silent_with_a_claim_lock_holds_the_others_up_only_to_the
 
         def go_silent() -> None:
             try:
-                with silent._tx(guard=False) as conn:  # as job_claim_limited opens it
-                    store = _LimitedStore(
-                        conn, silent.q, f"errands:{silent.schema}:", idle_limit(2.0)
-                    )
+                silent.configure_worker(4, lease=2.0)  # an idle limit of 1 s
+                with silent._tx() as conn:  # as job_claim_limited opens it
+                    store = _LimitedStore(conn, silent.q, f"errands:{silent.schema}:")
                     store.start("tenants")  # the queue's claim lock, held from here
                     holding.set()
                     release.wait(15)  # silent: no statement, the transaction left open
@@ -88,3 +88,87 @@ def test_a_claimer_gone_silent_with_a_claim_lock_holds_the_others_up_only_to_the
     finally:
         app.close()
         silent_app.close()
+
+
+def test_a_member_finish_gone_silent_holding_its_workflow_holds_others_only_to_the_idle_limit(
+    pg_url: str,
+) -> None:
+    """A workflow member's finish locks its workflow's row for the fan-in. Its worker cut
+    off there (the transaction was not guarded: "a fixed handful of statements") held
+    the lock until the cut healed: every other member's finish of that workflow waited,
+    those workers' unwritten outcomes piled up to their limit, and they stopped claiming
+    (the full-size soak: no claim anywhere for the 4 s of a cut, rescued jobs late)."""
+    app = errands.App(pg_url)
+
+    @app.job(name="silent.member")
+    def member(n: int) -> int:
+        return n
+
+    silent_app = errands.App(pg_url)  # the worker cut off
+    holding, release = threading.Event(), threading.Event()
+
+    def go_silent(point: str) -> None:
+        holding.set()
+        release.wait(15)  # silent, inside the finish's transaction, the workflow locked
+
+    try:
+        wf = errands.Workflow("batch")
+        wf.add(member.bind(n=0))
+        wf.add(member.bind(n=1))
+        app.enqueue_workflow(wf)
+        backend: Any = app.backend
+        silent: Any = silent_app.backend
+        for store in (backend, silent):
+            store.configure_worker(4, lease=2.0)  # an idle limit of 1 s
+        first, second = backend.job_claim(ClaimParams([QueueClaim("default", 2)], 2, "w", 2.0))
+        faults.arm("before_fan_in", go_silent, when=lambda d: first.id in d["job_ids"])
+        ended: list[BaseException] = []
+
+        def finish_silently() -> None:
+            try:
+                silent.job_finish_many([FinishParams(first.id, first.lease_token, "completed",
+                                                     member=True)])  # fmt: skip
+            except psycopg.Error as exc:
+                ended.append(exc)
+
+        thread = threading.Thread(target=finish_silently, daemon=True)
+        thread.start()
+        assert holding.wait(10)
+        answers: list[Any] = []
+        other = threading.Thread(
+            target=lambda: answers.append(
+                backend.job_finish_many(
+                    [FinishParams(second.id, second.lease_token, "completed", member=True)]
+                )
+            ),
+            daemon=True,
+        )
+        other.start()
+        other.join(10)
+        assert answers == [[True]], "the other member's finish still waits for the silent one"
+        release.set()
+        thread.join(10)
+        assert ended and is_transient(ended[0]), "the silent finish was not ended by the server"
+        assert backend.job_get(first.id).state == "running"  # its outcome is written again
+    finally:
+        faults.disarm()
+        release.set()
+        app.close()
+        silent_app.close()
+
+
+def test_every_transaction_errands_opens_carries_the_idle_limit(pg_url: str) -> None:
+    """Its BEGIN and the limit in one round trip; a savepoint inside keeps it."""
+    app = errands.App(pg_url)
+    try:
+        backend: Any = app.backend
+        backend.configure_worker(4, lease=3.0)
+        show = "SHOW idle_in_transaction_session_timeout"
+        with backend._tx() as conn:
+            assert conn.execute(show).fetchone() == ("1500ms",)
+            with backend._own_tx(conn):
+                assert conn.execute(show).fetchone() == ("1500ms",)
+        with backend._conn() as conn:
+            assert conn.execute(show).fetchone() == ("0",)  # local to the transaction
+    finally:
+        app.close()

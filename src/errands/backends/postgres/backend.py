@@ -198,10 +198,10 @@ class PostgresBackend(PostgresAdmin):
         # Where each fair queue's rotation over its keys stands (errands.backends.limits):
         # this process's own, never stored (no row that every claim would update).
         self._fair_cursors: dict[str, str] = {}
-        self._idle = idle_limit(30.0)  # configure_worker sets it from the app's lease
         self.config: PostgresConfig = parse_postgres_url(url)
         self.schema = self.config.schema
         self.q = filled_queries(self.schema)
+        self._set_idle(30.0)  # configure_worker sets it from the app's lease
         self.channel = channel_name(self.schema)
         self._last_notify: dict[str, float] = {}
         self._notify_lock = threading.Lock()
@@ -266,19 +266,42 @@ class PostgresBackend(PostgresAdmin):
             ) from None
 
     @contextmanager
-    def _tx(self, *, guard: bool = False) -> Iterator[psycopg.Connection[Any]]:
-        """A pool connection in a transaction; ``guard``: one of the worker's own, which
-        holds locks other workers wait for (a rescue, a release, a finish with children):
-        ended by the server if it idles past the idle limit (tx_guard)."""
-        with self._conn() as conn, conn.transaction():
-            if guard:
-                self._guard(conn)
+    def _tx(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pool connection in one of errands' own transactions (see _own_tx)."""
+        with self._conn() as conn, self._own_tx(conn):
             yield conn
 
+    @contextmanager
+    def _own_tx(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """A transaction of errands' own on ``conn`` (a savepoint inside one already open),
+        which the server ends if it idles past the idle limit, releasing its locks: its
+        client went silent (see own_begin). Its BEGIN carries the limit: one round trip,
+        as a plain BEGIN. Every transaction errands opens is one of these: any of them may
+        hold a lock every worker waits for (a queue's claim lock, a workflow's row, a fair
+        key's usage), and a proxy cut of one worker holding it stopped the whole cluster's
+        claims for the cut's 4-6 s in the full-size chaos soak."""
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            with conn.transaction():
+                yield
+            return
+        conn.execute(self._begin)
+        try:
+            yield
+        except BaseException:
+            if not conn.closed:
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
     def _guard(self, conn: psycopg.Connection[Any]) -> None:
-        """Let the server end this transaction if it idles past the idle limit (its client
-        went silent), releasing its locks: see tx_guard."""
+        """Set the idle limit in a transaction already open (see tx_guard)."""
         conn.execute(self.q["tx_guard"], {"idle": self._idle})
+
+    def _set_idle(self, lease: float) -> None:
+        self._idle = idle_limit(lease)
+        begin = self.q["own_begin"].replace("$IDLE", self._idle)
+        self._begin = "\n".join(x for x in begin.splitlines() if not x.startswith("--"))
 
     def _again_if_lost(
         self,
@@ -324,7 +347,7 @@ class PostgresBackend(PostgresAdmin):
         connection it may need (ConfigurationError naming the settings and the fix).
         Several workers started on one backend in a process keep the largest size."""
         if lease is not None:
-            self._idle = idle_limit(lease)
+            self._set_idle(lease)
         with self._conn() as conn:
             budget = check_budget(conn, self.config, concurrency)
         with self._handler_lock:
@@ -705,7 +728,7 @@ class PostgresBackend(PostgresAdmin):
             if single:  # one autocommit statement: one round trip, its own commit
                 progress.committing = True
                 return self._insert(own, requests)
-            with own.transaction():
+            with self._own_tx(own):
                 results = self._insert(own, requests)
                 progress.committing = True  # leaving the block sends COMMIT
             return results
@@ -783,7 +806,7 @@ class PostgresBackend(PostgresAdmin):
         self.workflows.take_settled()
         self.workflows.take_released()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
-            with self._tx(guard=True) as conn:
+            with self._tx() as conn:
                 answers = self._finish(conn, outcomes)
         else:
             with self._conn() as conn:  # one autocommit statement: one round trip
@@ -803,7 +826,7 @@ class PostgresBackend(PostgresAdmin):
             )
             for o in outcomes:
                 if o.state == "waiting":
-                    with conn.transaction():  # the suspension locks the row, then looks
+                    with self._own_tx(conn):  # the suspension locks the row, then looks
                         answers[id(o)] = run(
                             conn, suspend_program(self.q, o, self.workflows.fan_in)
                         )
@@ -824,8 +847,7 @@ class PostgresBackend(PostgresAdmin):
         if children:
             self._insert(conn, children)
         if rest:
-            # Not guarded (tx_guard): a chain's step is a fixed handful of statements.
-            with conn.transaction():
+            with self._own_tx(conn):
                 ended = self._finish_rows(conn, rest, members=True)
                 for o in rest:
                     if (o.id, o.lease_token) not in ended or o.state != "completed":
@@ -937,9 +959,9 @@ class PostgresBackend(PostgresAdmin):
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
     ) -> list[JobRow]:
-        with self._tx() as conn:  # guarded by its first statement, limited_claim_start
+        with self._tx() as conn:
             rows = claim_limited(
-                _LimitedStore(conn, self.q, f"errands:{self.schema}:", self._idle),
+                _LimitedStore(conn, self.q, f"errands:{self.schema}:"),
                 queue.name,
                 queue.limit,
                 {
@@ -965,7 +987,7 @@ class PostgresBackend(PostgresAdmin):
         return {r[0] for r in rows}
 
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
-        with self._tx(guard=True) as conn:
+        with self._tx() as conn:
             conn.execute(self.q["dead_hooks_forget"], {"older_than": older_than})
             if limit <= 0:
                 return []
@@ -1026,6 +1048,9 @@ class PostgresBackend(PostgresAdmin):
         """Write the fenced outcome in the attempt's transaction and commit it all, or
         roll it all back when the lease is no longer ours."""
         try:
+            # From here only errands' statements follow (the outcome, its fan-in, COMMIT),
+            # holding the job's row, a fair key's usage, a workflow's row: the idle limit.
+            self._guard(conn)
             [ok] = self._finish(conn, [outcome])
             fault_point("before_complete_commit")
             conn.execute("COMMIT" if ok else "ROLLBACK")
@@ -1098,7 +1123,7 @@ class PostgresBackend(PostgresAdmin):
     def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
         if not leases:
             return []
-        with self._tx(guard=True) as conn:
+        with self._tx() as conn:
             rows = conn.execute(
                 self.q[folding("job_release_many", [lease.fair for lease in leases])],
                 {
@@ -1145,7 +1170,7 @@ class PostgresBackend(PostgresAdmin):
     def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]:
         if not rescues:
             return []
-        with self._tx(guard=True) as conn:
+        with self._tx() as conn:
             rows = conn.execute(
                 self.q[folding("job_rescue_many", [r.fair for r in rescues])],
                 {
@@ -1224,20 +1249,15 @@ def unwrap_connection(conn: Any) -> Any:
 
 
 class _LimitedStore:
-    def __init__(
-        self, conn: psycopg.Connection[Any], queries: dict[str, str], prefix: str, idle: str
-    ) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], queries: dict[str, str], prefix: str) -> None:
         self.conn = conn
         self.q = queries
         self.prefix = prefix  # lock names are per schema
-        self.idle = idle  # the claim transaction's idle limit (tx_guard)
 
     def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
         """One limited claimer per queue at a time, cluster-wide, for this transaction;
         the queue's settings and its rate-limited types: one statement."""
-        [row] = self.rows(
-            "limited_claim_start", {"lock": self.prefix + queue, "queue": queue, "idle": self.idle}
-        )
+        [row] = self.rows("limited_claim_start", {"lock": self.prefix + queue, "queue": queue})
         settings = [row[:10]] if row[0] is not None else []
         rates = [tuple(rate) for rate in json.loads(str(row[10]))] if row[10] else []
         return settings, rates

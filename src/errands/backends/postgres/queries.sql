@@ -478,8 +478,8 @@ SET queue = excluded.queue, rate_limit = excluded.rate_limit,
     rate_period = excluded.rate_period, updated_at = now()
 
 -- name: limited_claim_start
--- A limited claim's first statement on PostgreSQL: four in one round trip (the fourth: the
--- transaction's idle limit, as tx_guard sets it). The queue's
+-- A limited claim's first statement on PostgreSQL: three in one round trip (its
+-- transaction, begun by own_begin, carries the idle limit). The queue's
 -- claim lock (an advisory lock: one limited claimer per queue, to the transaction's end),
 -- its settings (queue_settings_get's columns; NULLs when the queue has no row) and the
 -- rate-limited job types with due rows, each with its rate (a row's own: rows of one type
@@ -513,17 +513,23 @@ SELECT s.name, s.paused, s.max_running, s.rate_limit, s.rate_period, s.has_keys,
             LIMIT 1
         ) AS r
         WHERE n.name IS NOT NULL)::text
-FROM (SELECT pg_advisory_xact_lock(hashtext(%(lock)s)),
-             set_config('idle_in_transaction_session_timeout', %(idle)s, true)) AS l
+FROM (SELECT pg_advisory_xact_lock(hashtext(%(lock)s))) AS l
 LEFT JOIN {schema}.errands_queues AS s ON s.name = %(queue)s
 
+-- name: own_begin
+-- The BEGIN of errands' own transactions of several statements, with their idle limit in
+-- the same round trip (two statements in one simple query, so without parameters: errands
+-- writes the limit, in ms, in place of $IDLE). A transaction left idle longer than that
+-- (its client went silent: a network cut, a frozen process) is ended by the server, which
+-- releases its locks (a queue's claim lock, a workflow's row, the rows it wrote) instead of
+-- holding every other worker up until the client comes back. Local to the transaction (a
+-- pooler's other clients never see it).
+BEGIN; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true)
+
 -- name: tx_guard
--- The first statement of errands' own transactions of several statements: a transaction
--- left idle longer than %(idle)s ms (its client went silent: a network cut, a frozen
--- process) is ended by the server, which releases its locks (a queue's claim lock, the
--- rows it wrote) instead of holding every other worker up until the client comes back.
--- Local to the transaction (a pooler's other clients never see it); the handlers'
--- ctx.transaction() connections have none (a handler may think between statements).
+-- The idle limit of own_begin, set inside a transaction already open: a handler's
+-- ctx.transaction() once errands writes the attempt's outcome in it (until then the
+-- handler may think between statements; from then on only errands' statements follow).
 SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)
 
 -- name: queues_with_limits
