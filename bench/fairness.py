@@ -61,10 +61,12 @@ class Record:
 
 
 class Bench:
-    def __init__(self, url: str, concurrency: int) -> None:
+    def __init__(self, url: str, concurrency: int, express: int | None = None) -> None:
         self.app = errands.App(url)
         self.app.migrate()  # a fresh PostgreSQL database has no tables yet
         self.concurrency = concurrency
+        self.express = express  # None: the worker's default
+        self.express_used: dict[str, int] = {}  # queue -> its worker's express lane
         self.record = Record()
         self._serial = 0
 
@@ -83,8 +85,11 @@ class Bench:
         return job  # type: ignore[no-any-return]
 
     @contextmanager
-    def worker(self, queue: str) -> Iterator[None]:
-        worker = self.app.worker(concurrency=self.concurrency, queues=[queue])
+    def worker(self, queue: str, *, lane: bool = True) -> Iterator[None]:
+        """A worker of ``queue``; ``lane=False``: without an express lane."""
+        express = self.express if lane else 0
+        worker = self.app.worker(concurrency=self.concurrency, queues=[queue], express=express)
+        self.express_used[queue] = worker.express
         thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
         thread.start()
         try:
@@ -219,7 +224,7 @@ def many_keys(bench: Bench, *, fair: bool, args: Any) -> dict[str, Any]:
     for start in range(0, len(requests), 5000):
         bench.app.enqueue_many(requests[start : start + 5000])
     t0 = time.time()
-    with bench.worker(job.queue):
+    with bench.worker(job.queue, lane=False):  # the plain queue's threads, no more
         deadline = t0 + args.seconds * 5
         while time.time() < deadline:
             with bench.record.lock:
@@ -289,6 +294,11 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     parser.add_argument("--grace", type=float, default=10.0, help="wait for the last quiet jobs")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--work", type=float, default=WORK_SECONDS, help="a job's seconds")
+    parser.add_argument(
+        "--express",
+        type=int,
+        help="the worker's express lane (default: the worker's, -c / 4 with a fair queue)",
+    )
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--keys-jobs", type=int, default=20_000)
     parser.add_argument(
@@ -308,7 +318,7 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
         parser.error(f"--only: unknown part(s) {sorted(unknown)}; choose among dwell, shares, keys")
     if args.peer and not args.url.startswith("postgresql"):
         parser.error("--peer: the peer runs on PostgreSQL; give a postgresql:// --url")
-    bench = Bench(args.url, args.concurrency)
+    bench = Bench(args.url, args.concurrency, args.express)
     result: dict[str, Any] = {
         "store": args.url.split(":", 1)[0],
         "settings": {k: v for k, v in vars(args).items() if k != "url"},
@@ -349,6 +359,7 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
             }
     finally:
         bench.app.close()
+    result["express_lane"] = sorted(set(bench.express_used.values()))  # the workers' lanes
     if echo:
         print(json.dumps(result, indent=2))
     return result

@@ -353,3 +353,48 @@ def test_a_key_over_its_share_gets_no_slot_while_the_others_have_jobs_to_fill_it
         assert backend.job_finish_many(done) == [True] * 4
     counted = keys(take(backend, queue, 4))
     assert counted["slow"] == 0 and sum(counted.values()) == 4, counted
+
+
+def express(backend: Backend, queue: str, n: int) -> list[JobRow]:
+    return list(backend.job_claim_limited(QueueClaim(queue, n), WORKER, 30.0, express=True))
+
+
+def test_an_express_claim_takes_only_the_next_job_of_keys_with_nothing_running(
+    backend: Backend,
+) -> None:
+    """The express lane serves tenants with nothing running, one job each: never the
+    backlog's key while it runs, never a second job of a key, never jobs without a key."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "noisy", 20)
+    running = take(backend, queue, 4)
+    assert keys(running) == Counter({"noisy": 4})
+    assert express(backend, queue, 4) == []  # only the backlog's key, and it runs
+    add_keyed(backend, queue, "quiet:1", 3)
+    add_keyed(backend, queue, "quiet:2")
+    add_keyed(backend, queue, None, 2)
+    assert keys(express(backend, queue, 4)) == Counter({"quiet:1": 1, "quiet:2": 1})
+    assert express(backend, queue, 4) == []  # each now has one running
+    complete(backend, running)  # noisy has nothing running: its next job is express too
+    assert keys(express(backend, queue, 4)) == Counter({"noisy": 1})
+
+
+def test_an_express_claim_of_a_queue_that_is_not_fair_takes_nothing(backend: Backend) -> None:
+    name = f"capped{next(_queues)}"
+    backend.queue_declare(QueueSettings(name, max_running=10), "test")
+    add(backend, name, None, 3)
+    assert express(backend, name, 3) == []
+    assert len(take(backend, name, 3)) == 3
+
+
+def test_a_fair_claim_names_the_rows_that_are_the_first_of_a_key_with_nothing_running(
+    backend: Backend,
+) -> None:
+    """A worker whose slots are full may start those at once on its express lane."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "noisy", 20)
+    assert keys(take(backend, queue, 2)) == Counter({"noisy": 2})  # noisy runs
+    add_keyed(backend, queue, "quiet", 2)
+    claimed = backend.job_claim_limited(QueueClaim(queue, 4), WORKER, 30.0)
+    by_key = {_KEYS[r.id]: r.id for r in reversed(list(claimed))}  # each key's first
+    assert keys(list(claimed)) == Counter({"quiet": 2, "noisy": 2})
+    assert claimed.express == frozenset({by_key["quiet"]})  # type: ignore[attr-defined]

@@ -176,3 +176,77 @@ def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_
     assert (opened.error, capped.error) == (None, None)
     assert (len(opened.rows), len(capped.rows)) == (6, 2)
     assert len({r.fair_key for r in opened.rows}) == 4  # still spread over the keys
+
+
+def _quiet_behind_full_slots(
+    store: errands.App, express: int, cap: int | None = None
+) -> tuple[int | None, int]:
+    """Two slots busy with a noisy tenant's jobs, which wait (up to 30 s) for the quiet
+    tenant's job to start; then one quiet job. How many noisy jobs ran when the quiet
+    one started (None: it never started while they waited), and the most noisy jobs
+    seen running at once. ``cap``: the queue's per-worker cap (``-q lane=2``), with two
+    more slots beyond it. Once everything ran, the worker's slots and lane are all free."""
+    queue = f"lane{express}{cap or ''}"
+    store.queue(queue, fair=True)
+    quiet_started = threading.Event()
+    lock = threading.Lock()
+    running = {"noisy": 0, "most": 0, "ended": 0}
+    seen: list[int | None] = [None]
+
+    @store.job(name=f"{queue}.work", queue=queue, fair_key="tenant:{tenant}")
+    def work(tenant: str, n: int) -> None:
+        if tenant == "quiet":
+            with lock:
+                seen[0] = running["noisy"]
+                running["ended"] += 1
+            quiet_started.set()
+            return
+        with lock:
+            running["noisy"] += 1
+            running["most"] = max(running["most"], running["noisy"])
+        try:
+            quiet_started.wait(30)
+        finally:
+            with lock:
+                running["noisy"] -= 1
+                running["ended"] += 1
+
+    store.enqueue_many([work.bind(tenant="noisy", n=n) for n in range(6)])
+    queues = {queue: cap} if cap else [queue]
+    slots = 4 if cap else 2
+    with workers([store], concurrency=slots, express=express, queues=queues) as [worker]:
+        wait_until(lambda: running["noisy"] == 2, 30, "both slots busy with the backlog")
+        work.enqueue(tenant="quiet", n=0)
+        if express and not cap:
+            wait_until(quiet_started.is_set, 30, "the quiet job started")
+        else:
+            quiet_started.wait(1.0)  # a moment for a start that must not come
+        started_beside = seen[0]
+        quiet_started.set()  # let the backlog go
+        wait_until(lambda: running["ended"] == 7, 60, "every job ran")
+        wait_until(
+            lambda: (worker._free, worker._express_free) == (slots, express),
+            10,
+            "every slot and lane thread given back",
+        )
+    return started_beside, running["most"]
+
+
+def test_a_quiet_tenants_job_starts_on_the_express_lane_while_a_backlog_fills_every_slot(
+    store: errands.App,
+) -> None:
+    """Every slot runs the noisy tenant's jobs; the quiet tenant, with nothing running,
+    starts on the worker's express lane at once instead of waiting for a slot. The
+    lane never runs the backlog's key (it has jobs running): never more than the
+    slots' two noisy jobs at once."""
+    assert _quiet_behind_full_slots(store, express=1) == (2, 2)
+
+
+def test_without_an_express_lane_the_quiet_job_waits_for_a_slot(store: errands.App) -> None:
+    assert _quiet_behind_full_slots(store, express=0) == (None, 2)
+
+
+def test_the_express_lane_keeps_a_queues_per_worker_cap(store: errands.App) -> None:
+    """``-q lane=2`` on a worker of 4 slots and a lane: the queue runs 2 jobs at most,
+    the lane's included (it waits while the cap is reached, slots free or not)."""
+    assert _quiet_behind_full_slots(store, express=1, cap=2) == (None, 2)

@@ -77,6 +77,7 @@ class KeyState:
     mean_cost: float = DEFAULT_COST
     last_started: float | None = None
     weight: float = 1.0
+    running: int = 0  # attempts of the key running now, cluster-wide
 
 
 def effective_priority(priority: int, run_at: float, now: float, aging: float | None) -> int:

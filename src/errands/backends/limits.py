@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import ConfigurationError
@@ -142,6 +142,15 @@ class Claimed(list):  # type: ignore[type-arg]
 
     retry_in: float | None = None
     gated: int = 0  # due jobs a concurrency key or a rate held back (not idle: gated)
+    # Rows of a fair queue that are the first claimed of a key with nothing running: a
+    # worker whose slots are full may start them on its express lane (errands.worker).
+    express: frozenset[int] = frozenset()
+
+    def carrying(self, rows: Iterable[object]) -> Claimed:
+        """``rows`` (these rows, as the backend returns them) with this claim's findings."""
+        out = Claimed(rows)
+        out.retry_in, out.gated, out.express = self.retry_in, self.gated, self.express
+        return out
 
 
 def claim_limited(
@@ -154,13 +163,16 @@ def claim_limited(
     names: Sequence[str] | None = None,
     weights: Weigher | None = None,
     cursors: FairCursors | None = None,
+    express: bool = False,
 ) -> Claimed:
     """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order);
     only job types in ``names`` when given (those the claiming worker can run).
     ``weights``: a fair queue's weights given by code (``app.fair_weight(fn)``), for the
     keys without a stored one. ``cursors``: where each fair queue's rotation over its keys
     stands, kept by the caller between claims (see :func:`_pick_fair`); without it a fair
-    claim reads every key.
+    claim reads every key. ``express``: a fair queue's express claim, for a worker's
+    express lane: only the next job of keys with nothing running, one per key (nothing
+    from a queue that is not fair).
 
     Call inside the transaction of the claim (``store.start`` serialises it).
     """
@@ -172,7 +184,7 @@ def claim_limited(
         fair, aging = bool(settings[0][8]), settings[0][9]
     else:
         paused, max_running, rate_limit, rate_period = False, None, None, None
-    if paused:
+    if paused or (express and not fair):
         return result
     room = cap
     if max_running is not None:
@@ -193,7 +205,9 @@ def claim_limited(
         rates[str(name)] = (int(limit), float(period))  # type: ignore[call-overload,arg-type]
     room_per_name = _rooms(store, rates, result)
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
-    pick = _Pick(store, queue, room, rates, room_per_name, blocked, names, result, weights)
+    pick = _Pick(
+        store, queue, room, rates, room_per_name, blocked, names, result, weights, express, fair
+    )
     if fair or aging:
         chosen = _pick_fair(
             pick,
@@ -230,6 +244,9 @@ def claim_limited(
     for name, n in started.items():
         _log_starts(store, f"job:{name}", n, rates[name][1])
     result.extend(claimed)
+    if pick.idle_keys:  # as chosen: the keys' running counts were read under the lock
+        ids = {int(row[0]) for row in claimed}  # type: ignore[call-overload]
+        result.express = frozenset(i for i in pick.idle_keys if i in ids)
     return result
 
 
@@ -246,6 +263,9 @@ class _Pick:
     names: Sequence[str] | None  # the types the claiming worker can run
     result: Claimed
     weights: Weigher | None = None  # fair weights given by code, for keys without a stored one
+    express: bool = False  # only the next job of each key with nothing running
+    fair: bool = False  # the queue is fair (not only aging): the express lane serves it
+    idle_keys: list[int] = field(default_factory=list)  # chosen: first of an idle key
 
     def params(self) -> dict[str, object]:
         return {
@@ -328,7 +348,7 @@ def _pick_fair(
     ]  # fmt: skip
     candidates += ahead
     if not candidates:
-        if windowed and read and cursors is not None:
+        if windowed and read and cursors is not None and not pick.express:
             cursors[queue] = read[-1]
         return []
     keys = sorted({c.fair_key for c in candidates})
@@ -341,13 +361,26 @@ def _pick_fair(
         more_keys = store.id_list(list[object](missing))
         standing += store.rows("fair_states", {"queue": queue, "keys": more_keys})
     states, now = _states(standing, pick.weights)
+    # Keys the express lane serves: nothing running, within their share (a key over it
+    # waits for its turn in a slot, as ever: the lane is no way around its weight).
+    idle: set[str] = set()
+    if pick.fair:  # not in a queue with aging only
+        idle = {k for k in keys if k != UNKEYED and states.get(k, KeyState()).running == 0}
+        idle -= over_share(states, keys)
+    if pick.express:  # each such key's next job only (candidates come in order per key)
+        firsts: dict[str, FairCandidate] = {}
+        for c in candidates:
+            if c.fair_key in idle and not c.rescued:
+                firsts.setdefault(c.fair_key, c)
+        candidates = list(firsts.values())
+        keys = sorted(firsts)
     # Room for more than one job per key that may take turns: read more of each such
     # key, as many as the room left beyond one each. Else, with one job read per key, a
     # key over its share got the slots its own turn did not fill (every other key's
     # only job taken): a key of 10x slower jobs had 1.5x its share on PostgreSQL.
     over = over_share(states, keys)
     eligible = [k for k in keys if k != UNKEYED and k not in over]
-    if eligible and room > len(eligible) + (UNKEYED in wanted):
+    if eligible and room > len(eligible) + (UNKEYED in wanted) and not pick.express:
         per_key = room - len(eligible) + 1
         more = {**params, "per_key": per_key, "keys": store.id_list(list[object](eligible))}
         chosen_keys = set(eligible)
@@ -355,8 +388,12 @@ def _pick_fair(
         candidates += _fair_rows(store, "fair_more", more)
     pick.learn_rates(candidates)
     picked = _fair_choose(pick, candidates, states, now, aging)
-    if len(picked.chosen) < room and any(
-        sum(1 for c in candidates if c.fair_key == k) == picked.taken.get(k, 0) for k in over
+    if (
+        len(picked.chosen) < room
+        and not pick.express
+        and any(
+            sum(1 for c in candidates if c.fair_key == k) == picked.taken.get(k, 0) for k in over
+        )
     ):
         # Work-conserving: the room is not full and a key over its share, read one job
         # deep, had its every job read taken: read more of every key.
@@ -366,11 +403,17 @@ def _pick_fair(
         pick.learn_rates(candidates)
         picked = _fair_choose(pick, candidates, states, now, aging)
     pick.result.gated += picked.gated
-    if windowed and read and cursors is not None:
+    seen: set[str] = set()
+    for c in picked.chosen:  # the first chosen of each key the express lane serves
+        if c.fair_key in idle and c.fair_key not in seen:
+            pick.idle_keys.append(c.id)
+        seen.add(c.fair_key)
+    if windowed and read and cursors is not None and not pick.express:
         # Past the last key of the window served (in rotation order); past the whole
         # window when it could not fill the room. A key skipped though within its share
         # (others had waited longer) started a job longer ago than the keys served: it
-        # goes first in the next window that reads it.
+        # goes first in the next window that reads it. (The express lane's claims leave
+        # the rotation where the slots' claims put it.)
         place = {key: i for i, key in enumerate(read)}
         served = [place[c.fair_key] for c in picked.chosen if c.fair_key in place]
         if len(picked.chosen) < room:
@@ -506,6 +549,7 @@ def _states(
             state.usage += max(float(running), int(n) * state.mean_cost)  # type: ignore[arg-type,call-overload]
         if running_last is not None:
             state.last_started = max(state.last_started or 0.0, float(running_last))  # type: ignore[arg-type]
+        state.running = int(n or 0)  # type: ignore[call-overload]
         states[str(key)] = state
     if weights is not None and unweighted:
         for key, given in weights(unweighted).items():

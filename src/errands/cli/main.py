@@ -103,6 +103,13 @@ def cli() -> None:
     "in this process). Fewer lanes hold fewer child processes after a burst of rescues",
 )
 @click.option(
+    "--express",
+    type=click.IntRange(min=0),
+    help="handler threads beyond -c for fair queues' keys with nothing running, used only "
+    "when every slot is busy: a quiet tenant's job starts at once behind another's backlog "
+    "(default with a fair queue: -c / 4, rounded down; 0: off)",
+)
+@click.option(
     "--no-maintenance",
     is_flag=True,
     help="never take the leader duties (rescue, cron, promotion, pruning)",
@@ -142,6 +149,7 @@ def worker(
     metrics_addr: str,
     pool: str,
     suspect_lanes: int | None,
+    express: int | None,
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
@@ -181,6 +189,7 @@ def worker(
         pool=pool,
         app_path=app_path or app_option,
         suspect_lanes=suspect_lanes,
+        express=express,
     )
     stop_with_supervisor(w, supervisor)  # a child of --processes N: stops once it is gone
     code = w.run()

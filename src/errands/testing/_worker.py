@@ -165,6 +165,8 @@ class HarnessWorker(Worker):
             self.completer.stop(timeout=10.0)
             self.leases.stop()
         self.threads.shutdown()
+        if self.express_threads is not None:
+            self.express_threads.shutdown()
         if self.loop_runner is not None:
             self.loop_runner.shutdown()
 

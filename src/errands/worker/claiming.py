@@ -56,6 +56,8 @@ class ClaimRound:
     # A limited queue was left out for want of a free slot (the prefetch room is not
     # theirs): claim again when a slot frees up.
     limited_starved: bool = False
+    # Rows that are the first claimed of a fair key with nothing running (express lane).
+    express: frozenset[int] = frozenset()
 
 
 class Claimer:
@@ -191,10 +193,37 @@ class Claimer:
                 )
                 rows += limited
                 result.gated += getattr(limited, "gated", 0)
+                result.express |= getattr(limited, "express", frozenset())
                 result.limited_full = result.limited_full or len(limited) >= take
                 retry_in = getattr(limited, "retry_in", None)
                 if retry_in is not None:
                     result.retry_in = min(result.retry_in or retry_in, retry_in)
+
+    def claim_express(self, plan: list[QueueClaim], most: int) -> ClaimRound:
+        """Up to ``most`` jobs of ``plan`` (fair queues, each within its limit) for the
+        express lane: the next job of each key with nothing running, within its share.
+        Never raises (see the module)."""
+        result = ClaimRound()
+        backend = self.app.backend
+        try:
+            for queue in plan:
+                left = min(most - len(result.rows), queue.limit)
+                if left <= 0:
+                    continue
+                result.rows += self._step(
+                    result,
+                    lambda queue=queue, left=left: backend.job_claim_limited(  # type: ignore[misc]
+                        QueueClaim(queue.name, left),
+                        self.worker_id,
+                        self.app.lease,
+                        names=self.names,
+                        weights=self.app.fair_weights,
+                        express=True,
+                    ),
+                )
+        except Exception as exc:  # pragma: no cover - each step catches its own
+            result.error = result.error or exc
+        return result
 
     def _claim_suspects(self, result: ClaimRound, plan: list[QueueClaim], most: int) -> None:
         """Up to ``most`` rescued jobs (the worker sizes ``most`` to run each isolated)."""

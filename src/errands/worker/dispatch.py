@@ -132,7 +132,7 @@ class Dispatcher:
                 return self._run_in_thread(attempt, definition)
 
             attempt.waiting = True
-            attempt.future = worker.threads.submit(
+            attempt.future = worker.threads_for(attempt).submit(
                 run,
                 lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
                 urgent=urgent,

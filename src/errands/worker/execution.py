@@ -95,6 +95,7 @@ class Attempt:
     ran: float | None = None  # seconds the handler's own call took, once it returned or raised
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
+    express: bool = False  # on the worker's express lane (a fair key with nothing running)
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
     reported: int = 0  # "still running" lines written for it so far
     progress: tuple[float, str] | None = None  # ctx.progress, latest

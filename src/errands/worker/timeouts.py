@@ -51,7 +51,7 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
     if not attempt.interrupted and now < attempt.timeout_at + worker.abandon_after:
         attempt.interrupted = True
         if isinstance(attempt.future, Call):
-            worker.threads.interrupt(attempt.future)
+            worker.threads_for(attempt).interrupt(attempt.future)
         attempt.deadline = attempt.timeout_at + worker.abandon_after
         log.warning("job %s is still running past its timeout; interrupting it", attempt.id)
         return
@@ -61,7 +61,7 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         f"{worker.abandon_after:g} s and was abandoned (it may still be running)"
     )
     if worker.recorder.decided(attempt, error, None) and isinstance(attempt.future, Call):
-        worker.threads.abandon(attempt.future)
+        worker.threads_for(attempt).abandon(attempt.future)
         log.error(
             "job %s: handler did not stop %g s after its timeout; thread abandoned",
             attempt.id,
@@ -74,9 +74,9 @@ def interrupt_threads(worker: Worker, attempts: list[Attempt], wait: float) -> N
     already set; wait up to ``wait`` seconds for them to return, then raise
     HandlerInterrupt in the threads of those still running, as a timeout does."""
     deadline = time.monotonic() + wait
-    calls = [a.future for a in attempts if isinstance(a.future, Call)]
-    while time.monotonic() < deadline and any(not c.done() for c in calls):
+    calls = [(a.future, worker.threads_for(a)) for a in attempts if isinstance(a.future, Call)]
+    while time.monotonic() < deadline and any(not c.done() for c, _ in calls):
         time.sleep(0.01)
-    for call in calls:
-        if not call.done() and worker.threads.interrupt(call):
+    for call, threads in calls:
+        if not call.done() and threads.interrupt(call):
             log.warning("a handler still ran at the end of the grace period; interrupting it")

@@ -30,6 +30,14 @@ nothing else with it; a spare child is kept started ahead of need, so a burst of
 jobs does not wait for child start-ups. Without an app path (an embedded worker), one runs
 at a time, never beside another suspect.
 
+A worker serving a fair queue keeps an **express lane**: ``express`` handler threads
+beyond its slots (default: a quarter of the concurrency, rounded down), for the jobs of
+fair keys with nothing running and within their share, used only when every slot is
+busy. A claim names such jobs; one that finds no free slot starts on the lane at once,
+and with every slot busy a notification (a job enqueued) makes the claim loop claim for
+the lane alone. So a quiet tenant's job behind another tenant's backlog starts as on an
+idle queue, rather than waiting for a slot the backlog keeps full.
+
 Graceful stop (SIGTERM/SIGINT, DESIGN §7): stop claiming; let in-flight handlers finish
 within ``grace`` seconds while heartbeats keep their leases; stop what still runs (as a
 timeout does) and release it (back to available, the attempt not charged, the release
@@ -95,6 +103,12 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 # worker holds concurrency * PREFETCH_HORIZON / (mean handler time) jobs beyond its slots.
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
+# The default express lane of a worker serving a fair queue: one handler thread per this
+# many slots (none below that: -c 1 still runs one job at a time; see docs/concurrency.md).
+EXPRESS_SHARE = 4
+# After an express claim that found nothing, the next waits at least this long, whatever
+# wakes the claim loop: on SQLite every commit to the file does (the completer's own).
+EXPRESS_GAP = 0.01
 ABANDON_AFTER_DEFAULT = 10.0
 # Suspects: a spare child process is started with the worker, then kept (children idle
 # longer than SUSPECT_IDLE_RETIRE beyond the spare are stopped). The worker claims no
@@ -165,6 +179,7 @@ class Worker:
         app_path: str | None = None,
         prefetch: int | None = None,
         suspect_lanes: int | None = None,
+        express: int | None = None,
     ) -> None:
         self.app = app
         self.id = worker_id or f"w-{secrets.token_hex(4)}"
@@ -233,6 +248,25 @@ class Worker:
         self._wake_at = float("inf")  # a limited queue asked to be looked at again then
         self._claim_warned_at = float("-inf")
         self.threads = ThreadRunner(concurrency)
+        # The express lane: handler threads beyond the slots, for the jobs of a fair
+        # queue's keys with nothing running, when every slot is busy (see _claim_express).
+        self.fair_queues = [q for q in limits if getattr(app.queues.get(q), "fair", False)]
+        if express is not None and express < 0:
+            raise ConfigurationError("express must be 0 (off) or more")
+        if express and pool != "thread":
+            raise ConfigurationError(
+                "express: the express lane runs handler threads; with pool='process' leave "
+                "it out (or 0)"
+            )
+        if express is None:
+            express = concurrency // EXPRESS_SHARE if self.fair_queues and pool == "thread" else 0
+        self.express = express
+        self._express_free = self.express
+        self._express_wanted = False  # a notification: a fair queue may have a new key
+        self._express_empty_at = float("-inf")  # monotonic: the last empty express claim
+        self.express_threads = (
+            ThreadRunner(self.express, "errands-express") if self.express else None
+        )
         self.loop_runner: LoopRunner | None = None
         self.recorder = self.recorder_class(self)
         self.dispatcher = Dispatcher(self)
@@ -312,7 +346,8 @@ class Worker:
         return not self.isolates_suspects or (runner is not None and runner.ready)
 
     def _running_handlers(self) -> int:
-        return self.concurrency - self._free  # an int read: no lock needed for a hint
+        # int reads: no lock needed for a hint; the express lane's handlers count too
+        return self.concurrency - self._free + self.express - self._express_free
 
     def attempts(self) -> list[Attempt]:
         with self._lock:
@@ -329,7 +364,10 @@ class Worker:
         self._at_startup("checking the schema", lambda: self.app.backend.schema_check())
         self._at_startup(
             "sizing connections",
-            lambda: self.app.backend.configure_worker(self.concurrency, self.app.lease),
+            # every handler at once may hold a ctx.transaction(): the express lane's too
+            lambda: self.app.backend.configure_worker(
+                self.concurrency + self.express, self.app.lease
+            ),
         )
         window = getattr(getattr(self.app.backend, "config", None), "notify_window", 0.0)
         self.recheck_after_notify = max(RECHECK_AFTER_NOTIFY_MIN, float(window) + RECHECK_MARGIN)
@@ -455,7 +493,7 @@ class Worker:
         """Tell the registry this worker is alive (dashboard and status show it)."""
         try:
             with self._lock:
-                in_flight = self.concurrency - self._free
+                in_flight = self.concurrency - self._free + self.express - self._express_free
             self.app.backend.worker_heartbeat(self.id, in_flight, self.processed)
         except Exception as exc:
             log.debug("worker registry heartbeat failed: %s", exc)
@@ -468,6 +506,8 @@ class Worker:
     def _on_notify(self, queue: str | None) -> None:
         if queue is None or queue in self.queue_limits:
             self._notified = True
+            if queue is None or queue in self.fair_queues:
+                self._express_wanted = True
             self._wake.set()
 
     def _on_released(self, queues: set[str]) -> None:
@@ -537,6 +577,7 @@ class Worker:
                 suspects = min(max(self.suspect_lanes - self._suspects, 0), max(room, 0))
                 if not self._suspects_startable():
                     suspects = 0
+                lane = self._express_plan() if not plan else []
             self._throttled = bool(plan)  # before reading: a batch written after it wakes us
             unwritten = self.completer.pending
             if plan and unwritten >= self._unwritten_max:
@@ -552,7 +593,14 @@ class Worker:
                 continue
             self._throttled = False
             if not plan:  # every slot busy: a finishing handler wakes us
-                self._wake.wait(self.poll_interval)
+                wait = self.poll_interval
+                if lane and unwritten < self._unwritten_max:
+                    due = self._express_due()
+                    if due <= 0:
+                        self._claim_express(lane)
+                    elif self._express_wanted:
+                        wait = min(wait, due)  # a notification waits out the gap
+                self._wake.wait(wait)
                 self._wake.clear()
                 continue
             if self._backlog and room < self._refill_at and not gathered:
@@ -567,7 +615,8 @@ class Worker:
             claimed = self.claimer.claim(plan, room, free, suspects)
             if claimed.retry_in is not None:
                 self._wake_at = min(self._wake_at, time.monotonic() + claimed.retry_in)
-            self._start_all(claimed.rows, sent)  # all claimed starts, even after an error
+            # all claimed starts, even after an error
+            self._start_all(claimed.rows, sent, claimed.express)
             rows = claimed.rows
             if claimed.error is not None:
                 now = time.monotonic()
@@ -602,6 +651,43 @@ class Worker:
             self._notified = False
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _express_plan(self) -> list[QueueClaim]:
+        """The express lane's claim (call under the lock): each fair queue within its
+        per-worker cap (``-q tenants=2``), for the lane's free threads."""
+        most = self._express_free
+        plan = []
+        for queue in self.fair_queues if most > 0 else ():
+            cap = self.queue_limits.get(queue)
+            left = most if cap is None else min(most, cap - self._running_per_queue[queue])
+            if left > 0:
+                plan.append(QueueClaim(queue, left))
+        return plan
+
+    def _express_due(self) -> float:
+        """Seconds until an express claim may run (0 or less: now). One runs when a
+        notification came (a job enqueued: perhaps a new key's), at least EXPRESS_GAP
+        after the last that found nothing, or a poll interval after that one."""
+        now = time.monotonic()
+        if self._express_wanted:
+            return self._express_empty_at + EXPRESS_GAP - now
+        return self._express_empty_at + self.poll_interval - now
+
+    def _claim_express(self, plan: list[QueueClaim]) -> None:
+        """Every slot busy: claim for the express lane the next job of fair queues' keys
+        with nothing running (one each, within their share), and start them at once. So a
+        quiet tenant's job starts as on an idle queue behind another tenant's backlog that
+        fills every slot (its wait for a slot was most of its dwell: 6-7 x the idle
+        queue's)."""
+        self._express_wanted = False
+        sent = time.monotonic()
+        claimed = self.claimer.claim_express(plan, sum(q.limit for q in plan))
+        if claimed.rows:
+            self._start_all(claimed.rows, sent, frozenset(r.id for r in claimed.rows))
+        else:
+            self._express_empty_at = time.monotonic()
+        if claimed.error is not None:
+            log.debug("express claim failed (%s)", claimed.error)
 
     def _on_batch_written(self) -> None:
         if self._throttled:
@@ -643,14 +729,22 @@ class Worker:
         mean = self._mean_run  # a racy update of a float: a lost sample is harmless
         self._mean_run = seconds if mean is None else mean + (seconds - mean) * 0.1
 
-    def _start_all(self, rows: list[JobRow], sent: float | None = None) -> None:
+    def _start_all(
+        self,
+        rows: list[JobRow],
+        sent: float | None = None,
+        express: frozenset[int] = frozenset(),
+    ) -> None:
         """Take on a claim's rows: one hold of the lock for the batch, then dispatch each.
 
         ``sent``: when the claim was sent (monotonic). The store started each lease when
         it ran the claim, so this worker counts the lease from the send, not from the
         reply: a reply held up (a network cut that delivers it late) would otherwise make
         a lease that ran out at the store look valid here for the time it was held, and
-        its handler run beside the rescue."""
+        its handler run beside the rescue.
+
+        ``express``: rows that are the first of a fair key with nothing running; one that
+        finds no slot free starts on the express lane, while it has room."""
         if not rows:
             return
         registry, lease = self.app.registry, self.app.lease
@@ -671,7 +765,16 @@ class Worker:
                 self._attempts[(row.id, attempt.token)] = attempt
                 self._suspects += row.rescues > 0
                 running[row.queue] = running.get(row.queue, 0) + 1
-            self._free -= len(attempts)
+                if (
+                    row.id in express
+                    and not row.rescues  # a suspect runs isolated, in a slot
+                    and self._free <= 0
+                    and self._express_free > 0
+                ):
+                    attempt.express = True
+                    self._express_free -= 1
+                else:
+                    self._free -= 1
         for attempt in attempts:
             try:
                 self.dispatcher.dispatch(attempt)
@@ -681,13 +784,18 @@ class Worker:
 
     def slot_freed(self, attempt: Attempt) -> None:
         suspect = attempt.row.rescues > 0  # its end lets the next rescued job be claimed
+        lane = False  # a lane thread free while a notification waits for one
         with self._lock:
-            self._free += 1
+            if attempt.express:
+                self._express_free += 1
+                lane = self._express_wanted
+            else:
+                self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
             self._suspects -= suspect
             room = self._free + self._extra
             refill = self._backlog and (room == 1 or room >= self._refill_at)
-        if refill or suspect:
+        if refill or suspect or lane:
             self._wake.set()
 
     # -- stopping ----------------------------------------------------------------------
@@ -725,6 +833,8 @@ class Worker:
         if self.maintenance:
             self.maintenance.stop()
         self.threads.shutdown()
+        if self.express_threads is not None:
+            self.express_threads.shutdown()
         for children in (self.processes, self.suspect_processes):
             if children is not None:
                 children.shutdown()
@@ -762,8 +872,17 @@ class Worker:
             for attempt in attempts:
                 self._attempts.pop((attempt.id, attempt.token), None)
 
+    def threads_for(self, attempt: Attempt) -> ThreadRunner:
+        """The handler threads ``attempt`` runs on: the express lane's or the slots'."""
+        if attempt.express and self.express_threads is not None:
+            return self.express_threads
+        return self.threads
+
     def stuck_threads(self) -> int:
         """Handler threads that ignored a timeout or shutdown and still run."""
-        return self.threads.stuck() + sum(
-            1 for a in self.attempts() if a.released and a.future and not a.future.done()
+        express = self.express_threads.stuck() if self.express_threads is not None else 0
+        return (
+            express
+            + self.threads.stuck()
+            + sum(1 for a in self.attempts() if a.released and a.future and not a.future.done())
         )

@@ -50,7 +50,7 @@ from ..base import (
     writes_several,
 )
 from ..fair import HALF_LIFE, Weigher
-from ..limits import Claimed, claim_limited
+from ..limits import claim_limited
 from ..program import Call, Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
 from ..sqlfile import load_migrations, load_queries
@@ -958,6 +958,7 @@ class PostgresBackend(PostgresAdmin):
         suspects: bool = False,
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
+        express: bool = False,
     ) -> list[JobRow]:
         with self._tx() as conn:
             rows = claim_limited(
@@ -973,11 +974,9 @@ class PostgresBackend(PostgresAdmin):
                 names=names,
                 weights=weights,
                 cursors=self._fair_cursors,
+                express=express,
             )
-        claimed = Claimed(JobRow(*r) for r in rows)
-        claimed.retry_in = rows.retry_in
-        claimed.gated = rows.gated
-        return claimed
+        return rows.carrying(JobRow(*r) for r in rows)
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
         if not queues:

@@ -290,7 +290,10 @@ def check_budget(conn: psycopg.Connection[Any], config: PostgresConfig, concurre
         fixes = []
         room = allowed - config.pool_size - budget.listen  # left for the handler pool
         if room >= 1 and config.tx_pool_size is None:
-            fixes.append(f"lower -c (--concurrency) to at most {room}")
+            fixes.append(
+                f"lower -c (--concurrency) to at most {room}, counting the express lane "
+                "of a worker serving a fair queue (--express, default -c / 4; 0: off)"
+            )
             fixes.append(
                 "if at most N handlers use ctx.transaction() at once, add tx_pool_size=N "
                 f"(N <= {room}) to the URL"

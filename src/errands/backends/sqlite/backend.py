@@ -52,7 +52,7 @@ from ..base import (
     writes_several,
 )
 from ..fair import Weigher, fold_params
-from ..limits import Claimed, claim_limited
+from ..limits import claim_limited
 from ..program import Program, Stmt, arun, async_driver_connection, run
 from ..shared_admin import suspend_program
 from ..workflow_store import (
@@ -625,6 +625,7 @@ class SQLiteBackend(SQLiteAdmin):
         suspects: bool = False,
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
+        express: bool = False,
     ) -> list[JobRow]:
         with self._write() as conn:  # BEGIN IMMEDIATE: limited claims run one at a time
             store = _LimitedStore(conn)
@@ -641,11 +642,9 @@ class SQLiteBackend(SQLiteAdmin):
                 names=names,
                 weights=weights,
                 cursors=self._fair_cursors,
+                express=express,
             )
-        claimed = Claimed(JobRow(*r) for r in rows)
-        claimed.retry_in = rows.retry_in
-        claimed.gated = rows.gated
-        return claimed
+        return rows.carrying(JobRow(*r) for r in rows)
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
         if not queues:

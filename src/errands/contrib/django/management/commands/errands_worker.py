@@ -49,6 +49,12 @@ class Command(BaseCommand):
             help="seconds between claims when the queues are idle (default 1)",
         )
         parser.add_argument(
+            "--express",
+            type=int,
+            help="handler threads beyond -c for fair queues' keys with nothing running, "
+            "used only while every slot is busy (default with a fair queue: -c / 4; 0: off)",
+        )
+        parser.add_argument(
             "--no-maintenance",
             action="store_true",
             help="never take the leader duties (rescue, prune)",
@@ -86,6 +92,8 @@ class Command(BaseCommand):
 
         if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1")
+        if options["express"] is not None and options["express"] < 0:
+            raise CommandError("--express must be 0 (off) or more")
         if options["grace"] < 0 or options["poll_interval"] <= 0:
             raise CommandError("--grace must be >= 0 and --poll-interval > 0")
         alias = options["backend"]
@@ -115,6 +123,7 @@ class Command(BaseCommand):
             worker = app.worker(
                 queues=queues,
                 concurrency=options["concurrency"],
+                express=options["express"],
                 grace=options["grace"],
                 poll_interval=options["poll_interval"],
                 maintenance=not options["no_maintenance"],
