@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     parser.add_argument(
         "--express",
         type=int,
-        help="the worker's express lane (default: the worker's, -c / 4 with a fair queue)",
+        help="the worker's express lane (default: the worker's, -c / 2 with a fair queue)",
     )
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--keys-jobs", type=int, default=20_000)

@@ -107,7 +107,7 @@ def cli() -> None:
     type=click.IntRange(min=0),
     help="handler threads beyond -c for fair queues' keys with nothing running, used only "
     "when every slot is busy: a quiet tenant's job starts at once behind another's backlog "
-    "(default with a fair queue: -c / 4, rounded down; 0: off)",
+    "(default with a fair queue: -c / 2, rounded down; 0: off)",
 )
 @click.option(
     "--no-maintenance",

@@ -31,7 +31,7 @@ jobs does not wait for child start-ups. Without an app path (an embedded worker)
 at a time, never beside another suspect.
 
 A worker serving a fair queue keeps an **express lane**: ``express`` handler threads
-beyond its slots (default: a quarter of the concurrency, rounded down), for the jobs of
+beyond its slots (default: half the concurrency, rounded down), for the jobs of
 fair keys with nothing running and within their share, used only when every slot is
 busy. A claim names such jobs; one that finds no free slot starts on the lane at once,
 and with every slot busy a notification (a job enqueued) makes the claim loop claim for
@@ -104,8 +104,10 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
 # The default express lane of a worker serving a fair queue: one handler thread per this
-# many slots (none below that: -c 1 still runs one job at a time; see docs/concurrency.md).
-EXPRESS_SHARE = 4
+# many slots (none below that: -c 1 still runs one job at a time). Half: the noisy-
+# neighbour benchmark's quiet traffic (50 tenants, a 50 ms job a second each) needs 2.5
+# threads on average; -c / 4 left its dwell 5-8 x the idle queue's, -c / 2 within 2 x.
+EXPRESS_SHARE = 2
 # After an express claim that found nothing, the next waits at least this long, whatever
 # wakes the claim loop: on SQLite every commit to the file does (the completer's own).
 EXPRESS_GAP = 0.01
@@ -603,7 +605,10 @@ class Worker:
                 self._wake.wait(wait)
                 self._wake.clear()
                 continue
-            if self._backlog and room < self._refill_at and not gathered:
+            # A notification with the express lane free: a quiet key's job may have come,
+            # and it starts now on the lane whatever the slots (no gathering for it).
+            quick = self._express_wanted and self._express_free > 0
+            if self._backlog and room < self._refill_at and not gathered and not quick:
                 # With a backlog, give finishing handlers a moment to free a batch's worth
                 # of slots: one claim then brings many jobs instead of one or two.
                 gathered = True
@@ -612,6 +617,7 @@ class Worker:
                 continue
             gathered = False
             sent = time.monotonic()  # each claimed lease runs from (at latest) the claim's send
+            self._express_wanted = False  # this claim sees what the notification announced
             claimed = self.claimer.claim(plan, room, free, suspects)
             if claimed.retry_in is not None:
                 self._wake_at = min(self._wake_at, time.monotonic() + claimed.retry_in)

@@ -292,7 +292,7 @@ def check_budget(conn: psycopg.Connection[Any], config: PostgresConfig, concurre
         if room >= 1 and config.tx_pool_size is None:
             fixes.append(
                 f"lower -c (--concurrency) to at most {room}, counting the express lane "
-                "of a worker serving a fair queue (--express, default -c / 4; 0: off)"
+                "of a worker serving a fair queue (--express, default -c / 2; 0: off)"
             )
             fixes.append(
                 "if at most N handlers use ctx.transaction() at once, add tx_pool_size=N "

@@ -52,7 +52,7 @@ class Command(BaseCommand):
             "--express",
             type=int,
             help="handler threads beyond -c for fair queues' keys with nothing running, "
-            "used only while every slot is busy (default with a fair queue: -c / 4; 0: off)",
+            "used only while every slot is busy (default with a fair queue: -c / 2; 0: off)",
         )
         parser.add_argument(
             "--no-maintenance",
