@@ -179,15 +179,16 @@ def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_
 
 
 def _quiet_behind_full_slots(
-    store: errands.App, express: int, cap: int | None = None
+    store: errands.App, express: int, cap: int | None = None, limit: int | None = None
 ) -> tuple[int | None, int]:
     """Two slots busy with a noisy tenant's jobs, which wait (up to 30 s) for the quiet
     tenant's job to start; then one quiet job. How many noisy jobs ran when the quiet
     one started (None: it never started while they waited), and the most noisy jobs
     seen running at once. ``cap``: the queue's per-worker cap (``-q lane=2``), with two
-    more slots beyond it. Once everything ran, the worker's slots and lane are all free."""
-    queue = f"lane{express}{cap or ''}"
-    store.queue(queue, fair=True)
+    more slots beyond it; ``limit``: a cluster-wide limit (its claims take free slots
+    only). Once everything ran, the worker's slots and lane are all free."""
+    queue = f"lane{express}{cap or ''}{limit or ''}"
+    store.queue(queue, fair=True, limit=limit)
     quiet_started = threading.Event()
     lock = threading.Lock()
     running = {"noisy": 0, "most": 0, "ended": 0}
@@ -250,3 +251,11 @@ def test_the_express_lane_keeps_a_queues_per_worker_cap(store: errands.App) -> N
     """``-q lane=2`` on a worker of 4 slots and a lane: the queue runs 2 jobs at most,
     the lane's included (it waits while the cap is reached, slots free or not)."""
     assert _quiet_behind_full_slots(store, express=1, cap=2) == (None, 2)
+
+
+def test_the_express_lane_serves_a_fair_queue_with_a_cluster_wide_limit_too(
+    store: errands.App,
+) -> None:
+    """A limited queue's claim takes free slots only (never the prefetch room), so with
+    every slot busy only the lane's own claim can start the quiet job."""
+    assert _quiet_behind_full_slots(store, express=1, limit=100) == (2, 2)

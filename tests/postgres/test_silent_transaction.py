@@ -5,6 +5,7 @@ a transaction idle past half a lease (1-5 s), releasing its locks."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -170,5 +171,32 @@ def test_every_transaction_errands_opens_carries_the_idle_limit(pg_url: str) -> 
                 assert conn.execute(show).fetchone() == ("1500ms",)
         with backend._conn() as conn:
             assert conn.execute(show).fetchone() == ("0",)  # local to the transaction
+    finally:
+        app.close()
+
+
+def test_a_transaction_the_server_ended_for_idling_before_its_commit_runs_again(
+    pg_url: str,
+) -> None:
+    """Its COMMIT met a session already ended (25P03): rolled back for certain, so an
+    enqueue runs again rather than raising EnqueueUncertain ("it may have happened")."""
+    app = errands.App(pg_url)
+    try:
+        backend: Any = app.backend
+        backend.configure_worker(4, lease=2.0)  # an idle limit of 1 s
+        tries: list[int] = []
+
+        def work(conn: Any, progress: Any) -> str:
+            tries.append(1)
+            with backend._own_tx(conn):
+                conn.execute("SELECT 1")
+                if len(tries) == 1:
+                    time.sleep(1.6)  # silent past the limit: the server ends the session
+                progress.committing = True  # leaving the block sends COMMIT
+            return "stored"
+
+        uncertain = lambda exc: AssertionError(f"reported uncertain: {exc}")  # noqa: E731
+        assert backend._again_if_lost(work, uncertain) == "stored"
+        assert len(tries) == 2
     finally:
         app.close()

@@ -265,7 +265,8 @@ class Worker:
         self.express = express
         self._express_free = self.express
         self._express_wanted = False  # a notification: a fair queue may have a new key
-        self._express_empty_at = float("-inf")  # monotonic: the last empty express claim
+        self._express_at = float("-inf")  # monotonic: the last express claim
+        self._express_found = False  # ... took jobs
         self.express_threads = (
             ThreadRunner(self.express, "errands-express") if self.express else None
         )
@@ -579,9 +580,13 @@ class Worker:
                 suspects = min(max(self.suspect_lanes - self._suspects, 0), max(room, 0))
                 if not self._suspects_startable():
                     suspects = 0
-                lane = self._express_plan() if not plan else []
+                lane = self._express_plan() if free <= 0 else []
             self._throttled = bool(plan)  # before reading: a batch written after it wakes us
             unwritten = self.completer.pending
+            if lane and unwritten < self._unwritten_max and self._express_due() <= 0:
+                # Every slot busy (a prefetch room may be left, or a limited queue's
+                # claim may take only free slots): the lane's claim goes first.
+                self._claim_express(lane)
             if plan and unwritten >= self._unwritten_max:
                 # The store records outcomes slower than the handlers produce them (a slow
                 # or struggling store): claim nothing until the completer catches up. Else
@@ -596,19 +601,12 @@ class Worker:
             self._throttled = False
             if not plan:  # every slot busy: a finishing handler wakes us
                 wait = self.poll_interval
-                if lane and unwritten < self._unwritten_max:
-                    due = self._express_due()
-                    if due <= 0:
-                        self._claim_express(lane)
-                    elif self._express_wanted:
-                        wait = min(wait, due)  # a notification waits out the gap
+                if lane and self._express_wanted and unwritten < self._unwritten_max:
+                    wait = min(wait, max(self._express_due(), 0.001))  # out of the gap
                 self._wake.wait(wait)
                 self._wake.clear()
                 continue
-            # A notification with the express lane free: a quiet key's job may have come,
-            # and it starts now on the lane whatever the slots (no gathering for it).
-            quick = self._express_wanted and self._express_free > 0
-            if self._backlog and room < self._refill_at and not gathered and not quick:
+            if self._backlog and room < self._refill_at and not gathered:
                 # With a backlog, give finishing handlers a moment to free a batch's worth
                 # of slots: one claim then brings many jobs instead of one or two.
                 gathered = True
@@ -617,7 +615,6 @@ class Worker:
                 continue
             gathered = False
             sent = time.monotonic()  # each claimed lease runs from (at latest) the claim's send
-            self._express_wanted = False  # this claim sees what the notification announced
             claimed = self.claimer.claim(plan, room, free, suspects)
             if claimed.retry_in is not None:
                 self._wake_at = min(self._wake_at, time.monotonic() + claimed.retry_in)
@@ -672,12 +669,13 @@ class Worker:
 
     def _express_due(self) -> float:
         """Seconds until an express claim may run (0 or less: now). One runs when a
-        notification came (a job enqueued: perhaps a new key's), at least EXPRESS_GAP
-        after the last that found nothing, or a poll interval after that one."""
+        notification came (a job enqueued: perhaps a new key's), at once after one that
+        found jobs, at least EXPRESS_GAP after one that found none; without one, a poll
+        interval after the last."""
         now = time.monotonic()
         if self._express_wanted:
-            return self._express_empty_at + EXPRESS_GAP - now
-        return self._express_empty_at + self.poll_interval - now
+            return self._express_at + (0.0 if self._express_found else EXPRESS_GAP) - now
+        return self._express_at + self.poll_interval - now
 
     def _claim_express(self, plan: list[QueueClaim]) -> None:
         """Every slot busy: claim for the express lane the next job of fair queues' keys
@@ -688,10 +686,9 @@ class Worker:
         self._express_wanted = False
         sent = time.monotonic()
         claimed = self.claimer.claim_express(plan, sum(q.limit for q in plan))
+        self._express_at, self._express_found = time.monotonic(), bool(claimed.rows)
         if claimed.rows:
             self._start_all(claimed.rows, sent, frozenset(r.id for r in claimed.rows))
-        else:
-            self._express_empty_at = time.monotonic()
         if claimed.error is not None:
             log.debug("express claim failed (%s)", claimed.error)
 

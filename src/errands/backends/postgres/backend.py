@@ -322,7 +322,10 @@ class PostgresBackend(PostgresAdmin):
             except psycopg.Error as exc:
                 if not lost(progress.conn):
                     raise
-                if progress.committing and uncertain is not None:
+                # 25P03: the server ended the transaction for idling, before any COMMIT
+                # of it arrived: rolled back for certain, so it runs again.
+                idled = getattr(exc, "sqlstate", None) == "25P03"
+                if progress.committing and uncertain is not None and not idled:
                     raise uncertain(exc) from exc
                 if not tries_left:
                     raise
