@@ -583,10 +583,12 @@ class Worker:
                 lane = self._express_plan() if free <= 0 else []
             self._throttled = bool(plan)  # before reading: a batch written after it wakes us
             unwritten = self.completer.pending
-            if lane and unwritten < self._unwritten_max and self._express_due() <= 0:
-                # Every slot busy (a prefetch room may be left, or a limited queue's
-                # claim may take only free slots): the lane's claim goes first.
-                self._claim_express(lane)
+            # Every slot busy (a prefetch room may be left, or a limited queue's claim may
+            # take only free slots): the lane's claim goes first; what it started changes
+            # the plan (per-worker caps, room), which is made again.
+            lane_now = lane and unwritten < self._unwritten_max and self._express_due() <= 0
+            if lane_now and self._claim_express(lane):
+                continue
             if plan and unwritten >= self._unwritten_max:
                 # The store records outcomes slower than the handlers produce them (a slow
                 # or struggling store): claim nothing until the completer catches up. Else
@@ -599,11 +601,10 @@ class Worker:
                 self._wake.clear()
                 continue
             self._throttled = False
+            # A notification for the lane inside its gap: no wait outlasts the gap.
+            lane_due = bool(lane) and self._express_wanted and unwritten < self._unwritten_max
             if not plan:  # every slot busy: a finishing handler wakes us
-                wait = self.poll_interval
-                if lane and self._express_wanted and unwritten < self._unwritten_max:
-                    wait = min(wait, max(self._express_due(), 0.001))  # out of the gap
-                self._wake.wait(wait)
+                self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
                 self._wake.clear()
                 continue
             if self._backlog and room < self._refill_at and not gathered:
@@ -640,7 +641,7 @@ class Worker:
             if not rows and claimed.limited_starved and self._backlog:
                 # The limited queues wait for a free slot, which wakes us (the backlog
                 # stays on) rather than the next poll.
-                self._wake.wait(self.poll_interval)
+                self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
                 self._wake.clear()
                 continue
             self._backlog = bool(rows) and (len(rows) >= room or claimed.limited_full)
@@ -652,8 +653,12 @@ class Worker:
             wait = max(min(wait, self._wake_at - time.monotonic()), 0.0)
             self._wake_at = float("inf")
             self._notified = False
-            self._wake.wait(wait)
+            self._wake.wait(self._lane_wait(wait, lane_due))
             self._wake.clear()
+
+    def _lane_wait(self, wait: float, lane_due: bool) -> float:
+        """``wait``, or less when an express claim waits out its gap (``lane_due``)."""
+        return min(wait, max(self._express_due(), 0.001)) if lane_due else wait
 
     def _express_plan(self) -> list[QueueClaim]:
         """The express lane's claim (call under the lock): each fair queue within its
@@ -677,20 +682,21 @@ class Worker:
             return self._express_at + (0.0 if self._express_found else EXPRESS_GAP) - now
         return self._express_at + self.poll_interval - now
 
-    def _claim_express(self, plan: list[QueueClaim]) -> None:
+    def _claim_express(self, plan: list[QueueClaim]) -> bool:
         """Every slot busy: claim for the express lane the next job of fair queues' keys
         with nothing running (one each, within their share), and start them at once. So a
         quiet tenant's job starts as on an idle queue behind another tenant's backlog that
         fills every slot (its wait for a slot was most of its dwell: 6-7 x the idle
-        queue's)."""
+        queue's). True when it started any."""
         self._express_wanted = False
         sent = time.monotonic()
-        claimed = self.claimer.claim_express(plan, sum(q.limit for q in plan))
+        claimed = self.claimer.claim_express(plan, self._express_free)  # the lane's room in all
         self._express_at, self._express_found = time.monotonic(), bool(claimed.rows)
         if claimed.rows:
             self._start_all(claimed.rows, sent, frozenset(r.id for r in claimed.rows))
         if claimed.error is not None:
             log.debug("express claim failed (%s)", claimed.error)
+        return bool(claimed.rows)
 
     def _on_batch_written(self) -> None:
         if self._throttled:
