@@ -363,10 +363,11 @@ def _pick_fair(
     states, now = _states(standing, pick.weights)
     # Keys the express lane serves: nothing running, within their share (a key over it
     # waits for its turn in a slot, as ever: the lane is no way around its weight).
+    over = over_share(states, keys)  # judged among every key read, once per claim
     idle: set[str] = set()
     if pick.fair:  # not in a queue with aging only
         idle = {k for k in keys if k != UNKEYED and states.get(k, KeyState()).running == 0}
-        idle -= over_share(states, keys)
+        idle -= over
     if pick.express:  # each such key's next job only (candidates come in order per key)
         firsts: dict[str, FairCandidate] = {}
         for c in candidates:
@@ -378,7 +379,6 @@ def _pick_fair(
     # key, as many as the room left beyond one each. Else, with one job read per key, a
     # key over its share got the slots its own turn did not fill (every other key's
     # only job taken): a key of 10x slower jobs had 1.5x its share on PostgreSQL.
-    over = over_share(states, keys)
     eligible = [k for k in keys if k != UNKEYED and k not in over]
     if eligible and room > len(eligible) + (UNKEYED in wanted) and not pick.express:
         per_key = room - len(eligible) + 1

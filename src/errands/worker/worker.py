@@ -35,8 +35,9 @@ beyond its slots (default: half the concurrency, rounded down), for the jobs of
 fair keys with nothing running and within their share, used only when every slot is
 busy. A claim names such jobs; one that finds no free slot starts on the lane at once,
 and with every slot busy a notification (a job enqueued) makes the claim loop claim for
-the lane alone. So a quiet tenant's job behind another tenant's backlog starts as on an
-idle queue, rather than waiting for a slot the backlog keeps full.
+the lane first, ahead of its regular claim. So a quiet tenant's job behind another
+tenant's backlog starts as on an idle queue, rather than waiting for a slot the backlog
+keeps full.
 
 Graceful stop (SIGTERM/SIGINT, DESIGN §7): stop claiming; let in-flight handlers finish
 within ``grace`` seconds while heartbeats keep their leases; stop what still runs (as a
@@ -496,7 +497,7 @@ class Worker:
         """Tell the registry this worker is alive (dashboard and status show it)."""
         try:
             with self._lock:
-                in_flight = self.concurrency - self._free + self.express - self._express_free
+                in_flight = self._running_handlers()
             self.app.backend.worker_heartbeat(self.id, in_flight, self.processed)
         except Exception as exc:
             log.debug("worker registry heartbeat failed: %s", exc)
