@@ -93,6 +93,11 @@ SELECT id FROM {schema}.errands_jobs WHERE name = %(name)s AND idempotency_key =
 -- (rescues = 0), job_claim_suspect rescued ones (rescues > 0, through their own partial
 -- index). Rows carrying a limit (a concurrency key or a rate) are never taken here: the
 -- worker claims them through claim_limited, which counts them (errands.backends.limits).
+-- The job types the worker runs (names) are tested by array_position, which no index can
+-- serve and which the planner does not count as selective: as `name = ANY(names)`, a job
+-- type the statistics had not seen was estimated at one row, and the claim read every
+-- due row of it through errands_jobs_state_name and sorted them, for 40 (every claim
+-- statement does the same; tests/postgres/test_claim_plans.py).
 WITH picked AS (
     SELECT p.id
     FROM unnest(%(queues)s::text[], %(limits)s::int[]) AS q(name, cap)
@@ -103,7 +108,7 @@ WITH picked AS (
           AND run_at <= now()
           AND $RESCUED
           AND concurrency_key IS NULL AND rate_limit IS NULL
-          AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
+          AND (%(names)s::text[] IS NULL OR array_position(%(names)s::text[], name) IS NOT NULL)
           AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
                           WHERE s.name = q.name AND s.paused)
         ORDER BY priority DESC, run_at, id
@@ -257,11 +262,16 @@ DELETE FROM {schema}.errands_steps WHERE job_id = %(job_id)s
 SELECT {job_columns} FROM {schema}.errands_jobs AS j WHERE j.id = %(id)s
 
 -- name: job_list
+-- A queue or a name is compared twice: in the column's collation, for the partial btree
+-- indexes (state, queue / name, id), and in "C", for errands_jobs_listing_bloom, which
+-- only a comparison in "C" can use (so that no claim ever picks it: migration 15).
 SELECT {job_columns}
 FROM {schema}.errands_jobs AS j
 WHERE (%(state)s::text IS NULL OR j.state = %(state)s::text)
-  AND (%(queue)s::text IS NULL OR j.queue = %(queue)s::text)
-  AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
+  AND (%(queue)s::text IS NULL
+       OR (j.queue = %(queue)s::text AND j.queue COLLATE "C" = %(queue)s::text))
+  AND (%(name)s::text IS NULL
+       OR (j.name = %(name)s::text AND j.name COLLATE "C" = %(name)s::text))
   AND (%(before_id)s::bigint IS NULL OR j.id < %(before_id)s::bigint)
   AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
 ORDER BY j.id DESC
@@ -269,9 +279,11 @@ LIMIT %(limit)s
 
 -- name: job_ids_matching
 SELECT id FROM {schema}.errands_jobs
-WHERE state = %(state)s
-  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-  AND (%(name)s::text IS NULL OR name = %(name)s::text)
+WHERE state = %(state)s  -- a queue or a name compared twice: see job_list
+  AND (%(queue)s::text IS NULL
+       OR (queue = %(queue)s::text AND queue COLLATE "C" = %(queue)s::text))
+  AND (%(name)s::text IS NULL
+       OR (name = %(name)s::text AND name COLLATE "C" = %(name)s::text))
 ORDER BY id
 FOR UPDATE
 
@@ -605,7 +617,7 @@ WHERE state IN ('available', 'scheduled', 'retryable')
   AND $RESCUED
   AND run_at <= now()
   AND NOT (name = ANY(%(blocked)s::text[]))
-  AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
+  AND (%(names)s::text[] IS NULL OR array_position(%(names)s::text[], name) IS NOT NULL)
   AND (concurrency_key IS NULL
        OR (SELECT count(*) FROM {schema}.errands_jobs AS r
            WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
@@ -867,7 +879,7 @@ LEFT JOIN LATERAL (
       AND j.fair_key = l.key AND j.priority = l.priority
       AND j.run_at <= now() AND (%(suspects)s OR j.rescues = 0)
       AND NOT (j.name = ANY(%(blocked)s::text[]))
-      AND (%(names)s::text[] IS NULL OR j.name = ANY(%(names)s::text[]))
+      AND (%(names)s::text[] IS NULL OR array_position(%(names)s::text[], j.name) IS NOT NULL)
       AND (j.concurrency_key IS NULL
            OR (SELECT count(*) FROM {schema}.errands_jobs AS r
                WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
@@ -902,7 +914,7 @@ CROSS JOIN LATERAL (
       AND j.fair_key = l.key AND j.priority = l.priority
       AND j.run_at <= now() AND (%(suspects)s OR j.rescues = 0)
       AND NOT (j.name = ANY(%(blocked)s::text[]))
-      AND (%(names)s::text[] IS NULL OR j.name = ANY(%(names)s::text[]))
+      AND (%(names)s::text[] IS NULL OR array_position(%(names)s::text[], j.name) IS NOT NULL)
       AND (j.concurrency_key IS NULL
            OR (SELECT count(*) FROM {schema}.errands_jobs AS r
                WHERE r.state = 'running' AND r.concurrency_key = j.concurrency_key)
@@ -924,7 +936,7 @@ FROM (SELECT * FROM {schema}.errands_jobs
       ORDER BY priority DESC, run_at, id
       LIMIT %(lookahead)s) AS j
 WHERE (fair_key IS NULL OR priority > %(above)s::int)
-  AND (%(names)s::text[] IS NULL OR name = ANY(%(names)s::text[]))
+  AND (%(names)s::text[] IS NULL OR array_position(%(names)s::text[], name) IS NOT NULL)
 
 -- name: fair_states
 -- Per key of keys in a queue: its folded usage (usage, recent attempts, when folded, last

@@ -1,0 +1,116 @@
+"""Every claim keeps its btree index on PostgreSQL, whatever the statistics say.
+
+A claim reads a queue's due rows in claim order through errands_jobs_due (or, in a fair
+queue, errands_jobs_fair). The planner chose otherwise for a queue it had no statistics
+for (a queue newer than the last ANALYZE, or outside its most common values: estimated at
+one row): the BRIN bloom index over (queue, name) looked cheaper, and a claim read every
+page range not yet summarised, then sorted: 160 ms a claim on 440,000 rows, 170 jobs a
+second where the worker does 9,000 (migration 15 made that index usable by the listings
+only). Then, for a job type the statistics had not seen, errands_jobs_state_name (state,
+name, id): every due row of the type read and sorted, to claim 40 (the job types are now
+tested in a form no index serves). So each claim statement runs under EXPLAIN ANALYZE on
+a new queue's rows enqueued after the ANALYZE of 20,000 rows since processed (whose
+ranges no vacuum has summarised), and must find its rows through its own btree index:
+never a listing's index, a bitmap of heap pages or a sequential scan. The plan's shape,
+not time: a loaded machine cannot fail it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.pg import fresh_schema_conn, plan_nodes
+
+ROWS = 20_000
+NEW = 300  # due rows of the new queue, enqueued after the statistics were taken
+
+FILL = """
+INSERT INTO errands_jobs (name, queue, args, state, run_at, attempt, max_attempts, finished_at)
+SELECT CASE WHEN g %% 3 = 0 THEN 'other.job' ELSE 'bulk.job' END,
+       CASE WHEN g %% 3 = 0 THEN 'other' ELSE 'bulk' END,
+       '{}'::jsonb, 'available', now(), 0, 3, NULL
+FROM generate_series(1, %(rows)s) AS g
+"""
+
+# The backlog analysed, then processed: the statistics say due rows are common, and the
+# indexes hold the processed rows' dead entries (no vacuum ran since).
+PROCESSED = "UPDATE errands_jobs SET state = 'completed', attempt = 1, finished_at = now()"
+
+NEW_ROWS = """
+INSERT INTO errands_jobs (name, queue, args, state, run_at, attempt, max_attempts, fair_key,
+                          rescues)
+SELECT 'fresh.job', 'fresh', '{}'::jsonb, 'available', now() - interval '1 second', 0, 3,
+       'tenant:' || (g %% 30), CASE WHEN g %% 50 = 0 THEN 1 ELSE 0 END
+FROM generate_series(1, %(rows)s) AS g
+"""
+
+
+@pytest.fixture(scope="module")
+def claimed_from() -> Iterator[tuple[Any, dict[str, str]]]:
+    """A migrated schema: 20,000 completed rows of two queues, analysed (never vacuumed:
+    no BRIN range summarised), then 300 due rows of a queue the statistics never saw."""
+    for conn, queries in fresh_schema_conn():
+        conn.execute(FILL, {"rows": ROWS})
+        conn.execute("ANALYZE errands_jobs")
+        conn.execute(PROCESSED)
+        conn.execute(NEW_ROWS, {"rows": NEW})
+        yield conn, queries
+
+
+# The nodes a claim may read errands_jobs with (its update, a row by its primary key).
+BTREE_SCANS = {"Index Scan", "Index Only Scan", "ModifyTable"}
+# The listings' indexes: through them a claim reads every due row of its queue or job
+# type and sorts them, to take 40.
+LISTING_INDEXES = {"errands_jobs_listing_bloom", "errands_jobs_bloom",
+                   "errands_jobs_state_name", "errands_jobs_state_queue"}  # fmt: skip
+
+_CLAIM = {"queues": ["fresh"], "limits": [40], "limit": 40, "names": ["fresh.job"],
+          "worker_id": "w", "token": "t", "lease_default": 30.0}  # fmt: skip
+_LIMITED = {"queue": "fresh", "blocked": [], "names": ["fresh.job"], "limit": 400}
+_FAIR = {"queue": "fresh", "blocked": [], "names": ["fresh.job"], "suspects": False}
+
+CLAIMS = {
+    "the claim of plain queues": ("job_claim", _CLAIM),
+    "the claim of rescued jobs": ("job_claim_suspect", _CLAIM),
+    "a limited queue's candidates": ("claim_candidates", _LIMITED),
+    "a limited queue's rescued candidates": ("claim_candidates_suspect", _LIMITED),
+    "a limited claim's start": ("limited_claim_start", {"queue": "fresh", "lock": "x"}),
+    "a fair queue's window of keys": (
+        "fair_heads",
+        {**_FAIR, "after": None, "before": None, "limit": 56, "per_key": 1},
+    ),
+    "a fair queue's window after its cursor": (
+        "fair_heads",
+        {**_FAIR, "after": "tenant:1", "before": None, "limit": 56, "per_key": 1},
+    ),
+    "a fair queue's lookahead": ("fair_lookahead", {**_FAIR, "lookahead": 56, "above": 0}),
+    "more of a fair queue's keys": (
+        "fair_more",
+        {**_FAIR, "keys": [f"tenant:{k}" for k in range(30)], "per_key": 10},
+    ),
+    "which queues are limited": ("queues_with_limits", {"queues": ["fresh"]}),
+}
+
+
+@pytest.mark.parametrize("claim", list(CLAIMS))
+def test_a_claim_of_a_queue_the_statistics_never_saw_finds_its_rows_through_a_btree(
+    claimed_from: tuple[Any, dict[str, str]], claim: str
+) -> None:
+    """Given 20,000 completed rows analysed and 300 due rows of a new queue, each claim
+    statement finds the rows by btree index scans: never the listings' bloom index, a
+    bitmap of heap pages or a scan of the table."""
+    conn, queries = claimed_from
+    query, params = CLAIMS[claim]
+    with conn.transaction(force_rollback=True):  # the claims' updates are undone
+        explained = conn.execute(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queries[query], params
+        ).fetchone()[0][0]
+    plan = explained["Plan"]
+    scans = [n for n in plan_nodes(plan) if n.get("Relation Name") == "errands_jobs"]
+    shown = [f"{n['Node Type']} {n.get('Index Name', '')}".strip() for n in scans]
+    assert scans, f"{claim}: no scan of errands_jobs in {shown}"
+    assert all(n["Node Type"] in BTREE_SCANS for n in scans), f"{claim}: {shown}"
+    assert not any(n.get("Index Name") in LISTING_INDEXES for n in scans), f"{claim}: {shown}"
