@@ -17,6 +17,8 @@ not time: a loaded machine cannot fail it.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,7 +94,27 @@ CLAIMS = {
         {**_FAIR, "keys": [f"tenant:{k}" for k in range(30)], "per_key": 10},
     ),
     "which queues are limited": ("queues_with_limits", {"queues": ["fresh"]}),
+    "a fair queue's standings": (
+        "fair_states",
+        {"queue": "fresh", "keys": [f"tenant:{k}" for k in range(30)]},
+    ),
+    "a limited queue's running jobs": ("queue_running_count", {"queue": "fresh"}),
+    "a limited claim's write": (
+        "job_claim_ids",
+        {
+            "ids": list(range(ROWS + 1, ROWS + 41)),
+            "worker_id": "w",
+            "token": "t",
+            "lease_default": 30.0,
+        },
+    ),
 }
+# The statements of a limited claim, which run with generic plans (planned once per
+# connection, not per claim: see _LimitedStore.transaction in the PostgreSQL backend).
+LIMITED = [
+    name for name, (query, _) in CLAIMS.items()
+    if query not in ("job_claim", "job_claim_suspect", "queues_with_limits")
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("claim", list(CLAIMS))
@@ -102,15 +124,55 @@ def test_a_claim_of_a_queue_the_statistics_never_saw_finds_its_rows_through_a_bt
     """Given 20,000 completed rows analysed and 300 due rows of a new queue, each claim
     statement finds the rows by btree index scans: never the listings' bloom index, a
     bitmap of heap pages or a scan of the table."""
+    _check_plan(claimed_from, claim, generic=False)
+
+
+@pytest.mark.parametrize("claim", LIMITED)
+def test_a_limited_claims_generic_plan_finds_its_rows_through_a_btree(
+    claimed_from: tuple[Any, dict[str, str]], claim: str
+) -> None:
+    """The same for the plan a limited claim runs: one made without its parameters'
+    values (plan_cache_mode force_generic_plan), so it cannot lean on them."""
+    _check_plan(claimed_from, claim, generic=True)
+
+
+def _check_plan(claimed_from: tuple[Any, dict[str, str]], claim: str, *, generic: bool) -> None:
     conn, queries = claimed_from
     query, params = CLAIMS[claim]
     with conn.transaction(force_rollback=True):  # the claims' updates are undone
-        explained = conn.execute(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queries[query], params
-        ).fetchone()[0][0]
+        if generic:
+            conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            explained = _explain_prepared(conn, queries[query], params)
+        else:
+            explained = conn.execute(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queries[query], params
+            ).fetchone()[0][0]
     plan = explained["Plan"]
+    if generic:  # a generic plan compares with the parameters, not with their values
+        assert re.search(r"\$\d", json.dumps(plan)), f"{claim}: not a generic plan"
     scans = [n for n in plan_nodes(plan) if n.get("Relation Name") == "errands_jobs"]
     shown = [f"{n['Node Type']} {n.get('Index Name', '')}".strip() for n in scans]
     assert scans, f"{claim}: no scan of errands_jobs in {shown}"
     assert all(n["Node Type"] in BTREE_SCANS for n in scans), f"{claim}: {shown}"
     assert not any(n.get("Index Name") in LISTING_INDEXES for n in scans), f"{claim}: {shown}"
+
+
+def _explain_prepared(conn: Any, query: str, params: dict[str, Any]) -> Any:
+    """EXPLAIN ANALYZE of ``query`` as a prepared statement (PREPARE, then EXECUTE with
+    ``params``' values): planned as the worker's prepared statements are."""
+    from psycopg import sql
+
+    order: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match[1] not in order:
+            order.append(match[1])
+        return f"${order.index(match[1]) + 1}"
+
+    conn.execute("PREPARE claim_plan AS " + re.sub(r"%\((\w+)\)s", number, query))
+    try:
+        values = sql.SQL(", ").join(sql.Literal(params[name]) for name in order)
+        execute = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_plan({})")
+        return conn.execute(execute.format(values)).fetchone()[0][0]
+    finally:
+        conn.execute("DEALLOCATE claim_plan")

@@ -61,11 +61,13 @@ def test_a_claimer_gone_silent_with_a_claim_lock_holds_the_others_up_only_to_the
         def go_silent() -> None:
             try:
                 silent.configure_worker(4, lease=2.0)  # an idle limit of 1 s
-                with silent._tx() as conn:  # as job_claim_limited opens it
-                    store = _LimitedStore(conn, silent.q, f"errands:{silent.schema}:")
-                    store.start("tenants")  # the queue's claim lock, held from here
-                    holding.set()
-                    release.wait(15)  # silent: no statement, the transaction left open
+                with silent._conn() as conn:  # as job_claim_limited opens it
+                    prefix = f"errands:{silent.schema}:"
+                    store = _LimitedStore(conn, silent.q, prefix, silent._idle)
+                    with store.transaction():
+                        store.start("tenants")  # the queue's claim lock, held from here
+                        holding.set()
+                        release.wait(15)  # silent: no statement, the transaction left open
             except psycopg.Error as exc:
                 ended.append(exc)
 

@@ -128,6 +128,18 @@ class LimitedClaimStore(Protocol):
 
     def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]: ...
 
+    def expect(self, query: str, params: dict[str, object]) -> None:
+        """Called before ``start``: ``rows(query, params)`` is likely to be asked for next
+        (a fair queue's first reads). A backend may send it with ``start``'s statement and
+        answer ``rows`` from it when asked with equal ``params`` (PostgreSQL: one round
+        trip); a read never asked for is dropped. Only reads without side effects."""
+        ...
+
+    def claim(self, params: dict[str, object], *, last: bool) -> list[tuple[object, ...]]:
+        """``job_claim_ids``: the claim's write. ``last``: no statement follows it in the
+        transaction, so a backend may send the commit with it."""
+        ...
+
     def id_list(self, values: list[object]) -> object: ...
 
     def lock(self, names: list[str]) -> None:
@@ -177,6 +189,14 @@ def claim_limited(
     Call inside the transaction of the claim (``store.start`` serialises it).
     """
     result = Claimed()
+    if cursors is not None and queue in cursors and not suspects:
+        # A fair queue this process claimed before (its rotation has a place): the first
+        # reads of its claim go with the claim's first statement where the backend can
+        # (one round trip on PostgreSQL), as they are asked for when no cluster-wide limit
+        # shrinks the room and no job type is out of its rate; else they are read again.
+        guess = {**_Pick(store, queue, cap, {}, {}, [], names, result).params(), "suspects": False}
+        for query, params in _first_reads(guess, cursors[queue], cap):
+            store.expect(query, params)
     settings, named_rates = store.start(queue)
     fair, aging = False, None
     if settings:
@@ -228,8 +248,9 @@ def claim_limited(
     chosen = choose(chosen, room, _running(store, chosen), _rooms(store, fresh_rates, result))
     if not chosen:
         return result
-    claimed = store.rows(
-        "job_claim_ids", {**claim_params, "ids": store.id_list([c.id for c in chosen])}
+    logged = (rate_limit is not None and bool(rate_period)) or any(c.name in rates for c in chosen)
+    claimed = store.claim(
+        {**claim_params, "ids": store.id_list([c.id for c in chosen])}, last=not logged
     )
     # In the order chosen (a fair queue's: each key's turn), not the rows' order: a worker
     # starts a prefetched batch first in, first out.
@@ -329,23 +350,25 @@ def _pick_fair(
     windowed = cursors is not None and aging is None and not suspects
     cursor = cursors.get(queue) if cursors is not None and windowed else None
     if windowed:
-        candidates, read, standing = _fair_window(store, params, cursor, window_size(room))
+        (_, first), (_, ahead_params) = _first_reads(params, cursor, room)
+        candidates, read, standing = _fair_window(store, first, window_size(room))
         low = min((c.priority for c in candidates), default=LEVEL_MIN)
+        # every row of the lookahead read (see _first_reads): the keyed ones above kept
+        window = set(read)
+        ahead = [
+            c
+            for c in _fair_rows(store, "fair_lookahead", ahead_params)
+            if c.fair_key not in window and (c.fair_key == UNKEYED or c.priority > low)
+        ]
     else:
         heads = {**params, "after": None, "before": None, "limit": UNBOUNDED, "per_key": 1}
         rows = store.rows("fair_heads", heads)
         candidates = [_candidate(r) for r in rows if r[0] is not None]
         standing = list({str(r[6]): (r[6], *r[10:19]) for r in rows}.values())
         read = []
-        low = None  # every key's heads are read: no keyed row of the lookahead is needed
-    window = set(read)
-    ahead_rows = window_size(room) if windowed else lookahead(room)
-    ahead = [
-        c
-        for c in _fair_rows(store, "fair_lookahead", {**params, "lookahead": ahead_rows,
-                                                      "above": low})
-        if c.fair_key not in window
-    ]  # fmt: skip
+        # every key's heads are read: only the rows without a key come from the lookahead
+        ahead_all = {**params, "lookahead": lookahead(room), "above": None}
+        ahead = _fair_rows(store, "fair_lookahead", ahead_all)
     candidates += ahead
     if not candidates:
         if windowed and read and cursors is not None and not pick.express:
@@ -461,12 +484,26 @@ def window_size(room: int) -> int:
     return max(room + WINDOW_SPARE, WINDOW_MIN)
 
 
+def _first_reads(
+    params: dict[str, object], cursor: str | None, room: int
+) -> tuple[tuple[str, dict[str, object]], tuple[str, dict[str, object]]]:
+    """A windowed fair claim's first two reads, as (query, params): the first window of
+    keys after ``cursor`` (fair_heads) and the lookahead (fair_lookahead), whose every row
+    is read (``above`` the lowest level) and those above the window's lowest level kept by
+    the caller: so both are known before either answers (see LimitedClaimStore.expect)."""
+    size = window_size(room)
+    return (
+        ("fair_heads", {**params, "after": cursor, "before": None, "limit": size, "per_key": 1}),
+        ("fair_lookahead", {**params, "lookahead": size, "above": LEVEL_MIN}),
+    )
+
+
 def _fair_window(
-    store: LimitedClaimStore, params: dict[str, object], cursor: str | None, size: int
+    store: LimitedClaimStore, first: dict[str, object], size: int
 ) -> tuple[list[FairCandidate], list[str], list[Sequence[object]]]:
-    """The heads of the next ``size`` keys with due jobs after ``cursor`` (wrapping
-    around once), every key read, in rotation order, and their standings (fair_states'
-    rows). Keys whose rows are not due
+    """The heads of the next ``size`` keys with due jobs after the cursor (``first``: the
+    first window's fair_heads params; wrapping around once), every key read, in rotation
+    order, and their standings (fair_states' rows). Keys whose rows are not due
     (scheduled later) are read and passed, up to WINDOW_READS windows' worth once a key
     with due jobs is found (until one is, or every key was read: a claim never reports
     an idle queue while a key has a due job)."""
@@ -474,12 +511,10 @@ def _fair_window(
     read: list[str] = []
     standing: list[Sequence[object]] = []
     with_heads: set[str] = set()
+    cursor = first["after"]
     after, before, wrapped = cursor, None, cursor is None
     while True:
-        rows = store.rows(
-            "fair_heads",
-            {**params, "after": after, "before": before, "limit": size, "per_key": 1},
-        )
+        rows = store.rows("fair_heads", {**first, "after": after, "before": before})
         stretch: list[str] = []
         for row in rows:
             key = str(row[6])

@@ -696,7 +696,12 @@ class Worker:
         if claimed.rows:
             self._start_all(claimed.rows, sent, frozenset(r.id for r in claimed.rows))
         if claimed.error is not None:
-            log.debug("express claim failed (%s)", claimed.error)
+            # A warning, at most once per CLAIM_RETRY_MAX as the regular claim's: while every
+            # slot is busy no regular claim runs to report a store that fails.
+            now = time.monotonic()
+            if now >= self._claim_warned_at + CLAIM_RETRY_MAX:
+                self._claim_warned_at = now
+                log.warning("express claim failed (%s); the slots' claims go on", claimed.error)
         return bool(claimed.rows)
 
     def _on_batch_written(self) -> None:

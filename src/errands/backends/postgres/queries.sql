@@ -544,6 +544,10 @@ BEGIN; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true)
 -- handler may think between statements; from then on only errands' statements follow).
 SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)
 
+-- name: generic_plans
+-- A limited claim's statements use generic plans, for its transaction (see _LimitedStore).
+SELECT set_config('plan_cache_mode', 'force_generic_plan', true)
+
 -- name: queues_with_limits
 -- Which of a worker's queues must be claimed through claim_limited: a queue with a
 -- cluster-wide limit or rate, or with due rows that carry a limit of their own (a

@@ -948,6 +948,12 @@ class _LimitedStore:
             return []
         return self.conn.execute(Q[query], params).fetchall()
 
+    def expect(self, query: str, params: dict[str, object]) -> None:
+        """Nothing to send ahead: every statement runs in this process."""
+
+    def claim(self, params: dict[str, object], *, last: bool) -> list[tuple[object, ...]]:
+        return self.rows("job_claim_ids", params)
+
     def id_list(self, values: list[object]) -> object:
         return json.dumps(values)
 
