@@ -1,56 +1,36 @@
-"""A fair claim on PostgreSQL runs a fixed handful of statements, counted on the client
-(not timed): its first one serialises the queue's claims and reads what the claim needs
-of the queue at once."""
+"""A fair claim on PostgreSQL waits for the server a fixed, small number of times, counted
+on the client (not timed): its first statement serialises the queue's claims and reads
+what the claim needs of the queue at once, in the message of its BEGIN; a claim of a
+queue this process claimed before sends its first reads with it, and its write with its
+COMMIT (errands.backends.postgres.batches)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 import errands
+from errands.backends.base import QueueClaim
+from tests.pg import with_params
 
-from .counting import round_trips, statements
+from .counting import round_trips
 
 
-def test_a_fair_claim_takes_its_lock_settings_and_rates_in_one_statement(pg_url: str) -> None:
-    """The claim's first statement serialises the queue's claims (its advisory lock) and
-    reads the queue's settings and rate-limited job types at once: a fair claim that
-    needs no deeper read is four statements (with the window, the lookahead and the
-    claim), not six. Counted on the client."""
-    from errands.backends.base import QueueClaim
+@pytest.fixture
+def tenants(pg_url: str) -> Iterator[tuple[Any, Any]]:
+    """An app on ``pg_url`` with a fair queue of 200 keys, two jobs each; its backend and
+    the app. Its statements run one after another on the pool's one connection (it opens
+    one, and more only for statements at once)."""
+    yield from _tenants(pg_url)
 
-    app = errands.App(pg_url)
+
+def _tenants(url: str) -> Iterator[tuple[Any, Any]]:
+    app = errands.App(url)
     app.queue("tenants", fair=True)
 
     @app.job(name="plans.counted", queue="tenants", fair_key="tenant:{n}")
-    def job(n: int) -> None: ...
-
-    try:
-        app.enqueue_many([job.bind(n=n % 50) for n in range(100)])
-        backend: Any = app.backend
-        backend.queue_declare(app.queues["tenants"], "test")
-        rows, sent = statements(
-            lambda: backend.job_claim_limited(QueueClaim("tenants", 8), "w", 30.0)
-        )
-        assert len(rows) == 8
-        assert sent[0].startswith("-- A limited claim's first statement"), sent
-        assert len(sent) <= 4, sent
-    finally:
-        app.close()
-
-
-def test_a_fair_claim_of_a_queue_claimed_before_waits_for_the_server_three_times(
-    pg_url: str,
-) -> None:
-    """A fair claim of a queue this process claimed before sends its BEGIN, its first
-    statement, its first window of keys and its lookahead together, then its write with
-    its COMMIT: two waits for the server, and the pipeline's end (six before: BEGIN,
-    start, window, lookahead, write, COMMIT, each waited for). Counted on the client."""
-    from errands.backends.base import QueueClaim
-
-    app = errands.App(pg_url)
-    app.queue("tenants", fair=True)
-
-    @app.job(name="plans.trips", queue="tenants", fair_key="tenant:{n}")
     def job(n: int) -> None: ...
 
     try:
@@ -58,12 +38,89 @@ def test_a_fair_claim_of_a_queue_claimed_before_waits_for_the_server_three_times
         app.enqueue_many([job.bind(n=n % 200) for n in range(400)])
         backend: Any = app.backend
         backend.queue_declare(app.queues["tenants"], "test")
-        first = backend.job_claim_limited(QueueClaim("tenants", 8), "w", 30.0)
-        rows, trips = round_trips(
-            lambda: backend.job_claim_limited(QueueClaim("tenants", 8), "w", 30.0)
-        )
-        assert len(first) == 8 and len(rows) == 8
-        assert not {r.id for r in rows} & {r.id for r in first}
-        assert trips == 3, trips
+        yield backend, app
     finally:
         app.close()
+
+
+def _claim(backend: Any) -> Any:
+    return backend.job_claim_limited(QueueClaim("tenants", 8), "w", 30.0)
+
+
+def test_a_fair_claim_takes_its_lock_settings_and_rates_in_the_message_of_its_begin(
+    tenants: tuple[Any, Any],
+) -> None:
+    """The claim's first statement serialises the queue's claims (its advisory lock) and
+    reads the queue's settings and rate-limited job types at once, sent with the BEGIN
+    (which sets the idle limit and generic plans): a first fair claim waits for its
+    statements to be prepared (once per connection), that message, its window, its
+    lookahead and its write with the COMMIT."""
+    backend, _ = tenants
+    rows, sent = round_trips(lambda: _claim(backend))
+    assert len(rows) == 8
+    assert sent[0].startswith("PREPARE errands_"), sent
+    assert sent[1].startswith("BEGIN; SELECT set_config('idle_in_transaction"), sent
+    assert len(sent) == 5, sent
+    rows, sent = round_trips(lambda: _claim(backend))  # prepared already
+    assert len(rows) == 8 and not sent[0].startswith("PREPARE"), sent
+
+
+def test_a_fair_claim_of_a_queue_claimed_before_waits_for_the_server_twice(
+    tenants: tuple[Any, Any],
+) -> None:
+    """A fair claim of a queue this process claimed before sends its BEGIN, its first
+    statement, its first window of keys and its lookahead as one message, then its write
+    with its COMMIT: two waits for the server (six before: BEGIN, start, window,
+    lookahead, write, COMMIT)."""
+    backend, _ = tenants
+    texts: list[str] = []
+    first = _claim(backend)
+    import psycopg
+
+    execute = psycopg.Cursor.execute
+
+    def keep(self: Any, query: Any, params: Any = None, **kw: Any) -> Any:
+        texts.append(str(query))
+        return execute(self, query, params, **kw)
+
+    psycopg.Cursor.execute = keep  # type: ignore[method-assign]
+    try:
+        rows, sent = round_trips(lambda: _claim(backend))
+    finally:
+        psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    assert len(first) == 8 and len(rows) == 8
+    assert not {r.id for r in rows} & {r.id for r in first}
+    assert len(sent) == 2, sent
+    reads, write = texts[-2:]
+    assert reads.startswith("BEGIN;")
+    for query in ("limited_claim_start", "fair_heads", "fair_lookahead"):
+        assert f"EXECUTE errands_{query}(" in reads, (query, reads)
+    assert write.startswith("EXECUTE errands_job_claim_ids(") and write.endswith("COMMIT")
+
+
+def test_a_fair_claim_without_server_prepared_statements_sends_them_one_by_one(
+    pg_url: str,
+) -> None:
+    """Behind PgBouncer in transaction mode (``?prepare=false``) the server keeps no
+    prepared statement for the session: the claim sends its statements apart (BEGIN,
+    start, window, lookahead, write, COMMIT) and claims as well."""
+    for backend, _ in _tenants(with_params(pg_url, prepare="false")):
+        _claim(backend)
+        rows, sent = round_trips(lambda backend=backend: _claim(backend))
+        assert len(rows) == 8
+        assert not any("PREPARE" in s or "EXECUTE" in s for s in sent), sent
+        assert len(sent) == 6, sent
+
+
+def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(
+    tenants: tuple[Any, Any],
+) -> None:
+    """Someone ran DEALLOCATE ALL (or DISCARD ALL) on errands' connection: the claim that
+    finds its statements gone prepares them again and claims, without an error."""
+    backend, _ = tenants
+    assert len(_claim(backend)) == 8
+    with backend._conn() as conn:  # the pool's one connection, the claim's
+        conn.execute("DEALLOCATE ALL")
+    rows, sent = round_trips(lambda: _claim(backend))
+    assert len(rows) == 8
+    assert sum(s.startswith("PREPARE errands_") for s in sent) == 1, sent

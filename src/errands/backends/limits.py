@@ -204,6 +204,8 @@ def claim_limited(
         fair, aging = bool(settings[0][8]), settings[0][9]
     else:
         paused, max_running, rate_limit, rate_period = False, None, None, None
+    if cursors is not None and (not fair or aging is not None):
+        cursors.pop(queue, None)  # no rotation: the claim's reads are not sent ahead
     if paused or (express and not fair):
         return result
     room = cap

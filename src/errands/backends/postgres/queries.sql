@@ -544,9 +544,11 @@ BEGIN; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true)
 -- handler may think between statements; from then on only errands' statements follow).
 SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)
 
--- name: generic_plans
--- A limited claim's statements use generic plans, for its transaction (see _LimitedStore).
-SELECT set_config('plan_cache_mode', 'force_generic_plan', true)
+-- name: limited_claim_begin
+-- The BEGIN of a limited claim: own_begin's, and generic plans for the claim's
+-- statements (see _LimitedStore in backend.py), local to the transaction.
+BEGIN; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true),
+              set_config('plan_cache_mode', 'force_generic_plan', true)
 
 -- name: queues_with_limits
 -- Which of a worker's queues must be claimed through claim_limited: a queue with a

@@ -12,6 +12,17 @@
 -- keep it, and no claim, which never does, can pick it whatever the statistics say
 -- (tests/postgres/test_claim_plans.py). On a large live table, build it first with
 -- CREATE INDEX CONCURRENTLY under the same name: this statement then skips it.
+-- An index of that name left invalid by a failed CREATE INDEX CONCURRENTLY is built again.
+DO $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_index
+               WHERE indexrelid = to_regclass('{schema}.errands_jobs_listing_bloom')
+                 AND NOT indisvalid) THEN
+        DROP INDEX {schema}.errands_jobs_listing_bloom;
+    END IF;
+END
+$$;
+
 CREATE INDEX IF NOT EXISTS errands_jobs_listing_bloom ON {schema}.errands_jobs
     USING brin (queue COLLATE "C" text_bloom_ops (n_distinct_per_range = 64),
                 name COLLATE "C" text_bloom_ops (n_distinct_per_range = 64))

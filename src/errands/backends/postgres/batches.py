@@ -1,0 +1,89 @@
+"""Several statements in one message: queries prepared on the server by name, run by
+``EXECUTE`` inside a multi-statement simple query.
+
+A limited claim on PostgreSQL waited for the server six times (BEGIN, its first
+statement, a fair queue's window and lookahead, the write, COMMIT), each wait then a wait
+for the GIL among the worker's busy threads. psycopg's pipeline mode would send them
+together, but it sends each statement as it is executed, and the server counts a
+transaction idle (so that ``idle_in_transaction_session_timeout`` ends it) only after a
+Sync: a claimer cut off between its statements held the queue's claim lock for the whole
+cut. A simple query is one message: the server runs its statements one after another,
+each with a snapshot of its own (READ COMMITTED), and counts the transaction idle once it
+has answered them all. Prepared once per connection (``PREPARE``), its statements are
+planned once, not at each claim.
+
+Only where the server keeps prepared statements for the session: not behind PgBouncer in
+transaction mode (``?prepare=false``), where the claim sends its statements one by one.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+PREFIX = "errands_"  # prepared statements' names: errands_<query name>
+_PARAM = re.compile(r"%\((\w+)\)s")
+
+
+class Prepared:
+    """Named queries prepared on the server, per connection, and the ``EXECUTE`` that
+    runs each with given parameters (rendered as literals, quoted by psycopg)."""
+
+    def __init__(self, queries: dict[str, str], names: Sequence[str]) -> None:
+        self._order: dict[str, list[str]] = {}  # query -> its parameters, as numbered
+        self._prepare: dict[str, str] = {}
+        for name in names:
+            order: list[str] = []
+
+            def number(match: re.Match[str], order: list[str] = order) -> str:
+                if match[1] not in order:
+                    order.append(match[1])
+                return f"${order.index(match[1]) + 1}"
+
+            text = _PARAM.sub(number, queries[name]).replace("%%", "%")
+            self._order[name] = order
+            self._prepare[name] = f"PREPARE {PREFIX}{name} AS\n{text}"
+        self._known: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[str]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def ensure(self, conn: psycopg.Connection[Any]) -> None:
+        """Prepare on ``conn`` (idle, outside a transaction) what it lacks: one round trip,
+        once per connection."""
+        with self._lock:
+            known = self._known.setdefault(conn, set())
+            missing = [name for name in self._prepare if name not in known]
+        if missing:
+            conn.execute(";\n".join(self._prepare[name] for name in missing))
+            with self._lock:
+                known.update(missing)
+
+    def forget(self, conn: psycopg.Connection[Any]) -> None:
+        """``conn`` lost its prepared statements (the server said so): prepare them anew."""
+        with self._lock:
+            self._known.pop(conn, None)
+
+    def execute(self, conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> str:
+        """The statement that runs query ``name`` with ``params``."""
+        values = ", ".join(sql.Literal(params[k]).as_string(conn) for k in self._order[name])
+        return f"EXECUTE {PREFIX}{name}({values})" if values else f"EXECUTE {PREFIX}{name}"
+
+
+def run_batch(
+    conn: psycopg.Connection[Any], statements: Sequence[str]
+) -> list[list[tuple[Any, ...]] | None]:
+    """``statements`` as one simple query: each one's rows (None for a statement that
+    returns none, such as BEGIN or COMMIT), in order."""
+    cur = conn.execute(";\n".join(statements))  # type: ignore[arg-type]
+    results: list[list[tuple[Any, ...]] | None] = []
+    while True:
+        results.append(cur.fetchall() if cur.description is not None else None)
+        if not cur.nextset():
+            return results
