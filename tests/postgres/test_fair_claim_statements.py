@@ -124,3 +124,19 @@ def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(
     rows, sent = round_trips(lambda: _claim(backend))
     assert len(rows) == 8
     assert sum(s.startswith("PREPARE errands_") for s in sent) == 1, sent
+
+
+def test_statements_that_never_stay_prepared_make_the_claims_send_them_one_by_one(
+    tenants: tuple[Any, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind a pooler in transaction mode a statement prepared by PREPARE lives on one
+    server connection, and the next transaction may run on another: prepared again and
+    gone again, the claim says so once and sends its statements one by one from then on,
+    and claims."""
+    backend, _ = tenants
+    backend._prepared.ensure = lambda conn: None  # as if prepared on another connection
+    assert len(_claim(backend)) == 8
+    assert backend._prepared is None
+    assert any("vanish between transactions" in r.getMessage() for r in caplog.records)
+    rows, sent = round_trips(lambda: _claim(backend))
+    assert len(rows) == 8 and not any("EXECUTE" in s for s in sent), sent

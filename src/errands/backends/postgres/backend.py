@@ -985,7 +985,7 @@ class PostgresBackend(PostgresAdmin):
         weights: Weigher | None = None,
         express: bool = False,
     ) -> list[JobRow]:
-        for attempt in (1, 2):
+        for attempt in (1, 2, 3):
             try:
                 with self._conn() as conn:
                     prefix = f"errands:{self.schema}:"
@@ -1008,8 +1008,16 @@ class PostgresBackend(PostgresAdmin):
                         )
                 return rows.carrying(JobRow(*r) for r in rows)
             except pg_errors.InvalidSqlStatementName:
-                if attempt == 2:  # prepared anew, and gone again: say so
+                if self._prepared is None:
                     raise
+                if attempt == 2:  # prepared anew, and gone again: not kept for the session
+                    log.warning(
+                        "statements prepared on the PostgreSQL server (PREPARE) vanish "
+                        "between transactions (a pooler in transaction mode?): limited "
+                        "claims send their statements one by one from now on, as with "
+                        "prepare=false"
+                    )
+                    self._prepared = None
         raise AssertionError("unreachable")
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
