@@ -125,12 +125,10 @@ CLAIMS = {
         },
     ),
 }
-# The statements of a limited claim, which run with generic plans (planned once per
-# connection, not per claim: see _LimitedStore.transaction in the PostgreSQL backend).
-LIMITED = [
-    name for name, (query, _) in CLAIMS.items()
-    if query not in ("job_claim", "job_claim_suspect", "queues_with_limits")
-]  # fmt: skip
+# The statements a limited claim runs with generic plans (planned once per connection,
+# not per claim: see _LimitedStore in the PostgreSQL backend).
+GENERIC = ("limited_claim_start", "fair_heads", "fair_lookahead")
+LIMITED = [name for name, (query, _) in CLAIMS.items() if query in GENERIC]
 
 
 @pytest.mark.parametrize("claim", list(CLAIMS))
@@ -176,21 +174,75 @@ def _check_plan(claimed_from: tuple[Any, dict[str, str]], claim: str, *, generic
 
 
 def _explain_prepared(conn: Any, query: str, params: dict[str, Any]) -> Any:
-    """EXPLAIN ANALYZE of ``query`` as a prepared statement (PREPARE, then EXECUTE with
-    ``params``' values): planned as the worker's prepared statements are."""
-    from psycopg import sql
+    """EXPLAIN ANALYZE of ``query`` prepared as a limited claim prepares it (PREPARE, then
+    EXECUTE with ``params``' values: errands.backends.postgres.batches)."""
+    from errands.backends.postgres.batches import Prepared
 
-    order: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match[1] not in order:
-            order.append(match[1])
-        return f"${order.index(match[1]) + 1}"
-
-    conn.execute("PREPARE claim_plan AS " + re.sub(r"%\((\w+)\)s", number, query))
+    prepared = Prepared({"q": query}, ["q"])
+    prepared.ensure(conn)
+    execute = prepared.execute(conn, "q", params)
     try:
-        values = sql.SQL(", ").join(sql.Literal(params[name]) for name in order)
-        execute = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_plan({})")
-        return conn.execute(execute.format(values)).fetchone()[0][0]
+        return conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + execute).fetchone()[0][0]
     finally:
-        conn.execute("DEALLOCATE claim_plan")
+        conn.execute("DEALLOCATE " + execute.split()[1].split("(")[0])
+
+
+@pytest.fixture(scope="module")
+def planned_on_an_empty_table() -> Iterator[tuple[Any, dict[str, str], Any]]:
+    """A migrated schema whose claim statements were prepared and run once (generic
+    plans made, as a worker's first claims make them) while errands_jobs was empty, then
+    given 20,000 due rows of the queue claimed: the plans made then are the ones kept."""
+    from errands.backends.postgres.batches import Prepared
+
+    for conn, queries in fresh_schema_conn():
+        prepared = Prepared(queries, [*GENERIC, "job_claim_ids"])
+        prepared.ensure(conn)
+        with conn.transaction(force_rollback=True):
+            conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            for name in [*LIMITED, "a limited claim's write"]:
+                query, params = CLAIMS[name]
+                conn.execute(prepared.execute(conn, query, params))
+        conn.execute(NEW_ROWS, {"rows": ROWS})
+        yield conn, queries, prepared
+
+
+@pytest.mark.parametrize("claim", LIMITED)
+def test_a_generic_plan_made_on_an_empty_table_still_finds_its_rows_through_a_btree(
+    planned_on_an_empty_table: tuple[Any, dict[str, str], Any], claim: str
+) -> None:
+    """A worker that starts before its jobs come makes its generic plans on an empty
+    table and keeps them: the statements a limited claim runs with generic plans reach
+    20,000 due rows through btree indexes all the same."""
+    conn, _, prepared = planned_on_an_empty_table
+    query, params = CLAIMS[claim]
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        plan = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + prepared.execute(conn, query, params)
+        ).fetchone()[0][0]["Plan"]
+    _btree_only(claim, plan)
+
+
+def test_a_claims_write_is_planned_with_its_ids_whatever_plan_was_made_on_an_empty_table(
+    planned_on_an_empty_table: tuple[Any, dict[str, str], Any],
+) -> None:
+    """The claim's write, whose generic plan made on the empty table read its ids
+    through the due rows' index (every due row, 16 ms a claim at 100,000), is planned
+    with its ids (plans_with_values): by primary key."""
+    conn, queries, prepared = planned_on_an_empty_table
+    query, params = CLAIMS["a limited claim's write"]
+    with conn.transaction(force_rollback=True):
+        conn.execute(queries["plans_with_values"])
+        plan = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + prepared.execute(conn, query, params)
+        ).fetchone()[0][0]["Plan"]
+    scans = [n.get("Index Name") for n in plan_nodes(plan) if n.get("Relation Name")]
+    assert set(scans) <= {None, "errands_jobs_pkey"}, scans
+
+
+def _btree_only(claim: str, plan: dict[str, Any]) -> None:
+    scans = [n for n in plan_nodes(plan) if n.get("Relation Name") == "errands_jobs"]
+    shown = [f"{n['Node Type']} {n.get('Index Name', '')}".strip() for n in scans]
+    assert scans, f"{claim}: no scan of errands_jobs in {shown}"
+    assert all(n["Node Type"] in BTREE_SCANS for n in scans), f"{claim}: {shown}"
+    assert not any(n.get("Index Name") in LISTING_INDEXES for n in scans), f"{claim}: {shown}"

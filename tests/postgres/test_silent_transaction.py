@@ -63,9 +63,7 @@ def test_a_claimer_gone_silent_with_a_claim_lock_holds_the_others_up_only_to_the
                 silent.configure_worker(4, lease=2.0)  # an idle limit of 1 s
                 with silent._conn() as conn:  # as job_claim_limited opens it
                     prefix = f"errands:{silent.schema}:"
-                    store = _LimitedStore(
-                        conn, silent.q, prefix, silent._claim_begin, silent._prepared
-                    )
+                    store = _LimitedStore(conn, silent.q, prefix, silent._prepared)
                     with store.transaction():
                         store.start("tenants")  # the queue's claim lock, held from here
                         holding.set()

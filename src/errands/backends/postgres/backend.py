@@ -315,10 +315,9 @@ class PostgresBackend(PostgresAdmin):
     def _set_idle(self, lease: float) -> None:
         self._idle = idle_limit(lease)
         self._begin = self._begin_text("own_begin")
-        # Generic plans only where statements are prepared: unprepared, each would be
-        # planned anew at each claim anyway (and without its values).
-        generic = self.config.prepare
-        self._claim_begin = self._begin_text("limited_claim_begin" if generic else "own_begin")
+        # The BEGINs of a limited claim (_LimitedStore), with the idle limit filled in
+        self.q["own_begin_filled"] = self._begin
+        self.q["limited_claim_begin_filled"] = self._begin_text("limited_claim_begin")
 
     def _begin_text(self, query: str) -> str:
         """A BEGIN of errands' own (a simple query), with the idle limit filled in."""
@@ -985,11 +984,10 @@ class PostgresBackend(PostgresAdmin):
         weights: Weigher | None = None,
         express: bool = False,
     ) -> list[JobRow]:
-        for attempt in (1, 2, 3):
-            try:
-                with self._conn() as conn:
-                    prefix = f"errands:{self.schema}:"
-                    store = _LimitedStore(conn, self.q, prefix, self._claim_begin, self._prepared)
+        with self._conn() as conn:
+            while True:
+                store = _LimitedStore(conn, self.q, f"errands:{self.schema}:", self._prepared)
+                try:
                     with store.transaction():
                         rows = claim_limited(
                             store,
@@ -1006,19 +1004,27 @@ class PostgresBackend(PostgresAdmin):
                             cursors=self._fair_cursors,
                             express=express,
                         )
-                return rows.carrying(JobRow(*r) for r in rows)
-            except pg_errors.InvalidSqlStatementName:
-                if self._prepared is None:
-                    raise
-                if attempt == 2:  # prepared anew, and gone again: not kept for the session
-                    log.warning(
-                        "statements prepared on the PostgreSQL server (PREPARE) vanish "
-                        "between transactions (a pooler in transaction mode?): limited "
-                        "claims send their statements one by one from now on, as with "
-                        "prepare=false"
-                    )
-                    self._prepared = None
-        raise AssertionError("unreachable")
+                    return rows.carrying(JobRow(*r) for r in rows)
+                except pg_errors.InvalidSqlStatementName:
+                    # The connection lost its prepared statements (psycopg sends
+                    # DEALLOCATE ALL with a ROLLBACK once it has prepared its own): the
+                    # claim, rolled back, runs again and prepares them anew. Gone though
+                    # prepared by this very claim: the server does not keep them for the
+                    # session (a pooler in transaction mode): send them one by one.
+                    if store.prepared is None:
+                        raise
+                    if store.prepared_now:
+                        self._unbatch()
+
+    def _unbatch(self) -> None:
+        """Limited claims send their statements one by one from now on (see _LimitedStore)."""
+        if self._prepared is not None:
+            log.warning(
+                "statements prepared on the PostgreSQL server (PREPARE) vanish between "
+                "transactions (a pooler in transaction mode?): limited claims send their "
+                "statements one by one from now on, as with prepare=false"
+            )
+        self._prepared = None
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:
         if not queues:
@@ -1305,25 +1311,26 @@ class _LimitedStore:
     worker's busy threads: 5.4 ms a claim of 20 jobs, against 1.8 ms for a plain
     queue's one statement.
 
-    Its statements run with generic plans (plan_cache_mode, local to the transaction):
-    planned once per connection, not at each claim. Left to choose, the server planned
-    fair_heads anew every time (1 ms of a 2 ms statement): a claim alone took 4.1 ms,
-    2.3 ms with generic plans. Every statement of the claim reaches its rows through its
-    btree index in its generic plan too (tests/postgres/test_claim_plans.py)."""
+    Its first statement and a fair queue's first reads run with generic plans
+    (plan_cache_mode, local to the transaction): planned once per connection, not at
+    each claim. Left to choose, the server planned fair_heads anew every time (1 ms of a
+    2 ms statement): a claim alone took 4.1 ms, 2.3 ms with generic plans. Their plans
+    reach their rows through btree indexes whatever the statistics, and made on an empty
+    table too (tests/postgres/test_claim_plans.py); the write is planned with its ids
+    (plans_with_values), and the other statements as the server chooses."""
 
     def __init__(
         self,
         conn: psycopg.Connection[Any],
         queries: dict[str, str],
         prefix: str,
-        begin: str,
         prepared: Prepared | None,
     ) -> None:
         self.conn = conn
         self.q = queries
         self.prefix = prefix  # lock names are per schema
-        self.begin = begin  # limited_claim_begin, filled: a simple query of its own
         self.prepared = prepared  # None: each statement sent apart (?prepare=false)
+        self.prepared_now = False  # this claim prepared them on its connection
         self._ahead: dict[str, tuple[dict[str, object], list[tuple[object, ...]] | None]] = {}
         self._begun = self._committed = False
 
@@ -1333,14 +1340,15 @@ class _LimitedStore:
         raises."""
         conn = self.conn
         if self.prepared is not None:
-            self.prepared.ensure(conn)  # outside the transaction, once per connection
+            self.prepared_now = self.prepared.ensure(conn)  # outside the transaction
         try:
             yield
             if self._begun and not self._committed:
                 conn.execute("COMMIT")
-        except BaseException as exc:
-            if isinstance(exc, pg_errors.InvalidSqlStatementName) and self.prepared:
-                self.prepared.forget(conn)  # they were deallocated: prepared anew next time
+        except BaseException:
+            if self.prepared is not None:
+                # psycopg's ROLLBACK may come with a DEALLOCATE ALL: prepared anew next time
+                self.prepared.forget(conn)
             idle = psycopg.pq.TransactionStatus.IDLE
             if not conn.closed and conn.info.transaction_status != idle:
                 with contextlib.suppress(psycopg.Error):
@@ -1357,22 +1365,23 @@ class _LimitedStore:
         the reads expected after it, in the same message)."""
         params = {"lock": self.prefix + queue, "queue": queue}
         self._begun = True
-        if self.prepared is None:
-            self.conn.execute(self.begin)
+        if self.prepared is None:  # generic plans only for statements prepared
+            self.conn.execute(self.q["own_begin_filled"])
             [row] = self.conn.execute(self.q["limited_claim_start"], params).fetchall()
         else:
             ahead = list(self._ahead.items())
             results = run_batch(
                 self.conn,
                 [
-                    self.begin,
+                    self.q["limited_claim_begin_filled"],
                     self.prepared.execute(self.conn, "limited_claim_start", params),
                     *(self.prepared.execute(self.conn, q, p) for q, (p, _) in ahead),
+                    self.q["plans_by_default"],
                 ],
             )
             # BEGIN and the settings answer first; then the claim's statement, the reads
             [row] = results[2] or []
-            for (query, (sent, _)), rows in zip(ahead, results[3:], strict=True):
+            for (query, (sent, _)), rows in zip(ahead, results[3:-1], strict=True):
                 self._ahead[query] = (sent, rows or [])
         settings = [row[:10]] if row[0] is not None else []
         rates = [tuple(rate) for rate in json.loads(str(row[10]))] if row[10] else []
@@ -1393,8 +1402,13 @@ class _LimitedStore:
         if self.prepared is None or not last:
             return self.conn.execute(self.q["job_claim_ids"], params).fetchall()
         # the COMMIT in the same message: the rows are returned once it is done
-        rows, _ = run_batch(
-            self.conn, [self.prepared.execute(self.conn, "job_claim_ids", params), "COMMIT"]
+        _, rows, _ = run_batch(
+            self.conn,
+            [
+                self.q["plans_with_values"],
+                self.prepared.execute(self.conn, "job_claim_ids", params),
+                "COMMIT",
+            ],
         )
         self._committed = True
         return rows or []

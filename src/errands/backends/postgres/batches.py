@@ -18,6 +18,8 @@ transaction mode (``?prepare=false``), where the claim sends its statements one 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import re
 import threading
 import weakref
@@ -27,7 +29,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-PREFIX = "errands_"  # prepared statements' names: errands_<query name>
+PREFIX = "errands_"  # prepared statements' names: errands_<digest>_<query name>
 _PARAM = re.compile(r"%\((\w+)\)s")
 
 
@@ -37,6 +39,7 @@ class Prepared:
 
     def __init__(self, queries: dict[str, str], names: Sequence[str]) -> None:
         self._order: dict[str, list[str]] = {}  # query -> its parameters, as numbered
+        self._name: dict[str, str] = {}  # query -> its prepared statement's name
         self._prepare: dict[str, str] = {}
         for name in names:
             order: list[str] = []
@@ -47,23 +50,32 @@ class Prepared:
                 return f"${order.index(match[1]) + 1}"
 
             text = _PARAM.sub(number, queries[name]).replace("%%", "%")
+            # Named by its text (schema included): behind a pooler a server connection
+            # may hold another schema's or another version's statements; a name found
+            # there is this very statement.
+            digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:12]
             self._order[name] = order
-            self._prepare[name] = f"PREPARE {PREFIX}{name} AS\n{text}"
+            self._name[name] = f"{PREFIX}{digest}_{name}"
+            self._prepare[name] = f"PREPARE {self._name[name]} AS\n{text}"
         self._known: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[str]] = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
 
-    def ensure(self, conn: psycopg.Connection[Any]) -> None:
-        """Prepare on ``conn`` (idle, outside a transaction) what it lacks: one round trip,
-        once per connection."""
+    def ensure(self, conn: psycopg.Connection[Any]) -> bool:
+        """Prepare on ``conn`` (idle, outside a transaction) what it lacks, once per
+        connection; True when it prepared any. A statement the server has already under
+        its name (prepared before this process knew: by an earlier claim whose
+        connection was forgotten, or through a pooler) is taken as is."""
         with self._lock:
             known = self._known.setdefault(conn, set())
             missing = [name for name in self._prepare if name not in known]
-        if missing:
-            conn.execute(";\n".join(self._prepare[name] for name in missing))
+        for name in missing:
+            with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
+                conn.execute(self._prepare[name])
             with self._lock:
-                known.update(missing)
+                known.add(name)
+        return bool(missing)
 
     def forget(self, conn: psycopg.Connection[Any]) -> None:
         """``conn`` lost its prepared statements (the server said so): prepare them anew."""
@@ -73,7 +85,7 @@ class Prepared:
     def execute(self, conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> str:
         """The statement that runs query ``name`` with ``params``."""
         values = ", ".join(sql.Literal(params[k]).as_string(conn) for k in self._order[name])
-        return f"EXECUTE {PREFIX}{name}({values})" if values else f"EXECUTE {PREFIX}{name}"
+        return f"EXECUTE {self._name[name]}({values})" if values else f"EXECUTE {self._name[name]}"
 
 
 def run_batch(
