@@ -153,16 +153,26 @@ def test_a_limited_claims_generic_plan_finds_its_rows_through_a_btree(
 
 
 def _check_plan(claimed_from: tuple[Any, dict[str, str]], claim: str, *, generic: bool) -> None:
+    from errands.backends.postgres.batches import Prepared
+
     conn, queries = claimed_from
     query, params = CLAIMS[claim]
-    with conn.transaction(force_rollback=True):  # the claims' updates are undone
-        if generic:
-            conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-            explained = _explain_prepared(conn, queries[query], params)
-        else:
+    prepared = Prepared(queries, [query])
+    if generic:
+        prepared.ensure(conn)  # as a claim prepares it: by name, outside its transaction
+    try:
+        with conn.transaction(force_rollback=True):  # the claims' updates are undone
+            if generic:
+                conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+                sent, values = prepared.execute(conn, query, params), None
+            else:
+                sent, values = queries[query], params
             explained = conn.execute(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + queries[query], params
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sent, values
             ).fetchone()[0][0]
+    finally:
+        conn.execute("DEALLOCATE ALL")
+        prepared.forget(conn)
     plan = explained["Plan"]
     if generic:  # a generic plan compares with the parameters, not with their values
         assert re.search(r"\$\d", json.dumps(plan)), f"{claim}: not a generic plan"
@@ -173,20 +183,6 @@ def _check_plan(claimed_from: tuple[Any, dict[str, str]], claim: str, *, generic
     assert not any(n.get("Index Name") in LISTING_INDEXES for n in scans), f"{claim}: {shown}"
 
 
-def _explain_prepared(conn: Any, query: str, params: dict[str, Any]) -> Any:
-    """EXPLAIN ANALYZE of ``query`` prepared as a limited claim prepares it (PREPARE, then
-    EXECUTE with ``params``' values: errands.backends.postgres.batches)."""
-    from errands.backends.postgres.batches import Prepared
-
-    prepared = Prepared({"q": query}, ["q"])
-    prepared.ensure(conn)
-    execute = prepared.execute(conn, "q", params)
-    try:
-        return conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + execute).fetchone()[0][0]
-    finally:
-        conn.execute("DEALLOCATE " + execute.split()[1].split("(")[0])
-
-
 @pytest.fixture(scope="module")
 def planned_on_an_empty_table() -> Iterator[tuple[Any, dict[str, str], Any]]:
     """A migrated schema whose claim statements were prepared and run once (generic
@@ -195,6 +191,8 @@ def planned_on_an_empty_table() -> Iterator[tuple[Any, dict[str, str], Any]]:
     from errands.backends.postgres.batches import Prepared
 
     for conn, queries in fresh_schema_conn():
+        # No autovacuum: its ANALYZE of the rows inserted below would throw the plans away
+        conn.execute("ALTER TABLE errands_jobs SET (autovacuum_enabled = false)")
         prepared = Prepared(queries, [*GENERIC, "job_claim_ids"])
         prepared.ensure(conn)
         with conn.transaction(force_rollback=True):
@@ -203,6 +201,10 @@ def planned_on_an_empty_table() -> Iterator[tuple[Any, dict[str, str], Any]]:
                 query, params = CLAIMS[name]
                 conn.execute(prepared.execute(conn, query, params))
         conn.execute(NEW_ROWS, {"rows": ROWS})
+        made = conn.execute(
+            "SELECT count(*) FROM pg_prepared_statements WHERE generic_plans > 0"
+        ).fetchone()[0]
+        assert made == len(GENERIC) + 1  # every plan made on the empty table, and kept
         yield conn, queries, prepared
 
 
@@ -238,6 +240,12 @@ def test_a_claims_write_is_planned_with_its_ids_whatever_plan_was_made_on_an_emp
         ).fetchone()[0][0]["Plan"]
     scans = [n.get("Index Name") for n in plan_nodes(plan) if n.get("Relation Name")]
     assert set(scans) <= {None, "errands_jobs_pkey"}, scans
+    with conn.transaction(force_rollback=True):  # the plan it replaces: every due row
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        plan = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + prepared.execute(conn, query, params)
+        ).fetchone()[0][0]["Plan"]
+    assert "errands_jobs_due" in {n.get("Index Name") for n in plan_nodes(plan)}
 
 
 def _btree_only(claim: str, plan: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 import errands
 from errands.backends.base import QueueClaim
+from errands.backends.postgres.backend import _LimitedStore
 from tests.pg import with_params
 
 from .counting import round_trips
@@ -59,9 +60,10 @@ def test_a_fair_claim_takes_its_lock_settings_and_rates_in_the_message_of_its_be
     backend, _ = tenants
     rows, sent = round_trips(lambda: _claim(backend))
     assert len(rows) == 8
-    assert [s.startswith("PREPARE errands_") for s in sent[:4]] == [True] * 4, sent
-    assert sent[4].startswith("BEGIN; SELECT set_config('idle_in_transaction"), sent
-    assert len(sent) == 8, sent  # 4 statements prepared, BEGIN..., window, lookahead, write
+    assert sent[0].startswith("SELECT name FROM pg_prepared_statements"), sent
+    assert sent[1].startswith("PREPARE errands_"), sent  # the four, in one message
+    assert sent[2].startswith("BEGIN; SELECT set_config('idle_in_transaction"), sent
+    assert len(sent) == 6, sent  # which are prepared, PREPARE, BEGIN..., window, lookahead, write
     rows, sent = round_trips(lambda: _claim(backend))  # prepared already
     assert len(rows) == 8 and not sent[0].startswith("PREPARE"), sent
 
@@ -124,7 +126,7 @@ def test_a_connection_that_lost_its_prepared_statements_prepares_them_again(
         conn.execute("DEALLOCATE ALL")
     rows, sent = round_trips(lambda: _claim(backend))
     assert len(rows) == 8
-    assert sum(s.startswith("PREPARE errands_") for s in sent) == 4, sent
+    assert sum(s.startswith("PREPARE errands_") for s in sent) == 1, sent
     assert backend._prepared is not None  # still sent as two messages
     rows, sent = round_trips(lambda: _claim(backend))
     assert len(rows) == 8 and len(sent) == 2, sent
@@ -149,7 +151,7 @@ def test_a_rollback_on_the_claims_connection_costs_the_next_claim_one_retry_not_
     rows, sent = round_trips(lambda: _claim(backend))
     assert len(rows) == 8
     assert backend._prepared is not None
-    assert sum(s.startswith("PREPARE errands_") for s in sent) == 4, sent
+    assert sum(s.startswith("PREPARE errands_") for s in sent) == 1, sent
 
 
 def test_statements_that_never_stay_prepared_make_the_claims_send_them_one_by_one(
@@ -166,3 +168,54 @@ def test_statements_that_never_stay_prepared_make_the_claims_send_them_one_by_on
     assert any("vanish between transactions" in r.getMessage() for r in caplog.records)
     rows, sent = round_trips(lambda: _claim(backend))
     assert len(rows) == 8 and not any("EXECUTE" in s for s in sent), sent
+
+
+def test_claims_after_every_connection_lost_its_statements_stay_batched(
+    tenants: tuple[Any, Any],
+) -> None:
+    """Two connections of the pool both lost the statements prepared on them (a ROLLBACK
+    by psycopg comes with DEALLOCATE ALL): each claim that meets a stale one prepares
+    again on that very connection, not on the next, and the claims stay batched."""
+    backend, _ = tenants
+    with backend._conn() as a, backend._conn() as b:  # the pool opens a second one
+        for conn in (a, b):
+            backend._prepared.ensure(conn)
+            conn.execute("DEALLOCATE ALL")
+    for _ in range(4):
+        assert len(_claim(backend)) == 8
+    assert backend._prepared is not None
+
+
+def test_a_fair_claim_plans_its_reads_once_and_its_write_with_its_ids(
+    tenants: tuple[Any, Any],
+) -> None:
+    """On the claims' connection the server keeps one generic plan for the window's read
+    and plans the write with its ids at each claim (plans_with_values, sent with it);
+    after its first reads the claim's transaction is back to the server's own choice of
+    plans (plans_by_default)."""
+    backend, _ = tenants
+    seen: list[str] = []
+    start = _LimitedStore.start
+
+    def start_and_look(self: Any, queue: str) -> Any:
+        out = start(self, queue)
+        seen.append(self.conn.execute("SELECT current_setting('plan_cache_mode')").fetchone()[0])
+        return out
+
+    _LimitedStore.start = start_and_look  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            assert len(_claim(backend)) == 8
+    finally:
+        _LimitedStore.start = start  # type: ignore[method-assign]
+    assert seen == ["auto"] * 3
+    with backend._conn() as conn:  # the pool's one connection, the claims'
+        plans = dict(
+            conn.execute(
+                "SELECT regexp_replace(name, '^errands_[0-9a-f]+_', ''), "
+                "format('%s/%s', generic_plans, custom_plans) FROM pg_prepared_statements "
+                "WHERE name LIKE 'errands_%'"
+            ).fetchall()
+        )
+    assert plans["fair_heads"].startswith(("2/", "3/")), plans  # generic: once per claim sent
+    assert plans["job_claim_ids"] == "0/3", plans

@@ -987,6 +987,7 @@ class PostgresBackend(PostgresAdmin):
         with self._conn() as conn:
             while True:
                 store = _LimitedStore(conn, self.q, f"errands:{self.schema}:", self._prepared)
+                cursor = self._fair_cursors.get(queue.name)  # where a retry starts again
                 try:
                     with store.transaction():
                         rows = claim_limited(
@@ -1015,6 +1016,10 @@ class PostgresBackend(PostgresAdmin):
                         raise
                     if store.prepared_now:
                         self._unbatch()
+                    if cursor is None:  # the rotation as it stood: the keys not skipped
+                        self._fair_cursors.pop(queue.name, None)
+                    else:
+                        self._fair_cursors[queue.name] = cursor
 
     def _unbatch(self) -> None:
         """Limited claims send their statements one by one from now on (see _LimitedStore)."""
@@ -1022,7 +1027,7 @@ class PostgresBackend(PostgresAdmin):
             log.warning(
                 "statements prepared on the PostgreSQL server (PREPARE) vanish between "
                 "transactions (a pooler in transaction mode?): limited claims send their "
-                "statements one by one from now on, as with prepare=false"
+                "statements one by one from now on"
             )
         self._prepared = None
 
@@ -1400,6 +1405,8 @@ class _LimitedStore:
 
     def claim(self, params: dict[str, object], *, last: bool) -> list[tuple[object, ...]]:
         if self.prepared is None or not last:
+            if self.prepared is not None:  # psycopg prepares it too: planned with its ids
+                self.conn.execute(self.q["plans_with_values"])
             return self.conn.execute(self.q["job_claim_ids"], params).fetchall()
         # the COMMIT in the same message: the rows are returned once it is done
         _, rows, _ = run_batch(

@@ -18,7 +18,6 @@ transaction mode (``?prepare=false``), where the claim sends its statements one 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import re
 import threading
@@ -63,19 +62,36 @@ class Prepared:
         self._lock = threading.Lock()
 
     def ensure(self, conn: psycopg.Connection[Any]) -> bool:
-        """Prepare on ``conn`` (idle, outside a transaction) what it lacks, once per
-        connection; True when it prepared any. A statement the server has already under
-        its name (prepared before this process knew: by an earlier claim whose
-        connection was forgotten, or through a pooler) is taken as is."""
+        """Prepare on ``conn`` what it lacks, once per connection (two round trips: which
+        of them the server has, then the others in one message); True when it prepared
+        any. A statement the server has already under its name (prepared before this
+        process knew: by an earlier claim whose connection was forgotten, or through a
+        pooler) is the same statement, and is taken as is. ``conn`` must be idle, outside
+        a transaction (a failed PREPARE would abort it)."""
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            raise RuntimeError("Prepared.ensure: the connection is in a transaction")
         with self._lock:
             known = self._known.setdefault(conn, set())
             missing = [name for name in self._prepare if name not in known]
-        for name in missing:
-            with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
-                conn.execute(self._prepare[name])
-            with self._lock:
-                known.add(name)
-        return bool(missing)
+        if not missing:
+            return False
+        try:
+            found = {
+                row[0]
+                for row in conn.execute(
+                    "SELECT name FROM pg_prepared_statements WHERE name = ANY(%s)",
+                    [[self._name[name] for name in missing]],
+                )
+            }
+            absent = [name for name in missing if self._name[name] not in found]
+            if absent:
+                conn.execute(";\n".join(self._prepare[name] for name in absent))
+        except BaseException:
+            self.forget(conn)  # some may be prepared: asked again next time
+            raise
+        with self._lock:
+            known.update(missing)
+        return bool(absent)
 
     def forget(self, conn: psycopg.Connection[Any]) -> None:
         """``conn`` lost its prepared statements (the server said so): prepare them anew."""
