@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 import errands
@@ -17,7 +18,7 @@ from errands.backends.base import QueueClaim
 from errands.backends.postgres.backend import _LimitedStore
 from tests.pg import with_params
 
-from .counting import round_trips
+from .counting import messages, round_trips
 
 
 @pytest.fixture
@@ -76,21 +77,9 @@ def test_a_fair_claim_of_a_queue_claimed_before_waits_for_the_server_twice(
     with its COMMIT: two waits for the server (six before: BEGIN, start, window,
     lookahead, write, COMMIT)."""
     backend, _ = tenants
-    texts: list[str] = []
     first = _claim(backend)
-    import psycopg
-
-    execute = psycopg.Cursor.execute
-
-    def keep(self: Any, query: Any, params: Any = None, **kw: Any) -> Any:
-        texts.append(str(query))
-        return execute(self, query, params, **kw)
-
-    psycopg.Cursor.execute = keep  # type: ignore[method-assign]
-    try:
-        rows, sent = round_trips(lambda: _claim(backend))
-    finally:
-        psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    rows, texts = messages(lambda: _claim(backend))
+    sent = [t.split("\n", 1)[0] for t in texts]
     assert len(first) == 8 and len(rows) == 8
     assert not {r.id for r in rows} & {r.id for r in first}
     assert len(sent) == 2, sent
@@ -219,3 +208,25 @@ def test_a_fair_claim_plans_its_reads_once_and_its_write_with_its_ids(
         )
     assert plans["fair_heads"].startswith(("2/", "3/")), plans  # generic: once per claim sent
     assert plans["job_claim_ids"] == "0/3", plans
+
+
+def test_a_claim_whose_statements_fail_to_prepare_raises_and_the_next_one_prepares_them(
+    tenants: tuple[Any, Any],
+) -> None:
+    """Preparing the statements fails partway (a broken one among them): that claim
+    raises and claims nothing; the connection is forgotten as prepared, so the next
+    claim prepares what is missing (taking as is what the failed message left) and
+    claims, batched."""
+    backend, _ = tenants
+    prepared = backend._prepared
+    good = prepared._prepare["fair_lookahead"]
+    prepared._prepare["fair_lookahead"] = good.split(" AS\n", 1)[0] + " AS SELECT nosuch"
+    try:
+        with pytest.raises(psycopg.errors.UndefinedColumn):
+            _claim(backend)
+    finally:
+        prepared._prepare["fair_lookahead"] = good
+    rows, sent = round_trips(lambda: _claim(backend))
+    assert len(rows) == 8
+    assert any(s.startswith("PREPARE errands_") for s in sent), sent
+    assert backend._prepared is not None
