@@ -398,3 +398,42 @@ def test_a_fair_claim_names_the_rows_that_are_the_first_of_a_key_with_nothing_ru
     by_key = {_KEYS[r.id]: r.id for r in reversed(list(claimed))}  # each key's first
     assert keys(list(claimed)) == Counter({"quiet": 2, "noisy": 2})
     assert claimed.express == frozenset({by_key["quiet"]})  # type: ignore[attr-defined]
+
+
+def test_a_suspect_claim_takes_a_rescued_job_whose_key_the_rounds_fresh_claim_would_serve(
+    backend: Backend, harness: Harness
+) -> None:
+    """The worker claims rescued jobs first, for its free suspect lanes (one, when its
+    suspects are not isolated), then fresh jobs for the rest of the round's room. A fair
+    queue's suspect claim ranks the keys over the round's room (``turns``) and takes the
+    rescued jobs among them: "noisy" (behind its share: it ranks first) and "quiet" (a
+    rescued job, ranked second). Ranked over one turn, the rescued job waited as long as
+    "noisy" stayed behind its share (in the chaos soak: 49 noisy jobs claimed meanwhile),
+    though the round's fresh claim would have served "quiet" second."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "busy", 10)
+    add_keyed(backend, queue, "noisy", 30)
+    add_keyed(backend, queue, "quiet", 2)
+    ran = {"busy": 30.0, "noisy": 0.0, "quiet": 2.0}
+    first = take(backend, queue, 3)
+    assert keys(first) == Counter({"busy": 1, "noisy": 1, "quiet": 1})
+    done = [
+        FinishParams(r.id, r.lease_token or "", "completed", fair=True, ran=ran[_KEYS[r.id]])
+        for r in first
+    ]
+    assert backend.job_finish_many(done) == [True] * 3
+    # "noisy" (0 s) and "quiet" (2 s) are behind their share of the 32 s: they go first
+    second = take(backend, queue, 2)
+    assert keys(second) == Counter({"noisy": 1, "quiet": 1})
+    noisy, quiet = sorted(second, key=lambda r: _KEYS[r.id] != "noisy")
+    done = [FinishParams(noisy.id, noisy.lease_token or "", "completed", fair=True, ran=0.0)]
+    assert backend.job_finish_many(done) == [True]
+    harness.expire_lease(backend, quiet.id)
+    rescue = RescueParams(quiet.id, quiet.lease_token or "", "retryable", error(), 0.0)
+    assert backend.job_rescue_many([rescue]) == [True]
+
+    one_turn = backend.job_claim_limited(QueueClaim(queue, 1), WORKER, 30.0, suspects=True)
+    assert list(one_turn) == []  # "noisy" had the one turn: nothing rescued in it
+    rescued = backend.job_claim_limited(QueueClaim(queue, 1), WORKER, 30.0, suspects=True, turns=3)
+    assert [r.id for r in rescued] == [quiet.id] and rescued[0].rescues == 1
+    assert keys(take(backend, queue, 2)) == Counter({"noisy": 1, "busy": 1})

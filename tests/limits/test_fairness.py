@@ -178,6 +178,51 @@ def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_
     assert len({r.fair_key for r in opened.rows}) == 4  # still spread over the keys
 
 
+def test_a_workers_suspect_claim_ranks_a_fair_queue_over_the_rounds_room(
+    store: errands.App,
+) -> None:
+    """A worker whose suspects are not isolated claims one rescued job a round, first.
+    "noisy" is behind its share (it ranks first), "quiet" has a rescued job (it ranks
+    second): the round (room 3) starts the rescued job, as it would a fresh "quiet" job.
+    Its suspect claim ranked over one turn took nothing while "noisy" stayed behind its
+    share, and the fresh claim leaves rescued jobs out."""
+    from errands.backends.base import FinishParams, QueueClaim, RescueParams
+    from errands.worker.claiming import Claimer
+
+    store.queue("tenants", fair=True)
+    store.backend.queue_declare(store.queues["tenants"], "test")
+
+    @store.job(name="tenants.job", queue="tenants", fair_key="{tenant}")
+    def job(tenant: str, n: int) -> None: ...
+
+    counts = {"busy": 10, "noisy": 30, "quiet": 2}
+    store.enqueue_many([job.bind(tenant=t, n=n) for t, c in counts.items() for n in range(c)])
+    backend = store.backend
+    first = backend.job_claim_limited(QueueClaim("tenants", 3), "w-old", 30.0)
+    ran = {"busy": 30.0, "noisy": 0.0, "quiet": 2.0}  # "busy" used most of the time
+    done = [
+        FinishParams(r.id, r.lease_token or "", "completed", fair=True, ran=ran[str(r.fair_key)])
+        for r in first
+    ]
+    assert sorted(str(r.fair_key) for r in first) == ["busy", "noisy", "quiet"]
+    assert backend.job_finish_many(done) == [True] * 3
+    second = backend.job_claim_limited(QueueClaim("tenants", 2), "w-old", 0.05)
+    (quiet,) = [r for r in second if r.fair_key == "quiet"]
+    (noisy,) = [r for r in second if r.fair_key == "noisy"]
+    done = [FinishParams(noisy.id, noisy.lease_token or "", "completed", fair=True, ran=0.0)]
+    assert backend.job_finish_many(done) == [True]
+    lost = {"attempt": 1, "type": "LeaseExpired", "message": "lost", "traceback": None}
+    rescue = RescueParams(quiet.id, quiet.lease_token or "", "retryable", lost, 0.0)
+    wait_until(lambda: backend.job_rescue_many([rescue]) == [True], 10, "the lost lease rescued")
+
+    claimer = Claimer(store, "w-test", ["tenants"], 1.0)
+    claimed = claimer.claim([QueueClaim("tenants", 3)], room=3, free=3, suspects=1)
+    assert claimed.error is None
+    assert [r.id for r in claimed.rows if r.rescues] == [quiet.id]
+    assert claimed.rows[0].id == quiet.id  # rescued jobs first in the round
+    assert sorted(str(r.fair_key) for r in claimed.rows[1:]) == ["busy", "noisy"]
+
+
 def _quiet_behind_full_slots(
     store: errands.App, express: int, cap: int | None = None, limit: int | None = None
 ) -> tuple[int | None, int]:

@@ -515,13 +515,17 @@ class Backend(Protocol):
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
         express: bool = False,
+        turns: int | None = None,
     ) -> list[JobRow]:
         """Claim from a limited queue, one claimer at a time (see backends.limits); only
         job types in ``names`` when it is given (as ``ClaimParams.names``); a fair queue's
         keys without a stored weight weigh what ``weights`` gives them (app.fair_weight).
         ``express``: only the next job of each of a fair queue's keys with nothing
-        running (a worker's express lane). The result is a ``limits.Claimed``: its
-        ``express`` names the rows that were the first claimed of such a key."""
+        running (a worker's express lane). ``turns``: a suspect claim's round room (the
+        fresh claim's after it): in a fair queue it takes the rescued jobs among the first
+        ``turns`` of the fair order, at most ``queue.limit`` of them. The result is a
+        ``limits.Claimed``: its ``express`` names the rows that were the first claimed of
+        such a key."""
         ...
 
     def queues_with_limits(self, queues: Sequence[str]) -> set[str]:

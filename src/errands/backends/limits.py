@@ -176,6 +176,7 @@ def claim_limited(
     weights: Weigher | None = None,
     cursors: FairCursors | None = None,
     express: bool = False,
+    turns: int | None = None,
 ) -> Claimed:
     """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order);
     only job types in ``names`` when given (those the claiming worker can run).
@@ -184,7 +185,11 @@ def claim_limited(
     stands, kept by the caller between claims (see :func:`_pick_fair`); without it a fair
     claim reads every key. ``express``: a fair queue's express claim, for a worker's
     express lane: only the next job of keys with nothing running, one per key (nothing
-    from a queue that is not fair).
+    from a queue that is not fair). ``turns``: a suspect claim's round room: a fair queue
+    ranks that many turns (as the fresh claim after it would) and takes the rescued jobs
+    among them, at most ``cap``; ranked over ``cap`` alone, a rescued job of a key ranked
+    second waited while a key before it had jobs, though the round's fresh claim would
+    have served its key (see :func:`_pick_fair`).
 
     Call inside the transaction of the claim (``store.start`` serialises it).
     """
@@ -208,7 +213,8 @@ def claim_limited(
         cursors.pop(queue, None)  # no rotation: the claim's reads are not sent ahead
     if paused or (express and not fair):
         return result
-    room = cap
+    # A suspect claim ranks the round's turns (fair queues), takes at most cap rescued.
+    room = max(cap, turns or 0) if suspects and (fair or aging) else cap
     if max_running is not None:
         running = int(store.rows("queue_running_count", {"queue": queue})[0][0])  # type: ignore[call-overload]
         room = min(room, int(max_running) - running)  # type: ignore[call-overload]
@@ -218,6 +224,7 @@ def claim_limited(
         if left <= room:
             result.retry_in = _sooner(result.retry_in, frees_in)
         room = min(room, left)
+    most = min(cap, room)  # jobs taken at most (room: the turns ranked)
     if room <= 0:
         return result
     # The job types' rates, from their due rows: a first reading, to leave the exhausted
@@ -236,7 +243,7 @@ def claim_limited(
             None if aging is None else float(aging),  # type: ignore[arg-type]
             suspects,
             cursors,
-        )
+        )[:most]
     else:
         chosen = _pick_in_order(pick, suspects)
     if not chosen:
@@ -247,7 +254,7 @@ def claim_limited(
     limited_names = sorted({c.name for c in chosen if c.name in rates})
     store.lock([f"key:{k}" for k in keys] + [f"rate:job:{n}" for n in limited_names])
     fresh_rates = {n: rates[n] for n in limited_names}
-    chosen = choose(chosen, room, _running(store, chosen), _rooms(store, fresh_rates, result))
+    chosen = choose(chosen, most, _running(store, chosen), _rooms(store, fresh_rates, result))
     if not chosen:
         return result
     logged = (rate_limit is not None and bool(rate_period)) or any(c.name in rates for c in chosen)
@@ -342,9 +349,11 @@ def _pick_fair(
     without ``cursors`` reads every key (its ranking needs every key's head).
 
     Rescued jobs (suspects) take their turn like the others: the worker's suspect claim
-    orders fresh and rescued jobs together and keeps the rescued ones it picked, so a
-    key whose jobs keep getting rescued never takes the turns of the keys behind it; the
-    fresh claim leaves rescued jobs out."""
+    orders fresh and rescued jobs together over the round's room (``turns``: the fresh
+    claim's after it) and keeps the rescued ones it picked, so a key whose jobs keep
+    getting rescued never takes the turns of the keys behind it, and a rescued job waits
+    no longer than a fresh job of its key would; the fresh claim leaves rescued jobs
+    out."""
     store, queue, room = pick.store, pick.queue, pick.room
     if suspects and not store.rows("claim_candidates_suspect", {**pick.params(), "limit": 1}):
         return []  # no rescued job due: the common case, read through its own index

@@ -136,7 +136,7 @@ class Claimer:
             # Rescued jobs first: a steady backlog of fresh jobs fills every free slot,
             # and would otherwise keep them waiting until it drains. They go ahead of the
             # prefetched jobs (the next free handler takes them).
-            self._claim_suspects(result, plan, min(suspects, room))
+            self._claim_suspects(result, plan, min(suspects, room), room, free)
             taken: dict[str, int] = {}
             for row in rows:
                 taken[row.queue] = taken.get(row.queue, 0) + 1
@@ -225,8 +225,14 @@ class Claimer:
             result.error = result.error or exc
         return result
 
-    def _claim_suspects(self, result: ClaimRound, plan: list[QueueClaim], most: int) -> None:
-        """Up to ``most`` rescued jobs (the worker sizes ``most`` to run each isolated)."""
+    def _claim_suspects(
+        self, result: ClaimRound, plan: list[QueueClaim], most: int, room: int, free: int
+    ) -> None:
+        """Up to ``most`` rescued jobs (the worker sizes ``most`` to run each isolated).
+        A fair queue ranks its keys over the turns its fresh claim would have (``room``,
+        or ``free`` where it claims for free slots only) and takes the rescued jobs among
+        them: ranked over ``most`` alone (one, for a worker whose suspects are not
+        isolated), a rescued job waited while any key ranked before its own."""
         backend = self.app.backend
         fast = [
             QueueClaim(q.name, min(most, q.limit)) for q in plan if q.name not in self.with_limits
@@ -240,15 +246,17 @@ class Claimer:
             left = min(most - len(result.rows), queue.limit)
             if queue.name in self.with_limits and left > 0:
                 claim = QueueClaim(queue.name, left)
+                turns = min(queue.limit, room if queue.name in self.prefetching else free)
                 result.rows += self._step(
                     result,
-                    lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
+                    lambda claim=claim, turns=turns: backend.job_claim_limited(  # type: ignore[misc]
                         claim,
                         self.worker_id,
                         self.app.lease,
                         suspects=True,
                         names=self.names,
                         weights=self.app.fair_weights,
+                        turns=turns,
                     ),
                 )
         if not result.rows:

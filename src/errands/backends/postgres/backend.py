@@ -983,6 +983,7 @@ class PostgresBackend(PostgresAdmin):
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
         express: bool = False,
+        turns: int | None = None,
     ) -> list[JobRow]:
         with self._conn() as conn:
             while True:
@@ -1004,6 +1005,7 @@ class PostgresBackend(PostgresAdmin):
                             weights=weights,
                             cursors=self._fair_cursors,
                             express=express,
+                            turns=turns,
                         )
                     return rows.carrying(JobRow(*r) for r in rows)
                 except pg_errors.InvalidSqlStatementName:

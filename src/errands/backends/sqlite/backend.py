@@ -626,6 +626,7 @@ class SQLiteBackend(SQLiteAdmin):
         names: Sequence[str] | None = None,
         weights: Weigher | None = None,
         express: bool = False,
+        turns: int | None = None,
     ) -> list[JobRow]:
         with self._write() as conn:  # BEGIN IMMEDIATE: limited claims run one at a time
             store = _LimitedStore(conn)
@@ -643,6 +644,7 @@ class SQLiteBackend(SQLiteAdmin):
                 weights=weights,
                 cursors=self._fair_cursors,
                 express=express,
+                turns=turns,
             )
         return rows.carrying(JobRow(*r) for r in rows)
 
