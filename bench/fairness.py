@@ -15,7 +15,9 @@ fresh queue of the store, with one in-process worker (``--concurrency`` threads)
    time per unit of weight (target >= 0.95), ``c``'s worker time against ``a``'s (target
    2, within 5 %), and ``slow``'s share against its weighted share (1/5).
 4. **keys**: ``--keys`` tenants (1,000) with a backlog each, drained by a fair queue and
-   by a plain one: throughput of each (target: fair within 10 % of plain).
+   by a plain one: throughput of each (target: fair within 10 % of plain), with no-op
+   jobs (the claim is all the work: its cost shows in full) and with jobs of
+   ``--keys-work`` seconds (2 ms of waiting, as a job that calls a service does).
 5. **peer** (``--peer pgqueuer``, PostgreSQL only): the dwell run of 2 in a peer without
    fair claiming (bench/peers/pgqueuer_fairness.py, in the peer's own venv and database),
    its worker as many jobs at a time as ours: what its users get behind a backlog.
@@ -211,13 +213,13 @@ def shares(bench: Bench, args: Any) -> dict[str, Any]:
     }
 
 
-def many_keys(bench: Bench, *, fair: bool, args: Any) -> dict[str, Any]:
+def many_keys(bench: Bench, *, fair: bool, args: Any, work: float = 0.0) -> dict[str, Any]:
     bench.fresh()
     job = bench.queue("keys", fair=fair)
     per_key = max(args.keys_jobs // args.keys, 1)
     now = time.time()
     requests = [
-        job.bind(tenant=f"k{k}", sent=now, seq=k * per_key + n, seconds=0.0)
+        job.bind(tenant=f"k{k}", sent=now, seq=k * per_key + n, seconds=work)
         for n in range(per_key)
         for k in range(args.keys)
     ]
@@ -234,7 +236,7 @@ def many_keys(bench: Bench, *, fair: bool, args: Any) -> dict[str, Any]:
         elapsed = time.time() - t0
         with bench.record.lock:
             done = len(bench.record.started)
-    return {"queue": "fair" if fair else "fifo", "keys": args.keys, "jobs": done,
+    return {"queue": "fair" if fair else "fifo", "keys": args.keys, "jobs": done, "work": work,
             "throughput_per_s": round(done / elapsed, 1)}  # fmt: skip
 
 
@@ -302,6 +304,12 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--keys-jobs", type=int, default=20_000)
     parser.add_argument(
+        "--keys-work",
+        type=float,
+        default=0.002,
+        help="a job's seconds in the keys part's second pair of runs (the first: no-op)",
+    )
+    parser.add_argument(
         "--peer",
         choices=["pgqueuer"],
         help="also run the dwell behind the backlog in this peer (PostgreSQL --url only)",
@@ -348,15 +356,16 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
         if "shares" in parts:
             result["shares"] = shares(bench, args)
         if "keys" in parts:
-            fair_keys = many_keys(bench, fair=True, args=args)
-            plain_keys = many_keys(bench, fair=False, args=args)
-            result["keys"] = {
-                "fair": fair_keys,
-                "fifo": plain_keys,
-                "fair_over_fifo": _ratio(
-                    fair_keys["throughput_per_s"], plain_keys["throughput_per_s"]
-                ),
-            }
+            for part, work in (("keys", 0.0), ("keys_work", args.keys_work)):
+                fair_keys = many_keys(bench, fair=True, args=args, work=work)
+                plain_keys = many_keys(bench, fair=False, args=args, work=work)
+                result[part] = {
+                    "fair": fair_keys,
+                    "fifo": plain_keys,
+                    "fair_over_fifo": _ratio(
+                        fair_keys["throughput_per_s"], plain_keys["throughput_per_s"]
+                    ),
+                }
     finally:
         bench.app.close()
     result["express_lane"] = sorted(set(bench.express_used.values()))  # the workers' lanes

@@ -554,6 +554,8 @@ def fairness_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The noisy-neighbour benchmark (bench/fairness.py): the fair queue and the FIFO one
     (errands without fairness) side by side, on each store, against issue 19's targets."""
     runs = results.get("fairness") or {}
+    settings = next((r.get("settings") for r in runs.values() if r.get("settings")), {})
+    work_ms = f"{(settings.get('keys_work') or 0.002) * 1000:g}"
     header = ["figure"]
     for _, title in FAIR_STORES:
         header += [f"{title} fair", f"{title} FIFO"]
@@ -566,8 +568,8 @@ def fairness_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             out += list(cell(run)) if "error" not in run else ["failed", "failed"]
         return [*out, target]
 
-    def keys(run: dict[str, Any], queue: str) -> str:
-        return _num((run.get("keys") or {}).get(queue, {}).get("throughput_per_s"), 0, " /s")
+    def keys(run: dict[str, Any], queue: str, part: str = "keys") -> str:
+        return _num((run.get(part) or {}).get(queue, {}).get("throughput_per_s"), 0, " /s")
 
     def shares(run: dict[str, Any], key: str, digits: int = 3) -> str:
         return _num((run.get("shares") or {}).get(key), digits)
@@ -594,6 +596,10 @@ def fairness_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             lambda r: (keys(r, "fair"), keys(r, "fifo"))),
         row("... fair against FIFO", "at least 0.90",
             lambda r: (_num((r.get("keys") or {}).get("fair_over_fifo"), 3), "")),
+        row(f"... the same with jobs of {work_ms} ms: throughput", "",
+            lambda r: (keys(r, "fair", "keys_work"), keys(r, "fifo", "keys_work"))),
+        row(f"... fair against FIFO, jobs of {work_ms} ms", "",
+            lambda r: (_num((r.get("keys_work") or {}).get("fair_over_fifo"), 3), "")),
         row("load average (1 min) before, after", "",
             lambda r: (f"{_num(r.get('load1_before'), 1)}, {_num(r.get('load1_after'), 1)}", "")),
     ]  # fmt: skip
@@ -616,7 +622,8 @@ def fairness_markdown(results: dict[str, Any]) -> str:
         "one (FIFO: errands without fairness); four backlogged tenants of weights 1, 2, 1 "
         "and 1, the last with 10 times slower jobs (worker time measured by the handlers); "
         f"and {settings.get('keys', 0):,} backlogged keys ({settings.get('keys_jobs', 0):,} "
-        "no-op jobs) drained by a fair queue and by a plain one. On PostgreSQL, the same "
+        "jobs) drained by a fair queue and by a plain one, no-op jobs (the claim is all "
+        "the work) and jobs that wait a few ms. On PostgreSQL, the same "
         "backlog and quiet traffic in pgqueuer (no fair claiming: it orders by priority, "
         "then id), its entrypoint run as many at a time (`concurrency_limit`) at its "
         "default batch of 10 (its guide's 100 is for throughput; no batch size changes its "

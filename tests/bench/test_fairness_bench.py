@@ -20,7 +20,7 @@ def test_the_noisy_neighbour_benchmark_runs_end_to_end_and_reports_every_figure(
         [
             "--url", f"sqlite:///{tmp_path}/fair.db", "--backlog", "300", "--quiet", "3",
             "--seconds", "2", "--grace", "2", "--keys", "20", "--keys-jobs", "100",
-            "--work", "0.002", "--concurrency", "4",
+            "--work", "0.002", "--concurrency", "4", "--keys-work", "0.001",
         ]
     )  # fmt: skip
     for run in ("idle", "fair", "fifo"):
@@ -30,6 +30,8 @@ def test_the_noisy_neighbour_benchmark_runs_end_to_end_and_reports_every_figure(
     assert set(result["shares"]["worker_seconds"]) == {"a", "c", "d", "slow"}
     assert 0 < result["shares"]["jain_index_per_weight"] <= 1
     assert result["keys"]["fair"]["jobs"] == result["keys"]["fifo"]["jobs"] == 100
+    assert result["keys_work"]["fair"]["jobs"] == result["keys_work"]["fifo"]["jobs"] == 100
+    assert result["keys_work"]["fair"]["work"] == 0.001 and result["keys"]["fair"]["work"] == 0
 
 
 def test_make_bench_reports_the_fair_queue_beside_the_fifo_run_on_both_stores() -> None:
