@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -178,16 +179,27 @@ def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_
     assert len({r.fair_key for r in opened.rows}) == 4  # still spread over the keys
 
 
-def test_a_workers_suspect_claim_ranks_a_fair_queue_over_the_rounds_room(
-    store: errands.App,
-) -> None:
-    """A worker whose suspects are not isolated claims one rescued job a round, first.
-    "noisy" is behind its share (it ranks first), "quiet" has a rescued job (it ranks
-    second): the round (room 3) starts the rescued job, as it would a fresh "quiet" job.
-    Its suspect claim ranked over one turn took nothing while "noisy" stayed behind its
-    share, and the fresh claim leaves rescued jobs out."""
-    from errands.backends.base import FinishParams, QueueClaim, RescueParams
-    from errands.worker.claiming import Claimer
+LOST = {"attempt": 1, "type": "LeaseExpired", "message": "lost", "traceback": None}
+
+
+def _rescued(store: errands.App, rows: list[Any]) -> None:
+    """Rescue ``rows`` (claimed with a lease of 0.05 s) once their leases expired."""
+    from errands.backends.base import RescueParams
+
+    rescues = [RescueParams(r.id, r.lease_token or "", "retryable", LOST, 0.0) for r in rows]
+    wait_until(
+        lambda: store.backend.job_rescue_many(rescues) == [True] * len(rows),
+        10,
+        "the lost leases rescued",
+    )
+
+
+def _tenants_with_rescued_jobs(store: errands.App, *, busy_rescued: bool) -> dict[str, int]:
+    """A fair queue "tenants": "busy" (30 s of worker time), "noisy" (none: behind its
+    share, it ranks first), "quiet" (2 s: behind its share too, it ranks second), each
+    with jobs due; "quiet" (and "busy", ranked third, when ``busy_rescued``) with a
+    rescued job. The rescued jobs' ids by tenant."""
+    from errands.backends.base import FinishParams, QueueClaim
 
     store.queue("tenants", fair=True)
     store.backend.queue_declare(store.queues["tenants"], "test")
@@ -195,32 +207,85 @@ def test_a_workers_suspect_claim_ranks_a_fair_queue_over_the_rounds_room(
     @store.job(name="tenants.job", queue="tenants", fair_key="{tenant}")
     def job(tenant: str, n: int) -> None: ...
 
-    counts = {"busy": 10, "noisy": 30, "quiet": 2}
+    # a rescued job comes after its key's fresh ones: "busy" keeps only its rescued one
+    # (and "noisy" one job, which ranks first: more would take the turns after it too)
+    counts = (
+        {"busy": 2, "noisy": 3, "quiet": 2}
+        if busy_rescued
+        else {"busy": 10, "noisy": 30, "quiet": 2}
+    )
     store.enqueue_many([job.bind(tenant=t, n=n) for t, c in counts.items() for n in range(c)])
     backend = store.backend
     first = backend.job_claim_limited(QueueClaim("tenants", 3), "w-old", 30.0)
-    ran = {"busy": 30.0, "noisy": 0.0, "quiet": 2.0}  # "busy" used most of the time
+    ran = {"busy": 30.0, "noisy": 0.0, "quiet": 2.0}
     done = [
         FinishParams(r.id, r.lease_token or "", "completed", fair=True, ran=ran[str(r.fair_key)])
         for r in first
     ]
     assert sorted(str(r.fair_key) for r in first) == ["busy", "noisy", "quiet"]
     assert backend.job_finish_many(done) == [True] * 3
-    second = backend.job_claim_limited(QueueClaim("tenants", 2), "w-old", 0.05)
-    (quiet,) = [r for r in second if r.fair_key == "quiet"]
-    (noisy,) = [r for r in second if r.fair_key == "noisy"]
-    done = [FinishParams(noisy.id, noisy.lease_token or "", "completed", fair=True, ran=0.0)]
-    assert backend.job_finish_many(done) == [True]
-    lost = {"attempt": 1, "type": "LeaseExpired", "message": "lost", "traceback": None}
-    rescue = RescueParams(quiet.id, quiet.lease_token or "", "retryable", lost, 0.0)
-    wait_until(lambda: backend.job_rescue_many([rescue]) == [True], 10, "the lost lease rescued")
+    second = {
+        str(r.fair_key): r
+        for r in backend.job_claim_limited(QueueClaim("tenants", 3), "w-old", 0.05)
+    }
+    assert sorted(second) == ["busy", "noisy", "quiet"]
+    lost = ["quiet", "busy"] if busy_rescued else ["quiet"]
+    done = [
+        FinishParams(r.id, r.lease_token or "", "completed", fair=True, ran=ran[key])
+        for key, r in second.items()
+        if key not in lost
+    ]
+    assert backend.job_finish_many(done) == [True] * len(done)
+    _rescued(store, [second[key] for key in lost])
+    return {key: second[key].id for key in lost}
 
+
+def test_a_workers_suspect_claim_ranks_a_fair_queue_over_the_rounds_room(
+    store: errands.App,
+) -> None:
+    """A worker whose suspects are not isolated claims one rescued job a round, first.
+    "noisy" is behind its share (it ranks first), "quiet" has a rescued job (it ranks
+    second): the round (room 3: one slot free, two jobs' prefetch, which a fair queue
+    without a limit claims for) starts the rescued job, as it would a fresh "quiet" job.
+    Its suspect claim ranked over one turn took nothing while "noisy" stayed behind its
+    share, and the fresh claim leaves rescued jobs out."""
+    from errands.backends.base import QueueClaim
+    from errands.worker.claiming import Claimer
+
+    rescued = _tenants_with_rescued_jobs(store, busy_rescued=False)
     claimer = Claimer(store, "w-test", ["tenants"], 1.0)
-    claimed = claimer.claim([QueueClaim("tenants", 3)], room=3, free=3, suspects=1)
+    claimed = claimer.claim([QueueClaim("tenants", 3)], room=3, free=1, suspects=1)
     assert claimed.error is None
-    assert [r.id for r in claimed.rows if r.rescues] == [quiet.id]
-    assert claimed.rows[0].id == quiet.id  # rescued jobs first in the round
+    assert [r.id for r in claimed.rows if r.rescues] == [rescued["quiet"]]
+    assert claimed.rows[0].id == rescued["quiet"]  # rescued jobs first in the round
     assert sorted(str(r.fair_key) for r in claimed.rows[1:]) == ["busy", "noisy"]
+
+
+def test_a_suspect_claim_ranks_only_the_turns_left_after_the_rounds_earlier_suspects(
+    store: errands.App,
+) -> None:
+    """A worker with three suspect lanes, room 3, plan [plainq, tenants]: plainq's
+    rescued job takes one turn; the fair queue's suspect claim then ranks the two turns
+    left ("noisy", "quiet") and takes "quiet"'s rescued job, not "busy"'s (ranked
+    third), so "noisy", ranked first, gets the round's last slot. Ranked over the whole
+    room, it took both rescued jobs and "noisy" got nothing."""
+    from errands.backends.base import ClaimParams, QueueClaim
+    from errands.worker.claiming import Claimer
+
+    rescued = _tenants_with_rescued_jobs(store, busy_rescued=True)
+
+    @store.job(name="plainq.job", queue="plainq")
+    def plain(n: int) -> None: ...
+
+    plain.enqueue(n=1)
+    lost = store.backend.job_claim(ClaimParams([QueueClaim("plainq", 1)], 1, "w-old", 0.05))
+    _rescued(store, lost)
+    claimer = Claimer(store, "w-test", ["plainq", "tenants"], 1.0)
+    plan = [QueueClaim("plainq", 3), QueueClaim("tenants", 3)]
+    claimed = claimer.claim(plan, room=3, free=3, suspects=3)
+    assert claimed.error is None
+    assert sorted(r.id for r in claimed.rows if r.rescues) == sorted([lost[0].id, rescued["quiet"]])
+    assert [str(r.fair_key) for r in claimed.rows if not r.rescues] == ["noisy"]
 
 
 def _quiet_behind_full_slots(

@@ -523,7 +523,7 @@ class Backend(Protocol):
         ``express``: only the next job of each of a fair queue's keys with nothing
         running (a worker's express lane). ``turns``: a suspect claim's round room (the
         fresh claim's after it): in a fair queue it takes the rescued jobs among the first
-        ``turns`` of the fair order, at most ``queue.limit`` of them. The result is a
+        ``turns`` of the fair order, at most this claim's ``queue.limit`` of them. The result is a
         ``limits.Claimed``: its ``express`` names the rows that were the first claimed of
         such a key."""
         ...

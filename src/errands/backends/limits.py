@@ -186,7 +186,7 @@ def claim_limited(
     claim reads every key. ``express``: a fair queue's express claim, for a worker's
     express lane: only the next job of keys with nothing running, one per key (nothing
     from a queue that is not fair). ``turns``: a suspect claim's round room: a fair queue
-    ranks that many turns (as the fresh claim after it would) and takes the rescued jobs
+    ranks that many turns (as the fresh claim after it could) and takes the rescued jobs
     among them, at most ``cap``; ranked over ``cap`` alone, a rescued job of a key ranked
     second waited while a key before it had jobs, though the round's fresh claim would
     have served its key (see :func:`_pick_fair`).
@@ -221,7 +221,7 @@ def claim_limited(
     if rate_limit is not None and rate_period:
         used, frees_in = _rate_used(store, f"queue:{queue}", float(rate_period))  # type: ignore[arg-type]
         left = int(rate_limit) - used  # type: ignore[call-overload]
-        if left <= room:
+        if left <= min(room, cap):  # held back (a suspect claim ranks more than it takes)
             result.retry_in = _sooner(result.retry_in, frees_in)
         room = min(room, left)
     most = min(cap, room)  # jobs taken at most (room: the turns ranked)
@@ -349,10 +349,10 @@ def _pick_fair(
     without ``cursors`` reads every key (its ranking needs every key's head).
 
     Rescued jobs (suspects) take their turn like the others: the worker's suspect claim
-    orders fresh and rescued jobs together over the round's room (``turns``: the fresh
-    claim's after it) and keeps the rescued ones it picked, so a key whose jobs keep
-    getting rescued never takes the turns of the keys behind it, and a rescued job waits
-    no longer than a fresh job of its key would; the fresh claim leaves rescued jobs
+    orders fresh and rescued jobs together over the round's room (``turns``: what the
+    fresh claim after it could take) and keeps the rescued ones it picked, so a key whose
+    jobs keep getting rescued never takes the turns of the keys behind it, and a rescued
+    job is taken in a round that would serve its key; the fresh claim leaves rescued jobs
     out."""
     store, queue, room = pick.store, pick.queue, pick.room
     if suspects and not store.rows("claim_candidates_suspect", {**pick.params(), "limit": 1}):

@@ -229,10 +229,11 @@ class Claimer:
         self, result: ClaimRound, plan: list[QueueClaim], most: int, room: int, free: int
     ) -> None:
         """Up to ``most`` rescued jobs (the worker sizes ``most`` to run each isolated).
-        A fair queue ranks its keys over the turns its fresh claim would have (``room``,
-        or ``free`` where it claims for free slots only) and takes the rescued jobs among
-        them: ranked over ``most`` alone (one, for a worker whose suspects are not
-        isolated), a rescued job waited while any key ranked before its own."""
+        A fair queue ranks its keys over the turns its fresh claim could have (``room``,
+        or ``free`` where it claims for free slots only, less what the round claimed
+        before it) and takes the rescued jobs among them: ranked over ``most`` alone
+        (one, for a worker whose suspects are not isolated), a rescued job waited while
+        any key ranked before its own."""
         backend = self.app.backend
         fast = [
             QueueClaim(q.name, min(most, q.limit)) for q in plan if q.name not in self.with_limits
@@ -246,7 +247,10 @@ class Claimer:
             left = min(most - len(result.rows), queue.limit)
             if queue.name in self.with_limits and left > 0:
                 claim = QueueClaim(queue.name, left)
-                turns = min(queue.limit, room if queue.name in self.prefetching else free)
+                # the room the round's fresh claim would have for it (what was claimed
+                # before in this round taken out)
+                share = room if queue.name in self.prefetching else free
+                turns = min(queue.limit, share - len(result.rows))
                 result.rows += self._step(
                     result,
                     lambda claim=claim, turns=turns: backend.job_claim_limited(  # type: ignore[misc]
