@@ -437,3 +437,46 @@ def test_a_suspect_claim_takes_a_rescued_job_whose_key_the_rounds_fresh_claim_wo
     rescued = backend.job_claim_limited(QueueClaim(queue, 1), WORKER, 30.0, suspects=True, turns=3)
     assert [r.id for r in rescued] == [quiet.id] and rescued[0].rescues == 1
     assert keys(take(backend, queue, 2)) == Counter({"noisy": 1, "busy": 1})
+
+
+def test_an_express_suspect_claim_takes_only_idle_keys_whose_next_job_was_rescued(
+    backend: Backend, harness: Harness
+) -> None:
+    """The express lane's rescued jobs: "q" (its only job rescued, nothing running) is
+    taken; "r" (rescued behind a fresh job of its own) is not: its fresh job goes first,
+    by the fresh express claim, which takes no rescued job; "a" (a job running) neither;
+    then no rescued job is left to take."""
+    queue = fair_queue(backend)
+    (q,) = add_keyed(backend, queue, "q")
+    r_first, r_next = add_keyed(backend, queue, "r", 2)
+    add_keyed(backend, queue, "a", 3)
+    rows = {_KEYS[row.id]: row for row in take(backend, queue, 3)}
+    assert set(rows) == {"q", "r", "a"} and rows["q"].id == q and rows["r"].id == r_first
+    harness.backdate_run_at(backend, r_next, 1.0)  # due before r_first's rescue, surely
+    for key in ("q", "r"):
+        harness.expire_lease(backend, rows[key].id)
+    rescues = [
+        RescueParams(rows[k].id, rows[k].lease_token or "", "retryable", error(), 0.0)
+        for k in ("q", "r")
+    ]
+    assert backend.job_rescue_many(rescues) == [True, True]
+
+    def express_suspects() -> list[int]:
+        claim = QueueClaim(queue, 5)
+        return [
+            r.id
+            for r in backend.job_claim_limited(claim, WORKER, 30.0, suspects=True, express=True)
+        ]
+
+    assert express_suspects() == [q]
+    assert [r.id for r in express(backend, queue, 5)] == [r_next]  # "r"'s fresh job
+    assert express_suspects() == []  # "r" runs now; "a" ran all along
+
+
+def test_an_express_claim_takes_a_keys_highest_priority_job(backend: Backend) -> None:
+    """An idle key's next job is its highest level's first: the express claim took the
+    lowest (a key's levels are read lowest first)."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "k", 2, priority=0)
+    (high,) = add_keyed(backend, queue, "k", priority=5)
+    assert [r.id for r in express(backend, queue, 3)] == [high]

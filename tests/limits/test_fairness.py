@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import errands
 from errands.cli.main import cli
 
-from .helpers import run_cli, wait_until, workers
+from .helpers import LimitsCluster, run_cli, wait_until, workers
 
 NOISY = 120
 QUIET = 5
@@ -351,6 +351,79 @@ def test_a_quiet_tenants_job_starts_on_the_express_lane_while_a_backlog_fills_ev
     lane never runs the backlog's key (it has jobs running): never more than the
     slots' two noisy jobs at once."""
     assert _quiet_behind_full_slots(store, express=1) == (2, 2)
+
+
+def test_a_quiet_tenants_rescued_job_starts_on_the_express_lane_too(store: errands.App) -> None:
+    """The quiet tenant's job was claimed by a worker that died (a lease of 0.05 s, never
+    renewed); the backlog fills both slots of a live worker with a lane. Once rescued,
+    the quiet job is its key's next job, with nothing of the key running: it starts on
+    the lane while both slots still run the backlog, as a fresh one would. Before, a
+    rescued job never took the lane and waited for a slot: here, for the backlog's 30 s."""
+    from errands.backends.base import QueueClaim
+
+    queue = "lane_rescued"
+    store.queue(queue, fair=True)
+    store.backend.queue_declare(store.queues[queue], "test")
+    started = threading.Event()
+    lock = threading.Lock()
+    noisy = {"running": 0, "beside": -1}
+
+    @store.job(name=f"{queue}.work", queue=queue, fair_key="tenant:{tenant}")
+    def work(tenant: str, n: int) -> None:
+        if tenant == "quiet":
+            with lock:
+                noisy["beside"] = noisy["running"]
+            started.set()
+            return
+        with lock:
+            noisy["running"] += 1
+        try:
+            started.wait(30)
+        finally:
+            with lock:
+                noisy["running"] -= 1
+
+    work.enqueue(tenant="quiet", n=0)
+    [lost] = store.backend.job_claim_limited(QueueClaim(queue, 1), "w-dead", 0.05)
+    store.enqueue_many([work.bind(tenant="noisy", n=n) for n in range(6)])
+    with workers([store], concurrency=2, express=1, queues=[queue]):
+        wait_until(started.is_set, 30, "the rescued quiet job started")
+        beside = noisy["beside"]
+        started.set()
+    assert beside == 2, "the rescued job waited for a slot"
+    row = store.backend.job_get(lost.id)
+    assert row is not None and row.rescues == 1 and row.state == "completed"
+
+
+def test_a_worker_process_runs_a_rescued_job_on_its_lane_isolated_in_a_child(
+    cluster: LimitsCluster,
+) -> None:
+    """`errands worker limits_app:app -c 2 --express 1` knows its app, so it runs rescued
+    jobs in child processes. Its two slots run a noisy tenant's 10 s jobs; the quiet
+    tenant's job, lost with a dead worker and rescued, starts on the lane (a lane thread
+    waits for its child) while both noisy jobs still run, in another process."""
+    from errands.backends.base import QueueClaim
+
+    app = cluster.app("limits_app")
+    work = app.registry["tenants.work"]
+    app.backend.queue_declare(app.queues["tenants"], "test")
+    quiet = work.enqueue(tenant="quiet", seconds=0.0)
+    [lost] = app.backend.job_claim_limited(QueueClaim("tenants", 1), "w-dead", 0.05)
+    assert lost.id == quiet.id
+    app.enqueue_many([work.bind(tenant="noisy", seconds=10.0) for _ in range(4)])
+    cluster.start_worker("-q", "tenants", "-c", "2", "--express", "1", app="limits_app:app")
+    wait_until(
+        lambda: app.get_job(quiet.id).state == "completed",
+        9,
+        "the rescued quiet job completed while the noisy jobs ran",
+    )
+    starts = cluster.query_effects("SELECT job_id, pid, at FROM effects WHERE kind = 'start'")
+    pids = {job_id: pid for job_id, pid, _ in starts}
+    at = {job_id: when for job_id, _, when in starts}
+    noisy = [job_id for job_id in pids if job_id != quiet.id]
+    assert len([n for n in noisy if at[n] < at[quiet.id]]) == 2, "both slots ran the noisy jobs"
+    assert pids[quiet.id] not in {pids[n] for n in noisy}, "the rescued job ran isolated"
+    assert app.get_job(quiet.id).rescues == 1
 
 
 def test_without_an_express_lane_the_quiet_job_waits_for_a_slot(store: errands.App) -> None:

@@ -30,6 +30,7 @@ from .fair import (
     KeyState,
     Weigher,
     decayed,
+    effective_priority,
     fair_pick,
     over_share,
 )
@@ -185,11 +186,12 @@ def claim_limited(
     stands, kept by the caller between claims (see :func:`_pick_fair`); without it a fair
     claim reads every key. ``express``: a fair queue's express claim, for a worker's
     express lane: only the next job of keys with nothing running, one per key (nothing
-    from a queue that is not fair). ``turns``: a suspect claim's round room: a fair queue
-    ranks that many turns (as the fresh claim after it could) and takes the rescued jobs
-    among them, at most ``cap``; ranked over ``cap`` alone, a rescued job of a key ranked
-    second waited while a key before it had jobs, though the round's fresh claim would
-    have served its key (see :func:`_pick_fair`).
+    from a queue that is not fair); with ``suspects``, only such keys' next job when it is
+    a rescued one (a worker's express lane takes those too). ``turns``: a suspect claim's
+    round room: a fair queue ranks that many turns (as the fresh claim after it could)
+    and takes the rescued jobs among them, at most ``cap``; ranked over ``cap`` alone, a
+    rescued job of a key ranked second waited while a key before it had jobs, though the
+    round's fresh claim would have served its key (see :func:`_pick_fair`).
 
     Call inside the transaction of the claim (``store.start`` serialises it).
     """
@@ -402,11 +404,16 @@ def _pick_fair(
     if pick.fair:  # not in a queue with aging only
         idle = {k for k in keys if k != UNKEYED and states.get(k, KeyState()).running == 0}
         idle -= over
-    if pick.express:  # each such key's next job only (candidates come in order per key)
+    if pick.express:  # each such key's next job only: its highest level's first
         firsts: dict[str, FairCandidate] = {}
-        for c in candidates:
-            if c.fair_key in idle and not c.rescued:
+        # (the reads give a key's levels lowest first: the express claim took a key's
+        # lowest-priority job while a higher one waited for a slot)
+        for c in sorted(candidates, key=lambda c: _claim_order(c, now, aging)):
+            if c.fair_key in idle:
                 firsts.setdefault(c.fair_key, c)
+        # A suspect express claim: the keys whose next job is a rescued one (a fresh one
+        # before it goes first, by the fresh express claim, which reads no rescued row).
+        firsts = {k: c for k, c in firsts.items() if c.rescued == suspects}
         candidates = list(firsts.values())
         keys = sorted(firsts)
     # Room for more than one job per key that may take turns: read more of each such
@@ -459,6 +466,12 @@ def _pick_fair(
         for c in picked.chosen
         if c.rescued == suspects
     ]
+
+
+def _claim_order(c: FairCandidate, now: float, aging: float | None) -> tuple[float, ...]:
+    """A key's jobs in the order it runs them: highest (effective) priority first, then
+    due time and id (as fair_pick takes them)."""
+    return (-effective_priority(c.priority, c.run_at, now, aging), c.run_at, c.id)
 
 
 def _fair_choose(

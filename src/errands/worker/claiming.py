@@ -84,6 +84,9 @@ class Claimer:
         }
         self._refresh_due = 0.0
         self._suspect_due = 0.0
+        # The express lane's own (its claim runs first while every slot is busy: sharing
+        # the regular suspect claim's, one that found none put the regular one off).
+        self._express_suspect_due = 0.0
 
     @property
     def names(self) -> list[str]:
@@ -126,6 +129,33 @@ class Claimer:
         except Exception as exc:
             result.error = result.error or exc
             return []
+
+    def _limited(
+        self,
+        result: ClaimRound,
+        queue: str,
+        limit: int,
+        *,
+        suspects: bool = False,
+        express: bool = False,
+        turns: int | None = None,
+    ) -> Sequence[JobRow]:
+        """One limited claim of ``queue`` (see Backend.job_claim_limited), as a step of
+        ``result``'s round."""
+        backend = self.app.backend
+        return self._step(
+            result,
+            lambda: backend.job_claim_limited(
+                QueueClaim(queue, limit),
+                self.worker_id,
+                self.app.lease,
+                suspects=suspects,
+                names=self.names,
+                weights=self.app.fair_weights,
+                express=express,
+                turns=turns,
+            ),
+        )
 
     def _claim(
         self, result: ClaimRound, plan: list[QueueClaim], room: int, free: int, suspects: int
@@ -173,24 +203,13 @@ class Claimer:
     ) -> None:
         """Each limited queue of ``plan`` on its own serialised path, for the free slots
         (for the prefetch room too, in a fair queue without a cluster-wide limit)."""
-        backend = self.app.backend
         rows = result.rows
         for queue in plan:
             take = min(queue.limit, (room if queue.name in self.prefetching else free) - len(rows))
             if queue.name in self.with_limits and take <= 0:
                 result.limited_starved = True
             if queue.name in self.with_limits and take > 0:
-                claim = QueueClaim(queue.name, take)
-                limited = self._step(
-                    result,
-                    lambda claim=claim: backend.job_claim_limited(  # type: ignore[misc]
-                        claim,
-                        self.worker_id,
-                        self.app.lease,
-                        names=self.names,
-                        weights=self.app.fair_weights,
-                    ),
-                )
+                limited = self._limited(result, queue.name, take)
                 rows += limited
                 result.gated += getattr(limited, "gated", 0)
                 result.express |= getattr(limited, "express", frozenset())
@@ -199,31 +218,42 @@ class Claimer:
                 if retry_in is not None:
                     result.retry_in = min(result.retry_in or retry_in, retry_in)
 
-    def claim_express(self, plan: list[QueueClaim], most: int) -> ClaimRound:
+    def claim_express(self, plan: list[QueueClaim], most: int, suspects: int = 0) -> ClaimRound:
         """Up to ``most`` jobs of ``plan`` (fair queues, each within its limit) for the
-        express lane: the next job of each key with nothing running, within its share.
-        Never raises (see the module)."""
+        express lane: the next job of each key with nothing running, within its share;
+        up to ``suspects`` of them rescued ones (first, as in a regular round: a rescued
+        job of a quiet key waited for a slot while a fresh one took the lane), looked for
+        at most once a poll interval while none is found (it reads every key). Never
+        raises (see the module)."""
         result = ClaimRound()
-        backend = self.app.backend
         try:
+            if suspects > 0 and time.monotonic() >= self._express_suspect_due:
+                self._claim_express_suspects(result, plan, min(suspects, most))
+            taken: dict[str, int] = {}
+            for row in result.rows:
+                taken[row.queue] = taken.get(row.queue, 0) + 1
             for queue in plan:
-                left = min(most - len(result.rows), queue.limit)
-                if left <= 0:
-                    continue
-                result.rows += self._step(
-                    result,
-                    lambda queue=queue, left=left: backend.job_claim_limited(  # type: ignore[misc]
-                        QueueClaim(queue.name, left),
-                        self.worker_id,
-                        self.app.lease,
-                        names=self.names,
-                        weights=self.app.fair_weights,
-                        express=True,
-                    ),
-                )
+                left = min(most - len(result.rows), queue.limit - taken.get(queue.name, 0))
+                if left > 0:
+                    result.rows += self._limited(result, queue.name, left, express=True)
         except Exception as exc:  # pragma: no cover - each step catches its own
             result.error = result.error or exc
         return result
+
+    def _claim_express_suspects(
+        self, result: ClaimRound, plan: list[QueueClaim], most: int
+    ) -> None:
+        """The express lane's rescued jobs: keys with nothing running whose next job is a
+        rescued one, up to ``most``."""
+        found = False
+        for queue in plan:
+            left = min(most - len(result.rows), queue.limit)
+            if left > 0:
+                rows = self._limited(result, queue.name, left, suspects=True, express=True)
+                result.rows += rows
+                found = found or bool(rows)
+        if not found:
+            self._express_suspect_due = time.monotonic() + self.poll_interval
 
     def _claim_suspects(
         self, result: ClaimRound, plan: list[QueueClaim], most: int, room: int, free: int
@@ -246,23 +276,11 @@ class Claimer:
         for queue in plan:
             left = min(most - len(result.rows), queue.limit)
             if queue.name in self.with_limits and left > 0:
-                claim = QueueClaim(queue.name, left)
                 # the room the round's fresh claim would have for it (what was claimed
                 # before in this round taken out)
                 share = room if queue.name in self.prefetching else free
                 turns = min(queue.limit, share - len(result.rows))
-                result.rows += self._step(
-                    result,
-                    lambda claim=claim, turns=turns: backend.job_claim_limited(  # type: ignore[misc]
-                        claim,
-                        self.worker_id,
-                        self.app.lease,
-                        suspects=True,
-                        names=self.names,
-                        weights=self.app.fair_weights,
-                        turns=turns,
-                    ),
-                )
+                result.rows += self._limited(result, queue.name, left, suspects=True, turns=turns)
         if not result.rows:
             # None waiting: look again a poll interval from now. After one was found, the
             # next is looked for as soon as a suspect ends, so a burst of rescued jobs

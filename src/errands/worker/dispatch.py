@@ -114,9 +114,9 @@ class Dispatcher:
             worker.recorder.decided(attempt, error, None)
             return
         children = worker.child_runner_for(attempt)
-        if children is not None:
+        if children is not None:  # a thread waits for the child: the lane's, on the lane
             attempt.waiting = True
-            attempt.future = worker.threads.submit(
+            attempt.future = worker.threads_for(attempt).submit(
                 lambda: self._run_in_child(attempt, children),
                 lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
                 urgent=True,

@@ -691,7 +691,12 @@ class Worker:
         queue's). True when it started any."""
         self._express_wanted = False
         sent = time.monotonic()
-        claimed = self.claimer.claim_express(plan, self._express_free)  # the lane's room in all
+        with self._lock:  # rescued ones for the suspect lanes free (none before they can run)
+            suspects = max(self.suspect_lanes - self._suspects, 0)
+        if not self._suspects_startable():
+            suspects = 0
+        # the lane's room in all
+        claimed = self.claimer.claim_express(plan, self._express_free, suspects)
         self._express_at, self._express_found = time.monotonic(), bool(claimed.rows)
         if claimed.rows:
             self._start_all(claimed.rows, sent, frozenset(r.id for r in claimed.rows))
@@ -780,12 +785,8 @@ class Worker:
                 self._attempts[(row.id, attempt.token)] = attempt
                 self._suspects += row.rescues > 0
                 running[row.queue] = running.get(row.queue, 0) + 1
-                if (
-                    row.id in express
-                    and not row.rescues  # a suspect runs isolated, in a slot
-                    and self._free <= 0
-                    and self._express_free > 0
-                ):
+                if row.id in express and self._free <= 0 and self._express_free > 0:
+                    # (a rescued one too: isolated, its child waited on by a lane thread)
                     attempt.express = True
                     self._express_free -= 1
                 else:

@@ -1,5 +1,5 @@
 """The worker processes' app for tests/limits: a queue limited cluster-wide to 2, two
-queues for per-worker limits (``-q emails=3,payments=1``), slow jobs for ``--pool
+queues for per-worker limits (``-q emails=3,payments=1``), a fair queue, slow jobs for ``--pool
 process`` timeouts and cancels, and a job with every policy option.
 
 Every handler records its start and its end in the acceptance harness's effects file
@@ -72,3 +72,12 @@ app.queue("billing", limit=5, rate="100/m")
 )
 def charge_card(account_id: int, card: str) -> None:
     """``errands jobs policy billing.charge`` shows all of these options."""
+
+
+app.queue("tenants", fair=True)
+
+
+@app.job(name="tenants.work", queue="tenants", retries=2, fair_key="tenant:{tenant}")
+def tenants_work(ctx: errands.Context, tenant: str, seconds: float) -> None:
+    """A fair queue's job (tests/limits/test_fairness.py: a rescued job on the lane)."""
+    _run(ctx, seconds)
