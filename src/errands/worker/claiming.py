@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -167,10 +168,8 @@ class Claimer:
             # and would otherwise keep them waiting until it drains. They go ahead of the
             # prefetched jobs (the next free handler takes them).
             self._claim_suspects(result, plan, min(suspects, room), room, free)
-            taken: dict[str, int] = {}
-            for row in rows:
-                taken[row.queue] = taken.get(row.queue, 0) + 1
-            plan = [QueueClaim(q.name, q.limit - taken.get(q.name, 0)) for q in plan]
+            taken = Counter(row.queue for row in rows)
+            plan = [QueueClaim(q.name, q.limit - taken[q.name]) for q in plan]
             plan = [q for q in plan if q.limit > 0]
         # Which path goes first follows the plan's rotation (the worker starts the plan
         # at the next queue each round): a limited queue at its head is claimed before the
@@ -229,11 +228,9 @@ class Claimer:
         try:
             if suspects > 0 and time.monotonic() >= self._express_suspect_due:
                 self._claim_express_suspects(result, plan, min(suspects, most))
-            taken: dict[str, int] = {}
-            for row in result.rows:
-                taken[row.queue] = taken.get(row.queue, 0) + 1
+            taken = Counter(row.queue for row in result.rows)
             for queue in plan:
-                left = min(most - len(result.rows), queue.limit - taken.get(queue.name, 0))
+                left = min(most - len(result.rows), queue.limit - taken[queue.name])
                 if left > 0:
                     result.rows += self._limited(result, queue.name, left, express=True)
         except Exception as exc:  # pragma: no cover - each step catches its own
