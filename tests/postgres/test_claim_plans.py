@@ -83,7 +83,7 @@ BTREE_SCANS = {"Index Scan", "Index Only Scan", "ModifyTable"}
 # The listings' indexes: through them a claim reads every due row of its queue or job
 # type and sorts them, to take 40.
 LISTING_INDEXES = {"errands_jobs_listing_bloom", "errands_jobs_bloom",
-                   "errands_jobs_state_name", "errands_jobs_state_queue"}  # fmt: skip
+                   "errands_jobs_listed_name", "errands_jobs_listed_queue"}  # fmt: skip
 
 _CLAIM = {"queues": ["fresh"], "limits": [40], "limit": 40, "names": ["fresh.job"],
           "worker_id": "w", "token": "t", "lease_default": 30.0}  # fmt: skip

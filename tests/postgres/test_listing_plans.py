@@ -6,7 +6,7 @@ now are partial indexes and a BRIN bloom index; a later schema change that loses
 turns a listing into a read of the whole table, which a test with a few rows never shows
 by its time. So each listing runs under EXPLAIN (ANALYZE, BUFFERS) on 20,000 rows laid
 out like a real table (completed rows in bulk, a few dead, pending, running, waiting and
-cancelled ones; a rare queue and a rare job name), once autovacuum's work is done
+cancelled and scheduled ones; a rare queue and a rare job name), once autovacuum's work is done
 (VACUUM ANALYZE: statistics, BRIN ranges summarised), and must read a small share of the
 table's pages, never by a sequential scan. Pages read, not time: a loaded machine cannot
 fail it.
@@ -43,6 +43,7 @@ CROSS JOIN LATERAL (SELECT CASE
     WHEN g > %(rows)s - 200 THEN 'available'
     WHEN g > %(rows)s - 210 THEN 'running'
     WHEN g > %(rows)s - 220 THEN 'waiting'
+    WHEN g > %(rows)s - 240 THEN 'scheduled'
     WHEN g %% 1000 = 0 OR g %% 4000 = 8 THEN 'dead'
     WHEN g %% 500 = 1 THEN 'cancelled'
     ELSE 'completed' END) AS s(state)
@@ -83,6 +84,9 @@ LISTINGS = {
     "dead jobs of a job name": _listing(state="dead", name="other.job"),
     "cancelled jobs": _listing(state="cancelled"),
     "pending jobs of a queue": _listing(state="available", queue="other"),
+    "pending jobs of a rare queue": _listing(state="available", queue="rare"),
+    "pending jobs of a rare job name": _listing(state="available", name="rare.job"),
+    "scheduled jobs of a queue": _listing(state="scheduled", queue="other"),
     "running jobs": _listing(state="running"),
     "waiting jobs": _listing(state="waiting"),
     "a job's children": _listing(parent_id=1),
@@ -91,6 +95,7 @@ LISTINGS = {
         {"state": "dead", "queue": None, "name": "rare.job"},
     ),
     "dead jobs counted per queue": ("job_count_by_queue", {"state": "dead"}),
+    "pending jobs counted per job type": ("job_count_pending_by_name", {}),
 }
 
 

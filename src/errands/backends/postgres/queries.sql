@@ -679,8 +679,8 @@ SET expression = excluded.expression, timezone = excluded.timezone,
     next_slot = excluded.next_slot, updated_at = now()
 
 -- name: job_count_by_queue
--- Jobs in one state per queue: for any state but running and completed (the DLQ's dead),
--- from errands_jobs_state_queue alone.
+-- Jobs in one state per queue: for any state but available, running and completed (the
+-- DLQ's dead), from errands_jobs_listed_queue alone.
 SELECT queue, count(*) FROM {schema}.errands_jobs WHERE state = %(state)s GROUP BY queue
 
 -- name: job_names
