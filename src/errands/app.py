@@ -788,6 +788,8 @@ class App:
         parent_id: int | None = None,
     ) -> list[Job]:
         """Jobs newest first; page with ``before_id=<last id of the previous page>``.
+        Available jobs of one queue (``state="available"`` and ``queue``) come in the order
+        they will be claimed instead: highest priority first, then due time and id.
 
         ``parent_id`` lists the children a job inserted with ``ctx.enqueue``.
         """

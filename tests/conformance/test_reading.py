@@ -57,6 +57,35 @@ def test_job_list_pages_with_before_id_without_gaps_or_repeats(backend: Backend)
     assert seen == ids[::-1]
 
 
+def test_available_jobs_of_a_queue_are_listed_in_claim_order_across_pages(
+    backend: Backend,
+) -> None:
+    """Available jobs of one queue come in the order they will be claimed (priority, then
+    due time, then id), pages following the last row seen without gaps or repeats, also
+    when that row was claimed meanwhile; other queues and states stay out."""
+    low = [insert(backend, queue="emails", priority=0) for _ in range(3)]
+    high = [insert(backend, queue="emails", priority=5) for _ in range(2)]
+    middle = [insert(backend, queue="emails", priority=2) for _ in range(3)]
+    insert(backend, queue="payments", priority=9)
+    insert(backend, queue="emails", priority=9, delay=3600.0)  # scheduled: not available
+    order = high + middle + low
+    seen: list[int] = []
+    before: int | None = None
+    while True:
+        page = backend.job_list(
+            ListParams(state="available", queue="emails", limit=2, before_id=before)
+        )
+        if not page:
+            break
+        seen.extend(r.id for r in page)
+        before = page[-1].id
+        if len(seen) == 2:  # the page's rows, its last included, are claimed meanwhile
+            assert [claim_one(backend, "emails").id for _ in range(2)] == high
+    assert seen == order
+    names = ListParams(state="available", queue="emails", name="nosuch.job")
+    assert backend.job_list(names) == []
+
+
 def test_queue_stats_counts_jobs_per_queue_and_state(backend: Backend) -> None:
     """Stats give one entry per queue with a count per state present."""
     for _ in range(3):

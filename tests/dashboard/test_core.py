@@ -125,6 +125,24 @@ def test_jobs_page_pages_through_every_job_once_newest_first(
     assert seen == sorted(seen, reverse=True) and len(set(seen)) == 120
 
 
+def test_available_jobs_of_a_queue_page_in_the_order_they_will_be_claimed(
+    store: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    """The available jobs of one queue come next-to-run first (priority, then age), the
+    pager says so and walks every one of them once."""
+    low = store.enqueue_many([jobs["charge"].bind(order_id=i) for i in range(60)])
+    high = store.enqueue_many([jobs["charge"].bind(order_id=i, priority=5) for i in range(60, 90)])
+    seen: list[int] = []
+    url: str | None = "/jobs?state=available&queue=payments"
+    while url:
+        html = client.get(url).text
+        assert "in the order they will be claimed" in html
+        seen.extend(ids_on(html))
+        match = re.search(r'<a href="(/jobs\?[^"]*before_id=\d+)" rel="next">Later', html)
+        url = match.group(1).replace("&amp;", "&") if match else None
+    assert seen == [h.id for h in high] + [h.id for h in low]
+
+
 def test_job_detail_shows_arguments_attempts_timeline_and_trace(
     store: errands.App, jobs: dict[str, Any], client: TestClient
 ) -> None:

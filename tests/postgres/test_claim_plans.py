@@ -7,10 +7,11 @@ one row): the BRIN bloom index over (queue, name) looked cheaper, and a claim re
 page range not yet summarised, then sorted: 160 ms a claim on 440,000 rows, 170 jobs a
 second where the worker does 9,000 (migration 15 made that index usable by the listings
 only). Then, for a job type the statistics had not seen, errands_jobs_state_name (state,
-name, id): every due row of the type read and sorted, to claim 40 (the job types are now
-tested in a form no index serves). So each claim statement runs under EXPLAIN ANALYZE on
-a new queue's rows enqueued after the ANALYZE of 20,000 rows since processed (whose
-ranges no vacuum has summarised), and must find its rows through its own btree index:
+name, id; until schema version 16 it held available rows): every due row of the type
+read and sorted, to claim 40 (the job types are now tested in a form no index serves).
+So each claim statement runs under EXPLAIN ANALYZE on a new queue's rows enqueued after
+the ANALYZE of 20,000 rows since processed (whose ranges no vacuum has summarised), and
+must find its rows through its own btree index:
 never a listing's index, a bitmap of heap pages or a sequential scan. The plan's shape,
 not time: a loaded machine cannot fail it.
 """

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from errands.backends.shared_admin import listing_query
 from tests.pg import fresh_schema_conn, plan_nodes
 
 ROWS = 20_000
@@ -31,8 +32,8 @@ INSERT INTO errands_jobs (name, queue, args, state, run_at, attempt, max_attempt
                           lease_expires_at, parent_id)
 SELECT CASE WHEN g %% 5000 = 11 THEN 'rare.job' WHEN g %% 5 = 0 THEN 'other.job'
             ELSE 'bulk.job' END,
-       CASE WHEN g %% 4000 = 7 OR g %% 4000 = 8 THEN 'rare' WHEN g %% 5 = 1 THEN 'other'
-            ELSE 'bulk' END,
+       CASE WHEN g %% 4000 = 7 OR g %% 4000 = 8 THEN 'rare' WHEN g %% 4000 = 9 THEN 'stalled'
+            WHEN g %% 5 = 1 THEN 'other' ELSE 'bulk' END,
        '{}'::jsonb,
        s.state, now(), 1, 3,
        CASE WHEN s.state IN ('completed', 'dead', 'cancelled') THEN now() END,
@@ -40,7 +41,7 @@ SELECT CASE WHEN g %% 5000 = 11 THEN 'rare.job' WHEN g %% 5 = 0 THEN 'other.job'
        CASE WHEN g %% 9000 = 5 THEN 1 END
 FROM generate_series(1, %(rows)s) AS g
 CROSS JOIN LATERAL (SELECT CASE
-    WHEN g > %(rows)s - 200 THEN 'available'
+    WHEN g > %(rows)s - 200 OR g %% 4000 = 9 THEN 'available'
     WHEN g > %(rows)s - 210 THEN 'running'
     WHEN g > %(rows)s - 220 THEN 'waiting'
     WHEN g > %(rows)s - 240 THEN 'scheduled'
@@ -65,8 +66,8 @@ def listed() -> Iterator[tuple[Any, dict[str, str], int]]:
 
 def _listing(**filters: Any) -> tuple[str, dict[str, Any]]:
     params = {"state": None, "queue": None, "name": None, "before_id": None,
-              "parent_id": None, "limit": 51}  # fmt: skip
-    return "job_list", {**params, **filters}
+              "parent_id": None, "limit": 51, **filters}  # fmt: skip
+    return listing_query(params["state"], params["queue"]), params
 
 
 # Rare rows only: a listing of a common state alone (completed, or the 1 % dead) pages
@@ -85,7 +86,14 @@ LISTINGS = {
     "cancelled jobs": _listing(state="cancelled"),
     "pending jobs of a queue": _listing(state="available", queue="other"),
     "pending jobs of a rare queue": _listing(state="available", queue="rare"),
-    "pending jobs of a rare job name": _listing(state="available", name="rare.job"),
+    # a queue whose available rows are old, under newer completed ones (paused, stalled)
+    "pending jobs of a stalled queue": _listing(state="available", queue="stalled"),
+    "the next page of a stalled queue": _listing(
+        state="available", queue="stalled", before_id=4009
+    ),
+    "pending jobs of a rare job name in a stalled queue": _listing(
+        state="available", queue="stalled", name="rare.job"
+    ),
     "scheduled jobs of a queue": _listing(state="scheduled", queue="other"),
     "running jobs": _listing(state="running"),
     "waiting jobs": _listing(state="waiting"),

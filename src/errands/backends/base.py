@@ -190,7 +190,10 @@ class ListParams:
     queue: str | None = None
     name: str | None = None
     limit: int = 100
-    before_id: int | None = None  # keyset pagination: newest first, ids below this one
+    # Keyset pagination: the rows after this one (the previous page's last). Jobs come
+    # newest first, but available jobs of one queue (state and queue given): in the order
+    # they will be claimed (priority, due time, id), the order of the index that finds them.
+    before_id: int | None = None
     parent_id: int | None = None  # children of this job
 
 

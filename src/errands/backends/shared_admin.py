@@ -60,6 +60,12 @@ LOCK_CONFLICT_TRIES = 5
 log = logging.getLogger("errands.admin")
 
 
+def listing_query(state: str | None, queue: str | None) -> str:
+    """The statement that lists jobs: available jobs of one queue in claim order, through
+    the due index (see ListParams.before_id), the others newest first."""
+    return "job_list_due" if state == "available" and queue is not None else "job_list"
+
+
 class TxRun:
     """Runs a backend's named queries (``run(query_name, params=None)`` -> cursor), and
     statement programs (``run.program(p)``), inside one open transaction."""
@@ -452,7 +458,7 @@ class SharedAdmin:
 
     def job_list(self, params: ListParams) -> list[JobRow]:
         rows = self._read_rows(
-            "job_list",
+            listing_query(params.state, params.queue),
             {
                 "state": params.state,
                 "queue": params.queue,

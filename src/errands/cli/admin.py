@@ -137,7 +137,12 @@ def jobs() -> None:
 @click.option("--queue")
 @click.option("--name")
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
-@click.option("--before", "before_id", type=int, help="only ids below this one (next page)")
+@click.option(
+    "--before",
+    "before_id",
+    type=int,
+    help="the jobs after this one, the last of the previous page (next page)",
+)
 def jobs_list(
     app_path: str | None,
     url: str | None,
@@ -148,7 +153,8 @@ def jobs_list(
     limit: int,
     before_id: int | None,
 ) -> None:
-    """Jobs, newest first."""
+    """Jobs, newest first; available jobs of one queue (--state available --queue Q) in
+    the order they will be claimed, next first."""
     app = _app(app_path, url)
     found = app.jobs(state=state, queue=queue, name=name, limit=limit, before_id=before_id)
     if as_json:

@@ -208,6 +208,8 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
             "live": before_id is None and not search,
             # a pending state's listing can be edited in bulk (with a dry run first)
             "editable": state in ("scheduled", "available", "retryable"),
+            # available jobs of one queue come in claim order (App.jobs), not newest first
+            "claim_order": state == "available" and bool(queue) and not search,
         },
     )
 

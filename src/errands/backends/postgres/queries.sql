@@ -96,7 +96,8 @@ SELECT id FROM {schema}.errands_jobs WHERE name = %(name)s AND idempotency_key =
 -- The job types the worker runs (names) are tested by array_position, which no index can
 -- serve and which the planner does not count as selective: as `name = ANY(names)`, a job
 -- type the statistics had not seen was estimated at one row, and the claim read every
--- due row of it through errands_jobs_state_name and sorted them, for 40 (every claim
+-- due row of it through errands_jobs_state_name (before schema version 16, which left
+-- available rows out of that index) and sorted them, for 40 (every claim
 -- statement does the same; tests/postgres/test_claim_plans.py).
 WITH picked AS (
     SELECT p.id
@@ -275,6 +276,43 @@ WHERE (%(state)s::text IS NULL OR j.state = %(state)s::text)
   AND (%(before_id)s::bigint IS NULL OR j.id < %(before_id)s::bigint)
   AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
 ORDER BY j.id DESC
+LIMIT %(limit)s
+
+-- name: job_list_due
+-- Available jobs of one queue in the order they will be claimed (priority, then due time,
+-- then id: next first), through errands_jobs_due: available rows are in no listing index
+-- (schema version 16), and this order is the one that index keeps, so a page costs what
+-- the first costs however long the queue's backlog. A page follows the row before_id
+-- names (the last of the previous page; claimed since, it still has its place): the
+-- rows after it at its priority, then the lower priorities (or, for the first page,
+-- every priority): two index ranges, hence the filters twice.
+WITH cursor AS MATERIALIZED (
+    SELECT c.priority, c.run_at, c.id FROM {schema}.errands_jobs AS c
+    WHERE c.id = %(before_id)s::bigint
+)
+SELECT * FROM (
+    SELECT * FROM (
+     SELECT {job_columns} FROM {schema}.errands_jobs AS j
+     WHERE j.state IN ('available', 'scheduled', 'retryable') AND j.state = 'available'
+       AND j.queue = %(queue)s::text
+       AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
+       AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
+       AND j.priority = (SELECT priority FROM cursor)
+       AND (j.run_at, j.id) > ((SELECT run_at FROM cursor), (SELECT id FROM cursor))
+     ORDER BY j.run_at, j.id
+     LIMIT %(limit)s) AS same_priority
+    UNION ALL
+    SELECT * FROM (
+     SELECT {job_columns} FROM {schema}.errands_jobs AS j
+     WHERE j.state IN ('available', 'scheduled', 'retryable') AND j.state = 'available'
+       AND j.queue = %(queue)s::text
+       AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
+       AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
+       AND (%(before_id)s::bigint IS NULL OR j.priority < (SELECT priority FROM cursor))
+     ORDER BY j.priority DESC, j.run_at, j.id
+     LIMIT %(limit)s) AS after_it
+) AS page
+ORDER BY 7 DESC, 10, 1  -- priority, run_at, id
 LIMIT %(limit)s
 
 -- name: job_ids_matching
