@@ -50,7 +50,7 @@ from .errors import (
 )
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
-from .jobs import Job, Step, parse_state
+from .jobs import Job, Step, parse_cursor, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
@@ -82,6 +82,11 @@ PENDING_STATES = ("scheduled", "available", "running", "retryable")
 DeadHook = Callable[[Job], None]
 TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
 SIGNAL_NAME_MAX = 200  # bytes of a signal's name
+
+
+def _cursor(after: Job | str) -> tuple[int, float, int]:
+    """``after=`` of :meth:`App.jobs`: a Job, or its ``cursor``."""
+    return parse_cursor(after.cursor if isinstance(after, Job) else after)
 
 
 def _filter(what: str, value: str | None) -> str | None:
@@ -786,10 +791,14 @@ class App:
         limit: int = 100,
         before_id: int | None = None,
         parent_id: int | None = None,
+        after: Job | str | None = None,
     ) -> list[Job]:
         """Jobs newest first; page with ``before_id=<last id of the previous page>``.
-        Available jobs of one queue (``state="available"`` and ``queue``) come in the order
-        they will be claimed instead: highest priority first, then due time and id.
+
+        Available jobs of one queue (``state="available"`` and a ``queue``) come by
+        priority, then due time, then id instead (a plain queue's claim order, next
+        first; a fair queue rotates among its keys, and aging or limits reorder it too);
+        page them with ``after=<the previous page's last Job>`` (or its ``cursor``).
 
         ``parent_id`` lists the children a job inserted with ``ctx.enqueue``.
         """
@@ -798,6 +807,18 @@ class App:
         if limit < 1:
             raise ConfigurationError("limit must be at least 1")
         queue, name = _filter("queue", queue), _filter("name", name)
+        by_priority = state == "available" and queue is not None
+        if by_priority and before_id is not None:
+            raise ConfigurationError(
+                "available jobs of one queue are listed by priority and due time, not by "
+                "id: page them with after=<the last Job of the previous page> (or its "
+                "cursor), not before_id"
+            )
+        if after is not None and not by_priority:
+            raise ConfigurationError(
+                "after= pages the available jobs of one queue (state='available' and a "
+                "queue); other listings are newest first: page them with before_id"
+            )
         rows = self.backend.job_list(
             ListParams(
                 state=state,
@@ -806,6 +827,7 @@ class App:
                 limit=limit,
                 before_id=before_id,
                 parent_id=parent_id,
+                after=None if after is None else _cursor(after),
             )
         )
         return [r.to_job() for r in rows]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
+
+from .errors import ConfigurationError
 
 
 class JobState(StrEnum):
@@ -50,6 +53,23 @@ def parse_state(value: str | JobState) -> JobState:
 
 def to_datetime(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
+
+
+def parse_cursor(text: object) -> tuple[int, float, int]:
+    """A listing cursor (:attr:`Job.cursor`, "PRIORITY:DUE:ID") as (priority, due time in
+    epoch seconds, id); ConfigurationError naming the form when it is not one."""
+    parts = text.split(":") if isinstance(text, str) else []
+    try:
+        priority, due, job_id = int(parts[0]), float(parts[1]), int(parts[2])
+        if len(parts) != 3 or not math.isfinite(due):
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ConfigurationError(
+            f"after={text!r}: give the last Job of the previous page, or its cursor "
+            "(PRIORITY:DUE_SECONDS:ID, as the dashboard's and the CLI's next-page links "
+            "carry it)"
+        ) from None
+    return priority, due, job_id
 
 
 @dataclass(frozen=True)
@@ -120,10 +140,23 @@ class Job:
     progress: Progress | None = None  # ctx.progress of the attempt running now (or last)
     waiting_for: str | None = None  # state waiting: the signal it waits for
     wait_until: datetime | None = None  # ... and until when (None: no timeout)
+    # run_at as the store keeps it (epoch seconds, to the last bit: SQLite's carry digits
+    # below the microsecond that run_at, a datetime, rounds away): for ``cursor``.
+    _due: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def last_error(self) -> JobError | None:
         return self.errors[-1] if self.errors else None
+
+    @property
+    def cursor(self) -> str:
+        """Where a listing by priority and due time goes on after this job (``app.jobs(
+        state="available", queue=..., after=job.cursor)``): its priority, due time (epoch
+        seconds, exactly as stored) and id, as ``"PRIORITY:DUE:ID"``. The values, not a
+        reference to the row: the row may be claimed, retried or edited before the next
+        page is read."""
+        due = self.run_at.timestamp() if self._due is None else self._due
+        return f"{self.priority}:{due!r}:{self.id}"
 
     @property
     def sensitive(self) -> list[str]:
@@ -192,6 +225,7 @@ class JobRow:
             attempt=self.attempt,
             max_attempts=self.max_attempts,
             run_at=to_datetime(self.run_at),  # type: ignore[arg-type]
+            _due=self.run_at,
             idempotency_key=self.idempotency_key,
             errors=[JobError.from_dict(e) for e in _loads(self.errors, [])],
             result=_loads(self.result, None),

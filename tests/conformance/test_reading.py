@@ -8,9 +8,10 @@ import pytest
 
 from errands.backends import Backend
 from errands.backends.base import ListParams
+from errands.jobs import parse_cursor
 
 from .conftest import Harness
-from .support import claim_one, finish, get, insert
+from .support import claim_one, error, finish, get, insert
 
 
 def test_job_get_of_an_unknown_id_returns_none(backend: Backend) -> None:
@@ -57,31 +58,31 @@ def test_job_list_pages_with_before_id_without_gaps_or_repeats(backend: Backend)
     assert seen == ids[::-1]
 
 
-def test_available_jobs_of_a_queue_are_listed_in_claim_order_across_pages(
+def test_available_jobs_of_a_queue_are_listed_by_priority_and_due_time_across_pages(
     backend: Backend,
 ) -> None:
-    """Available jobs of one queue come in the order they will be claimed (priority, then
-    due time, then id), pages following the last row seen without gaps or repeats, also
-    when that row was claimed meanwhile; other queues and states stay out."""
+    """Available jobs of one queue come by priority, then due time, then id (a plain
+    queue's claim order), each page after the previous page's last row's position: no
+    gap or repeat when that row was claimed, failed and rescheduled meanwhile (its due
+    time moved on, its position did not); other queues and states stay out."""
     low = [insert(backend, queue="emails", priority=0) for _ in range(3)]
     high = [insert(backend, queue="emails", priority=5) for _ in range(2)]
     middle = [insert(backend, queue="emails", priority=2) for _ in range(3)]
     insert(backend, queue="payments", priority=9)
     insert(backend, queue="emails", priority=9, delay=3600.0)  # scheduled: not available
-    order = high + middle + low
     seen: list[int] = []
-    before: int | None = None
+    after: tuple[int, float, int] | None = None
     while True:
-        page = backend.job_list(
-            ListParams(state="available", queue="emails", limit=2, before_id=before)
-        )
+        page = backend.job_list(ListParams(state="available", queue="emails", limit=2, after=after))
         if not page:
             break
         seen.extend(r.id for r in page)
-        before = page[-1].id
-        if len(seen) == 2:  # the page's rows, its last included, are claimed meanwhile
-            assert [claim_one(backend, "emails").id for _ in range(2)] == high
-    assert seen == order
+        after = parse_cursor(page[-1].to_job().cursor)
+        if len(seen) == 2:  # the page's rows are claimed; its last fails, due again later
+            claimed = [claim_one(backend, "emails") for _ in range(2)]
+            assert [r.id for r in claimed] == high
+            assert finish(backend, claimed[1], "retryable", error=error(), delay=0.5)
+    assert seen == high + middle + low
     names = ListParams(state="available", queue="emails", name="nosuch.job")
     assert backend.job_list(names) == []
 

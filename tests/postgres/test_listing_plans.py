@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from errands.backends.base import ListParams
 from errands.backends.shared_admin import listing_query
 from tests.pg import fresh_schema_conn, plan_nodes
 
@@ -66,8 +67,11 @@ def listed() -> Iterator[tuple[Any, dict[str, str], int]]:
 
 def _listing(**filters: Any) -> tuple[str, dict[str, Any]]:
     params = {"state": None, "queue": None, "name": None, "before_id": None,
-              "parent_id": None, "limit": 51, **filters}  # fmt: skip
-    return listing_query(params["state"], params["queue"]), params
+              "parent_id": None, "limit": 51, "after": None, **filters}  # fmt: skip
+    after = params.pop("after")
+    query = listing_query(ListParams(state=params["state"], queue=params["queue"], after=after))
+    priority, due, after_id = after or (None, None, None)
+    return query, {**params, "after_priority": priority, "after_due": due, "after_id": after_id}
 
 
 # Rare rows only: a listing of a common state alone (completed, or the 1 % dead) pages
@@ -89,8 +93,9 @@ LISTINGS = {
     # a queue whose available rows are old, under newer completed ones (paused, stalled)
     "pending jobs of a stalled queue": _listing(state="available", queue="stalled"),
     "the next page of a stalled queue": _listing(
-        state="available", queue="stalled", before_id=4009
+        state="available", queue="stalled", after=(0, 0.0, 4009)
     ),
+    "pending jobs of a rare job name": _listing(state="available", name="rare.job"),
     "pending jobs of a rare job name in a stalled queue": _listing(
         state="available", queue="stalled", name="rare.job"
     ),

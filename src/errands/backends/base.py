@@ -190,10 +190,12 @@ class ListParams:
     queue: str | None = None
     name: str | None = None
     limit: int = 100
-    # Keyset pagination: the rows after this one (the previous page's last). Jobs come
-    # newest first, but available jobs of one queue (state and queue given): in the order
-    # they will be claimed (priority, due time, id), the order of the index that finds them.
-    before_id: int | None = None
+    before_id: int | None = None  # keyset pagination: newest first, ids below this one
+    # Available jobs of one queue (state and queue given) are listed by priority, then
+    # due time, then id (a plain queue's claim order, the order of the index that finds
+    # them), and paged after this (priority, due time in epoch seconds as stored, id):
+    # Job.cursor.
+    after: tuple[int, float, int] | None = None
     parent_id: int | None = None  # children of this job
 
 

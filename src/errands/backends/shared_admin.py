@@ -60,10 +60,13 @@ LOCK_CONFLICT_TRIES = 5
 log = logging.getLogger("errands.admin")
 
 
-def listing_query(state: str | None, queue: str | None) -> str:
-    """The statement that lists jobs: available jobs of one queue in claim order, through
-    the due index (see ListParams.before_id), the others newest first."""
-    return "job_list_due" if state == "available" and queue is not None else "job_list"
+def listing_query(params: ListParams) -> str:
+    """The statement that lists jobs: available jobs of one queue by priority and due time
+    (the order of the index that holds them: see ListParams.after), the others newest
+    first."""
+    if params.state == "available" and params.queue is not None:
+        return "job_list_due" if params.after is None else "job_list_due_after"
+    return "job_list"
 
 
 class TxRun:
@@ -457,8 +460,9 @@ class SharedAdmin:
         return JobRow(*rows[0]) if rows else None
 
     def job_list(self, params: ListParams) -> list[JobRow]:
+        priority, due, after_id = params.after or (None, None, None)
         rows = self._read_rows(
-            listing_query(params.state, params.queue),
+            listing_query(params),
             {
                 "state": params.state,
                 "queue": params.queue,
@@ -466,6 +470,9 @@ class SharedAdmin:
                 "before_id": params.before_id,
                 "parent_id": params.parent_id,
                 "limit": params.limit,
+                "after_priority": priority,
+                "after_due": due,
+                "after_id": after_id,
             },
         )
         return [JobRow(*r) for r in rows]

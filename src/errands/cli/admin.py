@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from ..app import App
+from ..errors import ConfigurationError
 from ..jobs import ALL_STATES
 from ..masking import mask_value, sensitive_values
 from ..suggest import did_you_mean
@@ -137,11 +138,12 @@ def jobs() -> None:
 @click.option("--queue")
 @click.option("--name")
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
+@click.option("--before", "before_id", type=int, help="only ids below this one (next page)")
 @click.option(
-    "--before",
-    "before_id",
-    type=int,
-    help="the jobs after this one, the last of the previous page (next page)",
+    "--after",
+    metavar="CURSOR",
+    help="--state available --queue Q: the jobs after this cursor (next page: printed below "
+    "a full page)",
 )
 def jobs_list(
     app_path: str | None,
@@ -152,15 +154,33 @@ def jobs_list(
     name: str | None,
     limit: int,
     before_id: int | None,
+    after: str | None,
 ) -> None:
-    """Jobs, newest first; available jobs of one queue (--state available --queue Q) in
-    the order they will be claimed, next first."""
+    """Jobs, newest first; available jobs of one queue (--state available --queue Q) by
+    priority, then due time (a plain queue's claim order, next first)."""
+    by_priority = state == "available" and queue is not None
+    if by_priority and before_id is not None:
+        raise click.UsageError(
+            "--state available --queue Q lists by priority and due time: page with --after "
+            "CURSOR (printed below a full page), not --before"
+        )
+    if after is not None and not by_priority:
+        raise click.UsageError(
+            "--after pages --state available --queue Q; other listings page with --before"
+        )
     app = _app(app_path, url)
-    found = app.jobs(state=state, queue=queue, name=name, limit=limit, before_id=before_id)
+    try:
+        found = app.jobs(
+            state=state, queue=queue, name=name, limit=limit, before_id=before_id, after=after
+        )
+    except ConfigurationError as exc:  # a cursor that is not one
+        raise click.UsageError(str(exc)) from None
     if as_json:
         render.emit_json([render.job_dict(j) for j in found])
     elif found:
         render.table(None, render.JOB_COLUMNS, render.job_rows(found))
+        if by_priority and len(found) == limit:
+            click.echo(f"next page: --after {found[-1].cursor}")
     else:
         click.echo("no matching jobs" + _unknown_filters(app, queue, name))
 

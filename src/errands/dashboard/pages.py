@@ -11,9 +11,9 @@ from starlette.responses import Response
 
 from ..backends.base import queue_state
 from ..backends.limits import format_rate
-from ..errors import JobNotFound
+from ..errors import ConfigurationError, JobNotFound
 from ..fleet import MISSED_HEARTBEATS, presumed_dead, presumed_dead_after, queue_names
-from ..jobs import ALL_STATES, Job
+from ..jobs import ALL_STATES, Job, parse_cursor
 from ..masking import mask_text, mask_value, sensitive_values
 from ..observability.fair_keys import KeyRow, top_keys
 from ..workflows import WORKFLOW_STATES
@@ -165,6 +165,15 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
     name = query_text(request, "name")
     search = query_text(request, "q")
     before_id = query_int(request, "before_id")
+    # available jobs of one queue come by priority and due time, paged after a cursor
+    by_priority = state == "available" and bool(queue) and not search
+    after = query_text(request, "after") if by_priority else None
+    if by_priority:
+        before_id = None
+        try:
+            parse_cursor(after) if after is not None else None
+        except ConfigurationError as exc:
+            return error_page(request, 400, "Bad page cursor", str(exc), viewer)
     if state is not None and state not in ALL_STATES:
         return error_page(
             request, 400, "Unknown state", f"Choose one of: {', '.join(ALL_STATES)}.", viewer
@@ -183,7 +192,12 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
                 found.setdefault(row.id, row.to_job())
             return sorted(found.values(), key=lambda j: j.id, reverse=True), False
         rows = app.jobs(
-            state=state, queue=queue, name=name, limit=PAGE_SIZE + 1, before_id=before_id
+            state=state,
+            queue=queue,
+            name=name,
+            limit=PAGE_SIZE + 1,
+            before_id=before_id,
+            after=after,
         )
         return rows[:PAGE_SIZE], len(rows) > PAGE_SIZE
 
@@ -198,18 +212,18 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
             "nav": "jobs",
             "jobs": [masked_job(j) for j in found],
             "more": more,
-            "next_before": found[-1].id if found and more else None,
+            "next_before": found[-1].id if found and more and not by_priority else None,
+            "next_after": found[-1].cursor if found and more and by_priority else None,
             "filters": filters,
             "search": search,
-            "before_id": before_id,
+            "before_id": before_id or after,  # not the first page
             "states": ALL_STATES,
             "known_names": names,
             "known_queues": queues,
-            "live": before_id is None and not search,
+            "live": before_id is None and after is None and not search,
             # a pending state's listing can be edited in bulk (with a dry run first)
             "editable": state in ("scheduled", "available", "retryable"),
-            # available jobs of one queue come in claim order (App.jobs), not newest first
-            "claim_order": state == "available" and bool(queue) and not search,
+            "by_priority": by_priority,
         },
     )
 

@@ -279,17 +279,25 @@ ORDER BY j.id DESC
 LIMIT %(limit)s
 
 -- name: job_list_due
--- Available jobs of one queue in the order they will be claimed (priority, then due time,
--- then id: next first), through errands_jobs_due: available rows are in no listing index
--- (schema version 16), and this order is the one that index keeps, so a page costs what
--- the first costs however long the queue's backlog. A page follows the row before_id
--- names (the last of the previous page; claimed since, it still has its place): the
--- rows after it at its priority, then the lower priorities (or, for the first page,
--- every priority): two index ranges, hence the filters twice.
-WITH cursor AS MATERIALIZED (
-    SELECT c.priority, c.run_at, c.id FROM {schema}.errands_jobs AS c
-    WHERE c.id = %(before_id)s::bigint
-)
+-- Available jobs of one queue by priority, then due time, then id (a plain queue's claim
+-- order: next first), through errands_jobs_due: available rows are in no listing index
+-- (schema version 16), and this order is the one that index keeps. The first page; the
+-- next ones: job_list_due_after.
+SELECT {job_columns} FROM {schema}.errands_jobs AS j
+WHERE j.state IN ('available', 'scheduled', 'retryable') AND j.state = 'available'
+  AND j.queue = %(queue)s::text
+  AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
+  AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
+ORDER BY j.priority DESC, j.run_at, j.id
+LIMIT %(limit)s
+
+-- name: job_list_due_after
+-- The page of job_list_due after the position (after_priority, after_due: the due time in
+-- epoch seconds, which to_timestamp rounds back to the stored microsecond, after_id) of
+-- the previous page's last row (Job.cursor):
+-- the values, not the row, which may have been claimed, retried or edited since. The rows
+-- after it at its priority, then the lower priorities: two index ranges, hence the
+-- filters twice; a page costs what the first costs however long the queue's backlog.
 SELECT * FROM (
     SELECT * FROM (
      SELECT {job_columns} FROM {schema}.errands_jobs AS j
@@ -297,8 +305,8 @@ SELECT * FROM (
        AND j.queue = %(queue)s::text
        AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
        AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
-       AND j.priority = (SELECT priority FROM cursor)
-       AND (j.run_at, j.id) > ((SELECT run_at FROM cursor), (SELECT id FROM cursor))
+       AND j.priority = %(after_priority)s::int
+       AND (j.run_at, j.id) > (to_timestamp(%(after_due)s::float8), %(after_id)s::bigint)
      ORDER BY j.run_at, j.id
      LIMIT %(limit)s) AS same_priority
     UNION ALL
@@ -308,9 +316,9 @@ SELECT * FROM (
        AND j.queue = %(queue)s::text
        AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
        AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
-       AND (%(before_id)s::bigint IS NULL OR j.priority < (SELECT priority FROM cursor))
+       AND j.priority < %(after_priority)s::int
      ORDER BY j.priority DESC, j.run_at, j.id
-     LIMIT %(limit)s) AS after_it
+     LIMIT %(limit)s) AS lower_priorities
 ) AS page
 ORDER BY 7 DESC, 10, 1  -- priority, run_at, id
 LIMIT %(limit)s

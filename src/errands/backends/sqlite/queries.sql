@@ -188,13 +188,28 @@ ORDER BY id DESC
 LIMIT :limit
 
 -- name: job_list_due
--- Available jobs of one queue in the order they will be claimed (priority, then due time,
--- then id: next first), through errands_jobs_due, as on PostgreSQL (whose listing indexes
--- hold no available row since its schema version 16): a page follows the row before_id
--- names (the last of the previous page; claimed since, it still has its place): the
--- rows after it at its priority, then the lower priorities (or, for the first page,
--- every priority): two index ranges, hence the filters twice.
-WITH cursor AS (SELECT priority, run_at, id FROM errands_jobs WHERE id = :before_id)
+-- Available jobs of one queue by priority, then due time, then id (a plain queue's claim
+-- order: next first), through errands_jobs_due, as on PostgreSQL (whose listing indexes
+-- hold no available row since its schema version 16). The first page; the next ones:
+-- job_list_due_after.
+SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
+       idempotency_key, errors, result, inserted_at, attempted_at, finished_at,
+       lease_owner, lease_token, lease_expires_at, rescues, cancel_requested, timeout,
+       lease_seconds, discarded_by, discard_reason, parent_id, unique_until,
+       progress, progress_message, wait_signal, wait_until, fair_key
+FROM errands_jobs
+WHERE state IN ('available', 'scheduled', 'retryable') AND state = 'available'
+  AND queue = :queue
+  AND (:name IS NULL OR name = :name)
+  AND (:parent_id IS NULL OR parent_id = :parent_id)
+ORDER BY priority DESC, run_at, id
+LIMIT :limit
+
+-- name: job_list_due_after
+-- The page of job_list_due after the position (after_priority, after_due: the due time as
+-- stored, epoch seconds to the last bit, after_id) of the previous page's last row
+-- (Job.cursor). The rows after it at its priority, then the lower priorities: two index
+-- ranges, hence the filters twice.
 SELECT * FROM (
     SELECT * FROM (
      SELECT id, name, queue, args, meta, state, priority, attempt, max_attempts, run_at,
@@ -207,8 +222,8 @@ SELECT * FROM (
        AND queue = :queue
        AND (:name IS NULL OR name = :name)
        AND (:parent_id IS NULL OR parent_id = :parent_id)
-       AND priority = (SELECT priority FROM cursor)
-       AND (run_at, id) > ((SELECT run_at FROM cursor), (SELECT id FROM cursor))
+       AND priority = :after_priority
+       AND (run_at, id) > (:after_due, :after_id)
      ORDER BY run_at, id
      LIMIT :limit)
     UNION ALL
@@ -223,7 +238,7 @@ SELECT * FROM (
        AND queue = :queue
        AND (:name IS NULL OR name = :name)
        AND (:parent_id IS NULL OR parent_id = :parent_id)
-       AND (:before_id IS NULL OR priority < (SELECT priority FROM cursor))
+       AND priority < :after_priority
      ORDER BY priority DESC, run_at, id
      LIMIT :limit)
 )

@@ -8,7 +8,7 @@
 -- errands_jobs_listed_queue and errands_jobs_listed_name (state, queue / name, id) replace
 -- them, holding the rows that are neither available, running nor completed: scheduled,
 -- retryable, waiting, dead, cancelled and discarded ones. Available rows are listed
--- through what already holds them: those of a queue in claim order through
+-- through what already holds them: those of a queue by priority and due time through
 -- errands_jobs_due (job_list_due); those of a job name in every queue newest first
 -- through the primary key or errands_jobs_listing_bloom; they are counted per job type
 -- (app.unrunnable_jobs) by reading the pending rows or the table
