@@ -25,6 +25,8 @@ import psycopg
 from starlette.testclient import TestClient
 
 import errands
+from errands.backends.base import ListParams
+from errands.backends.shared_admin import listing_query, listing_values
 from errands.dashboard import create_app
 
 URL_DEFAULT = os.environ.get(
@@ -108,9 +110,8 @@ class Timed:
 
 def explain(app: errands.App, params: dict[str, Any]) -> str:
     backend: Any = app.backend
-    query = backend.q["job_list"]
-    full = {"state": None, "queue": None, "name": None, "before_id": None, "limit": 51,
-            "parent_id": None, **params}  # fmt: skip
+    listing = ListParams(**{"limit": 51, **params})  # the statement the dashboard runs
+    query, full = backend.q[listing_query(listing)], listing_values(listing)
     with backend._conn() as conn:
         plan = conn.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + query, full).fetchall()
     lines = [r[0] for r in plan]

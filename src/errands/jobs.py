@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -55,13 +54,21 @@ def to_datetime(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
 
 
+_DUE_MIN, _DUE_MAX = -62_135_596_800.0, 253_402_300_799.0  # years 1 to 9999, as datetime
+
+
 def parse_cursor(text: object) -> tuple[int, float, int]:
     """A listing cursor (:attr:`Job.cursor`, "PRIORITY:DUE:ID") as (priority, due time in
     epoch seconds, id); ConfigurationError naming the form when it is not one."""
     parts = text.split(":") if isinstance(text, str) else []
     try:
         priority, due, job_id = int(parts[0]), float(parts[1]), int(parts[2])
-        if len(parts) != 3 or not math.isfinite(due):
+        if (
+            len(parts) != 3
+            or not -(2**31) <= priority < 2**31
+            or not 0 < job_id < 2**63
+            or not _DUE_MIN <= due <= _DUE_MAX
+        ):
             raise ValueError
     except (ValueError, IndexError):
         raise ConfigurationError(
@@ -142,7 +149,7 @@ class Job:
     wait_until: datetime | None = None  # ... and until when (None: no timeout)
     # run_at as the store keeps it (epoch seconds, to the last bit: SQLite's carry digits
     # below the microsecond that run_at, a datetime, rounds away): for ``cursor``.
-    _due: float | None = field(default=None, repr=False, compare=False)
+    _due: float | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def last_error(self) -> JobError | None:
@@ -155,7 +162,9 @@ class Job:
         seconds, exactly as stored) and id, as ``"PRIORITY:DUE:ID"``. The values, not a
         reference to the row: the row may be claimed, retried or edited before the next
         page is read."""
-        due = self.run_at.timestamp() if self._due is None else self._due
+        due = self._due
+        if due is None or to_datetime(due) != self.run_at:  # built by hand, or replaced
+            due = self.run_at.timestamp()
         return f"{self.priority}:{due!r}:{self.id}"
 
     @property
@@ -214,7 +223,7 @@ class JobRow:
     workflow_id: int | None = None
 
     def to_job(self) -> Job:
-        return Job(
+        job = Job(
             id=self.id,
             name=self.name,
             queue=self.queue,
@@ -225,7 +234,6 @@ class JobRow:
             attempt=self.attempt,
             max_attempts=self.max_attempts,
             run_at=to_datetime(self.run_at),  # type: ignore[arg-type]
-            _due=self.run_at,
             idempotency_key=self.idempotency_key,
             errors=[JobError.from_dict(e) for e in _loads(self.errors, [])],
             result=_loads(self.result, None),
@@ -247,6 +255,8 @@ class JobRow:
             waiting_for=self.wait_signal,
             wait_until=to_datetime(self.wait_until),
         )
+        object.__setattr__(job, "_due", self.run_at)  # frozen: set once, here
+        return job
 
 
 JOB_COLUMNS = tuple(JobRow.__slots__)  # type: ignore[attr-defined]

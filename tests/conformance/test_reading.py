@@ -11,7 +11,7 @@ from errands.backends.base import ListParams
 from errands.jobs import parse_cursor
 
 from .conftest import Harness
-from .support import claim_one, error, finish, get, insert
+from .support import claim_one, error, finish, get, insert, request
 
 
 def test_job_get_of_an_unknown_id_returns_none(backend: Backend) -> None:
@@ -85,6 +85,27 @@ def test_available_jobs_of_a_queue_are_listed_by_priority_and_due_time_across_pa
     assert seen == high + middle + low
     names = ListParams(state="available", queue="emails", name="nosuch.job")
     assert backend.job_list(names) == []
+
+
+@pytest.mark.parametrize("due", [None, -1_567_498_643.731115], ids=["now", "in 1920"])
+def test_jobs_due_at_the_same_moment_page_one_by_one_without_repeats(
+    backend: Backend, due: float | None
+) -> None:
+    """Jobs sharing one due time (a batch enqueued together), paged one a page, come once
+    each in id order: the cursor keeps the due time to the stored microsecond, also for
+    a time PostgreSQL's to_timestamp of the float would miss by one (1920)."""
+    ids = [
+        r.id for r in backend.job_insert_many([request(queue="q", run_at=due) for _ in range(4)])
+    ]
+    seen: list[int] = []
+    after: tuple[int, float, int] | None = None
+    for _ in range(6):
+        page = backend.job_list(ListParams(state="available", queue="q", limit=1, after=after))
+        if not page:
+            break
+        seen += [r.id for r in page]
+        after = parse_cursor(page[-1].to_job().cursor)
+    assert seen == ids
 
 
 def test_queue_stats_counts_jobs_per_queue_and_state(backend: Backend) -> None:

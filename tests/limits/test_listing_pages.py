@@ -33,11 +33,13 @@ def test_the_cli_pages_a_queues_available_jobs_by_priority_after_the_printed_cur
     for _ in range(5):
         result = run_cli(*args, "--json")
         assert result.exit_code == 0, result.output
-        seen += [j["id"] for j in json.loads(result.output)]
+        listed = json.loads(result.output)
+        seen += [j["id"] for j in listed]
         text = run_cli(*args).output
         found = re.search(r"next page: --after (\S+)", text)
         if found is None:
             break
+        assert found.group(1) == listed[-1]["cursor"]  # the JSON carries it too
         args = [*base, "--limit", "2", "--after", found.group(1)]
     assert seen == [h.id for h in high] + [h.id for h in low]
 
@@ -54,8 +56,9 @@ def test_paging_options_that_do_not_fit_the_listing_are_refused_naming_the_one_t
     assert before.exit_code == 2 and "page with --after" in before.output
     after = run_cli("jobs", "list", "--url", store.url, "--after", "0:0:1")
     assert after.exit_code == 2 and "other listings page with --before" in after.output
-    bad = run_cli(*by_priority, "--after", "soon")
-    assert bad.exit_code == 2 and "PRIORITY:DUE_SECONDS:ID" in bad.output
+    for cursor in ("soon", "0:1e300:1", "9999999999:0:1", "0:0:99999999999999999999"):
+        bad = run_cli(*by_priority, "--after", cursor)
+        assert bad.exit_code == 2 and "PRIORITY:DUE_SECONDS:ID" in bad.output, cursor
     with pytest.raises(ConfigurationError, match="page them with after="):
         store.jobs(state="available", queue="q", before_id=10)
     with pytest.raises(ConfigurationError, match="page them with before_id"):

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from errands.backends.base import ListParams
-from errands.backends.shared_admin import listing_query
+from errands.backends.shared_admin import listing_query, listing_values
 from tests.pg import fresh_schema_conn, plan_nodes
 
 ROWS = 20_000
@@ -66,12 +66,8 @@ def listed() -> Iterator[tuple[Any, dict[str, str], int]]:
 
 
 def _listing(**filters: Any) -> tuple[str, dict[str, Any]]:
-    params = {"state": None, "queue": None, "name": None, "before_id": None,
-              "parent_id": None, "limit": 51, "after": None, **filters}  # fmt: skip
-    after = params.pop("after")
-    query = listing_query(ListParams(state=params["state"], queue=params["queue"], after=after))
-    priority, due, after_id = after or (None, None, None)
-    return query, {**params, "after_priority": priority, "after_due": due, "after_id": after_id}
+    params = ListParams(**{"limit": 51, **filters})
+    return listing_query(params), listing_values(params)
 
 
 # Rare rows only: a listing of a common state alone (completed, or the 1 % dead) pages

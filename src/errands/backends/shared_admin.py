@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import InvalidTransition, JobNotFound
-from ..jobs import JobRow
+from ..jobs import JobRow, to_datetime
 from .base import (
     EDITABLE_STATES,
     ActionParams,
@@ -67,6 +67,23 @@ def listing_query(params: ListParams) -> str:
     if params.state == "available" and params.queue is not None:
         return "job_list_due" if params.after is None else "job_list_due_after"
     return "job_list"
+
+
+def listing_values(params: ListParams) -> dict[str, Any]:
+    """The parameters of :func:`listing_query`'s statement."""
+    priority, due, after_id = params.after or (None, None, None)
+    return {
+        "state": params.state,
+        "queue": params.queue,
+        "name": params.name,
+        "before_id": params.before_id,
+        "parent_id": params.parent_id,
+        "limit": params.limit,
+        "after_priority": priority,
+        "after_due": due,  # SQLite: the stored float itself
+        "after_at": to_datetime(due),  # PostgreSQL: its microsecond, exactly
+        "after_id": after_id,
+    }
 
 
 class TxRun:
@@ -460,21 +477,7 @@ class SharedAdmin:
         return JobRow(*rows[0]) if rows else None
 
     def job_list(self, params: ListParams) -> list[JobRow]:
-        priority, due, after_id = params.after or (None, None, None)
-        rows = self._read_rows(
-            listing_query(params),
-            {
-                "state": params.state,
-                "queue": params.queue,
-                "name": params.name,
-                "before_id": params.before_id,
-                "parent_id": params.parent_id,
-                "limit": params.limit,
-                "after_priority": priority,
-                "after_due": due,
-                "after_id": after_id,
-            },
-        )
+        rows = self._read_rows(listing_query(params), listing_values(params))
         return [JobRow(*r) for r in rows]
 
     def job_find_by_key(self, key: str, limit: int = 50) -> list[JobRow]:

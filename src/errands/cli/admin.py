@@ -171,15 +171,17 @@ def jobs_list(
     app = _app(app_path, url)
     try:
         found = app.jobs(
-            state=state, queue=queue, name=name, limit=limit, before_id=before_id, after=after
+            state=state, queue=queue, name=name, limit=limit + 1, before_id=before_id, after=after
         )
     except ConfigurationError as exc:  # a cursor that is not one
         raise click.UsageError(str(exc)) from None
+    more = len(found) > limit
+    found = found[:limit]
     if as_json:
         render.emit_json([render.job_dict(j) for j in found])
     elif found:
         render.table(None, render.JOB_COLUMNS, render.job_rows(found))
-        if by_priority and len(found) == limit:
+        if by_priority and more:
             click.echo(f"next page: --after {found[-1].cursor}")
     else:
         click.echo("no matching jobs" + _unknown_filters(app, queue, name))

@@ -96,6 +96,7 @@ def job_dict(job: Job) -> dict[str, Any]:
         "rescues": job.rescues,
         "key": job.idempotency_key,
         "run_at": job.run_at,
+        "cursor": job.cursor,  # jobs list --state available --queue Q --after CURSOR
         "inserted_at": job.inserted_at,
         "attempted_at": job.attempted_at,
         "finished_at": job.finished_at,

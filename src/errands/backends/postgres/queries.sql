@@ -292,9 +292,10 @@ ORDER BY j.priority DESC, j.run_at, j.id
 LIMIT %(limit)s
 
 -- name: job_list_due_after
--- The page of job_list_due after the position (after_priority, after_due: the due time in
--- epoch seconds, which to_timestamp rounds back to the stored microsecond, after_id) of
--- the previous page's last row (Job.cursor):
+-- The page of job_list_due after the position (after_priority, after_at: the due time,
+-- converted from the cursor's epoch seconds by Python, which recovers the stored
+-- microsecond where to_timestamp of the float may miss it by one, after_id) of the
+-- previous page's last row (Job.cursor):
 -- the values, not the row, which may have been claimed, retried or edited since. The rows
 -- after it at its priority, then the lower priorities: two index ranges, hence the
 -- filters twice; a page costs what the first costs however long the queue's backlog.
@@ -306,7 +307,7 @@ SELECT * FROM (
        AND (%(name)s::text IS NULL OR j.name = %(name)s::text)
        AND (%(parent_id)s::bigint IS NULL OR j.parent_id = %(parent_id)s::bigint)
        AND j.priority = %(after_priority)s::int
-       AND (j.run_at, j.id) > (to_timestamp(%(after_due)s::float8), %(after_id)s::bigint)
+       AND (j.run_at, j.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint)
      ORDER BY j.run_at, j.id
      LIMIT %(limit)s) AS same_priority
     UNION ALL
