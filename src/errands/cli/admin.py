@@ -11,7 +11,7 @@ import click
 
 from ..app import App
 from ..errors import ConfigurationError
-from ..jobs import ALL_STATES
+from ..jobs import ALL_STATES, parse_cursor
 from ..masking import mask_value, sensitive_values
 from ..suggest import did_you_mean
 from . import render
@@ -168,13 +168,15 @@ def jobs_list(
         raise click.UsageError(
             "--after pages --state available --queue Q; other listings page with --before"
         )
+    if after is not None:
+        try:
+            parse_cursor(after)
+        except ConfigurationError as exc:  # a cursor that is not one
+            raise click.UsageError(str(exc)) from None
     app = _app(app_path, url)
-    try:
-        found = app.jobs(
-            state=state, queue=queue, name=name, limit=limit + 1, before_id=before_id, after=after
-        )
-    except ConfigurationError as exc:  # a cursor that is not one
-        raise click.UsageError(str(exc)) from None
+    found = app.jobs(
+        state=state, queue=queue, name=name, limit=limit + 1, before_id=before_id, after=after
+    )
     more = len(found) > limit
     found = found[:limit]
     if as_json:
