@@ -47,8 +47,8 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests
 	$(BIN)/ruff check --fix src tests
 
-# The side-by-side figures (docs/benchmarks.md): about 4 hours on a quiet 2-core machine (5
-# interleaved runs of every peer at two configurations), fair queues included.
+# The side-by-side figures (docs/benchmarks.md): about 2 1/2 hours on a quiet 2-core machine
+# (5 interleaved runs of every peer at two configurations), fair queues included.
 bench: $(STAMP)
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
 

@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a system (errands-pg, pgqueuer, ...), 'errands', 'peers', 'limit', 'scale' or "
         "'memory'; repeat or comma-separate",
     )
-    parser.add_argument("--runs", type=int, help="runs per figure (default 3, --quick 1)")
+    parser.add_argument("--runs", type=int, help="runs per figure (default 5, --quick 1)")
     parser.add_argument("--no-scale", action="store_true", help="skip the 1M-row scale test")
     parser.add_argument("--no-limit", action="store_true", help="skip the raw SQL limit")
     parser.add_argument(
