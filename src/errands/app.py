@@ -50,7 +50,7 @@ from .errors import (
 )
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
-from .jobs import Job, Step, parse_cursor, parse_state
+from .jobs import Job, Step, listed_by_priority, parse_cursor, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
@@ -807,7 +807,7 @@ class App:
         if limit < 1:
             raise ConfigurationError("limit must be at least 1")
         queue, name = _filter("queue", queue), _filter("name", name)
-        by_priority = state == "available" and queue is not None
+        by_priority = listed_by_priority(state, queue)
         if by_priority and before_id is not None:
             raise ConfigurationError(
                 "available jobs of one queue are listed by priority and due time, not by "

@@ -57,6 +57,12 @@ def to_datetime(epoch: float | None) -> datetime | None:
 _DUE_MIN, _DUE_MAX = -62_135_596_800.0, 253_402_300_799.0  # years 1 to 9999, as datetime
 
 
+def listed_by_priority(state: str | None, queue: str | None) -> bool:
+    """Whether a listing with these filters comes by priority and due time (available
+    jobs of one queue: paged with a cursor, :attr:`Job.cursor`) instead of newest first."""
+    return state == "available" and bool(queue)
+
+
 def parse_cursor(text: object) -> tuple[int, float, int]:
     """A listing cursor (:attr:`Job.cursor`, "PRIORITY:DUE:ID") as (priority, due time in
     epoch seconds, id); ConfigurationError naming the form when it is not one."""

@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import InvalidTransition, JobNotFound
-from ..jobs import JobRow, to_datetime
+from ..jobs import JobRow, listed_by_priority, to_datetime
 from .base import (
     EDITABLE_STATES,
     ActionParams,
@@ -64,7 +64,7 @@ def listing_query(params: ListParams) -> str:
     """The statement that lists jobs: available jobs of one queue by priority and due time
     (the order of the index that holds them: see ListParams.after), the others newest
     first."""
-    if params.state == "available" and params.queue is not None:
+    if listed_by_priority(params.state, params.queue):
         return "job_list_due" if params.after is None else "job_list_due_after"
     return "job_list"
 

@@ -11,7 +11,7 @@ import click
 
 from ..app import App
 from ..errors import ConfigurationError
-from ..jobs import ALL_STATES, parse_cursor
+from ..jobs import ALL_STATES, listed_by_priority, parse_cursor
 from ..masking import mask_value, sensitive_values
 from ..suggest import did_you_mean
 from . import render
@@ -158,7 +158,7 @@ def jobs_list(
 ) -> None:
     """Jobs, newest first; available jobs of one queue (--state available --queue Q) by
     priority, then due time (a plain queue's claim order, next first)."""
-    by_priority = state == "available" and queue is not None
+    by_priority = listed_by_priority(state, queue)
     if by_priority and before_id is not None:
         raise click.UsageError(
             "--state available --queue Q lists by priority and due time: page with --after "

@@ -13,7 +13,7 @@ from ..backends.base import queue_state
 from ..backends.limits import format_rate
 from ..errors import JobNotFound
 from ..fleet import MISSED_HEARTBEATS, presumed_dead, presumed_dead_after, queue_names
-from ..jobs import ALL_STATES, Job
+from ..jobs import ALL_STATES, Job, listed_by_priority
 from ..masking import mask_text, mask_value, sensitive_values
 from ..observability.fair_keys import KeyRow, top_keys
 from ..workflows import WORKFLOW_STATES
@@ -166,7 +166,7 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
     search = query_text(request, "q")
     before_id = query_int(request, "before_id")
     # available jobs of one queue come by priority and due time, paged after a cursor
-    by_priority = state == "available" and bool(queue) and not search
+    by_priority = listed_by_priority(state, queue) and not search
     after = query_text(request, "after") if by_priority else None
     if by_priority:
         before_id = None
