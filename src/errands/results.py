@@ -3,9 +3,10 @@
 One :class:`ResultHub` per App multiplexes every waiter of the process (sync and async
 alike) over a single watcher of the store, started on the first wait:
 
-- PostgreSQL: one LISTEN connection on ``errands_done_<schema>``; a trigger sends one
-  NOTIFY per statement that ends jobs, carrying their ids (``*`` when too many), so a
-  waiter is woken by the commit of its job's outcome, not by a poll.
+- PostgreSQL: one LISTEN connection on ``errands_done_<schema>``; each statement that
+  ends jobs sends one NOTIFY carrying their ids (``*`` when too many): an attempt's end
+  in its own statement, every other end through a row trigger (schema 17). So a waiter
+  is woken by the commit of its job's outcome, not by a poll.
 - SQLite: a thread reads ``PRAGMA data_version`` every few milliseconds (it changes when
   any other connection commits, in this process or another); on a change the hub reads
   the states of every watched job in one query and wakes those that are over.

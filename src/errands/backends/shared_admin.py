@@ -116,7 +116,7 @@ def suspend_program(
             queries["fair_fold"], fold_params(outcome.id, outcome.lease_token, ran=outcome.ran)
         )
     suspended = yield Stmt(
-        queries["job_suspend"] + "\nRETURNING id, state, workflow_id",
+        queries["job_suspend"],
         {
             "id": outcome.id,
             "token": outcome.lease_token,

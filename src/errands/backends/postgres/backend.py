@@ -164,7 +164,12 @@ def fill_markers(text: str, schema: str, *, fold: bool = True) -> str:
     # SQL of this file, no value:
     cte = _RAW_QUERIES["fair_fold_cte"].format(schema=quoted) if fold else NO_FOLD
     due = _RAW_QUERIES["fair_due"].format(schema=quoted)
-    return text.format(schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=cte, fair_due=due)
+    channel = f"'{done_channel(schema)}'"
+    notify = _RAW_QUERIES["notify_ended_cte"].format(done_channel=channel)
+    return text.format(
+        schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=cte, fair_due=due,
+        notify_ended=notify, done_channel=channel,
+    )  # fmt: skip
 
 
 def filled_queries(schema: str) -> dict[str, str]:
@@ -198,6 +203,11 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 def channel_name(schema: str) -> str:
     return f"errands_jobs_{schema}"
+
+
+def done_channel(schema: str) -> str:
+    """Where the ids of ended jobs are announced (results.py listens)."""
+    return f"errands_done_{schema}"
 
 
 class PostgresBackend(PostgresAdmin):
@@ -1262,8 +1272,9 @@ class PostgresBackend(PostgresAdmin):
     def result_listener(
         self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
     ) -> Any:
-        """One LISTEN connection on ``errands_done_<schema>``, where the errands_jobs_done
-        trigger announces the ids of the jobs each statement ended."""
+        """One LISTEN connection on ``errands_done_<schema>``, where the ids of ended jobs
+        are announced: by the statement that ends an attempt (its notify_ended CTE), and
+        by the errands_jobs_ended trigger for every other end (schema 17)."""
         if not self.config.listen:  # listen=false: waiters poll (e.g. behind PgBouncer)
             return None
         from .notifier import Notifier
@@ -1274,7 +1285,7 @@ class PostgresBackend(PostgresAdmin):
             except ValueError:
                 on_done(None)
 
-        channel = f"errands_done_{self.schema}"
+        channel = done_channel(self.schema)
         name = f"errands-results:{os.getpid()}"  # which process's waiters, in pg_stat_activity
         return Notifier(self.config.conninfo, channel, parse, on_listen, "errands-results", name)
 

@@ -155,8 +155,8 @@ WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
   AND (j.workflow_id IS NOT NULL) = %(members)s
 RETURNING j.id, o.token, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, o.ran AS f_ran, {fair_due}
-), {fair_fold}
-SELECT id, token, state FROM ended
+), {fair_fold}, {notify_ended}
+SELECT id, token, state FROM ended CROSS JOIN notified
 
 -- name: job_heartbeat_many
 -- The handlers' latest ctx.progress rides on the heartbeat (NULL: unchanged).
@@ -189,8 +189,8 @@ FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
-), {fair_fold}
-SELECT id, workflow_id, state FROM ended
+), {fair_fold}, {notify_ended}
+SELECT id, workflow_id, state FROM ended CROSS JOIN notified
 
 -- name: leader_attempt_elect
 INSERT INTO {schema}.errands_leaders AS l (name, owner, elected_at, expires_at)
@@ -232,8 +232,8 @@ WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
   AND j.lease_expires_at < now()
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
-), {fair_fold}
-SELECT id, workflow_id, state FROM ended
+), {fair_fold}, {notify_ended}
+SELECT id, workflow_id, state FROM ended CROSS JOIN notified
 
 -- name: job_promote_due
 UPDATE {schema}.errands_jobs
@@ -748,6 +748,7 @@ DELETE FROM {schema}.errands_queues WHERE name = %(name)s
 -- given back; an operator's cancel while it ran ends it cancelled instead. It locks the
 -- row; job_resume_if_signalled follows in the same transaction, so its fresh snapshot
 -- sees any signal committed before the lock (app.signal locks the row first, too).
+WITH ended AS (
 UPDATE {schema}.errands_jobs
 SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'waiting' END,
     wait_signal = CASE WHEN cancel_requested THEN NULL ELSE %(signal)s::text END,
@@ -758,6 +759,9 @@ SET state = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'waiting' END,
     finished_at = CASE WHEN cancel_requested THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 WHERE id = %(id)s AND lease_token = %(token)s AND state = 'running'
+RETURNING id, state, workflow_id
+), {notify_ended}
+SELECT id, state, workflow_id FROM ended CROSS JOIN notified
 
 -- name: job_resume_if_signalled
 -- A waiting job whose signal is stored becomes available (after a suspension, and after
@@ -846,6 +850,21 @@ fold AS (
         seconds_total = u.seconds_total + excluded.seconds_total,
         dwell_total = u.dwell_total + excluded.dwell_total,
         attempts = u.attempts + excluded.attempts
+)
+
+-- name: notify_ended_cte
+-- Not run alone: the notify_ended marker of the statements that end attempts (finish,
+-- release, rescue, suspend). One NOTIFY on the results channel (results.py), sent at
+-- commit, with the ids of the rows of CTE "ended" (id, state) that ended, or '*' when
+-- they are too many for a payload; none when no row ended. The statement's final SELECT
+-- reads "notified": a CTE that nothing reads is not run. Every other end of a job (from
+-- a state other than running) is announced by the errands_jobs_ended trigger (schema 17).
+notified AS MATERIALIZED (
+    SELECT count(pg_notify({done_channel},
+                           CASE WHEN length(d.ids) > 7000 THEN '*' ELSE d.ids END)) AS n
+    FROM (SELECT string_agg(e.id::text, ',') AS ids FROM ended AS e
+          WHERE e.state IN ('completed', 'dead', 'cancelled', 'discarded')) AS d
+    WHERE d.ids IS NOT NULL
 )
 
 -- name: fair_due

@@ -611,6 +611,7 @@ SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'waiting' END,
     finished_at = CASE WHEN cancel_requested = 1 THEN (julianday('now') - 2440587.5) * 86400.0 END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 WHERE id = :id AND lease_token = :token AND state = 'running'
+RETURNING id, state, workflow_id
 
 -- name: job_resume_if_signalled
 -- A waiting job whose signal is stored becomes available (after a suspension, and after

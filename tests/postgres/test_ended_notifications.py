@@ -1,0 +1,166 @@
+"""Announcing ended jobs on PostgreSQL (schema 17) costs nothing to the writes that end
+nothing, and one notification to a statement that ends attempts.
+
+Before schema 17 a statement-level trigger with a transition table announced them: every
+UPDATE of errands_jobs, each claim and heartbeat included, copied its new rows for the
+trigger to read (11 % of the server's time in the claim and completion statements on the
+bench machine). Now the statements that end attempts announce their jobs themselves (the
+notify_ended CTE), and a row trigger announces every other end, which leaves a state
+other than running. What this file checks on the SQL and on a real LISTEN connection;
+tests/conformance/test_ended_announcements.py checks that every way a job ends is heard.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import errands
+from errands.backends.base import ActionParams, FinishParams, LeaseRef
+from errands.backends.postgres.backend import done_channel
+from tests.conformance.support import claim, error, finish, insert, make_dead
+
+SQL = Path(errands.__file__).parent / "backends" / "postgres"
+TERMINAL = ("completed", "dead", "cancelled", "discarded")
+
+# Statements that change a job's state and never end a running job, with why: any new
+# statement that sets state must be added here or announce its ends (notify_ended).
+NEVER_END_A_RUNNING_JOB = {
+    "job_claim": "to running",
+    "job_claim_ids": "to running",
+    "job_promote_due": "scheduled or retryable to available",
+    "job_replay": "dead to available",
+    "job_discard": "dead to discarded: the row trigger",
+    "job_cancel_pending": "pending or waiting to cancelled: the row trigger",
+    "job_resume_if_signalled": "waiting to available",
+    "job_expire_wait": "waiting to dead or retryable: the row trigger",
+    "job_edit": "pending to pending",
+    "wf_jobs_join": "just inserted: a dependent to waiting",
+    "wf_release_many": "waiting to scheduled or available",
+    "wf_end_blocked_many": "waiting to cancelled: the row trigger",
+    "wf_cancel_member": "pending or waiting to cancelled: the row trigger",
+}
+
+
+def _statements() -> Iterator[tuple[str, str]]:
+    for path in (SQL / "queries.sql", SQL / "workflows.sql"):
+        text = path.read_text()
+        for match in re.finditer(r"^-- name: (\S+)\n(.*?)(?=^-- name: |\Z)", text, re.S | re.M):
+            yield match.group(1), match.group(2)
+
+
+def _sets_state(body: str) -> bool:
+    code = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
+    return bool(
+        re.search(r"UPDATE \{schema\}\.errands_jobs\b", code)
+        and re.search(r"(SET|,)\s+state\s*=", code)
+    )
+
+
+def test_every_statement_that_may_end_a_running_job_announces_what_it_ended() -> None:
+    """Each statement that sets a job's state either carries notify_ended, read by its
+    final SELECT (a CTE nothing reads is not run), or is listed as never ending a running
+    job (those ends are the row trigger's)."""
+    seen = set()
+    for name, body in _statements():
+        if not _sets_state(body):
+            continue
+        seen.add(name)
+        if name in NEVER_END_A_RUNNING_JOB:
+            assert "{notify_ended}" not in body, f"{name}: announced twice"
+            continue
+        assert "{notify_ended}" in body, (
+            f"{name} sets a job's state and may end a running job, but announces nothing: "
+            "add the notify_ended CTE (see job_finish_many), or list it in "
+            "NEVER_END_A_RUNNING_JOB with the reason"
+        )
+        assert re.search(r"FROM ended[^;]*CROSS JOIN notified", body), (
+            f"{name}: its final SELECT must read notified"
+        )
+    assert set(NEVER_END_A_RUNNING_JOB) <= seen, "a listed statement is gone or renamed"
+    assert {"job_finish_many", "job_release_many", "job_rescue_many", "job_suspend"} <= seen
+
+
+@pytest.fixture
+def app(pg_url: str) -> Iterator[errands.App]:
+    app = errands.App(pg_url)
+    app.migrate()
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def heard(app: errands.App) -> Iterator[Any]:
+    """A LISTEN connection on the results channel: heard() -> the payloads since the last
+    call (waiting up to half a second for the first)."""
+    backend: Any = app.backend
+    with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
+        conn.execute(f'LISTEN "{done_channel(backend.schema)}"')
+
+        def collect(wait: float = 0.5) -> list[str]:
+            return [n.payload for n in conn.notifies(timeout=wait)]
+
+        yield collect
+
+
+def test_claims_heartbeats_and_retries_announce_nothing(app: errands.App, heard: Any) -> None:
+    backend: Any = app.backend
+    for _ in range(3):
+        insert(backend)
+    rows = claim(backend, limit=3)
+    backend.job_heartbeat_many([LeaseRef(r.id, r.lease_token or "", 30.0) for r in rows])
+    assert finish(backend, rows[0], "retryable", error=error(), delay=60.0)
+    assert backend.job_release_many([LeaseRef(rows[1].id, rows[1].lease_token or "", 30.0)])
+    assert heard() == []
+
+
+def test_a_batch_of_outcomes_is_one_notification_with_every_id(
+    app: errands.App, heard: Any
+) -> None:
+    """The completer's batch: one NOTIFY for the statement, not one per job, and the row
+    trigger adds none (its rows leave running)."""
+    backend: Any = app.backend
+    for _ in range(3):
+        insert(backend)
+    rows = claim(backend, limit=3)
+    outcomes = [
+        FinishParams(rows[0].id, rows[0].lease_token or "", "completed", result_json="1"),
+        FinishParams(rows[1].id, rows[1].lease_token or "", "dead", error=error()),
+        FinishParams(rows[2].id, rows[2].lease_token or "", "retryable", error=error(), delay=60),
+    ]
+    assert backend.job_finish_many(outcomes) == [True, True, True]
+    assert heard() == [f"{rows[0].id},{rows[1].id}"]
+
+
+def test_ends_from_other_states_are_announced_by_the_row_trigger(
+    app: errands.App, heard: Any
+) -> None:
+    backend: Any = app.backend
+    dead = make_dead(backend)
+    assert heard() == [str(dead)]  # the worker's write
+    backend.job_discard(ActionParams(actor="test", ids=[dead], reason="obsolete"))
+    pending = insert(backend, delay=3600)
+    backend.job_cancel(pending, "test")
+    assert heard() == [str(dead), str(pending)]
+
+
+def test_the_old_trigger_and_its_transition_table_are_gone(app: errands.App) -> None:
+    backend: Any = app.backend
+    with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
+        triggers = {
+            r[0]: r[1]
+            for r in conn.execute(
+                "SELECT tgname, pg_get_triggerdef(oid) FROM pg_trigger "
+                "WHERE tgrelid = to_regclass(%s) AND NOT tgisinternal",
+                (f'"{backend.schema}".errands_jobs',),
+            )
+        }
+    assert set(triggers) == {"errands_jobs_dead_hooks", "errands_jobs_ended"}
+    assert "FOR EACH ROW" in triggers["errands_jobs_ended"]
+    assert "REFERENCING" not in " ".join(triggers.values())
+    assert all(state in triggers["errands_jobs_ended"] for state in TERMINAL)
