@@ -111,6 +111,14 @@ def _dependent_of_a_dead_parent(backend: Backend, harness: Harness) -> int:
     return inserted.jobs[1].id  # cancelled by its parent's death (it never ran)
 
 
+def _marker(backend: Backend) -> int:
+    """A job completed now, in a queue of its own."""
+    insert(backend, queue="marker")
+    row = claim_one(backend, "marker")
+    assert finish(backend, row, "completed")
+    return row.id
+
+
 ENDS: dict[str, End] = {
     "completed": _completed,
     "dead": _dead,
@@ -124,6 +132,10 @@ ENDS: dict[str, End] = {
     "workflow member cancelled": _workflow_member_cancelled,
     "dependent of a dead parent": _dependent_of_a_dead_parent,
 }
+
+
+# Ways that end a job twice: dead (announced), then discarded (announced again).
+ENDS_TWICE = {"discarded": 2}
 
 
 @pytest.mark.parametrize("way", list(ENDS))
@@ -150,5 +162,13 @@ def test_every_way_a_job_ends_reaches_the_result_listener(
                 lambda: any(ids is None or job_id in ids for ids in reports), timeout=5
             )
         assert heard, f"{way}: job {job_id} ended, the listener heard only {reports}"
+        settled = _marker(backend)  # any later report of job_id would come before it
+        with changed:
+            changed.wait_for(
+                lambda: any(ids is None or settled in ids for ids in reports), timeout=5
+            )
+            told = [ids for ids in reports if ids is not None and job_id in ids]
+        ends = ENDS_TWICE.get(way, 1)  # reports by id (PostgreSQL): one per end, no more
+        assert told == [] or len(told) == ends, f"{way}: job {job_id} told {told} ({reports})"
     finally:
         listener.stop()

@@ -81,7 +81,7 @@ def test_any_malformed_url_is_a_configuration_error_that_never_shows_the_passwor
         (f"postgresql://u:{PASSWORD}@h/db?prepare=perhaps", "prepare='perhaps'"),
         (f"postgresql://u:{PASSWORD}@h/db?listen=2", "listen='2'"),
         (f"postgresql://u:{PASSWORD}@h/db?schema=Shop", "schema='Shop'"),
-        (f"postgresql://u:{PASSWORD}@h/db?schema={'s' * 64}", "at most 63 characters"),
+        (f"postgresql://u:{PASSWORD}@h/db?schema={'s' * 51}", "at most 50 characters"),
         (f"postgresql://u:{PASSWORD}@h/db?schema=a%22b", "schema='a\"b'"),
         (f"mssql://u:{PASSWORD}@h/db", "unsupported database URL 'mssql://u:***@h/db'"),
         (f"postgresql://u:{PASSWORD}@h:5432/db?password={PASSWORD}&pool_size=x", "***"),

@@ -21,9 +21,9 @@ import psycopg
 import pytest
 
 import errands
-from errands.backends.base import ActionParams, FinishParams, LeaseRef
+from errands.backends.base import ActionParams, FinishParams, LeaseRef, RescueParams
 from errands.backends.postgres.backend import done_channel
-from tests.conformance.support import claim, error, finish, insert, make_dead
+from tests.conformance.support import claim, claim_one, error, finish, insert, make_dead
 
 SQL = Path(errands.__file__).parent / "backends" / "postgres"
 TERMINAL = ("completed", "dead", "cancelled", "discarded")
@@ -95,28 +95,65 @@ def app(pg_url: str) -> Iterator[errands.App]:
 
 
 @pytest.fixture
+def harness_expire(app: errands.App) -> Any:
+    """expire(job_id): its lease ran out a second ago (as a rescue needs)."""
+    backend: Any = app.backend
+
+    def expire(job_id: int) -> None:
+        with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
+            conn.execute(
+                f'UPDATE "{backend.schema}".errands_jobs '
+                "SET lease_expires_at = now() - interval '1 second' WHERE id = %s",
+                (job_id,),
+            )
+
+    return expire
+
+
+@pytest.fixture
 def heard(app: errands.App) -> Iterator[Any]:
-    """A LISTEN connection on the results channel: heard() -> the payloads since the last
-    call (waiting up to half a second for the first)."""
+    """A LISTEN connection on the results channel: heard(until) -> the payloads since the
+    last call, up to the first that holds job ``until`` (notifications arrive in commit
+    order, so one sent by any earlier write is among them), for at most 5 s."""
     backend: Any = app.backend
     with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:
         conn.execute(f'LISTEN "{done_channel(backend.schema)}"')
 
-        def collect(wait: float = 0.5) -> list[str]:
-            return [n.payload for n in conn.notifies(timeout=wait)]
+        def collect(until: int) -> list[str]:
+            payloads = []
+            for n in conn.notifies(timeout=5):
+                payloads.append(n.payload)
+                if str(until) in n.payload.split(","):
+                    break
+            return payloads
 
         yield collect
 
 
-def test_claims_heartbeats_and_retries_announce_nothing(app: errands.App, heard: Any) -> None:
+def _marker(backend: Any) -> int:
+    """A job completed now: its notification closes what heard() collects."""
+    job_id = insert(backend, queue="marker")
+    assert finish(backend, claim_one(backend, "marker"), "completed")
+    return job_id
+
+
+def test_claims_heartbeats_retries_releases_and_suspensions_announce_nothing(
+    app: errands.App, harness_expire: Any, heard: Any
+) -> None:
     backend: Any = app.backend
-    for _ in range(3):
+    for _ in range(5):
         insert(backend)
-    rows = claim(backend, limit=3)
+    rows = claim(backend, limit=5)
     backend.job_heartbeat_many([LeaseRef(r.id, r.lease_token or "", 30.0) for r in rows])
     assert finish(backend, rows[0], "retryable", error=error(), delay=60.0)
     assert backend.job_release_many([LeaseRef(rows[1].id, rows[1].lease_token or "", 30.0)])
-    assert heard() == []
+    suspension = FinishParams(rows[2].id, rows[2].lease_token or "", "waiting", wait_signal="go")
+    assert backend.job_finish_many([suspension]) == [True]
+    harness_expire(rows[3].id)
+    rescue = RescueParams(rows[3].id, rows[3].lease_token or "", "retryable", error(), 60.0)
+    assert backend.job_rescue_many([rescue]) == [True]
+    marker = _marker(backend)
+    assert heard(marker) == [str(marker)]
 
 
 def test_a_batch_of_outcomes_is_one_notification_with_every_id(
@@ -134,7 +171,9 @@ def test_a_batch_of_outcomes_is_one_notification_with_every_id(
         FinishParams(rows[2].id, rows[2].lease_token or "", "retryable", error=error(), delay=60),
     ]
     assert backend.job_finish_many(outcomes) == [True, True, True]
-    assert heard() == [f"{rows[0].id},{rows[1].id}"]
+    marker = _marker(backend)
+    ended = ",".join(str(i) for i in sorted((rows[0].id, rows[1].id)))
+    assert heard(marker) == [ended, str(marker)]
 
 
 def test_ends_from_other_states_are_announced_by_the_row_trigger(
@@ -142,11 +181,11 @@ def test_ends_from_other_states_are_announced_by_the_row_trigger(
 ) -> None:
     backend: Any = app.backend
     dead = make_dead(backend)
-    assert heard() == [str(dead)]  # the worker's write
+    assert heard(dead) == [str(dead)]  # the worker's write
     backend.job_discard(ActionParams(actor="test", ids=[dead], reason="obsolete"))
     pending = insert(backend, delay=3600)
     backend.job_cancel(pending, "test")
-    assert heard() == [str(dead), str(pending)]
+    assert heard(pending) == [str(dead), str(pending)]
 
 
 def test_the_old_trigger_and_its_transition_table_are_gone(app: errands.App) -> None:
@@ -164,3 +203,4 @@ def test_the_old_trigger_and_its_transition_table_are_gone(app: errands.App) -> 
     assert "FOR EACH ROW" in triggers["errands_jobs_ended"]
     assert "REFERENCING" not in " ".join(triggers.values())
     assert all(state in triggers["errands_jobs_ended"] for state in TERMINAL)
+    assert "old.state <> 'running'" in triggers["errands_jobs_ended"].lower()

@@ -13,7 +13,10 @@ SCHEMA_DEFAULT = "public"
 POOL_SIZE_DEFAULT = 10
 NOTIFY_WINDOW_DEFAULT = 0.005
 CONNECT_TIMEOUT_DEFAULT = 10.0
-_SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+# At most 50 characters: the notification channels are named errands_jobs_<schema> and
+# errands_done_<schema>, and PostgreSQL refuses a channel name of 64 bytes or more in
+# pg_notify (a finish would fail) while LISTEN silently cuts it (no waiter would hear).
+_SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,49}$")
 
 # Options errands reads from the URL; everything else goes to libpq untouched.
 OPTIONS = {
@@ -63,7 +66,8 @@ def parse_postgres_url(url: str) -> PostgresConfig:
     if not _SCHEMA.match(schema):
         raise ConfigurationError(
             f"PostgreSQL URL option schema={schema!r}: use lowercase letters, digits and '_', "
-            "starting with a letter or '_' (at most 63 characters)"
+            "starting with a letter or '_', at most 50 characters (errands names its "
+            "notification channels after the schema, and PostgreSQL caps those names)"
         )
     try:
         pool_size = int(ours.get("pool_size", POOL_SIZE_DEFAULT))

@@ -859,10 +859,13 @@ fold AS (
 -- they are too many for a payload; none when no row ended. The statement's final SELECT
 -- reads "notified": a CTE that nothing reads is not run. Every other end of a job (from
 -- a state other than running) is announced by the errands_jobs_ended trigger (schema 17).
+-- It must stay one row whatever ended (an aggregate without GROUP BY): the final SELECT
+-- cross-joins it, and with no row there the statement would return none, which the
+-- callers read as stale outcomes.
 notified AS MATERIALIZED (
     SELECT count(pg_notify({done_channel},
                            CASE WHEN length(d.ids) > 7000 THEN '*' ELSE d.ids END)) AS n
-    FROM (SELECT string_agg(e.id::text, ',') AS ids FROM ended AS e
+    FROM (SELECT string_agg(e.id::text, ',' ORDER BY e.id) AS ids FROM ended AS e
           WHERE e.state IN ('completed', 'dead', 'cancelled', 'discarded')) AS d
     WHERE d.ids IS NOT NULL
 )

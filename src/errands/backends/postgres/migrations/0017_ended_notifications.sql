@@ -15,6 +15,13 @@
 --   leave or enter running, queue no trigger event at all.
 -- tests/postgres/test_ended_notifications.py checks that every statement that may end a
 -- running job carries the CTE, and that each way a job ends wakes a listener.
+--
+-- Dropping a trigger locks errands_jobs against reads and writes until the migration
+-- commits, and waits for every open transaction that touched the table first (a caller's
+-- transaction that enqueued, a handler's ctx.transaction()): behind that wait every
+-- claim and finish would queue. So it waits at most 5 s, then fails and rolls back
+-- whole; run it again at a quieter moment.
+SET LOCAL lock_timeout = '5s';
 DROP TRIGGER IF EXISTS errands_jobs_done ON {schema}.errands_jobs;
 DROP FUNCTION IF EXISTS {schema}.errands_jobs_notify_done();
 
