@@ -22,7 +22,7 @@ def _listening(pgc: PgCluster) -> bool:
     return bool(
         pgc.query(
             "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
-            "AND application_name = %s AND query ILIKE '%%pg_notify%%'",
+            "AND application_name = %s AND query ILIKE 'SELECT pg_notify(%%'",
             (pgc.tag,),
         )
     )

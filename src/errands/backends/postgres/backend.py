@@ -191,6 +191,12 @@ def _compact(text: str) -> str:
     return "\n".join([first, *kept])
 
 
+def _plain_completion(outcome: FinishParams) -> bool:
+    """An outcome job_complete_many writes as job_finish_many would: a completion of a job
+    known to have no fair key (nothing to fold)."""
+    return outcome.state == "completed" and outcome.error is None and outcome.fair is False
+
+
 def folding(name: str, fair: Sequence[bool | None]) -> str:
     """``name``, or its plain variant when no job it ends has a fair key."""
     return name if any(f is not False for f in fair) else f"{name}_plain"
@@ -908,6 +914,18 @@ class PostgresBackend(PostgresAdmin):
     ) -> dict[tuple[int, str], str]:
         """The fenced write of ``outcomes`` (of members or of other jobs): the state each
         one that landed is in, by ``(id, lease token)``."""
+        if not members and all(_plain_completion(o) for o in outcomes):
+            return {
+                (r[0], r[1]): r[2]
+                for r in conn.execute(
+                    self.q["job_complete_many"],
+                    {
+                        "ids": [o.id for o in outcomes],
+                        "tokens": [o.lease_token for o in outcomes],
+                        "results": [o.result_json for o in outcomes],
+                    },
+                ).fetchall()
+            }
         return {
             (r[0], r[1]): r[2]
             for r in conn.execute(
