@@ -1455,8 +1455,11 @@ METHOD = """\
   with no tuning option: what a user gets first) and at the best throughput setting its
   own documentation gives (the table above names the page). errands at defaults is
   `errands worker errands_app:app` (-c 10, INFO log line per finished job); tuned is
-  `-c 32 --log-level warning`. "Best" in the tables is, per system, its tuned
-  configuration with the highest processing rate.
+  `-c 32 --prefetch 1024 --log-level warning`. Where a setting's documentation gives no
+  figure (errands' prefetch, pgqueuer's batch_size), the figure is the best of a sweep
+  on this machine, each system's own (2026-12-05: errands' prefetch 128, 512, 1024;
+  pgqueuer's batch_size 100, 250, 500, 1000, 2000). "Best" in the tables is, per system,
+  its tuned configuration with the highest processing rate.
 - **Enqueue, one call per job**: {single_jobs:,} calls of the peer's documented enqueue
   (errands `job.enqueue(n=i)`, procrastinate `defer_async`, pgqueuer `Queries.enqueue`,
   oban `enqueue`, awa `insert`, Celery `delay`, Dramatiq `send`, huey call), timed after a

@@ -129,6 +129,8 @@ def _commands(spec: dict[str, Any]) -> Any:
         argv = [sys.executable, "-m", "errands", "worker", "errands_app:app"]
         if "concurrency" in config:
             argv += ["-c", str(config["concurrency"])]
+        if "prefetch" in config:
+            argv += ["--prefetch", str(config["prefetch"])]
         if "log_level" in config:
             argv += ["--log-level", config["log_level"]]
         if procs > 1:
