@@ -38,7 +38,7 @@ def test_the_default_configurations_add_no_tuning_knobs() -> None:
     errands = next(s for s in SYSTEMS if s.name == "errands-pg")
     # `errands worker module:app` as a user starts it: no -c, default log level.
     assert errands.default.options == {}
-    assert errands.best[0].options == {"concurrency": 32, "log_level": "warning"}
+    assert errands.best[0].options == {"concurrency": 32, "prefetch": 1024, "log_level": "warning"}
     pgqueuer = next(s for s in SYSTEMS if s.name == "pgqueuer")
     assert pgqueuer.default.options["batch_size"] == 10
     assert pgqueuer.best[0].options["batch_size"] >= 100
