@@ -340,8 +340,6 @@ def throughput(
         "rate": (count - 1) / (last - first) if last > first else None,
         "done": count,
         "window_s": last - first,
-        "first": first,
-        "last": last,
         "startup_s": first - started if first else None,
         "capped": count < n,
         "bulk_rate": n / bulk_seconds if bulk_seconds else None,

@@ -179,6 +179,26 @@ def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_
     assert len({r.fair_key for r in opened.rows}) == 4  # still spread over the keys
 
 
+def test_a_fair_queues_claim_takes_no_more_than_the_default_prefetch_room_allows(
+    store: errands.App,
+) -> None:
+    """Its window of keys, read under the queue's claim lock, grows with its room: a
+    worker's large --prefetch does not make each fair claim read thousands of keys."""
+    from errands.backends.base import QueueClaim
+    from errands.worker.claiming import Claimer
+
+    store.queue("open", fair=True)
+    store.backend.queue_declare(store.queues["open"], "test")
+
+    @store.job(name="open.job", queue="open", fair_key="{tenant}")
+    def job(tenant: str, n: int) -> None: ...
+
+    store.enqueue_many([job.bind(tenant=f"t{n % 40}", n=n) for n in range(200)])
+    claimer = Claimer(store, "w-test", ["open"], 1.0, fair_room=15)
+    claimed = claimer.claim([QueueClaim("open", 200)], room=120, free=3, suspects=0)
+    assert claimed.error is None and len(claimed.rows) == 15
+
+
 LOST = {"attempt": 1, "type": "LeaseExpired", "message": "lost", "traceback": None}
 
 

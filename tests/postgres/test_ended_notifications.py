@@ -176,6 +176,19 @@ def test_a_batch_of_outcomes_is_one_notification_with_every_id(
     assert heard(marker) == [ended, str(marker)]
 
 
+def test_a_batch_of_plain_completions_is_one_notification_too(app: errands.App, heard: Any) -> None:
+    """The lean statement for completions alone (job_complete_many) announces as well."""
+    backend: Any = app.backend
+    for _ in range(3):
+        insert(backend)
+    rows = claim(backend, limit=3)
+    done = [FinishParams(r.id, r.lease_token or "", "completed", fair=False) for r in rows]
+    assert backend.job_finish_many(done) == [True, True, True]
+    assert heard(max(r.id for r in rows)) == [
+        ",".join(str(r.id) for r in sorted(rows, key=lambda r: r.id))
+    ]
+
+
 def test_ends_from_other_states_are_announced_by_the_row_trigger(
     app: errands.App, heard: Any
 ) -> None:

@@ -62,8 +62,21 @@ class ClaimRound:
 
 
 class Claimer:
-    def __init__(self, app: App, worker_id: str, queues: Sequence[str], poll_interval: float):
+    def __init__(
+        self,
+        app: App,
+        worker_id: str,
+        queues: Sequence[str],
+        poll_interval: float,
+        fair_room: int | None = None,
+    ):
         self.app = app
+        # The most jobs a prefetching fair queue's claim takes (None: its whole room). Its
+        # window of keys grows with its room, all of it read under the queue's claim lock,
+        # which every other worker's claim of that queue waits for: a --prefetch of 1,024
+        # would read some 4,000 keys a claim. The worker passes its room at the default
+        # prefetch (5 x -c), whatever its --prefetch.
+        self.fair_room = fair_room
         self.worker_id = worker_id
         self.queues = list(queues)
         self.poll_interval = poll_interval
@@ -204,7 +217,7 @@ class Claimer:
         (for the prefetch room too, in a fair queue without a cluster-wide limit)."""
         rows = result.rows
         for queue in plan:
-            take = min(queue.limit, (room if queue.name in self.prefetching else free) - len(rows))
+            take = min(queue.limit, self._room_of(queue.name, room, free) - len(rows))
             if queue.name in self.with_limits and take <= 0:
                 result.limited_starved = True
             if queue.name in self.with_limits and take > 0:
@@ -216,6 +229,13 @@ class Claimer:
                 retry_in = getattr(limited, "retry_in", None)
                 if retry_in is not None:
                     result.retry_in = min(result.retry_in or retry_in, retry_in)
+
+    def _room_of(self, queue: str, room: int, free: int) -> int:
+        """The room a limited queue's claim has: the free slots, or for a prefetching fair
+        queue the round's room (prefetch included) up to ``fair_room``."""
+        if queue not in self.prefetching:
+            return free
+        return room if self.fair_room is None else max(min(room, self.fair_room), free)
 
     def claim_express(self, plan: list[QueueClaim], most: int, suspects: int = 0) -> ClaimRound:
         """Up to ``most`` jobs of ``plan`` (fair queues, each within its limit) for the
@@ -275,7 +295,7 @@ class Claimer:
             if queue.name in self.with_limits and left > 0:
                 # the room the round's fresh claim would have for it (what was claimed
                 # before in this round taken out)
-                share = room if queue.name in self.prefetching else free
+                share = self._room_of(queue.name, room, free)
                 turns = min(queue.limit, share - len(result.rows))
                 result.rows += self._limited(result, queue.name, left, suspects=True, turns=turns)
         if not result.rows:

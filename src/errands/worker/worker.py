@@ -274,7 +274,10 @@ class Worker:
         self.loop_runner: LoopRunner | None = None
         self.recorder = self.recorder_class(self)
         self.dispatcher = Dispatcher(self)
-        self.claimer = Claimer(app, self.id, list(limits), poll_interval)
+        self.claimer = Claimer(
+            app, self.id, list(limits), poll_interval,
+            fair_room=(PREFETCH_MULTIPLIER + 1) * concurrency,
+        )  # fmt: skip
         self.completer = Completer(
             app,
             lambda attempt, outcome, ok: self.recorder.on_written(attempt, outcome, ok),

@@ -159,11 +159,11 @@ RETURNING j.id, o.token, j.state, j.queue AS f_queue, j.fair_key AS f_key,
 SELECT id, token, state FROM ended CROSS JOIN notified
 
 -- name: job_complete_many
--- job_finish_many for a batch of completions only, of jobs without a fair key and outside
--- workflows (the usual batch under a backlog): the same write, with three arrays instead
--- of seven and none of a failure's cases (a sixth of the statement's time on the server,
--- batches of 134 rows). A cancel requested while the job ran leaves a completion as it
--- is, as in job_finish_many.
+-- job_complete_many: job_finish_many for a batch of completions only, of jobs without a
+-- fair key and outside workflows (the usual batch under a backlog): the same write, with
+-- three arrays instead of seven and none of a failure's cases (a sixth of the statement's
+-- time on the server, batches of 134 rows). A cancel requested while the job ran leaves
+-- a completion as it is, as in job_finish_many.
 WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = 'completed',
