@@ -915,34 +915,26 @@ class PostgresBackend(PostgresAdmin):
         """The fenced write of ``outcomes`` (of members or of other jobs): the state each
         one that landed is in, by ``(id, lease token)``."""
         if not members and all(_plain_completion(o) for o in outcomes):
-            return {
-                (r[0], r[1]): r[2]
-                for r in conn.execute(
-                    self.q["job_complete_many"],
-                    {
-                        "ids": [o.id for o in outcomes],
-                        "tokens": [o.lease_token for o in outcomes],
-                        "results": [o.result_json for o in outcomes],
-                    },
-                ).fetchall()
+            query = self.q["job_complete_many"]
+            params: dict[str, Any] = {
+                "ids": [o.id for o in outcomes],
+                "tokens": [o.lease_token for o in outcomes],
+                "results": [o.result_json for o in outcomes],
             }
-        return {
-            (r[0], r[1]): r[2]
-            for r in conn.execute(
-                self.q[folding("job_finish_many", [o.fair for o in outcomes])],
-                {
-                    "ids": [o.id for o in outcomes],
-                    "tokens": [o.lease_token for o in outcomes],
-                    "states": [o.state for o in outcomes],
-                    "results": [o.result_json for o in outcomes],
-                    "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
-                    "delays": [float(o.delay) for o in outcomes],
-                    "rans": [o.ran for o in outcomes],
-                    "members": members,
-                    "half_life": HALF_LIFE,
-                },
-            ).fetchall()
-        }
+        else:
+            query = self.q[folding("job_finish_many", [o.fair for o in outcomes])]
+            params = {
+                "ids": [o.id for o in outcomes],
+                "tokens": [o.lease_token for o in outcomes],
+                "states": [o.state for o in outcomes],
+                "results": [o.result_json for o in outcomes],
+                "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
+                "delays": [float(o.delay) for o in outcomes],
+                "rans": [o.ran for o in outcomes],
+                "members": members,
+                "half_life": HALF_LIFE,
+            }
+        return {(r[0], r[1]): r[2] for r in conn.execute(query, params).fetchall()}
 
     # -- queues and limits ----------------------------------------------------------------
     def queue_settings(self) -> list[QueueSettings]:
