@@ -337,8 +337,37 @@ class JobDefinition(Generic[P, R]):
         if self._warn_main:
             self._warn_main = False
             warnings.warn(MAIN_MODULE_WARNING.format(name=self.name), stacklevel=_user_level())
-        arguments = self.payload.bind_arguments(args, kwargs)
-        args_json = self.payload.encode(arguments)
+        args_json = self.payload.encode(self.payload.bind_arguments(args, kwargs))
+        if options is NO_OPTIONS and self.unique_for is None:
+            # The common case (a bulk enqueue's every job): no option to check, every
+            # value the definition's or the arguments'. Positional, in field order.
+            rate = self.rate
+            return EnqueueRequest(
+                self.name,
+                self.queue,
+                args_json,
+                self.priority,
+                self.max_attempts,
+                0.0,
+                None,
+                None,
+                self.timeout,
+                self.lease,
+                {"sensitive": sorted(self.sensitive)} if self.sensitive else {},
+                None,
+                None,
+                None
+                if self.concurrency_key is None
+                else self._format_key("concurrency_key", self.concurrency_key, args_json),
+                self.concurrency_limit,
+                None if rate is None else rate[0],
+                None if rate is None else rate[1],
+                self._fair_key_for(self.queue, args_json),
+            )
+        return self._request(args_json, options)
+
+    def _request(self, args_json: str, options: EnqueueOptions) -> EnqueueRequest:
+        """The request of a job enqueued with options (``key=``, ``delay=``, ...)."""
         if options.key is not None and (not isinstance(options.key, str) or not options.key):
             raise ConfigurationError(f"{self.name}: key= must be a non-empty string")
         if options.key is not None:

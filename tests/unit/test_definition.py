@@ -233,3 +233,41 @@ def test_app_options_are_validated(options: dict[str, Any], message: str) -> Non
     """Bad App settings fail at construction with the option's name."""
     with pytest.raises(ConfigurationError, match=message):
         errands.App("sqlite:///unused.db", **options)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"queue": "emails", "priority": 3, "timeout": 30, "lease": 60, "retries": 0},
+        {"sensitive": ["user_id"]},
+        {"concurrency_key": "user:{user_id}", "concurrency_limit": 2},
+        {"rate": "10/s"},
+        {"fair_key": "tenant:{user_id}"},
+        {"queue": "fair"},  # a queue the app declares fair: the job's name is its key
+    ],
+)
+def test_a_job_bound_without_options_gets_the_request_the_general_path_builds(
+    app: errands.App, options: dict[str, Any]
+) -> None:
+    """bind() without options takes a short path (bulk enqueue's every job); it must build
+    exactly what the path for jobs with options builds from the same definition."""
+    from errands.definition import EnqueueOptions
+
+    app.queue("fair", fair=True)
+    job = _define(app, **options)
+    quick = job.bind(user_id=7).request
+    general = job._request(quick.args_json, EnqueueOptions())
+    assert quick == general
+    assert quick.args_json == '{"user_id":7}' and quick.delay == 0.0
+
+
+def test_a_job_defined_unique_for_a_period_needs_a_key_at_every_enqueue(
+    app: errands.App,
+) -> None:
+    """unique_for= on the definition says how long a key stays unique: an enqueue without
+    a key is refused, on the short path of a bind without options too."""
+    job = _define(app, unique_for=60)
+    with pytest.raises(ConfigurationError, match="unique_for= needs a key="):
+        job.bind(user_id=1)
+    assert job.bind(user_id=1, key="k").request.unique_for == 60.0

@@ -14,7 +14,7 @@ import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from ..jobs import EnqueueRequest, JobRow, Step
 
@@ -40,8 +40,10 @@ class Capabilities:
     single_writer: bool = False  # an open write transaction locks out every other writer
 
 
-@dataclass(frozen=True)
-class InsertResult:
+class InsertResult(NamedTuple):
+    """What an insert stored: the job's id, or the id of the job already holding its key
+    (``deduplicated``). A tuple: a bulk enqueue builds one per job."""
+
     id: int
     deduplicated: bool
 
@@ -745,7 +747,7 @@ def insert_params(req: EnqueueRequest) -> dict[str, Any]:
         "name": req.name,
         "queue": req.queue,
         "args": req.args_json,
-        "meta": json.dumps(req.meta, separators=(",", ":")),
+        "meta": json.dumps(req.meta, separators=(",", ":")) if req.meta else "{}",
         "priority": req.priority,
         "max_attempts": req.max_attempts,
         "run_at": req.run_at,

@@ -91,6 +91,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 log = logging.getLogger("errands.postgres")
+IDLE = psycopg.pq.TransactionStatus.IDLE  # no transaction open on the connection
 
 T = TypeVar("T")
 
@@ -284,8 +285,19 @@ class PostgresBackend(PostgresAdmin):
             with shielded():  # no hook's or handler's interrupt lands inside (interrupts)
                 conn = checkout(self.pool, timeout)
                 try:
-                    with conn:  # as pool.connection() does: commit, or roll back on error
-                        yield conn
+                    yield conn
+                    # as pool.connection() does (psycopg's Connection.__exit__): commit,
+                    # or roll back on error; errands' connections are in autocommit, so
+                    # there is usually nothing to commit and no round trip to make
+                    if not conn.closed and conn.info.transaction_status != IDLE:
+                        conn.commit()
+                except BaseException:
+                    if not conn.closed:
+                        try:
+                            conn.rollback()
+                        except Exception as exc:  # never hide the error that got here
+                            log.warning("error ignored in rollback on %s: %s", conn, exc)
+                    raise
                 finally:
                     self.pool.putconn(conn)
         except pg_errors.UndefinedTable as exc:
@@ -540,6 +552,14 @@ class PostgresBackend(PostgresAdmin):
     ) -> list[InsertResult]:
         return run(conn, self._insert_program(requests, copy=True))
 
+    def _insert_one(self, conn: psycopg.Connection[Any], req: EnqueueRequest) -> list[InsertResult]:
+        """One job without a key: the single statement of ``_insert_program``, sent
+        straight (the enqueue one call per job runs this; a key can never conflict)."""
+        params = insert_params(req)
+        params["channel"] = self.channel if self._notify_due({req.queue}) else None
+        [(job_id, _)] = conn.execute(self.q["job_insert"], params).fetchall()
+        return [InsertResult(job_id, False)]
+
     def _insert_program(
         self, requests: Sequence[EnqueueRequest], *, copy: bool
     ) -> Program[list[InsertResult]]:
@@ -662,6 +682,7 @@ class PostgresBackend(PostgresAdmin):
         # way: both carry microseconds, as timestamptz does).
         now_text = now.isoformat()
         with conn.cursor() as cur, cur.copy(statement) as copy:
+            write = copy.write_row
             for index, (job_id, r) in enumerate(rows):
                 if r.run_at is None and not r.delay:
                     state, run_at_text = "available", now_text
@@ -672,17 +693,12 @@ class PostgresBackend(PostgresAdmin):
                         run_at = now + timedelta(seconds=r.delay)
                     state = "scheduled" if run_at > now else "available"
                     run_at_text = run_at.isoformat()
-                if index in waiting:
+                if waiting and index in waiting:
                     state = "waiting"
-                row = (
-                    job_id,
-                    r.name,
-                    r.queue,
-                    r.args_json,
-                    state,
-                    r.max_attempts,
-                    run_at_text,
-                )
+                row = (job_id, r.name, r.queue, r.args_json, state, r.max_attempts, run_at_text)
+                if pick is None and not joined:  # most batches: the required columns only
+                    write(row)
+                    continue
                 if pick is not None:
                     values = (
                         json.dumps(r.meta, separators=(",", ":")) if r.meta else "{}",
@@ -699,7 +715,7 @@ class PostgresBackend(PostgresAdmin):
                     )
                     chosen = pick(values)
                     row += chosen if len(optional) > 1 else (chosen,)
-                copy.write_row(row + joined)
+                write(row + joined)
 
     @staticmethod
     def _insert_many_params(rows: Sequence[tuple[int, EnqueueRequest]]) -> dict[str, Any]:
@@ -767,7 +783,7 @@ class PostgresBackend(PostgresAdmin):
         def insert(own: psycopg.Connection[Any], progress: Progress) -> list[InsertResult]:
             if single:  # one autocommit statement: one round trip, its own commit
                 progress.committing = True
-                return self._insert(own, requests)
+                return self._insert_one(own, requests[0])
             with self._own_tx(own):
                 results = self._insert(own, requests)
                 progress.committing = True  # leaving the block sends COMMIT
