@@ -95,6 +95,15 @@ def _single_share(results: dict[str, Any], errands: str, lim: dict[str, Any]) ->
     return _ratio(_fig(results, errands, "enqueue_single"), lim.get("insert_single"))
 
 
+def _bulk_share(results: dict[str, Any], lim: dict[str, Any]) -> float | None:
+    """Bulk enqueue against the COPY of 1,000 rows a transaction timed in the same minutes
+    (alternating with it), else the limit's."""
+    interleaved = _fig(results, "errands-pg", "enqueue_bulk_vs_raw")
+    if interleaved is not None:
+        return float(interleaved)
+    return _ratio(_fig(results, "errands-pg", "enqueue_bulk"), lim.get("copy_chunked"))
+
+
 def shares(results: dict[str, Any]) -> dict[str, Any]:
     """errands as a share of the limit measured in the same run."""
     out: dict[str, Any] = {}
@@ -112,9 +121,7 @@ def shares(results: dict[str, Any]) -> dict[str, Any]:
             "enqueue_bulk_vs_copy": _ratio(
                 _fig(results, "errands-pg", "enqueue_bulk"), pg.get("copy")
             ),
-            "enqueue_bulk_vs_copy_chunked": _ratio(
-                _fig(results, "errands-pg", "enqueue_bulk"), pg.get("copy_chunked")
-            ),
+            "enqueue_bulk_vs_copy_chunked": _bulk_share(results, pg),
             "enqueue_bulk_vs_multirow": _ratio(
                 _fig(results, "errands-pg", "enqueue_bulk"), pg.get("insert_multirow")
             ),
@@ -458,16 +465,29 @@ def _limit_rows(results: dict[str, Any], store: str) -> list[list[str]]:
                     fmt(_ratio(mine[key], lim[key]), "pct"),
                 ]
             )
-            raw = _fig(results, errands, "enqueue_single_raw")
-            if key == "insert_single" and raw:
-                rows.append(
-                    [
-                        "insert + commit, one row, alternating with errands' enqueue",
-                        fmt(raw, "rate"),
-                        fmt(mine[key], "rate"),
-                        fmt(_fig(results, errands, "enqueue_single_vs_raw"), "pct"),
-                    ]
-                )
+            # the raw figure timed in rounds alternating with errands' own, when there is one
+            alternating = {
+                "insert_single": (
+                    "enqueue_single",
+                    "insert + commit, one row, alternating with errands' enqueue",
+                ),
+                "copy_chunked": (
+                    "enqueue_bulk",
+                    "COPY, 1,000 rows a transaction, alternating with errands' bulk enqueue",
+                ),
+            }
+            if key in alternating:
+                figure, what = alternating[key]
+                raw = _fig(results, errands, f"{figure}_raw")
+                if raw:
+                    rows.append(
+                        [
+                            what,
+                            fmt(raw, "rate"),
+                            fmt(mine[key], "rate"),
+                            fmt(_fig(results, errands, f"{figure}_vs_raw"), "pct"),
+                        ]
+                    )
     return rows
 
 
@@ -1202,7 +1222,8 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
         "table above (best of 1 and 2 processes for processing). COPY is measured twice: "
         "all rows in one transaction, and 1,000 rows a transaction, which is how every "
         "system's bulk enqueue above runs (1,000 jobs a call, each call committed); the "
-        "bulk target is judged against the second, the same work.\n"
+        "bulk target is judged against the second, the same work, timed alternating with "
+        "errands' bulk enqueue where the run has it (see *Method*).\n"
     )
     for store, title in (("postgres", "PostgreSQL"), ("sqlite", "SQLite")):
         add(f"\n**{title}**\n\n")
@@ -1471,7 +1492,11 @@ METHOD = """\
 - **Enqueue in bulk**: {bulk_jobs:,} jobs in calls of 1,000 through the peer's bulk API
   (errands `enqueue_many`, procrastinate `batch_defer_async`, pgqueuer list `enqueue`,
   oban `enqueue_many`, awa `enqueue_many_copy`, Celery `group(...).apply_async()`, Dramatiq
-  `group(...).run()`; huey has none).
+  `group(...).run()`; huey has none). On PostgreSQL errands' adapter splits its jobs
+  into 5 rounds and after each round COPYs as many rows into the same table, 1,000 a
+  transaction (the limit's `copy_chunked`); the bulk target is judged against that COPY,
+  timed in the same minutes (the limit's own COPY, timed in a phase of its own, measured
+  76,000 to 140,000 rows/s across runs of the same code here, and is shown as well).
 - **Processing**: {throughput_jobs:,} jobs pre-filled in bulk, `ANALYZE`, then the
   workers start (1 or 2 worker processes in the configuration's settings); the rate is
   the jobs run divided by the time from the first handler start to the last, so start-up

@@ -402,7 +402,11 @@ def summarise(raw: dict[str, list[dict[str, Any]]], system: System | None = None
     # own enqueues (peers do not): the share of each run, then their median.
     fig["enqueue_single_raw"] = median([r["raw_rate"] for r in single if "raw_rate" in r])
     fig["enqueue_single_vs_raw"] = median([r["vs_raw"] for r in single if "vs_raw" in r])
-    fig["enqueue_bulk"] = median([r["rate"] for r in raw.get("enqueue_bulk", [])])
+    bulk = raw.get("enqueue_bulk", [])
+    fig["enqueue_bulk"] = median([r["rate"] for r in bulk])
+    # ... and, on PostgreSQL, the raw COPY in rounds alternating with its bulk enqueue
+    fig["enqueue_bulk_raw"] = median([r["raw_rate"] for r in bulk if "raw_rate" in r])
+    fig["enqueue_bulk_vs_raw"] = median([r["vs_raw"] for r in bulk if "vs_raw" in r])
     if raw.get("enqueue_async"):  # errands' adapter: await aenqueue, one at a time and 64 at once
         fig["enqueue_async"] = median([r["rate"] for r in raw["enqueue_async"]])
         fig["enqueue_async_concurrent"] = median(

@@ -71,6 +71,9 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
             "latency_p50",
         ):
             assert figures.get(key) and figures[key] > 0, (name, key, figures)
+    # PostgreSQL's bulk enqueue is timed alternating with the raw COPY, as the target reads it
+    pg = results["systems"]["errands-pg"]["figures"]
+    assert pg["enqueue_bulk_raw"] > 0 and pg["enqueue_bulk_vs_raw"] > 0, pg
     for store in ("postgres", "sqlite"):
         limit = results["limit"][store]
         assert "error" not in limit and all(v > 0 for v in limit["figures"].values()), limit
