@@ -178,9 +178,21 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         else:
             # Judged against COPY committed every 1,000 rows, as the bulk enqueue commits
             # (the one-transaction figure is shown beside it, not hidden).
+            runs = (_fig(results, "errands-pg", "enqueue_spread") or {}).get(
+                "enqueue_bulk_vs_raw"
+            ) or {}
+            if runs.get("n"):  # timed alternating with the COPY: the median of each run's share
+                measured = (
+                    f"{fmt(chunked, 'pct')} (median of the runs' shares, "
+                    f"{fmt(runs['min'], 'pct')}-{fmt(runs['max'], 'pct')}, each against "
+                    "the COPY timed alternating with it; of the limit's COPY in one "
+                    f"transaction, timed in its own phase: {fmt(v, 'pct')})"
+                )
+            else:
+                measured = f"{fmt(chunked, 'pct')} (of COPY in one transaction: {fmt(v, 'pct')})"
             add(
                 "Enqueue bulk ≥ 50 % of raw COPY (in the same 1,000-row transactions)",
-                f"{fmt(chunked, 'pct')} (of COPY in one transaction: {fmt(v, 'pct')})",
+                measured,
                 chunked >= 0.5,
             )
     p50, p99 = (
@@ -1223,7 +1235,10 @@ def markdown(results: dict[str, Any], profile: dict[str, Any] | None) -> str:
         "all rows in one transaction, and 1,000 rows a transaction, which is how every "
         "system's bulk enqueue above runs (1,000 jobs a call, each call committed); the "
         "bulk target is judged against the second, the same work, timed alternating with "
-        "errands' bulk enqueue where the run has it (see *Method*).\n"
+        "errands' bulk enqueue where the run has it (see *Method*). In the rows timed "
+        "alternating with errands, the share is the median of each run's share (its own "
+        "raw figure against its own errands figure), so it need not equal the two medians' "
+        "quotient.\n"
     )
     for store, title in (("postgres", "PostgreSQL"), ("sqlite", "SQLite")):
         add(f"\n**{title}**\n\n")
@@ -1495,8 +1510,8 @@ METHOD = """\
   `group(...).run()`; huey has none). On PostgreSQL errands' adapter splits its jobs
   into 5 rounds and after each round COPYs as many rows into the same table, 1,000 a
   transaction (the limit's `copy_chunked`); the bulk target is judged against that COPY,
-  timed in the same minutes (the limit's own COPY, timed in a phase of its own, measured
-  76,000 to 140,000 rows/s across runs of the same code here, and is shown as well).
+  timed in the same minutes (the limit's own COPY, timed in a phase of its own minutes
+  away, is shown as well).
 - **Processing**: {throughput_jobs:,} jobs pre-filled in bulk, `ANALYZE`, then the
   workers start (1 or 2 worker processes in the configuration's settings); the rate is
   the jobs run divided by the time from the first handler start to the last, so start-up

@@ -414,7 +414,8 @@ def summarise(raw: dict[str, list[dict[str, Any]]], system: System | None = None
         )
     fig["enqueue_spread"] = {
         "enqueue_single": _spread([r["rate"] for r in single]),
-        "enqueue_bulk": _spread([r["rate"] for r in raw.get("enqueue_bulk", [])]),
+        "enqueue_bulk": _spread([r["rate"] for r in bulk]),
+        "enqueue_bulk_vs_raw": _spread([r["vs_raw"] for r in bulk if "vs_raw" in r]),
     }
     labels = (
         [c.label for c in system.configs]
