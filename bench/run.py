@@ -719,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.results) if args.results else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     latest = out_dir / "latest.json"
+    took = results["duration_s"]  # this run's (merging keeps the base run's duration_s)
     if args.update and not complete and not args.quick and latest.exists():
         results = merge_into(
             json.loads(latest.read_text()), results, with_limit, with_scale, with_memory
@@ -737,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {_shown(out_path)} and docs/benchmarks.md")
     else:
         log(f"wrote {_shown(out_path)} (partial or quick: docs untouched)")
-    log(f"bench took {results['duration_s'] / 60:.1f} min")
+    log(f"bench took {took / 60:.1f} min")
     return 0
 
 
