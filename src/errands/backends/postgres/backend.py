@@ -555,10 +555,15 @@ class PostgresBackend(PostgresAdmin):
     def _insert_one(self, conn: psycopg.Connection[Any], req: EnqueueRequest) -> list[InsertResult]:
         """One job without a key: the single statement of ``_insert_program``, sent
         straight (the enqueue one call per job runs this; a key can never conflict)."""
+        [(job_id, _)] = conn.execute(self.q["job_insert"], self._one_params(req)).fetchall()
+        return [InsertResult(job_id, False)]
+
+    def _one_params(self, req: EnqueueRequest) -> dict[str, Any]:
+        """``job_insert``'s parameters: the job's, and the channel when this process is due
+        to NOTIFY its queue (see _notify_due)."""
         params = insert_params(req)
         params["channel"] = self.channel if self._notify_due({req.queue}) else None
-        [(job_id, _)] = conn.execute(self.q["job_insert"], params).fetchall()
-        return [InsertResult(job_id, False)]
+        return params
 
     def _insert_program(
         self, requests: Sequence[EnqueueRequest], *, copy: bool
@@ -574,8 +579,7 @@ class PostgresBackend(PostgresAdmin):
         the insert is then tried again, KEY_TRIES times at most."""
         if len(requests) == 1:
             req = requests[0]
-            params = insert_params(req)
-            params["channel"] = self.channel if self._notify_due({req.queue}) else None
+            params = self._one_params(req)
             for _ in range(KEY_TRIES):
                 rows = yield Stmt(self.q["job_insert"], params)
                 if rows and rows[0][0] is not None:
@@ -696,9 +700,6 @@ class PostgresBackend(PostgresAdmin):
                 if waiting and index in waiting:
                     state = "waiting"
                 row = (job_id, r.name, r.queue, r.args_json, state, r.max_attempts, run_at_text)
-                if pick is None and not joined:  # most batches: the required columns only
-                    write(row)
-                    continue
                 if pick is not None:
                     values = (
                         json.dumps(r.meta, separators=(",", ":")) if r.meta else "{}",
@@ -715,7 +716,7 @@ class PostgresBackend(PostgresAdmin):
                     )
                     chosen = pick(values)
                     row += chosen if len(optional) > 1 else (chosen,)
-                write(row + joined)
+                write(row + joined if joined else row)
 
     @staticmethod
     def _insert_many_params(rows: Sequence[tuple[int, EnqueueRequest]]) -> dict[str, Any]:

@@ -1,0 +1,72 @@
+"""A pool connection handed out by the backend (``PostgresBackend._conn``) ends as
+psycopg's own ``with conn:`` ends it: a transaction left open commits when the block ends
+cleanly and rolls back when it raises, the connection goes back to the pool with no
+transaction open, and a rollback that itself fails never hides the block's error."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import errands
+
+
+@pytest.fixture
+def backend(pg_url: str) -> Iterator[Any]:
+    app = errands.App(pg_url)
+    backend: Any = app.backend
+    with backend._conn() as conn:
+        conn.execute(f'CREATE TABLE "{backend.schema}".pool_probe (x int)')
+    try:
+        yield backend
+    finally:
+        app.close()
+
+
+def _probes(backend: Any) -> list[int]:
+    with backend._conn() as conn:
+        rows = conn.execute(f'SELECT x FROM "{backend.schema}".pool_probe ORDER BY x')
+        return [r[0] for r in rows.fetchall()]
+
+
+def test_a_transaction_left_open_commits_when_the_block_ends_cleanly(backend: Any) -> None:
+    with backend._conn() as conn:
+        conn.execute("BEGIN")
+        conn.execute(f'INSERT INTO "{backend.schema}".pool_probe VALUES (1)')
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert _probes(backend) == [1]
+
+
+def test_a_block_that_raises_rolls_its_transaction_back_and_returns_a_clean_connection(
+    backend: Any,
+) -> None:
+    with pytest.raises(RuntimeError, match="halfway"), backend._conn() as conn:
+        conn.execute("BEGIN")
+        conn.execute(f'INSERT INTO "{backend.schema}".pool_probe VALUES (2)')
+        raise RuntimeError("halfway")
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert _probes(backend) == []
+
+
+def test_a_failing_rollback_is_logged_and_the_blocks_own_error_is_raised(
+    backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server ended the session inside the block: the rollback fails too; the caller
+    sees its own error, the rollback's is a warning, and the next call gets a live
+    connection."""
+    with (
+        caplog.at_level(logging.WARNING, logger="errands.postgres"),
+        pytest.raises(RuntimeError, match="halfway"),
+        backend._conn() as conn,
+    ):
+        conn.execute("BEGIN")
+        pid = conn.info.backend_pid
+        with psycopg.connect(backend.config.conninfo, autocommit=True) as other:
+            other.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        raise RuntimeError("halfway")
+    assert "error ignored in rollback" in caplog.text
+    assert _probes(backend) == []
