@@ -582,14 +582,16 @@ class App:
             pause *= 2
 
     # -- enqueue -----------------------------------------------------------------------
-    def enqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:
-        """Store many jobs in one transaction (the caller's, when ``conn`` is given)."""
-        requests = self._requests(jobs)
+    def enqueue_many(self, jobs: Iterable[BoundJob], conn: Any = None) -> list[JobHandle]:
+        """Store many jobs in one transaction (the caller's, when ``conn`` is given).
+        ``jobs``: any iterable of ``job.bind(...)`` (a list, a generator), read once."""
+        given = self._given(jobs)
+        requests = self._requests(given)
         if not requests:
             return []
-        return self._enqueued(jobs, self.backend.job_insert_many(requests, conn=conn))
+        return self._enqueued(given, self.backend.job_insert_many(requests, conn=conn))
 
-    async def aenqueue_many(self, jobs: Sequence[BoundJob], conn: Any = None) -> list[JobHandle]:
+    async def aenqueue_many(self, jobs: Iterable[BoundJob], conn: Any = None) -> list[JobHandle]:
         """:meth:`enqueue_many` for async code: the event loop never blocks on the store.
 
         ``conn``: the caller's async connection — a psycopg ``AsyncConnection``, an
@@ -600,10 +602,27 @@ class App:
 
         .. versionadded:: 0.2
         """
-        requests = self._requests(jobs)
+        given = self._given(jobs)
+        requests = self._requests(given)
         if not requests:
             return []
-        return self._enqueued(jobs, await self.backend.ajob_insert_many(requests, conn=conn))
+        return self._enqueued(given, await self.backend.ajob_insert_many(requests, conn=conn))
+
+    @staticmethod
+    def _given(jobs: Iterable[BoundJob]) -> list[BoundJob]:
+        """``jobs`` as a list, read once: a generator was used up by the checks, and the
+        jobs it gave were then neither stored nor reported (an empty list came back)."""
+        if isinstance(jobs, BoundJob):
+            raise ConfigurationError(
+                "enqueue_many takes several jobs (a list of job.bind(...)); for one job, "
+                "call job.enqueue(...) or pass [job.bind(...)]"
+            )
+        if isinstance(jobs, (str, bytes, dict)) or not isinstance(jobs, Iterable):
+            raise ConfigurationError(
+                f"enqueue_many takes a list (or any iterable) of jobs made with "
+                f"job.bind(...), got {type(jobs).__name__}"
+            )
+        return list(jobs)
 
     def _requests(self, jobs: Sequence[BoundJob]) -> list[Any]:
         """Check ``jobs`` belong here; their requests, after the before-insert hooks."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -218,6 +219,32 @@ def test_enqueue_many_takes_only_bound_jobs_of_this_app(app: errands.App, db_url
             app.enqueue_many([foreign.bind(user_id=1)])
     finally:
         other.close()
+
+
+def test_enqueue_many_stores_every_job_a_generator_gives(app: errands.App) -> None:
+    """A generator is read once: every job it gives is stored and has a handle (it was
+    used up by the checks, and nothing was stored while an empty list came back)."""
+    job = _define(app)
+    handles = app.enqueue_many(job.bind(user_id=i) for i in range(5))
+    assert len(handles) == 5
+    assert sorted(app.get_job(h.id).args["user_id"] for h in handles) == [0, 1, 2, 3, 4]
+
+
+def test_aenqueue_many_stores_every_job_a_generator_gives(app: errands.App) -> None:
+    job = _define(app)
+    handles = asyncio.run(app.aenqueue_many(job.bind(user_id=i) for i in range(3)))
+    assert sorted(app.get_job(h.id).args["user_id"] for h in handles) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("given", ["one", "job", 7])
+def test_enqueue_many_refuses_what_is_not_a_collection_of_jobs(
+    app: errands.App, given: str | int
+) -> None:
+    """One bound job, a string or a number: a clear error before anything is written."""
+    value: Any = _define(app).bind(user_id=1) if given == "job" else given
+    with pytest.raises(ConfigurationError, match="enqueue_many takes"):
+        app.enqueue_many(value)
+    assert app.jobs() == []
 
 
 @pytest.mark.parametrize(
