@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from errands.backends import Backend
 from errands.backends.base import ActionParams, FinishParams, RescueParams
 from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
@@ -337,6 +339,53 @@ def test_replaying_a_member_before_the_batch_settles_keeps_it_in_the_fan_in(
     assert callbacks(backend) == ["on_dead"]  # the replayed member is pending again
     assert finish(backend, claim_one(backend), "completed")
     assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]
+
+
+@pytest.mark.parametrize("policy", ["cancel", "run_anyway", "skip"])
+def test_a_dependent_still_waiting_waits_for_a_replayed_parent_and_runs_once_it_completes(
+    backend: Backend, policy: str
+) -> None:
+    """A and B, then C after both. A dies while B still runs; A is replayed and completes,
+    then B completes: C runs (the edge from A waited for A's new end), and on_success
+    fires. Before, the edge kept A's first end ('dead'): C was cancelled (or, under
+    run_anyway, released while A's replay still ran) and on_success never fired."""
+    inserted = backend.workflow_insert(
+        spec([("a", []), ("b", []), ("c", [(0, policy), (1, policy)])])
+    )
+    a_id, _, c_id = (j.id for j in inserted.jobs)
+    a, b = sorted(claim_all(backend), key=lambda r: r.id)
+    assert finish(backend, a, "dead", error=error())
+    assert backend.job_replay(ActionParams(actor="test", ids=[a_id])).matched == [a_id]
+    assert get(backend, c_id).state == "waiting"
+    assert finish(backend, b, "completed")
+    assert get(backend, c_id).state == "waiting"  # A's replay has not ended yet
+    [again] = claim_all(backend)
+    assert again.id == a_id
+    assert finish(backend, again, "completed")
+    [c] = claim_all(backend)
+    assert c.id == c_id
+    assert finish(backend, c, "completed")
+    status = backend.workflow_get(inserted.id)
+    assert status is not None
+    assert (status.state, status.completed, status.dead) == ("succeeded", 3, 0)
+    assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]  # each once
+
+
+def test_a_dependent_decided_before_the_replay_keeps_its_decision(backend: Backend) -> None:
+    """A dies with C's other parent B already completed: C is cancelled then (policy
+    cancel). Replaying A afterwards revives nothing: C stays cancelled."""
+    inserted = backend.workflow_insert(
+        spec([("a", []), ("b", []), ("c", [(0, "cancel"), (1, "cancel")])])
+    )
+    a_id, _, c_id = (j.id for j in inserted.jobs)
+    a, b = sorted(claim_all(backend), key=lambda r: r.id)
+    assert finish(backend, b, "completed")
+    assert finish(backend, a, "dead", error=error())
+    assert get(backend, c_id).state == "cancelled"
+    backend.job_replay(ActionParams(actor="test", ids=[a_id]))
+    assert finish(backend, claim_one(backend), "completed")
+    assert get(backend, c_id).state == "cancelled"
+    assert claim_all(backend) == []
 
 
 def test_cancelling_a_pending_member_fans_in(backend: Backend) -> None:

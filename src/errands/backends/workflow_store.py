@@ -658,7 +658,8 @@ class WorkflowStore:
 
     def reenter(self, job_ids: Sequence[int]) -> Program[None]:
         """Replayed dead members are pending in their workflow again (after job_replay
-        in the same transaction); see docs/workflows.md, "Replaying a member". A nested
+        in the same transaction); see docs/workflows.md, "Replaying a member". Their
+        dependents still waiting (for another parent) wait for their new end. A nested
         workflow that had failed, one of whose members is replayed, is pending again in
         its parent in turn (it then ends there again as it settles again)."""
         q = self.q
@@ -671,6 +672,7 @@ class WorkflowStore:
                 workflow_id = int(rows[0][0])
                 yield Stmt(q["wf_lock"], {"id": workflow_id})
                 yield Stmt(q["wf_member_outcome"], {"id": member, "outcome": None})
+                yield Stmt(q["wf_reopen_edges"], {"id": member})
                 yield Stmt(q["wf_uncount_dead"], {"id": workflow_id})
                 member = -workflow_id  # up to its parent, if it is nested in one
 

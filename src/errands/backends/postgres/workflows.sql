@@ -299,6 +299,16 @@ WHERE job_id = %(id)s AND outcome = 'dead'
 ON CONFLICT DO NOTHING
 RETURNING workflow_id
 
+-- name: wf_reopen_edges
+-- A replayed dead member's edges to dependents still waiting (for another parent) are
+-- open again: they wait for its new end. Left decided ('dead'), a dependent was cancelled
+-- (or went on, under run_anyway) when its last parent ended, whatever the replay gave.
+-- A dependent already decided (released, cancelled, skipped) keeps its decision.
+UPDATE {schema}.errands_workflow_edges AS e SET outcome = NULL
+FROM {schema}.errands_jobs AS c
+WHERE e.parent_id = %(id)s AND e.outcome = 'dead'
+  AND c.id = e.child_id AND c.state = 'waiting' AND c.wait_signal IS NULL
+
 -- name: wf_uncount_dead
 UPDATE {schema}.errands_workflows SET dead = dead - 1 WHERE id = %(id)s
 

@@ -200,6 +200,15 @@ WHERE job_id = :id AND outcome = 'dead'
 ON CONFLICT DO NOTHING
 RETURNING workflow_id
 
+-- name: wf_reopen_edges
+-- A replayed dead member's edges to dependents still waiting (for another parent) are
+-- open again: they wait for its new end (see the PostgreSQL statement).
+UPDATE errands_workflow_edges SET outcome = NULL
+WHERE parent_id = :id AND outcome = 'dead'
+  AND EXISTS (SELECT 1 FROM errands_jobs AS c
+              WHERE c.id = errands_workflow_edges.child_id AND c.state = 'waiting'
+                AND c.wait_signal IS NULL)
+
 -- name: wf_uncount_dead
 UPDATE errands_workflows SET dead = dead - 1 WHERE id = :id
 
