@@ -156,6 +156,35 @@ def test_a_member_adds_members_to_its_own_batch_before_it_settles(
     assert done == ["page-1", "page-2", "page-3", "finished after 3"]
 
 
+def test_a_callback_cannot_add_members_to_its_settled_workflow(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """on_success runs once the workflow settled: ctx.add_to_workflow there is refused
+    with a clear error (the job was dropped on SQLite, stored outside the workflow on
+    PostgreSQL), and nothing is added."""
+    app = make_app()
+    refused: list[str] = []
+
+    @app.job(name="member")
+    def member() -> None: ...
+
+    @app.job(name="after")
+    def after(ctx: errands.Context) -> None:
+        try:
+            ctx.add_to_workflow(member.bind())
+        except errands.ConfigurationError as exc:
+            refused.append(str(exc))
+
+    batch = errands.Batch("settled", on_success=after.bind())
+    batch.add(member.bind())
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(batch)
+    status = tester.drain_workflow(handle)
+    assert (status.state, status.total) == ("succeeded", 1)
+    assert len(refused) == 1 and "callback of a workflow that has settled" in refused[0]
+    assert [j.name for j in app.jobs()].count("member") == 1
+
+
 def test_a_failed_attempt_adds_no_members(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

@@ -300,6 +300,15 @@ class AttemptRuntime:
             raise ConfigurationError(
                 f"ctx.add_to_workflow takes job.bind(...), got {type(job).__name__}"
             )
+        if '"workflow_callback"' in self.attempt.row.meta:
+            # A callback runs once its workflow settled: nothing can join it any more. Its
+            # added job was dropped (SQLite) or stored outside the workflow (PostgreSQL).
+            row = self.attempt.row
+            raise ConfigurationError(
+                f"ctx.add_to_workflow: job {row.id} ({row.name}) is a callback of a "
+                "workflow that has settled; no member can be added to it. Enqueue a new "
+                "workflow (app.enqueue_workflow) or a job (ctx.enqueue) instead"
+            )
         request = replace(job.request, meta={**job.request.meta, WORKFLOW_ADD: True})
         with self._lock:
             self.children.append(request)
