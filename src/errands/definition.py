@@ -36,6 +36,12 @@ NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:\-]{0,199}$")
 KEY_MAX_BYTES = 1000
 
 
+# The longest duration an option takes (delay, timeout, lease, unique_for, retention, ...):
+# a delay of 5,000,000 days or infinity was stored, and every read of the job (get_job,
+# listings, the dashboard, handle.status()) then failed to make its due date a datetime.
+DURATION_MAX = 100 * 365.25 * 86400
+
+
 def seconds(value: float | timedelta | None, option: str, owner: str = "") -> float | None:
     """A duration option as seconds: a number or a ``timedelta``, never text (``"30s"``).
 
@@ -53,6 +59,11 @@ def seconds(value: float | timedelta | None, option: str, owner: str = "") -> fl
         )
     if result < 0 or result != result:  # NaN compares unequal to itself
         raise ConfigurationError(f"{owner}{option}={value!r}: must be >= 0")
+    if result > DURATION_MAX:  # infinity too
+        raise ConfigurationError(
+            f"{owner}{option}={value!r}: must be at most 100 years ({DURATION_MAX:,.0f} s); "
+            "a job due further away cannot be read back as a date"
+        )
     return result
 
 

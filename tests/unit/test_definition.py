@@ -103,6 +103,27 @@ def test_a_duration_given_as_text_is_a_configuration_error_naming_the_accepted_f
     assert f"{option}=timedelta(seconds=30)" in message
 
 
+@pytest.mark.parametrize("far", [float("inf"), 1e12, timedelta(days=5_000_000)])
+def test_a_delay_too_far_to_read_back_as_a_date_is_refused_at_enqueue_and_at_edit(
+    app: errands.App, far: Any
+) -> None:
+    """A delay of infinity or of millions of days was stored, and every read of the job
+    then failed (year out of range): refused now, at enqueue and at edit, with the bound."""
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="at most 100 years"):
+        job.enqueue(user_id=1, delay=far)
+    assert app.jobs() == []
+    handle = job.enqueue(user_id=1, delay=60)
+    with pytest.raises(ConfigurationError, match="at most 100 years"):
+        app.edit([handle.id], delay=far)
+    assert app.get_job(handle.id).run_at is not None  # still readable, unchanged
+
+
+def test_a_timeout_of_infinity_is_refused_at_definition(app: errands.App) -> None:
+    with pytest.raises(ConfigurationError, match=r"timeout=inf: must be at most 100 years"):
+        _define(app, timeout=float("inf"))
+
+
 def test_durations_accept_numbers_and_timedeltas(app: errands.App) -> None:
     job = _define(app, timeout=timedelta(seconds=30), lease=45)
     assert (job.timeout, job.lease) == (30.0, 45.0)
