@@ -38,6 +38,7 @@ from .definition import (
     JobDefinition,
     check_name,
     check_text,
+    checked_priority,
     seconds,
 )
 from .errors import (
@@ -993,8 +994,8 @@ class App:
                     f"edit: run_at={run_at!r} must be a datetime with a time zone"
                 )
             when = run_at.timestamp()
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-            raise ConfigurationError(f"edit: priority={priority!r} must be an int")
+        if priority is not None:
+            checked_priority(priority, "edit: priority")
         edits, skipped = self._edits(job_ids, args)
         result = self.backend.job_edit(
             EditParams(

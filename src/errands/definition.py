@@ -42,6 +42,21 @@ KEY_MAX_BYTES = 1000
 DURATION_MAX = 100 * 365.25 * 86400
 
 
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # PostgreSQL's integer, on every store
+
+
+def checked_priority(value: Any, what: str) -> int:
+    """``value`` when it is an int within PostgreSQL's integer (every store keeps the
+    same range: 2**40 was stored on SQLite and failed deep inside on PostgreSQL)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"{what} must be an int (higher runs first), got {value!r}")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ConfigurationError(
+            f"{what} must be between {PRIORITY_MIN:,} and {PRIORITY_MAX:,}, got {value!r}"
+        )
+    return value
+
+
 def seconds(value: float | timedelta | None, option: str, owner: str = "") -> float | None:
     """A duration option as seconds: a number or a ``timedelta``, never text (``"30s"``).
 
@@ -185,9 +200,7 @@ class JobDefinition(Generic[P, R]):
         # worker can import. Said once, at the first enqueue.
         self._warn_main = name is None and fn.__module__ == "__main__"
         self.queue = check_name("queue", queue or app.default_queue)
-        if not isinstance(priority, int):
-            raise ConfigurationError(f"job {self.name!r}: priority must be an int")
-        self.priority = priority
+        self.priority = checked_priority(priority, f"job {self.name!r}: priority")
         if not isinstance(retries, int) or retries < 0:
             raise ConfigurationError(f"job {self.name!r}: retries={retries!r} must be an int >= 0")
         self.retries = retries
@@ -395,9 +408,9 @@ class JobDefinition(Generic[P, R]):
                     "datetime such as datetime.now(UTC) + timedelta(minutes=5)"
                 )
             run_at = options.run_at.timestamp()
-        priority = self.priority if options.priority is None else options.priority
-        if not isinstance(priority, int):
-            raise ConfigurationError(f"{self.name}: priority= must be an int")
+        priority = self.priority
+        if options.priority is not None:
+            priority = checked_priority(options.priority, f"{self.name}: priority")
         queue = check_name("queue", options.queue) if options.queue else self.queue
         return EnqueueRequest(
             name=self.name,

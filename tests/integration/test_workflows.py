@@ -84,3 +84,24 @@ def test_the_cli_cancels_a_workflow_and_an_unknown_one_is_one_clear_line(
     assert app.audit(limit=1)[0].actor == "ops"
     missing = CliRunner().invoke(cli, ["workflows", "show", "999", "--url", app.url])
     assert missing.exit_code == 1 and missing.output == "error: no workflow with id 999\n"
+
+
+def test_ids_and_priorities_beyond_what_a_store_keeps_are_one_clear_line_not_a_traceback(
+    app: errands.App,
+) -> None:
+    """20-digit ids and a priority past PostgreSQL's integer were a traceback from deep
+    inside ("Python int too large to convert to SQLite INTEGER"); now click says which
+    argument is out of which range, and exits 2 (a usage error)."""
+    huge = "99999999999999999999"
+    for args in (
+        ["jobs", "show", huge],
+        ["jobs", "cancel", "1", huge],
+        ["dlq", "replay", huge],
+        ["workflows", "cancel", huge],
+        ["jobs", "list", "--before", huge],
+        ["jobs", "edit", "1", "--priority", str(2**40)],
+    ):
+        result = CliRunner().invoke(cli, [*args, "--url", app.url])
+        assert result.exit_code == 2, (args, result.output)
+        assert "is not in the range" in result.output, (args, result.output)
+        assert isinstance(result.exception, SystemExit), (args, result.exception)

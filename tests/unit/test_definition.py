@@ -146,6 +146,26 @@ def test_priority_must_be_an_int(app: errands.App) -> None:
         _define(app, priority="high")
 
 
+def test_a_priority_outside_postgresqls_integer_is_refused_on_every_store(
+    app: errands.App,
+) -> None:
+    """2**40 was stored on SQLite and failed deep inside on PostgreSQL: every store now
+    takes -2**31 .. 2**31 - 1, checked at definition, at enqueue and at edit."""
+    with pytest.raises(ConfigurationError, match="priority must be between"):
+        _define(app, priority=2**40)
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match="priority must be between"):
+        job.enqueue(user_id=1, priority=-(2**31) - 1)
+    with pytest.raises(ConfigurationError, match="priority must be an int"):
+        job.bind(user_id=1, priority=True)
+    assert app.jobs() == []
+    top = job.enqueue(user_id=1, priority=2**31 - 1)
+    assert app.get_job(top.id).priority == 2**31 - 1
+    with pytest.raises(ConfigurationError, match="priority must be between"):
+        app.edit([top.id], priority=2**31)
+    assert app.get_job(top.id).priority == 2**31 - 1
+
+
 @pytest.mark.parametrize("name", ["1starts-with-digit", "has space", "x" * 201, "a/b"])
 def test_job_names_must_be_simple_identifiers(app: errands.App, name: str) -> None:
     """Job names are 1-200 characters of letters, digits, '_', '.', ':' and '-'."""

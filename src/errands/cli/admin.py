@@ -17,6 +17,11 @@ from ..suggest import did_you_mean
 from . import render
 from .loading import URL_HELP, default_actor, load_app
 
+# Ids and priorities as the stores keep them: a larger number was a traceback from deep
+# inside ("Python int too large to convert to SQLite INTEGER"), now click's own message.
+ID = click.IntRange(min=1, max=2**63 - 1)
+PRIORITY = click.IntRange(min=-(2**31), max=2**31 - 1)
+
 STATE_CHOICE = click.Choice(ALL_STATES)
 
 
@@ -138,7 +143,7 @@ def jobs() -> None:
 @click.option("--queue")
 @click.option("--name")
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
-@click.option("--before", "before_id", type=int, help="only ids below this one (next page)")
+@click.option("--before", "before_id", type=ID, help="only ids below this one (next page)")
 @click.option(
     "--after",
     metavar="CURSOR",
@@ -217,7 +222,7 @@ def _show(app_path: str | None, url: str | None, job_id: int, as_json: bool) -> 
 @jobs.command("show")
 @app_options
 @json_option
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=ID)
 def jobs_show(app_path: str | None, url: str | None, as_json: bool, job_id: int) -> None:
     """One job with its arguments, attempts, errors and audit trail."""
     _show(app_path, url, job_id, as_json)
@@ -226,7 +231,7 @@ def jobs_show(app_path: str | None, url: str | None, as_json: bool, job_id: int)
 @jobs.command("cancel")
 @app_options
 @actor_option
-@click.argument("job_ids", type=int, nargs=-1, required=True)
+@click.argument("job_ids", type=ID, nargs=-1, required=True)
 def jobs_cancel(
     app_path: str | None, url: str | None, actor: str, job_ids: tuple[int, ...]
 ) -> None:
@@ -244,7 +249,7 @@ def jobs_cancel(
 @app_options
 @actor_option
 @json_option
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=ID)
 @click.argument("name")
 @click.option("--payload", default="null", show_default=True, help="the signal's payload, as JSON")
 def jobs_signal(
@@ -279,10 +284,10 @@ def jobs_signal(
 @app_options
 @actor_option
 @json_option
-@click.argument("job_ids", type=int, nargs=-1, required=True)
+@click.argument("job_ids", type=ID, nargs=-1, required=True)
 @click.option("--run-at", type=click.DateTime(), help="run at this time (UTC unless it says)")
 @click.option("--delay", type=click.FloatRange(min=0), help="run this many seconds from now")
-@click.option("--priority", type=int, help="the new priority")
+@click.option("--priority", type=PRIORITY, help="the new priority")
 @click.option("--queue", help="move to this queue")
 @click.option("--args", "args_json", help="replace the arguments (JSON object; needs -A)")
 @click.option("--dry-run", is_flag=True, help="show what would be changed; change nothing")
@@ -331,7 +336,7 @@ def dlq() -> None:
 @click.option("--queue")
 @click.option("--name")
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
-@click.option("--before", "before_id", type=int, help="only ids below this one (next page)")
+@click.option("--before", "before_id", type=ID, help="only ids below this one (next page)")
 def dlq_list(
     app_path: str | None,
     url: str | None,
@@ -375,7 +380,7 @@ def _unknown_filters(app: App, queue: str | None, name: str | None) -> str:
 @dlq.command("show")
 @app_options
 @json_option
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=ID)
 def dlq_show(app_path: str | None, url: str | None, as_json: bool, job_id: int) -> None:
     """A dead job's full attempt history."""
     _show(app_path, url, job_id, as_json)
@@ -415,7 +420,7 @@ def _report(verb: str, result: Any, dry_run: bool, as_json: bool) -> None:
 @app_options
 @actor_option
 @json_option
-@click.argument("job_ids", type=int, nargs=-1)
+@click.argument("job_ids", type=ID, nargs=-1)
 @click.option("--all", "all_", is_flag=True, help="every dead job (narrow with --queue/--name)")
 @click.option("--queue")
 @click.option("--name")
@@ -447,7 +452,7 @@ def dlq_replay(
 @app_options
 @actor_option
 @json_option
-@click.argument("job_ids", type=int, nargs=-1)
+@click.argument("job_ids", type=ID, nargs=-1)
 @click.option("--reason", required=True, help="why (kept on the job and in the audit log)")
 @click.option("--all", "all_", is_flag=True, help="every dead job (narrow with --queue/--name)")
 @click.option("--queue")

@@ -9,7 +9,7 @@ import click
 
 from ..workflows import WORKFLOW_STATES, Member, WorkflowStatus
 from . import render
-from .admin import _app, actor_option, app_options, json_option
+from .admin import ID, _app, actor_option, app_options, json_option
 
 COLUMNS = ["id", "name", "kind", "state", "total", "pending", "completed", "dead",
            "cancelled", "skipped", "created"]  # fmt: skip
@@ -37,7 +37,7 @@ def workflows() -> None:
 @json_option
 @click.option("--state", type=click.Choice(WORKFLOW_STATES))
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), default=50, show_default=True)
-@click.option("--before", "before_id", type=int, help="only ids below this one (next page)")
+@click.option("--before", "before_id", type=ID, help="only ids below this one (next page)")
 def workflows_list(
     app_path: str | None,
     url: str | None,
@@ -59,7 +59,7 @@ def workflows_list(
 @workflows.command("show")
 @app_options
 @json_option
-@click.argument("workflow_id", type=int)
+@click.argument("workflow_id", type=ID)
 def workflows_show(app_path: str | None, url: str | None, as_json: bool, workflow_id: int) -> None:
     """One workflow: its counts, callbacks, and every member with its parents."""
     app = _app(app_path, url)
@@ -99,7 +99,7 @@ def _member_row(member: Member, members: list[Member]) -> list[Any]:
 @workflows.command("cancel")
 @app_options
 @actor_option
-@click.argument("workflow_ids", type=int, nargs=-1, required=True)
+@click.argument("workflow_ids", type=ID, nargs=-1, required=True)
 def workflows_cancel(
     app_path: str | None, url: str | None, actor: str, workflow_ids: tuple[int, ...]
 ) -> None:
