@@ -3,6 +3,10 @@
 import asyncio
 import logging
 import threading
+import time
+from typing import Any
+
+import pytest
 
 import errands
 from errands import JobState
@@ -128,6 +132,89 @@ def test_async_handler_past_its_timeout_is_retryable_with_job_timeout_and_the_wo
     [error] = job.errors
     assert error.type == "JobTimeout"
     assert error.message == "timed out after 0.3 s"
+
+
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_an_async_handlers_own_timeout_error_is_an_ordinary_failure_not_the_jobs_timeout(
+    app: errands.App, worker_factory, timeout: float | None
+) -> None:
+    """A TimeoutError the handler raises itself (an inner wait_for, a socket) is its own
+    failure: retryable, with its own type and message. It was recorded as the job's
+    JobTimeout (with timeout=30), or, without a job timeout, as "unsupported format string
+    passed to NoneType.__format__"."""
+
+    @app.job(name=f"timeout.own_{timeout}", timeout=timeout, retries=1, backoff=60)
+    async def calls_a_service() -> None:
+        await asyncio.wait_for(asyncio.sleep(10), 0.01)
+
+    handle = calls_a_service.enqueue()
+    with worker_factory(concurrency=1):
+        job = wait_until(
+            lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+            what="the job's first attempt to fail",
+        )
+    [error] = job.errors
+    assert (error.type, error.kind) == ("TimeoutError", "transient")
+
+
+def test_an_async_handler_awaiting_a_cancelled_task_fails_and_is_retried_not_cancelled(
+    app: errands.App, worker_factory
+) -> None:
+    """asyncio.CancelledError from a task the handler awaited (nobody asked the job to
+    stop) ended the job for good as "cancelled by an operator while running"; it is a
+    transient failure now, retried."""
+
+    @app.job(name="timeout.awaits_cancelled", retries=1, backoff=60)
+    async def awaits() -> None:
+        task = asyncio.ensure_future(asyncio.sleep(10))
+        task.cancel()
+        await task
+
+    handle = awaits.enqueue()
+    with worker_factory(concurrency=1):
+        job = wait_until(
+            lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+            what="the job's first attempt to fail",
+        )
+    [error] = job.errors
+    assert (error.type, error.kind) == ("HandlerCancelled", "transient")
+    assert "without the worker asking it to stop" in error.message
+
+
+def test_the_lease_keeper_outlives_a_failure_and_still_times_out_the_job(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Fault injection: the keeper's timeout action raises once (as a helper thread that
+    cannot start did). The keeper logs it and goes on: the job is timed out all the
+    same, and heartbeats go on. The thread died before, and every lease of the worker
+    ran out while its handlers ran on."""
+
+    @app.job(name="timeout.keeper_fault", timeout=0.2, retries=1, backoff=60)
+    def busy(ctx: errands.Context) -> None:
+        while not ctx.cancelled:
+            time.sleep(0.01)
+
+    handle = busy.enqueue()
+    with worker_factory(concurrency=1) as worker:
+        keeper = worker.leases
+        real = keeper.on_timeout
+        failed: list[int] = []
+
+        def once_raising(attempt: Any) -> None:
+            if not failed:
+                failed.append(attempt.id)
+                raise RuntimeError("injected: cannot start new thread")
+            real(attempt)
+
+        keeper.on_timeout = once_raising
+        job = wait_until(
+            lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+            what="the job to be timed out after the keeper's failure",
+        )
+        assert keeper._thread.is_alive()
+    assert failed == [handle.id]
+    assert [e.type for e in job.errors] == ["JobTimeout"]
+    assert any("the lease keeper failed" in r.getMessage() for r in caplog.records)
 
 
 class _SlowTimeoutWarning(logging.Handler):

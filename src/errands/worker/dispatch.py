@@ -26,7 +26,7 @@ from ..errors import InvalidPayload, UnknownJob
 from ..jobs import JobRow
 from ..observability.logcontext import JobLogContext, job_context
 from ..payload import mask
-from .execution import Attempt, Interrupted, JobTimeout, context_for
+from .execution import Attempt, HandlerCancelled, Interrupted, JobTimeout, context_for
 from .process_pool import ChildFailure, ProcessRunner
 from .recorder import job_fields
 from .runtime import AttemptRuntime
@@ -257,19 +257,30 @@ class Dispatcher:
         timeout = attempt.row.timeout
         info = {**job_fields(attempt.row), "meta": attempt.row.meta}
         called = time.monotonic()
+        limit: asyncio.Timeout | None = None
         with job_context(log_ctx), self.worker.app.events.around_handler(info):
             try:
                 if timeout:
-                    result = await asyncio.wait_for(definition.fn(**kwargs), timeout)
+                    async with asyncio.timeout(timeout) as limit:
+                        result = await definition.fn(**kwargs)
                 else:
                     result = await definition.fn(**kwargs)
             except TimeoutError:
-                if attempt.ctx is not None and attempt.ctx.cancelled:
-                    raise Interrupted(attempt.ctx.cancel_reason) from None
-                raise JobTimeout(f"timed out after {timeout:g} s") from None
-            except asyncio.CancelledError:
-                reason = attempt.ctx.cancel_reason if attempt.ctx else "cancelled"
-                raise Interrupted(reason or "cancelled") from None
+                if attempt.stop_reason is not None:
+                    raise Interrupted(attempt.stop_reason) from None
+                if limit is not None and limit.expired():
+                    raise JobTimeout(f"timed out after {timeout:g} s") from None
+                raise  # the handler's own (an inner wait_for, a socket): a failure as any
+            except asyncio.CancelledError as exc:
+                if attempt.stop_reason is not None:  # the worker stopped it: why
+                    raise Interrupted(attempt.stop_reason) from None
+                # Not asked to stop: a task or future the handler awaited was cancelled.
+                # As "cancelled" it ended the job for good as an operator's cancel.
+                raise HandlerCancelled(
+                    "the handler raised asyncio.CancelledError without the worker asking it "
+                    "to stop (a task or future it awaited was cancelled); retried as any "
+                    "failure"
+                ) from exc
             finally:
                 attempt.ran = time.monotonic() - called
         return await asyncio.to_thread(encode, definition, result)

@@ -61,6 +61,11 @@ class JobTimeout(Exception):
     """The handler ran past its ``timeout``."""
 
 
+class HandlerCancelled(Exception):
+    """An async handler raised ``asyncio.CancelledError`` though the worker never asked it
+    to stop (a task or future it awaited was cancelled): a transient failure, retried."""
+
+
 class Suspended(BaseException):
     """Raised by ``ctx.wait_for_signal`` when the signal is not there yet: the handler
     unwinds (a BaseException, so ``except Exception`` does not swallow it), and the

@@ -96,6 +96,7 @@ class LeaseKeeper:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-leases", daemon=True)
         self._callers: list[_Caller] = []
+        self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
         self.failures = 0
 
     def start(self) -> None:
@@ -125,30 +126,41 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         protect_current_thread()
-        next_beat = time.monotonic() + self.interval
+        self._next_beat = time.monotonic() + self.interval
         while not self._stop.is_set():
-            now = time.monotonic()
-            deadlines = [a.deadline for a in self.worker.attempts() if a.deadline and not a.decided]
-            wake_at = min([next_beat, *deadlines])
-            if wake_at > now:
-                self._wake.wait(wake_at - now)
+            try:
+                self._round()
+            except Exception:
+                # Heartbeats, timeouts and cancels of every job depend on this thread:
+                # it must outlive any one failure (a helper thread that cannot start, a
+                # runner's abandon raising). It died with a traceback on stderr, and
+                # every lease of the worker then ran out while its handlers ran on.
+                log.exception("the lease keeper failed; it goes on in a second")
+                self._wake.wait(min(self.interval, 1.0))
                 self._wake.clear()
-                continue
-            if now >= next_beat:
-                self.beat()
-                self._warn_long_transactions()
-                self._name_long_runs()
-                caller = self._caller()  # best effort, never waited for
-                if caller is not None:
-                    caller.submit(self.worker.registry_beat)
-                next_beat = time.monotonic() + self.interval
-            for attempt in self.worker.attempts():
-                if (
-                    attempt.deadline
-                    and not attempt.decided
-                    and time.monotonic() >= attempt.deadline
-                ):
-                    self.on_timeout(attempt)
+
+    def _round(self) -> None:
+        """One turn of the keeper: wait for the next heartbeat or deadline, then act."""
+        next_beat = self._next_beat
+        now = time.monotonic()
+        deadlines = [a.deadline for a in self.worker.attempts() if a.deadline and not a.decided]
+        wake_at = min([next_beat, *deadlines])
+        if wake_at > now:
+            self._wake.wait(wake_at - now)
+            self._wake.clear()
+            return
+        if now >= next_beat:
+            self._next_beat = time.monotonic() + self.interval  # even if this one fails
+            self.beat()
+            self._warn_long_transactions()
+            self._name_long_runs()
+            caller = self._caller()  # best effort, never waited for
+            if caller is not None:
+                caller.submit(self.worker.registry_beat)
+            self._next_beat = time.monotonic() + self.interval
+        for attempt in self.worker.attempts():
+            if attempt.deadline and not attempt.decided and time.monotonic() >= attempt.deadline:
+                self.on_timeout(attempt)
 
     def beat(self) -> None:
         held = [a for a in self.worker.attempts() if not a.released]
