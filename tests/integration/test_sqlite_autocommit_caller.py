@@ -112,3 +112,33 @@ def test_an_async_batch_on_an_autocommit_connection_is_stored_whole_or_not_at_al
     _fail_the_second_insert(monkeypatch)
     asyncio.run(enqueue())
     assert _jobs(app) == 0
+
+
+def test_a_callers_connection_with_its_own_row_factory_enqueues_once(app: errands.App) -> None:
+    """A caller's sqlite3 connection whose rows are dicts: the enqueue reads its own
+    columns by position all the same (it was stored, then failed reading its id)."""
+
+    @app.job(name="rows.job")
+    def job(n: int) -> None: ...
+
+    def as_dict(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
+        return {d[0]: v for d, v in zip(cursor.description, row, strict=True)}
+
+    conn = sqlite3.connect(_path(app), isolation_level=None)
+    conn.row_factory = as_dict
+    try:
+        one = job.enqueue(n=1, conn=conn)
+        keyed = job.enqueue(n=2, key="k", conn=conn)
+        many = app.enqueue_many([job.bind(n=3), job.bind(n=4)], conn=conn)
+        assert job.enqueue(n=5, key="k", conn=conn).id == keyed.id
+    finally:
+        conn.close()
+    assert _jobs(app) == 4
+    assert sorted(app.get_job(h.id).args["n"] for h in [one, keyed, *many]) == [1, 2, 3, 4]
+
+    async def in_async() -> errands.JobHandle:
+        async with aiosqlite.connect(_path(app), isolation_level=None) as aconn:
+            aconn.row_factory = as_dict  # type: ignore[assignment]
+            return await job.aenqueue(n=6, key="k3", conn=aconn)
+
+    assert app.get_job(asyncio.run(in_async()).id).args["n"] == 6

@@ -131,3 +131,33 @@ def test_an_async_batch_on_an_autocommit_connection_is_stored_whole_or_not_at_al
     monkeypatch.setattr(PostgresBackend, "_notify_due", failing)
     asyncio.run(enqueue())
     assert _count(app, "errands_jobs") == 0
+
+
+def test_a_callers_connection_with_dict_rows_enqueues_once_and_gets_the_right_handles(
+    app: errands.App, autocommit: psycopg.Connection[Any]
+) -> None:
+    """A caller's connection set to dict rows: the enqueue reads its own columns by
+    position all the same. It was stored, then failed reading its id (KeyError: 0), so
+    the caller, told it failed, enqueued it again."""
+    from psycopg.rows import dict_row
+
+    @app.job(name="rows.job")
+    def job(n: int) -> None: ...
+
+    autocommit.row_factory = dict_row  # type: ignore[assignment]
+    one = job.enqueue(n=1, conn=autocommit)
+    keyed = job.enqueue(n=2, key="k", conn=autocommit)
+    many = app.enqueue_many([job.bind(n=3), job.bind(n=4, key="k2")], conn=autocommit)
+    again = job.enqueue(n=5, key="k", conn=autocommit)  # the key is taken: deduplicated
+    assert again.deduplicated and again.id == keyed.id
+    assert _count(app, "errands_jobs") == 4
+    assert sorted(app.get_job(h.id).args["n"] for h in [one, keyed, *many]) == [1, 2, 3, 4]
+
+    async def in_async() -> errands.JobHandle:
+        conninfo = parse_postgres_url(app.url).conninfo
+        async with await psycopg.AsyncConnection.connect(
+            conninfo, autocommit=True, row_factory=dict_row
+        ) as aconn:
+            return await job.aenqueue(n=6, key="k3", conn=aconn)
+
+    assert app.get_job(asyncio.run(in_async()).id).args["n"] == 6

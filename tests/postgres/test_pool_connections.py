@@ -70,3 +70,48 @@ def test_a_failing_rollback_is_logged_and_the_blocks_own_error_is_raised(
         raise RuntimeError("halfway")
     assert "error ignored in rollback" in caplog.text
     assert _probes(backend) == []
+
+
+def test_a_handlers_session_state_never_reaches_errands_writes_or_the_next_handler(
+    pg_url: str,
+) -> None:
+    """A handler sets dict rows, a setting and a session advisory lock on its
+    ctx.transaction() connection: its outcome is still written (errands read its rows by
+    position: KeyError: 0 made the job retry forever), and the next job's handler, on
+    the same connection (a pool of one), gets it as the pool gave it."""
+    from psycopg.rows import dict_row
+
+    from errands.testing import Tester
+
+    sep = "&" if "?" in pg_url else "?"
+    app = errands.App(f"{pg_url}{sep}tx_pool_size=1")
+    seen: list[tuple[int, str, str, int]] = []
+
+    @app.job(name="pool.tenant")
+    def tenant(ctx: errands.Context, name: str) -> str:
+        tx = ctx.transaction()
+        pid = tx.execute("SELECT pg_backend_pid()").fetchone()
+        setting = tx.execute("SHOW application_name").fetchone()
+        locks = tx.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        ).fetchone()
+        seen.append(  # each value read as the connection gives rows: tuples expected
+            (pid[0], type(setting).__name__, setting[0], locks[0])  # type: ignore[index]
+        )
+        tx.row_factory = dict_row  # type: ignore[assignment]
+        tx.execute(f"SET application_name = 'tenant-{name}'")
+        tx.execute("SELECT pg_advisory_lock(42)")
+        return name
+
+    try:
+        tester = Tester(app)
+        first, second = tenant.enqueue(name="a"), tenant.enqueue(name="b")
+        assert tester.drain().completed == 2
+        assert (first.result(timeout=5), second.result(timeout=5)) == ("a", "b")
+        (pid_a, type_a, name_a, locks_a), (pid_b, type_b, name_b, locks_b) = seen
+        assert (type_a, locks_a) == ("tuple", 0)
+        assert pid_a == pid_b  # the same connection served both
+        assert (type_b, name_b, locks_b) == ("tuple", name_a, 0)
+        assert name_b != "tenant-a"
+    finally:
+        app.close()

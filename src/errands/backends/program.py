@@ -55,7 +55,8 @@ def run(conn: Any, program: Program[T]) -> T:
                 if isinstance(step, Call):
                     answer = step.fn(conn)
                 else:
-                    cur = conn.execute(step.sql, step.params or ())
+                    cur = tuple_cursor(conn)
+                    cur.execute(step.sql, step.params or ())
                     answer = cur.fetchall() if cur.description else []
             except Exception as exc:  # the program may handle it (a savepoint, a rollback)
                 step = program.throw(exc)
@@ -74,7 +75,8 @@ async def arun(conn: Any, program: Program[T]) -> T:
             if isinstance(step, Call):  # pragma: no cover - async programs yield none
                 raise TypeError("a Call cannot run on an async connection")
             try:
-                cur = await conn.execute(step.sql, step.params or ())
+                cur = await atuple_cursor(conn)
+                await cur.execute(step.sql, step.params or ())
                 answer = await cur.fetchall() if cur.description else []
             except Exception as exc:
                 step = program.throw(exc)
@@ -82,6 +84,31 @@ async def arun(conn: Any, program: Program[T]) -> T:
             step = program.send(answer)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
+
+
+def tuple_cursor(conn: Any) -> Any:
+    """A cursor of ``conn`` whose rows are tuples, whatever row factory the caller gave
+    the connection (psycopg's ``dict_row``, a sqlite3 ``row_factory``): programs read
+    columns by position. With a caller's dict rows, an enqueue in autocommit mode was
+    stored and then failed reading its own id (KeyError: 0): a retry stored it twice."""
+    if type(conn).__module__.startswith("psycopg"):
+        from psycopg.rows import tuple_row
+
+        return conn.cursor(row_factory=tuple_row)
+    cur = conn.cursor()  # sqlite3: the connection's factory is the cursor's default
+    cur.row_factory = None
+    return cur
+
+
+async def atuple_cursor(conn: Any) -> Any:
+    """:func:`tuple_cursor` for an async connection (psycopg, aiosqlite)."""
+    if type(conn).__module__.startswith("psycopg"):
+        from psycopg.rows import tuple_row
+
+        return conn.cursor(row_factory=tuple_row)
+    cur = await conn.cursor()
+    cur.row_factory = None
+    return cur
 
 
 def is_async_connection(conn: Any) -> bool:

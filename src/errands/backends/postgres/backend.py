@@ -62,7 +62,7 @@ from ..workflow_store import (
     split_children,
 )
 from .admin import PostgresAdmin
-from .batches import Prepared, run_batch
+from .batches import Prepared, returns_rows, run_batch
 from .config import (
     CONNECT_TIMEOUT_DEFAULT,
     POOL_SIZE_DEFAULT,
@@ -78,12 +78,14 @@ from .connections import (
     identity_of_caller,
     lost,
     make_pool,
+    reset_session,
 )
 
 try:
     import psycopg
     from psycopg import errors as pg_errors
     from psycopg import sql as pg_sql
+    from psycopg.rows import tuple_row
     from psycopg_pool import ConnectionPool
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ConfigurationError(
@@ -418,7 +420,7 @@ class PostgresBackend(PostgresAdmin):
         with self._handler_lock:
             if self._handler_pool is None:
                 size = self._handler_pool_size or POOL_SIZE_DEFAULT  # no worker: no -c
-                pool = make_pool(self.config, "errands-tx", 0, size)
+                pool = make_pool(self.config, "errands-tx", 0, size, reset=reset_session)
                 pool.open()
                 self._handler_pool = pool
             return self._handler_pool
@@ -1141,6 +1143,8 @@ class PostgresBackend(PostgresAdmin):
         try:
             # From here only errands' statements follow (the outcome, its fan-in, COMMIT),
             # holding the job's row, a fair key's usage, a workflow's row: the idle limit.
+            # They read their rows by position, whatever rows the handler asked for.
+            conn.row_factory = tuple_row  # type: ignore[assignment]
             self._guard(conn)
             [ok] = self._finish(conn, [outcome])
             fault_point("before_complete_commit")
@@ -1441,7 +1445,7 @@ class _LimitedStore:
         if ahead is not None and sent == params:
             return ahead
         cur = self.conn.execute(self.q[query], params)
-        return cur.fetchall() if cur.description else []
+        return cur.fetchall() if returns_rows(cur) else []
 
     def claim(self, params: dict[str, object], *, last: bool) -> list[tuple[object, ...]]:
         if self.prepared is None or not last:

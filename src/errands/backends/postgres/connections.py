@@ -32,6 +32,7 @@ import logging
 import random
 import select
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ log = logging.getLogger("errands.postgres")
 
 try:
     import psycopg
+    from psycopg.rows import tuple_row
     from psycopg_pool import ConnectionPool
 except ImportError:  # pragma: no cover - backend.py reports the missing extra
     pass
@@ -101,8 +103,15 @@ def _pool_class() -> Any:
     return ErrandsPool
 
 
-def make_pool(config: PostgresConfig, name: str, min_size: int, max_size: int) -> ConnectionPool:
-    """A pool of autocommit connections as errands uses them, not yet open."""
+def make_pool(
+    config: PostgresConfig,
+    name: str,
+    min_size: int,
+    max_size: int,
+    reset: Callable[[psycopg.Connection[Any]], None] | None = None,
+) -> ConnectionPool:
+    """A pool of autocommit connections as errands uses them, not yet open. ``reset``:
+    run on each connection given back, off the caller's path (psycopg_pool's worker)."""
     return _pool_class()(
         config.conninfo,
         min_size=min_size,
@@ -111,12 +120,24 @@ def make_pool(config: PostgresConfig, name: str, min_size: int, max_size: int) -
         open=False,
         name=name,
         timeout=POOL_TIMEOUT,
+        reset=reset,
         # psycopg_pool doubles the pause between reconnect attempts (1, 2, 4, ... s)
         # until reconnect_timeout; after a long outage a worker could sleep a minute
         # past the database's return. Giving up after RECONNECT_WINDOW bounds the
         # pause: the next request for a connection starts a fresh attempt at once.
         reconnect_timeout=RECONNECT_WINDOW,
     )
+
+
+def reset_session(conn: psycopg.Connection[Any]) -> None:
+    """A ``ctx.transaction()`` connection given back by a handler, as the pool gave it:
+    tuple rows, autocommit, and no session state a handler set (SET, SET ROLE, LISTEN,
+    session advisory locks). A handler's ``dict_row`` made errands' outcome write fail
+    (KeyError: 0) on every later job the connection served, and a SET ROLE or
+    search_path went on to the next tenant's handler."""
+    conn.row_factory = tuple_row  # type: ignore[assignment]
+    conn.autocommit = True
+    conn.execute("RESET ALL; RESET ROLE; UNLISTEN *; SELECT pg_advisory_unlock_all()")
 
 
 def server_hung_up(conn: psycopg.Connection[Any]) -> bool:
