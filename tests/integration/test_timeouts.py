@@ -217,6 +217,37 @@ def test_the_lease_keeper_outlives_a_failure_and_still_times_out_the_job(
     assert any("the lease keeper failed" in r.getMessage() for r in caplog.records)
 
 
+def test_a_handler_stuck_in_a_sqlite_statement_is_abandoned_and_the_write_lock_freed(
+    app: errands.App, worker_factory
+) -> None:
+    """SQLite: a handler abandoned inside a long statement of ctx.transaction() (which
+    holds the store's write lock): the statement is interrupted and the transaction
+    rolled back at once, so every other writer goes on; the worker's keeper never waits
+    for the statement (tests/postgres/test_abandoned_transaction.py: the same on
+    PostgreSQL)."""
+
+    @app.job(name="timeout.sqlite_stuck", timeout=0.3, retries=1, backoff=60)
+    def stuck(ctx: errands.Context) -> None:
+        ctx.transaction().execute(
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c "
+            "WHERE x < 10000000000) SELECT count(*) FROM c"
+        )
+
+    @app.job(name="timeout.sqlite_after")
+    def after() -> str:
+        return "written"
+
+    handle = stuck.enqueue()
+    with worker_factory(concurrency=2, abandon_after=0.5):
+        job = wait_until(
+            lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+            what="the stuck handler to be abandoned",
+            timeout=15,
+        )
+        assert "abandoned" in job.errors[-1].message
+        assert after.enqueue().result(timeout=10) == "written"  # the write lock is free
+
+
 class _SlowTimeoutWarning(logging.Handler):
     """Fault injection: delay the worker's "ran past its timeout" log line.
 

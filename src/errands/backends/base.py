@@ -591,6 +591,13 @@ class Backend(Protocol):
 
     def tx_rollback(self, conn: Any) -> None: ...
 
+    def tx_abandon(self, conn: Any) -> None:
+        """End ``conn``'s transaction, uncommitted, from another thread than the
+        handler's, which may still be running a statement on it: never wait for that
+        statement (it is cancelled). The connection is closed (the handler's next use of
+        it fails) and given back."""
+        ...
+
     def configure_worker(self, concurrency: int, lease: float | None = None) -> None:
         """A worker in this process runs up to ``concurrency`` handlers at once (called
         once, at its start): size what handlers hold (PostgreSQL: the connections of

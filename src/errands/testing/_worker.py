@@ -50,7 +50,14 @@ class HarnessRecorder(OutcomeRecorder):
 
     worker: HarnessWorker
 
-    def decided(self, attempt: Attempt, exc: BaseException | None, result_json: Any) -> bool:
+    def decided(
+        self,
+        attempt: Attempt,
+        exc: BaseException | None,
+        result_json: Any,
+        *,
+        handler_running: bool = False,
+    ) -> bool:
         worker = self.worker
         key = (attempt.id, attempt.token)
         with worker._harness_lock:
@@ -61,7 +68,7 @@ class HarnessRecorder(OutcomeRecorder):
             return self._harness_crash(attempt, exc, result_json)
         with worker._harness_lock:
             worker._errors[key] = exc
-        return super().decided(attempt, exc, result_json)
+        return super().decided(attempt, exc, result_json, handler_running=handler_running)
 
     def _harness_crash(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
         """The attempt dies as its process would: nothing written, lease left to expire.

@@ -69,8 +69,17 @@ class OutcomeRecorder:
             exc, result = Interrupted(attempt.stop_reason or ""), None
         self.decided(attempt, exc, result)
 
-    def decided(self, attempt: Attempt, exc: BaseException | None, result_json: Any) -> bool:
+    def decided(
+        self,
+        attempt: Attempt,
+        exc: BaseException | None,
+        result_json: Any,
+        *,
+        handler_running: bool = False,
+    ) -> bool:
         """The attempt's outcome is known: free its slot and hand the write on.
+        ``handler_running``: decided on another thread while the handler still runs
+        (abandoned after its timeout): its ctx.transaction() is let go of, never used.
 
         Returns False when another outcome was decided first (this one is ignored).
         Never raises once the attempt is decided.
@@ -80,7 +89,7 @@ class OutcomeRecorder:
         attempt.ended = time.monotonic()
         written: bool | None = None
         try:
-            outcome, written = self._outcome(attempt, exc, result_json)
+            outcome, written = self._outcome(attempt, exc, result_json, handler_running)
         except BaseException as bug:
             log.exception("job %s: recording its outcome failed; recording a failure", attempt.id)
             outcome, written = self._fallback(attempt, bug), None
@@ -94,7 +103,11 @@ class OutcomeRecorder:
         return True
 
     def _outcome(
-        self, attempt: Attempt, exc: BaseException | None, result_json: Any
+        self,
+        attempt: Attempt,
+        exc: BaseException | None,
+        result_json: Any,
+        handler_running: bool = False,
     ) -> tuple[FinishParams, bool | None]:
         if exc is None and result_json is not None and not isinstance(result_json, str):
             exc = ConfigurationError(
@@ -109,6 +122,11 @@ class OutcomeRecorder:
         if outcome.state == "completed" and runtime.children:
             outcome = replace(outcome, children=tuple(runtime.children))
         if runtime.tx is None:
+            return outcome, None
+        if handler_running:
+            # Its thread may hold the connection inside a statement: whether it ended the
+            # transaction itself cannot be asked without waiting for that statement.
+            runtime.let_go()
             return outcome, None
         if outcome.state != "completed":
             if runtime.transaction_ended():  # its writes may be committed: never again

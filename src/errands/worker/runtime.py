@@ -60,6 +60,7 @@ class AttemptRuntime:
         self.tx_opened = 0.0  # monotonic time ctx.transaction() opened it
         self.tx_warned = False  # the lease keeper warned that it is held long
         self.children: list[EnqueueRequest] = []
+        self._let_go = False  # the attempt ended while the handler ran: no new transaction
         self._steps: dict[str, Any] | None = None
         self._used: set[str] = set()
         self._lock = threading.Lock()
@@ -200,6 +201,12 @@ class AttemptRuntime:
     # -- the completion transaction ----------------------------------------------------------
     def transaction(self) -> TransactionConnection:
         with self._lock:
+            if self._let_go:
+                raise TransactionEnded(
+                    f"job {self.attempt.id}: the attempt has ended (timed out and abandoned, "
+                    "or released at shutdown); its ctx.transaction() is closed and nothing "
+                    "written in it is committed"
+                )
             if self.tx is None:
                 tx = self.app.backend.tx_begin()
                 try:
@@ -252,6 +259,24 @@ class AttemptRuntime:
                 self.app.backend.tx_rollback(tx)
             except Exception:
                 log.exception("could not roll back the transaction of job %s", self.attempt.id)
+
+    def let_go(self) -> None:
+        """The attempt was decided while its handler may still run (abandoned after its
+        timeout, or released at shutdown), on another thread than the handler's. Its
+        transaction is never used from here: the handler's thread may be inside a
+        statement on it, holding the connection, and a ROLLBACK sent from here waited
+        for that statement (from the lease keeper, which heartbeats every job of the
+        worker: a handler stuck on a row lock froze them all, and their leases ran out).
+        The backend ends it without waiting for the handler (tx_abandon); nothing of it
+        is committed, and the handler cannot open another."""
+        with self._lock:
+            self._let_go = True
+            tx, self.tx = self.tx, None
+        if tx is not None:
+            try:
+                self.app.backend.tx_abandon(tx)
+            except Exception:
+                log.exception("could not end the transaction of job %s", self.attempt.id)
 
     # -- workflows -----------------------------------------------------------------------------
     def workflow_id(self) -> int | None:

@@ -60,7 +60,8 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         f"timed out after {timeout:g} s; the handler ignored the interrupt for "
         f"{worker.abandon_after:g} s and was abandoned (it may still be running)"
     )
-    if worker.recorder.decided(attempt, error, None) and isinstance(attempt.future, Call):
+    decided = worker.recorder.decided(attempt, error, None, handler_running=True)
+    if decided and isinstance(attempt.future, Call):
         worker.threads_for(attempt).abandon(attempt.future)
         log.error(
             "job %s: handler did not stop %g s after its timeout; thread abandoned",

@@ -837,8 +837,8 @@ class Worker:
             for attempt in leftover:
                 attempt.released = True
                 attempt.interrupt(SHUTDOWN, self.loop)
-                if attempt.runtime is not None:
-                    attempt.runtime.rollback()
+                if attempt.runtime is not None:  # its handler may still be in a statement
+                    attempt.runtime.let_go()
             # Stop them as a timeout would (an embedded worker's process lives on), then
             # give the jobs back: the release is recorded on each job.
             interrupt_threads(self, leftover, min(INTERRUPT_AFTER, self.grace or INTERRUPT_AFTER))

@@ -104,6 +104,7 @@ KEY_TRIES = 5
 # One of errands' own transactions idling longer than this is ended by the server
 # (idle_limit: half the lease, within these bounds, in seconds).
 IDLE_MIN, IDLE_MAX = 1.0, 5.0
+CANCEL_TIMEOUT = 10.0  # seconds a cancel request for an abandoned handler may take
 
 JOB_COLUMNS_SQL = ", ".join(
     [
@@ -1162,6 +1163,28 @@ class PostgresBackend(PostgresAdmin):
         try:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("ROLLBACK")
+        finally:
+            self._give_back(conn)
+
+    def tx_abandon(self, conn: psycopg.Connection[Any]) -> None:
+        """From a thread of its own (never waited for): cancel the statement the handler
+        may be running (psycopg's cancel_safe takes no lock of the connection, which the
+        handler's thread holds while a statement runs; the request opens a connection to
+        the server), then, once the connection is free, close it: the server rolls the
+        transaction back and releases its locks, the handler's next statement on it
+        fails, and the pool opens another in its place."""
+        threading.Thread(
+            target=self._end_abandoned, args=(conn,), name="errands-tx-abandon", daemon=True
+        ).start()
+
+    def _end_abandoned(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            conn.cancel_safe(timeout=CANCEL_TIMEOUT)
+        except Exception as exc:
+            log.warning("could not cancel the statement of an abandoned handler: %s", exc)
+        try:
+            with conn.lock:  # no statement of the handler's runs while it is closed
+                conn.close()
         finally:
             self._give_back(conn)
 

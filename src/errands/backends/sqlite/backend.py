@@ -744,6 +744,15 @@ class SQLiteBackend(SQLiteAdmin):
         finally:
             self._forget(conn)
 
+    def tx_abandon(self, conn: sqlite3.Connection) -> None:
+        """The statement the handler may be running is interrupted (sqlite3's interrupt
+        may be called from any thread), then the transaction rolled back here at once: it
+        holds the store's write lock, which every writer waits for. The connection is
+        closed: what the handler does with it next fails, and nothing of it is committed."""
+        with contextlib.suppress(sqlite3.Error):
+            conn.interrupt()
+        self.tx_rollback(conn)
+
     def _forget(self, conn: sqlite3.Connection) -> None:
         with self._all_lock:
             if conn in self._all:

@@ -1,0 +1,71 @@
+"""A handler abandoned after its timeout while inside a statement of ctx.transaction():
+the worker never waits for that statement. The lease keeper (which heartbeats every job
+of the worker) decided the timeout and rolled the transaction back on the handler's
+connection, so it waited as long as the statement ran: no heartbeat for any job, every
+lease running out under running handlers. Now the statement is cancelled, the connection
+closed (the server rolls the transaction back), and the keeper goes on at once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+
+import errands
+from errands import JobState
+from tests.conftest import running_worker
+from tests.integration.helpers import wait_until
+
+
+def _lease_expiry(app: errands.App, job_id: int) -> float:
+    job = app.get_job(job_id)
+    assert job.lease_expires_at is not None
+    return job.lease_expires_at.timestamp()
+
+
+def test_a_handler_stuck_in_a_statement_is_abandoned_without_freezing_the_lease_keeper(
+    pg_url: str,
+) -> None:
+    app = errands.App(pg_url, lease=3.0)  # a heartbeat a second
+    conninfo: Any = app.backend.config.conninfo  # type: ignore[attr-defined]
+
+    @app.job(name="stuck.sleeper", timeout=0.3, retries=1, backoff=60)
+    def sleeper(ctx: errands.Context) -> None:
+        ctx.transaction().execute("SELECT pg_sleep(60)")  # psycopg's wait: no interrupt lands
+
+    @app.job(name="stuck.steady", retries=0)
+    def steady() -> str:
+        time.sleep(6)
+        return "done"
+
+    try:
+        stuck, other = sleeper.enqueue(), steady.enqueue()
+        with running_worker(app, concurrency=2, abandon_after=0.5):
+            job = wait_until(
+                lambda: (j := stuck.job()).state is JobState.RETRYABLE and j,
+                what="the stuck handler to be abandoned",
+                timeout=10,
+            )
+            assert "abandoned" in job.errors[-1].message
+            # The keeper goes on heartbeating the other job: its lease moves forward.
+            first = _lease_expiry(app, other.id)
+            wait_until(
+                lambda: _lease_expiry(app, other.id) > first,
+                what="a heartbeat after the abandonment",
+                timeout=5,
+            )
+            # The stuck statement was cancelled: no session sleeps on.
+            with psycopg.connect(conninfo, autocommit=True) as conn:
+                wait_until(
+                    lambda: (
+                        not conn.execute(
+                            "SELECT 1 FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(60)'"
+                        ).fetchall()
+                    ),
+                    what="the abandoned statement to be cancelled",
+                    timeout=5,
+                )
+            assert other.result(timeout=20) == "done"
+    finally:
+        app.close()
