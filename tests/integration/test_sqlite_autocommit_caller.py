@@ -142,3 +142,64 @@ def test_a_callers_connection_with_its_own_row_factory_enqueues_once(app: errand
             return await job.aenqueue(n=6, key="k3", conn=aconn)
 
     assert app.get_job(asyncio.run(in_async()).id).args["n"] == 6
+
+
+@pytest.mark.parametrize("mode", ["explicit BEGIN", "legacy implicit"])
+def test_a_failed_enqueue_in_the_callers_transaction_leaves_nothing_of_it_there(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """In the caller's transaction, a batch or a workflow that fails midway takes back
+    what it wrote (a savepoint): a caller that catches the error and commits keeps its
+    own rows and none of the enqueue's. It kept a workflow row with no members, running
+    for ever, and part of a batch."""
+
+    @app.job(name="atomic.tx")
+    def job(n: int) -> None: ...
+
+    batch = errands.Batch("in-tx")
+    for n in range(3):
+        batch.add(job.bind(n=n))
+    isolation = None if mode == "explicit BEGIN" else ""
+    conn = sqlite3.connect(_path(app), isolation_level=isolation)
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY)")
+        conn.commit()
+        if mode == "explicit BEGIN":
+            conn.execute("BEGIN")
+        conn.execute("INSERT INTO orders (id) VALUES (1)")
+        _fail_the_second_insert(monkeypatch)
+        with pytest.raises(Injected):
+            app.enqueue_many([job.bind(n=1), job.bind(n=2)], conn=conn)
+        monkeypatch.undo()
+        _fail_the_second_insert(monkeypatch)
+        with pytest.raises(Injected):
+            app.enqueue_workflow(batch, conn=conn)
+        monkeypatch.undo()
+        kept = job.enqueue(n=9, conn=conn)  # the transaction is still the caller's
+        conn.commit()
+    finally:
+        conn.close()
+    with sqlite3.connect(_path(app)) as other:
+        assert other.execute("SELECT count(*) FROM orders").fetchone()[0] == 1
+        assert other.execute("SELECT count(*) FROM errands_workflows").fetchone()[0] == 0
+    assert _jobs(app) == 1 and app.get_job(kept.id).args == {"n": 9}
+
+
+def test_an_async_failed_enqueue_in_the_callers_transaction_leaves_nothing_of_it_there(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.job(name="atomic.atx")
+    def job(n: int) -> None: ...
+
+    async def enqueue() -> None:
+        async with aiosqlite.connect(_path(app), isolation_level=None) as conn:
+            await conn.execute("BEGIN")
+            with pytest.raises(Injected):
+                await app.aenqueue_many([job.bind(n=1), job.bind(n=2)], conn=conn)
+            monkeypatch.undo()
+            await app.aenqueue_many([job.bind(n=3), job.bind(n=4)], conn=conn)
+            await conn.execute("COMMIT")
+
+    _fail_the_second_insert(monkeypatch)
+    asyncio.run(enqueue())
+    assert _jobs(app) == 2

@@ -161,3 +161,48 @@ def test_a_callers_connection_with_dict_rows_enqueues_once_and_gets_the_right_ha
             return await job.aenqueue(n=6, key="k3", conn=aconn)
 
     assert app.get_job(asyncio.run(in_async()).id).args["n"] == 6
+
+
+def test_a_failed_enqueue_in_the_callers_transaction_leaves_nothing_of_it_and_the_tx_usable(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the caller's transaction, a batch or a workflow that fails midway takes back
+    what it wrote (a savepoint), and the caller's transaction stays usable: a caller
+    that catches the error and commits keeps none of it. It kept part of a batch, and a
+    workflow row with no members, running for ever."""
+
+    @app.job(name="atomic.tx")
+    def job(n: int) -> None: ...
+
+    batch = errands.Batch("in-tx")
+    for n in range(3):
+        batch.add(job.bind(n=n, key=f"b{n}"))
+
+    def failing(self: PostgresBackend, rows: Any) -> Any:
+        raise Injected("the keyed INSERT fails after the COPY wrote the others")
+
+    conninfo = parse_postgres_url(app.url).conninfo
+    with psycopg.connect(conninfo) as conn:  # not autocommit: the caller's transaction
+        monkeypatch.setattr(PostgresBackend, "_insert_many_params", failing)
+        with pytest.raises(Injected):
+            app.enqueue_many([job.bind(n=1), job.bind(n=2), job.bind(n=3, key="k")], conn=conn)
+        monkeypatch.undo()
+        job.enqueue(n=4, key="b1")  # outside: the workflow's second member's key is taken
+        with pytest.raises(errands.ConfigurationError):
+            app.enqueue_workflow(batch, conn=conn)
+        kept = job.enqueue(n=9, conn=conn)  # the transaction is still usable
+        conn.commit()
+    assert _count(app, "errands_workflows") == 0
+    assert _count(app, "errands_jobs") == 2 and app.get_job(kept.id).args == {"n": 9}
+
+    async def in_async() -> None:
+        async with await psycopg.AsyncConnection.connect(conninfo) as aconn:
+            monkeypatch.setattr(PostgresBackend, "_insert_many_params", failing)
+            with pytest.raises(Injected):
+                await app.aenqueue_many([job.bind(n=5), job.bind(n=6, key="k6")], conn=aconn)
+            monkeypatch.undo()
+            await app.aenqueue_many([job.bind(n=7), job.bind(n=8, key="k8")], conn=aconn)
+            await aconn.commit()
+
+    asyncio.run(in_async())
+    assert _count(app, "errands_jobs") == 4

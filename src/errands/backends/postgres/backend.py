@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
@@ -803,10 +803,8 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
-        if _on_its_own(caller) and writes_several(requests):
-            async with caller.transaction():  # see _atomic
-                return await arun(caller, self._insert_program(requests, copy=False))
-        return await arun(caller, self._insert_program(requests, copy=False))
+        async with _aatomic(caller, several=writes_several(requests)):
+            return await arun(caller, self._insert_program(requests, copy=False))
 
     def _uncertain(self, requests: Sequence[EnqueueRequest], exc: psycopg.Error) -> Exception:
         names = ", ".join(sorted({r.name for r in requests}))
@@ -832,10 +830,8 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
-        if _on_its_own(caller):
-            async with caller.transaction():  # see _atomic
-                return await arun(caller, self.workflows.insert(spec))
-        return await arun(caller, self.workflows.insert(spec))
+        async with _aatomic(caller, several=True):
+            return await arun(caller, self.workflows.insert(spec))
 
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         return self._read(lambda conn: run(conn, factory()))
@@ -1506,18 +1502,56 @@ class _ReleaseWakeup:
         self.backend._notify_due(queues)  # records them (the statement sent what was due)
 
 
-def _atomic(
-    conn: psycopg.Connection[Any], *, several: bool
-) -> contextlib.AbstractContextManager[Any]:
-    """A caller's connection in autocommit mode commits each statement on its own: an
-    enqueue of several statements (a batch, a keyed job, a workflow) runs in a transaction
-    of its own there, so it is stored whole or not at all (a workflow's nested members
+SAVEPOINT = "errands_enqueue"  # an enqueue of several statements in a caller's transaction
+
+
+@contextmanager
+def _atomic(conn: psycopg.Connection[Any], *, several: bool) -> Iterator[None]:
+    """An enqueue of several statements (a batch, a keyed job, a workflow) on a caller's
+    connection is stored whole or not at all. In autocommit mode, where each statement
+    commits on its own, it runs in a transaction of its own (a workflow's nested members
     were claimable before their parent's rows existed; a batch's COPY stayed when its
-    keyed INSERT failed). A connection in a transaction keeps the caller's: the enqueue
-    commits or rolls back with it, as documented."""
-    if several and _on_its_own(conn):
-        return conn.transaction()
-    return contextlib.nullcontext()
+    keyed INSERT failed). In the caller's transaction (open, or opened by it now), it
+    runs in a savepoint: a failure midway takes back what it wrote, and the caller's
+    transaction stays usable (a caller that caught the error and committed kept a
+    workflow row with no members, running for ever, and part of a batch)."""
+    if not several:
+        yield
+        return
+    if _on_its_own(conn):
+        with conn.transaction():
+            yield
+        return
+    conn.execute(f"SAVEPOINT {SAVEPOINT}")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(psycopg.Error):  # a lost connection: its error is raised
+            conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+            conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        raise
+    conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+
+
+@contextlib.asynccontextmanager
+async def _aatomic(conn: psycopg.AsyncConnection[Any], *, several: bool) -> AsyncIterator[None]:
+    """:func:`_atomic` for a psycopg ``AsyncConnection``."""
+    if not several:
+        yield
+        return
+    if _on_its_own(conn):
+        async with conn.transaction():
+            yield
+        return
+    await conn.execute(f"SAVEPOINT {SAVEPOINT}")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(psycopg.Error):
+            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        raise
+    await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 def _on_its_own(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:

@@ -979,33 +979,72 @@ def _on_its_own(conn: Any) -> bool:
     return bool(own and not conn.in_transaction)
 
 
+SAVEPOINT = "errands_enqueue"  # an enqueue of several statements in a caller's transaction
+
+
 @contextlib.contextmanager
 def _atomic(conn: sqlite3.Connection, *, several: bool) -> Iterator[None]:
-    """An enqueue of several statements on a caller's connection in autocommit mode runs
-    in a transaction of its own, stored whole or not at all (each statement committed on
-    its own: a failure midway kept part of a batch). Elsewhere it is the caller's."""
-    if not (several and _on_its_own(conn)):
+    """An enqueue of several statements on a caller's connection is stored whole or not
+    at all: in autocommit mode in a transaction of its own (each statement committed on
+    its own: a failure midway kept part of a batch); in the caller's transaction in a
+    savepoint, so a failure midway takes back what it wrote (a caller that caught the
+    error and committed kept a workflow row with no members, running for ever)."""
+    if not several:
         yield
         return
-    conn.execute("BEGIN IMMEDIATE")
+    if _on_its_own(conn):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return
+    if not conn.in_transaction:  # the caller's transaction, begun as sqlite3 would begin it
+        conn.execute(_begin_like(conn))
+    conn.execute(f"SAVEPOINT {SAVEPOINT}")
     try:
         yield
     except BaseException:
-        conn.execute("ROLLBACK")
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+            conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
         raise
-    conn.execute("COMMIT")
+    conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 @contextlib.asynccontextmanager
 async def _aatomic(conn: Any, *, several: bool) -> AsyncIterator[None]:
     """:func:`_atomic` for an aiosqlite connection."""
-    if not (several and _on_its_own(conn)):
+    if not several:
         yield
         return
-    await conn.execute("BEGIN IMMEDIATE")
+    if _on_its_own(conn):
+        await conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            await conn.execute("ROLLBACK")
+            raise
+        await conn.execute("COMMIT")
+        return
+    if not conn.in_transaction:
+        await conn.execute(_begin_like(conn))
+    await conn.execute(f"SAVEPOINT {SAVEPOINT}")
     try:
         yield
     except BaseException:
-        await conn.execute("ROLLBACK")
+        with contextlib.suppress(sqlite3.Error):
+            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
         raise
-    await conn.execute("COMMIT")
+    await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+
+
+def _begin_like(conn: Any) -> str:
+    """The BEGIN sqlite3 sends before a caller's first write in its legacy transaction
+    mode (``isolation_level`` "", "DEFERRED", "IMMEDIATE" or "EXCLUSIVE"): a SAVEPOINT
+    outside a transaction would start one that its RELEASE commits, behind the caller."""
+    level = getattr(conn, "isolation_level", None)
+    return f"BEGIN {level}" if level else "BEGIN"
