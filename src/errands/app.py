@@ -996,7 +996,9 @@ class App:
             when = run_at.timestamp()
         if priority is not None:
             checked_priority(priority, "edit: priority")
-        edits, skipped = self._edits(job_ids, args)
+        edits, skipped = self._edits(
+            job_ids, args, None if queue is None else check_name("queue", queue)
+        )
         result = self.backend.job_edit(
             EditParams(
                 actor=_actor(actor),
@@ -1021,12 +1023,16 @@ class App:
         return result
 
     def _edits(
-        self, job_ids: list[int], args: dict[str, Any] | None
+        self, job_ids: list[int], args: dict[str, Any] | None, queue: str | None = None
     ) -> tuple[list[JobEdit], dict[int, str]]:
-        """Each job's edit; with ``args``, validated against the job's own definition."""
-        if args is None:
+        """Each job's edit; with ``args``, validated against the job's own definition.
+        With new arguments or another ``queue``, its keys are derived anew, for the queue
+        it will be in (the fair key of a job type without a template depends on it: an
+        edit of a fair queue's job computed it for the definition's default queue and
+        left the job unkeyed, and a move into a fair queue kept it unkeyed)."""
+        if args is None and queue is None:
             return [JobEdit(i) for i in job_ids], {}
-        if not isinstance(args, dict):
+        if args is not None and not isinstance(args, dict):
             raise ConfigurationError("edit: args= takes a dict of the job's arguments")
         edits: list[JobEdit] = []
         skipped: dict[int, str] = {}
@@ -1037,20 +1043,35 @@ class App:
                 continue
             definition = self.registry.get(row.name)
             if definition is None:
+                if args is None:  # moved as it is: its keys stay as they were
+                    edits.append(JobEdit(job_id))
+                    continue
                 skipped[job_id] = (
                     f"this app has no job {row.name!r} to validate the new arguments against; "
                     "edit it from an app that registers it"
                 )
                 continue
+            target = queue or row.queue
+            if args is None:
+                try:
+                    ckey = definition._format_key(
+                        "concurrency_key", definition.concurrency_key, row.args
+                    )
+                    fair = definition._fair_key_for(target, row.args)
+                except InvalidPayload:  # stored before its template changed: as it is
+                    edits.append(JobEdit(job_id))
+                    continue
+                edits.append(JobEdit(job_id, None, ckey, fair, True))
+                continue
             try:
-                request = definition.request((), dict(args), EnqueueOptions())
+                request = definition.request((), dict(args), EnqueueOptions(queue=target))
             except InvalidPayload as exc:
                 raise InvalidPayload(
                     f"job {job_id}: the new arguments do not fit {row.name}: {exc}",
                     errors=exc.errors,
                 ) from None
             edits.append(
-                JobEdit(job_id, request.args_json, request.concurrency_key, request.fair_key)
+                JobEdit(job_id, request.args_json, request.concurrency_key, request.fair_key, True)
             )
         return edits, skipped
 

@@ -133,3 +133,30 @@ def test_the_dashboard_edits_in_bulk_after_a_dry_run(
         client.post("/jobs/edit/apply", data=form)
     assert all(h.job().priority == 7 for h in handles)
     assert app.audit()[0].actor.startswith("dashboard:")
+
+
+def test_an_edit_keys_the_job_for_the_queue_it_is_in_or_moves_to(app: errands.App) -> None:
+    """A job type without a fair_key template is keyed job:<name> in a fair queue. New
+    arguments for a job enqueued into a fair queue left it unkeyed (its key was derived
+    for the definition's default queue), and a move into a fair queue kept it unkeyed:
+    the key now follows the queue the job is in after the edit."""
+    app.queue("tenants", fair=True)
+
+    @app.job(name="edit.fair")
+    def fair_job(n: int) -> None: ...
+
+    def key(job_id: int) -> str | None:
+        row = app.backend.job_get(job_id)
+        assert row is not None
+        return row.fair_key
+
+    in_fair = fair_job.enqueue(n=1, queue="tenants", delay=3600)
+    assert key(in_fair.id) == "job:edit.fair"
+    app.edit([in_fair.id], args={"n": 2})
+    assert key(in_fair.id) == "job:edit.fair"
+    plain = fair_job.enqueue(n=3, delay=3600)
+    assert key(plain.id) is None
+    app.edit([plain.id], queue="tenants")
+    assert key(plain.id) == "job:edit.fair"
+    app.edit([plain.id], queue="default")
+    assert key(plain.id) is None

@@ -327,12 +327,16 @@ class ActionParams:
 
 @dataclass(frozen=True)
 class JobEdit:
-    """One job's new arguments (validated by the App), when the edit replaces them."""
+    """One job's new arguments (validated by the App), when the edit replaces them, and
+    its keys when the App derived them anew (``keys``: new arguments, or a move to
+    another queue, where a job type without a fair_key template is keyed ``job:<name>``
+    in a fair queue and unkeyed elsewhere)."""
 
     id: int
     args_json: str | None = None
-    concurrency_key: str | None = None  # derived from the new arguments
-    fair_key: str | None = None  # derived from the new arguments
+    concurrency_key: str | None = None  # derived from the (new) arguments
+    fair_key: str | None = None  # derived from the (new) arguments and the queue
+    keys: bool = False  # write concurrency_key and fair_key (else they stay)
 
 
 @dataclass(frozen=True)

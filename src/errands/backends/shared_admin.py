@@ -385,6 +385,7 @@ class SharedAdmin:
                         "args": edit.args_json,
                         "concurrency_key": edit.concurrency_key,
                         "fair_key": edit.fair_key,
+                        "keys": edit.keys,
                     },
                 ).rowcount
                 if changed != 1:  # pragma: no cover - the row is locked and was pending

@@ -822,7 +822,8 @@ WHERE id = %(id)s AND state = 'waiting' AND wait_signal = %(signal)s AND wait_un
 -- An operator's edit of a pending job, guarded by its state: a running or finished job is
 -- never changed (the claim and this write serialise on the row: the claim skips a row
 -- this edit has locked, and this edit re-checks the state after a claim's). A new run_at
--- makes the job scheduled or available by it (a retryable job stays retryable).
+-- makes the job scheduled or available by it (a retryable job stays retryable). The keys
+-- are written when the App derived them anew (%(keys)s: new arguments, or another queue).
 UPDATE {schema}.errands_jobs AS j
 SET run_at = CASE WHEN %(set_run_at)s
                   THEN COALESCE(to_timestamp(%(run_at)s::float8),
@@ -836,9 +837,9 @@ SET run_at = CASE WHEN %(set_run_at)s
     priority = COALESCE(%(priority)s::int, j.priority),
     queue = COALESCE(%(queue)s::text, j.queue),
     args = COALESCE(%(args)s::jsonb, j.args),
-    concurrency_key = CASE WHEN %(args)s::text IS NULL THEN j.concurrency_key
-                           ELSE %(concurrency_key)s::text END,
-    fair_key = CASE WHEN %(args)s::text IS NULL THEN j.fair_key ELSE %(fair_key)s::text END
+    concurrency_key = CASE WHEN %(keys)s THEN %(concurrency_key)s::text
+                           ELSE j.concurrency_key END,
+    fair_key = CASE WHEN %(keys)s THEN %(fair_key)s::text ELSE j.fair_key END
 WHERE j.id = %(id)s AND j.state IN ('scheduled', 'available', 'retryable')
 
 -- name: fair_fold_cte

@@ -662,8 +662,8 @@ SET run_at = CASE WHEN :set_run_at = 1 THEN COALESCE(:run_at, (julianday('now') 
     priority = COALESCE(:priority, priority),
     queue = COALESCE(:queue, queue),
     args = COALESCE(:args, args),
-    concurrency_key = CASE WHEN :args IS NULL THEN concurrency_key ELSE :concurrency_key END,
-    fair_key = CASE WHEN :args IS NULL THEN fair_key ELSE :fair_key END
+    concurrency_key = CASE WHEN :keys THEN :concurrency_key ELSE concurrency_key END,
+    fair_key = CASE WHEN :keys THEN :fair_key ELSE fair_key END
 WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')
 
 -- name: fair_fold
