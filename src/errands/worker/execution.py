@@ -126,6 +126,17 @@ class Attempt:
             self.decided = True
             return True
 
+    def give_back(self) -> bool:
+        """Shutdown takes the attempt's outcome to release it: True when it did, False
+        when the handler decided first (its outcome is written, not a release). Set
+        apart, a handler finishing at the end of the grace period had its completion
+        written after the release (refused by the fence), and the job ran again."""
+        with self._lock:
+            if self.decided:
+                return False
+            self.decided = self.released = True
+            return True
+
     def begin(self) -> bool:
         """A handler thread takes the attempt up; False if shutdown withdrew it first."""
         with self._lock:

@@ -832,10 +832,10 @@ class Worker:
                 break
             time.sleep(0.02)
         with self._lock:
-            leftover = [a for a in self._attempts.values() if not a.decided]
+            running = [a for a in self._attempts.values() if not a.decided]
+        leftover = [a for a in running if a.give_back()]  # not those deciding right now
         if leftover:
             for attempt in leftover:
-                attempt.released = True
                 attempt.interrupt(SHUTDOWN, self.loop)
                 if attempt.runtime is not None:  # its handler may still be in a statement
                     attempt.runtime.let_go()
