@@ -170,3 +170,51 @@ def test_a_failing_before_insert_hook_or_subscriber_never_breaks_enqueue(
     messages = [r.getMessage() for r in caplog.records]
     assert any("before-insert hook" in m for m in messages)
     assert any("event subscriber" in m for m in messages)
+
+
+def test_a_handler_wrapper_can_neither_fail_a_completed_job_nor_swallow_its_error(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wrapper whose exit raises made a completed handler's job fail and run again (its
+    effects repeated); one that suppressed the handler's exception left no result (an
+    UnboundLocalError instead of its Permanent outcome). Their exits never change the
+    handler's outcome now, and a failing one is logged."""
+    from contextlib import contextmanager
+
+    calls: list[str] = []
+
+    @contextmanager
+    def raising_on_exit(info: dict[str, object]):  # type: ignore[no-untyped-def]
+        yield
+        raise RuntimeError("the wrapper's own bug")
+
+    class Swallowing:
+        def __init__(self, info: dict[str, object]) -> None: ...
+
+        def __enter__(self) -> None: ...
+
+        def __exit__(self, *exc: object) -> bool:
+            return True  # suppresses whatever the handler raised
+
+    app.events.wrap(raising_on_exit)
+    app.events.wrap(Swallowing)
+
+    @app.job(name="wrapped.ok", retries=2)
+    def ok() -> str:
+        calls.append("ok")
+        return "done"
+
+    @app.job(name="wrapped.bad", retries=2)
+    def bad() -> None:
+        raise errands.Permanent("a bad input")
+
+    good, failing = ok.enqueue(), bad.enqueue()
+    with worker_factory(concurrency=1):
+        assert good.result(timeout=10) == "done"
+        job = wait_until(
+            lambda: (j := failing.job()).state is errands.JobState.DEAD and j,
+            what="the permanent failure to be recorded",
+        )
+    assert calls == ["ok"]  # ran once
+    assert job.attempt == 1 and job.errors[-1].message == "a bad input"
+    assert any("failed on exit" in r.getMessage() for r in caplog.records)

@@ -185,12 +185,40 @@ class EventBus:
         with ExitStack() as stack:
             for wrapper in self.wrappers:
                 try:
-                    stack.enter_context(wrapper(info))
+                    stack.enter_context(_Guarded(wrapper(info), wrapper, info.get("job_id")))
                 except Exception:
                     log.exception(
                         "handler wrapper %r failed for job %s", wrapper, info.get("job_id")
                     )
             yield
+
+
+class _Guarded:
+    """A handler wrapper's context, held to what a wrapper may do: its exit never turns
+    the handler's outcome into another. An exit that raised made a completed handler's
+    job fail and run again (its effects repeated); one that suppressed the handler's
+    exception left no result, and the job failed with an UnboundLocalError instead of
+    its own Permanent, Retry or Suspended outcome. A failing exit is logged."""
+
+    __slots__ = ("cm", "job_id", "wrapper")
+
+    def __init__(self, cm: Any, wrapper: Any, job_id: Any) -> None:
+        self.cm, self.wrapper, self.job_id = cm, wrapper, job_id
+
+    def __enter__(self) -> Any:
+        return self.cm.__enter__()
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        try:
+            self.cm.__exit__(kind, exc, tb)  # a True (suppress) is not honoured
+        except Exception as raised:
+            if raised is not exc:  # (a @contextmanager wrapper re-raises the handler's)
+                log.exception(
+                    "handler wrapper %r failed on exit for job %s; the handler's outcome stands",
+                    self.wrapper,
+                    self.job_id,
+                )
+        return False
 
 
 def _deliver(subscriber: Subscriber, event: Event) -> None:
