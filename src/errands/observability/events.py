@@ -208,7 +208,7 @@ class _Guarded:
     def __enter__(self) -> Any:
         return self.cm.__enter__()
 
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         try:
             self.cm.__exit__(kind, exc, tb)  # a True (suppress) is not honoured
         except Exception as raised:
@@ -218,7 +218,6 @@ class _Guarded:
                     self.wrapper,
                     self.job_id,
                 )
-        return False
 
 
 def _deliver(subscriber: Subscriber, event: Event) -> None:
