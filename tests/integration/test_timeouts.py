@@ -248,6 +248,48 @@ def test_a_handler_stuck_in_a_sqlite_statement_is_abandoned_and_the_write_lock_f
         assert after.enqueue().result(timeout=10) == "written"  # the write lock is free
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_timeout_covers_decoding_the_payload_not_only_the_handler(
+    app: errands.App, worker_factory, kind: str
+) -> None:
+    """A payload validator that hangs while the worker decodes the stored arguments held
+    the slot and a heartbeated lease for ever: the deadline began after decoding (and an
+    async job's covered only its handler). It runs from the attempt's start now."""
+    from typing import Annotated
+
+    from pydantic import AfterValidator
+
+    slow = threading.Event()
+
+    def check(value: int) -> int:
+        while slow.is_set():  # hangs in the worker only (not at enqueue)
+            time.sleep(0.01)
+        return value
+
+    Checked = Annotated[int, AfterValidator(check)]
+    if kind == "sync":
+
+        @app.job(name="timeout.decode_sync", timeout=0.3, retries=1, backoff=60)
+        def job(n: Checked) -> None: ...
+
+    else:
+
+        @app.job(name="timeout.decode_async", timeout=0.3, retries=1, backoff=60)
+        async def job(n: Checked) -> None: ...
+
+    handle = job.enqueue(n=1)
+    slow.set()
+    try:
+        with worker_factory(concurrency=1):
+            failed = wait_until(
+                lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+                what="the attempt to time out while its payload was decoded",
+            )
+    finally:
+        slow.clear()
+    assert failed.errors[-1].type == "JobTimeout"
+
+
 class _SlowTimeoutWarning(logging.Handler):
     """Fault injection: delay the worker's "ran past its timeout" log line.
 

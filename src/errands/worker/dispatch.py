@@ -16,6 +16,7 @@ its effects.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -210,16 +211,16 @@ class Dispatcher:
             return None
         worker = self.worker
         began = attempt.started
+        timeout = attempt.row.timeout
+        if timeout:  # from the start: decoding the payload and job.started's subscribers too
+            attempt.deadline = began + timeout
+            worker.leases.poke()
         prepared = self.prepare(attempt)
         if prepared is None:
             return None  # decided already; the outcome handed back is ignored
         kwargs, log_ctx = prepared
         if attempt.stop_reason is not None:  # interrupted while it was being prepared
             raise Interrupted(attempt.stop_reason)
-        timeout = attempt.row.timeout
-        if timeout:
-            attempt.deadline = began + timeout
-            worker.leases.poke()
         events = worker.app.events
         called = time.monotonic()
         try:
@@ -248,32 +249,40 @@ class Dispatcher:
             self.worker.slot_freed(attempt)
             return None
         attempt.started = time.monotonic()
+        timeout = attempt.row.timeout
+        # The job's timeout runs from its start: decoding the payload and job.started's
+        # subscribers (in a thread: off the loop), the handler, encoding its result.
+        limit = asyncio.timeout(timeout) if timeout else None
+        try:
+            async with limit or contextlib.nullcontext():
+                return await self._call_async(attempt, definition)
+        except TimeoutError:
+            if attempt.stop_reason is not None:
+                raise Interrupted(attempt.stop_reason) from None
+            if limit is not None and limit.expired():
+                raise JobTimeout(f"timed out after {timeout:g} s") from None
+            raise  # the handler's own (an inner wait_for, a socket): a failure as any
+        except asyncio.CancelledError:
+            if attempt.stop_reason is not None:  # the worker stopped it: why
+                raise Interrupted(attempt.stop_reason) from None
+            raise  # the loop shutting down
+
+    async def _call_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
         prepared = await asyncio.to_thread(self.prepare, attempt)  # validators off the loop
         if prepared is None:
             return None
         kwargs, log_ctx = prepared
         if attempt.ctx is not None and attempt.ctx.cancelled:  # stopped before it began
             raise Interrupted(attempt.ctx.cancel_reason)
-        timeout = attempt.row.timeout
         info = {**job_fields(attempt.row), "meta": attempt.row.meta}
         called = time.monotonic()
-        limit: asyncio.Timeout | None = None
         with job_context(log_ctx), self.worker.app.events.around_handler(info):
             try:
-                if timeout:
-                    async with asyncio.timeout(timeout) as limit:
-                        result = await definition.fn(**kwargs)
-                else:
-                    result = await definition.fn(**kwargs)
-            except TimeoutError:
-                if attempt.stop_reason is not None:
-                    raise Interrupted(attempt.stop_reason) from None
-                if limit is not None and limit.expired():
-                    raise JobTimeout(f"timed out after {timeout:g} s") from None
-                raise  # the handler's own (an inner wait_for, a socket): a failure as any
+                result = await definition.fn(**kwargs)
             except asyncio.CancelledError as exc:
-                if attempt.stop_reason is not None:  # the worker stopped it: why
-                    raise Interrupted(attempt.stop_reason) from None
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this task was cancelled: by its timeout, or by the worker
                 # Not asked to stop: a task or future the handler awaited was cancelled.
                 # As "cancelled" it ended the job for good as an operator's cancel.
                 raise HandlerCancelled(
@@ -299,12 +308,12 @@ class Dispatcher:
         if not self._begin(attempt):
             return None
         worker = self.worker
-        if self.prepare(attempt) is None:
-            return None
         timeout = attempt.row.timeout
-        if timeout:
+        if timeout:  # from the start: decoding the payload and job.started's subscribers too
             attempt.deadline = attempt.started + timeout
             worker.leases.poke()
+        if self.prepare(attempt) is None:
+            return None
         child = children.submit(attempt.row, on_progress=lambda r: _progressed(attempt, r))
         attempt.child = child
 
