@@ -11,7 +11,9 @@ import os
 import secrets
 import signal
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import acc_basic
 import acc_plain
@@ -171,3 +173,71 @@ def test_a_worker_runs_a_rescued_job_due_at_its_start_in_a_child_process(
     assert result["n"] == 7
     assert result["pid"] != os.getpid()  # isolated: in a child process
     assert app.get_job(handle.id).rescues == 1
+
+
+DYING = """
+import os
+
+import errands
+
+app = errands.App()
+
+
+@app.job(name="dies")
+def dies() -> None:
+    os._exit(1)
+
+
+@app.job(name="fine")
+def fine() -> int:
+    return os.getpid()
+"""
+
+
+def test_a_submit_starts_a_child_itself_when_a_dead_ones_replacement_could_not_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a runner of one child, whose child dies running a job and whose replacement
+    fails to start, when the next job is submitted, then it starts a child itself (or
+    fails visibly), never waits: it waited for a free child for ever (-c 1: the whole
+    worker wedged)."""
+    name = f"dying_app_{secrets.token_hex(4)}"
+    (tmp_path / f"{name}.py").write_text(DYING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app = importlib.import_module(name).app
+    app.url = f"sqlite:///{tmp_path}/store.db"
+    app.registry["dies"].enqueue()
+    app.registry["fine"].enqueue()
+    rows = app.backend.job_claim(ClaimParams([QueueClaim("default", 2)], 2, "test", 30.0))
+    dying, fine = sorted(rows, key=lambda r: r.id)
+    runner = ProcessRunner(f"{name}:app", app.url, 1, start=False)
+    real_spawn = runner._spawn
+    replacements: list[str] = []
+    submitted = threading.Event()
+
+    def spawn_once() -> Any:
+        if runner.started:  # the replacement of the dead child: it cannot start
+            submitted.wait(30)  # the next job waits for a child meanwhile
+            time.sleep(0.3)
+            replacements.append("refused")
+            runner._spawn = real_spawn  # type: ignore[method-assign]
+            raise OSError("injected: cannot fork")
+        return real_spawn()
+
+    runner._spawn = spawn_once  # type: ignore[method-assign]
+    try:
+        with pytest.raises(Exception, match="died"):
+            runner.submit(dying).result(60)
+        done: list[Any] = []
+
+        def submit_next() -> None:
+            submitted.set()
+            done.append(runner.submit(fine))
+
+        threading.Thread(target=submit_next, daemon=True).start()
+        wait_until(lambda: replacements == ["refused"], 60, "the refused replacement")
+        wait_until(lambda: done, 30, "the next submit to get a child")
+        assert json.loads(done[0].result(60).result_json) in runner.pids()
+    finally:
+        runner.shutdown()
+        app.close()

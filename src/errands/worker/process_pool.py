@@ -54,6 +54,7 @@ READY = "ready"
 PROGRESS = "progress"  # a child's message during a run: (PROGRESS, fraction, message)
 PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
 STOP_WAIT = 2.0  # seconds a stopping runner waits for its children to leave, then kills
+ROOM_RECHECK = 1.0  # seconds a submit waiting for a child looks again for room to start one
 
 Progress = Callable[[tuple[float, str]], None]
 
@@ -220,15 +221,22 @@ class ProcessRunner:
     def submit(self, row: JobRow, on_progress: Progress | None = None) -> Future[Any]:
         """Run ``row`` in a free child; ``on_progress`` receives its ctx.progress reports."""
         future: Future[Any] = Future()
-        self._grow()
-        with self._cond:
-            while not self._free and not self._closed:
-                self._cond.wait()
-            if self._closed:
-                future.set_exception(RuntimeError("process pool closed"))
-                return future
-            slot = self._free.pop()
-            slot.busy = future
+        while True:
+            self._grow()
+            with self._cond:
+                # Wait for a free child, or for room to start one: a child that died is
+                # replaced by its _run thread, and when that replacement cannot start its
+                # place is given up (room). Waiting for a free child alone, a job waited
+                # for ever then (-c 1: the whole worker).
+                while not self._free and not self._closed and self._room() <= 0:
+                    self._cond.wait(timeout=ROOM_RECHECK)
+                if self._closed:
+                    future.set_exception(RuntimeError("process pool closed"))
+                    return future
+                if self._free:
+                    slot = self._free.pop()
+                    slot.busy = future
+                    break
         self._top_up()
         threading.Thread(
             target=self._run, args=(slot, row, future, on_progress), daemon=True
@@ -380,6 +388,7 @@ class ProcessRunner:
             with self._cond:
                 if slot in self._slots:
                     self._slots.remove(slot)  # the next submit starts one when needed
+                self._cond.notify_all()  # a submit waiting for a child: room to start one
             return
         self._add(fresh, replacing=slot)
 
