@@ -115,3 +115,24 @@ def test_a_handlers_session_state_never_reaches_errands_writes_or_the_next_handl
         assert name_b != "tenant-a"
     finally:
         app.close()
+
+
+def test_a_refused_statement_is_its_own_error_even_if_the_pool_closes_the_connection_after(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool closes a connection given back past its max_lifetime (or while closing):
+    a statement the server refused on it looked like a lost connection, so a certain
+    failure came back as EnqueueUncertain ('may or may not have been stored')."""
+    real_putconn = backend.pool.putconn
+
+    def closing_putconn(conn: psycopg.Connection[Any]) -> None:
+        conn.close()  # as psycopg_pool does with a connection past its max_lifetime
+        real_putconn(conn)
+
+    def refused(conn: psycopg.Connection[Any], progress: Any) -> None:
+        progress.committing = True
+        conn.execute("SELECT 1 / 0")
+
+    monkeypatch.setattr(backend.pool, "putconn", closing_putconn)
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        backend._again_if_lost(refused, lambda exc: RuntimeError("uncertain"))

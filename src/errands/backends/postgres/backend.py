@@ -370,9 +370,14 @@ class PostgresBackend(PostgresAdmin):
             try:
                 with self._conn() as conn:
                     progress.conn = conn
-                    return work(conn, progress)
+                    try:
+                        return work(conn, progress)
+                    except psycopg.Error:
+                        progress.lost = lost(conn)  # before the pool may close it
+                        raise
             except psycopg.Error as exc:
-                if not lost(progress.conn):
+                gone = lost(progress.conn) if progress.lost is None else progress.lost
+                if not gone:
                     raise
                 # 25P03: the server ended the transaction for idling, before any COMMIT
                 # of it arrived: rolled back for certain, so it runs again.

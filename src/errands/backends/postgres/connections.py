@@ -180,6 +180,11 @@ class Progress:
 
     conn: psycopg.Connection[Any] | None = None  # checked out: something may be sent
     committing: bool = False  # what is sent from here on may commit
+    # Whether the connection was gone when the call's error came, read before the pool
+    # has it back (None: not read). Read afterwards, a connection the pool closed on its
+    # return (past max_lifetime, the pool closing) made a refused statement look like a
+    # lost connection: a certain failure reported as EnqueueUncertain, or run again.
+    lost: bool | None = None
 
 
 def lost(conn: psycopg.Connection[Any] | None) -> bool:
