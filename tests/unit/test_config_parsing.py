@@ -93,6 +93,9 @@ def test_sqlite_url_with_an_unknown_option_is_rejected_listing_the_known_ones() 
         ("synchronous=SOMETIMES", "choose one of"),
         ("busy_timeout_ms=soon", "busy_timeout_ms must be a whole number"),
         ("write_timeout=forever", "write_timeout a number of seconds"),
+        ("write_timeout=-1", "write_timeout more than 0"),
+        ("write_timeout=nan", "write_timeout more than 0"),
+        ("busy_timeout_ms=-5", "busy_timeout_ms must be 0 to 3600000"),
     ],
 )
 def test_sqlite_backend_rejects_bad_option_values(tmp_path: Path, query: str, message: str) -> None:
@@ -119,3 +122,13 @@ def test_open_backend_rejects_unknown_schemes_with_the_supported_forms(url: str)
     with pytest.raises(ConfigurationError, match="sqlite:///") as info:
         open_backend(url)
     assert "ERRANDS_URL" in str(info.value)
+
+
+@pytest.mark.parametrize("window", ["nan", "inf", "-1", "1e9"])
+def test_a_postgres_notify_window_outside_zero_to_a_minute_is_refused(window: str) -> None:
+    """nan, inf or a negative notify_window turned every NOTIFY off without a word."""
+    from errands.backends.postgres.config import parse_postgres_url
+
+    with pytest.raises(ConfigurationError, match="notify_window"):
+        parse_postgres_url(f"postgresql://u@h/db?notify_window={window}")
+    assert parse_postgres_url("postgresql://u@h/db?notify_window=0").notify_window == 0.0

@@ -12,6 +12,7 @@ from .. import redact_url
 SCHEMA_DEFAULT = "public"
 POOL_SIZE_DEFAULT = 10
 NOTIFY_WINDOW_DEFAULT = 0.005
+NOTIFY_WINDOW_MAX = 60.0  # seconds: past a poll interval or two, polling finds the jobs anyway
 CONNECT_TIMEOUT_DEFAULT = 10.0
 # At most 50 characters: the notification channels are named errands_jobs_<schema> and
 # errands_done_<schema>, and PostgreSQL refuses a channel name of 64 bytes or more in
@@ -24,7 +25,8 @@ OPTIONS = {
     "pool_size": "connections per process for errands' own statements (default 10)",
     "tx_pool_size": "connections per process for handlers' ctx.transaction() (default: -c)",
     "auto_migrate": "apply migrations when the app first connects (default false)",
-    "prepare": "server-side prepared statements: true (default) or false for PgBouncer < 1.21",
+    "prepare": "server-side prepared statements: true (default), or false behind a pooler in "
+    "transaction mode that keeps none (PgBouncer before 1.21, or max_prepared_statements = 0)",
     "notify_window": "seconds within which one process sends at most one NOTIFY per queue",
     "listen": "workers LISTEN for new jobs: true (default), or false to rely on polling alone",
 }
@@ -79,6 +81,12 @@ def parse_postgres_url(url: str) -> PostgresConfig:
         raise ConfigurationError("PostgreSQL URL option pool_size must be at least 2")
     if tx_pool_size is not None and tx_pool_size < 1:
         raise ConfigurationError("PostgreSQL URL option tx_pool_size must be at least 1")
+    if not 0 <= notify_window <= NOTIFY_WINDOW_MAX:  # NaN fails both: refused too
+        raise ConfigurationError(
+            f"PostgreSQL URL option notify_window={ours.get('notify_window')!r}: give seconds "
+            f"from 0 (a NOTIFY at every enqueue) to {NOTIFY_WINDOW_MAX:g}; nan, inf or a "
+            "negative value turned every NOTIFY off"
+        )
     netloc = parts.netloc
     if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:  # the last '@' ends a password
         user = netloc.rsplit("@", 1)[0].split(":", 1)[0]

@@ -158,6 +158,14 @@ class SQLiteBackend(SQLiteAdmin):
                 f"SQLite URL {url!r}: busy_timeout_ms must be a whole number of milliseconds "
                 "and write_timeout a number of seconds"
             ) from None
+        # A negative write_timeout made the in-process write lock wait for ever, nan never
+        # time out: both are refused, as are timeouts past an hour (a writer held that
+        # long is a fault to report, not to wait out).
+        if not 0 <= self.busy_timeout_ms <= 3_600_000 or not 0 < self.write_timeout <= 3600:
+            raise ConfigurationError(
+                f"SQLite URL {url!r}: busy_timeout_ms must be 0 to 3600000 (ms) and "
+                "write_timeout more than 0 and at most 3600 (s)"
+            )
         if not self.memory:
             folder = os.path.dirname(self.path)
             if not os.path.isdir(folder):
