@@ -399,7 +399,14 @@ class App:
                 f"queue {queue!r} still has jobs ({shown}); forgetting it would resume a paused "
                 "queue under them: cancel them or let them finish first"
             )
-        return self.backend.queue_forget(queue, _actor(actor))
+        if self.backend.queue_forget(queue, _actor(actor)):
+            return True
+        if any(s.name == queue for s in self.backend.queue_settings()):  # jobs came meanwhile
+            raise InvalidTransition(
+                f"queue {queue!r} got jobs while it was being forgotten; its settings stay: "
+                "cancel them or let them finish first"
+            )
+        return False
 
     def known_queues(self) -> set[str]:
         """Every queue this app's code uses or declares, stored settings name, jobs are in,

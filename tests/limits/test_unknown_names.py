@@ -107,3 +107,23 @@ def test_forgetting_a_queue_with_waiting_jobs_is_refused(store: errands.App) -> 
     refused = run_cli("queues", "forget", "emails", "--url", store.url)
     assert refused.exit_code == 1
     assert [s.name for s in store.queue_settings()] == ["emails"]
+
+
+def test_a_job_enqueued_after_the_check_still_keeps_the_queues_settings(
+    store: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check and the delete were two steps: a job enqueued between them went on in a
+    queue whose paused flag was just deleted (it ran). The delete checks again now."""
+    define(store)
+    store.pause("emails")
+    store.cancel(store.jobs(queue="emails")[0].id)  # the queue is empty: the check passes
+    real = store.backend.queue_forget
+
+    def enqueue_first(name: str, actor: str) -> bool:
+        store.registry["shop.send_receipt"].enqueue(order_id=2)  # between the two
+        return real(name, actor)
+
+    monkeypatch.setattr(store.backend, "queue_forget", enqueue_first)
+    with pytest.raises(InvalidTransition, match="got jobs while it was being forgotten"):
+        store.forget_queue("emails")
+    assert [(s.name, s.paused) for s in store.queue_settings()] == [("emails", True)]

@@ -761,7 +761,12 @@ ORDER BY name
 LIMIT %(limit)s
 
 -- name: queue_forget
-DELETE FROM {schema}.errands_queues WHERE name = %(name)s
+-- Only while no job waits in the queue or runs (the App's check, again in the delete:
+-- a job enqueued between that check and this delete would run in a queue resumed).
+DELETE FROM {schema}.errands_queues AS q WHERE q.name = %(name)s
+  AND NOT EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j
+                  WHERE j.queue = %(name)s
+                    AND j.state IN ('scheduled', 'available', 'running', 'retryable'))
 
 -- name: job_suspend
 -- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot

@@ -595,7 +595,11 @@ WITH RECURSIVE names(name) AS (
 SELECT name FROM names WHERE name IS NOT NULL LIMIT :limit
 
 -- name: queue_forget
+-- Only while no job waits in the queue or runs (see the PostgreSQL statement).
 DELETE FROM errands_queues WHERE name = :name
+  AND NOT EXISTS (SELECT 1 FROM errands_jobs AS j
+                  WHERE j.queue = :name
+                    AND j.state IN ('scheduled', 'available', 'running', 'retryable'))
 
 -- name: job_suspend
 -- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot
