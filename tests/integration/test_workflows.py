@@ -105,3 +105,26 @@ def test_ids_and_priorities_beyond_what_a_store_keeps_are_one_clear_line_not_a_t
         assert result.exit_code == 2, (args, result.output)
         assert "is not in the range" in result.output, (args, result.output)
         assert isinstance(result.exception, SystemExit), (args, result.exception)
+
+
+def test_a_cancel_of_several_ids_does_every_one_it_can_and_names_each_that_failed(
+    app: errands.App,
+) -> None:
+    """An unknown id among several ended the loop: the ids after it were never tried nor
+    named. Each id is tried now; each failure is one line; the exit code says one failed."""
+
+    @app.job(name="wf.many")
+    def step() -> None: ...
+
+    job = step.enqueue(delay=3600)
+    wf = errands.Workflow("to-cancel-too")
+    wf.add(step.bind())
+    flow = app.enqueue_workflow(wf)
+    jobs = CliRunner().invoke(cli, ["jobs", "cancel", "999", str(job.id), "--url", app.url])
+    assert jobs.exit_code == 1
+    assert "job 999:" in jobs.output and f"job {job.id}: cancelled" in jobs.output
+    assert job.status() is errands.JobState.CANCELLED
+    flows = CliRunner().invoke(cli, ["workflows", "cancel", "999", str(flow.id), "--url", app.url])
+    assert flows.exit_code == 1
+    assert "workflow 999:" in flows.output and f"workflow {flow.id}: 1 pending" in flows.output
+    assert flow.status().state == "cancelled"

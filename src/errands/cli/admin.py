@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..app import App
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ErrandsError
 from ..jobs import ALL_STATES, listed_by_priority, parse_cursor
 from ..masking import mask_value, sensitive_values
 from ..suggest import did_you_mean
@@ -237,12 +237,30 @@ def jobs_cancel(
 ) -> None:
     """Cancel pending jobs at once; ask running ones to stop."""
     app = _app(app_path, url)
-    for job_id in job_ids:
+
+    def cancel(job_id: int) -> None:
         result = app.cancel(job_id, actor=actor)
         if result.state == "cancelled":
             click.echo(f"job {job_id}: cancelled (was {result.previous_state})")
         else:
             click.echo(f"job {job_id}: running; cancel requested, its worker stops it")
+
+    each("job", job_ids, cancel)
+
+
+def each(kind: str, ids: tuple[int, ...], act: Callable[[int], None]) -> None:
+    """``act`` on every id, in order: one that fails is one error line and the others are
+    still done (the first failure ended the loop, and the ids after it were never tried
+    nor named); exit code 1 when any failed."""
+    failed = 0
+    for item in ids:
+        try:
+            act(item)
+        except ErrandsError as exc:
+            failed += 1
+            render.notice(f"{kind} {item}: {exc}", "error")
+    if failed:
+        raise click.exceptions.Exit(1)
 
 
 @jobs.command("signal")

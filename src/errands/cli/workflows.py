@@ -9,7 +9,7 @@ import click
 
 from ..workflows import WORKFLOW_STATES, Member, WorkflowStatus
 from . import render
-from .admin import ID, _app, actor_option, app_options, json_option
+from .admin import ID, _app, actor_option, app_options, each, json_option
 
 COLUMNS = ["id", "name", "kind", "state", "total", "pending", "completed", "dead",
            "cancelled", "skipped", "created"]  # fmt: skip
@@ -105,9 +105,12 @@ def workflows_cancel(
 ) -> None:
     """Cancel workflows: pending members at once, running ones asked to stop."""
     app = _app(app_path, url)
-    for workflow_id in workflow_ids:
+
+    def cancel(workflow_id: int) -> None:
         cancelled = app.cancel_workflow(workflow_id, actor=actor)
         click.echo(
             f"workflow {workflow_id}: {cancelled} pending member(s) cancelled; running ones "
             "asked to stop"
         )
+
+    each("workflow", workflow_ids, cancel)
