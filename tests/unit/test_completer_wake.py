@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
+
+import pytest
 
 from errands.backends.base import FinishParams
 from errands.worker.completer import Completer
@@ -86,3 +89,29 @@ def test_a_failed_batch_is_tried_again_within_a_second_and_logged_once_per_strea
     assert max(sleeps) <= module.RETRY_PAUSE_MAX, sleeps
     assert sleeps[-1] >= module.RETRY_PAUSE_MAX / 2, sleeps  # the pause grew to the cap
     assert sum(1 for r in caplog.records if r.exc_info) == 1
+
+
+def test_a_stop_that_gives_up_on_unwritten_outcomes_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that does not answer: the completer's stop gave up after its timeout
+    without a word, and the outcomes were lost to the rescue (jobs run again)."""
+    gate = threading.Event()
+
+    class Stuck(Backend):
+        def job_finish_many(self, outcomes: list[FinishParams]) -> list[bool]:
+            gate.wait(10)
+            return [True] * len(outcomes)
+
+    from errands.worker.execution import Attempt
+    from tests.unit.test_fair_outcome import ROW
+
+    app: Any = App(Stuck(set()))
+    completer = Completer(app, lambda *_: None)
+    completer.start()
+    for _ in range(3):
+        completer.submit(Attempt(ROW, None, 30.0), OUTCOME)
+    completer.stop(timeout=0.2)
+    gate.set()
+    [line] = [r.getMessage() for r in caplog.records if "unwritten" in r.getMessage()]
+    assert "still unwritten after 0.2 s" in line

@@ -244,3 +244,12 @@ class Completer:
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            left = max(self.pending - 1, 0)  # the stop mark is not an outcome
+            # Not silent: their jobs' leases run out and they are rescued and run again.
+            log.error(
+                "stopping: %d job outcome(s) still unwritten after %g s (the store is slow "
+                "or unreachable); their jobs are rescued after their lease and run again",
+                left,
+                timeout,
+            )

@@ -75,9 +75,14 @@ def interrupt_threads(worker: Worker, attempts: list[Attempt], wait: float) -> N
     already set; wait up to ``wait`` seconds for them to return, then raise
     HandlerInterrupt in the threads of those still running, as a timeout does."""
     deadline = time.monotonic() + wait
-    calls = [(a.future, worker.threads_for(a)) for a in attempts if isinstance(a.future, Call)]
-    while time.monotonic() < deadline and any(not c.done() for c, _ in calls):
+    calls = [
+        (a.future, worker.threads_for(a), a.id) for a in attempts if isinstance(a.future, Call)
+    ]
+    while time.monotonic() < deadline and any(not c.done() for c, _, _ in calls):
         time.sleep(0.01)
-    for call, threads in calls:
+    for call, threads, job_id in calls:
         if not call.done() and threads.interrupt(call):
-            log.warning("a handler still ran at the end of the grace period; interrupting it")
+            log.warning(
+                "job %s: its handler still ran at the end of the grace period; interrupting it",
+                job_id,
+            )

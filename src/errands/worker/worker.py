@@ -881,7 +881,11 @@ class Worker:
                 f"released by worker {self.id} ({message % len(attempts)}); the attempt is "
                 "not charged and the job runs again",
             )
-            log.log(level, message + " (attempt not charged)", sum(released))
+            ids = [a.id for a, ok in zip(attempts, released, strict=True) if ok]
+            shown = ", ".join(map(str, ids[:20])) + (
+                f" and {len(ids) - 20} more" if len(ids) > 20 else ""
+            )
+            log.log(level, message + " (attempt not charged): job(s) %s", sum(released), shown)
             for attempt, ok in zip(attempts, released, strict=True):
                 if ok:
                     self.app.events.emit("errands.job.released", **job_fields(attempt.row))
