@@ -132,3 +132,17 @@ def test_a_postgres_notify_window_outside_zero_to_a_minute_is_refused(window: st
     with pytest.raises(ConfigurationError, match="notify_window"):
         parse_postgres_url(f"postgresql://u@h/db?notify_window={window}")
     assert parse_postgres_url("postgresql://u@h/db?notify_window=0").notify_window == 0.0
+
+
+def test_postgres_connections_find_a_silently_dropped_link_within_a_minute_by_default() -> None:
+    """Keepalives and a TCP user timeout unless the URL sets them (libpq's own keepalive
+    begins after 2 hours: a LISTEN connection dropped by a NAT stayed 'listening')."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from errands.backends.postgres.config import parse_postgres_url
+
+    given = parse_qs(urlsplit(parse_postgres_url("postgresql://u@h/db").conninfo).query)
+    assert given["keepalives_idle"] == ["30"] and given["tcp_user_timeout"] == ["60000"]
+    own = parse_postgres_url("postgresql://u@h/db?keepalives_idle=5&sslmode=require").conninfo
+    mine = parse_qs(urlsplit(own).query)
+    assert mine["keepalives_idle"] == ["5"] and mine["sslmode"] == ["require"]

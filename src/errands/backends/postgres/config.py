@@ -19,6 +19,20 @@ CONNECT_TIMEOUT_DEFAULT = 10.0
 # pg_notify (a finish would fail) while LISTEN silently cuts it (no waiter would hear).
 _SCHEMA = re.compile(r"^[a-z_][a-z0-9_]{0,49}$")
 
+# libpq options errands sets unless the URL gives them. A connection dropped without a
+# reset (a NAT or firewall idle timeout, a fail-over that moves the server's address) is
+# found within about a minute: keepalive probes on an idle connection (the LISTEN one saw
+# no error and waiters fell back to a 30 s recheck; libpq's own start after 2 hours),
+# and a statement whose data goes unacknowledged for 60 s fails instead of retrying for
+# about 15 minutes (stalling the completer or the claims).
+LIBPQ_DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "30",
+    "keepalives_interval": "10",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "60000",
+}
+
 # Options errands reads from the URL; everything else goes to libpq untouched.
 OPTIONS = {
     "schema": "the schema holding errands' tables (default public)",
@@ -93,6 +107,8 @@ def parse_postgres_url(url: str) -> PostgresConfig:
         netloc_display = f"{user}:***@{netloc.rsplit('@', 1)[1]}"
     else:
         netloc_display = netloc
+    given = {key for key, _ in theirs}
+    theirs += [(key, value) for key, value in LIBPQ_DEFAULTS.items() if key not in given]
     conninfo = urlunsplit(
         ("postgresql", parts.netloc, parts.path, urlencode(theirs), parts.fragment)
     )
