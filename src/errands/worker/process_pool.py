@@ -86,6 +86,7 @@ class _Slot:
     busy: Future[Any] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     idle_since: float = field(default_factory=time.monotonic)
+    killed: bool = False  # killed while busy (timeout, cancel): never handed out again
 
 
 # What a child needs besides the app: imported once in the forkserver, not in each child
@@ -355,10 +356,18 @@ class ProcessRunner:
             self._replace(slot)
             return
         with self._cond:
-            slot.busy = None
-            slot.idle_since = time.monotonic()
-            self._free.append(slot)
-            self._cond.notify()
+            killed = slot.killed
+            if not killed:
+                slot.busy = None
+                slot.idle_since = time.monotonic()
+                self._free.append(slot)
+                self._cond.notify()
+        if killed:
+            # Killed as it answered (a timeout or a cancel landing between the answer and
+            # here): handed out again, the dead child failed the next job as a crash,
+            # counted toward that job's poison limit. A fresh child takes its place.
+            self._replace(slot)
+            return
         if not future.done():
             if ok:
                 future.set_result(payload)
@@ -367,14 +376,16 @@ class ProcessRunner:
 
     def kill(self, future: Future[Any], exc: BaseException) -> bool:
         """Kill the child running ``future`` (timeout, cancel); the future fails with ``exc``."""
-        for slot in list(self._slots):
-            if slot.busy is future:
-                if not future.done():
-                    future.set_exception(exc)
-                self.killed += 1
-                slot.process.kill()  # its _run thread sees EOF and replaces it
-                return True
-        return False
+        with self._cond:  # _run hands a finished child back under it: never this one then
+            doomed = next((s for s in self._slots if s.busy is future), None)
+            if doomed is None:
+                return False
+            doomed.killed = True
+        if not future.done():
+            future.set_exception(exc)
+        self.killed += 1
+        doomed.process.kill()  # its _run thread sees EOF (or its answer) and replaces it
+        return True
 
     def _replace(self, slot: _Slot) -> None:
         slot.process.join(timeout=5)
