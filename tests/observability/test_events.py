@@ -218,3 +218,37 @@ def test_a_handler_wrapper_can_neither_fail_a_completed_job_nor_swallow_its_erro
     assert calls == ["ok"]  # ran once
     assert job.attempt == 1 and job.errors[-1].message == "a bad input"
     assert any("failed on exit" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hung_subscriber_never_holds_the_thread_a_transactional_jobs_slot_gave_back(
+    app: errands.App, worker_factory
+) -> None:
+    """A job that completes in its ctx.transaction() has its end written on its handler
+    thread, after its slot was given back: a subscriber that hung there held the thread
+    the next claimed job waited for (-c 1: every job). Subscribers run on the events
+    lane now."""
+    release = threading.Event()
+
+    def hung(event: Event) -> None:
+        if event.name == "errands.job.completed":
+            release.wait(20)
+
+    app.events.subscribe(hung)
+
+    @app.job(name="tx.first")
+    def first(ctx: errands.Context) -> str:
+        ctx.transaction()
+        return "first"
+
+    @app.job(name="tx.second")
+    def second() -> str:
+        return "second"
+
+    try:
+        one = first.enqueue()
+        with worker_factory(concurrency=1):
+            assert one.result(timeout=10) == "first"
+            assert second.enqueue().result(timeout=10) == "second"
+            release.set()  # before the worker stops (it waits for the events lane)
+    finally:
+        release.set()

@@ -158,6 +158,16 @@ class EventBus:
         return False
 
     def emit(self, name: str, **fields: Any) -> None:
+        self._emit(name, fields, on_protected_thread())
+
+    def emit_later(self, name: str, **fields: Any) -> None:
+        """:meth:`emit`, with the subscribers that are not errands' own run on the events
+        lane whatever thread emits: for an event emitted on a handler thread after its
+        slot was given back (a job's end written in its ctx.transaction()), where a slow
+        or hung subscriber held the thread the next claimed job was waiting for."""
+        self._emit(name, fields, True)
+
+    def _emit(self, name: str, fields: dict[str, Any], protected: bool) -> None:
         if name not in CATALOGUE:
             raise ValueError(f"unknown event {name!r}; add it to the catalogue first")
         if not self.subscribers:
@@ -165,7 +175,7 @@ class EventBus:
         event = Event(name, fields)
         subscribers = self.subscribers
         deferred: list[Subscriber] = []
-        off_thread = self._hooks is not None and on_protected_thread()
+        off_thread = self._hooks is not None and protected
         for subscriber in subscribers:
             if off_thread and id(subscriber) not in self._inline:
                 deferred.append(subscriber)

@@ -222,7 +222,9 @@ class OutcomeRecorder:
         if not accepted:
             if events.wants("errands.job.stale_write_rejected"):
                 fields = job_fields(attempt.row)
-                events.emit("errands.job.stale_write_rejected", **fields, outcome=outcome.state)
+                events.emit_later(
+                    "errands.job.stale_write_rejected", **fields, outcome=outcome.state
+                )
             return
         state = outcome.state
         cancelled = attempt.stop_reason == CANCELLED  # the first stop asked of it (= ctx's)
@@ -245,7 +247,7 @@ class OutcomeRecorder:
                 del fields["duration"]
                 fields["signal"] = outcome.wait_signal
                 fields["timeout"] = outcome.wait_timeout
-            events.emit(name, **fields)
+            events.emit_later(name, **fields)  # on a handler thread too: see emit_later
         if state == "dead":
             worker.app.dead_hooks_later(attempt.row.id)
 
