@@ -105,3 +105,24 @@ def test_enqueue_in_the_callers_full_transaction_raises_storage_full(
                 note.enqueue(text="w" * 3000, conn=conn)
         conn.execute("ROLLBACK")
     assert job_count(app) == 1
+
+
+def test_a_workflow_in_the_callers_full_transaction_raises_storage_full(
+    full_app: tuple[errands.App, Path],
+) -> None:
+    """A workflow's insert on a caller's connection let sqlite3's 'database or disk is
+    full' through, where a job's insert gives StorageFull."""
+    app, path = full_app
+    note = app.registry["store.note"]
+    note.enqueue(text="creates the schema")
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages + 1}")
+        conn.execute("BEGIN IMMEDIATE")
+        batch = errands.Batch("too-big")
+        for _ in range(300):
+            batch.add(note.bind(text="w" * 3000))
+        with pytest.raises(errands.StorageFull):
+            app.enqueue_workflow(batch, conn=conn)
+        conn.execute("ROLLBACK")
+    assert job_count(app) == 1

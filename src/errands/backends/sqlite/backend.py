@@ -454,13 +454,8 @@ class SQLiteBackend(SQLiteAdmin):
     ) -> list[InsertResult]:
         if conn is not None:
             caller = self._check_caller_connection(conn)
-            try:
-                with _atomic(caller, several=writes_several(requests)):
-                    return run(caller, self._insert_program(requests))
-            except sqlite3.Error as exc:
-                if _is_full(exc):
-                    raise self._storage_full(exc) from exc
-                raise
+            with self._full_is_storage_full(), _atomic(caller, several=writes_several(requests)):
+                return run(caller, self._insert_program(requests))
         with self._write() as own:
             return run(own, self._insert_program(requests))
 
@@ -470,9 +465,16 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is None:  # the store's own connection, in a thread: the loop never blocks
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
-        try:
+        with self._full_is_storage_full():
             async with _aatomic(caller, several=writes_several(requests)):
                 return await arun(caller, self._insert_program(requests))
+
+    @contextlib.contextmanager
+    def _full_is_storage_full(self) -> Iterator[None]:
+        """A write on a caller's connection: SQLITE_FULL is StorageFull, as on errands'
+        own (a workflow's insert let the driver's error through)."""
+        try:
+            yield
         except sqlite3.Error as exc:
             if _is_full(exc):
                 raise self._storage_full(exc) from exc
@@ -482,7 +484,7 @@ class SQLiteBackend(SQLiteAdmin):
     def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is not None:
             caller = self._check_caller_connection(conn)
-            with _atomic(caller, several=True):
+            with self._full_is_storage_full(), _atomic(caller, several=True):
                 return run(caller, self.workflows.insert(spec))
         with self._write() as own:
             return run(own, self.workflows.insert(spec))
@@ -491,8 +493,9 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is None:  # the store's own connection, in a thread: the loop never blocks
             return await asyncio.to_thread(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
-        async with _aatomic(caller, several=True):
-            return await arun(caller, self.workflows.insert(spec))
+        with self._full_is_storage_full():
+            async with _aatomic(caller, several=True):
+                return await arun(caller, self.workflows.insert(spec))
 
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         with self._read() as conn:
