@@ -51,7 +51,7 @@ from .errors import (
 )
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
-from .jobs import Job, Step, listed_by_priority, parse_cursor, parse_state
+from .jobs import Job, JobRow, Step, listed_by_priority, parse_cursor, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
 from .payload import MAX_PAYLOAD_BYTES_DEFAULT
@@ -79,6 +79,7 @@ DEAD_HOOKS_GRACE_MIN = 60.0
 DEAD_HOOKS_GRACE_TIMEOUTS = 3
 DEFAULT_QUEUE = "default"
 PENDING_STATES = ("scheduled", "available", "running", "retryable")
+EDIT_READ_CHUNK = 1000  # jobs an edit of new arguments or queue reads at once
 
 DeadHook = Callable[[Job], None]
 TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
@@ -1043,8 +1044,12 @@ class App:
             raise ConfigurationError("edit: args= takes a dict of the job's arguments")
         edits: list[JobEdit] = []
         skipped: dict[int, str] = {}
+        rows: dict[int, JobRow] = {}
+        for start in range(0, len(job_ids), EDIT_READ_CHUNK):  # a bulk move: one read a chunk
+            chunk = job_ids[start : start + EDIT_READ_CHUNK]
+            rows.update((r.id, r) for r in self.backend.job_get_many(chunk))
         for job_id in job_ids:
-            row = self.backend.job_get(job_id)
+            row = rows.get(job_id)
             if row is None:
                 skipped[job_id] = "no such job"
                 continue

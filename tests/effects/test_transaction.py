@@ -203,3 +203,44 @@ def test_transaction_is_refused_on_an_in_memory_sqlite_store(
         assert "needs a file database" in job.last_error.message
     finally:
         app.close()
+
+
+def test_a_handler_that_sets_its_own_row_factory_still_completes_its_steps_and_workflow(
+    make_app: Make, errands_testing: Callable[..., Tester], store_url: str
+) -> None:
+    """A handler asks its ctx.transaction() for dict rows (psycopg's dict_row, a sqlite3
+    row factory): errands' own statements in it read their rows by position all the same.
+    On SQLite the completion's workflow fan-in read column names and released nothing
+    (the dependent waited for ever); a ctx.step in the transaction raised KeyError: 0 on
+    every attempt."""
+    app = make_app()
+    ran: list[str] = []
+
+    def dict_rows(conn: Any) -> None:
+        if EffectsStore.is_sqlite(store_url):
+            conn.row_factory = lambda cursor, row: {
+                d[0]: v for d, v in zip(cursor.description, row, strict=True)
+            }
+        else:
+            from psycopg.rows import dict_row
+
+            conn.row_factory = dict_row
+
+    @app.job(name="rows.parent")
+    def parent(ctx: errands.Context) -> int:
+        dict_rows(ctx.transaction())
+        value = ctx.step("once", lambda: 41) + 1
+        ran.append("parent")
+        return value
+
+    @app.job(name="rows.child")
+    def child(ctx: errands.Context) -> None:
+        ran.append("child")
+
+    wf = errands.Workflow("rows")
+    wf.add(child.bind(), after=[wf.add(parent.bind())])
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(wf)
+    status = tester.drain_workflow(handle)
+    assert (status.state, status.completed) == ("succeeded", 2)
+    assert ran == ["parent", "child"]

@@ -115,6 +115,10 @@ EXEMPT = {
     "into, kept in memory by the store: no store I/O",
     "listener": "builds the wake-up listener and does no store I/O; the listener's own "
     "connection is outside the Backend protocol",
+    "tx_abandon": "ends the ctx.transaction() of a handler abandoned past its timeout or "
+    "released at shutdown, off the worker's threads; the attempt's outcome is decided "
+    "before it and never waits for it, and its failure is logged (the connection is closed "
+    "either way): tests/postgres/test_abandoned_transaction.py, test_timeouts.py",
 }
 
 # Defects the sweep found, until they are fixed: the call's faults break a guarantee.

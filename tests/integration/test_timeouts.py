@@ -290,6 +290,69 @@ def test_the_timeout_covers_decoding_the_payload_not_only_the_handler(
     assert failed.errors[-1].type == "JobTimeout"
 
 
+def test_a_handler_abandoned_with_a_half_read_cursor_leaves_no_write_lock_behind(
+    app: errands.App, worker_factory
+) -> None:
+    """SQLite: abandoned while a cursor of its ctx.transaction() was half read (its
+    statement open, not running): an interrupt sent first stayed in effect and made the
+    ROLLBACK fail, so the write lock stayed until the handler let go of the cursor. The
+    ROLLBACK goes first now."""
+
+    @app.job(name="timeout.half_read", timeout=0.2, retries=1, backoff=60)
+    def half_read(ctx: errands.Context) -> None:
+        cur = ctx.transaction().execute(
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000) "
+            "SELECT x FROM c"
+        )
+        cur.fetchone()
+        time.sleep(3)  # a C call: the interrupt lands only after it
+
+    @app.job(name="timeout.after_half_read")
+    def after() -> str:
+        return "written"
+
+    handle = half_read.enqueue()
+    with worker_factory(concurrency=2, abandon_after=0.5):
+        wait_until(
+            lambda: handle.job().state is JobState.RETRYABLE,
+            what="the handler to be abandoned",
+            timeout=15,
+        )
+        assert after.enqueue().result(timeout=2) == "written"  # no write lock held
+
+
+def test_a_handler_abandoned_before_it_opened_its_transaction_cannot_open_one(
+    app: errands.App, worker_factory
+) -> None:
+    """Abandoned in a C call before it called ctx.transaction(): when it wakes, the call
+    raises (it opened a transaction nobody would ever end, holding SQLite's write lock)."""
+    seen: list[str] = []
+
+    @app.job(name="timeout.late_tx", timeout=0.2, retries=1, backoff=60)
+    def late(ctx: errands.Context) -> None:
+        time.sleep(1.5)
+        try:
+            ctx.transaction()
+            seen.append("opened")
+        except errands.TransactionEnded as exc:
+            seen.append(str(exc))
+
+    @app.job(name="timeout.after_late_tx")
+    def after() -> str:
+        return "written"
+
+    handle = late.enqueue()
+    with worker_factory(concurrency=2, abandon_after=0.5):
+        wait_until(
+            lambda: handle.job().state is JobState.RETRYABLE,
+            what="the handler to be abandoned",
+            timeout=15,
+        )
+        wait_until(lambda: seen, what="the abandoned handler to wake", timeout=15)
+        assert "the attempt has ended" in seen[0]
+        assert after.enqueue().result(timeout=5) == "written"
+
+
 class _SlowTimeoutWarning(logging.Handler):
     """Fault injection: delay the worker's "ran past its timeout" log line.
 

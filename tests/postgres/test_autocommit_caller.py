@@ -206,3 +206,20 @@ def test_a_failed_enqueue_in_the_callers_transaction_leaves_nothing_of_it_and_th
 
     asyncio.run(in_async())
     assert _count(app, "errands_jobs") == 4
+
+
+def test_a_callers_connection_of_a_psycopg_connection_subclass_enqueues(app: errands.App) -> None:
+    """A subclass of psycopg.Connection (a framework's own) was taken for a sqlite3
+    connection by the tuple-row cursor: every statement raised TypeError."""
+
+    class Framework(psycopg.Connection):  # type: ignore[type-arg]
+        pass
+
+    @app.job(name="rows.sub")
+    def job(n: int) -> None: ...
+
+    conninfo = parse_postgres_url(app.url).conninfo
+    with Framework.connect(conninfo, autocommit=True) as conn:
+        handle = job.enqueue(n=1, conn=conn)
+        many = app.enqueue_many([job.bind(n=2), job.bind(n=3, key="s")], conn=conn)
+    assert sorted(app.get_job(h.id).args["n"] for h in [handle, *many]) == [1, 2, 3]

@@ -91,7 +91,7 @@ def tuple_cursor(conn: Any) -> Any:
     the connection (psycopg's ``dict_row``, a sqlite3 ``row_factory``): programs read
     columns by position. With a caller's dict rows, an enqueue in autocommit mode was
     stored and then failed reading its own id (KeyError: 0): a retry stored it twice."""
-    if type(conn).__module__.startswith("psycopg"):
+    if _is_psycopg(conn):
         from psycopg.rows import tuple_row
 
         return conn.cursor(row_factory=tuple_row)
@@ -100,9 +100,16 @@ def tuple_cursor(conn: Any) -> Any:
     return cur
 
 
+def _is_psycopg(conn: Any) -> bool:
+    """A psycopg connection, sync or async, a subclass of one included (told apart by
+    the module its class is defined in, a subclass of psycopg.Connection was taken
+    for sqlite3's)."""
+    return any(c.__module__.startswith("psycopg") for c in type(conn).__mro__)
+
+
 async def atuple_cursor(conn: Any) -> Any:
     """:func:`tuple_cursor` for an async connection (psycopg, aiosqlite)."""
-    if type(conn).__module__.startswith("psycopg"):
+    if _is_psycopg(conn):
         from psycopg.rows import tuple_row
 
         return conn.cursor(row_factory=tuple_row)

@@ -119,14 +119,15 @@ class OutcomeRecorder:
         runtime = attempt.runtime
         if runtime is None:
             return outcome, None
+        if handler_running:
+            # Its thread may hold the connection inside a statement: whether it ended the
+            # transaction itself cannot be asked without waiting for that statement. Let
+            # go even when none is open: the handler, still running, cannot open one.
+            runtime.let_go()
+            return outcome, None
         if outcome.state == "completed" and runtime.children:
             outcome = replace(outcome, children=tuple(runtime.children))
         if runtime.tx is None:
-            return outcome, None
-        if handler_running:
-            # Its thread may hold the connection inside a statement: whether it ended the
-            # transaction itself cannot be asked without waiting for that statement.
-            runtime.let_go()
             return outcome, None
         if outcome.state != "completed":
             if runtime.transaction_ended():  # its writes may be committed: never again

@@ -51,7 +51,15 @@ from ..base import (
 )
 from ..fair import HALF_LIFE, Weigher
 from ..limits import claim_limited
-from ..program import Call, Program, Stmt, arun, async_driver_connection, run
+from ..program import (
+    Call,
+    Program,
+    Stmt,
+    arun,
+    async_driver_connection,
+    run,
+    tuple_cursor,
+)
 from ..shared_admin import suspend_program
 from ..sqlfile import load_migrations, load_queries
 from ..workflow_store import (
@@ -1179,14 +1187,22 @@ class PostgresBackend(PostgresAdmin):
         ).start()
 
     def _end_abandoned(self, conn: psycopg.Connection[Any]) -> None:
+        wait = 1.0
+        while True:
+            try:
+                conn.cancel_safe(timeout=CANCEL_TIMEOUT)
+            except Exception as exc:
+                log.warning("could not cancel the statement of an abandoned handler: %s", exc)
+            # No statement of the handler's runs while it is closed. A handler may hold the
+            # lock past the cancel (inside a stream() loop, or a statement begun just
+            # after it): the cancel is sent again, less often as it goes on.
+            if conn.lock.acquire(timeout=wait):
+                break
+            wait = min(wait * 2, 30.0)
         try:
-            conn.cancel_safe(timeout=CANCEL_TIMEOUT)
-        except Exception as exc:
-            log.warning("could not cancel the statement of an abandoned handler: %s", exc)
-        try:
-            with conn.lock:  # no statement of the handler's runs while it is closed
-                conn.close()
+            conn.close()
         finally:
+            conn.lock.release()
             self._give_back(conn)
 
     def _give_back(self, conn: psycopg.Connection[Any]) -> None:
@@ -1211,9 +1227,10 @@ class PostgresBackend(PostgresAdmin):
         self, job_id: int, name: str, result_json: str, attempt: int, conn: Any = None
     ) -> str:
         params = {"job_id": job_id, "name": name, "result": result_json, "attempt": attempt}
-        if conn is not None:
-            conn.execute(self.q["step_insert"], params)
-            return str(conn.execute(self.q["step_get"], params).fetchone()[0])  # type: ignore[index]
+        if conn is not None:  # ctx.transaction()'s: rows as tuples, whatever it was set to
+            cur = tuple_cursor(conn)
+            cur.execute(self.q["step_insert"], params)
+            return str(cur.execute(self.q["step_get"], params).fetchone()[0])
         with self._conn() as own:
             own.execute(self.q["step_insert"], params)
             return str(own.execute(self.q["step_get"], params).fetchone()[0])  # type: ignore[index]

@@ -53,7 +53,7 @@ from ..base import (
 )
 from ..fair import Weigher, fold_params
 from ..limits import claim_limited
-from ..program import Program, Stmt, arun, async_driver_connection, run
+from ..program import Program, Stmt, arun, async_driver_connection, run, tuple_cursor
 from ..shared_admin import suspend_program
 from ..workflow_store import (
     ENDED,
@@ -70,6 +70,10 @@ T = TypeVar("T")
 
 BUSY_TIMEOUT_MS_DEFAULT = 5_000
 WRITE_TIMEOUT_DEFAULT = 60.0
+# An abandoned handler's transaction (see _end_abandoned): seconds its ROLLBACK waits for
+# a statement still running before interrupting it, and how many times it is tried.
+ABANDON_INTERRUPT_AFTER = 0.2
+ABANDON_TRIES = 50
 # Waiting for the write lock: tries this far apart at first, backing off to the most.
 BEGIN_PAUSE_FIRST = 0.0001
 BEGIN_PAUSE_MAX = 0.002
@@ -736,6 +740,7 @@ class SQLiteBackend(SQLiteAdmin):
         """Write the fenced outcome in the attempt's transaction and commit it all, or
         roll it all back when the lease is no longer ours."""
         try:
+            conn.row_factory = None  # errands reads its rows by position, whatever the handler set
             ok = self._finish(conn, outcome)
             fault_point("before_complete_commit")
             conn.execute("COMMIT" if ok else "ROLLBACK")
@@ -756,13 +761,45 @@ class SQLiteBackend(SQLiteAdmin):
             self._forget(conn)
 
     def tx_abandon(self, conn: sqlite3.Connection) -> None:
-        """The statement the handler may be running is interrupted (sqlite3's interrupt
-        may be called from any thread), then the transaction rolled back here at once: it
-        holds the store's write lock, which every writer waits for. The connection is
-        closed: what the handler does with it next fails, and nothing of it is committed."""
-        with contextlib.suppress(sqlite3.Error):
-            conn.interrupt()
-        self.tx_rollback(conn)
+        """From a thread of its own (never waited for): roll the transaction back (it
+        holds the store's write lock, which every writer waits for), then close the
+        connection: what the handler does with it next fails, nothing of it commits."""
+        threading.Thread(
+            target=self._end_abandoned, args=(conn,), name="errands-tx-abandon", daemon=True
+        ).start()
+
+    def _end_abandoned(self, conn: sqlite3.Connection) -> None:
+        """ROLLBACK first, not an interrupt: it ends the transaction even under a cursor
+        the handler left half-read, where an interrupt stays in effect and made the
+        ROLLBACK fail (the write lock stayed until the handler let go of its cursor). A
+        statement still running holds the connection, so the ROLLBACK waits for it: that
+        statement is interrupted after a moment, and again, until the ROLLBACK is through."""
+        ended = threading.Event()
+
+        def interrupt_while_waiting() -> None:
+            while not ended.wait(ABANDON_INTERRUPT_AFTER):
+                with contextlib.suppress(sqlite3.Error):
+                    conn.interrupt()
+
+        threading.Thread(target=interrupt_while_waiting, daemon=True).start()
+        try:
+            for _ in range(ABANDON_TRIES):
+                try:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    break
+                except sqlite3.Error as exc:  # interrupted itself: a cursor still open
+                    last = exc
+                    time.sleep(ABANDON_INTERRUPT_AFTER)
+            else:
+                log.warning(
+                    "could not roll back an abandoned handler's transaction (%s); it ends "
+                    "when the handler's thread lets go of its cursor",
+                    last,
+                )
+        finally:
+            ended.set()
+            self._forget(conn)
 
     def _forget(self, conn: sqlite3.Connection) -> None:
         with self._all_lock:
@@ -786,9 +823,10 @@ class SQLiteBackend(SQLiteAdmin):
     ) -> str:
         """Store a step's result unless one is stored; return the stored JSON (the winner)."""
         params = {"job_id": job_id, "name": name, "result": result_json, "attempt": attempt}
-        if conn is not None:
-            conn.execute(Q["step_insert"], params)
-            return str(conn.execute(Q["step_get"], params).fetchone()[0])
+        if conn is not None:  # ctx.transaction()'s: rows as tuples, whatever it was set to
+            cur = tuple_cursor(conn)
+            cur.execute(Q["step_insert"], params)
+            return str(cur.execute(Q["step_get"], params).fetchone()[0])
         with self._write() as own:
             own.execute(Q["step_insert"], params)
             return str(own.execute(Q["step_get"], params).fetchone()[0])
