@@ -69,3 +69,48 @@ def test_a_handler_stuck_in_a_statement_is_abandoned_without_freezing_the_lease_
             assert other.result(timeout=20) == "done"
     finally:
         app.close()
+
+
+def test_a_handler_abandoned_while_it_waits_for_a_transaction_never_holds_up_the_keeper(
+    pg_url: str,
+) -> None:
+    """The handler waits for a ctx.transaction() connection (a pool of one, held by
+    another job) when its timeout abandons it: letting its transaction go waited for the
+    lock the handler held while it waited (up to the pool's 30 s), on the lease keeper,
+    so no job was heartbeated meanwhile."""
+    sep = "&" if "?" in pg_url else "?"
+    app = errands.App(f"{pg_url}{sep}tx_pool_size=1", lease=3.0)
+
+    @app.job(name="pool.holder")
+    def holder(ctx: errands.Context) -> None:
+        ctx.transaction()
+        time.sleep(8)
+
+    @app.job(name="pool.waiter", timeout=0.3, retries=1, backoff=60)
+    def waiter(ctx: errands.Context) -> None:
+        ctx.transaction()  # waits for the one connection
+
+    @app.job(name="pool.steady")
+    def steady() -> str:
+        time.sleep(6)
+        return "done"
+
+    try:
+        holder.enqueue()
+        time.sleep(0.05)
+        stuck, other = waiter.enqueue(), steady.enqueue()
+        with running_worker(app, concurrency=3, abandon_after=0.5):
+            wait_until(
+                lambda: stuck.job().state is JobState.RETRYABLE,
+                what="the waiting handler to be abandoned",
+                timeout=10,
+            )
+            first = _lease_expiry(app, other.id)
+            wait_until(
+                lambda: _lease_expiry(app, other.id) > first,
+                what="a heartbeat after the abandonment",
+                timeout=5,
+            )
+            assert other.result(timeout=20) == "done"
+    finally:
+        app.close()

@@ -65,12 +65,18 @@ class HarnessRecorder(OutcomeRecorder):
         if _is_crash(exc) or (
             not duplicate and worker.hooks._hook_crash_before_write(attempt, exc)
         ):
-            return self._harness_crash(attempt, exc, result_json)
+            return self._harness_crash(attempt, exc, result_json, handler_running)
         with worker._harness_lock:
             worker._errors[key] = exc
         return super().decided(attempt, exc, result_json, handler_running=handler_running)
 
-    def _harness_crash(self, attempt: Attempt, exc: BaseException | None, result: Any) -> bool:
+    def _harness_crash(
+        self,
+        attempt: Attempt,
+        exc: BaseException | None,
+        result: Any,
+        handler_running: bool = False,
+    ) -> bool:
         """The attempt dies as its process would: nothing written, lease left to expire.
 
         The worker decides the outcome as usual (freeing the slot and its bookkeeping),
@@ -80,8 +86,11 @@ class HarnessRecorder(OutcomeRecorder):
         """
         worker = self.worker
         key = (attempt.id, attempt.token)
-        if attempt.runtime is not None:
-            attempt.runtime.rollback()  # a dead process's transaction rolls back
+        if attempt.runtime is not None:  # a dead process's transaction rolls back
+            if handler_running:  # never waited for from here (see AttemptRuntime.let_go)
+                attempt.runtime.let_go()
+            else:
+                attempt.runtime.rollback()
         with worker._harness_lock:
             worker._crashing[key] = exc if _is_crash(exc) else None
         if super().decided(attempt, exc, result):

@@ -100,8 +100,16 @@ class AttemptRuntime:
                 f"step {name!r} of job {self.attempt.id} returned text holding the NUL "
                 f"character (\\x00), which PostgreSQL cannot store; {NUL_FIX}"
             )
+        with self._lock:
+            if self._let_go and self.tx_opened:  # its transaction was let go of
+                raise TransactionEnded(
+                    f"job {self.attempt.id}: the attempt has ended (timed out and abandoned, "
+                    f"or released at shutdown); step {name!r} is not stored outside the "
+                    "transaction it belonged to"
+                )
+            tx = self.tx
         stored = self.app.backend.step_store(
-            self.attempt.id, name, encoded, self.attempt.row.attempt, conn=self.tx
+            self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
         )
         result = json.loads(stored)
         if stored != encoded and result != json.loads(encoded):
@@ -268,9 +276,16 @@ class AttemptRuntime:
         for that statement (from the lease keeper, which heartbeats every job of the
         worker: a handler stuck on a row lock froze them all, and their leases ran out).
         The backend ends it without waiting for the handler (tx_abandon); nothing of it
-        is committed, and the handler cannot open another."""
+        is committed, and the handler cannot open another, nor store a step outside it.
+
+        Never waits: the handler's thread holds this runtime's lock while it opens its
+        transaction (a pool checkout, SQLite's write lock) or reads its steps, so the
+        flag is set at once and the transaction taken on a thread of its own."""
+        self._let_go = True  # read under the lock by transaction() and the steps
+        threading.Thread(target=self._end_transaction, name="errands-let-go", daemon=True).start()
+
+    def _end_transaction(self) -> None:
         with self._lock:
-            self._let_go = True
             tx, self.tx = self.tx, None
         if tx is not None:
             try:

@@ -113,6 +113,7 @@ KEY_TRIES = 5
 # (idle_limit: half the lease, within these bounds, in seconds).
 IDLE_MIN, IDLE_MAX = 1.0, 5.0
 CANCEL_TIMEOUT = 10.0  # seconds a cancel request for an abandoned handler may take
+ABANDON_WARN_AFTER = 5  # cancels sent before saying an abandoned handler keeps its connection
 
 JOB_COLUMNS_SQL = ", ".join(
     [
@@ -1187,7 +1188,7 @@ class PostgresBackend(PostgresAdmin):
         ).start()
 
     def _end_abandoned(self, conn: psycopg.Connection[Any]) -> None:
-        wait = 1.0
+        wait, tries = 1.0, 0
         while True:
             try:
                 conn.cancel_safe(timeout=CANCEL_TIMEOUT)
@@ -1198,12 +1199,22 @@ class PostgresBackend(PostgresAdmin):
             # after it): the cancel is sent again, less often as it goes on.
             if conn.lock.acquire(timeout=wait):
                 break
+            tries += 1
+            if tries == ABANDON_WARN_AFTER:
+                log.warning(
+                    "an abandoned handler still holds its ctx.transaction() connection after "
+                    "%d cancels; its transaction stays open until it lets go",
+                    tries,
+                )
             wait = min(wait * 2, 30.0)
         try:
             conn.close()
         finally:
             conn.lock.release()
-            self._give_back(conn)
+            try:
+                self._give_back(conn)
+            except Exception:
+                log.exception("could not give an abandoned handler's connection back")
 
     def _give_back(self, conn: psycopg.Connection[Any]) -> None:
         with self._handler_lock:

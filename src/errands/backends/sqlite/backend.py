@@ -761,9 +761,13 @@ class SQLiteBackend(SQLiteAdmin):
             self._forget(conn)
 
     def tx_abandon(self, conn: sqlite3.Connection) -> None:
-        """From a thread of its own (never waited for): roll the transaction back (it
-        holds the store's write lock, which every writer waits for), then close the
-        connection: what the handler does with it next fails, nothing of it commits."""
+        """From a thread of its own (never waited for): make the connection read-only and
+        roll its transaction back (it holds the store's write lock, which every writer
+        waits for). The connection is not closed here: the handler's thread may still be
+        in a call on it (closed under it, that call read a freed handle and could crash
+        the process); it is dropped from the store's connections and closed when the
+        handler lets go of it. Read-only, whatever the handler writes next fails: nothing
+        of it commits (after the ROLLBACK it would be in autocommit mode)."""
         threading.Thread(
             target=self._end_abandoned, args=(conn,), name="errands-tx-abandon", daemon=True
         ).start()
@@ -771,35 +775,41 @@ class SQLiteBackend(SQLiteAdmin):
     def _end_abandoned(self, conn: sqlite3.Connection) -> None:
         """ROLLBACK first, not an interrupt: it ends the transaction even under a cursor
         the handler left half-read, where an interrupt stays in effect and made the
-        ROLLBACK fail (the write lock stayed until the handler let go of its cursor). A
-        statement still running holds the connection, so the ROLLBACK waits for it: that
-        statement is interrupted after a moment, and again, until the ROLLBACK is through."""
+        ROLLBACK fail. A statement still running holds the connection, so the ROLLBACK
+        waits for it: that statement is interrupted after a moment (once: an interrupt
+        that made the ROLLBACK fail is in effect until the handler's cursors end)."""
         ended = threading.Event()
+        failed = threading.Event()
 
         def interrupt_while_waiting() -> None:
-            while not ended.wait(ABANDON_INTERRUPT_AFTER):
+            while not ended.wait(ABANDON_INTERRUPT_AFTER) and not failed.is_set():
                 with contextlib.suppress(sqlite3.Error):
                     conn.interrupt()
 
         threading.Thread(target=interrupt_while_waiting, daemon=True).start()
+        last: Exception | None = None
         try:
             for _ in range(ABANDON_TRIES):
                 try:
+                    conn.execute("PRAGMA query_only = ON")
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     break
                 except sqlite3.Error as exc:  # interrupted itself: a cursor still open
                     last = exc
+                    failed.set()
                     time.sleep(ABANDON_INTERRUPT_AFTER)
             else:
                 log.warning(
                     "could not roll back an abandoned handler's transaction (%s); it ends "
-                    "when the handler's thread lets go of its cursor",
+                    "when the handler's thread lets go of its cursors",
                     last,
                 )
         finally:
             ended.set()
-            self._forget(conn)
+            with self._all_lock:  # no longer the store's: closed when the handler lets go
+                if conn in self._all:
+                    self._all.remove(conn)
 
     def _forget(self, conn: sqlite3.Connection) -> None:
         with self._all_lock:
