@@ -353,6 +353,42 @@ def test_a_handler_abandoned_before_it_opened_its_transaction_cannot_open_one(
         assert after.enqueue().result(timeout=5) == "written"
 
 
+def test_an_abandoned_handlers_next_statement_on_its_transaction_is_refused(
+    app: errands.App, worker_factory
+) -> None:
+    """Once its attempt let go of ctx.transaction(), the handler's next statement on it
+    raises and nothing it wrote commits (on SQLite a write after the rollback would have
+    committed on its own)."""
+    seen: list[str] = []
+
+    @app.job(name="timeout.write_after", timeout=0.2, retries=1, backoff=60)
+    def writer(ctx: errands.Context) -> None:
+        tx = ctx.transaction()
+        tx.execute("CREATE TABLE IF NOT EXISTS late_writes (n INTEGER)")
+        tx.execute("INSERT INTO late_writes VALUES (1)")
+        time.sleep(1.5)  # a C call: abandoned meanwhile
+        try:
+            tx.execute("INSERT INTO late_writes VALUES (2)")
+            seen.append("written")
+        except errands.TransactionEnded as exc:
+            seen.append(str(exc))
+
+    handle = writer.enqueue()
+    with worker_factory(concurrency=1, abandon_after=0.5):
+        wait_until(
+            lambda: handle.job().state is JobState.RETRYABLE,
+            what="the handler to be abandoned",
+            timeout=15,
+        )
+        wait_until(lambda: seen, what="the abandoned handler to wake", timeout=15)
+    assert "the attempt has ended" in seen[0]
+    import sqlite3
+
+    with sqlite3.connect(app.url.removeprefix("sqlite:///")) as conn:
+        tables = conn.execute("SELECT name FROM sqlite_master WHERE name = 'late_writes'")
+        assert tables.fetchall() == []  # rolled back: the table and both rows
+
+
 class _SlowTimeoutWarning(logging.Handler):
     """Fault injection: delay the worker's "ran past its timeout" log line.
 

@@ -86,14 +86,12 @@ class HarnessRecorder(OutcomeRecorder):
         """
         worker = self.worker
         key = (attempt.id, attempt.token)
-        if attempt.runtime is not None:  # a dead process's transaction rolls back
-            if handler_running:  # never waited for from here (see AttemptRuntime.let_go)
-                attempt.runtime.let_go()
-            else:
-                attempt.runtime.rollback()
+        if attempt.runtime is not None and not handler_running:
+            attempt.runtime.rollback()  # a dead process's transaction rolls back
+        # (a handler still running: decided() lets go of it once it owns the outcome)
         with worker._harness_lock:
             worker._crashing[key] = exc if _is_crash(exc) else None
-        if super().decided(attempt, exc, result):
+        if super().decided(attempt, exc, result, handler_running=handler_running):
             return True
         with worker._harness_lock:
             worker._crashing.pop(key, None)

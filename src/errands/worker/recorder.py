@@ -92,7 +92,7 @@ class OutcomeRecorder:
             outcome, written = self._outcome(attempt, exc, result_json, handler_running)
         except BaseException as bug:
             log.exception("job %s: recording its outcome failed; recording a failure", attempt.id)
-            outcome, written = self._fallback(attempt, bug), None
+            outcome, written = self._fallback(attempt, bug, handler_running), None
         try:
             self.worker.slot_freed(attempt)
         finally:
@@ -162,12 +162,17 @@ class OutcomeRecorder:
             log.exception("job %s: committing its transaction failed; retrying it", attempt.id)
             return outcome_for(attempt, exc, None, self.worker.id), None
 
-    def _fallback(self, attempt: Attempt, bug: BaseException) -> FinishParams:
+    def _fallback(
+        self, attempt: Attempt, bug: BaseException, handler_running: bool = False
+    ) -> FinishParams:
         """A retryable failure naming what broke, built from nothing that can fail."""
         runtime = attempt.runtime
         if runtime is not None:
             try:
-                runtime.rollback()
+                if handler_running:  # never rolled back from here (see let_go)
+                    runtime.let_go()
+                else:
+                    runtime.rollback()
             except Exception:
                 log.exception("job %s: could not roll back its transaction", attempt.id)
         state = "retryable" if attempt.row.attempt < attempt.row.max_attempts else "dead"

@@ -61,6 +61,7 @@ class AttemptRuntime:
         self.tx_warned = False  # the lease keeper warned that it is held long
         self.children: list[EnqueueRequest] = []
         self._let_go = False  # the attempt ended while the handler ran: no new transaction
+        self._ended = threading.Event()  # ... and no statement on the one it had
         self._steps: dict[str, Any] | None = None
         self._used: set[str] = set()
         self._lock = threading.Lock()
@@ -223,7 +224,7 @@ class AttemptRuntime:
                     self.app.backend.tx_rollback(tx)
                     raise
                 self.tx, self.tx_opened = tx, time.monotonic()
-            return TransactionConnection(self.tx)
+            return TransactionConnection(self.tx, self._ended)
 
     def check_transaction(self) -> None:
         """Just before the completion is written in it: raise TransactionEnded unless the
@@ -282,6 +283,7 @@ class AttemptRuntime:
         transaction (a pool checkout, SQLite's write lock) or reads its steps, so the
         flag is set at once and the transaction taken on a thread of its own."""
         self._let_go = True  # read under the lock by transaction() and the steps
+        self._ended.set()  # the handler's connection refuses its next statement
         threading.Thread(target=self._end_transaction, name="errands-let-go", daemon=True).start()
 
     def _end_transaction(self) -> None:
@@ -426,8 +428,15 @@ def _statement_text(conn: Any, query: Any) -> str:
     return str(query)
 
 
-def refuse_ending(conn: Any, query: Any) -> None:
-    """Raise TransactionEnded if ``query`` would end the transaction of ctx.transaction()."""
+def refuse_ending(conn: Any, query: Any, ended: threading.Event | None = None) -> None:
+    """Raise TransactionEnded if ``query`` would end the transaction of ctx.transaction(),
+    or if the attempt let go of it (``ended``): nothing more runs on it then (on SQLite a
+    write after its rollback would have committed on its own)."""
+    if ended is not None and ended.is_set():
+        raise TransactionEnded(
+            "ctx.transaction(): the attempt has ended (timed out and abandoned, or released "
+            "at shutdown); nothing more runs in its transaction, and nothing of it commits"
+        )
     text = _COMMENTS.sub(" ", _statement_text(conn, query))
     for statement in text.split(";"):
         words = statement.strip()
@@ -441,12 +450,15 @@ def refuse_ending(conn: Any, query: Any) -> None:
 
 class TransactionConnection:
     """The handler's view of the completion transaction: the driver connection, minus the
-    calls that would end the transaction early (errands commits it with the job)."""
+    calls that would end the transaction early (errands commits it with the job), and
+    refusing every statement once the attempt has let go of it (``ended``: abandoned
+    past its timeout or released at shutdown; see AttemptRuntime.let_go)."""
 
-    __slots__ = ("_conn",)
+    __slots__ = ("_conn", "_ended")
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, ended: threading.Event | None = None) -> None:
         self._conn = conn
+        self._ended = ended or threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         if name in _REFUSED_CALLS:
@@ -457,7 +469,7 @@ class TransactionConnection:
         return getattr(self._conn, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_conn":
+        if name in ("_conn", "_ended"):
             object.__setattr__(self, name, value)
         elif name in _REFUSED_SETTINGS:
             raise TransactionEnded(
@@ -468,16 +480,18 @@ class TransactionConnection:
             setattr(self._conn, name, value)
 
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
-        refuse_ending(self._conn, query)
-        return GuardedCursor(self._conn, self._conn.execute(query, *args, **kwargs))
+        refuse_ending(self._conn, query, self._ended)
+        cursor = self._conn.execute(query, *args, **kwargs)
+        return GuardedCursor(self._conn, cursor, self._ended)
 
     def executemany(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        refuse_ending(self._conn, query)
+        refuse_ending(self._conn, query, self._ended)
         result = self._conn.executemany(query, *args, **kwargs)
-        return GuardedCursor(self._conn, result) if result is not None else None
+        return GuardedCursor(self._conn, result, self._ended) if result is not None else None
 
     def cursor(self, *args: Any, **kwargs: Any) -> GuardedCursor:
-        return GuardedCursor(self._conn, self._conn.cursor(*args, **kwargs))
+        refuse_ending(self._conn, "", self._ended)
+        return GuardedCursor(self._conn, self._conn.cursor(*args, **kwargs), self._ended)
 
     def __enter__(self) -> TransactionConnection:
         return self
@@ -495,11 +509,12 @@ class TransactionConnection:
 class GuardedCursor:
     """A cursor of the completion transaction: statements that would end it are refused."""
 
-    __slots__ = ("_conn", "_cursor")
+    __slots__ = ("_conn", "_cursor", "_ended")
 
-    def __init__(self, conn: Any, cursor: Any) -> None:
+    def __init__(self, conn: Any, cursor: Any, ended: threading.Event | None = None) -> None:
         self._conn = conn
         self._cursor = cursor
+        self._ended = ended or threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         if name == "executescript":
@@ -508,16 +523,16 @@ class GuardedCursor:
                 "the transaction commits together with the job's completion"
             )
         if name == "connection":
-            return TransactionConnection(self._conn)
+            return TransactionConnection(self._conn, self._ended)
         return getattr(self._cursor, name)
 
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
-        refuse_ending(self._conn, query)
+        refuse_ending(self._conn, query, self._ended)
         self._cursor.execute(query, *args, **kwargs)
         return self
 
     def executemany(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
-        refuse_ending(self._conn, query)
+        refuse_ending(self._conn, query, self._ended)
         self._cursor.executemany(query, *args, **kwargs)
         return self
 

@@ -768,6 +768,9 @@ class SQLiteBackend(SQLiteAdmin):
         the process); it is dropped from the store's connections and closed when the
         handler lets go of it. Read-only, whatever the handler writes next fails: nothing
         of it commits (after the ROLLBACK it would be in autocommit mode)."""
+        with self._all_lock:  # not the store's any more: close() never closes it under it
+            if conn in self._all:
+                self._all.remove(conn)
         threading.Thread(
             target=self._end_abandoned, args=(conn,), name="errands-tx-abandon", daemon=True
         ).start()
@@ -801,15 +804,13 @@ class SQLiteBackend(SQLiteAdmin):
                     time.sleep(ABANDON_INTERRUPT_AFTER)
             else:
                 log.warning(
-                    "could not roll back an abandoned handler's transaction (%s); it ends "
-                    "when the handler's thread lets go of its cursors",
+                    "could not roll back an abandoned handler's transaction (%s); it ends, "
+                    "uncommitted, when the handler lets go of its connection (no statement "
+                    "of the handler's runs on it any more)",
                     last,
                 )
         finally:
             ended.set()
-            with self._all_lock:  # no longer the store's: closed when the handler lets go
-                if conn in self._all:
-                    self._all.remove(conn)
 
     def _forget(self, conn: sqlite3.Connection) -> None:
         with self._all_lock:
