@@ -313,11 +313,7 @@ def test_a_handler_abandoned_with_a_half_read_cursor_leaves_no_write_lock_behind
 
     handle = half_read.enqueue()
     with worker_factory(concurrency=2, abandon_after=0.5):
-        wait_until(
-            lambda: handle.job().state is JobState.RETRYABLE,
-            what="the handler to be abandoned",
-            timeout=15,
-        )
+        _abandoned(handle)
         assert after.enqueue().result(timeout=2) == "written"  # no write lock held
 
 
@@ -343,11 +339,7 @@ def test_a_handler_abandoned_before_it_opened_its_transaction_cannot_open_one(
 
     handle = late.enqueue()
     with worker_factory(concurrency=2, abandon_after=0.5):
-        wait_until(
-            lambda: handle.job().state is JobState.RETRYABLE,
-            what="the handler to be abandoned",
-            timeout=15,
-        )
+        _abandoned(handle)
         wait_until(lambda: seen, what="the abandoned handler to wake", timeout=15)
         assert "the attempt has ended" in seen[0]
         assert after.enqueue().result(timeout=5) == "written"
@@ -375,11 +367,7 @@ def test_an_abandoned_handlers_next_statement_on_its_transaction_is_refused(
 
     handle = writer.enqueue()
     with worker_factory(concurrency=1, abandon_after=0.5):
-        wait_until(
-            lambda: handle.job().state is JobState.RETRYABLE,
-            what="the handler to be abandoned",
-            timeout=15,
-        )
+        _abandoned(handle)
         wait_until(lambda: seen, what="the abandoned handler to wake", timeout=15)
     assert "the attempt has ended" in seen[0]
     import sqlite3
@@ -387,6 +375,15 @@ def test_an_abandoned_handlers_next_statement_on_its_transaction_is_refused(
     with sqlite3.connect(app.url.removeprefix("sqlite:///")) as conn:
         tables = conn.execute("SELECT name FROM sqlite_master WHERE name = 'late_writes'")
         assert tables.fetchall() == []  # rolled back: the table and both rows
+
+
+def _abandoned(handle: errands.JobHandle) -> None:
+    """Wait for the handler of ``handle`` to be abandoned past its timeout (retryable)."""
+    wait_until(
+        lambda: handle.job().state is JobState.RETRYABLE,
+        what="the handler to be abandoned",
+        timeout=15,
+    )
 
 
 class _SlowTimeoutWarning(logging.Handler):

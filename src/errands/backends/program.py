@@ -21,7 +21,8 @@ COPY); only sync programs do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import contextlib
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -135,3 +136,37 @@ async def async_driver_connection(conn: Any) -> Any:
         conn = await conn.connection()
     raw = await conn.get_raw_connection()
     return raw.driver_connection
+
+
+SAVEPOINT = "errands_enqueue"  # an enqueue of several statements in a caller's transaction
+
+
+@contextlib.contextmanager
+def savepoint(conn: Any, errors: tuple[type[Exception], ...]) -> Iterator[None]:
+    """A savepoint in the caller's open transaction around an enqueue of several
+    statements: a failure midway takes back what it wrote and leaves the transaction
+    usable. ``errors``: the driver's, suppressed while rolling back to it (a lost
+    connection: the enqueue's own error is the one raised)."""
+    conn.execute(f"SAVEPOINT {SAVEPOINT}")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(*errors):
+            conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+            conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        raise
+    conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+
+
+@contextlib.asynccontextmanager
+async def asavepoint(conn: Any, errors: tuple[type[Exception], ...]) -> AsyncIterator[None]:
+    """:func:`savepoint` on an async connection (psycopg, aiosqlite)."""
+    await conn.execute(f"SAVEPOINT {SAVEPOINT}")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(*errors):
+            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
+            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+        raise
+    await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")

@@ -56,8 +56,10 @@ from ..program import (
     Program,
     Stmt,
     arun,
+    asavepoint,
     async_driver_connection,
     run,
+    savepoint,
     tuple_cursor,
 )
 from ..shared_admin import suspend_program
@@ -1535,9 +1537,6 @@ class _ReleaseWakeup:
         self.backend._notify_due(queues)  # records them (the statement sent what was due)
 
 
-SAVEPOINT = "errands_enqueue"  # an enqueue of several statements in a caller's transaction
-
-
 @contextmanager
 def _atomic(conn: psycopg.Connection[Any], *, several: bool) -> Iterator[None]:
     """An enqueue of several statements (a batch, a keyed job, a workflow) on a caller's
@@ -1555,15 +1554,8 @@ def _atomic(conn: psycopg.Connection[Any], *, several: bool) -> Iterator[None]:
         with conn.transaction():
             yield
         return
-    conn.execute(f"SAVEPOINT {SAVEPOINT}")
-    try:
+    with savepoint(conn, (psycopg.Error,)):
         yield
-    except BaseException:
-        with contextlib.suppress(psycopg.Error):  # a lost connection: its error is raised
-            conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
-        raise
-    conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 @contextlib.asynccontextmanager
@@ -1576,15 +1568,8 @@ async def _aatomic(conn: psycopg.AsyncConnection[Any], *, several: bool) -> Asyn
         async with conn.transaction():
             yield
         return
-    await conn.execute(f"SAVEPOINT {SAVEPOINT}")
-    try:
+    async with asavepoint(conn, (psycopg.Error,)):
         yield
-    except BaseException:
-        with contextlib.suppress(psycopg.Error):
-            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
-        raise
-    await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 def _on_its_own(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:

@@ -53,7 +53,16 @@ from ..base import (
 )
 from ..fair import Weigher, fold_params
 from ..limits import claim_limited
-from ..program import Program, Stmt, arun, async_driver_connection, run, tuple_cursor
+from ..program import (
+    Program,
+    Stmt,
+    arun,
+    asavepoint,
+    async_driver_connection,
+    run,
+    savepoint,
+    tuple_cursor,
+)
 from ..shared_admin import suspend_program
 from ..workflow_store import (
     ENDED,
@@ -1039,9 +1048,6 @@ def _on_its_own(conn: Any) -> bool:
     return bool(own and not conn.in_transaction)
 
 
-SAVEPOINT = "errands_enqueue"  # an enqueue of several statements in a caller's transaction
-
-
 @contextlib.contextmanager
 def _atomic(conn: sqlite3.Connection, *, several: bool) -> Iterator[None]:
     """An enqueue of several statements on a caller's connection is stored whole or not
@@ -1063,15 +1069,8 @@ def _atomic(conn: sqlite3.Connection, *, several: bool) -> Iterator[None]:
         return
     if not conn.in_transaction:  # the caller's transaction, begun as sqlite3 would begin it
         conn.execute(_begin_like(conn))
-    conn.execute(f"SAVEPOINT {SAVEPOINT}")
-    try:
+    with savepoint(conn, (sqlite3.Error,)):
         yield
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
-        raise
-    conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 @contextlib.asynccontextmanager
@@ -1091,15 +1090,8 @@ async def _aatomic(conn: Any, *, several: bool) -> AsyncIterator[None]:
         return
     if not conn.in_transaction:
         await conn.execute(_begin_like(conn))
-    await conn.execute(f"SAVEPOINT {SAVEPOINT}")
-    try:
+    async with asavepoint(conn, (sqlite3.Error,)):
         yield
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):
-            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
-        raise
-    await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
 
 
 def _begin_like(conn: Any) -> str:
