@@ -138,7 +138,10 @@ async def async_driver_connection(conn: Any) -> Any:
     return raw.driver_connection
 
 
-SAVEPOINT = "errands_enqueue"  # an enqueue of several statements in a caller's transaction
+# An enqueue of several statements in a caller's transaction: its savepoint's statements.
+SAVEPOINT = "SAVEPOINT errands_enqueue"
+ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT errands_enqueue"
+RELEASE_SAVEPOINT = "RELEASE SAVEPOINT errands_enqueue"
 
 
 @contextlib.contextmanager
@@ -147,26 +150,26 @@ def savepoint(conn: Any, errors: tuple[type[Exception], ...]) -> Iterator[None]:
     statements: a failure midway takes back what it wrote and leaves the transaction
     usable. ``errors``: the driver's, suppressed while rolling back to it (a lost
     connection: the enqueue's own error is the one raised)."""
-    conn.execute(f"SAVEPOINT {SAVEPOINT}")
+    conn.execute(SAVEPOINT)
     try:
         yield
     except BaseException:
         with contextlib.suppress(*errors):
-            conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+            conn.execute(ROLLBACK_TO_SAVEPOINT)
+            conn.execute(RELEASE_SAVEPOINT)
         raise
-    conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+    conn.execute(RELEASE_SAVEPOINT)
 
 
 @contextlib.asynccontextmanager
 async def asavepoint(conn: Any, errors: tuple[type[Exception], ...]) -> AsyncIterator[None]:
     """:func:`savepoint` on an async connection (psycopg, aiosqlite)."""
-    await conn.execute(f"SAVEPOINT {SAVEPOINT}")
+    await conn.execute(SAVEPOINT)
     try:
         yield
     except BaseException:
         with contextlib.suppress(*errors):
-            await conn.execute(f"ROLLBACK TO SAVEPOINT {SAVEPOINT}")
-            await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+            await conn.execute(ROLLBACK_TO_SAVEPOINT)
+            await conn.execute(RELEASE_SAVEPOINT)
         raise
-    await conn.execute(f"RELEASE SAVEPOINT {SAVEPOINT}")
+    await conn.execute(RELEASE_SAVEPOINT)
