@@ -221,6 +221,7 @@ def test_a_handler_that_sets_its_own_row_factory_still_completes_its_steps_and_w
             conn.row_factory = lambda cursor, row: {
                 d[0]: v for d, v in zip(cursor.description, row, strict=True)
             }
+            conn.text_factory = bytes
         else:
             from psycopg.rows import dict_row
 

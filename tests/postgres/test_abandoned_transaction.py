@@ -114,3 +114,39 @@ def test_a_handler_abandoned_while_it_waits_for_a_transaction_never_holds_up_the
             assert other.result(timeout=20) == "done"
     finally:
         app.close()
+
+
+def test_an_async_handler_stopped_by_its_timeout_never_blocks_the_event_loop(
+    pg_url: str,
+) -> None:
+    """An async handler runs a statement of its ctx.transaction() in a thread
+    (asyncio.to_thread) and is stopped by its timeout: the thread goes on in the
+    statement. Deciding the timeout rolled the transaction back on the event loop, which
+    waited for that statement: every async job of the worker stood still meanwhile."""
+    import asyncio
+
+    app = errands.App(pg_url)
+
+    @app.job(name="loop.slow_tx", timeout=0.3, retries=1, backoff=60)
+    async def slow_tx(ctx: errands.Context) -> None:
+        tx = ctx.transaction()
+        await asyncio.to_thread(tx.execute, "SELECT pg_sleep(30)")
+
+    @app.job(name="loop.quick")
+    async def quick() -> str:
+        return "quick"
+
+    try:
+        stuck = slow_tx.enqueue()
+        with running_worker(app, concurrency=4):
+            wait_until(lambda: stuck.job().state is JobState.RUNNING, what="its start")
+            time.sleep(1.0)  # its timeout (0.3 s) has fired; its thread is in pg_sleep
+            # not behind the 30 s statement (the loop waited for it)
+            assert quick.enqueue().result(timeout=15) == "quick"
+            wait_until(
+                lambda: stuck.job().state is JobState.RETRYABLE,
+                what="the async handler's timeout recorded",
+                timeout=10,
+            )
+    finally:
+        app.close()

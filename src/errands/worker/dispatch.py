@@ -300,7 +300,12 @@ class Dispatcher:
             recorder.decided(attempt, Interrupted("shutdown"), None)
             return
         exc = future.exception()
-        recorder.handler_returned(attempt, exc, None if exc is not None else future.result())
+        # Stopped by its timeout or the worker: a thread it started (asyncio.to_thread) may
+        # still be in a statement of its ctx.transaction(); the loop never waits for it.
+        stopped = isinstance(exc, JobTimeout | Interrupted)
+        recorder.handler_returned(
+            attempt, exc, None if exc is not None else future.result(), handler_running=stopped
+        )
 
     def _run_in_child(self, attempt: Attempt, children: ProcessRunner) -> Any:
         """A process-pool attempt (or an isolated suspect): prepared here, run in a child

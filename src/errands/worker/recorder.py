@@ -52,8 +52,18 @@ class OutcomeRecorder:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
 
-    def handler_returned(self, attempt: Attempt, exc: BaseException | None, result: Any) -> None:
-        """A handler ended (``result``: its encoded JSON, or a child process's result)."""
+    def handler_returned(
+        self,
+        attempt: Attempt,
+        exc: BaseException | None,
+        result: Any,
+        *,
+        handler_running: bool = False,
+    ) -> None:
+        """A handler ended (``result``: its encoded JSON, or a child process's result).
+        ``handler_running``: its task ended but work it started may still run (an async
+        handler stopped by its timeout or the worker, whose ``asyncio.to_thread`` call
+        goes on): its ctx.transaction() is let go of, never rolled back from here."""
         if isinstance(result, ChildResult):
             self.child_done(attempt, result)
             return
@@ -67,7 +77,7 @@ class OutcomeRecorder:
             # Asked to stop (cancelled, lease lost or unrenewable) and returned: it stopped
             # early, so its work is not done. (A shutdown release ignores the outcome.)
             exc, result = Interrupted(attempt.stop_reason or ""), None
-        self.decided(attempt, exc, result)
+        self.decided(attempt, exc, result, handler_running=handler_running)
 
     def decided(
         self,

@@ -749,7 +749,8 @@ class SQLiteBackend(SQLiteAdmin):
         """Write the fenced outcome in the attempt's transaction and commit it all, or
         roll it all back when the lease is no longer ours."""
         try:
-            conn.row_factory = None  # errands reads its rows by position, whatever the handler set
+            # errands reads its rows by position, and text as str, whatever the handler set
+            conn.row_factory, conn.text_factory = None, str
             ok = self._finish(conn, outcome)
             fault_point("before_complete_commit")
             conn.execute("COMMIT" if ok else "ROLLBACK")
@@ -846,7 +847,9 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is not None:  # ctx.transaction()'s: rows as tuples, whatever it was set to
             cur = tuple_cursor(conn)
             cur.execute(Q["step_insert"], params)
-            return str(cur.execute(Q["step_get"], params).fetchone()[0])
+            stored = cur.execute(Q["step_get"], params).fetchone()[0]
+            # (text as the handler's text_factory gives it: bytes, say)
+            return stored.decode() if isinstance(stored, bytes) else str(stored)
         with self._write() as own:
             own.execute(Q["step_insert"], params)
             return str(own.execute(Q["step_get"], params).fetchone()[0])
