@@ -38,6 +38,7 @@ from .definition import (
     JobDefinition,
     check_name,
     check_text,
+    checked_epoch,
     checked_priority,
     seconds,
 )
@@ -1001,7 +1002,7 @@ class App:
                 raise ConfigurationError(
                     f"edit: run_at={run_at!r} must be a datetime with a time zone"
                 )
-            when = run_at.timestamp()
+            when = checked_epoch(run_at.timestamp(), "edit: run_at")
         if priority is not None:
             checked_priority(priority, "edit: priority")
         edits, skipped = self._edits(

@@ -43,6 +43,20 @@ DURATION_MAX = 100 * 365.25 * 86400
 
 
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # PostgreSQL's integer, on every store
+# When a job may be due (epoch seconds): years 1 to 9998 in UTC, so that every time zone
+# reads it back as a date (9999-12-31T23:59-12:00 is year 10000 in UTC: every listing of
+# the store then failed, "year 10000 is out of range").
+RUN_AT_MIN, RUN_AT_MAX = -62_135_596_800.0, 253_370_764_800.0
+
+
+def checked_epoch(value: float, what: str) -> float:
+    """``value`` (epoch seconds of a run_at) when a date can be made of it again."""
+    if not RUN_AT_MIN <= value <= RUN_AT_MAX:
+        raise ConfigurationError(
+            f"{what}: {value:.0f} s since 1970 is out of range; give a date between the "
+            "years 1 and 9998"
+        )
+    return value
 
 
 def checked_priority(value: Any, what: str) -> int:
@@ -407,7 +421,7 @@ class JobDefinition(Generic[P, R]):
                     f"{self.name}: run_at={options.run_at!r} has no time zone; pass an aware "
                     "datetime such as datetime.now(UTC) + timedelta(minutes=5)"
                 )
-            run_at = options.run_at.timestamp()
+            run_at = checked_epoch(options.run_at.timestamp(), f"{self.name}: run_at")
         priority = self.priority
         if options.priority is not None:
             priority = checked_priority(options.priority, f"{self.name}: priority")

@@ -169,3 +169,23 @@ def test_a_job_still_running_after_a_minute_is_named_at_info(
         errands_app.close()
     [line] = [r for r in caplog.records if "still running" in r.getMessage()]
     assert (line.job_id, line.job_name) == (handle.id, "log.long")  # type: ignore[attr-defined]
+
+
+def test_a_handlers_own_extra_naming_a_job_field_logs_instead_of_failing_the_job(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Records made in a job carry its fields; logging refused an ``extra`` naming one
+    (KeyError: "Attempt to overwrite 'attempt' in LogRecord"), which failed the job. The
+    caller's value is set on its own line now."""
+    mine = logging.getLogger("app.payments")
+
+    @app.job(name="logs.extra")
+    def charge() -> str:
+        mine.warning("retrying the provider", extra={"attempt": 3, "provider": "acme"})
+        return "charged"
+
+    handle = charge.enqueue()
+    with caplog.at_level(logging.WARNING, logger="app.payments"), worker_factory(concurrency=1):
+        assert handle.result(timeout=10) == "charged"
+    [record] = [r for r in caplog.records if r.getMessage() == "retrying the provider"]
+    assert (record.attempt, record.provider, record.job_id) == (3, "acme", handle.id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -117,6 +117,19 @@ def test_a_delay_too_far_to_read_back_as_a_date_is_refused_at_enqueue_and_at_edi
     with pytest.raises(ConfigurationError, match="at most 100 years"):
         app.edit([handle.id], delay=far)
     assert app.get_job(handle.id).run_at is not None  # still readable, unchanged
+
+
+def test_a_run_at_no_time_zone_could_read_back_as_a_date_is_refused(app: errands.App) -> None:
+    """9999-12-31T23:59:59-12:00 is year 10000 in UTC: it was stored, and every listing
+    of the store then failed ("year 10000 is out of range"), the dashboard's included."""
+    far = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-12)))
+    job = _define(app)
+    with pytest.raises(ConfigurationError, match=r"run_at.*out of range"):
+        job.enqueue(user_id=1, run_at=far)
+    handle = job.enqueue(user_id=1, delay=60)
+    with pytest.raises(ConfigurationError, match=r"edit: run_at.*out of range"):
+        app.edit([handle.id], run_at=far)
+    assert [j.id for j in app.jobs()] == [handle.id]
 
 
 def test_a_timeout_of_infinity_is_refused_at_definition(app: errands.App) -> None:

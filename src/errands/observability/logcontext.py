@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -66,7 +67,40 @@ def install_record_factory() -> None:
 
     logging.setLogRecordFactory(factory)
     _layer = (factory, previous)
+    _allow_job_fields_in_extra()
     _installed = True
+
+
+def _allow_job_fields_in_extra() -> None:
+    """A record made in a job already carries the job's fields (the factory above), and
+    logging refuses an ``extra`` that names a field the record has: a handler's own
+    ``log.warning("retry", extra={"attempt": 3})`` raised KeyError ("Attempt to overwrite
+    'attempt' in LogRecord") and failed the job. Such a key is set after the record is
+    made instead: the caller's value wins on its own line."""
+    original = logging.Logger.makeRecord
+
+    def make_record(
+        self: logging.Logger,
+        name: str,
+        level: int,
+        fn: str,
+        lno: int,
+        msg: object,
+        args: Any,
+        exc_info: Any,
+        func: str | None = None,
+        extra: Mapping[str, object] | None = None,
+        sinfo: str | None = None,
+    ) -> logging.LogRecord:
+        clashing = {k: v for k, v in extra.items() if k in JOB_FIELDS} if extra else None
+        if not clashing:
+            return original(self, name, level, fn, lno, msg, args, exc_info, func, extra, sinfo)
+        rest = {k: v for k, v in extra.items() if k not in clashing}  # type: ignore[union-attr]
+        record = original(self, name, level, fn, lno, msg, args, exc_info, func, rest, sinfo)
+        record.__dict__.update(clashing)
+        return record
+
+    logging.Logger.makeRecord = make_record  # type: ignore[method-assign]
 
 
 class job_context:
