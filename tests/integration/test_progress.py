@@ -109,3 +109,49 @@ def test_jobs_show_and_the_dashboard_show_a_running_jobs_progress(app: errands.A
             release.set()
     finally:
         release.set()
+
+
+def test_a_progress_message_quoting_a_sensitive_argument_is_masked_where_it_is_shown(
+    app: errands.App,
+) -> None:
+    """``ctx.progress(.5, f"sending to {email}")`` of a job with ``sensitive={"email"}``:
+    the address showed on the dashboard's job page and running list, in ``jobs show`` and
+    its JSON, and in the progress event; it is masked there as in the job's errors."""
+    pytest.importorskip("starlette")
+    from click.testing import CliRunner
+    from starlette.testclient import TestClient
+
+    from errands.cli.main import cli
+    from errands.dashboard import create_app
+
+    release = threading.Event()
+    events: list[Event] = []
+    app.events.subscribe(lambda e: events.append(e) if e.name == "errands.job.progress" else None)
+
+    @app.job(name="progress.mail", lease=1.5, sensitive={"email"})
+    def mail(ctx: errands.Context, email: str) -> None:
+        ctx.progress(0.5, f"sending to {email}")
+        release.wait(10)
+
+    secret = "alice@example.com"
+    try:
+        with running_worker(app):
+            handle = mail.enqueue(email=secret)
+            wait_until(handle.progress, what="progress stored")
+            wait_until(lambda: events, what="the progress event")
+            for args in (
+                ["jobs", "show", str(handle.id)],
+                ["jobs", "show", str(handle.id), "--json"],
+            ):
+                shown = CliRunner().invoke(cli, [*args, "--url", app.url])
+                assert "sending to" in shown.output and secret not in shown.output, shown.output
+            with TestClient(
+                create_app(app), base_url="http://127.0.0.1", client=("127.0.0.1", 50000)
+            ) as client:
+                for page in (client.get(f"/jobs/{handle.id}"), client.get("/jobs?state=running")):
+                    assert page.status_code == 200
+                    assert "sending to" in page.text and secret not in page.text
+            assert secret not in events[-1]["message"]
+            release.set()
+    finally:
+        release.set()

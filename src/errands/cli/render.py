@@ -108,7 +108,10 @@ def job_dict(job: Job) -> dict[str, Any]:
         "discard_reason": job.discard_reason,
         "progress": None
         if job.progress is None
-        else {"fraction": job.progress.fraction, "message": job.progress.message},
+        else {
+            "fraction": job.progress.fraction,
+            "message": mask_text(job.progress.message, sensitive_values(job)),
+        },
         "waiting_for": job.waiting_for,
         "wait_until": job.wait_until,
         "errors": [
@@ -131,7 +134,8 @@ def progress_text(job: Job) -> str:
     if job.progress is None:
         return "-"
     text = f"{job.progress.fraction * 100:.0f}%"
-    return f"{text} {job.progress.message}" if job.progress.message else text
+    message = mask_text(job.progress.message, sensitive_values(job))
+    return f"{text} {message}" if message else text
 
 
 def short(value: Any, limit: int = 60) -> str:

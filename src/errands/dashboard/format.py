@@ -94,7 +94,17 @@ def trace_id(meta: Any) -> str | None:
     return None
 
 
+def progress_message(job: Any) -> str:
+    """A job's ``ctx.progress`` message, its sensitive arguments' values masked (as its
+    errors are): ``ctx.progress(.5, f"sending to {email}")`` showed the address."""
+    from ..masking import mask_text, sensitive_values
+
+    message = job.progress.message if job.progress is not None else ""
+    return mask_text(message, sensitive_values(job)) if message else ""
+
+
 FILTERS = {
+    "progress_message": progress_message,
     "when": when,
     "iso": iso,
     "duration": duration,

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..backends.base import LeaseRef
 from ..hooks import protect_current_thread
 from ..observability.logcontext import JobLogContext, job_context
-from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt
+from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt, _secrets, scrub
 
 if TYPE_CHECKING:
     from ..app import App
@@ -229,7 +229,7 @@ class LeaseKeeper:
                 attempt=row.attempt,
                 max_attempts=row.max_attempts,
                 progress=report[0],
-                message=report[1],
+                message=scrub(report[1], _secrets(attempt)),  # as its errors are
             )
 
     def _self_fence(self, held: list[Attempt]) -> None:
