@@ -51,7 +51,7 @@ from .errors import (
     is_transient,
 )
 from .handle import JobHandle
-from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner
+from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner, HookTimeout
 from .jobs import Job, JobRow, Step, listed_by_priority, parse_cursor, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
@@ -524,12 +524,23 @@ class App:
             if job.state != "dead":  # replayed (or discarded) since: nothing to tell
                 return
             try:
-                # A death's hooks share one hook_timeout (the lane times the whole call):
-                # a retry may only take what half of it leaves.
-                retry_until = time.monotonic() + self.hooks.hook_timeout / 2
+                # Each hook has its own hook_timeout (the lane's clock restarts for it; a
+                # retry may only take what half of it leaves). The death's hooks shared
+                # one: a first slow hook got the next one interrupted, and its death was
+                # marked done, so that hook never ran.
+                lane = self.hooks.lane("dead")
                 for hook in self.dead_hooks:
+                    lane.restart_clock()
+                    retry_until = time.monotonic() + self.hooks.hook_timeout / 2
                     try:
                         self._call_dead_hook(hook, job, retry_until)
+                    except HookTimeout:  # stopped at its limit (logged by the lane): next
+                        log.error(
+                            "on_dead hook %r was stopped at its %g s limit for job %s",
+                            hook,
+                            self.hooks.hook_timeout,
+                            job_id,
+                        )
                     except Exception:
                         log.exception("on_dead hook %r failed for job %s", hook, job_id)
             finally:

@@ -126,6 +126,15 @@ class Lane:
             return None
         return call.future
 
+    def restart_clock(self) -> None:
+        """The call running on this thread starts its time limit anew: a call that runs
+        several user callables one after another (a death's on_dead hooks) gives each its
+        own limit. A no-op off the lane's threads."""
+        me = threading.get_ident()
+        with self._lock:
+            if me in self._current:
+                self._current[me] = (self._current[me][0], time.monotonic())
+
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float, what: str = "") -> Any:
         """Run ``fn(*args)`` on the lane and wait at most ``timeout`` for its result;
         raises what it raised, or TimeoutError (it may still finish later, unused)."""

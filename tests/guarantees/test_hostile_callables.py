@@ -463,3 +463,36 @@ def test_a_hanging_result_serializer_is_stopped_by_the_jobs_timeout(
     finally:
         _SERIALIZER_GATE.set()
     assert handle.job().last_error.kind == "timeout"  # type: ignore[union-attr]
+
+
+def test_each_on_dead_hook_of_a_death_has_its_own_time_limit(store_url: str) -> None:
+    """Given hook_timeout=1 and two on_dead hooks of 0.7 s each, when a job dies, then
+    both run to their end: they shared one limit, the second was interrupted at 0.3 s
+    and the death was marked done, so it never ran (a pager alert lost)."""
+    app = errands.App(store_url, hook_timeout=1.0)
+    finished: list[str] = []
+
+    @app.on_dead
+    def first(job: errands.Job) -> None:
+        time.sleep(0.7)
+        finished.append("first")
+
+    @app.on_dead
+    def second(job: errands.Job) -> None:
+        for _ in range(70):  # pure Python: an interrupt would land here
+            time.sleep(0.01)
+        finished.append("second")
+
+    @app.job(name="hostile.dies_twice")
+    def dies() -> None:
+        raise errands.Permanent("no")
+
+    from tests.conftest import running_worker
+
+    try:
+        with running_worker(app):
+            dies.enqueue()
+            wait_until(lambda: len(finished) == 2, timeout=30, what="both hooks")
+        assert finished == ["first", "second"]
+    finally:
+        app.close()
