@@ -181,6 +181,15 @@ class App:
                     self._backend = open_backend(self.url)
         return self._backend
 
+    async def abackend(self) -> Backend:
+        """:attr:`backend` for async code: opened (a connection pool, a migration) in a
+        thread the first time, so the event loop never waits on it (a database that
+        accepts connections and never answers stalled the loop for the pool's timeout,
+        at every call until it answered)."""
+        if self._backend is not None:
+            return self._backend
+        return await asyncio.to_thread(lambda: self.backend)
+
     @property
     def results(self) -> ResultHub:
         """The waiters on this App's results, woken by one watcher of the store."""
@@ -627,7 +636,8 @@ class App:
         requests = self._requests(given)
         if not requests:
             return []
-        return self._enqueued(given, await self.backend.ajob_insert_many(requests, conn=conn))
+        backend = await self.abackend()
+        return self._enqueued(given, await backend.ajob_insert_many(requests, conn=conn))
 
     @staticmethod
     def _given(jobs: Iterable[BoundJob]) -> list[BoundJob]:
@@ -691,7 +701,7 @@ class App:
         connection (as :meth:`aenqueue_many` takes), and the event loop never blocks."""
         self._check_workflow(workflow)
         spec = self._workflow_spec(workflow)
-        inserted = await self.backend.aworkflow_insert(spec, conn=conn)
+        inserted = await (await self.abackend()).aworkflow_insert(spec, conn=conn)
         return self._workflow_enqueued(workflow, inserted)
 
     @staticmethod

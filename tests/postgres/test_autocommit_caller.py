@@ -11,6 +11,7 @@ caller's, which commits or rolls it back (tests/conformance/test_insert.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -223,3 +224,44 @@ def test_a_callers_connection_of_a_psycopg_connection_subclass_enqueues(app: err
         handle = job.enqueue(n=1, conn=conn)
         many = app.enqueue_many([job.bind(n=2), job.bind(n=3, key="s")], conn=conn)
     assert sorted(app.get_job(h.id).args["n"] for h in [handle, *many]) == [1, 2, 3]
+
+
+def test_the_first_async_enqueue_never_blocks_the_event_loop_while_the_store_opens() -> None:
+    """A server that accepts connections and never answers: the first aenqueue opened
+    the store (its pool) on the event loop, which stood still until the connect gave up,
+    at every call. It opens in a thread now: the loop keeps running."""
+    import socket
+    import time as clock
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    app = errands.App(f"postgresql://u@127.0.0.1:{port}/db?connect_timeout=3")
+
+    @app.job(name="loop.first")
+    def first(n: int) -> None: ...
+
+    async def scenario() -> float:
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            last = clock.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.05)
+                now = clock.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(first.aenqueue(n=1), timeout=4)
+        done.set()
+        await tick
+        return max(gaps)
+
+    try:
+        assert asyncio.run(scenario()) < 1.5  # the loop never stood still for the connect (3 s)
+    finally:
+        silent.close()
