@@ -268,3 +268,23 @@ def test_fair_queues_report_per_key_share_and_dwell_for_the_top_keys_and_other(
     assert len(dwell) == 11 and all(v >= 0 for v in dwell)
     shares = [v for (name, _), v in found.items() if name == "errands_fair_key_worker_share"]
     assert sum(shares) == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_suspended_attempt_leaves_the_in_flight_gauge(app: errands.App, worker_factory) -> None:  # type: ignore[no-untyped-def]
+    """ctx.wait_for_signal ends the attempt ('waiting'): in flight stayed up for good."""
+    registry = install_metrics(app, cache_seconds=0).registry
+
+    @app.job(name="m.waits")
+    def waits(ctx: errands.Context) -> str:
+        return str(ctx.wait_for_signal("go"))
+
+    handle = waits.enqueue()
+    with worker_factory(concurrency=2):
+        wait_until(lambda: handle.job().state.value == "waiting", what="the suspension")
+        wait_until(
+            lambda: metric_value(registry, "errands_jobs_in_flight") == 0,
+            what="the suspended attempt out of the gauge",
+        )
+        app.signal(handle.id, "go", "yes")
+        assert handle.result(timeout=10) == "yes"
+    assert metric_value(registry, "errands_jobs_in_flight") == 0

@@ -73,7 +73,10 @@ OUTCOMES = {
     "errands.job.cancelled": "cancelled",
 }
 # events that end an attempt this process started (for errands_jobs_in_flight)
-ATTEMPT_ENDS = frozenset([*OUTCOMES, "errands.job.stale_write_rejected", "errands.job.released"])
+# (a suspension too: ctx.wait_for_signal ends the attempt; in flight stayed up for good)
+ATTEMPT_ENDS = frozenset(
+    [*OUTCOMES, "errands.job.stale_write_rejected", "errands.job.released", "errands.job.waiting"]
+)
 RESCUE_OUTCOMES = {"retryable": "retry", "dead": "dead", "cancelled": "cancelled"}
 
 _installed: weakref.WeakKeyDictionary[App, list[ErrandsMetrics]] = weakref.WeakKeyDictionary()

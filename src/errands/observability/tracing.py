@@ -61,6 +61,7 @@ OUTCOMES = {
     "errands.job.cancelled": "cancelled",
     "errands.job.stale_write_rejected": "stale",
     "errands.job.released": "released",
+    "errands.job.waiting": "waiting",  # suspended (ctx.wait_for_signal): the attempt ends
 }
 
 _installed: weakref.WeakKeyDictionary[App, Tracing] = weakref.WeakKeyDictionary()
