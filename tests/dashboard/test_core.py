@@ -349,3 +349,18 @@ def test_job_detail_shows_stored_steps_and_children(
     assert f'href="/jobs/{child_handle.id}"' in html
     child_page = client.get(f"/jobs/{child_handle.id}").text
     assert f'href="/jobs/{parent.id}">job {parent.id}</a>' in child_page
+
+
+def test_crafted_ids_and_nested_json_get_a_clear_answer_not_a_500(
+    client: TestClient, jobs: dict[str, Any]
+) -> None:
+    """A 30-digit id in a path reached the store (OverflowError: a bare 500); a signal
+    payload nested 100,000 deep raised RecursionError past the JSON check (a 500 too)."""
+    huge = "9" * 30
+    for path in (f"/jobs/{huge}", f"/workflows/{huge}"):
+        assert client.get(path).status_code == 404, path
+    assert post(client, f"/jobs/{huge}/cancel").status_code == 404
+    job = jobs["send_welcome"].enqueue(user_id=1, email=EMAIL, delay=3600)
+    answer = post(client, f"/jobs/{job.id}/signal", {"signal": "go", "payload": "[" * 100_000})
+    assert answer.status_code == 303  # back to the job, the error flashed
+    assert "not JSON" in client.get(f"/jobs/{job.id}").text

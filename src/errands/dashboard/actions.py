@@ -147,7 +147,7 @@ async def job_signal(request: Request, viewer: Viewer, form: FormData) -> Respon
     text = form_text(form, "payload").strip() or "null"
     try:
         payload = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # (nested too deep: a RecursionError)
         flash(request, f"The payload is not JSON: {exc}", "error")
         return redirect(request, "job", job_id=job_id)
     app = settings(request).app
@@ -314,7 +314,10 @@ def _edit_form(form: FormData) -> tuple[list[int], dict[str, Any]]:
     if form_text(form, "queue"):
         options["queue"] = form_text(form, "queue")
     if form_text(form, "args"):
-        args = json.loads(form_text(form, "args"))
+        try:
+            args = json.loads(form_text(form, "args"))
+        except RecursionError:
+            raise ValueError("the arguments are nested too deep") from None
         if not isinstance(args, dict):
             raise ValueError("the arguments must be a JSON object")
         options["args"] = args

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.routing import Mount, Route
@@ -17,6 +18,23 @@ from . import actions, pages, web
 from .format import FILTERS
 from .security import RESOLVER_TIMEOUT, AuthConfig, Authorize, UserResolver
 from .web import Settings
+
+
+class IdConvertor(Convertor[int]):
+    """A job's or a workflow's id in a path: 1 to 18 digits, no leading zero (what a
+    store keeps). Any int convertor passed 30-digit ids to the store, which raised
+    OverflowError: a bare 500; such a path is now simply not found (404)."""
+
+    regex = "[1-9][0-9]{0,17}"
+
+    def convert(self, value: str) -> int:
+        return int(value)
+
+    def to_string(self, value: int) -> str:
+        return str(value)
+
+
+register_url_convertor("id", IdConvertor())
 
 if TYPE_CHECKING:
     from ..app import App
@@ -111,12 +129,12 @@ def create_app(
     routes = [
         Route("/", pages.overview, name="overview"),
         Route("/jobs", pages.jobs, name="jobs"),
-        Route("/jobs/{job_id:int}", pages.job_detail, name="job"),
-        Route("/jobs/{job_id:int}/cancel", actions.job_cancel, methods=["POST"], name="job_cancel"),
-        Route("/jobs/{job_id:int}/signal", actions.job_signal, methods=["POST"], name="job_signal"),
-        Route("/jobs/{job_id:int}/replay", actions.job_replay, methods=["POST"], name="job_replay"),
+        Route("/jobs/{job_id:id}", pages.job_detail, name="job"),
+        Route("/jobs/{job_id:id}/cancel", actions.job_cancel, methods=["POST"], name="job_cancel"),
+        Route("/jobs/{job_id:id}/signal", actions.job_signal, methods=["POST"], name="job_signal"),
+        Route("/jobs/{job_id:id}/replay", actions.job_replay, methods=["POST"], name="job_replay"),
         Route(
-            "/jobs/{job_id:int}/discard", actions.job_discard, methods=["POST"], name="job_discard"
+            "/jobs/{job_id:id}/discard", actions.job_discard, methods=["POST"], name="job_discard"
         ),
         Route("/dlq", pages.dlq, name="dlq"),
         Route("/dlq/preview", actions.dlq_preview, methods=["POST"], name="dlq_preview"),
@@ -139,7 +157,7 @@ def create_app(
         Route("/workers", pages.workers, name="workers"),
         Route("/cron", pages.cron, name="cron"),
         Route("/workflows", pages.workflows, name="workflows"),
-        Route("/workflows/{workflow_id:int}", pages.workflow_detail, name="workflow"),
+        Route("/workflows/{workflow_id:id}", pages.workflow_detail, name="workflow"),
         Route("/audit", pages.audit, name="audit"),
         Route("/login", actions.login_form, methods=["GET"], name="login"),
         Route("/login", actions.login_submit, methods=["POST"], name="login_submit"),

@@ -359,7 +359,15 @@ def action(
                     "Not allowed",
                     f"{viewer.label} has read-only access here and may not {right}.",
                 )
-            return await fn(request, viewer, form)
+            try:
+                return await fn(request, viewer, form)
+            except Exception:
+                # The database (unreachable, not migrated): the page saying what to do, as
+                # a page gives it (an action gave a bare 500).
+                problem = await blocking(store_problem, settings(request).app)
+                if problem is not None:
+                    return store_error_page(request, viewer, problem)
+                raise
 
         return endpoint
 
