@@ -76,8 +76,8 @@ class JobHandle:
         reads where it cannot (``listen=false``, an in-memory store).
         """
         hub = self.app.results
-        hub.ready()
-        pacer = Pacer(hub, poll, timeout)
+        pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
+        hub.ready(pacer.ready_wait())
         with hub.watch([self.id]) as waiter:
             while True:
                 row = waiter.rows.pop(self.id, None)  # read for us by the hub, or read now
@@ -96,8 +96,8 @@ class JobHandle:
         .. versionadded:: 0.2
         """
         hub = self.app.results
-        await asyncio.to_thread(hub.ready)
-        pacer = Pacer(hub, poll, timeout)
+        pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
+        await asyncio.to_thread(hub.ready, pacer.ready_wait())
         with hub.watch([self.id], asyncio.get_running_loop()) as waiter:
             while True:
                 row = waiter.rows.pop(self.id, None)  # read for us by the hub: no thread hop

@@ -110,11 +110,16 @@ class ResultHub:
             return self._watcher
 
     def ready(self, wait: float = READY_WAIT) -> bool:
-        """Start the watcher (once) and wait up to ``wait`` s for it to listen: True when
-        waiters are woken by the store, False when they must poll. (A waiter that polls
-        is woken to read again once the watcher listens.)"""
+        """Start the watcher (once) and, that first time, wait up to ``wait`` s for it to
+        listen: True when waiters are woken by the store, False when they must poll. (A
+        waiter that polls is woken to read again once the watcher listens.) Later calls
+        never wait: while the watcher reconnects, each result() waited READY_WAIT before
+        its own timeout even began (result(timeout=0.2) took 2.2 s)."""
+        first = not self._started
         watcher = self._start()
-        return watcher is not None and watcher.listening.wait(wait)
+        if watcher is None:
+            return False
+        return watcher.listening.wait(wait) if first else watcher.listening.is_set()
 
     @property
     def pushing(self) -> bool:
@@ -220,6 +225,13 @@ class Pacer:
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
 
+    def ready_wait(self) -> float:
+        """How long the first wait for the watcher may take: READY_WAIT, within the
+        timeout (whose clock runs from the start of the wait, not after it)."""
+        if self.deadline is None:
+            return READY_WAIT
+        return max(min(READY_WAIT, self.deadline - time.monotonic()), 0.0)
+
     def next(self, what: str) -> float:
         """Seconds to wait; ResultTimeout (naming ``what``) once the time is up."""
         if self.hub.pushing:
@@ -254,8 +266,8 @@ def as_completed(
     if len(apps) > 1:
         raise ConfigurationError("as_completed and wait_all take handles of one App")
     hub = next(iter(apps.values())).results
-    hub.ready()
-    pacer = Pacer(hub, poll, timeout)
+    pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
+    hub.ready(pacer.ready_wait())
     with hub.watch(pending) as waiter:
         while pending:
             for job_id, handle in list(pending.items()):

@@ -157,3 +157,27 @@ def test_with_listen_false_waiters_fall_back_to_polling(pg_url: str) -> None:
             assert app.registry["results.add"].enqueue(a=1, b=2).result(timeout=20) == 3
     finally:
         app.close()
+
+
+def test_a_result_timeout_is_honoured_while_the_watcher_is_not_listening(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's watcher down (PostgreSQL's LISTEN connection reconnecting): each
+    result() waited 2 s for it before its own timeout even began (timeout=0.2 took 2.2 s).
+    The timeout runs from the call now, and only the first call waits for the watcher."""
+
+    class Deaf:
+        listening = threading.Event()  # never set
+        self_test_passed = None
+
+    monkeypatch.setattr(app.results, "_start", lambda: Deaf())
+
+    @app.job(name="results.never_run")
+    def never_run() -> None: ...
+
+    handle = never_run.enqueue(delay=3600)
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(errands.ResultTimeout):
+            handle.result(timeout=0.2)
+        assert time.monotonic() - started < 1.8  # within the timeout, not 2 s after it
