@@ -257,3 +257,16 @@ def test_prune_deletes_at_most_limit_rows_per_call(backend: Backend, harness: Ha
     assert backend.job_prune(older_than=10, limit=2) == 2
     assert backend.job_prune(older_than=10, limit=10) == 3
     assert backend.job_prune(older_than=10, limit=10) == 0
+
+
+def test_prune_deletes_a_pruned_jobs_signals_with_it(backend: Backend, harness: Harness) -> None:
+    """A signal is kept with its job, and goes with it: PostgreSQL kept every pruned
+    job's signals for ever (SQLite deleted them)."""
+    job_id = insert(backend)
+    backend.job_signal(job_id, "approved", '"yes"', "ops")
+    [row] = claim(backend, limit=1)
+    finish(backend, row, "completed")
+    harness.backdate_finished(backend, job_id, 100)
+    assert backend.signal_get(job_id, "approved") == '"yes"'
+    assert backend.job_prune(older_than=10, limit=10) == 1
+    assert backend.signal_get(job_id, "approved") is None

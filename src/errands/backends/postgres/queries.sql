@@ -261,7 +261,8 @@ SET state = 'available'
 WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
 
 -- name: job_prune
--- Small batches, the steps of each pruned job with it.
+-- Small batches, the steps and the signals of each pruned job with it (its signals were
+-- kept for ever: migration 0009 says they go with the job, as SQLite deletes them).
 WITH gone AS (
     DELETE FROM {schema}.errands_jobs
     WHERE id IN (
@@ -273,6 +274,8 @@ WITH gone AS (
     RETURNING id
 ), steps AS (
     DELETE FROM {schema}.errands_steps WHERE job_id IN (SELECT id FROM gone)
+), signals AS (
+    DELETE FROM {schema}.errands_signals WHERE job_id IN (SELECT id FROM gone)
 )
 SELECT count(*) FROM gone
 
