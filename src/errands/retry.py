@@ -95,12 +95,24 @@ class CallableBackoff:
 DEFAULT_BACKOFF = ExponentialBackoff()
 
 
-def retry_delay(policy: BackoffPolicy | None, attempt: int, *, job: str = "") -> float:
+def retry_delay(
+    policy: BackoffPolicy | None,
+    attempt: int,
+    *,
+    job: str = "",
+    broken: set[str] | None = None,
+) -> float:
     """The delay ``policy`` asks for after failed attempt ``attempt``, made safe: a policy
     that raises, takes longer than ``BACKOFF_TIMEOUT`` (it runs on a lane of its own, see
     :mod:`errands.hooks`), or returns something that is not a finite number >= 0 is
     replaced by the default policy for this delay (logged as a warning naming the job
-    type); the result is at most :data:`DELAY_LIMIT`. Never raises."""
+    type); the result is at most :data:`DELAY_LIMIT`. Never raises.
+
+    ``broken``: job types whose policy failed earlier in the same batch (a rescue's): it
+    is not asked again there, and a job type whose policy fails joins it. A hanging
+    policy cost every row of a 500-row rescue its BACKOFF_TIMEOUT, one after another."""
+    if broken is not None and job in broken:
+        policy = None
     if policy is not None and policy is not DEFAULT_BACKOFF:
         try:
             if type(policy) is ExponentialBackoff:  # errands' own arithmetic: safe inline
@@ -116,6 +128,8 @@ def retry_delay(policy: BackoffPolicy | None, attempt: int, *, job: str = "") ->
                 raise ValueError(f"it returned {value!r}; a delay must be a finite number >= 0")
             return min(value, DELAY_LIMIT)
         except (Exception, TimeoutError) as exc:
+            if broken is not None:
+                broken.add(job)
             log.warning(
                 "the backoff of job type %r failed for attempt %s (%s: %s); using the default "
                 "backoff for this retry",

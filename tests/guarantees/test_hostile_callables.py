@@ -361,6 +361,37 @@ def test_a_hanging_backoff_delays_a_rescue_by_its_deadline_only(store: errands.A
     leader.stop()
 
 
+def test_a_hanging_backoff_is_asked_once_per_rescue_batch_not_once_per_job(
+    store: errands.App,
+) -> None:
+    """Eight expired leases of one job type whose backoff hangs: the rescue asked it for
+    each, one after another (a second each: 500 rows, 500 s, past the leader's lease).
+    It gives up on that job type for the rest of the batch after the first timeout."""
+    hang = threading.Event()
+    asked: list[int] = []
+
+    def slow(attempt: int) -> float:
+        asked.append(attempt)
+        hang.wait(60)
+        return 1.0
+
+    @store.job(name="hostile.rescue_many_hang", backoff=slow)
+    def stuck(n: int) -> None: ...
+
+    ids = {stuck.enqueue(n=n).id for n in range(8)}
+    claim_as_dead_worker(store)
+    for job_id in ids:
+        expire_lease(store, job_id)
+    leader = Maintenance(store, "leader")
+    try:
+        leader.run_once()
+    finally:
+        hang.set()
+    assert len(asked) == 1
+    assert {store.get_job(i).state for i in ids} == {JobState.RETRYABLE}
+    leader.stop()
+
+
 def test_a_blocked_on_dead_hook_after_a_rescue_stops_no_later_rescue(
     store_url: str,
 ) -> None:

@@ -212,9 +212,10 @@ class Maintenance:
             return count
         plans: list[RescueParams] = []
         by_id = {lease.id: lease for lease in expired}
+        broken: set[str] = set()  # job types whose backoff failed in this batch
         for lease in expired:
             try:
-                plans.append(self._plan(lease))
+                plans.append(self._plan(lease, broken))
             except Exception:  # pragma: no cover - _plan calls nothing that raises
                 log.exception("job %s: planning its rescue failed; retrying it later", lease.id)
         try:
@@ -275,7 +276,7 @@ class Maintenance:
             self.app.dead_hooks_later(plan.id)
         return 1
 
-    def _plan(self, lease: ExpiredLease) -> RescueParams:
+    def _plan(self, lease: ExpiredLease, broken: set[str] | None = None) -> RescueParams:
         """What becomes of one expired lease (see the module doc)."""
         rescues = lease.rescues + 1
         state: Literal["retryable", "dead", "cancelled"]
@@ -293,7 +294,10 @@ class Maintenance:
         else:
             definition = self.app.registry.get(lease.name)
             policy = definition.backoff if definition is not None else None
-            state, delay = "retryable", retry_delay(policy, lease.attempt, job=lease.name)
+            state, delay = (
+                "retryable",
+                retry_delay(policy, lease.attempt, job=lease.name, broken=broken),
+            )
         error: dict[str, Any] = {
             "attempt": lease.attempt,
             "type": "WorkerLost",
@@ -311,7 +315,8 @@ class Maintenance:
         signal that lands first wins (the write is fenced by the job still waiting)."""
         backend = self.app.backend
         expired = backend.job_list_expired_waits(RESCUE_BATCH)
-        plans = [self._plan_timeout(wait) for wait in expired]
+        broken: set[str] = set()  # job types whose backoff failed in this batch
+        plans = [self._plan_timeout(wait, broken) for wait in expired]
         done = backend.job_expire_waits(plans)
         count = 0
         for wait, plan, ok in zip(expired, plans, done, strict=True):
@@ -336,14 +341,14 @@ class Maintenance:
                 self.app.dead_hooks_later(wait.id)
         return count
 
-    def _plan_timeout(self, wait: ExpiredWait) -> WaitTimeoutParams:
+    def _plan_timeout(self, wait: ExpiredWait, broken: set[str] | None = None) -> WaitTimeoutParams:
         attempt = wait.attempt + 1  # the suspension gave the attempt back: charge it now
         state: Literal["retryable", "dead"] = "dead"
         delay = 0.0
         if attempt < wait.max_attempts:
             definition = self.app.registry.get(wait.name)
             policy = definition.backoff if definition is not None else None
-            state, delay = "retryable", retry_delay(policy, attempt, job=wait.name)
+            state, delay = "retryable", retry_delay(policy, attempt, job=wait.name, broken=broken)
         error: dict[str, Any] = {
             "attempt": attempt,
             "type": "SignalTimeout",
