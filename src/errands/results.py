@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("errands.results")
 
+READ_CHUNK = 1000  # jobs wait_all / as_completed read at once
 READY_WAIT = 2.0  # seconds the first waiter waits for the watcher to listen, then polls
 SAFETY_RECHECK = 30.0  # a pushed waiter reads its job again at least this often
 STATES_CHUNK = 500  # job ids per states query
@@ -268,10 +269,19 @@ def as_completed(
     hub = next(iter(apps.values())).results
     pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
     hub.ready(pacer.ready_wait())
+    backend = hub.app.backend
     with hub.watch(pending) as waiter:
         while pending:
+            # The rows the hub read when it woke us; the others read here in chunks (one
+            # read per pending job per wake made wait_all on 1,000 jobs 95,000 reads).
+            rows = {i: waiter.rows.pop(i) for i in list(pending) if i in waiter.rows}
+            unread = [i for i in pending if i not in rows]
+            for start in range(0, len(unread), READ_CHUNK):
+                rows.update(
+                    (r.id, r) for r in backend.job_get_many(unread[start : start + READ_CHUNK])
+                )
             for job_id, handle in list(pending.items()):
-                row = waiter.rows.pop(job_id, None)  # read by the hub when it woke us
+                row = rows.get(job_id)  # None: not found (handle.job() says so, or finds it)
                 if (row.to_job() if row is not None else handle.job()).state.is_terminal:
                     del pending[job_id]
                     yield handle
