@@ -273,11 +273,20 @@ class JobDefinition(Generic[P, R]):
             raise ConfigurationError(
                 f"job {self.name!r}: {option}={template!r} is not a valid template: {exc}"
             ) from None
-        unknown = {f.split(".")[0].split("[")[0] for f in fields} - set(self.payload.fields)
+        named = {f.split(".")[0].split("[")[0] for f in fields}
+        unknown = named - set(self.payload.fields)
         if unknown:
             raise ConfigurationError(
                 f"job {self.name!r}: {option}={template!r} names {sorted(unknown)}, which "
                 f"are not parameters; parameters are {list(self.payload.fields)}"
+            )
+        secret = named & self.sensitive
+        if secret:  # a key is stored and shown as it is (tenants page, metrics' key label)
+            raise ConfigurationError(
+                f"job {self.name!r}: {option}={template!r} is built from {sorted(secret)}, "
+                "which sensitive= masks everywhere else; a key is shown as it is (the "
+                "dashboard, metrics labels): build it from a parameter that is not "
+                "sensitive (an id)"
             )
         return template
 

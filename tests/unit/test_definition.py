@@ -132,6 +132,18 @@ def test_a_run_at_no_time_zone_could_read_back_as_a_date_is_refused(app: errands
     assert [j.id for j in app.jobs()] == [handle.id]
 
 
+@pytest.mark.parametrize("option", ["fair_key", "concurrency_key"])
+def test_a_key_built_from_a_sensitive_parameter_is_refused(app: errands.App, option: str) -> None:
+    """A key is stored and shown as it is (the tenants page, the fair key metrics' label):
+    one built from a sensitive parameter showed what sensitive= masks everywhere else."""
+
+    def handler(email: str, account: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"is built from \['email'\]"):
+        app.job(name=f"t.{option}", sensitive={"email"}, **{option: "user:{email}"})(handler)
+    app.job(name=f"t.{option}.ok", sensitive={"email"}, **{option: "acct:{account}"})(handler)
+
+
 def test_a_timeout_of_infinity_is_refused_at_definition(app: errands.App) -> None:
     with pytest.raises(ConfigurationError, match=r"timeout=inf: must be at most 100 years"):
         _define(app, timeout=float("inf"))
