@@ -648,3 +648,26 @@ def test_an_outcome_marked_as_a_members_lands_fans_in_and_stays_fenced(
         [FinishParams(plain.id, plain.lease_token or "", "completed", member=False)]
     ) == [True]
     assert get(backend, plain_id).state == "completed"
+
+
+def test_pruning_keeps_the_finished_members_of_a_workflow_still_running(
+    backend: Backend, harness: Harness
+) -> None:
+    """A and B, then C after both: A completes, B still runs (days, say, waiting for a
+    signal). A's row past the retention was pruned, and C then read it as a completed
+    parent with no result. Members of a running workflow stay until it settles; a plain
+    job as old goes."""
+    inserted = backend.workflow_insert(
+        spec([("a", []), ("b", []), ("c", [(0, "cancel"), (1, "cancel")])], events=())
+    )
+    a_id = inserted.jobs[0].id
+    a = next(r for r in claim_all(backend) if r.id == a_id)  # b is claimed too: running
+    assert finish(backend, a, "completed", result_json='"from a"')
+    harness.backdate_finished(backend, a_id, 8 * 86400)
+    assert backend.job_prune(older_than=7 * 86400, limit=100) == 0
+    assert get(backend, a_id).state == "completed"
+    plain = backend.job_insert_many([request(name="plain")])[0].id
+    [row] = claim(backend, QUEUE, 10)
+    assert row.id == plain and finish(backend, row, "completed")
+    harness.backdate_finished(backend, plain, 8 * 86400)
+    assert backend.job_prune(older_than=7 * 86400, limit=100) == 1  # the plain job goes

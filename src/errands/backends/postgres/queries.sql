@@ -266,9 +266,14 @@ WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
 WITH gone AS (
     DELETE FROM {schema}.errands_jobs
     WHERE id IN (
-        SELECT id FROM {schema}.errands_jobs
+        SELECT id FROM {schema}.errands_jobs AS j
         WHERE state IN ('completed', 'cancelled', 'discarded')
           AND finished_at < now() - make_interval(secs => %(older_than)s)
+          -- a member of a workflow still running stays (a dependent yet to run reads
+          -- its result): pruned, it read as a completed parent with no result
+          AND (j.workflow_id IS NULL
+               OR NOT EXISTS (SELECT 1 FROM {schema}.errands_workflows AS w
+                              WHERE w.id = j.workflow_id AND w.settled_at IS NULL))
         LIMIT %(limit)s
     )
     RETURNING id

@@ -153,9 +153,14 @@ WHERE state IN ('scheduled', 'retryable')
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
 
 -- name: job_prunable
-SELECT id FROM errands_jobs
+-- A member of a workflow still running stays (a dependent yet to run reads its result),
+-- whatever its age: pruned, it read as a completed parent with no result.
+SELECT id FROM errands_jobs AS j
 WHERE state IN ('completed', 'cancelled', 'discarded')
   AND finished_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+  AND (j.workflow_id IS NULL
+       OR NOT EXISTS (SELECT 1 FROM errands_workflows AS w
+                      WHERE w.id = j.workflow_id AND w.settled_at IS NULL))
 LIMIT :limit
 
 -- name: job_delete
