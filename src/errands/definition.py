@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 from .backends.limits import parse_rate
 from .context import Context
 from .errors import ConfigurationError, InvalidPayload
-from .jobs import EnqueueRequest
+from .jobs import DUE_MIN, EnqueueRequest
 from .payload import PayloadSpec
 from .retry import BackoffPolicy, as_backoff
 
@@ -46,7 +46,7 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1  # PostgreSQL's integer, on eve
 # When a job may be due (epoch seconds): years 1 to 9998 in UTC, so that every time zone
 # reads it back as a date (9999-12-31T23:59-12:00 is year 10000 in UTC: every listing of
 # the store then failed, "year 10000 is out of range").
-RUN_AT_MIN, RUN_AT_MAX = -62_135_596_800.0, 253_370_764_800.0
+RUN_AT_MIN, RUN_AT_MAX = DUE_MIN, 253_370_764_800.0
 
 
 def checked_epoch(value: float, what: str) -> float:

@@ -54,7 +54,7 @@ def to_datetime(epoch: float | None) -> datetime | None:
     return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
 
 
-_DUE_MIN, _DUE_MAX = -62_135_596_800.0, 253_402_300_799.0  # years 1 to 9999, as datetime
+DUE_MIN, _DUE_MAX = -62_135_596_800.0, 253_402_300_799.0  # years 1 to 9999, as datetime
 
 
 def listed_by_priority(state: str | None, queue: str | None) -> bool:
@@ -73,7 +73,7 @@ def parse_cursor(text: object) -> tuple[int, float, int]:
             len(parts) != 3
             or not -(2**31) <= priority < 2**31
             or not 0 < job_id < 2**63
-            or not _DUE_MIN <= due <= _DUE_MAX
+            or not DUE_MIN <= due <= _DUE_MAX
         ):
             raise ValueError
     except (ValueError, IndexError):

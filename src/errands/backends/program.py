@@ -22,6 +22,7 @@ COPY); only sync programs do.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -105,7 +106,12 @@ def _is_psycopg(conn: Any) -> bool:
     """A psycopg connection, sync or async, a subclass of one included (told apart by
     the module its class is defined in, a subclass of psycopg.Connection was taken
     for sqlite3's)."""
-    return any(c.__module__.startswith("psycopg") for c in type(conn).__mro__)
+    return _psycopg_class(type(conn))  # type: ignore[arg-type]
+
+
+@functools.cache
+def _psycopg_class(kind: type) -> bool:  # once per connection class: every statement asks
+    return any(c.__module__.startswith("psycopg") for c in kind.__mro__)
 
 
 async def atuple_cursor(conn: Any) -> Any:

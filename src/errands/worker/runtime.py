@@ -261,13 +261,7 @@ class AttemptRuntime:
         return False
 
     def rollback(self) -> None:
-        with self._lock:
-            tx, self.tx = self.tx, None
-        if tx is not None:
-            try:
-                self.app.backend.tx_rollback(tx)
-            except Exception:
-                log.exception("could not roll back the transaction of job %s", self.attempt.id)
+        self._end_with(self.app.backend.tx_rollback, "roll back")
 
     def let_go(self) -> None:
         """The attempt was decided while its handler may still run (abandoned after its
@@ -287,13 +281,18 @@ class AttemptRuntime:
         threading.Thread(target=self._end_transaction, name="errands-let-go", daemon=True).start()
 
     def _end_transaction(self) -> None:
+        self._end_with(self.app.backend.tx_abandon, "end")
+
+    def _end_with(self, end: Callable[[Any], None], verb: str) -> None:
+        """Take the open transaction (if any) and ``end`` it (the backend's rollback or
+        abandon); a failure is logged, never raised."""
         with self._lock:
             tx, self.tx = self.tx, None
         if tx is not None:
             try:
-                self.app.backend.tx_abandon(tx)
+                end(tx)
             except Exception:
-                log.exception("could not end the transaction of job %s", self.attempt.id)
+                log.exception("could not %s the transaction of job %s", verb, self.attempt.id)
 
     # -- workflows -----------------------------------------------------------------------------
     def workflow_id(self) -> int | None:
