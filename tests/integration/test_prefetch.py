@@ -98,6 +98,9 @@ def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charge
     learn_handlers_are_quick(app)
     handles = [blocked.job.enqueue(n=i) for i in range(4)]
     wait_until(lambda: states(app, "pf.blocked").get("running") == 4, what="4 claimed")
+    # two handlers running, two claimed jobs waiting for a thread (on a busy machine the
+    # handler threads can start well after the claim: stopping before they do releases all 4)
+    wait_until(lambda: blocked.running == 2, what="two handlers running")
 
     worker.worker.stop()  # like SIGTERM: the two waiting jobs are released right away...
     seen: list[object] = []
