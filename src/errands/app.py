@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -166,6 +167,8 @@ class App:
         self.events.subscribe(log_event, inline=True)
         self._backend: Backend | None = None
         self._backend_lock = threading.Lock()
+        self._opening_lock = threading.Lock()  # never held while the store opens
+        self._opening: concurrent.futures.Future[Backend] | None = None  # abackend's
         self._results: ResultHub | None = None
         self.fair_weights: CallableWeights | None = None  # app.fair_weight(fn)
 
@@ -188,7 +191,24 @@ class App:
         at every call until it answered)."""
         if self._backend is not None:
             return self._backend
-        return await asyncio.to_thread(lambda: self.backend)
+        # One opening for every caller, on a thread of its own: a to_thread per caller
+        # had each of them hold a default-executor thread, blocked behind the first one's
+        # lock, and 32 callers left none for the loop's other work (its getaddrinfo).
+        with self._opening_lock:
+            opening = self._opening
+            if opening is None or opening.done():
+                opening = self._opening = concurrent.futures.Future()
+                opening.set_running_or_notify_cancel()  # a caller's cancel leaves it be
+                threading.Thread(
+                    target=self._open_for, args=(opening,), name="errands-open", daemon=True
+                ).start()
+        return await asyncio.wrap_future(opening)
+
+    def _open_for(self, opening: concurrent.futures.Future[Backend]) -> None:
+        try:
+            opening.set_result(self.backend)
+        except BaseException as exc:  # each waiting caller gets it; the next one tries again
+            opening.set_exception(exc)
 
     @property
     def results(self) -> ResultHub:
@@ -533,16 +553,16 @@ class App:
             if job.state != "dead":  # replayed (or discarded) since: nothing to tell
                 return
             try:
-                # Each hook has its own hook_timeout (the lane's clock restarts for it; a
-                # retry may only take what half of it leaves). The death's hooks shared
-                # one: a first slow hook got the next one interrupted, and its death was
-                # marked done, so that hook never ran.
+                # Each hook has its own hook_timeout (Lane.timed; a retry may only take
+                # what half of it leaves), also after the hook before it was stopped at
+                # its limit. The death's hooks shared one: a first slow hook got the next
+                # one interrupted, and its death was marked done, so that hook never ran.
                 lane = self.hooks.lane("dead")
                 for hook in self.dead_hooks:
-                    lane.restart_clock()
                     retry_until = time.monotonic() + self.hooks.hook_timeout / 2
                     try:
-                        self._call_dead_hook(hook, job, retry_until)
+                        with lane.timed():
+                            self._call_dead_hook(hook, job, retry_until)
                     except HookTimeout:  # stopped at its limit (logged by the lane): next
                         log.error(
                             "on_dead hook %r was stopped at its %g s limit for job %s",

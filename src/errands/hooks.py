@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -95,7 +95,8 @@ class Lane:
         self._queue: queue.Queue[_Call | None] = queue.Queue(maxsize=capacity)
         self._lock = threading.Lock()
         self._current: dict[int, tuple[_Call, float]] = {}  # thread ident -> (call, started)
-        self._retired: set[int] = set()
+        self._retired: set[int] = set()  # stopped at the limit and replaced: not timed
+        self._leaving: set[int] = set()  # replaced, timed again: leave after the call
         self._threads = 0
         self.dropped = 0
         self.timed_out = 0
@@ -126,18 +127,52 @@ class Lane:
             return None
         return call.future
 
-    def restart_clock(self) -> None:
-        """The call running on this thread starts its time limit anew: a call that runs
-        several user callables one after another (a death's on_dead hooks) gives each its
-        own limit. A no-op off the lane's threads."""
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        """Give the body its own time limit: a call that runs several user callables one
+        after another (a death's on_dead hooks) wraps each in ``timed()``, so each has
+        the whole limit, and one stopped at its limit does not leave the next untimed.
+        The body's HookTimeout is raised from the ``with`` (at the latest from its exit),
+        never after it. A no-op off the lane's threads."""
         me = threading.get_ident()
         with self._lock:
-            if me in self._current:
-                self._current[me] = (self._current[me][0], time.monotonic())
+            entry = self._current.get(me)
+            if entry is not None:
+                if me in self._retired:
+                    # The last callable was stopped at its limit and this thread replaced:
+                    # it goes on with this call, timed again, and leaves after it.
+                    self._retired.discard(me)
+                    self._leaving.add(me)
+                    _aim(me, None)  # an interrupt still on its way was for the last one
+                self._current[me] = (entry[0], time.monotonic())
+        if entry is None:
+            yield
+            return
+        landed = False
+        try:
+            yield
+        except HookTimeout:
+            landed = True
+            raise
+        finally:
+            with self._lock:
+                # Interrupts are aimed under this lock, at a thread past its limit and
+                # not retired: after this none can come for the body.
+                stopped = me in self._retired
+                _aim(me, None)
+                self._current[me] = (entry[0], time.monotonic())
+            if stopped and not landed:  # aimed, not yet landed: land it here
+                raise HookTimeout
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float, what: str = "") -> Any:
         """Run ``fn(*args)`` on the lane and wait at most ``timeout`` for its result;
         raises what it raised, or TimeoutError (it may still finish later, unused)."""
+        with self._lock:
+            stuck = len(self._retired)
+        if stuck >= STUCK_MAX:  # nothing stops a call any more: do not wait out each one
+            raise TimeoutError(
+                f"the {self.name} lane has {stuck} calls stuck past their limit; not waiting"
+            )
         future = self.submit(fn, *args, what=what)
         if future is None:
             raise TimeoutError(f"the {self.name} lane is full")
@@ -173,8 +208,10 @@ class Lane:
                     call.future.set_exception(TimeoutError(f"{call.what} ran too long"))
             with self._lock:
                 self._current.pop(me, None)
-                if me in self._retired:  # replaced while stuck: the new thread has the lane
+                if me in self._retired or me in self._leaving:
+                    # replaced while stuck: the new thread has the lane
                     self._retired.discard(me)
+                    self._leaving.discard(me)
                     _aim(me, None)  # an interrupt not yet delivered has nothing to stop
                     return
 

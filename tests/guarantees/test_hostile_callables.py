@@ -527,3 +527,76 @@ def test_each_on_dead_hook_of_a_death_has_its_own_time_limit(store_url: str) -> 
         assert finished == ["first", "second"]
     finally:
         app.close()
+
+
+def test_an_on_dead_hook_after_one_stopped_at_its_limit_is_timed_too(store_url: str) -> None:
+    """Given hook_timeout=0.5 and hooks [hangs, hangs, pager], when a job dies, then each
+    hanging hook is stopped at its own limit and the pager runs: the thread of a hook
+    stopped at its limit was replaced and no longer watched, so the second hook ran
+    without a limit, the pager never ran and the death was never marked done."""
+    app = errands.App(store_url, hook_timeout=0.5)
+    stopped: list[str] = []
+    paged = threading.Event()
+
+    def hanging(name: str) -> Callable[[errands.Job], None]:
+        def hook(job: errands.Job) -> None:
+            try:
+                for _ in range(3000):  # 30 s of pure Python: an interrupt lands here
+                    time.sleep(0.01)
+            except BaseException:
+                stopped.append(name)
+                raise
+
+        return hook
+
+    app.on_dead(hanging("first"))
+    app.on_dead(hanging("second"))
+
+    @app.on_dead
+    def pager(job: errands.Job) -> None:
+        paged.set()
+
+    @app.job(name="hostile.dies_thrice")
+    def dies() -> None:
+        raise errands.Permanent("no")
+
+    from tests.conftest import running_worker
+
+    try:
+        with running_worker(app):
+            handle = dies.enqueue()
+            wait_until(paged.is_set, timeout=20, what="the pager, after two stopped hooks")
+            assert stopped == ["first", "second"]
+            wait_until(  # the death's hooks are marked done: the leader does not run them again
+                lambda: not app.backend.dead_hooks_due(0, 10),
+                timeout=10,
+                what="the death marked done",
+            )
+        assert handle.status() is errands.JobState.DEAD
+    finally:
+        app.close()
+
+
+def test_a_backoff_lane_with_every_stuck_slot_taken_answers_at_once() -> None:
+    """Given a lane whose STUCK_MAX calls are stuck where no interrupt lands (a socket
+    read in C), when a backoff policy is asked through it, then the call fails at once
+    (the caller takes the default backoff): the lane no longer replaces stuck threads, so
+    every later policy call waited out its whole deadline, one after another."""
+    from errands.hooks import STUCK_MAX, Lane
+
+    lane = Lane("backoff-test", time_limit=0.05)
+    release = threading.Event()
+    for n in range(1, STUCK_MAX + 1):
+        lane.submit(release.wait, 30)  # blocked in C: the interrupt waits for it to return
+        deadline = time.monotonic() + 5
+        while lane.timed_out < n and time.monotonic() < deadline:
+            lane.watch(time.monotonic())
+            time.sleep(0.01)
+    try:
+        assert lane.timed_out == STUCK_MAX
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="stuck past their limit"):
+            lane.call(lambda: 2.0, timeout=5)
+        assert time.monotonic() - started < 4  # not after the call's 5 s deadline
+    finally:
+        release.set()
