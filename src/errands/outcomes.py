@@ -8,6 +8,7 @@ is retried with the job's backoff policy.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 
@@ -21,6 +22,6 @@ class Retry(Exception):
     def __init__(self, reason: str = "retry requested", *, after: float | timedelta = 0) -> None:
         super().__init__(reason)
         seconds = after.total_seconds() if isinstance(after, timedelta) else float(after)
-        if seconds < 0:
-            raise ValueError(f"Retry(after=...) must be >= 0 seconds, got {seconds}")
-        self.after = seconds
+        if not 0 <= seconds < math.inf:  # NaN fails this too
+            raise ValueError(f"Retry(after=...) must be a finite number >= 0 seconds, got {after}")
+        self.after = seconds  # the worker waits at most a year (errands.retry.DELAY_LIMIT)

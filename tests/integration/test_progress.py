@@ -155,3 +155,27 @@ def test_a_progress_message_quoting_a_sensitive_argument_is_masked_where_it_is_s
             release.set()
     finally:
         release.set()
+
+
+def test_a_long_progress_message_is_masked_before_it_is_cut_to_size(app: errands.App) -> None:
+    """A message cut to its 500 characters before masking kept only part of a sensitive
+    value, which the masking where it is shown no longer found: its first characters
+    showed. Masked first, the store never holds any of it."""
+    release = threading.Event()
+    token = "tok_" + "s3cr3t" * 6  # 40 characters
+
+    @app.job(name="progress.long", lease=1.5, sensitive={"token"})
+    def long_message(ctx: errands.Context, token: str) -> None:
+        ctx.progress(0.5, "x" * 480 + token)
+        release.wait(10)
+
+    try:
+        with running_worker(app):
+            handle = long_message.enqueue(token=token)
+            wait_until(handle.progress, what="progress stored")
+            stored = handle.progress().message  # type: ignore[union-attr]
+            assert stored == "x" * 480 + "***"
+            assert token[:8] not in stored
+            release.set()
+    finally:
+        release.set()

@@ -71,6 +71,29 @@ def test_retry_request_reschedules_after_its_delay_and_counts_an_attempt(
     assert job.attempted_at is not None and job.attempted_at >= job.run_at
 
 
+def test_a_retry_asked_for_past_a_year_waits_a_year(app: errands.App, worker_factory) -> None:
+    """Retry(after=1e12) is clamped to a year, as a backoff is: it was stored as year
+    ~33,700, and every listing of the store then failed to read it back as a date."""
+
+    @app.job(name="retry.much_later", retries=3)
+    def much_later() -> None:
+        raise errands.Retry("come back in 30,000 years", after=1e12)
+
+    handle = much_later.enqueue()
+    with worker_factory():
+        wait_until(lambda: handle.status() is JobState.RETRYABLE, what="retryable")
+    job = handle.job()
+    [error] = job.errors
+    assert seconds_between(job.run_at, error.at) == pytest.approx(365 * 86400, abs=1)
+    assert [j.id for j in app.jobs(limit=10)] == [job.id]  # reads back as a date
+
+
+@pytest.mark.parametrize("after", [float("nan"), float("inf"), -1.0])
+def test_a_retry_with_a_delay_that_is_not_a_finite_number_is_refused(after: float) -> None:
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        errands.Retry("later", after=after)
+
+
 def test_retry_request_on_the_last_attempt_goes_dead(app: errands.App, worker_factory) -> None:
     @app.job(name="retry.always_later", retries=1)
     def always_later() -> None:

@@ -160,6 +160,28 @@ def test_a_wait_inside_a_transaction_is_refused(app: errands.App) -> None:
             handle.result(timeout=10)
 
 
+@pytest.mark.parametrize("timeout", [1e12, float("inf"), float("nan"), -1.0, "2 days"])
+def test_a_wait_with_a_timeout_no_date_can_hold_fails_permanently_saying_so(
+    app: errands.App, timeout: Any
+) -> None:
+    """A wait's timeout is at most 100 years, as every duration is: 1e12 s was stored as
+    year ~33,700 (NaN and infinity got through too), and every listing of the store then
+    failed to read it back as a date. Refused, the job is dead at once, naming the fix."""
+
+    @app.job(name="sig.forever", retries=3)
+    def forever(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("never", timeout=timeout)
+
+    with running_worker(app):
+        handle = forever.enqueue()
+        with pytest.raises(errands.JobFailed, match=r"wait_for_signal\('never'\): timeout="):
+            handle.result(timeout=10)
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD and job.attempt == 1
+    assert "None to wait without a limit" in job.errors[0].message
+    assert app.jobs(limit=10)  # every row still reads back
+
+
 def test_the_cli_and_the_dashboard_send_signals(app: errands.App) -> None:
     """`errands jobs signal` resumes a waiting job; the dashboard's Send signal button
     (CSRF-protected, audited with the viewer) does too."""

@@ -23,7 +23,7 @@ from ..context import Context
 from ..errors import ConfigurationError, InvalidPayload, StepError, TransactionEnded
 from ..jobs import JobRow
 from ..outcomes import Permanent, Retry
-from ..retry import retry_delay
+from ..retry import DELAY_LIMIT, retry_delay
 from .process_pool import ChildFailure
 from .runners import Call
 
@@ -322,7 +322,9 @@ def _classify(
             return finish("dead", error=error_entry(attempt, exc, worker_id, "poison"))
         kind = "crash"
     if isinstance(exc, Retry) or (isinstance(exc, ChildFailure) and exc.kind == "retry"):
-        delay, kind = exc.after or 0.0, "retry"  # type: ignore[union-attr]
+        # at most a year, as a backoff's (after=1e12 was stored as year ~33,700, and
+        # every listing of the store failed to read it back)
+        delay, kind = min(exc.after or 0.0, DELAY_LIMIT), "retry"  # type: ignore[union-attr]
     else:
         policy = definition.backoff if definition is not None else None
         delay = retry_delay(policy, row.attempt, job=row.name)

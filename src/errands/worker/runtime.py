@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic_core import PydanticSerializationError, to_json
 
 from ..backends.workflow_store import WORKFLOW_ADD
+from ..definition import seconds as checked_seconds
 from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
 from ..faults import fault_point
 from ..jobs import EnqueueRequest
 from ..payload import NUL_FIX, holds_nul
-from .execution import Suspended
+from .execution import Suspended, _secrets, scrub
 
 if TYPE_CHECKING:
     from ..app import App
@@ -65,6 +66,7 @@ class AttemptRuntime:
         self._steps: dict[str, Any] | None = None
         self._used: set[str] = set()
         self._lock = threading.Lock()
+        self._secret_texts: list[str] | None = None  # sensitive arguments, for progress
         # In a child process: where each progress report goes (the parent stores it)
         self.report_progress: Callable[[tuple[float, str]], None] | None = None
 
@@ -170,12 +172,10 @@ class AttemptRuntime:
             raise ConfigurationError(
                 f"ctx.wait_for_signal needs a signal name of 1 to {SIGNAL_NAME_MAX} characters"
             )
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-        if seconds is not None and (not isinstance(seconds, int | float) or seconds < 0):
-            raise ConfigurationError(
-                f"ctx.wait_for_signal({name!r}, timeout={timeout!r}): give seconds >= 0, a "
-                "timedelta, or None to wait without a limit"
-            )
+        try:  # at most 100 years: a wait due later could not be read back as a date
+            seconds = checked_seconds(timeout, "timeout", f"ctx.wait_for_signal({name!r}): ")
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"{exc} (or None to wait without a limit)") from None
         if self.tx is not None:
             raise ConfigurationError(
                 f"ctx.wait_for_signal({name!r}) inside ctx.transaction(): a suspended job "
@@ -188,7 +188,7 @@ class AttemptRuntime:
         payload = self.app.backend.signal_get(self.attempt.id, name)
         if payload is not None:
             return self._store_step(step, json.loads(payload))
-        raise Suspended(name, None if seconds is None else float(seconds))
+        raise Suspended(name, seconds)
 
     async def await_signal(self, name: str, timeout: float | timedelta | None) -> Any:
         return await asyncio.to_thread(self.wait_for_signal, name, timeout)
@@ -201,7 +201,11 @@ class AttemptRuntime:
             raise ValueError(f"ctx.progress: fraction must be from 0.0 to 1.0, got {fraction!r}")
         if not isinstance(message, str):
             raise ValueError(f"ctx.progress: message must be a string, got {message!r}")
-        text = message.replace("\x00", "")[:PROGRESS_MESSAGE_MAX]  # storable text
+        if self._secret_texts is None:
+            self._secret_texts = _secrets(self.attempt)
+        # masked before it is cut to size: a sensitive value cut in two is no longer found
+        # by the masking where the message is shown
+        text = scrub(message.replace("\x00", ""), self._secret_texts)[:PROGRESS_MESSAGE_MAX]
         report = (float(fraction), text.encode("utf-8", "replace").decode())
         self.attempt.progress = report
         if self.report_progress is not None:
