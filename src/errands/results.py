@@ -56,14 +56,29 @@ class Waiter:
     """One waiter for one or more jobs: woken from the watcher's thread, waited on from a
     thread (``wait``) or a task (``await_wake``)."""
 
-    __slots__ = ("_async", "_flag", "_loop", "job_ids", "rows")
+    __slots__ = ("_async", "_flag", "_lock", "_loop", "_read_all", "job_ids", "rows")
 
     def __init__(self, job_ids: frozenset[int], loop: asyncio.AbstractEventLoop | None) -> None:
         self.job_ids = job_ids
         self.rows: dict[int, JobRow] = {}  # read for it by the hub when it woke it
+        # woken without its rows (the watcher reconnected, the hub's read failed): the
+        # waiter reads its jobs itself
+        self._read_all = False
+        self._lock = threading.Lock()
         self._flag = threading.Event()
         self._loop = loop
         self._async = asyncio.Event() if loop is not None else None
+
+    def must_read_all(self) -> None:
+        """The next wake brings no rows: the waiter reads its jobs itself."""
+        with self._lock:
+            self._read_all = True
+
+    def take_read_all(self) -> bool:
+        """Whether a wake since the last call brought no rows."""
+        with self._lock:
+            flag, self._read_all = self._read_all, False
+        return flag
 
     def wake(self) -> None:
         self._flag.set()
@@ -71,9 +86,11 @@ class Waiter:
             with suppress(RuntimeError):  # the loop is closed: its waiter is gone
                 self._loop.call_soon_threadsafe(self._async.set)
 
-    def wait(self, seconds: float) -> None:
-        self._flag.wait(max(seconds, 0.0))
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds``; True when woken (False: the time ran out)."""
+        woken = self._flag.wait(max(seconds, 0.0))
         self._flag.clear()
+        return woken
 
     async def await_wake(self, seconds: float) -> None:
         assert self._async is not None
@@ -183,6 +200,13 @@ class ResultHub:
                 if job_id in rows:
                     for waiter in group:
                         waiter.rows[job_id] = rows[job_id]
+                else:
+                    for waiter in group:
+                        waiter.must_read_all()
+        else:
+            for group in groups.values():
+                for waiter in group:
+                    waiter.must_read_all()
         waiters = {w for group in groups.values() for w in group}
         self.wakeups += len(waiters)
         for waiter in waiters:
@@ -271,22 +295,30 @@ def as_completed(
     hub.ready(pacer.ready_wait())
     backend = hub.app.backend
     with hub.watch(pending) as waiter:
+        read_all = True  # the first look reads every job
         while pending:
-            # The rows the hub read when it woke us; the others read here in chunks (one
-            # read per pending job per wake made wait_all on 1,000 jobs 95,000 reads).
+            # The rows the hub read when it woke us. The others are read here, in chunks,
+            # only on the first look, a poll or a safety recheck, or a wake that brought
+            # no rows: reading every pending job on each push made wait_all on N jobs
+            # O(N^2) rows (and one query per job per wake before that: 95,000 reads for
+            # 1,000 jobs).
             rows = {i: waiter.rows.pop(i) for i in list(pending) if i in waiter.rows}
-            unread = [i for i in pending if i not in rows]
-            for start in range(0, len(unread), READ_CHUNK):
-                rows.update(
-                    (r.id, r) for r in backend.job_get_many(unread[start : start + READ_CHUNK])
-                )
+            if read_all:
+                unread = [i for i in pending if i not in rows]
+                for start in range(0, len(unread), READ_CHUNK):
+                    chunk = unread[start : start + READ_CHUNK]
+                    rows.update((r.id, r) for r in backend.job_get_many(chunk))
             for job_id, handle in list(pending.items()):
-                row = rows.get(job_id)  # None: not found (handle.job() says so, or finds it)
+                row = rows.get(job_id)
+                if row is None and not read_all:
+                    continue  # not ended (the hub hands over the rows of those that did)
+                # None: not found (handle.job() says so, or finds it)
                 if (row.to_job() if row is not None else handle.job()).state.is_terminal:
                     del pending[job_id]
                     yield handle
             if pending:
-                waiter.wait(pacer.next(f"{len(pending)} job(s) still not finished"))
+                woken = waiter.wait(pacer.next(f"{len(pending)} job(s) still not finished"))
+                read_all = waiter.take_read_all() or not woken or not hub.pushing
 
 
 def wait_all(

@@ -199,3 +199,33 @@ def test_wait_all_reads_its_pending_jobs_in_chunks_not_one_by_one(
     with pytest.raises(errands.ResultTimeout):
         errands.wait_all(handles, timeout=0.3, poll=0.05)
     assert single == []  # no job read on its own
+
+
+def test_wait_all_woken_by_the_store_reads_only_the_jobs_that_ended(app: errands.App) -> None:
+    """Each wake of wait_all read every job still pending, though the hub hands it the
+    rows of those that ended: N jobs ending a few at a time made O(N^2) rows read. Now a
+    pushed wake reads nothing more; only the first look (and a poll or a safety recheck,
+    or a wake that brought no rows) reads every pending job."""
+
+    @app.job(name="results.ending")
+    def ending(n: int) -> int:
+        return n
+
+    handles = app.enqueue_many(ending.bind(n=n) for n in range(300))
+    waiter_thread = threading.get_ident()
+    read_here: list[int] = []
+    real_get_many = app.backend.job_get_many
+
+    def counted(ids: list[int]) -> Any:
+        if threading.get_ident() == waiter_thread:
+            read_here.append(len(ids))
+        return real_get_many(ids)
+
+    app.backend.job_get_many = counted  # type: ignore[method-assign]
+    assert app.results.ready()  # the store pushes (SQLite: its data_version watcher)
+    with running_worker(app, concurrency=2, prefetch=0):
+        errands.wait_all(handles, timeout=30)
+    assert app.results.wakeups > 5  # woken as the jobs ended, many times
+    # the first look (300); every later row came with its wake (reading every pending job
+    # on each wake read 7,500 here)
+    assert sum(read_here) < 600
