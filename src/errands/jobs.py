@@ -188,6 +188,16 @@ class Job:
             return {"__corrupt__": "***"} if hidden else dict(self.args)
         return {k: ("***" if k in hidden else v) for k, v in self.args.items()}
 
+    @property
+    def masked_key(self) -> str | None:
+        """The idempotency key, a sensitive argument's value in it shown as ``***``
+        (``key=f"welcome:{email}"`` with ``email`` sensitive)."""
+        if self.idempotency_key is None or not self.sensitive:
+            return self.idempotency_key
+        from .masking import mask_text, sensitive_values
+
+        return mask_text(self.idempotency_key, sensitive_values(self))
+
 
 @dataclass(slots=True)
 class JobRow:

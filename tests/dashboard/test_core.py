@@ -364,3 +364,42 @@ def test_crafted_ids_and_nested_json_get_a_clear_answer_not_a_500(
     answer = post(client, f"/jobs/{job.id}/signal", {"signal": "go", "payload": "[" * 100_000})
     assert answer.status_code == 303  # back to the job, the error flashed
     assert "not JSON" in client.get(f"/jobs/{job.id}").text
+
+
+def test_unicode_digits_in_ids_and_filters_get_a_clear_answer_not_a_500(
+    client: TestClient, jobs: dict[str, Any]
+) -> None:
+    """``str.isdigit`` takes "²" and "٣", which int() then refuses: ``?before_id=²``,
+    ``?search=²`` and a DLQ form's ids were bare 500s. They read as no id."""
+    for path in ("/jobs?before_id=%C2%B2", "/jobs?search=%C2%B2", "/jobs?search=%D9%A3"):
+        assert client.get(path).status_code == 200, path
+    answer = post(client, "/dlq/preview", {"op": "replay", "ids": "²,٣"}, page="/dlq")
+    assert answer.status_code < 500
+
+
+def test_the_dashboard_leaves_a_host_apps_own_id_convertor_alone() -> None:
+    """Its path convertor has a name of its own: registered as "id" (starlette's
+    convertors are global), it replaced a host app's for the routes compiled after."""
+    from starlette.convertors import CONVERTOR_TYPES
+
+    import errands.dashboard  # noqa: F401
+
+    assert "errands_id" in CONVERTOR_TYPES and "id" not in CONVERTOR_TYPES
+
+
+def test_an_idempotency_key_quoting_a_sensitive_argument_is_masked_where_it_is_shown(
+    store: errands.App, client: TestClient, jobs: dict[str, Any]
+) -> None:
+    """``key=f"welcome:{email}"`` with ``email`` sensitive: the key showed the address on
+    the job page, the jobs list, ``jobs show`` and its JSON."""
+    from click.testing import CliRunner
+
+    from errands.cli.main import cli
+
+    job = jobs["send_welcome"].enqueue(user_id=7, email=EMAIL, key=f"welcome:{EMAIL}", delay=60)
+    for page in (client.get(f"/jobs/{job.id}"), client.get("/jobs")):
+        assert page.status_code == 200
+        assert "welcome:***" in page.text and EMAIL not in page.text
+    for args in (["jobs", "show", str(job.id)], ["jobs", "show", str(job.id), "--json"]):
+        shown = CliRunner().invoke(cli, [*args, "--url", store.url])
+        assert "welcome:***" in shown.output and EMAIL not in shown.output, shown.output

@@ -94,7 +94,7 @@ def job_dict(job: Job) -> dict[str, Any]:
         "attempt": job.attempt,
         "max_attempts": job.max_attempts,
         "rescues": job.rescues,
-        "key": job.idempotency_key,
+        "key": job.masked_key,
         "run_at": job.run_at,
         "cursor": job.cursor,  # jobs list --state available --queue Q --after CURSOR
         "inserted_at": job.inserted_at,
@@ -174,7 +174,7 @@ def show_job(
     out.print(f"[bold]job {job.id}[/bold]  {job.name}  queue={job.queue}  state={job.state.value}")
     fields = [
         ("args", json.dumps(job.masked_args, default=str)),
-        ("key", job.idempotency_key or "-"),
+        ("key", job.masked_key or "-"),
         ("attempt", f"{job.attempt} of {job.max_attempts} (rescues {job.rescues})"),
         ("priority", job.priority),
         ("run at", when(job.run_at)),

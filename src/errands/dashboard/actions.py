@@ -23,6 +23,7 @@ from .security import CSRF_FIELD, UNNAMED, clean_user_name, csrf_matches, new_cs
 from .web import (
     Viewer,
     action,
+    as_id,
     base_context,
     blocking,
     error_page,
@@ -206,10 +207,7 @@ def _dlq_selection(form: FormData) -> dict[str, Any]:
     ids: list[int] = []
     raw = [v for v in form.getlist("ids") if isinstance(v, str)]
     for value in raw:
-        for part in value.split(","):
-            part = part.strip()
-            if part.isdigit() and len(part) < 19:
-                ids.append(int(part))
+        ids.extend(i for i in map(as_id, value.split(",")) if i is not None)
     return {
         "op": op,
         "scope": scope,
@@ -300,9 +298,7 @@ def _edit_form(form: FormData) -> tuple[list[int], dict[str, Any]]:
     """The ids and the edit a form asks for (ValueError, saying what is wrong)."""
     ids: list[int] = []
     for value in form.getlist("ids"):
-        for part in str(value).split(","):
-            if part.strip().isdigit() and len(part.strip()) < 19:
-                ids.append(int(part.strip()))
+        ids.extend(i for i in map(as_id, str(value).split(",")) if i is not None)
     options: dict[str, Any] = {}
     if form_text(form, "run_at"):
         when = datetime.fromisoformat(form_text(form, "run_at"))

@@ -34,7 +34,9 @@ class IdConvertor(Convertor[int]):
         return str(value)
 
 
-register_url_convertor("id", IdConvertor())
+# A name of its own: starlette's convertors are global, and "id" would replace a host
+# app's own for the routes it compiles after importing the dashboard.
+register_url_convertor("errands_id", IdConvertor())
 
 if TYPE_CHECKING:
     from ..app import App
@@ -129,12 +131,30 @@ def create_app(
     routes = [
         Route("/", pages.overview, name="overview"),
         Route("/jobs", pages.jobs, name="jobs"),
-        Route("/jobs/{job_id:id}", pages.job_detail, name="job"),
-        Route("/jobs/{job_id:id}/cancel", actions.job_cancel, methods=["POST"], name="job_cancel"),
-        Route("/jobs/{job_id:id}/signal", actions.job_signal, methods=["POST"], name="job_signal"),
-        Route("/jobs/{job_id:id}/replay", actions.job_replay, methods=["POST"], name="job_replay"),
+        Route("/jobs/{job_id:errands_id}", pages.job_detail, name="job"),
         Route(
-            "/jobs/{job_id:id}/discard", actions.job_discard, methods=["POST"], name="job_discard"
+            "/jobs/{job_id:errands_id}/cancel",
+            actions.job_cancel,
+            methods=["POST"],
+            name="job_cancel",
+        ),
+        Route(
+            "/jobs/{job_id:errands_id}/signal",
+            actions.job_signal,
+            methods=["POST"],
+            name="job_signal",
+        ),
+        Route(
+            "/jobs/{job_id:errands_id}/replay",
+            actions.job_replay,
+            methods=["POST"],
+            name="job_replay",
+        ),
+        Route(
+            "/jobs/{job_id:errands_id}/discard",
+            actions.job_discard,
+            methods=["POST"],
+            name="job_discard",
         ),
         Route("/dlq", pages.dlq, name="dlq"),
         Route("/dlq/preview", actions.dlq_preview, methods=["POST"], name="dlq_preview"),
@@ -157,7 +177,7 @@ def create_app(
         Route("/workers", pages.workers, name="workers"),
         Route("/cron", pages.cron, name="cron"),
         Route("/workflows", pages.workflows, name="workflows"),
-        Route("/workflows/{workflow_id:id}", pages.workflow_detail, name="workflow"),
+        Route("/workflows/{workflow_id:errands_id}", pages.workflow_detail, name="workflow"),
         Route("/audit", pages.audit, name="audit"),
         Route("/login", actions.login_form, methods=["GET"], name="login"),
         Route("/login", actions.login_submit, methods=["POST"], name="login_submit"),

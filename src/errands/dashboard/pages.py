@@ -21,6 +21,7 @@ from . import charts
 from .format import trace_id
 from .web import (
     Viewer,
+    as_id,
     blocking,
     error_page,
     page,
@@ -178,9 +179,9 @@ async def jobs(request: Request, viewer: Viewer) -> Response:
     def load() -> tuple[list[Job], bool]:
         if search:
             found: dict[int, Job] = {}
-            if search.isdigit() and len(search) < 19:
+            if (wanted := as_id(search)) is not None:
                 try:
-                    job = app.get_job(int(search))
+                    job = app.get_job(wanted)
                     found[job.id] = job
                 except JobNotFound:
                     pass

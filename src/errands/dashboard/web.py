@@ -8,6 +8,7 @@ in that order. Blocking store calls run in Starlette's thread pool (:func:`block
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,9 @@ class Viewer:
 
     def can(self, action: str) -> bool:
         return self.access.can(action)
+
+
+ID_TEXT = re.compile("[0-9]{1,18}")
 
 
 def settings(request: Request) -> Settings:
@@ -384,8 +388,12 @@ def query_text(request: Request, name: str, limit: int = 200) -> str | None:
     return check_text(f"the {name!r} filter", value) or None
 
 
+def as_id(text: str) -> int | None:
+    """``text`` as a job's or a workflow's id (1 to 18 ASCII digits), else None:
+    ``str.isdigit`` takes "²" too, which int() then refuses (a bare 500)."""
+    text = text.strip()
+    return int(text) if ID_TEXT.fullmatch(text) else None
+
+
 def query_int(request: Request, name: str) -> int | None:
-    value = request.query_params.get(name, "").strip()
-    if value.isdigit() and len(value) < 19:
-        return int(value)
-    return None
+    return as_id(request.query_params.get(name, ""))
