@@ -80,6 +80,10 @@ class Harness:
         """Move a finished job's ``finished_at`` into the past (for retention pruning)."""
         raise NotImplementedError
 
+    def backdate_settled(self, backend: Backend, workflow_id: int, seconds_ago: float) -> None:
+        """Move a settled workflow's ``settled_at`` into the past (for retention pruning)."""
+        raise NotImplementedError
+
     def expire_leader(self, backend: Backend, name: str) -> None:
         """Let the current leadership of ``name`` run out without waiting for its ttl."""
         raise NotImplementedError
@@ -156,6 +160,14 @@ class SQLiteHarness(Harness):
             f"UPDATE errands_jobs SET finished_at = {self._NOW} - :s "
             "WHERE id = :id AND finished_at IS NOT NULL",
             {"s": seconds_ago, "id": job_id},
+        )
+
+    def backdate_settled(self, backend: Backend, workflow_id: int, seconds_ago: float) -> None:
+        self._side_write(
+            backend,
+            f"UPDATE errands_workflows SET settled_at = {self._NOW} - :s "
+            "WHERE id = :id AND settled_at IS NOT NULL",
+            {"s": seconds_ago, "id": workflow_id},
         )
 
     def expire_leader(self, backend: Backend, name: str) -> None:
@@ -291,6 +303,14 @@ class PostgresHarness(Harness):
             "UPDATE {schema}.errands_jobs SET finished_at = now() - make_interval(secs => %s) "
             "WHERE id = %s AND finished_at IS NOT NULL",
             (seconds_ago, job_id),
+        )
+
+    def backdate_settled(self, backend: Backend, workflow_id: int, seconds_ago: float) -> None:
+        self._side_write(
+            backend,
+            "UPDATE {schema}.errands_workflows SET settled_at = now() - make_interval("
+            "secs => %s) WHERE id = %s AND settled_at IS NOT NULL",
+            (seconds_ago, workflow_id),
         )
 
     def expire_leader(self, backend: Backend, name: str) -> None:

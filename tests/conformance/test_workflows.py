@@ -671,3 +671,53 @@ def test_pruning_keeps_the_finished_members_of_a_workflow_still_running(
     assert row.id == plain and finish(backend, row, "completed")
     harness.backdate_finished(backend, plain, 8 * 86400)
     assert backend.job_prune(older_than=7 * 86400, limit=100) == 1  # the plain job goes
+
+
+WEEK = 7 * 86400
+
+
+def test_a_settled_workflows_members_stay_until_it_settled_longer_ago_than_the_retention(
+    backend: Backend, harness: Harness
+) -> None:
+    """A member that finished a week before its workflow settled was pruned at the first
+    prune after the settle: WorkflowHandle.result() and the callbacks, run just after,
+    read it as gone. Retention counts from the workflow's settling, for it and its
+    members alike."""
+    inserted = backend.workflow_insert(spec([("a", []), ("b", [])], events=()))
+    for row in claim_all(backend):
+        assert finish(backend, row, "completed", result_json='"done"')
+    a_id, b_id = (j.id for j in inserted.jobs)
+    harness.backdate_finished(backend, a_id, 8 * 86400)  # finished long before the settle
+    assert backend.job_prune(older_than=WEEK, limit=100) == 0
+    assert backend.workflow_prune(older_than=WEEK, limit=100) == 0
+    assert get(backend, a_id).result == '"done"'
+    harness.backdate_finished(backend, b_id, 8 * 86400)
+    harness.backdate_settled(backend, inserted.id, 8 * 86400)
+    assert backend.workflow_prune(older_than=WEEK, limit=100) == 1
+    assert backend.workflow_get(inserted.id) is None
+    assert backend.job_prune(older_than=WEEK, limit=100) == 2  # its members with it
+
+
+def test_a_nested_workflow_stays_while_its_outer_workflow_runs(
+    backend: Backend, harness: Harness
+) -> None:
+    """An inner workflow that settled long ago was pruned (with its members) while its
+    outer one still ran, whose result then read it as gone: a nested workflow goes with
+    its outermost one."""
+    inserted = backend.workflow_insert(nested(batch(1, events=())))
+    [inner] = inserted.children.values()
+    outer_job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    assert finish(backend, inner_member, "completed")  # the inner workflow settles
+    assert backend.workflow_get(inner.id).settled_at is not None  # type: ignore[union-attr]
+    harness.backdate_settled(backend, inner.id, 8 * 86400)
+    harness.backdate_finished(backend, inner_member.id, 8 * 86400)
+    assert backend.workflow_prune(older_than=WEEK, limit=100) == 0  # the outer one runs
+    assert backend.job_prune(older_than=WEEK, limit=100) == 0
+    assert backend.workflow_get(inner.id) is not None
+    assert finish(backend, outer_job, "completed")  # the outer one settles: kept a week
+    assert backend.workflow_prune(older_than=WEEK, limit=100) == 0
+    harness.backdate_settled(backend, inserted.id, 8 * 86400)
+    harness.backdate_finished(backend, outer_job.id, 8 * 86400)
+    assert backend.workflow_prune(older_than=WEEK, limit=100) == 2  # outer and inner
+    assert backend.workflow_get(inner.id) is None
+    assert backend.job_prune(older_than=WEEK, limit=100) == 2

@@ -677,15 +677,26 @@ class WorkflowStore:
                 member = -workflow_id  # up to its parent, if it is nested in one
 
     def prune(self, older_than: float, limit: int) -> Program[int]:
-        """Delete up to ``limit`` workflows settled more than ``older_than`` seconds ago,
-        with their members, edges and pending rows (their jobs are pruned as jobs are)."""
+        """Delete up to ``limit`` outermost workflows settled more than ``older_than``
+        seconds ago, each with the workflows nested in it, and their members, edges and
+        pending rows; their jobs are pruned as jobs are, once their workflow is gone (a
+        member is kept while its workflow is). Returns how many workflows went."""
         q = self.q
         rows = yield Stmt(q["wf_prunable"], {"older_than": older_than, "limit": limit})
-        for (workflow_id,) in rows:
-            for query in ("wf_delete_edges", "wf_delete_members", "wf_delete_pending"):
-                yield Stmt(q[query], {"id": workflow_id})
-            yield Stmt(q["wf_delete"], {"id": workflow_id})
-        return len(rows)
+        gone = 0
+        for (root,) in rows:
+            tree, todo = [], [int(root)]
+            while todo:  # the nested ones, before the members rows that name them go
+                workflow_id = todo.pop()
+                tree.append(workflow_id)
+                nested = yield Stmt(q["wf_nested"], {"id": workflow_id})
+                todo.extend(int(r[0]) for r in nested)
+            for workflow_id in tree:
+                for query in ("wf_delete_edges", "wf_delete_members", "wf_delete_pending"):
+                    yield Stmt(q[query], {"id": workflow_id})
+                yield Stmt(q["wf_delete"], {"id": workflow_id})
+            gone += len(tree)
+        return gone
 
     def nested_pending(self, workflow_id: int) -> Program[list[int]]:
         """The ids of the nested workflows not yet settled in this one."""

@@ -269,11 +269,13 @@ WITH gone AS (
         SELECT id FROM {schema}.errands_jobs AS j
         WHERE state IN ('completed', 'cancelled', 'discarded')
           AND finished_at < now() - make_interval(secs => %(older_than)s)
-          -- a member of a workflow still running stays (a dependent yet to run reads
-          -- its result): pruned, it read as a completed parent with no result
+          -- a workflow's member stays while its workflow does (a dependent yet to run,
+          -- the workflow's result and its callbacks read it): pruned, it read as a
+          -- completed parent with no result. Workflows go by their outermost one's
+          -- settle time (wf_prunable), their members with them.
           AND (j.workflow_id IS NULL
                OR NOT EXISTS (SELECT 1 FROM {schema}.errands_workflows AS w
-                              WHERE w.id = j.workflow_id AND w.settled_at IS NULL))
+                              WHERE w.id = j.workflow_id))
         LIMIT %(limit)s
     )
     RETURNING id

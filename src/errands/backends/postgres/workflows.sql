@@ -373,9 +373,15 @@ SELECT workflow_id FROM {schema}.errands_jobs WHERE id = %(id)s
 SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s AND job_id < 0
 
 -- name: wf_prunable
-SELECT id FROM {schema}.errands_workflows
+-- Settled before the retention and nested in no other: a nested workflow goes with its
+-- outermost one (wf_nested), whose result reads it until then.
+SELECT id FROM {schema}.errands_workflows AS w
 WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(older_than)s)
+  AND NOT EXISTS (SELECT 1 FROM {schema}.errands_workflow_members AS m WHERE m.job_id = -w.id)
 LIMIT %(limit)s
+
+-- name: wf_nested
+SELECT -job_id FROM {schema}.errands_workflow_members WHERE workflow_id = %(id)s AND job_id < 0
 
 -- name: wf_delete_edges
 DELETE FROM {schema}.errands_workflow_edges WHERE workflow_id = %(id)s

@@ -153,14 +153,15 @@ WHERE state IN ('scheduled', 'retryable')
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
 
 -- name: job_prunable
--- A member of a workflow still running stays (a dependent yet to run reads its result),
--- whatever its age: pruned, it read as a completed parent with no result.
+-- A workflow's member stays while its workflow does (a dependent yet to run, the
+-- workflow's result and its callbacks read it), whatever its age: pruned, it read as a
+-- completed parent with no result. Workflows go by their outermost one's settle time
+-- (wf_prunable), their members with them.
 SELECT id FROM errands_jobs AS j
 WHERE state IN ('completed', 'cancelled', 'discarded')
   AND finished_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
   AND (j.workflow_id IS NULL
-       OR NOT EXISTS (SELECT 1 FROM errands_workflows AS w
-                      WHERE w.id = j.workflow_id AND w.settled_at IS NULL))
+       OR NOT EXISTS (SELECT 1 FROM errands_workflows AS w WHERE w.id = j.workflow_id))
 LIMIT :limit
 
 -- name: job_delete

@@ -271,10 +271,16 @@ SELECT workflow_id FROM errands_jobs WHERE id = :id
 SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id < 0
 
 -- name: wf_prunable
-SELECT id FROM errands_workflows
+-- Settled before the retention and nested in no other: a nested workflow goes with its
+-- outermost one (wf_nested), whose result reads it until then.
+SELECT id FROM errands_workflows AS w
 WHERE settled_at IS NOT NULL
   AND settled_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+  AND NOT EXISTS (SELECT 1 FROM errands_workflow_members AS m WHERE m.job_id = -w.id)
 LIMIT :limit
+
+-- name: wf_nested
+SELECT -job_id FROM errands_workflow_members WHERE workflow_id = :id AND job_id < 0
 
 -- name: wf_delete_edges
 DELETE FROM errands_workflow_edges WHERE workflow_id = :id
