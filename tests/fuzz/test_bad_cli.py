@@ -22,6 +22,10 @@ from tests.pg import require_pg
 
 from .support import PASSWORD, CliResult, cli_env, closed_port, run_cli_many
 
+# One xdist process takes the whole module: its fixture starts ~40 interpreters at once,
+# and every process that ran a test of it paid that again (10 s each under load).
+pytestmark = pytest.mark.xdist_group("bad_cli")
+
 Case = tuple[Sequence[str | bytes], int, str]
 
 PORT = closed_port()
