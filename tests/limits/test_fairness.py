@@ -462,3 +462,24 @@ def test_the_express_lane_serves_a_fair_queue_with_a_cluster_wide_limit_too(
     """A limited queue's claim takes free slots only (never the prefetch room), so with
     every slot busy only the lane's own claim can start the quiet job."""
     assert _quiet_behind_full_slots(store, express=1, limit=100) == (2, 2)
+
+
+def test_a_fair_key_in_a_queue_without_fairness_is_stored_and_ignored(
+    store: errands.App,
+) -> None:
+    """A job type's fair_key template in a queue that is not fair: the key is stored (for
+    when the queue is made fair) and ignored: no worker time is folded for it, so its
+    completions take the lean write of a plain queue. It was folded (a heavier write per
+    batch and a usage row per key), though the docs said ignored."""
+
+    @store.job(name="plainq.work", queue="plainq", fair_key="tenant:{tenant}")
+    def work(tenant: str) -> str:
+        return tenant
+
+    handles = store.enqueue_many([work.bind(tenant=f"t{i}") for i in range(20)])
+    with workers([store], concurrency=4):
+        assert [h.result(timeout=30) for h in handles] == [f"t{i}" for i in range(20)]
+    assert {store.backend.job_get(h.id).fair_key for h in handles} == {  # type: ignore[union-attr]
+        f"tenant:t{i}" for i in range(20)
+    }
+    assert [f for f in store.backend.fair_figures("plainq") if f.attempts] == []

@@ -208,7 +208,7 @@ class Claimer:
             claimed = self._step(result, lambda: backend.job_claim(params))
             # A claim's rows come back in no set order; a batch starts in queue order
             # (handler threads take them first in, first out).
-            rows += sorted(claimed, key=queue_order)
+            rows += sorted(_keys_ignored(claimed), key=queue_order)
 
     def _claim_limited(
         self, result: ClaimRound, plan: list[QueueClaim], room: int, free: int
@@ -289,7 +289,7 @@ class Claimer:
             params = ClaimParams(
                 fast, most, self.worker_id, self.app.lease, suspects=True, names=self.names
             )
-            result.rows += self._step(result, lambda: backend.job_claim(params))
+            result.rows += _keys_ignored(self._step(result, lambda: backend.job_claim(params)))
         for queue in plan:
             left = min(most - len(result.rows), queue.limit)
             if queue.name in self.with_limits and left > 0:
@@ -303,6 +303,15 @@ class Claimer:
             # next is looked for as soon as a suspect ends, so a burst of rescued jobs
             # drains at the pace they run, not one per poll interval.
             self._suspect_due = time.monotonic() + self.poll_interval
+
+
+def _keys_ignored(rows: Sequence[JobRow]) -> Sequence[JobRow]:
+    """A plain queue's rows (no fairness, no limit): a fair key stored with one (its job
+    type's template, for when the queue is made fair) is ignored, so its outcome takes
+    the lean completion and no worker time is folded for it."""
+    for row in rows:
+        row.fair_key = None
+    return rows
 
 
 def _limits(settings: object) -> bool:
