@@ -169,9 +169,16 @@ class Lane:
         raises what it raised, or TimeoutError (it may still finish later, unused)."""
         with self._lock:
             stuck = len(self._retired)
-        if stuck >= STUCK_MAX:  # nothing stops a call any more: do not wait out each one
+            now = time.monotonic()
+            serving_stuck = any(
+                ident not in self._retired and now - started > self.time_limit
+                for ident, (_call, started) in self._current.items()
+            )
+        if stuck >= STUCK_MAX and serving_stuck:
+            # Its serving thread is stuck too, and no more are replaced: the call would
+            # only wait out its deadline (every later one as well).
             raise TimeoutError(
-                f"the {self.name} lane has {stuck} calls stuck past their limit; not waiting"
+                f"the {self.name} lane has {stuck + 1} calls stuck past their limit; not waiting"
             )
         future = self.submit(fn, *args, what=what)
         if future is None:
@@ -231,9 +238,10 @@ class Lane:
                 # interrupts it once it is out.
                 if aim_unless_shielded(ident, functools.partial(_aim, ident, HookTimeout)):
                     self._retired.add(ident)  # under the lock: it is still inside that call
-                    aimed.append(call)
-            late = [(0, call) for call in aimed]
-        for _ident, call in late:
+                    # A thread already replaced (timed again by Lane.timed) is not the
+                    # lane's: replacing it again left one more thread serving for good.
+                    aimed.append((call, ident not in self._leaving))
+        for call, replace in aimed:
             self.timed_out += 1
             log.error(
                 "%s ran longer than its %g s limit; interrupting it and moving on (it may "
@@ -241,7 +249,8 @@ class Lane:
                 call.what,
                 self.time_limit,
             )
-            self._spawn()
+            if replace:
+                self._spawn()
 
     def backlog(self) -> int:
         return self._queue.qsize()

@@ -577,26 +577,104 @@ def test_an_on_dead_hook_after_one_stopped_at_its_limit_is_timed_too(store_url: 
         app.close()
 
 
-def test_a_backoff_lane_with_every_stuck_slot_taken_answers_at_once() -> None:
-    """Given a lane whose STUCK_MAX calls are stuck where no interrupt lands (a socket
-    read in C), when a backoff policy is asked through it, then the call fails at once
-    (the caller takes the default backoff): the lane no longer replaces stuck threads, so
-    every later policy call waited out its whole deadline, one after another."""
+def test_a_backoff_lane_answers_at_once_once_nothing_can_stop_its_stuck_call() -> None:
+    """Given a lane with STUCK_MAX calls stuck where no interrupt lands (a socket read in
+    C), a policy is still answered while the lane's own thread is free; once that thread
+    is stuck too (and no more are replaced), a call fails at once (the caller takes the
+    default backoff) instead of waiting out its whole deadline, every later call alike."""
     from errands.hooks import STUCK_MAX, Lane
 
     lane = Lane("backoff-test", time_limit=0.05)
     release = threading.Event()
-    for n in range(1, STUCK_MAX + 1):
+
+    def stick(n: int) -> None:
         lane.submit(release.wait, 30)  # blocked in C: the interrupt waits for it to return
         deadline = time.monotonic() + 5
         while lane.timed_out < n and time.monotonic() < deadline:
             lane.watch(time.monotonic())
             time.sleep(0.01)
+
     try:
+        for n in range(1, STUCK_MAX + 1):
+            stick(n)
         assert lane.timed_out == STUCK_MAX
+        assert lane.call(lambda: 2.0, timeout=5) == 2.0  # its serving thread is free
+        lane.submit(release.wait, 30)  # ... and now stuck too, with none to replace it
+        time.sleep(0.2)
+        lane.watch(time.monotonic())
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="stuck past their limit"):
             lane.call(lambda: 2.0, timeout=5)
         assert time.monotonic() - started < 4  # not after the call's 5 s deadline
     finally:
         release.set()
+
+
+def test_a_call_whose_every_hook_runs_past_its_limit_leaves_one_thread_serving() -> None:
+    """Given a call of two hooks (Lane.timed), each stopped at its limit, the lane has one
+    thread serving afterwards: the second stop replaced the already replaced thread
+    again, and each such death left one more thread serving the lane for good."""
+    from errands.hooks import HookTimeout, Lane
+
+    lane = Lane("dead-test", time_limit=0.1)
+    stopped: list[int] = []
+
+    def hang() -> None:
+        for _ in range(1000):  # 10 s of pure Python: an interrupt lands here
+            time.sleep(0.01)
+
+    def death() -> None:
+        for n in range(2):
+            try:
+                with lane.timed():
+                    hang()
+            except HookTimeout:
+                stopped.append(n)
+
+    for _ in range(3):
+        future = lane.submit(death)
+        assert future is not None
+        deadline = time.monotonic() + 10
+        while not future.done() and time.monotonic() < deadline:
+            lane.watch(time.monotonic())
+            time.sleep(0.01)
+        assert future.done()
+    assert stopped == [0, 1] * 3
+    time.sleep(0.1)  # the replaced threads leave after their call
+    serving = [t for t in threading.enumerate() if t.name.startswith("errands-dead-test-")]
+    assert len(serving) == 1, serving
+    assert lane.call(lambda: "still served", timeout=5) == "still served"
+
+
+def test_an_event_subscriber_after_one_stopped_at_its_limit_still_gets_the_event(
+    store_url: str,
+) -> None:
+    """Given hook_timeout=0.5 and two subscribers, the first hanging on a completion, the
+    second gets the event: they ran in one lane call with one shared limit, and the stop
+    of the first (a BaseException) left the second without it."""
+    app = errands.App(store_url, hook_timeout=0.5)
+    got = threading.Event()
+
+    @app.events.subscribe
+    def hangs(event: Any) -> None:
+        if event.name == "errands.job.completed":
+            for _ in range(1000):  # 10 s of pure Python: an interrupt lands here
+                time.sleep(0.01)
+
+    @app.events.subscribe
+    def pager(event: Any) -> None:
+        if event.name == "errands.job.completed":
+            got.set()
+
+    @app.job(name="hostile.completes")
+    def completes() -> int:
+        return 1
+
+    from tests.conftest import running_worker
+
+    try:
+        with running_worker(app):
+            assert completes.enqueue().result(timeout=10) == 1
+            wait_until(got.is_set, timeout=10, what="the second subscriber's event")
+    finally:
+        app.close()

@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..hooks import on_protected_thread
+from ..hooks import HookTimeout, Lane, on_protected_thread
 
 if TYPE_CHECKING:
     from ..hooks import HookRunner
@@ -182,9 +182,8 @@ class EventBus:
             else:
                 _deliver(subscriber, event)
         if deferred and self._hooks is not None:
-            self._hooks.lane("events").submit(
-                _deliver_all, deferred, event, what=f"event subscribers of {name}"
-            )
+            lane = self._hooks.lane("events")
+            lane.submit(_deliver_all, lane, deferred, event, what=f"event subscribers of {name}")
 
     @contextmanager
     def around_handler(self, info: dict[str, Any]) -> Iterator[None]:
@@ -237,6 +236,13 @@ def _deliver(subscriber: Subscriber, event: Event) -> None:
         log.exception("event subscriber %r failed on %s", subscriber, event.name)
 
 
-def _deliver_all(subscribers: list[Subscriber], event: Event) -> None:
+def _deliver_all(lane: Lane, subscribers: list[Subscriber], event: Event) -> None:
+    """Each subscriber with its own hook_timeout (Lane.timed): they shared the lane call's
+    one, so a slow first one got the next interrupted, and one stopped at the limit left
+    the subscribers after it without the event."""
     for subscriber in subscribers:
-        _deliver(subscriber, event)
+        try:
+            with lane.timed():
+                _deliver(subscriber, event)
+        except HookTimeout:  # logged by the lane as it stopped it: the next one gets it
+            log.error("event subscriber %r was stopped at its limit on %s", subscriber, event.name)
