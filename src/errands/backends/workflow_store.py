@@ -621,12 +621,18 @@ class WorkflowStore:
             for event in events:
                 if event in callbacks:
                     fired[event] = yield from self._fire(row, event, callbacks[event])
-        if state is not None or fired:
-            # One write settles it and records the callbacks: each column set once, under
-            # the workflow's lock (the callbacks' exactly-once guard).
+        if state is not None or fired or not pending:
+            # One write settles it (again, after a replay: its retention counts from now)
+            # and records the callbacks: each column set once, under the workflow's lock
+            # (the callbacks' exactly-once guard).
             yield Stmt(
                 q["wf_settle_fire"],
-                {"id": workflow_id, "state": state, **{e: fired.get(e) for e in EVENTS}},
+                {
+                    "id": workflow_id,
+                    "state": state,
+                    "settled": not pending,
+                    **{e: fired.get(e) for e in EVENTS},
+                },
             )
         if pending:
             return None

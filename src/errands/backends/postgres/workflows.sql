@@ -281,11 +281,12 @@ FROM {schema}.errands_workflows AS w WHERE w.id = %(id)s
 -- name: wf_settle_fire
 -- A workflow settles (in %(state)s; NULL: unchanged) and records the callback jobs just
 -- inserted (NULL: none). Each callback column is set once, under the workflow's lock:
--- the callback's exactly-once guard.
+-- the callback's exactly-once guard. settled_at is when it last settled (%(settled)s:
+-- nothing pending now): a workflow settled again after a replay counts its retention
+-- from then, or it was pruned right away with the callbacks just fired reading it.
 UPDATE {schema}.errands_workflows
 SET state = COALESCE(%(state)s::text, state),
-    settled_at = CASE WHEN %(state)s::text IS NULL THEN settled_at
-                      ELSE COALESCE(settled_at, now()) END,
+    settled_at = CASE WHEN %(settled)s THEN now() ELSE settled_at END,
     on_success_job = COALESCE(%(on_success)s::bigint, on_success_job),
     on_settled_job = COALESCE(%(on_settled)s::bigint, on_settled_job),
     on_dead_job = COALESCE(%(on_dead)s::bigint, on_dead_job)
@@ -373,11 +374,13 @@ SELECT workflow_id FROM {schema}.errands_jobs WHERE id = %(id)s
 SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s AND job_id < 0
 
 -- name: wf_prunable
--- Settled before the retention and nested in no other: a nested workflow goes with its
--- outermost one (wf_nested), whose result reads it until then.
+-- Settled before the retention, nothing pending in it, and nested in no other: a nested
+-- workflow goes with its outermost one (wf_nested), whose result reads it until then.
 SELECT id FROM {schema}.errands_workflows AS w
 WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(older_than)s)
   AND NOT EXISTS (SELECT 1 FROM {schema}.errands_workflow_members AS m WHERE m.job_id = -w.id)
+  -- a member replayed since it settled is pending again (its settle time is the old one)
+  AND NOT EXISTS (SELECT 1 FROM {schema}.errands_workflow_pending AS p WHERE p.workflow_id = w.id)
 LIMIT %(limit)s
 
 -- name: wf_nested

@@ -182,11 +182,13 @@ FROM errands_workflows AS w WHERE w.id = :id
 -- name: wf_settle_fire
 -- A workflow settles (in :state; NULL: unchanged) and records the callback jobs just
 -- inserted (NULL: none). Each callback column is set once, under the workflow's lock:
--- the callback's exactly-once guard.
+-- the callback's exactly-once guard. settled_at is when it last settled (:settled:
+-- nothing pending now): a workflow settled again after a replay counts its retention
+-- from then, or it was pruned right away with the callbacks just fired reading it.
 UPDATE errands_workflows
 SET state = COALESCE(:state, state),
-    settled_at = CASE WHEN :state IS NULL THEN settled_at
-                      ELSE COALESCE(settled_at, (julianday('now') - 2440587.5) * 86400.0) END,
+    settled_at = CASE WHEN :settled THEN (julianday('now') - 2440587.5) * 86400.0
+                      ELSE settled_at END,
     on_success_job = COALESCE(:on_success, on_success_job),
     on_settled_job = COALESCE(:on_settled, on_settled_job),
     on_dead_job = COALESCE(:on_dead, on_dead_job)
@@ -271,12 +273,14 @@ SELECT workflow_id FROM errands_jobs WHERE id = :id
 SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id < 0
 
 -- name: wf_prunable
--- Settled before the retention and nested in no other: a nested workflow goes with its
--- outermost one (wf_nested), whose result reads it until then.
+-- Settled before the retention, nothing pending in it, and nested in no other: a nested
+-- workflow goes with its outermost one (wf_nested), whose result reads it until then.
 SELECT id FROM errands_workflows AS w
 WHERE settled_at IS NOT NULL
   AND settled_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
   AND NOT EXISTS (SELECT 1 FROM errands_workflow_members AS m WHERE m.job_id = -w.id)
+  -- a member replayed since it settled is pending again (its settle time is the old one)
+  AND NOT EXISTS (SELECT 1 FROM errands_workflow_pending AS p WHERE p.workflow_id = w.id)
 LIMIT :limit
 
 -- name: wf_nested
