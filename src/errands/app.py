@@ -850,6 +850,7 @@ class App:
 
         .. versionadded:: 0.2
         """
+        await self.abackend()  # opened once, off the executor (see abackend)
         return await asyncio.to_thread(self.get_job, job_id)
 
     def jobs(
@@ -1213,6 +1214,7 @@ class App:
 
         .. versionadded:: 0.2
         """
+        await self.abackend()
         return await asyncio.to_thread(self.signal, job_id, name, payload, actor=actor)
 
     async def acancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
@@ -1220,6 +1222,7 @@ class App:
 
         .. versionadded:: 0.2
         """
+        await self.abackend()
         return await asyncio.to_thread(self.cancel, job_id, actor=actor)
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:

@@ -97,6 +97,7 @@ class JobHandle:
         """
         hub = self.app.results
         pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
+        await self.app.abackend()  # opened once, off the executor (see App.abackend)
         await asyncio.to_thread(hub.ready, pacer.ready_wait())
         with hub.watch([self.id], asyncio.get_running_loop()) as waiter:
             while True:

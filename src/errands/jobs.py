@@ -194,6 +194,8 @@ class Job:
         (``key=f"welcome:{email}"`` with ``email`` sensitive)."""
         if self.idempotency_key is None or not self.sensitive:
             return self.idempotency_key
+        if not isinstance(self.args, dict) or set(self.args) == {"__corrupt__"}:
+            return "***"  # its sensitive values cannot be told apart: as masked_args
         from .masking import mask_text, sensitive_values
 
         return mask_text(self.idempotency_key, sensitive_values(self))

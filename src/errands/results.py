@@ -296,6 +296,7 @@ def as_completed(
     backend = hub.app.backend
     with hub.watch(pending) as waiter:
         read_all = True  # the first look reads every job
+        read_all_at = 0.0
         while pending:
             # The rows the hub read when it woke us. The others are read here, in chunks,
             # only on the first look, a poll or a safety recheck, or a wake that brought
@@ -304,6 +305,7 @@ def as_completed(
             # 1,000 jobs).
             rows = {i: waiter.rows.pop(i) for i in list(pending) if i in waiter.rows}
             if read_all:
+                read_all_at = time.monotonic()
                 unread = [i for i in pending if i not in rows]
                 for start in range(0, len(unread), READ_CHUNK):
                     chunk = unread[start : start + READ_CHUNK]
@@ -318,7 +320,13 @@ def as_completed(
                     yield handle
             if pending:
                 woken = waiter.wait(pacer.next(f"{len(pending)} job(s) still not finished"))
-                read_all = waiter.take_read_all() or not woken or not hub.pushing
+                read_all = (
+                    waiter.take_read_all()
+                    or not woken
+                    or not hub.pushing
+                    # the safety recheck, also while other jobs' ends keep waking it
+                    or time.monotonic() - read_all_at >= SAFETY_RECHECK
+                )
 
 
 def wait_all(

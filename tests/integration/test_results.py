@@ -229,3 +229,34 @@ def test_wait_all_woken_by_the_store_reads_only_the_jobs_that_ended(app: errands
     # the first look (300); every later row came with its wake (reading every pending job
     # on each wake read 7,500 here)
     assert sum(read_here) < 600
+
+
+def test_as_completed_rereads_every_job_at_the_safety_recheck_while_other_ends_wake_it(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose end never woke the waiter (a notification lost) is found by the
+    safety recheck, also while the ends of other jobs keep waking the waiter: the recheck
+    ran only after a wait that timed out, so a steady stream of wakes put it off until
+    every other job had ended."""
+    import errands.results as results
+
+    monkeypatch.setattr(results, "SAFETY_RECHECK", 0.3)
+
+    @app.job(name="results.steady")
+    def steady(n: int) -> int:
+        time.sleep(0.1)
+        return n
+
+    lost = steady.enqueue(n=-1)  # runs first; its end's wake-up is lost
+    others = [steady.enqueue(n=n) for n in range(30)]  # then one ends every 0.1 s
+    hub = app.results
+    real_wake = hub._wake
+
+    def losing(ids: Any, *, read: bool = False) -> None:
+        real_wake(None if ids is None else [i for i in ids if i != lost.id], read=read)
+
+    monkeypatch.setattr(hub, "_wake", losing)
+    assert hub.ready()
+    with running_worker(app, concurrency=1, prefetch=0):
+        order = [h.id for h in errands.as_completed([lost, *others], timeout=60)]
+    assert order.index(lost.id) < 20, order.index(lost.id)  # not after all 30 others

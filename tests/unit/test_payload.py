@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
@@ -372,6 +372,15 @@ def test_masked_args_hides_a_corrupted_payload_of_a_sensitive_job() -> None:
     """When the args cannot be parsed, a job with sensitive fields shows none of them."""
     job = _row('{"email": "a@b', '{"sensitive": ["email"]}').to_job()
     assert job.masked_args == {"__corrupt__": "***"}
+
+
+def test_the_idempotency_key_of_a_sensitive_job_with_a_corrupted_payload_is_masked() -> None:
+    """Its sensitive values cannot be read from the payload to be found in the key: the
+    key is hidden whole, as the arguments are (it was shown raw)."""
+    job = replace(_row('{"email": "a@b', '{"sensitive": ["email"]}'), idempotency_key="w:a@b.c")
+    assert job.to_job().masked_key == "***"
+    readable = _row('{"email": "a@b.c"}', '{"sensitive": ["email"]}')
+    assert replace(readable, idempotency_key="w:a@b.c").to_job().masked_key == "w:***"
 
 
 def _row(args: str, meta: str) -> JobRow:
