@@ -723,18 +723,24 @@ def test_a_nested_workflow_stays_while_its_outer_workflow_runs(
     assert backend.job_prune(older_than=WEEK, limit=100) == 2
 
 
-def test_a_settled_workflow_with_a_replayed_member_pending_is_not_pruned(
-    backend: Backend, harness: Harness
-) -> None:
-    """A failed batch settled longer ago than the retention, and its dead member replayed
-    today: the workflow is pending again but kept its old settled_at, so the next prune
-    deleted it (and its members) while the replay ran: on_success never fired."""
+def _failed_long_ago_then_replayed(backend: Backend, harness: Harness) -> WorkflowInserted:
+    """A batch of two that settled failed 8 days ago, its dead member replayed now."""
     inserted = backend.workflow_insert(batch(2))
     dead, ok = claim_all(backend)
     assert finish(backend, dead, "dead", error=error())
     assert finish(backend, ok, "completed")
     harness.backdate_settled(backend, inserted.id, 8 * 86400)
     _replay(backend, dead.id)
+    return inserted
+
+
+def test_a_settled_workflow_with_a_replayed_member_pending_is_not_pruned(
+    backend: Backend, harness: Harness
+) -> None:
+    """A failed batch settled longer ago than the retention, and its dead member replayed
+    today: the workflow is pending again but kept its old settled_at, so the next prune
+    deleted it (and its members) while the replay ran: on_success never fired."""
+    _failed_long_ago_then_replayed(backend, harness)
     assert backend.workflow_prune(older_than=WEEK, limit=100) == 0
     assert finish(backend, claim_one(backend), "completed")
     assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]
@@ -747,12 +753,7 @@ def test_a_workflow_settled_again_after_a_replay_counts_its_retention_from_then(
     """Its dead member replayed and dead again: the workflow settles again (failed, as
     before) and is kept for the retention from then, not pruned at once for its first
     settle of long ago, with the callbacks it just fired reading it."""
-    inserted = backend.workflow_insert(batch(2))
-    dead, ok = claim_all(backend)
-    assert finish(backend, dead, "dead", error=error())
-    assert finish(backend, ok, "completed")
-    harness.backdate_settled(backend, inserted.id, 8 * 86400)
-    _replay(backend, dead.id)
+    inserted = _failed_long_ago_then_replayed(backend, harness)
     assert finish(backend, claim_one(backend), "dead", error=error())
     assert _state(backend, inserted.id)[0] == "failed"
     assert backend.workflow_prune(older_than=WEEK, limit=100) == 0
