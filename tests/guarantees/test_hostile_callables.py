@@ -678,3 +678,45 @@ def test_an_event_subscriber_after_one_stopped_at_its_limit_still_gets_the_event
             wait_until(got.is_set, timeout=10, what="the second subscriber's event")
     finally:
         app.close()
+
+
+def test_a_hanging_before_insert_hook_never_holds_up_the_leaders_cron_duty(
+    store_url: str,
+) -> None:
+    """Given a before_insert hook that hangs on a periodic job's slot, the leader's tick
+    comes back within hook_timeout (the slot is tried again at the next tick) instead of
+    waiting on the hook with every rescue behind it; once the hook answers, the slot is
+    inserted once."""
+    from errands.hooks import protect_current_thread
+
+    app = errands.App(store_url, hook_timeout=0.5)
+    hang = threading.Event()
+    hang.set()
+
+    @app.events.before_insert
+    def stamp(requests: list[Any]) -> None:
+        deadline = time.monotonic() + 30
+        while hang.is_set() and time.monotonic() < deadline:  # the interrupt lands here
+            time.sleep(0.01)
+        for request in requests:
+            request.meta["stamped"] = True
+
+    @app.periodic("* * * * *", name="hostile.cron_hooked")
+    def hooked() -> None: ...
+
+    start = datetime(2026, 1, 1, 12, 0, 30, tzinfo=UTC)
+    scheduler = Scheduler(app)
+    protect_current_thread()  # as the maintenance leader's thread is
+    try:
+        scheduler.run_once(now=start)
+        started = time.monotonic()
+        assert scheduler.run_once(now=start + timedelta(minutes=1)) == 0  # logged, not stuck
+        assert time.monotonic() - started < 20  # not the hook's whole hang
+        hang.clear()
+        assert scheduler.run_once(now=start + timedelta(minutes=1, seconds=5)) == 1
+        [job] = app.jobs(name="hostile.cron_hooked")
+        assert job.meta.get("stamped") is True
+    finally:
+        protect_current_thread(False)
+        hang.clear()
+        app.close()

@@ -37,6 +37,7 @@ from ..errors import ConfigurationError
 if TYPE_CHECKING:
     from ..app import App
     from ..definition import BoundJob, JobDefinition
+    from ..handle import JobHandle
 
 log = logging.getLogger("errands.cron")
 
@@ -149,7 +150,7 @@ class Scheduler:
         chosen = self._apply_policy(job, slots, now)
         job_id = state.last_job_id
         for slot in chosen:
-            [handle] = self.app.enqueue_many([job.for_slot(slot)])
+            handle = self._insert(job.for_slot(slot))
             job_id = handle.id
             if not handle.deduplicated:
                 count += 1
@@ -160,6 +161,21 @@ class Scheduler:
         backend.cron_save(job.name, job.expression, job.timezone, slots[-1].timestamp(),
                           job_id, job.next_after(now).timestamp())  # fmt: skip
         return count
+
+    def _insert(self, bound: BoundJob) -> JobHandle:
+        """Enqueue one slot. The app's before_insert hooks are user code, which never runs
+        on the leader's thread (a hung one stopped every rescue and every other periodic
+        job): with any, the insert runs on the ``inserts`` lane, within ``hook_timeout``.
+        A slot not inserted in time is tried again at the next tick (its key makes one
+        that landed late count once)."""
+        app = self.app
+        if not app.events.inserters:
+            [handle] = app.enqueue_many([bound])
+            return handle
+        lane = app.hooks.lane("inserts")
+        what = f"cron insert of {bound.definition.name}"
+        [handle] = lane.call(app.enqueue_many, [bound], timeout=app.hooks.hook_timeout, what=what)
+        return handle  # type: ignore[no-any-return]
 
     @staticmethod
     def _apply_policy(job: Periodic, slots: list[datetime], now: datetime) -> list[datetime]:
