@@ -142,6 +142,42 @@ def test_drain_options_retries_queues_schedules_and_the_runaway_guard(
     assert (left.state, left.attempt) == (errands.JobState.AVAILABLE, 0)
 
 
+def test_drain_and_inline_run_jobs_with_a_concurrency_key_or_a_rate(
+    store_url: str, make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """Jobs with a concurrency key, a rate or in a fair queue are left out of the plain
+    claim: drain() never ran them and reported nothing left (inline mode returned without
+    running them). They run one at a time, limits not applied, as the docs say."""
+    app = make_app()
+    app.queue("tenants", fair=True)
+    ran: list[str] = []
+
+    @app.job(name="keyed", concurrency_key="user:{user_id}", concurrency_limit=1)
+    def keyed(user_id: int) -> None:
+        ran.append(f"keyed{user_id}")
+
+    @app.job(name="rated", rate="1/h")
+    def rated(n: int) -> None:
+        ran.append(f"rated{n}")
+
+    @app.job(name="fair", queue="tenants", fair_key="{tenant}")
+    def fair(tenant: str) -> None:
+        ran.append(f"fair:{tenant}")
+
+    tester = errands_testing(app)
+    keyed.enqueue(user_id=1)
+    keyed.enqueue(user_id=1)
+    rated.enqueue(n=1)
+    rated.enqueue(n=2)  # past its rate of 1 an hour: drain applies no rate
+    fair.enqueue(tenant="a")
+    assert tester.drain().completed == 5
+    assert sorted(ran) == ["fair:a", "keyed1", "keyed1", "rated1", "rated2"]
+
+    errands_testing(app, "inline")
+    assert keyed.enqueue(user_id=2).status() is errands.JobState.COMPLETED
+    assert rated.enqueue(n=3).status() is errands.JobState.COMPLETED
+
+
 def test_clock_moves_schedules_and_only_forward(
     store_url: str, make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

@@ -192,7 +192,23 @@ class HarnessWorker(Worker):
         rows = backend.job_claim(ClaimParams(plan, 1, self.id, self.app.lease))
         if not rows:  # jobs rescued before (poison suspects) are claimed on their own
             rows = backend.job_claim(ClaimParams(plan, 1, self.id, self.app.lease, suspects=True))
+        if not rows:
+            rows = self._claim_limited(plan)
         return rows[0] if rows else None
+
+    def _claim_limited(self, plan: list[QueueClaim]) -> list[JobRow]:
+        """Jobs with a concurrency key or a rate (and those of limited or fair queues),
+        which the plain claim leaves out: through the limited claim, one at a time (never
+        past a concurrency limit), with the rate log forgotten first, as drain() applies
+        no rate. They were never claimed: drain() stopped, reporting nothing left to run."""
+        backend = self.app.backend
+        backend.rate_log_prune(0.0)
+        for suspects in (False, True):
+            for queue in plan:
+                rows = backend.job_claim_limited(queue, self.id, self.app.lease, suspects=suspects)
+                if rows:
+                    return list(rows)
+        return []
 
     def release_row(self, row: JobRow) -> None:
         """Give a claimed row back without running it (as a shutdown does)."""
