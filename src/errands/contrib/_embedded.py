@@ -43,10 +43,26 @@ class EmbeddedWorker:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
-        if not self.stop() and exc_type is None:
+        stopped = self.stop()
+        if exc_type is not None:
+            return
+        if not stopped:
             raise ConfigurationError(
                 "the embedded errands worker did not stop in time: a handler ignores the "
                 "shutdown (its job was released and will be rescued)"
+            )
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Raise what ended the worker's thread early (an exception, or a non-zero exit
+        code): a block run with a worker that died in it must not end as if it had run."""
+        if self.error is not None:
+            raise ConfigurationError(
+                f"the embedded errands worker failed while running: {self.error}"
+            ) from self.error
+        if self.exit_code not in (None, 0):
+            raise ConfigurationError(
+                f"the embedded errands worker exited with code {self.exit_code}"
             )
 
     @property
@@ -74,8 +90,14 @@ class EmbeddedWorker:
                     f"the embedded errands worker did not start: {error}"
                 ) from error
             if time.monotonic() > deadline:
+                # Stopped before raising: no one gets this object back to stop it, and
+                # the worker would claim jobs (and hold connections) for the rest of the
+                # process, in later tests too.
+                self.worker.stop()
+                self.thread.join(self.worker.grace + 10.0)
                 raise ConfigurationError(
-                    f"the embedded errands worker did not start within {timeout:g} s"
+                    f"the embedded errands worker did not start within {timeout:g} s (it "
+                    "was stopped)"
                 )
             time.sleep(0.01)
         return self
