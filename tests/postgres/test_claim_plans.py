@@ -123,6 +123,8 @@ CLAIMS = {
             "worker_id": "w",
             "token": "t",
             "lease_default": 30.0,
+            "queue": "fresh",
+            "keys": [],
         },
     ),
 }

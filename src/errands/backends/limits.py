@@ -261,8 +261,11 @@ def claim_limited(
         return result
     logged = (rate_limit is not None and bool(rate_period)) or any(c.name in rates for c in chosen)
     claimed = store.claim(
-        {**claim_params, "ids": store.id_list([c.id for c in chosen])}, last=not logged
-    )
+        # the queue and the keys read and counted: a row edited since is left out
+        {**claim_params, "ids": store.id_list([c.id for c in chosen]), "queue": queue,
+         "keys": keys},
+        last=not logged,
+    )  # fmt: skip
     # In the order chosen (a fair queue's: each key's turn), not the rows' order: a worker
     # starts a prefetched batch first in, first out.
     order = {c.id: i for i, c in enumerate(chosen)}

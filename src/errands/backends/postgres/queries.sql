@@ -685,16 +685,19 @@ SELECT count(*) FROM {schema}.errands_jobs WHERE state = 'running' AND queue = %
 
 -- name: rate_count
 -- Starts inside the window, and when the oldest of them leaves it (seconds from now).
+-- The clock is read now (clock_timestamp), not at the transaction's start: a claim that
+-- waited 3 s for the queue's claim lock counted a window 3 s old, and logged its starts
+-- 3 s in the past, so the next claim's window left them out (a '20/s' rate took 40).
 SELECT count(*),
-       extract(epoch FROM min(at) + make_interval(secs => %(period)s) - now())::float8
+       extract(epoch FROM min(at) + make_interval(secs => %(period)s) - clock_timestamp())::float8
 FROM {schema}.errands_rate_log
-WHERE bucket = %(bucket)s AND at > now() - make_interval(secs => %(period)s)
+WHERE bucket = %(bucket)s AND at > clock_timestamp() - make_interval(secs => %(period)s)
 
 -- name: rate_log_insert
 -- Each start is kept with its bucket's period: pruning keeps a bucket's rows for exactly
 -- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day).
-INSERT INTO {schema}.errands_rate_log (bucket, period)
-SELECT %(bucket)s, %(period)s FROM generate_series(1, %(n)s)
+INSERT INTO {schema}.errands_rate_log (bucket, period, at)
+SELECT %(bucket)s, %(period)s, clock_timestamp() FROM generate_series(1, %(n)s)
 
 -- name: rate_log_prune
 DELETE FROM {schema}.errands_rate_log
@@ -727,16 +730,26 @@ WHERE state = 'running' AND concurrency_key = ANY(%(keys)s::text[])
 GROUP BY concurrency_key
 
 -- name: job_claim_ids
+-- The rows a limited claim chose, as it read them: its reads lock no row, so an edit
+-- committed since (rescheduled, moved to another queue, keyed anew) leaves the row out,
+-- not claimed early, in the wrong queue or past another key's cap. Times are taken when
+-- the write runs (clock_timestamp): now() is the transaction's start, before the wait
+-- for the queue's claim lock, and a lease counted from it was that much shorter.
 UPDATE {schema}.errands_jobs AS j
 SET state = 'running',
     attempt = j.attempt + 1,
     lease_owner = %(worker_id)s,
     lease_token = %(token)s,
-    lease_expires_at = now() + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
-    attempted_at = now(),
+    lease_expires_at = clock_timestamp()
+                       + make_interval(secs => COALESCE(j.lease_seconds, %(lease_default)s)),
+    attempted_at = clock_timestamp(),
     progress = NULL, progress_message = NULL
 WHERE j.id = ANY(%(ids)s::bigint[])
   AND j.state IN ('available', 'scheduled', 'retryable')
+  -- checked on the rows the ids find, never through an index of their own: written
+  -- plainly, the planner read every due row of the queue through errands_jobs_due
+  AND j.queue || '' = %(queue)s AND j.run_at + interval '0' <= now()
+  AND (j.concurrency_key IS NULL OR j.concurrency_key = ANY(%(keys)s::text[]))
 RETURNING {job_columns}
 
 -- name: cron_states
