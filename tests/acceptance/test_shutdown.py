@@ -217,3 +217,35 @@ def test_a_worker_whose_start_fails_puts_the_signal_handlers_back(tmp_path: Path
         timeout=60,
     )
     assert done.stdout.strip() == "declaring failed True []", done.stderr
+
+
+def test_sigterm_while_the_worker_waits_for_the_store_at_start_exits_0(tmp_path: Path) -> None:
+    """A worker (re)started while the store is slow to answer waits in its start-up
+    steps; its signal handlers were installed only after them, so a SIGTERM then killed
+    it with Python's default (exit -15, seen in the chaos soak's final stop)."""
+    script = tmp_path / "slow_start.py"
+    script.write_text(
+        f"""
+import sys, time
+import errands
+app = errands.App("sqlite:///{tmp_path / "slow.db"}")
+app.migrate()
+real = app.backend.schema_check
+def slow():
+    print("starting", flush=True)
+    time.sleep(3)  # a store slow to answer
+    real()
+app.backend.schema_check = slow
+sys.exit(app.worker(poll_interval=0.05).run())
+"""
+    )
+    with subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "starting"
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, err

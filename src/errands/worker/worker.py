@@ -368,21 +368,31 @@ class Worker:
     def run(self, *, install_signals: bool = True) -> int:
         """Run until stopped (signal or :meth:`stop`); returns the process exit code."""
         install_record_factory()
-        self._at_startup("checking the schema", lambda: self.app.backend.schema_check())
-        self._at_startup(
-            "sizing connections",
-            # every handler at once may hold a ctx.transaction(): the express lane's too
-            lambda: self.app.backend.configure_worker(
-                self.concurrency + self.express, self.app.lease
-            ),
-        )
-        window = getattr(getattr(self.app.backend, "config", None), "notify_window", 0.0)
-        self.recheck_after_notify = max(RECHECK_AFTER_NOTIFY_MIN, float(window) + RECHECK_MARGIN)
+        # The handlers first: a SIGTERM while the start-up waits for the store (a restart,
+        # a slow server) is a graceful stop, not Python's default death (exit -15).
         relay = None
         if install_signals and threading.current_thread() is threading.main_thread():
             relay = SignalRelay(self._on_signal, on_repeat=self._exit_now)
             relay.install()
         try:
+            try:
+                self._at_startup("checking the schema", lambda: self.app.backend.schema_check())
+                self._at_startup(
+                    "sizing connections",
+                    # every handler at once may hold a ctx.transaction(): the express lane's
+                    lambda: self.app.backend.configure_worker(
+                        self.concurrency + self.express, self.app.lease
+                    ),
+                )
+            except Exception:
+                if self._stopping.is_set():  # stopped while it waited for the store
+                    log.info("worker %s stopped before it started", self.id)
+                    return 0
+                raise
+            window = getattr(getattr(self.app.backend, "config", None), "notify_window", 0.0)
+            self.recheck_after_notify = max(
+                RECHECK_AFTER_NOTIFY_MIN, float(window) + RECHECK_MARGIN
+            )
             return self._run()
         finally:
             if relay is not None:  # also when the start-up fails: the handlers go back
