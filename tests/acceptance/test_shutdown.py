@@ -7,6 +7,7 @@ grace period exits at once with a non-zero code.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -246,6 +247,33 @@ sys.exit(app.worker(poll_interval=0.05).run())
             assert proc.stdout is not None and proc.stdout.readline().strip() == "starting"
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, err
+
+
+def test_sigterm_while_errands_worker_imports_the_app_exits_0(tmp_path: Path) -> None:
+    """`errands worker` imports the app before the worker installs its handlers; a
+    SIGTERM then (an orchestrator stopping a worker it just started) killed it with
+    Python's default (exit -15). It is kept: the worker stops gracefully once started."""
+    (tmp_path / "slow_import.py").write_text(
+        f"""
+import time
+import errands
+print("importing", flush=True)
+time.sleep(3)  # an app slow to import
+app = errands.App("sqlite:///{tmp_path / "slow.db"}")
+"""
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    command = [sys.executable, "-m", "errands", "worker", "slow_import:app"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "importing"
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
         finally:
             proc.kill()
     assert proc.returncode == 0, err

@@ -6,8 +6,10 @@ exit non-zero (1 for a failed operation, 2 for bad usage) — never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -160,6 +162,7 @@ def worker(
         )
     from ..worker.supervisor import stop_with_supervisor, supervisor_pid
 
+    signalled = _keep_stop_signals()  # a SIGTERM while the app imports: a graceful stop
     supervisor = supervisor_pid()  # before the app's import, which may start processes
     app = load_app(app_path or app_option, url, need_code=True)
     warn_new_database(app.url)
@@ -167,6 +170,9 @@ def worker(
         from ..worker.supervisor import Supervisor, child_command
 
         app.backend.schema_check()  # fail once, clearly, rather than in every child
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor handles its own
+        if signalled:
+            sys.exit(0)  # stopped before any child started
         sys.exit(Supervisor(child_command(sys.argv[1:]), processes).run())
     if metrics_port is not None:
         from ..observability.metrics import serve_metrics
@@ -192,7 +198,7 @@ def worker(
         express=express,
     )
     stop_with_supervisor(w, supervisor)  # a child of --processes N: stops once it is gone
-    code = w.run()
+    code = w.run(signalled=signalled)
     if w.stuck_threads():
         # A handler thread ignored its timeout or the shutdown; Python cannot kill it,
         # and its job was already released or recorded, so leave without waiting for it.
@@ -201,6 +207,26 @@ def worker(
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _keep_stop_signals() -> list[int]:
+    """Until the worker installs its own handlers: SIGTERM is remembered (the worker
+    stops gracefully once started) instead of killing the process with Python's default
+    (exit -15) while it imports the app and opens the store. SIGINT (Ctrl-C) keeps
+    interrupting at once."""
+    received: list[int] = []
+    pid = os.getpid()
+
+    def keep(signum: int, frame: Any) -> None:
+        if os.getpid() != pid:  # a forked child's (it inherits the handler the worker's
+            signal.signal(signum, signal.SIG_DFL)  # relay puts back): as by default
+            os.kill(os.getpid(), signum)
+            return
+        received.append(signum)
+
+    with contextlib.suppress(ValueError):  # not the main thread (an embedding host)
+        signal.signal(signal.SIGTERM, keep)
+    return received
 
 
 def warn_new_database(url: str) -> None:

@@ -365,8 +365,10 @@ class Worker:
             self._attempts.pop((attempt.id, attempt.token), None)
 
     # -- lifecycle ---------------------------------------------------------------------
-    def run(self, *, install_signals: bool = True) -> int:
-        """Run until stopped (signal or :meth:`stop`); returns the process exit code."""
+    def run(self, *, install_signals: bool = True, signalled: Sequence[int] = ()) -> int:
+        """Run until stopped (signal or :meth:`stop`); returns the process exit code.
+        ``signalled``: stop signals received before this call (the CLI keeps them from
+        its start, while the app is imported): each is a graceful stop request."""
         install_record_factory()
         # The handlers first: a SIGTERM while the start-up waits for the store (a restart,
         # a slow server) is a graceful stop, not Python's default death (exit -15).
@@ -374,6 +376,9 @@ class Worker:
         if install_signals and threading.current_thread() is threading.main_thread():
             relay = SignalRelay(self._on_signal, on_repeat=self._exit_now)
             relay.install()
+        if signalled:  # read once the relay has the signals: none falls between
+            log.info("stop signal received while starting: stopping once started")
+            self.stop()
         try:
             try:
                 self._at_startup("checking the schema", lambda: self.app.backend.schema_check())
