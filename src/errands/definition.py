@@ -459,7 +459,10 @@ class JobDefinition(Generic[P, R]):
         """The job's fair key: its template's, or in a queue this app declares fair,
         ``job:<name>`` (each job type without a template is its own key there)."""
         if self.fair_key is not None:
-            return self._format_key("fair_key", self.fair_key, args_json)
+            # An empty key ("{tenant}" of tenant="") is no key: the claim tells the
+            # unkeyed jobs apart by an empty name, which a real "" key broke (the
+            # unkeyed rows left out of the lookahead, its own head read twice).
+            return self._format_key("fair_key", self.fair_key, args_json) or None
         declared = self.app.queues.get(queue)
         return f"job:{self.name}" if declared is not None and declared.fair else None
 

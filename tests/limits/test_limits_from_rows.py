@@ -17,6 +17,8 @@ from collections.abc import Callable
 from contextlib import closing
 from typing import Any
 
+import pytest
+
 import errands
 
 from .helpers import Intervals, is_postgres, most_in_window, wait_until, workers
@@ -182,3 +184,27 @@ def test_the_plain_claim_never_takes_a_row_that_carries_a_limit(store: errands.A
     assert backend.queues_with_limits(["default", "nothing-here"]) == {"default"}
     limited = backend.job_claim_limited(QueueClaim("default", 10), "w-test", 30.0)
     assert sorted(r.name for r in limited) == ["rows.k", "rows.r"]
+
+
+def test_a_failed_read_of_the_limited_queues_is_tried_again_at_the_next_round(
+    store: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker reads which queues are limited (by any deployment) at start and every
+    poll interval; a read that failed was not tried again for a poll interval, and
+    meanwhile such a queue was claimed plainly, past its max_running or its rate."""
+    from errands.worker.claiming import Claimer
+
+    claimer = Claimer(store, "w-test", ["reports"], poll_interval=3600.0)
+
+    answers: list[object] = [ConnectionError("server closed the connection")]
+
+    def flaky(queues: Any) -> Any:
+        if answers:
+            raise answers.pop()  # type: ignore[misc]
+        return {"reports"}
+
+    monkeypatch.setattr(store.backend, "queues_with_limits", flaky)
+    claimer.refresh(force=True)
+    assert "reports" not in claimer.with_limits
+    claimer.refresh()  # the next round, well within the hour's poll interval
+    assert "reports" in claimer.with_limits

@@ -37,6 +37,17 @@ def test_a_fair_key_that_is_not_a_template_is_refused(app: errands.App) -> None:
         _define(app, fair_key=5)
 
 
+def test_a_fair_key_template_that_formats_to_nothing_gives_no_key(app: errands.App) -> None:
+    """tenant="" made a real key "", the name the claim gives the unkeyed jobs: they were
+    then left out of the lookahead. An empty key is no key: the job is unkeyed."""
+
+    @app.job(name="t.named", fair_key="{tenant}")
+    def named(tenant: str) -> None: ...
+
+    assert named.bind(tenant="").request.fair_key is None
+    assert named.bind(tenant="acme").request.fair_key == "acme"
+
+
 def test_the_fair_key_is_built_from_the_arguments_at_enqueue(app: errands.App) -> None:
     job = _define(app, fair_key="tenant:{tenant_id}")
     assert job.bind(tenant_id=7).request.fair_key == "tenant:7"
@@ -155,3 +166,27 @@ def test_fair_weight_takes_a_callable_as_a_decorator_and_names_the_mistakes(
         app.fair_weight("tenant:acme")  # type: ignore[call-overload]
     with pytest.raises(ConfigurationError, match="pass it alone"):
         app.fair_weight(weight, 2)  # type: ignore[call-overload]
+
+
+def test_a_key_asked_again_after_its_ttl_is_claimed_at_its_last_answer_without_waiting() -> None:
+    """A key's answer is asked again after the ttl; a claim waited its whole budget for
+    it (under the queue's claim lock: on SQLite, every writer's lock) though it had an
+    answer. It now uses the last answer and gets the new one at a later claim."""
+    release = threading.Event()
+    calls: list[str] = []
+
+    def weight(key: str) -> float:
+        calls.append(key)
+        if len(calls) > 1:
+            release.wait(60)  # the second ask hangs
+        return 4.0
+
+    weights = CallableWeights(weight, ttl=0.0, budget=5.0)
+    try:
+        assert weights(["tenant:acme"]) == {"tenant:acme": 4.0}
+        started = time.monotonic()
+        assert weights(["tenant:acme"]) == {"tenant:acme": 4.0}  # asked again: not waited
+        assert time.monotonic() - started < 4  # not the 5 s budget
+    finally:
+        release.set()
+        weights.close()

@@ -287,7 +287,10 @@ class CallableWeights:
                 self._started += 1
                 name = f"errands-fair-weight-{self._started}"
                 threading.Thread(target=self._serve, name=name, daemon=True).start()
-            pending = {k for k in keys if k in self._asking}
+            # Only keys never answered are waited for (under the claim's lock): one asked
+            # again after its ttl is claimed at its last answer meanwhile, and a callable
+            # that hangs costs the keys it never answered the budget, not every claim.
+            pending = {k for k in keys if k in self._asking and k not in self._known}
             while pending and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
                 pending = {k for k in pending if k in self._asking}
@@ -305,7 +308,13 @@ class CallableWeights:
 
     def _serve(self) -> None:
         while (key := self._todo.get()) is not None:
-            weight = self._ask(key)
+            try:
+                weight = self._ask(key)
+            except BaseException as exc:  # (SystemExit...): the thread must go on asking
+                log.warning(
+                    "fair weight callable %s stopped for key %r (%r)", _name(self.fn), key, exc
+                )
+                weight = 1.0
             with self._cond:
                 self._known[key] = (weight, time.monotonic())
                 self._asking.discard(key)

@@ -45,7 +45,8 @@ LEVEL_MIN = -(2**31)  # below every priority
 
 FairCursors = MutableMapping[str, str]  # queue -> the last key its rotation passed
 RATE_PERIOD_MAX = 86_400.0
-_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d*\.?\d*)\s*(s|sec|m|min|h|hour|d|day)\s*$")
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d+\.?\d*|\.\d+)?\s*(s|sec|m|min|h|hour|d|day)\s*$")
+RATE_COUNT_MAX = 2**31 - 1  # PostgreSQL's integer column, on every store
 _UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
 
 
@@ -59,9 +60,10 @@ def parse_rate(value: str) -> tuple[int, float]:
         )
     count, multiple, unit = int(match[1]), match[2], match[3]
     period = (float(multiple) if multiple else 1.0) * _UNITS[unit]
-    if count < 1 or not 0 < period <= RATE_PERIOD_MAX:
+    if not 1 <= count <= RATE_COUNT_MAX or not 0 < period <= RATE_PERIOD_MAX:
         raise ConfigurationError(
-            f"rate={value!r}: the count must be at least 1 and the period at most one day"
+            f"rate={value!r}: the count must be from 1 to {RATE_COUNT_MAX:,} and the period "
+            "at most one day"
         )
     return count, period
 

@@ -97,6 +97,7 @@ class Claimer:
             if name in self.queues and s.fair and s.max_running is None and s.rate_limit is None
         }
         self._refresh_due = 0.0
+        self._refresh_failing = False
         self._suspect_due = 0.0
         # The express lane's own (its claim runs first while every slot is busy: sharing
         # the regular suspect claim's, one that found none put the regular one off).
@@ -121,7 +122,15 @@ class Claimer:
         try:
             self.with_limits = self.declared | self.app.backend.queues_with_limits(self.queues)
         except Exception as exc:
-            log.debug("could not read which queues are limited (%s); keeping the last", exc)
+            # Asked again at the next round, not a poll interval later: until it is read,
+            # a queue limited or made fair by another deployment is claimed plainly (past
+            # its max_running or its rate), and at start nothing was read yet.
+            self._refresh_due = 0.0
+            level = logging.DEBUG if self._refresh_failing else logging.WARNING
+            self._refresh_failing = True  # said once per outage, not every round
+            log.log(level, "could not read which queues are limited (%s); asking again", exc)
+        else:
+            self._refresh_failing = False
 
     def claim(self, plan: list[QueueClaim], room: int, free: int, suspects: int) -> ClaimRound:
         """Claim for ``plan``: up to ``suspects`` rescued jobs, then up to ``room`` jobs

@@ -1,0 +1,32 @@
+"""``rate="COUNT/PERIOD"``: what is taken, and a clear error for what is not."""
+
+from __future__ import annotations
+
+import pytest
+
+from errands.backends.limits import RATE_COUNT_MAX, parse_rate
+from errands.errors import ConfigurationError
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [("20/s", (20, 1.0)), ("100/m", (100, 60.0)), ("5/h", (5, 3600.0)),
+     ("1000/d", (1000, 86400.0)), ("10/30s", (10, 30.0)), ("1/.5s", (1, 0.5)),
+     ("1/0.5s", (1, 0.5)), (" 3 / 2 min ", (3, 120.0))],
+)  # fmt: skip
+def test_a_rate_is_a_count_per_period(text: str, parsed: tuple[int, float]) -> None:
+    assert parse_rate(text) == parsed
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("1/.s", "write COUNT/PERIOD"),  # a lone '.': a ValueError from float() before
+     ("1/s.", "write COUNT/PERIOD"), ("fast", "write COUNT/PERIOD"),
+     ("0/s", "count must be from 1"), (f"{RATE_COUNT_MAX + 1}/s", "count must be from 1"),
+     ("1/2d", "at most one day")],
+)  # fmt: skip
+def test_a_rate_that_cannot_be_stored_is_refused_naming_the_form(text: str, says: str) -> None:
+    """A count past PostgreSQL's integer was taken and failed deep in the store at
+    declare and enqueue (SQLite stored it)."""
+    with pytest.raises(ConfigurationError, match=says):
+        parse_rate(text)
