@@ -198,6 +198,29 @@ def test_clock_moves_schedules_and_only_forward(
         tester.clock.advance(-1)
 
 
+def test_the_clock_runs_out_a_signals_wait_and_drain_records_its_timeout(
+    store_url: str, make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """ctx.wait_for_signal(timeout=60), then clock.advance(120) and drain(): the wait's
+    deadline did not move with the clock and drain never ran the wait-expiry sweep, so
+    the wait never timed out, unlike every other time errands compares."""
+    app = make_app()
+
+    @app.job(name="approval", retries=0)
+    def approval(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("approved", timeout=60)
+
+    tester = errands_testing(app)
+    handle = approval.enqueue()
+    tester.drain(with_retries=False)
+    assert handle.status() is errands.JobState.WAITING
+    tester.clock.advance(120)
+    tester.drain()
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD
+    assert job.errors[-1].kind == "signal_timeout"
+
+
 # -- inline mode --------------------------------------------------------------------------------
 def test_inline_runs_at_enqueue_through_the_stored_payload(
     store_url: str, make_app: Make, errands_testing: Callable[..., Tester]
@@ -447,3 +470,28 @@ def test_pytest_plugin_fixtures_work_in_a_users_project(tmp_path: Path) -> None:
     )
     assert "4 passed, 1 error" in done.stdout, done.stdout + done.stderr
     assert "define one in your conftest.py" in done.stdout
+
+
+def test_inline_runs_async_enqueues_and_workflows_too(
+    app: errands.App, errands_testing: Callable[..., Tester]
+) -> None:
+    """Only enqueue_many was run at once: an `await job.aenqueue()` or a workflow was
+    stored and left pending, unlike the sync path."""
+    import asyncio
+
+    ran: list[str] = []
+
+    @app.job(name="inline.step")
+    def step(name: str) -> str:
+        ran.append(name)
+        return name
+
+    errands_testing(app, "inline")
+    handle = asyncio.run(step.aenqueue(name="async"))
+    assert handle.status() is errands.JobState.COMPLETED
+    chain = errands.Workflow("inline.flow")
+    first = chain.add(step.bind(name="first"))
+    chain.add(step.bind(name="second"), after=[first])
+    flow = app.enqueue_workflow(chain)
+    assert flow.status().state == "succeeded"
+    assert ran == ["async", "first", "second"]

@@ -59,10 +59,15 @@ class _SQLiteTools:
             conn.execute(
                 "UPDATE errands_jobs SET run_at = run_at - ?, inserted_at = inserted_at - ?, "
                 "attempted_at = attempted_at - ?, finished_at = finished_at - ?, "
-                "unique_until = unique_until - ?, "
+                "unique_until = unique_until - ?, wait_until = wait_until - ?, "
                 f"lease_expires_at = CASE WHEN {held} THEN lease_expires_at "
                 "ELSE lease_expires_at - ? END",
-                (seconds, seconds, seconds, seconds, seconds, *keep, seconds),
+                (seconds, seconds, seconds, seconds, seconds, seconds, *keep, seconds),
+            )
+            conn.execute(
+                "UPDATE errands_workflows SET created_at = created_at - ?, "
+                "settled_at = settled_at - ?",
+                (seconds, seconds),
             )
 
     def make_due(self, ids: Sequence[int]) -> None:
@@ -88,8 +93,10 @@ class _SQLiteTools:
                 "SELECT run_at AS t FROM errands_jobs "
                 f"WHERE state IN ({', '.join('?' * len(states))}) AND (? IS NULL OR queue = ?) "
                 "UNION ALL SELECT lease_expires_at FROM errands_jobs "
-                f"WHERE state = 'running' AND (? IS NULL OR queue = ?) {held})",
-                (*states, queue, queue, queue, queue, *keep),
+                f"WHERE state = 'running' AND (? IS NULL OR queue = ?) {held} "
+                "UNION ALL SELECT wait_until FROM errands_jobs "  # a signal's wait running out
+                "WHERE state = 'waiting' AND (? IS NULL OR queue = ?))",
+                (*states, queue, queue, queue, queue, *keep, queue, queue),
             ).fetchone()
         return None if row is None or row[0] is None else float(row[0])
 
@@ -122,11 +129,17 @@ class _PostgresTools:
             conn.execute(
                 f"UPDATE {self.table} SET run_at = run_at - d, inserted_at = inserted_at - d, "
                 "attempted_at = attempted_at - d, finished_at = finished_at - d, "
-                "unique_until = unique_until - d, "
+                "unique_until = unique_until - d, wait_until = wait_until - d, "
                 "lease_expires_at = CASE WHEN lease_token = ANY(%(keep)s::text[]) "
                 "THEN lease_expires_at ELSE lease_expires_at - d END "
                 "FROM (SELECT make_interval(secs => %(seconds)s) AS d) AS shift",
                 {"seconds": seconds, "keep": list(keep_tokens)},
+            )
+            conn.execute(
+                f'UPDATE "{self.backend.schema}".errands_workflows '
+                "SET created_at = created_at - d, settled_at = settled_at - d "
+                "FROM (SELECT make_interval(secs => %(seconds)s) AS d) AS shift",
+                {"seconds": seconds},
             )
 
     def make_due(self, ids: Sequence[int]) -> None:
@@ -151,7 +164,10 @@ class _PostgresTools:
                 "AND (%(queue)s::text IS NULL OR queue = %(queue)s::text) "
                 f"UNION ALL SELECT lease_expires_at FROM {self.table} "
                 "WHERE state = 'running' AND (%(queue)s::text IS NULL OR queue = %(queue)s::text) "
-                "AND NOT (lease_token = ANY(%(keep)s::text[]))) AS due",
+                "AND NOT (lease_token = ANY(%(keep)s::text[])) "
+                f"UNION ALL SELECT wait_until FROM {self.table} "  # a signal's wait running out
+                "WHERE state = 'waiting' AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)"
+                ") AS due",
                 {"states": states, "queue": queue, "keep": list(keep_tokens)},
             ).fetchone()
         return None if row is None or row[0] is None else float(row[0])

@@ -21,6 +21,7 @@ are not idempotent. docs/testing.md describes all of it.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
@@ -158,7 +159,7 @@ class Tester:
         self._armed_after_step = False
         self._draining = False
         self._plan: _DuplicatePlan | None = None
-        self._enqueue_saved: Any = None
+        self._enqueue_saved: dict[str, Any] = {}
         if mode == "inline":
             self._install_inline()
 
@@ -175,10 +176,11 @@ class Tester:
             return
         self._closed = True
         if self.mode == "inline":
-            if self._enqueue_saved is _NOTHING:
-                self.app.__dict__.pop("enqueue_many", None)
-            else:
-                self.app.__dict__["enqueue_many"] = self._enqueue_saved
+            for name, saved in self._enqueue_saved.items():
+                if saved is _NOTHING:
+                    self.app.__dict__.pop(name, None)
+                else:
+                    self.app.__dict__[name] = saved
         for name, original in self._wrapped.items():
             definition = self.app.registry.get(name)
             if definition is not None:
@@ -464,8 +466,10 @@ class Tester:
                 assert self._maintenance is not None
                 rescued = self._maintenance.rescue()
                 result.rescued += rescued
+                # a signal's wait past its timeout: a failed attempt, as the leader records it
+                expired = self._maintenance.expire_waits()
                 # Something due that no claim takes and no rescue moves: a paused queue.
-                stalled = wait <= 0 and rescued == 0
+                stalled = wait <= 0 and rescued == 0 and expired == 0
         finally:
             with self._lock:
                 self._draining = False
@@ -546,34 +550,66 @@ class Tester:
         return tokens
 
     # -- inline mode -------------------------------------------------------------------------------
+    # The App's enqueue paths inline mode runs at once (each stored, then drained): an
+    # async enqueue or a workflow was stored and left pending while enqueue_many ran.
+    INLINE = ("enqueue_many", "aenqueue_many", "enqueue_workflow", "aenqueue_workflow")
+
     def _install_inline(self) -> None:
         app = self.app
-        self._enqueue_saved = app.__dict__.get("enqueue_many", _NOTHING)
-        original = app.enqueue_many
+        self._enqueue_saved = {n: app.__dict__.get(n, _NOTHING) for n in self.INLINE}
+        many, amany = app.enqueue_many, app.aenqueue_many
+        flow, aflow = app.enqueue_workflow, app.aenqueue_workflow
 
-        @functools.wraps(original)
+        @functools.wraps(many)
         def enqueue_many(jobs: Sequence[Any], conn: Any = None) -> list[JobHandle]:
-            if conn is not None:
-                raise ConfigurationError(
-                    "inline mode cannot run a job enqueued inside your open transaction "
-                    "(conn=...): it is not committed yet. Use manual mode and drain() after "
-                    "your commit"
-                )
-            handles = original(jobs, conn=None)
-            fresh = [h.id for h in handles if not h.deduplicated]
-            with self._lock:
-                nested = self._draining
-            if not fresh or self._closed:
-                return handles
-            store_tools(app.backend).make_due(fresh)  # inline ignores delay= and run_at=
-            if nested:
-                return handles  # from inside a handler: the running drain takes them
-            result = self._drain(None, True, False, MAX_RUNS_DEFAULT)
-            if self.raise_errors:
-                _raise_dead(app, result, fresh)
+            _no_caller_transaction(conn)
+            handles = many(jobs, conn=None)
+            self._run_inline([h.id for h in handles if not h.deduplicated])
             return handles
 
-        app.__dict__["enqueue_many"] = enqueue_many
+        @functools.wraps(amany)
+        async def aenqueue_many(jobs: Sequence[Any], conn: Any = None) -> list[JobHandle]:
+            _no_caller_transaction(conn)
+            handles = await amany(jobs, conn=None)
+            fresh = [h.id for h in handles if not h.deduplicated]
+            await asyncio.to_thread(self._run_inline, fresh)  # the loop never blocks
+            return handles
+
+        @functools.wraps(flow)
+        def enqueue_workflow(workflow: Any, conn: Any = None) -> Any:
+            _no_caller_transaction(conn)
+            handle = flow(workflow, conn=None)
+            self._run_inline([], due=False)  # its dependents wait for their parents
+            return handle
+
+        @functools.wraps(aflow)
+        async def aenqueue_workflow(workflow: Any, conn: Any = None) -> Any:
+            _no_caller_transaction(conn)
+            handle = await aflow(workflow, conn=None)
+            await asyncio.to_thread(self._run_inline, [], due=False)
+            return handle
+
+        for name, fn in zip(
+            self.INLINE,
+            (enqueue_many, aenqueue_many, enqueue_workflow, aenqueue_workflow),
+            strict=True,
+        ):
+            app.__dict__[name] = fn
+
+    def _run_inline(self, fresh: list[int], *, due: bool = True) -> None:
+        """Run what an enqueue just stored (``fresh``: its new jobs, made due now: inline
+        ignores delay= and run_at=), and what it leads to; raise what a dead one raised."""
+        with self._lock:
+            nested = self._draining
+        if self._closed or (due and not fresh):
+            return
+        if fresh and due:
+            store_tools(self.app.backend).make_due(fresh)
+        if nested:
+            return  # from inside a handler: the running drain takes them
+        result = self._drain(None, True, False, MAX_RUNS_DEFAULT)
+        if self.raise_errors:
+            _raise_dead(self.app, result, fresh)
 
     # -- faults ------------------------------------------------------------------------------------
     def fail_attempt(
@@ -754,6 +790,15 @@ def _describe(
     if parent_id is not None:
         parts.append(f"parent_id={parent_id}")
     return ", ".join(parts)
+
+
+def _no_caller_transaction(conn: Any) -> None:
+    if conn is not None:
+        raise ConfigurationError(
+            "inline mode cannot run a job enqueued inside your open transaction "
+            "(conn=...): it is not committed yet. Use manual mode and drain() after "
+            "your commit"
+        )
 
 
 def _raise_dead(app: App, result: DrainResult, ids: Sequence[int]) -> None:
