@@ -81,3 +81,18 @@ def returns_object() -> Any:
 @task(concurrency_key="order:{order_id}", rate="100/s")
 def limited(order_id: int) -> int:
     return order_id
+
+
+@task
+async def orm_async_probe(n: int) -> bool:
+    """Whether the ORM's connection (on asgiref's thread for thread-sensitive code) was
+    closed when this async task began, as a request's is: then it uses it."""
+    from asgiref.sync import sync_to_async
+    from django.db import connection
+
+    def probe() -> bool:
+        was_closed = connection.connection is None
+        list(Order.objects.all()[:1])  # opens it
+        return was_closed
+
+    return await sync_to_async(probe, thread_sensitive=True)()

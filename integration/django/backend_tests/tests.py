@@ -86,6 +86,20 @@ class BackendFeatures(TestCase):
         self.assertTrue(backend.supports_get_result)
         self.assertTrue(backend.supports_priority)
 
+    def test_a_worker_of_a_backend_with_empty_queues_serves_every_queue_its_tasks_name(
+        self,
+    ) -> None:
+        """QUEUES: [] lets Django take any queue_name; the worker served "default" alone,
+        and the tasks of the other queues were stored and never run."""
+        from errands.contrib.django.app import get_app, serving_queues
+
+        app = get_app()
+        app.autodiscover()
+        served = serving_queues({"QUEUES": []}, app)
+        self.assertEqual({"default", "payments", "slow"} - set(served), set())
+        self.assertEqual(serving_queues({}, app), ["default"])  # Django's own default
+        self.assertEqual(serving_queues({"QUEUES": ["slow"]}, app), ["slow"])
+
     def test_system_checks_pass(self) -> None:
         call_command("check", verbosity=0)
 
@@ -338,6 +352,16 @@ class Execution(JobsTestCase):
         result = tasks.async_double.enqueue(21)
         with run_worker():
             self.assertEqual(wait_for(result, SUCCESSFUL).return_value, 42)
+
+    def test_an_async_task_starts_with_its_orm_connections_checked_as_a_sync_one(
+        self,
+    ) -> None:
+        """Only sync tasks ran close_old_connections(): an async task's ORM connection
+        (past CONN_MAX_AGE, or broken by a database restart) stayed for every later one."""
+        with run_worker():
+            for n in range(2):  # one after the other: the second sees what the first left
+                result = tasks.orm_async_probe.enqueue(n)
+                self.assertIs(wait_for(result, SUCCESSFUL).return_value, True)
 
     def test_task_context(self) -> None:
         result = tasks.with_context.enqueue(5)

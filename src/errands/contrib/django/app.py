@@ -305,10 +305,18 @@ def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
     arguments, sending ``task_started`` first (the worker sends ``task_finished`` once the
     outcome is written)."""
     if inspect.iscoroutinefunction(task.func):
+        from asgiref.sync import sync_to_async
+
+        # The ORM from an async task runs on asgiref's thread for thread-sensitive code
+        # (sync_to_async): its connections are checked there, as a sync task's are on its
+        # thread (one past CONN_MAX_AGE, or broken by a database restart, stayed broken
+        # for every later async task).
+        close_connections = sync_to_async(close_old_connections, thread_sensitive=True)
 
         async def run_task_async(ctx: Context, args: list[Any], kwargs: dict[str, Any]) -> Any:
-            running = await asyncio.to_thread(app.running_result, task, ctx)
+            await close_connections()
             try:
+                running = await asyncio.to_thread(app.running_result, task, ctx)
                 if task.takes_context:
                     value = await task.func(TaskContext(task_result=running), *args, **kwargs)
                 else:
@@ -317,6 +325,8 @@ def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
             except BaseException as exc:
                 app.failures.remember(ctx.job_id, exc)
                 raise
+            finally:
+                await close_connections()
 
         return run_task_async
 
@@ -699,6 +709,17 @@ def send_signal(signal: Any, sender: type, result: TaskResult) -> None:
 # -- one App per backend alias ------------------------------------------------------------------
 _apps: dict[str, tuple[str, DjangoApp]] = {}
 _apps_lock = threading.Lock()
+
+
+def serving_queues(params: dict[str, Any], app: DjangoApp) -> list[str]:
+    """The queues a worker of a task backend serves: its QUEUES; with ``QUEUES: []``
+    (Django then takes any queue_name) every queue its discovered tasks name, and
+    ``default``. ``[]`` read as ``["default"]`` left the tasks of every other queue
+    stored and never run."""
+    declared = params.get("QUEUES", ["default"])
+    if declared:
+        return sorted(set(declared))
+    return sorted({d.queue for d in app.registry.values()} | {"default"})
 
 
 def backend_params(alias: str) -> dict[str, Any]:

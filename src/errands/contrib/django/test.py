@@ -19,7 +19,7 @@ from django.test import TransactionTestCase as DjangoTransactionTestCase
 from django.test.runner import DiscoverRunner as DjangoDiscoverRunner
 
 from .._embedded import EmbeddedWorker
-from .app import backend_params, close_apps, get_app
+from .app import backend_params, close_apps, get_app, serving_queues
 from .migrate import errands_databases
 
 # Every errands table but errands_migrations, children before parents (a test compares
@@ -66,7 +66,7 @@ def run_worker(alias: str = "default", **options: Any) -> EmbeddedWorker:
     params = backend_params(alias)
     app = get_app(alias)
     app.autodiscover()
-    options.setdefault("queues", sorted(set(params.get("QUEUES") or ["default"])))
+    options.setdefault("queues", serving_queues(params, app))
     options.setdefault("poll_interval", 0.05)
     options.setdefault("maintenance_tick", 0.2)
     options.setdefault("grace", 5.0)

@@ -88,7 +88,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         from errands.observability.logcontext import configure_logging, install_record_factory
 
-        from ...app import backend_params, get_app
+        from ...app import backend_params, get_app, serving_queues
 
         if options["concurrency"] is not None and options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1")
@@ -107,7 +107,7 @@ class Command(BaseCommand):
             install_record_factory()  # job id, name, queue and attempt on every record
         app = get_app(alias)
         names = app.autodiscover()
-        queues = options["queues"] or sorted(set(params.get("QUEUES") or ["default"]))
+        queues = options["queues"] or serving_queues(params, app)
         if options["metrics_port"] is not None:
             from errands.observability.metrics import serve_metrics
 
