@@ -46,6 +46,17 @@ def test_the_worker_command_is_registered(db_url: str) -> None:
     assert "--queues" in result.output
 
 
+def test_the_worker_command_names_a_bad_queue_in_one_line_not_a_traceback(db_url: str) -> None:
+    """`flask errands-worker -q "bad name!"` printed click's whole traceback; the errands
+    CLI and the Django command print one error line."""
+    web = Flask(__name__)
+    Errands(web, errands.App(db_url))
+    result = web.test_cli_runner().invoke(args=["errands-worker", "-q", "emails,bad name!"])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: ") and "queue name 'bad name!'" in result.output
+    assert "Traceback" not in result.output and result.exception.__class__ is SystemExit
+
+
 def test_an_embedded_worker_runs_jobs(db_url: str) -> None:
     app = errands.App(db_url)
 

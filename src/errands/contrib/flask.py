@@ -25,7 +25,7 @@ import click
 from flask import Flask, current_app
 
 from ..app import App
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ErrandsError
 from ._embedded import EmbeddedWorker
 
 EXTENSION = "errands"
@@ -80,10 +80,14 @@ def _worker_command(app: App) -> click.Command:
         from ..observability.logcontext import configure_logging
 
         configure_logging("text", "info")
-        worker = app.worker(
-            queues=queues, concurrency=concurrency, grace=grace, poll_interval=poll_interval
-        )
-        raise SystemExit(worker.run())
+        try:
+            worker = app.worker(
+                queues=queues, concurrency=concurrency, grace=grace, poll_interval=poll_interval
+            )
+            code = worker.run()
+        except ErrandsError as exc:  # one line naming the problem, as `errands worker`
+            raise click.ClickException(str(exc)) from None
+        raise SystemExit(code)
 
     return errands_worker
 
