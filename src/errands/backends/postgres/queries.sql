@@ -653,11 +653,14 @@ WHERE EXISTS (SELECT 1 FROM {schema}.errands_queues AS s
 
 -- name: limit_locks
 -- The concurrency keys and rate buckets a limited claim is about to take, locked for its
--- transaction in one order (sorted by the caller) so that claims of different queues
--- sharing a key never both count it free; one order means no deadlock.
-SELECT pg_advisory_xact_lock(hashtext(%(prefix)s || l.name))
-FROM unnest(%(names)s::text[]) WITH ORDINALITY AS l(name, n)
-ORDER BY l.n
+-- transaction in one order so that claims of different queues sharing a key never both
+-- count it free; one order means no deadlock. The order is the locks' own (their 32-bit
+-- hashes), not the names': two names whose hashes collide (likely among ~100,000 keys)
+-- made two claims lock one lock id in crossed orders, and PostgreSQL aborted one.
+SELECT pg_advisory_xact_lock(l.id)
+FROM (SELECT DISTINCT hashtext(%(prefix)s || name) AS id
+      FROM unnest(%(names)s::text[]) AS name) AS l
+ORDER BY l.id
 
 -- name: dead_hooks_forget
 -- Records of on_dead hooks whose job is no longer dead (replayed, discarded, deleted):
