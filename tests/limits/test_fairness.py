@@ -483,3 +483,24 @@ def test_a_fair_key_in_a_queue_without_fairness_is_stored_and_ignored(
         f"tenant:t{i}" for i in range(20)
     }
     assert [f for f in store.backend.fair_figures("plainq") if f.attempts] == []
+
+
+def test_a_fair_queue_with_a_rate_limited_job_type_claims_for_free_slots_only(
+    store: errands.App,
+) -> None:
+    """A fair queue without a limit claims for the prefetch room too; one whose job types
+    have a rate must not: a rate counts starts at the claim, and prefetched jobs start
+    later, so two claims' batches could start closer together than the rate allows."""
+    from errands.worker.claiming import Claimer
+
+    store.queue("tenants", fair=True)
+    store.queue("rated_tenants", fair=True)
+
+    @store.job(name="t.work", queue="tenants", fair_key="{tenant}")
+    def work(tenant: str) -> None: ...
+
+    @store.job(name="t.rated", queue="rated_tenants", fair_key="{tenant}", rate="10/s")
+    def rated(tenant: str) -> None: ...
+
+    claimer = Claimer(store, "w-test", ["tenants", "rated_tenants"], poll_interval=1.0)
+    assert claimer.prefetching == {"tenants"}

@@ -91,10 +91,18 @@ class Claimer:
         # Fair queues this app declares without a cluster-wide limit or rate: their claim
         # may fill the prefetch room too, as a plain queue's does: with quick jobs a batch
         # spreads the cost of the fair claim's reads (a window of keys per claim).
+        # Not one with a rate-limited job type: a rate counts its starts at the claim, and
+        # jobs waiting in the prefetch buffer start later, so two claims' batches could
+        # start closer together than the rate allows.
+        rated = {d.queue for d in app.registry.values() if d.rate is not None}
         self.prefetching = {
             name
             for name, s in app.queues.items()
-            if name in self.queues and s.fair and s.max_running is None and s.rate_limit is None
+            if name in self.queues
+            and s.fair
+            and s.max_running is None
+            and s.rate_limit is None
+            and name not in rated
         }
         self._refresh_due = 0.0
         self._refresh_failing = False
