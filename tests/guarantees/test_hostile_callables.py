@@ -684,12 +684,12 @@ def test_a_hanging_before_insert_hook_never_holds_up_the_leaders_cron_duty(
     store_url: str,
 ) -> None:
     """Given a before_insert hook that hangs on a periodic job's slot, the leader's tick
-    comes back within hook_timeout (the slot is tried again at the next tick) instead of
-    waiting on the hook with every rescue behind it; once the hook answers, the slot is
-    inserted once."""
+    comes back within about hook_timeout (the slot is tried again at the next tick)
+    instead of waiting on the hook with every rescue behind it; once the hook answers,
+    the slot is inserted once."""
     from errands.hooks import protect_current_thread
 
-    app = errands.App(store_url, hook_timeout=0.5)
+    app = errands.App(store_url, hook_timeout=2.0)
     hang = threading.Event()
     hang.set()
 
@@ -713,7 +713,14 @@ def test_a_hanging_before_insert_hook_never_holds_up_the_leaders_cron_duty(
         assert scheduler.run_once(now=start + timedelta(minutes=1)) == 0  # logged, not stuck
         assert time.monotonic() - started < 20  # not the hook's whole hang
         hang.clear()
-        assert scheduler.run_once(now=start + timedelta(minutes=1, seconds=5)) == 1
+        # Tried again at the next ticks (on a busy machine the stopped call may still
+        # hold the lane at the first of them; a late insert lands once, by its key).
+        wait_until(
+            lambda: scheduler.run_once(now=start + timedelta(minutes=1, seconds=5)) >= 0
+            and bool(app.jobs(name="hostile.cron_hooked")),
+            timeout=30,
+            what="the slot inserted once the hook answers",
+        )
         [job] = app.jobs(name="hostile.cron_hooked")
         assert job.meta.get("stamped") is True
     finally:
