@@ -224,6 +224,18 @@ def test_promote_due_makes_due_scheduled_and_retryable_jobs_available(
     assert backend.job_promote_due() == 0
 
 
+def test_promote_due_relabels_a_bounded_batch_a_call(backend: Backend, harness: Harness) -> None:
+    """One statement relabelled every due row: a million due at once held their locks
+    (claims skipped them) or the SQLite write lock until it was done, past the leader's
+    lease. A call takes at most its batch; the next takes the rest."""
+    ids = [insert(backend, delay=3600.0) for _ in range(3)]
+    for job_id in ids:
+        harness.backdate_run_at(backend, job_id, 1.0)
+    assert backend.job_promote_due(2) == 2
+    assert backend.job_promote_due(2) == 1
+    assert {get(backend, i).state for i in ids} == {"available"}
+
+
 # -- pruning ---------------------------------------------------------------------------
 
 

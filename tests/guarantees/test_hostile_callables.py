@@ -716,8 +716,10 @@ def test_a_hanging_before_insert_hook_never_holds_up_the_leaders_cron_duty(
         # Tried again at the next ticks (on a busy machine the stopped call may still
         # hold the lane at the first of them; a late insert lands once, by its key).
         wait_until(
-            lambda: scheduler.run_once(now=start + timedelta(minutes=1, seconds=5)) >= 0
-            and bool(app.jobs(name="hostile.cron_hooked")),
+            lambda: (
+                scheduler.run_once(now=start + timedelta(minutes=1, seconds=5)) >= 0
+                and bool(app.jobs(name="hostile.cron_hooked"))
+            ),
             timeout=30,
             what="the slot inserted once the hook answers",
         )
@@ -726,4 +728,47 @@ def test_a_hanging_before_insert_hook_never_holds_up_the_leaders_cron_duty(
     finally:
         protect_current_thread(False)
         hang.clear()
+        app.close()
+
+
+def test_a_periodic_job_whose_hook_hangs_never_keeps_the_others_waiting(
+    store_url: str,
+) -> None:
+    """A tick leaves its other periodic jobs to the next after an insert timed out (each
+    could take a whole hook_timeout, far past the leader's lease), and the next tick
+    starts after the one that timed out: the others are inserted, not starved."""
+    from errands.hooks import protect_current_thread
+
+    app = errands.App(store_url, hook_timeout=1.0)
+    release = threading.Event()
+
+    @app.events.before_insert
+    def stamp(requests: list[Any]) -> None:
+        deadline = time.monotonic() + 30
+        while any(r.name == "hostile.cron_a" for r in requests) and not release.is_set():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)  # pure Python: the lane's interrupt lands here
+
+    for name in ("hostile.cron_a", "hostile.cron_b"):
+        app.periodic("* * * * *", name=name)(lambda: None)
+
+    start = datetime(2026, 1, 1, 12, 0, 30, tzinfo=UTC)
+    scheduler = Scheduler(app)
+    protect_current_thread()
+    try:
+        scheduler.run_once(now=start)
+        assert scheduler.run_once(now=start + timedelta(minutes=1), go_on=lambda: False) == 0
+        assert scheduler.run_once(now=start + timedelta(minutes=1)) == 0  # a times out first
+        wait_until(
+            lambda: (
+                scheduler.run_once(now=start + timedelta(minutes=1, seconds=5)) >= 0
+                and bool(app.jobs(name="hostile.cron_b"))
+            ),
+            timeout=30,
+            what="b inserted while a's hook still hangs",
+        )
+    finally:
+        protect_current_thread(False)
+        release.set()
         app.close()

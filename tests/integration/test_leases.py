@@ -382,9 +382,9 @@ def test_a_leader_whose_tick_outlasts_a_third_of_its_leadership_renews_it_betwee
 
     promote = app.backend.job_promote_due
 
-    def slow_promotion() -> int:
+    def slow_promotion(limit: int = 1000) -> int:
         time.sleep(1.2)  # past a third of the leadership
-        return promote()
+        return promote(limit)
 
     monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
     monkeypatch.setattr(app.backend, "job_promote_due", slow_promotion)

@@ -236,3 +236,24 @@ def test_a_worker_on_postgresql_suspends_and_resumes_a_job(pg_url: str) -> None:
             assert handle.result(timeout=20) == {"n": 3, "got": "yes"}
     finally:
         app.close()
+
+
+def test_a_workflow_settled_by_a_members_wait_timing_out_is_announced(app: errands.App) -> None:
+    """A member dead by its signal wait's timeout settles its workflow: the settlement
+    was recorded and then dropped by the next rescue, and errands.workflow.settled never
+    came (the rescue path announced its own)."""
+    settled: list[Any] = []
+    app.events.subscribe(
+        lambda e: settled.append(e) if e.name == "errands.workflow.settled" else None
+    )
+
+    @app.job(name="sig.member", retries=0)
+    def member(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("never", timeout=0.2)
+
+    batch = errands.Batch("sig.batch")
+    batch.add(member.bind())
+    with running_worker(app, maintenance_tick=0.05):
+        flow = app.enqueue_workflow(batch)
+        wait_until(lambda: settled, timeout=20, what="errands.workflow.settled")
+    assert settled[0]["workflow_id"] == flow.id and settled[0]["state"] == "failed"

@@ -166,6 +166,51 @@ def test_time_zone_slots_follow_the_zone_across_a_daylight_saving_change(
         app.close()
 
 
+def test_a_changed_schedule_starts_from_now_instead_of_running_the_new_ones_missed_slots(
+    store_url: str,
+) -> None:
+    """A 03:00 job moved to 04:00 and deployed at 14:00 ran at once: the slots of the new
+    schedule since the old one's last counted as missed (catch_up=True ran every one).
+    The schedule (and its time zone) is stored with the state: a change starts anew."""
+    day = datetime(2031, 3, 1, tzinfo=UTC)
+    old = errands.App(store_url)
+    old.periodic("0 3 * * *", name="report.nightly", catch_up=True)(lambda: None)
+    scheduler = Scheduler(old)
+    scheduler.run_once(now=day)  # first seen
+    assert scheduler.run_once(now=day + timedelta(hours=3, seconds=5)) == 1
+    old.close()
+    new = errands.App(store_url)
+    try:
+        new.periodic("0 4 * * *", name="report.nightly", catch_up=True)(lambda: None)
+        scheduler = Scheduler(new)
+        assert scheduler.run_once(now=day + timedelta(days=2, hours=14)) == 0  # not 2 slots
+        assert scheduler.run_once(now=day + timedelta(days=3, hours=4, seconds=5)) == 1
+        assert slots_of(new, "report.nightly") == [
+            day + timedelta(hours=3),
+            day + timedelta(days=3, hours=4),
+        ]
+    finally:
+        new.close()
+
+
+def test_a_job_first_seen_in_the_repeated_autumn_hour_runs_no_slot_from_before(
+    store_url: str,
+) -> None:
+    """'30 1 * * *' in America/New_York, first seen at 01:10 EST on 2 November 2031 (the
+    second 01:00-02:00): the cron library gives 01:30 EDT, which was before it was first
+    seen, and it ran (then repeated the skip warning every tick for a day)."""
+    app = errands.App(store_url)
+    try:
+        app.periodic("30 1 * * *", tz="America/New_York", name="ny.half_one")(lambda: None)
+        scheduler = Scheduler(app)
+        first_seen = datetime(2031, 11, 2, 6, 10, tzinfo=UTC)  # 01:10 EST
+        scheduler.run_once(now=first_seen)
+        assert scheduler.run_once(now=first_seen + timedelta(minutes=30)) == 0
+        assert slots_of(app, "ny.half_one") == []
+    finally:
+        app.close()
+
+
 @pytest.mark.parametrize(
     ("expression", "tz", "message"),
     [

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 FinishState = Literal["completed", "retryable", "dead", "cancelled", "waiting"]
 
+PROMOTE_BATCH = 1000  # due jobs job_promote_due relabels in one statement
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -233,6 +235,8 @@ class CronState:
     last_slot: float | None
     last_job_id: int | None
     next_slot: float | None
+    expression: str | None = None  # the schedule the slots so far followed
+    timezone: str | None = None
 
 
 @dataclass(frozen=True)
@@ -439,8 +443,9 @@ class Backend(Protocol):
 
     def job_rescue_many(self, rescues: Sequence[RescueParams]) -> list[bool]: ...
 
-    def job_promote_due(self) -> int:
-        """Mark scheduled and retryable jobs whose time has come as available."""
+    def job_promote_due(self, limit: int = PROMOTE_BATCH) -> int:
+        """Mark at most ``limit`` scheduled and retryable jobs whose time has come as
+        available; how many. (Claims take such jobs as they are: this only relabels.)"""
         ...
 
     def job_prune(self, older_than: float, limit: int) -> int:

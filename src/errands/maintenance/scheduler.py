@@ -69,6 +69,8 @@ class Periodic:
         for slot in CronSim(self.expression, after.astimezone(self.zone())):
             if slot > until:
                 break
+            if slot <= after:  # the repeated autumn hour: CronSim may give its first pass
+                continue
             found.append(slot)
             if len(found) > CATCH_UP_MAX:
                 found.pop(0)
@@ -117,8 +119,14 @@ class Scheduler:
         self.app = app
         self.clock = clock or (lambda: datetime.fromtimestamp(app.backend.db_now(), tz=UTC))
         self.inserted = 0
+        self._first = 0  # the periodic job a tick starts with
 
-    def run_once(self, now: datetime | None = None) -> int:
+    def run_once(self, now: datetime | None = None, go_on: Callable[[], bool] | None = None) -> int:
+        """Insert the due slots of every periodic job; the number inserted. ``go_on``
+        (the leader's renewal) is asked before each periodic job: a tick whose inserts
+        wait on slow hooks stops when the leadership is lost. After one insert timed out
+        on its lane, the others of this tick are left to the next (each could take a
+        whole hook_timeout, N of them far past the leader's lease)."""
         periodic = list(self.app.schedules.values())
         if not periodic:
             return 0
@@ -126,9 +134,22 @@ class Scheduler:
         backend = self.app.backend
         states = {s.name: s for s in backend.cron_states()}
         count = 0
-        for job in periodic:
+        # The next tick starts after one that timed out: a hook hanging on one job's slots
+        # never keeps the others waiting for ever.
+        first = self._first % len(periodic)
+        for index, job in enumerate(periodic[first:] + periodic[:first]):
+            if go_on is not None and not go_on():
+                break
             try:
                 count += self._run_one(job, states.get(job.name), now)
+            except TimeoutError:
+                log.error(
+                    "cron %s: its insert timed out (a before_insert hook?); this tick's "
+                    "other periodic jobs wait for the next",
+                    job.name,
+                )
+                self._first = first + index + 1
+                break
             except Exception:
                 log.exception(
                     "cron %s: inserting its due slots failed; retrying next tick", job.name
@@ -139,7 +160,18 @@ class Scheduler:
     def _run_one(self, job: Periodic, state: Any, now: datetime) -> int:
         backend = self.app.backend
         count = 0
-        if state is None or state.last_slot is None:
+        changed = state is not None and (
+            (state.expression, state.timezone) != (job.expression, job.timezone)
+        )
+        if state is None or state.last_slot is None or changed:
+            # Seen for the first time, or its schedule (or time zone) changed: it starts
+            # from now. Its new schedule's slots since the old one's last were never due
+            # (a 03:00 job moved to 04:00 at 14:00 ran at once; catch_up=True ran each).
+            if changed:
+                log.info(
+                    "cron %s: schedule changed to %r (%s); its slots start from now",
+                    job.name, job.expression, job.timezone,
+                )  # fmt: skip
             backend.cron_save(job.name, job.expression, job.timezone, now.timestamp(), None,
                               job.next_after(now).timestamp())  # fmt: skip
             return 0

@@ -35,7 +35,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..backends.base import ExpiredLease, ExpiredWait, RescueParams, WaitTimeoutParams
+from ..backends.base import (
+    PROMOTE_BATCH,
+    ExpiredLease,
+    ExpiredWait,
+    RescueParams,
+    WaitTimeoutParams,
+)
 from ..backends.limits import RATE_PERIOD_MAX
 from ..errors import is_transient
 from ..hooks import protect_current_thread
@@ -56,6 +62,7 @@ PRUNE_BATCH = 1000
 PRUNE_BATCHES_PER_ROUND = 10
 PRUNE_BACKLOG_TICKS = 5  # with a backlog left, prune again after this many ticks
 WORKER_FORGET_AFTER = 300.0  # seconds without a heartbeat before a worker leaves the registry
+PROMOTE_BATCHES_PER_TICK = 10
 DEAD_HOOKS_EVERY = 5.0  # seconds between two looks for on_dead hooks no worker ran
 DEAD_HOOKS_BATCH = 100
 
@@ -122,14 +129,13 @@ class Maintenance:
             self._stop.wait(self.tick)
 
     def run_once(self) -> None:
-        backend = self.app.backend
         if not self._elect():
             return
         for name, duty in (
             ("rescue", self.rescue),
             ("signal timeouts", self.expire_waits),
-            ("promotion", backend.job_promote_due),
-            ("cron", self.scheduler.run_once),
+            ("promotion", self._promote_due),
+            ("cron", lambda: self.scheduler.run_once(go_on=self._still_leader)),
             ("pruning", self._prune_when_due),
             ("on_dead hooks", self._dead_hooks_when_due),
         ):
@@ -168,6 +174,17 @@ class Maintenance:
         except Exception:
             log.exception("maintenance %s failed; the other duties go on", name)
             return False
+
+    def _promote_due(self) -> int:
+        """Relabel due scheduled and retryable jobs as available, a batch a statement, a
+        few batches a tick (claims take them as they are: a backlog may take ticks)."""
+        total = 0
+        for _ in range(PROMOTE_BATCHES_PER_TICK):
+            done = self.app.backend.job_promote_due(PROMOTE_BATCH)
+            total += done
+            if done < PROMOTE_BATCH or not self._still_leader():
+                break
+        return total
 
     def _dead_hooks_when_due(self) -> None:
         """Every DEAD_HOOKS_EVERY seconds: run the on_dead hooks of the deaths that no
@@ -317,7 +334,11 @@ class Maintenance:
         expired = backend.job_list_expired_waits(RESCUE_BATCH)
         broken: set[str] = set()  # job types whose backoff failed in this batch
         plans = [self._plan_timeout(wait, broken) for wait in expired]
+        backend.workflow_take_settled()  # (nothing left over from an earlier call)
         done = backend.job_expire_waits(plans)
+        # A member dead by its wait's timeout can settle its workflow: announced, as a
+        # rescue's are (its settlement was dropped by the next rescue, never emitted).
+        self.app.workflows_settled()
         count = 0
         for wait, plan, ok in zip(expired, plans, done, strict=True):
             if not ok:

@@ -34,6 +34,7 @@ from ...faults import fault_point
 from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ..base import (
+    PROMOTE_BATCH,
     RELEASED,
     Capabilities,
     ClaimParams,
@@ -1335,9 +1336,9 @@ class PostgresBackend(PostgresAdmin):
         done = {r[0] for r in rows}
         return [r.id in done for r in rescues]
 
-    def job_promote_due(self) -> int:
+    def job_promote_due(self, limit: int = PROMOTE_BATCH) -> int:
         with self._conn() as conn:
-            return conn.execute(self.q["job_promote_due"]).rowcount
+            return conn.execute(self.q["job_promote_due"], {"limit": limit}).rowcount
 
     def job_prune(self, older_than: float, limit: int) -> int:
         with self._conn() as conn:

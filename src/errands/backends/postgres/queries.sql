@@ -256,9 +256,16 @@ RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
 SELECT id, workflow_id, state FROM ended CROSS JOIN notified
 
 -- name: job_promote_due
+-- At most %(limit)s rows a call (the leader calls again while a batch comes back full): one
+-- statement over a million rows due at once held their row locks until it committed (every
+-- claim skipped them meanwhile) and outlived the leader's lease. Claims take due scheduled
+-- and retryable rows as they are: promotion only relabels them, so it may lag.
 UPDATE {schema}.errands_jobs
 SET state = 'available'
-WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
+WHERE id IN (SELECT id FROM {schema}.errands_jobs
+             WHERE state IN ('scheduled', 'retryable') AND run_at <= now()
+             LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
+  AND state IN ('scheduled', 'retryable')
 
 -- name: job_prune
 -- Small batches, the steps and the signals of each pruned job with it (its signals were
@@ -757,7 +764,7 @@ RETURNING {job_columns}
 
 -- name: cron_states
 SELECT name, extract(epoch FROM last_slot)::float8, last_job_id,
-       extract(epoch FROM next_slot)::float8
+       extract(epoch FROM next_slot)::float8, expression, timezone
 FROM {schema}.errands_cron ORDER BY name
 
 -- name: cron_save

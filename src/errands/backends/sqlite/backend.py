@@ -35,6 +35,7 @@ from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from .. import redact_url
 from ..base import (
+    PROMOTE_BATCH,
     RELEASED,
     Capabilities,
     ClaimParams,
@@ -947,9 +948,9 @@ class SQLiteBackend(SQLiteAdmin):
                 self._fan_in(conn, [(r.id, *row) for row in rows])
         return answers
 
-    def job_promote_due(self) -> int:
+    def job_promote_due(self, limit: int = PROMOTE_BATCH) -> int:
         with self._write() as conn:
-            return conn.execute(Q["job_promote_due"]).rowcount
+            return conn.execute(Q["job_promote_due"], {"limit": limit}).rowcount
 
     def job_prune(self, older_than: float, limit: int) -> int:
         with self._write() as conn:

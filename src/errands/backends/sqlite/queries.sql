@@ -147,10 +147,13 @@ WHERE id = :id AND lease_token = :token AND state = 'running'
 RETURNING workflow_id, state
 
 -- name: job_promote_due
+-- At most :limit rows a call (see PostgreSQL's): the write lock is held that long.
 UPDATE errands_jobs
 SET state = 'available'
-WHERE state IN ('scheduled', 'retryable')
-  AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+WHERE id IN (SELECT id FROM errands_jobs
+             WHERE state IN ('scheduled', 'retryable')
+               AND run_at <= (julianday('now') - 2440587.5) * 86400.0
+             LIMIT :limit)
 
 -- name: job_prunable
 -- A workflow's member stays while its workflow does (a dependent yet to run, the
@@ -573,7 +576,8 @@ RETURNING id, name, queue, args, meta, state, priority, attempt, max_attempts, r
           progress, progress_message, wait_signal, wait_until, fair_key
 
 -- name: cron_states
-SELECT name, last_slot, last_job_id, next_slot FROM errands_cron ORDER BY name
+SELECT name, last_slot, last_job_id, next_slot, expression, timezone FROM errands_cron
+ORDER BY name
 
 -- name: cron_save
 INSERT INTO errands_cron (name, expression, timezone, last_slot, last_job_id, next_slot,
