@@ -392,6 +392,37 @@ def test_a_hanging_backoff_is_asked_once_per_rescue_batch_not_once_per_job(
     leader.stop()
 
 
+def test_a_slow_backoff_in_time_is_asked_only_within_a_share_of_the_leadership(
+    store: errands.App,
+) -> None:
+    """A backoff policy that answers in time, slowly (0.4 s, under its 1 s deadline), was
+    asked for every expired lease before anything was written (500 rows: minutes, past
+    the leader's lease). Past a third of the leadership, the batch takes the default."""
+    asked: list[int] = []
+
+    def slow(attempt: int) -> float:
+        asked.append(attempt)
+        time.sleep(0.4)
+        return 1.0
+
+    @store.job(name="hostile.rescue_slow", backoff=slow)
+    def stuck(n: int) -> None: ...
+
+    ids = {stuck.enqueue(n=n).id for n in range(20)}
+    claim_as_dead_worker(store)
+    for job_id in ids:
+        expire_lease(store, job_id)
+    leader = Maintenance(store, "leader")
+    try:
+        leader.run_once()
+    finally:
+        leader.stop()
+    budget_calls = leader.ttl / 3 / 0.4 + 1
+    assert 1 <= len(asked) <= budget_calls < 20, (len(asked), leader.ttl)
+    # every one rescued in the tick (a short delay may be due, promoted, by its end)
+    assert {store.get_job(i).state for i in ids} <= {JobState.RETRYABLE, JobState.AVAILABLE}
+
+
 def test_a_blocked_on_dead_hook_after_a_rescue_stops_no_later_rescue(
     store_url: str,
 ) -> None:
