@@ -24,6 +24,8 @@ class StoreTools(Protocol):
 
     def make_due(self, ids: Sequence[int]) -> None: ...
 
+    def forget_rates(self) -> None: ...
+
     def next_wakeup(
         self, queue: str | None, scheduled: bool, keep_tokens: Collection[str]
     ) -> float | None: ...
@@ -69,6 +71,11 @@ class _SQLiteTools:
                 "settled_at = settled_at - ?",
                 (seconds, seconds),
             )
+
+    def forget_rates(self) -> None:
+        """Every start the rate limits counted (drain() applies no rate)."""
+        with self.backend._write() as conn:
+            conn.execute("DELETE FROM errands_rate_log")
 
     def make_due(self, ids: Sequence[int]) -> None:
         if not ids:
@@ -141,6 +148,11 @@ class _PostgresTools:
                 "FROM (SELECT make_interval(secs => %(seconds)s) AS d) AS shift",
                 {"seconds": seconds},
             )
+
+    def forget_rates(self) -> None:
+        """Every start the rate limits counted (drain() applies no rate)."""
+        with self.backend._conn() as conn:
+            conn.execute(f'DELETE FROM "{self.backend.schema}".errands_rate_log')
 
     def make_due(self, ids: Sequence[int]) -> None:
         if not ids:
