@@ -86,7 +86,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 # -- the order the xdist workers take tests in ------------------------------------------------
-# `make test` runs `pytest -n 4 --dist loadgroup`: the tests on the tests' own PostgreSQL
+# `make test` runs `pytest -n 5 --dist loadgroup`: the tests on the tests' own PostgreSQL
 # cluster (xdist_group "own_postgres": the CI-sized soaks, the fault and reconnect suites,
 # several minutes in one process) would be handed out where they are collected, two thirds
 # into the run, and end it on one process while the others sit idle. They go first; the
