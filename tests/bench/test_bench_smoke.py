@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,27 +27,33 @@ pytestmark = pytest.mark.acceptance
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "BENCH_DB_PREFIX": f"bench_t{os.getpid()}_"}
 
 
-def _smoke(tmp_path: Path, *only: str) -> tuple[dict[str, Any], str]:
-    """``python -m bench.run --smoke --only ONLY... --no-scale``: its partial results and
-    what it printed."""
-    args = [a for name in only for a in ("--only", name)]
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--smoke", *args, "--no-scale",
-         "--results", str(tmp_path)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads((tmp_path / "partial.json").read_text()), run.stdout
-
-
-# The harness's parts, each its own test (two processes of the suite run them side by
-# side: together, one took a minute and a half under load).
 @pytest.mark.timeout(300)
-def test_the_benchmark_harness_measures_errands_on_both_stores_and_records_every_figure(
-    tmp_path: Path,
-) -> None:
+def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path: Path) -> None:
     require_pg()
-    results, printed = _smoke(tmp_path, "errands")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.run",
+            "--smoke",
+            "--only",
+            "errands",
+            "--only",
+            "limit",
+            "--only",
+            "memory",
+            "--no-scale",
+            "--results",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "partial.json").read_text())
     assert results["mode"] == "smoke"
     for name in ("errands-sqlite", "errands-pg"):
         system = results["systems"][name]
@@ -69,8 +74,15 @@ def test_the_benchmark_harness_measures_errands_on_both_stores_and_records_every
     # PostgreSQL's bulk enqueue is timed alternating with the raw COPY, as the target reads it
     pg = results["systems"]["errands-pg"]["figures"]
     assert pg["enqueue_bulk_raw"] > 0 and pg["enqueue_bulk_vs_raw"] > 0, pg
+    for store in ("postgres", "sqlite"):
+        limit = results["limit"][store]
+        assert "error" not in limit and all(v > 0 for v in limit["figures"].values()), limit
+        memory = results["memory"][store]
+        assert not memory.get("error"), memory
+        assert memory["checkpoints"][-1]["completed"] >= memory["jobs"]
+        assert memory["stopped_cleanly"] is True
     assert any(t["target"].startswith("Enqueue bulk") for t in results["targets"])
-    assert "issue 8 and 17 targets" in printed
+    assert "issue 8 and 17 targets" in run.stdout
     # Both views, and every configuration's figures under its own label.
     for name in ("errands-sqlite", "errands-pg"):
         figures = results["systems"][name]["figures"]
@@ -83,60 +95,34 @@ def test_the_benchmark_harness_measures_errands_on_both_stores_and_records_every
 
 
 @pytest.mark.timeout(300)
-def test_the_benchmark_harness_measures_the_limit_and_memory_on_both_stores(
-    tmp_path: Path,
-) -> None:
+def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
+    """Issue 17's steps at toy sizes on the test server: the storage cost per job (with
+    its pg_waldump breakdown when the server's WAL is readable here), one chaos cell that
+    acts on nothing but the system's own workers, and one pressure cell. The server-wide
+    cells (PostgreSQL restart, pool exhaustion) are skipped, as they must be on a shared
+    server; they run with --scratch-pg."""
     require_pg()
-    results, _ = _smoke(tmp_path, "limit", "memory")
-    for store in ("postgres", "sqlite"):
-        limit = results["limit"][store]
-        assert "error" not in limit and all(v > 0 for v in limit["figures"].values()), limit
-        memory = results["memory"][store]
-        assert not memory.get("error"), memory
-        assert memory["checkpoints"][-1]["completed"] >= memory["jobs"]
-        assert memory["stopped_cleanly"] is True
-
-
-def _bench_run(tmp_path: Path, *args: str) -> dict[str, Any]:
-    """``python -m bench.run --no-systems --only errands-pg ARGS``: its partial results."""
     run = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--no-systems", "--only", "errands-pg", *args,
-         "--results", str(tmp_path)],
-        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable, "-m", "bench.run", "--no-systems", "--only", "errands-pg",
+            "--storage", "--storage-jobs", "500",
+            "--scenarios", "crash_recovery,idle_in_tx,postgres_restart",
+            "--scenario-scale", "0.01", "--pressure-seconds", "3", "--scenario-rate", "100",
+            "--drain-seconds", "40", "--results", str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    results: dict[str, Any] = json.loads((tmp_path / "partial.json").read_text())
-    return results
-
-
-# Issue 17's steps at toy sizes on the test server, each its own test (two processes of
-# the suite run them side by side: together, one took a minute and a half under load).
-@pytest.mark.timeout(300)
-def test_the_storage_step_measures_wal_bytes_and_dead_tuples_per_job(tmp_path: Path) -> None:
-    """The storage cost per job (with its pg_waldump breakdown when the server's WAL is
-    readable here), in its three configurations."""
-    require_pg()
-    results = _bench_run(tmp_path, "--storage", "--storage-jobs", "500")
+    results = json.loads((tmp_path / "partial.json").read_text())
     cells = results["storage"]["systems"]["errands-pg"]
     assert set(cells) == {"default", "tuned", "tuned+checkpoint"}
     for cell in cells.values():
         assert not cell.get("error"), cell
         assert cell["jobs"] == 500 and cell["wal_per_job"] > 0 and cell["bytes_per_1m"] > 0
-    assert any(t["target"].startswith("WAL ≤") for t in results["targets"])
-
-
-@pytest.mark.timeout(300)
-def test_the_scenario_steps_run_a_chaos_and_a_pressure_cell_end_to_end(tmp_path: Path) -> None:
-    """One chaos cell that acts on nothing but the system's own workers, and one pressure
-    cell. The server-wide cells (PostgreSQL restart, pool exhaustion) are skipped, as
-    they must be on a shared server; they run with --scratch-pg."""
-    require_pg()
-    results = _bench_run(
-        tmp_path,
-        "--scenarios", "crash_recovery,idle_in_tx,postgres_restart",
-        "--scenario-scale", "0.01", "--pressure-seconds", "3", "--scenario-rate", "100",
-        "--drain-seconds", "40",
-    )  # fmt: skip
     sc = results["scenarios"]["cells"]
     assert "skipped" in sc["postgres_restart/errands-pg"]
     for name in ("crash_recovery", "idle_in_tx"):
@@ -144,6 +130,7 @@ def test_the_scenario_steps_run_a_chaos_and_a_pressure_cell_end_to_end(tmp_path:
         assert not cell.get("error"), cell
         assert cell["sent"] > 0 and cell["lost"] == 0, cell
         assert cell["series"] and cell["phases"]["recovery"]["rate"] is not None
+    assert any(t["target"].startswith("WAL ≤") for t in results["targets"])
 
 
 @pytest.mark.timeout(200)
