@@ -361,6 +361,15 @@ def test_a_hanging_backoff_delays_a_rescue_by_its_deadline_only(store: errands.A
     leader.stop()
 
 
+def _expired_leases(store: errands.App, job: Any, n: int) -> set[int]:
+    """``n`` jobs of ``job`` claimed by a worker that died: their leases expired."""
+    ids = {job.enqueue(n=i).id for i in range(n)}
+    claim_as_dead_worker(store)
+    for job_id in ids:
+        expire_lease(store, job_id)
+    return ids
+
+
 def test_a_hanging_backoff_is_asked_once_per_rescue_batch_not_once_per_job(
     store: errands.App,
 ) -> None:
@@ -378,10 +387,7 @@ def test_a_hanging_backoff_is_asked_once_per_rescue_batch_not_once_per_job(
     @store.job(name="hostile.rescue_many_hang", backoff=slow)
     def stuck(n: int) -> None: ...
 
-    ids = {stuck.enqueue(n=n).id for n in range(8)}
-    claim_as_dead_worker(store)
-    for job_id in ids:
-        expire_lease(store, job_id)
+    ids = _expired_leases(store, stuck, 8)
     leader = Maintenance(store, "leader")
     try:
         leader.run_once()
@@ -408,10 +414,7 @@ def test_a_slow_backoff_in_time_is_asked_only_within_a_share_of_the_leadership(
     @store.job(name="hostile.rescue_slow", backoff=slow)
     def stuck(n: int) -> None: ...
 
-    ids = {stuck.enqueue(n=n).id for n in range(20)}
-    claim_as_dead_worker(store)
-    for job_id in ids:
-        expire_lease(store, job_id)
+    ids = _expired_leases(store, stuck, 20)
     leader = Maintenance(store, "leader")
     try:
         leader.run_once()
