@@ -54,6 +54,12 @@ def render(
         f"  workflows beside the mix: {config.workflows.batches:,} batches of "
         f"{config.workflows.batch_size} members, {config.workflows.dags:,} DAGs",
         "",
+    ]
+    if findings.violations:  # first: a failing test's message may be cut short in a CI log
+        lines.append("  VIOLATIONS")
+        lines.extend(f"  - {v}" for v in findings.violations)
+        lines.append("")
+    lines += [
         f"  enqueued            {f.get('enqueued', 0):>9,}   (+ {f.get('cron jobs', 0)} cron)",
         f"  completed           {states.get('completed', 0):>9,}",
         f"  dead                {states.get('dead', 0):>9,}   {_fmt(f.get('dead by reason'))}",
@@ -98,8 +104,4 @@ def render(
         lines.append("")
         lines.append("  OBSERVATIONS (known issues, reported without failing the run)")
         lines.extend(f"  - {o}" for o in findings.observations)
-    if findings.violations:
-        lines.append("")
-        lines.append("  VIOLATIONS")
-        lines.extend(f"  - {v}" for v in findings.violations)
     return "\n".join(lines) + "\n"
