@@ -105,9 +105,9 @@ def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
     run = subprocess.run(
         [
             sys.executable, "-m", "bench.run", "--no-systems", "--only", "errands-pg",
-            "--storage", "--storage-jobs", "500",
+            "--storage", "--storage-jobs", "200",
             "--scenarios", "crash_recovery,idle_in_tx,postgres_restart",
-            "--scenario-scale", "0.01", "--pressure-seconds", "3", "--scenario-rate", "100",
+            "--scenario-scale", "0.008", "--pressure-seconds", "2", "--scenario-rate", "100",
             "--drain-seconds", "40", "--results", str(tmp_path),
         ],
         cwd=ROOT,
@@ -122,7 +122,7 @@ def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
     assert set(cells) == {"default", "tuned", "tuned+checkpoint"}
     for cell in cells.values():
         assert not cell.get("error"), cell
-        assert cell["jobs"] == 500 and cell["wal_per_job"] > 0 and cell["bytes_per_1m"] > 0
+        assert cell["jobs"] == 200 and cell["wal_per_job"] > 0 and cell["bytes_per_1m"] > 0
     sc = results["scenarios"]["cells"]
     assert "skipped" in sc["postgres_restart/errands-pg"]
     for name in ("crash_recovery", "idle_in_tx"):
