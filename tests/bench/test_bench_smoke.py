@@ -27,32 +27,32 @@ pytestmark = pytest.mark.acceptance
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "BENCH_DB_PREFIX": f"bench_t{os.getpid()}_"}
 
 
+def run_bench(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m bench...`` here; exit 0 or fail with its output's tail, also when it
+    overran ``timeout`` (a stalled step then shows in the log where it stalled)."""
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stderr or b""
+        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+        pytest.fail(f"{args[0]} ran past {timeout:g} s; its log so far:\n{text[-3000:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 @pytest.mark.timeout(300)
 def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path: Path) -> None:
     require_pg()
-    run = subprocess.run(
+    run = run_bench(
         [
-            sys.executable,
-            "-m",
-            "bench.run",
-            "--smoke",
-            "--only",
-            "errands",
-            "--only",
-            "limit",
-            "--only",
-            "memory",
-            "--no-scale",
-            "--results",
-            str(tmp_path),
+            "bench.run", "--smoke", "--only", "errands", "--only", "limit", "--only", "memory",
+            "--no-scale", "--results", str(tmp_path),
         ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
         timeout=280,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    )  # fmt: skip
     results = json.loads((tmp_path / "partial.json").read_text())
     assert results["mode"] == "smoke"
     for name in ("errands-sqlite", "errands-pg"):
@@ -102,21 +102,16 @@ def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
     cells (PostgreSQL restart, pool exhaustion) are skipped, as they must be on a shared
     server; they run with --scratch-pg."""
     require_pg()
-    run = subprocess.run(
+    run_bench(
         [
-            sys.executable, "-m", "bench.run", "--no-systems", "--only", "errands-pg",
+            "bench.run", "--no-systems", "--only", "errands-pg",
             "--storage", "--storage-jobs", "200",
             "--scenarios", "crash_recovery,idle_in_tx,postgres_restart",
             "--scenario-scale", "0.008", "--pressure-seconds", "2", "--scenario-rate", "100",
             "--drain-seconds", "40", "--results", str(tmp_path),
         ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
         timeout=280,
     )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "partial.json").read_text())
     cells = results["storage"]["systems"]["errands-pg"]
     assert set(cells) == {"default", "tuned", "tuned+checkpoint"}
@@ -138,12 +133,7 @@ def test_the_waiting_bench_runs_and_records_every_figure(tmp_path: Path) -> None
     """`python -m bench.waiting --quick` (issue 20) measures wake-up latency, waiters per
     connection and async enqueue on both stores; one connection serves every waiter."""
     require_pg()
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.waiting", "--quick", "--results", str(tmp_path)],
-        cwd=ROOT, env=ENV,
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_bench(["bench.waiting", "--quick", "--results", str(tmp_path)], timeout=180)
     results = json.loads((tmp_path / "waiting.json").read_text())
     assert results["preliminary"] is True
     for store in ("sqlite", "postgres"):
@@ -159,13 +149,10 @@ def test_the_workflow_bench_runs_and_records_every_figure(tmp_path: Path) -> Non
     """`python -m bench.workflows --quick` (issue 18): fan-in latency, a fan-out/fan-in's
     and a chain's throughput, with a real worker process."""
     out = tmp_path / "workflows.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.workflows", "--quick", "--url",
-         f"sqlite:///{tmp_path}/wf.db", "--json", str(out)],
-        cwd=ROOT, env=ENV,
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_bench(
+        ["bench.workflows", "--quick", "--url", f"sqlite:///{tmp_path}/wf.db", "--json", str(out)],
+        timeout=180,
+    )
     figures = json.loads(out.read_text())
     assert figures["fan_in_latency"]["p50_ms"] > 0
     assert figures["fan_out_fan_in"]["members_per_s"] > 0
