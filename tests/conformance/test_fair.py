@@ -480,3 +480,25 @@ def test_an_express_claim_takes_a_keys_highest_priority_job(backend: Backend) ->
     add_keyed(backend, queue, "k", 2, priority=0)
     (high,) = add_keyed(backend, queue, "k", priority=5)
     assert [r.id for r in express(backend, queue, 3)] == [high]
+
+
+def test_the_usage_of_keys_idle_past_the_retention_with_nothing_running_or_pending_is_forgotten(
+    backend: Backend,
+) -> None:
+    """The maintenance leader's prune forgets a key's usage row once the key ended no
+    attempt for the retention and has no job running or pending; in batches of ``limit``."""
+    queue = fair_queue(backend)
+    for key in ("idle1", "idle2", "idle3", "running", "pending"):
+        add_keyed(backend, queue, key, 2 if key == "running" else 1)
+        rows = take(backend, queue, 2)
+        complete(backend, rows[:1])  # "running": its second job is still running
+    add_keyed(backend, queue, "pending")  # "pending": a job due again
+    assert backend.fair_usage_prune(3600.0, 100) == 0  # every key ended one a moment ago
+    time.sleep(0.05)
+    assert backend.fair_usage_prune(0.0, 2) == 2  # a batch at most
+    assert backend.fair_usage_prune(0.0, 2) == 1
+    assert backend.fair_usage_prune(0.0, 2) == 0
+    figures = {f.key: f for f in backend.fair_figures(queue)}
+    assert set(figures) == {"running", "pending"}  # the idle keys are gone
+    assert (figures["running"].attempts, figures["running"].running) == (1, 1)
+    assert (figures["pending"].attempts, figures["pending"].due) == (1, 1)

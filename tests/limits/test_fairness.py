@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 import errands
 from errands.cli.main import cli
+from errands.maintenance import Maintenance
 
 from .helpers import LimitsCluster, run_cli, wait_until, workers
 
@@ -504,3 +505,26 @@ def test_a_fair_queue_with_a_rate_limited_job_type_claims_for_free_slots_only(
 
     claimer = Claimer(store, "w-test", ["tenants", "rated_tenants"], poll_interval=1.0)
     assert claimer.prefetching == {"tenants"}
+
+
+def test_the_leaders_prune_forgets_the_usage_of_keys_idle_past_the_retention(
+    store: errands.App,
+) -> None:
+    """A queue fair by user keeps no row per user ever seen: once a key ended no attempt
+    for the retention and has nothing running or pending, the maintenance leader's prune
+    deletes its usage with the finished jobs. A key with a job pending keeps its row."""
+    store.queue("byuser", fair=True)
+
+    @store.job(name="byuser.work", queue="byuser", fair_key="user:{user}")
+    def work(user: str) -> str:
+        return user
+
+    handles = store.enqueue_many([work.bind(user=f"u{i}") for i in range(3)])
+    with workers([store], concurrency=2):
+        assert [h.result(timeout=30) for h in handles] == ["u0", "u1", "u2"]
+    work.enqueue(user="u0", delay=3600)  # u0 comes back later: its row stays
+    store.retention = 0.5
+    time.sleep(1.0)
+    assert Maintenance(store, "test").prune() == 3  # the finished jobs
+    figures = {f.key: f.attempts for f in store.backend.fair_figures("byuser")}
+    assert figures == {"user:u0": 1}

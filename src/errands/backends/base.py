@@ -552,6 +552,13 @@ class Backend(Protocol):
 
     def rate_log_prune(self, older_than: float) -> int: ...
 
+    def fair_usage_prune(self, older_than: float, limit: int) -> int:
+        """Forget the worker time of fair keys that ended no attempt for ``older_than``
+        seconds and have no job running or pending (at most ``limit``): a fair queue with
+        a key per user would otherwise keep a row per user ever seen. Their decayed usage
+        is nothing by then; their totals (attempts, seconds, dwell) start afresh."""
+        ...
+
     def dead_hooks_due(self, older_than: float, limit: int) -> list[int]:
         """Dead jobs whose ``on_dead`` hooks are due for more than ``older_than`` seconds,
         oldest first, at most ``limit`` (0: none). Records of jobs no longer dead (replayed,

@@ -596,6 +596,9 @@ class SharedAdmin:
     def worker_prune(self, older_than: float) -> int:
         return self._write_count("worker_prune", {"older_than": older_than})
 
+    def fair_usage_prune(self, older_than: float, limit: int) -> int:
+        return self._write_count("fair_usage_prune", {"older_than": older_than, "limit": limit})
+
 
 def edit_detail(params: EditParams, edit: JobEdit) -> dict[str, Any]:
     """The audit detail of an edit: what changed (never the arguments' values, which may

@@ -12,6 +12,7 @@ lease still being expired, so two rescuers can never rescue one attempt twice.
                                           │
                         every tick: rescue expired leases, promote due jobs,
                         every prune_interval: delete finished rows past retention
+                        (and the usage of fair keys idle that long)
 
 Rescue of one expired lease (the attempt counts, recorded as "worker lost"):
 
@@ -396,6 +397,9 @@ class Maintenance:
         self.app.backend.rate_log_prune(RATE_PERIOD_MAX)
         if self.app.retention <= 0:
             return 0
+        # Fair keys idle as long as the retention keep no usage row (a key per user would
+        # otherwise grow the table, and every tenants view, by every user ever seen).
+        self.app.backend.fair_usage_prune(self.app.retention, PRUNE_BATCH)
         total = 0
         # A bounded number of small batches per round: a big backlog (a retention just
         # shortened, a long outage) drains over several rounds instead of hammering the

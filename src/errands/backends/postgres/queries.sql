@@ -713,6 +713,22 @@ SELECT %(bucket)s, %(period)s, clock_timestamp() FROM generate_series(1, %(n)s)
 DELETE FROM {schema}.errands_rate_log
 WHERE at < now() - make_interval(secs => LEAST(period, %(older_than)s))
 
+-- name: fair_usage_prune
+-- The usage of keys that ended no attempt for older_than seconds (the retention) and have
+-- none running or pending: their decayed worker time is nothing by then (a 60 s half-life)
+-- and their totals go with their finished jobs. The two probes match the partial indexes
+-- errands_jobs_fair_running and errands_jobs_fair. At most limit rows a call.
+DELETE FROM {schema}.errands_fair_usage
+WHERE (queue, key) IN (
+    SELECT u.queue, u.key FROM {schema}.errands_fair_usage AS u
+    WHERE u.at < now() - make_interval(secs => %(older_than)s)
+      AND NOT EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j
+                      WHERE j.queue = u.queue AND j.fair_key = u.key AND j.state = 'running')
+      AND NOT EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j
+                      WHERE j.queue = u.queue AND j.fair_key = u.key
+                        AND j.state IN ('available', 'scheduled', 'retryable'))
+    LIMIT %(limit)s)
+
 -- name: claim_candidates
 -- Due rows of one limited queue in claim order; $RESCUED makes the fresh and the suspect
 -- variants. Jobs whose key already runs at its limit, and job types out of rate-limit

@@ -530,6 +530,19 @@ VALUES (:bucket, (julianday('now') - 2440587.5) * 86400.0, :period)
 DELETE FROM errands_rate_log
 WHERE at < (julianday('now') - 2440587.5) * 86400.0 - min(period, :older_than)
 
+-- name: fair_usage_prune
+-- See the PostgreSQL statement: keys idle past the retention, none running or pending.
+DELETE FROM errands_fair_usage
+WHERE (queue, key) IN (
+    SELECT u.queue, u.key FROM errands_fair_usage AS u
+    WHERE u.at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+      AND NOT EXISTS (SELECT 1 FROM errands_jobs AS j
+                      WHERE j.queue = u.queue AND j.fair_key = u.key AND j.state = 'running')
+      AND NOT EXISTS (SELECT 1 FROM errands_jobs AS j
+                      WHERE j.queue = u.queue AND j.fair_key = u.key
+                        AND j.state IN ('available', 'scheduled', 'retryable'))
+    LIMIT :limit)
+
 -- name: claim_candidates
 -- Due rows of one limited queue in claim order; $RESCUED makes the fresh and the suspect
 -- variants. Jobs whose key already runs at its limit, and job types out of rate-limit
