@@ -99,9 +99,30 @@ def test_rescue_of_a_cancel_requested_job_cancels_it(backend: Backend, harness: 
     row = claim_one(backend)
     backend.job_cancel(row.id, "ops")
     harness.expire_lease(backend, row.id)
-    assert backend.job_rescue_many([_rescue(row)]) == [True]
+    assert backend.job_rescue_many([_rescue(row, "cancelled")]) == [True]
     assert get(backend, row.id).state == "cancelled"
     assert claim(backend) == []
+
+
+def test_a_rescue_planned_before_a_cancel_request_is_refused_and_planned_again(
+    backend: Backend, harness: Harness
+) -> None:
+    """The leader lists an expired lease (no cancel requested) and plans it dead (its last
+    attempt); an operator's cancel lands before the write. The plan is refused: written,
+    it made the job cancelled while the leader announced a death and ran its on_dead
+    hooks. The job stays unclaimable, and the next listing plans the cancel."""
+    insert(backend, max_attempts=1)
+    row = claim_one(backend)
+    harness.expire_lease(backend, row.id)
+    (listed,) = backend.job_list_expired(10)
+    assert listed.cancel_requested is False
+    backend.job_cancel(row.id, "ops")
+    assert backend.job_rescue_many([_rescue(row, "dead")]) == [False]
+    assert claim(backend) == []
+    (again,) = backend.job_list_expired(10)
+    assert again.cancel_requested is True
+    assert backend.job_rescue_many([_rescue(row, "cancelled")]) == [True]
+    assert get(backend, row.id).state == "cancelled"
 
 
 def test_rescue_with_a_wrong_token_changes_nothing(backend: Backend, harness: Harness) -> None:

@@ -234,22 +234,24 @@ ORDER BY lease_expires_at
 LIMIT %(limit)s
 
 -- name: job_rescue_many
--- Fenced twice: the token must be the expired claim's, and the lease must still be expired
--- (a heartbeat that landed in between wins). Fair keys' usage is folded in the same
--- statement.
+-- Fenced three times: the token must be the expired claim's, the lease must still be
+-- expired (a heartbeat that landed in between wins), and a cancel requested since the
+-- rescue was planned refuses a plan that is not 'cancelled' (it is planned again, as a
+-- cancel: a plan written as cancelled was announced dead, its on_dead hooks due). Fair
+-- keys' usage is folded in the same statement.
 WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
-SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE o.state END,
+SET state = o.state,
     rescues = j.rescues + 1,
     errors = j.errors || jsonb_build_array(
              o.error::jsonb || jsonb_build_object('at', extract(epoch FROM now()))),
     run_at = now() + make_interval(secs => o.delay),
-    finished_at = CASE WHEN j.cancel_requested OR o.state <> 'retryable' THEN now() END,
+    finished_at = CASE WHEN o.state <> 'retryable' THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)s::bigint[], %(tokens)s::text[], %(states)s::text[], %(errors)s::text[],
             %(delays)s::float8[]) AS o(id, token, state, error, delay)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
-  AND j.lease_expires_at < now()
+  AND j.lease_expires_at < now() AND (NOT j.cancel_requested OR o.state = 'cancelled')
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
 ), {fair_fold}, {notify_ended}

@@ -131,19 +131,20 @@ ORDER BY lease_expires_at
 LIMIT :limit
 
 -- name: job_rescue
--- Fenced twice: the token must be the expired claim's, and the lease must still be expired
--- (a heartbeat that landed in between wins).
+-- Fenced three times (see PostgreSQL's): the expired claim's token, the lease still
+-- expired, and no cancel requested since a plan that is not 'cancelled' was made.
 UPDATE errands_jobs
-SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE :state END,
+SET state = :state,
     rescues = rescues + 1,
     errors = json_insert(errors, '$[#]',
              json_set(json(:error), '$.at', (julianday('now') - 2440587.5) * 86400.0)),
     run_at = (julianday('now') - 2440587.5) * 86400.0 + :delay,
-    finished_at = CASE WHEN cancel_requested = 1 OR :state != 'retryable'
+    finished_at = CASE WHEN :state != 'retryable'
                        THEN (julianday('now') - 2440587.5) * 86400.0 END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 WHERE id = :id AND lease_token = :token AND state = 'running'
   AND lease_expires_at < (julianday('now') - 2440587.5) * 86400.0
+  AND (cancel_requested = 0 OR :state = 'cancelled')
 RETURNING workflow_id, state
 
 -- name: job_promote_due
