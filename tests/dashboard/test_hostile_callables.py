@@ -158,3 +158,41 @@ def test_async_and_sync_resolvers_still_work(app: errands.App, jobs: dict[str, A
     )
     assert replay.status_code == 303
     assert app.get_job(job_id).state.value == "available"
+
+
+def test_a_hung_event_subscriber_does_not_hold_up_an_operators_action(
+    app: errands.App, jobs: dict[str, Any], release: threading.Event
+) -> None:
+    """An action's events reach the app's subscribers (user code) on the events lane: a
+    subscriber that hangs on ``errands.job.replayed`` gets the event and the replay
+    answers at once. Inline, it held the request, and a thread of the pool, for ever."""
+    job_id = dead_job(app, jobs)
+    reached = threading.Event()
+
+    def subscriber(event: Any) -> None:
+        if event.name == "errands.job.replayed":
+            reached.set()
+            release.wait(120)
+
+    app.events.subscribe(subscriber)
+    client = TestClient(
+        create_app(app, user=lambda request: "carol", authorize=lambda request: "all"),
+        base_url=BASE_URL,
+    )
+    page = client.get(f"/jobs/{job_id}")
+    answers: list[Any] = []
+    replay = threading.Thread(
+        target=lambda: answers.append(
+            client.post(
+                f"/jobs/{job_id}/replay",
+                data={"csrf_token": csrf_of(page.text)},
+                follow_redirects=False,
+            )
+        ),
+        daemon=True,
+    )
+    replay.start()
+    replay.join(GENEROUS)
+    assert answers and answers[0].status_code == 303, "the replay waited for the subscriber"
+    assert app.get_job(job_id).state.value == "available"
+    assert reached.wait(GENEROUS)  # it got the event all the same

@@ -22,10 +22,10 @@ from ..errors import ErrandsError
 from .security import CSRF_FIELD, UNNAMED, clean_user_name, csrf_matches, new_csrf_token
 from .web import (
     Viewer,
+    acting,
     action,
     as_id,
     base_context,
-    blocking,
     error_page,
     flash,
     form_text,
@@ -123,7 +123,7 @@ def _job_id(request: Request) -> int:
 
 async def _run(request: Request, fn: Any, *args: Any, **kwargs: Any) -> Any:
     try:
-        return await blocking(fn, *args, **kwargs)
+        return await acting(fn, *args, **kwargs)
     except ErrandsError as exc:
         flash(request, str(exc), "error")
         return None
@@ -391,7 +391,7 @@ async def _queue_toggle(request: Request, viewer: Viewer, verb: str) -> Response
             request, 501, "Not available", f"This version of errands cannot {verb} queues yet."
         )
     try:
-        await blocking(fn, queue, actor=viewer.actor)
+        await acting(fn, queue, actor=viewer.actor)
     except ErrandsError as exc:
         flash(request, str(exc), "error")
     else:

@@ -24,6 +24,7 @@ from .. import __version__
 from ..backends import redact_url
 from ..definition import check_text
 from ..errors import ErrandsError, SchemaOutdated
+from ..hooks import protect_current_thread
 from .security import (
     CSRF_FIELD,
     CSRF_HEADER,
@@ -90,6 +91,22 @@ def settings(request: Request) -> Settings:
 
 async def blocking(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await run_in_threadpool(fn, *args, **kwargs)
+
+
+async def acting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """An operator's action (cancel, replay, discard, edit, signal, pause): as
+    :func:`blocking`, on a thread marked the dashboard's own for the call, so the event
+    subscribers it reaches (the app's, user code) run on the events lane within
+    ``hook_timeout``: inline, a hung one held the request, and a pool thread, for ever."""
+    return await run_in_threadpool(_as_own_thread, fn, *args, **kwargs)
+
+
+def _as_own_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    protect_current_thread(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        protect_current_thread(False)  # the pool's thread serves pages next
 
 
 def csrf_token(request: Request) -> str:

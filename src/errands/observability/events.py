@@ -99,8 +99,9 @@ class EventBus:
     emitted from one of the worker's own threads (completer, claim loop, lease keeper,
     maintenance), it is delivered in order on the ``events`` lane of ``hooks`` (bounded,
     time-limited, see :mod:`errands.hooks`), so a slow or hung subscriber never holds up
-    an outcome write or a rescue; emitted from the caller's thread (an enqueue, an admin
-    action), it runs there, as before.
+    an outcome write or a rescue; the dashboard's actions run on a thread marked the same
+    way (a hung subscriber held a request); emitted from the caller's thread (an enqueue,
+    an admin action through the API or the CLI), it runs there, as before.
     """
 
     def __init__(self, hooks: HookRunner | None = None) -> None:
