@@ -391,3 +391,39 @@ def test_a_leader_whose_tick_outlasts_a_third_of_its_leadership_renews_it_betwee
     leader.run_once()
     assert leader.is_leader
     assert elections == ["w-slow", "w-slow"]  # at the start, and after the slow duty
+
+
+def test_a_leader_stopped_during_a_long_duty_does_not_take_the_leadership_again(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() waits for the duty in flight, then resigns. A duty that outlives the wait
+    ends the tick without renewing: it took the leadership stop() had just resigned, ran
+    the tick's other duties on a worker on its way out, and held it until it expired."""
+    app.lease = 3.0  # leadership: 3 s; renewed between duties after 1 s
+    leader = Maintenance(app, "w-leaving", tick=0.05)
+    entered, release = threading.Event(), threading.Event()
+    after_stop: list[str] = []
+    rescue, expire_waits = leader.rescue, leader.expire_waits
+
+    def long_rescue() -> int:
+        entered.set()
+        release.wait(30)
+        return rescue()
+
+    def recorded_expire_waits() -> int:
+        if leader._stop.is_set():
+            after_stop.append("signal timeouts")
+        return expire_waits()
+
+    monkeypatch.setattr(leader, "rescue", long_rescue)
+    monkeypatch.setattr(leader, "expire_waits", recorded_expire_waits)
+    leader.start()
+    assert entered.wait(30) and leader.is_leader
+    leader.stop(wait=0.2)  # the rescue is still running: stop() resigns and returns
+    time.sleep(1.2)  # past a third of the leadership: a renewal would be due
+    release.set()
+    leader._thread.join(30)
+    assert not leader._thread.is_alive()
+    assert after_stop == []  # the tick ended with its duty
+    assert not leader.is_leader
+    assert Maintenance(app, "w-next")._elect()  # free at once, not held until it expires

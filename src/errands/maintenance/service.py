@@ -30,6 +30,7 @@ row. User code (on_dead hooks, event subscribers) never runs on this thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -108,10 +109,12 @@ class Maintenance:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 10.0) -> None:
+        """Stop the thread (waiting ``wait`` seconds for a duty in flight) and resign. A
+        duty still running then ends the tick without taking the leadership again."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=wait)
         if self.is_leader:
             try:
                 self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
@@ -145,12 +148,20 @@ class Maintenance:
             self._duty(name, duty)
 
     def _elect(self) -> bool:
-        """Take or renew the leadership; True while this worker holds it."""
+        """Take or renew the leadership; True while this worker holds it. Never once
+        stopped: a duty that outlived stop()'s wait took the leadership stop() had just
+        resigned, and held it, duties and all, on a worker on its way out."""
+        if self._stop.is_set():
+            return False
         was_leader = self.is_leader
         self.is_leader = self.app.backend.leader_attempt_elect(
             LEADER_NAME, self.worker_id, self.ttl
         )
         self._renewed_at = time.monotonic()
+        if self.is_leader and self._stop.is_set():  # stop() came while this was asked
+            with contextlib.suppress(Exception):  # (else it expires after the ttl)
+                self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
+            self.is_leader = False
         if self.is_leader != was_leader:
             self.app.events.emit(
                 "errands.leader.elected" if self.is_leader else "errands.leader.resigned",
