@@ -248,8 +248,14 @@ def test_cron_list_shows_schedules_time_zones_next_runs_and_last_slots(
     app = cluster.app("cron_app")
     scheduler = Scheduler(app)
     now = datetime.fromtimestamp(app.backend.db_now(), tz=UTC)
-    scheduler.run_once(now=now - timedelta(minutes=10))
-    scheduler.run_once(now=now)  # the latest */5 slot is enqueued
+    # Ten minutes of slots, ending now; or ending before 03:00 UTC when that is in them:
+    # "nightly" (0 3 * * *) would have its first slot (a run at 03:0x failed so).
+    end = now
+    nightly = now.replace(hour=3, minute=0, second=0, microsecond=0)
+    if timedelta(0) <= now - nightly < timedelta(minutes=15):
+        end = nightly - timedelta(minutes=1)
+    scheduler.run_once(now=end - timedelta(minutes=10))
+    scheduler.run_once(now=end)  # the latest */5 slot is enqueued
     [last] = app.jobs(name="reconcile", limit=10)
 
     text = cluster.cli("cron", "list", "-A", "cron_app:app")
