@@ -502,3 +502,23 @@ def test_the_usage_of_keys_idle_past_the_retention_with_nothing_running_or_pendi
     assert set(figures) == {"running", "pending"}  # the idle keys are gone
     assert (figures["running"].attempts, figures["running"].running) == (1, 1)
     assert (figures["pending"].attempts, figures["pending"].due) == (1, 1)
+
+
+def test_a_rescue_refused_for_a_cancel_folds_nothing_and_its_replan_folds_once(
+    backend: Backend, harness: Harness
+) -> None:
+    """The rescue planned before an operator's cancel is refused (see test_rescue): its
+    fold, in the same fenced write, is refused with it, so the cancel's plan folds the
+    attempt once (SQLite folded it before the refused write, then again)."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "k")
+    (row,) = take(backend, queue, 1)
+    harness.expire_lease(backend, row.id)
+    backend.job_cancel(row.id, "ops")
+    stale = RescueParams(row.id, row.lease_token or "", "retryable", error(), 0.0)
+    assert backend.job_rescue_many([stale]) == [False]
+    assert [f.attempts for f in backend.fair_figures(queue)] == [0]
+    cancel = RescueParams(row.id, row.lease_token or "", "cancelled", error(), 0.0)
+    assert backend.job_rescue_many([cancel]) == [True]
+    (figures,) = backend.fair_figures(queue)
+    assert (figures.attempts, figures.running) == (1, 0)

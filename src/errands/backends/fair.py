@@ -205,13 +205,15 @@ def decayed(usage: float, age: float) -> float:
 
 
 def fold_params(
-    job_id: int, token: str | None, *, expired: bool = False, ran: float | None = None
+    job_id: int, token: str | None, *, rescue: str | None = None, ran: float | None = None
 ) -> dict[str, object]:
     """The parameters of ``fair_fold`` for the attempt a fenced write is about to end
-    (``expired``: the rescue's fence, which also requires the lease to have expired;
-    ``ran``: the seconds its handler ran, None to count from the claim to the write)."""
+    (``rescue``: the state a rescue plans, whose fence also requires the lease to have
+    expired and no cancel requested unless it plans 'cancelled'; ``ran``: the seconds its
+    handler ran, None to count from the claim to the write)."""
     return {
-        "id": job_id, "token": token, "expired": int(expired), "half_life": HALF_LIFE, "ran": ran
+        "id": job_id, "token": token, "expired": int(rescue is not None), "rescue": rescue,
+        "half_life": HALF_LIFE, "ran": ran,
     }  # fmt: skip
 
 

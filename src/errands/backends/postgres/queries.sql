@@ -721,7 +721,8 @@ WHERE at < now() - make_interval(secs => LEAST(period, %(older_than)s))
 -- and their totals go with their finished jobs. The two probes match the partial indexes
 -- errands_jobs_fair_running and errands_jobs_fair. At most limit rows a call.
 DELETE FROM {schema}.errands_fair_usage
-WHERE (queue, key) IN (
+WHERE at < now() - make_interval(secs => %(older_than)s)  -- again: a fold may land first
+  AND (queue, key) IN (
     SELECT u.queue, u.key FROM {schema}.errands_fair_usage AS u
     WHERE u.at < now() - make_interval(secs => %(older_than)s)
       AND NOT EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j

@@ -933,7 +933,7 @@ class SQLiteBackend(SQLiteAdmin):
         with self._write() as conn:
             for r in rescues:
                 if r.fair is not False:
-                    conn.execute(Q["fair_fold"], fold_params(r.id, r.lease_token, expired=True))
+                    conn.execute(Q["fair_fold"], fold_params(r.id, r.lease_token, rescue=r.state))
                 rows = conn.execute(
                     Q["job_rescue"],
                     {

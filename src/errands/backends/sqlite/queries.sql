@@ -534,7 +534,8 @@ WHERE at < (julianday('now') - 2440587.5) * 86400.0 - min(period, :older_than)
 -- name: fair_usage_prune
 -- See the PostgreSQL statement: keys idle past the retention, none running or pending.
 DELETE FROM errands_fair_usage
-WHERE (queue, key) IN (
+WHERE at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+  AND (queue, key) IN (
     SELECT u.queue, u.key FROM errands_fair_usage AS u
     WHERE u.at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
       AND NOT EXISTS (SELECT 1 FROM errands_jobs AS j
@@ -698,7 +699,8 @@ WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')
 -- The worker time of an attempt that ends, folded into its key's usage (decayed by the
 -- half-life :half_life), with its dwell (due -> start). Runs in the transaction of the
 -- fenced write that ends the attempt, just before it and under the same fence (:expired:
--- the rescue's extra condition), so it counts exactly the attempts that write ends. No
+-- the rescue's extra conditions, with the state it plans, :rescue), so it counts exactly
+-- the attempts that write ends (a rescue refused for a cancel folded, then folded again). No
 -- claim writes here: only the end of an attempt. It counts the seconds the handler ran
 -- (:ran, the worker's clock) when the write carries them, else those from claim to now.
 INSERT INTO errands_fair_usage (queue, key, usage, recent, at, last_started, seconds_total,
@@ -707,7 +709,7 @@ SELECT queue, fair_key, max(coalesce(:ran, t - attempted_at), 0), 1, t, attempte
        max(coalesce(:ran, t - attempted_at), 0), max(attempted_at - run_at, 0), 1
 FROM errands_jobs, (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t)
 WHERE id = :id AND lease_token = :token AND state = 'running' AND fair_key IS NOT NULL
-  AND (:expired = 0 OR lease_expires_at < t)
+  AND (:expired = 0 OR (lease_expires_at < t AND (cancel_requested = 0 OR :rescue = 'cancelled')))
 ON CONFLICT (queue, key) DO UPDATE
 SET usage = usage * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.usage,
     recent = recent * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.recent,
