@@ -98,6 +98,7 @@ SWEEP: dict[str, Swept] = {
     "worker_prune": Swept("running"),
     "rate_log_prune": Swept("running"),
     "job_prune": Swept("running"),
+    "fair_usage_prune": Swept("running"),
     "workflow_prune": Swept("running"),
     "dead_hooks_due": Swept("running"),  # the leader's look for hooks no worker ran
     # a graceful stop: each made once

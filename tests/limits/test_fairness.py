@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 import errands
 from errands.cli.main import cli
-from errands.maintenance import Maintenance
+from errands.maintenance import Maintenance, service
 
 from .helpers import LimitsCluster, run_cli, wait_until, workers
 
@@ -508,11 +508,12 @@ def test_a_fair_queue_with_a_rate_limited_job_type_claims_for_free_slots_only(
 
 
 def test_the_leaders_prune_forgets_the_usage_of_keys_idle_past_the_retention(
-    store: errands.App,
+    store: errands.App, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A queue fair by user keeps no row per user ever seen: once a key ended no attempt
-    for the retention and has nothing running or pending, the maintenance leader's prune
-    deletes its usage with the finished jobs. A key with a job pending keeps its row."""
+    for the retention (and at least ten half-lives, when its usage is nothing) and has
+    nothing running or pending, the maintenance leader's prune deletes its usage. A key
+    with a job pending keeps its row."""
     store.queue("byuser", fair=True)
 
     @store.job(name="byuser.work", queue="byuser", fair_key="user:{user}")
@@ -526,5 +527,9 @@ def test_the_leaders_prune_forgets_the_usage_of_keys_idle_past_the_retention(
     store.retention = 0.5
     time.sleep(1.0)
     assert Maintenance(store, "test").prune() == 3  # the finished jobs
+    figures = {f.key: f.attempts for f in store.backend.fair_figures("byuser")}
+    assert figures == {"user:u0": 1, "user:u1": 1, "user:u2": 1}  # not ten half-lives yet
+    monkeypatch.setattr(service, "FAIR_FORGET_MIN", 0.5)
+    Maintenance(store, "test").prune()
     figures = {f.key: f.attempts for f in store.backend.fair_figures("byuser")}
     assert figures == {"user:u0": 1}

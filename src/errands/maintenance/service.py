@@ -44,6 +44,7 @@ from ..backends.base import (
     RescueParams,
     WaitTimeoutParams,
 )
+from ..backends.fair import HALF_LIFE
 from ..backends.limits import RATE_PERIOD_MAX
 from ..errors import is_transient
 from ..hooks import protect_current_thread
@@ -67,6 +68,10 @@ WORKER_FORGET_AFTER = 300.0  # seconds without a heartbeat before a worker leave
 PROMOTE_BATCHES_PER_TICK = 10
 DEAD_HOOKS_EVERY = 5.0  # seconds between two looks for on_dead hooks no worker ran
 DEAD_HOOKS_BATCH = 100
+# A fair key's usage is kept at least this long after its last attempt ended: by then it
+# has decayed to 1/1024 (ten half-lives), so forgetting it changes no claim's order (with
+# retention=60 s, a key bursting every two minutes was forgotten between its bursts).
+FAIR_FORGET_MIN = 10 * HALF_LIFE
 
 
 def leader_ttl(tick: float, lease: float) -> float:
@@ -403,14 +408,24 @@ class Maintenance:
         }
         return WaitTimeoutParams(wait.id, wait.wait_signal, state, error, delay)
 
+    def _forget_idle_fair_keys(self) -> None:
+        """Fair keys idle as long as the retention (at least FAIR_FORGET_MIN) keep no usage
+        row: a key per user would otherwise grow the table, and every tenants view, by
+        every user ever seen. A few batches a round, as for the jobs."""
+        idle = max(self.app.retention, FAIR_FORGET_MIN)
+        for _ in range(PRUNE_BATCHES_PER_ROUND):
+            if (
+                self._stop.is_set()
+                or self.app.backend.fair_usage_prune(idle, PRUNE_BATCH) < PRUNE_BATCH
+            ):
+                break
+
     def prune(self) -> int:
         self.app.backend.worker_prune(WORKER_FORGET_AFTER)
         self.app.backend.rate_log_prune(RATE_PERIOD_MAX)
         if self.app.retention <= 0:
             return 0
-        # Fair keys idle as long as the retention keep no usage row (a key per user would
-        # otherwise grow the table, and every tenants view, by every user ever seen).
-        self.app.backend.fair_usage_prune(self.app.retention, PRUNE_BATCH)
+        self._forget_idle_fair_keys()
         total = 0
         # A bounded number of small batches per round: a big backlog (a retention just
         # shortened, a long outage) drains over several rounds instead of hammering the
