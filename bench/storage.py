@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,7 +93,7 @@ def waldump_stats(exe: str, wal: str, start: str, end: str) -> dict[str, Any]:
 
 
 RECORD = re.compile(r"^rmgr: .*?len \(rec/tot\):\s*(\d+)/\s*(\d+),")
-BLOCK_REL = re.compile(r"rel (\d+/\d+/\d+)")
+BLOCK_REL = re.compile(r"blkref #\d+: rel (\d+/\d+/\d+)")  # not a description's "rel"
 
 
 def waldump_by_relation(
@@ -112,23 +113,28 @@ def waldump_by_relation(
         text=True,
     )
     assert proc.stdout is not None
-    with proc:
-        for line in proc.stdout:
-            m = RECORD.match(line)
-            if not m:
-                continue
-            rels = {r for r in BLOCK_REL.findall(line) if r in specs}
-            if not rels:
-                continue
-            rec, tot = int(m.group(1)), int(m.group(2))
-            for rel in rels:
-                entry = found.setdefault(
-                    rel, {"records": 0, "record_bytes": 0, "fpi_bytes": 0, "bytes": 0}
-                )
-                entry["records"] += 1
-                entry["record_bytes"] += rec
-                entry["fpi_bytes"] += tot - rec
-                entry["bytes"] += tot
+    timer = threading.Timer(600.0, proc.kill)  # as the --stats pass's timeout
+    timer.start()
+    try:
+        with proc:
+            for line in proc.stdout:
+                m = RECORD.match(line)
+                if not m:
+                    continue
+                rels = {r for r in BLOCK_REL.findall(line) if r in specs}
+                if not rels:
+                    continue
+                rec, tot = int(m.group(1)), int(m.group(2))
+                for rel in rels:
+                    entry = found.setdefault(
+                        rel, {"records": 0, "record_bytes": 0, "fpi_bytes": 0, "bytes": 0}
+                    )
+                    entry["records"] += 1
+                    entry["record_bytes"] += rec
+                    entry["fpi_bytes"] += tot - rec
+                    entry["bytes"] += tot
+    finally:
+        timer.cancel()
     return found
 
 
