@@ -426,6 +426,45 @@ class Execution(JobsTestCase):
         self.assertEqual([s[2] for s in seen if s[1] == bad.id][-1], FAILED)
 
 
+class Rescues(JobsTestCase):
+    def test_a_rescue_that_ends_a_task_sends_task_finished_once(self) -> None:
+        """The maintenance leader rescues the jobs of a worker that died: one on its last
+        attempt dies (task_finished once: it was sent for the rescue and again for the
+        death), one whose cancel was asked while it ran is cancelled (it was never sent)."""
+        from errands.backends.base import ClaimParams, QueueClaim
+        from errands.contrib.django.app import get_app
+        from errands.maintenance import Maintenance
+
+        app = get_app()
+        finished: list[str] = []
+
+        def receive(sender: Any, task_result: Any, **kwargs: Any) -> None:
+            finished.append(task_result.id)
+
+        def claim_as_a_worker_that_dies(suspect: bool = False) -> int:
+            claim = ClaimParams([QueueClaim("default", 1)], 1, "w-dies", 0.05, suspects=suspect)
+            (row,) = app.backend.job_claim(claim)
+            time.sleep(0.2)  # its lease runs out
+            return row.id
+
+        dies = tasks.always_fails.enqueue("lost")  # two attempts
+        cancelled = tasks.add.enqueue(1, 2)
+        rescuer = Maintenance(app, "w-rescuer")
+        task_finished.connect(receive)
+        try:
+            self.assertEqual(claim_as_a_worker_that_dies(), int(dies.id))
+            self.assertEqual(rescuer.rescue(), 1)  # retryable, 0.75 s later
+            self.assertEqual(claim_as_a_worker_that_dies(), int(cancelled.id))
+            app.cancel(int(cancelled.id), actor="ops")  # running: asked to stop
+            time.sleep(1.0)
+            self.assertEqual(claim_as_a_worker_that_dies(suspect=True), int(dies.id))
+            self.assertEqual(rescuer.rescue(), 2)
+        finally:
+            task_finished.disconnect(receive)
+        self.assertEqual(sorted(finished), sorted([dies.id, cancelled.id]))
+        self.assertEqual(tasks.always_fails.get_result(dies.id).status, FAILED)
+
+
 class WithTheTestingTools(JobsTestCase):
     """errands.testing's Tester on the backend's App: drain() runs the due tasks one at a
     time through the real worker code, moving its clock over retry backoffs."""

@@ -608,7 +608,9 @@ class DjangoApp(App):
     def _bridge_signals(self, event: Any) -> None:
         name = event.name
         if name == "errands.job.rescued":
-            if event.get("state") != "dead":
+            # A rescue ends the task when it cancels it (it emits nothing else); its deaths
+            # come as errands.job.dead too (task_finished was sent twice for them).
+            if event.get("state") != "cancelled":
                 return
         elif name not in ("errands.job.completed", "errands.job.dead", "errands.job.cancelled"):
             return
