@@ -93,7 +93,7 @@ def _wait_timed_out(backend: Backend, harness: Harness) -> int:
     )
     assert backend.job_finish_many([suspension]) == [True]
     failure = {"attempt": 1, "type": "SignalTimeout", "message": "m"}
-    timeout = WaitTimeoutParams(row.id, "go", "dead", failure, 0)
+    timeout = WaitTimeoutParams(row.id, "go", "dead", failure, 0, get(backend, row.id).attempt)
     assert backend.job_expire_waits([timeout]) == [True]
     return row.id
 

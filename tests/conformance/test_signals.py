@@ -99,7 +99,7 @@ def test_expired_waits_end_as_failed_attempts_unless_signalled_first(
     assert set(expired) == {timed_out, signalled} and expired[timed_out].wait_signal == "approved"
     assert backend.job_signal(signalled, "approved", "1", "ops").resumed
     plans = [
-        WaitTimeoutParams(i, "approved", "retryable", TIMEOUT_ERROR, 5.0)
+        WaitTimeoutParams(i, "approved", "retryable", TIMEOUT_ERROR, 5.0, expired[i].attempt)
         for i in (timed_out, signalled)
     ]
     assert backend.job_expire_waits(plans) == [True, False]
@@ -107,6 +107,29 @@ def test_expired_waits_end_as_failed_attempts_unless_signalled_first(
     assert (ended.state, ended.attempt, ended.wait_signal) == ("retryable", 1, None)
     assert json.loads(ended.errors)[-1]["kind"] == "signal_timeout"
     assert get(backend, signalled).state == "available"
+
+
+def test_a_timeout_planned_for_an_earlier_wait_never_ends_a_later_one(backend: Backend) -> None:
+    """Two leaders (one paused) plan the end of the same expired wait, made for its
+    attempt. The first ends it (retryable); the job runs again and waits on the same
+    signal, expired too. The paused leader's plan, made for the earlier attempt, is
+    refused: written, it made a job on its last attempt retryable (a run past its
+    attempts). The next listing plans the new wait's end: dead."""
+    job_id = insert(backend, max_attempts=2)
+    row = claim_one(backend)
+    assert suspend(backend, job_id, row.lease_token or "", timeout=0.0)
+    (listed,) = backend.job_list_expired_waits(10)
+    plan = WaitTimeoutParams(job_id, "approved", "retryable", TIMEOUT_ERROR, 0.0, listed.attempt)
+    assert backend.job_expire_waits([plan]) == [True]  # the first leader's
+    row = claim_one(backend)  # its last attempt
+    assert suspend(backend, job_id, row.lease_token or "", timeout=0.0)
+    assert backend.job_expire_waits([plan]) == [False]  # the paused leader's, too late
+    (again,) = backend.job_list_expired_waits(10)
+    assert again.attempt == listed.attempt + 1
+    last = WaitTimeoutParams(job_id, "approved", "dead", TIMEOUT_ERROR, 0.0, again.attempt)
+    assert backend.job_expire_waits([last]) == [True]
+    ended = get(backend, job_id)
+    assert (ended.state, ended.attempt) == ("dead", 2)
 
 
 def test_a_waiting_job_can_be_cancelled(backend: Backend) -> None:

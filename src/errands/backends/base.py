@@ -171,14 +171,18 @@ class ExpiredWait:
 
 @dataclass(frozen=True)
 class WaitTimeoutParams:
-    """End an expired wait as a failed attempt; fenced by the job still waiting for
-    ``wait_signal`` past its ``wait_until`` (a signal that landed first wins)."""
+    """End an expired wait as a failed attempt; fenced by the job still in the wait it
+    was listed in: waiting for ``wait_signal`` past its ``wait_until`` at ``attempt`` (a
+    signal that landed first wins; the plan's state and error were made for that attempt:
+    a paused leader's plan for an earlier wait on the same signal, which another leader
+    ended meanwhile, would retry a job past its attempts)."""
 
     id: int
     wait_signal: str
     state: Literal["retryable", "dead"]
     error: dict[str, Any]
     delay: float
+    attempt: int  # the waiting row's (ExpiredWait.attempt)
 
 
 @dataclass(frozen=True)

@@ -457,6 +457,7 @@ class SharedAdmin:
                         "state": t.state,
                         "error": json.dumps(t.error),
                         "delay": t.delay,
+                        "attempt": t.attempt,
                     },
                 ).rowcount
                 == 1

@@ -406,7 +406,7 @@ class Maintenance:
             "worker": None,
             "kind": "signal_timeout",
         }
-        return WaitTimeoutParams(wait.id, wait.wait_signal, state, error, delay)
+        return WaitTimeoutParams(wait.id, wait.wait_signal, state, error, delay, wait.attempt)
 
     def _forget_idle_fair_keys(self) -> None:
         """Fair keys idle as long as the retention (at least FAIR_FORGET_MIN) keep no usage

@@ -874,6 +874,7 @@ SET state = %(state)s,
     finished_at = CASE WHEN %(state)s = 'dead' THEN now() END,
     wait_signal = NULL, wait_until = NULL
 WHERE id = %(id)s AND state = 'waiting' AND wait_signal = %(signal)s AND wait_until <= now()
+  AND attempt = %(attempt)s
 
 -- name: job_edit
 -- An operator's edit of a pending job, guarded by its state: a running or finished job is

@@ -677,6 +677,7 @@ SET state = :state,
     finished_at = CASE WHEN :state = 'dead' THEN (julianday('now') - 2440587.5) * 86400.0 END,
     wait_signal = NULL, wait_until = NULL
 WHERE id = :id AND state = 'waiting' AND wait_signal = :signal AND wait_until <= (julianday('now') - 2440587.5) * 86400.0
+  AND attempt = :attempt
 
 -- name: job_edit
 -- An operator's edit of a pending job, guarded by its state: a running or finished job is
