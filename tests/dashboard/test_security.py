@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from html import unescape
 from typing import Any
 
@@ -179,24 +180,44 @@ def test_wrong_logins_under_one_name_do_not_lock_out_others_behind_the_same_prox
     assert locked.status_code == 429 and int(locked.headers["retry-after"]) > 0
 
 
+@dataclass
+class FakeTime:
+    """The login page's throttling waits, recorded and passed on this clock instead of
+    slept (a throttle reads it once given ``clock``)."""
+
+    now: float = 1000.0
+    waits: list[float] = field(default_factory=list)
+    frozen: bool = False  # True: the waits pass no time (attempts sent at once)
+
+    def clock(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The login page's throttling waits, recorded instead of slept."""
-    recorded: list[float] = []
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    time = FakeTime()
 
     async def sleep(seconds: float) -> None:
-        recorded.append(seconds)
+        time.waits.append(seconds)
+        if not time.frozen:
+            time.now += seconds
 
     monkeypatch.setattr(actions, "sleep", sleep)
-    return recorded
+    return time
+
+
+@pytest.fixture
+def waits(fake_time: FakeTime) -> list[float]:
+    return fake_time.waits
 
 
 def test_many_failed_logins_slow_every_login_down_but_lock_nobody_out(
-    make_client: Callable[..., TestClient], waits: list[float]
+    make_client: Callable[..., TestClient], fake_time: FakeTime, waits: list[float]
 ) -> None:
     attacker = make_client(signed_in=False)
     throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
     throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
+    throttle.clock = fake_time.clock
     codes = failed_logins(attacker, [f"name{i}" for i in range(10)])  # a new name each time
     assert codes == [400] * 10  # no name is locked ...
     assert waits == [0.5, 1.0, 1.5, 1.5]  # ... but past 5 failures every attempt waits
@@ -205,16 +226,37 @@ def test_many_failed_logins_slow_every_login_down_but_lock_nobody_out(
     assert waits == [1.5]  # ... after the same bounded wait
 
 
-def test_the_failed_login_table_forgets_old_entries_and_stays_bounded(
-    make_client: Callable[..., TestClient], waits: list[float]
+def test_login_attempts_sent_at_once_past_the_free_failures_are_checked_in_turn(
+    make_client: Callable[..., TestClient], fake_time: FakeTime
 ) -> None:
-    now = [1000.0]
+    """Past the free failures the secrets are checked one at a time, a delay apart: a
+    guesser sending attempts at once, a new name each, waits in line, and an attempt
+    whose turn is further away than the longest delay is refused unchecked (429), the
+    right secret too. A wait alone gave each of them a check per wait."""
+    fake_time.frozen = True  # nothing the attempts wait passes: all are sent at once
+    attacker = make_client(signed_in=False)
+    throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
+    throttle.clock = fake_time.clock
+    codes = failed_logins(attacker, [f"name{i}" for i in range(10)])
+    assert codes == [400] * 8 + [429] * 2  # 6 free, then checks at +0.5 and +1.0 s; then +2.0
+    right = attacker.post(
+        "/login", data={"csrf_token": csrf_of(attacker.get("/login").text), "secret": TOKEN}
+    )
+    assert right.status_code == 429 and int(right.headers["retry-after"]) > 0
+    fake_time.now += 2.0  # the line has moved on: a turn within the longest delay
+    assert login(same_address(attacker), user="carol").get("/").status_code == 200
+
+
+def test_the_failed_login_table_forgets_old_entries_and_stays_bounded(
+    make_client: Callable[..., TestClient], fake_time: FakeTime, waits: list[float]
+) -> None:
     client = make_client(signed_in=False)
     throttle = client.app.state.errands.auth.throttle  # type: ignore[attr-defined]
-    throttle.clock = lambda: now[0]
+    throttle.clock = fake_time.clock
     failed_logins(client, [f"name{i}" for i in range(20)])
     assert len(throttle) == 20
-    now[0] += throttle.window + 1
+    fake_time.now += throttle.window + 1
     failed_logins(client, ["late"])
     assert len(throttle) == 1 and throttle.delay() == 0
     throttle.max_keys = 5

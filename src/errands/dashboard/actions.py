@@ -86,8 +86,11 @@ async def login_submit(request: Request) -> Response:
     if wait:
         return _throttled(request, next_path, wait)
     # Every attempt waits, the right one too: were only failures slowed, a guesser could
-    # stop waiting early and take the silence for "wrong".
-    delay = throttle.delay()
+    # stop waiting early and take the silence for "wrong". Past the free failures the
+    # checks take turns (LoginThrottle.admit): attempts sent at once wait in line.
+    delay = throttle.admit()
+    if delay is None:
+        return _throttled(request, next_path, throttle.max_delay)
     if delay:
         await sleep(delay)
     kind = conf.auth.check_secret(str(form.get("secret") or ""))

@@ -1,13 +1,17 @@
 """Failed logins at the dashboard's login page, remembered briefly and in bounded memory.
 
-Two rules, so that one attacker can neither guess fast nor lock everyone out (behind a
-reverse proxy every user shares the proxy's address):
+Two rules (behind a reverse proxy every user shares the proxy's address):
 
 * per (client address, typed name): ``max_failures`` failures within ``window`` seconds
-  lock that pair until the oldest of them leaves the window;
+  lock that pair until the oldest of them leaves the window (a user who mistyped; the
+  typed name is a label that grants nothing, so a guesser changes it: the next rule);
 * globally: past ``free_failures`` failures within the window, whatever their address or
-  name, every login attempt waits ``step`` seconds per extra failure, at most ``max_delay``:
-  a slow-down for everyone, never a lock.
+  name, every login attempt waits ``step`` seconds per extra failure, at most
+  ``max_delay``, and the secrets are checked one at a time that far apart: each attempt
+  reserves the next check's moment (:meth:`admit`). A wait alone let a guesser who sent
+  100 attempts at once, a new name each, have 100 checks per wait; now the checks are at
+  most one per delay however many wait, and an attempt whose turn is more than
+  ``max_delay`` away is answered 429 at once, unchecked.
 
 Entries older than the window are dropped as new failures arrive, and at most
 ``max_keys`` pairs are kept (the least recently failed go first).
@@ -35,6 +39,7 @@ class LoginThrottle:
     clock: Callable[[], float] = time.monotonic
     _by_key: OrderedDict[LoginKey, deque[float]] = field(default_factory=OrderedDict)
     _recent: deque[float] = field(default_factory=deque)
+    _next_check: float = 0.0  # the earliest moment the next secret may be checked
 
     def __len__(self) -> int:
         """How many (address, name) pairs are remembered."""
@@ -53,6 +58,21 @@ class LoginThrottle:
         self._prune()
         extra = len(self._recent) - self.free_failures
         return min(extra * self.step, self.max_delay) if extra > 0 else 0.0
+
+    def admit(self) -> float | None:
+        """Seconds this attempt waits before its secret is checked (its reserved turn),
+        or None: its turn is more than ``max_delay`` away, refuse it now. Under the free
+        failures, no wait; past them, at least :meth:`delay`, and the turns are that far
+        apart whichever attempts, at once or not, reserve them."""
+        spacing = self.delay()
+        if not spacing:
+            return 0.0
+        now = self.clock()
+        check_at = max(now + spacing, self._next_check)  # every attempt waits, a right one too
+        if check_at - now > self.max_delay:
+            return None
+        self._next_check = check_at + spacing
+        return check_at - now
 
     def failed(self, key: LoginKey) -> None:
         now = self._prune()
