@@ -178,6 +178,49 @@ def test_an_sqlalchemy_async_connection_commits_or_rolls_back_the_job(
     assert count(backend) == (2 if outcome == "commit" else 0)
 
 
+@pytest.mark.parametrize("outcome", ["commit", "close"])
+def test_an_sqlalchemy_async_connection_used_commit_as_you_go_carries_the_job(
+    backend: Backend, harness: Harness, outcome: str
+) -> None:
+    """The enqueue is the first statement on an AsyncConnection that began nothing (2.0's
+    commit-as-you-go): it begins the transaction as a statement of the caller's would, so
+    ``commit()`` stores the job and closing without it does not. SQLAlchemy's commit() had
+    no transaction to commit, the pool rolled the job back, and the caller held the
+    handle of a job that never was."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def scenario() -> None:
+        engine = create_async_engine(harness.sqlalchemy_async_url(backend))
+        try:
+            async with engine.connect() as conn:
+                await backend.ajob_insert_many([request()], conn=conn)
+                if outcome == "commit":
+                    await conn.commit()
+        finally:
+            await engine.dispose()
+
+    run(scenario())
+    assert count(backend) == (1 if outcome == "commit" else 0)
+
+
+def test_an_async_connection_given_to_a_sync_enqueue_is_refused_naming_aenqueue(
+    backend: Backend, harness: Harness
+) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def scenario() -> None:
+        engine = create_async_engine(harness.sqlalchemy_async_url(backend))
+        try:
+            async with engine.connect() as conn:
+                with pytest.raises(errands.ConfigurationError, match="aenqueue"):
+                    backend.job_insert_many([request()], conn=conn)
+        finally:
+            await engine.dispose()
+
+    run(scenario())
+    assert count(backend) == 0
+
+
 def test_a_cancelled_aenqueue_in_the_callers_transaction_leaves_nothing_after_rollback(
     backend: Backend, harness: Harness, tmp_path: Path
 ) -> None:

@@ -113,6 +113,21 @@ def test_enqueue_in_a_sqlalchemy_connection_commits_and_rolls_back_with_it(
     assert _orders(shop) == [2]
 
 
+def test_enqueue_first_on_a_commit_as_you_go_connection_commits_with_it(
+    shop: PgCluster, engine: Engine
+) -> None:
+    """conn=connection as the connection's first statement, SQLAlchemy 2.0 style (no
+    begin()): the enqueue begins its transaction, as a statement would, so commit()
+    stores the job and closing without it does not (commit() had nothing to commit and
+    the pool rolled the job back: a handle to a job that never was)."""
+    with engine.connect() as connection:
+        handle = pgacc_basic.touch.enqueue(n=1, conn=connection)
+        connection.commit()
+    with engine.connect() as connection:
+        pgacc_basic.touch.enqueue(n=2, conn=connection)
+    assert _jobs(shop) == [(handle.id, 1)]
+
+
 def test_enqueue_on_a_connection_to_another_database_is_refused(shop: PgCluster) -> None:
     """A connection to another database (same server) cannot carry the job: the app
     stores jobs elsewhere, so committing there would lose it. ConfigurationError, and

@@ -790,15 +790,3 @@ def insert_params(req: EnqueueRequest) -> dict[str, Any]:
         "rate_period": req.rate_period,
         "fair_key": req.fair_key,
     }
-
-
-def unwrap_connection(conn: Any) -> Any:
-    """The DB-API connection behind a SQLAlchemy Session or Connection, else ``conn``
-    (so ``enqueue(conn=session)`` works on every backend)."""
-    if type(conn).__module__.startswith("sqlalchemy"):
-        if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # a Session
-            conn = conn.connection()
-        driver = getattr(getattr(conn, "connection", None), "driver_connection", None)
-        if driver is not None:
-            return driver
-    return conn

@@ -133,13 +133,42 @@ def is_async_connection(conn: Any) -> bool:
     )
 
 
+def unwrap_connection(conn: Any) -> Any:
+    """The DB-API connection behind a SQLAlchemy ``Session`` or ``Connection``, in the
+    transaction it has open or begins now, as a statement of its own would; else ``conn``.
+    SQLAlchemy's ``commit()`` commits only a transaction it began: a job written first on
+    a connection used commit-as-you-go was rolled back when the connection went back to
+    its pool, and the caller held the handle of a job that never was. An async connection
+    is refused, naming the call that takes it."""
+    if is_async_connection(conn):
+        from ..errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"conn= is an async connection ({type(conn).__name__}): a synchronous enqueue "
+            "cannot use it; await job.aenqueue(..., conn=...) (or app.aenqueue_many) instead"
+        )
+    if type(conn).__module__.startswith("sqlalchemy"):
+        if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # a Session
+            conn = conn.connection()  # (its transaction: begun by this if not yet)
+        elif hasattr(conn, "in_transaction") and not conn.in_transaction():
+            conn.begin()
+        dbapi = getattr(conn, "connection", None)  # Connection -> PoolProxiedConnection
+        driver = getattr(dbapi, "driver_connection", None)
+        if driver is not None:
+            return driver
+    return conn
+
+
 async def async_driver_connection(conn: Any) -> Any:
     """The async driver connection behind an SQLAlchemy ``AsyncSession`` or
-    ``AsyncConnection`` (in the transaction it has open, or opens now), else ``conn``."""
+    ``AsyncConnection`` (in the transaction it has open, or begins now: see
+    :func:`unwrap_connection`), else ``conn``."""
     if not type(conn).__module__.startswith("sqlalchemy.ext.asyncio"):
         return conn
     if hasattr(conn, "get_bind"):  # an AsyncSession: its connection, in its transaction
         conn = await conn.connection()
+    elif not conn.in_transaction():
+        await conn.begin()
     raw = await conn.get_raw_connection()
     return raw.driver_connection
 

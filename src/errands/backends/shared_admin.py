@@ -38,10 +38,9 @@ from .base import (
     SignalResult,
     WaitTimeoutParams,
     WorkerInfo,
-    unwrap_connection,
 )
 from .fair import HALF_LIFE, fold_params
-from .program import Program, Stmt, run
+from .program import Program, Stmt, run, unwrap_connection
 
 if TYPE_CHECKING:
     from .workflow_store import (

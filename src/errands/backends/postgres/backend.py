@@ -62,6 +62,7 @@ from ..program import (
     run,
     savepoint,
     tuple_cursor,
+    unwrap_connection,
 )
 from ..shared_admin import suspend_program
 from ..sqlfile import load_migrations, load_queries
@@ -1384,19 +1385,6 @@ def idle_limit(lease: float) -> str:
     held so stopped every worker's claims, rescued jobs among them, for the 5 s of a cut
     (the full-size chaos soak)."""
     return str(int(min(max(lease / 2, IDLE_MIN), IDLE_MAX) * 1000))
-
-
-def unwrap_connection(conn: Any) -> Any:
-    """The DB-API connection behind a SQLAlchemy Session or Connection, else ``conn``."""
-    module = type(conn).__module__
-    if module.startswith("sqlalchemy"):
-        if hasattr(conn, "get_bind") and hasattr(conn, "connection"):  # a Session
-            conn = conn.connection()
-        dbapi = getattr(conn, "connection", None)  # Connection -> PoolProxiedConnection
-        driver = getattr(dbapi, "driver_connection", None)
-        if driver is not None:
-            return driver
-    return conn
 
 
 # What a limited claim sends as one message where the server keeps prepared statements

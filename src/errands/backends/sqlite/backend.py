@@ -49,7 +49,6 @@ from ..base import (
     QueueSettings,
     RescueParams,
     insert_params,
-    unwrap_connection,
     writes_several,
 )
 from ..fair import Weigher, fold_params
@@ -63,6 +62,7 @@ from ..program import (
     run,
     savepoint,
     tuple_cursor,
+    unwrap_connection,
 )
 from ..shared_admin import suspend_program
 from ..workflow_store import (
