@@ -4,7 +4,9 @@ race the rescued run (two runs of one job at once; a per-key limit broken)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import time
 import uuid
@@ -117,3 +119,24 @@ def test_a_worker_stopped_while_its_spare_child_starts_exits_cleanly_and_the_chi
     assert "errands.worker.stopped" in [r.get("event") for r in records], records
     assert [r["level"] for r in records if "no database" in str(r["message"])] == ["warning"]
     assert not [r for r in records if "is gone" in str(r["message"])], records
+
+
+def test_a_child_that_dies_while_a_process_it_forked_lives_on_fails_its_job_at_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A handler in a worker child forks (a multiprocessing pool, a shell) and the child
+    dies (a segfault, the OOM killer): its exit is noticed, not only its pipe's end,
+    which the forked process holds open. The job stayed running, heart-beaten, until
+    that process ended (here a minute; a daemon: for ever)."""
+    app = cluster.app()
+    cluster.start_worker("--pool", "process", "-c", "1", label="worker")
+    pidfile = tmp_path / "grandchild.pid"
+    handle = acc_basic.fork_then_die.enqueue(pidfile=str(pidfile), seconds=60.0)
+    try:
+        wait_until(lambda: app.get_job(handle.id).state.value == "dead", 30, "the job to fail")
+        [error] = app.get_job(handle.id).errors
+        assert error.type == "WorkerProcessDied" and "exit code 7" in error.message
+    finally:
+        if pidfile.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)

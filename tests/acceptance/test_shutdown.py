@@ -17,7 +17,7 @@ from pathlib import Path
 import acc_basic
 import pytest
 
-from .harness import Cluster, wait_until
+from .harness import Cluster, descendants, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -277,3 +277,23 @@ app = errands.App("sqlite:///{tmp_path / "slow.db"}")
         finally:
             proc.kill()
     assert proc.returncode == 0, err
+
+
+def test_a_sigterm_to_every_process_of_a_process_pool_worker_lets_its_job_finish(
+    cluster: Cluster,
+) -> None:
+    """systemd's default KillMode=control-group (and `kill -- -PGID`) sends SIGTERM to
+    the worker's child processes too. A child is the worker's to stop: the running job
+    finishes within the grace and the worker exits 0. The child died at once, and the
+    job was recorded as a crash (WorkerProcessDied), charged toward its poison limit."""
+    app = cluster.app()
+    worker = cluster.start_worker("--pool", "process", "-c", "1", "--grace", "30")
+    handle = acc_basic.sleepy.enqueue(seconds=2.0)
+    wait_until(lambda: cluster.effects(handle.id), 60, "the job running in a child")
+    family = [worker.pid, *descendants(worker.pid)]
+    assert len(family) > 1, "no child process"
+    for pid in family:
+        os.kill(pid, signal.SIGTERM)
+    assert worker.wait_exit(60) == 0
+    job = app.get_job(handle.id)
+    assert (job.state.value, job.attempt, job.errors) == ("completed", 1, [])

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import threading
 import time
@@ -119,7 +120,13 @@ def start_context(app_path: str, url: str = "") -> Any:
     # once the server runs: both of a worker's runners load the same app.
     backend = BACKEND_MODULES.get(url_scheme(url)) if url else None
     ctx.set_forkserver_preload(
-        ["__main__", *PRELOAD, *([backend] if backend else []), app_path.partition(":")[0]]
+        [
+            "errands.worker.forkserver_signals",  # first: the server ignores SIGTERM at once
+            "__main__",
+            *PRELOAD,
+            *([backend] if backend else []),
+            app_path.partition(":")[0],
+        ]
     )
     return ctx
 
@@ -335,11 +342,11 @@ class ProcessRunner:
     ) -> None:
         try:
             slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
-            message = slot.conn.recv()
+            message = _receive(slot)
             while message[0] == PROGRESS:
                 if on_progress is not None:
                     on_progress((message[1], message[2]))
-                message = slot.conn.recv()
+                message = _receive(slot)
             ok, payload = message
         except (EOFError, OSError):
             slot.process.join(timeout=2)
@@ -413,6 +420,18 @@ class ProcessRunner:
 
 class _ChildRefused(RuntimeError):
     """A child started but could not load the app: it said why."""
+
+
+def _receive(slot: _Slot) -> Any:
+    """The child's next message; EOFError once the child has exited with none left. Its
+    exit is watched, not only the pipe's end: a process the handler forked (a
+    multiprocessing pool, os.fork, a shell) holds the pipe open after the child died
+    (a segfault, the OOM killer, a kill for a timeout), and the job stayed running,
+    heart-beaten, for ever, or a timed-out job's slot was never given back."""
+    ready = multiprocessing.connection.wait([slot.conn, slot.process.sentinel])
+    if slot.conn in ready or slot.conn.poll(0):  # its last words before it left, too
+        return slot.conn.recv()
+    raise EOFError("the worker child process exited")
 
 
 def _stop(*slots: _Slot) -> None:
@@ -490,8 +509,12 @@ def child_main(
     handler's log lines, and the line it leaves with), so a JSON log stays JSON."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when children stop
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The worker decides when its children stop (a message, or SIGKILL): a SIGTERM or
+    # SIGHUP sent to the whole group (systemd's default KillMode=control-group, `kill --
+    # -PGID`, a terminal closing) killed the child at once, the running job recorded as a
+    # crash and charged toward its poison limit, when the worker's grace should let it end.
+    for ignored in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(ignored, signal.SIG_IGN)
     if logs is not None:
         from ..observability.logcontext import configure_logging
 

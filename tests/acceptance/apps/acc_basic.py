@@ -81,3 +81,17 @@ def reporting(ctx: errands.Context, until: str) -> int:
     while not os.path.exists(until) and time.monotonic() < deadline:
         time.sleep(0.02)
     return os.getpid()
+
+
+@app.job(name="fork_then_die", retries=0)
+def fork_then_die(ctx: errands.Context, pidfile: str, seconds: float) -> None:
+    """Fork a process that sleeps ``seconds`` holding every descriptor of this one (the
+    worker child's pipe too, as a multiprocessing pool or a shell would), then die."""
+    record(ctx)
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    with open(pidfile, "w") as out:
+        out.write(str(pid))
+    os._exit(7)
