@@ -24,7 +24,7 @@ def _running(pid: int) -> bool:
     """Whether ``pid`` is a live process (an exited one not yet reaped is not)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (gone between the open and the read)
         return False
     return "\nState:\tZ" not in status
 
@@ -140,3 +140,24 @@ def test_a_child_that_dies_while_a_process_it_forked_lives_on_fails_its_job_at_o
         if pidfile.exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_a_child_that_died_while_idle_is_replaced_before_it_is_handed_a_job(
+    cluster: Cluster,
+) -> None:
+    """A worker child killed while it waits for work (the OOM killer picks the idle one
+    holding the most memory): the next job starts in a fresh child and completes on its
+    first attempt. Handed the dead child, it failed as a crash (WorkerProcessDied),
+    charged toward its poison limit."""
+    app = cluster.app()
+    cluster.start_worker("--pool", "process", "-c", "1", label="worker")
+    first = acc_basic.sleepy.enqueue(seconds=0.0)
+    assert first.result(timeout=60)["attempt"] == 1
+    child = first.result(timeout=1)["pid"]
+    os.kill(child, signal.SIGKILL)
+    wait_until(lambda: not _running(child), 30, f"the idle child {child} to die")
+    time.sleep(1.0)  # idle a while after its death (its exit status reaches the worker)
+    second = acc_basic.sleepy.enqueue(seconds=0.0)
+    done = second.result(timeout=60)
+    assert done["attempt"] == 1 and done["pid"] != child
+    assert app.get_job(second.id).errors == []

@@ -231,6 +231,7 @@ class ProcessRunner:
         future: Future[Any] = Future()
         while True:
             self._grow()
+            dead = None
             with self._cond:
                 # Wait for a free child, or for room to start one: a child that died is
                 # replaced by its _run thread, and when that replacement cannot start its
@@ -243,8 +244,22 @@ class ProcessRunner:
                     return future
                 if self._free:
                     slot = self._free.pop()
-                    slot.busy = future
-                    break
+                    if _idle_alive(slot):
+                        slot.busy = future
+                        break
+                    # Died while idle (the OOM killer, a stray signal): handed out, it
+                    # failed this job as a crash, charged toward its poison limit. Its
+                    # place is given up; the next round starts a fresh child.
+                    self._slots.remove(slot)
+                    dead = slot
+            if dead is not None:
+                log.warning(
+                    "a worker child process (pid %s) died while idle (exit code %s); "
+                    "starting another",
+                    dead.process.pid,
+                    dead.process.exitcode,
+                )
+                _stop(dead)
         self._top_up()
         threading.Thread(
             target=self._run, args=(slot, row, future, on_progress), daemon=True
@@ -420,6 +435,16 @@ class ProcessRunner:
 
 class _ChildRefused(RuntimeError):
     """A child started but could not load the app: it said why."""
+
+
+def _idle_alive(slot: _Slot) -> bool:
+    """Whether an idle child still lives: its process has not exited, and its pipe holds
+    nothing (an idle child sends nothing: what is there is the end of a pipe whose child
+    died, before its exit status reached the forkserver's sentinel)."""
+    try:
+        return slot.process.is_alive() and not slot.conn.poll(0)
+    except (OSError, ValueError):
+        return False
 
 
 def _receive(slot: _Slot) -> Any:
