@@ -114,6 +114,40 @@ def test_an_async_batch_on_an_autocommit_connection_is_stored_whole_or_not_at_al
     assert _jobs(app) == 0
 
 
+def test_an_async_batch_cancelled_while_it_waits_for_the_write_lock_leaves_no_transaction(
+    app: errands.App,
+) -> None:
+    """The task awaiting a batch on an autocommit aiosqlite connection is cancelled while
+    its BEGIN waits for another writer's lock (a request timing out). The BEGIN still
+    runs on aiosqlite's thread once the lock is free: it is rolled back, so the caller's
+    connection holds no transaction (it held the write lock for good: its later writes
+    never committed, and workers got DatabaseBusy)."""
+
+    @app.job(name="atomic.cancelled")
+    def job(n: int) -> None: ...
+
+    async def scenario() -> tuple[bool, int]:
+        writer = sqlite3.connect(_path(app), isolation_level=None)
+        writer.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+        async with aiosqlite.connect(_path(app), isolation_level=None, timeout=5) as conn:
+            task = asyncio.ensure_future(
+                app.aenqueue_many([job.bind(n=1), job.bind(n=2)], conn=conn)
+            )
+            await asyncio.sleep(0.3)  # its BEGIN waits for the lock
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            writer.execute("ROLLBACK")  # the lock is free: the queued BEGIN runs now
+            writer.close()
+            await conn.execute("SELECT 1")  # after whatever aiosqlite had queued
+            left_open = conn.in_transaction
+        return left_open, _jobs(app)
+
+    left_open, stored = asyncio.run(scenario())
+    assert not left_open
+    assert stored == 0
+
+
 def test_a_callers_connection_with_its_own_row_factory_enqueues_once(app: errands.App) -> None:
     """A caller's sqlite3 connection whose rows are dicts: the enqueue reads its own
     columns by position all the same (it was stored, then failed reading its id)."""

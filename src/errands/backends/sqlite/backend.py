@@ -1084,11 +1084,15 @@ async def _aatomic(conn: Any, *, several: bool) -> AsyncIterator[None]:
         yield
         return
     if _on_its_own(conn):
-        await conn.execute("BEGIN IMMEDIATE")
         try:
+            # Inside: a task cancelled while its BEGIN waits for the write lock leaves
+            # the BEGIN to run on aiosqlite's thread all the same, and the caller's
+            # autocommit connection held the lock for good. The ROLLBACK queues behind it.
+            await conn.execute("BEGIN IMMEDIATE")
             yield
         except BaseException:
-            await conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):  # (no BEGIN ran: nothing to undo)
+                await conn.execute("ROLLBACK")
             raise
         await conn.execute("COMMIT")
         return
