@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .errors import JobCancelled, JobFailed, JobNotFound
@@ -66,7 +67,9 @@ class JobHandle:
         """
         return await self.app.acancel(self.id, actor=actor)
 
-    def result(self, timeout: float | None = None, poll: float = POLL_INTERVAL_DEFAULT) -> Any:
+    def result(
+        self, timeout: float | timedelta | None = None, poll: float = POLL_INTERVAL_DEFAULT
+    ) -> Any:
         """Wait for the job to finish and return its result.
 
         Raises JobFailed when it is dead (in the DLQ), JobCancelled when cancelled or
@@ -87,7 +90,7 @@ class JobHandle:
                 waiter.wait(pacer.next(self._still()))
 
     async def aresult(
-        self, timeout: float | None = None, poll: float = POLL_INTERVAL_DEFAULT
+        self, timeout: float | timedelta | None = None, poll: float = POLL_INTERVAL_DEFAULT
     ) -> Any:
         """:meth:`result` for async code: the same outcomes and errors, woken the same
         way, and the event loop never blocks. Cancelling the awaiting task stops only the

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError, ResultTimeout
@@ -239,16 +241,40 @@ class ResultHub:
             return len(self._by_job)
 
 
+def _wait_seconds(value: float | timedelta | None, option: str) -> float | None:
+    """A wait's ``timeout`` or ``poll``: a number of seconds or a timedelta (a timeout
+    of 0 or less is up at once; None: no limit). NaN waited for ever, a timedelta was a
+    TypeError from deep inside, and a poll of 0 spun on the store."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ConfigurationError(
+            f"{option}={value!r}: give a number of seconds or a datetime.timedelta, as in "
+            f"{option}=30 (timeout=None waits without a limit)"
+        )
+    return float(value)
+
+
 class Pacer:
     """How long a waiter waits before reading again: until woken, or SAFETY_RECHECK, while
     the store pushes; exponential backoff up to ``poll`` while it must poll."""
 
-    def __init__(self, hub: ResultHub, poll: float, timeout: float | None) -> None:
+    def __init__(
+        self, hub: ResultHub, poll: float | timedelta, timeout: float | timedelta | None
+    ) -> None:
         self.hub = hub
-        self.poll = poll
-        self.delay = min(poll, 0.01)
-        self.timeout = timeout
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        every = _wait_seconds(poll, "poll")
+        if every is None or not 0 < every < math.inf:
+            raise ConfigurationError(
+                f"poll={poll!r}: give the longest pause between reads, in seconds (> 0), "
+                "as in poll=0.05"
+            )
+        self.poll: float = every
+        self.delay = min(every, 0.01)
+        self.timeout = _wait_seconds(timeout, "timeout")
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
     def ready_wait(self) -> float:
         """How long the first wait for the watcher may take: READY_WAIT, within the
@@ -275,7 +301,9 @@ POLL_DEFAULT = 0.05
 
 
 def as_completed(
-    handles: Iterable[JobHandle], timeout: float | None = None, poll: float = POLL_DEFAULT
+    handles: Iterable[JobHandle],
+    timeout: float | timedelta | None = None,
+    poll: float = POLL_DEFAULT,
 ) -> Iterator[JobHandle]:
     """Yield each handle as its job ends (completed, dead, cancelled or discarded), in the
     order they end; ``ResultTimeout`` when ``timeout`` seconds pass first. Call
@@ -330,7 +358,9 @@ def as_completed(
 
 
 def wait_all(
-    handles: Iterable[JobHandle], timeout: float | None = None, poll: float = POLL_DEFAULT
+    handles: Iterable[JobHandle],
+    timeout: float | timedelta | None = None,
+    poll: float = POLL_DEFAULT,
 ) -> list[JobHandle]:
     """Wait until every job has ended; return the handles in the order given.
     ``ResultTimeout`` when ``timeout`` seconds pass first.

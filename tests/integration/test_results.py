@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -260,3 +262,31 @@ def test_as_completed_rereads_every_job_at_the_safety_recheck_while_other_ends_w
     with running_worker(app, concurrency=1, prefetch=0):
         order = [h.id for h in errands.as_completed([lost, *others], timeout=60)]
     assert order.index(lost.id) < 20, order.index(lost.id)  # not after all 30 others
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"timeout": float("nan")}, "timeout=nan: give a number of seconds"),
+        ({"timeout": "5s"}, "timeout='5s': give a number of seconds"),
+        ({"poll": 0}, "poll=0: give the longest pause between reads"),
+        ({"poll": -1.0}, "poll=-1.0: give the longest pause between reads"),
+    ],
+)
+def test_a_wait_refuses_a_timeout_or_poll_it_cannot_keep_naming_the_fix(
+    app: errands.App, options: dict[str, Any], says: str
+) -> None:
+    """timeout=nan waited for ever, a poll of 0 spun on the store: a clear error instead.
+    A timedelta is a timeout too, as everywhere else in the API."""
+
+    @app.job(name="results.waited")
+    def waited() -> int:
+        return 1
+
+    handle = waited.enqueue()
+    with pytest.raises(errands.ConfigurationError, match=re.escape(says)):
+        handle.result(**options)
+    with pytest.raises(errands.ConfigurationError, match=re.escape(says)):
+        asyncio.run(handle.aresult(**options))
+    with pytest.raises(errands.ResultTimeout):
+        handle.result(timeout=timedelta(milliseconds=50))
