@@ -15,7 +15,7 @@ from pathlib import Path
 import acc_basic
 import pytest
 
-from .harness import Cluster, wait_until
+from .harness import Cluster, descendants, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -161,3 +161,35 @@ def test_a_child_that_died_while_idle_is_replaced_before_it_is_handed_a_job(
     done = second.result(timeout=60)
     assert done["attempt"] == 1 and done["pid"] != child
     assert app.get_job(second.id).errors == []
+
+
+def test_a_program_a_process_pool_handler_starts_stops_on_sigterm(cluster: Cluster) -> None:
+    """The worker's children outlive SIGTERM with a handler, not by ignoring it: an
+    ignored signal stays ignored across exec, and the program a handler started, told
+    to stop with `terminate()`, ran on (the handler's wait hung)."""
+    cluster.app()
+    cluster.start_worker("--pool", "process", "-c", "1", label="worker")
+    handle = acc_basic.terminates_its_subprocess.enqueue()
+    assert handle.result(timeout=60) == -signal.SIGTERM
+
+
+def test_a_forkserver_that_dies_leaves_the_jobs_its_children_run_to_them(
+    cluster: Cluster,
+) -> None:
+    """The children's exit is watched through their sentinel, which for a forkserver
+    child is the server's socket: a server killed (the OOM killer) closes it while the
+    children run on. The running job completes on its first attempt; it was failed as a
+    crash (exit code 255) and run again beside the first run."""
+    app = cluster.app()
+    worker = cluster.start_worker("--pool", "process", "-c", "1", label="worker")
+    handle = acc_basic.sleepy.enqueue(seconds=2.0)
+    wait_until(lambda: cluster.effects(handle.id), 60, "the job running in a child")
+    servers = [
+        pid
+        for pid in descendants(worker.pid)
+        if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert servers, "no forkserver among the worker's processes"
+    os.kill(servers[0], signal.SIGKILL)
+    assert handle.result(timeout=60)["attempt"] == 1
+    assert app.get_job(handle.id).errors == []

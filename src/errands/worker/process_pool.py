@@ -121,7 +121,7 @@ def start_context(app_path: str, url: str = "") -> Any:
     backend = BACKEND_MODULES.get(url_scheme(url)) if url else None
     ctx.set_forkserver_preload(
         [
-            "errands.worker.forkserver_signals",  # first: the server ignores SIGTERM at once
+            "errands.worker.forkserver_signals",  # (CPython imports "__main__" first anyway)
             "__main__",
             *PRELOAD,
             *([backend] if backend else []),
@@ -437,14 +437,35 @@ class _ChildRefused(RuntimeError):
     """A child started but could not load the app: it said why."""
 
 
+def _outlived(signum: int, frame: Any) -> None:
+    """A worker child's SIGINT, SIGTERM and SIGHUP: its worker decides when it stops."""
+
+
 def _idle_alive(slot: _Slot) -> bool:
     """Whether an idle child still lives: its process has not exited, and its pipe holds
     nothing (an idle child sends nothing: what is there is the end of a pipe whose child
     died, before its exit status reached the forkserver's sentinel)."""
     try:
-        return slot.process.is_alive() and not slot.conn.poll(0)
+        if slot.conn.poll(0):
+            return False
     except (OSError, ValueError):
         return False
+    return slot.process.is_alive() or _pid_alive(slot.process.pid)
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """Whether ``pid`` still runs, for a child whose sentinel says it exited: a forkserver
+    child's sentinel is the server's socket, which a dead server closes (exit code 255)
+    while the child runs on."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (a pid taken since by another user's process)
+        return False
+    return True
 
 
 def _receive(slot: _Slot) -> Any:
@@ -456,6 +477,9 @@ def _receive(slot: _Slot) -> Any:
     ready = multiprocessing.connection.wait([slot.conn, slot.process.sentinel])
     if slot.conn in ready or slot.conn.poll(0):  # its last words before it left, too
         return slot.conn.recv()
+    forked_by_a_server = type(slot.process).__name__ == "ForkServerProcess"
+    if forked_by_a_server and _pid_alive(slot.process.pid):
+        return slot.conn.recv()  # its forkserver died, not the child: its pipe tells
     raise EOFError("the worker child process exited")
 
 
@@ -538,8 +562,13 @@ def child_main(
     # SIGHUP sent to the whole group (systemd's default KillMode=control-group, `kill --
     # -PGID`, a terminal closing) killed the child at once, the running job recorded as a
     # crash and charged toward its poison limit, when the worker's grace should let it end.
-    for ignored in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(ignored, signal.SIG_IGN)
+    # A handler that does nothing, not SIG_IGN: exec resets a handled signal to its
+    # default, so the programs a handler starts still stop on SIGTERM (an ignored one
+    # stays ignored: `p.terminate()` on a subprocess hung).
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # (no SIGHUP on Windows)
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            signal.signal(signum, _outlived)
     if logs is not None:
         from ..observability.logcontext import configure_logging
 

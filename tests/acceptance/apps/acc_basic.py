@@ -7,6 +7,7 @@ however the module is imported. The store comes from ``ERRANDS_URL``.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from typing import Any
 
@@ -95,3 +96,17 @@ def fork_then_die(ctx: errands.Context, pidfile: str, seconds: float) -> None:
     with open(pidfile, "w") as out:
         out.write(str(pid))
     os._exit(7)
+
+
+@app.job(name="terminates_its_subprocess", retries=0)
+def terminates_its_subprocess(ctx: errands.Context) -> int | None:
+    """Start a program, stop it with SIGTERM, and return its exit status."""
+    record(ctx)
+    program = subprocess.Popen(["sleep", "30"])
+    time.sleep(0.2)
+    program.terminate()
+    try:
+        return program.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        program.kill()
+        return None
