@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import numbers
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -249,12 +250,12 @@ def _wait_seconds(value: float | timedelta | None, option: str) -> float | None:
         return None
     if isinstance(value, timedelta):
         return value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
         raise ConfigurationError(
             f"{option}={value!r}: give a number of seconds or a datetime.timedelta, as in "
             f"{option}=30 (timeout=None waits without a limit)"
         )
-    return float(value)
+    return float(value)  # (a numpy number too)
 
 
 class Pacer:

@@ -239,13 +239,30 @@ def test_login_attempts_sent_at_once_past_the_free_failures_are_checked_in_turn(
     throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
     throttle.clock = fake_time.clock
     codes = failed_logins(attacker, [f"name{i}" for i in range(10)])
-    assert codes == [400] * 8 + [429] * 2  # 6 free, then checks at +0.5 and +1.0 s; then +2.0
+    assert codes == [400] * 7 + [429] * 3  # 6 free, one check at +0.5 s; its turn pending
     right = attacker.post(
         "/login", data={"csrf_token": csrf_of(attacker.get("/login").text), "secret": TOKEN}
     )
     assert right.status_code == 429 and int(right.headers["retry-after"]) > 0
     fake_time.now += 2.0  # the line has moved on: a turn within the longest delay
     assert login(same_address(attacker), user="carol").get("/").status_code == 200
+
+
+def test_a_flood_of_logins_from_one_address_leaves_a_turn_to_another(
+    make_client: Callable[..., TestClient], fake_time: FakeTime
+) -> None:
+    """One pending turn per address: attempts sent at once from one address take one
+    turn, and an operator elsewhere logs in within the longest delay (the flood took
+    every turn, and every login got 429 while it lasted)."""
+    fake_time.frozen = True
+    attacker = make_client(signed_in=False)
+    throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
+    throttle.clock = fake_time.clock
+    failed_logins(attacker, [f"name{i}" for i in range(20)])
+    operator = TestClient(attacker.app, base_url=BASE_URL, client=("10.0.0.2", 50002))
+    assert login(operator, user="carol").get("/").status_code == 200
+    assert max(fake_time.waits) <= throttle.max_delay
 
 
 def test_the_failed_login_table_forgets_old_entries_and_stays_bounded(

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -290,3 +291,5 @@ def test_a_wait_refuses_a_timeout_or_poll_it_cannot_keep_naming_the_fix(
         asyncio.run(handle.aresult(**options))
     with pytest.raises(errands.ResultTimeout):
         handle.result(timeout=timedelta(milliseconds=50))
+    with pytest.raises(errands.ResultTimeout):  # any real number (numpy's too)
+        handle.result(timeout=Fraction(1, 20))

@@ -81,14 +81,15 @@ async def login_submit(request: Request) -> Response:
     # The typed name is a label only: it is shown and audited, and never grants anything.
     label = clean_user_name(form_text(form, "user"), UNNAMED)
     throttle = conf.auth.throttle
-    key = (request.client.host if request.client else "unknown", label.casefold())
+    address = request.client.host if request.client else "unknown"
+    key = (address, label.casefold())
     wait = throttle.retry_after(key)
     if wait:
         return _throttled(request, next_path, wait)
     # Every attempt waits, the right one too: were only failures slowed, a guesser could
     # stop waiting early and take the silence for "wrong". Past the free failures the
     # checks take turns (LoginThrottle.admit): attempts sent at once wait in line.
-    delay = throttle.admit()
+    delay = throttle.admit(address)
     if delay is None:
         return _throttled(request, next_path, throttle.max_delay)
     if delay:

@@ -40,6 +40,7 @@ class LoginThrottle:
     _by_key: OrderedDict[LoginKey, deque[float]] = field(default_factory=OrderedDict)
     _recent: deque[float] = field(default_factory=deque)
     _next_check: float = 0.0  # the earliest moment the next secret may be checked
+    _turns: dict[str, float] = field(default_factory=dict)  # address -> its pending turn
 
     def __len__(self) -> int:
         """How many (address, name) pairs are remembered."""
@@ -59,20 +60,27 @@ class LoginThrottle:
         extra = len(self._recent) - self.free_failures
         return min(extra * self.step, self.max_delay) if extra > 0 else 0.0
 
-    def admit(self) -> float | None:
-        """Seconds this attempt waits before its secret is checked (its reserved turn),
-        or None: its turn is more than ``max_delay`` away, refuse it now. Under the free
+    def admit(self, address: str) -> float | None:
+        """Seconds this attempt from ``address`` waits before its secret is checked (its
+        reserved turn), or None: refuse it now, because its turn would be more than
+        ``max_delay`` away or ``address`` holds a turn not yet come. Under the free
         failures, no wait; past them, at least :meth:`delay`, and the turns are that far
-        apart whichever attempts, at once or not, reserve them."""
+        apart whichever attempts, at once or not, reserve them. One pending turn per
+        address: a flood from one address cannot take every turn (an operator elsewhere
+        still gets one within the longest delay)."""
         spacing = self.delay()
         if not spacing:
             return 0.0
         now = self.clock()
-        check_at = max(now + spacing, self._next_check)  # every attempt waits, a right one too
-        if check_at - now > self.max_delay:
+        self._turns = {a: t for a, t in self._turns.items() if t > now}  # (a few at most)
+        if address in self._turns:
             return None
-        self._next_check = check_at + spacing
-        return check_at - now
+        wait = max(spacing, self._next_check - now)  # every attempt waits, a right one too
+        if wait > self.max_delay:
+            return None
+        self._next_check = now + wait + spacing
+        self._turns[address] = now + wait
+        return wait
 
     def failed(self, key: LoginKey) -> None:
         now = self._prune()

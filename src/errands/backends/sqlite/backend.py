@@ -1085,14 +1085,20 @@ async def _aatomic(conn: Any, *, several: bool) -> AsyncIterator[None]:
         return
     if _on_its_own(conn):
         try:
-            # Inside: a task cancelled while its BEGIN waits for the write lock leaves
-            # the BEGIN to run on aiosqlite's thread all the same, and the caller's
-            # autocommit connection held the lock for good. The ROLLBACK queues behind it.
             await conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error:
+            raise  # it began nothing (a transaction there is someone else's: left alone)
+        except BaseException:
+            # Cancelled while the BEGIN waited for the write lock: it still runs on
+            # aiosqlite's thread, and the caller's autocommit connection held the lock
+            # for good. The ROLLBACK queues behind it.
+            with contextlib.suppress(sqlite3.Error):
+                await conn.execute("ROLLBACK")
+            raise
+        try:
             yield
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):  # (no BEGIN ran: nothing to undo)
-                await conn.execute("ROLLBACK")
+            await conn.execute("ROLLBACK")
             raise
         await conn.execute("COMMIT")
         return
