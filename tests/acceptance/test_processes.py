@@ -176,3 +176,20 @@ def test_a_hangup_stops_the_children_gracefully_once() -> None:
     assert [c.signals for c in children] == [[signal.SIGTERM]] * 2
     supervisor._on_signal(signal.SIGTERM, 3)
     assert [c.signals for c in children] == [[signal.SIGTERM] * 2] * 2
+
+
+def test_the_supervisor_gives_up_on_workers_that_keep_failing_as_they_start(
+    cluster: Cluster,
+) -> None:
+    """An option only a worker process checks (here --express with --pool process) makes
+    each child exit at once: after five such failures in a row, none running healthily,
+    the supervisor stops and exits 1 saying so, so a service manager shows the failure.
+    It restarted them for ever, and looked like a running service."""
+    cluster.app()
+    supervisor = cluster.start_worker(
+        "--processes", "2", "--pool", "process", "--express", "2", ready=False
+    )
+    assert supervisor.wait_exit(90) == 1
+    log = supervisor.stderr()
+    assert "the express lane runs handler threads" in log
+    assert "5 worker processes in a row failed within 60 s of starting" in log

@@ -7,7 +7,12 @@ own ``--grace``); a second signal is forwarded too, and the children exit at onc
 SIGHUP is forwarded as SIGTERM. The children run in sessions of their own, so that a
 terminal's Ctrl-C reaches them once, through the supervisor. A
 child that dies on its own (crash, OOM kill) is restarted after a short backoff, so
-capacity comes back; its running jobs are rescued after their leases expire.
+capacity comes back; its running jobs are rescued after their leases expire. The backoff
+starts afresh once a child has run HEALTHY_AFTER seconds. Children that keep failing
+before that (a bad option or app, checked only in the child) are given up on after
+GIVE_UP_AFTER failures in a row with none running healthily: the supervisor stops the
+others and exits 1, so a service manager shows the failure (it restarted them for ever,
+"running").
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("errands.supervisor")
 
 RESTART_BACKOFF_MAX = 30.0
+HEALTHY_AFTER = 60.0  # seconds a child runs before its exit counts as a fresh failure
+GIVE_UP_AFTER = 5  # failures in a row, each before HEALTHY_AFTER, with none healthy
 SUPERVISOR_ENV = "ERRANDS_SUPERVISOR_PID"  # set in the environment of each child worker
 SUPERVISOR_WATCH_EVERY = 0.5  # seconds between a child's looks for its supervisor
 HANGUP = getattr(signal, "SIGHUP", None)  # POSIX only
@@ -43,6 +50,9 @@ class Supervisor:
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self._stopping = False
         self._restarts: dict[int, int] = {}
+        self._started: dict[int, float] = {}  # slot -> when its child started (monotonic)
+        self._early_failures = 0  # children that failed before HEALTHY_AFTER, in a row
+        self.gave_up = False
         # Spawning and forwarding a signal take turns: a child started while a signal was
         # forwarded would never get it, and the supervisor would wait for it for ever.
         self._lock = threading.Lock()
@@ -57,6 +67,7 @@ class Supervisor:
             env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
             child = subprocess.Popen(self.command, start_new_session=True, env=env)
             self.children[slot] = child
+            self._started[slot] = time.monotonic()
         log.info("started worker process %d (pid %d)", slot, child.pid)
 
     def _on_signal(self, signum: int, count: int) -> None:
@@ -91,11 +102,21 @@ class Supervisor:
             alive = 0
             for slot, child in list(self.children.items()):
                 code = child.poll()
+                ran = time.monotonic() - self._started.get(slot, 0.0)
                 if code is None:
                     alive += 1
+                    if ran >= HEALTHY_AFTER:  # a healthy child: the failures are not a loop
+                        self._early_failures = 0
                     continue
                 if self._stopping or slot in pending_restart:
                     continue
+                if ran >= HEALTHY_AFTER:
+                    self._restarts[slot] = 0  # it ran well: its backoff starts afresh
+                elif code != 0:
+                    self._early_failures += 1
+                    if self._early_failures >= GIVE_UP_AFTER:
+                        self._give_up(slot, child.pid, code)
+                        continue
                 count = self._restarts[slot] = self._restarts.get(slot, 0) + 1
                 delay = min(0.5 * 2 ** (count - 1), RESTART_BACKOFF_MAX)
                 log.error(
@@ -116,7 +137,17 @@ class Supervisor:
                         self._spawn(slot)
             time.sleep(0.1)
         codes = [child.returncode for child in self.children.values()]
-        return 0 if all(c == 0 for c in codes) else 1
+        return 0 if all(c == 0 for c in codes) and not self.gave_up else 1
+
+    def _give_up(self, slot: int, pid: int, code: int) -> None:
+        """Children keep failing as they start: stop the others (gracefully) and exit 1."""
+        log.error(
+            "worker process %d (pid %d) exited with %s: %d worker processes in a row "
+            "failed within %.0f s of starting (see their errors above); stopping",
+            slot, pid, code, self._early_failures, HEALTHY_AFTER,
+        )  # fmt: skip
+        self.gave_up = True
+        self._on_signal(signal.SIGTERM, 1)
 
 
 def child_command(argv: Sequence[str]) -> list[str]:
