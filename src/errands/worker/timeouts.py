@@ -36,6 +36,10 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
     timeout = attempt.row.timeout or 0
     if attempt.definition is None or attempt.definition.is_async or attempt.kill:
         attempt.deadline = None
+        # Timed out, whatever ends it next: a child's answer racing its kill, or an
+        # async handler returning after the cancel, was recorded as Interrupted
+        # ("lease_lost"), inflating the lease losses that excuse duplicate runs.
+        attempt.timed_out, attempt.timeout_at = True, time.monotonic()
         attempt.interrupt("timeout", worker.loop)  # wait_for, or the child is killed
         return
     now = time.monotonic()
