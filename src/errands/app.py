@@ -648,7 +648,8 @@ class App:
         aiosqlite connection, or an SQLAlchemy ``AsyncSession``/``AsyncConnection`` on
         one — whose transaction the jobs commit or roll back with. Without it, the store's
         own connection is used in a worker thread: cancelling the awaiting task then
-        does not undo an insert already sent (enqueue with ``key=`` to retry safely).
+        does not undo an insert already sent (enqueue with ``key=`` to retry safely); the
+        jobs it stored are announced (``errands.job.enqueued``) all the same.
 
         .. versionadded:: 0.2
         """
@@ -657,6 +658,14 @@ class App:
         if not requests:
             return []
         backend = await self.abackend()
+        if conn is None:
+            # The insert and its announcement on one thread: a task cancelled while it
+            # waits leaves the thread to finish, and what it stored is announced all the
+            # same (errands.job.enqueued: metrics, traces, subscribers missed those jobs);
+            # the app's subscribers run there, off the event loop.
+            return await asyncio.to_thread(
+                lambda: self._enqueued(given, backend.job_insert_many(requests))
+            )
         return self._enqueued(given, await backend.ajob_insert_many(requests, conn=conn))
 
     @staticmethod

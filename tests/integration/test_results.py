@@ -293,3 +293,44 @@ def test_a_wait_refuses_a_timeout_or_poll_it_cannot_keep_naming_the_fix(
         handle.result(timeout=timedelta(milliseconds=50))
     with pytest.raises(errands.ResultTimeout):  # any real number (numpy's too)
         handle.result(timeout=Fraction(1, 20))
+
+
+def test_an_aenqueue_cancelled_while_its_insert_runs_still_announces_the_job(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without conn=, cancelling the awaiting task does not undo an insert already sent:
+    the job is stored, and announced (errands.job.enqueued) as any other; it was stored
+    unannounced (the enqueued metric, traces and subscribers missed it)."""
+
+    @app.job(name="results.announced")
+    def announced() -> int:
+        return 1
+
+    seen: list[int] = []
+    app.events.subscribe(
+        lambda event: seen.append(event["job_id"]) if event.name == "errands.job.enqueued" else None
+    )
+    backend = app.backend
+    insert = backend.job_insert_many
+    started = threading.Event()
+
+    def slow_insert(requests: Any, conn: Any = None) -> Any:
+        started.set()
+        time.sleep(0.5)
+        return insert(requests, conn=conn)
+
+    monkeypatch.setattr(backend, "job_insert_many", slow_insert)
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(announced.aenqueue())
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stored = [j.id for j in app.jobs(name="results.announced")]
+    assert len(stored) == 1 and seen == stored
