@@ -240,16 +240,8 @@ app.backend.schema_check = slow
 sys.exit(app.worker(poll_interval=0.05).run())
 """
     )
-    with subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as proc:
-        try:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "starting"
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-    assert proc.returncode == 0, err
+    code, err = _sigterm_once_it_says([sys.executable, str(script)], "starting", wait=30)
+    assert code == 0, err
 
 
 def test_sigterm_while_errands_worker_imports_the_app_exits_0(tmp_path: Path) -> None:
@@ -267,16 +259,8 @@ app = errands.App("sqlite:///{tmp_path / "slow.db"}")
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     command = [sys.executable, "-m", "errands", "worker", "slow_import:app"]
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    ) as proc:
-        try:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "importing"
-            proc.send_signal(signal.SIGTERM)
-            _, err = proc.communicate(timeout=60)
-        finally:
-            proc.kill()
-    assert proc.returncode == 0, err
+    code, err = _sigterm_once_it_says(command, "importing", wait=60, env=env)
+    assert code == 0, err
 
 
 def test_a_sigterm_to_every_process_of_a_process_pool_worker_lets_its_job_finish(
@@ -297,3 +281,20 @@ def test_a_sigterm_to_every_process_of_a_process_pool_worker_lets_its_job_finish
     assert worker.wait_exit(60) == 0
     job = app.get_job(handle.id)
     assert (job.state.value, job.attempt, job.errors) == ("completed", 1, [])
+
+
+def _sigterm_once_it_says(
+    command: list[str], line: str, *, wait: float, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Start ``command``, SIGTERM it once its first line of output is ``line``; its exit
+    code and stderr (killed after ``wait`` seconds)."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == line
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=wait)
+        finally:
+            proc.kill()
+    return proc.returncode, err

@@ -425,7 +425,6 @@ class Maintenance:
         self.app.backend.rate_log_prune(RATE_PERIOD_MAX)
         if self.app.retention <= 0:
             return 0
-        self._forget_idle_fair_keys()
         total = 0
         # A bounded number of small batches per round: a big backlog (a retention just
         # shortened, a long outage) drains over several rounds instead of hammering the
@@ -444,4 +443,6 @@ class Maintenance:
             self.app.events.emit(
                 "errands.maintenance.pruned", worker_id=self.worker_id, count=total
             )
+        # Last: a failure here (retried next tick) never holds up the jobs' pruning.
+        self._forget_idle_fair_keys()
         return total

@@ -442,9 +442,10 @@ def _outlived(signum: int, frame: Any) -> None:
 
 
 def _idle_alive(slot: _Slot) -> bool:
-    """Whether an idle child still lives: its process has not exited, and its pipe holds
-    nothing (an idle child sends nothing: what is there is the end of a pipe whose child
-    died, before its exit status reached the forkserver's sentinel)."""
+    """Whether an idle child still lives: its pipe holds nothing (an idle child sends
+    nothing: what is there is the end of a pipe whose child died, before its exit status
+    reached the forkserver's sentinel), and it runs (its process, or its pid when its
+    forkserver died: see :func:`_pid_alive`)."""
     try:
         if slot.conn.poll(0):
             return False
@@ -461,9 +462,7 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (a pid taken since by another user's process)
+    except (ProcessLookupError, PermissionError):  # (or a pid another user's process took)
         return False
     return True
 
