@@ -427,3 +427,37 @@ def test_a_leader_stopped_during_a_long_duty_does_not_take_the_leadership_again(
     assert after_stop == []  # the tick ended with its duty
     assert not leader.is_leader
     assert Maintenance(app, "w-next")._elect()  # free at once, not held until it expires
+
+
+def test_a_leader_stopped_during_its_election_resigns_once(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() whose wait runs out while the thread is inside an election resigns; the
+    election then returns to a stopped leader, which gives the leadership up again
+    without a second errands.leader.resigned (metrics and the lifecycle log counted
+    two), and a thread stopped while leader resigns as it ends."""
+    leader = Maintenance(app, "w-electing", tick=0.05)
+    events: list[str] = []
+    app.events.subscribe(lambda event: events.append(event.name), inline=True)
+    elect = app.backend.leader_attempt_elect
+    calls, entered, release = [0], threading.Event(), threading.Event()
+
+    def slow_second_election(name: str, worker_id: str, ttl: float) -> bool:
+        calls[0] += 1
+        if calls[0] == 2:
+            entered.set()
+            release.wait(30)
+        return elect(name, worker_id, ttl)
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", slow_second_election)
+    monkeypatch.setattr(leader, "run_once", leader._elect)  # elections only: every tick
+    leader.start()
+    assert entered.wait(30) and leader.is_leader
+    leader.stop(wait=0.2)  # the election is still running: stop() resigns and returns
+    release.set()
+    leader._thread.join(30)
+    assert not leader._thread.is_alive()
+    leadership = [e for e in events if e.startswith("errands.leader.")]
+    assert leadership == ["errands.leader.elected", "errands.leader.resigned"]
+    assert not leader.is_leader
+    assert Maintenance(app, "w-next")._elect()  # free at once, not held until it expires

@@ -101,6 +101,7 @@ class Maintenance:
         self.ttl = leader_ttl(tick, app.lease)
         self.prune_interval = prune_interval
         self.is_leader = False
+        self._leader_lock = threading.Lock()  # is_leader's changes, each announced once
         self.rescued = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-maintenance", daemon=True)
@@ -120,22 +121,35 @@ class Maintenance:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=wait)
-        if self.is_leader:
-            try:
-                self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
-            except Exception as exc:
-                log.warning("could not resign leadership (%s); it expires in %.0f s", exc, self.ttl)
+        self._resign()
+
+    def _resign(self) -> None:
+        """Give the leadership up, once: stop() and the thread may both get here (stop()
+        when its wait ran out while the thread was inside an election, the thread when
+        that election returned), and ``errands.leader.resigned`` was emitted twice."""
+        with self._leader_lock:
+            if not self.is_leader:
+                return
             self.is_leader = False
-            self.app.events.emit("errands.leader.resigned", worker_id=self.worker_id)
+        try:
+            self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
+        except Exception as exc:
+            log.warning("could not resign leadership (%s); it expires in %.0f s", exc, self.ttl)
+        self.app.events.emit("errands.leader.resigned", worker_id=self.worker_id)
 
     def _run(self) -> None:
         protect_current_thread()
-        while not self._stop.is_set():
-            try:
-                self.run_once()
-            except Exception:
-                log.exception("maintenance tick failed; retrying next tick")
-            self._stop.wait(self.tick)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.run_once()
+                except Exception:
+                    log.exception("maintenance tick failed; retrying next tick")
+                self._stop.wait(self.tick)
+        finally:
+            # An election that returned after stop() gave up waiting for this thread
+            # left it leader; resign here rather than hold it until it expires.
+            self._resign()
 
     def run_once(self) -> None:
         if not self._elect():
@@ -158,21 +172,20 @@ class Maintenance:
         resigned, and held it, duties and all, on a worker on its way out."""
         if self._stop.is_set():
             return False
-        was_leader = self.is_leader
-        self.is_leader = self.app.backend.leader_attempt_elect(
-            LEADER_NAME, self.worker_id, self.ttl
-        )
+        leader = self.app.backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
         self._renewed_at = time.monotonic()
-        if self.is_leader and self._stop.is_set():  # stop() came while this was asked
+        if leader and self._stop.is_set():  # stop() came while this was asked
             with contextlib.suppress(Exception):  # (else it expires after the ttl)
                 self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
-            self.is_leader = False
-        if self.is_leader != was_leader:
+            leader = False
+        with self._leader_lock:  # stop() may have resigned meanwhile: one event each way
+            changed, self.is_leader = leader != self.is_leader, leader
+        if changed:
             self.app.events.emit(
-                "errands.leader.elected" if self.is_leader else "errands.leader.resigned",
+                "errands.leader.elected" if leader else "errands.leader.resigned",
                 worker_id=self.worker_id,
             )
-        return self.is_leader
+        return leader
 
     def _still_leader(self) -> bool:
         """Between two duties of a tick (and two prune batches): renew the leadership
