@@ -118,18 +118,20 @@ def arm(
     """Run ``action(name)`` (default: :func:`crash`) when the point is reached.
 
     ``when(details)``, if given, is asked first and the point fires only if it returns
-    True (``after_step`` details: ``job_id``, ``job``, ``attempt``, ``step``).
+    True (``after_step`` details: ``app``, ``job_id``, ``job``, ``attempt``, ``step``).
+    A point holds one arming: arming it again replaces the first.
     """
     if name not in POINTS:
         raise ValueError(f"unknown fault point {name!r}; known: {', '.join(POINTS)}")
     _armed[name] = _Armed(probability, action or crash, when)
 
 
-def disarm(name: str | None = None) -> None:
-    """Disarm one point, or all of them."""
+def disarm(name: str | None = None, *, when: When | None = None) -> None:
+    """Disarm one point, or all of them. With ``when``: only if the point is armed with
+    that filter (whoever armed it since keeps it)."""
     if name is None:
         _armed.clear()
-    else:
+    elif when is None or (name in _armed and _armed[name].when is when):
         _armed.pop(name, None)
 
 

@@ -495,3 +495,40 @@ def test_inline_runs_async_enqueues_and_workflows_too(
     flow = app.enqueue_workflow(chain)
     assert flow.status().state == "succeeded"
     assert ran == ["async", "first", "second"]
+
+
+def test_two_testers_crash_their_own_jobs_after_a_step(tmp_path: Path) -> None:
+    """The after_step fault point is one per process: a second Tester's crash rules
+    replaced the first's (whose jobs then never crashed, and a test of its recovery
+    passed without one) and closing either disarmed the other's. Ids and names repeat
+    across stores: each Tester crashes its own app's jobs only."""
+    apps = [errands.App(f"sqlite:///{tmp_path}/{name}.db") for name in ("first", "second")]
+    effects: list[str] = []
+    jobs = []
+    for app in apps:
+
+        @app.job(name="charge", retries=3, backoff=1.0)
+        def charge(ctx: errands.Context, n: int) -> int:
+            ctx.step("pay", effects.append, f"pay:{n}")
+            return n
+
+        jobs.append(charge)
+    first, second = Tester(apps[0]), Tester(apps[1])
+    try:
+        first.crash_after_step(jobs[0], "pay")
+        second.crash_after_step(jobs[1], "pay", attempt=2)  # never reached: it completes
+        jobs[0].enqueue(n=1)
+        jobs[1].enqueue(n=2)  # the same id in the other store: not the first Tester's
+        assert [r.outcome for r in second.drain().runs] == ["completed"]
+        assert [r.outcome for r in first.drain().runs] == ["crashed", "completed"]
+        second.close()  # the first Tester's rules stay armed
+        assert faults.armed("after_step")
+        jobs[0].enqueue(n=3)
+        assert [r.outcome for r in first.drain().runs] == ["crashed", "completed"]
+    finally:
+        first.close()
+        second.close()
+        for app in apps:
+            app.close()
+    assert not faults.armed("after_step")
+    assert effects == ["pay:2", "pay:1", "pay:3"]

@@ -14,7 +14,7 @@ The worker passes named points on its way (``after_step``, ``before_complete_com
   :class:`SimulatedCrash`, optionally only ``when`` the point's details match) and
   :func:`disarm`. ``errands.testing.Tester.crash_after_step`` builds on this.
 
-A point may carry details (``after_step`` passes ``job_id``, ``job``, ``attempt`` and
+A point may carry details (``after_step`` passes ``app``, ``job_id``, ``job``, ``attempt`` and
 ``step``); ``when`` filters receive them as a dict. Disarmed, a point costs one
 dictionary lookup.
 

@@ -187,7 +187,7 @@ class Tester:
                 definition.fn = original
         self._wrapped.clear()
         if self._armed_after_step:
-            faults.disarm("after_step")
+            _stop_crashing_after_steps(self)
         if self._driver is not None:
             self._driver.stop_services()
             self._driver = None
@@ -641,7 +641,7 @@ class Tester:
         self._check_open()
         self._crash_rules.append(_CrashRule(self._target(job), step, attempt))
         if not self._armed_after_step:
-            faults.arm("after_step", faults.raise_crash, when=self._after_step)
+            _crash_after_steps(self)
             self._armed_after_step = True
 
     def crash_before_completion(self, job: JobRef, *, attempt: int | None = 1) -> None:
@@ -661,6 +661,8 @@ class Tester:
         return _Target(name, job_id)
 
     def _after_step(self, details: Mapping[str, Any]) -> bool:
+        if details.get("app", self.app) is not self.app:
+            return False  # another Tester's job (ids and names repeat across stores)
         with self._lock:
             return any(
                 rule.take(
@@ -741,6 +743,34 @@ class Tester:
 
     def __repr__(self) -> str:
         return f"<errands.testing.Tester {self.mode} {self.app.url}>"
+
+
+# The after_step fault point is one per process: every open Tester with crash rules shares
+# one arming (a second Tester's arm replaced the first's, whose crashes then never
+# happened, and closing either disarmed the other's).
+_after_step_lock = threading.Lock()
+_after_step_testers: list[Tester] = []
+
+
+def _after_step_any(details: Mapping[str, Any]) -> bool:
+    with _after_step_lock:
+        testers = list(_after_step_testers)
+    return any(tester._after_step(details) for tester in testers)
+
+
+def _crash_after_steps(tester: Tester) -> None:
+    with _after_step_lock:
+        _after_step_testers.append(tester)
+        if len(_after_step_testers) == 1:
+            faults.arm("after_step", faults.raise_crash, when=_after_step_any)
+
+
+def _stop_crashing_after_steps(tester: Tester) -> None:
+    with _after_step_lock:
+        if tester in _after_step_testers:
+            _after_step_testers.remove(tester)
+        if not _after_step_testers:
+            faults.disarm("after_step", when=_after_step_any)
 
 
 class _Nothing:

@@ -126,6 +126,7 @@ class AttemptRuntime:
             self._steps[name] = result
         fault_point(
             "after_step",
+            app=self.app,
             job_id=self.attempt.id,
             job=self.attempt.row.name,
             attempt=self.attempt.row.attempt,
