@@ -486,7 +486,8 @@ class JobDefinition(Generic[P, R]):
             value = self.unique_for
         if value is not None and options.key is None:
             raise ConfigurationError(
-                f"{self.name}: unique_for= needs a key= (it says how long the key stays unique)"
+                f"{self.name}: unique_for= applies to a key: give this enqueue key=... or "
+                "the job a key template (@app.job(key='order:{order_id}', unique_for=...))"
             )
         return value
 

@@ -97,7 +97,7 @@ def test_unique_for_declared_on_the_job_applies_to_every_keyed_enqueue(
     assert len(tester.all_enqueued(digest, account=3)) == 2
     assert first.status() is errands.JobState.AVAILABLE
 
-    with pytest.raises(errands.ConfigurationError, match="unique_for= needs a key="):
+    with pytest.raises(errands.ConfigurationError, match="unique_for= applies to a key"):
         digest.enqueue(account=4)
 
 

@@ -361,6 +361,6 @@ def test_a_job_defined_unique_for_a_period_needs_a_key_at_every_enqueue(
     """unique_for= on the definition says how long a key stays unique: an enqueue without
     a key is refused, on the short path of a bind without options too."""
     job = _define(app, unique_for=60)
-    with pytest.raises(ConfigurationError, match="unique_for= needs a key="):
+    with pytest.raises(ConfigurationError, match="unique_for= applies to a key"):
         job.bind(user_id=1)
     assert job.bind(user_id=1, key="k").request.unique_for == 60.0

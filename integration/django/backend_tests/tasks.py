@@ -57,6 +57,11 @@ def pay_once(order_id: int, note: str = "") -> int:
     return order_id
 
 
+@task(unique_for=60)
+def once_a_minute(n: int) -> int:
+    return n
+
+
 @task
 async def async_double(x: int) -> int:
     await asyncio.sleep(0)

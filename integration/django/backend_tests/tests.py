@@ -179,6 +179,14 @@ class Enqueue(JobsTestCase):
         explicit = tasks.pay_once.using(key="pay:7:refund").enqueue(7)
         self.assertNotEqual(explicit.id, first.id)
 
+    def test_a_task_unique_for_a_period_needs_a_key_at_each_enqueue(self) -> None:
+        from errands import ConfigurationError
+
+        with self.assertRaisesMessage(ConfigurationError, 'task.using(key="...")'):
+            tasks.once_a_minute.enqueue(1)
+        first = tasks.once_a_minute.using(key="minute:1").enqueue(1)
+        self.assertEqual(tasks.once_a_minute.using(key="minute:1").enqueue(1).id, first.id)
+
     def test_aenqueue(self) -> None:
         result = async_to_sync(tasks.add.aenqueue)(20, 22)
         self.assertEqual(result.status, READY)

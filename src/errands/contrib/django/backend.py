@@ -108,6 +108,12 @@ class ErrandsBackend(BaseTaskBackend):
         if run_after is not None and timezone.is_naive(run_after):
             run_after = timezone.make_aware(run_after)
         unique_for = getattr(task, "unique_for", None)
+        if key_template is None and (unique_for or definition.unique_for) is not None:
+            raise ConfigurationError(
+                f"task {task.module_path} is unique_for a period, which applies to a key: "
+                'give each enqueue one (task.using(key="...").enqueue(...)) or the task a '
+                'key template (@task(key="order:{order_id}", unique_for=...))'
+            )
         request = definition.request(
             (),
             {"args": result.args, "kwargs": result.kwargs},
