@@ -940,9 +940,11 @@ class App:
     def unrunnable_jobs(self) -> dict[str, int]:
         """Pending jobs per job type that no live worker's code defines: a worker never
         claims a job type it does not know (a rolling deploy's newer types wait, uncharged,
-        for one that does), so these wait until such a worker runs. Live: a worker whose
-        last heartbeat is at most two leases old."""
-        live = [w for w in self.backend.worker_list() if w.heartbeat_age <= 2 * self.lease]
+        for one that does), so these wait until such a worker runs. Live: a worker not
+        presumed dead by its own heartbeat (errands.fleet)."""
+        from .fleet import presumed_dead
+
+        live = [w for w in self.backend.worker_list() if not presumed_dead(w, self.lease)]
         known = {name for w in live for name in (w.jobs or ())}
         return {
             name: count

@@ -2,8 +2,11 @@
 which periodic jobs wait in a queue that no live worker serves.
 
 Each worker writes a registry heartbeat every third of its shortest lease (the lease
-keeper's beat); one that missed :data:`MISSED_HEARTBEATS` of them in a row is presumed
-dead. It stays listed (as dead) until the maintenance leader forgets it, 5 minutes later.
+keeper's beat) and registers that interval; one that missed :data:`MISSED_HEARTBEATS` of
+its own beats in a row is presumed dead, whatever the reader's lease (a worker of a
+release before schema 18 registers none: the reader's lease stands in). It stays listed
+(as dead) until the maintenance leader forgets it, 5 minutes or ten of its beats later;
+a worker still running lists itself again at its next beat.
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ def heartbeat_interval(lease: float) -> float:
     return max(lease / 3, 0.2)
 
 
-def presumed_dead_after(lease: float) -> float:
-    """Seconds without a heartbeat after which a worker is presumed dead."""
-    return MISSED_HEARTBEATS * heartbeat_interval(lease) + BEAT_SLACK
+def presumed_dead_after(lease: float, beat: float | None = None) -> float:
+    """Seconds without a heartbeat after which a worker is presumed dead: ``beat``, the
+    interval the worker registered, or else the interval of an app with this lease."""
+    return MISSED_HEARTBEATS * (beat or heartbeat_interval(lease)) + BEAT_SLACK
 
 
 def presumed_dead(worker: WorkerInfo, lease: float) -> bool:
-    return worker.heartbeat_age > presumed_dead_after(lease)
+    """Judged by the worker's own registered beat; ``lease`` (the reader's) only for a
+    worker that registered none (before schema 18)."""
+    return worker.heartbeat_age > presumed_dead_after(lease, worker.beat_seconds)
 
 
 def queue_names(spec: str) -> list[str]:

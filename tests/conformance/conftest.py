@@ -88,6 +88,10 @@ class Harness:
         """Let the current leadership of ``name`` run out without waiting for its ttl."""
         raise NotImplementedError
 
+    def backdate_heartbeat(self, backend: Backend, worker_id: str, seconds_ago: float) -> None:
+        """Make a registered worker's last heartbeat ``seconds_ago`` seconds old."""
+        raise NotImplementedError
+
     # -- the caller's own connection (enqueue(conn=...)) -------------------------------
     @contextlib.contextmanager
     def caller_connection(self, backend: Backend, tmp_path: Path, *, same_store: bool) -> Any:
@@ -175,6 +179,13 @@ class SQLiteHarness(Harness):
             backend,
             f"UPDATE errands_leaders SET expires_at = {self._NOW} - 1 WHERE name = :name",
             {"name": name},
+        )
+
+    def backdate_heartbeat(self, backend: Backend, worker_id: str, seconds_ago: float) -> None:
+        self._side_write(
+            backend,
+            f"UPDATE errands_workers SET heartbeat_at = {self._NOW} - :s WHERE id = :id",
+            {"s": seconds_ago, "id": worker_id},
         )
 
     @contextlib.contextmanager
@@ -319,6 +330,14 @@ class PostgresHarness(Harness):
             "UPDATE {schema}.errands_leaders SET expires_at = now() - interval '1 second' "
             "WHERE name = %s",
             (name,),
+        )
+
+    def backdate_heartbeat(self, backend: Backend, worker_id: str, seconds_ago: float) -> None:
+        self._side_write(
+            backend,
+            "UPDATE {schema}.errands_workers SET heartbeat_at = now() - make_interval("
+            "secs => %s) WHERE id = %s",
+            (seconds_ago, worker_id),
         )
 
     @contextlib.contextmanager

@@ -48,10 +48,19 @@ def claim(app: errands.App, queue: str, worker: str = "w-runner") -> list[int]:
     return [row.id for row in rows]
 
 
-def register(app: errands.App, worker_id: str, queues: str, seconds_ago: float = 0.0) -> None:
+def register(
+    app: errands.App,
+    worker_id: str,
+    queues: str,
+    seconds_ago: float = 0.0,
+    beat_seconds: float | None = None,
+) -> None:
     app.backend.worker_register(
-        WorkerInfo(id=worker_id, host="h1", pid=42, queues=queues, concurrency=4, version="x")
-    )
+        WorkerInfo(
+            id=worker_id, host="h1", pid=42, queues=queues, concurrency=4, version="x",
+            beat_seconds=beat_seconds,
+        )
+    )  # fmt: skip
     if seconds_ago:
         with sqlite3.connect(app.url.removeprefix("sqlite:///")) as conn:
             conn.execute(
@@ -99,6 +108,20 @@ def test_a_worker_that_missed_its_heartbeats_is_shown_last_seen_and_presumed_dea
     assert "presumed dead" not in alive and ">live<" in alive
     overview = client.get("/").text
     assert re.search(r'<span class="n">1</span><span class="label">workers</span>', overview)
+
+
+def test_a_worker_with_a_longer_lease_than_the_dashboards_is_live_between_its_beats(
+    app: errands.App, jobs: dict[str, Any], client: TestClient
+) -> None:
+    """Its app's lease is 300 s (a beat every 100 s); the dashboard's is the default: by
+    its own lease it called the worker dead 32 s after a beat, and its queue unserved."""
+    jobs["charge"].enqueue(order_id=4)
+    register(app, "w-long", "payments", seconds_ago=60, beat_seconds=100.0)
+    html = client.get("/workers").text
+    row = html[html.index("w-long") :].split("</tr>", 1)[0]
+    assert "presumed dead" not in row and ">live<" in row and "every 1 min 40 s" in row
+    queues = client.get("/queues").text
+    assert "no live worker" not in queues[queues.index(">payments</a>") :].split("</tr>", 1)[0]
 
 
 def test_the_queues_page_marks_a_queue_no_live_worker_serves(

@@ -229,6 +229,7 @@ class WorkerInfo:
     processed: int = 0
     heartbeat_age: float = 0.0  # seconds since its last heartbeat, by the database clock
     jobs: tuple[str, ...] | None = None  # the job types its code defines (None: not said)
+    beat_seconds: float | None = None  # how often it beats (None: a worker before schema 18)
 
 
 @dataclass(frozen=True)
@@ -629,7 +630,9 @@ class Backend(Protocol):
     # -- the worker registry ------------------------------------------------------------
     def worker_register(self, info: WorkerInfo) -> None: ...
 
-    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> None: ...
+    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> bool:
+        """Update the worker's registry row; False when it has none (forgotten)."""
+        ...
 
     def worker_deregister(self, worker_id: str) -> None: ...
 

@@ -569,12 +569,16 @@ class SharedAdmin:
                 "concurrency": info.concurrency,
                 "version": info.version,
                 "jobs": None if info.jobs is None else json.dumps(sorted(info.jobs)),
+                "beat_seconds": info.beat_seconds,
             },
         )
 
-    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> None:
-        self._write_count(
-            "worker_heartbeat", {"id": worker_id, "in_flight": in_flight, "processed": processed}
+    def worker_heartbeat(self, worker_id: str, in_flight: int, processed: int) -> bool:
+        return bool(
+            self._write_count(
+                "worker_heartbeat",
+                {"id": worker_id, "in_flight": in_flight, "processed": processed},
+            )
         )
 
     def worker_deregister(self, worker_id: str) -> None:
@@ -585,7 +589,7 @@ class SharedAdmin:
             WorkerInfo(
                 id=r[0], host=r[1], pid=r[2], queues=r[3], concurrency=r[4], started_at=r[5],
                 heartbeat_at=r[6], in_flight=r[7], processed=r[8], version=r[9],
-                heartbeat_age=max(r[10], 0.0), jobs=_names(r[11]),
+                heartbeat_age=max(r[10], 0.0), jobs=_names(r[11]), beat_seconds=r[12],
             )
             for r in self._read_rows("worker_list")
         ]  # fmt: skip

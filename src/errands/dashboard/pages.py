@@ -342,7 +342,7 @@ async def workers(request: Request, viewer: Viewer) -> Response:
             "nav": "workers",
             "rows": rows,
             "live_count": len(alive),
-            "dead_after": presumed_dead_after(app.lease),
+            "dead_after": presumed_dead_after(app.lease),  # for workers before schema 18
             "missed_beats": MISSED_HEARTBEATS,
             "in_flight": sum(w.in_flight for w in alive),
             "live": True,

@@ -468,10 +468,18 @@ class Worker:
 
     def _register(self) -> None:
         """List this worker in the registry, retrying while the store errs transiently
-        (its heartbeats only update the row: a worker unlisted at start stays unlisted)."""
+        (a worker unlisted at start, or forgotten later, is listed by its next beat)."""
+        try:
+            self._at_startup(
+                "registering the worker", lambda: self.app.backend.worker_register(self._info())
+            )
+        except Exception:
+            log.exception("could not register this worker; it runs unlisted")
+
+    def _info(self) -> WorkerInfo:
         from .. import __version__
 
-        info = WorkerInfo(
+        return WorkerInfo(
             id=self.id,
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -479,13 +487,8 @@ class Worker:
             concurrency=self.concurrency,
             version=__version__,
             jobs=tuple(sorted(self.app.registry)),
+            beat_seconds=self.leases.interval,  # readers judge it by its own beat
         )
-        try:
-            self._at_startup(
-                "registering the worker", lambda: self.app.backend.worker_register(info)
-            )
-        except Exception:
-            log.exception("could not register this worker; it runs unlisted")
 
     def _declare(self) -> None:
         """Store the limits this app declares in code (``app.queue``): the store holds the
@@ -516,7 +519,13 @@ class Worker:
         try:
             with self._lock:
                 in_flight = self._running_handlers()
-            self.app.backend.worker_heartbeat(self.id, in_flight, self.processed)
+            listed = self.app.backend.worker_heartbeat(self.id, in_flight, self.processed)
+            if not listed and not self._stopping.is_set():
+                # Forgotten (unlisted at start, or silent past the leader's patience while
+                # the store was away): list it again rather than run unlisted for good.
+                # (Not once stopping: it deregisters, and would be listed again.)
+                log.info("worker %s is not in the registry; listing it again", self.id)
+                self.app.backend.worker_register(self._info())
         except Exception as exc:
             log.debug("worker registry heartbeat failed: %s", exc)
 

@@ -429,9 +429,12 @@ SELECT extract(epoch FROM now())::float8
 SELECT pg_notify(%(channel)s, %(payload)s)
 
 -- name: worker_register
-INSERT INTO {schema}.errands_workers (id, host, pid, queues, concurrency, version, jobs)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(version)s, %(jobs)s)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), jobs = excluded.jobs
+INSERT INTO {schema}.errands_workers (id, host, pid, queues, concurrency, version, jobs,
+                                      beat_seconds)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s, %(concurrency)s, %(version)s, %(jobs)s,
+        %(beat_seconds)s)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), jobs = excluded.jobs,
+                               beat_seconds = excluded.beat_seconds
 
 -- name: worker_heartbeat
 UPDATE {schema}.errands_workers
@@ -444,7 +447,7 @@ DELETE FROM {schema}.errands_workers WHERE id = %(id)s
 -- name: worker_list
 SELECT id, host, pid, queues, concurrency, extract(epoch FROM started_at)::float8,
        extract(epoch FROM heartbeat_at)::float8, in_flight, processed, version,
-       extract(epoch FROM now() - heartbeat_at)::float8, jobs
+       extract(epoch FROM now() - heartbeat_at)::float8, jobs, beat_seconds
 FROM {schema}.errands_workers
 ORDER BY started_at
 
@@ -455,8 +458,11 @@ WHERE state IN ('available', 'scheduled', 'retryable')
 GROUP BY name
 
 -- name: worker_prune
+-- Silent for older_than, or for ten of its own beats when that is longer (a worker with a
+-- 15-minute lease beats every 5 minutes: it was forgotten between two beats).
 DELETE FROM {schema}.errands_workers
-WHERE heartbeat_at < now() - make_interval(secs => %(older_than)s)
+WHERE heartbeat_at < now() - make_interval(
+          secs => GREATEST(%(older_than)s, 10 * COALESCE(beat_seconds, 0)))
 
 -- name: step_list
 SELECT job_id, name, result::text, attempt, extract(epoch FROM created_at)::float8

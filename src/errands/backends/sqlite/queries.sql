@@ -323,10 +323,11 @@ SELECT (julianday('now') - 2440587.5) * 86400.0
 
 -- name: worker_register
 INSERT INTO errands_workers (id, host, pid, queues, concurrency, started_at, heartbeat_at,
-                             in_flight, processed, version, jobs)
+                             in_flight, processed, version, jobs, beat_seconds)
 VALUES (:id, :host, :pid, :queues, :concurrency, (julianday('now') - 2440587.5) * 86400.0,
-        (julianday('now') - 2440587.5) * 86400.0, 0, 0, :version, :jobs)
-ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at, jobs = excluded.jobs
+        (julianday('now') - 2440587.5) * 86400.0, 0, 0, :version, :jobs, :beat_seconds)
+ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at, jobs = excluded.jobs,
+                               beat_seconds = excluded.beat_seconds
 
 -- name: worker_heartbeat
 UPDATE errands_workers
@@ -339,7 +340,7 @@ DELETE FROM errands_workers WHERE id = :id
 
 -- name: worker_list
 SELECT id, host, pid, queues, concurrency, started_at, heartbeat_at, in_flight, processed,
-       version, (julianday('now') - 2440587.5) * 86400.0 - heartbeat_at, jobs
+       version, (julianday('now') - 2440587.5) * 86400.0 - heartbeat_at, jobs, beat_seconds
 FROM errands_workers
 ORDER BY started_at
 
@@ -350,8 +351,11 @@ WHERE state IN ('available', 'scheduled', 'retryable')
 GROUP BY name
 
 -- name: worker_prune
+-- Silent for older_than, or for ten of its own beats when that is longer (a worker with a
+-- 15-minute lease beats every 5 minutes: it was forgotten between two beats).
 DELETE FROM errands_workers
-WHERE heartbeat_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+WHERE heartbeat_at < (julianday('now') - 2440587.5) * 86400.0
+                     - max(:older_than, 10 * COALESCE(beat_seconds, 0))
 
 -- name: step_list
 SELECT job_id, name, result, attempt, created_at FROM errands_steps
