@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+from typing import Any
 
 import acc_basic
 import pytest
@@ -127,6 +128,20 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _kill_and_see_children_stop(supervisor: Any, children: list[int]) -> None:
+    """SIGKILL the supervisor; each child says it is gone and stops."""
+    supervisor.popen.send_signal(signal.SIGKILL)
+    supervisor.popen.wait(10)
+    for pid in children:
+        wait_until(
+            lambda pid=pid: _gone(pid),
+            60,
+            f"child {pid} to stop once its supervisor is gone",
+            describe=lambda: supervisor.stderr()[-3000:],
+        )
+    assert supervisor.stderr().count("the supervisor (pid") == 2  # the children's stderr
+
+
 def test_the_children_of_a_killed_supervisor_stop_gracefully(cluster: Cluster) -> None:
     """A supervisor SIGKILLed, or killed with its process group by a tool that kills
     groups (its children run in sessions of their own), forwards nothing: its children
@@ -139,16 +154,23 @@ def test_the_children_of_a_killed_supervisor_stop_gracefully(cluster: Cluster) -
     children = children_of(supervisor.pid)
     assert len(children) == 2, children
 
-    supervisor.popen.send_signal(signal.SIGKILL)
-    supervisor.popen.wait(10)
-    for pid in children:
-        wait_until(
-            lambda pid=pid: _gone(pid),
-            60,
-            f"child {pid} to stop once its supervisor is gone",
-            describe=lambda: supervisor.stderr()[-3000:],
-        )
-    assert supervisor.stderr().count("the supervisor (pid") == 2  # the children's stderr
+    _kill_and_see_children_stop(supervisor, children)
+
+
+def test_the_children_of_a_supervisor_killed_while_they_import_the_app_stop(
+    cluster: Cluster,
+) -> None:
+    """A supervisor SIGKILLed while its children still imported the app: each child,
+    its parent no longer the supervisor once the import ended, took itself for a worker
+    started with a stale variable and ran on for good, with no one to stop it."""
+    supervisor = cluster.spawn(
+        ["worker", "acc_slow_import:app", *WORKER_FLAGS, "--processes", "2"],
+        "supervisor",
+        env=cluster.env(ACC_IMPORT_SECONDS="4"),
+    )
+    wait_until(lambda: len(children_of(supervisor.pid)) == 2, 20, "two children importing")
+    children = children_of(supervisor.pid)
+    _kill_and_see_children_stop(supervisor, children)
 
 
 class _Child:

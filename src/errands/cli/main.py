@@ -160,10 +160,10 @@ def worker(
             "--metrics-port serves one process's metrics; with --processes N, run N workers "
             "with a --metrics-port each instead"
         )
-    from ..worker.supervisor import stop_with_supervisor, supervisor_pid
+    from ..worker.supervisor import stop_with_supervisor, supervisor_link
 
     signalled = _keep_stop_signals()  # a SIGTERM while the app imports: a graceful stop
-    supervisor = supervisor_pid()  # before the app's import, which may start processes
+    supervisor = supervisor_link()  # before the app's import, which may start processes
     app = load_app(app_path or app_option, url, need_code=True)
     warn_new_database(app.url)
     if processes > 1:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .signals import STOP_SIGNALS, SignalRelay
@@ -37,7 +39,9 @@ log = logging.getLogger("errands.supervisor")
 RESTART_BACKOFF_MAX = 30.0
 HEALTHY_AFTER = 60.0  # seconds a child runs before its exit counts as a fresh failure
 GIVE_UP_AFTER = 5  # failures in a row, each before HEALTHY_AFTER, with none healthy
-SUPERVISOR_ENV = "ERRANDS_SUPERVISOR_PID"  # set in the environment of each child worker
+# Set in the environment of each child worker: "<supervisor pid>:<lifeline fd>" (the pid
+# alone where there is no pass_fds: Windows).
+SUPERVISOR_ENV = "ERRANDS_SUPERVISOR"
 SUPERVISOR_WATCH_EVERY = 0.5  # seconds between a child's looks for its supervisor
 HANGUP = getattr(signal, "SIGHUP", None)  # POSIX only
 HANGUP_SIGNALS = () if HANGUP is None else (HANGUP,)
@@ -52,6 +56,9 @@ class Supervisor:
         self._restarts: dict[int, int] = {}
         self._started: dict[int, float] = {}  # slot -> when its child started (monotonic)
         self._early_failures = 0  # children that failed before HEALTHY_AFTER, in a row
+        # slot -> the write end of its child's lifeline, never written: the child reads
+        # EOF once this process is gone, however it went (see supervisor_link)
+        self._lifelines: dict[int, int] = {}
         self.gave_up = False
         # Spawning and forwarding a signal take turns: a child started while a signal was
         # forwarded would never get it, and the supervisor would wait for it for ever.
@@ -64,8 +71,25 @@ class Supervisor:
             # In a session of its own: a terminal's Ctrl-C (sent to the whole foreground
             # process group) reaches the supervisor only, which forwards it once; sent to
             # the children too, each saw two signals and exited at once, skipping --grace.
-            env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
-            child = subprocess.Popen(self.command, start_new_session=True, env=env)
+            if os.name == "posix":
+                read_end, write_end = os.pipe()  # neither inherited but as passed below
+                env = {**os.environ, SUPERVISOR_ENV: f"{os.getpid()}:{read_end}"}
+                try:
+                    child = subprocess.Popen(
+                        self.command, start_new_session=True, env=env, pass_fds=(read_end,)
+                    )
+                except BaseException:
+                    os.close(write_end)
+                    raise
+                finally:
+                    os.close(read_end)
+                previous = self._lifelines.pop(slot, None)
+                if previous is not None:
+                    os.close(previous)
+                self._lifelines[slot] = write_end
+            else:
+                env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
+                child = subprocess.Popen(self.command, start_new_session=True, env=env)
             self.children[slot] = child
             self._started[slot] = time.monotonic()
         log.info("started worker process %d (pid %d)", slot, child.pid)
@@ -136,6 +160,9 @@ class Supervisor:
                         del pending_restart[slot]
                         self._spawn(slot)
             time.sleep(0.1)
+        for write_end in self._lifelines.values():
+            os.close(write_end)
+        self._lifelines.clear()
         codes = [child.returncode for child in self.children.values()]
         return 0 if all(c == 0 for c in codes) and not self.gave_up else 1
 
@@ -171,27 +198,68 @@ def child_command(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "errands", *out, "--processes", "1"]
 
 
-def supervisor_pid() -> int | None:
-    """The pid of the supervisor that started this worker (``--processes N``), taken out
+@dataclass(frozen=True)
+class SupervisorLink:
+    """How a worker started by a supervisor knows it is gone: ``lifeline``, the read end
+    of a pipe whose write end only the supervisor holds (EOF once it is gone, however it
+    went), or, without one (Windows), its pid no longer being this process's parent."""
+
+    pid: int
+    lifeline: int | None
+
+    def wait_gone(self) -> None:
+        """Block until the supervisor is gone."""
+        if self.lifeline is None:
+            while os.getppid() == self.pid:
+                time.sleep(SUPERVISOR_WATCH_EVERY)
+            return
+        while True:
+            try:
+                if not os.read(self.lifeline, 1):
+                    return  # EOF: every write end closed
+            except OSError:
+                return
+
+
+def supervisor_link() -> SupervisorLink | None:
+    """The link to the supervisor that started this worker (``--processes N``), taken out
     of the environment (so that nothing this worker starts inherits it); None when it was
-    not started by one. Call it before the app is imported."""
-    value = os.environ.pop(SUPERVISOR_ENV, None)
-    return int(value) if value and value.isdigit() else None
+    not started by one. Call it before the app is imported.
+
+    A lifeline is trusted as the supervisor's when the descriptor named is a pipe. A
+    worker judged by its parent's pid (asked at import's end: a supervisor SIGKILLed
+    while its children imported the app looked like a stale variable, and they ran on
+    with no one to stop them) is now judged so only without one, and then only when its
+    parent is that pid: a stale variable in a shell or a wrapper that forked must not
+    stop a worker nobody asked to stop."""
+    value = os.environ.pop(SUPERVISOR_ENV, None) or ""
+    pid_text, _, fd_text = value.partition(":")
+    if not pid_text.isdigit():
+        return None
+    pid = int(pid_text)
+    if fd_text.isdigit():
+        fd = int(fd_text)
+        try:
+            is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
+        except OSError:
+            is_pipe = False
+        if is_pipe:
+            os.set_inheritable(fd, False)  # the worker's own subprocesses do not get it
+            return SupervisorLink(pid, fd)
+    return SupervisorLink(pid, None) if os.getppid() == pid else None
 
 
-def stop_with_supervisor(worker: Worker, supervisor: int | None) -> None:
+def stop_with_supervisor(worker: Worker, link: SupervisorLink | None) -> None:
     """In a worker started by a supervisor: stop gracefully once the supervisor is gone
     (SIGKILLed, or killed with its process group by a tool that kills groups: the children
-    run in sessions of their own), rather than claim jobs on with no one to stop them.
-    Nothing when this process's parent is not that supervisor (a stale variable in a
-    shell, a wrapper that forked): the watch would stop a worker nobody asked to stop."""
-    if supervisor is None or os.getppid() != supervisor:
+    run in sessions of their own), rather than claim jobs on with no one to stop them; at
+    once when it went while the app was imported."""
+    if link is None:
         return
 
     def watch() -> None:
-        while os.getppid() == supervisor:
-            time.sleep(SUPERVISOR_WATCH_EVERY)
-        log.warning("the supervisor (pid %s) is gone: stopping gracefully", supervisor)
+        link.wait_gone()
+        log.warning("the supervisor (pid %s) is gone: stopping gracefully", link.pid)
         worker.stop()
 
     threading.Thread(target=watch, name="errands-supervisor-watch", daemon=True).start()
