@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -474,23 +474,60 @@ class App:
         """Run a job on a cron schedule, once per slot across the whole cluster.
 
         ``expression`` has five fields (minute hour day-of-month month day-of-week) and is
-        read in time zone ``tz``. ``args`` are the job's arguments, validated now.
-        ``catch_up``: None runs the latest missed slot once, True runs every missed slot,
-        False skips missed slots. Other keyword arguments are ``@app.job`` options.
+        read in time zone ``tz`` (a name, or a ZoneInfo). ``args`` are the job's
+        arguments, validated now. ``catch_up``: None runs the latest missed slot once,
+        True runs every missed slot, False skips missed slots. Other keyword arguments are
+        ``@app.job`` options; on a function already decorated with ``@app.job``, give
+        them there.
         """
-        from .maintenance.scheduler import Periodic, check_schedule
+        from .maintenance.scheduler import Periodic, check_catch_up, check_schedule
+        from .payload import RESERVED_OPTIONS
 
         def register(fn: F) -> JobDefinition[Any, Any]:
-            check_schedule(expression, tz, job_options.get("name") or fn.__qualname__)
-            definition: JobDefinition[Any, Any] = self.job(**job_options)(fn)
+            existing = fn if isinstance(fn, JobDefinition) else None
+            what = job_options.get("name") or (existing or fn).__qualname__
+            if existing is not None:
+                what = existing.name
+                if existing.app is not self:
+                    raise ConfigurationError(
+                        f"periodic job {what!r} is a job of another App: schedule it there"
+                    )
+                if job_options:
+                    raise ConfigurationError(
+                        f"periodic job {what!r}: give {sorted(job_options)} to its @app.job; "
+                        "@app.periodic on top of it takes only the schedule"
+                    )
+            zone = check_schedule(expression, tz, what)
+            catch = check_catch_up(catch_up, what)
+            if args is not None and not isinstance(args, Mapping):
+                raise ConfigurationError(
+                    f"periodic job {what!r}: args={args!r}; give a dict of the job's "
+                    "arguments, as in args={'region': 'eu'}"
+                )
             fixed = dict(args or {})
+            options = sorted(RESERVED_OPTIONS & set(fixed))
+            if options:
+                raise ConfigurationError(
+                    f"periodic job {what!r}: args names {options}, enqueue option(s) a "
+                    "periodic job does not take per run (its key and time are its slot's); "
+                    "give queue= and priority= to @app.periodic (or its @app.job)"
+                )
+            if job_options.get("unique_for") is not None or (
+                existing is not None and existing.unique_for is not None
+            ):
+                raise ConfigurationError(
+                    f"periodic job {what!r}: unique_for= does not apply: each run is keyed by "
+                    "its slot (cron:<time>), once per slot; drop unique_for="
+                )
+            definition: JobDefinition[Any, Any] = existing or self.job(**job_options)(fn)
             try:
                 bound = definition.bind(**fixed)  # validate the arguments at definition time
             except Exception:
-                del self.registry[definition.name]  # bad args register nothing
+                if existing is None:
+                    del self.registry[definition.name]  # bad args register nothing
                 raise
             self.schedules[definition.name] = Periodic(
-                definition, expression, tz, fixed, catch_up, bound
+                definition, expression, zone, fixed, catch, bound
             )
             return definition
 

@@ -587,8 +587,10 @@ class Backend(Protocol):
         last_slot: float,
         last_job_id: int | None,
         next_slot: float | None,
+        rewind: bool = False,
     ) -> None:
-        """Record the latest slot handled (never moving it backwards) and the next one."""
+        """Record the latest slot handled (never moving it backwards, but with
+        ``rewind``: the database clock was stepped back) and the next one."""
         ...
 
     # -- effectively-once tools ---------------------------------------------------------

@@ -12,8 +12,16 @@ Misfire policy, for slots that passed while no leader ran (``catch_up``):
 - ``True``: run every missed slot (at most ``CATCH_UP_MAX``);
 - ``False``: skip missed slots; only a slot seen within ``MISFIRE_GRACE`` seconds runs.
 
+Under every policy a slot seen within the grace (``MISFIRE_GRACE``, longer when the
+maintenance tick and the leadership's ttl are) runs: a tick or a failover never makes an
+on-time slot look missed.
+
 A periodic job seen for the first time starts from now: slots before its first
-deployment never run.
+deployment never run. One whose schedule changed, or that comes back after a leader
+whose code did not define it (its state is marked absent then), starts from the grace
+before now: the slots that were due meanwhile were never missed, they did not exist
+(a job back after a week's absence ran 1,000 stale slots with catch_up=True), while a
+slot due in the deploy's gap still runs (its key keeps it once).
 
 No user code runs here (the maintenance thread): a periodic job's arguments are
 validated and encoded once, when ``@app.periodic`` registers it, and each slot inserts a
@@ -24,9 +32,10 @@ and retried next tick; it never holds the others back.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -43,6 +52,10 @@ log = logging.getLogger("errands.cron")
 
 MISFIRE_GRACE = 60.0
 CATCH_UP_MAX = 1000
+# The expression stored for a periodic job that the last leader's code did not define
+# (see Scheduler._mark_absent): never a valid schedule, so its return reads as a change.
+ABSENT = "(absent)"
+ABSENT_CHECK_EVERY = 60.0  # seconds, for a leader whose code defines no periodic job
 
 
 @dataclass(frozen=True)
@@ -65,8 +78,19 @@ class Periodic:
 
     def slots_after(self, after: datetime, until: datetime) -> list[datetime]:
         """Slots in ``(after, until]``, oldest first (at most CATCH_UP_MAX + 1)."""
+        zone = self.zone()
+        # Far behind (a minutely job a year down: 525,000 slots, 5 s to walk), the walk
+        # starts at the oldest slot it may keep, found walking back from ``until``.
+        start = after
+        back = CronSim(self.expression, (until + timedelta(seconds=1)).astimezone(zone), True)
+        for n, slot in enumerate(back):
+            if slot <= after:
+                break
+            if n > CATCH_UP_MAX:
+                start = slot
+                break
         found: list[datetime] = []
-        for slot in CronSim(self.expression, after.astimezone(self.zone())):
+        for slot in CronSim(self.expression, start.astimezone(zone)):
             if slot > until:
                 break
             if slot <= after:  # the repeated autumn hour: CronSim may give its first pass
@@ -90,8 +114,21 @@ class Periodic:
         )
 
 
-def check_schedule(expression: str, timezone: str, name: str) -> None:
-    """Fail at definition with a clear error for a bad expression or time zone."""
+def check_schedule(expression: object, timezone: object, name: str) -> str:
+    """Fail at definition with a clear error for a bad expression or time zone; the time
+    zone's name (a ZoneInfo is taken for its key)."""
+    if isinstance(timezone, ZoneInfo) and timezone.key:
+        timezone = timezone.key
+    if not isinstance(timezone, str):
+        raise ConfigurationError(
+            f"periodic job {name!r}: tz={timezone!r}: give an IANA time zone name such as "
+            "tz='UTC' or tz='Europe/Paris'"
+        )
+    if not isinstance(expression, str):
+        raise ConfigurationError(
+            f"periodic job {name!r}: the cron expression is {expression!r}; give a string "
+            "of five fields, as in '*/5 * * * *'"
+        )
     try:
         zone = ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
@@ -106,6 +143,18 @@ def check_schedule(expression: str, timezone: str, name: str) -> None:
             f"periodic job {name!r}: bad cron expression {expression!r} ({exc}); write five "
             "fields: minute hour day-of-month month day-of-week, as in '*/5 * * * *'"
         ) from None
+    return timezone
+
+
+def check_catch_up(catch_up: object, name: str) -> bool | None:
+    """``catch_up`` is None, True or False (1 counted as True and ran one slot; "all"
+    behaved as the default and broke ``errands cron list``)."""
+    if catch_up is None or isinstance(catch_up, bool):
+        return catch_up
+    raise ConfigurationError(
+        f"periodic job {name!r}: catch_up={catch_up!r}; give None (run the latest missed "
+        "slot once), True (run every missed slot) or False (skip missed slots)"
+    )
 
 
 def slot_key(slot: datetime) -> str:
@@ -115,11 +164,23 @@ def slot_key(slot: datetime) -> str:
 class Scheduler:
     """Inserts due cron slots. Run by the maintenance leader; ``clock`` is injectable."""
 
-    def __init__(self, app: App, clock: Callable[[], datetime] | None = None) -> None:
+    def __init__(
+        self,
+        app: App,
+        clock: Callable[[], datetime] | None = None,
+        *,
+        grace: float = MISFIRE_GRACE,
+    ) -> None:
         self.app = app
         self.clock = clock or (lambda: datetime.fromtimestamp(app.backend.db_now(), tz=UTC))
+        # How late a slot may be seen and still be on time: at least MISFIRE_GRACE, and a
+        # tick plus a leadership's ttl (a 300 s tick saw every slot late, and catch_up=False
+        # skipped them all; a failover with a 12 s tick, each slot of the ttl)
+        self.grace = max(grace, MISFIRE_GRACE)
         self.inserted = 0
         self._first = 0  # the periodic job a tick starts with
+        self._clock_warned: set[str] = set()
+        self._absent_checked = float("-inf")  # monotonic: the last look with no periodic job
 
     def run_once(self, now: datetime | None = None, go_on: Callable[[], bool] | None = None) -> int:
         """Insert the due slots of every periodic job; the number inserted. ``go_on``
@@ -129,10 +190,16 @@ class Scheduler:
         whole hook_timeout, N of them far past the leader's lease)."""
         periodic = list(self.app.schedules.values())
         if not periodic:
+            # Nothing to insert; the states of periodic jobs other code defined are
+            # marked absent, once a minute (a read a tick for nothing, else).
+            if time.monotonic() >= self._absent_checked + ABSENT_CHECK_EVERY:
+                self._absent_checked = time.monotonic()
+                self._mark_absent(self.app.backend.cron_states())
             return 0
         now = now or self.clock()
         backend = self.app.backend
         states = {s.name: s for s in backend.cron_states()}
+        self._mark_absent([s for s in states.values() if s.name not in self.app.schedules])
         count = 0
         # The next tick starts after one that timed out: a hook hanging on one job's slots
         # never keeps the others waiting for ever.
@@ -141,7 +208,7 @@ class Scheduler:
             if go_on is not None and not go_on():
                 break
             try:
-                count += self._run_one(job, states.get(job.name), now)
+                count += self._run_one(job, states.get(job.name), now, go_on)
             except TimeoutError:
                 log.error(
                     "cron %s: its insert timed out (a before_insert hook?); this tick's "
@@ -157,40 +224,86 @@ class Scheduler:
         self.inserted += count
         return count
 
-    def _run_one(self, job: Periodic, state: Any, now: datetime) -> int:
+    def _mark_absent(self, states: list[Any]) -> None:
+        """Mark the state of each periodic job this leader's code does not define (removed,
+        renamed, or not yet deployed here): when a leader defines it again its slots start
+        afresh, not from a last slot that may be a week old. Written once per absence."""
+        for state in states:
+            if state.expression == ABSENT:
+                continue
+            try:
+                self.app.backend.cron_save(
+                    state.name, ABSENT, state.timezone, state.last_slot or 0.0, None, None
+                )
+                log.info(
+                    "cron %s: not defined in this leader's code; its slots start afresh "
+                    "when a leader defines it again", state.name,
+                )  # fmt: skip
+            except Exception as exc:
+                log.warning("cron %s: could not mark it absent (%s); next tick", state.name, exc)
+
+    def _run_one(
+        self, job: Periodic, state: Any, now: datetime, go_on: Callable[[], bool] | None = None
+    ) -> int:
         backend = self.app.backend
         count = 0
-        changed = state is not None and (
-            (state.expression, state.timezone) != (job.expression, job.timezone)
-        )
-        if state is None or state.last_slot is None or changed:
-            # Seen for the first time, or its schedule (or time zone) changed: it starts
-            # from now. Its new schedule's slots since the old one's last were never due
-            # (a 03:00 job moved to 04:00 at 14:00 ran at once; catch_up=True ran each).
-            if changed:
-                log.info(
-                    "cron %s: schedule changed to %r (%s); its slots start from now",
-                    job.name, job.expression, job.timezone,
-                )  # fmt: skip
+        if state is None or state.last_slot is None:
+            # Seen for the first time: it starts from now (slots before its first
+            # deployment never run).
             backend.cron_save(job.name, job.expression, job.timezone, now.timestamp(), None,
                               job.next_after(now).timestamp())  # fmt: skip
             return 0
         last = datetime.fromtimestamp(state.last_slot, tz=UTC)
+        if (state.expression, state.timezone) != (job.expression, job.timezone):
+            # Its schedule (or time zone) changed, or it is back after an absence: it
+            # starts from the grace before now. The new schedule's slots since the old
+            # one's last were never due (a 03:00 job moved to 04:00 at 14:00 ran at once;
+            # catch_up=True ran each), but one due in the deploy's gap still runs.
+            log.info(
+                "cron %s: %s %r (%s); its slots start from now",
+                job.name, "back, with schedule" if state.expression == ABSENT
+                else "schedule changed to", job.expression, job.timezone,
+            )  # fmt: skip
+            last = max(last, now - timedelta(seconds=self.grace))
+        elif last > now + timedelta(seconds=self.grace):
+            # The database clock is behind the last slot handled: it was stepped forward,
+            # then back. Slots from now on run (their keys keep the ones inserted while it
+            # ran ahead once); the last slot only moving forward skipped them all.
+            if job.name not in self._clock_warned:
+                self._clock_warned.add(job.name)
+                log.warning(
+                    "cron %s: the database clock (%s) is behind its last slot handled (%s): "
+                    "was it stepped back? Slots from now on run", job.name,
+                    now.isoformat(), last.isoformat(),
+                )  # fmt: skip
+            backend.cron_save(job.name, job.expression, job.timezone, now.timestamp(), None,
+                              job.next_after(now).timestamp(), rewind=True)  # fmt: skip
+            return 0
         slots = job.slots_after(last, now)
         if not slots:
+            if state.expression != job.expression or state.timezone != job.timezone:
+                backend.cron_save(job.name, job.expression, job.timezone, last.timestamp(),
+                                  None, job.next_after(now).timestamp())  # fmt: skip
             return 0
         chosen = self._apply_policy(job, slots, now)
         job_id = state.last_job_id
+        handled = last
         for slot in chosen:
+            if go_on is not None and slot is not chosen[0] and not go_on():
+                break  # leadership lost mid catch-up: the next leader goes on from here
             handle = self._insert(job.for_slot(slot))
-            job_id = handle.id
+            job_id, handled = handle.id, slot
             if not handle.deduplicated:
                 count += 1
                 log.info("cron %s: enqueued slot %s as job %s", job.name, slot.isoformat(), job_id)
-        skipped = len(slots) - len(chosen)
-        if skipped:
-            log.warning("cron %s: skipped %d missed slot(s) (misfire policy)", job.name, skipped)
-        backend.cron_save(job.name, job.expression, job.timezone, slots[-1].timestamp(),
+        else:
+            handled = slots[-1]  # every chosen slot inserted: the skipped ones are handled
+            skipped = len(slots) - len(chosen)
+            if skipped:
+                log.warning(
+                    "cron %s: skipped %d missed slot(s) (misfire policy)", job.name, skipped
+                )
+        backend.cron_save(job.name, job.expression, job.timezone, handled.timestamp(),
                           job_id, job.next_after(now).timestamp())  # fmt: skip
         return count
 
@@ -209,11 +322,10 @@ class Scheduler:
         [handle] = lane.call(app.enqueue_many, [bound], timeout=app.hooks.hook_timeout, what=what)
         return handle  # type: ignore[no-any-return]
 
-    @staticmethod
-    def _apply_policy(job: Periodic, slots: list[datetime], now: datetime) -> list[datetime]:
+    def _apply_policy(self, job: Periodic, slots: list[datetime], now: datetime) -> list[datetime]:
         if job.catch_up is True:
             return slots
-        on_time = [s for s in slots if (now - s).total_seconds() <= MISFIRE_GRACE]
+        on_time = [s for s in slots if (now - s).total_seconds() <= self.grace]
         if job.catch_up is False:
             return on_time[-1:]
         return slots[-1:]

@@ -110,7 +110,8 @@ class Maintenance:
         self.dead_hooks_taken_over = 0
         self._unsure: list[tuple[RescueParams, ExpiredLease]] = []  # reply lost: did it land?
         self._renewed_at = 0.0  # when the leadership was last taken or renewed (monotonic)
-        self.scheduler = Scheduler(app)
+        # a slot seen within a tick and a failover of its time is on time
+        self.scheduler = Scheduler(app, grace=self.ttl + tick)
 
     def start(self) -> None:
         self._thread.start()

@@ -1126,6 +1126,7 @@ class PostgresBackend(PostgresAdmin):
         last_slot: float,
         last_job_id: int | None,
         next_slot: float | None,
+        rewind: bool = False,
     ) -> None:
         with self._conn() as conn:
             conn.execute(
@@ -1137,6 +1138,7 @@ class PostgresBackend(PostgresAdmin):
                     "last_slot": last_slot,
                     "last_job_id": last_job_id,
                     "next_slot": next_slot,
+                    "rewind": rewind,
                 },
             )
 

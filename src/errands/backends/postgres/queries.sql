@@ -799,7 +799,8 @@ VALUES (%(name)s, %(expression)s, %(timezone)s, to_timestamp(%(last_slot)s), %(l
         to_timestamp(%(next_slot)s))
 ON CONFLICT (name) DO UPDATE
 SET expression = excluded.expression, timezone = excluded.timezone,
-    last_slot = GREATEST(c.last_slot, excluded.last_slot),
+    last_slot = CASE WHEN %(rewind)s THEN excluded.last_slot
+                     ELSE GREATEST(c.last_slot, excluded.last_slot) END,
     last_job_id = COALESCE(excluded.last_job_id, c.last_job_id),
     next_slot = excluded.next_slot, updated_at = now()
 

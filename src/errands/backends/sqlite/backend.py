@@ -712,6 +712,7 @@ class SQLiteBackend(SQLiteAdmin):
         last_slot: float,
         last_job_id: int | None,
         next_slot: float | None,
+        rewind: bool = False,
     ) -> None:
         with self._write() as conn:
             conn.execute(
@@ -723,6 +724,7 @@ class SQLiteBackend(SQLiteAdmin):
                     "last_slot": last_slot,
                     "last_job_id": last_job_id,
                     "next_slot": next_slot,
+                    "rewind": rewind,
                 },
             )
 

@@ -604,7 +604,8 @@ INSERT INTO errands_cron (name, expression, timezone, last_slot, last_job_id, ne
 VALUES (:name, :expression, :timezone, :last_slot, :last_job_id, :next_slot, (julianday('now') - 2440587.5) * 86400.0)
 ON CONFLICT (name) DO UPDATE
 SET expression = excluded.expression, timezone = excluded.timezone,
-    last_slot = max(COALESCE(errands_cron.last_slot, 0), excluded.last_slot),
+    last_slot = CASE WHEN :rewind THEN excluded.last_slot
+                     ELSE max(COALESCE(errands_cron.last_slot, 0), excluded.last_slot) END,
     last_job_id = COALESCE(excluded.last_job_id, errands_cron.last_job_id),
     next_slot = excluded.next_slot, updated_at = excluded.updated_at
 

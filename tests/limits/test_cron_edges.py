@@ -1,0 +1,183 @@
+"""Cron at its edges (found by a cold review): a job back after an absence, a long tick, a
+database clock stepped back, a schedule changed across a slot, a long catch-up that loses
+its leadership, and bad definitions. Both stores; an injected clock, never real minutes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+
+import errands
+from errands.errors import ConfigurationError
+from errands.maintenance.scheduler import CATCH_UP_MAX, Scheduler
+from errands.maintenance.service import Maintenance
+
+DAY = datetime(2031, 3, 1, tzinfo=UTC)
+
+
+def slots_of(app: errands.App, name: str) -> list[datetime]:
+    return sorted(j.run_at for j in app.jobs(name=name, limit=2000))
+
+
+def minutely(url: str, **options: Any) -> errands.App:
+    app = errands.App(url)
+    app.periodic("* * * * *", name="cron.minutely", **options)(lambda: None)
+    return app
+
+
+def test_a_periodic_job_back_after_an_absence_starts_afresh(store_url: str) -> None:
+    """Removed from the code for a week (a leader ran all along), then back (a rollback,
+    a rename undone): its last slot, a week old, made every slot of the absence 'missed',
+    and catch_up=True enqueued 1,000 stale jobs in one tick."""
+    first, without = minutely(store_url, catch_up=True), errands.App(store_url)
+    try:
+        Scheduler(first).run_once(now=DAY)
+        assert Scheduler(first).run_once(now=DAY + timedelta(minutes=1, seconds=5)) == 1
+        Scheduler(without).run_once(now=DAY + timedelta(minutes=2))  # its leader's code
+        back = DAY + timedelta(days=7, seconds=20)
+        assert Scheduler(first).run_once(now=back) == 1  # the slot seen on time only
+        assert slots_of(first, "cron.minutely") == [
+            DAY + timedelta(minutes=1),
+            back.replace(second=0),
+        ]
+    finally:
+        first.close()
+        without.close()
+
+
+def test_catch_up_false_runs_the_slots_a_long_maintenance_tick_sees_on_time(
+    store_url: str,
+) -> None:
+    """With --maintenance-tick 300 each */5 slot is seen up to 300 s late: catch_up=False
+    skipped them all (a 60 s grace), and every slot of a failover once the tick was 12 s."""
+    app = errands.App(store_url)
+    try:
+        app.periodic("*/5 * * * *", name="cron.every5", catch_up=False)(lambda: None)
+        scheduler = Maintenance(app, "w-slow", tick=300.0).scheduler
+        scheduler.run_once(now=DAY + timedelta(seconds=10))
+        for n in range(1, 4):
+            scheduler.run_once(now=DAY + timedelta(minutes=5 * n, seconds=70))
+        assert slots_of(app, "cron.every5") == [DAY + timedelta(minutes=5 * n) for n in (1, 2, 3)]
+    finally:
+        app.close()
+
+
+def test_slots_run_again_once_a_database_clock_stepped_ahead_is_set_back(
+    store_url: str,
+) -> None:
+    """The last slot handled only moves forward: after the clock ran 6 h ahead and was
+    corrected, no slot ran until the clock caught up with it."""
+    app = minutely(store_url)
+    try:
+        scheduler = Scheduler(app)
+        scheduler.run_once(now=DAY)
+        scheduler.run_once(now=DAY + timedelta(hours=6, seconds=5))  # stepped ahead
+        for minute in range(1, 4):  # set back: ticks on the right time again
+            scheduler.run_once(now=DAY + timedelta(minutes=minute, seconds=5))
+        assert slots_of(app, "cron.minutely") == [
+            DAY + timedelta(minutes=2),
+            DAY + timedelta(minutes=3),
+            DAY + timedelta(hours=6),
+        ]
+    finally:
+        app.close()
+
+
+def test_a_changed_schedule_still_runs_a_slot_due_in_the_deploys_gap(store_url: str) -> None:
+    """*/5 changed to */10, the old code's last tick at 09:59, the new code's first at
+    10:00:06: the 10:00 slot is in both schedules and never ran."""
+    old, new = errands.App(store_url), errands.App(store_url)
+    try:
+        old.periodic("*/5 * * * *", name="cron.report")(lambda: None)
+        new.periodic("*/10 * * * *", name="cron.report")(lambda: None)
+        Scheduler(old).run_once(now=DAY + timedelta(hours=9, minutes=50, seconds=30))
+        Scheduler(old).run_once(now=DAY + timedelta(hours=9, minutes=59))
+        assert Scheduler(new).run_once(now=DAY + timedelta(hours=10, seconds=6)) == 1
+        assert slots_of(new, "cron.report") == [
+            DAY + timedelta(hours=9, minutes=55),
+            DAY + timedelta(hours=10),
+        ]
+    finally:
+        old.close()
+        new.close()
+
+
+def test_a_long_catch_up_stops_when_the_leadership_is_lost_and_the_next_goes_on(
+    store_url: str,
+) -> None:
+    """Leadership was asked between periodic jobs only: 1,000 slots of one job (a slow
+    before_insert hook: 11 s) held the leader past its ttl while another took over."""
+    app = minutely(store_url, catch_up=True)
+    try:
+        scheduler = Scheduler(app)
+        scheduler.run_once(now=DAY)
+        answers = iter([True, True, True, False])  # leader for the job and 2 more slots
+        later = DAY + timedelta(minutes=10, seconds=5)
+        assert scheduler.run_once(now=later, go_on=lambda: next(answers)) == 3
+        assert Scheduler(app).run_once(now=later) == 7  # from where it stopped
+        assert slots_of(app, "cron.minutely") == [DAY + timedelta(minutes=m) for m in range(1, 11)]
+    finally:
+        app.close()
+
+
+def test_a_year_behind_a_minutely_job_runs_its_latest_slots(store_url: str) -> None:
+    """The walk starts at the oldest slot it may keep (walking every slot of a year took
+    seconds on the leader's thread): catch_up=True gets the latest CATCH_UP_MAX."""
+    app = minutely(store_url, catch_up=True)
+    try:
+        scheduler = Scheduler(app)
+        scheduler.run_once(now=DAY)
+        now = DAY + timedelta(days=365, seconds=5)
+        assert scheduler.run_once(now=now) == CATCH_UP_MAX
+        slots = slots_of(app, "cron.minutely")
+        assert slots[-1] == now.replace(second=0)
+        assert slots[0] == now.replace(second=0) - timedelta(minutes=CATCH_UP_MAX - 1)
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"catch_up": 1}, r"catch_up=1; give None .*, True .* or False"),
+        ({"catch_up": "all"}, r"catch_up='all'"),
+        ({"args": {"queue": "other"}}, r"args names \['queue'\], enqueue option"),
+        ({"args": [("region", "eu")]}, r"give a dict of the job's arguments"),
+        ({"tz": None}, r"tz=None: give an IANA time zone name"),
+        ({"unique_for": 60}, r"unique_for= does not apply: each run is keyed by its slot"),
+    ],
+)
+def test_bad_periodic_options_fail_at_definition_naming_the_fix(
+    tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    app = errands.App(f"sqlite:///{tmp_path}/errands.db")
+
+    def report(region: str = "eu") -> None: ...
+
+    with pytest.raises(ConfigurationError, match=message):
+        app.periodic("*/5 * * * *", name="bad.periodic", **options)(report)
+    assert (app.registry, app.schedules) == ({}, {})
+
+
+def test_a_cron_expression_that_is_not_a_string_fails_naming_the_fix(tmp_path: Path) -> None:
+    app = errands.App(f"sqlite:///{tmp_path}/errands.db")
+    with pytest.raises(ConfigurationError, match="give a string of five fields"):
+        app.periodic(None, name="bad.periodic")(lambda: None)  # type: ignore[arg-type]
+
+
+def test_a_zoneinfo_and_a_job_already_defined_are_taken(tmp_path: Path) -> None:
+    app = errands.App(f"sqlite:///{tmp_path}/errands.db")
+
+    @app.periodic("0 9 * * *", tz=ZoneInfo("Europe/Paris"))
+    @app.job(name="report.daily", queue="reports")
+    def daily() -> None: ...
+
+    [periodic] = app.schedules.values()
+    assert (periodic.name, periodic.timezone) == ("report.daily", "Europe/Paris")
+    assert periodic.bound.request.queue == "reports"
+    with pytest.raises(ConfigurationError, match=r"give \['queue'\] to its @app.job"):
+        app.periodic("0 9 * * *", queue="other")(daily)
