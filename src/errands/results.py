@@ -24,6 +24,9 @@ while it was away are lost). Polling stays as the fallback: with ``listen=false`
 (PgBouncer in transaction mode), an in-memory SQLite store, or a watcher that is down,
 waiters poll with backoff as before; even a healthy watcher's waiters read again every
 ``SAFETY_RECHECK`` seconds.
+
+The waits themselves (``handle.result()``, ``as_completed``, ``wait_all`` and their async
+forms) run in errands.waiting, paced by :class:`Pacer`.
 """
 
 from __future__ import annotations
@@ -44,11 +47,9 @@ from .jobs import TERMINAL_STATES, JobRow
 
 if TYPE_CHECKING:
     from .app import App
-    from .handle import JobHandle
 
 log = logging.getLogger("errands.results")
 
-READ_CHUNK = 1000  # jobs wait_all / as_completed read at once
 READY_WAIT = 2.0  # seconds the first waiter waits for the watcher to listen, then polls
 SAFETY_RECHECK = 30.0  # a pushed waiter reads its job again at least this often
 STATES_CHUNK = 500  # job ids per states query
@@ -95,12 +96,17 @@ class Waiter:
         self._flag.clear()
         return woken
 
-    async def await_wake(self, seconds: float) -> None:
+    async def await_wake(self, seconds: float) -> bool:
+        """:meth:`wait` for a task: the event loop runs meanwhile."""
         assert self._async is not None
-        with suppress(TimeoutError):
+        try:
             await asyncio.wait_for(self._async.wait(), max(seconds, 0.0))
+            woken = True
+        except TimeoutError:
+            woken = False
         self._async.clear()
         self._flag.clear()
+        return woken
 
 
 class ResultHub:
@@ -241,6 +247,11 @@ class ResultHub:
         with self._lock:
             return len(self._by_job)
 
+    def waiters(self) -> int:
+        """How many waiters are registered now (one per wait, however many jobs it has)."""
+        with self._lock:
+            return len({w for group in self._by_job.values() for w in group})
+
 
 def _wait_seconds(value: float | timedelta | None, option: str) -> float | None:
     """A wait's ``timeout`` or ``poll``: a number of seconds or a timedelta (a timeout
@@ -297,78 +308,8 @@ class Pacer:
             raise ResultTimeout(f"{what} after {self.timeout} s")
         return min(pause, left)
 
-
-POLL_DEFAULT = 0.05
-
-
-def as_completed(
-    handles: Iterable[JobHandle],
-    timeout: float | timedelta | None = None,
-    poll: float = POLL_DEFAULT,
-) -> Iterator[JobHandle]:
-    """Yield each handle as its job ends (completed, dead, cancelled or discarded), in the
-    order they end; ``ResultTimeout`` when ``timeout`` seconds pass first. Call
-    ``handle.result()`` on each for its result (or the error saying how it ended). The
-    handles must belong to one App; the store wakes the wait (see this module).
-
-    .. versionadded:: 0.2
-    """
-    pending = {h.id: h for h in handles}
-    if not pending:
-        return
-    apps = {id(h.app): h.app for h in pending.values()}
-    if len(apps) > 1:
-        raise ConfigurationError("as_completed and wait_all take handles of one App")
-    hub = next(iter(apps.values())).results
-    pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
-    hub.ready(pacer.ready_wait())
-    backend = hub.app.backend
-    with hub.watch(pending) as waiter:
-        read_all = True  # the first look reads every job
-        read_all_at = 0.0
-        while pending:
-            # The rows the hub read when it woke us. The others are read here, in chunks,
-            # only on the first look, a poll or a safety recheck, or a wake that brought
-            # no rows: reading every pending job on each push made wait_all on N jobs
-            # O(N^2) rows (and one query per job per wake before that: 95,000 reads for
-            # 1,000 jobs).
-            rows = {i: waiter.rows.pop(i) for i in list(pending) if i in waiter.rows}
-            if read_all:
-                read_all_at = time.monotonic()
-                unread = [i for i in pending if i not in rows]
-                for start in range(0, len(unread), READ_CHUNK):
-                    chunk = unread[start : start + READ_CHUNK]
-                    rows.update((r.id, r) for r in backend.job_get_many(chunk))
-            for job_id, handle in list(pending.items()):
-                row = rows.get(job_id)
-                if row is None and not read_all:
-                    continue  # not ended (the hub hands over the rows of those that did)
-                # None: not found (handle.job() says so, or finds it)
-                if (row.to_job() if row is not None else handle.job()).state.is_terminal:
-                    del pending[job_id]
-                    yield handle
-            if pending:
-                woken = waiter.wait(pacer.next(f"{len(pending)} job(s) still not finished"))
-                read_all = (
-                    waiter.take_read_all()
-                    or not woken
-                    or not hub.pushing
-                    # the safety recheck, also while other jobs' ends keep waking it
-                    or time.monotonic() - read_all_at >= SAFETY_RECHECK
-                )
-
-
-def wait_all(
-    handles: Iterable[JobHandle],
-    timeout: float | timedelta | None = None,
-    poll: float = POLL_DEFAULT,
-) -> list[JobHandle]:
-    """Wait until every job has ended; return the handles in the order given.
-    ``ResultTimeout`` when ``timeout`` seconds pass first.
-
-    .. versionadded:: 0.2
-    """
-    given = list(handles)
-    for _ in as_completed(given, timeout=timeout, poll=poll):
-        pass
-    return given
+    @staticmethod
+    def recheck_due(since: float) -> bool:
+        """Whether a waiter that last read every job at ``since`` (time.monotonic()) must
+        read them all again: the safety recheck, also while other jobs' ends wake it."""
+        return time.monotonic() - since >= SAFETY_RECHECK

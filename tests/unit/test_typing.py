@@ -52,6 +52,9 @@ async def async_side() -> int:
     state: errands.JobState = await handle.astatus()
     job: errands.Job = await app.aget_job(handle.id)
     many: list[errands.JobHandle] = await app.aenqueue_many([send.bind(user_id=3, email="y")])
+    ended: list[errands.JobHandle] = await errands.await_all(many, timeout=1.0)
+    async for done in errands.as_completed(ended, timeout=1.0):
+        print(done.id)
     try:
         result = await handle.aresult(timeout=30)
     except (errands.JobFailed, errands.JobCancelled, errands.ResultTimeout):
