@@ -271,10 +271,15 @@ def _wait_seconds(value: float | timedelta | None, option: str) -> float | None:
 
 class Pacer:
     """How long a waiter waits before reading again: until woken, or SAFETY_RECHECK, while
-    the store pushes; exponential backoff up to ``poll`` while it must poll."""
+    the store pushes; exponential backoff from ``first`` up to ``poll`` while it must poll
+    (``hub`` None: nothing pushes, as for a workflow's wait)."""
 
     def __init__(
-        self, hub: ResultHub, poll: float | timedelta, timeout: float | timedelta | None
+        self,
+        hub: ResultHub | None,
+        poll: float | timedelta,
+        timeout: float | timedelta | None,
+        first: float = 0.01,
     ) -> None:
         self.hub = hub
         every = _wait_seconds(poll, "poll")
@@ -284,7 +289,7 @@ class Pacer:
                 "as in poll=0.05"
             )
         self.poll: float = every
-        self.delay = min(every, 0.01)
+        self.delay = min(every, first)
         self.timeout = _wait_seconds(timeout, "timeout")
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
@@ -297,7 +302,7 @@ class Pacer:
 
     def next(self, what: str) -> float:
         """Seconds to wait; ResultTimeout (naming ``what``) once the time is up."""
-        if self.hub.pushing:
+        if self.hub is not None and self.hub.pushing:
             pause = SAFETY_RECHECK
         else:
             pause, self.delay = self.delay, min(self.delay * 2, self.poll)
