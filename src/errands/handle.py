@@ -76,6 +76,12 @@ class JobHandle:
         wait when the job's outcome commits (LISTEN/NOTIFY on PostgreSQL, commit
         detection on SQLite; see errands.results); ``poll`` is the longest pause between
         reads where it cannot (``listen=false``, an in-memory store).
+
+        The timeout holds while the store cannot be read (a server away, a pool with no
+        connection free): a read waits for a connection no longer than the time left,
+        a failed read is made again with backoff, and at the deadline ResultTimeout says
+        the store could not be read (the store's error is its ``__cause__``). Without a
+        timeout the wait reads again until the store answers.
         """
         return self._outcome(first_end(self, timeout, poll))
 
@@ -83,8 +89,10 @@ class JobHandle:
         self, timeout: float | timedelta | None = None, poll: float = POLL_INTERVAL_DEFAULT
     ) -> Any:
         """:meth:`result` for async code: the same outcomes and errors, woken the same
-        way, and the event loop never blocks. Cancelling the awaiting task stops only the
-        wait (its registration is removed).
+        way, and the event loop never blocks. Each read runs in a thread and is awaited
+        no longer than the time left, so ResultTimeout comes at the deadline even when a
+        read hangs (the thread ends on its own). Cancelling the awaiting task stops only
+        the wait (its registration is removed).
 
         .. versionadded:: 0.2
         """

@@ -37,22 +37,27 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import ConfigurationError, ResultTimeout
+from .backends.base import DEADLINE_FLOOR, calls_until
+from .errors import ConfigurationError, ResultTimeout, is_transient
 from .jobs import TERMINAL_STATES, JobRow
 
 if TYPE_CHECKING:
     from .app import App
 
 log = logging.getLogger("errands.results")
+T = TypeVar("T")
 
 READY_WAIT = 2.0  # seconds the first waiter waits for the watcher to listen, then polls
 SAFETY_RECHECK = 30.0  # a pushed waiter reads its job again at least this often
 STATES_CHUNK = 500  # job ids per states query
+# An async read is awaited this long past the time left, so that a store call bounded by
+# the deadline itself (a pool's checkout: PoolTimeout, which says more) ends it first.
+AWAIT_MARGIN = 0.1
 TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
 
@@ -97,10 +102,12 @@ class Waiter:
         return woken
 
     async def await_wake(self, seconds: float) -> bool:
-        """:meth:`wait` for a task: the event loop runs meanwhile."""
+        """:meth:`wait` for a task: the event loop runs meanwhile. (asyncio.timeout: a
+        wait_for woken as its task is cancelled loses the cancel on Python 3.11.)"""
         assert self._async is not None
         try:
-            await asyncio.wait_for(self._async.wait(), max(seconds, 0.0))
+            async with asyncio.timeout(max(seconds, 0.0)):
+                await self._async.wait()
             woken = True
         except TimeoutError:
             woken = False
@@ -269,10 +276,23 @@ def _wait_seconds(value: float | timedelta | None, option: str) -> float | None:
     return float(value)  # (a numpy number too)
 
 
+def store_unreadable(exc: BaseException) -> bool:
+    """Whether a read failed for want of the store (a lost or refused connection, a pool
+    with none free, a busy file, no answer in time) and may succeed if made again; not
+    an answer (JobNotFound), a schema to migrate, or a closed App (PoolClosed)."""
+    return is_transient(exc) and type(exc).__name__ != "PoolClosed"
+
+
 class Pacer:
     """How long a waiter waits before reading again: until woken, or SAFETY_RECHECK, while
     the store pushes; exponential backoff from ``first`` up to ``poll`` while it must poll
-    (``hub`` None: nothing pushes, as for a workflow's wait)."""
+    (``hub`` None: nothing pushes, as for a workflow's wait) or after a read failed.
+
+    It also makes the wait's reads (:meth:`read`, :meth:`aread`), so that the timeout
+    holds while the store cannot be read: a read waits for a connection no longer than
+    the time left, a read that fails is made again after the pause until the deadline,
+    and the ResultTimeout then says the store could not be read (its error as the
+    cause), rather than a pool's PoolTimeout 30 s after the deadline."""
 
     def __init__(
         self,
@@ -292,6 +312,11 @@ class Pacer:
         self.delay = min(every, first)
         self.timeout = _wait_seconds(timeout, "timeout")
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self.error: Exception | None = None  # why the last read failed (None: it did not)
+
+    def left(self) -> float | None:
+        """Seconds until the deadline (None: no timeout), 0 or less once it passed."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def ready_wait(self) -> float:
         """How long the first wait for the watcher may take: READY_WAIT, within the
@@ -302,16 +327,89 @@ class Pacer:
 
     def next(self, what: str) -> float:
         """Seconds to wait; ResultTimeout (naming ``what``) once the time is up."""
-        if self.hub is not None and self.hub.pushing:
+        if self.hub is not None and self.hub.pushing and self.error is None:
             pause = SAFETY_RECHECK
         else:
             pause, self.delay = self.delay, min(self.delay * 2, self.poll)
-        if self.deadline is None:
+        left = self.left()
+        if left is None:
             return pause
-        left = self.deadline - time.monotonic()
         if left <= 0:
-            raise ResultTimeout(f"{what} after {self.timeout} s")
+            raise self.timed_out(what)
         return min(pause, left)
+
+    def timed_out(self, what: str) -> ResultTimeout:
+        """The ResultTimeout of a wait for ``what``: when the last read failed, it says
+        the store could not be read, with that error as its cause."""
+        words = f"{what} after {self.timeout} s"
+        error = self.error
+        if error is not None:
+            detail = (str(error).strip().splitlines() or [""])[0]
+            said = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+            words += f": the store could not be read ({said})"
+        timeout = ResultTimeout(words)
+        timeout.__cause__ = error
+        return timeout
+
+    def read(self, call: Callable[[], T]) -> T | None:
+        """``call()``, a read of the store, waiting for a connection no longer than the
+        time left. None when the store could not be read (the error is kept for the
+        timeout's message, and the next pause backs off as a poll does); any other error
+        raises."""
+        with self._reading():
+            return self._until_deadline(call)
+        return None
+
+    async def aread(self, call: Callable[[], T]) -> T | None:
+        """:meth:`read` in a task: ``call`` runs in a thread, awaited until the deadline
+        at most; a read still running then (a server that does not answer) is left to end
+        in its thread, and counts as failed."""
+        with self._reading():
+            return await self.within(asyncio.to_thread(self._until_deadline, call))
+        return None
+
+    async def within(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``, given the time left (at least DEADLINE_FLOOR) and AWAIT_MARGIN:
+        TimeoutError after that. (asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the
+        result of an awaitable that ends as the task is cancelled, and the cancel is
+        lost: a cancelled await_all waited on until its timeout.)"""
+        left = self.left()
+        limit = None if left is None else max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
+        scope = asyncio.timeout(limit)
+        try:
+            async with scope:
+                return await awaitable
+        except TimeoutError:
+            if not scope.expired():
+                raise  # the awaitable's own
+            raise TimeoutError(f"no answer within the {limit:.2f} s left") from None
+
+    async def opened(self, app: App, what: str) -> None:
+        """The App's store opened (App.abackend) within the time left, else
+        ResultTimeout naming ``what``."""
+        try:
+            await self.within(app.abackend())
+        except TimeoutError as exc:
+            self.error = exc
+            raise self.timed_out(what) from exc
+
+    def _until_deadline(self, call: Callable[[], T]) -> T:
+        with calls_until(self.deadline):
+            return call()
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Keep a read's store error (others raise); forget it once a read succeeds."""
+        try:
+            yield
+        except Exception as exc:
+            if not store_unreadable(exc):
+                raise
+            if self.error is None:
+                log.warning("a wait could not read the store (%s); reading again", exc)
+            self.error = exc
+        else:
+            self.error = None
 
     @staticmethod
     def recheck_due(since: float) -> bool:

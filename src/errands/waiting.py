@@ -11,11 +11,18 @@ event loop never blocks. One wait, however many jobs, is one registration with t
 and one read per round (in chunks of READ_CHUNK): ``await_all`` on 200 jobs is one
 waiter, where ``asyncio.gather`` of 200 ``aresult()`` calls was 200 waiters, each
 reading in a thread of its own.
+
+The reads go through the wait's :class:`~errands.results.Pacer`, so a timeout holds
+while the store cannot be read: a read waits for a connection no longer than the time
+left (an async one is awaited no longer than that, whatever holds it up), a read that
+fails is made again after the pause, and once the deadline passes the ResultTimeout
+says the store could not be read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterable, Iterator
 from contextlib import aclosing, closing
@@ -51,22 +58,23 @@ class Rounds:
         self.app = next(iter(apps.values()))
         self.hub: ResultHub = self.app.results
         self.pacer = Pacer(self.hub, poll, timeout)  # the timeout runs from here
-        self._what = what or (lambda: f"{len(self.pending)} job(s) still not finished")
+        self.what = what or (lambda: f"{len(self.pending)} job(s) still not finished")
         self._handed: dict[int, Job] = {}
         self._read_all = True  # the first look reads every job
         self._read_all_at = 0.0
 
-    def take(self, waiter: Waiter) -> list[int]:
-        """Keep the rows the hub read for us when it woke us; the ids this round must
-        read itself: none unless on the first look, a poll or a safety recheck, or after
-        a wake that brought no rows. (Reading every pending job on each push made a wait
-        on N jobs O(N^2) rows, and one query per job per wake before that: 95,000 reads
-        for 1,000 jobs.)"""
+    def take(self, waiter: Waiter) -> Callable[[], dict[int, Job]] | None:
+        """Keep the rows the hub read for us when it woke us; the read this round must
+        make itself (None: nothing to read): every other pending job, on the first look,
+        a poll or a safety recheck, or after a wake that brought no rows. (Reading every
+        pending job on each push made a wait on N jobs O(N^2) rows, and one query per job
+        per wake before that: 95,000 reads for 1,000 jobs.)"""
         self._handed = {i: waiter.rows.pop(i).to_job() for i in self.pending if i in waiter.rows}
         if not self._read_all:
-            return []
+            return None
         self._read_all_at = time.monotonic()
-        return [i for i in self.pending if i not in self._handed]
+        unread = [i for i in self.pending if i not in self._handed]
+        return functools.partial(self.read, unread) if unread else None
 
     def read(self, ids: list[int]) -> dict[int, Job]:
         """The jobs of ``ids``, in chunks (blocking: the async driver runs it in a
@@ -81,10 +89,11 @@ class Rounds:
                 jobs[job_id] = self.pending[job_id]._read()
         return jobs
 
-    def ended(self, read: dict[int, Job]) -> list[tuple[JobHandle, Job]]:
-        """The handles (and jobs) whose jobs are over, in the order given; no longer
+    def ended(self, read: dict[int, Job] | None) -> list[tuple[JobHandle, Job]]:
+        """The handles (and jobs) whose jobs are over, in the order given, from the rows
+        handed over and those ``read`` (None: not read, or the read failed); no longer
         pending."""
-        jobs = self._handed | read
+        jobs = self._handed | (read or {})
         over: list[tuple[JobHandle, Job]] = []
         for job_id, handle in list(self.pending.items()):
             job = jobs.get(job_id)
@@ -95,12 +104,13 @@ class Rounds:
 
     def pause(self) -> float:
         """How long to wait before the next round; ResultTimeout once the time is up."""
-        return self.pacer.next(self._what())
+        return self.pacer.next(self.what())
 
     def woke(self, waiter: Waiter, woken: bool) -> None:
         """After the pause: whether the next round reads every pending job itself."""
         self._read_all = (
             waiter.take_read_all()
+            or self.pacer.error is not None  # the last read failed
             or not woken
             or not self.hub.pushing
             # the safety recheck, also while other jobs' ends keep waking it
@@ -122,8 +132,8 @@ def follow(
     rounds.hub.ready(rounds.pacer.ready_wait())
     with rounds.hub.watch(pending) as waiter:
         while pending:
-            unread = rounds.take(waiter)
-            yield from rounds.ended(rounds.read(unread) if unread else {})
+            due = rounds.take(waiter)
+            yield from rounds.ended(rounds.pacer.read(due) if due else None)
             if pending:
                 rounds.woke(waiter, waiter.wait(rounds.pause()))
 
@@ -140,13 +150,12 @@ async def afollow(
     if not pending:
         return
     rounds = Rounds(pending, timeout, poll, what)
-    await rounds.app.abackend()  # opened once, off the executor (see App.abackend)
+    await rounds.pacer.opened(rounds.app, rounds.what())  # once, off the executor
     await asyncio.to_thread(rounds.hub.ready, rounds.pacer.ready_wait())
     with rounds.hub.watch(pending, asyncio.get_running_loop()) as waiter:
         while pending:
-            unread = rounds.take(waiter)
-            read = await asyncio.to_thread(rounds.read, unread) if unread else {}
-            for ended in rounds.ended(read):
+            due = rounds.take(waiter)
+            for ended in rounds.ended(await rounds.pacer.aread(due) if due else None):
                 yield ended
             if pending:
                 rounds.woke(waiter, await waiter.await_wake(rounds.pause()))

@@ -368,9 +368,10 @@ class WorkflowHandle:
 
     def wait(self, timeout: float | timedelta | None = None) -> WorkflowStatus:
         """Wait until every member ended (the workflow settled); its final status.
-        ResultTimeout when ``timeout`` seconds pass first."""
+        ResultTimeout when ``timeout`` seconds pass first, also while the store cannot
+        be read (its reads are made again until then; see errands.results.Pacer)."""
         settling = _Settling(self.id, timeout)
-        while (status := settling.settled(self.status())) is None:
+        while (status := settling.settled(settling.pacer.read(self.status))) is None:
             time.sleep(settling.pause())
         return status
 
@@ -382,8 +383,8 @@ class WorkflowHandle:
         .. versionadded:: 0.2
         """
         settling = _Settling(self.id, timeout)
-        await self.app.abackend()
-        while (status := settling.settled(await asyncio.to_thread(self.status))) is None:
+        await settling.pacer.opened(self.app, settling.what())
+        while (status := settling.settled(await settling.pacer.aread(self.status))) is None:
             await asyncio.sleep(settling.pause())
         return status
 
@@ -438,19 +439,24 @@ class _Settling:
         self.pacer = Pacer(None, WAIT_POLL_MAX, timeout, first=WAIT_POLL_FIRST)
         self.last: WorkflowStatus | None = None
 
-    def settled(self, status: WorkflowStatus) -> WorkflowStatus | None:
-        """``status`` once the workflow settled, else None (kept for the timeout's words)."""
-        self.last = status
-        return status if status.settled else None
+    def settled(self, status: WorkflowStatus | None) -> WorkflowStatus | None:
+        """``status`` once the workflow settled, else None (``status`` None: the store
+        could not be read; the last status read is kept for the timeout's words)."""
+        self.last = status or self.last
+        return status if status is not None and status.settled else None
 
-    def pause(self) -> float:
-        """How long until the next read; ResultTimeout once the time is up."""
+    def what(self) -> str:
         last = self.last
-        assert last is not None
-        return self.pacer.next(
+        if last is None:
+            return f"workflow {self.id} is still running"
+        return (
             f"workflow {self.id} ({last.name}) has {last.pending} of {last.total} members "
             "still pending"
         )
+
+    def pause(self) -> float:
+        """How long until the next read; ResultTimeout once the time is up."""
+        return self.pacer.next(self.what())
 
 
 @dataclass(frozen=True)

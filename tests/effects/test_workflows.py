@@ -14,7 +14,7 @@ import pytest
 
 import errands
 from errands.testing import Tester
-from tests.conftest import running_worker
+from tests.conftest import LoopTicks, running_worker
 
 Make = Callable[..., Any]
 
@@ -427,30 +427,6 @@ def test_aenqueue_workflow_stores_a_workflow_from_async_code(
     handle = asyncio.run(enqueue())
     assert errands_testing(app).drain_workflow(handle).state == "succeeded"
     assert sorted(handle.result().values()) == [1, 2]
-
-
-class LoopTicks:
-    """A task that ticks every 10 ms: the longest gap between ticks is how long the event
-    loop was blocked."""
-
-    def __init__(self) -> None:
-        self.longest = 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _tick(self) -> None:
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            self.longest, last = max(self.longest, now - last), now
-
-    def __enter__(self) -> LoopTicks:
-        self._task = asyncio.ensure_future(self._tick())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
 
 
 def test_a_workflow_is_awaited_from_async_code_without_blocking_the_loop(make_app: Make) -> None:

@@ -47,6 +47,7 @@ from ..base import (
     QueueClaim,
     QueueSettings,
     RescueParams,
+    connection_wait,
     insert_params,
     writes_several,
 )
@@ -296,7 +297,10 @@ class PostgresBackend(PostgresAdmin):
     @contextmanager
     def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
         """A pool connection the server has not closed; ``timeout``: wait at most that
-        long for one (default 30 s)."""
+        long for one (default: the pool's 30 s, or less before a waiting caller's
+        deadline: see base.calls_until)."""
+        if timeout is None:
+            timeout = connection_wait(self.pool.timeout)
         try:
             with shielded():  # no hook's or handler's interrupt lands inside (interrupts)
                 conn = checkout(self.pool, timeout)
