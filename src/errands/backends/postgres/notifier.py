@@ -23,6 +23,10 @@ import psycopg
 log = logging.getLogger("errands.postgres")
 
 SELF_TEST_TIMEOUT = 2.0
+# After a loss, the first attempt to LISTEN again comes after RECONNECT_FIRST seconds
+# (jittered up to twice that), each failed one doubling the pause up to RECONNECT_MAX.
+RECONNECT_FIRST = 0.5
+RECONNECT_MAX = 30.0
 
 
 class Notifier:
@@ -65,7 +69,7 @@ class Notifier:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        pause = 0.5
+        pause = RECONNECT_FIRST
         first = True
         while not self._stop.is_set():
             try:
@@ -78,7 +82,7 @@ class Notifier:
                     if first:
                         conn.execute("SELECT pg_notify(%s, %s)", (self.channel, self._probe))
                         self._probe_deadline = time.monotonic() + SELF_TEST_TIMEOUT
-                    pause = 0.5
+                    pause = RECONNECT_FIRST
                     self._listen(conn, first)
                     first = False
             except Exception as exc:
@@ -90,7 +94,7 @@ class Notifier:
                     pause,
                 )
                 self._stop.wait(pause * (1 + random.random()))
-                pause = min(pause * 2, 30.0)
+                pause = min(pause * 2, RECONNECT_MAX)
             finally:
                 self._conn = None
                 self.listening.clear()
