@@ -19,11 +19,12 @@ alike) over a single watcher of the store, started on the first wait:
 
 A waiter registers *before* it reads its job, and the watcher is listening before that
 read (the hub waits for it): a completion is either seen by the read or wakes the waiter.
-When the watcher reconnects, every waiter is woken to read again (notifications sent
-while it was away are lost). Polling stays as the fallback: with ``listen=false``
-(PgBouncer in transaction mode), an in-memory SQLite store, or a watcher that is down,
-waiters poll with backoff as before; even a healthy watcher's waiters read again every
-``SAFETY_RECHECK`` seconds.
+When the watcher loses its connection, every waiter is woken, reads, and polls with
+backoff while it is away; when it reconnects, every waiter is woken to read again
+(notifications sent while it was away are lost). Polling stays as the fallback: with
+``listen=false`` (PgBouncer in transaction mode), an in-memory SQLite store, or a
+watcher that is down, waiters poll with backoff as before; even a healthy watcher's
+waiters read again every ``SAFETY_RECHECK`` seconds.
 
 The waits themselves (``handle.result()``, ``as_completed``, ``wait_all`` and their async
 forms) run in errands.waiting, paced by :class:`Pacer`.
@@ -134,7 +135,9 @@ class ResultHub:
         with self._start_lock:
             if not self._started:
                 try:
-                    watcher = self.app.backend.result_listener(self._on_done, self._on_listen)
+                    watcher = self.app.backend.result_listener(
+                        self._on_done, self._on_listen, self._on_lost
+                    )
                     if watcher is not None:
                         watcher.start()
                 except Exception:
@@ -172,6 +175,12 @@ class ResultHub:
 
     def _on_listen(self) -> None:
         """(Re)connected: what ended while the watcher was away sent no word: all read."""
+        self._wake(None)
+
+    def _on_lost(self) -> None:
+        """The watcher stopped listening (its connection lost): a waiter asleep until its
+        SAFETY_RECHECK would see a job that ends meanwhile up to 30 s late. All read now,
+        then poll with backoff (``pushing`` is False) until the watcher listens again."""
         self._wake(None)
 
     def _on_done(self, ids: Iterable[int] | None) -> None:

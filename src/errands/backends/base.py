@@ -679,12 +679,16 @@ class Backend(Protocol):
         ...
 
     def result_listener(
-        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+        self,
+        on_done: Callable[[list[int] | None], None],
+        on_listen: Callable[[], None],
+        on_lost: Callable[[], None] | None = None,
     ) -> Listener | None:
         """A service calling ``on_done(ids)`` when jobs ended (None: some may have, ask
-        :meth:`job_states`), and ``on_listen()`` whenever it (re)starts listening; its
-        ``listening`` event is set while it does. None: this store cannot push (waiters
-        poll). One per process serves every waiter (errands.results)."""
+        :meth:`job_states`), ``on_listen()`` whenever it (re)starts listening, and
+        ``on_lost()`` as soon as it stops (its connection lost); its ``listening`` event
+        is set while it listens. None: this store cannot push (waiters poll). One per
+        process serves every waiter (errands.results)."""
         ...
 
     def job_states(self, ids: Sequence[int]) -> dict[int, str]:
