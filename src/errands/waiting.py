@@ -73,20 +73,22 @@ class Rounds:
         if not self._read_all:
             return None
         self._read_all_at = time.monotonic()
-        unread = [i for i in self.pending if i not in self._handed]
+        unread = [h for i, h in self.pending.items() if i not in self._handed]
         return functools.partial(self.read, unread) if unread else None
 
-    def read(self, ids: list[int]) -> dict[int, Job]:
-        """The jobs of ``ids``, in chunks (blocking: the async driver runs it in a
-        thread). A job not found is read alone: JobNotFound says it was pruned."""
+    def read(self, handles: list[JobHandle]) -> dict[int, Job]:
+        """The jobs of ``handles``, in chunks (blocking: the async driver runs it in a
+        thread, which may outlive the round). A job not found is read alone: JobNotFound
+        says it was pruned."""
         backend = self.app.backend
+        ids = [h.id for h in handles]
         jobs: dict[int, Job] = {}
         for start in range(0, len(ids), READ_CHUNK):
             found = backend.job_get_many(ids[start : start + READ_CHUNK])
             jobs.update((row.id, row.to_job()) for row in found)
-        for job_id in ids:
-            if job_id not in jobs:
-                jobs[job_id] = self.pending[job_id]._read()
+        for handle in handles:
+            if handle.id not in jobs:
+                jobs[handle.id] = handle._read()
         return jobs
 
     def ended(self, read: dict[int, Job] | None) -> list[tuple[JobHandle, Job]]:

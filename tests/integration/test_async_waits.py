@@ -108,3 +108,22 @@ def test_cancelling_the_awaiting_task_removes_its_registration(
         assert hub.waiting() == 0 and hub.waiters() == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("form", ["result", "aresult", "wait_all", "await_all"])
+def test_a_wait_on_a_job_that_no_longer_exists_raises_job_not_found(
+    app: errands.App, form: str
+) -> None:
+    """A job whose row is gone (pruned) is not waited on until the timeout: every wait
+    raises JobNotFound saying so, and leaves no registration."""
+    handle = errands.JobHandle(app, 424242, "results.gone")
+    waits = {
+        "result": lambda: handle.result(timeout=10),
+        "aresult": lambda: asyncio.run(handle.aresult(timeout=10)),
+        "wait_all": lambda: errands.wait_all([handle], timeout=10),
+        "await_all": lambda: asyncio.run(errands.await_all([handle], timeout=10)),
+    }
+    app.migrate()
+    with pytest.raises(errands.JobNotFound, match="job 424242 no longer exists"):
+        waits[form]()
+    assert app.results.waiting() == 0
