@@ -7,8 +7,10 @@ Acceptance tests start real ``errands worker`` processes instead (tests/acceptan
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -45,6 +47,30 @@ def running_worker(app: errands.App, **options: Any) -> Iterator[Worker]:
         worker.stop()
         thread.join(timeout=30)
         assert not thread.is_alive(), "worker did not stop within 30 s"
+
+
+class LoopTicks:
+    """A task that ticks every 10 ms: the longest gap between ticks is how long the event
+    loop was blocked."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            self.longest, last = max(self.longest, now - last), now
+
+    def __enter__(self) -> LoopTicks:
+        self._task = asyncio.ensure_future(self._tick())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
 
 
 @pytest.fixture

@@ -33,8 +33,8 @@ from .errors import (
 from .handle import JobHandle
 from .jobs import Job, JobError, JobState, Progress
 from .outcomes import Permanent, Retry
-from .results import as_completed, wait_all
 from .retry import ExponentialBackoff
+from .waiting import as_completed, await_all, wait_all
 from .workflows import (
     Batch,
     Edge,
@@ -92,6 +92,7 @@ __all__ = [
     "WorkflowStatus",
     "__version__",
     "as_completed",
+    "await_all",
     "chain",
     "chord",
     "group",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .errors import JobCancelled, JobFailed, JobNotFound
 from .jobs import Job, JobState, Progress
-from .results import Pacer
+from .waiting import afirst_end, first_end
 
 if TYPE_CHECKING:
     from .app import App
@@ -77,41 +76,27 @@ class JobHandle:
         wait when the job's outcome commits (LISTEN/NOTIFY on PostgreSQL, commit
         detection on SQLite; see errands.results); ``poll`` is the longest pause between
         reads where it cannot (``listen=false``, an in-memory store).
+
+        The timeout holds while the store cannot be read (a server away, a pool with no
+        connection free): a read waits for a connection no longer than the time left,
+        a failed read is made again with backoff, and at the deadline ResultTimeout says
+        the store could not be read (the store's error is its ``__cause__``). Without a
+        timeout the wait reads again until the store answers.
         """
-        hub = self.app.results
-        pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
-        hub.ready(pacer.ready_wait())
-        with hub.watch([self.id]) as waiter:
-            while True:
-                row = waiter.rows.pop(self.id, None)  # read for us by the hub, or read now
-                job = self._read_finished(row.to_job() if row is not None else self._read())
-                if job is not None:
-                    return self._outcome(job)
-                waiter.wait(pacer.next(self._still()))
+        return self._outcome(first_end(self, timeout, poll))
 
     async def aresult(
         self, timeout: float | timedelta | None = None, poll: float = POLL_INTERVAL_DEFAULT
     ) -> Any:
         """:meth:`result` for async code: the same outcomes and errors, woken the same
-        way, and the event loop never blocks. Cancelling the awaiting task stops only the
-        wait (its registration is removed).
+        way, and the event loop never blocks. Each read runs in a thread and is awaited
+        no longer than the time left, so ResultTimeout comes at the deadline even when a
+        read hangs (the thread ends on its own). Cancelling the awaiting task stops only
+        the wait (its registration is removed).
 
         .. versionadded:: 0.2
         """
-        hub = self.app.results
-        pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
-        await self.app.abackend()  # opened once, off the executor (see App.abackend)
-        await asyncio.to_thread(hub.ready, pacer.ready_wait())
-        with hub.watch([self.id], asyncio.get_running_loop()) as waiter:
-            while True:
-                row = waiter.rows.pop(self.id, None)  # read for us by the hub: no thread hop
-                if row is not None:
-                    job = self._read_finished(row.to_job())
-                else:
-                    job = self._read_finished(await asyncio.to_thread(self._read))
-                if job is not None:
-                    return self._outcome(job)
-                await waiter.await_wake(pacer.next(self._still()))
+        return self._outcome(await afirst_end(self, timeout, poll))
 
     def progress(self) -> Progress | None:
         """What the running handler last reported with ``ctx.progress`` (as the worker's

@@ -19,11 +19,15 @@ alike) over a single watcher of the store, started on the first wait:
 
 A waiter registers *before* it reads its job, and the watcher is listening before that
 read (the hub waits for it): a completion is either seen by the read or wakes the waiter.
-When the watcher reconnects, every waiter is woken to read again (notifications sent
-while it was away are lost). Polling stays as the fallback: with ``listen=false``
-(PgBouncer in transaction mode), an in-memory SQLite store, or a watcher that is down,
-waiters poll with backoff as before; even a healthy watcher's waiters read again every
-``SAFETY_RECHECK`` seconds.
+When the watcher loses its connection, every waiter is woken, reads, and polls with
+backoff while it is away; when it reconnects, every waiter is woken to read again
+(notifications sent while it was away are lost). Polling stays as the fallback: with
+``listen=false`` (PgBouncer in transaction mode), an in-memory SQLite store, or a
+watcher that is down, waiters poll with backoff as before; even a healthy watcher's
+waiters read again every ``SAFETY_RECHECK`` seconds.
+
+The waits themselves (``handle.result()``, ``as_completed``, ``wait_all`` and their async
+forms) run in errands.waiting, paced by :class:`Pacer`.
 """
 
 from __future__ import annotations
@@ -34,24 +38,27 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .errors import ConfigurationError, ResultTimeout
+from .backends.base import DEADLINE_FLOOR, calls_until
+from .errors import ConfigurationError, ResultTimeout, is_transient
 from .jobs import TERMINAL_STATES, JobRow
 
 if TYPE_CHECKING:
     from .app import App
-    from .handle import JobHandle
 
 log = logging.getLogger("errands.results")
+T = TypeVar("T")
 
-READ_CHUNK = 1000  # jobs wait_all / as_completed read at once
 READY_WAIT = 2.0  # seconds the first waiter waits for the watcher to listen, then polls
 SAFETY_RECHECK = 30.0  # a pushed waiter reads its job again at least this often
 STATES_CHUNK = 500  # job ids per states query
+# An async read is awaited this long past the time left, so that a store call bounded by
+# the deadline itself (a pool's checkout: PoolTimeout, which says more) ends it first.
+AWAIT_MARGIN = 0.1
 TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
 
@@ -95,12 +102,19 @@ class Waiter:
         self._flag.clear()
         return woken
 
-    async def await_wake(self, seconds: float) -> None:
+    async def await_wake(self, seconds: float) -> bool:
+        """:meth:`wait` for a task: the event loop runs meanwhile. (asyncio.timeout: a
+        wait_for woken as its task is cancelled loses the cancel on Python 3.11.)"""
         assert self._async is not None
-        with suppress(TimeoutError):
-            await asyncio.wait_for(self._async.wait(), max(seconds, 0.0))
+        try:
+            async with asyncio.timeout(max(seconds, 0.0)):
+                await self._async.wait()
+            woken = True
+        except TimeoutError:
+            woken = False
         self._async.clear()
         self._flag.clear()
+        return woken
 
 
 class ResultHub:
@@ -121,7 +135,9 @@ class ResultHub:
         with self._start_lock:
             if not self._started:
                 try:
-                    watcher = self.app.backend.result_listener(self._on_done, self._on_listen)
+                    watcher = self.app.backend.result_listener(
+                        self._on_done, self._on_listen, self._on_lost
+                    )
                     if watcher is not None:
                         watcher.start()
                 except Exception:
@@ -159,6 +175,12 @@ class ResultHub:
 
     def _on_listen(self) -> None:
         """(Re)connected: what ended while the watcher was away sent no word: all read."""
+        self._wake(None)
+
+    def _on_lost(self) -> None:
+        """The watcher stopped listening (its connection lost): a waiter asleep until its
+        SAFETY_RECHECK would see a job that ends meanwhile up to 30 s late. All read now,
+        then poll with backoff (``pushing`` is False) until the watcher listens again."""
         self._wake(None)
 
     def _on_done(self, ids: Iterable[int] | None) -> None:
@@ -241,6 +263,11 @@ class ResultHub:
         with self._lock:
             return len(self._by_job)
 
+    def waiters(self) -> int:
+        """How many waiters are registered now (one per wait, however many jobs it has)."""
+        with self._lock:
+            return len({w for group in self._by_job.values() for w in group})
+
 
 def _wait_seconds(value: float | timedelta | None, option: str) -> float | None:
     """A wait's ``timeout`` or ``poll``: a number of seconds or a timedelta (a timeout
@@ -258,12 +285,30 @@ def _wait_seconds(value: float | timedelta | None, option: str) -> float | None:
     return float(value)  # (a numpy number too)
 
 
+def store_unreadable(exc: BaseException) -> bool:
+    """Whether a read failed for want of the store (a lost or refused connection, a pool
+    with none free, a busy file, no answer in time) and may succeed if made again; not
+    an answer (JobNotFound), a schema to migrate, or a closed App (PoolClosed)."""
+    return is_transient(exc) and type(exc).__name__ != "PoolClosed"
+
+
 class Pacer:
     """How long a waiter waits before reading again: until woken, or SAFETY_RECHECK, while
-    the store pushes; exponential backoff up to ``poll`` while it must poll."""
+    the store pushes; exponential backoff from ``first`` up to ``poll`` while it must poll
+    (``hub`` None: nothing pushes, as for a workflow's wait) or after a read failed.
+
+    It also makes the wait's reads (:meth:`read`, :meth:`aread`), so that the timeout
+    holds while the store cannot be read: a read waits for a connection no longer than
+    the time left, a read that fails is made again after the pause until the deadline,
+    and the ResultTimeout then says the store could not be read (its error as the
+    cause), rather than a pool's PoolTimeout 30 s after the deadline."""
 
     def __init__(
-        self, hub: ResultHub, poll: float | timedelta, timeout: float | timedelta | None
+        self,
+        hub: ResultHub | None,
+        poll: float | timedelta,
+        timeout: float | timedelta | None,
+        first: float = 0.01,
     ) -> None:
         self.hub = hub
         every = _wait_seconds(poll, "poll")
@@ -273,9 +318,14 @@ class Pacer:
                 "as in poll=0.05"
             )
         self.poll: float = every
-        self.delay = min(every, 0.01)
+        self.delay = min(every, first)
         self.timeout = _wait_seconds(timeout, "timeout")
         self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self.error: Exception | None = None  # why the last read failed (None: it did not)
+
+    def left(self) -> float | None:
+        """Seconds until the deadline (None: no timeout), 0 or less once it passed."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def ready_wait(self) -> float:
         """How long the first wait for the watcher may take: READY_WAIT, within the
@@ -286,89 +336,92 @@ class Pacer:
 
     def next(self, what: str) -> float:
         """Seconds to wait; ResultTimeout (naming ``what``) once the time is up."""
-        if self.hub.pushing:
+        if self.hub is not None and self.hub.pushing and self.error is None:
             pause = SAFETY_RECHECK
         else:
             pause, self.delay = self.delay, min(self.delay * 2, self.poll)
-        if self.deadline is None:
+        left = self.left()
+        if left is None:
             return pause
-        left = self.deadline - time.monotonic()
         if left <= 0:
-            raise ResultTimeout(f"{what} after {self.timeout} s")
+            raise self.timed_out(what)
         return min(pause, left)
 
+    def timed_out(self, what: str) -> ResultTimeout:
+        """The ResultTimeout of a wait for ``what``: when the last read failed, it says
+        the store could not be read, with that error as its cause."""
+        words = f"{what} after {self.timeout} s"
+        error = self.error
+        if error is not None:
+            detail = (str(error).strip().splitlines() or [""])[0]
+            said = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+            words += f": the store could not be read ({said})"
+        timeout = ResultTimeout(words)
+        timeout.__cause__ = error
+        return timeout
 
-POLL_DEFAULT = 0.05
+    def read(self, call: Callable[[], T]) -> T | None:
+        """``call()``, a read of the store, waiting for a connection no longer than the
+        time left. None when the store could not be read (the error is kept for the
+        timeout's message, and the next pause backs off as a poll does); any other error
+        raises."""
+        with self._reading():
+            return self._until_deadline(call)
+        return None
 
+    async def aread(self, call: Callable[[], T]) -> T | None:
+        """:meth:`read` in a task: ``call`` runs in a thread, awaited until the deadline
+        at most; a read still running then (a server that does not answer) is left to end
+        in its thread, and counts as failed."""
+        with self._reading():
+            return await self.within(asyncio.to_thread(self._until_deadline, call))
+        return None
 
-def as_completed(
-    handles: Iterable[JobHandle],
-    timeout: float | timedelta | None = None,
-    poll: float = POLL_DEFAULT,
-) -> Iterator[JobHandle]:
-    """Yield each handle as its job ends (completed, dead, cancelled or discarded), in the
-    order they end; ``ResultTimeout`` when ``timeout`` seconds pass first. Call
-    ``handle.result()`` on each for its result (or the error saying how it ended). The
-    handles must belong to one App; the store wakes the wait (see this module).
+    async def within(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``, given the time left (at least DEADLINE_FLOOR) and AWAIT_MARGIN:
+        TimeoutError after that. (asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the
+        result of an awaitable that ends as the task is cancelled, and the cancel is
+        lost: a cancelled await_all waited on until its timeout.)"""
+        left = self.left()
+        limit = None if left is None else max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
+        scope = asyncio.timeout(limit)
+        try:
+            async with scope:
+                return await awaitable
+        except TimeoutError:
+            if not scope.expired():
+                raise  # the awaitable's own
+            raise TimeoutError(f"no answer within the {limit:.2f} s left") from None
 
-    .. versionadded:: 0.2
-    """
-    pending = {h.id: h for h in handles}
-    if not pending:
-        return
-    apps = {id(h.app): h.app for h in pending.values()}
-    if len(apps) > 1:
-        raise ConfigurationError("as_completed and wait_all take handles of one App")
-    hub = next(iter(apps.values())).results
-    pacer = Pacer(hub, poll, timeout)  # the timeout runs from here
-    hub.ready(pacer.ready_wait())
-    backend = hub.app.backend
-    with hub.watch(pending) as waiter:
-        read_all = True  # the first look reads every job
-        read_all_at = 0.0
-        while pending:
-            # The rows the hub read when it woke us. The others are read here, in chunks,
-            # only on the first look, a poll or a safety recheck, or a wake that brought
-            # no rows: reading every pending job on each push made wait_all on N jobs
-            # O(N^2) rows (and one query per job per wake before that: 95,000 reads for
-            # 1,000 jobs).
-            rows = {i: waiter.rows.pop(i) for i in list(pending) if i in waiter.rows}
-            if read_all:
-                read_all_at = time.monotonic()
-                unread = [i for i in pending if i not in rows]
-                for start in range(0, len(unread), READ_CHUNK):
-                    chunk = unread[start : start + READ_CHUNK]
-                    rows.update((r.id, r) for r in backend.job_get_many(chunk))
-            for job_id, handle in list(pending.items()):
-                row = rows.get(job_id)
-                if row is None and not read_all:
-                    continue  # not ended (the hub hands over the rows of those that did)
-                # None: not found (handle.job() says so, or finds it)
-                if (row.to_job() if row is not None else handle.job()).state.is_terminal:
-                    del pending[job_id]
-                    yield handle
-            if pending:
-                woken = waiter.wait(pacer.next(f"{len(pending)} job(s) still not finished"))
-                read_all = (
-                    waiter.take_read_all()
-                    or not woken
-                    or not hub.pushing
-                    # the safety recheck, also while other jobs' ends keep waking it
-                    or time.monotonic() - read_all_at >= SAFETY_RECHECK
-                )
+    async def opened(self, app: App, what: str) -> None:
+        """The App's store opened (App.abackend) within the time left, else
+        ResultTimeout naming ``what``."""
+        try:
+            await self.within(app.abackend())
+        except TimeoutError as exc:
+            self.error = exc
+            raise self.timed_out(what) from exc
 
+    def _until_deadline(self, call: Callable[[], T]) -> T:
+        with calls_until(self.deadline):
+            return call()
 
-def wait_all(
-    handles: Iterable[JobHandle],
-    timeout: float | timedelta | None = None,
-    poll: float = POLL_DEFAULT,
-) -> list[JobHandle]:
-    """Wait until every job has ended; return the handles in the order given.
-    ``ResultTimeout`` when ``timeout`` seconds pass first.
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Keep a read's store error (others raise); forget it once a read succeeds."""
+        try:
+            yield
+        except Exception as exc:
+            if not store_unreadable(exc):
+                raise
+            if self.error is None:
+                log.warning("a wait could not read the store (%s); reading again", exc)
+            self.error = exc
+        else:
+            self.error = None
 
-    .. versionadded:: 0.2
-    """
-    given = list(handles)
-    for _ in as_completed(given, timeout=timeout, poll=poll):
-        pass
-    return given
+    @staticmethod
+    def recheck_due(since: float) -> bool:
+        """Whether a waiter that last read every job at ``since`` (time.monotonic()) must
+        read them all again: the safety recheck, also while other jobs' ends wake it."""
+        return time.monotonic() - since >= SAFETY_RECHECK

@@ -17,14 +17,17 @@ member dies. docs/workflows.md describes the guarantees and how they are proven.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .backends.workflow_store import POLICIES, MemberRow, NodeSpec, WorkflowRow, WorkflowSpec
 from .definition import BoundJob, check_text
-from .errors import ConfigurationError, ErrandsError, JobNotFound, ResultTimeout
+from .errors import ConfigurationError, ErrandsError, JobNotFound
+from .results import Pacer
 
 if TYPE_CHECKING:
     from .app import App
@@ -338,6 +341,14 @@ class WorkflowHandle:
     def status(self) -> WorkflowStatus:
         return self.app.workflow_status(self.id)
 
+    async def astatus(self) -> WorkflowStatus:
+        """:meth:`status` for async code (read in a worker thread).
+
+        .. versionadded:: 0.2
+        """
+        await self.app.abackend()  # opened once, off the executor (see App.abackend)
+        return await asyncio.to_thread(self.status)
+
     def members(self) -> list[Member]:
         return self.app.workflow_members(self.id)
 
@@ -346,27 +357,52 @@ class WorkflowHandle:
         the number cancelled at once."""
         return self.app.cancel_workflow(self.id, actor=actor)
 
-    def wait(self, timeout: float | None = None) -> WorkflowStatus:
-        """Wait until every member ended (the workflow settled); its final status."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = WAIT_POLL_FIRST
-        while True:
-            status = self.status()
-            if status.settled:
-                return status
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ResultTimeout(
-                    f"workflow {self.id} ({status.name}) has {status.pending} of "
-                    f"{status.total} members still pending after {timeout} s"
-                )
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            time.sleep(pause if left is None else min(pause, left))
-            pause = min(pause * 2, WAIT_POLL_MAX)
+    async def acancel(self, actor: str = "api") -> int:
+        """:meth:`cancel` for async code (in a worker thread: the cancel is not undone
+        when the awaiting task is cancelled).
 
-    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        .. versionadded:: 0.2
+        """
+        await self.app.abackend()
+        return await asyncio.to_thread(self.cancel, actor)
+
+    def wait(self, timeout: float | timedelta | None = None) -> WorkflowStatus:
+        """Wait until every member ended (the workflow settled); its final status.
+        ResultTimeout when ``timeout`` seconds pass first, also while the store cannot
+        be read (its reads are made again until then; see errands.results.Pacer)."""
+        settling = _Settling(self.id, timeout)
+        while (status := settling.settled(settling.pacer.read(self.status))) is None:
+            time.sleep(settling.pause())
+        return status
+
+    async def await_(self, timeout: float | timedelta | None = None) -> WorkflowStatus:
+        """:meth:`wait` for async code: the status is read in a worker thread and the
+        pauses are awaited, so the event loop never blocks. (Named as PEP 8 names what
+        would be a keyword: ``a`` + ``wait`` is ``await``.)
+
+        .. versionadded:: 0.2
+        """
+        settling = _Settling(self.id, timeout)
+        await settling.pacer.opened(self.app, settling.what())
+        while (status := settling.settled(await settling.pacer.aread(self.status))) is None:
+            await asyncio.sleep(settling.pause())
+        return status
+
+    def result(self, timeout: float | timedelta | None = None) -> dict[str, Any]:
         """Wait for the workflow, then every member's result by node name. Raises
         WorkflowFailed, naming the members that did not complete, unless all did."""
-        status = self.wait(timeout)
+        return self._results(self.wait(timeout))
+
+    async def aresult(self, timeout: float | timedelta | None = None) -> dict[str, Any]:
+        """:meth:`result` for async code (the members' results read in a worker thread).
+
+        .. versionadded:: 0.2
+        """
+        status = await self.await_(timeout)
+        return await asyncio.to_thread(self._results, status)
+
+    def _results(self, status: WorkflowStatus) -> dict[str, Any]:
+        """The settled workflow's results by node name, or WorkflowFailed."""
         members = self.members()
         failed = {m.node: m.outcome or "?" for m in members if m.outcome != "completed"
                   and m.outcome != "skipped"}  # fmt: skip
@@ -390,6 +426,37 @@ class WorkflowHandle:
             except JobNotFound:
                 results[member.node] = None  # pruned
         return results
+
+
+class _Settling:
+    """One wait for a workflow to settle, round by round: :meth:`WorkflowHandle.wait`
+    and :meth:`WorkflowHandle.await_` drive it, in the thread or in a task. Nothing
+    pushes a workflow's end: it polls, backing off from WAIT_POLL_FIRST to
+    WAIT_POLL_MAX."""
+
+    def __init__(self, workflow_id: int, timeout: float | timedelta | None) -> None:
+        self.id = workflow_id
+        self.pacer = Pacer(None, WAIT_POLL_MAX, timeout, first=WAIT_POLL_FIRST)
+        self.last: WorkflowStatus | None = None
+
+    def settled(self, status: WorkflowStatus | None) -> WorkflowStatus | None:
+        """``status`` once the workflow settled, else None (``status`` None: the store
+        could not be read; the last status read is kept for the timeout's words)."""
+        self.last = status or self.last
+        return status if status is not None and status.settled else None
+
+    def what(self) -> str:
+        last = self.last
+        if last is None:
+            return f"workflow {self.id} is still running"
+        return (
+            f"workflow {self.id} ({last.name}) has {last.pending} of {last.total} members "
+            "still pending"
+        )
+
+    def pause(self) -> float:
+        """How long until the next read; ResultTimeout once the time is up."""
+        return self.pacer.next(self.what())
 
 
 @dataclass(frozen=True)

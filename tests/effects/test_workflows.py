@@ -5,6 +5,8 @@ workflow tools."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 
 import errands
 from errands.testing import Tester
+from tests.conftest import LoopTicks, running_worker
 
 Make = Callable[..., Any]
 
@@ -263,7 +266,10 @@ def test_cancelling_a_workflow_cancels_its_pending_members_and_settles_it_cancel
     assert app.audit(limit=1)[0].action == "workflow_cancel"
 
 
-def test_waiting_for_a_workflow_that_does_not_settle_times_out(make_app: Make) -> None:
+@pytest.mark.parametrize("form", ["wait", "await_"])
+def test_waiting_for_a_workflow_that_does_not_settle_times_out(make_app: Make, form: str) -> None:
+    """No worker: wait, and await_ in async code, give up at the timeout with
+    ResultTimeout saying how many members are still pending."""
     app = make_app()
 
     @app.job(name="step")
@@ -272,8 +278,13 @@ def test_waiting_for_a_workflow_that_does_not_settle_times_out(make_app: Make) -
     batch = errands.Batch("never-run")
     batch.add(step.bind())
     handle = app.enqueue_workflow(batch)
-    with pytest.raises(errands.ResultTimeout, match="1 of 1 members still pending"):
-        handle.wait(timeout=0.2)
+    started = time.monotonic()
+    with pytest.raises(errands.ResultTimeout, match=r"1 of 1 members still pending after 0\.2 s"):
+        if form == "wait":
+            handle.wait(timeout=0.2)
+        else:
+            asyncio.run(handle.await_(timeout=0.2))
+    assert time.monotonic() - started < 3
 
 
 def test_a_workflow_commits_or_rolls_back_with_the_callers_transaction(
@@ -404,8 +415,6 @@ def test_a_nested_batch_runs_its_callbacks_before_its_parent_and_gates_its_depen
 def test_aenqueue_workflow_stores_a_workflow_from_async_code(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:
-    import asyncio
-
     app = make_app()
 
     @app.job(name="step")
@@ -418,3 +427,53 @@ def test_aenqueue_workflow_stores_a_workflow_from_async_code(
     handle = asyncio.run(enqueue())
     assert errands_testing(app).drain_workflow(handle).state == "succeeded"
     assert sorted(handle.result().values()) == [1, 2]
+
+
+def test_a_workflow_is_awaited_from_async_code_without_blocking_the_loop(make_app: Make) -> None:
+    """astatus, await_ and aresult are status, wait and result for async code: the same
+    outcomes, and the event loop keeps running while the workflow runs (wait slept in
+    time.sleep: a call from async code stopped the loop until the workflow settled)."""
+    app = make_app()
+
+    @app.job(name="slow_step")
+    def slow_step(n: int) -> int:
+        time.sleep(0.5)
+        return n
+
+    handle = app.enqueue_workflow(errands.chain(slow_step.bind(1), slow_step.bind(2)))
+
+    async def scenario() -> tuple[errands.WorkflowStatus, dict[str, Any], float]:
+        assert (await handle.astatus()).pending == 2
+        with running_worker(app, concurrency=2):
+            with LoopTicks() as ticks:
+                status = await handle.await_(timeout=30)
+            return status, await handle.aresult(timeout=1), ticks.longest
+
+    status, results, longest = asyncio.run(scenario())
+    assert (status.state, status.completed) == ("succeeded", 2)
+    assert sorted(results.values()) == [1, 2]
+    assert longest < 0.4, f"the event loop was blocked for {longest:.2f} s"
+
+
+def test_acancel_cancels_a_workflow_and_aresult_raises_workflow_failed(make_app: Make) -> None:
+    """acancel cancels the pending members as cancel does; await_ then sees it settled
+    cancelled and aresult raises WorkflowFailed naming them."""
+    app = make_app()
+
+    @app.job(name="step")
+    def step() -> None: ...
+
+    wf = errands.Workflow("to-cancel")
+    first = wf.add(step.bind(), name="first")
+    wf.add(step.bind(), after=[first], name="second")
+    handle = app.enqueue_workflow(wf)
+
+    async def scenario() -> errands.WorkflowStatus:
+        assert await handle.acancel(actor="ops") == 2
+        status = await handle.await_(timeout=10)
+        with pytest.raises(errands.WorkflowFailed, match="first cancelled, second cancelled"):
+            await handle.aresult(timeout=1)
+        return status
+
+    status = asyncio.run(scenario())
+    assert (status.state, status.cancelled) == ("cancelled", 2)

@@ -9,7 +9,7 @@ import pytest
 
 import errands
 
-from .helpers import WorkerThread
+from .helpers import WorkerThread, results_app
 
 
 @pytest.fixture
@@ -26,3 +26,19 @@ def start_worker(app: errands.App) -> Iterator[Callable[..., WorkerThread]]:
     for worker in started:
         if worker.thread.is_alive():
             worker.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest, db_url: str) -> Iterator[errands.App]:
+    """A :func:`results_app` on each store: an SQLite file, a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        app = results_app(db_url)
+        yield app
+        app.close()
+        return
+    from tests.pg import fresh_pg_url
+
+    for url in fresh_pg_url():
+        app = results_app(url)
+        yield app
+        app.close()

@@ -162,3 +162,24 @@ class WorkerThread:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"worker did not stop within {timeout} s"
         return time.monotonic() - started
+
+
+def results_app(url: str) -> errands.App:
+    """An App with the jobs the result tests wait for: add, nap, fail (no retries)."""
+    app = errands.App(url)
+
+    @app.job(name="results.add")
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    @app.job(name="results.nap")
+    def nap(seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    @app.job(name="results.fail", retries=0)
+    def fail() -> None:
+        raise RuntimeError("no")
+
+    app.migrate()
+    return app

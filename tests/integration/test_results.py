@@ -10,7 +10,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from fractions import Fraction
 from typing import Any
@@ -20,43 +19,10 @@ import pytest
 import errands
 from tests.conftest import running_worker
 
+from .helpers import results_app
+
 # Far longer than any test here may take: a wait that ends sooner was woken, not polled.
 NO_POLL = 30.0
-
-
-def _app(url: str) -> errands.App:
-    app = errands.App(url)
-
-    @app.job(name="results.add")
-    def add(a: int, b: int) -> int:
-        return a + b
-
-    @app.job(name="results.nap")
-    def nap(seconds: float) -> float:
-        time.sleep(seconds)
-        return seconds
-
-    @app.job(name="results.fail", retries=0)
-    def fail() -> None:
-        raise RuntimeError("no")
-
-    app.migrate()
-    return app
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def store(request: pytest.FixtureRequest, db_url: str) -> Iterator[errands.App]:
-    if request.param == "sqlite":
-        app = _app(db_url)
-        yield app
-        app.close()
-        return
-    from tests.pg import fresh_pg_url
-
-    for url in fresh_pg_url():
-        app = _app(url)
-        yield app
-        app.close()
 
 
 def test_result_is_woken_by_the_completion_not_by_polling(store: errands.App) -> None:
@@ -153,7 +119,7 @@ def test_wait_all_raises_result_timeout_for_jobs_that_do_not_end(store: errands.
 def test_with_listen_false_waiters_fall_back_to_polling(pg_url: str) -> None:
     """Behind PgBouncer (listen=false) nothing is pushed: result() polls and still
     returns the result."""
-    app = _app(pg_url + "&listen=false")
+    app = results_app(pg_url + "&listen=false")
     try:
         assert not app.results.ready(wait=0.1)
         with running_worker(app):

@@ -52,6 +52,13 @@ async def async_side() -> int:
     state: errands.JobState = await handle.astatus()
     job: errands.Job = await app.aget_job(handle.id)
     many: list[errands.JobHandle] = await app.aenqueue_many([send.bind(user_id=3, email="y")])
+    ended: list[errands.JobHandle] = await errands.await_all(many, timeout=1.0)
+    async for done in errands.as_completed(ended, timeout=1.0):
+        print(done.id)
+    flow = await app.aenqueue_workflow(errands.chain(send.bind(user_id=4, email="z")))
+    settled: errands.WorkflowStatus = await flow.await_(timeout=1.0)
+    outputs: dict[str, object] = await flow.aresult(timeout=1.0)
+    print(settled.state, outputs, (await flow.astatus()).pending, await flow.acancel())
     try:
         result = await handle.aresult(timeout=30)
     except (errands.JobFailed, errands.JobCancelled, errands.ResultTimeout):

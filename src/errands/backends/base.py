@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
@@ -32,6 +35,35 @@ if TYPE_CHECKING:
 FinishState = Literal["completed", "retryable", "dead", "cancelled", "waiting"]
 
 PROMOTE_BATCH = 1000  # due jobs job_promote_due relabels in one statement
+
+# A caller's deadline (time.monotonic()) for the store calls it makes in this context:
+# set by a wait around its reads (errands.results.Pacer), and carried by contextvars into
+# the thread asyncio.to_thread runs them in. A store that waits for a connection (the
+# PostgreSQL pool's checkout, 30 s by default) waits no longer than the time left, and
+# at least DEADLINE_FLOOR: a read at the deadline (result(timeout=0)) still takes a free
+# connection, which psycopg_pool refuses with a timeout of 0.
+_DEADLINE: ContextVar[float | None] = ContextVar("errands_store_deadline", default=None)
+DEADLINE_FLOOR = 0.05
+
+
+@contextmanager
+def calls_until(deadline: float | None) -> Iterator[None]:
+    """Store calls made inside wait for a connection no later than ``deadline``
+    (time.monotonic(); None: no limit of the caller's)."""
+    token = _DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def connection_wait(default: float) -> float:
+    """How long a store call may wait for a connection here: ``default``, or the time
+    left before the caller's deadline (at least DEADLINE_FLOOR) when that is sooner."""
+    deadline = _DEADLINE.get()
+    if deadline is None:
+        return default
+    return min(default, max(deadline - time.monotonic(), DEADLINE_FLOOR))
 
 
 @dataclass(frozen=True)
@@ -652,12 +684,16 @@ class Backend(Protocol):
         ...
 
     def result_listener(
-        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+        self,
+        on_done: Callable[[list[int] | None], None],
+        on_listen: Callable[[], None],
+        on_lost: Callable[[], None] | None = None,
     ) -> Listener | None:
         """A service calling ``on_done(ids)`` when jobs ended (None: some may have, ask
-        :meth:`job_states`), and ``on_listen()`` whenever it (re)starts listening; its
-        ``listening`` event is set while it does. None: this store cannot push (waiters
-        poll). One per process serves every waiter (errands.results)."""
+        :meth:`job_states`), ``on_listen()`` whenever it (re)starts listening, and
+        ``on_lost()`` as soon as it stops (its connection lost); its ``listening`` event
+        is set while it listens. None: this store cannot push (waiters poll). One per
+        process serves every waiter (errands.results)."""
         ...
 
     def job_states(self, ids: Sequence[int]) -> dict[int, str]:

@@ -47,6 +47,7 @@ from ..base import (
     QueueClaim,
     QueueSettings,
     RescueParams,
+    connection_wait,
     insert_params,
     writes_several,
 )
@@ -296,7 +297,10 @@ class PostgresBackend(PostgresAdmin):
     @contextmanager
     def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
         """A pool connection the server has not closed; ``timeout``: wait at most that
-        long for one (default 30 s)."""
+        long for one (default: the pool's 30 s, or less before a waiting caller's
+        deadline: see base.calls_until)."""
+        if timeout is None:
+            timeout = connection_wait(self.pool.timeout)
         try:
             with shielded():  # no hook's or handler's interrupt lands inside (interrupts)
                 conn = checkout(self.pool, timeout)
@@ -1359,11 +1363,15 @@ class PostgresBackend(PostgresAdmin):
         return Notifier(self.config.conninfo, self.channel, on_queue)
 
     def result_listener(
-        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+        self,
+        on_done: Callable[[list[int] | None], None],
+        on_listen: Callable[[], None],
+        on_lost: Callable[[], None] | None = None,
     ) -> Any:
         """One LISTEN connection on ``errands_done_<schema>``, where the ids of ended jobs
         are announced: by the statement that ends an attempt (its notify_ended CTE), and
-        by the errands_jobs_ended trigger for every other end (schema 17)."""
+        by the errands_jobs_ended trigger for every other end (schema 17). ``on_lost``:
+        called when that connection drops (re-opened with backoff)."""
         if not self.config.listen:  # listen=false: waiters poll (e.g. behind PgBouncer)
             return None
         from .notifier import Notifier
@@ -1376,7 +1384,9 @@ class PostgresBackend(PostgresAdmin):
 
         channel = done_channel(self.schema)
         name = f"errands-results:{os.getpid()}"  # which process's waiters, in pg_stat_activity
-        return Notifier(self.config.conninfo, channel, parse, on_listen, "errands-results", name)
+        return Notifier(
+            self.config.conninfo, channel, parse, on_listen, "errands-results", name, on_lost
+        )
 
 
 def idle_limit(lease: float) -> str:

@@ -977,10 +977,15 @@ class SQLiteBackend(SQLiteAdmin):
         return DataVersionWatcher(self.path, on_queue)
 
     def result_listener(
-        self, on_done: Callable[[list[int] | None], None], on_listen: Callable[[], None]
+        self,
+        on_done: Callable[[list[int] | None], None],
+        on_listen: Callable[[], None],
+        on_lost: Callable[[], None] | None = None,
     ) -> Any:
         """Commits seen through PRAGMA data_version: the hub asks which watched jobs ended
-        (every commit of the file counts, so ``on_done`` gets None)."""
+        (every commit of the file counts, so ``on_done`` gets None). ``on_lost`` is never
+        called: the watcher reads a local file it keeps open, and has no connection to
+        lose."""
         if self.memory:
             return None
         from .watcher import DataVersionWatcher
