@@ -96,18 +96,20 @@ class Workflow:
         self,
         job: BoundJob | Workflow,
         *,
-        after: Iterable[Node | Edge] = (),
+        after: Iterable[Node | Edge] | Node | Edge | None = (),
         on_failure: str = "cancel",
         name: str | None = None,
     ) -> Node:
         """Add a member; it runs once every node of ``after`` ended (``on_failure``: what
         it does when one of them died or was cancelled, unless an :class:`Edge` says).
+        ``after`` is a list of nodes (or edges), one node, or None (no parents).
 
         A member may be a whole workflow or batch (nested): it starts at once, is pending
         here until it settles (after its own callbacks), and then counts as completed
         (succeeded), dead (failed) or cancelled; nodes may run after it."""
+        parents = _parents(after)
         if isinstance(job, Workflow):
-            bound: BoundJob | Workflow = self._nested(job, after)
+            bound: BoundJob | Workflow = self._nested(job, parents)
             default = f"{job.name}#{len(self.nodes)}"
         else:
             bound = _bound(job, "add()")
@@ -118,7 +120,7 @@ class Workflow:
             raise ConfigurationError(
                 f"workflow {self.name!r} has a node named {node_name!r} already; pass another name="
             )
-        edges = tuple(_edge(p, on_failure, self) for p in after)
+        edges = tuple(_edge(p, on_failure, self) for p in parents)
         if edges and self.kind == "batch":
             raise ConfigurationError(
                 f"batch {self.name!r}: members of a batch run side by side; use "
@@ -131,10 +133,10 @@ class Workflow:
         self._names.add(node_name)
         return node
 
-    def _nested(self, child: Workflow, after: Iterable[Node | Edge]) -> Workflow:
+    def _nested(self, child: Workflow, after: Sequence[Node | Edge]) -> Workflow:
         if child is self or self in child.descendants():
             raise ConfigurationError(f"workflow {self.name!r} cannot contain itself")
-        if list(after):
+        if after:
             raise ConfigurationError(
                 f"nested workflow {child.name!r} starts at once: it cannot be added after= "
                 "other nodes (nodes may run after it)"
@@ -200,6 +202,20 @@ def _bound(job: Any, where: str) -> BoundJob:
             f"workflow {where} takes a job made with job.bind(...), got {type(job).__name__}"
         )
     return job
+
+
+def _parents(after: Any) -> list[Node | Edge]:
+    """``after=`` as a list: one node (or edge) is a list of one, None no parents."""
+    if after is None:
+        return []
+    if isinstance(after, (Node, Edge)):
+        return [after]
+    if isinstance(after, (str, bytes)) or not isinstance(after, Iterable):
+        raise ConfigurationError(
+            f"after= takes the nodes wf.add() returned (after=[a, b], or after=a), got "
+            f"{type(after).__name__}"
+        )
+    return list(after)
 
 
 def _edge(parent: Any, on_failure: str, workflow: Workflow) -> Edge:

@@ -333,6 +333,31 @@ def test_bad_workflows_are_refused_with_the_fix(make_app: Make) -> None:
         app.workflows(state="done")
 
 
+def test_after_takes_one_node_or_none_and_anything_else_is_refused_naming_the_fix(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """``wf.add(job, after=node)`` (one node, not a list) and ``after=None`` raised
+    "TypeError: 'Node' object is not iterable" from inside the builder. One node is a
+    parent, None no parent; anything else is a ConfigurationError naming the fix."""
+    app = make_app()
+
+    @app.job(name="step")
+    def step(n: int) -> int:
+        return n
+
+    wf = errands.Workflow("one-parent")
+    first = wf.add(step.bind(1), name="first", after=None)
+    wf.add(step.bind(2), name="second", after=first)
+    wf.add(step.bind(3), name="third", after=errands.Edge(first, "run_anyway"))
+    with pytest.raises(errands.ConfigurationError, match=r"after=\[a, b\], or after=a"):
+        wf.add(step.bind(4), after="first")  # type: ignore[arg-type]
+    handle = app.enqueue_workflow(wf)
+    assert errands_testing(app).drain_workflow(handle).state == "succeeded"
+    parents = {m.node: m.parents for m in handle.members()}
+    assert parents["first"] == []
+    assert parents["second"] == parents["third"] == [handle.jobs["first"].id]
+
+
 def test_a_member_completing_through_ctx_transaction_fans_in_with_its_writes(
     make_app: Make, errands_testing: Callable[..., Tester], store_url: str, effects: Any
 ) -> None:
