@@ -14,6 +14,7 @@ import pytest
 from errands.backends import Backend
 from errands.backends.base import ActionParams, FinishParams, RescueParams
 from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
+from errands.errors import ConfigurationError
 from errands.jobs import JobRow
 
 from .conftest import Harness
@@ -757,3 +758,28 @@ def test_a_workflow_settled_again_after_a_replay_counts_its_retention_from_then(
     assert finish(backend, claim_one(backend), "dead", error=error())
     assert _state(backend, inserted.id)[0] == "failed"
     assert backend.workflow_prune(older_than=WEEK, limit=100) == 0
+
+
+def test_members_sharing_a_key_are_refused_as_duplicates_of_each_other_not_of_a_stored_job(
+    backend: Backend,
+) -> None:
+    """Two members with the same job name and key= were refused with "its key= matches
+    job 1, already stored": job 1 was the sibling just written in the same (rolled back)
+    transaction. The members themselves are named now, in a workflow, across its nested
+    ones and among the members one adds; nothing is written."""
+    keyed = request(name="member.keyed", key="k")
+    twice = WorkflowSpec("wf", "batch", [NodeSpec("a", keyed), NodeSpec("b", keyed)])
+    with pytest.raises(ConfigurationError, match="members 'a' and 'b' have the same key= 'k'"):
+        backend.workflow_insert(twice)
+    inner = WorkflowSpec("inner", "batch", [NodeSpec("c", keyed)])
+    outer = WorkflowSpec("wf", "dag", [NodeSpec("a", keyed), NodeSpec("in", None, child=inner)])
+    with pytest.raises(ConfigurationError, match="members 'a' and 'in/c' have the same key="):
+        backend.workflow_insert(outer)
+    assert backend.workflow_list() == [] and claim_all(backend) == []
+    inserted = backend.workflow_insert(batch(1))
+    adder = claim_one(backend)
+    added = FinishParams(adder.id, adder.lease_token or "", "completed", workflow_adds=[keyed] * 2)
+    with pytest.raises(ConfigurationError, match=r"members '#1 \(member.keyed\)' and '#2"):
+        backend.job_finish_many([added])
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.total, status.pending) == (1, 1)

@@ -207,6 +207,35 @@ def verdict(edges: Iterable[Sequence[Any]]) -> str:
     return "run"
 
 
+def check_keys(where: str, members: Iterable[tuple[str, EnqueueRequest]]) -> None:
+    """Refuse members stored together that share a job name and ``key=``: the second
+    would be the first (keys are unique per job name), and the store's refusal named the
+    sibling just written in the same transaction as a job "already stored"."""
+    seen: dict[tuple[str, str], str] = {}
+    for node, request in members:
+        if request.key is None:
+            continue
+        first = seen.get((request.name, request.key))
+        seen[request.name, request.key] = node
+        if first is not None:
+            raise ConfigurationError(
+                f"{where}: members {first!r} and {node!r} have the same key= "
+                f"{request.key!r} (job {request.name}); a key names one job. Give each "
+                "member its own key=, or drop the key= of members"
+            )
+
+
+def spec_members(spec: WorkflowSpec, prefix: str = "") -> list[tuple[str, EnqueueRequest]]:
+    """Every job member of ``spec`` and of the workflows nested in it, by node path."""
+    found: list[tuple[str, EnqueueRequest]] = []
+    for node in spec.nodes:
+        if node.request is not None:
+            found.append((prefix + node.node, node.request))
+        if node.child is not None:
+            found += spec_members(node.child, f"{prefix}{node.node}/")
+    return found
+
+
 class WorkflowStore:
     """The workflow programs of one backend: its named queries ``q``, how it inserts jobs
     in a transaction (``insert``), binds a list (``array``) and wakes workers (``notify``)."""
@@ -279,6 +308,10 @@ class WorkflowStore:
         """The workflow row, its members (dependents waiting), edges and pending set.
         ``bulk``: the connection is sync, so the store's bulk path may write the members
         already joined (``insert_joined``: no second write of every member's row)."""
+        check_keys(f"workflow {spec.name!r}", spec_members(spec))
+        return (yield from self._insert(spec, bulk))
+
+    def _insert(self, spec: WorkflowSpec, bulk: bool) -> Program[WorkflowInserted]:
         q = self.q
         callbacks = {event: request_to_json(r) for event, r in spec.callbacks.items()}
         rows = yield Stmt(
@@ -297,7 +330,7 @@ class WorkflowStore:
         children: dict[int, WorkflowInserted] = {}
         for i, node in enumerate(spec.nodes):
             if node.child is not None:
-                children[i] = yield from self.insert(node.child, bulk=bulk)
+                children[i] = yield from self._insert(node.child, bulk)
                 ids[i] = -children[i].id
         jobs = [i for i, n in enumerate(spec.nodes) if n.request is not None]
         results = yield from self._members(
@@ -337,6 +370,10 @@ class WorkflowStore:
         it leaves the pending set: the workflow cannot settle in between)."""
         if not requests:
             return
+        check_keys(
+            f"ctx.add_to_workflow (workflow {workflow_id})",
+            [(f"#{i + 1} ({r.name})", r) for i, r in enumerate(requests)],
+        )
         yield from self._members(workflow_id, requests, [r.name for r in requests], blocked=[])
         yield Stmt(self.q["wf_add_total"], {"id": workflow_id, "n": len(requests)})
 
