@@ -414,7 +414,7 @@ class ParentResult:
 
     job_id: int
     node: str
-    state: str | None
+    state: str | None  # its job's state; 'skipped' for a skipped parent (its job cancelled)
     result: Any  # None unless completed (and when larger than the page's byte cap)
     truncated: bool = False  # the result was larger than max_bytes: read it with get_job
 
@@ -436,6 +436,12 @@ class ParentResults:
     def failed(self) -> list[ParentResult]:
         """The parents that died or were cancelled (a ``run_anyway`` member sees them)."""
         return [p for p in self.items if p.state in ("dead", "cancelled", "discarded")]
+
+    @property
+    def skipped(self) -> list[ParentResult]:
+        """The parents skipped by their own edges' policy ``skip``: not failed (the
+        members after one carry on as if it had completed), with no result."""
+        return [p for p in self.items if p.state == "skipped"]
 
     def by_node(self) -> dict[str, Any]:
         return {p.node: p.result for p in self.items}

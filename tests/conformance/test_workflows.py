@@ -783,3 +783,19 @@ def test_members_sharing_a_key_are_refused_as_duplicates_of_each_other_not_of_a_
         backend.job_finish_many([added])
     status = backend.workflow_get(inserted.id)
     assert status is not None and (status.total, status.pending) == (1, 1)
+
+
+def test_a_skipped_parent_reads_as_skipped_not_as_a_cancelled_one(backend: Backend) -> None:
+    """A dies, B (skip after A) is skipped, C (after B) runs: C read B with its job's
+    state, 'cancelled' (a skipped job is stored cancelled), so ctx.parent_results().failed
+    listed B, and a compensation treated it as failed. B reads as 'skipped'."""
+    inserted = backend.workflow_insert(
+        spec([("a", []), ("b", [(0, "skip")]), ("c", [(1, "cancel")])])
+    )
+    b_id, c_id = (j.id for j in inserted.jobs[1:])
+    assert finish(backend, claim_one(backend), "dead", error=error())
+    assert claim_one(backend).id == c_id
+    [parent] = backend.workflow_parent_results(c_id)
+    assert (parent.job_id, parent.node, parent.state, parent.result_json) == (
+        b_id, "b", "skipped", None,
+    )  # fmt: skip

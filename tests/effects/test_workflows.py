@@ -131,6 +131,36 @@ def test_a_run_anyway_member_sees_its_failed_parent_and_a_skipped_one_does_not_r
     assert outcomes == {"charge": "dead", "compensate": "completed", "ship": "skipped"}
 
 
+def test_a_member_after_a_skipped_parent_sees_it_skipped_not_failed(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """charge dies, reserve (skip) is skipped, undo runs after it: parent_results().failed
+    listed reserve (its job is stored cancelled), so the saga compensated a reservation
+    that was never attempted as if it had failed. A skipped parent is in .skipped."""
+    app = make_app()
+    seen: list[Any] = []
+
+    @app.job(name="charge", retries=0)
+    def charge() -> None:
+        raise errands.Permanent("card declined")
+
+    @app.job(name="reserve")
+    def reserve() -> None: ...
+
+    @app.job(name="undo")
+    def undo(ctx: errands.Context) -> None:
+        page = ctx.parent_results()
+        seen.append(([p.node for p in page.failed], [(p.node, p.state) for p in page.skipped]))
+
+    wf = errands.Workflow("saga")
+    c = wf.add(charge.bind(), name="charge")
+    r = wf.add(reserve.bind(), after=[c], on_failure="skip", name="reserve")
+    wf.add(undo.bind(), after=[r], name="undo")
+    handle = app.enqueue_workflow(wf)
+    errands_testing(app, raise_errors=False).drain_workflow(handle)
+    assert seen == [([], [("reserve", "skipped")])]
+
+
 def test_a_member_adds_members_to_its_own_batch_before_it_settles(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

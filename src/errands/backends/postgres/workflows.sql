@@ -355,7 +355,12 @@ ORDER BY m.job_id
 LIMIT %(limit)s
 
 -- name: wf_parent_results
-SELECT e.parent_id, m.node, COALESCE(j.state, m.outcome), j.result::text, octet_length(j.result::text)
+-- A parent's state is its job's (its member outcome once the row was pruned, or for a
+-- nested workflow), but 'skipped' for a skipped one: its job is stored cancelled, and the
+-- dependents after it carry on as if it had completed, not as after a failed parent.
+SELECT e.parent_id, m.node,
+       CASE WHEN m.outcome = 'skipped' THEN m.outcome ELSE COALESCE(j.state, m.outcome) END,
+       j.result::text, octet_length(j.result::text)
 FROM {schema}.errands_workflow_edges AS e
 JOIN {schema}.errands_workflow_members AS m ON m.job_id = e.parent_id
 LEFT JOIN {schema}.errands_jobs AS j ON j.id = e.parent_id

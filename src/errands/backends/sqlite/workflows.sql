@@ -254,7 +254,10 @@ ORDER BY m.job_id
 LIMIT :limit
 
 -- name: wf_parent_results
-SELECT e.parent_id, m.node, COALESCE(j.state, m.outcome), j.result, length(CAST(j.result AS BLOB))
+-- A parent's state, 'skipped' for a skipped one (see the PostgreSQL statement).
+SELECT e.parent_id, m.node,
+       CASE WHEN m.outcome = 'skipped' THEN m.outcome ELSE COALESCE(j.state, m.outcome) END,
+       j.result, length(CAST(j.result AS BLOB))
 FROM errands_workflow_edges AS e
 JOIN errands_workflow_members AS m ON m.job_id = e.parent_id
 LEFT JOIN errands_jobs AS j ON j.id = e.parent_id
