@@ -387,9 +387,14 @@ class WorkflowHandle:
         failed = {m.node: m.outcome or "?" for m in members if m.outcome != "completed"
                   and m.outcome != "skipped"}  # fmt: skip
         if failed or status.state != "succeeded":
+            # none failed: cancelled while its members ran, each of which then completed
+            why = ", ".join(f"{node} {outcome}" for node, outcome in sorted(failed.items())) or (
+                "no member failed; its cancel was requested"
+                if status.cancel_requested
+                else "no member failed"
+            )
             raise WorkflowFailed(
-                f"workflow {self.id} ({status.name}) {status.state}: "
-                + ", ".join(f"{node} {outcome}" for node, outcome in sorted(failed.items())),
+                f"workflow {self.id} ({status.name}) {status.state}: {why}",
                 workflow_id=self.id,
                 failed=failed,
             )

@@ -799,3 +799,30 @@ def test_a_skipped_parent_reads_as_skipped_not_as_a_cancelled_one(backend: Backe
     assert (parent.job_id, parent.node, parent.state, parent.result_json) == (
         b_id, "b", "skipped", None,
     )  # fmt: skip
+
+
+def test_a_workflow_cancelled_while_its_members_run_settles_cancelled_without_on_success(
+    backend: Backend,
+) -> None:
+    """The cancel landed while every pending member ran, and each then completed: the
+    workflow settled cancelled and fired on_success too; nested, its parent counted it
+    cancelled (and cancelled what came after it) although its on_success had run. Now
+    it settles cancelled with on_settled only, and its parent counts it cancelled."""
+    inserted = backend.workflow_insert(batch(2))
+    rows = claim_all(backend)
+    assert backend.workflow_cancel(inserted.id, "test") == 0  # both run: asked to stop
+    for row in rows:
+        assert finish(backend, row, "completed")
+    assert callbacks(backend) == ["on_settled"]
+    assert _state(backend, inserted.id) == ("cancelled", 2, 0, 0)
+
+    outer = backend.workflow_insert(nested(batch(1), after_it=True, events=EVENTS))
+    [inner] = outer.children.values()
+    job, inner_member = _outer_and_inner(backend, outer.jobs[0].id)
+    assert backend.workflow_cancel(inner.id, "test") == 0
+    assert finish(backend, inner_member, "completed")
+    assert _state(backend, inner.id) == ("cancelled", 1, 0, 0)
+    members = {m.node: m.outcome for m in backend.workflow_members(outer.id)}
+    assert members == {"job": None, "inner": "cancelled", "after": "cancelled"}
+    assert finish(backend, job, "completed")
+    assert callbacks(backend) == ["on_settled"] * 2 + ["outer.on_settled"]  # no on_success

@@ -293,6 +293,34 @@ def test_cancelling_a_workflow_cancels_its_pending_members_and_settles_it_cancel
     assert app.audit(limit=1)[0].action == "workflow_cancel"
 
 
+def test_a_workflow_cancelled_while_its_member_runs_fails_its_result_saying_so(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """A member cancels its own workflow and completes: the workflow settled cancelled,
+    fired on_success as well, and result() raised WorkflowFailed("... cancelled: "), an
+    empty list of failed members. It fires on_settled alone, and result() says why."""
+    app = make_app()
+
+    @app.job(name="step")
+    def step(ctx: errands.Context) -> None:
+        app.cancel_workflow(ctx.workflow().id, actor="step")
+
+    @app.job(name="note")
+    def note() -> None: ...
+
+    batch = errands.Batch("cancels-itself", on_success=note.bind(), on_settled=note.bind())
+    batch.add(step.bind(), name="step")
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(batch)
+    status = tester.drain_workflow(handle)
+    assert (status.state, status.completed) == ("cancelled", 1)
+    tester.assert_callbacks(handle, "on_settled")
+    with pytest.raises(errands.WorkflowFailed) as failed:
+        handle.result(timeout=5)
+    assert str(failed.value).endswith("cancelled: no member failed; its cancel was requested")
+    assert failed.value.failed == {}
+
+
 def test_waiting_for_a_workflow_that_does_not_settle_times_out(make_app: Make) -> None:
     app = make_app()
 

@@ -647,8 +647,12 @@ class WorkflowStore:
         if not pending:
             failed = row.dead + row.cancelled > 0
             if row.settled_at is None:
+                # A cancelled workflow settles cancelled, whatever its members' outcomes (a
+                # cancel may land while every pending member runs, and each then complete):
+                # on_settled fires, never on_success; a parent counts it cancelled.
                 state = "cancelled" if row.cancel_requested else "failed" if failed else "succeeded"
-                events = ["on_settled"] + ([] if failed else ["on_success"])
+                success = state == "succeeded"
+                events = ["on_settled"] + (["on_success"] if success else [])
             elif row.state == "failed" and not failed:
                 # Settled before: the members replayed since (see reenter) all ended again.
                 state = "succeeded"
