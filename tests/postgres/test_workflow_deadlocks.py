@@ -209,3 +209,74 @@ def test_a_cancel_the_server_aborts_to_break_a_lock_cycle_runs_again(
     assert status is not None and (status.cancelled, status.pending) == (1, 1)
     with pytest.raises(InvalidTransition):  # cancelled once: a second cancel is refused
         backend.job_cancel(member.id, "ops")
+
+
+def nested_batch(backend: Backend, n: int) -> tuple[WorkflowInserted, WorkflowInserted]:
+    """A workflow whose one member is a nested batch of ``n`` (outer.id < inner.id)."""
+    inner = WorkflowSpec("inner", "batch", [NodeSpec(f"m{i}", request()) for i in range(n)])
+    outer = backend.workflow_insert(
+        WorkflowSpec("outer", "dag", [NodeSpec("inner", None, child=inner)])
+    )
+    [child] = outer.children.values()
+    return outer, child
+
+
+def test_a_member_adding_members_to_a_nested_batch_meets_a_siblings_finish_without_a_deadlock(
+    backend: Backend,
+) -> None:
+    """Two members of a nested batch finish at once, the first adding members: the add
+    moved the nested batch's count (locking its row) before the fan-in locked the outer
+    workflow, against the id order (outer first) the sibling's fan-in takes: each then
+    held one row and waited for the other's (DeadlockDetected, 9 in 300 rounds). The
+    holder keeps the nested batch's row while the adder, then the sibling, line up."""
+    outer, inner = nested_batch(backend, 2)
+    adder, sibling = sorted(claim(backend, limit=2), key=lambda r: r.id)
+    holder = Holder(backend, inner.id)
+    adds = [request(name="member.added")]
+    first = Call(lambda: backend.job_finish_many(
+        [FinishParams(adder.id, adder.lease_token or "", "completed", workflow_adds=adds)]
+    ))  # fmt: skip
+    first.start()
+    wait_for("the adder waits", blocked_or_done(backend, 1, first))
+    second = Call(lambda: finish(backend, sibling, "completed"))
+    second.start()
+    wait_for("the sibling waits", blocked_or_done(backend, 2, first, second))
+    holder.let_go(after_checks=False)
+    assert first.result() == [True] and second.result() is True
+    [added] = claim(backend)
+    assert finish(backend, added, "completed")
+    for workflow in (inner, outer):
+        status = backend.workflow_get(workflow.id)
+        assert status is not None and status.state == "succeeded"
+    assert backend.workflow_get(inner.id).total == 3  # type: ignore[union-attr]
+
+
+def test_a_batch_of_finishes_one_adding_members_locks_its_workflows_in_id_order(
+    backend: Backend,
+) -> None:
+    """A worker's batch ends a member of a low and of a high workflow, the high one's
+    adding members: the add locked the high workflow before the batch's fan-in locked
+    the low one, while another batch ending members of both took them in id order."""
+    low, high = batch(backend, 2), batch(backend, 2)  # low.id < high.id
+    rows = {r.id: r for r in claim(backend, limit=4)}
+    (l1, l2), (h1, h2) = ([rows[j.id] for j in w.jobs] for w in (low, high))
+    holder = Holder(backend, low.id)
+    plain = [FinishParams(r.id, r.lease_token or "", "completed") for r in (l1, h1)]
+    other = Call(lambda: backend.job_finish_many(plain))
+    other.start()
+    wait_for("the other batch waits", blocked_or_done(backend, 1, other))
+    adds = [request(name="member.added")]
+    adding = [
+        FinishParams(h2.id, h2.lease_token or "", "completed", workflow_adds=adds),
+        FinishParams(l2.id, l2.lease_token or "", "completed"),
+    ]
+    adder = Call(lambda: backend.job_finish_many(adding))
+    adder.start()
+    wait_for("the adding batch waits", blocked_or_done(backend, 2, other, adder))
+    holder.let_go(after_checks=False)
+    assert other.result() == [True, True] and adder.result() == [True, True]
+    [added] = claim(backend)
+    assert finish(backend, added, "completed")
+    for workflow, total in ((low, 2), (high, 3)):
+        status = backend.workflow_get(workflow.id)
+        assert status is not None and (status.state, status.total) == ("succeeded", total)

@@ -374,8 +374,18 @@ class WorkflowStore:
             f"ctx.add_to_workflow (workflow {workflow_id})",
             [(f"#{i + 1} ({r.name})", r) for i, r in enumerate(requests)],
         )
+        # Its workflow and those it is nested in, locked first, in id order, as the fan-in
+        # after it locks them: counted first, a nested workflow's row was held while its
+        # parent's was waited for, and a fan-in of a sibling held the parent's and waited.
+        yield from self._lock_up((), [workflow_id])
         yield from self._members(workflow_id, requests, [r.name for r in requests], blocked=[])
         yield Stmt(self.q["wf_add_total"], {"id": workflow_id, "n": len(requests)})
+
+    def lock_fan_in(self, job_ids: Sequence[int]) -> Program[None]:
+        """Lock now, in one statement, what ``fan_in(job_ids)`` locks first: a batch of
+        finishes some of which add members (``add``, which locks its own workflows) then
+        takes every lock of its fan-in in id order, not one workflow's ahead of others."""
+        yield Stmt(self.q["wf_lock_pending"], {"ids": self.array(list(job_ids))})
 
     def _members(
         self,
@@ -600,15 +610,18 @@ class WorkflowStore:
         rows = yield Stmt(q["wf_ready_edges"], {"children": self.array(children)})
         return rows
 
-    def _lock_up(self, job_ids: Sequence[int], workflows: Sequence[int] = ()) -> Program[set[int]]:
+    def _lock_up(
+        self, job_ids: Sequence[int], workflows: Sequence[int] = ()
+    ) -> Program[dict[int, bool]]:
         """Lock ``workflows``, those ``job_ids`` are members of, and the workflows these
         are nested in, in id order: the one order every writer takes them in (no two
-        transactions each hold one while waiting for the other's). Those being cancelled."""
+        transactions each hold one while waiting for the other's). Each one locked (those
+        that exist), with whether its cancel was requested."""
         rows = yield Stmt(
             self.q["wf_lock_up"],
             {"ids": self.array(list(job_ids)), "workflows": self.array(list(workflows))},
         )
-        return {int(r[0]) for r in rows if r[1]}
+        return {int(r[0]): bool(r[1]) for r in rows}
 
     def _leave_parent(
         self, workflow_id: int, cancelling: set[int], dags: set[int]

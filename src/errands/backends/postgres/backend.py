@@ -923,10 +923,15 @@ class PostgresBackend(PostgresAdmin):
         if rest:
             with self._own_tx(conn):
                 ended = self._finish_rows(conn, rest, members=True)
-                for o in rest:
-                    if (o.id, o.lease_token) not in ended or o.state != "completed":
-                        continue
-                    plain, adds = split_children(o)
+                members = [o.id for o in rest if ended.get((o.id, o.lease_token)) in ENDED]
+                parts = [
+                    (o, *split_children(o))
+                    for o in rest
+                    if (o.id, o.lease_token) in ended and o.state == "completed"
+                ]
+                if len(members) > 1 and any(adds for _, _, adds in parts):
+                    run(conn, self.workflows.lock_fan_in(members))  # in id order, first
+                for o, plain, adds in parts:
                     if plain:
                         self._insert(conn, plain)
                     if adds:
@@ -934,7 +939,6 @@ class PostgresBackend(PostgresAdmin):
                             self.q["wf_job_workflow"], {"id": o.id}
                         ).fetchall()
                         run(conn, self.workflows.add(workflow_id, adds))
-                members = [o.id for o in rest if ended.get((o.id, o.lease_token)) in ENDED]
                 run(conn, self.workflows.fan_in(members))
             landed = {(o.id, o.lease_token) for o in rest} & set(ended)
             accepted = [
