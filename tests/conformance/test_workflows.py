@@ -15,7 +15,7 @@ from errands.backends import Backend
 from errands.backends.base import ActionParams, FinishParams, RescueParams
 from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
 from errands.errors import ConfigurationError
-from errands.jobs import JobRow
+from errands.jobs import EnqueueRequest, JobRow
 
 from .conftest import Harness
 from .support import QUEUE, claim, claim_one, error, errors_of, finish, get, request
@@ -413,13 +413,18 @@ def test_cancelling_a_workflow_cancels_pending_members_and_stops_running_ones(
     assert callbacks(backend) == ["on_settled"]
 
 
+def complete_adding(backend: Backend, row: JobRow, added: list[EnqueueRequest]) -> bool:
+    """Complete ``row``, adding the members ``added`` to its workflow; whether it landed."""
+    outcome = FinishParams(row.id, row.lease_token or "", "completed", workflow_adds=added)
+    [landed] = backend.job_finish_many([outcome])
+    return landed
+
+
 def test_members_a_member_adds_keep_the_batch_open_until_they_end(backend: Backend) -> None:
     inserted = backend.workflow_insert(batch(1))
     adder = claim_one(backend)
     added = [request(name="member.added") for _ in range(2)]
-    assert backend.job_finish_many(
-        [FinishParams(adder.id, adder.lease_token or "", "completed", workflow_adds=added)]
-    ) == [True]
+    assert complete_adding(backend, adder, added)
     assert callbacks(backend) == []
     status = backend.workflow_get(inserted.id)
     assert status is not None and (status.total, status.pending) == (3, 2)
@@ -778,9 +783,8 @@ def test_members_sharing_a_key_are_refused_as_duplicates_of_each_other_not_of_a_
     assert backend.workflow_list() == [] and claim_all(backend) == []
     inserted = backend.workflow_insert(batch(1))
     adder = claim_one(backend)
-    added = FinishParams(adder.id, adder.lease_token or "", "completed", workflow_adds=[keyed] * 2)
     with pytest.raises(ConfigurationError, match=r"members '#1 \(member.keyed\)' and '#2"):
-        backend.job_finish_many([added])
+        complete_adding(backend, adder, [keyed] * 2)
     status = backend.workflow_get(inserted.id)
     assert status is not None and (status.total, status.pending) == (1, 1)
 
@@ -826,3 +830,27 @@ def test_a_workflow_cancelled_while_its_members_run_settles_cancelled_without_on
     assert members == {"job": None, "inner": "cancelled", "after": "cancelled"}
     assert finish(backend, job, "completed")
     assert callbacks(backend) == ["on_settled"] * 2 + ["outer.on_settled"]  # no on_success
+
+
+def test_members_added_after_a_cancel_are_added_cancelled_and_never_run(
+    backend: Backend,
+) -> None:
+    """The cancel landed while A ran; A completed adding members: they were inserted
+    available and ran, and the workflow stayed running until they ended. They are
+    added cancelled now (listed and counted, never claimed), and the workflow settles
+    cancelled at once, as it would have without them."""
+    inserted = backend.workflow_insert(batch(1))
+    adder = claim_one(backend)
+    assert backend.workflow_cancel(inserted.id, "test") == 0  # a runs: asked to stop
+    added = [request(name="member.added") for _ in range(2)]
+    assert complete_adding(backend, adder, added)
+    assert claim_all(backend) == []
+    status = backend.workflow_get(inserted.id)
+    assert status is not None
+    assert (status.state, status.total, status.completed, status.cancelled) == (
+        "cancelled", 3, 1, 2,
+    )  # fmt: skip
+    assert callbacks(backend) == ["on_settled"]
+    members = [m for m in backend.workflow_members(inserted.id) if m.job_id != adder.id]
+    assert [(m.state, m.outcome) for m in members] == [("cancelled", "cancelled")] * 2
+    assert errors_of(get(backend, members[0].job_id))[0]["message"] == "the workflow was cancelled"

@@ -45,6 +45,8 @@ NESTED_OUTCOME = {"succeeded": "completed", "failed": "dead", "cancelled": "canc
 # ctx.add_to_workflow marks the child requests it adds with this meta key (they travel
 # with the completion as ctx.enqueue's children do); the store takes them apart.
 WORKFLOW_ADD = "workflow_add"
+# Why a member that never ran was cancelled with its workflow (in its errors).
+CANCELLED_WHY = "the workflow was cancelled"
 # A dependent's own delay, counted from its release (see release_delay).
 RELEASE_DELAY = "release_delay"
 # Below every member id: nested workflows are members with negative ids (minus their own).
@@ -377,9 +379,18 @@ class WorkflowStore:
         # Its workflow and those it is nested in, locked first, in id order, as the fan-in
         # after it locks them: counted first, a nested workflow's row was held while its
         # parent's was waited for, and a fan-in of a sibling held the parent's and waited.
-        yield from self._lock_up((), [workflow_id])
-        yield from self._members(workflow_id, requests, [r.name for r in requests], blocked=[])
+        locked = yield from self._lock_up((), [workflow_id])
+        # Its cancel (or that of one it is nested in) was requested: nothing more runs in
+        # it. The members are added cancelled (listed, counted, never run); it settles
+        # cancelled as it would have.
+        cancelled = list(range(len(requests))) if any(locked.values()) else []
+        added = yield from self._members(
+            workflow_id, requests, [r.name for r in requests], blocked=cancelled
+        )
         yield Stmt(self.q["wf_add_total"], {"id": workflow_id, "n": len(requests)})
+        if cancelled:
+            yield from self._stop([(r.id, "cancel", CANCELLED_WHY) for r in added])
+            yield from self.fan_in([r.id for r in added])
 
     def lock_fan_in(self, job_ids: Sequence[int]) -> Program[None]:
         """Lock now, in one statement, what ``fan_in(job_ids)`` locks first: a batch of
@@ -517,7 +528,7 @@ class WorkflowStore:
         blocked: list[tuple[int, str, str]] = []  # dependent, decision, why
         for child, (workflow_id, edges) in sorted(ready.items()):
             if workflow_id in cancelling:
-                blocked.append((child, "cancel", "the workflow was cancelled"))
+                blocked.append((child, "cancel", CANCELLED_WHY))
                 continue
             decision = verdict(edges)
             if decision == "run":
@@ -535,9 +546,15 @@ class WorkflowStore:
             queues.update(woken)
         if not blocked:
             return []
+        stopped = yield from self._stop(blocked)
+        return [(c, "skipped" if d == "skip" else None) for c, d, _ in blocked if c in stopped]
+
+    def _stop(self, blocked: Sequence[tuple[int, str, str]]) -> Program[set[int]]:
+        """Waiting members that will not run, ``(member, decision, why)``: cancelled, or
+        skipped (decision ``skip``), each with its reason in its errors. Those stopped."""
         skip = [d == "skip" for _, d, _ in blocked]
         rows = yield Stmt(
-            q["wf_end_blocked_many"],
+            self.q["wf_end_blocked_many"],
             self.columns(
                 ids=[c for c, _, _ in blocked],
                 types=["Skipped" if s else "Cancelled" for s in skip],
@@ -545,8 +562,7 @@ class WorkflowStore:
                 messages=[why for _, _, why in blocked],
             ),
         )
-        stopped = {int(r[0]) for r in rows}
-        return [(c, "skipped" if d == "skip" else None) for c, d, _ in blocked if c in stopped]
+        return {int(r[0]) for r in rows}
 
     def _leave(
         self, given: dict[int, str | None], rows_now: dict[int, Sequence[Any]]
