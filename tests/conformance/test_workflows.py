@@ -854,3 +854,22 @@ def test_members_added_after_a_cancel_are_added_cancelled_and_never_run(
     members = [m for m in backend.workflow_members(inserted.id) if m.job_id != adder.id]
     assert [(m.state, m.outcome) for m in members] == [("cancelled", "cancelled")] * 2
     assert errors_of(get(backend, members[0].job_id))[0]["message"] == "the workflow was cancelled"
+
+
+def test_a_member_replayed_after_its_workflow_was_pruned_adds_jobs_that_run_on_their_own(
+    backend: Backend,
+) -> None:
+    """A dead member replayed after its workflow was pruned runs on its own; adding
+    members, it wrote member and pending rows for the workflow that no longer existed
+    (its count matched nothing, the pending row was never removed). What it adds is
+    stored as plain jobs, outside any workflow, and runs."""
+    inserted = backend.workflow_insert(batch(1, events=()))
+    assert finish(backend, claim_one(backend), "dead", error=error())
+    assert backend.workflow_prune(-1.0, 100) == 1
+    _replay(backend, inserted.jobs[0].id)
+    assert complete_adding(backend, claim_one(backend), [request(name="member.added")])
+    assert backend.workflow_members(inserted.id) == []
+    added = claim_one(backend)
+    assert added.name == "member.added" and added.workflow_id is None
+    assert "workflow" not in get(backend, added.id).meta
+    assert finish(backend, added, "completed")

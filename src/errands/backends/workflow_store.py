@@ -380,6 +380,11 @@ class WorkflowStore:
         # after it locks them: counted first, a nested workflow's row was held while its
         # parent's was waited for, and a fan-in of a sibling held the parent's and waited.
         locked = yield from self._lock_up((), [workflow_id])
+        if workflow_id not in locked:
+            # Pruned (the adder is a dead member replayed since, which runs on its own):
+            # what it adds runs on its own too, as jobs outside any workflow.
+            yield from self.insert_jobs(requests)
+            return
         # Its cancel (or that of one it is nested in) was requested: nothing more runs in
         # it. The members are added cancelled (listed, counted, never run); it settles
         # cancelled as it would have.
