@@ -873,3 +873,29 @@ def test_a_member_replayed_after_its_workflow_was_pruned_adds_jobs_that_run_on_t
     assert added.name == "member.added" and added.workflow_id is None
     assert "workflow" not in get(backend, added.id).meta
     assert finish(backend, added, "completed")
+
+
+def test_a_nested_workflow_with_a_replayed_member_pending_keeps_its_outer_one_from_pruning(
+    backend: Backend,
+) -> None:
+    """A nested batch's member dies, the batch is cancelled (settling cancelled: it is a
+    cancelled member of its parent, not a dead one), the outer workflow settles, and the
+    dead member is replayed: pending again in the nested batch only. The prune looked for
+    pending rows of the outermost workflow alone, and deleted both with the replay
+    running. Nothing is pruned while a member of the tree is pending."""
+    inserted = backend.workflow_insert(nested(batch(2, events=()), events=()))
+    [inner] = inserted.children.values()
+    rows = {r.id: r for r in claim_all(backend)}
+    dead = rows[inner.jobs[0].id]
+    assert finish(backend, dead, "dead", error=error())
+    backend.workflow_cancel(inner.id, "test")  # its other member was claimed: it runs
+    assert finish(backend, rows[inner.jobs[1].id], "completed")
+    assert finish(backend, rows[inserted.jobs[0].id], "completed")
+    assert _state(backend, inner.id)[0] == "cancelled"
+    assert _state(backend, inserted.id) == ("failed", 1, 0, 0)
+    _replay(backend, dead.id)
+    assert _state(backend, inner.id) == ("cancelled", 1, 0, 1)
+    assert _state(backend, inserted.id)[3] == 0  # not pending again in its parent
+    assert backend.workflow_prune(-1.0, 100) == 0
+    assert finish(backend, claim_one(backend), "completed")
+    assert backend.workflow_prune(-1.0, 100) == 2
