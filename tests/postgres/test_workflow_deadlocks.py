@@ -104,15 +104,15 @@ def blocked_or_done(backend: Backend, waiting: int, *calls: Call) -> Callable[[]
 
 
 class Holder:
-    """A connection of the test's own that holds one workflow's row (FOR UPDATE)."""
+    """A connection of the test's own that holds one workflow's row (FOR UPDATE), or
+    another table's row."""
 
-    def __init__(self, backend: Backend, workflow_id: int) -> None:
+    def __init__(self, backend: Backend, row_id: int, table: str = "errands_workflows") -> None:
         self.schema: str = backend.schema  # type: ignore[attr-defined]
         self.conn = psycopg.connect(backend.config.conninfo)  # type: ignore[attr-defined]
         self.conn.execute("SET deadlock_timeout = '30s'")  # never the side that detects
         self.conn.execute(
-            f'SELECT id FROM "{self.schema}".errands_workflows WHERE id = %s FOR UPDATE',
-            (workflow_id,),
+            f'SELECT id FROM "{self.schema}".{table} WHERE id = %s FOR UPDATE', (row_id,)
         )
 
     def let_go(self, after_checks: bool = True) -> None:
@@ -280,3 +280,36 @@ def test_a_batch_of_finishes_one_adding_members_locks_its_workflows_in_id_order(
     for workflow, total in ((low, 2), (high, 3)):
         status = backend.workflow_get(workflow.id)
         assert status is not None and (status.state, status.total) == ("succeeded", total)
+
+
+def test_a_prune_meeting_a_dlq_replay_of_a_member_keeps_the_workflow_and_its_pending_row(
+    backend: Backend,
+) -> None:
+    """A replay locks the workflow, then makes its dead member pending again; the prune
+    took no workflow lock: it deleted the members, edges and pending rows it saw, then
+    waited for the workflow's row, which the replay held while it waited for the member
+    row the prune had deleted: DeadlockDetected (had the replay not touched that row,
+    it committed a pending row for a workflow gone). The prune now locks the tree and
+    asks again: the workflow is kept, and settles once the replay completes. The holder
+    keeps the dead member's job row: the replay waits there holding the workflow's, and
+    the prune lines up behind it."""
+    inserted = batch(backend, 1)
+    [member] = inserted.jobs
+    [row] = claim(backend)
+    assert finish(backend, row, "dead", error=error())
+    holder = Holder(backend, member.id, "errands_jobs")
+    replay = Call(lambda: backend.job_replay(ActionParams(actor="ops", ids=[member.id])))
+    replay.start()
+    wait_for("the replay waits", blocked_or_done(backend, 1, replay))
+    prune = Call(lambda: backend.workflow_prune(-1.0, 100))
+    prune.start()
+    wait_for("the prune waits", blocked_or_done(backend, 2, replay, prune))
+    holder.let_go(after_checks=False)
+    assert replay.result().matched == [member.id]
+    assert prune.result() == 0
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.pending) == ("failed", 1)
+    [again] = claim(backend)
+    assert finish(backend, again, "completed")
+    assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]
+    assert backend.workflow_prune(-1.0, 100) == 1

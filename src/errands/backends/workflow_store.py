@@ -763,7 +763,8 @@ class WorkflowStore:
         pending rows; their jobs are pruned as jobs are, once their workflow is gone (a
         member is kept while its workflow is). Returns how many workflows went."""
         q = self.q
-        rows = yield Stmt(q["wf_prunable"], {"older_than": older_than, "limit": limit})
+        prunable = {"older_than": older_than, "limit": limit, "root": None}
+        rows = yield Stmt(q["wf_prunable"], prunable)
         gone = 0
         for (root,) in rows:
             tree, todo = [], [int(root)]
@@ -772,6 +773,13 @@ class WorkflowStore:
                 tree.append(workflow_id)
                 nested = yield Stmt(q["wf_nested"], {"id": workflow_id})
                 todo.extend(int(r[0]) for r in nested)
+            # Locked as a replay locks them (in id order, before it makes a member pending
+            # again), then asked again: a replay that committed meanwhile keeps the tree,
+            # and one after the delete finds no member to re-enter (no pending row left
+            # for a workflow that is gone).
+            yield from self._lock_up((), tree)
+            if not (yield Stmt(q["wf_prunable"], {**prunable, "root": int(root)})):
+                continue
             for workflow_id in tree:
                 for query in ("wf_delete_edges", "wf_delete_members", "wf_delete_pending"):
                     yield Stmt(q[query], {"id": workflow_id})

@@ -386,6 +386,7 @@ SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s
 -- settled cancelled is not pending again in its parent: its pending rows are looked for.
 SELECT id FROM {schema}.errands_workflows AS w
 WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(older_than)s)
+  AND (%(root)s::bigint IS NULL OR w.id = %(root)s::bigint)  -- one asked again, locked
   AND NOT EXISTS (SELECT 1 FROM {schema}.errands_workflow_members AS m WHERE m.job_id = -w.id)
   AND NOT EXISTS (
       WITH RECURSIVE tree(id) AS (

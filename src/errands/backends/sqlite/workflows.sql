@@ -281,6 +281,7 @@ SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id 
 SELECT id FROM errands_workflows AS w
 WHERE settled_at IS NOT NULL
   AND settled_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+  AND (:root IS NULL OR w.id = :root)  -- one asked again, locked
   AND NOT EXISTS (SELECT 1 FROM errands_workflow_members AS m WHERE m.job_id = -w.id)
   AND NOT EXISTS (
       WITH RECURSIVE tree(id) AS (
