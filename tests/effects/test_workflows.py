@@ -5,6 +5,7 @@ workflow tools."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -443,6 +444,44 @@ def test_a_member_completing_through_ctx_transaction_fans_in_with_its_writes(
     assert tester.drain_workflow(handle).state == "succeeded"
     assert handle.result()["after"] == 3
     assert sorted(r[0] for r in effects.execute("SELECT n FROM wf_tx_effects")) == [1, 2]
+
+
+def test_a_workflow_settled_by_a_ctx_transaction_completion_is_reported_as_settled(
+    make_app: Make, errands_testing: Callable[..., Tester], store_url: str, effects: Any
+) -> None:
+    """A member completing inside ctx.transaction() settled its batch with no
+    errands.workflow.settled event (nor metric): nothing took the handler thread's
+    settled list, which grew on that thread for good. It is reported as a completer's
+    finish reports it: one event, whichever path completed the last member."""
+    from effects_store import EffectsStore
+
+    app = make_app()
+    effects.create(["CREATE TABLE IF NOT EXISTS wf_tx_settled (id {serial}, n INTEGER NOT NULL)"])
+    table = EffectsStore.qualified(store_url, "wf_tx_settled")
+    mark = "?" if EffectsStore.is_sqlite(store_url) else "%s"
+    settled: list[dict[str, Any]] = []
+    app.events.subscribe(
+        lambda e: settled.append(dict(e.fields)) if e.name == "errands.workflow.settled" else None
+    )
+
+    @app.job(name="write")
+    def write(ctx: errands.Context, n: int) -> None:
+        ctx.transaction().execute(f"INSERT INTO {table} (n) VALUES ({mark})", (n,))
+
+    @app.job(name="plain")
+    def plain() -> None: ...
+
+    tester = errands_testing(app)
+    for member in (write.bind(1), plain.bind()):
+        batch = errands.Batch("one")
+        batch.add(member)
+        handle = app.enqueue_workflow(batch)
+        assert tester.drain_workflow(handle).state == "succeeded"
+        deadline = time.monotonic() + 5.0  # the completer reports once its write returned
+        while not settled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, "succeeded")]
+        settled.clear()
 
 
 def test_a_nested_batch_runs_its_callbacks_before_its_parent_and_gates_its_dependents(

@@ -298,6 +298,12 @@ class WorkflowStore:
             self._local.released = set()
         self._local.released.update(queues)
 
+    def forget(self) -> None:
+        """A write starts on this thread: what fan-ins did before it is not its own."""
+        self.take_fanned()
+        self.take_settled()
+        self.take_released()
+
     def take_fanned(self) -> bool:
         """Whether a fan-in ran in this thread since the last call (the backends' finish
         reaches fault point ``after_fan_in_commit`` once its transaction committed)."""

@@ -876,9 +876,7 @@ class PostgresBackend(PostgresAdmin):
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
-        self.workflows.take_fanned()
-        self.workflows.take_settled()
-        self.workflows.take_released()
+        self.workflows.forget()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
             with self._tx() as conn:
                 answers = self._finish(conn, outcomes)
@@ -1165,6 +1163,7 @@ class PostgresBackend(PostgresAdmin):
             # They read their rows by position, whatever rows the handler asked for.
             conn.row_factory = tuple_row  # type: ignore[assignment]
             self._guard(conn)
+            self.workflows.forget()  # the caller reports what this fan-in did, once
             [ok] = self._finish(conn, [outcome])
             fault_point("before_complete_commit")
             conn.execute("COMMIT" if ok else "ROLLBACK")
