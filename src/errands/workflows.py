@@ -99,18 +99,20 @@ class Workflow:
         self,
         job: BoundJob | Workflow,
         *,
-        after: Iterable[Node | Edge] = (),
+        after: Iterable[Node | Edge] | Node | Edge | None = (),
         on_failure: str = "cancel",
         name: str | None = None,
     ) -> Node:
         """Add a member; it runs once every node of ``after`` ended (``on_failure``: what
         it does when one of them died or was cancelled, unless an :class:`Edge` says).
+        ``after`` is a list of nodes (or edges), one node, or None (no parents).
 
         A member may be a whole workflow or batch (nested): it starts at once, is pending
         here until it settles (after its own callbacks), and then counts as completed
         (succeeded), dead (failed) or cancelled; nodes may run after it."""
+        parents = _parents(after)
         if isinstance(job, Workflow):
-            bound: BoundJob | Workflow = self._nested(job, after)
+            bound: BoundJob | Workflow = self._nested(job, parents)
             default = f"{job.name}#{len(self.nodes)}"
         else:
             bound = _bound(job, "add()")
@@ -121,7 +123,7 @@ class Workflow:
             raise ConfigurationError(
                 f"workflow {self.name!r} has a node named {node_name!r} already; pass another name="
             )
-        edges = tuple(_edge(p, on_failure, self) for p in after)
+        edges = tuple(_edge(p, on_failure, self) for p in parents)
         if edges and self.kind == "batch":
             raise ConfigurationError(
                 f"batch {self.name!r}: members of a batch run side by side; use "
@@ -134,10 +136,10 @@ class Workflow:
         self._names.add(node_name)
         return node
 
-    def _nested(self, child: Workflow, after: Iterable[Node | Edge]) -> Workflow:
+    def _nested(self, child: Workflow, after: Sequence[Node | Edge]) -> Workflow:
         if child is self or self in child.descendants():
             raise ConfigurationError(f"workflow {self.name!r} cannot contain itself")
-        if list(after):
+        if after:
             raise ConfigurationError(
                 f"nested workflow {child.name!r} starts at once: it cannot be added after= "
                 "other nodes (nodes may run after it)"
@@ -203,6 +205,20 @@ def _bound(job: Any, where: str) -> BoundJob:
             f"workflow {where} takes a job made with job.bind(...), got {type(job).__name__}"
         )
     return job
+
+
+def _parents(after: Any) -> list[Node | Edge]:
+    """``after=`` as a list: one node (or edge) is a list of one, None no parents."""
+    if after is None:
+        return []
+    if isinstance(after, (Node, Edge)):
+        return [after]
+    if isinstance(after, (str, bytes)) or not isinstance(after, Iterable):
+        raise ConfigurationError(
+            f"after= takes the nodes wf.add() returned (after=[a, b], or after=a), got "
+            f"{type(after).__name__}"
+        )
+    return list(after)
 
 
 def _edge(parent: Any, on_failure: str, workflow: Workflow) -> Edge:
@@ -407,9 +423,14 @@ class WorkflowHandle:
         failed = {m.node: m.outcome or "?" for m in members if m.outcome != "completed"
                   and m.outcome != "skipped"}  # fmt: skip
         if failed or status.state != "succeeded":
+            # none failed: cancelled while its members ran, each of which then completed
+            why = ", ".join(f"{node} {outcome}" for node, outcome in sorted(failed.items())) or (
+                "no member failed; its cancel was requested"
+                if status.cancel_requested
+                else "no member failed"
+            )
             raise WorkflowFailed(
-                f"workflow {self.id} ({status.name}) {status.state}: "
-                + ", ".join(f"{node} {outcome}" for node, outcome in sorted(failed.items())),
+                f"workflow {self.id} ({status.name}) {status.state}: {why}",
                 workflow_id=self.id,
                 failed=failed,
             )
@@ -465,7 +486,7 @@ class ParentResult:
 
     job_id: int
     node: str
-    state: str | None
+    state: str | None  # its job's state; 'skipped' for a skipped parent (its job cancelled)
     result: Any  # None unless completed (and when larger than the page's byte cap)
     truncated: bool = False  # the result was larger than max_bytes: read it with get_job
 
@@ -487,6 +508,12 @@ class ParentResults:
     def failed(self) -> list[ParentResult]:
         """The parents that died or were cancelled (a ``run_anyway`` member sees them)."""
         return [p for p in self.items if p.state in ("dead", "cancelled", "discarded")]
+
+    @property
+    def skipped(self) -> list[ParentResult]:
+        """The parents skipped by their own edges' policy ``skip``: not failed (the
+        members after one carry on as if it had completed), with no result."""
+        return [p for p in self.items if p.state == "skipped"]
 
     def by_node(self) -> dict[str, Any]:
         return {p.node: p.result for p in self.items}

@@ -14,7 +14,8 @@ import pytest
 from errands.backends import Backend
 from errands.backends.base import ActionParams, FinishParams, RescueParams
 from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
-from errands.jobs import JobRow
+from errands.errors import ConfigurationError
+from errands.jobs import EnqueueRequest, JobRow
 
 from .conftest import Harness
 from .support import QUEUE, claim, claim_one, error, errors_of, finish, get, request
@@ -412,13 +413,18 @@ def test_cancelling_a_workflow_cancels_pending_members_and_stops_running_ones(
     assert callbacks(backend) == ["on_settled"]
 
 
+def complete_adding(backend: Backend, row: JobRow, added: list[EnqueueRequest]) -> bool:
+    """Complete ``row``, adding the members ``added`` to its workflow; whether it landed."""
+    outcome = FinishParams(row.id, row.lease_token or "", "completed", workflow_adds=added)
+    [landed] = backend.job_finish_many([outcome])
+    return landed
+
+
 def test_members_a_member_adds_keep_the_batch_open_until_they_end(backend: Backend) -> None:
     inserted = backend.workflow_insert(batch(1))
     adder = claim_one(backend)
     added = [request(name="member.added") for _ in range(2)]
-    assert backend.job_finish_many(
-        [FinishParams(adder.id, adder.lease_token or "", "completed", workflow_adds=added)]
-    ) == [True]
+    assert complete_adding(backend, adder, added)
     assert callbacks(backend) == []
     status = backend.workflow_get(inserted.id)
     assert status is not None and (status.total, status.pending) == (3, 2)
@@ -757,3 +763,139 @@ def test_a_workflow_settled_again_after_a_replay_counts_its_retention_from_then(
     assert finish(backend, claim_one(backend), "dead", error=error())
     assert _state(backend, inserted.id)[0] == "failed"
     assert backend.workflow_prune(older_than=WEEK, limit=100) == 0
+
+
+def test_members_sharing_a_key_are_refused_as_duplicates_of_each_other_not_of_a_stored_job(
+    backend: Backend,
+) -> None:
+    """Two members with the same job name and key= were refused with "its key= matches
+    job 1, already stored": job 1 was the sibling just written in the same (rolled back)
+    transaction. The members themselves are named now, in a workflow, across its nested
+    ones and among the members one adds; nothing is written."""
+    keyed = request(name="member.keyed", key="k")
+    twice = WorkflowSpec("wf", "batch", [NodeSpec("a", keyed), NodeSpec("b", keyed)])
+    with pytest.raises(ConfigurationError, match="members 'a' and 'b' have the same key= 'k'"):
+        backend.workflow_insert(twice)
+    inner = WorkflowSpec("inner", "batch", [NodeSpec("c", keyed)])
+    outer = WorkflowSpec("wf", "dag", [NodeSpec("a", keyed), NodeSpec("in", None, child=inner)])
+    with pytest.raises(ConfigurationError, match="members 'a' and 'in/c' have the same key="):
+        backend.workflow_insert(outer)
+    assert backend.workflow_list() == [] and claim_all(backend) == []
+    inserted = backend.workflow_insert(batch(1))
+    adder = claim_one(backend)
+    with pytest.raises(ConfigurationError, match=r"members '#1 \(member.keyed\)' and '#2"):
+        complete_adding(backend, adder, [keyed] * 2)
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.total, status.pending) == (1, 1)
+
+
+def test_a_skipped_parent_reads_as_skipped_not_as_a_cancelled_one(backend: Backend) -> None:
+    """A dies, B (skip after A) is skipped, C (after B) runs: C read B with its job's
+    state, 'cancelled' (a skipped job is stored cancelled), so ctx.parent_results().failed
+    listed B, and a compensation treated it as failed. B reads as 'skipped'."""
+    inserted = backend.workflow_insert(
+        spec([("a", []), ("b", [(0, "skip")]), ("c", [(1, "cancel")])])
+    )
+    b_id, c_id = (j.id for j in inserted.jobs[1:])
+    assert finish(backend, claim_one(backend), "dead", error=error())
+    assert claim_one(backend).id == c_id
+    [parent] = backend.workflow_parent_results(c_id)
+    assert (parent.job_id, parent.node, parent.state, parent.result_json) == (
+        b_id, "b", "skipped", None,
+    )  # fmt: skip
+
+
+def test_a_workflow_cancelled_while_its_members_run_settles_cancelled_without_on_success(
+    backend: Backend,
+) -> None:
+    """The cancel landed while every pending member ran, and each then completed: the
+    workflow settled cancelled and fired on_success too; nested, its parent counted it
+    cancelled (and cancelled what came after it) although its on_success had run. Now
+    it settles cancelled with on_settled only, and its parent counts it cancelled."""
+    inserted = backend.workflow_insert(batch(2))
+    rows = claim_all(backend)
+    assert backend.workflow_cancel(inserted.id, "test") == 0  # both run: asked to stop
+    for row in rows:
+        assert finish(backend, row, "completed")
+    assert callbacks(backend) == ["on_settled"]
+    assert _state(backend, inserted.id) == ("cancelled", 2, 0, 0)
+
+    outer = backend.workflow_insert(nested(batch(1), after_it=True, events=EVENTS))
+    [inner] = outer.children.values()
+    job, inner_member = _outer_and_inner(backend, outer.jobs[0].id)
+    assert backend.workflow_cancel(inner.id, "test") == 0
+    assert finish(backend, inner_member, "completed")
+    assert _state(backend, inner.id) == ("cancelled", 1, 0, 0)
+    members = {m.node: m.outcome for m in backend.workflow_members(outer.id)}
+    assert members == {"job": None, "inner": "cancelled", "after": "cancelled"}
+    assert finish(backend, job, "completed")
+    assert callbacks(backend) == ["on_settled"] * 2 + ["outer.on_settled"]  # no on_success
+
+
+def test_members_added_after_a_cancel_are_added_cancelled_and_never_run(
+    backend: Backend,
+) -> None:
+    """The cancel landed while A ran; A completed adding members: they were inserted
+    available and ran, and the workflow stayed running until they ended. They are
+    added cancelled now (listed and counted, never claimed), and the workflow settles
+    cancelled at once, as it would have without them."""
+    inserted = backend.workflow_insert(batch(1))
+    adder = claim_one(backend)
+    assert backend.workflow_cancel(inserted.id, "test") == 0  # a runs: asked to stop
+    added = [request(name="member.added") for _ in range(2)]
+    assert complete_adding(backend, adder, added)
+    assert claim_all(backend) == []
+    status = backend.workflow_get(inserted.id)
+    assert status is not None
+    assert (status.state, status.total, status.completed, status.cancelled) == (
+        "cancelled", 3, 1, 2,
+    )  # fmt: skip
+    assert callbacks(backend) == ["on_settled"]
+    members = [m for m in backend.workflow_members(inserted.id) if m.job_id != adder.id]
+    assert [(m.state, m.outcome) for m in members] == [("cancelled", "cancelled")] * 2
+    assert errors_of(get(backend, members[0].job_id))[0]["message"] == "the workflow was cancelled"
+
+
+def test_a_member_replayed_after_its_workflow_was_pruned_adds_jobs_that_run_on_their_own(
+    backend: Backend,
+) -> None:
+    """A dead member replayed after its workflow was pruned runs on its own; adding
+    members, it wrote member and pending rows for the workflow that no longer existed
+    (its count matched nothing, the pending row was never removed). What it adds is
+    stored as plain jobs, outside any workflow, and runs."""
+    inserted = backend.workflow_insert(batch(1, events=()))
+    assert finish(backend, claim_one(backend), "dead", error=error())
+    assert backend.workflow_prune(-1.0, 100) == 1
+    _replay(backend, inserted.jobs[0].id)
+    assert complete_adding(backend, claim_one(backend), [request(name="member.added")])
+    assert backend.workflow_members(inserted.id) == []
+    added = claim_one(backend)
+    assert added.name == "member.added" and added.workflow_id is None
+    assert "workflow" not in get(backend, added.id).meta
+    assert finish(backend, added, "completed")
+
+
+def test_a_nested_workflow_with_a_replayed_member_pending_keeps_its_outer_one_from_pruning(
+    backend: Backend,
+) -> None:
+    """A nested batch's member dies, the batch is cancelled (settling cancelled: it is a
+    cancelled member of its parent, not a dead one), the outer workflow settles, and the
+    dead member is replayed: pending again in the nested batch only. The prune looked for
+    pending rows of the outermost workflow alone, and deleted both with the replay
+    running. Nothing is pruned while a member of the tree is pending."""
+    inserted = backend.workflow_insert(nested(batch(2, events=()), events=()))
+    [inner] = inserted.children.values()
+    rows = {r.id: r for r in claim_all(backend)}
+    dead = rows[inner.jobs[0].id]
+    assert finish(backend, dead, "dead", error=error())
+    backend.workflow_cancel(inner.id, "test")  # its other member was claimed: it runs
+    assert finish(backend, rows[inner.jobs[1].id], "completed")
+    assert finish(backend, rows[inserted.jobs[0].id], "completed")
+    assert _state(backend, inner.id)[0] == "cancelled"
+    assert _state(backend, inserted.id) == ("failed", 1, 0, 0)
+    _replay(backend, dead.id)
+    assert _state(backend, inner.id) == ("cancelled", 1, 0, 1)
+    assert _state(backend, inserted.id)[3] == 0  # not pending again in its parent
+    assert backend.workflow_prune(-1.0, 100) == 0
+    assert finish(backend, claim_one(backend), "completed")
+    assert backend.workflow_prune(-1.0, 100) == 2

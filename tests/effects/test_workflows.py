@@ -134,6 +134,36 @@ def test_a_run_anyway_member_sees_its_failed_parent_and_a_skipped_one_does_not_r
     assert outcomes == {"charge": "dead", "compensate": "completed", "ship": "skipped"}
 
 
+def test_a_member_after_a_skipped_parent_sees_it_skipped_not_failed(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """charge dies, reserve (skip) is skipped, undo runs after it: parent_results().failed
+    listed reserve (its job is stored cancelled), so the saga compensated a reservation
+    that was never attempted as if it had failed. A skipped parent is in .skipped."""
+    app = make_app()
+    seen: list[Any] = []
+
+    @app.job(name="charge", retries=0)
+    def charge() -> None:
+        raise errands.Permanent("card declined")
+
+    @app.job(name="reserve")
+    def reserve() -> None: ...
+
+    @app.job(name="undo")
+    def undo(ctx: errands.Context) -> None:
+        page = ctx.parent_results()
+        seen.append(([p.node for p in page.failed], [(p.node, p.state) for p in page.skipped]))
+
+    wf = errands.Workflow("saga")
+    c = wf.add(charge.bind(), name="charge")
+    r = wf.add(reserve.bind(), after=[c], on_failure="skip", name="reserve")
+    wf.add(undo.bind(), after=[r], name="undo")
+    handle = app.enqueue_workflow(wf)
+    errands_testing(app, raise_errors=False).drain_workflow(handle)
+    assert seen == [([], [("reserve", "skipped")])]
+
+
 def test_a_member_adds_members_to_its_own_batch_before_it_settles(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:
@@ -266,6 +296,34 @@ def test_cancelling_a_workflow_cancels_its_pending_members_and_settles_it_cancel
     assert app.audit(limit=1)[0].action == "workflow_cancel"
 
 
+def test_a_workflow_cancelled_while_its_member_runs_fails_its_result_saying_so(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """A member cancels its own workflow and completes: the workflow settled cancelled,
+    fired on_success as well, and result() raised WorkflowFailed("... cancelled: "), an
+    empty list of failed members. It fires on_settled alone, and result() says why."""
+    app = make_app()
+
+    @app.job(name="step")
+    def step(ctx: errands.Context) -> None:
+        app.cancel_workflow(ctx.workflow().id, actor="step")
+
+    @app.job(name="note")
+    def note() -> None: ...
+
+    batch = errands.Batch("cancels-itself", on_success=note.bind(), on_settled=note.bind())
+    batch.add(step.bind(), name="step")
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(batch)
+    status = tester.drain_workflow(handle)
+    assert (status.state, status.completed) == ("cancelled", 1)
+    tester.assert_callbacks(handle, "on_settled")
+    with pytest.raises(errands.WorkflowFailed) as failed:
+        handle.result(timeout=5)
+    assert str(failed.value).endswith("cancelled: no member failed; its cancel was requested")
+    assert failed.value.failed == {}
+
+
 @pytest.mark.parametrize("form", ["wait", "await_"])
 def test_waiting_for_a_workflow_that_does_not_settle_times_out(make_app: Make, form: str) -> None:
     """No worker: wait, and await_ in async code, give up at the timeout with
@@ -344,6 +402,31 @@ def test_bad_workflows_are_refused_with_the_fix(make_app: Make) -> None:
         app.workflows(state="done")
 
 
+def test_after_takes_one_node_or_none_and_anything_else_is_refused_naming_the_fix(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """``wf.add(job, after=node)`` (one node, not a list) and ``after=None`` raised
+    "TypeError: 'Node' object is not iterable" from inside the builder. One node is a
+    parent, None no parent; anything else is a ConfigurationError naming the fix."""
+    app = make_app()
+
+    @app.job(name="step")
+    def step(n: int) -> int:
+        return n
+
+    wf = errands.Workflow("one-parent")
+    first = wf.add(step.bind(1), name="first", after=None)
+    wf.add(step.bind(2), name="second", after=first)
+    wf.add(step.bind(3), name="third", after=errands.Edge(first, "run_anyway"))
+    with pytest.raises(errands.ConfigurationError, match=r"after=\[a, b\], or after=a"):
+        wf.add(step.bind(4), after="first")  # type: ignore[arg-type]
+    handle = app.enqueue_workflow(wf)
+    assert errands_testing(app).drain_workflow(handle).state == "succeeded"
+    parents = {m.node: m.parents for m in handle.members()}
+    assert parents["first"] == []
+    assert parents["second"] == parents["third"] == [handle.jobs["first"].id]
+
+
 def test_a_member_completing_through_ctx_transaction_fans_in_with_its_writes(
     make_app: Make, errands_testing: Callable[..., Tester], store_url: str, effects: Any
 ) -> None:
@@ -371,6 +454,44 @@ def test_a_member_completing_through_ctx_transaction_fans_in_with_its_writes(
     assert tester.drain_workflow(handle).state == "succeeded"
     assert handle.result()["after"] == 3
     assert sorted(r[0] for r in effects.execute("SELECT n FROM wf_tx_effects")) == [1, 2]
+
+
+def test_a_workflow_settled_by_a_ctx_transaction_completion_is_reported_as_settled(
+    make_app: Make, errands_testing: Callable[..., Tester], store_url: str, effects: Any
+) -> None:
+    """A member completing inside ctx.transaction() settled its batch with no
+    errands.workflow.settled event (nor metric): nothing took the handler thread's
+    settled list, which grew on that thread for good. It is reported as a completer's
+    finish reports it: one event, whichever path completed the last member."""
+    from effects_store import EffectsStore
+
+    app = make_app()
+    effects.create(["CREATE TABLE IF NOT EXISTS wf_tx_settled (id {serial}, n INTEGER NOT NULL)"])
+    table = EffectsStore.qualified(store_url, "wf_tx_settled")
+    mark = "?" if EffectsStore.is_sqlite(store_url) else "%s"
+    settled: list[dict[str, Any]] = []
+    app.events.subscribe(
+        lambda e: settled.append(dict(e.fields)) if e.name == "errands.workflow.settled" else None
+    )
+
+    @app.job(name="write")
+    def write(ctx: errands.Context, n: int) -> None:
+        ctx.transaction().execute(f"INSERT INTO {table} (n) VALUES ({mark})", (n,))
+
+    @app.job(name="plain")
+    def plain() -> None: ...
+
+    tester = errands_testing(app)
+    for member in (write.bind(1), plain.bind()):
+        batch = errands.Batch("one")
+        batch.add(member)
+        handle = app.enqueue_workflow(batch)
+        assert tester.drain_workflow(handle).state == "succeeded"
+        deadline = time.monotonic() + 5.0  # the completer reports once its write returned
+        while not settled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, "succeeded")]
+        settled.clear()
 
 
 def test_a_nested_batch_runs_its_callbacks_before_its_parent_and_gates_its_dependents(

@@ -104,15 +104,15 @@ def blocked_or_done(backend: Backend, waiting: int, *calls: Call) -> Callable[[]
 
 
 class Holder:
-    """A connection of the test's own that holds one workflow's row (FOR UPDATE)."""
+    """A connection of the test's own that holds one workflow's row (FOR UPDATE), or
+    another table's row."""
 
-    def __init__(self, backend: Backend, workflow_id: int) -> None:
+    def __init__(self, backend: Backend, row_id: int, table: str = "errands_workflows") -> None:
         self.schema: str = backend.schema  # type: ignore[attr-defined]
         self.conn = psycopg.connect(backend.config.conninfo)  # type: ignore[attr-defined]
         self.conn.execute("SET deadlock_timeout = '30s'")  # never the side that detects
         self.conn.execute(
-            f'SELECT id FROM "{self.schema}".errands_workflows WHERE id = %s FOR UPDATE',
-            (workflow_id,),
+            f'SELECT id FROM "{self.schema}".{table} WHERE id = %s FOR UPDATE', (row_id,)
         )
 
     def let_go(self, after_checks: bool = True) -> None:
@@ -209,3 +209,107 @@ def test_a_cancel_the_server_aborts_to_break_a_lock_cycle_runs_again(
     assert status is not None and (status.cancelled, status.pending) == (1, 1)
     with pytest.raises(InvalidTransition):  # cancelled once: a second cancel is refused
         backend.job_cancel(member.id, "ops")
+
+
+def nested_batch(backend: Backend, n: int) -> tuple[WorkflowInserted, WorkflowInserted]:
+    """A workflow whose one member is a nested batch of ``n`` (outer.id < inner.id)."""
+    inner = WorkflowSpec("inner", "batch", [NodeSpec(f"m{i}", request()) for i in range(n)])
+    outer = backend.workflow_insert(
+        WorkflowSpec("outer", "dag", [NodeSpec("inner", None, child=inner)])
+    )
+    [child] = outer.children.values()
+    return outer, child
+
+
+def test_a_member_adding_members_to_a_nested_batch_meets_a_siblings_finish_without_a_deadlock(
+    backend: Backend,
+) -> None:
+    """Two members of a nested batch finish at once, the first adding members: the add
+    moved the nested batch's count (locking its row) before the fan-in locked the outer
+    workflow, against the id order (outer first) the sibling's fan-in takes: each then
+    held one row and waited for the other's (DeadlockDetected, 9 in 300 rounds). The
+    holder keeps the nested batch's row while the adder, then the sibling, line up."""
+    outer, inner = nested_batch(backend, 2)
+    adder, sibling = sorted(claim(backend, limit=2), key=lambda r: r.id)
+    holder = Holder(backend, inner.id)
+    adds = [request(name="member.added")]
+    first = Call(lambda: backend.job_finish_many(
+        [FinishParams(adder.id, adder.lease_token or "", "completed", workflow_adds=adds)]
+    ))  # fmt: skip
+    first.start()
+    wait_for("the adder waits", blocked_or_done(backend, 1, first))
+    second = Call(lambda: finish(backend, sibling, "completed"))
+    second.start()
+    wait_for("the sibling waits", blocked_or_done(backend, 2, first, second))
+    holder.let_go(after_checks=False)
+    assert first.result() == [True] and second.result() is True
+    [added] = claim(backend)
+    assert finish(backend, added, "completed")
+    for workflow in (inner, outer):
+        status = backend.workflow_get(workflow.id)
+        assert status is not None and status.state == "succeeded"
+    assert backend.workflow_get(inner.id).total == 3  # type: ignore[union-attr]
+
+
+def test_a_batch_of_finishes_one_adding_members_locks_its_workflows_in_id_order(
+    backend: Backend,
+) -> None:
+    """A worker's batch ends a member of a low and of a high workflow, the high one's
+    adding members: the add locked the high workflow before the batch's fan-in locked
+    the low one, while another batch ending members of both took them in id order."""
+    low, high = batch(backend, 2), batch(backend, 2)  # low.id < high.id
+    rows = {r.id: r for r in claim(backend, limit=4)}
+    (l1, l2), (h1, h2) = ([rows[j.id] for j in w.jobs] for w in (low, high))
+    holder = Holder(backend, low.id)
+    plain = [FinishParams(r.id, r.lease_token or "", "completed") for r in (l1, h1)]
+    other = Call(lambda: backend.job_finish_many(plain))
+    other.start()
+    wait_for("the other batch waits", blocked_or_done(backend, 1, other))
+    adds = [request(name="member.added")]
+    adding = [
+        FinishParams(h2.id, h2.lease_token or "", "completed", workflow_adds=adds),
+        FinishParams(l2.id, l2.lease_token or "", "completed"),
+    ]
+    adder = Call(lambda: backend.job_finish_many(adding))
+    adder.start()
+    wait_for("the adding batch waits", blocked_or_done(backend, 2, other, adder))
+    holder.let_go(after_checks=False)
+    assert other.result() == [True, True] and adder.result() == [True, True]
+    [added] = claim(backend)
+    assert finish(backend, added, "completed")
+    for workflow, total in ((low, 2), (high, 3)):
+        status = backend.workflow_get(workflow.id)
+        assert status is not None and (status.state, status.total) == ("succeeded", total)
+
+
+def test_a_prune_meeting_a_dlq_replay_of_a_member_keeps_the_workflow_and_its_pending_row(
+    backend: Backend,
+) -> None:
+    """A replay locks the workflow, then makes its dead member pending again; the prune
+    took no workflow lock: it deleted the members, edges and pending rows it saw, then
+    waited for the workflow's row, which the replay held while it waited for the member
+    row the prune had deleted: DeadlockDetected (had the replay not touched that row,
+    it committed a pending row for a workflow gone). The prune now locks the tree and
+    asks again: the workflow is kept, and settles once the replay completes. The holder
+    keeps the dead member's job row: the replay waits there holding the workflow's, and
+    the prune lines up behind it."""
+    inserted = batch(backend, 1)
+    [member] = inserted.jobs
+    [row] = claim(backend)
+    assert finish(backend, row, "dead", error=error())
+    holder = Holder(backend, member.id, "errands_jobs")
+    replay = Call(lambda: backend.job_replay(ActionParams(actor="ops", ids=[member.id])))
+    replay.start()
+    wait_for("the replay waits", blocked_or_done(backend, 1, replay))
+    prune = Call(lambda: backend.workflow_prune(-1.0, 100))
+    prune.start()
+    wait_for("the prune waits", blocked_or_done(backend, 2, replay, prune))
+    holder.let_go(after_checks=False)
+    assert replay.result().matched == [member.id]
+    assert prune.result() == 0
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.pending) == ("failed", 1)
+    [again] = claim(backend)
+    assert finish(backend, again, "completed")
+    assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]
+    assert backend.workflow_prune(-1.0, 100) == 1

@@ -45,6 +45,8 @@ NESTED_OUTCOME = {"succeeded": "completed", "failed": "dead", "cancelled": "canc
 # ctx.add_to_workflow marks the child requests it adds with this meta key (they travel
 # with the completion as ctx.enqueue's children do); the store takes them apart.
 WORKFLOW_ADD = "workflow_add"
+# Why a member that never ran was cancelled with its workflow (in its errors).
+CANCELLED_WHY = "the workflow was cancelled"
 # A dependent's own delay, counted from its release (see release_delay).
 RELEASE_DELAY = "release_delay"
 # Below every member id: nested workflows are members with negative ids (minus their own).
@@ -207,6 +209,35 @@ def verdict(edges: Iterable[Sequence[Any]]) -> str:
     return "run"
 
 
+def check_keys(where: str, members: Iterable[tuple[str, EnqueueRequest]]) -> None:
+    """Refuse members stored together that share a job name and ``key=``: the second
+    would be the first (keys are unique per job name), and the store's refusal named the
+    sibling just written in the same transaction as a job "already stored"."""
+    seen: dict[tuple[str, str], str] = {}
+    for node, request in members:
+        if request.key is None:
+            continue
+        first = seen.get((request.name, request.key))
+        seen[request.name, request.key] = node
+        if first is not None:
+            raise ConfigurationError(
+                f"{where}: members {first!r} and {node!r} have the same key= "
+                f"{request.key!r} (job {request.name}); a key names one job. Give each "
+                "member its own key=, or drop the key= of members"
+            )
+
+
+def spec_members(spec: WorkflowSpec, prefix: str = "") -> list[tuple[str, EnqueueRequest]]:
+    """Every job member of ``spec`` and of the workflows nested in it, by node path."""
+    found: list[tuple[str, EnqueueRequest]] = []
+    for node in spec.nodes:
+        if node.request is not None:
+            found.append((prefix + node.node, node.request))
+        if node.child is not None:
+            found += spec_members(node.child, f"{prefix}{node.node}/")
+    return found
+
+
 class WorkflowStore:
     """The workflow programs of one backend: its named queries ``q``, how it inserts jobs
     in a transaction (``insert``), binds a list (``array``) and wakes workers (``notify``)."""
@@ -267,6 +298,12 @@ class WorkflowStore:
             self._local.released = set()
         self._local.released.update(queues)
 
+    def forget(self) -> None:
+        """A write starts on this thread: what fan-ins did before it is not its own."""
+        self.take_fanned()
+        self.take_settled()
+        self.take_released()
+
     def take_fanned(self) -> bool:
         """Whether a fan-in ran in this thread since the last call (the backends' finish
         reaches fault point ``after_fan_in_commit`` once its transaction committed)."""
@@ -279,6 +316,10 @@ class WorkflowStore:
         """The workflow row, its members (dependents waiting), edges and pending set.
         ``bulk``: the connection is sync, so the store's bulk path may write the members
         already joined (``insert_joined``: no second write of every member's row)."""
+        check_keys(f"workflow {spec.name!r}", spec_members(spec))
+        return (yield from self._insert(spec, bulk))
+
+    def _insert(self, spec: WorkflowSpec, bulk: bool) -> Program[WorkflowInserted]:
         q = self.q
         callbacks = {event: request_to_json(r) for event, r in spec.callbacks.items()}
         rows = yield Stmt(
@@ -297,7 +338,7 @@ class WorkflowStore:
         children: dict[int, WorkflowInserted] = {}
         for i, node in enumerate(spec.nodes):
             if node.child is not None:
-                children[i] = yield from self.insert(node.child, bulk=bulk)
+                children[i] = yield from self._insert(node.child, bulk)
                 ids[i] = -children[i].id
         jobs = [i for i, n in enumerate(spec.nodes) if n.request is not None]
         results = yield from self._members(
@@ -337,8 +378,36 @@ class WorkflowStore:
         it leaves the pending set: the workflow cannot settle in between)."""
         if not requests:
             return
-        yield from self._members(workflow_id, requests, [r.name for r in requests], blocked=[])
+        check_keys(
+            f"ctx.add_to_workflow (workflow {workflow_id})",
+            [(f"#{i + 1} ({r.name})", r) for i, r in enumerate(requests)],
+        )
+        # Its workflow and those it is nested in, locked first, in id order, as the fan-in
+        # after it locks them: counted first, a nested workflow's row was held while its
+        # parent's was waited for, and a fan-in of a sibling held the parent's and waited.
+        locked = yield from self._lock_up((), [workflow_id])
+        if workflow_id not in locked:
+            # Pruned (the adder is a dead member replayed since, which runs on its own):
+            # what it adds runs on its own too, as jobs outside any workflow.
+            yield from self.insert_jobs(requests)
+            return
+        # Its cancel (or that of one it is nested in) was requested: nothing more runs in
+        # it. The members are added cancelled (listed, counted, never run); it settles
+        # cancelled as it would have.
+        cancelled = list(range(len(requests))) if any(locked.values()) else []
+        added = yield from self._members(
+            workflow_id, requests, [r.name for r in requests], blocked=cancelled
+        )
         yield Stmt(self.q["wf_add_total"], {"id": workflow_id, "n": len(requests)})
+        if cancelled:
+            yield from self._stop([(r.id, "cancel", CANCELLED_WHY) for r in added])
+            yield from self.fan_in([r.id for r in added])
+
+    def lock_fan_in(self, job_ids: Sequence[int]) -> Program[None]:
+        """Lock now, in one statement, what ``fan_in(job_ids)`` locks first: a batch of
+        finishes some of which add members (``add``, which locks its own workflows) then
+        takes every lock of its fan-in in id order, not one workflow's ahead of others."""
+        yield Stmt(self.q["wf_lock_pending"], {"ids": self.array(list(job_ids))})
 
     def _members(
         self,
@@ -470,7 +539,7 @@ class WorkflowStore:
         blocked: list[tuple[int, str, str]] = []  # dependent, decision, why
         for child, (workflow_id, edges) in sorted(ready.items()):
             if workflow_id in cancelling:
-                blocked.append((child, "cancel", "the workflow was cancelled"))
+                blocked.append((child, "cancel", CANCELLED_WHY))
                 continue
             decision = verdict(edges)
             if decision == "run":
@@ -488,9 +557,15 @@ class WorkflowStore:
             queues.update(woken)
         if not blocked:
             return []
+        stopped = yield from self._stop(blocked)
+        return [(c, "skipped" if d == "skip" else None) for c, d, _ in blocked if c in stopped]
+
+    def _stop(self, blocked: Sequence[tuple[int, str, str]]) -> Program[set[int]]:
+        """Waiting members that will not run, ``(member, decision, why)``: cancelled, or
+        skipped (decision ``skip``), each with its reason in its errors. Those stopped."""
         skip = [d == "skip" for _, d, _ in blocked]
         rows = yield Stmt(
-            q["wf_end_blocked_many"],
+            self.q["wf_end_blocked_many"],
             self.columns(
                 ids=[c for c, _, _ in blocked],
                 types=["Skipped" if s else "Cancelled" for s in skip],
@@ -498,8 +573,7 @@ class WorkflowStore:
                 messages=[why for _, _, why in blocked],
             ),
         )
-        stopped = {int(r[0]) for r in rows}
-        return [(c, "skipped" if d == "skip" else None) for c, d, _ in blocked if c in stopped]
+        return {int(r[0]) for r in rows}
 
     def _leave(
         self, given: dict[int, str | None], rows_now: dict[int, Sequence[Any]]
@@ -563,15 +637,18 @@ class WorkflowStore:
         rows = yield Stmt(q["wf_ready_edges"], {"children": self.array(children)})
         return rows
 
-    def _lock_up(self, job_ids: Sequence[int], workflows: Sequence[int] = ()) -> Program[set[int]]:
+    def _lock_up(
+        self, job_ids: Sequence[int], workflows: Sequence[int] = ()
+    ) -> Program[dict[int, bool]]:
         """Lock ``workflows``, those ``job_ids`` are members of, and the workflows these
         are nested in, in id order: the one order every writer takes them in (no two
-        transactions each hold one while waiting for the other's). Those being cancelled."""
+        transactions each hold one while waiting for the other's). Each one locked (those
+        that exist), with whether its cancel was requested."""
         rows = yield Stmt(
             self.q["wf_lock_up"],
             {"ids": self.array(list(job_ids)), "workflows": self.array(list(workflows))},
         )
-        return {int(r[0]) for r in rows if r[1]}
+        return {int(r[0]): bool(r[1]) for r in rows}
 
     def _leave_parent(
         self, workflow_id: int, cancelling: set[int], dags: set[int]
@@ -610,8 +687,12 @@ class WorkflowStore:
         if not pending:
             failed = row.dead + row.cancelled > 0
             if row.settled_at is None:
+                # A cancelled workflow settles cancelled, whatever its members' outcomes (a
+                # cancel may land while every pending member runs, and each then complete):
+                # on_settled fires, never on_success; a parent counts it cancelled.
                 state = "cancelled" if row.cancel_requested else "failed" if failed else "succeeded"
-                events = ["on_settled"] + ([] if failed else ["on_success"])
+                success = state == "succeeded"
+                events = ["on_settled"] + (["on_success"] if success else [])
             elif row.state == "failed" and not failed:
                 # Settled before: the members replayed since (see reenter) all ended again.
                 state = "succeeded"
@@ -688,7 +769,8 @@ class WorkflowStore:
         pending rows; their jobs are pruned as jobs are, once their workflow is gone (a
         member is kept while its workflow is). Returns how many workflows went."""
         q = self.q
-        rows = yield Stmt(q["wf_prunable"], {"older_than": older_than, "limit": limit})
+        prunable = {"older_than": older_than, "limit": limit, "root": None}
+        rows = yield Stmt(q["wf_prunable"], prunable)
         gone = 0
         for (root,) in rows:
             tree, todo = [], [int(root)]
@@ -697,6 +779,13 @@ class WorkflowStore:
                 tree.append(workflow_id)
                 nested = yield Stmt(q["wf_nested"], {"id": workflow_id})
                 todo.extend(int(r[0]) for r in nested)
+            # Locked as a replay locks them (in id order, before it makes a member pending
+            # again), then asked again: a replay that committed meanwhile keeps the tree,
+            # and one after the delete finds no member to re-enter (no pending row left
+            # for a workflow that is gone).
+            yield from self._lock_up((), tree)
+            if not (yield Stmt(q["wf_prunable"], {**prunable, "root": int(root)})):
+                continue
             for workflow_id in tree:
                 for query in ("wf_delete_edges", "wf_delete_members", "wf_delete_pending"):
                     yield Stmt(q[query], {"id": workflow_id})

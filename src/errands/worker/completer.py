@@ -149,8 +149,7 @@ class Completer:
         while True:
             try:
                 accepted = self.app.backend.job_finish_many([o for _, o in batch])
-                self._released()
-                self.app.workflows_settled()
+                self.fanned_in()
                 if unsure and not all(accepted):
                     accepted = self._landed_anyway(batch, accepted)
                 return list(zip(batch, accepted, strict=True))
@@ -181,13 +180,21 @@ class Completer:
                 _pause(pause * (0.5 + random.random() / 2))
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
 
-    def _released(self) -> None:
+    def fanned_in(self) -> None:
+        """Once a write committed (a batch here, or a ctx.transaction() completion on
+        its handler's thread): what its workflow fan-ins did on this thread. The queues
+        they released jobs into wake this worker; the workflows they settled are
+        emitted (``errands.workflow.settled``, and its metric)."""
         try:
             released = self.app.backend.workflow_take_released()
             if released and self.on_released is not None:
                 self.on_released(released)
         except Exception:  # a wake-up missed: the store's own notification still comes
             log.exception("could not wake the worker for the jobs a fan-in released")
+        try:
+            self.app.workflows_settled()
+        except Exception:  # committed: an event missed is never a reason to write again
+            log.exception("could not report the workflows a fan-in settled")
 
     def _landed_anyway(
         self, batch: list[tuple[Attempt, FinishParams]], accepted: list[bool]

@@ -167,10 +167,14 @@ class OutcomeRecorder:
             return outcome_for(attempt, ended, None, self.worker.id), None
         tx, runtime.tx = runtime.tx, None
         try:
-            return outcome, self.worker.app.backend.tx_finish(tx, outcome)
+            landed = self.worker.app.backend.tx_finish(tx, outcome)
         except Exception as exc:
             log.exception("job %s: committing its transaction failed; retrying it", attempt.id)
             return outcome_for(attempt, exc, None, self.worker.id), None
+        # What its fan-in settled and released, reported from this thread as the
+        # completer reports its batches' (events, metrics, this worker's wake-up).
+        self.worker.completer.fanned_in()
+        return outcome, landed
 
     def _fallback(
         self, attempt: Attempt, bug: BaseException, handler_running: bool = False

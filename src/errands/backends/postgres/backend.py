@@ -880,9 +880,7 @@ class PostgresBackend(PostgresAdmin):
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
-        self.workflows.take_fanned()
-        self.workflows.take_settled()
-        self.workflows.take_released()
+        self.workflows.forget()
         if any(o.children for o in outcomes):  # children commit with their parent's outcome
             with self._tx() as conn:
                 answers = self._finish(conn, outcomes)
@@ -927,10 +925,15 @@ class PostgresBackend(PostgresAdmin):
         if rest:
             with self._own_tx(conn):
                 ended = self._finish_rows(conn, rest, members=True)
-                for o in rest:
-                    if (o.id, o.lease_token) not in ended or o.state != "completed":
-                        continue
-                    plain, adds = split_children(o)
+                members = [o.id for o in rest if ended.get((o.id, o.lease_token)) in ENDED]
+                parts = [
+                    (o, *split_children(o))
+                    for o in rest
+                    if (o.id, o.lease_token) in ended and o.state == "completed"
+                ]
+                if len(members) > 1 and any(adds for _, _, adds in parts):
+                    run(conn, self.workflows.lock_fan_in(members))  # in id order, first
+                for o, plain, adds in parts:
                     if plain:
                         self._insert(conn, plain)
                     if adds:
@@ -938,7 +941,6 @@ class PostgresBackend(PostgresAdmin):
                             self.q["wf_job_workflow"], {"id": o.id}
                         ).fetchall()
                         run(conn, self.workflows.add(workflow_id, adds))
-                members = [o.id for o in rest if ended.get((o.id, o.lease_token)) in ENDED]
                 run(conn, self.workflows.fan_in(members))
             landed = {(o.id, o.lease_token) for o in rest} & set(ended)
             accepted = [
@@ -1167,6 +1169,7 @@ class PostgresBackend(PostgresAdmin):
             # They read their rows by position, whatever rows the handler asked for.
             conn.row_factory = tuple_row  # type: ignore[assignment]
             self._guard(conn)
+            self.workflows.forget()  # the caller reports what this fan-in did, once
             [ok] = self._finish(conn, [outcome])
             fault_point("before_complete_commit")
             conn.execute("COMMIT" if ok else "ROLLBACK")

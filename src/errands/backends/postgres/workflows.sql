@@ -355,7 +355,12 @@ ORDER BY m.job_id
 LIMIT %(limit)s
 
 -- name: wf_parent_results
-SELECT e.parent_id, m.node, COALESCE(j.state, m.outcome), j.result::text, octet_length(j.result::text)
+-- A parent's state is its job's (its member outcome once the row was pruned, or for a
+-- nested workflow), but 'skipped' for a skipped one: its job is stored cancelled, and the
+-- dependents after it carry on as if it had completed, not as after a failed parent.
+SELECT e.parent_id, m.node,
+       CASE WHEN m.outcome = 'skipped' THEN m.outcome ELSE COALESCE(j.state, m.outcome) END,
+       j.result::text, octet_length(j.result::text)
 FROM {schema}.errands_workflow_edges AS e
 JOIN {schema}.errands_workflow_members AS m ON m.job_id = e.parent_id
 LEFT JOIN {schema}.errands_jobs AS j ON j.id = e.parent_id
@@ -374,13 +379,24 @@ SELECT workflow_id FROM {schema}.errands_jobs WHERE id = %(id)s
 SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s AND job_id < 0
 
 -- name: wf_prunable
--- Settled before the retention, nothing pending in it, and nested in no other: a nested
--- workflow goes with its outermost one (wf_nested), whose result reads it until then.
+-- Settled before the retention, nested in no other, and nothing pending in it nor in a
+-- workflow nested in it at any depth: a nested workflow goes with its outermost one
+-- (wf_nested), whose result reads it until then. A member replayed since its workflow
+-- settled is pending again (its settle time is the old one), and a nested workflow that
+-- settled cancelled is not pending again in its parent: its pending rows are looked for.
 SELECT id FROM {schema}.errands_workflows AS w
 WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(older_than)s)
+  AND (%(root)s::bigint IS NULL OR w.id = %(root)s::bigint)  -- one asked again, locked
   AND NOT EXISTS (SELECT 1 FROM {schema}.errands_workflow_members AS m WHERE m.job_id = -w.id)
-  -- a member replayed since it settled is pending again (its settle time is the old one)
-  AND NOT EXISTS (SELECT 1 FROM {schema}.errands_workflow_pending AS p WHERE p.workflow_id = w.id)
+  AND NOT EXISTS (
+      WITH RECURSIVE tree(id) AS (
+          SELECT w.id
+          UNION
+          SELECT -m.job_id FROM {schema}.errands_workflow_members AS m
+          JOIN tree ON m.workflow_id = tree.id AND m.job_id < 0
+      )
+      SELECT 1 FROM {schema}.errands_workflow_pending AS p
+      WHERE p.workflow_id IN (SELECT id FROM tree))
 LIMIT %(limit)s
 
 -- name: wf_nested

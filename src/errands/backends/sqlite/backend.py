@@ -546,9 +546,7 @@ class SQLiteBackend(SQLiteAdmin):
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
             return []
-        self.workflows.take_fanned()
-        self.workflows.take_settled()
-        self.workflows.take_released()
+        self.workflows.forget()
         with self._write() as conn:
             answers = [self._finish(conn, o) for o in outcomes]
         fault_point("after_finish_commit")
@@ -754,6 +752,7 @@ class SQLiteBackend(SQLiteAdmin):
         try:
             # errands reads its rows by position, and text as str, whatever the handler set
             conn.row_factory, conn.text_factory = None, str
+            self.workflows.forget()  # the caller reports what this fan-in did, once
             ok = self._finish(conn, outcome)
             fault_point("before_complete_commit")
             conn.execute("COMMIT" if ok else "ROLLBACK")

@@ -254,7 +254,10 @@ ORDER BY m.job_id
 LIMIT :limit
 
 -- name: wf_parent_results
-SELECT e.parent_id, m.node, COALESCE(j.state, m.outcome), j.result, length(CAST(j.result AS BLOB))
+-- A parent's state, 'skipped' for a skipped one (see the PostgreSQL statement).
+SELECT e.parent_id, m.node,
+       CASE WHEN m.outcome = 'skipped' THEN m.outcome ELSE COALESCE(j.state, m.outcome) END,
+       j.result, length(CAST(j.result AS BLOB))
 FROM errands_workflow_edges AS e
 JOIN errands_workflow_members AS m ON m.job_id = e.parent_id
 LEFT JOIN errands_jobs AS j ON j.id = e.parent_id
@@ -273,14 +276,22 @@ SELECT workflow_id FROM errands_jobs WHERE id = :id
 SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id < 0
 
 -- name: wf_prunable
--- Settled before the retention, nothing pending in it, and nested in no other: a nested
--- workflow goes with its outermost one (wf_nested), whose result reads it until then.
+-- Settled before the retention, nested in no other, and nothing pending in it nor in a
+-- workflow nested in it at any depth (see the PostgreSQL statement).
 SELECT id FROM errands_workflows AS w
 WHERE settled_at IS NOT NULL
   AND settled_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
+  AND (:root IS NULL OR w.id = :root)  -- one asked again, locked
   AND NOT EXISTS (SELECT 1 FROM errands_workflow_members AS m WHERE m.job_id = -w.id)
-  -- a member replayed since it settled is pending again (its settle time is the old one)
-  AND NOT EXISTS (SELECT 1 FROM errands_workflow_pending AS p WHERE p.workflow_id = w.id)
+  AND NOT EXISTS (
+      WITH RECURSIVE tree(id) AS (
+          SELECT w.id
+          UNION
+          SELECT -m.job_id FROM errands_workflow_members AS m
+          JOIN tree ON m.workflow_id = tree.id AND m.job_id < 0
+      )
+      SELECT 1 FROM errands_workflow_pending AS p
+      WHERE p.workflow_id IN (SELECT id FROM tree))
 LIMIT :limit
 
 -- name: wf_nested
