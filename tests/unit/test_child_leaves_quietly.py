@@ -62,7 +62,7 @@ def test_a_child_whose_worker_died_while_its_job_ran_leaves_quietly(
 ) -> None:
     worker_gone = threading.Event()
 
-    def run_one(app: Any, row: Any, worker_id: str, reporter: Any) -> str:
+    def run_one(app: Any, row: Any, worker_id: str, reporter: Any, app_path: str) -> str:
         assert worker_gone.wait(5)
         return "an outcome nobody is left to read"
 

@@ -596,7 +596,15 @@ def child_main(
             return
         running.set()
         try:
-            outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
+            try:
+                row = JobRow(*message)
+                outcome = _run_one(
+                    app, row, worker_id or f"child-{os.getpid()}", reporter, app_path
+                )
+            except Exception as exc:  # errands' own code around the handler failed: the
+                # job's failure, recorded as such; the child lives on for the next job (it
+                # died, and the job was recorded as a crash, charged toward its poison limit)
+                outcome = False, _failure(exc, "transient")
             try:
                 reporter.send_outcome(outcome)
             except OSError:  # the worker died while the job ran: a transactional job's
@@ -645,8 +653,38 @@ class _ProgressSender:
             self.conn.send(outcome)
 
 
+def _failure(exc: BaseException, kind: str, after: float | None = 0.0) -> tuple[Any, ...]:
+    """An exception as the parent's :class:`ChildFailure` takes it. Its text is user code
+    and may raise: such an exception is recorded as ``<unprintable ValueError>``, never
+    left to end the child."""
+    name = type(exc).__qualname__
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<unprintable {name}>"
+    try:
+        trace = "".join(tb.format_exception(exc))
+    except Exception:
+        trace = f"<traceback of an unprintable {name}>"
+    return name, message, trace, kind, after
+
+
+def _unknown_here(name: str, app_path: str) -> tuple[Any, ...]:
+    """A job type the worker's app has and its child's lacks: a permanent failure (each
+    retry would fail alike) that says how to fix it."""
+    module = app_path.partition(":")[0]
+    message = (
+        f"job type {name!r} is not registered in the app this worker's child processes "
+        f"load ({app_path!r}), though the worker's own app has it: the child's app must "
+        f"define it. Register the job where importing {module!r} registers it (a job added "
+        "only by the script that starts the worker, or by a module only it imports, never "
+        "reaches the children)"
+    )
+    return "UnknownJob", message, "", "permanent", 0.0
+
+
 def _run_one(
-    app: Any, row: JobRow, worker_id: str, reporter: Progress | None = None
+    app: Any, row: JobRow, worker_id: str, reporter: Progress | None = None, app_path: str = ""
 ) -> tuple[bool, Any]:
     import asyncio
     import inspect
@@ -657,7 +695,9 @@ def _run_one(
     from .execution import Attempt, Suspended, context_for, outcome_for
     from .runtime import AttemptRuntime
 
-    definition = app.registry[row.name]
+    definition = app.registry.get(row.name)
+    if definition is None:
+        return False, _unknown_here(row.name, app_path)
     attempt = Attempt(row=row, definition=definition, lease_seconds=row.lease_seconds or 30.0)
     runtime = attempt.runtime = AttemptRuntime(app, attempt)
     runtime.report_progress = reporter
@@ -686,8 +726,7 @@ def _run_one(
             kind, after = "retry", exc.after
         else:
             kind, after = "transient", 0.0
-        trace = "".join(tb.format_exception(exc))
-        return False, (type(exc).__qualname__, str(exc), trace, kind, after)
+        return False, _failure(exc, kind, after)
     written = None
     if runtime.tx is not None:
         from dataclasses import replace
@@ -699,8 +738,7 @@ def _run_one(
         try:
             written = app.backend.tx_finish(tx, outcome)
         except Exception as exc:  # the parent retries it, like any store failure
-            trace = "".join(tb.format_exception(exc))
-            return False, (type(exc).__qualname__, str(exc), trace, "transient", 0.0)
+            return False, _failure(exc, "transient")
         return True, ChildResult(result_json, [], written)
     return True, ChildResult(result_json, list(runtime.children), written)
 
