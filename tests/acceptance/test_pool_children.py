@@ -4,6 +4,8 @@ worker`` processes on SQLite)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import acc_pool
 import pytest
 
@@ -15,7 +17,7 @@ pytestmark = pytest.mark.acceptance
 def _pool_worker(cluster: Cluster) -> int:
     """A worker with one child process, and that child's pid (it has run a job)."""
     cluster.app("acc_pool")
-    cluster.start_worker("--pool", "process", "-c", "1", app="acc_pool:app")
+    cluster.start_worker("--pool", "process", "-c", "1", app="acc_pool:app", label="worker")
     return int(acc_pool.child_pid.enqueue().result(timeout=60))
 
 
@@ -53,3 +55,49 @@ def test_an_exception_whose_str_raises_is_the_jobs_failure_and_the_child_lives_o
     assert error.message == "<unprintable Unprintable>"
     assert "Unprintable" in (error.traceback or "")
     assert acc_pool.child_pid.enqueue().result(timeout=60) == child
+
+
+def test_a_progress_report_sent_after_its_jobs_outcome_leaves_the_idle_child_in_service(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a handler in a child that returns leaving a thread that reports progress,
+    when the report reaches the idle child's pipe after the job's outcome, then the next
+    job runs in the same child. The report was taken for the end of a dead child's pipe:
+    the child was stopped and replaced, the next job waiting 2-4 s for the stop."""
+    child = _pool_worker(cluster)
+    marker = tmp_path / "reported"
+    assert acc_pool.reports_after_return.enqueue(marker=str(marker)).result(timeout=60) == child
+    wait_until(marker.exists, 30, "the late progress report to be sent")
+    assert acc_pool.child_pid.enqueue().result(timeout=60) == child
+    worker = cluster.procs[0]
+    assert "died while idle" not in worker.stderr()
+
+
+def test_a_progress_report_sent_after_its_jobs_outcome_is_not_the_next_jobs_progress(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a child whose last handler left a thread that reports progress a second
+    later, when that report arrives while the child runs the next job, then it is not
+    stored as the next job's progress (it names its own attempt): two heartbeats after it
+    was sent, the running job still has none."""
+    child = _pool_worker(cluster)
+    marker, release = tmp_path / "reported", tmp_path / "release"
+    late = acc_pool.reports_after_return.enqueue(marker=str(marker), after=1.0)
+    assert late.result(timeout=60) == child
+    running = acc_pool.waits_for.enqueue(path=str(release))
+    wait_until(marker.exists, 30, "the late progress report to be sent")
+    assert cluster.state_of(running.id) == "running"
+
+    def lease() -> float:
+        return float(
+            cluster.query("SELECT lease_expires_at FROM errands_jobs WHERE id = ?", (running.id,))[
+                0
+            ][0]
+        )
+
+    for _ in range(2):  # heartbeats that began after the report was read: they store it
+        seen = lease()
+        wait_until(lambda seen=seen: lease() > seen, 30, "the running job's next heartbeat")
+    assert running.progress() is None
+    release.touch()
+    assert running.result(timeout=60) == child

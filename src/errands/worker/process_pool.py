@@ -52,7 +52,10 @@ from ..jobs import EnqueueRequest, JobRow
 log = logging.getLogger("errands.worker")
 
 READY = "ready"
-PROGRESS = "progress"  # a child's message during a run: (PROGRESS, fraction, message)
+# A child's message during a run: (PROGRESS, attempt, fraction, message), ``attempt`` the
+# job's (id, lease token): a report sent after its job's outcome (by a thread the handler
+# left running) belongs to no job that runs, and is no sign of the child's death.
+PROGRESS = "progress"
 PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
 STOP_WAIT = 2.0  # seconds a stopping runner waits for its children to leave, then kills
 ROOM_RECHECK = 1.0  # seconds a submit waiting for a child looks again for room to start one
@@ -358,10 +361,10 @@ class ProcessRunner:
         try:
             slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
             message = _receive(slot)
-            while message[0] == PROGRESS:
-                if on_progress is not None:
-                    on_progress((message[1], message[2]))
-                message = _receive(slot)
+            while _is_progress(message):
+                if on_progress is not None and message[1] == _attempt_of(row):
+                    on_progress((message[2], message[3]))
+                message = _receive(slot)  # (another attempt's: stale, ignored)
             ok, payload = message
         except (EOFError, OSError):
             slot.process.join(timeout=2)
@@ -442,16 +445,31 @@ def _outlived(signum: int, frame: Any) -> None:
 
 
 def _idle_alive(slot: _Slot) -> bool:
-    """Whether an idle child still lives: its pipe holds nothing (an idle child sends
-    nothing: what is there is the end of a pipe whose child died, before its exit status
-    reached the forkserver's sentinel), and it runs (its process, or its pid when its
-    forkserver died: see :func:`_pid_alive`)."""
+    """Whether an idle child still lives: its pipe holds nothing but stale progress
+    reports (drained here), and it runs (its process, or its pid when its forkserver died:
+    see :func:`_pid_alive`).
+
+    An idle child runs no job, so a progress report in its pipe is a previous attempt's,
+    sent after that attempt's outcome (by a thread its handler left running): the child
+    was taken for dead and replaced, the submitting job waiting 2-4 s for its stop. Any
+    other message, or the pipe's end, is a child that died (before its exit status
+    reached the forkserver's sentinel)."""
     try:
-        if slot.conn.poll(0):
-            return False
-    except (OSError, ValueError):
+        while slot.conn.poll(0):
+            if not _is_progress(slot.conn.recv()):
+                return False
+    except Exception:  # the end of the pipe (EOFError), a broken one, an unreadable message
         return False
     return slot.process.is_alive() or _pid_alive(slot.process.pid)
+
+
+def _attempt_of(row: JobRow) -> tuple[int, str | None]:
+    """What a progress report names its attempt by: the job's id and lease token."""
+    return row.id, row.lease_token
+
+
+def _is_progress(message: Any) -> bool:
+    return type(message) is tuple and len(message) == 4 and message[0] == PROGRESS
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -618,18 +636,24 @@ def child_main(
 class _ProgressSender:
     """Sends a child's progress reports to the parent, at most one per PROGRESS_EVERY
     seconds: a report held back goes out within that time (a flusher thread), or just
-    before the outcome. One lock orders every message on the pipe."""
+    before the outcome. One lock orders every message on the pipe. Each report names its
+    attempt (:meth:`for_attempt`)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.lock = threading.Lock()
         self.sent_at = 0.0
-        self.held: tuple[float, str] | None = None
+        self.held: tuple[tuple[int, str | None], float, str] | None = None
         threading.Thread(target=self._flusher, name="errands-progress", daemon=True).start()
 
-    def __call__(self, report: tuple[float, str]) -> None:
+    def for_attempt(self, row: JobRow) -> Progress:
+        """Where the attempt of ``row`` reports its progress."""
+        attempt = _attempt_of(row)
+        return lambda report: self._report(attempt, report)
+
+    def _report(self, attempt: tuple[int, str | None], report: tuple[float, str]) -> None:
         with self.lock:
-            self.held = report
+            self.held = (attempt, *report)
             if time.monotonic() - self.sent_at >= PROGRESS_EVERY:
                 self._send_held()
 
@@ -684,7 +708,11 @@ def _unknown_here(name: str, app_path: str) -> tuple[Any, ...]:
 
 
 def _run_one(
-    app: Any, row: JobRow, worker_id: str, reporter: Progress | None = None, app_path: str = ""
+    app: Any,
+    row: JobRow,
+    worker_id: str,
+    reporter: _ProgressSender | None = None,
+    app_path: str = "",
 ) -> tuple[bool, Any]:
     import asyncio
     import inspect
@@ -700,7 +728,7 @@ def _run_one(
         return False, _unknown_here(row.name, app_path)
     attempt = Attempt(row=row, definition=definition, lease_seconds=row.lease_seconds or 30.0)
     runtime = attempt.runtime = AttemptRuntime(app, attempt)
-    runtime.report_progress = reporter
+    runtime.report_progress = reporter.for_attempt(row) if reporter is not None else None
     try:
         kwargs = definition.payload.decode(row.args)
         attempt.kwargs = kwargs

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import errands
@@ -45,3 +48,26 @@ class Unprintable(ValueError):
 @_app.job(name="unprintable", retries=0)
 def unprintable() -> None:
     raise Unprintable()
+
+
+@_app.job(name="reports_after_return", retries=0)
+def reports_after_return(ctx: errands.Context, marker: str, after: float = 0.3) -> int:
+    """Return at once, leaving a thread that reports progress once the outcome has gone
+    (``after`` seconds later), then creates the file ``marker``."""
+
+    def late() -> None:
+        time.sleep(after)
+        ctx.progress(1.0, "reported after the job ended")  # sent at once: none came before
+        Path(marker).touch()
+
+    threading.Thread(target=late, daemon=True).start()
+    return os.getpid()
+
+
+@_app.job(name="waits_for", retries=0)
+def waits_for(path: str) -> int:
+    """Wait (a minute at most) for the file ``path``."""
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.getpid()
