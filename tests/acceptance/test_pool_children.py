@@ -4,12 +4,14 @@ worker`` processes on SQLite)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import acc_pool
 import pytest
 
-from .harness import Cluster, wait_until
+from .harness import Cluster, Proc, children_of, pid_running, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -101,3 +103,63 @@ def test_a_progress_report_sent_after_its_jobs_outcome_is_not_the_next_jobs_prog
     assert running.progress() is None
     release.touch()
     assert running.result(timeout=60) == child
+
+
+def _forkserver_faulty_worker(cluster: Cluster, fault: Path, mode: str, *options: str) -> Proc:
+    """A worker whose forkserver dies as it starts while ``fault`` exists (``mode``:
+    ``once``, the file then deleted; ``always``)."""
+    fault.write_text(mode)
+    cluster.app("acc_pool")
+    return cluster.start_worker(
+        "--pool", "process", *options, app="acc_pool:app",
+        env={"ACC_FORKSERVER_FAULT": str(fault)},
+    )  # fmt: skip
+
+
+def _kill(*pids: int) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        wait_until(lambda pid=pid: not pid_running(pid), 30, f"child {pid} to die")
+
+
+def test_a_forkserver_that_failed_once_starts_the_next_child(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a worker whose forkserver dies once as it starts its first child, then that
+    child is started with spawn (the worker is its parent), and the next child comes
+    from a forkserver again (started afresh). One failure made every later child a
+    spawned one, each importing the app itself, for the worker's life."""
+    fault = tmp_path / "forkserver-fault"
+    worker = _forkserver_faulty_worker(cluster, fault, "once", "-c", "1")
+    first, parent = acc_pool.child_parent.enqueue().result(timeout=60)
+    assert parent == worker.pid and not fault.exists()
+    _kill(first)  # its replacement starts as the next job comes
+    second, parent = acc_pool.child_parent.enqueue().result(timeout=60)
+    assert second != first and parent != worker.pid
+    assert len(Path(f"{fault}.deaths").read_text().splitlines()) == 1
+    assert "the next tries the forkserver again" in worker.stderr()
+
+
+def test_a_forkserver_failing_three_times_in_a_row_is_given_up_for_spawn_saying_so_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a worker whose forkserver dies each time it starts, then the first three
+    children are each started with spawn after a forkserver attempt, the worker then says
+    once that it starts its children with spawn from now on, and a later child is
+    spawned without another attempt."""
+    fault = tmp_path / "forkserver-fault"
+    worker = _forkserver_faulty_worker(cluster, fault, "always", "-c", "3", "--suspect-lanes", "1")
+    deaths = Path(f"{fault}.deaths")
+    assert len(deaths.read_text().splitlines()) == 3  # one per child started with the worker
+    spawned = [
+        pid
+        for pid in children_of(worker.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(spawned) == 3
+    _kill(*spawned)  # the next job needs a child started
+    child, parent = acc_pool.child_parent.enqueue().result(timeout=60)
+    assert parent == worker.pid and child not in spawned
+    assert len(deaths.read_text().splitlines()) == 3
+    assert worker.stderr().count("with spawn from now on") == 1

@@ -59,6 +59,7 @@ PROGRESS = "progress"
 PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
 STOP_WAIT = 2.0  # seconds a stopping runner waits for its children to leave, then kills
 ROOM_RECHECK = 1.0  # seconds a submit waiting for a child looks again for room to start one
+FORKSERVER_TRIES = 3  # forkserver failures in a row after which children start with spawn
 
 Progress = Callable[[tuple[float, str]], None]
 
@@ -168,6 +169,7 @@ class ProcessRunner:
         self.killed = 0
         self.started = 0  # children started (the replacements included)
         self.start_failures = 0  # children that could not start
+        self._forkserver_failures = 0  # in a row (see _spawn)
         self.retired = 0  # idle children stopped
         try:
             for _ in range(size if start else 0):
@@ -179,21 +181,55 @@ class ProcessRunner:
             threading.Thread(target=self._retire_idle, name="errands-children", daemon=True).start()
 
     def _spawn(self) -> _Slot:
+        """Start a child, from the forkserver where there is one. A start the forkserver
+        fails (its server died, or could not fork) is made again with spawn, and the next
+        start tries the forkserver again (a server that died is started afresh): one such
+        failure made every later child of the worker a spawned one, each importing the app
+        itself (seconds on a busy machine). After FORKSERVER_TRIES failures in a row the
+        runner uses spawn for good, and says so once."""
+        ctx = self.ctx
         try:
-            return self._start_child()
+            slot = self._start_child(ctx)
         except _ChildRefused:
             raise
-        except Exception as exc:  # the forkserver could not start or fork: spawn instead
-            if self._closed or self.ctx.get_start_method() != "forkserver":
+        except Exception as exc:
+            if self._closed or ctx.get_start_method() != "forkserver":
                 raise  # closing (the process may be exiting, its forkserver gone)
-            log.warning("forkserver unavailable (%r); starting worker children with spawn", exc)
-            self.ctx = multiprocessing.get_context("spawn")
-            return self._start_child()
+            self._forkserver_failed(ctx, exc)
+            return self._start_child(multiprocessing.get_context("spawn"))
+        if ctx.get_start_method() == "forkserver":
+            self._forkserver_failures = 0
+        return slot
 
-    def _start_child(self) -> _Slot:
+    def _forkserver_failed(self, ctx: Any, exc: Exception) -> None:
+        with self._cond:
+            if self.ctx is not ctx:
+                return  # another start gave up on the forkserver meanwhile, and said so
+            self._forkserver_failures += 1
+            failures = self._forkserver_failures
+            if failures >= FORKSERVER_TRIES:
+                self.ctx = multiprocessing.get_context("spawn")
+        if failures >= FORKSERVER_TRIES:
+            log.error(
+                "the forkserver failed to start %d worker children in a row (last: %r); "
+                "starting them with spawn from now on (each imports the app itself: slower)",
+                failures,
+                exc,
+            )
+        else:
+            log.warning(
+                "the forkserver could not start a worker child (%r; %d in a row, spawn for "
+                "good after %d); this one starts with spawn, the next tries the forkserver "
+                "again",
+                exc,
+                failures,
+                FORKSERVER_TRIES,
+            )
+
+    def _start_child(self, ctx: Any) -> _Slot:
         began = time.monotonic()
-        parent, child = self.ctx.Pipe()
-        process = self.ctx.Process(
+        parent, child = ctx.Pipe()
+        process = ctx.Process(
             target=child_main, args=(self.app_path, self.url, child, self.worker_id, _logging()),
             daemon=True, name="errands-child",
         )  # fmt: skip
@@ -210,7 +246,7 @@ class ProcessRunner:
         log.debug(
             "worker child %s started (%s) in %.3f s",
             process.pid,
-            self.ctx.get_start_method(),
+            ctx.get_start_method(),
             time.monotonic() - began,
         )
         return _Slot(process, parent)

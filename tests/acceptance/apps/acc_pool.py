@@ -6,12 +6,17 @@ for its children, and each child then looks ``app`` up in it as it loads the app
 (errands.loading), so what is done there is done in the child alone. In a worker's child
 the app lacks ``parent_only``: a worker whose children load an app without a job type
 the worker's own app has.
+
+While the file ACC_FORKSERVER_FAULT names exists, the worker's forkserver dies as it
+imports this module (before it forks any child), and appends a line to that file's
+``.deaths``; it deletes the file (one failure), unless the file says ``always``.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +25,26 @@ from typing import Any
 import errands
 
 _app = errands.App(lease=2.0)
+
+
+def _in_a_forkserver() -> bool:
+    """Whether this import runs in a forkserver's start-up (its preload)."""
+    frame: Any = sys._getframe()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "main" and code.co_filename.endswith("forkserver.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_FORKSERVER_FAULT = os.environ.get("ACC_FORKSERVER_FAULT", "")
+if _FORKSERVER_FAULT and os.path.exists(_FORKSERVER_FAULT) and _in_a_forkserver():
+    with open(f"{_FORKSERVER_FAULT}.deaths", "a") as deaths:
+        deaths.write(f"{os.getpid()}\n")
+    if Path(_FORKSERVER_FAULT).read_text() != "always":
+        os.remove(_FORKSERVER_FAULT)
+    os._exit(1)
 
 
 def __getattr__(name: str) -> Any:
@@ -33,6 +58,12 @@ def __getattr__(name: str) -> Any:
 @_app.job(name="child_pid", retries=0)
 def child_pid() -> int:
     return os.getpid()
+
+
+@_app.job(name="child_parent", retries=0)
+def child_parent() -> list[int]:
+    """This child's pid and its parent's: the worker's when spawned, else the forkserver's."""
+    return [os.getpid(), os.getppid()]
 
 
 @_app.job(name="parent_only", retries=3, backoff=0.1)
