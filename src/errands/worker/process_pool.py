@@ -42,7 +42,7 @@ import threading
 import time
 import traceback as tb
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,9 +265,38 @@ class ProcessRunner:
                 return
         _stop(slot)
 
-    def submit(self, row: JobRow, on_progress: Progress | None = None) -> Future[Any]:
-        """Run ``row`` in a free child; ``on_progress`` receives its ctx.progress reports."""
-        future: Future[Any] = Future()
+    def submit(
+        self, row: JobRow, on_progress: Progress | None = None, future: Future[Any] | None = None
+    ) -> Future[Any]:
+        """Run ``row`` in a child; ``on_progress`` receives its ctx.progress reports.
+
+        Returns at once: a thread of the runner's waits for a free child (or starts one),
+        hands it the job and settles the future with its answer. Nothing of the runner's
+        is done on the caller's thread, which the worker may stop with an interrupt raised
+        inside it (a timeout's, a graceful stop's): one landing between the taking of a
+        child and its handing over left that child busy for ever, the pool a child short
+        (-c 1: no job ran again). ``future``: the caller's own, made before the call, so
+        that :meth:`kill` reaches the job whatever instant the caller is stopped at."""
+        future = Future() if future is None else future
+        threading.Thread(
+            target=self._serve, args=(row, future, on_progress), name="errands-child-job",
+            daemon=True,
+        ).start()  # fmt: skip
+        return future
+
+    def _serve(self, row: JobRow, future: Future[Any], on_progress: Progress | None) -> None:
+        try:
+            slot = self._take(future)
+        except Exception as exc:  # no child could be started for it
+            _settle(future, exc=exc)
+            return
+        if slot is not None:
+            self._top_up()
+            self._run(slot, row, future, on_progress)
+
+    def _take(self, future: Future[Any]) -> _Slot | None:
+        """A free child that lives, now busy with ``future``; None when ``future`` was
+        settled first (killed while it waited: it gets no child) or the runner closed."""
         while True:
             self._grow()
             dead = None
@@ -276,16 +305,20 @@ class ProcessRunner:
                 # replaced by its _run thread, and when that replacement cannot start its
                 # place is given up (room). Waiting for a free child alone, a job waited
                 # for ever then (-c 1: the whole worker).
-                while not self._free and not self._closed and self._room() <= 0:
+                while (
+                    not self._free and not self._closed and self._room() <= 0
+                ) and not future.done():
                     self._cond.wait(timeout=ROOM_RECHECK)
                 if self._closed:
-                    future.set_exception(RuntimeError("process pool closed"))
-                    return future
+                    _settle(future, exc=RuntimeError("process pool closed"))
+                    return None
+                if future.done():
+                    return None
                 if self._free:
                     slot = self._free.pop()
                     if _idle_alive(slot):
                         slot.busy = future
-                        break
+                        return slot
                     # Died while idle (the OOM killer, a stray signal): handed out, it
                     # failed this job as a crash, charged toward its poison limit. Its
                     # place is given up; the next round starts a fresh child.
@@ -299,11 +332,6 @@ class ProcessRunner:
                     dead.process.exitcode,
                 )
                 _stop(dead)
-        self._top_up()
-        threading.Thread(
-            target=self._run, args=(slot, row, future, on_progress), daemon=True
-        ).start()
-        return future
 
     def _grow(self) -> None:
         """Start one more child here when none is free and fewer than ``size`` exist
@@ -394,31 +422,40 @@ class ProcessRunner:
     def _run(
         self, slot: _Slot, row: JobRow, future: Future[Any], on_progress: Progress | None
     ) -> None:
+        """Hand the job to its child and settle ``future`` with the answer; the child then
+        goes back to the free ones, or is replaced (it died, was killed, or is in a state
+        nobody knows): never left busy."""
         try:
-            slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
-            message = _receive(slot)
-            while _is_progress(message):
-                if on_progress is not None and message[1] == _attempt_of(row):
-                    on_progress((message[2], message[3]))
-                message = _receive(slot)  # (another attempt's: stale, ignored)
-            ok, payload = message
+            ok, payload = self._exchange(slot, row, on_progress)
+            answer = None if ok else ChildFailure(*payload)
         except (EOFError, OSError):
             slot.process.join(timeout=2)
             code = slot.process.exitcode
-            if not future.done():  # the outcome first; the replacement may take a while
-                future.set_exception(
-                    ChildFailure(
-                        "WorkerProcessDied",
-                        f"the worker child process died running this job (exit code {code})",
-                        "",
-                        "crash",
-                    )
-                )
+            # the outcome first; the replacement may take a while
+            _settle(
+                future,
+                exc=ChildFailure(
+                    "WorkerProcessDied",
+                    f"the worker child process died running this job (exit code {code})",
+                    "",
+                    "crash",
+                ),
+            )
             self._replace(slot)
             return
-        with self._cond:
+        except BaseException as exc:  # errands' side failed (an answer it cannot read): the
+            # child may still be running the job, which is failed (retried, not charged
+            # toward poison) and its child replaced
+            log.exception("job %s: lost track of its worker child process", row.id)
+            slot.process.kill()
+            lost = f"errands lost track of the worker child process running this job: {exc!r}"
+            _settle(future, exc=ChildFailure(type(exc).__qualname__, lost, "", "transient"))
+            self._replace(slot)
+            return
+        with self._cond:  # kill() looks for the child under it: never one given back
             killed = slot.killed
             if not killed:
+                _settle(future, result=payload, exc=answer)
                 slot.busy = None
                 slot.idle_since = time.monotonic()
                 self._free.append(slot)
@@ -428,22 +465,34 @@ class ProcessRunner:
             # here): handed out again, the dead child failed the next job as a crash,
             # counted toward that job's poison limit. A fresh child takes its place.
             self._replace(slot)
-            return
-        if not future.done():
-            if ok:
-                future.set_result(payload)
-            else:
-                future.set_exception(ChildFailure(*payload))
+
+    def _exchange(self, slot: _Slot, row: JobRow, on_progress: Progress | None) -> tuple[bool, Any]:
+        """Send the job to its child, pass its progress reports on, return its answer."""
+        slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
+        message = _receive(slot)
+        while _is_progress(message):
+            if on_progress is not None and message[1] == _attempt_of(row):
+                on_progress((message[2], message[3]))
+            message = _receive(slot)  # (another attempt's: stale, ignored)
+        ok, payload = message
+        return bool(ok), payload
 
     def kill(self, future: Future[Any], exc: BaseException) -> bool:
-        """Kill the child running ``future`` (timeout, cancel); the future fails with ``exc``."""
+        """Stop the job of ``future`` (a timeout, a cancel, an attempt given up on): the
+        future fails with ``exc``, and the child running the job is killed (its _run
+        thread replaces it: True), or the job, still waiting for a child, gets none. A job
+        answered already is left as it is (False)."""
         with self._cond:  # _run hands a finished child back under it: never this one then
             doomed = next((s for s in self._slots if s.busy is future), None)
             if doomed is None:
+                if not future.done():  # not handed to a child yet: it never will be
+                    _settle(future, exc=exc)
+                    self._cond.notify_all()
                 return False
+            if doomed.killed:
+                return True
             doomed.killed = True
-        if not future.done():
-            future.set_exception(exc)
+        _settle(future, exc=exc)
         self.killed += 1
         doomed.process.kill()  # its _run thread sees EOF (or its answer) and replaces it
         return True
@@ -497,6 +546,16 @@ def _idle_alive(slot: _Slot) -> bool:
     except Exception:  # the end of the pipe (EOFError), a broken one, an unreadable message
         return False
     return slot.process.is_alive() or _pid_alive(slot.process.pid)
+
+
+def _settle(future: Future[Any], *, result: Any = None, exc: BaseException | None = None) -> None:
+    """Settle ``future`` with ``exc`` (or ``result``), unless it is settled already (a
+    kill and the child's answer may race)."""
+    with contextlib.suppress(InvalidStateError):
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
 
 def _attempt_of(row: JobRow) -> tuple[int, str | None]:
