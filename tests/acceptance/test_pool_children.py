@@ -4,6 +4,7 @@ worker`` processes on SQLite)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 from pathlib import Path
@@ -163,3 +164,37 @@ def test_a_forkserver_failing_three_times_in_a_row_is_given_up_for_spawn_saying_
     assert parent == worker.pid and child not in spawned
     assert len(deaths.read_text().splitlines()) == 3
     assert worker.stderr().count("with spawn from now on") == 1
+
+
+def test_a_job_whose_child_cannot_start_is_released_uncharged_with_growing_pauses(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a worker whose children cannot start (its child died, and its app fails to
+    load in a new one), when a job on its last attempt comes, then the job is released
+    each time (available again, its attempt not charged, the reason recorded), the worker
+    claims it again only after a pause that doubles, and once children start again the
+    job completes on that same attempt. It was failed as a charged attempt: dead at once,
+    in the dead-letter queue for a fault of the machine's."""
+    fault = tmp_path / "child-start-fault"
+    cluster.app("acc_pool")
+    worker = cluster.start_worker(
+        "--pool", "process", "-c", "1", app="acc_pool:app",
+        env={"ACC_CHILD_START_FAULT": str(fault)},
+    )  # fmt: skip
+    child = acc_pool.child_pid.enqueue().result(timeout=60)
+    fault.touch()
+    _kill(child)
+    handle = acc_pool.child_pid.enqueue()  # retries=0: a charged failure ends it
+    wait_until(
+        lambda: len(handle.job().errors) >= 3 or cluster.state_of(handle.id) == "dead",
+        60,
+        "the job released three times",
+    )
+    fault.unlink()
+    assert handle.result(timeout=60) != child
+    job = handle.job()
+    assert job.attempt == 1 and {e.kind for e in job.errors} == {"released"}
+    assert "injected: this worker child cannot start" in job.errors[0].message
+    gaps = [(b.at - a.at).total_seconds() for a, b in itertools.pairwise(job.errors)]
+    assert gaps[0] >= 0.9 and gaps[1] >= 1.9, gaps  # 1 s, then 2 s: no spin
+    assert "cannot start" in worker.stderr()

@@ -30,7 +30,7 @@ from ..jobs import JobRow
 from ..observability.logcontext import JobLogContext, job_context
 from ..payload import mask
 from .execution import Attempt, HandlerCancelled, Interrupted, JobTimeout, context_for
-from .process_pool import ProcessRunner
+from .process_pool import ChildStartFailed, ProcessRunner
 from .recorder import job_fields
 from .runtime import AttemptRuntime
 
@@ -333,12 +333,24 @@ class Dispatcher:
                 raise Interrupted(attempt.stop_reason)
             children.submit(attempt.row, lambda r: _progressed(attempt, r), future=child)
             return child.result()
+        except ChildStartFailed as exc:
+            self._not_started(attempt, exc)
+            return None
         except BaseException as exc:
             if not child.done():  # this thread leaves while the child runs the job (or
                 children.kill(child, exc)  # while it waits for one): neither goes on
             raise
         finally:
             worker.ran_for(time.monotonic() - attempt.started)
+
+    def _not_started(self, attempt: Attempt, exc: ChildStartFailed) -> None:
+        """No child process could be started for the attempt: it did nothing, so its job
+        is released (available again, the attempt not charged), never failed; the failed
+        start pauses the claims that need a child (see :mod:`.child_starts`)."""
+        if attempt.give_back():  # (else a graceful stop took it first: it releases it)
+            why = str(exc).replace("%", "%%")
+            self.worker.release([attempt], f"released %d job(s): {why}")
+            self.worker.slot_freed(attempt)
 
 
 def encode(definition: JobDefinition[Any, Any], result: Any) -> str | None:

@@ -48,6 +48,7 @@ from typing import Any
 
 from ..backends import url_scheme
 from ..jobs import EnqueueRequest, JobRow
+from .child_starts import StartFailures
 
 log = logging.getLogger("errands.worker")
 
@@ -69,6 +70,10 @@ class ChildResult:
     result_json: str | None
     children: list[EnqueueRequest] = field(default_factory=list)
     written: bool | None = None  # set when the child committed its own transaction
+
+
+class ChildStartFailed(RuntimeError):
+    """No child process could be started for a job: it did nothing (see child_starts)."""
 
 
 class ChildFailure(Exception):
@@ -146,13 +151,15 @@ class ProcessRunner:
         worker_id: str = "",
         spare: int = 0,
         idle_retire: float | None = None,
+        needed_by: str = "jobs",
     ) -> None:
         """``size`` children at most; ``start=False`` starts each when first needed. A
         handler in a child sees ``worker_id`` (the parent worker's) as ``ctx.worker_id``.
 
         ``spare``: after :meth:`warm`, keep this many idle children started ahead of need
         (in the background, as each is taken), so the next job does not wait for one to
-        start. ``idle_retire``: stop children idle this many seconds, beyond the spares."""
+        start. ``idle_retire``: stop children idle this many seconds, beyond the spares.
+        ``needed_by``: what needs these children, named when they cannot start."""
         self.app_path = app_path
         self.url = url
         self.worker_id = worker_id
@@ -168,12 +175,12 @@ class ProcessRunner:
         self._warm = False
         self.killed = 0
         self.started = 0  # children started (the replacements included)
-        self.start_failures = 0  # children that could not start
+        self.failures = StartFailures(needed_by)  # starts that failed (see child_starts)
         self._forkserver_failures = 0  # in a row (see _spawn)
         self.retired = 0  # idle children stopped
         try:
-            for _ in range(size if start else 0):
-                self._add(self._spawn())
+            for _ in range(size if start else 0):  # (a failure here fails the worker's start)
+                self._add(self._start_one())
         except BaseException:  # the children started before the one that failed: stopped
             self.shutdown()
             raise
@@ -181,6 +188,17 @@ class ProcessRunner:
             threading.Thread(target=self._retire_idle, name="errands-children", daemon=True).start()
 
     def _spawn(self) -> _Slot:
+        """Start a child; a start that fails is counted (:class:`StartFailures`)."""
+        try:
+            slot = self._start_one()
+        except Exception as exc:
+            if not self._closed:  # closing: a start cut short is no news
+                self.failures.failed(exc)
+            raise
+        self.failures.started()
+        return slot
+
+    def _start_one(self) -> _Slot:
         """Start a child, from the forkserver where there is one. A start the forkserver
         fails (its server died, or could not fork) is made again with spawn, and the next
         start tries the forkserver again (a server that died is started afresh): one such
@@ -288,7 +306,11 @@ class ProcessRunner:
         try:
             slot = self._take(future)
         except Exception as exc:  # no child could be started for it
-            _settle(future, exc=exc)
+            failed = ChildStartFailed(
+                f"no worker child process could be started for it: {type(exc).__name__}: {exc}"
+            )
+            failed.__cause__ = exc
+            _settle(future, exc=failed)
             return
         if slot is not None:
             self._top_up()
@@ -347,9 +369,7 @@ class ProcessRunner:
         try:
             slot = self._spawn()
         except Exception:
-            if not self._closed:  # closing: a start cut short is no news
-                self.start_failures += 1
-                log.exception("could not start %s", what)
+            log.debug("could not start %s", what, exc_info=True)  # (said by StartFailures)
             raise
         finally:
             with self._cond:
@@ -359,8 +379,9 @@ class ProcessRunner:
     @property
     def ready(self) -> bool:
         """A child has started (the forkserver runs: the next one forks in milliseconds),
-        or starting one failed (so a job submitted now fails visibly, not silently)."""
-        return self.started > 0 or self.start_failures > 0
+        or starting one failed (a job submitted now is released at once, the failure
+        logged, rather than kept waiting for a child that does not come)."""
+        return self.started > 0 or self.failures.total > 0
 
     def pids(self) -> list[int]:
         """The process ids of the children started now (busy or idle)."""
@@ -505,7 +526,7 @@ class ProcessRunner:
         try:
             fresh = self._spawn()
         except Exception:
-            log.exception("could not start a replacement worker child process")
+            log.debug("could not start a replacement worker child process", exc_info=True)
             with self._cond:
                 if slot in self._slots:
                     self._slots.remove(slot)  # the next submit starts one when needed

@@ -7,9 +7,10 @@ for its children, and each child then looks ``app`` up in it as it loads the app
 the app lacks ``parent_only``: a worker whose children load an app without a job type
 the worker's own app has.
 
-While the file ACC_FORKSERVER_FAULT names exists, the worker's forkserver dies as it
-imports this module (before it forks any child), and appends a line to that file's
-``.deaths``; it deletes the file (one failure), unless the file says ``always``.
+While the file ACC_CHILD_START_FAULT names exists, a worker's child fails as it loads the
+app: it cannot start. While the file ACC_FORKSERVER_FAULT names exists, the worker's
+forkserver dies as it imports this module (before it forks any child), and appends a line
+to that file's ``.deaths``; it deletes the file (one failure), unless it says ``always``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def __getattr__(name: str) -> Any:
     if name != "app":
         raise AttributeError(name)
     if multiprocessing.parent_process() is not None:  # a worker's child, not the worker
+        if os.path.exists(os.environ.get("ACC_CHILD_START_FAULT", "/nonexistent")):
+            raise RuntimeError("injected: this worker child cannot start")
         _app.registry.pop("parent_only", None)
     return _app
 
