@@ -47,6 +47,7 @@ class StartFailures:
         self.last = ""  # why the last one failed
         self._first_at = 0.0
         self._until = 0.0
+        self._hopeless = False
         self._lock = threading.Lock()
 
     def failed(self, exc: BaseException) -> None:
@@ -62,6 +63,9 @@ class StartFailures:
             pause = min(START_PAUSE * 2 ** (self.in_a_row - 1), START_PAUSE_MAX)
             self._until = now + pause
             in_a_row = self.in_a_row
+            # judged as a start fails, never later: failures long past, with no start
+            # tried since, say nothing of the children that would start now
+            self._hopeless = in_a_row >= GIVE_UP_AFTER and now - self._first_at >= GIVE_UP_SPAN
         log.warning(
             "worker child processes cannot start (%s; %d time(s) in a row): %s are claimed "
             "again in %g s",
@@ -74,7 +78,7 @@ class StartFailures:
     def started(self) -> None:
         if self.in_a_row:  # (a racy read: the lock is for the writes, taken when needed)
             with self._lock:
-                self.in_a_row, self._until = 0, 0.0
+                self.in_a_row, self._until, self._hopeless = 0, 0.0, False
 
     def pause_left(self) -> float:
         """Seconds until the claims that need a child may go on (0: now)."""
@@ -82,7 +86,7 @@ class StartFailures:
 
     def hopeless(self) -> bool:
         """Whether children have kept failing to start long enough to give up on them."""
-        return self.in_a_row >= GIVE_UP_AFTER and time.monotonic() - self._first_at >= GIVE_UP_SPAN
+        return self._hopeless
 
     def give_up_message(self) -> str:
         return (
