@@ -107,6 +107,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def pid_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (an exited one not yet reaped is not, once all
+    its threads have exited: a killed process's main thread is a zombie while the others,
+    which hold its open files, may still be on their way out)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+    except (FileNotFoundError, ProcessLookupError):  # (gone between the open and the read)
+        return False
+    return "\nState:\tZ" not in status or threads > 1
+
+
 @dataclass(eq=False)
 class Proc:
     """One ``python -m errands ...`` process with its output in files."""

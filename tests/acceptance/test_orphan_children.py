@@ -15,18 +15,9 @@ from pathlib import Path
 import acc_basic
 import pytest
 
-from .harness import Cluster, descendants, wait_until
+from .harness import Cluster, descendants, pid_running, wait_until
 
 pytestmark = pytest.mark.acceptance
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (an exited one not yet reaped is not)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):  # (gone between the open and the read)
-        return False
-    return "\nState:\tZ" not in status
 
 
 def test_a_child_whose_worker_is_killed_leaves_at_once_and_does_not_race_the_rescued_run(
@@ -40,11 +31,11 @@ def test_a_child_whose_worker_is_killed_leaves_at_once_and_does_not_race_the_res
     handle = acc_basic.sleepy.enqueue(seconds=120.0, first_only=True)
     wait_until(lambda: cluster.effects(handle.id), 60, "the job running in a child")
     [(_, attempt, child, _)] = cluster.effects(handle.id)
-    assert attempt == 1 and child != worker.pid and _running(child)
+    assert attempt == 1 and child != worker.pid and pid_running(child)
 
     worker.signal(signal.SIGKILL)
     worker.wait_exit(10)
-    wait_until(lambda: not _running(child), 30, f"the worker's child {child} to leave")
+    wait_until(lambda: not pid_running(child), 30, f"the worker's child {child} to leave")
 
     cluster.start_worker("--pool", "process", "-c", "1", label="next")
     assert handle.result(timeout=60)["attempt"] == 2
@@ -57,9 +48,10 @@ def _family(token: str) -> dict[int, int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if token.encode() in (entry / "environ").read_bytes() and _running(int(entry.name)):
+                pid = int(entry.name)
+                if token.encode() in (entry / "environ").read_bytes() and pid_running(pid):
                     status = (entry / "status").read_text()
-                    found[int(entry.name)] = int(status.split("\nPPid:\t")[1].split()[0])
+                    found[pid] = int(status.split("\nPPid:\t")[1].split()[0])
             except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
                 continue
     return found
@@ -81,7 +73,7 @@ def test_a_child_cut_off_in_its_job_says_so_in_the_worker_log_format(cluster: Cl
     [(_, _, child, _)] = cluster.effects(handle.id)
     worker.signal(signal.SIGKILL)
     worker.wait_exit(10)
-    wait_until(lambda: not _running(child), 30, f"the worker's child {child} to leave")
+    wait_until(lambda: not pid_running(child), 30, f"the worker's child {child} to leave")
     time.sleep(0.2)  # its last line is in the file by now
     gone = [r for r in _json_lines(worker.stderr()) if "is gone" in str(r["message"])]
     assert [(r["level"], r["logger"]) for r in gone] == [("warning", "errands.worker")], gone
@@ -155,7 +147,7 @@ def test_a_child_that_died_while_idle_is_replaced_before_it_is_handed_a_job(
     assert first.result(timeout=60)["attempt"] == 1
     child = first.result(timeout=1)["pid"]
     os.kill(child, signal.SIGKILL)
-    wait_until(lambda: not _running(child), 30, f"the idle child {child} to die")
+    wait_until(lambda: not pid_running(child), 30, f"the idle child {child} to die")
     time.sleep(1.0)  # idle a while after its death (its exit status reaches the worker)
     second = acc_basic.sleepy.enqueue(seconds=0.0)
     done = second.result(timeout=60)

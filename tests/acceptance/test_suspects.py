@@ -122,9 +122,13 @@ def test_a_warm_runner_keeps_a_spare_child_ahead_of_need_and_retires_idle_ones(
         wait_until(runner.idle, 60, "the spare child")
         (spare,) = runner.pids()
 
-        running = runner.submit(row)
-        wait_until(lambda: runner.idle() == 1, 60, "a new spare, started in the background")
-        assert len(runner.pids()) == 2 and spare in runner.pids()
+        running = runner.submit(row)  # (returns at once: a thread of the runner's takes the spare)
+        wait_until(
+            lambda: runner.idle() == 1 and len(runner.pids()) == 2,
+            60,
+            "a new spare, started in the background",
+        )
+        assert spare in runner.pids()
         go.touch()
         assert json.loads(running.result(60).result_json) == spare  # ran in the spare
 

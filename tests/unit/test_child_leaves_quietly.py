@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from errands.worker import process_pool
+from errands.worker import process_child
 
 
 def _serve_in_thread(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, threading.Thread, list]:
@@ -24,7 +24,7 @@ def _serve_in_thread(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, threading.Th
 
     def run() -> None:
         try:
-            process_pool.child_main("unused:app", "sqlite://", child)
+            process_child.child_main("unused:app", "sqlite://", child)
         except BaseException as exc:  # what would have been printed as a traceback
             errors.append(exc)
 
@@ -50,7 +50,7 @@ def test_a_child_whose_worker_closed_the_pipe_cleanly_leaves_quietly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parent, thread, errors = _serve_in_thread(monkeypatch)
-    assert parent.recv() == process_pool.READY
+    assert parent.recv() == process_child.READY
     parent.close()
     thread.join(5)
     assert not thread.is_alive()
@@ -62,14 +62,14 @@ def test_a_child_whose_worker_died_while_its_job_ran_leaves_quietly(
 ) -> None:
     worker_gone = threading.Event()
 
-    def run_one(app: Any, row: Any, worker_id: str, reporter: Any) -> str:
+    def run_one(app: Any, row: Any, worker_id: str, reporter: Any, app_path: str) -> str:
         assert worker_gone.wait(5)
         return "an outcome nobody is left to read"
 
-    monkeypatch.setattr(process_pool, "JobRow", lambda *fields: fields)
-    monkeypatch.setattr(process_pool, "_run_one", run_one)
+    monkeypatch.setattr(process_child, "JobRow", lambda *fields: fields)
+    monkeypatch.setattr(process_child, "_run_one", run_one)
     parent, thread, errors = _serve_in_thread(monkeypatch)
-    assert parent.recv() == process_pool.READY
+    assert parent.recv() == process_child.READY
     parent.send(("a job",))
     parent.close()
     worker_gone.set()
@@ -82,13 +82,13 @@ def test_a_child_whose_worker_died_while_its_job_ran_leaves_quietly(
 # atexit, which would terminate the child itself). argv[1]: "running" or "idle".
 _ORPHAN = """
 import multiprocessing, os, sys, threading, time
-from errands.worker import process_pool
+from errands.worker import process_child
 
 def child(running):
     event = threading.Event()
     if running:
         event.set()
-    process_pool._leave_with_the_worker(event)
+    process_child._leave_with_the_worker(event)
     time.sleep(30)
 
 if __name__ == "__main__":

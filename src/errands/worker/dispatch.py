@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidPayload, UnknownJob
@@ -28,7 +30,7 @@ from ..jobs import JobRow
 from ..observability.logcontext import JobLogContext, job_context
 from ..payload import mask
 from .execution import Attempt, HandlerCancelled, Interrupted, JobTimeout, context_for
-from .process_pool import ChildFailure, ProcessRunner
+from .process_pool import ChildStartFailed, ProcessRunner
 from .recorder import job_fields
 from .runtime import AttemptRuntime
 
@@ -319,21 +321,36 @@ class Dispatcher:
             worker.leases.poke()
         if self.prepare(attempt) is None:
             return None
-        child = children.submit(attempt.row, on_progress=lambda r: _progressed(attempt, r))
-        attempt.child = child
-
-        def kill(exc: BaseException) -> None:
-            children.kill(child, exc)
-
-        attempt.kill = kill
-        if attempt.stop_reason is not None:  # asked to stop while it was being submitted
-            kill(Interrupted(attempt.stop_reason))
+        # The child's answer, made here before anything is asked of the pool: whatever
+        # instant this thread is stopped at (an interrupt raised inside it: a timeout's, a
+        # graceful stop's), the job is stopped too, never left running in a child (or
+        # taking one) for an attempt already given up on.
+        child: Future[Any] = Future()
         try:
+            attempt.child = child
+            attempt.kill = functools.partial(children.kill, child)
+            if attempt.stop_reason is not None:  # asked to stop before it got to its child
+                raise Interrupted(attempt.stop_reason)
+            children.submit(attempt.row, lambda r: _progressed(attempt, r), future=child)
             return child.result()
-        except ChildFailure:
+        except ChildStartFailed as exc:
+            self._not_started(attempt, exc)
+            return None
+        except BaseException as exc:
+            if not child.done():  # this thread leaves while the child runs the job (or
+                children.kill(child, exc)  # while it waits for one): neither goes on
             raise
         finally:
             worker.ran_for(time.monotonic() - attempt.started)
+
+    def _not_started(self, attempt: Attempt, exc: ChildStartFailed) -> None:
+        """No child process could be started for the attempt: it did nothing, so its job
+        is released (available again, the attempt not charged), never failed; the failed
+        start pauses the claims that need a child (see :mod:`.child_starts`)."""
+        if attempt.give_back():  # (else a graceful stop took it first: it releases it)
+            why = str(exc).replace("%", "%%")
+            self.worker.release([attempt], f"released %d job(s): {why}")
+            self.worker.slot_freed(attempt)
 
 
 def encode(definition: JobDefinition[Any, Any], result: Any) -> str | None:

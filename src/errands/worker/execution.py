@@ -93,7 +93,7 @@ class Attempt:
     released: bool = False
     ended: float = 0.0  # monotonic time the outcome was decided
     runtime: AttemptRuntime | None = None
-    kill: Callable[[BaseException], None] | None = None  # process pool: end the child
+    kill: Callable[[BaseException], object] | None = None  # process pool: end the child
     child: Future[Any] | None = None  # process pool, isolated suspect: the child's answer
     timed_out: bool = False
     timeout_at: float = 0.0  # monotonic time the timeout fired

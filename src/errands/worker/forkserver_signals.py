@@ -1,5 +1,5 @@
 """Imported by the process pool's forkserver alone (its preload): the server outlives
-SIGTERM and SIGHUP, as each worker child does (process_pool.child_main).
+SIGTERM and SIGHUP, as each worker child does (process_child.child_main).
 
 A SIGTERM sent to every process of a worker (systemd's default KillMode=control-group,
 ``kill -- -PGID``) killed the forkserver, and the children forked from it, whose parent

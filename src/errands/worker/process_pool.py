@@ -9,6 +9,10 @@ a job without an owner:
 - a timeout or an operator's cancel kills the child (SIGKILL) and starts a new one;
 - a child that dies on its own fails the attempt ("worker process died", kind ``crash``),
   retried with backoff; the job stays a suspect, so it runs isolated again;
+- a child that cannot start costs its job nothing: the job is released, uncharged, and
+  the claims that need a child pause (:mod:`.child_starts`);
+- a failure that is the job's own (its handler's exception, even one that cannot be
+  printed; a job type the child's app lacks) is recorded as such, and the child lives on;
 - a child whose worker dies (SIGKILL, OOM) leaves at once, its handler cut short: the
   worker's jobs are rescued when their leases run out, and a child left running one
   would race its rescued run (two runs of one job at once, a per-key limit broken);
@@ -40,31 +44,24 @@ import multiprocessing.connection
 import os
 import threading
 import time
-import traceback as tb
-from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..backends import url_scheme
-from ..jobs import EnqueueRequest, JobRow
+from ..jobs import JobRow
+from .child_starts import StartFailures
+from .process_child import READY, Progress, attempt_of, child_main, is_progress
 
 log = logging.getLogger("errands.worker")
 
-READY = "ready"
-PROGRESS = "progress"  # a child's message during a run: (PROGRESS, fraction, message)
-PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
 STOP_WAIT = 2.0  # seconds a stopping runner waits for its children to leave, then kills
 ROOM_RECHECK = 1.0  # seconds a submit waiting for a child looks again for room to start one
+FORKSERVER_TRIES = 3  # forkserver failures in a row after which children start with spawn
 
-Progress = Callable[[tuple[float, str]], None]
 
-
-@dataclass
-class ChildResult:
-    result_json: str | None
-    children: list[EnqueueRequest] = field(default_factory=list)
-    written: bool | None = None  # set when the child committed its own transaction
+class ChildStartFailed(RuntimeError):
+    """No child process could be started for a job: it did nothing (see child_starts)."""
 
 
 class ChildFailure(Exception):
@@ -93,7 +90,7 @@ class _Slot:
 # What a child needs besides the app: imported once in the forkserver, not in each child
 # on its first job (the handler's path, and the store's driver: psycopg alone takes a
 # good part of a second on a busy machine).
-PRELOAD = ("errands.loading", __name__, "errands.worker.dispatch")
+PRELOAD = ("errands.loading", __name__, "errands.worker.dispatch")  # (and process_child)
 BACKEND_MODULES = {
     "sqlite": "errands.backends.sqlite",
     "postgres": "errands.backends.postgres",
@@ -142,13 +139,15 @@ class ProcessRunner:
         worker_id: str = "",
         spare: int = 0,
         idle_retire: float | None = None,
+        needed_by: str = "jobs",
     ) -> None:
         """``size`` children at most; ``start=False`` starts each when first needed. A
         handler in a child sees ``worker_id`` (the parent worker's) as ``ctx.worker_id``.
 
         ``spare``: after :meth:`warm`, keep this many idle children started ahead of need
         (in the background, as each is taken), so the next job does not wait for one to
-        start. ``idle_retire``: stop children idle this many seconds, beyond the spares."""
+        start. ``idle_retire``: stop children idle this many seconds, beyond the spares.
+        ``needed_by``: what needs these children, named when they cannot start."""
         self.app_path = app_path
         self.url = url
         self.worker_id = worker_id
@@ -164,11 +163,12 @@ class ProcessRunner:
         self._warm = False
         self.killed = 0
         self.started = 0  # children started (the replacements included)
-        self.start_failures = 0  # children that could not start
+        self.failures = StartFailures(needed_by)  # starts that failed (see child_starts)
+        self._forkserver_failures = 0  # in a row (see _spawn)
         self.retired = 0  # idle children stopped
         try:
-            for _ in range(size if start else 0):
-                self._add(self._spawn())
+            for _ in range(size if start else 0):  # (a failure here fails the worker's start)
+                self._add(self._start_one())
         except BaseException:  # the children started before the one that failed: stopped
             self.shutdown()
             raise
@@ -176,21 +176,66 @@ class ProcessRunner:
             threading.Thread(target=self._retire_idle, name="errands-children", daemon=True).start()
 
     def _spawn(self) -> _Slot:
+        """Start a child; a start that fails is counted (:class:`StartFailures`)."""
         try:
-            return self._start_child()
+            slot = self._start_one()
+        except Exception as exc:
+            if not self._closed:  # closing: a start cut short is no news
+                self.failures.failed(exc)
+            raise
+        self.failures.started()
+        return slot
+
+    def _start_one(self) -> _Slot:
+        """Start a child, from the forkserver where there is one. A start the forkserver
+        fails (its server died, or could not fork) is made again with spawn, and the next
+        start tries the forkserver again (a server that died is started afresh): one such
+        failure made every later child of the worker a spawned one, each importing the app
+        itself (seconds on a busy machine). After FORKSERVER_TRIES failures in a row the
+        runner uses spawn for good, and says so once."""
+        ctx = self.ctx
+        try:
+            slot = self._start_child(ctx)
         except _ChildRefused:
             raise
-        except Exception as exc:  # the forkserver could not start or fork: spawn instead
-            if self._closed or self.ctx.get_start_method() != "forkserver":
+        except Exception as exc:
+            if self._closed or ctx.get_start_method() != "forkserver":
                 raise  # closing (the process may be exiting, its forkserver gone)
-            log.warning("forkserver unavailable (%r); starting worker children with spawn", exc)
-            self.ctx = multiprocessing.get_context("spawn")
-            return self._start_child()
+            self._forkserver_failed(ctx, exc)
+            return self._start_child(multiprocessing.get_context("spawn"))
+        if ctx.get_start_method() == "forkserver":
+            self._forkserver_failures = 0
+        return slot
 
-    def _start_child(self) -> _Slot:
+    def _forkserver_failed(self, ctx: Any, exc: Exception) -> None:
+        with self._cond:
+            if self.ctx is not ctx:
+                return  # another start gave up on the forkserver meanwhile, and said so
+            self._forkserver_failures += 1
+            failures = self._forkserver_failures
+            if failures >= FORKSERVER_TRIES:
+                self.ctx = multiprocessing.get_context("spawn")
+        if failures >= FORKSERVER_TRIES:
+            log.error(
+                "the forkserver failed to start %d worker children in a row (last: %r); "
+                "starting them with spawn from now on (each imports the app itself: slower)",
+                failures,
+                exc,
+            )
+        else:
+            log.warning(
+                "the forkserver could not start a worker child (%r; %d in a row, spawn for "
+                "good after %d); this one starts with spawn, the next tries the forkserver "
+                "again",
+                exc,
+                failures,
+                FORKSERVER_TRIES,
+            )
+
+    def _start_child(self, ctx: Any) -> _Slot:
         began = time.monotonic()
-        parent, child = self.ctx.Pipe()
-        process = self.ctx.Process(
+        parent, child = ctx.Pipe()
+        process = ctx.Process(
             target=child_main, args=(self.app_path, self.url, child, self.worker_id, _logging()),
             daemon=True, name="errands-child",
         )  # fmt: skip
@@ -207,7 +252,7 @@ class ProcessRunner:
         log.debug(
             "worker child %s started (%s) in %.3f s",
             process.pid,
-            self.ctx.get_start_method(),
+            ctx.get_start_method(),
             time.monotonic() - began,
         )
         return _Slot(process, parent)
@@ -226,9 +271,42 @@ class ProcessRunner:
                 return
         _stop(slot)
 
-    def submit(self, row: JobRow, on_progress: Progress | None = None) -> Future[Any]:
-        """Run ``row`` in a free child; ``on_progress`` receives its ctx.progress reports."""
-        future: Future[Any] = Future()
+    def submit(
+        self, row: JobRow, on_progress: Progress | None = None, future: Future[Any] | None = None
+    ) -> Future[Any]:
+        """Run ``row`` in a child; ``on_progress`` receives its ctx.progress reports.
+
+        Returns at once: a thread of the runner's waits for a free child (or starts one),
+        hands it the job and settles the future with its answer. Nothing of the runner's
+        is done on the caller's thread, which the worker may stop with an interrupt raised
+        inside it (a timeout's, a graceful stop's): one landing between the taking of a
+        child and its handing over left that child busy for ever, the pool a child short
+        (-c 1: no job ran again). ``future``: the caller's own, made before the call, so
+        that :meth:`kill` reaches the job whatever instant the caller is stopped at."""
+        future = Future() if future is None else future
+        threading.Thread(
+            target=self._serve, args=(row, future, on_progress), name="errands-child-job",
+            daemon=True,
+        ).start()  # fmt: skip
+        return future
+
+    def _serve(self, row: JobRow, future: Future[Any], on_progress: Progress | None) -> None:
+        try:
+            slot = self._take(future)
+        except Exception as exc:  # no child could be started for it
+            failed = ChildStartFailed(
+                f"no worker child process could be started for it: {type(exc).__name__}: {exc}"
+            )
+            failed.__cause__ = exc
+            _settle(future, exc=failed)
+            return
+        if slot is not None:
+            self._top_up()
+            self._run(slot, row, future, on_progress)
+
+    def _take(self, future: Future[Any]) -> _Slot | None:
+        """A free child that lives, now busy with ``future``; None when ``future`` was
+        settled first (killed while it waited: it gets no child) or the runner closed."""
         while True:
             self._grow()
             dead = None
@@ -237,16 +315,20 @@ class ProcessRunner:
                 # replaced by its _run thread, and when that replacement cannot start its
                 # place is given up (room). Waiting for a free child alone, a job waited
                 # for ever then (-c 1: the whole worker).
-                while not self._free and not self._closed and self._room() <= 0:
+                while (
+                    not self._free and not self._closed and self._room() <= 0
+                ) and not future.done():
                     self._cond.wait(timeout=ROOM_RECHECK)
                 if self._closed:
-                    future.set_exception(RuntimeError("process pool closed"))
-                    return future
+                    _settle(future, exc=RuntimeError("process pool closed"))
+                    return None
+                if future.done():
+                    return None
                 if self._free:
                     slot = self._free.pop()
                     if _idle_alive(slot):
                         slot.busy = future
-                        break
+                        return slot
                     # Died while idle (the OOM killer, a stray signal): handed out, it
                     # failed this job as a crash, charged toward its poison limit. Its
                     # place is given up; the next round starts a fresh child.
@@ -260,11 +342,6 @@ class ProcessRunner:
                     dead.process.exitcode,
                 )
                 _stop(dead)
-        self._top_up()
-        threading.Thread(
-            target=self._run, args=(slot, row, future, on_progress), daemon=True
-        ).start()
-        return future
 
     def _grow(self) -> None:
         """Start one more child here when none is free and fewer than ``size`` exist
@@ -280,9 +357,7 @@ class ProcessRunner:
         try:
             slot = self._spawn()
         except Exception:
-            if not self._closed:  # closing: a start cut short is no news
-                self.start_failures += 1
-                log.exception("could not start %s", what)
+            log.debug("could not start %s", what, exc_info=True)  # (said by StartFailures)
             raise
         finally:
             with self._cond:
@@ -292,8 +367,9 @@ class ProcessRunner:
     @property
     def ready(self) -> bool:
         """A child has started (the forkserver runs: the next one forks in milliseconds),
-        or starting one failed (so a job submitted now fails visibly, not silently)."""
-        return self.started > 0 or self.start_failures > 0
+        or starting one failed (a job submitted now is released at once, the failure
+        logged, rather than kept waiting for a child that does not come)."""
+        return self.started > 0 or self.failures.total > 0
 
     def pids(self) -> list[int]:
         """The process ids of the children started now (busy or idle)."""
@@ -355,31 +431,40 @@ class ProcessRunner:
     def _run(
         self, slot: _Slot, row: JobRow, future: Future[Any], on_progress: Progress | None
     ) -> None:
+        """Hand the job to its child and settle ``future`` with the answer; the child then
+        goes back to the free ones, or is replaced (it died, was killed, or is in a state
+        nobody knows): never left busy."""
         try:
-            slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
-            message = _receive(slot)
-            while message[0] == PROGRESS:
-                if on_progress is not None:
-                    on_progress((message[1], message[2]))
-                message = _receive(slot)
-            ok, payload = message
+            ok, payload = self._exchange(slot, row, on_progress)
+            answer = None if ok else ChildFailure(*payload)
         except (EOFError, OSError):
             slot.process.join(timeout=2)
             code = slot.process.exitcode
-            if not future.done():  # the outcome first; the replacement may take a while
-                future.set_exception(
-                    ChildFailure(
-                        "WorkerProcessDied",
-                        f"the worker child process died running this job (exit code {code})",
-                        "",
-                        "crash",
-                    )
-                )
+            # the outcome first; the replacement may take a while
+            _settle(
+                future,
+                exc=ChildFailure(
+                    "WorkerProcessDied",
+                    f"the worker child process died running this job (exit code {code})",
+                    "",
+                    "crash",
+                ),
+            )
             self._replace(slot)
             return
-        with self._cond:
+        except BaseException as exc:  # errands' side failed (an answer it cannot read): the
+            # child may still be running the job, which is failed (retried, not charged
+            # toward poison) and its child replaced
+            log.exception("job %s: lost track of its worker child process", row.id)
+            slot.process.kill()
+            lost = f"errands lost track of the worker child process running this job: {exc!r}"
+            _settle(future, exc=ChildFailure(type(exc).__qualname__, lost, "", "transient"))
+            self._replace(slot)
+            return
+        with self._cond:  # kill() looks for the child under it: never one given back
             killed = slot.killed
             if not killed:
+                _settle(future, result=payload, exc=answer)
                 slot.busy = None
                 slot.idle_since = time.monotonic()
                 self._free.append(slot)
@@ -389,22 +474,34 @@ class ProcessRunner:
             # here): handed out again, the dead child failed the next job as a crash,
             # counted toward that job's poison limit. A fresh child takes its place.
             self._replace(slot)
-            return
-        if not future.done():
-            if ok:
-                future.set_result(payload)
-            else:
-                future.set_exception(ChildFailure(*payload))
+
+    def _exchange(self, slot: _Slot, row: JobRow, on_progress: Progress | None) -> tuple[bool, Any]:
+        """Send the job to its child, pass its progress reports on, return its answer."""
+        slot.conn.send(tuple(getattr(row, c) for c in row.__slots__))
+        message = _receive(slot)
+        while is_progress(message):
+            if on_progress is not None and message[1] == attempt_of(row):
+                on_progress((message[2], message[3]))
+            message = _receive(slot)  # (another attempt's: stale, ignored)
+        ok, payload = message
+        return bool(ok), payload
 
     def kill(self, future: Future[Any], exc: BaseException) -> bool:
-        """Kill the child running ``future`` (timeout, cancel); the future fails with ``exc``."""
+        """Stop the job of ``future`` (a timeout, a cancel, an attempt given up on): the
+        future fails with ``exc``, and the child running the job is killed (its _run
+        thread replaces it: True), or the job, still waiting for a child, gets none. A job
+        answered already is left as it is (False)."""
         with self._cond:  # _run hands a finished child back under it: never this one then
             doomed = next((s for s in self._slots if s.busy is future), None)
             if doomed is None:
+                if not future.done():  # not handed to a child yet: it never will be
+                    _settle(future, exc=exc)
+                    self._cond.notify_all()
                 return False
+            if doomed.killed:
+                return True
             doomed.killed = True
-        if not future.done():
-            future.set_exception(exc)
+        _settle(future, exc=exc)
         self.killed += 1
         doomed.process.kill()  # its _run thread sees EOF (or its answer) and replaces it
         return True
@@ -417,7 +514,7 @@ class ProcessRunner:
         try:
             fresh = self._spawn()
         except Exception:
-            log.exception("could not start a replacement worker child process")
+            log.debug("could not start a replacement worker child process", exc_info=True)
             with self._cond:
                 if slot in self._slots:
                     self._slots.remove(slot)  # the next submit starts one when needed
@@ -437,21 +534,33 @@ class _ChildRefused(RuntimeError):
     """A child started but could not load the app: it said why."""
 
 
-def _outlived(signum: int, frame: Any) -> None:
-    """A worker child's SIGINT, SIGTERM and SIGHUP: its worker decides when it stops."""
-
-
 def _idle_alive(slot: _Slot) -> bool:
-    """Whether an idle child still lives: its pipe holds nothing (an idle child sends
-    nothing: what is there is the end of a pipe whose child died, before its exit status
-    reached the forkserver's sentinel), and it runs (its process, or its pid when its
-    forkserver died: see :func:`_pid_alive`)."""
+    """Whether an idle child still lives: its pipe holds nothing but stale progress
+    reports (drained here), and it runs (its process, or its pid when its forkserver died:
+    see :func:`_pid_alive`).
+
+    An idle child runs no job, so a progress report in its pipe is a previous attempt's,
+    sent after that attempt's outcome (by a thread its handler left running): the child
+    was taken for dead and replaced, the submitting job waiting 2-4 s for its stop. Any
+    other message, or the pipe's end, is a child that died (before its exit status
+    reached the forkserver's sentinel)."""
     try:
-        if slot.conn.poll(0):
-            return False
-    except (OSError, ValueError):
+        while slot.conn.poll(0):
+            if not is_progress(slot.conn.recv()):
+                return False
+    except Exception:  # the end of the pipe (EOFError), a broken one, an unreadable message
         return False
     return slot.process.is_alive() or _pid_alive(slot.process.pid)
+
+
+def _settle(future: Future[Any], *, result: Any = None, exc: BaseException | None = None) -> None:
+    """Settle ``future`` with ``exc`` (or ``result``), unless it is settled already (a
+    kill and the child's answer may race)."""
+    with contextlib.suppress(InvalidStateError):
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -499,10 +608,6 @@ def _stop(*slots: _Slot) -> None:
             slot.conn.close()
 
 
-# A child whose worker died exits with this code (os._exit: its handler is cut short).
-ORPHAN_EXIT = 3
-
-
 def _logging() -> tuple[str, int] | None:
     """How this worker logs (format and level), for its children to log alike; None when
     it set up no logging of errands' (an embedded worker: its app's logging rules)."""
@@ -510,200 +615,3 @@ def _logging() -> tuple[str, int] | None:
 
     fmt = logcontext.current_format()
     return None if fmt is None else (fmt, logging.getLogger().level)
-
-
-def _leave_with_the_worker(running: threading.Event) -> None:
-    """Exit this child as soon as the worker that started it dies. The worker's jobs are
-    rescued when their leases run out; a child running on would race the rescued run
-    (seen: a child of a SIGKILLed worker still sleeping through its job, and the
-    forkserver kept alive by it). The child learns of its worker's death otherwise only
-    when it next writes to it, after the job. A child cut off in a job says so on
-    stderr; one idle or still starting leaves quietly (a worker that stopped gracefully
-    while its spare child started is no news, and its log stays one format)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:  # not a child process (in-process tests)
-        return
-
-    def watch() -> None:
-        from multiprocessing.connection import wait
-
-        from ..observability.logcontext import lockless_line
-
-        wait([parent.sentinel])
-        if running.is_set():
-            with contextlib.suppress(OSError):
-                os.write(
-                    2,
-                    lockless_line(
-                        f"the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
-                        "leaving its job (rescued when its lease runs out, unless its "
-                        "outcome was written already)"
-                    ),
-                )
-        os._exit(ORPHAN_EXIT)
-
-    threading.Thread(target=watch, name="errands-worker-watch", daemon=True).start()
-
-
-def child_main(
-    app_path: str,
-    url: str,
-    conn: Any,
-    worker_id: str = "",
-    logs: tuple[str, int] | None = None,
-) -> None:
-    """A child's loop: import the app, then run one job per message until told to stop.
-    ``logs``: the worker's log format and level, which the child's own lines follow (a
-    handler's log lines, and the line it leaves with), so a JSON log stays JSON."""
-    import signal
-
-    # The worker decides when its children stop (a message, or SIGKILL): a SIGTERM or
-    # SIGHUP sent to the whole group (systemd's default KillMode=control-group, `kill --
-    # -PGID`, a terminal closing) killed the child at once, the running job recorded as a
-    # crash and charged toward its poison limit, when the worker's grace should let it end.
-    # A handler that does nothing, not SIG_IGN: exec resets a handled signal to its
-    # default, so the programs a handler starts still stop on SIGTERM (an ignored one
-    # stays ignored: `p.terminate()` on a subprocess hung).
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # (no SIGHUP on Windows)
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            signal.signal(signum, _outlived)
-    if logs is not None:
-        from ..observability.logcontext import configure_logging
-
-        configure_logging(logs[0], logs[1], background=False)
-    running = threading.Event()  # set while a job runs here, until its outcome is sent
-    _leave_with_the_worker(running)
-    try:
-        from ..loading import load_app
-
-        app = load_app(app_path, url, need_code=True)
-    except BaseException as exc:  # report why it cannot start, then leave
-        with contextlib.suppress(OSError):  # the worker stopped meanwhile: nobody to tell
-            conn.send(f"{type(exc).__name__}: {exc}")
-        return
-    try:
-        conn.send(READY)
-    except OSError:  # the worker stopped while this child started (a spare): leave quietly
-        return
-    reporter = _ProgressSender(conn)
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the worker is gone (a SIGKILL resets the pipe): leave
-            return
-        if message is None:
-            return
-        running.set()
-        try:
-            outcome = _run_one(app, JobRow(*message), worker_id or f"child-{os.getpid()}", reporter)
-            try:
-                reporter.send_outcome(outcome)
-            except OSError:  # the worker died while the job ran: a transactional job's
-                # outcome is written already (by _run_one); any other is rescued when its
-                # lease runs out
-                return
-        finally:
-            running.clear()
-
-
-class _ProgressSender:
-    """Sends a child's progress reports to the parent, at most one per PROGRESS_EVERY
-    seconds: a report held back goes out within that time (a flusher thread), or just
-    before the outcome. One lock orders every message on the pipe."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.lock = threading.Lock()
-        self.sent_at = 0.0
-        self.held: tuple[float, str] | None = None
-        threading.Thread(target=self._flusher, name="errands-progress", daemon=True).start()
-
-    def __call__(self, report: tuple[float, str]) -> None:
-        with self.lock:
-            self.held = report
-            if time.monotonic() - self.sent_at >= PROGRESS_EVERY:
-                self._send_held()
-
-    def _send_held(self) -> None:
-        if self.held is not None:
-            self.conn.send((PROGRESS, *self.held))
-            self.held, self.sent_at = None, time.monotonic()
-
-    def _flusher(self) -> None:
-        while True:
-            time.sleep(PROGRESS_EVERY)
-            with self.lock:
-                try:
-                    self._send_held()
-                except OSError:  # the parent is gone: the child's loop ends too
-                    return
-
-    def send_outcome(self, outcome: tuple[bool, Any]) -> None:
-        with self.lock:
-            self._send_held()
-            self.conn.send(outcome)
-
-
-def _run_one(
-    app: Any, row: JobRow, worker_id: str, reporter: Progress | None = None
-) -> tuple[bool, Any]:
-    import asyncio
-    import inspect
-
-    from ..errors import InvalidPayload, StepError, TransactionEnded
-    from ..outcomes import Permanent, Retry
-    from .dispatch import encode
-    from .execution import Attempt, Suspended, context_for, outcome_for
-    from .runtime import AttemptRuntime
-
-    definition = app.registry[row.name]
-    attempt = Attempt(row=row, definition=definition, lease_seconds=row.lease_seconds or 30.0)
-    runtime = attempt.runtime = AttemptRuntime(app, attempt)
-    runtime.report_progress = reporter
-    try:
-        kwargs = definition.payload.decode(row.args)
-        attempt.kwargs = kwargs
-        ctx = context_for(row, definition, worker_id, runtime)
-        call = dict(kwargs)
-        if definition.payload.context_param:
-            call[definition.payload.context_param] = ctx
-        value = definition.fn(**call)
-        if inspect.isawaitable(value):  # an async def handler: its own event loop here
-            value = asyncio.run(_awaited(value))
-        result_json = encode(definition, value)
-        if runtime.tx is not None:
-            runtime.check_transaction()  # raises if the handler ended it
-    except BaseException as exc:
-        runtime.rollback()
-        permanent = (InvalidPayload, Permanent, StepError, TransactionEnded, *definition.permanent)
-        after: float | None
-        if isinstance(exc, Suspended):  # the parent writes the suspension
-            kind, after = "suspend", exc.timeout
-        elif isinstance(exc, permanent):
-            kind, after = "permanent", 0.0
-        elif isinstance(exc, Retry):
-            kind, after = "retry", exc.after
-        else:
-            kind, after = "transient", 0.0
-        trace = "".join(tb.format_exception(exc))
-        return False, (type(exc).__qualname__, str(exc), trace, kind, after)
-    written = None
-    if runtime.tx is not None:
-        from dataclasses import replace
-
-        outcome = outcome_for(attempt, None, result_json, worker_id)
-        if runtime.children:
-            outcome = replace(outcome, children=tuple(runtime.children))
-        tx, runtime.tx = runtime.tx, None
-        try:
-            written = app.backend.tx_finish(tx, outcome)
-        except Exception as exc:  # the parent retries it, like any store failure
-            trace = "".join(tb.format_exception(exc))
-            return False, (type(exc).__qualname__, str(exc), trace, "transient", 0.0)
-        return True, ChildResult(result_json, [], written)
-    return True, ChildResult(result_json, list(runtime.children), written)
-
-
-async def _awaited(value: Any) -> Any:
-    return await value

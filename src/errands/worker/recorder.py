@@ -31,7 +31,7 @@ from .execution import (
     handler_seconds,
     outcome_for,
 )
-from .process_pool import ChildResult
+from .process_child import ChildResult
 
 if TYPE_CHECKING:
     from .worker import Worker

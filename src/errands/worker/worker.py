@@ -305,6 +305,7 @@ class Worker:
         self.started_at = 0.0
         self.listener: Any = None
         self._notified = False
+        self.exit_code = 0  # 1: it stopped because its child processes cannot start
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -344,13 +345,35 @@ class Worker:
                 worker_id=self.id,
                 spare=SUSPECT_SPARE,
                 idle_retire=SUSPECT_IDLE_RETIRE,
+                needed_by="rescued jobs",
             )
         return self.suspect_processes
 
     def _suspects_startable(self) -> bool:
-        """Whether a suspect claimed now starts at once (isolated: once a child is up)."""
+        """Whether a suspect claimed now starts at once (isolated: once a child is up, and
+        not while its children fail to start: see child_starts)."""
         runner = self.suspect_processes
-        return not self.isolates_suspects or (runner is not None and runner.ready)
+        return not self.isolates_suspects or (
+            runner is not None and runner.ready and runner.failures.pause_left() <= 0
+        )
+
+    def _children_fail(self) -> bool:
+        """Whether the process pool's children cannot start now: the claim loop waits out
+        the pause their failures asked for (see child_starts), or, when they have failed
+        long enough to give up on, the worker stops (exit 1)."""
+        failures = self.processes.failures if self.processes is not None else None
+        if failures is None or not failures.in_a_row:
+            return False
+        if failures.hopeless():
+            log.error("%s", failures.give_up_message())
+            self.exit_code = 1
+            self.stop()
+            return True
+        pause = failures.pause_left()
+        if pause > 0:
+            self._wake.wait(pause)
+            self._wake.clear()
+        return pause > 0
 
     def _running_handlers(self) -> int:
         # int reads: no lock needed for a hint; the express lane's handlers count too
@@ -366,9 +389,11 @@ class Worker:
 
     # -- lifecycle ---------------------------------------------------------------------
     def run(self, *, install_signals: bool = True, signalled: Sequence[int] = ()) -> int:
-        """Run until stopped (signal or :meth:`stop`); returns the process exit code.
-        ``signalled``: stop signals received before this call (the CLI keeps them from
-        its start, while the app is imported): each is a graceful stop request."""
+        """Run until stopped (signal or :meth:`stop`); returns the process exit code (1
+        when it stopped because its process pool's children cannot start: see
+        :mod:`.child_starts`). ``signalled``: stop signals received before this call
+        (the CLI keeps them from its start, while the app is imported): each is a
+        graceful stop request."""
         install_record_factory()
         # The handlers first: a SIGTERM while the start-up waits for the store (a restart,
         # a slow server) is a graceful stop, not Python's default death (exit -15).
@@ -420,7 +445,7 @@ class Worker:
                 self._shutdown()
             finally:
                 protect_current_thread(False)
-        return 0
+        return self.exit_code
 
     def _start(self) -> None:
         """The start-up steps after registering; any may fail, and _shutdown then stops
@@ -594,6 +619,8 @@ class Worker:
         pause = self.poll_interval
         gathered = False
         while not self._stopping.is_set():
+            if self._children_fail():  # (claimed, a job would be released at once)
+                continue
             self._extra = self._prefetch_now()
             self._refill_at = max(1, (self.concurrency + self._extra) // 2)
             with self._lock:

@@ -1,0 +1,301 @@
+"""The child's side of the process pool (:mod:`.process_pool`): the loop a worker's child
+process runs, and what it says to its worker.
+
+A child imports the app, says READY (or why it cannot start), then runs one job per
+message until told to stop (None) or its worker is gone: it answers each job with
+``(True, ChildResult)`` or ``(False, failure)``, a failure being the handler's exception
+as ``(type name, message, traceback, kind, after)``, and while a job runs it may send
+``(PROGRESS, attempt, fraction, message)`` reports. Whatever fails around the handler is
+the job's failure, never the child's death: a child that died took a job recorded as a
+crash, charged toward its poison limit, with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+import time
+import traceback as tb
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..jobs import EnqueueRequest, JobRow
+
+READY = "ready"
+# A child's message during a run: (PROGRESS, attempt, fraction, message), ``attempt`` the
+# job's (id, lease token): a report sent after its job's outcome (by a thread the handler
+# left running) belongs to no job that runs, and is no sign of the child's death.
+PROGRESS = "progress"
+PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
+# A child whose worker died exits with this code (os._exit: its handler is cut short).
+ORPHAN_EXIT = 3
+
+Progress = Callable[[tuple[float, str]], None]
+
+
+@dataclass
+class ChildResult:
+    result_json: str | None
+    children: list[EnqueueRequest] = field(default_factory=list)
+    written: bool | None = None  # set when the child committed its own transaction
+
+
+def attempt_of(row: JobRow) -> tuple[int, str | None]:
+    """What a progress report names its attempt by: the job's id and lease token."""
+    return row.id, row.lease_token
+
+
+def is_progress(message: Any) -> bool:
+    return type(message) is tuple and len(message) == 4 and message[0] == PROGRESS
+
+
+def _outlived(signum: int, frame: Any) -> None:
+    """A worker child's SIGINT, SIGTERM and SIGHUP: its worker decides when it stops."""
+
+
+def _leave_with_the_worker(running: threading.Event) -> None:
+    """Exit this child as soon as the worker that started it dies. The worker's jobs are
+    rescued when their leases run out; a child running on would race the rescued run
+    (seen: a child of a SIGKILLed worker still sleeping through its job, and the
+    forkserver kept alive by it). The child learns of its worker's death otherwise only
+    when it next writes to it, after the job. A child cut off in a job says so on
+    stderr; one idle or still starting leaves quietly (a worker that stopped gracefully
+    while its spare child started is no news, and its log stays one format)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # not a child process (in-process tests)
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        from ..observability.logcontext import lockless_line
+
+        wait([parent.sentinel])
+        if running.is_set():
+            with contextlib.suppress(OSError):
+                os.write(
+                    2,
+                    lockless_line(
+                        f"the worker (pid {parent.pid}) of child {os.getpid()} is gone: "
+                        "leaving its job (rescued when its lease runs out, unless its "
+                        "outcome was written already)"
+                    ),
+                )
+        os._exit(ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="errands-worker-watch", daemon=True).start()
+
+
+def child_main(
+    app_path: str,
+    url: str,
+    conn: Any,
+    worker_id: str = "",
+    logs: tuple[str, int] | None = None,
+) -> None:
+    """A child's loop: import the app, then run one job per message until told to stop.
+    ``logs``: the worker's log format and level, which the child's own lines follow (a
+    handler's log lines, and the line it leaves with), so a JSON log stays JSON."""
+    import signal
+
+    # The worker decides when its children stop (a message, or SIGKILL): a SIGTERM or
+    # SIGHUP sent to the whole group (systemd's default KillMode=control-group, `kill --
+    # -PGID`, a terminal closing) killed the child at once, the running job recorded as a
+    # crash and charged toward its poison limit, when the worker's grace should let it end.
+    # A handler that does nothing, not SIG_IGN: exec resets a handled signal to its
+    # default, so the programs a handler starts still stop on SIGTERM (an ignored one
+    # stays ignored: `p.terminate()` on a subprocess hung).
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # (no SIGHUP on Windows)
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            signal.signal(signum, _outlived)
+    if logs is not None:
+        from ..observability.logcontext import configure_logging
+
+        configure_logging(logs[0], logs[1], background=False)
+    running = threading.Event()  # set while a job runs here, until its outcome is sent
+    _leave_with_the_worker(running)
+    try:
+        from ..loading import load_app
+
+        app = load_app(app_path, url, need_code=True)
+    except BaseException as exc:  # report why it cannot start, then leave
+        with contextlib.suppress(OSError):  # the worker stopped meanwhile: nobody to tell
+            conn.send(f"{type(exc).__name__}: {exc}")
+        return
+    try:
+        conn.send(READY)
+    except OSError:  # the worker stopped while this child started (a spare): leave quietly
+        return
+    reporter = _ProgressSender(conn)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the worker is gone (a SIGKILL resets the pipe): leave
+            return
+        if message is None:
+            return
+        running.set()
+        try:
+            try:
+                row = JobRow(*message)
+                outcome = _run_one(
+                    app, row, worker_id or f"child-{os.getpid()}", reporter, app_path
+                )
+            except Exception as exc:  # errands' own code around the handler failed: the
+                # job's failure, recorded as such; the child lives on for the next job (it
+                # died, and the job was recorded as a crash, charged toward its poison limit)
+                outcome = False, _failure(exc, "transient")
+            try:
+                reporter.send_outcome(outcome)
+            except OSError:  # the worker died while the job ran: a transactional job's
+                # outcome is written already (by _run_one); any other is rescued when its
+                # lease runs out
+                return
+        finally:
+            running.clear()
+
+
+class _ProgressSender:
+    """Sends a child's progress reports to the parent, at most one per PROGRESS_EVERY
+    seconds: a report held back goes out within that time (a flusher thread), or just
+    before the outcome. One lock orders every message on the pipe. Each report names its
+    attempt (:meth:`for_attempt`)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.sent_at = 0.0
+        self.held: tuple[tuple[int, str | None], float, str] | None = None
+        threading.Thread(target=self._flusher, name="errands-progress", daemon=True).start()
+
+    def for_attempt(self, row: JobRow) -> Progress:
+        """Where the attempt of ``row`` reports its progress."""
+        attempt = attempt_of(row)
+        return lambda report: self._report(attempt, report)
+
+    def _report(self, attempt: tuple[int, str | None], report: tuple[float, str]) -> None:
+        with self.lock:
+            self.held = (attempt, *report)
+            if time.monotonic() - self.sent_at >= PROGRESS_EVERY:
+                self._send_held()
+
+    def _send_held(self) -> None:
+        if self.held is not None:
+            self.conn.send((PROGRESS, *self.held))
+            self.held, self.sent_at = None, time.monotonic()
+
+    def _flusher(self) -> None:
+        while True:
+            time.sleep(PROGRESS_EVERY)
+            with self.lock:
+                try:
+                    self._send_held()
+                except OSError:  # the parent is gone: the child's loop ends too
+                    return
+
+    def send_outcome(self, outcome: tuple[bool, Any]) -> None:
+        with self.lock:
+            self._send_held()
+            self.conn.send(outcome)
+
+
+def _failure(exc: BaseException, kind: str, after: float | None = 0.0) -> tuple[Any, ...]:
+    """An exception as the parent's :class:`ChildFailure` takes it. Its text is user code
+    and may raise: such an exception is recorded as ``<unprintable ValueError>``, never
+    left to end the child."""
+    name = type(exc).__qualname__
+    try:
+        message = str(exc)
+    except Exception:
+        message = f"<unprintable {name}>"
+    try:
+        trace = "".join(tb.format_exception(exc))
+    except Exception:
+        trace = f"<traceback of an unprintable {name}>"
+    return name, message, trace, kind, after
+
+
+def _unknown_here(name: str, app_path: str) -> tuple[Any, ...]:
+    """A job type the worker's app has and its child's lacks: a permanent failure (each
+    retry would fail alike) that says how to fix it."""
+    module = app_path.partition(":")[0]
+    message = (
+        f"job type {name!r} is not registered in the app this worker's child processes "
+        f"load ({app_path!r}), though the worker's own app has it: the child's app must "
+        f"define it. Register the job where importing {module!r} registers it (a job added "
+        "only by the script that starts the worker, or by a module only it imports, never "
+        "reaches the children)"
+    )
+    return "UnknownJob", message, "", "permanent", 0.0
+
+
+def _run_one(
+    app: Any,
+    row: JobRow,
+    worker_id: str,
+    reporter: _ProgressSender | None = None,
+    app_path: str = "",
+) -> tuple[bool, Any]:
+    import asyncio
+    import inspect
+
+    from ..errors import InvalidPayload, StepError, TransactionEnded
+    from ..outcomes import Permanent, Retry
+    from .dispatch import encode
+    from .execution import Attempt, Suspended, context_for, outcome_for
+    from .runtime import AttemptRuntime
+
+    definition = app.registry.get(row.name)
+    if definition is None:
+        return False, _unknown_here(row.name, app_path)
+    attempt = Attempt(row=row, definition=definition, lease_seconds=row.lease_seconds or 30.0)
+    runtime = attempt.runtime = AttemptRuntime(app, attempt)
+    runtime.report_progress = reporter.for_attempt(row) if reporter is not None else None
+    try:
+        kwargs = definition.payload.decode(row.args)
+        attempt.kwargs = kwargs
+        ctx = context_for(row, definition, worker_id, runtime)
+        call = dict(kwargs)
+        if definition.payload.context_param:
+            call[definition.payload.context_param] = ctx
+        value = definition.fn(**call)
+        if inspect.isawaitable(value):  # an async def handler: its own event loop here
+            value = asyncio.run(_awaited(value))
+        result_json = encode(definition, value)
+        if runtime.tx is not None:
+            runtime.check_transaction()  # raises if the handler ended it
+    except BaseException as exc:
+        runtime.rollback()
+        permanent = (InvalidPayload, Permanent, StepError, TransactionEnded, *definition.permanent)
+        after: float | None
+        if isinstance(exc, Suspended):  # the parent writes the suspension
+            kind, after = "suspend", exc.timeout
+        elif isinstance(exc, permanent):
+            kind, after = "permanent", 0.0
+        elif isinstance(exc, Retry):
+            kind, after = "retry", exc.after
+        else:
+            kind, after = "transient", 0.0
+        return False, _failure(exc, kind, after)
+    written = None
+    if runtime.tx is not None:
+        from dataclasses import replace
+
+        outcome = outcome_for(attempt, None, result_json, worker_id)
+        if runtime.children:
+            outcome = replace(outcome, children=tuple(runtime.children))
+        tx, runtime.tx = runtime.tx, None
+        try:
+            written = app.backend.tx_finish(tx, outcome)
+        except Exception as exc:  # the parent retries it, like any store failure
+            return False, _failure(exc, "transient")
+        return True, ChildResult(result_json, [], written)
+    return True, ChildResult(result_json, list(runtime.children), written)
+
+
+async def _awaited(value: Any) -> Any:
+    return await value

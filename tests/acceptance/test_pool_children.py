@@ -1,0 +1,200 @@
+"""A worker's child processes (``--pool process``) and what they record: failures at the
+edges of a child's job loop are the job's own, and the child lives on (real ``errands
+worker`` processes on SQLite)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+from pathlib import Path
+
+import acc_pool
+import pytest
+
+from .harness import Cluster, Proc, children_of, pid_running, wait_until
+
+pytestmark = pytest.mark.acceptance
+
+
+def _pool_worker(cluster: Cluster) -> int:
+    """A worker with one child process, and that child's pid (it has run a job)."""
+    cluster.app("acc_pool")
+    cluster.start_worker("--pool", "process", "-c", "1", app="acc_pool:app", label="worker")
+    return int(acc_pool.child_pid.enqueue().result(timeout=60))
+
+
+def test_a_job_type_the_childs_app_lacks_fails_for_good_naming_the_fix_and_the_child_lives_on(
+    cluster: Cluster,
+) -> None:
+    """Given a worker whose children load an app without a job type the worker has, when
+    such a job runs, then it is dead at once (permanent: every retry would fail alike),
+    its error names the type and says the child's app must define it, and the same
+    child runs the next job. The child's KeyError ended it: the job was recorded as a
+    crash, over and over, until it went dead as poison."""
+    child = _pool_worker(cluster)
+    handle = acc_pool.parent_only.enqueue()
+    wait_until(lambda: cluster.state_of(handle.id) == "dead", 60, "the job to be dead")
+    [error] = handle.job().errors
+    assert (error.type, error.kind) == ("UnknownJob", "permanent")
+    assert "'parent_only'" in error.message and "'acc_pool:app'" in error.message
+    assert "the child's app must define it" in error.message
+    assert acc_pool.child_pid.enqueue().result(timeout=60) == child
+
+
+def test_an_exception_whose_str_raises_is_the_jobs_failure_and_the_child_lives_on(
+    cluster: Cluster,
+) -> None:
+    """Given a handler in a child that raises an exception whose ``__str__`` raises, then
+    the attempt is recorded as that exception (kind transient, not a crash), its message
+    ``<unprintable Unprintable>``, and the same child runs the next job. Formatting the
+    message ended the child: the job was recorded as the child's death (WorkerProcessDied,
+    counted toward its poison limit)."""
+    child = _pool_worker(cluster)
+    handle = acc_pool.unprintable.enqueue()
+    wait_until(lambda: cluster.state_of(handle.id) == "dead", 60, "the job to be dead")
+    [error] = handle.job().errors
+    assert (error.type, error.kind) == ("Unprintable", "transient")
+    assert error.message == "<unprintable Unprintable>"
+    assert "Unprintable" in (error.traceback or "")
+    assert acc_pool.child_pid.enqueue().result(timeout=60) == child
+
+
+def test_a_progress_report_sent_after_its_jobs_outcome_leaves_the_idle_child_in_service(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a handler in a child that returns leaving a thread that reports progress,
+    when the report reaches the idle child's pipe after the job's outcome, then the next
+    job runs in the same child. The report was taken for the end of a dead child's pipe:
+    the child was stopped and replaced, the next job waiting 2-4 s for the stop."""
+    child = _pool_worker(cluster)
+    marker = tmp_path / "reported"
+    assert acc_pool.reports_after_return.enqueue(marker=str(marker)).result(timeout=60) == child
+    wait_until(marker.exists, 30, "the late progress report to be sent")
+    assert acc_pool.child_pid.enqueue().result(timeout=60) == child
+    worker = cluster.procs[0]
+    assert "died while idle" not in worker.stderr()
+
+
+def test_a_progress_report_sent_after_its_jobs_outcome_is_not_the_next_jobs_progress(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a child whose last handler left a thread that reports progress a second
+    later, when that report arrives while the child runs the next job, then it is not
+    stored as the next job's progress (it names its own attempt): two heartbeats after it
+    was sent, the running job still has none."""
+    child = _pool_worker(cluster)
+    marker, release = tmp_path / "reported", tmp_path / "release"
+    late = acc_pool.reports_after_return.enqueue(marker=str(marker), after=1.0)
+    assert late.result(timeout=60) == child
+    running = acc_pool.waits_for.enqueue(path=str(release))
+    wait_until(marker.exists, 30, "the late progress report to be sent")
+    assert cluster.state_of(running.id) == "running"
+
+    def lease() -> float:
+        return float(
+            cluster.query("SELECT lease_expires_at FROM errands_jobs WHERE id = ?", (running.id,))[
+                0
+            ][0]
+        )
+
+    for _ in range(2):  # heartbeats that began after the report was read: they store it
+        seen = lease()
+        wait_until(lambda seen=seen: lease() > seen, 30, "the running job's next heartbeat")
+    assert running.progress() is None
+    release.touch()
+    assert running.result(timeout=60) == child
+
+
+def _forkserver_faulty_worker(cluster: Cluster, fault: Path, mode: str, *options: str) -> Proc:
+    """A worker whose forkserver dies as it starts while ``fault`` exists (``mode``:
+    ``once``, the file then deleted; ``always``)."""
+    fault.write_text(mode)
+    cluster.app("acc_pool")
+    return cluster.start_worker(
+        "--pool", "process", *options, app="acc_pool:app",
+        env={"ACC_FORKSERVER_FAULT": str(fault)},
+    )  # fmt: skip
+
+
+def _kill(*pids: int) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        wait_until(lambda pid=pid: not pid_running(pid), 30, f"child {pid} to die")
+
+
+def test_a_forkserver_that_failed_once_starts_the_next_child(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a worker whose forkserver dies once as it starts its first child, then that
+    child is started with spawn (the worker is its parent), and the next child comes
+    from a forkserver again (started afresh). One failure made every later child a
+    spawned one, each importing the app itself, for the worker's life."""
+    fault = tmp_path / "forkserver-fault"
+    worker = _forkserver_faulty_worker(cluster, fault, "once", "-c", "1")
+    first, parent = acc_pool.child_parent.enqueue().result(timeout=60)
+    assert parent == worker.pid and not fault.exists()
+    _kill(first)  # its replacement starts as the next job comes
+    second, parent = acc_pool.child_parent.enqueue().result(timeout=60)
+    assert second != first and parent != worker.pid
+    assert len(Path(f"{fault}.deaths").read_text().splitlines()) == 1
+    assert "the next tries the forkserver again" in worker.stderr()
+
+
+def test_a_forkserver_failing_three_times_in_a_row_is_given_up_for_spawn_saying_so_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a worker whose forkserver dies each time it starts, then the first three
+    children are each started with spawn after a forkserver attempt, the worker then says
+    once that it starts its children with spawn from now on, and a later child is
+    spawned without another attempt."""
+    fault = tmp_path / "forkserver-fault"
+    worker = _forkserver_faulty_worker(cluster, fault, "always", "-c", "3", "--suspect-lanes", "1")
+    deaths = Path(f"{fault}.deaths")
+    assert len(deaths.read_text().splitlines()) == 3  # one per child started with the worker
+    spawned = [
+        pid
+        for pid in children_of(worker.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(spawned) == 3
+    _kill(*spawned)  # the next job needs a child started
+    child, parent = acc_pool.child_parent.enqueue().result(timeout=60)
+    assert parent == worker.pid and child not in spawned
+    assert len(deaths.read_text().splitlines()) == 3
+    assert worker.stderr().count("with spawn from now on") == 1
+
+
+def test_a_job_whose_child_cannot_start_is_released_uncharged_with_growing_pauses(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a worker whose children cannot start (its child died, and its app fails to
+    load in a new one), when a job on its last attempt comes, then the job is released
+    each time (available again, its attempt not charged, the reason recorded), the worker
+    claims it again only after a pause that doubles, and once children start again the
+    job completes on that same attempt. It was failed as a charged attempt: dead at once,
+    in the dead-letter queue for a fault of the machine's."""
+    fault = tmp_path / "child-start-fault"
+    cluster.app("acc_pool")
+    worker = cluster.start_worker(
+        "--pool", "process", "-c", "1", app="acc_pool:app",
+        env={"ACC_CHILD_START_FAULT": str(fault)},
+    )  # fmt: skip
+    child = acc_pool.child_pid.enqueue().result(timeout=60)
+    fault.touch()
+    _kill(child)
+    handle = acc_pool.child_pid.enqueue()  # retries=0: a charged failure ends it
+    wait_until(
+        lambda: len(handle.job().errors) >= 3 or cluster.state_of(handle.id) == "dead",
+        60,
+        "the job released three times",
+    )
+    fault.unlink()
+    assert handle.result(timeout=60) != child
+    job = handle.job()
+    assert job.attempt == 1 and {e.kind for e in job.errors} == {"released"}
+    assert "injected: this worker child cannot start" in job.errors[0].message
+    gaps = [(b.at - a.at).total_seconds() for a, b in itertools.pairwise(job.errors)]
+    assert gaps[0] >= 0.9 and gaps[1] >= 1.9, gaps  # 1 s, then 2 s: no spin
+    assert "cannot start" in worker.stderr()
