@@ -36,7 +36,9 @@ from . import limit, machine, memory, report, scale, scenarios, storage
 from .systems import BENCH, PEERS, SYSTEMS, System, by_name, python_for, versions
 
 RESULTS = BENCH / "results"
-WORK = BENCH / ".work"
+# Scratch files (SQLite stores) of one run, deleted at its end: BENCH_WORK names another
+# folder (two runs at once, as the smoke tests are, deleted each other's).
+WORK = Path(os.environ.get("BENCH_WORK") or BENCH / ".work")
 PG_URL_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
 REDIS_URL_DEFAULT = "redis://127.0.0.1:6379"
 REDIS_DB = {"celery": 1, "dramatiq": 2}

@@ -485,7 +485,7 @@ class App:
 
         def register(fn: F) -> JobDefinition[Any, Any]:
             existing = fn if isinstance(fn, JobDefinition) else None
-            what = job_options.get("name") or (existing or fn).__qualname__
+            what = str(job_options.get("name") or getattr(existing or fn, "__qualname__", fn))
             if existing is not None:
                 what = existing.name
                 if existing.app is not self:
@@ -505,6 +505,11 @@ class App:
                     "arguments, as in args={'region': 'eu'}"
                 )
             fixed = dict(args or {})
+            if not all(isinstance(key, str) for key in fixed):
+                raise ConfigurationError(
+                    f"periodic job {what!r}: args={args!r}; its keys are the job's parameter "
+                    "names (strings)"
+                )
             options = sorted(RESERVED_OPTIONS & set(fixed))
             if options:
                 raise ConfigurationError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import logging
 import os
@@ -207,8 +208,15 @@ class JobDefinition(Generic[P, R]):
         rate: str | None = None,
         fair_key: str | None = None,
     ) -> None:
+        if not callable_is_function(fn):
+            # (a functools.partial, a callable object: its parameters and type hints, which
+            # validate the payload, cannot be read; it failed from inside typing)
+            raise ConfigurationError(
+                f"a job is a function (def or async def), not {fn!r}: define one that "
+                "calls it, with the parameters the job takes"
+            )
         self.app = app
-        self.fn = fn
+        self.fn: Callable[P, R] = fn
         self.name = check_name("job", name or f"{fn.__module__}.{fn.__qualname__}")
         # Defined in a script run as `python shop.py`: named __main__.<function>, which no
         # worker can import. Said once, at the first enqueue.
@@ -490,6 +498,11 @@ class JobDefinition(Generic[P, R]):
                 "the job a key template (@app.job(key='order:{order_id}', unique_for=...))"
             )
         return value
+
+
+def callable_is_function(fn: object) -> bool:
+    """A def or async def (a method too): what a job's payload spec can read."""
+    return inspect.isfunction(fn) or inspect.ismethod(fn)
 
 
 @dataclass(frozen=True)

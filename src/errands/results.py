@@ -54,6 +54,7 @@ log = logging.getLogger("errands.results")
 T = TypeVar("T")
 
 READY_WAIT = 2.0  # seconds the first waiter waits for the watcher to listen, then polls
+START_RETRY = 5.0  # seconds before a wait tries again to start a watcher that failed
 SAFETY_RECHECK = 30.0  # a pushed waiter reads its job again at least this often
 STATES_CHUNK = 500  # job ids per states query
 # An async read is awaited this long past the time left, so that a store call bounded by
@@ -127,22 +128,30 @@ class ResultHub:
         self._by_job: dict[int, set[Waiter]] = {}
         self._watcher: Any = None
         self._started = False
+        self._retry_at = float("-inf")  # monotonic: when a watcher that failed may start
         self.wakeups = 0  # waiters woken by the watcher (tests, bench)
 
     # -- the watcher -----------------------------------------------------------------------
     def _start(self) -> Any:
-        """The watcher, started on the first call (the others wait for that start)."""
+        """The watcher, started on the first call (the others wait for that start). One
+        that could not start (the store away at the first wait) is tried again at a wait
+        START_RETRY seconds later: it was given up on for the App's life, and every wait
+        polled."""
         with self._start_lock:
-            if not self._started:
+            if not self._started and time.monotonic() >= self._retry_at:
                 try:
                     watcher = self.app.backend.result_listener(
                         self._on_done, self._on_listen, self._on_lost
                     )
                     if watcher is not None:
                         watcher.start()
-                except Exception:
-                    log.exception("cannot watch the store for finished jobs; waiters poll")
-                    watcher = None
+                except Exception as exc:
+                    self._retry_at = time.monotonic() + START_RETRY
+                    log.warning(
+                        "cannot watch the store for finished jobs (%s); waiters poll, and a "
+                        "wait tries again in %g s", exc, START_RETRY,
+                    )  # fmt: skip
+                    return None
                 self._watcher, self._started = watcher, True
             return self._watcher
 

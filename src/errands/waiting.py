@@ -193,6 +193,32 @@ class AsCompleted(Iterator["JobHandle"], AsyncIterator["JobHandle"]):
             self._async = afollow(self._handles, self._timeout, self._poll)
         return (await anext(self._async))[0]
 
+    def close(self) -> None:
+        """End the wait now: its registration goes (leaving a ``for`` early does that once
+        the iterator is dropped; ``with as_completed(...) as ended:`` at the block's end)."""
+        if self._sync is not None:
+            self._sync.close()
+
+    async def aclose(self) -> None:
+        """End an ``async for``'s wait now: an async generator left early is closed only
+        when the event loop collects it, and its registration stayed meanwhile (the hub
+        read its jobs' rows on each wake); ``async with as_completed(...) as ended:``
+        closes it at the block's end."""
+        if self._async is not None:
+            await self._async.aclose()
+
+    def __enter__(self) -> AsCompleted:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> AsCompleted:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
 
 def as_completed(
     handles: Iterable[JobHandle],

@@ -18,6 +18,7 @@ member dies. docs/workflows.md describes the guarantees and how they are proven.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -386,7 +387,9 @@ class WorkflowHandle:
         """Wait until every member ended (the workflow settled); its final status.
         ResultTimeout when ``timeout`` seconds pass first, also while the store cannot
         be read (its reads are made again until then; see errands.results.Pacer)."""
-        settling = _Settling(self.id, timeout)
+        return self._settle(_Settling(self.id, timeout))
+
+    def _settle(self, settling: _Settling) -> WorkflowStatus:
         while (status := settling.settled(settling.pacer.read(self.status))) is None:
             time.sleep(settling.pause())
         return status
@@ -398,7 +401,9 @@ class WorkflowHandle:
 
         .. versionadded:: 0.2
         """
-        settling = _Settling(self.id, timeout)
+        return await self._asettle(_Settling(self.id, timeout))
+
+    async def _asettle(self, settling: _Settling) -> WorkflowStatus:
         await settling.pacer.opened(self.app, settling.what())
         while (status := settling.settled(await settling.pacer.aread(self.status))) is None:
             await asyncio.sleep(settling.pause())
@@ -406,19 +411,31 @@ class WorkflowHandle:
 
     def result(self, timeout: float | timedelta | None = None) -> dict[str, Any]:
         """Wait for the workflow, then every member's result by node name. Raises
-        WorkflowFailed, naming the members that did not complete, unless all did."""
-        return self._results(self.wait(timeout))
+        WorkflowFailed, naming the members that did not complete, unless all did. The
+        results are read within the same ``timeout`` (they were read after it, waiting
+        for a connection the pool's 30 s, then raising its PoolTimeout)."""
+        settling = _Settling(self.id, timeout)
+        status = self._settle(settling)
+        read = functools.partial(self._results, status, settling)
+        while (results := settling.pacer.read(read)) is None:
+            time.sleep(settling.pause())
+        return results
 
     async def aresult(self, timeout: float | timedelta | None = None) -> dict[str, Any]:
         """:meth:`result` for async code (the members' results read in a worker thread).
 
         .. versionadded:: 0.2
         """
-        status = await self.await_(timeout)
-        return await asyncio.to_thread(self._results, status)
+        settling = _Settling(self.id, timeout)
+        status = await self._asettle(settling)
+        read = functools.partial(self._results, status, settling)
+        while (results := await settling.pacer.aread(read)) is None:
+            await asyncio.sleep(settling.pause())
+        return results
 
-    def _results(self, status: WorkflowStatus) -> dict[str, Any]:
-        """The settled workflow's results by node name, or WorkflowFailed."""
+    def _results(self, status: WorkflowStatus, settling: _Settling) -> dict[str, Any]:
+        """The settled workflow's results by node name, or WorkflowFailed (a nested
+        workflow's within the time left)."""
         members = self.members()
         failed = {m.node: m.outcome or "?" for m in members if m.outcome != "completed"
                   and m.outcome != "skipped"}  # fmt: skip
@@ -437,7 +454,8 @@ class WorkflowHandle:
         results: dict[str, Any] = {}
         for member in members:
             if member.workflow_id is not None:
-                results[member.node] = self.app.workflow(member.workflow_id).result()
+                nested = self.app.workflow(member.workflow_id)
+                results[member.node] = nested.result(timeout=settling.pacer.left())
                 continue
             if member.outcome == "skipped":
                 results[member.node] = None

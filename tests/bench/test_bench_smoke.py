@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,13 @@ ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "BENCH_DB_PREFIX": f"bench_
 def run_bench(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """``python -m bench...`` here; exit 0 or fail with its output's tail, also when it
     overran ``timeout`` (a stalled step then shows in the log where it stalled)."""
+    # Scratch files of its own: bench.run deletes its folder at the end, and two smoke
+    # runs at once shared bench/.work (one deleted it under the other: "folder ... does
+    # not exist").
+    env = {**ENV, "BENCH_WORK": tempfile.mkdtemp(prefix="bench-work-")}
     try:
         run = subprocess.run(
-            [sys.executable, "-m", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+            [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
             timeout=timeout, check=False,
         )  # fmt: skip
     except subprocess.TimeoutExpired as exc:

@@ -899,3 +899,29 @@ def test_a_nested_workflow_with_a_replayed_member_pending_keeps_its_outer_one_fr
     assert backend.workflow_prune(-1.0, 100) == 0
     assert finish(backend, claim_one(backend), "completed")
     assert backend.workflow_prune(-1.0, 100) == 2
+
+
+def test_a_cancel_flags_every_nested_workflow_before_it_cancels_any_member(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel flagged the outer workflow, then each nested one in turn: a nested
+    batch whose last member completed in between, adding a member (added cancelled by
+    the outer flag), settled failed, and the outer workflow fired on_dead for a death
+    that never was. Every flag of the tree is set at once: it settles cancelled."""
+    inserted = backend.workflow_insert(nested(batch(1, events=()), events=("on_dead",)))
+    [inner] = inserted.children.values()
+    outer_job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    workflows = backend.workflows  # type: ignore[attr-defined]
+    nested_pending = workflows.nested_pending
+
+    def completes_in_between(workflow_id: int) -> Any:
+        if workflow_id == inserted.id:  # the outer flag written, the nested ones next
+            assert complete_adding(backend, inner_member, [request(name="member.added")])
+        return (yield from nested_pending(workflow_id))
+
+    monkeypatch.setattr(workflows, "nested_pending", completes_in_between)
+    backend.workflow_cancel(inserted.id, "test")
+    assert finish(backend, outer_job, "completed")
+    states = {w: backend.workflow_get(w) for w in (inserted.id, inner.id)}
+    assert [s.state if s else None for s in states.values()] == ["cancelled", "cancelled"]
+    assert callbacks(backend) == []  # no on_dead

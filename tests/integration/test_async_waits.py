@@ -127,3 +127,25 @@ def test_a_wait_on_a_job_that_no_longer_exists_raises_job_not_found(
     with pytest.raises(errands.JobNotFound, match="job 424242 no longer exists"):
         waits[form]()
     assert app.results.waiting() == 0
+
+
+def test_leaving_as_completed_early_inside_its_block_removes_the_registration_at_once(
+    store: errands.App,
+) -> None:
+    """An ``async for`` left with ``break`` kept its registration until the event loop
+    collected the iterator (the hub read its jobs' rows on every wake meanwhile): the
+    ``async with`` block (and ``with`` for the sync form) ends the wait at its end."""
+    nap, hub = store.registry["results.nap"], store.results
+    quick, never = nap.enqueue(seconds=0.05), nap.enqueue(seconds=0.05, queue="nobody")
+
+    async def scenario() -> int:
+        async with errands.as_completed([quick, never], timeout=20, poll=NO_POLL) as ended:
+            first = await anext(ended)  # then leave the loop
+        assert hub.waiting() == 0 and hub.waiters() == 0  # at once, the iterator alive
+        return first.id
+
+    with running_worker(store, concurrency=2):
+        assert asyncio.run(scenario()) == quick.id
+        with errands.as_completed([quick, never], timeout=20) as ended:
+            assert next(ended) is quick
+        assert hub.waiting() == 0 and hub.waiters() == 0

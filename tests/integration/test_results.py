@@ -300,3 +300,31 @@ def test_an_aenqueue_cancelled_while_its_insert_runs_still_announces_the_job(
         time.sleep(0.02)
     stored = [j.id for j in app.jobs(name="results.announced")]
     assert len(stored) == 1 and seen == stored
+
+
+def test_a_watcher_that_could_not_start_is_tried_again_at_a_later_wait(
+    store: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store away at the first wait: the watcher was given up on for the App's life,
+    and every later wait polled. A wait START_RETRY seconds later starts it."""
+    from errands import results
+
+    monkeypatch.setattr(results, "START_RETRY", 0.2)
+    listener = store.backend.result_listener
+    calls = []
+
+    def away_once(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("the store is away")
+        return listener(*args)
+
+    monkeypatch.setattr(store.backend, "result_listener", away_once)
+    add = store.registry["results.add"]
+    with pytest.raises(errands.ResultTimeout):
+        add.enqueue(a=1, b=1).result(timeout=0.1)
+    assert not store.results.pushing
+    time.sleep(0.3)
+    with running_worker(store, concurrency=2):
+        assert add.enqueue(a=2, b=3).result(timeout=20, poll=NO_POLL) == 5
+    assert store.results.pushing and len(calls) == 2

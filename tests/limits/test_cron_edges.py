@@ -4,6 +4,7 @@ its leadership, and bad definitions. Both stores; an injected clock, never real 
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,7 @@ def test_a_year_behind_a_minutely_job_runs_its_latest_slots(store_url: str) -> N
         ({"args": [("region", "eu")]}, r"give a dict of the job's arguments"),
         ({"tz": None}, r"tz=None: give an IANA time zone name"),
         ({"unique_for": 60}, r"unique_for= does not apply: each run is keyed by its slot"),
+        ({"args": {1: 2}}, r"its keys are the job's parameter names \(strings\)"),
     ],
 )
 def test_bad_periodic_options_fail_at_definition_naming_the_fix(
@@ -167,6 +169,20 @@ def test_a_cron_expression_that_is_not_a_string_fails_naming_the_fix(tmp_path: P
     app = errands.App(f"sqlite:///{tmp_path}/errands.db")
     with pytest.raises(ConfigurationError, match="give a string of five fields"):
         app.periodic(None, name="bad.periodic")(lambda: None)  # type: ignore[arg-type]
+
+
+def test_a_job_is_a_function_not_a_partial(tmp_path: Path) -> None:
+    """A functools.partial failed from inside typing (or on its missing __qualname__)."""
+    app = errands.App(f"sqlite:///{tmp_path}/errands.db")
+
+    def report(region: str) -> None: ...
+
+    for name in (None, "report.eu"):
+        with pytest.raises(ConfigurationError, match=r"a job is a function \(def or async"):
+            app.periodic("0 3 * * *", name=name)(functools.partial(report, "eu"))
+        with pytest.raises(ConfigurationError, match=r"a job is a function \(def or async"):
+            app.job(name=name)(functools.partial(report, "eu"))
+    assert (app.registry, app.schedules) == ({}, {})
 
 
 def test_a_zoneinfo_and_a_job_already_defined_are_taken(tmp_path: Path) -> None:

@@ -21,3 +21,6 @@ def test_a_worker_forgotten_by_the_registry_lists_itself_again(store: errands.Ap
         store.backend.worker_deregister(worker.id)  # what the leader's prune does
         wait_until(lambda: [w.id for w in store.backend.worker_list()] == [worker.id])
     assert store.backend.worker_list() == []  # a stopped worker deregisters for good
+    worker._stopping.clear()  # as after a shutdown that began with an error, not stop()
+    worker.registry_beat()  # a beat still in flight as it left
+    assert store.backend.worker_list() == []

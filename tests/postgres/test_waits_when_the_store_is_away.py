@@ -207,3 +207,41 @@ def test_a_waiter_asleep_when_the_listen_connection_drops_sees_a_job_end_while_i
         assert watcher_sessions(admin) == [], "the watcher reconnected: not proven by polling"
     assert results == [3]
     assert seen < 5 < SAFETY_RECHECK, f"the end seen {seen:.1f} s late"
+
+
+def test_a_workflows_aresult_keeps_its_timeout_while_its_members_cannot_be_read(
+    shop: errands.App,
+) -> None:
+    """The workflow settled; its members' table locked (a long ALTER): aresult waited
+    for the members' read without a limit after its timeout (and the sync result read
+    them after it, waiting the pool's 30 s). The results are read within the timeout."""
+    from errands.testing import Tester
+
+    batch = errands.Batch("away.batch")
+    batch.add(shop.registry["away.ship"].bind(order=3), name="ship")
+    handle = shop.enqueue_workflow(batch)
+    with Tester(shop) as tester:
+        assert tester.drain_workflow(handle).state == "succeeded"
+    locker = admin(shop)
+    locker.execute("BEGIN")
+    schema = shop.backend.schema  # type: ignore[attr-defined]
+    locker.execute(f'LOCK TABLE "{schema}".errands_workflow_members IN ACCESS EXCLUSIVE MODE')
+    unlock = threading.Timer(3.0, locker.rollback)
+    unlock.start()
+
+    async def scenario() -> tuple[BaseException, float]:
+        started = time.monotonic()
+        try:
+            await handle.aresult(timeout=0.5)
+        except errands.ResultTimeout as exc:
+            return exc, time.monotonic() - started
+        raise AssertionError("aresult read the members through the lock")
+
+    try:
+        raised, elapsed = asyncio.run(scenario())
+    finally:
+        unlock.join()
+        locker.close()
+    assert elapsed < 1.5, f"ResultTimeout {elapsed:.2f} s after the call (timeout 0.5 s)"
+    assert "the store could not be read" in str(raised), raised
+    assert handle.result(timeout=5) == {"ship": 3}  # the lock gone: read as ever

@@ -771,7 +771,7 @@ class WorkflowStore:
         q = self.q
         prunable = {"older_than": older_than, "limit": limit, "root": None}
         rows = yield Stmt(q["wf_prunable"], prunable)
-        gone = 0
+        trees: list[tuple[int, list[int]]] = []
         for (root,) in rows:
             tree, todo = [], [int(root)]
             while todo:  # the nested ones, before the members rows that name them go
@@ -779,12 +779,17 @@ class WorkflowStore:
                 tree.append(workflow_id)
                 nested = yield Stmt(q["wf_nested"], {"id": workflow_id})
                 todo.extend(int(r[0]) for r in nested)
-            # Locked as a replay locks them (in id order, before it makes a member pending
-            # again), then asked again: a replay that committed meanwhile keeps the tree,
-            # and one after the delete finds no member to re-enter (no pending row left
-            # for a workflow that is gone).
-            yield from self._lock_up((), tree)
-            if not (yield Stmt(q["wf_prunable"], {**prunable, "root": int(root)})):
+            trees.append((int(root), tree))
+        # Every tree locked at once, as a replay locks them (in id order, before it makes
+        # a member pending again; tree after tree, a prune holding a later tree's lower id
+        # waited for an earlier one's higher one that a replay of both held: deadlock),
+        # then each asked again: a replay that committed meanwhile keeps its tree, and one
+        # after the delete finds no member to re-enter (no pending row left for a
+        # workflow that is gone).
+        yield from self._lock_up((), sorted({i for _, tree in trees for i in tree}))
+        gone = 0
+        for root, tree in trees:
+            if not (yield Stmt(q["wf_prunable"], {**prunable, "root": root})):
                 continue
             for workflow_id in tree:
                 for query in ("wf_delete_edges", "wf_delete_members", "wf_delete_pending"):

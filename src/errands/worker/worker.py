@@ -303,6 +303,7 @@ class Worker:
         self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
         self.processed = 0
         self.started_at = 0.0
+        self._leaving = False  # set as the shutdown begins: the registry is left for good
         self.listener: Any = None
         self._notified = False
         self.exit_code = 0  # 1: it stopped because its child processes cannot start
@@ -545,12 +546,13 @@ class Worker:
             with self._lock:
                 in_flight = self._running_handlers()
             listed = self.app.backend.worker_heartbeat(self.id, in_flight, self.processed)
-            if not listed and not self._stopping.is_set():
+            if not listed and not self._leaving:
                 # Forgotten (unlisted at start, or silent past the leader's patience while
                 # the store was away): list it again rather than run unlisted for good.
-                # (Not once stopping: it deregisters, and would be listed again.)
                 log.info("worker %s is not in the registry; listing it again", self.id)
                 self.app.backend.worker_register(self._info())
+                if self._leaving:  # the shutdown deregistered meanwhile: leave again
+                    self.app.backend.worker_deregister(self.id)
         except Exception as exc:
             log.debug("worker registry heartbeat failed: %s", exc)
 
@@ -870,6 +872,9 @@ class Worker:
 
     # -- stopping ----------------------------------------------------------------------
     def _shutdown(self) -> None:
+        # No registry beat lists it again from now on (a beat still in flight when it
+        # deregistered found no row and listed it: shown live, then dead for minutes).
+        self._leaving = True
         deadline = time.monotonic() + self.grace
         with self._lock:
             waiting = [a for a in self._attempts.values() if a.waiting]

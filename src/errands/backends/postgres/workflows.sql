@@ -314,8 +314,24 @@ WHERE e.parent_id = %(id)s AND e.outcome = 'dead'
 UPDATE {schema}.errands_workflows SET dead = dead - 1 WHERE id = %(id)s
 
 -- name: wf_request_cancel
-UPDATE {schema}.errands_workflows SET cancel_requested = true
-WHERE id = %(id)s AND settled_at IS NULL
+-- The workflow and every workflow nested in it, in one statement (cancelled one by one,
+-- a nested one whose last member ended in between, adding members it saw cancelled by
+-- its ancestor's flag, settled failed: its parent fired on_dead), locked in id order as
+-- every other writer of several workflows locks them.
+WITH RECURSIVE tree(id) AS (
+    SELECT %(id)s::bigint
+    UNION
+    SELECT -m.job_id FROM {schema}.errands_workflow_members AS m
+    JOIN tree ON m.workflow_id = tree.id
+    WHERE m.job_id < 0
+), locked AS (
+    SELECT w.id FROM {schema}.errands_workflows AS w
+    WHERE w.id IN (SELECT id FROM tree) AND w.settled_at IS NULL
+    ORDER BY w.id
+    FOR UPDATE
+)
+UPDATE {schema}.errands_workflows AS w SET cancel_requested = true
+FROM locked WHERE w.id = locked.id
 
 -- name: wf_pending_members
 SELECT p.job_id, j.state FROM {schema}.errands_workflow_pending AS p

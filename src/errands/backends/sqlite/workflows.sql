@@ -215,7 +215,18 @@ WHERE parent_id = :id AND outcome = 'dead'
 UPDATE errands_workflows SET dead = dead - 1 WHERE id = :id
 
 -- name: wf_request_cancel
-UPDATE errands_workflows SET cancel_requested = 1 WHERE id = :id AND settled_at IS NULL
+-- The workflow and every workflow nested in it, in one statement (see PostgreSQL's).
+UPDATE errands_workflows SET cancel_requested = 1
+WHERE settled_at IS NULL AND id IN (
+    WITH RECURSIVE tree(id) AS (
+        SELECT :id
+        UNION
+        SELECT -m.job_id FROM errands_workflow_members AS m
+        JOIN tree ON m.workflow_id = tree.id
+        WHERE m.job_id < 0
+    )
+    SELECT id FROM tree
+)
 
 -- name: wf_pending_members
 SELECT p.job_id, j.state FROM errands_workflow_pending AS p
