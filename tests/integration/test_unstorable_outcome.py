@@ -45,3 +45,38 @@ def test_an_outcome_the_store_refuses_ends_dead_and_the_rest_of_its_batch_is_rec
             assert "value too long" in job.last_error.message
         else:
             assert job.state is JobState.COMPLETED, (handle.id, job.state)
+
+
+def test_an_outcome_not_stored_at_all_is_not_reported_as_a_stale_write(
+    app: errands.App, worker_factory: Any
+) -> None:
+    """The store refused the outcome and its dead fallback too: it was counted and logged
+    as a stale write ('lease lost or job cancelled'), which it was not; the lease runs
+    out and the job is rescued."""
+
+    @app.job(name="unstorable.twice")
+    def work(n: int) -> int:
+        return n
+
+    handle = work.enqueue(n=1)
+    backend = app.backend
+    original = backend.job_finish_many
+    refused: list[int] = []
+
+    def refusing(outcomes: Any) -> list[bool]:
+        if any(o.id == handle.id for o in outcomes):
+            refused.append(handle.id)
+            raise ValueError("value too long for type character varying(8)")
+        return original(outcomes)
+
+    stale: list[Any] = []
+    app.events.subscribe(
+        lambda e: stale.append(e) if e.name == "errands.job.stale_write_rejected" else None
+    )
+    backend.job_finish_many = refusing  # type: ignore[method-assign]
+    with worker_factory(concurrency=1) as worker:
+        wait_until(lambda: len(refused) >= 4, what="the outcome and its fallback refused")
+        wait_until(lambda: worker.completer.pending == 0, what="the completer to be done")
+        assert worker.completer.stale_rejected == 0
+    assert stale == []
+    assert handle.status() is JobState.RUNNING  # left to its lease: rescued later

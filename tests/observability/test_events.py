@@ -225,12 +225,16 @@ def test_a_hung_subscriber_never_holds_the_thread_a_transactional_jobs_slot_gave
 ) -> None:
     """A job that completes in its ctx.transaction() has its end written on its handler
     thread, after its slot was given back: a subscriber that hung there held the thread
-    the next claimed job waited for (-c 1: every job). Subscribers run on the events
-    lane now."""
+    the next claimed job waited for (-c 1: every job). So did one of errands.job.started
+    (on the handler thread, before the handler) and one of the errands.workflow.settled
+    of a workflow that completion settled. Subscribers run on the events lane now."""
     release = threading.Event()
+    threads: dict[str, str] = {}
+    hanging = ("errands.job.completed", "errands.job.started", "errands.workflow.settled")
 
     def hung(event: Event) -> None:
-        if event.name == "errands.job.completed":
+        if event.name in hanging:
+            threads.setdefault(event.name, threading.current_thread().name)
             release.wait(20)
 
     app.events.subscribe(hung)
@@ -244,11 +248,15 @@ def test_a_hung_subscriber_never_holds_the_thread_a_transactional_jobs_slot_gave
     def second() -> str:
         return "second"
 
+    batch = errands.Batch("settled-in-tx")
+    batch.add(first.bind(), name="first")
     try:
-        one = first.enqueue()
+        one = app.enqueue_workflow(batch)
         with worker_factory(concurrency=1):
-            assert one.result(timeout=10) == "first"
+            assert one.result(timeout=10) == {"first": "first"}
             assert second.enqueue().result(timeout=10) == "second"
             release.set()  # before the worker stops (it waits for the events lane)
     finally:
         release.set()
+    assert set(threads) == set(hanging)
+    assert not any(name.startswith("errands-job") for name in threads.values()), threads

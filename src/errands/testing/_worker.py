@@ -98,7 +98,7 @@ class HarnessRecorder(OutcomeRecorder):
             worker._crashing.pop(key, None)
         return False
 
-    def on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
+    def on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool | None) -> None:
         worker = self.worker
         try:
             super().on_written(attempt, outcome, accepted)

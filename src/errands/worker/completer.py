@@ -47,7 +47,9 @@ LINGER_BATCH = 32
 LINGER = 0.001
 
 
-Written = Callable[[Attempt, FinishParams, bool], None]
+# the outcome stored (True), refused by its fence (False), or not stored at all (None: the
+# store refused even the fallback; the lease runs out and the job is rescued)
+Written = Callable[[Attempt, FinishParams, bool | None], None]
 Released = Callable[[set[str]], None]
 
 
@@ -128,7 +130,7 @@ class Completer:
 
     def _write(self, batch: list[tuple[Attempt, FinishParams]]) -> None:
         for (attempt, outcome), ok in self._store(batch):
-            if not ok:
+            if ok is False:
                 self.stale_rejected += 1
             try:
                 self.on_written(attempt, outcome, ok)
@@ -137,7 +139,7 @@ class Completer:
 
     def _store(
         self, batch: list[tuple[Attempt, FinishParams]]
-    ) -> list[tuple[tuple[Attempt, FinishParams], bool]]:
+    ) -> list[tuple[tuple[Attempt, FinishParams], bool | None]]:
         """Write a batch, retrying while the store is unreachable or busy (leases keep the
         jobs safe). A batch the store refuses for its content is split, and an outcome that
         cannot be stored on its own is recorded as dead with the reason, so one bad
@@ -192,7 +194,7 @@ class Completer:
         except Exception:  # a wake-up missed: the store's own notification still comes
             log.exception("could not wake the worker for the jobs a fan-in released")
         try:
-            self.app.workflows_settled()
+            self.app.workflows_settled(later=True)  # (a handler's thread: off it)
         except Exception:  # committed: an event missed is never a reason to write again
             log.exception("could not report the workflows a fan-in settled")
 
@@ -214,7 +216,7 @@ class Completer:
 
     def _store_apart(
         self, batch: list[tuple[Attempt, FinishParams]], exc: Exception
-    ) -> list[tuple[tuple[Attempt, FinishParams], bool]]:
+    ) -> list[tuple[tuple[Attempt, FinishParams], bool | None]]:
         if len(batch) > 1:
             return [item for one in batch for item in self._store([one])]
         attempt, outcome = batch[0]
@@ -235,11 +237,12 @@ class Completer:
                 "kind": "permanent",
             },
         )
+        ok: bool | None
         try:
             [ok] = self.app.backend.job_finish_many([fallback])
         except Exception:
             log.exception("job %s: even the fallback outcome failed; its lease expires", attempt.id)
-            ok = False
+            ok = None  # not stored: not a fence's refusal (it was counted as a stale write)
         return [((attempt, fallback), ok)]
 
     def stop(self, timeout: float = 10.0) -> None:

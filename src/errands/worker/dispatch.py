@@ -176,7 +176,9 @@ class Dispatcher:
                 kwargs[definition.payload.context_param] = attempt.ctx
         events = worker.app.events
         if events.wants("errands.job.started"):
-            events.emit(
+            # On the handler's thread: its subscribers on the events lane (a slow one held
+            # the job's start, a hung one its slot for good), errands' own inline.
+            events.emit_later(
                 "errands.job.started",
                 **job_fields(row),
                 args=mask(attempt.kwargs, definition.sensitive),

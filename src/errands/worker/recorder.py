@@ -232,13 +232,17 @@ class OutcomeRecorder:
             else:
                 self.worker.completer.submit(attempt, outcome)
 
-    def on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool) -> None:
+    def on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool | None) -> None:
         """The completer (or the handler's transaction) stored the outcome, or the fence
-        refused it: forget the attempt, emit its event, queue the on_dead hooks."""
+        refused it: forget the attempt, emit its event, queue the on_dead hooks. None: it
+        could not be stored at all (logged; its lease runs out and it is rescued): no
+        event, it is not a stale write."""
         worker = self.worker
         worker.forget(attempt)
         worker.processed += 1
         events = worker.app.events
+        if accepted is None:
+            return
         if not accepted:
             if events.wants("errands.job.stale_write_rejected"):
                 fields = job_fields(attempt.row)

@@ -944,7 +944,8 @@ class Worker:
             log.log(level, message + " (attempt not charged): job(s) %s", sum(released), shown)
             for attempt, ok in zip(attempts, released, strict=True):
                 if ok:
-                    self.app.events.emit("errands.job.released", **job_fields(attempt.row))
+                    # (from a handler's thread too: its subscribers off it)
+                    self.app.events.emit_later("errands.job.released", **job_fields(attempt.row))
         except Exception:
             log.exception("could not release running jobs; they are rescued after their lease")
         with self._lock:
