@@ -4,6 +4,7 @@ and a sensitive argument appears in no log line, CLI output or stored error (iss
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,15 @@ def test_records_of_the_users_own_logger_carry_the_job_in_sync_and_async_handler
     def sync_job(order: int) -> None:
         shop.info("sync order %s", order)
 
+    @app.job(name="lg.thread")
+    def thread_job(order: int) -> None:
+        # as docs/observability.md says: a thread started in a copy of the job's context
+        worker = threading.Thread(
+            target=contextvars.copy_context().run, args=(shop.info, "thread order %s", order)
+        )
+        worker.start()
+        worker.join()
+
     @app.job(name="lg.async", queue="async")
     async def async_job(order: int) -> None:
         shop.info("async order %s: start", order)
@@ -71,6 +82,7 @@ def test_records_of_the_users_own_logger_carry_the_job_in_sync_and_async_handler
         shop.info("async order %s: done", order)
 
     handles = {f"sync order {n}": sync_job.enqueue(order=n) for n in (1, 2)}
+    handles["thread order 5"] = thread_job.enqueue(order=5)
     for n in (3, 4):
         handle = async_job.enqueue(order=n)
         handles[f"async order {n}: start"] = handles[f"async order {n}: done"] = handle
