@@ -726,8 +726,9 @@ class App:
             )
         return list(jobs)
 
-    def _requests(self, jobs: Sequence[BoundJob]) -> list[Any]:
-        """Check ``jobs`` belong here; their requests, after the before-insert hooks."""
+    def _requests(self, jobs: Sequence[BoundJob], *, stored_later: bool = False) -> list[Any]:
+        """Check ``jobs`` belong here; their requests, after the before-insert hooks
+        (``stored_later``: see Events.prepare_insert)."""
         for bound in jobs:
             if not isinstance(bound, BoundJob):
                 raise ConfigurationError(
@@ -737,7 +738,7 @@ class App:
                 raise ConfigurationError(f"job {bound.definition.name!r} belongs to another App")
         if not jobs:
             return []
-        return self.events.prepare_insert([b.request for b in jobs])
+        return self.events.prepare_insert([b.request for b in jobs], stored_later=stored_later)
 
     def _enqueued(self, jobs: Sequence[BoundJob], results: Sequence[Any]) -> list[JobHandle]:
         """Emit the enqueued events; the handles of what was stored."""
@@ -791,7 +792,9 @@ class App:
         """The store's view of ``workflow`` (nested ones included), hooks applied."""
         members = workflow.jobs()
         requests = self._requests(members) if members else []
-        hooked = self._requests(list(workflow.callbacks.values())) if workflow.callbacks else []
+        callbacks = list(workflow.callbacks.values())
+        # inserted when the workflow settles, by the store: no enqueued event now
+        hooked = self._requests(callbacks, stored_later=True) if callbacks else []
         children = {
             node.index: self._workflow_spec(member)
             for node, member, _ in workflow.nodes

@@ -179,3 +179,44 @@ def test_without_install_tracing_nothing_is_traced_or_stored(
         handle.result(timeout=10)
     assert app.events.wrappers == [] and app.events.inserters == []
     assert "trace" not in handle.job().meta
+
+
+def test_a_child_job_and_a_workflows_callback_continue_the_trace_with_no_span_left_open(
+    app: errands.App, worker_factory: Any, spans: Spans
+) -> None:
+    """A job a handler enqueued (ctx.enqueue) got no trace context (the store inserts it
+    with the outcome, without the before-insert hooks) and began a trace of its own; a
+    workflow's callback got a send span that no enqueued event ever ended (force-ended
+    as an error 10,000 enqueues later). The child's process span is a child of its
+    parent job's; the callback's, of the request that enqueued the workflow; every send
+    span ends."""
+    plugin = install_tracing(app, tracer_provider=spans.provider)
+    shop_tracer = spans.provider.get_tracer("shop")
+
+    @app.job(name="tr.child", queue="billing")
+    def child() -> str:
+        return "child"
+
+    @app.job(name="tr.parent", queue="billing")
+    def parent(ctx: errands.Context) -> str:
+        ctx.enqueue(child)
+        return "parent"
+
+    @app.job(name="tr.note", queue="billing")
+    def note() -> None: ...
+
+    batch = errands.Batch("traced", on_success=note.bind())
+    batch.add(parent.bind(), name="parent")
+    with shop_tracer.start_as_current_span("POST /orders") as request:
+        handle = app.enqueue_workflow(batch)
+    with worker_factory(queues="billing"):
+        assert handle.result(timeout=10) == {"parent": "parent"}
+        wait_until(lambda: len(spans.named("process billing")) == 3, what="three process spans")
+    trace_id = request.get_span_context().trace_id
+    processes = {s.attributes["errands.job.name"]: s for s in spans.named("process billing")}
+    assert {n: s.context.trace_id == trace_id for n, s in processes.items()} == {
+        "tr.parent": True, "tr.child": True, "tr.note": True,
+    }  # fmt: skip
+    assert processes["tr.child"].parent.span_id == processes["tr.parent"].context.span_id
+    assert processes["tr.note"].parent.span_id == request.get_span_context().span_id
+    assert plugin._sending == {}  # no send span left open

@@ -87,6 +87,7 @@ class Event:
 
 
 Subscriber = Callable[[Event], None]
+STORED_LATER = "_errands_stored_later"  # set on requests while before_insert hooks run
 Wrapper = Callable[[dict[str, Any]], AbstractContextManager[Any]]
 Inserter = Callable[[list[Any]], None]  # called with the EnqueueRequests about to be inserted
 
@@ -136,15 +137,30 @@ class EventBus:
             self.inserters = [*self.inserters, fn]
         return fn
 
-    def prepare_insert(self, requests: list[Any]) -> list[Any]:
-        """Run every ``before_insert`` hook on ``requests`` (a failing hook is skipped)."""
-        for inserter in self.inserters:
-            try:
-                inserter(requests)
-            except Exception:
-                log.exception(
-                    "before-insert hook %r failed; the jobs are stored without it", inserter
-                )
+    def prepare_insert(self, requests: list[Any], *, stored_later: bool = False) -> list[Any]:
+        """Run every ``before_insert`` hook on ``requests`` (a failing hook is skipped).
+
+        ``stored_later``: the store inserts them later, with something else's write (a
+        handler's children and added members with its outcome, a workflow's callbacks
+        when it settles), so no ``errands.job.enqueued`` follows: each carries
+        ``meta[STORED_LATER]`` while the hooks run (the tracing plugin then stores the
+        current trace context, the running job's, without a send span that nothing
+        would end)."""
+        if stored_later:
+            for request in requests:
+                request.meta[STORED_LATER] = True
+        try:
+            for inserter in self.inserters:
+                try:
+                    inserter(requests)
+                except Exception:
+                    log.exception(
+                        "before-insert hook %r failed; the jobs are stored without it", inserter
+                    )
+        finally:
+            if stored_later:
+                for request in requests:
+                    request.meta.pop(STORED_LATER, None)
         return requests
 
     def wants(self, name: str) -> bool:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
-from .events import Event
+from .events import STORED_LATER, Event
 
 try:
     from opentelemetry import context as otel_context
@@ -117,6 +117,18 @@ class Tracing:
     # -- enqueue -------------------------------------------------------------------------
     def before_insert(self, requests: list[EnqueueRequest]) -> None:
         todo = [r for r in requests if META_KEY not in r.meta]  # stored once, never replaced
+        later = [r for r in todo if r.meta.get(STORED_LATER)]
+        if later:
+            # Stored by the store with another write (a handler's children, a workflow's
+            # callbacks): no enqueued event ends a send span, so none is started (it stayed
+            # open, and was ended as an error 10,000 enqueues later); the current context
+            # (the running job's span, the request's) is their parent.
+            current: dict[str, str] = {}
+            self._textmap().inject(current)
+            for request in later:
+                if current:
+                    request.meta[META_KEY] = dict(current)
+            todo = [r for r in todo if not r.meta.get(STORED_LATER)]
         if not todo:
             return
         batch = len(requests) > 1

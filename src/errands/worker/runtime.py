@@ -356,6 +356,7 @@ class AttemptRuntime:
                 "workflow (app.enqueue_workflow) or a job (ctx.enqueue) instead"
             )
         request = replace(job.request, meta={**job.request.meta, WORKFLOW_ADD: True})
+        self._hooked(request)
         with self._lock:
             self.children.append(request)
 
@@ -386,9 +387,16 @@ class AttemptRuntime:
                 f"ctx.enqueue takes a job (an @app.job function) or job.bind(...), got "
                 f"{type(job).__name__}"
             )
-        request.parent_id = self.attempt.id
+        request = replace(request, meta=dict(request.meta), parent_id=self.attempt.id)
+        self._hooked(request)
         with self._lock:
             self.children.append(request)
+
+    def _hooked(self, request: EnqueueRequest) -> None:
+        """The app's before_insert hooks on a request the store inserts with this
+        attempt's outcome (they never ran: a child got no trace context, so it began a
+        trace of its own)."""
+        self.app.events.prepare_insert([request], stored_later=True)
 
 
 def _broken(exc: BaseException) -> bool:
