@@ -12,6 +12,8 @@ from pathlib import Path
 import acc_pool
 import pytest
 
+import errands
+
 from .harness import Cluster, Proc, children_of, pid_running, wait_until
 
 pytestmark = pytest.mark.acceptance
@@ -102,6 +104,29 @@ def test_a_progress_report_sent_after_its_jobs_outcome_is_not_the_next_jobs_prog
         seen = lease()
         wait_until(lambda seen=seen: lease() > seen, 30, "the running job's next heartbeat")
     assert running.progress() is None
+    release.touch()
+    assert running.result(timeout=60) == child
+
+
+def test_a_stale_attempts_progress_reports_never_erase_the_running_attempts_latest(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a child whose last handler left a thread reporting progress every
+    millisecond, when the next job reports its progress once and then runs on, then that
+    report is stored as the running job's progress. The stale thread's next report
+    replaced it in the child's one held report within the throttle's 0.1 s: the running
+    job's report was never sent, and the job showed no progress at all."""
+    child = _pool_worker(cluster)
+    release = tmp_path / "release"
+    assert acc_pool.keeps_reporting.enqueue(seconds=30.0).result(timeout=60) == child
+    running = acc_pool.reports_then_waits.enqueue(path=str(release))
+    wait_until(
+        lambda: running.progress() is not None,
+        10,
+        "the running job's progress stored",
+        describe=lambda: f"{cluster.state_of(running.id)}: {running.progress()}",
+    )
+    assert running.progress() == errands.Progress(0.5, "the running attempt's")
     release.touch()
     assert running.result(timeout=60) == child
 

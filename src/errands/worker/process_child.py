@@ -163,22 +163,32 @@ class _ProgressSender:
     """Sends a child's progress reports to the parent, at most one per PROGRESS_EVERY
     seconds: a report held back goes out within that time (a flusher thread), or just
     before the outcome. One lock orders every message on the pipe. Each report names its
-    attempt (:meth:`for_attempt`)."""
+    attempt (:meth:`for_attempt`); only the running attempt's are sent.
+
+    A report of an earlier attempt (from a thread its handler left running) is dropped
+    here: the parent would ignore it, and held in the one slot reports wait in, it
+    replaced the running attempt's latest report, which was then never sent (a stale
+    thread reporting every few milliseconds left the running job with no progress)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.lock = threading.Lock()
         self.sent_at = 0.0
         self.held: tuple[tuple[int, str | None], float, str] | None = None
+        self.running: tuple[int, str | None] | None = None  # the attempt this child runs
         threading.Thread(target=self._flusher, name="errands-progress", daemon=True).start()
 
     def for_attempt(self, row: JobRow) -> Progress:
-        """Where the attempt of ``row`` reports its progress."""
+        """Where the attempt of ``row``, which begins now, reports its progress."""
         attempt = attempt_of(row)
+        with self.lock:
+            self.running = attempt
         return lambda report: self._report(attempt, report)
 
     def _report(self, attempt: tuple[int, str | None], report: tuple[float, str]) -> None:
         with self.lock:
+            if attempt != self.running:  # an earlier attempt's: see the class
+                return
             self.held = (attempt, *report)
             if time.monotonic() - self.sent_at >= PROGRESS_EVERY:
                 self._send_held()
@@ -200,6 +210,7 @@ class _ProgressSender:
     def send_outcome(self, outcome: tuple[bool, Any]) -> None:
         with self.lock:
             self._send_held()
+            self.running = None  # its reports from now on are stale
             self.conn.send(outcome)
 
 

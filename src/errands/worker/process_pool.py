@@ -17,7 +17,8 @@ a job without an owner:
   worker's jobs are rescued when their leases run out, and a child left running one
   would race its rescued run (two runs of one job at once, a per-key limit broken);
 - ``ctx.progress`` reports travel to the parent (at most one every PROGRESS_EVERY
-  seconds, the latest always kept), which stores them with its next heartbeat;
+  seconds, the running attempt's latest always kept), which stores them with its next
+  heartbeat;
 - ``ctx.step`` and ``ctx.transaction()`` work in the child through its own connection;
   when the handler used ``ctx.transaction()``, the child writes the fenced completion in
   that transaction itself and reports whether it landed; children of ``ctx.enqueue``
