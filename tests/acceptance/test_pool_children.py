@@ -26,21 +26,22 @@ def _pool_worker(cluster: Cluster) -> int:
     return int(acc_pool.child_pid.enqueue().result(timeout=60))
 
 
-def test_a_job_type_the_childs_app_lacks_fails_for_good_naming_the_fix_and_the_child_lives_on(
+def test_a_job_type_the_childs_app_lacks_is_retried_with_backoff_naming_the_fix(
     cluster: Cluster,
 ) -> None:
-    """Given a worker whose children load an app without a job type the worker has, when
-    such a job runs, then it is dead at once (permanent: every retry would fail alike),
-    its error names the type and says the child's app must define it, and the same
-    child runs the next job. The child's KeyError ended it: the job was recorded as a
-    crash, over and over, until it went dead as poison."""
+    """Given a worker whose children load an app without a job type the worker has (as
+    after a deploy whose newer code a child imported from disk), when such a job runs,
+    then each attempt fails transiently (UnknownJob, naming the type and saying the
+    child's app must define it) and is retried with backoff, as the worker's own
+    UnknownJob is, until its attempts run out; the same child runs the next job. It was
+    recorded permanent: dead at once, in the dead-letter queue, on the first attempt."""
     child = _pool_worker(cluster)
-    handle = acc_pool.parent_only.enqueue()
+    handle = acc_pool.parent_only.enqueue()  # retries=3, backoff=0.1
     wait_until(lambda: cluster.state_of(handle.id) == "dead", 60, "the job to be dead")
-    [error] = handle.job().errors
-    assert (error.type, error.kind) == ("UnknownJob", "permanent")
-    assert "'parent_only'" in error.message and "'acc_pool:app'" in error.message
-    assert "the child's app must define it" in error.message
+    errors = handle.job().errors
+    assert [(e.type, e.kind) for e in errors] == [("UnknownJob", "transient")] * 4
+    assert "'parent_only'" in errors[0].message and "'acc_pool:app'" in errors[0].message
+    assert "The child's app must define it" in errors[0].message
     assert acc_pool.child_pid.enqueue().result(timeout=60) == child
 
 

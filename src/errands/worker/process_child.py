@@ -231,17 +231,22 @@ def _failure(exc: BaseException, kind: str, after: float | None = 0.0) -> tuple[
 
 
 def _unknown_here(name: str, app_path: str) -> tuple[Any, ...]:
-    """A job type the worker's app has and its child's lacks: a permanent failure (each
-    retry would fail alike) that says how to fix it."""
+    """A job type the worker's app has and its child's lacks: a transient failure,
+    retried with backoff, as the worker's own UnknownJob is. Version skew makes it: a
+    child started with spawn, or from a forkserver started afresh, imports the app's code
+    from disk, which a deploy may have changed under a worker still running the old; a
+    retry may meet a child (or a worker) that has the type. Permanent, it sent the job
+    to the dead-letter queue at once. The message names the type and the fix."""
     module = app_path.partition(":")[0]
     message = (
         f"job type {name!r} is not registered in the app this worker's child processes "
-        f"load ({app_path!r}), though the worker's own app has it: the child's app must "
-        f"define it. Register the job where importing {module!r} registers it (a job added "
-        "only by the script that starts the worker, or by a module only it imports, never "
-        "reaches the children)"
+        f"load ({app_path!r}), though the worker's own app has it (retried with backoff). "
+        f"The child's app must define it: register the job where importing {module!r} "
+        "registers it (a job added only by the script that starts the worker, or by a "
+        "module only it imports, never reaches the children); after a deploy, restart "
+        "the worker (its children may have imported code newer than its own)"
     )
-    return "UnknownJob", message, "", "permanent", 0.0
+    return "UnknownJob", message, "", "transient", 0.0
 
 
 def _run_one(
