@@ -25,6 +25,7 @@ pytestmark = pytest.mark.acceptance
 FAILING = """
 import multiprocessing
 import os
+import time
 
 import errands
 
@@ -42,7 +43,63 @@ def __getattr__(name):
 @_app.job(name="pid", retries=0)
 def pid() -> int:
     return os.getpid()
+
+
+@_app.job(name="waits_for", retries=0)
+def waits_for(path: str) -> int:
+    for _ in range(3000):  # a minute at most
+        if os.path.exists(path):
+            break
+        time.sleep(0.02)
+    return os.getpid()
 """
+
+
+class PoolWorker:
+    """A process-pool worker in the test process, on a SQLite store, whose children
+    cannot start while the file ``fault`` exists; ``codes`` gets its exit code."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, concurrency: int):
+        self.fault = tmp_path / "child-start-fault"
+        name = f"failing_app_{secrets.token_hex(4)}"  # children import it afresh
+        (tmp_path / f"{name}.py").write_text(FAILING.format(fault=str(self.fault)))
+        monkeypatch.syspath_prepend(str(tmp_path))
+        self.app = importlib.import_module(name).app
+        self.app.url = f"sqlite:///{tmp_path}/store.db"
+        self.worker = self.app.worker(
+            concurrency=concurrency, pool="process", app_path=f"{name}:app",
+            poll_interval=0.05, grace=1,
+        )  # fmt: skip
+        self.codes: list[int] = []
+        self.thread = threading.Thread(
+            target=lambda: self.codes.append(self.worker.run(install_signals=False)),
+            daemon=True,
+        )
+
+    def __enter__(self) -> PoolWorker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop()
+        self.thread.join(30)
+        self.app.close()
+
+    def children(self) -> list[int]:
+        """The pids of its children, once its process pool has started."""
+        return wait_until(
+            lambda: self.worker.processes is not None and self.worker.processes.pids(),
+            60,
+            "the process pool's children",
+        )
+
+    def lose_children(self, *pids: int) -> None:
+        """From now on children cannot start; ``pids`` are killed."""
+        self.fault.touch()
+        for child in pids:
+            os.kill(child, signal.SIGKILL)
+        for child in pids:
+            wait_until(lambda child=child: not pid_running(child), 30, "the child to die")
 
 
 def test_a_worker_whose_children_keep_failing_to_start_stops_with_exit_1_its_job_uncharged(
@@ -56,34 +113,50 @@ def test_a_worker_whose_children_keep_failing_to_start_stops_with_exit_1_its_job
     monkeypatch.setattr(child_starts, "START_PAUSE", 0.1)
     monkeypatch.setattr(child_starts, "GIVE_UP_AFTER", 3)
     monkeypatch.setattr(child_starts, "GIVE_UP_SPAN", 0.5)
-    fault = tmp_path / "child-start-fault"
-    name = f"failing_app_{secrets.token_hex(4)}"  # children import it afresh
-    (tmp_path / f"{name}.py").write_text(FAILING.format(fault=str(fault)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    app = importlib.import_module(name).app
-    app.url = f"sqlite:///{tmp_path}/store.db"
-    worker = app.worker(
-        concurrency=1, pool="process", app_path=f"{name}:app", poll_interval=0.05, grace=1
-    )
-    codes: list[int] = []
-    thread = threading.Thread(
-        target=lambda: codes.append(worker.run(install_signals=False)), daemon=True
-    )
     caplog.set_level(logging.WARNING, "errands.worker")
-    thread.start()
-    try:
-        child = app.registry["pid"].enqueue().result(timeout=60)
-        fault.touch()
-        os.kill(child, signal.SIGKILL)
-        wait_until(lambda: not pid_running(child), 30, "the child to die")
-        handle = app.registry["pid"].enqueue()
-        thread.join(30)
-        job = app.get_job(handle.id)
-    finally:
-        worker.stop()
-        thread.join(30)
-        app.close()
-    assert codes == [1]
+    with PoolWorker(tmp_path, monkeypatch, concurrency=1) as pool:
+        [child] = pool.children()
+        pool.lose_children(child)
+        handle = pool.app.registry["pid"].enqueue()
+        pool.thread.join(30)
+        job = pool.app.get_job(handle.id)
+    assert pool.codes == [1]
     assert (job.state.value, job.attempt) == ("available", 0)
     assert len(job.errors) >= 3 and {e.kind for e in job.errors} == {"released"}
     assert "cannot run its jobs, so it stops (exit 1)" in caplog.text
+
+
+def test_a_child_that_cannot_start_beside_live_ones_leaves_the_job_waiting_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a process-pool worker (-c 2) whose second child cannot start again, when a
+    job comes while the other child is busy, then the job waits for that child (never
+    released, its attempt run once), the failed starts pause no claim, and however long
+    they last the worker runs on. The job was released at each failed start, each
+    pausing every claim, and failures that lasted GIVE_UP_AFTER starts and GIVE_UP_SPAN
+    seconds stopped the worker (exit 1) though one child was healthy."""
+    monkeypatch.setattr(child_starts, "START_PAUSE", 0.05)
+    monkeypatch.setattr(child_starts, "GIVE_UP_AFTER", 3)
+    monkeypatch.setattr(child_starts, "GIVE_UP_SPAN", 0.5)
+    release = tmp_path / "release"
+    caplog.set_level(logging.WARNING, "errands.worker")
+    with PoolWorker(tmp_path, monkeypatch, concurrency=2) as pool:
+        live, doomed = pool.children()
+        pool.lose_children(doomed)
+        blocker = pool.app.registry["waits_for"].enqueue(path=str(release))
+        wait_until(lambda: blocker.job().state.value == "running", 30, "the blocker to run")
+        waiting = pool.app.registry["pid"].enqueue()
+        failures = pool.worker.processes.failures
+        # five starts missed, 0.05 s apart doubling: 0.75 s, past the give-up's span
+        wait_until(
+            lambda: failures.total >= 5 or not pool.thread.is_alive(), 30, "five failed starts"
+        )
+        assert pool.codes == [] and waiting.job().state.value == "running"
+        release.touch()
+        assert blocker.result(timeout=30) == live
+        assert waiting.result(timeout=30) == live
+        job = waiting.job()
+    assert pool.codes == [0]
+    assert (job.attempt, job.errors) == (1, [])
+    assert "1 other(s) run: jobs wait for them" in caplog.text
+    assert "exit 1" not in caplog.text

@@ -364,7 +364,7 @@ class Worker:
         failures = self.processes.failures if self.processes is not None else None
         if failures is None or not failures.in_a_row:
             return False
-        if failures.hopeless():
+        if self.processes is not None and self.processes.hopeless():
             log.error("%s", failures.give_up_message())
             self.exit_code = 1
             self.stop()
