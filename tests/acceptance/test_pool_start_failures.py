@@ -4,7 +4,9 @@ pauses and the give-up are shortened so that it takes a second, not a minute).""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import logging
 import os
 import secrets
@@ -14,7 +16,11 @@ from pathlib import Path
 
 import pytest
 
+import errands
+from errands.backends.base import ClaimParams, QueueClaim
+from errands.jobs import JobRow
 from errands.worker import child_starts
+from errands.worker.process_pool import ProcessRunner
 
 from .harness import pid_running, wait_until
 
@@ -55,17 +61,47 @@ def waits_for(path: str) -> int:
 """
 
 
+def failing_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, errands.App]:
+    """A module of its own (children import it afresh) on a SQLite store, whose children
+    cannot start while ``tmp_path / "child-start-fault"`` exists: its name and its app."""
+    name = f"failing_app_{secrets.token_hex(4)}"
+    fault = tmp_path / "child-start-fault"
+    (tmp_path / f"{name}.py").write_text(FAILING.format(fault=str(fault)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app: errands.App = importlib.import_module(name).app
+    app.url = f"sqlite:///{tmp_path}/store.db"
+    return name, app
+
+
+@pytest.fixture
+def refused_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Names of threads whose start fails as when the OS refuses a thread (RLIMIT_NPROC, a
+    cgroup's pids.max: the limits that refuse a fork); add a name to refuse its threads."""
+    names: set[str] = set()
+    start = threading.Thread.start
+
+    def refusing(thread: threading.Thread) -> None:
+        if thread.name in names:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing)
+    return names
+
+
+def claimed(app: errands.App, count: int) -> list[JobRow]:
+    """Claim ``count`` jobs of the default queue, oldest first."""
+    rows = app.backend.job_claim(ClaimParams([QueueClaim("default", count)], count, "t", 30.0))
+    return sorted(rows, key=lambda r: r.id)
+
+
 class PoolWorker:
     """A process-pool worker in the test process, on a SQLite store, whose children
     cannot start while the file ``fault`` exists; ``codes`` gets its exit code."""
 
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, concurrency: int):
         self.fault = tmp_path / "child-start-fault"
-        name = f"failing_app_{secrets.token_hex(4)}"  # children import it afresh
-        (tmp_path / f"{name}.py").write_text(FAILING.format(fault=str(self.fault)))
-        monkeypatch.syspath_prepend(str(tmp_path))
-        self.app = importlib.import_module(name).app
-        self.app.url = f"sqlite:///{tmp_path}/store.db"
+        name, self.app = failing_app(tmp_path, monkeypatch)
         self.worker = self.app.worker(
             concurrency=concurrency, pool="process", app_path=f"{name}:app",
             poll_interval=0.05, grace=1,
@@ -160,3 +196,78 @@ def test_a_child_that_cannot_start_beside_live_ones_leaves_the_job_waiting_for_t
     assert (job.attempt, job.errors) == (1, [])
     assert "1 other(s) run: jobs wait for them" in caplog.text
     assert "exit 1" not in caplog.text
+
+
+def test_a_job_whose_thread_to_its_child_cannot_start_is_released_uncharged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_threads: set[str]
+) -> None:
+    """Given a process-pool worker that cannot start the thread that hands a job to its
+    child (the process's thread limit reached), when a job on its last attempt comes,
+    then it is released (its attempt not charged, the reason recorded) and the failure
+    counted as a child that cannot start; once threads start again it completes on that
+    same attempt. The RuntimeError was the job's failure, charged: dead at once."""
+    monkeypatch.setattr(child_starts, "START_PAUSE", 0.1)
+    with PoolWorker(tmp_path, monkeypatch, concurrency=1) as pool:
+        [child] = pool.children()
+        refused_threads.add("errands-child-job")
+        handle = pool.app.registry["pid"].enqueue()  # retries=0
+        wait_until(lambda: handle.job().errors, 30, "the job's first failure or release")
+        counted = pool.worker.processes.failures.total
+        refused_threads.clear()
+        assert handle.result(timeout=30) == child
+        job = handle.job()
+    assert counted >= 1
+    assert job.attempt == 1 and {e.kind for e in job.errors} == {"released"}
+    assert "can't start new thread" in job.errors[0].message
+
+
+def test_a_job_runs_and_its_child_comes_back_when_the_next_spares_thread_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_threads: set[str]
+) -> None:
+    """Given a runner keeping a spare child whose threads to start spares are refused,
+    when a job takes the spare, then it runs, its future is settled and its child goes
+    back to the free ones. The refusal ended the thread serving the job after it took the
+    child: the job waited for ever (its lease heartbeated), the child lost to the pool."""
+    name, app = failing_app(tmp_path, monkeypatch)
+    app.registry["pid"].enqueue()
+    [row] = claimed(app, 1)
+    runner = ProcessRunner(f"{name}:app", app.url, 2, start=False, spare=1)
+    try:
+        runner.warm()
+        wait_until(lambda: runner.idle() == 1, 60, "the spare child")
+        refused_threads.add("errands-child-start")
+        [spare] = runner.pids()
+        assert json.loads(runner.submit(row).result(30).result_json) == spare
+        wait_until(lambda: runner.idle() == 1, 30, "the child back among the free ones")
+    finally:
+        runner.shutdown()
+        app.close()
+
+
+def test_a_spare_whose_thread_cannot_start_gives_its_place_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_threads: set[str]
+) -> None:
+    """Given a runner of two children, one kept spare, whose first thread to start the
+    spare is refused, when a job runs and another comes, then the other job gets a second
+    child. The refused start's place stayed counted as starting for good: the second job
+    waited for ever for room the pool no longer had."""
+    name, app = failing_app(tmp_path, monkeypatch)
+    release = tmp_path / "release"
+    app.registry["waits_for"].enqueue(path=str(release))
+    app.registry["pid"].enqueue()
+    blocker, quick = claimed(app, 2)
+    runner = ProcessRunner(f"{name}:app", app.url, 2, start=False, spare=1)
+    try:
+        refused_threads.add("errands-child-start")
+        with contextlib.suppress(RuntimeError):  # (it raised it, too)
+            runner.warm()
+        refused_threads.clear()
+        blocked = runner.submit(blocker)
+        second = json.loads(runner.submit(quick).result(30).result_json)
+        assert not blocked.done() and second in runner.pids()
+        release.touch()
+        assert json.loads(blocked.result(30).result_json) != second
+    finally:
+        release.touch()
+        runner.shutdown()
+        app.close()

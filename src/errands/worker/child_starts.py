@@ -1,10 +1,11 @@
 """When a worker's child processes cannot start: the jobs wait, the claims pause.
 
 A job whose child process could not start (the app failed to import in it, the
-forkserver and ``spawn`` both failed, a fork refused for want of memory or processes)
-did nothing: it is released (available again, its attempt not charged, the release
-recorded on the job with the reason), never failed. It was failed as a charged attempt,
-and on its last attempt sent to the dead-letter queue, for a fault of the machine's.
+forkserver and ``spawn`` both failed, a fork refused for want of memory or processes;
+or the thread that hands the job to its child, refused by the same limits) did nothing:
+it is released (available again, its attempt not charged, the release recorded on the
+job with the reason), never failed. It was failed as a charged attempt, and on its last
+attempt sent to the dead-letter queue, for a fault of the machine's.
 
 So that a pool that cannot start children does not spin claiming and releasing, each
 failure pauses the claims that would need a child: ``START_PAUSE`` seconds after the

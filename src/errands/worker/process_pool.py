@@ -299,10 +299,25 @@ class ProcessRunner:
         (-c 1: no job ran again). ``future``: the caller's own, made before the call, so
         that :meth:`kill` reaches the job whatever instant the caller is stopped at."""
         future = Future() if future is None else future
-        threading.Thread(
-            target=self._serve, args=(row, future, on_progress), name="errands-child-job",
-            daemon=True,
-        ).start()  # fmt: skip
+        try:
+            threading.Thread(
+                target=self._serve, args=(row, future, on_progress), name="errands-child-job",
+                daemon=True,
+            ).start()  # fmt: skip
+        except RuntimeError as exc:
+            # "can't start new thread": the limits that refuse a fork refuse a thread too
+            # (RLIMIT_NPROC, a cgroup's pids.max). The job did nothing: as a child that
+            # cannot start, it is released uncharged and the failure counted (it was the
+            # job's failure, charged: each job claimed meanwhile burnt an attempt, on its
+            # last one into the dead-letter queue, and no claim paused).
+            if not self._closed:
+                self.failures.failed(exc)
+            failed = ChildStartFailed(
+                "no thread could be started to hand it to a worker child process: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            failed.__cause__ = exc
+            _settle(future, exc=failed)
         return future
 
     def _serve(self, row: JobRow, future: Future[Any], on_progress: Progress | None) -> None:
@@ -315,9 +330,13 @@ class ProcessRunner:
             failed.__cause__ = exc
             _settle(future, exc=failed)
             return
-        if slot is not None:
+        if slot is None:
+            return
+        try:
             self._top_up()
-            self._run(slot, row, future, on_progress)
+        except Exception:  # (it raises nothing it foresees) the job has its child: it runs
+            log.exception("could not start spare worker child processes")
+        self._run(slot, row, future, on_progress)
 
     def _take(self, future: Future[Any]) -> _Slot | None:
         """A free child that lives, now busy with ``future``; None when ``future`` was
@@ -428,10 +447,24 @@ class ProcessRunner:
             if count <= 0:
                 return
             self._starting += count
-        for _ in range(count):
-            threading.Thread(
-                target=self._start_spare, name="errands-child-start", daemon=True
-            ).start()
+        started = 0
+        try:
+            for _ in range(count):
+                threading.Thread(
+                    target=self._start_spare, name="errands-child-start", daemon=True
+                ).start()
+                started += 1
+        except RuntimeError as exc:  # "can't start new thread" (RLIMIT_NPROC, pids.max)
+            log.warning(
+                "could not start a thread to start a spare worker child process (%s); the "
+                "next job starts its child itself",
+                exc,
+            )
+        finally:
+            if started < count:  # their places were counted as starting: room again
+                with self._cond:
+                    self._starting -= count - started
+                    self._cond.notify_all()
 
     def _start_spare(self) -> None:
         with contextlib.suppress(Exception):  # logged; the next submit starts one itself
