@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -61,12 +62,25 @@ def waits_for(path: str) -> int:
 """
 
 
-def failing_app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, errands.App]:
+# A job that needs no child: an async def handler runs on the worker's event loop.
+ON_THE_LOOP = """
+
+@_app.job(name="on_the_loop", retries=0)
+async def on_the_loop() -> int:
+    return os.getpid()
+"""
+
+
+def failing_app(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, with_async: bool = False
+) -> tuple[str, errands.App]:
     """A module of its own (children import it afresh) on a SQLite store, whose children
-    cannot start while ``tmp_path / "child-start-fault"`` exists: its name and its app."""
+    cannot start while ``tmp_path / "child-start-fault"`` exists: its name and its app.
+    ``with_async``: it defines an async job too."""
     name = f"failing_app_{secrets.token_hex(4)}"
     fault = tmp_path / "child-start-fault"
-    (tmp_path / f"{name}.py").write_text(FAILING.format(fault=str(fault)))
+    source = FAILING.format(fault=str(fault)) + (ON_THE_LOOP if with_async else "")
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     app: errands.App = importlib.import_module(name).app
     app.url = f"sqlite:///{tmp_path}/store.db"
@@ -99,9 +113,16 @@ class PoolWorker:
     """A process-pool worker in the test process, on a SQLite store, whose children
     cannot start while the file ``fault`` exists; ``codes`` gets its exit code."""
 
-    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, concurrency: int):
+    def __init__(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        concurrency: int,
+        *,
+        with_async: bool = False,
+    ) -> None:
         self.fault = tmp_path / "child-start-fault"
-        name, self.app = failing_app(tmp_path, monkeypatch)
+        name, self.app = failing_app(tmp_path, monkeypatch, with_async=with_async)
         self.worker = self.app.worker(
             concurrency=concurrency, pool="process", app_path=f"{name}:app",
             poll_interval=0.05, grace=1,
@@ -162,6 +183,44 @@ def test_a_worker_whose_children_keep_failing_to_start_stops_with_exit_1_its_job
     assert "cannot run its jobs, so it stops (exit 1)" in caplog.text
 
 
+def test_a_worker_whose_children_cannot_start_runs_its_async_jobs_meanwhile_and_runs_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a process-pool worker serving sync and async jobs whose children cannot start
+    any more, when a sync job is released and an async job comes during the pause that
+    followed, then the async job runs at once (the pause holds back only the sync job,
+    claimed no more meanwhile), and once the failures have lasted long enough to give up
+    on the children the worker says so loudly and runs on, its async jobs still running.
+    The pause held every claim back, the async job waiting it out, and the give-up
+    stopped the worker (exit 1) though its async jobs ran fine."""
+    monkeypatch.setattr(child_starts, "START_PAUSE", 5.0)
+    monkeypatch.setattr(child_starts, "GIVE_UP_AFTER", 2)
+    monkeypatch.setattr(child_starts, "GIVE_UP_SPAN", 0.5)
+    caplog.set_level(logging.WARNING, "errands.worker")
+    with PoolWorker(tmp_path, monkeypatch, concurrency=1, with_async=True) as pool:
+        [child] = pool.children()
+        pool.lose_children(child)
+        synchronous = pool.app.registry["pid"].enqueue()
+        wait_until(lambda: synchronous.job().errors, 30, "the sync job released")
+        failures = pool.worker.processes.failures
+        pause = failures.pause_left()
+        began = time.monotonic()
+        assert pool.app.registry["on_the_loop"].enqueue().result(timeout=30) == os.getpid()
+        assert time.monotonic() - began < pause  # within the pause, not after it
+        assert len(synchronous.job().errors) == 1  # not claimed again meanwhile
+        wait_until(
+            lambda: failures.in_a_row >= 2 or not pool.thread.is_alive(), 30, "a 2nd failure"
+        )
+        assert pool.codes == []
+        assert pool.app.registry["on_the_loop"].enqueue().result(timeout=30) == os.getpid()
+        job = synchronous.job()
+    assert pool.codes == [0]
+    assert (job.state.value, job.attempt) == ("available", 0)
+    assert {e.kind for e in job.errors} == {"released"}
+    assert "this worker's sync jobs cannot run" in caplog.text
+    assert "exit 1" not in caplog.text
+
+
 def test_a_child_that_cannot_start_beside_live_ones_leaves_the_job_waiting_for_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -194,7 +253,7 @@ def test_a_child_that_cannot_start_beside_live_ones_leaves_the_job_waiting_for_t
         job = waiting.job()
     assert pool.codes == [0]
     assert (job.attempt, job.errors) == (1, [])
-    assert "1 other(s) run: jobs wait for them" in caplog.text
+    assert "1 other(s) run: sync jobs wait for them" in caplog.text
     assert "exit 1" not in caplog.text
 
 

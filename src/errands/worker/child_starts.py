@@ -13,17 +13,21 @@ first, doubling with each failure in a row up to ``START_PAUSE_MAX`` (failures w
 pause, the rest of a burst, count as one). A child that starts ends the pause. A start
 that fails while other children of the runner live is no such failure (a pool short of a
 child still runs its jobs): the job waits for one of them, nothing pauses, and the next
-start is tried later (:meth:`StartFailures.missed`). The
-process pool's jobs all need a child: the worker claims nothing meanwhile. The suspects'
+start is tried later (:meth:`StartFailures.missed`).
+
+The process pool's sync jobs need a child; its ``async def`` ones run on the worker's
+event loop and need none: meanwhile the worker claims only the job types that need no
+child (the claim's filter of job types), and nothing when it has none. The suspects'
 children only run rescued jobs: the worker claims no rescued job meanwhile (other
 workers take them) and runs everything else.
 
 A process pool whose children still cannot start after ``GIVE_UP_AFTER`` failures in a
 row spanning ``GIVE_UP_SPAN`` seconds, none started since and none alive, cannot run its
-jobs at all:
-the worker logs an error saying why and stops (gracefully: what runs finishes), exiting
-1, so that its supervisor (systemd, Kubernetes, ``--processes``) sees a failed worker
-and restarts it, rather than a worker that looks alive and runs nothing.
+jobs: when nothing the worker serves runs without a child, the worker logs an error
+saying why and stops (gracefully: what runs finishes), exiting 1, so that its supervisor
+(systemd, Kubernetes, ``--processes``) sees a failed worker and restarts it, rather than a
+worker that looks alive and runs nothing. A worker that also serves jobs needing no child
+runs on for them, logging an error at each failure that its sync jobs cannot run.
 """
 
 from __future__ import annotations
@@ -126,6 +130,16 @@ class StartFailures:
         """Whether children have kept failing to start long enough to give up on them
         (the runner gives up only with no child alive: :meth:`ProcessRunner.hopeless`)."""
         return self._hopeless
+
+    def run_on_message(self) -> str:
+        """What a worker says at each failure once it would give up, when it runs on for
+        its jobs that need no child."""
+        return (
+            f"worker child processes failed to start {self.in_a_row} times in a row over "
+            f"{GIVE_UP_SPAN:g} s or more, none started since (last: {self.last}): this "
+            f"worker's {self.waiting} cannot run, and wait, uncharged, for a worker whose "
+            "children start; it runs on for its jobs that need no child (async handlers)"
+        )
 
     def give_up_message(self) -> str:
         return (
