@@ -12,6 +12,8 @@ from pathlib import Path
 import acc_pool
 import pytest
 
+import errands
+
 from .harness import Cluster, Proc, children_of, pid_running, wait_until
 
 pytestmark = pytest.mark.acceptance
@@ -24,21 +26,22 @@ def _pool_worker(cluster: Cluster) -> int:
     return int(acc_pool.child_pid.enqueue().result(timeout=60))
 
 
-def test_a_job_type_the_childs_app_lacks_fails_for_good_naming_the_fix_and_the_child_lives_on(
+def test_a_job_type_the_childs_app_lacks_is_retried_with_backoff_naming_the_fix(
     cluster: Cluster,
 ) -> None:
-    """Given a worker whose children load an app without a job type the worker has, when
-    such a job runs, then it is dead at once (permanent: every retry would fail alike),
-    its error names the type and says the child's app must define it, and the same
-    child runs the next job. The child's KeyError ended it: the job was recorded as a
-    crash, over and over, until it went dead as poison."""
+    """Given a worker whose children load an app without a job type the worker has (as
+    after a deploy whose newer code a child imported from disk), when such a job runs,
+    then each attempt fails transiently (UnknownJob, naming the type and saying the
+    child's app must define it) and is retried with backoff, as the worker's own
+    UnknownJob is, until its attempts run out; the same child runs the next job. It was
+    recorded permanent: dead at once, in the dead-letter queue, on the first attempt."""
     child = _pool_worker(cluster)
-    handle = acc_pool.parent_only.enqueue()
+    handle = acc_pool.parent_only.enqueue()  # retries=3, backoff=0.1
     wait_until(lambda: cluster.state_of(handle.id) == "dead", 60, "the job to be dead")
-    [error] = handle.job().errors
-    assert (error.type, error.kind) == ("UnknownJob", "permanent")
-    assert "'parent_only'" in error.message and "'acc_pool:app'" in error.message
-    assert "the child's app must define it" in error.message
+    errors = handle.job().errors
+    assert [(e.type, e.kind) for e in errors] == [("UnknownJob", "transient")] * 4
+    assert "'parent_only'" in errors[0].message and "'acc_pool:app'" in errors[0].message
+    assert "The child's app must define it" in errors[0].message
     assert acc_pool.child_pid.enqueue().result(timeout=60) == child
 
 
@@ -102,6 +105,29 @@ def test_a_progress_report_sent_after_its_jobs_outcome_is_not_the_next_jobs_prog
         seen = lease()
         wait_until(lambda seen=seen: lease() > seen, 30, "the running job's next heartbeat")
     assert running.progress() is None
+    release.touch()
+    assert running.result(timeout=60) == child
+
+
+def test_a_stale_attempts_progress_reports_never_erase_the_running_attempts_latest(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a child whose last handler left a thread reporting progress every
+    millisecond, when the next job reports its progress once and then runs on, then that
+    report is stored as the running job's progress. The stale thread's next report
+    replaced it in the child's one held report within the throttle's 0.1 s: the running
+    job's report was never sent, and the job showed no progress at all."""
+    child = _pool_worker(cluster)
+    release = tmp_path / "release"
+    assert acc_pool.keeps_reporting.enqueue(seconds=30.0).result(timeout=60) == child
+    running = acc_pool.reports_then_waits.enqueue(path=str(release))
+    wait_until(
+        lambda: running.progress() is not None,
+        10,
+        "the running job's progress stored",
+        describe=lambda: f"{cluster.state_of(running.id)}: {running.progress()}",
+    )
+    assert running.progress() == errands.Progress(0.5, "the running attempt's")
     release.touch()
     assert running.result(timeout=60) == child
 

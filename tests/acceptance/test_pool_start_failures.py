@@ -4,17 +4,24 @@ pauses and the give-up are shortened so that it takes a second, not a minute).""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import logging
 import os
 import secrets
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
+import errands
+from errands.backends.base import ClaimParams, QueueClaim
+from errands.jobs import JobRow
 from errands.worker import child_starts
+from errands.worker.process_pool import ProcessRunner
 
 from .harness import pid_running, wait_until
 
@@ -25,6 +32,7 @@ pytestmark = pytest.mark.acceptance
 FAILING = """
 import multiprocessing
 import os
+import time
 
 import errands
 
@@ -42,7 +50,113 @@ def __getattr__(name):
 @_app.job(name="pid", retries=0)
 def pid() -> int:
     return os.getpid()
+
+
+@_app.job(name="waits_for", retries=0)
+def waits_for(path: str) -> int:
+    for _ in range(3000):  # a minute at most
+        if os.path.exists(path):
+            break
+        time.sleep(0.02)
+    return os.getpid()
 """
+
+
+# A job that needs no child: an async def handler runs on the worker's event loop.
+ON_THE_LOOP = """
+
+@_app.job(name="on_the_loop", retries=0)
+async def on_the_loop() -> int:
+    return os.getpid()
+"""
+
+
+def failing_app(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, with_async: bool = False
+) -> tuple[str, errands.App]:
+    """A module of its own (children import it afresh) on a SQLite store, whose children
+    cannot start while ``tmp_path / "child-start-fault"`` exists: its name and its app.
+    ``with_async``: it defines an async job too."""
+    name = f"failing_app_{secrets.token_hex(4)}"
+    fault = tmp_path / "child-start-fault"
+    source = FAILING.format(fault=str(fault)) + (ON_THE_LOOP if with_async else "")
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    app: errands.App = importlib.import_module(name).app
+    app.url = f"sqlite:///{tmp_path}/store.db"
+    return name, app
+
+
+@pytest.fixture
+def refused_threads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Names of threads whose start fails as when the OS refuses a thread (RLIMIT_NPROC, a
+    cgroup's pids.max: the limits that refuse a fork); add a name to refuse its threads."""
+    names: set[str] = set()
+    start = threading.Thread.start
+
+    def refusing(thread: threading.Thread) -> None:
+        if thread.name in names:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing)
+    return names
+
+
+def claimed(app: errands.App, count: int) -> list[JobRow]:
+    """Claim ``count`` jobs of the default queue, oldest first."""
+    rows = app.backend.job_claim(ClaimParams([QueueClaim("default", count)], count, "t", 30.0))
+    return sorted(rows, key=lambda r: r.id)
+
+
+class PoolWorker:
+    """A process-pool worker in the test process, on a SQLite store, whose children
+    cannot start while the file ``fault`` exists; ``codes`` gets its exit code."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch,
+        concurrency: int,
+        *,
+        with_async: bool = False,
+    ) -> None:
+        self.fault = tmp_path / "child-start-fault"
+        name, self.app = failing_app(tmp_path, monkeypatch, with_async=with_async)
+        self.worker = self.app.worker(
+            concurrency=concurrency, pool="process", app_path=f"{name}:app",
+            poll_interval=0.05, grace=1,
+        )  # fmt: skip
+        self.codes: list[int] = []
+        self.thread = threading.Thread(
+            target=lambda: self.codes.append(self.worker.run(install_signals=False)),
+            daemon=True,
+        )
+
+    def __enter__(self) -> PoolWorker:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker.stop()
+        self.thread.join(30)
+        self.app.close()
+
+    def children(self) -> list[int]:
+        """The pids of its children, once its process pool has started."""
+        return wait_until(
+            lambda: self.worker.processes is not None and self.worker.processes.pids(),
+            60,
+            "the process pool's children",
+        )
+
+    def lose_children(self, *pids: int) -> None:
+        """From now on children cannot start; ``pids`` are killed."""
+        self.fault.touch()
+        for child in pids:
+            os.kill(child, signal.SIGKILL)
+        for child in pids:
+            wait_until(lambda child=child: not pid_running(child), 30, "the child to die")
 
 
 def test_a_worker_whose_children_keep_failing_to_start_stops_with_exit_1_its_job_uncharged(
@@ -56,34 +170,163 @@ def test_a_worker_whose_children_keep_failing_to_start_stops_with_exit_1_its_job
     monkeypatch.setattr(child_starts, "START_PAUSE", 0.1)
     monkeypatch.setattr(child_starts, "GIVE_UP_AFTER", 3)
     monkeypatch.setattr(child_starts, "GIVE_UP_SPAN", 0.5)
-    fault = tmp_path / "child-start-fault"
-    name = f"failing_app_{secrets.token_hex(4)}"  # children import it afresh
-    (tmp_path / f"{name}.py").write_text(FAILING.format(fault=str(fault)))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    app = importlib.import_module(name).app
-    app.url = f"sqlite:///{tmp_path}/store.db"
-    worker = app.worker(
-        concurrency=1, pool="process", app_path=f"{name}:app", poll_interval=0.05, grace=1
-    )
-    codes: list[int] = []
-    thread = threading.Thread(
-        target=lambda: codes.append(worker.run(install_signals=False)), daemon=True
-    )
     caplog.set_level(logging.WARNING, "errands.worker")
-    thread.start()
-    try:
-        child = app.registry["pid"].enqueue().result(timeout=60)
-        fault.touch()
-        os.kill(child, signal.SIGKILL)
-        wait_until(lambda: not pid_running(child), 30, "the child to die")
-        handle = app.registry["pid"].enqueue()
-        thread.join(30)
-        job = app.get_job(handle.id)
-    finally:
-        worker.stop()
-        thread.join(30)
-        app.close()
-    assert codes == [1]
+    with PoolWorker(tmp_path, monkeypatch, concurrency=1) as pool:
+        [child] = pool.children()
+        pool.lose_children(child)
+        handle = pool.app.registry["pid"].enqueue()
+        pool.thread.join(30)
+        job = pool.app.get_job(handle.id)
+    assert pool.codes == [1]
     assert (job.state.value, job.attempt) == ("available", 0)
     assert len(job.errors) >= 3 and {e.kind for e in job.errors} == {"released"}
     assert "cannot run its jobs, so it stops (exit 1)" in caplog.text
+
+
+def test_a_worker_whose_children_cannot_start_runs_its_async_jobs_meanwhile_and_runs_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a process-pool worker serving sync and async jobs whose children cannot start
+    any more, when a sync job is released and an async job comes during the pause that
+    followed, then the async job runs at once (the pause holds back only the sync job,
+    claimed no more meanwhile), and once the failures have lasted long enough to give up
+    on the children the worker says so loudly and runs on, its async jobs still running.
+    The pause held every claim back, the async job waiting it out, and the give-up
+    stopped the worker (exit 1) though its async jobs ran fine."""
+    monkeypatch.setattr(child_starts, "START_PAUSE", 5.0)
+    monkeypatch.setattr(child_starts, "GIVE_UP_AFTER", 2)
+    monkeypatch.setattr(child_starts, "GIVE_UP_SPAN", 0.5)
+    caplog.set_level(logging.WARNING, "errands.worker")
+    with PoolWorker(tmp_path, monkeypatch, concurrency=1, with_async=True) as pool:
+        [child] = pool.children()
+        pool.lose_children(child)
+        synchronous = pool.app.registry["pid"].enqueue()
+        wait_until(lambda: synchronous.job().errors, 30, "the sync job released")
+        failures = pool.worker.processes.failures
+        pause = failures.pause_left()
+        began = time.monotonic()
+        assert pool.app.registry["on_the_loop"].enqueue().result(timeout=30) == os.getpid()
+        assert time.monotonic() - began < pause  # within the pause, not after it
+        assert len(synchronous.job().errors) == 1  # not claimed again meanwhile
+        wait_until(
+            lambda: failures.in_a_row >= 2 or not pool.thread.is_alive(), 30, "a 2nd failure"
+        )
+        assert pool.codes == []
+        assert pool.app.registry["on_the_loop"].enqueue().result(timeout=30) == os.getpid()
+        job = synchronous.job()
+    assert pool.codes == [0]
+    assert (job.state.value, job.attempt) == ("available", 0)
+    assert {e.kind for e in job.errors} == {"released"}
+    assert "this worker's sync jobs cannot run" in caplog.text
+    assert "exit 1" not in caplog.text
+
+
+def test_a_child_that_cannot_start_beside_live_ones_leaves_the_job_waiting_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a process-pool worker (-c 2) whose second child cannot start again, when a
+    job comes while the other child is busy, then the job waits for that child (never
+    released, its attempt run once), the failed starts pause no claim, and however long
+    they last the worker runs on. The job was released at each failed start, each
+    pausing every claim, and failures that lasted GIVE_UP_AFTER starts and GIVE_UP_SPAN
+    seconds stopped the worker (exit 1) though one child was healthy."""
+    monkeypatch.setattr(child_starts, "START_PAUSE", 0.05)
+    monkeypatch.setattr(child_starts, "GIVE_UP_AFTER", 3)
+    monkeypatch.setattr(child_starts, "GIVE_UP_SPAN", 0.5)
+    release = tmp_path / "release"
+    caplog.set_level(logging.WARNING, "errands.worker")
+    with PoolWorker(tmp_path, monkeypatch, concurrency=2) as pool:
+        live, doomed = pool.children()
+        pool.lose_children(doomed)
+        blocker = pool.app.registry["waits_for"].enqueue(path=str(release))
+        wait_until(lambda: blocker.job().state.value == "running", 30, "the blocker to run")
+        waiting = pool.app.registry["pid"].enqueue()
+        failures = pool.worker.processes.failures
+        # five starts missed, 0.05 s apart doubling: 0.75 s, past the give-up's span
+        wait_until(
+            lambda: failures.total >= 5 or not pool.thread.is_alive(), 30, "five failed starts"
+        )
+        assert pool.codes == [] and waiting.job().state.value == "running"
+        release.touch()
+        assert blocker.result(timeout=30) == live
+        assert waiting.result(timeout=30) == live
+        job = waiting.job()
+    assert pool.codes == [0]
+    assert (job.attempt, job.errors) == (1, [])
+    assert "1 other(s) run: sync jobs wait for them" in caplog.text
+    assert "exit 1" not in caplog.text
+
+
+def test_a_job_whose_thread_to_its_child_cannot_start_is_released_uncharged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_threads: set[str]
+) -> None:
+    """Given a process-pool worker that cannot start the thread that hands a job to its
+    child (the process's thread limit reached), when a job on its last attempt comes,
+    then it is released (its attempt not charged, the reason recorded) and the failure
+    counted as a child that cannot start; once threads start again it completes on that
+    same attempt. The RuntimeError was the job's failure, charged: dead at once."""
+    monkeypatch.setattr(child_starts, "START_PAUSE", 0.1)
+    with PoolWorker(tmp_path, monkeypatch, concurrency=1) as pool:
+        [child] = pool.children()
+        refused_threads.add("errands-child-job")
+        handle = pool.app.registry["pid"].enqueue()  # retries=0
+        wait_until(lambda: handle.job().errors, 30, "the job's first failure or release")
+        counted = pool.worker.processes.failures.total
+        refused_threads.clear()
+        assert handle.result(timeout=30) == child
+        job = handle.job()
+    assert counted >= 1
+    assert job.attempt == 1 and {e.kind for e in job.errors} == {"released"}
+    assert "can't start new thread" in job.errors[0].message
+
+
+def test_a_job_runs_and_its_child_comes_back_when_the_next_spares_thread_cannot_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_threads: set[str]
+) -> None:
+    """Given a runner keeping a spare child whose threads to start spares are refused,
+    when a job takes the spare, then it runs, its future is settled and its child goes
+    back to the free ones. The refusal ended the thread serving the job after it took the
+    child: the job waited for ever (its lease heartbeated), the child lost to the pool."""
+    name, app = failing_app(tmp_path, monkeypatch)
+    app.registry["pid"].enqueue()
+    [row] = claimed(app, 1)
+    runner = ProcessRunner(f"{name}:app", app.url, 2, start=False, spare=1)
+    try:
+        runner.warm()
+        wait_until(lambda: runner.idle() == 1, 60, "the spare child")
+        refused_threads.add("errands-child-start")
+        [spare] = runner.pids()
+        assert json.loads(runner.submit(row).result(30).result_json) == spare
+        wait_until(lambda: runner.idle() == 1, 30, "the child back among the free ones")
+    finally:
+        runner.shutdown()
+        app.close()
+
+
+def test_a_spare_whose_thread_cannot_start_gives_its_place_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused_threads: set[str]
+) -> None:
+    """Given a runner of two children, one kept spare, whose first thread to start the
+    spare is refused, when a job runs and another comes, then the other job gets a second
+    child. The refused start's place stayed counted as starting for good: the second job
+    waited for ever for room the pool no longer had."""
+    name, app = failing_app(tmp_path, monkeypatch)
+    release = tmp_path / "release"
+    app.registry["waits_for"].enqueue(path=str(release))
+    app.registry["pid"].enqueue()
+    blocker, quick = claimed(app, 2)
+    runner = ProcessRunner(f"{name}:app", app.url, 2, start=False, spare=1)
+    try:
+        refused_threads.add("errands-child-start")
+        with contextlib.suppress(RuntimeError):  # (it raised it, too)
+            runner.warm()
+        refused_threads.clear()
+        blocked = runner.submit(blocker)
+        second = json.loads(runner.submit(quick).result(30).result_json)
+        assert not blocked.done() and second in runner.pids()
+        release.touch()
+        assert json.loads(blocked.result(30).result_json) != second
+    finally:
+        release.touch()
+        runner.shutdown()
+        app.close()

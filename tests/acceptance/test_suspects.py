@@ -219,7 +219,7 @@ def test_a_submit_starts_a_child_itself_when_a_dead_ones_replacement_could_not_s
     replacements: list[str] = []
     submitted = threading.Event()
 
-    def spawn_once() -> Any:
+    def spawn_once(replacing: Any = None) -> Any:
         if runner.started:  # the replacement of the dead child: it cannot start
             submitted.wait(30)  # the next job waits for a child meanwhile
             time.sleep(0.3)

@@ -56,7 +56,7 @@ def test_a_child_killed_as_it_answers_is_replaced_not_handed_out_again(
     fresh = _Slot(FakeProcess(), AnswerAfterKill(killed))
     runner._slots.append(slot)
     replaced: list[_Slot] = []
-    runner._spawn = lambda: fresh  # type: ignore[method-assign]
+    runner._spawn = lambda replacing=None: fresh  # type: ignore[method-assign]
     runner._add = lambda new, replacing=None: replaced.append(new)  # type: ignore[method-assign]
     future: Future[Any] = Future()
     slot.busy = future

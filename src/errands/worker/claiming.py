@@ -81,6 +81,9 @@ class Claimer:
         self.queues = list(queues)
         self.poll_interval = poll_interval
         self._names: list[str] = []
+        # Set by the worker while the children of its process pool cannot start: the job
+        # types it claims meanwhile (those that need no child), instead of all it defines.
+        self.only: list[str] | None = None
         # Queues this app's own code limits: limited from the start, no store round trip.
         self.declared = {
             d.queue for d in app.registry.values() if d.limited and d.queue in self.queues
@@ -115,7 +118,10 @@ class Claimer:
     def names(self) -> list[str]:
         """The job types this worker's code defines: the only ones it claims (a rolling
         deploy's newer job types wait, uncharged, for a worker that knows them). Read
-        afresh when jobs are registered after the worker started (an embedded worker)."""
+        afresh when jobs are registered after the worker started (an embedded worker).
+        While :attr:`only` is set, those alone."""
+        if self.only is not None:
+            return self.only
         registry = self.app.registry
         if len(registry) != len(self._names):
             self._names = sorted(registry)

@@ -163,22 +163,32 @@ class _ProgressSender:
     """Sends a child's progress reports to the parent, at most one per PROGRESS_EVERY
     seconds: a report held back goes out within that time (a flusher thread), or just
     before the outcome. One lock orders every message on the pipe. Each report names its
-    attempt (:meth:`for_attempt`)."""
+    attempt (:meth:`for_attempt`); only the running attempt's are sent.
+
+    A report of an earlier attempt (from a thread its handler left running) is dropped
+    here: the parent would ignore it, and held in the one slot reports wait in, it
+    replaced the running attempt's latest report, which was then never sent (a stale
+    thread reporting every few milliseconds left the running job with no progress)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.lock = threading.Lock()
         self.sent_at = 0.0
         self.held: tuple[tuple[int, str | None], float, str] | None = None
+        self.running: tuple[int, str | None] | None = None  # the attempt this child runs
         threading.Thread(target=self._flusher, name="errands-progress", daemon=True).start()
 
     def for_attempt(self, row: JobRow) -> Progress:
-        """Where the attempt of ``row`` reports its progress."""
+        """Where the attempt of ``row``, which begins now, reports its progress."""
         attempt = attempt_of(row)
+        with self.lock:
+            self.running = attempt
         return lambda report: self._report(attempt, report)
 
     def _report(self, attempt: tuple[int, str | None], report: tuple[float, str]) -> None:
         with self.lock:
+            if attempt != self.running:  # an earlier attempt's: see the class
+                return
             self.held = (attempt, *report)
             if time.monotonic() - self.sent_at >= PROGRESS_EVERY:
                 self._send_held()
@@ -200,6 +210,7 @@ class _ProgressSender:
     def send_outcome(self, outcome: tuple[bool, Any]) -> None:
         with self.lock:
             self._send_held()
+            self.running = None  # its reports from now on are stale
             self.conn.send(outcome)
 
 
@@ -220,17 +231,22 @@ def _failure(exc: BaseException, kind: str, after: float | None = 0.0) -> tuple[
 
 
 def _unknown_here(name: str, app_path: str) -> tuple[Any, ...]:
-    """A job type the worker's app has and its child's lacks: a permanent failure (each
-    retry would fail alike) that says how to fix it."""
+    """A job type the worker's app has and its child's lacks: a transient failure,
+    retried with backoff, as the worker's own UnknownJob is. Version skew makes it: a
+    child started with spawn, or from a forkserver started afresh, imports the app's code
+    from disk, which a deploy may have changed under a worker still running the old; a
+    retry may meet a child (or a worker) that has the type. Permanent, it sent the job
+    to the dead-letter queue at once. The message names the type and the fix."""
     module = app_path.partition(":")[0]
     message = (
         f"job type {name!r} is not registered in the app this worker's child processes "
-        f"load ({app_path!r}), though the worker's own app has it: the child's app must "
-        f"define it. Register the job where importing {module!r} registers it (a job added "
-        "only by the script that starts the worker, or by a module only it imports, never "
-        "reaches the children)"
+        f"load ({app_path!r}), though the worker's own app has it (retried with backoff). "
+        f"The child's app must define it: register the job where importing {module!r} "
+        "registers it (a job added only by the script that starts the worker, or by a "
+        "module only it imports, never reaches the children); after a deploy, restart "
+        "the worker (its children may have imported code newer than its own)"
     )
-    return "UnknownJob", message, "", "permanent", 0.0
+    return "UnknownJob", message, "", "transient", 0.0
 
 
 def _run_one(

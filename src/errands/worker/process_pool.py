@@ -10,14 +10,16 @@ a job without an owner:
 - a child that dies on its own fails the attempt ("worker process died", kind ``crash``),
   retried with backoff; the job stays a suspect, so it runs isolated again;
 - a child that cannot start costs its job nothing: the job is released, uncharged, and
-  the claims that need a child pause (:mod:`.child_starts`);
+  the claims that need a child pause (:mod:`.child_starts`); while other children live,
+  the job waits for one of them instead (no release, no pause);
 - a failure that is the job's own (its handler's exception, even one that cannot be
   printed; a job type the child's app lacks) is recorded as such, and the child lives on;
 - a child whose worker dies (SIGKILL, OOM) leaves at once, its handler cut short: the
   worker's jobs are rescued when their leases run out, and a child left running one
   would race its rescued run (two runs of one job at once, a per-key limit broken);
 - ``ctx.progress`` reports travel to the parent (at most one every PROGRESS_EVERY
-  seconds, the latest always kept), which stores them with its next heartbeat;
+  seconds, the running attempt's latest always kept), which stores them with its next
+  heartbeat;
 - ``ctx.step`` and ``ctx.transaction()`` work in the child through its own connection;
   when the handler used ``ctx.transaction()``, the child writes the fenced completion in
   that transaction itself and reports whether it landed; children of ``ctx.enqueue``
@@ -175,16 +177,29 @@ class ProcessRunner:
         if idle_retire is not None:
             threading.Thread(target=self._retire_idle, name="errands-children", daemon=True).start()
 
-    def _spawn(self) -> _Slot:
-        """Start a child; a start that fails is counted (:class:`StartFailures`)."""
+    def _spawn(self, replacing: _Slot | None = None) -> _Slot:
+        """Start a child; a start that fails is counted (:class:`StartFailures`): as a
+        miss, raising :class:`_OthersRun`, while other children live (``replacing``, the
+        one whose place it takes, is not one of them), else as a failure."""
         try:
             slot = self._start_one()
         except Exception as exc:
-            if not self._closed:  # closing: a start cut short is no news
+            if self._closed:  # closing: a start cut short is no news
+                raise
+            with self._cond:
+                others = sum(1 for s in self._slots if s is not replacing and not s.killed)
+            if not others:
                 self.failures.failed(exc)
-            raise
+                raise
+            self.failures.missed(exc, others)
+            raise _OthersRun(f"{type(exc).__name__}: {exc}") from exc
         self.failures.started()
         return slot
+
+    def hopeless(self) -> bool:
+        """Whether children have kept failing to start long enough to give up on them, and
+        none lives: a pool short of some children still runs its jobs."""
+        return self.failures.hopeless() and not self.pids()
 
     def _start_one(self) -> _Slot:
         """Start a child, from the forkserver where there is one. A start the forkserver
@@ -284,10 +299,25 @@ class ProcessRunner:
         (-c 1: no job ran again). ``future``: the caller's own, made before the call, so
         that :meth:`kill` reaches the job whatever instant the caller is stopped at."""
         future = Future() if future is None else future
-        threading.Thread(
-            target=self._serve, args=(row, future, on_progress), name="errands-child-job",
-            daemon=True,
-        ).start()  # fmt: skip
+        try:
+            threading.Thread(
+                target=self._serve, args=(row, future, on_progress), name="errands-child-job",
+                daemon=True,
+            ).start()  # fmt: skip
+        except RuntimeError as exc:
+            # "can't start new thread": the limits that refuse a fork refuse a thread too
+            # (RLIMIT_NPROC, a cgroup's pids.max). The job did nothing: as a child that
+            # cannot start, it is released uncharged and the failure counted (it was the
+            # job's failure, charged: each job claimed meanwhile burnt an attempt, on its
+            # last one into the dead-letter queue, and no claim paused).
+            if not self._closed:
+                self.failures.failed(exc)
+            failed = ChildStartFailed(
+                "no thread could be started to hand it to a worker child process: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            failed.__cause__ = exc
+            _settle(future, exc=failed)
         return future
 
     def _serve(self, row: JobRow, future: Future[Any], on_progress: Progress | None) -> None:
@@ -300,9 +330,13 @@ class ProcessRunner:
             failed.__cause__ = exc
             _settle(future, exc=failed)
             return
-        if slot is not None:
+        if slot is None:
+            return
+        try:
             self._top_up()
-            self._run(slot, row, future, on_progress)
+        except Exception:  # (it raises nothing it foresees) the job has its child: it runs
+            log.exception("could not start spare worker child processes")
+        self._run(slot, row, future, on_progress)
 
     def _take(self, future: Future[Any]) -> _Slot | None:
         """A free child that lives, now busy with ``future``; None when ``future`` was
@@ -314,11 +348,12 @@ class ProcessRunner:
                 # Wait for a free child, or for room to start one: a child that died is
                 # replaced by its _run thread, and when that replacement cannot start its
                 # place is given up (room). Waiting for a free child alone, a job waited
-                # for ever then (-c 1: the whole worker).
+                # for ever then (-c 1: the whole worker). A start missed while other
+                # children run makes the room wait until another start may be tried.
                 while (
-                    not self._free and not self._closed and self._room() <= 0
+                    not self._free and not self._closed and not self._may_grow()
                 ) and not future.done():
-                    self._cond.wait(timeout=ROOM_RECHECK)
+                    self._cond.wait(timeout=min(ROOM_RECHECK, self._grow_wait()))
                 if self._closed:
                     _settle(future, exc=RuntimeError("process pool closed"))
                     return None
@@ -345,12 +380,24 @@ class ProcessRunner:
 
     def _grow(self) -> None:
         """Start one more child here when none is free and fewer than ``size`` exist
-        (a burst's jobs each start theirs at once, not one after another)."""
+        (a burst's jobs each start theirs at once, not one after another). A start that
+        fails while other children live leaves the job waiting for one of them (the
+        failure said by StartFailures); raises when none lives."""
         with self._cond:
-            if self._free or self._room() <= 0 or self._closed:
+            if self._free or self._closed or not self._may_grow():
                 return
             self._starting += 1
-        self._start_counted("a worker child process")
+        with contextlib.suppress(_OthersRun):
+            self._start_counted("a worker child process")
+
+    def _may_grow(self) -> bool:
+        """Whether a child may be started now: there is room, and no start missed while
+        other children ran asks to wait (call under ``_cond``)."""
+        return self._room() > 0 and self.failures.retry_left() <= 0
+
+    def _grow_wait(self) -> float:
+        """Seconds a job waiting for a child waits before it looks again (at most)."""
+        return self.failures.retry_left() or ROOM_RECHECK
 
     def _start_counted(self, what: str) -> None:
         """Start a child already counted in ``_starting``; it joins the free ones."""
@@ -400,10 +447,24 @@ class ProcessRunner:
             if count <= 0:
                 return
             self._starting += count
-        for _ in range(count):
-            threading.Thread(
-                target=self._start_spare, name="errands-child-start", daemon=True
-            ).start()
+        started = 0
+        try:
+            for _ in range(count):
+                threading.Thread(
+                    target=self._start_spare, name="errands-child-start", daemon=True
+                ).start()
+                started += 1
+        except RuntimeError as exc:  # "can't start new thread" (RLIMIT_NPROC, pids.max)
+            log.warning(
+                "could not start a thread to start a spare worker child process (%s); the "
+                "next job starts its child itself",
+                exc,
+            )
+        finally:
+            if started < count:  # their places were counted as starting: room again
+                with self._cond:
+                    self._starting -= count - started
+                    self._cond.notify_all()
 
     def _start_spare(self) -> None:
         with contextlib.suppress(Exception):  # logged; the next submit starts one itself
@@ -512,7 +573,7 @@ class ProcessRunner:
             if self._closed:
                 return
         try:
-            fresh = self._spawn()
+            fresh = self._spawn(replacing=slot)
         except Exception:
             log.debug("could not start a replacement worker child process", exc_info=True)
             with self._cond:
@@ -532,6 +593,11 @@ class ProcessRunner:
 
 class _ChildRefused(RuntimeError):
     """A child started but could not load the app: it said why."""
+
+
+class _OthersRun(RuntimeError):
+    """A child could not start while other children of the runner live: a job waits for
+    one of them (see :meth:`StartFailures.missed`)."""
 
 
 def _idle_alive(slot: _Slot) -> bool:

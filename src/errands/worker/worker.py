@@ -307,6 +307,7 @@ class Worker:
         self.listener: Any = None
         self._notified = False
         self.exit_code = 0  # 1: it stopped because its child processes cannot start
+        self._hopeless_said = 0  # the failed starts counted when that was last said
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -359,22 +360,48 @@ class Worker:
         )
 
     def _children_fail(self) -> bool:
-        """Whether the process pool's children cannot start now: the claim loop waits out
-        the pause their failures asked for (see child_starts), or, when they have failed
-        long enough to give up on, the worker stops (exit 1)."""
-        failures = self.processes.failures if self.processes is not None else None
-        if failures is None or not failures.in_a_row:
+        """Whether the process pool's children cannot start now, so that the claim loop
+        claims nothing this round: it waits out the pause their failures asked for (see
+        child_starts), or, when they have failed long enough to give up on, the worker
+        stops (exit 1).
+
+        Only the job types that need a child wait: a worker that also serves ``async
+        def`` handlers (run on its event loop, never in a child) claims those meanwhile
+        (:attr:`Claimer.only`), and, when one of their queues is its own, never gives up,
+        saying loudly instead at each failure that its sync jobs cannot run. The pause
+        held every claim back, and the give-up stopped a worker whose async jobs ran fine."""
+        runner = self.processes
+        self.claimer.only = None
+        if runner is None or not runner.failures.in_a_row:
             return False
-        if failures.hopeless():
-            log.error("%s", failures.give_up_message())
-            self.exit_code = 1
-            self.stop()
-            return True
-        pause = failures.pause_left()
-        if pause > 0:
-            self._wake.wait(pause)
-            self._wake.clear()
-        return pause > 0
+        failures = runner.failures
+        hopeless, pause = runner.hopeless(), failures.pause_left()
+        if not hopeless and pause <= 0:
+            return False
+        childless = self._needing_no_child()
+        if hopeless:
+            queues = self.queue_limits  # (a type's jobs are in its own queue, as a rule)
+            if not any(self.app.registry[name].queue in queues for name in childless):
+                log.error("%s", failures.give_up_message())
+                self.exit_code = 1
+                self.stop()
+                return True
+            if failures.total != self._hopeless_said:  # once per failure: loud, not a flood
+                self._hopeless_said = failures.total
+                log.error("%s", failures.run_on_message())
+        if pause <= 0:
+            return False
+        if childless:
+            self.claimer.only = childless
+            return False
+        self._wake.wait(pause)
+        self._wake.clear()
+        return True
+
+    def _needing_no_child(self) -> list[str]:
+        """The job types this worker runs without its process pool's children: those with
+        an ``async def`` handler (see :meth:`child_runner_for`)."""
+        return sorted(name for name, d in self.app.registry.items() if d.is_async)
 
     def _running_handlers(self) -> int:
         # int reads: no lock needed for a hint; the express lane's handlers count too
@@ -458,8 +485,9 @@ class Worker:
             self.suspect_runner().warm()  # its forkserver and a spare child, in the background
         if self.pool == "process":
             self.processes = ProcessRunner(
-                self.app_path or "", self.app.url, self.concurrency, worker_id=self.id
-            )
+                self.app_path or "", self.app.url, self.concurrency, worker_id=self.id,
+                needed_by="sync jobs",
+            )  # fmt: skip
         self.completer.start()
         self.leases.start()
         self.listener = self.app.backend.listener(self._on_notify)

@@ -105,3 +105,28 @@ def waits_for(path: str) -> int:
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.02)
     return os.getpid()
+
+
+@_app.job(name="keeps_reporting", retries=0)
+def keeps_reporting(ctx: errands.Context, seconds: float) -> int:
+    """Return at once, leaving a thread that reports progress every millisecond for
+    ``seconds`` (a stale attempt's reports, once the outcome has gone)."""
+
+    def stale() -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ctx.progress(0.1, "a finished attempt's")
+            time.sleep(0.001)
+
+    threading.Thread(target=stale, daemon=True).start()
+    return os.getpid()
+
+
+@_app.job(name="reports_then_waits", retries=0)
+def reports_then_waits(ctx: errands.Context, path: str) -> int:
+    """Report progress once, then wait (a minute at most) for the file ``path``."""
+    ctx.progress(0.5, "the running attempt's")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return os.getpid()
