@@ -872,12 +872,13 @@ class App:
             )
         return cancelled
 
-    def workflows_settled(self, *, later: bool = False) -> None:
+    def workflows_settled(self, *, later: bool = False, settled: list[Any] | None = None) -> None:
         """Emit ``errands.workflow.settled`` for what this thread's last store calls
-        settled (called after a finish, rescue or cancel committed). ``later``: the
-        subscribers run on the events lane whatever the thread (a worker's handler thread:
-        a slow one held the job's slot)."""
-        settled = self.backend.workflow_take_settled()
+        settled (called after a finish, rescue or cancel committed), or for ``settled``
+        (a child process's). ``later``: the subscribers run on the events lane whatever
+        the thread (a worker's handler thread: a slow one held the job's slot)."""
+        if settled is None:
+            settled = self.backend.workflow_take_settled()
         if settled and self.events.wants("errands.workflow.settled"):
             emit = self.events.emit_later if later else self.events.emit
             for s in settled:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
+import socket
+import urllib.request
 from pathlib import Path
 
 import acc_pool
@@ -224,3 +227,41 @@ def test_a_job_whose_child_cannot_start_is_released_uncharged_with_growing_pause
     gaps = [(b.at - a.at).total_seconds() for a, b in itertools.pairwise(job.errors)]
     assert gaps[0] >= 0.9 and gaps[1] >= 1.9, gaps  # 1 s, then 2 s: no spin
     assert "cannot start" in worker.stderr()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_workflow_a_childs_transaction_settles_is_announced_by_the_worker(
+    cluster: Cluster,
+) -> None:
+    """A member completing in its own ctx.transaction() in a child process: the child
+    committed the fan-in, and the workflow it settled was announced by nobody (no
+    errands.workflow.settled, the metric at 0; on threads it counts 1)."""
+    port = _free_port()
+    cluster.app("acc_pool")
+    worker = cluster.start_worker(
+        "--pool", "process", "-c", "1", "--metrics-port", str(port),
+        "--metrics-addr", "127.0.0.1", app="acc_pool:app", label="worker",
+    )  # fmt: skip
+    app = cluster.app("acc_pool")
+    batch = errands.Batch("settled-in-a-child")
+    batch.add(acc_pool.in_transaction.bind(), name="member")
+    handle = app.enqueue_workflow(batch)
+    [pid] = handle.result(timeout=60).values()
+    assert pid != worker.pid  # (ran in a child)
+
+    def settled() -> float:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return 0.0
+        pattern = r'errands_workflows_settled_total\{[^}]*state="succeeded"[^}]*\} (\S+)'
+        found = re.search(pattern, text)
+        return float(found.group(1)) if found else 0.0
+
+    wait_until(lambda: settled() == 1.0, 30, "the settled workflow in the worker's metrics")

@@ -118,10 +118,13 @@ def _import_app(folder: Path) -> Any:
         sys.path.remove(str(folder))
 
 
+@pytest.mark.parametrize("pool", ["thread", "process"])
 def test_a_json_worker_logs_parseable_lines_with_the_job_and_no_secret_anywhere(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool: str
 ) -> None:
-    """A real ``python -m errands worker --log-format json --metrics-port`` process."""
+    """A real ``python -m errands worker --log-format json --metrics-port`` process; with
+    ``--pool process`` the sync handlers log from the worker's child processes (whose
+    records had no job fields)."""
     (tmp_path / "obs_shop.py").write_text(APP_MODULE)
     url = f"sqlite:///{tmp_path}/shop.db"
     monkeypatch.setenv("ERRANDS_URL", url)
@@ -136,7 +139,7 @@ def test_a_json_worker_logs_parseable_lines_with_the_job_and_no_secret_anywhere(
             [sys.executable, "-m", "errands", "worker", "obs_shop:app", "--log-format", "json",
              "--log-level", "debug",  # the started lines (with masked arguments) are DEBUG
              "--poll-interval", "0.05", "--metrics-port", str(port),
-             "--metrics-addr", "127.0.0.1"],
+             "--metrics-addr", "127.0.0.1", "--pool", pool],
             cwd=tmp_path, env=env, stderr=stderr, stdout=subprocess.DEVNULL,
         )  # fmt: skip
         try:

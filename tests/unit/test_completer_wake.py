@@ -29,7 +29,7 @@ class App:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
 
-    def workflows_settled(self) -> None: ...
+    def workflows_settled(self, **_: Any) -> None: ...
 
 
 OUTCOME = FinishParams(id=1, lease_token="t", state="completed")

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams
 from ..errors import is_transient
@@ -182,19 +182,21 @@ class Completer:
                 _pause(pause * (0.5 + random.random() / 2))
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
 
-    def fanned_in(self) -> None:
+    def fanned_in(self, settled: list[Any] | None = None, released: set[str] | None = None) -> None:
         """Once a write committed (a batch here, or a ctx.transaction() completion on
-        its handler's thread): what its workflow fan-ins did on this thread. The queues
-        they released jobs into wake this worker; the workflows they settled are
-        emitted (``errands.workflow.settled``, and its metric)."""
+        its handler's thread): what its workflow fan-ins did on this thread (or, given,
+        in a child process's: it was never announced). The queues they released jobs
+        into wake this worker; the workflows they settled are emitted
+        (``errands.workflow.settled``, and its metric)."""
         try:
-            released = self.app.backend.workflow_take_released()
+            if released is None:
+                released = self.app.backend.workflow_take_released()
             if released and self.on_released is not None:
                 self.on_released(released)
         except Exception:  # a wake-up missed: the store's own notification still comes
             log.exception("could not wake the worker for the jobs a fan-in released")
         try:
-            self.app.workflows_settled(later=True)  # (a handler's thread: off it)
+            self.app.workflows_settled(later=True, settled=settled)  # (off a handler's thread)
         except Exception:  # committed: an event missed is never a reason to write again
             log.exception("could not report the workflows a fan-in settled")
 

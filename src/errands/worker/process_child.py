@@ -41,6 +41,10 @@ class ChildResult:
     result_json: str | None
     children: list[EnqueueRequest] = field(default_factory=list)
     written: bool | None = None  # set when the child committed its own transaction
+    # what that transaction's workflow fan-in settled and released, for the worker to
+    # announce (events, metrics, its own wake-up) as it does for its own threads'
+    settled: list[Any] = field(default_factory=list)
+    released: set[str] = field(default_factory=set)
 
 
 def attempt_of(row: JobRow) -> tuple[int, str | None]:
@@ -112,9 +116,10 @@ def child_main(
         signum = getattr(signal, name, None)
         if signum is not None:
             signal.signal(signum, _outlived)
-    if logs is not None:
-        from ..observability.logcontext import configure_logging
+    from ..observability.logcontext import configure_logging, install_record_factory
 
+    install_record_factory()  # a job's records carry its id here too, as in the worker
+    if logs is not None:
         configure_logging(logs[0], logs[1], background=False)
     running = threading.Event()  # set while a job runs here, until its outcome is sent
     _leave_with_the_worker(running)
@@ -260,9 +265,11 @@ def _run_one(
     import inspect
 
     from ..errors import InvalidPayload, StepError, TransactionEnded
+    from ..observability.logcontext import JobLogContext, job_context
     from ..outcomes import Permanent, Retry
     from .dispatch import encode
     from .execution import Attempt, Suspended, context_for, outcome_for
+    from .recorder import job_fields
     from .runtime import AttemptRuntime
 
     definition = app.registry.get(row.name)
@@ -272,18 +279,23 @@ def _run_one(
     runtime = attempt.runtime = AttemptRuntime(app, attempt)
     runtime.report_progress = reporter.for_attempt(row) if reporter is not None else None
     try:
-        kwargs = definition.payload.decode(row.args)
-        attempt.kwargs = kwargs
-        ctx = context_for(row, definition, worker_id, runtime)
-        call = dict(kwargs)
-        if definition.payload.context_param:
-            call[definition.payload.context_param] = ctx
-        value = definition.fn(**call)
-        if inspect.isawaitable(value):  # an async def handler: its own event loop here
-            value = asyncio.run(_awaited(value))
-        result_json = encode(definition, value)
-        if runtime.tx is not None:
-            runtime.check_transaction()  # raises if the handler ended it
+        # As in the worker's own threads: every record carries the job's fields, and the
+        # app's handler wrappers (tracing's process span) are entered around the call
+        # (neither was, here: a process-pool job's log lines had no job id, no span).
+        with job_context(JobLogContext(row.id, row.name, row.queue, row.attempt)):
+            kwargs = definition.payload.decode(row.args)
+            attempt.kwargs = kwargs
+            ctx = context_for(row, definition, worker_id, runtime)
+            call = dict(kwargs)
+            if definition.payload.context_param:
+                call[definition.payload.context_param] = ctx
+            with app.events.around_handler({**job_fields(row), "meta": row.meta}):
+                value = definition.fn(**call)
+                if inspect.isawaitable(value):  # an async def handler: its own loop here
+                    value = asyncio.run(_awaited(value))
+            result_json = encode(definition, value)
+            if runtime.tx is not None:
+                runtime.check_transaction()  # raises if the handler ended it
     except BaseException as exc:
         runtime.rollback()
         permanent = (InvalidPayload, Permanent, StepError, TransactionEnded, *definition.permanent)
@@ -309,7 +321,9 @@ def _run_one(
             written = app.backend.tx_finish(tx, outcome)
         except Exception as exc:  # the parent retries it, like any store failure
             return False, _failure(exc, "transient")
-        return True, ChildResult(result_json, [], written)
+        settled = app.backend.workflow_take_settled()
+        released = app.backend.workflow_take_released()
+        return True, ChildResult(result_json, [], written, settled, released)
     return True, ChildResult(result_json, list(runtime.children), written)
 
 

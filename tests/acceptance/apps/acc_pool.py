@@ -69,6 +69,13 @@ def child_parent() -> list[int]:
     return [os.getpid(), os.getppid()]
 
 
+@_app.job(name="in_transaction", retries=0)
+def in_transaction(ctx: errands.Context) -> int:
+    """Completes in its own ctx.transaction() (its outcome written in the child)."""
+    ctx.transaction()
+    return os.getpid()
+
+
 @_app.job(name="parent_only", retries=3, backoff=0.1)
 def parent_only() -> None:
     """Registered in the worker's app, not in its children's."""
