@@ -738,7 +738,10 @@ class App:
                 raise ConfigurationError(f"job {bound.definition.name!r} belongs to another App")
         if not jobs:
             return []
-        return self.events.prepare_insert([b.request for b in jobs], stored_later=stored_later)
+        requests = [b.request for b in jobs]
+        if stored_later:  # (one callback may be shared by workflows enqueued at once)
+            requests = [replace(r, meta=dict(r.meta)) for r in requests]
+        return self.events.prepare_insert(requests, stored_later=stored_later)
 
     def _enqueued(self, jobs: Sequence[BoundJob], results: Sequence[Any]) -> list[JobHandle]:
         """Emit the enqueued events; the handles of what was stored."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import json
 import logging
 import os
@@ -208,13 +207,8 @@ class JobDefinition(Generic[P, R]):
         rate: str | None = None,
         fair_key: str | None = None,
     ) -> None:
-        if not callable_is_function(fn):
-            # (a functools.partial, a callable object: its parameters and type hints, which
-            # validate the payload, cannot be read; it failed from inside typing)
-            raise ConfigurationError(
-                f"a job is a function (def or async def), not {fn!r}: define one that "
-                "calls it, with the parameters the job takes"
-            )
+        if not callable(fn) or (name is None and not hasattr(fn, "__qualname__")):
+            raise _not_a_function(fn)
         self.app = app
         self.fn: Callable[P, R] = fn
         self.name = check_name("job", name or f"{fn.__module__}.{fn.__qualname__}")
@@ -236,9 +230,12 @@ class JobDefinition(Generic[P, R]):
             raise ConfigurationError(f"job {self.name!r}: lease must be at least 1 second")
         self.permanent = exception_classes(permanent, "permanent", owner)
         self.is_async = asyncio.iscoroutinefunction(fn)
-        self.payload = PayloadSpec(
-            fn, self.name, context_type=Context, max_bytes=app.max_payload_bytes
-        )
+        try:
+            self.payload = PayloadSpec(
+                fn, self.name, context_type=Context, max_bytes=app.max_payload_bytes
+            )
+        except TypeError as exc:  # its signature or type hints cannot be read (a partial)
+            raise _not_a_function(fn) from exc
         self.sensitive = frozenset(sensitive)
         unknown = self.sensitive - set(self.payload.fields)
         if unknown:
@@ -500,9 +497,14 @@ class JobDefinition(Generic[P, R]):
         return value
 
 
-def callable_is_function(fn: object) -> bool:
-    """A def or async def (a method too): what a job's payload spec can read."""
-    return inspect.isfunction(fn) or inspect.ismethod(fn)
+def _not_a_function(fn: object) -> ConfigurationError:
+    """What is said of a callable whose name, parameters or type hints cannot be read (a
+    functools.partial failed from inside typing)."""
+    return ConfigurationError(
+        f"a job is a function (def or async def); the name, parameters or type hints of "
+        f"{fn!r} cannot be read: define a function that calls it, with the parameters the "
+        "job takes"
+    )
 
 
 @dataclass(frozen=True)

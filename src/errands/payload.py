@@ -88,6 +88,8 @@ class PayloadSpec:
         self.max_bytes = max_bytes
         try:
             hints = typing.get_type_hints(fn, include_extras=True)
+        except TypeError:  # not a function (a functools.partial): said by the definition
+            raise
         except Exception as exc:  # an unresolvable forward reference, say
             raise ConfigurationError(
                 f"job {job_name!r}: cannot resolve the type hints of {fn.__qualname__}: {exc}"

@@ -298,6 +298,8 @@ def store_unreadable(exc: BaseException) -> bool:
     """Whether a read failed for want of the store (a lost or refused connection, a pool
     with none free, a busy file, no answer in time) and may succeed if made again; not
     an answer (JobNotFound), a schema to migrate, or a closed App (PoolClosed)."""
+    if isinstance(exc, ResultTimeout):  # a wait's own answer (a nested workflow's result)
+        return False
     return is_transient(exc) and type(exc).__name__ != "PoolClosed"
 
 

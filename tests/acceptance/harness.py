@@ -314,7 +314,7 @@ class Cluster:
         """
         proc = self.spawn(["worker", app, *WORKER_FLAGS, *options], label, env)
         if ready:
-            text = proc.wait_log(_STARTED.pattern, timeout=20)
+            text = proc.wait_log(_STARTED.pattern, timeout=60)
             match = _STARTED.search(text)
             proc.worker_id = match.group(1) if match else None
         if leader:

@@ -5,12 +5,14 @@ worker`` processes on SQLite)."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import signal
 import socket
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import acc_pool
 import pytest
@@ -265,3 +267,28 @@ def test_a_workflow_a_childs_transaction_settles_is_announced_by_the_worker(
         return float(found.group(1)) if found else 0.0
 
     wait_until(lambda: settled() == 1.0, 30, "the settled workflow in the worker's metrics")
+
+
+def test_a_childs_process_span_ends_with_its_handler_and_is_exported(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """With tracing installed in the children, a process-pool job's process span (opened
+    by the handler wrapper in the child) was ended only by an outcome event, which a
+    child never sees: never exported, and kept for the child's whole life."""
+    spans = tmp_path / "spans.jsonl"
+    cluster.app("acc_pool")
+    cluster.start_worker(
+        "--pool", "process", "-c", "1", app="acc_pool:app", label="worker",
+        env=cluster.env(ACC_TRACE_FILE=str(spans)),
+    )  # fmt: skip
+    pid = acc_pool.child_pid.enqueue().result(timeout=60)
+
+    def exported() -> list[dict[str, Any]]:
+        if not spans.exists():
+            return []
+        return [json.loads(line) for line in spans.read_text().splitlines() if line.strip()]
+
+    [span] = wait_until(exported, 30, "the child's process span to be exported")
+    assert span["name"] == "process default"
+    assert span["attributes"]["errands.job.outcome"] == "completed"
+    assert pid != os.getpid()

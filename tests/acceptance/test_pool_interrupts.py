@@ -112,7 +112,7 @@ def test_an_interrupt_landing_in_a_process_attempts_thread_leaves_the_pool_its_c
         thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
         thread.start()
         try:
-            handle.result(timeout=30)
+            handle.result(timeout=60)
             job = app.get_job(handle.id)
         finally:
             worker.stop()

@@ -166,7 +166,7 @@ def test_the_children_of_a_supervisor_killed_while_they_import_the_app_stop(
     supervisor = cluster.spawn(
         ["worker", "acc_slow_import:app", *WORKER_FLAGS, "--processes", "2"],
         "supervisor",
-        env=cluster.env(ACC_IMPORT_SECONDS="4"),
+        env=cluster.env(ACC_IMPORT_SECONDS="2"),
     )
     wait_until(lambda: len(children_of(supervisor.pid)) == 2, 20, "two children importing")
     children = children_of(supervisor.pid)

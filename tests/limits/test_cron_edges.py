@@ -178,11 +178,13 @@ def test_a_job_is_a_function_not_a_partial(tmp_path: Path) -> None:
     def report(region: str) -> None: ...
 
     for name in (None, "report.eu"):
-        with pytest.raises(ConfigurationError, match=r"a job is a function \(def or async"):
+        with pytest.raises(ConfigurationError, match=r"a job is a function \(def or async def"):
             app.periodic("0 3 * * *", name=name)(functools.partial(report, "eu"))
-        with pytest.raises(ConfigurationError, match=r"a job is a function \(def or async"):
+        with pytest.raises(ConfigurationError, match=r"a job is a function \(def or async def"):
             app.job(name=name)(functools.partial(report, "eu"))
     assert (app.registry, app.schedules) == ({}, {})
+    cached = app.job(name="report.cached")(functools.lru_cache(report))  # still a job
+    assert cached.name == "report.cached"
 
 
 def test_a_zoneinfo_and_a_job_already_defined_are_taken(tmp_path: Path) -> None:

@@ -194,6 +194,9 @@ class EventBus:
         deferred: list[Subscriber] = []
         off_thread = self._hooks is not None and protected
         for subscriber in subscribers:
+            wants = getattr(subscriber, "wants", None)
+            if wants is not None and not wants(name):
+                continue  # (a lane call each, for nothing: the lane's room is bounded)
             if off_thread and id(subscriber) not in self._inline:
                 deferred.append(subscriber)
             else:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from ..jobs import EnqueueRequest
 
 META_KEY = "trace"
+ENDS_HERE = "ends_here"  # in a handler wrapper's info: no outcome event ends its span
 BATCH_KEY = "trace_batch"
 PENDING_MAX = 10_000  # unconfirmed send spans kept (an insert that raised never confirms)
 
@@ -221,8 +222,10 @@ class Tracing:
         )
         record = _Process(span, sensitive=bool(meta.get("sensitive")))
         key = (info.get("job_id"), info.get("attempt"))
-        with self._lock:
-            self._running[key] = record
+        here = bool(info.get(ENDS_HERE))  # a worker's child process: no outcome event here
+        if not here:
+            with self._lock:
+                self._running[key] = record
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
             yield
@@ -231,6 +234,30 @@ class Tracing:
             raise
         finally:
             otel_context.detach(token)
+            if here:
+                self._ended_here(record)
+
+    @staticmethod
+    def _ended_here(record: _Process) -> None:
+        """End a span where no outcome event will (a process-pool child: the worker
+        records the outcome; its spans stayed open, never exported): ``completed`` when
+        the handler returned, ``failed`` with the exception when it raised (the worker
+        then decides retry or dead)."""
+        span, error = record.span, record.error
+        if error is None:
+            span.set_attribute("errands.job.outcome", "completed")
+        else:
+            span.set_attribute("errands.job.outcome", "failed")
+            error_type = type(error).__name__
+            attributes: dict[str, str | bool] = {
+                "exception.type": error_type, "exception.escaped": True,
+            }  # fmt: skip
+            if not record.sensitive:  # (its message may carry a sensitive argument)
+                attributes["exception.message"] = str(error)
+                attributes["exception.stacktrace"] = "".join(traceback.format_exception(error))
+            span.add_event("exception", attributes)
+            span.set_status(Status(StatusCode.ERROR, error_type))
+        span.end()
 
     def _finished(self, event: Event) -> None:
         key = (event.get("job_id"), event.get("attempt"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import logging
 import threading
@@ -181,7 +182,8 @@ class Dispatcher:
             events.emit_later(
                 "errands.job.started",
                 **job_fields(row),
-                args=mask(attempt.kwargs, definition.sensitive),
+                # a copy: delivered later, the handler may have changed them meanwhile
+                args=_snapshot(mask(attempt.kwargs, definition.sensitive)),
                 queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
                 meta=row.meta,
             )
@@ -371,3 +373,12 @@ def _progressed(attempt: Attempt, report: tuple[float, str]) -> None:
     """A child process's ctx.progress report: stored with the next heartbeat, as in a
     thread."""
     attempt.progress = report
+
+
+def _snapshot(args: dict[str, Any]) -> dict[str, Any]:
+    """The arguments as they are now, for an event its subscribers read later; a value
+    that cannot be copied is passed as it is."""
+    try:
+        return copy.deepcopy(args)
+    except Exception:
+        return dict(args)

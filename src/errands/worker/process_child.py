@@ -289,7 +289,10 @@ def _run_one(
             call = dict(kwargs)
             if definition.payload.context_param:
                 call[definition.payload.context_param] = ctx
-            with app.events.around_handler({**job_fields(row), "meta": row.meta}):
+            # no outcome event here (the worker records it): its wrappers end what
+            # they began as the handler returns (tracing: ENDS_HERE)
+            info = {**job_fields(row), "meta": row.meta, "ends_here": True}
+            with app.events.around_handler(info):
                 value = definition.fn(**call)
                 if inspect.isawaitable(value):  # an async def handler: its own loop here
                     value = asyncio.run(_awaited(value))

@@ -947,7 +947,10 @@ class Worker:
             self.app.backend.worker_deregister(self.id)
         except Exception as exc:
             log.debug("could not deregister worker %s: %s", self.id, exc)
-        self.app.events.emit("errands.worker.stopped", worker_id=self.id, processed=self.processed)
+        # after the released jobs' events, which the events lane delivers first
+        self.app.events.emit_later(
+            "errands.worker.stopped", worker_id=self.id, processed=self.processed
+        )
         if not self.app.hooks.drain(HOOK_DRAIN):
             log.warning(
                 "on_dead hooks or event subscribers still ran %g s after stopping", HOOK_DRAIN

@@ -55,7 +55,23 @@ def __getattr__(name: str) -> Any:
         if os.path.exists(os.environ.get("ACC_CHILD_START_FAULT", "/nonexistent")):
             raise RuntimeError("injected: this worker child cannot start")
         _app.registry.pop("parent_only", None)
+        if os.environ.get("ACC_TRACE_FILE"):
+            _trace_to(os.environ["ACC_TRACE_FILE"])
     return _app
+
+
+def _trace_to(path: str) -> None:
+    """Tracing in this child, each ended span written to ``path`` as a JSON line."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+    from errands.observability.tracing import install_tracing
+
+    out = open(path, "a")  # noqa: SIM115 - the child's life long
+    exporter = ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    install_tracing(_app, tracer_provider=provider)
 
 
 @_app.job(name="child_pid", retries=0)

@@ -406,6 +406,27 @@ class _Registry(dict[str, JobDefinition[Any, Any]]):
         return default if found is None else found
 
 
+# The events Django's signals are sent for (DjangoApp._bridge_signals); the rest are not
+# delivered to the bridge (each job's errands.job.started took a place on the events lane).
+_BRIDGED = frozenset(
+    {"errands.job.completed", "errands.job.dead", "errands.job.cancelled", "errands.job.rescued"}
+)
+
+
+class _Bridge:
+    """The signal bridge as a subscriber that says which events it wants."""
+
+    def __init__(self, deliver: Callable[[Any], None]) -> None:
+        self.deliver = deliver
+
+    def __call__(self, event: Any) -> None:
+        self.deliver(event)
+
+    @staticmethod
+    def wants(name: str) -> bool:
+        return name in _BRIDGED
+
+
 class DjangoApp(App):
     """An errands App whose jobs live in one of Django's databases."""
 
@@ -432,7 +453,7 @@ class DjangoApp(App):
         self.registry = _Registry(self._resolve)
         for queue, limits in (self.options.get("QUEUE_LIMITS") or {}).items():
             self.queue(queue, **{str(k).lower(): v for k, v in dict(limits).items()})
-        self.events.subscribe(self._bridge_signals)
+        self.events.subscribe(_Bridge(self._bridge_signals))
 
     # -- the store ------------------------------------------------------------------------
     @property  # type: ignore[override]
