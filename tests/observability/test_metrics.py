@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,29 @@ def test_a_suspended_attempt_leaves_the_in_flight_gauge(app: errands.App, worker
         app.signal(handle.id, "go", "yes")
         assert handle.result(timeout=10) == "yes"
     assert metric_value(registry, "errands_jobs_in_flight") == 0
+
+
+def test_a_signal_wait_that_times_out_counts_as_a_failed_attempt(
+    app: errands.App, worker_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """A wait past its timeout is a failed attempt: one ending dead was counted (its
+    errands.job.dead), one ending retryable in no counter at all."""
+    from errands.maintenance.service import Maintenance
+
+    registry = install_metrics(app, cache_seconds=0).registry
+
+    @app.job(name="m.times_out", retries=1, backoff=0.05)
+    def times_out(ctx: errands.Context) -> str:
+        return str(ctx.wait_for_signal("go", timeout=0.1))
+
+    handle = times_out.enqueue()
+    leader = Maintenance(app, "w-leader")
+    with worker_factory(concurrency=1, maintenance=False):
+        for _ in range(2):
+            wait_until(lambda: handle.job().state.value == "waiting", what="a suspension")
+            time.sleep(0.2)  # past its timeout
+            leader.run_once()  # its duties: the wait's timeout among them
+        wait_until(lambda: handle.job().state.value == "dead", what="the job dead")
+    retry = metric_value(registry, "errands_jobs_completed_total", outcome="retry")
+    dead = metric_value(registry, "errands_jobs_completed_total", outcome="dead")
+    assert (retry, dead) == (1, 1)

@@ -187,6 +187,10 @@ class ErrandsMetrics:
             self.rescues.labels(queue, job, RESCUE_OUTCOMES.get(state, state)).inc()
         elif name == "errands.job.stale_write_rejected":
             self.stale_writes.labels(queue, job).inc()
+        elif name == "errands.job.wait_timed_out" and f.get("state") == "retryable":
+            # a failed attempt, as a retrying one is (one ending dead comes as
+            # errands.job.dead): it was counted nowhere
+            self.completed.labels(queue, job, "retry").inc()
         outcome: str | None = OUTCOMES.get(name)
         if outcome is not None:
             self.completed.labels(queue, job, outcome).inc()
