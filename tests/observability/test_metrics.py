@@ -315,3 +315,18 @@ def test_a_signal_wait_that_times_out_counts_as_a_failed_attempt(
     retry = metric_value(registry, "errands_jobs_completed_total", outcome="retry")
     dead = metric_value(registry, "errands_jobs_completed_total", outcome="dead")
     assert (retry, dead) == (1, 1)
+
+
+def test_a_fair_key_named_other_is_counted_in_the_aggregate_not_beside_it() -> None:
+    """A tenant whose key is literally "other", among the top keys, was a row beside the
+    aggregate "other": two series with one label set in one scrape."""
+    from errands.backends.base import FairKeyFigures
+    from errands.observability.fair_keys import top_keys
+
+    def key(name: str, seconds: float) -> FairKeyFigures:
+        return FairKeyFigures(name, seconds, seconds, 1, 0.0, 0, 1, 1.0)
+
+    rows = top_keys([key("other", 5.0), key("acme", 4.0), key("zeta", 1.0)], n=2)
+    assert [r.figures.key for r in rows] == ["acme", "other"]
+    assert (rows[-1].keys, rows[-1].figures.recent_seconds) == (2, 6.0)
+    assert top_keys([key("acme", 1.0), key("other", 1.0)], n=10)[-1].keys == 1

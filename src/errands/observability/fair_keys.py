@@ -44,8 +44,13 @@ def top_keys(figures: Sequence[FairKeyFigures], n: int = TOP_KEYS_DEFAULT) -> li
     ``"other"`` row for the rest, if any."""
     total = sum(f.recent_seconds for f in figures)
     ranked = sorted(figures, key=lambda f: (-f.recent_seconds, -f.due, f.key))
-    rows = [KeyRow(f, f.recent_seconds / total if total > 0 else 0.0) for f in ranked[:n]]
-    rest = ranked[n:]
+    top, rest = ranked[:n], ranked[n:]
+    if any(f.key == OTHER for f in top):
+        # a key named "other" shown beside the aggregate: two series with one label set
+        # (an exposition Prometheus rejects whole); it is counted in the aggregate
+        rest = [f for f in top if f.key == OTHER] + rest
+        top = [f for f in top if f.key != OTHER]
+    rows = [KeyRow(f, f.recent_seconds / total if total > 0 else 0.0) for f in top]
     if rest:
         other = FairKeyFigures(
             key=OTHER,
