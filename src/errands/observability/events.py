@@ -174,6 +174,17 @@ class EventBus:
                 return True
         return False
 
+    def wants_later(self, name: str) -> bool:
+        """Whether :meth:`emit_later` of ``name`` would hand it to a subscriber that runs
+        later, on the events lane (one not errands' own inline): its fields must then be
+        a copy of what may change meanwhile."""
+        inline = self._inline
+        for subscriber in self.subscribers:
+            wants = getattr(subscriber, "wants", None)
+            if id(subscriber) not in inline and (wants is None or wants(name)):
+                return True
+        return False
+
     def emit(self, name: str, **fields: Any) -> None:
         self._emit(name, fields, on_protected_thread())
 

@@ -182,8 +182,7 @@ class Dispatcher:
             events.emit_later(
                 "errands.job.started",
                 **job_fields(row),
-                # a copy: delivered later, the handler may have changed them meanwhile
-                args=_snapshot(mask(attempt.kwargs, definition.sensitive)),
+                args=_args_for_started(events, attempt.kwargs, definition.sensitive),
                 queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
                 meta=row.meta,
             )
@@ -375,9 +374,14 @@ def _progressed(attempt: Attempt, report: tuple[float, str]) -> None:
     attempt.progress = report
 
 
-def _snapshot(args: dict[str, Any]) -> dict[str, Any]:
-    """The arguments as they are now, for an event its subscribers read later; a value
-    that cannot be copied is passed as it is."""
+def _args_for_started(events: Any, kwargs: dict[str, Any], sensitive: Any) -> dict[str, Any]:
+    """The masked arguments of errands.job.started; a copy as they are now only when a
+    subscriber reads them later, on the events lane (the handler may change them
+    meanwhile): errands' own inline subscribers (metrics, tracing) pay no copy per job.
+    A value that cannot be copied is passed as it is."""
+    args = mask(kwargs, sensitive)
+    if not events.wants_later("errands.job.started"):
+        return args
     try:
         return copy.deepcopy(args)
     except Exception:
