@@ -141,7 +141,7 @@ class ResultHub:
             if not self._started and time.monotonic() >= self._retry_at:
                 try:
                     watcher = self.app.backend.result_listener(
-                        self._on_done, self._on_listen, self._on_lost
+                        self._on_done, self._wake_all, self._wake_all
                     )
                     if watcher is not None:
                         watcher.start()
@@ -182,14 +182,11 @@ class ResultHub:
         if watcher is not None:
             watcher.stop()
 
-    def _on_listen(self) -> None:
-        """(Re)connected: what ended while the watcher was away sent no word: all read."""
-        self._wake(None)
-
-    def _on_lost(self) -> None:
-        """The watcher stopped listening (its connection lost): a waiter asleep until its
-        SAFETY_RECHECK would see a job that ends meanwhile up to 30 s late. All read now,
-        then poll with backoff (``pushing`` is False) until the watcher listens again."""
+    def _wake_all(self) -> None:
+        """Every waiter reads its jobs now. Called when the watcher (re)connects (what
+        ended while it was away sent no word) and when it stops listening (its connection
+        lost: a waiter asleep until its SAFETY_RECHECK would see a job that ends meanwhile
+        up to 30 s late; they poll with backoff, ``pushing`` False, until it is back)."""
         self._wake(None)
 
     def _on_done(self, ids: Iterable[int] | None) -> None:

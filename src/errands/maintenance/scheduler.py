@@ -181,7 +181,6 @@ class Scheduler:
         self._first = 0  # the periodic job a tick starts with
         self._clock_warned: set[str] = set()
         self._absent_checked = float("-inf")  # monotonic: the last look with no periodic job
-        self._now_given = False
 
     def run_once(self, now: datetime | None = None, go_on: Callable[[], bool] | None = None) -> int:
         """Insert the due slots of every periodic job; the number inserted. ``go_on``
@@ -197,7 +196,7 @@ class Scheduler:
                 self._absent_checked = time.monotonic()
                 self._mark_absent(self.app.backend.cron_states())
             return 0
-        self._now_given = now is not None  # a test's clock: not read again
+        now_given = now is not None  # a test's clock: not read again
         now = now or self.clock()
         backend = self.app.backend
         states = {s.name: s for s in backend.cron_states()}
@@ -210,7 +209,7 @@ class Scheduler:
             if go_on is not None and not go_on():
                 break
             try:
-                count += self._run_one(job, states.get(job.name), now, go_on)
+                count += self._run_one(job, states.get(job.name), now, go_on, now_given)
             except TimeoutError:
                 log.error(
                     "cron %s: its insert timed out (a before_insert hook?); this tick's "
@@ -245,7 +244,12 @@ class Scheduler:
                 log.warning("cron %s: could not mark it absent (%s); next tick", state.name, exc)
 
     def _run_one(
-        self, job: Periodic, state: Any, now: datetime, go_on: Callable[[], bool] | None = None
+        self,
+        job: Periodic,
+        state: Any,
+        now: datetime,
+        go_on: Callable[[], bool] | None = None,
+        now_given: bool = True,
     ) -> int:
         backend = self.app.backend
         count = 0
@@ -256,7 +260,8 @@ class Scheduler:
                               job.next_after(now).timestamp())  # fmt: skip
             return 0
         last = datetime.fromtimestamp(state.last_slot, tz=UTC)
-        if (state.expression, state.timezone) != (job.expression, job.timezone):
+        changed = (state.expression, state.timezone) != (job.expression, job.timezone)
+        if changed:
             # Its schedule (or time zone) changed, or it is back after an absence: it
             # starts from the grace before now. The new schedule's slots since the old
             # one's last were never due (a 03:00 job moved to 04:00 at 14:00 ran at once;
@@ -268,7 +273,7 @@ class Scheduler:
             )  # fmt: skip
             last = max(last, now - timedelta(seconds=self.grace))
         elif last > now + timedelta(seconds=self.grace) and (
-            self._now_given or last > self.clock() + timedelta(seconds=self.grace)
+            now_given or last > self.clock() + timedelta(seconds=self.grace)
         ):
             # The database clock is behind the last slot handled: it was stepped forward,
             # then back. Slots from now on run (their keys keep the ones inserted while it
@@ -287,7 +292,7 @@ class Scheduler:
             return 0
         slots = job.slots_after(last, now)
         if not slots:
-            if state.expression != job.expression or state.timezone != job.timezone:
+            if changed:
                 backend.cron_save(job.name, job.expression, job.timezone, last.timestamp(),
                                   None, job.next_after(now).timestamp())  # fmt: skip
             return 0
