@@ -44,6 +44,12 @@ GIVE_UP_AFTER = 5  # failures in a row (pauses, see above) ...
 GIVE_UP_SPAN = 60.0  # ... spanning at least this many seconds: the process pool gives up
 
 
+def _doubling(count: int) -> float:
+    """The wait after the ``count``-th failure in a row: START_PAUSE, doubling each time,
+    at most START_PAUSE_MAX."""
+    return min(START_PAUSE * 2 ** (count - 1), START_PAUSE_MAX)
+
+
 class StartFailures:
     """The child starts of one runner that failed since the last that worked, and the
     pause they ask of the claims that would need a child. ``waiting``: what the worker
@@ -71,12 +77,11 @@ class StartFailures:
         a row up to ``START_PAUSE_MAX``."""
         now = time.monotonic()
         with self._lock:
-            self.total += 1
-            self.last = f"{type(exc).__name__}: {exc}"
+            self._note(exc)
             if now < self._retry_at:  # the rest of a burst: one for them all
                 return
             self._missed += 1
-            retry = min(START_PAUSE * 2 ** (self._missed - 1), START_PAUSE_MAX)
+            retry = _doubling(self._missed)
             self._retry_at = now + retry
         log.warning(
             "a worker child process cannot start (%s); %d other(s) run: %s wait for them "
@@ -87,6 +92,11 @@ class StartFailures:
             retry,
         )
 
+    def _note(self, exc: BaseException) -> None:
+        """Count a failed start and keep why (under the lock)."""
+        self.total += 1
+        self.last = f"{type(exc).__name__}: {exc}"
+
     def retry_left(self) -> float:
         """Seconds until another start may be tried after one :meth:`missed` (0: now)."""
         return max(self._retry_at - time.monotonic(), 0.0)
@@ -94,14 +104,13 @@ class StartFailures:
     def failed(self, exc: BaseException) -> None:
         now = time.monotonic()
         with self._lock:
-            self.total += 1
-            self.last = f"{type(exc).__name__}: {exc}"
+            self._note(exc)
             if now < self._until:  # the rest of a burst: one pause for them all
                 return
             if not self.in_a_row:
                 self._first_at = now
             self.in_a_row += 1
-            pause = min(START_PAUSE * 2 ** (self.in_a_row - 1), START_PAUSE_MAX)
+            pause = _doubling(self.in_a_row)
             self._until = now + pause
             in_a_row = self.in_a_row
             # judged as a start fails, never later: failures long past, with no start
