@@ -50,6 +50,8 @@ def pg_unavailable_reason() -> str | None:
                 try:
                     with psycopg.connect(admin, autocommit=True, connect_timeout=3) as conn:
                         conn.execute(f'CREATE DATABASE "{parts.path.lstrip("/")}"')
+                except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+                    pass  # another test process created it at the same moment (either error)
                 except psycopg.Error as create_exc:
                     reason = f"cannot create the test database: {create_exc}"
             else:
