@@ -319,13 +319,15 @@ def _run_one(
         outcome = outcome_for(attempt, None, result_json, worker_id)
         if runtime.children:
             outcome = replace(outcome, children=tuple(runtime.children))
-        tx, runtime.tx = runtime.tx, None
+        taken = runtime.take_transaction()
+        assert taken is not None  # nothing else ends a child's transaction
+        backend, tx = taken
         try:
-            written = app.backend.tx_finish(tx, outcome)
+            written = backend.tx_finish(tx, outcome)
         except Exception as exc:  # the parent retries it, like any store failure
             return False, _failure(exc, "transient")
-        settled = app.backend.workflow_take_settled()
-        released = app.backend.workflow_take_released()
+        settled = backend.workflow_take_settled()
+        released = backend.workflow_take_released()
         return True, ChildResult(result_json, [], written, settled, released)
     return True, ChildResult(result_json, list(runtime.children), written)
 

@@ -165,15 +165,21 @@ class OutcomeRecorder:
             log.error("%s", ended)
             runtime.rollback()
             return outcome_for(attempt, ended, None, self.worker.id), None
-        tx, runtime.tx = runtime.tx, None
+        taken = runtime.take_transaction()
+        if taken is None:  # let go of meanwhile (cannot happen once decided: defensive)
+            return outcome, None
+        backend, tx = taken
         try:
-            landed = self.worker.app.backend.tx_finish(tx, outcome)
+            landed = backend.tx_finish(tx, outcome)
         except Exception as exc:
             log.exception("job %s: committing its transaction failed; retrying it", attempt.id)
             return outcome_for(attempt, exc, None, self.worker.id), None
         # What its fan-in settled and released, reported from this thread as the
-        # completer reports its batches' (events, metrics, this worker's wake-up).
-        self.worker.completer.fanned_in()
+        # completer reports its batches' (events, metrics, this worker's wake-up); read
+        # from the store that committed it (app.backend may be another since: see tx_backend)
+        self.worker.completer.fanned_in(
+            backend.workflow_take_settled(), backend.workflow_take_released()
+        )
         return outcome, landed
 
     def _fallback(

@@ -42,6 +42,7 @@ from .execution import Suspended, _secrets, scrub
 
 if TYPE_CHECKING:
     from ..app import App
+    from ..backends.base import Backend
     from ..definition import BoundJob, JobDefinition
     from ..workflows import ParentResults
     from .execution import Attempt
@@ -58,6 +59,10 @@ class AttemptRuntime:
         self.app = app
         self.attempt = attempt
         self.tx: Any = None
+        # the store that opened it, which alone ends it: App.close() under a running
+        # worker made app.backend open a new store, whose migration then waited for the
+        # write lock this very transaction held (a deadlock of write_timeout)
+        self.tx_backend: Backend | None = None
         self.tx_opened = 0.0  # monotonic time ctx.transaction() opened it
         self.tx_warned = False  # the lease keeper warned that it is held long
         self.children: list[EnqueueRequest] = []
@@ -110,8 +115,8 @@ class AttemptRuntime:
                     f"or released at shutdown); step {name!r} is not stored outside the "
                     "transaction it belonged to"
                 )
-            tx = self.tx
-        stored = self.app.backend.step_store(
+            tx, backend = self.tx, self.tx_backend or self.app.backend
+        stored = backend.step_store(
             self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
         )
         result = json.loads(stored)
@@ -222,13 +227,14 @@ class AttemptRuntime:
                     "written in it is committed"
                 )
             if self.tx is None:
-                tx = self.app.backend.tx_begin()
+                backend = self.app.backend
+                tx = backend.tx_begin()
                 try:
                     tx.execute(OPEN_SAVEPOINT)
                 except BaseException:
-                    self.app.backend.tx_rollback(tx)
+                    backend.tx_rollback(tx)
                     raise
-                self.tx, self.tx_opened = tx, time.monotonic()
+                self.tx, self.tx_backend, self.tx_opened = tx, backend, time.monotonic()
             return TransactionConnection(self.tx, self._ended)
 
     def check_transaction(self) -> None:
@@ -265,8 +271,17 @@ class AttemptRuntime:
             return not _broken(exc)  # a broken connection ended nothing of the handler's
         return False
 
+    def take_transaction(self) -> tuple[Backend, Any] | None:
+        """The open transaction and its store, now the caller's alone to end (None: none
+        is open, or another thread took it)."""
+        with self._lock:
+            tx, backend, self.tx, self.tx_backend = self.tx, self.tx_backend, None, None
+        if tx is None or backend is None:
+            return None
+        return backend, tx
+
     def rollback(self) -> None:
-        self._end_with(self.app.backend.tx_rollback, "roll back")
+        self._end_with("tx_rollback", "roll back")
 
     def let_go(self) -> None:
         """The attempt was decided while its handler may still run (abandoned after its
@@ -286,16 +301,16 @@ class AttemptRuntime:
         threading.Thread(target=self._end_transaction, name="errands-let-go", daemon=True).start()
 
     def _end_transaction(self) -> None:
-        self._end_with(self.app.backend.tx_abandon, "end")
+        self._end_with("tx_abandon", "end")
 
-    def _end_with(self, end: Callable[[Any], None], verb: str) -> None:
-        """Take the open transaction (if any) and ``end`` it (the backend's rollback or
-        abandon); a failure is logged, never raised."""
-        with self._lock:
-            tx, self.tx = self.tx, None
-        if tx is not None:
+    def _end_with(self, end: str, verb: str) -> None:
+        """Take the open transaction (if any) and ``end`` it (its store's tx_rollback or
+        tx_abandon); a failure is logged, never raised."""
+        taken = self.take_transaction()
+        if taken is not None:
+            backend, tx = taken
             try:
-                end(tx)
+                getattr(backend, end)(tx)
             except Exception:
                 log.exception("could not %s the transaction of job %s", verb, self.attempt.id)
 

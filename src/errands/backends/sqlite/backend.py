@@ -221,8 +221,9 @@ class SQLiteBackend(SQLiteAdmin):
                 f"cannot use SQLite database {self.path!r}: {exc}; check that the URL names "
                 "an errands SQLite file (or a new one)"
             ) from exc
-        with self._all_lock:
-            self._all.append(conn)
+        if not any_thread:  # a ctx.transaction() connection is its attempt's (see close)
+            with self._all_lock:
+                self._all.append(conn)
         return conn
 
     def _conn(self) -> sqlite3.Connection:
@@ -241,6 +242,13 @@ class SQLiteBackend(SQLiteAdmin):
         return conn
 
     def close(self) -> None:
+        """Close the store's own connections. A thread's connection can be closed only by
+        that thread (refused here; it closes when the thread ends). A ctx.transaction()
+        connection is never closed here: its handler's thread may be inside a call on it
+        (COMMIT, on an App closed while its worker still completed a job), and closing a
+        connection under a running call freed what that call was using and crashed the
+        process. Whoever ends that transaction closes it (tx_finish, tx_rollback, and an
+        abandoned one when its handler lets go)."""
         with self._all_lock:
             for conn in self._all:
                 with contextlib.suppress(sqlite3.Error):
@@ -777,12 +785,9 @@ class SQLiteBackend(SQLiteAdmin):
         roll its transaction back (it holds the store's write lock, which every writer
         waits for). The connection is not closed here: the handler's thread may still be
         in a call on it (closed under it, that call read a freed handle and could crash
-        the process); it is dropped from the store's connections and closed when the
-        handler lets go of it. Read-only, whatever the handler writes next fails: nothing
+        the process); it is closed when the handler lets go of it (close() leaves it
+        alone too). Read-only, whatever the handler writes next fails: nothing
         of it commits (after the ROLLBACK it would be in autocommit mode)."""
-        with self._all_lock:  # not the store's any more: close() never closes it under it
-            if conn in self._all:
-                self._all.remove(conn)
         threading.Thread(
             target=self._end_abandoned, args=(conn,), name="errands-tx-abandon", daemon=True
         ).start()
@@ -824,10 +829,8 @@ class SQLiteBackend(SQLiteAdmin):
         finally:
             ended.set()
 
-    def _forget(self, conn: sqlite3.Connection) -> None:
-        with self._all_lock:
-            if conn in self._all:
-                self._all.remove(conn)
+    @staticmethod
+    def _forget(conn: sqlite3.Connection) -> None:
         with contextlib.suppress(sqlite3.Error):
             conn.close()
 
