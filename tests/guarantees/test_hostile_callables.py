@@ -806,3 +806,76 @@ def test_a_periodic_job_whose_hook_hangs_never_keeps_the_others_waiting(
         protect_current_thread(False)
         release.set()
         app.close()
+
+
+def _append(requests: list[Any]) -> None:
+    requests.append(requests[0])
+
+
+def _drop(requests: list[Any]) -> None:
+    requests.pop()
+
+
+def _unstorable_meta(requests: list[Any]) -> None:
+    for request in requests:
+        request.meta["hostile"] = datetime.now(UTC)  # not JSON
+
+
+def _nan_meta(requests: list[Any]) -> None:
+    for request in requests:
+        request.meta["hostile"] = float("nan")  # invalid JSON on SQLite, refused by jsonb
+
+
+def _nul_meta(requests: list[Any]) -> None:
+    for request in requests:
+        request.meta["hostile"] = "a\x00b"
+
+
+def _priority(requests: list[Any]) -> None:
+    for request in requests:
+        request.meta["hostile"] = True
+        request.priority = 2**40  # past what PostgreSQL's column holds
+
+
+def _raises_midway(requests: list[Any]) -> None:
+    requests[0].meta["hostile"] = True
+    raise RuntimeError("hook broke halfway")
+
+
+@pytest.mark.parametrize(
+    "hook", [_append, _drop, _unstorable_meta, _nan_meta, _nul_meta, _priority, _raises_midway]
+)
+def test_a_before_insert_hook_that_meddles_is_undone_and_every_job_is_stored_once(
+    store_url: str, hook: Callable[[list[Any]], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A before_insert hook may add storable keys to each request's meta, nothing more.
+    Given one that changes the list, a request's other fields, leaves a meta the store
+    cannot hold, or raises halfway, what it did is undone and logged with its name, the
+    hooks after it still run, and the jobs are stored once each. Before: an appended or
+    dropped request stored the jobs and then raised to the caller (who retried: twice
+    stored), a NaN meta was stored as invalid JSON on SQLite (every later enqueue with a
+    key of that job failed), a datetime or a huge priority raised from deep inside."""
+    app = errands.App(store_url)
+    try:
+        app.events.before_insert(hook)
+
+        @app.events.before_insert
+        def stamp(requests: list[Any]) -> None:
+            for request in requests:
+                request.meta["stamped"] = True
+
+        @app.job(name="hostile.hooked")
+        def hooked(n: int) -> None: ...
+
+        with caplog.at_level(logging.ERROR, logger="errands.events"):
+            handles = app.enqueue_many([hooked.bind(n=1), hooked.bind(n=2)])
+            single = hooked.enqueue(n=3)
+        assert len(handles) == 2
+        stored = app.jobs(name="hostile.hooked")
+        assert sorted(j.id for j in stored) == sorted([*(h.id for h in handles), single.id])
+        assert all(j.meta == {"stamped": True} for j in stored)
+        assert all(j.priority == 0 for j in stored)
+        assert hook.__name__ in caplog.text
+        hooked.enqueue(n=4, key="again")  # the store took nothing it cannot read back
+    finally:
+        app.close()

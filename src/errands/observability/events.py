@@ -13,7 +13,9 @@ stores the enqueuing span's context there, once per job).
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
@@ -88,6 +90,64 @@ class Event:
 
 Subscriber = Callable[[Event], None]
 STORED_LATER = "_errands_stored_later"  # set on requests while before_insert hooks run
+
+
+class _Before:
+    """A request as it was before a ``before_insert`` hook ran, to undo what it did."""
+
+    __slots__ = ("fields", "meta", "meta_items", "request")
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.meta: dict[str, Any] = request.meta
+        self.meta_items = dict(request.meta)
+        self.fields = {
+            name: getattr(request, name) for name in request.__dataclass_fields__ if name != "meta"
+        }
+
+    def changed_fields(self) -> list[str]:
+        request = self.request
+        return [
+            name
+            for name, was in self.fields.items()
+            if (now := getattr(request, name)) is not was and now != was
+        ]
+
+    def meta_changed(self) -> bool:
+        return self.request.meta is not self.meta or self.meta != self.meta_items
+
+    def restore(self) -> None:
+        self.meta.clear()
+        self.meta.update(self.meta_items)
+        for name, value in self.fields.items():
+            setattr(self.request, name, value)
+        self.request.meta = self.meta
+
+
+_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")  # JSON's escape of NUL, not an escaped backslash
+
+
+def _meddled(requests: list[Any], given: list[Any], before: list[_Before]) -> str | None:
+    """What a hook did beyond adding storable keys to each meta (None: nothing)."""
+    if len(given) != len(requests) or any(a is not b for a, b in zip(given, requests, strict=True)):
+        return "changed the list of jobs it was given (added, dropped or replaced one)"
+    for saved in before:
+        changed = saved.changed_fields()
+        if changed:
+            return f"changed {', '.join(changed)} of a job ({saved.request.name!r})"
+        if saved.meta_changed():
+            meta = saved.request.meta
+            if not isinstance(meta, dict):
+                return f"replaced a job's meta with a {type(meta).__name__}"
+            try:
+                text = json.dumps(meta, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                return f"left a meta that JSON cannot hold ({exc})"
+            if _NUL.search(text):
+                return "left a meta holding the NUL character, which PostgreSQL cannot store"
+    return None
+
+
 Wrapper = Callable[[dict[str, Any]], AbstractContextManager[Any]]
 Inserter = Callable[[list[Any]], None]  # called with the EnqueueRequests about to be inserted
 
@@ -138,7 +198,15 @@ class EventBus:
         return fn
 
     def prepare_insert(self, requests: list[Any], *, stored_later: bool = False) -> list[Any]:
-        """Run every ``before_insert`` hook on ``requests`` (a failing hook is skipped).
+        """Run every ``before_insert`` hook on ``requests``.
+
+        A hook may add keys to each ``request.meta``, nothing more, and is user code: one
+        that raises, changes the list (it is handed a copy), changes a request's other
+        fields (a priority the store cannot hold) or leaves a meta that cannot be stored
+        as JSON (a datetime, NaN, NUL) has what it did undone, logged with its name: the
+        jobs are stored without it. (Its changes reached the store before: a hook that
+        appended or dropped a request stored the jobs and then raised to the caller, who
+        retried and stored them twice.)
 
         ``stored_later``: the store inserts them later, with something else's write (a
         handler's children and added members with its outcome, a workflow's callbacks
@@ -151,12 +219,27 @@ class EventBus:
                 request.meta[STORED_LATER] = True
         try:
             for inserter in self.inserters:
+                before = [_Before(r) for r in requests]
+                given = list(requests)
                 try:
-                    inserter(requests)
+                    inserter(given)
+                    problem = _meddled(requests, given, before)
                 except Exception:
                     log.exception(
                         "before-insert hook %r failed; the jobs are stored without it", inserter
                     )
+                    problem = ""
+                if problem is not None:
+                    for saved in before:
+                        saved.restore()
+                    if problem:
+                        log.error(
+                            "before-insert hook %r %s; it may only add keys to each "
+                            "request.meta, whose values JSON can hold: what it did is "
+                            "undone, the jobs are stored without it",
+                            inserter,
+                            problem,
+                        )
         finally:
             if stored_later:
                 for request in requests:
