@@ -696,7 +696,7 @@ class App:
         .. versionadded:: 0.2
         """
         given = self._given(jobs)
-        requests = self._requests(given)
+        requests = await self._off_loop(self._requests, given)
         if not requests:
             return []
         backend = await self.abackend()
@@ -709,6 +709,14 @@ class App:
                 lambda: self._enqueued(given, backend.job_insert_many(requests))
             )
         return self._enqueued(given, await backend.ajob_insert_many(requests, conn=conn))
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, on a thread of its own when before_insert hooks are installed:
+        they are user code (a slow one held the event loop, and every task on it, for as
+        long as it ran); at once when none is."""
+        if not self.events.inserters:
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
 
     @staticmethod
     def _given(jobs: Iterable[BoundJob]) -> list[BoundJob]:
@@ -775,7 +783,7 @@ class App:
         """:meth:`enqueue_workflow` for async code: ``conn`` is the caller's async
         connection (as :meth:`aenqueue_many` takes), and the event loop never blocks."""
         self._check_workflow(workflow)
-        spec = self._workflow_spec(workflow)
+        spec = await self._off_loop(self._workflow_spec, workflow)
         inserted = await (await self.abackend()).aworkflow_insert(spec, conn=conn)
         return self._workflow_enqueued(workflow, inserted)
 

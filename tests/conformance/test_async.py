@@ -362,6 +362,48 @@ def test_async_calls_keep_the_event_loop_free(app: errands.App) -> None:
     assert run(scenario()) < 0.5
 
 
+def test_a_slow_before_insert_hook_runs_off_the_event_loop_in_aenqueue(
+    app: errands.App,
+) -> None:
+    """before_insert hooks are user code: a slow one ran on the event loop in aenqueue,
+    aenqueue_many and aenqueue_workflow, and every other task waited for it. They run
+    on a thread now: a task scheduled meanwhile runs while the hook sleeps."""
+    import threading
+    import time
+
+    add, _ = _jobs(app)
+    hook_threads: list[int] = []
+
+    @app.events.before_insert
+    def slow(requests: list[Any]) -> None:
+        hook_threads.append(threading.get_ident())
+        time.sleep(0.3)
+
+    async def scenario() -> list[str]:
+        order: list[str] = []
+
+        async def other_task() -> None:
+            await asyncio.sleep(0.05)
+            order.append("other task ran")
+
+        batch = errands.Batch("hooked")
+        batch.add(add.bind(a=5, b=6))
+        for enqueue in (
+            lambda: add.aenqueue(a=1, b=2),
+            lambda: app.aenqueue_many([add.bind(a=3, b=4)]),
+            lambda: app.aenqueue_workflow(batch),
+        ):
+            task = asyncio.create_task(other_task())
+            await enqueue()
+            order.append("enqueued")
+            await task
+        return order
+
+    loop_thread = threading.get_ident()
+    assert run(scenario()) == ["other task ran", "enqueued"] * 3
+    assert hook_threads and loop_thread not in hook_threads
+
+
 def test_asignal_sends_a_signal_as_signal_does(app: errands.App, backend: Backend) -> None:
     """asignal resumes a job waiting for the signal and refuses a finished one."""
     from errands.backends.base import FinishParams
