@@ -19,6 +19,7 @@ import secrets
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -141,6 +142,28 @@ def _split_statements(script: str) -> list[str]:
     return statements
 
 
+class _Connection(sqlite3.Connection):
+    """A connection the store can hold weakly (sqlite3's own type takes no weak
+    reference)."""
+
+
+class _CloseWithThread:
+    """Kept in a thread's locals beside its connection: when the thread ends, its locals
+    are dropped and this closes the connection, on that thread. (sqlite3's connection
+    refers to itself through its statement cache, so dropping it closes nothing until a
+    garbage collection: the connections of finished threads stayed open, two file
+    descriptors each, and a thread per request ran out of them.)"""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
 class SQLiteBackend(SQLiteAdmin):
     capabilities = Capabilities(
         listen_notify=False,
@@ -186,24 +209,36 @@ class SQLiteBackend(SQLiteAdmin):
                 raise ConfigurationError(
                     f"SQLite URL {url!r}: folder {folder!r} does not exist; create it first"
                 )
-        self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
-        self._all_lock = threading.Lock()
-        # ":memory:" is one database per connection, so it gets one connection and a lock.
-        self._memory_lock = threading.RLock() if self.memory else None
-        self._writer = threading.Lock()  # one write transaction of this process at a time
-        self._pid = os.getpid()
+        self._pid = -1
+        self._fresh_process()
         self.workflows = WorkflowStore(Q, self._insert_program, json.dumps, rows=json.dumps)
         if auto_migrate:
             self.migrate()
 
     # -- connections ---------------------------------------------------------------
+    def _fresh_process(self) -> None:
+        """Connections and locks of this process: at start, and in a child after a fork.
+        A child never shares the parent's connections, nor inherits its locks as they
+        were at the fork: a lock another thread held then stayed held for good (every
+        write in the child raised DatabaseBusy; one taking ``_all_lock`` hung)."""
+        self._local = threading.local()
+        # Weakly held: a finished thread's connection (closed with it: _CloseWithThread)
+        # is not kept for the store's life.
+        self._all: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
+        self._all_lock = threading.Lock()
+        # ":memory:" is one database per connection, so it gets one connection and a lock.
+        self._memory_lock = threading.RLock() if self.memory else None
+        self._writer = threading.Lock()  # one write transaction of this process at a time
+        self._shared: sqlite3.Connection | None = None
+        self._pid = os.getpid()
+
     def _connect(self, any_thread: bool = False) -> sqlite3.Connection:
         """A new connection; ``any_thread``: usable from threads other than this one (the
         ctx.transaction() connection is committed by whichever thread decides the outcome)."""
         try:
             conn = sqlite3.connect(
                 self.path,
+                factory=_Connection,
                 isolation_level=None,
                 timeout=self.busy_timeout_ms / 1000,
                 check_same_thread=not (self.memory or any_thread),
@@ -223,22 +258,23 @@ class SQLiteBackend(SQLiteAdmin):
             ) from exc
         if not any_thread:  # a ctx.transaction() connection is its attempt's (see close)
             with self._all_lock:
-                self._all.append(conn)
+                self._all.add(conn)
         return conn
 
     def _conn(self) -> sqlite3.Connection:
-        if os.getpid() != self._pid:  # forked: never share a connection with the parent
-            self._local = threading.local()
-            self._all, self._pid = [], os.getpid()
-            self._shared = None
+        """This thread's connection (the in-memory store's one: take ``_memory_lock``
+        first, so that close() cannot close it under the call)."""
+        if os.getpid() != self._pid:
+            self._fresh_process()
         if self.memory:
-            shared = getattr(self, "_shared", None)
+            shared = self._shared
             if shared is None:
                 shared = self._shared = self._connect()
             return shared
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self._connect()
+            self._local.closer = _CloseWithThread(conn)
         return conn
 
     def close(self) -> None:
@@ -249,13 +285,23 @@ class SQLiteBackend(SQLiteAdmin):
         connection under a running call freed what that call was using and crashed the
         process. Whoever ends that transaction closes it (tx_finish, tx_rollback, and an
         abandoned one when its handler lets go)."""
+        shared, self._shared = self._shared, None
         with self._all_lock:
-            for conn in self._all:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.close()
+            for conn in list(self._all):
+                if conn is not shared:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.close()
             self._all.clear()
         self._local = threading.local()
-        self._shared = None
+        lock = self._memory_lock
+        # The in-memory store's one connection, once no thread is in a call on it (closed
+        # under a running statement, it crashed the process as above).
+        if shared is not None and lock is not None and lock.acquire(timeout=self.write_timeout):
+            try:
+                with contextlib.suppress(sqlite3.Error):
+                    shared.close()
+            finally:
+                lock.release()
 
     def _retry(
         self, fn: Any, timeout: float | None = None, first: float = 0.005, most: float = 0.5
@@ -320,7 +366,8 @@ class SQLiteBackend(SQLiteAdmin):
 
     @contextmanager
     def _write_unshielded(self, timeout: float | None) -> Iterator[sqlite3.Connection]:
-        conn = self._conn()
+        if os.getpid() != self._pid:  # forked: this process's own locks, before taking one
+            self._fresh_process()
         started = time.monotonic()
         lock = self._memory_lock or (self._writer if timeout is None else None)
         limit = self.write_timeout if timeout is None else timeout
@@ -330,8 +377,11 @@ class SQLiteBackend(SQLiteAdmin):
                 f"write transaction open for {limit:.1f} s"
             )
         try:
-            self._begin(conn, max(limit - (time.monotonic() - started), 0.0))
+            conn = self._conn()
             try:
+                # inside: an exception (a Ctrl-C) just after BEGIN IMMEDIATE took the lock
+                # left the transaction open, and the file locked for every writer
+                self._begin(conn, max(limit - (time.monotonic() - started), 0.0))
                 yield conn
                 conn.execute("COMMIT")
             except BaseException as exc:
@@ -352,13 +402,14 @@ class SQLiteBackend(SQLiteAdmin):
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn()
+        if os.getpid() != self._pid:
+            self._fresh_process()
         lock = self._memory_lock
         with shielded():
             if lock is not None:
                 lock.acquire()
             try:
-                yield conn
+                yield self._conn()
             finally:
                 if lock is not None:
                     lock.release()
@@ -374,6 +425,12 @@ class SQLiteBackend(SQLiteAdmin):
         return int(row[0] or 0)
 
     def migrate(self) -> list[str]:
+        """Apply the migrations this file lacks. Read first: the write lock is taken only
+        when one is due (an up-to-date store opened while a transaction held the lock
+        waited for it, and raised DatabaseBusy after write_timeout)."""
+        with self._read() as conn:
+            if self._applied_version(conn) == SCHEMA_VERSION:
+                return []
         applied: list[str] = []
         with self._write() as conn:
             conn.execute(
