@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 log = logging.getLogger("errands")
+CLOSE_MARGIN = 10.0  # seconds App.close() waits for a worker past its grace period
 
 LEASE_DEFAULT = 30.0
 RETENTION_DEFAULT = timedelta(days=7)
@@ -171,6 +172,8 @@ class App:
         self._opening: concurrent.futures.Future[Backend] | None = None  # abackend's
         self._results: ResultHub | None = None
         self.fair_weights: CallableWeights | None = None  # app.fair_weight(fn)
+        self._workers: set[Worker] = set()  # this App's workers running now (close)
+        self._workers_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<errands.App {redact_url(self.url)} jobs={len(self.registry)}>"
@@ -220,6 +223,12 @@ class App:
         return self._results
 
     def close(self) -> None:
+        """Close the store and what this App started. A worker of this App still running
+        (an embedded one) is stopped first, as a SIGTERM stops it, and waited for (its
+        grace period, then a margin): closed under it, the store was opened again by its
+        threads (the maintenance leader, the completer, the lease keeper) and never
+        closed. The App may be used after close(): the store opens again when needed."""
+        self._stop_workers()
         if self.fair_weights is not None:
             self.fair_weights.close()
         if self._results is not None:
@@ -227,6 +236,21 @@ class App:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+
+    def _stop_workers(self) -> None:
+        with self._workers_lock:
+            running = list(self._workers)
+        me = threading.current_thread()
+        running = [w for w in running if w.thread is not me]  # never wait for itself
+        for worker in running:
+            worker.stop()
+        for worker in running:
+            if not worker.ended.wait(worker.grace + CLOSE_MARGIN):
+                log.warning(
+                    "App.close(): worker %s has not stopped within its grace period "
+                    "(%.0f s) and %.0f s more; the store is closed under it",
+                    worker.id, worker.grace, CLOSE_MARGIN,
+                )  # fmt: skip
 
     def migrate(self) -> list[str]:
         """Apply pending schema migrations; returns the names applied."""

@@ -181,6 +181,9 @@ class ResultHub:
             watcher, self._watcher, self._started = self._watcher, None, False
         if watcher is not None:
             watcher.stop()
+        # Waiters asleep until their recheck (30 s) read now: what they wait for is read
+        # from the store (opened again) or fails, not learnt half a minute late.
+        self._wake_all()
 
     def _wake_all(self) -> None:
         """Every waiter reads its jobs now. Called when the watcher (re)connects (what

@@ -68,6 +68,22 @@ def test_an_exception_whose_str_raises_is_the_jobs_failure_and_the_child_lives_o
     assert acc_pool.child_pid.enqueue().result(timeout=60) == child
 
 
+def test_a_handler_in_a_child_that_ended_its_transaction_and_failed_dies_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a handler in a child that commits errands' transaction through ``tx.raw``
+    and then raises, then the job is dead after that one attempt (TransactionEnded), as
+    in the worker's own threads: its committed writes are never repeated. The child
+    recorded the ValueError, transient, and the job ran its committed part 4 times."""
+    _pool_worker(cluster)
+    ran = tmp_path / "attempts"
+    handle = acc_pool.commits_then_fails.enqueue(path=str(ran))
+    wait_until(lambda: cluster.state_of(handle.id) == "dead", 60, "the job to be dead")
+    job = handle.job()
+    assert (job.attempt, job.last_error.type) == (1, "TransactionEnded")  # type: ignore[union-attr]
+    assert ran.read_text().split() == ["1"]
+
+
 def test_a_progress_report_sent_after_its_jobs_outcome_leaves_the_idle_child_in_service(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -24,6 +24,9 @@ class Backend:
         released, self.released = self.released, set()
         return released
 
+    def workflow_take_settled(self) -> list[Any]:
+        return []
+
 
 class App:
     def __init__(self, backend: Backend) -> None:

@@ -335,9 +335,13 @@ class CallableWeights:
             return 1.0
 
     def close(self) -> None:
-        """Stop the threads once they are done with what they are asking."""
-        for _ in range(self._started):
-            self._todo.put(None)
+        """Stop the threads once they are done with what they are asking (keys asked
+        before this); a later call starts new ones (an App used after close() asked its
+        callable for nothing more: every new key waited its whole budget, for good)."""
+        with self._cond:
+            for _ in range(self._started):
+                self._todo.put(None)
+            self._started = 0
 
 
 def _name(fn: object) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import FinishParams
+from ..backends.base import Backend, FinishParams
 from ..errors import is_transient
 from ..hooks import protect_current_thread
 from ..landed import landed, read_back
@@ -150,8 +150,9 @@ class Completer:
         unsure = False  # an earlier try may have committed before its error
         while True:
             try:
-                accepted = self.app.backend.job_finish_many([o for _, o in batch])
-                self.fanned_in()
+                backend = self.app.backend  # what its fan-ins did is read from the same store
+                accepted = backend.job_finish_many([o for _, o in batch])
+                self.fanned_in(store=backend)
                 if unsure and not all(accepted):
                     accepted = self._landed_anyway(batch, accepted)
                 return list(zip(batch, accepted, strict=True))
@@ -182,20 +183,29 @@ class Completer:
                 _pause(pause * (0.5 + random.random() / 2))
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
 
-    def fanned_in(self, settled: list[Any] | None = None, released: set[str] | None = None) -> None:
+    def fanned_in(
+        self,
+        settled: list[Any] | None = None,
+        released: set[str] | None = None,
+        *,
+        store: Backend | None = None,
+    ) -> None:
         """Once a write committed (a batch here, or a ctx.transaction() completion on
-        its handler's thread): what its workflow fan-ins did on this thread (or, given,
-        in a child process's: it was never announced). The queues they released jobs
-        into wake this worker; the workflows they settled are emitted
-        (``errands.workflow.settled``, and its metric)."""
+        its handler's thread): what its workflow fan-ins did on this thread, read from
+        ``store`` (the one that wrote it; default the App's), or given (a child
+        process's: it was never announced). The queues they released jobs into wake
+        this worker; the workflows they settled are emitted (``errands.workflow.settled``,
+        and its metric). Never raises: the write committed."""
         try:
             if released is None:
-                released = self.app.backend.workflow_take_released()
+                released = (store or self.app.backend).workflow_take_released()
             if released and self.on_released is not None:
                 self.on_released(released)
         except Exception:  # a wake-up missed: the store's own notification still comes
             log.exception("could not wake the worker for the jobs a fan-in released")
         try:
+            if settled is None:
+                settled = (store or self.app.backend).workflow_take_settled()
             self.app.workflows_settled(later=True, settled=settled)  # (off a handler's thread)
         except Exception:  # committed: an event missed is never a reason to write again
             log.exception("could not report the workflows a fan-in settled")

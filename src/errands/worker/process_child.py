@@ -300,6 +300,9 @@ def _run_one(
             if runtime.tx is not None:
                 runtime.check_transaction()  # raises if the handler ended it
     except BaseException as exc:
+        # as the worker's recorder judges it (a handler that committed through .raw and
+        # then raised was retried here, and repeated the writes it had committed)
+        exc = runtime.ended_then_failed() or exc
         runtime.rollback()
         permanent = (InvalidPayload, Permanent, StepError, TransactionEnded, *definition.permanent)
         after: float | None

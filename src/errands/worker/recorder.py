@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import FinishParams
-from ..errors import ConfigurationError, TransactionEnded
+from ..errors import ConfigurationError
 from .execution import (
     CANCELLED,
     SHUTDOWN,
@@ -140,12 +140,8 @@ class OutcomeRecorder:
         if runtime.tx is None:
             return outcome, None
         if outcome.state != "completed":
-            if runtime.transaction_ended():  # its writes may be committed: never again
-                ended = TransactionEnded(
-                    f"job {attempt.id}: the handler ended the transaction of "
-                    "ctx.transaction() and then failed; the writes it made until then may be "
-                    "committed, so the job fails for good instead of running them again"
-                )
+            ended = runtime.ended_then_failed()
+            if ended is not None:  # its writes may be committed: never again
                 log.error("%s", ended)
                 outcome = outcome_for(attempt, ended, None, self.worker.id)
             runtime.rollback()
@@ -177,9 +173,7 @@ class OutcomeRecorder:
         # What its fan-in settled and released, reported from this thread as the
         # completer reports its batches' (events, metrics, this worker's wake-up); read
         # from the store that committed it (app.backend may be another since: see tx_backend)
-        self.worker.completer.fanned_in(
-            backend.workflow_take_settled(), backend.workflow_take_released()
-        )
+        self.worker.completer.fanned_in(store=backend)
         return outcome, landed
 
     def _fallback(

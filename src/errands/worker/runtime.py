@@ -280,6 +280,18 @@ class AttemptRuntime:
             return None
         return backend, tx
 
+    def ended_then_failed(self) -> TransactionEnded | None:
+        """For a failed attempt: the permanent failure to record instead when the handler
+        ended errands' transaction before it failed (its writes may be committed, so a
+        retry would repeat them); None when it did not."""
+        if not self.transaction_ended():
+            return None
+        return TransactionEnded(
+            f"job {self.attempt.id}: the handler ended the transaction of ctx.transaction() "
+            "and then failed; the writes it made until then may be committed, so the job "
+            "fails for good instead of running them again"
+        )
+
     def rollback(self) -> None:
         self._end_with("tx_rollback", "roll back")
 

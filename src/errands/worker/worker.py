@@ -242,6 +242,8 @@ class Worker:
         self._mean_run: float | None = None  # handler time, moving average (seconds)
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self.thread: threading.Thread | None = None  # the one in run(), while it runs
+        self.ended = threading.Event()  # run() returned (App.close() waits for it)
         self._backlog = False
         # With a backlog, the producer waits (up to BATCH_GATHER) for this many free slots
         # before claiming: one round trip brings a batch instead of one or two jobs.
@@ -423,6 +425,18 @@ class Worker:
         (the CLI keeps them from its start, while the app is imported): each is a
         graceful stop request."""
         install_record_factory()
+        self.thread = threading.current_thread()
+        self.ended.clear()
+        with self.app._workers_lock:  # App.close() stops it and waits for it
+            self.app._workers.add(self)
+        try:
+            return self._run_registered(install_signals, signalled)
+        finally:
+            with self.app._workers_lock:
+                self.app._workers.discard(self)
+            self.ended.set()
+
+    def _run_registered(self, install_signals: bool, signalled: Sequence[int]) -> int:
         # The handlers first: a SIGTERM while the start-up waits for the store (a restart,
         # a slow server) is a graceful stop, not Python's default death (exit -15).
         relay = None

@@ -92,6 +92,17 @@ def in_transaction(ctx: errands.Context) -> int:
     return os.getpid()
 
 
+@_app.job(name="commits_then_fails", retries=3, backoff=0.1)
+def commits_then_fails(ctx: errands.Context, path: str) -> None:
+    """Commit errands' transaction through ``.raw`` (a write: a line appended to ``path``
+    at the same time), then fail."""
+    tx = ctx.transaction()
+    tx.raw.execute("COMMIT")
+    with open(path, "a") as out:
+        out.write(f"{ctx.attempt}\n")
+    raise ValueError("failed after committing")
+
+
 @_app.job(name="parent_only", retries=3, backoff=0.1)
 def parent_only() -> None:
     """Registered in the worker's app, not in its children's."""

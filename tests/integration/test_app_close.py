@@ -1,0 +1,89 @@
+"""``App.close()``: what the App started stops, and nothing opens the store behind it.
+
+An embedded worker still running when its App was closed went on: its threads (the
+completer, the lease keeper, the maintenance leader) reached ``app.backend``, which
+opened the store again (a migration, connections; on PostgreSQL a new pool) that nothing
+closed. A result waiter asleep until its recheck learnt of the close 30 s later, and a
+fair weight callable stopped answering for good on an App used after close().
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import errands
+from errands.backends.fair import CallableWeights
+from tests.guarantees.helpers import wait_until
+
+
+def test_closing_an_app_stops_its_running_worker_and_the_store_stays_closed(
+    tmp_path: Path,
+) -> None:
+    app = errands.App(f"sqlite:///{tmp_path / 'store.db'}")
+
+    @app.job(name="close.slow")
+    def slow(seconds: float) -> None:
+        time.sleep(seconds)
+
+    handles = [slow.enqueue(seconds=0.3) for _ in range(4)]
+    worker = app.worker(concurrency=2, grace=5.0)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    thread.start()
+    wait_until(
+        lambda: any(h.status() is errands.JobState.RUNNING for h in handles),
+        timeout=30,
+        what="a start",
+    )
+    app.close()
+    assert worker.ended.is_set()  # stopped and waited for, within its grace period
+    thread.join(5)
+    assert not thread.is_alive()
+    time.sleep(0.3)  # nothing of the worker's is left to open the store again
+    assert app._backend is None
+    statuses = {h.status() for h in handles}  # (opens it again: the App may be used)
+    assert errands.JobState.RUNNING not in statuses  # finished or given back, none held
+    app.close()
+
+
+def test_closing_an_app_wakes_its_result_waiters_at_once(tmp_path: Path) -> None:
+    app = errands.App(f"sqlite:///{tmp_path / 'store.db'}")
+
+    @app.job(name="close.wait")
+    def waited() -> None: ...
+
+    handle = waited.enqueue()
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(handle.result(timeout=60))
+        except Exception as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)  # asleep until the watcher's word or its 30 s recheck
+    # the job ends behind the App's back (another process), and the App closes
+    worker_app = errands.App(app.url)
+    worker_app.job(name="close.wait")(lambda: None)
+    worker = worker_app.worker(concurrency=1)
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    runner.start()
+    started = time.monotonic()
+    app.close()
+    waiter.join(20)
+    worker.stop()
+    runner.join(30)
+    worker_app.close()
+    assert outcome == [None]
+    assert time.monotonic() - started < 20  # not the 30 s recheck
+
+
+def test_a_fair_weight_callable_answers_again_after_close() -> None:
+    weights = CallableWeights(lambda key: 5.0)
+    assert weights(["a"], budget=5.0) == {"a": 5.0}
+    weights.close()
+    assert weights(["b"], budget=5.0) == {"b": 5.0}  # it waited 5 s and answered nothing
+    weights.close()
