@@ -474,7 +474,9 @@ class JobDefinition(Generic[P, R]):
     def _format_key(self, option: str, template: str | None, args_json: str) -> str | None:
         if template is None:
             return None
-        values = {name: None for name in self.payload.fields}
+        # A parameter left at its default is not in the stored JSON: the template reads
+        # its default (it read None, so f(1) and f(1, account="main") had two keys).
+        values = dict(self.payload.stored_defaults)
         values.update(json.loads(args_json))
         try:
             # Not prefixed with the job name: job types sharing a key share its limit.

@@ -149,6 +149,27 @@ class PayloadSpec:
                 f"job {job_name!r}: parameter(s) {', '.join(map(repr, unusable))} cannot be "
                 "payload fields (a leading '_' or a name pydantic reserves); rename them"
             )
+        self.stored_defaults = self._stored_defaults()
+
+    def _stored_defaults(self) -> dict[str, Any]:
+        """Each parameter as the stored JSON would hold it had the caller passed its
+        default (None for a parameter without one). The payload leaves out a parameter left
+        at its default (``exclude_unset``): a key template reads it from here, so that
+        ``f(1)`` and ``f(1, account="main")`` build the same key."""
+        unset = self.model.model_construct()  # the defaults alone, nothing validated
+        serializer = self.model.__pydantic_serializer__
+        values: dict[str, Any] = {}
+        for name in self.fields:
+            if name not in unset.__dict__:  # required: always in the payload
+                values[name] = None
+                continue
+            try:
+                values[name] = serializer.to_python(
+                    unset, mode="json", include={name}, warnings=False
+                )[name]
+            except PydanticSerializationError:  # a default with no JSON form: as it is
+                values[name] = unset.__dict__[name]
+        return values
 
     def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Map positional and keyword arguments onto parameter names."""

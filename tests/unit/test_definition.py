@@ -364,3 +364,35 @@ def test_a_job_defined_unique_for_a_period_needs_a_key_at_every_enqueue(
     with pytest.raises(ConfigurationError, match="unique_for= applies to a key"):
         job.bind(user_id=1)
     assert job.bind(user_id=1, key="k").request.unique_for == 60.0
+
+
+def test_a_key_template_reads_a_parameter_left_at_its_default_as_that_default(
+    app: errands.App,
+) -> None:
+    """The payload leaves out a parameter left at its default, and key templates read it
+    as None: f.enqueue(1) stored "acct:None" and f.enqueue(1, account="main") "acct:main",
+    so the two never shared their concurrency limit or their fair share. Every path that
+    builds a key (bind with or without options, a periodic job's slot, an edit) reads the
+    default, as the stored JSON would hold it had the caller passed it."""
+    since = datetime(2020, 1, 1, tzinfo=UTC)
+
+    @app.job(name="t.acct", concurrency_key="acct:{account}", fair_key="t:{account}:{since}")
+    def by_account(n: int, account: str = "main", since: datetime = since) -> None: ...
+
+    expected = ("acct:main", "t:main:2020-01-01T00:00:00Z")
+    requests = {
+        "left out": by_account.bind(1).request,
+        "passed": by_account.bind(1, account="main", since=since).request,
+        "left out, with options": by_account.bind(1, key="k", priority=2).request,
+    }
+    for how, request in requests.items():
+        assert (request.concurrency_key, request.fair_key) == expected, how
+
+    app.periodic("0 * * * *", args={"n": 1})(by_account)
+    slot = app.schedules["t.acct"].for_slot(datetime(2030, 1, 1, tzinfo=UTC)).request
+    assert (slot.concurrency_key, slot.fair_key) == expected
+
+    handle = by_account.enqueue(1, delay=3600)
+    app.edit([handle.id], queue="elsewhere")  # the keys are built again from the stored row
+    row = app.backend.job_get(handle.id)
+    assert row is not None and row.fair_key == expected[1]
