@@ -11,7 +11,7 @@ import re
 import string
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
@@ -474,10 +474,19 @@ class JobDefinition(Generic[P, R]):
     def _format_key(self, option: str, template: str | None, args_json: str) -> str | None:
         if template is None:
             return None
+        return self.build_key(option, template, self._template_values(args_json))
+
+    def _template_values(self, args_json: str) -> dict[str, Any]:
+        """What a key template reads of a stored payload: each parameter by name."""
         # A parameter left at its default is not in the stored JSON: the template reads
         # its default (it read None, so f(1) and f(1, account="main") had two keys).
         values = dict(self.payload.stored_defaults)
         values.update(json.loads(args_json))
+        return values
+
+    def build_key(self, option: str, template: str, values: Mapping[str, Any]) -> str:
+        """``template`` filled from ``values``, checked as every stored key is (no NUL, at
+        most KEY_MAX_BYTES: PostgreSQL indexes it); InvalidPayload naming ``option``."""
         try:
             # Not prefixed with the job name: job types sharing a key share its limit.
             key = template.format(**values)
