@@ -33,6 +33,13 @@ RESERVED_OPTIONS = frozenset({"key", "delay", "run_at", "priority", "queue", "co
 JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 NUL_FIX = "remove it, or pass binary data base64-encoded"
 
+# The JSON parser that reads a payload back at execution (pydantic's) takes ints of at most
+# 4,300 digits, whatever sys.set_int_max_str_digits says, and so does Python's json (the
+# listings, the dashboard) by default: a longer int was stored and its job could never run
+# (its arguments read {'__corrupt__': ...}); on PostgreSQL 10**200000 failed the insert.
+INT_MAX_DIGITS = 4300
+_INT_TOO_LONG = 10**INT_MAX_DIGITS
+
 
 def holds_nul(text: str) -> bool:
     """Whether JSON text holds an escaped NUL (the substring test first: the regex costs
@@ -40,23 +47,33 @@ def holds_nul(text: str) -> bool:
     return "\\u0000" in text and JSON_NUL.search(text) is not None
 
 
-def nul_path(value: Any, path: str = "") -> str | None:
+def nul_path(value: Any) -> str | None:
     """Where in a decoded JSON value a string (or key) holds a NUL character, or None."""
-    if isinstance(value, str):
-        return (path or "(value)") if "\x00" in value else None
-    items: Iterable[tuple[Any, Any]] = ()
+    return first_path(value, lambda v: isinstance(v, str) and "\x00" in v)
+
+
+def first_path(value: Any, bad: Callable[[Any], bool], path: str = "") -> str | None:
+    """Where in a value of dicts and lists (tuples too) ``bad`` holds of a leaf or a dict
+    key, dotted (``"lines.2.sku"``, ``"(value)"`` for ``value`` itself), or None."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         items = value.items()
-    elif isinstance(value, list):
+    elif isinstance(value, list | tuple):
         items = enumerate(value)
+    else:
+        return (path or "(value)") if bad(value) else None
     for key, item in items:
         where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and "\x00" in key:
+        if isinstance(value, dict) and bad(key):
             return where
-        found = nul_path(item, where)
+        found = first_path(item, bad, where)
         if found is not None:
             return found
     return None
+
+
+def _too_long_int(value: Any) -> bool:
+    return isinstance(value, int) and abs(value) >= _INT_TOO_LONG
 
 
 def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:
@@ -226,16 +243,30 @@ class PayloadSpec:
                 errors=[{"loc": tuple(where.split(".")), "msg": "NUL character", "type": "nul"}],
             )
         if self._plain and is_ascii:
+            if size > INT_MAX_DIGITS:  # only a payload this long can hold such an int
+                self._refuse_long_ints(model)
             return text
         try:  # what is stored must validate again at execution (nested NaN, say, would not)
             back = self.model.model_validate_json(text)
         except ValidationError as exc:
+            self._refuse_long_ints(model)
             raise describe_validation_error(
                 f"{self.job_name}: arguments would not survive storage as JSON", exc
             ) from None
         if back != model:  # rare: a value JSON cannot carry exactly (or a tuple -> list)
             text = self._exact_instants(model, text)
         return text
+
+    def _refuse_long_ints(self, model: BaseModel) -> None:
+        """InvalidPayload naming the field of an int longer than JSON can give back."""
+        where = first_path(model.model_dump(), _too_long_int)
+        if where is not None:
+            raise InvalidPayload(
+                f"{self.job_name}: invalid arguments: {where}: an int of more than "
+                f"{INT_MAX_DIGITS:,} digits cannot be read back from JSON, so the job could "
+                "never run; store it elsewhere and pass a reference, or pass it as text",
+                errors=[{"loc": tuple(where.split(".")), "msg": "int too long", "type": "int"}],
+            )
 
     def _exact_instants(self, model: BaseModel, text: str) -> str:
         """Datetimes (and times) whose UTC offset has seconds (historical zones:
