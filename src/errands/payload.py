@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -74,6 +75,30 @@ def first_path(value: Any, bad: Callable[[Any], bool], path: str = "") -> str | 
 
 def _too_long_int(value: Any) -> bool:
     return isinstance(value, int) and abs(value) >= _INT_TOO_LONG
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+# Values JSON cannot give back, found in a payload that would not survive storage: what
+# InvalidPayload says of each (and its error type).
+UNSTORABLE: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
+    (
+        _too_long_int,
+        f"an int of more than {INT_MAX_DIGITS:,} digits cannot be read back from JSON, so "
+        "the job could never run; store it elsewhere and pass a reference, or pass it as text",
+        "int_too_long",
+    ),
+    (
+        # float parameters refuse NaN themselves (allow_inf_nan=False); under Any, dict[str,
+        # Any] or a model of its own a NaN was written as null and read back as None
+        _non_finite,
+        "a NaN or infinite float cannot be stored as JSON (it would be read back as null); "
+        "pass None, or the value as text",
+        "finite_number",
+    ),
+)
 
 
 def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:
@@ -244,29 +269,30 @@ class PayloadSpec:
             )
         if self._plain and is_ascii:
             if size > INT_MAX_DIGITS:  # only a payload this long can hold such an int
-                self._refuse_long_ints(model)
+                self._refuse_unstorable(model)
             return text
         try:  # what is stored must validate again at execution (nested NaN, say, would not)
             back = self.model.model_validate_json(text)
         except ValidationError as exc:
-            self._refuse_long_ints(model)
+            self._refuse_unstorable(model)
             raise describe_validation_error(
                 f"{self.job_name}: arguments would not survive storage as JSON", exc
             ) from None
         if back != model:  # rare: a value JSON cannot carry exactly (or a tuple -> list)
+            self._refuse_unstorable(model)
             text = self._exact_instants(model, text)
         return text
 
-    def _refuse_long_ints(self, model: BaseModel) -> None:
-        """InvalidPayload naming the field of an int longer than JSON can give back."""
-        where = first_path(model.model_dump(), _too_long_int)
-        if where is not None:
-            raise InvalidPayload(
-                f"{self.job_name}: invalid arguments: {where}: an int of more than "
-                f"{INT_MAX_DIGITS:,} digits cannot be read back from JSON, so the job could "
-                "never run; store it elsewhere and pass a reference, or pass it as text",
-                errors=[{"loc": tuple(where.split(".")), "msg": "int too long", "type": "int"}],
-            )
+    def _refuse_unstorable(self, model: BaseModel) -> None:
+        """InvalidPayload naming the field of a value JSON cannot give back (UNSTORABLE)."""
+        values = model.model_dump()
+        for unstorable, problem, kind in UNSTORABLE:
+            where = first_path(values, unstorable)
+            if where is not None:
+                raise InvalidPayload(
+                    f"{self.job_name}: invalid arguments: {where}: {problem}",
+                    errors=[{"loc": tuple(where.split(".")), "msg": problem, "type": kind}],
+                )
 
     def _exact_instants(self, model: BaseModel, text: str) -> str:
         """Datetimes (and times) whose UTC offset has seconds (historical zones:

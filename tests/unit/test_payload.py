@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -493,3 +494,29 @@ def test_an_int_too_long_to_read_back_from_json_is_refused_at_enqueue_naming_the
             job.enqueue(**arguments)
         assert f"{where}: an int of more than 4,300 digits" in str(caught.value)
     assert [job.id for job in store.jobs()] == [handle.id]
+
+
+def test_a_nan_or_infinite_float_under_any_is_refused_at_enqueue_naming_the_field(
+    store: errands.App,
+) -> None:
+    """float parameters refuse NaN and infinity, but under Any or dict[str, Any] they were
+    written as null and read back as None: the handler silently got another value.
+    Refused at enqueue, naming the field, on both stores."""
+
+    @store.job(name="t.loose")
+    def loose(anything: Any = None, extra: dict[str, Any] | None = None) -> None: ...
+
+    for arguments, where in [
+        ({"anything": math.nan}, "anything"),
+        ({"anything": [1.0, math.inf]}, "anything.1"),
+        ({"extra": {"ratio": -math.inf}}, "extra.ratio"),
+        ({"extra": {"point": Line("a", 1), "scores": (1.5, math.nan)}}, "extra.scores.1"),
+    ]:
+        with pytest.raises(InvalidPayload) as caught:
+            loose.enqueue(**arguments)
+        assert f"{where}: a NaN or infinite float cannot be stored as JSON" in str(caught.value)
+    assert store.jobs() == []
+    handle = loose.enqueue(anything=[1.5, None], extra={"ratio": 0.25})
+    row = store.backend.job_get(handle.id)
+    assert row is not None
+    assert loose.payload.decode(row.args) == {"anything": [1.5, None], "extra": {"ratio": 0.25}}
