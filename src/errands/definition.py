@@ -501,9 +501,12 @@ class JobDefinition(Generic[P, R]):
         if value is None:
             value = self.unique_for
         if value is not None and options.key is None:
+            fn = getattr(self.fn, "__name__", "job")
             raise ConfigurationError(
-                f"{self.name}: unique_for= applies to a key: give this enqueue key=... or "
-                "the job a key template (@app.job(key='order:{order_id}', unique_for=...))"
+                f"{self.name}: unique_for= applies to a key, and this enqueue has none: pass "
+                f'key= at each enqueue of the job, as in {fn}.enqueue(..., key=f"order:'
+                f'{{order_id}}") ({fn}.bind(..., key=...) and ctx.enqueue({fn}, ..., key=...) '
+                "take it too); @app.job takes no key template"
             )
         return value
 

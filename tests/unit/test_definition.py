@@ -396,3 +396,22 @@ def test_a_key_template_reads_a_parameter_left_at_its_default_as_that_default(
     app.edit([handle.id], queue="elsewhere")  # the keys are built again from the stored row
     row = app.backend.job_get(handle.id)
     assert row is not None and row.fair_key == expected[1]
+
+
+def test_a_job_unique_for_a_period_without_a_key_says_to_pass_key_at_each_enqueue(
+    app: errands.App,
+) -> None:
+    """The error told to give the job a key template, @app.job(key='order:{order_id}',
+    unique_for=...), which itself raises TypeError (@app.job takes no key=). It names what
+    works: key= at each enqueue (enqueue, bind, ctx.enqueue)."""
+    job = _define(app, unique_for=60)
+    with pytest.raises(ConfigurationError) as caught:
+        job.enqueue(user_id=1)
+    message = str(caught.value)
+    assert "@app.job(key=" not in message
+    assert 'pass key= at each enqueue of the job, as in _handler.enqueue(..., key=f"' in message
+    assert "_handler.bind(..., key=...) and ctx.enqueue(_handler, ..., key=...)" in message
+    with pytest.raises(TypeError):
+        app.job(key="order:{user_id}", unique_for=60)  # type: ignore[call-overload]
+    assert not job.enqueue(user_id=1, key="order:1").deduplicated
+    assert job.enqueue(user_id=1, key="order:1").deduplicated
