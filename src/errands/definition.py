@@ -121,8 +121,9 @@ def exception_classes(value: Any, option: str, owner: str = "") -> tuple[type[Ba
 
 def check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        what = "" if isinstance(value, str) else f" is a {type(value).__name__}, not a string"
         raise ConfigurationError(
-            f"{kind} name {value!r}: use 1-200 letters, digits, '_', '.', ':' or '-', "
+            f"{kind} name {value!r}{what}: use 1-200 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or '_'"
         )
     return value
@@ -215,7 +216,8 @@ class JobDefinition(Generic[P, R]):
         # Defined in a script run as `python shop.py`: named __main__.<function>, which no
         # worker can import. Said once, at the first enqueue.
         self._warn_main = name is None and fn.__module__ == "__main__"
-        self.queue = check_name("queue", queue or app.default_queue)
+        # Only None means the default: queue="" (or 0) took it silently.
+        self.queue = check_name("queue", app.default_queue if queue is None else queue)
         self.priority = checked_priority(priority, f"job {self.name!r}: priority")
         if not isinstance(retries, int) or retries < 0:
             raise ConfigurationError(f"job {self.name!r}: retries={retries!r} must be an int >= 0")
@@ -439,7 +441,7 @@ class JobDefinition(Generic[P, R]):
         priority = self.priority
         if options.priority is not None:
             priority = checked_priority(options.priority, f"{self.name}: priority")
-        queue = check_name("queue", options.queue) if options.queue else self.queue
+        queue = self.queue if options.queue is None else check_name("queue", options.queue)
         return EnqueueRequest(
             name=self.name,
             queue=queue,

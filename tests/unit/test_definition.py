@@ -415,3 +415,22 @@ def test_a_job_unique_for_a_period_without_a_key_says_to_pass_key_at_each_enqueu
         app.job(key="order:{user_id}", unique_for=60)  # type: ignore[call-overload]
     assert not job.enqueue(user_id=1, key="order:1").deduplicated
     assert job.enqueue(user_id=1, key="order:1").deduplicated
+
+
+@pytest.mark.parametrize("queue", ["", 0, False])
+def test_an_empty_or_non_string_queue_is_refused_instead_of_meaning_the_default(
+    app: errands.App, queue: Any
+) -> None:
+    """queue="" or queue=0 given at enqueue (or to @app.job) silently put the job in the
+    default queue, where the workers meant to run it may not look. Only None means "the
+    job's queue"; anything else must be a queue name."""
+    job = _define(app, queue="emails")
+    for enqueue in (job.bind, job.enqueue):
+        with pytest.raises(ConfigurationError, match="queue name") as caught:
+            enqueue(user_id=1, queue=queue)
+        if not isinstance(queue, str):
+            assert f"is a {type(queue).__name__}, not a string" in str(caught.value)
+    with pytest.raises(ConfigurationError, match="queue name"):
+        _define(app, name="t.other", queue=queue)
+    assert app.jobs() == []
+    assert job.bind(user_id=1, queue=None).request.queue == "emails"
