@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import re
 import string
@@ -66,7 +67,7 @@ def checked_priority(value: Any, what: str) -> int:
         raise ConfigurationError(f"{what} must be an int (higher runs first), got {value!r}")
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ConfigurationError(
-            f"{what} must be between {PRIORITY_MIN:,} and {PRIORITY_MAX:,}, got {value!r}"
+            f"{what} must be between {PRIORITY_MIN:,} and {PRIORITY_MAX:,}, got {shown(value)}"
         )
     return value
 
@@ -80,20 +81,33 @@ def seconds(value: float | timedelta | None, option: str, owner: str = "") -> fl
     if isinstance(value, timedelta):
         result = value.total_seconds()
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        result = float(value)
+        try:
+            result = float(value)
+        except OverflowError:  # an int past every float (10**400): past the bounds too
+            result = math.inf if value > 0 else -math.inf
     else:
         raise ConfigurationError(
             f"{owner}{option}={value!r}: give a number of seconds or a datetime.timedelta, "
             f"as in {option}=30 or {option}=timedelta(seconds=30)"
         )
     if result < 0 or result != result:  # NaN compares unequal to itself
-        raise ConfigurationError(f"{owner}{option}={value!r}: must be >= 0")
+        raise ConfigurationError(f"{owner}{option}={shown(value)}: must be >= 0")
     if result > DURATION_MAX:  # infinity too
         raise ConfigurationError(
-            f"{owner}{option}={value!r}: must be at most 100 years ({DURATION_MAX:,.0f} s); "
-            "a job due further away cannot be read back as a date"
+            f"{owner}{option}={shown(value)}: must be at most 100 years "
+            f"({DURATION_MAX:,.0f} s); a job due further away cannot be read back as a date"
         )
     return result
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, a long int summarised by its length (Python
+    will not write one of more than 4,300 digits, and 10**400 would fill the message)."""
+    if isinstance(value, int) and abs(value) >= 10**30:
+        digits = int((abs(value).bit_length() - 1) * math.log10(2)) + 1
+        digits += abs(value) >= 10**digits  # the estimate is that or one short
+        return f"<{'a negative' if value < 0 else 'an'} int of {digits:,} digits>"
+    return repr(value)
 
 
 def exception_classes(value: Any, option: str, owner: str = "") -> tuple[type[BaseException], ...]:
@@ -448,7 +462,7 @@ class JobDefinition(Generic[P, R]):
             args_json=args_json,
             priority=priority,
             max_attempts=self.max_attempts,
-            delay=seconds(options.delay, "delay") or 0.0,
+            delay=seconds(options.delay, "delay", f"{self.name}: ") or 0.0,
             run_at=run_at,
             key=options.key,
             timeout=self.timeout,

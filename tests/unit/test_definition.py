@@ -434,3 +434,34 @@ def test_an_empty_or_non_string_queue_is_refused_instead_of_meaning_the_default(
         _define(app, name="t.other", queue=queue)
     assert app.jobs() == []
     assert job.bind(user_id=1, queue=None).request.queue == "emails"
+
+
+@pytest.mark.parametrize(
+    ("huge", "digits"),
+    [
+        (10**400, "an int of 401"),
+        (-(10**400), "a negative int of 401"),
+        (10**5000, "an int of 5,001"),
+    ],
+    ids=["10**400", "-10**400", "10**5000"],
+)
+def test_a_delay_or_priority_past_every_float_is_refused_naming_the_option_and_its_range(
+    app: errands.App, huge: int, digits: str
+) -> None:
+    """delay=10**400 raised a raw OverflowError (it cannot be a float), and an int of more
+    than 4,300 digits a raw ValueError from the message itself (Python will not write it
+    out); each is refused like any other out-of-range value, naming the option and the
+    accepted range, at enqueue, at definition and at edit."""
+    job = _define(app)
+    bound = "must be >= 0" if huge < 0 else "must be at most 100 years (3,155,760,000 s)"
+    with pytest.raises(ConfigurationError) as caught:
+        job.enqueue(user_id=1, delay=huge)
+    assert f"t.job: delay=<{digits} digits>: {bound}" in str(caught.value)
+    with pytest.raises(ConfigurationError, match=f"timeout=<.*{bound[:12]}"):
+        _define(app, name="t.other", timeout=huge)
+    with pytest.raises(ConfigurationError, match="priority must be between"):
+        job.enqueue(user_id=1, priority=huge)
+    handle = job.enqueue(user_id=1, delay=60)
+    with pytest.raises(ConfigurationError, match="delay=<"):
+        app.edit([handle.id], delay=huge)
+    assert [j.id for j in app.jobs()] == [handle.id]
