@@ -86,6 +86,12 @@ def pg_url() -> Iterator[str]:
     yield from fresh_pg_url()
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def each_store_url(request: pytest.FixtureRequest, db_url: str) -> str:
+    """A fresh store on each backend: the test's SQLite file, a fresh PostgreSQL schema."""
+    return db_url if request.param == "sqlite" else str(request.getfixturevalue("pg_url"))
+
+
 @pytest.fixture
 def own_pg_url() -> Iterator[str]:
     """A fresh schema on the tests' own PostgreSQL cluster, which the test may restart."""

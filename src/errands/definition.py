@@ -6,12 +6,13 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import re
 import string
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
@@ -66,7 +67,7 @@ def checked_priority(value: Any, what: str) -> int:
         raise ConfigurationError(f"{what} must be an int (higher runs first), got {value!r}")
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ConfigurationError(
-            f"{what} must be between {PRIORITY_MIN:,} and {PRIORITY_MAX:,}, got {value!r}"
+            f"{what} must be between {PRIORITY_MIN:,} and {PRIORITY_MAX:,}, got {shown(value)}"
         )
     return value
 
@@ -80,20 +81,33 @@ def seconds(value: float | timedelta | None, option: str, owner: str = "") -> fl
     if isinstance(value, timedelta):
         result = value.total_seconds()
     elif isinstance(value, int | float) and not isinstance(value, bool):
-        result = float(value)
+        try:
+            result = float(value)
+        except OverflowError:  # an int past every float (10**400): past the bounds too
+            result = math.inf if value > 0 else -math.inf
     else:
         raise ConfigurationError(
             f"{owner}{option}={value!r}: give a number of seconds or a datetime.timedelta, "
             f"as in {option}=30 or {option}=timedelta(seconds=30)"
         )
     if result < 0 or result != result:  # NaN compares unequal to itself
-        raise ConfigurationError(f"{owner}{option}={value!r}: must be >= 0")
+        raise ConfigurationError(f"{owner}{option}={shown(value)}: must be >= 0")
     if result > DURATION_MAX:  # infinity too
         raise ConfigurationError(
-            f"{owner}{option}={value!r}: must be at most 100 years ({DURATION_MAX:,.0f} s); "
-            "a job due further away cannot be read back as a date"
+            f"{owner}{option}={shown(value)}: must be at most 100 years "
+            f"({DURATION_MAX:,.0f} s); a job due further away cannot be read back as a date"
         )
     return result
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, a long int summarised by its length (Python
+    will not write one of more than 4,300 digits, and 10**400 would fill the message)."""
+    if isinstance(value, int) and abs(value) >= 10**30:
+        digits = int((abs(value).bit_length() - 1) * math.log10(2)) + 1
+        digits += abs(value) >= 10**digits  # the estimate is that or one short
+        return f"<{'a negative' if value < 0 else 'an'} int of {digits:,} digits>"
+    return repr(value)
 
 
 def exception_classes(value: Any, option: str, owner: str = "") -> tuple[type[BaseException], ...]:
@@ -121,8 +135,9 @@ def exception_classes(value: Any, option: str, owner: str = "") -> tuple[type[Ba
 
 def check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not NAME_PATTERN.match(value):
+        what = "" if isinstance(value, str) else f" is a {type(value).__name__}, not a string"
         raise ConfigurationError(
-            f"{kind} name {value!r}: use 1-200 letters, digits, '_', '.', ':' or '-', "
+            f"{kind} name {value!r}{what}: use 1-200 letters, digits, '_', '.', ':' or '-', "
             "starting with a letter or '_'"
         )
     return value
@@ -215,7 +230,8 @@ class JobDefinition(Generic[P, R]):
         # Defined in a script run as `python shop.py`: named __main__.<function>, which no
         # worker can import. Said once, at the first enqueue.
         self._warn_main = name is None and fn.__module__ == "__main__"
-        self.queue = check_name("queue", queue or app.default_queue)
+        # Only None means the default: queue="" (or 0) took it silently.
+        self.queue = check_name("queue", app.default_queue if queue is None else queue)
         self.priority = checked_priority(priority, f"job {self.name!r}: priority")
         if not isinstance(retries, int) or retries < 0:
             raise ConfigurationError(f"job {self.name!r}: retries={retries!r} must be an int >= 0")
@@ -439,14 +455,14 @@ class JobDefinition(Generic[P, R]):
         priority = self.priority
         if options.priority is not None:
             priority = checked_priority(options.priority, f"{self.name}: priority")
-        queue = check_name("queue", options.queue) if options.queue else self.queue
+        queue = self.queue if options.queue is None else check_name("queue", options.queue)
         return EnqueueRequest(
             name=self.name,
             queue=queue,
             args_json=args_json,
             priority=priority,
             max_attempts=self.max_attempts,
-            delay=seconds(options.delay, "delay") or 0.0,
+            delay=seconds(options.delay, "delay", f"{self.name}: ") or 0.0,
             run_at=run_at,
             key=options.key,
             timeout=self.timeout,
@@ -474,8 +490,19 @@ class JobDefinition(Generic[P, R]):
     def _format_key(self, option: str, template: str | None, args_json: str) -> str | None:
         if template is None:
             return None
-        values = {name: None for name in self.payload.fields}
+        return self.build_key(option, template, self._template_values(args_json))
+
+    def _template_values(self, args_json: str) -> dict[str, Any]:
+        """What a key template reads of a stored payload: each parameter by name."""
+        # A parameter left at its default is not in the stored JSON: the template reads
+        # its default (it read None, so f(1) and f(1, account="main") had two keys).
+        values = dict(self.payload.stored_defaults)
         values.update(json.loads(args_json))
+        return values
+
+    def build_key(self, option: str, template: str, values: Mapping[str, Any]) -> str:
+        """``template`` filled from ``values``, checked as every stored key is (no NUL, at
+        most KEY_MAX_BYTES: PostgreSQL indexes it); InvalidPayload naming ``option``."""
         try:
             # Not prefixed with the job name: job types sharing a key share its limit.
             key = template.format(**values)
@@ -490,9 +517,12 @@ class JobDefinition(Generic[P, R]):
         if value is None:
             value = self.unique_for
         if value is not None and options.key is None:
+            fn = getattr(self.fn, "__name__", "job")
             raise ConfigurationError(
-                f"{self.name}: unique_for= applies to a key: give this enqueue key=... or "
-                "the job a key template (@app.job(key='order:{order_id}', unique_for=...))"
+                f"{self.name}: unique_for= applies to a key, and this enqueue has none: pass "
+                f'key= at each enqueue of the job, as in {fn}.enqueue(..., key=f"order:'
+                f'{{order_id}}") ({fn}.bind(..., key=...) and ctx.enqueue({fn}, ..., key=...) '
+                "take it too); @app.job takes no key template"
             )
         return value
 

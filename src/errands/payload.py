@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -33,6 +34,13 @@ RESERVED_OPTIONS = frozenset({"key", "delay", "run_at", "priority", "queue", "co
 JSON_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 NUL_FIX = "remove it, or pass binary data base64-encoded"
 
+# The JSON parser that reads a payload back at execution (pydantic's) takes ints of at most
+# 4,300 digits, whatever sys.set_int_max_str_digits says, and so does Python's json (the
+# listings, the dashboard) by default: a longer int was stored and its job could never run
+# (its arguments read {'__corrupt__': ...}); on PostgreSQL 10**200000 failed the insert.
+INT_MAX_DIGITS = 4300
+_INT_TOO_LONG = 10**INT_MAX_DIGITS
+
 
 def holds_nul(text: str) -> bool:
     """Whether JSON text holds an escaped NUL (the substring test first: the regex costs
@@ -40,23 +48,57 @@ def holds_nul(text: str) -> bool:
     return "\\u0000" in text and JSON_NUL.search(text) is not None
 
 
-def nul_path(value: Any, path: str = "") -> str | None:
+def nul_path(value: Any) -> str | None:
     """Where in a decoded JSON value a string (or key) holds a NUL character, or None."""
-    if isinstance(value, str):
-        return (path or "(value)") if "\x00" in value else None
-    items: Iterable[tuple[Any, Any]] = ()
+    return first_path(value, lambda v: isinstance(v, str) and "\x00" in v)
+
+
+def first_path(value: Any, bad: Callable[[Any], bool], path: str = "") -> str | None:
+    """Where in a value of dicts and lists (tuples too) ``bad`` holds of a leaf or a dict
+    key, dotted (``"lines.2.sku"``, ``"(value)"`` for ``value`` itself), or None."""
+    items: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         items = value.items()
-    elif isinstance(value, list):
+    elif isinstance(value, list | tuple):
         items = enumerate(value)
+    else:
+        return (path or "(value)") if bad(value) else None
     for key, item in items:
         where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and "\x00" in key:
+        if isinstance(value, dict) and bad(key):
             return where
-        found = nul_path(item, where)
+        found = first_path(item, bad, where)
         if found is not None:
             return found
     return None
+
+
+def _too_long_int(value: Any) -> bool:
+    return isinstance(value, int) and abs(value) >= _INT_TOO_LONG
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+# Values JSON cannot give back, found in a payload that would not survive storage: what
+# InvalidPayload says of each (and its error type).
+UNSTORABLE: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
+    (
+        _too_long_int,
+        f"an int of more than {INT_MAX_DIGITS:,} digits cannot be read back from JSON, so "
+        "the job could never run; store it elsewhere and pass a reference, or pass it as text",
+        "int_too_long",
+    ),
+    (
+        # float parameters refuse NaN themselves (allow_inf_nan=False); under Any, dict[str,
+        # Any] or a model of its own a NaN was written as null and read back as None
+        _non_finite,
+        "a NaN or infinite float cannot be stored as JSON (it would be read back as null); "
+        "pass None, or the value as text",
+        "finite_number",
+    ),
+)
 
 
 def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:
@@ -149,6 +191,27 @@ class PayloadSpec:
                 f"job {job_name!r}: parameter(s) {', '.join(map(repr, unusable))} cannot be "
                 "payload fields (a leading '_' or a name pydantic reserves); rename them"
             )
+        self.stored_defaults = self._stored_defaults()
+
+    def _stored_defaults(self) -> dict[str, Any]:
+        """Each parameter as the stored JSON would hold it had the caller passed its
+        default (None for a parameter without one). The payload leaves out a parameter left
+        at its default (``exclude_unset``): a key template reads it from here, so that
+        ``f(1)`` and ``f(1, account="main")`` build the same key."""
+        unset = self.model.model_construct()  # the defaults alone, nothing validated
+        serializer = self.model.__pydantic_serializer__
+        values: dict[str, Any] = {}
+        for name in self.fields:
+            if name not in unset.__dict__:  # required: always in the payload
+                values[name] = None
+                continue
+            try:
+                values[name] = serializer.to_python(
+                    unset, mode="json", include={name}, warnings=False
+                )[name]
+            except PydanticSerializationError:  # a default with no JSON form: as it is
+                values[name] = unset.__dict__[name]
+        return values
 
     def bind_arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """Map positional and keyword arguments onto parameter names."""
@@ -205,16 +268,31 @@ class PayloadSpec:
                 errors=[{"loc": tuple(where.split(".")), "msg": "NUL character", "type": "nul"}],
             )
         if self._plain and is_ascii:
+            if size > INT_MAX_DIGITS:  # only a payload this long can hold such an int
+                self._refuse_unstorable(model)
             return text
         try:  # what is stored must validate again at execution (nested NaN, say, would not)
             back = self.model.model_validate_json(text)
         except ValidationError as exc:
+            self._refuse_unstorable(model)
             raise describe_validation_error(
                 f"{self.job_name}: arguments would not survive storage as JSON", exc
             ) from None
         if back != model:  # rare: a value JSON cannot carry exactly (or a tuple -> list)
+            self._refuse_unstorable(model)
             text = self._exact_instants(model, text)
         return text
+
+    def _refuse_unstorable(self, model: BaseModel) -> None:
+        """InvalidPayload naming the field of a value JSON cannot give back (UNSTORABLE)."""
+        values = model.model_dump()
+        for unstorable, problem, kind in UNSTORABLE:
+            where = first_path(values, unstorable)
+            if where is not None:
+                raise InvalidPayload(
+                    f"{self.job_name}: invalid arguments: {where}: {problem}",
+                    errors=[{"loc": tuple(where.split(".")), "msg": problem, "type": kind}],
+                )
 
     def _exact_instants(self, model: BaseModel, text: str) -> str:
         """Datetimes (and times) whose UTC offset has seconds (historical zones:

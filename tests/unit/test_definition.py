@@ -364,3 +364,104 @@ def test_a_job_defined_unique_for_a_period_needs_a_key_at_every_enqueue(
     with pytest.raises(ConfigurationError, match="unique_for= applies to a key"):
         job.bind(user_id=1)
     assert job.bind(user_id=1, key="k").request.unique_for == 60.0
+
+
+def test_a_key_template_reads_a_parameter_left_at_its_default_as_that_default(
+    app: errands.App,
+) -> None:
+    """The payload leaves out a parameter left at its default, and key templates read it
+    as None: f.enqueue(1) stored "acct:None" and f.enqueue(1, account="main") "acct:main",
+    so the two never shared their concurrency limit or their fair share. Every path that
+    builds a key (bind with or without options, a periodic job's slot, an edit) reads the
+    default, as the stored JSON would hold it had the caller passed it."""
+    since = datetime(2020, 1, 1, tzinfo=UTC)
+
+    @app.job(name="t.acct", concurrency_key="acct:{account}", fair_key="t:{account}:{since}")
+    def by_account(n: int, account: str = "main", since: datetime = since) -> None: ...
+
+    expected = ("acct:main", "t:main:2020-01-01T00:00:00Z")
+    requests = {
+        "left out": by_account.bind(1).request,
+        "passed": by_account.bind(1, account="main", since=since).request,
+        "left out, with options": by_account.bind(1, key="k", priority=2).request,
+    }
+    for how, request in requests.items():
+        assert (request.concurrency_key, request.fair_key) == expected, how
+
+    app.periodic("0 * * * *", args={"n": 1})(by_account)
+    slot = app.schedules["t.acct"].for_slot(datetime(2030, 1, 1, tzinfo=UTC)).request
+    assert (slot.concurrency_key, slot.fair_key) == expected
+
+    handle = by_account.enqueue(1, delay=3600)
+    app.edit([handle.id], queue="elsewhere")  # the keys are built again from the stored row
+    row = app.backend.job_get(handle.id)
+    assert row is not None and row.fair_key == expected[1]
+
+
+def test_a_job_unique_for_a_period_without_a_key_says_to_pass_key_at_each_enqueue(
+    app: errands.App,
+) -> None:
+    """The error told to give the job a key template, @app.job(key='order:{order_id}',
+    unique_for=...), which itself raises TypeError (@app.job takes no key=). It names what
+    works: key= at each enqueue (enqueue, bind, ctx.enqueue)."""
+    job = _define(app, unique_for=60)
+    with pytest.raises(ConfigurationError) as caught:
+        job.enqueue(user_id=1)
+    message = str(caught.value)
+    assert "@app.job(key=" not in message
+    assert 'pass key= at each enqueue of the job, as in _handler.enqueue(..., key=f"' in message
+    assert "_handler.bind(..., key=...) and ctx.enqueue(_handler, ..., key=...)" in message
+    with pytest.raises(TypeError):
+        app.job(key="order:{user_id}", unique_for=60)  # type: ignore[call-overload]
+    assert not job.enqueue(user_id=1, key="order:1").deduplicated
+    assert job.enqueue(user_id=1, key="order:1").deduplicated
+
+
+@pytest.mark.parametrize("queue", ["", 0, False])
+def test_an_empty_or_non_string_queue_is_refused_instead_of_meaning_the_default(
+    app: errands.App, queue: Any
+) -> None:
+    """queue="" or queue=0 given at enqueue (or to @app.job) silently put the job in the
+    default queue, where the workers meant to run it may not look. Only None means "the
+    job's queue"; anything else must be a queue name."""
+    job = _define(app, queue="emails")
+    for enqueue in (job.bind, job.enqueue):
+        with pytest.raises(ConfigurationError, match="queue name") as caught:
+            enqueue(user_id=1, queue=queue)
+        if not isinstance(queue, str):
+            assert f"is a {type(queue).__name__}, not a string" in str(caught.value)
+    with pytest.raises(ConfigurationError, match="queue name"):
+        _define(app, name="t.other", queue=queue)
+    assert app.jobs() == []
+    assert job.bind(user_id=1, queue=None).request.queue == "emails"
+
+
+@pytest.mark.parametrize(
+    ("huge", "digits"),
+    [
+        (10**400, "an int of 401"),
+        (-(10**400), "a negative int of 401"),
+        (10**5000, "an int of 5,001"),
+    ],
+    ids=["10**400", "-10**400", "10**5000"],
+)
+def test_a_delay_or_priority_past_every_float_is_refused_naming_the_option_and_its_range(
+    app: errands.App, huge: int, digits: str
+) -> None:
+    """delay=10**400 raised a raw OverflowError (it cannot be a float), and an int of more
+    than 4,300 digits a raw ValueError from the message itself (Python will not write it
+    out); each is refused like any other out-of-range value, naming the option and the
+    accepted range, at enqueue, at definition and at edit."""
+    job = _define(app)
+    bound = "must be >= 0" if huge < 0 else "must be at most 100 years (3,155,760,000 s)"
+    with pytest.raises(ConfigurationError) as caught:
+        job.enqueue(user_id=1, delay=huge)
+    assert f"t.job: delay=<{digits} digits>: {bound}" in str(caught.value)
+    with pytest.raises(ConfigurationError, match=f"timeout=<.*{bound[:12]}"):
+        _define(app, name="t.other", timeout=huge)
+    with pytest.raises(ConfigurationError, match="priority must be between"):
+        job.enqueue(user_id=1, priority=huge)
+    handle = job.enqueue(user_id=1, delay=60)
+    with pytest.raises(ConfigurationError, match="delay=<"):
+        app.edit([handle.id], delay=huge)
+    assert [j.id for j in app.jobs()] == [handle.id]

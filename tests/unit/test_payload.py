@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
@@ -453,3 +455,68 @@ def test_a_datetime_whose_offset_has_seconds_is_stored_as_the_same_instant_in_ut
     decoded = remind.payload.decode(text)
     assert decoded["at"] == at and decoded["also"] == [at, plain]
     assert decoded["also"][1].utcoffset() == timedelta(hours=2)  # whole minutes: kept
+
+
+@pytest.fixture
+def store(each_store_url: str) -> Iterator[errands.App]:
+    """An App on each store: a refused payload must be refused before either sees it."""
+    application = errands.App(each_store_url)
+    yield application
+    application.close()
+
+
+def test_an_int_too_long_to_read_back_from_json_is_refused_at_enqueue_naming_the_field(
+    store: errands.App,
+) -> None:
+    """An int of more than 4,300 digits was stored (a payload of ints, strings and bools
+    skipped the re-read check) but never ran: no worker could decode it, its arguments
+    read {'__corrupt__': ...}; on PostgreSQL 10**200000 failed the insert with a raw
+    NumericValueOutOfRange. Refused at enqueue, naming the field and the limit, on the
+    short path (int parameters) and the round trip's (a list[int], Any) alike."""
+
+    @store.job(name="t.big")
+    def big(n: int, label: str = "") -> None: ...
+
+    @store.job(name="t.bigs")
+    def bigs(ns: list[int], anything: Any = None) -> None: ...
+
+    longest = -(10**4300 - 1)  # 4,300 digits (and a sign): read back as it was
+    handle = big.enqueue(longest, label="x" * 5000)
+    row = store.backend.job_get(handle.id)
+    assert row is not None and big.payload.decode(row.args)["n"] == longest
+    for job, arguments, where in [
+        (big, {"n": 10**4300}, "n"),
+        (big, {"n": -(10**200000)}, "n"),
+        (bigs, {"ns": [1, 10**4300]}, "ns.1"),
+        (bigs, {"ns": [], "anything": {"k": [10**5000]}}, "anything.k.0"),
+    ]:
+        with pytest.raises(InvalidPayload) as caught:
+            job.enqueue(**arguments)
+        assert f"{where}: an int of more than 4,300 digits" in str(caught.value)
+    assert [job.id for job in store.jobs()] == [handle.id]
+
+
+def test_a_nan_or_infinite_float_under_any_is_refused_at_enqueue_naming_the_field(
+    store: errands.App,
+) -> None:
+    """float parameters refuse NaN and infinity, but under Any or dict[str, Any] they were
+    written as null and read back as None: the handler silently got another value.
+    Refused at enqueue, naming the field, on both stores."""
+
+    @store.job(name="t.loose")
+    def loose(anything: Any = None, extra: dict[str, Any] | None = None) -> None: ...
+
+    for arguments, where in [
+        ({"anything": math.nan}, "anything"),
+        ({"anything": [1.0, math.inf]}, "anything.1"),
+        ({"extra": {"ratio": -math.inf}}, "extra.ratio"),
+        ({"extra": {"point": Line("a", 1), "scores": (1.5, math.nan)}}, "extra.scores.1"),
+    ]:
+        with pytest.raises(InvalidPayload) as caught:
+            loose.enqueue(**arguments)
+        assert f"{where}: a NaN or infinite float cannot be stored as JSON" in str(caught.value)
+    assert store.jobs() == []
+    handle = loose.enqueue(anything=[1.5, None], extra={"ratio": 0.25})
+    row = store.backend.job_get(handle.id)
+    assert row is not None
+    assert loose.payload.decode(row.args) == {"anything": [1.5, None], "extra": {"ratio": 0.25}}

@@ -88,6 +88,11 @@ def limited(order_id: int) -> int:
     return order_id
 
 
+@task(concurrency_key="account:{account}")
+def per_account(account: str) -> str:
+    return account
+
+
 @task
 async def orm_async_probe(n: int) -> bool:
     """Whether the ORM's connection (on asgiref's thread for thread-sensitive code) was

@@ -187,6 +187,18 @@ class Enqueue(JobsTestCase):
         first = tasks.once_a_minute.using(key="minute:1").enqueue(1)
         self.assertEqual(tasks.once_a_minute.using(key="minute:1").enqueue(1).id, first.id)
 
+    def test_a_concurrency_key_over_the_key_limit_is_refused_and_stores_nothing(self) -> None:
+        """A task's concurrency_key skipped the length check every other key gets: a
+        3,200-byte key was stored, and on PostgreSQL every claim of the job then failed
+        (ProgramLimitExceeded: index row size exceeds btree maximum), for ever."""
+        from errands import InvalidPayload
+
+        before = len(task_backends["default"].app.jobs())
+        with self.assertRaisesMessage(InvalidPayload, "concurrency_key is 3,208 bytes"):
+            tasks.per_account.enqueue("a" * 3200)
+        self.assertEqual(len(task_backends["default"].app.jobs()), before)
+        self.assertEqual(tasks.per_account.enqueue("a" * 900).status, READY)
+
     def test_aenqueue(self) -> None:
         result = async_to_sync(tasks.add.aenqueue)(20, 22)
         self.assertEqual(result.status, READY)

@@ -283,21 +283,16 @@ class TaskDefinition(JobDefinition[Any, Any]):
         return dict(bound.arguments)
 
     def format_key(self, template: str, arguments: Mapping[str, Any]) -> str:
-        try:
-            return template.format(**arguments)
-        except (KeyError, IndexError, AttributeError, ValueError) as exc:
-            raise InvalidPayload(
-                f"{self.name}: cannot build the key {template!r} from the arguments: {exc}"
-            ) from None
+        """The idempotency key of one enqueue, built and checked as errands builds every
+        key (``JobDefinition.build_key``)."""
+        return self.build_key("key", template, arguments)
 
-    def _format_key(self, option: str, template: str | None, args_json: str) -> str | None:
-        """A key template (concurrency_key, fair_key) over the task's own parameters: the
-        stored payload is the call's ``args``/``kwargs``, bound to the task's signature."""
-        if template is None:
-            return None
+    def _template_values(self, args_json: str) -> dict[str, Any]:
+        """What a key template (concurrency_key) reads: the task's own parameters (the
+        stored payload is the call's ``args``/``kwargs``, bound to the task's signature,
+        defaults applied)."""
         stored = json.loads(args_json)
-        arguments = self.arguments(stored.get("args", []), stored.get("kwargs", {}))
-        return self.format_key(template, arguments)
+        return self.arguments(stored.get("args", []), stored.get("kwargs", {}))
 
 
 def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
