@@ -88,7 +88,7 @@ class AttemptRuntime:
             self._used.add(name)
             if self._steps is None:
                 self._steps = {
-                    s.name: s.result for s in self.app.backend.step_list(self.attempt.id)
+                    s.name: s.result for s in self._store().step_list(self.attempt.id)
                 }
             if name in self._steps:
                 return True, self._steps[name]
@@ -115,7 +115,7 @@ class AttemptRuntime:
                     f"or released at shutdown); step {name!r} is not stored outside the "
                     "transaction it belonged to"
                 )
-            tx, backend = self.tx, self.tx_backend or self.app.backend
+            tx, backend = self.tx, self._store()
         stored = backend.step_store(
             self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
         )
@@ -191,7 +191,7 @@ class AttemptRuntime:
         done, value = self._begin_step(step)
         if done:
             return value
-        payload = self.app.backend.signal_get(self.attempt.id, name)
+        payload = self._store().signal_get(self.attempt.id, name)
         if payload is not None:
             return self._store_step(step, json.loads(payload))
         raise Suspended(name, seconds)
@@ -271,6 +271,11 @@ class AttemptRuntime:
             return not _broken(exc)  # a broken connection ended nothing of the handler's
         return False
 
+    def _store(self) -> Backend:
+        """The store of the open transaction, if one is: the attempt's reads and writes go
+        to the store its transaction holds the lock of (see tx_backend)."""
+        return self.tx_backend or self.app.backend
+
     def take_transaction(self) -> tuple[Backend, Any] | None:
         """The open transaction and its store, now the caller's alone to end (None: none
         is open, or another thread took it)."""
@@ -343,7 +348,7 @@ class AttemptRuntime:
 
         if limit < 1 or max_bytes < 1:
             raise ConfigurationError("ctx.parent_results: limit and max_bytes must be >= 1")
-        rows = self.app.backend.workflow_parent_results(self.attempt.id, after, limit + 1)
+        rows = self._store().workflow_parent_results(self.attempt.id, after, limit + 1)
         more = len(rows) > limit
         items: list[ParentResult] = []
         used = 0
