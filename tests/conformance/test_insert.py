@@ -224,6 +224,19 @@ def test_enqueue_refuses_a_connection_to_another_database(
     assert backend.job_list(ListParams()) == []
 
 
+def test_enqueue_refuses_a_closed_connection_naming_the_fix(
+    backend: Backend, harness: Harness, tmp_path: Path
+) -> None:
+    """A caller's connection already closed is refused with ConfigurationError saying so
+    (the driver's own error came from deep inside), and nothing is written."""
+    _require_caller_connection(backend)
+    with harness.caller_connection(backend, tmp_path, same_store=True) as conn:
+        pass  # closed on leaving
+    with pytest.raises(ConfigurationError, match="the connection is closed"):
+        backend.job_insert_many([request()], conn=conn)
+    assert backend.job_list(ListParams()) == []
+
+
 def test_enqueue_refuses_a_connection_of_the_wrong_type(backend: Backend) -> None:
     """Something that is not the backend's connection type is refused, naming the type."""
     _require_caller_connection(backend)

@@ -265,3 +265,31 @@ def test_the_first_async_enqueue_never_blocks_the_event_loop_while_the_store_ope
         assert asyncio.run(scenario()) < 1.5  # the loop never stood still for the connect (3 s)
     finally:
         silent.close()
+
+
+def test_an_enqueue_in_an_aborted_transaction_is_refused_naming_the_fix(
+    app: errands.App,
+) -> None:
+    """A caller's transaction a failed statement aborted: the enqueue (sync or async) is
+    refused with ConfigurationError saying to roll it back first (psycopg's
+    InFailedSqlTransaction came from deep inside), and nothing is stored."""
+
+    @app.job(name="aborted.job")
+    def job() -> None: ...
+
+    conninfo = parse_postgres_url(app.url).conninfo
+    with psycopg.connect(conninfo) as conn:
+        with contextlib.suppress(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1 / 0")
+        with pytest.raises(errands.ConfigurationError, match=r"aborted .* Roll it back"):
+            job.enqueue(conn=conn)
+
+    async def aenqueue_in_aborted() -> None:
+        async with await psycopg.AsyncConnection.connect(conninfo) as aconn:
+            with contextlib.suppress(psycopg.errors.DivisionByZero):
+                await aconn.execute("SELECT 1 / 0")
+            with pytest.raises(errands.ConfigurationError, match=r"aborted .* Roll it back"):
+                await job.aenqueue(conn=aconn)
+
+    asyncio.run(aenqueue_in_aborted())
+    assert _count(app, "errands_jobs") == 0

@@ -558,6 +558,7 @@ class PostgresBackend(PostgresAdmin):
                 "enqueue(conn=...) on PostgreSQL takes a psycopg 3 Connection, or a SQLAlchemy "
                 f"Connection/Session using psycopg; got {type(conn).__name__}"
             )
+        _usable(raw)
         run(raw, self._caller_program(raw))
         return raw
 
@@ -569,6 +570,7 @@ class PostgresBackend(PostgresAdmin):
                 "SQLAlchemy AsyncSession/AsyncConnection using psycopg; got "
                 f"{type(conn).__name__}"
             )
+        _usable(raw)
         await arun(raw, self._caller_program(raw))
         return raw
 
@@ -1581,3 +1583,19 @@ def _on_its_own(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) ->
     the enqueue is then part of it)."""
     idle = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     return bool(conn.autocommit and idle)
+
+
+def _usable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """A caller's connection the enqueue can write through, or ConfigurationError naming
+    the fix (the driver's own error came from deep inside)."""
+    if conn.closed:
+        raise ConfigurationError(
+            "enqueue(conn=...): the connection is closed; pass an open one (the one whose "
+            "transaction the jobs should commit with)"
+        )
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+        raise ConfigurationError(
+            "enqueue(conn=...): the connection's transaction was aborted by a statement that "
+            "failed earlier; nothing more can be written in it. Roll it back (and redo its "
+            "work) before enqueueing in it"
+        )

@@ -498,6 +498,13 @@ class SQLiteBackend(SQLiteAdmin):
                 "enqueue(conn=...) on SQLite takes a sqlite3.Connection, or a SQLAlchemy "
                 f"Connection/Session using sqlite3; got {type(given).__name__}"
             )
+        try:
+            conn.total_changes  # noqa: B018 - raises on a closed connection
+        except sqlite3.ProgrammingError:
+            raise ConfigurationError(
+                "enqueue(conn=...): the connection is closed; pass an open one (the one "
+                "whose transaction the jobs should commit with)"
+            ) from None
         run(conn, self._caller_program(conn))
         return conn
 
