@@ -228,3 +228,50 @@ def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+def _stale_runtime(app: errands.App, job: Any) -> Any:
+    """A claimed attempt of ``job``'s one enqueued job, as its worker holds it."""
+    from errands.backends.base import ClaimParams, QueueClaim
+    from errands.worker.execution import Attempt
+    from errands.worker.runtime import AttemptRuntime
+
+    [row] = app.backend.job_claim(ClaimParams([QueueClaim("default", 1)], 1, "w-stale", 30.0))
+    attempt = Attempt(row=row, definition=job, lease_seconds=30.0)
+    attempt.runtime = AttemptRuntime(app, attempt)
+    return attempt
+
+
+def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
+    make_app: Make,
+) -> None:
+    """A step's effect is never started by an attempt whose lease is past due by its
+    worker's clock (a process paused past its lease: another worker may have run the job
+    and stored the step meanwhile) or that was asked to stop (cancelled, lease lost or
+    unrenewable, timed out): Interrupted instead. A stale attempt resumed with the steps
+    it had read before its pause and ran a charge the newer attempt had already made."""
+    import time
+
+    import pytest
+
+    from errands.worker.execution import LEASE_LOST, Interrupted
+
+    app = make_app()
+    effects: list[str] = []
+
+    @app.job(name="stale.steps")
+    def stale_steps() -> None: ...
+
+    stale_steps.enqueue()
+    attempt = _stale_runtime(app, stale_steps)
+    runtime = attempt.runtime
+    assert runtime.step("read", lambda: effects.append("read") or 1) == 1  # steps cached
+
+    attempt.lease_valid_until = time.monotonic() - 1  # paused past its lease
+    with pytest.raises(Interrupted, match=r"'charge' of job .* was not started"):
+        runtime.step("charge", lambda: effects.append("charge"))
+    attempt.lease_valid_until = time.monotonic() + 30
+    attempt.stop_reason = LEASE_LOST
+    with pytest.raises(Interrupted, match="lease lost"):
+        runtime.step("email", lambda: effects.append("email"))
+    assert effects == ["read"]

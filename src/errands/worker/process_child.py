@@ -277,6 +277,7 @@ def _run_one(
         return False, _unknown_here(row.name, app_path)
     attempt = Attempt(row=row, definition=definition, lease_seconds=row.lease_seconds or 30.0)
     runtime = attempt.runtime = AttemptRuntime(app, attempt)
+    runtime.lease_kept_here = False  # the parent renews the lease, and stops this child
     runtime.report_progress = reporter.for_attempt(row) if reporter is not None else None
     try:
         # As in the worker's own threads: every record carries the job's fields, and the

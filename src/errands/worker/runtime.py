@@ -38,7 +38,7 @@ from ..errors import ConfigurationError, StepError, TransactionEnded, is_transie
 from ..faults import fault_point
 from ..jobs import EnqueueRequest
 from ..payload import NUL_FIX, holds_nul
-from .execution import Suspended, _secrets, scrub
+from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets, scrub
 
 if TYPE_CHECKING:
     from ..app import App
@@ -72,6 +72,9 @@ class AttemptRuntime:
         self._used: set[str] = set()
         self._lock = threading.Lock()
         self._secret_texts: list[str] | None = None  # sensitive arguments, for progress
+        # The lease keeper of this process renews the attempt's lease_valid_until (False in
+        # a process-pool child: its parent renews it, and stops the child if it is lost).
+        self.lease_kept_here = True
         # In a child process: where each progress report goes (the parent stores it)
         self.report_progress: Callable[[tuple[float, str]], None] | None = None
 
@@ -87,12 +90,31 @@ class AttemptRuntime:
                 )
             self._used.add(name)
             if self._steps is None:
-                self._steps = {
-                    s.name: s.result for s in self._store().step_list(self.attempt.id)
-                }
+                self._steps = {s.name: s.result for s in self._store().step_list(self.attempt.id)}
             if name in self._steps:
                 return True, self._steps[name]
+        self._may_run_step(name)
         return False, None
+
+    def _may_run_step(self, name: str) -> None:
+        """Raise Interrupted when this attempt must not start a step's effect now: it was
+        asked to stop (cancelled, timed out, its lease lost or unrenewable, the worker
+        stopping), or its lease is past due by this worker's clock (a process paused past
+        its lease, resumed before the lease keeper noticed). A stale attempt ran a
+        stored step's effect again after the newer attempt had run and stored it."""
+        attempt = self.attempt
+        reason = attempt.stop_reason
+        if (
+            reason is None
+            and self.lease_kept_here
+            and time.monotonic() >= attempt.lease_valid_until
+        ):
+            reason = LEASE_UNRENEWED
+        if reason is not None:
+            raise Interrupted(
+                f"{reason}: step {name!r} of job {attempt.id} was not started (the attempt "
+                "was asked to stop)"
+            )
 
     def _store_step(self, name: str, value: Any) -> Any:
         try:
