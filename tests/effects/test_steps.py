@@ -254,7 +254,7 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
 
     import pytest
 
-    from errands.worker.execution import LEASE_LOST, Interrupted
+    from errands.worker.execution import CANCELLED, LEASE_LOST, Interrupted
 
     app = make_app()
     effects: list[str] = []
@@ -268,10 +268,15 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
     assert runtime.step("read", lambda: effects.append("read") or 1) == 1  # steps cached
 
     attempt.lease_valid_until = time.monotonic() - 1  # paused past its lease
-    with pytest.raises(Interrupted, match=r"'charge' of job .* was not started"):
+    with pytest.raises(Interrupted, match="could not be renewed") as stopped:
         runtime.step("charge", lambda: effects.append("charge"))
+    assert "step 'charge' of job" in stopped.value.__notes__[0]
     attempt.lease_valid_until = time.monotonic() + 30
     attempt.stop_reason = LEASE_LOST
     with pytest.raises(Interrupted, match="lease lost"):
         runtime.step("email", lambda: effects.append("email"))
+    attempt.stop_reason = CANCELLED  # an operator's cancel ends the job cancelled
+    with pytest.raises(Interrupted) as cancelled:
+        runtime.step("sms", lambda: effects.append("sms"))
+    assert cancelled.value.kind == "cancelled"
     assert effects == ["read"]

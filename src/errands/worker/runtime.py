@@ -111,10 +111,9 @@ class AttemptRuntime:
         ):
             reason = LEASE_UNRENEWED
         if reason is not None:
-            raise Interrupted(
-                f"{reason}: step {name!r} of job {attempt.id} was not started (the attempt "
-                "was asked to stop)"
-            )
+            stopped = Interrupted(reason)  # (its reason decides the outcome: a cancel too)
+            stopped.add_note(f"step {name!r} of job {attempt.id} was not started")
+            raise stopped
 
     def _store_step(self, name: str, value: Any) -> Any:
         try:
