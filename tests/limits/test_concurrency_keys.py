@@ -7,6 +7,7 @@ beside them; a job waiting for its key stays pending and burns no attempt.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -124,6 +125,56 @@ def test_a_long_run_of_jobs_waiting_for_a_busy_key_does_not_hold_back_other_keys
     [second] = backend.job_claim_limited(claim, "w-test", 30.0)
     assert second.id == behind.id
     assert backend.job_claim_limited(claim, "w-test", 30.0) == []  # both keys busy now
+
+
+def test_a_claim_fills_its_room_past_a_lookahead_of_one_free_keys_jobs(
+    store: errands.App,
+) -> None:
+    """Given 150 jobs of one free account queued first (limit 1), then jobs of 20 other
+    accounts and 20 without a key, then one claim with 10 free slots takes 10: one job of
+    the first account and nine behind them. It took one: the lookahead (100 rows) held
+    only the first account's jobs, and the others waited a poll interval at a time."""
+
+    @store.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=1)
+    def sync(a: int, n: int) -> None: ...
+
+    @store.job(name="accounts.plain")
+    def plain(n: int) -> None: ...
+
+    store.enqueue_many([sync.bind(a=1, n=i) for i in range(150)])
+    store.enqueue_many([sync.bind(a=100 + i, n=0) for i in range(20)])
+    store.enqueue_many([plain.bind(n=i) for i in range(20)])
+    backend = store.backend
+    backend.queue_declare(store.queues.get("default") or _keyed("default"), "test")
+    rows = backend.job_claim_limited(QueueClaim("default", 10), "w-test", 30.0)
+    assert len(rows) == 10
+    keys = [json.loads(r.args).get("a") for r in rows]
+    assert keys.count(1) == 1 and len(set(keys)) == 10  # one per account, none twice
+
+
+def test_a_keys_backlog_ahead_of_other_jobs_runs_without_waiting_for_polls(
+    store: errands.App,
+) -> None:
+    """Given 300 jobs of one account (limit 1) queued ahead of 20 plain jobs, and a worker
+    polling every 30 s, then the plain jobs and a run of the account's jobs finish well
+    within one poll interval: a claim fills its room past the account's jobs, and a
+    keyed job ending wakes the claim loop for the next one (on PostgreSQL the plain jobs
+    ran none in 30 s, and the account's backlog one job per poll)."""
+    done: list[str] = []
+
+    @store.job(name="accounts.busy", concurrency_key="account:{a}", concurrency_limit=1)
+    def busy(a: int, n: int) -> None:
+        done.append("keyed")
+
+    @store.job(name="accounts.other")
+    def other(n: int) -> None:
+        done.append("plain")
+
+    store.enqueue_many([busy.bind(a=1, n=i) for i in range(300)])
+    store.enqueue_many([other.bind(n=i) for i in range(20)])
+    with workers([store], concurrency=4, poll_interval=30.0):
+        wait_until(lambda: done.count("plain") == 20, 25, "the plain jobs behind the key's")
+        wait_until(lambda: done.count("keyed") >= 30, 25, "a run of the key's own jobs")
 
 
 def _keyed(name: str) -> Any:

@@ -88,7 +88,14 @@ LISTING_INDEXES = {"errands_jobs_listing_bloom", "errands_jobs_bloom",
 
 _CLAIM = {"queues": ["fresh"], "limits": [40], "limit": 40, "names": ["fresh.job"],
           "worker_id": "w", "token": "t", "lease_default": 30.0}  # fmt: skip
-_LIMITED = {"queue": "fresh", "blocked": [], "names": ["fresh.job"], "limit": 400}
+_LIMITED = {
+    "queue": "fresh",
+    "blocked": [],
+    "names": ["fresh.job"],
+    "limit": 400,
+    "full": [],
+    "taken": [],
+}
 _FAIR = {"queue": "fresh", "blocked": [], "names": ["fresh.job"], "suspects": False}
 
 CLAIMS = {

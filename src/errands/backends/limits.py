@@ -88,6 +88,11 @@ class Candidate:
     rate_period: float | None = None
 
 
+# Reads of one in-order limited claim at most: the first, and again past the keys (and
+# rate-limited types) it found held back while its room was not filled.
+IN_ORDER_READS = 4
+
+
 def lookahead(room: int) -> int:
     return max(room * LOOKAHEAD_FACTOR, LOOKAHEAD_MIN)
 
@@ -97,9 +102,11 @@ def choose(
     room: int,
     running_per_key: dict[str, int],
     room_per_name: dict[str, int],
+    held: set[str] | None = None,
 ) -> list[Candidate]:
     """The candidates to claim, in order, within the queue's room, each key's limit and
-    each rate-limited job type's remaining starts."""
+    each rate-limited job type's remaining starts. ``held``: gets the keys (and
+    ``"name:"`` + the job types) a candidate was held back for."""
     chosen: list[Candidate] = []
     keys = dict(running_per_key)
     names = dict(room_per_name)
@@ -108,8 +115,12 @@ def choose(
             break
         key = candidate.concurrency_key
         if key is not None and keys.get(key, 0) >= (candidate.concurrency_limit or 1):
+            if held is not None:
+                held.add(key)
             continue
         if candidate.name in names and names[candidate.name] <= 0:
+            if held is not None:
+                held.add("name:" + candidate.name)
             continue
         chosen.append(candidate)
         if key is not None:
@@ -322,19 +333,56 @@ class _Pick:
 
 
 def _pick_in_order(pick: _Pick, suspects: bool) -> list[Candidate]:
-    """The due jobs to claim in claim order (priority, due time, id), within limits."""
+    """The due jobs to claim in claim order (priority, due time, id), within limits.
+
+    A lookahead full of one key's jobs (or one rate-limited type's) once that key is at
+    its limit in this claim is read again without that key's rows and without the rows
+    already chosen: its first read took one job of 100 and left the room empty, and the
+    jobs of other keys (and without one) behind them waited, a poll interval at a time
+    (for good, while that key's backlog lasted)."""
     store = pick.store
-    candidates = [
-        Candidate(int(r[0]), str(r[1]), r[2], r[3], r[4], r[5])  # type: ignore[call-overload,arg-type]
-        for r in store.rows(
-            "claim_candidates_suspect" if suspects else "claim_candidates",
-            {**pick.params(), "limit": lookahead(pick.room)},
+    limit = lookahead(pick.room)
+    chosen: list[Candidate] = []
+    running: dict[str, int] = {}
+    names = dict(pick.room_per_name)
+    full: list[str] = []  # keys (and "name:" + types) held back so far: not read again
+    for _ in range(IN_ORDER_READS):
+        params = pick.params()
+        params["blocked"] = store.id_list(
+            [*pick.blocked, *(k[5:] for k in full if k.startswith("name:"))]
         )
-    ]
-    if not candidates:
-        return []
-    pick.learn_rates(candidates)
-    return choose(candidates, pick.room, _running(store, candidates), pick.room_per_name)
+        candidates = [
+            Candidate(int(r[0]), str(r[1]), r[2], r[3], r[4], r[5])  # type: ignore[call-overload,arg-type]
+            for r in store.rows(
+                "claim_candidates_suspect" if suspects else "claim_candidates",
+                {
+                    **params,
+                    "limit": limit,
+                    "full": store.id_list([k for k in full if not k.startswith("name:")]),
+                    "taken": store.id_list([c.id for c in chosen]),
+                },
+            )
+        ]
+        if not candidates:
+            break
+        pick.learn_rates(candidates)
+        names.update({n: left for n, left in pick.room_per_name.items() if n not in names})
+        unread = [c for c in candidates if c.concurrency_key not in running]
+        running.update({k: 0 for k in {c.concurrency_key for c in unread} if k is not None})
+        running.update(_running(store, unread))
+        held: set[str] = set()
+        more = choose(candidates, pick.room - len(chosen), running, names, held)
+        for c in more:
+            if c.concurrency_key is not None:
+                running[c.concurrency_key] += 1
+            if c.name in names:
+                names[c.name] -= 1
+        chosen += more
+        pick.result.gated += len(candidates) - len(more) if held else 0
+        if len(chosen) >= pick.room or len(candidates) < limit or not held:
+            break
+        full += sorted(held - set(full))
+    return chosen
 
 
 def _pick_fair(
@@ -362,7 +410,10 @@ def _pick_fair(
     job is taken in a round that would serve its key; the fresh claim leaves rescued jobs
     out."""
     store, queue, room = pick.store, pick.queue, pick.room
-    if suspects and not store.rows("claim_candidates_suspect", {**pick.params(), "limit": 1}):
+    none = store.id_list([])
+    if suspects and not store.rows(
+        "claim_candidates_suspect", {**pick.params(), "limit": 1, "full": none, "taken": none}
+    ):
         return []  # no rescued job due: the common case, read through its own index
     params = {**pick.params(), "suspects": suspects}
     windowed = cursors is not None and aging is None and not suspects

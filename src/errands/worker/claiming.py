@@ -57,6 +57,9 @@ class ClaimRound:
     # A limited queue was left out for want of a free slot (the prefetch room is not
     # theirs): claim again when a slot frees up.
     limited_starved: bool = False
+    # A limited queue gave fewer jobs than asked: its due jobs may wait for a key or a rate
+    # held by running jobs (the claim's reads leave those out, so it cannot count them).
+    limited_short: bool = False
     # Rows that are the first claimed of a fair key with nothing running (express lane).
     express: frozenset[int] = frozenset()
 
@@ -249,6 +252,7 @@ class Claimer:
                 result.gated += getattr(limited, "gated", 0)
                 result.express |= getattr(limited, "express", frozenset())
                 result.limited_full = result.limited_full or len(limited) >= take
+                result.limited_short = result.limited_short or len(limited) < take
                 retry_in = getattr(limited, "retry_in", None)
                 if retry_in is not None:
                     result.retry_in = min(result.retry_in or retry_in, retry_in)

@@ -245,6 +245,12 @@ class Worker:
         self.thread: threading.Thread | None = None  # the one in run(), while it runs
         self.ended = threading.Event()  # run() returned (App.close() waits for it)
         self._backlog = False
+        # The last claim may have left due jobs waiting for a concurrency key (or a rate)
+        # held by running jobs (it held some back, or a limited queue gave fewer than
+        # asked): the stored outcome of a job of this worker's limited queues may let them
+        # run, so it wakes the claim loop (on PostgreSQL nothing else does: they waited
+        # for the next poll, and a key's backlog ran one job a poll interval).
+        self._gated = False
         # With a backlog, the producer waits (up to BATCH_GATHER) for this many free slots
         # before claiming: one round trip brings a batch instead of one or two jobs.
         self._refill_at = max(1, concurrency // 2)
@@ -414,8 +420,14 @@ class Worker:
             return list(self._attempts.values())
 
     def forget(self, attempt: Attempt) -> None:
+        """The attempt's outcome is stored (or refused, or given up on): it is no longer
+        this worker's. Its key or rate is free in the store from now: a claim that may have
+        left jobs waiting for one runs again (see _gated)."""
         with self._lock:
             self._attempts.pop((attempt.id, attempt.token), None)
+            gated = self._gated and attempt.row.queue in self.claimer.with_limits
+        if gated:
+            self._wake.set()
 
     # -- lifecycle ---------------------------------------------------------------------
     def run(self, *, install_signals: bool = True, signalled: Sequence[int] = ()) -> int:
@@ -721,6 +733,7 @@ class Worker:
             # all claimed starts, even after an error
             self._start_all(claimed.rows, sent, claimed.express)
             rows = claimed.rows
+            self._gated = claimed.gated > 0 or claimed.limited_short
             if claimed.error is not None:
                 now = time.monotonic()
                 if not rows or now >= self._claim_warned_at + CLAIM_RETRY_MAX:

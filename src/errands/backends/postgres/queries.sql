@@ -742,7 +742,8 @@ WHERE at < now() - make_interval(secs => %(older_than)s)  -- again: a fold may l
 -- Due rows of one limited queue in claim order; $RESCUED makes the fresh and the suspect
 -- variants. Jobs whose key already runs at its limit, and job types out of rate-limit
 -- room (blocked), are left out here, so they never fill the lookahead and hold claimable
--- jobs behind them. claim_limited checks the rest under the key and rate locks.
+-- jobs behind them; so are, when the claim reads again, the keys it filled (full) and the
+-- rows it chose (taken). claim_limited checks the rest under the key and rate locks.
 SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period
 FROM {schema}.errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
@@ -750,6 +751,8 @@ WHERE state IN ('available', 'scheduled', 'retryable')
   AND $RESCUED
   AND run_at <= now()
   AND NOT (name = ANY(%(blocked)s::text[]))
+  AND NOT (id = ANY(%(taken)s::bigint[]))
+  AND (concurrency_key IS NULL OR NOT (concurrency_key = ANY(%(full)s::text[])))
   AND (%(names)s::text[] IS NULL OR array_position(%(names)s::text[], name) IS NOT NULL)
   AND (concurrency_key IS NULL
        OR (SELECT count(*) FROM {schema}.errands_jobs AS r

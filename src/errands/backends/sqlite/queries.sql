@@ -553,7 +553,8 @@ WHERE at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
 -- Due rows of one limited queue in claim order; $RESCUED makes the fresh and the suspect
 -- variants. Jobs whose key already runs at its limit, and job types out of rate-limit
 -- room (:blocked, a JSON list), are left out here, so they never fill the lookahead and
--- hold claimable jobs behind them.
+-- hold claimable jobs behind them; so are, when the claim reads again, the keys it filled
+-- (:full) and the rows it chose (:taken).
 SELECT id, name, concurrency_key, concurrency_limit, rate_limit, rate_period
 FROM errands_jobs AS j
 WHERE state IN ('available', 'scheduled', 'retryable')
@@ -561,6 +562,8 @@ WHERE state IN ('available', 'scheduled', 'retryable')
   AND $RESCUED
   AND run_at <= (julianday('now') - 2440587.5) * 86400.0
   AND name NOT IN (SELECT value FROM json_each(:blocked))
+  AND id NOT IN (SELECT value FROM json_each(:taken))
+  AND (concurrency_key IS NULL OR concurrency_key NOT IN (SELECT value FROM json_each(:full)))
   AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
   AND (concurrency_key IS NULL
        OR (SELECT count(*) FROM errands_jobs AS r
