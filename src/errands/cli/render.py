@@ -13,13 +13,20 @@ from zoneinfo import ZoneInfo
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..jobs import Job
 from ..masking import mask_text, mask_value, sensitive_values
 
 
+def on_terminal() -> bool:
+    """Whether stdout is a terminal: rich tables there, plain text otherwise."""
+    return sys.stdout.isatty()
+
+
 def console() -> Console:
-    return Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+    # emoji=False: job text is printed as it is (":fire:" in an error stays ":fire:")
+    return Console(highlight=False, emoji=False, soft_wrap=not on_terminal())
 
 
 def emit_json(data: Any) -> None:
@@ -62,22 +69,24 @@ def when(value: datetime | float | None, tz: str | None = None) -> str:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    if sys.stdout.isatty():
-        grid = Table(title=title, header_style="bold")
+    """One row per job (or queue...); on a terminal, a rich table whose cells are plain
+    text, never markup: an error message holding ``[/]`` raised MarkupError, and
+    ``[red]`` recoloured the rest of it."""
+    cells = [[str(c) for c in row] for row in rows]
+    if on_terminal():
+        grid = Table(title=None if title is None else Text(title), header_style="bold")
         for column in columns:
-            grid.add_column(column)
-        for row in rows:
-            grid.add_row(*[str(c) for c in row])
+            grid.add_column(Text(column))
+        for row_cells in cells:
+            grid.add_row(*[Text(c) for c in row_cells])
         console().print(grid)
         return
-    widths = [
-        max(len(str(c)) for c in [col, *[r[i] for r in rows]]) for i, col in enumerate(columns)
-    ]
+    widths = [max(len(c) for c in [col, *[r[i] for r in cells]]) for i, col in enumerate(columns)]
     if title:
         click.echo(title)
     click.echo("  ".join(str(c).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
-    for row in rows:
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for row_cells in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row_cells, widths, strict=True)).rstrip())
 
 
 def job_dict(job: Job) -> dict[str, Any]:

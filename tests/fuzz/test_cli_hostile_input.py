@@ -1,0 +1,71 @@
+"""Hostile text and values through the command line: job text (error messages, actors)
+that looks like rich markup or holds control characters, and option values that parse but
+mean nothing (NaN, an empty queue name, JSON nested past Python's stack).
+
+Job text is printed as it was written, one table row per job, on a terminal and piped
+alike; a bad value is one clear error, never a traceback nor a silently wrong answer.
+Most commands run in-process (click's CliRunner, stdout piped); the terminal cases run
+``python -m errands`` on a pseudo-terminal, as an operator at a shell would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+import errands
+from errands.cli.main import cli
+from errands.testing import Tester
+
+from .support import cli_env, run_cli_on_terminal
+
+
+def _dead_job(app: errands.App, message: str) -> int:
+    """One dead job whose only error is ``RuntimeError(message)``."""
+
+    @app.job(name="hostile.fail", retries=0)
+    def fail(text: str) -> None:
+        raise RuntimeError(text)
+
+    handle = fail.enqueue(text=message)
+    with Tester(app) as tester:
+        tester.drain(with_retries=False)
+    assert app.get_job(handle.id).state.value == "dead"
+    return handle.id
+
+
+def _cli(*args: str) -> Result:
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _on_terminal(args: Sequence[str], url: str, folder: Path) -> tuple[int, str]:
+    """The exit code and what the terminal showed (one stream: stdout and stderr)."""
+    result = run_cli_on_terminal(args, cli_env(url, COLUMNS="250"), folder)
+    return result.code, result.stdout
+
+
+MARKUP = "a [/] [red]b[/red] :fire: c"  # short: the listing cuts a last error at 50
+
+
+@pytest.mark.parametrize("command", [["dlq", "list"], ["jobs", "list"]])
+def test_an_error_message_that_looks_like_markup_is_printed_as_written_on_a_terminal(
+    app: errands.App, db_url: str, tmp_path: Path, command: list[str]
+) -> None:
+    _dead_job(app, MARKUP)
+    code, shown = _on_terminal(command, db_url, tmp_path)
+    assert code == 0, shown
+    assert "Traceback" not in shown and "MarkupError" not in shown, shown
+    assert f"RuntimeError: {MARKUP}" in shown, shown
+
+
+def test_a_jobs_show_on_a_terminal_leaves_emoji_codes_in_job_text_alone(
+    app: errands.App, db_url: str, tmp_path: Path
+) -> None:
+    job_id = _dead_job(app, MARKUP)
+    code, shown = _on_terminal(["jobs", "show", str(job_id)], db_url, tmp_path)
+    assert code == 0, shown
+    assert f"RuntimeError: {MARKUP}" in shown, shown
+    assert "\N{FIRE}" not in shown, shown
