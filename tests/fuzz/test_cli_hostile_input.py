@@ -69,3 +69,38 @@ def test_a_jobs_show_on_a_terminal_leaves_emoji_codes_in_job_text_alone(
     assert code == 0, shown
     assert f"RuntimeError: {MARKUP}" in shown, shown
     assert "\N{FIRE}" not in shown, shown
+
+
+FORGED = "x\n999  forged.job  default  dead\tfine\x1b[2J\r"
+
+
+def test_a_newline_in_an_error_message_cannot_forge_a_row_of_a_piped_listing(
+    app: errands.App, db_url: str
+) -> None:
+    job_id = _dead_job(app, FORGED)
+    result = _cli("dlq", "list", "--url", db_url)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 2, result.output  # the header and the one dead job
+    assert lines[1].startswith(f"{job_id} "), result.output
+    assert "RuntimeError: x\\n999  forged.job  default  dead" in lines[1], result.output
+    assert "\x1b" not in result.output and "\r" not in result.output
+
+
+def test_a_newline_in_an_error_message_stays_in_its_row_on_a_terminal(
+    app: errands.App, db_url: str, tmp_path: Path
+) -> None:
+    _dead_job(app, FORGED)
+    code, shown = _on_terminal(["dlq", "list"], db_url, tmp_path)
+    assert code == 0, shown
+    assert "RuntimeError: x\\n999  forged.job  default  dead" in shown, shown
+    assert not any(line.lstrip("│ ").startswith("999") for line in shown.splitlines()), shown
+
+
+def test_a_jobs_show_prints_each_error_on_one_line(app: errands.App, db_url: str) -> None:
+    job_id = _dead_job(app, FORGED)
+    result = _cli("jobs", "show", str(job_id), "--url", db_url)
+    assert result.exit_code == 0, result.output
+    [line] = [x for x in result.output.splitlines() if x.lstrip().startswith("#1 at")]
+    assert "RuntimeError: x\\n999  forged.job  default  dead\\tfine\\x1b[2J\\r" in line, line
+    assert not any(x.startswith("999") for x in result.output.splitlines()), result.output
