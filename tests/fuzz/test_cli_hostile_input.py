@@ -104,3 +104,22 @@ def test_a_jobs_show_prints_each_error_on_one_line(app: errands.App, db_url: str
     [line] = [x for x in result.output.splitlines() if x.lstrip().startswith("#1 at")]
     assert "RuntimeError: x\\n999  forged.job  default  dead\\tfine\\x1b[2J\\r" in line, line
     assert not any(x.startswith("999") for x in result.output.splitlines()), result.output
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("option", "args"),
+    [
+        ("--payload", ["jobs", "signal", "1", "go", "--payload", DEEP]),
+        ("--args", ["jobs", "edit", "1", "-A", "shop:app", "--args", '{"a": ' + DEEP + "}"]),
+    ],
+    ids=["signal-payload", "edit-args"],
+)
+def test_json_nested_too_deep_to_read_is_a_usage_error_naming_the_option(
+    db_url: str, option: str, args: list[str]
+) -> None:
+    result = _cli(*args, "--url", db_url)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for {option}: the JSON is nested too deep" in result.output

@@ -263,6 +263,21 @@ def each(kind: str, ids: tuple[int, ...], act: Callable[[int], None]) -> None:
         raise click.exceptions.Exit(1)
 
 
+def _json_value(text: str, option: str) -> Any:
+    """An option's JSON, or a usage error naming the option: one that is not JSON, or is
+    nested too deep for Python to read (a RecursionError traceback, before)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise click.BadParameter(
+            "the JSON is nested too deep to read (about 1,000 levels of arrays or objects at "
+            "most); flatten it",
+            param_hint=option,
+        ) from None
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from None
+
+
 @jobs.command("signal")
 @app_options
 @actor_option
@@ -281,10 +296,7 @@ def jobs_signal(
 ) -> None:
     """Send signal NAME to a job (ctx.wait_for_signal): a job waiting for it resumes; one
     not waiting yet keeps it for its wait. Audited."""
-    try:
-        value = json.loads(payload)
-    except ValueError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--payload") from None
+    value = _json_value(payload, "--payload")
     result = _app(app_path, url).signal(job_id, name, value, actor=actor)
     if as_json:
         render.emit_json(
@@ -328,10 +340,7 @@ def jobs_edit(
     if args_json is not None:
         if not app_path:
             raise click.UsageError("--args needs the app (-A module:app) to validate them")
-        try:
-            args = json.loads(args_json)
-        except ValueError as exc:
-            raise click.BadParameter(f"not JSON: {exc}", param_hint="--args") from None
+        args = _json_value(args_json, "--args")
         if not isinstance(args, dict):
             raise click.BadParameter("give a JSON object of arguments", param_hint="--args")
     when = None if run_at is None else run_at.replace(tzinfo=run_at.tzinfo or UTC)
