@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -40,10 +41,21 @@ def holds_nul(text: str) -> bool:
     return "\\u0000" in text and JSON_NUL.search(text) is not None
 
 
-def nul_path(value: Any, path: str = "") -> str | None:
+def nul_path(value: Any) -> str | None:
     """Where in a decoded JSON value a string (or key) holds a NUL character, or None."""
-    if isinstance(value, str):
-        return (path or "(value)") if "\x00" in value else None
+    return _path_of(value, lambda v: isinstance(v, str) and "\x00" in v)
+
+
+def nonfinite_path(value: Any) -> str | None:
+    """Where in a decoded JSON value a number is NaN or infinite, or None (``json.loads``
+    reads the ``NaN`` and ``Infinity`` that no JSON standard has, and ``1e999``, as such)."""
+    return _path_of(value, lambda v: isinstance(v, float) and not math.isfinite(v))
+
+
+def _path_of(value: Any, bad: Callable[[Any], bool], path: str = "") -> str | None:
+    """``a.0.b``: where in a decoded JSON value (or a key of it) ``bad`` holds, or None."""
+    if bad(value):
+        return path or "(value)"
     items: Iterable[tuple[Any, Any]] = ()
     if isinstance(value, dict):
         items = value.items()
@@ -51,11 +63,36 @@ def nul_path(value: Any, path: str = "") -> str | None:
         items = enumerate(value)
     for key, item in items:
         where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and "\x00" in key:
+        if bad(key):
             return where
-        found = nul_path(item, where)
+        found = _path_of(item, bad, where)
         if found is not None:
             return found
+    return None
+
+
+def unstorable_json(what: str, text: str) -> InvalidPayload | None:
+    """Why JSON text (serialised by pydantic, from any value) cannot be stored, naming
+    where in it and the fix, or None: a NaN or infinite number (SQLite kept it as JSON
+    no standard reader takes, and PostgreSQL's jsonb refused it with a raw driver error)
+    or an escaped NUL character (which jsonb cannot hold), as job arguments refuse them."""
+    nonfinite = "NaN" in text or "Infinity" in text  # bare tokens; rare inside strings too
+    if not nonfinite and not holds_nul(text):
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # cannot be: pydantic wrote it
+        return None
+    if nonfinite and (where := nonfinite_path(value)) is not None:
+        return InvalidPayload(
+            f"{what}: {where}: a number that is NaN or infinite, which JSON cannot hold; "
+            'send a finite number, null, or a string such as "inf"'
+        )
+    if (where := nul_path(value)) is not None:
+        return InvalidPayload(
+            f"{what}: {where}: contains the NUL character (\\x00), which PostgreSQL cannot "
+            f"store; {NUL_FIX}"
+        )
     return None
 
 

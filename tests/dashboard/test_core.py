@@ -366,6 +366,21 @@ def test_crafted_ids_and_nested_json_get_a_clear_answer_not_a_500(
     assert "not JSON" in client.get(f"/jobs/{job.id}").text
 
 
+def test_a_signal_payload_json_cannot_hold_is_refused_with_a_clear_message(
+    store: errands.App, client: TestClient, jobs: dict[str, Any]
+) -> None:
+    """NaN, Infinity and a NUL escape passed the form's JSON check: stored as JSON no
+    standard reader takes on SQLite, a raw driver error (a 500) on PostgreSQL."""
+    job = jobs["send_welcome"].enqueue(user_id=1, email=EMAIL, delay=3600)
+    for payload in ('{"total": NaN}', "[1e999]", '"a\\u0000b"'):
+        answer = post(client, f"/jobs/{job.id}/signal", {"signal": "go", "payload": payload})
+        assert answer.status_code == 303, payload
+        page = client.get(f"/jobs/{job.id}").text
+        assert "signal &#39;go&#39;: the payload: " in page, payload
+        assert "sent to job" not in page, payload
+    assert store.audit(job_id=job.id) == []
+
+
 def test_unicode_digits_in_ids_and_filters_get_a_clear_answer_not_a_500(
     client: TestClient, jobs: dict[str, Any]
 ) -> None:

@@ -123,3 +123,23 @@ def test_json_nested_too_deep_to_read_is_a_usage_error_naming_the_option(
     result = _cli(*args, "--url", db_url)
     assert result.exit_code == 2, result.output
     assert f"Invalid value for {option}: the JSON is nested too deep" in result.output
+
+
+@pytest.mark.parametrize(
+    "payload", ['{"total": NaN}', '{"total": 1e999}', "-Infinity", '{"note": "a\\u0000b"}']
+)
+def test_a_signal_payload_json_cannot_hold_is_one_error_line_not_a_traceback(
+    app: errands.App, db_url: str, payload: str
+) -> None:
+    @app.job(name="hostile.wait")
+    def wait(ctx: errands.Context) -> object:
+        return ctx.wait_for_signal("go")
+
+    handle = wait.enqueue(delay=3600)
+    result = CliRunner().invoke(
+        cli, ["jobs", "signal", str(handle.id), "go", "--payload", payload, "--url", db_url]
+    )
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    assert "error: signal 'go': the payload: " in result.output, result.output
+    assert app.audit(job_id=handle.id) == []
