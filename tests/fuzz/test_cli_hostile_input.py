@@ -10,6 +10,7 @@ Most commands run in-process (click's CliRunner, stdout piped); the terminal cas
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import errands
 from errands.cli.main import cli
 from errands.testing import Tester
 
-from .support import cli_env, run_cli_on_terminal
+from .support import cli_env, run_cli, run_cli_on_terminal
 
 
 def _dead_job(app: errands.App, message: str) -> int:
@@ -143,3 +144,18 @@ def test_a_signal_payload_json_cannot_hold_is_one_error_line_not_a_traceback(
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
     assert "error: signal 'go': the payload: " in result.output, result.output
     assert app.audit(job_id=handle.id) == []
+
+
+@pytest.mark.parametrize("spec", ["", ",", "=5"])
+def test_a_worker_given_an_empty_queue_list_stops_saying_so_instead_of_serving_every_queue(
+    db_url: str, tmp_path: Path, spec: str
+) -> None:
+    """``errands worker -q "$QUEUE"`` with QUEUE unset served every queue of the app."""
+    try:
+        result = run_cli(["worker", "fuzz_app:app", "-q", spec], cli_env(db_url), tmp_path, 30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"-q {spec!r}: the worker started (serving every queue) instead of stopping")
+    assert result.code == 1, result
+    assert "Traceback" not in result.output, result
+    [line] = result.error_lines
+    assert "no queue" in line, result
