@@ -60,6 +60,7 @@ class Settings:
     templates: Jinja2Templates
     refresh_seconds: int
     title: str
+    allowed_origins: frozenset[str] = frozenset()  # hosts (netlocs) besides Host's
 
 
 @dataclass(frozen=True)
@@ -343,13 +344,34 @@ async def not_found(request: Request, exc: Exception) -> Response:
 
 def csrf_ok(request: Request, form: FormData, viewer_token: str) -> bool:
     given = form.get(CSRF_FIELD) or request.headers.get(CSRF_HEADER)
-    if not csrf_matches(viewer_token, given if isinstance(given, str) else None):
-        return False
+    return csrf_matches(viewer_token, given if isinstance(given, str) else None)
+
+
+def origin_refusal(request: Request) -> Response | None:
+    """The 403 page when the browser's ``Origin`` names another host than the request's
+    ``Host`` (and than ``allowed_origins``), else None. The host only is compared: a
+    TLS-terminating proxy may change the scheme. A proxy that rewrites ``Host`` (nginx's
+    default: ``proxy_pass http://127.0.0.1:8080`` sends ``Host: 127.0.0.1:8080``) fails
+    every action this way, so the page names both headers and the fix."""
     origin = request.headers.get("origin")
-    # A browser names the page that sent the form: it must be this site (compare the host
-    # only: a TLS-terminating proxy may change the scheme).
-    return not (
-        origin and urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+    if not origin:
+        return None
+    origin_host = urlsplit(origin).netloc.lower()
+    host = request.headers.get("host", "").lower()
+    if origin_host == host or origin_host in settings(request).allowed_origins:
+        return None
+    return error_page(
+        request,
+        403,
+        "Origin does not match Host",
+        f"The browser sent this form from {origin[:200]!r} (its Origin header), but the "
+        f"request names the host {host[:200]!r} (its Host header), so it was refused as "
+        "coming from another site.",
+        fix="If you opened the dashboard at that address through a reverse proxy, the "
+        "proxy rewrites Host: have it pass the browser's Host through (nginx: "
+        "proxy_set_header Host $host;), or list the public address in "
+        "create_app(allowed_origins=[...]) (errands dashboard --allowed-origin). "
+        "Otherwise, reload the dashboard from its own address.",
     )
 
 
@@ -373,6 +395,9 @@ def action(
                     "This form is stale or did not come from the dashboard. Reload the page "
                     "and try again.",
                 )
+            refused = origin_refusal(request)
+            if refused is not None:
+                return refused
             if right is not None and not viewer.can(right):
                 return error_page(
                     request,
