@@ -8,6 +8,7 @@ in that order. Blocking store calls run in Starlette's thread pool (:func:`block
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -118,10 +119,30 @@ def csrf_token(request: Request) -> str:
     return str(token)
 
 
+FLASH_KEPT = 5  # messages the session holds until a page shows them
+FLASH_MAX_BYTES = 300  # of one message, as the session cookie holds it (JSON, \u-escaped)
+
+
 def flash(request: Request, message: str, kind: str = "ok") -> None:
-    messages = list(request.session.get("flash", []))[-4:]
-    messages.append([kind, message])
+    """A message for the next page, kept in the session cookie: clipped, so a message
+    echoing a long input (a 20 KB run-at quoted by fromisoformat made a 27 KB Set-Cookie,
+    which browsers drop, and the session with it) keeps the cookie small."""
+    messages = list(request.session.get("flash", []))[-(FLASH_KEPT - 1) :]
+    messages.append([kind, clip(message, FLASH_MAX_BYTES)])
     request.session["flash"] = messages
+
+
+def clip(text: str, max_bytes: int) -> str:
+    """``text`` cut, with "...", to at most ``max_bytes`` as JSON writes it (ASCII, with
+    \\u escapes: up to 12 bytes a character)."""
+    if len(json.dumps(text)) - 2 <= max_bytes:
+        return text
+    size = 3  # "..."
+    for end, char in enumerate(text):
+        size += len(json.dumps(char)) - 2
+        if size > max_bytes:
+            return text[:end] + "..."
+    return text
 
 
 def path_for(
