@@ -100,7 +100,15 @@ def _filter(what: str, value: str | None) -> str | None:
 
 
 def _actor(value: str) -> str:
-    return check_text("actor", value, TEXT_MAX_BYTES)
+    """Who acts, for the audit log: storable text, and not blank (an audit entry by ''
+    names nobody)."""
+    check_text("actor", value, TEXT_MAX_BYTES)
+    if not value.strip():
+        raise ConfigurationError(
+            f"actor {value!r} is blank: name who acts, for the audit log (actor='ops:alice'; "
+            "on the command line --actor ops:alice, or leave --actor out for cli:user@host)"
+        )
+    return value
 
 
 _NO_WEIGHT = object()  # fair_weight(key) without a weight: a mistake, named

@@ -42,6 +42,11 @@ def _cli(*args: str) -> Result:
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
+def _cli_result(*args: str) -> Result:
+    """:func:`_cli` for a command expected to fail: its exit code, not its exception."""
+    return CliRunner().invoke(cli, list(args))
+
+
 def _on_terminal(args: Sequence[str], url: str, folder: Path) -> tuple[int, str]:
     """The exit code and what the terminal showed (one stream: stdout and stderr)."""
     result = run_cli_on_terminal(args, cli_env(url, COLUMNS="250"), folder)
@@ -137,8 +142,8 @@ def test_a_signal_payload_json_cannot_hold_is_one_error_line_not_a_traceback(
         return ctx.wait_for_signal("go")
 
     handle = wait.enqueue(delay=3600)
-    result = CliRunner().invoke(
-        cli, ["jobs", "signal", str(handle.id), "go", "--payload", payload, "--url", db_url]
+    result = _cli_result(
+        "jobs", "signal", str(handle.id), "go", "--payload", payload, "--url", db_url
     )
     assert result.exit_code == 1, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.output
@@ -159,3 +164,15 @@ def test_a_worker_given_an_empty_queue_list_stops_saying_so_instead_of_serving_e
     assert "Traceback" not in result.output, result
     [line] = result.error_lines
     assert "no queue" in line, result
+
+
+@pytest.mark.parametrize("actor", ["", " "])
+def test_a_blank_actor_on_the_command_line_is_refused_and_not_audited(
+    app: errands.App, db_url: str, actor: str
+) -> None:
+    job_id = _dead_job(app, "boom")
+    result = _cli_result("dlq", "replay", str(job_id), "--actor", actor, "--url", db_url)
+    assert result.exit_code == 1, result.output
+    assert "is blank: name who acts" in result.output, result.output
+    assert app.get_job(job_id).state.value == "dead"
+    assert app.audit(job_id=job_id) == []
