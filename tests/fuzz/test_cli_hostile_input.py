@@ -176,3 +176,25 @@ def test_a_blank_actor_on_the_command_line_is_refused_and_not_audited(
     assert "is blank: name who acts" in result.output, result.output
     assert app.get_job(job_id).state.value == "dead"
     assert app.audit(job_id=job_id) == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "--max-age", "nan"],
+        ["status", "--max-age", "inf"],
+        ["jobs", "edit", "1", "--delay", "nan"],
+        ["worker", "fuzz_app:app", "--grace", "nan"],
+        ["worker", "fuzz_app:app", "--poll-interval", "nan"],
+        ["worker", "fuzz_app:app", "--maintenance-tick", "inf"],
+    ],
+    ids=lambda args: "-".join(args[-2:]),
+)
+def test_a_number_of_seconds_that_is_not_finite_is_a_usage_error(
+    db_url: str, args: list[str]
+) -> None:
+    """click's FloatRange lets NaN through (it compares false with either bound): a
+    ``status --max-age nan`` alert could never fire."""
+    result = _cli_result(*args, "--url", db_url)
+    assert result.exit_code == 2, result.output
+    assert "is not a finite number" in result.output, result.output

@@ -16,6 +16,7 @@ from ..masking import mask_value, sensitive_values
 from ..suggest import did_you_mean
 from . import render
 from .loading import URL_HELP, default_actor, load_app
+from .params import FiniteFloatRange
 
 # Ids and priorities as the stores keep them: a larger number was a traceback from deep
 # inside ("Python int too large to convert to SQLite INTEGER"), now click's own message.
@@ -65,7 +66,7 @@ def _app(app_path: str | None, url: str | None) -> App:
 )
 @click.option(
     "--max-age",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     help="exit 3 when the oldest available job waited longer (seconds)",
 )
 def status(
@@ -316,7 +317,7 @@ def jobs_signal(
 @json_option
 @click.argument("job_ids", type=ID, nargs=-1, required=True)
 @click.option("--run-at", type=click.DateTime(), help="run at this time (UTC unless it says)")
-@click.option("--delay", type=click.FloatRange(min=0), help="run this many seconds from now")
+@click.option("--delay", type=FiniteFloatRange(min=0), help="run this many seconds from now")
 @click.option("--priority", type=PRIORITY, help="the new priority")
 @click.option("--queue", help="move to this queue")
 @click.option("--args", "args_json", help="replace the arguments (JSON object; needs -A)")
