@@ -198,3 +198,31 @@ def test_a_number_of_seconds_that_is_not_finite_is_a_usage_error(
     result = _cli_result(*args, "--url", db_url)
     assert result.exit_code == 2, result.output
     assert "is not a finite number" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "done"),
+    [
+        (["dlq", "replay"], "replayed 1 job(s)"),
+        (["dlq", "discard", "--reason", "duplicate"], "discarded 1 job(s)"),
+        (["jobs", "edit", "--priority", "5"], "edited 1 job(s)"),
+        (["dlq", "replay", "--dry-run"], "would replay 1 job(s)"),
+    ],
+    ids=["replay", "discard", "edit", "dry-run"],
+)
+def test_an_action_that_skipped_some_ids_exits_1_saying_how_many(
+    app: errands.App, db_url: str, args: list[str], done: str
+) -> None:
+    """`jobs cancel 5 999` exits 1; `dlq replay`, `dlq discard` and `jobs edit` exited 0
+    when some of the ids were skipped (1 only when all were): a script took it as done."""
+    dead = _dead_job(app, "boom")
+    pending = app.registry["hostile.fail"].enqueue(text="later", delay=3600).id
+    target = dead if args[0] == "dlq" else pending
+    result = _cli_result(*args, str(target), "999", "--url", db_url)
+    assert result.exit_code == 1, result.output
+    assert f"{done}: {target}" in result.output, result.output
+    assert "skipped job 999" in result.output, result.output
+    skipped = "would be skipped" if "--dry-run" in args else "skipped"
+    assert f"error: 1 of 2 job(s) {skipped}" in result.output, result.output
+    as_json = _cli_result(*args, str(target), "999", "--url", db_url, "--json")
+    assert as_json.exit_code == 1, as_json.output

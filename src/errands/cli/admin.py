@@ -440,7 +440,11 @@ def _report(verb: str, result: Any, dry_run: bool, as_json: bool) -> None:
         click.echo(f"{prefix} {len(result.matched)} job(s): {ids}")
         for job_id, why in result.skipped.items():
             click.echo(f"skipped job {job_id}: {why}", err=True)
-    if result.skipped and not result.matched:
+    if result.skipped:  # as `jobs cancel 5 999`: a script learns that not all were done
+        total = len(result.matched) + len(result.skipped)
+        skipped = "would be skipped" if dry_run else "skipped"
+        if not as_json:
+            render.notice(f"{len(result.skipped)} of {total} job(s) {skipped}", "error")
         raise SystemExit(1)
 
 
