@@ -10,6 +10,8 @@ Most commands run in-process (click's CliRunner, stdout piped); the terminal cas
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -226,3 +228,41 @@ def test_an_action_that_skipped_some_ids_exits_1_saying_how_many(
     assert f"error: 1 of 2 job(s) {skipped}" in result.output, result.output
     as_json = _cli_result(*args, str(target), "999", "--url", db_url, "--json")
     assert as_json.exit_code == 1, as_json.output
+
+
+def _tables(path: Path) -> set[str]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+@pytest.mark.parametrize("command", [["status"], ["jobs", "list"], ["dlq", "list"]])
+def test_a_reading_command_leaves_another_applications_sqlite_file_alone(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """`errands status --url sqlite:///other.db` created the errands tables inside another
+    application's database. Refused, naming `errands migrate`, which still creates them."""
+    other = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(other)) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, email TEXT)")
+        conn.commit()
+    url = f"sqlite:///{other}"
+    refused = _cli_result(*command, "--url", url)
+    assert refused.exit_code == 2, refused.output
+    assert "is a SQLite database with tables of its own and no errands store" in refused.output
+    assert f"errands migrate --url {url}" in refused.output, refused.output
+    assert _tables(other) == {"users"}
+
+    assert _cli_result("migrate", "--url", url).exit_code == 0  # wanted there: migrate first
+    assert "errands_migrations" in _tables(other) and "users" in _tables(other)
+    assert _cli_result(*command, "--url", url).exit_code == 0
+
+
+def test_a_reading_command_still_opens_a_new_store_and_an_empty_file(tmp_path: Path) -> None:
+    store = errands.App(f"sqlite:///{tmp_path}/new.db")
+    store.migrate()
+    store.close()
+    (tmp_path / "empty.db").touch()
+    for name in ("new.db", "empty.db"):
+        result = _cli_result("status", "--url", f"sqlite:///{tmp_path}/{name}")
+        assert result.exit_code == 0, result.output
+        assert "no jobs yet" in result.output
