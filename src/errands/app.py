@@ -56,7 +56,7 @@ from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner, HookTimeout
 from .jobs import Job, JobRow, Step, listed_by_priority, parse_cursor, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
-from .payload import MAX_PAYLOAD_BYTES_DEFAULT
+from .payload import MAX_PAYLOAD_BYTES_DEFAULT, unstorable_json
 from .results import ResultHub
 from .retry import BackoffPolicy
 from .suggest import did_you_mean
@@ -100,7 +100,15 @@ def _filter(what: str, value: str | None) -> str | None:
 
 
 def _actor(value: str) -> str:
-    return check_text("actor", value, TEXT_MAX_BYTES)
+    """Who acts, for the audit log: storable text, and not blank (an audit entry by ''
+    names nobody)."""
+    check_text("actor", value, TEXT_MAX_BYTES)
+    if not value.strip():
+        raise ConfigurationError(
+            f"actor {value!r} is blank: name who acts, for the audit log (actor='ops:alice'; "
+            "on the command line --actor ops:alice, or leave --actor out for cli:user@host)"
+        )
+    return value
 
 
 _NO_WEIGHT = object()  # fair_weight(key) without a weight: a mistake, named
@@ -1295,6 +1303,9 @@ class App:
         except (PydanticSerializationError, ValueError, TypeError) as exc:
             raise InvalidPayload(f"signal {name!r}: the payload is not JSON: {exc}") from None
         check_text(f"signal {name!r} payload", payload_json, self.max_payload_bytes)
+        problem = unstorable_json(f"signal {name!r}: the payload", payload_json)
+        if problem is not None:
+            raise problem
         result = self.backend.job_signal(int(job_id), name, payload_json, _actor(actor))
         self.events.emit(
             "errands.job.signalled", job_id=result.id, actor=actor, signal=name,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import sqlite3
 import sys
 import sysconfig
 import traceback
 from types import TracebackType
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from .app import App
 from .errors import ConfigurationError, ErrandsError, ResultTimeout
@@ -86,12 +87,43 @@ def load_app(
 
 
 def _check_exists(url: str) -> None:
+    """A SQLite file a reading or administering command may open: one that exists, and is
+    not another application's database (opening it as a store created the errands tables
+    in it, beside that application's own)."""
     path = sqlite_file(url)
-    if path is not None and not os.path.exists(path):
+    if path is None:
+        return
+    if not os.path.exists(path):
         raise AppLoadError(
             f"no errands database at {path!r} (from {url}); check --url, "
             "ERRANDS_URL or the folder you run from"
         )
+    if _foreign_sqlite(path):
+        raise AppLoadError(
+            f"{path!r} (from {url}) is a SQLite database with tables of its own and no "
+            "errands store: check --url, ERRANDS_URL or the folder you run from; to keep "
+            f"errands' tables in that file, create them first: errands migrate --url {url}"
+        )
+
+
+def _foreign_sqlite(path: str) -> bool:
+    """Whether the SQLite file holds tables but no ``errands_migrations`` (which every
+    errands store has, made by ``errands migrate`` or a worker, Django's migrate too).
+    Read-only; a file that cannot be read so is left to the store to judge."""
+    if os.path.getsize(path) == 0:
+        return False
+    try:
+        conn = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, timeout=1.0)
+        try:
+            tables = {
+                row[0]
+                for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
+        finally:
+            conn.close()
+    except sqlite3.Error:  # not a database, locked, unreadable: the store says which
+        return False
+    return bool(tables) and "errands_migrations" not in tables
 
 
 def _names_the_module(exc: ModuleNotFoundError, module_name: str) -> bool:

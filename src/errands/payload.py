@@ -53,6 +53,12 @@ def nul_path(value: Any) -> str | None:
     return first_path(value, lambda v: isinstance(v, str) and "\x00" in v)
 
 
+def nonfinite_path(value: Any) -> str | None:
+    """Where in a decoded JSON value a number is NaN or infinite, or None (``json.loads``
+    reads the ``NaN`` and ``Infinity`` that no JSON standard has, and ``1e999``, as such)."""
+    return first_path(value, _non_finite)
+
+
 def first_path(value: Any, bad: Callable[[Any], bool], path: str = "") -> str | None:
     """Where in a value of dicts and lists (tuples too) ``bad`` holds of a leaf or a dict
     key, dotted (``"lines.2.sku"``, ``"(value)"`` for ``value`` itself), or None."""
@@ -99,6 +105,31 @@ UNSTORABLE: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
         "finite_number",
     ),
 )
+
+
+def unstorable_json(what: str, text: str) -> InvalidPayload | None:
+    """Why JSON text (serialised by pydantic, from any value) cannot be stored, naming
+    where in it and the fix, or None: a NaN or infinite number (SQLite kept it as JSON
+    no standard reader takes, and PostgreSQL's jsonb refused it with a raw driver error)
+    or an escaped NUL character (which jsonb cannot hold), as job arguments refuse them."""
+    nonfinite = "NaN" in text or "Infinity" in text  # bare tokens; rare inside strings too
+    if not nonfinite and not holds_nul(text):
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # cannot be: pydantic wrote it
+        return None
+    if nonfinite and (where := nonfinite_path(value)) is not None:
+        return InvalidPayload(
+            f"{what}: {where}: a number that is NaN or infinite, which JSON cannot hold; "
+            'send a finite number, null, or a string such as "inf"'
+        )
+    if (where := nul_path(value)) is not None:
+        return InvalidPayload(
+            f"{what}: {where}: contains the NUL character (\\x00), which PostgreSQL cannot "
+            f"store; {NUL_FIX}"
+        )
+    return None
 
 
 def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -364,6 +366,61 @@ def test_crafted_ids_and_nested_json_get_a_clear_answer_not_a_500(
     answer = post(client, f"/jobs/{job.id}/signal", {"signal": "go", "payload": "[" * 100_000})
     assert answer.status_code == 303  # back to the job, the error flashed
     assert "not JSON" in client.get(f"/jobs/{job.id}").text
+
+
+def test_a_signal_payload_json_cannot_hold_is_refused_with_a_clear_message(
+    store: errands.App, client: TestClient, jobs: dict[str, Any]
+) -> None:
+    """NaN, Infinity and a NUL escape passed the form's JSON check: stored as JSON no
+    standard reader takes on SQLite, a raw driver error (a 500) on PostgreSQL."""
+    job = jobs["send_welcome"].enqueue(user_id=1, email=EMAIL, delay=3600)
+    for payload in ('{"total": NaN}', "[1e999]", '"a\\u0000b"'):
+        answer = post(client, f"/jobs/{job.id}/signal", {"signal": "go", "payload": payload})
+        assert answer.status_code == 303, payload
+        page = client.get(f"/jobs/{job.id}").text
+        assert "signal &#39;go&#39;: the payload: " in page, payload
+        assert "sent to job" not in page, payload
+    assert store.audit(job_id=job.id) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "quoted_as"),
+    [
+        ("run_at", "\N{CJK UNIFIED IDEOGRAPH-4E2D}" * 20_000, "Cannot edit: run at '"),
+        ("delay", "x" * 20_000, "Cannot edit: delay '"),
+        ("priority", "9" * 20_000, "Cannot edit: priority '"),
+        ("queue", "\N{GRINNING FACE}" * 5_000, None),  # the App's own error, clipped
+    ],
+)
+def test_an_error_quoting_a_huge_input_keeps_the_session_cookie_small(
+    store: errands.App,
+    client: TestClient,
+    jobs: dict[str, Any],
+    field: str,
+    value: str,
+    quoted_as: str | None,
+) -> None:
+    """fromisoformat and float quote their whole input: a 20 KB run at became a flash
+    message, and the session cookie holding it a 27 KB Set-Cookie browsers drop (the
+    user's session went with it). Messages are clipped; the input is quoted in part."""
+    job = jobs["charge"].enqueue(order_id=1, delay=3600)
+    token = csrf_of(client.get("/jobs").text)
+    answer = client.post(
+        "/jobs/edit/preview",
+        data={"csrf_token": token, "ids": str(job.id), field: value},
+        follow_redirects=False,
+    )
+    assert answer.status_code == 303
+    assert len(answer.headers["set-cookie"]) < 4096, len(answer.headers["set-cookie"])
+    page = client.get("/jobs").text
+    [shown] = re.findall(r'<div class="flash error" role="status">([^<]*)</div>', page)
+    shown = html.unescape(shown)
+    assert len(json.dumps(shown)) < 310, shown
+    if quoted_as is None:
+        assert shown.endswith("..."), shown
+    else:
+        assert shown.startswith(quoted_as) and "...' is not a" in shown, shown
+    assert store.get_job(job.id).queue == "payments"
 
 
 def test_unicode_digits_in_ids_and_filters_get_a_clear_answer_not_a_500(

@@ -124,6 +124,50 @@ def test_a_resolver_returning_the_wrong_type_is_a_clear_error(
     assert "returned a int" in response.text
 
 
+class TrappedStr(str):
+    """A str whose own methods raise: what a hostile resolver may hand back."""
+
+    def strip(self, chars: str | None = None) -> str:
+        raise RuntimeError(f"cannot reach {SECRET_IN_ERROR}")
+
+    def lower(self) -> str:
+        raise RuntimeError(f"cannot reach {SECRET_IN_ERROR}")
+
+    def __str__(self) -> str:
+        raise RuntimeError(f"cannot reach {SECRET_IN_ERROR}")
+
+
+class TrappedSet(set[str]):
+    def __iter__(self) -> Iterator[str]:
+        raise RuntimeError(f"cannot reach {SECRET_IN_ERROR}")
+
+
+def test_a_str_subclass_answer_is_read_as_its_text_without_running_its_methods(
+    app: errands.App, jobs: dict[str, Any]
+) -> None:
+    """Reading the answer ran outside the guard around the call: a str subclass whose
+    strip raised was a bare 500. Its text is read with str's own methods."""
+    job_id = dead_job(app, jobs)
+    dashboard = create_app(
+        app, user=lambda request: TrappedStr(" carol "), authorize=lambda r: TrappedStr("READ")
+    )
+    client = TestClient(dashboard, base_url=BASE_URL, client=("127.0.0.1", 1))
+    page = client.get(f"/jobs/{job_id}")
+    assert page.status_code == 200, page.text
+    assert "carol" in page.text and ">Replay<" not in page.text  # read only
+
+
+def test_an_answer_that_raises_when_read_denies_with_a_logged_error(
+    app: errands.App, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A set subclass whose __iter__ raised got past the guard: a bare 500."""
+    client = dashboard_with(app, "authorize", lambda request: TrappedSet({"replay"}), GENEROUS)
+    response = client.get("/")
+    assert_denied_and_logged(response, caplog, "authorize", "TrappedSet that raised")
+    assert "RuntimeError" in response.text
+    assert caplog.records[0].exc_info is not None  # the traceback goes to the log
+
+
 def test_a_hung_sync_resolver_does_not_hold_up_other_requests(
     app: errands.App, release: threading.Event
 ) -> None:

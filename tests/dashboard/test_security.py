@@ -89,19 +89,53 @@ def test_every_action_without_the_csrf_token_is_rejected(
     assert client.get("/", follow_redirects=False).status_code == 200  # still signed in
 
 
+def _post_from(client: TestClient, origin: str, path: str) -> Any:
+    """A POST with the page's CSRF token, as a browser sends it from a page at ``origin``."""
+    token = csrf_of(client.get("/").text)
+    return client.post(
+        path, data={"csrf_token": token}, headers={"origin": origin}, follow_redirects=False
+    )
+
+
 def test_a_form_posted_from_another_site_is_rejected_even_with_the_token(
     app: errands.App, jobs: dict[str, Any], client: TestClient
 ) -> None:
     job_id = dead_job(app, jobs)
-    token = csrf_of(client.get("/").text)
-    response = client.post(
-        f"/jobs/{job_id}/replay",
-        data={"csrf_token": token},
-        headers={"origin": "https://evil.example"},
-        follow_redirects=False,
-    )
+    response = _post_from(client, "https://evil.example", f"/jobs/{job_id}/replay")
     assert response.status_code == 403
     assert app.get_job(job_id).state.value == "dead"
+
+
+def test_a_proxy_rewriting_host_gets_a_page_naming_origin_host_and_the_fix(
+    app: errands.App, jobs: dict[str, Any], make_client: Callable[..., TestClient]
+) -> None:
+    """Behind a proxy that rewrites Host (nginx's default), Origin never matched Host and
+    every action said "this form is stale... reload", which reloading never fixed. The
+    page names both headers and the proxy fix; allowed_origins= lets that origin in."""
+    job_id = dead_job(app, jobs)
+    public = "https://jobs.example.com"
+    refused = _post_from(make_client(), public, f"/jobs/{job_id}/replay")
+    assert refused.status_code == 403
+    text = unescape(refused.text)
+    assert "stale" not in text
+    assert f"'{public}' (its Origin header)" in text
+    assert "'127.0.0.1:8080' (its Host header)" in text
+    assert "proxy_set_header Host $host;" in text and "allowed_origins" in text
+    assert app.get_job(job_id).state.value == "dead"
+
+    behind_proxy = make_client(allowed_origins=[public])
+    done = _post_from(behind_proxy, public, f"/jobs/{job_id}/replay")
+    assert done.status_code == 303, done.text
+    assert app.get_job(job_id).state.value == "available"
+    evil = _post_from(behind_proxy, "https://evil.example", f"/jobs/{job_id}/cancel")
+    assert evil.status_code == 403
+    assert app.get_job(job_id).state.value == "available"
+
+
+@pytest.mark.parametrize("origin", ["", "https://a.example/path", "https://u@a.example"])
+def test_allowed_origins_refuses_what_is_not_an_origin(app: errands.App, origin: str) -> None:
+    with pytest.raises(ConfigurationError, match="is not an origin"):
+        create_app(app, password=PASSWORD, allowed_origins=[origin])
 
 
 def test_login_needs_the_right_secret_and_its_own_csrf_token(

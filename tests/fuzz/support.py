@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import os
+import pty
+import re
 import socket
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import errands
 from errands.jobs import EnqueueRequest
 
 T = TypeVar("T")
+TERMINAL_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 APPS_DIR = Path(__file__).resolve().parent / "apps"
 PASSWORD = "hunter2-Sw0rdfish"  # planted in URLs: it must never be printed
 INJECTIONS = (
@@ -94,6 +97,40 @@ def run_cli(
         done.stdout.decode(errors="replace"),
         done.stderr.decode(errors="replace"),
     )
+
+
+def run_cli_on_terminal(
+    args: Sequence[str], env: dict[str, str], cwd: Path, timeout: float = 60
+) -> CliResult:
+    """:func:`run_cli` with stdout and stderr on a pseudo-terminal, as at a shell: what the
+    terminal showed is ``stdout`` (colours and other escapes removed), ``stderr`` is empty."""
+    master, slave = pty.openpty()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "errands", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=slave,
+            stderr=slave,
+            cwd=cwd,
+            env={"TERM": "xterm", "LINES": "50", **env},
+        )
+    finally:
+        os.close(slave)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    code = process.wait(timeout=timeout)
+    shown = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    return CliResult(args, code, TERMINAL_ESCAPE.sub("", shown), "")
 
 
 def run_cli_many(

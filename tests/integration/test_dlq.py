@@ -93,6 +93,32 @@ def test_discard_without_a_reason_is_refused_and_discard_keeps_the_row_with_reas
         handle.result(timeout=1)
 
 
+@pytest.mark.parametrize("actor", ["", "   ", "\t\n"])
+def test_a_blank_actor_is_refused_and_nothing_is_done_or_audited(
+    app: errands.App, actor: str
+) -> None:
+    """An audit entry by '' names nobody: replay, discard, cancel, edit, signal, pause all
+    refused a NUL or an oversized actor, and took a blank one."""
+
+    @app.job(name="dlq.blank", retries=0)
+    def blank() -> None:
+        pass
+
+    handle = blank.enqueue(delay=3600)
+    for act in (
+        lambda: app.replay([handle.id], actor=actor),
+        lambda: app.discard([handle.id], reason="r", actor=actor),
+        lambda: app.cancel(handle.id, actor=actor),
+        lambda: app.edit([handle.id], priority=3, actor=actor),
+        lambda: app.signal(handle.id, "go", actor=actor),
+        lambda: app.pause("default", actor=actor),
+    ):
+        with pytest.raises(errands.ConfigurationError, match="is blank: name who acts"):
+            act()
+    assert handle.job().state is JobState.SCHEDULED and handle.job().priority == 0
+    assert app.audit() == []
+
+
 def test_on_dead_hooks_get_the_job_and_a_failing_hook_does_not_break_the_worker(
     app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
 ) -> None:

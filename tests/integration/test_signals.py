@@ -144,6 +144,40 @@ def test_signals_to_finished_or_unknown_jobs_are_refused(app: errands.App) -> No
             waiting.result(timeout=5)
 
 
+@pytest.mark.parametrize(
+    ("payload", "where", "problem"),
+    [
+        (float("nan"), "(value)", "NaN or infinite"),
+        ({"total": [1, float("inf")]}, "total.1", "NaN or infinite"),
+        ({"low": -float("inf")}, "low", "NaN or infinite"),
+        ({"note": "a\x00b"}, "note", "NUL character"),
+        ({"a\x00": 1}, "a\x00", "NUL character"),
+    ],
+    ids=["nan", "nested-infinity", "minus-infinity", "nul", "nul-in-key"],
+)
+def test_a_signal_payload_json_cannot_hold_is_refused_naming_where_and_the_fix(
+    app: errands.App, payload: Any, where: str, problem: str
+) -> None:
+    """A NaN or infinite number, or a NUL character, passed a serialiser that writes NaN,
+    Infinity and \\u0000: SQLite kept JSON no standard reader takes, PostgreSQL's jsonb
+    raised a raw driver error (a CLI traceback, a dashboard 500). Refused as job
+    arguments are, with nothing kept or audited."""
+
+    @app.job(name="sig.later")
+    def later(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("go")
+
+    handle = later.enqueue(delay=3600)
+    with pytest.raises(errands.InvalidPayload) as refused:
+        app.signal(handle.id, "go", payload)
+    message = str(refused.value)
+    assert message.startswith(f"signal 'go': the payload: {where}: "), message
+    assert problem in message, message
+    assert ("null" if "NaN" in problem else "base64") in message, message  # the fix
+    assert app.audit(job_id=handle.id) == []
+    app.signal(handle.id, "go", {"total": [1, 2.5], "note": "NaN Infinity \\u0000"})
+
+
 def test_a_wait_inside_a_transaction_is_refused(app: errands.App) -> None:
     """Waiting while ctx.transaction() is open fails the job permanently, saying why."""
     opened = threading.Event()

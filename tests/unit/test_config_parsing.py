@@ -50,6 +50,20 @@ def test_parse_queues_rejects_a_limit_below_one(spec: object) -> None:
         parse_queues(spec)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("spec", ["", " ", ",", " , ,", [], [""], {}])
+def test_parse_queues_refuses_a_spec_that_names_no_queue(spec: object) -> None:
+    """An empty -q (an unset $QUEUE) was read as no -q at all: the worker silently served
+    every queue. Only None (no -q) means that now; an empty spec says how to fix it."""
+    with pytest.raises(ConfigurationError, match=r"name no queue .*leave -q out to serve every"):
+        parse_queues(spec)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("spec", ["=5", "emails,=5"])
+def test_parse_queues_refuses_a_limit_without_a_queue_name(spec: str) -> None:
+    with pytest.raises(ConfigurationError, match="no queue name before '='"):
+        parse_queues(spec)
+
+
 # -- SQLite URLs ---------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from ..masking import mask_value, sensitive_values
 from ..suggest import did_you_mean
 from . import render
 from .loading import URL_HELP, default_actor, load_app
+from .params import FiniteFloatRange
 
 # Ids and priorities as the stores keep them: a larger number was a traceback from deep
 # inside ("Python int too large to convert to SQLite INTEGER"), now click's own message.
@@ -65,7 +66,7 @@ def _app(app_path: str | None, url: str | None) -> App:
 )
 @click.option(
     "--max-age",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     help="exit 3 when the oldest available job waited longer (seconds)",
 )
 def status(
@@ -263,6 +264,21 @@ def each(kind: str, ids: tuple[int, ...], act: Callable[[int], None]) -> None:
         raise click.exceptions.Exit(1)
 
 
+def _json_value(text: str, option: str) -> Any:
+    """An option's JSON, or a usage error naming the option: one that is not JSON, or is
+    nested too deep for Python to read (a RecursionError traceback, before)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise click.BadParameter(
+            "the JSON is nested too deep to read (about 1,000 levels of arrays or objects at "
+            "most); flatten it",
+            param_hint=option,
+        ) from None
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint=option) from None
+
+
 @jobs.command("signal")
 @app_options
 @actor_option
@@ -281,10 +297,7 @@ def jobs_signal(
 ) -> None:
     """Send signal NAME to a job (ctx.wait_for_signal): a job waiting for it resumes; one
     not waiting yet keeps it for its wait. Audited."""
-    try:
-        value = json.loads(payload)
-    except ValueError as exc:
-        raise click.BadParameter(f"not JSON: {exc}", param_hint="--payload") from None
+    value = _json_value(payload, "--payload")
     result = _app(app_path, url).signal(job_id, name, value, actor=actor)
     if as_json:
         render.emit_json(
@@ -304,7 +317,7 @@ def jobs_signal(
 @json_option
 @click.argument("job_ids", type=ID, nargs=-1, required=True)
 @click.option("--run-at", type=click.DateTime(), help="run at this time (UTC unless it says)")
-@click.option("--delay", type=click.FloatRange(min=0), help="run this many seconds from now")
+@click.option("--delay", type=FiniteFloatRange(min=0), help="run this many seconds from now")
 @click.option("--priority", type=PRIORITY, help="the new priority")
 @click.option("--queue", help="move to this queue")
 @click.option("--args", "args_json", help="replace the arguments (JSON object; needs -A)")
@@ -328,10 +341,7 @@ def jobs_edit(
     if args_json is not None:
         if not app_path:
             raise click.UsageError("--args needs the app (-A module:app) to validate them")
-        try:
-            args = json.loads(args_json)
-        except ValueError as exc:
-            raise click.BadParameter(f"not JSON: {exc}", param_hint="--args") from None
+        args = _json_value(args_json, "--args")
         if not isinstance(args, dict):
             raise click.BadParameter("give a JSON object of arguments", param_hint="--args")
     when = None if run_at is None else run_at.replace(tzinfo=run_at.tzinfo or UTC)
@@ -430,7 +440,11 @@ def _report(verb: str, result: Any, dry_run: bool, as_json: bool) -> None:
         click.echo(f"{prefix} {len(result.matched)} job(s): {ids}")
         for job_id, why in result.skipped.items():
             click.echo(f"skipped job {job_id}: {why}", err=True)
-    if result.skipped and not result.matched:
+    if result.skipped:  # as `jobs cancel 5 999`: a script learns that not all were done
+        total = len(result.matched) + len(result.skipped)
+        skipped = "would be skipped" if dry_run else "skipped"
+        if not as_json:
+            render.notice(f"{len(result.skipped)} of {total} job(s) {skipped}", "error")
         raise SystemExit(1)
 
 

@@ -38,6 +38,14 @@ from .loading import URL_HELP, load_app
 @click.option("--read-only", is_flag=True, help="nobody may replay, discard, cancel or pause")
 @click.option("--https-only", is_flag=True, help="mark the session cookie Secure (behind TLS)")
 @click.option(
+    "--allowed-origin",
+    "allowed_origins",
+    multiple=True,
+    metavar="URL",
+    help="an address forms may be posted from besides the request's Host, e.g. "
+    "https://jobs.example.com behind a proxy that rewrites Host (repeatable)",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
     default="info",
@@ -54,6 +62,7 @@ def dashboard(
     secret: str | None,
     read_only: bool,
     https_only: bool,
+    allowed_origins: tuple[str, ...],
     log_level: str,
 ) -> None:
     """Serve the web dashboard (binds 127.0.0.1; another address needs a login)."""
@@ -75,6 +84,7 @@ def dashboard(
         secret_key=secret or "",
         authorize=(lambda request: "read") if read_only else None,
         https_only=https_only,
+        allowed_origins=allowed_origins,
     )
     refuse_open_bind(host, web.state.errands.auth)  # ConfigurationError: one line, exit 1
     shown = f"[{host}]" if ":" in host else host

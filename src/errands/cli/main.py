@@ -22,6 +22,7 @@ from ..observability.logcontext import configure_logging
 from .admin import dlq, jobs, status
 from .dashboard import dashboard
 from .loading import URL_HELP, load_app
+from .params import FiniteFloatRange
 from .render import notice
 from .scheduling import cron, queues
 from .workflows import workflows
@@ -61,14 +62,14 @@ def cli() -> None:
 )
 @click.option(
     "--grace",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=30.0,
     show_default=True,
     help="seconds in-flight jobs get to finish on SIGTERM",
 )
 @click.option(
     "--poll-interval",
-    type=click.FloatRange(min=0.01),
+    type=FiniteFloatRange(min=0.01),
     default=1.0,
     show_default=True,
     help="seconds between claims when the queues are idle",
@@ -118,7 +119,7 @@ def cli() -> None:
 )
 @click.option(
     "--maintenance-tick",
-    type=click.FloatRange(min=0.01),
+    type=FiniteFloatRange(min=0.01),
     help="seconds between maintenance rounds (leader election, rescue of expired leases, "
     "promotion); default: the app's lease / 4, at most 1",
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -13,13 +14,39 @@ from zoneinfo import ZoneInfo
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..jobs import Job
 from ..masking import mask_text, mask_value, sensitive_values
 
 
+def on_terminal() -> bool:
+    """Whether stdout is a terminal: rich tables there, plain text otherwise."""
+    return sys.stdout.isatty()
+
+
 def console() -> Console:
-    return Console(highlight=False, soft_wrap=not sys.stdout.isatty())
+    # emoji=False: job text is printed as it is (":fire:" in an error stays ":fire:")
+    return Console(highlight=False, emoji=False, soft_wrap=not on_terminal())
+
+
+# Characters that end a line or steer a terminal: C0 and C1 controls (newline, carriage
+# return, tab, escape...), DEL, and Unicode's line and paragraph separators.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED_ESCAPES.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def one_line(text: str) -> str:
+    """``text`` for one table cell or output line: control characters as escapes (``\\n``,
+    ``\\t``, ``\\x1b``), so a job's text (an error message, an actor) can never start a
+    fake row of its own, or recolour or rewrite the terminal."""
+    return _CONTROL.sub(_escape, text)
 
 
 def emit_json(data: Any) -> None:
@@ -62,22 +89,24 @@ def when(value: datetime | float | None, tz: str | None = None) -> str:
 
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    if sys.stdout.isatty():
-        grid = Table(title=title, header_style="bold")
+    """One row per job (or queue...), each cell on one line (:func:`one_line`); on a
+    terminal, a rich table whose cells are plain text, never markup: an error message
+    holding ``[/]`` raised MarkupError, and ``[red]`` recoloured the rest of it."""
+    cells = [[one_line(str(c)) for c in row] for row in rows]
+    if on_terminal():
+        grid = Table(title=None if title is None else Text(title), header_style="bold")
         for column in columns:
-            grid.add_column(column)
-        for row in rows:
-            grid.add_row(*[str(c) for c in row])
+            grid.add_column(Text(column))
+        for row_cells in cells:
+            grid.add_row(*[Text(c) for c in row_cells])
         console().print(grid)
         return
-    widths = [
-        max(len(str(c)) for c in [col, *[r[i] for r in rows]]) for i, col in enumerate(columns)
-    ]
+    widths = [max(len(c) for c in [col, *[r[i] for r in cells]]) for i, col in enumerate(columns)]
     if title:
-        click.echo(title)
+        click.echo(one_line(title))
     click.echo("  ".join(str(c).ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
-    for row in rows:
-        click.echo("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    for row_cells in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row_cells, widths, strict=True)).rstrip())
 
 
 def job_dict(job: Job) -> dict[str, Any]:
@@ -139,7 +168,7 @@ def progress_text(job: Job) -> str:
 
 
 def short(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    text = json.dumps(value, default=str) if not isinstance(value, str) else one_line(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -202,19 +231,19 @@ def show_job(
     if job.cancel_requested:
         fields.append(("cancel", "requested"))
     for label, value in fields:
-        out.print(f"  {label:<10} {value}", markup=False)
+        out.print(f"  {label:<10} {one_line(str(value))}", markup=False)
     if job.errors:
         out.print(f"\n[bold]attempts that failed ({len(job.errors)})[/bold]")
         for err in job.errors:
             out.print(
                 f"  #{err.attempt} at {when(err.at)} on {err.worker or '?'}: "
-                f"{err.type}: {mask_text(err.message, secrets)}"
+                f"{err.type}: {one_line(mask_text(err.message, secrets))}"
                 + (f"  [{err.kind}]" if err.kind else ""),
                 markup=False,
             )
             if err.traceback:
                 for line in mask_text(err.traceback, secrets).rstrip().splitlines()[-6:]:
-                    out.print(f"      {line}", markup=False)
+                    out.print(f"      {one_line(line)}", markup=False)
     if job.parent_id is not None:
         out.print(f"  parent     job {job.parent_id}", markup=False)
     if steps:
@@ -235,4 +264,5 @@ def show_job(
         for event in reversed(audit):
             stamp = when(event.at)
             detail = f" {event.detail}" if event.detail else ""
-            out.print(f"  {stamp} {event.action} by {event.actor}{detail}", markup=False)
+            line = f"{event.action} by {event.actor}{detail}"
+            out.print(f"  {stamp} {one_line(line)}", markup=False)

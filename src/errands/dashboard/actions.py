@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from anyio import sleep
 from starlette.datastructures import FormData
@@ -36,6 +37,7 @@ from .web import (
 )
 
 MAX_IDS = 10_000
+T = TypeVar("T")
 
 
 # -- login -------------------------------------------------------------------------------
@@ -304,13 +306,15 @@ def _edit_form(form: FormData) -> tuple[list[int], dict[str, Any]]:
     for value in form.getlist("ids"):
         ids.extend(i for i in map(as_id, str(value).split(",")) if i is not None)
     options: dict[str, Any] = {}
-    if form_text(form, "run_at"):
-        when = datetime.fromisoformat(form_text(form, "run_at"))
+    if text := form_text(form, "run_at"):
+        when = _parsed(
+            datetime.fromisoformat, text, "run at", "a date and time, as 2026-05-01T12:00"
+        )
         options["run_at"] = when if when.tzinfo else when.replace(tzinfo=UTC)
-    if form_text(form, "delay"):
-        options["delay"] = float(form_text(form, "delay"))
-    if form_text(form, "priority"):
-        options["priority"] = int(form_text(form, "priority"))
+    if text := form_text(form, "delay"):
+        options["delay"] = _parsed(float, text, "delay", "a number of seconds")
+    if text := form_text(form, "priority"):
+        options["priority"] = _parsed(int, text, "priority", "a whole number")
     if form_text(form, "queue"):
         options["queue"] = form_text(form, "queue")
     if form_text(form, "args"):
@@ -322,6 +326,16 @@ def _edit_form(form: FormData) -> tuple[list[int], dict[str, Any]]:
             raise ValueError("the arguments must be a JSON object")
         options["args"] = args
     return list(dict.fromkeys(ids))[:MAX_IDS], options
+
+
+def _parsed(parse: Callable[[str], T], text: str, field: str, wanted: str) -> T:
+    """``parse(text)``, or a ValueError quoting at most the start of ``text`` (Python's
+    own message quotes all of it, into the flash message and the session cookie)."""
+    try:
+        return parse(text)
+    except ValueError:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ValueError(f"{field} {shown!r} is not {wanted}") from None
 
 
 async def _edit(request: Request, viewer: Viewer, form: FormData, dry_run: bool) -> Any:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import jinja2
 from starlette.applications import Starlette
@@ -14,6 +16,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..errors import ConfigurationError
 from . import actions, pages, web
 from .format import FILTERS
 from .security import RESOLVER_TIMEOUT, AuthConfig, Authorize, UserResolver
@@ -94,6 +97,7 @@ def create_app(
     resolver_timeout: float = RESOLVER_TIMEOUT,
     refresh_seconds: int = 5,
     title: str = "errands",
+    allowed_origins: Iterable[str] = (),
 ) -> Starlette:
     """The dashboard for ``app`` as an ASGI application (Starlette).
 
@@ -109,7 +113,9 @@ def create_app(
     takes over ``resolver_timeout`` seconds denies the request (500) and logs why.
     ``secret_key`` signs the session cookie (default ``ERRANDS_DASHBOARD_SECRET``, else a
     random key per process, so sessions end on restart). ``https_only`` marks the cookie
-    Secure: set it when the dashboard is served over HTTPS.
+    Secure: set it when the dashboard is served over HTTPS. ``allowed_origins``
+    (``["https://jobs.example.com"]``): the addresses a browser may post the dashboard's
+    forms from besides the request's ``Host``, for a reverse proxy that rewrites ``Host``.
     """
     auth = AuthConfig.build(
         password=password,
@@ -208,8 +214,27 @@ def create_app(
         templates=templates,
         refresh_seconds=max(int(refresh_seconds), 0),
         title=title,
+        allowed_origins=origin_hosts(allowed_origins),
     )
     return dashboard
+
+
+def origin_hosts(origins: Iterable[str]) -> frozenset[str]:
+    """``https://jobs.example.com:8443`` (or ``jobs.example.com:8443``) -> its host and
+    port, as an ``Origin`` header is compared with ``Host``."""
+    if isinstance(origins, str):
+        origins = [origins]
+    hosts = set()
+    for origin in origins:
+        text = str(origin).strip()
+        parts = urlsplit(text if "://" in text else f"//{text}")
+        if not parts.netloc or parts.path.strip("/") or parts.query or "@" in parts.netloc:
+            raise ConfigurationError(
+                f"allowed_origins: {text!r} is not an origin; give the address the browser "
+                "shows, as in https://jobs.example.com (a port too, if it has one)"
+            )
+        hosts.add(parts.netloc.lower())
+    return frozenset(hosts)
 
 
 def describe(dashboard: Any) -> str:

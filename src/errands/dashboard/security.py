@@ -125,7 +125,7 @@ def parse_access(value: Any) -> Access | None:
     if value is True:
         return ALL
     if isinstance(value, str):
-        return _access_word(value)
+        return _access_word(str.__str__(value))  # a str subclass's methods never run
     if isinstance(value, (set, frozenset, list, tuple)):
         return _access_names(value)
     raise ConfigurationError(
@@ -157,7 +157,7 @@ def _access_names(value: set[Any] | frozenset[Any] | list[Any] | tuple[Any, ...]
             f"authorize(request) returned a {type(value).__name__} holding a "
             f"{type(wrong).__name__}; the actions are names from {sorted(ACTIONS)}"
         )
-    names = {v.strip().lower() for v in value}
+    names = {str.__str__(v).strip().lower() for v in value}
     unknown = names - ACTIONS
     if unknown:
         raise ConfigurationError(
@@ -240,6 +240,8 @@ async def resolve_access(auth: AuthConfig, request: Any) -> Access | None:
     except ConfigurationError as exc:
         log.error("%s; the request is denied", exc)
         raise ResolverError(str(exc)) from None
+    except Exception as exc:  # reading it ran its code (a set subclass's __iter__, say)
+        raise _unreadable("authorize", value, exc) from None
 
 
 async def resolve_user(auth: AuthConfig, request: Any) -> str | None:
@@ -255,7 +257,24 @@ async def resolve_user(auth: AuthConfig, request: Any) -> str | None:
         )
         log.error("%s; the request is denied", message)
         raise ResolverError(message)
-    return value.strip() or None
+    # its text as a plain str: a str subclass's methods (strip, __str__...) never run, here
+    # nor wherever the name is shown or logged later
+    return str.__str__(value).strip() or None
+
+
+def _unreadable(name: str, value: Any, exc: Exception) -> ResolverError:
+    """What ``name(request)`` returned raised when read: denied, logged as a raise is."""
+    log.error(
+        "%s(request) returned a %s that raised %s when read; the request is denied",
+        name,
+        type(value).__name__,
+        type(exc).__name__,
+        exc_info=(type(exc), exc, exc.__traceback__),
+    )
+    return ResolverError(
+        f"The dashboard's {name}(request) returned a {type(value).__name__} that failed when "
+        f"read ({type(exc).__name__}); the error is in the server log."
+    )
 
 
 @dataclass

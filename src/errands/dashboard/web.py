@@ -8,6 +8,7 @@ in that order. Blocking store calls run in Starlette's thread pool (:func:`block
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class Settings:
     templates: Jinja2Templates
     refresh_seconds: int
     title: str
+    allowed_origins: frozenset[str] = frozenset()  # hosts (netlocs) besides Host's
 
 
 @dataclass(frozen=True)
@@ -117,10 +119,30 @@ def csrf_token(request: Request) -> str:
     return str(token)
 
 
+FLASH_KEPT = 5  # messages the session holds until a page shows them
+FLASH_MAX_BYTES = 300  # of one message, as the session cookie holds it (JSON, \u-escaped)
+
+
 def flash(request: Request, message: str, kind: str = "ok") -> None:
-    messages = list(request.session.get("flash", []))[-4:]
-    messages.append([kind, message])
+    """A message for the next page, kept in the session cookie: clipped, so a message
+    echoing a long input (a 20 KB run-at quoted by fromisoformat made a 27 KB Set-Cookie,
+    which browsers drop, and the session with it) keeps the cookie small."""
+    messages = list(request.session.get("flash", []))[-(FLASH_KEPT - 1) :]
+    messages.append([kind, clip(message, FLASH_MAX_BYTES)])
     request.session["flash"] = messages
+
+
+def clip(text: str, max_bytes: int) -> str:
+    """``text`` cut, with "...", to at most ``max_bytes`` as JSON writes it (ASCII, with
+    \\u escapes: up to 12 bytes a character)."""
+    if len(json.dumps(text)) - 2 <= max_bytes:
+        return text
+    size = 3  # "..."
+    for end, char in enumerate(text):
+        size += len(json.dumps(char)) - 2
+        if size > max_bytes:
+            return text[:end] + "..."
+    return text
 
 
 def path_for(
@@ -343,13 +365,34 @@ async def not_found(request: Request, exc: Exception) -> Response:
 
 def csrf_ok(request: Request, form: FormData, viewer_token: str) -> bool:
     given = form.get(CSRF_FIELD) or request.headers.get(CSRF_HEADER)
-    if not csrf_matches(viewer_token, given if isinstance(given, str) else None):
-        return False
+    return csrf_matches(viewer_token, given if isinstance(given, str) else None)
+
+
+def origin_refusal(request: Request) -> Response | None:
+    """The 403 page when the browser's ``Origin`` names another host than the request's
+    ``Host`` (and than ``allowed_origins``), else None. The host only is compared: a
+    TLS-terminating proxy may change the scheme. A proxy that rewrites ``Host`` (nginx's
+    default: ``proxy_pass http://127.0.0.1:8080`` sends ``Host: 127.0.0.1:8080``) fails
+    every action this way, so the page names both headers and the fix."""
     origin = request.headers.get("origin")
-    # A browser names the page that sent the form: it must be this site (compare the host
-    # only: a TLS-terminating proxy may change the scheme).
-    return not (
-        origin and urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+    if not origin:
+        return None
+    origin_host = urlsplit(origin).netloc.lower()
+    host = request.headers.get("host", "").lower()
+    if origin_host == host or origin_host in settings(request).allowed_origins:
+        return None
+    return error_page(
+        request,
+        403,
+        "Origin does not match Host",
+        f"The browser sent this form from {origin[:200]!r} (its Origin header), but the "
+        f"request names the host {host[:200]!r} (its Host header), so it was refused as "
+        "coming from another site.",
+        fix="If you opened the dashboard at that address through a reverse proxy, the "
+        "proxy rewrites Host: have it pass the browser's Host through (nginx: "
+        "proxy_set_header Host $host;), or list the public address in "
+        "create_app(allowed_origins=[...]) (errands dashboard --allowed-origin). "
+        "Otherwise, reload the dashboard from its own address.",
     )
 
 
@@ -373,6 +416,9 @@ def action(
                     "This form is stale or did not come from the dashboard. Reload the page "
                     "and try again.",
                 )
+            refused = origin_refusal(request)
+            if refused is not None:
+                return refused
             if right is not None and not viewer.can(right):
                 return error_page(
                     request,

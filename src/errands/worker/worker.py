@@ -131,7 +131,11 @@ EXIT_NOW_CODE = 1
 
 
 def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[str, int | None]:
-    """``"emails=10,payments=2"`` or ``["emails", "payments"]`` -> {queue: limit or None}."""
+    """``"emails=10,payments=2"`` or ``["emails", "payments"]`` -> {queue: limit or None}.
+
+    None (no ``-q``) is ``{}``: the worker serves every queue the app's jobs use. A spec
+    that names no queue (``""``, ``","``, ``"=5"``: an unset ``$QUEUE``, say) is an error:
+    it served every queue too, silently."""
     if spec is None:
         return {}
     if isinstance(spec, Mapping):
@@ -141,8 +145,13 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
         items = []
         for part in parts:
             name, _, limit_text = part.strip().partition("=")
-            if not name:
-                continue
+            if not name.strip():
+                if limit_text.strip():
+                    raise ConfigurationError(
+                        f"queue spec {part!r}: no queue name before '='; write name=limit, "
+                        "as in emails=10"
+                    )
+                continue  # a stray comma: "emails,,payments"
             if limit_text:
                 try:
                     value: int | None = int(limit_text)
@@ -160,6 +169,12 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
         if limit is not None and limit < 1:
             raise ConfigurationError(f"queue {name!r}: concurrency must be at least 1")
         result[name] = limit
+    if not result:
+        raise ConfigurationError(
+            f"the queues to serve, {spec!r}, name no queue (an empty -q, such as an unset "
+            "$QUEUE?): name them, as in -q emails,payments, or leave -q out to serve every "
+            "queue the app's jobs use"
+        )
     return result
 
 
