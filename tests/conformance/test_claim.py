@@ -220,4 +220,29 @@ def test_rate_log_rows_are_pruned_after_their_own_period_not_after_a_day(
     assert backend.rate_log_prune(86_400) == 3
 
 
+def test_the_plain_claim_never_takes_a_queue_whose_stored_settings_limit_it(
+    backend: Backend,
+) -> None:
+    """A queue another deployment limited (max_running, a rate, fairness, aging) is left
+    to the limited claim, which counts them: a worker that has not learnt it yet (its
+    refresh comes a poll interval later; at start, or while the store erred, none has
+    come) claimed it plainly, past its max_running or its rate."""
+    from errands.backends.base import QueueSettings
+
+    limited = {
+        "capped": QueueSettings("capped", max_running=1),
+        "rated": QueueSettings("rated", rate_limit=1, rate_period=60.0),
+        "shared": QueueSettings("shared", fair=True),
+        "aged": QueueSettings("aged", aging=60.0),
+    }
+    for name, settings in limited.items():
+        backend.queue_declare(settings, "another deployment")
+        insert(backend, queue=name)
+        insert(backend, queue=name)
+        assert claim(backend, queue=name) == [], name
+    assert len(backend.job_claim_limited(QueueClaim("capped", 5), WORKER_ID, 30.0)) == 1
+    insert(backend, queue="plain")
+    assert len(claim(backend, queue="plain")) == 1
+
+
 WORKER_ID = "w-conformance"

@@ -99,6 +99,9 @@ SELECT id FROM {schema}.errands_jobs WHERE name = %(name)s AND idempotency_key =
 -- due row of it through errands_jobs_state_name (before schema version 16, which left
 -- available rows out of that index) and sorted them, for 40 (every claim
 -- statement does the same; tests/postgres/test_claim_plans.py).
+-- A queue whose stored settings limit it (another deployment's max_running, rate or
+-- fairness) is never claimed here either: a worker that has not learnt it yet (its
+-- refresh, a poll interval; at start or while the store erred) claimed it past them.
 WITH picked AS (
     SELECT p.id
     FROM unnest(%(queues)s::text[], %(limits)s::int[]) AS q(name, cap)
@@ -111,7 +114,9 @@ WITH picked AS (
           AND concurrency_key IS NULL AND rate_limit IS NULL
           AND (%(names)s::text[] IS NULL OR array_position(%(names)s::text[], name) IS NOT NULL)
           AND NOT EXISTS (SELECT 1 FROM {schema}.errands_queues s
-                          WHERE s.name = q.name AND s.paused)
+                          WHERE s.name = q.name
+                            AND (s.paused OR s.max_running IS NOT NULL
+                                 OR s.rate_limit IS NOT NULL OR s.fair OR s.aging IS NOT NULL))
         ORDER BY priority DESC, run_at, id
         LIMIT q.cap
         FOR UPDATE SKIP LOCKED

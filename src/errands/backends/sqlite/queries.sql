@@ -33,6 +33,8 @@ SELECT id FROM errands_jobs WHERE name = :name AND idempotency_key = :key
 -- job_claim takes fresh rows (rescues = 0), job_claim_suspect rescued ones (rescues > 0,
 -- through their own partial index). Rows carrying a limit (a concurrency key or a rate)
 -- are never taken here: the worker claims them through claim_limited, which counts them.
+-- Nor a queue whose stored settings limit it (another deployment's max_running, rate or
+-- fairness): a worker that has not learnt it yet claimed it past them.
 UPDATE errands_jobs
 SET state = 'running',
     attempt = attempt + 1,
@@ -50,7 +52,10 @@ WHERE id IN (
       AND $RESCUED
       AND concurrency_key IS NULL AND rate_limit IS NULL
       AND (:names IS NULL OR name IN (SELECT value FROM json_each(:names)))
-      AND NOT EXISTS (SELECT 1 FROM errands_queues WHERE name = :queue AND paused = 1)
+      AND NOT EXISTS (SELECT 1 FROM errands_queues
+                      WHERE name = :queue
+                        AND (paused = 1 OR max_running IS NOT NULL OR rate_limit IS NOT NULL
+                             OR fair = 1 OR aging IS NOT NULL))
     ORDER BY priority DESC, run_at, id
     LIMIT :limit
 )
