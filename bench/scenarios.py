@@ -448,6 +448,7 @@ class Cell:
             again = [b - t_abs for a, b in zip(starts, lasts, strict=True) if a and b > a + 1e-6]
             out["reruns"] = len(again)
             out["rerun_last_s"] = max(again) if again else 0.0
+            out["rerun_s"] = sorted(again)  # each, from the disruption's start
         return out
 
 
