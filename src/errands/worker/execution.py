@@ -130,9 +130,11 @@ class Attempt:
         """Shutdown takes the attempt's outcome to release it: True when it did, False
         when the handler decided first (its outcome is written, not a release). Set
         apart, a handler finishing at the end of the grace period had its completion
-        written after the release (refused by the fence), and the job ran again."""
+        written after the release (refused by the fence), and the job ran again. False
+        too once it was released another way (a prefetched attempt withdrawn before it
+        began): its slot is freed already."""
         with self._lock:
-            if self.decided:
+            if self.decided or self.released:
                 return False
             self.decided = self.released = True
             return True

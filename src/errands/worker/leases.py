@@ -97,6 +97,8 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name="errands-leases", daemon=True)
         self._callers: list[_Caller] = []
         self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
+        # Heartbeats failed in a row (0: the last one got through). While it is not 0 the
+        # worker claims no new job: each would be self-fenced in its turn.
         self.failures = 0
 
     def start(self) -> None:
@@ -164,7 +166,7 @@ class LeaseKeeper:
 
     def beat(self) -> None:
         held = [a for a in self.worker.attempts() if not a.released]
-        if not held:
+        if not held and not self.failures:
             return
         sent_at = time.monotonic()
         reports = {id(a): a.progress for a in held if a.progress != a.progress_stored}
@@ -172,6 +174,10 @@ class LeaseKeeper:
             LeaseRef(a.id, a.token, a.lease_seconds, *(reports.get(id(a)) or (None, None)))
             for a in held
         ]
+        if not refs:
+            # Heartbeats failed and nothing is held now: a probe that matches no job
+            # tells whether they get through again (the worker claims nothing until then).
+            refs = [LeaseRef(0, "", self.interval * 3)]
         backend = self.worker.app.backend
         caller = self._caller()
         try:
@@ -180,7 +186,7 @@ class LeaseKeeper:
             call = caller.submit(lambda: backend.job_heartbeat_many(refs))
             # Wait one interval at most, and never past half an interval before the
             # soonest lease runs out: its handler must be stopped before that.
-            soonest = min(a.lease_valid_until for a in held)
+            soonest = min([a.lease_valid_until for a in held] or [sent_at + self.interval * 3])
             wait = max(min(self.interval, soonest - sent_at - self.interval / 2), 0.05)
             try:
                 result = call.result(timeout=wait)
@@ -190,10 +196,21 @@ class LeaseKeeper:
                 raise TimeoutError(f"no answer from the database within {wait:.2f} s") from None
         except Exception as exc:
             self.failures += 1
-            log.warning("heartbeat failed (%s); %d lease(s) at risk", exc, len(held))
+            log.warning(
+                "heartbeat failed (%s); %d lease(s) at risk; claiming no new job until one "
+                "gets through",
+                exc,
+                len(held),
+            )
             self._self_fence(held)
             return
-        self.failures = 0
+        if self.failures:
+            log.info(
+                "heartbeats get through again (after %d failed); claiming new jobs again",
+                self.failures,
+            )
+            self.failures = 0
+            self.worker.heartbeats_resumed()
         loop = self.worker.loop
         for attempt in held:
             lease = (attempt.id, attempt.token)
@@ -291,3 +308,5 @@ class WorkerLike(Protocol):
     def attempts(self) -> list[Attempt]: ...
 
     def registry_beat(self) -> None: ...
+
+    def heartbeats_resumed(self) -> None: ...

@@ -310,6 +310,7 @@ class Worker:
         self._notified = False
         self.exit_code = 0  # 1: it stopped because its child processes cannot start
         self._hopeless_said = 0  # the failed starts counted when that was last said
+        self._claims_paused = False  # heartbeats fail: the claim loop waits (said once)
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -598,6 +599,26 @@ class Worker:
         except Exception as exc:
             log.debug("worker registry heartbeat failed: %s", exc)
 
+    def heartbeats_resumed(self) -> None:
+        """A heartbeat got through after failures: the claim loop, paused, claims again."""
+        self._wake.set()
+
+    def _heartbeats_fail(self) -> bool:
+        """Whether heartbeats fail now, so that the claim loop claims nothing this round:
+        each job claimed would run only until it is self-fenced, and the jobs it gave back
+        were claimed again by this worker while its heartbeats still failed (a job fenced
+        and rescued ran again here beside its own first run). The lease keeper wakes the
+        loop at the first heartbeat that gets through."""
+        if not self.leases.failures:
+            self._claims_paused = False
+            return False
+        if not self._claims_paused:
+            self._claims_paused = True
+            log.warning("heartbeats fail: claiming no new job until one gets through")
+        self._wake.wait(self.poll_interval)
+        self._wake.clear()
+        return True
+
     def stop(self) -> None:
         """Begin a graceful stop (what the first SIGTERM does)."""
         self._stopping.set()
@@ -664,6 +685,8 @@ class Worker:
         gathered = False
         while not self._stopping.is_set():
             if self._children_fail():  # (claimed, a job would be released at once)
+                continue
+            if self._heartbeats_fail():
                 continue
             self._extra = self._prefetch_now()
             self._refill_at = max(1, (self.concurrency + self._extra) // 2)
@@ -996,6 +1019,13 @@ class Worker:
         with self._lock:
             for attempt in attempts:
                 self._attempts.pop((attempt.id, attempt.token), None)
+
+    def release_in_background(self, attempts: list[Attempt], message: str) -> None:
+        """:meth:`release`, on a thread of its own: from a thread that must not wait for a
+        store that may be out of reach (the lease keeper, the event loop)."""
+        threading.Thread(
+            target=self.release, args=(attempts, message), name="errands-release", daemon=True
+        ).start()
 
     def threads_for(self, attempt: Attempt) -> ThreadRunner:
         """The handler threads ``attempt`` runs on: the express lane's or the slots'."""

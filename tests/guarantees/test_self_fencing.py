@@ -1,0 +1,184 @@
+"""Self-fencing and the heartbeats behind it, with real workers on both backends and
+heartbeats that fail (a proxy in front of the real call): a self-fenced job is given back
+uncharged, a prefetched one that never began too; the worker claims nothing while its
+heartbeats fail.
+
+Every test asserts outcomes (who ran, how often, what the store recorded); the leases are
+long enough that a busy machine's scheduling delays do not decide them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import errands
+from errands.backends.base import HeartbeatResult, LeaseRef
+from errands.jobs import JobState
+
+from .helpers import wait_until
+
+Worker = Callable[..., Any]
+
+
+class Heartbeats:
+    """The worker's heartbeat call seen through an outage: while ``failing`` (or, once
+    armed with ``fail_for``, for that many seconds from the first call after arming), each
+    call raises as an unreachable store does; ``delay`` makes each answer that late."""
+
+    def __init__(self, real: Callable[[Any], HeartbeatResult]) -> None:
+        self.real = real
+        self.failing = False
+        self.delay = 0.0
+        self.failed = 0
+        self.passed_after_failing = threading.Event()  # a call got through after a failure
+        self._fail_for: float | None = None
+        self._until: float | None = None
+        self._lock = threading.Lock()
+
+    def fail_for(self, seconds: float) -> None:
+        with self._lock:
+            self._fail_for, self._until = seconds, None
+
+    def __call__(self, leases: list[LeaseRef]) -> HeartbeatResult:
+        with self._lock:
+            now = time.monotonic()
+            if self._fail_for is not None and self._until is None:
+                self._until = now + self._fail_for
+            failing = self.failing or (self._until is not None and now < self._until)
+            if failing:
+                self.failed += 1
+        if failing:
+            raise OSError("the store is unreachable (test)")
+        if self.delay:
+            time.sleep(self.delay)
+        result = self.real(leases)
+        if self.failed:
+            self.passed_after_failing.set()
+        return result
+
+
+def _cut(app: errands.App, monkeypatch: pytest.MonkeyPatch) -> Heartbeats:
+    heartbeats = Heartbeats(app.backend.job_heartbeat_many)
+    monkeypatch.setattr(app.backend, "job_heartbeat_many", heartbeats)
+    return heartbeats
+
+
+def _kinds(job: Any) -> list[str]:
+    return [e.kind for e in job.errors]
+
+
+def test_a_worker_whose_heartbeats_fail_claims_no_new_job_until_one_gets_through(
+    store: errands.App, worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a worker with a free slot whose heartbeats fail, a job enqueued meanwhile is
+    not claimed by it (it would only run until self-fenced, and a job it gave back was
+    claimed again here while its first run still went on); at the first heartbeat that
+    gets through, it claims again and runs the job."""
+    started = threading.Event()
+    healed = threading.Event()
+    starts: list[bool] = []  # for each start of the later job: whether heartbeats healed
+
+    @store.job(name="pause.first", retries=3)
+    def first(ctx: errands.Context) -> None:
+        if started.is_set():  # run again once given back: done at once
+            return
+        started.set()
+        deadline = time.monotonic() + 30
+        while not ctx.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    @store.job(name="pause.later")
+    def later() -> str:
+        starts.append(healed.is_set())
+        return "ran"
+
+    heartbeats = _cut(store, monkeypatch)
+    with worker(concurrency=2, maintenance=False) as w:
+        first.enqueue()
+        assert started.wait(30)
+        heartbeats.failing = True
+        wait_until(lambda: w.leases.failures > 0, timeout=30, what="a failed heartbeat")
+        handle = later.enqueue()
+        time.sleep(2.0)  # room to claim it (a claim every 50 ms), were claims not paused
+        healed.set()
+        heartbeats.failing = False
+        assert handle.result(timeout=30) == "ran"
+    assert starts == [True]
+
+
+def test_a_self_fenced_job_on_its_last_attempt_is_given_back_and_completes_once_the_store_is_back(
+    store: errands.App, worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a job with no retries left whose heartbeats fail until it is self-fenced (its
+    handler returns early on ctx.cancelled), then the attempt is not charged: the job is
+    given back, not dead (charged, an outage killed it), and once the heartbeats get
+    through it runs again and completes on attempt 1."""
+    reasons: list[str] = []
+
+    @store.job(name="fence.last", retries=0)
+    def last(ctx: errands.Context) -> str:
+        if not reasons:
+            deadline = time.monotonic() + 30
+            while not ctx.cancelled and time.monotonic() < deadline:
+                time.sleep(0.01)
+            reasons.append(ctx.cancel_reason)
+            return "cut short"
+        return "done"
+
+    heartbeats = _cut(store, monkeypatch)
+    heartbeats.failing = True
+    with worker(maintenance=False):
+        handle = last.enqueue()
+        wait_until(lambda: handle.job().errors, timeout=30, what="the job given back")
+        heartbeats.failing = False
+        assert handle.result(timeout=30) == "done"
+    job = handle.job()
+    assert reasons == ["lease could not be renewed"]
+    assert (job.state, job.attempt, _kinds(job)) == (JobState.COMPLETED, 1, ["released"])
+
+
+def test_prefetched_jobs_self_fenced_before_they_began_are_given_back_uncharged(
+    store: errands.App, worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given prefetched jobs waiting for a handler thread (never begun) when heartbeats
+    fail long enough to self-fence them, then they are given back, not charged: each
+    completes later on attempt 1, none dead (charged, retries=0 made them dead)."""
+    blocker_started = threading.Event()
+
+    @store.job(name="prefetch.quick", retries=0)
+    def quick(i: int) -> int:
+        return i
+
+    @store.job(name="prefetch.blocker", retries=3, priority=10)
+    def blocker(ctx: errands.Context) -> None:
+        if ctx.attempt == 1 and not blocker_started.is_set():
+            blocker_started.set()
+            deadline = time.monotonic() + 30
+            while not ctx.cancelled and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    heartbeats = _cut(store, monkeypatch)
+    with worker(concurrency=1, maintenance=False) as w:
+        warm = [quick.enqueue(i=i) for i in range(20)]  # quick handlers: the worker prefetches
+        assert [h.result(timeout=30) for h in warm] == list(range(20))
+        handles = store.enqueue_many([blocker.bind(), *(quick.bind(i=100 + i) for i in range(3))])
+        assert blocker_started.wait(30)
+        wait_until(
+            lambda: sum(a.waiting for a in w.attempts()) == 3,
+            timeout=30,
+            what="three jobs prefetched, waiting for the busy thread",
+        )
+        heartbeats.failing = True
+        wait_until(lambda: handles[0].job().errors, timeout=30, what="the blocker given back")
+        heartbeats.failing = False
+        results = [h.result(timeout=30) for h in handles]
+    assert results == [None, 100, 101, 102]
+    for handle in handles:
+        job = handle.job()
+        assert (job.state, job.attempt) == (JobState.COMPLETED, 1), job.errors
+        assert set(_kinds(job)) <= {"released"}, job.errors
