@@ -1,5 +1,6 @@
 """Self-fencing and the heartbeats behind it, with real workers on both backends and
-heartbeats that fail (a proxy in front of the real call): a self-fenced job is given back
+heartbeats that fail (a proxy in front of the real call): a handler whose lease cannot
+be renewed is stopped before the lease runs out, whatever it is; its job is given back
 uncharged, a prefetched one that never began too; the worker claims nothing while its
 heartbeats fail.
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ import pytest
 import errands
 from errands.backends.base import HeartbeatResult, LeaseRef
 from errands.jobs import JobState
+from tests.conftest import running_worker
 
 from .helpers import wait_until
 
@@ -68,8 +70,58 @@ def _cut(app: errands.App, monkeypatch: pytest.MonkeyPatch) -> Heartbeats:
     return heartbeats
 
 
+@pytest.fixture
+def app_with_lease(store_url: str) -> Iterator[Callable[[float], errands.App]]:
+    """An App on the test's store with a lease of its own (the ``store`` fixture's is 3 s)."""
+    apps: list[errands.App] = []
+
+    def make(lease: float) -> errands.App:
+        apps.append(errands.App(store_url, lease=lease))
+        return apps[-1]
+
+    yield make
+    for app in apps:
+        app.close()
+
+
 def _kinds(job: Any) -> list[str]:
     return [e.kind for e in job.errors]
+
+
+def test_a_sync_handler_without_a_context_is_interrupted_when_its_lease_cannot_be_renewed(
+    app_with_lease: Callable[[float], errands.App], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a plain sync handler (no ctx: ctx.cancelled cannot reach it) and heartbeats
+    that fail, when its lease is about to run out, then the worker interrupts its thread
+    (HandlerInterrupt, as a timeout does), so it does not run on beside the worker that
+    takes the job over; the job is given back, the attempt not charged."""
+    app = app_with_lease(6)
+    started, stopped = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    @app.job(name="fence.plain", retries=0)
+    def plain() -> None:
+        started.set()
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
+        except BaseException as exc:
+            seen.append(type(exc).__name__)
+            raise
+        finally:
+            stopped.set()
+
+    heartbeats = _cut(app, monkeypatch)
+    handle = plain.enqueue()
+    with running_worker(app, maintenance=False):
+        assert started.wait(30)
+        heartbeats.failing = True
+        assert stopped.wait(30), "the handler ran on after its lease could not be renewed"
+        wait_until(lambda: handle.job().errors, timeout=30, what="the job given back")
+    assert seen == ["HandlerInterrupt"]
+    job = handle.job()
+    assert (job.state, job.attempt, _kinds(job)) == (JobState.AVAILABLE, 0, ["released"])
 
 
 def test_a_worker_whose_heartbeats_fail_claims_no_new_job_until_one_gets_through(

@@ -1,7 +1,7 @@
 """The lease keeper: heartbeats, lost leases, operator cancels, timeouts, self-fencing.
 
 One thread, waking at whichever comes first: the next heartbeat (a third of the shortest
-lease) or the next handler deadline.
+lease), the next handler deadline, or the next step of stopping a self-fenced handler.
 
 Heartbeat: extend the lease of every attempt still held, in one transaction. A lease the
 store no longer extends was lost (rescued after a pause, or the job was replayed): the
@@ -10,8 +10,14 @@ flagged ``cancel_requested`` means an operator cancelled the job: the handler is
 to stop (``ctx.cancelled``; ``CancelledError`` in async handlers).
 
 Self-fencing: if heartbeats keep failing (database unreachable), every handler whose
-lease would run out within one heartbeat interval is stopped *before* it runs out, so
-this worker never races the worker that will take the job over.
+lease would run out within 1.5 heartbeat intervals is stopped *before* it runs out, so
+this worker never races the worker that will take the job over (see
+:func:`errands.worker.timeouts.on_fence`): ``ctx.cancelled`` turns true at once (an async
+task is cancelled, a child process is killed), a sync handler's thread gets
+HandlerInterrupt soon after, and one that still runs is abandoned shortly before the
+lease ends. Its job is given back, uncharged (released, fenced by its lease token): a
+store out of reach is not the job's failure. A prefetched job not yet begun is given back
+at once. The worker claims no new job while heartbeats fail (see ``failures``).
 
 A heartbeat's answer is matched by job id *and* lease token: after a lease loss this
 worker may hold a stale attempt and a newer attempt of the same job at once, and only the
@@ -36,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..backends.base import LeaseRef
 from ..hooks import protect_current_thread
 from ..observability.logcontext import JobLogContext, job_context
-from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt, _secrets, scrub
+from .execution import LEASE_LOST, Attempt, _secrets, scrub
 
 if TYPE_CHECKING:
     from ..app import App
@@ -88,10 +94,12 @@ class LeaseKeeper:
         worker: WorkerLike,
         interval: float,
         on_timeout: Callable[[Attempt], None],
+        on_fence: Callable[[Attempt], None],
     ) -> None:
         self.worker = worker
         self.interval = interval
         self.on_timeout = on_timeout
+        self.on_fence = on_fence  # self-fencing, one step at a time (timeouts.on_fence)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-leases", daemon=True)
@@ -142,10 +150,19 @@ class LeaseKeeper:
                 self._wake.clear()
 
     def _round(self) -> None:
-        """One turn of the keeper: wait for the next heartbeat or deadline, then act."""
+        """One turn of the keeper: wait for the next heartbeat, deadline or self-fencing
+        step, then act."""
         next_beat = self._next_beat
         now = time.monotonic()
-        deadlines = [a.deadline for a in self.worker.attempts() if a.deadline and not a.decided]
+        deadlines = []
+        for attempt in self.worker.attempts():
+            if attempt.decided:
+                continue
+            if attempt.deadline:
+                deadlines.append(attempt.deadline)
+            step = attempt.fence.next_at() if attempt.fence is not None else None
+            if step is not None:
+                deadlines.append(step)
         wake_at = min([next_beat, *deadlines])
         if wake_at > now:
             self._wake.wait(wake_at - now)
@@ -161,8 +178,13 @@ class LeaseKeeper:
                 caller.submit(self.worker.registry_beat)
             self._next_beat = time.monotonic() + self.interval
         for attempt in self.worker.attempts():
-            if attempt.deadline and not attempt.decided and time.monotonic() >= attempt.deadline:
+            if attempt.decided:
+                continue
+            if attempt.deadline and time.monotonic() >= attempt.deadline:
                 self.on_timeout(attempt)
+            step = attempt.fence.next_at() if attempt.fence is not None else None
+            if step is not None and time.monotonic() >= step and not attempt.decided:
+                self.on_fence(attempt)
 
     def beat(self) -> None:
         held = [a for a in self.worker.attempts() if not a.released]
@@ -250,17 +272,28 @@ class LeaseKeeper:
             )
 
     def _self_fence(self, held: list[Attempt]) -> None:
+        """Stop the handlers whose lease would run out within 1.5 heartbeat intervals; see
+        :func:`.timeouts.on_fence`. A lost lease is not fenced: it is not ours to give
+        back, and its outcome is refused."""
         now = time.monotonic()
         horizon = now + self.interval * 1.5
         for attempt in held:
-            if not attempt.decided and attempt.lease_valid_until <= horizon:
-                log.error(
-                    "cannot renew the lease of job %s: stopping its handler before the lease "
-                    "runs out (in %.2f s), so no other worker races it",
-                    attempt.id,
-                    attempt.lease_valid_until - now,
-                )
-                attempt.interrupt(LEASE_UNRENEWED, self.worker.loop)
+            if (
+                attempt.decided
+                or attempt.released
+                or attempt.fence is not None
+                or attempt.stop_reason == LEASE_LOST
+                or attempt.lease_valid_until > horizon
+            ):
+                continue
+            log.error(
+                "cannot renew the lease of job %s: stopping its handler before the lease "
+                "runs out (in %.2f s), so no other worker races it; the job is given back, "
+                "uncharged",
+                attempt.id,
+                attempt.lease_valid_until - now,
+            )
+            self.on_fence(attempt)
 
     def _name_long_runs(self) -> None:
         now = time.monotonic()

@@ -79,7 +79,7 @@ from .process_pool import ProcessRunner
 from .recorder import OutcomeRecorder, job_fields
 from .runners import LoopRunner, ThreadRunner
 from .signals import SignalRelay
-from .timeouts import INTERRUPT_AFTER, interrupt_threads, on_deadline
+from .timeouts import INTERRUPT_AFTER, interrupt_threads, on_deadline, on_fence
 
 if TYPE_CHECKING:
     from ..app import App
@@ -299,7 +299,10 @@ class Worker:
         self._throttle_warned_at = float("-inf")
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
         self.leases = LeaseKeeper(
-            self, interval=max(shortest / 3, 0.2), on_timeout=lambda a: on_deadline(self, a)
+            self,
+            interval=max(shortest / 3, 0.2),
+            on_timeout=lambda a: on_deadline(self, a),
+            on_fence=lambda a: on_fence(self, a),
         )
         tick = maintenance_tick if maintenance_tick is not None else min(1.0, app.lease / 4)
         self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
