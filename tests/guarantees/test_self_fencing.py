@@ -1,8 +1,9 @@
 """Self-fencing and the heartbeats behind it, with real workers on both backends and
-heartbeats that fail (a proxy in front of the real call): a handler whose lease cannot
-be renewed is stopped before the lease runs out, whatever it is; its job is given back
-uncharged, a prefetched one that never began too; the worker claims nothing while its
-heartbeats fail.
+heartbeats that fail or answer slowly (a proxy in front of the real call): a handler whose
+lease cannot be renewed is stopped before the lease runs out, whatever it is; its job is
+given back uncharged; the worker claims nothing while its heartbeats fail; a failure is
+retried within a second; a stale attempt or a job's own short lease never makes a healthy
+job lose its lease.
 
 Every test asserts outcomes (who ran, how often, what the store recorded); the leases are
 long enough that a busy machine's scheduling delays do not decide them.
@@ -22,7 +23,7 @@ from errands.backends.base import HeartbeatResult, LeaseRef
 from errands.jobs import JobState
 from tests.conftest import running_worker
 
-from .helpers import wait_until
+from .helpers import force_rescue, wait_until
 
 Worker = Callable[..., Any]
 
@@ -86,6 +87,18 @@ def app_with_lease(store_url: str) -> Iterator[Callable[[float], errands.App]]:
 
 def _kinds(job: Any) -> list[str]:
     return [e.kind for e in job.errors]
+
+
+def _work_until(ctx: errands.Context, done: Callable[[], bool], cancelled: list[str]) -> str:
+    """A handler's work, in 10 ms steps, until ``done()`` (60 s at most): "done", or "cut
+    short" when asked to stop first (the reason appended to ``cancelled``)."""
+    deadline = time.monotonic() + 60
+    while not done() and time.monotonic() < deadline:
+        if ctx.cancelled:
+            cancelled.append(ctx.cancel_reason)
+            return "cut short"
+        time.sleep(0.01)
+    return "done"
 
 
 def test_a_sync_handler_without_a_context_is_interrupted_when_its_lease_cannot_be_renewed(
@@ -234,3 +247,114 @@ def test_prefetched_jobs_self_fenced_before_they_began_are_given_back_uncharged(
         job = handle.job()
         assert (job.state, job.attempt) == (JobState.COMPLETED, 1), job.errors
         assert set(_kinds(job)) <= {"released"}, job.errors
+
+
+def test_a_stale_attempt_still_running_does_not_make_the_heartbeats_of_healthy_jobs_fail(
+    store: errands.App, worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an attempt whose lease was lost while its handler runs on (it ignores
+    ctx.cancelled) and a store that answers heartbeats in 0.2 s, then a healthy job's
+    heartbeats still get through: it is never asked to stop and completes (the stale
+    lease, long run out, cut every heartbeat's wait to 50 ms, so each failed and the
+    healthy job was self-fenced)."""
+    stale_started, let_go = threading.Event(), threading.Event()
+    cancelled: list[str] = []
+
+    @store.job(name="stale.stubborn", retries=3)
+    def stubborn() -> None:
+        stale_started.set()
+        let_go.wait(60)
+
+    @store.job(name="stale.healthy", retries=0)
+    def healthy(ctx: errands.Context) -> str:
+        end = time.monotonic() + 5
+        return _work_until(ctx, lambda: time.monotonic() >= end, cancelled)
+
+    heartbeats = _cut(store, monkeypatch)
+    try:
+        with worker(concurrency=3, maintenance=False) as w:
+            stale = stubborn.enqueue()
+            assert stale_started.wait(30)
+            force_rescue(store, stale.id)  # attempt 1 runs on, its lease lost
+            wait_until(
+                lambda: any(a.stop_reason == "lease lost" for a in w.attempts()),
+                timeout=30,
+                what="the worker told its lease is lost",
+            )
+            heartbeats.delay = 0.2
+            handle = healthy.enqueue()
+            assert handle.result(timeout=30) == "done"
+            let_go.set()
+    finally:
+        let_go.set()
+    assert cancelled == []
+    job = handle.job()
+    assert (job.state, job.attempt, job.errors) == (JobState.COMPLETED, 1, [])
+
+
+def test_an_outage_spanning_two_heartbeats_but_ending_before_the_fence_fences_nothing(
+    app_with_lease: Callable[[float], errands.App], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an 18 s lease (a heartbeat every 6 s) and an outage of 6.3 s from the first
+    failed heartbeat, which the next scheduled heartbeat falls in too, then the failed
+    heartbeat is retried every second, the first after the outage renews the lease, and
+    the handler is never asked to stop (the next try a whole interval later failed as well
+    and self-fenced it, 12 s after its lease was last renewed)."""
+    app = app_with_lease(18)
+    started, finish = threading.Event(), threading.Event()
+    cancelled: list[str] = []
+
+    @app.job(name="outage.long", retries=0)
+    def long(ctx: errands.Context) -> str:
+        started.set()
+        return _work_until(ctx, finish.is_set, cancelled)
+
+    heartbeats = _cut(app, monkeypatch)
+    with running_worker(app, maintenance=False):
+        handle = long.enqueue()
+        assert started.wait(30)
+        heartbeats.fail_for(6.3)
+        wait_until(
+            lambda: heartbeats.passed_after_failing.is_set() or cancelled,
+            timeout=60,
+            what="a heartbeat through after the outage",
+        )
+        assert cancelled == []
+        finish.set()
+        assert handle.result(timeout=30) == "done"
+    assert heartbeats.failed >= 2
+    job = handle.job()
+    assert (job.state, job.attempt, job.errors) == (JobState.COMPLETED, 1, [])
+
+
+def test_a_job_whose_stored_lease_is_shorter_than_the_workers_heartbeat_runs_once(
+    app_with_lease: Callable[[float], errands.App],
+) -> None:
+    """Given a job enqueued by an app that gave it a 3 s lease, run by a worker whose own
+    lease is 30 s (a heartbeat every 10 s), then its lease is renewed in time (every
+    second, a third of its own lease): the handler runs once and the job completes on
+    attempt 1 (at the worker's 10 s, it was rescued while it ran, and ran twice at once)."""
+    producer = app_with_lease(30)
+
+    @producer.job(name="short.lease", lease=3, retries=3)
+    def enqueued(seconds: float) -> None: ...
+
+    app = app_with_lease(30)
+    runs: list[float] = []
+
+    @app.job(name="short.lease", retries=3)
+    def run(seconds: float) -> str:
+        runs.append(time.monotonic())
+        time.sleep(seconds)
+        return "done"
+
+    handle = enqueued.enqueue(seconds=6.0)
+    with running_worker(app, concurrency=2):
+        wait_until(
+            lambda: app.get_job(handle.id).state is JobState.COMPLETED,
+            timeout=60,
+            what="the job completed",
+        )
+    job = app.get_job(handle.id)
+    assert len(runs) == 1
+    assert (job.attempt, job.rescues, job.errors) == (1, 0, [])

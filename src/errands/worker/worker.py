@@ -74,6 +74,7 @@ from .claiming import Claimer
 from .completer import Completer
 from .dispatch import Dispatcher
 from .execution import SHUTDOWN, Attempt
+from .leases import MIN_INTERVAL as MIN_BEAT
 from .leases import LeaseKeeper
 from .process_pool import ProcessRunner
 from .recorder import OutcomeRecorder, job_fields
@@ -300,7 +301,7 @@ class Worker:
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
         self.leases = LeaseKeeper(
             self,
-            interval=max(shortest / 3, 0.2),
+            interval=max(shortest / 3, MIN_BEAT),
             on_timeout=lambda a: on_deadline(self, a),
             on_fence=lambda a: on_fence(self, a),
         )
@@ -610,8 +611,8 @@ class Worker:
         """Whether heartbeats fail now, so that the claim loop claims nothing this round:
         each job claimed would run only until it is self-fenced, and the jobs it gave back
         were claimed again by this worker while its heartbeats still failed (a job fenced
-        and rescued ran again here beside its own first run). The lease keeper wakes the
-        loop at the first heartbeat that gets through."""
+        and rescued ran again here beside its own first run). The lease keeper retries
+        every second and wakes the loop at the first heartbeat that gets through."""
         if not self.leases.failures:
             self._claims_paused = False
             return False
@@ -915,6 +916,8 @@ class Worker:
                     self._express_free -= 1
                 else:
                     self._free -= 1
+        if min(a.lease_seconds for a in attempts) < 3 * self.leases.interval:
+            self.leases.poke()  # a job's own lease, shorter: heartbeats planned from it
         for attempt in attempts:
             try:
                 self.dispatcher.dispatch(attempt)
