@@ -50,12 +50,13 @@ def test_a_sync_handler_that_returns_after_an_operator_cancel_ends_cancelled(
     assert job.last_error is not None and job.last_error.kind == "cancelled"
 
 
-def test_a_self_fenced_handler_that_returns_is_a_failed_attempt_not_a_completion(
+def test_a_self_fenced_handler_that_returns_is_released_uncharged_not_completed(
     store: errands.App, worker: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Given heartbeats that cannot reach the store, the worker stops the handler before
-    its lease runs out; a handler that then returns has not done its work: the attempt is
-    recorded as a failure of kind lease_lost (retryable), never as completed."""
+    its lease runs out; a handler that then returns has not done its work, and the store
+    being out of reach is not the job's failure: the job is given back (released, the
+    attempt not charged, the release recorded), never completed, never charged."""
     started = threading.Event()
 
     @store.job(name="reason.fenced", retries=3)
@@ -73,9 +74,10 @@ def test_a_self_fenced_handler_that_returns_is_a_failed_attempt_not_a_completion
         assert started.wait(30)
         wait_until(lambda: handle.job().errors, timeout=30, what="the attempt recorded")
     job = handle.job()
-    assert job.state is JobState.RETRYABLE and job.result is None
-    assert (job.last_error.kind, job.last_error.attempt) == ("lease_lost", 1)  # type: ignore[union-attr]
-    assert "lease could not be renewed" in job.last_error.message  # type: ignore[union-attr]
+    assert (job.state, job.attempt, job.result) == (JobState.AVAILABLE, 0, None)
+    [released] = job.errors
+    assert (released.kind, released.attempt) == ("released", 1)
+    assert "lease could not be renewed" in released.message
 
 
 # -- A8: heartbeats matched by id and token ---------------------------------------------------

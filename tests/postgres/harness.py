@@ -384,8 +384,9 @@ class PgCluster:
         An execution is one ``effects`` row. Rows of attempts that *failed* (the handler
         raised, e.g. its effect write hit the restarting server) are explained by that
         recorded error; every other row must be the completing attempt or be matched by a
-        recorded lease loss: rows ≤ 1 + WorkerLost entries. The completing attempt itself
-        ran exactly once.
+        recorded lease loss or release: rows ≤ 1 + WorkerLost + released entries. The
+        completing attempt itself ran exactly once, or once more for each release of its
+        attempt number (a release does not charge the attempt: the next run reuses it).
         """
         wanted = set(job_ids)
         jobs = {
@@ -409,15 +410,22 @@ class PgCluster:
         for job_id, (_state, final_attempt, errors) in jobs.items():
             attempts = runs.get(job_id, [])
             lost = sum(1 for e in errors if e.get("type") == "WorkerLost")
-            failed = {e["attempt"] for e in errors if e.get("type") != "WorkerLost"}
+            # A release (graceful stop, self-fencing) gives the attempt back uncharged:
+            # the next run reuses its number.
+            released = Counter(e.get("attempt") for e in errors if e.get("kind") == "released")
+            failed = {
+                e["attempt"]
+                for e in errors
+                if e.get("type") != "WorkerLost" and e.get("kind") != "released"
+            }
             counted = [a for a in attempts if a not in failed]
-            if attempts.count(final_attempt) != 1:
+            if not 1 <= attempts.count(final_attempt) <= 1 + released[final_attempt]:
                 problems.append(
                     f"job {job_id}: its completing attempt {final_attempt} ran "
                     f"{attempts.count(final_attempt)} times (effects {attempts}, errors "
                     f"{brief(errors)})"
                 )
-            if len(counted) > 1 + lost:
+            if len(counted) > 1 + lost + released.total():
                 problems.append(
                     f"job {job_id}: {len(counted)} unexplained executions, only {lost} lease "
                     f"loss(es) recorded (effects {attempts}, errors {brief(errors)})"

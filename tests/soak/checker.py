@@ -10,9 +10,9 @@ carries the lease token of its claim. Each is explained by what the store record
 that token: the handler's own failure (kinds ``transient``, ``timeout``, ``retry``,
 ``permanent``, ``cancelled``), a lost lease (``worker_lost`` or ``poison``: rescued from a
 killed, frozen or cut-off worker; ``lease_lost``: the worker stopped the handler because
-its lease was lost or could not be renewed; ``released``: a graceful stop gave the job
-back; ``crash``: the child process running it died), or the completion (the result names
-its token). A job's *duplicate executions* are its executions beyond the first that no
+its lease was lost; ``released``: a graceful stop or self-fencing gave the job back;
+``crash``: the child process running it died), or the completion (the result names its
+token). A job's *duplicate executions* are its executions beyond the first that no
 failure of its own explains; I4 holds when each is matched by a recorded loss. A release
 gives its attempt back (the next run has the same number); a wait for a signal does too,
 but a suspended run writes no row (``soak.signalled`` records after the wait). Every

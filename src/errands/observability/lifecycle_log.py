@@ -144,7 +144,7 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
             maintenance_log, logging.WARNING, a, "rescued (%s): %s", f.get("state"), f.get("reason")
         )
     elif name == "errands.job.released":
-        _emit(worker_log, logging.WARNING, a, "released at shutdown (attempt not charged)")
+        _emit(worker_log, logging.WARNING, a, "released back to the queue (attempt not charged)")
     elif name == "errands.job.waiting":
         timeout = f.get("timeout")
         _emit(

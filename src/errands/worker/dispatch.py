@@ -30,7 +30,15 @@ from ..errors import InvalidPayload, UnknownJob
 from ..jobs import JobRow
 from ..observability.logcontext import JobLogContext, job_context
 from ..payload import mask
-from .execution import Attempt, HandlerCancelled, Interrupted, JobTimeout, context_for
+from .execution import (
+    LEASE_LOST,
+    LEASE_UNRENEWED,
+    Attempt,
+    HandlerCancelled,
+    Interrupted,
+    JobTimeout,
+    context_for,
+)
 from .process_pool import ChildStartFailed, ProcessRunner
 from .recorder import job_fields
 from .runtime import AttemptRuntime
@@ -194,7 +202,17 @@ class Dispatcher:
         worker = self.worker
         if not attempt.begin():
             return False  # withdrawn at shutdown before it began: released
-        if attempt.stop_reason is not None:  # cancelled, or its lease lost, while it waited
+        if attempt.stop_reason in (LEASE_LOST, LEASE_UNRENEWED):
+            # Its lease lost, or not renewed (self-fenced), while it waited: it never ran,
+            # so it is handed back uncharged (fenced by its token), as below. Raised as
+            # Interrupted, a job prefetched before a short heartbeat outage was charged,
+            # and dead with retries=0.
+            if attempt.give_back():  # (else a graceful stop took it first: it releases it)
+                reason = attempt.stop_reason.replace("%", "%%")
+                worker.release([attempt], f"released %d prefetched job(s): {reason}")
+                worker.slot_freed(attempt)
+            return False
+        if attempt.stop_reason is not None:  # an operator's cancel while it waited
             raise Interrupted(attempt.stop_reason)
         began = time.monotonic()
         if began >= attempt.lease_valid_until:

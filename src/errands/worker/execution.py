@@ -77,6 +77,23 @@ class Suspended(BaseException):
         self.timeout = timeout
 
 
+@dataclass
+class FenceSteps:
+    """How a self-fenced attempt is stopped before its lease runs out (see
+    :func:`errands.worker.timeouts.on_fence`): at the fence ``ctx.cancelled`` turned true
+    (an async task was cancelled, a child process killed); a sync handler's thread then
+    gets HandlerInterrupt at ``interrupt_at``, and at ``abandon_at`` its job is given back
+    (released, uncharged) and the thread left to finish alone."""
+
+    interrupt_at: float | None = None  # monotonic; None: done, or nothing to interrupt
+    abandon_at: float | None = None  # monotonic; None: done, or nothing to abandon
+
+    def next_at(self) -> float | None:
+        """When the next step is due (None: no step left)."""
+        steps = [t for t in (self.interrupt_at, self.abandon_at) if t is not None]
+        return min(steps) if steps else None
+
+
 @dataclass(eq=False)
 class Attempt:
     row: JobRow
@@ -102,6 +119,7 @@ class Attempt:
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
     express: bool = False  # on the worker's express lane (a fair key with nothing running)
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
+    fence: FenceSteps | None = None  # self-fenced (its lease could not be renewed): its steps
     reported: int = 0  # "still running" lines written for it so far
     progress: tuple[float, str] | None = None  # ctx.progress, latest
     progress_stored: tuple[float, str] | None = None  # ... as the last heartbeat stored it
@@ -130,9 +148,11 @@ class Attempt:
         """Shutdown takes the attempt's outcome to release it: True when it did, False
         when the handler decided first (its outcome is written, not a release). Set
         apart, a handler finishing at the end of the grace period had its completion
-        written after the release (refused by the fence), and the job ran again."""
+        written after the release (refused by the fence), and the job ran again. False
+        too once it was released another way (a prefetched attempt withdrawn before it
+        began): its slot is freed already."""
         with self._lock:
-            if self.decided:
+            if self.decided or self.released:
                 return False
             self.decided = self.released = True
             return True

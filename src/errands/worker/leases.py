@@ -1,17 +1,31 @@
 """The lease keeper: heartbeats, lost leases, operator cancels, timeouts, self-fencing.
 
-One thread, waking at whichever comes first: the next heartbeat (a third of the shortest
-lease) or the next handler deadline.
+One thread, waking at whichever comes first: the next heartbeat, the next handler
+deadline, or the next step of stopping a self-fenced handler.
 
-Heartbeat: extend the lease of every attempt still held, in one transaction. A lease the
-store no longer extends was lost (rescued after a pause, or the job was replayed): the
-handler is asked to stop, and its late outcome will be rejected by the fence. A lease
-flagged ``cancel_requested`` means an operator cancelled the job: the handler is asked
-to stop (``ctx.cancelled``; ``CancelledError`` in async handlers).
+Heartbeat: extend the lease of every attempt still held, in one transaction, every third
+of the shortest lease among them (the worker's own ``lease`` setting, or a job's stored
+lease when that is shorter: a job enqueued by another app with ``lease=3`` is renewed
+every second, not every 10 s). A lease the store no longer extends was lost (rescued
+after a pause, or the job was replayed): the handler is asked to stop, and its late
+outcome will be rejected by the fence. A lease flagged ``cancel_requested`` means an
+operator cancelled the job: the handler is asked to stop (``ctx.cancelled``;
+``CancelledError`` in async handlers).
 
-Self-fencing: if heartbeats keep failing (database unreachable), every handler whose
-lease would run out within one heartbeat interval is stopped *before* it runs out, so
-this worker never races the worker that will take the job over.
+A heartbeat fails when the store raises or does not answer in time. After a failure the
+next one is tried about a second later (never later than the usual beat), over and over,
+until one gets through; meanwhile the worker claims no new job (see ``failures``), and
+claims again at the first heartbeat that gets through.
+
+Self-fencing: an attempt whose lease no heartbeat could renew, and which would run out
+within half a heartbeat interval (a sixth of its lease), is stopped *before* it runs out,
+so this worker never races the worker that will take the job over (see
+:func:`errands.worker.timeouts.on_fence`): ``ctx.cancelled`` turns true at once (an async
+task is cancelled, a child process is killed), a sync handler's thread gets
+HandlerInterrupt soon after, and one that still runs is abandoned shortly before the
+lease ends. Its job is given back, uncharged (released, fenced by its lease token): a
+store out of reach is not the job's failure. A prefetched job not yet begun is given back
+at once.
 
 A heartbeat's answer is matched by job id *and* lease token: after a lease loss this
 worker may hold a stale attempt and a newer attempt of the same job at once, and only the
@@ -47,6 +61,9 @@ CALLERS_MAX = 3  # helper threads; more are only started while earlier ones hang
 # A job still running at these ages (seconds) is named at INFO, once each: the only
 # lifecycle line a default worker writes before a job finishes.
 STILL_RUNNING_AT = (60.0, 600.0, 3600.0)
+MIN_INTERVAL = 0.2  # seconds: no heartbeat plan is faster (the worker's interval floor too)
+RETRY_AFTER_FAILURE = 1.0  # seconds between heartbeats while they fail (the interval, if less)
+WAIT_MIN = 1.0  # seconds a heartbeat may always take to answer (the interval, if less)
 
 
 class _Caller:
@@ -88,22 +105,28 @@ class LeaseKeeper:
         worker: WorkerLike,
         interval: float,
         on_timeout: Callable[[Attempt], None],
+        on_fence: Callable[[Attempt], None],
     ) -> None:
         self.worker = worker
-        self.interval = interval
+        self.interval = interval  # between heartbeats, at most (a shorter lease held: less)
         self.on_timeout = on_timeout
+        self.on_fence = on_fence  # self-fencing, one step at a time (timeouts.on_fence)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-leases", daemon=True)
         self._callers: list[_Caller] = []
-        self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
+        self._last_beat = 0.0  # when the last heartbeat was sent (monotonic)
+        self._registry_at = 0.0  # when the last registry beat was sent (monotonic)
+        self._warned_at = float("-inf")  # when a failed heartbeat was last warned about
+        # Heartbeats failed in a row (0: the last one got through). While it is not 0 the
+        # worker claims no new job: each would be self-fenced in its turn.
         self.failures = 0
 
     def start(self) -> None:
         self._thread.start()
 
     def poke(self) -> None:
-        """Re-plan the next wake-up (a new attempt with a deadline started)."""
+        """Re-plan the next wake-up (a new attempt with a deadline, or a shorter lease)."""
         self._wake.set()
 
     def stop(self) -> None:
@@ -124,9 +147,27 @@ class LeaseKeeper:
             return self._callers[-1]
         return None
 
+    def every(self, lease_seconds: float) -> float:
+        """Seconds between heartbeats for a lease of ``lease_seconds``: a third of it, at
+        most the worker's interval, at least MIN_INTERVAL. A job's stored lease comes from
+        whoever enqueued it and may be shorter than the worker's own: beating at the
+        worker's interval had such a job rescued while it ran, and run twice at once."""
+        return max(min(self.interval, lease_seconds / 3), MIN_INTERVAL)
+
+    def interval_for(self, held: list[Attempt]) -> float:
+        """Seconds between two heartbeats while ``held`` are held (the shortest lease)."""
+        return min([self.interval, *(self.every(a.lease_seconds) for a in held)])
+
+    def fence_at(self, attempt: Attempt) -> float:
+        """When ``attempt`` is self-fenced if no heartbeat renews its lease by then: half a
+        heartbeat interval (a sixth of its lease, 5 s by default) before the lease runs
+        out. Heartbeats are retried every second until then, so an outage that ends
+        sooner fences nothing (at a whole interval, an 11 s outage fenced every handler)."""
+        return attempt.lease_valid_until - self.every(attempt.lease_seconds) / 2
+
     def _run(self) -> None:
         protect_current_thread()
-        self._next_beat = time.monotonic() + self.interval
+        self._last_beat = self._registry_at = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._round()
@@ -140,31 +181,79 @@ class LeaseKeeper:
                 self._wake.clear()
 
     def _round(self) -> None:
-        """One turn of the keeper: wait for the next heartbeat or deadline, then act."""
-        next_beat = self._next_beat
+        """One turn of the keeper: wait for the next heartbeat, deadline or self-fencing
+        step, then act."""
+        attempts = self.worker.attempts()
+        held = [a for a in attempts if not a.released]
+        every = self.interval_for(held)
+        # After a failed heartbeat the next is tried about a second later, not a whole
+        # interval: at the defaults (30 s lease, a beat every 10 s) an 11 s outage spanned
+        # two beats and fenced every handler, and the next beat landed as the store's
+        # leases ran out, racing the rescue.
+        next_beat = self._last_beat + (min(RETRY_AFTER_FAILURE, every) if self.failures else every)
+        wake = [next_beat]
+        for attempt in attempts:
+            if attempt.decided:
+                continue
+            if attempt.deadline:
+                wake.append(attempt.deadline)
+            if attempt.fence is not None:
+                step = attempt.fence.next_at()
+                if step is not None:
+                    wake.append(step)
+            elif self.failures and not attempt.released and attempt.stop_reason != LEASE_LOST:
+                wake.append(self.fence_at(attempt))
         now = time.monotonic()
-        deadlines = [a.deadline for a in self.worker.attempts() if a.deadline and not a.decided]
-        wake_at = min([next_beat, *deadlines])
+        wake_at = min(wake)
         if wake_at > now:
             self._wake.wait(wake_at - now)
             self._wake.clear()
             return
         if now >= next_beat:
-            self._next_beat = time.monotonic() + self.interval  # even if this one fails
+            self._last_beat = now
             self.beat()
             self._warn_long_transactions()
             self._name_long_runs()
-            caller = self._caller()  # best effort, never waited for
-            if caller is not None:
-                caller.submit(self.worker.registry_beat)
-            self._next_beat = time.monotonic() + self.interval
+            if now >= self._registry_at + self.interval:  # not with each retry of a failure
+                self._registry_at = now
+                caller = self._caller()  # best effort, never waited for
+                if caller is not None:
+                    caller.submit(self.worker.registry_beat)
+        if self.failures:
+            self._self_fence(self.worker.attempts())
         for attempt in self.worker.attempts():
-            if attempt.deadline and not attempt.decided and time.monotonic() >= attempt.deadline:
+            if attempt.decided:
+                continue
+            if attempt.deadline and time.monotonic() >= attempt.deadline:
                 self.on_timeout(attempt)
+            step = attempt.fence.next_at() if attempt.fence is not None else None
+            if step is not None and time.monotonic() >= step and not attempt.decided:
+                self.on_fence(attempt)
+
+    def _answer_within(self, held: list[Attempt], sent_at: float) -> float:
+        """How long a heartbeat sent at ``sent_at`` waits for its answer: one interval at
+        most, and never past the moment the soonest lease still believed valid is to be
+        self-fenced (its handler must be stopped before the lease runs out); at least
+        WAIT_MIN (or the interval, if shorter), the time a busy store may take to answer.
+
+        Only leases still believed valid count: an attempt whose lease is already lost or
+        could not be renewed, whose handler still runs, made every heartbeat wait 50 ms at
+        most, so a store answering in 100 ms failed them all and healthy jobs were fenced."""
+        every = self.interval_for(held)
+        points = [
+            self.fence_at(a)
+            for a in held
+            if not a.decided
+            and a.fence is None
+            and a.stop_reason not in (LEASE_LOST, LEASE_UNRENEWED)
+            and a.lease_valid_until > sent_at
+        ]
+        wait = min([every, *(point - sent_at for point in points)])
+        return max(wait, min(WAIT_MIN, every))
 
     def beat(self) -> None:
         held = [a for a in self.worker.attempts() if not a.released]
-        if not held:
+        if not held and not self.failures:
             return
         sent_at = time.monotonic()
         reports = {id(a): a.progress for a in held if a.progress != a.progress_stored}
@@ -172,16 +261,17 @@ class LeaseKeeper:
             LeaseRef(a.id, a.token, a.lease_seconds, *(reports.get(id(a)) or (None, None)))
             for a in held
         ]
+        if not refs:
+            # Heartbeats failed and nothing is held now: a probe that matches no job
+            # tells whether they get through again (the worker claims nothing until then).
+            refs = [LeaseRef(0, "", self.interval * 3)]
         backend = self.worker.app.backend
         caller = self._caller()
         try:
             if caller is None:
                 raise TimeoutError(f"{CALLERS_MAX} earlier heartbeats still wait for an answer")
             call = caller.submit(lambda: backend.job_heartbeat_many(refs))
-            # Wait one interval at most, and never past half an interval before the
-            # soonest lease runs out: its handler must be stopped before that.
-            soonest = min(a.lease_valid_until for a in held)
-            wait = max(min(self.interval, soonest - sent_at - self.interval / 2), 0.05)
+            wait = self._answer_within(held, sent_at)
             try:
                 result = call.result(timeout=wait)
             except TimeoutError:
@@ -189,11 +279,16 @@ class LeaseKeeper:
                     raise
                 raise TimeoutError(f"no answer from the database within {wait:.2f} s") from None
         except Exception as exc:
-            self.failures += 1
-            log.warning("heartbeat failed (%s); %d lease(s) at risk", exc, len(held))
-            self._self_fence(held)
+            self._failed(exc, held)
             return
-        self.failures = 0
+        if self.failures:
+            log.info(
+                "heartbeats get through again (after %d failed); claiming new jobs again",
+                self.failures,
+            )
+            self.failures = 0
+            self._warned_at = float("-inf")
+            self.worker.heartbeats_resumed()
         loop = self.worker.loop
         for attempt in held:
             lease = (attempt.id, attempt.token)
@@ -217,6 +312,47 @@ class LeaseKeeper:
                 )
                 attempt.interrupt(LEASE_LOST, loop)
 
+    def _failed(self, exc: Exception, held: list[Attempt]) -> None:
+        """A heartbeat failed: say so (the first, then once an interval while they go on
+        failing: they are retried every second), and self-fence the leases at risk."""
+        self.failures += 1
+        now = time.monotonic()
+        if now >= self._warned_at + self.interval:
+            self._warned_at = now
+            log.warning(
+                "heartbeat failed (%s); %s; retrying every %.1f s, claiming no new job "
+                "until one gets through",
+                exc,
+                f"{len(held)} lease(s) at risk" if held else "no lease held",
+                min(RETRY_AFTER_FAILURE, self.interval_for(held)),
+            )
+        else:
+            log.debug("heartbeat failed again (%s)", exc)
+        self._self_fence(held)
+
+    def _self_fence(self, attempts: list[Attempt]) -> None:
+        """Stop the handlers whose lease no heartbeat renewed and that would run out within
+        half a heartbeat interval (their fence point passed); see :func:`.timeouts.on_fence`. A lost
+        lease is not fenced: it is not ours to give back, and its outcome is refused."""
+        now = time.monotonic()
+        for attempt in attempts:
+            if (
+                attempt.decided
+                or attempt.released
+                or attempt.fence is not None
+                or attempt.stop_reason == LEASE_LOST
+                or now < self.fence_at(attempt)
+            ):
+                continue
+            log.error(
+                "cannot renew the lease of job %s: stopping its handler before the lease "
+                "runs out (in %.2f s), so no other worker races it; the job is given back, "
+                "uncharged",
+                attempt.id,
+                attempt.lease_valid_until - now,
+            )
+            self.on_fence(attempt)
+
     def _progressed(self, attempt: Attempt, report: tuple[float, str]) -> None:
         events = self.worker.app.events
         if events.wants("errands.job.progress"):
@@ -231,19 +367,6 @@ class LeaseKeeper:
                 progress=report[0],
                 message=scrub(report[1], _secrets(attempt)),  # as its errors are
             )
-
-    def _self_fence(self, held: list[Attempt]) -> None:
-        now = time.monotonic()
-        horizon = now + self.interval * 1.5
-        for attempt in held:
-            if not attempt.decided and attempt.lease_valid_until <= horizon:
-                log.error(
-                    "cannot renew the lease of job %s: stopping its handler before the lease "
-                    "runs out (in %.2f s), so no other worker races it",
-                    attempt.id,
-                    attempt.lease_valid_until - now,
-                )
-                attempt.interrupt(LEASE_UNRENEWED, self.worker.loop)
 
     def _name_long_runs(self) -> None:
         now = time.monotonic()
@@ -291,3 +414,5 @@ class WorkerLike(Protocol):
     def attempts(self) -> list[Attempt]: ...
 
     def registry_beat(self) -> None: ...
+
+    def heartbeats_resumed(self) -> None: ...

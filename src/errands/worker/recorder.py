@@ -9,8 +9,16 @@ attempt is still recorded as a failed, retryable attempt with the reason, never 
 ``running`` with its heartbeat renewing its lease for ever.
 
 A handler that returns normally after being asked to stop is not a completion: after an
-operator's cancel the job ends ``cancelled``; after a lost or unrenewable lease, the
-attempt is a failure of kind ``lease_lost`` (and a lost lease's write is fenced out).
+operator's cancel the job ends ``cancelled``; after a lost lease, the attempt is a failure
+of kind ``lease_lost`` (and its write is fenced out). After self-fencing (its lease could
+not be renewed: the store was out of reach) whatever the handler did next (returned,
+perhaps early on ``ctx.cancelled``, unwound from the interrupt, raised) is not the job's
+outcome: the job is given back, released uncharged and fenced by its lease token, as a
+shutdown release is (:meth:`OutcomeRecorder.give_back_fenced`). A store out of reach is
+the infrastructure's failure, not the job's: charged, a job went dead after an outage on
+its last attempt. One exception: on SQLite, a handler that held ``ctx.transaction()``
+open past a third of its lease kept the heartbeats out itself; its attempt is charged as
+a ``lease_lost`` failure, or it would be given back and block the worker again for ever.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from ..backends.base import FinishParams
 from ..errors import ConfigurationError
 from .execution import (
     CANCELLED,
+    LEASE_UNRENEWED,
     SHUTDOWN,
     Attempt,
     Interrupted,
@@ -73,11 +82,66 @@ class OutcomeRecorder:
             timeout = JobTimeout(f"timed out after {attempt.row.timeout or 0:g} s")
             timeout.__cause__ = exc
             exc, result = timeout, None
+        elif attempt.stop_reason == LEASE_UNRENEWED:
+            if not self._charged_fence(attempt, handler_running):
+                self.give_back_fenced(attempt, handler_running=handler_running)
+                return
+            stopped = Interrupted(LEASE_UNRENEWED)
+            stopped.__cause__ = exc
+            exc, result = stopped, None
         elif exc is None and attempt.stop_reason not in (None, SHUTDOWN):
             # Asked to stop (cancelled, lease lost or unrenewable) and returned: it stopped
             # early, so its work is not done. (A shutdown release ignores the outcome.)
             exc, result = Interrupted(attempt.stop_reason or ""), None
         self.decided(attempt, exc, result, handler_running=handler_running)
+
+    def _charged_fence(self, attempt: Attempt, handler_running: bool) -> bool:
+        """Whether a self-fenced attempt is charged rather than given back: its handler
+        held SQLite's write lock (``ctx.transaction()``) long enough to keep the
+        heartbeats out itself, or ended that transaction itself (its writes may be
+        committed: recorded as TransactionEnded, never run again)."""
+        runtime = attempt.runtime
+        if runtime is None:
+            return False
+        if runtime.tx_warned and self.worker.app.backend.capabilities.single_writer:
+            return True
+        return (
+            not handler_running
+            and runtime.tx is not None
+            and runtime.ended_then_failed() is not None
+        )
+
+    def give_back_fenced(self, attempt: Attempt, *, handler_running: bool = False) -> bool:
+        """Give back the job of a self-fenced attempt: released (available again, the
+        attempt not charged, the release recorded on the job), fenced by its lease token,
+        its ``ctx.transaction()`` rolled back. ``handler_running``: the handler may still
+        run (an async handler's task cancelled, a thread abandoned by the lease keeper):
+        its transaction is let go of, and the release is written on a thread of its own
+        (the caller must not wait for a store that may be out of reach). False when
+        another outcome was decided first."""
+        if not attempt.give_back():
+            return False
+        attempt.ended = time.monotonic()
+        runtime = attempt.runtime
+        if runtime is not None:
+            try:
+                if handler_running:
+                    runtime.let_go()
+                else:
+                    runtime.rollback()
+            except Exception:
+                log.exception("job %s: could not roll back its transaction", attempt.id)
+        message = "released %d job(s) whose lease could not be renewed (self-fenced)"
+        worker = self.worker
+        if handler_running:
+            worker.slot_freed(attempt)
+            worker.release_in_background([attempt], message)
+            return True
+        try:
+            worker.release([attempt], message)
+        finally:
+            worker.slot_freed(attempt)
+        return True
 
     def decided(
         self,

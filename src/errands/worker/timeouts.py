@@ -12,6 +12,12 @@ run beside it; whatever the handler does after its deadline is recorded as a tim
 never as a completion. An async handler is cancelled by ``asyncio.wait_for``; a child
 process is killed. The same steps stop sync handlers still running when a graceful stop's
 grace period is over (:func:`interrupt_threads`).
+
+Self-fencing (:func:`on_fence`) stops a handler whose lease cannot be renewed with the same
+steps, timed to end before the lease does: ``ctx.cancelled`` at the fence (the lease
+keeper fences an attempt shortly before its lease runs out), HandlerInterrupt soon after,
+and the job given back (released, uncharged) with the thread abandoned when a third of
+the time left at the fence remains.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .execution import Attempt, JobTimeout
+from .execution import LEASE_UNRENEWED, Attempt, FenceSteps, JobTimeout
 from .runners import Call
 
 if TYPE_CHECKING:
@@ -72,6 +78,61 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
             attempt.id,
             worker.abandon_after,
         )
+
+
+def on_fence(worker: Worker, attempt: Attempt) -> None:
+    """Self-fencing, one step at a time: the lease keeper calls this when no heartbeat could
+    renew ``attempt``'s lease and it is about to run out, then at the time of each step in
+    ``attempt.fence``.
+
+    1. at once: ``ctx.cancelled`` turns true (``lease could not be renewed``), an async
+       task is cancelled, a child process killed; a prefetched job not yet begun is
+       given back at once;
+    2. a third of the time left later (1 s at most): HandlerInterrupt is raised inside a
+       sync handler's thread;
+    3. a third of the time left before the lease runs out (``abandon_after`` after the
+       fence, if sooner): the job is given back (released, uncharged, fenced by its
+       token) and the thread, still running, is abandoned (logged).
+
+    A handler that stops before step 3 gives its job back itself (see the recorder). Only
+    setting ``ctx.cancelled`` left a handler without a Context, or one that never looks,
+    running after its lease was gone, beside the worker that took the job over."""
+    now = time.monotonic()
+    steps = attempt.fence
+    if steps is None:
+        attempt.fence = steps = FenceSteps()
+        attempt.interrupt(LEASE_UNRENEWED, worker.loop)
+        if attempt.withdraw():  # prefetched, never begun: back to the queue now
+            worker.slot_freed(attempt)
+            worker.release_in_background(
+                [attempt], "released %d prefetched job(s) whose lease could not be renewed"
+            )
+            return
+        if isinstance(attempt.future, Call):  # a thread: escalate, as a timeout does
+            left = max(attempt.lease_valid_until - now, 0.0)
+            steps.interrupt_at = now + min(INTERRUPT_AFTER, left / 3)
+            steps.abandon_at = min(now + worker.abandon_after, attempt.lease_valid_until - left / 3)
+        return
+    call = attempt.future
+    if steps.interrupt_at is not None and now >= steps.interrupt_at:
+        steps.interrupt_at = None
+        if isinstance(call, Call) and worker.threads_for(attempt).interrupt(call):
+            log.warning(
+                "job %s: its handler still runs while its lease cannot be renewed; interrupting it",
+                attempt.id,
+            )
+        return
+    if steps.abandon_at is not None and now >= steps.abandon_at:
+        steps.abandon_at = None
+        if worker.recorder.give_back_fenced(attempt, handler_running=True) and isinstance(
+            call, Call
+        ):
+            worker.threads_for(attempt).abandon(call)
+            log.error(
+                "job %s: its handler did not stop before its lease (which could not be "
+                "renewed) runs out; job given back, thread abandoned (it may still be running)",
+                attempt.id,
+            )
 
 
 def interrupt_threads(worker: Worker, attempts: list[Attempt], wait: float) -> None:

@@ -74,12 +74,13 @@ from .claiming import Claimer
 from .completer import Completer
 from .dispatch import Dispatcher
 from .execution import SHUTDOWN, Attempt
+from .leases import MIN_INTERVAL as MIN_BEAT
 from .leases import LeaseKeeper
 from .process_pool import ProcessRunner
 from .recorder import OutcomeRecorder, job_fields
 from .runners import LoopRunner, ThreadRunner
 from .signals import SignalRelay
-from .timeouts import INTERRUPT_AFTER, interrupt_threads, on_deadline
+from .timeouts import INTERRUPT_AFTER, interrupt_threads, on_deadline, on_fence
 
 if TYPE_CHECKING:
     from ..app import App
@@ -320,7 +321,10 @@ class Worker:
         self._throttle_warned_at = float("-inf")
         shortest = min([app.lease, *(d.lease for d in app.registry.values() if d.lease)])
         self.leases = LeaseKeeper(
-            self, interval=max(shortest / 3, 0.2), on_timeout=lambda a: on_deadline(self, a)
+            self,
+            interval=max(shortest / 3, MIN_BEAT),
+            on_timeout=lambda a: on_deadline(self, a),
+            on_fence=lambda a: on_fence(self, a),
         )
         tick = maintenance_tick if maintenance_tick is not None else min(1.0, app.lease / 4)
         self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
@@ -331,6 +335,7 @@ class Worker:
         self._notified = False
         self.exit_code = 0  # 1: it stopped because its child processes cannot start
         self._hopeless_said = 0  # the failed starts counted when that was last said
+        self._claims_paused = False  # heartbeats fail: the claim loop waits (said once)
 
     # -- what the services see --------------------------------------------------------
     @property
@@ -625,6 +630,26 @@ class Worker:
         except Exception as exc:
             log.debug("worker registry heartbeat failed: %s", exc)
 
+    def heartbeats_resumed(self) -> None:
+        """A heartbeat got through after failures: the claim loop, paused, claims again."""
+        self._wake.set()
+
+    def _heartbeats_fail(self) -> bool:
+        """Whether heartbeats fail now, so that the claim loop claims nothing this round:
+        each job claimed would run only until it is self-fenced, and the jobs it gave back
+        were claimed again by this worker while its heartbeats still failed (a job fenced
+        and rescued ran again here beside its own first run). The lease keeper retries
+        every second and wakes the loop at the first heartbeat that gets through."""
+        if not self.leases.failures:
+            self._claims_paused = False
+            return False
+        if not self._claims_paused:
+            self._claims_paused = True
+            log.warning("heartbeats fail: claiming no new job until one gets through")
+        self._wake.wait(self.poll_interval)
+        self._wake.clear()
+        return True
+
     def stop(self) -> None:
         """Begin a graceful stop (what the first SIGTERM does)."""
         self._stopping.set()
@@ -691,6 +716,8 @@ class Worker:
         gathered = False
         while not self._stopping.is_set():
             if self._children_fail():  # (claimed, a job would be released at once)
+                continue
+            if self._heartbeats_fail():
                 continue
             self._extra = self._prefetch_now()
             self._refill_at = max(1, (self.concurrency + self._extra) // 2)
@@ -917,6 +944,8 @@ class Worker:
                     self._express_free -= 1
                 else:
                     self._free -= 1
+        if min(a.lease_seconds for a in attempts) < 3 * self.leases.interval:
+            self.leases.poke()  # a job's own lease, shorter: heartbeats planned from it
         for attempt in attempts:
             try:
                 self.dispatcher.dispatch(attempt)
@@ -1024,6 +1053,13 @@ class Worker:
         with self._lock:
             for attempt in attempts:
                 self._attempts.pop((attempt.id, attempt.token), None)
+
+    def release_in_background(self, attempts: list[Attempt], message: str) -> None:
+        """:meth:`release`, on a thread of its own: from a thread that must not wait for a
+        store that may be out of reach (the lease keeper, the event loop)."""
+        threading.Thread(
+            target=self.release, args=(attempts, message), name="errands-release", daemon=True
+        ).start()
 
     def threads_for(self, attempt: Attempt) -> ThreadRunner:
         """The handler threads ``attempt`` runs on: the express lane's or the slots'."""
