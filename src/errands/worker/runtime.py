@@ -109,7 +109,8 @@ class AttemptRuntime:
             and self.lease_kept_here
             and time.monotonic() >= attempt.lease_valid_until
         ):
-            reason = LEASE_UNRENEWED
+            # as the lease keeper fences it: the job is given back, uncharged
+            reason = attempt.stop_reason = LEASE_UNRENEWED
         if reason is not None:
             stopped = Interrupted(reason)  # (its reason decides the outcome: a cancel too)
             stopped.add_note(f"step {name!r} of job {attempt.id} was not started")
