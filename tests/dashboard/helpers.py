@@ -34,15 +34,20 @@ def define_jobs(app: errands.App) -> dict[str, Any]:
 def finish_due(
     app: errands.App, queue: str, state: str, *, message: str = "boom", limit: int = 100
 ) -> list[int]:
-    """Claim every due job of ``queue`` and record ``state`` for it (no worker needed)."""
-    rows = app.backend.job_claim(
-        ClaimParams(
-            queues=[QueueClaim(queue, limit)],
-            limit=limit,
-            worker_id="test-worker",
-            lease_seconds_default=30,
+    """Claim every due job of ``queue`` and record ``state`` for it (no worker needed),
+    as a worker claims it: a queue with limits or fairness through the limited claim (the
+    plain one never takes such a queue)."""
+    if app.backend.queues_with_limits([queue]):
+        rows = list(app.backend.job_claim_limited(QueueClaim(queue, limit), "test-worker", 30))
+    else:
+        rows = app.backend.job_claim(
+            ClaimParams(
+                queues=[QueueClaim(queue, limit)],
+                limit=limit,
+                worker_id="test-worker",
+                lease_seconds_default=30,
+            )
         )
-    )
     outcomes = []
     for row in rows:
         error = None

@@ -78,9 +78,8 @@ def test_closing_the_store_leaves_a_transaction_connection_in_use_to_its_thread_
         assert check.execute("SELECT n FROM effects").fetchall() == [(1,)]
 
 
-@pytest.mark.parametrize("round_", range(3))
 def test_an_app_closed_while_its_worker_completes_transactions_never_crashes(
-    tmp_path: Path, round_: int
+    tmp_path: Path,
 ) -> None:
     """The crash as CI met it: App.close() beside an embedded worker whose handlers
     commit their ctx.transaction() (the worker stopped with no grace, not joined)."""
@@ -90,7 +89,7 @@ def test_an_app_closed_while_its_worker_completes_transactions_never_crashes(
         import errands
 
         url = "sqlite:///" + sys.argv[1]
-        for round_ in range(15):
+        for round_ in range(20):
             app = errands.App(url)
 
             @app.job(name="write")
@@ -112,7 +111,7 @@ def test_an_app_closed_while_its_worker_completes_transactions_never_crashes(
             thread.join(30)
         print("ok")
         """,
-        str(tmp_path / f"store{round_}.db"),
+        str(tmp_path / "store.db"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("ok")

@@ -22,6 +22,7 @@ from psycopg_pool import ConnectionPool
 
 import errands
 from errands.backends.postgres.config import parse_postgres_url
+from errands.backends.postgres.connections import RECONNECT_WINDOW, _pool_class
 
 EFFECTS_APPLICATION_NAME = "errands_pgacc_effects"
 
@@ -55,7 +56,11 @@ def _effects_pool() -> tuple[ConnectionPool[Any], str]:
         if _pool is None:
             config = parse_postgres_url(os.environ["ERRANDS_URL"])
             _table = f'"{config.schema}".effects'
-            _pool = ConnectionPool(
+            # errands' own pool class: lost connections are opened again at errands'
+            # pace (psycopg_pool's own backoff doubles to a minute: after a crash restart
+            # on a loaded machine the effects pool took longer to come back than the
+            # workers, every handler waited 30 s for it, and the run timed out)
+            _pool = _pool_class()(
                 config.conninfo,
                 min_size=1,
                 max_size=4,
@@ -63,6 +68,7 @@ def _effects_pool() -> tuple[ConnectionPool[Any], str]:
                 open=True,
                 name="effects",
                 timeout=30.0,
+                reconnect_timeout=RECONNECT_WINDOW,
             )
         return _pool, _table
 
