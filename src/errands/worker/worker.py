@@ -445,7 +445,14 @@ class Worker:
         left jobs waiting for one runs again (see _gated)."""
         with self._lock:
             self._attempts.pop((attempt.id, attempt.token), None)
-            gated = self._gated and attempt.row.queue in self.claimer.with_limits
+            # a job type with a key or a rate (a plain or fair-only job frees no key: waking
+            # on each of those made a claim per completed job of every fair queue)
+            definition = attempt.definition
+            gated = (
+                self._gated
+                and attempt.row.queue in self.claimer.with_limits
+                and (definition is None or definition.limited)
+            )
         if gated:
             self._wake.set()
 
