@@ -263,9 +263,10 @@ class Worker:
         self._backlog = False
         # The last claim may have left due jobs waiting for a concurrency key (or a rate)
         # held by running jobs (it held some back, or a limited queue gave fewer than
-        # asked): the stored outcome of a job with a key or a rate in this worker's limited
-        # queues may let them run, so it wakes the claim loop (on PostgreSQL nothing else does: they waited
-        # for the next poll, and a key's backlog ran one job a poll interval).
+        # asked): the stored outcome of a job with a key or a rate in this worker's
+        # limited queues may let them run, so it wakes the claim loop (on PostgreSQL
+        # nothing else does: they waited for the next poll, and a key's backlog ran one
+        # job a poll interval).
         self._gated = False
         # With a backlog, the producer waits (up to BATCH_GATHER) for this many free slots
         # before claiming: one round trip brings a batch instead of one or two jobs.
