@@ -31,6 +31,7 @@ from .errors import (
     UnknownJob,
 )
 from .handle import JobHandle
+from .interrupts import shielded
 from .jobs import Job, JobError, JobState, Progress
 from .outcomes import Permanent, Retry
 from .retry import ExponentialBackoff
@@ -97,5 +98,6 @@ __all__ = [
     "chord",
     "group",
     "map_jobs",
+    "shielded",
     "wait_all",
 ]

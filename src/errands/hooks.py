@@ -27,7 +27,6 @@ threads run on a :class:`Lane` instead:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import queue
@@ -37,7 +36,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from .interrupts import aim_unless_shielded
+from .interrupts import aim, aim_unless_shielded, drop_pending
 
 log = logging.getLogger("errands.hooks")
 
@@ -67,13 +66,6 @@ def on_protected_thread() -> bool:
 
 def describe(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-def _aim(ident: int, exc: type[BaseException] | None) -> None:
-    """Raise ``exc`` asynchronously in thread ``ident`` (None: clear one still pending)."""
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None
-    )
 
 
 class _Call:
@@ -143,7 +135,7 @@ class Lane:
                     # it goes on with this call, timed again, and leaves after it.
                     self._retired.discard(me)
                     self._leaving.add(me)
-                    _aim(me, None)  # an interrupt still on its way was for the last one
+                    drop_pending()  # an interrupt still on its way was for the last one
                 self._current[me] = (entry[0], time.monotonic())
         if entry is None:
             yield
@@ -159,7 +151,7 @@ class Lane:
                 # Interrupts are aimed under this lock, at a thread past its limit and
                 # not retired: after this none can come for the body.
                 stopped = me in self._retired
-                _aim(me, None)
+                drop_pending()
                 self._current[me] = (entry[0], time.monotonic())
             if stopped and not landed:  # aimed, not yet landed: land it here
                 raise HookTimeout
@@ -219,7 +211,7 @@ class Lane:
                     # replaced while stuck: the new thread has the lane
                     self._retired.discard(me)
                     self._leaving.discard(me)
-                    _aim(me, None)  # an interrupt not yet delivered has nothing to stop
+                    drop_pending()  # an interrupt not yet delivered has nothing to stop
                     return
 
     def watch(self, now: float) -> None:
@@ -236,7 +228,7 @@ class Lane:
             for ident, call in late:
                 # Not inside errands' own store call (errands.interrupts): the next look
                 # interrupts it once it is out.
-                if aim_unless_shielded(ident, functools.partial(_aim, ident, HookTimeout)):
+                if aim_unless_shielded(ident, functools.partial(aim, ident, HookTimeout)):
                     self._retired.add(ident)  # under the lock: it is still inside that call
                     # A thread already replaced (timed again by Lane.timed) is not the
                     # lane's: replacing it again left one more thread serving for good.

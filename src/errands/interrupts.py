@@ -9,13 +9,32 @@ write lock and the file's, for good (seen in a soak: every worker's heartbeats f
 23 minutes). So the store's transactions run :func:`shielded`, and whoever raises such an
 interrupt asks :func:`aim_unless_shielded` first: a thread inside a shield is interrupted
 once it leaves it (the caller tries again later).
+
+Your own code can take the same shield (``errands.shielded()``), around a library call
+that an exception landing inside would leave broken. psycopg_pool's sync pool is one:
+an interrupt that lands while ``getconn()`` waits for a connection leaves the waiter in
+the pool's queue, and the connection handed to it later is never given back (a slot of
+the pool lost for good per interrupt; after a database outage, whose timeouts and
+self-fences interrupt many waiting handlers at once, the pool is empty for good and every
+handler waits its timeout for a connection).
+
+An interrupt aimed too late (its target already finished what it was to stop) is dropped
+with :func:`drop_pending`, never with ``PyThreadState_SetAsyncExc(ident, NULL)``: on
+CPython 3.11 that leaves the interpreter flagged as having an asynchronous exception
+pending when none is, and from then on every thread with a trace or profile function
+(coverage, a debugger, a profiler) loops for ever at its next function call: the whole
+process hangs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+DRAIN_LIMIT = 1.0  # seconds drop_pending waits for its own interrupt to land (it takes µs)
 
 _depth: dict[int, int] = {}  # thread ident -> how many shields it is inside
 _lock = threading.Lock()
@@ -23,7 +42,20 @@ _lock = threading.Lock()
 
 @contextmanager
 def shielded() -> Iterator[None]:
-    """Run the body with no asynchronous interrupt aimed at this thread."""
+    """Run the body with no asynchronous interrupt aimed at this thread.
+
+    A handler's timeout (or self-fence, or the end of a graceful stop's grace) and a
+    hook's ``hook_timeout`` stop a sync callable by raising an exception inside its
+    thread; inside this block that waits until the block ends (``ctx.cancelled`` still
+    turns true at once, and a thread still inside at ``abandon_after`` is abandoned). Use
+    it around a library call that an exception landing inside would leave broken, such as
+    taking and giving back a connection of psycopg_pool's sync pool::
+
+        with errands.shielded(), pool.connection() as conn:
+            conn.execute(...)
+
+    Keep it short: a handler inside it cannot be stopped before its thread is abandoned.
+    """
     ident = threading.get_ident()
     with _lock:
         _depth[ident] = _depth.get(ident, 0) + 1
@@ -46,3 +78,32 @@ def aim_unless_shielded(ident: int, aim: Callable[[], None]) -> bool:
             return False
         aim()
         return True
+
+
+def aim(ident: int, exc_type: type[BaseException]) -> None:
+    """Raise ``exc_type`` asynchronously in thread ``ident``: it lands at the thread's next
+    bytecode, or when a C call it is blocked in returns."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
+
+
+class _Drained(BaseException):
+    """Put in place of an interrupt still pending for the calling thread; lands at once."""
+
+
+def drop_pending() -> None:
+    """Drop an interrupt aimed at the calling thread that has not landed yet (if any).
+
+    The pending interrupt is replaced by one of this module's own, which lands in the loop
+    below at once: its landing clears the interpreter's "pending" flag, which clearing
+    with NULL leaves set on CPython 3.11 (see the module doc). The caller holds whatever
+    lock the interrupts are aimed under, so no other is aimed meanwhile."""
+    try:
+        aim(threading.get_ident(), _Drained)  # it may land as soon as this call returns
+        deadline = time.monotonic() + DRAIN_LIMIT
+        while time.monotonic() < deadline:  # each turn checks for pending interrupts
+            pass
+    except _Drained:
+        return
+    # never seen: it did not land within the limit; cleared the old way rather than
+    # leave it to land in the caller's code
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)

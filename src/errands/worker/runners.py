@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import functools
 import logging
 import queue
@@ -22,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
-from ..interrupts import aim_unless_shielded
+from ..interrupts import aim, aim_unless_shielded, drop_pending
 
 Done = Callable[[BaseException | None, Any], None]
 
@@ -36,12 +35,6 @@ _NUDGE = object()  # queued behind an urgent call: wakes an idle thread to look 
 class HandlerInterrupt(BaseException):
     """Raised inside a handler thread to stop it (timeout). A BaseException, so a handler's
     ``except Exception`` does not swallow it; its ``finally`` blocks still run."""
-
-
-def _raise_in_thread(ident: int, exc_type: type[BaseException] | None) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(ident), ctypes.py_object(exc_type) if exc_type else None
-    )
 
 
 class Call:
@@ -121,7 +114,7 @@ class ThreadRunner:
                 self._running.pop(me, None)
                 if me in self._aimed:
                     self._aimed.discard(me)
-                    _raise_in_thread(me, None)  # drop one aimed too late
+                    drop_pending()  # drop one aimed too late
                 retire = me in self._retire
                 self._retire.discard(me)
         except HandlerInterrupt as late:  # landed between the handler's end and the pop
@@ -157,9 +150,7 @@ class ThreadRunner:
         with self._lock:
             for ident, running in self._running.items():
                 if running is call:
-                    if aim_unless_shielded(
-                        ident, functools.partial(_raise_in_thread, ident, HandlerInterrupt)
-                    ):
+                    if aim_unless_shielded(ident, functools.partial(aim, ident, HandlerInterrupt)):
                         self._aimed.add(ident)
                     else:  # inside errands' own store call: once it is out
                         timer = threading.Timer(SHIELD_RETRY, self.interrupt, (call,))

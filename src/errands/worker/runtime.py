@@ -36,6 +36,7 @@ from ..backends.workflow_store import WORKFLOW_ADD
 from ..definition import seconds as checked_seconds
 from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
 from ..faults import fault_point
+from ..interrupts import shielded
 from ..jobs import EnqueueRequest
 from ..payload import NUL_FIX, holds_nul
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets, scrub
@@ -249,14 +250,19 @@ class AttemptRuntime:
                     "written in it is committed"
                 )
             if self.tx is None:
-                backend = self.app.backend
-                tx = backend.tx_begin()
-                try:
-                    tx.execute(OPEN_SAVEPOINT)
-                except BaseException:
-                    backend.tx_rollback(tx)
-                    raise
-                self.tx, self.tx_backend, self.tx_opened = tx, backend, time.monotonic()
+                # Shielded until the attempt holds it: an interrupt (a timeout, a
+                # self-fence) landing after the store opened the transaction and before
+                # it was stored here orphaned it (a PostgreSQL handler-pool connection
+                # never given back; on SQLite an open write transaction locking the file)
+                with shielded():
+                    backend = self.app.backend
+                    tx = backend.tx_begin()
+                    try:
+                        tx.execute(OPEN_SAVEPOINT)
+                    except BaseException:
+                        backend.tx_rollback(tx)
+                        raise
+                    self.tx, self.tx_backend, self.tx_opened = tx, backend, time.monotonic()
             return TransactionConnection(self.tx, self._ended)
 
     def check_transaction(self) -> None:

@@ -74,9 +74,13 @@ def _effects_pool() -> tuple[ConnectionPool[Any], str]:
 
 
 def record(ctx: errands.Context) -> None:
-    """Append one effect row for this execution (raises when the database is away)."""
+    """Append one effect row for this execution (raises when the database is away).
+
+    Shielded: a self-fence's interrupt (the database away past a lease) landing while
+    psycopg_pool's ``getconn()`` waited lost the connection handed to it later; after a
+    restart on a loaded machine the pool had none left, and a worker ran nothing more."""
     pool, table = _effects_pool()
-    with pool.connection() as conn:
+    with errands.shielded(), pool.connection() as conn:
         conn.execute(
             f"INSERT INTO {table} (job_id, attempt, pid, worker) VALUES (%s, %s, %s, %s)",
             (ctx.job_id, ctx.attempt, os.getpid(), ctx.worker_id),
