@@ -323,8 +323,17 @@ class Cluster:
         return sum(1 for (ok,) in rows if ok)
 
     def stop_all(self, graceful: bool) -> dict[str, int | None]:
-        """SIGTERM (or SIGKILL) every worker; returns exit codes by label."""
+        """SIGTERM (or SIGKILL) every worker; returns exit codes by label.
+
+        A worker the last supervision round restarted may still be starting Python, before
+        errands' signal handlers exist: SIGTERMed then it died of the signal (exit -15,
+        judged an unclean stop). Each is signalled once it has registered (handlers first)."""
         codes: dict[str, int | None] = {}
+        if graceful:
+            for slot in self.slots:
+                if slot.proc is not None and slot.proc.alive:
+                    with contextlib.suppress(AssertionError):  # judged by its exit code
+                        self.worker_id(slot, timeout=30)
         live = [s.proc for s in self.slots if s.proc is not None and s.proc.alive]
         for proc in live:
             proc.signal(signal.SIGCONT)
