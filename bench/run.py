@@ -808,7 +808,13 @@ def merge_into(
         sections.append("memory")
     for step in ("storage", "finished", "scenarios", "fairness"):
         if step in part:
-            base[step] = part[step]
+            if step == "scenarios" and "scenarios" in base:
+                # cell by cell: a run of the pressure cells keeps the chaos cells measured
+                # before it (each cell records its own rate, work and phases)
+                cells = {**base["scenarios"].get("cells", {}), **part[step].get("cells", {})}
+                base[step] = {**base[step], **part[step], "cells": cells}
+            else:
+                base[step] = part[step]
             sections.append(step)
     base.setdefault("updates", []).append(
         {

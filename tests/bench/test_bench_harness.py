@@ -244,3 +244,31 @@ def test_the_machine_section_says_how_postgresql_ran_not_that_it_ran_at_its_defa
     line = report._pg_settings_line(machine)
     assert line == "PostgreSQL settings: autovacuum off (set in /etc/x/90-ci.conf), fsync on"
     assert "not recorded" in report._pg_settings_line({})
+
+
+def test_an_update_with_some_scenario_cells_keeps_the_cells_measured_before() -> None:
+    """A later run of the pressure cells alone (``--scenarios idle_in_tx --update``) adds
+    its cells to the published ones; it replaced the whole section, dropping the chaos
+    cells measured earlier."""
+    published = json.loads((Path(run.RESULTS) / "latest.json").read_text())
+    cell = published["scenarios"]["cells"]["crash_recovery/errands-pg"]
+
+    def results(name: str, at: str) -> dict[str, Any]:
+        return {
+            "systems": {},
+            "finished_at": at,
+            "duration_s": 1.0,
+            "load_before": 0.0,
+            "load_after": 0.0,
+            "scenarios": {"cells": {name: cell}, "where": at},
+        }
+
+    base = results("crash_recovery/errands-pg", "first")
+    part = results("pg_backend_kill/errands-pg", "second")
+    merged = run.merge_into(base, part, with_limit=False, with_scale=False)
+    assert sorted(merged["scenarios"]["cells"]) == [
+        "crash_recovery/errands-pg",
+        "pg_backend_kill/errands-pg",
+    ]
+    assert merged["scenarios"]["where"] == "second"
+    assert merged["updates"][-1]["sections"] == ["scenarios"]
