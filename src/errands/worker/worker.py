@@ -268,6 +268,9 @@ class Worker:
         # nothing else does: they waited for the next poll, and a key's backlog ran one
         # job a poll interval).
         self._gated = False
+        # Stored outcomes of such jobs so far: one stored while a claim ran (read before
+        # it) may have freed what that claim found taken; the loop claims again at once.
+        self._limited_done = 0
         # With a backlog, the producer waits (up to BATCH_GATHER) for this many free slots
         # before claiming: one round trip brings a batch instead of one or two jobs.
         self._refill_at = max(1, concurrency // 2)
@@ -424,7 +427,6 @@ class Worker:
             self.claimer.only = childless
             return False
         self._wake.wait(pause)
-        self._wake.clear()
         return True
 
     def _needing_no_child(self) -> list[str]:
@@ -449,11 +451,11 @@ class Worker:
             # a job type with a key or a rate (a plain or fair-only job frees no key: waking
             # on each of those made a claim per completed job of every fair queue)
             definition = attempt.definition
-            gated = (
-                self._gated
-                and attempt.row.queue in self.claimer.with_limits
-                and (definition is None or definition.limited)
+            limited = attempt.row.queue in self.claimer.with_limits and (
+                definition is None or definition.limited
             )
+            self._limited_done += limited
+            gated = limited and self._gated
         if gated:
             self._wake.set()
 
@@ -655,7 +657,6 @@ class Worker:
             self._claims_paused = True
             log.warning("heartbeats fail: claiming no new job until one gets through")
         self._wake.wait(self.poll_interval)
-        self._wake.clear()
         return True
 
     def stop(self) -> None:
@@ -723,6 +724,11 @@ class Worker:
         pause = self.poll_interval
         gathered = False
         while not self._stopping.is_set():
+            # Cleared here, before this round reads anything, and never after a wait: a
+            # wake-up set between a wait's end and a clear after it was lost (a keyed job's
+            # outcome stored then: the next job of its key waited a whole poll interval).
+            # One set during the round makes the next wait return at once.
+            self._wake.clear()
             if self._children_fail():  # (claimed, a job would be released at once)
                 continue
             if self._heartbeats_fail():
@@ -759,31 +765,33 @@ class Worker:
                 # benchmark). The completer wakes us after each batch.
                 self._warn_throttled(unwritten)
                 self._wake.wait(self.poll_interval)
-                self._wake.clear()
                 continue
             self._throttled = False
             # A notification for the lane inside its gap: no wait outlasts the gap.
             lane_due = bool(lane) and self._express_wanted and unwritten < self._unwritten_max
             if not plan:  # every slot busy: a finishing handler wakes us
                 self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
-                self._wake.clear()
                 continue
             if self._backlog and room < self._refill_at and not gathered:
                 # With a backlog, give finishing handlers a moment to free a batch's worth
                 # of slots: one claim then brings many jobs instead of one or two.
                 gathered = True
                 self._wake.wait(BATCH_GATHER)
-                self._wake.clear()
                 continue
             gathered = False
             sent = time.monotonic()  # each claimed lease runs from (at latest) the claim's send
+            limited_done = self._limited_done
             claimed = self.claimer.claim(plan, room, free, suspects)
             if claimed.retry_in is not None:
                 self._wake_at = min(self._wake_at, time.monotonic() + claimed.retry_in)
+            # Before the claimed jobs start: a quick one's outcome, stored before this was
+            # set, woke nothing (its key's next job waited a whole poll interval).
+            self._gated = claimed.gated > 0 or claimed.limited_short
+            if self._gated and self._limited_done != limited_done:
+                self._wake.set()  # one stored during the claim may have freed what it found taken
             # all claimed starts, even after an error
             self._start_all(claimed.rows, sent, claimed.express)
             rows = claimed.rows
-            self._gated = claimed.gated > 0 or claimed.limited_short
             if claimed.error is not None:
                 now = time.monotonic()
                 if not rows or now >= self._claim_warned_at + CLAIM_RETRY_MAX:
@@ -804,7 +812,6 @@ class Worker:
                 # The limited queues wait for a free slot, which wakes us (the backlog
                 # stays on) rather than the next poll.
                 self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
-                self._wake.clear()
                 continue
             self._backlog = bool(rows) and (len(rows) >= room or claimed.limited_full)
             if self._backlog:
@@ -816,7 +823,6 @@ class Worker:
             self._wake_at = float("inf")
             self._notified = False
             self._wake.wait(self._lane_wait(wait, lane_due))
-            self._wake.clear()
 
     def _lane_wait(self, wait: float, lane_due: bool) -> float:
         """``wait``, or less when an express claim waits out its gap (``lane_due``)."""
