@@ -53,6 +53,7 @@ from .errors import (
 )
 from .handle import JobHandle
 from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner, HookTimeout
+from .interrupts import shielded
 from .jobs import Job, JobRow, Step, listed_by_priority, parse_cursor, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
@@ -192,7 +193,12 @@ class App:
         if self._backend is None:
             with self._backend_lock:
                 if self._backend is None:
-                    self._backend = open_backend(self.url)
+                    # Shielded: a handler's or hook's interrupt landing as the store
+                    # opened (a pool's open returning, a migration) left an open pool, its
+                    # threads and connections, held by nobody (one more at each try). The
+                    # wait is bounded by the connect timeout.
+                    with shielded():
+                        self._backend = open_backend(self.url)
         return self._backend
 
     async def abackend(self) -> Backend:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from .interrupts import aim, aim_unless_shielded, drop_pending
+from .interrupts import aim, aim_unless_shielded, drop_pending, is_shielded
 
 log = logging.getLogger("errands.hooks")
 
@@ -89,6 +89,9 @@ class Lane:
         self._current: dict[int, tuple[_Call, float]] = {}  # thread ident -> (call, started)
         self._retired: set[int] = set()  # stopped at the limit and replaced: not timed
         self._leaving: set[int] = set()  # replaced, timed again: leave after the call
+        # retired while in locking library code (errands.interrupts.in_locking_code),
+        # where no interrupt may land: interrupted once out of it (at a later look)
+        self._unaimed: set[int] = set()
         self._threads = 0
         self.dropped = 0
         self.timed_out = 0
@@ -134,6 +137,7 @@ class Lane:
                     # The last callable was stopped at its limit and this thread replaced:
                     # it goes on with this call, timed again, and leaves after it.
                     self._retired.discard(me)
+                    self._unaimed.discard(me)
                     self._leaving.add(me)
                     drop_pending()  # an interrupt still on its way was for the last one
                 self._current[me] = (entry[0], time.monotonic())
@@ -151,6 +155,7 @@ class Lane:
                 # Interrupts are aimed under this lock, at a thread past its limit and
                 # not retired: after this none can come for the body.
                 stopped = me in self._retired
+                self._unaimed.discard(me)
                 drop_pending()
                 self._current[me] = (entry[0], time.monotonic())
             if stopped and not landed:  # aimed, not yet landed: land it here
@@ -205,18 +210,41 @@ class Lane:
             except HookTimeout:  # landed between the call's end and here
                 if not call.future.done():
                     call.future.set_exception(TimeoutError(f"{call.what} ran too long"))
+            if self._call_ended(me):
+                return
+
+    def _call_ended(self, me: int) -> bool:
+        """The lane's books once a call on thread ``me`` ended; True when the thread must
+        leave (replaced while stuck: the new thread has the lane).
+
+        The watchdog may aim at this thread until it is out of ``_current``: aimed while it
+        waited for the lock here, the interrupt lands as the lock is taken, and the books
+        were left half done (the thread gone with its id still counted as stuck: after
+        four, no hook of the lane was ever stopped again)."""
+        try:
             with self._lock:
                 self._current.pop(me, None)
+                self._unaimed.discard(me)
                 if me in self._retired or me in self._leaving:
-                    # replaced while stuck: the new thread has the lane
                     self._retired.discard(me)
                     self._leaving.discard(me)
                     drop_pending()  # an interrupt not yet delivered has nothing to stop
-                    return
+                    return True
+                return False
+        except HookTimeout:  # aimed at the call that just ended: this thread was replaced
+            with self._lock:
+                self._current.pop(me, None)
+                self._retired.discard(me)
+                self._leaving.discard(me)
+                self._unaimed.discard(me)
+            return True
 
     def watch(self, now: float) -> None:
         """Interrupt and replace a call past the time limit (the watchdog calls this)."""
         with self._lock:
+            for ident in list(self._unaimed):  # retired in locking code: out of it now?
+                if aim_unless_shielded(ident, functools.partial(aim, ident, HookTimeout)):
+                    self._unaimed.discard(ident)
             late = [
                 (ident, call)
                 for ident, (call, started) in self._current.items()
@@ -227,12 +255,17 @@ class Lane:
             aimed = []
             for ident, call in late:
                 # Not inside errands' own store call (errands.interrupts): the next look
-                # interrupts it once it is out.
-                if aim_unless_shielded(ident, functools.partial(aim, ident, HookTimeout)):
-                    self._retired.add(ident)  # under the lock: it is still inside that call
-                    # A thread already replaced (timed again by Lane.timed) is not the
-                    # lane's: replacing it again left one more thread serving for good.
-                    aimed.append((call, ident not in self._leaving))
+                # interrupts it once it is out. In locking library code, where it may be
+                # blocked for good (an Event.wait()), it is replaced now and interrupted
+                # once out of it.
+                if not aim_unless_shielded(ident, functools.partial(aim, ident, HookTimeout)):
+                    if is_shielded(ident):
+                        continue
+                    self._unaimed.add(ident)
+                self._retired.add(ident)  # under the lock: it is still inside that call
+                # A thread already replaced (timed again by Lane.timed) is not the
+                # lane's: replacing it again left one more thread serving for good.
+                aimed.append((call, ident not in self._leaving))
         for call, replace in aimed:
             self.timed_out += 1
             log.error(

@@ -29,6 +29,7 @@ process hangs.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -72,12 +73,59 @@ def shielded() -> Iterator[None]:
 
 def aim_unless_shielded(ident: int, aim: Callable[[], None]) -> bool:
     """Call ``aim()`` (which raises the interrupt in thread ``ident``) unless that thread
-    is inside a shield; False when it is (the caller tries again later)."""
+    is inside a shield or in locking library code (:func:`in_locking_code`); False when
+    it is (the caller tries again later)."""
     with _lock:
-        if ident in _depth:
+        if ident in _depth or in_locking_code(ident):
             return False
         aim()
         return True
+
+
+def is_shielded(ident: int) -> bool:
+    """Whether thread ``ident`` is inside a shield now."""
+    with _lock:
+        return ident in _depth
+
+
+# Where an interrupt must not land: the moment a lock is taken in Python code before the
+# ``try``/``with`` that gives it back. An interrupt aimed while a thread is blocked taking
+# it lands exactly then, as the acquire returns, and the lock is held for good (a logging
+# handler's: every thread that logs through it hangs; a Condition's, as Event.set(),
+# Queue.get() and Future.result() take it: everyone waiting on it). Tried with an
+# Event.set() loop interrupted at random: its lock was left held in a third of the runs.
+# Waiting inside Condition.wait is not such a point (a ``finally`` takes the lock back
+# and the caller's ``with`` gives it back): a handler polling with Event.wait(0.01) is
+# interrupted there.
+LOCK_TAKING = {
+    "threading": ("__enter__", "acquire", "_acquire_restore"),  # Condition's, RLock's
+    "logging": ("acquire", "_acquireLock"),  # Handler.acquire, the module's lock
+}
+# Libraries whose own handling of an exception while they wait is for Exception only:
+# psycopg_pool's sync pool loses the connection it hands to a waiter interrupted there.
+UNSAFE_LIBRARIES = ("psycopg_pool",)
+UNSAFE_DEPTH = 6  # frames from the innermost looked at for UNSAFE_LIBRARIES
+
+
+def in_locking_code(ident: int) -> bool:
+    """Whether thread ``ident`` is at a point where an interrupt must not land now (see
+    LOCK_TAKING and UNSAFE_LIBRARIES), judged by its Python frames. An interrupt is held
+    back from it as from a shield: a thread blocked there is read exactly where the
+    interrupt would land; one running elsewhere reaches its next check within a few
+    bytecodes."""
+    frame = sys._current_frames().get(ident)
+    if frame is None:
+        return False
+    names = LOCK_TAKING.get(frame.f_globals.get("__name__", ""), ())
+    if frame.f_code.co_name in names:
+        return True
+    for _ in range(UNSAFE_DEPTH):
+        module = frame.f_globals.get("__name__", "")
+        if any(module == name or module.startswith(name + ".") for name in UNSAFE_LIBRARIES):
+            return True
+        if (frame := frame.f_back) is None:
+            return False
+    return False
 
 
 def aim(ident: int, exc_type: type[BaseException]) -> None:

@@ -3,11 +3,13 @@ SQLite hook interrupted while it held the write lock left it held for good (a so
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 
 from errands.hooks import HookTimeout, Lane
-from errands.interrupts import shielded
+from errands.interrupts import aim, shielded
 
 
 def test_a_hook_past_its_limit_is_interrupted_only_once_out_of_a_shielded_store_call() -> None:
@@ -41,3 +43,94 @@ def test_a_hook_past_its_limit_is_interrupted_only_once_out_of_a_shielded_store_
     assert inside_done.is_set()
     assert seen == ["interrupted after the shield"]
     assert lane.timed_out == 1
+
+
+def test_a_hook_interrupted_as_its_thread_closes_the_call_leaves_the_lanes_books_clean() -> None:
+    """Given a hook that returned past its limit while the watchdog held the lane's lock,
+    when the watchdog's interrupt lands as the hook's thread takes that lock to close the
+    call, then the thread leaves with the lane's books clean (not counted as stuck) and
+    the lane serves the next call. The thread left with its id counted as stuck for good:
+    after four, no hook of the lane was ever stopped again."""
+    lane = Lane("test", time_limit=0.05)
+    started, gate = threading.Event(), threading.Event()
+    idents: list[int] = []
+
+    def hook() -> None:
+        idents.append(threading.get_ident())
+        started.set()
+        gate.wait(5)  # past its limit
+
+    assert lane.submit(hook) is not None
+    assert started.wait(5)
+    [ident] = idents
+    with lane._lock:  # the watchdog, in the middle of a look at the lane
+        gate.set()
+        deadline = time.monotonic() + 5
+        while (frame := sys._current_frames().get(ident)) is not None and (
+            frame.f_code.co_name != "_call_ended"
+        ):  # until the thread waits for the lock to close the call
+            assert time.monotonic() < deadline, "the lane's thread never came to close the call"
+            time.sleep(0.005)
+        # what the watchdog does for a call past its limit (Lane.watch), under this lock
+        aim(ident, HookTimeout)
+        lane._retired.add(ident)
+    lane._spawn()  # its replacement (Lane.watch starts it after the lock)
+    deadline = time.monotonic() + 5
+    while ident in lane._retired or ident in lane._current:
+        assert time.monotonic() < deadline, f"left in the books: {lane._retired, lane._current}"
+        time.sleep(0.01)
+    assert lane.call(lambda: "served", timeout=5) == "served"
+
+
+class _Held(logging.Handler):
+    """A logging handler whose lock the test holds, as another thread writing would."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def test_a_hook_past_its_limit_taking_a_lock_is_replaced_at_once_and_stopped_after() -> None:
+    """Given a hook past its limit blocked taking a logging handler's lock (another thread
+    writes), the lane replaces its thread at once (the lane goes on) but interrupts it
+    only once the lock is taken and the hook is back in its own code. Landing as the
+    blocked acquire returned, the interrupt left the handler's lock held for good."""
+    lane = Lane("test", time_limit=0.05)
+    held = _Held()
+    logger = logging.getLogger(f"errands.tests.lane.{id(held)}")
+    logger.addHandler(held)
+    logger.propagate = False
+    seen: list[str] = []
+
+    def hook() -> None:
+        logger.warning("blocked until the test lets go of the handler's lock")
+        try:
+            for _ in range(500):  # its own code: interrupted here
+                time.sleep(0.01)
+        except HookTimeout:
+            seen.append("interrupted in its own code")
+            raise
+
+    held.acquire()
+    try:
+        future = lane.submit(hook)
+        assert future is not None
+        deadline = time.monotonic() + 5
+        while lane.timed_out == 0:
+            assert time.monotonic() < deadline, "the stuck hook was never replaced"
+            lane.watch(time.monotonic())
+            time.sleep(0.01)
+        assert lane.call(lambda: "served", timeout=5) == "served"  # the replacement serves
+        for _ in range(20):  # looks while it is still blocked: nothing is aimed at it
+            lane.watch(time.monotonic())
+            time.sleep(0.01)
+    finally:
+        held.release()
+    deadline = time.monotonic() + 5
+    while not future.done():
+        assert time.monotonic() < deadline, "the hook was never interrupted once out"
+        lane.watch(time.monotonic())
+        time.sleep(0.01)
+    logger.removeHandler(held)
+    assert seen == ["interrupted in its own code"]
+    assert held.lock is not None and held.lock.acquire(timeout=1)  # free
+    held.lock.release()

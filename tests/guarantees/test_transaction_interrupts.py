@@ -12,12 +12,15 @@ at that instant (chosen with a profile hook on the handler thread).
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+import pytest
 
 import errands
 from errands.worker.runtime import AttemptRuntime
@@ -75,3 +78,51 @@ def test_an_interrupt_as_a_transaction_opens_leaves_no_connection_or_lock_behind
     job = app.get_job(handle.id)
     assert aimed == ["opened"]
     assert [e.type for e in job.errors] == ["HandlerInterrupt"]
+
+
+class _Held(logging.Handler):
+    """A logging handler whose lock the test holds, as another thread writing would."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def test_a_timeout_never_lands_in_a_logging_handlers_lock(
+    store: errands.App, worker: Callable[..., Any]
+) -> None:
+    """Given a handler blocked on a logging handler's lock (another thread is writing)
+    when its timeout's interrupt is due, then the interrupt waits until the handler is out
+    of the logging call and stops it there, and the logging handler's lock is free after.
+    Landing as the lock was taken (the moment the blocked acquire returned), it left the
+    lock held for good: every later log line through that handler, in every thread, hung."""
+    app = store
+    held = _Held()
+    logger = logging.getLogger(f"errands.tests.held.{id(held)}")
+    logger.addHandler(held)
+    logger.propagate = False
+    logging_now = threading.Event()
+
+    @app.job(name="logs", timeout=0.2, retries=0)
+    def logs() -> None:
+        logging_now.set()
+        logger.warning("blocked until the test lets go of the handler's lock")
+        for _ in range(1000):  # the interrupt lands here
+            time.sleep(0.01)
+
+    handle = logs.enqueue()
+    held.acquire()
+    try:
+        with worker(concurrency=1, maintenance=False):
+            assert logging_now.wait(20)
+            time.sleep(1.8)  # past the deadline and the interrupt 1 s after it
+            held.release()
+            with pytest.raises(errands.JobFailed):
+                handle.result(timeout=20)
+            job = handle.job()
+    finally:
+        logger.removeHandler(held)
+    assert job.state == "dead", job
+    assert [e.type for e in job.errors] == ["JobTimeout"]
+    free = held.lock.acquire(timeout=2)  # type: ignore[union-attr]
+    assert free, "the logging handler's lock was left held by the interrupted handler"
+    held.lock.release()  # type: ignore[union-attr]

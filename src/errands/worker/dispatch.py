@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidPayload, UnknownJob
+from ..interrupts import shielded
 from ..jobs import JobRow
 from ..observability.logcontext import JobLogContext, job_context
 from ..payload import mask
@@ -186,14 +187,17 @@ class Dispatcher:
         events = worker.app.events
         if events.wants("errands.job.started"):
             # On the handler's thread: its subscribers on the events lane (a slow one held
-            # the job's start, a hung one its slot for good), errands' own inline.
-            events.emit_later(
-                "errands.job.started",
-                **job_fields(row),
-                args=_args_for_started(events, attempt.kwargs, definition.sensitive),
-                queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
-                meta=row.meta,
-            )
+            # the job's start, a hung one its slot for good), errands' own inline. Shielded:
+            # an interrupt landing inside the lane's queue left its lock held (the lane,
+            # then the completer emitting to it, blocked for good).
+            with shielded():
+                events.emit_later(
+                    "errands.job.started",
+                    **job_fields(row),
+                    args=_args_for_started(events, attempt.kwargs, definition.sensitive),
+                    queue_wait=max((row.attempted_at or row.run_at) - row.run_at, 0.0),
+                    meta=row.meta,
+                )
         return kwargs, JobLogContext(row.id, row.name, row.queue, row.attempt)
 
     def _begin(self, attempt: Attempt) -> bool:
@@ -209,8 +213,7 @@ class Dispatcher:
             # and dead with retries=0.
             if attempt.give_back():  # (else a graceful stop took it first: it releases it)
                 reason = attempt.stop_reason.replace("%", "%%")
-                worker.release([attempt], f"released %d prefetched job(s): {reason}")
-                worker.slot_freed(attempt)
+                _release(worker, attempt, f"released %d prefetched job(s): {reason}")
             return False
         if attempt.stop_reason is not None:  # an operator's cancel while it waited
             raise Interrupted(attempt.stop_reason)
@@ -220,8 +223,7 @@ class Dispatcher:
             # or the store unreachable): another worker may run it by now. Hand the lease
             # back (fenced) instead of running it beside that one.
             attempt.released = True
-            worker.release([attempt], "released %d prefetched job(s) whose lease may have run out")
-            worker.slot_freed(attempt)
+            _release(worker, attempt, "released %d prefetched job(s) whose lease may have run out")
             return False
         attempt.started = began
         return True
@@ -237,7 +239,8 @@ class Dispatcher:
         timeout = attempt.row.timeout
         if timeout:  # from the start: decoding the payload and job.started's subscribers too
             attempt.deadline = began + timeout
-            worker.leases.poke()
+            with shielded():  # the keeper's wake-up: a lock an interrupt must not strand
+                worker.leases.poke()
         prepared = self.prepare(attempt)
         if prepared is None:
             return None  # decided already; the outcome handed back is ignored
@@ -370,8 +373,17 @@ class Dispatcher:
         start pauses the claims that need a child (see :mod:`.child_starts`)."""
         if attempt.give_back():  # (else a graceful stop took it first: it releases it)
             why = str(exc).replace("%", "%%")
-            self.worker.release([attempt], f"released %d job(s): {why}")
-            self.worker.slot_freed(attempt)
+            _release(self.worker, attempt, f"released %d job(s): {why}")
+
+
+def _release(worker: Worker, attempt: Attempt, message: str) -> None:
+    """Give a handed-back attempt's job back and free its slot, from the handler's thread.
+    Shielded: an interrupt landing after the store's release (in its log line or event)
+    skipped slot_freed, and the worker ran one slot short for good (the attempt, released,
+    is never decided, so nothing else frees it)."""
+    with shielded():
+        worker.release([attempt], message)
+        worker.slot_freed(attempt)
 
 
 def encode(definition: JobDefinition[Any, Any], result: Any) -> str | None:

@@ -29,6 +29,7 @@ log = logging.getLogger("errands.worker")
 
 _STOP = object()
 SHIELD_RETRY = 0.01  # seconds: an interrupt deferred by a shield is tried again after
+SHIELD_RETRY_MAX = 0.1  # seconds: ... doubling up to this
 _NUDGE = object()  # queued behind an urgent call: wakes an idle thread to look for it
 
 
@@ -145,15 +146,22 @@ class ThreadRunner:
             self._queue.put(call)
         return call
 
-    def interrupt(self, call: Call) -> bool:
-        """Raise HandlerInterrupt inside the thread running ``call``; False if none is."""
+    def interrupt(self, call: Call, retry: float = SHIELD_RETRY) -> bool:
+        """Raise HandlerInterrupt inside the thread running ``call``; False if none is.
+        Held back while the thread is inside a shield or locking library code
+        (:func:`errands.interrupts.aim_unless_shielded`): tried again after ``retry``
+        seconds, then twice that, up to SHIELD_RETRY_MAX, until the thread is abandoned
+        (it retires whenever its call returns; retrying for ever cost a thread each time)."""
         with self._lock:
             for ident, running in self._running.items():
                 if running is call:
+                    if ident in self._retire:
+                        return True  # abandoned: nothing waits for it to stop any more
                     if aim_unless_shielded(ident, functools.partial(aim, ident, HandlerInterrupt)):
                         self._aimed.add(ident)
-                    else:  # inside errands' own store call: once it is out
-                        timer = threading.Timer(SHIELD_RETRY, self.interrupt, (call,))
+                    else:  # inside a shield or a lock-taking call: once it is out
+                        later = min(retry * 2, SHIELD_RETRY_MAX)
+                        timer = threading.Timer(retry, self.interrupt, (call, later))
                         timer.daemon = True
                         timer.start()
                     return True
