@@ -210,7 +210,11 @@ class Lane:
             except HookTimeout:  # landed between the call's end and here
                 if not call.future.done():
                     call.future.set_exception(TimeoutError(f"{call.what} ran too long"))
-            if self._call_ended(me):
+            try:  # around the call: one landing at _call_ended's entry is caught too
+                ended = self._call_ended(me)
+            except HookTimeout:
+                ended = self._call_ended_late(me)
+            if ended:
                 return
 
     def _call_ended(self, me: int) -> bool:
@@ -232,12 +236,17 @@ class Lane:
                     return True
                 return False
         except HookTimeout:  # aimed at the call that just ended: this thread was replaced
-            with self._lock:
-                self._current.pop(me, None)
-                self._retired.discard(me)
-                self._leaving.discard(me)
-                self._unaimed.discard(me)
-            return True
+            return self._call_ended_late(me)
+
+    def _call_ended_late(self, me: int) -> bool:
+        """The books of a call whose thread an interrupt reached as it closed the call:
+        the thread was replaced, so it leaves."""
+        with self._lock:
+            self._current.pop(me, None)
+            self._retired.discard(me)
+            self._leaving.discard(me)
+            self._unaimed.discard(me)
+        return True
 
     def watch(self, now: float) -> None:
         """Interrupt and replace a call past the time limit (the watchdog calls this)."""

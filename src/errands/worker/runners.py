@@ -150,13 +150,11 @@ class ThreadRunner:
         """Raise HandlerInterrupt inside the thread running ``call``; False if none is.
         Held back while the thread is inside a shield or locking library code
         (:func:`errands.interrupts.aim_unless_shielded`): tried again after ``retry``
-        seconds, then twice that, up to SHIELD_RETRY_MAX, until the thread is abandoned
-        (it retires whenever its call returns; retrying for ever cost a thread each time)."""
+        seconds, then twice that, up to SHIELD_RETRY_MAX, for as long as the call runs
+        (abandoned too: it must not run on unstopped once out of the shield)."""
         with self._lock:
             for ident, running in self._running.items():
                 if running is call:
-                    if ident in self._retire:
-                        return True  # abandoned: nothing waits for it to stop any more
                     if aim_unless_shielded(ident, functools.partial(aim, ident, HandlerInterrupt)):
                         self._aimed.add(ident)
                     else:  # inside a shield or a lock-taking call: once it is out

@@ -729,6 +729,8 @@ class Worker:
             # outcome stored then: the next job of its key waited a whole poll interval).
             # One set during the round makes the next wait return at once.
             self._wake.clear()
+            if self._stopping.is_set():  # a stop's wake-up just cleared: not lost
+                break
             if self._children_fail():  # (claimed, a job would be released at once)
                 continue
             if self._heartbeats_fail():
