@@ -219,24 +219,20 @@ class Lane:
 
     def _call_ended(self, me: int) -> bool:
         """The lane's books once a call on thread ``me`` ended; True when the thread must
-        leave (replaced while stuck: the new thread has the lane).
-
-        The watchdog may aim at this thread until it is out of ``_current``: aimed while it
-        waited for the lock here, the interrupt lands as the lock is taken, and the books
-        were left half done (the thread gone with its id still counted as stuck: after
-        four, no hook of the lane was ever stopped again)."""
-        try:
-            with self._lock:
-                self._current.pop(me, None)
-                self._unaimed.discard(me)
-                if me in self._retired or me in self._leaving:
-                    self._retired.discard(me)
-                    self._leaving.discard(me)
-                    drop_pending()  # an interrupt not yet delivered has nothing to stop
-                    return True
-                return False
-        except HookTimeout:  # aimed at the call that just ended: this thread was replaced
-            return self._call_ended_late(me)
+        leave (replaced while stuck: the new thread has the lane). The watchdog may aim at
+        this thread until it is out of ``_current``: the caller catches an interrupt that
+        lands here (at the entry, or as the lock is taken) and closes the books with
+        :meth:`_call_ended_late` (they were left half done: the thread gone with its id
+        counted as stuck; after four, no hook of the lane was ever stopped again)."""
+        with self._lock:
+            self._current.pop(me, None)
+            self._unaimed.discard(me)
+            if me in self._retired or me in self._leaving:
+                self._retired.discard(me)
+                self._leaving.discard(me)
+                drop_pending()  # an interrupt not yet delivered has nothing to stop
+                return True
+            return False
 
     def _call_ended_late(self, me: int) -> bool:
         """The books of a call whose thread an interrupt reached as it closed the call:
