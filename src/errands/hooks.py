@@ -27,6 +27,7 @@ threads run on a :class:`Lane` instead:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import queue
@@ -137,9 +138,10 @@ class Lane:
                     # The last callable was stopped at its limit and this thread replaced:
                     # it goes on with this call, timed again, and leaves after it.
                     self._retired.discard(me)
+                    if me not in self._unaimed:  # aimed: one still on its way was for it
+                        drop_pending()
                     self._unaimed.discard(me)
                     self._leaving.add(me)
-                    drop_pending()  # an interrupt still on its way was for the last one
                 self._current[me] = (entry[0], time.monotonic())
         if entry is None:
             yield
@@ -153,10 +155,12 @@ class Lane:
         finally:
             with self._lock:
                 # Interrupts are aimed under this lock, at a thread past its limit and
-                # not retired: after this none can come for the body.
+                # not retired: after this none can come for the body. One aimed at it
+                # and not landed is dropped (only then: every hook paid for it before).
                 stopped = me in self._retired
+                if stopped and not landed and me not in self._unaimed:
+                    drop_pending()
                 self._unaimed.discard(me)
-                drop_pending()
                 self._current[me] = (entry[0], time.monotonic())
             if stopped and not landed:  # aimed, not yet landed: land it here
                 raise HookTimeout
@@ -199,7 +203,9 @@ class Lane:
                 self._current[me] = (call, time.monotonic())
             try:
                 try:
-                    result = call.fn(*call.args)
+                    # In a context of its own (see errands.worker.runners): nothing a
+                    # hook set stays for the next, interrupted or not.
+                    result = contextvars.copy_context().run(call.fn, *call.args)
                 except HookTimeout:
                     call.future.set_exception(TimeoutError(f"{call.what} ran too long"))
                 except BaseException as exc:
@@ -226,11 +232,13 @@ class Lane:
         counted as stuck; after four, no hook of the lane was ever stopped again)."""
         with self._lock:
             self._current.pop(me, None)
+            aimed = me in self._retired and me not in self._unaimed
             self._unaimed.discard(me)
             if me in self._retired or me in self._leaving:
                 self._retired.discard(me)
                 self._leaving.discard(me)
-                drop_pending()  # an interrupt not yet delivered has nothing to stop
+                if aimed:  # an interrupt not yet delivered has nothing to stop
+                    drop_pending()
                 return True
             return False
 

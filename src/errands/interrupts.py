@@ -19,11 +19,11 @@ self-fences interrupt many waiting handlers at once, the pool is empty for good 
 handler waits its timeout for a connection).
 
 An interrupt aimed too late (its target already finished what it was to stop) is dropped
-with :func:`drop_pending`, never with ``PyThreadState_SetAsyncExc(ident, NULL)``: on
-CPython 3.11 that leaves the interpreter flagged as having an asynchronous exception
-pending when none is, and from then on every thread with a trace or profile function
-(coverage, a debugger, a profiler) loops for ever at its next function call: the whole
-process hangs.
+with :func:`drop_pending`, which on CPython 3.11 never clears it with
+``PyThreadState_SetAsyncExc(ident, NULL)``: there that leaves the interpreter flagged as
+having an asynchronous exception pending when none is, and from then on every thread with
+a trace or profile function (coverage, a debugger, a profiler) loops for ever at its next
+function call: the whole process hangs (3.12 and later are not affected).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 DRAIN_LIMIT = 1.0  # seconds drop_pending waits for its own interrupt to land (it takes µs)
+# Clearing a pending interrupt with NULL leaves no flag set from CPython 3.12 on.
+_NULL_CLEARS = sys.version_info >= (3, 12)
 
 _depth: dict[int, int] = {}  # thread ident -> how many shields it is inside
 _lock = threading.Lock()
@@ -141,17 +143,25 @@ class _Drained(BaseException):
 def drop_pending() -> None:
     """Drop an interrupt aimed at the calling thread that has not landed yet (if any).
 
-    The pending interrupt is replaced by one of this module's own, which lands in the loop
-    below at once: its landing clears the interpreter's "pending" flag, which clearing
-    with NULL leaves set on CPython 3.11 (see the module doc). The caller holds whatever
+    CPython 3.12 and later clear it with ``PyThreadState_SetAsyncExc(ident, NULL)``. On
+    3.11 that leaves the interpreter's "pending" flag set (see the module doc), so the
+    pending interrupt is replaced by one of this module's own, which lands in the loop
+    below at once, and its landing clears the flag. (Not so on 3.12+: there a garbage
+    collection the interpreter had scheduled runs first at that same check, and the
+    private interrupt landed in whatever finalizer it ran, swallowed, while the loop spun
+    its whole limit: a second per hook under heavy collection.) The caller holds whatever
     lock the interrupts are aimed under, so no other is aimed meanwhile."""
+    me = threading.get_ident()
+    if _NULL_CLEARS:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(me), None)
+        return
     try:
-        aim(threading.get_ident(), _Drained)  # it may land as soon as this call returns
+        aim(me, _Drained)  # it may land as soon as this call returns
         deadline = time.monotonic() + DRAIN_LIMIT
         while time.monotonic() < deadline:  # each turn checks for pending interrupts
             pass
     except _Drained:
         return
-    # never seen: it did not land within the limit; cleared the old way rather than
-    # leave it to land in the caller's code
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
+    # Never seen: it landed elsewhere (a finalizer run by this thread that swallowed it),
+    # which cleared the flag. Clearing with NULL now would set it again, with nothing
+    # pending: the hang of the module doc.

@@ -11,6 +11,7 @@ process with a limit, so a hang fails the test instead of the suite.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -102,3 +103,76 @@ def test_a_traced_worker_runs_its_jobs_and_event_subscribers_to_the_end(tmp_path
         str(tmp_path),
     )
     assert done.stdout.strip() == "190 stopped True", done.stderr[-3000:]
+
+
+GC_HEAVY = """
+import gc
+import importlib.util
+import sys
+import threading
+
+spec = importlib.util.spec_from_file_location("errands_interrupts", sys.argv[1])
+interrupts = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(interrupts)
+
+
+class Cyclic:  # garbage only a collection frees, whose finalizer runs Python code
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        sum(range(10))
+
+
+gc.set_threshold(5)
+failures = []
+
+
+def lane():
+    for _ in range(300):  # a lane drops after hooks that make garbage
+        for _ in range(20):
+            Cyclic()
+        try:
+            interrupts.drop_pending()
+        except BaseException as exc:
+            failures.append(repr(exc))
+
+
+thread = threading.Thread(target=lane)
+thread.start()
+thread.join()
+print("done", failures)
+"""
+
+
+def _interpreters() -> list[str]:
+    """This interpreter and the other CPython versions installed here (under pyenv on
+    this machine kind, as scripts/test_integrations.sh finds 3.12), which take different
+    paths through drop_pending."""
+    found = {sys.executable}
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for version in ("3.12", "3.13"):
+        if f"{sys.version_info.major}.{sys.version_info.minor}" == version:
+            continue
+        installed = sorted(root.glob(f"{version}.*/bin/python3"))
+        if installed:
+            found.add(str(installed[-1]))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("python", _interpreters())
+def test_dropping_an_interrupt_under_heavy_garbage_collection_lands_nowhere(python: str) -> None:
+    """Given a thread making garbage whose finalizers run Python code (collections every
+    few objects), when it drops a pending interrupt 300 times, then nothing lands anywhere
+    and no call waits. On 3.12 and 3.13 the private interrupt that drop_pending aimed to
+    clear the flag landed in a finalizer the interpreter ran first (reported as an
+    exception ignored in ``__del__``), and the call spun its whole second for it."""
+    module = Path(__file__).parents[2] / "src" / "errands" / "interrupts.py"
+    try:
+        done = subprocess.run(
+            [python, "-c", GC_HEAVY, str(module)], capture_output=True, text=True, timeout=LIMIT
+        )
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{python} hung (killed after {LIMIT} s): {hung.stderr!r}")
+    assert done.stdout.strip() == "done []", done.stderr[-2000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-2000:]

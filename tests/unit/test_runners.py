@@ -1,11 +1,15 @@
-"""The handler thread pool: calls run first in, first out, an urgent one ahead of them."""
+"""The handler thread pool: calls run first in, first out, an urgent one ahead of them,
+each in a context of its own (so are hooks on their lanes)."""
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any
 
-from errands.worker.runners import ThreadRunner
+from errands.hooks import Lane
+from errands.observability.logcontext import JobLogContext, current_job
+from errands.worker.runners import HandlerInterrupt, ThreadRunner
 
 
 def test_an_urgent_call_runs_before_the_calls_queued_ahead_of_it() -> None:
@@ -40,3 +44,44 @@ def test_an_urgent_call_wakes_an_idle_thread() -> None:
         assert ran.wait(10)
     finally:
         runner.shutdown()
+
+
+FLAG: contextvars.ContextVar[str] = contextvars.ContextVar("test_runner_flag", default="unset")
+
+
+def test_each_call_runs_in_a_context_of_its_own_even_when_interrupted_mid_set() -> None:
+    """Given one handler thread, when a call sets the job's log context and a context
+    variable of its own and is interrupted before it resets them (an interrupt landing
+    between ``set`` and the ``try`` that resets), then the next call on that thread sees
+    neither: its log lines carried the previous job's id."""
+    runner = ThreadRunner(1)
+    seen: list[object] = []
+    finished = threading.Event()
+
+    def interrupted_mid_set() -> None:
+        FLAG.set("left by the first call")
+        current_job.set(JobLogContext(1, "first", "default", 1))
+        raise HandlerInterrupt()
+
+    def done(exc: BaseException | None, result: Any) -> None:
+        seen.append(exc if exc is not None else result)
+        if len(seen) == 2:
+            finished.set()
+
+    try:
+        runner.submit(interrupted_mid_set, done)
+        runner.submit(lambda: (FLAG.get(), current_job.get()), done)
+        assert finished.wait(10)
+    finally:
+        runner.shutdown()
+
+    assert isinstance(seen[0], HandlerInterrupt)
+    assert seen[1] == ("unset", None)
+
+
+def test_each_hook_runs_in_a_context_of_its_own() -> None:
+    """Given a hook lane of one thread, when a hook sets a context variable and never
+    resets it, then the next hook on that thread does not see it."""
+    lane = Lane("test", 5.0)  # (its thread is a daemon, as every lane's)
+    lane.call(FLAG.set, "left by a hook", timeout=10)
+    assert lane.call(FLAG.get, timeout=10) == "unset"

@@ -13,6 +13,7 @@ crash, charged toward its poison limit, with it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import multiprocessing
 import os
 import threading
@@ -147,8 +148,8 @@ def child_main(
         try:
             try:
                 row = JobRow(*message)
-                outcome = _run_one(
-                    app, row, worker_id or f"child-{os.getpid()}", reporter, app_path
+                outcome = contextvars.copy_context().run(  # a context per job, as a thread's
+                    _run_one, app, row, worker_id or f"child-{os.getpid()}", reporter, app_path
                 )
             except Exception as exc:  # errands' own code around the handler failed: the
                 # job's failure, recorded as such; the child lives on for the next job (it

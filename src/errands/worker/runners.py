@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import logging
 import queue
@@ -108,7 +109,10 @@ class ThreadRunner:
         result: Any = None
         try:
             try:
-                result = call.fn()
+                # Each call in a context of its own, as an async job's task has: what it
+                # set (the job's log context, its span, the user's context variables) is
+                # gone after it, even if an interrupt landed between a set and its reset.
+                result = contextvars.copy_context().run(call.fn)
             except BaseException as failure:  # the handler's failure is its outcome
                 exc = failure
             with self._lock:  # no interrupt can be aimed at this thread once popped
