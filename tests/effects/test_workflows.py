@@ -598,3 +598,51 @@ def test_acancel_cancels_a_workflow_and_aresult_raises_workflow_failed(make_app:
 
     status = asyncio.run(scenario())
     assert (status.state, status.cancelled) == ("cancelled", 2)
+
+
+def test_a_workflow_settled_by_a_cancel_run_again_after_a_lock_cycle_is_reported_once(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's cancel that the store aborted to break a lock cycle runs again from
+    the start. What the aborted try's fan-in settled never happened, but it stayed on the
+    thread's list and was reported beside the committed try's: errands.workflow.settled
+    (and its metric) twice for one workflow."""
+    import contextlib
+
+    app = make_app()
+    settled: list[dict[str, Any]] = []
+    app.events.subscribe(
+        lambda e: settled.append(dict(e.fields)) if e.name == "errands.workflow.settled" else None
+    )
+
+    @app.job(name="member")
+    def member() -> None: ...
+
+    batch = errands.Batch("cancelled")
+    batch.add(member.bind())
+    handle = app.enqueue_workflow(batch)
+    [only] = app.workflow_members(handle.id)
+    backend = app.backend
+    transaction = backend._transaction  # type: ignore[attr-defined]
+    aborted: list[bool] = []
+
+    @contextlib.contextmanager
+    def aborted_once() -> Any:
+        with transaction() as run:
+            yield run
+            if not aborted:  # after the body: its fan-in settled the workflow
+                aborted.append(True)
+                raise RuntimeError("deadlock detected (a lock cycle the store broke)")
+
+    monkeypatch.setattr(backend, "_transaction", aborted_once)
+    monkeypatch.setattr(backend, "_lock_conflict", lambda exc: "deadlock" in str(exc))
+    app.cancel(only.job_id)
+
+    assert aborted == [True]
+    status = handle.status()
+    assert status.settled
+    deadline = time.monotonic() + 5.0  # the events lane delivers them
+    while not settled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # a second report would come right behind the first
+    assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, status.state)]

@@ -1,6 +1,7 @@
 """Handlers that run past their ``timeout=`` (DESIGN §5): retryable, and the slot is freed."""
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -432,3 +433,86 @@ def test_sync_handler_returning_as_soon_as_it_sees_its_timeout_is_still_recorded
     assert job.state is JobState.RETRYABLE, f"recorded as {job.state.value}: {job.result!r}"
     assert [e.type for e in job.errors] == ["JobTimeout"]
     assert job.result is None
+
+
+def test_async_handler_that_swallows_its_cancel_is_abandoned_with_job_timeout_and_its_slot_freed(
+    app: errands.App, worker_factory
+) -> None:
+    """Given an async handler that catches CancelledError and goes on, when its timeout
+    passes, then ``abandon_after`` later the timeout is recorded (charged, retryable) and
+    its slot serves other jobs. It ran on for good: its lease renewed, never rescued, and
+    at the worker's stop released uncharged, to run again at every start."""
+    let_go = threading.Event()
+    cancels: list[str] = []
+
+    @app.job(name="timeout.async_stubborn", timeout=0.3, retries=1, backoff=60)
+    async def stubborn() -> None:
+        while not let_go.is_set():
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                cancels.append("swallowed")
+
+    @app.job(name="timeout.async_served")
+    async def served() -> str:
+        return "served"
+
+    handle = stubborn.enqueue()
+    try:
+        with worker_factory(concurrency=1, abandon_after=0.5):
+            job = wait_until(
+                lambda: (j := handle.job()).state is JobState.RETRYABLE and j,
+                what="the stubborn async job to be abandoned at its timeout",
+            )
+            assert served.enqueue().result(timeout=10) == "served"
+    finally:
+        let_go.set()
+
+    assert cancels  # it was asked to stop, and went on
+    assert job.attempt == 1
+    [error] = job.errors
+    assert error.type == "JobTimeout"
+    assert error.message.startswith("timed out after 0.3 s; the handler went on")
+    assert handle.status() is JobState.RETRYABLE  # its late return was not recorded
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_job_past_its_timeout_when_the_worker_stops_is_recorded_as_its_timeout_not_released(
+    app: errands.App, worker_factory, kind: str
+) -> None:
+    """Given a handler past its timeout that has not stopped yet (between the cancel and
+    its abandonment), when the worker stops, then its timeout is recorded (charged): it
+    was released uncharged, and a job that never stops at its timeout ran again at every
+    start, never reaching the dead-letter queue."""
+    let_go = threading.Event()
+    contexts: list[errands.Context] = []
+
+    if kind == "sync":
+
+        @app.job(name="timeout.stop_sync", timeout=0.2, retries=1, backoff=60)
+        def stuck(ctx: errands.Context) -> None:
+            contexts.append(ctx)
+            let_go.wait(30)  # blocked in C: the interrupt does not reach it
+
+    else:
+
+        @app.job(name="timeout.stop_async", timeout=0.2, retries=1, backoff=60)
+        async def stuck(ctx: errands.Context) -> None:
+            contexts.append(ctx)
+            while not let_go.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.05)
+
+    handle = stuck.enqueue()
+    try:
+        with worker_factory(concurrency=1, abandon_after=60, grace=0.5):
+            wait_until(
+                lambda: contexts and contexts[0].cancelled, what="the handler's timeout to pass"
+            )
+    finally:
+        let_go.set()
+
+    job = handle.job()
+    assert job.state is JobState.RETRYABLE, job.errors
+    assert job.attempt == 1
+    assert [e.type for e in job.errors] == ["JobTimeout"]

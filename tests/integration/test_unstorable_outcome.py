@@ -80,3 +80,36 @@ def test_an_outcome_not_stored_at_all_is_not_reported_as_a_stale_write(
         assert worker.completer.stale_rejected == 0
     assert stale == []
     assert handle.status() is JobState.RUNNING  # left to its lease: rescued later
+
+
+def test_a_workflow_settled_by_an_unstorable_outcome_is_reported_as_settled(
+    app: errands.App, worker_factory: Any
+) -> None:
+    """The last member of a batch whose outcome the store refuses is recorded dead, and
+    that write settles the batch: its errands.workflow.settled event was never emitted
+    (and the worker was not woken for the callback it released)."""
+    settled: list[dict[str, Any]] = []
+    app.events.subscribe(
+        lambda e: settled.append(dict(e.fields)) if e.name == "errands.workflow.settled" else None
+    )
+
+    @app.job(name="unstorable.member")
+    def member() -> int:
+        return 1
+
+    batch = errands.Batch("refused")
+    batch.add(member.bind())
+    handle = app.enqueue_workflow(batch)
+    backend = app.backend
+    original = backend.job_finish_many
+
+    def refusing(outcomes: Any) -> list[bool]:
+        if any(o.state == "completed" for o in outcomes):
+            raise ValueError("value too long for type character varying(8)")
+        return original(outcomes)
+
+    backend.job_finish_many = refusing  # type: ignore[method-assign]
+    with worker_factory(concurrency=2):
+        wait_until(lambda: handle.status().settled, what="the batch to settle", timeout=30)
+        wait_until(lambda: settled, what="its settled event", timeout=10)
+    assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, "failed")]

@@ -150,3 +150,60 @@ def test_an_async_handler_stopped_by_its_timeout_never_blocks_the_event_loop(
             )
     finally:
         app.close()
+
+
+def test_an_async_handlers_transaction_is_committed_off_the_event_loop(pg_url: str) -> None:
+    """An async handler's ctx.transaction() is committed with its completion, which may
+    wait on a lock (a row another session holds, a workflow's fan-in). That commit ran on
+    the worker's event loop: every async job of the worker stood still until the lock
+    was let go. Here another session holds the job's row while the commit waits for it,
+    and an unrelated async job still runs to its end."""
+    import asyncio
+    import threading
+
+    app = errands.App(pg_url)
+    conninfo: Any = app.backend.config.conninfo  # type: ignore[attr-defined]
+    started, go = threading.Event(), threading.Event()
+
+    @app.job(name="loop.tx_commit", retries=0)
+    async def with_tx(ctx: errands.Context) -> str:
+        tx = ctx.transaction()
+        await asyncio.to_thread(tx.execute, "SELECT 1")
+        started.set()
+        while not go.is_set():
+            await asyncio.sleep(0.01)
+        return "committed"
+
+    @app.job(name="loop.unrelated")
+    async def unrelated() -> str:
+        return "ran"
+
+    try:
+        first = with_tx.enqueue()
+        with running_worker(app, concurrency=4), psycopg.connect(conninfo) as holder:
+            assert started.wait(15)
+            schema = app.backend.config.schema  # type: ignore[attr-defined]
+            holder.execute(
+                f'SELECT 1 FROM "{schema}".errands_jobs WHERE id = %s FOR UPDATE', (first.id,)
+            )
+            go.set()  # its completion now waits for the row, in the commit of its transaction
+            wait_until(
+                lambda: _waiting_on_a_lock(conninfo, schema),
+                what="the commit to wait on the row lock",
+            )
+            assert unrelated.enqueue().result(timeout=15) == "ran"
+            holder.rollback()  # the row let go: the commit goes through
+            assert first.result(timeout=15) == "committed"
+    finally:
+        app.close()
+
+
+def _waiting_on_a_lock(conninfo: Any, schema: str) -> bool:
+    """Whether a statement on ``schema``'s tables waits for a lock."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database() AND position(%s in query) > 0",
+            (f'"{schema}".',),
+        ).fetchone()
+    return bool(row and row[0])

@@ -165,6 +165,9 @@ class SharedAdmin:
             except Exception as exc:
                 if attempt == LOCK_CONFLICT_TRIES or not self._lock_conflict(exc):
                     raise
+                # What the rolled-back try's fan-ins settled never happened: reported with
+                # the try that commits, it was announced twice (events and metrics).
+                self.workflows.forget()
                 log.info("%s: the store broke a lock cycle (%s); running it again", action, exc)
                 time.sleep(random.uniform(0.0, 0.01 * attempt))  # jitter
         raise AssertionError("unreachable")  # pragma: no cover

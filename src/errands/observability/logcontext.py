@@ -9,6 +9,7 @@ so a formatter or a JSON handler can show which job wrote the line.
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import json
 import logging
@@ -115,7 +116,10 @@ class job_context:
         self._token = current_job.set(self._ctx)
 
     def __exit__(self, *exc: object) -> None:
-        current_job.reset(self._token)
+        # ValueError: an abandoned async handler's coroutine, closed by the garbage
+        # collector outside its task's context (that context is gone anyway)
+        with contextlib.suppress(ValueError):
+            current_job.reset(self._token)
 
 
 class TextFormatter(logging.Formatter):

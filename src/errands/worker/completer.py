@@ -251,7 +251,11 @@ class Completer:
         )
         ok: bool | None
         try:
-            [ok] = self.app.backend.job_finish_many([fallback])
+            backend = self.app.backend
+            [ok] = backend.job_finish_many([fallback])
+            # A member's death may settle its workflow: announced as a batch's fan-in is
+            # (its settled event and this worker's wake-up were dropped at the next write)
+            self.fanned_in(store=backend)
         except Exception:
             log.exception("job %s: even the fallback outcome failed; its lease expires", attempt.id)
             ok = None  # not stored: not a fence's refusal (it was counted as a stale write)

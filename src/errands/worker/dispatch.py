@@ -279,6 +279,9 @@ class Dispatcher:
         # The job's timeout runs from its start: decoding the payload and job.started's
         # subscribers (in a thread: off the loop), the handler, encoding its result.
         limit = asyncio.timeout(timeout) if timeout else None
+        if timeout:  # the lease keeper's too: ctx.cancelled, and a task that goes on abandoned
+            attempt.deadline = attempt.started + timeout
+            self.worker.leases.poke()
         try:
             async with limit or contextlib.nullcontext():
                 return await self._call_async(attempt, definition)
@@ -329,9 +332,20 @@ class Dispatcher:
         # Stopped by its timeout or the worker: a thread it started (asyncio.to_thread) may
         # still be in a statement of its ctx.transaction(); the loop never waits for it.
         stopped = isinstance(exc, JobTimeout | Interrupted)
-        recorder.handler_returned(
-            attempt, exc, None if exc is not None else future.result(), handler_running=stopped
-        )
+        result = None if exc is not None else future.result()
+        runtime = attempt.runtime
+        if runtime is not None and runtime.tx is not None and not stopped:
+            # This runs on the event loop, and the outcome is committed in the handler's
+            # own transaction, which may wait on a lock (a row, a workflow's fan-in, SQLite's
+            # file): every async job of the worker stood still meanwhile. On a thread.
+            threading.Thread(
+                target=recorder.handler_returned,
+                args=(attempt, exc, result),
+                name=f"errands-commit-{attempt.id}",
+                daemon=True,
+            ).start()
+            return
+        recorder.handler_returned(attempt, exc, result, handler_running=stopped)
 
     def _run_in_child(self, attempt: Attempt, children: ProcessRunner) -> Any:
         """A process-pool attempt (or an isolated suspect): prepared here, run in a child

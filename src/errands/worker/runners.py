@@ -195,6 +195,9 @@ class LoopRunner:
 
     def __init__(self, name: str = "errands-loop") -> None:
         self.loop = asyncio.new_event_loop()
+        # Tasks that outlived their cancel at shutdown, held so the garbage collector does
+        # not destroy them mid-await (a "Task was destroyed but it is pending!" each).
+        self.stubborn: list[asyncio.Task[Any]] = []
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -220,20 +223,31 @@ class LoopRunner:
         """
         if self.loop.is_running():
             with contextlib.suppress(Exception):  # loop stopped meanwhile, or timeout
-                asyncio.run_coroutine_threadsafe(_cancel_all(timeout), self.loop).result(
-                    timeout + 1
-                )
+                self.stubborn = asyncio.run_coroutine_threadsafe(
+                    _cancel_all(timeout), self.loop
+                ).result(timeout + 1)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
         if not self._thread.is_alive() and not self.loop.is_closed():
             self.loop.close()  # its self-pipe sockets; an unclosed loop warns when collected
 
 
-async def _cancel_all(timeout: float) -> None:
+async def _cancel_all(timeout: float) -> list[asyncio.Task[Any]]:
+    """Cancel every other task and wait for them; the ones still running after
+    ``timeout`` (handlers that caught the cancel and went on)."""
     current = asyncio.current_task()
     tasks = [t for t in asyncio.all_tasks() if t is not current]
     for task in tasks:
         if not task.cancelling():  # one already cancelled may be running its cleanup
             task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout)
+    if not tasks:
+        return []
+    _done, pending = await asyncio.wait(tasks, timeout=timeout)
+    if pending:
+        log.warning(
+            "%d async handler task(s) still ran %g s after being cancelled at the worker's "
+            "stop; left unfinished",
+            len(pending),
+            timeout,
+        )
+    return list(pending)

@@ -9,9 +9,13 @@ For a sync handler on a thread (threads cannot be killed):
 
 Until then the attempt keeps its slot and its heartbeated lease, so its retry can never
 run beside it; whatever the handler does after its deadline is recorded as a timeout,
-never as a completion. An async handler is cancelled by ``asyncio.wait_for``; a child
-process is killed. The same steps stop sync handlers still running when a graceful stop's
-grace period is over (:func:`interrupt_threads`).
+never as a completion. An async handler's task is cancelled at its timeout (its
+``asyncio.timeout``, and ``ctx.cancelled`` turns true); one that catches the cancel and
+goes on is abandoned ``abandon_after`` later, as a thread is (its timeout recorded, its
+slot freed, its task cancelled once more). A child process is killed. The same steps
+stop sync handlers still running when a graceful stop's grace period is over
+(:func:`interrupt_threads`); one already past its timeout then has its timeout recorded,
+never a release.
 
 Self-fencing (:func:`on_fence`) stops a handler whose lease cannot be renewed with the same
 steps, timed to end before the lease does: ``ctx.cancelled`` at the fence (the lease
@@ -40,25 +44,29 @@ INTERRUPT_AFTER = 1.0
 def on_deadline(worker: Worker, attempt: Attempt) -> None:
     """The lease keeper calls this when ``attempt.deadline`` has passed."""
     timeout = attempt.row.timeout or 0
-    if attempt.definition is None or attempt.definition.is_async or attempt.kill:
+    if attempt.definition is None or attempt.kill:
         attempt.deadline = None
-        # Timed out, whatever ends it next: a child's answer racing its kill, or an
-        # async handler returning after the cancel, was recorded as Interrupted
-        # ("lease_lost"), inflating the lease losses that excuse duplicate runs.
+        # Timed out, whatever ends it next: a child's answer racing its kill was recorded
+        # as Interrupted ("lease_lost"), inflating the lease losses that excuse duplicate
+        # runs.
         attempt.timed_out, attempt.timeout_at = True, time.monotonic()
-        attempt.interrupt("timeout", worker.loop)  # wait_for, or the child is killed
+        attempt.interrupt("timeout", worker.loop)  # the child is killed
         return
     now = time.monotonic()
+    is_async = attempt.definition.is_async
     if not attempt.timed_out:
         attempt.timed_out = True
         attempt.timeout_at = now
-        attempt.interrupt("timeout", worker.loop)
+        attempt.interrupt("timeout", worker.loop)  # ctx.cancelled; an async task cancelled
+        if is_async:  # (its asyncio.timeout cancels it too): abandoned if it goes on
+            attempt.deadline = now + worker.abandon_after
+            return
         attempt.deadline = now + min(INTERRUPT_AFTER, worker.abandon_after)
         log.warning(
             "job %s ran past its %g s timeout; asking its handler to stop", attempt.id, timeout
         )
         return
-    if not attempt.interrupted and now < attempt.timeout_at + worker.abandon_after:
+    if not is_async and not attempt.interrupted and now < attempt.timeout_at + worker.abandon_after:
         attempt.interrupted = True
         if isinstance(attempt.future, Call):
             worker.threads_for(attempt).interrupt(attempt.future)
@@ -66,18 +74,38 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         log.warning("job %s is still running past its timeout; interrupting it", attempt.id)
         return
     attempt.deadline = None
-    error = JobTimeout(
-        f"timed out after {timeout:g} s; the handler ignored the interrupt for "
-        f"{worker.abandon_after:g} s and was abandoned (it may still be running)"
-    )
-    decided = worker.recorder.decided(attempt, error, None, handler_running=True)
-    if decided and isinstance(attempt.future, Call):
-        worker.threads_for(attempt).abandon(attempt.future)
+    if is_async:
+        why = (
+            f"the handler went on {worker.abandon_after:g} s after its task was cancelled "
+            "(it caught CancelledError) and was abandoned"
+        )
+    else:
+        why = f"the handler ignored the interrupt for {worker.abandon_after:g} s and was abandoned"
+    if abandon(worker, attempt, why):
         log.error(
-            "job %s: handler did not stop %g s after its timeout; thread abandoned",
+            "job %s: handler did not stop %g s after its timeout; %s abandoned",
             attempt.id,
             worker.abandon_after,
+            "task" if is_async else "thread",
         )
+
+
+def abandon(worker: Worker, attempt: Attempt, why: str) -> bool:
+    """Record the timeout of ``attempt``, whose handler still runs (``why``: how it came
+    to be left running), and let the handler go: a thread is abandoned (a fresh one takes
+    its place), a task cancelled once more (it may stop at its next ``await``). Its slot
+    is free from now on; whatever the handler does later is ignored. False when another
+    outcome was decided first."""
+    error = JobTimeout(
+        f"timed out after {attempt.row.timeout or 0:g} s; {why} (it may still be running)"
+    )
+    if not worker.recorder.decided(attempt, error, None, handler_running=True):
+        return False
+    if isinstance(attempt.future, Call):
+        worker.threads_for(attempt).abandon(attempt.future)
+    else:
+        attempt.interrupt("timeout", worker.loop)
+    return True
 
 
 def on_fence(worker: Worker, attempt: Attempt) -> None:

@@ -80,7 +80,7 @@ from .process_pool import ProcessRunner
 from .recorder import OutcomeRecorder, job_fields
 from .runners import LoopRunner, ThreadRunner
 from .signals import SignalRelay
-from .timeouts import INTERRUPT_AFTER, interrupt_threads, on_deadline, on_fence
+from .timeouts import INTERRUPT_AFTER, abandon, interrupt_threads, on_deadline, on_fence
 
 if TYPE_CHECKING:
     from ..app import App
@@ -1004,7 +1004,12 @@ class Worker:
             time.sleep(0.02)
         with self._lock:
             running = [a for a in self._attempts.values() if not a.decided]
-        leftover = [a for a in running if a.give_back()]  # not those deciding right now
+        for attempt in running:
+            if attempt.timed_out:  # past its timeout, still running: that is its outcome
+                abandon(self, attempt, "the handler still ran when the worker stopped")
+        # Given back uncharged, it ran again at every start and never reached the
+        # dead-letter queue. The others: not those deciding right now.
+        leftover = [a for a in running if not a.decided and a.give_back()]
         if leftover:
             for attempt in leftover:
                 attempt.interrupt(SHUTDOWN, self.loop)
