@@ -718,9 +718,11 @@ WHERE bucket = %(bucket)s AND at > clock_timestamp() - make_interval(secs => %(p
 
 -- name: rate_log_insert
 -- Each start is kept with its bucket's period: pruning keeps a bucket's rows for exactly
--- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day).
-INSERT INTO {schema}.errands_rate_log (bucket, period, at)
-SELECT %(bucket)s, %(period)s, clock_timestamp() FROM generate_series(1, %(n)s)
+-- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day);
+-- and with its claim's lease token, so an undone claim takes its starts back with it
+-- (job_claim_undo).
+INSERT INTO {schema}.errands_rate_log (bucket, period, at, token)
+SELECT %(bucket)s, %(period)s, clock_timestamp(), %(token)s FROM generate_series(1, %(n)s)
 
 -- name: rate_log_prune
 DELETE FROM {schema}.errands_rate_log
