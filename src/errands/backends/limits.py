@@ -283,14 +283,17 @@ def claim_limited(
     # starts a prefetched batch first in, first out.
     order = {c.id: i for i, c in enumerate(chosen)}
     claimed.sort(key=lambda row: order[int(row[0])])  # type: ignore[call-overload]
+    # Each start logged with the claim's token: a claim whose reply is lost is undone with
+    # its starts (PostgreSQL's job_claim_undo).
+    token = claim_params["token"]
     if rate_limit is not None and rate_period:
-        _log_starts(store, f"queue:{queue}", len(claimed), float(rate_period))  # type: ignore[arg-type]
+        _log_starts(store, f"queue:{queue}", len(claimed), float(rate_period), token)  # type: ignore[arg-type]
     started: dict[str, int] = {}
     for row in claimed:
         if str(row[1]) in rates:
             started[str(row[1])] = started.get(str(row[1]), 0) + 1
     for name, n in started.items():
-        _log_starts(store, f"job:{name}", n, rates[name][1])
+        _log_starts(store, f"job:{name}", n, rates[name][1], token)
     result.extend(claimed)
     if pick.idle_keys:  # as chosen: the keys' running counts were read under the lock
         ids = {int(row[0]) for row in claimed}  # type: ignore[call-overload]
@@ -709,6 +712,9 @@ def _rate_used(store: LimitedClaimStore, bucket: str, period: float) -> tuple[in
     return int(used), None if frees_in is None else float(frees_in)  # type: ignore[call-overload,arg-type]
 
 
-def _log_starts(store: LimitedClaimStore, bucket: str, n: int, period: float) -> None:
+def _log_starts(
+    store: LimitedClaimStore, bucket: str, n: int, period: float, token: object
+) -> None:
     if n > 0:
-        store.rows("rate_log_insert", {"bucket": bucket, "n": n, "period": period})
+        params = {"bucket": bucket, "n": n, "period": period, "token": token}
+        store.rows("rate_log_insert", params)

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -93,6 +92,7 @@ from .connections import (
     make_pool,
     reset_session,
 )
+from .lost_claims import LostClaims
 
 try:
     import psycopg
@@ -250,6 +250,8 @@ class PostgresBackend(PostgresAdmin):
         self._set_idle(30.0)  # configure_worker sets it from the app's lease
         # A limited claim's statements, prepared on the server per connection (batches.py)
         self._prepared = Prepared(self.q, BATCHED) if self.config.prepare else None
+        # Claims whose reply was lost: their jobs are given back (lost_claims.py)
+        self._lost_claims = LostClaims(lambda wait: self._conn(wait), self._undo_claims)
         self.channel = channel_name(self.schema)
         self._last_notify: dict[str, float] = {}
         self._notify_lock = threading.Lock()
@@ -864,7 +866,8 @@ class PostgresBackend(PostgresAdmin):
     def job_claim(self, params: ClaimParams) -> list[JobRow]:
         if params.limit <= 0 or not params.queues:
             return []
-        with self._conn() as conn:
+
+        def claim(conn: psycopg.Connection[Any], token: str) -> list[JobRow]:
             rows = conn.execute(
                 self.q["job_claim_suspect" if params.suspects else "job_claim"],
                 {
@@ -872,12 +875,22 @@ class PostgresBackend(PostgresAdmin):
                     "limits": [q.limit for q in params.queues],
                     "limit": params.limit,
                     "worker_id": params.worker_id,
-                    "token": secrets.token_hex(8),
+                    "token": token,
                     "lease_default": params.lease_seconds_default,
                     "names": None if params.names is None else list(params.names),
                 },
             ).fetchall()
-        return [JobRow(*r) for r in rows]
+            return [JobRow(*r) for r in rows]
+
+        return self._lost_claims.run(claim)
+
+    def _undo_claims(self, conn: psycopg.Connection[Any], tokens: list[str]) -> list[int]:
+        """Undo the claims of ``tokens``, whose replies were lost (see lost_claims.py):
+        the ids of the jobs given back."""
+        with self._own_tx(conn):
+            rows = conn.execute(self.q["job_claim_undo"], {"tokens": tokens}).fetchall()
+            self._fan_in(conn, rows)  # a member cancelled meanwhile ends now
+        return [r[0] for r in rows]
 
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:
         if not outcomes:
@@ -1047,7 +1060,7 @@ class PostgresBackend(PostgresAdmin):
         express: bool = False,
         turns: int | None = None,
     ) -> list[JobRow]:
-        with self._conn() as conn:
+        def claim(conn: psycopg.Connection[Any], token: str) -> list[JobRow]:
             while True:
                 store = _LimitedStore(conn, self.q, f"errands:{self.schema}:", self._prepared)
                 cursor = self._fair_cursors.get(queue.name)  # where a retry starts again
@@ -1059,7 +1072,7 @@ class PostgresBackend(PostgresAdmin):
                             queue.limit,
                             {
                                 "worker_id": worker_id,
-                                "token": secrets.token_hex(8),
+                                "token": token,  # a retry's too: the first rolled back
                                 "lease_default": lease_default,
                             },
                             suspects=suspects,
@@ -1070,7 +1083,11 @@ class PostgresBackend(PostgresAdmin):
                             turns=turns,
                         )
                     return rows.carrying(JobRow(*r) for r in rows)
-                except pg_errors.InvalidSqlStatementName:
+                except Exception as exc:
+                    # It served no key: rolled back, or given back (lost_claims.py)
+                    self._fair_rewind(queue.name, cursor)
+                    if not isinstance(exc, pg_errors.InvalidSqlStatementName):
+                        raise
                     # The connection lost its prepared statements (psycopg sends
                     # DEALLOCATE ALL with a ROLLBACK once it has prepared its own): the
                     # claim, rolled back, runs again and prepares them anew. Gone though
@@ -1080,10 +1097,16 @@ class PostgresBackend(PostgresAdmin):
                         raise
                     if store.prepared_now:
                         self._unbatch()
-                    if cursor is None:  # the rotation as it stood: the keys not skipped
-                        self._fair_cursors.pop(queue.name, None)
-                    else:
-                        self._fair_cursors[queue.name] = cursor
+
+        return self._lost_claims.run(claim)
+
+    def _fair_rewind(self, queue: str, cursor: str | None) -> None:
+        """A fair queue's rotation back where it stood before a claim that took nothing:
+        the keys it passed were not served."""
+        if cursor is None:
+            self._fair_cursors.pop(queue, None)
+        else:
+            self._fair_cursors[queue] = cursor
 
     def _unbatch(self) -> None:
         """Limited claims send their statements one by one from now on (see _LimitedStore)."""

@@ -217,6 +217,30 @@ RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
 ), {fair_fold}, {notify_ended}
 SELECT id, workflow_id, state FROM ended CROSS JOIN notified
 
+-- name: job_claim_undo
+-- A claim whose reply was lost (its connection broke once its write or its COMMIT was
+-- sent: it may have committed, and the worker never learnt which jobs it took), undone
+-- by its lease token: each job it took and still holds is due again as it was, in its
+-- place in the queue (run_at as it was), the attempt not charged, nothing recorded on
+-- the job (no handler ran: neither a release nor a rescue) and no worker time folded into
+-- its fair key's usage. The starts the claim logged against rates go with it (its rows
+-- of errands_rate_log); a concurrency key's and a queue's running counts are read from
+-- the running rows, so they free up with them. A cancel requested meanwhile ends the job
+-- cancelled, as a release does. attempted_at keeps the undone claim's time. A rare
+-- statement: it reads the running rows and the rate log whole (a window's rows a bucket).
+WITH starts AS (
+    DELETE FROM {schema}.errands_rate_log WHERE token = ANY(%(tokens)s::text[])
+), ended AS (
+UPDATE {schema}.errands_jobs AS j
+SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
+    attempt = j.attempt - 1,
+    finished_at = CASE WHEN j.cancel_requested THEN now() ELSE j.finished_at END,
+    lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+WHERE j.lease_token = ANY(%(tokens)s::text[]) AND j.state = 'running'
+RETURNING j.id, j.workflow_id, j.state
+), {notify_ended}
+SELECT id, workflow_id, state FROM ended CROSS JOIN notified
+
 -- name: leader_attempt_elect
 INSERT INTO {schema}.errands_leaders AS l (name, owner, elected_at, expires_at)
 VALUES (%(name)s, %(owner)s, now(), now() + make_interval(secs => %(ttl)s))
@@ -718,9 +742,11 @@ WHERE bucket = %(bucket)s AND at > clock_timestamp() - make_interval(secs => %(p
 
 -- name: rate_log_insert
 -- Each start is kept with its bucket's period: pruning keeps a bucket's rows for exactly
--- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day).
-INSERT INTO {schema}.errands_rate_log (bucket, period, at)
-SELECT %(bucket)s, %(period)s, clock_timestamp() FROM generate_series(1, %(n)s)
+-- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day);
+-- and with its claim's lease token, so an undone claim takes its starts back with it
+-- (job_claim_undo).
+INSERT INTO {schema}.errands_rate_log (bucket, period, at, token)
+SELECT %(bucket)s, %(period)s, clock_timestamp(), %(token)s FROM generate_series(1, %(n)s)
 
 -- name: rate_log_prune
 DELETE FROM {schema}.errands_rate_log

@@ -591,6 +591,10 @@ class SQLiteBackend(SQLiteAdmin):
     def job_claim(self, params: ClaimParams) -> list[JobRow]:
         if params.limit <= 0:
             return []
+        # No claim here can lose its reply, as one on PostgreSQL can (whose jobs are then
+        # given back: postgres/lost_claims.py): it runs in this process, and its COMMIT
+        # either returns or raises with the transaction rolled back; a process that dies
+        # after the COMMIT takes the claim loop with it, and the lease covers its jobs.
         token = secrets.token_hex(8)
         names = None if params.names is None else json.dumps(list(params.names))
         rows: list[JobRow] = []
