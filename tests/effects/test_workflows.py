@@ -14,7 +14,7 @@ import pytest
 
 import errands
 from errands.testing import Tester
-from tests.conftest import LoopTicks, running_worker
+from tests.conftest import LoopTicks, cancel_while_inserting, running_worker
 
 Make = Callable[..., Any]
 
@@ -598,3 +598,30 @@ def test_acancel_cancels_a_workflow_and_aresult_raises_workflow_failed(make_app:
 
     status = asyncio.run(scenario())
     assert (status.state, status.cancelled) == ("cancelled", 2)
+
+
+def test_an_aenqueue_workflow_cancelled_while_its_insert_runs_still_announces_the_workflow(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without conn=, cancelling the awaiting task does not undo an insert already sent:
+    the workflow is stored, and announced (errands.workflow.enqueued, and its members'
+    errands.job.enqueued) as aenqueue_many announces its jobs; it was stored unannounced."""
+    app = make_app()
+
+    @app.job(name="step")
+    def step(n: int) -> int:
+        return n
+
+    seen: list[str] = []
+    app.events.subscribe(lambda event: seen.append(event.name))
+    cancel_while_inserting(
+        monkeypatch,
+        app.backend,
+        "workflow_insert",
+        lambda: app.aenqueue_workflow(errands.chain(step.bind(1))),
+    )
+    deadline = time.monotonic() + 10
+    while "errands.workflow.enqueued" not in seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(app.workflows()) == 1
+    assert seen == ["errands.job.enqueued", "errands.workflow.enqueued"]
