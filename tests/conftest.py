@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -47,6 +47,34 @@ def running_worker(app: errands.App, **options: Any) -> Iterator[Worker]:
         worker.stop()
         thread.join(timeout=30)
         assert not thread.is_alive(), "worker did not stop within 30 s"
+
+
+def cancel_while_inserting(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: Any,
+    insert: str,
+    enqueue: Callable[[], Awaitable[Any]],
+) -> None:
+    """Run ``enqueue()`` as a task and cancel it while the store's ``insert`` method (made
+    to take 0.5 s) runs in its thread: the insert is sent, the awaiting task cancelled."""
+    original = getattr(backend, insert)
+    started = threading.Event()
+
+    def slow_insert(what: Any, conn: Any = None) -> Any:
+        started.set()
+        time.sleep(0.5)
+        return original(what, conn=conn)
+
+    monkeypatch.setattr(backend, insert, slow_insert)
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(enqueue())
+        await asyncio.to_thread(started.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
 
 
 class LoopTicks:

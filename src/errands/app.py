@@ -88,6 +88,9 @@ EDIT_READ_CHUNK = 1000  # jobs an edit of new arguments or queue reads at once
 DeadHook = Callable[[Job], None]
 TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
 SIGNAL_NAME_MAX = 200  # bytes of a signal's name
+# the events an async enqueue emits: their subscribers, user code, run off the event loop
+_JOB_ENQUEUED = ("errands.job.enqueued",)
+_WORKFLOW_ENQUEUED = ("errands.job.enqueued", "errands.workflow.enqueued")
 
 
 def _cursor(after: Job | str) -> tuple[int, float, int]:
@@ -734,7 +737,7 @@ class App:
         .. versionadded:: 0.2
         """
         given = self._given(jobs)
-        requests = await self._off_loop(self._requests, given)
+        requests = await self._off_loop(bool(self.events.inserters), self._requests, given)
         if not requests:
             return []
         backend = await self.abackend()
@@ -746,15 +749,21 @@ class App:
             return await asyncio.to_thread(
                 lambda: self._enqueued(given, backend.job_insert_many(requests))
             )
-        return self._enqueued(given, await backend.ajob_insert_many(requests, conn=conn))
+        results = await backend.ajob_insert_many(requests, conn=conn)
+        return await self._off_loop(self._announces(_JOB_ENQUEUED), self._enqueued, given, results)
 
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)``, on a thread of its own when before_insert hooks are installed:
-        they are user code (a slow one held the event loop, and every task on it, for as
-        long as it ran); at once when none is."""
-        if not self.events.inserters:
+    async def _off_loop(self, user_code: bool, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, on a thread of its own when it would run ``user_code``: a
+        before_insert hook, an event subscriber (a slow one held the event loop, and every
+        task on it, for as long as it ran); at once when it would not."""
+        if not user_code:
             return fn(*args)
         return await asyncio.to_thread(fn, *args)
+
+    def _announces(self, names: tuple[str, ...]) -> bool:
+        """Whether emitting any of ``names`` from this thread would run a subscriber that
+        is user code (not one of errands' own quick, inline ones)."""
+        return any(self.events.wants_later(name) for name in names)
 
     @staticmethod
     def _given(jobs: Iterable[BoundJob]) -> list[BoundJob]:
@@ -819,11 +828,20 @@ class App:
 
     async def aenqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
         """:meth:`enqueue_workflow` for async code: ``conn`` is the caller's async
-        connection (as :meth:`aenqueue_many` takes), and the event loop never blocks."""
+        connection (as :meth:`aenqueue_many` takes), and the event loop never blocks (the
+        event subscribers run on a worker thread). Without ``conn``, a workflow whose
+        insert was sent is announced even when the awaiting task is cancelled."""
         self._check_workflow(workflow)
-        spec = await self._off_loop(self._workflow_spec, workflow)
-        inserted = await (await self.abackend()).aworkflow_insert(spec, conn=conn)
-        return self._workflow_enqueued(workflow, inserted)
+        spec = await self._off_loop(bool(self.events.inserters), self._workflow_spec, workflow)
+        backend = await self.abackend()
+        if conn is None:  # the insert and its announcement on one thread (aenqueue_many)
+            return await asyncio.to_thread(
+                lambda: self._workflow_enqueued(workflow, backend.workflow_insert(spec))
+            )
+        inserted = await backend.aworkflow_insert(spec, conn=conn)
+        return await self._off_loop(
+            self._announces(_WORKFLOW_ENQUEUED), self._workflow_enqueued, workflow, inserted
+        )
 
     @staticmethod
     def _check_workflow(workflow: Any) -> None:

@@ -9,6 +9,7 @@ A handler asks for it by annotating a parameter with it::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -116,13 +117,34 @@ class Context:
 
     def workflow(self) -> WorkflowStatus:
         """The status of this job's workflow: counts by outcome, and for a callback such
-        as ``on_settled``, the final ones. ``ctx.workflow_members()`` lists the members."""
+        as ``on_settled``, the final ones. ``ctx.workflow_members()`` lists the members.
+        In an ``async def`` handler, ``await ctx.aworkflow()``."""
+        self._not_on_the_loop("ctx.workflow()", "await ctx.aworkflow()")
         return self._rt().app.workflow_status(self._workflow_required("ctx.workflow()"))
+
+    async def aworkflow(self) -> WorkflowStatus:
+        """:meth:`workflow` for async handlers: read in a worker thread, so the event loop
+        (every async job of the worker) runs on meanwhile.
+
+        .. versionadded:: 0.2
+        """
+        workflow_id = self._workflow_required("ctx.aworkflow()")
+        return await asyncio.to_thread(self._rt().app.workflow_status, workflow_id)
 
     def workflow_members(self) -> list[Member]:
         """Every member of this job's workflow with its node, state and outcome (the
-        failed ones of a batch are those whose ``outcome`` is ``dead`` or ``cancelled``)."""
+        failed ones of a batch are those whose ``outcome`` is ``dead`` or ``cancelled``).
+        In an ``async def`` handler, ``await ctx.aworkflow_members()``."""
+        self._not_on_the_loop("ctx.workflow_members()", "await ctx.aworkflow_members()")
         return self._rt().app.workflow_members(self._workflow_required("ctx.workflow_members()"))
+
+    async def aworkflow_members(self) -> list[Member]:
+        """:meth:`workflow_members` for async handlers (read in a worker thread).
+
+        .. versionadded:: 0.2
+        """
+        workflow_id = self._workflow_required("ctx.aworkflow_members()")
+        return await asyncio.to_thread(self._rt().app.workflow_members, workflow_id)
 
     def parent_results(
         self, *, after: int = 0, limit: int = 100, max_bytes: int = 1_000_000
@@ -130,8 +152,37 @@ class Context:
         """The results of the parents this member ran after, a page at a time: up to
         ``limit`` parents with ids above ``after``, and at most ``max_bytes`` of results
         (a result that would pass it is left out, marked ``truncated``; read it with
-        ``app.get_job``). ``page.next_after`` is the ``after=`` of the next page."""
+        ``app.get_job``). ``page.next_after`` is the ``after=`` of the next page. In an
+        ``async def`` handler, ``await ctx.aparent_results()``."""
+        self._not_on_the_loop("ctx.parent_results()", "await ctx.aparent_results()")
         return self._rt().parent_results(after, limit, max_bytes)
+
+    async def aparent_results(
+        self, *, after: int = 0, limit: int = 100, max_bytes: int = 1_000_000
+    ) -> ParentResults:
+        """:meth:`parent_results` for async handlers (read in a worker thread).
+
+        .. versionadded:: 0.2
+        """
+        return await asyncio.to_thread(self._rt().parent_results, after, limit, max_bytes)
+
+    def _not_on_the_loop(self, what: str, instead: str) -> None:
+        """Raise ConfigurationError when an ``async def`` handler calls ``what``, a
+        blocking read of the store, on the event loop it runs on: the worker's one loop,
+        whose every async job stalled while the read waited (a locked row, a pool with no
+        connection free)."""
+        definition = self._rt().attempt.definition
+        if definition is None or not definition.is_async:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a thread of its own (asyncio.to_thread): it may block
+            return
+        raise ConfigurationError(
+            f"{what} reads the store and blocks; job {self.job_id} ({self.name}) is an "
+            f"async def handler, on the event loop that runs every async job of the "
+            f"worker, which it would stall meanwhile: use {instead} instead"
+        )
 
     def add_to_workflow(self, job: Any) -> None:
         """Add a member (a ``job.bind(...)``) to this job's own workflow, inserted with

@@ -404,6 +404,89 @@ def test_a_slow_before_insert_hook_runs_off_the_event_loop_in_aenqueue(
     assert hook_threads and loop_thread not in hook_threads
 
 
+HELD = 30.0  # seconds a held subscriber waits to be let go: far past any loop's tick
+
+
+def test_every_async_enqueue_runs_the_event_subscribers_off_the_event_loop(
+    app: errands.App, backend: Backend, harness: Harness, tmp_path: Path
+) -> None:
+    """Event subscribers are user code: aenqueue(conn=), aenqueue_many(conn=) and
+    aenqueue_workflow (with conn= or without) ran those of errands.job.enqueued and
+    errands.workflow.enqueued on the event loop, and a slow one held every task on it
+    (one sleeping 1 s stalled the loop 1 s an enqueue, 2 s a workflow). Here each
+    subscriber call is held until a task on the loop has ticked meanwhile: it never runs
+    on the loop's thread, and every enqueue lets the loop run while it is held."""
+    import threading
+
+    add, _ = _jobs(app)
+    entered, released = threading.Event(), threading.Event()
+    held_on: list[int] = []  # the thread of each subscriber call
+
+    def held(event: Any) -> None:
+        held_on.append(threading.get_ident())
+        entered.set()
+        if threading.get_ident() != loop_thread:  # (there nothing could let it go)
+            released.wait(HELD)
+
+    app.events.subscribe(held)
+
+    async def ticks_then_releases() -> None:
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        for _ in range(3):  # the loop ran while the subscriber was held
+            await asyncio.sleep(0.01)
+        released.set()
+
+    async def scenario() -> dict[str, bool]:
+        conn = await harness.async_connection(backend, tmp_path, same_store=True)
+
+        async def committed(enqueue: Awaitable[Any]) -> None:
+            await enqueue
+            await conn.commit()
+
+        def batch() -> errands.Batch:
+            made = errands.Batch("announced")
+            made.add(add.bind(a=5, b=6))
+            return made
+
+        enqueues = {
+            "aenqueue(conn=)": lambda: committed(add.aenqueue(a=1, b=2, conn=conn)),
+            "aenqueue_many(conn=)": lambda: committed(
+                app.aenqueue_many([add.bind(a=3, b=4)], conn=conn)
+            ),
+            "aenqueue_workflow(conn=)": lambda: committed(
+                app.aenqueue_workflow(batch(), conn=conn)
+            ),
+            "aenqueue_workflow()": lambda: app.aenqueue_workflow(batch()),
+            "aenqueue_many()": lambda: app.aenqueue_many([add.bind(a=7, b=8)]),
+        }
+        let_go: dict[str, bool] = {}
+        try:
+            for what, enqueue in enqueues.items():
+                entered.clear()
+                released.clear()
+                ticker = asyncio.create_task(ticks_then_releases())
+                await enqueue()
+                let_go[what] = released.is_set()  # by the ticker, while it was held
+                ticker.cancel()
+        finally:
+            await conn.close()
+        return let_go
+
+    loop_thread = -1  # the event loop's thread, once it runs
+
+    async def on_the_loop() -> dict[str, bool]:
+        nonlocal loop_thread
+        loop_thread = threading.get_ident()
+        return await scenario()
+
+    let_go = run(on_the_loop())
+    assert len(let_go) == 5
+    assert [what for what, ok in let_go.items() if not ok] == [], "these held the event loop"
+    assert len(held_on) == 7 and loop_thread not in held_on  # 5 jobs, 2 workflows
+    assert count(backend) == 5
+
+
 def test_asignal_sends_a_signal_as_signal_does(app: errands.App, backend: Backend) -> None:
     """asignal resumes a job waiting for the signal and refuses a finished one."""
     from errands.backends.base import FinishParams

@@ -6,6 +6,7 @@ workflow tools."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 import errands
 from errands.testing import Tester
-from tests.conftest import LoopTicks, running_worker
+from tests.conftest import LoopTicks, cancel_while_inserting, running_worker
 
 Make = Callable[..., Any]
 
@@ -646,3 +647,147 @@ def test_a_workflow_settled_by_a_cancel_run_again_after_a_lock_cycle_is_reported
         time.sleep(0.01)
     time.sleep(0.2)  # a second report would come right behind the first
     assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, status.state)]
+
+
+def test_an_aenqueue_workflow_cancelled_while_its_insert_runs_still_announces_the_workflow(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without conn=, cancelling the awaiting task does not undo an insert already sent:
+    the workflow is stored, and announced (errands.workflow.enqueued, and its members'
+    errands.job.enqueued) as aenqueue_many announces its jobs; it was stored unannounced."""
+    app = make_app()
+
+    @app.job(name="step")
+    def step(n: int) -> int:
+        return n
+
+    seen: list[str] = []
+    app.events.subscribe(lambda event: seen.append(event.name))
+    cancel_while_inserting(
+        monkeypatch,
+        app.backend,
+        "workflow_insert",
+        lambda: app.aenqueue_workflow(errands.chain(step.bind(1))),
+    )
+    deadline = time.monotonic() + 10
+    while "errands.workflow.enqueued" not in seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(app.workflows()) == 1
+    assert seen == ["errands.job.enqueued", "errands.workflow.enqueued"]
+
+
+HELD = 30.0  # seconds a held read waits for the loop to tick: far past any loop's tick
+WORKFLOW_READS = ("workflow_parent_results", "workflow_get", "workflow_members")
+
+
+def _parent_and_reader(app: errands.App, reader: Any) -> errands.Workflow:
+    """A workflow: node ``parent`` (returns 2), then node ``reader`` after it."""
+
+    @app.job(name="parent")
+    def parent() -> int:
+        return 2
+
+    wf = errands.Workflow("reads")
+    wf.add(reader.bind(), after=[wf.add(parent.bind(), name="parent")], name="reader")
+    return wf
+
+
+def test_an_async_member_reads_its_workflow_off_the_event_loop(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ctx.aparent_results(), ctx.aworkflow() and ctx.aworkflow_members() are the
+    workflow reads for async def handlers: each read runs in a worker thread while the
+    worker's event loop, which runs every async job of the worker, goes on. There were
+    only the sync ones, read on that loop: a slow read (a locked row, a pool with no
+    connection free) stalled every async job (1.7 s). Here the store holds each read
+    until an async job on the same loop has ticked meanwhile."""
+    app = make_app()
+    ticks, stop = [0], threading.Event()
+    let_go: list[tuple[str, bool]] = []  # each held read: whether the loop ticked
+
+    @app.job(name="ticker")
+    async def ticker() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            ticks[0] += 1
+
+    @app.job(name="reader", retries=0)
+    async def reader(ctx: errands.Context) -> dict[str, Any]:
+        page = await ctx.aparent_results(limit=10)
+        status = await ctx.aworkflow()
+        members = await ctx.aworkflow_members()
+        return {
+            "parents": page.by_node(),
+            "status": (status.id, status.total),
+            "members": sorted(m.node for m in members),
+        }
+
+    def held(read: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def held_read(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():  # the test's own
+                return read(*args, **kwargs)
+            start, give_up = ticks[0], time.monotonic() + HELD
+            while not stop.is_set() and ticks[0] < start + 3 and time.monotonic() < give_up:
+                time.sleep(0.01)
+            if not stop.is_set():
+                let_go.append((name, ticks[0] >= start + 3))
+            return read(*args, **kwargs)
+
+        return held_read
+
+    backend = app.backend
+    for name in WORKFLOW_READS:
+        monkeypatch.setattr(backend, name, held(getattr(backend, name), name))
+    handle = app.enqueue_workflow(_parent_and_reader(app, reader))
+    with running_worker(app, concurrency=4):
+        try:
+            ticker.enqueue()
+            give_up = time.monotonic() + HELD
+            while not ticks[0] and time.monotonic() < give_up:  # the ticker runs first
+                time.sleep(0.01)
+            results = handle.result(timeout=60)
+        finally:
+            stop.set()
+    assert results["reader"] == {
+        "parents": {"parent": 2},
+        "status": [handle.id, 2],
+        "members": ["parent", "reader"],
+    }
+    assert {name for name, _ in let_go} == set(WORKFLOW_READS)
+    assert [name for name, ticked in let_go if not ticked] == [], "these reads held the loop"
+
+
+def test_the_sync_workflow_reads_in_an_async_handler_raise_naming_the_async_ones(
+    make_app: Make,
+) -> None:
+    """ctx.parent_results(), ctx.workflow() and ctx.workflow_members() called on the
+    event loop of an async def handler raise ConfigurationError naming the await to use
+    (they read there, and stalled every async job of the worker while the read waited);
+    called from a thread of its own (asyncio.to_thread), they read as in a sync handler."""
+    app = make_app()
+    refused: dict[str, str] = {}
+
+    @app.job(name="reader", retries=0)
+    async def reader(ctx: errands.Context) -> int:
+        reads = {
+            "parent_results": ctx.parent_results,
+            "workflow": ctx.workflow,
+            "workflow_members": ctx.workflow_members,
+        }
+        for name, read in reads.items():
+            try:
+                read()
+            except errands.ConfigurationError as exc:
+                refused[name] = str(exc)
+        page = await asyncio.to_thread(ctx.parent_results)
+        status = await asyncio.to_thread(ctx.workflow)
+        members = await asyncio.to_thread(ctx.workflow_members)
+        return sum(p.result for p in page) + status.total + len(members)
+
+    handle = app.enqueue_workflow(_parent_and_reader(app, reader))
+    with running_worker(app, concurrency=2):
+        assert handle.result(timeout=60)["reader"] == 2 + 2 + 2
+    assert sorted(refused) == ["parent_results", "workflow", "workflow_members"]
+    for name, message in refused.items():
+        assert f"use await ctx.a{name}() instead" in message
+        assert "async def handler" in message

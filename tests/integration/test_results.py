@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import errands
-from tests.conftest import running_worker
+from tests.conftest import cancel_while_inserting, running_worker
 
 from .helpers import results_app
 
@@ -276,25 +276,7 @@ def test_an_aenqueue_cancelled_while_its_insert_runs_still_announces_the_job(
     app.events.subscribe(
         lambda event: seen.append(event["job_id"]) if event.name == "errands.job.enqueued" else None
     )
-    backend = app.backend
-    insert = backend.job_insert_many
-    started = threading.Event()
-
-    def slow_insert(requests: Any, conn: Any = None) -> Any:
-        started.set()
-        time.sleep(0.5)
-        return insert(requests, conn=conn)
-
-    monkeypatch.setattr(backend, "job_insert_many", slow_insert)
-
-    async def scenario() -> None:
-        task = asyncio.ensure_future(announced.aenqueue())
-        await asyncio.to_thread(started.wait, 10)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(scenario())
+    cancel_while_inserting(monkeypatch, app.backend, "job_insert_many", announced.aenqueue)
     deadline = time.monotonic() + 10
     while not seen and time.monotonic() < deadline:
         time.sleep(0.02)
