@@ -516,3 +516,31 @@ def test_a_job_past_its_timeout_when_the_worker_stops_is_recorded_as_its_timeout
     assert job.state is JobState.RETRYABLE, job.errors
     assert job.attempt == 1
     assert [e.type for e in job.errors] == ["JobTimeout"]
+
+
+def test_an_async_handler_blocking_the_event_loop_is_reported_with_its_job(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture, monkeypatch
+) -> None:
+    """An ``async def`` handler that calls blocking code stops the loop every async job
+    of the worker shares (their timeouts too), and nothing said so. The loop's watchdog
+    logs it, naming the job's task, and again once the loop turns."""
+    from errands.worker import runners
+
+    monkeypatch.setattr(runners, "BLOCKED_AFTER", 0.5)
+    caplog.set_level(logging.WARNING, logger="errands.worker")
+
+    @app.job(name="loop.blocker", retries=0)
+    async def blocker() -> str:
+        time.sleep(3)  # blocking: the mistake this reports
+        return "done"
+
+    handle = blocker.enqueue()
+    with worker_factory(concurrency=2):
+        assert handle.result(timeout=30) == "done"
+        wait_until(
+            lambda: any("turns again" in r.getMessage() for r in caplog.records),
+            what="the loop's recovery to be logged",
+        )
+    [stalled] = [r.getMessage() for r in caplog.records if "has not turned" in r.getMessage()]
+    assert f"in job {handle.id} loop.blocker" in stalled
+    assert "asyncio.to_thread" in stalled

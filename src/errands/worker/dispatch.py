@@ -265,7 +265,9 @@ class Dispatcher:
             worker.ran_for(time.monotonic() - began)
 
     async def _run_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
-        attempt.task = asyncio.current_task()
+        attempt.task = task = asyncio.current_task()
+        if task is not None:  # named for the loop's watchdog (errands.worker.runners)
+            task.set_name(f"job {attempt.id} {attempt.row.name}")
         if time.monotonic() >= attempt.lease_valid_until:
             # As _begin: no heartbeat confirmed the lease for a whole lease (a claim reply
             # held up, a frozen process): another worker may run it now. Hand it back.

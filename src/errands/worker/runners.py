@@ -18,6 +18,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
@@ -32,6 +33,8 @@ _STOP = object()
 SHIELD_RETRY = 0.01  # seconds: an interrupt deferred by a shield is tried again after
 SHIELD_RETRY_MAX = 0.1  # seconds: ... doubling up to this
 _NUDGE = object()  # queued behind an urgent call: wakes an idle thread to look for it
+BLOCKED_AFTER = 2.0  # seconds the async handlers' loop may stand still before it is logged
+PROBE_EVERY = 0.5  # seconds between the loop watchdog's probes
 
 
 class HandlerInterrupt(BaseException):
@@ -191,17 +194,61 @@ class ThreadRunner:
 
 
 class LoopRunner:
-    """One asyncio event loop in a daemon thread, running every async handler."""
+    """One asyncio event loop in a daemon thread, running every async handler.
 
-    def __init__(self, name: str = "errands-loop") -> None:
+    A watchdog thread sees when the loop stops turning: an ``async def`` handler that
+    calls blocking code (``time.sleep``, a sync driver) holds every other async job of
+    the worker, their timeouts included, and nothing said so. A loop that has not run a
+    probe for ``BLOCKED_AFTER`` seconds is logged (WARNING, naming the task it is in,
+    whose name is the job's), and how long it stood once it turns again."""
+
+    def __init__(self, name: str = "errands-loop", blocked_after: float | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         # Tasks that outlived their cancel at shutdown, held so the garbage collector does
         # not destroy them mid-await (a "Task was destroyed but it is pending!" each).
         self.stubborn: list[asyncio.Task[Any]] = []
+        self.blocked_after = BLOCKED_AFTER if blocked_after is None else blocked_after
+        self.stalls = 0  # times the loop stood still past blocked_after
+        self._turned = time.monotonic()  # when the loop last ran a probe
         self._ready = threading.Event()
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
+        threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
+
+    def _probe(self) -> None:
+        self._turned = time.monotonic()
+
+    def _watch(self) -> None:
+        """Post a probe every PROBE_EVERY seconds; report a loop that ran none for
+        ``blocked_after`` seconds, once per stall."""
+        stalled_since: float | None = None
+        while not self._stopped.wait(PROBE_EVERY):
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self.loop.call_soon_threadsafe(self._probe)
+            now = time.monotonic()
+            turned = self._turned
+            if now - turned < self.blocked_after:
+                if stalled_since is not None:
+                    log.warning(
+                        "the event loop of async handlers turns again after %.1f s",
+                        turned - stalled_since,
+                    )
+                    stalled_since = None
+                continue
+            if stalled_since is None and not self._stopped.is_set():
+                stalled_since = turned
+                self.stalls += 1
+                task = asyncio.current_task(self.loop) if self.loop.is_running() else None
+                log.warning(
+                    "the event loop of async handlers has not turned for %.1f s (in %s): an "
+                    "async def handler is running blocking code (time.sleep, a sync driver, "
+                    "heavy computation), and every async job of this worker waits; run it "
+                    "with `await asyncio.to_thread(...)`, or make the handler a plain def",
+                    now - turned,
+                    task.get_name() if task is not None else "no task: a loop callback",
+                )
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -221,6 +268,7 @@ class LoopRunner:
         Stopping the loop with tasks pending would destroy them mid-``await`` (their
         cleanup never runs, and they fail when garbage-collected in another context).
         """
+        self._stopped.set()
         if self.loop.is_running():
             with contextlib.suppress(Exception):  # loop stopped meanwhile, or timeout
                 self.stubborn = asyncio.run_coroutine_threadsafe(
