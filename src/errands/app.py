@@ -908,10 +908,14 @@ class App:
 
     def cancel_workflow(self, workflow_id: int, *, actor: str = "api") -> int:
         """Cancel a workflow: its pending members (dependents included) at once, its
-        running ones asked to stop; it then settles ``cancelled``. The number cancelled."""
+        running ones asked to stop; it then settles ``cancelled``. The number cancelled.
+        ``errands.CancelIncomplete`` when it was requested but stopped part way: run it
+        again (it is safe to repeat)."""
         self.backend.workflow_take_settled()
-        cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
-        self.workflows_settled()
+        try:
+            cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
+        finally:
+            self.workflows_settled()  # what committed settled, even when a step failed
         if self.events.wants("errands.workflow.cancelled"):
             self.events.emit(
                 "errands.workflow.cancelled",
