@@ -372,54 +372,62 @@ class SharedAdmin:
 
     # -- editing pending jobs ------------------------------------------------------------
     def job_edit(self, params: EditParams) -> ActionResult:
+        result = self._write_tx("edit", lambda run: self._edit_tx(run, params))
+        if result.matched and not params.dry_run:
+            self._replayed(result.matched)  # wake the (new) queues' workers
+        return result
+
+    def _edit_tx(self, run: TxRun, params: EditParams) -> ActionResult:
+        # The jobs are locked in id order (in the caller's, two edits of the same jobs in
+        # opposite orders each held half and waited for the other's): two edits queue up
+        # instead of deadlocking, and a cycle left (with a cancel, say) is broken by the
+        # store and this runs again (_write_tx).
         matched: list[int] = []
         skipped: dict[int, str] = {}
         set_run_at = params.run_at is not None or params.delay is not None
-        with self._transaction() as run:
-            for edit in {e.id: e for e in params.edits}.values():
-                row = run(self.STATE_QUERY, {"id": edit.id}).fetchone()  # locks it (PostgreSQL)
-                if row is None:
-                    skipped[edit.id] = "no such job"
-                    continue
-                if row[0] not in EDITABLE_STATES:
-                    skipped[edit.id] = (
-                        f"not pending (state {row[0]}): only scheduled, available or "
-                        "retryable jobs can be edited"
-                    )
-                    continue
-                if params.dry_run:
-                    matched.append(edit.id)
-                    continue
-                changed = run(
-                    "job_edit",
-                    {
-                        "id": edit.id,
-                        "set_run_at": set_run_at,
-                        "run_at": params.run_at,
-                        "delay": params.delay if params.delay is not None else 0.0,
-                        "priority": params.priority,
-                        "queue": params.queue,
-                        "args": edit.args_json,
-                        "concurrency_key": edit.concurrency_key,
-                        "fair_key": edit.fair_key,
-                        "keys": edit.keys,
-                    },
-                ).rowcount
-                if changed != 1:  # pragma: no cover - the row is locked and was pending
-                    skipped[edit.id] = "changed state meanwhile"
-                    continue
-                matched.append(edit.id)
-                run(
-                    "audit_insert",
-                    {
-                        "actor": params.actor,
-                        "action": "edit",
-                        "job_id": edit.id,
-                        "detail": json.dumps(edit_detail(params, edit)),
-                    },
+        edits = sorted({e.id: e for e in params.edits}.values(), key=lambda e: e.id)
+        for edit in edits:
+            row = run(self.STATE_QUERY, {"id": edit.id}).fetchone()  # locks it (PostgreSQL)
+            if row is None:
+                skipped[edit.id] = "no such job"
+                continue
+            if row[0] not in EDITABLE_STATES:
+                skipped[edit.id] = (
+                    f"not pending (state {row[0]}): only scheduled, available or "
+                    "retryable jobs can be edited"
                 )
-        if matched and not params.dry_run:
-            self._replayed(matched)  # wake the (new) queues' workers
+                continue
+            if params.dry_run:
+                matched.append(edit.id)
+                continue
+            changed = run(
+                "job_edit",
+                {
+                    "id": edit.id,
+                    "set_run_at": set_run_at,
+                    "run_at": params.run_at,
+                    "delay": params.delay if params.delay is not None else 0.0,
+                    "priority": params.priority,
+                    "queue": params.queue,
+                    "args": edit.args_json,
+                    "concurrency_key": edit.concurrency_key,
+                    "fair_key": edit.fair_key,
+                    "keys": edit.keys,
+                },
+            ).rowcount
+            if changed != 1:  # pragma: no cover - the row is locked and was pending
+                skipped[edit.id] = "changed state meanwhile"
+                continue
+            matched.append(edit.id)
+            run(
+                "audit_insert",
+                {
+                    "actor": params.actor,
+                    "action": "edit",
+                    "job_id": edit.id,
+                    "detail": json.dumps(edit_detail(params, edit)),
+                },
+            )
         return ActionResult(matched=matched, skipped=skipped)
 
     # -- durable signals ----------------------------------------------------------------
