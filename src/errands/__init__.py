@@ -14,6 +14,7 @@ from .backends.base import SignalResult
 from .context import Context
 from .definition import BoundJob, JobDefinition
 from .errors import (
+    CancelIncomplete,
     ConfigurationError,
     DatabaseBusy,
     EnqueueUncertain,
@@ -59,6 +60,7 @@ __all__ = [
     "App",
     "Batch",
     "BoundJob",
+    "CancelIncomplete",
     "ConfigurationError",
     "Context",
     "DatabaseBusy",

@@ -82,7 +82,10 @@ DEAD_JOB_RETRY_FOR = 2.0  # seconds the on_dead hooks retry reading their job (t
 DEAD_HOOKS_GRACE_MIN = 60.0
 DEAD_HOOKS_GRACE_TIMEOUTS = 3
 DEFAULT_QUEUE = "default"
-PENDING_STATES = ("scheduled", "available", "running", "retryable")
+# A queue's jobs not yet over: a queue holding any is not forgotten (its paused flag and
+# limits would go from under them). ``waiting`` too: a workflow's dependent and a job
+# waiting for a signal become available in their queue again.
+UNFINISHED_STATES = ("scheduled", "available", "running", "retryable", "waiting")
 EDIT_READ_CHUNK = 1000  # jobs an edit of new arguments or queue reads at once
 
 DeadHook = Callable[[Job], None]
@@ -459,12 +462,13 @@ class App:
 
     def forget_queue(self, queue: str, *, actor: str = "api") -> bool:
         """Delete a queue's stored settings (its paused flag and limits; audited), so a
-        mistyped queue stops being listed. Refused while jobs wait in it or run. Returns
+        mistyped queue stops being listed. Refused while jobs wait in it (pending, or
+        waiting for their workflow's parents or a signal) or run. Returns
         False when nothing was stored. Limits declared in code come back when a worker
         starts."""
         check_name("queue", queue)
         counts = next((s.counts for s in self.backend.queue_stats() if s.queue == queue), {})
-        waiting = {s: n for s, n in counts.items() if n and s in PENDING_STATES}
+        waiting = {s: n for s, n in counts.items() if n and s in UNFINISHED_STATES}
         if waiting:
             shown = ", ".join(f"{n} {s}" for s, n in sorted(waiting.items()))
             raise InvalidTransition(
@@ -926,10 +930,14 @@ class App:
 
     def cancel_workflow(self, workflow_id: int, *, actor: str = "api") -> int:
         """Cancel a workflow: its pending members (dependents included) at once, its
-        running ones asked to stop; it then settles ``cancelled``. The number cancelled."""
+        running ones asked to stop; it then settles ``cancelled``. The number cancelled.
+        ``errands.CancelIncomplete`` when it was requested but stopped part way: run it
+        again (it is safe to repeat)."""
         self.backend.workflow_take_settled()
-        cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
-        self.workflows_settled()
+        try:
+            cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
+        finally:
+            self.workflows_settled()  # what committed settled, even when a step failed
         if self.events.wants("errands.workflow.cancelled"):
             self.events.emit(
                 "errands.workflow.cancelled",

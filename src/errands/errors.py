@@ -12,6 +12,7 @@
     ├── DatabaseBusy            the store stayed locked past every retry
     ├── StorageFull             the store has no room left (disk full, size limit); nothing written
     ├── EnqueueUncertain        the connection was lost as an enqueue committed: it may exist
+├── CancelIncomplete        a workflow's cancel was requested but not all applied: run it again
     ├── StepError               ctx.step misused: a name twice in one run, a result not JSON
     ├── JobFailed               ``JobHandle.result()`` on a dead job
     ├── JobCancelled            ``JobHandle.result()`` on a cancelled job
@@ -89,6 +90,17 @@ class EnqueueUncertain(ErrandsError):
     A connection found broken *before* anything was sent, or lost before the enqueue's
     transaction reached its COMMIT, never raises this: errands retries those itself.
     """
+
+
+class CancelIncomplete(ErrandsError):
+    """A workflow's cancel was requested (and audited) and may be partly applied: a step
+    after the request failed (a lost connection, say). The workflow settles ``cancelled``
+    whatever happens; running the cancel again cancels the members still pending (it is
+    safe to repeat). ``__cause__`` is the error that stopped it."""
+
+    def __init__(self, message: str, *, workflow_id: int) -> None:
+        super().__init__(message)
+        self.workflow_id = workflow_id
 
 
 class StepError(ErrandsError):

@@ -14,7 +14,7 @@ import pytest
 from errands.backends import Backend
 from errands.backends.base import ActionParams, FinishParams, RescueParams
 from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
-from errands.errors import ConfigurationError
+from errands.errors import CancelIncomplete, ConfigurationError
 from errands.jobs import EnqueueRequest, JobRow
 
 from .conftest import Harness
@@ -411,6 +411,39 @@ def test_cancelling_a_workflow_cancels_pending_members_and_stops_running_ones(
     status = backend.workflow_get(inserted.id)
     assert status is not None and status.state == "cancelled"
     assert callbacks(backend) == ["on_settled"]
+
+
+def test_a_workflow_cancel_that_fails_after_its_request_is_audited_and_finishes_when_repeated(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request (the workflow flagged cancelled: it settles so) and its audit row were
+    separate transactions, the audit row written two steps later: a connection lost in
+    between left a cancelled workflow that no audit row explained, and the caller a raw
+    driver error. The request is audited with it; what failed after says the cancel was
+    requested and may be partly applied, and the same cancel run again finishes it."""
+    inserted = backend.workflow_insert(spec([("a", []), ("b", [(0, "run_anyway")])]))
+    workflows = backend.workflows  # type: ignore[attr-defined]
+
+    def lost(workflow_id: int) -> Any:
+        raise ConnectionError("server closed the connection unexpectedly (injected)")
+
+    monkeypatch.setattr(workflows, "cancel_running", lost)
+    with pytest.raises(CancelIncomplete, match=r"cancel was requested.*Run the cancel again"):
+        backend.workflow_cancel(inserted.id, "ops")
+    [event] = backend.audit_list()
+    assert (event.action, event.actor, event.detail) == (
+        "workflow_cancel", "ops", {"workflow": inserted.id},
+    )  # fmt: skip
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and status.cancel_requested and status.pending == 2
+
+    monkeypatch.undo()
+    assert backend.workflow_cancel(inserted.id, "ops") == 2  # a, and b waiting
+    status = backend.workflow_get(inserted.id)
+    assert status is not None and (status.state, status.cancelled) == ("cancelled", 2)
+    assert callbacks(backend) == ["on_settled"]
+    assert backend.workflow_cancel(inserted.id, "ops") == 0  # nothing left: no error
+    assert [e.action for e in backend.audit_list()] == ["workflow_cancel"] * 3
 
 
 def complete_adding(backend: Backend, row: JobRow, added: list[EnqueueRequest]) -> bool:

@@ -50,19 +50,50 @@ def test_a_periodic_job_back_after_an_absence_starts_afresh(store_url: str) -> N
         without.close()
 
 
-def test_catch_up_false_runs_the_slots_a_long_maintenance_tick_sees_on_time(
-    store_url: str,
+@pytest.mark.parametrize("catch_up", [None, False, True])
+def test_every_slot_a_long_maintenance_tick_sees_on_time_runs_under_every_policy(
+    store_url: str, catch_up: bool | None
 ) -> None:
-    """With --maintenance-tick 300 each */5 slot is seen up to 300 s late: catch_up=False
-    skipped them all (a 60 s grace), and every slot of a failover once the tick was 12 s."""
-    app = errands.App(store_url)
+    """With --maintenance-tick 300 each slot is seen up to 300 s late: catch_up=False
+    skipped them all (a 60 s grace), and every slot of a failover once the tick was 12 s.
+    Then a tick saw five slots of a minutely job, each on time: the default and
+    catch_up=False ran only the newest (12 jobs in an hour, not 60)."""
+    app = minutely(store_url, catch_up=catch_up)
     try:
-        app.periodic("*/5 * * * *", name="cron.every5", catch_up=False)(lambda: None)
+        app.periodic("*/5 * * * *", name="cron.every5", catch_up=catch_up)(lambda: None)
         scheduler = Maintenance(app, "w-slow", tick=300.0).scheduler
         scheduler.run_once(now=DAY + timedelta(seconds=10))
-        for n in range(1, 4):
+        for n in range(1, 13):
             scheduler.run_once(now=DAY + timedelta(minutes=5 * n, seconds=70))
-        assert slots_of(app, "cron.every5") == [DAY + timedelta(minutes=5 * n) for n in (1, 2, 3)]
+        hour = [DAY + timedelta(minutes=m) for m in range(1, 62)]
+        assert slots_of(app, "cron.minutely") == hour
+        assert slots_of(app, "cron.every5") == hour[4::5]
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("catch_up", [None, False, True])
+def test_a_failover_runs_every_slot_of_its_gap_and_the_policy_decides_the_missed_ones(
+    store_url: str, catch_up: bool | None
+) -> None:
+    """An every-2-s job (a seconds field), a tick a second and a 6 s failover: the new
+    leader's first tick saw three slots on time and ran only the newest (18 of 20). After
+    an outage longer than the grace, the slots within it still run each; of the older
+    (missed) ones the default runs the latest, catch_up=False none, True every one."""
+    app = errands.App(store_url)
+    try:
+        app.periodic("*/2 * * * * *", name="cron.two", catch_up=catch_up)(lambda: None)
+        scheduler = Scheduler(app)  # grace 60 s
+        ticks = [s for s in range(0, 41) if not 10 < s < 16]  # no leader from 10 s to 16 s
+        for second in ticks:
+            scheduler.run_once(now=DAY + timedelta(seconds=second, milliseconds=500))
+        assert slots_of(app, "cron.two") == [DAY + timedelta(seconds=s) for s in range(2, 41, 2)]
+
+        scheduler.run_once(now=DAY + timedelta(seconds=200, milliseconds=500))  # an outage
+        missed = [DAY + timedelta(seconds=s) for s in range(42, 141, 2)]
+        on_time = [DAY + timedelta(seconds=s) for s in range(142, 201, 2)]
+        kept = {None: missed[-1:], False: [], True: missed}[catch_up]
+        assert slots_of(app, "cron.two")[20:] == kept + on_time
     finally:
         app.close()
 
@@ -82,7 +113,8 @@ def test_slots_run_again_once_a_database_clock_stepped_ahead_is_set_back(
         assert slots_of(app, "cron.minutely") == [
             DAY + timedelta(minutes=2),
             DAY + timedelta(minutes=3),
-            DAY + timedelta(hours=6),
+            DAY + timedelta(hours=5, minutes=59),  # the latest missed slot (the default)
+            DAY + timedelta(hours=6),  # and the one on time
         ]
     finally:
         app.close()

@@ -109,6 +109,24 @@ def test_forgetting_a_queue_with_waiting_jobs_is_refused(store: errands.App) -> 
     assert [s.name for s in store.queue_settings()] == ["emails"]
 
 
+def test_forgetting_a_queue_whose_only_jobs_wait_is_refused(store: errands.App) -> None:
+    """A workflow's dependent waits for its parent (state ``waiting``, as a job waiting
+    for a signal): the check and the delete counted pending and running jobs only, so a
+    paused queue with only such jobs was forgotten, and resumed under them."""
+    define(store)
+    store.cancel(store.jobs(queue="emails")[0].id)
+    wf = errands.Workflow("order-1")
+    charged = wf.add(store.registry["shop.charge_order"].bind(order_id=2))
+    wf.add(store.registry["shop.send_receipt"].bind(order_id=2), after=[charged])
+    store.enqueue_workflow(wf)
+    assert [j.state.value for j in store.jobs(queue="emails", state="waiting")] == ["waiting"]
+    store.pause("emails")
+    with pytest.raises(InvalidTransition, match=r"queue 'emails' still has jobs \(1 waiting\)"):
+        store.forget_queue("emails")
+    assert not store.backend.queue_forget("emails", "test")  # the delete's own check
+    assert [(s.name, s.paused) for s in store.queue_settings()] == [("emails", True)]
+
+
 def test_a_job_enqueued_after_the_check_still_keeps_the_queues_settings(
     store: errands.App, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import InvalidTransition, JobNotFound
+from ..errors import CancelIncomplete, InvalidTransition, JobNotFound
 from ..jobs import JobRow, listed_by_priority, to_datetime
 from .base import (
     EDITABLE_STATES,
@@ -207,33 +207,51 @@ class SharedAdmin:
         return self.workflows.take_released()
 
     def workflow_cancel(self, workflow_id: int, actor: str) -> int:
-        """Cancel a workflow's pending members and ask its running ones to stop, in short
-        transactions: mark it cancelled; cancel its nested workflows (each the same way);
-        ask running members to stop, without the workflow's lock (a member's finish takes
-        its job's lock before the workflow's); cancel the pending ones under the lock; ask
-        again for members claimed in between. The number of jobs cancelled at once."""
+        """Cancel a workflow's pending members and ask its running ones to stop. The
+        request comes first, with its audit row, in one transaction: the workflow and every
+        workflow nested in it are marked cancelled (from then on each settles
+        ``cancelled``). The rest runs in short transactions (see _apply_cancel); when one
+        of them fails, CancelIncomplete says the cancel was requested and may be partly
+        applied, and running it again finishes it. The number of jobs cancelled at once."""
         if self.workflow_get(workflow_id) is None:
             raise JobNotFound(f"no workflow with id {workflow_id}")
-        # first: nested workflows then end in a cancelled one
-        self._write_tx("workflow_cancel", lambda run: run("wf_request_cancel", {"id": workflow_id}))
-        nested = self._read_program(lambda: self.workflows.nested_pending(workflow_id))
-        cancelled = sum(self.workflow_cancel(child, actor) for child in nested)
 
-        def ask_running(run: TxRun) -> int:
-            return run.program(self.workflows.cancel_running(workflow_id))
-
-        def cancel_pending(run: TxRun) -> int:
-            ended = run.program(self.workflows.cancel_pending(workflow_id))
+        def request(run: TxRun) -> None:
+            run("wf_request_cancel", {"id": workflow_id})
             run(
                 "audit_insert",
                 {
                     "actor": actor,
                     "action": "workflow_cancel",
                     "job_id": None,
-                    "detail": json.dumps({"workflow": workflow_id, "cancelled": cancelled + ended}),
+                    "detail": json.dumps({"workflow": workflow_id}),
                 },
             )
-            return ended
+
+        self._write_tx("workflow_cancel", request)
+        try:
+            return self._apply_cancel(workflow_id)
+        except Exception as exc:
+            raise CancelIncomplete(
+                f"workflow {workflow_id}: its cancel was requested (audited; it settles "
+                f"cancelled), but cancelling its members stopped part way ({exc}): some may "
+                "still be pending. Run the cancel again to finish it",
+                workflow_id=workflow_id,
+            ) from exc
+
+    def _apply_cancel(self, workflow_id: int) -> int:
+        """A requested cancel's effect, each step safe to repeat: cancel its nested
+        workflows (each the same way); ask running members to stop, without the workflow's
+        lock (a member's finish takes its job's lock before the workflow's); cancel the
+        pending ones under the lock; ask again for members claimed in between."""
+        nested = self._read_program(lambda: self.workflows.nested_pending(workflow_id))
+        cancelled = sum(self._apply_cancel(child) for child in nested)
+
+        def ask_running(run: TxRun) -> int:
+            return run.program(self.workflows.cancel_running(workflow_id))
+
+        def cancel_pending(run: TxRun) -> int:
+            return run.program(self.workflows.cancel_pending(workflow_id))
 
         self._write_tx("workflow_cancel", ask_running)
         cancelled += self._write_tx("workflow_cancel", cancel_pending)
@@ -357,54 +375,62 @@ class SharedAdmin:
 
     # -- editing pending jobs ------------------------------------------------------------
     def job_edit(self, params: EditParams) -> ActionResult:
+        result = self._write_tx("edit", lambda run: self._edit_tx(run, params))
+        if result.matched and not params.dry_run:
+            self._replayed(result.matched)  # wake the (new) queues' workers
+        return result
+
+    def _edit_tx(self, run: TxRun, params: EditParams) -> ActionResult:
+        # The jobs are locked in id order (in the caller's, two edits of the same jobs in
+        # opposite orders each held half and waited for the other's): two edits queue up
+        # instead of deadlocking, and a cycle left (with a cancel, say) is broken by the
+        # store and this runs again (_write_tx).
         matched: list[int] = []
         skipped: dict[int, str] = {}
         set_run_at = params.run_at is not None or params.delay is not None
-        with self._transaction() as run:
-            for edit in {e.id: e for e in params.edits}.values():
-                row = run(self.STATE_QUERY, {"id": edit.id}).fetchone()  # locks it (PostgreSQL)
-                if row is None:
-                    skipped[edit.id] = "no such job"
-                    continue
-                if row[0] not in EDITABLE_STATES:
-                    skipped[edit.id] = (
-                        f"not pending (state {row[0]}): only scheduled, available or "
-                        "retryable jobs can be edited"
-                    )
-                    continue
-                if params.dry_run:
-                    matched.append(edit.id)
-                    continue
-                changed = run(
-                    "job_edit",
-                    {
-                        "id": edit.id,
-                        "set_run_at": set_run_at,
-                        "run_at": params.run_at,
-                        "delay": params.delay if params.delay is not None else 0.0,
-                        "priority": params.priority,
-                        "queue": params.queue,
-                        "args": edit.args_json,
-                        "concurrency_key": edit.concurrency_key,
-                        "fair_key": edit.fair_key,
-                        "keys": edit.keys,
-                    },
-                ).rowcount
-                if changed != 1:  # pragma: no cover - the row is locked and was pending
-                    skipped[edit.id] = "changed state meanwhile"
-                    continue
-                matched.append(edit.id)
-                run(
-                    "audit_insert",
-                    {
-                        "actor": params.actor,
-                        "action": "edit",
-                        "job_id": edit.id,
-                        "detail": json.dumps(edit_detail(params, edit)),
-                    },
+        edits = sorted({e.id: e for e in params.edits}.values(), key=lambda e: e.id)
+        for edit in edits:
+            row = run(self.STATE_QUERY, {"id": edit.id}).fetchone()  # locks it (PostgreSQL)
+            if row is None:
+                skipped[edit.id] = "no such job"
+                continue
+            if row[0] not in EDITABLE_STATES:
+                skipped[edit.id] = (
+                    f"not pending (state {row[0]}): only scheduled, available or "
+                    "retryable jobs can be edited"
                 )
-        if matched and not params.dry_run:
-            self._replayed(matched)  # wake the (new) queues' workers
+                continue
+            if params.dry_run:
+                matched.append(edit.id)
+                continue
+            changed = run(
+                "job_edit",
+                {
+                    "id": edit.id,
+                    "set_run_at": set_run_at,
+                    "run_at": params.run_at,
+                    "delay": params.delay if params.delay is not None else 0.0,
+                    "priority": params.priority,
+                    "queue": params.queue,
+                    "args": edit.args_json,
+                    "concurrency_key": edit.concurrency_key,
+                    "fair_key": edit.fair_key,
+                    "keys": edit.keys,
+                },
+            ).rowcount
+            if changed != 1:  # pragma: no cover - the row is locked and was pending
+                skipped[edit.id] = "changed state meanwhile"
+                continue
+            matched.append(edit.id)
+            run(
+                "audit_insert",
+                {
+                    "actor": params.actor,
+                    "action": "edit",
+                    "job_id": edit.id,
+                    "detail": json.dumps(edit_detail(params, edit)),
+                },
+            )
         return ActionResult(matched=matched, skipped=skipped)
 
     # -- durable signals ----------------------------------------------------------------

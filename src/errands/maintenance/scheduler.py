@@ -10,11 +10,12 @@ Misfire policy, for slots that passed while no leader ran (``catch_up``):
 
 - ``None`` (default): run the latest missed slot once;
 - ``True``: run every missed slot (at most ``CATCH_UP_MAX``);
-- ``False``: skip missed slots; only a slot seen within ``MISFIRE_GRACE`` seconds runs.
+- ``False``: skip missed slots.
 
-Under every policy a slot seen within the grace (``MISFIRE_GRACE``, longer when the
-maintenance tick and the leadership's ttl are) runs: a tick or a failover never makes an
-on-time slot look missed.
+Under every policy each slot seen within the grace (``MISFIRE_GRACE``, longer when the
+maintenance tick and the leadership's ttl are) runs, however many one tick sees: a tick
+or a failover never makes an on-time slot look missed. A missed slot is one older than
+the grace when the scheduler first sees it.
 
 A periodic job seen for the first time starts from now: slots before its first
 deployment never run. One whose schedule changed, or that comes back after a leader
@@ -334,12 +335,17 @@ class Scheduler:
         return handle  # type: ignore[no-any-return]
 
     def _apply_policy(self, job: Periodic, slots: list[datetime], now: datetime) -> list[datetime]:
+        """The slots to insert, oldest first. Every slot seen within the grace runs, each
+        one (a 300 s tick sees five of a minutely job, a failover a few of an every-2-s
+        one: only the newest ran); of the missed ones, older than the grace, the default
+        runs the latest, catch_up=True each, catch_up=False none."""
         if job.catch_up is True:
             return slots
         on_time = [s for s in slots if (now - s).total_seconds() <= self.grace]
         if job.catch_up is False:
-            return on_time[-1:]
-        return slots[-1:]
+            return on_time
+        missed = slots[: len(slots) - len(on_time)]
+        return missed[-1:] + on_time
 
 
 @dataclass(frozen=True)

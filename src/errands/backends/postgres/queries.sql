@@ -854,12 +854,14 @@ ORDER BY name
 LIMIT %(limit)s
 
 -- name: queue_forget
--- Only while no job waits in the queue or runs (the App's check, again in the delete:
--- a job enqueued between that check and this delete would run in a queue resumed).
+-- Only while no job waits in the queue (pending, or waiting for its workflow's parents
+-- or a signal) or runs (the App's check, again in the delete: a job enqueued between
+-- that check and this delete would run in a queue resumed).
 DELETE FROM {schema}.errands_queues AS q WHERE q.name = %(name)s
   AND NOT EXISTS (SELECT 1 FROM {schema}.errands_jobs AS j
                   WHERE j.queue = %(name)s
-                    AND j.state IN ('scheduled', 'available', 'running', 'retryable'))
+                    AND j.state IN ('scheduled', 'available', 'running', 'retryable',
+                                    'waiting'))
 
 -- name: job_suspend
 -- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot

@@ -637,7 +637,8 @@ SELECT name FROM names WHERE name IS NOT NULL LIMIT :limit
 DELETE FROM errands_queues WHERE name = :name
   AND NOT EXISTS (SELECT 1 FROM errands_jobs AS j
                   WHERE j.queue = :name
-                    AND j.state IN ('scheduled', 'available', 'running', 'retryable'))
+                    AND j.state IN ('scheduled', 'available', 'running', 'retryable',
+                                    'waiting'))
 
 -- name: job_suspend
 -- ctx.wait_for_signal: the attempt ends without charging it (attempt - 1), lease and slot
