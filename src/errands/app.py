@@ -45,6 +45,7 @@ from .definition import (
     checked_limit,
     checked_priority,
     seconds,
+    shown,
 )
 from .errors import (
     ConfigurationError,
@@ -91,6 +92,7 @@ EDIT_READ_CHUNK = 1000  # jobs an edit of new arguments or queue reads at once
 DeadHook = Callable[[Job], None]
 TEXT_MAX_BYTES = 10_000  # a filter, reason or actor name
 SIGNAL_NAME_MAX = 200  # bytes of a signal's name
+QUEUE_LIMIT_MAX = 2**31 - 1  # app.queue(limit=): PostgreSQL's integer column, on every store
 
 
 def _cursor(after: Job | str) -> tuple[int, float, int]:
@@ -371,8 +373,18 @@ class App:
         many seconds up one priority level, and one more per further ``aging``. Workers
         store the declaration when they start; ``errands queues`` shows it."""
         check_name("queue", name)
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise ConfigurationError(f"app.queue({name!r}, limit={limit!r}): limit must be >= 1")
+        # Stored by each worker as it starts, in PostgreSQL's integer: 2**40 passed here and
+        # every worker then failed at its start ("integer out of range"); True passed as 1.
+        if limit is not None and (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not 1 <= limit <= QUEUE_LIMIT_MAX
+        ):
+            raise ConfigurationError(
+                f"app.queue({name!r}, limit={shown(limit)}): limit must be >= 1, an int of at "
+                f"most {QUEUE_LIMIT_MAX:,}: how many of the queue's jobs may run at once "
+                "across the cluster, as in limit=10 (None: no limit)"
+            )
         rate_limit, rate_period = parse_rate(rate) if rate is not None else (None, None)
         if not isinstance(fair, bool):
             raise ConfigurationError(f"app.queue({name!r}, fair={fair!r}): fair must be a bool")
