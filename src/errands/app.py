@@ -40,8 +40,12 @@ from .definition import (
     check_name,
     check_text,
     checked_epoch,
+    checked_id,
+    checked_ids,
+    checked_limit,
     checked_priority,
     seconds,
+    shown,
 )
 from .errors import (
     ConfigurationError,
@@ -94,6 +98,7 @@ SIGNAL_NAME_MAX = 200  # bytes of a signal's name
 # the events an async enqueue emits: their subscribers, user code, run off the event loop
 _JOB_ENQUEUED = ("errands.job.enqueued",)
 _WORKFLOW_ENQUEUED = ("errands.job.enqueued", "errands.workflow.enqueued")
+QUEUE_LIMIT_MAX = 2**31 - 1  # app.queue(limit=): PostgreSQL's integer column, on every store
 
 
 def _cursor(after: Job | str) -> tuple[int, float, int]:
@@ -374,8 +379,18 @@ class App:
         many seconds up one priority level, and one more per further ``aging``. Workers
         store the declaration when they start; ``errands queues`` shows it."""
         check_name("queue", name)
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise ConfigurationError(f"app.queue({name!r}, limit={limit!r}): limit must be >= 1")
+        # Stored by each worker as it starts, in PostgreSQL's integer: 2**40 passed here and
+        # every worker then failed at its start ("integer out of range"); True passed as 1.
+        if limit is not None and (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not 1 <= limit <= QUEUE_LIMIT_MAX
+        ):
+            raise ConfigurationError(
+                f"app.queue({name!r}, limit={shown(limit)}): limit must be >= 1, an int of at "
+                f"most {QUEUE_LIMIT_MAX:,}: how many of the queue's jobs may run at once "
+                "across the cluster, as in limit=10 (None: no limit)"
+            )
         rate_limit, rate_period = parse_rate(rate) if rate is not None else (None, None)
         if not isinstance(fair, bool):
             raise ConfigurationError(f"app.queue({name!r}, fair={fair!r}): fair must be a bool")
@@ -897,11 +912,13 @@ class App:
 
     def workflow(self, workflow_id: int) -> WorkflowHandle:
         """The handle of a stored workflow (raises JobNotFound if there is none)."""
+        workflow_id = checked_id(workflow_id, "workflow id")
         self.workflow_status(workflow_id)
-        return WorkflowHandle(self, int(workflow_id))
+        return WorkflowHandle(self, workflow_id)
 
     def workflow_status(self, workflow_id: int) -> WorkflowStatus:
-        row = self.backend.workflow_get(int(workflow_id))
+        workflow_id = checked_id(workflow_id, "workflow id")
+        row = self.backend.workflow_get(workflow_id)
         if row is None:
             raise JobNotFound(f"no workflow with id {workflow_id}")
         return WorkflowStatus.of(row)
@@ -914,15 +931,19 @@ class App:
             raise ValueError(
                 f"unknown workflow state {state!r}; choose one of: {', '.join(WORKFLOW_STATES)}"
             )
+        if before_id is not None:
+            before_id = checked_id(before_id, "workflows: before_id")
+        limit = checked_limit(limit, "limit")
         rows = self.backend.workflow_list(state=state, before_id=before_id, limit=limit)
         return [WorkflowStatus.of(r) for r in rows]
 
     def workflow_members(self, workflow_id: int) -> list[Member]:
         """Every member of a workflow with its node, state and parents, in id order."""
+        workflow_id = checked_id(workflow_id, "workflow id")
         members: list[Member] = []
         after = 0  # from the start (nested workflows, with negative ids, included)
         while True:
-            page = self.backend.workflow_members(int(workflow_id), after=after, limit=1000)
+            page = self.backend.workflow_members(workflow_id, after=after, limit=1000)
             members.extend(Member.of(r) for r in page)
             if len(page) < 1000:
                 return members
@@ -933,15 +954,17 @@ class App:
         running ones asked to stop; it then settles ``cancelled``. The number cancelled.
         ``errands.CancelIncomplete`` when it was requested but stopped part way: run it
         again (it is safe to repeat)."""
+        workflow_id = checked_id(workflow_id, "workflow id")
+        actor = _actor(actor)
         self.backend.workflow_take_settled()
         try:
-            cancelled = self.backend.workflow_cancel(int(workflow_id), _actor(actor))
+            cancelled = self.backend.workflow_cancel(workflow_id, actor)
         finally:
             self.workflows_settled()  # what committed settled, even when a step failed
         if self.events.wants("errands.workflow.cancelled"):
             self.events.emit(
                 "errands.workflow.cancelled",
-                workflow_id=int(workflow_id),
+                workflow_id=workflow_id,
                 actor=actor,
                 cancelled=cancelled,
             )
@@ -973,7 +996,7 @@ class App:
 
     # -- reading -------------------------------------------------------------------------
     def get_job(self, job_id: int) -> Job:
-        row = self.backend.job_get(int(job_id))
+        row = self.backend.job_get(checked_id(job_id))
         if row is None:
             raise JobNotFound(f"no job with id {job_id}")
         return row.to_job()
@@ -1008,8 +1031,11 @@ class App:
         """
         if state is not None:
             state = parse_state(state).value
-        if limit < 1:
-            raise ConfigurationError("limit must be at least 1")
+        limit = checked_limit(limit)
+        if before_id is not None:
+            before_id = checked_id(before_id, "before_id")
+        if parent_id is not None:
+            parent_id = checked_id(parent_id, "parent_id")
         queue, name = _filter("queue", queue), _filter("name", name)
         by_priority = listed_by_priority(state, queue)
         if by_priority and before_id is not None:
@@ -1038,7 +1064,7 @@ class App:
 
     def job_steps(self, job_id: int) -> list[Step]:
         """The durable steps a job stored with ``ctx.step``, oldest first."""
-        return self.backend.step_list(int(job_id))
+        return self.backend.step_list(checked_id(job_id))
 
     def queue_stats(self) -> list[QueueStats]:
         return self.backend.queue_stats()
@@ -1077,6 +1103,8 @@ class App:
         }
 
     def audit(self, *, job_id: int | None = None, limit: int = 100) -> list[AuditEvent]:
+        limit = checked_limit(limit)
+        job_id = None if job_id is None else checked_id(job_id)
         return self.backend.audit_list(limit=limit, job_id=job_id)
 
     # -- admin actions ---------------------------------------------------------------------
@@ -1097,7 +1125,7 @@ class App:
         """
         params = ActionParams(
             actor=_actor(actor),
-            ids=list(ids),
+            ids=checked_ids(ids, "replay"),
             all_matching=all,
             queue=_filter("queue", queue),
             name=_filter("name", name),
@@ -1123,11 +1151,12 @@ class App:
         actor: str = "api",
     ) -> ActionResult:
         """Take dead jobs out of the DLQ without running them; the row and reason stay."""
-        if not reason or not reason.strip():
+        check_text("discard reason", reason)  # a string, before it is stripped
+        if not reason.strip():
             raise InvalidTransition("discard needs a reason: pass --reason TEXT (reason=...)")
         params = ActionParams(
             actor=_actor(actor),
-            ids=list(ids),
+            ids=checked_ids(ids, "discard"),
             all_matching=all,
             queue=_filter("queue", queue),
             name=_filter("name", name),
@@ -1164,7 +1193,7 @@ class App:
 
         .. versionadded:: 0.2
         """
-        job_ids = list(dict.fromkeys(int(i) for i in ids))
+        job_ids = list(dict.fromkeys(checked_ids(ids, "edit")))
         if not job_ids:
             raise ConfigurationError("edit: give at least one job id")
         if run_at is None and delay is None and priority is None and queue is None and args is None:
@@ -1338,7 +1367,7 @@ class App:
         problem = unstorable_json(f"signal {name!r}: the payload", payload_json)
         if problem is not None:
             raise problem
-        result = self.backend.job_signal(int(job_id), name, payload_json, _actor(actor))
+        result = self.backend.job_signal(checked_id(job_id), name, payload_json, _actor(actor))
         self.events.emit(
             "errands.job.signalled", job_id=result.id, actor=actor, signal=name,
             resumed=result.resumed,
@@ -1365,8 +1394,9 @@ class App:
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""
+        job_id, actor = checked_id(job_id), _actor(actor)
         self.backend.workflow_take_settled()
-        result = self.backend.job_cancel(int(job_id), _actor(actor))
+        result = self.backend.job_cancel(job_id, actor)
         self.workflows_settled()
         self.events.emit(
             "errands.job.cancel_requested",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import math
+import operator
 import os
 import re
 import string
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 from .backends.limits import parse_rate
 from .context import Context
 from .errors import ConfigurationError, InvalidPayload
-from .jobs import DUE_MIN, EnqueueRequest
+from .jobs import DUE_MIN, ID_MAX, EnqueueRequest
 from .payload import PayloadSpec
 from .retry import BackoffPolicy, as_backoff
 
@@ -70,6 +72,54 @@ def checked_priority(value: Any, what: str) -> int:
             f"{what} must be between {PRIORITY_MIN:,} and {PRIORITY_MAX:,}, got {shown(value)}"
         )
     return value
+
+
+ID_RANGE = f"1<=x<={ID_MAX}"  # as click's IntRange says it on the command line
+
+
+def checked_count(value: object, what: str, fix: str) -> int:
+    """``value`` as a plain int from 1 to ``ID_MAX``: a job's or a workflow's id, a
+    listing's limit. Any other value is refused here, saying what was given and what is
+    expected, never passed on to the store (a larger int was an OverflowError on SQLite and
+    "bigint out of range" on PostgreSQL; "5" acted on job 5, None or 1.5 was "no such
+    job"; a negative limit was PostgreSQL's InvalidRowCountInLimitClause). ``fix``: how
+    to pass one."""
+    number: int | None = None
+    if not isinstance(value, bool):  # True is an int to Python, never an id
+        with contextlib.suppress(TypeError):
+            number = operator.index(value)  # type: ignore[arg-type]  # an int, numpy.int64
+    if number is None or not 1 <= number <= ID_MAX:
+        given = shown(value) if isinstance(value, int) else repr(value)
+        if len(given) > 80:
+            given = given[:77] + "..."
+        kind = "" if number is not None or value is None else f", a {type(value).__name__}"
+        raise ConfigurationError(
+            f"{what} must be an int in the range {ID_RANGE} (1 to 2**63-1), got "
+            f"{given}{kind}: {fix}"
+        )
+    return int(number)
+
+
+def checked_id(value: object, what: str = "job id") -> int:
+    """A job's (or a workflow's) id as an int from 1 to 2**63-1; ConfigurationError else."""
+    where = "app.workflows()" if what.startswith("workflow") else "app.jobs()"
+    return checked_count(value, what, f"pass a stored id as an int, as {where} lists them")
+
+
+def checked_ids(values: object, verb: str) -> list[int]:
+    """``ids=`` of an admin action: an iterable of job ids, each :func:`checked_id`. A
+    string is refused (replay("12") acted on jobs 1 and 2), as is one bare id."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ConfigurationError(
+            f"{verb}: ids must be a list of job ids, got {shown(values)[:80]}: pass a list, "
+            f"as in {verb}([42]) for one job"
+        )
+    return [checked_id(v, f"{verb}: job id") for v in values]
+
+
+def checked_limit(value: object, what: str = "limit") -> int:
+    """How many rows a listing returns at most: an int from 1 to 2**63-1."""
+    return checked_count(value, what, f"pass how many rows to return at most, as in {what}=100")
 
 
 def seconds(value: float | timedelta | None, option: str, owner: str = "") -> float | None:
@@ -148,7 +198,9 @@ def check_text(what: str, value: str, max_bytes: int | None = None) -> str:
     hold one), valid Unicode (no lone surrogate, as an undecodable command-line byte
     becomes), and at most ``max_bytes`` of UTF-8."""
     if not isinstance(value, str):
-        raise ConfigurationError(f"{what} must be a string, got {type(value).__name__}")
+        raise ConfigurationError(
+            f"{what} must be a string, got {type(value).__name__}: pass it as text (a str)"
+        )
     if "\x00" in value:
         raise ConfigurationError(
             f"{what} contains the NUL character (\\x00), which PostgreSQL cannot store; remove it"

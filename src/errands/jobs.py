@@ -55,6 +55,8 @@ def to_datetime(epoch: float | None) -> datetime | None:
 
 
 DUE_MIN, _DUE_MAX = -62_135_596_800.0, 253_402_300_799.0  # years 1 to 9999, as datetime
+# The largest id (and row count) a store keeps: SQLite's INTEGER, PostgreSQL's bigint.
+ID_MAX = 2**63 - 1
 
 
 def listed_by_priority(state: str | None, queue: str | None) -> bool:
@@ -72,7 +74,7 @@ def parse_cursor(text: object) -> tuple[int, float, int]:
         if (
             len(parts) != 3
             or not -(2**31) <= priority < 2**31
-            or not 0 < job_id < 2**63
+            or not 0 < job_id <= ID_MAX
             or not DUE_MIN <= due <= _DUE_MAX
         ):
             raise ValueError

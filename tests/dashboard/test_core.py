@@ -368,6 +368,26 @@ def test_crafted_ids_and_nested_json_get_a_clear_answer_not_a_500(
     assert "not JSON" in client.get(f"/jobs/{job.id}").text
 
 
+def test_an_id_of_zero_in_a_query_or_search_is_ignored_not_a_500(
+    client: TestClient, jobs: dict[str, Any]
+) -> None:
+    """The App refuses id 0 (ConfigurationError); the dashboard's id fields read "0"
+    as an id, which reached it: ?before_id=0 and a search for 0 were a bare 500."""
+    dead = jobs["send_welcome"].enqueue(user_id=1, email=EMAIL)
+    for path in (
+        "/jobs?before_id=0",
+        "/jobs?q=0",
+        "/jobs?q=000",
+        "/dlq?before_id=0",
+        "/audit?job_id=0",
+        "/workflows?before=0",
+    ):
+        assert client.get(path).status_code == 200, path
+    for ids in ("0", f"0,{dead.id}"):
+        answer = post(client, "/dlq/preview", {"op": "replay", "ids": ids}, page="/dlq")
+        assert answer.status_code < 500, ids
+
+
 def test_a_signal_payload_json_cannot_hold_is_refused_with_a_clear_message(
     store: errands.App, client: TestClient, jobs: dict[str, Any]
 ) -> None:

@@ -264,39 +264,99 @@ def test_login_attempts_sent_at_once_past_the_free_failures_are_checked_in_turn(
     make_client: Callable[..., TestClient], fake_time: FakeTime
 ) -> None:
     """Past the free failures the secrets are checked one at a time, a delay apart: a
-    guesser sending attempts at once, a new name each, waits in line, and an attempt
-    whose turn is further away than the longest delay is refused unchecked (429), the
-    right secret too. A wait alone gave each of them a check per wait."""
+    guesser sending attempts at once, a new name each, waits in line, and once its
+    address holds ``turns_per_address`` turns its further attempts are refused unchecked
+    (429), the right secret too. A wait alone gave each of them a check per wait."""
     fake_time.frozen = True  # nothing the attempts wait passes: all are sent at once
     attacker = make_client(signed_in=False)
     throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
     throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
     throttle.clock = fake_time.clock
-    codes = failed_logins(attacker, [f"name{i}" for i in range(10)])
-    assert codes == [400] * 7 + [429] * 3  # 6 free, one check at +0.5 s; its turn pending
+    codes = failed_logins(attacker, [f"name{i}" for i in range(12)])
+    assert codes == [400] * 10 + [429] * 2  # 6 free, then the address's 4 turns
+    # each turn a delay (0.5, 1.0, then 1.5 s) after the one before: one check at a time
+    assert fake_time.waits == [0.5, 1.0, 2.0, 3.5]
     right = attacker.post(
         "/login", data={"csrf_token": csrf_of(attacker.get("/login").text), "secret": TOKEN}
     )
     assert right.status_code == 429 and int(right.headers["retry-after"]) > 0
-    fake_time.now += 2.0  # the line has moved on: a turn within the longest delay
+    fake_time.now += 2.0  # the line has moved on: a turn for the address again
     assert login(same_address(attacker), user="carol").get("/").status_code == 200
 
 
 def test_a_flood_of_logins_from_one_address_leaves_a_turn_to_another(
     make_client: Callable[..., TestClient], fake_time: FakeTime
 ) -> None:
-    """One pending turn per address: attempts sent at once from one address take one
-    turn, and an operator elsewhere logs in within the longest delay (the flood took
-    every turn, and every login got 429 while it lasted)."""
+    """At most ``turns_per_address`` pending turns per address: attempts sent at once
+    from one address, a new name each, take that many, and an operator elsewhere logs
+    in behind them (the flood took every turn, and every login got 429 while it lasted)."""
     fake_time.frozen = True
     attacker = make_client(signed_in=False)
     throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
     throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
     throttle.clock = fake_time.clock
-    failed_logins(attacker, [f"name{i}" for i in range(20)])
+    codes = failed_logins(attacker, [f"name{i}" for i in range(20)])
+    assert codes.count(400) == 6 + throttle.turns_per_address
     operator = TestClient(attacker.app, base_url=BASE_URL, client=("10.0.0.2", 50002))
     assert login(operator, user="carol").get("/").status_code == 200
-    assert max(fake_time.waits) <= throttle.max_delay
+    assert max(fake_time.waits) <= throttle.max_waiting * throttle.max_delay
+
+
+def wrong_logins_at_once(client: TestClient, name: str, count: int) -> list[int]:
+    """``count`` wrong logins under one name, all sent before any is answered."""
+    return failed_logins(client, [name] * count)
+
+
+def test_a_guesser_of_one_name_behind_a_proxy_does_not_lock_out_another_name(
+    make_client: Callable[..., TestClient], fake_time: FakeTime
+) -> None:
+    """The turns were one per address: behind a proxy (one address for all) a guesser
+    re-sending wrong logins under one name held the proxy's turn, and every operator's
+    right login got 429 (1000 of 1000 in the review). A turn is now per address and name:
+    bob gets the one after alice's guesser, while the guesser still gets one check at a
+    time and is locked after ``max_failures``. At the longest delay, too: there a turn
+    ``max_delay`` away fitted only the first in line."""
+    attacker = make_client(signed_in=False)  # every client here connects from 127.0.0.1
+    throttle = attacker.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
+    throttle.clock = fake_time.clock
+    for i in range(20):  # other failures (elsewhere) hold the delay at its longest
+        throttle.failed(("10.0.0.9", f"name{i}"))
+    assert throttle.delay() == throttle.max_delay
+    guesses: list[list[int]] = []
+    for _ in range(throttle.max_failures + 2):
+        fake_time.frozen = True  # the guesser's attempts are all in flight together
+        guesses.append(wrong_logins_at_once(attacker, "alice", 4))
+        fake_time.frozen = False  # bob's wait passes (the guesser's turn with it)
+        fake_time.waits.clear()
+        login(same_address(attacker), secret=TOKEN, user="bob")  # 303, never 429
+        assert fake_time.waits and max(fake_time.waits) <= 2 * throttle.max_delay
+    checked = [g for g in guesses if 400 in g]
+    assert all(g == [400, 429, 429, 429] for g in checked)  # one check at a time ...
+    assert len(checked) == throttle.max_failures  # ... and then the name is locked
+    assert guesses[-1] == [429] * 4
+    assert throttle.retry_after(("127.0.0.1", "alice")) > 0
+
+
+def test_the_login_line_past_the_longest_delay_holds_at_most_max_waiting_turns(
+    make_client: Callable[..., TestClient], fake_time: FakeTime
+) -> None:
+    """A turn further away than ``max_delay`` is given only while fewer than
+    ``max_waiting`` wait, so that the attempts sleeping for their turn stay few and none
+    waits longer than ``max_waiting * max_delay``."""
+    fake_time.frozen = True
+    first = make_client(signed_in=False)
+    throttle = first.app.state.errands.auth.throttle  # type: ignore[attr-defined]
+    throttle.free_failures, throttle.step, throttle.max_delay = 5, 0.5, 1.5
+    throttle.clock = fake_time.clock
+    for i in range(20):
+        throttle.failed(("10.0.0.9", f"name{i}"))
+    codes: list[int] = []
+    for n in range(4):  # four addresses, four names each: more than the line holds
+        client = TestClient(first.app, base_url=BASE_URL, client=(f"10.0.1.{n}", 50000))
+        codes += failed_logins(client, [f"user{i}" for i in range(4)])
+    assert codes.count(400) == throttle.max_waiting and codes.count(429) == 16 - 8
+    assert max(fake_time.waits) <= throttle.max_waiting * throttle.max_delay
 
 
 def test_the_failed_login_table_forgets_old_entries_and_stays_bounded(

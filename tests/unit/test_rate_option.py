@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import errands
 from errands.backends.limits import RATE_COUNT_MAX, parse_rate
 from errands.errors import ConfigurationError
 
@@ -30,3 +33,19 @@ def test_a_rate_that_cannot_be_stored_is_refused_naming_the_form(text: str, says
     declare and enqueue (SQLite stored it)."""
     with pytest.raises(ConfigurationError, match=says):
         parse_rate(text)
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [2**31, 2**40, 10**400, True, 0, -1, 2.0, "10"],
+    ids=["2**31", "2**40", "10**400", "True", "0", "-1", "2.0", "'10'"],
+)
+def test_a_queue_limit_that_cannot_be_stored_is_refused_at_declaration(
+    tmp_path: Path, limit: object
+) -> None:
+    """app.queue(limit=2**40) was taken, and every worker on PostgreSQL then failed at
+    its start storing it ("integer out of range"); limit=True was a limit of 1."""
+    app = errands.App(f"sqlite:///{tmp_path}/errands.db")
+    with pytest.raises(ConfigurationError, match=r"limit must be >= 1, an int of at most"):
+        app.queue("emails", limit=limit)  # type: ignore[arg-type]
+    app.queue("emails", limit=2**31 - 1)  # the largest a store keeps

@@ -11,7 +11,7 @@ import click
 
 from ..app import App
 from ..errors import ConfigurationError, ErrandsError
-from ..jobs import ALL_STATES, listed_by_priority, parse_cursor
+from ..jobs import ALL_STATES, ID_MAX, listed_by_priority, parse_cursor
 from ..masking import mask_value, sensitive_values
 from ..suggest import did_you_mean
 from . import render
@@ -20,7 +20,7 @@ from .params import FiniteFloatRange
 
 # Ids and priorities as the stores keep them: a larger number was a traceback from deep
 # inside ("Python int too large to convert to SQLite INTEGER"), now click's own message.
-ID = click.IntRange(min=1, max=2**63 - 1)
+ID = click.IntRange(min=1, max=ID_MAX)
 PRIORITY = click.IntRange(min=-(2**31), max=2**31 - 1)
 
 STATE_CHOICE = click.Choice(ALL_STATES)

@@ -91,7 +91,7 @@ async def login_submit(request: Request) -> Response:
     # Every attempt waits, the right one too: were only failures slowed, a guesser could
     # stop waiting early and take the silence for "wrong". Past the free failures the
     # checks take turns (LoginThrottle.admit): attempts sent at once wait in line.
-    delay = throttle.admit(address)
+    delay = throttle.admit(key)
     if delay is None:
         return _throttled(request, next_path, throttle.max_delay)
     if delay:

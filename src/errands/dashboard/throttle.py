@@ -10,8 +10,13 @@ Two rules (behind a reverse proxy every user shares the proxy's address):
   ``max_delay``, and the secrets are checked one at a time that far apart: each attempt
   reserves the next check's moment (:meth:`admit`). A wait alone let a guesser who sent
   100 attempts at once, a new name each, have 100 checks per wait; now the checks are at
-  most one per delay however many wait, and an attempt whose turn is more than
-  ``max_delay`` away is answered 429 at once, unchecked.
+  most one per delay however many wait. A pair holds one turn at a time, an address at
+  most ``turns_per_address``, and a turn more than ``max_delay`` away is given only while
+  fewer than ``max_waiting`` wait; any other attempt is answered 429 at once, unchecked.
+  The turns were one per address: behind a proxy a guesser re-sending wrong logins under
+  one name held the proxy's turn, and every operator's right login got 429; now the
+  operator's pair gets the turn after the guesser's (at saturation, where the delay is
+  ``max_delay``, a turn that far away fits nobody behind another one).
 
 Entries older than the window are dropped as new failures arrive, and at most
 ``max_keys`` pairs are kept (the least recently failed go first).
@@ -40,7 +45,9 @@ class LoginThrottle:
     _by_key: OrderedDict[LoginKey, deque[float]] = field(default_factory=OrderedDict)
     _recent: deque[float] = field(default_factory=deque)
     _next_check: float = 0.0  # the earliest moment the next secret may be checked
-    _turns: dict[str, float] = field(default_factory=dict)  # address -> its pending turn
+    turns_per_address: int = 4  # turns pending at once from one address (names differ)
+    max_waiting: int = 8  # turns pending at once past ``max_delay`` away
+    _turns: dict[LoginKey, float] = field(default_factory=dict)  # pair -> its pending turn
 
     def __len__(self) -> int:
         """How many (address, name) pairs are remembered."""
@@ -60,26 +67,36 @@ class LoginThrottle:
         extra = len(self._recent) - self.free_failures
         return min(extra * self.step, self.max_delay) if extra > 0 else 0.0
 
-    def admit(self, address: str) -> float | None:
-        """Seconds this attempt from ``address`` waits before its secret is checked (its
-        reserved turn), or None: refuse it now, because its turn would be more than
-        ``max_delay`` away or ``address`` holds a turn not yet come. Under the free
+    def admit(self, key: LoginKey) -> float | None:
+        """Seconds this attempt by ``key`` (client address, typed name) waits before its
+        secret is checked (its reserved turn), or None: refuse it now. Under the free
         failures, no wait; past them, at least :meth:`delay`, and the turns are that far
-        apart whichever attempts, at once or not, reserve them. One pending turn per
-        address: a flood from one address cannot take every turn (an operator elsewhere
-        still gets one within the longest delay)."""
+        apart whichever attempts, at once or not, reserve them.
+
+        Refused: a pair that holds a turn not yet come (a guesser under one name waits for
+        its own turn, and cannot queue more), an address that holds ``turns_per_address``
+        (a flood from one address, a new name each, leaves turns to the others), and a
+        turn more than ``max_delay`` away when ``max_waiting`` turns are pending already.
+        A turn past ``max_delay`` is given while fewer wait: at the longest delay every
+        turn is ``max_delay`` after the one before, so only the first in line would fit,
+        and a guesser re-sending wrong logins would hold it for good: behind a proxy
+        (one address for all) every operator's right login got 429. Each pending turn
+        is at most ``max_delay`` after the one before, so no attempt waits longer than
+        ``max_waiting * max_delay``."""
         spacing = self.delay()
         if not spacing:
             return 0.0
         now = self.clock()
-        self._turns = {a: t for a, t in self._turns.items() if t > now}  # (a few at most)
-        if address in self._turns:
+        self._turns = {k: t for k, t in self._turns.items() if t > now}  # (a few at most)
+        if key in self._turns:
+            return None
+        if sum(k[0] == key[0] for k in self._turns) >= self.turns_per_address:
             return None
         wait = max(spacing, self._next_check - now)  # every attempt waits, a right one too
-        if wait > self.max_delay:
+        if wait > self.max_delay and len(self._turns) >= self.max_waiting:
             return None
         self._next_check = now + wait + spacing
-        self._turns[address] = now + wait
+        self._turns[key] = now + wait
         return wait
 
     def failed(self, key: LoginKey) -> None:

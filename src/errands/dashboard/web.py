@@ -452,10 +452,12 @@ def query_text(request: Request, name: str, limit: int = 200) -> str | None:
 
 
 def as_id(text: str) -> int | None:
-    """``text`` as a job's or a workflow's id (1 to 18 ASCII digits), else None:
-    ``str.isdigit`` takes "²" too, which int() then refuses (a bare 500)."""
+    """``text`` as a job's or a workflow's id (1 to 18 ASCII digits, not 0), else None:
+    ``str.isdigit`` takes "²" too, which int() then refuses (a bare 500), and the App
+    refuses id 0 (ConfigurationError: a 500 for ?before_id=0)."""
     text = text.strip()
-    return int(text) if ID_TEXT.fullmatch(text) else None
+    value = int(text) if ID_TEXT.fullmatch(text) else 0
+    return value if value >= 1 else None
 
 
 def query_int(request: Request, name: str) -> int | None:
