@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import select
@@ -179,6 +180,20 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
     return result
 
 
+def _worker_seconds(value: float, option: str, *, above_zero: bool = True) -> float:
+    """A worker's duration option, checked: a finite number of seconds, more than 0 where
+    ``above_zero`` (else 0 or more). NaN compares false with every bound, so a bounds check
+    alone let ``poll_interval=nan`` through (a worker that never slept between claims) and
+    ``grace=inf`` (a shutdown that never ended)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (above_zero and value == 0):
+        raise ConfigurationError(
+            f"{option}={value!r}: give a finite number of seconds "
+            f"{'above 0' if above_zero else '(0 or more)'}, such as {option}=1"
+        )
+    return float(value)
+
+
 class Worker:
     recorder_class: type[OutcomeRecorder] = OutcomeRecorder  # the test tools add to it
 
@@ -217,9 +232,8 @@ class Worker:
         if concurrency < 1:
             raise ConfigurationError("concurrency (-c) must be at least 1")
         self.concurrency = concurrency
-        if grace < 0 or poll_interval <= 0:
-            raise ConfigurationError("grace must be >= 0 and poll_interval > 0")
-        self.grace = grace
+        self.grace = grace = _worker_seconds(grace, "grace", above_zero=False)
+        poll_interval = _worker_seconds(poll_interval, "poll_interval")
         self.abandon_after = abandon_after
         if pool not in ("thread", "process"):
             raise ConfigurationError(f"pool={pool!r}: choose thread or process")
@@ -330,7 +344,11 @@ class Worker:
             on_timeout=lambda a: on_deadline(self, a),
             on_fence=lambda a: on_fence(self, a),
         )
-        tick = maintenance_tick if maintenance_tick is not None else min(1.0, app.lease / 4)
+        tick = (
+            _worker_seconds(maintenance_tick, "maintenance_tick")
+            if maintenance_tick is not None
+            else min(1.0, app.lease / 4)
+        )
         self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
         self.processed = 0
         self.started_at = 0.0
