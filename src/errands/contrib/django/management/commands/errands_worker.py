@@ -8,7 +8,9 @@ and any native ``@get_app().job`` functions.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -38,13 +40,13 @@ class Command(BaseCommand):
         parser.add_argument("-c", "--concurrency", type=int, help="jobs at once (default 10)")
         parser.add_argument(
             "--grace",
-            type=float,
+            type=_seconds,
             default=30.0,
             help="seconds in-flight jobs get to finish on SIGTERM (default 30)",
         )
         parser.add_argument(
             "--poll-interval",
-            type=float,
+            type=_seconds,
             default=1.0,
             help="seconds between claims when the queues are idle (default 1)",
         )
@@ -61,7 +63,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--maintenance-tick",
-            type=float,
+            type=_seconds,
             help="seconds between maintenance rounds (default: the lease / 4, at most 1)",
         )
         parser.add_argument(
@@ -152,6 +154,23 @@ class Command(BaseCommand):
             os._exit(code)
         if code:
             sys.exit(code)
+
+
+def _seconds(text: str) -> float:
+    """An option's seconds. ``float()`` reads "nan" and "inf" too, which the range
+    checks let through (NaN compares false with either bound): a usage error instead,
+    worded as the errands CLI's."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number; give seconds, such as 30"
+        ) from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite number; give seconds, such as 30"
+        )
+    return value
 
 
 def _display(app: Any) -> str:
