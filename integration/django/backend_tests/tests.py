@@ -567,3 +567,19 @@ class ManagementCommandOptions(SimpleTestCase):
                 ),
             ):
                 call_command("errands_worker", option, value)
+
+    def test_the_worker_command_refuses_an_empty_queues_option_naming_the_fix(self) -> None:
+        """--queues "" (an unset $QUEUE in a deploy script) was read as no --queues at all:
+        the worker silently served the backend's QUEUES. As ``errands worker -q ""``
+        does, it is refused, before anything is opened, saying how to fix it."""
+        for spec in ["", " ", ","]:
+            with (
+                self.subTest(spec=spec),
+                self.assertRaisesMessage(
+                    CommandError,
+                    f"--queues {spec!r} names no queue (an unset $QUEUE?): name them, as in "
+                    "--queues emails,payments, or leave --queues out to serve the backend's "
+                    "QUEUES",
+                ),
+            ):
+                call_command("errands_worker", "--queues", spec)

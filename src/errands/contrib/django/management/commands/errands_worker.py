@@ -98,6 +98,13 @@ class Command(BaseCommand):
             raise CommandError("--express must be 0 (off) or more")
         if options["grace"] < 0 or options["poll_interval"] <= 0:
             raise CommandError("--grace must be >= 0 and --poll-interval > 0")
+        spec = options["queues"]
+        if spec is not None and not spec.replace(",", "").strip():
+            # as `errands worker -q ""`: an empty value is not a missing one
+            raise CommandError(
+                f"--queues {spec!r} names no queue (an unset $QUEUE?): name them, as in "
+                "--queues emails,payments, or leave --queues out to serve the backend's QUEUES"
+            )
         alias = options["backend"]
         try:
             params = backend_params(alias)
@@ -109,7 +116,7 @@ class Command(BaseCommand):
             install_record_factory()  # job id, name, queue and attempt on every record
         app = get_app(alias)
         names = app.autodiscover()
-        queues = options["queues"] or serving_queues(params, app)
+        queues = serving_queues(params, app) if spec is None else spec
         if options["metrics_port"] is not None:
             from errands.observability.metrics import serve_metrics
 
