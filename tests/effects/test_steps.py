@@ -147,6 +147,42 @@ def test_step_result_that_is_not_json_fails_the_job_permanently_with_a_step_erro
     assert app.job_steps(handle.id) == []
 
 
+def test_a_step_returning_nan_or_infinity_fails_the_job_permanently_naming_the_step(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """A step's result holding NaN or infinity, which JSON cannot hold, is refused on
+    both backends as a signal's payload is: a permanent StepError naming the step and
+    where in its result, nothing stored, the effect run once. SQLite stored it as JSON
+    no standard reader takes, and PostgreSQL's jsonb refused it with a raw driver error
+    taken for a transient failure: each retry ran the step's effect again."""
+    app = make_app()
+    measured: list[int] = []
+
+    def measure() -> dict[str, Any]:
+        measured.append(1)
+        return {"sensor": "t1", "readings": [20.5, float("nan")]}
+
+    @app.job(name="nan_step", retries=3)
+    def nan_step(ctx: errands.Context) -> None:
+        ctx.step("measure", measure)
+
+    tester = errands_testing(app)
+    handle = nan_step.enqueue()
+    drained = tester.drain()
+
+    assert drained.outcomes == {"dead": 1}
+    assert isinstance(drained.errors[0], StepError)
+    assert measured == [1]
+    job = handle.job()
+    assert job.last_error is not None and job.last_error.type == "StepError"
+    assert job.last_error.message == (
+        f"step 'measure' of job {handle.id}: its result: readings.1: a number that is NaN "
+        "or infinite, which JSON cannot hold; use a finite number, null, or a string such "
+        'as "inf"'
+    )
+    assert app.job_steps(handle.id) == []
+
+
 def test_step_name_used_twice_in_one_run_fails_the_job_with_a_step_error(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

@@ -38,7 +38,7 @@ from ..errors import ConfigurationError, StepError, TransactionEnded, is_transie
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
-from ..payload import NUL_FIX, holds_nul
+from ..payload import unstorable_json
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets, scrub
 
 if TYPE_CHECKING:
@@ -126,11 +126,12 @@ class AttemptRuntime:
                 f"which cannot be stored as JSON ({exc}); return JSON-friendly data (dicts, "
                 "lists, numbers, strings, pydantic models, dataclasses)"
             ) from None
-        if holds_nul(encoded):
-            raise StepError(
-                f"step {name!r} of job {self.attempt.id} returned text holding the NUL "
-                f"character (\\x00), which PostgreSQL cannot store; {NUL_FIX}"
-            )
+        # NaN, infinity or a NUL: refused on both backends, as signal payloads are (SQLite
+        # stored NaN as JSON no standard reader takes; PostgreSQL's jsonb refused it with a
+        # raw driver error, a transient failure whose retries ran the step's effect again)
+        problem = unstorable_json(f"step {name!r} of job {self.attempt.id}: its result", encoded)
+        if problem is not None:
+            raise StepError(str(problem))
         with self._lock:
             if self._let_go and self.tx_opened:  # its transaction was let go of
                 raise TransactionEnded(
