@@ -292,7 +292,7 @@ class OutcomeRecorder:
             self.worker.slot_freed(attempt)
         finally:
             if result.written is not None:
-                self.worker.completer.fanned_in(result.settled, result.released)
+                self.worker.completer.child_fanned_in(result.settled, result.released)
                 self.on_written(attempt, outcome, result.written)
             else:
                 self.worker.completer.submit(attempt, outcome)
