@@ -15,9 +15,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 import errands
 from errands.errors import StepError
 from errands.testing import Tester
+from tests.conftest import needs_boottime, suspend_host
 
 Make = Callable[..., Any]
 
@@ -286,10 +289,7 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
     and stored the step meanwhile) or that was asked to stop (cancelled, lease lost or
     unrenewable, timed out): Interrupted instead. A stale attempt resumed with the steps
     it had read before its pause and ran a charge the newer attempt had already made."""
-    import time
-
-    import pytest
-
+    from errands import clock
     from errands.worker.execution import CANCELLED, LEASE_LOST, Interrupted
 
     app = make_app()
@@ -303,11 +303,11 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
     runtime = attempt.runtime
     assert runtime.step("read", lambda: effects.append("read") or 1) == 1  # steps cached
 
-    attempt.lease_valid_until = time.monotonic() - 1  # paused past its lease
+    attempt.lease_valid_until = clock.now() - 1  # paused past its lease
     with pytest.raises(Interrupted, match="could not be renewed") as stopped:
         runtime.step("charge", lambda: effects.append("charge"))
     assert "step 'charge' of job" in stopped.value.__notes__[0]
-    attempt.lease_valid_until = time.monotonic() + 30
+    attempt.lease_valid_until = clock.now() + 30
     attempt.stop_reason = LEASE_LOST
     with pytest.raises(Interrupted, match="lease lost"):
         runtime.step("email", lambda: effects.append("email"))
@@ -315,4 +315,32 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
     with pytest.raises(Interrupted) as cancelled:
         runtime.step("sms", lambda: effects.append("sms"))
     assert cancelled.value.kind == "cancelled"
+    assert effects == ["read"]
+
+
+@needs_boottime
+def test_a_step_after_the_host_was_suspended_past_the_lease_is_not_started(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an attempt whose lease holds for 30 s more, when the host sleeps for a minute
+    (a laptop's lid closed, a VM paused by its hypervisor), then its next step's effect is
+    not started (Interrupted, as for a process paused past its lease): the store's clock
+    went on, so the lease has run out there and another worker may have the job. The
+    worker's clock stopped with the host (CLOCK_MONOTONIC), and the step ran."""
+    from errands.worker.execution import Interrupted
+
+    app = make_app()
+    effects: list[str] = []
+
+    @app.job(name="suspended.steps")
+    def suspended_steps() -> None: ...
+
+    suspended_steps.enqueue()
+    attempt = _stale_runtime(app, suspended_steps)  # claimed now, with a 30 s lease
+    runtime = attempt.runtime
+    assert runtime.step("read", lambda: effects.append("read") or 1) == 1
+
+    suspend_host(monkeypatch, 60)
+    with pytest.raises(Interrupted, match="could not be renewed"):
+        runtime.step("charge", lambda: effects.append("charge"))
     assert effects == ["read"]

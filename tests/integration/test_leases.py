@@ -13,6 +13,7 @@ import pytest
 import errands
 from errands import JobState
 from errands.maintenance.service import Maintenance, leader_ttl
+from tests.conftest import needs_boottime, suspend_host
 
 from .helpers import claim_as_dead_worker, expire_lease, force_rescue, raw_row, wait_until
 
@@ -391,6 +392,37 @@ def test_a_leader_whose_tick_outlasts_a_third_of_its_leadership_renews_it_betwee
     leader.run_once()
     assert leader.is_leader
     assert elections == ["w-slow", "w-slow"]  # at the start, and after the slow duty
+
+
+@needs_boottime
+def test_a_leader_whose_host_was_suspended_during_a_tick_renews_before_its_next_duty(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a leader whose host sleeps for a minute during a tick (past its leadership,
+    a few seconds, which the store's clock counted), then it asks the store again before
+    the tick's next duty, and runs it only if still the leader: another worker may have
+    taken the leadership meanwhile. Its clock had stopped during the suspend, so it ran
+    the next duty as leader without asking."""
+    leader = Maintenance(app, "w-sleeper")
+    elections: list[str] = []
+    elect = app.backend.leader_attempt_elect
+
+    def counted(name: str, worker_id: str, ttl: float) -> bool:
+        elections.append(worker_id)
+        return elect(name, worker_id, ttl)
+
+    promote = app.backend.job_promote_due
+
+    def promotion_then_suspend(limit: int = 1000) -> int:
+        done = promote(limit)
+        suspend_host(monkeypatch, 60)  # the lid closed after the tick's first duty
+        return done
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
+    monkeypatch.setattr(app.backend, "job_promote_due", promotion_then_suspend)
+    leader.run_once()
+    assert leader.is_leader
+    assert elections == ["w-sleeper", "w-sleeper"]  # at the start, and after the suspend
 
 
 def test_a_leader_stopped_during_a_long_duty_does_not_take_the_leadership_again(

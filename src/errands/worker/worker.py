@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import clock
 from ..backends import redact_url
 from ..backends.base import LeaseRef, QueueClaim, QueueSettings, WorkerInfo
 from ..definition import check_name
@@ -799,7 +800,7 @@ class Worker:
                 self._wake.wait(BATCH_GATHER)
                 continue
             gathered = False
-            sent = time.monotonic()  # each claimed lease runs from (at latest) the claim's send
+            sent = clock.now()  # each claimed lease runs from (at latest) the claim's send
             limited_done = self._limited_done
             claimed = self.claimer.claim(plan, room, free, suspects)
             if claimed.retry_in is not None:
@@ -877,7 +878,7 @@ class Worker:
         fills every slot (its wait for a slot was most of its dwell: 6-7 x the idle
         queue's). True when it started any."""
         self._express_wanted = False
-        sent = time.monotonic()
+        sent = clock.now()  # (the lease clock: see _start_all)
         with self._lock:  # rescued ones for the suspect lanes free (none before they can run)
             suspects = max(self.suspect_lanes - self._suspects, 0)
         if not self._suspects_startable():
@@ -944,7 +945,8 @@ class Worker:
     ) -> None:
         """Take on a claim's rows: one hold of the lock for the batch, then dispatch each.
 
-        ``sent``: when the claim was sent (monotonic). The store started each lease when
+        ``sent``: when the claim was sent (:func:`errands.clock.now`, the clock of every
+        attempt's lease). The store started each lease when
         it ran the claim, so this worker counts the lease from the send, not from the
         reply: a reply held up (a network cut that delivers it late) would otherwise make
         a lease that ran out at the store look valid here for the time it was held, and
@@ -955,7 +957,7 @@ class Worker:
         if not rows:
             return
         registry, lease = self.app.registry, self.app.lease
-        started = time.monotonic() if sent is None else sent
+        started = clock.now() if sent is None else sent
         attempts = [
             Attempt(
                 row=row,
