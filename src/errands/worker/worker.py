@@ -623,12 +623,17 @@ class Worker:
         """Store the limits this app declares in code (``app.queue``): the store holds the
         cluster-wide ones. Per-key limits and job-type rates travel on each job row; they
         are also declared here for workers of older versions, which read them from the
-        queue's flag and the job-limits table (the flag only ever turns on)."""
+        queue's flag and the job-limits table (the flag only ever turns on).
+
+        A queue with such job types that this app does not declare gets the flag alone
+        (queue_declare_keyed): its settings were read here and written back whole, so
+        another deployment's declaration stored between the two was undone."""
         backend = self.app.backend
         keyed = {d.queue for d in self.app.registry.values() if d.limited}
-        current = {s.name: s for s in backend.queue_settings()}
-        for name in sorted(set(self.app.queues) | keyed):
-            declared = self.app.queues.get(name) or current.get(name) or QueueSettings(name)
+        for name in sorted(keyed - set(self.app.queues)):
+            backend.queue_declare_keyed(name, f"worker:{self.id}")
+        for name in sorted(self.app.queues):
+            declared = self.app.queues[name]
             settings = QueueSettings(
                 name,
                 max_running=declared.max_running,
