@@ -136,18 +136,22 @@ def test_step_result_that_is_not_json_fails_the_job_permanently_with_a_step_erro
     def bad_result(ctx: errands.Context) -> None:
         ctx.step("socket", object)
 
-    tester = errands_testing(app)
-    handle = bad_result.enqueue()
-    drained = tester.drain()
+    _, message = _dead_with_a_step_error(app, errands_testing(app), bad_result)
+    assert "step 'socket'" in message
+    assert "cannot be stored as JSON" in message
 
-    assert drained.outcomes == {"dead": 1}  # no retry: the step's effect would run again
+
+def _dead_with_a_step_error(app: errands.App, tester: Tester, job: Any) -> tuple[int, str]:
+    """Enqueue ``job`` and drain: it is dead at once (no retry: the step's effect would
+    run again) with a StepError, and no step stored. Its id and the error's message."""
+    handle = job.enqueue()
+    drained = tester.drain()
+    assert drained.outcomes == {"dead": 1}
     assert isinstance(drained.errors[0], StepError)
-    job = handle.job()
-    assert job.last_error is not None
-    assert job.last_error.type == "StepError"
-    assert "step 'socket'" in job.last_error.message
-    assert "cannot be stored as JSON" in job.last_error.message
+    error = handle.job().last_error
+    assert error is not None and error.type == "StepError"
     assert app.job_steps(handle.id) == []
+    return handle.id, error.message
 
 
 def test_a_step_returning_nan_or_infinity_fails_the_job_permanently_naming_the_step(
@@ -169,21 +173,13 @@ def test_a_step_returning_nan_or_infinity_fails_the_job_permanently_naming_the_s
     def nan_step(ctx: errands.Context) -> None:
         ctx.step("measure", measure)
 
-    tester = errands_testing(app)
-    handle = nan_step.enqueue()
-    drained = tester.drain()
-
-    assert drained.outcomes == {"dead": 1}
-    assert isinstance(drained.errors[0], StepError)
+    job_id, message = _dead_with_a_step_error(app, errands_testing(app), nan_step)
     assert measured == [1]
-    job = handle.job()
-    assert job.last_error is not None and job.last_error.type == "StepError"
-    assert job.last_error.message == (
-        f"step 'measure' of job {handle.id}: its result: readings.1: a number that is NaN "
+    assert message == (
+        f"step 'measure' of job {job_id}: its result: readings.1: a number that is NaN "
         "or infinite, which JSON cannot hold; use a finite number, null, or a string such "
         'as "inf"'
     )
-    assert app.job_steps(handle.id) == []
 
 
 def test_step_name_used_twice_in_one_run_fails_the_job_with_a_step_error(

@@ -103,6 +103,24 @@ def _work_until(ctx: errands.Context, done: Callable[[], bool], cancelled: list[
     return "done"
 
 
+def _until_finished(
+    app: errands.App,
+    name: str,
+    started: threading.Event,
+    finish: threading.Event,
+    cancelled: list[str],
+) -> Any:
+    """A job (no retries) whose handler sets ``started``, then works until ``finish`` is
+    set ("done") or it is asked to stop ("cut short", the reason in ``cancelled``)."""
+
+    @app.job(name=name, retries=0)
+    def long(ctx: errands.Context) -> str:
+        started.set()
+        return _work_until(ctx, finish.is_set, cancelled)
+
+    return long
+
+
 def test_a_sync_handler_without_a_context_is_interrupted_when_its_lease_cannot_be_renewed(
     app_with_lease: Callable[[float], errands.App], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -305,12 +323,7 @@ def test_an_outage_spanning_two_heartbeats_but_ending_before_the_fence_fences_no
     app = app_with_lease(18)
     started, finish = threading.Event(), threading.Event()
     cancelled: list[str] = []
-
-    @app.job(name="outage.long", retries=0)
-    def long(ctx: errands.Context) -> str:
-        started.set()
-        return _work_until(ctx, finish.is_set, cancelled)
-
+    long = _until_finished(app, "outage.long", started, finish, cancelled)
     heartbeats = _cut(app, monkeypatch)
     with running_worker(app, maintenance=False):
         handle = long.enqueue()
@@ -410,12 +423,7 @@ def test_a_worker_resumed_from_a_suspend_whose_heartbeat_gets_through_keeps_its_
     app = app_with_lease(60)
     started, finish = threading.Event(), threading.Event()
     cancelled: list[str] = []
-
-    @app.job(name="suspend.kept", retries=0)
-    def long(ctx: errands.Context) -> str:
-        started.set()
-        return _work_until(ctx, finish.is_set, cancelled)
-
+    long = _until_finished(app, "suspend.kept", started, finish, cancelled)
     heartbeats = _cut(app, monkeypatch)
     with running_worker(app, maintenance=False) as w:
         handle = long.enqueue()

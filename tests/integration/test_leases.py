@@ -7,6 +7,7 @@ longer than its lease. The stale attempt's handler is still running when that ha
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -373,25 +374,34 @@ def test_a_leader_whose_tick_outlasts_a_third_of_its_leadership_renews_it_betwee
     big rescue batch, a prune, a store waiting on a lock) renews it again between its
     duties, so that no other worker takes it over and runs the same duties beside it."""
     app.lease = 3.0  # leadership: 3 s
-    leader = Maintenance(app, "w-slow")
-    elections: list[str] = []
-    elect = app.backend.leader_attempt_elect
-
-    def counted(name: str, worker_id: str, ttl: float) -> bool:
-        elections.append(worker_id)
-        return elect(name, worker_id, ttl)
-
-    promote = app.backend.job_promote_due
-
-    def slow_promotion(limit: int = 1000) -> int:
-        time.sleep(1.2)  # past a third of the leadership
-        return promote(limit)
-
-    monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
-    monkeypatch.setattr(app.backend, "job_promote_due", slow_promotion)
-    leader.run_once()
+    # the promotion then takes past a third of the leadership
+    leader, elections = _tick(app, monkeypatch, "w-slow", lambda: time.sleep(1.2))
     assert leader.is_leader
     assert elections == ["w-slow", "w-slow"]  # at the start, and after the slow duty
+
+
+def _tick(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch, worker_id: str, after: Callable[[], object]
+) -> tuple[Maintenance, list[str]]:
+    """One tick of a leader ``worker_id`` that calls ``after`` once its first duty (the
+    promotion) is done; the leader, and every election it asked the store for."""
+    leader = Maintenance(app, worker_id)
+    elections: list[str] = []
+    elect, promote = app.backend.leader_attempt_elect, app.backend.job_promote_due
+
+    def counted(name: str, owner: str, ttl: float) -> bool:
+        elections.append(owner)
+        return elect(name, owner, ttl)
+
+    def promotion_then(limit: int = 1000) -> int:
+        done = promote(limit)
+        after()
+        return done
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
+    monkeypatch.setattr(app.backend, "job_promote_due", promotion_then)
+    leader.run_once()
+    return leader, elections
 
 
 @needs_boottime
@@ -403,24 +413,8 @@ def test_a_leader_whose_host_was_suspended_during_a_tick_renews_before_its_next_
     the tick's next duty, and runs it only if still the leader: another worker may have
     taken the leadership meanwhile. Its clock had stopped during the suspend, so it ran
     the next duty as leader without asking."""
-    leader = Maintenance(app, "w-sleeper")
-    elections: list[str] = []
-    elect = app.backend.leader_attempt_elect
-
-    def counted(name: str, worker_id: str, ttl: float) -> bool:
-        elections.append(worker_id)
-        return elect(name, worker_id, ttl)
-
-    promote = app.backend.job_promote_due
-
-    def promotion_then_suspend(limit: int = 1000) -> int:
-        done = promote(limit)
-        suspend_host(monkeypatch, 60)  # the lid closed after the tick's first duty
-        return done
-
-    monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
-    monkeypatch.setattr(app.backend, "job_promote_due", promotion_then_suspend)
-    leader.run_once()
+    # the lid closed after the tick's first duty
+    leader, elections = _tick(app, monkeypatch, "w-sleeper", lambda: suspend_host(monkeypatch, 60))
     assert leader.is_leader
     assert elections == ["w-sleeper", "w-sleeper"]  # at the start, and after the suspend
 
