@@ -77,6 +77,26 @@ def cancel_while_inserting(
     asyncio.run(scenario())
 
 
+# A host suspend, for the tests of errands.clock's users (Linux: CLOCK_BOOTTIME).
+needs_boottime = pytest.mark.skipif(
+    not hasattr(time, "CLOCK_BOOTTIME"),
+    reason="no CLOCK_BOOTTIME here: errands.clock is time.monotonic, which a suspend stops",
+)
+
+
+def suspend_host(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """From now on, as if this host had just been suspended for ``seconds``: the clock
+    that counts a suspend (CLOCK_BOOTTIME) is that much further on, while
+    ``time.monotonic()`` (CLOCK_MONOTONIC, which a suspend stops) and every sleep and
+    wait are as they were."""
+    boottime, real = time.CLOCK_BOOTTIME, time.clock_gettime
+
+    def clock_gettime(clock_id: int) -> float:
+        return real(clock_id) + (seconds if clock_id == boottime else 0.0)
+
+    monkeypatch.setattr(time, "clock_gettime", clock_gettime)
+
+
 class LoopTicks:
     """A task that ticks every 10 ms: the longest gap between ticks is how long the event
     loop was blocked."""

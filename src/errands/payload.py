@@ -122,7 +122,7 @@ def unstorable_json(what: str, text: str) -> InvalidPayload | None:
     if nonfinite and (where := nonfinite_path(value)) is not None:
         return InvalidPayload(
             f"{what}: {where}: a number that is NaN or infinite, which JSON cannot hold; "
-            'send a finite number, null, or a string such as "inf"'
+            'use a finite number, null, or a string such as "inf"'
         )
     if (where := nul_path(value)) is not None:
         return InvalidPayload(

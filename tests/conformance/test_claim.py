@@ -245,4 +245,40 @@ def test_the_plain_claim_never_takes_a_queue_whose_stored_settings_limit_it(
     assert len(claim(backend, queue="plain")) == 1
 
 
+def test_declaring_a_queue_keyed_turns_its_flag_on_and_leaves_every_other_setting(
+    backend: Backend,
+) -> None:
+    """queue_declare_keyed, for a queue a worker's code has limited job types in but does
+    not declare: a queue without a row gets one (no limits, not paused); a queue with one
+    keeps its limits, fairness, aging and pause, whoever stored them, and its flag only
+    ever turns on (a second call writes nothing: the same updated_by)."""
+    from errands.backends.base import QueueSettings
+
+    backend.queue_declare_keyed("fresh", "worker:a")
+    backend.queue_declare(
+        QueueSettings("held", max_running=3, rate_limit=5, rate_period=2.0, fair=True, aging=9.0),
+        "worker:other",
+    )
+    backend.queue_set_paused("held", True, "ops")
+    backend.queue_declare_keyed("held", "worker:a")
+    backend.queue_declare_keyed("fresh", "worker:b")
+    stored = {s.name: s for s in backend.queue_settings()}
+    fresh, held = stored["fresh"], stored["held"]
+    assert (fresh.jobs_declare_limits, fresh.paused, fresh.max_running, fresh.fair) == (
+        True,
+        False,
+        None,
+        False,
+    )
+    assert fresh.updated_by == "worker:a"
+    assert held.jobs_declare_limits and held.paused
+    assert (held.max_running, held.rate_limit, held.rate_period, held.fair, held.aging) == (
+        3,
+        5,
+        2.0,
+        True,
+        9.0,
+    )
+
+
 WORKER_ID = "w-conformance"

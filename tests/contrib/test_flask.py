@@ -57,6 +57,29 @@ def test_the_worker_command_names_a_bad_queue_in_one_line_not_a_traceback(db_url
     assert "Traceback" not in result.output and result.exception.__class__ is SystemExit
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--grace", "nan"],
+        ["--grace", "inf"],
+        ["--poll-interval", "nan"],
+        ["--poll-interval", "inf"],
+    ],
+)
+def test_the_worker_command_refuses_nan_or_infinite_seconds_as_a_usage_error(
+    db_url: str, args: list[str]
+) -> None:
+    """click's FloatRange lets NaN through (it compares false with either bound), and
+    infinity past a minimum: ``flask errands-worker --poll-interval nan`` started a
+    worker that never slept between claims. It is a usage error naming the option, as
+    in ``errands worker``."""
+    web = Flask(__name__)
+    Errands(web, errands.App(db_url))
+    result = web.test_cli_runner().invoke(args=["errands-worker", *args])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{args[0]}': '{args[1]}' is not a finite number" in result.output
+
+
 def test_an_embedded_worker_runs_jobs(db_url: str) -> None:
     app = errands.App(db_url)
 

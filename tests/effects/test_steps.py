@@ -15,9 +15,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 import errands
 from errands.errors import StepError
 from errands.testing import Tester
+from tests.conftest import needs_boottime, suspend_host
 
 Make = Callable[..., Any]
 
@@ -133,18 +136,50 @@ def test_step_result_that_is_not_json_fails_the_job_permanently_with_a_step_erro
     def bad_result(ctx: errands.Context) -> None:
         ctx.step("socket", object)
 
-    tester = errands_testing(app)
-    handle = bad_result.enqueue()
-    drained = tester.drain()
+    _, message = _dead_with_a_step_error(app, errands_testing(app), bad_result)
+    assert "step 'socket'" in message
+    assert "cannot be stored as JSON" in message
 
-    assert drained.outcomes == {"dead": 1}  # no retry: the step's effect would run again
+
+def _dead_with_a_step_error(app: errands.App, tester: Tester, job: Any) -> tuple[int, str]:
+    """Enqueue ``job`` and drain: it is dead at once (no retry: the step's effect would
+    run again) with a StepError, and no step stored. Its id and the error's message."""
+    handle = job.enqueue()
+    drained = tester.drain()
+    assert drained.outcomes == {"dead": 1}
     assert isinstance(drained.errors[0], StepError)
-    job = handle.job()
-    assert job.last_error is not None
-    assert job.last_error.type == "StepError"
-    assert "step 'socket'" in job.last_error.message
-    assert "cannot be stored as JSON" in job.last_error.message
+    error = handle.job().last_error
+    assert error is not None and error.type == "StepError"
     assert app.job_steps(handle.id) == []
+    return handle.id, error.message
+
+
+def test_a_step_returning_nan_or_infinity_fails_the_job_permanently_naming_the_step(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """A step's result holding NaN or infinity, which JSON cannot hold, is refused on
+    both backends as a signal's payload is: a permanent StepError naming the step and
+    where in its result, nothing stored, the effect run once. SQLite stored it as JSON
+    no standard reader takes, and PostgreSQL's jsonb refused it with a raw driver error
+    taken for a transient failure: each retry ran the step's effect again."""
+    app = make_app()
+    measured: list[int] = []
+
+    def measure() -> dict[str, Any]:
+        measured.append(1)
+        return {"sensor": "t1", "readings": [20.5, float("nan")]}
+
+    @app.job(name="nan_step", retries=3)
+    def nan_step(ctx: errands.Context) -> None:
+        ctx.step("measure", measure)
+
+    job_id, message = _dead_with_a_step_error(app, errands_testing(app), nan_step)
+    assert measured == [1]
+    assert message == (
+        f"step 'measure' of job {job_id}: its result: readings.1: a number that is NaN "
+        "or infinite, which JSON cannot hold; use a finite number, null, or a string such "
+        'as "inf"'
+    )
 
 
 def test_step_name_used_twice_in_one_run_fails_the_job_with_a_step_error(
@@ -250,10 +285,7 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
     and stored the step meanwhile) or that was asked to stop (cancelled, lease lost or
     unrenewable, timed out): Interrupted instead. A stale attempt resumed with the steps
     it had read before its pause and ran a charge the newer attempt had already made."""
-    import time
-
-    import pytest
-
+    from errands import clock
     from errands.worker.execution import CANCELLED, LEASE_LOST, Interrupted
 
     app = make_app()
@@ -267,11 +299,11 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
     runtime = attempt.runtime
     assert runtime.step("read", lambda: effects.append("read") or 1) == 1  # steps cached
 
-    attempt.lease_valid_until = time.monotonic() - 1  # paused past its lease
+    attempt.lease_valid_until = clock.now() - 1  # paused past its lease
     with pytest.raises(Interrupted, match="could not be renewed") as stopped:
         runtime.step("charge", lambda: effects.append("charge"))
     assert "step 'charge' of job" in stopped.value.__notes__[0]
-    attempt.lease_valid_until = time.monotonic() + 30
+    attempt.lease_valid_until = clock.now() + 30
     attempt.stop_reason = LEASE_LOST
     with pytest.raises(Interrupted, match="lease lost"):
         runtime.step("email", lambda: effects.append("email"))
@@ -279,4 +311,32 @@ def test_an_attempt_past_its_lease_or_asked_to_stop_starts_no_step_effect(
     with pytest.raises(Interrupted) as cancelled:
         runtime.step("sms", lambda: effects.append("sms"))
     assert cancelled.value.kind == "cancelled"
+    assert effects == ["read"]
+
+
+@needs_boottime
+def test_a_step_after_the_host_was_suspended_past_the_lease_is_not_started(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an attempt whose lease holds for 30 s more, when the host sleeps for a minute
+    (a laptop's lid closed, a VM paused by its hypervisor), then its next step's effect is
+    not started (Interrupted, as for a process paused past its lease): the store's clock
+    went on, so the lease has run out there and another worker may have the job. The
+    worker's clock stopped with the host (CLOCK_MONOTONIC), and the step ran."""
+    from errands.worker.execution import Interrupted
+
+    app = make_app()
+    effects: list[str] = []
+
+    @app.job(name="suspended.steps")
+    def suspended_steps() -> None: ...
+
+    suspended_steps.enqueue()
+    attempt = _stale_runtime(app, suspended_steps)  # claimed now, with a 30 s lease
+    runtime = attempt.runtime
+    assert runtime.step("read", lambda: effects.append("read") or 1) == 1
+
+    suspend_host(monkeypatch, 60)
+    with pytest.raises(Interrupted, match="could not be renewed"):
+        runtime.step("charge", lambda: effects.append("charge"))
     assert effects == ["read"]

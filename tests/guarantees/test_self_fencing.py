@@ -21,7 +21,7 @@ import pytest
 import errands
 from errands.backends.base import HeartbeatResult, LeaseRef
 from errands.jobs import JobState
-from tests.conftest import running_worker
+from tests.conftest import needs_boottime, running_worker, suspend_host
 
 from .helpers import force_rescue, wait_until
 
@@ -38,6 +38,7 @@ class Heartbeats:
         self.failing = False
         self.delay = 0.0
         self.failed = 0
+        self.passed = 0  # calls that got through
         self.passed_after_failing = threading.Event()  # a call got through after a failure
         self._fail_for: float | None = None
         self._until: float | None = None
@@ -60,6 +61,7 @@ class Heartbeats:
         if self.delay:
             time.sleep(self.delay)
         result = self.real(leases)
+        self.passed += 1
         if self.failed:
             self.passed_after_failing.set()
         return result
@@ -99,6 +101,24 @@ def _work_until(ctx: errands.Context, done: Callable[[], bool], cancelled: list[
             return "cut short"
         time.sleep(0.01)
     return "done"
+
+
+def _until_finished(
+    app: errands.App,
+    name: str,
+    started: threading.Event,
+    finish: threading.Event,
+    cancelled: list[str],
+) -> Any:
+    """A job (no retries) whose handler sets ``started``, then works until ``finish`` is
+    set ("done") or it is asked to stop ("cut short", the reason in ``cancelled``)."""
+
+    @app.job(name=name, retries=0)
+    def long(ctx: errands.Context) -> str:
+        started.set()
+        return _work_until(ctx, finish.is_set, cancelled)
+
+    return long
 
 
 def test_a_sync_handler_without_a_context_is_interrupted_when_its_lease_cannot_be_renewed(
@@ -303,12 +323,7 @@ def test_an_outage_spanning_two_heartbeats_but_ending_before_the_fence_fences_no
     app = app_with_lease(18)
     started, finish = threading.Event(), threading.Event()
     cancelled: list[str] = []
-
-    @app.job(name="outage.long", retries=0)
-    def long(ctx: errands.Context) -> str:
-        started.set()
-        return _work_until(ctx, finish.is_set, cancelled)
-
+    long = _until_finished(app, "outage.long", started, finish, cancelled)
     heartbeats = _cut(app, monkeypatch)
     with running_worker(app, maintenance=False):
         handle = long.enqueue()
@@ -358,3 +373,69 @@ def test_a_job_whose_stored_lease_is_shorter_than_the_workers_heartbeat_runs_onc
     job = app.get_job(handle.id)
     assert len(runs) == 1
     assert (job.attempt, job.rescues, job.errors) == (1, 0, [])
+
+
+@needs_boottime
+def test_a_worker_resumed_from_a_suspend_past_its_lease_self_fences_at_its_first_failed_heartbeat(
+    app_with_lease: Callable[[float], errands.App], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a handler holding a 60 s lease (a heartbeat every 20 s), when the host sleeps
+    for two minutes and, once it wakes, the store is out of reach (the network not back
+    yet), then the first heartbeat that fails stops the handler: its lease has run out
+    at the store, which may have handed the job to another worker. The job is given back
+    uncharged. The worker's clock had stopped during the suspend (CLOCK_MONOTONIC): it
+    believed the lease good for most of a minute more, and the handler ran on meanwhile."""
+    app = app_with_lease(60)
+    started, stopped = threading.Event(), threading.Event()
+
+    @app.job(name="suspend.fenced", retries=0)
+    def long(ctx: errands.Context) -> str:
+        started.set()
+        try:
+            return _work_until(ctx, lambda: False, [])
+        finally:
+            stopped.set()
+
+    heartbeats = _cut(app, monkeypatch)
+    with running_worker(app, maintenance=False) as w:
+        handle = long.enqueue()
+        assert started.wait(30)
+        suspend_host(monkeypatch, 120)
+        heartbeats.failing = True
+        w.leases.poke()  # the keeper's next round (after a real suspend: within 20 s)
+        # (its lease already out: asked to stop, interrupted and given back at once)
+        assert stopped.wait(15), "the handler ran on after a suspend longer than its lease"
+        wait_until(lambda: handle.job().errors, timeout=30, what="the job given back")
+    job = handle.job()
+    assert (job.state, job.attempt, _kinds(job)) == (JobState.AVAILABLE, 0, ["released"])
+    assert "lease could not be renewed" in job.errors[0].message
+
+
+@needs_boottime
+def test_a_worker_resumed_from_a_suspend_whose_heartbeat_gets_through_keeps_its_job(
+    app_with_lease: Callable[[float], errands.App], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a handler holding a 60 s lease, when the host sleeps for two minutes and its
+    first heartbeat after waking gets through (no worker took the job meanwhile, so the
+    store renews the lease, fenced by its token), then the handler is never asked to
+    stop and the job completes on attempt 1: the store's answer decides, not the time
+    the worker slept."""
+    app = app_with_lease(60)
+    started, finish = threading.Event(), threading.Event()
+    cancelled: list[str] = []
+    long = _until_finished(app, "suspend.kept", started, finish, cancelled)
+    heartbeats = _cut(app, monkeypatch)
+    with running_worker(app, maintenance=False) as w:
+        handle = long.enqueue()
+        assert started.wait(30)
+        before = heartbeats.passed
+        suspend_host(monkeypatch, 120)
+        w.leases.poke()  # the keeper's next round (after a real suspend: within 20 s)
+        wait_until(
+            lambda: heartbeats.passed > before, timeout=15, what="a heartbeat after the suspend"
+        )
+        finish.set()
+        assert handle.result(timeout=30) == "done"
+    assert cancelled == []
+    job = handle.job()
+    assert (job.state, job.attempt, job.errors) == (JobState.COMPLETED, 1, [])

@@ -64,8 +64,8 @@ SWEEP: dict[str, Swept] = {
     "schema_check": Swept("startup"),
     "configure_worker": Swept("startup"),
     "worker_register": Swept("startup"),
-    "queue_settings": Swept("startup"),
     "queue_declare": Swept("startup"),
+    "queue_declare_keyed": Swept("startup"),
     "job_limit_declare": Swept("startup"),
     # the claim loop, handlers, the completer, the lease keeper
     "job_claim": Swept("running"),

@@ -7,12 +7,14 @@ longer than its lease. The stale attempt's handler is still running when that ha
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 import errands
 from errands import JobState
 from errands.maintenance.service import Maintenance, leader_ttl
+from tests.conftest import needs_boottime, suspend_host
 
 from .helpers import claim_as_dead_worker, expire_lease, force_rescue, raw_row, wait_until
 
@@ -372,25 +374,49 @@ def test_a_leader_whose_tick_outlasts_a_third_of_its_leadership_renews_it_betwee
     big rescue batch, a prune, a store waiting on a lock) renews it again between its
     duties, so that no other worker takes it over and runs the same duties beside it."""
     app.lease = 3.0  # leadership: 3 s
-    leader = Maintenance(app, "w-slow")
-    elections: list[str] = []
-    elect = app.backend.leader_attempt_elect
-
-    def counted(name: str, worker_id: str, ttl: float) -> bool:
-        elections.append(worker_id)
-        return elect(name, worker_id, ttl)
-
-    promote = app.backend.job_promote_due
-
-    def slow_promotion(limit: int = 1000) -> int:
-        time.sleep(1.2)  # past a third of the leadership
-        return promote(limit)
-
-    monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
-    monkeypatch.setattr(app.backend, "job_promote_due", slow_promotion)
-    leader.run_once()
+    # the promotion then takes past a third of the leadership
+    leader, elections = _tick(app, monkeypatch, "w-slow", lambda: time.sleep(1.2))
     assert leader.is_leader
     assert elections == ["w-slow", "w-slow"]  # at the start, and after the slow duty
+
+
+def _tick(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch, worker_id: str, after: Callable[[], object]
+) -> tuple[Maintenance, list[str]]:
+    """One tick of a leader ``worker_id`` that calls ``after`` once its first duty (the
+    promotion) is done; the leader, and every election it asked the store for."""
+    leader = Maintenance(app, worker_id)
+    elections: list[str] = []
+    elect, promote = app.backend.leader_attempt_elect, app.backend.job_promote_due
+
+    def counted(name: str, owner: str, ttl: float) -> bool:
+        elections.append(owner)
+        return elect(name, owner, ttl)
+
+    def promotion_then(limit: int = 1000) -> int:
+        done = promote(limit)
+        after()
+        return done
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", counted)
+    monkeypatch.setattr(app.backend, "job_promote_due", promotion_then)
+    leader.run_once()
+    return leader, elections
+
+
+@needs_boottime
+def test_a_leader_whose_host_was_suspended_during_a_tick_renews_before_its_next_duty(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a leader whose host sleeps for a minute during a tick (past its leadership,
+    a few seconds, which the store's clock counted), then it asks the store again before
+    the tick's next duty, and runs it only if still the leader: another worker may have
+    taken the leadership meanwhile. Its clock had stopped during the suspend, so it ran
+    the next duty as leader without asking."""
+    # the lid closed after the tick's first duty
+    leader, elections = _tick(app, monkeypatch, "w-sleeper", lambda: suspend_host(monkeypatch, 60))
+    assert leader.is_leader
+    assert elections == ["w-sleeper", "w-sleeper"]  # at the start, and after the suspend
 
 
 def test_a_leader_stopped_during_a_long_duty_does_not_take_the_leadership_again(

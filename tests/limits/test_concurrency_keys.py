@@ -213,3 +213,35 @@ def test_a_keyed_job_is_not_held_back_by_a_backlog_of_plain_jobs_enqueued_before
         ahead = started.index("keyed")
         wait_until(lambda: len(started) == backlog + 1, 60, "the backlog drained")
     assert ahead < backlog // 2, f"the keyed job started after {ahead} of {backlog} bulk jobs"
+
+
+def test_a_starting_worker_keeps_what_another_deployment_stored_for_a_keyed_queue_it_leaves_open(
+    store: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a worker whose code has a keyed job type in queue "accounts" but declares no
+    settings for it (no ``app.queue``), when another deployment stores the queue's limits,
+    and an operator pauses it, after this worker read the queue's settings at its start
+    and before it wrote them, then both survive: the worker turns the queue's keyed flag
+    on and writes nothing else. It wrote back what it had read, putting max_running,
+    fairness and aging back to the stale values."""
+    from errands.backends.base import QueueSettings
+
+    @store.job(name="accounts.sync", queue="accounts", concurrency_key="account:{account}")
+    def sync(account: int) -> None: ...
+
+    backend = store.backend
+    read_at_start = backend.queue_settings()  # nothing stored for "accounts" yet
+    declared = QueueSettings("accounts", max_running=2, fair=True, aging=60.0)
+    backend.queue_declare(declared, "worker:another-deployment")
+    store.pause("accounts", actor="ops:dana")
+    settings_now = type(backend).queue_settings.__get__(backend)  # around the stale read
+    monkeypatch.setattr(backend, "queue_settings", lambda: read_at_start)
+
+    with workers([store]):
+        wait_until(
+            lambda: [s.jobs_declare_limits for s in settings_now()] == [True],
+            10,
+            "the worker's declaration of its keyed queue",
+        )
+    [stored] = settings_now()
+    assert (stored.max_running, stored.fair, stored.aging, stored.paused) == (2, True, 60.0, True)

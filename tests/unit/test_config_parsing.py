@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
+import errands
 from errands import ConfigurationError
 from errands.backends import open_backend
 from errands.backends.sqlite.backend import parse_sqlite_url
@@ -62,6 +64,37 @@ def test_parse_queues_refuses_a_spec_that_names_no_queue(spec: object) -> None:
 def test_parse_queues_refuses_a_limit_without_a_queue_name(spec: str) -> None:
     with pytest.raises(ConfigurationError, match="no queue name before '='"):
         parse_queues(spec)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "bound"),
+    [
+        ("grace", math.nan, "(0 or more)"),
+        ("grace", math.inf, "(0 or more)"),
+        ("grace", -1.0, "(0 or more)"),
+        ("poll_interval", math.nan, "above 0"),
+        ("poll_interval", math.inf, "above 0"),
+        ("poll_interval", 0, "above 0"),
+        ("maintenance_tick", math.nan, "above 0"),
+        ("maintenance_tick", -math.inf, "above 0"),
+    ],
+)
+def test_a_worker_refuses_a_nan_or_infinite_duration_naming_the_option(
+    tmp_path: Path, option: str, value: float, bound: str
+) -> None:
+    """``app.worker(poll_interval=nan)`` passed the bounds check (NaN compares false
+    with either bound) and made a worker that never slept between claims; ``grace=inf``
+    one whose shutdown never ended. The embedded workers of the Flask and FastAPI
+    integrations take these options from the caller too."""
+    app = errands.App(f"sqlite:///{tmp_path}/e.db")
+    try:
+        with pytest.raises(ConfigurationError) as caught:
+            app.worker(**{option: value})
+    finally:
+        app.close()
+    assert str(caught.value) == (
+        f"{option}={value!r}: give a finite number of seconds {bound}, such as {option}=1"
+    )
 
 
 # -- SQLite URLs ---------------------------------------------------------------------------

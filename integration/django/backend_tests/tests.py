@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from asgiref.sync import async_to_sync
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connection, transaction
-from django.test import TestCase
+from django.test import SimpleTestCase, TestCase
 from django.utils import timezone
 
 from errands.contrib.django.test import TransactionTestCase, run_worker
@@ -544,3 +544,42 @@ class ManagementCommand(JobsTestCase):
                 process.communicate()
         self.assertEqual(process.returncode, 0, output)
         self.assertIn("errands worker", output)
+
+
+class ManagementCommandOptions(SimpleTestCase):
+    def test_the_worker_command_refuses_nan_or_infinite_seconds_naming_the_option(self) -> None:
+        """float() reads "nan" and "inf", and the range checks let NaN through (it compares
+        false with either bound): --poll-interval nan started a worker that never slept
+        between claims, --grace inf one whose shutdown never ended. A usage error now,
+        naming the option, as the errands CLI gives."""
+        for option, value in [
+            ("--grace", "nan"),
+            ("--grace", "inf"),
+            ("--poll-interval", "nan"),
+            ("--poll-interval", "inf"),
+            ("--maintenance-tick", "nan"),
+        ]:
+            with (
+                self.subTest(option=option, value=value),
+                self.assertRaisesMessage(
+                    CommandError,
+                    f"argument {option}: {value!r} is not a finite number; give seconds",
+                ),
+            ):
+                call_command("errands_worker", option, value)
+
+    def test_the_worker_command_refuses_an_empty_queues_option_naming_the_fix(self) -> None:
+        """--queues "" (an unset $QUEUE in a deploy script) was read as no --queues at all:
+        the worker silently served the backend's QUEUES. As ``errands worker -q ""``
+        does, it is refused, before anything is opened, saying how to fix it."""
+        for spec in ["", " ", ","]:
+            with (
+                self.subTest(spec=spec),
+                self.assertRaisesMessage(
+                    CommandError,
+                    f"--queues {spec!r} names no queue (an unset $QUEUE?): name them, as in "
+                    "--queues emails,payments, or leave --queues out to serve the backend's "
+                    "QUEUES",
+                ),
+            ):
+                call_command("errands_worker", "--queues", spec)

@@ -541,6 +541,14 @@ class Backend(Protocol):
         """Store a queue's limits as declared in code (``app.queue``); keeps ``paused``."""
         ...
 
+    def queue_declare_keyed(self, name: str, actor: str) -> None:
+        """Mark queue ``name`` as holding job types with per-key limits or rates
+        (``jobs_declare_limits``, which only ever turns on), making its row (no limits)
+        when it has none: for a queue the caller's code does not declare. Every other
+        setting is left as stored, in one statement: another deployment's or an
+        operator's, written at any moment, is never put back to an earlier reading."""
+        ...
+
     def queue_set_paused(self, name: str, paused: bool, actor: str) -> None:
         """Pause or resume a queue, audited in the same transaction."""
         ...

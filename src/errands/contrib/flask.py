@@ -25,6 +25,7 @@ import click
 from flask import Flask, current_app
 
 from ..app import App
+from ..cli.params import FiniteFloatRange
 from ..errors import ConfigurationError, ErrandsError
 from ._embedded import EmbeddedWorker
 
@@ -71,8 +72,8 @@ def _worker_command(app: App) -> click.Command:
     @click.command("errands-worker")
     @click.option("-q", "--queues", help="queues to serve: emails,payments or emails=10")
     @click.option("-c", "--concurrency", type=click.IntRange(min=1), help="jobs at once")
-    @click.option("--grace", type=click.FloatRange(min=0), default=30.0, show_default=True)
-    @click.option("--poll-interval", type=click.FloatRange(min=0.01), default=1.0)
+    @click.option("--grace", type=FiniteFloatRange(min=0), default=30.0, show_default=True)
+    @click.option("--poll-interval", type=FiniteFloatRange(min=0.01), default=1.0)
     def errands_worker(
         queues: str | None, concurrency: int | None, grace: float, poll_interval: float
     ) -> None:

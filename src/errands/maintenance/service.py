@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
+from .. import clock
 from ..backends.base import (
     PROMOTE_BATCH,
     ExpiredLease,
@@ -174,7 +175,7 @@ class Maintenance:
         if self._stop.is_set():
             return False
         leader = self.app.backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
-        self._renewed_at = time.monotonic()
+        self._renewed_at = clock.now()  # a lease: counts a suspend (errands.clock)
         if leader and self._stop.is_set():  # stop() came while this was asked
             with contextlib.suppress(Exception):  # (else it expires after the ttl)
                 self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
@@ -193,7 +194,7 @@ class Maintenance:
         once a third of it has gone, so that a slow tick (a big rescue batch, a prune, a
         store waiting on a lock) keeps it rather than leave another worker to take it and
         run the same duties beside this one (every duty is fenced, but twice is waste)."""
-        if time.monotonic() - self._renewed_at < self.ttl / 3:
+        if clock.now() - self._renewed_at < self.ttl / 3:
             return self.is_leader
         return self._elect()
 

@@ -183,30 +183,32 @@ class Completer:
                 _pause(pause * (0.5 + random.random() / 2))
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
 
-    def fanned_in(
-        self,
-        settled: list[Any] | None = None,
-        released: set[str] | None = None,
-        *,
-        store: Backend | None = None,
-    ) -> None:
+    def fanned_in(self, store: Backend) -> None:
         """Once a write committed (a batch here, or a ctx.transaction() completion on
         its handler's thread): what its workflow fan-ins did on this thread, read from
-        ``store`` (the one that wrote it; default the App's), or given (a child
-        process's: it was never announced). The queues they released jobs into wake
-        this worker; the workflows they settled are emitted (``errands.workflow.settled``,
-        and its metric). Never raises: the write committed."""
+        ``store``, the one that wrote it (the App's may be another since), reported as
+        :meth:`_report_fan_in` says."""
+        self._report_fan_in(store.workflow_take_released, store.workflow_take_settled)
+
+    def child_fanned_in(self, settled: list[Any], released: set[str]) -> None:
+        """What a child process's committed write fanned in, as it sent it (it was never
+        announced in this process), reported as :meth:`_report_fan_in` says."""
+        self._report_fan_in(lambda: released, lambda: settled)
+
+    def _report_fan_in(
+        self, released: Callable[[], set[str]], settled: Callable[[], list[Any]]
+    ) -> None:
+        """The queues the fan-ins released jobs into wake this worker; the workflows they
+        settled are emitted (``errands.workflow.settled``, and its metric). Never raises:
+        the write committed."""
         try:
-            if released is None:
-                released = (store or self.app.backend).workflow_take_released()
-            if released and self.on_released is not None:
-                self.on_released(released)
+            queues = released()
+            if queues and self.on_released is not None:
+                self.on_released(queues)
         except Exception:  # a wake-up missed: the store's own notification still comes
             log.exception("could not wake the worker for the jobs a fan-in released")
         try:
-            if settled is None:
-                settled = (store or self.app.backend).workflow_take_settled()
-            self.app.workflows_settled(later=True, settled=settled)  # (off a handler's thread)
+            self.app.workflows_settled(later=True, settled=settled())  # (off a handler's thread)
         except Exception:  # committed: an event missed is never a reason to write again
             log.exception("could not report the workflows a fan-in settled")
 

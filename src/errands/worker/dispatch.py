@@ -21,11 +21,11 @@ import copy
 import functools
 import logging
 import threading
-import time
 from collections import Counter
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from .. import clock
 from ..errors import InvalidPayload, UnknownJob
 from ..interrupts import shielded
 from ..jobs import JobRow
@@ -217,7 +217,7 @@ class Dispatcher:
             return False
         if attempt.stop_reason is not None:  # an operator's cancel while it waited
             raise Interrupted(attempt.stop_reason)
-        began = time.monotonic()
+        began = clock.now()
         if began >= attempt.lease_valid_until:
             # No heartbeat confirmed its lease for a whole lease (this process was frozen,
             # or the store unreachable): another worker may run it by now. Hand the lease
@@ -248,7 +248,7 @@ class Dispatcher:
         if attempt.stop_reason is not None:  # interrupted while it was being prepared
             raise Interrupted(attempt.stop_reason)
         events = worker.app.events
-        called = time.monotonic()
+        called = clock.now()
         try:
             with job_context(log_ctx):
                 try:
@@ -259,16 +259,16 @@ class Dispatcher:
                         with events.around_handler(info):
                             result = definition.fn(**kwargs)
                 finally:
-                    attempt.ran = time.monotonic() - called
+                    attempt.ran = clock.now() - called
                 return encode(definition, result)
         finally:
-            worker.ran_for(time.monotonic() - began)
+            worker.ran_for(clock.now() - began)
 
     async def _run_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
         attempt.task = task = asyncio.current_task()
         if task is not None:  # named for the loop's watchdog (errands.worker.runners)
             task.set_name(f"job {attempt.id} {attempt.row.name}")
-        if time.monotonic() >= attempt.lease_valid_until:
+        if clock.now() >= attempt.lease_valid_until:
             # As _begin: no heartbeat confirmed the lease for a whole lease (a claim reply
             # held up, a frozen process): another worker may run it now. Hand it back.
             attempt.released = True
@@ -276,7 +276,7 @@ class Dispatcher:
             await asyncio.to_thread(self.worker.release, [attempt], message)
             self.worker.slot_freed(attempt)
             return None
-        attempt.started = time.monotonic()
+        attempt.started = clock.now()
         timeout = attempt.row.timeout
         # The job's timeout runs from its start: decoding the payload and job.started's
         # subscribers (in a thread: off the loop), the handler, encoding its result.
@@ -306,7 +306,7 @@ class Dispatcher:
         if attempt.ctx is not None and attempt.ctx.cancelled:  # stopped before it began
             raise Interrupted(attempt.ctx.cancel_reason)
         info = {**job_fields(attempt.row), "meta": attempt.row.meta}
-        called = time.monotonic()
+        called = clock.now()
         with job_context(log_ctx), self.worker.app.events.around_handler(info):
             try:
                 result = await definition.fn(**kwargs)
@@ -322,7 +322,7 @@ class Dispatcher:
                     "failure"
                 ) from exc
             finally:
-                attempt.ran = time.monotonic() - called
+                attempt.ran = clock.now() - called
         return await asyncio.to_thread(encode, definition, result)
 
     def _async_done(self, attempt: Attempt, future: Any) -> None:
@@ -381,7 +381,7 @@ class Dispatcher:
                 children.kill(child, exc)  # while it waits for one): neither goes on
             raise
         finally:
-            worker.ran_for(time.monotonic() - attempt.started)
+            worker.ran_for(clock.now() - attempt.started)
 
     def _not_started(self, attempt: Attempt, exc: ChildStartFailed) -> None:
         """No child process could be started for the attempt: it did nothing, so its job

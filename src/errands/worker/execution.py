@@ -11,13 +11,13 @@ import asyncio
 import functools
 import json
 import threading
-import time
 import traceback as tb
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .. import clock
 from ..backends.base import FinishParams, FinishState
 from ..context import Context
 from ..errors import ConfigurationError, InvalidPayload, StepError, TransactionEnded
@@ -99,21 +99,21 @@ class Attempt:
     row: JobRow
     definition: JobDefinition[Any, Any] | None
     lease_seconds: float
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=clock.now)  # errands.clock, as every time here
     ctx: Context | None = None
     kwargs: dict[str, Any] | None = None
-    deadline: float | None = None  # monotonic
-    lease_valid_until: float = 0.0  # monotonic: our lease surely holds until then
+    deadline: float | None = None  # errands.clock
+    lease_valid_until: float = 0.0  # errands.clock: our lease surely holds until then
     future: Future[Any] | Call | None = None  # Call: a sync handler on the thread pool
     task: asyncio.Task[Any] | None = None
     decided: bool = False
     released: bool = False
-    ended: float = 0.0  # monotonic time the outcome was decided
+    ended: float = 0.0  # errands.clock time the outcome was decided
     runtime: AttemptRuntime | None = None
     kill: Callable[[BaseException], object] | None = None  # process pool: end the child
     child: Future[Any] | None = None  # process pool, isolated suspect: the child's answer
     timed_out: bool = False
-    timeout_at: float = 0.0  # monotonic time the timeout fired
+    timeout_at: float = 0.0  # errands.clock time the timeout fired
     ran: float | None = None  # seconds the handler's own call took, once it returned or raised
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread, not begun
@@ -277,7 +277,7 @@ def handler_seconds(attempt: Attempt) -> float:
     (a timeout, a process-pool child) counts from its start to that moment."""
     if attempt.ran is not None:
         return attempt.ran
-    ended = attempt.ended or time.monotonic()
+    ended = attempt.ended or clock.now()
     return max(ended - attempt.started, 0.0)
 
 

@@ -31,6 +31,11 @@ A heartbeat's answer is matched by job id *and* lease token: after a lease loss 
 worker may hold a stale attempt and a newer attempt of the same job at once, and only the
 newer one's lease was extended; the stale one is told its lease is lost.
 
+Every time here is read from :func:`errands.clock.now`, which counts a host's suspend as
+the store's clock does: woken from a suspend longer than a lease, the keeper's next round
+is a heartbeat long overdue, whose failure self-fences at once (the lease has run out at
+the store), and whose success renews the lease (no other worker took the job).
+
 On a store where an open transaction holds the single write lock (SQLite), a handler
 that keeps ``ctx.transaction()`` open keeps every heartbeat of this worker out: past a
 third of the lease, the keeper warns, naming the job.
@@ -42,11 +47,11 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .. import clock
 from ..backends.base import LeaseRef
 from ..hooks import protect_current_thread
 from ..observability.logcontext import JobLogContext, job_context
@@ -115,8 +120,8 @@ class LeaseKeeper:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-leases", daemon=True)
         self._callers: list[_Caller] = []
-        self._last_beat = 0.0  # when the last heartbeat was sent (monotonic)
-        self._registry_at = 0.0  # when the last registry beat was sent (monotonic)
+        self._last_beat = 0.0  # when the last heartbeat was sent (errands.clock)
+        self._registry_at = 0.0  # when the last registry beat was sent (errands.clock)
         self._warned_at = float("-inf")  # when a failed heartbeat was last warned about
         # Heartbeats failed in a row (0: the last one got through). While it is not 0 the
         # worker claims no new job: each would be self-fenced in its turn.
@@ -167,7 +172,7 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         protect_current_thread()
-        self._last_beat = self._registry_at = time.monotonic()
+        self._last_beat = self._registry_at = clock.now()
         while not self._stop.is_set():
             try:
                 self._round()
@@ -203,7 +208,7 @@ class LeaseKeeper:
                     wake.append(step)
             elif self.failures and not attempt.released and attempt.stop_reason != LEASE_LOST:
                 wake.append(self.fence_at(attempt))
-        now = time.monotonic()
+        now = clock.now()
         wake_at = min(wake)
         if wake_at > now:
             self._wake.wait(wake_at - now)
@@ -224,10 +229,10 @@ class LeaseKeeper:
         for attempt in self.worker.attempts():
             if attempt.decided:
                 continue
-            if attempt.deadline and time.monotonic() >= attempt.deadline:
+            if attempt.deadline and clock.now() >= attempt.deadline:
                 self.on_timeout(attempt)
             step = attempt.fence.next_at() if attempt.fence is not None else None
-            if step is not None and time.monotonic() >= step and not attempt.decided:
+            if step is not None and clock.now() >= step and not attempt.decided:
                 self.on_fence(attempt)
 
     def _answer_within(self, held: list[Attempt], sent_at: float) -> float:
@@ -255,7 +260,7 @@ class LeaseKeeper:
         held = [a for a in self.worker.attempts() if not a.released]
         if not held and not self.failures:
             return
-        sent_at = time.monotonic()
+        sent_at = clock.now()
         reports = {id(a): a.progress for a in held if a.progress != a.progress_stored}
         refs = [
             LeaseRef(a.id, a.token, a.lease_seconds, *(reports.get(id(a)) or (None, None)))
@@ -316,7 +321,7 @@ class LeaseKeeper:
         """A heartbeat failed: say so (the first, then once an interval while they go on
         failing: they are retried every second), and self-fence the leases at risk."""
         self.failures += 1
-        now = time.monotonic()
+        now = clock.now()
         if now >= self._warned_at + self.interval:
             self._warned_at = now
             log.warning(
@@ -334,7 +339,7 @@ class LeaseKeeper:
         """Stop the handlers whose lease no heartbeat renewed and that would run out within
         half a heartbeat interval (their fence point passed); see :func:`.timeouts.on_fence`. A lost
         lease is not fenced: it is not ours to give back, and its outcome is refused."""
-        now = time.monotonic()
+        now = clock.now()
         for attempt in attempts:
             if (
                 attempt.decided
@@ -369,7 +374,7 @@ class LeaseKeeper:
             )
 
     def _name_long_runs(self) -> None:
-        now = time.monotonic()
+        now = clock.now()
         for attempt in self.worker.attempts():
             if attempt.decided or attempt.waiting or attempt.reported >= len(STILL_RUNNING_AT):
                 continue
@@ -384,7 +389,7 @@ class LeaseKeeper:
         backend = self.worker.app.backend
         if not backend.capabilities.single_writer:
             return
-        now = time.monotonic()
+        now = clock.now()
         for attempt in self.worker.attempts():
             runtime = attempt.runtime
             if runtime is None or runtime.tx is None or runtime.tx_warned:

@@ -24,10 +24,10 @@ a ``lease_lost`` failure, or it would be given back and block the worker again f
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from .. import clock
 from ..backends.base import FinishParams
 from ..errors import ConfigurationError
 from .execution import (
@@ -121,7 +121,7 @@ class OutcomeRecorder:
         another outcome was decided first."""
         if not attempt.give_back():
             return False
-        attempt.ended = time.monotonic()
+        attempt.ended = clock.now()
         runtime = attempt.runtime
         if runtime is not None:
             try:
@@ -160,7 +160,7 @@ class OutcomeRecorder:
         """
         if attempt.released or not attempt.decide():
             return False
-        attempt.ended = time.monotonic()
+        attempt.ended = clock.now()
         written: bool | None = None
         try:
             outcome, written = self._outcome(attempt, exc, result_json, handler_running)
@@ -280,7 +280,7 @@ class OutcomeRecorder:
             return
         if attempt.released or not attempt.decide():
             return
-        attempt.ended = time.monotonic()
+        attempt.ended = clock.now()
         try:
             outcome = outcome_for(attempt, None, result.result_json, self.worker.id)
             if result.children:
@@ -292,7 +292,7 @@ class OutcomeRecorder:
             self.worker.slot_freed(attempt)
         finally:
             if result.written is not None:
-                self.worker.completer.fanned_in(result.settled, result.released)
+                self.worker.completer.child_fanned_in(result.settled, result.released)
                 self.on_written(attempt, outcome, result.written)
             else:
                 self.worker.completer.submit(attempt, outcome)
@@ -322,7 +322,7 @@ class OutcomeRecorder:
         name = EVENT_OF_STATE[state]
         if events.wants(name):  # usually not, for completed (a debug line): build nothing
             fields = job_fields(attempt.row)
-            fields["duration"] = (attempt.ended or time.monotonic()) - attempt.started
+            fields["duration"] = (attempt.ended or clock.now()) - attempt.started
             error = outcome.error or {}
             if state == "retryable":
                 fields["delay"] = outcome.delay

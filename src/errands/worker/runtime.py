@@ -24,7 +24,6 @@ import logging
 import re
 import sqlite3
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta
@@ -32,13 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
+from .. import clock
 from ..backends.workflow_store import WORKFLOW_ADD
 from ..definition import seconds as checked_seconds
 from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
-from ..payload import NUL_FIX, holds_nul
+from ..payload import unstorable_json
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets, scrub
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class AttemptRuntime:
         # worker made app.backend open a new store, whose migration then waited for the
         # write lock this very transaction held (a deadlock of write_timeout)
         self.tx_backend: Backend | None = None
-        self.tx_opened = 0.0  # monotonic time ctx.transaction() opened it
+        self.tx_opened = 0.0  # when ctx.transaction() opened it (errands.clock)
         self.tx_warned = False  # the lease keeper warned that it is held long
         self.children: list[EnqueueRequest] = []
         self._let_go = False  # the attempt ended while the handler ran: no new transaction
@@ -105,11 +105,7 @@ class AttemptRuntime:
         stored step's effect again after the newer attempt had run and stored it."""
         attempt = self.attempt
         reason = attempt.stop_reason
-        if (
-            reason is None
-            and self.lease_kept_here
-            and time.monotonic() >= attempt.lease_valid_until
-        ):
+        if reason is None and self.lease_kept_here and clock.now() >= attempt.lease_valid_until:
             # as the lease keeper fences it: the job is given back, uncharged
             reason = attempt.stop_reason = LEASE_UNRENEWED
         if reason is not None:
@@ -126,11 +122,12 @@ class AttemptRuntime:
                 f"which cannot be stored as JSON ({exc}); return JSON-friendly data (dicts, "
                 "lists, numbers, strings, pydantic models, dataclasses)"
             ) from None
-        if holds_nul(encoded):
-            raise StepError(
-                f"step {name!r} of job {self.attempt.id} returned text holding the NUL "
-                f"character (\\x00), which PostgreSQL cannot store; {NUL_FIX}"
-            )
+        # NaN, infinity or a NUL: refused on both backends, as signal payloads are (SQLite
+        # stored NaN as JSON no standard reader takes; PostgreSQL's jsonb refused it with a
+        # raw driver error, a transient failure whose retries ran the step's effect again)
+        problem = unstorable_json(f"step {name!r} of job {self.attempt.id}: its result", encoded)
+        if problem is not None:
+            raise StepError(str(problem))
         with self._lock:
             if self._let_go and self.tx_opened:  # its transaction was let go of
                 raise TransactionEnded(
@@ -262,7 +259,7 @@ class AttemptRuntime:
                     except BaseException:
                         backend.tx_rollback(tx)
                         raise
-                    self.tx, self.tx_backend, self.tx_opened = tx, backend, time.monotonic()
+                    self.tx, self.tx_backend, self.tx_opened = tx, backend, clock.now()
             return TransactionConnection(self.tx, self._ended)
 
     def check_transaction(self) -> None:

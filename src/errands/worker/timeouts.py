@@ -30,6 +30,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .. import clock
 from .execution import LEASE_UNRENEWED, Attempt, FenceSteps, JobTimeout
 from .runners import Call
 
@@ -49,10 +50,10 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         # Timed out, whatever ends it next: a child's answer racing its kill was recorded
         # as Interrupted ("lease_lost"), inflating the lease losses that excuse duplicate
         # runs.
-        attempt.timed_out, attempt.timeout_at = True, time.monotonic()
+        attempt.timed_out, attempt.timeout_at = True, clock.now()
         attempt.interrupt("timeout", worker.loop)  # the child is killed
         return
-    now = time.monotonic()
+    now = clock.now()
     is_async = attempt.definition.is_async
     if not attempt.timed_out:
         attempt.timed_out = True
@@ -125,7 +126,7 @@ def on_fence(worker: Worker, attempt: Attempt) -> None:
     A handler that stops before step 3 gives its job back itself (see the recorder). Only
     setting ``ctx.cancelled`` left a handler without a Context, or one that never looks,
     running after its lease was gone, beside the worker that took the job over."""
-    now = time.monotonic()
+    now = clock.now()
     steps = attempt.fence
     if steps is None:
         attempt.fence = steps = FenceSteps()

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import select
@@ -61,6 +62,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import clock
 from ..backends import redact_url
 from ..backends.base import LeaseRef, QueueClaim, QueueSettings, WorkerInfo
 from ..definition import check_name
@@ -179,6 +181,20 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
     return result
 
 
+def _worker_seconds(value: float, option: str, *, above_zero: bool = True) -> float:
+    """A worker's duration option, checked: a finite number of seconds, more than 0 where
+    ``above_zero`` (else 0 or more). NaN compares false with every bound, so a bounds check
+    alone let ``poll_interval=nan`` through (a worker that never slept between claims) and
+    ``grace=inf`` (a shutdown that never ended)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0 or (above_zero and value == 0):
+        raise ConfigurationError(
+            f"{option}={value!r}: give a finite number of seconds "
+            f"{'above 0' if above_zero else '(0 or more)'}, such as {option}=1"
+        )
+    return float(value)
+
+
 class Worker:
     recorder_class: type[OutcomeRecorder] = OutcomeRecorder  # the test tools add to it
 
@@ -217,9 +233,8 @@ class Worker:
         if concurrency < 1:
             raise ConfigurationError("concurrency (-c) must be at least 1")
         self.concurrency = concurrency
-        if grace < 0 or poll_interval <= 0:
-            raise ConfigurationError("grace must be >= 0 and poll_interval > 0")
-        self.grace = grace
+        self.grace = grace = _worker_seconds(grace, "grace", above_zero=False)
+        poll_interval = _worker_seconds(poll_interval, "poll_interval")
         self.abandon_after = abandon_after
         if pool not in ("thread", "process"):
             raise ConfigurationError(f"pool={pool!r}: choose thread or process")
@@ -330,7 +345,11 @@ class Worker:
             on_timeout=lambda a: on_deadline(self, a),
             on_fence=lambda a: on_fence(self, a),
         )
-        tick = maintenance_tick if maintenance_tick is not None else min(1.0, app.lease / 4)
+        tick = (
+            _worker_seconds(maintenance_tick, "maintenance_tick")
+            if maintenance_tick is not None
+            else min(1.0, app.lease / 4)
+        )
         self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
         self.processed = 0
         self.started_at = 0.0
@@ -604,12 +623,17 @@ class Worker:
         """Store the limits this app declares in code (``app.queue``): the store holds the
         cluster-wide ones. Per-key limits and job-type rates travel on each job row; they
         are also declared here for workers of older versions, which read them from the
-        queue's flag and the job-limits table (the flag only ever turns on)."""
+        queue's flag and the job-limits table (the flag only ever turns on).
+
+        A queue with such job types that this app does not declare gets the flag alone
+        (queue_declare_keyed): its settings were read here and written back whole, so
+        another deployment's declaration stored between the two was undone."""
         backend = self.app.backend
         keyed = {d.queue for d in self.app.registry.values() if d.limited}
-        current = {s.name: s for s in backend.queue_settings()}
-        for name in sorted(set(self.app.queues) | keyed):
-            declared = self.app.queues.get(name) or current.get(name) or QueueSettings(name)
+        for name in sorted(keyed - set(self.app.queues)):
+            backend.queue_declare_keyed(name, f"worker:{self.id}")
+        for name in sorted(self.app.queues):
+            declared = self.app.queues[name]
             settings = QueueSettings(
                 name,
                 max_running=declared.max_running,
@@ -781,7 +805,7 @@ class Worker:
                 self._wake.wait(BATCH_GATHER)
                 continue
             gathered = False
-            sent = time.monotonic()  # each claimed lease runs from (at latest) the claim's send
+            sent = clock.now()  # each claimed lease runs from (at latest) the claim's send
             limited_done = self._limited_done
             claimed = self.claimer.claim(plan, room, free, suspects)
             if claimed.retry_in is not None:
@@ -859,7 +883,7 @@ class Worker:
         fills every slot (its wait for a slot was most of its dwell: 6-7 x the idle
         queue's). True when it started any."""
         self._express_wanted = False
-        sent = time.monotonic()
+        sent = clock.now()  # (the lease clock: see _start_all)
         with self._lock:  # rescued ones for the suspect lanes free (none before they can run)
             suspects = max(self.suspect_lanes - self._suspects, 0)
         if not self._suspects_startable():
@@ -926,7 +950,8 @@ class Worker:
     ) -> None:
         """Take on a claim's rows: one hold of the lock for the batch, then dispatch each.
 
-        ``sent``: when the claim was sent (monotonic). The store started each lease when
+        ``sent``: when the claim was sent (:func:`errands.clock.now`, the clock of every
+        attempt's lease). The store started each lease when
         it ran the claim, so this worker counts the lease from the send, not from the
         reply: a reply held up (a network cut that delivers it late) would otherwise make
         a lease that ran out at the store look valid here for the time it was held, and
@@ -937,7 +962,7 @@ class Worker:
         if not rows:
             return
         registry, lease = self.app.registry, self.app.lease
-        started = time.monotonic() if sent is None else sent
+        started = clock.now() if sent is None else sent
         attempts = [
             Attempt(
                 row=row,

@@ -1020,6 +1020,10 @@ class PostgresBackend(PostgresAdmin):
                 },
             )
 
+    def queue_declare_keyed(self, name: str, actor: str) -> None:
+        with self._conn() as conn:
+            conn.execute(self.q["queue_declare_keyed"], {"name": name, "actor": actor})
+
     def queue_set_paused(self, name: str, paused: bool, actor: str) -> None:
         with self._tx() as conn:
             conn.execute(

@@ -597,6 +597,15 @@ WHERE s.max_running IS DISTINCT FROM excluded.max_running
    OR (excluded.has_keys AND NOT s.has_keys)
    OR s.fair IS DISTINCT FROM excluded.fair OR s.aging IS DISTINCT FROM excluded.aging
 
+-- name: queue_declare_keyed
+-- A queue this worker's code has limited job types in but does not declare: has_keys on,
+-- nothing else written (the settings are whoever declared them).
+INSERT INTO {schema}.errands_queues AS s (name, has_keys, updated_by)
+VALUES (%(name)s, true, %(actor)s)
+ON CONFLICT (name) DO UPDATE
+SET has_keys = true, updated_at = now(), updated_by = excluded.updated_by
+WHERE NOT s.has_keys
+
 -- name: queue_set_paused
 INSERT INTO {schema}.errands_queues (name, paused, updated_by)
 VALUES (%(name)s, %(paused)s, %(actor)s)

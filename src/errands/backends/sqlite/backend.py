@@ -687,6 +687,10 @@ class SQLiteBackend(SQLiteAdmin):
                 },
             )
 
+    def queue_declare_keyed(self, name: str, actor: str) -> None:
+        with self._write() as conn:
+            conn.execute(Q["queue_declare_keyed"], {"name": name, "actor": actor})
+
     def queue_set_paused(self, name: str, paused: bool, actor: str) -> None:
         with self._write() as conn:
             conn.execute(

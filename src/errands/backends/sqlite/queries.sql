@@ -452,6 +452,15 @@ WHERE max_running IS NOT excluded.max_running OR rate_limit IS NOT excluded.rate
    OR rate_period IS NOT excluded.rate_period OR (excluded.has_keys = 1 AND has_keys = 0)
    OR fair IS NOT excluded.fair OR aging IS NOT excluded.aging
 
+-- name: queue_declare_keyed
+-- A queue this worker's code has limited job types in but does not declare: has_keys on,
+-- nothing else written (the settings are whoever declared them).
+INSERT INTO errands_queues (name, has_keys, updated_at, updated_by)
+VALUES (:name, 1, (julianday('now') - 2440587.5) * 86400.0, :actor)
+ON CONFLICT (name) DO UPDATE
+SET has_keys = 1, updated_at = excluded.updated_at, updated_by = excluded.updated_by
+WHERE has_keys = 0
+
 -- name: queue_set_paused
 INSERT INTO errands_queues (name, paused, updated_at, updated_by)
 VALUES (:name, :paused, (julianday('now') - 2440587.5) * 86400.0, :actor)

@@ -8,7 +8,9 @@ and any native ``@get_app().job`` functions.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
 import os
 import sys
 from typing import Any
@@ -38,13 +40,13 @@ class Command(BaseCommand):
         parser.add_argument("-c", "--concurrency", type=int, help="jobs at once (default 10)")
         parser.add_argument(
             "--grace",
-            type=float,
+            type=_seconds,
             default=30.0,
             help="seconds in-flight jobs get to finish on SIGTERM (default 30)",
         )
         parser.add_argument(
             "--poll-interval",
-            type=float,
+            type=_seconds,
             default=1.0,
             help="seconds between claims when the queues are idle (default 1)",
         )
@@ -61,7 +63,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--maintenance-tick",
-            type=float,
+            type=_seconds,
             help="seconds between maintenance rounds (default: the lease / 4, at most 1)",
         )
         parser.add_argument(
@@ -96,6 +98,13 @@ class Command(BaseCommand):
             raise CommandError("--express must be 0 (off) or more")
         if options["grace"] < 0 or options["poll_interval"] <= 0:
             raise CommandError("--grace must be >= 0 and --poll-interval > 0")
+        spec = options["queues"]
+        if spec is not None and not spec.replace(",", "").strip():
+            # as `errands worker -q ""`: an empty value is not a missing one
+            raise CommandError(
+                f"--queues {spec!r} names no queue (an unset $QUEUE?): name them, as in "
+                "--queues emails,payments, or leave --queues out to serve the backend's QUEUES"
+            )
         alias = options["backend"]
         try:
             params = backend_params(alias)
@@ -107,7 +116,7 @@ class Command(BaseCommand):
             install_record_factory()  # job id, name, queue and attempt on every record
         app = get_app(alias)
         names = app.autodiscover()
-        queues = options["queues"] or serving_queues(params, app)
+        queues = serving_queues(params, app) if spec is None else spec
         if options["metrics_port"] is not None:
             from errands.observability.metrics import serve_metrics
 
@@ -152,6 +161,23 @@ class Command(BaseCommand):
             os._exit(code)
         if code:
             sys.exit(code)
+
+
+def _seconds(text: str) -> float:
+    """An option's seconds. ``float()`` reads "nan" and "inf" too, which the range
+    checks let through (NaN compares false with either bound): a usage error instead,
+    worded as the errands CLI's."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number; give seconds, such as 30"
+        ) from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a finite number; give seconds, such as 30"
+        )
+    return value
 
 
 def _display(app: Any) -> str:
