@@ -531,20 +531,21 @@ def test_a_hanging_result_serializer_is_stopped_by_the_jobs_timeout(
 
 
 def test_each_on_dead_hook_of_a_death_has_its_own_time_limit(store_url: str) -> None:
-    """Given hook_timeout=1 and two on_dead hooks of 0.7 s each, when a job dies, then
-    both run to their end: they shared one limit, the second was interrupted at 0.3 s
-    and the death was marked done, so it never ran (a pager alert lost)."""
-    app = errands.App(store_url, hook_timeout=1.0)
+    """Given hook_timeout=2 and two on_dead hooks of 1.2 s each, when a job dies, then
+    both run to their end: they shared one limit, the second was interrupted at 0.8 s
+    and the death was marked done, so it never ran (a pager alert lost). (Each hook has
+    0.8 s to spare: with 0.3 s, a CI machine at a load of 25 interrupted the first.)"""
+    app = errands.App(store_url, hook_timeout=2.0)
     finished: list[str] = []
 
     @app.on_dead
     def first(job: errands.Job) -> None:
-        time.sleep(0.7)
+        time.sleep(1.2)
         finished.append("first")
 
     @app.on_dead
     def second(job: errands.Job) -> None:
-        for _ in range(70):  # pure Python: an interrupt would land here
+        for _ in range(120):  # pure Python: an interrupt would land here
             time.sleep(0.01)
         finished.append("second")
 
