@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
-from pydantic_core import PydanticSerializationError
+from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from .errors import ConfigurationError, InvalidPayload
 
@@ -130,6 +130,23 @@ def unstorable_json(what: str, text: str) -> InvalidPayload | None:
             f"store; {NUL_FIX}"
         )
     return None
+
+
+def _nonfinite_result(job_name: str, value: Any) -> InvalidPayload | None:
+    """Why a handler's result cannot be stored when it holds a NaN or an infinity, which
+    its JSON (pydantic's, by default) wrote as null: the caller read back None, silently,
+    where ctx.step results, signal payloads and arguments refuse them. None otherwise."""
+    try:
+        plain = to_jsonable_python(value)  # models and dataclasses as dicts, floats kept
+    except (PydanticSerializationError, ValueError, TypeError):
+        return None
+    where = nonfinite_path(plain)
+    if where is None:
+        return None
+    return InvalidPayload(
+        f"{job_name}: the handler's result: {where}: a number that is NaN or infinite, "
+        'which JSON cannot hold; return a finite number, None, or a string such as "inf"'
+    )
 
 
 def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPayload:
@@ -360,6 +377,10 @@ class PayloadSpec:
                 f"{self.job_name}: the handler's result holds the NUL character (\\x00) at "
                 f"{nul_path(json.loads(text))}, which PostgreSQL cannot store; {NUL_FIX}"
             )
+        if "null" in text:  # pydantic writes a NaN or an infinity as null: look again
+            nonfinite = _nonfinite_result(self.job_name, value)
+            if nonfinite is not None:
+                raise nonfinite
         return text
 
     def decode_result(self, value: Any) -> Any:

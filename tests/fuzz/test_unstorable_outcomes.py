@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from pydantic import BaseModel
 
 import errands
 from tests.conftest import running_worker
@@ -69,3 +70,58 @@ def test_unstorable_results_steps_and_errors_end_dead_and_the_worker_keeps_servi
     assert step.state.value == "dead" and step.errors[-1].type == "StepError"
     assert "step 'read'" in step.errors[-1].message and "NUL" in step.errors[-1].message
     assert app.job_steps(step.id) == []
+
+
+class Reading(BaseModel):
+    ratio: float
+
+
+def test_a_result_holding_nan_or_infinity_ends_dead_naming_where_not_stored_as_null(
+    store_url: str,
+) -> None:
+    """A handler whose result holds a NaN or an infinity (in a dict, a model, alone) was
+    completed with that number stored as null: whoever read the result got None,
+    silently. It ends dead (permanent) naming where the number is, as a ctx.step result,
+    a signal payload or an argument is refused; a result with a real null completes."""
+    application = errands.App(store_url)
+
+    @application.job(name="nan.dict", retries=3)
+    def in_a_dict() -> dict[str, list[float]]:
+        return {"values": [1.0, float("nan")]}
+
+    @application.job(name="nan.model", retries=3)
+    def in_a_model() -> Reading:
+        return Reading(ratio=float("inf"))
+
+    @application.job(name="nan.alone", retries=3)
+    def alone() -> float:
+        return float("-inf")
+
+    @application.job(name="nan.none")
+    def real_null() -> dict[str, float | None]:
+        return {"ratio": None}
+
+    try:
+        handles = {h.name: h for h in (in_a_dict.enqueue(), in_a_model.enqueue(), alone.enqueue())}
+        fine = real_null.enqueue()
+        with running_worker(application, concurrency=2, poll_interval=0.02):
+            assert fine.result(timeout=30) == {"ratio": None}
+            wait_until(
+                lambda: all(h.status().value == "dead" for h in handles.values()),
+                30,
+                "every non-finite result to end dead",
+            )
+        for name, where in (
+            ("nan.dict", "values.1"),
+            ("nan.model", "ratio"),
+            ("nan.alone", "(value)"),
+        ):
+            job = handles[name].job()
+            assert job.attempt == 1  # permanent: never retried
+            [error] = job.errors
+            assert error.type == "InvalidPayload"
+            assert (
+                f"the handler's result: {where}: a number that is NaN or infinite" in error.message
+            )
+    finally:
+        application.close()
