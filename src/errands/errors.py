@@ -12,7 +12,7 @@
     ├── DatabaseBusy            the store stayed locked past every retry
     ├── StorageFull             the store has no room left (disk full, size limit); nothing written
     ├── EnqueueUncertain        the connection was lost as an enqueue committed: it may exist
-├── CancelIncomplete        a workflow's cancel was requested but not all applied: run it again
+    ├── CancelIncomplete        a workflow's cancel was requested but not all applied: run it again
     ├── StepError               ctx.step misused: a name twice in one run, a result not JSON
     ├── JobFailed               ``JobHandle.result()`` on a dead job
     ├── JobCancelled            ``JobHandle.result()`` on a cancelled job

@@ -791,3 +791,51 @@ def test_the_sync_workflow_reads_in_an_async_handler_raise_naming_the_async_ones
     for name, message in refused.items():
         assert f"use await ctx.a{name}() instead" in message
         assert "async def handler" in message
+
+
+def test_a_workflow_cancel_whose_later_step_is_run_again_still_reports_what_settled(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A workflow cancel is several transactions; one that settles the workflow commits,
+    and a later one is aborted by the store to break a lock cycle and run again. The
+    retry dropped every report of the thread, the committed settlement's too: no
+    errands.workflow.settled event (nor metric) for a workflow that settled."""
+    import contextlib
+
+    app = make_app()
+    settled: list[dict[str, Any]] = []
+    app.events.subscribe(
+        lambda e: settled.append(dict(e.fields)) if e.name == "errands.workflow.settled" else None
+    )
+
+    @app.job(name="member")
+    def member() -> None: ...
+
+    batch = errands.Batch("cancelled")
+    batch.add(member.bind())
+    handle = app.enqueue_workflow(batch)
+    backend = app.backend
+    transaction = backend._transaction  # type: ignore[attr-defined]
+    aborted: list[bool] = []
+
+    @contextlib.contextmanager
+    def aborted_after_a_settlement() -> Any:
+        earlier = backend.workflows.mark()[0]  # type: ignore[attr-defined]
+        with transaction() as run:
+            yield run
+            if earlier and not aborted:  # a step after the one that settled it
+                aborted.append(True)
+                raise RuntimeError("deadlock detected (a lock cycle the store broke)")
+
+    monkeypatch.setattr(backend, "_transaction", aborted_after_a_settlement)
+    monkeypatch.setattr(backend, "_lock_conflict", lambda exc: "deadlock" in str(exc))
+    app.cancel_workflow(handle.id)
+
+    assert aborted == [True]
+    status = handle.status()
+    assert status.settled
+    deadline = time.monotonic() + 5.0  # the events lane delivers them
+    while not settled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, status.state)]

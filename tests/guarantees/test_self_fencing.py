@@ -11,6 +11,7 @@ long enough that a busy machine's scheduling delays do not decide them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -439,3 +440,68 @@ def test_a_worker_resumed_from_a_suspend_whose_heartbeat_gets_through_keeps_its_
     assert cancelled == []
     job = handle.job()
     assert (job.state, job.attempt, job.errors) == (JobState.COMPLETED, 1, [])
+
+
+def test_a_self_fenced_async_handler_is_given_back_off_the_event_loop(
+    store: errands.App, worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given an async handler that returns once self-fencing cancels it, while the store
+    does not answer, its job's give-back waits for the store: it waited on the event
+    loop, and every other async job of the worker stood still meanwhile. Here the
+    give-back is held until another async job on the loop has moved on."""
+    import asyncio
+
+    ticks: list[float] = []
+    loop_moved = threading.Event()
+    stop_ticking = threading.Event()
+
+    runs: list[int] = []
+
+    @store.job(name="fence.async_coop", retries=3)
+    async def coop(ctx: errands.Context) -> str:
+        runs.append(1)
+        if len(runs) > 1:  # given back, then run again once the store answers
+            return "done"
+        while not ctx.cancelled:
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                return "stopped on its cancel"
+        return "stopped early"
+
+    @store.job(name="fence.async_ticker")
+    async def ticker() -> int:
+        while not stop_ticking.is_set():
+            ticks.append(time.monotonic())
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.02)
+        return len(ticks)
+
+    heartbeats = _cut(store, monkeypatch)
+    release = store.backend.job_release_many
+    held: list[str] = []
+
+    def slow_release(refs: Any, message: str) -> Any:
+        # the store not answering, until the loop shows it turns meanwhile
+        held.append(threading.current_thread().name)
+        start = len(ticks)
+        deadline = time.monotonic() + 15
+        while len(ticks) < start + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if len(ticks) >= start + 3:
+            loop_moved.set()
+        return release(refs, message)
+
+    monkeypatch.setattr(store.backend, "job_release_many", slow_release)
+    ticking = ticker.enqueue()
+    with worker(concurrency=4, maintenance=False):
+        handle = coop.enqueue()
+        wait_until(lambda: handle.status() is JobState.RUNNING, what="its start")
+        heartbeats.failing = True
+        wait_until(lambda: held, timeout=30, what="the self-fenced job's give-back")
+        assert loop_moved.wait(20), "the event loop stood still while the job was given back"
+        heartbeats.failing = False
+        stop_ticking.set()
+        assert ticking.result(timeout=30) > 0
+        assert handle.result(timeout=30) == "done"
+    assert "errands-loop" not in held

@@ -139,6 +139,25 @@ def test_a_changed_schedule_still_runs_a_slot_due_in_the_deploys_gap(store_url: 
         new.close()
 
 
+def test_a_schedule_changed_to_a_frequent_one_starts_with_one_slot_not_its_whole_grace(
+    store_url: str,
+) -> None:
+    """A 03:00 daily job redeployed every 2 seconds, under a grace of 60 s: its first tick
+    ran each of the new schedule's 30 slots in the grace before the deploy, runs dated
+    before it was deployed (every on-time slot runs, but these were never due)."""
+    old, new = errands.App(store_url), errands.App(store_url)
+    try:
+        old.periodic("0 3 * * *", name="cron.sweep")(lambda: None)
+        new.periodic("*/2 * * * * *", name="cron.sweep")(lambda: None)
+        Scheduler(old, grace=60).run_once(now=DAY + timedelta(hours=9))
+        deployed = DAY + timedelta(hours=10, seconds=1)
+        assert Scheduler(new, grace=60).run_once(now=deployed) == 1
+        assert slots_of(new, "cron.sweep") == [DAY + timedelta(hours=10)]
+    finally:
+        old.close()
+        new.close()
+
+
 def test_a_long_catch_up_stops_when_the_leadership_is_lost_and_the_next_goes_on(
     store_url: str,
 ) -> None:

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 
 import errands
 from errands import JobState
@@ -207,3 +208,65 @@ def _waiting_on_a_lock(conninfo: Any, schema: str) -> bool:
             (f'"{schema}".',),
         ).fetchone()
     return bool(row and row[0])
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_graceful_stop_waits_for_a_commit_of_ctx_transaction_held_on_a_lock(
+    pg_url: str, kind: str
+) -> None:
+    """A handler returned and its outcome is being committed in its own transaction,
+    which waits for a row lock, when the worker is asked to stop. The stop waited only
+    for the attempt to be decided: it returned with the commit still waiting, the
+    process ended, the server rolled the work back and the job, which had succeeded,
+    was rescued as lost. The stop waits for the commit, within its grace period."""
+    import asyncio
+    import threading
+
+    app = errands.App(pg_url)
+    conninfo: Any = app.backend.config.conninfo  # type: ignore[attr-defined]
+    schema = app.backend.config.schema  # type: ignore[attr-defined]
+    started, go = threading.Event(), threading.Event()
+
+    if kind == "sync":
+
+        @app.job(name="stop.tx_sync", retries=0)
+        def with_tx(ctx: errands.Context) -> str:
+            ctx.transaction().execute("SELECT 1")
+            started.set()
+            go.wait(15)
+            return "committed"
+
+    else:
+
+        @app.job(name="stop.tx_async", retries=0)
+        async def with_tx(ctx: errands.Context) -> str:
+            tx = ctx.transaction()
+            await asyncio.to_thread(tx.execute, "SELECT 1")
+            started.set()
+            while not go.is_set():
+                await asyncio.sleep(0.01)
+            return "committed"
+
+    try:
+        handle = with_tx.enqueue()
+        with psycopg.connect(conninfo) as holder:
+            with running_worker(app, concurrency=2, grace=20):
+                assert started.wait(15)
+                holder.execute(
+                    f'SELECT 1 FROM "{schema}".errands_jobs WHERE id = %s FOR UPDATE',
+                    (handle.id,),
+                )
+                go.set()  # its completion now waits for the row, in its transaction's commit
+                wait_until(
+                    lambda: _waiting_on_a_lock(conninfo, schema),
+                    what="the commit to wait on the row lock",
+                )
+                # the row is let go of a second into the stop
+                letting_go = threading.Timer(1.0, holder.rollback)
+                letting_go.start()
+            # the worker has stopped: its job's outcome is committed, not left behind
+            job = handle.job()
+            letting_go.join()
+            assert job.state is JobState.COMPLETED, (job.state, job.errors)
+    finally:
+        app.close()

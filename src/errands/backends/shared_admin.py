@@ -159,6 +159,7 @@ class SharedAdmin:
         break a lock cycle, run it again (from the start, seeing what the other side
         committed): an operator never sees a deadlock. Any other error propagates."""
         for attempt in range(1, LOCK_CONFLICT_TRIES + 1):
+            mark = self.workflows.mark()
             try:
                 with self._transaction() as run:
                     return body(run)
@@ -166,8 +167,9 @@ class SharedAdmin:
                 if attempt == LOCK_CONFLICT_TRIES or not self._lock_conflict(exc):
                     raise
                 # What the rolled-back try's fan-ins settled never happened: reported with
-                # the try that commits, it was announced twice (events and metrics).
-                self.workflows.forget()
+                # the try that commits, it was announced twice (events and metrics). What
+                # the caller's earlier writes committed stays to be reported.
+                self.workflows.back_to(mark)
                 log.info("%s: the store broke a lock cycle (%s); running it again", action, exc)
                 time.sleep(random.uniform(0.0, 0.01 * attempt))  # jitter
         raise AssertionError("unreachable")  # pragma: no cover

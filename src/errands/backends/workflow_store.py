@@ -304,6 +304,25 @@ class WorkflowStore:
         self.take_settled()
         self.take_released()
 
+    def mark(self) -> tuple[int, frozenset[str], bool]:
+        """Where this thread's reports stand now, for :meth:`back_to`."""
+        local = self._local
+        return (
+            len(getattr(local, "settled", [])),
+            frozenset(getattr(local, "released", set())),
+            bool(getattr(local, "fanned", False)),
+        )
+
+    def back_to(self, mark: tuple[int, frozenset[str], bool]) -> None:
+        """Drop what this thread's fan-ins reported since ``mark``: a transaction rolled
+        back (it never happened), keeping what earlier writes committed and have yet to
+        report (:meth:`forget` dropped those too)."""
+        settled, released, fanned = mark
+        local = self._local
+        local.settled = getattr(local, "settled", [])[:settled]
+        local.released = set(released)
+        local.fanned = fanned
+
     def take_fanned(self) -> bool:
         """Whether a fan-in ran in this thread since the last call (the backends' finish
         reaches fault point ``after_fan_in_commit`` once its transaction committed)."""

@@ -297,7 +297,10 @@ class Scheduler:
                 backend.cron_save(job.name, job.expression, job.timezone, last.timestamp(),
                                   None, job.next_after(now).timestamp())  # fmt: skip
             return 0
-        chosen = self._apply_policy(job, slots, now)
+        # A changed schedule: its slots in the grace before now were never due (only the
+        # one in the deploy's gap: the latest). Every on-time slot of an every-2-s job
+        # redeployed under a grace of 300 s was 150 runs dated before the deploy.
+        chosen = slots[-1:] if changed else self._apply_policy(job, slots, now)
         job_id = state.last_job_id
         handled = last
         for slot in chosen:

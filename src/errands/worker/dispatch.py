@@ -336,10 +336,13 @@ class Dispatcher:
         stopped = isinstance(exc, JobTimeout | Interrupted)
         result = None if exc is not None else future.result()
         runtime = attempt.runtime
-        if runtime is not None and runtime.tx is not None and not stopped:
+        if (
+            runtime is not None and runtime.tx is not None and not stopped
+        ) or attempt.stop_reason == LEASE_UNRENEWED:
             # This runs on the event loop, and the outcome is committed in the handler's
             # own transaction, which may wait on a lock (a row, a workflow's fan-in, SQLite's
-            # file): every async job of the worker stood still meanwhile. On a thread.
+            # file), or a self-fenced attempt given back while the store is out of reach:
+            # every async job of the worker stood still meanwhile. On a thread.
             threading.Thread(
                 target=recorder.handler_returned,
                 args=(attempt, exc, result),

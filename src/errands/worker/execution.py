@@ -107,6 +107,9 @@ class Attempt:
     future: Future[Any] | Call | None = None  # Call: a sync handler on the thread pool
     task: asyncio.Task[Any] | None = None
     decided: bool = False
+    # Its outcome is being built, decided (a ctx.transaction() commit may wait on a lock):
+    # a graceful stop waits for it as for a running handler
+    writing: bool = False
     released: bool = False
     ended: float = 0.0  # errands.clock time the outcome was decided
     runtime: AttemptRuntime | None = None
@@ -141,7 +144,8 @@ class Attempt:
         with self._lock:
             if self.decided:
                 return False
-            self.decided = True
+            # writing with it: a stop that sees it decided waits for its outcome's write
+            self.decided = self.writing = True
             return True
 
     def give_back(self) -> bool:

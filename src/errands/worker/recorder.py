@@ -158,15 +158,20 @@ class OutcomeRecorder:
         Returns False when another outcome was decided first (this one is ignored).
         Never raises once the attempt is decided.
         """
-        if attempt.released or not attempt.decide():
+        if attempt.released or not attempt.decide():  # (it sets writing too: cleared here)
             return False
-        attempt.ended = clock.now()
-        written: bool | None = None
         try:
-            outcome, written = self._outcome(attempt, exc, result_json, handler_running)
-        except BaseException as bug:
-            log.exception("job %s: recording its outcome failed; recording a failure", attempt.id)
-            outcome, written = self._fallback(attempt, bug, handler_running), None
+            attempt.ended = clock.now()
+            written: bool | None = None
+            try:
+                outcome, written = self._outcome(attempt, exc, result_json, handler_running)
+            except BaseException as bug:
+                log.exception(
+                    "job %s: recording its outcome failed; recording a failure", attempt.id
+                )
+                outcome, written = self._fallback(attempt, bug, handler_running), None
+        finally:
+            attempt.writing = False
         try:
             self.worker.slot_freed(attempt)
         finally:
@@ -281,6 +286,7 @@ class OutcomeRecorder:
         if attempt.released or not attempt.decide():
             return
         attempt.ended = clock.now()
+        attempt.writing = False  # (the child wrote its own transaction's outcome already)
         try:
             outcome = outcome_for(attempt, None, result.result_json, self.worker.id)
             if result.children:

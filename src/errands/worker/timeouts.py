@@ -59,13 +59,13 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         attempt.timed_out = True
         attempt.timeout_at = now
         attempt.interrupt("timeout", worker.loop)  # ctx.cancelled; an async task cancelled
+        log.warning(
+            "job %s ran past its %g s timeout; asking its handler to stop", attempt.id, timeout
+        )
         if is_async:  # (its asyncio.timeout cancels it too): abandoned if it goes on
             attempt.deadline = now + worker.abandon_after
             return
         attempt.deadline = now + min(INTERRUPT_AFTER, worker.abandon_after)
-        log.warning(
-            "job %s ran past its %g s timeout; asking its handler to stop", attempt.id, timeout
-        )
         return
     if not is_async and not attempt.interrupted and now < attempt.timeout_at + worker.abandon_after:
         attempt.interrupted = True

@@ -1022,8 +1022,11 @@ class Worker:
         if withdrawn:  # prefetched, never begun: back to the queue at once, not run
             self.release(withdrawn, "stopping: released %d prefetched job(s)", logging.INFO)
         while time.monotonic() < deadline:
+            # A decided attempt still writing its outcome (a ctx.transaction() commit that
+            # waits on a lock) is waited for too: left behind, the process ended, the
+            # commit was rolled back, and a job that succeeded was rescued as lost.
             with self._lock:
-                running = [a for a in self._attempts.values() if not a.decided]
+                running = [a for a in self._attempts.values() if not a.decided or a.writing]
             if not running:
                 break
             time.sleep(0.02)
@@ -1046,6 +1049,7 @@ class Worker:
             self.release(
                 leftover, "grace period over: released %d running job(s) back to the queue"
             )
+        self._wait_writes(max(self.grace, 5.0))
         self.completer.stop(timeout=max(self.grace, 5.0))
         self.leases.stop()
         if self.listener is not None:
@@ -1072,6 +1076,26 @@ class Worker:
             log.warning(
                 "on_dead hooks or event subscribers still ran %g s after stopping", HOOK_DRAIN
             )
+
+    def _wait_writes(self, timeout: float) -> None:
+        """At a stop, after the grace period: wait up to ``timeout`` for the outcomes still
+        being written in their handlers' own transactions (commits waiting on a lock)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                writing = [a.id for a in self._attempts.values() if a.writing]
+            if not writing:
+                return
+            if time.monotonic() >= deadline:
+                log.error(
+                    "stopping: the outcome of job(s) %s is still being committed in its "
+                    "ctx.transaction() after %g s; if the process ends first, the server "
+                    "rolls it back and the job is rescued after its lease",
+                    ", ".join(map(str, writing[:20])),
+                    timeout,
+                )
+                return
+            time.sleep(0.02)
 
     def release(self, attempts: list[Attempt], message: str, level: int = logging.WARNING) -> None:
         """Give the leases of ``attempts`` back (available again, the attempt not charged,
