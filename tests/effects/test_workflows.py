@@ -601,16 +601,18 @@ def test_acancel_cancels_a_workflow_and_aresult_raises_workflow_failed(make_app:
     assert (status.state, status.cancelled) == ("cancelled", 2)
 
 
-def test_a_workflow_settled_by_a_cancel_run_again_after_a_lock_cycle_is_reported_once(
-    make_app: Make, monkeypatch: pytest.MonkeyPatch
+def _one_member_batch_cancelled_across_a_lock_cycle(
+    app: errands.App,
+    monkeypatch: pytest.MonkeyPatch,
+    abort_now: Callable[[int], bool],
+    cancel: Callable[[Any], Any],
 ) -> None:
-    """An operator's cancel that the store aborted to break a lock cycle runs again from
-    the start. What the aborted try's fan-in settled never happened, but it stayed on the
-    thread's list and was reported beside the committed try's: errands.workflow.settled
-    (and its metric) twice for one workflow."""
+    """A batch of one pending member, cancelled by ``cancel(handle)`` while the store
+    aborts one write transaction after its body ran (the first for which ``abort_now``,
+    given the thread's count of settlements waiting to be reported, says so) as a lock
+    cycle it broke; then exactly one errands.workflow.settled event, with its state."""
     import contextlib
 
-    app = make_app()
     settled: list[dict[str, Any]] = []
     app.events.subscribe(
         lambda e: settled.append(dict(e.fields)) if e.name == "errands.workflow.settled" else None
@@ -622,22 +624,22 @@ def test_a_workflow_settled_by_a_cancel_run_again_after_a_lock_cycle_is_reported
     batch = errands.Batch("cancelled")
     batch.add(member.bind())
     handle = app.enqueue_workflow(batch)
-    [only] = app.workflow_members(handle.id)
     backend = app.backend
     transaction = backend._transaction  # type: ignore[attr-defined]
     aborted: list[bool] = []
 
     @contextlib.contextmanager
     def aborted_once() -> Any:
+        earlier = backend.workflows.mark()[0]  # type: ignore[attr-defined]
         with transaction() as run:
             yield run
-            if not aborted:  # after the body: its fan-in settled the workflow
+            if not aborted and abort_now(earlier):
                 aborted.append(True)
                 raise RuntimeError("deadlock detected (a lock cycle the store broke)")
 
     monkeypatch.setattr(backend, "_transaction", aborted_once)
     monkeypatch.setattr(backend, "_lock_conflict", lambda exc: "deadlock" in str(exc))
-    app.cancel(only.job_id)
+    cancel(handle)
 
     assert aborted == [True]
     status = handle.status()
@@ -647,6 +649,25 @@ def test_a_workflow_settled_by_a_cancel_run_again_after_a_lock_cycle_is_reported
         time.sleep(0.01)
     time.sleep(0.2)  # a second report would come right behind the first
     assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, status.state)]
+
+
+def test_a_workflow_settled_by_a_cancel_run_again_after_a_lock_cycle_is_reported_once(
+    make_app: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's cancel that the store aborted to break a lock cycle runs again from
+    the start. What the aborted try's fan-in settled never happened, but it stayed on the
+    thread's list and was reported beside the committed try's: errands.workflow.settled
+    (and its metric) twice for one workflow."""
+    app = make_app()
+
+    def cancel_its_member(handle: Any) -> None:
+        [only] = app.workflow_members(handle.id)
+        app.cancel(only.job_id)
+
+    # the first write: after its body, its fan-in settled the workflow
+    _one_member_batch_cancelled_across_a_lock_cycle(
+        app, monkeypatch, lambda earlier: True, cancel_its_member
+    )
 
 
 def test_an_aenqueue_workflow_cancelled_while_its_insert_runs_still_announces_the_workflow(
@@ -800,42 +821,8 @@ def test_a_workflow_cancel_whose_later_step_is_run_again_still_reports_what_sett
     and a later one is aborted by the store to break a lock cycle and run again. The
     retry dropped every report of the thread, the committed settlement's too: no
     errands.workflow.settled event (nor metric) for a workflow that settled."""
-    import contextlib
-
     app = make_app()
-    settled: list[dict[str, Any]] = []
-    app.events.subscribe(
-        lambda e: settled.append(dict(e.fields)) if e.name == "errands.workflow.settled" else None
+    # a step after the one that settled it (a settlement waits to be reported)
+    _one_member_batch_cancelled_across_a_lock_cycle(
+        app, monkeypatch, lambda earlier: earlier > 0, lambda h: app.cancel_workflow(h.id)
     )
-
-    @app.job(name="member")
-    def member() -> None: ...
-
-    batch = errands.Batch("cancelled")
-    batch.add(member.bind())
-    handle = app.enqueue_workflow(batch)
-    backend = app.backend
-    transaction = backend._transaction  # type: ignore[attr-defined]
-    aborted: list[bool] = []
-
-    @contextlib.contextmanager
-    def aborted_after_a_settlement() -> Any:
-        earlier = backend.workflows.mark()[0]  # type: ignore[attr-defined]
-        with transaction() as run:
-            yield run
-            if earlier and not aborted:  # a step after the one that settled it
-                aborted.append(True)
-                raise RuntimeError("deadlock detected (a lock cycle the store broke)")
-
-    monkeypatch.setattr(backend, "_transaction", aborted_after_a_settlement)
-    monkeypatch.setattr(backend, "_lock_conflict", lambda exc: "deadlock" in str(exc))
-    app.cancel_workflow(handle.id)
-
-    assert aborted == [True]
-    status = handle.status()
-    assert status.settled
-    deadline = time.monotonic() + 5.0  # the events lane delivers them
-    while not settled and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, status.state)]

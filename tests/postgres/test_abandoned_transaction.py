@@ -159,7 +159,6 @@ def test_an_async_handlers_transaction_is_committed_off_the_event_loop(pg_url: s
     the worker's event loop: every async job of the worker stood still until the lock
     was let go. Here another session holds the job's row while the commit waits for it,
     and an unrelated async job still runs to its end."""
-    import asyncio
     import threading
 
     app = errands.App(pg_url)
@@ -168,12 +167,7 @@ def test_an_async_handlers_transaction_is_committed_off_the_event_loop(pg_url: s
 
     @app.job(name="loop.tx_commit", retries=0)
     async def with_tx(ctx: errands.Context) -> str:
-        tx = ctx.transaction()
-        await asyncio.to_thread(tx.execute, "SELECT 1")
-        started.set()
-        while not go.is_set():
-            await asyncio.sleep(0.01)
-        return "committed"
+        return await _in_a_transaction_until(ctx, started, go)
 
     @app.job(name="loop.unrelated")
     async def unrelated() -> str:
@@ -199,6 +193,19 @@ def test_an_async_handlers_transaction_is_committed_off_the_event_loop(pg_url: s
         app.close()
 
 
+async def _in_a_transaction_until(ctx: errands.Context, started: Any, go: Any) -> str:
+    """An async handler's body: a statement in its ctx.transaction(), ``started`` set,
+    then awaiting until ``go`` is set; its result is committed in that transaction."""
+    import asyncio
+
+    tx = ctx.transaction()
+    await asyncio.to_thread(tx.execute, "SELECT 1")
+    started.set()
+    while not go.is_set():
+        await asyncio.sleep(0.01)
+    return "committed"
+
+
 def _waiting_on_a_lock(conninfo: Any, schema: str) -> bool:
     """Whether a statement on ``schema``'s tables waits for a lock."""
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -219,7 +226,6 @@ def test_a_graceful_stop_waits_for_a_commit_of_ctx_transaction_held_on_a_lock(
     for the attempt to be decided: it returned with the commit still waiting, the
     process ended, the server rolled the work back and the job, which had succeeded,
     was rescued as lost. The stop waits for the commit, within its grace period."""
-    import asyncio
     import threading
 
     app = errands.App(pg_url)
@@ -240,12 +246,7 @@ def test_a_graceful_stop_waits_for_a_commit_of_ctx_transaction_held_on_a_lock(
 
         @app.job(name="stop.tx_async", retries=0)
         async def with_tx(ctx: errands.Context) -> str:
-            tx = ctx.transaction()
-            await asyncio.to_thread(tx.execute, "SELECT 1")
-            started.set()
-            while not go.is_set():
-                await asyncio.sleep(0.01)
-            return "committed"
+            return await _in_a_transaction_until(ctx, started, go)
 
     try:
         handle = with_tx.enqueue()
