@@ -756,6 +756,11 @@ class WorkflowStore:
         return result.id
 
     # -- operators ---------------------------------------------------------------------
+    def members_among(self, job_ids: Sequence[int]) -> Program[list[int]]:
+        """Which of these jobs are workflow members (of a workflow not pruned)."""
+        rows = yield Stmt(self.q["wf_members_among"], {"ids": self.array(list(job_ids))})
+        return [int(r[0]) for r in rows]
+
     def lock_members_of(self, job_ids: Sequence[int]) -> Program[None]:
         """Lock the workflows these jobs are members of, and those these are nested in,
         before locking the jobs: the order every fan-in that may change a waiting member
@@ -764,23 +769,41 @@ class WorkflowStore:
 
     def reenter(self, job_ids: Sequence[int]) -> Program[None]:
         """Replayed dead members are pending in their workflow again (after job_replay
-        in the same transaction); see docs/workflows.md, "Replaying a member". Their
-        dependents still waiting (for another parent) wait for their new end. A nested
-        workflow that had failed, one of whose members is replayed, is pending again in
-        its parent in turn (it then ends there again as it settles again)."""
+        in the same transaction, which locked their workflows first: lock_members_of);
+        see docs/workflows.md, "Replaying a member". Their dependents still waiting (for
+        another parent) wait for their new end. A nested workflow that had failed, one of
+        whose members is replayed, is pending again in its parent in turn (it then ends
+        there again as it settles again).
+
+        Set-based, level by level: the members, then the failed workflows they re-open,
+        then those these re-open; four statements a level however many members."""
         q = self.q
-        for job_id in job_ids:
-            member: int | None = job_id
-            while member is not None:  # the member, then each failed workflow it re-opens
-                rows = yield Stmt(q["wf_reenter"], {"id": member})
-                if not rows:
-                    break
-                workflow_id = int(rows[0][0])
-                yield Stmt(q["wf_lock"], {"id": workflow_id})
-                yield Stmt(q["wf_member_outcome"], {"id": member, "outcome": None})
-                yield Stmt(q["wf_reopen_edges"], {"id": member})
-                yield Stmt(q["wf_uncount_dead"], {"id": workflow_id})
-                member = -workflow_id  # up to its parent, if it is nested in one
+        members = list(dict.fromkeys(job_ids))
+        while members:
+            rows = yield Stmt(q["wf_reenter"], {"ids": self.array(members)})
+            back = sorted((int(r[0]), int(r[1])) for r in rows)  # member, its workflow
+            if not back:
+                return
+            again = [m for m, _ in back]
+            yield Stmt(
+                q["wf_member_outcomes"], self.columns(ids=again, outcomes=[None] * len(again))
+            )
+            yield Stmt(q["wf_reopen_edges"], {"ids": self.array(again)})
+            uncounted: dict[int, int] = {}  # workflow -> its members no longer dead
+            for _, workflow_id in back:
+                uncounted[workflow_id] = uncounted.get(workflow_id, 0) + 1
+            workflows = sorted(uncounted)
+            yield Stmt(  # the counts move back (each row locked already)
+                q["wf_count_many"],
+                self.columns(
+                    ids=workflows,
+                    completed=[0] * len(workflows),
+                    dead=[-uncounted[w] for w in workflows],
+                    cancelled=[0] * len(workflows),
+                    skipped=[0] * len(workflows),
+                ),
+            )
+            members = [-w for w in workflows]  # up to their parents, where nested in one
 
     def prune(self, older_than: float, limit: int) -> Program[int]:
         """Delete up to ``limit`` outermost workflows settled more than ``older_than``

@@ -59,12 +59,13 @@ class PostgresAdmin(SharedAdmin):
         with self._tx() as conn:
             yield TxRun(conn, self.q, None)
 
-    def _replayed(self, ids: list[int]) -> None:
-        queues = set()
-        for job_id in ids[:100]:
-            row = self.job_get(job_id)
-            if row is not None:
-                queues.add(row.queue)
+    def _replayed(self, ids: list[int], queues: set[str] | None = None) -> None:
+        if queues is None:
+            queues = set()
+            for job_id in ids[:100]:
+                row = self.job_get(job_id)
+                if row is not None:
+                    queues.add(row.queue)
         with self._conn() as conn:
             self._maybe_notify(conn, queues)
 

@@ -327,6 +327,9 @@ SELECT count(*) FROM gone
 -- name: steps_delete
 DELETE FROM {schema}.errands_steps WHERE job_id = %(job_id)s
 
+-- name: steps_delete_many
+DELETE FROM {schema}.errands_steps WHERE job_id = ANY(%(ids)s::bigint[])
+
 -- name: job_get
 SELECT {job_columns} FROM {schema}.errands_jobs AS j WHERE j.id = %(id)s
 
@@ -393,6 +396,8 @@ ORDER BY 7 DESC, 10, 1  -- priority, run_at, id
 LIMIT %(limit)s
 
 -- name: job_ids_matching
+-- A bulk DLQ action's jobs: a plain read, locking nothing (its dry run is only this;
+-- job_replay and job_discard lock the rows they change, and skip those no longer dead).
 SELECT id FROM {schema}.errands_jobs
 WHERE state = %(state)s  -- a queue or a name compared twice: see job_list
   AND (%(queue)s::text IS NULL
@@ -400,7 +405,6 @@ WHERE state = %(state)s  -- a queue or a name compared twice: see job_list
   AND (%(name)s::text IS NULL
        OR (name = %(name)s::text AND name COLLATE "C" = %(name)s::text))
 ORDER BY id
-FOR UPDATE
 
 -- name: job_states
 SELECT id, state FROM {schema}.errands_jobs WHERE id = ANY(%(ids)s::bigint[])
@@ -420,16 +424,37 @@ FROM {schema}.errands_jobs
 GROUP BY queue, state
 
 -- name: job_replay
-UPDATE {schema}.errands_jobs
+-- The jobs of %(ids)s still dead back to available, in one statement however many
+-- (row by row, 100,000 took a minute in one transaction); their ids and queues. Locked
+-- in id order first, as job_discard locks them: two bulk actions wait for each other,
+-- never in a cycle. A row changed meanwhile is read again once its lock is free: one no
+-- longer dead is left out.
+WITH dead AS (
+    SELECT id FROM {schema}.errands_jobs
+    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE {schema}.errands_jobs AS j
 SET state = 'available', attempt = 0, rescues = 0, cancel_requested = false,
     run_at = now(), finished_at = NULL
-WHERE id = %(id)s AND state = 'dead'
+FROM dead WHERE j.id = dead.id
+RETURNING j.id, j.queue
 
 -- name: job_discard
-UPDATE {schema}.errands_jobs
+-- The jobs of %(ids)s still dead to discarded (as job_replay: one statement, locked in
+-- id order); their ids and queues.
+WITH dead AS (
+    SELECT id FROM {schema}.errands_jobs
+    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE {schema}.errands_jobs AS j
 SET state = 'discarded', discarded_by = %(actor)s, discard_reason = %(reason)s,
     finished_at = now()
-WHERE id = %(id)s AND state = 'dead'
+FROM dead WHERE j.id = dead.id
+RETURNING j.id, j.queue
 
 -- name: job_cancel_pending
 UPDATE {schema}.errands_jobs
@@ -443,6 +468,14 @@ WHERE id = %(id)s AND state = 'running'
 -- name: audit_insert
 INSERT INTO {schema}.errands_audit (actor, action, job_id, detail)
 VALUES (%(actor)s, %(action)s, %(job_id)s, %(detail)s::jsonb)
+
+-- name: audit_insert_many
+-- One audit row per job of %(ids)s, in their order, all with the same actor, action and
+-- detail (a bulk replay or discard).
+INSERT INTO {schema}.errands_audit (actor, action, job_id, detail)
+SELECT %(actor)s, %(action)s, u.id, %(detail)s::jsonb
+FROM unnest(%(ids)s::bigint[]) WITH ORDINALITY AS u(id, n)
+ORDER BY u.n
 
 -- name: audit_list
 SELECT id, extract(epoch FROM at)::float8, actor, action, job_id, detail::text

@@ -260,9 +260,6 @@ WHERE j.id = u.id AND j.id = ANY(%(ids)s::bigint[]) AND j.state = 'waiting'
   AND j.wait_signal IS NULL
 RETURNING j.id
 
--- name: wf_member_outcome
-UPDATE {schema}.errands_workflow_members SET outcome = %(outcome)s WHERE job_id = %(id)s
-
 -- name: wf_get_row
 SELECT id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks::text,
        on_success_job, on_settled_job, on_dead_job, cancel_requested,
@@ -292,13 +289,18 @@ SET state = COALESCE(%(state)s::text, state),
     on_dead_job = COALESCE(%(on_dead)s::bigint, on_dead_job)
 WHERE id = %(id)s
 
+-- name: wf_members_among
+-- Which of the jobs given are workflow members (a bulk replay locks their workflows).
+SELECT job_id FROM {schema}.errands_workflow_members WHERE job_id = ANY(%(ids)s::bigint[])
+
 -- name: wf_reenter
--- A replayed dead member is pending again (see docs/workflows.md, "Replaying a member").
+-- Replayed dead members (job ids, or minus nested workflows' ids) are pending again (see
+-- docs/workflows.md, "Replaying a member"): each one made pending, with its workflow.
 INSERT INTO {schema}.errands_workflow_pending (job_id, workflow_id)
 SELECT job_id, workflow_id FROM {schema}.errands_workflow_members
-WHERE job_id = %(id)s AND outcome = 'dead'
+WHERE job_id = ANY(%(ids)s::bigint[]) AND outcome = 'dead'
 ON CONFLICT DO NOTHING
-RETURNING workflow_id
+RETURNING job_id, workflow_id
 
 -- name: wf_reopen_edges
 -- A replayed dead member's edges to dependents still waiting (for another parent) are
@@ -307,11 +309,8 @@ RETURNING workflow_id
 -- A dependent already decided (released, cancelled, skipped) keeps its decision.
 UPDATE {schema}.errands_workflow_edges AS e SET outcome = NULL
 FROM {schema}.errands_jobs AS c
-WHERE e.parent_id = %(id)s AND e.outcome = 'dead'
+WHERE e.parent_id = ANY(%(ids)s::bigint[]) AND e.outcome = 'dead'
   AND c.id = e.child_id AND c.state = 'waiting' AND c.wait_signal IS NULL
-
--- name: wf_uncount_dead
-UPDATE {schema}.errands_workflows SET dead = dead - 1 WHERE id = %(id)s
 
 -- name: wf_request_cancel
 -- The workflow and every workflow nested in it, in one statement (cancelled one by one,

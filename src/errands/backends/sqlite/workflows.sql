@@ -163,9 +163,6 @@ FROM (SELECT json_extract(value, '$[0]') AS jid, json_extract(value, '$[1]') AS 
 WHERE errands_jobs.id = u.jid AND state = 'waiting' AND wait_signal IS NULL
 RETURNING id
 
--- name: wf_member_outcome
-UPDATE errands_workflow_members SET outcome = :outcome WHERE job_id = :id
-
 -- name: wf_get_row
 SELECT id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks,
        on_success_job, on_settled_job, on_dead_job, cancel_requested, created_at, settled_at
@@ -194,25 +191,29 @@ SET state = COALESCE(:state, state),
     on_dead_job = COALESCE(:on_dead, on_dead_job)
 WHERE id = :id
 
+-- name: wf_members_among
+-- Which of the jobs given (:ids, a JSON list) are workflow members.
+SELECT job_id FROM errands_workflow_members
+WHERE job_id IN (SELECT value FROM json_each(:ids))
+
 -- name: wf_reenter
--- A replayed dead member is pending again (see docs/workflows.md, "Replaying a member").
+-- Replayed dead members (job ids, or minus nested workflows' ids; :ids a JSON list) are
+-- pending again (see docs/workflows.md, "Replaying a member"): each one made pending, with
+-- its workflow.
 INSERT INTO errands_workflow_pending (job_id, workflow_id)
 SELECT job_id, workflow_id FROM errands_workflow_members
-WHERE job_id = :id AND outcome = 'dead'
+WHERE job_id IN (SELECT value FROM json_each(:ids)) AND outcome = 'dead'
 ON CONFLICT DO NOTHING
-RETURNING workflow_id
+RETURNING job_id, workflow_id
 
 -- name: wf_reopen_edges
 -- A replayed dead member's edges to dependents still waiting (for another parent) are
 -- open again: they wait for its new end (see the PostgreSQL statement).
 UPDATE errands_workflow_edges SET outcome = NULL
-WHERE parent_id = :id AND outcome = 'dead'
+WHERE parent_id IN (SELECT value FROM json_each(:ids)) AND outcome = 'dead'
   AND EXISTS (SELECT 1 FROM errands_jobs AS c
               WHERE c.id = errands_workflow_edges.child_id AND c.state = 'waiting'
                 AND c.wait_signal IS NULL)
-
--- name: wf_uncount_dead
-UPDATE errands_workflows SET dead = dead - 1 WHERE id = :id
 
 -- name: wf_request_cancel
 -- The workflow and every workflow nested in it, in one statement (see PostgreSQL's).
