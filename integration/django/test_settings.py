@@ -83,3 +83,6 @@ LOGGING = (
         },
     }
 )
+
+# A local-memory cache that counts its close() calls (test_each_job_closes_the_caches_it_used)
+CACHES = {"default": {"BACKEND": "backend_tests.caching.CountingCache", "LOCATION": "errands"}}

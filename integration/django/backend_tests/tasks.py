@@ -106,3 +106,13 @@ async def orm_async_probe(n: int) -> bool:
         return was_closed
 
     return await sync_to_async(probe, thread_sensitive=True)()
+
+
+@task
+def uses_the_cache(n: int) -> int:
+    """Reads and writes Django's default cache: the instance this job opened."""
+    from django.core.cache import caches
+
+    cache = caches["default"]
+    cache.set(f"n:{n}", n)
+    return int(cache.get(f"n:{n}"))

@@ -385,6 +385,19 @@ class Execution(JobsTestCase):
                 result = tasks.orm_async_probe.enqueue(n)
                 self.assertIs(wait_for(result, SUCCESSFUL).return_value, True)
 
+    def test_each_job_closes_the_caches_it_used(self) -> None:
+        """Each job runs in a context of its own, as a request does: the cache instance it
+        opened (a Redis client with its connections, for one) is closed at its end, as
+        Django's close_caches does at a request's, not left to the garbage collector."""
+        from . import caching
+
+        before = len(caching.closed)
+        with run_worker(concurrency=1):
+            for n in range(3):
+                done = wait_for(tasks.uses_the_cache.enqueue(n), SUCCESSFUL)
+                self.assertEqual(done.return_value, n)
+        self.assertGreaterEqual(len(caching.closed) - before, 3)
+
     def test_task_context(self) -> None:
         result = tasks.with_context.enqueue(5)
         with run_worker():

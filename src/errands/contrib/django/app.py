@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from django.conf import settings
+from django.core.cache import caches
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, close_old_connections
 from django.utils import timezone
@@ -322,6 +323,7 @@ def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
                 raise
             finally:
                 await close_connections()
+                await asyncio.to_thread(caches.close_all)  # (in this task's context)
 
         return run_task_async
 
@@ -340,6 +342,10 @@ def _runner(app: DjangoApp, task: Task) -> Callable[..., Any]:
             raise
         finally:
             close_old_connections()
+            # As at a request's end (Django's close_caches): each job runs in a context
+            # of its own, where the caches it opened (a Redis client and its connections)
+            # are left at its end, closed when collected if not here.
+            caches.close_all()
 
     return run_task
 
