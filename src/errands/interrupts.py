@@ -29,11 +29,13 @@ function call: the whole process hangs (3.12 and later are not affected).
 from __future__ import annotations
 
 import ctypes
+import dis
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 DRAIN_LIMIT = 1.0  # seconds drop_pending waits for its own interrupt to land (it takes µs)
 # Clearing a pending interrupt with NULL leaves no flag set from CPython 3.12 on.
@@ -101,8 +103,19 @@ def is_shielded(ident: int) -> bool:
 # interrupted there.
 LOCK_TAKING = {
     "threading": ("__enter__", "acquire", "_acquire_restore"),  # Condition's, RLock's
-    "logging": ("acquire", "_acquireLock"),  # Handler.acquire, the module's lock
+    "logging": ("acquire", "_acquireLock"),  # Handler.acquire, the module's lock (to 3.12)
 }
+# From Python 3.13 logging takes its locks (a handler's, the module's) in ``with`` blocks
+# of its own functions (Handler.handle, getLogger, ...): the lock, a C one, is taken
+# inside the ``with`` instruction itself, and a thread blocked there is seen in the
+# function holding the ``with``, at that instruction. An interrupt aimed then no longer
+# leaves the lock held (the ``with`` gives it back), but it lands just inside the block,
+# in logging's own code: the record is lost half handled (the handlers after it never
+# see it), a logger tree being updated is left half done. So a thread blocked entering
+# a ``with`` in one of LOCK_TAKING's modules is held back too, as on 3.11 and 3.12: it
+# is interrupted once back in its own code. (The instruction is BEFORE_WITH on 3.11 to
+# 3.13; where it does not exist, only LOCK_TAKING's names are looked for.)
+_ENTERING_WITH = dis.opmap.get("BEFORE_WITH")
 # Libraries whose own handling of an exception while they wait is for Exception only:
 # psycopg_pool's sync pool loses the connection it hands to a waiter interrupted there.
 UNSAFE_LIBRARIES = ("psycopg_pool",)
@@ -118,8 +131,8 @@ def in_locking_code(ident: int) -> bool:
     frame = sys._current_frames().get(ident)
     if frame is None:
         return False
-    names = LOCK_TAKING.get(frame.f_globals.get("__name__", ""), ())
-    if frame.f_code.co_name in names:
+    names = LOCK_TAKING.get(frame.f_globals.get("__name__", ""))
+    if names is not None and (frame.f_code.co_name in names or _entering_with(frame)):
         return True
     for _ in range(UNSAFE_DEPTH):
         module = frame.f_globals.get("__name__", "")
@@ -128,6 +141,15 @@ def in_locking_code(ident: int) -> bool:
         if (frame := frame.f_back) is None:
             return False
     return False
+
+
+def _entering_with(frame: FrameType) -> bool:
+    """Whether ``frame`` is at the instruction that enters a ``with`` block (its
+    ``__enter__`` running, or blocked taking a lock)."""
+    if _ENTERING_WITH is None:
+        return False
+    code, at = frame.f_code.co_code, frame.f_lasti  # f_lasti: the offset, in bytes
+    return 0 <= at < len(code) and code[at] == _ENTERING_WITH
 
 
 def aim(ident: int, exc_type: type[BaseException]) -> None:

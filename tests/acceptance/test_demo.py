@@ -7,6 +7,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,7 @@ def test_demo_runs_end_to_end_on_a_fresh_sqlite_file_and_exits_zero(tmp_path: Pa
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "every job reached a terminal state" in proc.stdout
     assert "errands dlq list" in proc.stdout  # it shows how to inspect the DLQ
-    with sqlite3.connect(db) as conn:
+    with closing(sqlite3.connect(db)) as conn:
         states = dict(conn.execute("SELECT state, count(*) FROM errands_jobs GROUP BY state"))
     assert set(states) <= {"completed", "dead"}, states
     assert states.get("dead") == 3  # the down webhook, the broken CSV, the declined card

@@ -161,10 +161,10 @@ def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path) -> None: 
     from errands.backends.sqlite.backend import SQLiteBackend, _LimitedStore
 
     backend = SQLiteBackend(f"sqlite:///{tmp_path / 'window.db'}")
+    conn = sqlite3.connect(tmp_path / "window.db", isolation_level=None)
     try:
         queue = fair_queue(backend)
         add(backend, queue, [f"tenant:{k:04d}" for k in range(2000)], 2)
-        conn = sqlite3.connect(tmp_path / "window.db", isolation_level=None)
         reads: Counter[str] = Counter()
 
         class Counting(_LimitedStore):
@@ -188,6 +188,6 @@ def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path) -> None: 
         assert reads["head rows"] <= 2 * window_size(10)
         assert reads["weighed keys"] <= 2 * window_size(10)
         assert cursors[queue] == "tenant:0019"  # 20 keys served, in key order
-        conn.close()
     finally:
+        conn.close()
         backend.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import tomllib
+from contextlib import closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def test_the_django_test_helpers_empty_every_errands_table(tmp_path: Path) -> No
     ]
     store = tmp_path / "e.db"
     errands.App(f"sqlite:///{store}").migrate()
-    with sqlite3.connect(store) as conn:
+    with closing(sqlite3.connect(store)) as conn:
         present = {
             name
             for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")

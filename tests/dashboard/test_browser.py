@@ -19,6 +19,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +213,7 @@ def test_on_a_390_px_phone_no_page_overflows_and_every_page_has_the_navigation(
     app.backend.worker_register(
         WorkerInfo(id="w-vanished", host="h", pid=1, queues="billing", concurrency=1, version="x")
     )
-    with sqlite3.connect(app.url.removeprefix("sqlite:///")) as conn:
+    with closing(sqlite3.connect(app.url.removeprefix("sqlite:///"))) as conn, conn:
         conn.execute("UPDATE errands_workers SET heartbeat_at = heartbeat_at - 600")
 
     base = f"http://127.0.0.1:{e2e['port']}"

@@ -62,7 +62,7 @@ def register(
         )
     )  # fmt: skip
     if seconds_ago:
-        with sqlite3.connect(app.url.removeprefix("sqlite:///")) as conn:
+        with closing(sqlite3.connect(app.url.removeprefix("sqlite:///"))) as conn, conn:
             conn.execute(
                 "UPDATE errands_workers SET heartbeat_at = heartbeat_at - ? WHERE id = ?",
                 (seconds_ago, worker_id),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -255,13 +256,13 @@ def test_executescript_and_isolation_level_are_refused_on_the_transaction_connec
 
     from errands.worker.runtime import TransactionConnection
 
-    conn = sqlite3.connect(":memory:")
-    with pytest.raises(errands.TransactionEnded, match="executescript"):
-        TransactionConnection(conn).executescript("SELECT 1")
-    with pytest.raises(errands.TransactionEnded, match="executescript"):
-        TransactionConnection(conn).cursor().executescript("SELECT 1")
-    with pytest.raises(errands.TransactionEnded, match="isolation_level"):
-        TransactionConnection(conn).isolation_level = None
+    with closing(sqlite3.connect(":memory:")) as conn:
+        with pytest.raises(errands.TransactionEnded, match="executescript"):
+            TransactionConnection(conn).executescript("SELECT 1")
+        with pytest.raises(errands.TransactionEnded, match="executescript"):
+            TransactionConnection(conn).cursor().executescript("SELECT 1")
+        with pytest.raises(errands.TransactionEnded, match="isolation_level"):
+            TransactionConnection(conn).isolation_level = None
 
 
 # -- A10: a graceful-stop release leaves a trace and stops the handler --------------------------

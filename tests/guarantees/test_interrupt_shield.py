@@ -9,7 +9,7 @@ import threading
 import time
 
 from errands.hooks import HookTimeout, Lane
-from errands.interrupts import aim, shielded
+from errands.interrupts import aim, in_locking_code, shielded
 
 
 def test_a_hook_past_its_limit_is_interrupted_only_once_out_of_a_shielded_store_call() -> None:
@@ -134,3 +134,35 @@ def test_a_hook_past_its_limit_taking_a_lock_is_replaced_at_once_and_stopped_aft
     assert seen == ["interrupted in its own code"]
     assert held.lock is not None and held.lock.acquire(timeout=1)  # free
     held.lock.release()
+
+
+def test_a_thread_blocked_on_loggings_module_lock_is_in_locking_code_on_every_python() -> None:
+    """logging takes its module lock in ``_acquireLock()`` up to Python 3.12, and from 3.13
+    in a ``with _lock:`` of the function itself (no Python frame of the lock's): a thread
+    blocked there is held back on both (on 3.13 it was read as in getLogger's own code,
+    and interrupted inside logging). One blocked entering a ``with`` of its own code is
+    not: a lock of the caller's is the caller's to give back."""
+    own = threading.Lock()
+    blocked: list[bool] = []
+
+    def in_logging() -> None:
+        logging.getLogger(f"errands.tests.module_lock.{id(own)}")
+
+    def in_own_code() -> None:
+        with own:
+            pass
+
+    own.acquire()
+    logging._lock.acquire()  # type: ignore[attr-defined]
+    try:
+        threads = [threading.Thread(target=fn, daemon=True) for fn in (in_logging, in_own_code)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.2)  # both blocked taking their lock
+        blocked = [in_locking_code(thread.ident or 0) for thread in threads]
+    finally:
+        logging._lock.release()  # type: ignore[attr-defined]
+        own.release()
+    for thread in threads:
+        thread.join(5)
+    assert blocked == [True, False]

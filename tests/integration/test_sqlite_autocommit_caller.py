@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def _fail_the_second_insert(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _jobs(app: errands.App) -> int:
-    with sqlite3.connect(_path(app)) as conn:
+    with closing(sqlite3.connect(_path(app))) as conn:
         return int(conn.execute("SELECT count(*) FROM errands_jobs").fetchone()[0])
 
 
@@ -91,7 +92,7 @@ def test_a_workflow_on_an_autocommit_connection_is_stored_whole_or_not_at_all(
         _fail_the_second_insert(monkeypatch)
         with pytest.raises(Injected):
             app.enqueue_workflow(batch, conn=conn)
-        with sqlite3.connect(_path(app)) as other:
+        with closing(sqlite3.connect(_path(app))) as other:
             assert other.execute("SELECT count(*) FROM errands_workflows").fetchone()[0] == 0
         assert _jobs(app) == 0
     finally:
@@ -213,7 +214,7 @@ def test_a_failed_enqueue_in_the_callers_transaction_leaves_nothing_of_it_there(
         conn.commit()
     finally:
         conn.close()
-    with sqlite3.connect(_path(app)) as other:
+    with closing(sqlite3.connect(_path(app))) as other:
         assert other.execute("SELECT count(*) FROM orders").fetchone()[0] == 1
         assert other.execute("SELECT count(*) FROM errands_workflows").fetchone()[0] == 0
     assert _jobs(app) == 1 and app.get_job(kept.id).args == {"n": 9}

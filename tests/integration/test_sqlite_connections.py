@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,7 @@ def test_closing_the_store_leaves_a_transaction_connection_in_use_to_its_thread_
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "['committed']"
-    with sqlite3.connect(path) as check:
+    with closing(sqlite3.connect(path)) as check:
         assert check.execute("SELECT n FROM effects").fetchall() == [(1,)]
 
 
@@ -86,6 +87,7 @@ def test_an_app_closed_while_its_worker_completes_transactions_never_crashes(
     done = _run(
         """
         import sqlite3, sys, threading, time
+        from contextlib import closing
         import errands
 
         url = "sqlite:///" + sys.argv[1]
@@ -99,7 +101,7 @@ def test_an_app_closed_while_its_worker_completes_transactions_never_crashes(
                     conn.execute("INSERT INTO effects VALUES (?)", (n,))
                 return n
 
-            with sqlite3.connect(sys.argv[1]) as setup:
+            with closing(sqlite3.connect(sys.argv[1])) as setup:
                 setup.execute("CREATE TABLE IF NOT EXISTS effects (n INTEGER)")
             app.enqueue_many(write.bind(n=n) for n in range(60))
             worker = app.worker(concurrency=8, grace=0.0)
@@ -253,3 +255,137 @@ def test_opening_an_up_to_date_store_does_not_wait_for_the_write_lock(tmp_path: 
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+
+
+def test_a_threads_connection_outliving_its_store_is_closed_when_the_store_is_collected(
+    tmp_path: Path,
+) -> None:
+    """A thread that lives on after the store is closed (a hook lane's, an executor's)
+    keeps its connection: close() never closes another thread's, which may be in a call
+    on it. Once the store is collected, that connection is closed (it was left to the
+    garbage collector, which Python 3.13 warns of: sqlite3's 'unclosed database')."""
+    import gc
+
+    from errands.backends.sqlite.backend import SQLiteBackend
+
+    stores = [SQLiteBackend(f"sqlite:///{tmp_path / 'store.db'}")]
+    used, leave = threading.Event(), threading.Event()
+    conns: list[sqlite3.Connection] = []
+
+    def lane() -> None:
+        stores[0].job_insert_many([request()])
+        conns.append(stores[0]._conn())
+        used.set()
+        leave.wait(30)
+
+    thread = threading.Thread(target=lane, daemon=True)
+    thread.start()
+    try:
+        assert used.wait(10)
+        stores.pop().close()
+        gc.collect()
+        [conn] = conns
+        with pytest.raises(sqlite3.ProgrammingError, match="closed database"):
+            conn.execute("SELECT 1")
+    finally:
+        leave.set()
+        thread.join(10)
+
+
+def test_an_abandoned_transactions_connection_is_closed_once_its_handler_lets_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An abandoned handler's ctx.transaction() connection is rolled back at once but
+    closed only when nothing refers to it any more (the handler may be in a call on it
+    until then); closed then, not left to sqlite3's collection, which Python 3.13 warns
+    of ('unclosed database')."""
+    import gc
+    import time
+    import warnings
+
+    from errands.backends.sqlite.backend import SQLiteBackend
+
+    backend = SQLiteBackend(f"sqlite:///{tmp_path / 'store.db'}")
+    unraisable: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
+    conn = backend.tx_begin()
+    conn.execute("CREATE TABLE effects (n INTEGER)")
+    backend.tx_abandon(conn)
+    deadline = time.monotonic() + 10
+    while conn.in_transaction or any(t.name == "errands-tx-abandon" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the abandoned transaction was never rolled back"
+        time.sleep(0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # raised: an unraisable exception
+        del conn  # the handler lets go
+        gc.collect()
+    backend.close()
+    assert unraisable == []
+
+
+def test_a_forked_child_never_closes_the_connections_it_inherited(tmp_path: Path) -> None:
+    """A child forked from a process using the store opens its own connections, and the
+    parent's (the forking thread's, another thread's, whose thread-locals the fork
+    clears) are kept for the child's life, never closed: SQLite's docs forbid carrying a
+    connection across fork(), and closing one in the child released the child's own
+    POSIX locks on the file. They were closed in the child (or left to its garbage
+    collector)."""
+    done = _run(
+        """
+        import gc, os, sys, threading
+        from errands.backends.sqlite import backend as module
+        from tests.conformance.support import request
+
+        store = module.SQLiteBackend("sqlite:///" + sys.argv[1])
+        store.job_insert_many([request()])
+        parents = {id(store._conn())}  # ids: a reference would keep them from the child
+        ready, leave = threading.Event(), threading.Event()
+
+        def other():
+            store.job_insert_many([request()])
+            parents.add(id(store._conn()))
+            ready.set()
+            leave.wait(30)
+
+        threading.Thread(target=other, daemon=True).start()
+        assert ready.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            store.job_insert_many([request()])  # on a connection of the child's own
+            gc.collect()
+            kept = parents <= {id(c) for c in module._INHERITED}
+            own = id(store._conn()) not in parents
+            print("child: inherited kept", len(parents) == 2 and kept, "own", own, flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        store.job_insert_many([request()])  # the parent's connections work on
+        leave.set()
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        """,
+        str(tmp_path / "store.db"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child: inherited kept True own True" in done.stdout, (done.stdout, done.stderr)
+    assert "child exit 0" in done.stdout
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+
+
+def test_an_in_memory_store_dropped_unclosed_closes_its_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An in-memory store collected without close() (or whose close() could not wait for
+    a call on its connection to end) closes that connection once nothing refers to it,
+    as a file store closes its threads' connections (it was left to sqlite3's collection,
+    which Python 3.13 warns of: 'unclosed database')."""
+    import gc
+    import warnings
+
+    from errands.backends.sqlite.backend import SQLiteBackend
+
+    unraisable: list[str] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)  # raised: an unraisable exception
+        SQLiteBackend("sqlite:///:memory:").job_insert_many([request()])
+        gc.collect()
+    assert unraisable == []

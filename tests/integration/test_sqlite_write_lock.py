@@ -10,6 +10,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,8 @@ def test_a_write_locked_out_past_write_timeout_raises_database_busy_and_writes_n
         backend.job_insert_many([request()])
     assert holder.is_alive()  # it gave up at its timeout, not when the holder let go
     holder.join()
-    assert sqlite3.connect(path).execute("SELECT count(*) FROM errands_jobs").fetchone() == (0,)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT count(*) FROM errands_jobs").fetchone() == (0,)
     backend.close()
 
 
@@ -85,8 +87,8 @@ def test_many_threads_of_one_process_write_at_once_and_every_write_lands(tmp_pat
     for thread in threads:
         thread.join()
     assert errors == []
-    conn = sqlite3.connect(tmp_path / "jobs.db")
-    assert conn.execute("SELECT count(*) FROM errands_jobs").fetchone() == (400,)
+    with closing(sqlite3.connect(tmp_path / "jobs.db")) as conn:
+        assert conn.execute("SELECT count(*) FROM errands_jobs").fetchone() == (400,)
     backend.close()
 
 

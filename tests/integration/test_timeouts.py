@@ -373,7 +373,7 @@ def test_an_abandoned_handlers_next_statement_on_its_transaction_is_refused(
     assert "the attempt has ended" in seen[0]
     import sqlite3
 
-    with sqlite3.connect(app.url.removeprefix("sqlite:///")) as conn:
+    with contextlib.closing(sqlite3.connect(app.url.removeprefix("sqlite:///"))) as conn:
         tables = conn.execute("SELECT name FROM sqlite_master WHERE name = 'late_writes'")
         assert tables.fetchall() == []  # rolled back: the table and both rows
 

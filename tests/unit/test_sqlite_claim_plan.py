@@ -5,15 +5,16 @@ it SQLite's planner guesses."""
 from __future__ import annotations
 
 import sqlite3
+from contextlib import closing
 
 from errands.backends.sqlite.statements import MIGRATIONS, Q
 
 
 def _plan(sql: str, params: dict[str, object]) -> str:
-    conn = sqlite3.connect(":memory:")
-    for _version, _name, migration in MIGRATIONS:
-        conn.executescript(migration)
-    rows = conn.execute(f"EXPLAIN QUERY PLAN {sql}", params).fetchall()
+    with closing(sqlite3.connect(":memory:")) as conn:
+        for _version, _name, migration in MIGRATIONS:
+            conn.executescript(migration)
+        rows = conn.execute(f"EXPLAIN QUERY PLAN {sql}", params).fetchall()
     return "\n".join(str(row[-1]) for row in rows)
 
 

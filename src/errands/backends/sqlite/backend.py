@@ -19,7 +19,6 @@ import secrets
 import sqlite3
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -142,9 +141,44 @@ def _split_statements(script: str) -> list[str]:
     return statements
 
 
+# Connections a forked child inherited from its parent and let go of: kept referenced here
+# for the child's life, never closed (see _Connection.__del__).
+_INHERITED: list[sqlite3.Connection] = []
+
+
 class _Connection(sqlite3.Connection):
-    """A connection the store can hold weakly (sqlite3's own type takes no weak
-    reference)."""
+    """A connection of the store's, which knows the process that opened it.
+
+    Dropped (its last reference gone: sqlite3 closes a connection it collects, and Python
+    3.13 warns of each), it is closed here only in these cases, and otherwise not (a leak
+    shows):
+
+    - in a child forked from the process that opened it, it is never closed: SQLite's
+      docs forbid carrying a connection across ``fork()``, and closing one there uses it
+      (the close runs on SQLite's lock bookkeeping as the fork copied it from the parent:
+      it can release the POSIX locks of the child's own connections to the file, and a
+      close taken for the file's last checkpoints and deletes the ``-wal`` and ``-shm``
+      files the parent still writes through). It is kept in ``_INHERITED`` instead, so
+      that no garbage collection closes it either;
+    - one marked ``close_when_dropped`` is closed once nothing refers to it any more,
+      which is when no call can be running on it (a running call holds its connection):
+      an abandoned handler's ``ctx.transaction()`` connection (``tx_abandon``: the handler,
+      or a thread it started, may be in a statement on it until it lets go, and nothing
+      tells errands when it does), and the in-memory store's one (close() could not wait
+      for a call on it to end, or the store was never closed).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.opened_in = os.getpid()
+        self.close_when_dropped = False
+
+    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
+        if _getpid() != self.opened_in:
+            _INHERITED.append(self)  # resurrected: never collected, never closed
+        elif self.close_when_dropped:
+            with contextlib.suppress(sqlite3.Error):
+                self.close()
 
 
 class _CloseWithThread:
@@ -152,16 +186,25 @@ class _CloseWithThread:
     are dropped and this closes the connection, on that thread. (sqlite3's connection
     refers to itself through its statement cache, so dropping it closes nothing until a
     garbage collection: the connections of finished threads stayed open, two file
-    descriptors each, and a thread per request ran out of them.)"""
+    descriptors each, and a thread per request ran out of them.)
+
+    The only other time a thread's locals are dropped is when the store itself is
+    collected (they are its ``_local``): then the closer runs on whichever thread
+    collects it, and closes the connection there (hence ``check_same_thread=False``).
+    That is safe, as no call can be running on the connection then: a call's frames
+    hold the store. (A store closed while a long-lived thread, such as a hook lane's, kept
+    its connection left that connection to the garbage collector.) In a forked child it
+    closes nothing (see :class:`_Connection`)."""
 
     __slots__ = ("conn",)
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: _Connection) -> None:
         self.conn = conn
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.close()
+    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
+        if _getpid() == self.conn.opened_in:
+            with contextlib.suppress(Exception):
+                self.conn.close()
 
 
 class SQLiteBackend(SQLiteAdmin):
@@ -220,28 +263,33 @@ class SQLiteBackend(SQLiteAdmin):
         """Connections and locks of this process: at start, and in a child after a fork.
         A child never shares the parent's connections, nor inherits its locks as they
         were at the fork: a lock another thread held then stayed held for good (every
-        write in the child raised DatabaseBusy; one taking ``_all_lock`` hung)."""
+        write in the child raised DatabaseBusy; one taking the in-memory store's lock hung).
+
+        The parent's connections that the child lets go of here (the forking thread's,
+        the in-memory store's) are never closed in the child: they keep themselves
+        referenced for its life (:class:`_Connection`), as do those of the parent's other
+        threads, whose thread-locals the interpreter clears at the fork."""
         self._local = threading.local()
-        # Weakly held: a finished thread's connection (closed with it: _CloseWithThread)
-        # is not kept for the store's life.
-        self._all: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
-        self._all_lock = threading.Lock()
         # ":memory:" is one database per connection, so it gets one connection and a lock.
         self._memory_lock = threading.RLock() if self.memory else None
         self._writer = threading.Lock()  # one write transaction of this process at a time
-        self._shared: sqlite3.Connection | None = None
+        self._shared: _Connection | None = None
         self._pid = os.getpid()
 
-    def _connect(self, any_thread: bool = False) -> sqlite3.Connection:
-        """A new connection; ``any_thread``: usable from threads other than this one (the
-        ctx.transaction() connection is committed by whichever thread decides the outcome)."""
+    def _connect(self) -> _Connection:
+        """A new connection. Usable from any thread (``check_same_thread=False``): the
+        in-memory store's one is every thread's, a ctx.transaction() connection is
+        committed by whichever thread decides the outcome, and a thread's own is closed
+        by whichever thread collects the store (see :class:`_CloseWithThread`). That a
+        thread's connection is used by that thread alone is this class's to keep
+        (``_local``)."""
         try:
             conn = sqlite3.connect(
                 self.path,
                 factory=_Connection,
                 isolation_level=None,
                 timeout=self.busy_timeout_ms / 1000,
-                check_same_thread=not (self.memory or any_thread),
+                check_same_thread=False,
             )
         except sqlite3.OperationalError as exc:
             raise ConfigurationError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
@@ -256,12 +304,9 @@ class SQLiteBackend(SQLiteAdmin):
                 f"cannot use SQLite database {self.path!r}: {exc}; check that the URL names "
                 "an errands SQLite file (or a new one)"
             ) from exc
-        if not any_thread:  # a ctx.transaction() connection is its attempt's (see close)
-            with self._all_lock:
-                self._all.add(conn)
         return conn
 
-    def _conn(self) -> sqlite3.Connection:
+    def _conn(self) -> _Connection:
         """This thread's connection (the in-memory store's one: take ``_memory_lock``
         first, so that close() cannot close it under the call)."""
         if os.getpid() != self._pid:
@@ -270,6 +315,7 @@ class SQLiteBackend(SQLiteAdmin):
             shared = self._shared
             if shared is None:
                 shared = self._shared = self._connect()
+                shared.close_when_dropped = True  # (see close)
             return shared
         conn = getattr(self._local, "conn", None)
         if conn is None:
@@ -278,24 +324,32 @@ class SQLiteBackend(SQLiteAdmin):
         return conn
 
     def close(self) -> None:
-        """Close the store's own connections. A thread's connection can be closed only by
-        that thread (refused here; it closes when the thread ends). A ctx.transaction()
-        connection is never closed here: its handler's thread may be inside a call on it
-        (COMMIT, on an App closed while its worker still completed a job), and closing a
-        connection under a running call freed what that call was using and crashed the
-        process. Whoever ends that transaction closes it (tx_finish, tx_rollback, and an
-        abandoned one when its handler lets go)."""
+        """Close the store's connections that no call can be using now: the calling
+        thread's own, and the in-memory store's one once no thread is in a call on it.
+
+        Another thread's connection is never closed here: that thread may be inside a
+        call on it, and closing a connection under a running call freed what the call was
+        using and crashed the process. It is closed on its thread when the thread ends,
+        or, for a thread that outlives the store (a hook lane's, an executor's), when the
+        store is collected (see :class:`_CloseWithThread`); until then the thread goes on
+        using it if it calls the store again. A ctx.transaction() connection is never
+        closed here either, for the same reason (its handler's thread may be in COMMIT,
+        on an App closed while its worker still completed a job): whoever ends that
+        transaction closes it (tx_finish, tx_rollback), and an abandoned one closes once
+        its handler lets go of it (:class:`_Connection`)."""
+        if os.getpid() != self._pid:  # forked: the parent's are not the child's to close
+            self._fresh_process()
+            return
+        own = getattr(self._local, "conn", None)
+        if own is not None:
+            del self._local.conn, self._local.closer
+            with contextlib.suppress(sqlite3.Error):
+                own.close()
         shared, self._shared = self._shared, None
-        with self._all_lock:
-            for conn in list(self._all):
-                if conn is not shared:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.close()
-            self._all.clear()
-        self._local = threading.local()
         lock = self._memory_lock
         # The in-memory store's one connection, once no thread is in a call on it (closed
-        # under a running statement, it crashed the process as above).
+        # under a running statement, it crashed the process as above). A call that holds
+        # it past write_timeout: it closes once that call lets go of it (_Connection).
         if shared is not None and lock is not None and lock.acquire(timeout=self.write_timeout):
             try:
                 with contextlib.suppress(sqlite3.Error):
@@ -818,7 +872,7 @@ class SQLiteBackend(SQLiteAdmin):
                 "ctx.transaction() needs a file database: an in-memory SQLite database is "
                 "private to one connection"
             )
-        conn = self._connect(any_thread=True)
+        conn = self._connect()
         try:
             self._begin(conn)
         except BaseException:
@@ -857,9 +911,12 @@ class SQLiteBackend(SQLiteAdmin):
         roll its transaction back (it holds the store's write lock, which every writer
         waits for). The connection is not closed here: the handler's thread may still be
         in a call on it (closed under it, that call read a freed handle and could crash
-        the process); it is closed when the handler lets go of it (close() leaves it
-        alone too). Read-only, whatever the handler writes next fails: nothing
-        of it commits (after the ROLLBACK it would be in autocommit mode)."""
+        the process); it is closed once the handler lets go of it, when the last
+        reference to it goes (:class:`_Connection`; close() leaves it alone too).
+        Read-only, whatever the handler writes next fails: nothing of it commits (after
+        the ROLLBACK it would be in autocommit mode)."""
+        if isinstance(conn, _Connection):
+            conn.close_when_dropped = True
         threading.Thread(
             target=self._end_abandoned, args=(conn,), name="errands-tx-abandon", daemon=True
         ).start()
