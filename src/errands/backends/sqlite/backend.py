@@ -174,7 +174,10 @@ class _Connection(sqlite3.Connection):
         self.close_when_dropped = False
 
     def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
-        if _getpid() != self.opened_in:
+        opened_in = getattr(self, "opened_in", None)
+        if opened_in is None:  # its open failed (a folder, a missing one): nothing to close
+            return
+        if _getpid() != opened_in:
             _INHERITED.append(self)  # resurrected: never collected, never closed
         elif self.close_when_dropped:
             with contextlib.suppress(sqlite3.Error):
