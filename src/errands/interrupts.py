@@ -41,7 +41,9 @@ DRAIN_LIMIT = 1.0  # seconds drop_pending waits for its own interrupt to land (i
 # Clearing a pending interrupt with NULL leaves no flag set from CPython 3.12 on.
 _NULL_CLEARS = sys.version_info >= (3, 12)
 
-_depth: dict[int, int] = {}  # thread ident -> how many shields it is inside
+# thread ident -> (the thread, one mark per shield it is inside). The thread is kept to
+# tell a dead thread's entry from a live one's: idents are reused.
+_shields: dict[int, tuple[threading.Thread, list[object]]] = {}
 _lock = threading.Lock()
 
 
@@ -62,17 +64,44 @@ def shielded() -> Iterator[None]:
     Keep it short: a handler inside it cannot be stopped before its thread is abandoned.
     """
     ident = threading.get_ident()
-    with _lock:
-        _depth[ident] = _depth.get(ident, 0) + 1
-    try:
+    mark = object()
+    try:  # one call each way: an interrupt pending as the shield begins lands before the
+        # mark is taken or inside the try, never between (a count taken before the try,
+        # then skipped by an interrupt landing there, left the thread shielded for good:
+        # every later interrupt of it, and of a thread given its ident, held back)
+        _enter(ident, mark)
         yield
     finally:
-        with _lock:
-            left = _depth[ident] - 1
-            if left:
-                _depth[ident] = left
-            else:
-                del _depth[ident]
+        _leave(ident, mark)
+
+
+def _enter(ident: int, mark: object) -> None:
+    with _lock:
+        entry = _shields.get(ident)
+        if entry is None or not entry[0].is_alive():  # none, or a dead thread's
+            entry = _shields[ident] = (threading.current_thread(), [])
+        entry[1].append(mark)
+
+
+def _leave(ident: int, mark: object) -> None:
+    with _lock:
+        entry = _shields.get(ident)
+        if entry is None or mark not in entry[1]:
+            return
+        entry[1].remove(mark)
+        if not entry[1]:
+            del _shields[ident]
+
+
+def _is_shielded(ident: int) -> bool:
+    """(Under ``_lock``.) A dead thread's marks do not count: its ident may be another's."""
+    entry = _shields.get(ident)
+    if entry is None:
+        return False
+    if not entry[0].is_alive():
+        del _shields[ident]
+        return False
+    return bool(entry[1])
 
 
 def aim_unless_shielded(ident: int, aim: Callable[[], None]) -> bool:
@@ -80,7 +109,7 @@ def aim_unless_shielded(ident: int, aim: Callable[[], None]) -> bool:
     is inside a shield or in locking library code (:func:`in_locking_code`); False when
     it is (the caller tries again later)."""
     with _lock:
-        if ident in _depth or in_locking_code(ident):
+        if _is_shielded(ident) or in_locking_code(ident):
             return False
         aim()
         return True
@@ -89,7 +118,7 @@ def aim_unless_shielded(ident: int, aim: Callable[[], None]) -> bool:
 def is_shielded(ident: int) -> bool:
     """Whether thread ``ident`` is inside a shield now."""
     with _lock:
-        return ident in _depth
+        return _is_shielded(ident)
 
 
 # Where an interrupt must not land: the moment a lock is taken in Python code before the

@@ -85,3 +85,24 @@ def test_each_hook_runs_in_a_context_of_its_own() -> None:
     lane = Lane("test", 5.0)  # (its thread is a daemon, as every lane's)
     lane.call(FLAG.set, "left by a hook", timeout=10)
     assert lane.call(FLAG.get, timeout=10) == "unset"
+
+
+def test_whoever_stops_a_call_knows_it_before_it_can_start() -> None:
+    """Given a free thread, when a call is submitted with ``made``, then ``made`` has the
+    call before it runs: the worker assigned the attempt's call after submit returned,
+    and a thread that started at once could reach the point where it is interrupted (a
+    timeout, a stop) with no call known to interrupt (1 run in 30 of a pool test)."""
+    runner = ThreadRunner(1)
+    held: list[Any] = []
+    seen: list[bool] = []
+    finished = threading.Event()
+    try:
+        runner.submit(
+            lambda: seen.append(bool(held)),
+            lambda exc, result: finished.set(),
+            made=held.append,
+        )
+        assert finished.wait(10)
+    finally:
+        runner.shutdown()
+    assert seen == [True]

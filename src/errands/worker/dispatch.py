@@ -129,10 +129,11 @@ class Dispatcher:
         children = worker.child_runner_for(attempt)
         if children is not None:  # a thread waits for the child: the lane's, on the lane
             attempt.waiting = True
-            attempt.future = worker.threads_for(attempt).submit(
+            worker.threads_for(attempt).submit(
                 lambda: self._run_in_child(attempt, children),
                 lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
                 urgent=True,
+                made=functools.partial(setattr, attempt, "future"),
             )
             return
         if not definition.is_async:
@@ -145,10 +146,11 @@ class Dispatcher:
                 return self._run_in_thread(attempt, definition)
 
             attempt.waiting = True
-            attempt.future = worker.threads_for(attempt).submit(
+            worker.threads_for(attempt).submit(
                 run,
                 lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
                 urgent=urgent,
+                made=functools.partial(setattr, attempt, "future"),
             )
             return
         future = worker.loop_runner_started().submit(lambda: self._run_async(attempt, definition))

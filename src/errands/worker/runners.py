@@ -139,13 +139,24 @@ class ThreadRunner:
             log.exception("handling a handler's outcome failed")
         return not retire
 
-    def submit(self, fn: Callable[[], Any], on_done: Done, *, urgent: bool = False) -> Call:
+    def submit(
+        self,
+        fn: Callable[[], Any],
+        on_done: Done,
+        *,
+        urgent: bool = False,
+        made: Callable[[Call], None] | None = None,
+    ) -> Call:
         """Run ``fn`` in a pool thread; ``on_done(exc, result)`` is called there after.
 
         An ``urgent`` call goes ahead of the calls already queued: the next thread free
-        takes it.
+        takes it. ``made(call)`` is called before the call is queued: what must know the
+        call (to interrupt it) knows it before it can start (assigned after this returned,
+        a timeout or a stop that came first found no call to interrupt).
         """
         call = Call(fn, on_done)
+        if made is not None:
+            made(call)
         if urgent:
             self._urgent.append(call)
             self._queue.put(_NUDGE)
