@@ -193,9 +193,9 @@ def test_sql_is_only_ever_formatted_from_allow_listed_safe_values() -> None:
 def test_every_named_query_takes_its_values_as_bound_parameters(backend: str) -> None:
     """SQLite queries use :name placeholders and nothing else; PostgreSQL's use %(name)s and
     only the markers the loader fills from constants ({schema}, {job_columns}; {fair_fold},
-    {fair_due} and {notify_ended}: the fair_fold_cte, fair_due and notify_ended_cte blocks
-    of the same file; {done_channel}: the results channel's name, a literal built from the
-    validated schema name)."""
+    {fair_due}, {notify_ended} and {dead_locked}: the fair_fold_cte, fair_due,
+    notify_ended_cte and dead_locked_cte blocks of the same file; {done_channel}: the
+    results channel's name, a literal built from the validated schema name)."""
     folder = SRC / "backends" / backend
     texts = [(folder / "queries.sql").read_text()]
     texts += [p.read_text() for p in sorted((folder / "migrations").glob("*.sql"))]
@@ -208,5 +208,6 @@ def test_every_named_query_takes_its_values_as_bound_parameters(backend: str) ->
         else:
             markers = set(re.findall(r"(?<!\{)\{(\w*)\}(?!\})", code))
             allowed = {"schema", "job_columns", "fair_fold", "fair_due", "notify_ended"}
+            allowed |= {"dead_locked"}
             assert markers <= allowed | {"done_channel"}, markers
             assert re.findall(r"%[^(%]", code) == [], "a bare % (positional or stray) in SQL"

@@ -184,9 +184,10 @@ def fill_markers(text: str, schema: str, *, fold: bool = True) -> str:
     due = _RAW_QUERIES["fair_due"].format(schema=quoted)
     channel = f"'{done_channel(schema)}'"
     notify = _RAW_QUERIES["notify_ended_cte"].format(done_channel=channel)
+    dead = _RAW_QUERIES["dead_locked_cte"].format(schema=quoted)
     return text.format(
         schema=quoted, job_columns=JOB_COLUMNS_SQL, fair_fold=cte, fair_due=due,
-        notify_ended=notify, done_channel=channel,
+        notify_ended=notify, done_channel=channel, dead_locked=dead,
     )  # fmt: skip
 
 

@@ -429,12 +429,7 @@ GROUP BY queue, state
 -- in id order first, as job_discard locks them: two bulk actions wait for each other,
 -- never in a cycle. A row changed meanwhile is read again once its lock is free: one no
 -- longer dead is left out.
-WITH dead AS (
-    SELECT id FROM {schema}.errands_jobs
-    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
-    ORDER BY id
-    FOR UPDATE
-)
+{dead_locked}
 UPDATE {schema}.errands_jobs AS j
 SET state = 'available', attempt = 0, rescues = 0, cancel_requested = false,
     run_at = now(), finished_at = NULL
@@ -444,12 +439,7 @@ RETURNING j.id, j.queue
 -- name: job_discard
 -- The jobs of %(ids)s still dead to discarded (as job_replay: one statement, locked in
 -- id order); their ids and queues.
-WITH dead AS (
-    SELECT id FROM {schema}.errands_jobs
-    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
-    ORDER BY id
-    FOR UPDATE
-)
+{dead_locked}
 UPDATE {schema}.errands_jobs AS j
 SET state = 'discarded', discarded_by = %(actor)s, discard_reason = %(reason)s,
     finished_at = now()
@@ -1014,6 +1004,17 @@ fold AS (
         seconds_total = u.seconds_total + excluded.seconds_total,
         dwell_total = u.dwell_total + excluded.dwell_total,
         attempts = u.attempts + excluded.attempts
+)
+
+-- name: dead_locked_cte
+-- Not run alone: the dead_locked marker of job_replay and job_discard. The jobs of
+-- %(ids)s still dead, locked in id order (two bulk actions wait for each other, never in
+-- a cycle), as CTE "dead".
+WITH dead AS (
+    SELECT id FROM {schema}.errands_jobs
+    WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
+    ORDER BY id
+    FOR UPDATE
 )
 
 -- name: notify_ended_cte
