@@ -543,6 +543,12 @@ class WorkflowStore:
         ended = yield from self._leave(given, rows_now)
         if not ended:
             return []
+        # Jobs ended cancelled in a workflow whose cancel was requested (by the cancel, or
+        # asked to stop by it while they ran): its cancel ended them, which their errors say
+        # (the dependents and added members it cancelled say so already: left as they are).
+        noted = [m for m, w, o in ended if m > 0 and o == "cancelled" and w in cancelling]
+        if noted:
+            yield Stmt(q["wf_note_cancelled"], {"ids": array(noted), "message": CANCELLED_WHY})
         for _, workflow_id, outcome in ended:
             touched[workflow_id] = touched.get(workflow_id, False) or outcome == "dead"
         parents = [(m, o) for m, w, o in ended if w in dags]

@@ -260,6 +260,20 @@ WHERE j.id = u.id AND j.id = ANY(%(ids)s::bigint[]) AND j.state = 'waiting'
   AND j.wait_signal IS NULL
 RETURNING j.id
 
+-- name: wf_note_cancelled
+-- Members that ended cancelled while their workflow's cancel was requested (the pending
+-- ones its cancel ended; running ones it asked to stop, once they end): "the workflow was
+-- cancelled" in their errors, as wf_end_blocked_many writes it for the dependents and
+-- added members it cancels, once (those already saying so are left as they are).
+UPDATE {schema}.errands_jobs AS j
+SET errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempt, 'type', 'Cancelled', 'message', %(message)s::text,
+        'traceback', NULL, 'worker', NULL, 'kind', 'cancelled',
+        'at', extract(epoch FROM now())))
+WHERE j.id = ANY(%(ids)s::bigint[]) AND j.state = 'cancelled'
+  AND NOT j.errors @> jsonb_build_array(jsonb_build_object(
+        'kind', 'cancelled', 'message', %(message)s::text))
+
 -- name: wf_get_row
 SELECT id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks::text,
        on_success_job, on_settled_job, on_dead_job, cancel_requested,

@@ -163,6 +163,20 @@ FROM (SELECT json_extract(value, '$[0]') AS jid, json_extract(value, '$[1]') AS 
 WHERE errands_jobs.id = u.jid AND state = 'waiting' AND wait_signal IS NULL
 RETURNING id
 
+-- name: wf_note_cancelled
+-- Members that ended cancelled while their workflow's cancel was requested (the pending
+-- ones its cancel ended; running ones it asked to stop, once they end): "the workflow was
+-- cancelled" in their errors, as wf_end_blocked_many writes it for the dependents and
+-- added members it cancels, once (those already saying so are left as they are).
+UPDATE errands_jobs
+SET errors = json_insert(errors, '$[#]', json_object(
+        'attempt', attempt, 'type', 'Cancelled', 'message', :message, 'traceback', NULL,
+        'worker', NULL, 'kind', 'cancelled', 'at', (julianday('now') - 2440587.5) * 86400.0))
+WHERE id IN (SELECT value FROM json_each(:ids)) AND state = 'cancelled'
+  AND NOT EXISTS (SELECT 1 FROM json_each(errands_jobs.errors) AS e
+                  WHERE json_extract(e.value, '$.kind') = 'cancelled'
+                    AND json_extract(e.value, '$.message') = :message)
+
 -- name: wf_get_row
 SELECT id, name, kind, state, total, completed, dead, cancelled, skipped, callbacks,
        on_success_job, on_settled_job, on_dead_job, cancel_requested, created_at, settled_at
