@@ -205,6 +205,41 @@ def test_the_default_prefetch_is_four_jobs_per_slot(app: errands.App) -> None:
     assert app.worker(concurrency=3, prefetch=5).prefetch == 5
 
 
+def test_a_fair_queue_of_quick_jobs_prefetches_sixteen_jobs_per_slot_not_four(
+    app: errands.App, worker_factory
+) -> None:
+    """A fair claim reads and ranks a window of keys (~2.5 x a plain claim's time), and a
+    worker takes about half its room per claim while the other half runs: at a plain
+    queue's 4 jobs per slot a fair queue of 1,000 keys and no-op jobs ran at half a plain
+    one's pace (bench/fairness.py). The horizon still bounds it (slow jobs: none)."""
+    app.queue("pf.fair", fair=True)
+    gate = threading.Event()
+
+    @app.job(name="pf.fairblocked", queue="pf.fair", fair_key="{n}", lease=5)
+    def fair_blocked(n: int) -> None:
+        gate.wait(20)
+
+    with worker_factory(concurrency=2, express=0):  # (no express lane: slots only)
+        learn_handlers_are_quick(app)
+        handles = [fair_blocked.enqueue(n=i) for i in range(50)]
+        # two run, 16 x 2 more are claimed and wait for a thread
+        wait_until(lambda: states(app, "pf.fairblocked").get("running") == 34, what="34 claimed")
+        time.sleep(0.3)
+        assert states(app, "pf.fairblocked") == {"running": 34, "available": 16}
+        gate.set()
+        for handle in handles:
+            handle.result(timeout=10)
+
+
+def test_a_given_prefetch_bounds_a_fair_queues_too(app: errands.App) -> None:
+    app.queue("pf.fair", fair=True)
+    assert app.worker(concurrency=3).fair_prefetch == 48
+    assert app.worker(concurrency=3, prefetch=5).fair_prefetch == 5
+    assert app.worker(concurrency=3, prefetch=0).fair_prefetch == 0
+    # a larger one: still 16 per slot (the window of keys read under the claim lock)
+    assert app.worker(concurrency=3, prefetch=1024).fair_prefetch == 48
+
+
 def test_a_worker_that_serves_async_handlers_does_not_prefetch(app: errands.App) -> None:
     @app.job(name="pf.async")
     async def in_the_loop() -> None:

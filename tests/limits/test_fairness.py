@@ -180,7 +180,7 @@ def test_a_fair_queue_without_a_limit_claims_for_the_prefetch_room_and_a_capped_
     assert len({r.fair_key for r in opened.rows}) == 4  # still spread over the keys
 
 
-def test_a_fair_queues_claim_takes_no_more_than_the_default_prefetch_room_allows(
+def test_a_fair_queues_claim_takes_no_more_than_its_fair_room_whatever_the_prefetch(
     store: errands.App,
 ) -> None:
     """Its window of keys, read under the queue's claim lock, grows with its room: a

@@ -77,9 +77,10 @@ class Claimer:
         # The most jobs a prefetching fair queue's claim takes (None: its whole room). Its
         # window of keys grows with its room, all of it read under the queue's claim lock,
         # which every other worker's claim of that queue waits for: a --prefetch of 1,024
-        # would read some 4,000 keys a claim. The worker passes its room at the default
-        # prefetch (5 x -c), whatever its --prefetch.
+        # would read some 4,000 keys a claim. The worker passes its room at a fair queue's
+        # default prefetch (17 x -c), whatever its --prefetch.
         self.fair_room = fair_room
+        self._fair_room_now = 0  # this round's room for a prefetching fair queue (claim())
         self.worker_id = worker_id
         self.queues = list(queues)
         self.poll_interval = poll_interval
@@ -149,12 +150,21 @@ class Claimer:
         else:
             self._refresh_failing = False
 
-    def claim(self, plan: list[QueueClaim], room: int, free: int, suspects: int) -> ClaimRound:
+    def claim(
+        self,
+        plan: list[QueueClaim],
+        room: int,
+        free: int,
+        suspects: int,
+        fair_room: int | None = None,
+    ) -> ClaimRound:
         """Claim for ``plan``: up to ``suspects`` rescued jobs, then up to ``room`` jobs
         (``room`` counts the prefetch beyond the ``free`` slots; limited queues, counted
-        cluster-wide, claim only for free slots, so no waiting job holds their quota).
+        cluster-wide, claim only for free slots, so no waiting job holds their quota;
+        a prefetching fair queue for ``fair_room``, its own deeper prefetch, when given).
         Never raises: see the module's failure contract."""
         result = ClaimRound()
+        self._fair_room_now = room if fair_room is None else fair_room
         try:
             self._claim(result, plan, room, free, suspects)
         except Exception as exc:  # pragma: no cover - each step catches its own
@@ -262,6 +272,7 @@ class Claimer:
         queue the round's room (prefetch included) up to ``fair_room``."""
         if queue not in self.prefetching:
             return free
+        room = max(room, self._fair_room_now)
         return room if self.fair_room is None else max(min(room, self.fair_room), free)
 
     def claim_express(self, plan: list[QueueClaim], most: int, suspects: int = 0) -> ClaimRound:

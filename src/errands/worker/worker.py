@@ -107,6 +107,12 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 # worker holds concurrency * PREFETCH_HORIZON / (mean handler time) jobs beyond its slots.
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
+# A prefetching fair queue's (see _fair_prefetch_now): this many jobs per slot, at most.
+# Its claim reads a window of keys and ranks them, ~2.5 x the time of a plain claim, and
+# a worker whose one claimer waits for it takes about half its room per claim (the other
+# half runs meanwhile): with the plain queues' 4 x -c, a fair queue of 1,000 keys and
+# no-op jobs ran at 0.5 x a plain one; 2 ms jobs at 0.8 x (bench/fairness.py).
+FAIR_PREFETCH_MULTIPLIER = 16
 # The default express lane of a worker serving a fair queue: one handler thread per this
 # many slots (none below that: -c 1 still runs one job at a time). Half: the noisy-
 # neighbour benchmark's quiet traffic (50 tenants, a 50 ms job a second each) needs 2.5
@@ -251,9 +257,13 @@ class Worker:
         # Prefetch queues claimed jobs for the handler threads; async handlers (all run at
         # once on the loop) and the process pool would run them beyond `concurrency`.
         threads_only = pool == "thread" and not any(d.is_async for d in app.registry.values())
+        fair_most = FAIR_PREFETCH_MULTIPLIER * concurrency
+        # A fair queue prefetches deeper (its claim costs more), up to a given --prefetch
+        fair_prefetch = fair_most if prefetch is None else min(prefetch, fair_most)
         if prefetch is None:  # as Celery's worker_prefetch_multiplier (4) does
             prefetch = PREFETCH_MULTIPLIER * concurrency
         self.prefetch = prefetch if threads_only else 0
+        self.fair_prefetch = fair_prefetch if threads_only else 0
         if suspect_lanes is not None and suspect_lanes < 1:
             raise ConfigurationError("suspect_lanes must be at least 1")
         # Suspects run isolated in child processes when children can import the app: as
@@ -270,6 +280,7 @@ class Worker:
         self._running_per_queue: dict[str, int] = dict.fromkeys(limits, 0)
         self._free = concurrency  # slots; below 0 while prefetched jobs wait for a thread
         self._extra = 0  # how many jobs beyond its slots the worker claims now (prefetch)
+        self._fair_extra = 0  # ... for a prefetching fair queue (see _fair_prefetch_now)
         self._mean_run: float | None = None  # handler time, moving average (seconds)
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -319,7 +330,7 @@ class Worker:
         self.dispatcher = Dispatcher(self)
         self.claimer = Claimer(
             app, self.id, list(limits), poll_interval,
-            fair_room=(PREFETCH_MULTIPLIER + 1) * concurrency,
+            fair_room=(FAIR_PREFETCH_MULTIPLIER + 1) * concurrency,
         )  # fmt: skip
         self.completer = Completer(
             app,
@@ -334,7 +345,7 @@ class Worker:
         # was a batch (500) until a chaos soak's worker, its outcome writes failing while
         # its claims went through, held 505 when it lost its connection, and the 505
         # rescued jobs queued for isolated runs for up to 6 s (I9).
-        self._unwritten_max = 2 * (concurrency + self.prefetch)
+        self._unwritten_max = 2 * (concurrency + max(self.prefetch, self.fair_prefetch))
         self.recheck_after_notify = RECHECK_AFTER_NOTIFY_MIN  # set from the store in run()
         self._throttled = False
         self._throttle_warned_at = float("-inf")
@@ -760,11 +771,14 @@ class Worker:
             if self._heartbeats_fail():
                 continue
             self._extra = self._prefetch_now()
-            self._refill_at = max(1, (self.concurrency + self._extra) // 2)
+            self._fair_extra = self._fair_prefetch_now()
+            deepest = max(self._extra, self._fair_extra)
+            self._refill_at = max(1, (self.concurrency + deepest) // 2)
             with self._lock:
                 free = self._free
                 room = free + self._extra
-                plan = self._claim_plan(room) if room > 0 else []
+                fair_room = free + self._fair_extra
+                plan = self._claim_plan(free + deepest) if free + deepest > 0 else []
                 # Rescued jobs take the claim's room, prefetch included: they start at the
                 # next free slot, ahead of the prefetched jobs (dispatched urgent). Counted
                 # against free slots only, a worker with quick handlers, whose prefetched
@@ -798,7 +812,7 @@ class Worker:
             if not plan:  # every slot busy: a finishing handler wakes us
                 self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
                 continue
-            if self._backlog and room < self._refill_at and not gathered:
+            if self._backlog and free + deepest < self._refill_at and not gathered:
                 # With a backlog, give finishing handlers a moment to free a batch's worth
                 # of slots: one claim then brings many jobs instead of one or two.
                 gathered = True
@@ -807,7 +821,7 @@ class Worker:
             gathered = False
             sent = clock.now()  # each claimed lease runs from (at latest) the claim's send
             limited_done = self._limited_done
-            claimed = self.claimer.claim(plan, room, free, suspects)
+            claimed = self.claimer.claim(plan, room, free, suspects, fair_room=fair_room)
             if claimed.retry_in is not None:
                 self._wake_at = min(self._wake_at, time.monotonic() + claimed.retry_in)
             # Before the claimed jobs start: a quick one's outcome, stored before this was
@@ -938,6 +952,17 @@ class Worker:
             return 0
         return min(self.prefetch, int(self.concurrency * PREFETCH_HORIZON / max(mean, 1e-6)))
 
+    def _fair_prefetch_now(self) -> int:
+        """A prefetching fair queue's jobs beyond the slots: as :meth:`_prefetch_now`, up
+        to ``fair_prefetch`` (16 x -c by default, not 4 x), so that its costlier claim
+        (a window of keys, ranked) brings a batch as large as its time asks; the horizon
+        still bounds what waits (~50 ms of work on average). None without such a queue."""
+        mean = self._mean_run
+        if not self.fair_prefetch or mean is None or not self.claimer.prefetching:
+            return 0
+        horizon = int(self.concurrency * PREFETCH_HORIZON / max(mean, 1e-6))
+        return min(self.fair_prefetch, horizon)
+
     def ran_for(self, seconds: float) -> None:
         mean = self._mean_run  # a racy update of a float: a lost sample is harmless
         self._mean_run = seconds if mean is None else mean + (seconds - mean) * 0.1
@@ -1005,7 +1030,7 @@ class Worker:
                 self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
             self._suspects -= suspect
-            room = self._free + self._extra
+            room = self._free + max(self._extra, self._fair_extra)
             refill = self._backlog and (room == 1 or room >= self._refill_at)
         if refill or suspect or lane:
             self._wake.set()
