@@ -105,8 +105,24 @@ class Context:
 
     def enqueue(self, job: Any, *args: Any, **options: Any) -> None:
         """Enqueue a child job, inserted with this job's completion (never on a failed or
-        rescued attempt). Takes the same arguments as ``job.enqueue``, or a ``job.bind()``."""
+        rescued attempt). Takes the same arguments as ``job.enqueue``, or a ``job.bind()``.
+        In an ``async def`` handler, ``await ctx.aenqueue(...)``."""
+        self._not_on_the_loop(
+            "ctx.enqueue()",
+            "await ctx.aenqueue()",
+            "runs the app's before_insert hooks, user code that may block",
+        )
         self._rt().enqueue(job, *args, **options)
+
+    async def aenqueue(self, job: Any, *args: Any, **options: Any) -> None:
+        """:meth:`enqueue` for async handlers: the arguments are checked at the call (an
+        ``InvalidPayload`` is raised there), and the app's ``before_insert`` hooks, user
+        code that may block, run in a worker thread when any is installed, so the event
+        loop (every async job of the worker) runs on meanwhile.
+
+        .. versionadded:: 0.2
+        """
+        await self._rt().aenqueue(job, *args, **options)
 
     # -- workflows (docs/workflows.md) ---------------------------------------------------
     @property
@@ -166,11 +182,13 @@ class Context:
         """
         return await asyncio.to_thread(self._rt().parent_results, after, limit, max_bytes)
 
-    def _not_on_the_loop(self, what: str, instead: str) -> None:
-        """Raise ConfigurationError when an ``async def`` handler calls ``what``, a
-        blocking read of the store, on the event loop it runs on: the worker's one loop,
-        whose every async job stalled while the read waited (a locked row, a pool with no
-        connection free)."""
+    def _not_on_the_loop(
+        self, what: str, instead: str, does: str = "reads the store and blocks"
+    ) -> None:
+        """Raise ConfigurationError when an ``async def`` handler calls ``what``, which
+        ``does`` something that may block (a read of the store, user code), on the event
+        loop it runs on: the worker's one loop, whose every async job stalled meanwhile (a
+        locked row, a pool with no connection free, a slow before_insert hook)."""
         definition = self._rt().attempt.definition
         if definition is None or not definition.is_async:
             return
@@ -179,7 +197,7 @@ class Context:
         except RuntimeError:  # a thread of its own (asyncio.to_thread): it may block
             return
         raise ConfigurationError(
-            f"{what} reads the store and blocks; job {self.job_id} ({self.name}) is an "
+            f"{what} {does}; job {self.job_id} ({self.name}) is an "
             f"async def handler, on the event loop that runs every async job of the "
             f"worker, which it would stall meanwhile: use {instead} instead"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -91,12 +92,18 @@ class JobHandle:
         """:meth:`result` for async code: the same outcomes and errors, woken the same
         way, and the event loop never blocks. Each read runs in a thread and is awaited
         no longer than the time left, so ResultTimeout comes at the deadline even when a
-        read hangs (the thread ends on its own). Cancelling the awaiting task stops only
-        the wait (its registration is removed).
+        read hangs (the thread ends on its own). A result is decoded in a thread too: its
+        return type's validators are the application's code, which may take a while.
+        Cancelling the awaiting task stops only the wait (its registration is removed).
 
         .. versionadded:: 0.2
         """
-        return self._outcome(await afirst_end(self, timeout, poll))
+        job = await afirst_end(self, timeout, poll)
+        if job.state is JobState.COMPLETED and job.result is not None:
+            # decode_result runs the return type's pydantic validators: user code that
+            # would hold up every coroutine of the loop while it ran
+            return await asyncio.to_thread(self._outcome, job)
+        return self._outcome(job)  # nothing to decode: None, or the error it ended with
 
     def progress(self) -> Progress | None:
         """What the running handler last reported with ``ctx.progress`` (as the worker's

@@ -7,11 +7,14 @@ stale duplicate delivery insert no child; only the completion that lands does, o
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import errands
 from errands.testing import Tester
+from tests.conftest import running_worker
 
 Make = Callable[..., Any]
 
@@ -119,3 +122,90 @@ def test_children_keep_their_own_options_and_keys(
     assert (kids[2].queue, kids[2].state) == ("high", errands.JobState.SCHEDULED)
     tester.assert_enqueued(child, n=1, queue="low", key="child-1", parent_id=parent.id)
     tester.assert_enqueued(child, n=2, queue="high")
+
+
+HELD = 10.0  # seconds a held hook waits for the loop to tick: far past any loop's tick
+
+
+def test_an_async_handler_enqueues_children_with_await_ctx_aenqueue_hooks_off_the_loop(
+    make_app: Make,
+) -> None:
+    """``await ctx.aenqueue(...)`` is ctx.enqueue for async def handlers: the child is
+    inserted with the completion, and the app's before_insert hooks (user code) run in a
+    worker thread while the event loop, which runs every async job of the worker, goes
+    on. Here the hook waits until a task on the handler's loop has ticked: on the loop,
+    it could not tick, and the hook gave up after 10 s. Bad arguments raise
+    InvalidPayload at the call, as with ctx.enqueue."""
+    app = make_app()
+    ticked = threading.Event()
+    hook_saw: list[bool] = []  # each hooked request: whether the loop ticked meanwhile
+    refused: list[str] = []
+
+    @app.events.before_insert
+    def tag(requests: list[Any]) -> None:
+        for request in requests:
+            if request.name == "child":
+                hook_saw.append(ticked.wait(HELD))
+                request.meta["tagged"] = True
+
+    @app.job(name="child")
+    def child(n: int) -> int:
+        return n
+
+    @app.job(name="parent", retries=0)
+    async def parent(ctx: errands.Context) -> None:
+        async def tick() -> None:
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+            ticked.set()
+
+        ticking = asyncio.create_task(tick())
+        try:
+            await ctx.aenqueue(child, n=1)
+            await ctx.aenqueue(child.bind(n=2, priority=5))
+            try:
+                await ctx.aenqueue(child, n="not a number")
+            except errands.InvalidPayload as exc:
+                refused.append(str(exc))
+        finally:
+            ticking.cancel()
+
+    handle = parent.enqueue()
+    with running_worker(app, concurrency=2):
+        handle.result(timeout=60)
+    children = app.jobs(parent_id=handle.id)
+    assert sorted((c.args["n"], c.priority) for c in children) == [(1, 0), (2, 5)]
+    assert all(c.meta.get("tagged") for c in children)
+    assert hook_saw == [True, True], "the before_insert hook held the event loop"
+    assert len(refused) == 1
+
+
+def test_ctx_enqueue_in_an_async_handler_raises_naming_await_ctx_aenqueue(
+    make_app: Make,
+) -> None:
+    """ctx.enqueue() called on the event loop of an async def handler raises
+    ConfigurationError naming ``await ctx.aenqueue()`` (it ran the before_insert hooks
+    there, stalling every async job of the worker while a slow one ran); called from a
+    thread of its own (asyncio.to_thread) it enqueues as in a sync handler."""
+    app = make_app()
+    refused: list[str] = []
+
+    @app.job(name="child")
+    def child(n: int) -> int:
+        return n
+
+    @app.job(name="parent", retries=0)
+    async def parent(ctx: errands.Context) -> None:
+        try:
+            ctx.enqueue(child, n=1)
+        except errands.ConfigurationError as exc:
+            refused.append(str(exc))
+        await asyncio.to_thread(ctx.enqueue, child, n=2)
+
+    handle = parent.enqueue()
+    with running_worker(app, concurrency=2):
+        handle.result(timeout=60)
+    assert [c.args["n"] for c in app.jobs(parent_id=handle.id)] == [2]
+    [message] = refused
+    assert "use await ctx.aenqueue() instead" in message
+    assert "async def handler" in message

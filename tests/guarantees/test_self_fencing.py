@@ -403,7 +403,7 @@ def test_a_worker_resumed_from_a_suspend_past_its_lease_self_fences_at_its_first
         assert started.wait(30)
         suspend_host(monkeypatch, 120)
         heartbeats.failing = True
-        w.leases.poke()  # the keeper's next round (after a real suspend: within 20 s)
+        w.leases.poke()  # the keeper's next round at once (by itself: within a second)
         # (its lease already out: asked to stop, interrupted and given back at once)
         assert stopped.wait(15), "the handler ran on after a suspend longer than its lease"
         wait_until(lambda: handle.job().errors, timeout=30, what="the job given back")
@@ -431,7 +431,7 @@ def test_a_worker_resumed_from_a_suspend_whose_heartbeat_gets_through_keeps_its_
         assert started.wait(30)
         before = heartbeats.passed
         suspend_host(monkeypatch, 120)
-        w.leases.poke()  # the keeper's next round (after a real suspend: within 20 s)
+        w.leases.poke()  # the keeper's next round at once (by itself: within a second)
         wait_until(
             lambda: heartbeats.passed > before, timeout=15, what="a heartbeat after the suspend"
         )
@@ -440,6 +440,37 @@ def test_a_worker_resumed_from_a_suspend_whose_heartbeat_gets_through_keeps_its_
     assert cancelled == []
     job = handle.job()
     assert (job.state, job.attempt, job.errors) == (JobState.COMPLETED, 1, [])
+
+
+@needs_boottime
+def test_the_heartbeat_overdue_after_a_suspend_is_sent_at_once_without_a_poke(
+    app_with_lease: Callable[[float], errands.App], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a handler holding a 150 s lease (a heartbeat every 50 s) and the lease
+    keeper waiting for the next one, when the host sleeps for three minutes, then the
+    keeper sends the overdue heartbeat within seconds of waking, by the clock that
+    counted the suspend. Its wait ran on CLOCK_MONOTONIC, which a suspend stops: it woke
+    up to a whole interval (here 50 s) late, while the store had let the lease run out."""
+    app = app_with_lease(150)
+    started, finish = threading.Event(), threading.Event()
+    cancelled: list[str] = []
+    long = _until_finished(app, "suspend.overdue", started, finish, cancelled)
+    heartbeats = _cut(app, monkeypatch)
+    with running_worker(app, maintenance=False):
+        handle = long.enqueue()
+        assert started.wait(30)
+        before = heartbeats.passed  # the next heartbeat is due 50 s after the worker began
+        suspend_host(monkeypatch, 180)  # no poke: the keeper must notice by itself
+        try:
+            wait_until(
+                lambda: heartbeats.passed > before,
+                timeout=20,
+                what="the overdue heartbeat after the suspend",
+            )
+        finally:
+            finish.set()
+        assert handle.result(timeout=30) == "done"
+    assert cancelled == []
 
 
 def test_a_self_fenced_async_handler_is_given_back_off_the_event_loop(

@@ -12,9 +12,10 @@ import threading
 import time
 from datetime import timedelta
 from fractions import Fraction
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
+from pydantic import AfterValidator
 
 import errands
 from tests.conftest import cancel_while_inserting, running_worker
@@ -23,6 +24,25 @@ from .helpers import results_app
 
 # Far longer than any test here may take: a wait that ends sooner was woken, not polled.
 NO_POLL = 30.0
+
+
+class _LoopGate:
+    """A return type's validator that blocks until the event loop has ticked (or gives
+    up after ``GIVE_UP`` s): armed, it records whether the loop ran while it waited."""
+
+    GIVE_UP = 10.0
+    armed = threading.Event()
+    ticked = threading.Event()
+    saw: list[bool] = []  # one test's record, reset by it
+
+    @classmethod
+    def validate(cls, value: int) -> int:
+        if cls.armed.is_set():
+            cls.saw.append(cls.ticked.wait(cls.GIVE_UP))
+        return value
+
+
+WaitsForTheLoop = Annotated[int, AfterValidator(_LoopGate.validate)]
 
 
 def test_result_is_woken_by_the_completion_not_by_polling(store: errands.App) -> None:
@@ -54,6 +74,42 @@ def test_aresult_is_woken_by_the_completion(store: errands.App) -> None:
         started = time.monotonic()
         asyncio.run(scenario())
         assert time.monotonic() - started < 10
+
+
+def test_aresult_decodes_the_result_off_the_event_loop(app: errands.App) -> None:
+    """The return type's validators (user code, maybe slow) run when aresult() decodes
+    the result: off the event loop, so other coroutines keep running meanwhile. Here the
+    validator waits until a ticker coroutine has ticked five times; decoded on the loop,
+    the ticker could not tick and the validator gave up after 10 s."""
+
+    @app.job(name="results.gated")
+    def gated() -> WaitsForTheLoop:
+        return 7
+
+    handle = gated.enqueue()
+    with running_worker(app, concurrency=1):
+        errands.wait_all([handle], timeout=20)  # ended: nothing decoded yet
+    _LoopGate.saw.clear()
+    _LoopGate.ticked.clear()
+    _LoopGate.armed.set()
+
+    async def scenario() -> Any:
+        async def ticker() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+            _LoopGate.ticked.set()
+
+        ticking = asyncio.create_task(ticker())
+        try:
+            return await handle.aresult(timeout=30, poll=NO_POLL)
+        finally:
+            ticking.cancel()
+
+    try:
+        assert asyncio.run(scenario()) == 7
+    finally:
+        _LoopGate.armed.clear()
+    assert _LoopGate.saw == [True], "the validator blocked the event loop"
 
 
 def test_many_waiters_share_one_watcher(store: errands.App) -> None:

@@ -27,6 +27,7 @@ import pytest
 import errands
 from errands.backends.base import ClaimParams, QueueClaim
 from tests.integration.helpers import WorkerThread, wait_until
+from tests.pg import with_params
 
 LEASE = 300.0  # a rescue would come after this: far beyond every wait below
 PROMPTLY = 20.0  # seconds: generous on a busy 2-core machine, well inside the lease
@@ -264,6 +265,34 @@ def test_a_lost_claim_not_given_back_at_once_is_given_back_before_the_next_claim
     assert row.lease_token != token
     assert backend._lost_claims.tokens == []
     assert len(plan.lost) == 1
+
+
+def test_a_lost_claim_given_back_notifies_the_queues_of_its_jobs(pg_url: str) -> None:
+    """Given a listener on the job channel and a claim whose reply is lost, then the
+    give-back NOTIFYs the queue of the jobs it made due again, as an enqueue does: an idle
+    worker elsewhere takes them at once, not at its next poll. (notify_window=0: the
+    enqueue's own NOTIFY does not hold this one back.)"""
+    app = errands.App(with_params(pg_url, notify_window="0"), lease=LEASE)
+    app.migrate()
+    try:
+
+        @app.job(name="lost.notified", queue="wake")
+        def notified() -> None: ...
+
+        job_id = notified.enqueue().id
+        backend: Any = app.backend
+        LoseClaimReplies(backend)
+        params = ClaimParams([QueueClaim("wake", 5)], 5, "w-test", LEASE)
+        with psycopg.connect(backend.config.conninfo, autocommit=True) as listener:
+            listener.execute(f'LISTEN "{backend.channel}"')
+            with pytest.raises(psycopg.OperationalError, match="reply was lost"):
+                backend.job_claim(params)  # given back on a fresh connection before it raises
+            assert job_rows(app, [job_id])[job_id][:2] == ("available", 0)
+            # the give-back committed: its notification is on its way, or here already
+            heard = [n.payload for n in listener.notifies(timeout=PROMPTLY, stop_after=1)]
+        assert heard == ["wake"]
+    finally:
+        app.close()
 
 
 def test_a_lost_claim_whose_job_was_cancelled_meanwhile_ends_it_cancelled(

@@ -34,7 +34,10 @@ newer one's lease was extended; the stale one is told its lease is lost.
 Every time here is read from :func:`errands.clock.now`, which counts a host's suspend as
 the store's clock does: woken from a suspend longer than a lease, the keeper's next round
 is a heartbeat long overdue, whose failure self-fences at once (the lease has run out at
-the store), and whose success renews the lease (no other worker took the job).
+the store), and whose success renews the lease (no other worker took the job). Its waits
+read that clock again at least every :data:`WAIT_SLICE` seconds (a wait itself runs on
+CLOCK_MONOTONIC, which a suspend stops), so that round comes within a second of the
+resume, not up to a heartbeat interval later.
 
 On a store where an open transaction holds the single write lock (SQLite), a handler
 that keeps ``ctx.transaction()`` open keeps every heartbeat of this worker out: past a
@@ -69,6 +72,10 @@ STILL_RUNNING_AT = (60.0, 600.0, 3600.0)
 MIN_INTERVAL = 0.2  # seconds: no heartbeat plan is faster (the worker's interval floor too)
 RETRY_AFTER_FAILURE = 1.0  # seconds between heartbeats while they fail (the interval, if less)
 WAIT_MIN = 1.0  # seconds a heartbeat may always take to answer (the interval, if less)
+# Seconds the keeper waits at most before it reads errands.clock again. A wait runs on
+# CLOCK_MONOTONIC, which a host's suspend stops: one wait to the next round woke up to a
+# whole heartbeat interval late after a resume, its overdue heartbeat with it.
+WAIT_SLICE = 1.0
 
 
 class _Caller:
@@ -211,8 +218,7 @@ class LeaseKeeper:
         now = clock.now()
         wake_at = min(wake)
         if wake_at > now:
-            self._wake.wait(wake_at - now)
-            self._wake.clear()
+            self._wait_until(wake_at)
             return
         if now >= next_beat:
             self._last_beat = now
@@ -234,6 +240,15 @@ class LeaseKeeper:
             step = attempt.fence.next_at() if attempt.fence is not None else None
             if step is not None and clock.now() >= step and not attempt.decided:
                 self.on_fence(attempt)
+
+    def _wait_until(self, wake_at: float) -> None:
+        """Wait until ``wake_at`` on errands.clock, or a poke: in slices of WAIT_SLICE at
+        most, each followed by a fresh reading of the clock, so a suspend that passed it
+        meanwhile ends the wait within a slice of the resume."""
+        while (left := wake_at - clock.now()) > 0:
+            if self._wake.wait(min(left, WAIT_SLICE)):
+                break
+        self._wake.clear()
 
     def _answer_within(self, held: list[Attempt], sent_at: float) -> float:
         """How long a heartbeat sent at ``sent_at`` waits for its answer: one interval at

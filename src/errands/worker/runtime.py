@@ -418,7 +418,25 @@ class AttemptRuntime:
             self.children.append(request)
 
     # -- children ------------------------------------------------------------------------------
-    def enqueue(
+    def enqueue(self, job: JobDefinition[Any, Any] | BoundJob, *args: Any, **options: Any) -> None:
+        request = self._child(job, *args, **options)
+        self._hooked(request)
+        with self._lock:
+            self.children.append(request)
+
+    async def aenqueue(
+        self, job: JobDefinition[Any, Any] | BoundJob, *args: Any, **options: Any
+    ) -> None:
+        """:meth:`enqueue` for an async handler: the arguments are validated on the loop,
+        as ``job.aenqueue`` validates them; the before_insert hooks, user code, run on a
+        thread of their own when any is installed (a slow one held the worker's event
+        loop, and every async job on it, for as long as it ran)."""
+        request = self._child(job, *args, **options)
+        await self.app._off_loop(bool(self.app.events.inserters), self._hooked, request)
+        with self._lock:
+            self.children.append(request)
+
+    def _child(
         self,
         job: JobDefinition[Any, Any] | BoundJob,
         *args: Any,
@@ -429,7 +447,8 @@ class AttemptRuntime:
         queue: str | None = None,
         unique_for: float | timedelta | None = None,
         **kwargs: Any,
-    ) -> None:
+    ) -> EnqueueRequest:
+        """The request of a child of this attempt, validated (hooks not run yet)."""
         from ..definition import BoundJob, EnqueueOptions, JobDefinition
 
         if isinstance(job, BoundJob):
@@ -444,10 +463,7 @@ class AttemptRuntime:
                 f"ctx.enqueue takes a job (an @app.job function) or job.bind(...), got "
                 f"{type(job).__name__}"
             )
-        request = replace(request, meta=dict(request.meta), parent_id=self.attempt.id)
-        self._hooked(request)
-        with self._lock:
-            self.children.append(request)
+        return replace(request, meta=dict(request.meta), parent_id=self.attempt.id)
 
     def _hooked(self, request: EnqueueRequest) -> None:
         """The app's before_insert hooks on a request the store inserts with this

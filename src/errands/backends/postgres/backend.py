@@ -887,10 +887,13 @@ class PostgresBackend(PostgresAdmin):
 
     def _undo_claims(self, conn: psycopg.Connection[Any], tokens: list[str]) -> list[int]:
         """Undo the claims of ``tokens``, whose replies were lost (see lost_claims.py):
-        the ids of the jobs given back."""
+        the ids of the jobs given back. Their queues are NOTIFYed in the same transaction,
+        as an enqueue's are: the jobs are due again now, and an idle worker elsewhere
+        would otherwise wait for its next poll to take them."""
         with self._own_tx(conn):
             rows = conn.execute(self.q["job_claim_undo"], {"tokens": tokens}).fetchall()
             self._fan_in(conn, rows)  # a member cancelled meanwhile ends now
+            self._maybe_notify(conn, {r[3] for r in rows if r[2] == "available"})
         return [r[0] for r in rows]
 
     def job_finish_many(self, outcomes: Sequence[FinishParams]) -> list[bool]:

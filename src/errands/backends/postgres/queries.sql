@@ -228,6 +228,7 @@ SELECT id, workflow_id, state FROM ended CROSS JOIN notified
 -- the running rows, so they free up with them. A cancel requested meanwhile ends the job
 -- cancelled, as a release does. attempted_at keeps the undone claim's time. A rare
 -- statement: it reads the running rows and the rate log whole (a window's rows a bucket).
+-- Each row's queue comes back so the caller can NOTIFY the queues of the jobs due again.
 WITH starts AS (
     DELETE FROM {schema}.errands_rate_log WHERE token = ANY(%(tokens)s::text[])
 ), ended AS (
@@ -237,9 +238,9 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
     finished_at = CASE WHEN j.cancel_requested THEN now() ELSE j.finished_at END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 WHERE j.lease_token = ANY(%(tokens)s::text[]) AND j.state = 'running'
-RETURNING j.id, j.workflow_id, j.state
+RETURNING j.id, j.workflow_id, j.state, j.queue
 ), {notify_ended}
-SELECT id, workflow_id, state FROM ended CROSS JOIN notified
+SELECT id, workflow_id, state, queue FROM ended CROSS JOIN notified
 
 -- name: leader_attempt_elect
 INSERT INTO {schema}.errands_leaders AS l (name, owner, elected_at, expires_at)
