@@ -51,8 +51,10 @@ class Context:
         replay) gets the stored result back without calling ``fn`` again.
 
         The value returned is always the stored JSON form (dicts, lists, numbers,
-        strings), the same on the first run and on replays.
+        strings), the same on the first run and on replays. In an ``async def`` handler,
+        ``await ctx.astep(...)``.
         """
+        self._not_on_the_loop("ctx.step()", "await ctx.astep()", "reads and writes the store")
         return self._rt().step(name, fn, *args, **kwargs)
 
     async def astep(
@@ -205,9 +207,25 @@ class Context:
     def add_to_workflow(self, job: Any) -> None:
         """Add a member (a ``job.bind(...)``) to this job's own workflow, inserted with
         this job's completion and before it leaves the workflow's pending set: the
-        workflow cannot settle in between, and a failed attempt adds nothing."""
+        workflow cannot settle in between, and a failed attempt adds nothing. In an
+        ``async def`` handler, ``await ctx.aadd_to_workflow(...)``."""
+        self._not_on_the_loop(
+            "ctx.add_to_workflow()",
+            "await ctx.aadd_to_workflow()",
+            "runs the app's before_insert hooks, user code that may block",
+        )
         self._workflow_required("ctx.add_to_workflow()")
         self._rt().add_to_workflow(job)
+
+    async def aadd_to_workflow(self, job: Any) -> None:
+        """:meth:`add_to_workflow` for async handlers: the app's ``before_insert`` hooks
+        run in a worker thread when any is installed, so the event loop (every async job
+        of the worker) runs on meanwhile.
+
+        .. versionadded:: 0.2
+        """
+        self._workflow_required("ctx.aadd_to_workflow()")
+        await self._rt().aadd_to_workflow(job)
 
     def _workflow_required(self, what: str) -> int:
         workflow_id = self.workflow_id

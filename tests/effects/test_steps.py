@@ -231,6 +231,31 @@ def test_async_handler_steps_are_stored_and_not_run_again(
     assert {s.name: s.result for s in app.job_steps(handle.id)} == {"lookup": 10, "sync_fn": 15}
 
 
+def test_ctx_step_in_an_async_handler_raises_naming_await_ctx_astep(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """The sync ctx.step reads and writes the store: on the event loop of an async def
+    handler it stalled every async job of the worker while it waited (a locked row, a
+    pool with no connection free). It raises ConfigurationError naming ctx.astep there;
+    nothing ran and nothing was stored."""
+    app = make_app()
+    ran: list[int] = []
+    refused: list[str] = []
+
+    @app.job(name="async_sync_step", retries=0)
+    async def async_sync_step(ctx: errands.Context) -> None:
+        try:
+            ctx.step("charge", lambda: ran.append(1))
+        except errands.ConfigurationError as exc:
+            refused.append(str(exc))
+
+    handle = async_sync_step.enqueue()
+    assert errands_testing(app).drain().outcomes == {"completed": 1}
+    assert ran == [] and app.job_steps(handle.id) == []
+    [message] = refused
+    assert "use await ctx.astep() instead" in message and "async def handler" in message
+
+
 def test_steps_are_shown_by_errands_jobs_show_and_its_json(
     make_app: Make, errands_testing: Callable[..., Tester], store_url: str
 ) -> None:

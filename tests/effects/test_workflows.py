@@ -190,6 +190,41 @@ def test_a_member_adds_members_to_its_own_batch_before_it_settles(
     assert done == ["page-1", "page-2", "page-3", "finished after 3"]
 
 
+def test_an_async_member_adds_members_with_await_ctx_aadd_to_workflow_not_the_sync_call(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """In an async def handler the sync ctx.add_to_workflow (it runs the app's
+    before_insert hooks, user code, on the worker's one event loop) raises naming
+    ``await ctx.aadd_to_workflow()``, which adds the member as the sync call does, its
+    hooks run off the loop."""
+    app = make_app()
+    refused: list[str] = []
+    hooked: list[str] = []
+
+    @app.events.before_insert
+    def tag(requests: list[Any]) -> None:
+        hooked.extend(r.name for r in requests if r.name == "apage")
+
+    @app.job(name="apage")
+    async def apage(n: int, ctx: errands.Context) -> None:
+        if n < 3:
+            try:
+                ctx.add_to_workflow(apage.bind(n + 10))
+            except errands.ConfigurationError as exc:
+                refused.append(str(exc))
+            await ctx.aadd_to_workflow(apage.bind(n + 1))
+
+    batch = errands.Batch("acrawl")
+    batch.add(apage.bind(1))
+    handle = app.enqueue_workflow(batch)
+    status = errands_testing(app).drain_workflow(handle)
+    assert (status.total, status.completed) == (3, 3)
+    members = [app.get_job(m.job_id) for m in app.workflow_members(handle.id)]
+    assert sorted(j.args["n"] for j in members) == [1, 2, 3]
+    assert len(refused) == 2 and "use await ctx.aadd_to_workflow() instead" in refused[0]
+    assert hooked.count("apage") >= 3  # the first member's enqueue and both added ones
+
+
 def test_a_callback_cannot_add_members_to_its_settled_workflow(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

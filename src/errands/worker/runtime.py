@@ -397,6 +397,21 @@ class AttemptRuntime:
             return None
 
     def add_to_workflow(self, job: BoundJob) -> None:
+        request = self._member(job)
+        self._hooked(request)
+        with self._lock:
+            self.children.append(request)
+
+    async def aadd_to_workflow(self, job: BoundJob) -> None:
+        """:meth:`add_to_workflow` for an async handler: its before_insert hooks run on a
+        thread of their own when any is installed (as :meth:`aenqueue`'s)."""
+        request = self._member(job)
+        await self.app._off_loop(bool(self.app.events.inserters), self._hooked, request)
+        with self._lock:
+            self.children.append(request)
+
+    def _member(self, job: BoundJob) -> EnqueueRequest:
+        """The request of a member this attempt adds to its workflow (hooks not run yet)."""
         from ..definition import BoundJob
 
         if not isinstance(job, BoundJob):
@@ -412,10 +427,7 @@ class AttemptRuntime:
                 "workflow that has settled; no member can be added to it. Enqueue a new "
                 "workflow (app.enqueue_workflow) or a job (ctx.enqueue) instead"
             )
-        request = replace(job.request, meta={**job.request.meta, WORKFLOW_ADD: True})
-        self._hooked(request)
-        with self._lock:
-            self.children.append(request)
+        return replace(job.request, meta={**job.request.meta, WORKFLOW_ADD: True})
 
     # -- children ------------------------------------------------------------------------------
     def enqueue(self, job: JobDefinition[Any, Any] | BoundJob, *args: Any, **options: Any) -> None:
