@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, FinishParams
 from ..errors import is_transient
+from ..errortext import LOG_LIMIT, clip
 from ..hooks import protect_current_thread
 from ..landed import landed, read_back
 from .execution import Attempt
@@ -234,8 +235,9 @@ class Completer:
         if len(batch) > 1:
             return [item for one in batch for item in self._store([one])]
         attempt, outcome = batch[0]
+        why = clip(str(exc), LOG_LIMIT)
         log.error(
-            "job %s: its outcome cannot be stored (%s); recording it as dead", attempt.id, exc
+            "job %s: its outcome cannot be stored (%s); recording it as dead", attempt.id, why
         )
         fallback = replace(
             outcome,
@@ -245,7 +247,7 @@ class Completer:
             error={
                 "attempt": attempt.row.attempt,
                 "type": "UnstorableOutcome",
-                "message": f"the store refused this attempt's outcome: {str(exc)[:500]}",
+                "message": f"the store refused this attempt's outcome: {clip(str(exc), 500)}",
                 "traceback": None,
                 "worker": None,
                 "kind": "permanent",

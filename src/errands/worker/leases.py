@@ -53,9 +53,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import clock
 from ..backends.base import LeaseRef
+from ..errortext import scrub
 from ..hooks import protect_current_thread
 from ..observability.logcontext import JobLogContext, job_context
-from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt, _secrets, scrub
+from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt, _secrets
 
 if TYPE_CHECKING:
     from ..app import App

@@ -35,11 +35,12 @@ from .. import clock
 from ..backends.workflow_store import WORKFLOW_ADD
 from ..definition import seconds as checked_seconds
 from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
+from ..errortext import scrub
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
 from ..payload import unstorable_json
-from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets, scrub
+from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 
 if TYPE_CHECKING:
     from ..app import App
