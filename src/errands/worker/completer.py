@@ -23,6 +23,7 @@ from ..errors import is_transient
 from ..errortext import LOG_LIMIT, clip
 from ..hooks import protect_current_thread
 from ..landed import landed, read_back
+from ..observability.logcontext import job_extra
 from .execution import Attempt
 
 if TYPE_CHECKING:
@@ -136,7 +137,11 @@ class Completer:
             try:
                 self.on_written(attempt, outcome, ok)
             except Exception:
-                log.exception("error after recording the outcome of job %s", attempt.id)
+                log.exception(
+                    "error after recording the outcome of job %s",
+                    attempt.id,
+                    extra=job_extra(attempt.row),
+                )
 
     def _store(
         self, batch: list[tuple[Attempt, FinishParams]]
@@ -237,7 +242,10 @@ class Completer:
         attempt, outcome = batch[0]
         why = clip(str(exc), LOG_LIMIT)
         log.error(
-            "job %s: its outcome cannot be stored (%s); recording it as dead", attempt.id, why
+            "job %s: its outcome cannot be stored (%s); recording it as dead",
+            attempt.id,
+            why,
+            extra=job_extra(attempt.row),
         )
         fallback = replace(
             outcome,
@@ -261,7 +269,11 @@ class Completer:
             # (its settled event and this worker's wake-up were dropped at the next write)
             self.fanned_in(store=backend)
         except Exception:
-            log.exception("job %s: even the fallback outcome failed; its lease expires", attempt.id)
+            log.exception(
+                "job %s: even the fallback outcome failed; its lease expires",
+                attempt.id,
+                extra=job_extra(attempt.row),
+            )
             ok = None  # not stored: not a fence's refusal (it was counted as a stale write)
         return [((attempt, fallback), ok)]
 

@@ -39,6 +39,7 @@ from ..errortext import scrub
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
+from ..observability.logcontext import job_extra
 from ..payload import unstorable_json
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 
@@ -355,7 +356,12 @@ class AttemptRuntime:
             try:
                 getattr(backend, end)(tx)
             except Exception:
-                log.exception("could not %s the transaction of job %s", verb, self.attempt.id)
+                log.exception(
+                    "could not %s the transaction of job %s",
+                    verb,
+                    self.attempt.id,
+                    extra=job_extra(self.attempt.row),
+                )
 
     # -- workflows -----------------------------------------------------------------------------
     def workflow_id(self) -> int | None:
