@@ -68,6 +68,34 @@ def test_an_exception_whose_str_raises_is_the_jobs_failure_and_the_child_lives_o
     assert acc_pool.child_pid.enqueue().result(timeout=60) == child
 
 
+def test_a_huge_exception_message_in_a_child_is_stored_clipped_and_scrubbed_whole(
+    cluster: Cluster,
+) -> None:
+    """Given a handler in a child raising an exception whose message is 2 million
+    characters and quotes a sensitive argument where it is cut, then its error entry
+    keeps the message's head (at most MESSAGE_LIMIT characters, saying how many were
+    cut), no part of the argument, and a traceback naming the handler's frame; the
+    child lives on. The child sent the whole message through its pipe, and it was stored
+    whole."""
+    from errands.errortext import MESSAGE_LIMIT, TRACEBACK_LIMIT
+
+    child = _pool_worker(cluster)
+    secret, at, size = "tok-0123456789abcdef", MESSAGE_LIMIT - 50, 2_000_000
+    handle = acc_pool.huge_message.enqueue(token=secret, at=at, size=size)
+    wait_until(lambda: cluster.state_of(handle.id) == "dead", 60, "the job to be dead")
+    [error] = handle.job().errors
+    assert (error.type, error.kind) == ("RuntimeError", "transient")
+    assert len(error.message) <= MESSAGE_LIMIT
+    match = re.search(r"… \((\d+) more characters\)$", error.message)
+    assert match and len(error.message) - len(match.group(0)) + int(match.group(1)) == (
+        at + len("***") + size
+    )
+    assert secret[:6] not in error.message and secret[:6] not in (error.traceback or "")
+    assert error.traceback and len(error.traceback) <= TRACEBACK_LIMIT + 4
+    assert "in huge_message" in error.traceback
+    assert acc_pool.child_pid.enqueue().result(timeout=60) == child
+
+
 def test_a_handler_in_a_child_that_ended_its_transaction_and_failed_dies_once(
     cluster: Cluster, tmp_path: Path
 ) -> None:

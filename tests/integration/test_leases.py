@@ -5,6 +5,7 @@ rescues it with its own rescuer, as the maintenance leader would after a worker 
 longer than its lease. The stale attempt's handler is still running when that happens.
 """
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -487,3 +488,79 @@ def test_a_leader_stopped_during_its_election_resigns_once(
     assert leadership == ["errands.leader.elected", "errands.leader.resigned"]
     assert not leader.is_leader
     assert Maintenance(app, "w-next")._elect()  # free at once, not held until it expires
+
+
+def _failing_election(name: str, worker_id: str, ttl: float) -> bool:
+    raise OSError("connection to the store lost")
+
+
+def test_a_leader_whose_elections_fail_steps_down_once_its_leadership_runs_out(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a leader whose elections start to raise (the store unreachable), then it
+    stays leader while the store still names it (its last election's ttl), runs no duty,
+    and once that ttl has run out steps down: is_leader false, errands.leader.resigned
+    once, the errands_leader gauge 0; when an election works again it is elected anew.
+    It kept claiming the leadership (gauge 1) for ever, beside the worker that took over."""
+    from errands import clock
+    from errands.observability.metrics import install_metrics
+    from tests.observability.conftest import metric_value
+
+    registry = install_metrics(app, cache_seconds=0).registry
+    events: list[str] = []
+    app.events.subscribe(lambda event: events.append(event.name), inline=True)
+    leader = Maintenance(app, "w-cut-off", tick=0.05)
+    assert leader._elect() and leader.is_leader
+    wait_until(lambda: metric_value(registry, "errands_leader") == 1, what="leader gauge 1")
+    elect = app.backend.leader_attempt_elect
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", _failing_election)
+    ran: list[str] = []
+    monkeypatch.setattr(leader, "rescue", lambda: ran.append("rescue"))
+
+    leader.run_once()  # within the ttl: still the leader, no duty
+    assert leader.is_leader and ran == []
+    real_now = clock.now
+    monkeypatch.setattr(clock, "now", lambda: real_now() + leader.ttl + 1)  # the ttl is over
+    for _ in range(3):
+        leader.run_once()
+    assert not leader.is_leader and ran == []
+    wait_until(lambda: metric_value(registry, "errands_leader") == 0, what="leader gauge 0")
+    leadership = [e for e in events if e.startswith("errands.leader.")]
+    assert leadership == ["errands.leader.elected", "errands.leader.resigned"]
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", elect)
+    caplog.set_level(logging.INFO, logger="errands.maintenance")
+    assert leader._elect() and leader.is_leader
+    assert "leader election works again (after 4 failed)" in caplog.text
+    leadership = [e for e in events if e.startswith("errands.leader.")]
+    assert leadership[-1] == "errands.leader.elected"
+
+
+def test_a_failing_leader_election_is_logged_once_an_interval_with_one_traceback(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a maintenance thread whose every election raises, ticking every 20 ms, then
+    40 failed elections write one warning with the traceback (the next is due after
+    ELECTION_WARN_EVERY) and no "maintenance tick failed": each tick logged a full
+    traceback (45 in 9 s at tick 0.2)."""
+    caplog.set_level(logging.DEBUG, logger="errands.maintenance")
+    calls = [0]
+
+    def failing(name: str, worker_id: str, ttl: float) -> bool:
+        calls[0] += 1
+        raise OSError("connection to the store lost")
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", failing)
+    leader = Maintenance(app, "w-unlucky", tick=0.02)
+    leader.start()
+    try:
+        wait_until(lambda: calls[0] >= 40, timeout=60, what="40 failed elections")
+    finally:
+        leader.stop()
+    records = [r for r in caplog.records if r.name == "errands.maintenance"]
+    loud = [r for r in records if r.levelno >= logging.WARNING]
+    assert len(loud) == 1, [r.getMessage() for r in loud]
+    assert "leader election failed (connection to the store lost)" in loud[0].getMessage()
+    assert loud[0].exc_info is not None
+    assert sum("failed again" in r.getMessage() for r in records) >= 39
+    assert not leader.is_leader

@@ -1,11 +1,17 @@
 """Job context on every log record, and sensitive arguments kept out of logs (DESIGN §4, §9)."""
 
 import asyncio
+import json
 import logging
+import threading
+import time
+from typing import Any
 
 import pytest
 
 import errands
+
+from .helpers import wait_until
 
 user_log = logging.getLogger("shop.billing")
 
@@ -189,3 +195,58 @@ def test_a_handlers_own_extra_naming_a_job_field_logs_instead_of_failing_the_job
         assert handle.result(timeout=10) == "charged"
     [record] = [r for r in caplog.records if r.getMessage() == "retrying the provider"]
     assert (record.attempt, record.provider, record.job_id) == (3, "acme", handle.id)
+
+
+def _json_lines(caplog: pytest.LogCaptureFixture, text: str) -> list[dict[str, Any]]:
+    """The captured records whose message holds ``text``, as the JSON format writes them."""
+    from errands.observability.logcontext import JsonFormatter
+
+    formatter = JsonFormatter()
+    return [json.loads(formatter.format(r)) for r in caplog.records if text in r.getMessage()]
+
+
+def test_the_workers_lines_about_a_running_jobs_timeout_and_cancel_carry_the_job_fields(
+    app: errands.App, worker_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a sync handler that runs past its timeout and one an operator cancels while
+    it runs, then the worker's lines about them (written by its lease keeper, outside the
+    handler: "ran past its timeout", "still running past its timeout", "cancelled by an
+    operator") carry job_id, job_name, queue and attempt in the JSON format, as the
+    handler's own lines do (DESIGN §9). They had the id in their text alone."""
+    caplog.set_level(logging.INFO)
+    started = threading.Event()
+
+    @app.job(name="log.overtime", queue="slow", timeout=0.3, retries=0)
+    def overtime() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # ignores ctx.cancelled: interrupted later
+            time.sleep(0.01)
+
+    @app.job(name="log.cancelled", lease=1, retries=0)
+    def cancelled(ctx: errands.Context) -> None:
+        started.set()
+        for _ in range(3000):
+            if ctx.cancelled:
+                return
+            time.sleep(0.01)
+
+    late = overtime.enqueue()
+    stopped = cancelled.enqueue()
+    with worker_factory(concurrency=2, queues=["default", "slow"]):
+        assert started.wait(20)
+        stopped.cancel()
+        wait_until(lambda: late.job().state.is_terminal, timeout=30, what="the timeout")
+        wait_until(lambda: stopped.job().state.is_terminal, timeout=30, what="the cancel")
+
+    for text, handle, name, queue in (
+        ("ran past its", late, "log.overtime", "slow"),
+        ("still running past its timeout", late, "log.overtime", "slow"),
+        ("cancelled by an operator", stopped, "log.cancelled", "default"),
+    ):
+        [line] = _json_lines(caplog, text)
+        assert (line["job_id"], line["job_name"], line["queue"], line["attempt"]) == (
+            handle.id,
+            name,
+            queue,
+            1,
+        ), text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import click
 
 from .loading import URL_HELP, load_app
@@ -88,5 +90,33 @@ def dashboard(
     )
     refuse_open_bind(host, web.state.errands.auth)  # ConfigurationError: one line, exit 1
     shown = f"[{host}]" if ":" in host else host
+    if port == 0:  # the OS picks the port: bound here, to say which (it said ":0")
+        sock = _bound(host)
+        port = int(sock.getsockname()[1])
+        click.echo(
+            f"errands dashboard on http://{shown}:{port}/ ({describe(web)}); Ctrl-C stops it"
+        )
+        config = uvicorn.Config(
+            web, host=host, port=port, log_level=log_level.lower(), server_header=False
+        )
+        uvicorn.Server(config).run(sockets=[sock])
+        return
     click.echo(f"errands dashboard on http://{shown}:{port}/ ({describe(web)}); Ctrl-C stops it")
     uvicorn.run(web, host=host, port=port, log_level=log_level.lower(), server_header=False)
+
+
+def _bound(host: str) -> socket.socket:
+    """A listening-ready socket bound to ``host`` on a port the OS chooses (as uvicorn
+    binds one: IPv6 for an address with a colon)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+    except OSError as exc:
+        sock.close()
+        raise click.ClickException(
+            f"cannot serve the dashboard on {host!r}: {exc.strerror or exc}; "
+            "give --host an address of this machine"
+        ) from None
+    return sock

@@ -132,7 +132,8 @@ def cli() -> None:
     "--metrics-addr",
     default="0.0.0.0",
     show_default=True,
-    help="address the --metrics-port server binds",
+    help="address the --metrics-port server binds (0.0.0.0: every interface, with no "
+    "login; 127.0.0.1: this host only)",
 )
 def worker(
     app_path: str | None,

@@ -73,6 +73,10 @@ DEAD_HOOKS_BATCH = 100
 # has decayed to 1/1024 (ten half-lives), so forgetting it changes no claim's order (with
 # retention=60 s, a key bursting every two minutes was forgotten between its bursts).
 FAIR_FORGET_MIN = 10 * HALF_LIFE
+# A leader election that keeps failing (the store unreachable) is retried every tick and
+# logged once in this many seconds: its traceback the first time, then a line saying it
+# still fails (at tick 0.2 it wrote 45 tracebacks in 9 s).
+ELECTION_WARN_EVERY = 30.0
 
 
 def leader_ttl(tick: float, lease: float) -> float:
@@ -111,6 +115,11 @@ class Maintenance:
         self.dead_hooks_taken_over = 0
         self._unsure: list[tuple[RescueParams, ExpiredLease]] = []  # reply lost: did it land?
         self._renewed_at = 0.0  # when the leadership was last taken or renewed (monotonic)
+        # until when the store surely names this worker leader: the last election that
+        # granted it was sent then, plus the ttl (errands.clock)
+        self._leader_until = 0.0
+        self._election_failures = 0  # in a row
+        self._election_warned_at = float("-inf")  # time.monotonic()
         # a slot seen within a tick and a failover of its time is on time
         self.scheduler = Scheduler(app, grace=self.ttl + tick)
 
@@ -174,8 +183,21 @@ class Maintenance:
         resigned, and held it, duties and all, on a worker on its way out."""
         if self._stop.is_set():
             return False
-        leader = self.app.backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
-        self._renewed_at = clock.now()  # a lease: counts a suspend (errands.clock)
+        sent = clock.now()  # a lease: counts a suspend (errands.clock)
+        try:
+            leader = self.app.backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
+        except Exception as exc:
+            self._election_failed(exc)
+            return False
+        if self._election_failures:
+            log.info(
+                "maintenance leader election works again (after %d failed)",
+                self._election_failures,
+            )
+            self._election_failures, self._election_warned_at = 0, float("-inf")
+        self._renewed_at = clock.now()
+        if leader:
+            self._leader_until = sent + self.ttl
         if leader and self._stop.is_set():  # stop() came while this was asked
             with contextlib.suppress(Exception):  # (else it expires after the ttl)
                 self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
@@ -188,6 +210,46 @@ class Maintenance:
                 worker_id=self.worker_id,
             )
         return leader
+
+    def _election_failed(self, exc: Exception) -> None:
+        """An election raised (the store unreachable, a bug): this tick runs no duty. Said
+        once an interval while they go on failing (the first with its traceback). A leader
+        stays one until its last granted election's ttl has run out (the store names it
+        until then, and no other worker can take it); then it steps down: ``is_leader``
+        false, ``errands.leader.resigned`` (the errands_leader gauge 0). It kept claiming
+        the leadership, gauge 1, while another worker had taken it over."""
+        self._election_failures += 1
+        now = time.monotonic()
+        if self._election_failures == 1:
+            self._election_warned_at = now
+            log.warning(
+                "maintenance leader election failed (%s); retrying every %g s, running no "
+                "maintenance duty until one succeeds",
+                exc,
+                self.tick,
+                exc_info=exc,
+            )
+        elif now >= self._election_warned_at + ELECTION_WARN_EVERY:
+            self._election_warned_at = now
+            log.warning(
+                "maintenance leader election still fails (%d in a row): %s",
+                self._election_failures,
+                exc,
+            )
+        else:
+            log.debug("maintenance leader election failed again (%s)", exc)
+        if clock.now() < self._leader_until:
+            return  # still ours in the store
+        with self._leader_lock:
+            if not self.is_leader:
+                return
+            self.is_leader = False
+        log.warning(
+            "maintenance leadership not renewed for %g s (its ttl): stepping down; another "
+            "worker may take it over",
+            self.ttl,
+        )
+        self.app.events.emit("errands.leader.resigned", worker_id=self.worker_id)
 
     def _still_leader(self) -> bool:
         """Between two duties of a tick (and two prune batches): renew the leadership

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Any
 
+from ..errortext import LOG_LIMIT, clip, clip_lines
 from .events import CATALOGUE, Event
 from .logcontext import direct_writer, record_factory
 
@@ -78,6 +79,17 @@ def _emit(
     logger.handle(record)
 
 
+def _clipped(message: object) -> object:
+    """An error's message as a log line quotes it: its head (errands.errortext)."""
+    return clip(message, LOG_LIMIT) if isinstance(message, str) else message
+
+
+def _clipped_trace(trace: object) -> str | None:
+    """An error's traceback as a log line carries it: each line clipped (the stored
+    one keeps more; the dashboard and ``errands jobs show`` show it)."""
+    return clip_lines(trace, LOG_LIMIT) if isinstance(trace, str) else None
+
+
 def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
     a = _attrs(name, f)
     a["job_id"] = f["job_id"]
@@ -112,8 +124,8 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
             f.get("attempt", 0),
             f.get("max_attempts", 0),
             f.get("error_type"),
-            f.get("error_message"),
-            exc_text=f.get("traceback"),
+            _clipped(f.get("error_message")),
+            exc_text=_clipped_trace(f.get("traceback")),
         )
     elif name == "errands.job.dead":
         rescued = f.get("reason") in ("worker_lost", "poison")
@@ -124,8 +136,8 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
             "dead after %d attempt(s), moved to the dead-letter queue: %s: %s",
             f.get("attempt", 0),
             f.get("error_type"),
-            f.get("error_message"),
-            exc_text=f.get("traceback"),
+            _clipped(f.get("error_message")),
+            exc_text=_clipped_trace(f.get("traceback")),
         )
     elif name == "errands.job.cancelled":
         _emit(worker_log, logging.INFO, a, "cancelled")

@@ -104,6 +104,13 @@ def _allow_job_fields_in_extra() -> None:
     logging.Logger.makeRecord = make_record  # type: ignore[method-assign]
 
 
+def job_extra(row: Any) -> dict[str, Any]:
+    """The job fields of ``row`` (a JobRow) as a log call's ``extra=``: for a line errands
+    writes about a job outside its handler's context (its lease keeper, its recorder), so
+    the line carries them as the handler's own lines do (DESIGN §9)."""
+    return {"job_id": row.id, "job_name": row.name, "queue": row.queue, "attempt": row.attempt}
+
+
 class job_context:
     """Make ``ctx`` the current job for log records (a class: it runs once per job)."""
 

@@ -390,6 +390,10 @@ def serve_metrics(
 ) -> tuple[Any, threading.Thread]:
     """Install metrics (global registry by default) and serve them over HTTP on ``port``.
 
+    ``addr``: the address it binds; ``0.0.0.0`` (every interface, as prometheus_client's
+    own server) so that a Prometheus on another host can scrape it. There is no login,
+    and the metrics name queues, job types and fair queues' top keys: ``127.0.0.1`` (this
+    host only), a private address or a firewall keeps them in (docs/observability.md).
     Returns prometheus_client's ``(server, thread)``; call ``server.shutdown()`` to stop.
     """
     metrics = install_metrics(app, registry if registry is not None else REGISTRY)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import threading
-import traceback
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
+from ..errortext import clip, format_trace
 from .events import STORED_LATER, Event
 
 try:
@@ -253,8 +253,8 @@ class Tracing:
                 "exception.type": error_type, "exception.escaped": True,
             }  # fmt: skip
             if not record.sensitive:  # (its message may carry a sensitive argument)
-                attributes["exception.message"] = str(error)
-                attributes["exception.stacktrace"] = "".join(traceback.format_exception(error))
+                attributes["exception.message"] = clip(str(error))  # (as errors keep it)
+                attributes["exception.stacktrace"] = format_trace(error)
             span.add_event("exception", attributes)
             span.set_status(Status(StatusCode.ERROR, error_type))
         span.end()
@@ -276,9 +276,7 @@ class Tracing:
                 "exception.escaped": True,
             }
             if record.error is not None and not record.sensitive:
-                attributes["exception.stacktrace"] = "".join(
-                    traceback.format_exception(record.error)
-                )
+                attributes["exception.stacktrace"] = format_trace(record.error)
             span.add_event("exception", attributes)
             span.set_status(Status(StatusCode.ERROR, f"{error_type}: {message}"))
         span.end()

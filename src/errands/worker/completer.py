@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, FinishParams
 from ..errors import is_transient
+from ..errortext import LOG_LIMIT, clip
 from ..hooks import protect_current_thread
 from ..landed import landed, read_back
+from ..observability.logcontext import job_extra
 from .execution import Attempt
 
 if TYPE_CHECKING:
@@ -135,7 +137,11 @@ class Completer:
             try:
                 self.on_written(attempt, outcome, ok)
             except Exception:
-                log.exception("error after recording the outcome of job %s", attempt.id)
+                log.exception(
+                    "error after recording the outcome of job %s",
+                    attempt.id,
+                    extra=job_extra(attempt.row),
+                )
 
     def _store(
         self, batch: list[tuple[Attempt, FinishParams]]
@@ -234,8 +240,12 @@ class Completer:
         if len(batch) > 1:
             return [item for one in batch for item in self._store([one])]
         attempt, outcome = batch[0]
+        why = clip(str(exc), LOG_LIMIT)
         log.error(
-            "job %s: its outcome cannot be stored (%s); recording it as dead", attempt.id, exc
+            "job %s: its outcome cannot be stored (%s); recording it as dead",
+            attempt.id,
+            why,
+            extra=job_extra(attempt.row),
         )
         fallback = replace(
             outcome,
@@ -245,7 +255,7 @@ class Completer:
             error={
                 "attempt": attempt.row.attempt,
                 "type": "UnstorableOutcome",
-                "message": f"the store refused this attempt's outcome: {str(exc)[:500]}",
+                "message": f"the store refused this attempt's outcome: {clip(str(exc), 500)}",
                 "traceback": None,
                 "worker": None,
                 "kind": "permanent",
@@ -259,7 +269,11 @@ class Completer:
             # (its settled event and this worker's wake-up were dropped at the next write)
             self.fanned_in(store=backend)
         except Exception:
-            log.exception("job %s: even the fallback outcome failed; its lease expires", attempt.id)
+            log.exception(
+                "job %s: even the fallback outcome failed; its lease expires",
+                attempt.id,
+                extra=job_extra(attempt.row),
+            )
             ok = None  # not stored: not a fence's refusal (it was counted as a stale write)
         return [((attempt, fallback), ok)]
 

@@ -11,7 +11,6 @@ import asyncio
 import functools
 import json
 import threading
-import traceback as tb
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from .. import clock
 from ..backends.base import FinishParams, FinishState
 from ..context import Context
 from ..errors import ConfigurationError, InvalidPayload, StepError, TransactionEnded
+from ..errortext import clip, clip_trace, format_trace, scrub
 from ..jobs import JobRow
 from ..outcomes import Permanent, Retry
 from ..retry import DELAY_LIMIT, retry_delay
@@ -30,9 +30,6 @@ from .runners import Call
 if TYPE_CHECKING:
     from ..definition import JobDefinition
     from .runtime import AttemptRuntime
-
-TRACEBACK_LIMIT = 16_000
-
 
 # Why a worker asks a handler to stop (``ctx.cancel_reason``), other than a timeout:
 CANCELLED = "cancelled"  # an operator cancelled the job: it ends ``cancelled``
@@ -191,13 +188,6 @@ class Attempt:
             loop.call_soon_threadsafe(task.cancel, reason)
 
 
-def scrub(text: str, secrets: list[str]) -> str:
-    for secret in sorted(secrets, key=len, reverse=True):  # longest first: one may hold another
-        text = text.replace(secret, "***")
-    # PostgreSQL cannot store NUL: an error quoting one would wedge the outcome write
-    return text.replace("\x00", "\\x00")
-
-
 def _texts(value: Any) -> list[str]:
     """A sensitive value's text, and every string inside it (a token in a dict)."""
     found, todo = [str(value)], [value]
@@ -241,20 +231,25 @@ def _safe_text(fn: Callable[[], str], fallback: str) -> str:
 
 
 def error_entry(attempt: Attempt, exc: BaseException, worker_id: str, kind: str) -> dict[str, Any]:
-    """The record of one failed attempt, with sensitive argument values scrubbed."""
+    """The record of one failed attempt, with sensitive argument values scrubbed, and its
+    message and traceback clipped (errands.errortext: scrubbed first, so a cut never
+    leaves part of a secret)."""
     type_name = exc.type_name if isinstance(exc, ChildFailure) else type(exc).__qualname__
-    if isinstance(exc, ChildFailure):
-        trace = exc.trace
-    else:
-        trace = _safe_text(lambda: "".join(tb.format_exception(exc)), "traceback unavailable")
-    if len(trace) > TRACEBACK_LIMIT:
-        trace = "...\n" + trace[-TRACEBACK_LIMIT:]
     secrets = _secrets(attempt)
+
+    def clean(text: str) -> str:
+        return scrub(text, secrets)
+
+    if isinstance(exc, ChildFailure):
+        trace = clip_trace(clean(exc.trace))  # (its child scrubbed and clipped its parts)
+    else:
+        trace = _safe_text(lambda: format_trace(exc, clean), "traceback unavailable")
+    message = clean(_safe_text(lambda: str(exc), type_name))
     return {
         "attempt": attempt.row.attempt,
         "type": type_name,
-        "message": scrub(_safe_text(lambda: str(exc), type_name), secrets) or type_name,
-        "traceback": scrub(trace, secrets),
+        "message": clip(message) or type_name,
+        "traceback": trace,
         "worker": worker_id,
         "kind": kind,
         "lease_token": attempt.token,  # which attempt wrote it (errands.landed)

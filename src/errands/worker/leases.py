@@ -56,9 +56,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import clock
 from ..backends.base import LeaseRef
+from ..errortext import scrub
 from ..hooks import protect_current_thread
-from ..observability.logcontext import JobLogContext, job_context
-from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt, _secrets, scrub
+from ..observability.logcontext import job_extra
+from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt, _secrets
 
 if TYPE_CHECKING:
     from ..app import App
@@ -320,7 +321,9 @@ class LeaseKeeper:
                     self._progressed(attempt, report)
                 if lease in result.cancel_requested and attempt.stop_reason is None:
                     log.info(
-                        "job %s was cancelled by an operator; stopping its handler", attempt.id
+                        "job %s was cancelled by an operator; stopping its handler",
+                        attempt.id,
+                        extra=job_extra(attempt.row),
                     )
                     attempt.interrupt("cancelled", loop)
             elif not attempt.decided and attempt.stop_reason is None:
@@ -329,6 +332,7 @@ class LeaseKeeper:
                     "stopping the handler, and its outcome will be rejected",
                     attempt.id,
                     attempt.row.attempt,
+                    extra=job_extra(attempt.row),
                 )
                 attempt.interrupt(LEASE_LOST, loop)
 
@@ -370,6 +374,7 @@ class LeaseKeeper:
                 "uncharged",
                 attempt.id,
                 attempt.lease_valid_until - now,
+                extra=job_extra(attempt.row),
             )
             self.on_fence(attempt)
 
@@ -396,9 +401,7 @@ class LeaseKeeper:
             ran = now - attempt.started
             if ran >= STILL_RUNNING_AT[attempt.reported]:
                 attempt.reported += 1
-                row = attempt.row
-                with job_context(JobLogContext(row.id, row.name, row.queue, row.attempt)):
-                    log.info("still running after %.0f s", ran)
+                log.info("still running after %.0f s", ran, extra=job_extra(attempt.row))
 
     def _warn_long_transactions(self) -> None:
         backend = self.worker.app.backend
@@ -420,6 +423,7 @@ class LeaseKeeper:
                     attempt.id,
                     held,
                     attempt.lease_seconds,
+                    extra=job_extra(attempt.row),
                 )
 
 

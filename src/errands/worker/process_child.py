@@ -18,11 +18,11 @@ import multiprocessing
 import os
 import threading
 import time
-import traceback as tb
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errortext import clip, format_trace, scrub
 from ..jobs import EnqueueRequest, JobRow
 
 READY = "ready"
@@ -220,17 +220,26 @@ class _ProgressSender:
             self.conn.send(outcome)
 
 
-def _failure(exc: BaseException, kind: str, after: float | None = 0.0) -> tuple[Any, ...]:
+def _failure(
+    exc: BaseException, kind: str, after: float | None = 0.0, secrets: list[str] | None = None
+) -> tuple[Any, ...]:
     """An exception as the parent's :class:`ChildFailure` takes it. Its text is user code
     and may raise: such an exception is recorded as ``<unprintable ValueError>``, never
-    left to end the child."""
+    left to end the child. Its message and traceback are clipped here as the parent's
+    error entry clips them (errands.errortext: no megabytes through the pipe), after
+    ``secrets`` (the job's sensitive values) are scrubbed: a cut leaves no part of one.
+    A suspension's message is the signal's name, sent whole."""
+
+    def clean(text: str) -> str:
+        return scrub(text, secrets or [])
+
     name = type(exc).__qualname__
     try:
-        message = str(exc)
+        message = str(exc) if kind == "suspend" else clip(clean(str(exc)))
     except Exception:
         message = f"<unprintable {name}>"
     try:
-        trace = "".join(tb.format_exception(exc))
+        trace = format_trace(exc, clean)
     except Exception:
         trace = f"<traceback of an unprintable {name}>"
     return name, message, trace, kind, after
@@ -269,7 +278,7 @@ def _run_one(
     from ..observability.logcontext import JobLogContext, job_context
     from ..outcomes import Permanent, Retry
     from .dispatch import encode
-    from .execution import Attempt, Suspended, context_for, outcome_for
+    from .execution import Attempt, Suspended, _secrets, context_for, outcome_for
     from .recorder import job_fields
     from .runtime import AttemptRuntime
 
@@ -316,7 +325,7 @@ def _run_one(
             kind, after = "retry", exc.after
         else:
             kind, after = "transient", 0.0
-        return False, _failure(exc, kind, after)
+        return False, _failure(exc, kind, after, _secrets(attempt))
     written = None
     if runtime.tx is not None:
         from dataclasses import replace

@@ -516,7 +516,11 @@ class ProcessRunner:
         except BaseException as exc:  # errands' side failed (an answer it cannot read): the
             # child may still be running the job, which is failed (retried, not charged
             # toward poison) and its child replaced
-            log.exception("job %s: lost track of its worker child process", row.id)
+            from ..observability.logcontext import job_extra
+
+            log.exception(
+                "job %s: lost track of its worker child process", row.id, extra=job_extra(row)
+            )
             slot.process.kill()
             lost = f"errands lost track of the worker child process running this job: {exc!r}"
             _settle(future, exc=ChildFailure(type(exc).__qualname__, lost, "", "transient"))

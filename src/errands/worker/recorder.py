@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .. import clock
 from ..backends.base import FinishParams
 from ..errors import ConfigurationError
+from ..observability.logcontext import job_extra
 from .execution import (
     CANCELLED,
     LEASE_UNRENEWED,
@@ -130,7 +131,11 @@ class OutcomeRecorder:
                 else:
                     runtime.rollback()
             except Exception:
-                log.exception("job %s: could not roll back its transaction", attempt.id)
+                log.exception(
+                    "job %s: could not roll back its transaction",
+                    attempt.id,
+                    extra=job_extra(attempt.row),
+                )
         message = "released %d job(s) whose lease could not be renewed (self-fenced)"
         worker = self.worker
         if handler_running:
@@ -167,7 +172,9 @@ class OutcomeRecorder:
                 outcome, written = self._outcome(attempt, exc, result_json, handler_running)
             except BaseException as bug:
                 log.exception(
-                    "job %s: recording its outcome failed; recording a failure", attempt.id
+                    "job %s: recording its outcome failed; recording a failure",
+                    attempt.id,
+                    extra=job_extra(attempt.row),
                 )
                 outcome, written = self._fallback(attempt, bug, handler_running), None
         finally:
@@ -237,7 +244,11 @@ class OutcomeRecorder:
         try:
             landed = backend.tx_finish(tx, outcome)
         except Exception as exc:
-            log.exception("job %s: committing its transaction failed; retrying it", attempt.id)
+            log.exception(
+                "job %s: committing its transaction failed; retrying it",
+                attempt.id,
+                extra=job_extra(attempt.row),
+            )
             return outcome_for(attempt, exc, None, self.worker.id), None
         # What its fan-in settled and released, reported from this thread as the
         # completer reports its batches' (events, metrics, this worker's wake-up); read
@@ -257,7 +268,11 @@ class OutcomeRecorder:
                 else:
                     runtime.rollback()
             except Exception:
-                log.exception("job %s: could not roll back its transaction", attempt.id)
+                log.exception(
+                    "job %s: could not roll back its transaction",
+                    attempt.id,
+                    extra=job_extra(attempt.row),
+                )
         state = "retryable" if attempt.row.attempt < attempt.row.max_attempts else "dead"
         return FinishParams(
             attempt.id,
@@ -292,7 +307,11 @@ class OutcomeRecorder:
             if result.children:
                 outcome = replace(outcome, children=tuple(result.children))
         except BaseException as bug:
-            log.exception("job %s: recording its outcome failed; recording a failure", attempt.id)
+            log.exception(
+                "job %s: recording its outcome failed; recording a failure",
+                attempt.id,
+                extra=job_extra(attempt.row),
+            )
             outcome = self._fallback(attempt, bug)
         try:
             self.worker.slot_freed(attempt)

@@ -35,11 +35,13 @@ from .. import clock
 from ..backends.workflow_store import WORKFLOW_ADD
 from ..definition import seconds as checked_seconds
 from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
+from ..errortext import scrub
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
+from ..observability.logcontext import job_extra
 from ..payload import unstorable_json
-from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets, scrub
+from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 
 if TYPE_CHECKING:
     from ..app import App
@@ -354,7 +356,12 @@ class AttemptRuntime:
             try:
                 getattr(backend, end)(tx)
             except Exception:
-                log.exception("could not %s the transaction of job %s", verb, self.attempt.id)
+                log.exception(
+                    "could not %s the transaction of job %s",
+                    verb,
+                    self.attempt.id,
+                    extra=job_extra(self.attempt.row),
+                )
 
     # -- workflows -----------------------------------------------------------------------------
     def workflow_id(self) -> int | None:

@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .. import clock
+from ..observability.logcontext import job_extra
 from .execution import LEASE_UNRENEWED, Attempt, FenceSteps, JobTimeout
 from .runners import Call
 
@@ -60,7 +61,10 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         attempt.timeout_at = now
         attempt.interrupt("timeout", worker.loop)  # ctx.cancelled; an async task cancelled
         log.warning(
-            "job %s ran past its %g s timeout; asking its handler to stop", attempt.id, timeout
+            "job %s ran past its %g s timeout; asking its handler to stop",
+            attempt.id,
+            timeout,
+            extra=job_extra(attempt.row),
         )
         if is_async:  # (its asyncio.timeout cancels it too): abandoned if it goes on
             attempt.deadline = now + worker.abandon_after
@@ -72,7 +76,11 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         if isinstance(attempt.future, Call):
             worker.threads_for(attempt).interrupt(attempt.future)
         attempt.deadline = attempt.timeout_at + worker.abandon_after
-        log.warning("job %s is still running past its timeout; interrupting it", attempt.id)
+        log.warning(
+            "job %s is still running past its timeout; interrupting it",
+            attempt.id,
+            extra=job_extra(attempt.row),
+        )
         return
     attempt.deadline = None
     if is_async:
@@ -88,6 +96,7 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
             attempt.id,
             worker.abandon_after,
             "task" if is_async else "thread",
+            extra=job_extra(attempt.row),
         )
 
 
@@ -149,6 +158,7 @@ def on_fence(worker: Worker, attempt: Attempt) -> None:
             log.warning(
                 "job %s: its handler still runs while its lease cannot be renewed; interrupting it",
                 attempt.id,
+                extra=job_extra(attempt.row),
             )
         return
     if steps.abandon_at is not None and now >= steps.abandon_at:
@@ -161,6 +171,7 @@ def on_fence(worker: Worker, attempt: Attempt) -> None:
                 "job %s: its handler did not stop before its lease (which could not be "
                 "renewed) runs out; job given back, thread abandoned (it may still be running)",
                 attempt.id,
+                extra=job_extra(attempt.row),
             )
 
 
@@ -170,13 +181,14 @@ def interrupt_threads(worker: Worker, attempts: list[Attempt], wait: float) -> N
     HandlerInterrupt in the threads of those still running, as a timeout does."""
     deadline = time.monotonic() + wait
     calls = [
-        (a.future, worker.threads_for(a), a.id) for a in attempts if isinstance(a.future, Call)
+        (a.future, worker.threads_for(a), a.row) for a in attempts if isinstance(a.future, Call)
     ]
     while time.monotonic() < deadline and any(not c.done() for c, _, _ in calls):
         time.sleep(0.01)
-    for call, threads, job_id in calls:
+    for call, threads, row in calls:
         if not call.done() and threads.interrupt(call):
             log.warning(
                 "job %s: its handler still ran at the end of the grace period; interrupting it",
-                job_id,
+                row.id,
+                extra=job_extra(row),
             )

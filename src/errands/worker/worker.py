@@ -71,7 +71,7 @@ from ..fleet import warn_unserved_periodic
 from ..hooks import protect_current_thread
 from ..jobs import JobRow
 from ..maintenance import Maintenance
-from ..observability.logcontext import install_record_factory, lockless_line
+from ..observability.logcontext import install_record_factory, job_extra, lockless_line
 from .claiming import Claimer
 from .completer import Completer
 from .dispatch import Dispatcher
@@ -1016,7 +1016,9 @@ class Worker:
             try:
                 self.dispatcher.dispatch(attempt)
             except Exception as exc:  # never lose a claimed job to a dispatch bug
-                log.exception("job %s: could not start it", attempt.id)
+                log.exception(
+                    "job %s: could not start it", attempt.id, extra=job_extra(attempt.row)
+                )
                 self.recorder.decided(attempt, exc, None)
 
     def slot_freed(self, attempt: Attempt) -> None:

@@ -118,6 +118,13 @@ def unprintable() -> None:
     raise Unprintable()
 
 
+@_app.job(name="huge_message", sensitive={"token"}, retries=0)
+def huge_message(token: str, at: int, size: int) -> None:
+    """Raise an exception whose message is ``size`` characters, quoting ``token`` (a
+    sensitive argument) ``at`` characters in."""
+    raise RuntimeError("x" * at + token + "y" * size)
+
+
 @_app.job(name="reports_after_return", retries=0)
 def reports_after_return(ctx: errands.Context, marker: str, after: float = 0.3) -> int:
     """Return at once, leaving a thread that reports progress once the outcome has gone
