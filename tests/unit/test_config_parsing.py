@@ -193,3 +193,13 @@ def test_postgres_connections_find_a_silently_dropped_link_within_a_minute_by_de
     own = parse_postgres_url("postgresql://u@h/db?keepalives_idle=5&sslmode=require").conninfo
     mine = parse_qs(urlsplit(own).query)
     assert mine["keepalives_idle"] == ["5"] and mine["sslmode"] == ["require"]
+
+
+def test_a_libpq_option_with_a_space_is_passed_on_as_libpq_reads_it() -> None:
+    """``options=-c name=value``: its space was passed on as '+', which libpq keeps as is
+    (the server refused "+name"), so no option with a space could be given in the URL."""
+    from errands.backends.postgres.config import parse_postgres_url
+
+    url = "postgresql://u@h/db?options=-c%20statement_timeout%3D5s&schema=s"
+    conninfo = parse_postgres_url(url).conninfo
+    assert "options=-c%20statement_timeout%3D5s" in conninfo and "+" not in conninfo
