@@ -171,11 +171,16 @@ class Claimed(list):  # type: ignore[type-arg]
     # Rows of a fair queue that are the first claimed of a key with nothing running: a
     # worker whose slots are full may start them on its express lane (errands.worker).
     express: frozenset[int] = frozenset()
+    # The queue has a cluster-wide limit (max_running) in the store, whoever declared it:
+    # each of its stored outcomes frees a slot that a waiting job may take (errands.worker
+    # wakes its claim loop for them, as for a concurrency key's).
+    capped: bool = False
 
     def carrying(self, rows: Iterable[object]) -> Claimed:
         """``rows`` (these rows, as the backend returns them) with this claim's findings."""
         out = Claimed(rows)
         out.retry_in, out.gated, out.express = self.retry_in, self.gated, self.express
+        out.capped = self.capped
         return out
 
 
@@ -224,6 +229,7 @@ def claim_limited(
         fair, aging = bool(settings[0][8]), settings[0][9]
     else:
         paused, max_running, rate_limit, rate_period = False, None, None, None
+    result.capped = max_running is not None
     if cursors is not None and (not fair or aging is not None):
         cursors.pop(queue, None)  # no rotation: the claim's reads are not sent ahead
     if paused or (express and not fair):

@@ -94,6 +94,15 @@ class Claimer:
         # The queues claimed through job_claim_limited (which counts keys, rates and
         # cluster-wide limits); the plain claim serves the others.
         self.with_limits: set[str] = set(self.declared)
+        # Those with a cluster-wide limit (max_running): declared in this app's code, or
+        # stored by another deployment (each limited claim reads the queue's settings and
+        # says). Every stored outcome of theirs frees a slot a waiting job may take, so the
+        # worker wakes its claim loop for it (Worker.forget), as for a concurrency key's.
+        self.capped: set[str] = {
+            name
+            for name, s in app.queues.items()
+            if name in self.queues and getattr(s, "max_running", None) is not None
+        }
         # Fair queues this app declares without a cluster-wide limit or rate: their claim
         # may fill the prefetch room too, as a plain queue's does: with quick jobs a batch
         # spreads the cost of the fair claim's reads (a window of keys per claim).
@@ -183,7 +192,7 @@ class Claimer:
         """One limited claim of ``queue`` (see Backend.job_claim_limited), as a step of
         ``result``'s round."""
         backend = self.app.backend
-        return self._step(
+        rows = self._step(
             result,
             lambda: backend.job_claim_limited(
                 QueueClaim(queue, limit),
@@ -196,6 +205,12 @@ class Claimer:
                 turns=turns,
             ),
         )
+        capped = getattr(rows, "capped", None)  # None: the claim failed, nothing was read
+        if capped is True:
+            self.capped.add(queue)
+        elif capped is False:
+            self.capped.discard(queue)
+        return rows
 
     def _claim(
         self, result: ClaimRound, plan: list[QueueClaim], room: int, free: int, suspects: int

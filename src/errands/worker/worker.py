@@ -463,15 +463,21 @@ class Worker:
 
     def forget(self, attempt: Attempt) -> None:
         """The attempt's outcome is stored (or refused, or given up on): it is no longer
-        this worker's. Its key or rate is free in the store from now: a claim that may have
-        left jobs waiting for one runs again (see _gated)."""
+        this worker's. Its key, rate or queue slot is free in the store from now: a claim
+        that may have left jobs waiting for one runs again (see _gated)."""
+        claimer = self.claimer
         with self._lock:
             self._attempts.pop((attempt.id, attempt.token), None)
-            # a job type with a key or a rate (a plain or fair-only job frees no key: waking
-            # on each of those made a claim per completed job of every fair queue)
+            # a job type with a key or a rate, or any job of a queue with a cluster-wide
+            # limit (a plain or fair-only job frees neither: waking on each of those made a
+            # claim per completed job of every fair queue). The handler's own slot frees
+            # before its outcome is written, so the claim it woke then still found such a
+            # queue full: the next job waited a poll interval (~N jobs a poll on
+            # PostgreSQL for a queue of limit=N with short jobs).
             definition = attempt.definition
-            limited = attempt.row.queue in self.claimer.with_limits and (
-                definition is None or definition.limited
+            queue = attempt.row.queue
+            limited = queue in claimer.with_limits and (
+                definition is None or definition.limited or queue in claimer.capped
             )
             self._limited_done += limited
             gated = limited and self._gated
