@@ -1184,7 +1184,12 @@ class PostgresBackend(PostgresAdmin):
         pool = self._handlers()
         conn = checkout(pool)
         try:
-            conn.execute("BEGIN")
+            # READ COMMITTED whatever the database's default: the outcome's fenced write
+            # updates the job's row, which the heartbeats update while the handler runs
+            # (under REPEATABLE READ, a serialization failure: every job that outlived a
+            # heartbeat failed). The handler cannot change it: its connection refuses
+            # isolation_level, and SET TRANSACTION inside errands' savepoint.
+            conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         except BaseException:
             pool.putconn(conn)
             raise
