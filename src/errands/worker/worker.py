@@ -90,6 +90,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("errands.worker")
 
 CONCURRENCY_DEFAULT = 10
+# The most handler threads a worker runs for its slots (-c, or the sum of -q's per-queue
+# limits), and the most its express lane adds: each is a thread, started with the worker.
+# concurrency=10**9 started some 22,000 threads, then failed with "can't start new
+# thread" and left them running. More work at once: more worker processes (--processes).
+CONCURRENCY_MAX = 10_000
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 # After a claim a notification woke, the worker looks once more this long after the
@@ -169,8 +174,8 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
     result: dict[str, int | None] = {}
     for name, limit in items:
         check_name("queue", name)  # a typo would serve a queue no job can be in
-        if limit is not None and limit < 1:
-            raise ConfigurationError(f"queue {name!r}: concurrency must be at least 1")
+        if limit is not None:
+            check_count(limit, f"queue {name!r}: its concurrency (-q {name}=N)")
         result[name] = limit
     if not result:
         raise ConfigurationError(
@@ -179,6 +184,39 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
             "queue the app's jobs use"
         )
     return result
+
+
+def check_count(value: object, what: str, *, least: int = 1) -> int:
+    """A number of handler threads, checked: an int (not a bool: True ran as 1) from
+    ``least`` to CONCURRENCY_MAX; ``what`` names the option in the error."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigurationError(
+            f"{what} must be a whole number (an int) of at least {least}, got {value!r}"
+        )
+    if value > CONCURRENCY_MAX:
+        raise ConfigurationError(
+            f"{what} is {value:,}: at most {CONCURRENCY_MAX:,} (each is a handler thread, "
+            "started with the worker); for more jobs at once run more worker processes "
+            "(--processes N, or more workers)"
+        )
+    return value
+
+
+def check_counts(
+    queues: str | Sequence[str] | Mapping[str, int] | None,
+    concurrency: int | None,
+    express: int | None,
+) -> None:
+    """-q, -c and --express checked as a worker checks them, without starting one (the
+    CLI, before it starts --processes N children: each failed on its own, five times)."""
+    limits = parse_queues(queues)
+    per_queue = [v for v in limits.values() if v is not None]
+    if concurrency is not None:
+        check_count(concurrency, "concurrency (-c)")
+    elif per_queue and len(per_queue) == len(limits):
+        check_count(sum(per_queue), "concurrency (the sum of -q's per-queue limits)")
+    if express is not None:
+        check_count(express, "express (--express)", least=0)
 
 
 def _worker_seconds(value: float, option: str, *, above_zero: bool = True) -> float:
@@ -230,9 +268,13 @@ class Worker:
                 if per_queue and len(per_queue) == len(limits)
                 else CONCURRENCY_DEFAULT
             )
-        if concurrency < 1:
-            raise ConfigurationError("concurrency (-c) must be at least 1")
-        self.concurrency = concurrency
+            what = "concurrency (the sum of -q's per-queue limits)"
+        else:
+            what = "concurrency (-c)"
+        # Before any thread starts (the slots' and the express lane's start below).
+        self.concurrency = concurrency = check_count(concurrency, what)
+        if express is not None:
+            check_count(express, "express (--express)", least=0)
         self.grace = grace = _worker_seconds(grace, "grace", above_zero=False)
         poll_interval = _worker_seconds(poll_interval, "poll_interval")
         self.abandon_after = abandon_after
@@ -297,8 +339,6 @@ class Worker:
         # The express lane: handler threads beyond the slots, for the jobs of a fair
         # queue's keys with nothing running, when every slot is busy (see _claim_express).
         self.fair_queues = [q for q in limits if getattr(app.queues.get(q), "fair", False)]
-        if express is not None and express < 0:
-            raise ConfigurationError("express must be 0 (off) or more")
         if express and pool != "thread":
             raise ConfigurationError(
                 "express: the express lane runs handler threads; with pool='process' leave "
@@ -311,9 +351,13 @@ class Worker:
         self._express_wanted = False  # a notification: a fair queue may have a new key
         self._express_at = float("-inf")  # monotonic: the last express claim
         self._express_found = False  # ... took jobs
-        self.express_threads = (
-            ThreadRunner(self.express, "errands-express") if self.express else None
-        )
+        try:
+            self.express_threads = (
+                ThreadRunner(self.express, "errands-express") if self.express else None
+            )
+        except BaseException:
+            self.threads.shutdown()  # (the machine's thread limit): none left running
+            raise
         self.loop_runner: LoopRunner | None = None
         self.recorder = self.recorder_class(self)
         self.dispatcher = Dispatcher(self)
