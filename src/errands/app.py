@@ -30,7 +30,7 @@ from .backends.base import (
     SignalResult,
 )
 from .backends.fair import CallableWeights, check_weight
-from .backends.limits import parse_rate
+from .backends.limits import LIMIT_MAX, parse_rate
 from .backends.workflow_store import WorkflowInserted, WorkflowSpec
 from .definition import (
     KEY_MAX_BYTES,
@@ -98,7 +98,7 @@ SIGNAL_NAME_MAX = 200  # bytes of a signal's name
 # the events an async enqueue emits: their subscribers, user code, run off the event loop
 _JOB_ENQUEUED = ("errands.job.enqueued",)
 _WORKFLOW_ENQUEUED = ("errands.job.enqueued", "errands.workflow.enqueued")
-QUEUE_LIMIT_MAX = 2**31 - 1  # app.queue(limit=): PostgreSQL's integer column, on every store
+QUEUE_LIMIT_MAX = LIMIT_MAX  # app.queue(limit=): PostgreSQL's integer column, on every store
 
 
 def _cursor(after: Job | str) -> tuple[int, float, int]:

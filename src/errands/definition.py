@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from .backends.limits import parse_rate
+from .backends.limits import LIMIT_MAX, parse_rate
 from .context import Context
 from .errors import ConfigurationError, InvalidPayload
 from .jobs import DUE_MIN, ID_MAX, EnqueueRequest
@@ -329,8 +329,15 @@ class JobDefinition(Generic[P, R]):
             return None, None
         self._check_template("concurrency_key", template)
         limit = 1 if limit is None else limit
-        if not isinstance(limit, int) or limit < 1:
-            raise ConfigurationError(f"job {self.name!r}: concurrency_limit must be an int >= 1")
+        # Stored on each row, in PostgreSQL's integer: 2**40 passed here and then every
+        # enqueue failed (NumericValueOutOfRange; SQLite's 2**63: OverflowError); True ran
+        # as 1. As app.queue(limit=) is checked.
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= LIMIT_MAX:
+            raise ConfigurationError(
+                f"job {self.name!r}: concurrency_limit={shown(limit)}: give an int from 1 to "
+                f"{LIMIT_MAX:,}: how many jobs of one key may run at once across the cluster, "
+                "as in concurrency_limit=1 (the default)"
+            )
         return template, limit
 
     def _check_template(self, option: str, template: object) -> str:

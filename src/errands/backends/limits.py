@@ -47,6 +47,9 @@ FairCursors = MutableMapping[str, str]  # queue -> the last key its rotation pas
 RATE_PERIOD_MAX = 86_400.0
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d+\.?\d*|\.\d+)?\s*(s|sec|m|min|h|hour|d|day)\s*$")
 RATE_COUNT_MAX = 2**31 - 1  # PostgreSQL's integer column, on every store
+# A queue's limit (app.queue(limit=)) and a key's (concurrency_limit=): stored in
+# PostgreSQL's integer columns, so held to them on every store.
+LIMIT_MAX = 2**31 - 1
 _UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
 
 
