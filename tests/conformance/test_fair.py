@@ -176,6 +176,29 @@ def test_claims_over_new_keys_do_not_wait_for_a_weight_callable_that_hangs(
         weights.close()
 
 
+def test_a_fair_claim_holds_rows_to_the_claiming_workers_lower_concurrency_limit(
+    backend: Backend,
+) -> None:
+    """Rows enqueued with concurrency_limit 3 on key k, claimed by a worker whose code
+    says 1 (``key_limits``): one of k's jobs, as in-order claims do (a lowered limit
+    applies from the deploy on); without it, 3."""
+    queue = fair_queue(backend)
+    requests = [
+        EnqueueRequest(
+            name="fair.job", queue=queue, args_json="{}", priority=0, max_attempts=3,
+            delay=0.0, run_at=None, key=None, timeout=None, lease_seconds=None,
+            concurrency_key="k", concurrency_limit=3, fair_key=f"t:{i % 2}",
+        )
+        for i in range(8)
+    ]  # fmt: skip
+    backend.job_insert_many(requests)
+    lowered = backend.job_claim_limited(
+        QueueClaim(queue, 8), WORKER, 30.0, key_limits={"fair.job": 1}
+    )
+    assert len(lowered) == 1
+    assert len(backend.job_claim_limited(QueueClaim(queue, 8), WORKER, 30.0)) == 2  # to 3
+
+
 def test_a_key_that_used_more_worker_time_gets_fewer_of_the_extra_slots(
     backend: Backend,
 ) -> None:

@@ -135,6 +135,63 @@ def test_the_largest_concurrency_limit_is_stored_and_claimed_on_every_backend(
     assert len(rows) == 3
 
 
+def test_a_concurrency_limit_lowered_by_a_deploy_holds_the_jobs_enqueued_before_it(
+    store: errands.App,
+) -> None:
+    """Given 12 jobs of account 7 enqueued by a deploy whose limit was 3 and a worker of the
+    next deploy, which lowered it to 1, then no two of them run at once: the claim holds
+    each row to the lower of its stored limit and the worker's own. Each row kept its own
+    limit, and the new deploy ran 3 at once until the old backlog drained."""
+    runs = Intervals()
+
+    @store.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=3)
+    def sync_v1(a: int, n: int) -> None: ...
+
+    store.enqueue_many([sync_v1.bind(a=7, n=i) for i in range(12)])
+    deployed = errands.App(store.url, lease=2)
+
+    @deployed.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=1)
+    def sync_v2(a: int, n: int) -> None:
+        with runs.run(f"account:{a}"):
+            time.sleep(0.05)
+
+    try:
+        with workers([deployed], concurrency=6):
+            wait_until(lambda: len(store.jobs(state="completed", limit=20)) == 12, 60, "12 jobs")
+    finally:
+        deployed.close()
+    assert runs.peak_by_label() == {"account:7": 1}
+
+
+def test_a_concurrency_limit_raised_by_a_deploy_applies_to_jobs_enqueued_with_it(
+    store: errands.App,
+) -> None:
+    """The other way: rows enqueued with limit 1 keep it under a worker whose code says 3
+    (a row never runs past the limit it was enqueued with); rows enqueued by the new code
+    run 3 at once."""
+    runs = Intervals()
+
+    @store.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=1)
+    def sync_v1(a: int, n: int) -> None: ...
+
+    store.enqueue_many([sync_v1.bind(a=1, n=i) for i in range(8)])
+    deployed = errands.App(store.url, lease=2)
+
+    @deployed.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=3)
+    def sync_v2(a: int, n: int) -> None:
+        with runs.run(f"account:{a}"):
+            time.sleep(0.1)
+
+    deployed.enqueue_many([sync_v2.bind(a=2, n=i) for i in range(9)])
+    try:
+        with workers([deployed], concurrency=6):
+            wait_until(lambda: len(store.jobs(state="completed", limit=20)) == 17, 60, "17 jobs")
+    finally:
+        deployed.close()
+    peaks = runs.peak_by_label()
+    assert peaks["account:1"] == 1 and peaks["account:2"] >= 2, peaks
+
+
 def test_a_long_run_of_jobs_waiting_for_a_busy_key_does_not_hold_back_other_keys(
     store: errands.App,
 ) -> None:

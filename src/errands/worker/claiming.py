@@ -84,6 +84,8 @@ class Claimer:
         self.queues = list(queues)
         self.poll_interval = poll_interval
         self._names: list[str] = []
+        self._key_limits: dict[str, int] = {}
+        self._key_limits_of = -1  # the registry's size they were read at
         # Set by the worker while the children of its process pool cannot start: the job
         # types it claims meanwhile (those that need no child), instead of all it defines.
         self.only: list[str] | None = None
@@ -125,6 +127,22 @@ class Claimer:
         # The express lane's own (its claim runs first while every slot is busy: sharing
         # the regular suspect claim's, one that found none put the regular one off).
         self._express_suspect_due = 0.0
+
+    @property
+    def key_limits(self) -> dict[str, int]:
+        """This worker's own concurrency_limit per job type with a key (its code's): a
+        claim holds each row to the lower of it and the row's stored limit, so a limit
+        lowered by a deploy applies to the jobs enqueued before it. Read afresh when jobs
+        are registered after the worker started."""
+        registry = self.app.registry
+        if len(registry) != self._key_limits_of:
+            self._key_limits_of = len(registry)
+            self._key_limits = {
+                d.name: d.concurrency_limit
+                for d in registry.values()
+                if d.concurrency_key is not None and d.concurrency_limit is not None
+            }
+        return self._key_limits
 
     @property
     def names(self) -> list[str]:
@@ -203,6 +221,7 @@ class Claimer:
                 weights=self.app.fair_weights,
                 express=express,
                 turns=turns,
+                key_limits=self.key_limits,
             ),
         )
         capped = getattr(rows, "capped", None)  # None: the claim failed, nothing was read

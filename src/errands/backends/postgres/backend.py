@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
@@ -1064,6 +1064,7 @@ class PostgresBackend(PostgresAdmin):
         weights: Weigher | None = None,
         express: bool = False,
         turns: int | None = None,
+        key_limits: Mapping[str, int] | None = None,
     ) -> list[JobRow]:
         def claim(conn: psycopg.Connection[Any], token: str) -> list[JobRow]:
             while True:
@@ -1086,6 +1087,7 @@ class PostgresBackend(PostgresAdmin):
                             cursors=self._fair_cursors,
                             express=express,
                             turns=turns,
+                            key_limits=key_limits,
                         )
                     return rows.carrying(JobRow(*r) for r in rows)
                 except Exception as exc:
