@@ -94,6 +94,18 @@ def test_fair_weights_are_stored_audited_and_checked(app: errands.App) -> None:
         app.fair_weight("tenant:acme", 0)
 
 
+def test_a_weight_for_the_empty_key_is_refused_as_the_mark_of_jobs_without_a_key(
+    app: errands.App,
+) -> None:
+    """'' is how a fair claim marks the jobs without a fair key: a weight stored for it
+    was taken, and weighed them all. Refused, saying so; a reset is allowed (a weight
+    stored before)."""
+    with pytest.raises(ConfigurationError, match=r"fair_weight\(''\): the empty key is how"):
+        app.fair_weight("", 2)
+    assert app.backend.fair_weights() == []
+    app.fair_weight("", None)
+
+
 def test_weights_given_by_a_callable_are_asked_once_per_key_and_cached() -> None:
     asked: list[str] = []
 

@@ -45,6 +45,9 @@ LEVEL_MIN = -(2**31)  # below every priority
 
 FairCursors = MutableMapping[str, str]  # queue -> the last key its rotation passed
 RATE_PERIOD_MAX = 86_400.0
+# A period shorter is no rate: "1/0.0000001s" was taken, a window the database clock's
+# microseconds barely resolve, and a claim's own round trip outlasts it.
+RATE_PERIOD_MIN = 0.001
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d+\.?\d*|\.\d+)?\s*(s|sec|m|min|h|hour|d|day)\s*$")
 RATE_COUNT_MAX = 2**31 - 1  # PostgreSQL's integer column, on every store
 # A queue's limit (app.queue(limit=)) and a key's (concurrency_limit=): stored in
@@ -63,10 +66,11 @@ def parse_rate(value: str) -> tuple[int, float]:
         )
     count, multiple, unit = int(match[1]), match[2], match[3]
     period = (float(multiple) if multiple else 1.0) * _UNITS[unit]
-    if not 1 <= count <= RATE_COUNT_MAX or not 0 < period <= RATE_PERIOD_MAX:
+    if not 1 <= count <= RATE_COUNT_MAX or not RATE_PERIOD_MIN <= period <= RATE_PERIOD_MAX:
         raise ConfigurationError(
             f"rate={value!r}: the count must be from 1 to {RATE_COUNT_MAX:,} and the period "
-            "at most one day"
+            "from 1 ms (0.001s) to one day; for more starts, raise the count over a longer "
+            "period, as in '1000/s'"
         )
     return count, period
 
