@@ -29,8 +29,8 @@ from .backends.base import (
     QueueStats,
     SignalResult,
 )
-from .backends.fair import CallableWeights, check_weight
-from .backends.limits import parse_rate
+from .backends.fair import UNKEYED, CallableWeights, check_weight
+from .backends.limits import LIMIT_MAX, parse_rate
 from .backends.workflow_store import WorkflowInserted, WorkflowSpec
 from .definition import (
     KEY_MAX_BYTES,
@@ -98,7 +98,7 @@ SIGNAL_NAME_MAX = 200  # bytes of a signal's name
 # the events an async enqueue emits: their subscribers, user code, run off the event loop
 _JOB_ENQUEUED = ("errands.job.enqueued",)
 _WORKFLOW_ENQUEUED = ("errands.job.enqueued", "errands.workflow.enqueued")
-QUEUE_LIMIT_MAX = 2**31 - 1  # app.queue(limit=): PostgreSQL's integer column, on every store
+QUEUE_LIMIT_MAX = LIMIT_MAX  # app.queue(limit=): PostgreSQL's integer column, on every store
 
 
 def _cursor(after: Job | str) -> tuple[int, float, int]:
@@ -453,6 +453,13 @@ class App:
                 "every key by code"
             )
         key = check_text("fair_weight key", key, KEY_MAX_BYTES)
+        if key == UNKEYED and weight is not None:  # (a reset of one stored before: allowed)
+            raise ConfigurationError(
+                "fair_weight(''): the empty key is how errands marks a fair queue's jobs "
+                "without a fair key (a template that built '' gives no key), not a key to "
+                "weigh; give a key as your fair_key templates build it, as "
+                "fair_weight('tenant:42', 5)"
+            )
         value = None if weight is None else check_weight(key, weight)
         self.backend.fair_weight_set(key, value, _actor(actor))
         return None

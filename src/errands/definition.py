@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
-from .backends.limits import parse_rate
+from .backends.limits import LIMIT_MAX, parse_rate
 from .context import Context
 from .errors import ConfigurationError, InvalidPayload
 from .jobs import DUE_MIN, ID_MAX, EnqueueRequest
@@ -329,8 +329,15 @@ class JobDefinition(Generic[P, R]):
             return None, None
         self._check_template("concurrency_key", template)
         limit = 1 if limit is None else limit
-        if not isinstance(limit, int) or limit < 1:
-            raise ConfigurationError(f"job {self.name!r}: concurrency_limit must be an int >= 1")
+        # Stored on each row, in PostgreSQL's integer: 2**40 passed here and then every
+        # enqueue failed (NumericValueOutOfRange; SQLite's 2**63: OverflowError); True ran
+        # as 1. As app.queue(limit=) is checked.
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= LIMIT_MAX:
+            raise ConfigurationError(
+                f"job {self.name!r}: concurrency_limit={shown(limit)}: give an int from 1 to "
+                f"{LIMIT_MAX:,}: how many jobs of one key may run at once across the cluster, "
+                "as in concurrency_limit=1 (the default)"
+            )
         return template, limit
 
     def _check_template(self, option: str, template: object) -> str:
@@ -340,12 +347,22 @@ class JobDefinition(Generic[P, R]):
                 f"job {self.name!r}: {option}= must be a str template, as in "
                 f"{option}='tenant:{{tenant_id}}'"
             )
+        formatter = string.Formatter()
         try:
-            fields = {f for _, f, _, _ in string.Formatter().parse(template) if f}
+            parsed = [p for p in formatter.parse(template) if p[1] is not None]
+            # a field in a format spec ("{name:>{width}}") is filled from the arguments too
+            nested = [p for _, _, spec, _ in parsed if spec for p in formatter.parse(spec)]
         except ValueError as exc:
             raise ConfigurationError(
                 f"job {self.name!r}: {option}={template!r} is not a valid template: {exc}"
             ) from None
+        parsed += [p for p in nested if p[1] is not None]
+        if any(not field for _, field, _, _ in parsed):
+            raise ConfigurationError(
+                f"job {self.name!r}: {option}={template!r} has a field without a name ('{{}}'): "
+                f"name the parameter, as in {option}='tenant:{{tenant_id}}'"
+            )
+        fields = {field for _, field, _, _ in parsed if field}
         named = {f.split(".")[0].split("[")[0] for f in fields}
         unknown = named - set(self.payload.fields)
         if unknown:
@@ -353,6 +370,8 @@ class JobDefinition(Generic[P, R]):
                 f"job {self.name!r}: {option}={template!r} names {sorted(unknown)}, which "
                 f"are not parameters; parameters are {list(self.payload.fields)}"
             )
+        for _, field, spec, conversion in parsed:  # each enqueue failed on these
+            self._check_field_format(option, template, field or "", spec or "", conversion)
         secret = named & self.sensitive
         if secret:  # a key is stored and shown as it is (tenants page, metrics' key label)
             raise ConfigurationError(
@@ -362,6 +381,41 @@ class JobDefinition(Generic[P, R]):
                 "sensitive (an id)"
             )
         return template
+
+    def _check_field_format(
+        self, option: str, template: str, field: str, spec: str, conversion: str | None
+    ) -> None:
+        """A template field's conversion (``!r``, ``!s``, ``!a``) and format spec: a spec
+        that no value of the parameter's type can take (``{account_id:zz}`` of an int)
+        failed every enqueue; refused here. A spec with fields of its own is filled at
+        enqueue, and checked there."""
+        if conversion is not None and conversion not in ("r", "s", "a"):
+            raise ConfigurationError(
+                f"job {self.name!r}: {option}={template!r}: '!{conversion}' is no conversion; "
+                "use !s, !r or !a, or none"
+            )
+        if not spec or "{" in spec:
+            return
+        if conversion is not None:
+            samples: tuple[object, ...] = ("x",)  # converted: a str
+        else:
+            model_field = self.payload.model.model_fields.get(field)
+            hint = (
+                model_field.annotation if model_field is not None and field.isidentifier() else None
+            )
+            samples = _FORMAT_SAMPLES.get(hint, (0, 0.0, "x"))  # type: ignore[arg-type]
+        for sample in samples:
+            try:
+                format(sample, spec)
+                return
+            except (ValueError, TypeError):
+                continue
+        kinds = " or ".join(sorted({type(s).__name__ for s in samples}))
+        raise ConfigurationError(
+            f"job {self.name!r}: {option}={template!r}: the format spec ':{spec}' of field "
+            f"{field!r} fits no {kinds} value; use a spec of Python's format mini-language "
+            "(as in '{account_id:08d}') or none"
+        )
 
     @property
     def limited(self) -> bool:
@@ -559,9 +613,11 @@ class JobDefinition(Generic[P, R]):
             # Not prefixed with the job name: job types sharing a key share its limit.
             key = template.format(**values)
             return check_text(f"{self.name}: {option}", key, KEY_MAX_BYTES)
-        except (KeyError, IndexError, AttributeError, ValueError, ConfigurationError) as exc:
+        except Exception as exc:  # "{tenant[q]}" of a str: TypeError, raw, at every enqueue
+            said = (KeyError, IndexError, AttributeError, ValueError, ConfigurationError)
+            detail = exc if isinstance(exc, said) else f"{type(exc).__name__}: {exc}"
             raise InvalidPayload(
-                f"{self.name}: cannot build {option} {template!r} from the arguments: {exc}"
+                f"{self.name}: cannot build {option} {template!r} from the arguments: {detail}"
             ) from None
 
     def _unique_for(self, options: EnqueueOptions) -> float | None:
@@ -577,6 +633,16 @@ class JobDefinition(Generic[P, R]):
                 "take it too); @app.job takes no key template"
             )
         return value
+
+
+# What a key template's field holds, by the parameter's type hint (the stored JSON's
+# value): a format spec must fit it. Another hint: any of them will do.
+_FORMAT_SAMPLES: dict[object, tuple[object, ...]] = {
+    int: (0,),
+    float: (0.0,),
+    str: ("x",),
+    bool: (False,),
+}
 
 
 def _not_a_function(fn: object) -> ConfigurationError:

@@ -229,6 +229,18 @@ BAD_INPUT = [
         id="bad-queue-limit",
     ),
     pytest.param(
+        ["worker", "acc_basic:app", "-c", "20000"],
+        1,
+        "concurrency (-c) is 20,000: at most 10,000",
+        id="concurrency-above-the-maximum",
+    ),
+    pytest.param(
+        ["worker", "acc_basic:app", "-q", "default=20000", "--processes", "2"],
+        1,
+        "its concurrency (-q default=N) is 20,000: at most 10,000",
+        id="queue-concurrency-above-the-maximum-refused-once-not-per-child",
+    ),
+    pytest.param(
         ["worker", "acc_basic:app", "--url", "sqlite:///{folder}/future.db"],
         1,
         "has errands schema version 999, newer than this errands",

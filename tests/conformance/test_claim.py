@@ -282,3 +282,23 @@ def test_declaring_a_queue_keyed_turns_its_flag_on_and_leaves_every_other_settin
 
 
 WORKER_ID = "w-conformance"
+
+
+def test_a_limited_claim_holds_rows_to_the_claiming_workers_lower_concurrency_limit(
+    backend: Backend,
+) -> None:
+    """Rows enqueued with concurrency_limit 3 on key k, claimed by a worker whose code
+    says 1 (``key_limits``): one of k's jobs; a worker whose code says 5 takes only up to
+    the rows' own 3 (a raised limit applies to rows enqueued with it)."""
+    from dataclasses import replace
+
+    keyed = replace(request(queue="keyed"), concurrency_key="k", concurrency_limit=3)
+    backend.job_insert_many([keyed] * 6)
+    lowered = backend.job_claim_limited(
+        QueueClaim("keyed", 6), WORKER_ID, 30.0, key_limits={keyed.name: 1}
+    )
+    assert len(lowered) == 1
+    raised = backend.job_claim_limited(
+        QueueClaim("keyed", 6), WORKER_ID, 30.0, key_limits={keyed.name: 5}
+    )
+    assert len(raised) == 2  # 3 running, the rows' own limit

@@ -97,12 +97,99 @@ def test_bad_concurrency_key_options_fail_at_definition(tmp_path: Path) -> None:
         @app.job(name="no_key", concurrency_limit=2)
         def no_key(account_id: int) -> None: ...
 
-    with pytest.raises(ConfigurationError, match="concurrency_limit must be an int >= 1"):
+    with pytest.raises(ConfigurationError, match="concurrency_limit=0: give an int from 1"):
 
         @app.job(name="zero", concurrency_key="account:{account_id}", concurrency_limit=0)
         def zero(account_id: int) -> None: ...
 
     assert app.registry == {}
+
+
+@pytest.mark.parametrize("limit", [2**31, 2**40, 2**63, True, 1.0, "2"])
+def test_a_concurrency_limit_beyond_what_the_store_holds_or_not_an_int_fails_at_definition(
+    store: errands.App, limit: object
+) -> None:
+    """concurrency_limit=2**40 was accepted, then every enqueue failed on PostgreSQL
+    (NumericValueOutOfRange) and 2**63 on SQLite (OverflowError); True ran as 1. It is
+    checked as app.queue(limit=) is: an int from 1 to 2,147,483,647."""
+    with pytest.raises(
+        ConfigurationError, match=r"concurrency_limit=.*: give an int from 1 to 2,147,483,647"
+    ):
+
+        @store.job(name="too_many", concurrency_key="account:{a}", concurrency_limit=limit)  # type: ignore[arg-type]
+        def too_many(a: int) -> None: ...
+
+    assert "too_many" not in store.registry
+
+
+def test_the_largest_concurrency_limit_is_stored_and_claimed_on_every_backend(
+    store: errands.App,
+) -> None:
+    """The maximum, 2**31 - 1, goes through enqueue and claim on both stores."""
+
+    @store.job(name="wide", concurrency_key="account:{a}", concurrency_limit=2**31 - 1)
+    def wide(a: int) -> None: ...
+
+    store.enqueue_many([wide.bind(a=1) for _ in range(3)])
+    rows = store.backend.job_claim_limited(QueueClaim("default", 10), "w-test", 30.0)
+    assert len(rows) == 3
+
+
+def test_a_concurrency_limit_lowered_by_a_deploy_holds_the_jobs_enqueued_before_it(
+    store: errands.App,
+) -> None:
+    """Given 12 jobs of account 7 enqueued by a deploy whose limit was 3 and a worker of the
+    next deploy, which lowered it to 1, then no two of them run at once: the claim holds
+    each row to the lower of its stored limit and the worker's own. Each row kept its own
+    limit, and the new deploy ran 3 at once until the old backlog drained."""
+    runs = Intervals()
+
+    @store.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=3)
+    def sync_v1(a: int, n: int) -> None: ...
+
+    store.enqueue_many([sync_v1.bind(a=7, n=i) for i in range(12)])
+    deployed = errands.App(store.url, lease=2)
+
+    @deployed.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=1)
+    def sync_v2(a: int, n: int) -> None:
+        with runs.run(f"account:{a}"):
+            time.sleep(0.05)
+
+    try:
+        with workers([deployed], concurrency=6):
+            wait_until(lambda: len(store.jobs(state="completed", limit=20)) == 12, 60, "12 jobs")
+    finally:
+        deployed.close()
+    assert runs.peak_by_label() == {"account:7": 1}
+
+
+def test_a_concurrency_limit_raised_by_a_deploy_applies_to_jobs_enqueued_with_it(
+    store: errands.App,
+) -> None:
+    """The other way: rows enqueued with limit 1 keep it under a worker whose code says 3
+    (a row never runs past the limit it was enqueued with); rows enqueued by the new code
+    run 3 at once."""
+    runs = Intervals()
+
+    @store.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=1)
+    def sync_v1(a: int, n: int) -> None: ...
+
+    store.enqueue_many([sync_v1.bind(a=1, n=i) for i in range(8)])
+    deployed = errands.App(store.url, lease=2)
+
+    @deployed.job(name="accounts.sync", concurrency_key="account:{a}", concurrency_limit=3)
+    def sync_v2(a: int, n: int) -> None:
+        with runs.run(f"account:{a}"):
+            time.sleep(0.1)
+
+    deployed.enqueue_many([sync_v2.bind(a=2, n=i) for i in range(9)])
+    try:
+        with workers([deployed], concurrency=6):
+            wait_until(lambda: len(store.jobs(state="completed", limit=20)) == 17, 60, "17 jobs")
+    finally:
+        deployed.close()
+    peaks = runs.peak_by_label()
+    assert peaks["account:1"] == 1 and peaks["account:2"] >= 2, peaks
 
 
 def test_a_long_run_of_jobs_waiting_for_a_busy_key_does_not_hold_back_other_keys(

@@ -79,3 +79,45 @@ def test_queue_limit_holds_for_in_process_workers_and_is_listed_by_errands_queue
     assert listing.exit_code == 0, listing.output
     [row] = json.loads(listing.output)
     assert (row["queue"], row["state"], row["limit"], row["rate"]) == ("capped", "active", 2, None)
+
+
+def test_a_limit_queues_short_jobs_drain_without_waiting_a_poll_interval_each(
+    store: errands.App,
+) -> None:
+    """Given a queue of limit 2 (declared in code) with 20 short jobs and a worker of 4
+    threads polling every 2 minutes, then every job completes well within one poll
+    interval: each stored outcome frees a cluster-wide slot and wakes the claim loop. It
+    woke nothing, and the handler's slot frees before its outcome is written, so the
+    claim then still found the queue full: the queue ran 2 jobs a poll interval on
+    PostgreSQL (20 jobs of 50 ms under a 1 s poll: 9 s)."""
+    store.queue("capped", limit=LIMIT)
+    done: list[int] = []
+
+    @store.job(name="capped.short", queue="capped")
+    def short(n: int) -> None:
+        done.append(n)
+
+    store.enqueue_many([short.bind(n=i) for i in range(20)])
+    with workers([store], concurrency=4, poll_interval=120.0, prefetch=0):
+        wait_until(lambda: len(done) == 20, 90, "20 jobs, well within one poll interval")
+
+
+def test_a_limit_stored_by_another_deployment_wakes_the_claim_loop_as_one_declared_in_code(
+    store: errands.App,
+) -> None:
+    """Given a queue whose limit of 2 another deployment stored (this app's code declares
+    none), 20 short jobs and a worker polling every 2 minutes, then every job completes
+    well within one poll interval: the limited claim says the queue has a cluster-wide
+    limit, and its jobs' outcomes wake the claim loop."""
+    from errands.backends.base import QueueSettings
+
+    store.backend.queue_declare(QueueSettings("capped", max_running=LIMIT), "other-deployment")
+    done: list[int] = []
+
+    @store.job(name="capped.short", queue="capped")
+    def short(n: int) -> None:
+        done.append(n)
+
+    store.enqueue_many([short.bind(n=i) for i in range(20)])
+    with workers([store], concurrency=4, poll_interval=120.0, prefetch=0):
+        wait_until(lambda: len(done) == 20, 90, "20 jobs, well within one poll interval")

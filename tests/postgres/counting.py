@@ -36,9 +36,11 @@ def statements(call: Callable[[], T]) -> tuple[T, list[str]]:
     characters: a query's leading comment names it), transaction control left out (BEGIN,
     COMMIT, ROLLBACK: psycopg's own, sent apart, were never counted)."""
     result, sent = messages(call)
-    control = ("BEGIN", "COMMIT", "ROLLBACK")
+    control = ("BEGIN", "COMMIT", "ROLLBACK")  # (errands' BEGIN names its isolation level)
     return result, [
-        _first_line(q) for q in sent if _first_line(q).split(";")[0].strip() not in control
+        _first_line(q)
+        for q in sent
+        if (_first_line(q).split(";")[0].split() or [""])[0] not in control
     ]
 
 

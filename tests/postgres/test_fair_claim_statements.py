@@ -63,7 +63,8 @@ def test_a_fair_claim_takes_its_lock_settings_and_rates_in_the_message_of_its_be
     assert len(rows) == 8
     assert sent[0].startswith("SELECT name FROM pg_prepared_statements"), sent
     assert sent[1].startswith("PREPARE errands_"), sent  # the four, in one message
-    assert sent[2].startswith("BEGIN; SELECT set_config('idle_in_transaction"), sent
+    begin = "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT set_config('idle_in_transaction"
+    assert sent[2].startswith(begin), sent
     assert len(sent) == 6, sent  # which are prepared, PREPARE, BEGIN..., window, lookahead, write
     rows, sent = round_trips(lambda: _claim(backend))  # prepared already
     assert len(rows) == 8 and not sent[0].startswith("PREPARE"), sent
@@ -84,7 +85,7 @@ def test_a_fair_claim_of_a_queue_claimed_before_waits_for_the_server_twice(
     assert not {r.id for r in rows} & {r.id for r in first}
     assert len(sent) == 2, sent
     reads, write = texts[-2:]
-    assert reads.startswith("BEGIN;")
+    assert reads.startswith("BEGIN ISOLATION LEVEL READ COMMITTED;")
     for query in ("limited_claim_start", "fair_heads", "fair_lookahead"):
         assert re.search(rf"EXECUTE errands_\w+_{query}\(", reads), (query, reads)
     assert re.search(r"EXECUTE errands_\w+_job_claim_ids\(", write) and write.endswith("COMMIT")

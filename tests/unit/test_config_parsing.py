@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,78 @@ def test_parse_queues_rejects_a_limit_below_one(spec: object) -> None:
     """A queue concurrency of zero or less would never run anything."""
     with pytest.raises(ConfigurationError, match="at least 1"):
         parse_queues(spec)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"emails": "3"}, r"must be a whole number \(an int\) of at least 1, got '3'"),
+        ({"emails": True}, r"must be a whole number \(an int\) of at least 1, got True"),
+        ({"emails": 2.0}, r"must be a whole number \(an int\) of at least 1, got 2.0"),
+        ({"emails": 10_001}, "is 10,001: at most 10,000"),
+        ("emails=99999999999999", "is 99,999,999,999,999: at most 10,000"),
+    ],
+)
+def test_parse_queues_refuses_a_limit_that_is_not_an_int_or_above_the_maximum(
+    spec: object, message: str
+) -> None:
+    """``{"emails": "3"}`` raised a raw TypeError, True ran as 1, and emails=10**14 started
+    threads until the machine refused ("can't start new thread")."""
+    with pytest.raises(ConfigurationError, match=message):
+        parse_queues(spec)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"concurrency": True}, r"concurrency \(-c\) must be a whole number .*got True"),
+        ({"concurrency": 1.5}, r"concurrency \(-c\) must be a whole number .*got 1.5"),
+        ({"concurrency": "4"}, r"concurrency \(-c\) must be a whole number .*got '4'"),
+        ({"concurrency": 10**9}, r"concurrency \(-c\) is 1,000,000,000: at most 10,000"),
+        ({"queues": {"a": 6000, "b": 6000}}, r"per-queue limits\) is 12,000: at most 10,000"),
+        ({"express": 10_001}, r"express \(--express\) is 10,001: at most 10,000"),
+        ({"express": True}, r"express \(--express\) must be a whole number .*got True"),
+    ],
+)
+def test_a_worker_refuses_a_thread_count_not_an_int_or_above_the_maximum_before_any_starts(
+    tmp_path: Path, options: dict[str, object], message: str
+) -> None:
+    """``concurrency=10**9`` started some 22,000 threads, then failed with "can't start
+    new thread" and left them running; True ran as 1. Refused before any thread starts."""
+    app = errands.App(f"sqlite:///{tmp_path}/e.db")
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(ConfigurationError, match=message):
+            app.worker(**{"queues": "a", **options})  # type: ignore[arg-type]
+        assert set(threading.enumerate()) - before == set()
+    finally:
+        app.close()
+
+
+def test_handler_threads_the_machine_cannot_start_are_refused_and_the_started_ones_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Below the maximum a machine may still refuse threads (its ulimit): the worker's
+    start fails with a ConfigurationError naming -c, and the threads it did start end
+    (they were left running)."""
+    from errands.worker.runners import ThreadRunner
+
+    real_start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def start_two(self: threading.Thread) -> None:
+        if self.name.startswith("errands-job") and len(started) >= 2:
+            raise RuntimeError("can't start new thread")
+        if self.name.startswith("errands-job"):
+            started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start_two)
+    with pytest.raises(ConfigurationError, match=r"could not start 5 handler threads .*Lower -c"):
+        ThreadRunner(5)
+    for thread in started:
+        thread.join(10)
+        assert not thread.is_alive()
 
 
 @pytest.mark.parametrize("spec", ["", " ", ",", " , ,", [], [""], {}])
@@ -193,3 +266,13 @@ def test_postgres_connections_find_a_silently_dropped_link_within_a_minute_by_de
     own = parse_postgres_url("postgresql://u@h/db?keepalives_idle=5&sslmode=require").conninfo
     mine = parse_qs(urlsplit(own).query)
     assert mine["keepalives_idle"] == ["5"] and mine["sslmode"] == ["require"]
+
+
+def test_a_libpq_option_with_a_space_is_passed_on_as_libpq_reads_it() -> None:
+    """``options=-c name=value``: its space was passed on as '+', which libpq keeps as is
+    (the server refused "+name"), so no option with a space could be given in the URL."""
+    from errands.backends.postgres.config import parse_postgres_url
+
+    url = "postgresql://u@h/db?options=-c%20statement_timeout%3D5s&schema=s"
+    conninfo = parse_postgres_url(url).conninfo
+    assert "options=-c%20statement_timeout%3D5s" in conninfo and "+" not in conninfo

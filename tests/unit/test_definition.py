@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -142,6 +144,64 @@ def test_a_key_built_from_a_sensitive_parameter_is_refused(app: errands.App, opt
     with pytest.raises(ConfigurationError, match=r"is built from \['email'\]"):
         app.job(name=f"t.{option}", sensitive={"email"}, **{option: "user:{email}"})(handler)
     app.job(name=f"t.{option}.ok", sensitive={"email"}, **{option: "acct:{account}"})(handler)
+
+
+@pytest.mark.parametrize("option", ["fair_key", "concurrency_key"])
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("a:{account!x}", r"'!x' is no conversion; use !s, !r or !a"),
+        ("a:{account:zz}", r"format spec ':zz' of field 'account' fits no int value"),
+        ("a:{tenant:d}", r"format spec ':d' of field 'tenant' fits no str value"),
+        ("a:{tenant!r:d}", r"format spec ':d' of field 'tenant' fits no str value"),
+        ("a:{}", r"has a field without a name \('\{\}'\)"),
+        ("a:{tenant:>{width}}", r"names \['width'\], which are not parameters"),
+    ],
+)
+def test_a_key_template_every_enqueue_would_fail_on_is_refused_at_definition(
+    app: errands.App, option: str, template: str, message: str
+) -> None:
+    """A conversion other than !s, !r, !a, a format spec the parameter's type cannot
+    take, a field without a name: each passed the definition and failed every enqueue."""
+
+    def handler(account: int, tenant: str = "t") -> None: ...
+
+    with pytest.raises(ConfigurationError, match=message):
+        app.job(name=f"t.{option}", **{option: template})(handler)
+    assert f"t.{option}" not in app.registry
+
+
+@pytest.mark.parametrize(
+    "template", ["a:{account:08d}", "a:{tenant!r}", "a:{account!s:>5}", "a:{tenant:>{account}}"]
+)
+def test_key_templates_with_conversions_and_format_specs_build_their_keys(
+    app: errands.App, db_url: str, template: str
+) -> None:
+    def handler(account: int, tenant: str = "t") -> None: ...
+
+    job = app.job(name="t.spec", concurrency_key=template)(handler)
+    job.enqueue(account=7)
+    with contextlib.closing(sqlite3.connect(db_url.removeprefix("sqlite:///"))) as conn:
+        [(stored,)] = conn.execute("SELECT concurrency_key FROM errands_jobs").fetchall()
+    assert stored == template.format(account=7, tenant="t")
+
+
+def test_a_key_template_that_fails_on_the_arguments_is_invalid_payload_naming_it(
+    app: errands.App,
+) -> None:
+    """``"{tenant[q]}"`` of a str tenant raised a raw TypeError at enqueue; it is
+    InvalidPayload naming the template, as a missing key or attribute is, and nothing is
+    written."""
+
+    def handler(tenant: str) -> None: ...
+
+    job = app.job(name="t.index", concurrency_key="a:{tenant[q]}")(handler)
+    with pytest.raises(
+        errands.InvalidPayload,
+        match=r"cannot build concurrency_key 'a:\{tenant\[q\]\}' from the arguments: TypeError",
+    ):
+        job.enqueue(tenant="zz")
+    assert app.jobs() == []
 
 
 def test_a_timeout_of_infinity_is_refused_at_definition(app: errands.App) -> None:

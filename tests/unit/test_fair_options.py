@@ -94,6 +94,18 @@ def test_fair_weights_are_stored_audited_and_checked(app: errands.App) -> None:
         app.fair_weight("tenant:acme", 0)
 
 
+def test_a_weight_for_the_empty_key_is_refused_as_the_mark_of_jobs_without_a_key(
+    app: errands.App,
+) -> None:
+    """'' is how a fair claim marks the jobs without a fair key: a weight stored for it
+    was taken, and weighed them all. Refused, saying so; a reset is allowed (a weight
+    stored before)."""
+    with pytest.raises(ConfigurationError, match=r"fair_weight\(''\): the empty key is how"):
+        app.fair_weight("", 2)
+    assert app.backend.fair_weights() == []
+    app.fair_weight("", None)
+
+
 def test_weights_given_by_a_callable_are_asked_once_per_key_and_cached() -> None:
     asked: list[str] = []
 
@@ -187,6 +199,107 @@ def test_a_key_asked_again_after_its_ttl_is_claimed_at_its_last_answer_without_w
         started = time.monotonic()
         assert weights(["tenant:acme"]) == {"tenant:acme": 4.0}  # asked again: not waited
         assert time.monotonic() - started < 4  # not the 5 s budget
+    finally:
+        release.set()
+        weights.close()
+
+
+def _hanging_on_first(n: int, release: threading.Event, calls: list[str]) -> Any:
+    """A weight callable that hangs (until ``release``) on its first ``n`` keys, as a plan
+    lookup with no timeout does during an outage; 2.0 for every other key."""
+    lock = threading.Lock()
+
+    def weight(key: str) -> float:
+        with lock:
+            calls.append(key)
+            first = len(calls) <= n
+        if first:
+            release.wait(120)
+        return 2.0
+
+    return weight
+
+
+def test_a_hung_weight_callable_costs_one_budget_not_one_per_later_claim_with_new_keys() -> None:
+    """Given a callable hanging on its first 2 keys (both threads stuck), then 40 claims
+    over new keys wait their budget at most once: the keys in flight when it hung. Each
+    new key was queued to nobody, stayed "asking", and every claim waited its whole
+    budget for it (under the queue's claim lock: 40 x 0.5 s here)."""
+    release = threading.Event()
+    calls: list[str] = []
+    # stuck threads are not replaced within the test: the breaker alone is measured
+    weights = CallableWeights(_hanging_on_first(2, release, calls), budget=0.5, stuck_after=600.0)
+    try:
+        assert weights(["t:0", "t:1"]) == {}  # both threads hang: the first claim waits
+        waited = 0
+        started = time.monotonic()
+        for i in range(40):
+            began = time.monotonic()
+            weights([f"t:new{i}", f"t:other{i}"])
+            waited += time.monotonic() - began >= 0.5
+        assert waited <= 1, f"{waited} of 40 claims waited the whole budget"
+        assert time.monotonic() - started < 10 * 0.5  # (before: 40 x 0.5 s)
+    finally:
+        release.set()
+        weights.close()
+
+
+def test_a_weight_callable_that_answers_again_is_waited_for_again() -> None:
+    """The breaker closes at the callable's next answer: a claim after it waits for a new
+    key's answer (within its budget) and gets it, not weight 1."""
+    release = threading.Event()
+    calls: list[str] = []
+    weights = CallableWeights(_hanging_on_first(1, release, calls), budget=0.2, stuck_after=600.0)
+    try:
+        assert weights(["t:hung"]) == {}
+        assert weights(["t:during"], budget=0.2) == {}  # hung: not waited for
+        release.set()  # it answers again (the hung key, then the one queued)
+        deadline = time.monotonic() + 60
+        while weights(["t:hung"]) != {"t:hung": 2.0}:
+            assert time.monotonic() < deadline, "the hung key was never answered"
+            time.sleep(0.01)
+        assert weights(["t:after"], budget=30.0) == {"t:after": 2.0}  # waited for
+    finally:
+        release.set()
+        weights.close()
+
+
+def test_threads_stuck_in_the_weight_callable_are_replaced_up_to_a_bound() -> None:
+    """Given a callable hanging on every key, its stuck threads are replaced so that keys
+    queued behind them are asked, but never more than ``threads_max`` threads run; given
+    one hanging on its first 2 keys only, a new key gets its answer from a replacement."""
+    before = set(threading.enumerate())
+    release = threading.Event()
+    calls: list[str] = []
+    weights = CallableWeights(
+        _hanging_on_first(10**6, release, calls),
+        budget=0.01, stuck_after=0.05, threads=2, threads_max=5,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        i = 0
+        while len(calls) < 5 and time.monotonic() < deadline:
+            weights([f"t:{i}"])
+            i += 1
+            time.sleep(0.02)
+        for j in range(50):  # more stuck keys: no more threads
+            weights([f"t:more{j}"])
+            time.sleep(0.005)
+        mine = [t for t in set(threading.enumerate()) - before if t.name.startswith("errands-fair")]
+        assert len(calls) == 5 and len(mine) == 5, (calls, mine)
+    finally:
+        release.set()
+        weights.close()
+
+    release = threading.Event()
+    calls = []
+    weights = CallableWeights(_hanging_on_first(2, release, calls), budget=0.01, stuck_after=0.05)
+    try:
+        weights(["t:0", "t:1"])  # both threads stuck
+        deadline = time.monotonic() + 30
+        while weights(["t:new"]) != {"t:new": 2.0}:
+            assert time.monotonic() < deadline, "no replacement thread asked the new key"
+            time.sleep(0.01)
     finally:
         release.set()
         weights.close()

@@ -15,7 +15,7 @@ from errands.errors import ConfigurationError
     ("text", "parsed"),
     [("20/s", (20, 1.0)), ("100/m", (100, 60.0)), ("5/h", (5, 3600.0)),
      ("1000/d", (1000, 86400.0)), ("10/30s", (10, 30.0)), ("1/.5s", (1, 0.5)),
-     ("1/0.5s", (1, 0.5)), (" 3 / 2 min ", (3, 120.0))],
+     ("1/0.5s", (1, 0.5)), (" 3 / 2 min ", (3, 120.0)), ("1/0.001s", (1, 0.001))],
 )  # fmt: skip
 def test_a_rate_is_a_count_per_period(text: str, parsed: tuple[int, float]) -> None:
     assert parse_rate(text) == parsed
@@ -26,7 +26,8 @@ def test_a_rate_is_a_count_per_period(text: str, parsed: tuple[int, float]) -> N
     [("1/.s", "write COUNT/PERIOD"),  # a lone '.': a ValueError from float() before
      ("1/s.", "write COUNT/PERIOD"), ("fast", "write COUNT/PERIOD"),
      ("0/s", "count must be from 1"), (f"{RATE_COUNT_MAX + 1}/s", "count must be from 1"),
-     ("1/2d", "at most one day")],
+     ("1/2d", "to one day"), ("1/0.0000001s", r"from 1 ms \(0.001s\)"),
+     ("1/0.0009s", r"from 1 ms \(0.001s\)")],
 )  # fmt: skip
 def test_a_rate_that_cannot_be_stored_is_refused_naming_the_form(text: str, says: str) -> None:
     """A count past PostgreSQL's integer was taken and failed deep in the store at

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -577,10 +577,14 @@ class Backend(Protocol):
         weights: Weigher | None = None,
         express: bool = False,
         turns: int | None = None,
+        key_limits: Mapping[str, int] | None = None,
     ) -> list[JobRow]:
         """Claim from a limited queue, one claimer at a time (see backends.limits); only
         job types in ``names`` when it is given (as ``ClaimParams.names``); a fair queue's
         keys without a stored weight weigh what ``weights`` gives them (app.fair_weight).
+        ``key_limits``: the claiming worker's own ``concurrency_limit`` per job type (its
+        code's): a row is held to the lower of it and the limit stored on the row, so a
+        limit lowered in code applies to the rows enqueued before the deploy.
         ``express``: only the next job of each of a fair queue's keys with nothing
         running (a worker's express lane). ``turns``: a suspect claim's round room (the
         fresh claim's after it): in a fair queue it takes the rescued jobs among the first

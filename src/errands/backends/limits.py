@@ -18,7 +18,7 @@ attempt.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,8 +45,14 @@ LEVEL_MIN = -(2**31)  # below every priority
 
 FairCursors = MutableMapping[str, str]  # queue -> the last key its rotation passed
 RATE_PERIOD_MAX = 86_400.0
+# A period shorter is no rate: "1/0.0000001s" was taken, a window the database clock's
+# microseconds barely resolve, and a claim's own round trip outlasts it.
+RATE_PERIOD_MIN = 0.001
 _RATE = re.compile(r"^\s*(\d+)\s*/\s*(\d+\.?\d*|\.\d+)?\s*(s|sec|m|min|h|hour|d|day)\s*$")
 RATE_COUNT_MAX = 2**31 - 1  # PostgreSQL's integer column, on every store
+# A queue's limit (app.queue(limit=)) and a key's (concurrency_limit=): stored in
+# PostgreSQL's integer columns, so held to them on every store.
+LIMIT_MAX = 2**31 - 1
 _UNITS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
 
 
@@ -60,10 +66,11 @@ def parse_rate(value: str) -> tuple[int, float]:
         )
     count, multiple, unit = int(match[1]), match[2], match[3]
     period = (float(multiple) if multiple else 1.0) * _UNITS[unit]
-    if not 1 <= count <= RATE_COUNT_MAX or not 0 < period <= RATE_PERIOD_MAX:
+    if not 1 <= count <= RATE_COUNT_MAX or not RATE_PERIOD_MIN <= period <= RATE_PERIOD_MAX:
         raise ConfigurationError(
             f"rate={value!r}: the count must be from 1 to {RATE_COUNT_MAX:,} and the period "
-            "at most one day"
+            "from 1 ms (0.001s) to one day; for more starts, raise the count over a longer "
+            "period, as in '1000/s'"
         )
     return count, period
 
@@ -97,16 +104,30 @@ def lookahead(room: int) -> int:
     return max(room * LOOKAHEAD_FACTOR, LOOKAHEAD_MIN)
 
 
+def key_limit(candidate: Candidate | FairCandidate, caps: Mapping[str, int] | None) -> int:
+    """The most jobs of the candidate's key that may run when it starts: the limit stored
+    on its row, or the claiming worker's own for its job type (``caps``) when lower. A
+    limit lowered in code so applies to the rows enqueued before the deploy; a raised one
+    only to rows enqueued with it (a row never goes past what it was enqueued with)."""
+    limit = candidate.concurrency_limit or 1
+    if caps:
+        own = caps.get(candidate.name)
+        if own is not None and own < limit:
+            return own
+    return limit
+
+
 def choose(
     candidates: list[Candidate],
     room: int,
     running_per_key: dict[str, int],
     room_per_name: dict[str, int],
     held: set[str] | None = None,
+    caps: Mapping[str, int] | None = None,
 ) -> list[Candidate]:
-    """The candidates to claim, in order, within the queue's room, each key's limit and
-    each rate-limited job type's remaining starts. ``held``: gets the keys (and
-    ``"name:"`` + the job types) a candidate was held back for."""
+    """The candidates to claim, in order, within the queue's room, each key's limit (see
+    :func:`key_limit`) and each rate-limited job type's remaining starts. ``held``: gets
+    the keys (and ``"name:"`` + the job types) a candidate was held back for."""
     chosen: list[Candidate] = []
     keys = dict(running_per_key)
     names = dict(room_per_name)
@@ -114,7 +135,7 @@ def choose(
         if len(chosen) >= room:
             break
         key = candidate.concurrency_key
-        if key is not None and keys.get(key, 0) >= (candidate.concurrency_limit or 1):
+        if key is not None and keys.get(key, 0) >= key_limit(candidate, caps):
             if held is not None:
                 held.add(key)
             continue
@@ -171,11 +192,16 @@ class Claimed(list):  # type: ignore[type-arg]
     # Rows of a fair queue that are the first claimed of a key with nothing running: a
     # worker whose slots are full may start them on its express lane (errands.worker).
     express: frozenset[int] = frozenset()
+    # The queue has a cluster-wide limit (max_running) in the store, whoever declared it:
+    # each of its stored outcomes frees a slot that a waiting job may take (errands.worker
+    # wakes its claim loop for them, as for a concurrency key's).
+    capped: bool = False
 
     def carrying(self, rows: Iterable[object]) -> Claimed:
         """``rows`` (these rows, as the backend returns them) with this claim's findings."""
         out = Claimed(rows)
         out.retry_in, out.gated, out.express = self.retry_in, self.gated, self.express
+        out.capped = self.capped
         return out
 
 
@@ -191,9 +217,12 @@ def claim_limited(
     cursors: FairCursors | None = None,
     express: bool = False,
     turns: int | None = None,
+    key_limits: Mapping[str, int] | None = None,
 ) -> Claimed:
     """Claim up to ``cap`` jobs of a limited queue; returns the claimed rows (JobRow order);
     only job types in ``names`` when given (those the claiming worker can run).
+    ``key_limits``: the claiming worker's own concurrency_limit per job type, which holds
+    a row below the limit stored on it when lower (see :func:`key_limit`).
     ``weights``: a fair queue's weights given by code (``app.fair_weight(fn)``), for the
     keys without a stored one. ``cursors``: where each fair queue's rotation over its keys
     stands, kept by the caller between claims (see :func:`_pick_fair`); without it a fair
@@ -224,6 +253,7 @@ def claim_limited(
         fair, aging = bool(settings[0][8]), settings[0][9]
     else:
         paused, max_running, rate_limit, rate_period = False, None, None, None
+    result.capped = max_running is not None
     if cursors is not None and (not fair or aging is not None):
         cursors.pop(queue, None)  # no rotation: the claim's reads are not sent ahead
     if paused or (express and not fair):
@@ -250,8 +280,9 @@ def claim_limited(
     room_per_name = _rooms(store, rates, result)
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
     pick = _Pick(
-        store, queue, room, rates, room_per_name, blocked, names, result, weights, express, fair
-    )
+        store, queue, room, rates, room_per_name, blocked, names, result, weights, express, fair,
+        key_limits,
+    )  # fmt: skip
     if fair or aging:
         chosen = _pick_fair(
             pick,
@@ -269,7 +300,9 @@ def claim_limited(
     limited_names = sorted({c.name for c in chosen if c.name in rates})
     store.lock([f"key:{k}" for k in keys] + [f"rate:job:{n}" for n in limited_names])
     fresh_rates = {n: rates[n] for n in limited_names}
-    chosen = choose(chosen, most, _running(store, chosen), _rooms(store, fresh_rates, result))
+    chosen = choose(
+        chosen, most, _running(store, chosen), _rooms(store, fresh_rates, result), caps=key_limits
+    )
     if not chosen:
         return result
     logged = (rate_limit is not None and bool(rate_period)) or any(c.name in rates for c in chosen)
@@ -316,6 +349,7 @@ class _Pick:
     weights: Weigher | None = None  # fair weights given by code, for keys without a stored one
     express: bool = False  # only the next job of each key with nothing running
     fair: bool = False  # the queue is fair (not only aging): the express lane serves it
+    caps: Mapping[str, int] | None = None  # the claiming worker's own key limit per type
     idle_keys: list[int] = field(default_factory=list)  # chosen: first of an idle key
 
     def params(self) -> dict[str, object]:
@@ -374,7 +408,7 @@ def _pick_in_order(pick: _Pick, suspects: bool) -> list[Candidate]:
         running.update({k: 0 for k in {c.concurrency_key for c in unread} if k is not None})
         running.update(_running(store, unread))
         held: set[str] = set()
-        more = choose(candidates, pick.room - len(chosen), running, names, held)
+        more = choose(candidates, pick.room - len(chosen), running, names, held, pick.caps)
         for c in more:
             if c.concurrency_key is not None:
                 running[c.concurrency_key] += 1
@@ -547,7 +581,7 @@ def _fair_choose(
 
     def admit(c: FairCandidate) -> bool:
         key = c.concurrency_key
-        if key is not None and running.get(key, 0) >= (c.concurrency_limit or 1):
+        if key is not None and running.get(key, 0) >= key_limit(c, pick.caps):
             return False
         if c.name in names_left and names_left[c.name] <= 0:
             return False

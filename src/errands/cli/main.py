@@ -170,7 +170,9 @@ def worker(
     warn_new_database(app.url)
     if processes > 1:
         from ..worker.supervisor import Supervisor, child_command
+        from ..worker.worker import check_counts
 
+        check_counts(queues, concurrency, express)  # once, not in every child
         app.backend.schema_check()  # fail once, clearly, rather than in every child
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor handles its own
         if signalled:

@@ -85,6 +85,8 @@ class Claimer:
         self.queues = list(queues)
         self.poll_interval = poll_interval
         self._names: list[str] = []
+        self._key_limits: dict[str, int] = {}
+        self._key_limits_of = -1  # the registry's size they were read at
         # Set by the worker while the children of its process pool cannot start: the job
         # types it claims meanwhile (those that need no child), instead of all it defines.
         self.only: list[str] | None = None
@@ -95,6 +97,15 @@ class Claimer:
         # The queues claimed through job_claim_limited (which counts keys, rates and
         # cluster-wide limits); the plain claim serves the others.
         self.with_limits: set[str] = set(self.declared)
+        # Those with a cluster-wide limit (max_running): declared in this app's code, or
+        # stored by another deployment (each limited claim reads the queue's settings and
+        # says). Every stored outcome of theirs frees a slot a waiting job may take, so the
+        # worker wakes its claim loop for it (Worker.forget), as for a concurrency key's.
+        self.capped: set[str] = {
+            name
+            for name, s in app.queues.items()
+            if name in self.queues and getattr(s, "max_running", None) is not None
+        }
         # Fair queues this app declares without a cluster-wide limit or rate: their claim
         # may fill the prefetch room too, as a plain queue's does: with quick jobs a batch
         # spreads the cost of the fair claim's reads (a window of keys per claim).
@@ -117,6 +128,22 @@ class Claimer:
         # The express lane's own (its claim runs first while every slot is busy: sharing
         # the regular suspect claim's, one that found none put the regular one off).
         self._express_suspect_due = 0.0
+
+    @property
+    def key_limits(self) -> dict[str, int]:
+        """This worker's own concurrency_limit per job type with a key (its code's): a
+        claim holds each row to the lower of it and the row's stored limit, so a limit
+        lowered by a deploy applies to the jobs enqueued before it. Read afresh when jobs
+        are registered after the worker started."""
+        registry = self.app.registry
+        if len(registry) != self._key_limits_of:
+            self._key_limits_of = len(registry)
+            self._key_limits = {
+                d.name: d.concurrency_limit
+                for d in registry.values()
+                if d.concurrency_key is not None and d.concurrency_limit is not None
+            }
+        return self._key_limits
 
     @property
     def names(self) -> list[str]:
@@ -193,7 +220,7 @@ class Claimer:
         """One limited claim of ``queue`` (see Backend.job_claim_limited), as a step of
         ``result``'s round."""
         backend = self.app.backend
-        return self._step(
+        rows = self._step(
             result,
             lambda: backend.job_claim_limited(
                 QueueClaim(queue, limit),
@@ -204,8 +231,15 @@ class Claimer:
                 weights=self.app.fair_weights,
                 express=express,
                 turns=turns,
+                key_limits=self.key_limits,
             ),
         )
+        capped = getattr(rows, "capped", None)  # None: the claim failed, nothing was read
+        if capped is True:
+            self.capped.add(queue)
+        elif capped is False:
+            self.capped.discard(queue)
+        return rows
 
     def _claim(
         self, result: ClaimRound, plan: list[QueueClaim], room: int, free: int, suspects: int

@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
+from ..errors import ConfigurationError
 from ..interrupts import aim, aim_unless_shielded, drop_pending
 
 Done = Callable[[BaseException | None, Any], None]
@@ -73,8 +74,17 @@ class ThreadRunner:
         self._aimed: set[int] = set()  # threads an interrupt was aimed at
         self._counter = 0
         self.abandoned = 0
-        for _ in range(size):
-            self._spawn()
+        try:
+            for _ in range(size):
+                self._spawn()
+        except RuntimeError as exc:  # "can't start new thread": the machine's limit
+            started = len(self._threads)
+            self.shutdown()  # the threads started end: none left running
+            raise ConfigurationError(
+                f"could not start {size:,} handler threads ({exc}, after {started:,}; "
+                "those are stopped): the machine's thread limit (ulimit -u, memory). Lower "
+                "-c (or --express), and run more worker processes for more jobs at once"
+            ) from None
 
     def _spawn(self) -> None:
         with self._lock:
@@ -83,7 +93,12 @@ class ThreadRunner:
                 target=self._loop, name=f"{self._name}-{self._counter}", daemon=True
             )
             self._threads.add(thread)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._threads.discard(thread)
+            raise
 
     def _loop(self) -> None:
         while True:

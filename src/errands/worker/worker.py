@@ -90,6 +90,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("errands.worker")
 
 CONCURRENCY_DEFAULT = 10
+# The most handler threads a worker runs for its slots (-c, or the sum of -q's per-queue
+# limits), and the most its express lane adds: each is a thread, started with the worker.
+# concurrency=10**9 started some 22,000 threads, then failed with "can't start new
+# thread" and left them running. More work at once: more worker processes (--processes).
+CONCURRENCY_MAX = 10_000
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 # After a claim a notification woke, the worker looks once more this long after the
@@ -175,8 +180,8 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
     result: dict[str, int | None] = {}
     for name, limit in items:
         check_name("queue", name)  # a typo would serve a queue no job can be in
-        if limit is not None and limit < 1:
-            raise ConfigurationError(f"queue {name!r}: concurrency must be at least 1")
+        if limit is not None:
+            check_count(limit, f"queue {name!r}: its concurrency (-q {name}=N)")
         result[name] = limit
     if not result:
         raise ConfigurationError(
@@ -185,6 +190,39 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
             "queue the app's jobs use"
         )
     return result
+
+
+def check_count(value: object, what: str, *, least: int = 1) -> int:
+    """A number of handler threads, checked: an int (not a bool: True ran as 1) from
+    ``least`` to CONCURRENCY_MAX; ``what`` names the option in the error."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigurationError(
+            f"{what} must be a whole number (an int) of at least {least}, got {value!r}"
+        )
+    if value > CONCURRENCY_MAX:
+        raise ConfigurationError(
+            f"{what} is {value:,}: at most {CONCURRENCY_MAX:,} (each is a handler thread, "
+            "started with the worker); for more jobs at once run more worker processes "
+            "(--processes N, or more workers)"
+        )
+    return value
+
+
+def check_counts(
+    queues: str | Sequence[str] | Mapping[str, int] | None,
+    concurrency: int | None,
+    express: int | None,
+) -> None:
+    """-q, -c and --express checked as a worker checks them, without starting one (the
+    CLI, before it starts --processes N children: each failed on its own, five times)."""
+    limits = parse_queues(queues)
+    per_queue = [v for v in limits.values() if v is not None]
+    if concurrency is not None:
+        check_count(concurrency, "concurrency (-c)")
+    elif per_queue and len(per_queue) == len(limits):
+        check_count(sum(per_queue), "concurrency (the sum of -q's per-queue limits)")
+    if express is not None:
+        check_count(express, "express (--express)", least=0)
 
 
 def _worker_seconds(value: float, option: str, *, above_zero: bool = True) -> float:
@@ -236,9 +274,13 @@ class Worker:
                 if per_queue and len(per_queue) == len(limits)
                 else CONCURRENCY_DEFAULT
             )
-        if concurrency < 1:
-            raise ConfigurationError("concurrency (-c) must be at least 1")
-        self.concurrency = concurrency
+            what = "concurrency (the sum of -q's per-queue limits)"
+        else:
+            what = "concurrency (-c)"
+        # Before any thread starts (the slots' and the express lane's start below).
+        self.concurrency = concurrency = check_count(concurrency, what)
+        if express is not None:
+            check_count(express, "express (--express)", least=0)
         self.grace = grace = _worker_seconds(grace, "grace", above_zero=False)
         poll_interval = _worker_seconds(poll_interval, "poll_interval")
         self.abandon_after = abandon_after
@@ -308,8 +350,6 @@ class Worker:
         # The express lane: handler threads beyond the slots, for the jobs of a fair
         # queue's keys with nothing running, when every slot is busy (see _claim_express).
         self.fair_queues = [q for q in limits if getattr(app.queues.get(q), "fair", False)]
-        if express is not None and express < 0:
-            raise ConfigurationError("express must be 0 (off) or more")
         if express and pool != "thread":
             raise ConfigurationError(
                 "express: the express lane runs handler threads; with pool='process' leave "
@@ -322,9 +362,13 @@ class Worker:
         self._express_wanted = False  # a notification: a fair queue may have a new key
         self._express_at = float("-inf")  # monotonic: the last express claim
         self._express_found = False  # ... took jobs
-        self.express_threads = (
-            ThreadRunner(self.express, "errands-express") if self.express else None
-        )
+        try:
+            self.express_threads = (
+                ThreadRunner(self.express, "errands-express") if self.express else None
+            )
+        except BaseException:
+            self.threads.shutdown()  # (the machine's thread limit): none left running
+            raise
         self.loop_runner: LoopRunner | None = None
         self.recorder = self.recorder_class(self)
         self.dispatcher = Dispatcher(self)
@@ -474,15 +518,21 @@ class Worker:
 
     def forget(self, attempt: Attempt) -> None:
         """The attempt's outcome is stored (or refused, or given up on): it is no longer
-        this worker's. Its key or rate is free in the store from now: a claim that may have
-        left jobs waiting for one runs again (see _gated)."""
+        this worker's. Its key, rate or queue slot is free in the store from now: a claim
+        that may have left jobs waiting for one runs again (see _gated)."""
+        claimer = self.claimer
         with self._lock:
             self._attempts.pop((attempt.id, attempt.token), None)
-            # a job type with a key or a rate (a plain or fair-only job frees no key: waking
-            # on each of those made a claim per completed job of every fair queue)
+            # a job type with a key or a rate, or any job of a queue with a cluster-wide
+            # limit (a plain or fair-only job frees neither: waking on each of those made a
+            # claim per completed job of every fair queue). The handler's own slot frees
+            # before its outcome is written, so the claim it woke then still found such a
+            # queue full: the next job waited a poll interval (~N jobs a poll on
+            # PostgreSQL for a queue of limit=N with short jobs).
             definition = attempt.definition
-            limited = attempt.row.queue in self.claimer.with_limits and (
-                definition is None or definition.limited
+            queue = attempt.row.queue
+            limited = queue in claimer.with_limits and (
+                definition is None or definition.limited or queue in claimer.capped
             )
             self._limited_done += limited
             gated = limited and self._gated

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
@@ -1067,6 +1067,7 @@ class PostgresBackend(PostgresAdmin):
         weights: Weigher | None = None,
         express: bool = False,
         turns: int | None = None,
+        key_limits: Mapping[str, int] | None = None,
     ) -> list[JobRow]:
         def claim(conn: psycopg.Connection[Any], token: str) -> list[JobRow]:
             while True:
@@ -1089,6 +1090,7 @@ class PostgresBackend(PostgresAdmin):
                             cursors=self._fair_cursors,
                             express=express,
                             turns=turns,
+                            key_limits=key_limits,
                         )
                     return rows.carrying(JobRow(*r) for r in rows)
                 except Exception as exc:
@@ -1187,7 +1189,12 @@ class PostgresBackend(PostgresAdmin):
         pool = self._handlers()
         conn = checkout(pool)
         try:
-            conn.execute("BEGIN")
+            # READ COMMITTED whatever the database's default: the outcome's fenced write
+            # updates the job's row, which the heartbeats update while the handler runs
+            # (under REPEATABLE READ, a serialization failure: every job that outlived a
+            # heartbeat failed). The handler cannot change it: its connection refuses
+            # isolation_level, and SET TRANSACTION inside errands' savepoint.
+            conn.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
         except BaseException:
             pool.putconn(conn)
             raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ...errors import ConfigurationError
 from .. import redact_url
@@ -109,9 +109,10 @@ def parse_postgres_url(url: str) -> PostgresConfig:
         netloc_display = netloc
     given = {key for key, _ in theirs}
     theirs += [(key, value) for key, value in LIBPQ_DEFAULTS.items() if key not in given]
-    conninfo = urlunsplit(
-        ("postgresql", parts.netloc, parts.path, urlencode(theirs), parts.fragment)
-    )
+    # Spaces as %20, not '+': libpq reads a URI's '+' as itself (options=-c a=b reached
+    # the server as "-c+a=b", refused, and a value with a space could not be given).
+    query = urlencode(theirs, quote_via=quote)
+    conninfo = urlunsplit(("postgresql", parts.netloc, parts.path, query, parts.fragment))
     return PostgresConfig(
         conninfo=conninfo,
         schema=schema,

@@ -690,7 +690,12 @@ LEFT JOIN {schema}.errands_queues AS s ON s.name = %(queue)s
 -- releases its locks (a queue's claim lock, a workflow's row, the rows it wrote) instead of
 -- holding every other worker up until the client comes back. Local to the transaction (a
 -- pooler's other clients never see it).
-BEGIN; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true)
+-- READ COMMITTED whatever the database's or role's default_transaction_isolation: the
+-- limited claim counts a key's running jobs again once it holds the key's lock, and sees
+-- a claim committed meanwhile only with a snapshot per statement (under REPEATABLE READ
+-- two claims of queues sharing a key of limit 1 both took it: 2 running); the fenced
+-- writes update rows that heartbeats update too (a serialization failure under it).
+BEGIN ISOLATION LEVEL READ COMMITTED; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true)
 
 -- name: tx_guard
 -- The idle limit of own_begin, set inside a transaction already open: a handler's
@@ -702,8 +707,9 @@ SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)
 -- The BEGIN of a limited claim: own_begin's, and generic plans for its first statement
 -- and a fair queue's first reads, which follow it in the same message (see _LimitedStore
 -- in backend.py); local to the transaction, reset by plans_by_default after them.
-BEGIN; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true),
-              set_config('plan_cache_mode', 'force_generic_plan', true)
+-- READ COMMITTED, as own_begin (the recount after the key locks needs it).
+BEGIN ISOLATION LEVEL READ COMMITTED; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true),
+                                      set_config('plan_cache_mode', 'force_generic_plan', true)
 
 -- name: plans_by_default
 -- After a limited claim's first reads: the server chooses its plans as it would.

@@ -19,7 +19,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
@@ -787,6 +787,7 @@ class SQLiteBackend(SQLiteAdmin):
         weights: Weigher | None = None,
         express: bool = False,
         turns: int | None = None,
+        key_limits: Mapping[str, int] | None = None,
     ) -> list[JobRow]:
         with self._write() as conn:  # BEGIN IMMEDIATE: limited claims run one at a time
             store = _LimitedStore(conn)
@@ -805,6 +806,7 @@ class SQLiteBackend(SQLiteAdmin):
                 cursors=self._fair_cursors,
                 express=express,
                 turns=turns,
+                key_limits=key_limits,
             )
         return rows.carrying(JobRow(*r) for r in rows)
 
