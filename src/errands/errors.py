@@ -159,7 +159,14 @@ def _class_names(exc: BaseException) -> set[str]:
 def is_transient(exc: BaseException) -> bool:
     """Connectivity or locking trouble that a retry as-is can outlast (a killed session, a
     restart, a busy SQLite file), as opposed to content the store refuses. Shared by the
-    completer's outcome writes and the worker's startup steps."""
+    completer's outcome writes and the worker's startup steps.
+
+    PostgreSQL's class 54 (program_limit_exceeded: a value past jsonb's size limit, a
+    statement too complex) is an OperationalError to its driver but content the store
+    refuses: the same write fails every time (the completer retried such an outcome's
+    batch for ever, every outcome in it held back)."""
+    if _sqlstate(exc).startswith("54"):
+        return False
     return bool(
         _class_names(exc)
         & {
@@ -172,3 +179,19 @@ def is_transient(exc: BaseException) -> bool:
             "IdleInTransactionSessionTimeout",
         }
     ) or (isinstance(exc, OSError | TimeoutError))
+
+
+def _sqlstate(exc: BaseException) -> str:
+    """A PostgreSQL driver error's SQLSTATE (psycopg's ``sqlstate``), or ''."""
+    state = getattr(exc, "sqlstate", None)
+    return state if isinstance(state, str) else ""
+
+
+def out_of_room(exc: BaseException) -> bool:
+    """The store has no room for a write now, whatever the write holds: a full disk or a
+    size limit (:class:`StorageFull`), or PostgreSQL's class 53 (insufficient_resources:
+    disk_full, out_of_memory, too_many_connections). Nothing was written, and the same write
+    goes through once room is made: the completer waits for it, the leases keeping its
+    jobs (it recorded a job that had succeeded as dead, UnstorableOutcome, when the disk
+    was full for a moment)."""
+    return isinstance(exc, StorageFull) or _sqlstate(exc).startswith("53")
