@@ -24,6 +24,8 @@ The outcomes a handler raises to steer its own fate (:class:`errands.Permanent`,
 
 from __future__ import annotations
 
+import sqlite3
+
 
 class ErrandsError(Exception):
     """Base class of every error errands raises on purpose."""
@@ -187,11 +189,22 @@ def _sqlstate(exc: BaseException) -> str:
     return state if isinstance(state, str) else ""
 
 
-def out_of_room(exc: BaseException) -> bool:
-    """The store has no room for a write now, whatever the write holds: a full disk or a
-    size limit (:class:`StorageFull`), or PostgreSQL's class 53 (insufficient_resources:
-    disk_full, out_of_memory, too_many_connections). Nothing was written, and the same write
-    goes through once room is made: the completer waits for it, the leases keeping its
-    jobs (it recorded a job that had succeeded as dead, UnstorableOutcome, when the disk
-    was full for a moment)."""
-    return isinstance(exc, StorageFull) or _sqlstate(exc).startswith("53")
+def cannot_write_now(exc: BaseException) -> bool:
+    """The store takes no write now, whatever the write holds: a full disk or a size limit
+    (:class:`StorageFull`), PostgreSQL's class 53 (insufficient_resources: disk_full,
+    out_of_memory, too_many_connections), or an SQLite file this process may not write (a
+    :class:`ConfigurationError` from SQLITE_READONLY, SQLITE_CANTOPEN or SQLITE_PERM: a
+    permission taken away, a file system remounted read-only). Nothing was written, and
+    the same write goes through once an operator makes room or gives the permission back:
+    the completer waits for that, the leases keeping its jobs (it recorded a job that had
+    succeeded as dead, UnstorableOutcome, when the disk was full for a moment)."""
+    if isinstance(exc, StorageFull) or _sqlstate(exc).startswith("53"):
+        return True
+    cause = exc.__cause__
+    code = getattr(cause, "sqlite_errorcode", None)
+    return (
+        isinstance(exc, ConfigurationError)
+        and isinstance(cause, sqlite3.Error)
+        and isinstance(code, int)
+        and code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+    )

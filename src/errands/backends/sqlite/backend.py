@@ -126,6 +126,18 @@ def _is_full(exc: sqlite3.Error) -> bool:
     return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
 
 
+def _not_writable(exc: sqlite3.Error) -> bool:
+    """SQLITE_READONLY, SQLITE_CANTOPEN or SQLITE_PERM: this process may not write the file,
+    or create the ``-wal`` and ``-shm`` files beside it (a file or folder of another user,
+    a read-only mount)."""
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    return code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+
+
+# What a migration meets on tables that do not match the version errands_migrations records
+SCHEMA_MISMATCH = ("already exists", "duplicate column", "no such table", "no such column")
+
+
 def _split_statements(script: str) -> list[str]:
     statements, buffer = [], ""
     for line in script.splitlines(keepends=True):
@@ -295,6 +307,13 @@ class SQLiteBackend(SQLiteAdmin):
                 check_same_thread=False,
             )
         except sqlite3.OperationalError as exc:
+            if os.path.isdir(self.path):
+                raise ConfigurationError(
+                    f"cannot open SQLite database {self.path!r}: it is a folder; name a file "
+                    "in it, e.g. sqlite:///folder/errands.db"
+                ) from exc
+            if _not_writable(exc):
+                raise self._not_writable(exc) from exc
             raise ConfigurationError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
@@ -303,11 +322,27 @@ class SQLiteBackend(SQLiteAdmin):
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
         except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
             conn.close()
+            if _not_writable(exc):  # (it said to check the URL names an errands file)
+                raise self._not_writable(exc) from exc
+            if isinstance(exc, sqlite3.OperationalError):  # a disk I/O error: as it is
+                raise
             raise ConfigurationError(
                 f"cannot use SQLite database {self.path!r}: {exc}; check that the URL names "
                 "an errands SQLite file (or a new one)"
             ) from exc
         return conn
+
+    def _not_writable(self, exc: sqlite3.Error) -> ConfigurationError:
+        """The error for a file this process may not write (see :func:`_not_writable`)."""
+        folder = os.path.dirname(self.path)
+        name = getattr(exc, "sqlite_errorname", "") or type(exc).__name__
+        uid = f" (uid {os.getuid()})" if hasattr(os, "getuid") else ""
+        return ConfigurationError(
+            f"SQLite database {self.path!r} cannot be written ({exc}; {name}): errands writes "
+            f"the file and creates its -wal and -shm files beside it. Let the user this "
+            f"process runs as{uid} write the file and its folder {folder!r} (or run as the "
+            "file's owner), and check that the file system is not mounted read-only"
+        )
 
     def _conn(self) -> _Connection:
         """This thread's connection (the in-memory store's one: take ``_memory_lock``
@@ -446,6 +481,8 @@ class SQLiteBackend(SQLiteAdmin):
                     conn.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.Error) and _is_full(exc):
                     raise self._storage_full(exc) from exc
+                if isinstance(exc, sqlite3.Error) and _not_writable(exc):
+                    raise self._not_writable(exc) from exc
                 raise
         finally:
             if lock is not None:
@@ -507,7 +544,10 @@ class SQLiteBackend(SQLiteAdmin):
                     try:
                         conn.execute(statement)
                     except sqlite3.OperationalError as exc:
-                        if _is_busy(exc) or _is_full(exc):
+                        # only tables that do not match their recorded version: a file
+                        # this process may not write (or an I/O error) was reported as
+                        # one, with "restore the file from a backup"
+                        if not any(what in str(exc) for what in SCHEMA_MISMATCH):
                             raise
                         raise SchemaOutdated(
                             f"cannot apply errands migration {version:04d}_{name} to "
