@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from ...errors import (
     ConfigurationError,
@@ -101,8 +101,20 @@ WAL_WARN_EVERY = 300.0  # seconds between two such warnings
 
 
 def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
-    """``sqlite:///rel.db`` -> ``rel.db``; ``sqlite:////abs.db`` -> ``/abs.db``."""
+    """``sqlite:///rel.db`` -> ``rel.db``; ``sqlite:////abs.db`` -> ``/abs.db``.
+
+    The path is taken as written (no percent-decoding: ``%20`` is those three characters).
+    ``?`` starts the options (``name=value``, joined by ``&``; their values are
+    percent-decoded) and ``#`` is refused: a path holding either cannot be written here.
+    (A ``#`` ended the path and the rest was ignored, and a ``?`` part without ``=`` was
+    dropped: ``jobs#2.db`` and ``jobs?3.db`` both opened ``jobs``, another file.)"""
     parts, shown = urlsplit(url), redact_url(url)  # a mistyped URL may carry a password
+    if "#" in url:
+        raise ConfigurationError(
+            f"SQLite URL {shown!r} holds '#', which would end the file's path there (a URL "
+            "fragment); a file whose name holds '#' or '?' cannot be named in a URL: "
+            "rename it, or name a symbolic link to it"
+        )
     if parts.netloc:
         host = redact_url(f"sqlite://{parts.netloc}").removeprefix("sqlite://")
         raise ConfigurationError(
@@ -114,7 +126,24 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
         raise ConfigurationError(
             f"SQLite URL {shown!r} names no file; write e.g. sqlite:///errands.db"
         )
-    options = dict(parse_qsl(parts.query))
+    options: dict[str, str] = {}
+    for part in parts.query.split("&"):
+        if not part:
+            continue
+        name, equals, value = part.partition("=")
+        if not equals or not name:
+            raise ConfigurationError(
+                f"SQLite URL {shown!r}: {redact_url(part)!r} after '?' is not an option "
+                "(write name=value, e.g. ?synchronous=FULL&write_timeout=30); a file whose "
+                "name holds '?' cannot be named in a URL: rename it, or name a symbolic "
+                "link to it"
+            )
+        name, value = unquote_plus(name), unquote_plus(value)
+        if name in options:
+            raise ConfigurationError(
+                f"SQLite URL {shown!r}: option {redact_url(name)} is given twice; give it once"
+            )
+        options[name] = value
     unknown = set(options) - {"synchronous", "busy_timeout_ms", "write_timeout"}
     if unknown:
         names = ", ".join(sorted(redact_url(n) for n in unknown))  # a name may hold a password
