@@ -366,8 +366,10 @@ class SQLiteBackend(SQLiteAdmin):
             conn.close()
             if _not_writable(exc):  # (it said to check the URL names an errands file)
                 raise self._not_writable(exc) from exc
-            if isinstance(exc, sqlite3.OperationalError):  # a disk I/O error: as it is
-                raise
+            if isinstance(exc, sqlite3.OperationalError):  # a disk I/O error: no such hint
+                raise ConfigurationError(
+                    f"cannot use SQLite database {self.path!r}: {exc}"
+                ) from exc
             raise ConfigurationError(
                 f"cannot use SQLite database {self.path!r}: {exc}; check that the URL names "
                 "an errands SQLite file (or a new one)"
