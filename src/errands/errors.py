@@ -24,6 +24,8 @@ The outcomes a handler raises to steer its own fate (:class:`errands.Permanent`,
 
 from __future__ import annotations
 
+import sqlite3
+
 
 class ErrandsError(Exception):
     """Base class of every error errands raises on purpose."""
@@ -159,7 +161,14 @@ def _class_names(exc: BaseException) -> set[str]:
 def is_transient(exc: BaseException) -> bool:
     """Connectivity or locking trouble that a retry as-is can outlast (a killed session, a
     restart, a busy SQLite file), as opposed to content the store refuses. Shared by the
-    completer's outcome writes and the worker's startup steps."""
+    completer's outcome writes and the worker's startup steps.
+
+    PostgreSQL's class 54 (program_limit_exceeded: a value past jsonb's size limit, a
+    statement too complex) is an OperationalError to its driver but content the store
+    refuses: the same write fails every time (the completer retried such an outcome's
+    batch for ever, every outcome in it held back)."""
+    if _sqlstate(exc).startswith("54"):
+        return False
     return bool(
         _class_names(exc)
         & {
@@ -172,3 +181,30 @@ def is_transient(exc: BaseException) -> bool:
             "IdleInTransactionSessionTimeout",
         }
     ) or (isinstance(exc, OSError | TimeoutError))
+
+
+def _sqlstate(exc: BaseException) -> str:
+    """A PostgreSQL driver error's SQLSTATE (psycopg's ``sqlstate``), or ''."""
+    state = getattr(exc, "sqlstate", None)
+    return state if isinstance(state, str) else ""
+
+
+def cannot_write_now(exc: BaseException) -> bool:
+    """The store takes no write now, whatever the write holds: a full disk or a size limit
+    (:class:`StorageFull`), PostgreSQL's class 53 (insufficient_resources: disk_full,
+    out_of_memory, too_many_connections), or an SQLite file this process may not write (a
+    :class:`ConfigurationError` from SQLITE_READONLY, SQLITE_CANTOPEN or SQLITE_PERM: a
+    permission taken away, a file system remounted read-only). Nothing was written, and
+    the same write goes through once an operator makes room or gives the permission back:
+    the completer waits for that, the leases keeping its jobs (it recorded a job that had
+    succeeded as dead, UnstorableOutcome, when the disk was full for a moment)."""
+    if isinstance(exc, StorageFull) or _sqlstate(exc).startswith("53"):
+        return True
+    cause = exc.__cause__
+    code = getattr(cause, "sqlite_errorcode", None)
+    return (
+        isinstance(exc, ConfigurationError)
+        and isinstance(cause, sqlite3.Error)
+        and isinstance(code, int)
+        and code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+    )

@@ -97,6 +97,45 @@ def test_each_bad_url_option_names_the_option_and_how_to_fix_it(
     assert PASSWORD not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite:///jobs#2.db", "holds '#'"),
+        ("sqlite:///jobs.db#", "holds '#'"),
+        ("sqlite:///jobs.db?synchronous=FULL#x", "holds '#'"),
+        ("sqlite:///jobs?3.db", "'3.db' after '?' is not an option (write name=value"),
+        ("sqlite:///jobs.db?synchronous=FULL&frob", "'frob' after '?' is not an option"),
+        ("sqlite:///jobs.db?=FULL", "'=FULL' after '?' is not an option"),
+        ("sqlite:///jobs.db?synchronous=FULL&synchronous=OFF", "synchronous is given twice"),
+        ("sqlite:///jobs.db?synchronous=", "synchronous=''"),
+    ],
+)
+def test_a_sqlite_url_whose_path_would_be_cut_short_is_refused_and_opens_no_other_file(
+    url: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A '#' ended the path (the rest was ignored) and a '?' part without '=' was dropped:
+    sqlite:///jobs#2.db and sqlite:///jobs?3.db both opened (and created) 'jobs'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(errands.ConfigurationError) as caught:
+        open_backend(url)
+    text = str(caught.value)
+    assert message in text, text
+    if "#" in url or "3.db" in url:
+        assert "rename it, or name a symbolic link to it" in text, text
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sqlite_path_is_taken_as_written_and_option_values_are_percent_decoded() -> None:
+    assert parse_sqlite_url("sqlite:///dir%20x/j b.db?synchronous=%46ULL") == (
+        "dir%20x/j b.db",
+        {"synchronous": "FULL"},
+    )
+    assert parse_sqlite_url("sqlite:////abs/x.db?&write_timeout=30&") == (
+        "/abs/x.db",
+        {"write_timeout": "30"},
+    )
+
+
 def test_a_sqlite_url_naming_a_folder_or_a_missing_folder_is_refused(tmp_path: Path) -> None:
     with pytest.raises(errands.ConfigurationError, match="cannot open SQLite database"):
         open_backend(f"sqlite:///{tmp_path}")

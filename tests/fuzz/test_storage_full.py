@@ -10,15 +10,19 @@ on the connection errands itself writes with from this thread.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import errands
+from errands.worker import completer
+from tests.conftest import running_worker
 
-from .support import job_count
+from .support import job_count, wait_until
 
 ROOM_PAGES = 4  # above the current size: a few small jobs fit, a burst does not
 
@@ -126,3 +130,63 @@ def test_a_workflow_in_the_callers_full_transaction_raises_storage_full(
             app.enqueue_workflow(batch, conn=conn)
         conn.execute("ROLLBACK")
     assert job_count(app) == 1
+
+
+def test_a_job_whose_outcome_meets_a_full_store_completes_once_there_is_room(
+    full_app: tuple[errands.App, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store fills up while a job runs: its outcome (a large result) does not fit.
+    The completer took StorageFull for content the store refuses, and after three tries in
+    0.15 s stored the small fallback instead: the job that had succeeded went dead
+    (UnstorableOutcome), to the dead-letter queue. Now the write waits for room (the
+    lease keeps the job), and the job completes, on its first attempt, once the store has
+    room again. Every connection errands opens is capped (``max_page_count``), as a full
+    disk caps them all."""
+    app, _ = full_app
+
+    @app.job(name="store.big", retries=0)
+    def big() -> str:
+        return "r" * 300_000  # ~75 pages: more than the room left
+
+    handle = big.enqueue()
+    backend: Any = app.backend
+    capped: list[sqlite3.Connection] = []
+    lock = threading.Lock()
+    connect = backend._connect
+
+    def capped_connect() -> sqlite3.Connection:
+        conn = connect()
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages + ROOM_PAGES}")
+        with lock:
+            capped.append(conn)
+        return conn
+
+    monkeypatch.setattr(backend, "_connect", capped_connect)
+    _cap(app, ROOM_PAGES)  # this thread's, opened already
+    tries: list[float] = []
+    pause = completer._pause
+    monkeypatch.setattr(completer, "_pause", lambda s: (tries.append(s), pause(s)))
+    dead: list[Any] = []
+    app.events.subscribe(lambda e: dead.append(e) if e.name == "errands.job.dead" else None)
+
+    with running_worker(app, concurrency=1):
+        # well past the three refusals after which the outcome was recorded dead
+        wait_until(
+            lambda: (
+                len(tries) >= 4 * completer.REFUSALS_BEFORE_SPLIT or handle.status().value == "dead"
+            ),
+            30,
+            "the completer to retry its write on the full store",
+        )
+        assert handle.status().value == "running", handle.job().errors
+        with lock:  # room again: a full disk freed
+            for conn in capped:
+                conn.execute("PRAGMA max_page_count = 1073741823")
+        _cap(app, None)
+        wait_until(lambda: handle.status().value != "running", 30, "the job to be recorded")
+
+    job = handle.job()
+    assert job.state.value == "completed" and job.attempt == 1, (job.state, job.errors)
+    assert job.result == "r" * 300_000
+    assert job.errors == [] and dead == []

@@ -101,6 +101,7 @@ SWEEP: dict[str, Swept] = {
     "fair_usage_prune": Swept("running"),
     "workflow_prune": Swept("running"),
     "dead_hooks_due": Swept("running"),  # the leader's look for hooks no worker ran
+    "wal_trim": Swept("running"),  # (SQLite: empties a write-ahead log grown too large)
     # a graceful stop: each made once
     "job_release_many": Swept("stopping", 1),
     "leader_resign": Swept("stopping", 1),

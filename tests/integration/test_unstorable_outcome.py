@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+import psycopg.errors
+import pytest
 
 import errands
 from errands import JobState
+from errands.worker import completer
 
 from .helpers import wait_until
 
@@ -113,3 +118,80 @@ def test_a_workflow_settled_by_an_unstorable_outcome_is_reported_as_settled(
         wait_until(lambda: handle.status().settled, what="the batch to settle", timeout=30)
         wait_until(lambda: settled, what="its settled event", timeout=10)
     assert [(s["workflow_id"], s["state"]) for s in settled] == [(handle.id, "failed")]
+
+
+def test_an_outcome_past_postgresqls_own_size_limits_ends_dead_and_the_rest_is_recorded(
+    app: errands.App, worker_factory: Any
+) -> None:
+    """PostgreSQL refuses a value past its own limits with SQLSTATE class 54
+    (program_limit_exceeded: a jsonb past 256 MB). psycopg raises it as an
+    OperationalError, which was taken for a lost connection: the batch was written again
+    for ever, every outcome in it held back. It is content the store refuses: split off,
+    recorded dead. (The store's answer is substituted: such a value takes a gigabyte.)"""
+
+    @app.job(name="unstorable.huge")
+    def work(n: int) -> int:
+        return n
+
+    handles = app.enqueue_many([work.bind(n) for n in range(6)])
+    poisoned = handles[2].id
+    original = app.backend.job_finish_many
+
+    def refusing(outcomes: Any) -> list[bool]:
+        if any(o.id == poisoned and o.state == "completed" for o in outcomes):
+            raise psycopg.errors.ProgramLimitExceeded(
+                "total size of jsonb array elements exceeds the maximum of 268435455 bytes"
+            )
+        return original(outcomes)
+
+    app.backend.job_finish_many = refusing  # type: ignore[method-assign]
+    with worker_factory(concurrency=6):
+        wait_until(
+            lambda: all(h.status() in (JobState.COMPLETED, JobState.DEAD) for h in handles),
+            what="every job to be recorded",
+            timeout=30,
+        )
+    for handle in handles:
+        job = handle.job()
+        expected = JobState.DEAD if handle.id == poisoned else JobState.COMPLETED
+        assert job.state is expected, (handle.id, job.state)
+    last = handles[2].job().last_error
+    assert last is not None and last.type == "UnstorableOutcome" and "jsonb" in last.message
+
+
+@pytest.mark.parametrize(
+    "no_room",
+    [
+        errands.StorageFull("SQLite database 'x.db' is full (database or disk is full)"),
+        psycopg.errors.DiskFull('could not extend file "base/16384/16385": No space left'),
+        psycopg.errors.OutOfMemory("out of memory"),
+    ],
+    ids=["sqlite-full", "postgres-disk-full", "postgres-out-of-memory"],
+)
+def test_an_outcome_the_store_has_no_room_for_is_written_once_there_is_room(
+    app: errands.App, worker_factory: Any, no_room: Exception, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store out of room refuses every write, not this outcome: the completer writes
+    it again until there is room (it recorded the job dead after three tries). A full
+    SQLite file on a real worker: tests/fuzz/test_storage_full.py."""
+
+    @app.job(name="unstorable.later", retries=0)
+    def work() -> int:
+        return 7
+
+    handle = work.enqueue()
+    original = app.backend.job_finish_many
+    tries: list[int] = []
+    monkeypatch.setattr(completer, "_pause", lambda _: time.sleep(0.01))  # (not up to 1 s)
+
+    def full_for_a_while(outcomes: Any) -> list[bool]:
+        if len(tries) < 12:  # four times the refusals after which it was recorded dead
+            tries.append(1)
+            raise no_room
+        return original(outcomes)
+
+    app.backend.job_finish_many = full_for_a_while  # type: ignore[method-assign]
+    with worker_factory(concurrency=1):
+        wait_until(lambda: handle.status().is_terminal, what="the job to be recorded", timeout=60)
+    job = handle.job()
+    assert (job.state, job.attempt, job.result) == (JobState.COMPLETED, 1, 7), job.errors

@@ -793,6 +793,12 @@ class Backend(Protocol):
         """Table bloat and long-transaction signals (one cheap query; for metrics)."""
         ...
 
+    def wal_trim(self) -> None:
+        """The maintenance leader, each tick: SQLite empties its write-ahead log once a
+        long reader let it grow past its limit, never waiting on readers or writers;
+        nothing on PostgreSQL."""
+        ...
+
 
 class Listener(Protocol):
     self_test_passed: bool | None

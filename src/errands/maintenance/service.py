@@ -172,6 +172,7 @@ class Maintenance:
             ("cron", lambda: self.scheduler.run_once(go_on=self._still_leader)),
             ("pruning", self._prune_when_due),
             ("on_dead hooks", self._dead_hooks_when_due),
+            ("write-ahead log", self.app.backend.wal_trim),  # (a file's size, mostly)
         ):
             if not self._still_leader():
                 return

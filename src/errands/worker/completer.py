@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, FinishParams
-from ..errors import is_transient
+from ..errors import cannot_write_now, is_transient
 from ..errortext import LOG_LIMIT, clip
 from ..hooks import protect_current_thread
 from ..landed import landed, read_back
@@ -146,10 +146,16 @@ class Completer:
     def _store(
         self, batch: list[tuple[Attempt, FinishParams]]
     ) -> list[tuple[tuple[Attempt, FinishParams], bool | None]]:
-        """Write a batch, retrying while the store is unreachable or busy (leases keep the
-        jobs safe). A batch the store refuses for its content is split, and an outcome that
-        cannot be stored on its own is recorded as dead with the reason, so one bad
-        outcome never holds the others back."""
+        """Write a batch, retrying while the store is unreachable, busy or out of room
+        (leases keep the jobs safe). A batch the store refuses for its content is split,
+        and an outcome that cannot be stored on its own is recorded as dead with the
+        reason, so one bad outcome never holds the others back.
+
+        A full store (or a file this process may not write) is not a refusal of the
+        content: it refuses any write (it took a job that had succeeded to the dead-letter
+        queue, UnstorableOutcome, once a full disk refused its outcome three times in
+        0.15 s and then took the smaller dead record), so that write is made again until
+        it goes through."""
         pause = 0.05
         refusals = failures = 0
         next_report = 0.0
@@ -163,8 +169,8 @@ class Completer:
                     accepted = self._landed_anyway(batch, accepted)
                 return list(zip(batch, accepted, strict=True))
             except Exception as exc:
-                unsure = unsure or is_transient(exc)
-                if not is_transient(exc):
+                unsure = unsure or is_transient(exc)  # (a full store wrote nothing)
+                if not is_transient(exc) and not cannot_write_now(exc):
                     refusals += 1
                     if refusals >= REFUSALS_BEFORE_SPLIT:
                         return self._store_apart(batch, exc)

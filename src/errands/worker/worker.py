@@ -808,6 +808,13 @@ class Worker:
     def _produce(self) -> None:
         pause = self.poll_interval
         gathered = False
+        # While claims fail: whether a notification may end the backoff (it shows that a
+        # job was committed: on PostgreSQL the server answers again), and whether one
+        # ended the last. A claim that fails even so shows the failure is this process's
+        # own (on SQLite a local I/O error, a file-size limit, while other processes still
+        # commit): notifications end no more backoffs until a claim gets through. (They
+        # ended every one: claims every 0.25 s, each with its warning.)
+        heed_notify, cut_short = True, False
         while not self._stopping.is_set():
             # Cleared here, before this round reads anything, and never after a wait: a
             # wake-up set between a wait's end and a clear after it was lost (a keyed job's
@@ -884,8 +891,8 @@ class Worker:
             rows = claimed.rows
             if claimed.error is not None:
                 now = time.monotonic()
-                if not rows or now >= self._claim_warned_at + CLAIM_RETRY_MAX:
-                    self._claim_warned_at = now  # a step failing every round: not every line
+                if now >= self._claim_warned_at + CLAIM_RETRY_MAX:
+                    self._claim_warned_at = now  # one line per CLAIM_RETRY_MAX, not per claim
                     log.warning(
                         "claim failed (%s); %d job(s) claimed in that round started; %s",
                         claimed.error,
@@ -893,11 +900,13 @@ class Worker:
                         f"retrying in {pause:.1f} s" if not rows else "going on",
                     )
                 if not rows:  # nothing claimed at all: back off before trying again
-                    self._back_off(pause)
+                    heed_notify = heed_notify and not cut_short
+                    cut_short = self._back_off(pause, heed_notify)
                     pause = min(pause * 2, CLAIM_RETRY_MAX)
                     continue
             else:
                 pause = self.poll_interval
+                heed_notify, cut_short = True, False
             if not rows and claimed.limited_starved and self._backlog:
                 # The limited queues wait for a free slot, which wakes us (the backlog
                 # stays on) rather than the next poll.
@@ -980,18 +989,20 @@ class Worker:
                 unwritten,
             )
 
-    def _back_off(self, pause: float) -> None:
+    def _back_off(self, pause: float, heed_notify: bool = True) -> bool:
         """Wait ``pause`` seconds after a failed claim, or less: a notification (a job
         committed, announced by the store) shows the store answers again, so the next
         claim need not wait out a backoff grown while it was away (after a database
-        restart that wait delayed claims, rescued jobs among them, by seconds)."""
+        restart that wait delayed claims, rescued jobs among them, by seconds). Not when
+        ``heed_notify`` is False (see _produce). True when a notification ended it."""
         deadline = time.monotonic() + pause
         self._notified = False
         while not self._stopping.is_set() and (left := deadline - time.monotonic()) > 0:
             self._wake.wait(left)
             self._wake.clear()
-            if self._notified:
-                return
+            if self._notified and heed_notify:
+                return True
+        return False
 
     def _prefetch_now(self) -> int:
         """Jobs to hold beyond the slots: enough that one claim carries a batch, few enough

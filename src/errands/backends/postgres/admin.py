@@ -97,6 +97,9 @@ class PostgresAdmin(SharedAdmin):
             oldest_transaction_age=None if oldest is None else max(float(oldest), 0.0),
         )
 
+    def wal_trim(self) -> None:
+        """Nothing: the server manages its own write-ahead log."""
+
     # -- the dashboard ---------------------------------------------------------------------
     def job_throughput(self, since_seconds: float, bucket_seconds: float) -> list[Any]:
         from ..base import ThroughputBucket

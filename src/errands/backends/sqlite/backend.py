@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from ...errors import (
     ConfigurationError,
@@ -88,11 +88,33 @@ ABANDON_TRIES = 50
 BEGIN_PAUSE_FIRST = 0.0001
 BEGIN_PAUSE_MAX = 0.002
 SYNCHRONOUS_CHOICES = ("OFF", "NORMAL", "FULL", "EXTRA")
+# The write-ahead log: SQLite checkpoints it into the file every 1000 pages, but not past
+# the snapshot of a read transaction still open, and it never shrinks the -wal file on
+# its own (one long reader grew it from 4.5 MB to 152 MB in 15 s, and it stayed so after
+# the reader ended). SQLite truncates it to WAL_LIMIT_BYTES when it starts the log over
+# (PRAGMA journal_size_limit), and the maintenance leader empties it once it has grown
+# past WAL_TRIM_BYTES, four times what the checkpoints every 1000 pages let it reach.
+WAL_LIMIT_BYTES = 64 * 1024 * 1024
+WAL_TRIM_BYTES = 16 * 1024 * 1024
+WAL_WARN_AFTER = 60.0  # seconds a log stays too large to empty before a warning says why
+WAL_WARN_EVERY = 300.0  # seconds between two such warnings
 
 
 def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
-    """``sqlite:///rel.db`` -> ``rel.db``; ``sqlite:////abs.db`` -> ``/abs.db``."""
+    """``sqlite:///rel.db`` -> ``rel.db``; ``sqlite:////abs.db`` -> ``/abs.db``.
+
+    The path is taken as written (no percent-decoding: ``%20`` is those three characters).
+    ``?`` starts the options (``name=value``, joined by ``&``; their values are
+    percent-decoded) and ``#`` is refused: a path holding either cannot be written here.
+    (A ``#`` ended the path and the rest was ignored, and a ``?`` part without ``=`` was
+    dropped: ``jobs#2.db`` and ``jobs?3.db`` both opened ``jobs``, another file.)"""
     parts, shown = urlsplit(url), redact_url(url)  # a mistyped URL may carry a password
+    if "#" in url:
+        raise ConfigurationError(
+            f"SQLite URL {shown!r} holds '#', which would end the file's path there (a URL "
+            "fragment); a file whose name holds '#' or '?' cannot be named in a URL: "
+            "rename it, or name a symbolic link to it"
+        )
     if parts.netloc:
         host = redact_url(f"sqlite://{parts.netloc}").removeprefix("sqlite://")
         raise ConfigurationError(
@@ -104,7 +126,24 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
         raise ConfigurationError(
             f"SQLite URL {shown!r} names no file; write e.g. sqlite:///errands.db"
         )
-    options = dict(parse_qsl(parts.query))
+    options: dict[str, str] = {}
+    for part in parts.query.split("&"):
+        if not part:
+            continue
+        name, equals, value = part.partition("=")
+        if not equals or not name:
+            raise ConfigurationError(
+                f"SQLite URL {shown!r}: {redact_url(part)!r} after '?' is not an option "
+                "(write name=value, e.g. ?synchronous=FULL&write_timeout=30); a file whose "
+                "name holds '?' cannot be named in a URL: rename it, or name a symbolic "
+                "link to it"
+            )
+        name, value = unquote_plus(name), unquote_plus(value)
+        if name in options:
+            raise ConfigurationError(
+                f"SQLite URL {shown!r}: option {redact_url(name)} is given twice; give it once"
+            )
+        options[name] = value
     unknown = set(options) - {"synchronous", "busy_timeout_ms", "write_timeout"}
     if unknown:
         names = ", ".join(sorted(redact_url(n) for n in unknown))  # a name may hold a password
@@ -124,6 +163,18 @@ def _is_full(exc: sqlite3.Error) -> bool:
     """SQLITE_FULL: the disk is full, or the file reached ``PRAGMA max_page_count``."""
     code = getattr(exc, "sqlite_errorcode", None)
     return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
+
+
+def _not_writable(exc: sqlite3.Error) -> bool:
+    """SQLITE_READONLY, SQLITE_CANTOPEN or SQLITE_PERM: this process may not write the file,
+    or create the ``-wal`` and ``-shm`` files beside it (a file or folder of another user,
+    a read-only mount)."""
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    return code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
+
+
+# What a migration meets on tables that do not match the version errands_migrations records
+SCHEMA_MISMATCH = ("already exists", "duplicate column", "no such table", "no such column")
 
 
 def _split_statements(script: str) -> list[str]:
@@ -255,6 +306,8 @@ class SQLiteBackend(SQLiteAdmin):
                 raise ConfigurationError(
                     f"SQLite URL {url!r}: folder {folder!r} does not exist; create it first"
                 )
+        self._wal_warned_at = float("-inf")
+        self._wal_big_since: float | None = None  # since when wal_trim cannot empty the log
         self._pid = -1
         self._fresh_process()
         self.workflows = WorkflowStore(Q, self._insert_program, json.dumps, rows=json.dumps)
@@ -295,19 +348,45 @@ class SQLiteBackend(SQLiteAdmin):
                 check_same_thread=False,
             )
         except sqlite3.OperationalError as exc:
+            if os.path.isdir(self.path):
+                raise ConfigurationError(
+                    f"cannot open SQLite database {self.path!r}: it is a folder; name a file "
+                    "in it, e.g. sqlite:///folder/errands.db"
+                ) from exc
+            if _not_writable(exc):
+                raise self._not_writable(exc) from exc
             raise ConfigurationError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
             if not self.memory:
                 self._retry(lambda: conn.execute("PRAGMA journal_mode = WAL"))
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+            conn.execute(f"PRAGMA journal_size_limit = {int(WAL_LIMIT_BYTES)}")
         except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
             conn.close()
+            if _not_writable(exc):  # (it said to check the URL names an errands file)
+                raise self._not_writable(exc) from exc
+            if isinstance(exc, sqlite3.OperationalError):  # a disk I/O error: no such hint
+                raise ConfigurationError(
+                    f"cannot use SQLite database {self.path!r}: {exc}"
+                ) from exc
             raise ConfigurationError(
                 f"cannot use SQLite database {self.path!r}: {exc}; check that the URL names "
                 "an errands SQLite file (or a new one)"
             ) from exc
         return conn
+
+    def _not_writable(self, exc: sqlite3.Error) -> ConfigurationError:
+        """The error for a file this process may not write (see :func:`_not_writable`)."""
+        folder = os.path.dirname(self.path)
+        name = getattr(exc, "sqlite_errorname", "") or type(exc).__name__
+        uid = f" (uid {os.getuid()})" if hasattr(os, "getuid") else ""
+        return ConfigurationError(
+            f"SQLite database {self.path!r} cannot be written ({exc}; {name}): errands writes "
+            f"the file and creates its -wal and -shm files beside it. Let the user this "
+            f"process runs as{uid} write the file and its folder {folder!r} (or run as the "
+            "file's owner), and check that the file system is not mounted read-only"
+        )
 
     def _conn(self) -> _Connection:
         """This thread's connection (the in-memory store's one: take ``_memory_lock``
@@ -446,6 +525,8 @@ class SQLiteBackend(SQLiteAdmin):
                     conn.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.Error) and _is_full(exc):
                     raise self._storage_full(exc) from exc
+                if isinstance(exc, sqlite3.Error) and _not_writable(exc):
+                    raise self._not_writable(exc) from exc
                 raise
         finally:
             if lock is not None:
@@ -470,6 +551,52 @@ class SQLiteBackend(SQLiteAdmin):
             finally:
                 if lock is not None:
                     lock.release()
+
+    # -- the write-ahead log -------------------------------------------------------------
+    def _wal_bytes(self) -> int:
+        try:
+            return os.path.getsize(self.path + "-wal")
+        except OSError:
+            return 0  # no log right now
+
+    def wal_trim(self) -> None:
+        """Empty the write-ahead log once it has grown past WAL_TRIM_BYTES (a read
+        transaction kept SQLite's own checkpoints from catching up), without waiting for
+        any reader or writer: a PASSIVE checkpoint first (it copies what it can while
+        writers go on), then, once everything is copied, a TRUNCATE with no busy wait (it
+        takes the write lock only to copy the few pages written meanwhile, and gives up
+        at once, as PASSIVE, while a reader still uses the log: the next call tries
+        again). A log that a reader keeps large for WAL_WARN_AFTER seconds is a warning
+        (every WAL_WARN_EVERY seconds)."""
+        if self.memory or self._wal_bytes() <= WAL_TRIM_BYTES:
+            self._wal_big_since = None
+            return
+        with self._read() as conn:
+            conn.execute("PRAGMA busy_timeout = 0")
+            try:
+                busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                if not busy and frames == copied:
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            finally:
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
+        size, now = self._wal_bytes(), time.monotonic()
+        if size <= WAL_TRIM_BYTES:
+            self._wal_big_since = None
+            return
+        if self._wal_big_since is None:  # (a writer in the way: the next tick empties it)
+            self._wal_big_since = now
+        elif now - self._wal_big_since >= WAL_WARN_AFTER and (
+            now >= self._wal_warned_at + WAL_WARN_EVERY
+        ):
+            self._wal_warned_at = now
+            log.warning(
+                "the write-ahead log of %r is %.0f MB and has not been emptied for %.0f s: "
+                "a read transaction uses it. Is one open for long (a sqlite3 shell, a "
+                "report, a caller's transaction)? It is emptied once that transaction ends",
+                self.path,
+                size / 1e6,
+                now - self._wal_big_since,
+            )
 
     # -- schema ----------------------------------------------------------------------
     def _applied_version(self, conn: sqlite3.Connection) -> int:
@@ -507,7 +634,10 @@ class SQLiteBackend(SQLiteAdmin):
                     try:
                         conn.execute(statement)
                     except sqlite3.OperationalError as exc:
-                        if _is_busy(exc) or _is_full(exc):
+                        # only tables that do not match their recorded version: a file
+                        # this process may not write (or an I/O error) was reported as
+                        # one, with "restore the file from a backup"
+                        if not any(what in str(exc) for what in SCHEMA_MISMATCH):
                             raise
                         raise SchemaOutdated(
                             f"cannot apply errands migration {version:04d}_{name} to "

@@ -165,8 +165,11 @@ WHERE id IN (SELECT id FROM errands_jobs
 -- A workflow's member stays while its workflow does (a dependent yet to run, the
 -- workflow's result and its callbacks read it), whatever its age: pruned, it read as a
 -- completed parent with no result. Workflows go by their outermost one's settle time
--- (wf_prunable), their members with them.
-SELECT id FROM errands_jobs AS j
+-- (wf_prunable), their members with them. INDEXED BY: SQLite's planner (errands never runs
+-- ANALYZE) chose errands_jobs_state, and read every finished row kept, under the write
+-- lock, to find none past the retention (0.05-0.09 s a call at 197,000 rows); the
+-- partial index on finished_at reads only the rows past it.
+SELECT id FROM errands_jobs AS j INDEXED BY errands_jobs_finished
 WHERE state IN ('completed', 'cancelled', 'discarded')
   AND finished_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
   AND (j.workflow_id IS NULL
