@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import errands
+from errands.observability.events import Event
 from errands.observability.metrics import asgi_app, install_metrics
 from tests.integration.helpers import wait_until
 
@@ -330,3 +333,139 @@ def test_a_fair_key_named_other_is_counted_in_the_aggregate_not_beside_it() -> N
     assert [r.figures.key for r in rows] == ["acme", "other"]
     assert (rows[-1].keys, rows[-1].figures.recent_seconds) == (2, 6.0)
     assert top_keys([key("acme", 1.0), key("other", 1.0)], n=10)[-1].keys == 1
+
+
+class _StuckJob:
+    """A job type whose handler runs until the test lets it go (it ignores ctx.cancelled,
+    so a graceful stop's grace period runs out and the worker releases the job)."""
+
+    def __init__(self, app: errands.App, name: str) -> None:
+        self.started = threading.Event()
+        self.done = threading.Event()
+
+        @app.job(name=name, retries=3, backoff=3600)
+        def stuck() -> str:
+            self.started.set()
+            while not self.done.is_set():
+                time.sleep(0.01)
+            return "late"
+
+        self.job = stuck
+
+
+def test_a_release_refused_because_the_job_was_rescued_ends_the_attempt_for_metrics_and_traces(
+    db_url: str, spans: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose job was rescued elsewhere (the leader took it after a self-fence, or
+    before a graceful stop's release) gives it back; the store refuses the release (the
+    lease is another's). No event ended the attempt: errands_jobs_in_flight stayed at 1
+    and its process span stayed open, for good, and the log said 'released 0 job(s)'."""
+    from errands.observability.tracing import install_tracing
+    from tests.integration.helpers import WorkerThread, force_rescue
+
+    app = errands.App(db_url, lease=600)  # no heartbeat finds the loss first (one in 200 s)
+    leader = errands.App(db_url)  # the maintenance leader, in another process
+    registry = install_metrics(app, cache_seconds=0).registry
+    plugin = install_tracing(app, tracer_provider=spans.provider)
+    seen: list[str] = []
+    app.events.subscribe(lambda e: seen.append(e.name))
+    stuck = _StuckJob(app, "m.stuck")
+    _StuckJob(leader, "m.stuck")  # its backoff (an hour): the rescued job waits
+    handle = stuck.job.enqueue()
+    worker = WorkerThread(app, grace=0.2).start()
+    try:
+        assert stuck.started.wait(10)
+        assert metric_value(registry, "errands_jobs_in_flight") == 1
+        force_rescue(leader, handle.id)
+        with caplog.at_level(logging.WARNING, logger="errands.worker"):
+            worker.stop()
+    finally:
+        stuck.done.set()
+        leader.close()
+    assert handle.job().state.value == "retryable"  # the rescue's, untouched by the release
+    wait_until(lambda: "errands.job.stale_write_rejected" in seen, what="the refusal's event")
+    assert "errands.job.released" not in seen
+    assert metric_value(registry, "errands_jobs_in_flight") == 0
+    assert metric_value(registry, "errands_stale_writes_rejected_total") == 1
+    [span] = spans.named("process default")
+    assert span.attributes["errands.job.outcome"] == "stale"
+    assert plugin._running == {}
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "released 0 job(s)" in m], messages
+    assert [m for m in messages if f"could not release job(s) {handle.id}:" in m], messages
+    app.close()
+
+
+def test_a_release_the_store_could_not_take_ends_the_attempt_as_write_failed(
+    db_url: str, spans: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release itself failed (the store out of reach at a self-fence or a stop): the
+    job is rescued after its lease, and the attempt ends here as write_failed."""
+    import sqlite3
+
+    from errands.observability.tracing import install_tracing
+    from tests.integration.helpers import WorkerThread
+
+    app = errands.App(db_url, lease=600)
+    registry = install_metrics(app, cache_seconds=0).registry
+    plugin = install_tracing(app, tracer_provider=spans.provider)
+    seen: list[Event] = []
+    app.events.subscribe(seen.append)
+    stuck = _StuckJob(app, "m.stuck")
+    handle = stuck.job.enqueue()
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    worker = WorkerThread(app, grace=0.2).start()
+    try:
+        assert stuck.started.wait(10)
+        monkeypatch.setattr(app.backend, "job_release_many", unreachable)
+        worker.stop()
+    finally:
+        stuck.done.set()
+    assert handle.job().state.value == "running"  # rescued when its lease runs out
+    assert metric_value(registry, "errands_jobs_in_flight") == 0  # (inline: at once)
+    wait_until(
+        lambda: any(e.name == "errands.job.write_failed" for e in list(seen)),
+        what="the write_failed event",
+    )
+    [failed] = [e for e in seen if e.name == "errands.job.write_failed"]
+    assert (failed["job_id"], failed["outcome"]) == (handle.id, "released")
+    [span] = spans.named("process default")
+    assert span.attributes["errands.job.outcome"] == "write_failed"
+    assert span.status.status_code.name == "ERROR"
+    assert plugin._running == {}
+    app.close()
+
+
+def test_an_outcome_that_cannot_be_stored_at_all_ends_the_attempt_as_write_failed(
+    app: errands.App, worker_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completer gave up on an outcome (refused for its content, the fallback too):
+    on_written(None) emitted nothing, and the in-flight gauge stayed up for good."""
+    registry = install_metrics(app, cache_seconds=0).registry
+    seen: list[Event] = []
+    app.events.subscribe(seen.append)
+
+    @app.job(name="m.unstorable")
+    def unstorable() -> str:
+        return "done"
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the store refuses this outcome")  # not transient: never retried
+
+    monkeypatch.setattr(app.backend, "job_finish_many", refused)
+    handle = unstorable.enqueue()
+    with worker_factory(concurrency=1, maintenance=False):
+        wait_until(lambda: any(e.name == "errands.job.started" for e in list(seen)), what="start")
+        wait_until(
+            lambda: metric_value(registry, "errands_jobs_in_flight") == 0,
+            what="the attempt out of the in-flight gauge",
+        )
+        wait_until(
+            lambda: any(e.name == "errands.job.write_failed" for e in list(seen)),
+            what="the write_failed event",
+        )
+        [failed] = [e for e in seen if e.name == "errands.job.write_failed"]
+        assert (failed["job_id"], failed["outcome"]) == (handle.id, "dead")  # (the fallback)

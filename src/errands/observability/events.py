@@ -55,6 +55,7 @@ CATALOGUE: dict[str, tuple[str, ...]] = {
     ),
     "errands.job.cancelled": (*_RUN, "duration"),
     "errands.job.stale_write_rejected": (*_RUN, "outcome"),
+    "errands.job.write_failed": (*_RUN, "outcome"),
     "errands.job.progress": (*_RUN, "progress", "message"),
     "errands.job.waiting": (*_RUN, "signal", "timeout"),
     "errands.job.signalled": ("job_id", "actor", "signal", "resumed"),

@@ -151,6 +151,16 @@ def _log_job_event(name: str, f: dict) -> None:  # type: ignore[type-arg]
             f.get("job_id"),
             f.get("outcome"),
         )
+    elif name == "errands.job.write_failed":
+        _emit(
+            worker_log,
+            logging.WARNING,
+            a,
+            "the %s outcome of job %s could not be stored; its lease runs out and the "
+            "maintenance leader rescues it",
+            f.get("outcome"),
+            f.get("job_id"),
+        )
     elif name == "errands.job.rescued":
         _emit(
             maintenance_log, logging.WARNING, a, "rescued (%s): %s", f.get("state"), f.get("reason")

@@ -73,9 +73,16 @@ OUTCOMES = {
     "errands.job.cancelled": "cancelled",
 }
 # events that end an attempt this process started (for errands_jobs_in_flight)
-# (a suspension too: ctx.wait_for_signal ends the attempt; in flight stayed up for good)
+# (a suspension too: ctx.wait_for_signal ends the attempt; in flight stayed up for good;
+# and an outcome or release the store could not take: write_failed)
 ATTEMPT_ENDS = frozenset(
-    [*OUTCOMES, "errands.job.stale_write_rejected", "errands.job.released", "errands.job.waiting"]
+    [
+        *OUTCOMES,
+        "errands.job.stale_write_rejected",
+        "errands.job.write_failed",
+        "errands.job.released",
+        "errands.job.waiting",
+    ]
 )
 RESCUE_OUTCOMES = {"retryable": "retry", "dead": "dead", "cancelled": "cancelled"}
 

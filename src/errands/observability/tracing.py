@@ -61,6 +61,7 @@ OUTCOMES = {
     "errands.job.dead": "dead",
     "errands.job.cancelled": "cancelled",
     "errands.job.stale_write_rejected": "stale",
+    "errands.job.write_failed": "write_failed",  # not stored: rescued after its lease
     "errands.job.released": "released",
     "errands.job.waiting": "waiting",  # suspended (ctx.wait_for_signal): the attempt ends
 }
@@ -279,6 +280,10 @@ class Tracing:
                 attributes["exception.stacktrace"] = format_trace(record.error)
             span.add_event("exception", attributes)
             span.set_status(Status(StatusCode.ERROR, f"{error_type}: {message}"))
+        elif event.name == "errands.job.write_failed":
+            span.set_status(
+                Status(StatusCode.ERROR, f"the {event.get('outcome')} outcome was not stored")
+            )
         span.end()
 
     def on_event(self, event: Event) -> None:

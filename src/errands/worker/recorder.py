@@ -325,13 +325,17 @@ class OutcomeRecorder:
     def on_written(self, attempt: Attempt, outcome: FinishParams, accepted: bool | None) -> None:
         """The completer (or the handler's transaction) stored the outcome, or the fence
         refused it: forget the attempt, emit its event, queue the on_dead hooks. None: it
-        could not be stored at all (logged; its lease runs out and it is rescued): no
-        event, it is not a stale write."""
+        could not be stored at all (logged; its lease runs out and it is rescued): not a
+        stale write, ``errands.job.write_failed`` (it ended no attempt: the in-flight
+        gauge and the process span stayed open for good)."""
         worker = self.worker
         worker.forget(attempt)
         worker.processed += 1
         events = worker.app.events
         if accepted is None:
+            events.emit_later(
+                "errands.job.write_failed", **job_fields(attempt.row), outcome=outcome.state
+            )
             return
         if not accepted:
             if events.wants("errands.job.stale_write_rejected"):

@@ -1187,30 +1187,54 @@ class Worker:
 
     def release(self, attempts: list[Attempt], message: str, level: int = logging.WARNING) -> None:
         """Give the leases of ``attempts`` back (available again, the attempt not charged,
-        the release recorded on the job)."""
+        the release recorded on the job). Each attempt ends with an event: ``released``;
+        ``stale_write_rejected`` (outcome ``released``) when its lease was no longer held
+        (rescued or cancelled meanwhile); ``write_failed`` when the store could not be
+        written (it is rescued after its lease). Without one, the in-flight gauge and the
+        attempt's process span stayed open for good."""
+        released: list[bool | None]
         try:
-            released = self.app.backend.job_release_many(
-                [
-                    LeaseRef(a.id, a.token, a.lease_seconds, fair=a.row.fair_key is not None)
-                    for a in attempts
-                ],
-                f"released by worker {self.id} ({message % len(attempts)}); the attempt is "
-                "not charged and the job runs again",
+            released = list(
+                self.app.backend.job_release_many(
+                    [
+                        LeaseRef(a.id, a.token, a.lease_seconds, fair=a.row.fair_key is not None)
+                        for a in attempts
+                    ],
+                    f"released by worker {self.id} ({message % len(attempts)}); the attempt "
+                    "is not charged and the job runs again",
+                )
             )
-            ids = [a.id for a, ok in zip(attempts, released, strict=True) if ok]
-            shown = ", ".join(map(str, ids[:20])) + (
-                f" and {len(ids) - 20} more" if len(ids) > 20 else ""
-            )
-            log.log(level, message + " (attempt not charged): job(s) %s", sum(released), shown)
-            for attempt, ok in zip(attempts, released, strict=True):
-                if ok:
-                    # (from a handler's thread too: its subscribers off it)
-                    self.app.events.emit_later("errands.job.released", **job_fields(attempt.row))
         except Exception:
             log.exception("could not release running jobs; they are rescued after their lease")
-        with self._lock:
-            for attempt in attempts:
-                self._attempts.pop((attempt.id, attempt.token), None)
+            released = [None] * len(attempts)
+        try:
+            ids = [a.id for a, ok in zip(attempts, released, strict=True) if ok]
+            if ids:
+                log.log(level, message + " (attempt not charged): job(s) %s", len(ids), _shown(ids))
+            refused = [a.id for a, ok in zip(attempts, released, strict=True) if ok is False]
+            if refused:
+                log.log(
+                    level,
+                    "could not release job(s) %s: no longer held by this worker (rescued or "
+                    "cancelled meanwhile)",
+                    _shown(refused),
+                )
+            events = self.app.events
+            for attempt, ok in zip(attempts, released, strict=True):
+                # (from a handler's thread too: its subscribers off it)
+                fields = job_fields(attempt.row)
+                if ok:
+                    events.emit_later("errands.job.released", **fields)
+                elif ok is False:
+                    events.emit_later(
+                        "errands.job.stale_write_rejected", **fields, outcome="released"
+                    )
+                else:
+                    events.emit_later("errands.job.write_failed", **fields, outcome="released")
+        finally:
+            with self._lock:
+                for attempt in attempts:
+                    self._attempts.pop((attempt.id, attempt.token), None)
 
     def release_in_background(self, attempts: list[Attempt], message: str) -> None:
         """:meth:`release`, on a thread of its own: from a thread that must not wait for a
@@ -1233,3 +1257,9 @@ class Worker:
             + self.threads.stuck()
             + sum(1 for a in self.attempts() if a.released and a.future and not a.future.done())
         )
+
+
+def _shown(ids: list[int]) -> str:
+    """Job ids as a log line names them: the first 20, then how many more."""
+    shown = ", ".join(map(str, ids[:20]))
+    return shown + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
