@@ -263,3 +263,104 @@ def test_a_hung_subscriber_never_holds_the_thread_a_transactional_jobs_slot_gave
         release.set()
     assert set(threads) == set(hanging)
     assert not any(name.startswith("errands-job") for name in threads.values()), threads
+
+
+def test_a_workflow_settled_by_a_completion_whose_reply_was_lost_is_announced_once(
+    each_store_url: str,
+) -> None:
+    """The completer's batch committed (the member's end, the workflow settled, its
+    callback inserted), then its reply was lost: the retry's write began by dropping what
+    the first try's fan-in reported, and the retry itself settles nothing (the token is
+    spent), so errands.workflow.settled (and its counter) never came."""
+    import sqlite3
+
+    from errands import faults
+    from errands.observability.metrics import install_metrics
+
+    from .conftest import metric_value
+
+    app = errands.App(each_store_url)
+    registry = install_metrics(app, cache_seconds=0).registry
+    settled: list[Event] = []
+    app.events.subscribe(lambda e: settled.append(e) if e.name.endswith("settled") else None)
+
+    @app.job(name="ev.member")
+    def member() -> int:
+        return 1
+
+    @app.job(name="ev.callback")
+    def callback() -> None:
+        pass
+
+    lost: list[str] = []
+
+    def lose_the_reply(point: str) -> None:
+        if not lost:  # once: the retry's reply comes back
+            lost.append(point)
+            raise sqlite3.OperationalError("server closed the connection (after the commit)")
+
+    batch = errands.Batch("ev.lost_reply", on_success=callback.bind())
+    batch.add(member.bind(), name="only")
+    handle = app.enqueue_workflow(batch)
+    faults.arm("after_finish_commit", lose_the_reply)
+    try:
+        from tests.conftest import running_worker
+
+        with running_worker(app, concurrency=1, maintenance=False):
+            wait_until(lambda: app.workflow_status(handle.id).state == "succeeded", what="settle")
+            wait_until(lambda: settled, what="the settled event")
+            wait_until(
+                lambda: [j.state.value for j in app.jobs()] == ["completed"] * 2,
+                what="the callback run",
+            )
+    finally:
+        faults.disarm("after_finish_commit")
+        app.close()
+    assert lost == ["after_finish_commit"]
+    assert [(e["workflow_id"], e["state"], e["callbacks"]) for e in settled] == [
+        (handle.id, "succeeded", ["on_success"])
+    ]
+    assert metric_value(registry, "errands_workflows_settled_total", state="succeeded") == 1
+
+
+def test_a_workflow_settled_by_a_rescue_whose_reply_was_lost_is_announced_once(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rescue's batch committed (the member dead, its workflow failed), its reply was
+    lost: the next tick confirms the rescue by reading it back and announces the member's
+    events; the workflow's settled event was dropped."""
+    import sqlite3
+
+    settled: list[Event] = []
+    app.events.subscribe(lambda e: settled.append(e) if e.name.endswith("settled") else None)
+
+    @app.job(name="ev.lost_member", retries=0)
+    def lost_member() -> None:
+        pass
+
+    batch = errands.Batch("ev.rescued")
+    batch.add(lost_member.bind(), name="only")
+    handle = app.enqueue_workflow(batch)
+    [job_id] = [j.id for j in app.jobs()]
+    claim_as_dead_worker(app, job_id)
+    expire_lease(app, job_id)
+    real = app.backend.job_rescue_many
+    lost: list[int] = []
+
+    def reply_lost(rescues: object) -> list[bool]:
+        done = real(rescues)  # type: ignore[arg-type]
+        if not lost:
+            lost.append(1)
+            raise sqlite3.OperationalError("disk I/O error (after the commit)")
+        return done
+
+    monkeypatch.setattr(app.backend, "job_rescue_many", reply_lost)
+    leader = Maintenance(app, "test-leader")
+    with pytest.raises(sqlite3.OperationalError):
+        leader.rescue()
+    assert app.workflow_status(handle.id).state == "failed"  # it did commit
+    assert settled == []
+    assert leader.rescue() == 1  # confirmed by reading it back
+    assert [(e["workflow_id"], e["state"]) for e in settled] == [(handle.id, "failed")]
+    assert leader.rescue() == 0
+    assert len(settled) == 1

@@ -114,6 +114,7 @@ class Maintenance:
         self._next_dead_hooks = 0.0
         self.dead_hooks_taken_over = 0
         self._unsure: list[tuple[RescueParams, ExpiredLease]] = []  # reply lost: did it land?
+        self._unsure_settled: list[Any] = []  # the workflows that batch's fan-ins settled
         self._renewed_at = 0.0  # when the leadership was last taken or renewed (monotonic)
         # until when the store surely names this worker leader: the last election that
         # granted it was sent then, plus the ttl (errands.clock)
@@ -343,6 +344,9 @@ class Maintenance:
         except Exception as exc:
             if is_transient(exc):  # it may have committed: look next tick (errands.landed)
                 self._unsure = [(p, by_id[p.id]) for p in plans]
+                # what its fan-ins settled, announced if it landed (the next rescue's
+                # write begins by dropping them)
+                self._unsure_settled = _taken_settled(backend)
             raise
         for plan, ok in zip(plans, done, strict=True):
             if ok:  # else its heartbeat landed first, or another rescuer won
@@ -357,12 +361,18 @@ class Maintenance:
         if not unsure:
             return 0
         rows = read_back(self.app.backend, [plan.id for plan, _ in unsure])
+        settled, self._unsure_settled = self._unsure_settled, []
         self._unsure = []  # after the read: a read that fails keeps them for the next tick
         count = 0
         for plan, lease in unsure:
             if landed(rows.get(plan.id), plan.lease_token, plan.error["attempt"], True):
                 count += self._rescued(plan, lease)
         self.rescued += count
+        if count and settled:  # the batch's one transaction committed: its fan-ins too
+            try:
+                self.app.workflows_settled(settled=settled)
+            except Exception:  # committed: an event missed is never a reason to write again
+                log.exception("could not report the workflows a rescue settled")
         return count
 
     def _rescued(self, plan: RescueParams, lease: ExpiredLease) -> int:
@@ -524,3 +534,12 @@ class Maintenance:
         # Last: a failure here (retried next tick) never holds up the jobs' pruning.
         self._forget_idle_fair_keys()
         return total
+
+
+def _taken_settled(backend: Any) -> list[Any]:
+    """The workflows this thread's last write settled, as the backend reported them."""
+    try:
+        return list(backend.workflow_take_settled())
+    except Exception:  # (a thread-local read)
+        log.exception("could not read what a failed rescue's fan-ins settled")
+        return []

@@ -160,15 +160,22 @@ class Completer:
         refusals = failures = 0
         next_report = 0.0
         unsure = False  # an earlier try may have committed before its error
+        kept = _Unsure()  # what the fan-ins of such tries did (each retry starts afresh)
         while True:
+            backend: Backend | None = None
             try:
                 backend = self.app.backend  # what its fan-ins did is read from the same store
                 accepted = backend.job_finish_many([o for _, o in batch])
-                self.fanned_in(store=backend)
+                reported = self.fanned_in(store=backend)
                 if unsure and not all(accepted):
-                    accepted = self._landed_anyway(batch, accepted)
+                    confirmed = self._landed_anyway(batch, accepted)
+                    if kept.settled and _fan_ins_landed_before(batch, accepted, confirmed):
+                        self._report_earlier(kept, reported)
+                    accepted = confirmed
                 return list(zip(batch, accepted, strict=True))
             except Exception as exc:
+                if is_transient(exc) and backend is not None:
+                    kept.take(backend)  # (the next try's write starts by dropping them)
                 unsure = unsure or is_transient(exc)  # (a full store wrote nothing)
                 if not is_transient(exc) and not cannot_write_now(exc):
                     refusals += 1
@@ -195,12 +202,12 @@ class Completer:
                 _pause(pause * (0.5 + random.random() / 2))
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
 
-    def fanned_in(self, store: Backend) -> None:
+    def fanned_in(self, store: Backend) -> list[Any]:
         """Once a write committed (a batch here, or a ctx.transaction() completion on
         its handler's thread): what its workflow fan-ins did on this thread, read from
         ``store``, the one that wrote it (the App's may be another since), reported as
-        :meth:`_report_fan_in` says."""
-        self._report_fan_in(store.workflow_take_released, store.workflow_take_settled)
+        :meth:`_report_fan_in` says. Returns the workflows reported settled."""
+        return self._report_fan_in(store.workflow_take_released, store.workflow_take_settled)
 
     def child_fanned_in(self, settled: list[Any], released: set[str]) -> None:
         """What a child process's committed write fanned in, as it sent it (it was never
@@ -209,20 +216,31 @@ class Completer:
 
     def _report_fan_in(
         self, released: Callable[[], set[str]], settled: Callable[[], list[Any]]
-    ) -> None:
+    ) -> list[Any]:
         """The queues the fan-ins released jobs into wake this worker; the workflows they
-        settled are emitted (``errands.workflow.settled``, and its metric). Never raises:
-        the write committed."""
+        settled are emitted (``errands.workflow.settled``, and its metric), and returned.
+        Never raises: the write committed."""
         try:
             queues = released()
             if queues and self.on_released is not None:
                 self.on_released(queues)
         except Exception:  # a wake-up missed: the store's own notification still comes
             log.exception("could not wake the worker for the jobs a fan-in released")
+        done: list[Any] = []
         try:
-            self.app.workflows_settled(later=True, settled=settled())  # (off a handler's thread)
+            done = settled()
+            self.app.workflows_settled(later=True, settled=done)  # (off a handler's thread)
         except Exception:  # committed: an event missed is never a reason to write again
             log.exception("could not report the workflows a fan-in settled")
+        return done
+
+    def _report_earlier(self, kept: _Unsure, reported: list[Any]) -> None:
+        """An earlier try committed its members' ends, and with them what its fan-ins
+        did (its reply was lost; this try's refusals settle nothing): reported now, each
+        workflow once (not those this try reported itself)."""
+        done = {s.id for s in reported}
+        more = [s for s in kept.settled.values() if s.id not in done]
+        self._report_fan_in(lambda: kept.queues, lambda: more)
 
     def _landed_anyway(
         self, batch: list[tuple[Attempt, FinishParams]], accepted: list[bool]
@@ -301,3 +319,39 @@ class Completer:
                 left,
                 timeout,
             )
+
+
+class _Unsure:
+    """What the workflow fan-ins of a batch's failed tries did, read before the next try
+    (whose write begins by dropping it): a try that failed with a transient error may
+    have committed (its reply lost), and then these settlements happened. The workflows
+    by id (a later try's report of one replaces an earlier's), the queues released."""
+
+    def __init__(self) -> None:
+        self.settled: dict[int, Any] = {}
+        self.queues: set[str] = set()
+
+    def take(self, store: Backend) -> None:
+        try:
+            for s in store.workflow_take_settled():
+                self.settled[s.id] = s
+            self.queues |= store.workflow_take_released()
+        except Exception:  # (a thread-local read: nothing to retry)
+            log.exception("could not read what a failed write's fan-ins did")
+
+
+def _fan_ins_landed_before(
+    batch: list[tuple[Attempt, FinishParams]], accepted: list[bool], confirmed: list[bool]
+) -> bool:
+    """Whether an earlier try's fan-ins committed: a workflow member's outcome, refused by
+    this try, was found written by it (its members' transaction committed, the fan-ins in
+    it). Where no outcome is known to be a member (SQLite's claimed rows do not say; it
+    writes a whole batch in one transaction), any outcome found written tells."""
+    before = [
+        bool(o.member)
+        for (_, o), was, now in zip(batch, accepted, confirmed, strict=True)
+        if now and not was
+    ]
+    if any(o.member for _, o in batch):
+        return any(before)
+    return bool(before)
