@@ -748,7 +748,7 @@ class App:
         requests = self._requests(given)
         if not requests:
             return []
-        return self._enqueued(given, self.backend.job_insert_many(requests, conn=conn))
+        return self._enqueued(requests, self.backend.job_insert_many(requests, conn=conn))
 
     async def aenqueue_many(self, jobs: Iterable[BoundJob], conn: Any = None) -> list[JobHandle]:
         """:meth:`enqueue_many` for async code: the event loop never blocks on the store.
@@ -773,10 +773,12 @@ class App:
             # same (errands.job.enqueued: metrics, traces, subscribers missed those jobs);
             # the app's subscribers run there, off the event loop.
             return await asyncio.to_thread(
-                lambda: self._enqueued(given, backend.job_insert_many(requests))
+                lambda: self._enqueued(requests, backend.job_insert_many(requests))
             )
         results = await backend.ajob_insert_many(requests, conn=conn)
-        return await self._off_loop(self._announces(_JOB_ENQUEUED), self._enqueued, given, results)
+        return await self._off_loop(
+            self._announces(_JOB_ENQUEUED), self._enqueued, requests, results
+        )
 
     async def _off_loop(self, user_code: bool, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, on a thread of its own when it would run ``user_code``: a
@@ -809,7 +811,10 @@ class App:
 
     def _requests(self, jobs: Sequence[BoundJob], *, stored_later: bool = False) -> list[Any]:
         """Check ``jobs`` belong here; their requests, after the before-insert hooks
-        (``stored_later``: see Events.prepare_insert)."""
+        (``stored_later``: see Events.prepare_insert). The hooks change a copy of each
+        request's meta: a BoundJob enqueued again (a template, a retried call, a job added
+        to two workflows) kept the first enqueue's keys, and tracing (which stores its
+        context once) put every later job in the first request's trace."""
         for bound in jobs:
             if not isinstance(bound, BoundJob):
                 raise ConfigurationError(
@@ -820,16 +825,16 @@ class App:
         if not jobs:
             return []
         requests = [b.request for b in jobs]
-        if stored_later:  # (one callback may be shared by workflows enqueued at once)
+        if stored_later or self.events.inserters:  # (nothing changes them without hooks)
             requests = [replace(r, meta=dict(r.meta)) for r in requests]
         return self.events.prepare_insert(requests, stored_later=stored_later)
 
-    def _enqueued(self, jobs: Sequence[BoundJob], results: Sequence[Any]) -> list[JobHandle]:
-        """Emit the enqueued events; the handles of what was stored."""
+    def _enqueued(self, requests: Sequence[Any], results: Sequence[Any]) -> list[JobHandle]:
+        """Emit the enqueued events of ``requests`` (as the hooks left them); the handles
+        of what was stored."""
         if self.events.wants("errands.job.enqueued"):
             emit = self.events.emit
-            for bound, result in zip(jobs, results, strict=True):
-                request = bound.request
+            for request, result in zip(requests, results, strict=True):
                 emit(
                     "errands.job.enqueued",
                     job_id=result.id,
@@ -840,8 +845,8 @@ class App:
                     meta=request.meta,
                 )
         return [
-            JobHandle(self, result.id, bound.request.name, result.deduplicated)
-            for bound, result in zip(jobs, results, strict=True)
+            JobHandle(self, result.id, request.name, result.deduplicated)
+            for request, result in zip(requests, results, strict=True)
         ]
 
     # -- workflows ---------------------------------------------------------------------
@@ -849,8 +854,9 @@ class App:
         """Store a workflow (or batch) — members, edges and callbacks — in one transaction
         (the caller's, when ``conn`` is given). See docs/workflows.md."""
         self._check_workflow(workflow)
-        inserted = self.backend.workflow_insert(self._workflow_spec(workflow), conn=conn)
-        return self._workflow_enqueued(workflow, inserted)
+        spec = self._workflow_spec(workflow)
+        inserted = self.backend.workflow_insert(spec, conn=conn)
+        return self._workflow_enqueued(workflow, spec, inserted)
 
     async def aenqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
         """:meth:`enqueue_workflow` for async code: ``conn`` is the caller's async
@@ -862,11 +868,11 @@ class App:
         backend = await self.abackend()
         if conn is None:  # the insert and its announcement on one thread (aenqueue_many)
             return await asyncio.to_thread(
-                lambda: self._workflow_enqueued(workflow, backend.workflow_insert(spec))
+                lambda: self._workflow_enqueued(workflow, spec, backend.workflow_insert(spec))
             )
         inserted = await backend.aworkflow_insert(spec, conn=conn)
         return await self._off_loop(
-            self._announces(_WORKFLOW_ENQUEUED), self._workflow_enqueued, workflow, inserted
+            self._announces(_WORKFLOW_ENQUEUED), self._workflow_enqueued, workflow, spec, inserted
         )
 
     @staticmethod
@@ -895,10 +901,13 @@ class App:
         }
         return workflow.spec(requests, dict(zip(workflow.callbacks, hooked, strict=True)), children)
 
-    def _workflow_enqueued(self, workflow: Workflow, inserted: WorkflowInserted) -> WorkflowHandle:
-        """Emit the enqueued events; the workflow's handle (with its nested ones')."""
-        members = workflow.jobs()
-        handles = iter(self._enqueued(members, inserted.jobs) if members else [])
+    def _workflow_enqueued(
+        self, workflow: Workflow, spec: WorkflowSpec, inserted: WorkflowInserted
+    ) -> WorkflowHandle:
+        """Emit the enqueued events (of the requests in ``spec``, as the hooks left them);
+        the workflow's handle (with its nested ones')."""
+        requests = [node.request for node in spec.nodes if node.request is not None]
+        handles = iter(self._enqueued(requests, inserted.jobs) if requests else [])
         if self.events.wants("errands.workflow.enqueued"):
             self.events.emit(
                 "errands.workflow.enqueued",
@@ -909,10 +918,11 @@ class App:
             )
         jobs: dict[str, JobHandle] = {}
         children: dict[str, WorkflowHandle] = {}
-        for node, member, _ in workflow.nodes:
+        for (node, member, _), node_spec in zip(workflow.nodes, spec.nodes, strict=True):
             if isinstance(member, Workflow):
+                assert node_spec.child is not None
                 nested = inserted.children[node.index]
-                children[node.name] = self._workflow_enqueued(member, nested)
+                children[node.name] = self._workflow_enqueued(member, node_spec.child, nested)
             else:
                 jobs[node.name] = next(handles)
         return WorkflowHandle(self, inserted.id, jobs, children)

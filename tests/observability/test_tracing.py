@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import closing
 from typing import Any
 
 import pytest
-from opentelemetry.trace import SpanKind, StatusCode, format_span_id
+from opentelemetry.trace import SpanKind, StatusCode, format_span_id, format_trace_id
 
 import errands
 from errands.observability.tracing import install_tracing
@@ -220,3 +221,94 @@ def test_a_child_job_and_a_workflows_callback_continue_the_trace_with_no_span_le
     assert processes["tr.child"].parent.span_id == processes["tr.parent"].context.span_id
     assert processes["tr.note"].parent.span_id == request.get_span_context().span_id
     assert plugin._sending == {}  # no send span left open
+
+
+PATHS = [
+    "enqueue_many",
+    "enqueue_many conn=",
+    "aenqueue_many",
+    "aenqueue_many conn=",
+    "enqueue_workflow",
+    "enqueue_workflow conn=",
+    "aenqueue_workflow",
+    "aenqueue_workflow conn=",
+]
+
+
+def _enqueue_by(app: errands.App, path: str, template: errands.BoundJob) -> int:
+    """Enqueue ``template`` by ``path`` (``conn=``: on the caller's own connection, in
+    autocommit); the new job's id."""
+    import sqlite3
+
+    import aiosqlite
+
+    file = app.backend.path  # type: ignore[attr-defined]
+    workflow = path.startswith(("enqueue_workflow", "aenqueue_workflow"))
+    what: Any = errands.Batch("tr.batch") if workflow else [template]
+    if workflow:
+        what.add(template, name="only")
+    method = getattr(app, path.split()[0])
+    if not path.startswith("a"):
+        if path.endswith("conn="):
+            with closing(sqlite3.connect(file, isolation_level=None)) as conn:
+                handle = method(what, conn=conn)
+        else:
+            handle = method(what)
+    else:
+
+        async def run() -> Any:
+            if path.endswith("conn="):
+                async with aiosqlite.connect(file, isolation_level=None) as conn:
+                    return await method(what, conn=conn)
+            return await method(what)
+
+        handle = asyncio.run(run())
+    return int(handle.jobs["only"].id if workflow else handle[0].id)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_bound_job_enqueued_from_two_requests_joins_each_requests_trace(
+    app: errands.App, spans: Spans, path: str
+) -> None:
+    """A BoundJob kept as a template (or an enqueue the caller retried) carried the first
+    enqueue's trace context in its own meta, changed in place by the hook: the tracing
+    plugin, which stores a context once, skipped every later request, and their jobs ran
+    in the first request's trace."""
+    plugin = install_tracing(app, tracer_provider=spans.provider)
+    web = spans.provider.get_tracer("web")
+
+    @app.job(name="tr.ping")
+    def ping(n: int) -> int:
+        return n
+
+    template = ping.bind(n=1)
+    enqueued: list[tuple[int, int]] = []
+    for request in ("GET /a", "GET /b"):
+        with web.start_as_current_span(request) as span:
+            job_id = _enqueue_by(app, path, template)
+        enqueued.append((span.get_span_context().trace_id, job_id))
+    for trace_id, job_id in enqueued:
+        carrier = app.get_job(job_id).meta["trace"]
+        assert format_trace_id(trace_id) in carrier["traceparent"], path
+    assert {s.context.trace_id for s in spans.named("send default")} == {t for t, _ in enqueued}
+    assert "trace" not in template.request.meta  # the template itself is left as it was
+    assert plugin._sending == {}  # every send span ended
+
+
+def test_a_bound_job_given_twice_in_one_batch_gets_a_meta_of_its_own_each_time(
+    app: errands.App, spans: Spans
+) -> None:
+    """The same BoundJob twice in one enqueue_many: both requests shared one meta dict, so
+    the batch's send span waited for two confirmations under one key and never ended."""
+    plugin = install_tracing(app, tracer_provider=spans.provider)
+
+    @app.job(name="tr.twice")
+    def twice(n: int) -> int:
+        return n
+
+    template = twice.bind(n=1)
+    first, second = app.enqueue_many([template, template])
+    assert first.id != second.id
+    [send] = spans.named("send default")
+    assert send.attributes["messaging.batch.message_count"] == 2
+    assert plugin._sending == {}

@@ -8,7 +8,8 @@ adds a subscriber; a subscriber that raises is logged and never breaks the worke
 thread or task that runs it (tracing uses one to make its span current).
 ``app.events.inserters`` are called with the list of ``EnqueueRequest`` just before
 ``App.enqueue_many`` inserts them, and may add keys to each request's ``meta`` (tracing
-stores the enqueuing span's context there, once per job).
+stores the enqueuing span's context there, once per job); the App hands them a copy of
+each BoundJob's request and meta, made for that enqueue.
 """
 
 from __future__ import annotations
