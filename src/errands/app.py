@@ -8,7 +8,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, overload
@@ -99,6 +100,18 @@ SIGNAL_NAME_MAX = 200  # bytes of a signal's name
 _JOB_ENQUEUED = ("errands.job.enqueued",)
 _WORKFLOW_ENQUEUED = ("errands.job.enqueued", "errands.workflow.enqueued")
 QUEUE_LIMIT_MAX = LIMIT_MAX  # app.queue(limit=): PostgreSQL's integer column, on every store
+
+
+def _members(spec: WorkflowSpec) -> list[Any]:
+    """The requests of a workflow's job members, nested workflows' included (its
+    callbacks, inserted when it settles, are not inserted with it)."""
+    found: list[Any] = []
+    for node in spec.nodes:
+        if node.request is not None:
+            found.append(node.request)
+        if node.child is not None:
+            found.extend(_members(node.child))
+    return found
 
 
 def _cursor(after: Job | str) -> tuple[int, float, int]:
@@ -748,7 +761,9 @@ class App:
         requests = self._requests(given)
         if not requests:
             return []
-        return self._enqueued(requests, self.backend.job_insert_many(requests, conn=conn))
+        with self._inserting(requests):
+            results = self.backend.job_insert_many(requests, conn=conn)
+        return self._enqueued(requests, results)
 
     async def aenqueue_many(self, jobs: Iterable[BoundJob], conn: Any = None) -> list[JobHandle]:
         """:meth:`enqueue_many` for async code: the event loop never blocks on the store.
@@ -766,19 +781,37 @@ class App:
         requests = await self._off_loop(bool(self.events.inserters), self._requests, given)
         if not requests:
             return []
-        backend = await self.abackend()
+        with self._inserting(requests):
+            backend = await self.abackend()
         if conn is None:
             # The insert and its announcement on one thread: a task cancelled while it
             # waits leaves the thread to finish, and what it stored is announced all the
             # same (errands.job.enqueued: metrics, traces, subscribers missed those jobs);
             # the app's subscribers run there, off the event loop.
-            return await asyncio.to_thread(
-                lambda: self._enqueued(requests, backend.job_insert_many(requests))
-            )
-        results = await backend.ajob_insert_many(requests, conn=conn)
+            return await asyncio.to_thread(self._insert_announced, backend, requests)
+        with self._inserting(requests):
+            results = await backend.ajob_insert_many(requests, conn=conn)
         return await self._off_loop(
             self._announces(_JOB_ENQUEUED), self._enqueued, requests, results
         )
+
+    def _insert_announced(self, backend: Backend, requests: list[Any]) -> list[JobHandle]:
+        with self._inserting(requests):
+            results = backend.job_insert_many(requests)
+        return self._enqueued(requests, results)
+
+    @contextmanager
+    def _inserting(self, requests: list[Any]) -> Iterator[None]:
+        """Around the insert of ``requests`` (prepared by the before-insert hooks): if it
+        raises, the insert-failed hooks learn of it (tracing ends the send spans it
+        started for them, as errors: they waited for an enqueued event that never came,
+        and were dropped unexported, 10,000 enqueues later)."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.events.insert_failures:
+                self.events.insert_failed(requests, exc)
+            raise
 
     async def _off_loop(self, user_code: bool, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, on a thread of its own when it would run ``user_code``: a
@@ -855,7 +888,8 @@ class App:
         (the caller's, when ``conn`` is given). See docs/workflows.md."""
         self._check_workflow(workflow)
         spec = self._workflow_spec(workflow)
-        inserted = self.backend.workflow_insert(spec, conn=conn)
+        with self._inserting(_members(spec)):
+            inserted = self.backend.workflow_insert(spec, conn=conn)
         return self._workflow_enqueued(workflow, spec, inserted)
 
     async def aenqueue_workflow(self, workflow: Workflow, conn: Any = None) -> WorkflowHandle:
@@ -865,15 +899,23 @@ class App:
         insert was sent is announced even when the awaiting task is cancelled."""
         self._check_workflow(workflow)
         spec = await self._off_loop(bool(self.events.inserters), self._workflow_spec, workflow)
-        backend = await self.abackend()
+        members = _members(spec)
+        with self._inserting(members):
+            backend = await self.abackend()
         if conn is None:  # the insert and its announcement on one thread (aenqueue_many)
-            return await asyncio.to_thread(
-                lambda: self._workflow_enqueued(workflow, spec, backend.workflow_insert(spec))
-            )
-        inserted = await backend.aworkflow_insert(spec, conn=conn)
+            return await asyncio.to_thread(self._workflow_inserted, backend, workflow, spec)
+        with self._inserting(members):
+            inserted = await backend.aworkflow_insert(spec, conn=conn)
         return await self._off_loop(
             self._announces(_WORKFLOW_ENQUEUED), self._workflow_enqueued, workflow, spec, inserted
         )
+
+    def _workflow_inserted(
+        self, backend: Backend, workflow: Workflow, spec: WorkflowSpec
+    ) -> WorkflowHandle:
+        with self._inserting(_members(spec)):
+            inserted = backend.workflow_insert(spec)
+        return self._workflow_enqueued(workflow, spec, inserted)
 
     @staticmethod
     def _check_workflow(workflow: Any) -> None:

@@ -364,3 +364,36 @@ def test_a_workflow_settled_by_a_rescue_whose_reply_was_lost_is_announced_once(
     assert [(e["workflow_id"], e["state"]) for e in settled] == [(handle.id, "failed")]
     assert leader.rescue() == 0
     assert len(settled) == 1
+
+
+def test_an_insert_failed_hook_that_raises_never_replaces_the_inserts_own_error(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sqlite3
+
+    from errands.backends.sqlite import backend as sqlite_backend
+
+    told: list[tuple[int, str]] = []
+
+    @app.events.on_insert_failed
+    def record(requests: list[object], exc: BaseException) -> None:
+        told.append((len(requests), type(exc).__name__))
+
+    @app.events.on_insert_failed
+    def hostile(requests: list[object], exc: BaseException) -> None:
+        raise RuntimeError("a plugin's bug")
+
+    @app.job(name="ev.refused")
+    def refused(n: int) -> int:
+        return n
+
+    app.migrate()
+
+    def broken(request: object) -> object:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(sqlite_backend, "insert_params", broken)
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        app.enqueue_many([refused.bind(n=1), refused.bind(n=2)])
+    assert told == [(2, "OperationalError")]
+    assert "insert-failed hook" in caplog.text and "a plugin's bug" in caplog.text

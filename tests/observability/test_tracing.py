@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from contextlib import closing
 from typing import Any
 
@@ -238,8 +239,6 @@ PATHS = [
 def _enqueue_by(app: errands.App, path: str, template: errands.BoundJob) -> int:
     """Enqueue ``template`` by ``path`` (``conn=``: on the caller's own connection, in
     autocommit); the new job's id."""
-    import sqlite3
-
     import aiosqlite
 
     file = app.backend.path  # type: ignore[attr-defined]
@@ -312,3 +311,40 @@ def test_a_bound_job_given_twice_in_one_batch_gets_a_meta_of_its_own_each_time(
     [send] = spans.named("send default")
     assert send.attributes["messaging.batch.message_count"] == 2
     assert plugin._sending == {}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_send_span_whose_insert_failed_ends_at_once_as_an_error(
+    app: errands.App, spans: Spans, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """An insert that raised (the caller's transaction already aborted, the store out of
+    reach) never confirmed its send span: it was never exported, only dropped once
+    10,000 more were pending."""
+    from errands.backends.sqlite import backend as sqlite_backend
+
+    plugin = install_tracing(app, tracer_provider=spans.provider)
+    web = spans.provider.get_tracer("web")
+
+    @app.job(name="tr.refused")
+    def refused(n: int) -> int:
+        return n
+
+    app.migrate()
+
+    def broken(request: Any) -> Any:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(sqlite_backend, "insert_params", broken)
+    with web.start_as_current_span("POST /orders"), pytest.raises(sqlite3.OperationalError):
+        _enqueue_by(app, path, refused.bind(n=1))
+    [send] = spans.named("send default")
+    assert send.status.status_code is StatusCode.ERROR
+    [exception] = [e for e in send.events if e.name == "exception"]
+    assert exception.attributes["exception.type"] == "OperationalError"
+    assert exception.attributes["exception.message"] == "disk I/O error"
+    assert plugin._sending == {}
+    monkeypatch.undo()
+    refused.enqueue(n=2)  # the next one is confirmed as ever
+    assert [s.status.status_code for s in spans.named("send default")] == [
+        StatusCode.ERROR, StatusCode.UNSET,
+    ]  # fmt: skip

@@ -9,7 +9,8 @@ thread or task that runs it (tracing uses one to make its span current).
 ``app.events.inserters`` are called with the list of ``EnqueueRequest`` just before
 ``App.enqueue_many`` inserts them, and may add keys to each request's ``meta`` (tracing
 stores the enqueuing span's context there, once per job); the App hands them a copy of
-each BoundJob's request and meta, made for that enqueue.
+each BoundJob's request and meta, made for that enqueue. ``app.events.insert_failures``
+are called with those requests and the exception when their insert raised.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def _meddled(requests: list[Any], given: list[Any], before: list[_Before]) -> st
 
 Wrapper = Callable[[dict[str, Any]], AbstractContextManager[Any]]
 Inserter = Callable[[list[Any]], None]  # called with the EnqueueRequests about to be inserted
+# called with the EnqueueRequests whose insert raised, and what it raised
+InsertFailed = Callable[[list[Any], BaseException], None]
 
 
 class EventBus:
@@ -171,6 +174,7 @@ class EventBus:
         self.subscribers: list[Subscriber] = []
         self.wrappers: list[Wrapper] = []
         self.inserters: list[Inserter] = []
+        self.insert_failures: list[InsertFailed] = []
         self._inline: frozenset[int] = frozenset()  # ids of the inline subscribers
         self._hooks = hooks
         self._lock = threading.Lock()
@@ -198,6 +202,23 @@ class EventBus:
         with self._lock:
             self.inserters = [*self.inserters, fn]
         return fn
+
+    def on_insert_failed(self, fn: InsertFailed) -> InsertFailed:
+        """Call ``fn(requests, exc)`` when the insert of ``requests`` (prepared by the
+        ``before_insert`` hooks) raised ``exc``: no ``errands.job.enqueued`` follows for
+        them (tracing ends their send spans there, as errors)."""
+        with self._lock:
+            self.insert_failures = [*self.insert_failures, fn]
+        return fn
+
+    def insert_failed(self, requests: list[Any], exc: BaseException) -> None:
+        """Run every ``on_insert_failed`` hook; one that raises is logged, never raised
+        (the caller gets the insert's own error)."""
+        for fn in self.insert_failures:
+            try:
+                fn(list(requests), exc)
+            except Exception:
+                log.exception("insert-failed hook %r failed", fn)
 
     def prepare_insert(self, requests: list[Any], *, stored_later: bool = False) -> list[Any]:
         """Run every ``before_insert`` hook on ``requests``.

@@ -8,7 +8,8 @@
 At enqueue, a ``send <queue>`` PRODUCER span (a child of whatever span is current, e.g.
 the web request) is started just before the insert, and its context is written ONCE into
 the job's ``meta["trace"]`` by the propagator (W3C ``traceparent``). It ends when the
-insert is confirmed, carrying the job id. A batch (``enqueue_many`` of several jobs) gets
+insert is confirmed, carrying the job id, or when the insert raised, with ERROR status
+and an ``exception`` event. A batch (``enqueue_many`` of several jobs) gets
 one ``send`` span per queue, shared by its jobs (``meta["trace_batch"]``).
 
 Every attempt runs inside a ``process <queue>`` CONSUMER span, linked to the producer
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 META_KEY = "trace"
 ENDS_HERE = "ends_here"  # in a handler wrapper's info: no outcome event ends its span
 BATCH_KEY = "trace_batch"
-PENDING_MAX = 10_000  # unconfirmed send spans kept (an insert that raised never confirms)
+PENDING_MAX = 10_000  # unconfirmed send spans kept (a safety net: a failed insert ends its)
 
 OUTCOMES = {
     "errands.job.completed": "completed",
@@ -172,6 +173,31 @@ class Tracing:
             if entry.remaining <= 0:
                 entry.span.set_status(Status(StatusCode.ERROR, "insert not confirmed"))
                 entry.span.end()
+
+    def insert_failed(self, requests: list[EnqueueRequest], exc: BaseException) -> None:
+        """The insert of ``requests`` raised: their send spans end now, as errors (no
+        enqueued event will end them; they were dropped unexported, ended only once
+        PENDING_MAX more had piled up)."""
+        entries: dict[int, _Send] = {}
+        with self._lock:
+            for request in requests:
+                entry = self._sending.pop(id(request.meta), None)
+                if entry is not None:
+                    entries[id(entry)] = entry
+            for entry in entries.values():  # (a batch's span: every job of it failed)
+                for meta in entry.metas:
+                    self._sending.pop(id(meta), None)
+        error_type = type(exc).__name__
+        for entry in entries.values():
+            attributes: dict[str, str | bool] = {
+                "exception.type": error_type, "exception.escaped": True,
+            }  # fmt: skip
+            if not any(_meta_dict(m).get("sensitive") for m in entry.metas):
+                attributes["exception.message"] = clip(str(exc))  # (it may quote a value)
+                attributes["exception.stacktrace"] = format_trace(exc)
+            entry.span.add_event("exception", attributes)
+            entry.span.set_status(Status(StatusCode.ERROR, f"insert failed: {error_type}"))
+            entry.span.end()
 
     def _enqueued(self, event: Event) -> None:
         meta = event.get("meta")
@@ -316,6 +342,7 @@ def install_tracing(
         plugin = Tracing(tracer, parent=parent, propagator=propagator)
         _installed[app] = plugin
     app.events.before_insert(plugin.before_insert)
+    app.events.on_insert_failed(plugin.insert_failed)
     app.events.wrap(plugin.around_handler)
     app.events.subscribe(plugin.on_event, inline=True)
     return plugin
