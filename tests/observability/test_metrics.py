@@ -469,3 +469,39 @@ def test_an_outcome_that_cannot_be_stored_at_all_ends_the_attempt_as_write_faile
         )
         [failed] = [e for e in seen if e.name == "errands.job.write_failed"]
         assert (failed["job_id"], failed["outcome"]) == (handle.id, "dead")  # (the fallback)
+
+
+def test_every_rescued_attempt_counts_once_in_completed_total_whatever_its_outcome(
+    app: errands.App,
+) -> None:
+    """A rescue to dead was counted in errands_jobs_completed_total (its errands.job.dead),
+    a rescue to retry or to cancelled was not: the same lost attempt counted or not by
+    where it went."""
+    from errands.maintenance.service import Maintenance
+    from tests.integration.helpers import claim_as_dead_worker, expire_lease
+
+    registry = install_metrics(app, cache_seconds=0).registry
+
+    @app.job(name="m.again", retries=1, backoff=3600)
+    def again() -> None: ...
+
+    @app.job(name="m.last", retries=0)
+    def last() -> None: ...
+
+    @app.job(name="m.stopped", retries=1)
+    def stopped() -> None: ...
+
+    handles = [again.enqueue(), last.enqueue(), stopped.enqueue()]
+    for handle in handles:
+        claim_as_dead_worker(app, handle.id)
+    app.cancel(handles[2].id)
+    for handle in handles:
+        expire_lease(app, handle.id)
+    assert Maintenance(app, "test-leader").rescue() == 3
+    assert [h.job().state.value for h in handles] == ["retryable", "dead", "cancelled"]
+    for job, outcome in (("m.again", "retry"), ("m.last", "dead"), ("m.stopped", "cancelled")):
+        assert metric_value(registry, "errands_rescues_total", job=job, outcome=outcome) == 1
+        assert metric_value(registry, "errands_jobs_completed_total", job=job) == 1, job
+        assert (
+            metric_value(registry, "errands_jobs_completed_total", job=job, outcome=outcome) == 1
+        ), job

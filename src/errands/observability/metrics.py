@@ -112,7 +112,9 @@ class ErrandsMetrics:
         )
         self.completed = Counter(
             "errands_jobs_completed",
-            "Attempts this process finished, by outcome (completed, retry, dead, cancelled)",
+            "Attempts ended, by outcome (completed, retry, dead, cancelled): by the worker "
+            "that ran them, or by the maintenance leader that rescued them or timed their "
+            "signal wait out (then counted where the leader runs)",
             ["queue", "job", "outcome"],
             registry=registry,
         )
@@ -191,7 +193,12 @@ class ErrandsMetrics:
                 self.queue_wait.labels(queue, job).observe(max(float(wait), 0.0))
         elif name == "errands.job.rescued":
             state = str(f.get("state"))
-            self.rescues.labels(queue, job, RESCUE_OUTCOMES.get(state, state)).inc()
+            rescued_as = RESCUE_OUTCOMES.get(state, state)
+            self.rescues.labels(queue, job, rescued_as).inc()
+            if state != "dead":  # (a rescue to dead comes as errands.job.dead, counted below)
+                # the lost attempt ended, as a retrying or cancelled one does: only a
+                # rescue to dead was counted as an attempt's outcome
+                self.completed.labels(queue, job, rescued_as).inc()
         elif name == "errands.job.stale_write_rejected":
             self.stale_writes.labels(queue, job).inc()
         elif name == "errands.job.wait_timed_out" and f.get("state") == "retryable":
