@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -241,6 +242,16 @@ def test_the_grafana_dashboard_is_valid_json_with_the_promised_panels() -> None:
         assert metric in exprs, metric
     assert "histogram_quantile(0.95" in exprs and "histogram_quantile(0.5" in exprs
     assert "by (outcome)" in exprs and "by (state)" in exprs
+    # with every worker down there is no errands_leader series at all: 0, not "no data"
+    assert "sum(errands_leader) or vector(0)" in exprs
+
+
+def test_the_documented_no_leader_alert_fires_when_no_worker_reports_at_all() -> None:
+    """sum() of no series is an empty vector, never < 1: the alert stayed silent exactly
+    when every worker was down."""
+    docs = (GRAFANA.parents[1] / "observability.md").read_text()
+    [rule] = re.findall(r"alert: ErrandsNoLeader.*\n\s+expr: (.+)", docs)
+    assert rule.strip() == "(sum(errands_leader) or vector(0)) < 1"
 
 
 def test_fair_queues_report_per_key_share_and_dwell_for_the_top_keys_and_other(

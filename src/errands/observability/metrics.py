@@ -106,7 +106,9 @@ class ErrandsMetrics:
         self.registry = registry
         self.enqueued = Counter(
             "errands_jobs_enqueued",
-            "Jobs stored by this process (deduplicated enqueues are not counted)",
+            "Jobs stored by this process's enqueues (deduplicated ones not counted, nor the "
+            "jobs the store inserts later: ctx.enqueue children, ctx.add_to_workflow "
+            "members, workflow callbacks)",
             ["queue", "job"],
             registry=registry,
         )
