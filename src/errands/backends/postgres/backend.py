@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import threading
 import time
 import weakref
@@ -64,7 +65,7 @@ from ..program import (
     tuple_cursor,
     unwrap_connection,
 )
-from ..shared_admin import suspend_program
+from ..shared_admin import LOCK_CONFLICT_TRIES, suspend_program
 from ..sqlfile import load_migrations, load_queries
 from ..workflow_store import (
     ENDED,
@@ -815,10 +816,9 @@ class PostgresBackend(PostgresAdmin):
             if single:  # one autocommit statement: one round trip, its own commit
                 progress.committing = True
                 return self._insert_one(own, requests[0])
-            with self._own_tx(own):
-                results = self._insert(own, requests)
-                progress.committing = True  # leaving the block sends COMMIT
-            return results
+            return self._own_tx_again(
+                own, progress, lambda: self._insert(own, requests), _enqueue_of(requests)
+            )
 
         return self._again_if_lost(insert, lambda exc: self._uncertain(requests, exc))
 
@@ -832,6 +832,42 @@ class PostgresBackend(PostgresAdmin):
         caller = await self._acaller_connection(conn)
         async with _aatomic(caller, several=writes_several(requests)):
             return await arun(caller, self._insert_program(requests, copy=False))
+
+    def _own_tx_again(
+        self,
+        own: psycopg.Connection[Any],
+        progress: Progress,
+        body: Callable[[], T],
+        what: str,
+    ) -> T:
+        """``body()`` in one of errands' own transactions on ``own``; run again from the
+        start when the server aborts it to break a deadlock (or a serialization conflict):
+        rolled back whole, nothing of it stored, and the next try sees what the other side
+        committed. LOCK_CONFLICT_TRIES tries at most, then DatabaseBusy naming ``what``.
+        Marks ``progress.committing`` as the COMMIT goes out (see _again_if_lost)."""
+        for attempt in range(1, LOCK_CONFLICT_TRIES + 1):
+            mark = self.workflows.mark()
+            try:
+                with self._own_tx(own):
+                    result = body()
+                    progress.committing = True  # leaving the block sends COMMIT
+                return result
+            except psycopg.Error as exc:
+                if lost(own) or not self._lock_conflict(exc):
+                    raise
+                if attempt == LOCK_CONFLICT_TRIES:
+                    raise DatabaseBusy(
+                        f"{what}: PostgreSQL aborted its transaction {attempt} times in a "
+                        "row to break a lock conflict with other transactions "
+                        f"({_first_line(exc)}); nothing was stored by this call; try again"
+                    ) from exc
+                progress.committing = False
+                self.workflows.back_to(mark)  # what the rolled-back try reported never happened
+                with self._notify_lock:  # its NOTIFY neither (sent at COMMIT): due again
+                    self._last_notify.clear()
+                log.info("%s: the server broke a lock cycle (%s); running it again", what, exc)
+                time.sleep(random.uniform(0.0, 0.01 * attempt))  # jitter
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _uncertain(self, requests: Sequence[EnqueueRequest], exc: psycopg.Error) -> Exception:
         names = ", ".join(sorted({r.name for r in requests}))
@@ -850,8 +886,13 @@ class PostgresBackend(PostgresAdmin):
             caller = self._caller_connection(conn)
             with _atomic(caller, several=True):
                 return run(caller, self.workflows.insert(spec, bulk=True))
-        with self._tx() as own:
-            return run(own, self.workflows.insert(spec, bulk=True))
+        with self._conn() as own:
+            return self._own_tx_again(
+                own,
+                Progress(),
+                lambda: run(own, self.workflows.insert(spec, bulk=True)),
+                f"enqueue of workflow {spec.name!r}",
+            )
 
     async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
@@ -1627,3 +1668,17 @@ def _usable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Non
             "failed earlier; nothing more can be written in it. Roll it back (and redo its "
             "work) before enqueueing in it"
         )
+
+
+def _enqueue_of(requests: Sequence[EnqueueRequest]) -> str:
+    """'enqueue of job NAME' / 'enqueue of N jobs (NAMES)', for messages."""
+    names = ", ".join(sorted({r.name for r in requests}))
+    if len(requests) == 1:
+        key = requests[0].key
+        return f"enqueue of job {names}" + ("" if key is None else f" with key {key!r}")
+    return f"enqueue of {len(requests)} jobs ({names})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

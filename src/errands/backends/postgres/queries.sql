@@ -31,7 +31,12 @@ RETURNING j.id
 SELECT (SELECT id FROM ins), (SELECT count(*) FROM note)
 
 -- name: job_insert_many
--- ids are allocated first (job_allocate_ids) so results map back to requests in order.
+-- ids are allocated first (job_allocate_ids) so results map back to requests by id. The
+-- rows go in in the order of the unique index errands_jobs_key (name, key; rows without a
+-- key last): each keyed row takes its key's lock there (held to the transaction's end,
+-- and waited for while another transaction holds the key uncommitted), so two batches
+-- always take their common keys in the same order. In the caller's order, two batches
+-- holding overlapping keys in opposite orders deadlocked.
 INSERT INTO {schema}.errands_jobs AS j
     (id, name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
      timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit,
@@ -53,7 +58,7 @@ FROM unnest(%(ids)s::bigint[], %(names)s::text[], %(queues)s::text[], %(args)s::
      AS r(id, name, queue, args, meta, priority, max_attempts, run_at, delay, key, timeout,
           lease_seconds, parent_id, unique_for, concurrency_key, concurrency_limit,
           rate_limit, rate_period, fair_key)
-ORDER BY r.id
+ORDER BY r.name, r.key, r.id
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
 
