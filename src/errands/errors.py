@@ -9,7 +9,8 @@
     ├── UnknownJob              no job is registered under a name
     ├── JobNotFound             no job row with that id
     ├── InvalidTransition       an admin action that the job's state does not allow
-    ├── DatabaseBusy            the store stayed locked past every retry
+    ├── DatabaseBusy            the store stayed locked past every retry, or aborted an
+    │                           enqueue on your connection for a lock or snapshot conflict
     ├── StorageFull             the store has no room left (disk full, size limit); nothing written
     ├── EnqueueUncertain        the connection was lost as an enqueue committed: it may exist
     ├── CancelIncomplete        a workflow's cancel was requested but not all applied: run it again
@@ -75,7 +76,12 @@ class InvalidTransition(ErrandsError):
 
 
 class DatabaseBusy(ErrandsError):
-    """The database stayed locked by other writers past every retry."""
+    """The database stayed locked by other writers past every retry; or, on the caller's
+    connection (``conn=``), it aborted the enqueue for a conflict with another transaction
+    that errands cannot run again for you (a deadlock; on PostgreSQL under REPEATABLE READ
+    or SERIALIZABLE, a key taken by a transaction that committed after yours began; on
+    SQLite, the file locked past your connection's timeout). The message says what was
+    stored (nothing of the failed enqueue) and what to run again."""
 
 
 class StorageFull(ErrandsError):

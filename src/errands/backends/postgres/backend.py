@@ -820,7 +820,8 @@ class PostgresBackend(PostgresAdmin):
             return []
         if conn is not None:
             caller = self._caller_connection(conn)
-            with _atomic(caller, several=writes_several(requests)):
+            several = writes_several(requests)
+            with _caller_conflicts(caller, _enqueue_of(requests)), _atomic(caller, several=several):
                 return self._insert(caller, requests)
         single = len(requests) == 1 and requests[0].key is None
 
@@ -842,8 +843,9 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
-        async with _aatomic(caller, several=writes_several(requests)):
-            return await arun(caller, self._insert_program(requests, copy=False))
+        with _caller_conflicts(caller, _enqueue_of(requests)):
+            async with _aatomic(caller, several=writes_several(requests)):
+                return await arun(caller, self._insert_program(requests, copy=False))
 
     def _own_tx_again(
         self,
@@ -896,7 +898,8 @@ class PostgresBackend(PostgresAdmin):
     def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is not None:
             caller = self._caller_connection(conn)
-            with _atomic(caller, several=True):
+            what = f"enqueue of workflow {spec.name!r}"
+            with _caller_conflicts(caller, what), _atomic(caller, several=True):
                 return run(caller, self.workflows.insert(spec, bulk=True))
         with self._conn() as own:
             return self._own_tx_again(
@@ -910,8 +913,9 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
-        async with _aatomic(caller, several=True):
-            return await arun(caller, self.workflows.insert(spec))
+        with _caller_conflicts(caller, f"enqueue of workflow {spec.name!r}"):
+            async with _aatomic(caller, several=True):
+                return await arun(caller, self.workflows.insert(spec))
 
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         return self._read(lambda conn: run(conn, factory()))
@@ -1657,6 +1661,50 @@ async def _aatomic(conn: psycopg.AsyncConnection[Any], *, several: bool) -> Asyn
         return
     async with asavepoint(conn, (psycopg.Error,)):
         yield
+
+
+@contextmanager
+def _caller_conflicts(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], what: str
+) -> Iterator[None]:
+    """An enqueue on a caller's connection that the server aborted to break a deadlock,
+    or for a serialization conflict (SQLSTATE 40P01, 40001), raises DatabaseBusy saying
+    what became of the caller's transaction and what to do: the driver's own error said
+    neither (and errands cannot run the caller's transaction again, as it runs its own).
+    Around :func:`_atomic`: what the enqueue wrote is already undone when it is read."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        sqlstate = getattr(exc, "sqlstate", None)
+        if sqlstate not in ("40P01", "40001") or conn.broken or conn.closed:
+            raise
+        if sqlstate == "40P01":
+            cause = (
+                "PostgreSQL aborted it to break a deadlock with another transaction (each "
+                "waited for a lock the other held: the same job keys, or rows, taken in "
+                "opposite orders)"
+            )
+        else:
+            cause = (
+                "it conflicts with a transaction that committed after yours began: your "
+                "transaction is REPEATABLE READ or SERIALIZABLE, and that one took (or "
+                "released) a job key this enqueue uses, which yours can neither see nor "
+                "wait for"
+            )
+        status = conn.info.transaction_status
+        if status == psycopg.pq.TransactionStatus.IDLE:  # autocommit: its own, rolled back
+            state = "nothing of it was stored (its transaction was rolled back); call it again"
+        elif status == psycopg.pq.TransactionStatus.INERROR:
+            state = "your transaction is aborted: roll it back and run it again, this enqueue too"
+        else:  # its savepoint rolled back
+            state = (
+                "nothing of it was stored (rolled back to its savepoint) and your transaction "
+                "is still open, but cannot go on as it is: roll it back and run it again, "
+                "this enqueue too"
+            )
+        raise DatabaseBusy(
+            f"{what} on your connection failed: {cause} ({_first_line(exc)}); {state}"
+        ) from exc
 
 
 def _on_its_own(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
