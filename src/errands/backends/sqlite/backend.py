@@ -544,7 +544,9 @@ class SQLiteBackend(SQLiteAdmin):
                 "private to one connection"
             )
         rows = yield Stmt("PRAGMA database_list")
-        main = next((r[2] for r in rows if r[1] == "main"), "")
+        # (os.fsdecode: a connection whose text_factory is bytes reads b"main" and a bytes
+        # path, and was refused as "an in-memory database")
+        main = next((os.fsdecode(r[2]) for r in rows if os.fsdecode(r[1]) == "main"), "")
         if not main or os.path.realpath(main) != os.path.realpath(self.path):
             raise ConfigurationError(
                 f"enqueue(conn=...) got a connection to {main or 'an in-memory database'!r}, "
