@@ -99,7 +99,9 @@ class ErrandsMetrics:
         self.registry = registry
         self.enqueued = Counter(
             "errands_jobs_enqueued",
-            "Jobs stored by this process (deduplicated enqueues are not counted)",
+            "Jobs this process enqueued (deduplicated enqueues are not counted; an enqueue "
+            "with conn= is counted when it returns, before the caller's transaction commits "
+            "or rolls back: a job rolled back with it is counted all the same)",
             ["queue", "job"],
             registry=registry,
         )
