@@ -78,6 +78,9 @@ def test_an_enqueue_whose_connection_waits_out_its_timeout_raises_database_busy_
                 wf.add(job.bind(n=1))
                 app.enqueue_workflow(wf, conn=caller)
         assert isinstance(raised.value.__cause__, sqlite3.OperationalError)
+        # and one itself: code catching "database is locked" as sqlite3's error still does
+        assert isinstance(raised.value, sqlite3.OperationalError)
+        assert raised.value.sqlite_errorname == "SQLITE_BUSY"  # type: ignore[attr-defined]
         assert "Roll your transaction back and run it again" in str(raised.value)
         caller.rollback()
     assert _names(app) == []  # (a reader while the holder writes: WAL)

@@ -2,9 +2,10 @@
 another transaction says what became of the caller's transaction and what to do.
 
 On errands' own transaction such an abort is simply run again; on the caller's, errands
-cannot run the caller's other work again, so it raises :class:`DatabaseBusy`. The
-driver's raw ``DeadlockDetected`` or ``SerializationFailure`` came through before,
-saying neither whether anything was stored nor that the transaction must be run again.
+cannot run the caller's other work again, so it raises :class:`DatabaseBusy`, which is
+also an instance of the driver's error class (a retry loop on it goes on working). The
+driver's raw ``DeadlockDetected``, ``SerializationFailure`` or ``LockNotAvailable`` came
+through before, saying neither whether anything was stored nor what to run again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from errands.errors import DatabaseBusy
 
 NOT_SEEN = r"committed after yours began"
 DEADLOCK = r"deadlock with another transaction"
+LOCK_TIMEOUT = r"another transaction holds a job key.*lock_timeout ran out"
 
 
 @pytest.fixture
@@ -39,6 +41,9 @@ def _conninfo(app: errands.App) -> str:
     return parse_postgres_url(app.url).conninfo
 
 
+STARTED: list[threading.Thread] = []  # joined before a test closes their connections
+
+
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     outcome: dict[str, Any] = {}
 
@@ -50,7 +55,18 @@ def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any
 
     thread = threading.Thread(target=target)
     thread.start()
+    STARTED.append(thread)
     return thread, outcome
+
+
+def _close(*conns: psycopg.Connection[Any]) -> None:
+    """Close ``conns`` in order, the first before the test's threads end (they may wait
+    for its locks), the others after (closing one a thread still uses crashed psycopg)."""
+    conns[0].close()
+    while STARTED:
+        STARTED.pop().join(60)
+    for conn in conns[1:]:
+        conn.close()
 
 
 def _wait_until_blocked(app: errands.App, pid: int) -> None:
@@ -87,6 +103,7 @@ def test_a_keyed_enqueue_in_a_repeatable_read_transaction_whose_key_was_taken_si
         assert "rolled back to its savepoint" in str(raised.value)
         assert "roll it back and run it again" in str(raised.value)
         assert isinstance(raised.value.__cause__, psycopg.errors.SerializationFailure)
+        assert isinstance(raised.value, psycopg.errors.SerializationFailure)  # as well
         assert caller.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
         caller.rollback()
         again = job.enqueue(n=2, key="rr", conn=caller)
@@ -137,13 +154,13 @@ def test_a_callers_transaction_aborted_to_break_a_deadlock_gets_database_busy_sa
         assert "rolled back to its savepoint" in str(raised.value)
         assert "roll it back and run it again" in str(raised.value)
         assert isinstance(raised.value.__cause__, psycopg.errors.DeadlockDetected)
+        assert isinstance(raised.value, psycopg.errors.DeadlockDetected)  # as well
         a.rollback()  # B goes on
         thread.join(60)
         assert not thread.is_alive() and "error" not in b_takes_a, b_takes_a
         b.commit()
     finally:
-        a.close()  # (first: B may wait for it)
-        b.close()
+        _close(a, b)
     assert sorted(j.idempotency_key or "" for j in app.jobs(name="dl.caller")) == ["a", "b"]
 
 
@@ -176,7 +193,65 @@ def test_an_autocommit_callers_batch_aborted_to_break_a_deadlock_says_nothing_wa
         assert not thread_b.is_alive() and "error" not in b_takes_a, b_takes_a
         b.commit()
     finally:
-        a.close()
-        b.close()
+        _close(a, b)
     stored = app.jobs(name="dl.autocommit")
     assert sorted((j.idempotency_key, j.args["n"]) for j in stored) == [("a", 2), ("b", 2)]
+
+
+def test_a_serializable_transactions_retry_loop_on_serialization_failure_still_runs_it_again(
+    app: errands.App,
+) -> None:
+    """A SERIALIZABLE transaction needs a loop that runs it again on SQLSTATE 40001; one
+    catching psycopg's SerializationFailure still catches the DatabaseBusy (it is both),
+    and the transaction run again returns the job holding the key."""
+
+    @app.job(name="rr.loop")
+    def job(n: int) -> None: ...
+
+    errors: list[BaseException] = []
+    with psycopg.connect(_conninfo(app)) as caller:
+        caller.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+        for attempt in range(3):
+            try:
+                caller.execute("SELECT 1")  # the snapshot
+                if attempt == 0:
+                    job.enqueue(n=1, key="loop")  # committed after it
+                handle = job.enqueue(n=2, key="loop", conn=caller)
+                caller.commit()
+                break
+            except psycopg.errors.SerializationFailure as exc:
+                errors.append(exc)
+                caller.rollback()
+    assert len(errors) == 1 and isinstance(errors[0], DatabaseBusy)
+    assert errors[0].sqlstate == "40001"  # type: ignore[attr-defined]
+    assert handle.deduplicated and len(app.jobs(name="rr.loop")) == 1
+
+
+def test_a_keyed_enqueue_past_its_connections_lock_timeout_leaves_the_transaction_usable(
+    app: errands.App,
+) -> None:
+    """Another transaction holds the key uncommitted: the enqueue waits for it, here no
+    longer than the caller's lock_timeout. DatabaseBusy (a LockNotAvailable too) says
+    so; nothing of the enqueue is stored and the caller's transaction goes on."""
+
+    @app.job(name="lock.timeout")
+    def job(n: int) -> None: ...
+
+    with (
+        psycopg.connect(_conninfo(app)) as holder,
+        psycopg.connect(_conninfo(app)) as caller,
+    ):
+        job.enqueue(n=1, key="held", conn=holder)
+        caller.execute("SET lock_timeout = '200ms'")
+        for call in (
+            lambda: job.enqueue(n=2, key="held", conn=caller),
+            lambda: app.enqueue_many([job.bind(n=3), job.bind(n=4, key="held")], conn=caller),
+        ):
+            with pytest.raises(DatabaseBusy, match=LOCK_TIMEOUT) as raised:
+                call()
+            assert isinstance(raised.value, psycopg.errors.LockNotAvailable)
+            assert "still open and usable" in str(raised.value)
+        job.enqueue(n=5, conn=caller)  # the transaction goes on
+        caller.commit()
+        holder.rollback()
+    assert [j.args for j in app.jobs(name="lock.timeout")] == [{"n": 5}]

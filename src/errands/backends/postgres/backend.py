@@ -29,7 +29,13 @@ from datetime import UTC, datetime, timedelta
 from operator import itemgetter
 from typing import Any, TypeVar
 
-from ...errors import ConfigurationError, DatabaseBusy, EnqueueUncertain, SchemaOutdated
+from ...errors import (
+    ConfigurationError,
+    DatabaseBusy,
+    EnqueueUncertain,
+    SchemaOutdated,
+    busy_as,
+)
 from ...faults import fault_point
 from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
@@ -1668,43 +1674,51 @@ def _caller_conflicts(
     conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], what: str
 ) -> Iterator[None]:
     """An enqueue on a caller's connection that the server aborted to break a deadlock,
-    or for a serialization conflict (SQLSTATE 40P01, 40001), raises DatabaseBusy saying
-    what became of the caller's transaction and what to do: the driver's own error said
-    neither (and errands cannot run the caller's transaction again, as it runs its own).
+    for a serialization conflict, or at the connection's lock_timeout (SQLSTATE 40P01,
+    40001, 55P03) raises DatabaseBusy saying what became of the caller's transaction and
+    what to do: the driver's error said neither (and errands cannot run the caller's
+    transaction again, as it runs its own). It is an instance of the driver's error class
+    too, so a retry loop on that class (SERIALIZABLE's, on 40001) still catches it.
     Around :func:`_atomic`: what the enqueue wrote is already undone when it is read."""
     try:
         yield
     except psycopg.Error as exc:
         sqlstate = getattr(exc, "sqlstate", None)
-        if sqlstate not in ("40P01", "40001") or conn.broken or conn.closed:
+        if sqlstate not in _CALLER_CONFLICTS or conn.broken or conn.closed:
             raise
-        if sqlstate == "40P01":
-            cause = (
-                "PostgreSQL aborted it to break a deadlock with another transaction (each "
-                "waited for a lock the other held: the same job keys, or rows, taken in "
-                "opposite orders)"
-            )
-        else:
-            cause = (
-                "it conflicts with a transaction that committed after yours began: your "
-                "transaction is REPEATABLE READ or SERIALIZABLE, and that one took (or "
-                "released) a job key this enqueue uses, which yours can neither see nor "
-                "wait for"
-            )
         status = conn.info.transaction_status
         if status == psycopg.pq.TransactionStatus.IDLE:  # autocommit: its own, rolled back
-            state = "nothing of it was stored (its transaction was rolled back); call it again"
+            state = "nothing of it was stored (its transaction was rolled back): call it again"
         elif status == psycopg.pq.TransactionStatus.INERROR:
             state = "your transaction is aborted: roll it back and run it again, this enqueue too"
+        elif sqlstate == "55P03":  # its savepoint rolled back; nothing else lost
+            state = (
+                "nothing of it was stored (rolled back to its savepoint) and your transaction "
+                "is still open and usable: enqueue again once the other transaction has "
+                "ended, or roll yours back"
+            )
         else:  # its savepoint rolled back
             state = (
                 "nothing of it was stored (rolled back to its savepoint) and your transaction "
                 "is still open, but cannot go on as it is: roll it back and run it again, "
                 "this enqueue too"
             )
-        raise DatabaseBusy(
-            f"{what} on your connection failed: {cause} ({_first_line(exc)}); {state}"
-        ) from exc
+        message = f"{what} on your connection failed: {_CALLER_CONFLICTS[sqlstate]}"
+        raise busy_as(exc, f"{message} ({_first_line(exc)}); {state}") from exc
+
+
+# What a caller's connection is told of each conflict _caller_conflicts turns into
+# DatabaseBusy, by SQLSTATE
+_CALLER_CONFLICTS = {
+    "40P01": "PostgreSQL aborted it to break a deadlock with another transaction (each "
+    "waited for a lock the other held: the same job keys, or rows, taken in opposite orders)",
+    "40001": "it conflicts with a transaction that committed after yours began: your "
+    "transaction is REPEATABLE READ or SERIALIZABLE, and that one took (or released) a job "
+    "key this enqueue uses, which yours can neither see nor wait for",
+    "55P03": "another transaction holds a job key this enqueue uses (it enqueued the same "
+    "job name and key, or is releasing it, and has not ended yet), and your connection's "
+    "lock_timeout ran out waiting for it",
+}
 
 
 def _on_its_own(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:

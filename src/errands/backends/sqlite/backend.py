@@ -29,6 +29,7 @@ from ...errors import (
     DatabaseBusy,
     SchemaOutdated,
     StorageFull,
+    busy_as,
 )
 from ...faults import fault_point
 from ...interrupts import shielded
@@ -1307,7 +1308,8 @@ def _caller_busy(conn: Any, what: str, exc: sqlite3.OperationalError) -> Databas
             "before it wrote (a deferred BEGIN, Python's default) while another connection "
             f"wrote, which no wait fixes: {immediate}. {again.capitalize()}"
         )
-    return DatabaseBusy(
+    return busy_as(
+        exc,
         f"{what} on your connection found the SQLite database locked ({exc}): nothing of "
-        f"it was stored. {cause[0].upper()}{cause[1:]}"
+        f"it was stored. {cause[0].upper()}{cause[1:]}",
     )
