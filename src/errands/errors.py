@@ -9,7 +9,8 @@
     ├── UnknownJob              no job is registered under a name
     ├── JobNotFound             no job row with that id
     ├── InvalidTransition       an admin action that the job's state does not allow
-    ├── DatabaseBusy            the store stayed locked past every retry
+    ├── DatabaseBusy            the store stayed locked past every retry, or aborted an
+    │                           enqueue on your connection for a lock or snapshot conflict
     ├── StorageFull             the store has no room left (disk full, size limit); nothing written
     ├── EnqueueUncertain        the connection was lost as an enqueue committed: it may exist
     ├── CancelIncomplete        a workflow's cancel was requested but not all applied: run it again
@@ -77,7 +78,57 @@ class InvalidTransition(ErrandsError):
 
 
 class DatabaseBusy(ErrandsError):
-    """The database stayed locked by other writers past every retry."""
+    """The database stayed locked by other writers past every retry; or, on the caller's
+    connection (``conn=``), it aborted the enqueue for a conflict with another transaction
+    that errands cannot run again for you (a deadlock; on PostgreSQL under REPEATABLE READ
+    or SERIALIZABLE, a key taken by a transaction that committed after yours began; on
+    SQLite, the file locked past your connection's timeout). The message says what was
+    stored (nothing of the failed enqueue) and what to run again."""
+
+
+def busy_as(cause: BaseException, message: str) -> DatabaseBusy:
+    """``DatabaseBusy(message)`` that is also an instance of ``cause``'s class (a driver's
+    error: psycopg's ``SerializationFailure``, sqlite3's ``OperationalError``), with
+    ``cause`` to be chained by the caller. Code written to catch the driver's error still
+    catches it (a SERIALIZABLE transaction's retry loop on SQLSTATE 40001 keeps running
+    the transaction again; its ``sqlstate`` is the class's), and ``except DatabaseBusy``
+    catches it too. A plain DatabaseBusy when the two classes cannot be combined."""
+    kind = type(cause)
+    try:
+        made = _busy_class(kind)(message)
+    except Exception:  # a driver class that cannot be made so
+        return DatabaseBusy(message)
+    for name in ("sqlite_errorcode", "sqlite_errorname"):  # sqlite3's, per error
+        if hasattr(cause, name):
+            setattr(made, name, getattr(cause, name))
+    return made
+
+
+_BUSY_CLASSES: dict[type[BaseException], type[DatabaseBusy]] = {}
+
+
+def _busy_class(kind: type[BaseException]) -> type[DatabaseBusy]:
+    made = _BUSY_CLASSES.get(kind)
+    if made is None:
+        if issubclass(kind, DatabaseBusy):
+            made = kind
+        else:
+            made = type(
+                f"DatabaseBusy[{kind.__name__}]",
+                (DatabaseBusy, kind),
+                {"__module__": __name__, "__reduce__": _reduce_busy},
+            )
+        _BUSY_CLASSES[kind] = made
+    return made
+
+
+def _reduce_busy(self: DatabaseBusy) -> tuple[object, ...]:
+    """Pickled as what rebuilds it (a class made at run time has no importable name)."""
+    return (_rebuild_busy, (type(self).__bases__[1], self.args))
+
+
+def _rebuild_busy(kind: type[BaseException], args: tuple[object, ...]) -> DatabaseBusy:
+    return _busy_class(kind)(*args)
 
 
 class StorageFull(ErrandsError):

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from .interrupts import aim, aim_unless_shielded, drop_pending, is_shielded
+from .interrupts import Interrupt, aim, aim_unless_shielded, drop_pending, is_shielded
 
 log = logging.getLogger("errands.hooks")
 
@@ -50,7 +50,7 @@ WATCH_INTERVAL = 0.1
 _protected = threading.local()
 
 
-class HookTimeout(BaseException):
+class HookTimeout(Interrupt):
     """Raised inside a user callable that ran past its lane's time limit. A BaseException,
     so an ``except Exception`` in the hook does not swallow it."""
 

@@ -41,6 +41,14 @@ DRAIN_LIMIT = 1.0  # seconds drop_pending waits for its own interrupt to land (i
 # Clearing a pending interrupt with NULL leaves no flag set from CPython 3.12 on.
 _NULL_CLEARS = sys.version_info >= (3, 12)
 
+
+class Interrupt(BaseException):
+    """Base of the exceptions errands raises inside a thread to stop what it runs (a hook
+    past ``hook_timeout``, a handler past its timeout). errands' own guards around user
+    code (an event subscriber's, say) never swallow one: it stops the hook or handler
+    that is running, whatever that called."""
+
+
 # thread ident -> (the thread, one mark per shield it is inside). The thread is kept to
 # tell a dead thread's entry from a live one's: idents are reused.
 _shields: dict[int, tuple[threading.Thread, list[object]]] = {}
@@ -187,7 +195,7 @@ def aim(ident: int, exc_type: type[BaseException]) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc_type))
 
 
-class _Drained(BaseException):
+class _Drained(Interrupt):
     """Put in place of an interrupt still pending for the calling thread; lands at once."""
 
 

@@ -81,6 +81,35 @@ def test_a_batch_releases_the_keys_whose_period_is_over_and_deduplicates_the_oth
     assert new.job().idempotency_key == "welcome:3"
 
 
+def test_a_batch_naming_a_key_twice_gets_one_job_for_it_whether_released_held_or_new(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """Each key twice in one enqueue_many: a released key (its period over) is taken by
+    one new job, the second naming returning it; a held key returns its holder both
+    times; a new key makes one job. The handles keep the batch's order."""
+    app, welcome = _welcome_app(make_app)
+    tester = errands_testing(app)
+    period = timedelta(minutes=10)
+    old = welcome.enqueue(user_id=1, key="welcome:1", unique_for=period)
+    tester.clock.advance(timedelta(minutes=8))
+    held = welcome.enqueue(user_id=2, key="welcome:2", unique_for=period)
+    tester.clock.advance(timedelta(minutes=3))  # welcome:1's period is over, not welcome:2's
+
+    keys = ["welcome:3", "welcome:1", "welcome:2", None, "welcome:1", "welcome:3", "welcome:2"]
+    handles = app.enqueue_many(
+        [welcome.bind(user_id=n, key=key, unique_for=period) if key else welcome.bind(user_id=n)
+         for n, key in enumerate(keys)]
+    )  # fmt: skip
+    new, again, same, plain, again2, new2, same2 = handles
+    assert [h.deduplicated for h in handles] == [False, False, True, False, True, True, True]
+    assert (again2.id, new2.id) == (again.id, new.id)
+    assert same.id == same2.id == held.id and again.id != old.id
+    assert len({new.id, again.id, held.id, plain.id, old.id}) == 5
+    assert old.job().idempotency_key is None and old.job().meta["expired_key"] == "welcome:1"
+    assert (again.job().args, new.job().args) == ({"user_id": 1}, {"user_id": 0})
+    assert len(tester.all_enqueued(welcome)) == 5
+
+
 def test_unique_for_declared_on_the_job_applies_to_every_keyed_enqueue(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

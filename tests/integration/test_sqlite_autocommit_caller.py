@@ -179,6 +179,40 @@ def test_a_callers_connection_with_its_own_row_factory_enqueues_once(app: errand
     assert app.get_job(asyncio.run(in_async()).id).args["n"] == 6
 
 
+def test_a_callers_connection_whose_text_factory_is_bytes_enqueues(app: errands.App) -> None:
+    """A caller's connection reading text as bytes: the check that it is on the store's
+    file reads "main" and the path as bytes all the same (it was refused, the message
+    saying the connection was to "an in-memory database")."""
+
+    @app.job(name="bytes.job")
+    def job(n: int) -> None: ...
+
+    conn = sqlite3.connect(_path(app))
+    conn.text_factory = bytes
+    try:
+        one = job.enqueue(n=1, conn=conn)
+        keyed = job.enqueue(n=2, key="k", conn=conn)
+        many = app.enqueue_many([job.bind(n=3), job.bind(n=4, key="k")], conn=conn)
+        wf = errands.Workflow("bytes.flow")
+        wf.add(job.bind(n=5))
+        flow = app.enqueue_workflow(wf, conn=conn)
+        conn.commit()
+    finally:
+        conn.close()
+    assert many[1].id == keyed.id and many[1].deduplicated
+    assert sorted(app.get_job(h.id).args["n"] for h in [one, keyed, many[0]]) == [1, 2, 3]
+    assert flow.id is not None and _jobs(app) == 4
+
+    async def in_async() -> errands.JobHandle:
+        async with aiosqlite.connect(_path(app)) as aconn:
+            aconn.text_factory = bytes
+            handle = await job.aenqueue(n=6, key="k6", conn=aconn)
+            await aconn.commit()
+            return handle
+
+    assert app.get_job(asyncio.run(in_async()).id).args["n"] == 6
+
+
 @pytest.mark.parametrize("mode", ["explicit BEGIN", "legacy implicit"])
 def test_a_failed_enqueue_in_the_callers_transaction_leaves_nothing_of_it_there(
     app: errands.App, monkeypatch: pytest.MonkeyPatch, mode: str

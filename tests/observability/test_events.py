@@ -397,3 +397,82 @@ def test_an_insert_failed_hook_that_raises_never_replaces_the_inserts_own_error(
         app.enqueue_many([refused.bind(n=1), refused.bind(n=2)])
     assert told == [(2, "OperationalError")]
     assert "insert-failed hook" in caplog.text and "a plugin's bug" in caplog.text
+
+
+class LibraryTimeout(BaseException):
+    """As gevent's and eventlet's Timeout: a BaseException, which ``except Exception``
+    in errands' delivery let through."""
+
+
+def test_a_subscriber_raising_a_base_exception_never_makes_a_stored_enqueue_look_failed(
+    app: errands.App, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The enqueue returns its handles: the jobs were stored whatever a subscriber does.
+    It raised the subscriber's exception, and a caller retrying the failed-looking
+    enqueue (no key) stored the job twice. The subscribers after it get the event."""
+
+    @app.job(name="ev.base")
+    def job(n: int) -> None: ...
+
+    def timing_out(event: Event) -> None:
+        if event.name in ("errands.job.enqueued", "errands.workflow.enqueued"):
+            raise LibraryTimeout
+
+    seen: list[str] = []
+    app.events.subscribe(timing_out)
+    app.events.subscribe(lambda event: seen.append(event.name))
+    one = job.enqueue(n=1)
+    many = app.enqueue_many([job.bind(n=2), job.bind(n=3)])
+    batch = errands.Batch("ev.base.batch")
+    batch.add(job.bind(n=4))
+    flow = app.enqueue_workflow(batch)
+    assert not one.deduplicated and len(many) == 2 and flow.id is not None
+    assert sorted(j.args["n"] for j in app.jobs(name="ev.base")) == [1, 2, 3, 4]
+    assert seen.count("errands.job.enqueued") == 4 and "errands.workflow.enqueued" in seen
+    failed = [r for r in caplog.records if "event subscriber" in r.getMessage()]
+    assert len(failed) == 5 and all(r.exc_info for r in failed)
+
+
+def test_ctrl_c_in_a_subscriber_still_stops_the_call_its_job_stored(app: errands.App) -> None:
+    """KeyboardInterrupt and SystemExit still propagate (the process is being stopped),
+    as one landing just after the commit would: the job is stored."""
+
+    @app.job(name="ev.ctrl_c")
+    def job(n: int) -> None: ...
+
+    def interrupted(event: Event) -> None:
+        if event.name == "errands.job.enqueued":
+            raise KeyboardInterrupt
+
+    app.events.subscribe(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        job.enqueue(n=1)
+    assert [j.args for j in app.jobs(name="ev.ctrl_c")] == [{"n": 1}]
+
+
+def test_a_subscriber_raising_a_base_exception_on_the_events_lane_leaves_the_event_to_the_next(
+    app: errands.App, worker_factory
+) -> None:
+    """A worker's events reach subscribers on the events lane, one after another: one
+    raising a BaseException ended the lane's call, and the subscribers after it never
+    got the event."""
+
+    def timing_out(event: Event) -> None:
+        raise LibraryTimeout
+
+    completed: list[int] = []
+    app.events.subscribe(timing_out)
+    app.events.subscribe(
+        lambda event: (
+            completed.append(event["job_id"]) if event.name == "errands.job.completed" else None
+        )
+    )
+
+    @app.job(name="ev.lane")
+    def job() -> str:
+        return "done"
+
+    with worker_factory(concurrency=1):
+        handle = job.enqueue()
+        assert handle.result(timeout=30) == "done"
+        wait_until(lambda: completed == [handle.id], timeout=30)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..hooks import HookTimeout, Lane, on_protected_thread
+from ..interrupts import Interrupt
 
 if TYPE_CHECKING:
     from ..hooks import HookRunner
@@ -366,10 +367,23 @@ class _Guarded:
                 )
 
 
+# What a subscriber raises and still goes on: what stops the thread (Ctrl-C, sys.exit)
+# and errands' own interrupts (the hook or handler that emitted the event, past its time
+# limit).
+_STOPS = (KeyboardInterrupt, SystemExit, Interrupt)
+
+
 def _deliver(subscriber: Subscriber, event: Event) -> None:
+    """Hand ``event`` to ``subscriber``: whatever else it raises is logged and goes no
+    further, a BaseException too (a gevent or eventlet Timeout, a library's own): one from
+    an ``errands.job.enqueued`` subscriber made the enqueue raise though its job was
+    stored (a caller retrying without a key stored it twice), and on the events lane it
+    kept the event from the subscribers after it."""
     try:
         subscriber(event)
-    except Exception:
+    except _STOPS:
+        raise
+    except BaseException:
         log.exception("event subscriber %r failed on %s", subscriber, event.name)
 
 

@@ -108,7 +108,8 @@ class ErrandsMetrics:
             "errands_jobs_enqueued",
             "Jobs stored by this process's enqueues (deduplicated ones not counted, nor the "
             "jobs the store inserts later: ctx.enqueue children, ctx.add_to_workflow "
-            "members, workflow callbacks)",
+            "members, workflow callbacks); an enqueue with conn= is counted when it returns, "
+            "before the caller's transaction commits or rolls back",
             ["queue", "job"],
             registry=registry,
         )

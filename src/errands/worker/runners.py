@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ConfigurationError
-from ..interrupts import aim, aim_unless_shielded, drop_pending
+from ..interrupts import Interrupt, aim, aim_unless_shielded, drop_pending
 
 Done = Callable[[BaseException | None, Any], None]
 
@@ -38,7 +38,7 @@ BLOCKED_AFTER = 2.0  # seconds the async handlers' loop may stand still before i
 PROBE_EVERY = 0.5  # seconds between the loop watchdog's probes
 
 
-class HandlerInterrupt(BaseException):
+class HandlerInterrupt(Interrupt):
     """Raised inside a handler thread to stop it (timeout). A BaseException, so a handler's
     ``except Exception`` does not swallow it; its ``finally`` blocks still run."""
 

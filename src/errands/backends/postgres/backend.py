@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import threading
 import time
 import weakref
@@ -28,7 +29,13 @@ from datetime import UTC, datetime, timedelta
 from operator import itemgetter
 from typing import Any, TypeVar
 
-from ...errors import ConfigurationError, DatabaseBusy, EnqueueUncertain, SchemaOutdated
+from ...errors import (
+    ConfigurationError,
+    DatabaseBusy,
+    EnqueueUncertain,
+    SchemaOutdated,
+    busy_as,
+)
 from ...faults import fault_point
 from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
@@ -64,7 +71,7 @@ from ..program import (
     tuple_cursor,
     unwrap_connection,
 )
-from ..shared_admin import suspend_program
+from ..shared_admin import LOCK_CONFLICT_TRIES, suspend_program
 from ..sqlfile import load_migrations, load_queries
 from ..workflow_store import (
     ENDED,
@@ -604,9 +611,12 @@ class PostgresBackend(PostgresAdmin):
         A key is tried first: only when it is taken does a second statement release it if
         its ``unique_for`` period is over (then the insert is tried again), so a new key
         costs one statement, not two (every keyed enqueue, and every workflow callback,
-        paid a release statement that found nothing). Statements outside a transaction
-        (``conn=`` in autocommit mode) can see another caller free the key between them:
-        the insert is then tried again, KEY_TRIES times at most."""
+        paid a release statement that found nothing). The keys a batch found taken are
+        released, and their holders looked up, one statement each for all of them (one
+        key at a time, a batch of 5,000 taken keys took 14 times as long as 5,000 new
+        ones). Statements outside a transaction (``conn=`` in autocommit mode) can see
+        another caller free the key between them: the insert is then tried again,
+        KEY_TRIES times at most."""
         if len(requests) == 1:
             req = requests[0]
             params = self._one_params(req)
@@ -614,9 +624,9 @@ class PostgresBackend(PostgresAdmin):
                 rows = yield Stmt(self.q["job_insert"], params)
                 if rows and rows[0][0] is not None:
                     return [InsertResult(rows[0][0], False)]
-                if (yield from self._expire_key(req)):
+                if (yield from self._expire_keys([req])):
                     continue  # its period was over: released, insert again
-                holder = yield from self._key_holder(req)
+                holder = (yield from self._key_holders([req])).get((req.name, req.key))
                 if holder is not None:
                     return [InsertResult(holder, True)]
             raise self._key_race(req)
@@ -633,16 +643,20 @@ class PostgresBackend(PostgresAdmin):
             inserted |= {r[0] for r in rows}
         holders: dict[int, int] = {}  # request's id -> the job holding its key
         for tried in range(KEY_TRIES + 1):
+            missed = [(i, r) for i, r in rest if i not in inserted and i not in holders]
+            if not missed:
+                break
+            # the keys whose period was over: released, inserted again
+            expired = yield from self._expire_keys([r for _, r in missed])
+            held = [r for _, r in missed if (r.name, r.key) not in expired]
+            found = (yield from self._key_holders(held)) if held else {}
             again = []
-            for i, r in rest:
-                if i in inserted or i in holders:
-                    continue
-                if (yield from self._expire_key(r)):
-                    again.append((i, r))  # its period was over: released, insert again
-                elif (holder := (yield from self._key_holder(r))) is not None:
-                    holders[i] = holder
+            for i, r in missed:
+                holder = found.get((r.name, r.key))
+                if holder is None:  # released, or freed meanwhile by another caller
+                    again.append((i, r))
                 else:
-                    again.append((i, r))  # freed meanwhile by another caller
+                    holders[i] = holder
             if not again:
                 break
             if tried == KEY_TRIES:
@@ -657,10 +671,13 @@ class PostgresBackend(PostgresAdmin):
             yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
         return results
 
-    def _key_holder(self, request: EnqueueRequest) -> Program[int | None]:
-        """The job holding ``request``'s key; None if no job does (any more)."""
-        rows = yield Stmt(self.q["job_id_by_key"], {"name": request.name, "key": request.key})
-        return int(rows[0][0]) if rows else None
+    def _key_holders(
+        self, requests: Sequence[EnqueueRequest]
+    ) -> Program[dict[tuple[str, str | None], int]]:
+        """The jobs holding ``requests``' keys, by (name, key); a key no job holds (any
+        more) is left out."""
+        rows = yield Stmt(self.q["job_ids_by_keys"], _key_arrays(requests))
+        return {(r[0], r[1]): int(r[2]) for r in rows}
 
     @staticmethod
     def _key_race(request: EnqueueRequest) -> DatabaseBusy:
@@ -670,11 +687,13 @@ class PostgresBackend(PostgresAdmin):
             "by this call; try again"
         )
 
-    def _expire_key(self, request: EnqueueRequest) -> Program[bool]:
-        """Release ``request``'s key if the job holding it was enqueued with a
-        ``unique_for`` period that is over; whether it was."""
-        rows = yield Stmt(self.q["job_expire_key"], {"name": request.name, "key": request.key})
-        return bool(rows)
+    def _expire_keys(
+        self, requests: Sequence[EnqueueRequest]
+    ) -> Program[set[tuple[str, str | None]]]:
+        """Release ``requests``' keys held by a job enqueued with a ``unique_for`` period
+        that is over; the (name, key) of those released."""
+        rows = yield Stmt(self.q["job_expire_keys"], _key_arrays(requests))
+        return {(r[0], r[1]) for r in rows}
 
     def _insert_joined(
         self, requests: Sequence[EnqueueRequest], workflow_id: int, waiting: Sequence[int]
@@ -807,7 +826,8 @@ class PostgresBackend(PostgresAdmin):
             return []
         if conn is not None:
             caller = self._caller_connection(conn)
-            with _atomic(caller, several=writes_several(requests)):
+            several = writes_several(requests)
+            with _caller_conflicts(caller, _enqueue_of(requests)), _atomic(caller, several=several):
                 return self._insert(caller, requests)
         single = len(requests) == 1 and requests[0].key is None
 
@@ -815,10 +835,9 @@ class PostgresBackend(PostgresAdmin):
             if single:  # one autocommit statement: one round trip, its own commit
                 progress.committing = True
                 return self._insert_one(own, requests[0])
-            with self._own_tx(own):
-                results = self._insert(own, requests)
-                progress.committing = True  # leaving the block sends COMMIT
-            return results
+            return self._own_tx_again(
+                own, progress, lambda: self._insert(own, requests), _enqueue_of(requests)
+            )
 
         return self._again_if_lost(insert, lambda exc: self._uncertain(requests, exc))
 
@@ -830,8 +849,45 @@ class PostgresBackend(PostgresAdmin):
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
-        async with _aatomic(caller, several=writes_several(requests)):
-            return await arun(caller, self._insert_program(requests, copy=False))
+        with _caller_conflicts(caller, _enqueue_of(requests)):
+            async with _aatomic(caller, several=writes_several(requests)):
+                return await arun(caller, self._insert_program(requests, copy=False))
+
+    def _own_tx_again(
+        self,
+        own: psycopg.Connection[Any],
+        progress: Progress,
+        body: Callable[[], T],
+        what: str,
+    ) -> T:
+        """``body()`` in one of errands' own transactions on ``own``; run again from the
+        start when the server aborts it to break a deadlock (or a serialization conflict):
+        rolled back whole, nothing of it stored, and the next try sees what the other side
+        committed. LOCK_CONFLICT_TRIES tries at most, then DatabaseBusy naming ``what``.
+        Marks ``progress.committing`` as the COMMIT goes out (see _again_if_lost)."""
+        for attempt in range(1, LOCK_CONFLICT_TRIES + 1):
+            mark = self.workflows.mark()
+            try:
+                with self._own_tx(own):
+                    result = body()
+                    progress.committing = True  # leaving the block sends COMMIT
+                return result
+            except psycopg.Error as exc:
+                if lost(own) or not self._lock_conflict(exc):
+                    raise
+                if attempt == LOCK_CONFLICT_TRIES:
+                    raise DatabaseBusy(
+                        f"{what}: PostgreSQL aborted its transaction {attempt} times in a "
+                        "row to break a lock conflict with other transactions "
+                        f"({_first_line(exc)}); nothing was stored by this call; try again"
+                    ) from exc
+                progress.committing = False
+                self.workflows.back_to(mark)  # what the rolled-back try reported never happened
+                with self._notify_lock:  # its NOTIFY neither (sent at COMMIT): due again
+                    self._last_notify.clear()
+                log.info("%s: the server broke a lock cycle (%s); running it again", what, exc)
+                time.sleep(random.uniform(0.0, 0.01 * attempt))  # jitter
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _uncertain(self, requests: Sequence[EnqueueRequest], exc: psycopg.Error) -> Exception:
         names = ", ".join(sorted({r.name for r in requests}))
@@ -848,17 +904,24 @@ class PostgresBackend(PostgresAdmin):
     def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is not None:
             caller = self._caller_connection(conn)
-            with _atomic(caller, several=True):
+            what = f"enqueue of workflow {spec.name!r}"
+            with _caller_conflicts(caller, what), _atomic(caller, several=True):
                 return run(caller, self.workflows.insert(spec, bulk=True))
-        with self._tx() as own:
-            return run(own, self.workflows.insert(spec, bulk=True))
+        with self._conn() as own:
+            return self._own_tx_again(
+                own,
+                Progress(),
+                lambda: run(own, self.workflows.insert(spec, bulk=True)),
+                f"enqueue of workflow {spec.name!r}",
+            )
 
     async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
             return await asyncio.to_thread(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
-        async with _aatomic(caller, several=True):
-            return await arun(caller, self.workflows.insert(spec))
+        with _caller_conflicts(caller, f"enqueue of workflow {spec.name!r}"):
+            async with _aatomic(caller, several=True):
+                return await arun(caller, self.workflows.insert(spec))
 
     def _read_program(self, factory: Callable[[], Program[T]]) -> T:
         return self._read(lambda conn: run(conn, factory()))
@@ -1616,6 +1679,58 @@ async def _aatomic(conn: psycopg.AsyncConnection[Any], *, several: bool) -> Asyn
         yield
 
 
+@contextmanager
+def _caller_conflicts(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], what: str
+) -> Iterator[None]:
+    """An enqueue on a caller's connection that the server aborted to break a deadlock,
+    for a serialization conflict, or at the connection's lock_timeout (SQLSTATE 40P01,
+    40001, 55P03) raises DatabaseBusy saying what became of the caller's transaction and
+    what to do: the driver's error said neither (and errands cannot run the caller's
+    transaction again, as it runs its own). It is an instance of the driver's error class
+    too, so a retry loop on that class (SERIALIZABLE's, on 40001) still catches it.
+    Around :func:`_atomic`: what the enqueue wrote is already undone when it is read."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        sqlstate = getattr(exc, "sqlstate", None)
+        if sqlstate not in _CALLER_CONFLICTS or conn.broken or conn.closed:
+            raise
+        status = conn.info.transaction_status
+        if status == psycopg.pq.TransactionStatus.IDLE:  # autocommit: its own, rolled back
+            state = "nothing of it was stored (its transaction was rolled back): call it again"
+        elif status == psycopg.pq.TransactionStatus.INERROR:
+            state = "your transaction is aborted: roll it back and run it again, this enqueue too"
+        elif sqlstate == "55P03":  # its savepoint rolled back; nothing else lost
+            state = (
+                "nothing of it was stored (rolled back to its savepoint) and your transaction "
+                "is still open and usable: enqueue again once the other transaction has "
+                "ended, or roll yours back"
+            )
+        else:  # its savepoint rolled back
+            state = (
+                "nothing of it was stored (rolled back to its savepoint) and your transaction "
+                "is still open, but cannot go on as it is: roll it back and run it again, "
+                "this enqueue too"
+            )
+        message = f"{what} on your connection failed: {_CALLER_CONFLICTS[sqlstate]}"
+        raise busy_as(exc, f"{message} ({_first_line(exc)}); {state}") from exc
+
+
+# What a caller's connection is told of each conflict _caller_conflicts turns into
+# DatabaseBusy, by SQLSTATE
+_CALLER_CONFLICTS = {
+    "40P01": "PostgreSQL aborted it to break a deadlock with another transaction (each "
+    "waited for a lock the other held: the same job keys, or rows, taken in opposite orders)",
+    "40001": "it conflicts with a transaction that committed after yours began: your "
+    "transaction is REPEATABLE READ or SERIALIZABLE, and that one took (or released) a job "
+    "key this enqueue uses, which yours can neither see nor wait for",
+    "55P03": "another transaction holds a job key this enqueue uses (it enqueued the same "
+    "job name and key, or is releasing it, and has not ended yet), and your connection's "
+    "lock_timeout ran out waiting for it",
+}
+
+
 def _on_its_own(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     """An autocommit connection with no transaction open (a BEGIN sent by hand opens one:
     the enqueue is then part of it)."""
@@ -1637,3 +1752,23 @@ def _usable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Non
             "failed earlier; nothing more can be written in it. Roll it back (and redo its "
             "work) before enqueueing in it"
         )
+
+
+def _enqueue_of(requests: Sequence[EnqueueRequest]) -> str:
+    """'enqueue of job NAME' / 'enqueue of N jobs (NAMES)', for messages."""
+    names = ", ".join(sorted({r.name for r in requests}))
+    if len(requests) == 1:
+        key = requests[0].key
+        return f"enqueue of job {names}" + ("" if key is None else f" with key {key!r}")
+    return f"enqueue of {len(requests)} jobs ({names})"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _key_arrays(requests: Sequence[EnqueueRequest]) -> dict[str, list[Any]]:
+    """The ``names`` and ``keys`` arrays of ``requests``' keys, each (name, key) once."""
+    pairs = sorted({(r.name, r.key) for r in requests if r.key is not None})
+    return {"names": [n for n, _ in pairs], "keys": [k for _, k in pairs]}

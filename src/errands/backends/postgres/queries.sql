@@ -31,7 +31,12 @@ RETURNING j.id
 SELECT (SELECT id FROM ins), (SELECT count(*) FROM note)
 
 -- name: job_insert_many
--- ids are allocated first (job_allocate_ids) so results map back to requests in order.
+-- ids are allocated first (job_allocate_ids) so results map back to requests by id. The
+-- rows go in in the order of the unique index errands_jobs_key (name, key; rows without a
+-- key last): each keyed row takes its key's lock there (held to the transaction's end,
+-- and waited for while another transaction holds the key uncommitted), so two batches
+-- always take their common keys in the same order. In the caller's order, two batches
+-- holding overlapping keys in opposite orders deadlocked.
 INSERT INTO {schema}.errands_jobs AS j
     (id, name, queue, args, meta, state, priority, max_attempts, run_at, idempotency_key,
      timeout, lease_seconds, parent_id, unique_until, concurrency_key, concurrency_limit,
@@ -53,7 +58,7 @@ FROM unnest(%(ids)s::bigint[], %(names)s::text[], %(queues)s::text[], %(args)s::
      AS r(id, name, queue, args, meta, priority, max_attempts, run_at, delay, key, timeout,
           lease_seconds, parent_id, unique_for, concurrency_key, concurrency_limit,
           rate_limit, rate_period, fair_key)
-ORDER BY r.id
+ORDER BY r.name, r.key, r.id
 ON CONFLICT (name, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING j.id
 
@@ -74,17 +79,34 @@ FROM s CROSS JOIN generate_series(1, %(n)s)
 -- defaults (NULL, priority 0, an empty meta), and fewer columns are less to send and parse.
 COPY {schema}.errands_jobs ({{columns}}) FROM STDIN
 
--- name: job_expire_key
--- unique_for: a key whose period is over is released (kept in meta as expired_key). Run
--- only after an insert found the key taken; the insert is then tried again if it was.
-UPDATE {schema}.errands_jobs
-SET meta = meta || jsonb_build_object('expired_key', idempotency_key), idempotency_key = NULL
-WHERE name = %(name)s AND idempotency_key = %(key)s
-  AND unique_until IS NOT NULL AND unique_until <= now()
-RETURNING id
+-- name: job_expire_keys
+-- unique_for: the keys (names[i], keys[i]) whose holder's period is over are released
+-- (kept in meta as expired_key), all in one statement; the keys released. Run only for
+-- keys an insert found taken; those inserts are then tried again. The holders are locked
+-- in the unique index's order (name, key), as job_insert_many takes keys, so two callers
+-- never wait for each other in a cycle. A holder another caller released or deleted
+-- meanwhile is left out (its row is checked again once locked).
+WITH expired AS (
+    SELECT j.id, j.name, j.idempotency_key AS key
+    FROM {schema}.errands_jobs j
+    JOIN unnest(%(names)s::text[], %(keys)s::text[]) AS k(name, key)
+      ON j.name = k.name AND j.idempotency_key = k.key
+    WHERE j.unique_until IS NOT NULL AND j.unique_until <= now()
+    ORDER BY j.name, j.idempotency_key
+    FOR UPDATE OF j
+)
+UPDATE {schema}.errands_jobs AS j
+SET meta = j.meta || jsonb_build_object('expired_key', e.key), idempotency_key = NULL
+FROM expired e
+WHERE j.id = e.id
+RETURNING e.name, e.key
 
--- name: job_id_by_key
-SELECT id FROM {schema}.errands_jobs WHERE name = %(name)s AND idempotency_key = %(key)s
+-- name: job_ids_by_keys
+-- The jobs holding the keys (names[i], keys[i]): each one's name, key and id.
+SELECT j.name, j.idempotency_key, j.id
+FROM {schema}.errands_jobs j
+JOIN unnest(%(names)s::text[], %(keys)s::text[]) AS k(name, key)
+  ON j.name = k.name AND j.idempotency_key = k.key
 
 -- name: job_claim
 -- One statement for every queue: each queue's due rows in claim order, up to its cap,

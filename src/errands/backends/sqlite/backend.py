@@ -29,6 +29,7 @@ from ...errors import (
     DatabaseBusy,
     SchemaOutdated,
     StorageFull,
+    busy_as,
 )
 from ...faults import fault_point
 from ...interrupts import shielded
@@ -152,6 +153,9 @@ def parse_sqlite_url(url: str) -> tuple[str, dict[str, str]]:
             "known: synchronous, busy_timeout_ms, write_timeout"
         )
     return path, options
+
+
+SQLITE_BUSY_SNAPSHOT = 517  # (SQLITE_BUSY | 2 << 8): a reader's snapshot is out of date
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:
@@ -671,7 +675,9 @@ class SQLiteBackend(SQLiteAdmin):
                 "private to one connection"
             )
         rows = yield Stmt("PRAGMA database_list")
-        main = next((r[2] for r in rows if r[1] == "main"), "")
+        # (os.fsdecode: a connection whose text_factory is bytes reads b"main" and a bytes
+        # path, and was refused as "an in-memory database")
+        main = next((os.fsdecode(r[2]) for r in rows if os.fsdecode(r[1]) == "main"), "")
         if not main or os.path.realpath(main) != os.path.realpath(self.path):
             raise ConfigurationError(
                 f"enqueue(conn=...) got a connection to {main or 'an in-memory database'!r}, "
@@ -727,7 +733,11 @@ class SQLiteBackend(SQLiteAdmin):
     ) -> list[InsertResult]:
         if conn is not None:
             caller = self._check_caller_connection(conn)
-            with self._full_is_storage_full(), _atomic(caller, several=writes_several(requests)):
+            several = writes_several(requests)
+            with (
+                self._caller_errors(caller, _enqueue_of(requests)),
+                _atomic(caller, several=several),
+            ):
                 return run(caller, self._insert_program(requests))
         with self._write() as own:
             return run(own, self._insert_program(requests))
@@ -738,26 +748,32 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is None:  # the store's own connection, in a thread: the loop never blocks
             return await asyncio.to_thread(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
-        with self._full_is_storage_full():
+        with self._caller_errors(caller, _enqueue_of(requests)):
             async with _aatomic(caller, several=writes_several(requests)):
                 return await arun(caller, self._insert_program(requests))
 
     @contextlib.contextmanager
-    def _full_is_storage_full(self) -> Iterator[None]:
-        """A write on a caller's connection: SQLITE_FULL is StorageFull, as on errands'
-        own (a workflow's insert let the driver's error through)."""
+    def _caller_errors(self, conn: Any, what: str) -> Iterator[None]:
+        """A write on a caller's connection (sqlite3 or aiosqlite): SQLITE_FULL is
+        StorageFull, as on errands' own (a workflow's insert let the driver's error
+        through); a locked file is DatabaseBusy naming its two causes and what to do (the
+        driver's bare "database is locked" came through). Around ``_atomic``: what the
+        enqueue wrote is already undone when it is raised."""
         try:
             yield
         except sqlite3.Error as exc:
             if _is_full(exc):
                 raise self._storage_full(exc) from exc
+            if isinstance(exc, sqlite3.OperationalError) and _is_busy(exc):
+                raise _caller_busy(conn, what, exc) from exc
             raise
 
     # -- workflows ---------------------------------------------------------------------
     def workflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is not None:
             caller = self._check_caller_connection(conn)
-            with self._full_is_storage_full(), _atomic(caller, several=True):
+            what = f"enqueue of workflow {spec.name!r}"
+            with self._caller_errors(caller, what), _atomic(caller, several=True):
                 return run(caller, self.workflows.insert(spec))
         with self._write() as own:
             return run(own, self.workflows.insert(spec))
@@ -766,7 +782,7 @@ class SQLiteBackend(SQLiteAdmin):
         if conn is None:  # the store's own connection, in a thread: the loop never blocks
             return await asyncio.to_thread(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
-        with self._full_is_storage_full():
+        with self._caller_errors(caller, f"enqueue of workflow {spec.name!r}"):
             async with _aatomic(caller, several=True):
                 return await arun(caller, self.workflows.insert(spec))
 
@@ -1387,3 +1403,45 @@ def _begin_like(conn: Any) -> str:
     outside a transaction would start one that its RELEASE commits, behind the caller."""
     level = getattr(conn, "isolation_level", None)
     return f"BEGIN {level}" if level else "BEGIN"
+
+
+def _enqueue_of(requests: Sequence[EnqueueRequest]) -> str:
+    """'enqueue of job NAME' / 'enqueue of N jobs (NAMES)', for messages."""
+    names = ", ".join(sorted({r.name for r in requests}))
+    return (
+        f"enqueue of job {names}"
+        if len(requests) == 1
+        else f"enqueue of {len(requests)} jobs ({names})"
+    )
+
+
+def _caller_busy(conn: Any, what: str, exc: sqlite3.OperationalError) -> DatabaseBusy:
+    """DatabaseBusy for an enqueue on the caller's connection that found the file locked:
+    which of the two causes it was when SQLite says so (its extended code), both when not,
+    and what to do. Nothing of the enqueue was stored."""
+    immediate = (
+        'begin your transactions with BEGIN IMMEDIATE (isolation_level="IMMEDIATE" in '
+        "sqlite3.connect), which waits for the write lock up front"
+    )
+    again = (
+        "roll your transaction back and run it again" if conn.in_transaction else "call it again"
+    )
+    if getattr(exc, "sqlite_errorcode", None) == SQLITE_BUSY_SNAPSHOT:
+        cause = (
+            "your transaction read before it wrote (a deferred BEGIN, Python's default) and "
+            "another connection has written since: SQLite cannot let it write on what it "
+            f"read, and no wait helps. {again.capitalize()}; to avoid this, {immediate}"
+        )
+    else:
+        cause = (
+            "either another connection held the file's write lock longer than your "
+            "connection waits for it (sqlite3.connect(timeout=...), 5 s by default: raise "
+            "it, or keep the other writer's transactions short), or your transaction read "
+            "before it wrote (a deferred BEGIN, Python's default) while another connection "
+            f"wrote, which no wait fixes: {immediate}. {again.capitalize()}"
+        )
+    return busy_as(
+        exc,
+        f"{what} on your connection found the SQLite database locked ({exc}): nothing of "
+        f"it was stored. {cause[0].upper()}{cause[1:]}",
+    )
