@@ -60,7 +60,11 @@ class Context:
     async def astep(
         self, name: str, fn: Callable[..., Awaitable[Any] | Any], *args: Any, **kwargs: Any
     ) -> Any:
-        """``ctx.step`` for async handlers: ``fn`` may be a coroutine function."""
+        """``ctx.step`` for async handlers: ``fn`` may be a coroutine function.
+
+        Run steps side by side in an ``asyncio.TaskGroup``, not ``asyncio.gather``: a
+        step left running when the handler ends holds the attempt until it is over
+        (cancelled ``abandon_after`` later), so its retry never runs beside it."""
         return await self._rt().astep(name, fn, *args, **kwargs)
 
     def wait_for_signal(self, name: str, timeout: float | timedelta | None = None) -> Any:
