@@ -5,6 +5,7 @@ the maintenance leader records; sync and async handlers alike."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from datetime import timedelta
 from typing import Any
@@ -116,6 +117,38 @@ def test_async_handlers_await_signals(app: errands.App) -> None:
         wait_until(lambda: _state(handle) == "waiting", what="the async job to wait")
         app.signal(handle.id, "ready", {"n": 21})
         assert handle.result(timeout=10) == 42
+
+
+def test_an_async_handlers_sync_helper_on_a_thread_suspends_until_the_signal(
+    each_store_url: str,
+) -> None:
+    """ctx.wait_for_signal called from a thread of an async handler (a sync helper run
+    with asyncio.to_thread) waits as in a sync handler: the job suspends, and the
+    signal resumes it with its payload. It returned an un-awaited coroutine there,
+    truthy: the helper took it for the payload, and the job completed, its effect done,
+    without any signal sent."""
+    app = errands.App(each_store_url)
+    shipped: list[Any] = []
+
+    def ship_when_approved(ctx: errands.Context) -> str:
+        approved = ctx.wait_for_signal("approved", timeout=3600)
+        shipped.append(approved)
+        return f"shipped by {approved['by']}"
+
+    @app.job(name="sig.thread")
+    async def ship(ctx: errands.Context) -> str:
+        return await asyncio.to_thread(ship_when_approved, ctx)
+
+    try:
+        with running_worker(app):
+            handle = ship.enqueue()
+            wait_until(lambda: _state(handle) == "waiting", what="the job to wait")
+            assert shipped == [] and handle.job().waiting_for == "approved"
+            assert app.signal(handle.id, "approved", {"by": "ops"}).resumed
+            assert handle.result(timeout=20) == "shipped by ops"
+        assert shipped == [{"by": "ops"}]
+    finally:
+        app.close()
 
 
 def test_signals_to_finished_or_unknown_jobs_are_refused(app: errands.App) -> None:
