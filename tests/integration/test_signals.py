@@ -211,6 +211,36 @@ def test_a_signal_payload_json_cannot_hold_is_refused_naming_where_and_the_fix(
     app.signal(handle.id, "go", {"total": [1, 2.5], "note": "NaN Infinity \\u0000"})
 
 
+def test_a_signal_payload_with_an_int_of_more_than_4300_digits_is_refused_naming_where(
+    each_store_url: str,
+) -> None:
+    """pydantic writes such an int, and no JSON reader takes it back (Python's json,
+    pydantic's): it was stored, and the job it resumed failed on every run and every
+    replay. Refused with InvalidPayload naming where, nothing kept or audited; the job
+    resumes with a payload that reads back."""
+    app = errands.App(each_store_url)
+
+    @app.job(name="sig.huge")
+    def huge(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("go", timeout=3600)
+
+    try:
+        with running_worker(app):
+            handle = huge.enqueue()
+            wait_until(lambda: _state(handle) == "waiting", what="the job to wait")
+            with pytest.raises(errands.InvalidPayload) as refused:
+                app.signal(handle.id, "go", {"counts": [1, 10**4400]})
+            assert str(refused.value).startswith(
+                "signal 'go': the payload: counts.1: an int of more than 4,300 digits, "
+                "which cannot be read back from JSON; store it elsewhere"
+            ), refused.value
+            assert app.audit(job_id=handle.id) == [] and _state(handle) == "waiting"
+            assert app.signal(handle.id, "go", {"counts": [1, "9" * 4401]}).resumed
+            assert handle.result(timeout=20) == {"counts": [1, "9" * 4401]}
+    finally:
+        app.close()
+
+
 def test_a_wait_inside_a_transaction_is_refused(app: errands.App) -> None:
     """Waiting while ctx.transaction() is open fails the job permanently, saying why."""
     opened = threading.Event()

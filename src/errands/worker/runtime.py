@@ -34,13 +34,19 @@ from pydantic_core import PydanticSerializationError, to_json
 from .. import clock
 from ..backends.workflow_store import WORKFLOW_ADD
 from ..definition import seconds as checked_seconds
-from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
+from ..errors import (
+    ConfigurationError,
+    InvalidPayload,
+    StepError,
+    TransactionEnded,
+    is_transient,
+)
 from ..errortext import scrub
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
 from ..observability.logcontext import job_extra
-from ..payload import unstorable_json
+from ..payload import read_back
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 
 if TYPE_CHECKING:
@@ -225,12 +231,16 @@ class AttemptRuntime:
                 f"which cannot be stored as JSON ({exc}); return JSON-friendly data (dicts, "
                 "lists, numbers, strings, pydantic models, dataclasses)"
             ) from None
-        # NaN, infinity or a NUL: refused on both backends, as signal payloads are (SQLite
-        # stored NaN as JSON no standard reader takes; PostgreSQL's jsonb refused it with a
-        # raw driver error, a transient failure whose retries ran the step's effect again)
-        problem = unstorable_json(f"step {name!r} of job {self.attempt.id}: its result", encoded)
-        if problem is not None:
-            raise StepError(str(problem))
+        # Stored only if it reads back: an int of more than 4,300 digits (stored, then no
+        # run could read the job's steps: on PostgreSQL each failed, on SQLite the retry
+        # got a string), NaN, infinity or a NUL, refused on both backends, as signal
+        # payloads are (SQLite stored NaN as JSON no standard reader takes; PostgreSQL's
+        # jsonb refused it with a raw driver error, a transient failure whose retries ran
+        # the step's effect again)
+        try:
+            decoded = read_back(f"step {name!r} of job {self.attempt.id}: its result", encoded)
+        except InvalidPayload as problem:
+            raise StepError(str(problem)) from None
         with self._lock:
             if self._let_go and self.tx_opened:  # its transaction was let go of
                 raise TransactionEnded(
@@ -242,8 +252,8 @@ class AttemptRuntime:
         stored = backend.step_store(
             self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
         )
-        result = json.loads(stored)
-        if stored != encoded and result != json.loads(encoded):
+        result = decoded if stored == encoded else json.loads(stored)  # (jsonb's form)
+        if stored != encoded and result != decoded:
             log.warning(
                 "step %r of job %s was already stored by another attempt; using that result",
                 name,
