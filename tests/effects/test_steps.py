@@ -241,6 +241,43 @@ def test_step_name_used_twice_in_one_run_fails_the_job_with_a_step_error(
     assert [s.name for s in app.job_steps(handle.id)] == ["send"]
 
 
+def test_a_step_named_like_a_signals_step_is_refused_with_a_configuration_error(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """ctx.wait_for_signal(x) stores its payload as step 'signal:x': a step of that name
+    was stored in its place, and every later wait for x returned the step's result, no
+    signal sent (or the step returned a payload instead of calling fn). ctx.step and
+    ctx.astep refuse such names, naming the reserved prefix; fn is not called."""
+    app = make_app()
+    called: list[str] = []
+    refused: list[str] = []
+
+    @app.job(name="reserved_sync", retries=3)
+    def reserved_sync(ctx: errands.Context) -> Any:
+        ctx.step("signal:approved", called.append, "sync")
+        return ctx.wait_for_signal("approved")
+
+    @app.job(name="reserved_async", retries=3)
+    async def reserved_async(ctx: errands.Context) -> None:
+        try:
+            await ctx.astep("signal:approved", called.append, "async")
+        except errands.ConfigurationError as exc:
+            refused.append(str(exc))
+
+    sync_handle = reserved_sync.enqueue()
+    async_handle = reserved_async.enqueue()
+    drained = errands_testing(app).drain()
+    assert drained.outcomes == {"dead": 1, "completed": 1}
+    assert called == []
+    error = sync_handle.job().last_error
+    assert error is not None and error.type == "ConfigurationError"
+    [message] = refused
+    for text in (error.message, message):
+        assert text.startswith("ctx.step('signal:approved'): step names starting with 'signal:'")
+        assert "give the step another name" in text
+    assert app.job_steps(sync_handle.id) == app.job_steps(async_handle.id) == []
+
+
 def test_async_handler_steps_are_stored_and_not_run_again(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

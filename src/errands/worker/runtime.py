@@ -273,6 +273,7 @@ class AttemptRuntime:
         return result
 
     def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        _not_reserved(name)
         flight = self._flight_begins(name, None)
         try:
             done, value = self._begin_step(name)
@@ -297,6 +298,7 @@ class AttemptRuntime:
     async def astep(
         self, name: str, fn: Callable[..., Awaitable[Any] | Any], *args: Any, **kwargs: Any
     ) -> Any:
+        _not_reserved(name)
         flight = self._flight_begins(name, asyncio.current_task())
         storing: asyncio.Future[Any] | None = None
         try:
@@ -619,6 +621,18 @@ class AttemptRuntime:
         attempt's outcome (they never ran: a child got no trace context, so it began a
         trace of its own)."""
         self.app.events.prepare_insert([request], stored_later=True)
+
+
+def _not_reserved(name: str) -> None:
+    """Raise ConfigurationError for a step name the signals' steps use: a step named
+    ``signal:<x>`` is what ctx.wait_for_signal(x) returns, without waiting, in every later
+    run (and a wait stored first would be returned by the step instead of its fn)."""
+    if isinstance(name, str) and name.startswith(SIGNAL_STEP):
+        raise ConfigurationError(
+            f"ctx.step({name!r}): step names starting with {SIGNAL_STEP!r} are reserved: "
+            f"ctx.wait_for_signal(name) stores the payload it returns as step "
+            f"'{SIGNAL_STEP}<name>'; give the step another name"
+        )
 
 
 def _broken(exc: BaseException) -> bool:
