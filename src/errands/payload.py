@@ -415,6 +415,9 @@ class PayloadSpec:
                 f"{self.job_name}: the handler's result holds the NUL character (\\x00) at "
                 f"{nul_path(json.loads(text))}, which PostgreSQL cannot store; {NUL_FIX}"
             )
+        if len(text) > INT_MAX_DIGITS and _LONG_DIGITS.search(text) is not None:
+            # an int no JSON reader takes back: completed, its result read back as text
+            read_back(f"{self.job_name}: the handler's result", text)
         if "null" in text:  # pydantic writes a NaN or an infinity as null: look again
             nonfinite = _nonfinite_result(self.job_name, value)
             if nonfinite is not None:
