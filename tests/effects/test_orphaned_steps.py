@@ -208,3 +208,80 @@ def test_a_step_left_running_is_cancelled_at_the_jobs_timeout_and_the_attempt_ti
     [error] = handle.job().errors
     assert (error.attempt, error.kind) == (1, "timeout")
     assert _when(marks, "charge started", 2) > _when(marks, "charge ended", 1)
+
+
+def test_a_transaction_asked_for_by_a_task_after_its_handler_returned_is_refused(
+    make_app: Make,
+) -> None:
+    """ctx.transaction() from a task the handler never awaited, once the handler has
+    returned: the transaction it opened was never committed nor rolled back (on SQLite
+    its write lock stalled every later job of the file for good). Refused with
+    TransactionEnded; the next job runs."""
+    app = make_app()
+    refused: list[BaseException] = []
+    late_done = threading.Event()
+    tasks: set[asyncio.Task[Any]] = set()
+
+    @app.job(name="late_tx", retries=0)
+    async def late_tx(ctx: errands.Context) -> str:
+        async def late() -> None:
+            await asyncio.sleep(0.3)
+            try:
+                ctx.transaction().execute("SELECT 1")
+            except BaseException as exc:
+                refused.append(exc)
+            finally:
+                late_done.set()
+
+        tasks.add(asyncio.create_task(late()))
+        return "returned"
+
+    @app.job(name="next_job")
+    def next_job() -> str:
+        return "ran"
+
+    with running_worker(app):
+        assert late_tx.enqueue().result(timeout=60) == "returned"
+        assert late_done.wait(30)
+        assert next_job.enqueue().result(timeout=60) == "ran"
+
+    [exc] = refused
+    assert isinstance(exc, errands.errors.TransactionEnded)
+    assert "the attempt has ended" in str(exc) and "before the handler returns" in str(exc)
+
+
+def test_a_step_called_by_a_thread_a_sync_handler_left_running_is_refused(
+    make_app: Make,
+) -> None:
+    """The same for a sync handler: a thread it started and never joined calls ctx.step
+    once the handler has returned and its outcome is recorded: refused with StepError,
+    fn not called."""
+    app = make_app()
+    called: list[int] = []
+    refused: list[BaseException] = []
+    returned = threading.Event()
+    late_done = threading.Event()
+
+    @app.job(name="stray_thread", retries=0)
+    def stray_thread(ctx: errands.Context) -> str:
+        def late() -> None:
+            returned.wait(30)
+            try:
+                ctx.step("late", lambda: called.append(1))
+            except BaseException as exc:
+                refused.append(exc)
+            finally:
+                late_done.set()
+
+        threading.Thread(target=late, daemon=True).start()
+        return "returned"
+
+    with running_worker(app):
+        handle = stray_thread.enqueue()
+        assert handle.result(timeout=60) == "returned"
+        returned.set()
+        assert late_done.wait(30)
+
+    assert called == []
+    [exc] = refused
+    assert isinstance(exc, errands.errors.StepError) and "has ended" in str(exc)

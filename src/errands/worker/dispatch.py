@@ -305,7 +305,7 @@ class Dispatcher:
             # decided: its retry read the steps before theirs were stored, and ran their
             # effects again beside them.
             runtime = attempt.runtime
-            in_flight = runtime.close_steps() if runtime is not None else None
+            in_flight = runtime.close() if runtime is not None else None
             if runtime is not None and in_flight:
                 expired = limit is not None and limit.expired()
                 await runtime.settle_steps(

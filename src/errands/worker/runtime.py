@@ -94,9 +94,13 @@ class AttemptRuntime:
         self._steps: dict[str, Any] | None = None
         self._used: set[str] = set()
         # Steps whose fn may be running now, on the handler's task or another (see
-        # settle_steps); closed: the attempt is ending, and no step starts any more
+        # settle_steps); closed: the attempt is ending, and no step starts any more. A
+        # lock of their own, held for a set operation only: _lock is held while a
+        # transaction is opened (a pool checkout), and the event loop and the lease
+        # keeper must never wait for that.
         self._in_flight: set[StepInFlight] = set()
         self._closed = False
+        self._flights_lock = threading.Lock()
         self._lock = threading.Lock()
         self._secret_texts: list[str] | None = None  # sensitive arguments, for progress
         # The lease keeper of this process renews the attempt's lease_valid_until (False in
@@ -111,8 +115,12 @@ class AttemptRuntime:
         raise StepError when the attempt has ended (a task or thread the handler left
         running calls a step after the handler returned or raised: its retry may run)."""
         attempt = self.attempt
-        with self._lock:
+        with self._flights_lock:
             if self._closed or attempt.decided or attempt.released:
+                if attempt.stop_reason is not None:  # stopped: say why, as _may_run_step
+                    stopped = Interrupted(attempt.stop_reason)
+                    stopped.add_note(f"step {name!r} of job {attempt.id} was not started")
+                    raise stopped
                 raise StepError(
                     f"step {name!r} of job {attempt.id} was not started: the attempt it "
                     "belongs to has ended (its handler returned or raised) while a task or "
@@ -125,14 +133,17 @@ class AttemptRuntime:
         return flight
 
     def _flight_ends(self, flight: StepInFlight) -> None:
-        with self._lock:
+        with self._flights_lock:
             self._in_flight.discard(flight)
         flight.ended.set()
 
-    def close_steps(self) -> list[StepInFlight]:
-        """The attempt's handler has ended: no step starts from now on; the steps still in
-        flight (started by tasks or threads the handler left running), for settle_steps."""
-        with self._lock:
+    def close(self) -> list[StepInFlight]:
+        """The attempt's handler has ended, or its outcome is being decided: no step and
+        no ctx.transaction() starts from now on (from a task or thread the handler left
+        running: a transaction opened then was never ended, and on SQLite its write lock
+        stalled every writer of the file for good). The steps still in flight, for
+        settle_steps. Never waits for a transaction being opened (see _flights_lock)."""
+        with self._flights_lock:
             self._closed = True
             return list(self._in_flight)
 
@@ -374,6 +385,13 @@ class AttemptRuntime:
     # -- the completion transaction ----------------------------------------------------------
     def transaction(self) -> TransactionConnection:
         with self._lock:
+            if self._closed and not self._let_go:
+                raise TransactionEnded(
+                    f"job {self.attempt.id}: the attempt has ended (its handler returned or "
+                    "raised) while a task or thread it started went on; ctx.transaction() "
+                    "is not opened for it. Finish the work that needs it before the handler "
+                    "returns"
+                )
             if self._let_go:
                 raise TransactionEnded(
                     f"job {self.attempt.id}: the attempt has ended (timed out and abandoned, "
