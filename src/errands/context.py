@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 _CANCEL_LOCK = threading.Lock()
 
 
+def _on_a_loop() -> bool:
+    """Whether the caller runs on an event loop (else: a thread of its own)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 @dataclass
 class Context:
     job_id: int
@@ -60,7 +69,11 @@ class Context:
     async def astep(
         self, name: str, fn: Callable[..., Awaitable[Any] | Any], *args: Any, **kwargs: Any
     ) -> Any:
-        """``ctx.step`` for async handlers: ``fn`` may be a coroutine function."""
+        """``ctx.step`` for async handlers: ``fn`` may be a coroutine function.
+
+        Run steps side by side in an ``asyncio.TaskGroup``, not ``asyncio.gather``: a
+        step left running when the handler ends holds the attempt until it is over
+        (cancelled ``abandon_after`` later), so its retry never runs beside it."""
         return await self._rt().astep(name, fn, *args, **kwargs)
 
     def wait_for_signal(self, name: str, timeout: float | timedelta | None = None) -> Any:
@@ -74,14 +87,18 @@ class Context:
         every later run gets the same one). A signal sent before the wait is kept and
         returned at once. Past ``timeout`` (seconds or a timedelta; None: no limit) the
         wait is a failed attempt (kind ``signal_timeout``): retried with backoff, then
-        dead. In an ``async def`` handler, ``await`` it.
+        dead. In an ``async def`` handler, ``await`` it; called from a thread of its own
+        (``asyncio.to_thread``), it waits there as in a sync handler.
 
         .. versionadded:: 0.2
         """
         runtime = self._rt()
         definition = runtime.attempt.definition
-        if definition is not None and definition.is_async:
+        if definition is not None and definition.is_async and _on_a_loop():
             return runtime.await_signal(name, timeout)
+        # A sync handler, or a sync helper of an async one on a thread: an awaitable
+        # handed there was never awaited, and, truthy, read as the payload: the job went
+        # on without the signal. Suspended travels out through asyncio.to_thread.
         return runtime.wait_for_signal(name, timeout)
 
     def progress(self, fraction: float, message: str = "") -> None:

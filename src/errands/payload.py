@@ -40,6 +40,7 @@ NUL_FIX = "remove it, or pass binary data base64-encoded"
 # (its arguments read {'__corrupt__': ...}); on PostgreSQL 10**200000 failed the insert.
 INT_MAX_DIGITS = 4300
 _INT_TOO_LONG = 10**INT_MAX_DIGITS
+_LONG_DIGITS = re.compile(rf"[0-9]{{{INT_MAX_DIGITS + 1}}}")  # where such an int may be
 
 
 def holds_nul(text: str) -> bool:
@@ -109,27 +110,64 @@ UNSTORABLE: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
 
 def unstorable_json(what: str, text: str) -> InvalidPayload | None:
     """Why JSON text (serialised by pydantic, from any value) cannot be stored, naming
-    where in it and the fix, or None: a NaN or infinite number (SQLite kept it as JSON
-    no standard reader takes, and PostgreSQL's jsonb refused it with a raw driver error)
-    or an escaped NUL character (which jsonb cannot hold), as job arguments refuse them."""
-    nonfinite = "NaN" in text or "Infinity" in text  # bare tokens; rare inside strings too
-    if not nonfinite and not holds_nul(text):
-        return None
+    where in it and the fix, or None: see :func:`read_back`."""
     try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):  # cannot be: pydantic wrote it
-        return None
+        read_back(what, text)
+    except InvalidPayload as problem:
+        return problem
+    return None
+
+
+class _TooLong(int):
+    """An int read back from JSON with more digits than readers take (see read_back)."""
+
+
+def _read_int(digits: str) -> int:
+    if len(digits) - digits.startswith("-") > INT_MAX_DIGITS:
+        return _TooLong()
+    return int(digits)
+
+
+def read_back(what: str, text: str) -> Any:
+    """The value JSON text (serialised by pydantic, from any value) reads back as, or
+    InvalidPayload naming where in it the problem is and the fix, when it cannot be
+    stored or read back: an int of more than 4,300 digits (pydantic writes it; Python's
+    json, whatever this process's sys.set_int_max_str_digits, and pydantic's parser read
+    no such int: a signal payload holding one was stored, and its job failed on every
+    run and replay), a NaN or infinite number (SQLite kept it as JSON no standard reader
+    takes, and PostgreSQL's jsonb refused it with a raw driver error) or an escaped NUL
+    character (which jsonb cannot hold), as job arguments refuse them."""
+    long_run = len(text) > INT_MAX_DIGITS and _LONG_DIGITS.search(text) is not None
+    try:  # (the hook only when a run of digits that long is there: it costs a call per int)
+        value = json.loads(text, parse_int=_read_int if long_run else None)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidPayload(
+            f"{what}: its JSON cannot be read back ({type(exc).__name__}: {exc}); pass "
+            "JSON-friendly data (dicts, lists, strings, numbers), or store it elsewhere and "
+            "pass a reference"
+        ) from None
+    if long_run and (where := first_path(value, _too_long_read)) is not None:
+        raise InvalidPayload(
+            f"{what}: {where}: an int of more than {INT_MAX_DIGITS:,} digits, which cannot "
+            "be read back from JSON; store it elsewhere and pass a reference, or pass it as "
+            "text (a str)"
+        )
+    nonfinite = "NaN" in text or "Infinity" in text  # bare tokens; rare inside strings too
     if nonfinite and (where := nonfinite_path(value)) is not None:
-        return InvalidPayload(
+        raise InvalidPayload(
             f"{what}: {where}: a number that is NaN or infinite, which JSON cannot hold; "
             'use a finite number, null, or a string such as "inf"'
         )
-    if (where := nul_path(value)) is not None:
-        return InvalidPayload(
+    if holds_nul(text) and (where := nul_path(value)) is not None:
+        raise InvalidPayload(
             f"{what}: {where}: contains the NUL character (\\x00), which PostgreSQL cannot "
             f"store; {NUL_FIX}"
         )
-    return None
+    return value
+
+
+def _too_long_read(value: Any) -> bool:
+    return isinstance(value, _TooLong)
 
 
 def _nonfinite_result(job_name: str, value: Any) -> InvalidPayload | None:
@@ -377,6 +415,9 @@ class PayloadSpec:
                 f"{self.job_name}: the handler's result holds the NUL character (\\x00) at "
                 f"{nul_path(json.loads(text))}, which PostgreSQL cannot store; {NUL_FIX}"
             )
+        if len(text) > INT_MAX_DIGITS and _LONG_DIGITS.search(text) is not None:
+            # an int no JSON reader takes back: completed, its result read back as text
+            read_back(f"{self.job_name}: the handler's result", text)
         if "null" in text:  # pydantic writes a NaN or an infinity as null: look again
             nonfinite = _nonfinite_result(self.job_name, value)
             if nonfinite is not None:

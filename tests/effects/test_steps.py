@@ -182,6 +182,42 @@ def test_a_step_returning_nan_or_infinity_fails_the_job_permanently_naming_the_s
     )
 
 
+@pytest.mark.parametrize("raised_limit", [False, True], ids=["default", "int_limit_raised"])
+def test_a_step_returning_an_int_of_more_than_4300_digits_fails_permanently_naming_where(
+    make_app: Make,
+    errands_testing: Callable[..., Tester],
+    raised_limit: bool,
+) -> None:
+    """pydantic writes such an int, no JSON reader takes it back (pydantic's, or Python's
+    json by default): stored, it failed every later run of the job on PostgreSQL (each
+    read of its steps), and SQLite handed the retry a string. Refused before it is
+    stored, as a StepError naming the step and where, the effect run once; also when
+    this process raised its own int limit (the store's other readers did not)."""
+    previous = sys.get_int_max_str_digits()
+    app = make_app()
+    counted: list[int] = []
+
+    def count() -> dict[str, Any]:
+        counted.append(1)
+        return {"ok": 10**4300 - 1, "rows": [1, -(10**4400)]}  # 4,300 digits pass
+
+    @app.job(name="huge_step", retries=3)
+    def huge_step(ctx: errands.Context) -> None:
+        ctx.step("count", count)
+
+    if raised_limit:
+        sys.set_int_max_str_digits(0)  # no limit in this process
+    try:
+        job_id, message = _dead_with_a_step_error(app, errands_testing(app), huge_step)
+    finally:
+        sys.set_int_max_str_digits(previous)
+    assert counted == [1]
+    assert message.startswith(
+        f"step 'count' of job {job_id}: its result: rows.1: an int of more than 4,300 "
+        "digits, which cannot be read back from JSON; store it elsewhere"
+    ), message
+
+
 def test_step_name_used_twice_in_one_run_fails_the_job_with_a_step_error(
     make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:
@@ -203,6 +239,43 @@ def test_step_name_used_twice_in_one_run_fails_the_job_with_a_step_error(
     assert job.last_error.type == "StepError"
     assert "used twice" in job.last_error.message
     assert [s.name for s in app.job_steps(handle.id)] == ["send"]
+
+
+def test_a_step_named_like_a_signals_step_is_refused_with_a_configuration_error(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """ctx.wait_for_signal(x) stores its payload as step 'signal:x': a step of that name
+    was stored in its place, and every later wait for x returned the step's result, no
+    signal sent (or the step returned a payload instead of calling fn). ctx.step and
+    ctx.astep refuse such names, naming the reserved prefix; fn is not called."""
+    app = make_app()
+    called: list[str] = []
+    refused: list[str] = []
+
+    @app.job(name="reserved_sync", retries=3)
+    def reserved_sync(ctx: errands.Context) -> Any:
+        ctx.step("signal:approved", called.append, "sync")
+        return ctx.wait_for_signal("approved")
+
+    @app.job(name="reserved_async", retries=3)
+    async def reserved_async(ctx: errands.Context) -> None:
+        try:
+            await ctx.astep("signal:approved", called.append, "async")
+        except errands.ConfigurationError as exc:
+            refused.append(str(exc))
+
+    sync_handle = reserved_sync.enqueue()
+    async_handle = reserved_async.enqueue()
+    drained = errands_testing(app).drain()
+    assert drained.outcomes == {"dead": 1, "completed": 1}
+    assert called == []
+    error = sync_handle.job().last_error
+    assert error is not None and error.type == "ConfigurationError"
+    [message] = refused
+    for text in (error.message, message):
+        assert text.startswith("ctx.step('signal:approved'): step names starting with 'signal:'")
+        assert "give the step another name" in text
+    assert app.job_steps(sync_handle.id) == app.job_steps(async_handle.id) == []
 
 
 def test_async_handler_steps_are_stored_and_not_run_again(

@@ -125,3 +125,34 @@ def test_a_result_holding_nan_or_infinity_ends_dead_naming_where_not_stored_as_n
             )
     finally:
         application.close()
+
+
+def test_a_result_holding_an_int_of_more_than_4300_digits_ends_dead_naming_where(
+    store_url: str,
+) -> None:
+    """pydantic writes such an int, and no JSON reader takes it back: the job completed,
+    and its result was read back as the JSON text, a str. It ends dead (permanent, as a
+    result holding a NaN) naming where; an int of 4,300 digits completes."""
+    application = errands.App(store_url)
+
+    @application.job(name="huge.result", retries=3)
+    def huge() -> dict[str, list[int]]:
+        return {"counts": [1, 10**4400]}
+
+    @application.job(name="huge.fits")
+    def fits() -> int:
+        return 10**4299  # 4,300 digits
+
+    try:
+        handle, fine = huge.enqueue(), fits.enqueue()
+        with running_worker(application, poll_interval=0.02):
+            assert fine.result(timeout=30) == 10**4299
+            wait_until(lambda: handle.status().value == "dead", 30, "the job to end dead")
+        job = handle.job()
+        [error] = job.errors
+        assert (job.attempt, error.type) == (1, "InvalidPayload")
+        assert error.message.startswith(
+            "huge.result: the handler's result: counts.1: an int of more than 4,300 digits"
+        ), error.message
+    finally:
+        application.close()

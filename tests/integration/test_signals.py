@@ -5,6 +5,7 @@ the maintenance leader records; sync and async handlers alike."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from datetime import timedelta
 from typing import Any
@@ -118,6 +119,38 @@ def test_async_handlers_await_signals(app: errands.App) -> None:
         assert handle.result(timeout=10) == 42
 
 
+def test_an_async_handlers_sync_helper_on_a_thread_suspends_until_the_signal(
+    each_store_url: str,
+) -> None:
+    """ctx.wait_for_signal called from a thread of an async handler (a sync helper run
+    with asyncio.to_thread) waits as in a sync handler: the job suspends, and the
+    signal resumes it with its payload. It returned an un-awaited coroutine there,
+    truthy: the helper took it for the payload, and the job completed, its effect done,
+    without any signal sent."""
+    app = errands.App(each_store_url)
+    shipped: list[Any] = []
+
+    def ship_when_approved(ctx: errands.Context) -> str:
+        approved = ctx.wait_for_signal("approved", timeout=3600)
+        shipped.append(approved)
+        return f"shipped by {approved['by']}"
+
+    @app.job(name="sig.thread")
+    async def ship(ctx: errands.Context) -> str:
+        return await asyncio.to_thread(ship_when_approved, ctx)
+
+    try:
+        with running_worker(app):
+            handle = ship.enqueue()
+            wait_until(lambda: _state(handle) == "waiting", what="the job to wait")
+            assert shipped == [] and handle.job().waiting_for == "approved"
+            assert app.signal(handle.id, "approved", {"by": "ops"}).resumed
+            assert handle.result(timeout=20) == "shipped by ops"
+        assert shipped == [{"by": "ops"}]
+    finally:
+        app.close()
+
+
 def test_signals_to_finished_or_unknown_jobs_are_refused(app: errands.App) -> None:
     """A completed job takes no signal (nothing would read it); an unknown id raises
     JobNotFound; a waiting job can be cancelled."""
@@ -176,6 +209,36 @@ def test_a_signal_payload_json_cannot_hold_is_refused_naming_where_and_the_fix(
     assert ("null" if "NaN" in problem else "base64") in message, message  # the fix
     assert app.audit(job_id=handle.id) == []
     app.signal(handle.id, "go", {"total": [1, 2.5], "note": "NaN Infinity \\u0000"})
+
+
+def test_a_signal_payload_with_an_int_of_more_than_4300_digits_is_refused_naming_where(
+    each_store_url: str,
+) -> None:
+    """pydantic writes such an int, and no JSON reader takes it back (Python's json,
+    pydantic's): it was stored, and the job it resumed failed on every run and every
+    replay. Refused with InvalidPayload naming where, nothing kept or audited; the job
+    resumes with a payload that reads back."""
+    app = errands.App(each_store_url)
+
+    @app.job(name="sig.huge")
+    def huge(ctx: errands.Context) -> Any:
+        return ctx.wait_for_signal("go", timeout=3600)
+
+    try:
+        with running_worker(app):
+            handle = huge.enqueue()
+            wait_until(lambda: _state(handle) == "waiting", what="the job to wait")
+            with pytest.raises(errands.InvalidPayload) as refused:
+                app.signal(handle.id, "go", {"counts": [1, 10**4400]})
+            assert str(refused.value).startswith(
+                "signal 'go': the payload: counts.1: an int of more than 4,300 digits, "
+                "which cannot be read back from JSON; store it elsewhere"
+            ), refused.value
+            assert app.audit(job_id=handle.id) == [] and _state(handle) == "waiting"
+            assert app.signal(handle.id, "go", {"counts": [1, "9" * 4401]}).resumed
+            assert handle.result(timeout=20) == {"counts": [1, "9" * 4401]}
+    finally:
+        app.close()
 
 
 def test_a_wait_inside_a_transaction_is_refused(app: errands.App) -> None:

@@ -7,6 +7,7 @@ closed (the server rolls the transaction back), and the keeper goes on at once."
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -269,5 +270,45 @@ def test_a_graceful_stop_waits_for_a_commit_of_ctx_transaction_held_on_a_lock(
             job = handle.job()
             letting_go.join()
             assert job.state is JobState.COMPLETED, (job.state, job.errors)
+    finally:
+        app.close()
+
+
+def test_an_async_handler_ending_while_its_thread_waits_for_a_transaction_never_blocks_the_loop(
+    pg_url: str,
+) -> None:
+    """An async handler asks for ctx.transaction() in a thread (asyncio.to_thread), which
+    waits for the pool's one connection (held by another job), holding the attempt's
+    lock meanwhile; its timeout ends the handler. Ending the attempt (no step or
+    transaction may start from then on) never waits for that lock on the event loop:
+    another async job runs on meanwhile, not after the holder lets go."""
+    import asyncio
+
+    sep = "&" if "?" in pg_url else "?"
+    app = errands.App(f"{pg_url}{sep}tx_pool_size=1")
+    holding = threading.Event()
+
+    @app.job(name="loop.holder")
+    def holder(ctx: errands.Context) -> None:
+        ctx.transaction()
+        holding.set()
+        time.sleep(20)
+
+    @app.job(name="loop.waiter", timeout=0.3, retries=1, backoff=60)
+    async def waiter(ctx: errands.Context) -> None:
+        await asyncio.to_thread(ctx.transaction)  # waits for the one connection
+
+    @app.job(name="loop.quick")
+    async def quick() -> str:
+        return "quick"
+
+    try:
+        with running_worker(app, concurrency=4, abandon_after=30):
+            holder.enqueue()
+            assert holding.wait(15)
+            stuck = waiter.enqueue()
+            wait_until(lambda: stuck.job().state is JobState.RUNNING, what="its start")
+            time.sleep(1.0)  # its timeout (0.3 s) has fired; its thread waits for the pool
+            assert quick.enqueue().result(timeout=10) == "quick"  # not behind the 20 s
     finally:
         app.close()

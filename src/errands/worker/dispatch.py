@@ -299,6 +299,20 @@ class Dispatcher:
             if attempt.stop_reason is not None:  # the worker stopped it: why
                 raise Interrupted(attempt.stop_reason) from None
             raise  # the loop shutting down
+        finally:
+            # Steps the handler left running on tasks of their own (asyncio.gather does
+            # not cancel the siblings of one that raised) end before the attempt is
+            # decided: its retry read the steps before theirs were stored, and ran their
+            # effects again beside them.
+            runtime = attempt.runtime
+            in_flight = runtime.close() if runtime is not None else None
+            if runtime is not None and in_flight:
+                expired = limit is not None and limit.expired()
+                await runtime.settle_steps(
+                    in_flight,
+                    self.worker.abandon_after,
+                    lambda: expired or attempt.timed_out or attempt.stop_reason is not None,
+                )
 
     async def _call_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
         prepared = await asyncio.to_thread(self.prepare, attempt)  # validators off the loop

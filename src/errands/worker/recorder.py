@@ -168,6 +168,8 @@ class OutcomeRecorder:
         try:
             attempt.ended = clock.now()
             written: bool | None = None
+            if attempt.runtime is not None:  # no step or transaction starts from now on
+                attempt.runtime.close()
             try:
                 outcome, written = self._outcome(attempt, exc, result_json, handler_running)
             except BaseException as bug:

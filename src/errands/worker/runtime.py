@@ -34,13 +34,19 @@ from pydantic_core import PydanticSerializationError, to_json
 from .. import clock
 from ..backends.workflow_store import WORKFLOW_ADD
 from ..definition import seconds as checked_seconds
-from ..errors import ConfigurationError, StepError, TransactionEnded, is_transient
+from ..errors import (
+    ConfigurationError,
+    InvalidPayload,
+    StepError,
+    TransactionEnded,
+    is_transient,
+)
 from ..errortext import scrub
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
 from ..observability.logcontext import job_extra
-from ..payload import unstorable_json
+from ..payload import read_back
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 
 if TYPE_CHECKING:
@@ -55,6 +61,20 @@ log = logging.getLogger("errands.worker")
 PROGRESS_MESSAGE_MAX = 500  # characters of a ctx.progress message kept
 SIGNAL_NAME_MAX = 200
 SIGNAL_STEP = "signal:"  # the step a received signal's payload is stored under
+
+
+SETTLE_POLL = 0.02  # seconds between looks at the steps an ended handler left running
+
+
+class StepInFlight:
+    """A step called and not over yet: its fn running, or its result being stored."""
+
+    __slots__ = ("ended", "name", "task")
+
+    def __init__(self, name: str, task: asyncio.Task[Any] | None) -> None:
+        self.name = name
+        self.task = task  # the task of an astep; None: a ctx.step on a thread
+        self.ended = threading.Event()
 
 
 class AttemptRuntime:
@@ -73,6 +93,14 @@ class AttemptRuntime:
         self._ended = threading.Event()  # ... and no statement on the one it had
         self._steps: dict[str, Any] | None = None
         self._used: set[str] = set()
+        # Steps whose fn may be running now, on the handler's task or another (see
+        # settle_steps); closed: the attempt is ending, and no step starts any more. A
+        # lock of their own, held for a set operation only: _lock is held while a
+        # transaction is opened (a pool checkout), and the event loop and the lease
+        # keeper must never wait for that.
+        self._in_flight: set[StepInFlight] = set()
+        self._closed = False
+        self._flights_lock = threading.Lock()
         self._lock = threading.Lock()
         self._secret_texts: list[str] | None = None  # sensitive arguments, for progress
         # The lease keeper of this process renews the attempt's lease_valid_until (False in
@@ -82,6 +110,96 @@ class AttemptRuntime:
         self.report_progress: Callable[[tuple[float, str]], None] | None = None
 
     # -- steps -----------------------------------------------------------------------------
+    def _flight_begins(self, name: str, task: asyncio.Task[Any] | None) -> StepInFlight:
+        """Count a step in flight from its call until its effect and its store are over;
+        raise StepError when the attempt has ended (a task or thread the handler left
+        running calls a step after the handler returned or raised: its retry may run)."""
+        attempt = self.attempt
+        with self._flights_lock:
+            if self._closed or attempt.decided or attempt.released:
+                if attempt.stop_reason is not None:  # stopped: say why, as _may_run_step
+                    stopped = Interrupted(attempt.stop_reason)
+                    stopped.add_note(f"step {name!r} of job {attempt.id} was not started")
+                    raise stopped
+                raise StepError(
+                    f"step {name!r} of job {attempt.id} was not started: the attempt it "
+                    "belongs to has ended (its handler returned or raised) while a task or "
+                    "thread it started went on calling steps; await every step before the "
+                    "handler ends (asyncio.TaskGroup, not asyncio.gather, ends sibling "
+                    "steps with a failing one)"
+                )
+            flight = StepInFlight(name, task)
+            self._in_flight.add(flight)
+        return flight
+
+    def _flight_ends(self, flight: StepInFlight) -> None:
+        with self._flights_lock:
+            self._in_flight.discard(flight)
+        flight.ended.set()
+
+    def close(self) -> list[StepInFlight]:
+        """The attempt's handler has ended, or its outcome is being decided: no step and
+        no ctx.transaction() starts from now on (from a task or thread the handler left
+        running: a transaction opened then was never ended, and on SQLite its write lock
+        stalled every writer of the file for good). The steps still in flight, for
+        settle_steps. Never waits for a transaction being opened (see _flights_lock)."""
+        with self._flights_lock:
+            self._closed = True
+            return list(self._in_flight)
+
+    async def settle_steps(
+        self, flights: list[StepInFlight], grace: float, stopped: Callable[[], bool]
+    ) -> None:
+        """Wait until the steps still in flight when the handler ended are over, before the
+        attempt is decided: until then it keeps its slot and its lease, as a sync handler
+        does until its thread returns. Its retry read the steps before an orphaned
+        step stored its result (asyncio.gather does not cancel the siblings of a step
+        that raised) and ran the step's effect again, beside the first.
+
+        A step is let finish (its result stored: the retry does not run it again) for up
+        to ``grace`` seconds; then, or at once when the attempt was asked to stop
+        (``stopped()``: its timeout, a cancel, a lost lease, the worker stopping; or this
+        task is cancelled meanwhile), the tasks running steps are cancelled (a step cut
+        short runs again on the retry, as after a crash) and waited for ``grace`` more
+        seconds. A step still running then (its task caught the cancel and went on, or a
+        ``ctx.step`` on a thread) is abandoned, logged, as a thread past its timeout is."""
+        loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        began = loop.time()
+        cancelled_at: float | None = None
+        while pending := [f for f in flights if not f.ended.is_set()]:
+            now = loop.time()
+            if cancelled_at is None and (now - began >= grace or stopped()):
+                cancelled_at = now
+                for flight in pending:
+                    if flight.task is not None and flight.task is not me:
+                        flight.task.cancel(
+                            f"job {self.attempt.id}: its handler ended while step "
+                            f"{flight.name!r} still ran"
+                        )
+            elif cancelled_at is not None and now - cancelled_at >= grace:
+                log.error(
+                    "job %s: step(s) %s still ran %g s after its handler ended and %g s "
+                    "after being cancelled; abandoned (they may still be running beside "
+                    "the job's next attempt)",
+                    self.attempt.id,
+                    ", ".join(repr(f.name) for f in pending),
+                    grace,
+                    grace,
+                    extra=job_extra(self.attempt.row),
+                )
+                return
+            try:
+                await asyncio.sleep(SETTLE_POLL)
+            except asyncio.CancelledError:
+                # The worker stops the attempt (its timeout, a cancel, shutdown): cancel the
+                # steps now, and still wait for them (bounded). Its outcome is decided from
+                # what stopped it (the recorder reads attempt.timed_out and stop_reason).
+                if me is not None:
+                    me.uncancel()
+                if cancelled_at is None:
+                    began = loop.time() - grace
+
     def _begin_step(self, name: str) -> tuple[bool, Any]:
         if not isinstance(name, str) or not name:
             raise StepError("ctx.step needs a non-empty string name")
@@ -124,12 +242,16 @@ class AttemptRuntime:
                 f"which cannot be stored as JSON ({exc}); return JSON-friendly data (dicts, "
                 "lists, numbers, strings, pydantic models, dataclasses)"
             ) from None
-        # NaN, infinity or a NUL: refused on both backends, as signal payloads are (SQLite
-        # stored NaN as JSON no standard reader takes; PostgreSQL's jsonb refused it with a
-        # raw driver error, a transient failure whose retries ran the step's effect again)
-        problem = unstorable_json(f"step {name!r} of job {self.attempt.id}: its result", encoded)
-        if problem is not None:
-            raise StepError(str(problem))
+        # Stored only if it reads back: an int of more than 4,300 digits (stored, then no
+        # run could read the job's steps: on PostgreSQL each failed, on SQLite the retry
+        # got a string), NaN, infinity or a NUL, refused on both backends, as signal
+        # payloads are (SQLite stored NaN as JSON no standard reader takes; PostgreSQL's
+        # jsonb refused it with a raw driver error, a transient failure whose retries ran
+        # the step's effect again)
+        try:
+            decoded = read_back(f"step {name!r} of job {self.attempt.id}: its result", encoded)
+        except InvalidPayload as problem:
+            raise StepError(str(problem)) from None
         with self._lock:
             if self._let_go and self.tx_opened:  # its transaction was let go of
                 raise TransactionEnded(
@@ -141,8 +263,8 @@ class AttemptRuntime:
         stored = backend.step_store(
             self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
         )
-        result = json.loads(stored)
-        if stored != encoded and result != json.loads(encoded):
+        result = decoded if stored == encoded else json.loads(stored)  # (jsonb's form)
+        if stored != encoded and result != decoded:
             log.warning(
                 "step %r of job %s was already stored by another attempt; using that result",
                 name,
@@ -162,11 +284,16 @@ class AttemptRuntime:
         return result
 
     def step(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        done, value = self._begin_step(name)
-        if done:
-            return value
-        self._warn_step_in_transaction(name)
-        return self._store_step(name, fn(*args, **kwargs))
+        _not_reserved(name)
+        flight = self._flight_begins(name, None)
+        try:
+            done, value = self._begin_step(name)
+            if done:
+                return value
+            self._warn_step_in_transaction(name)
+            return self._store_step(name, fn(*args, **kwargs))
+        finally:
+            self._flight_ends(flight)
 
     def _warn_step_in_transaction(self, name: str) -> None:
         if self.tx is not None:
@@ -182,14 +309,30 @@ class AttemptRuntime:
     async def astep(
         self, name: str, fn: Callable[..., Awaitable[Any] | Any], *args: Any, **kwargs: Any
     ) -> Any:
-        done, value = await asyncio.to_thread(self._begin_step, name)
-        if done:
-            return value
-        self._warn_step_in_transaction(name)
-        result = fn(*args, **kwargs)
-        if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
-            result = await result
-        return await asyncio.to_thread(self._store_step, name, result)
+        _not_reserved(name)
+        flight = self._flight_begins(name, asyncio.current_task())
+        storing: asyncio.Future[Any] | None = None
+        try:
+            done, value = await asyncio.to_thread(self._begin_step, name)
+            if done:
+                return value
+            self._warn_step_in_transaction(name)
+            result = fn(*args, **kwargs)
+            if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
+                result = await result
+            # The effect is done: its result is stored even if this task is cancelled
+            # now (its thread cannot be stopped), and the step stays in flight until then
+            storing = asyncio.ensure_future(asyncio.to_thread(self._store_step, name, result))
+            storing.add_done_callback(lambda stored: self._stored(flight, stored))
+            return await asyncio.shield(storing)
+        finally:
+            if storing is None:
+                self._flight_ends(flight)
+
+    def _stored(self, flight: StepInFlight, stored: asyncio.Future[Any]) -> None:
+        if not stored.cancelled():
+            stored.exception()  # retrieved: raised to the step's caller, if it still waits
+        self._flight_ends(flight)
 
     # -- durable signals ---------------------------------------------------------------------
     def wait_for_signal(self, name: str, timeout: float | timedelta | None) -> Any:
@@ -242,6 +385,13 @@ class AttemptRuntime:
     # -- the completion transaction ----------------------------------------------------------
     def transaction(self) -> TransactionConnection:
         with self._lock:
+            if self._closed and not self._let_go:
+                raise TransactionEnded(
+                    f"job {self.attempt.id}: the attempt has ended (its handler returned or "
+                    "raised) while a task or thread it started went on; ctx.transaction() "
+                    "is not opened for it. Finish the work that needs it before the handler "
+                    "returns"
+                )
             if self._let_go:
                 raise TransactionEnded(
                     f"job {self.attempt.id}: the attempt has ended (timed out and abandoned, "
@@ -489,6 +639,18 @@ class AttemptRuntime:
         attempt's outcome (they never ran: a child got no trace context, so it began a
         trace of its own)."""
         self.app.events.prepare_insert([request], stored_later=True)
+
+
+def _not_reserved(name: str) -> None:
+    """Raise ConfigurationError for a step name the signals' steps use: a step named
+    ``signal:<x>`` is what ctx.wait_for_signal(x) returns, without waiting, in every later
+    run (and a wait stored first would be returned by the step instead of its fn)."""
+    if isinstance(name, str) and name.startswith(SIGNAL_STEP):
+        raise ConfigurationError(
+            f"ctx.step({name!r}): step names starting with {SIGNAL_STEP!r} are reserved: "
+            f"ctx.wait_for_signal(name) stores the payload it returns as step "
+            f"'{SIGNAL_STEP}<name>'; give the step another name"
+        )
 
 
 def _broken(exc: BaseException) -> bool:
