@@ -16,7 +16,14 @@ import pytest
 import errands
 from errands import JobState
 
-from .helpers import claim_as_dead_worker, force_rescue, query, raw_row, wait_until
+from .helpers import (
+    claim_as_dead_worker,
+    execute_sql,
+    force_rescue,
+    query,
+    raw_row,
+    wait_until,
+)
 
 
 def states(app: errands.App, name: str) -> dict[str, int]:
@@ -221,7 +228,7 @@ def test_a_fair_queue_of_quick_jobs_prefetches_sixteen_jobs_per_slot_not_four(
 
     with worker_factory(concurrency=2, express=0):  # (no express lane: slots only)
         learn_handlers_are_quick(app)
-        handles = [fair_blocked.enqueue(n=i) for i in range(50)]
+        handles = app.enqueue_many([fair_blocked.bind(n=i) for i in range(50)])  # at once
         # two run, 16 x 2 more are claimed and wait for a thread
         wait_until(lambda: states(app, "pf.fairblocked").get("running") == 34, what="34 claimed")
         time.sleep(0.3)
@@ -233,11 +240,65 @@ def test_a_fair_queue_of_quick_jobs_prefetches_sixteen_jobs_per_slot_not_four(
 
 def test_a_given_prefetch_bounds_a_fair_queues_too(app: errands.App) -> None:
     app.queue("pf.fair", fair=True)
+
+    @app.job(name="pf.fairjob", queue="pf.fair", fair_key="{n}")
+    def fair_job(n: int) -> None: ...
+
     assert app.worker(concurrency=3).fair_prefetch == 48
     assert app.worker(concurrency=3, prefetch=5).fair_prefetch == 5
     assert app.worker(concurrency=3, prefetch=0).fair_prefetch == 0
     # a larger one: still 16 per slot (the window of keys read under the claim lock)
     assert app.worker(concurrency=3, prefetch=1024).fair_prefetch == 48
+
+
+def test_a_worker_without_a_fair_queue_holds_no_more_unwritten_outcomes_than_before(
+    app: errands.App,
+) -> None:
+    """The deeper prefetch is a fair queue's: a worker without one keeps its cap of
+    outcomes waiting to be written at twice its slots and prefetch (I9: a worker that
+    held 505 when it lost its store queued them all for isolated runs)."""
+    worker = app.worker(concurrency=10)
+    assert (worker.fair_prefetch, worker._unwritten_max) == (0, 2 * (10 + 40))
+
+
+def test_a_rescued_job_of_a_fair_queue_starts_ahead_of_its_prefetched_backlog(
+    app: errands.App,
+) -> None:
+    """A rescued job is claimed by the suspect claim, which took only the plain prefetch
+    room: a fair queue's deeper prefetch kept that room below zero while its backlog
+    lasted, and a rescued job of the queue waited behind the whole backlog. Counted in
+    jobs, not seconds: it starts with most of the backlog still waiting."""
+    app.queue("pf.fairq", fair=True)
+    done: list[int] = []
+    at_start: list[int] = []
+
+    @app.job(name="pf.fq", queue="pf.fairq", fair_key="{k}")
+    def fq(k: str, n: int) -> None:
+        if n < 0:
+            at_start.append(len(done))
+        time.sleep(0.0005)
+        done.append(n)
+
+    backlog = 20_000
+    app.enqueue_many([fq.bind(k=f"noisy{i % 3}", n=i) for i in range(backlog)])
+    worker = app.worker(concurrency=4, queues=["pf.fairq"], poll_interval=0.2, express=0)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    thread.start()
+    try:
+        wait_until(lambda: len(done) >= 1_000, timeout=60, what="the backlog running")
+        victim = fq.enqueue(k="victim", n=-1, delay=3600)
+        made = execute_sql(
+            app,
+            "UPDATE errands_jobs SET rescues = 1, attempt = 1, state = 'available', "
+            "run_at = 0 WHERE id = ?",
+            (victim.id,),
+        )
+        assert made == 1
+        wait_until(lambda: at_start or len(done) >= backlog, timeout=120, what="the rescued job")
+        assert at_start and at_start[0] < backlog // 2, (at_start, len(done))
+    finally:
+        worker.stop()
+        thread.join(60)
 
 
 def test_a_worker_that_serves_async_handlers_does_not_prefetch(app: errands.App) -> None:

@@ -276,3 +276,22 @@ def test_a_libpq_option_with_a_space_is_passed_on_as_libpq_reads_it() -> None:
     url = "postgresql://u@h/db?options=-c%20statement_timeout%3D5s&schema=s"
     conninfo = parse_postgres_url(url).conninfo
     assert "options=-c%20statement_timeout%3D5s" in conninfo and "+" not in conninfo
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"maintenance_tick": 0}, {"pool": "process", "app_path": "x:app", "express": 2}],
+    ids=["maintenance_tick", "express_with_processes"],
+)
+def test_a_worker_refused_for_its_options_leaves_no_handler_thread_running(
+    tmp_path: Path, options: dict[str, object]
+) -> None:
+    """Checked before its handler threads start: they were started first, and a worker
+    refused for a bad maintenance_tick (or an express lane with the process pool) left
+    its -c threads running for the life of the process."""
+    app = errands.App(f"sqlite:///{tmp_path}/t.db")
+    before = threading.active_count()
+    with pytest.raises(errands.ConfigurationError):
+        app.worker(concurrency=20, **options)  # type: ignore[arg-type]
+    assert threading.active_count() == before
+    app.close()

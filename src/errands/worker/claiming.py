@@ -54,6 +54,8 @@ class ClaimRound:
     # worker claims again as slots free up instead of waiting for its next poll (a limited
     # claim never fills the prefetch room, so "the round was full" cannot say it).
     limited_full: bool = False
+    # A prefetching fair queue's claim filled its (deeper) room: it has a backlog.
+    fair_full: bool = False
     # A limited queue was left out for want of a free slot (the prefetch room is not
     # theirs): claim again when a slot frees up.
     limited_starved: bool = False
@@ -250,7 +252,8 @@ class Claimer:
             # Rescued jobs first: a steady backlog of fresh jobs fills every free slot,
             # and would otherwise keep them waiting until it drains. They go ahead of the
             # prefetched jobs (the next free handler takes them).
-            self._claim_suspects(result, plan, min(suspects, room), room, free)
+            most = min(suspects, max(room, self._fair_room_now))
+            self._claim_suspects(result, plan, most, room, free)
             taken = Counter(row.queue for row in rows)
             plan = [QueueClaim(q.name, q.limit - taken[q.name]) for q in plan]
             plan = [q for q in plan if q.limit > 0]
@@ -296,6 +299,8 @@ class Claimer:
                 result.gated += getattr(limited, "gated", 0)
                 result.express |= getattr(limited, "express", frozenset())
                 result.limited_full = result.limited_full or len(limited) >= take
+                if queue.name in self.prefetching:
+                    result.fair_full = result.fair_full or len(limited) >= take
                 result.limited_short = result.limited_short or len(limited) < take
                 retry_in = getattr(limited, "retry_in", None)
                 if retry_in is not None:

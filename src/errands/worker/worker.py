@@ -323,6 +323,7 @@ class Worker:
         self._free = concurrency  # slots; below 0 while prefetched jobs wait for a thread
         self._extra = 0  # how many jobs beyond its slots the worker claims now (prefetch)
         self._fair_extra = 0  # ... for a prefetching fair queue (see _fair_prefetch_now)
+        self._fair_backlog = False  # such a queue's last claim filled its room
         self._mean_run: float | None = None  # handler time, moving average (seconds)
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -346,15 +347,21 @@ class Worker:
         self._suspects = 0  # rescued jobs running here
         self._wake_at = float("inf")  # a limited queue asked to be looked at again then
         self._claim_warned_at = float("-inf")
-        self.threads = ThreadRunner(concurrency)
-        # The express lane: handler threads beyond the slots, for the jobs of a fair
-        # queue's keys with nothing running, when every slot is busy (see _claim_express).
-        self.fair_queues = [q for q in limits if getattr(app.queues.get(q), "fair", False)]
+        # Checked before any thread starts (a worker that fails to build leaves none behind)
         if express and pool != "thread":
             raise ConfigurationError(
                 "express: the express lane runs handler threads; with pool='process' leave "
                 "it out (or 0)"
             )
+        tick = (
+            _worker_seconds(maintenance_tick, "maintenance_tick")
+            if maintenance_tick is not None
+            else min(1.0, app.lease / 4)
+        )
+        self.threads = ThreadRunner(concurrency)
+        # The express lane: handler threads beyond the slots, for the jobs of a fair
+        # queue's keys with nothing running, when every slot is busy (see _claim_express).
+        self.fair_queues = [q for q in limits if getattr(app.queues.get(q), "fair", False)]
         if express is None:
             express = concurrency // EXPRESS_SHARE if self.fair_queues and pool == "thread" else 0
         self.express = express
@@ -389,6 +396,8 @@ class Worker:
         # was a batch (500) until a chaos soak's worker, its outcome writes failing while
         # its claims went through, held 505 when it lost its connection, and the 505
         # rescued jobs queued for isolated runs for up to 6 s (I9).
+        if not self.claimer.prefetching:  # no fair queue claims for a prefetch room here
+            self.fair_prefetch = 0
         self._unwritten_max = 2 * (concurrency + max(self.prefetch, self.fair_prefetch))
         self.recheck_after_notify = RECHECK_AFTER_NOTIFY_MIN  # set from the store in run()
         self._throttled = False
@@ -399,11 +408,6 @@ class Worker:
             interval=max(shortest / 3, MIN_BEAT),
             on_timeout=lambda a: on_deadline(self, a),
             on_fence=lambda a: on_fence(self, a),
-        )
-        tick = (
-            _worker_seconds(maintenance_tick, "maintenance_tick")
-            if maintenance_tick is not None
-            else min(1.0, app.lease / 4)
         )
         self.maintenance = Maintenance(app, self.id, tick=tick) if maintenance else None
         self.processed = 0
@@ -829,7 +833,7 @@ class Worker:
                 continue
             self._extra = self._prefetch_now()
             self._fair_extra = self._fair_prefetch_now()
-            deepest = max(self._extra, self._fair_extra)
+            deepest = self._deepest()
             self._refill_at = max(1, (self.concurrency + deepest) // 2)
             with self._lock:
                 free = self._free
@@ -841,7 +845,9 @@ class Worker:
                 # against free slots only, a worker with quick handlers, whose prefetched
                 # jobs take each slot the moment it frees, never claimed one while fresh
                 # jobs kept coming (I9: rescued jobs waited seconds behind fresh ones).
-                suspects = min(max(self.suspect_lanes - self._suspects, 0), max(room, 0))
+                # (a fair queue's deeper room too: claimed only while the plain room was
+                # left, a rescued job waited behind a fair queue's whole prefetched backlog)
+                suspects = min(max(self.suspect_lanes - self._suspects, 0), max(room, fair_room, 0))
                 if not self._suspects_startable():
                     suspects = 0
                 lane = self._express_plan() if free <= 0 else []
@@ -913,6 +919,7 @@ class Worker:
                 self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
                 continue
             self._backlog = bool(rows) and (len(rows) >= room or claimed.limited_full)
+            self._fair_backlog = claimed.fair_full
             if self._backlog:
                 continue
             # Woken by a notification: look once more shortly after, since notifications
@@ -1013,6 +1020,12 @@ class Worker:
             return 0
         return min(self.prefetch, int(self.concurrency * PREFETCH_HORIZON / max(mean, 1e-6)))
 
+    def _deepest(self) -> int:
+        """The prefetch the worker gathers and refills for: a fair queue's deeper one
+        while its last claim filled its room (a backlog), else the plain queues' (a plain
+        backlog beside an idle fair queue was claimed in small batches, back to back)."""
+        return max(self._extra, self._fair_extra) if self._fair_backlog else self._extra
+
     def _fair_prefetch_now(self) -> int:
         """A prefetching fair queue's jobs beyond the slots: as :meth:`_prefetch_now`, up
         to ``fair_prefetch`` (16 x -c by default, not 4 x), so that its costlier claim
@@ -1093,7 +1106,7 @@ class Worker:
                 self._free += 1
             self._running_per_queue[attempt.row.queue] -= 1
             self._suspects -= suspect
-            room = self._free + max(self._extra, self._fair_extra)
+            room = self._free + self._deepest()
             refill = self._backlog and (room == 1 or room >= self._refill_at)
         if refill or suspect or lane:
             self._wake.set()
