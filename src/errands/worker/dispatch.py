@@ -394,16 +394,16 @@ class Dispatcher:
         start pauses the claims that need a child (see :mod:`.child_starts`)."""
         if attempt.give_back():  # (else a graceful stop took it first: it releases it)
             why = str(exc).replace("%", "%%")
-            _release(self.worker, attempt, f"released %d job(s): {why}")
+            _release(self.worker, attempt, f"released %d job(s): {why}", unrun=True)
 
 
-def _release(worker: Worker, attempt: Attempt, message: str) -> None:
+def _release(worker: Worker, attempt: Attempt, message: str, *, unrun: bool = False) -> None:
     """Give a handed-back attempt's job back and free its slot, from the handler's thread.
     Shielded: an interrupt landing after the store's release (in its log line or event)
     skipped slot_freed, and the worker ran one slot short for good (the attempt, released,
     is never decided, so nothing else frees it)."""
     with shielded():
-        worker.release([attempt], message)
+        worker.release([attempt], message, unrun=unrun)
         worker.slot_freed(attempt)
 
 
