@@ -64,6 +64,15 @@ def crash(ctx: errands.Context) -> None:
     os._exit(1)
 
 
+@app.job(name="crash_once", retries=5, backoff=QUICK_BACKOFF)
+def crash_once(ctx: errands.Context) -> int:
+    """Kills its own worker process on its first run (a segfault, the OOM killer); its
+    rescued run completes."""
+    if record(ctx) == 0:
+        os._exit(1)
+    return ctx.attempt
+
+
 @app.job(name="approval", retries=0)
 def approval(ctx: errands.Context, order: int) -> dict[str, Any]:
     """Wait for signal ``approved`` (suspended, holding no slot, until it arrives)."""
