@@ -263,6 +263,39 @@ app = errands.App("sqlite:///{tmp_path / "slow.db"}")
     assert code == 0, err
 
 
+def test_a_second_sigterm_while_errands_worker_imports_the_app_exits_at_once_with_1(
+    tmp_path: Path,
+) -> None:
+    """As once the worker runs, a second SIGTERM while `errands worker` still imports the
+    app exits at once, status 1, saying so. Each was remembered: the import ran on to its
+    end (here two minutes), the worker started and stopped gracefully, exit 0."""
+    (tmp_path / "slower_import.py").write_text(
+        f"""
+import time
+import errands
+print("importing", flush=True)
+time.sleep(120)  # an app very slow to import
+app = errands.App("sqlite:///{tmp_path / "slow.db"}")
+"""
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    command = [sys.executable, "-m", "errands", "worker", "slower_import:app"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "importing"
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "second signal (SIGTERM): exiting now" in err
+
+
 def test_a_sigterm_to_every_process_of_a_process_pool_worker_lets_its_job_finish(
     cluster: Cluster,
 ) -> None:

@@ -216,8 +216,12 @@ def worker(
 def _keep_stop_signals() -> list[int]:
     """Until the worker installs its own handlers: SIGTERM is remembered (the worker
     stops gracefully once started) instead of killing the process with Python's default
-    (exit -15) while it imports the app and opens the store. SIGINT (Ctrl-C) keeps
-    interrupting at once."""
+    (exit -15) while it imports the app and opens the store; a second one exits at once,
+    status 1, as it does once the worker runs (each was remembered: the worker started,
+    and stopped gracefully, exit 0). SIGINT (Ctrl-C) keeps interrupting at once."""
+    from ..worker.worker import Worker  # (imported here: never in the handler)
+
+    exit_now = Worker._exit_now
     received: list[int] = []
     pid = os.getpid()
 
@@ -226,6 +230,8 @@ def _keep_stop_signals() -> list[int]:
             signal.signal(signum, signal.SIG_DFL)  # relay puts back): as by default
             os.kill(os.getpid(), signum)
             return
+        if received:
+            exit_now(signum)
         received.append(signum)
 
     with contextlib.suppress(ValueError):  # not the main thread (an embedding host)
