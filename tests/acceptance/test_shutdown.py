@@ -141,6 +141,22 @@ sys.exit(worker.run())
 """
 
 
+def test_a_hangup_stops_a_lone_worker_gracefully_once(cluster: Cluster) -> None:
+    """A SIGHUP (the terminal a worker runs in closed), even twice, stops a worker that
+    runs alone gracefully, as it stops a supervisor's workers: its running job finishes
+    and it exits 0. Its default action killed it at once, the job left running until its
+    lease ran out, then rescued (a loss counted toward its poison limit)."""
+    app = cluster.app()
+    inflight = acc_basic.sleepy.enqueue(seconds=1.5)
+    worker = cluster.start_worker("-c", "1", "--grace", "30", label="worker")
+    wait_until(lambda: cluster.effects(inflight.id), 15, "the job to start")
+    worker.signal(signal.SIGHUP)
+    worker.signal(signal.SIGHUP)  # a hangup can come twice: no second signal's exit
+    assert worker.wait_exit(30) == 0, worker.stderr()[-3000:]
+    job = app.get_job(inflight.id)
+    assert (job.state.value, job.attempt, job.errors) == ("completed", 1, [])
+
+
 def test_sigterm_arriving_while_the_claim_loop_holds_a_lock_still_stops_the_worker(
     tmp_path: Path,
 ) -> None:
