@@ -17,7 +17,7 @@ from pathlib import Path
 import acc_basic
 import pytest
 
-from .harness import Cluster, descendants, wait_until
+from .harness import Cluster, descendants, pid_running, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -347,3 +347,29 @@ def _sigterm_once_it_says(
         finally:
             proc.kill()
     return proc.returncode, err
+
+
+@pytest.mark.parametrize("pool", ["thread", "process"])
+def test_a_fork_that_returns_from_its_handler_exits_and_leaves_the_worker_alone(
+    cluster: Cluster, tmp_path: Path, pool: str
+) -> None:
+    """A handler forks and its child returns from the handler too (no os._exit): that copy
+    of the worker exits at once, saying so, and the worker runs on, its job completed
+    once, and exits alone. The copy (the handler's thread alone) waited for a next job for
+    ever, and outlived the worker; in a process-pool child it answered on the child's
+    pipe, and the child was taken for dead."""
+    app = cluster.app("acc_forks")
+    worker = cluster.start_worker("--pool", pool, "-c", "1", app="acc_forks:app")
+    pidfile = tmp_path / "fork.pid"
+    handle = app.registry["forks_and_returns"].enqueue(pidfile=str(pidfile))
+    ran_in = handle.result(timeout=60)
+    wait_until(lambda: pidfile.exists() and pidfile.read_text(), 30, "the fork's pid")
+    fork = int(pidfile.read_text())
+    assert fork != ran_in
+    wait_until(lambda: not pid_running(fork), 30, f"the fork {fork} to exit")
+    assert "the fork returned from the handler" in worker.stderr()
+    second = app.registry["forks_and_returns"].enqueue(pidfile=str(tmp_path / "second.pid"))
+    assert second.result(timeout=60) == ran_in  # the same child (process pool) or worker
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(30) == 0
+    assert "died while idle" not in worker.stderr()

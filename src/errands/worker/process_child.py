@@ -330,7 +330,7 @@ def _run_one(
     from ..errors import InvalidPayload, StepError, TransactionEnded
     from ..observability.logcontext import JobLogContext, job_context
     from ..outcomes import Permanent, Retry
-    from .dispatch import encode
+    from .dispatch import encode, leave_if_forked
     from .execution import Attempt, Suspended, _secrets, context_for, outcome_for
     from .recorder import job_fields
     from .runtime import AttemptRuntime
@@ -356,10 +356,14 @@ def _run_one(
             # no outcome event here (the worker records it): its wrappers end what
             # they began as the handler returns (tracing: ENDS_HERE)
             info = {**job_fields(row), "meta": row.meta, "ends_here": True}
+            pid = os.getpid()
             with app.events.around_handler(info):
-                value = definition.fn(**call)
-                if inspect.isawaitable(value):  # an async def handler: its own loop here
-                    value = asyncio.run(_awaited(value))
+                try:
+                    value = definition.fn(**call)
+                    if inspect.isawaitable(value):  # an async def handler: its own loop here
+                        value = asyncio.run(_awaited(value))
+                finally:
+                    leave_if_forked(pid, row.id)
             result_json = encode(definition, value)
             if runtime.tx is not None:
                 runtime.check_transaction()  # raises if the handler ended it
