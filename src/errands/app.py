@@ -62,7 +62,7 @@ from .interrupts import shielded
 from .jobs import Job, JobRow, Step, listed_by_priority, parse_cursor, parse_state
 from .observability.events import EventBus
 from .observability.lifecycle_log import log_event
-from .payload import MAX_PAYLOAD_BYTES_DEFAULT, unstorable_json
+from .payload import MAX_PAYLOAD_BYTES_DEFAULT, MAX_RESULT_BYTES_DEFAULT, unstorable_json
 from .results import ResultHub
 from .retry import BackoffPolicy
 from .suggest import did_you_mean
@@ -153,6 +153,7 @@ class App:
         default_queue: str = DEFAULT_QUEUE,
         lease: float | timedelta = LEASE_DEFAULT,
         max_payload_bytes: int = MAX_PAYLOAD_BYTES_DEFAULT,
+        max_result_bytes: int = MAX_RESULT_BYTES_DEFAULT,
         retention: float | timedelta = RETENTION_DEFAULT,
         poison_after: int = POISON_AFTER_DEFAULT,
         hook_timeout: float | timedelta = HOOK_TIMEOUT_DEFAULT,
@@ -167,6 +168,9 @@ class App:
         if max_payload_bytes < 1:
             raise ConfigurationError("App(max_payload_bytes=...) must be positive")
         self.max_payload_bytes = max_payload_bytes
+        if max_result_bytes < 1:
+            raise ConfigurationError("App(max_result_bytes=...) must be positive")
+        self.max_result_bytes = max_result_bytes
         # retention=None keeps finished rows forever (no pruning)
         self.retention = seconds(retention, "retention") or 0.0
         if poison_after < 1:

@@ -300,8 +300,9 @@ class JobDefinition(Generic[P, R]):
         self.is_async = asyncio.iscoroutinefunction(fn)
         try:
             self.payload = PayloadSpec(
-                fn, self.name, context_type=Context, max_bytes=app.max_payload_bytes
-            )
+                fn, self.name, context_type=Context, max_bytes=app.max_payload_bytes,
+                max_result_bytes=app.max_result_bytes,
+            )  # fmt: skip
         except TypeError as exc:  # its signature or type hints cannot be read (a partial)
             raise _not_a_function(fn) from exc
         self.sensitive = frozenset(sensitive)

@@ -98,6 +98,9 @@ class JobError:
     traceback: str | None
     worker: str | None
     kind: str = ""  # permanent, transient, timeout, retry, cancelled, worker_lost, poison
+    # Releases in a row for one reason, counted in one entry (kind ``released``): its
+    # ``at``, ``worker`` the latest's.
+    times: int = 1
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobError:
@@ -109,7 +112,16 @@ class JobError:
             traceback=data.get("traceback"),
             worker=data.get("worker"),
             kind=str(data.get("kind") or ""),
+            times=_count(data.get("times")),
         )
+
+
+def _count(value: Any) -> int:
+    """A stored count (at least 1; 1 when missing or unreadable)."""
+    try:
+        return max(int(value), 1)
+    except (TypeError, ValueError, OverflowError):
+        return 1
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ from pydantic_core import PydanticSerializationError, to_jsonable_python
 from .errors import ConfigurationError, InvalidPayload
 
 MAX_PAYLOAD_BYTES_DEFAULT = 256 * 1024
+# A handler's result, as stored JSON: a result of hundreds of megabytes crossed a process
+# pool's pipe and was stored (a worker of 465 MB RSS for one 200 MB string).
+MAX_RESULT_BYTES_DEFAULT = 16 * 1024 * 1024
 MASK = "***"
 
 # Names ``enqueue`` and ``bind`` take as options; a handler parameter may not use them.
@@ -211,9 +214,11 @@ class PayloadSpec:
         *,
         context_type: type,
         max_bytes: int = MAX_PAYLOAD_BYTES_DEFAULT,
+        max_result_bytes: int = MAX_RESULT_BYTES_DEFAULT,
     ) -> None:
         self.job_name = job_name
         self.max_bytes = max_bytes
+        self.max_result_bytes = max_result_bytes
         try:
             hints = typing.get_type_hints(fn, include_extras=True)
         except TypeError:  # not a function (a functools.partial): said by the definition
@@ -410,6 +415,14 @@ class PayloadSpec:
                 f"{self.job_name}: the handler returned a {type(value).__name__}, which cannot be "
                 f"stored as JSON ({exc}); return JSON-friendly data or None"
             ) from None
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
+        if size > self.max_result_bytes:
+            raise InvalidPayload(
+                f"{self.job_name}: the handler's result is {size:,} bytes of JSON, over the "
+                f"limit of {self.max_result_bytes:,} (App(max_result_bytes=...)); store large "
+                "results elsewhere (a file, a table, object storage) and return a reference, "
+                "or raise the limit"
+            )
         if holds_nul(text):
             raise InvalidPayload(
                 f"{self.job_name}: the handler's result holds the NUL character (\\x00) at "

@@ -8,6 +8,9 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -185,3 +188,91 @@ def test_a_forkserver_that_dies_leaves_the_jobs_its_children_run_to_them(
     os.kill(servers[0], signal.SIGKILL)
     assert handle.result(timeout=60)["attempt"] == 1
     assert app.get_job(handle.id).errors == []
+
+
+def _effects(cluster: Cluster, job_id: int, kind: str) -> list[tuple[int, int]]:
+    """(attempt, pid) of the job's effects of ``kind``, in order."""
+    with contextlib.closing(sqlite3.connect(cluster.effects_path, timeout=30)) as conn:
+        return conn.execute(
+            "SELECT attempt, pid FROM effects WHERE job_id = ? AND kind = ? ORDER BY id",
+            (job_id, kind),
+        ).fetchall()
+
+
+def test_a_child_that_closes_its_pipe_and_runs_on_is_killed_before_its_job_runs_again(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A handler closes every inherited descriptor (as daemonising code does), the pipe
+    to its worker too, and sleeps on. Its child is killed before the job is retried, so
+    no two runs of the job overlap; the failures are not crashes (the child did not die
+    on its own), so the job ends dead by its retries, not as poison; and no child runs
+    on after the worker. It was taken for dead and left running: the job ran in three
+    processes at once, was charged three crashes (poison), and the children outlived
+    the worker."""
+    app = cluster.app()
+    worker = cluster.start_worker("--pool", "process", "-c", "2", label="worker")
+    ends = tmp_path / "ends"
+    handle = acc_basic.closes_its_descriptors.enqueue(seconds=90.0, ends=str(ends))
+    wait_until(lambda: app.get_job(handle.id).state.value == "dead", 120, "the job to end")
+
+    runs = _effects(cluster, handle.id, "run")
+    assert [attempt for attempt, _ in runs] == [1, 2, 3]
+    assert _effects(cluster, handle.id, "overlap") == [], "two runs of the job at once"
+    errors = app.get_job(handle.id).errors
+    assert [(e.type, e.kind) for e in errors] == [("WorkerProcessLost", "transient")] * 3
+    assert "closed its pipe" in errors[0].message
+    for _, pid in runs:
+        wait_until(lambda pid=pid: not pid_running(pid), 30, f"the job's child {pid} to end")
+
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(60) == 0, worker.stderr()[-4000:]
+    assert not ends.exists(), "a run of the job was left to reach its end"
+
+
+_CLOSES_ITS_SENTINEL = """
+import multiprocessing, os, sys, threading, time
+
+from errands.worker.process_child import _leave_with_the_worker
+
+
+def child(pidfile):
+    _leave_with_the_worker(threading.Event())  # as child_main does before any job
+    time.sleep(0.3)  # its watch waits on the sentinel by now
+    os.closerange(3, 1024)  # a handler daemonising itself: the sentinel goes too
+    taken = [os.pipe() for _ in range(8)]  # whatever it opens next takes its number
+    with open(pidfile, "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("forkserver")
+    context.Process(target=child, args=(sys.argv[1],), daemon=True).start()
+    time.sleep(120)
+"""
+
+
+def test_a_child_whose_handler_closed_its_sentinel_still_leaves_when_its_worker_dies(
+    tmp_path: Path,
+) -> None:
+    """A child watches its worker through a sentinel descriptor, which a handler closing
+    every inherited descriptor closes, its number then taken by a pipe it opens: when
+    the worker (here a stand-in process) is SIGKILLed, the child still leaves. It
+    watched the pipe that took the number, and ran on for ever."""
+    script = tmp_path / "closes_its_sentinel.py"
+    script.write_text(_CLOSES_ITS_SENTINEL)
+    pidfile = tmp_path / "child.pid"
+    worker = subprocess.Popen([sys.executable, str(script), str(pidfile)])
+    try:
+        wait_until(lambda: pidfile.exists() and pidfile.read_text(), 60, "the child's pid")
+        child = int(pidfile.read_text())
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        try:
+            wait_until(lambda: not pid_running(child), 30, f"the child {child} to leave")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    finally:
+        worker.kill()
+        worker.wait(10)

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import signal
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import errands
 from errands.backends.base import ClaimParams, QueueClaim
 from errands.jobs import JobRow
+from errands.maintenance.service import Maintenance
 from errands.worker import child_starts
 from errands.worker.process_pool import ProcessRunner
 
@@ -179,7 +181,8 @@ def test_a_worker_whose_children_keep_failing_to_start_stops_with_exit_1_its_job
         job = pool.app.get_job(handle.id)
     assert pool.codes == [1]
     assert (job.state.value, job.attempt) == ("available", 0)
-    assert len(job.errors) >= 3 and {e.kind for e in job.errors} == {"released"}
+    [released] = job.errors  # its releases in a row, counted in one entry
+    assert released.kind == "released" and released.times >= 3
     assert "cannot run its jobs, so it stops (exit 1)" in caplog.text
 
 
@@ -330,3 +333,46 @@ def test_a_spare_whose_thread_cannot_start_gives_its_place_back(
         release.touch()
         runner.shutdown()
         app.close()
+
+
+def test_rescued_jobs_run_in_the_worker_once_their_children_keep_failing_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a thread-pool worker (-c 2: rescued jobs isolated in child processes) whose
+    children cannot load the app (it loads in the worker: a port bound at import, say),
+    when a rescued job comes, then it is released uncharged while the children fail, and
+    once they have failed long enough to give up on them the worker says so once and
+    runs it in its own process, one rescued job at a time; its releases are one entry
+    counting them. The job was released every 30 s for as long as the worker lived,
+    each release appending an entry to its errors."""
+    monkeypatch.setattr(child_starts, "START_PAUSE", 0.1)
+    monkeypatch.setattr(child_starts, "GIVE_UP_AFTER", 3)
+    monkeypatch.setattr(child_starts, "GIVE_UP_SPAN", 0.5)
+    caplog.set_level(logging.WARNING, "errands.worker")
+    name, app = failing_app(tmp_path, monkeypatch)
+    (tmp_path / "child-start-fault").touch()
+    handle = app.registry["pid"].enqueue()
+    [row] = claimed(app, 1)
+    with contextlib.closing(sqlite3.connect(tmp_path / "store.db")) as conn, conn:
+        conn.execute(  # the claim's worker died: its lease ran out
+            "UPDATE errands_jobs SET lease_expires_at = 0, max_attempts = 3 WHERE id = ?",
+            (row.id,),
+        )  # (retried: the job type has retries=0)
+    assert Maintenance(app, "test-rescuer").rescue() == 1
+    worker = app.worker(concurrency=2, app_path=f"{name}:app", poll_interval=0.05, grace=1)
+    assert worker.isolates_suspects
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        assert handle.result(timeout=60) == os.getpid()  # run here, not in a child
+    finally:
+        worker.stop()
+        thread.join(30)
+    job = handle.job()
+    app.close()
+    assert (job.attempt, job.rescues) == (2, 1)
+    kinds = [e.kind for e in job.errors]
+    assert kinds == ["worker_lost", "released"], job.errors
+    releases = caplog.text.count("released 1 job(s): no worker child process")
+    assert releases >= 2 and job.errors[1].times == releases
+    assert caplog.text.count("rescued jobs run in this worker's process from now on") == 1

@@ -214,4 +214,40 @@ def test_the_supervisor_gives_up_on_workers_that_keep_failing_as_they_start(
     assert supervisor.wait_exit(90) == 1
     log = supervisor.stderr()
     assert "the express lane runs handler threads" in log
-    assert "5 worker processes in a row failed within 60 s of starting" in log
+    assert "5 worker processes in a row failed as they started" in log
+
+
+def test_the_supervisor_restarts_workers_that_jobs_crash_after_they_started_and_runs_on(
+    cluster: Cluster,
+) -> None:
+    """Six jobs each kill the worker running them (a segfault, os._exit, the OOM killer)
+    soon after it started: each dead worker is restarted, the supervisor runs on, and
+    every job completes. Any non-zero exit within a minute of a child's start counted as
+    a start-up failure: five such deaths stopped the whole fleet (exit 1), the healthy
+    jobs left unrun."""
+    app = cluster.app()
+    crashers = [acc_basic.crash_once.enqueue() for _ in range(6)]
+    supervisor = cluster.start_worker("--processes", "2", "-c", "1", ready=False)
+    wait_until(
+        lambda: all(h.status().value == "completed" for h in crashers) or not supervisor.alive,
+        180,
+        "every crashing job to complete",
+        describe=lambda: supervisor.stderr()[-3000:],
+    )
+    assert supervisor.alive, supervisor.stderr()[-3000:]
+    # each rescued after its crash (a prefetched one also when its worker died first)
+    assert all(h.result(timeout=1) >= 2 for h in crashers)
+    healthy = app.enqueue_many([acc_basic.noop.bind(n=i) for i in range(10)])
+    assert [h.result(timeout=60) for h in healthy] == list(range(10))
+    log = supervisor.stderr()
+    assert log.count("exited with 1; restarting") >= 6
+    assert "failed as they started" not in log
+
+    def restarted() -> bool:  # every dead worker's replacement started (none waits)
+        text = supervisor.stderr()
+        spawned = text.count("started worker process")
+        return spawned == 2 + text.count("; restarting in") <= len(re.findall(STARTED, text))
+
+    wait_until(restarted, 120, "the last restarted worker to start")
+    supervisor.signal(signal.SIGTERM)
+    assert supervisor.wait_exit(60) == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import acc_basic
 import pytest
 
-from .harness import Cluster, descendants, wait_until
+from .harness import Cluster, descendants, pid_running, wait_until
 
 pytestmark = pytest.mark.acceptance
 
@@ -139,6 +139,22 @@ class SignalledWhileLocked(threading.Event):
 worker._wake = SignalledWhileLocked()
 sys.exit(worker.run())
 """
+
+
+def test_a_hangup_stops_a_lone_worker_gracefully_once(cluster: Cluster) -> None:
+    """A SIGHUP (the terminal a worker runs in closed), even twice, stops a worker that
+    runs alone gracefully, as it stops a supervisor's workers: its running job finishes
+    and it exits 0. Its default action killed it at once, the job left running until its
+    lease ran out, then rescued (a loss counted toward its poison limit)."""
+    app = cluster.app()
+    inflight = acc_basic.sleepy.enqueue(seconds=1.5)
+    worker = cluster.start_worker("-c", "1", "--grace", "30", label="worker")
+    wait_until(lambda: cluster.effects(inflight.id), 15, "the job to start")
+    worker.signal(signal.SIGHUP)
+    worker.signal(signal.SIGHUP)  # a hangup can come twice: no second signal's exit
+    assert worker.wait_exit(30) == 0, worker.stderr()[-3000:]
+    job = app.get_job(inflight.id)
+    assert (job.state.value, job.attempt, job.errors) == ("completed", 1, [])
 
 
 def test_sigterm_arriving_while_the_claim_loop_holds_a_lock_still_stops_the_worker(
@@ -263,6 +279,39 @@ app = errands.App("sqlite:///{tmp_path / "slow.db"}")
     assert code == 0, err
 
 
+def test_a_second_sigterm_while_errands_worker_imports_the_app_exits_at_once_with_1(
+    tmp_path: Path,
+) -> None:
+    """As once the worker runs, a second SIGTERM while `errands worker` still imports the
+    app exits at once, status 1, saying so. Each was remembered: the import ran on to its
+    end (here two minutes), the worker started and stopped gracefully, exit 0."""
+    (tmp_path / "slower_import.py").write_text(
+        f"""
+import time
+import errands
+print("importing", flush=True)
+time.sleep(120)  # an app very slow to import
+app = errands.App("sqlite:///{tmp_path / "slow.db"}")
+"""
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    command = [sys.executable, "-m", "errands", "worker", "slower_import:app"]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    ) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "importing"
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "second signal (SIGTERM): exiting now" in err
+
+
 def test_a_sigterm_to_every_process_of_a_process_pool_worker_lets_its_job_finish(
     cluster: Cluster,
 ) -> None:
@@ -298,3 +347,29 @@ def _sigterm_once_it_says(
         finally:
             proc.kill()
     return proc.returncode, err
+
+
+@pytest.mark.parametrize("pool", ["thread", "process"])
+def test_a_fork_that_returns_from_its_handler_exits_and_leaves_the_worker_alone(
+    cluster: Cluster, tmp_path: Path, pool: str
+) -> None:
+    """A handler forks and its child returns from the handler too (no os._exit): that copy
+    of the worker exits at once, saying so, and the worker runs on, its job completed
+    once, and exits alone. The copy (the handler's thread alone) waited for a next job for
+    ever, and outlived the worker; in a process-pool child it answered on the child's
+    pipe, and the child was taken for dead."""
+    app = cluster.app("acc_forks")
+    worker = cluster.start_worker("--pool", pool, "-c", "1", app="acc_forks:app")
+    pidfile = tmp_path / "fork.pid"
+    handle = app.registry["forks_and_returns"].enqueue(pidfile=str(pidfile))
+    ran_in = handle.result(timeout=60)
+    wait_until(lambda: pidfile.exists() and pidfile.read_text(), 30, "the fork's pid")
+    fork = int(pidfile.read_text())
+    assert fork != ran_in
+    wait_until(lambda: not pid_running(fork), 30, f"the fork {fork} to exit")
+    assert "the fork returned from the handler" in worker.stderr()
+    second = app.registry["forks_and_returns"].enqueue(pidfile=str(tmp_path / "second.pid"))
+    assert second.result(timeout=60) == ran_in  # the same child (process pool) or worker
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(30) == 0
+    assert "died while idle" not in worker.stderr()

@@ -283,3 +283,39 @@ def test_release_of_a_cancel_requested_job_cancels_it(backend: Backend) -> None:
     ) == [True]
     assert get(backend, row.id).state == "cancelled"
     assert claim(backend) == []
+
+
+def test_unrun_releases_in_a_row_for_one_reason_are_counted_in_one_entry(
+    backend: Backend,
+) -> None:
+    """A job released again and again, its handler never run, for one reason (child
+    processes that cannot start: a release every 30 s for as long as it lasts) keeps one
+    ``released`` entry counting them, naming the latest release's lease token; a release
+    for another reason, or of a run (whose token explains it), is an entry of its own.
+    Each release appended one (~2,880 a day)."""
+    job_id = insert(backend)
+    tokens = []
+    for message in ("no child could start", "no child could start", "no child could start"):
+        row = claim_one(backend)
+        tokens.append(row.lease_token)
+        lease = LeaseRef(id=row.id, lease_token=row.lease_token or "", lease_seconds=30)
+        assert backend.job_release_many([lease], message, unrun=True) == [True]
+    [entry] = errors_of(get(backend, job_id))
+    assert (entry["kind"], entry["message"], entry["times"]) == (
+        "released",
+        "no child could start",
+        3,
+    )
+    assert entry["lease_token"] == tokens[-1] and entry["attempt"] == 1
+    assert get(backend, job_id).attempt == 0  # uncharged, each time
+
+    for _ in range(2):  # releases of runs: each its own entry, naming its token
+        row = claim_one(backend)
+        lease = LeaseRef(id=row.id, lease_token=row.lease_token or "", lease_seconds=30)
+        assert backend.job_release_many([lease], "released at shutdown") == [True]
+    entries = errors_of(get(backend, job_id))
+    assert [(e["message"], e.get("times")) for e in entries] == [
+        ("no child could start", 3),
+        ("released at shutdown", None),
+        ("released at shutdown", None),
+    ]

@@ -512,7 +512,7 @@ def test_a_self_fenced_async_handler_is_given_back_off_the_event_loop(
     release = store.backend.job_release_many
     held: list[str] = []
 
-    def slow_release(refs: Any, message: str) -> Any:
+    def slow_release(refs: Any, message: str, **options: Any) -> Any:
         # the store not answering, until the loop shows it turns meanwhile
         held.append(threading.current_thread().name)
         start = len(ticks)
@@ -521,7 +521,7 @@ def test_a_self_fenced_async_handler_is_given_back_off_the_event_loop(
             time.sleep(0.01)
         if len(ticks) >= start + 3:
             loop_moved.set()
-        return release(refs, message)
+        return release(refs, message, **options)
 
     monkeypatch.setattr(store.backend, "job_release_many", slow_release)
     ticking = ticker.enqueue()

@@ -201,7 +201,10 @@ def _executions(out: Findings, jobs: dict[int, JobInfo], by_job: dict[int, list[
         explained += min(dup, lost_runs)
         # An attempt number runs once, unless a release gave it back.
         per_attempt = Counter(r.attempt for r in starts)
-        released = Counter(e.get("attempt") for e in job.errors if e.get("kind") == "released")
+        released: Counter[Any] = Counter()  # (one entry may count releases in a row)
+        for e in job.errors:
+            if e.get("kind") == "released":
+                released[e.get("attempt")] += int(e.get("times") or 1)
         again = {n: k for n, k in per_attempt.items() if k > 1 + released[n]}
         if again:
             twice.append((job.id, again, brief(job.errors)))

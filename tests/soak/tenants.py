@@ -103,7 +103,9 @@ def _folds(out: Findings, store: Store, jobs: dict[int, JobInfo]) -> None:
         if job.name != TENANT_JOB:
             continue
         key = f"tenant:{job.args.get('tenant')}"
-        released = sum(1 for e in job.errors if e.get("kind") == "released")
+        released = sum(  # (one entry may count releases in a row)
+            int(e.get("times") or 1) for e in job.errors if e.get("kind") == "released"
+        )
         claims[key] += job.attempt + released
         if job.state in ("running", "available", "scheduled", "retryable"):
             left[key] += 1

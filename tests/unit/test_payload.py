@@ -318,6 +318,27 @@ def test_none_result_is_stored_as_no_result(app: errands.App) -> None:
     assert noop.payload.decode_result(None) is None
 
 
+def test_a_result_over_the_default_16_mib_limit_is_refused_naming_max_result_bytes(
+    app: errands.App,
+) -> None:
+    """The default limit on a result's JSON: 16 MiB; at it a result is stored, past it
+    refused, in bytes of UTF-8, naming the option that raises it."""
+
+    @app.job(name="t.big")
+    def big(n: int) -> str: ...
+
+    limit = 16 * 1024 * 1024
+    assert app.max_result_bytes == limit
+    assert len(big.payload.encode_result("x" * (limit - 2)) or "") == limit  # (quoted)
+    with pytest.raises(InvalidPayload, match=r"App\(max_result_bytes=\.\.\.\)"):
+        big.payload.encode_result("é" * (limit // 2))  # 2 bytes each, with its quotes
+
+
+def test_max_result_bytes_must_be_positive() -> None:
+    with pytest.raises(ConfigurationError, match="max_result_bytes"):
+        errands.App("sqlite:///:memory:", max_result_bytes=0)
+
+
 def test_result_without_json_form_raises_invalid_payload(app: errands.App) -> None:
     """An untyped handler returning an arbitrary object gets a clear error."""
 

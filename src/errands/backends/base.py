@@ -465,10 +465,18 @@ class Backend(Protocol):
 
     def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult: ...
 
-    def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
+    def job_release_many(
+        self, leases: Sequence[LeaseRef], message: str = RELEASED, *, unrun: bool = False
+    ) -> list[bool]:
         """Give running jobs back (shutdown): available again, the attempt not charged,
         and recorded in the job's errors (kind ``released``, with ``message``, the attempt
-        number and lease token), so the run that follows is explained."""
+        number and lease token), so the run that follows is explained.
+
+        ``unrun``: their handlers never ran (no child process could be started for them):
+        a release like the job's last entry (the same attempt, the same message) is then
+        counted in that entry (``times``, its worker, lease token and time the latest's)
+        rather than appended. A run's release is always an entry of its own: it names the
+        lease token that explains the run (I4)."""
         ...
 
     # -- maintenance (leader duties) ---------------------------------------------------

@@ -165,6 +165,7 @@ def worker(
     from ..worker.supervisor import stop_with_supervisor, supervisor_link
 
     signalled = _keep_stop_signals()  # a SIGTERM while the app imports: a graceful stop
+    _hangup_stops()
     supervisor = supervisor_link()  # before the app's import, which may start processes
     app = load_app(app_path or app_option, url, need_code=True)
     warn_new_database(app.url)
@@ -216,8 +217,12 @@ def worker(
 def _keep_stop_signals() -> list[int]:
     """Until the worker installs its own handlers: SIGTERM is remembered (the worker
     stops gracefully once started) instead of killing the process with Python's default
-    (exit -15) while it imports the app and opens the store. SIGINT (Ctrl-C) keeps
-    interrupting at once."""
+    (exit -15) while it imports the app and opens the store; a second one exits at once,
+    status 1, as it does once the worker runs (each was remembered: the worker started,
+    and stopped gracefully, exit 0). SIGINT (Ctrl-C) keeps interrupting at once."""
+    from ..worker.worker import Worker  # (imported here: never in the handler)
+
+    exit_now = Worker._exit_now
     received: list[int] = []
     pid = os.getpid()
 
@@ -226,11 +231,39 @@ def _keep_stop_signals() -> list[int]:
             signal.signal(signum, signal.SIG_DFL)  # relay puts back): as by default
             os.kill(os.getpid(), signum)
             return
+        if received:
+            exit_now(signum)
         received.append(signum)
 
     with contextlib.suppress(ValueError):  # not the main thread (an embedding host)
         signal.signal(signal.SIGTERM, keep)
     return received
+
+
+def _hangup_stops() -> None:
+    """A SIGHUP (the terminal the worker runs in closed) stops the worker gracefully, as
+    it stops a supervisor's (``--processes N``): it is sent on as one SIGTERM (a hangup
+    can come twice, and a second SIGTERM would skip the grace period). Its default action
+    killed a lone worker at once, its running jobs left to be rescued after their leases
+    (each rescue counted toward their poison limit). Ignored (``nohup``), it stays
+    ignored; a supervisor puts its own handler in place of this one."""
+    hangup = getattr(signal, "SIGHUP", None)  # POSIX only
+    if hangup is None or signal.getsignal(hangup) is signal.SIG_IGN:
+        return
+    pid = os.getpid()
+    sent: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if os.getpid() != pid:  # a forked child's: as by default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if not sent:
+            sent.append(signum)
+            os.kill(pid, signal.SIGTERM)
+
+    with contextlib.suppress(ValueError):  # not the main thread (an embedding host)
+        signal.signal(hangup, stop)
 
 
 def warn_new_database(url: str) -> None:

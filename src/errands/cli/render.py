@@ -151,6 +151,7 @@ def job_dict(job: Job) -> dict[str, Any]:
                 "message": mask_text(e.message, secrets),
                 "worker": e.worker,
                 "kind": e.kind,
+                "times": e.times,
                 "traceback": mask_text(e.traceback, secrets) or None,
             }
             for e in job.errors
@@ -238,7 +239,8 @@ def show_job(
             out.print(
                 f"  #{err.attempt} at {when(err.at)} on {err.worker or '?'}: "
                 f"{err.type}: {one_line(mask_text(err.message, secrets))}"
-                + (f"  [{err.kind}]" if err.kind else ""),
+                + (f"  [{err.kind}]" if err.kind else "")
+                + (f" ({err.times} times in a row, the last shown)" if err.times > 1 else ""),
                 markup=False,
             )
             if err.traceback:

@@ -150,6 +150,14 @@ class StartFailures:
             "children start; it runs on for its jobs that need no child (async handlers)"
         )
 
+    def gave_up_message(self) -> str:
+        """Why the worker gave up on these children (the start of a sentence)."""
+        return (
+            f"worker child processes failed to start {self.in_a_row} times in a row over "
+            f"{GIVE_UP_SPAN:g} s or more, none started since (last: {self.last}): this "
+            f"worker's {self.waiting} cannot run in them"
+        )
+
     def give_up_message(self) -> str:
         return (
             f"worker child processes failed to start {self.in_a_row} times in a row over "

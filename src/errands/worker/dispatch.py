@@ -20,6 +20,8 @@ import contextlib
 import copy
 import functools
 import logging
+import os
+import sys
 import threading
 from collections import Counter
 from concurrent.futures import Future
@@ -29,7 +31,7 @@ from .. import clock
 from ..errors import InvalidPayload, UnknownJob
 from ..interrupts import shielded
 from ..jobs import JobRow
-from ..observability.logcontext import JobLogContext, job_context
+from ..observability.logcontext import JobLogContext, job_context, lockless_line
 from ..payload import mask
 from .execution import (
     LEASE_LOST,
@@ -251,6 +253,7 @@ class Dispatcher:
             raise Interrupted(attempt.stop_reason)
         events = worker.app.events
         called = clock.now()
+        pid = os.getpid()
         try:
             with job_context(log_ctx):
                 try:
@@ -261,6 +264,7 @@ class Dispatcher:
                         with events.around_handler(info):
                             result = definition.fn(**kwargs)
                 finally:
+                    leave_if_forked(pid, attempt.id)
                     attempt.ran = clock.now() - called
                 return encode(definition, result)
         finally:
@@ -408,17 +412,40 @@ class Dispatcher:
         start pauses the claims that need a child (see :mod:`.child_starts`)."""
         if attempt.give_back():  # (else a graceful stop took it first: it releases it)
             why = str(exc).replace("%", "%%")
-            _release(self.worker, attempt, f"released %d job(s): {why}")
+            _release(self.worker, attempt, f"released %d job(s): {why}", unrun=True)
 
 
-def _release(worker: Worker, attempt: Attempt, message: str) -> None:
+def _release(worker: Worker, attempt: Attempt, message: str, *, unrun: bool = False) -> None:
     """Give a handed-back attempt's job back and free its slot, from the handler's thread.
     Shielded: an interrupt landing after the store's release (in its log line or event)
     skipped slot_freed, and the worker ran one slot short for good (the attempt, released,
     is never decided, so nothing else frees it)."""
     with shielded():
-        worker.release([attempt], message)
+        worker.release([attempt], message, unrun=unrun)
         worker.slot_freed(attempt)
+
+
+def leave_if_forked(pid: int, job_id: int) -> None:
+    """Called as a handler returns (or raises) to errands, in process ``pid``: a process
+    the handler forked that returned from it too (``os.fork()`` with no ``os._exit()`` in
+    the child) exits here, saying so on stderr. It is a copy of the worker with only the
+    handler's thread: it took the next job from its pool's queue and waited for ever, a
+    copy of the worker left running after the worker exited (in a process-pool child, it
+    answered on its parent's pipe). A fork that execs or exits (subprocess,
+    multiprocessing) never gets here."""
+    if os.getpid() == pid:
+        return
+    code = 0 if sys.exc_info()[0] is None else 1
+    with contextlib.suppress(OSError):
+        os.write(
+            2,
+            lockless_line(
+                f"job {job_id}: its handler forked process {os.getpid()} (from {pid}) and "
+                "the fork returned from the handler: a forked copy of the worker cannot run "
+                f"it, so it exits ({code}); end a forked child with os._exit()"
+            ),
+        )
+    os._exit(code)
 
 
 def encode(definition: JobDefinition[Any, Any], result: Any) -> str | None:

@@ -74,11 +74,9 @@ def _leave_with_the_worker(running: threading.Event) -> None:
         return
 
     def watch() -> None:
-        from multiprocessing.connection import wait
-
         from ..observability.logcontext import lockless_line
 
-        wait([parent.sentinel])
+        _wait_for_the_worker(parent.sentinel, parent.pid)
         if running.is_set():
             with contextlib.suppress(OSError):
                 os.write(
@@ -92,6 +90,61 @@ def _leave_with_the_worker(running: threading.Event) -> None:
         os._exit(ORPHAN_EXIT)
 
     threading.Thread(target=watch, name="errands-worker-watch", daemon=True).start()
+
+
+WATCH_EVERY = 1.0  # seconds between a child's looks at its worker when its sentinel is lost
+
+
+def _wait_for_the_worker(sentinel: int, pid: int | None) -> None:
+    """Return once the worker (``pid``, whose end of the ``sentinel`` pipe closes as it
+    exits) is gone.
+
+    A handler may close the sentinel: daemonising code's ``os.closerange(3, ...)`` does,
+    and the descriptor's number is then reused by whatever it opens next. A wait on it
+    then watched another file: the worker's death was missed (the child ran its job on
+    beside the rescued run), or a file always ready was taken for it. So the sentinel is
+    trusted only while its descriptor is still the pipe it was; once it is not (or a wait
+    on it fails), the worker's pid is looked at every WATCH_EVERY seconds instead."""
+    from multiprocessing.connection import wait
+
+    pipe = _identity(sentinel)
+    while pipe is not None:
+        try:
+            ready = wait([sentinel], timeout=WATCH_EVERY)
+        except (OSError, ValueError):  # closed under the wait
+            break
+        if _identity(sentinel) != pipe:  # closed (and maybe reused): it tells nothing now
+            break
+        if ready:
+            return
+    while not _gone(pid):
+        time.sleep(WATCH_EVERY)
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    """What file descriptor ``fd`` is open on (None: closed)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _gone(pid: int | None) -> bool:
+    """Whether process ``pid`` has exited (a zombie not yet reaped has)."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # (its pid taken by another user's process)
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): alive as far as anyone can tell
 
 
 def child_main(
@@ -277,7 +330,7 @@ def _run_one(
     from ..errors import InvalidPayload, StepError, TransactionEnded
     from ..observability.logcontext import JobLogContext, job_context
     from ..outcomes import Permanent, Retry
-    from .dispatch import encode
+    from .dispatch import encode, leave_if_forked
     from .execution import Attempt, Suspended, _secrets, context_for, outcome_for
     from .recorder import job_fields
     from .runtime import AttemptRuntime
@@ -303,10 +356,14 @@ def _run_one(
             # no outcome event here (the worker records it): its wrappers end what
             # they began as the handler returns (tracing: ENDS_HERE)
             info = {**job_fields(row), "meta": row.meta, "ends_here": True}
+            pid = os.getpid()
             with app.events.around_handler(info):
-                value = definition.fn(**call)
-                if inspect.isawaitable(value):  # an async def handler: its own loop here
-                    value = asyncio.run(_awaited(value))
+                try:
+                    value = definition.fn(**call)
+                    if inspect.isawaitable(value):  # an async def handler: its own loop here
+                        value = asyncio.run(_awaited(value))
+                finally:
+                    leave_if_forked(pid, row.id)
             result_json = encode(definition, value)
             if runtime.tx is not None:
                 runtime.check_transaction()  # raises if the handler ended it

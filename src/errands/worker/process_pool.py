@@ -9,6 +9,9 @@ a job without an owner:
 - a timeout or an operator's cancel kills the child (SIGKILL) and starts a new one;
 - a child that dies on its own fails the attempt ("worker process died", kind ``crash``),
   retried with backoff; the job stays a suspect, so it runs isolated again;
+- a child whose pipe closes while it runs on (a handler closing inherited descriptors)
+  is killed, and its end waited for, before its job's outcome is written (a transient
+  failure, not a crash): no child is ever replaced while it still runs its job;
 - a child that cannot start costs its job nothing: the job is released, uncharged, and
   the claims that need a child pause (:mod:`.child_starts`); while other children live,
   the job waits for one of them instead (no release, no pause);
@@ -44,6 +47,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -499,18 +503,32 @@ class ProcessRunner:
             ok, payload = self._exchange(slot, row, on_progress)
             answer = None if ok else ChildFailure(*payload)
         except (EOFError, OSError):
-            slot.process.join(timeout=2)
-            code = slot.process.exitcode
-            # the outcome first; the replacement may take a while
-            _settle(
-                future,
-                exc=ChildFailure(
+            # The pipe's end: the child died, or closed its end and runs on (a handler
+            # that closes inherited descriptors, as daemonising code does). Such a child
+            # was taken for dead and its job retried beside it (one job running in three
+            # processes at once), each retry charged as a crash toward its poison limit,
+            # and it outlived its worker. It is killed, and its end waited for, before
+            # the outcome is written; a crash only when it died on its own.
+            died, code = _end(slot.process)
+            if died:
+                failure = ChildFailure(
                     "WorkerProcessDied",
                     f"the worker child process died running this job (exit code {code})",
                     "",
                     "crash",
-                ),
-            )
+                )
+            else:
+                failure = ChildFailure(
+                    "WorkerProcessLost",
+                    "the worker child process running this job closed its pipe to the "
+                    "worker but ran on, so its outcome could never be reported; it was "
+                    "killed (does the handler close inherited file descriptors, as "
+                    "daemonising code does? run such code in a subprocess of its own)",
+                    "",
+                    "transient",
+                )
+            # the outcome first; the replacement may take a while
+            _settle(future, exc=failure)
             self._replace(slot)
             return
         except BaseException as exc:  # errands' side failed (an answer it cannot read): the
@@ -572,7 +590,10 @@ class ProcessRunner:
         return True
 
     def _replace(self, slot: _Slot) -> None:
-        slot.process.join(timeout=5)
+        """Start a child in the place of ``slot``'s, which has ended or is killed here
+        first: never two children for one place, nor a replaced one left running (it
+        ran on beside its job's retry, and outlived its worker)."""
+        _end(slot.process, wait=5.0)
         with self._cond:
             if self._closed:
                 return
@@ -621,6 +642,33 @@ def _idle_alive(slot: _Slot) -> bool:
     except Exception:  # the end of the pipe (EOFError), a broken one, an unreadable message
         return False
     return slot.process.is_alive() or _pid_alive(slot.process.pid)
+
+
+def _end(process: Any, wait: float = 2.0) -> tuple[bool, int | None]:
+    """Wait up to ``wait`` seconds for ``process`` to exit, then kill it (SIGKILL) and
+    wait for that: whether it had ended on its own, and its exit code when known."""
+    process.join(timeout=wait)
+    if not _running(process):
+        return True, process.exitcode
+    with contextlib.suppress(OSError, ValueError):  # (gone meanwhile)
+        if process.exitcode is None:
+            process.kill()
+        else:  # its server died: the process object no longer signals it
+            os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=STOP_WAIT)
+    deadline = time.monotonic() + STOP_WAIT
+    while _running(process) and time.monotonic() < deadline:  # (no server to tell us)
+        time.sleep(0.05)
+    return False, process.exitcode
+
+
+def _running(process: Any) -> bool:
+    """Whether ``process`` runs: no exit code yet, or the 255 a forkserver child is given
+    when its server dies (see :func:`_pid_alive`) while its pid still runs."""
+    if process.exitcode is None:
+        return True
+    forked_by_a_server = type(process).__name__ == "ForkServerProcess"
+    return forked_by_a_server and process.exitcode == 255 and _pid_alive(process.pid)
 
 
 def _settle(future: Future[Any], *, result: Any = None, exc: BaseException | None = None) -> None:

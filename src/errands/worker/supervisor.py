@@ -8,15 +8,19 @@ SIGHUP is forwarded as SIGTERM. The children run in sessions of their own, so th
 terminal's Ctrl-C reaches them once, through the supervisor. A
 child that dies on its own (crash, OOM kill) is restarted after a short backoff, so
 capacity comes back; its running jobs are rescued after their leases expire. The backoff
-starts afresh once a child has run HEALTHY_AFTER seconds. Children that keep failing
-before that (a bad option or app, checked only in the child) are given up on after
-GIVE_UP_AFTER failures in a row with none running healthily: the supervisor stops the
+starts afresh once a child has run HEALTHY_AFTER seconds. Each child says once when its
+worker has started (one byte on a pipe of its own): children that keep failing before
+that (a bad option or app, checked only in the child) are given up on after
+GIVE_UP_AFTER failures in a row with none started since: the supervisor stops the
 others and exits 1, so a service manager shows the failure (it restarted them for ever,
-"running").
+"running"). A child that dies after its start (a job's segfault, ``os._exit``, the OOM
+killer) is only restarted: such deaths, judged by the time since the child's start,
+stopped the whole fleet (exit 1), its healthy jobs left unrun, after five crashing jobs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .signals import STOP_SIGNALS, SignalRelay
 
@@ -39,8 +43,8 @@ log = logging.getLogger("errands.supervisor")
 RESTART_BACKOFF_MAX = 30.0
 HEALTHY_AFTER = 60.0  # seconds a child runs before its exit counts as a fresh failure
 GIVE_UP_AFTER = 5  # failures in a row, each before HEALTHY_AFTER, with none healthy
-# Set in the environment of each child worker: "<supervisor pid>:<lifeline fd>" (the pid
-# alone where there is no pass_fds: Windows).
+# Set in the environment of each child worker: "<supervisor pid>:<lifeline fd>:<ready fd>"
+# (the pid alone where there is no pass_fds: Windows).
 SUPERVISOR_ENV = "ERRANDS_SUPERVISOR"
 SUPERVISOR_WATCH_EVERY = 0.5  # seconds between a child's looks for its supervisor
 HANGUP = getattr(signal, "SIGHUP", None)  # POSIX only
@@ -59,6 +63,10 @@ class Supervisor:
         # slot -> the write end of its child's lifeline, never written: the child reads
         # EOF once this process is gone, however it went (see supervisor_link)
         self._lifelines: dict[int, int] = {}
+        # slot -> the read end of its child's ready pipe (POSIX), and whether it said it
+        # started (see SupervisorLink.say_started)
+        self._ready_pipes: dict[int, int] = {}
+        self._ready: dict[int, bool] = {}
         self.gave_up = False
         # Spawning and forwarding a signal take turns: a child started while a signal was
         # forwarded would never get it, and the supervisor would wait for it for ever.
@@ -73,26 +81,48 @@ class Supervisor:
             # the children too, each saw two signals and exited at once, skipping --grace.
             if os.name == "posix":
                 read_end, write_end = os.pipe()  # neither inherited but as passed below
-                env = {**os.environ, SUPERVISOR_ENV: f"{os.getpid()}:{read_end}"}
+                said, say = os.pipe()  # the child's "started" (say: its end)
+                env = {**os.environ, SUPERVISOR_ENV: f"{os.getpid()}:{read_end}:{say}"}
                 try:
                     child = subprocess.Popen(
-                        self.command, start_new_session=True, env=env, pass_fds=(read_end,)
-                    )
+                        self.command, start_new_session=True, env=env,
+                        pass_fds=(read_end, say),
+                    )  # fmt: skip
                 except BaseException:
                     os.close(write_end)
+                    os.close(said)
                     raise
                 finally:
                     os.close(read_end)
-                previous = self._lifelines.pop(slot, None)
-                if previous is not None:
-                    os.close(previous)
-                self._lifelines[slot] = write_end
+                    os.close(say)
+                os.set_blocking(said, False)
+                for pipes, fd in ((self._lifelines, write_end), (self._ready_pipes, said)):
+                    previous = pipes.pop(slot, None)
+                    if previous is not None:
+                        os.close(previous)
+                    pipes[slot] = fd
+                self._ready[slot] = False
             else:
                 env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
                 child = subprocess.Popen(self.command, start_new_session=True, env=env)
             self.children[slot] = child
             self._started[slot] = time.monotonic()
         log.info("started worker process %d (pid %d)", slot, child.pid)
+
+    def _started_up(self, slot: int) -> bool | None:
+        """Whether the child in ``slot`` has said its worker started (None: it cannot say,
+        as on Windows: judged by the time it ran instead)."""
+        fd = self._ready_pipes.get(slot)
+        if fd is None:
+            return None
+        if not self._ready.get(slot):
+            try:
+                self._ready[slot] = bool(os.read(fd, 1))
+            except BlockingIOError:  # not yet
+                pass
+            except OSError:
+                pass
+        return self._ready.get(slot, False)
 
     def _on_signal(self, signum: int, count: int) -> None:
         """A SIGTERM or SIGINT, on the signal relay's thread (errands.worker.signals):
@@ -127,16 +157,17 @@ class Supervisor:
             for slot, child in list(self.children.items()):
                 code = child.poll()
                 ran = time.monotonic() - self._started.get(slot, 0.0)
+                started = self._started_up(slot)  # (read before it is judged, below)
                 if code is None:
                     alive += 1
-                    if ran >= HEALTHY_AFTER:  # a healthy child: the failures are not a loop
-                        self._early_failures = 0
+                    if started or (started is None and ran >= HEALTHY_AFTER):
+                        self._early_failures = 0  # a healthy child: the failures are no loop
                     continue
                 if self._stopping or slot in pending_restart:
                     continue
                 if ran >= HEALTHY_AFTER:
                     self._restarts[slot] = 0  # it ran well: its backoff starts afresh
-                elif code != 0:
+                if code != 0 and not started and (started is False or ran < HEALTHY_AFTER):
                     self._early_failures += 1
                     if self._early_failures >= GIVE_UP_AFTER:
                         self._give_up(slot, child.pid, code)
@@ -160,9 +191,10 @@ class Supervisor:
                         del pending_restart[slot]
                         self._spawn(slot)
             time.sleep(0.1)
-        for write_end in self._lifelines.values():
-            os.close(write_end)
+        for fd in (*self._lifelines.values(), *self._ready_pipes.values()):
+            os.close(fd)
         self._lifelines.clear()
+        self._ready_pipes.clear()
         codes = [child.returncode for child in self.children.values()]
         return 0 if all(c == 0 for c in codes) and not self.gave_up else 1
 
@@ -170,8 +202,8 @@ class Supervisor:
         """Children keep failing as they start: stop the others (gracefully) and exit 1."""
         log.error(
             "worker process %d (pid %d) exited with %s: %d worker processes in a row "
-            "failed within %.0f s of starting (see their errors above); stopping",
-            slot, pid, code, self._early_failures, HEALTHY_AFTER,
+            "failed as they started (see their errors above); stopping",
+            slot, pid, code, self._early_failures,
         )  # fmt: skip
         self.gave_up = True
         self._on_signal(signal.SIGTERM, 1)
@@ -198,14 +230,27 @@ def child_command(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "errands", *out, "--processes", "1"]
 
 
-@dataclass(frozen=True)
+@dataclass
 class SupervisorLink:
     """How a worker started by a supervisor knows it is gone: ``lifeline``, the read end
     of a pipe whose write end only the supervisor holds (EOF once it is gone, however it
-    went), or, without one (Windows), its pid no longer being this process's parent."""
+    went), or, without one (Windows), its pid no longer being this process's parent.
+    ``ready``: the write end of a pipe on which it says once that its worker started."""
 
     pid: int
     lifeline: int | None
+    ready: int | None = None
+
+    def say_started(self) -> None:
+        """Tell the supervisor this worker has started: its exits from now on are no
+        start-up failures (see :class:`Supervisor`). Once; a supervisor gone is no news."""
+        fd, self.ready = self.ready, None
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(fd, b"1")
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
     def wait_gone(self) -> None:
         """Block until the supervisor is gone."""
@@ -233,20 +278,28 @@ def supervisor_link() -> SupervisorLink | None:
     parent is that pid: a stale variable in a shell or a wrapper that forked must not
     stop a worker nobody asked to stop."""
     value = os.environ.pop(SUPERVISOR_ENV, None) or ""
-    pid_text, _, fd_text = value.partition(":")
+    pid_text, _, fds_text = value.partition(":")
+    fd_text, _, ready_text = fds_text.partition(":")
     if not pid_text.isdigit():
         return None
     pid = int(pid_text)
-    if fd_text.isdigit():
-        fd = int(fd_text)
-        try:
-            is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
-        except OSError:
-            is_pipe = False
-        if is_pipe:
-            os.set_inheritable(fd, False)  # the worker's own subprocesses do not get it
-            return SupervisorLink(pid, fd)
+    if _pipe(fd_text):
+        return SupervisorLink(pid, int(fd_text), int(ready_text) if _pipe(ready_text) else None)
     return SupervisorLink(pid, None) if os.getppid() == pid else None
+
+
+def _pipe(fd_text: str) -> bool:
+    """Whether ``fd_text`` names a descriptor open on a pipe; it is then made one this
+    worker's own subprocesses do not inherit."""
+    if not fd_text.isdigit():
+        return False
+    try:
+        is_pipe = stat.S_ISFIFO(os.fstat(int(fd_text)).st_mode)
+    except OSError:
+        return False
+    if is_pipe:
+        os.set_inheritable(int(fd_text), False)
+    return is_pipe
 
 
 def stop_with_supervisor(worker: Worker, link: SupervisorLink | None) -> None:
@@ -256,6 +309,15 @@ def stop_with_supervisor(worker: Worker, link: SupervisorLink | None) -> None:
     once when it went while the app was imported."""
     if link is None:
         return
+    if link.ready is not None:
+
+        def started(event: Any) -> None:
+            if event.name == "errands.worker.started" and event.fields.get("worker_id") == (
+                worker.id
+            ):
+                link.say_started()
+
+        worker.app.events.subscribe(started, inline=True)
 
     def watch() -> None:
         link.wait_gone()

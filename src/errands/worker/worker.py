@@ -465,8 +465,24 @@ class Worker:
         """Whether a suspect claimed now starts at once (isolated: once a child is up, and
         not while its children fail to start: see child_starts)."""
         runner = self.suspect_processes
+        if self.isolates_suspects and runner is not None and runner.hopeless():
+            self._suspects_in_process(runner)
         return not self.isolates_suspects or (
             runner is not None and runner.ready and runner.failures.pause_left() <= 0
+        )
+
+    def _suspects_in_process(self, runner: ProcessRunner) -> None:
+        """The suspects' children have failed to start long enough to give up on them
+        (see child_starts): rescued jobs run in this process from now on, one at a time,
+        as in a worker with one suspect lane. Isolated, they never ran: each was claimed,
+        released uncharged and claimed again every 30 s for as long as the worker lived
+        (an app that imports here and fails in a child: a port it binds at import)."""
+        self.suspect_lanes = 1  # (isolates_suspects: no more)
+        log.error(
+            "%s; rescued jobs run in this worker's process from now on, one at a time, "
+            "not isolated: one that crashes its process takes this worker and its running "
+            "jobs down (restart the worker once its children can start)",
+            runner.failures.gave_up_message(),
         )
 
     def _children_fail(self) -> bool:
@@ -1198,9 +1214,17 @@ class Worker:
                 return
             time.sleep(0.02)
 
-    def release(self, attempts: list[Attempt], message: str, level: int = logging.WARNING) -> None:
+    def release(
+        self,
+        attempts: list[Attempt],
+        message: str,
+        level: int = logging.WARNING,
+        *,
+        unrun: bool = False,
+    ) -> None:
         """Give the leases of ``attempts`` back (available again, the attempt not charged,
-        the release recorded on the job). Each attempt ends with an event: ``released``;
+        the release recorded on the job; ``unrun``: their handlers never ran, see
+        :meth:`Backend.job_release_many`). Each attempt ends with an event: ``released``;
         ``stale_write_rejected`` (outcome ``released``) when its lease was no longer held
         (rescued or cancelled meanwhile); ``write_failed`` when the store could not be
         written (it is rescued after its lease). Without one, the in-flight gauge and the
@@ -1215,6 +1239,7 @@ class Worker:
                     ],
                     f"released by worker {self.id} ({message % len(attempts)}); the attempt "
                     "is not charged and the job runs again",
+                    unrun=unrun,
                 )
             )
         except Exception:

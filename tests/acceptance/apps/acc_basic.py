@@ -11,7 +11,7 @@ import subprocess
 import time
 from typing import Any
 
-from acc_support import record, runs
+from acc_support import EFFECTS_ENV, connect, record, runs
 
 import errands
 
@@ -64,6 +64,15 @@ def crash(ctx: errands.Context) -> None:
     os._exit(1)
 
 
+@app.job(name="crash_once", retries=5, backoff=QUICK_BACKOFF)
+def crash_once(ctx: errands.Context) -> int:
+    """Kills its own worker process on its first run (a segfault, the OOM killer); its
+    rescued run completes."""
+    if record(ctx) == 0:
+        os._exit(1)
+    return ctx.attempt
+
+
 @app.job(name="approval", retries=0)
 def approval(ctx: errands.Context, order: int) -> dict[str, Any]:
     """Wait for signal ``approved`` (suspended, holding no slot, until it arrives)."""
@@ -110,3 +119,40 @@ def terminates_its_subprocess(ctx: errands.Context) -> int | None:
     except subprocess.TimeoutExpired:
         program.kill()
         return None
+
+
+@app.job(name="closes_its_descriptors", retries=2, backoff=QUICK_BACKOFF)
+def closes_its_descriptors(ctx: errands.Context, seconds: float, ends: str) -> None:
+    """Close every inherited descriptor as daemonising code does (the worker child's pipe
+    and its sentinel too), open pipes that take their numbers, then sleep ``seconds`` and
+    append this process's pid to file ``ends``. Its run is recorded first, with an
+    ``overlap`` effect when an earlier run of the job still runs then."""
+    conn = connect(os.environ[EFFECTS_ENV])  # (closed before the descriptors go)
+    try:
+        earlier = [pid for (pid,) in conn.execute(
+            "SELECT pid FROM effects WHERE job_id = ? AND kind = 'run'", (ctx.job_id,)
+        )]  # fmt: skip
+        rows = [("run", os.getpid())]
+        rows += [("overlap", pid) for pid in earlier if _running(pid)]
+        for kind, pid in rows:
+            conn.execute(
+                "INSERT INTO effects (job_id, attempt, pid, worker, kind, at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (ctx.job_id, ctx.attempt, pid, ctx.worker_id, kind, time.time()),
+            )
+    finally:
+        conn.close()
+    os.closerange(3, 1024)
+    taken = [os.pipe() for _ in range(8)]  # noqa: F841 (held open while it sleeps)
+    time.sleep(seconds)
+    with open(ends, "a") as out:
+        out.write(f"{os.getpid()}\n")
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False

@@ -31,3 +31,16 @@ def fork_and_terminate() -> int | None:
     child.terminate()  # SIGTERM
     child.join(20)
     return child.exitcode
+
+
+@app.job(name="forks_and_returns", retries=0)
+def forks_and_returns(pidfile: str) -> int:
+    """Fork, and return from the handler in both processes (no os._exit in the child):
+    the child writes its pid to ``pidfile`` first."""
+    import os
+
+    child = os.fork()
+    if child == 0:
+        with open(pidfile, "w") as out:
+            out.write(str(os.getpid()))
+    return os.getpid()

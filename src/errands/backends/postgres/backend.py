@@ -1383,7 +1383,9 @@ class PostgresBackend(PostgresAdmin):
             frozenset((r[0], r[1]) for r in rows), frozenset((r[0], r[1]) for r in rows if r[2])
         )
 
-    def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
+    def job_release_many(
+        self, leases: Sequence[LeaseRef], message: str = RELEASED, *, unrun: bool = False
+    ) -> list[bool]:
         if not leases:
             return []
         with self._tx() as conn:
@@ -1393,6 +1395,7 @@ class PostgresBackend(PostgresAdmin):
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
                     "message": message,
+                    "unrun": unrun,
                     "half_life": HALF_LIFE,
                 },
             ).fetchall()

@@ -220,14 +220,27 @@ RETURNING j.id, j.lease_token, j.cancel_requested
 -- name: job_release_many
 -- Shutdown: the attempt is given back uncharged (attempt - 1), and recorded in errors with
 -- kind 'released', its attempt number and lease token, so the run that follows is
--- explained (I4). Fair keys' usage is folded in the same statement.
+-- explained (I4). %(unrun)s (their handlers never ran: no child process could start for
+-- them): a release like the job's last entry (the same attempt, the same message) is
+-- counted in that entry ('times'; its worker, token and time the latest) rather than
+-- appended: a job released every 30 s for a cause that lasts grew its errors by ~2,880
+-- entries a day. Fair keys' usage is folded in the same statement.
 WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
-        'attempt', j.attempt, 'type', 'Released', 'message', %(message)s::text,
-        'traceback', NULL, 'worker', j.lease_owner, 'kind', 'released',
-        'lease_token', j.lease_token, 'at', extract(epoch FROM now()))),
+    errors = CASE
+        WHEN %(unrun)s::boolean AND j.errors -> -1 ->> 'kind' = 'released'
+         AND j.errors -> -1 ->> 'message' = %(message)s::text
+         AND j.errors -> -1 -> 'attempt' = to_jsonb(j.attempt)
+        THEN jsonb_set(j.errors, ARRAY['-1'], (j.errors -> -1) || jsonb_build_object(
+            'times', coalesce((j.errors -> -1 ->> 'times')::int, 1) + 1,
+            'worker', j.lease_owner, 'lease_token', j.lease_token,
+            'at', extract(epoch FROM now())))
+        ELSE j.errors || jsonb_build_array(jsonb_build_object(
+            'attempt', j.attempt, 'type', 'Released', 'message', %(message)s::text,
+            'traceback', NULL, 'worker', j.lease_owner, 'kind', 'released',
+            'lease_token', j.lease_token, 'at', extract(epoch FROM now())))
+    END,
     attempt = j.attempt - 1,
     run_at = now(),
     finished_at = CASE WHEN j.cancel_requested THEN now() END,

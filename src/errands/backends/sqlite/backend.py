@@ -1163,7 +1163,9 @@ class SQLiteBackend(SQLiteAdmin):
                             cancel.add((row[0], row[1]))
         return HeartbeatResult(frozenset(extended), frozenset(cancel))
 
-    def job_release_many(self, leases: Sequence[LeaseRef], message: str = RELEASED) -> list[bool]:
+    def job_release_many(
+        self, leases: Sequence[LeaseRef], message: str = RELEASED, *, unrun: bool = False
+    ) -> list[bool]:
         if not leases:
             return []
         answers = []
@@ -1173,7 +1175,12 @@ class SQLiteBackend(SQLiteAdmin):
                     conn.execute(Q["fair_fold"], fold_params(lease.id, lease.lease_token))
                 rows = conn.execute(
                     Q["job_release"],
-                    {"id": lease.id, "token": lease.lease_token, "message": message},
+                    {
+                        "id": lease.id,
+                        "token": lease.lease_token,
+                        "message": message,
+                        "unrun": unrun,
+                    },
                 ).fetchall()
                 answers.append(bool(rows))
                 self._fan_in(conn, [(lease.id, *r) for r in rows])

@@ -96,13 +96,25 @@ RETURNING id, lease_token, cancel_requested
 -- name: job_release
 -- Shutdown: the attempt is given back uncharged (attempt - 1), and recorded in errors with
 -- kind 'released', its attempt number and lease token, so the run that follows is
--- explained (I4).
+-- explained (I4). :unrun (its handler never ran: no child process could start for it): a
+-- release like the job's last entry (the same attempt, the same message) is counted in
+-- that entry ('times'; its worker, token and time the latest) rather than appended: a
+-- job released every 30 s for a cause that lasts grew its errors by ~2,880 entries a day.
 UPDATE errands_jobs
 SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END,
-    errors = json_insert(errors, '$[#]', json_object(
-        'attempt', attempt, 'type', 'Released', 'message', :message, 'traceback', NULL,
-        'worker', lease_owner, 'kind', 'released', 'lease_token', lease_token,
-        'at', (julianday('now') - 2440587.5) * 86400.0)),
+    errors = CASE
+        WHEN :unrun AND json_extract(errors, '$[#-1].kind') = 'released'
+         AND json_extract(errors, '$[#-1].message') = :message
+         AND json_extract(errors, '$[#-1].attempt') = attempt
+        THEN json_set(errors,
+            '$[#-1].times', coalesce(json_extract(errors, '$[#-1].times'), 1) + 1,
+            '$[#-1].worker', lease_owner, '$[#-1].lease_token', lease_token,
+            '$[#-1].at', (julianday('now') - 2440587.5) * 86400.0)
+        ELSE json_insert(errors, '$[#]', json_object(
+            'attempt', attempt, 'type', 'Released', 'message', :message, 'traceback', NULL,
+            'worker', lease_owner, 'kind', 'released', 'lease_token', lease_token,
+            'at', (julianday('now') - 2440587.5) * 86400.0))
+    END,
     attempt = attempt - 1,
     run_at = (julianday('now') - 2440587.5) * 86400.0,
     finished_at = CASE WHEN cancel_requested = 1

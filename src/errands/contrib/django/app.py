@@ -71,6 +71,7 @@ OPTION_NAMES = frozenset(
         "RETENTION",
         "POISON_AFTER",
         "MAX_PAYLOAD_BYTES",
+        "MAX_RESULT_BYTES",
         "QUEUE_LIMITS",
         "TASK_MODULES",
     }
@@ -447,6 +448,7 @@ class DjangoApp(App):
             ("RETENTION", "retention"),
             ("POISON_AFTER", "poison_after"),
             ("MAX_PAYLOAD_BYTES", "max_payload_bytes"),
+            ("MAX_RESULT_BYTES", "max_result_bytes"),
         ):
             if self.options.get(option) is not None:
                 kwargs[argument] = self.options[option]
