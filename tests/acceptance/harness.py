@@ -45,7 +45,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGKILL this child if the test process dies (never leave workers behind)."""
+    """Linux: SIGKILL this child if the test process dies (never leave workers behind).
+    SIGHUP back to its default action, as under a terminal: a test run started with
+    nohup (SIGHUP ignored, inherited) ran every child with it ignored, and a worker keeps
+    an ignored SIGHUP ignored (the hangup tests then saw nothing happen)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     if _LIBC is not None:
         _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 

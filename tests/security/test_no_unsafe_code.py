@@ -44,6 +44,7 @@ BANNED_ATTRIBUTE_CALLS = {
 SQL_FORMATTING_ALLOWED = {
     ("backends/sqlite/backend.py", "PRAGMA busy_timeout"): "an int() of the configured timeout",
     ("backends/sqlite/backend.py", "PRAGMA synchronous"): "checked against SYNCHRONOUS_CHOICES",
+    ("backends/sqlite/backend.py", "PRAGMA journal_size_limit"): "an int() of a module constant",
     ("backends/postgres/notifier.py", "LISTEN"): "the channel is built from the schema name, "
     "which parse_postgres_url restricts to [a-z_][a-z0-9_]*",
     ("contrib/django/test.py", "DELETE FROM"): "table names from the constant TABLES",
