@@ -13,8 +13,9 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
@@ -278,3 +279,19 @@ def wait_pg_ready(url: str | None = None, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"PostgreSQL did not accept connections within {timeout:g} s")
         time.sleep(0.1)
+
+
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """``call()`` on a thread of its own, started: what it returned (``result``) or raised
+    (``error``), once the thread is joined."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, outcome

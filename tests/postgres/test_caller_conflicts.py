@@ -22,6 +22,7 @@ import pytest
 import errands
 from errands.backends.postgres.config import parse_postgres_url
 from errands.errors import DatabaseBusy
+from tests.pg import in_thread
 
 NOT_SEEN = r"committed after yours began"
 DEADLOCK = r"deadlock with another transaction"
@@ -45,16 +46,7 @@ STARTED: list[threading.Thread] = []  # joined before a test closes their connec
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:  # handed to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
+    thread, outcome = in_thread(call)
     STARTED.append(thread)
     return thread, outcome
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 from urllib.parse import quote
 
 import psycopg
@@ -24,6 +23,7 @@ import pytest
 
 import errands
 from errands.backends.postgres.config import parse_postgres_url
+from tests.pg import in_thread
 
 ROUNDS = 20
 KEYS = 300
@@ -37,21 +37,6 @@ def app(pg_url: str) -> Iterator[errands.App]:
         yield app
     finally:
         app.close()
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    """``call()`` on a thread of its own: what it returned (``result``) or raised."""
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = call()
-        except BaseException as exc:  # handed to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    return thread, outcome
 
 
 def _wait_until_blocked(app: errands.App, what: str) -> None:
@@ -124,7 +109,7 @@ def test_a_keyed_batch_takes_its_keys_in_key_order_whatever_order_it_is_given(
     caplog.set_level(logging.INFO, logger="errands.postgres")
     with psycopg.connect(parse_postgres_url(app.url).conninfo) as caller:
         held_a = job.enqueue(n=1, key="a", conn=caller)
-        thread, batch = _in_thread(
+        thread, batch = in_thread(
             lambda: app.enqueue_many([job.bind(n=2, key="b"), job.bind(n=2, key="a")])
         )
         _wait_until_blocked(app, "the batch")
@@ -157,7 +142,7 @@ def test_a_keyed_batch_whose_transaction_the_server_aborts_to_break_a_cycle_runs
         with psycopg.connect(parse_postgres_url(app.url).conninfo) as caller:
             caller.execute("SET deadlock_timeout = '10min'")
             held_b = job.enqueue(n=1, key="b", conn=caller)
-            thread, batch = _in_thread(
+            thread, batch = in_thread(
                 lambda: app.enqueue_many([job.bind(n=2, key="a"), job.bind(n=2, key="b")])
             )
             _wait_until_blocked(app, "the batch")
