@@ -58,7 +58,7 @@ def cli() -> None:
     "--prefetch",
     type=click.IntRange(min=0),
     help="jobs claimed beyond -c while handlers are quick, waiting for a free thread "
-    "(default: 4 x -c; 0: off)",
+    "(default: 4 x -c, and 16 x -c for a fair queue; 0: off)",
 )
 @click.option(
     "--grace",
