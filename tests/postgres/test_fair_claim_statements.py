@@ -16,6 +16,7 @@ import pytest
 import errands
 from errands.backends.base import QueueClaim
 from errands.backends.postgres.backend import _LimitedStore
+from errands.backends.postgres.config import parse_postgres_url
 from tests.pg import with_params
 
 from .counting import messages, round_trips
@@ -231,3 +232,34 @@ def test_a_claim_whose_statements_fail_to_prepare_raises_and_the_next_one_prepar
     assert len(rows) == 8
     assert any(s.startswith("PREPARE errands_") for s in sent), sent
     assert backend._prepared is not None
+
+
+@pytest.mark.parametrize(
+    ("cast", "value"),
+    [
+        ("bigint", 7),
+        ("bigint", -(2**62)),
+        ("bigint[]", [3, -1, 2**40]),
+        ("bigint[]", []),
+        ("int[]", [1, 2]),
+        ("bigint", None),
+        ("boolean", True),
+        ("boolean", False),
+        ("text", "it's a \\ key"),
+        ("text[]", ["a b", "c'd", ""]),
+        ("float8", 2.5),
+    ],
+)
+def test_a_prepared_statements_arguments_reach_the_server_as_given(
+    pg_url: str, cast: str, value: object
+) -> None:
+    """The arguments of a claim's EXECUTE are written as literals (integers, lists of
+    them, None and booleans by errands, the rest by psycopg): each is read back as it was
+    given, in the prepared parameter's type."""
+    from errands.backends.postgres.batches import Prepared, run_batch
+
+    prepared = Prepared({"echo": f"SELECT %(v)s::{cast}"}, ["echo"])
+    with psycopg.connect(parse_postgres_url(pg_url).conninfo, autocommit=True) as conn:
+        prepared.ensure(conn)
+        [rows] = run_batch(conn, [prepared.execute(conn, "echo", {"v": value})])
+    assert rows == [(value,)]

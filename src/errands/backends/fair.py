@@ -69,7 +69,7 @@ class FairCandidate:
     rescued: bool = False  # a suspect: claimed by the worker's suspect claim
 
 
-@dataclass
+@dataclass(slots=True)
 class KeyState:
     """One key's standing: recent worker time (decayed, running attempts included)."""
 
@@ -87,7 +87,7 @@ def effective_priority(priority: int, run_at: float, now: float, aging: float | 
     return priority + int(max(now - run_at, 0.0) // aging)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Key:
     name: str
     state: KeyState
@@ -127,12 +127,15 @@ def fair_pick(
     result = FairPick()
     by_key: dict[str, list[FairCandidate]] = {}
     for c in candidates:
-        by_key.setdefault(c.fair_key, []).append(c)
+        if (jobs := by_key.get(c.fair_key)) is None:
+            by_key[c.fair_key] = [c]
+        else:
+            jobs.append(c)
     keys = []
     for name, jobs in by_key.items():
-        jobs.sort(
-            key=lambda c: (-effective_priority(c.priority, c.run_at, now, aging), c.run_at, c.id)
-        )
+        if len(jobs) > 1:  # (most keys of a window bring one job: nothing to order)
+            jobs.sort(key=lambda c: (-effective_priority(c.priority, c.run_at, now, aging),
+                                     c.run_at, c.id))  # fmt: skip
         keys.append(_Key(name, states.get(name) or KeyState(), jobs))
     _mark_shares(keys)
     # One heap entry per key with a job left: (-its next job's level, its rank, index).
@@ -177,9 +180,13 @@ def _rank(key: _Key, head: FairCandidate) -> tuple[float, ...]:
 def over_share(states: dict[str, KeyState], keys: Sequence[str]) -> set[str]:
     """The ``keys`` more than their slack over their weighted share (as
     :func:`fair_pick` judges them): they take no round-robin turn."""
-    marked = [_Key(k, states.get(k) or KeyState(), []) for k in keys]
-    _mark_shares(marked)
-    return {k.name for k in marked if not k.within_share}
+    default = KeyState()
+    marked = [(k, states.get(k) or default) for k in keys]
+    total = sum(state.usage for _, state in marked)
+    weights = sum(state.weight for _, state in marked)
+    if total <= 0 or weights <= 0:
+        return set()
+    return {k for k, state in marked if state.usage > sum(_share_and_slack(state, total, weights))}
 
 
 def _mark_shares(keys: list[_Key]) -> None:
@@ -193,10 +200,14 @@ def _mark_shares(keys: list[_Key]) -> None:
     if total <= 0 or weights <= 0:
         return
     for key in keys:
-        share = total * key.state.weight / weights
-        slack = max(key.state.mean_cost, QUANTUM)
+        share, slack = _share_and_slack(key.state, total, weights)
         key.within_share = key.state.usage <= share + slack
         key.behind = key.state.usage < share - slack
+
+
+def _share_and_slack(state: KeyState, total: float, weights: float) -> tuple[float, float]:
+    """A key's weighted share of ``total`` worker time, and its slack around it."""
+    return total * state.weight / weights, max(state.mean_cost, QUANTUM)
 
 
 def decayed(usage: float, age: float) -> float:

@@ -461,10 +461,11 @@ def _pick_fair(
         low = min((c.priority for c in candidates), default=LEVEL_MIN)
         # every row of the lookahead read (see _first_reads): the keyed ones above kept
         window = set(read)
-        ahead = [
-            c
-            for c in _fair_rows(store, "fair_lookahead", ahead_params)
-            if c.fair_key not in window and (c.fair_key == UNKEYED or c.priority > low)
+        ahead = [  # (judged on the rows: most are left out, and built for nothing)
+            _candidate(r)
+            for r in store.rows("fair_lookahead", ahead_params)
+            if (key := UNKEYED if r[6] is None else str(r[6])) not in window
+            and (key == UNKEYED or int(r[7]) > low)  # type: ignore[call-overload]
         ]
     else:
         heads = {**params, "after": None, "before": None, "limit": UNBOUNDED, "per_key": 1}

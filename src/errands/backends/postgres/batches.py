@@ -100,8 +100,25 @@ class Prepared:
 
     def execute(self, conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> str:
         """The statement that runs query ``name`` with ``params``."""
-        values = ", ".join(sql.Literal(params[k]).as_string(conn) for k in self._order[name])
+        values = ", ".join(_literal(params[k], conn) for k in self._order[name])
         return f"EXECUTE {self._name[name]}({values})" if values else f"EXECUTE {self._name[name]}"
+
+
+def _literal(value: Any, conn: psycopg.Connection[Any]) -> str:
+    """``value`` as an EXECUTE argument. Integers, lists of them, None and booleans are
+    written here (a claim's 70 ids through psycopg's adapters took 0.15 ms, a tenth of a
+    fair claim's Python); anything else is quoted by psycopg. An array is left untyped:
+    the server reads it as the prepared parameter's type."""
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if value is None:
+        return "NULL"
+    if kind is bool:
+        return "true" if value else "false"
+    if kind is list and all(type(v) is int for v in value):
+        return "'{" + ",".join(map(str, value)) + "}'"
+    return sql.Literal(value).as_string(conn)
 
 
 def run_batch(
