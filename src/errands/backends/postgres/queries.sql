@@ -1131,17 +1131,14 @@ WITH RECURSIVE levels AS (
     SELECT n.key, n.priority, l.n + n.step
     FROM levels AS l
     CROSS JOIN LATERAL (
-        -- the key's next level, else the next key's first: two index seeks
-        (SELECT fair_key AS key, priority, 0 AS step FROM {schema}.errands_jobs
-         WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
-           AND fair_key = l.key AND priority > l.priority
-         ORDER BY priority LIMIT 1)
-        UNION ALL
-        (SELECT fair_key AS key, priority, 1 AS step FROM {schema}.errands_jobs
-         WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
-           AND fair_key > l.key
-         ORDER BY fair_key, priority LIMIT 1)
-        LIMIT 1) AS n
+        -- the key's next level, else the next key's first: one index seek (a row
+        -- comparison on the index's columns; two seeks before, the first of which found
+        -- nothing for a key of one level: 38 % of the buffers read over 86 keys)
+        SELECT fair_key AS key, priority, CASE WHEN fair_key = l.key THEN 0 ELSE 1 END AS step
+        FROM {schema}.errands_jobs
+        WHERE queue = %(queue)s AND state IN ('available', 'scheduled', 'retryable')
+          AND fair_key IS NOT NULL AND (fair_key, priority) > (l.key, l.priority)
+        ORDER BY fair_key, priority LIMIT 1) AS n
     WHERE (n.step = 0 OR l.n < %(limit)s)
       AND (%(before)s::text IS NULL OR n.key <= %(before)s::text)
 ), running AS MATERIALIZED (
