@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from .errors import ConfigurationError
+from .jsontext import loads_stored
 
 
 class JobState(StrEnum):
@@ -299,7 +299,7 @@ def _loads(text: str | None, default: Any) -> Any:
     if text is None:
         return default
     try:
-        return json.loads(text)
+        return loads_stored(text)  # an int of more than 4,300 digits, stored before 2026-12-06
     except (ValueError, RecursionError):  # RecursionError: nested deeper than Python's stack
         return {"__corrupt__": text} if isinstance(default, dict) else text
 

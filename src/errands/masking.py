@@ -7,10 +7,10 @@ replaced by ``***`` anywhere in free text or nested JSON shown beside them.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .jobs import Job
+from .jsontext import int_text, json_text
 from .payload import MASK
 
 __all__ = ["MASK", "mask_text", "mask_value", "sensitive_values"]
@@ -29,7 +29,7 @@ def sensitive_values(job: Job) -> list[str]:
             continue
         _collect(value, found)
         if not isinstance(value, str):
-            found.add(json.dumps(value, default=str))
+            found.add(json_text(value, default=str))
     return sorted((t for t in found if len(t) >= 3), key=len, reverse=True)
 
 
@@ -43,8 +43,8 @@ def _collect(value: Any, found: set[str]) -> None:
     elif isinstance(value, str):
         found.add(value)
     elif value is not None and not isinstance(value, bool):
-        found.add(str(value))
-        found.add(json.dumps(value, default=str))
+        found.add(int_text(value) if isinstance(value, int) else str(value))  # any length
+        found.add(json_text(value, default=str))
 
 
 def mask_text(text: str | None, secrets: list[str]) -> str:
@@ -68,6 +68,7 @@ def mask_value(value: Any, secrets: list[str]) -> Any:
         return [mask_value(v, secrets) for v in value]
     if isinstance(value, dict):
         return {k: mask_value(v, secrets) for k, v in value.items()}
-    if isinstance(value, int | float) and not isinstance(value, bool) and str(value) in secrets:
-        return MASK
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        text = int_text(value) if isinstance(value, int) else str(value)  # an int any length
+        return MASK if text in secrets else value
     return value

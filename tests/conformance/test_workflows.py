@@ -1007,13 +1007,21 @@ def test_a_member_replayed_after_its_workflow_was_pruned_adds_jobs_that_run_on_t
 
 
 def test_a_nested_workflow_with_a_replayed_member_pending_keeps_its_outer_one_from_pruning(
-    backend: Backend,
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A nested batch's member dies, the batch is cancelled (settling cancelled: it is a
     cancelled member of its parent, not a dead one), the outer workflow settles, and the
     dead member is replayed: pending again in the nested batch only. The prune looked for
     pending rows of the outermost workflow alone, and deleted both with the replay
-    running. Nothing is pruned while a member of the tree is pending."""
+    running. Nothing is pruned while a member of the tree is pending. (A replay of a
+    cancelled workflow's member is refused now; one let through before that was is
+    stored still: the refusal is switched off here to store it.)"""
+
+    def none_refused(job_ids: Any) -> Any:
+        yield from ()
+        return {}
+
+    monkeypatch.setattr(backend.workflows, "cancelled_among", none_refused)  # type: ignore[attr-defined]
     inserted = backend.workflow_insert(nested(batch(2, events=()), events=()))
     [inner] = inserted.children.values()
     rows = {r.id: r for r in claim_all(backend)}
@@ -1056,3 +1064,114 @@ def test_a_cancel_flags_every_nested_workflow_before_it_cancels_any_member(
     states = {w: backend.workflow_get(w) for w in (inserted.id, inner.id)}
     assert [s.state if s else None for s in states.values()] == ["cancelled", "cancelled"]
     assert callbacks(backend) == []  # no on_dead
+
+
+def _outer_running_inner_failed(
+    backend: Backend,
+) -> tuple[WorkflowInserted, WorkflowInserted, JobRow, JobRow]:
+    """A workflow whose job member runs and whose nested batch failed (its one member
+    dead): the outer one still runs, the nested one settled failed. The workflow, the
+    nested one, the job's claimed row, the nested member's dead row."""
+    inserted, inner, job, inner_member = _nested_member_dead(backend)
+    assert _state(backend, inner.id) == ("failed", 0, 1, 0)
+    assert _state(backend, inserted.id) == ("running", 0, 1, 1)
+    return inserted, inner, job, inner_member
+
+
+def test_a_member_replayed_before_its_outer_workflows_cancel_is_cancelled_saying_why(
+    backend: Backend,
+) -> None:
+    """A dead member of a failed nested workflow is replayed (re-opening the nested one
+    in its parent), then the outer workflow is cancelled: the replayed member was
+    cancelled with nothing in its errors (the nested workflow, settled when the cancel
+    was requested, was never flagged), and the nested one stayed failed. It says "the
+    workflow was cancelled", and the nested workflow settles cancelled again."""
+    inserted, inner, job, inner_member = _outer_running_inner_failed(backend)
+    _replay(backend, inner_member.id)
+    assert backend.workflow_cancel(inserted.id, "ops") == 1  # the replayed member
+    replayed = get(backend, inner_member.id)
+    assert replayed.state == "cancelled"
+    assert _why(replayed) == _cancelled_why(replayed.attempt)
+    assert finish(backend, job, "completed")  # completed anyway
+    assert _state(backend, inner.id) == ("cancelled", 0, 0, 0)
+    assert backend.workflow_get(inner.id).cancelled == 1  # type: ignore[union-attr]
+    assert _state(backend, inserted.id) == ("cancelled", 1, 0, 0)
+    members = {m.node: m.outcome for m in backend.workflow_members(inserted.id)}
+    assert members == {"job": "completed", "inner": "cancelled"}
+    assert "on_success" not in callbacks(backend)
+    assert "outer.on_success" not in callbacks(backend)
+
+
+def test_a_member_of_a_cancelled_outer_workflow_is_refused_a_replay_and_never_runs(
+    backend: Backend,
+) -> None:
+    """The outer workflow is cancelled while its nested one had failed (settled, so not
+    pending in it: the cancel passed it by), then a dead member of the nested one is
+    replayed: the replay re-opened the nested workflow and the member ran, inside a
+    cancelled workflow (and its success fired the nested one's on_success). The replay
+    is refused, saying why; the member stays dead, nothing runs."""
+    inserted, inner, job, inner_member = _outer_running_inner_failed(backend)
+    assert backend.workflow_cancel(inserted.id, "ops") == 0  # the job runs: asked to stop
+    for dry_run in (True, False):
+        result = backend.job_replay(
+            ActionParams(actor="ops", ids=[inner_member.id], dry_run=dry_run)
+        )
+        assert result.matched == []
+        assert result.skipped == {
+            inner_member.id: f"its workflow {inserted.id} was cancelled: a cancelled "
+            "workflow's members do not run again (discard the job, or enqueue it anew)"
+        }
+    assert get(backend, inner_member.id).state == "dead"
+    assert claim_all(backend) == []
+    assert _state(backend, inner.id) == ("failed", 0, 1, 0)
+    assert finish(backend, job, "completed")
+    assert _state(backend, inserted.id) == ("cancelled", 1, 1, 0)
+    # the same refusal when the replay selects by filter
+    result = backend.job_replay(ActionParams(actor="ops", all_matching=True))
+    assert result.matched == [] and list(result.skipped) == [inner_member.id]
+    assert claim_all(backend) == []
+
+
+def test_a_replay_landing_between_the_cancel_request_and_its_members_is_refused(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replay commits once the cancel was requested, before the cancel reads which
+    nested workflows are pending: refused as after the whole cancel; nothing runs."""
+    inserted, _, job, inner_member = _outer_running_inner_failed(backend)
+    workflows = backend.workflows  # type: ignore[attr-defined]
+    nested_pending = workflows.nested_pending
+    refused: list[dict[int, str]] = []
+
+    def replay_in_between(workflow_id: int) -> Any:
+        if workflow_id == inserted.id and not refused:
+            result = backend.job_replay(ActionParams(actor="ops", ids=[inner_member.id]))
+            assert result.matched == []
+            refused.append(result.skipped)
+        return (yield from nested_pending(workflow_id))
+
+    monkeypatch.setattr(workflows, "nested_pending", replay_in_between)
+    backend.workflow_cancel(inserted.id, "ops")
+    assert list(refused[0]) == [inner_member.id]
+    assert get(backend, inner_member.id).state == "dead"
+    assert claim_all(backend) == []
+    assert finish(backend, job, "completed")
+    assert _state(backend, inserted.id) == ("cancelled", 1, 1, 0)
+
+
+def test_a_reopened_nested_workflow_cancelled_while_its_replayed_member_runs_fires_no_success(
+    backend: Backend,
+) -> None:
+    """The replayed member of a failed nested workflow runs when the outer workflow is
+    cancelled, and completes anyway: the nested workflow turned succeeded and fired
+    on_success, inside a cancelled workflow. It settles cancelled again, on_success never
+    fires, and its parent counts it cancelled."""
+    inserted, inner, job, inner_member = _outer_running_inner_failed(backend)
+    _replay(backend, inner_member.id)
+    replayed = claim_one(backend)
+    assert backend.workflow_cancel(inserted.id, "ops") == 0  # both run: asked to stop
+    assert finish(backend, replayed, "completed")
+    assert _state(backend, inner.id) == ("cancelled", 1, 0, 0)
+    assert errors_of(get(backend, replayed.id))[-1]["message"] == "boom"  # completed: as it was
+    assert finish(backend, job, "completed")
+    assert _state(backend, inserted.id) == ("cancelled", 1, 0, 0)
+    assert callbacks(backend) == ["on_dead", "on_settled", "outer.on_dead", "outer.on_settled"]

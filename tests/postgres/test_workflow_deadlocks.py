@@ -313,3 +313,55 @@ def test_a_prune_meeting_a_dlq_replay_of_a_member_keeps_the_workflow_and_its_pen
     assert finish(backend, again, "completed")
     assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]
     assert backend.workflow_prune(-1.0, 100) == 1
+
+
+def test_a_replay_reopening_a_nested_workflow_as_its_outer_one_is_cancelled_is_cancelled_too(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay re-opens a failed nested batch (its member pending again) while the outer
+    workflow's cancel is requested: the request waited for the replay's lock on the outer
+    workflow, then flagged the tree as it read it before the wait, the nested batch still
+    settled: unflagged. Its replayed member, claimed and completed before the cancel got to
+    the nested batch, turned it succeeded and fired its on_success inside the cancelled
+    workflow. The request reads the tree once it holds the outer workflow's lock: the
+    nested batch is flagged, and settles cancelled again, with no on_success. The holder
+    keeps the dead member's job row: the replay waits there holding the workflows', and
+    the cancel lines up behind it."""
+    inner = WorkflowSpec(
+        "inner", "batch", [NodeSpec("m", request(name="member.m"))],
+        callbacks={"on_success": request(name="callback.inner.on_success", queue=CALLBACKS)},
+    )  # fmt: skip
+    outer = backend.workflow_insert(
+        WorkflowSpec("outer", "dag", [NodeSpec("job", request(name="member.job")),
+                                      NodeSpec("inner", None, child=inner)])
+    )  # fmt: skip
+    [nested] = outer.children.values()
+    rows = {r.name: r for r in claim(backend, limit=2)}
+    member = rows["member.m"]
+    assert finish(backend, member, "dead", error=error())  # the nested batch settles failed
+    holder = Holder(backend, member.id, "errands_jobs")
+    replay = Call(lambda: backend.job_replay(ActionParams(actor="ops", ids=[member.id])))
+    replay.start()
+    wait_for("the replay waits", blocked_or_done(backend, 1, replay))
+    workflows = backend.workflows  # type: ignore[attr-defined]
+    nested_pending = workflows.nested_pending
+
+    def replayed_member_completes(workflow_id: int) -> Any:
+        if workflow_id == outer.id:  # the request committed; the members are next
+            [again] = claim(backend)
+            assert finish(backend, again, "completed")
+        return (yield from nested_pending(workflow_id))
+
+    monkeypatch.setattr(workflows, "nested_pending", replayed_member_completes)
+    cancel = Call(lambda: backend.workflow_cancel(outer.id, "ops"))
+    cancel.start()
+    wait_for("the cancel waits", blocked_or_done(backend, 2, replay, cancel))
+    holder.let_go(after_checks=False)
+    assert replay.result().matched == [member.id]  # it came first: replayed
+    cancel.result()
+    status = backend.workflow_get(nested.id)
+    assert status is not None and (status.state, status.completed) == ("cancelled", 1)
+    assert finish(backend, rows["member.job"], "completed")  # completed anyway
+    status = backend.workflow_get(outer.id)
+    assert status is not None and (status.state, status.cancelled) == ("cancelled", 1)
+    assert callbacks(backend) == []  # no on_success

@@ -225,7 +225,7 @@ class SharedAdmin:
             raise JobNotFound(f"no workflow with id {workflow_id}")
 
         def request(run: TxRun) -> None:
-            run("wf_request_cancel", {"id": workflow_id})
+            run.program(self.workflows.request_cancel(workflow_id))
             run(
                 "audit_insert",
                 {
@@ -295,7 +295,7 @@ class SharedAdmin:
 
     def _dead_action(self, params: ActionParams, query: str, action: str) -> ActionResult:
         if params.dry_run:
-            return self._dead_preview(params)
+            return self._dead_preview(params, replay=action == "replay")
         if params.all_matching:  # read first, without a lock; each is changed only if dead
             ids = [int(r[0]) for r in self._read_rows("job_ids_matching", _matching(params))]
         else:
@@ -319,18 +319,35 @@ class SharedAdmin:
             self._replayed(result.matched, queues)
         return result
 
-    def _dead_preview(self, params: ActionParams) -> ActionResult:
+    def _dead_preview(self, params: ActionParams, replay: bool) -> ActionResult:
         """What a replay or discard would do now, read without a lock: the dead jobs
-        matching (``all_matching``), or which of the ids given are dead, and why not."""
+        matching (``all_matching``), or which of the ids given are dead, and why not (a
+        replay also refuses the members of cancelled workflows)."""
         if params.all_matching:
             rows = self._read_rows("job_ids_matching", _matching(params))
-            return ActionResult(matched=[int(r[0]) for r in rows], skipped={})
-        ids = list(dict.fromkeys(params.ids))
-        states: dict[int, str] = {}
+            matched = [int(r[0]) for r in rows]
+            skipped: dict[int, str] = {}
+        else:
+            ids = list(dict.fromkeys(params.ids))
+            states: dict[int, str] = {}
+            for chunk in _chunks(ids):
+                states.update(self.job_states(chunk))
+            matched = [i for i in ids if states.get(i) == "dead"]
+            skipped = _why_not_dead(ids, states)
+        if replay:
+            refused = self._cancelled_members(matched)
+            matched = [i for i in matched if i not in refused]
+            skipped.update(refused)
+        return ActionResult(matched=matched, skipped=skipped)
+
+    def _cancelled_members(self, ids: list[int]) -> dict[int, str]:
+        """Of ``ids``, the members of a cancelled workflow (read without a lock: a dry
+        run's preview), each with why a replay refuses it."""
+        refused: dict[int, str] = {}
         for chunk in _chunks(ids):
-            states.update(self.job_states(chunk))
-        matched = [i for i in ids if states.get(i) == "dead"]
-        return ActionResult(matched=matched, skipped=_why_not_dead(ids, states))
+            found = self._read_program(functools.partial(self.workflows.cancelled_among, chunk))
+            refused.update({i: _why_cancelled(w) for i, w in found.items()})
+        return refused
 
     def _dead_action_tx(
         self, run: TxRun, params: ActionParams, query: str, action: str, ids: list[int]
@@ -350,6 +367,29 @@ class SharedAdmin:
             run.program(self.workflows.lock_members_of(sorted(members)))
         matched: list[int] = []
         skipped: dict[int, str] = {}
+        if members:
+            # Members of a cancelled workflow (or of one nested in it) stay dead: replayed,
+            # one ran inside the cancelled workflow (a nested one that had failed, settled
+            # when the cancel came, was re-opened by it), and whatever it then completed
+            # fired callbacks. Read under the locks just taken: a cancel requested before
+            # this transaction is seen; one requested after it flags the workflows this
+            # re-opens, and cancels the replayed members, saying why.
+            refused: dict[int, int] = {}
+            for chunk in _chunks(sorted(members)):
+                refused.update(run.program(self.workflows.cancelled_among(chunk)))
+            if refused:
+                out = [i for i in ids if i in refused]
+                states: dict[int, str] = {}
+                for chunk in _chunks(out):
+                    found = run("job_states", {"ids": self._id_list(chunk)}).fetchall()
+                    states.update((int(r[0]), str(r[1])) for r in found)
+                if not params.all_matching:  # one not dead: said as for any job
+                    skipped.update(_why_not_dead(out, states))
+                skipped.update(
+                    {i: _why_cancelled(refused[i]) for i in out if states.get(i) == "dead"}
+                )
+                ids = [i for i in ids if i not in refused]
+                members -= set(refused)
         queues: set[str] = set()
         detail = json.dumps(action_detail(params))
         for chunk in _chunks(ids):
@@ -707,6 +747,14 @@ def _chunks(ids: list[int]) -> list[list[int]]:
 def _matching(params: ActionParams) -> dict[str, Any]:
     """``job_ids_matching``'s parameters: the dead jobs of a bulk action's filters."""
     return {"state": "dead", "queue": params.queue, "name": params.name}
+
+
+def _why_cancelled(workflow_id: int) -> str:
+    """Why a replay refuses a member of a cancelled workflow (or of one nested in it)."""
+    return (
+        f"its workflow {workflow_id} was cancelled: a cancelled workflow's members do not "
+        "run again (discard the job, or enqueue it anew)"
+    )
 
 
 def _why_not_dead(ids: Sequence[int], states: dict[int, str]) -> dict[int, str]:

@@ -718,6 +718,13 @@ class WorkflowStore:
                 state = "cancelled" if row.cancel_requested else "failed" if failed else "succeeded"
                 success = state == "succeeded"
                 events = ["on_settled"] + (["on_success"] if success else [])
+            elif row.cancel_requested:
+                # Settled before, re-opened by a replay, and cancelled while a replayed
+                # member was pending (its own cancel, or that of one it is nested in): it
+                # settles cancelled again, whatever the replayed members' ends; no
+                # callback fires (on_settled had), never on_success.
+                state = None if row.state == "cancelled" else "cancelled"
+                events = []
             elif row.state == "failed" and not failed:
                 # Settled before: the members replayed since (see reenter) all ended again.
                 state = "succeeded"
@@ -772,6 +779,16 @@ class WorkflowStore:
         before locking the jobs: the order every fan-in that may change a waiting member
         (release it, cancel it) takes them in."""
         yield from self._lock_up(job_ids)
+
+    def cancelled_among(self, job_ids: Sequence[int]) -> Program[dict[int, int]]:
+        """Which of these jobs are members of a workflow whose cancel was requested, or of
+        one nested in such a workflow: each with the nearest such workflow. A replay
+        refuses them (read after lock_members_of, which waits for a cancel's request to
+        commit): a cancelled workflow's members do not run again."""
+        if not job_ids:
+            return {}
+        rows = yield Stmt(self.q["wf_cancelled_among"], {"ids": self.array(list(job_ids))})
+        return {int(r[0]): int(r[1]) for r in rows}
 
     def reenter(self, job_ids: Sequence[int]) -> Program[None]:
         """Replayed dead members are pending in their workflow again (after job_replay
@@ -857,11 +874,22 @@ class WorkflowStore:
         rows = yield Stmt(self.q["wf_cancel_running"] + "\nRETURNING id", {"id": workflow_id})
         return len(rows)
 
+    def request_cancel(self, workflow_id: int) -> Program[None]:
+        """Flag the workflow and those nested in it cancelled (see wf_request_cancel).
+        It and the workflows it is nested in are locked first, in a statement of their
+        own: a replay that re-opens a nested one locks them too, so it committed before
+        (the flag statement, reading after the lock, sees it re-opened and flags it) or
+        waits and then finds the flag (and refuses, see cancelled_among). Read in the
+        flag statement itself, a re-open committed while it waited for the lock was
+        missed: the nested workflow stayed unflagged, and its replayed member could
+        complete it succeeded (on_success fired) before the cancel reached it."""
+        yield from self._lock_up((), [workflow_id])
+        yield Stmt(self.q["wf_request_cancel"], {"id": workflow_id})
+
     def cancel_pending(self, workflow_id: int) -> Program[int]:
         """Cancel every member not running, under the workflow's lock, and fan in."""
         q = self.q
-        yield from self._lock_up((), [workflow_id])
-        yield Stmt(q["wf_request_cancel"], {"id": workflow_id})
+        yield from self.request_cancel(workflow_id)
         ended = []
         for job_id, state in (yield Stmt(q["wf_pending_members"], {"id": workflow_id})):
             if state in CANCELLABLE and (yield Stmt(q["wf_cancel_member"], {"id": job_id})):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
@@ -17,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..jobs import Job
+from ..jsontext import json_text
 from ..masking import mask_text, mask_value, sensitive_values
 
 
@@ -50,7 +50,7 @@ def one_line(text: str) -> str:
 
 
 def emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json_text(data, indent=2, default=str))
 
 
 def notice(text: str, level: str = "warning") -> None:
@@ -169,7 +169,7 @@ def progress_text(job: Job) -> str:
 
 
 def short(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else one_line(value)
+    text = json_text(value, default=str) if not isinstance(value, str) else one_line(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -203,7 +203,7 @@ def show_job(
     secrets = sensitive_values(job)
     out.print(f"[bold]job {job.id}[/bold]  {job.name}  queue={job.queue}  state={job.state.value}")
     fields = [
-        ("args", json.dumps(job.masked_args, default=str)),
+        ("args", json_text(job.masked_args, default=str)),
         ("key", job.masked_key or "-"),
         ("attempt", f"{job.attempt} of {job.max_attempts} (rescues {job.rescues})"),
         ("priority", job.priority),
@@ -217,7 +217,7 @@ def show_job(
         ),
         (
             "result",
-            json.dumps(mask_value(job.result, secrets), default=str)
+            json_text(mask_value(job.result, secrets), default=str)
             if job.result is not None
             else "-",
         ),

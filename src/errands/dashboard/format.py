@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import UTC, datetime
 from typing import Any
+
+from ..jsontext import json_text
 
 
 def to_epoch(value: datetime | float | None) -> float | None:
@@ -62,11 +63,11 @@ def ago(value: datetime | float | None, now: float | None = None) -> str:
 
 
 def pretty_json(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
+    return json_text(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
 
 
 def short_json(value: Any, limit: int = 90) -> str:
-    text = json.dumps(
+    text = json_text(
         value, sort_keys=True, ensure_ascii=False, separators=(", ", ": "), default=str
     )
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -22,6 +22,7 @@ from ..context import Context
 from ..errors import ConfigurationError, InvalidPayload, StepError, TransactionEnded
 from ..errortext import clip, clip_trace, format_trace, scrub
 from ..jobs import JobRow
+from ..jsontext import loads_stored
 from ..outcomes import Permanent, Retry
 from ..retry import DELAY_LIMIT, retry_delay
 from .process_pool import ChildFailure
@@ -210,7 +211,7 @@ def _secrets(attempt: Attempt) -> list[str]:
         return []
     values: list[Any] = []
     try:
-        stored = json.loads(attempt.row.args)
+        stored = loads_stored(attempt.row.args)
     except (TypeError, ValueError, RecursionError):  # corrupted, or nested past the stack
         stored = None
     for name in definition.sensitive:

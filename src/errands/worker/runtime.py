@@ -45,6 +45,7 @@ from ..errortext import scrub
 from ..faults import fault_point
 from ..interrupts import shielded
 from ..jobs import EnqueueRequest
+from ..jsontext import loads_stored
 from ..observability.logcontext import job_extra
 from ..payload import read_back
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
@@ -548,7 +549,7 @@ class AttemptRuntime:
 
     def _decode_parent(self, job_id: int, result_json: str) -> Any:
         try:
-            return json.loads(result_json)
+            return loads_stored(result_json)
         except ValueError:
             log.warning("job %s: parent %s has an unreadable result", self.attempt.id, job_id)
             return None

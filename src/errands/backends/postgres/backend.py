@@ -39,6 +39,7 @@ from ...errors import (
 from ...faults import fault_point
 from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
+from ...jsontext import loads_stored
 from ..base import (
     PROMOTE_BATCH,
     RELEASED,
@@ -1345,7 +1346,7 @@ class PostgresBackend(PostgresAdmin):
         with self._conn() as conn:
             rows = conn.execute(self.q["step_list"], {"job_id": job_id}).fetchall()
         return [
-            Step(job_id=r[0], name=r[1], result=None if r[2] is None else json.loads(r[2]),
+            Step(job_id=r[0], name=r[1], result=None if r[2] is None else loads_stored(r[2]),
                  attempt=r[3], created_at=to_datetime(r[4]))  # type: ignore[arg-type]
             for r in rows
         ]  # fmt: skip

@@ -307,6 +307,23 @@ WHERE id = %(id)s
 -- Which of the jobs given are workflow members (a bulk replay locks their workflows).
 SELECT job_id FROM {schema}.errands_workflow_members WHERE job_id = ANY(%(ids)s::bigint[])
 
+-- name: wf_cancelled_among
+-- Of the jobs given, the members of a workflow whose cancel was requested, or of one
+-- nested in such a workflow at any depth, each with the nearest such workflow: a replay
+-- refuses them (a cancelled workflow's members do not run again). Read under the locks
+-- the replay took (wf_lock_up), so a cancel requested before it is seen.
+WITH RECURSIVE up(job_id, id, depth) AS (
+    SELECT job_id, workflow_id, 0 FROM {schema}.errands_workflow_members
+    WHERE job_id = ANY(%(ids)s::bigint[])
+    UNION ALL
+    SELECT up.job_id, m.workflow_id, up.depth + 1
+    FROM up JOIN {schema}.errands_workflow_members AS m ON m.job_id = -up.id
+)
+SELECT DISTINCT ON (up.job_id) up.job_id, up.id
+FROM up JOIN {schema}.errands_workflows AS w ON w.id = up.id
+WHERE w.cancel_requested
+ORDER BY up.job_id, up.depth
+
 -- name: wf_reenter
 -- Replayed dead members (job ids, or minus nested workflows' ids) are pending again (see
 -- docs/workflows.md, "Replaying a member"): each one made pending, with its workflow.
@@ -330,7 +347,11 @@ WHERE e.parent_id = ANY(%(ids)s::bigint[]) AND e.outcome = 'dead'
 -- The workflow and every workflow nested in it, in one statement (cancelled one by one,
 -- a nested one whose last member ended in between, adding members it saw cancelled by
 -- its ancestor's flag, settled failed: its parent fired on_dead), locked in id order as
--- every other writer of several workflows locks them.
+-- every other writer of several workflows locks them. Those not settled, and those
+-- settled that a replay re-opened (a member pending again): their pending members end
+-- cancelled by it, saying so, and they settle cancelled again. (A settled one with
+-- nothing pending keeps its flag unset: a replay of one of its members is refused by
+-- its ancestor's flag, wf_cancelled_among.)
 WITH RECURSIVE tree(id) AS (
     SELECT %(id)s::bigint
     UNION
@@ -339,7 +360,9 @@ WITH RECURSIVE tree(id) AS (
     WHERE m.job_id < 0
 ), locked AS (
     SELECT w.id FROM {schema}.errands_workflows AS w
-    WHERE w.id IN (SELECT id FROM tree) AND w.settled_at IS NULL
+    WHERE w.id IN (SELECT id FROM tree)
+      AND (w.settled_at IS NULL OR EXISTS (
+          SELECT 1 FROM {schema}.errands_workflow_pending AS p WHERE p.workflow_id = w.id))
     ORDER BY w.id
     FOR UPDATE
 )

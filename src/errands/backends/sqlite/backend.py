@@ -34,6 +34,7 @@ from ...errors import (
 from ...faults import fault_point
 from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
+from ...jsontext import loads_stored
 from .. import redact_url
 from ..base import (
     PROMOTE_BATCH,
@@ -1286,7 +1287,7 @@ def _loads_or_raw(text: str | None) -> Any:
     if text is None:
         return None
     try:
-        return json.loads(text)
+        return loads_stored(text)  # an int of more than 4,300 digits: read whole
     except ValueError:
         return text
 

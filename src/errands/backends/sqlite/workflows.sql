@@ -210,6 +210,24 @@ WHERE id = :id
 SELECT job_id FROM errands_workflow_members
 WHERE job_id IN (SELECT value FROM json_each(:ids))
 
+-- name: wf_cancelled_among
+-- Of the jobs given (:ids, a JSON list), the members of a workflow whose cancel was
+-- requested, or of one nested in such a workflow at any depth, each with the nearest
+-- such workflow (see the PostgreSQL statement; SQLite takes the bare column from the
+-- row of min(depth)).
+WITH RECURSIVE up(job_id, id, depth) AS (
+    SELECT job_id, workflow_id, 0 FROM errands_workflow_members
+    WHERE job_id IN (SELECT value FROM json_each(:ids))
+    UNION ALL
+    SELECT up.job_id, m.workflow_id, up.depth + 1
+    FROM up JOIN errands_workflow_members AS m ON m.job_id = -up.id
+)
+SELECT up.job_id, up.id, min(up.depth)
+FROM up JOIN errands_workflows AS w ON w.id = up.id
+WHERE w.cancel_requested
+GROUP BY up.job_id
+ORDER BY up.job_id
+
 -- name: wf_reenter
 -- Replayed dead members (job ids, or minus nested workflows' ids; :ids a JSON list) are
 -- pending again (see docs/workflows.md, "Replaying a member"): each one made pending, with
@@ -230,9 +248,13 @@ WHERE parent_id IN (SELECT value FROM json_each(:ids)) AND outcome = 'dead'
                 AND c.wait_signal IS NULL)
 
 -- name: wf_request_cancel
--- The workflow and every workflow nested in it, in one statement (see PostgreSQL's).
+-- The workflow and every workflow nested in it, in one statement (see PostgreSQL's):
+-- those not settled, and those settled that a replay re-opened (a member pending again).
 UPDATE errands_workflows SET cancel_requested = 1
-WHERE settled_at IS NULL AND id IN (
+WHERE (settled_at IS NULL OR EXISTS (
+          SELECT 1 FROM errands_workflow_pending AS p
+          WHERE p.workflow_id = errands_workflows.id))
+  AND id IN (
     WITH RECURSIVE tree(id) AS (
         SELECT :id
         UNION
