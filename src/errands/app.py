@@ -1343,7 +1343,7 @@ class App:
                 except InvalidPayload:  # stored before its template changed: as it is
                     edits.append(JobEdit(job_id))
                     continue
-                edits.append(JobEdit(job_id, None, ckey, fair, True))
+                edits.append(JobEdit(job_id, None, ckey, fair, True, definition.concurrency_limit))
                 continue
             try:
                 request = definition.request((), dict(args), EnqueueOptions(queue=target))
@@ -1353,7 +1353,14 @@ class App:
                     errors=exc.errors,
                 ) from None
             edits.append(
-                JobEdit(job_id, request.args_json, request.concurrency_key, request.fair_key, True)
+                JobEdit(
+                    job_id,
+                    request.args_json,
+                    request.concurrency_key,
+                    request.fair_key,
+                    True,
+                    request.concurrency_limit,
+                )
             )
         return edits, skipped
 

@@ -241,6 +241,24 @@ BAD_INPUT = [
         id="queue-concurrency-above-the-maximum-refused-once-not-per-child",
     ),
     pytest.param(
+        ["worker", "acc_basic:app", "--processes", "5000"],
+        1,
+        "processes (--processes) is 5,000: at most 1,024",
+        id="processes-above-the-maximum-refused-before-any-child-starts",
+    ),
+    pytest.param(
+        ["worker", "acc_basic:app", "--prefetch", "20000"],
+        1,
+        "prefetch (--prefetch) is 20,000: at most 10,000",
+        id="prefetch-above-the-maximum",
+    ),
+    pytest.param(
+        ["worker", "acc_basic:app", "--prefetch", "20000", "--processes", "2"],
+        1,
+        "prefetch (--prefetch) is 20,000: at most 10,000",
+        id="prefetch-above-the-maximum-refused-once-not-per-child",
+    ),
+    pytest.param(
         ["worker", "acc_basic:app", "--url", "sqlite:///{folder}/future.db"],
         1,
         "has errands schema version 999, newer than this errands",

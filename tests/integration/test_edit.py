@@ -5,8 +5,11 @@ dry run; a worker then runs the edited job as edited."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import threading
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -160,3 +163,60 @@ def test_an_edit_keys_the_job_for_the_queue_it_is_in_or_moves_to(app: errands.Ap
     assert key(plain.id) == "job:edit.fair"
     app.edit([plain.id], queue="default")
     assert key(plain.id) is None
+
+
+def _stored_key_and_limit(app: errands.App, job_id: int) -> tuple[str | None, int | None]:
+    """The concurrency key and limit stored on the job's row (no JobRow field has them)."""
+    backend: Any = app.backend
+    if hasattr(backend, "schema"):  # PostgreSQL
+        import psycopg
+
+        with psycopg.connect(backend.config.conninfo) as conn:
+            sql = (
+                "SELECT concurrency_key, concurrency_limit "
+                f'FROM "{backend.schema}".errands_jobs WHERE id = %s'
+            )
+            [row] = conn.execute(sql, (job_id,)).fetchall()
+    else:
+        with contextlib.closing(sqlite3.connect(backend.path)) as conn:
+            sql = "SELECT concurrency_key, concurrency_limit FROM errands_jobs WHERE id = ?"
+            [row] = conn.execute(sql, (job_id,)).fetchall()
+    return row[0], row[1]
+
+
+def test_an_edit_that_derives_the_keys_anew_stores_the_editing_apps_concurrency_limit(
+    each_store_url: str,
+) -> None:
+    """Given jobs enqueued while their type's concurrency_limit was 1, and a deploy that
+    raised it to 3, when the new code edits them with new arguments (a new concurrency
+    key) or moves them to another queue (the keys derived anew), then each row stores the
+    limit 3 with its key, as an enqueue by that code would: the claim holds a row to the
+    lower of its stored limit and the worker's, so a row left at 1 ran one job of its key
+    at a time for ever after the raise. An edit that derives no key (a new priority)
+    leaves the stored limit as it was."""
+    keyed = {"concurrency_key": "account:{account}"}
+    before = errands.App(each_store_url)
+    after = errands.App(each_store_url)
+    try:
+
+        @before.job(name="edit.keyed", **keyed, concurrency_limit=1)
+        def old_code(account: int) -> None: ...
+
+        @after.job(name="edit.keyed", **keyed, concurrency_limit=3)
+        def new_code(account: int) -> None: ...
+
+        with_args, moved, reprioritised = (
+            old_code.enqueue(account=n, delay=3600).id for n in (1, 2, 3)
+        )
+        assert _stored_key_and_limit(before, with_args) == ("account:1", 1)
+
+        assert after.edit([with_args], args={"account": 7}).matched == [with_args]
+        assert after.edit([moved], queue="elsewhere").matched == [moved]
+        assert after.edit([reprioritised], priority=5).matched == [reprioritised]
+
+        assert _stored_key_and_limit(after, with_args) == ("account:7", 3)
+        assert _stored_key_and_limit(after, moved) == ("account:2", 3)
+        assert _stored_key_and_limit(after, reprioritised) == ("account:3", 1)  # no key derived
+    finally:
+        before.close()
+        after.close()

@@ -5,16 +5,19 @@ rescues it with its own rescuer, as the maintenance leader would after a worker 
 longer than its lease. The stale attempt's handler is still running when that happens.
 """
 
+import contextlib
 import logging
+import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 import errands
-from errands import JobState
-from errands.maintenance.service import Maintenance, leader_ttl
+from errands import JobState, clock
+from errands.maintenance.service import LEADER_NAME, Maintenance, leader_ttl
 from tests.conftest import needs_boottime, suspend_host
 
 from .helpers import claim_as_dead_worker, expire_lease, force_rescue, raw_row, wait_until
@@ -564,3 +567,79 @@ def test_a_failing_leader_election_is_logged_once_an_interval_with_one_traceback
     assert loud[0].exc_info is not None
     assert sum("failed again" in r.getMessage() for r in records) >= 39
     assert not leader.is_leader
+
+
+@contextlib.contextmanager
+def _leaders_row_held(app: errands.App) -> Iterator[None]:
+    """Another session holds what an election needs, until the block ends: on PostgreSQL
+    the leadership's row (SELECT ... FOR UPDATE, so the election's upsert waits for it);
+    on SQLite the file's write lock (BEGIN IMMEDIATE). The election hangs without an
+    error, as it does when the store stops answering (a partition with no RST)."""
+    backend: Any = app.backend
+    if hasattr(backend, "schema"):  # PostgreSQL
+        import psycopg
+
+        with psycopg.connect(backend.config.conninfo) as conn:  # a transaction: BEGIN
+            held = conn.execute(
+                f'SELECT name FROM "{backend.schema}".errands_leaders WHERE name = %s FOR UPDATE',
+                (LEADER_NAME,),
+            ).fetchall()
+            assert held == [(LEADER_NAME,)]
+            try:
+                yield
+            finally:
+                conn.rollback()
+        return
+    conn = sqlite3.connect(backend.path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+
+
+def test_a_leader_whose_election_hangs_steps_down_once_its_leadership_runs_out(
+    each_store_url: str,
+) -> None:
+    """Given a leader whose election stops answering (another session holds the lock it
+    needs: no error, no reply), then it steps down once the leadership its last granted
+    election gave it has run out (is_leader false, errands.leader.resigned once), as one
+    whose election raises does; once the store answers again it is elected anew. Its
+    election waited without a bound (SQLite: up to its write_timeout, here longer than
+    the test), and all the while it went on believing it led."""
+    url = each_store_url
+    if url.startswith("sqlite"):  # the store's own wait for its write lock: not the bound
+        url += "?write_timeout=600"
+    app = errands.App(url, lease=2)
+    app.migrate()
+    leader = Maintenance(app, "w-partitioned", tick=0.05)
+    stepped_down: list[tuple[float, float]] = []  # (when, the leadership's end then)
+    events: list[str] = []
+
+    def seen(event: Any) -> None:
+        events.append(event.name)
+        if event.name == "errands.leader.resigned":
+            stepped_down.append((clock.now(), leader._leader_until))
+
+    app.events.subscribe(seen, inline=True)
+    leader.start()
+    try:
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership")
+        with _leaders_row_held(app):
+            wait_until(lambda: stepped_down, timeout=60, what="the hung leader to step down")
+            assert not leader.is_leader
+            [(when, leadership_ends)] = stepped_down
+            assert when >= leadership_ends  # never before the store could name another
+        # the store answers again: the hung election ends, the next one elects it anew
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership again")
+        assert events == [
+            "errands.leader.elected",
+            "errands.leader.resigned",
+            "errands.leader.elected",
+        ]
+    finally:
+        leader.stop()
+        app.close()

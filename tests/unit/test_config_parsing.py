@@ -125,6 +125,97 @@ def test_handler_threads_the_machine_cannot_start_are_refused_and_the_started_on
         assert not thread.is_alive()
 
 
+@pytest.mark.parametrize(
+    ("prefetch", "message"),
+    [
+        (10_001, r"prefetch \(--prefetch\) is 10,001: at most 10,000 \(each is a job claimed"),
+        (10**9, r"is 1,000,000,000: at most 10,000 .*raise -c or run more workers"),
+        (-1, r"prefetch \(--prefetch\) must be a whole number \(an int\) of at least 0, got -1"),
+        (True, r"prefetch \(--prefetch\) must be a whole number .*got True"),
+        ("8", r"prefetch \(--prefetch\) must be a whole number .*got '8'"),
+        (2.5, r"prefetch \(--prefetch\) must be a whole number .*got 2.5"),
+    ],
+)
+def test_a_worker_refuses_a_prefetch_not_an_int_or_above_the_maximum_before_any_thread_starts(
+    tmp_path: Path, prefetch: object, message: str
+) -> None:
+    """``prefetch=10**9`` was taken as given: with quick handlers one claim took a whole
+    backlog into the worker (held, leased, heartbeated) while other workers idled; "8"
+    raised a raw TypeError and True ran as 1. Refused, naming the option, the bound and
+    what to do instead, before any thread starts."""
+    app = errands.App(f"sqlite:///{tmp_path}/e.db")
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(ConfigurationError, match=message):
+            app.worker(prefetch=prefetch)  # type: ignore[arg-type]
+        assert set(threading.enumerate()) - before == set()
+        assert app.worker(concurrency=1, prefetch=10_000).prefetch == 10_000  # the bound: fine
+    finally:
+        app.close()
+
+
+def test_the_default_prefetch_of_a_wide_worker_stays_within_the_maximum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The defaults (4 x -c, and a fair queue's 16 x -c) are held to the same 10,000: at
+    -c 10,000 a worker prefetched 40,000 jobs (a fair queue's, 160,000)."""
+    import errands.worker.worker as worker_module
+
+    class NoThreads:  # (10,000 handler threads are not what this test is about)
+        def __init__(self, *args: object, **kwargs: object) -> None: ...
+
+        def shutdown(self, *args: object, **kwargs: object) -> None: ...
+
+    monkeypatch.setattr(worker_module, "ThreadRunner", NoThreads)
+    app = errands.App(f"sqlite:///{tmp_path}/e.db")
+    app.queue("tenants", fair=True)
+    try:
+        wide = app.worker(concurrency=10_000, queues=["default", "tenants"], express=0)
+        assert (wide.prefetch, wide.fair_prefetch) == (10_000, 10_000)
+        narrow = app.worker(concurrency=3, queues=["default", "tenants"], express=0)
+        assert (narrow.prefetch, narrow.fair_prefetch) == (12, 48)  # as before
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize(
+    ("processes", "message"),
+    [
+        (1_025, r"processes \(--processes\) is 1,025: at most 1,024 \(each is a worker process"),
+        (100_000, r"is 100,000: at most 1,024 .*raise -c, or run workers on more hosts"),
+        (0, r"processes \(--processes\) must be a whole number \(an int\) of at least 1"),
+        (True, r"processes \(--processes\) must be a whole number .*got True"),
+    ],
+)
+def test_a_supervisor_refuses_a_process_count_not_an_int_or_above_the_maximum(
+    processes: object, message: str
+) -> None:
+    """``Supervisor(command, 100_000)`` (what ``--processes 100000`` builds) was taken as
+    given: it started interpreters until the machine ran out of memory. Refused before any
+    child starts."""
+    from errands.worker.supervisor import Supervisor
+
+    with pytest.raises(ConfigurationError, match=message):
+        Supervisor(["true"], processes)  # type: ignore[arg-type]
+    assert Supervisor(["true"], 1_024).processes == 1_024
+
+
+def test_the_cli_refuses_too_many_processes_before_it_imports_the_app() -> None:
+    """``errands worker --processes 100000`` exits 1 with one line naming the option, the
+    bound and what to do, before the app is imported (this app does not even exist) and
+    before any child starts."""
+    from click.testing import CliRunner
+
+    from errands.cli.main import cli
+
+    result = CliRunner().invoke(
+        cli, ["worker", "no_such_module_anywhere:app", "--processes", "100000"]
+    )
+    assert result.exit_code == 1, result.output
+    assert "processes (--processes) is 100,000: at most 1,024" in result.output
+    assert "no_such_module_anywhere" not in result.output
+
+
 @pytest.mark.parametrize("spec", ["", " ", ",", " , ,", [], [""], {}])
 def test_parse_queues_refuses_a_spec_that_names_no_queue(spec: object) -> None:
     """An empty -q (an unset $QUEUE) was read as no -q at all: the worker silently served

@@ -503,6 +503,7 @@ class SharedAdmin:
                     "queue": params.queue,
                     "args": edit.args_json,
                     "concurrency_key": edit.concurrency_key,
+                    "concurrency_limit": edit.concurrency_limit,
                     "fair_key": edit.fair_key,
                     "keys": edit.keys,
                 },

@@ -58,7 +58,7 @@ def cli() -> None:
     "--prefetch",
     type=click.IntRange(min=0),
     help="jobs claimed beyond -c while handlers are quick, waiting for a free thread "
-    "(default: 4 x -c, and 16 x -c for a fair queue; 0: off)",
+    "(default: 4 x -c, and 16 x -c for a fair queue; 0: off; at most 10,000)",
 )
 @click.option(
     "--grace",
@@ -89,7 +89,7 @@ def cli() -> None:
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="run this many worker processes under one supervisor",
+    help="run this many worker processes under one supervisor (at most 1,024)",
 )
 @click.option(
     "--pool",
@@ -157,12 +157,14 @@ def worker(
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
+    from ..worker.supervisor import check_processes, stop_with_supervisor, supervisor_link
+
+    check_processes(processes)  # before the app's import (a typo forked until out of memory)
     if metrics_port is not None and processes > 1:
         raise click.UsageError(
             "--metrics-port serves one process's metrics; with --processes N, run N workers "
             "with a --metrics-port each instead"
         )
-    from ..worker.supervisor import stop_with_supervisor, supervisor_link
 
     signalled = _keep_stop_signals()  # a SIGTERM while the app imports: a graceful stop
     _hangup_stops()
@@ -173,7 +175,7 @@ def worker(
         from ..worker.supervisor import Supervisor, child_command
         from ..worker.worker import check_counts
 
-        check_counts(queues, concurrency, express)  # once, not in every child
+        check_counts(queues, concurrency, express, prefetch)  # once, not in every child
         app.backend.schema_check()  # fail once, clearly, rather than in every child
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the supervisor handles its own
         if signalled:

@@ -44,6 +44,7 @@ from ..backends.base import (
     ExpiredWait,
     RescueParams,
     WaitTimeoutParams,
+    calls_until,
 )
 from ..backends.fair import HALF_LIFE
 from ..backends.limits import RATE_PERIOD_MAX
@@ -51,6 +52,7 @@ from ..errors import is_transient
 from ..hooks import protect_current_thread
 from ..landed import landed, read_back
 from ..retry import retry_delay
+from ..worker.callers import Callers
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -77,6 +79,15 @@ FAIR_FORGET_MIN = 10 * HALF_LIFE
 # logged once in this many seconds: its traceback the first time, then a line saying it
 # still fails (at tick 0.2 it wrote 45 tracebacks in 9 s).
 ELECTION_WARN_EVERY = 30.0
+# An election waits for its answer (on a helper thread, as the lease keeper's heartbeats
+# do) until the leadership it would renew runs out (a follower's: one ttl, all that a
+# granted election gives), and at least ELECTION_WAIT_MIN (half the ttl, if less): past
+# that it has failed. A store that stops answering without an error (a partition that
+# drops packets, a lock another session holds on the leadership's row, SQLite's write
+# lock: up to its write_timeout, 60 s) held the election, and the leader went on believing
+# it led after the store's leadership had run out and another worker had taken it.
+ELECTION_WAIT_MIN = 1.0
+ELECTION_CALLERS_MAX = 3  # helper threads; more are only started while earlier ones hang
 
 
 def leader_ttl(tick: float, lease: float) -> float:
@@ -121,6 +132,7 @@ class Maintenance:
         self._leader_until = 0.0
         self._election_failures = 0  # in a row
         self._election_warned_at = float("-inf")  # time.monotonic()
+        self._elections = Callers("errands-election", ELECTION_CALLERS_MAX)
         # a slot seen within a tick and a failover of its time is on time
         self.scheduler = Scheduler(app, grace=self.ttl + tick)
 
@@ -134,6 +146,7 @@ class Maintenance:
         if self._thread.is_alive():
             self._thread.join(timeout=wait)
         self._resign()
+        self._elections.stop()
 
     def _resign(self) -> None:
         """Give the leadership up, once: stop() and the thread may both get here (stop()
@@ -187,7 +200,7 @@ class Maintenance:
             return False
         sent = clock.now()  # a lease: counts a suspend (errands.clock)
         try:
-            leader = self.app.backend.leader_attempt_elect(LEADER_NAME, self.worker_id, self.ttl)
+            leader = self._ask(sent)
         except Exception as exc:
             self._election_failed(exc)
             return False
@@ -212,6 +225,27 @@ class Maintenance:
                 worker_id=self.worker_id,
             )
         return leader
+
+    def _answer_within(self, sent: float) -> float:
+        """How long an election sent at ``sent`` waits for its answer: until the
+        leadership it would renew runs out (a follower's: one ttl), at least
+        ELECTION_WAIT_MIN (half the ttl, if less)."""
+        end = self._leader_until if self.is_leader else sent + self.ttl
+        return max(end - sent, min(ELECTION_WAIT_MIN, self.ttl / 2))
+
+    def _ask(self, sent: float) -> bool:
+        """The election, on a helper thread, its answer waited for as long as it can help
+        (see ELECTION_WAIT_MIN): TimeoutError past that. A late answer is never read: the
+        next election asks again. Its wait for a pool connection ends by then too."""
+        wait = self._answer_within(sent)
+        deadline = time.monotonic() + wait
+        backend, worker_id, ttl = self.app.backend, self.worker_id, self.ttl
+
+        def elect() -> bool:
+            with calls_until(deadline):
+                return backend.leader_attempt_elect(LEADER_NAME, worker_id, ttl)
+
+        return self._elections.call(elect, wait, "leader election")
 
     def _election_failed(self, exc: Exception) -> None:
         """An election raised (the store unreachable, a bug): this tick runs no duty. Said

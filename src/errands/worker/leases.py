@@ -48,17 +48,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .. import clock
 from ..backends.base import LeaseRef
 from ..errortext import scrub
 from ..hooks import protect_current_thread
 from ..observability.logcontext import job_extra
+from .callers import Caller as _Caller
 from .execution import LEASE_LOST, LEASE_UNRENEWED, Attempt, _secrets
 
 if TYPE_CHECKING:
@@ -77,39 +76,6 @@ WAIT_MIN = 1.0  # seconds a heartbeat may always take to answer (the interval, i
 # CLOCK_MONOTONIC, which a host's suspend stops: one wait to the next round woke up to a
 # whole heartbeat interval late after a resume, its overdue heartbeat with it.
 WAIT_SLICE = 1.0
-
-
-class _Caller:
-    """A daemon thread running the keeper's database calls one at a time (one thread,
-    so one SQLite connection, for the life of the worker)."""
-
-    def __init__(self) -> None:
-        self.busy = False
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._run, name="errands-heartbeat", daemon=True).start()
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        self.busy = True
-        self._calls.put((fn, future))
-        return future
-
-    def stop(self) -> None:
-        self._calls.put(None)
-
-    def _run(self) -> None:
-        while (item := self._calls.get()) is not None:
-            fn, future = item
-            try:
-                result = fn()
-            except BaseException as exc:
-                self.busy = False
-                future.set_exception(exc)
-            else:
-                self.busy = False
-                future.set_result(result)
 
 
 class LeaseKeeper:

@@ -49,12 +49,34 @@ SUPERVISOR_ENV = "ERRANDS_SUPERVISOR"
 SUPERVISOR_WATCH_EVERY = 0.5  # seconds between a child's looks for its supervisor
 HANGUP = getattr(signal, "SIGHUP", None)  # POSIX only
 HANGUP_SIGNALS = () if HANGUP is None else (HANGUP,)
+# The most worker processes one supervisor starts (--processes N). Each is a fresh
+# interpreter that imports the app (tens of MB at least), with its own handler threads
+# (-c) and, on PostgreSQL, its own pools and LISTEN connection (docs/postgres.md: 1,024
+# processes of the defaults' 10 + 10 + 1 is some 21,500 connections). Unbounded, a typo
+# (--processes 100000) started interpreters until the machine ran out of memory or
+# process slots. More than a large host's cores: for more, raise -c or run more hosts.
+PROCESSES_MAX = 1_024
+PROCESSES_ADVICE = (
+    "each is a worker process of its own: a Python interpreter with the app, its own "
+    "handler threads and store connections); for more jobs at once raise -c, or run "
+    "workers on more hosts"
+)
+
+
+def check_processes(value: object) -> int:
+    """``--processes N``, checked: an int from 1 to PROCESSES_MAX (before any child
+    starts, and before the app is imported)."""
+    from .worker import check_count
+
+    return check_count(
+        value, "processes (--processes)", most=PROCESSES_MAX, advice=PROCESSES_ADVICE
+    )
 
 
 class Supervisor:
     def __init__(self, command: Sequence[str], processes: int) -> None:
         self.command = list(command)
-        self.processes = processes
+        self.processes = check_processes(processes)
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self._stopping = False
         self._restarts: dict[int, int] = {}

@@ -95,6 +95,10 @@ CONCURRENCY_DEFAULT = 10
 # concurrency=10**9 started some 22,000 threads, then failed with "can't start new
 # thread" and left them running. More work at once: more worker processes (--processes).
 CONCURRENCY_MAX = 10_000
+THREADS_ADVICE = (
+    "each is a handler thread, started with the worker); for more jobs at once run more "
+    "worker processes (--processes N, or more workers)"
+)
 GRACE_DEFAULT = 30.0
 POLL_INTERVAL_DEFAULT = 1.0
 # After a claim a notification woke, the worker looks once more this long after the
@@ -112,6 +116,19 @@ BATCH_GATHER = 0.005  # with a backlog, wait up to this long for a batch's worth
 # worker holds concurrency * PREFETCH_HORIZON / (mean handler time) jobs beyond its slots.
 PREFETCH_HORIZON = 0.05
 PREFETCH_MULTIPLIER = 4  # the default prefetch: this many jobs per slot, at most
+# The most jobs a worker claims beyond its slots (--prefetch, and the defaults: 4 x -c, a
+# fair queue's 16 x -c). Each is a leased, running row the worker holds in memory and
+# renews with the others in its one heartbeat statement, every third of a lease, and one
+# claim statement takes the slots' and the prefetch's rows at once; twice as many
+# outcomes may wait to be written (_unwritten_max). Unbounded, a typo (--prefetch
+# 1000000) let one worker with quick handlers claim a whole backlog while the others
+# idled (had it died, all of it waited for its leases to run out). 10 x the largest
+# prefetch measured best (1,024 at -c 32, docs/benchmarks.md).
+PREFETCH_MAX = 10_000
+PREFETCH_ADVICE = (
+    "each is a job claimed beyond -c and held, leased, until a handler thread is free); "
+    "for more jobs at once raise -c or run more workers; --prefetch 0 turns it off"
+)
 # A prefetching fair queue's (see _fair_prefetch_now): this many jobs per slot, at most.
 # Its claim reads a window of keys and ranks them, ~2.5 x the time of a plain claim, and
 # a worker whose one claimer waits for it takes about half its room per claim (the other
@@ -192,29 +209,43 @@ def parse_queues(spec: str | Sequence[str] | Mapping[str, int] | None) -> dict[s
     return result
 
 
-def check_count(value: object, what: str, *, least: int = 1) -> int:
-    """A number of handler threads, checked: an int (not a bool: True ran as 1) from
-    ``least`` to CONCURRENCY_MAX; ``what`` names the option in the error."""
+def check_count(
+    value: object,
+    what: str,
+    *,
+    least: int = 1,
+    most: int = CONCURRENCY_MAX,
+    advice: str = THREADS_ADVICE,
+) -> int:
+    """A count option, checked: an int (not a bool: True ran as 1) from ``least`` to
+    ``most`` (by default a number of handler threads, at most CONCURRENCY_MAX); ``what``
+    names the option in the error, ``advice`` ends it: why the bound (it follows "(") and
+    what to do instead."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ConfigurationError(
             f"{what} must be a whole number (an int) of at least {least}, got {value!r}"
         )
-    if value > CONCURRENCY_MAX:
-        raise ConfigurationError(
-            f"{what} is {value:,}: at most {CONCURRENCY_MAX:,} (each is a handler thread, "
-            "started with the worker); for more jobs at once run more worker processes "
-            "(--processes N, or more workers)"
-        )
+    if value > most:
+        raise ConfigurationError(f"{what} is {value:,}: at most {most:,} ({advice}")
     return value
+
+
+def check_prefetch(value: object) -> int:
+    """``prefetch`` / ``--prefetch``, checked: an int from 0 (off) to PREFETCH_MAX."""
+    return check_count(
+        value, "prefetch (--prefetch)", least=0, most=PREFETCH_MAX, advice=PREFETCH_ADVICE
+    )
 
 
 def check_counts(
     queues: str | Sequence[str] | Mapping[str, int] | None,
     concurrency: int | None,
     express: int | None,
+    prefetch: int | None = None,
 ) -> None:
-    """-q, -c and --express checked as a worker checks them, without starting one (the
-    CLI, before it starts --processes N children: each failed on its own, five times)."""
+    """-q, -c, --express and --prefetch checked as a worker checks them, without starting
+    one (the CLI, before it starts --processes N children: each failed on its own, five
+    times)."""
     limits = parse_queues(queues)
     per_queue = [v for v in limits.values() if v is not None]
     if concurrency is not None:
@@ -223,6 +254,8 @@ def check_counts(
         check_count(sum(per_queue), "concurrency (the sum of -q's per-queue limits)")
     if express is not None:
         check_count(express, "express (--express)", least=0)
+    if prefetch is not None:
+        check_prefetch(prefetch)
 
 
 def _worker_seconds(value: float, option: str, *, above_zero: bool = True) -> float:
@@ -294,16 +327,16 @@ class Worker:
             )
         self.pool = pool
         self.app_path = app_path
-        if prefetch is not None and prefetch < 0:
-            raise ConfigurationError("prefetch must be 0 (off) or more")
+        if prefetch is not None:
+            prefetch = check_prefetch(prefetch)
         # Prefetch queues claimed jobs for the handler threads; async handlers (all run at
         # once on the loop) and the process pool would run them beyond `concurrency`.
         threads_only = pool == "thread" and not any(d.is_async for d in app.registry.values())
-        fair_most = FAIR_PREFETCH_MULTIPLIER * concurrency
+        fair_most = min(FAIR_PREFETCH_MULTIPLIER * concurrency, PREFETCH_MAX)
         # A fair queue prefetches deeper (its claim costs more), up to a given --prefetch
         fair_prefetch = fair_most if prefetch is None else min(prefetch, fair_most)
         if prefetch is None:  # as Celery's worker_prefetch_multiplier (4) does
-            prefetch = PREFETCH_MULTIPLIER * concurrency
+            prefetch = min(PREFETCH_MULTIPLIER * concurrency, PREFETCH_MAX)
         self.prefetch = prefetch if threads_only else 0
         self.fair_prefetch = fair_prefetch if threads_only else 0
         if suspect_lanes is not None and suspect_lanes < 1:

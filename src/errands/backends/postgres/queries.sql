@@ -1004,7 +1004,8 @@ WHERE id = %(id)s AND state = 'waiting' AND wait_signal = %(signal)s AND wait_un
 -- never changed (the claim and this write serialise on the row: the claim skips a row
 -- this edit has locked, and this edit re-checks the state after a claim's). A new run_at
 -- makes the job scheduled or available by it (a retryable job stays retryable). The keys
--- are written when the App derived them anew (%(keys)s: new arguments, or another queue).
+-- are written when the App derived them anew (%(keys)s: new arguments, or another queue),
+-- the concurrency key with its limit from the same App's code, as an enqueue stores it.
 UPDATE {schema}.errands_jobs AS j
 SET run_at = CASE WHEN %(set_run_at)s
                   THEN COALESCE(to_timestamp(%(run_at)s::float8),
@@ -1020,6 +1021,8 @@ SET run_at = CASE WHEN %(set_run_at)s
     args = COALESCE(%(args)s::jsonb, j.args),
     concurrency_key = CASE WHEN %(keys)s THEN %(concurrency_key)s::text
                            ELSE j.concurrency_key END,
+    concurrency_limit = CASE WHEN %(keys)s THEN %(concurrency_limit)s::int
+                             ELSE j.concurrency_limit END,
     fair_key = CASE WHEN %(keys)s THEN %(fair_key)s::text ELSE j.fair_key END
 WHERE j.id = %(id)s AND j.state IN ('scheduled', 'available', 'retryable')
 
