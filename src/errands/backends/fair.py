@@ -141,28 +141,30 @@ def fair_pick(
     # One heap entry per key with a job left: (-its next job's level, its rank, index).
     # Only the taken key's entry changes after a pick, so a claim over k keys costs
     # O(k + room log k), not O(k x room).
-    heap = [_entry(i, key, now, aging) for i, key in enumerate(keys) if key.head() is not None]
+    # (every key has a job: it was made from its candidates)
+    heap = [_entry(i, key, now, aging) for i, key in enumerate(keys)]
     heapq.heapify(heap)
-    while heap and len(result.chosen) < room:
-        index = heapq.heappop(heap)[-1]
-        key = keys[int(index)]
+    chosen, taken = result.chosen, result.taken
+    while heap and len(chosen) < room:
+        index = int(heapq.heappop(heap)[-1])
+        key = keys[index]
         job = key.jobs[key.position]
         key.position += 1
-        result.taken[key.name] = key.position
+        taken[key.name] = key.position
         if admit(job):
             key.picked += 1
-            result.chosen.append(job)
+            chosen.append(job)
         else:
             result.gated += 1
-        if key.head() is not None:
-            heapq.heappush(heap, _entry(int(index), key, now, aging))
+        if key.position < len(key.jobs):
+            heapq.heappush(heap, _entry(index, key, now, aging))
     return result
 
 
 def _entry(index: int, key: _Key, now: float, aging: float | None) -> tuple[float, ...]:
-    head = key.head()
-    assert head is not None
-    level = effective_priority(head.priority, head.run_at, now, aging)
+    """The heap entry of ``key``, which has a job left: its next job's level, its rank."""
+    head = key.jobs[key.position]
+    level = effective_priority(head.priority, head.run_at, now, aging) if aging else head.priority
     return (-float(level), *_rank(key, head), float(index))
 
 
