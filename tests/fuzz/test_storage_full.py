@@ -9,6 +9,7 @@ on the connection errands itself writes with from this thread.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -190,3 +191,70 @@ def test_a_job_whose_outcome_meets_a_full_store_completes_once_there_is_room(
     assert job.state.value == "completed" and job.attempt == 1, (job.state, job.errors)
     assert job.result == "r" * 300_000
     assert job.errors == [] and dead == []
+
+
+def test_a_transactional_job_whose_commit_meets_a_full_store_is_given_back_uncharged(
+    full_app: tuple[errands.App, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store fills up while a job completes in its ctx.transaction(): its completion
+    (a large result) does not fit, and nothing of the transaction is written. The attempt
+    was charged for it (retryable, and dead on its last attempt: here its only one),
+    where the completer waits out a full store for any other outcome. The job is given
+    back uncharged, the reason on it, and completes on attempt 1 once there is room.
+    Every connection errands opens is capped (``max_page_count``), the handler's
+    transaction's included, as a full disk caps them all."""
+    app, _ = full_app
+    ran: list[int] = []
+
+    @app.job(name="store.big_tx", retries=0)
+    def big_tx(ctx: errands.Context) -> str:
+        ctx.transaction()
+        ran.append(ctx.attempt)
+        return "t" * 300_000  # ~75 pages: more than the room left
+
+    handle = big_tx.enqueue()
+    backend: Any = app.backend
+    capped: list[sqlite3.Connection] = []
+    lock = threading.Lock()
+    full = threading.Event()
+    full.set()
+    connect = backend._connect
+
+    def capped_connect() -> sqlite3.Connection:
+        conn = connect()
+        if full.is_set():
+            pages = conn.execute("PRAGMA page_count").fetchone()[0]
+            conn.execute(f"PRAGMA max_page_count = {pages + ROOM_PAGES}")
+            with lock:
+                capped.append(conn)
+        return conn
+
+    monkeypatch.setattr(backend, "_connect", capped_connect)
+    _cap(app, ROOM_PAGES)  # this thread's, opened already
+    dead: list[Any] = []
+    app.events.subscribe(lambda e: dead.append(e) if e.name == "errands.job.dead" else None)
+
+    def given_back() -> int:
+        return sum(e.kind == "released" for e in handle.job().errors)
+
+    with running_worker(app, concurrency=1):
+        wait_until(
+            lambda: given_back() >= 2 or handle.status().value == "dead",
+            30,
+            "the job's commit to meet the full store",
+        )
+        assert handle.status().value != "dead", handle.job().errors
+        with lock:  # room again: a full disk freed
+            full.clear()
+            for conn in capped:
+                with contextlib.suppress(sqlite3.ProgrammingError):  # a transaction's, closed
+                    conn.execute("PRAGMA max_page_count = 1073741823")
+        _cap(app, None)
+        wait_until(lambda: handle.status().is_terminal, 30, "the job to complete")
+
+    job = handle.job()
+    assert (job.state.value, job.attempt) == ("completed", 1), (job.state, job.errors)
+    assert job.result == "t" * 300_000
+    assert {e.kind for e in job.errors} == {"released"}
+    assert all("is full" in e.message for e in job.errors), job.errors
+    assert set(ran) == {1} and dead == []

@@ -323,6 +323,137 @@ def test_a_workflow_settled_by_a_completion_whose_reply_was_lost_is_announced_on
     assert metric_value(registry, "errands_workflows_settled_total", state="succeeded") == 1
 
 
+def _lost_reply_error(store_url: str) -> Exception:
+    """What the driver raises when the connection drops once the COMMIT reached the
+    server (a local SQLite commit cannot lose its reply: simulated with its own class)."""
+    if store_url.startswith("sqlite"):
+        import sqlite3
+
+        return sqlite3.OperationalError("disk I/O error (after the commit)")
+    import psycopg
+
+    return psycopg.OperationalError("server closed the connection unexpectedly")
+
+
+def test_a_transactional_completion_whose_commit_reply_was_lost_is_a_completion(
+    each_store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member completed in its handler's ctx.transaction(): the COMMIT went through (the
+    member's end, the workflow settled, its callback inserted), then its reply was lost.
+    The recorder took the error for a failed commit and handed a retryable failure to
+    the completer, whose write the fence refused: the attempt was reported as a stale
+    write (event, metric, WARNING line) and neither errands.job.completed nor the
+    workflow's errands.workflow.settled came. The row is read back: the completion
+    landed, and is reported as one."""
+    from errands import faults
+    from errands.observability.metrics import install_metrics
+
+    from .conftest import metric_value
+
+    app = errands.App(each_store_url)
+    registry = install_metrics(app, cache_seconds=0).registry
+    seen: list[Event] = []
+    app.events.subscribe(seen.append)
+
+    @app.job(name="ev.tx_member", retries=2)
+    def member(ctx: errands.Context) -> int:
+        ctx.transaction().execute("SELECT 1")
+        return ctx.attempt
+
+    @app.job(name="ev.tx_callback")
+    def callback() -> None:
+        pass
+
+    lost: list[str] = []
+
+    def lose_the_reply(point: str) -> None:
+        if not lost:  # once
+            lost.append(point)
+            raise _lost_reply_error(each_store_url)
+
+    batch = errands.Batch("ev.tx_lost_reply", on_success=callback.bind())
+    batch.add(member.bind(), name="only")
+    handle = app.enqueue_workflow(batch)
+    faults.arm("after_complete_commit", lose_the_reply)
+    try:
+        from tests.conftest import running_worker
+
+        with running_worker(app, concurrency=1, maintenance=False):
+            wait_until(lambda: app.workflow_status(handle.id).state == "succeeded", what="settle")
+            wait_until(
+                lambda: [j.state.value for j in app.jobs()] == ["completed"] * 2,
+                what="the callback run",
+            )
+            wait_until(
+                lambda: (
+                    any(e.name == "errands.job.completed" for e in seen)
+                    or any(e.name == "errands.job.stale_write_rejected" for e in seen)
+                ),
+                what="the member's outcome event",
+            )
+    finally:
+        faults.disarm("after_complete_commit")
+        app.close()
+    assert lost == ["after_complete_commit"]
+    member_job = next(j for j in app.jobs() if j.name == "ev.tx_member")
+    assert (member_job.attempt, member_job.result, member_job.errors) == (1, 1, [])
+    names = [e.name for e in seen if e.get("job_id", member_job.id) == member_job.id]
+    assert "errands.job.stale_write_rejected" not in names, names
+    assert "errands.job.completed" in names, names
+    assert [(e["workflow_id"], e["state"]) for e in seen if e.name.endswith("settled")] == [
+        (handle.id, "succeeded")
+    ]
+    assert metric_value(registry, "errands_stale_writes_rejected_total") == 0
+    assert metric_value(registry, "errands_workflows_settled_total", state="succeeded") == 1
+    assert (
+        metric_value(
+            registry, "errands_jobs_completed_total", job="ev.tx_member", outcome="completed"
+        )
+        == 1
+    )
+    assert not [r for r in caplog.records if "stale write" in r.getMessage()]
+
+
+def test_a_transactional_completion_whose_commit_failed_before_landing_is_retried(
+    each_store_url: str,
+) -> None:
+    """The other side of the read-back: the connection dropped before the COMMIT went
+    through, so nothing of the attempt landed; the attempt is a failure, retried (its
+    transaction's writes were rolled back with it), never taken for a completion."""
+    from errands import faults
+
+    app = errands.App(each_store_url)
+    seen: list[Event] = []
+    app.events.subscribe(seen.append)
+
+    @app.job(name="ev.tx_unlanded", retries=2, backoff=0.01)
+    def unlanded(ctx: errands.Context) -> int:
+        ctx.transaction().execute("SELECT 1")
+        return ctx.attempt
+
+    lost: list[str] = []
+
+    def drop_before_the_commit(point: str) -> None:
+        if not lost:  # once
+            lost.append(point)
+            raise _lost_reply_error(each_store_url)
+
+    handle = unlanded.enqueue()
+    faults.arm("before_complete_commit", drop_before_the_commit)
+    try:
+        from tests.conftest import running_worker
+
+        with running_worker(app, concurrency=1, maintenance=False):
+            assert handle.result(timeout=20) == 2
+    finally:
+        faults.disarm("before_complete_commit")
+        app.close()
+    assert lost == ["before_complete_commit"]
+    names = [e.name for e in seen if e.name.startswith("errands.job.")]
+    assert "errands.job.stale_write_rejected" not in names, names
+    assert names.count("errands.job.retrying") == 1, names
+
+
 def test_a_workflow_settled_by_a_rescue_whose_reply_was_lost_is_announced_once(
     app: errands.App, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -16,6 +16,7 @@ completer — with three additions for tests:
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..backends.base import ClaimParams, FinishParams, LeaseRef, QueueClaim
 from ..jobs import JobRow
+from ..worker.completer import GiveBack
 from ..worker.execution import Attempt
 from ..worker.recorder import OutcomeRecorder
 from ..worker.worker import Worker
@@ -138,7 +140,7 @@ class HarnessWorker(Worker):
         return {a.token for a in super().attempts() if not a.decided}
 
     # -- outcomes ------------------------------------------------------------------------------
-    def _harness_submit(self, attempt: Attempt, outcome: FinishParams) -> None:
+    def _harness_submit(self, attempt: Attempt, outcome: FinishParams | GiveBack) -> None:
         key = (attempt.id, attempt.token)
         with self._harness_lock:
             crashed = key in self._crashing
@@ -149,6 +151,27 @@ class HarnessWorker(Worker):
         with self._lock:
             self._attempts.pop(key, None)  # no more heartbeats: its lease will expire
         self._harness_finish(attempt, "crashed", error)
+
+    def release_done(
+        self,
+        attempts: list[Attempt],
+        released: list[bool | None],
+        message: str,
+        level: int = logging.WARNING,
+    ) -> None:
+        """A run that drain() waits for may end released: its ctx.transaction() could
+        not be committed because the store cannot write (given back by the completer),
+        or it was self-fenced. Its wait ends with the release (a release reported no
+        run: drain() waited out its timeout)."""
+        try:
+            super().release_done(attempts, released, message, level)
+        finally:
+            for attempt, ok in zip(attempts, released, strict=True):
+                with self._harness_lock:
+                    waited = (attempt.id, attempt.token) in self._waiting
+                if waited:  # (None: not written; its lease expires, as after a crash)
+                    outcome: RunOutcome = "released" if ok else "rejected"
+                    self._harness_finish(attempt, "crashed" if ok is None else outcome, None)
 
     def _harness_finish(
         self, attempt: Attempt, outcome: RunOutcome, error: BaseException | None

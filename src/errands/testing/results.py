@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 RunOutcome = Literal[
-    "completed", "retryable", "dead", "cancelled", "waiting", "crashed", "rejected"
+    "completed", "retryable", "dead", "cancelled", "waiting", "crashed", "rejected", "released"
 ]
 
 
@@ -18,7 +18,9 @@ class Run:
     ``outcome`` is what the store recorded: ``completed``, ``retryable``, ``dead`` or
     ``cancelled``; ``crashed`` when the attempt died as a simulated crash (nothing
     recorded; the job is rescued after its lease); ``rejected`` when the fence refused
-    the outcome (a stale or duplicate delivery). ``error`` is the exception the handler
+    the outcome (a stale or duplicate delivery); ``released`` when the job was given
+    back, the attempt not charged (its ``ctx.transaction()`` could not be committed
+    because the store cannot write: it runs again). ``error`` is the exception the handler
     raised, if any. ``duplicate`` marks the extra delivery of the duplicate-delivery mode.
     """
 

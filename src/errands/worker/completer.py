@@ -5,6 +5,17 @@ everything queued so far and writes it in a single transaction — under load a 
 carries many outcomes for one commit; when idle, a batch of one goes out at once (no
 added latency). A write whose lease token is stale changes nothing: it is logged and
 counted, never written over the newer attempt.
+
+Two more things go through it, written when the store takes them as outcomes are:
+
+- a give-back (:class:`GiveBack`): a job whose ``ctx.transaction()`` the store could not
+  commit because it cannot write (full, read-only) is released, uncharged, once the
+  store takes the release, its lease kept by the heartbeat meanwhile, as an outcome's is;
+- a completion that may have landed (:meth:`Completer.maybe_landed`): a
+  ``ctx.transaction()`` whose COMMIT lost its reply. The attempt's failure is written
+  instead; if the fence refuses it, the job is read back, and a completion found there
+  (the job completed at that attempt) is reported as the attempt's outcome, with what its
+  workflow fan-in did (errands.landed).
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..backends.base import Backend, FinishParams
@@ -53,6 +64,24 @@ LINGER = 0.001
 # store refused even the fallback; the lease runs out and the job is rescued)
 Written = Callable[[Attempt, FinishParams, bool | None], None]
 Released = Callable[[set[str]], None]
+# A give-back's write (the worker's release: raises what the store raises) and its report
+# (each lease given back, refused by its fence, or None: given up on)
+ReleaseWrite = Callable[[list[Attempt], str], list[bool | None]]
+ReleaseDone = Callable[[list[Attempt], list[bool | None], str], None]
+
+
+@dataclass(frozen=True)
+class GiveBack:
+    """Not an outcome: the attempt's job is to be given back (released: available again,
+    the attempt not charged, ``message`` recorded as the worker's release records its
+    own), once the store takes the write. For a job whose ctx.transaction() the store
+    could not commit because it cannot write now: nothing of the attempt was stored, and
+    the job must run again; the store's failure, not the job's."""
+
+    message: str  # as Worker.release takes it: "%d" stands for the number of jobs
+
+
+Item = tuple[Attempt, "FinishParams | GiveBack"]
 
 
 class Completer:
@@ -63,14 +92,21 @@ class Completer:
         running: Callable[[], int] | None = None,
         on_released: Released | None = None,
         on_batch: Callable[[], None] | None = None,
+        release: ReleaseWrite | None = None,
+        on_given_back: ReleaseDone | None = None,
     ) -> None:
         self.app = app
         self.on_written = on_written
+        self.release = release
+        self.on_given_back = on_given_back
+        # ctx.transaction() completions whose COMMIT lost its reply, by attempt (job id and
+        # lease token): the completion, and what its fan-in did if it committed
+        self._maybe: dict[tuple[int, str], tuple[FinishParams, _Unsure]] = {}
         # A batch's workflow fan-ins released dependents (or inserted callbacks) into
         # these queues: this worker may claim them at once, without a wake-up's round trip.
         self.on_released = on_released
         self._running = running or (lambda: 0)  # handlers whose outcome is still to come
-        self._queue: queue.SimpleQueue[tuple[Attempt, FinishParams] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="errands-completer", daemon=True)
         self._closing = False
         self.stale_rejected = 0
@@ -80,8 +116,19 @@ class Completer:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, attempt: Attempt, outcome: FinishParams) -> None:
+    def submit(self, attempt: Attempt, outcome: FinishParams | GiveBack) -> None:
         self._queue.put((attempt, outcome))
+
+    def maybe_landed(self, attempt: Attempt, completion: FinishParams, store: Backend) -> None:
+        """The COMMIT of ``attempt``'s ctx.transaction(), holding ``completion``, failed on
+        a connection error: it may have gone through before it (its reply lost). Called on
+        the thread that committed, right after the error and before the attempt's failure
+        is submitted: what the transaction's fan-in did is read from ``store`` now (its
+        record is that thread's), and reported if the completion turns out to have landed
+        (see :meth:`_confirm`)."""
+        kept = _Unsure()
+        kept.take(store)
+        self._maybe[(attempt.id, attempt.token)] = (completion, kept)
 
     @property
     def pending(self) -> int:
@@ -107,7 +154,7 @@ class Completer:
             if stop:
                 return
 
-    def _gather(self, batch: list[tuple[Attempt, FinishParams]]) -> bool:
+    def _gather(self, batch: list[Item]) -> bool:
         """Add what is queued (waiting briefly while handlers run); True on the stop mark."""
         linger_until = 0.0
         while len(batch) < BATCH_MAX:
@@ -130,8 +177,14 @@ class Completer:
             batch.append(item)
         return False
 
-    def _write(self, batch: list[tuple[Attempt, FinishParams]]) -> None:
-        for (attempt, outcome), ok in self._store(batch):
+    def _write(self, batch: list[Item]) -> None:
+        backs = [(a, o) for a, o in batch if isinstance(o, GiveBack)]
+        if backs:
+            self._give_back(backs)
+        finishes = [(a, o) for a, o in batch if isinstance(o, FinishParams)]
+        if not finishes:
+            return
+        for (attempt, outcome), ok in self._confirm(self._store(finishes)):
             if ok is False:
                 self.stale_rejected += 1
             try:
@@ -256,6 +309,133 @@ class Completer:
         return [
             ok or landed(rows.get(o.id), o.lease_token, attempt.row.attempt, o.error is not None)
             for (attempt, o), ok in zip(batch, accepted, strict=True)
+        ]
+
+    def _confirm(
+        self, written: list[tuple[tuple[Attempt, FinishParams], bool | None]]
+    ) -> list[tuple[tuple[Attempt, FinishParams], bool | None]]:
+        """The outcomes just written of attempts whose ctx.transaction() COMMIT lost its
+        reply (:meth:`maybe_landed`): a failure the fence refused was refused because the
+        completion landed, if the job reads back completed at that attempt. Such an
+        attempt's outcome is its completion (its event, metrics), and what the
+        transaction's fan-in did is reported (the settled workflows, the queues it
+        released into). A failure that was stored says the completion did not land."""
+        if not self._maybe:
+            return written
+        refused: list[tuple[int, FinishParams, _Unsure]] = []
+        for i, ((attempt, _), ok) in enumerate(written):
+            entry = self._maybe.pop((attempt.id, attempt.token), None)
+            if entry is not None and ok is False:
+                refused.append((i, *entry))
+        if not refused:
+            return written
+        try:
+            rows = read_back(self.app.backend, [written[i][0][0].id for i, _, _ in refused])
+        except Exception:
+            log.exception(
+                "could not read back %d job(s) whose transaction's commit lost its reply",
+                len(refused),
+            )
+            return written
+        confirmed = list(written)
+        for i, completion, kept in refused:
+            attempt = written[i][0][0]
+            row = rows.get(attempt.id)
+            if not landed(row, completion.lease_token, attempt.row.attempt, has_error=False):
+                continue
+            log.info(
+                "job %s: its ctx.transaction() had committed (the reply to its COMMIT was "
+                "lost): completed",
+                attempt.id,
+                extra=job_extra(attempt.row),
+            )
+            confirmed[i] = ((attempt, completion), True)
+            self._report_kept(kept)
+        return confirmed
+
+    def _report_kept(self, kept: _Unsure) -> None:
+        """What the fan-in of a write confirmed landed did (read when it failed)."""
+        self._report_fan_in(lambda: kept.queues, lambda: list(kept.settled.values()))
+
+    def _give_back(self, items: list[tuple[Attempt, GiveBack]]) -> None:
+        """Release the jobs of ``items`` (see :class:`GiveBack`), those of one message
+        together, and report each (its log line and event, the attempt forgotten)."""
+        by_message: dict[str, list[Attempt]] = {}
+        for attempt, back in items:
+            by_message.setdefault(back.message, []).append(attempt)
+        for message, attempts in by_message.items():
+            released = self._release(attempts, message)
+            if self.on_given_back is None:
+                continue
+            try:
+                self.on_given_back(attempts, released, message)
+            except Exception:
+                log.exception("error after giving back job(s) %s", [a.id for a in attempts])
+
+    def _release(self, attempts: list[Attempt], message: str) -> list[bool | None]:
+        """The release of ``attempts``, written again while the store is out of reach,
+        busy or cannot write, as an outcome is (their leases kept by the heartbeat
+        meanwhile: the attempts are still this worker's). None for each when the store
+        refuses it otherwise: their leases run out and they are rescued."""
+        if self.release is None:  # a completer without a worker to release for
+            return [None] * len(attempts)
+        pause = 0.05
+        failures = 0
+        next_report = 0.0
+        unsure = False  # an earlier try may have committed before its error
+        while True:
+            backend = self.app.backend
+            _Unsure().take(backend)  # not this release's: an earlier write's, reported
+            try:
+                released = self.release(attempts, message)
+            except Exception as exc:
+                if not is_transient(exc) and not cannot_write_now(exc):
+                    log.exception(
+                        "could not give back job(s) %s; they are rescued after their lease",
+                        [a.id for a in attempts],
+                    )
+                    return [None] * len(attempts)
+                unsure = unsure or (is_transient(exc) and not cannot_write_now(exc))
+                failures += 1
+                now = time.monotonic()
+                if failures == 1:
+                    log.exception(
+                        "could not give back job(s) %s; retrying within %.2f s (leases keep "
+                        "them safe)",
+                        [a.id for a in attempts],
+                        pause,
+                    )
+                elif now >= next_report:
+                    log.warning(
+                        "could not give back job(s) %s in %d tries (%s); still retrying",
+                        [a.id for a in attempts],
+                        failures,
+                        exc,
+                    )
+                if now >= next_report:
+                    next_report = now + RETRY_REPORT_EVERY
+                _pause(pause * (0.5 + random.random() / 2))
+                pause = min(pause * 2, RETRY_PAUSE_MAX)
+                continue
+            # a member's release may settle its workflow (a cancel requested meanwhile)
+            self.fanned_in(store=backend)
+            if unsure and not all(released):
+                released = self._released_anyway(attempts, released)
+            return released
+
+    def _released_anyway(
+        self, attempts: list[Attempt], released: list[bool | None]
+    ) -> list[bool | None]:
+        """After a release retried past a connection error: a lease refused now may be
+        one the lost try gave back (its entry names the attempt's lease token)."""
+        try:
+            rows = read_back(self.app.backend, [a.id for a in attempts])
+        except Exception:
+            log.exception("could not read back %d refused release(s)", len(attempts))
+            return released
+        return [
+            ok or landed(rows.get(a.id), a.token, a.row.attempt, has_error=True)
+            for a, ok in zip(attempts, released, strict=True)
         ]
 
     def _store_apart(

@@ -33,6 +33,9 @@ PROGRESS = "progress"
 PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
 # A child whose worker died exits with this code (os._exit: its handler is cut short).
 ORPHAN_EXIT = 3
+# A failure's kind: the job's ctx.transaction() could not be committed because the store
+# cannot write now (full, read-only): not the job's failure, the worker gives it back
+UNWRITABLE = "unwritable"
 
 Progress = Callable[[tuple[float, str]], None]
 
@@ -395,12 +398,32 @@ def _run_one(
         backend, tx = taken
         try:
             written = backend.tx_finish(tx, outcome)
-        except Exception as exc:  # the parent retries it, like any store failure
-            return False, _failure(exc, "transient")
+        except Exception as exc:
+            from ..errors import cannot_write_now, is_transient
+
+            if cannot_write_now(exc):  # nothing written: the parent gives the job back
+                return False, _failure(exc, UNWRITABLE, secrets=_secrets(attempt))
+            if not is_transient(exc) or not _committed_anyway(backend, attempt):
+                return False, _failure(exc, "transient")  # the parent retries it
+            written = True  # its COMMIT went through, its reply lost (errands.landed)
         settled = backend.workflow_take_settled()
         released = backend.workflow_take_released()
         return True, ChildResult(result_json, [], written, settled, released)
     return True, ChildResult(result_json, list(runtime.children), written)
+
+
+def _committed_anyway(backend: Any, attempt: Any) -> bool:
+    """After the COMMIT of the job's ctx.transaction() failed on a connection error:
+    whether it went through before it (its reply lost), read back from the job's row (one
+    try: unknown is not committed, and the failure the parent then writes is refused by
+    the fence if it was). What its fan-in did stays this thread's record meanwhile."""
+    from ..landed import landed, read_back
+
+    try:
+        row = read_back(backend, [attempt.id]).get(attempt.id)
+    except Exception:
+        return False
+    return landed(row, attempt.token, attempt.row.attempt, has_error=False)
 
 
 async def _awaited(value: Any) -> Any:

@@ -29,8 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import clock
 from ..backends.base import FinishParams
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, cannot_write_now, is_transient
+from ..errortext import clip, scrub
 from ..observability.logcontext import job_extra
+from .completer import GiveBack
 from .execution import (
     CANCELLED,
     LEASE_UNRENEWED,
@@ -38,10 +40,12 @@ from .execution import (
     Attempt,
     Interrupted,
     JobTimeout,
+    _secrets,
     handler_seconds,
     outcome_for,
 )
-from .process_child import ChildResult
+from .process_child import UNWRITABLE, ChildResult
+from .process_pool import ChildFailure
 
 if TYPE_CHECKING:
     from .worker import Worker
@@ -165,6 +169,7 @@ class OutcomeRecorder:
         """
         if attempt.released or not attempt.decide():  # (it sets writing too: cleared here)
             return False
+        outcome: FinishParams | GiveBack
         try:
             attempt.ended = clock.now()
             written: bool | None = None
@@ -184,9 +189,9 @@ class OutcomeRecorder:
         try:
             self.worker.slot_freed(attempt)
         finally:
-            if written is not None:
+            if written is not None and isinstance(outcome, FinishParams):
                 self.on_written(attempt, outcome, written)
-            else:
+            else:  # (a give-back too: released once the store takes it)
                 self.worker.completer.submit(attempt, outcome)
         return True
 
@@ -196,11 +201,14 @@ class OutcomeRecorder:
         exc: BaseException | None,
         result_json: Any,
         handler_running: bool = False,
-    ) -> tuple[FinishParams, bool | None]:
+    ) -> tuple[FinishParams | GiveBack, bool | None]:
         if exc is None and result_json is not None and not isinstance(result_json, str):
             exc = ConfigurationError(
                 f"internal: an encoded result was expected, got {result_json!r}"
             )
+        if isinstance(exc, ChildFailure) and exc.kind == UNWRITABLE:
+            # a process-pool child's ctx.transaction() met a store that cannot write
+            return give_back_unwritable(attempt, exc.type_name, str(exc)), None
         outcome = outcome_for(
             attempt, exc, result_json, self.worker.id, self.worker.app.poison_after
         )
@@ -228,9 +236,23 @@ class OutcomeRecorder:
 
     def _commit_transaction(
         self, attempt: Attempt, outcome: FinishParams
-    ) -> tuple[FinishParams, bool | None]:
+    ) -> tuple[FinishParams | GiveBack, bool | None]:
         """Complete the job inside the handler's own transaction, right here: the
-        transaction may hold SQLite's write lock, so no other writer can go first."""
+        transaction may hold SQLite's write lock, so no other writer can go first.
+
+        If that fails, nothing of it may be known to be stored:
+
+        - the store cannot write (full, read-only: :func:`errands.errors.cannot_write_now`):
+          nothing of the transaction was written, and the transaction is gone, so the job
+          must run again. It is given back (released, uncharged) once the store takes
+          the release, as an outcome meeting such a store waits for it: the store's
+          failure, not the job's;
+        - the connection broke (:func:`errands.errors.is_transient`): the COMMIT may have
+          gone through before it, its reply lost. The attempt's failure is handed to the
+          completer, which reads the job back if the fence refuses it: a completion found
+          there is the attempt's outcome (:meth:`Completer.maybe_landed`). Else the
+          failure is recorded, retried as any other.
+        """
         runtime = attempt.runtime
         assert runtime is not None
         try:
@@ -246,11 +268,25 @@ class OutcomeRecorder:
         try:
             landed = backend.tx_finish(tx, outcome)
         except Exception as exc:
-            log.exception(
-                "job %s: committing its transaction failed; retrying it",
-                attempt.id,
-                extra=job_extra(attempt.row),
-            )
+            if cannot_write_now(exc):  # (before is_transient: a disk_full is OperationalError)
+                return give_back_unwritable(attempt, type(exc).__qualname__, str(exc)), None
+            if is_transient(exc):
+                self.worker.completer.maybe_landed(attempt, outcome, store=backend)
+                log.warning(
+                    "job %s: committing its transaction failed on a connection error (%s): "
+                    "it may have committed before it; its failure is recorded unless the "
+                    "job reads back completed",
+                    attempt.id,
+                    clip(str(exc), 500),
+                    exc_info=True,
+                    extra=job_extra(attempt.row),
+                )
+            else:
+                log.exception(
+                    "job %s: committing its transaction failed; retrying it",
+                    attempt.id,
+                    extra=job_extra(attempt.row),
+                )
             return outcome_for(attempt, exc, None, self.worker.id), None
         # What its fan-in settled and released, reported from this thread as the
         # completer reports its batches' (events, metrics, this worker's wake-up); read
@@ -370,6 +406,16 @@ class OutcomeRecorder:
             events.emit_later(name, **fields)  # on a handler thread too: see emit_later
         if state == "dead":
             worker.app.dead_hooks_later(attempt.row.id)
+
+
+def give_back_unwritable(attempt: Attempt, type_name: str, message: str) -> GiveBack:
+    """The give-back of a job whose ctx.transaction() could not be committed because the
+    store cannot write now (its text as the release records it: see GiveBack)."""
+    text = clip(scrub(f"{type_name}: {message}", _secrets(attempt)), 300)
+    return GiveBack(
+        "released %d job(s) whose ctx.transaction() could not be committed: the store "
+        f"cannot be written now ({text.replace('%', '%%')})"
+    )
 
 
 def job_fields(row: Any) -> dict[str, Any]:

@@ -422,6 +422,8 @@ class Worker:
             running=self._running_handlers,
             on_released=self._on_released,
             on_batch=self._on_batch_written,
+            release=self.release_write,
+            on_given_back=self.release_done,
         )
         # Outcomes decided but not yet written, beyond which the worker claims nothing (see
         # _produce): twice what its slots and prefetch hold. Each is a job that ran and
@@ -1264,20 +1266,38 @@ class Worker:
         attempt's process span stayed open for good."""
         released: list[bool | None]
         try:
-            released = list(
-                self.app.backend.job_release_many(
-                    [
-                        LeaseRef(a.id, a.token, a.lease_seconds, fair=a.row.fair_key is not None)
-                        for a in attempts
-                    ],
-                    f"released by worker {self.id} ({message % len(attempts)}); the attempt "
-                    "is not charged and the job runs again",
-                    unrun=unrun,
-                )
-            )
+            released = self.release_write(attempts, message, unrun=unrun)
         except Exception:
             log.exception("could not release running jobs; they are rescued after their lease")
             released = [None] * len(attempts)
+        self.release_done(attempts, released, message, level)
+
+    def release_write(
+        self, attempts: list[Attempt], message: str, *, unrun: bool = False
+    ) -> list[bool | None]:
+        """The store's part of :meth:`release`, raising what the store raises: whether
+        each lease was given back (False: no longer held)."""
+        return list(
+            self.app.backend.job_release_many(
+                [
+                    LeaseRef(a.id, a.token, a.lease_seconds, fair=a.row.fair_key is not None)
+                    for a in attempts
+                ],
+                f"released by worker {self.id} ({message % len(attempts)}); the attempt "
+                "is not charged and the job runs again",
+                unrun=unrun,
+            )
+        )
+
+    def release_done(
+        self,
+        attempts: list[Attempt],
+        released: list[bool | None],
+        message: str,
+        level: int = logging.WARNING,
+    ) -> None:
+        """The rest of :meth:`release` once its write was made (or given up on, None):
+        the log lines, each attempt's event, and the attempts forgotten."""
         try:
             ids = [a.id for a, ok in zip(attempts, released, strict=True) if ok]
             if ids:

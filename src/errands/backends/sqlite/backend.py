@@ -1044,9 +1044,16 @@ class SQLiteBackend(SQLiteAdmin):
             conn.execute("COMMIT" if ok else "ROLLBACK")
             fault_point("after_complete_commit")
             return ok
-        except BaseException:
+        except BaseException as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
+            # a full file, or one this process may not write, raises as on errands' own
+            # writes (StorageFull, ConfigurationError): the worker then waits for the store
+            # (errors.cannot_write_now) rather than charging the job for it
+            if isinstance(exc, sqlite3.Error) and _is_full(exc):
+                raise self._storage_full(exc) from exc
+            if isinstance(exc, sqlite3.Error) and _not_writable(exc):
+                raise self._not_writable(exc) from exc
             raise
         finally:
             self._forget(conn)

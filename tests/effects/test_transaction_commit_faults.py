@@ -1,0 +1,253 @@
+"""``ctx.transaction()``: a completion whose COMMIT fails for the store's reasons.
+
+- The store cannot write (full, read-only): nothing of the transaction is written. The
+  job is given back uncharged once the store takes the release, as an outcome meeting
+  such a store waits for it; the job runs again and completes, its effect written once.
+- The COMMIT went through and its reply was lost: the job is read back, and the
+  completion found there is the attempt's outcome (tests/observability/test_events.py
+  for the worker's own threads, with the workflow it settles).
+
+Both on the worker's threads and in a process-pool child (run in a thread of this
+process here, so that the fault points armed in it fire in the child's code), on SQLite
+and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import psycopg.errors
+import pytest
+from effects_store import TX_TABLES, EffectsStore
+
+import errands
+from errands import faults
+from errands.jobs import JobRow
+from errands.testing import Tester
+from errands.worker import process_child
+from errands.worker.process_pool import ChildFailure
+from errands.worker.worker import Worker
+from tests.conftest import running_worker
+from tests.integration.helpers import wait_until
+
+Make = Callable[..., Any]
+
+
+def write_effect(ctx: errands.Context, store_url: str, n: int) -> None:
+    """INSERT one tx_effects row through the completion transaction."""
+    table = EffectsStore.qualified(store_url, "tx_effects")
+    sql = f"INSERT INTO {table} (job_id, n, attempt) VALUES (%s, %s, %s)"
+    if EffectsStore.is_sqlite(store_url):
+        sql = sql.replace("%s", "?")
+    ctx.transaction().execute(sql, (ctx.job_id, n, ctx.attempt))
+
+
+def _rows(effects: EffectsStore, job_id: int) -> list[tuple[Any, ...]]:
+    return effects.execute("SELECT n, attempt FROM tx_effects WHERE job_id = %s", (job_id,))
+
+
+def _cannot_write(store_url: str) -> Exception:
+    """What the driver raises when the store has no room for the completion's write:
+    SQLite's SQLITE_FULL, PostgreSQL's disk_full (SQLSTATE 53100)."""
+    if EffectsStore.is_sqlite(store_url):
+        full = sqlite3.OperationalError("database or disk is full")
+        full.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
+        return full
+    return psycopg.errors.DiskFull('could not extend file "base/16384/16385": No space left')
+
+
+def _reply_lost(store_url: str) -> Exception:
+    """What the driver raises when the connection drops once the COMMIT went through (a
+    local SQLite commit cannot lose its reply: simulated with its own error class)."""
+    if EffectsStore.is_sqlite(store_url):
+        return sqlite3.OperationalError("disk I/O error (after the commit)")
+    return psycopg.OperationalError("server closed the connection unexpectedly")
+
+
+@contextmanager
+def failing(point: str, error: Exception, times: int) -> Iterator[list[str]]:
+    """The fault point ``point`` raises ``error`` its first ``times`` times."""
+    fired: list[str] = []
+
+    def fail(name: str) -> None:
+        if len(fired) < times:
+            fired.append(name)
+            raise error
+
+    faults.arm(point, fail)
+    try:
+        yield fired
+    finally:
+        faults.disarm(point)
+
+
+class ChildrenInThreads:
+    """A worker's process pool whose "children" run :func:`process_child._run_one` in a
+    thread of this process: the child's code as it is, its answer settled on the job's
+    future as the pool settles a child's (ChildResult, or ChildFailure)."""
+
+    def __init__(self, app: errands.App) -> None:
+        self.app = app
+        self.answers: list[tuple[bool, Any]] = []
+
+    def submit(
+        self, row: JobRow, on_progress: Any = None, future: Future[Any] | None = None
+    ) -> Any:
+        assert future is not None
+
+        def run() -> None:
+            ok, payload = process_child._run_one(self.app, row, "child-in-a-thread")
+            self.answers.append((ok, payload))
+            if ok:
+                future.set_result(payload)
+            else:
+                future.set_exception(ChildFailure(*payload))
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+    def kill(self, future: Future[Any], exc: BaseException) -> bool:
+        return False
+
+
+@contextmanager
+def worker_on(
+    app: errands.App, pool: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ChildrenInThreads | None]:
+    """An in-process worker; ``pool="child"``: its sync jobs go to ChildrenInThreads."""
+    children = ChildrenInThreads(app) if pool == "child" else None
+    if children is not None:
+        monkeypatch.setattr(Worker, "child_runner_for", lambda self, attempt: children)
+    with running_worker(app, concurrency=1, maintenance=False):
+        yield children
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_completion_transaction_that_meets_a_full_store_is_given_back_uncharged(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store is full as the handler's ctx.transaction() is completed: nothing of the
+    transaction is written (the handler's rows roll back with it). That is the store's
+    failure, not the job's: the attempt was charged (retryable, and dead on its last
+    attempt: here its only one), where the completer waits out a full store for any
+    other outcome. The job is given back uncharged, the reason recorded, and runs again
+    once the store takes writes: completed on attempt 1, its effect written once."""
+    effects.create(TX_TABLES)
+    app = make_app()
+    seen: list[str] = []
+    app.events.subscribe(lambda e: seen.append(e.name))
+
+    @app.job(name="full.tx", retries=0)
+    def full_tx(ctx: errands.Context, n: int) -> int:
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = full_tx.enqueue(n=6)
+    with (
+        failing("before_complete_commit", _cannot_write(store_url), 3) as refused,
+        worker_on(app, pool, monkeypatch) as children,
+    ):
+        assert handle.result(timeout=30) == 6
+    assert len(refused) == 3
+    if children is not None:  # the child said why, and the worker gave the job back
+        kinds = [payload[3] for ok, payload in children.answers if not ok]
+        assert kinds == [process_child.UNWRITABLE] * 3, children.answers
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert [e.kind for e in job.errors] == ["released"] * 3, job.errors
+    assert all("cannot be written" in e.message for e in job.errors), job.errors
+    assert _rows(effects, handle.id) == [(6, 1)]
+    assert "errands.job.dead" not in seen and "errands.job.retrying" not in seen, seen
+    assert seen.count("errands.job.released") == 3, seen
+
+
+def test_a_child_whose_transactions_commit_reply_was_lost_reports_the_completion(
+    make_app: Make, effects: EffectsStore, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process-pool child completed its job in its ctx.transaction(), and the COMMIT's
+    reply was lost: the child reported a transient failure, which the worker wrote and
+    the fence refused (a stale write; the workflow's settlement never announced). The
+    child reads the job back, finds its completion, and reports it with its fan-in."""
+    effects.create(TX_TABLES)
+    app = make_app()
+    seen: list[Any] = []
+    app.events.subscribe(seen.append)
+
+    @app.job(name="lost.tx", retries=2)
+    def lost_tx(ctx: errands.Context, n: int) -> int:
+        write_effect(ctx, store_url, n)
+        return n
+
+    @app.job(name="lost.callback")
+    def callback() -> None:
+        pass
+
+    batch = errands.Batch("lost.batch", on_success=callback.bind())
+    batch.add(lost_tx.bind(n=3), name="only")
+    handle = app.enqueue_workflow(batch)
+    with (
+        failing("after_complete_commit", _reply_lost(store_url), 1) as lost,
+        worker_on(app, "child", monkeypatch) as children,
+    ):
+        assert children is not None
+        wait_until(lambda: app.workflow_status(handle.id).state == "succeeded", what="settle")
+        wait_until(
+            lambda: any(e.name == "errands.workflow.settled" for e in seen),
+            what="the settled event",
+        )
+        wait_until(
+            lambda: [j.state.value for j in app.jobs()] == ["completed"] * 2,
+            what="the callback run",
+        )
+    assert lost == ["after_complete_commit"]
+    # the member's answer: its completion, written in its transaction (the callback's
+    # answer has none: it used no ctx.transaction(), the worker writes its outcome)
+    assert [(ok, getattr(r, "written", None)) for ok, r in children.answers] == [
+        (True, True),
+        (True, None),
+    ], children.answers
+    member = next(j for j in app.jobs() if j.name == "lost.tx")
+    assert (member.attempt, member.result, member.errors) == (1, 3, [])
+    assert _rows(effects, member.id) == [(3, 1)]
+    names = [e.name for e in seen]
+    assert "errands.job.stale_write_rejected" not in names, names
+    assert [(e["workflow_id"], e["state"]) for e in seen if e.name.endswith("settled")] == [
+        (handle.id, "succeeded")
+    ]
+
+
+def test_drain_reports_a_run_given_back_by_a_full_store_and_runs_the_job_again(
+    make_app: Make,
+    errands_testing: Callable[..., Tester],
+    effects: EffectsStore,
+    store_url: str,
+) -> None:
+    """The test tools run the worker's code: a run whose completion met a full store is
+    ``released`` (a release ended no run drain() waits for: it waited out its timeout),
+    and the job runs again in the same drain, uncharged."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="full.drained", retries=0)
+    def drained(ctx: errands.Context, n: int) -> int:
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = drained.enqueue(n=2)
+    tester = errands_testing(app)
+    with failing("before_complete_commit", _cannot_write(store_url), 1):
+        result = tester.drain()
+    assert [r.outcome for r in result.runs] == ["released", "completed"]
+    assert [r.attempt for r in result.runs] == [1, 1]
+    assert handle.result(timeout=5) == 2
+    assert _rows(effects, handle.id) == [(2, 1)]
