@@ -301,6 +301,19 @@ def test_every_path_that_ends_an_attempt_folds_its_worker_time_once(
     assert figures.dwell_total >= 0 and figures.seconds_total >= 0
 
 
+def test_a_prefetched_release_folds_nothing_into_its_keys_usage(backend: Backend) -> None:
+    """A fair job claimed and never begun (prefetched, given back by a stopping worker)
+    cost its key no worker time: its release folds nothing, as an undone claim does (it
+    folded the time from the claim to the stop, and an attempt)."""
+    queue = fair_queue(backend)
+    add_keyed(backend, queue, "k", 2)
+    rows = take(backend, queue, 2)
+    leases = [LeaseRef(r.id, r.lease_token or "", 30.0, fair=True) for r in rows]
+    assert backend.job_release_many(leases, "stopping", prefetched=True) == [True, True]
+    assert [f.attempts for f in backend.fair_figures(queue) if f.key == "k"] in ([], [0])
+    assert {get(backend, r.id).state for r in rows} == {"available"}
+
+
 def test_jobs_without_a_fair_key_in_a_fair_queue_are_still_claimed(backend: Backend) -> None:
     queue = fair_queue(backend)
     add_keyed(backend, queue, "a", 5)

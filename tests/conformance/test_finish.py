@@ -319,3 +319,32 @@ def test_unrun_releases_in_a_row_for_one_reason_are_counted_in_one_entry(
         ("released at shutdown", None),
         ("released at shutdown", None),
     ]
+
+
+def test_a_prefetched_release_records_nothing_and_keeps_the_jobs_place_in_its_queue(
+    backend: Backend, harness: Harness
+) -> None:
+    """A job claimed and never begun (prefetched, given back by a stopping worker) is
+    available again uncharged with nothing recorded (its errors as they were) and its due
+    time kept, so it goes back to the head of its queue, ahead of a job due after it.
+    Each such release appended a ``released`` entry (one per deploy that found it
+    prefetched) and moved it behind every job enqueued meanwhile."""
+    job_id = insert(backend)
+    harness.backdate_run_at(backend, job_id, 60.0)
+    row = claim_one(backend)
+    lease = LeaseRef(id=row.id, lease_token=row.lease_token or "", lease_seconds=30)
+    assert backend.job_release_many([lease], "released at shutdown") == [True]  # a run's
+    [entry] = errors_of(get(backend, job_id))  # the run it explains
+    later = insert(backend)  # due now: after the job, and before any later release
+
+    for _ in range(3):  # three stops that found it prefetched
+        due = get(backend, job_id).run_at
+        row = claim_one(backend)
+        assert row.id == job_id  # first in its queue still
+        lease = LeaseRef(id=row.id, lease_token=row.lease_token or "", lease_seconds=30)
+        assert backend.job_release_many([lease], "stopping", prefetched=True) == [True]
+        released = get(backend, job_id)
+        assert (released.state, released.attempt, released.lease_token) == ("available", 0, None)
+        assert errors_of(released) == [entry]
+        assert released.run_at == due
+    assert get(backend, later).state == "available"

@@ -17,6 +17,7 @@ import errands
 from errands import JobState
 
 from .helpers import (
+    WorkerThread,
     claim_as_dead_worker,
     execute_sql,
     force_rescue,
@@ -129,6 +130,48 @@ def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charge
     assert len(done) == 2 and len(back) == 2
     assert sorted(blocked.ran) == sorted(h.job().args["n"] for h in done)
     assert {h.job().attempt for h in back} == {0}  # released, the attempt not charged
+
+
+def test_prefetched_jobs_given_back_at_a_stop_gain_no_error_entry_and_keep_their_place(
+    each_store_url: str,
+) -> None:
+    """On both stores: the prefetched jobs a stopping worker gives back never ran, so
+    nothing is recorded on them (no ``released`` entry), the attempt is not charged, and
+    each keeps its due time (its place in the queue). Each such release appended an
+    entry: a job found prefetched at every deploy gained one per deploy."""
+    app = errands.App(each_store_url)
+    try:
+        blocked = Blocked(app, lease=5)
+        worker = WorkerThread(app, concurrency=1, prefetch=2, grace=20).start()
+        try:
+            learn_handlers_are_quick(app)
+            handles = [blocked.job.enqueue(n=i) for i in range(3)]
+            due = {h.id: h.job().run_at for h in handles}
+            wait_until(
+                lambda: all(h.status() is JobState.RUNNING for h in handles),
+                what="one running, two prefetched",
+            )
+            wait_until(lambda: blocked.running == 1, what="one handler running")
+            [ran] = blocked.ran
+            prefetched = [h for h in handles if h.job().args["n"] != ran]
+
+            worker.worker.stop()  # like SIGTERM: the two waiting jobs go back at once
+            wait_until(
+                lambda: all(h.status() is JobState.AVAILABLE for h in prefetched),
+                timeout=30,
+                what="the prefetched jobs given back",
+            )
+        finally:
+            blocked.gate.set()
+            worker.stop()
+
+        assert blocked.ran == [ran]
+        for handle in prefetched:
+            job = handle.job()
+            assert (job.state, job.attempt, job.errors) == (JobState.AVAILABLE, 0, [])
+            assert job.run_at == due[handle.id]
+    finally:
+        app.close()
 
 
 def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(

@@ -471,7 +471,12 @@ class Backend(Protocol):
     def job_heartbeat_many(self, leases: Sequence[LeaseRef]) -> HeartbeatResult: ...
 
     def job_release_many(
-        self, leases: Sequence[LeaseRef], message: str = RELEASED, *, unrun: bool = False
+        self,
+        leases: Sequence[LeaseRef],
+        message: str = RELEASED,
+        *,
+        unrun: bool = False,
+        prefetched: bool = False,
     ) -> list[bool]:
         """Give running jobs back (shutdown): available again, the attempt not charged,
         and recorded in the job's errors (kind ``released``, with ``message``, the attempt
@@ -481,7 +486,15 @@ class Backend(Protocol):
         a release like the job's last entry (the same attempt, the same message) is then
         counted in that entry (``times``, its worker, lease token and time the latest's)
         rather than appended. A run's release is always an entry of its own: it names the
-        lease token that explains the run (I4)."""
+        lease token that explains the run (I4).
+
+        ``prefetched``: claimed and never begun (prefetched jobs a stopping worker, or
+        one whose lease is in doubt, gives back before a thread took them up): nothing
+        happened to them, so nothing is recorded (no entry in errors, ``message`` unused,
+        no worker time folded into a fair key's usage) and each is due again in its place
+        (its ``run_at`` kept), as if never claimed. Each release appended an entry, so a
+        job prefetched at every deploy gained one per deploy, and went to the back of its
+        queue."""
         ...
 
     # -- maintenance (leader duties) ---------------------------------------------------

@@ -217,7 +217,8 @@ class Dispatcher:
             # and dead with retries=0.
             if attempt.give_back():  # (else a graceful stop took it first: it releases it)
                 reason = attempt.stop_reason.replace("%", "%%")
-                _release(worker, attempt, f"released %d prefetched job(s): {reason}")
+                message = f"released %d prefetched job(s): {reason}"
+                _release(worker, attempt, message, prefetched=True)
             return False
         if attempt.stop_reason is not None:  # an operator's cancel while it waited
             raise Interrupted(attempt.stop_reason)
@@ -227,7 +228,8 @@ class Dispatcher:
             # or the store unreachable): another worker may run it by now. Hand the lease
             # back (fenced) instead of running it beside that one.
             attempt.released = True
-            _release(worker, attempt, "released %d prefetched job(s) whose lease may have run out")
+            message = "released %d prefetched job(s) whose lease may have run out"
+            _release(worker, attempt, message, prefetched=True)
             return False
         attempt.started = began
         return True
@@ -415,13 +417,21 @@ class Dispatcher:
             _release(self.worker, attempt, f"released %d job(s): {why}", unrun=True)
 
 
-def _release(worker: Worker, attempt: Attempt, message: str, *, unrun: bool = False) -> None:
-    """Give a handed-back attempt's job back and free its slot, from the handler's thread.
-    Shielded: an interrupt landing after the store's release (in its log line or event)
-    skipped slot_freed, and the worker ran one slot short for good (the attempt, released,
-    is never decided, so nothing else frees it)."""
+def _release(
+    worker: Worker,
+    attempt: Attempt,
+    message: str,
+    *,
+    unrun: bool = False,
+    prefetched: bool = False,
+) -> None:
+    """Give a handed-back attempt's job back and free its slot, from the handler's thread
+    (``unrun``, ``prefetched``: see :meth:`Worker.release`). Shielded: an interrupt
+    landing after the store's release (in its log line or event) skipped slot_freed, and
+    the worker ran one slot short for good (the attempt, released, is never decided, so
+    nothing else frees it)."""
     with shielded():
-        worker.release([attempt], message, unrun=unrun)
+        worker.release([attempt], message, unrun=unrun, prefetched=prefetched)
         worker.slot_freed(attempt)
 
 

@@ -19,6 +19,8 @@ the infrastructure's failure, not the job's: charged, a job went dead after an o
 its last attempt. One exception: on SQLite, a handler that held ``ctx.transaction()``
 open past a third of its lease kept the heartbeats out itself; its attempt is charged as
 a ``lease_lost`` failure, or it would be given back and block the worker again for ever.
+A handler asked to stop at the end of a graceful stop's grace period (``shutdown``)
+records nothing when it ends: the stop gives its job back once its steps are over.
 """
 
 from __future__ import annotations
@@ -94,7 +96,13 @@ class OutcomeRecorder:
             stopped = Interrupted(LEASE_UNRENEWED)
             stopped.__cause__ = exc
             exc, result = stopped, None
-        elif exc is None and attempt.stop_reason not in (None, SHUTDOWN):
+        elif attempt.stop_reason == SHUTDOWN:
+            # Asked to stop at the end of a graceful stop's grace period: the stop gives
+            # the job back (released, uncharged) once its steps are over, whatever the
+            # handler did (it may have returned early on ctx.cancelled), and frees nothing
+            # meanwhile (see Worker._shutdown).
+            return
+        elif exc is None and attempt.stop_reason is not None:
             # Asked to stop (cancelled, lease lost or unrenewable) and returned: it stopped
             # early, so its work is not done. (A shutdown release ignores the outcome.)
             exc, result = Interrupted(attempt.stop_reason or ""), None

@@ -138,6 +138,13 @@ class AttemptRuntime:
             self._in_flight.discard(flight)
         flight.ended.set()
 
+    def steps_in_flight(self) -> list[str]:
+        """The names of the steps called and not over yet (their fn running, or their
+        result being stored): a graceful stop gives the job back only once there are
+        none (see Worker._wait_for_steps). Never waits (see _flights_lock)."""
+        with self._flights_lock:
+            return [flight.name for flight in self._in_flight]
+
     def close(self) -> list[StepInFlight]:
         """The attempt's handler has ended, or its outcome is being decided: no step and
         no ctx.transaction() starts from now on (from a task or thread the handler left

@@ -15,7 +15,8 @@ goes on is abandoned ``abandon_after`` later, as a thread is (its timeout record
 slot freed, its task cancelled once more). A child process is killed. The same steps
 stop sync handlers still running when a graceful stop's grace period is over
 (:func:`interrupt_threads`); one already past its timeout then has its timeout recorded,
-never a release.
+never a release. Either way a handler inside a durable step is decided only once the step
+is over, ``abandon_after`` later at most (``Worker._wait_for_steps``).
 
 Self-fencing (:func:`on_fence`) stops a handler whose lease cannot be renewed with the same
 steps, timed to end before the lease does: ``ctx.cancelled`` at the fence (the lease
@@ -71,11 +72,13 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
             return
         attempt.deadline = now + min(INTERRUPT_AFTER, worker.abandon_after)
         return
-    if not is_async and not attempt.interrupted and now < attempt.timeout_at + worker.abandon_after:
+    if not is_async and now < attempt.timeout_at + worker.abandon_after:
+        attempt.deadline = attempt.timeout_at + worker.abandon_after
+        if attempt.interrupted:  # a graceful stop interrupted it first: once is enough
+            return
         attempt.interrupted = True
         if isinstance(attempt.future, Call):
             worker.threads_for(attempt).interrupt(attempt.future)
-        attempt.deadline = attempt.timeout_at + worker.abandon_after
         log.warning(
             "job %s is still running past its timeout; interrupting it",
             attempt.id,
@@ -143,7 +146,9 @@ def on_fence(worker: Worker, attempt: Attempt) -> None:
         if attempt.withdraw():  # prefetched, never begun: back to the queue now
             worker.slot_freed(attempt)
             worker.release_in_background(
-                [attempt], "released %d prefetched job(s) whose lease could not be renewed"
+                [attempt],
+                "released %d prefetched job(s) whose lease could not be renewed",
+                prefetched=True,
             )
             return
         if isinstance(attempt.future, Call):  # a thread: escalate, as a timeout does
@@ -178,17 +183,25 @@ def on_fence(worker: Worker, attempt: Attempt) -> None:
 def interrupt_threads(worker: Worker, attempts: list[Attempt], wait: float) -> None:
     """Stop sync handlers whose jobs are being released (shutdown): ``ctx.cancelled`` is
     already set; wait up to ``wait`` seconds for them to return, then raise
-    HandlerInterrupt in the threads of those still running, as a timeout does."""
+    HandlerInterrupt in the threads of those still running, as a timeout does. Once per
+    attempt: one its timeout interrupted already (a step held past the grace period) is
+    not interrupted again (a second interrupt, retried until it lands, could hit the
+    handler's cleanup after the first)."""
     deadline = time.monotonic() + wait
     calls = [
-        (a.future, worker.threads_for(a), a.row) for a in attempts if isinstance(a.future, Call)
+        (a, a.future, worker.threads_for(a))
+        for a in attempts
+        if isinstance(a.future, Call) and not a.interrupted
     ]
-    while time.monotonic() < deadline and any(not c.done() for c, _, _ in calls):
+    while time.monotonic() < deadline and any(not c.done() for _, c, _ in calls):
         time.sleep(0.01)
-    for call, threads, row in calls:
-        if not call.done() and threads.interrupt(call):
+    for attempt, call, threads in calls:
+        if call.done() or attempt.interrupted:
+            continue
+        attempt.interrupted = True  # (the timeout's steps then interrupt it no more)
+        if threads.interrupt(call):
             log.warning(
                 "job %s: its handler still ran at the end of the grace period; interrupting it",
-                row.id,
-                extra=job_extra(row),
+                attempt.id,
+                extra=job_extra(attempt.row),
             )

@@ -39,11 +39,14 @@ the lane first, ahead of its regular claim. So a quiet tenant's job behind anoth
 tenant's backlog starts as on an idle queue, rather than waiting for a slot the backlog
 keeps full.
 
-Graceful stop (SIGTERM/SIGINT, DESIGN §7): stop claiming; let in-flight handlers finish
-within ``grace`` seconds while heartbeats keep their leases; stop what still runs (as a
-timeout does) and release it (back to available, the attempt not charged, the release
-recorded on the job); flush outcomes; let queued hooks run; resign leadership. A second
-signal exits the process at once; those leases then expire and are rescued.
+Graceful stop (SIGTERM/SIGINT, DESIGN §7): stop claiming, and give prefetched jobs back
+(never begun: nothing recorded on them, their place in the queue kept); let in-flight
+handlers finish within ``grace`` seconds while heartbeats keep their leases; stop what
+still runs (as a timeout does), wait for the durable steps still running to end (up to
+``abandon_after``, leases still heartbeated), and release it (back to available, the
+attempt not charged, the release recorded on the job); flush outcomes; let queued hooks
+run; resign leadership. A second signal exits the process at once; those leases then
+expire and are rescued.
 """
 
 from __future__ import annotations
@@ -1172,7 +1175,9 @@ class Worker:
             waiting = [a for a in self._attempts.values() if a.waiting]
         withdrawn = [a for a in waiting if a.withdraw()]
         if withdrawn:  # prefetched, never begun: back to the queue at once, not run
-            self.release(withdrawn, "stopping: released %d prefetched job(s)", logging.INFO)
+            self.release(
+                withdrawn, "stopping: released %d prefetched job(s)", logging.INFO, prefetched=True
+            )
         while time.monotonic() < deadline:
             # A decided attempt still writing its outcome (a ctx.transaction() commit that
             # waits on a lock) is waited for too: left behind, the process ended, the
@@ -1184,20 +1189,33 @@ class Worker:
             time.sleep(0.02)
         with self._lock:
             running = [a for a in self._attempts.values() if not a.decided]
+        # Past its timeout, still running: that is its outcome (given back uncharged, it
+        # ran again at every start and never reached the dead-letter queue); one inside
+        # a step is recorded once the step is over (below), or by the lease keeper when
+        # its timeout's abandon_after is up, as it would be without the stop.
         for attempt in running:
-            if attempt.timed_out:  # past its timeout, still running: that is its outcome
+            if attempt.timed_out and not _steps_in_flight(attempt):
                 abandon(self, attempt, "the handler still ran when the worker stopped")
-        # Given back uncharged, it ran again at every start and never reached the
-        # dead-letter queue. The others: not those deciding right now.
-        leftover = [a for a in running if not a.decided and a.give_back()]
+        leftover = [a for a in running if not a.decided]  # (not those deciding right now)
         if leftover:
+            # Asked to stop first (ctx.cancelled, a task cancelled, a child killed): no
+            # step's fn starts from now on, and the recorder leaves a handler that ends
+            # now to this stop (it gives the job back below, whatever the handler did).
             for attempt in leftover:
                 attempt.interrupt(SHUTDOWN, self.loop)
                 if attempt.runtime is not None:  # its handler may still be in a statement
                     attempt.runtime.let_go()
-            # Stop them as a timeout would (an embedded worker's process lives on), then
-            # give the jobs back: the release is recorded on each job.
+            settle_by = time.monotonic() + self.abandon_after
+            # Stop them as a timeout would (an embedded worker's process lives on)...
             interrupt_threads(self, leftover, min(INTERRUPT_AFTER, self.grace or INTERRUPT_AFTER))
+            # ...let the steps still running end (bounded), then give the jobs back: the
+            # release is recorded on each job.
+            self._wait_for_steps(leftover, settle_by)
+            for attempt in leftover:
+                if attempt.timed_out:  # (its timeout fired before the stop, or meanwhile)
+                    abandon(self, attempt, "the handler still ran when the worker stopped")
+            leftover = [a for a in leftover if a.give_back()]
+        if leftover:
             self.release(
                 leftover, "grace period over: released %d running job(s) back to the queue"
             )
@@ -1229,6 +1247,43 @@ class Worker:
                 "on_dead hooks or event subscribers still ran %g s after stopping", HOOK_DRAIN
             )
 
+    def _wait_for_steps(self, attempts: list[Attempt], settle_by: float) -> None:
+        """At a stop, after the grace period: the attempts (asked to stop) still running a
+        durable step (ctx.step or ctx.astep: its fn, or the store of its result) keep
+        their slot and their lease, heartbeated, until the step is over, up to
+        ``settle_by`` (``abandon_after`` after they were asked to stop), as an attempt
+        past its timeout, or an async handler's orphaned steps, are held. Released with
+        a step still running, the job was run by another worker at once, which found no
+        stored result and ran the step's effect again, beside the first. A step still
+        running at ``settle_by`` is abandoned (logged): its job is given back, and the
+        step may go on beside the job's next run, as a thread abandoned after its
+        timeout may (one past its timeout has its timeout recorded instead)."""
+        busy = [a for a in attempts if _steps_in_flight(a)]
+        if not busy:
+            return
+        log.warning(
+            "stopping: job(s) %s still run a durable step; waiting for them to end (up to "
+            "%.1f s, abandon_after) before giving the job(s) back, so that no other worker "
+            "runs a step beside them",
+            _shown([a.id for a in busy]),
+            max(settle_by - time.monotonic(), 0.0),
+        )
+        while busy and time.monotonic() < settle_by:
+            time.sleep(0.02)
+            busy = [a for a in busy if _steps_in_flight(a)]
+        for attempt in busy:
+            running = _steps_in_flight(attempt)
+            if running:
+                log.error(
+                    "job %s: step(s) %s still ran %g s after the worker asked its handler to "
+                    "stop; the job's attempt ends without them and the step(s) are abandoned "
+                    "(they may still be running beside the job's next run)",
+                    attempt.id,
+                    ", ".join(map(repr, running)),
+                    self.abandon_after,
+                    extra=job_extra(attempt.row),
+                )
+
     def _wait_writes(self, timeout: float) -> None:
         """At a stop, after the grace period: wait up to ``timeout`` for the outcomes still
         being written in their handlers' own transactions (commits waiting on a lock)."""
@@ -1256,24 +1311,31 @@ class Worker:
         level: int = logging.WARNING,
         *,
         unrun: bool = False,
+        prefetched: bool = False,
     ) -> None:
         """Give the leases of ``attempts`` back (available again, the attempt not charged,
         the release recorded on the job; ``unrun``: their handlers never ran, see
-        :meth:`Backend.job_release_many`). Each attempt ends with an event: ``released``;
+        :meth:`Backend.job_release_many`; ``prefetched``: claimed and never begun, nothing
+        recorded on the job). Each attempt ends with an event: ``released``;
         ``stale_write_rejected`` (outcome ``released``) when its lease was no longer held
         (rescued or cancelled meanwhile); ``write_failed`` when the store could not be
         written (it is rescued after its lease). Without one, the in-flight gauge and the
         attempt's process span stayed open for good."""
         released: list[bool | None]
         try:
-            released = self.release_write(attempts, message, unrun=unrun)
+            released = self.release_write(attempts, message, unrun=unrun, prefetched=prefetched)
         except Exception:
             log.exception("could not release running jobs; they are rescued after their lease")
             released = [None] * len(attempts)
         self.release_done(attempts, released, message, level)
 
     def release_write(
-        self, attempts: list[Attempt], message: str, *, unrun: bool = False
+        self,
+        attempts: list[Attempt],
+        message: str,
+        *,
+        unrun: bool = False,
+        prefetched: bool = False,
     ) -> list[bool | None]:
         """The store's part of :meth:`release`, raising what the store raises: whether
         each lease was given back (False: no longer held)."""
@@ -1286,6 +1348,7 @@ class Worker:
                 f"released by worker {self.id} ({message % len(attempts)}); the attempt "
                 "is not charged and the job runs again",
                 unrun=unrun,
+                prefetched=prefetched,
             )
         )
 
@@ -1327,11 +1390,17 @@ class Worker:
                 for attempt in attempts:
                     self._attempts.pop((attempt.id, attempt.token), None)
 
-    def release_in_background(self, attempts: list[Attempt], message: str) -> None:
+    def release_in_background(
+        self, attempts: list[Attempt], message: str, *, prefetched: bool = False
+    ) -> None:
         """:meth:`release`, on a thread of its own: from a thread that must not wait for a
         store that may be out of reach (the lease keeper, the event loop)."""
         threading.Thread(
-            target=self.release, args=(attempts, message), name="errands-release", daemon=True
+            target=self.release,
+            args=(attempts, message),
+            kwargs={"prefetched": prefetched},
+            name="errands-release",
+            daemon=True,
         ).start()
 
     def threads_for(self, attempt: Attempt) -> ThreadRunner:
@@ -1348,6 +1417,15 @@ class Worker:
             + self.threads.stuck()
             + sum(1 for a in self.attempts() if a.released and a.future and not a.future.done())
         )
+
+
+def _steps_in_flight(attempt: Attempt) -> list[str]:
+    """The durable steps of an undecided attempt still running (their fn, or the store of
+    their result)."""
+    runtime = attempt.runtime
+    if attempt.decided or runtime is None:
+        return []
+    return runtime.steps_in_flight()
 
 
 def _shown(ids: list[int]) -> str:

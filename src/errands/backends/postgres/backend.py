@@ -1385,18 +1385,26 @@ class PostgresBackend(PostgresAdmin):
         )
 
     def job_release_many(
-        self, leases: Sequence[LeaseRef], message: str = RELEASED, *, unrun: bool = False
+        self,
+        leases: Sequence[LeaseRef],
+        message: str = RELEASED,
+        *,
+        unrun: bool = False,
+        prefetched: bool = False,
     ) -> list[bool]:
         if not leases:
             return []
+        # a prefetched job never ran: no worker time to fold (the plain statement)
+        fair = [False if prefetched else lease.fair for lease in leases]
         with self._tx() as conn:
             rows = conn.execute(
-                self.q[folding("job_release_many", [lease.fair for lease in leases])],
+                self.q[folding("job_release_many", fair)],
                 {
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
                     "message": message,
                     "unrun": unrun,
+                    "prefetched": prefetched,
                     "half_life": HALF_LIFE,
                 },
             ).fetchall()

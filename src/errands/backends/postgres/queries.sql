@@ -224,11 +224,14 @@ RETURNING j.id, j.lease_token, j.cancel_requested
 -- them): a release like the job's last entry (the same attempt, the same message) is
 -- counted in that entry ('times'; its worker, token and time the latest) rather than
 -- appended: a job released every 30 s for a cause that lasts grew its errors by ~2,880
--- entries a day. Fair keys' usage is folded in the same statement.
+-- entries a day. %(prefetched)s (claimed, never begun): nothing is recorded and the job
+-- keeps its run_at (due again in its place), as if never claimed (the caller sends the
+-- plain statement: nothing folded). Fair keys' usage is folded in the same statement.
 WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
 SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
     errors = CASE
+        WHEN %(prefetched)s::boolean THEN j.errors
         WHEN %(unrun)s::boolean AND j.errors -> -1 ->> 'kind' = 'released'
          AND j.errors -> -1 ->> 'message' = %(message)s::text
          AND j.errors -> -1 -> 'attempt' = to_jsonb(j.attempt)
@@ -242,7 +245,7 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
             'lease_token', j.lease_token, 'at', extract(epoch FROM now())))
     END,
     attempt = j.attempt - 1,
-    run_at = now(),
+    run_at = CASE WHEN %(prefetched)s::boolean THEN j.run_at ELSE now() END,
     finished_at = CASE WHEN j.cancel_requested THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token)

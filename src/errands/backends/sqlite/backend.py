@@ -1172,14 +1172,19 @@ class SQLiteBackend(SQLiteAdmin):
         return HeartbeatResult(frozenset(extended), frozenset(cancel))
 
     def job_release_many(
-        self, leases: Sequence[LeaseRef], message: str = RELEASED, *, unrun: bool = False
+        self,
+        leases: Sequence[LeaseRef],
+        message: str = RELEASED,
+        *,
+        unrun: bool = False,
+        prefetched: bool = False,
     ) -> list[bool]:
         if not leases:
             return []
         answers = []
         with self._write() as conn:
             for lease in leases:
-                if lease.fair is not False:
+                if lease.fair is not False and not prefetched:  # (never ran: no time)
                     conn.execute(Q["fair_fold"], fold_params(lease.id, lease.lease_token))
                 rows = conn.execute(
                     Q["job_release"],
@@ -1188,6 +1193,7 @@ class SQLiteBackend(SQLiteAdmin):
                         "token": lease.lease_token,
                         "message": message,
                         "unrun": unrun,
+                        "prefetched": prefetched,
                     },
                 ).fetchall()
                 answers.append(bool(rows))

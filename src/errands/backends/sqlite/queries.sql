@@ -100,9 +100,12 @@ RETURNING id, lease_token, cancel_requested
 -- release like the job's last entry (the same attempt, the same message) is counted in
 -- that entry ('times'; its worker, token and time the latest) rather than appended: a
 -- job released every 30 s for a cause that lasts grew its errors by ~2,880 entries a day.
+-- :prefetched (claimed, never begun): nothing is recorded and the job keeps its run_at
+-- (due again in its place), as if never claimed (the caller folds nothing for it).
 UPDATE errands_jobs
 SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END,
     errors = CASE
+        WHEN :prefetched THEN errors
         WHEN :unrun AND json_extract(errors, '$[#-1].kind') = 'released'
          AND json_extract(errors, '$[#-1].message') = :message
          AND json_extract(errors, '$[#-1].attempt') = attempt
@@ -116,7 +119,7 @@ SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END
             'at', (julianday('now') - 2440587.5) * 86400.0))
     END,
     attempt = attempt - 1,
-    run_at = (julianday('now') - 2440587.5) * 86400.0,
+    run_at = CASE WHEN :prefetched THEN run_at ELSE (julianday('now') - 2440587.5) * 86400.0 END,
     finished_at = CASE WHEN cancel_requested = 1
                        THEN (julianday('now') - 2440587.5) * 86400.0 END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL

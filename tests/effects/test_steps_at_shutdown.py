@@ -1,0 +1,245 @@
+"""A graceful stop whose grace period ends while a durable step runs, on SQLite and
+PostgreSQL, with real workers in threads: the job is given back only once the step is
+over (its result stored, so the next run does not call its fn again), or once it has
+been waited for ``abandon_after`` after the worker asked it to stop (then abandoned,
+logged), as the ordinary path holds an attempt whose steps still run. Meanwhile the
+attempt keeps its lease, so no other worker runs the step beside it (I4).
+
+The stop used to release the job at the end of the grace period with the step still
+running: another worker took the job, found no stored result, and ran the step's effect
+again, beside the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import errands
+from errands import JobState
+from tests.integration.helpers import WorkerThread, wait_until
+
+Make = Callable[..., Any]
+
+WAITING = "waiting for them to end"  # the stop's line while it holds the job for its step
+
+
+def _waiting_logged(caplog: pytest.LogCaptureFixture) -> bool:
+    return any(WAITING in r.getMessage() for r in caplog.records)
+
+
+def _held_or_released(caplog: pytest.LogCaptureFixture, handle: errands.JobHandle) -> bool:
+    """The stop is waiting for the step (the fix), or the job left ``running`` (released
+    with its step still running: the defect)."""
+    return _waiting_logged(caplog) or handle.status() is not JobState.RUNNING
+
+
+def test_an_async_step_running_at_the_end_of_the_grace_period_ends_before_the_job_is_released(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The step's fn goes on through the cancel (a payment call that must not be cut in
+    half): the job stays leased to the stopping worker until the step has stored its
+    result, and the next worker's run reuses it: one charge."""
+    app = make_app()
+    charges: list[int] = []  # the attempt of each charge begun
+    finish = threading.Event()
+
+    @app.job(name="stop.charge", retries=0)
+    async def charge_order(ctx: errands.Context) -> str:
+        async def charge() -> str:
+            charges.append(ctx.attempt)
+            while not finish.is_set():  # the provider's answer; a cancel does not stop it
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.01)
+            return f"ch_{len(charges)}"
+
+        return str(await ctx.astep("charge", charge))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    first = WorkerThread(app, grace=0.2, abandon_after=300).start()
+    workers = [first]
+    try:
+        handle = charge_order.enqueue()
+        wait_until(lambda: charges == [1], timeout=30, what="the first charge begun")
+        first.worker.stop()  # like SIGTERM; the grace period ends with the charge running
+        wait_until(lambda: _held_or_released(caplog, handle), timeout=30, what="held or not")
+        assert handle.status() is JobState.RUNNING, "released while its step still ran"
+
+        workers.append(WorkerThread(app).start())  # would take the job if given back now
+        finish.set()
+        assert handle.result(timeout=60) == "ch_1"
+    finally:
+        finish.set()
+        for worker in workers:
+            worker.stop()
+
+    assert charges == [1]  # once: the step's stored result served the next run
+    job = handle.job()
+    assert [(e.kind, e.attempt) for e in job.errors] == [("released", 1)]
+    assert job.attempt == 1  # the release was not charged
+    assert {s.name: s.attempt for s in app.job_steps(handle.id)} == {"charge": 1}
+
+
+def test_a_sync_step_blocked_past_the_interrupt_ends_before_the_job_is_released(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sync handler's step blocked where HandlerInterrupt cannot reach it (a C call; here
+    a shielded wait, so that the interrupt lands only once the wait is over, whenever the
+    thread gets there): the job is not given back while the call runs. Cut short by the
+    interrupt once the call returns, the step runs again on the next run, after the
+    first, never beside it (or, stored before the interrupt lands, it is reused)."""
+    app = make_app()
+    began: list[tuple[int, float]] = []
+    ended: list[tuple[int, float]] = []
+    answer = threading.Event()
+
+    @app.job(name="stop.sync_charge", retries=0)
+    def sync_charge(ctx: errands.Context) -> str:
+        def charge() -> str:
+            began.append((ctx.attempt, time.monotonic()))
+            try:
+                if ctx.attempt == 1 and len(began) == 1:
+                    with errands.shielded():  # the interrupt lands when the wait is over
+                        answer.wait(120)
+                return "ch"
+            finally:
+                ended.append((ctx.attempt, time.monotonic()))
+
+        return str(ctx.step("charge", charge))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    first = WorkerThread(app, grace=0.2, abandon_after=300).start()
+    workers = [first]
+    try:
+        handle = sync_charge.enqueue()
+        wait_until(lambda: len(began) == 1, timeout=30, what="the first charge begun")
+        first.worker.stop()
+        workers.append(WorkerThread(app).start())  # would take the job if given back now
+        wait_until(
+            lambda: _waiting_logged(caplog) or len(began) > 1,
+            timeout=30,
+            what="the stop waiting for the step, or a second charge",
+        )
+        assert len(began) == 1, "the job ran again while its first charge still ran"
+        answer.set()
+        assert handle.result(timeout=60) == "ch"
+    finally:
+        answer.set()
+        for worker in workers:
+            worker.stop()
+
+    # Either the interrupt cut it short (after the shield; it runs again on the next run,
+    # after the first), or it landed once the result was stored (the next run reuses it)
+    assert 1 <= len(began) <= 2
+    if len(began) == 2:
+        assert began[1][1] >= ended[0][1]  # after the first, never beside it
+    job = handle.job()
+    assert [(e.kind, e.attempt) for e in job.errors] == [("released", 1)]
+    assert job.attempt == 1
+
+
+def test_a_step_still_running_abandon_after_past_the_stop_is_abandoned_and_its_job_released(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not waited for without end: a step that ignores its cancel is abandoned
+    ``abandon_after`` after the worker asked it to stop (logged at ERROR, naming it), and
+    its job given back uncharged, as the ordinary path abandons it."""
+    app = make_app()
+    release = threading.Event()
+    began = threading.Event()
+
+    @app.job(name="stop.stubborn", retries=0)
+    async def stubborn(ctx: errands.Context) -> None:
+        async def hold() -> None:
+            began.set()
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):  # ignores it
+                    await asyncio.sleep(0.01)
+
+        await ctx.astep("hold", hold)
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    worker = WorkerThread(app, grace=0.2, abandon_after=0.5).start()
+    handle = stubborn.enqueue()
+    try:
+        assert began.wait(30)
+        worker.stop()
+    finally:
+        release.set()
+
+    job = handle.job()
+    assert (job.state, job.attempt) == (JobState.AVAILABLE, 0)
+    assert [(e.kind, e.attempt) for e in job.errors] == [("released", 1)]
+    assert _waiting_logged(caplog)
+    assert any(
+        r.levelno == logging.ERROR and "'hold'" in r.getMessage() and "abandoned" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_a_job_past_its_timeout_at_the_stop_has_it_recorded_only_once_its_step_is_over(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job past its timeout when the grace period ends is recorded as its timeout, never
+    released; one whose step still runs is recorded only once the step is over (at its
+    timeout's ``abandon_after`` at the latest, as without the stop), so its retry never
+    runs the step beside it. It was recorded at once: the retry ran after its backoff
+    while the first call still ran."""
+    app = make_app()
+    began: list[tuple[int, float]] = []
+    ended: list[tuple[int, float]] = []
+    answer = threading.Event()
+
+    @app.job(name="stop.timed_charge", retries=1, backoff=0.01, timeout=0.5)
+    def timed_charge(ctx: errands.Context) -> str:
+        def charge() -> str:
+            began.append((ctx.attempt, time.monotonic()))
+            try:
+                if len(began) == 1:
+                    with errands.shielded():  # the interrupt lands when the wait is over
+                        answer.wait(120)
+                return "ch"
+            finally:
+                ended.append((ctx.attempt, time.monotonic()))
+
+        return str(ctx.step("charge", charge))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    first = WorkerThread(app, grace=0.2, abandon_after=300).start()
+    workers = [first]
+    try:
+        handle = timed_charge.enqueue()
+        wait_until(lambda: len(began) == 1, timeout=30, what="the first charge begun")
+        wait_until(
+            lambda: any(a.timed_out for a in first.worker.attempts()),
+            timeout=30,
+            what="the job past its timeout",
+        )
+        first.worker.stop()
+        workers.append(WorkerThread(app).start())  # would run the retry once it is due
+        wait_until(
+            lambda: _waiting_logged(caplog) or len(began) > 1,
+            timeout=30,
+            what="the stop waiting for the step, or a second charge",
+        )
+        assert len(began) == 1, "the job ran again while its first charge still ran"
+        assert handle.status() is JobState.RUNNING
+        answer.set()
+        assert handle.result(timeout=60) == "ch"
+    finally:
+        answer.set()
+        for worker in workers:
+            worker.stop()
+
+    assert 1 <= len(began) <= 2
+    if len(began) == 2:
+        assert began[1][1] >= ended[0][1]  # after the first, never beside it
+    [error] = handle.job().errors
+    assert (error.kind, error.attempt) == ("timeout", 1)
