@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
@@ -57,7 +58,8 @@ from .errors import (
     is_transient,
 )
 from .handle import JobHandle
-from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner, HookTimeout
+from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner, HookTimeout, LaneClosed
+from .hooks import describe as describe_callable
 from .interrupts import shielded
 from .jobs import Job, JobRow, Step, listed_by_priority, parse_cursor, parse_state
 from .observability.events import EventBus
@@ -76,6 +78,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 log = logging.getLogger("errands")
 CLOSE_MARGIN = 10.0  # seconds App.close() waits for a worker past its grace period
+# App.close() gives the hooks running or queued (on_dead, event subscribers) hook_timeout
+# and this much more (the watchdog's look at a call past its limit) before it drops the
+# queued ones and abandons a running one.
+HOOKS_CLOSE_MARGIN = 1.0
 
 LEASE_DEFAULT = 30.0
 RETENTION_DEFAULT = timedelta(days=7)
@@ -269,8 +275,13 @@ class App:
         (an embedded one) is stopped first, as a SIGTERM stops it, and waited for (its
         grace period, then a margin): closed under it, the store was opened again by its
         threads (the maintenance leader, the completer, the lease keeper) and never
-        closed. The App may be used after close(): the store opens again when needed."""
+        closed. Then the hook lanes' threads end: the on_dead hooks and event subscribers
+        queued get ``hook_timeout`` (and a second) to run; what is still queued then is
+        dropped (an on_dead hook's death is left to the maintenance leader), what still
+        runs is abandoned, both logged (errands.hooks). The App may be used after
+        close(): the store opens again, and the lanes start again, when needed."""
         self._stop_workers()
+        self.hooks.close(self.hooks.hook_timeout + HOOKS_CLOSE_MARGIN)
         if self.fair_weights is not None:
             self.fair_weights.close()
         if self._results is not None:
@@ -660,6 +671,16 @@ class App:
         if future is None:  # the lane is full (logged): the leader runs them after the grace
             with self._dead_hooks_lock:
                 self._dead_hooks_queued.discard(job_id)
+        else:
+            future.add_done_callback(functools.partial(self._dead_hooks_dropped, job_id))
+
+    def _dead_hooks_dropped(self, job_id: int, future: concurrent.futures.Future[Any]) -> None:
+        """The hooks of ``job_id`` were dropped unrun (their lane closed first: logged):
+        no longer queued, so the leader's run after the grace is not skipped as a
+        duplicate in this App, should it be used again."""
+        if isinstance(future.exception(), LaneClosed):
+            with self._dead_hooks_lock:
+                self._dead_hooks_queued.discard(job_id)
 
     def run_dead_hooks(self, job_id: int) -> None:
         """Call every ``on_dead`` hook with the job, here and now; a failing hook is logged,
@@ -687,7 +708,7 @@ class App:
                 for hook in self.dead_hooks:
                     retry_until = time.monotonic() + self.hooks.hook_timeout / 2
                     try:
-                        with lane.timed():
+                        with lane.timed(f"on_dead hook {describe_callable(hook)} for job {job_id}"):
                             self._call_dead_hook(hook, job, retry_until)
                     except HookTimeout:  # stopped at its limit (logged by the lane): next
                         log.error(

@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..hooks import HookTimeout, Lane, on_protected_thread
+from ..hooks import HookTimeout, Lane, describe, on_protected_thread
 from ..interrupts import Interrupt
 
 if TYPE_CHECKING:
@@ -393,7 +393,7 @@ def _deliver_all(lane: Lane, subscribers: list[Subscriber], event: Event) -> Non
     the subscribers after it without the event."""
     for subscriber in subscribers:
         try:
-            with lane.timed():
+            with lane.timed(f"event subscriber {describe(subscriber)} of {event.name}"):
                 _deliver(subscriber, event)
         except HookTimeout:  # logged by the lane as it stopped it: the next one gets it
             log.error("event subscriber %r was stopped at its limit on %s", subscriber, event.name)

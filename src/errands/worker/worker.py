@@ -1242,7 +1242,14 @@ class Worker:
         self.app.events.emit_later(
             "errands.worker.stopped", worker_id=self.id, processed=self.processed
         )
-        if not self.app.hooks.drain(HOOK_DRAIN):
+        with self.app._workers_lock:
+            last = not (self.app._workers - {self})
+        if last:
+            # The App's last worker: the lanes' threads end (they start again at the next
+            # call). A process starting and stopping workers of new Apps kept them all.
+            # What is left at the bound is logged by the lanes, each by name.
+            self.app.hooks.close(HOOK_DRAIN)
+        elif not self.app.hooks.drain(HOOK_DRAIN):
             log.warning(
                 "on_dead hooks or event subscribers still ran %g s after stopping", HOOK_DRAIN
             )
