@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import math
 import operator
@@ -23,6 +22,7 @@ from .backends.limits import LIMIT_MAX, parse_rate
 from .context import Context
 from .errors import ConfigurationError, InvalidPayload
 from .jobs import DUE_MIN, ID_MAX, EnqueueRequest
+from .jsontext import loads_stored
 from .payload import PayloadSpec
 from .retry import BackoffPolicy, as_backoff
 
@@ -604,7 +604,9 @@ class JobDefinition(Generic[P, R]):
         # A parameter left at its default is not in the stored JSON: the template reads
         # its default (it read None, so f(1) and f(1, account="main") had two keys).
         values = dict(self.payload.stored_defaults)
-        values.update(json.loads(args_json))
+        # (a row stored with an int of more than 4,300 digits: read whole, not a raw
+        # ValueError out of an edit that moved every job it named, or none)
+        values.update(loads_stored(args_json))
         return values
 
     def build_key(self, option: str, template: str, values: Mapping[str, Any]) -> str:

@@ -173,3 +173,21 @@ def _plain_cycle() -> list[Any]:
     cycle: list[Any] = [1]
     cycle.append(cycle)
     return cycle
+
+
+def test_a_job_whose_stored_args_hold_a_long_int_moves_with_the_others_of_its_edit(
+    app: errands.App,
+) -> None:
+    """Moving jobs to another queue derives their keys again from their stored arguments:
+    a row holding a long int raised a raw ValueError out of the edit, and no job it named
+    moved."""
+
+    @app.job(name="long.keyed", concurrency_key="acct:{acct}", concurrency_limit=2)
+    def keyed(acct: str, n: int = 0) -> None: ...
+
+    long = keyed.enqueue(acct="a", n=1, delay=3600)
+    plain = keyed.enqueue(acct="b", n=2, delay=3600)
+    _plant(app, "UPDATE errands_jobs SET args = %s WHERE id = %s",
+           f'{{"acct": "a", "n": {DIGITS}}}', long.id)  # fmt: skip
+    app.edit([plain.id, long.id], queue="other", actor="ops")
+    assert [app.get_job(job.id).queue for job in (long, plain)] == ["other", "other"]

@@ -12,6 +12,7 @@ connections (libpq ``options`` in the URL), so nothing leaks to other tests.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,3 +90,35 @@ def test_a_limited_claim_reads_and_writes_without_jit(
         claimed += len(backend.job_claim_limited(QueueClaim("tenants", 8), "w", 30.0))
     assert claimed == (24 if fair else 20)  # a key's limit is 1: 20 keys run at most 20
     assert seen and all(s.endswith(":off") for s in seen), seen
+
+
+def test_a_ctx_transaction_jobs_outcome_is_written_without_jit(
+    app: errands.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler's own statements in ``ctx.transaction()`` run at its session's JIT
+    setting (its choice); errands' outcome and fan-in statements after them, in the same
+    transaction, run without JIT."""
+    backend: Any = app.backend
+    seen: list[tuple[str, str]] = []
+    real_finish = type(backend)._finish
+
+    def finish(self: Any, conn: Any, outcomes: Any) -> Any:
+        seen.append(("outcome", _jit(conn)))
+        return real_finish(self, conn, outcomes)
+
+    monkeypatch.setattr(type(backend), "_finish", finish)
+
+    @app.job(name="jit.tx", queue="jit", retries=0)
+    def writes(ctx: errands.Context) -> None:
+        seen.append(("handler", _jit(ctx.transaction())))
+
+    handle = writes.enqueue()
+    worker = app.worker(queues=["jit"], concurrency=1, poll_interval=0.1)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        handle.result(timeout=60)
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert seen == [("handler", "on"), ("outcome", "off")]

@@ -744,7 +744,9 @@ BEGIN ISOLATION LEVEL READ COMMITTED; SELECT set_config('idle_in_transaction_ses
 -- The idle limit of own_begin, set inside a transaction already open: a handler's
 -- ctx.transaction() once errands writes the attempt's outcome in it (until then the
 -- handler may think between statements; from then on only errands' statements follow).
-SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true)
+-- And JIT off from there, as own_begin: errands' outcome and fan-in statements follow.
+SELECT set_config('idle_in_transaction_session_timeout', %(idle)s, true),
+       set_config('jit', 'off', true)
 
 -- name: limited_claim_begin
 -- The BEGIN of a limited claim: own_begin's, and generic plans for its first statement
