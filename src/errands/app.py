@@ -1364,7 +1364,10 @@ class App:
                 except InvalidPayload:  # stored before its template changed: as it is
                     edits.append(JobEdit(job_id))
                     continue
-                edits.append(JobEdit(job_id, None, ckey, fair, True, definition.concurrency_limit))
+                rate = definition.rate or (None, None)
+                edits.append(
+                    JobEdit(job_id, None, ckey, fair, True, definition.concurrency_limit, *rate)
+                )
                 continue
             try:
                 request = definition.request((), dict(args), EnqueueOptions(queue=target))
@@ -1381,6 +1384,8 @@ class App:
                     request.fair_key,
                     True,
                     request.concurrency_limit,
+                    request.rate_limit,
+                    request.rate_period,
                 )
             )
         return edits, skipped

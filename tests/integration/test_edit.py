@@ -220,3 +220,68 @@ def test_an_edit_that_derives_the_keys_anew_stores_the_editing_apps_concurrency_
     finally:
         before.close()
         after.close()
+
+
+def _stored_rate(app: errands.App, job_id: int) -> tuple[int | None, float | None]:
+    """The job type's rate stored on the job's row (no JobRow field has it)."""
+    backend: Any = app.backend
+    if hasattr(backend, "schema"):  # PostgreSQL
+        import psycopg
+
+        with psycopg.connect(backend.config.conninfo) as conn:
+            sql = (
+                f'SELECT rate_limit, rate_period FROM "{backend.schema}".errands_jobs WHERE id = %s'
+            )
+            [row] = conn.execute(sql, (job_id,)).fetchall()
+    else:
+        with contextlib.closing(sqlite3.connect(backend.path)) as conn:
+            sql = "SELECT rate_limit, rate_period FROM errands_jobs WHERE id = ?"
+            [row] = conn.execute(sql, (job_id,)).fetchall()
+    return row[0], row[1]
+
+
+def test_an_edit_that_derives_the_keys_anew_stores_the_editing_apps_rate(
+    each_store_url: str,
+) -> None:
+    """Given jobs enqueued while their type's rate was 5/m, and a deploy that changed it
+    to 20/s, when the new code edits them with new arguments or moves them to another
+    queue, then each row stores 20/s, as an enqueue by that code would (the claim counts
+    a type's starts against the rate stored on its rows: one left at 5/m went on starting
+    at most 5 a minute); likewise a rate dropped in code leaves the edited row unlimited.
+    An edit of the run time or the priority alone changes no rate."""
+    before = errands.App(each_store_url)
+    after = errands.App(each_store_url)
+    try:
+
+        @before.job(name="edit.rated", rate="5/m")
+        def old_code(account: int) -> None: ...
+
+        @after.job(name="edit.rated", rate="20/s")
+        def new_code(account: int) -> None: ...
+
+        @before.job(name="edit.unrated", rate="5/m")
+        def old_unrated(account: int) -> None: ...
+
+        @after.job(name="edit.unrated")
+        def new_unrated(account: int) -> None: ...
+
+        with_args, moved, rescheduled, reprioritised = (
+            old_code.enqueue(account=n, delay=3600).id for n in (1, 2, 3, 4)
+        )
+        unlimited = old_unrated.enqueue(account=5, delay=3600).id
+        assert _stored_rate(before, with_args) == (5, 60.0)
+
+        assert after.edit([with_args], args={"account": 7}).matched == [with_args]
+        assert after.edit([moved], queue="elsewhere").matched == [moved]
+        assert after.edit([rescheduled], delay=7200).matched == [rescheduled]
+        assert after.edit([reprioritised], priority=5).matched == [reprioritised]
+        assert after.edit([unlimited], args={"account": 8}).matched == [unlimited]
+
+        assert _stored_rate(after, with_args) == (20, 1.0)
+        assert _stored_rate(after, moved) == (20, 1.0)
+        assert _stored_rate(after, rescheduled) == (5, 60.0)  # no key derived: as it was
+        assert _stored_rate(after, reprioritised) == (5, 60.0)
+        assert _stored_rate(after, unlimited) == (None, None)
+    finally:
+        before.close()
+        after.close()

@@ -643,3 +643,44 @@ def test_a_leader_whose_election_hangs_steps_down_once_its_leadership_runs_out(
     finally:
         leader.stop()
         app.close()
+
+
+def test_a_stopping_worker_gives_up_a_resignation_that_gets_no_answer(
+    each_store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a worker that leads the maintenance and a store that stops answering the
+    resignation (another session holds the lock it needs: no error, no reply), then the
+    worker's stop gives the resignation up after a short bound, says so once, and
+    returns, its maintenance thread ended (the leadership runs out by its ttl). The
+    resignation waited without a bound (PostgreSQL: for as long as the lock is held, or
+    the TCP timeouts on a partition; SQLite: its write_timeout, here 600 s) and held the
+    maintenance thread, the stop waiting for it."""
+    from .helpers import WorkerThread
+
+    url = each_store_url
+    if url.startswith("sqlite"):  # the store's own wait for its write lock: the hang
+        url += "?write_timeout=600"
+    app = errands.App(url, lease=30)
+    app.migrate()
+    caplog.set_level(logging.WARNING, logger="errands.maintenance")
+    # a long tick: the maintenance thread waits between two elections when it is told
+    # to stop (so it resigns, rather than step down from an election that hangs)
+    worker = WorkerThread(app, maintenance_tick=5).start()
+    maintenance = worker.worker.maintenance
+    assert maintenance is not None
+    try:
+        wait_until(lambda: maintenance.is_leader, timeout=60, what="the leadership")
+        with _leaders_row_held(app):
+            # the hang lasts for ever (PostgreSQL) or 600 s (SQLite); the stop's own
+            # bounds add up to a few seconds
+            worker.stop(timeout=120)
+            assert not maintenance._thread.is_alive()
+            assert not maintenance.is_leader
+            logged = [r.getMessage() for r in caplog.records]
+            gave_up = [m for m in logged if "could not resign" in m]
+            assert len(gave_up) == 1, gave_up
+            assert "no answer" in gave_up[0]
+    finally:
+        if worker.thread.is_alive():
+            worker.worker.stop()
+        app.close()

@@ -519,6 +519,23 @@ class WithTheTestingTools(JobsTestCase):
 
 
 class ManagementCommand(JobsTestCase):
+    def test_errands_worker_gives_its_prefetch_to_the_worker(self) -> None:
+        """--prefetch N reaches the worker as prefetch=N (it had no --prefetch: every
+        Django worker claimed the default 4 x -c beyond its slots)."""
+        from unittest import mock
+
+        from errands.app import App
+        from errands.errors import ConfigurationError
+
+        stop = ConfigurationError("stopped before the worker ran")
+        with (
+            mock.patch.object(App, "worker", autospec=True, side_effect=stop) as worker,
+            self.assertRaisesMessage(CommandError, "stopped before the worker ran"),
+        ):
+            call_command("errands_worker", "-c", "3", "--prefetch", "7")
+        options = worker.call_args.kwargs
+        self.assertEqual((options["concurrency"], options["prefetch"]), (3, 7))
+
     def test_errands_worker_runs_tasks_and_stops_on_sigterm(self) -> None:
         result = tasks.add.enqueue(2, 40)
         here = Path(__file__).resolve().parent.parent
@@ -560,6 +577,53 @@ class ManagementCommand(JobsTestCase):
 
 
 class ManagementCommandOptions(SimpleTestCase):
+    def test_the_worker_command_holds_its_counts_to_the_clis_bounds_before_anything_opens(
+        self,
+    ) -> None:
+        """-c, --express and --prefetch are held to the bounds `errands worker` holds them
+        to (its own check, each message naming the option and the bound), before the
+        backend is even looked up. Only their lower bounds were checked here: -c 20000
+        imported the tasks, served the metrics and read the schema before the worker
+        refused it, and there was no --prefetch."""
+        from unittest import mock
+
+        cases = [
+            (["-c", "20000"], "concurrency (-c) is 20,000: at most 10,000 ("),
+            (["-c", "0"], "concurrency (-c) must be a whole number (an int) of at least 1"),
+            (["--express", "20000"], "express (--express) is 20,000: at most 10,000 ("),
+            (["--express", "-1"], "express (--express) must be a whole number (an int) of at least 0"),
+            (["--prefetch", "20000"], "prefetch (--prefetch) is 20,000: at most 10,000 ("),
+            (["--prefetch", "-1"], "prefetch (--prefetch) must be a whole number (an int) of at least 0"),
+            (["-q", "a=6000,b=6000"], "concurrency (the sum of -q's per-queue limits) is 12,000"),
+        ]  # fmt: skip
+        opened = AssertionError("the backend was looked up before the counts were checked")
+        with mock.patch("errands.contrib.django.app.backend_params", side_effect=opened):
+            for argv, message in cases:
+                with (
+                    self.subTest(argv=argv),
+                    self.assertRaisesMessage(CommandError, message),
+                ):
+                    call_command("errands_worker", *argv)
+
+    def test_the_worker_command_refuses_several_processes_naming_what_to_do_instead(
+        self,
+    ) -> None:
+        """`errands worker --processes N` re-runs its own command line for each child,
+        which a management command cannot do faithfully: --processes other than 1 is
+        refused, saying to run more of the command under a process manager, or raise -c
+        (it was an unknown option: argparse's "unrecognized arguments")."""
+        for n in ("2", "0"):
+            with (
+                self.subTest(processes=n),
+                self.assertRaisesMessage(
+                    CommandError,
+                    f"--processes {n}: this command runs one worker process",
+                ) as caught,
+            ):
+                call_command("errands_worker", "--processes", n)
+            self.assertIn("under your process manager", str(caught.exception))
+            self.assertIn("or raise -c", str(caught.exception))
+
     def test_the_worker_command_refuses_nan_or_infinite_seconds_naming_the_option(self) -> None:
         """float() reads "nan" and "inf", and the range checks let NaN through (it compares
         false with either bound): --poll-interval nan started a worker that never slept

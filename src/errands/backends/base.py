@@ -371,18 +371,25 @@ class JobEdit:
     """One job's new arguments (validated by the App), when the edit replaces them, and
     its keys when the App derived them anew (``keys``: new arguments, or a move to
     another queue, where a job type without a fair_key template is keyed ``job:<name>``
-    in a fair queue and unkeyed elsewhere), with the key's limit from the same App's
-    definition, as an enqueue stores it."""
+    in a fair queue and unkeyed elsewhere), with the key's limit and the job type's rate
+    from the same App's definition, as an enqueue stores them."""
 
     id: int
     args_json: str | None = None
     concurrency_key: str | None = None  # derived from the (new) arguments
     fair_key: str | None = None  # derived from the (new) arguments and the queue
-    keys: bool = False  # write concurrency_key, concurrency_limit and fair_key (else they stay)
+    # write concurrency_key, concurrency_limit, rate_limit, rate_period and fair_key (else
+    # they stay)
+    keys: bool = False
     # The editing App's concurrency_limit for the job type (None: no key). A claim holds a
     # row to the lower of it and the claiming worker's own, so a row edited by code that
     # had raised the limit kept the old one: its key ran fewer jobs at once than asked.
     concurrency_limit: int | None = None
+    # The editing App's rate for the job type (None: no rate). The claim counts a type's
+    # starts against the rate stored on its rows, so a row edited by code that had changed
+    # the rate kept the old one.
+    rate_limit: int | None = None
+    rate_period: float | None = None
 
 
 @dataclass(frozen=True)

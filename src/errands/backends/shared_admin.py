@@ -504,6 +504,8 @@ class SharedAdmin:
                     "args": edit.args_json,
                     "concurrency_key": edit.concurrency_key,
                     "concurrency_limit": edit.concurrency_limit,
+                    "rate_limit": edit.rate_limit,
+                    "rate_period": edit.rate_period,
                     "fair_key": edit.fair_key,
                     "keys": edit.keys,
                 },

@@ -52,7 +52,7 @@ from ..errors import is_transient
 from ..hooks import protect_current_thread
 from ..landed import landed, read_back
 from ..retry import retry_delay
-from ..worker.callers import Callers
+from ..worker.callers import Callers, call_within
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -88,6 +88,15 @@ ELECTION_WARN_EVERY = 30.0
 # it led after the store's leadership had run out and another worker had taken it.
 ELECTION_WAIT_MIN = 1.0
 ELECTION_CALLERS_MAX = 3  # helper threads; more are only started while earlier ones hang
+# A resignation (at a stop) waits for its answer on a helper thread too: until the
+# leadership it gives up would run out anyway (past that it is of no use: the store frees
+# it itself), at least ELECTION_WAIT_MIN (half the ttl, if less), at most RESIGN_WAIT_MAX.
+# One that gets no answer by then is given up and the leadership runs out by its ttl (a
+# worker taking it over waits that long, and every duty is fenced). It held the worker's
+# stop while the store did not answer: on PostgreSQL up to the TCP timeouts (a minute),
+# or for as long as another session held the leadership's row; on SQLite up to its
+# write_timeout.
+RESIGN_WAIT_MAX = 5.0
 
 
 def leader_ttl(tick: float, lease: float) -> float:
@@ -157,10 +166,29 @@ class Maintenance:
                 return
             self.is_leader = False
         try:
-            self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
+            self._leader_resign()
         except Exception as exc:
-            log.warning("could not resign leadership (%s); it expires in %.0f s", exc, self.ttl)
+            log.warning(
+                "could not resign leadership (%s); it expires in %.0f s",
+                exc,
+                max(self._leader_until - clock.now(), 0.0),
+            )
         self.app.events.emit("errands.leader.resigned", worker_id=self.worker_id)
+
+    def _leader_resign(self) -> None:
+        """Give the leadership up in the store, on a helper thread of its own, its answer
+        waited for as long as it can help (see RESIGN_WAIT_MAX): TimeoutError past that.
+        Called from stop() or this service's thread, at most once or twice a run."""
+        floor = min(ELECTION_WAIT_MIN, self.ttl / 2)
+        wait = min(max(self._leader_until - clock.now(), floor), RESIGN_WAIT_MAX)
+        deadline = time.monotonic() + wait
+        backend, worker_id = self.app.backend, self.worker_id
+
+        def resign() -> None:
+            with calls_until(deadline):
+                backend.leader_resign(LEADER_NAME, worker_id)
+
+        call_within(resign, wait, "leadership resignation", "errands-resign")
 
     def _run(self) -> None:
         protect_current_thread()
@@ -215,7 +243,7 @@ class Maintenance:
             self._leader_until = sent + self.ttl
         if leader and self._stop.is_set():  # stop() came while this was asked
             with contextlib.suppress(Exception):  # (else it expires after the ttl)
-                self.app.backend.leader_resign(LEADER_NAME, self.worker_id)
+                self._leader_resign()
             leader = False
         with self._leader_lock:  # stop() may have resigned meanwhile: one event each way
             changed, self.is_leader = leader != self.is_leader, leader

@@ -7,7 +7,10 @@ a writer waiting up to its ``write_timeout``. A thread that must act in time (th
 keeper's heartbeats, the maintenance leader's election) makes such calls on a helper
 thread and waits for the answer only as long as it is of use: past that, the call counts
 as failed (TimeoutError), its helper waits it out, and the next call goes to another
-helper (a new one while fewer than ``most`` hang).
+helper (a new one while fewer than ``most`` hang). A stopping worker makes its last
+calls (the leadership's resignation, leaving the registry) the same way, each on a
+helper of its own (:func:`call_within`), so that a store that stops answering cannot
+hold its stop.
 """
 
 from __future__ import annotations
@@ -85,3 +88,15 @@ class Callers:
         """End the helpers once their call in hand (if any) is over."""
         for caller in self._callers:
             caller.stop()
+
+
+def call_within(fn: Callable[[], T], wait: float, what: str, name: str) -> T:
+    """``fn()`` on a helper thread of its own (named ``name``), its answer waited for at
+    most ``wait`` seconds: TimeoutError naming ``what`` when none comes by then (the call
+    goes on in its helper, which ends once it is over). For a call made once, from any
+    thread."""
+    callers = Callers(name, 1)
+    try:
+        return callers.call(fn, wait, what)
+    finally:
+        callers.stop()

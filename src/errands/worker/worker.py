@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import clock
 from ..backends import redact_url
-from ..backends.base import LeaseRef, QueueClaim, QueueSettings, WorkerInfo
+from ..backends.base import LeaseRef, QueueClaim, QueueSettings, WorkerInfo, calls_until
 from ..definition import check_name
 from ..errors import ConfigurationError, is_transient
 from ..fleet import warn_unserved_periodic
@@ -75,6 +75,7 @@ from ..hooks import protect_current_thread
 from ..jobs import JobRow
 from ..maintenance import Maintenance
 from ..observability.logcontext import install_record_factory, job_extra, lockless_line
+from .callers import call_within
 from .claiming import Claimer
 from .completer import Completer
 from .dispatch import Dispatcher
@@ -161,6 +162,12 @@ ABANDON_AFTER_DEFAULT = 10.0
 SUSPECT_SPARE = 1
 SUSPECT_IDLE_RETIRE = 60.0
 HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and events
+# A stop's last store call, leaving the registry, waits this long for its answer (on a
+# helper thread, as the resignation does: errands.worker.callers), then goes without: the
+# registry shows the worker's heartbeat stopped and forgets it after WORKER_FORGET_AFTER.
+# A store that stopped answering (a partition with no RST, SQLite's write lock held
+# elsewhere) held the stop up to its TCP timeouts or write_timeout.
+DEREGISTER_WAIT = 5.0
 EXIT_NOW_CODE = 1
 
 
@@ -1235,7 +1242,13 @@ class Worker:
         if self.loop_runner:
             self.loop_runner.shutdown()
         try:
-            self.app.backend.worker_deregister(self.id)
+            backend, deadline = self.app.backend, time.monotonic() + DEREGISTER_WAIT
+
+            def deregister() -> None:
+                with calls_until(deadline):
+                    backend.worker_deregister(self.id)
+
+            call_within(deregister, DEREGISTER_WAIT, "deregistration", "errands-deregister")
         except Exception as exc:
             log.debug("could not deregister worker %s: %s", self.id, exc)
         # after the released jobs' events, which the events lane delivers first

@@ -1010,7 +1010,8 @@ WHERE id = %(id)s AND state = 'waiting' AND wait_signal = %(signal)s AND wait_un
 -- this edit has locked, and this edit re-checks the state after a claim's). A new run_at
 -- makes the job scheduled or available by it (a retryable job stays retryable). The keys
 -- are written when the App derived them anew (%(keys)s: new arguments, or another queue),
--- the concurrency key with its limit from the same App's code, as an enqueue stores it.
+-- the concurrency key with its limit, and the job type's rate, from the same App's code,
+-- as an enqueue stores them.
 UPDATE {schema}.errands_jobs AS j
 SET run_at = CASE WHEN %(set_run_at)s
                   THEN COALESCE(to_timestamp(%(run_at)s::float8),
@@ -1028,6 +1029,8 @@ SET run_at = CASE WHEN %(set_run_at)s
                            ELSE j.concurrency_key END,
     concurrency_limit = CASE WHEN %(keys)s THEN %(concurrency_limit)s::int
                              ELSE j.concurrency_limit END,
+    rate_limit = CASE WHEN %(keys)s THEN %(rate_limit)s::int ELSE j.rate_limit END,
+    rate_period = CASE WHEN %(keys)s THEN %(rate_period)s::float8 ELSE j.rate_period END,
     fair_key = CASE WHEN %(keys)s THEN %(fair_key)s::text ELSE j.fair_key END
 WHERE j.id = %(id)s AND j.state IN ('scheduled', 'available', 'retryable')
 

@@ -743,8 +743,8 @@ WHERE id = :id AND state = 'waiting' AND wait_signal = :signal AND wait_until <=
 -- An operator's edit of a pending job, guarded by its state: a running or finished job is
 -- never changed (the claim and this write serialise on the row). A new run_at makes the
 -- job scheduled or available by it (a retryable job stays retryable). The keys are
--- written when the App derived them anew (:keys), the concurrency key with its limit from
--- the same App's code, as an enqueue stores it.
+-- written when the App derived them anew (:keys), the concurrency key with its limit, and
+-- the job type's rate, from the same App's code, as an enqueue stores them.
 UPDATE errands_jobs
 SET run_at = CASE WHEN :set_run_at = 1 THEN COALESCE(:run_at, (julianday('now') - 2440587.5) * 86400.0 + :delay) ELSE run_at END,
     state = CASE WHEN :set_run_at = 1 AND state <> 'retryable'
@@ -756,6 +756,8 @@ SET run_at = CASE WHEN :set_run_at = 1 THEN COALESCE(:run_at, (julianday('now') 
     args = COALESCE(:args, args),
     concurrency_key = CASE WHEN :keys THEN :concurrency_key ELSE concurrency_key END,
     concurrency_limit = CASE WHEN :keys THEN :concurrency_limit ELSE concurrency_limit END,
+    rate_limit = CASE WHEN :keys THEN :rate_limit ELSE rate_limit END,
+    rate_period = CASE WHEN :keys THEN :rate_period ELSE rate_period END,
     fair_key = CASE WHEN :keys THEN :fair_key ELSE fair_key END
 WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')
 

@@ -4,6 +4,14 @@ The same worker as ``errands worker`` (leases, heartbeats, retries, dead-letter 
 graceful stop on SIGTERM/SIGINT within ``--grace``), with the project's Django settings:
 it imports every installed app's ``tasks`` module and runs Django's ``@task`` functions
 and any native ``@get_app().job`` functions.
+
+Its counts (``-c``, ``--express``, ``--prefetch``) are held to the bounds ``errands
+worker`` holds them to (the same check), before anything is opened. It runs one worker
+process: ``errands worker --processes N`` starts its children by running its own command
+line again, which a management command cannot do faithfully (``manage.py``, ``django-admin
+--settings ...``, ``--pythonpath`` or ``call_command()`` from code). For more processes,
+run more of it under the process manager (systemd, supervisord, Kubernetes replicas), on
+one host or many, or raise ``-c``; ``--processes`` other than 1 is refused saying so.
 """
 
 from __future__ import annotations
@@ -17,15 +25,28 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from errands.errors import ErrandsError, SchemaOutdated
+from errands.errors import ConfigurationError, ErrandsError, SchemaOutdated
 
 log = logging.getLogger("errands.django")
 
 
+PROCESSES_REFUSED = (
+    "--processes {n}: this command runs one worker process (errands worker --processes N "
+    "starts its children from its own command line, which a Django management command "
+    "cannot repeat faithfully); run {n} `manage.py errands_worker` processes under your "
+    "process manager (systemd, supervisord, Kubernetes replicas) instead, or raise -c"
+)
+
+
 class Command(BaseCommand):
-    help = "Run an errands worker for Django's tasks (until SIGTERM or SIGINT)."
+    help = (
+        "Run an errands worker for Django's tasks (until SIGTERM or SIGINT): one worker "
+        "process; for more, run more of it under your process manager, or raise -c."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
+        from errands.worker.worker import CONCURRENCY_MAX, PREFETCH_MAX
+
         parser.add_argument(
             "--backend",
             default="default",
@@ -37,7 +58,26 @@ class Command(BaseCommand):
             help="queues to serve: emails,payments or emails=10,payments=2 "
             "(default: the backend's QUEUES)",
         )
-        parser.add_argument("-c", "--concurrency", type=int, help="jobs at once (default 10)")
+        parser.add_argument(
+            "-c",
+            "--concurrency",
+            type=int,
+            help=f"jobs at once (default 10; at most {CONCURRENCY_MAX:,})",
+        )
+        parser.add_argument(
+            "--prefetch",
+            type=int,
+            help="jobs claimed beyond -c while handlers are quick, waiting for a free thread "
+            f"(default: 4 x -c, and 16 x -c for a fair queue; 0: off; at most {PREFETCH_MAX:,})",
+        )
+        parser.add_argument(
+            "--processes",
+            type=int,
+            default=1,
+            help="only 1: this command runs one worker process; for more, run more of it "
+            "under your process manager (systemd, supervisord, Kubernetes replicas), or "
+            "raise -c",
+        )
         parser.add_argument(
             "--grace",
             type=_seconds,
@@ -89,13 +129,12 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         from errands.observability.logcontext import configure_logging, install_record_factory
+        from errands.worker.worker import check_counts
 
         from ...app import backend_params, get_app, serving_queues
 
-        if options["concurrency"] is not None and options["concurrency"] < 1:
-            raise CommandError("--concurrency must be at least 1")
-        if options["express"] is not None and options["express"] < 0:
-            raise CommandError("--express must be 0 (off) or more")
+        if options["processes"] != 1:
+            raise CommandError(PROCESSES_REFUSED.format(n=options["processes"]))
         if options["grace"] < 0 or options["poll_interval"] <= 0:
             raise CommandError("--grace must be >= 0 and --poll-interval > 0")
         spec = options["queues"]
@@ -105,6 +144,13 @@ class Command(BaseCommand):
                 f"--queues {spec!r} names no queue (an unset $QUEUE?): name them, as in "
                 "--queues emails,payments, or leave --queues out to serve the backend's QUEUES"
             )
+        try:
+            # errands worker's own check (least and most of each), before anything opens:
+            # only the lower bounds were checked here, and --concurrency 100000 imported
+            # the tasks, served the metrics and read the schema before the worker refused
+            check_counts(spec, options["concurrency"], options["express"], options["prefetch"])
+        except ConfigurationError as exc:
+            raise CommandError(str(exc)) from None
         alias = options["backend"]
         try:
             params = backend_params(alias)
@@ -132,6 +178,7 @@ class Command(BaseCommand):
             worker = app.worker(
                 queues=queues,
                 concurrency=options["concurrency"],
+                prefetch=options["prefetch"],
                 express=options["express"],
                 grace=options["grace"],
                 poll_interval=options["poll_interval"],
