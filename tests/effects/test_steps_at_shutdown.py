@@ -243,3 +243,68 @@ def test_a_job_past_its_timeout_at_the_stop_has_it_recorded_only_once_its_step_i
         assert began[1][1] >= ended[0][1]  # after the first, never beside it
     [error] = handle.job().errors
     assert (error.kind, error.attempt) == ("timeout", 1)
+
+
+def test_a_handler_that_stops_when_asked_is_given_back_uncharged_while_another_jobs_step_runs(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two jobs run as the grace period ends: one stops at once when asked (it returns on
+    ctx.cancelled), the other is inside a durable step that goes on. The first is given
+    back (released, uncharged) as soon as it is over, not held for the other's step; and
+    never charged a timeout that comes after it stopped. It was held, undecided with its
+    deadline armed, until the other's step ended: its timeout came meanwhile, the lease
+    keeper fired it, and the stop recorded it (here its last attempt: dead)."""
+    app = make_app()
+    stopped_early = threading.Event()
+    in_step = threading.Event()
+    finish = threading.Event()
+
+    @app.job(name="stop.coop", retries=0, timeout=30)
+    def coop(ctx: errands.Context) -> str:
+        while not ctx.cancelled:
+            time.sleep(0.01)
+        stopped_early.set()
+        return "stopped early"
+
+    @app.job(name="stop.stepper", retries=3)
+    def stepper(ctx: errands.Context) -> str:
+        def charge() -> str:
+            in_step.set()
+            with errands.shielded():  # a provider call across the stop
+                finish.wait(120)
+            return "ch"
+
+        return str(ctx.step("charge", charge))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    worker = WorkerThread(app, grace=0.2, abandon_after=300, concurrency=2, prefetch=0).start()
+    stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 120})
+    try:
+        handle = coop.enqueue()
+        other = stepper.enqueue()
+        wait_until(lambda: handle.status() is JobState.RUNNING, timeout=30, what="coop began")
+        assert in_step.wait(30)
+        stopper.start()  # like SIGTERM
+
+        def coop_timed_out() -> bool:
+            return any(a.timed_out for a in worker.worker.attempts() if a.id == handle.id)
+
+        wait_until(
+            lambda: handle.status() is not JobState.RUNNING or coop_timed_out(),
+            timeout=90,
+            what="the stopped job given back (or its timeout fired while it was held)",
+        )
+        assert stopped_early.is_set()
+        assert other.status() is JobState.RUNNING  # its step still runs: held
+    finally:
+        finish.set()
+        if stopper.ident is not None:
+            stopper.join(120)
+        else:
+            worker.stop()
+
+    job = handle.job()
+    assert (job.state, job.attempt) == (JobState.AVAILABLE, 0), job.errors
+    assert [e.kind for e in job.errors] == ["released"]
+    other_job = other.job()
+    assert (other_job.state, other_job.attempt) == (JobState.AVAILABLE, 0)

@@ -497,6 +497,57 @@ def test_a_workflow_settled_by_a_rescue_whose_reply_was_lost_is_announced_once(
     assert len(settled) == 1
 
 
+def test_a_workflow_settled_by_a_give_back_whose_reply_was_lost_is_announced_once(
+    app: errands.App,
+) -> None:
+    """The completer gives a job back (a GiveBack: its ctx.transaction() met a store that
+    could not write): the release committed (the member, cancelled meanwhile, ended
+    ``cancelled``; its workflow settled, failed), then its reply was lost. The retry is refused
+    and confirmed by reading the job back; the workflow's settled event was dropped with
+    the try's fan-in (each try began by dropping what the earlier one recorded)."""
+    import sqlite3
+
+    from errands.backends.base import LeaseRef
+    from errands.worker.completer import Completer
+    from errands.worker.execution import Attempt
+
+    settled: list[Event] = []
+    app.events.subscribe(lambda e: settled.append(e) if e.name.endswith("settled") else None)
+
+    @app.job(name="ev.given_back")
+    def given_back() -> None:
+        pass
+
+    batch = errands.Batch("ev.given_back_batch")
+    batch.add(given_back.bind(), name="only")
+    handle = app.enqueue_workflow(batch)
+    [job_id] = [j.id for j in app.jobs()]
+    row = claim_as_dead_worker(app, job_id, lease=60)
+    app.cancel(job_id)  # running: asked to stop; the release ends it cancelled
+    lost: list[int] = []
+
+    def release(attempts: list[Attempt], message: str) -> list[bool | None]:
+        done = app.backend.job_release_many(
+            [LeaseRef(a.id, a.token, a.lease_seconds, fair=False) for a in attempts],
+            message % len(attempts),
+        )
+        if not lost:
+            lost.append(1)
+            raise sqlite3.OperationalError("disk I/O error (after the commit)")
+        return list(done)
+
+    completer = Completer(app, lambda *_: None, release=release)
+    attempt = Attempt(row, None, 60.0)
+    assert completer._release([attempt], "released %d job(s)") == [True]  # read back
+    assert lost == [1]
+    assert app.get_job(job_id).state is errands.JobState.CANCELLED  # it did commit
+    state = app.workflow_status(handle.id).state
+    assert state == "failed"  # settled by that member's end
+    wait_until(lambda: settled, what="the settled event")
+    app.hooks.drain(5.0)
+    assert [(e["workflow_id"], e["state"]) for e in settled] == [(handle.id, state)]
+
+
 def test_an_insert_failed_hook_that_raises_never_replaces_the_inserts_own_error(
     app: errands.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

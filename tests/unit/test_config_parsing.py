@@ -241,6 +241,9 @@ def test_parse_queues_refuses_a_limit_without_a_queue_name(spec: str) -> None:
         ("poll_interval", 0, "above 0"),
         ("maintenance_tick", math.nan, "above 0"),
         ("maintenance_tick", -math.inf, "above 0"),
+        ("abandon_after", math.inf, "(0 or more)"),
+        ("abandon_after", math.nan, "(0 or more)"),
+        ("abandon_after", -1.0, "(0 or more)"),
     ],
 )
 def test_a_worker_refuses_a_nan_or_infinite_duration_naming_the_option(
@@ -248,8 +251,10 @@ def test_a_worker_refuses_a_nan_or_infinite_duration_naming_the_option(
 ) -> None:
     """``app.worker(poll_interval=nan)`` passed the bounds check (NaN compares false
     with either bound) and made a worker that never slept between claims; ``grace=inf``
-    one whose shutdown never ended. The embedded workers of the Flask and FastAPI
-    integrations take these options from the caller too."""
+    one whose shutdown never ended, and ``abandon_after=inf`` one whose shutdown never
+    ended while a durable step ran (the stop waits up to abandon_after for it). The
+    embedded workers of the Flask and FastAPI integrations take these options from the
+    caller too."""
     app = errands.App(f"sqlite:///{tmp_path}/e.db")
     try:
         with pytest.raises(ConfigurationError) as caught:

@@ -501,7 +501,10 @@ class Backend(Protocol):
         no worker time folded into a fair key's usage) and each is due again in its place
         (its ``run_at`` kept), as if never claimed. Each release appended an entry, so a
         job prefetched at every deploy gained one per deploy, and went to the back of its
-        queue."""
+        queue. The starts its claim logged for it against rates go back too (one row of
+        the claim's token per bucket it counted in), so its next claim counts it once:
+        PostgreSQL only. SQLite's rate log does not record which claim logged a start (no
+        schema change for it): there a start stays counted until its window passes."""
         ...
 
     # -- maintenance (leader duties) ---------------------------------------------------

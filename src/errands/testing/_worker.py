@@ -60,6 +60,7 @@ class HarnessRecorder(OutcomeRecorder):
         result_json: Any,
         *,
         handler_running: bool = False,
+        over_stop: bool = False,
     ) -> bool:
         worker = self.worker
         key = (attempt.id, attempt.token)
@@ -68,10 +69,12 @@ class HarnessRecorder(OutcomeRecorder):
         if _is_crash(exc) or (
             not duplicate and worker.hooks._hook_crash_before_write(attempt, exc)
         ):
-            return self._harness_crash(attempt, exc, result_json, handler_running)
+            return self._harness_crash(attempt, exc, result_json, handler_running, over_stop)
         with worker._harness_lock:
             worker._errors[key] = exc
-        return super().decided(attempt, exc, result_json, handler_running=handler_running)
+        return super().decided(
+            attempt, exc, result_json, handler_running=handler_running, over_stop=over_stop
+        )
 
     def _harness_crash(
         self,
@@ -79,6 +82,7 @@ class HarnessRecorder(OutcomeRecorder):
         exc: BaseException | None,
         result: Any,
         handler_running: bool = False,
+        over_stop: bool = False,
     ) -> bool:
         """The attempt dies as its process would: nothing written, lease left to expire.
 
@@ -94,7 +98,9 @@ class HarnessRecorder(OutcomeRecorder):
         # (a handler still running: decided() lets go of it once it owns the outcome)
         with worker._harness_lock:
             worker._crashing[key] = exc if _is_crash(exc) else None
-        if super().decided(attempt, exc, result, handler_running=handler_running):
+        if super().decided(
+            attempt, exc, result, handler_running=handler_running, over_stop=over_stop
+        ):
             return True
         with worker._harness_lock:
             worker._crashing.pop(key, None)

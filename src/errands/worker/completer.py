@@ -383,9 +383,10 @@ class Completer:
         failures = 0
         next_report = 0.0
         unsure = False  # an earlier try may have committed before its error
+        kept = _Unsure()  # what the fan-ins of such tries did, as _store keeps it
         while True:
             backend = self.app.backend
-            _Unsure().take(backend)  # not this release's: an earlier write's, reported
+            _Unsure().take(backend)  # not this release's: an earlier write's, dropped
             try:
                 released = self.release(attempts, message)
             except Exception as exc:
@@ -395,7 +396,12 @@ class Completer:
                         [a.id for a in attempts],
                     )
                     return [None] * len(attempts)
-                unsure = unsure or (is_transient(exc) and not cannot_write_now(exc))
+                if is_transient(exc) and not cannot_write_now(exc):
+                    # It may have committed (its reply lost): what its fan-ins did (a
+                    # member cancelled meanwhile ends, and may settle its workflow) is
+                    # kept, else the next try's start dropped it and it was never told
+                    unsure = True
+                    kept.take(backend)
                 failures += 1
                 now = time.monotonic()
                 if failures == 1:
@@ -418,9 +424,14 @@ class Completer:
                 pause = min(pause * 2, RETRY_PAUSE_MAX)
                 continue
             # a member's release may settle its workflow (a cancel requested meanwhile)
-            self.fanned_in(store=backend)
+            reported = self.fanned_in(store=backend)
             if unsure and not all(released):
-                released = self._released_anyway(attempts, released)
+                confirmed = self._released_anyway(attempts, released)
+                # an earlier try committed (this one's refusals settle nothing): its
+                # fan-ins' settlements and wake-ups are told now
+                if any(now and not was for was, now in zip(released, confirmed, strict=True)):
+                    self._report_earlier(kept, reported)
+                released = confirmed
             return released
 
     def _released_anyway(

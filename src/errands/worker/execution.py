@@ -124,6 +124,12 @@ class Attempt:
     reported: int = 0  # "still running" lines written for it so far
     progress: tuple[float, str] | None = None  # ctx.progress, latest
     progress_stored: tuple[float, str] | None = None  # ... as the last heartbeat stored it
+    # A graceful stop took the attempt over at the end of its grace period (see
+    # stop_for_shutdown): the stop decides its outcome (a release, or its timeout)
+    stopping: bool = False
+    # ... and its handler has ended since (its own outcome refused): its timeout, which
+    # can no longer be the handler's, never fires (see time_out)
+    ended_at_stop: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -137,13 +143,51 @@ class Attempt:
     def token(self) -> str:
         return self.row.lease_token or ""
 
-    def decide(self) -> bool:
-        """True for the first caller only: it owns this attempt's outcome."""
+    def decide(self, *, over_stop: bool = False) -> bool:
+        """True for the first caller only: it owns this attempt's outcome.
+
+        Once a graceful stop took the attempt over (:meth:`stop_for_shutdown`), the
+        handler's end is not its outcome: False, and the handler is marked as ended
+        (``ended_at_stop``, its deadline disarmed), in the same step as the stop's claim
+        is checked. A handler that returned as the grace period ended was recorded
+        ``completed`` after the stop had let go of (rolled back) its ctx.transaction().
+        ``over_stop``: a decision the stop leaves to its maker: the timeout of a handler
+        that still runs (it lets go of the transaction, never commits in it), or an
+        outcome a process-pool child has already stored."""
         with self._lock:
             if self.decided:
                 return False
+            if self.stopping and not over_stop:
+                self.ended_at_stop = True
+                self.deadline = None
+                return False
             # writing with it: a stop that sees it decided waits for its outcome's write
             self.decided = self.writing = True
+            return True
+
+    def stop_for_shutdown(self) -> bool:
+        """A graceful stop takes the attempt over at the end of its grace period: from now
+        on the stop decides its outcome (it gives the job back once its steps are over,
+        or records its timeout), and only then asks the handler to stop and lets go of
+        its ctx.transaction(). False when its outcome was decided first (the handler's:
+        it is written, and its transaction is the handler's to commit)."""
+        with self._lock:
+            if self.decided or self.released:
+                return False
+            self.stopping = True
+            return True
+
+    def time_out(self, now: float) -> bool:
+        """Its deadline passed (the lease keeper): mark it timed out, unless its outcome is
+        decided or its handler ended after a graceful stop took it over (False; its
+        deadline disarmed): a handler that stopped when the stop asked it was charged a
+        timeout that came while the stop waited for another job's step."""
+        with self._lock:
+            if self.decided or self.ended_at_stop:
+                self.deadline = None
+                return False
+            if not self.timed_out:
+                self.timed_out, self.timeout_at = True, now
             return True
 
     def give_back(self) -> bool:

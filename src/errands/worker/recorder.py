@@ -19,8 +19,15 @@ the infrastructure's failure, not the job's: charged, a job went dead after an o
 its last attempt. One exception: on SQLite, a handler that held ``ctx.transaction()``
 open past a third of its lease kept the heartbeats out itself; its attempt is charged as
 a ``lease_lost`` failure, or it would be given back and block the worker again for ever.
-A handler asked to stop at the end of a graceful stop's grace period (``shutdown``)
-records nothing when it ends: the stop gives its job back once its steps are over.
+A handler whose attempt a graceful stop took over at the end of its grace period
+(:meth:`Attempt.stop_for_shutdown`) records nothing when it ends: the stop gives its job
+back once its steps are over (or records its timeout, if it ran past it meanwhile). The
+stop's claim and the handler's decision are one step (:meth:`Attempt.decide`): a handler
+deciding as the grace period ends keeps its outcome, else the stop owns it.
+
+A completion is never written outside the ``ctx.transaction()`` the handler opened: if
+that transaction was let go of (rolled back) before the outcome was decided, the job is
+given back (released, uncharged) instead: its writes are gone, so its work must run again.
 """
 
 from __future__ import annotations
@@ -38,7 +45,6 @@ from .completer import GiveBack
 from .execution import (
     CANCELLED,
     LEASE_UNRENEWED,
-    SHUTDOWN,
     Attempt,
     Interrupted,
     JobTimeout,
@@ -83,6 +89,15 @@ class OutcomeRecorder:
         if isinstance(result, ChildResult):
             self.child_done(attempt, result)
             return
+        if attempt.stopping:
+            # A graceful stop took it over at the end of its grace period: the stop gives
+            # the job back (released, uncharged) once its steps are over (or records its
+            # timeout), whatever the handler did (it may have returned early on
+            # ctx.cancelled), and frees nothing meanwhile (see Worker._shutdown). decide()
+            # refuses it, marking the handler as ended (as it does a handler that reads
+            # this just before the stop's claim).
+            attempt.decide()
+            return
         if attempt.timed_out:
             # Past its deadline, whatever it did next (returned early on ctx.cancelled,
             # or unwound from the interrupt) is a timeout, never a completion.
@@ -96,12 +111,6 @@ class OutcomeRecorder:
             stopped = Interrupted(LEASE_UNRENEWED)
             stopped.__cause__ = exc
             exc, result = stopped, None
-        elif attempt.stop_reason == SHUTDOWN:
-            # Asked to stop at the end of a graceful stop's grace period: the stop gives
-            # the job back (released, uncharged) once its steps are over, whatever the
-            # handler did (it may have returned early on ctx.cancelled), and frees nothing
-            # meanwhile (see Worker._shutdown).
-            return
         elif exc is None and attempt.stop_reason is not None:
             # Asked to stop (cancelled, lease lost or unrenewable) and returned: it stopped
             # early, so its work is not done. (A shutdown release ignores the outcome.)
@@ -167,16 +176,20 @@ class OutcomeRecorder:
         result_json: Any,
         *,
         handler_running: bool = False,
+        over_stop: bool = False,
     ) -> bool:
         """The attempt's outcome is known: free its slot and hand the write on.
         ``handler_running``: decided on another thread while the handler still runs
         (abandoned after its timeout): its ctx.transaction() is let go of, never used.
+        ``over_stop``: decided even when a graceful stop took the attempt over (see
+        :meth:`Attempt.decide`): a timeout recorded while the handler still runs.
 
-        Returns False when another outcome was decided first (this one is ignored).
+        Returns False when another outcome was decided first (this one is ignored), or a
+        graceful stop took the attempt over (it gives the job back).
         Never raises once the attempt is decided.
         """
-        if attempt.released or not attempt.decide():  # (it sets writing too: cleared here)
-            return False
+        if attempt.released or not attempt.decide(over_stop=over_stop):
+            return False  # (decide sets writing too: cleared here)
         outcome: FinishParams | GiveBack
         try:
             attempt.ended = clock.now()
@@ -232,6 +245,8 @@ class OutcomeRecorder:
         if outcome.state == "completed" and runtime.children:
             outcome = replace(outcome, children=tuple(runtime.children))
         if runtime.tx is None:
+            if outcome.state == "completed" and runtime.tx_let_go():
+                return _given_back_without_transaction(attempt), None
             return outcome, None
         if outcome.state != "completed":
             ended = runtime.ended_then_failed()
@@ -271,7 +286,7 @@ class OutcomeRecorder:
             return outcome_for(attempt, ended, None, self.worker.id), None
         taken = runtime.take_transaction()
         if taken is None:  # let go of meanwhile (cannot happen once decided: defensive)
-            return outcome, None
+            return _given_back_without_transaction(attempt), None
         backend, tx = taken
         try:
             landed = backend.tx_finish(tx, outcome)
@@ -344,7 +359,8 @@ class OutcomeRecorder:
         if result.written is None and (attempt.timed_out or attempt.stop_reason):
             self.handler_returned(attempt, None, result.result_json)  # not a completion
             return
-        if attempt.released or not attempt.decide():
+        # A child's outcome stored already is the attempt's, a graceful stop or not
+        if attempt.released or not attempt.decide(over_stop=result.written is not None):
             return
         attempt.ended = clock.now()
         attempt.writing = False  # (the child wrote its own transaction's outcome already)
@@ -414,6 +430,23 @@ class OutcomeRecorder:
             events.emit_later(name, **fields)  # on a handler thread too: see emit_later
         if state == "dead":
             worker.app.dead_hooks_later(attempt.row.id)
+
+
+def _given_back_without_transaction(attempt: Attempt) -> GiveBack:
+    """The give-back of a job whose handler returned after its ctx.transaction() was let
+    go of (rolled back): a plain completion outside it recorded the job ``completed``
+    while its transaction's writes were gone (I3); it runs again instead."""
+    log.error(
+        "job %s: its handler returned after its ctx.transaction() was ended without it; "
+        "nothing of that transaction is committed, so the job is given back (uncharged) "
+        "rather than completed",
+        attempt.id,
+        extra=job_extra(attempt.row),
+    )
+    return GiveBack(
+        "released %d job(s) whose ctx.transaction() was ended before their completion "
+        "(nothing of it committed)"
+    )
 
 
 def give_back_unwritable(attempt: Attempt, type_name: str, message: str) -> GiveBack:

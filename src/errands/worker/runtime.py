@@ -141,7 +141,7 @@ class AttemptRuntime:
     def steps_in_flight(self) -> list[str]:
         """The names of the steps called and not over yet (their fn running, or their
         result being stored): a graceful stop gives the job back only once there are
-        none (see Worker._wait_for_steps). Never waits (see _flights_lock)."""
+        none (see Worker._give_back_after_steps). Never waits (see _flights_lock)."""
         with self._flights_lock:
             return [flight.name for flight in self._in_flight]
 
@@ -501,6 +501,11 @@ class AttemptRuntime:
         self._let_go = True  # read under the lock by transaction() and the steps
         self._ended.set()  # the handler's connection refuses its next statement
         threading.Thread(target=self._end_transaction, name="errands-let-go", daemon=True).start()
+
+    def tx_let_go(self) -> bool:
+        """Whether the handler's ctx.transaction() was let go of (ended without it, by
+        :meth:`let_go`): nothing of it is committed, so the attempt cannot complete."""
+        return self._let_go and bool(self.tx_opened)
 
     def _end_transaction(self) -> None:
         self._end_with("tx_abandon", "end")

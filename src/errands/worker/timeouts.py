@@ -16,7 +16,7 @@ slot freed, its task cancelled once more). A child process is killed. The same s
 stop sync handlers still running when a graceful stop's grace period is over
 (:func:`interrupt_threads`); one already past its timeout then has its timeout recorded,
 never a release. Either way a handler inside a durable step is decided only once the step
-is over, ``abandon_after`` later at most (``Worker._wait_for_steps``).
+is over, ``abandon_after`` later at most (``Worker._give_back_after_steps``).
 
 Self-fencing (:func:`on_fence`) stops a handler whose lease cannot be renewed with the same
 steps, timed to end before the lease does: ``ctx.cancelled`` at the fence (the lease
@@ -47,19 +47,21 @@ INTERRUPT_AFTER = 1.0
 def on_deadline(worker: Worker, attempt: Attempt) -> None:
     """The lease keeper calls this when ``attempt.deadline`` has passed."""
     timeout = attempt.row.timeout or 0
+    now = clock.now()
+    first = not attempt.timed_out
+    # Not once its handler ended after a graceful stop took the attempt over (the stop
+    # gives its job back): that handler stopped when asked, before its time was up.
+    if not attempt.time_out(now):
+        return
     if attempt.definition is None or attempt.kill:
         attempt.deadline = None
         # Timed out, whatever ends it next: a child's answer racing its kill was recorded
         # as Interrupted ("lease_lost"), inflating the lease losses that excuse duplicate
         # runs.
-        attempt.timed_out, attempt.timeout_at = True, clock.now()
         attempt.interrupt("timeout", worker.loop)  # the child is killed
         return
-    now = clock.now()
     is_async = attempt.definition.is_async
-    if not attempt.timed_out:
-        attempt.timed_out = True
-        attempt.timeout_at = now
+    if first:
         attempt.interrupt("timeout", worker.loop)  # ctx.cancelled; an async task cancelled
         log.warning(
             "job %s ran past its %g s timeout; asking its handler to stop",
@@ -112,7 +114,8 @@ def abandon(worker: Worker, attempt: Attempt, why: str) -> bool:
     error = JobTimeout(
         f"timed out after {attempt.row.timeout or 0:g} s; {why} (it may still be running)"
     )
-    if not worker.recorder.decided(attempt, error, None, handler_running=True):
+    # (over a graceful stop's claim too: the stop would record this timeout itself)
+    if not worker.recorder.decided(attempt, error, None, handler_running=True, over_stop=True):
         return False
     if isinstance(attempt.future, Call):
         worker.threads_for(attempt).abandon(attempt.future)

@@ -41,11 +41,12 @@ keeps full.
 
 Graceful stop (SIGTERM/SIGINT, DESIGN §7): stop claiming, and give prefetched jobs back
 (never begun: nothing recorded on them, their place in the queue kept); let in-flight
-handlers finish within ``grace`` seconds while heartbeats keep their leases; stop what
-still runs (as a timeout does), wait for the durable steps still running to end (up to
-``abandon_after``, leases still heartbeated), and release it (back to available, the
-attempt not charged, the release recorded on the job); flush outcomes; let queued hooks
-run; resign leadership. A second signal exits the process at once; those leases then
+handlers finish within ``grace`` seconds while heartbeats keep their leases; take what
+still runs over (in one step with its handler's decision: see Attempt.stop_for_shutdown)
+and stop it (as a timeout does), and release each job (back to available, the attempt
+not charged, the release recorded on the job) once it runs no durable step (up to
+``abandon_after``, its lease still heartbeated); flush outcomes; let queued hooks run;
+resign leadership. A second signal exits the process at once; those leases then
 expire and are rescued.
 """
 
@@ -272,7 +273,8 @@ def _worker_seconds(value: float, option: str, *, above_zero: bool = True) -> fl
     """A worker's duration option, checked: a finite number of seconds, more than 0 where
     ``above_zero`` (else 0 or more). NaN compares false with every bound, so a bounds check
     alone let ``poll_interval=nan`` through (a worker that never slept between claims) and
-    ``grace=inf`` (a shutdown that never ended)."""
+    ``grace=inf`` (a shutdown that never ended; ``abandon_after=inf`` too, once a step
+    still running held it)."""
     number = isinstance(value, int | float) and not isinstance(value, bool)
     if not number or not math.isfinite(value) or value < 0 or (above_zero and value == 0):
         raise ConfigurationError(
@@ -326,7 +328,9 @@ class Worker:
             check_count(express, "express (--express)", least=0)
         self.grace = grace = _worker_seconds(grace, "grace", above_zero=False)
         poll_interval = _worker_seconds(poll_interval, "poll_interval")
-        self.abandon_after = abandon_after
+        # It bounds a stop's wait for the steps still running, as grace bounds the rest:
+        # abandon_after=inf made a stop whose step never returned hang for good.
+        self.abandon_after = _worker_seconds(abandon_after, "abandon_after", above_zero=False)
         if pool not in ("thread", "process"):
             raise ConfigurationError(f"pool={pool!r}: choose thread or process")
         if pool == "process" and not app_path:
@@ -1203,29 +1207,24 @@ class Worker:
         for attempt in running:
             if attempt.timed_out and not _steps_in_flight(attempt):
                 abandon(self, attempt, "the handler still ran when the worker stopped")
-        leftover = [a for a in running if not a.decided]  # (not those deciding right now)
+        # The stop takes the others over, each in one step with its handler's decision
+        # (those deciding right now keep their outcome, and their transaction): their
+        # handlers' ends record nothing from now on; the stop gives the jobs back below.
+        leftover = [a for a in running if a.stop_for_shutdown()]
         if leftover:
             # Asked to stop first (ctx.cancelled, a task cancelled, a child killed): no
-            # step's fn starts from now on, and the recorder leaves a handler that ends
-            # now to this stop (it gives the job back below, whatever the handler did).
+            # step's fn starts from now on. Their transactions are let go of (rolled
+            # back): a handler may still be in a statement.
             for attempt in leftover:
                 attempt.interrupt(SHUTDOWN, self.loop)
-                if attempt.runtime is not None:  # its handler may still be in a statement
+                if attempt.runtime is not None:
                     attempt.runtime.let_go()
             settle_by = time.monotonic() + self.abandon_after
             # Stop them as a timeout would (an embedded worker's process lives on)...
             interrupt_threads(self, leftover, min(INTERRUPT_AFTER, self.grace or INTERRUPT_AFTER))
-            # ...let the steps still running end (bounded), then give the jobs back: the
+            # ...then give each job back as soon as its steps are over (bounded): the
             # release is recorded on each job.
-            self._wait_for_steps(leftover, settle_by)
-            for attempt in leftover:
-                if attempt.timed_out:  # (its timeout fired before the stop, or meanwhile)
-                    abandon(self, attempt, "the handler still ran when the worker stopped")
-            leftover = [a for a in leftover if a.give_back()]
-        if leftover:
-            self.release(
-                leftover, "grace period over: released %d running job(s) back to the queue"
-            )
+            self._give_back_after_steps(leftover, settle_by)
         self._wait_writes(max(self.grace, 5.0))
         self.completer.stop(timeout=max(self.grace, 5.0))
         self.leases.stop()
@@ -1267,18 +1266,23 @@ class Worker:
                 "on_dead hooks or event subscribers still ran %g s after stopping", HOOK_DRAIN
             )
 
-    def _wait_for_steps(self, attempts: list[Attempt], settle_by: float) -> None:
-        """At a stop, after the grace period: the attempts (asked to stop) still running a
-        durable step (ctx.step or ctx.astep: its fn, or the store of its result) keep
-        their slot and their lease, heartbeated, until the step is over, up to
-        ``settle_by`` (``abandon_after`` after they were asked to stop), as an attempt
-        past its timeout, or an async handler's orphaned steps, are held. Released with
-        a step still running, the job was run by another worker at once, which found no
-        stored result and ran the step's effect again, beside the first. A step still
-        running at ``settle_by`` is abandoned (logged): its job is given back, and the
-        step may go on beside the job's next run, as a thread abandoned after its
-        timeout may (one past its timeout has its timeout recorded instead)."""
-        busy = [a for a in attempts if _steps_in_flight(a)]
+    def _give_back_after_steps(self, attempts: list[Attempt], settle_by: float) -> None:
+        """At a stop, after the grace period: give back the jobs of ``attempts`` (taken
+        over by the stop, their handlers asked to stop), each as soon as it runs no
+        durable step (ctx.step or ctx.astep: its fn, or the store of its result). Until
+        then it keeps its slot and its lease, heartbeated, up to ``settle_by``
+        (``abandon_after`` after they were asked to stop), as an attempt past its
+        timeout, or an async handler's orphaned steps, are held. Released with a step
+        still running, the job was run by another worker at once, which found no stored
+        result and ran the step's effect again, beside the first. A step still running
+        at ``settle_by`` is abandoned (logged): its job is given back, and the step may go
+        on beside the job's next run, as a thread abandoned after its timeout may.
+
+        One that timed out while its handler still ran has its timeout recorded instead
+        (the lease keeper may have recorded it already). The others never wait for
+        another job's step: held for the slowest one, a job whose handler had stopped
+        when asked was charged a timeout that came meanwhile."""
+        busy = self._give_back_idle(attempts)
         if not busy:
             return
         log.warning(
@@ -1290,19 +1294,40 @@ class Worker:
         )
         while busy and time.monotonic() < settle_by:
             time.sleep(0.02)
-            busy = [a for a in busy if _steps_in_flight(a)]
+            busy = self._give_back_idle(busy)
         for attempt in busy:
             running = _steps_in_flight(attempt)
-            if running:
+            if running:  # (not one whose step ended just now)
                 log.error(
-                    "job %s: step(s) %s still ran %g s after the worker asked its handler to "
-                    "stop; the job's attempt ends without them and the step(s) are abandoned "
-                    "(they may still be running beside the job's next run)",
+                    "job %s: step(s) %s still ran %g s after the worker asked its handler "
+                    "to stop; the job's attempt ends without them and the step(s) are "
+                    "abandoned (they may still be running beside the job's next run)",
                     attempt.id,
                     ", ".join(map(repr, running)),
                     self.abandon_after,
                     extra=job_extra(attempt.row),
                 )
+        self._end_at_stop(busy)
+
+    def _give_back_idle(self, attempts: list[Attempt]) -> list[Attempt]:
+        """End (:meth:`_end_at_stop`) those of ``attempts`` that run no step now; the
+        others, returned, are still held."""
+        busy = [a for a in attempts if _steps_in_flight(a)]
+        if len(busy) < len(attempts):
+            held = set(map(id, busy))
+            self._end_at_stop([a for a in attempts if id(a) not in held])
+        return busy
+
+    def _end_at_stop(self, attempts: list[Attempt]) -> None:
+        """The outcomes of attempts a stop took over: a timeout for one that timed out
+        while its handler still ran, else a release (not one decided meanwhile: its
+        timeout, by the lease keeper)."""
+        for attempt in attempts:
+            if attempt.timed_out:
+                abandon(self, attempt, "the handler still ran when the worker stopped")
+        given = [a for a in attempts if a.give_back()]
+        if given:
+            self.release(given, "grace period over: released %d running job(s) back to the queue")
 
     def _wait_writes(self, timeout: float) -> None:
         """At a stop, after the grace period: wait up to ``timeout`` for the outcomes still

@@ -1409,7 +1409,16 @@ class PostgresBackend(PostgresAdmin):
                 },
             ).fetchall()
             self._fan_in(conn, rows)
-        done = {r[0] for r in rows}
+            done = {r[0] for r in rows}
+            if prefetched and done:  # never begun: the starts counted for them go back
+                given = [lease for lease in leases if lease.id in done]
+                conn.execute(
+                    self.q["rate_log_unstart"],
+                    {
+                        "ids": [lease.id for lease in given],
+                        "tokens": [lease.lease_token for lease in given],
+                    },
+                )
         return [lease.id in done for lease in leases]
 
     def _fan_in(self, conn: psycopg.Connection[Any], ended: Sequence[Any]) -> None:

@@ -833,6 +833,31 @@ WHERE bucket = %(bucket)s AND at > clock_timestamp() - make_interval(secs => %(p
 INSERT INTO {schema}.errands_rate_log (bucket, period, at, token)
 SELECT %(bucket)s, %(period)s, clock_timestamp(), %(token)s FROM generate_series(1, %(n)s)
 
+-- name: rate_log_unstart
+-- Prefetched jobs just given back (job_release_many with prefetched: claimed, never
+-- begun): the starts their claim logged for them against rates go back too, as an undone
+-- claim's do (job_claim_undo); a rate-limited queue counted each such job twice (the
+-- claim given back at a stop, then its run). A claim logs one row per job it starts in
+-- each bucket the job counts in (its queue's 'queue:<queue>', its type's 'job:<name>'),
+-- all with its lease token, which the claim's jobs that began share (they keep theirs):
+-- k rows of that token and bucket go for the k jobs given back, any k of them (one
+-- claim's rows of one bucket are alike). Through the (bucket, at) index, a bucket at a
+-- time; a row pruned meanwhile is simply not there.
+DELETE FROM {schema}.errands_rate_log AS r
+WHERE r.ctid = ANY(ARRAY(
+    SELECT l.ctid
+    FROM (SELECT g.token, b.bucket, count(*) AS k
+          FROM unnest(%(ids)s::bigint[], %(tokens)s::text[]) AS g(id, token)
+          JOIN {schema}.errands_jobs AS j ON j.id = g.id
+          CROSS JOIN LATERAL (VALUES ('queue:' || j.queue), ('job:' || j.name)) AS b(bucket)
+          GROUP BY g.token, b.bucket) AS w
+    CROSS JOIN LATERAL (
+        SELECT l.ctid FROM {schema}.errands_rate_log AS l
+        WHERE l.bucket = w.bucket AND l.token = w.token
+        LIMIT w.k
+    ) AS l
+))
+
 -- name: rate_log_prune
 DELETE FROM {schema}.errands_rate_log
 WHERE at < now() - make_interval(secs => LEAST(period, %(older_than)s))

@@ -101,7 +101,9 @@ RETURNING id, lease_token, cancel_requested
 -- that entry ('times'; its worker, token and time the latest) rather than appended: a
 -- job released every 30 s for a cause that lasts grew its errors by ~2,880 entries a day.
 -- :prefetched (claimed, never begun): nothing is recorded and the job keeps its run_at
--- (due again in its place), as if never claimed (the caller folds nothing for it).
+-- (due again in its place), as if never claimed (the caller folds nothing for it). Its
+-- starts against rates stay counted until their window passes: this rate log does not
+-- record which claim logged a start (PostgreSQL's does: rate_log_unstart).
 UPDATE errands_jobs
 SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END,
     errors = CASE
