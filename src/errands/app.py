@@ -575,7 +575,12 @@ class App:
         ``@app.job`` options; on a function already decorated with ``@app.job``, give
         them there.
         """
-        from .maintenance.scheduler import Periodic, check_catch_up, check_schedule
+        from .maintenance.scheduler import (
+            Periodic,
+            check_catch_up,
+            check_one_schedule,
+            check_schedule,
+        )
         from .payload import RESERVED_OPTIONS
 
         def register(fn: F) -> JobDefinition[Any, Any]:
@@ -619,6 +624,9 @@ class App:
                     f"periodic job {what!r}: unique_for= does not apply: each run is keyed by "
                     "its slot (cron:<time>), once per slot; drop unique_for="
                 )
+            if existing is not None and existing.name in self.schedules:
+                check_one_schedule(self.schedules[existing.name], expression, zone, fixed, catch)
+                return existing  # the same schedule again (its module run twice)
             definition: JobDefinition[Any, Any] = existing or self.job(**job_options)(fn)
             try:
                 bound = definition.bind(**fixed)  # validate the arguments at definition time

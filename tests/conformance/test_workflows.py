@@ -755,6 +755,66 @@ def test_pruning_deletes_settled_workflows_past_the_retention_and_keeps_running_
     assert [m.node for m in backend.workflow_members(running.id)] == ["a", "b"]
 
 
+def test_a_settled_workflow_stays_until_each_of_its_callbacks_has_ended(
+    backend: Backend,
+) -> None:
+    """A workflow settled past the retention while its callbacks still waited (a busy or
+    paused queue, a retry's backoff): the prune deleted it with its members, and each
+    callback, run then, got JobNotFound from ctx.workflow() and ctx.workflow_members().
+    It stays until every callback it inserted has ended, retried ones included."""
+    inserted = backend.workflow_insert(batch(1, events=("on_success", "on_settled")))
+    assert finish(backend, claim_one(backend), "completed")
+    assert callbacks(backend) == ["on_settled", "on_success"]
+    assert backend.workflow_prune(-1.0, 100) == 0  # both callbacks wait in their queue
+    first, second = claim(backend, CALLBACKS, 10)
+    assert finish(backend, first, "retryable", error=error())
+    assert finish(backend, second, "completed")
+    assert backend.workflow_prune(-1.0, 100) == 0  # one is to run again
+    again = claim_one(backend, CALLBACKS)
+    assert again.id == first.id
+    assert backend.workflow_prune(-1.0, 100) == 0  # it runs
+    assert [m.node for m in backend.workflow_members(inserted.id)] == ["m0"]
+    assert finish(backend, again, "completed")
+    assert backend.workflow_prune(-1.0, 100) == 1
+    assert backend.workflow_get(inserted.id) is None
+
+
+def test_a_nested_workflows_callback_yet_to_run_keeps_its_outermost_one(
+    backend: Backend,
+) -> None:
+    """The callbacks of a workflow nested in another read it too: the tree stays while
+    one of them waits."""
+    inserted = backend.workflow_insert(nested(batch(1, events=("on_settled",)), events=()))
+    [inner] = inserted.children.values()
+    outer_job, inner_member = _outer_and_inner(backend, inserted.jobs[0].id)
+    assert finish(backend, inner_member, "completed")
+    assert finish(backend, outer_job, "completed")
+    assert backend.workflow_get(inserted.id).settled_at is not None  # type: ignore[union-attr]
+    assert backend.workflow_prune(-1.0, 100) == 0  # the inner one's on_settled waits
+    assert finish(backend, claim_one(backend, CALLBACKS), "completed")
+    assert backend.workflow_prune(-1.0, 100) == 2
+    assert backend.workflow_get(inner.id) is None
+
+
+def test_a_prune_batch_stops_at_its_rows_bound_oldest_first_and_the_next_goes_on(
+    backend: Backend, harness: Harness
+) -> None:
+    """One batch took up to 1,000 workflows whatever their size: 1,000 of 1,000 members
+    were a million rows in one transaction. Whole trees go, oldest first, while their
+    rows fit; the first goes whatever its size."""
+    ids = [backend.workflow_insert(batch(3, events=())).id for _ in range(3)]
+    for row in claim_all(backend):
+        assert finish(backend, row, "completed")
+    for age, workflow_id in zip((300, 100, 200), ids, strict=True):
+        harness.backdate_settled(backend, workflow_id, age)
+    # each: its row and 3 members; two fit in 10 rows, the third would make 12
+    assert backend.workflow_prune(-1.0, 100, rows=10) == 2
+    assert [backend.workflow_get(i) is None for i in ids] == [True, False, True]
+    assert backend.workflow_prune(-1.0, 100, rows=1) == 1  # bigger than the bound: alone
+    assert backend.workflow_get(ids[1]) is None
+    assert backend.workflow_prune(-1.0, 100, rows=1) == 0
+
+
 def test_an_outcome_marked_as_a_members_lands_fans_in_and_stays_fenced(
     backend: Backend, harness: Harness
 ) -> None:
@@ -854,6 +914,8 @@ def test_a_nested_workflow_stays_while_its_outer_workflow_runs(
     assert backend.workflow_prune(older_than=WEEK, limit=100) == 0
     harness.backdate_settled(backend, inserted.id, 8 * 86400)
     harness.backdate_finished(backend, outer_job.id, 8 * 86400)
+    assert backend.workflow_prune(older_than=WEEK, limit=100) == 0  # its on_success waits
+    assert finish(backend, claim_one(backend, CALLBACKS), "completed")
     assert backend.workflow_prune(older_than=WEEK, limit=100) == 2  # outer and inner
     assert backend.workflow_get(inner.id) is None
     assert backend.job_prune(older_than=WEEK, limit=100) == 2

@@ -72,6 +72,47 @@ def test_every_slot_a_long_maintenance_tick_sees_on_time_runs_under_every_policy
         app.close()
 
 
+@pytest.mark.parametrize("catch_up", [None, False])
+def test_slots_due_while_the_leader_was_busy_run_on_time_and_after_a_lost_leadership_by_age(
+    store_url: str, catch_up: bool | None
+) -> None:
+    """A leader's tick held 100 s by a slow duty (a prune round beside 500,000 edges took
+    70 s): at its next look the slots of an every-5-s job due meanwhile were older than
+    the grace, and catch_up=False skipped them ("skipped 2 missed slot(s)") though the
+    leader was up all along. They run now, each; once the leadership was lost and taken
+    again, the slots of the gap are judged by their age again."""
+    app = errands.App(store_url)
+    app.periodic("*/5 * * * * *", name="cron.five", catch_up=catch_up)(lambda: None)
+    service = Maintenance(app, "w-busy", tick=1.0)
+    now, busy = [DAY], [1000.0]  # the database's clock; the leader's monotonic one
+    service.scheduler.clock = lambda: now[0]
+    service.scheduler.monotonic = lambda: busy[0]
+
+    def pass_time(seconds: float) -> int:
+        now[0] += timedelta(seconds=seconds)
+        busy[0] += seconds
+        return 0
+
+    service.prune = lambda: pass_time(100.0)  # type: ignore[method-assign]
+    try:
+        service.run_once()  # the job first seen at DAY, then the duty takes 100 s
+        service.run_once()  # (the prune is not due again for a minute)
+        assert service.is_leader
+        assert slots_of(app, "cron.five") == [DAY + timedelta(seconds=s) for s in range(5, 101, 5)]
+
+        service._resign()  # the leadership lost: another term, when taken again
+        pass_time(100.0)
+        service.run_once()
+        assert service.is_leader
+        grace = service.scheduler.grace  # 60 s: slots from 140 s on are on time
+        on_time = [DAY + timedelta(seconds=s) for s in range(140, 201, 5)]
+        assert on_time[0] == DAY + timedelta(seconds=200 - grace)
+        missed = [DAY + timedelta(seconds=135)] if catch_up is None else []
+        assert slots_of(app, "cron.five")[20:] == missed + on_time
+    finally:
+        app.close()
+
+
 @pytest.mark.parametrize("catch_up", [None, False, True])
 def test_a_failover_runs_every_slot_of_its_gap_and_the_policy_decides_the_missed_ones(
     store_url: str, catch_up: bool | None
@@ -250,3 +291,42 @@ def test_a_zoneinfo_and_a_job_already_defined_are_taken(tmp_path: Path) -> None:
     assert periodic.bound.request.queue == "reports"
     with pytest.raises(ConfigurationError, match=r"give \['queue'\] to its @app.job"):
         app.periodic("0 9 * * *", queue="other")(daily)
+
+
+def test_a_second_schedule_on_one_job_fails_naming_both_instead_of_replacing_the_first(
+    tmp_path: Path,
+) -> None:
+    """Two @app.periodic stacked on one function (a Celery beat habit), or one job
+    scheduled twice with other arguments: the second replaced the first without a word,
+    and only one of them ever ran. It fails naming both schedules and the fix; the same
+    schedule registered again (its module run twice) changes nothing."""
+    app = errands.App(f"sqlite:///{tmp_path}/errands.db")
+    try:
+        with pytest.raises(ConfigurationError) as stacked:
+
+            @app.periodic("0 17 * * *")
+            @app.periodic("0 9 * * *", name="cron.report")
+            def report() -> None: ...
+
+        message = str(stacked.value)
+        assert "'0 9 * * *' (tz UTC" in message and "'0 17 * * *' (tz UTC" in message, message
+        assert "'0 9,17 * * *'" in message and "name='cron.report.2'" in message, message
+        [first] = app.schedules.values()
+        assert first.expression == "0 9 * * *"  # the first is kept, untouched
+
+        @app.job(name="cron.reconcile")
+        def reconcile(region: str) -> None: ...
+
+        app.periodic("*/5 * * * *", args={"region": "eu"})(reconcile)
+        assert app.periodic("*/5 * * * *", args={"region": "eu"})(reconcile) is reconcile
+        with pytest.raises(ConfigurationError, match=r"'region': 'eu'.*'region': 'us'"):
+            app.periodic("*/5 * * * *", args={"region": "us"})(reconcile)
+        # the fix it names: the function as a job type of its own
+        app.periodic("*/5 * * * *", args={"region": "us"}, name="cron.reconcile.2")(reconcile.fn)
+        scheduler = Scheduler(app)
+        scheduler.run_once(now=DAY)
+        scheduler.run_once(now=DAY + timedelta(minutes=5, seconds=5))
+        runs = {(j.name, j.args["region"]) for j in app.jobs(limit=100) if "reconcile" in j.name}
+        assert runs == {("cron.reconcile", "eu"), ("cron.reconcile.2", "us")}
+    finally:
+        app.close()

@@ -312,6 +312,9 @@ def test_a_prune_meeting_a_dlq_replay_of_a_member_keeps_the_workflow_and_its_pen
     [again] = claim(backend)
     assert finish(backend, again, "completed")
     assert callbacks(backend) == ["on_dead", "on_settled", "on_success"]
+    assert backend.workflow_prune(-1.0, 100) == 0  # its callbacks are yet to run
+    for callback in claim(backend, CALLBACKS, 10):
+        assert finish(backend, callback, "completed")
     assert backend.workflow_prune(-1.0, 100) == 1
 
 

@@ -804,8 +804,10 @@ class Backend(Protocol):
         """The parents of member ``job_id`` with ids above ``after``, in id order."""
         ...
 
-    def workflow_prune(self, older_than: float, limit: int) -> int:
-        """Delete workflows settled more than ``older_than`` s ago (their own rows)."""
+    def workflow_prune(self, older_than: float, limit: int, rows: int | None = None) -> int:
+        """Delete up to ``limit`` workflows settled more than ``older_than`` s ago (their
+        own rows), oldest first, and whole trees of nested ones holding about ``rows``
+        rows at most (the first whatever its size; None: no bound); how many went."""
         ...
 
     def workflow_take_settled(self) -> list[Settled]:

@@ -204,9 +204,9 @@ class SharedAdmin:
     ) -> list[ParentResultRow]:
         return self._read_program(lambda: self.workflows.parent_results(job_id, after, limit))
 
-    def workflow_prune(self, older_than: float, limit: int) -> int:
+    def workflow_prune(self, older_than: float, limit: int, rows: int | None = None) -> int:
         with self._transaction() as run:
-            return run.program(self.workflows.prune(older_than, limit))
+            return run.program(self.workflows.prune(older_than, limit, rows))
 
     def workflow_take_settled(self) -> list[Settled]:
         return self.workflows.take_settled()

@@ -828,22 +828,34 @@ class WorkflowStore:
             )
             members = [-w for w in workflows]  # up to their parents, where nested in one
 
-    def prune(self, older_than: float, limit: int) -> Program[int]:
+    def prune(self, older_than: float, limit: int, rows: int | None = None) -> Program[int]:
         """Delete up to ``limit`` outermost workflows settled more than ``older_than``
-        seconds ago, each with the workflows nested in it, and their members, edges and
-        pending rows; their jobs are pruned as jobs are, once their workflow is gone (a
-        member is kept while its workflow is). Returns how many workflows went."""
+        seconds ago, oldest first, each with the workflows nested in it, and their members,
+        edges and pending rows; their jobs are pruned as jobs are, once their workflow is
+        gone (a member is kept while its workflow is). Returns how many workflows went.
+
+        ``rows`` bounds the rows one call deletes (workflows, members and edges): the trees
+        are taken oldest first while their rows fit, the first whatever its size (a tree
+        is deleted whole, as its insert wrote it whole). 1,000 workflows of 1,000 members
+        were a million rows in one transaction, every lock held until its end."""
         q = self.q
         prunable = {"older_than": older_than, "limit": limit, "root": None}
-        rows = yield Stmt(q["wf_prunable"], prunable)
+        found = yield Stmt(q["wf_prunable"], prunable)
         trees: list[tuple[int, list[int]]] = []
-        for (root,) in rows:
+        taken = 0
+        for (root,) in found:
             tree, todo = [], [int(root)]
             while todo:  # the nested ones, before the members rows that name them go
                 workflow_id = todo.pop()
                 tree.append(workflow_id)
                 nested = yield Stmt(q["wf_nested"], {"id": workflow_id})
                 todo.extend(int(r[0]) for r in nested)
+            if rows is not None:
+                [(size,)] = yield Stmt(q["wf_tree_rows"], {"ids": self.array(tree)})
+                size = int(size) + len(tree)
+                if trees and taken + size > rows:
+                    break  # the next call starts with it (oldest first)
+                taken += size
             trees.append((int(root), tree))
         # Every tree locked at once, as a replay locks them (in id order, before it makes
         # a member pending again; tree after tree, a prune holding a later tree's lower id

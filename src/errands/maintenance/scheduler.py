@@ -15,7 +15,11 @@ Misfire policy, for slots that passed while no leader ran (``catch_up``):
 Under every policy each slot seen within the grace (``MISFIRE_GRACE``, longer when the
 maintenance tick and the leadership's ttl are) runs, however many one tick sees: a tick
 or a failover never makes an on-time slot look missed. A missed slot is one older than
-the grace when the scheduler first sees it.
+the grace when the scheduler first sees it, plus, for the leader's scheduler, the time
+its leader was busy since its last look while leading all along (``leading``): a slow
+tick (a long prune, a store waiting on a lock) never makes the slots due meanwhile look
+missed either. That time is read on ``time.monotonic()``, which on Linux stops while the
+host is suspended: the slots of a suspend are judged by their age.
 
 A periodic job seen for the first time starts from now: slots before its first
 deployment never run. One whose schedule changed, or that comes back after a leader
@@ -158,6 +162,35 @@ def check_catch_up(catch_up: object, name: str) -> bool | None:
     )
 
 
+def check_one_schedule(
+    before: Periodic, expression: str, timezone: str, args: dict[str, Any], catch_up: bool | None
+) -> None:
+    """A job type has one schedule: ``@app.periodic`` on a job that has one already passes
+    when it is the same schedule again (the module that registers it run twice), and
+    fails naming both otherwise. The second replaced the first without a word (two
+    schedules stacked on one function, a Celery beat habit, ran only the outer one; one
+    job scheduled for two regions, only for the last)."""
+    first = (before.expression, before.timezone, before.args, before.catch_up)
+    if (expression, timezone, args, catch_up) == first:
+        return
+    name = before.name
+    raise ConfigurationError(
+        f"periodic job {name!r} already has the schedule {_schedule_text(*first)}; a second "
+        f"one, {_schedule_text(expression, timezone, args, catch_up)}, would replace it: a "
+        "job type has one schedule. Write both times in one cron expression when the "
+        "arguments are the same (a list: '0 9,17 * * *'), or schedule the function as a "
+        f"job type of its own for the second: app.periodic({expression!r}, ..., "
+        f"name={name + '.2'!r})(the function; for a job already defined, its .fn)"
+    )
+
+
+def _schedule_text(
+    expression: str, timezone: str, args: dict[str, Any], catch_up: bool | None
+) -> str:
+    catch = "" if catch_up is None else f", catch_up={catch_up}"
+    return f"{expression!r} (tz {timezone}, args {args!r}{catch})"
+
+
 def slot_key(slot: datetime) -> str:
     return "cron:" + slot.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -180,15 +213,34 @@ class Scheduler:
         self.grace = max(grace, MISFIRE_GRACE)
         self.inserted = 0
         self._first = 0  # the periodic job a tick starts with
+        # The last look of the leader's scheduler: its leadership's term, and when
+        # (monotonic; see the module's docstring). Injectable, as ``clock`` is.
+        self.monotonic: Callable[[], float] = time.monotonic
+        self._looked: tuple[object, float] | None = None
         self._clock_warned: set[str] = set()
         self._absent_checked = float("-inf")  # monotonic: the last look with no periodic job
 
-    def run_once(self, now: datetime | None = None, go_on: Callable[[], bool] | None = None) -> int:
+    def run_once(
+        self,
+        now: datetime | None = None,
+        go_on: Callable[[], bool] | None = None,
+        leading: object | None = None,
+    ) -> int:
         """Insert the due slots of every periodic job; the number inserted. ``go_on``
         (the leader's renewal) is asked before each periodic job: a tick whose inserts
         wait on slow hooks stops when the leadership is lost. After one insert timed out
         on its lane, the others of this tick are left to the next (each could take a
-        whole hook_timeout, N of them far past the leader's lease)."""
+        whole hook_timeout, N of them far past the leader's lease).
+
+        ``leading`` names the leadership's term (the maintenance leader's; it changes when
+        the leadership is lost and taken again): from one look to the next of the same
+        term, the slots due meanwhile are on time however late this look is (a slow duty
+        held the tick: catch_up=False skipped them, with the leader up all along)."""
+        looked = self.monotonic()
+        busy = 0.0
+        if leading is not None and self._looked is not None and self._looked[0] == leading:
+            busy = max(looked - self._looked[1], 0.0)
+        self._looked = None if leading is None else (leading, looked)
         periodic = list(self.app.schedules.values())
         if not periodic:
             # Nothing to insert; the states of periodic jobs other code defined are
@@ -210,7 +262,7 @@ class Scheduler:
             if go_on is not None and not go_on():
                 break
             try:
-                count += self._run_one(job, states.get(job.name), now, go_on, now_given)
+                count += self._run_one(job, states.get(job.name), now, go_on, now_given, busy)
             except TimeoutError:
                 log.error(
                     "cron %s: its insert timed out (a before_insert hook?); this tick's "
@@ -251,6 +303,7 @@ class Scheduler:
         now: datetime,
         go_on: Callable[[], bool] | None = None,
         now_given: bool = True,
+        busy: float = 0.0,
     ) -> int:
         backend = self.app.backend
         count = 0
@@ -300,7 +353,7 @@ class Scheduler:
         # A changed schedule: its slots in the grace before now were never due (only the
         # one in the deploy's gap: the latest). Every on-time slot of an every-2-s job
         # redeployed under a grace of 300 s was 150 runs dated before the deploy.
-        chosen = slots[-1:] if changed else self._apply_policy(job, slots, now)
+        chosen = slots[-1:] if changed else self._apply_policy(job, slots, now, busy)
         job_id = state.last_job_id
         handled = last
         for slot in chosen:
@@ -337,14 +390,18 @@ class Scheduler:
         [handle] = lane.call(app.enqueue_many, [bound], timeout=app.hooks.hook_timeout, what=what)
         return handle  # type: ignore[no-any-return]
 
-    def _apply_policy(self, job: Periodic, slots: list[datetime], now: datetime) -> list[datetime]:
+    def _apply_policy(
+        self, job: Periodic, slots: list[datetime], now: datetime, busy: float = 0.0
+    ) -> list[datetime]:
         """The slots to insert, oldest first. Every slot seen within the grace runs, each
         one (a 300 s tick sees five of a minutely job, a failover a few of an every-2-s
-        one: only the newest ran); of the missed ones, older than the grace, the default
-        runs the latest, catch_up=True each, catch_up=False none."""
+        one: only the newest ran), and so does each that fell due while the leader was
+        busy since its last look (``busy`` seconds); of the missed ones, older than that,
+        the default runs the latest, catch_up=True each, catch_up=False none."""
         if job.catch_up is True:
             return slots
-        on_time = [s for s in slots if (now - s).total_seconds() <= self.grace]
+        late = self.grace + busy
+        on_time = [s for s in slots if (now - s).total_seconds() <= late]
         if job.catch_up is False:
             return on_time
         missed = slots[: len(slots) - len(on_time)]

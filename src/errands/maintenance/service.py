@@ -65,6 +65,10 @@ TICK_DEFAULT = 1.0
 PRUNE_INTERVAL_DEFAULT = 60.0
 RESCUE_BATCH = 500
 PRUNE_BATCH = 1000
+# The rows (workflows, members, edges) one workflow prune batch deletes, about: 1,000
+# workflows of 1,000 members were a million rows in one transaction, its locks held (and
+# SQLite's write lock) until the end. A tree bigger than this goes alone.
+PRUNE_WORKFLOW_ROWS = 10_000
 PRUNE_BATCHES_PER_ROUND = 10
 PRUNE_BACKLOG_TICKS = 5  # with a backlog left, prune again after this many ticks
 WORKER_FORGET_AFTER = 300.0  # seconds without a heartbeat before a worker leaves the registry
@@ -127,6 +131,7 @@ class Maintenance:
         self.prune_interval = prune_interval
         self.is_leader = False
         self._leader_lock = threading.Lock()  # is_leader's changes, each announced once
+        self._term = 0  # counts the times this worker took the leadership (the cron's terms)
         self.rescued = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="errands-maintenance", daemon=True)
@@ -211,7 +216,7 @@ class Maintenance:
             ("rescue", self.rescue),
             ("signal timeouts", self.expire_waits),
             ("promotion", self._promote_due),
-            ("cron", lambda: self.scheduler.run_once(go_on=self._still_leader)),
+            ("cron", lambda: self.scheduler.run_once(go_on=self._still_leader, leading=self._term)),
             ("pruning", self._prune_when_due),
             ("on_dead hooks", self._dead_hooks_when_due),
             ("write-ahead log", self.app.backend.wal_trim),  # (a file's size, mostly)
@@ -247,6 +252,8 @@ class Maintenance:
             leader = False
         with self._leader_lock:  # stop() may have resigned meanwhile: one event each way
             changed, self.is_leader = leader != self.is_leader, leader
+        if changed and leader:
+            self._term += 1  # a new term: the scheduler's last look was another's
         if changed:
             self.app.events.emit(
                 "errands.leader.elected" if leader else "errands.leader.resigned",
@@ -582,10 +589,14 @@ class Maintenance:
         for _ in range(PRUNE_BATCHES_PER_ROUND):
             if self._stop.is_set() or (self.is_leader and not self._still_leader()):
                 break  # (called outside a tick, by a test, it prunes as asked)
-            n = self.app.backend.job_prune(self.app.retention, PRUNE_BATCH)
-            n += self.app.backend.workflow_prune(self.app.retention, PRUNE_BATCH)
-            total += n
-            if n < PRUNE_BATCH:
+            jobs = self.app.backend.job_prune(self.app.retention, PRUNE_BATCH)
+            workflows = self.app.backend.workflow_prune(
+                self.app.retention, PRUNE_BATCH, PRUNE_WORKFLOW_ROWS
+            )
+            total += jobs + workflows
+            # A workflow batch stops at its rows: however few workflows went, more may
+            # wait (and the members of those that went are prunable now).
+            if jobs < PRUNE_BATCH and not workflows:
                 break
         else:
             self._next_prune = time.monotonic() + self.tick * PRUNE_BACKLOG_TICKS

@@ -436,6 +436,10 @@ SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s
 -- (wf_nested), whose result reads it until then. A member replayed since its workflow
 -- settled is pending again (its settle time is the old one), and a nested workflow that
 -- settled cancelled is not pending again in its parent: its pending rows are looked for.
+-- Nor while a callback of one of them (on_success, on_settled, on_dead) has not ended: it
+-- reads its workflow (ctx.workflow(), ctx.workflow_members()), and one still waiting in a
+-- busy or paused queue, or between its retries, got JobNotFound once the prune went past.
+-- Oldest first: a batch bounded by the rows it deletes goes on from the oldest it left.
 SELECT id FROM {schema}.errands_workflows AS w
 WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(older_than)s)
   AND (%(root)s::bigint IS NULL OR w.id = %(root)s::bigint)  -- one asked again, locked
@@ -448,13 +452,30 @@ WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(ol
           JOIN tree ON m.workflow_id = tree.id AND m.job_id < 0
       )
       SELECT 1 FROM {schema}.errands_workflow_pending AS p
-      WHERE p.workflow_id IN (SELECT id FROM tree))
+      WHERE p.workflow_id IN (SELECT id FROM tree)
+      UNION ALL
+      SELECT 1 FROM tree
+      JOIN {schema}.errands_workflows AS t ON t.id = tree.id
+      JOIN {schema}.errands_jobs AS j
+        ON j.id IN (t.on_success_job, t.on_settled_job, t.on_dead_job)
+      WHERE j.state NOT IN ('completed', 'dead', 'cancelled', 'discarded'))
+ORDER BY settled_at
 LIMIT %(limit)s
 
 -- name: wf_nested
 SELECT -job_id FROM {schema}.errands_workflow_members WHERE workflow_id = %(id)s AND job_id < 0
 
+-- name: wf_tree_rows
+-- The edge and member rows of these workflows (a prune's batch is bounded by the rows it
+-- deletes), counted through the indexes that lead with workflow_id.
+SELECT (SELECT count(*) FROM {schema}.errands_workflow_edges
+        WHERE workflow_id = ANY(%(ids)s::bigint[]))
+     + (SELECT count(*) FROM {schema}.errands_workflow_members
+        WHERE workflow_id = ANY(%(ids)s::bigint[]))
+
 -- name: wf_delete_edges
+-- Through errands_workflow_edges_workflow (migration 20): without it, each workflow pruned
+-- read every edge of every workflow kept.
 DELETE FROM {schema}.errands_workflow_edges WHERE workflow_id = %(id)s
 
 -- name: wf_delete_members

@@ -324,8 +324,9 @@ SELECT workflow_id FROM errands_jobs WHERE id = :id
 SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id < 0
 
 -- name: wf_prunable
--- Settled before the retention, nested in no other, and nothing pending in it nor in a
--- workflow nested in it at any depth (see the PostgreSQL statement).
+-- Settled before the retention, nested in no other, nothing pending in it nor in a
+-- workflow nested in it at any depth, and no callback of theirs yet to end; oldest first
+-- (see the PostgreSQL statement).
 SELECT id FROM errands_workflows AS w
 WHERE settled_at IS NOT NULL
   AND settled_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
@@ -339,13 +340,28 @@ WHERE settled_at IS NOT NULL
           JOIN tree ON m.workflow_id = tree.id AND m.job_id < 0
       )
       SELECT 1 FROM errands_workflow_pending AS p
-      WHERE p.workflow_id IN (SELECT id FROM tree))
+      WHERE p.workflow_id IN (SELECT id FROM tree)
+      UNION ALL
+      SELECT 1 FROM tree
+      JOIN errands_workflows AS t ON t.id = tree.id
+      JOIN errands_jobs AS j ON j.id IN (t.on_success_job, t.on_settled_job, t.on_dead_job)
+      WHERE j.state NOT IN ('completed', 'dead', 'cancelled', 'discarded'))
+ORDER BY settled_at
 LIMIT :limit
 
 -- name: wf_nested
 SELECT -job_id FROM errands_workflow_members WHERE workflow_id = :id AND job_id < 0
 
+-- name: wf_tree_rows
+-- The edge and member rows of these workflows (see the PostgreSQL statement).
+SELECT (SELECT count(*) FROM errands_workflow_edges
+        WHERE workflow_id IN (SELECT value FROM json_each(:ids)))
+     + (SELECT count(*) FROM errands_workflow_members
+        WHERE workflow_id IN (SELECT value FROM json_each(:ids)))
+
 -- name: wf_delete_edges
+-- Through errands_workflow_edges_workflow (migration 16): without it, each workflow pruned
+-- read every edge of every workflow kept, under the write lock.
 DELETE FROM errands_workflow_edges WHERE workflow_id = :id
 
 -- name: wf_delete_members
