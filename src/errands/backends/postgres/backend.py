@@ -234,6 +234,30 @@ MIGRATIONS = load_migrations(__package__)
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
+# What a child forked from a process that opened a backend let go of: the parent's pools
+# (and through them its connections). Kept referenced here for the child's life, so that
+# nothing in the child ever closes them, nor collects them: closing one sends Terminate on
+# the parent's socket (its session ends under it), and a pool collected runs its __del__,
+# which takes the parent's pool locks as the fork copied them (held by a thread that does
+# not exist in the child: a hang). See PostgresBackend._forked.
+_INHERITED: list[Any] = []
+# Every backend of this process whose pools are open: each is told of a fork in the child.
+_OPEN: weakref.WeakSet[PostgresBackend] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
+    for backend in list(_OPEN):
+        try:
+            backend._forked()
+        except Exception:  # pragma: no cover - never fail a fork (no logging here)
+            _INHERITED.append(backend)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def channel_name(schema: str) -> str:
     return f"errands_jobs_{schema}"
 
@@ -280,6 +304,9 @@ class PostgresBackend(PostgresAdmin):
         self._handler_pool: ConnectionPool | None = None
         self._handler_pool_size: int | None = self.config.tx_pool_size  # None: no worker yet
         self._handler_lock = threading.Lock()
+        # In a forked child, the main pool is opened at its first use (see _forked)
+        self._reopen = False
+        self._reopen_lock = threading.Lock()
         try:
             self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
         except Exception as exc:
@@ -288,6 +315,7 @@ class PostgresBackend(PostgresAdmin):
                 f"cannot connect to PostgreSQL at {self.config.display}: {exc}. Is the server "
                 "running and the URL right (postgresql://user@host:5432/dbname)?"
             ) from None
+        _OPEN.add(self)
         with self._conn() as conn:
             # enqueue(conn=): a caller's connection spelled like this reaches our database
             self._address = (conn.info.host, conn.info.port, conn.info.dbname)
@@ -305,11 +333,57 @@ class PostgresBackend(PostgresAdmin):
             self.migrate()
 
     # -- connections ---------------------------------------------------------------------
+    def _forked(self) -> None:
+        """In a child forked from the process that opened this backend (gunicorn
+        --preload, a web server's master that enqueued or migrated at import, the
+        forkserver of ``--pool process``, multiprocessing's fork): the child lets go of
+        everything of the parent's that holds or tracks a connection, and opens its own.
+
+        The parent's pools are never used by the child, nor closed there (closing sends
+        Terminate on the parent's sockets): they are left in ``_INHERITED``. Children
+        that went on using them shared the parent's sockets, their messages interleaved
+        on the wire: enqueues failed with protocol errors ("server sent data without prior
+        row description", DuplicatePreparedStatement) or hung 30 s waiting for a pool
+        connection no thread of the child would ever open, and jobs were lost (150 of 900
+        enqueues from three children stored). The locks and per-connection bookkeeping
+        start afresh too (a lock another thread of the parent held at the fork stays held
+        for good in the child): the prepared statements known per connection, the lost
+        claims (the parent's to give back), the coalesced NOTIFYs. The new main pool opens
+        at the child's first use of the store (_conn), the handler pool at its first
+        ctx.transaction(), as in any process. Runs in the child right after the fork
+        (os.register_at_fork), on its only thread: no I/O, no logging."""
+        inherited = [p for p in (self.pool, self._handler_pool) if p is not None]
+        _INHERITED.extend(inherited)
+        # a backend closed before the fork stays closed in the child
+        was_open = not self.pool.closed
+        timeout = self.pool.timeout
+        self._handler_pool = None
+        self._handler_lock = threading.Lock()
+        self._notify_lock = threading.Lock()
+        self._verdicts_lock = threading.Lock()
+        self._reopen_lock = threading.Lock()
+        self._last_notify = {}
+        if self._prepared is not None:
+            self._prepared = Prepared(self.q, BATCHED)
+        self._lost_claims = LostClaims(lambda wait: self._conn(wait), self._undo_claims)
+        self.pool = make_pool(self.config, "errands", 1, self.config.pool_size)
+        self.pool.timeout = timeout
+        self._reopen = was_open
+
+    def _open_in_child(self) -> None:
+        """Open the main pool of a forked child (see _forked), once."""
+        with self._reopen_lock:
+            if self._reopen:
+                self.pool.open()  # without waiting: a checkout waits for its connection
+                self._reopen = False
+
     @contextmanager
     def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
         """A pool connection the server has not closed; ``timeout``: wait at most that
         long for one (default: the pool's 30 s, or less before a waiting caller's
         deadline: see base.calls_until)."""
+        if self._reopen:
+            self._open_in_child()
         if timeout is None:
             timeout = connection_wait(self.pool.timeout)
         try:
@@ -422,6 +496,8 @@ class PostgresBackend(PostgresAdmin):
         return self._again_if_lost(lambda conn, _: work(conn))
 
     def close(self) -> None:
+        self._reopen = False  # (a forked child's pool, never opened: nothing to close)
+        _OPEN.discard(self)
         self.pool.close()
         with self._handler_lock:
             handlers, self._handler_pool = self._handler_pool, None
