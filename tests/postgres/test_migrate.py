@@ -12,7 +12,7 @@ import pgacc_basic
 import pgacc_support
 import pytest
 
-from errands.backends.postgres.backend import MIGRATIONS
+from errands.backends.postgres.backend import MIGRATIONS, SCHEMA_VERSION
 from tests.pg import drop_schema, pg_base_url, unavailable, with_params
 
 from .harness import PgCluster, wait_until
@@ -125,3 +125,29 @@ def test_worker_on_an_unmigrated_schema_exits_with_one_line_saying_to_run_migrat
     assert len(lines) == 1, proc.stderr()
     assert "errands migrate" in lines[0], lines[0]
     assert not pgc.query("SELECT 1 FROM pg_namespace WHERE nspname = %s", (f"{pgc.schema}_bare",))
+
+
+def test_a_worker_of_the_previous_release_runs_on_a_newer_schema_with_a_warning(
+    pgc: PgCluster,
+) -> None:
+    """A newer release migrated the schema (a version above this errands' is recorded)
+    while this release's workers still run, as in a rolling deploy. A worker of this
+    release (re)started now runs its jobs, with one warning naming both versions and
+    saying to upgrade errands on this host; `errands migrate` of this release refuses
+    the schema with the same advice. Before: the worker exited 1 saying to run `errands
+    migrate`, which this release then refused ("newer than this errands")."""
+    pgc.app().migrate()
+    newer = SCHEMA_VERSION + 1
+    pgc.query("INSERT INTO {s}.errands_migrations (version, name) VALUES (%s, 'next')", (newer,))
+    worker = pgc.start_worker(label="previous-release")  # auto_migrate=true in its URL too
+    handle = pgacc_basic.touch.enqueue(n=3)
+    wait_until(lambda: handle.status() == "completed", 30, "the job to complete")
+    assert handle.result() == 3
+    told = [line for line in worker.stderr().splitlines() if "newer than this errands" in line]
+    assert len(told) == 1, worker.stderr()
+    assert f"version {newer}, newer than this errands ({SCHEMA_VERSION})" in told[0], told
+    assert "upgrade errands on this host" in told[0] and "errands migrate" not in told[0], told
+    refused = pgc.cli("migrate", "--url", with_params(pg_base_url(), schema=pgc.schema))
+    assert refused.code != 0, str(refused)
+    assert "upgrade errands on this host" in refused.stderr, str(refused)
+    assert worker.alive

@@ -329,8 +329,9 @@ class PostgresBackend(PostgresAdmin):
             self.q, lambda requests: self._insert_program(requests, copy=False), list,
             self._notify_program, self._insert_joined, release_wakeup=_ReleaseWakeup(self),
         )  # fmt: skip
+        self._newer_told = False  # a schema newer than this errands: warned once
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
-            self.migrate()
+            self._migrate_on_open()
 
     # -- connections ---------------------------------------------------------------------
     def _forked(self) -> None:
@@ -596,16 +597,44 @@ class PostgresBackend(PostgresAdmin):
                 applied.append(f"{version:04d}_{name}")
         return applied
 
-    def schema_check(self) -> None:
+    def _migrate_on_open(self) -> None:
+        """``auto_migrate=true``: migrate, except a schema newer than this errands (a newer
+        release migrated it), which this process runs on as schema_check lets it."""
         with self._conn() as conn:
             current = self._applied_version(conn)
-        if current != SCHEMA_VERSION:
+        if current > SCHEMA_VERSION:
+            self._newer(current)
+            return
+        self.migrate()
+
+    def schema_check(self) -> None:
+        """Refuse a schema older than this errands needs. A newer one (a newer release
+        migrated it: a rolling deploy, whose old workers go on meanwhile) is run on, with
+        a warning: the migrations keep the code of the release before them working
+        (docs/postgres.md lists what each changes for it)."""
+        with self._conn() as conn:
+            current = self._applied_version(conn)
+        if current < SCHEMA_VERSION:
             raise SchemaOutdated(
                 f"schema {self.schema!r} of {self.config.display} has errands schema version "
                 f"{current}, this errands needs {SCHEMA_VERSION}; run: "
                 f"errands migrate --url '{self.config.display}' (or apply the SQL of "
                 "`errands migrate --sql`)"
             )
+        if current > SCHEMA_VERSION:
+            self._newer(current)
+
+    def _newer(self, current: int) -> None:
+        """Warn, once per backend, of a schema newer than this errands."""
+        if self._newer_told:
+            return
+        self._newer_told = True
+        log.warning(
+            "schema %r of %s has errands schema version %d, newer than this errands (%d): "
+            "running on it, as the workers of the previous release do during a rolling "
+            "deploy; upgrade errands on this host",
+            self.schema, self.config.display, current, SCHEMA_VERSION,
+        )  # fmt: skip
 
     # -- enqueue -------------------------------------------------------------------------
     def _caller_program(self, raw: Any) -> Program[None]:
