@@ -119,6 +119,12 @@ IDLE = psycopg.pq.TransactionStatus.IDLE  # no transaction open on the connectio
 T = TypeVar("T")
 
 MIGRATE_LOCK_KEY = 7_203_148_551  # pg_advisory_xact_lock key for `errands migrate`
+# How long `errands migrate` waits for a lock on errands' tables (the whole transaction,
+# every migration; 0017-0019 also set it themselves). A migration's DDL waits for every
+# open transaction that touched its table (a caller's that enqueued, a handler's
+# ctx.transaction()), and every claim, heartbeat and enqueue queues behind its request
+# meanwhile: so it gives up, rolls back whole, and says to run it again.
+MIGRATE_LOCK_TIMEOUT = "5s"
 # A keyed insert that found its key taken, the key then freed by another caller before
 # it could read who holds it, tries again: this many times at most (see _insert_program).
 KEY_TRIES = 5
@@ -555,46 +561,66 @@ class PostgresBackend(PostgresAdmin):
         return int(version[0] or 0) if version else 0
 
     def migrate(self) -> list[str]:
+        """Apply the pending migrations, all in one transaction under the advisory lock.
+        Its lock waits on errands' tables last at most MIGRATE_LOCK_TIMEOUT (every
+        migration's, from 0001 on: only 0017-0019 set one themselves): past it, nothing
+        is changed and DatabaseBusy says to run it again at a quieter moment."""
         applied: list[str] = []
         schema = pg_sql.Identifier(self.schema)
-        with self._tx() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK_KEY,))
-            conn.execute(pg_sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
-            conn.execute(
-                pg_sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {}.errands_migrations (version integer PRIMARY "
-                    "KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-                ).format(schema)
-            )
-            current = self._applied_version(conn)
-            if current > SCHEMA_VERSION:
-                raise SchemaOutdated(
-                    f"schema {self.schema!r} has errands schema version {current}, newer than "
-                    f"this errands ({SCHEMA_VERSION}); upgrade errands on this host"
-                )
-            for version, name, text in self.migration_sql(after=current):
-                try:
-                    conn.execute(text.encode())
-                except (
-                    pg_errors.DuplicateTable,
-                    pg_errors.DuplicateColumn,
-                    pg_errors.DuplicateObject,
-                ) as exc:  # the tables are ahead of what errands_migrations records
-                    raise SchemaOutdated(
-                        f"cannot apply errands migration {version:04d}_{name} to schema "
-                        f"{self.schema!r} of {self.config.display}: "
-                        f"{exc.diag.message_primary}. errands_migrations records version "
-                        f"{current}, but the tables do not match it (was that table edited, or "
-                        "the schema restored from a copy?); nothing was changed; restore the "
-                        "schema from a backup"
-                    ) from None
+        step = "errands migrate"  # what is running, for the error if a lock wait runs out
+        try:
+            with self._tx() as conn:
+                # the advisory lock first, waited for as long as another migrate takes
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK_KEY,))
+                conn.execute("SELECT set_config('lock_timeout', %s, true)", (MIGRATE_LOCK_TIMEOUT,))
+                conn.execute(pg_sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
                 conn.execute(
                     pg_sql.SQL(
-                        "INSERT INTO {}.errands_migrations (version, name) VALUES (%s, %s)"
-                    ).format(schema),
-                    (version, name),
+                        "CREATE TABLE IF NOT EXISTS {}.errands_migrations (version integer "
+                        "PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL "
+                        "DEFAULT now())"
+                    ).format(schema)
                 )
-                applied.append(f"{version:04d}_{name}")
+                current = self._applied_version(conn)
+                if current > SCHEMA_VERSION:
+                    raise SchemaOutdated(
+                        f"schema {self.schema!r} has errands schema version {current}, newer "
+                        f"than this errands ({SCHEMA_VERSION}); upgrade errands on this host"
+                    )
+                for version, name, text in self.migration_sql(after=current):
+                    step = f"errands migration {version:04d}_{name}"
+                    try:
+                        conn.execute(text.encode())
+                    except (
+                        pg_errors.DuplicateTable,
+                        pg_errors.DuplicateColumn,
+                        pg_errors.DuplicateObject,
+                    ) as exc:  # the tables are ahead of what errands_migrations records
+                        raise SchemaOutdated(
+                            f"cannot apply {step} to schema {self.schema!r} of "
+                            f"{self.config.display}: {exc.diag.message_primary}. "
+                            f"errands_migrations records version {current}, but the tables do "
+                            "not match it (was that table edited, or the schema restored from "
+                            "a copy?); nothing was changed; restore the schema from a backup"
+                        ) from None
+                    conn.execute(
+                        pg_sql.SQL(
+                            "INSERT INTO {}.errands_migrations (version, name) VALUES (%s, %s)"
+                        ).format(schema),
+                        (version, name),
+                    )
+                    applied.append(f"{version:04d}_{name}")
+        except pg_errors.LockNotAvailable as exc:
+            raise busy_as(
+                exc,
+                f"{step} waited {MIGRATE_LOCK_TIMEOUT} for a lock on errands' tables in schema "
+                f"{self.schema!r} of {self.config.display}, held by another transaction (one "
+                "that enqueued or ran a ctx.transaction() and is still open, a long query or "
+                f"a dump) ({_first_line(exc)}); nothing was changed (this run's migrations all "
+                "rolled back), and the workers' and callers' statements that queued behind it "
+                "went on: run errands migrate again at a quieter moment (pg_stat_activity "
+                "lists the open transactions)",
+            ) from exc
         return applied
 
     def _migrate_on_open(self) -> None:
