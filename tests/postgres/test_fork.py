@@ -37,7 +37,8 @@ def test_children_forked_after_the_store_was_used_store_every_job_and_leave_the_
     """The parent enqueues (its statements prepared by psycopg on its connections) and
     opens its handler pool, then forks three children; each enqueues 60 jobs one by one
     and a batch of 20, opens a ctx.transaction() connection, and closes its App (which
-    must close nothing of the parent's). Every job is stored, under the id its enqueue
+    must close nothing of the parent's). One child first forks a grandchild that
+    enqueues before the child has used the store. Every job is stored, under the id its enqueue
     returned; no child fails; the parent's server sessions are the same ones afterwards
     (no Terminate was sent on them) and the parent goes on enqueuing."""
     done = _run(
@@ -66,6 +67,17 @@ def test_children_forked_after_the_store_was_used_store_every_job_and_leave_the_
             pid = os.fork()
             if pid == 0:
                 signal.alarm(120)  # a hung child fails the test instead of hanging it
+                if k == 0:  # forks again before its first use of the store
+                    grandchild = os.fork()
+                    if grandchild == 0:
+                        try:
+                            j.enqueue(n=50_000)
+                        except BaseException as exc:
+                            print(f"grandchild: {type(exc).__name__}: {exc}", flush=True)
+                            os._exit(1)
+                        os._exit(0)
+                    code = os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1])
+                    print("grandchild exit", code, flush=True)
                 try:
                     ids = [(k * 1000 + i, j.enqueue(n=k * 1000 + i).id) for i in range(60)]
                     batch = [j.bind(n=k * 1000 + 100 + i) for i in range(20)]
@@ -114,7 +126,8 @@ def test_children_forked_after_the_store_was_used_store_every_job_and_leave_the_
     assert "children exit [0, 0, 0]" in out, out
     assert "parent sessions alive True" in out, out
     assert "parent enqueues after True same True" in out, out
-    assert "jobs stored 250" in out, out  # 10 of the parent's, 80 of each child's
+    assert "grandchild exit 0" in out, out
+    assert "jobs stored 251" in out, out  # 10 of the parent's, 80 of each child's, 1
 
 
 def test_a_child_forked_after_a_result_wait_is_woken_by_a_watcher_of_its_own(

@@ -361,8 +361,9 @@ class PostgresBackend(PostgresAdmin):
         (os.register_at_fork), on its only thread: no I/O, no logging."""
         inherited = [p for p in (self.pool, self._handler_pool) if p is not None]
         _INHERITED.extend(inherited)
-        # a backend closed before the fork stays closed in the child
-        was_open = not self.pool.closed
+        # a backend closed before the fork stays closed in the child; one forked again
+        # before its first use (its pool not opened yet) opens at its own first use
+        was_open = self._reopen or not self.pool.closed
         timeout = self.pool.timeout
         self._handler_pool = None
         self._handler_lock = threading.Lock()
