@@ -48,7 +48,8 @@ class ConfigurationError(ErrandsError):
 
 
 class SchemaOutdated(ConfigurationError):
-    """The database schema is older (or newer) than this version of errands expects."""
+    """The database schema is older than this errands needs (a worker refuses it), or
+    newer than this errands (migrate refuses it; a worker runs on it, warning)."""
 
 
 MAIN_MODULE_HINT = (

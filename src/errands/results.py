@@ -36,8 +36,10 @@ import asyncio
 import logging
 import math
 import numbers
+import os
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
@@ -61,6 +63,22 @@ STATES_CHUNK = 500  # job ids per states query
 # the deadline itself (a pool's checkout: PoolTimeout, which says more) ends it first.
 AWAIT_MARGIN = 0.1
 TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
+
+
+# The watchers a forked child let go of (its parent's): kept referenced for the child's
+# life, never stopped nor collected there (see ResultHub._forked).
+_INHERITED: list[Any] = []
+_HUBS: weakref.WeakSet[ResultHub] = weakref.WeakSet()  # every hub of this process
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
+    for hub in list(_HUBS):
+        hub._forked()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Waiter:
@@ -130,6 +148,23 @@ class ResultHub:
         self._started = False
         self._retry_at = float("-inf")  # monotonic: when a watcher that failed may start
         self.wakeups = 0  # waiters woken by the watcher (tests, bench)
+        _HUBS.add(self)
+
+    def _forked(self) -> None:
+        """In a child forked from the process that started the watcher: the watcher's
+        thread does not exist here, yet its ``listening`` flag was copied set, so every
+        wait of the child took the store for pushing and slept until its recheck (30 s)
+        or its timeout. The child starts a watcher of its own at its first wait. The
+        parent's is left alone (stopping it would cancel on the parent's LISTEN
+        connection), and so are the parent's waiters (their threads are not the child's);
+        the locks start afresh (one held by another thread at the fork stays held)."""
+        if self._watcher is not None:
+            _INHERITED.append(self._watcher)
+        self._watcher, self._started = None, False
+        self._retry_at = float("-inf")
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._by_job = {}
 
     # -- the watcher -----------------------------------------------------------------------
     def _start(self) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import sqlite3
 import threading
@@ -14,6 +15,7 @@ from errands import SchemaOutdated
 from errands.backends import open_backend
 from errands.backends.sqlfile import load_migrations
 from errands.backends.sqlite.backend import MIGRATIONS, SCHEMA_VERSION, Q, SQLiteBackend
+from tests.conformance.support import request
 
 MIGRATIONS_DIR = (
     Path(__file__).parents[2] / "src" / "errands" / "backends" / "sqlite" / "migrations"
@@ -106,8 +108,14 @@ def test_schema_check_refuses_an_unmigrated_database_naming_the_command(tmp_path
         backend.close()
 
 
-def test_a_schema_newer_than_this_errands_is_refused(tmp_path: Path) -> None:
-    """An older errands does not run on, or migrate, a database a newer one upgraded."""
+def test_a_worker_of_the_previous_release_runs_on_a_newer_schema_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newer errands upgraded the file while this release still runs (a rolling deploy):
+    the store opens (auto-migrate) and passes the worker's schema check, with one warning
+    naming both versions and saying to upgrade errands on this host, and serves jobs;
+    migrate() refuses it with the same advice. Before: the open raised, and the check
+    said to run errands migrate, which this release refuses."""
     backend = _unmigrated(tmp_path)
     try:
         backend.migrate()
@@ -117,9 +125,40 @@ def test_a_schema_newer_than_this_errands_is_refused(tmp_path: Path) -> None:
                 "VALUES (?, 'future', 0)",
                 (SCHEMA_VERSION + 1,),
             )
-        with pytest.raises(SchemaOutdated, match="upgrade errands"):
+        with pytest.raises(SchemaOutdated, match="upgrade errands on this host"):
             backend.migrate()
-        with pytest.raises(SchemaOutdated, match=f"version {SCHEMA_VERSION + 1}"):
+    finally:
+        backend.close()
+    caplog.set_level(logging.WARNING, logger="errands.sqlite")
+    reopened = SQLiteBackend(f"sqlite:///{tmp_path / 'fresh.db'}")  # auto-migrates
+    try:
+        assert reopened.schema_check() is None
+        assert reopened.schema_check() is None  # said once
+        told = [r.getMessage() for r in caplog.records if "newer than this" in r.getMessage()]
+        assert len(told) == 1, told
+        newer = f"version {SCHEMA_VERSION + 1}, newer than this errands ({SCHEMA_VERSION})"
+        assert newer in told[0], told
+        assert "upgrade errands on this host" in told[0] and "errands migrate" not in told[0]
+        [inserted] = reopened.job_insert_many([request()])
+        assert reopened.job_get(inserted.id) is not None
+    finally:
+        reopened.close()
+
+
+def test_schema_check_refuses_an_older_schema_naming_migrate(tmp_path: Path) -> None:
+    """One release behind (the last migration not applied): refused, saying to migrate."""
+    backend = _unmigrated(tmp_path)
+    try:
+        path = tmp_path / "fresh.db"
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+            conn.execute(
+                "CREATE TABLE errands_migrations (version INTEGER PRIMARY KEY, "
+                "name TEXT NOT NULL, applied_at REAL NOT NULL)"
+            )
+            for version, name, sql in MIGRATIONS[:-1]:
+                conn.executescript(sql)
+                conn.execute("INSERT INTO errands_migrations VALUES (?, ?, 0)", (version, name))
+        with pytest.raises(SchemaOutdated, match=f"version {SCHEMA_VERSION - 1}.*errands migrate"):
             backend.schema_check()
     finally:
         backend.close()

@@ -73,8 +73,8 @@ def migration_script(url: str, after: int = 0) -> str:
                 ]
         return "\n".join(lines) + "\n"
     if scheme in ("postgres", "postgresql"):
+        from .postgres.backend import MIGRATE_LOCK_TIMEOUT, fill_markers
         from .postgres.backend import MIGRATIONS as PG_MIGRATIONS
-        from .postgres.backend import fill_markers
         from .postgres.config import parse_postgres_url
 
         schema = parse_postgres_url(url).schema
@@ -88,6 +88,8 @@ def migration_script(url: str, after: int = 0) -> str:
                 lines += [
                     f"-- migration {version:04d}_{name}",
                     "BEGIN;",
+                    # as errands migrate: lock waits end, the migration rolled back
+                    f"SET LOCAL lock_timeout = '{MIGRATE_LOCK_TIMEOUT}';",
                     fill_markers(sql, schema).strip(),
                     f'INSERT INTO "{schema}".errands_migrations (version, name) '
                     f"VALUES ({version}, '{name}');",

@@ -119,6 +119,12 @@ IDLE = psycopg.pq.TransactionStatus.IDLE  # no transaction open on the connectio
 T = TypeVar("T")
 
 MIGRATE_LOCK_KEY = 7_203_148_551  # pg_advisory_xact_lock key for `errands migrate`
+# How long `errands migrate` waits for a lock on errands' tables (the whole transaction,
+# every migration; 0017-0019 also set it themselves). A migration's DDL waits for every
+# open transaction that touched its table (a caller's that enqueued, a handler's
+# ctx.transaction()), and every claim, heartbeat and enqueue queues behind its request
+# meanwhile: so it gives up, rolls back whole, and says to run it again.
+MIGRATE_LOCK_TIMEOUT = "5s"
 # A keyed insert that found its key taken, the key then freed by another caller before
 # it could read who holds it, tries again: this many times at most (see _insert_program).
 KEY_TRIES = 5
@@ -234,6 +240,30 @@ MIGRATIONS = load_migrations(__package__)
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
+# What a child forked from a process that opened a backend let go of: the parent's pools
+# (and through them its connections). Kept referenced here for the child's life, so that
+# nothing in the child ever closes them, nor collects them: closing one sends Terminate on
+# the parent's socket (its session ends under it), and a pool collected runs its __del__,
+# which takes the parent's pool locks as the fork copied them (held by a thread that does
+# not exist in the child: a hang). See PostgresBackend._forked.
+_INHERITED: list[Any] = []
+# Every backend of this process whose pools are open: each is told of a fork in the child.
+_OPEN: weakref.WeakSet[PostgresBackend] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
+    for backend in list(_OPEN):
+        try:
+            backend._forked()
+        except Exception:  # pragma: no cover - never fail a fork (no logging here)
+            _INHERITED.append(backend)
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def channel_name(schema: str) -> str:
     return f"errands_jobs_{schema}"
 
@@ -280,6 +310,9 @@ class PostgresBackend(PostgresAdmin):
         self._handler_pool: ConnectionPool | None = None
         self._handler_pool_size: int | None = self.config.tx_pool_size  # None: no worker yet
         self._handler_lock = threading.Lock()
+        # In a forked child, the main pool is opened at its first use (see _forked)
+        self._reopen = False
+        self._reopen_lock = threading.Lock()
         try:
             self.pool.open(wait=True, timeout=CONNECT_TIMEOUT_DEFAULT)
         except Exception as exc:
@@ -288,6 +321,7 @@ class PostgresBackend(PostgresAdmin):
                 f"cannot connect to PostgreSQL at {self.config.display}: {exc}. Is the server "
                 "running and the URL right (postgresql://user@host:5432/dbname)?"
             ) from None
+        _OPEN.add(self)
         with self._conn() as conn:
             # enqueue(conn=): a caller's connection spelled like this reaches our database
             self._address = (conn.info.host, conn.info.port, conn.info.dbname)
@@ -301,15 +335,63 @@ class PostgresBackend(PostgresAdmin):
             self.q, lambda requests: self._insert_program(requests, copy=False), list,
             self._notify_program, self._insert_joined, release_wakeup=_ReleaseWakeup(self),
         )  # fmt: skip
+        self._newer_told = False  # a schema newer than this errands: warned once
         if auto_migrate if auto_migrate is not None else self.config.auto_migrate:
-            self.migrate()
+            self._migrate_on_open()
 
     # -- connections ---------------------------------------------------------------------
+    def _forked(self) -> None:
+        """In a child forked from the process that opened this backend (gunicorn
+        --preload, a web server's master that enqueued or migrated at import, the
+        forkserver of ``--pool process``, multiprocessing's fork): the child lets go of
+        everything of the parent's that holds or tracks a connection, and opens its own.
+
+        The parent's pools are never used by the child, nor closed there (closing sends
+        Terminate on the parent's sockets): they are left in ``_INHERITED``. Children
+        that went on using them shared the parent's sockets, their messages interleaved
+        on the wire: enqueues failed with protocol errors ("server sent data without prior
+        row description", DuplicatePreparedStatement) or hung 30 s waiting for a pool
+        connection no thread of the child would ever open, and jobs were lost (150 of 900
+        enqueues from three children stored). The locks and per-connection bookkeeping
+        start afresh too (a lock another thread of the parent held at the fork stays held
+        for good in the child): the prepared statements known per connection, the lost
+        claims (the parent's to give back), the coalesced NOTIFYs. The new main pool opens
+        at the child's first use of the store (_conn), the handler pool at its first
+        ctx.transaction(), as in any process. Runs in the child right after the fork
+        (os.register_at_fork), on its only thread: no I/O, no logging."""
+        inherited = [p for p in (self.pool, self._handler_pool) if p is not None]
+        _INHERITED.extend(inherited)
+        # a backend closed before the fork stays closed in the child; one forked again
+        # before its first use (its pool not opened yet) opens at its own first use
+        was_open = self._reopen or not self.pool.closed
+        timeout = self.pool.timeout
+        self._handler_pool = None
+        self._handler_lock = threading.Lock()
+        self._notify_lock = threading.Lock()
+        self._verdicts_lock = threading.Lock()
+        self._reopen_lock = threading.Lock()
+        self._last_notify = {}
+        if self._prepared is not None:
+            self._prepared = Prepared(self.q, BATCHED)
+        self._lost_claims = LostClaims(lambda wait: self._conn(wait), self._undo_claims)
+        self.pool = make_pool(self.config, "errands", 1, self.config.pool_size)
+        self.pool.timeout = timeout
+        self._reopen = was_open
+
+    def _open_in_child(self) -> None:
+        """Open the main pool of a forked child (see _forked), once."""
+        with self._reopen_lock:
+            if self._reopen:
+                self.pool.open()  # without waiting: a checkout waits for its connection
+                self._reopen = False
+
     @contextmanager
     def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
         """A pool connection the server has not closed; ``timeout``: wait at most that
         long for one (default: the pool's 30 s, or less before a waiting caller's
         deadline: see base.calls_until)."""
+        if self._reopen:
+            self._open_in_child()
         if timeout is None:
             timeout = connection_wait(self.pool.timeout)
         try:
@@ -422,6 +504,8 @@ class PostgresBackend(PostgresAdmin):
         return self._again_if_lost(lambda conn, _: work(conn))
 
     def close(self) -> None:
+        self._reopen = False  # (a forked child's pool, never opened: nothing to close)
+        _OPEN.discard(self)
         self.pool.close()
         with self._handler_lock:
             handlers, self._handler_pool = self._handler_pool, None
@@ -478,58 +562,106 @@ class PostgresBackend(PostgresAdmin):
         return int(version[0] or 0) if version else 0
 
     def migrate(self) -> list[str]:
+        """Apply the pending migrations, all in one transaction under the advisory lock.
+        Its lock waits on errands' tables last at most MIGRATE_LOCK_TIMEOUT (every
+        migration's, from 0001 on: only 0017-0019 set one themselves): past it, nothing
+        is changed and DatabaseBusy says to run it again at a quieter moment."""
         applied: list[str] = []
         schema = pg_sql.Identifier(self.schema)
-        with self._tx() as conn:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK_KEY,))
-            conn.execute(pg_sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
-            conn.execute(
-                pg_sql.SQL(
-                    "CREATE TABLE IF NOT EXISTS {}.errands_migrations (version integer PRIMARY "
-                    "KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-                ).format(schema)
-            )
-            current = self._applied_version(conn)
-            if current > SCHEMA_VERSION:
-                raise SchemaOutdated(
-                    f"schema {self.schema!r} has errands schema version {current}, newer than "
-                    f"this errands ({SCHEMA_VERSION}); upgrade errands on this host"
-                )
-            for version, name, text in self.migration_sql(after=current):
-                try:
-                    conn.execute(text.encode())
-                except (
-                    pg_errors.DuplicateTable,
-                    pg_errors.DuplicateColumn,
-                    pg_errors.DuplicateObject,
-                ) as exc:  # the tables are ahead of what errands_migrations records
-                    raise SchemaOutdated(
-                        f"cannot apply errands migration {version:04d}_{name} to schema "
-                        f"{self.schema!r} of {self.config.display}: "
-                        f"{exc.diag.message_primary}. errands_migrations records version "
-                        f"{current}, but the tables do not match it (was that table edited, or "
-                        "the schema restored from a copy?); nothing was changed; restore the "
-                        "schema from a backup"
-                    ) from None
+        step = "errands migrate"  # what is running, for the error if a lock wait runs out
+        try:
+            with self._tx() as conn:
+                # the advisory lock first, waited for as long as another migrate takes
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATE_LOCK_KEY,))
+                conn.execute("SELECT set_config('lock_timeout', %s, true)", (MIGRATE_LOCK_TIMEOUT,))
+                conn.execute(pg_sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(schema))
                 conn.execute(
                     pg_sql.SQL(
-                        "INSERT INTO {}.errands_migrations (version, name) VALUES (%s, %s)"
-                    ).format(schema),
-                    (version, name),
+                        "CREATE TABLE IF NOT EXISTS {}.errands_migrations (version integer "
+                        "PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL "
+                        "DEFAULT now())"
+                    ).format(schema)
                 )
-                applied.append(f"{version:04d}_{name}")
+                current = self._applied_version(conn)
+                if current > SCHEMA_VERSION:
+                    raise SchemaOutdated(
+                        f"schema {self.schema!r} has errands schema version {current}, newer "
+                        f"than this errands ({SCHEMA_VERSION}); upgrade errands on this host"
+                    )
+                for version, name, text in self.migration_sql(after=current):
+                    step = f"errands migration {version:04d}_{name}"
+                    try:
+                        conn.execute(text.encode())
+                    except (
+                        pg_errors.DuplicateTable,
+                        pg_errors.DuplicateColumn,
+                        pg_errors.DuplicateObject,
+                    ) as exc:  # the tables are ahead of what errands_migrations records
+                        raise SchemaOutdated(
+                            f"cannot apply {step} to schema {self.schema!r} of "
+                            f"{self.config.display}: {exc.diag.message_primary}. "
+                            f"errands_migrations records version {current}, but the tables do "
+                            "not match it (was that table edited, or the schema restored from "
+                            "a copy?); nothing was changed; restore the schema from a backup"
+                        ) from None
+                    conn.execute(
+                        pg_sql.SQL(
+                            "INSERT INTO {}.errands_migrations (version, name) VALUES (%s, %s)"
+                        ).format(schema),
+                        (version, name),
+                    )
+                    applied.append(f"{version:04d}_{name}")
+        except pg_errors.LockNotAvailable as exc:
+            raise busy_as(
+                exc,
+                f"{step} waited {MIGRATE_LOCK_TIMEOUT} for a lock on errands' tables in schema "
+                f"{self.schema!r} of {self.config.display}, held by another transaction (one "
+                "that enqueued or ran a ctx.transaction() and is still open, a long query or "
+                f"a dump) ({_first_line(exc)}); nothing was changed (this run's migrations all "
+                "rolled back), and the workers' and callers' statements that queued behind it "
+                "went on: run errands migrate again at a quieter moment (pg_stat_activity "
+                "lists the open transactions)",
+            ) from exc
         return applied
 
-    def schema_check(self) -> None:
+    def _migrate_on_open(self) -> None:
+        """``auto_migrate=true``: migrate, except a schema newer than this errands (a newer
+        release migrated it), which this process runs on as schema_check lets it."""
         with self._conn() as conn:
             current = self._applied_version(conn)
-        if current != SCHEMA_VERSION:
+        if current > SCHEMA_VERSION:
+            self._newer(current)
+            return
+        self.migrate()
+
+    def schema_check(self) -> None:
+        """Refuse a schema older than this errands needs. A newer one (a newer release
+        migrated it: a rolling deploy, whose old workers go on meanwhile) is run on, with
+        a warning: the migrations keep the code of the release before them working
+        (docs/postgres.md lists what each changes for it)."""
+        with self._conn() as conn:
+            current = self._applied_version(conn)
+        if current < SCHEMA_VERSION:
             raise SchemaOutdated(
                 f"schema {self.schema!r} of {self.config.display} has errands schema version "
                 f"{current}, this errands needs {SCHEMA_VERSION}; run: "
                 f"errands migrate --url '{self.config.display}' (or apply the SQL of "
                 "`errands migrate --sql`)"
             )
+        if current > SCHEMA_VERSION:
+            self._newer(current)
+
+    def _newer(self, current: int) -> None:
+        """Warn, once per backend, of a schema newer than this errands."""
+        if self._newer_told:
+            return
+        self._newer_told = True
+        log.warning(
+            "schema %r of %s has errands schema version %d, newer than this errands (%d): "
+            "running on it, as the workers of the previous release do during a rolling "
+            "deploy; upgrade errands on this host",
+            self.schema, self.config.display, current, SCHEMA_VERSION,
+        )  # fmt: skip
 
     # -- enqueue -------------------------------------------------------------------------
     def _caller_program(self, raw: Any) -> Program[None]:

@@ -316,8 +316,9 @@ class SQLiteBackend(SQLiteAdmin):
         self._pid = -1
         self._fresh_process()
         self.workflows = WorkflowStore(Q, self._insert_program, json.dumps, rows=json.dumps)
+        self._newer_told = False  # a schema newer than this errands: warned once
         if auto_migrate:
-            self.migrate()
+            self._migrate_on_open()
 
     # -- connections ---------------------------------------------------------------
     def _fresh_process(self) -> None:
@@ -658,14 +659,43 @@ class SQLiteBackend(SQLiteAdmin):
                 applied.append(f"{version:04d}_{name}")
         return applied
 
-    def schema_check(self) -> None:
+    def _migrate_on_open(self) -> None:
+        """Migrate as the store opens, except a file newer than this errands (a newer
+        release migrated it), which this process runs on as schema_check lets it: a
+        worker of the previous release, restarted after a newer one had opened the
+        file, could not even open it."""
         with self._read() as conn:
             current = self._applied_version(conn)
-        if current != SCHEMA_VERSION:
+        if current > SCHEMA_VERSION:
+            self._newer(current)
+            return
+        self.migrate()
+
+    def schema_check(self) -> None:
+        """Refuse a schema older than this errands needs. A newer one (a newer release
+        migrated it, while this one still runs) is run on, with a warning: the
+        migrations keep the code of the release before them working."""
+        with self._read() as conn:
+            current = self._applied_version(conn)
+        if current < SCHEMA_VERSION:
             raise SchemaOutdated(
                 f"the database {self.path!r} has errands schema version {current}, this errands "
                 f"needs {SCHEMA_VERSION}; run: errands migrate --app <module:app>"
             )
+        if current > SCHEMA_VERSION:
+            self._newer(current)
+
+    def _newer(self, current: int) -> None:
+        """Warn, once per store, of a schema newer than this errands."""
+        if self._newer_told:
+            return
+        self._newer_told = True
+        log.warning(
+            "the database %r has errands schema version %d, newer than this errands (%d): "
+            "running on it, as the workers of the previous release do during a rolling "
+            "deploy; upgrade errands on this host",
+            self.path, current, SCHEMA_VERSION,
+        )  # fmt: skip
 
     # -- enqueue ---------------------------------------------------------------------
     def _caller_program(self, conn: Any) -> Program[None]:
