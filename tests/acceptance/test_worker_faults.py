@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import sqlite3
 import time
 from collections import Counter
 
@@ -172,7 +173,7 @@ def test_paused_worker_late_completion_is_rejected_after_another_worker_complete
 
     paused = cluster.start_worker(label="paused")
     wait_until(lambda: cluster.effects(handle.id), 15, "the job to start on the first worker")
-    paused.signal(signal.SIGSTOP)
+    _pause_outside_a_write(paused, cluster)
     try:
         rescuer = cluster.start_worker(label="rescuer")
         wait_until(
@@ -208,6 +209,26 @@ def test_paused_worker_late_completion_is_rejected_after_another_worker_complete
         proc.signal(signal.SIGTERM)
     for proc in (paused, rescuer):
         assert proc.wait_exit(15) == 0, proc.label
+
+
+def _pause_outside_a_write(proc: Proc, cluster: Cluster) -> None:
+    """SIGSTOP ``proc`` at a moment it holds no write transaction of the SQLite file: a
+    process stopped inside one (a heartbeat, an election) holds the file's write lock
+    until it runs again, and no other worker can rescue anything meanwhile (SQLite's one
+    writer; on a busy machine the rescuer waited its whole write_timeout to start)."""
+    for _ in range(100):
+        proc.signal(signal.SIGSTOP)
+        probe = sqlite3.connect(cluster.db_path, timeout=0.2, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # locked: let it finish its write, then again
+            proc.signal(signal.SIGCONT)
+            time.sleep(0.05)
+        finally:
+            probe.close()
+    raise AssertionError("the worker held the SQLite write lock at every try")
 
 
 def test_handler_that_crashes_its_process_goes_dead_as_poison_after_three_rescues(

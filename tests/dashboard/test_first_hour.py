@@ -142,9 +142,9 @@ def test_the_queues_page_marks_a_queue_no_live_worker_serves(
     ("url", "heading", "fix"),
     [
         (
-            "sqlite:///{tmp}/future.db",
+            "{pg}",  # a fresh PostgreSQL schema: not migrated (auto_migrate is off there)
             "The database has no errands schema, or an outdated one",
-            "Run `errands migrate --url sqlite:///",
+            "Run `errands migrate --url postgresql://",
         ),
         (
             "sqlite:///{tmp}/no-such-folder/shop.db",
@@ -157,22 +157,20 @@ def test_the_queues_page_marks_a_queue_no_live_worker_serves(
             "the URL is right: postgresql://bob:***@127.0.0.1",
         ),
     ],
-    ids=["schema-from-the-future", "missing-folder", "postgres-unreachable"],
+    ids=["no-schema", "missing-folder", "postgres-unreachable"],
 )
 def test_a_database_that_cannot_be_read_shows_what_is_wrong_and_how_to_fix_it(
-    tmp_path: Path, url: str, heading: str, fix: str
+    tmp_path: Path, url: str, heading: str, fix: str, request: pytest.FixtureRequest
 ) -> None:
-    with closing(sqlite3.connect(tmp_path / "future.db")) as future:
-        future.execute(
-            "CREATE TABLE errands_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
-            "applied_at REAL NOT NULL)"
-        )
-        future.execute("INSERT INTO errands_migrations VALUES (999, 'from_the_future', 0)")
-        future.commit()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
-    store = errands.App(url.format(tmp=tmp_path, port=port))
+    pg = ""
+    if "{pg}" in url:  # the fresh schema, without the tests' own auto_migrate=true
+        pg = str(request.getfixturevalue("pg_url")).replace(
+            "auto_migrate=true", "auto_migrate=false"
+        )
+    store = errands.App(url.format(tmp=tmp_path, port=port, pg=pg))
     with TestClient(
         create_app(store, password=PASSWORD), base_url=BASE_URL, client=("127.0.0.1", 1)
     ) as test_client:
@@ -203,3 +201,22 @@ def test_a_404_asks_for_a_login_first(make_client: Any) -> None:
     response = make_client(signed_in=False).get("/no-such-page", follow_redirects=False)
     assert response.status_code == 303
     assert response.headers["location"].startswith("/login")
+
+
+def test_a_database_migrated_by_a_newer_errands_is_shown_as_it_is(tmp_path: Path) -> None:
+    """A dashboard of the previous release during a rolling deploy: the schema is newer
+    than it knows, and it serves its pages (as a worker of that release runs, warning)
+    rather than an error page telling the operator to run a migrate it would refuse."""
+    url = f"sqlite:///{tmp_path}/newer.db"
+    errands.App(url).migrate()
+    with closing(sqlite3.connect(tmp_path / "newer.db")) as newer:
+        newer.execute("INSERT INTO errands_migrations VALUES (999, 'from_a_newer_errands', 0)")
+        newer.commit()
+    store = errands.App(url)
+    with TestClient(
+        create_app(store, password=PASSWORD), base_url=BASE_URL, client=("127.0.0.1", 1)
+    ) as test_client:
+        login(test_client)
+        for path in ("/", "/jobs", "/queues", "/workers"):
+            assert test_client.get(path).status_code == 200, path
+    store.close()
