@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from pydantic_core import PydanticSerializationError, to_json
 
+from . import offloop
 from .backends import SQLITE_URL_DEFAULT, Backend, open_backend, redact_url
 from .backends.base import (
     ActionParams,
@@ -821,7 +822,7 @@ class App:
             # waits leaves the thread to finish, and what it stored is announced all the
             # same (errands.job.enqueued: metrics, traces, subscribers missed those jobs);
             # the app's subscribers run there, off the event loop.
-            return await asyncio.to_thread(self._insert_announced, backend, requests)
+            return await offloop.run(self._insert_announced, backend, requests)
         with self._inserting(requests):
             results = await backend.ajob_insert_many(requests, conn=conn)
         return await self._off_loop(
@@ -852,7 +853,7 @@ class App:
         task on it, for as long as it ran); at once when it would not."""
         if not user_code:
             return fn(*args)
-        return await asyncio.to_thread(fn, *args)
+        return await offloop.run(fn, *args)
 
     def _announces(self, names: tuple[str, ...]) -> bool:
         """Whether emitting any of ``names`` from this thread would run a subscriber that
@@ -936,7 +937,7 @@ class App:
         with self._inserting(members):
             backend = await self.abackend()
         if conn is None:  # the insert and its announcement on one thread (aenqueue_many)
-            return await asyncio.to_thread(self._workflow_inserted, backend, workflow, spec)
+            return await offloop.run(self._workflow_inserted, backend, workflow, spec)
         with self._inserting(members):
             inserted = await backend.aworkflow_insert(spec, conn=conn)
         return await self._off_loop(
@@ -1099,7 +1100,7 @@ class App:
         .. versionadded:: 0.2
         """
         await self.abackend()  # opened once, off the executor (see abackend)
-        return await asyncio.to_thread(self.get_job, job_id)
+        return await offloop.run(self.get_job, job_id)
 
     def jobs(
         self,
@@ -1486,7 +1487,7 @@ class App:
         .. versionadded:: 0.2
         """
         await self.abackend()
-        return await asyncio.to_thread(self.signal, job_id, name, payload, actor=actor)
+        return await offloop.run(self.signal, job_id, name, payload, actor=actor)
 
     async def acancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """:meth:`cancel` for async code.
@@ -1494,7 +1495,7 @@ class App:
         .. versionadded:: 0.2
         """
         await self.abackend()
-        return await asyncio.to_thread(self.cancel, job_id, actor=actor)
+        return await offloop.run(self.cancel, job_id, actor=actor)
 
     def cancel(self, job_id: int, *, actor: str = "api") -> CancelResult:
         """Cancel a pending job at once, or ask a running one to stop."""

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from . import offloop
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from .worker.runtime import AttemptRuntime, TransactionConnection
+    from .worker.runtime import AsyncTransaction, AttemptRuntime, TransactionConnection
     from .workflows import Member, ParentResults, WorkflowStatus
 
 _CANCEL_LOCK = threading.Lock()
@@ -118,9 +119,32 @@ class Context:
 
         Writes made through it commit together with the completion, or roll back with a
         failure, timeout or lost lease. On SQLite it holds the database's write lock until
-        the handler returns: open it late and keep the rest of the handler short.
+        the handler returns: open it late and keep the rest of the handler short. In an
+        ``async def`` handler, ``await ctx.atransaction()``.
+
+        .. versionchanged:: 0.2 In an ``async def`` handler, on its event loop, it raises
+           ``ConfigurationError`` (it ran there, and its opening and statements waited
+           for locks on the loop every async job of the worker shares).
         """
+        self._not_on_the_loop(
+            "ctx.transaction()",
+            "`tx = await ctx.atransaction()` and `await tx.execute(...)`",
+            "opens a transaction of the store (waiting for SQLite's write lock or a pool "
+            "connection) and returns a connection whose statements block (a row lock)",
+        )
         return self._rt().transaction()
+
+    async def atransaction(self) -> AsyncTransaction:
+        """:meth:`transaction` for async handlers: the same transaction, committed with
+        this job's completion or rolled back with its failure, opened on a thread of its
+        own (waiting there for SQLite's write lock or a pool connection), whose statements
+        are awaited and run on that thread: ``await tx.execute(...)``, ``await
+        cur.fetchall()``. The event loop, and every async job of the worker on it, runs on
+        meanwhile. Called again in one run, it returns the same transaction.
+
+        .. versionadded:: 0.2
+        """
+        return await self._rt().atransaction()
 
     def enqueue(self, job: Any, *args: Any, **options: Any) -> None:
         """Enqueue a child job, inserted with this job's completion (never on a failed or
@@ -164,7 +188,7 @@ class Context:
         .. versionadded:: 0.2
         """
         workflow_id = self._workflow_required("ctx.aworkflow()")
-        return await asyncio.to_thread(self._rt().app.workflow_status, workflow_id)
+        return await offloop.run(self._rt().app.workflow_status, workflow_id)
 
     def workflow_members(self) -> list[Member]:
         """Every member of this job's workflow with its node, state and outcome (the
@@ -179,7 +203,7 @@ class Context:
         .. versionadded:: 0.2
         """
         workflow_id = self._workflow_required("ctx.aworkflow_members()")
-        return await asyncio.to_thread(self._rt().app.workflow_members, workflow_id)
+        return await offloop.run(self._rt().app.workflow_members, workflow_id)
 
     def parent_results(
         self, *, after: int = 0, limit: int = 100, max_bytes: int = 1_000_000
@@ -199,7 +223,7 @@ class Context:
 
         .. versionadded:: 0.2
         """
-        return await asyncio.to_thread(self._rt().parent_results, after, limit, max_bytes)
+        return await offloop.run(self._rt().parent_results, after, limit, max_bytes)
 
     def _not_on_the_loop(
         self, what: str, instead: str, does: str = "reads the store and blocks"

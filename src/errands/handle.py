@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from . import offloop
 from .errors import JobCancelled, JobFailed, JobNotFound
 from .jobs import Job, JobState, Progress
 from .waiting import afirst_end, first_end
@@ -92,18 +92,26 @@ class JobHandle:
         """:meth:`result` for async code: the same outcomes and errors, woken the same
         way, and the event loop never blocks. Each read runs in a thread and is awaited
         no longer than the time left, so ResultTimeout comes at the deadline even when a
-        read hangs (the thread ends on its own). A result is decoded in a thread too: its
-        return type's validators are the application's code, which may take a while.
+        read hangs (the thread ends on its own). A result is decoded in a thread too, and
+        within the same deadline: its return type's validators are the application's
+        code, which may take a while. The threads are errands' own (a pool of the
+        process's), never the event loop's default executor: the application's own
+        ``asyncio.to_thread`` calls cannot hold them up.
         Cancelling the awaiting task stops only the wait (its registration is removed).
 
         .. versionadded:: 0.2
         """
-        job = await afirst_end(self, timeout, poll)
+        job, pacer = await afirst_end(self, timeout, poll)
         if job.state is JobState.COMPLETED and job.result is not None:
             # decode_result runs the return type's pydantic validators: user code that
-            # would hold up every coroutine of the loop while it ran
-            return await asyncio.to_thread(self._outcome, job)
+            # would hold up every coroutine of the loop while it ran. In errands' thread,
+            # within the wait's deadline (it waited for a thread of the loop's executor,
+            # shared with the application, for as long as they were all busy).
+            return await pacer.bounded(offloop.run(self._outcome, job), self._decoding)
         return self._outcome(job)  # nothing to decode: None, or the error it ended with
+
+    def _decoding(self) -> str:
+        return f"job {self.id} ({self.name}) completed; its result was still being decoded"
 
     def progress(self) -> Progress | None:
         """What the running handler last reported with ``ctx.progress`` (as the worker's

@@ -45,6 +45,7 @@ from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import offloop
 from .backends.base import DEADLINE_FLOOR, calls_until
 from .errors import ConfigurationError, ResultTimeout, is_transient
 from .jobs import TERMINAL_STATES, JobRow
@@ -420,7 +421,7 @@ class Pacer:
         at most; a read still running then (a server that does not answer) is left to end
         in its thread, and counts as failed."""
         with self._reading():
-            return await self.within(asyncio.to_thread(self._until_deadline, call))
+            return await self.within(offloop.run(self._until_deadline, call))
         return None
 
     async def within(self, awaitable: Awaitable[T]) -> T:
@@ -438,6 +439,20 @@ class Pacer:
             if not scope.expired():
                 raise  # the awaitable's own
             raise TimeoutError(f"no answer within the {limit:.2f} s left") from None
+
+    async def bounded(self, awaitable: Awaitable[T], what: Callable[[], str]) -> T:
+        """``awaitable`` (a call in a thread, left to end there) given the time left, as
+        :meth:`within`; past it, the wait's ResultTimeout, naming ``what()``."""
+        left = self.left()
+        limit = None if left is None else max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
+        scope = asyncio.timeout(limit)
+        try:
+            async with scope:
+                return await awaitable
+        except TimeoutError:
+            if not scope.expired():
+                raise  # the awaitable's own
+        raise self.timed_out(what())
 
     async def opened(self, app: App, what: str) -> None:
         """The App's store opened (App.abackend) within the time left, else

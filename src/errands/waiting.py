@@ -5,9 +5,9 @@ A wait goes in rounds (:class:`Rounds`): take the rows the result hub read for i
 it woke it (errands.results), read the jobs it must read itself, hand over those that
 ended, then pause until woken or until the pacer says to look again. Two drivers run
 those rounds and differ only in how they read and how they wait: :func:`follow` in the
-caller's thread, :func:`afollow` in a task, whose reads run in a thread
-(``asyncio.to_thread``) and whose pauses are awaited (``Waiter.await_wake``), so the
-event loop never blocks. One wait, however many jobs, is one registration with the hub
+caller's thread, :func:`afollow` in a task, whose reads run in a thread (errands' own:
+errands.offloop) and whose pauses are awaited (``Waiter.await_wake``), so the event loop
+never blocks. One wait, however many jobs, is one registration with the hub
 and one read per round (in chunks of READ_CHUNK): ``await_all`` on 200 jobs is one
 waiter, where ``asyncio.gather`` of 200 ``aresult()`` calls was 200 waiters, each
 reading in a thread of its own.
@@ -29,6 +29,7 @@ from contextlib import aclosing, closing
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from . import offloop
 from .errors import ConfigurationError
 from .results import Pacer, ResultHub, Waiter
 
@@ -140,7 +141,7 @@ def follow(
                 rounds.woke(waiter, waiter.wait(rounds.pause()))
 
 
-async def afollow(
+def afollow(
     handles: Iterable[JobHandle],
     timeout: float | timedelta | None,
     poll: float | timedelta,
@@ -149,11 +150,19 @@ async def afollow(
     """:func:`follow` in a task: reads in a thread, pauses awaited. Cancelling the task
     removes its registration."""
     pending = {h.id: h for h in handles}
-    if not pending:
+    return _afollow(Rounds(pending, timeout, poll, what) if pending else None)
+
+
+async def _afollow(rounds: Rounds | None) -> AsyncGenerator[tuple[JobHandle, Job], None]:
+    if rounds is None:
         return
-    rounds = Rounds(pending, timeout, poll, what)
+    pending = rounds.pending
     await rounds.pacer.opened(rounds.app, rounds.what())  # once, off the executor
-    await asyncio.to_thread(rounds.hub.ready, rounds.pacer.ready_wait())
+    # Within the deadline too: the watcher's start waits READY_WAIT at most, but a thread
+    # for it could be long in coming (aresult(timeout=1) took 8 s when the event loop's
+    # default executor, shared with the application, was busy)
+    ready = offloop.run(rounds.hub.ready, rounds.pacer.ready_wait())
+    await rounds.pacer.bounded(ready, rounds.what)
     with rounds.hub.watch(pending, asyncio.get_running_loop()) as waiter:
         while pending:
             due = rounds.take(waiter)
@@ -282,7 +291,11 @@ def first_end(handle: JobHandle, timeout: float | timedelta | None, poll: float)
         return next(ended)[1]
 
 
-async def afirst_end(handle: JobHandle, timeout: float | timedelta | None, poll: float) -> Job:
-    """:func:`first_end` for a task (JobHandle.aresult)."""
-    async with aclosing(afollow([handle], timeout, poll, handle._still)) as ended:
-        return (await anext(ended))[1]
+async def afirst_end(
+    handle: JobHandle, timeout: float | timedelta | None, poll: float
+) -> tuple[Job, Pacer]:
+    """:func:`first_end` for a task (JobHandle.aresult), with the wait's pacer: what is
+    done with the job next (decoding its result) keeps to the same deadline."""
+    rounds = Rounds({handle.id: handle}, timeout, poll, handle._still)
+    async with aclosing(_afollow(rounds)) as ended:
+        return (await anext(ended))[1], rounds.pacer

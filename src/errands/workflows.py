@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from . import offloop
 from .backends.workflow_store import POLICIES, MemberRow, NodeSpec, WorkflowRow, WorkflowSpec
 from .definition import BoundJob, check_text
 from .errors import ConfigurationError, ErrandsError, JobNotFound
@@ -364,7 +365,7 @@ class WorkflowHandle:
         .. versionadded:: 0.2
         """
         await self.app.abackend()  # opened once, off the executor (see App.abackend)
-        return await asyncio.to_thread(self.status)
+        return await offloop.run(self.status)
 
     def members(self) -> list[Member]:
         return self.app.workflow_members(self.id)
@@ -381,7 +382,7 @@ class WorkflowHandle:
         .. versionadded:: 0.2
         """
         await self.app.abackend()
-        return await asyncio.to_thread(self.cancel, actor)
+        return await offloop.run(self.cancel, actor)
 
     def wait(self, timeout: float | timedelta | None = None) -> WorkflowStatus:
         """Wait until every member ended (the workflow settled); its final status.

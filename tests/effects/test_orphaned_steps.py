@@ -117,11 +117,13 @@ def test_a_step_called_by_a_task_after_its_handler_returned_is_refused_with_step
     async def fire_and_forget(ctx: errands.Context) -> str:
         async def late() -> None:
             await asyncio.sleep(0.3)
+            # Kept, not raised: a task's exception never retrieved is logged with its
+            # traceback when the task is collected, which on Python 3.11 (its ast.parse)
+            # could break a parse under way in the main thread (a SystemError in pytest)
             try:
                 await ctx.astep("late", lambda: called.append(1))
             except BaseException as exc:
                 refused.append(exc)
-                raise
             finally:
                 late_done.set()
 
@@ -213,7 +215,7 @@ def test_a_step_left_running_is_cancelled_at_the_jobs_timeout_and_the_attempt_ti
 def test_a_transaction_asked_for_by_a_task_after_its_handler_returned_is_refused(
     make_app: Make,
 ) -> None:
-    """ctx.transaction() from a task the handler never awaited, once the handler has
+    """ctx.atransaction() from a task the handler never awaited, once the handler has
     returned: the transaction it opened was never committed nor rolled back (on SQLite
     its write lock stalled every later job of the file for good). Refused with
     TransactionEnded; the next job runs."""
@@ -227,7 +229,7 @@ def test_a_transaction_asked_for_by_a_task_after_its_handler_returned_is_refused
         async def late() -> None:
             await asyncio.sleep(0.3)
             try:
-                ctx.transaction().execute("SELECT 1")
+                await (await ctx.atransaction()).execute("SELECT 1")
             except BaseException as exc:
                 refused.append(exc)
             finally:

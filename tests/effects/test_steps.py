@@ -8,10 +8,12 @@ permanent, clearly named StepError; steps show in ``errands jobs show``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +22,7 @@ import pytest
 import errands
 from errands.errors import StepError
 from errands.testing import Tester
-from tests.conftest import needs_boottime, suspend_host
+from tests.conftest import needs_boottime, running_worker, suspend_host
 
 Make = Callable[..., Any]
 
@@ -302,6 +304,103 @@ def test_async_handler_steps_are_stored_and_not_run_again(
     assert calls == [5]
     assert handle.result(timeout=1) == 25
     assert {s.name: s.result for s in app.job_steps(handle.id)} == {"lookup": 10, "sync_fn": 15}
+
+
+def test_a_plain_step_fn_of_an_async_handler_runs_off_the_event_loop(make_app: Make) -> None:
+    """ctx.astep(name, fn) with a plain fn called it on the worker's event loop: a
+    blocking one held every async job of the worker for as long as it ran. It runs in a
+    thread now: here fn waits for another async job of the same worker, which runs
+    meanwhile; its result is stored as a coroutine's is, and the retry gets it back
+    without calling fn again."""
+    app = make_app()
+    in_fn, other_ran = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def blocking(n: int) -> bool:
+        calls.append(n)
+        in_fn.set()
+        return other_ran.wait(20)
+
+    @app.job(name="plain_step", retries=1, backoff=0.01)
+    async def plain_step(ctx: errands.Context, n: int) -> bool:
+        saw = await ctx.astep("wait", blocking, n)
+        if ctx.attempt == 1:
+            raise RuntimeError("after the step")
+        return bool(saw)
+
+    @app.job(name="other_async")
+    async def other_async() -> str:
+        other_ran.set()
+        return "ran"
+
+    with running_worker(app, concurrency=4):
+        handle = plain_step.enqueue(n=3)
+        assert in_fn.wait(30)
+        assert other_async.enqueue().result(timeout=30) == "ran"
+        assert handle.result(timeout=60) is True
+    assert calls == [3]
+    assert {s.name: s.result for s in app.job_steps(handle.id)} == {"wait": True}
+
+
+def test_a_plain_step_fn_cut_by_the_jobs_timeout_is_stored_when_it_returns_and_not_run_again(
+    make_app: Make,
+) -> None:
+    """The job's timeout cancels the handler while its plain step fn runs in a thread,
+    which cannot be stopped: its effect happens. Its result is stored when it returns
+    (the attempt waits for it, as for a coroutine step's store), so the retry gets it
+    back and never calls fn again."""
+    app = make_app()
+    in_fn, cut, release = threading.Event(), threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def charge() -> str:
+        calls.append(1)
+        in_fn.set()
+        release.wait(30)
+        return "ch_1"
+
+    @app.job(name="cut_step", timeout=1, retries=1, backoff=0.01)
+    async def cut_step(ctx: errands.Context) -> str:
+        try:
+            return str(await ctx.astep("charge", charge))
+        except asyncio.CancelledError:
+            cut.set()
+            raise
+
+    with running_worker(app, concurrency=2, abandon_after=30):
+        handle = cut_step.enqueue()
+        assert in_fn.wait(30)
+        assert cut.wait(30)  # its timeout fired while fn ran in its thread
+        release.set()
+        assert handle.result(timeout=60) == "ch_1"
+    assert calls == [1]
+    [error] = handle.job().errors
+    assert error.kind == "timeout"
+
+
+def test_a_step_fn_returning_a_coroutine_is_awaited_on_the_loop_then_stored(
+    make_app: Make, errands_testing: Callable[..., Tester]
+) -> None:
+    """A plain callable that returns a coroutine (a lambda around an async call) runs in
+    its thread, and what it returns is awaited back on the loop, then stored."""
+    app = make_app()
+    calls: list[int] = []
+
+    async def fetch(n: int) -> int:
+        calls.append(n)
+        await asyncio.sleep(0)
+        return n + 1
+
+    @app.job(name="lambda_step", retries=1, backoff=0.01)
+    async def lambda_step(ctx: errands.Context, n: int) -> int:
+        got = await ctx.astep("fetch", lambda: fetch(n))
+        if ctx.attempt == 1:
+            raise RuntimeError("after the step")
+        return int(got)
+
+    handle = lambda_step.enqueue(n=4)
+    assert errands_testing(app).drain().outcomes == {"retryable": 1, "completed": 1}
+    assert handle.result(timeout=1) == 5 and calls == [4]
 
 
 def test_ctx_step_in_an_async_handler_raises_naming_await_ctx_astep(

@@ -4,6 +4,7 @@ A10). Each test runs on both backends with a real in-process worker.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +41,33 @@ def test_a_sync_handler_that_returns_after_an_operator_cancel_ends_cancelled(
         started.set()
         _spin_until_cancelled(ctx)
         return "stopped early"
+
+    with worker():
+        handle = polite.enqueue()
+        assert started.wait(30)
+        store.cancel(handle.id)
+        wait_until(lambda: handle.status() is JobState.CANCELLED, timeout=30, what="cancelled")
+    job = handle.job()
+    assert job.result is None
+    assert job.last_error is not None and job.last_error.kind == "cancelled"
+
+
+def test_an_async_handler_that_catches_an_operator_cancel_and_returns_ends_cancelled(
+    store: errands.App, worker: Worker
+) -> None:
+    """The async form: the handler catches the CancelledError of an operator's cancel
+    and returns a value. It stopped early: the job ends cancelled, its result dropped
+    (docs/concurrency.md, concepts.md and design-notes.md said completed)."""
+    started = threading.Event()
+
+    @store.job(name="reason.cancel_async")
+    async def polite() -> str:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            return "finished its work on the way out"
+        return "slept"
 
     with worker():
         handle = polite.enqueue()

@@ -6,6 +6,8 @@ awaiting task leaves none behind."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from collections.abc import Callable
 
@@ -149,3 +151,31 @@ def test_leaving_as_completed_early_inside_its_block_removes_the_registration_at
         with errands.as_completed([quick, never], timeout=20) as ended:
             assert next(ended) is quick
         assert hub.waiting() == 0 and hub.waiters() == 0
+
+
+def test_aresult_keeps_its_timeout_and_aenqueue_runs_while_the_loops_default_executor_is_busy(
+    store: errands.App,
+) -> None:
+    """errands' async calls ran their blocking parts in the event loop's default executor,
+    which the application's own asyncio.to_thread calls share: with its threads all busy,
+    aenqueue waited for one, and aresult(timeout=1) took 8 s (its watcher's start waited
+    for a thread before the deadline held). They run in errands' own threads now: both
+    end while the application's one thread is still busy, the wait at its deadline."""
+    nap = store.registry["results.nap"]
+
+    async def scenario() -> bool:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))
+        release = threading.Event()
+        busy = loop.run_in_executor(None, release.wait, 60)  # the application's thread
+        try:
+            async with asyncio.timeout(30):
+                handle = await nap.aenqueue(seconds=0.0)  # no worker: it stays available
+                with pytest.raises(errands.ResultTimeout, match="still available"):
+                    await handle.aresult(timeout=0.5)
+            return release.is_set()
+        finally:
+            release.set()
+            await busy
+
+    assert asyncio.run(scenario()) is False  # ended before the busy thread was let go

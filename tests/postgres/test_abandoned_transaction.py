@@ -121,18 +121,16 @@ def test_a_handler_abandoned_while_it_waits_for_a_transaction_never_holds_up_the
 def test_an_async_handler_stopped_by_its_timeout_never_blocks_the_event_loop(
     pg_url: str,
 ) -> None:
-    """An async handler runs a statement of its ctx.transaction() in a thread
-    (asyncio.to_thread) and is stopped by its timeout: the thread goes on in the
-    statement. Deciding the timeout rolled the transaction back on the event loop, which
-    waited for that statement: every async job of the worker stood still meanwhile."""
-    import asyncio
-
+    """An async handler runs a statement of its ctx.atransaction() (on the transaction's
+    thread) and is stopped by its timeout: the thread goes on in the statement. Deciding
+    the timeout rolled the transaction back on the event loop, which waited for that
+    statement: every async job of the worker stood still meanwhile."""
     app = errands.App(pg_url)
 
     @app.job(name="loop.slow_tx", timeout=0.3, retries=1, backoff=60)
     async def slow_tx(ctx: errands.Context) -> None:
-        tx = ctx.transaction()
-        await asyncio.to_thread(tx.execute, "SELECT pg_sleep(30)")
+        tx = await ctx.atransaction()
+        await tx.execute("SELECT pg_sleep(30)")
 
     @app.job(name="loop.quick")
     async def quick() -> str:
@@ -195,12 +193,12 @@ def test_an_async_handlers_transaction_is_committed_off_the_event_loop(pg_url: s
 
 
 async def _in_a_transaction_until(ctx: errands.Context, started: Any, go: Any) -> str:
-    """An async handler's body: a statement in its ctx.transaction(), ``started`` set,
+    """An async handler's body: a statement in its ctx.atransaction(), ``started`` set,
     then awaiting until ``go`` is set; its result is committed in that transaction."""
     import asyncio
 
-    tx = ctx.transaction()
-    await asyncio.to_thread(tx.execute, "SELECT 1")
+    tx = await ctx.atransaction()
+    await tx.execute("SELECT 1")
     started.set()
     while not go.is_set():
         await asyncio.sleep(0.01)
@@ -274,14 +272,16 @@ def test_a_graceful_stop_waits_for_a_commit_of_ctx_transaction_held_on_a_lock(
         app.close()
 
 
+@pytest.mark.parametrize("form", ["atransaction", "to_thread"])
 def test_an_async_handler_ending_while_its_thread_waits_for_a_transaction_never_blocks_the_loop(
-    pg_url: str,
+    pg_url: str, form: str
 ) -> None:
-    """An async handler asks for ctx.transaction() in a thread (asyncio.to_thread), which
-    waits for the pool's one connection (held by another job), holding the attempt's
-    lock meanwhile; its timeout ends the handler. Ending the attempt (no step or
-    transaction may start from then on) never waits for that lock on the event loop:
-    another async job runs on meanwhile, not after the holder lets go."""
+    """An async handler asks for its transaction (``await ctx.atransaction()``, or
+    ctx.transaction() in asyncio.to_thread), which waits on a thread for the pool's one
+    connection (held by another job), holding the attempt's lock meanwhile; its timeout
+    ends the handler. Ending the attempt (no step or transaction may start from then on)
+    never waits for that lock on the event loop: another async job runs on meanwhile,
+    not after the holder lets go."""
     import asyncio
 
     sep = "&" if "?" in pg_url else "?"
@@ -296,7 +296,10 @@ def test_an_async_handler_ending_while_its_thread_waits_for_a_transaction_never_
 
     @app.job(name="loop.waiter", timeout=0.3, retries=1, backoff=60)
     async def waiter(ctx: errands.Context) -> None:
-        await asyncio.to_thread(ctx.transaction)  # waits for the one connection
+        if form == "atransaction":  # waits for the one connection
+            await ctx.atransaction()
+        else:
+            await asyncio.to_thread(ctx.transaction)
 
     @app.job(name="loop.quick")
     async def quick() -> str:

@@ -18,7 +18,6 @@ name), ``state`` and ``outcome``, so the number of series stays small.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .. import offloop
 from ..errors import ConfigurationError
 from ..jobs import ALL_STATES
 from .events import Event
@@ -474,7 +474,7 @@ def asgi_app(app: App, registry: CollectorRegistry | None = None) -> ASGIApp:
             if key.lower() == b"accept":
                 accept = value.decode("latin-1")
         encoder, content_type = choose_encoder(accept)
-        body = await asyncio.to_thread(encoder, target)
+        body = await offloop.run(encoder, target)
         await respond(send, 200, b"" if method == "HEAD" else body, content_type)
 
     return metrics_asgi

@@ -27,7 +27,7 @@ from collections import Counter
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from .. import clock
+from .. import clock, offloop
 from ..errors import InvalidPayload, UnknownJob
 from ..interrupts import shielded
 from ..jobs import JobRow
@@ -281,7 +281,7 @@ class Dispatcher:
             # held up, a frozen process): another worker may run it now. Hand it back.
             attempt.released = True
             message = "released %d job(s) whose lease may have run out"
-            await asyncio.to_thread(self.worker.release, [attempt], message)
+            await offloop.run(self.worker.release, [attempt], message)
             self.worker.slot_freed(attempt)
             return None
         attempt.started = clock.now()
@@ -321,7 +321,7 @@ class Dispatcher:
                 )
 
     async def _call_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
-        prepared = await asyncio.to_thread(self.prepare, attempt)  # validators off the loop
+        prepared = await offloop.run(self.prepare, attempt)  # validators off the loop
         if prepared is None:
             return None
         kwargs, log_ctx = prepared
@@ -345,7 +345,7 @@ class Dispatcher:
                 ) from exc
             finally:
                 attempt.ran = clock.now() - called
-        return await asyncio.to_thread(encode, definition, result)
+        return await offloop.run(encode, definition, result)
 
     def _async_done(self, attempt: Attempt, future: Any) -> None:
         recorder = self.worker.recorder

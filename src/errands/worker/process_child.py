@@ -367,6 +367,8 @@ def _run_one(
                         value = asyncio.run(_awaited(value))
                 finally:
                     leave_if_forked(pid, row.id)
+                    # no step or transaction starts now (ctx.atransaction()'s thread ends)
+                    runtime.close()
             result_json = encode(definition, value)
             if runtime.tx is not None:
                 runtime.check_transaction()  # raises if the handler ended it

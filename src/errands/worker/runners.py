@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +25,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
+from .. import offloop
 from ..errors import ConfigurationError
 from ..interrupts import Interrupt, aim, aim_unless_shielded, drop_pending
 
@@ -36,6 +39,7 @@ SHIELD_RETRY_MAX = 0.1  # seconds: ... doubling up to this
 _NUDGE = object()  # queued behind an urgent call: wakes an idle thread to look for it
 BLOCKED_AFTER = 2.0  # seconds the async handlers' loop may stand still before it is logged
 PROBE_EVERY = 0.5  # seconds between the loop watchdog's probes
+OWN_THREADS_SPARE = 4  # errands' own threads of a loop beyond one per slot
 
 
 class HandlerInterrupt(Interrupt):
@@ -228,8 +232,28 @@ class LoopRunner:
     probe for ``BLOCKED_AFTER`` seconds is logged (WARNING, naming the task it is in,
     whose name is the job's), and how long it stood once it turns again."""
 
-    def __init__(self, name: str = "errands-loop", blocked_after: float | None = None) -> None:
+    def __init__(
+        self, name: str = "errands-loop", blocked_after: float | None = None, slots: int = 1
+    ) -> None:
         self.loop = asyncio.new_event_loop()
+        # errands' own calls off the loop (decoding a payload, encoding a result, a step's
+        # read and store, a release), in threads of their own: in the loop's default
+        # executor (6 threads on a 2-core machine) they queued behind the handlers' own
+        # asyncio.to_thread calls, and six handlers awaiting a slow call there held every
+        # other async job (one with a 5 s timeout timed out before it began). Sized for
+        # every slot's job to have its call running at once, and more: made on need.
+        self.own = concurrent.futures.ThreadPoolExecutor(
+            max(slots, 1) + OWN_THREADS_SPARE, thread_name_prefix=f"{name}-own"
+        )
+        offloop.own_executor_for(self.loop, self.own)
+        # The handlers' own asyncio.to_thread calls: at least a thread per slot, so that
+        # one blocking call per job never waits for another job's (asyncio's default is
+        # min(32, cpu + 4) threads: 6 on a 2-core machine, for a worker of -c 50).
+        self.default_threads = max(slots, min(32, (os.cpu_count() or 1) + 4))
+        self.user = concurrent.futures.ThreadPoolExecutor(
+            self.default_threads, thread_name_prefix=f"{name}-to_thread"
+        )
+        self.loop.set_default_executor(self.user)
         # Tasks that outlived their cancel at shutdown, held so the garbage collector does
         # not destroy them mid-await (a "Task was destroyed but it is pending!" each).
         self.stubborn: list[asyncio.Task[Any]] = []
@@ -302,6 +326,10 @@ class LoopRunner:
                 ).result(timeout + 1)
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+        offloop.own_executor_for(self.loop, None)
+        # not waited for: a call abandoned with its job (a statement on a lock) ends there
+        self.own.shutdown(wait=False)
+        self.user.shutdown(wait=False)
         if not self._thread.is_alive() and not self.loop.is_closed():
             self.loop.close()  # its self-pipe sockets; an unclosed loop warns when collected
 

@@ -6,7 +6,9 @@ transaction and child jobs (DESIGN §3, effectively-once effects).
   result back without calling fn. Two runs racing on one step (a stale attempt) keep the
   first stored result and both return it.
 - ``ctx.transaction()``: a connection inside the very transaction that will complete the
-  job; the handler's writes commit with the completion, or are rolled back with it. The
+  job; the handler's writes commit with the completion, or are rolled back with it. An
+  async handler's ``await ctx.atransaction()`` opens it, and runs each of its statements,
+  on a thread of its own (:class:`AsyncTransaction`), never on the event loop. The
   calls that would end that transaction early (``commit()``, ``executescript``, a
   ``COMMIT``/``ROLLBACK``/``END`` statement, ...) are refused when made; as a backstop,
   errands opens a savepoint inside the transaction and releases it just before the
@@ -19,19 +21,22 @@ transaction and child jobs (DESIGN §3, effectively-once effects).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
+import inspect
 import json
 import logging
 import re
 import sqlite3
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from .. import clock
+from .. import clock, offloop
 from ..backends.workflow_store import WORKFLOW_ADD
 from ..definition import seconds as checked_seconds
 from ..errors import (
@@ -47,6 +52,7 @@ from ..interrupts import shielded
 from ..jobs import EnqueueRequest
 from ..jsontext import loads_stored
 from ..observability.logcontext import job_extra
+from ..offloop import Lane, LaneClosed
 from ..payload import read_back
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 
@@ -58,6 +64,7 @@ if TYPE_CHECKING:
     from .execution import Attempt
 
 log = logging.getLogger("errands.worker")
+T = TypeVar("T")
 
 PROGRESS_MESSAGE_MAX = 500  # characters of a ctx.progress message kept
 SIGNAL_NAME_MAX = 200
@@ -70,12 +77,14 @@ SETTLE_POLL = 0.02  # seconds between looks at the steps an ended handler left r
 class StepInFlight:
     """A step called and not over yet: its fn running, or its result being stored."""
 
-    __slots__ = ("ended", "name", "task")
+    __slots__ = ("ended", "handed", "name", "task")
 
     def __init__(self, name: str, task: asyncio.Task[Any] | None) -> None:
         self.name = name
         self.task = task  # the task of an astep; None: a ctx.step on a thread
         self.ended = threading.Event()
+        # an astep's fn run in a thread: its task stopped waiting for it (cancelled)
+        self.handed = False
 
 
 class AttemptRuntime:
@@ -88,6 +97,9 @@ class AttemptRuntime:
         # write lock this very transaction held (a deadlock of write_timeout)
         self.tx_backend: Backend | None = None
         self.tx_opened = 0.0  # when ctx.transaction() opened it (errands.clock)
+        # An async handler's transaction: its opening and its statements run on this
+        # thread of its own (ctx.atransaction()); closed when the handler ends
+        self.tx_lane: Lane | None = None
         self.tx_warned = False  # the lease keeper warned that it is held long
         self.children: list[EnqueueRequest] = []
         self._let_go = False  # the attempt ended while the handler ran: no new transaction
@@ -153,7 +165,11 @@ class AttemptRuntime:
         settle_steps. Never waits for a transaction being opened (see _flights_lock)."""
         with self._flights_lock:
             self._closed = True
-            return list(self._in_flight)
+            lane = self.tx_lane
+            flights = list(self._in_flight)
+        if lane is not None:  # the statements given already run; a later one is refused
+            lane.close()
+        return flights
 
     async def settle_steps(
         self, flights: list[StepInFlight], grace: float, stopped: Callable[[], bool]
@@ -321,21 +337,78 @@ class AttemptRuntime:
         flight = self._flight_begins(name, asyncio.current_task())
         storing: asyncio.Future[Any] | None = None
         try:
-            done, value = await asyncio.to_thread(self._begin_step, name)
+            done, value = await offloop.run(self._begin_step, name)
             if done:
                 return value
             self._warn_step_in_transaction(name)
-            result = fn(*args, **kwargs)
+            if _awaits(fn):
+                result = fn(*args, **kwargs)
+            else:
+                # A plain function runs in a thread (the loop's executor, as the handler's
+                # own asyncio.to_thread calls): called on the loop, a blocking one held
+                # every async job of the worker for as long as it ran. Its result is
+                # stored there as it returns, even if this task is cancelled meanwhile,
+                # and the step stays in flight until then, as a coroutine's store.
+                storing = self._step_in_a_thread(flight, name, fn, args, kwargs)
+                try:
+                    result = await asyncio.shield(storing)
+                except BaseException:
+                    _unawaited_dropped(storing, flight, self)
+                    raise
+                if not isinstance(result, _Unawaited):
+                    return result
+                storing = None  # fn returned an awaitable (a lambda around a coroutine)
+                result = result.awaitable
             if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
                 result = await result
             # The effect is done: its result is stored even if this task is cancelled
             # now (its thread cannot be stopped), and the step stays in flight until then
-            storing = asyncio.ensure_future(asyncio.to_thread(self._store_step, name, result))
+            storing = asyncio.ensure_future(offloop.run(self._store_step, name, result))
             storing.add_done_callback(lambda stored: self._stored(flight, stored))
             return await asyncio.shield(storing)
         finally:
             if storing is None:
                 self._flight_ends(flight)
+
+    def _step_in_a_thread(
+        self,
+        flight: StepInFlight,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> asyncio.Future[Any]:
+        """``fn(*args, **kwargs)`` run and its result stored, in a thread of the loop's
+        executor; the step's flight ends when that is over (or, when fn returned an
+        awaitable, once the step's task has taken it, or dropped it: see astep)."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(
+            contextvars.copy_context().run, self._call_and_store, name, fn, args, kwargs
+        )
+        storing = loop.run_in_executor(None, call)
+        flight.handed = False  # astep still waits for it: an awaitable returned is its own
+
+        def over(stored: asyncio.Future[Any]) -> None:
+            if (
+                stored.cancelled()
+                or stored.exception() is not None
+                or not isinstance(stored.result(), _Unawaited)
+            ):
+                self._flight_ends(flight)  # stored, or failed
+            elif flight.handed:  # its task is gone: nobody will await it
+                _close_awaitable(stored.result().awaitable)
+                self._flight_ends(flight)
+
+        storing.add_done_callback(over)
+        return storing
+
+    def _call_and_store(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        value = fn(*args, **kwargs)
+        if inspect.isawaitable(value):  # awaited on the loop by astep, then stored
+            return _Unawaited(value)
+        return self._store_step(name, value)
 
     def _stored(self, flight: StepInFlight, stored: asyncio.Future[Any]) -> None:
         if not stored.cancelled():
@@ -370,7 +443,7 @@ class AttemptRuntime:
         raise Suspended(name, seconds)
 
     async def await_signal(self, name: str, timeout: float | timedelta | None) -> Any:
-        return await asyncio.to_thread(self.wait_for_signal, name, timeout)
+        return await offloop.run(self.wait_for_signal, name, timeout)
 
     # -- progress ----------------------------------------------------------------------------
     def progress(self, fraction: float, message: str = "") -> None:
@@ -391,21 +464,28 @@ class AttemptRuntime:
             self.report_progress(report)
 
     # -- the completion transaction ----------------------------------------------------------
+    def _not_open_now(self) -> TransactionEnded | None:
+        """Why no transaction may be opened for this attempt now (None: it may)."""
+        if self._let_go:
+            return TransactionEnded(
+                f"job {self.attempt.id}: the attempt has ended (timed out and abandoned, "
+                "or released at shutdown); its ctx.transaction() is closed and nothing "
+                "written in it is committed"
+            )
+        if self._closed:
+            return TransactionEnded(
+                f"job {self.attempt.id}: the attempt has ended (its handler returned or "
+                "raised) while a task or thread it started went on; ctx.transaction() "
+                "is not opened for it. Finish the work that needs it before the handler "
+                "returns"
+            )
+        return None
+
     def transaction(self) -> TransactionConnection:
         with self._lock:
-            if self._closed and not self._let_go:
-                raise TransactionEnded(
-                    f"job {self.attempt.id}: the attempt has ended (its handler returned or "
-                    "raised) while a task or thread it started went on; ctx.transaction() "
-                    "is not opened for it. Finish the work that needs it before the handler "
-                    "returns"
-                )
-            if self._let_go:
-                raise TransactionEnded(
-                    f"job {self.attempt.id}: the attempt has ended (timed out and abandoned, "
-                    "or released at shutdown); its ctx.transaction() is closed and nothing "
-                    "written in it is committed"
-                )
+            refused = self._not_open_now()
+            if refused is not None:
+                raise refused
             if self.tx is None:
                 # Shielded until the attempt holds it: an interrupt (a timeout, a
                 # self-fence) landing after the store opened the transaction and before
@@ -419,8 +499,41 @@ class AttemptRuntime:
                     except BaseException:
                         backend.tx_rollback(tx)
                         raise
-                    self.tx, self.tx_backend, self.tx_opened = tx, backend, clock.now()
-            return TransactionConnection(self.tx, self._ended)
+                    # The handler may have ended while it was opened (an async handler's
+                    # ctx.atransaction() opens it on a thread its task does not wait for
+                    # once cancelled): its outcome, decided with no transaction, would never
+                    # end this one (on SQLite its write lock stalled every writer for
+                    # good). Kept, or ended here, under the lock close() takes.
+                    with self._flights_lock:
+                        late = self._closed
+                        if not late:
+                            self.tx, self.tx_backend, self.tx_opened = tx, backend, clock.now()
+                    if late:
+                        backend.tx_rollback(tx)
+                        raise self._not_open_now() or TransactionEnded("the attempt has ended")
+            return TransactionConnection(self.tx, self._ended, self._async_handler())
+
+    def _async_handler(self) -> bool:
+        definition = self.attempt.definition
+        return definition is not None and definition.is_async
+
+    async def atransaction(self) -> AsyncTransaction:
+        """:meth:`transaction` for an async handler: opened on a thread of the
+        transaction's own (a lane), where its statements then run too: on the loop, the
+        open waited for SQLite's write lock (which another job of this loop held while
+        it awaited) or a pool connection, and a statement for a row lock, and every
+        async job of the worker stood still meanwhile."""
+        with self._flights_lock:
+            lane = self.tx_lane
+            if lane is None and not self._closed:
+                lane = self.tx_lane = Lane(f"errands-tx-{self.attempt.id}")
+        try:
+            if lane is None:
+                raise LaneClosed
+            conn = await lane.run(self.transaction)
+        except LaneClosed:
+            raise self._not_open_now() or TransactionEnded("the attempt has ended") from None
+        return AsyncTransaction(conn, lane)
 
     def check_transaction(self) -> None:
         """Just before the completion is written in it: raise TransactionEnded unless the
@@ -466,6 +579,9 @@ class AttemptRuntime:
         is open, or another thread took it)."""
         with self._lock:
             tx, backend, self.tx, self.tx_backend = self.tx, self.tx_backend, None, None
+        lane = self.tx_lane
+        if lane is not None:  # nothing runs on it any more: its thread ends
+            lane.close()
         if tx is None or backend is None:
             return None
         return backend, tx
@@ -654,6 +770,50 @@ class AttemptRuntime:
         self.app.events.prepare_insert([request], stored_later=True)
 
 
+class _Unawaited:
+    """What a step's plain fn, run in a thread, returned when it is awaitable (a lambda
+    around a coroutine call): awaited by astep on the loop, then stored."""
+
+    __slots__ = ("awaitable",)
+
+    def __init__(self, awaitable: Awaitable[Any]) -> None:
+        self.awaitable = awaitable
+
+
+def _awaits(fn: Any) -> bool:
+    """Whether ``fn`` is a coroutine function (a partial or a method of one, or an object
+    whose ``__call__`` is one): astep calls it on the loop and awaits it; any other fn
+    runs in a thread."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    if isinstance(fn, type):  # a class: calling it makes an instance
+        return False
+    call = inspect.getattr_static(type(fn), "__call__", None)
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+def _close_awaitable(awaitable: Awaitable[Any]) -> None:
+    """A coroutine nobody will await, closed (no "never awaited" warning; nothing ran)."""
+    if inspect.iscoroutine(awaitable):
+        awaitable.close()
+
+
+def _unawaited_dropped(
+    storing: asyncio.Future[Any], flight: StepInFlight, runtime: AttemptRuntime
+) -> None:
+    """astep's task stopped waiting for its fn's thread (cancelled, or it raised): an
+    awaitable the fn returns is awaited by nobody; the flight ends with the thread."""
+    flight.handed = True
+    if (
+        storing.done()
+        and not storing.cancelled()
+        and storing.exception() is None
+        and isinstance(storing.result(), _Unawaited)
+    ):
+        _close_awaitable(storing.result().awaitable)
+        runtime._flight_ends(flight)
+
+
 def _not_reserved(name: str) -> None:
     """Raise ConfigurationError for a step name the signals' steps use: a step named
     ``signal:<x>`` is what ctx.wait_for_signal(x) returns, without waiting, in every later
@@ -727,17 +887,37 @@ def refuse_ending(conn: Any, query: Any, ended: threading.Event | None = None) -
             )
 
 
+def refuse_on_the_loop(what: str) -> None:
+    """Raise ConfigurationError when a statement of an async handler's transaction would
+    run on an event loop (the worker's, which every async job of it shares): it may wait
+    for a lock (a row, SQLite's file) that another job of that loop holds while it awaits."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # a thread of its own: it may block
+        return
+    raise ConfigurationError(
+        f"{what} on the event loop of an async def handler would stall every async job "
+        "of the worker while it runs (waiting for a row lock or SQLite's write lock that "
+        "another of them holds: for good); use `tx = await ctx.atransaction()` and "
+        "`await tx.execute(...)` instead"
+    )
+
+
 class TransactionConnection:
     """The handler's view of the completion transaction: the driver connection, minus the
     calls that would end the transaction early (errands commits it with the job), and
     refusing every statement once the attempt has let go of it (``ended``: abandoned
-    past its timeout or released at shutdown; see AttemptRuntime.let_go)."""
+    past its timeout or released at shutdown; see AttemptRuntime.let_go). Of an async
+    handler (``off_loop``), it refuses statements made on an event loop."""
 
-    __slots__ = ("_conn", "_ended")
+    __slots__ = ("_conn", "_ended", "_off_loop")
 
-    def __init__(self, conn: Any, ended: threading.Event | None = None) -> None:
+    def __init__(
+        self, conn: Any, ended: threading.Event | None = None, off_loop: bool = False
+    ) -> None:
         self._conn = conn
         self._ended = ended or threading.Event()
+        self._off_loop = off_loop
 
     def __getattr__(self, name: str) -> Any:
         if name in _REFUSED_CALLS:
@@ -748,7 +928,7 @@ class TransactionConnection:
         return getattr(self._conn, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("_conn", "_ended"):
+        if name in ("_conn", "_ended", "_off_loop"):
             object.__setattr__(self, name, value)
         elif name in _REFUSED_SETTINGS:
             raise TransactionEnded(
@@ -760,17 +940,24 @@ class TransactionConnection:
 
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
         refuse_ending(self._conn, query, self._ended)
+        if self._off_loop:
+            refuse_on_the_loop("a statement of ctx.transaction()")
         cursor = self._conn.execute(query, *args, **kwargs)
-        return GuardedCursor(self._conn, cursor, self._ended)
+        return GuardedCursor(self._conn, cursor, self._ended, self._off_loop)
 
     def executemany(self, query: Any, *args: Any, **kwargs: Any) -> Any:
         refuse_ending(self._conn, query, self._ended)
+        if self._off_loop:
+            refuse_on_the_loop("a statement of ctx.transaction()")
         result = self._conn.executemany(query, *args, **kwargs)
-        return GuardedCursor(self._conn, result, self._ended) if result is not None else None
+        if result is None:
+            return None
+        return GuardedCursor(self._conn, result, self._ended, self._off_loop)
 
     def cursor(self, *args: Any, **kwargs: Any) -> GuardedCursor:
         refuse_ending(self._conn, "", self._ended)
-        return GuardedCursor(self._conn, self._conn.cursor(*args, **kwargs), self._ended)
+        cursor = self._conn.cursor(*args, **kwargs)
+        return GuardedCursor(self._conn, cursor, self._ended, self._off_loop)
 
     def __enter__(self) -> TransactionConnection:
         return self
@@ -788,12 +975,19 @@ class TransactionConnection:
 class GuardedCursor:
     """A cursor of the completion transaction: statements that would end it are refused."""
 
-    __slots__ = ("_conn", "_cursor", "_ended")
+    __slots__ = ("_conn", "_cursor", "_ended", "_off_loop")
 
-    def __init__(self, conn: Any, cursor: Any, ended: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        conn: Any,
+        cursor: Any,
+        ended: threading.Event | None = None,
+        off_loop: bool = False,
+    ) -> None:
         self._conn = conn
         self._cursor = cursor
         self._ended = ended or threading.Event()
+        self._off_loop = off_loop
 
     def __getattr__(self, name: str) -> Any:
         if name == "executescript":
@@ -802,16 +996,20 @@ class GuardedCursor:
                 "the transaction commits together with the job's completion"
             )
         if name == "connection":
-            return TransactionConnection(self._conn, self._ended)
+            return TransactionConnection(self._conn, self._ended, self._off_loop)
         return getattr(self._cursor, name)
 
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
         refuse_ending(self._conn, query, self._ended)
+        if self._off_loop:
+            refuse_on_the_loop("a statement of ctx.transaction()")
         self._cursor.execute(query, *args, **kwargs)
         return self
 
     def executemany(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
         refuse_ending(self._conn, query, self._ended)
+        if self._off_loop:
+            refuse_on_the_loop("a statement of ctx.transaction()")
         self._cursor.executemany(query, *args, **kwargs)
         return self
 
@@ -825,3 +1023,162 @@ class GuardedCursor:
         close = getattr(self._cursor, "close", None)
         if close is not None:
             close()
+
+
+ROWS_AT_A_TIME = 100  # rows an ``async for`` over an AsyncCursor fetches in one call
+
+
+def _a_method(value: Any) -> bool:
+    """A method of the driver's (which may reach the database), not a value such as a
+    row factory (sqlite3.Row, psycopg's dict_row), which is callable too."""
+    return inspect.ismethod(value) or inspect.isbuiltin(value)
+
+
+def _blocking_call(what: str, name: str) -> TypeError:
+    return TypeError(
+        f"ctx.atransaction() {what}: {name}() reaches the database, and would run on the "
+        f"event loop; run it on the transaction's thread: "
+        f"`await tx.run_sync(lambda conn: conn.{name}(...))` (conn is the connection of "
+        "ctx.transaction(), with the same refusals)"
+    )
+
+
+class AsyncTransaction:
+    """What ``await ctx.atransaction()`` returns: the completion transaction of an async
+    handler, with the refusals of :class:`TransactionConnection`, whose calls that reach
+    the database are awaited: they run on the transaction's own thread, one at a time in
+    the order made, never on the event loop (where a statement waiting for a lock held
+    every async job of the worker, the one holding that lock included).
+
+    ``await tx.execute(...)`` / ``executemany`` give an :class:`AsyncCursor`
+    (``await cur.fetchone()``, ``fetchmany``, ``fetchall``, ``async for row in cur``);
+    ``tx.cursor()`` one to run statements on; ``await tx.run_sync(fn, ...)`` calls
+    ``fn(conn, ...)`` there with the sync connection (for what else the driver offers);
+    ``tx.raw`` is the driver connection (sync: use it from a thread). ``async with tx:``
+    does what ``with`` does on the sync one: nothing (the completion commits it; an
+    exception rolls it back). Cancelling a task awaiting a statement does not stop the
+    statement once it began (it ends on its thread; one not begun yet is dropped).
+    """
+
+    __slots__ = ("_conn", "_lane")
+
+    def __init__(self, conn: TransactionConnection, lane: Lane) -> None:
+        object.__setattr__(self, "_conn", conn)
+        object.__setattr__(self, "_lane", lane)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return await self._lane.run(fn, *args)
+        except LaneClosed:
+            raise TransactionEnded(
+                "ctx.atransaction(): the attempt has ended (its handler returned or raised, "
+                "or it was stopped); no statement runs in its transaction any more, and the "
+                "job's outcome has ended it"
+            ) from None
+
+    async def execute(self, query: Any, *args: Any, **kwargs: Any) -> AsyncCursor:
+        call = functools.partial(self._conn.execute, query, *args, **kwargs)
+        return AsyncCursor(await self._run(call), self)
+
+    async def executemany(self, query: Any, *args: Any, **kwargs: Any) -> AsyncCursor | None:
+        call = functools.partial(self._conn.executemany, query, *args, **kwargs)
+        cursor = await self._run(call)
+        return None if cursor is None else AsyncCursor(cursor, self)
+
+    def cursor(self, *args: Any, **kwargs: Any) -> AsyncCursor:
+        """A cursor (made at once: no statement runs until ``await cur.execute(...)``)."""
+        return AsyncCursor(self._conn.cursor(*args, **kwargs), self)
+
+    async def run_sync(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn(conn, *args, **kwargs)`` on the transaction's thread, ``conn`` the sync
+        connection of ``ctx.transaction()`` (its refusals apply)."""
+        result: T = await self._run(functools.partial(fn, self._conn, *args, **kwargs))
+        return result
+
+    @property
+    def raw(self) -> Any:
+        """The underlying sqlite3 or psycopg connection (sync: call it from a thread; do
+        not commit it yourself)."""
+        return self._conn.raw
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = getattr(self._conn, name)  # (commit, rollback, close ... raise there)
+        if _a_method(value):
+            raise _blocking_call("connection", name)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._conn, name, value)  # (autocommit, isolation_level ... refused there)
+
+    async def __aenter__(self) -> AsyncTransaction:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None  # the job's completion commits it; an exception rolls it back
+
+
+class AsyncCursor:
+    """A cursor of :class:`AsyncTransaction`: its statements and fetches are awaited, run
+    on the transaction's thread; statements that would end the transaction are refused."""
+
+    __slots__ = ("_cursor", "_tx")
+
+    def __init__(self, cursor: GuardedCursor, tx: AsyncTransaction) -> None:
+        object.__setattr__(self, "_cursor", cursor)
+        object.__setattr__(self, "_tx", tx)
+
+    async def execute(self, query: Any, *args: Any, **kwargs: Any) -> AsyncCursor:
+        await self._tx._run(functools.partial(self._cursor.execute, query, *args, **kwargs))
+        return self
+
+    async def executemany(self, query: Any, *args: Any, **kwargs: Any) -> AsyncCursor:
+        call = functools.partial(self._cursor.executemany, query, *args, **kwargs)
+        await self._tx._run(call)
+        return self
+
+    async def fetchone(self) -> Any:
+        return await self._tx._run(self._cursor.fetchone)
+
+    async def fetchmany(self, *args: Any, **kwargs: Any) -> list[Any]:
+        rows: list[Any] = await self._tx._run(
+            functools.partial(self._cursor.fetchmany, *args, **kwargs)
+        )
+        return rows
+
+    async def fetchall(self) -> list[Any]:
+        rows: list[Any] = await self._tx._run(self._cursor.fetchall)
+        return rows
+
+    async def close(self) -> None:
+        await self._tx._run(self._cursor.close)
+
+    @property
+    def connection(self) -> AsyncTransaction:
+        return self._tx
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._rows()
+
+    async def _rows(self) -> AsyncIterator[Any]:
+        while rows := await self.fetchmany(ROWS_AT_A_TIME):
+            for row in rows:
+                yield row
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = getattr(self._cursor, name)  # (executescript raises there)
+        if _a_method(value):
+            raise _blocking_call("cursor", name)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._cursor, name, value)
+
+    async def __aenter__(self) -> AsyncCursor:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -474,8 +474,8 @@ class Worker:
         return self.loop_runner.loop if self.loop_runner else None
 
     def loop_runner_started(self) -> LoopRunner:
-        if self.loop_runner is None:
-            self.loop_runner = LoopRunner()
+        if self.loop_runner is None:  # a thread per slot for the handlers' to_thread calls
+            self.loop_runner = LoopRunner(slots=self.concurrency + self.express)
         return self.loop_runner
 
     def child_runner_for(self, attempt: Attempt) -> ProcessRunner | None:

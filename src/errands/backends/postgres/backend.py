@@ -14,7 +14,6 @@ remains, so PgBouncer in transaction mode (no LISTEN) still works.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -29,6 +28,7 @@ from datetime import UTC, datetime, timedelta
 from operator import itemgetter
 from typing import Any, TypeVar
 
+from ... import offloop
 from ...errors import (
     ConfigurationError,
     DatabaseBusy,
@@ -980,7 +980,7 @@ class PostgresBackend(PostgresAdmin):
         if not requests:
             return []
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
-            return await asyncio.to_thread(self.job_insert_many, requests)
+            return await offloop.run(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
         with _caller_conflicts(caller, _enqueue_of(requests)):
             async with _aatomic(caller, several=writes_several(requests)):
@@ -1050,7 +1050,7 @@ class PostgresBackend(PostgresAdmin):
 
     async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is None:  # the pool's connections, in a thread: the loop never blocks
-            return await asyncio.to_thread(self.workflow_insert, spec)
+            return await offloop.run(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
         with _caller_conflicts(caller, f"enqueue of workflow {spec.name!r}"):
             async with _aatomic(caller, several=True):

@@ -9,7 +9,6 @@ a user; only a store locked for ``write_timeout`` seconds raises :class:`Databas
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -24,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 from urllib.parse import unquote_plus, urlsplit
 
+from ... import offloop
 from ...errors import (
     ConfigurationError,
     DatabaseBusy,
@@ -777,7 +777,7 @@ class SQLiteBackend(SQLiteAdmin):
         self, requests: Sequence[EnqueueRequest], conn: Any = None
     ) -> list[InsertResult]:
         if conn is None:  # the store's own connection, in a thread: the loop never blocks
-            return await asyncio.to_thread(self.job_insert_many, requests)
+            return await offloop.run(self.job_insert_many, requests)
         caller = await self._acaller_connection(conn)
         with self._caller_errors(caller, _enqueue_of(requests)):
             async with _aatomic(caller, several=writes_several(requests)):
@@ -811,7 +811,7 @@ class SQLiteBackend(SQLiteAdmin):
 
     async def aworkflow_insert(self, spec: WorkflowSpec, conn: Any = None) -> WorkflowInserted:
         if conn is None:  # the store's own connection, in a thread: the loop never blocks
-            return await asyncio.to_thread(self.workflow_insert, spec)
+            return await offloop.run(self.workflow_insert, spec)
         caller = await self._acaller_connection(conn)
         with self._caller_errors(caller, f"enqueue of workflow {spec.name!r}"):
             async with _aatomic(caller, several=True):
