@@ -286,13 +286,13 @@ def test_an_async_handler_ending_while_its_thread_waits_for_a_transaction_never_
 
     sep = "&" if "?" in pg_url else "?"
     app = errands.App(f"{pg_url}{sep}tx_pool_size=1")
-    holding = threading.Event()
+    holding, done = threading.Event(), threading.Event()
 
     @app.job(name="loop.holder")
     def holder(ctx: errands.Context) -> None:
         ctx.transaction()
         holding.set()
-        time.sleep(20)
+        done.wait(20)  # let go once the test has its answer (the stop waited 20 s)
 
     @app.job(name="loop.waiter", timeout=0.3, retries=1, backoff=60)
     async def waiter(ctx: errands.Context) -> None:
@@ -313,5 +313,7 @@ def test_an_async_handler_ending_while_its_thread_waits_for_a_transaction_never_
             wait_until(lambda: stuck.job().state is JobState.RUNNING, what="its start")
             time.sleep(1.0)  # its timeout (0.3 s) has fired; its thread waits for the pool
             assert quick.enqueue().result(timeout=10) == "quick"  # not behind the 20 s
+            done.set()
     finally:
+        done.set()
         app.close()
