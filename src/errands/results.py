@@ -438,21 +438,15 @@ class Pacer:
         except TimeoutError:
             if not scope.expired():
                 raise  # the awaitable's own
-            raise TimeoutError(f"no answer within the {limit:.2f} s left") from None
+            raise _Expired(f"no answer within the {limit:.2f} s left") from None
 
     async def bounded(self, awaitable: Awaitable[T], what: Callable[[], str]) -> T:
         """``awaitable`` (a call in a thread, left to end there) given the time left, as
         :meth:`within`; past it, the wait's ResultTimeout, naming ``what()``."""
-        left = self.left()
-        limit = None if left is None else max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
-        scope = asyncio.timeout(limit)
         try:
-            async with scope:
-                return await awaitable
-        except TimeoutError:
-            if not scope.expired():
-                raise  # the awaitable's own
-        raise self.timed_out(what())
+            return await self.within(awaitable)
+        except _Expired:
+            raise self.timed_out(what()) from None
 
     async def opened(self, app: App, what: str) -> None:
         """The App's store opened (App.abackend) within the time left, else
@@ -486,3 +480,7 @@ class Pacer:
         """Whether a waiter that last read every job at ``since`` (time.monotonic()) must
         read them all again: the safety recheck, also while other jobs' ends wake it."""
         return time.monotonic() - since >= SAFETY_RECHECK
+
+
+class _Expired(TimeoutError):
+    """A wait's own deadline passed (not a TimeoutError of what it awaited)."""

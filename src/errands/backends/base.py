@@ -11,6 +11,7 @@ A write whose token no longer matches changes nothing and is reported back as re
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -887,3 +888,15 @@ def insert_params(req: EnqueueRequest) -> dict[str, Any]:
         "rate_period": req.rate_period,
         "fair_key": req.fair_key,
     }
+
+
+def warn_newer_schema(log: logging.Logger, where: str, current: int, needed: int) -> None:
+    """The one warning of a store whose schema is newer than this errands (``where``: the
+    store as its backend names it): it runs on it, as the workers of the previous release
+    do during a rolling deploy."""
+    log.warning(
+        "%s has errands schema version %d, newer than this errands (%d): running on it, as "
+        "the workers of the previous release do during a rolling deploy; upgrade errands "
+        "on this host",
+        where, current, needed,
+    )  # fmt: skip

@@ -56,6 +56,7 @@ from ..base import (
     RescueParams,
     connection_wait,
     insert_params,
+    warn_newer_schema,
     writes_several,
 )
 from ..fair import HALF_LIFE, Weigher
@@ -656,12 +657,8 @@ class PostgresBackend(PostgresAdmin):
         if self._newer_told:
             return
         self._newer_told = True
-        log.warning(
-            "schema %r of %s has errands schema version %d, newer than this errands (%d): "
-            "running on it, as the workers of the previous release do during a rolling "
-            "deploy; upgrade errands on this host",
-            self.schema, self.config.display, current, SCHEMA_VERSION,
-        )  # fmt: skip
+        where = f"schema {self.schema!r} of {self.config.display}"
+        warn_newer_schema(log, where, current, SCHEMA_VERSION)
 
     # -- enqueue -------------------------------------------------------------------------
     def _caller_program(self, raw: Any) -> Program[None]:

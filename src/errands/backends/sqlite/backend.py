@@ -51,6 +51,7 @@ from ..base import (
     QueueSettings,
     RescueParams,
     insert_params,
+    warn_newer_schema,
     writes_several,
 )
 from ..fair import Weigher, fold_params
@@ -690,12 +691,7 @@ class SQLiteBackend(SQLiteAdmin):
         if self._newer_told:
             return
         self._newer_told = True
-        log.warning(
-            "the database %r has errands schema version %d, newer than this errands (%d): "
-            "running on it, as the workers of the previous release do during a rolling "
-            "deploy; upgrade errands on this host",
-            self.path, current, SCHEMA_VERSION,
-        )  # fmt: skip
+        warn_newer_schema(log, f"the database {self.path!r}", current, SCHEMA_VERSION)
 
     # -- enqueue ---------------------------------------------------------------------
     def _caller_program(self, conn: Any) -> Program[None]:
