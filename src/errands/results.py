@@ -401,7 +401,8 @@ class Pacer:
         error = self.error
         if error is not None:
             detail = (str(error).strip().splitlines() or [""])[0]
-            said = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+            name = "TimeoutError" if isinstance(error, _Expired) else type(error).__name__
+            said = f"{name}: {detail}" if detail else name
             words += f": the store could not be read ({said})"
         timeout = ResultTimeout(words)
         timeout.__cause__ = error
@@ -483,4 +484,5 @@ class Pacer:
 
 
 class _Expired(TimeoutError):
-    """A wait's own deadline passed (not a TimeoutError of what it awaited)."""
+    """A wait's own deadline passed (not a TimeoutError of what it awaited); messages
+    name it TimeoutError, the class users catch."""
