@@ -221,17 +221,15 @@ def test_rate_log_rows_are_pruned_after_their_own_period_not_after_a_day(
 
 
 def test_a_prefetched_release_gives_back_the_rate_starts_its_claim_counted_for_it(
-    backend: Backend, harness: Harness
+    backend: Backend,
 ) -> None:
     """A claim of a rate-limited queue (and job type) logs a start for each job it takes;
     a job it took that was given back before it began (prefetched, at a stop) never
     started: its starts go back with it, as an undone claim's do, and its next claim
     counts it once. The claim's other job, begun, keeps its own. Without that, each such
     give-back charged the job twice against its rates (here the window stayed full: the
-    given-back job waited for the hour to pass).
-
-    SQLite: its rate log does not record which claim logged a start (no schema change
-    for it), so the starts stay until their window passes, as documented."""
+    given-back job waited for the hour to pass). SQLite's rate log recorded no token
+    until its version 17: there the starts stayed until their window passed."""
     from dataclasses import replace
 
     from errands.backends.base import LeaseRef, QueueSettings
@@ -244,11 +242,34 @@ def test_a_prefetched_release_gives_back_the_rate_starts_its_claim_counted_for_i
     lease = LeaseRef(prefetched.id, prefetched.lease_token or "", 30.0)
     assert backend.job_release_many([lease], "stopping", prefetched=True) == [True]
     again = backend.job_claim_limited(QueueClaim("rated", 5), WORKER_ID, 30.0)
-    if harness.name == "sqlite":
-        assert again == []  # its start still counted (see above)
-        return
     assert [r.id for r in again] == [prefetched.id]  # a start of each rate was free again
     assert backend.job_claim_limited(QueueClaim("rated", 5), WORKER_ID, 30.0) == []
+
+
+def test_a_prefetched_release_gives_back_one_start_a_job_and_a_begun_release_none(
+    backend: Backend,
+) -> None:
+    """Of one claim of a job type's rate ('4/h', its queue unrated), two jobs given back
+    prefetched free two starts, one each, and no more: the claim's job that began keeps
+    its start, and so does a job released at a stop after it began (it ran). A release
+    that finds its job no longer leased to it (here: given back already) frees nothing."""
+    from dataclasses import replace
+
+    from errands.backends.base import LeaseRef
+
+    rated = replace(request(queue="typed", name="typed.job"), rate_limit=4, rate_period=3600.0)
+    backend.job_insert_many([rated] * 6)
+    first = backend.job_claim_limited(QueueClaim("typed", 3), WORKER_ID, 30.0)
+    assert len(first) == 3 and len({r.lease_token for r in first}) == 1  # one claim
+    leases = [LeaseRef(r.id, r.lease_token or "", 30.0) for r in first]
+    assert backend.job_release_many(leases[1:], "stopping", prefetched=True) == [True, True]
+    # given back again: not leased to it any more, so no start of another job goes
+    assert backend.job_release_many(leases[1:], "stopping", prefetched=True) == [False, False]
+    second = backend.job_claim_limited(QueueClaim("typed", 5), WORKER_ID, 30.0)
+    assert len(second) == 3  # 4 - the begun job's start
+    ran = LeaseRef(second[0].id, second[0].lease_token or "", 30.0)
+    assert backend.job_release_many([ran], "stopping") == [True]  # it began: counted
+    assert backend.job_claim_limited(QueueClaim("typed", 5), WORKER_ID, 30.0) == []
 
 
 def test_the_plain_claim_never_takes_a_queue_whose_stored_settings_limit_it(

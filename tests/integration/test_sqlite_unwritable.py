@@ -78,6 +78,8 @@ def _at_version_14(path: Path) -> None:
     with closing(sqlite3.connect(path)) as conn, conn:
         conn.execute("ALTER TABLE errands_workers DROP COLUMN beat_seconds")
         conn.execute("DROP INDEX errands_workflow_edges_workflow")  # (0016)
+        conn.execute("DROP INDEX errands_rate_log_token")  # (0017)
+        conn.execute("ALTER TABLE errands_rate_log DROP COLUMN token")
         conn.execute("DELETE FROM errands_migrations WHERE version >= 15")
 
 

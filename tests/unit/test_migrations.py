@@ -227,3 +227,44 @@ def test_migration_9_rebuilds_the_jobs_table_keeping_rows_ids_and_the_id_sequenc
         conn.execute("UPDATE errands_jobs SET state = 'waiting' WHERE id = 1")
         with pytest.raises(sqlite3.IntegrityError):
             conn.execute("UPDATE errands_jobs SET state = 'bogus' WHERE id = 1")
+
+
+def test_migration_17_keeps_the_starts_logged_before_it_and_the_release_before_it_writing(
+    tmp_path: Path,
+) -> None:
+    """A store at version 16 (its rate log without tokens) with a start of an hour's rate
+    in it migrates to 17: that start is kept and still counted (NULL token, never given
+    back), and the previous release's insert, which names no token, still works beside
+    this one (a rolling deploy)."""
+    path = tmp_path / "v16.db"
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute(
+            "CREATE TABLE errands_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, "
+            "applied_at REAL NOT NULL)"
+        )
+        for version, name, sql in MIGRATIONS:
+            if version > 16:
+                break
+            conn.executescript(sql)
+            conn.execute("INSERT INTO errands_migrations VALUES (?, ?, 0)", (version, name))
+        conn.execute(
+            "INSERT INTO errands_rate_log (bucket, at, period) "
+            "VALUES ('queue:q', (julianday('now') - 2440587.5) * 86400.0, 3600)"
+        )
+    backend = open_backend(f"sqlite:///{path}")  # migrates to the current version
+    try:
+        assert backend.schema_check() is None
+    finally:
+        backend.close()
+    with contextlib.closing(sqlite3.connect(path)) as conn, conn:
+        previous_release = (
+            "INSERT INTO errands_rate_log (bucket, at, period) "
+            "VALUES ('queue:q', (julianday('now') - 2440587.5) * 86400.0, 3600)"
+        )
+        conn.execute(previous_release)
+        assert (
+            conn.execute(Q["rate_count"], {"bucket": "queue:q", "period": 3600}).fetchone()[0] == 2
+        )
+        assert conn.execute(
+            "SELECT count(*) FROM errands_rate_log WHERE token IS NULL"
+        ).fetchone() == (2,)

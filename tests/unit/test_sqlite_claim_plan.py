@@ -28,3 +28,14 @@ def test_a_limited_claim_updates_its_chosen_rows_by_id_not_by_walking_the_pendin
     )
     assert "INTEGER PRIMARY KEY" in plan, plan
     assert "errands_jobs_state" not in plan, plan
+
+
+def test_a_prefetched_release_finds_its_claims_rate_starts_by_token_not_by_reading_the_window() -> (
+    None
+):
+    """rate_log_unstart (a prefetched job given back at a stop) finds its claim's row of
+    each bucket through errands_rate_log_token: through (bucket, at) it read the bucket's
+    whole window (a '100000/d' bucket's 100,000 rows) for each job, under the write lock."""
+    plan = _plan(Q["rate_log_unstart"], {"id": 1, "token": "t"})
+    assert "errands_rate_log_token (token=? AND bucket=?)" in plan, plan
+    assert "errands_rate_log_bucket" not in plan, plan

@@ -503,9 +503,10 @@ class Backend(Protocol):
         (its ``run_at`` kept), as if never claimed. Each release appended an entry, so a
         job prefetched at every deploy gained one per deploy, and went to the back of its
         queue. The starts its claim logged for it against rates go back too (one row of
-        the claim's token per bucket it counted in), so its next claim counts it once:
-        PostgreSQL only. SQLite's rate log does not record which claim logged a start (no
-        schema change for it): there a start stays counted until its window passes."""
+        the claim's token per bucket it counted in), in the same transaction as the
+        release, so its next claim counts it once. (SQLite's rate log recorded no token
+        before its schema version 17: there such a start stayed counted until its window
+        passed.)"""
         ...
 
     # -- maintenance (leader duties) ---------------------------------------------------

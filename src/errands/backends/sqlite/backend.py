@@ -1223,6 +1223,10 @@ class SQLiteBackend(SQLiteAdmin):
                     },
                 ).fetchall()
                 answers.append(bool(rows))
+                if rows and prefetched:  # never begun: the starts counted for it go back
+                    conn.execute(
+                        Q["rate_log_unstart"], {"id": lease.id, "token": lease.lease_token}
+                    )
                 self._fan_in(conn, [(lease.id, *r) for r in rows])
         return answers
 
@@ -1363,7 +1367,12 @@ class _LimitedStore:
         if query == "rate_log_insert":
             for _ in range(int(params["n"])):  # type: ignore[call-overload]
                 self.conn.execute(
-                    Q[query], {"bucket": params["bucket"], "period": params["period"]}
+                    Q[query],
+                    {
+                        "bucket": params["bucket"],
+                        "period": params["period"],
+                        "token": params["token"],
+                    },
                 )
             return []
         return self.conn.execute(Q[query], params).fetchall()

@@ -102,8 +102,7 @@ RETURNING id, lease_token, cancel_requested
 -- job released every 30 s for a cause that lasts grew its errors by ~2,880 entries a day.
 -- :prefetched (claimed, never begun): nothing is recorded and the job keeps its run_at
 -- (due again in its place), as if never claimed (the caller folds nothing for it). Its
--- starts against rates stay counted until their window passes: this rate log does not
--- record which claim logged a start (PostgreSQL's does: rate_log_unstart).
+-- starts against rates go back with it, in the same transaction (rate_log_unstart).
 UPDATE errands_jobs
 SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END,
     errors = CASE
@@ -580,9 +579,33 @@ WHERE bucket = :bucket AND at > (julianday('now') - 2440587.5) * 86400.0 - :peri
 
 -- name: rate_log_insert
 -- Each start is kept with its bucket's period: pruning keeps a bucket's rows for exactly
--- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day).
-INSERT INTO errands_rate_log (bucket, at, period)
-VALUES (:bucket, (julianday('now') - 2440587.5) * 86400.0, :period)
+-- the window its count reads (a '1000/s' bucket holds about a second of rows, not a day);
+-- and with its claim's lease token, so a job of the claim given back before it began
+-- takes its starts back (rate_log_unstart).
+INSERT INTO errands_rate_log (bucket, at, period, token)
+VALUES (:bucket, (julianday('now') - 2440587.5) * 86400.0, :period, :token)
+
+-- name: rate_log_unstart
+-- A prefetched job just given back (job_release, prefetched: claimed, never begun): the
+-- starts its claim logged for it against rates go back too, as PostgreSQL's do; a
+-- rate-limited queue counted each such job twice (the claim given back at a stop, then
+-- its run), and a '10/h' queue could lose most of an hour to jobs that never ran. A claim
+-- logs one row per job it starts in each bucket the job counts in (its queue's
+-- 'queue:<queue>', its type's 'job:<name>'), all with the claim's lease token, which the
+-- claim's jobs that began share (they keep theirs): one row of that token a bucket goes
+-- for this job, any one (one claim's rows of one bucket are alike). A bucket the job did
+-- not count in has no row of the token. Through errands_rate_log_token.
+WITH buckets(bucket) AS (
+    SELECT 'queue:' || queue FROM errands_jobs WHERE id = :id
+    UNION ALL
+    SELECT 'job:' || name FROM errands_jobs WHERE id = :id
+)
+DELETE FROM errands_rate_log
+WHERE rowid IN (
+    SELECT (SELECT l.rowid FROM errands_rate_log AS l
+            WHERE l.token = :token AND l.bucket = b.bucket LIMIT 1)
+    FROM buckets AS b
+)
 
 -- name: rate_log_prune
 DELETE FROM errands_rate_log
