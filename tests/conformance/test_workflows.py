@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from errands.backends import Backend
+from errands.backends import Backend, base
 from errands.backends.base import ActionParams, FinishParams, LeaseRef, RescueParams
 from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
 from errands.errors import CancelIncomplete, ConfigurationError
@@ -813,6 +813,24 @@ def test_a_prune_batch_stops_at_its_rows_bound_oldest_first_and_the_next_goes_on
     assert backend.workflow_prune(-1.0, 100, rows=1) == 1  # bigger than the bound: alone
     assert backend.workflow_get(ids[1]) is None
     assert backend.workflow_prune(-1.0, 100, rows=1) == 0
+
+
+def test_a_prune_called_without_a_rows_bound_stops_at_the_default_one(
+    backend: Backend, harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Called without rows= (by an admin script, a user), a prune had no bound: every
+    prunable tree went in one transaction, holding SQLite's write lock or PostgreSQL's
+    row locks to the end. It stops at WORKFLOW_PRUNE_ROWS (10,000; 10 here), as the
+    leader's batches do."""
+    monkeypatch.setattr(base, "WORKFLOW_PRUNE_ROWS", 10)
+    ids = [backend.workflow_insert(batch(3, events=())).id for _ in range(3)]
+    for row in claim_all(backend):
+        assert finish(backend, row, "completed")
+    for age, workflow_id in zip((300, 200, 100), ids, strict=True):
+        harness.backdate_settled(backend, workflow_id, age)
+    assert backend.workflow_prune(-1.0, 100) == 2  # 4 rows each: the third would make 12
+    assert [backend.workflow_get(i) is None for i in ids] == [True, True, False]
+    assert backend.workflow_prune(-1.0, 100) == 1
 
 
 def test_an_outcome_marked_as_a_members_lands_fans_in_and_stays_fenced(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CancelIncomplete, InvalidTransition, JobNotFound
 from ..jobs import JobRow, listed_by_priority, to_datetime
+from . import base
 from .base import (
     EDITABLE_STATES,
     ActionParams,
@@ -205,8 +206,11 @@ class SharedAdmin:
         return self._read_program(lambda: self.workflows.parent_results(job_id, after, limit))
 
     def workflow_prune(self, older_than: float, limit: int, rows: int | None = None) -> int:
+        # Bounded whoever calls: unbounded, one call deleted every prunable tree in one
+        # transaction (read at the call, so that a test can shrink it).
+        bound = base.WORKFLOW_PRUNE_ROWS if rows is None else rows
         with self._transaction() as run:
-            return run.program(self.workflows.prune(older_than, limit, rows))
+            return run.program(self.workflows.prune(older_than, limit, bound))
 
     def workflow_take_settled(self) -> list[Settled]:
         return self.workflows.take_settled()

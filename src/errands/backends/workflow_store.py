@@ -828,7 +828,7 @@ class WorkflowStore:
             )
             members = [-w for w in workflows]  # up to their parents, where nested in one
 
-    def prune(self, older_than: float, limit: int, rows: int | None = None) -> Program[int]:
+    def prune(self, older_than: float, limit: int, rows: int) -> Program[int]:
         """Delete up to ``limit`` outermost workflows settled more than ``older_than``
         seconds ago, oldest first, each with the workflows nested in it, and their members,
         edges and pending rows; their jobs are pruned as jobs are, once their workflow is
@@ -850,12 +850,11 @@ class WorkflowStore:
                 tree.append(workflow_id)
                 nested = yield Stmt(q["wf_nested"], {"id": workflow_id})
                 todo.extend(int(r[0]) for r in nested)
-            if rows is not None:
-                [(size,)] = yield Stmt(q["wf_tree_rows"], {"ids": self.array(tree)})
-                size = int(size) + len(tree)
-                if trees and taken + size > rows:
-                    break  # the next call starts with it (oldest first)
-                taken += size
+            [(size,)] = yield Stmt(q["wf_tree_rows"], {"ids": self.array(tree)})
+            size = int(size) + len(tree)
+            if trees and taken + size > rows:
+                break  # the next call starts with it (oldest first)
+            taken += size
             trees.append((int(root), tree))
         # Every tree locked at once, as a replay locks them (in id order, before it makes
         # a member pending again; tree after tree, a prune holding a later tree's lower id
