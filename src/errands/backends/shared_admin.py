@@ -47,6 +47,7 @@ from .program import Program, Stmt, run, unwrap_connection
 if TYPE_CHECKING:
     from .workflow_store import (
         MemberRow,
+        OrphanedCallback,
         ParentResultRow,
         Settled,
         WorkflowRow,
@@ -340,6 +341,11 @@ class SharedAdmin:
             skipped = _why_not_dead(ids, states)
         if replay:
             refused = self._cancelled_members(matched)
+            for chunk in _chunks(matched):
+                found = self._read_program(
+                    functools.partial(self.workflows.orphaned_callbacks_among, chunk)
+                )
+                refused.update({i: _why_orphaned(i, c) for i, c in found.items()})
             matched = [i for i in matched if i not in refused]
             skipped.update(refused)
         return ActionResult(matched=matched, skipped=skipped)
@@ -394,6 +400,14 @@ class SharedAdmin:
                 )
                 ids = [i for i in ids if i not in refused]
                 members -= set(refused)
+        if replay:
+            # Dead callbacks whose workflow is gone (pruned by an errands that did not keep
+            # it for them) stay dead: run, ctx.workflow() raised JobNotFound in the handler.
+            orphaned: dict[int, OrphanedCallback] = {}
+            for chunk in _chunks(ids):
+                orphaned.update(run.program(self.workflows.orphaned_callbacks_among(chunk)))
+            skipped.update({i: _why_orphaned(i, c) for i, c in orphaned.items()})
+            ids = [i for i in ids if i not in orphaned]
         queues: set[str] = set()
         detail = json.dumps(action_detail(params))
         for chunk in _chunks(ids):
@@ -761,6 +775,16 @@ def _why_cancelled(workflow_id: int) -> str:
     return (
         f"its workflow {workflow_id} was cancelled: a cancelled workflow's members do not "
         "run again (discard the job, or enqueue it anew)"
+    )
+
+
+def _why_orphaned(job_id: int, callback: OrphanedCallback) -> str:
+    """Why a replay refuses a dead callback whose workflow is gone."""
+    return (
+        f"it is the {callback.event} callback of workflow {callback.workflow_id}, which no "
+        "longer exists (pruned while the callback was dead, by an errands that did not keep "
+        "such workflows): run again, its ctx.workflow() would raise JobNotFound. Discard it "
+        f"(errands dlq discard {job_id} --reason ...), or enqueue its job anew"
     )
 
 
