@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from errands.backends import Backend
+from errands.backends import Backend, base
 from errands.backends.base import ActionParams, FinishParams, LeaseRef, RescueParams
 from errands.backends.workflow_store import NodeSpec, WorkflowInserted, WorkflowSpec
 from errands.errors import CancelIncomplete, ConfigurationError
@@ -779,6 +779,75 @@ def test_a_settled_workflow_stays_until_each_of_its_callbacks_has_ended(
     assert backend.workflow_get(inserted.id) is None
 
 
+def test_a_dead_callback_keeps_its_workflow_until_it_is_discarded_or_replayed_and_ended(
+    backend: Backend,
+) -> None:
+    """A callback that died is in the DLQ, to be replayed: pruned meanwhile, its workflow
+    was gone when the replay ran it, and ctx.workflow() raised JobNotFound (it died
+    again). The workflow stays while a callback of it is dead; once each is discarded, or
+    replayed and ended otherwise than dead, it goes as any other."""
+    inserted = backend.workflow_insert(batch(1, events=("on_success", "on_settled")))
+    assert finish(backend, claim_one(backend), "completed")
+    first, second = claim(backend, CALLBACKS, 10)
+    assert finish(backend, first, "dead", error=error())
+    assert finish(backend, second, "dead", error=error())
+    assert backend.workflow_prune(-1.0, 100) == 0  # both dead: a replay runs them again
+    discard = ActionParams(actor="test", ids=[first.id], reason="not needed")
+    assert backend.job_discard(discard).matched == [first.id]
+    assert backend.workflow_prune(-1.0, 100) == 0  # the other is still dead
+    assert backend.job_replay(ActionParams(actor="test", ids=[second.id])).matched == [second.id]
+    again = claim_one(backend, CALLBACKS)
+    assert again.id == second.id
+    assert finish(backend, again, "dead", error=error())
+    assert backend.workflow_prune(-1.0, 100) == 0  # dead again: still to be replayed
+    backend.job_replay(ActionParams(actor="test", ids=[second.id]))
+    assert finish(backend, claim_one(backend, CALLBACKS), "completed")
+    assert backend.workflow_prune(-1.0, 100) == 1
+    assert backend.workflow_get(inserted.id) is None
+
+
+def test_a_discarded_callback_lets_its_workflow_be_pruned(backend: Backend) -> None:
+    """A dead callback discarded will never run: its workflow is pruned as usual."""
+    inserted = backend.workflow_insert(batch(1, events=("on_success",)))
+    assert finish(backend, claim_one(backend), "completed")
+    assert finish(backend, claim_one(backend, CALLBACKS), "dead", error=error())
+    assert backend.workflow_prune(-1.0, 100) == 0
+    discard = ActionParams(actor="test", all_matching=True, queue=CALLBACKS, reason="done")
+    assert len(backend.job_discard(discard).matched) == 1
+    assert backend.workflow_prune(-1.0, 100) == 1
+    assert backend.workflow_get(inserted.id) is None
+
+
+def test_a_replay_refuses_a_dead_callback_whose_workflow_is_gone_saying_what_to_do(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An errands that did not keep a dead callback's workflow pruned it: replayed, the
+    callback ran and its ctx.workflow() raised JobNotFound deep in the handler (it died
+    again). The replay refuses it, by id or with --all, dry run or not, saying why and
+    what to do; a discard still takes it out of the DLQ."""
+    inserted = backend.workflow_insert(batch(1, events=("on_success",)))
+    assert finish(backend, claim_one(backend), "completed")
+    callback = claim_one(backend, CALLBACKS)
+    assert finish(backend, callback, "dead", error=error())
+    queries = backend.workflows.q  # type: ignore[attr-defined]
+    older = queries["wf_prunable"].replace("'completed', ", "'completed', 'dead', ", 1)
+    monkeypatch.setitem(queries, "wf_prunable", older)  # the prune of such an errands
+    assert backend.workflow_prune(-1.0, 100) == 1
+    monkeypatch.undo()
+    for dry_run in (True, False):
+        by_id = ActionParams(actor="test", ids=[callback.id], dry_run=dry_run)
+        every = ActionParams(actor="test", all_matching=True, queue=CALLBACKS, dry_run=dry_run)
+        for params in (by_id, every):
+            result = backend.job_replay(params)
+            assert result.matched == []
+            why = result.skipped[callback.id]
+            assert f"on_success callback of workflow {inserted.id}, which no longer" in why
+            assert f"errands dlq discard {callback.id}" in why
+    assert get(backend, callback.id).state == "dead"
+    discard = ActionParams(actor="test", ids=[callback.id], reason="its workflow is gone")
+    assert backend.job_discard(discard).matched == [callback.id]
+
+
 def test_a_nested_workflows_callback_yet_to_run_keeps_its_outermost_one(
     backend: Backend,
 ) -> None:
@@ -813,6 +882,24 @@ def test_a_prune_batch_stops_at_its_rows_bound_oldest_first_and_the_next_goes_on
     assert backend.workflow_prune(-1.0, 100, rows=1) == 1  # bigger than the bound: alone
     assert backend.workflow_get(ids[1]) is None
     assert backend.workflow_prune(-1.0, 100, rows=1) == 0
+
+
+def test_a_prune_called_without_a_rows_bound_stops_at_the_default_one(
+    backend: Backend, harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Called without rows= (by an admin script, a user), a prune had no bound: every
+    prunable tree went in one transaction, holding SQLite's write lock or PostgreSQL's
+    row locks to the end. It stops at WORKFLOW_PRUNE_ROWS (10,000; 10 here), as the
+    leader's batches do."""
+    monkeypatch.setattr(base, "WORKFLOW_PRUNE_ROWS", 10)
+    ids = [backend.workflow_insert(batch(3, events=())).id for _ in range(3)]
+    for row in claim_all(backend):
+        assert finish(backend, row, "completed")
+    for age, workflow_id in zip((300, 200, 100), ids, strict=True):
+        harness.backdate_settled(backend, workflow_id, age)
+    assert backend.workflow_prune(-1.0, 100) == 2  # 4 rows each: the third would make 12
+    assert [backend.workflow_get(i) is None for i in ids] == [True, True, False]
+    assert backend.workflow_prune(-1.0, 100) == 1
 
 
 def test_an_outcome_marked_as_a_members_lands_fans_in_and_stays_fenced(

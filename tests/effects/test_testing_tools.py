@@ -142,6 +142,26 @@ def test_drain_options_retries_queues_schedules_and_the_runaway_guard(
     assert (left.state, left.attempt) == (errands.JobState.AVAILABLE, 0)
 
 
+def test_the_job_a_drain_stopped_at_max_runs_is_given_back_with_nothing_recorded(
+    app: errands.App, errands_testing: Callable[..., Tester]
+) -> None:
+    """The job claimed when max_runs was reached never ran: it goes back as a worker gives
+    back a prefetched job, in its place and with no history entry (a "released" error
+    was appended, as if an attempt of it had been stopped)."""
+
+    @app.job(name="forever", retries=0)
+    def forever() -> None:
+        forever.enqueue()
+
+    tester = errands_testing(app)
+    forever.enqueue()
+    with pytest.raises(RuntimeError, match="enqueue itself forever"):
+        tester.drain(max_runs=3)
+    [left] = tester.all_enqueued(forever)
+    assert (left.state, left.attempt, left.errors) == (errands.JobState.AVAILABLE, 0, [])
+    assert [j.errors for j in app.jobs(state="completed")] == [[], [], []]
+
+
 def test_drain_and_inline_run_jobs_with_a_concurrency_key_or_a_rate(
     store_url: str, make_app: Make, errands_testing: Callable[..., Tester]
 ) -> None:

@@ -4,12 +4,14 @@ runs to its result, its events are emitted, and the CLI lists, shows and cancels
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from click.testing import CliRunner
 
 import errands
 from errands.cli.main import cli
+from errands.testing import Tester
 from tests.conftest import running_worker
 
 
@@ -65,6 +67,86 @@ def test_a_dag_runs_to_its_result_on_a_real_worker_and_the_cli_shows_it(
     assert _cli(app, "workflows", "list", "--state", "failed").strip() == (
         "no workflows in state failed"
     )
+
+
+def test_a_dead_callback_replayed_after_the_retention_reads_its_workflow_and_completes(
+    each_store_url: str, errands_testing: Callable[..., Tester]
+) -> None:
+    """A callback that died waits in the DLQ for a replay: the prune deleted its settled
+    workflow meanwhile, and the replayed callback's ctx.workflow() raised JobNotFound (it
+    died again). The workflow is kept while the callback is dead; replayed, it reads its
+    workflow and completes, and then the workflow goes."""
+    app = errands.App(each_store_url)
+    down = [True]
+    seen: list[str] = []
+
+    @app.job(name="wf.member")
+    def member() -> None: ...
+
+    @app.job(name="wf.report", retries=0)
+    def report(ctx: errands.Context) -> None:
+        status = ctx.workflow()
+        if down:
+            down.pop()
+            raise RuntimeError("the report service is down")
+        seen.append(f"{status.name}: {status.state}")
+
+    wf = errands.Workflow("nightly", on_success=report.bind())
+    wf.add(member.bind())
+    try:
+        tester = errands_testing(app)
+        handle = app.enqueue_workflow(wf)
+        tester.drain_workflow(handle)
+        callback = handle.status().callbacks["on_success"]
+        assert callback is not None and app.get_job(callback).state == "dead"
+        app.backend.workflow_prune(-1.0, 100)  # a prune past its retention
+        assert app.workflow_status(handle.id).state == "succeeded"  # kept for the callback
+        assert app.replay([callback]).matched == [callback]
+        tester.drain()
+        assert app.get_job(callback).state == "completed"
+        assert seen == ["nightly: succeeded"]
+        assert app.backend.workflow_prune(-1.0, 100) == 1
+    finally:
+        app.close()
+
+
+def test_dlq_replay_of_a_callback_whose_workflow_is_gone_fails_with_one_clear_line(
+    app: errands.App, errands_testing: Callable[..., Tester], monkeypatch: Any
+) -> None:
+    """A dead callback whose workflow an earlier errands pruned: replayed, it died again
+    with JobNotFound from ctx.workflow() in its handler. `errands dlq replay` now leaves
+    it dead, says why and what to do, and exits 1."""
+
+    @app.job(name="wf.member")
+    def member() -> None: ...
+
+    @app.job(name="wf.report", retries=0)
+    def report(ctx: errands.Context) -> None:
+        ctx.workflow()
+        raise RuntimeError("the report service is down")
+
+    wf = errands.Workflow("nightly", on_success=report.bind())
+    wf.add(member.bind())
+    tester = errands_testing(app)
+    handle = app.enqueue_workflow(wf)
+    tester.drain_workflow(handle)
+    callback = handle.status().callbacks["on_success"]
+    assert callback is not None and app.get_job(callback).state == "dead"
+    queries = app.backend.workflows.q  # type: ignore[attr-defined]
+    older = queries["wf_prunable"].replace("'completed', ", "'completed', 'dead', ", 1)
+    monkeypatch.setitem(queries, "wf_prunable", older)  # the prune of such an errands
+    assert app.backend.workflow_prune(-1.0, 100) == 1
+    monkeypatch.undo()
+    result = CliRunner().invoke(
+        cli, ["dlq", "replay", str(callback), "--url", app.url], terminal_width=200
+    )
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert f"skipped job {callback}: it is the on_success callback of workflow {handle.id}" in (
+        result.output
+    )
+    assert f"errands dlq discard {callback} --reason" in result.output
+    assert app.get_job(callback).state == "dead"
 
 
 def test_the_cli_cancels_a_workflow_and_an_unknown_one_is_one_clear_line(

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 FinishState = Literal["completed", "retryable", "dead", "cancelled", "waiting"]
 
 PROMOTE_BATCH = 1000  # due jobs job_promote_due relabels in one statement
+# The rows (workflows, members, edges) one workflow_prune call deletes, about, when its
+# caller names no bound: 1,000 workflows of 1,000 members were a million rows in one
+# transaction, its locks held (and SQLite's write lock) until the end. A tree bigger than
+# this goes alone. The maintenance leader's batches use it too.
+WORKFLOW_PRUNE_ROWS = 10_000
 
 # A caller's deadline (time.monotonic()) for the store calls it makes in this context:
 # set by a wait around its reads (errands.results.Pacer), and carried by contextvars into
@@ -809,7 +814,8 @@ class Backend(Protocol):
     def workflow_prune(self, older_than: float, limit: int, rows: int | None = None) -> int:
         """Delete up to ``limit`` workflows settled more than ``older_than`` s ago (their
         own rows), oldest first, and whole trees of nested ones holding about ``rows``
-        rows at most (the first whatever its size; None: no bound); how many went."""
+        rows at most (the first whatever its size; None: WORKFLOW_PRUNE_ROWS, so that no
+        call holds the store's locks for an unbounded delete); how many went."""
         ...
 
     def workflow_take_settled(self) -> list[Settled]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import CancelIncomplete, InvalidTransition, JobNotFound
 from ..jobs import JobRow, listed_by_priority, to_datetime
+from . import base
 from .base import (
     EDITABLE_STATES,
     ActionParams,
@@ -46,6 +47,7 @@ from .program import Program, Stmt, run, unwrap_connection
 if TYPE_CHECKING:
     from .workflow_store import (
         MemberRow,
+        OrphanedCallback,
         ParentResultRow,
         Settled,
         WorkflowRow,
@@ -205,8 +207,11 @@ class SharedAdmin:
         return self._read_program(lambda: self.workflows.parent_results(job_id, after, limit))
 
     def workflow_prune(self, older_than: float, limit: int, rows: int | None = None) -> int:
+        # Bounded whoever calls: unbounded, one call deleted every prunable tree in one
+        # transaction (read at the call, so that a test can shrink it).
+        bound = base.WORKFLOW_PRUNE_ROWS if rows is None else rows
         with self._transaction() as run:
-            return run.program(self.workflows.prune(older_than, limit, rows))
+            return run.program(self.workflows.prune(older_than, limit, bound))
 
     def workflow_take_settled(self) -> list[Settled]:
         return self.workflows.take_settled()
@@ -336,6 +341,11 @@ class SharedAdmin:
             skipped = _why_not_dead(ids, states)
         if replay:
             refused = self._cancelled_members(matched)
+            for chunk in _chunks(matched):
+                found = self._read_program(
+                    functools.partial(self.workflows.orphaned_callbacks_among, chunk)
+                )
+                refused.update({i: _why_orphaned(i, c) for i, c in found.items()})
             matched = [i for i in matched if i not in refused]
             skipped.update(refused)
         return ActionResult(matched=matched, skipped=skipped)
@@ -390,6 +400,14 @@ class SharedAdmin:
                 )
                 ids = [i for i in ids if i not in refused]
                 members -= set(refused)
+        if replay:
+            # Dead callbacks whose workflow is gone (pruned by an errands that did not keep
+            # it for them) stay dead: run, ctx.workflow() raised JobNotFound in the handler.
+            orphaned: dict[int, OrphanedCallback] = {}
+            for chunk in _chunks(ids):
+                orphaned.update(run.program(self.workflows.orphaned_callbacks_among(chunk)))
+            skipped.update({i: _why_orphaned(i, c) for i, c in orphaned.items()})
+            ids = [i for i in ids if i not in orphaned]
         queues: set[str] = set()
         detail = json.dumps(action_detail(params))
         for chunk in _chunks(ids):
@@ -757,6 +775,16 @@ def _why_cancelled(workflow_id: int) -> str:
     return (
         f"its workflow {workflow_id} was cancelled: a cancelled workflow's members do not "
         "run again (discard the job, or enqueue it anew)"
+    )
+
+
+def _why_orphaned(job_id: int, callback: OrphanedCallback) -> str:
+    """Why a replay refuses a dead callback whose workflow is gone."""
+    return (
+        f"it is the {callback.event} callback of workflow {callback.workflow_id}, which no "
+        "longer exists (pruned while the callback was dead, by an errands that did not keep "
+        "such workflows): run again, its ctx.workflow() would raise JobNotFound. Discard it "
+        f"(errands dlq discard {job_id} --reason ...), or enqueue its job anew"
     )
 
 

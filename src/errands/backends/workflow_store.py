@@ -109,6 +109,14 @@ class Settled:
 
 
 @dataclass(frozen=True)
+class OrphanedCallback:
+    """A dead callback's workflow and event, that workflow no longer stored."""
+
+    workflow_id: int
+    event: str
+
+
+@dataclass(frozen=True)
 class WorkflowRow:
     id: int
     name: str
@@ -769,6 +777,30 @@ class WorkflowStore:
         return result.id
 
     # -- operators ---------------------------------------------------------------------
+    def orphaned_callbacks_among(
+        self, job_ids: Sequence[int]
+    ) -> Program[dict[int, OrphanedCallback]]:
+        """Of these jobs, the dead callbacks whose workflow is gone, each with its event
+        and workflow. A replay refuses them: run again, ``ctx.workflow()`` raised
+        JobNotFound deep in the handler, and the job died again. A dead callback keeps its
+        workflow from the prune (wf_prunable), so only an errands that did not (it pruned
+        the workflow of a callback in the DLQ) leaves one: no lock is needed to read it."""
+        if not job_ids:
+            return {}
+        rows = yield Stmt(self.q["wf_dead_callbacks_among"], {"ids": self.array(list(job_ids))})
+        fired: dict[int, OrphanedCallback] = {}
+        for job_id, workflow, event in rows:
+            try:
+                fired[int(job_id)] = OrphanedCallback(int(str(workflow)), str(event))
+            except ValueError:  # not errands' own mark: not a callback it fired
+                continue
+        if not fired:
+            return {}
+        workflows = sorted({c.workflow_id for c in fired.values()})
+        found = yield Stmt(self.q["wf_existing"], {"ids": self.array(workflows)})
+        kept = {int(r[0]) for r in found}
+        return {i: c for i, c in fired.items() if c.workflow_id not in kept}
+
     def members_among(self, job_ids: Sequence[int]) -> Program[list[int]]:
         """Which of these jobs are workflow members (of a workflow not pruned)."""
         rows = yield Stmt(self.q["wf_members_among"], {"ids": self.array(list(job_ids))})
@@ -828,7 +860,7 @@ class WorkflowStore:
             )
             members = [-w for w in workflows]  # up to their parents, where nested in one
 
-    def prune(self, older_than: float, limit: int, rows: int | None = None) -> Program[int]:
+    def prune(self, older_than: float, limit: int, rows: int) -> Program[int]:
         """Delete up to ``limit`` outermost workflows settled more than ``older_than``
         seconds ago, oldest first, each with the workflows nested in it, and their members,
         edges and pending rows; their jobs are pruned as jobs are, once their workflow is
@@ -850,12 +882,11 @@ class WorkflowStore:
                 tree.append(workflow_id)
                 nested = yield Stmt(q["wf_nested"], {"id": workflow_id})
                 todo.extend(int(r[0]) for r in nested)
-            if rows is not None:
-                [(size,)] = yield Stmt(q["wf_tree_rows"], {"ids": self.array(tree)})
-                size = int(size) + len(tree)
-                if trees and taken + size > rows:
-                    break  # the next call starts with it (oldest first)
-                taken += size
+            [(size,)] = yield Stmt(q["wf_tree_rows"], {"ids": self.array(tree)})
+            size = int(size) + len(tree)
+            if trees and taken + size > rows:
+                break  # the next call starts with it (oldest first)
+            taken += size
             trees.append((int(root), tree))
         # Every tree locked at once, as a replay locks them (in id order, before it makes
         # a member pending again; tree after tree, a prune holding a later tree's lower id

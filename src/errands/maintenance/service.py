@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .. import clock
 from ..backends.base import (
     PROMOTE_BATCH,
+    WORKFLOW_PRUNE_ROWS,
     ExpiredLease,
     ExpiredWait,
     RescueParams,
@@ -65,10 +66,9 @@ TICK_DEFAULT = 1.0
 PRUNE_INTERVAL_DEFAULT = 60.0
 RESCUE_BATCH = 500
 PRUNE_BATCH = 1000
-# The rows (workflows, members, edges) one workflow prune batch deletes, about: 1,000
-# workflows of 1,000 members were a million rows in one transaction, its locks held (and
-# SQLite's write lock) until the end. A tree bigger than this goes alone.
-PRUNE_WORKFLOW_ROWS = 10_000
+# The rows (workflows, members, edges) one workflow prune batch deletes, about (see
+# backends.base.WORKFLOW_PRUNE_ROWS, every workflow_prune call's bound).
+PRUNE_WORKFLOW_ROWS = WORKFLOW_PRUNE_ROWS
 PRUNE_BATCHES_PER_ROUND = 10
 PRUNE_BACKLOG_TICKS = 5  # with a backlog left, prune again after this many ticks
 WORKER_FORGET_AFTER = 300.0  # seconds without a heartbeat before a worker leaves the registry

@@ -243,11 +243,13 @@ class HarnessWorker(Worker):
         return []
 
     def release_row(self, row: JobRow) -> None:
-        """Give a claimed row back without running it (as a shutdown does)."""
+        """Give a claimed row back without running it, as a worker gives back a
+        prefetched job: due again in its place, nothing recorded (no ``released`` entry in
+        its errors: no attempt of it began)."""
         lease = row.lease_seconds or self.app.lease
         fair = row.fair_key is not None
         self.app.backend.job_release_many(
-            [LeaseRef(row.id, row.lease_token or "", lease, fair=fair)]
+            [LeaseRef(row.id, row.lease_token or "", lease, fair=fair)], prefetched=True
         )
 
     def run_row(self, row: JobRow, *, duplicate: bool = False, timeout: float = 60.0) -> Run:

@@ -443,7 +443,7 @@ class Tester:
                 if row is not None:
                     stalled = False
                     if len(result) >= max_runs:
-                        driver.release_row(row)  # back to available, the attempt not charged
+                        driver.release_row(row)  # never run: given back, nothing recorded
                         raise RuntimeError(
                             f"drain() ran {max_runs} attempts and jobs are still due; does a "
                             "job enqueue itself forever? (raise max_runs= if not)"

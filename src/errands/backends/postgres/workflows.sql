@@ -307,6 +307,18 @@ WHERE id = %(id)s
 -- Which of the jobs given are workflow members (a bulk replay locks their workflows).
 SELECT job_id FROM {schema}.errands_workflow_members WHERE job_id = ANY(%(ids)s::bigint[])
 
+-- name: wf_dead_callbacks_among
+-- Of the jobs given, the dead workflow callbacks, with the workflow and event each was
+-- fired for (a replay refuses those whose workflow is gone: WorkflowStore
+-- .orphaned_callbacks_among). Read as text: the caller parses the workflow id.
+SELECT id, meta -> 'workflow_callback' ->> 'workflow', meta -> 'workflow_callback' ->> 'event'
+FROM {schema}.errands_jobs
+WHERE id = ANY(%(ids)s::bigint[]) AND state = 'dead'
+  AND meta -> 'workflow_callback' IS NOT NULL
+
+-- name: wf_existing
+SELECT id FROM {schema}.errands_workflows WHERE id = ANY(%(ids)s::bigint[])
+
 -- name: wf_cancelled_among
 -- Of the jobs given, the members of a workflow whose cancel was requested, or of one
 -- nested in such a workflow at any depth, each with the nearest such workflow: a replay
@@ -436,9 +448,12 @@ SELECT -job_id FROM {schema}.errands_workflow_pending WHERE workflow_id = %(id)s
 -- (wf_nested), whose result reads it until then. A member replayed since its workflow
 -- settled is pending again (its settle time is the old one), and a nested workflow that
 -- settled cancelled is not pending again in its parent: its pending rows are looked for.
--- Nor while a callback of one of them (on_success, on_settled, on_dead) has not ended: it
--- reads its workflow (ctx.workflow(), ctx.workflow_members()), and one still waiting in a
--- busy or paused queue, or between its retries, got JobNotFound once the prune went past.
+-- Nor while a callback of one of them (on_success, on_settled, on_dead) has not ended, or
+-- ended dead: it reads its workflow (ctx.workflow(), ctx.workflow_members()), and one
+-- still waiting in a busy or paused queue, or between its retries, got JobNotFound once
+-- the prune went past; so did a dead one replayed from the DLQ (dead jobs are kept until
+-- replayed or discarded: the workflow is kept with them, and goes once it is discarded,
+-- or replayed and ended otherwise than dead).
 -- Oldest first: a batch bounded by the rows it deletes goes on from the oldest it left.
 SELECT id FROM {schema}.errands_workflows AS w
 WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(older_than)s)
@@ -458,7 +473,7 @@ WHERE settled_at IS NOT NULL AND settled_at < now() - make_interval(secs => %(ol
       JOIN {schema}.errands_workflows AS t ON t.id = tree.id
       JOIN {schema}.errands_jobs AS j
         ON j.id IN (t.on_success_job, t.on_settled_job, t.on_dead_job)
-      WHERE j.state NOT IN ('completed', 'dead', 'cancelled', 'discarded'))
+      WHERE j.state NOT IN ('completed', 'cancelled', 'discarded'))
 ORDER BY settled_at
 LIMIT %(limit)s
 

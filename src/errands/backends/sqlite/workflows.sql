@@ -210,6 +210,18 @@ WHERE id = :id
 SELECT job_id FROM errands_workflow_members
 WHERE job_id IN (SELECT value FROM json_each(:ids))
 
+-- name: wf_dead_callbacks_among
+-- Of the jobs given, the dead workflow callbacks, with their workflow and event (see the
+-- PostgreSQL statement).
+SELECT id, json_extract(meta, '$.workflow_callback.workflow'),
+       json_extract(meta, '$.workflow_callback.event')
+FROM errands_jobs
+WHERE id IN (SELECT value FROM json_each(:ids)) AND state = 'dead'
+  AND json_extract(meta, '$.workflow_callback') IS NOT NULL
+
+-- name: wf_existing
+SELECT id FROM errands_workflows WHERE id IN (SELECT value FROM json_each(:ids))
+
 -- name: wf_cancelled_among
 -- Of the jobs given (:ids, a JSON list), the members of a workflow whose cancel was
 -- requested, or of one nested in such a workflow at any depth, each with the nearest
@@ -325,8 +337,8 @@ SELECT -job_id FROM errands_workflow_pending WHERE workflow_id = :id AND job_id 
 
 -- name: wf_prunable
 -- Settled before the retention, nested in no other, nothing pending in it nor in a
--- workflow nested in it at any depth, and no callback of theirs yet to end; oldest first
--- (see the PostgreSQL statement).
+-- workflow nested in it at any depth, and no callback of theirs yet to end or dead (a
+-- replay from the DLQ runs it again); oldest first (see the PostgreSQL statement).
 SELECT id FROM errands_workflows AS w
 WHERE settled_at IS NOT NULL
   AND settled_at < (julianday('now') - 2440587.5) * 86400.0 - :older_than
@@ -345,7 +357,7 @@ WHERE settled_at IS NOT NULL
       SELECT 1 FROM tree
       JOIN errands_workflows AS t ON t.id = tree.id
       JOIN errands_jobs AS j ON j.id IN (t.on_success_job, t.on_settled_job, t.on_dead_job)
-      WHERE j.state NOT IN ('completed', 'dead', 'cancelled', 'discarded'))
+      WHERE j.state NOT IN ('completed', 'cancelled', 'discarded'))
 ORDER BY settled_at
 LIMIT :limit
 
