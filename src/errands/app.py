@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -59,7 +60,14 @@ from .errors import (
     is_transient,
 )
 from .handle import JobHandle
-from .hooks import HOOK_TIMEOUT_DEFAULT, HookRunner, HookTimeout, LaneClosed
+from .hooks import (
+    BACKOFF_TIMEOUT,
+    HOOK_TIMEOUT_DEFAULT,
+    HookRunner,
+    HookTimeout,
+    LaneClosed,
+    close_shared,
+)
 from .hooks import describe as describe_callable
 from .interrupts import shielded
 from .jobs import Job, JobRow, Step, listed_by_priority, parse_cursor, parse_state
@@ -145,6 +153,29 @@ def _actor(value: str) -> str:
 
 _NO_WEIGHT = object()  # fair_weight(key) without a weight: a mistake, named
 
+# Every App of this process (weakly: an App dropped is collected as before): each is told
+# of a fork in the child (App._forked).
+_APPS: weakref.WeakSet[App] = weakref.WeakSet()
+
+
+def _live_apps() -> list[App]:
+    """The Apps of this process now."""
+    while True:
+        try:
+            return list(_APPS)
+        except RuntimeError:  # an App made on another thread as it was read: again
+            continue
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
+    for app in list(_APPS):
+        app._forked()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class App:
     """One application's jobs and the database that holds them.
@@ -218,9 +249,27 @@ class App:
         self.fair_weights: CallableWeights | None = None  # app.fair_weight(fn)
         self._workers: set[Worker] = set()  # this App's workers running now (close)
         self._workers_lock = threading.Lock()
+        _APPS.add(self)  # its locks start afresh in a forked child (_forked)
 
     def __repr__(self) -> str:
         return f"<errands.App {redact_url(self.url)} jobs={len(self.registry)}>"
+
+    def _forked(self) -> None:
+        """In a child forked from this process, right after the fork, on its only thread
+        (os.register_at_fork; no I/O, no logging): the App's locks start afresh. A lock
+        another thread of the parent held at the fork (opening the store: App.backend,
+        or abackend's thread) was copied held, by a thread that does not exist in the
+        child: the child's first use of the store hung for good. An opening under way on
+        abackend's thread is forgotten too (that thread is not in the child, its answer
+        would never come): the child opens the store itself at its first use, as one
+        forked before any opening does. A backend opened before the fork is the child's
+        to use as it is (each backend starts its own connections afresh in the child)."""
+        self._backend_lock = threading.Lock()
+        self._opening_lock = threading.Lock()
+        if self._opening is not None and not self._opening.done():
+            self._opening = None
+        self._dead_hooks_lock = threading.Lock()
+        self._workers_lock = threading.Lock()
 
     # -- the store ---------------------------------------------------------------------
     @property
@@ -280,9 +329,12 @@ class App:
         queued get ``hook_timeout`` (and a second) to run; what is still queued then is
         dropped (an on_dead hook's death is left to the maintenance leader), what still
         runs is abandoned, both logged (errands.hooks). The App may be used after
-        close(): the store opens again, and the lanes start again, when needed."""
+        close(): the store opens again, and the lanes start again, when needed. The
+        process's backoff lane (shared by its Apps) ends too, unless a worker of another
+        App still runs."""
         self._stop_workers()
         self.hooks.close(self.hooks.hook_timeout + HOOKS_CLOSE_MARGIN)
+        self._close_process_lanes()
         if self.fair_weights is not None:
             self.fair_weights.close()
         if self._results is not None:
@@ -290,6 +342,19 @@ class App:
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+
+    def _close_process_lanes(self, stopping: Worker | None = None) -> None:
+        """End the thread of the process's backoff lane (errands.hooks.shared_runner: the
+        job types' backoff policies, of every App, run there with a time limit) and its
+        watchdog, unless a worker of an App of this process still runs (other than
+        ``stopping``, the last worker of this App, which calls this as it stops): it
+        would only start them again. Called by close() and by that worker's stop, as
+        the App's own lanes end; the next backoff policy called starts them again.
+        Nothing ever ended them: every process that had called one kept the lane's
+        thread and a watchdog for good."""
+        if any(app._workers - {stopping} for app in _live_apps()):
+            return
+        close_shared(BACKOFF_TIMEOUT + HOOKS_CLOSE_MARGIN)
 
     def _stop_workers(self) -> None:
         with self._workers_lock:

@@ -16,7 +16,8 @@ threads run on a :class:`Lane` instead:
   replacing them and its queue fills (and drops), rather than leak threads without bound;
 - every exception is logged with the callable's name, never raised into the worker;
 - a close (``App.close()``, or the stop of the App's last running worker) ends the lanes'
-  threads and the watchdog: the calls queued before it run within its bound, then each
+  threads and the watchdog (the process's backoff lane, shared by its Apps, once no
+  worker of any App runs): the calls queued before it run within its bound, then each
   thread leaves. A call still queued at the bound is dropped (logged; its future raises
   :class:`LaneClosed`); a call still running then is abandoned (logged once with its
   name, its thread left as a daemon: Python cannot kill a thread) and not waited for,
@@ -598,3 +599,13 @@ def shared_runner() -> HookRunner:
             if _shared is None:
                 _shared = HookRunner()
     return _shared
+
+
+def close_shared(timeout: float) -> bool:
+    """End the threads of the process's runner (:func:`shared_runner`: the backoff lane
+    and its watchdog) as :meth:`HookRunner.close` ends an App's: the calls queued before
+    it run within ``timeout``; the next call starts the lane again. Its caller decides
+    that no worker of the process needs it now (App.close(), the stop of the last
+    worker: see ``App._close_process_lanes``). True when nothing was left."""
+    runner = _shared
+    return True if runner is None else runner.close(timeout)

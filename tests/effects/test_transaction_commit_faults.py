@@ -177,7 +177,9 @@ def test_a_child_whose_transactions_commit_reply_was_lost_reports_the_completion
     """A process-pool child completed its job in its ctx.transaction(), and the COMMIT's
     reply was lost: the child reported a transient failure, which the worker wrote and
     the fence refused (a stale write; the workflow's settlement never announced). The
-    child reads the job back, finds its completion, and reports it with its fan-in."""
+    child sends what its transaction's fan-in did with the failure (MaybeLanded); the
+    worker's completer writes the failure, reads the job back once the fence refuses it,
+    finds the completion, and reports it with that fan-in (as for its own threads)."""
     effects.create(TX_TABLES)
     app = make_app()
     seen: list[Any] = []
@@ -210,17 +212,102 @@ def test_a_child_whose_transactions_commit_reply_was_lost_reports_the_completion
             what="the callback run",
         )
     assert lost == ["after_complete_commit"]
-    # the member's answer: its completion, written in its transaction (the callback's
-    # answer has none: it used no ctx.transaction(), the worker writes its outcome)
-    assert [(ok, getattr(r, "written", None)) for ok, r in children.answers] == [
-        (True, True),
-        (True, None),
-    ], children.answers
+    # the member's answer: a failure that may have landed, with its completion's result
+    # (the callback's: a result the worker writes, it used no ctx.transaction())
+    [(member_ok, failure), (callback_ok, result)] = children.answers
+    assert (member_ok, failure[3], callback_ok, result.written) == (
+        False,
+        "transient",
+        True,
+        None,
+    ), children.answers
+    assert isinstance(failure[5], process_child.MaybeLanded), failure
+    assert failure[5].result_json == "3", failure
     member = next(j for j in app.jobs() if j.name == "lost.tx")
     assert (member.attempt, member.result, member.errors) == (1, 3, [])
     assert _rows(effects, member.id) == [(3, 1)]
     names = [e.name for e in seen]
     assert "errands.job.stale_write_rejected" not in names, names
+    assert [(e["workflow_id"], e["state"]) for e in seen if e.name.endswith("settled")] == [
+        (handle.id, "succeeded")
+    ]
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_completion_whose_commit_reply_was_lost_is_read_back_until_the_store_answers(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The COMMIT of a member's ctx.transaction() went through and its reply was lost,
+    and the store was still away when the job was read back (twice). A process-pool
+    child read it back once itself: failing, it reported a transient failure, which the
+    worker wrote and the fence refused (errands.job.stale_write_rejected: a false alarm;
+    no completed event, the workflow's settlement never announced). The worker's own
+    thread path read it back once after the refusal, with the same result. Now both go
+    through the completer, which reads the job back until the store answers: the
+    completion is the attempt's outcome, reported with its fan-in."""
+    effects.create(TX_TABLES)
+    app = make_app()
+    seen: list[Any] = []
+    app.events.subscribe(seen.append)
+
+    @app.job(name="unread.tx", retries=2)
+    def unread_tx(ctx: errands.Context, n: int) -> int:
+        write_effect(ctx, store_url, n)
+        return n
+
+    @app.job(name="unread.callback")
+    def callback() -> None:
+        pass
+
+    batch = errands.Batch("unread.batch", on_success=callback.bind())
+    batch.add(unread_tx.bind(n=4), name="only")
+    handle = app.enqueue_workflow(batch)
+    member_id = next(j.id for j in app.jobs() if j.name == "unread.tx")
+    backend = app.backend
+    read = backend.job_get_many
+    unread: list[list[int]] = []
+
+    def store_still_away(ids: list[int]) -> Any:
+        """The member's reads after its lost reply fail, twice (the store still away)."""
+        if lost and member_id in ids and len(unread) < 2:
+            unread.append(list(ids))
+            raise _reply_lost(store_url)
+        return read(ids)
+
+    monkeypatch.setattr(backend, "job_get_many", store_still_away)
+    with (
+        failing("after_complete_commit", _reply_lost(store_url), 1) as lost,
+        worker_on(app, pool, monkeypatch),
+    ):
+        wait_until(lambda: app.workflow_status(handle.id).state == "succeeded", what="settle")
+        wait_until(
+            lambda: any(e.name == "errands.workflow.settled" for e in seen),
+            what="the settled event",
+        )
+        wait_until(
+            lambda: any(
+                e.name in ("errands.job.completed", "errands.job.stale_write_rejected")
+                and e["job_id"] == member_id
+                for e in seen
+            ),
+            what="the member's outcome event",
+        )
+        wait_until(
+            lambda: [j.state.value for j in app.jobs()] == ["completed"] * 2,
+            what="the callback run",
+        )
+    assert lost == ["after_complete_commit"]
+    assert unread == [[member_id]] * 2  # the store was away at two reads of the job
+    member = next(j for j in app.jobs() if j.name == "unread.tx")
+    assert (member.attempt, member.result, member.errors) == (1, 4, [])
+    assert _rows(effects, member.id) == [(4, 1)]
+    names = [e.name for e in seen if e.get("job_id", member_id) == member_id]
+    assert "errands.job.stale_write_rejected" not in names, names
+    assert "errands.job.completed" in names, names
     assert [(e["workflow_id"], e["state"]) for e in seen if e.name.endswith("settled")] == [
         (handle.id, "succeeded")
     ]

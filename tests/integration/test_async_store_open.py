@@ -1,9 +1,13 @@
 """The first async calls open the store once, on a thread of their own (App.abackend):
-the event loop never waits for it, and neither does the loop's default executor."""
+the event loop never waits for it, and neither does the loop's default executor. A child
+forked while a thread opens the store opens its own."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -72,3 +76,101 @@ def test_many_first_async_calls_leave_the_loops_executor_free_while_the_store_op
     finally:
         gate.set()
         app.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no os.fork on Windows")
+@pytest.mark.parametrize("opener", ["backend", "abackend"])
+def test_a_child_forked_while_a_thread_opens_the_store_opens_its_own_and_enqueues(
+    tmp_path: Path, opener: str
+) -> None:
+    """Given a thread of the parent opening the store (App.backend, or the thread that
+    App.abackend opens it on) at the fork, the child opens the store itself and enqueues
+    (sync, or async: a first aenqueue). The App's lock guarding the opening was copied
+    into the child held, by a thread that does not exist there: the child's first use of
+    the store hung for good (and an async one waited for that thread's opening). Real
+    os.fork, in a process of its own (the test process forks nothing); a child still
+    hung after 60 s is ended by its alarm, and the test fails."""
+    script = """
+        import asyncio, os, signal, sys, threading
+        import errands
+        import errands.app as app_module
+
+        real_open = app_module.open_backend
+        parent = os.getpid()
+        opening, done_forking = threading.Event(), threading.Event()
+
+        def slow_open(url, **options):
+            if os.getpid() == parent:  # the parent's opening: held across the fork
+                opening.set()
+                done_forking.wait(60)
+            return real_open(url, **options)
+
+        app_module.open_backend = slow_open
+        app = errands.App("sqlite:///" + sys.argv[1])
+
+        @app.job(name="forked.job")
+        def job(n: int) -> None: ...
+
+        if sys.argv[2] == "backend":
+            thread = threading.Thread(target=lambda: app.backend)
+        else:
+            thread = threading.Thread(target=lambda: asyncio.run(app.abackend()))
+        thread.start()
+        assert opening.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(60)  # hung: killed by SIGALRM, the test fails
+            try:
+                if sys.argv[2] == "backend":
+                    handle = job.enqueue(n=1)
+                else:
+                    handle = asyncio.run(job.aenqueue(n=1))
+                print("child enqueued", handle.id, flush=True)
+            except BaseException as exc:
+                print("child:", type(exc).__name__, exc, flush=True)
+                os._exit(1)
+            os._exit(0)
+        done_forking.set()
+        thread.join(30)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        print("stored", [j.args["n"] for j in app.jobs()], flush=True)
+        app.close()
+        """
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-c",
+            textwrap.dedent(script),
+            str(tmp_path / "store.db"),
+            opener,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child exit 0" in done.stdout, (done.stdout, done.stderr[-3000:])
+    assert "stored [1]" in done.stdout, done.stdout
+
+
+def test_an_app_dropped_is_collected_though_its_forks_are_watched(tmp_path: Path) -> None:
+    """The App's fork hook keeps no App alive: one used, closed and dropped is collected
+    (the process's list of Apps to tell of a fork holds them weakly)."""
+    import gc
+    import weakref
+
+    app = errands.App(f"sqlite:///{tmp_path / 'store.db'}")
+
+    @app.job(name="dropped.job")
+    def job(n: int) -> None: ...
+
+    job.enqueue(n=1)
+    app.close()
+    dropped = weakref.ref(app)
+    del app, job
+    gc.collect()
+    assert dropped() is None

@@ -23,6 +23,7 @@ import pytest
 import errands
 from errands import hooks
 from errands.hooks import HookRunner, protect_current_thread
+from errands.retry import as_backoff, retry_delay
 from tests.conftest import running_worker
 from tests.integration.helpers import wait_until
 
@@ -143,6 +144,67 @@ def test_closing_an_app_ends_the_lanes_its_own_threads_started(tmp_path: Path) -
                 timeout=10,
                 what=f"no hook thread left after close {n}",
             )
+    finally:
+        app.close()
+
+
+def backoff_threads() -> set[threading.Thread]:
+    """The process's backoff lane's threads (errands.hooks.shared_runner) and every
+    watchdog (the shared runner's is named as an App's)."""
+    return {
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("errands-backoff-", "errands-hooks-watchdog"))
+    }
+
+
+def test_the_backoff_lane_ends_with_the_last_worker_and_at_close_and_starts_again(
+    tmp_path: Path,
+) -> None:
+    """Given a job type whose backoff is a callable (user code: run on the process's
+    backoff lane, with a time limit), each failed attempt calls it there. After the App's
+    last worker stops, and again after App.close() (the App used again in between),
+    no thread of that lane and no watchdog is left: the thread count is back to where it
+    was before. Nothing ever closed that lane: its thread and its watchdog stayed for
+    the process's life. Each later use starts it again (its delay is the callable's)."""
+    app = errands.App(f"sqlite:///{tmp_path / 'store.db'}")
+    asked: list[int] = []
+
+    def backoff(attempt: int) -> float:
+        asked.append(attempt)
+        return 0.01
+
+    @app.job(name="lanes.retried", retries=1, backoff=backoff)
+    def retried(ctx: errands.Context) -> int:
+        if ctx.attempt == 1:
+            raise ValueError("first attempt fails")
+        return ctx.attempt
+
+    hooks.shared_runner().close(5.0)  # (a lane an earlier test of this process started)
+    wait_until(lambda: not backoff_threads(), timeout=10, what="no backoff thread at first")
+    baseline = set(threading.enumerate())
+    try:
+        for n in range(2):
+            handle = retried.enqueue()
+            with running_worker(app, concurrency=1, maintenance=False):
+                assert handle.result(timeout=30) == 2
+                assert {t.name for t in backoff_threads()} >= {"errands-hooks-watchdog"}
+                assert any(t.name.startswith("errands-backoff-") for t in backoff_threads())
+            assert asked == [1] * (n + 1)  # the callable's delay, on the lane (each start)
+            wait_until(
+                lambda: not backoff_threads(),
+                timeout=10,
+                what=f"no backoff thread after the worker's stop {n}",
+            )
+        retry_delay(as_backoff(backoff), 3, job="lanes.retried")
+        assert asked[-1] == 3 and backoff_threads()  # used without a worker: started
+        app.close()
+        wait_until(lambda: not backoff_threads(), timeout=10, what="no backoff thread after close")
+        wait_until(
+            lambda: not set(threading.enumerate()) - baseline,
+            timeout=10,
+            what="the thread count back to its baseline",
+        )
     finally:
         app.close()
 

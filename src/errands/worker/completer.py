@@ -12,10 +12,11 @@ Two more things go through it, written when the store takes them as outcomes are
   commit because it cannot write (full, read-only) is released, uncharged, once the
   store takes the release, its lease kept by the heartbeat meanwhile, as an outcome's is;
 - a completion that may have landed (:meth:`Completer.maybe_landed`): a
-  ``ctx.transaction()`` whose COMMIT lost its reply. The attempt's failure is written
-  instead; if the fence refuses it, the job is read back, and a completion found there
-  (the job completed at that attempt) is reported as the attempt's outcome, with what its
-  workflow fan-in did (errands.landed).
+  ``ctx.transaction()`` whose COMMIT lost its reply, on a worker's thread or in a
+  process-pool child. The attempt's failure is written instead; if the fence refuses
+  it, the job is read back (again while the store is out of reach), and a completion
+  found there (the job completed at that attempt) is reported as the attempt's outcome,
+  with what its workflow fan-in did (errands.landed).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Completer:
         self.on_given_back = on_given_back
         # ctx.transaction() completions whose COMMIT lost its reply, by attempt (job id and
         # lease token): the completion, and what its fan-in did if it committed
-        self._maybe: dict[tuple[int, str], tuple[FinishParams, _Unsure]] = {}
+        self._maybe: dict[tuple[int, str], tuple[FinishParams, Unsure]] = {}
         # A batch's workflow fan-ins released dependents (or inserted callbacks) into
         # these queues: this worker may claim them at once, without a wake-up's round trip.
         self.on_released = on_released
@@ -119,15 +120,26 @@ class Completer:
     def submit(self, attempt: Attempt, outcome: FinishParams | GiveBack) -> None:
         self._queue.put((attempt, outcome))
 
-    def maybe_landed(self, attempt: Attempt, completion: FinishParams, store: Backend) -> None:
+    def maybe_landed(
+        self,
+        attempt: Attempt,
+        completion: FinishParams,
+        store: Backend | None = None,
+        kept: Unsure | None = None,
+    ) -> None:
         """The COMMIT of ``attempt``'s ctx.transaction(), holding ``completion``, failed on
-        a connection error: it may have gone through before it (its reply lost). Called on
-        the thread that committed, right after the error and before the attempt's failure
-        is submitted: what the transaction's fan-in did is read from ``store`` now (its
-        record is that thread's), and reported if the completion turns out to have landed
-        (see :meth:`_confirm`)."""
-        kept = _Unsure()
-        kept.take(store)
+        a connection error: it may have gone through before it (its reply lost). Called
+        right after the error and before the attempt's failure is submitted: what the
+        transaction's fan-in did is read from ``store`` now, on the thread that committed
+        (its record is that thread's), or was read by the process-pool child that
+        committed it (``kept``, sent with its failure: :class:`.process_child.MaybeLanded`);
+        it is reported if the completion turns out to have landed (see :meth:`_confirm`).
+        One read-back for both: a child's failure is written, and the job read back, by
+        this completer as a thread's is."""
+        if kept is None:
+            kept = Unsure()
+            if store is not None:
+                kept.take(store)
         self._maybe[(attempt.id, attempt.token)] = (completion, kept)
 
     @property
@@ -213,7 +225,7 @@ class Completer:
         refusals = failures = 0
         next_report = 0.0
         unsure = False  # an earlier try may have committed before its error
-        kept = _Unsure()  # what the fan-ins of such tries did (each retry starts afresh)
+        kept = Unsure()  # what the fan-ins of such tries did (each retry starts afresh)
         while True:
             backend: Backend | None = None
             try:
@@ -287,7 +299,7 @@ class Completer:
             log.exception("could not report the workflows a fan-in settled")
         return done
 
-    def _report_earlier(self, kept: _Unsure, reported: list[Any]) -> None:
+    def _report_earlier(self, kept: Unsure, reported: list[Any]) -> None:
         """An earlier try committed its members' ends, and with them what its fan-ins
         did (its reply was lost; this try's refusals settle nothing): reported now, each
         workflow once (not those this try reported itself)."""
@@ -322,20 +334,15 @@ class Completer:
         released into). A failure that was stored says the completion did not land."""
         if not self._maybe:
             return written
-        refused: list[tuple[int, FinishParams, _Unsure]] = []
+        refused: list[tuple[int, FinishParams, Unsure]] = []
         for i, ((attempt, _), ok) in enumerate(written):
             entry = self._maybe.pop((attempt.id, attempt.token), None)
             if entry is not None and ok is False:
                 refused.append((i, *entry))
         if not refused:
             return written
-        try:
-            rows = read_back(self.app.backend, [written[i][0][0].id for i, _, _ in refused])
-        except Exception:
-            log.exception(
-                "could not read back %d job(s) whose transaction's commit lost its reply",
-                len(refused),
-            )
+        rows = self._read_back_until_known([written[i][0][0].id for i, _, _ in refused])
+        if rows is None:
             return written
         confirmed = list(written)
         for i, completion, kept in refused:
@@ -353,7 +360,52 @@ class Completer:
             self._report_kept(kept)
         return confirmed
 
-    def _report_kept(self, kept: _Unsure) -> None:
+    def _read_back_until_known(self, ids: list[int]) -> dict[int, Any] | None:
+        """The rows of ``ids``, jobs whose ctx.transaction() COMMIT lost its reply and
+        whose failure the fence just refused, read again while the store is out of reach
+        (as the write before it was: the job's lease is still this worker's, kept by the
+        heartbeat). Read once, a second failure of the store reported the attempt as a
+        stale write (errands.job.stale_write_rejected: a false alarm), its completion
+        and its workflow's settlement never announced. None when the store refuses the
+        read otherwise (logged): the refusal stands."""
+        pause = 0.05
+        failures = 0
+        next_report = 0.0
+        while True:
+            try:
+                return read_back(self.app.backend, ids)
+            except Exception as exc:
+                if not is_transient(exc):
+                    log.exception(
+                        "could not read back %d job(s) whose transaction's commit lost its reply",
+                        len(ids),
+                    )
+                    return None
+                failures += 1
+                now = time.monotonic()
+                if failures == 1:
+                    log.warning(
+                        "could not read back %d job(s) whose transaction's commit lost its "
+                        "reply (%s); retrying within %.2f s",
+                        len(ids),
+                        exc,
+                        pause,
+                        exc_info=True,
+                    )
+                elif now >= next_report:
+                    log.warning(
+                        "could not read back %d job(s) whose transaction's commit lost its "
+                        "reply in %d tries (%s); still retrying",
+                        len(ids),
+                        failures,
+                        exc,
+                    )
+                if now >= next_report:
+                    next_report = now + RETRY_REPORT_EVERY
+                _pause(pause * (0.5 + random.random() / 2))
+                pause = min(pause * 2, RETRY_PAUSE_MAX)
+
+    def _report_kept(self, kept: Unsure) -> None:
         """What the fan-in of a write confirmed landed did (read when it failed)."""
         self._report_fan_in(lambda: kept.queues, lambda: list(kept.settled.values()))
 
@@ -383,10 +435,10 @@ class Completer:
         failures = 0
         next_report = 0.0
         unsure = False  # an earlier try may have committed before its error
-        kept = _Unsure()  # what the fan-ins of such tries did, as _store keeps it
+        kept = Unsure()  # what the fan-ins of such tries did, as _store keeps it
         while True:
             backend = self.app.backend
-            _Unsure().take(backend)  # not this release's: an earlier write's, dropped
+            Unsure().take(backend)  # not this release's: an earlier write's, dropped
             try:
                 released = self.release(attempts, message)
             except Exception as exc:
@@ -512,11 +564,12 @@ class Completer:
             )
 
 
-class _Unsure:
+class Unsure:
     """What the workflow fan-ins of a batch's failed tries did, read before the next try
     (whose write begins by dropping it): a try that failed with a transient error may
     have committed (its reply lost), and then these settlements happened. The workflows
-    by id (a later try's report of one replaces an earlier's), the queues released."""
+    by id (a later try's report of one replaces an earlier's), the queues released.
+    (Pickled: a process-pool child sends one with a failure that may have landed.)"""
 
     def __init__(self) -> None:
         self.settled: dict[int, Any] = {}

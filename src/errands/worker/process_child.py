@@ -4,7 +4,8 @@ process runs, and what it says to its worker.
 A child imports the app, says READY (or why it cannot start), then runs one job per
 message until told to stop (None) or its worker is gone: it answers each job with
 ``(True, ChildResult)`` or ``(False, failure)``, a failure being the handler's exception
-as ``(type name, message, traceback, kind, after)``, and while a job runs it may send
+as ``(type name, message, traceback, kind, after)`` (then a :class:`MaybeLanded` when
+its transaction's COMMIT may have gone through), and while a job runs it may send
 ``(PROGRESS, attempt, fraction, message)`` reports. Whatever fails around the handler is
 the job's failure, never the child's death: a child that died took a job recorded as a
 crash, charged toward its poison limit, with it.
@@ -20,10 +21,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errortext import clip, format_trace, scrub
 from ..jobs import EnqueueRequest, JobRow
+
+if TYPE_CHECKING:  # (imported when used: the completer's imports lead back here)
+    from .completer import Unsure
 
 READY = "ready"
 # A child's message during a run: (PROGRESS, attempt, fraction, message), ``attempt`` the
@@ -49,6 +53,22 @@ class ChildResult:
     # announce (events, metrics, its own wake-up) as it does for its own threads'
     settled: list[Any] = field(default_factory=list)
     released: set[str] = field(default_factory=set)
+
+
+@dataclass
+class MaybeLanded:
+    """Sent with the failure of a job whose ctx.transaction() COMMIT failed on a
+    connection error: it may have gone through before it (its reply lost). The worker
+    hands the completion to its completer (:meth:`.completer.Completer.maybe_landed`)
+    before it writes the failure: if the fence refuses that, the job is read back (again
+    while the store is out of reach) and a completion found there is the attempt's
+    outcome, reported with ``fan_ins``, as for a worker thread's transaction. The child
+    read the job back itself, once: a second failure of the store (still away) had the
+    worker write the failure, which the fence refused: reported as a stale write, the
+    completion and its workflow's settlement never announced."""
+
+    result_json: str | None
+    fan_ins: Unsure  # what the transaction's workflow fan-in did, had it committed
 
 
 def attempt_of(row: JobRow) -> tuple[int, str | None]:
@@ -403,29 +423,30 @@ def _run_one(
         except Exception as exc:
             from ..errors import cannot_write_now, is_transient
 
+            secrets = _secrets(attempt)
             if cannot_write_now(exc):  # nothing written: the parent gives the job back
-                return False, _failure(exc, UNWRITABLE, secrets=_secrets(attempt))
-            if not is_transient(exc) or not _committed_anyway(backend, attempt):
-                return False, _failure(exc, "transient")  # the parent retries it
-            written = True  # its COMMIT went through, its reply lost (errands.landed)
+                return False, _failure(exc, UNWRITABLE, secrets=secrets)
+            if not is_transient(exc):
+                return False, _failure(exc, "transient", secrets=secrets)  # retried
+            # Its COMMIT may have gone through before the error (its reply lost): the
+            # worker writes the failure, and reads the job back if the fence refuses it,
+            # as for its own threads' (Completer.maybe_landed; see MaybeLanded)
+            landing = MaybeLanded(result_json, _fan_ins(backend))
+            return False, (*_failure(exc, "transient", secrets=secrets), landing)
         settled = backend.workflow_take_settled()
         released = backend.workflow_take_released()
         return True, ChildResult(result_json, [], written, settled, released)
     return True, ChildResult(result_json, list(runtime.children), written)
 
 
-def _committed_anyway(backend: Any, attempt: Any) -> bool:
-    """After the COMMIT of the job's ctx.transaction() failed on a connection error:
-    whether it went through before it (its reply lost), read back from the job's row (one
-    try: unknown is not committed, and the failure the parent then writes is refused by
-    the fence if it was). What its fan-in did stays this thread's record meanwhile."""
-    from ..landed import landed, read_back
+def _fan_ins(backend: Any) -> Unsure:
+    """What the workflow fan-in of a transaction whose COMMIT failed did, if it committed:
+    this thread's record, read now (the worker reports it if the completion landed)."""
+    from .completer import Unsure
 
-    try:
-        row = read_back(backend, [attempt.id]).get(attempt.id)
-    except Exception:
-        return False
-    return landed(row, attempt.token, attempt.row.attempt, has_error=False)
+    kept = Unsure()
+    kept.take(backend)
+    return kept
 
 
 async def _awaited(value: Any) -> Any:

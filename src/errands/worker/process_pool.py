@@ -57,7 +57,7 @@ from typing import Any
 from ..backends import url_scheme
 from ..jobs import JobRow
 from .child_starts import StartFailures
-from .process_child import READY, Progress, attempt_of, child_main, is_progress
+from .process_child import READY, MaybeLanded, Progress, attempt_of, child_main, is_progress
 
 log = logging.getLogger("errands.worker")
 
@@ -74,13 +74,21 @@ class ChildFailure(Exception):
     """A handler's exception, as reported by the child process that ran it."""
 
     def __init__(
-        self, type_name: str, message: str, trace: str, kind: str, after: float | None = 0.0
+        self,
+        type_name: str,
+        message: str,
+        trace: str,
+        kind: str,
+        after: float | None = 0.0,
+        landing: MaybeLanded | None = None,
     ):
         super().__init__(message)
         self.type_name = type_name
         self.trace = trace
         self.kind = kind  # permanent | retry | transient | crash | suspend (after: timeout)
         self.after = after
+        # its ctx.transaction()'s COMMIT failed on a connection error: it may have landed
+        self.landing = landing
 
 
 @dataclass

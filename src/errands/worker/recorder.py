@@ -52,7 +52,7 @@ from .execution import (
     handler_seconds,
     outcome_for,
 )
-from .process_child import UNWRITABLE, ChildResult
+from .process_child import UNWRITABLE, ChildResult, MaybeLanded
 from .process_pool import ChildFailure
 
 if TYPE_CHECKING:
@@ -233,6 +233,14 @@ class OutcomeRecorder:
         outcome = outcome_for(
             attempt, exc, result_json, self.worker.id, self.worker.app.poison_after
         )
+        landing = _child_landing(exc)
+        if landing is not None:
+            # A process-pool child's ctx.transaction() COMMIT failed on a connection
+            # error, and may have gone through (its reply lost): its failure is written,
+            # and the job read back if the fence refuses it, as for this worker's threads
+            completion = outcome_for(attempt, None, landing.result_json, self.worker.id)
+            self.worker.completer.maybe_landed(attempt, completion, kept=landing.fan_ins)
+            return outcome, None
         runtime = attempt.runtime
         if runtime is None:
             return outcome, None
@@ -467,3 +475,13 @@ def job_fields(row: Any) -> dict[str, Any]:
         "attempt": row.attempt,
         "max_attempts": row.max_attempts,
     }
+
+
+def _child_landing(exc: BaseException | None) -> MaybeLanded | None:
+    """What a process-pool child sent with a failure whose transaction may have
+    committed (:class:`.process_child.MaybeLanded`), also under the timeout or stop the
+    worker recorded in its place (its cause)."""
+    for failure in (exc, exc.__cause__ if exc is not None else None):
+        if isinstance(failure, ChildFailure) and failure.landing is not None:
+            return failure.landing
+    return None

@@ -1261,6 +1261,7 @@ class Worker:
             # call). A process starting and stopping workers of new Apps kept them all.
             # What is left at the bound is logged by the lanes, each by name.
             self.app.hooks.close(HOOK_DRAIN)
+            self.app._close_process_lanes(stopping=self)  # (unless another App's runs)
         elif not self.app.hooks.drain(HOOK_DRAIN):
             log.warning(
                 "on_dead hooks or event subscribers still ran %g s after stopping", HOOK_DRAIN
