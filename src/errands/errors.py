@@ -249,8 +249,14 @@ def cannot_write_now(exc: BaseException) -> bool:
     permission taken away, a file system remounted read-only). Nothing was written, and
     the same write goes through once an operator makes room or gives the permission back:
     the completer waits for that, the leases keeping its jobs (it recorded a job that had
-    succeeded as dead, UnstorableOutcome, when the disk was full for a moment)."""
+    succeeded as dead, UnstorableOutcome, when the disk was full for a moment).
+
+    sqlite3's own error for these (SQLITE_FULL, SQLITE_READONLY, SQLITE_CANTOPEN,
+    SQLITE_PERM), as a handler's statement in ``ctx.transaction()`` raises it (errands'
+    own calls raise the errands errors above), is one too."""
     if isinstance(exc, StorageFull) or _sqlstate(exc).startswith("53"):
+        return True
+    if isinstance(exc, sqlite3.Error) and _sqlite_unwritable(exc):
         return True
     cause = exc.__cause__
     code = getattr(cause, "sqlite_errorcode", None)
@@ -260,3 +266,18 @@ def cannot_write_now(exc: BaseException) -> bool:
         and isinstance(code, int)
         and code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM)
     )
+
+
+def _sqlite_unwritable(exc: sqlite3.Error) -> bool:
+    """sqlite3's error for a file that cannot be written now (by its primary result code,
+    or its text where the driver gave none)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (
+            sqlite3.SQLITE_FULL,
+            sqlite3.SQLITE_READONLY,
+            sqlite3.SQLITE_CANTOPEN,
+            sqlite3.SQLITE_PERM,
+        )
+    text = str(exc)
+    return "database or disk is full" in text or "attempt to write a readonly database" in text

@@ -273,6 +273,32 @@ def test_release_returns_the_job_to_available_without_charging_the_attempt(
     assert again.id == row.id and again.attempt == 1
 
 
+def test_a_release_with_a_pause_is_due_again_only_after_it_uncharged(
+    backend: Backend, harness: Harness
+) -> None:
+    """A job given back with a pause (its ctx.transaction() met a store that cannot
+    write) waits it out before any claim takes it again: ``retryable`` with its ``run_at``
+    the release's time plus the pause, its attempt not charged, its release recorded. A
+    job released beside it without one is due at once. Such a job was due at once too,
+    and ran again in a tight loop for as long as the store could not write."""
+    paused_id, other_id = insert(backend), insert(backend)
+    rows = claim(backend, limit=2)
+    assert {r.id for r in rows} == {paused_id, other_id}
+    leases = [LeaseRef(id=r.id, lease_token=r.lease_token or "", lease_seconds=30) for r in rows]
+    delays = [30.0 if r.id == paused_id else 0.0 for r in rows]
+    assert backend.job_release_many(leases, "store full", delays=delays) == [True, True]
+    paused, other = get(backend, paused_id), get(backend, other_id)
+    assert (paused.state, paused.attempt) == ("retryable", 0)
+    [entry] = errors_of(paused)
+    assert (entry["kind"], entry["message"], entry["attempt"]) == ("released", "store full", 1)
+    assert paused.run_at == pytest.approx(entry["at"] + 30.0, abs=1.0)  # the store's clock
+    assert (other.state, other.attempt) == ("available", 0)
+    assert [r.id for r in claim(backend, limit=2)] == [other_id]  # not the paused one
+    harness.backdate_run_at(backend, paused_id, 31.0)
+    again = claim_one(backend)
+    assert (again.id, again.attempt) == (paused_id, 1)
+
+
 def test_release_of_a_cancel_requested_job_cancels_it(backend: Backend) -> None:
     """A job released after an operator asked to cancel it is cancelled, not run again."""
     insert(backend)

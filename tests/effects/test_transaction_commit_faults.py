@@ -14,11 +14,12 @@ and PostgreSQL.
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -30,13 +31,14 @@ import errands
 from errands import faults
 from errands.jobs import JobRow
 from errands.testing import Tester
-from errands.worker import process_child
+from errands.worker import process_child, recorder
 from errands.worker.process_pool import ChildFailure
 from errands.worker.worker import Worker
 from tests.conftest import running_worker
 from tests.integration.helpers import wait_until
 
 Make = Callable[..., Any]
+PAUSE = 0.2  # the first give-back's pause here (recorder.UNWRITABLE_PAUSE: 1 s)
 
 
 def write_effect(ctx: errands.Context, store_url: str, n: int) -> None:
@@ -142,6 +144,9 @@ def test_a_completion_transaction_that_meets_a_full_store_is_given_back_uncharge
     attempt: here its only one), where the completer waits out a full store for any
     other outcome. The job is given back uncharged, the reason recorded, and runs again
     once the store takes writes: completed on attempt 1, its effect written once."""
+    monkeypatch.setattr(
+        recorder, "UNWRITABLE_PAUSE", PAUSE, raising=False
+    )  # (1 s, doubling: seconds)
     effects.create(TX_TABLES)
     app = make_app()
     seen: list[str] = []
@@ -169,6 +174,200 @@ def test_a_completion_transaction_that_meets_a_full_store_is_given_back_uncharge
     assert _rows(effects, handle.id) == [(6, 1)]
     assert "errands.job.dead" not in seen and "errands.job.retrying" not in seen, seen
     assert seen.count("errands.job.released") == 3, seen
+
+
+class Releases:
+    """The pauses the worker's releases asked of the store (``job_release_many``'s
+    ``delays``), in order; None where it asked none."""
+
+    def __init__(self, app: errands.App, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.delays: list[float | None] = []
+        release = app.backend.job_release_many
+
+        def recording(leases: Any, *args: Any, **kwargs: Any) -> Any:
+            asked = kwargs.get("delays")
+            self.delays.extend(asked if asked is not None else [None] * len(leases))
+            return release(leases, *args, **kwargs)
+
+        monkeypatch.setattr(app.backend, "job_release_many", recording)
+
+
+def _assert_growing_pauses(job: errands.Job, delays: list[float | None], times: int) -> None:
+    """Each of ``times`` give-backs in a row asked a pause (PAUSE, doubling, jittered
+    between half of it and all of it), and the job was not claimed again before it was
+    over: the store's clock says each next release came at least that long after (a
+    busy machine only makes the gaps longer)."""
+    assert len(delays) == times, delays
+    for i, delay in enumerate(delays):
+        assert delay is not None, delays
+        assert PAUSE * 2**i / 2 <= delay <= PAUSE * 2**i, delays
+    at = [e.at.timestamp() for e in job.errors if e.kind == "released"]
+    assert len(at) == times, job.errors
+    gaps = [b - a for a, b in itertools.pairwise(at)]
+    for gap, delay in zip(gaps, delays, strict=False):
+        assert delay is not None and gap >= delay - 0.01, (at, delays)
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_job_whose_commit_meets_a_full_store_again_and_again_waits_a_growing_pause(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store cannot write as a job's ctx.transaction() commits, three times in a row:
+    each time the job is given back uncharged, and due again only after a pause that
+    doubles (with jitter). It was due again at once: during a disk-full incident it ran
+    again and again in a tight loop, hammering the store and repeating its handler's
+    side effects. Once a commit goes through it completes, on attempt 1, its effect
+    written once."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", PAUSE, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+    releases = Releases(app, monkeypatch)
+
+    @app.job(name="full.paused", retries=0)
+    def full_paused(ctx: errands.Context, n: int) -> int:
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = full_paused.enqueue(n=4)
+    with (
+        failing("before_complete_commit", _cannot_write(store_url), 3) as refused,
+        worker_on(app, pool, monkeypatch),
+    ):
+        assert handle.result(timeout=30) == 4
+    assert len(refused) == 3
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert [e.kind for e in job.errors] == ["released"] * 3, job.errors
+    _assert_growing_pauses(job, releases.delays, 3)
+    assert _rows(effects, handle.id) == [(4, 1)]
+
+
+def _statement_meets_a_full_store(ctx: errands.Context, store_url: str) -> None:
+    """A statement of the handler's in its ctx.transaction() that the store cannot take:
+    on SQLite a write past the file's ``max_page_count`` (SQLITE_FULL: SQLite rolls the
+    whole transaction back), on PostgreSQL the server's disk_full (SQLSTATE 53100)."""
+    tx = ctx.transaction()
+    if EffectsStore.is_sqlite(store_url):
+        pages = tx.execute("PRAGMA page_count").fetchone()[0]
+        tx.execute(f"PRAGMA max_page_count = {pages}")  # this connection's: no room left
+        tx.execute(
+            "INSERT INTO tx_effects (job_id, n, attempt) VALUES (?, zeroblob(2000000), ?)",
+            (ctx.job_id, ctx.attempt),
+        )
+    else:  # (through .raw: a DO block's END would be refused as the transaction's end)
+        tx.raw.execute(
+            "DO $$ BEGIN RAISE EXCEPTION 'could not extend file: No space left on device' "
+            "USING ERRCODE = 'disk_full'; END $$"
+        )
+    raise AssertionError("the store took the write")
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_handlers_statement_that_meets_a_full_store_is_given_back_uncharged_with_pauses(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handler's own write in its ctx.transaction() meets a full store, and the
+    store's error escapes the handler: nothing of the transaction is written, and that is
+    the store's failure, not the job's. It was the handler's exception: charged, and dead
+    after its retries (here at once: on SQLite as TransactionEnded, since SQLite rolls
+    the whole transaction back on SQLITE_FULL, savepoint and all), so a disk-full
+    incident sent jobs to the dead-letter queue. The job is given back uncharged with a
+    growing pause, as when its COMMIT meets a full store, and completes once there is
+    room: on attempt 1, its effect written once."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", PAUSE, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+    releases = Releases(app, monkeypatch)
+    seen: list[str] = []
+    app.events.subscribe(lambda e: seen.append(e.name))
+    full: list[int] = []
+
+    @app.job(name="full.statement", retries=0)
+    def full_statement(ctx: errands.Context, n: int) -> int:
+        if len(full) < 2:  # the disk is full for its first two runs
+            full.append(ctx.attempt)
+            _statement_meets_a_full_store(ctx, store_url)
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = full_statement.enqueue(n=5)
+    with worker_on(app, pool, monkeypatch) as children:
+        assert handle.result(timeout=30) == 5
+    if children is not None:  # the child said why, and the worker gave the job back
+        kinds = [payload[3] for ok, payload in children.answers if not ok]
+        assert kinds == [process_child.UNWRITABLE] * 2, children.answers
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert full == [1, 1]  # uncharged: each run on attempt 1
+    assert [e.kind for e in job.errors] == ["released"] * 2, job.errors
+    assert all("cannot be written now" in e.message for e in job.errors), job.errors
+    _assert_growing_pauses(job, releases.delays, 2)
+    assert _rows(effects, handle.id) == [(5, 1)]
+    assert "errands.job.dead" not in seen and "errands.job.retrying" not in seen, seen
+
+
+def test_a_handler_that_raises_its_own_error_on_a_full_store_is_charged(
+    make_app: Make, effects: EffectsStore, store_url: str
+) -> None:
+    """A handler that catches the store's error and raises one of its own (chained to
+    it) has decided what the failure is: charged as usual (here dead: no retries left),
+    not given back. Only the store's error itself, let through, is the store's."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="full.own_error", retries=0)
+    def own_error(ctx: errands.Context) -> None:
+        try:
+            _statement_meets_a_full_store(ctx, store_url)
+        except (sqlite3.Error, psycopg.Error) as exc:
+            raise ValueError("could not record the order") from exc
+
+    handle = own_error.enqueue()
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, what="the job to end")
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD, job.errors
+    [failure] = job.errors
+    assert (failure.kind, failure.type) == ("transient", "ValueError"), failure
+
+
+def test_a_statement_after_sqlite_rolled_the_transaction_back_itself_is_refused(
+    make_app: Make, effects: EffectsStore, store_url: str
+) -> None:
+    """SQLite rolls the whole transaction of ctx.transaction() back on SQLITE_FULL,
+    errands' savepoint with it. A handler that catches that error and carries on wrote
+    in autocommit mode: its next write was committed on its own, outside the completion
+    (and the job then failed as TransactionEnded, dead). That statement is refused now,
+    as PostgreSQL refuses one in an aborted transaction: nothing of it is written, and
+    the error, the handler's to let through, is charged as usual."""
+    if not EffectsStore.is_sqlite(store_url):
+        pytest.skip("PostgreSQL aborts the transaction, and refuses the statement itself")
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="full.carries_on", retries=0)
+    def carries_on(ctx: errands.Context, n: int) -> int:
+        with suppress(sqlite3.OperationalError):
+            _statement_meets_a_full_store(ctx, store_url)
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = carries_on.enqueue(n=7)
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, what="the job to end")
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD, job.errors
+    [failure] = job.errors
+    assert failure.type == "RuntimeError" and "rolled this transaction back" in failure.message
+    assert _rows(effects, handle.id) == []
 
 
 def test_a_child_whose_transactions_commit_reply_was_lost_reports_the_completion(

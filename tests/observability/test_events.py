@@ -526,10 +526,11 @@ def test_a_workflow_settled_by_a_give_back_whose_reply_was_lost_is_announced_onc
     app.cancel(job_id)  # running: asked to stop; the release ends it cancelled
     lost: list[int] = []
 
-    def release(attempts: list[Attempt], message: str) -> list[bool | None]:
+    def release(attempts: list[Attempt], message: str, delays: list[float]) -> list[bool | None]:
         done = app.backend.job_release_many(
             [LeaseRef(a.id, a.token, a.lease_seconds, fair=False) for a in attempts],
             message % len(attempts),
+            delays=delays,
         )
         if not lost:
             lost.append(1)
@@ -538,7 +539,7 @@ def test_a_workflow_settled_by_a_give_back_whose_reply_was_lost_is_announced_onc
 
     completer = Completer(app, lambda *_: None, release=release)
     attempt = Attempt(row, None, 60.0)
-    assert completer._release([attempt], "released %d job(s)") == [True]  # read back
+    assert completer._release([attempt], "released %d job(s)", [0.0]) == [True]  # read back
     assert lost == [1]
     assert app.get_job(job_id).state is errands.JobState.CANCELLED  # it did commit
     state = app.workflow_status(handle.id).state

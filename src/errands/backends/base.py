@@ -490,6 +490,7 @@ class Backend(Protocol):
         *,
         unrun: bool = False,
         prefetched: bool = False,
+        delays: Sequence[float] | None = None,
     ) -> list[bool]:
         """Give running jobs back (shutdown): available again, the attempt not charged,
         and recorded in the job's errors (kind ``released``, with ``message``, the attempt
@@ -511,7 +512,14 @@ class Backend(Protocol):
         the claim's token per bucket it counted in), in the same transaction as the
         release, so its next claim counts it once. (SQLite's rate log recorded no token
         before its schema version 17: there such a start stayed counted until its window
-        passed.)"""
+        passed.)
+
+        ``delays``: seconds each job waits before it is due again (one per lease; none:
+        due at once). A job given a pause is ``retryable`` until its ``run_at`` (now +
+        its delay), as after a backoff, still uncharged: a job whose ``ctx.transaction()``
+        met a store that cannot write waits a growing pause rather than running again at
+        once, in a tight loop for as long as the store cannot write. Unused for
+        ``prefetched`` jobs (they keep their ``run_at``)."""
         ...
 
     # -- maintenance (leader duties) ---------------------------------------------------
@@ -864,6 +872,16 @@ class ThroughputBucket:
     completed: int
     dead: int
     failed: int  # failed attempts (retried or not), each counted when its error was recorded
+
+
+def release_pauses(leases: Sequence[Any], delays: Sequence[float] | None) -> list[float]:
+    """The pause of each lease a release gives back (see ``job_release_many``): 0 without
+    ``delays``; never negative (nor NaN), at most a year."""
+    if delays is None:
+        return [0.0] * len(leases)
+    if len(delays) != len(leases):
+        raise ValueError(f"{len(delays)} release delay(s) for {len(leases)} lease(s)")
+    return [min(float(d), 365 * 86400.0) if float(d) > 0 else 0.0 for d in delays]
 
 
 def writes_several(requests: Sequence[EnqueueRequest]) -> bool:

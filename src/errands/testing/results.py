@@ -19,8 +19,8 @@ class Run:
     ``cancelled``; ``crashed`` when the attempt died as a simulated crash (nothing
     recorded; the job is rescued after its lease); ``rejected`` when the fence refused
     the outcome (a stale or duplicate delivery); ``released`` when the job was given
-    back, the attempt not charged (its ``ctx.transaction()`` could not be committed
-    because the store cannot write: it runs again). ``error`` is the exception the handler
+    back, the attempt not charged (its ``ctx.transaction()`` met a store that cannot
+    write: it runs again after a pause). ``error`` is the exception the handler
     raised, if any. ``duplicate`` marks the extra delivery of the duplicate-delivery mode.
     """
 

@@ -8,9 +8,10 @@ counted, never written over the newer attempt.
 
 Two more things go through it, written when the store takes them as outcomes are:
 
-- a give-back (:class:`GiveBack`): a job whose ``ctx.transaction()`` the store could not
-  commit because it cannot write (full, read-only) is released, uncharged, once the
-  store takes the release, its lease kept by the heartbeat meanwhile, as an outcome's is;
+- a give-back (:class:`GiveBack`): a job whose ``ctx.transaction()`` met a store that
+  cannot write (full, read-only: its COMMIT, or the handler's own statement) is released,
+  uncharged, with a growing pause before it is due again, once the store takes the
+  release, its lease kept by the heartbeat meanwhile, as an outcome's is;
 - a completion that may have landed (:meth:`Completer.maybe_landed`): a
   ``ctx.transaction()`` whose COMMIT lost its reply, on a worker's thread or in a
   process-pool child. The attempt's failure is written instead; if the fence refuses
@@ -65,9 +66,10 @@ LINGER = 0.001
 # store refused even the fallback; the lease runs out and the job is rescued)
 Written = Callable[[Attempt, FinishParams, bool | None], None]
 Released = Callable[[set[str]], None]
-# A give-back's write (the worker's release: raises what the store raises) and its report
-# (each lease given back, refused by its fence, or None: given up on)
-ReleaseWrite = Callable[[list[Attempt], str], list[bool | None]]
+# A give-back's write (the worker's release, with each job's pause before it is due again:
+# raises what the store raises) and its report (each lease given back, refused by its
+# fence, or None: given up on)
+ReleaseWrite = Callable[[list[Attempt], str, list[float]], list[bool | None]]
 ReleaseDone = Callable[[list[Attempt], list[bool | None], str], None]
 
 
@@ -75,11 +77,13 @@ ReleaseDone = Callable[[list[Attempt], list[bool | None], str], None]
 class GiveBack:
     """Not an outcome: the attempt's job is to be given back (released: available again,
     the attempt not charged, ``message`` recorded as the worker's release records its
-    own), once the store takes the write. For a job whose ctx.transaction() the store
-    could not commit because it cannot write now: nothing of the attempt was stored, and
-    the job must run again; the store's failure, not the job's."""
+    own), once the store takes the write. For a job whose ctx.transaction() met a store
+    that cannot write now: nothing of the attempt was stored, and the job must run again;
+    the store's failure, not the job's. ``delay``: seconds before it is due again (see
+    :func:`errands.worker.recorder.unwritable_pause`)."""
 
     message: str  # as Worker.release takes it: "%d" stands for the number of jobs
+    delay: float = 0.0
 
 
 Item = tuple[Attempt, "FinishParams | GiveBack"]
@@ -412,11 +416,12 @@ class Completer:
     def _give_back(self, items: list[tuple[Attempt, GiveBack]]) -> None:
         """Release the jobs of ``items`` (see :class:`GiveBack`), those of one message
         together, and report each (its log line and event, the attempt forgotten)."""
-        by_message: dict[str, list[Attempt]] = {}
+        by_message: dict[str, list[tuple[Attempt, float]]] = {}
         for attempt, back in items:
-            by_message.setdefault(back.message, []).append(attempt)
-        for message, attempts in by_message.items():
-            released = self._release(attempts, message)
+            by_message.setdefault(back.message, []).append((attempt, back.delay))
+        for message, backs in by_message.items():
+            attempts = [attempt for attempt, _ in backs]
+            released = self._release(attempts, message, [delay for _, delay in backs])
             if self.on_given_back is None:
                 continue
             try:
@@ -424,11 +429,14 @@ class Completer:
             except Exception:
                 log.exception("error after giving back job(s) %s", [a.id for a in attempts])
 
-    def _release(self, attempts: list[Attempt], message: str) -> list[bool | None]:
-        """The release of ``attempts``, written again while the store is out of reach,
-        busy or cannot write, as an outcome is (their leases kept by the heartbeat
-        meanwhile: the attempts are still this worker's). None for each when the store
-        refuses it otherwise: their leases run out and they are rescued."""
+    def _release(
+        self, attempts: list[Attempt], message: str, delays: list[float]
+    ) -> list[bool | None]:
+        """The release of ``attempts`` (each due again after its pause in ``delays``),
+        written again while the store is out of reach, busy or cannot write, as an
+        outcome is (their leases kept by the heartbeat meanwhile: the attempts are still
+        this worker's). None for each when the store refuses it otherwise: their leases
+        run out and they are rescued."""
         if self.release is None:  # a completer without a worker to release for
             return [None] * len(attempts)
         pause = 0.05
@@ -440,7 +448,7 @@ class Completer:
             backend = self.app.backend
             Unsure().take(backend)  # not this release's: an earlier write's, dropped
             try:
-                released = self.release(attempts, message)
+                released = self.release(attempts, message, delays)
             except Exception as exc:
                 if not is_transient(exc) and not cannot_write_now(exc):
                     log.exception(

@@ -37,8 +37,9 @@ PROGRESS = "progress"
 PROGRESS_EVERY = 0.1  # seconds: a handler reporting in a tight loop floods no pipe
 # A child whose worker died exits with this code (os._exit: its handler is cut short).
 ORPHAN_EXIT = 3
-# A failure's kind: the job's ctx.transaction() could not be committed because the store
-# cannot write now (full, read-only): not the job's failure, the worker gives it back
+# A failure's kind: the job's ctx.transaction() met a store that cannot write now (full,
+# read-only), as its COMMIT or a statement of the handler's in it: not the job's failure,
+# the worker gives it back (uncharged, after a growing pause)
 UNWRITABLE = "unwritable"
 
 Progress = Callable[[tuple[float, str]], None]
@@ -395,7 +396,13 @@ def _run_one(
     except BaseException as exc:
         # as the worker's recorder judges it (a handler that committed through .raw and
         # then raised was retried here, and repeated the writes it had committed)
-        exc = runtime.ended_then_failed() or exc
+        ended = runtime.ended_then_failed()
+        if ended is None and runtime.met_unwritable(exc):
+            # its ctx.transaction() met a store that cannot write (its own statement, or
+            # its opening): nothing written, the parent gives the job back uncharged
+            runtime.rollback()
+            return False, _failure(exc, UNWRITABLE, secrets=_secrets(attempt))
+        exc = ended or exc
         runtime.rollback()
         permanent = (InvalidPayload, Permanent, StepError, TransactionEnded, *definition.permanent)
         after: float | None

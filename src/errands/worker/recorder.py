@@ -28,11 +28,21 @@ deciding as the grace period ends keeps its outcome, else the stop owns it.
 A completion is never written outside the ``ctx.transaction()`` the handler opened: if
 that transaction was let go of (rolled back) before the outcome was decided, the job is
 given back (released, uncharged) instead: its writes are gone, so its work must run again.
+
+A job whose ``ctx.transaction()`` meets a store that cannot write now (full, read-only:
+:func:`errands.errors.cannot_write_now`), as its COMMIT does or as a statement of the
+handler's in it does (that error let through the handler: see
+:meth:`AttemptRuntime.met_unwritable`), is given back too: released, uncharged, once the
+store takes the release. It waits a pause before it runs again, doubling with each such
+give-back of the job in a row (:func:`unwritable_pause`): it was due again at once, and
+during a disk-full incident ran in a tight loop, its side effects with it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -255,12 +265,19 @@ class OutcomeRecorder:
         if runtime.tx is None:
             if outcome.state == "completed" and runtime.tx_let_go():
                 return _given_back_without_transaction(attempt), None
+            if runtime.met_unwritable(exc):  # ctx.transaction() could not open: read-only
+                assert exc is not None
+                return give_back_unwritable(attempt, type(exc).__qualname__, str(exc)), None
             return outcome, None
         if outcome.state != "completed":
             ended = runtime.ended_then_failed()
             if ended is not None:  # its writes may be committed: never again
                 log.error("%s", ended)
                 outcome = outcome_for(attempt, ended, None, self.worker.id)
+            elif runtime.met_unwritable(exc):  # its own statement met a full store
+                assert exc is not None
+                runtime.rollback()
+                return give_back_unwritable(attempt, type(exc).__qualname__, str(exc)), None
             runtime.rollback()
             return outcome, None
         return self._commit_transaction(attempt, outcome)
@@ -275,9 +292,10 @@ class OutcomeRecorder:
 
         - the store cannot write (full, read-only: :func:`errands.errors.cannot_write_now`):
           nothing of the transaction was written, and the transaction is gone, so the job
-          must run again. It is given back (released, uncharged) once the store takes
-          the release, as an outcome meeting such a store waits for it: the store's
-          failure, not the job's;
+          must run again. It is given back (released, uncharged, due again after a
+          growing pause: :func:`unwritable_pause`) once the store takes the release, as
+          an outcome meeting such a store waits for it: the store's failure, not the
+          job's;
         - the connection broke (:func:`errands.errors.is_transient`): the COMMIT may have
           gone through before it, its reply lost. The attempt's failure is handed to the
           completer, which reads the job back if the fence refuses it: a completion found
@@ -457,13 +475,62 @@ def _given_back_without_transaction(attempt: Attempt) -> GiveBack:
     )
 
 
+# A job given back because its ctx.transaction() met a store that cannot write waits this
+# long before it is due again, doubling with each such give-back of it in a row, up to
+# UNWRITABLE_PAUSE_MAX; each pause is drawn between half of it and all of it (jitter: the
+# jobs of one incident do not come due together).
+UNWRITABLE_PAUSE = 1.0
+UNWRITABLE_PAUSE_MAX = 60.0
+# What the release entry of such a give-back says (the text recorded on the job), by which
+# the give-backs in a row are counted
+UNWRITABLE_MARK = "met a store that cannot be written now"
+
+
+def unwritable_pause(attempt: Attempt) -> float:
+    """The pause before a job given back for a store that cannot write is due again:
+    UNWRITABLE_PAUSE after its first such give-back, doubling with each one in a row (the
+    release entries that end the job's errors, of this same attempt: each give-back gives
+    its attempt back) up to UNWRITABLE_PAUSE_MAX, with jitter. Counted from the job's own
+    record, so that it holds across workers and restarts; it starts over once a run of
+    the job ends otherwise (its commit succeeds and it completes, or its failure is
+    charged: a new attempt)."""
+    in_a_row = 1 + _unwritable_in_a_row(attempt.row.errors, attempt.row.attempt)
+    pause = min(UNWRITABLE_PAUSE * 2 ** min(in_a_row - 1, 32), UNWRITABLE_PAUSE_MAX)
+    return pause * (0.5 + random.random() / 2)
+
+
+def _unwritable_in_a_row(errors: str, attempt: int) -> int:
+    """The give-backs for a store that cannot write that end ``errors`` (a job's errors,
+    as JSON text), each of attempt ``attempt``."""
+    if UNWRITABLE_MARK not in errors:
+        return 0
+    try:
+        entries = json.loads(errors)
+    except (TypeError, ValueError, RecursionError):
+        return 0
+    count = 0
+    for entry in reversed(entries if isinstance(entries, list) else []):
+        if not (
+            isinstance(entry, dict)
+            and entry.get("kind") == "released"
+            and entry.get("attempt") == attempt
+            and UNWRITABLE_MARK in str(entry.get("message"))
+        ):
+            break
+        count += 1
+    return count
+
+
 def give_back_unwritable(attempt: Attempt, type_name: str, message: str) -> GiveBack:
-    """The give-back of a job whose ctx.transaction() could not be committed because the
-    store cannot write now (its text as the release records it: see GiveBack)."""
+    """The give-back of a job whose ctx.transaction() met a store that cannot write now,
+    as its COMMIT or as a statement of the handler's in it (its text as the release
+    records it: see GiveBack), due again after :func:`unwritable_pause`."""
     text = clip(scrub(f"{type_name}: {message}", _secrets(attempt)), 300)
+    delay = unwritable_pause(attempt)
     return GiveBack(
-        "released %d job(s) whose ctx.transaction() could not be committed: the store "
-        f"cannot be written now ({text.replace('%', '%%')})"
+        f"released %d job(s) whose ctx.transaction() {UNWRITABLE_MARK} "
+        f"({text.replace('%', '%%')}); due again in {delay:.2f} s",
+        delay,
     )
 
 

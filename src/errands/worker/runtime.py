@@ -21,6 +21,7 @@ transaction and child jobs (DESIGN §3, effectively-once effects).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -44,6 +45,7 @@ from ..errors import (
     InvalidPayload,
     StepError,
     TransactionEnded,
+    cannot_write_now,
     is_transient,
 )
 from ..errortext import scrub
@@ -101,6 +103,7 @@ class AttemptRuntime:
         # thread of its own (ctx.atransaction()); closed when the handler ends
         self.tx_lane: Lane | None = None
         self.tx_warned = False  # the lease keeper warned that it is held long
+        self.tx_tried = False  # the handler called ctx.transaction() (opened or not)
         self.children: list[EnqueueRequest] = []
         self._let_go = False  # the attempt ended while the handler ran: no new transaction
         self._ended = threading.Event()  # ... and no statement on the one it had
@@ -486,6 +489,7 @@ class AttemptRuntime:
             refused = self._not_open_now()
             if refused is not None:
                 raise refused
+            self.tx_tried = True
             if self.tx is None:
                 # Shielded until the attempt holds it: an interrupt (a timeout, a
                 # self-fence) landing after the store opened the transaction and before
@@ -538,6 +542,13 @@ class AttemptRuntime:
     def check_transaction(self) -> None:
         """Just before the completion is written in it: raise TransactionEnded unless the
         transaction is still the one errands opened (its savepoint is still there)."""
+        rolled_back = store_rolled_back(self.tx)
+        if rolled_back is not None:  # SQLite's doing, not the handler's: nothing committed
+            raise RuntimeError(
+                f"job {self.attempt.id}: the transaction of ctx.transaction() was rolled back "
+                f"by SQLite when a statement failed earlier in the handler ({rolled_back}); "
+                "nothing of it is committed"
+            )
         try:
             self.tx.execute(RELEASE_SAVEPOINT)
         except Exception as exc:
@@ -561,8 +572,8 @@ class AttemptRuntime:
         """For a failed attempt: whether the handler ended errands' transaction (its
         savepoint is gone), so writes it made may be committed. Works in an aborted
         transaction too (ROLLBACK TO SAVEPOINT is allowed there)."""
-        if self.tx is None:
-            return False
+        if self.tx is None or store_rolled_back(self.tx) is not None:
+            return False  # (SQLite rolled it back itself: it ended nothing of the handler's)
         try:
             self.tx.execute(ROLLBACK_TO_SAVEPOINT)
         except Exception as exc:
@@ -597,6 +608,18 @@ class AttemptRuntime:
             "and then failed; the writes it made until then may be committed, so the job "
             "fails for good instead of running them again"
         )
+
+    def met_unwritable(self, exc: BaseException | None) -> bool:
+        """Whether the failure ``exc`` that escaped the handler is the store's: the handler
+        called ctx.transaction() (whether it opened or not), and ``exc`` is itself the
+        store's error for a write it cannot take now (:func:`errors.cannot_write_now`: a
+        full disk, PostgreSQL's class 53, an SQLite file full or read-only), as a
+        statement in that transaction raised it. Not an error of the handler's own that
+        it raised on catching the store's (chained to it or not): the handler decided
+        what that failure is, and it is charged. Nothing of the transaction commits; the
+        job is given back uncharged (see OutcomeRecorder), as when its COMMIT meets such
+        a store."""
+        return exc is not None and self.tx_tried and cannot_write_now(exc)
 
     def rollback(self) -> None:
         self._end_with("tx_rollback", "roll back")
@@ -867,6 +890,45 @@ def _statement_text(conn: Any, query: Any) -> str:
     return str(query)
 
 
+# Set on an SQLite connection of ctx.transaction() whose transaction SQLite rolled back
+# itself when a statement of the handler's failed (see watched): why, as text.
+ROLLED_BACK_BY_STORE = "errands_rolled_back_by_store"
+
+
+def store_rolled_back(conn: Any) -> str | None:
+    """Why SQLite rolled back the transaction of ctx.transaction() on ``conn`` itself (a
+    statement of the handler's failed: see :func:`watched`), or None."""
+    return getattr(conn, ROLLED_BACK_BY_STORE, None)
+
+
+def watched(conn: Any, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``call(*args, **kwargs)``, a statement of the handler's on the transaction of
+    ctx.transaction() (``conn``). On SQLite, a statement that fails on a full disk
+    (SQLITE_FULL: the file reached its limit), or on I/O, memory or lock trouble, may roll
+    the whole transaction back, errands' savepoint with it: SQLite's doing, noted on the
+    connection, so that the failure is not taken for the handler ending the transaction
+    itself (``TransactionEnded``: the job dead for good, its writes thought committed)
+    and nothing more runs on it (it would run in autocommit mode, committed on its own)."""
+    if not isinstance(conn, sqlite3.Connection):
+        return call(*args, **kwargs)
+    try:
+        before = conn.in_transaction
+    except sqlite3.Error:  # closed: the call says so
+        return call(*args, **kwargs)
+    try:
+        return call(*args, **kwargs)
+    except sqlite3.Error as exc:
+        try:
+            ended = before and not conn.in_transaction
+        except sqlite3.Error:
+            ended = False
+        if ended:
+            # (AttributeError: a plain sqlite3.Connection; errands' own take attributes)
+            with contextlib.suppress(AttributeError):
+                setattr(conn, ROLLED_BACK_BY_STORE, f"{type(exc).__name__}: {exc}")
+        raise
+
+
 def refuse_ending(conn: Any, query: Any, ended: threading.Event | None = None) -> None:
     """Raise TransactionEnded if ``query`` would end the transaction of ctx.transaction(),
     or if the attempt let go of it (``ended``): nothing more runs on it then (on SQLite a
@@ -875,6 +937,13 @@ def refuse_ending(conn: Any, query: Any, ended: threading.Event | None = None) -
         raise TransactionEnded(
             "ctx.transaction(): the attempt has ended (timed out and abandoned, or released "
             "at shutdown); nothing more runs in its transaction, and nothing of it commits"
+        )
+    rolled_back = store_rolled_back(conn)
+    if rolled_back is not None:  # a statement now would run (and commit) on its own
+        raise RuntimeError(
+            "ctx.transaction(): SQLite rolled this transaction back when a statement in it "
+            f"failed ({rolled_back}); nothing of it commits, and nothing more runs in it "
+            "(raise, or let that error through, to end the attempt)"
         )
     text = _COMMENTS.sub(" ", _statement_text(conn, query))
     for statement in text.split(";"):
@@ -942,14 +1011,14 @@ class TransactionConnection:
         refuse_ending(self._conn, query, self._ended)
         if self._off_loop:
             refuse_on_the_loop("a statement of ctx.transaction()")
-        cursor = self._conn.execute(query, *args, **kwargs)
+        cursor = watched(self._conn, self._conn.execute, query, *args, **kwargs)
         return GuardedCursor(self._conn, cursor, self._ended, self._off_loop)
 
     def executemany(self, query: Any, *args: Any, **kwargs: Any) -> Any:
         refuse_ending(self._conn, query, self._ended)
         if self._off_loop:
             refuse_on_the_loop("a statement of ctx.transaction()")
-        result = self._conn.executemany(query, *args, **kwargs)
+        result = watched(self._conn, self._conn.executemany, query, *args, **kwargs)
         if result is None:
             return None
         return GuardedCursor(self._conn, result, self._ended, self._off_loop)
@@ -1003,14 +1072,14 @@ class GuardedCursor:
         refuse_ending(self._conn, query, self._ended)
         if self._off_loop:
             refuse_on_the_loop("a statement of ctx.transaction()")
-        self._cursor.execute(query, *args, **kwargs)
+        watched(self._conn, self._cursor.execute, query, *args, **kwargs)
         return self
 
     def executemany(self, query: Any, *args: Any, **kwargs: Any) -> GuardedCursor:
         refuse_ending(self._conn, query, self._ended)
         if self._off_loop:
             refuse_on_the_loop("a statement of ctx.transaction()")
-        self._cursor.executemany(query, *args, **kwargs)
+        watched(self._conn, self._cursor.executemany, query, *args, **kwargs)
         return self
 
     def __iter__(self) -> Iterator[Any]:

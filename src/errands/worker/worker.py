@@ -436,7 +436,9 @@ class Worker:
             running=self._running_handlers,
             on_released=self._on_released,
             on_batch=self._on_batch_written,
-            release=self.release_write,
+            release=lambda attempts, message, delays: self.release_write(
+                attempts, message, delays=delays
+            ),
             on_given_back=self.release_done,
         )
         # Outcomes decided but not yet written, beyond which the worker claims nothing (see
@@ -1382,9 +1384,11 @@ class Worker:
         *,
         unrun: bool = False,
         prefetched: bool = False,
+        delays: list[float] | None = None,
     ) -> list[bool | None]:
         """The store's part of :meth:`release`, raising what the store raises: whether
-        each lease was given back (False: no longer held)."""
+        each lease was given back (False: no longer held). ``delays``: each job's pause
+        before it is due again (a give-back of the completer's; none: due at once)."""
         return list(
             self.app.backend.job_release_many(
                 [
@@ -1395,6 +1399,7 @@ class Worker:
                 "is not charged and the job runs again",
                 unrun=unrun,
                 prefetched=prefetched,
+                delays=delays,
             )
         )
 

@@ -56,6 +56,7 @@ from ..base import (
     RescueParams,
     connection_wait,
     insert_params,
+    release_pauses,
     warn_newer_schema,
     writes_several,
 )
@@ -1520,17 +1521,20 @@ class PostgresBackend(PostgresAdmin):
         *,
         unrun: bool = False,
         prefetched: bool = False,
+        delays: Sequence[float] | None = None,
     ) -> list[bool]:
         if not leases:
             return []
         # a prefetched job never ran: no worker time to fold (the plain statement)
         fair = [False if prefetched else lease.fair for lease in leases]
+        pauses = release_pauses(leases, delays)
         with self._tx() as conn:
             rows = conn.execute(
                 self.q[folding("job_release_many", fair)],
                 {
                     "ids": [lease.id for lease in leases],
                     "tokens": [lease.lease_token for lease in leases],
+                    "delays": pauses,
                     "message": message,
                     "unrun": unrun,
                     "prefetched": prefetched,

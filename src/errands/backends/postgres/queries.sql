@@ -227,9 +227,15 @@ RETURNING j.id, j.lease_token, j.cancel_requested
 -- entries a day. %(prefetched)s (claimed, never begun): nothing is recorded and the job
 -- keeps its run_at (due again in its place), as if never claimed (the caller sends the
 -- plain statement: nothing folded). Fair keys' usage is folded in the same statement.
+-- %(delays)s: a pause before each job is due again (its run_at now + delay; 'retryable'
+-- while it waits, as after a backoff): a job whose ctx.transaction() met a store that
+-- cannot write is given back with a growing pause (it was due at once, and ran again in a
+-- tight loop for as long as the store could not write).
 WITH ended AS (
 UPDATE {schema}.errands_jobs AS j
-SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
+SET state = CASE WHEN j.cancel_requested THEN 'cancelled'
+                 WHEN o.delay > 0 AND NOT %(prefetched)s::boolean THEN 'retryable'
+                 ELSE 'available' END,
     errors = CASE
         WHEN %(prefetched)s::boolean THEN j.errors
         WHEN %(unrun)s::boolean AND j.errors -> -1 ->> 'kind' = 'released'
@@ -245,10 +251,12 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'available' END,
             'lease_token', j.lease_token, 'at', extract(epoch FROM now())))
     END,
     attempt = j.attempt - 1,
-    run_at = CASE WHEN %(prefetched)s::boolean THEN j.run_at ELSE now() END,
+    run_at = CASE WHEN %(prefetched)s::boolean THEN j.run_at
+                  ELSE now() + make_interval(secs => o.delay) END,
     finished_at = CASE WHEN j.cancel_requested THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
-FROM unnest(%(ids)b::bigint[], %(tokens)b::text[]) AS o(id, token)
+FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(delays)b::float8[])
+     AS o(id, token, delay)
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}

@@ -51,6 +51,7 @@ from ..base import (
     QueueSettings,
     RescueParams,
     insert_params,
+    release_pauses,
     warn_newer_schema,
     writes_several,
 )
@@ -1204,12 +1205,14 @@ class SQLiteBackend(SQLiteAdmin):
         *,
         unrun: bool = False,
         prefetched: bool = False,
+        delays: Sequence[float] | None = None,
     ) -> list[bool]:
         if not leases:
             return []
         answers = []
+        pauses = release_pauses(leases, delays)
         with self._write() as conn:
-            for lease in leases:
+            for lease, delay in zip(leases, pauses, strict=True):
                 if lease.fair is not False and not prefetched:  # (never ran: no time)
                     conn.execute(Q["fair_fold"], fold_params(lease.id, lease.lease_token))
                 rows = conn.execute(
@@ -1220,6 +1223,7 @@ class SQLiteBackend(SQLiteAdmin):
                         "message": message,
                         "unrun": unrun,
                         "prefetched": prefetched,
+                        "delay": delay,
                     },
                 ).fetchall()
                 answers.append(bool(rows))

@@ -102,9 +102,14 @@ RETURNING id, lease_token, cancel_requested
 -- job released every 30 s for a cause that lasts grew its errors by ~2,880 entries a day.
 -- :prefetched (claimed, never begun): nothing is recorded and the job keeps its run_at
 -- (due again in its place), as if never claimed (the caller folds nothing for it). Its
--- starts against rates go back with it, in the same transaction (rate_log_unstart).
+-- starts against rates go back with it, in the same transaction (rate_log_unstart). :delay: a
+-- pause before the job is due again (run_at now + delay; 'retryable' while it waits, as
+-- after a backoff): a job whose ctx.transaction() met a store that cannot write is given
+-- back with a growing pause rather than run again at once, in a tight loop.
 UPDATE errands_jobs
-SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END,
+SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled'
+                 WHEN :delay > 0 AND NOT :prefetched THEN 'retryable'
+                 ELSE 'available' END,
     errors = CASE
         WHEN :prefetched THEN errors
         WHEN :unrun AND json_extract(errors, '$[#-1].kind') = 'released'
@@ -120,7 +125,8 @@ SET state = CASE WHEN cancel_requested = 1 THEN 'cancelled' ELSE 'available' END
             'at', (julianday('now') - 2440587.5) * 86400.0))
     END,
     attempt = attempt - 1,
-    run_at = CASE WHEN :prefetched THEN run_at ELSE (julianday('now') - 2440587.5) * 86400.0 END,
+    run_at = CASE WHEN :prefetched THEN run_at
+                  ELSE (julianday('now') - 2440587.5) * 86400.0 + :delay END,
     finished_at = CASE WHEN cancel_requested = 1
                        THEN (julianday('now') - 2440587.5) * 86400.0 END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
