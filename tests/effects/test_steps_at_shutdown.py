@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -85,6 +86,156 @@ def test_an_async_step_running_at_the_end_of_the_grace_period_ends_before_the_jo
     assert [(e.kind, e.attempt) for e in job.errors] == [("released", 1)]
     assert job.attempt == 1  # the release was not charged
     assert {s.name: s.attempt for s in app.job_steps(handle.id)} == {"charge": 1}
+
+
+@pytest.mark.parametrize("goes_on", ["shield", "to_thread", "run_in_executor"])
+def test_an_async_step_whose_effect_outlives_its_cancel_holds_its_job_until_the_effect_ends(
+    make_app: Make, caplog: pytest.LogCaptureFixture, goes_on: str
+) -> None:
+    """The step's fn runs its effect where the stop's cancel does not reach it: under
+    ``asyncio.shield(...)`` (the cancel ends the step's frame, the shielded task goes on),
+    or in a thread (``asyncio.to_thread``, ``loop.run_in_executor`` on an executor of its
+    own: a thread cannot be stopped, only the waiting for it). The step is running for as
+    long as that effect is: the job stays leased to the stopping worker until it is over,
+    and the next run (which calls fn again: the step was cut short, nothing stored)
+    begins after it, never beside it. The step counted as over once its frame was
+    cancelled: the job was given back at once, and the next worker ran the effect again
+    while the first one still ran."""
+    app = make_app()
+    began: list[float] = []
+    ended: list[float] = []
+    finish = threading.Event()
+    own_pool = ThreadPoolExecutor(1, thread_name_prefix="test-own-pool")
+
+    def provider_call() -> str:  # in a thread: blocking, uninterruptible
+        began.append(time.monotonic())
+        try:
+            if len(began) == 1:
+                finish.wait(120)
+            return f"ch_{len(began)}"
+        finally:
+            ended.append(time.monotonic())
+
+    async def provider_call_async() -> str:  # a coroutine the cancel never reaches
+        began.append(time.monotonic())
+        try:
+            while len(began) == 1 and not finish.is_set():
+                await asyncio.sleep(0.01)
+            return f"ch_{len(began)}"
+        finally:
+            ended.append(time.monotonic())
+
+    @app.job(name=f"stop.goes_on_{goes_on}", retries=0)
+    async def charge_order(ctx: errands.Context) -> str:
+        async def charge() -> str:
+            if goes_on == "shield":
+                return await asyncio.shield(provider_call_async())
+            if goes_on == "to_thread":
+                return await asyncio.to_thread(provider_call)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(own_pool, provider_call)
+
+        return str(await ctx.astep("charge", charge))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    first = WorkerThread(app, grace=0.2, abandon_after=300).start()
+    workers = [first]
+    try:
+        handle = charge_order.enqueue()
+        wait_until(lambda: len(began) == 1, timeout=30, what="the first charge begun")
+        first.worker.stop()  # like SIGTERM; the grace period ends with the charge running
+        wait_until(lambda: _held_or_released(caplog, handle), timeout=30, what="held or not")
+        assert handle.status() is JobState.RUNNING, "released while its effect still ran"
+
+        workers.append(WorkerThread(app).start())  # would take the job if given back now
+        time.sleep(0.3)  # (a second charge would begin meanwhile)
+        assert len(began) == 1, "the job ran again while its first charge still ran"
+        finish.set()
+        assert handle.result(timeout=60) == "ch_2"
+    finally:
+        finish.set()
+        for worker in workers:
+            worker.stop()
+        own_pool.shutdown(wait=False)
+
+    # Cut short (its frame cancelled, nothing stored), the step ran again on the next
+    # run: after the first charge had ended, never beside it
+    assert len(began) == 2 and len(ended) == 2
+    assert began[1] >= ended[0]
+    job = handle.job()
+    assert [(e.kind, e.attempt) for e in job.errors] == [("released", 1)]
+    assert job.attempt == 1
+
+
+def test_a_step_cut_short_runs_until_the_work_it_started_ends_or_is_held_where_unseen(
+    make_app: Make,
+) -> None:
+    """The accounting under the test above: an async step whose fn is cancelled while a
+    shielded task it started goes on is in flight until that task is over, on the
+    worker's loop (which counts each step's tasks and threads). On a loop that does not
+    count them (not the worker's), the work may go on unseen: the step cut short by a
+    cancel stays in flight for good (a graceful stop then keeps its job until
+    ``abandon_after``, as a hung step's)."""
+    from errands.backends.base import ClaimParams, QueueClaim
+    from errands.worker.execution import Attempt
+    from errands.worker.runners import LoopRunner
+    from errands.worker.runtime import AttemptRuntime
+
+    app = make_app()
+
+    @app.job(name="stop.counted")
+    async def counted() -> None: ...
+
+    counted.enqueue()
+    counted.enqueue()
+    claim = ClaimParams([QueueClaim("default", 2)], 2, "w-test", 30.0)
+    runtimes = []
+    for row in app.backend.job_claim(claim):
+        attempt = Attempt(row=row, definition=counted, lease_seconds=30.0)
+        attempt.runtime = AttemptRuntime(app, attempt)
+        runtimes.append(attempt.runtime)
+    on_workers_loop, elsewhere = runtimes
+
+    async def cut_short(runtime: Any, finish: threading.Event) -> list[str]:
+        """The step cancelled while its shielded effect runs: the steps in flight then,
+        and once the effect is over."""
+        began = asyncio.Event()
+
+        async def effect() -> None:
+            began.set()
+            while not finish.is_set():
+                await asyncio.sleep(0.01)
+
+        async def charge() -> None:
+            await asyncio.shield(effect())
+
+        step = asyncio.ensure_future(runtime.astep("charge", charge))
+        await began.wait()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        return list(runtime.steps_in_flight())
+
+    runner = LoopRunner(name="test-loop")
+    finish = threading.Event()
+    try:
+        cut = runner.submit(lambda: cut_short(on_workers_loop, finish)).result(30)
+        assert cut == ["charge"]  # its frame is gone, its shielded effect runs on
+        finish.set()
+        wait_until(lambda: not on_workers_loop.steps_in_flight(), timeout=30, what="over")
+    finally:
+        finish.set()
+        runner.shutdown()
+
+    async def unseen() -> list[str]:
+        done = threading.Event()
+        cut = await cut_short(elsewhere, done)
+        assert cut == ["charge"]
+        done.set()
+        await asyncio.sleep(0.1)  # the effect is over, but this loop never said so
+        return list(elsewhere.steps_in_flight())
+
+    assert asyncio.run(unseen()) == ["charge"]
 
 
 def test_a_sync_step_blocked_past_the_interrupt_ends_before_the_job_is_released(

@@ -222,6 +222,54 @@ def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_handed_back_not
     assert sorted(blocked.ran) == [1, 2]
 
 
+def test_an_async_job_whose_lease_ran_out_before_it_began_is_given_back_recording_nothing(
+    app: errands.App, worker_factory
+) -> None:
+    """An async job claimed while the event loop stood still (another handler blocking it)
+    whose lease ran out before its handler began: it is handed back as a prefetched job
+    is, with nothing recorded on the job (no error entry, its place in the queue kept),
+    then claimed again and run once. It was given back as if an attempt had run (an entry
+    of kind ``released`` naming an attempt that never began)."""
+    gate = threading.Event()
+    ran: list[str] = []
+    released: list[int] = []
+    app.events.subscribe(
+        lambda e: released.append(e["job_id"]) if e.name == "errands.job.released" else None
+    )
+
+    @app.job(name="pf.loop_blocker", lease=30)  # heartbeats every 10 s: none in the test
+    async def loop_blocker() -> None:
+        ran.append("blocker")
+        gate.wait(20)  # blocking code on the loop: no other async job begins meanwhile
+
+    @app.job(name="pf.async_late", lease=30)
+    async def async_late() -> None:
+        ran.append("late")
+
+    with worker_factory(concurrency=2, prefetch=0) as worker:
+        blocker = loop_blocker.enqueue()
+        wait_until(lambda: ran == ["blocker"], what="the loop blocked")
+        late = async_late.enqueue()
+        wait_until(
+            lambda: any(a.id == late.id for a in worker.attempts()),
+            what="the late job claimed, waiting for the loop",
+        )
+        due = late.job().run_at
+        # As after a loop blocked past the lease: no heartbeat vouches for it now.
+        [waiting] = [a for a in worker.attempts() if a.id == late.id]
+        waiting.lease_valid_until = 0.0
+        gate.set()  # it is handed back, claimed again and run then
+        assert blocker.result(timeout=10) is None
+        assert late.result(timeout=10) is None
+
+    assert released == [late.id]
+    job = late.job()
+    assert job.errors == []  # nothing happened to it: nothing recorded
+    assert job.attempt == 1  # the hand-back did not charge an attempt
+    assert job.run_at == due  # its place in the queue kept
+    assert ran == ["blocker", "late"]
+
+
 def test_slow_handlers_get_no_job_prefetched(app: errands.App, worker_factory) -> None:
     blocked = Blocked(app)
 

@@ -1,12 +1,21 @@
 """Graceful stop in-process (DESIGN §7, F4): finish short jobs, release long ones uncharged."""
 
 import asyncio
+import contextlib
+import logging
+import sqlite3
 import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 
 import errands
 from errands import JobState
+from errands.worker import worker as worker_module
 
-from .helpers import wait_until
+from .helpers import WorkerThread, wait_until
 
 
 def test_graceful_stop_lets_a_running_short_job_finish(app: errands.App, start_worker) -> None:
@@ -185,3 +194,118 @@ def test_a_transient_store_error_while_starting_is_retried_not_fatal(
     worker.stop()
     assert failures == []  # both hiccups were met, and waited out
     assert worker.exit_code == 0
+
+
+@contextlib.contextmanager
+def _job_row_held(app: errands.App, job_id: int) -> Iterator[Any]:
+    """Another session holds what a release of ``job_id`` needs, until the block ends: on
+    PostgreSQL the job's row (SELECT ... FOR UPDATE: the release's UPDATE waits for it,
+    with no error and no reply); on SQLite the file's write lock (BEGIN IMMEDIATE).
+    Yields the PostgreSQL session's connection (None on SQLite)."""
+    backend: Any = app.backend
+    if hasattr(backend, "schema"):  # PostgreSQL
+        import psycopg
+
+        with psycopg.connect(backend.config.conninfo, autocommit=False) as conn:
+            held = conn.execute(
+                f'SELECT id FROM "{backend.schema}".errands_jobs WHERE id = %s FOR UPDATE',
+                (job_id,),
+            ).fetchall()
+            assert held == [(job_id,)]
+            try:
+                yield conn
+            finally:
+                conn.rollback()
+        return
+    conn = sqlite3.connect(backend.path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield None
+        finally:
+            conn.execute("ROLLBACK")
+    finally:
+        conn.close()
+
+
+def _stop_releases_alive() -> bool:
+    return any(t.name == "errands-stop-release" for t in threading.enumerate())
+
+
+def test_a_stop_whose_release_gets_no_answer_exits_within_its_bound_and_the_job_is_rescued(
+    each_store_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a job still running at the end of the grace period and a store that does not
+    answer its release (another session holds the lock it needs: a job's row, SQLite's
+    write lock), then the worker's stop gives the release up after its bound (logged,
+    naming the job) and exits; the job's lease runs out (nothing renews it) and it is
+    rescued, and runs to completion once. The release waited without a bound: on
+    PostgreSQL for as long as the lock was held (here: the test's join gave up), on
+    SQLite up to its write_timeout (then failed as the store's own error)."""
+    url = each_store_url
+    if url.startswith("sqlite"):  # the store's own wait for its write lock: not the bound
+        url += "?write_timeout=4"
+    monkeypatch.setattr(worker_module, "RELEASE_WAIT", 0.5)
+    monkeypatch.setattr(worker_module, "DEREGISTER_WAIT", 0.5)  # (SQLite's lock holds it too)
+    runs: list[int] = []
+
+    def define(app: errands.App) -> Any:
+        @app.job(name="stop.release_hangs", retries=1, lease=3)
+        def release_hangs(ctx: errands.Context) -> str:
+            runs.append(ctx.attempt)
+            if len(runs) == 1:
+                while not ctx.cancelled:  # stops when asked, at the end of the grace
+                    time.sleep(0.01)
+                return "stopped"
+            return "done"
+
+        return release_hangs
+
+    stopping_app = errands.App(url)  # a store of its own: its hung write is its alone
+    job = define(stopping_app)
+    stopping_app.migrate()
+    caplog.set_level(logging.WARNING, logger="errands.worker")
+    worker = WorkerThread(stopping_app, grace=0.2, maintenance=False).start()
+    later_app = errands.App(url)
+    define(later_app)
+    try:
+        handle = job.enqueue()
+        wait_until(lambda: runs == [1], timeout=30, what="the job running")
+        with _job_row_held(stopping_app, handle.id) as holder:
+            # the hang lasts for ever (PostgreSQL) or 4 s (SQLite); the stop's own bounds
+            # add up to a second or two
+            worker.stop(timeout=60)
+            assert worker.exit_code == 0
+            gave_up = [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.ERROR and "could not give back" in r.getMessage()
+            ]
+            assert len(gave_up) == 1, gave_up
+            assert f"job(s) {handle.id} " in gave_up[0] and "no answer" in gave_up[0]
+            # The process would end here, and with it the session of its release (on
+            # SQLite the release gives up at its write_timeout): it never lands.
+            if holder is not None:
+                holder.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (holder.info.backend_pid,),
+                )
+            wait_until(lambda: not _stop_releases_alive(), timeout=60, what="the release over")
+        assert handle.status() is JobState.RUNNING  # not given back: its lease runs out
+
+        later = WorkerThread(later_app, maintenance_tick=0.1).start()  # rescues it, runs it
+        try:
+            assert handle.result(timeout=60) == "done"
+        finally:
+            later.stop()
+    finally:
+        if worker.thread.is_alive():
+            worker.worker.stop()
+        later_app.close()
+        stopping_app.close()
+
+    assert runs == [1, 2]  # cut short by the stop, then rescued and run once more
+    done = handle.job()
+    assert (done.state, done.rescues) == (JobState.COMPLETED, 1)
+    assert "released" not in [e.kind for e in done.errors]

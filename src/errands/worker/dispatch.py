@@ -278,11 +278,17 @@ class Dispatcher:
             task.set_name(f"job {attempt.id} {attempt.row.name}")
         if clock.now() >= attempt.lease_valid_until:
             # As _begin: no heartbeat confirmed the lease for a whole lease (a claim reply
-            # held up, a frozen process): another worker may run it now. Hand it back.
-            attempt.released = True
-            message = "released %d job(s) whose lease may have run out"
-            await offloop.run(self.worker.release, [attempt], message)
-            self.worker.slot_freed(attempt)
+            # held up, a loop blocked by another handler, a frozen process): another
+            # worker may run it now. Hand it back: its handler never began, so nothing is
+            # recorded on the job (prefetched), as for a sync job's. Recorded as a release
+            # of a run, it gained an entry for an attempt that never happened. (Unless a
+            # graceful stop took it over first: the stop gives it back.)
+            if attempt.give_back():
+                message = "released %d prefetched job(s) whose lease may have run out"
+                await offloop.run(
+                    functools.partial(self.worker.release, prefetched=True), [attempt], message
+                )
+                self.worker.slot_freed(attempt)
             return None
         attempt.started = clock.now()
         timeout = attempt.row.timeout

@@ -28,6 +28,7 @@ from typing import Any
 from .. import offloop
 from ..errors import ConfigurationError
 from ..interrupts import Interrupt, aim, aim_unless_shielded, drop_pending
+from . import stepwork
 
 Done = Callable[[BaseException | None, Any], None]
 
@@ -254,6 +255,9 @@ class LoopRunner:
             self.default_threads, thread_name_prefix=f"{name}-to_thread"
         )
         self.loop.set_default_executor(self.user)
+        # A step's fn is running for as long as the tasks and threads it started are
+        # (a shielded task, an asyncio.to_thread call its cancel left running)
+        stepwork.track_steps(self.loop, self.user)
         # Tasks that outlived their cancel at shutdown, held so the garbage collector does
         # not destroy them mid-await (a "Task was destroyed but it is pending!" each).
         self.stubborn: list[asyncio.Task[Any]] = []

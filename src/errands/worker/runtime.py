@@ -56,6 +56,7 @@ from ..jsontext import loads_stored
 from ..observability.logcontext import job_extra
 from ..offloop import Lane, LaneClosed
 from ..payload import read_back
+from . import stepwork
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 
 if TYPE_CHECKING:
@@ -77,16 +78,36 @@ SETTLE_POLL = 0.02  # seconds between looks at the steps an ended handler left r
 
 
 class StepInFlight:
-    """A step called and not over yet: its fn running, or its result being stored."""
+    """A step called and not over yet: its fn running (with the work it started on the
+    loop: see :mod:`errands.worker.stepwork`), or its result being stored."""
 
-    __slots__ = ("ended", "handed", "name", "task")
+    __slots__ = ("awaited", "ended", "handed", "name", "owner", "task", "unseen", "work")
 
-    def __init__(self, name: str, task: asyncio.Task[Any] | None) -> None:
+    def __init__(self, name: str, task: asyncio.Task[Any] | None, owner: AttemptRuntime) -> None:
         self.name = name
         self.task = task  # the task of an astep; None: a ctx.step on a thread
+        self.owner = owner
         self.ended = threading.Event()
         # an astep's fn run in a thread: its task stopped waiting for it (cancelled)
         self.handed = False
+        # An astep's fn: the tasks and threads it started that still run (a shielded
+        # task, an asyncio.to_thread call, which its cancel does not stop), and whether
+        # its frame (or the store of its result) is still going. Under the owner's
+        # _flights_lock.
+        self.work = 0
+        self.awaited = True
+        # Its fn was cut short by a cancel on a loop that does not count the work it
+        # started (not the worker's: see stepwork.track_steps): that work may go on
+        # unseen, so the step is held as running for good (a graceful stop keeps its job
+        # until abandon_after, as it keeps a hung step's)
+        self.unseen = False
+
+    def work_begins(self) -> bool:
+        """A task or thread started by its fn (stepwork.StepWork): counted until over."""
+        return self.owner._work_begins(self)
+
+    def work_ends(self, _done: object = None) -> None:
+        self.owner._work_ends(self)
 
 
 class AttemptRuntime:
@@ -144,14 +165,39 @@ class AttemptRuntime:
                     "handler ends (asyncio.TaskGroup, not asyncio.gather, ends sibling "
                     "steps with a failing one)"
                 )
-            flight = StepInFlight(name, task)
+            flight = StepInFlight(name, task, self)
             self._in_flight.add(flight)
         return flight
 
-    def _flight_ends(self, flight: StepInFlight) -> None:
+    def _flight_ends(self, flight: StepInFlight, *, with_work: bool = False) -> None:
+        """The step's call is over. ``with_work``: its fn ended without a stored result
+        (it raised, or was cut short by a cancel): the step stays in flight until the
+        tasks and threads its fn started are over too (see :mod:`.stepwork`): the next
+        run calls fn again, and must not do so beside a shielded task or a thread the
+        cancel left running. (Once its result is stored, the next run never calls it.)"""
         with self._flights_lock:
-            self._in_flight.discard(flight)
-        flight.ended.set()
+            flight.awaited = False
+            over = not with_work or (flight.work <= 0 and not flight.unseen)
+            if over:
+                self._in_flight.discard(flight)
+        if over:
+            flight.ended.set()
+
+    def _work_begins(self, flight: StepInFlight) -> bool:
+        with self._flights_lock:
+            if flight not in self._in_flight:  # over: its result stored, or given up on
+                return False
+            flight.work += 1
+            return True
+
+    def _work_ends(self, flight: StepInFlight) -> None:
+        with self._flights_lock:
+            flight.work -= 1
+            over = not flight.awaited and flight.work <= 0 and flight in self._in_flight
+            if over:
+                self._in_flight.discard(flight)
+        if over:
+            flight.ended.set()
 
     def steps_in_flight(self) -> list[str]:
         """The names of the steps called and not over yet (their fn running, or their
@@ -345,7 +391,7 @@ class AttemptRuntime:
                 return value
             self._warn_step_in_transaction(name)
             if _awaits(fn):
-                result = fn(*args, **kwargs)
+                result = await _in_step(flight, lambda: fn(*args, **kwargs))
             else:
                 # A plain function runs in a thread (the loop's executor, as the handler's
                 # own asyncio.to_thread calls): called on the loop, a blocking one held
@@ -361,9 +407,7 @@ class AttemptRuntime:
                 if not isinstance(result, _Unawaited):
                     return result
                 storing = None  # fn returned an awaitable (a lambda around a coroutine)
-                result = result.awaitable
-            if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
-                result = await result
+                result = await _in_step(flight, functools.partial(_given, result.awaitable))
             # The effect is done: its result is stored even if this task is cancelled
             # now (its thread cannot be stopped), and the step stays in flight until then
             storing = asyncio.ensure_future(offloop.run(self._store_step, name, result))
@@ -371,7 +415,7 @@ class AttemptRuntime:
             return await asyncio.shield(storing)
         finally:
             if storing is None:
-                self._flight_ends(flight)
+                self._flight_ends(flight, with_work=True)
 
     def _step_in_a_thread(
         self,
@@ -801,6 +845,27 @@ class _Unawaited:
 
     def __init__(self, awaitable: Awaitable[Any]) -> None:
         self.awaitable = awaitable
+
+
+async def _in_step(flight: StepInFlight, call: Callable[[], Awaitable[Any]]) -> Any:
+    """Await what ``call()`` returns (a step's fn) with the tasks and threads it starts on
+    the worker's loop counted as the step's work (see :mod:`.stepwork`)."""
+    token = stepwork.STEP.set(flight)
+    try:
+        return await call()
+    except asyncio.CancelledError:
+        if not stepwork.counts_step_work(asyncio.get_running_loop()):
+            flight.unseen = True
+        raise
+    finally:
+        # (not from a task left pending at the loop's end, closed by the garbage collector
+        # in another context: nothing to undo there)
+        with contextlib.suppress(ValueError):
+            stepwork.STEP.reset(token)
+
+
+def _given(awaitable: Awaitable[T]) -> Awaitable[T]:
+    return awaitable
 
 
 def _awaits(fn: Any) -> bool:

@@ -46,8 +46,10 @@ still runs over (in one step with its handler's decision: see Attempt.stop_for_s
 and stop it (as a timeout does), and release each job (back to available, the attempt
 not charged, the release recorded on the job) once it runs no durable step (up to
 ``abandon_after``, its lease still heartbeated); flush outcomes; let queued hooks run;
-resign leadership. A second signal exits the process at once; those leases then
-expire and are rescued.
+resign leadership. Each store write of the stop waits for its answer a bounded time (a
+release: RELEASE_WAIT); a job whose release is given up on is rescued once its lease
+runs out. A second signal exits the process at once; those leases then expire and are
+rescued.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ from ..hooks import protect_current_thread
 from ..jobs import JobRow
 from ..maintenance import Maintenance
 from ..observability.logcontext import install_record_factory, job_extra, lockless_line
-from .callers import call_within
+from .callers import Callers, call_within
 from .claiming import Claimer
 from .completer import Completer
 from .dispatch import Dispatcher
@@ -169,6 +171,14 @@ HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and e
 # A store that stopped answering (a partition with no RST, SQLite's write lock held
 # elsewhere) held the stop up to its TCP timeouts or write_timeout.
 DEREGISTER_WAIT = 5.0
+# A stop gives the jobs it took over back (released, uncharged) in store writes made on a
+# helper thread of the stop's own, each waited for this long at most (a later one fails at
+# once while an earlier one still waits). Past that the worker exits without them: their
+# leases run out (no heartbeat renews them any more) and the jobs are rescued. A store
+# that stopped answering (a lock held elsewhere: SQLite's write lock, a job's row under
+# PostgreSQL's FOR UPDATE; a partition with no RST) held the stop with the write, up to
+# SQLite's write_timeout or the TCP timeouts, or for as long as the lock was held.
+RELEASE_WAIT = 5.0
 EXIT_NOW_CODE = 1
 
 
@@ -464,6 +474,8 @@ class Worker:
         self.processed = 0
         self.started_at = 0.0
         self._leaving = False  # set as the shutdown begins: the registry is left for good
+        # the stop's releases, each waited for RELEASE_WAIT at most (see _release_within)
+        self._stop_releases: Callers | None = None
         self.listener: Any = None
         self._notified = False
         self.exit_code = 0  # 1: it stopped because its child processes cannot start
@@ -1189,7 +1201,11 @@ class Worker:
         withdrawn = [a for a in waiting if a.withdraw()]
         if withdrawn:  # prefetched, never begun: back to the queue at once, not run
             self.release(
-                withdrawn, "stopping: released %d prefetched job(s)", logging.INFO, prefetched=True
+                withdrawn,
+                "stopping: released %d prefetched job(s)",
+                logging.INFO,
+                prefetched=True,
+                bounded=True,
             )
         while time.monotonic() < deadline:
             # A decided attempt still writing its outcome (a ctx.transaction() commit that
@@ -1227,6 +1243,9 @@ class Worker:
             # ...then give each job back as soon as its steps are over (bounded): the
             # release is recorded on each job.
             self._give_back_after_steps(leftover, settle_by)
+        if self._stop_releases is not None:  # (a release's helper ends once it is over)
+            self._stop_releases.stop()
+            self._stop_releases = None
         self._wait_writes(max(self.grace, 5.0))
         self.completer.stop(timeout=max(self.grace, 5.0))
         self.leases.stop()
@@ -1330,7 +1349,11 @@ class Worker:
                 abandon(self, attempt, "the handler still ran when the worker stopped")
         given = [a for a in attempts if a.give_back()]
         if given:
-            self.release(given, "grace period over: released %d running job(s) back to the queue")
+            self.release(
+                given,
+                "grace period over: released %d running job(s) back to the queue",
+                bounded=True,
+            )
 
     def _wait_writes(self, timeout: float) -> None:
         """At a stop, after the grace period: wait up to ``timeout`` for the outcomes still
@@ -1360,6 +1383,7 @@ class Worker:
         *,
         unrun: bool = False,
         prefetched: bool = False,
+        bounded: bool = False,
     ) -> None:
         """Give the leases of ``attempts`` back (available again, the attempt not charged,
         the release recorded on the job; ``unrun``: their handlers never ran, see
@@ -1368,14 +1392,54 @@ class Worker:
         ``stale_write_rejected`` (outcome ``released``) when its lease was no longer held
         (rescued or cancelled meanwhile); ``write_failed`` when the store could not be
         written (it is rescued after its lease). Without one, the in-flight gauge and the
-        attempt's process span stayed open for good."""
+        attempt's process span stayed open for good.
+
+        ``bounded``: from the stop, whose exit must not wait for a store that does not
+        answer: the write is made on a helper thread and its answer waited for
+        ``RELEASE_WAIT`` at most (see :meth:`_release_within`)."""
         released: list[bool | None]
         try:
-            released = self.release_write(attempts, message, unrun=unrun, prefetched=prefetched)
+            if bounded:
+                released = self._release_within(
+                    attempts, message, unrun=unrun, prefetched=prefetched
+                )
+            else:
+                released = self.release_write(attempts, message, unrun=unrun, prefetched=prefetched)
+        except TimeoutError as exc:
+            log.error(
+                "stopping: could not give back job(s) %s (%s); the worker exits without "
+                "waiting: no heartbeat renews their leases any more, and they are rescued "
+                "once the leases run out",
+                _shown([a.id for a in attempts]),
+                exc,
+            )
+            released = [None] * len(attempts)
         except Exception:
             log.exception("could not release running jobs; they are rescued after their lease")
             released = [None] * len(attempts)
         self.release_done(attempts, released, message, level)
+
+    def _release_within(
+        self,
+        attempts: list[Attempt],
+        message: str,
+        *,
+        unrun: bool = False,
+        prefetched: bool = False,
+    ) -> list[bool | None]:
+        """:meth:`release_write` on the stop's helper thread, its answer waited for
+        ``RELEASE_WAIT`` at most: TimeoutError past that, or at once while an earlier
+        release still waits for its answer (the write goes on there: it may still land,
+        fenced by the leases' tokens, if the process lives on)."""
+        if self._stop_releases is None:
+            self._stop_releases = Callers("errands-stop-release", 1)
+        deadline = time.monotonic() + RELEASE_WAIT
+
+        def write() -> list[bool | None]:
+            with calls_until(deadline):
+                return self.release_write(attempts, message, unrun=unrun, prefetched=prefetched)
+
+        return self._stop_releases.call(write, RELEASE_WAIT, "release")
 
     def release_write(
         self,
