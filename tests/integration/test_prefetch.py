@@ -222,6 +222,42 @@ def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_handed_back_not
     assert sorted(blocked.ran) == [1, 2]
 
 
+def test_a_prefetched_job_a_stop_took_as_its_lease_ran_out_is_released_by_the_stop_alone(
+    app: errands.App, worker_factory
+) -> None:
+    """A sync job whose lease ran out while it waited, taken by a graceful stop in the same
+    instant its thread took it up: the stop releases it; the thread no longer releases it
+    too (a second release, refused by the fence, reported a stale write)."""
+    blocked = Blocked(app, lease=30)
+    released: list[int] = []
+    app.events.subscribe(
+        lambda e: released.append(e["job_id"]) if e.name == "errands.job.released" else None
+    )
+    with worker_factory(concurrency=1, prefetch=2) as worker:
+        learn_handlers_are_quick(app)
+        first = blocked.job.enqueue(n=1)
+        late = blocked.job.enqueue(n=2)
+        wait_until(lambda: states(app, "pf.blocked").get("running") == 2, what="both claimed")
+        wait_until(lambda: blocked.ran == [1], what="the first one running")
+        [waiting] = [a for a in worker.attempts() if a.id == late.id]
+        waiting.lease_valid_until = 0.0
+        took: list[bool] = []
+        begin = waiting.begin
+
+        def begin_as_the_stop_takes_it() -> bool:
+            began = begin()
+            took.append(waiting.give_back())  # the stop takes it (and writes its release)
+            return began
+
+        waiting.begin = begin_as_the_stop_takes_it  # type: ignore[method-assign]
+        blocked.finish([first])
+        wait_until(lambda: not waiting.waiting, what="a thread to take the late one up")
+
+    assert took == [True]
+    assert released == []
+    assert blocked.ran == [1]
+
+
 def test_an_async_job_whose_lease_ran_out_before_it_began_is_given_back_recording_nothing(
     app: errands.App, worker_factory
 ) -> None:

@@ -226,10 +226,11 @@ class Dispatcher:
         if began >= attempt.lease_valid_until:
             # No heartbeat confirmed its lease for a whole lease (this process was frozen,
             # or the store unreachable): another worker may run it by now. Hand the lease
-            # back (fenced) instead of running it beside that one.
-            attempt.released = True
-            message = "released %d prefetched job(s) whose lease may have run out"
-            _release(worker, attempt, message, prefetched=True)
+            # back (fenced) instead of running it beside that one: through give_back, so
+            # a stop taking it up in the same instant does not release it a second time.
+            if attempt.give_back():
+                message = "released %d prefetched job(s) whose lease may have run out"
+                _release(worker, attempt, message, prefetched=True)
             return False
         attempt.started = began
         return True
