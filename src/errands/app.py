@@ -263,13 +263,24 @@ class App:
         abackend's thread is forgotten too (that thread is not in the child, its answer
         would never come): the child opens the store itself at its first use, as one
         forked before any opening does. A backend opened before the fork is the child's
-        to use as it is (each backend starts its own connections afresh in the child)."""
+        to use as it is (each backend starts its own connections afresh in the child).
+
+        The workers running in the parent (embedded ones) are the parent's: their
+        threads are not in the child, and the child has none of this App's running. It
+        forgot them: its close() stopped each (one that never ends: it waited its grace
+        period and a margin for each, 40 s by default). Neither the child's close() nor
+        the stop of a worker it starts stops, deregisters or resigns them (the parent's
+        still run, in the store as in the parent). The on_dead hooks the parent queued
+        are the parent's to run (its lane runs them; the child's lanes start afresh:
+        errands.hooks): none waits in the child."""
         self._backend_lock = threading.Lock()
         self._opening_lock = threading.Lock()
         if self._opening is not None and not self._opening.done():
             self._opening = None
         self._dead_hooks_lock = threading.Lock()
+        self._dead_hooks_queued = set()
         self._workers_lock = threading.Lock()
+        self._workers = set()
 
     # -- the store ---------------------------------------------------------------------
     @property

@@ -24,6 +24,11 @@ threads run on a :class:`Lane` instead:
   nor is a thread already stopped at its limit and replaced. The next call starts the
   lane again (an App may be used after ``close()``). Before, nothing ever ended them:
   every App a process made and closed kept its lanes' threads and a watchdog for good.
+- in a child forked from the process, every lane (of an App's runner, and of the
+  process's) starts afresh, as one never used: its locks new, its first call starting
+  its thread and the watchdog (see :meth:`Lane._forked`). Copied as they were, a lock
+  held at the fork by a lane's thread and a busy lane's queue, served by threads the
+  child does not have, hung the child's first call through that lane.
 
 ::
 
@@ -39,9 +44,11 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -137,6 +144,24 @@ class Lane:
         self.dropped = 0
         self.timed_out = 0
         self.abandoned = 0  # calls still running when a close's bound passed
+
+    def _forked(self) -> None:
+        """In a child forked from this process, right after the fork, on its only thread
+        (os.register_at_fork, through its HookRunner; no I/O, no logging): the lane's
+        threads are not in the child, and its lock (and its crew's queue's) may have been
+        copied held by one of them (a hook running, or taking its next call): the child's
+        first call through the lane hung for good. The lane starts afresh, as one never
+        used: a new lock, no crew (the next call starts one, and its thread), nothing
+        running. The calls queued in the parent are the parent's to run (its lane runs
+        them): the child forgets them, as it forgets its threads."""
+        self._lock = threading.Lock()
+        self._crew = None
+        self._crews = {}
+        self._current = {}
+        self._retired = set()
+        self._leaving = set()
+        self._unaimed = set()
+        self._naming = {}
 
     def _thread_for(self, crew: _Crew) -> threading.Thread:
         """A new thread of ``crew`` (call under the lock; start it after)."""
@@ -517,6 +542,17 @@ class HookRunner:
         self._lock = threading.Lock()
         # running now, with what stops it; None: not started, or stopped by close()
         self._watchdog: tuple[threading.Thread, threading.Event] | None = None
+        _RUNNERS.add(self)  # its lanes start afresh in a forked child (_forked)
+
+    def _forked(self) -> None:
+        """In a child forked from this process (os.register_at_fork; no I/O, no logging):
+        its lock starts afresh, and so does each lane (:meth:`Lane._forked`); the
+        watchdog's thread is not in the child, so it is started again with a lane's
+        first thread there."""
+        self._lock = threading.Lock()
+        self._watchdog = None
+        for lane in list(self._lanes.values()):
+            lane._forked()
 
     def lane(self, name: str) -> Lane:
         """The lane ``name``; its threads (and the watchdog) start with its first call."""
@@ -589,6 +625,22 @@ class HookRunner:
 
 _shared: HookRunner | None = None
 _shared_lock = threading.Lock()
+
+# Every runner of this process (weakly: one dropped with its App is collected as before):
+# each is told of a fork in the child (HookRunner._forked), as the Apps are (App._forked).
+_RUNNERS: weakref.WeakSet[HookRunner] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    for runner in list(_RUNNERS):
+        runner._forked()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shared_runner() -> HookRunner:

@@ -72,6 +72,11 @@ def _reply_lost(store_url: str) -> Exception:
     return psycopg.OperationalError("server closed the connection unexpectedly")
 
 
+def _on_the_completer() -> bool:
+    """Whether this is the worker's completer thread (its read-backs)."""
+    return threading.current_thread().name == "errands-completer"
+
+
 @contextmanager
 def failing(point: str, error: Exception, times: int) -> Iterator[list[str]]:
     """The fault point ``point`` raises ``error`` its first ``times`` times."""
@@ -509,6 +514,146 @@ def test_a_completion_whose_commit_reply_was_lost_is_read_back_until_the_store_a
     assert [(e["workflow_id"], e["state"]) for e in seen if e.name.endswith("settled")] == [
         (handle.id, "succeeded")
     ]
+
+
+def test_a_batch_whose_reply_was_lost_is_read_back_until_the_store_answers(
+    make_app: Make, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completer's batch of outcomes (job_finish_many) committed, the member's end
+    settling its workflow, and its reply was lost; the retry was refused (the lease is
+    spent) and the store was still away when the job was read back. Read once, the
+    completion was reported as a stale write (errands.job.stale_write_rejected: a false
+    alarm; no completed event, the workflow's settlement never announced). The
+    completer reads it back until the store answers, as for a ctx.transaction()."""
+    app = make_app()
+    seen: list[Any] = []
+    app.events.subscribe(seen.append)
+
+    @app.job(name="batch.member", retries=2)
+    def member(n: int) -> int:
+        return n
+
+    @app.job(name="batch.callback")
+    def callback() -> None:
+        pass
+
+    batch = errands.Batch("batch.unread", on_success=callback.bind())
+    batch.add(member.bind(n=5), name="only")
+    handle = app.enqueue_workflow(batch)
+    member_id = next(j.id for j in app.jobs() if j.name == "batch.member")
+    backend = app.backend
+    read = backend.job_get_many
+    unread: list[list[int]] = []
+
+    def store_still_away(ids: list[int]) -> Any:
+        """The completer's read of the member after the lost reply fails once (the store
+        still away)."""
+        if lost and member_id in ids and not unread and _on_the_completer():
+            unread.append(list(ids))
+            raise _reply_lost(store_url)
+        return read(ids)
+
+    monkeypatch.setattr(backend, "job_get_many", store_still_away)
+    with (
+        failing("after_finish_commit", _reply_lost(store_url), 1) as lost,
+        running_worker(app, concurrency=1, maintenance=False),
+    ):
+        wait_until(lambda: app.workflow_status(handle.id).state == "succeeded", what="settle")
+        wait_until(
+            lambda: any(
+                e.name in ("errands.job.completed", "errands.job.stale_write_rejected")
+                and e["job_id"] == member_id
+                for e in seen
+            ),
+            what="the member's outcome event",
+        )
+        wait_until(
+            lambda: [j.state.value for j in app.jobs()] == ["completed"] * 2,
+            what="the callback run",
+        )
+        wait_until(
+            lambda: any(e.name == "errands.workflow.settled" for e in seen),
+            what="the settled event",
+        )
+    assert lost == ["after_finish_commit"]
+    assert unread == [[member_id]]  # the store was away at the first read of the job
+    job = app.get_job(member_id)
+    assert (job.state, job.attempt, job.result, job.errors) == (
+        errands.JobState.COMPLETED,
+        1,
+        5,
+        [],
+    )
+    names = [e.name for e in seen if e.get("job_id", member_id) == member_id]
+    assert "errands.job.stale_write_rejected" not in names, names
+    assert "errands.job.completed" in names, names
+    assert [(e["workflow_id"], e["state"]) for e in seen if e.name.endswith("settled")] == [
+        (handle.id, "succeeded")
+    ]
+
+
+def test_a_give_back_whose_reply_was_lost_is_read_back_until_the_store_answers(
+    make_app: Make, effects: EffectsStore, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ctx.transaction() met a full store, so its job was given back; the release
+    committed and its reply was lost, the retry was refused (the lease given back), and
+    the store was still away when the job was read back. Read once, the give-back was
+    reported as a stale write (errands.job.stale_write_rejected, outcome released: a
+    false alarm, no released event). It is read back until the store answers: released,
+    and the job runs again and completes, its effect written once."""
+    effects.create(TX_TABLES)
+    app = make_app()
+    seen: list[Any] = []
+    app.events.subscribe(seen.append)
+
+    @app.job(name="release.tx", retries=0)
+    def release_tx(ctx: errands.Context, n: int) -> int:
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = release_tx.enqueue(n=7)
+    backend = app.backend
+    release, read = backend.job_release_many, backend.job_get_many
+    lost: list[str] = []
+    unread: list[list[int]] = []
+
+    def release_reply_lost(*args: Any, **kwargs: Any) -> Any:
+        """The release commits; the reply to its first try is lost."""
+        done = release(*args, **kwargs)
+        if not lost:
+            lost.append("release")
+            raise _reply_lost(store_url)
+        return done
+
+    def store_still_away(ids: list[int]) -> Any:
+        """The completer's read of the job after the lost reply fails once (the store
+        still away; not the test's own reads, handle.result's)."""
+        if lost and handle.id in ids and not unread and _on_the_completer():
+            unread.append(list(ids))
+            raise _reply_lost(store_url)
+        return read(ids)
+
+    monkeypatch.setattr(backend, "job_release_many", release_reply_lost)
+    monkeypatch.setattr(backend, "job_get_many", store_still_away)
+    with (
+        failing("before_complete_commit", _cannot_write(store_url), 1) as refused,
+        running_worker(app, concurrency=1, maintenance=False),
+    ):
+        assert handle.result(timeout=30) == 7
+        wait_until(
+            lambda: any(
+                e.name in ("errands.job.released", "errands.job.stale_write_rejected") for e in seen
+            ),
+            what="the give-back's event",
+        )
+    assert (refused, lost, unread) == (["before_complete_commit"], ["release"], [[handle.id]])
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert [e.kind for e in job.errors] == ["released"], job.errors
+    assert _rows(effects, handle.id) == [(7, 1)]
+    names = [e.name for e in seen]
+    assert "errands.job.stale_write_rejected" not in names, names
+    assert names.count("errands.job.released") == 1, names
 
 
 def test_drain_reports_a_run_given_back_by_a_full_store_and_runs_the_job_again(

@@ -13,6 +13,9 @@ starts the lane again. One backend suffices: the lanes are the same on both.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,6 +210,90 @@ def test_the_backoff_lane_ends_with_the_last_worker_and_at_close_and_starts_agai
         )
     finally:
         app.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no os.fork on Windows")
+def test_a_child_forked_while_a_lane_is_busy_runs_its_hooks_on_lanes_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """The parent forks while its App's events lane (and the process's backoff lane) runs
+    a hook blocked on an event, and while another thread holds the lanes' and the
+    runner's locks (as a lane's thread or the watchdog does, for a moment, at every
+    call). The child copied those locks held, by threads it does not have, and the
+    busy lanes' crews, whose threads it does not have either: its first hook call hung
+    for good. In the child the lanes start afresh (new locks, a new thread at the first
+    call, the watchdog again): its hooks run, on the busy lanes and on a new one. The
+    parent's lanes go on. Real os.fork, in a process of its own (the test process forks
+    nothing); a child still hung after 60 s is ended by its alarm."""
+    script = """
+        import os, signal, sys, threading
+        import errands
+        from errands import hooks
+
+        app = errands.App("sqlite:///" + sys.argv[1])
+        events, backoff = app.hooks.lane("events"), hooks.shared_runner().lane("backoff")
+        gate, busy = threading.Event(), threading.Semaphore(0)
+
+        def blocked(n: int) -> str:  # a hook running at the fork
+            busy.release()
+            gate.wait(60)
+            return f"parent hook {n}"
+
+        busy_events, busy_backoff = events.submit(blocked, 1), backoff.submit(blocked, 2)
+        assert busy.acquire(timeout=30) and busy.acquire(timeout=30)
+        held, forked = threading.Event(), threading.Event()
+        locks = [events._lock, backoff._lock, app.hooks._lock, hooks.shared_runner()._lock]
+
+        def hold() -> None:  # the lanes' and runners' locks held across the fork
+            for lock in locks:
+                lock.acquire()
+            held.set()
+            forked.wait(60)
+            for lock in locks:
+                lock.release()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(60)  # hung: killed by SIGALRM, the test fails
+            try:
+                for lane in (events, app.hooks.lane("dead"), backoff):
+                    print("child", lane.call(lambda n: n, lane.name, timeout=20), flush=True)
+                print("child closed", app.hooks.close(5) and hooks.close_shared(5), flush=True)
+            except BaseException as exc:
+                print("child:", type(exc).__name__, exc, flush=True)
+                os._exit(1)
+            os._exit(0)
+        forked.set()
+        holder.join(30)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        gate.set()
+        print(busy_events.result(30), "/", busy_backoff.result(30), flush=True)
+        print("parent", events.call(lambda: "events", timeout=20), flush=True)
+        app.close()
+        """
+    store = str(tmp_path / "store.db")
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(script), store],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines == [
+        "child events",
+        "child dead",
+        "child backoff",
+        "child closed True",
+        "child exit 0",
+        "parent hook 1 / parent hook 2",
+        "parent events",
+    ], (done.stdout, done.stderr[-3000:])
 
 
 def test_calls_queued_before_a_close_still_run_in_order() -> None:

@@ -315,12 +315,11 @@ class Completer:
         self, batch: list[tuple[Attempt, FinishParams]], accepted: list[bool]
     ) -> list[bool]:
         """After a retry that followed a connection error: the outcomes refused now may be
-        those the lost try wrote (errands.landed). Read them back."""
+        those the lost try wrote (errands.landed). Read them back, again while the store
+        is out of reach (:meth:`_read_back_until_known`)."""
         refused = [o.id for (_, o), ok in zip(batch, accepted, strict=True) if not ok]
-        try:
-            rows = read_back(self.app.backend, refused)
-        except Exception:
-            log.exception("could not read back %d refused outcome(s)", len(refused))
+        rows = self._read_back_until_known(refused, "refused outcome(s) whose write")
+        if rows is None:
             return accepted
         return [
             ok or landed(rows.get(o.id), o.lease_token, attempt.row.attempt, o.error is not None)
@@ -345,7 +344,9 @@ class Completer:
                 refused.append((i, *entry))
         if not refused:
             return written
-        rows = self._read_back_until_known([written[i][0][0].id for i, _, _ in refused])
+        rows = self._read_back_until_known(
+            [written[i][0][0].id for i, _, _ in refused], "job(s) whose transaction's commit"
+        )
         if rows is None:
             return written
         confirmed = list(written)
@@ -364,14 +365,17 @@ class Completer:
             self._report_kept(kept)
         return confirmed
 
-    def _read_back_until_known(self, ids: list[int]) -> dict[int, Any] | None:
-        """The rows of ``ids``, jobs whose ctx.transaction() COMMIT lost its reply and
-        whose failure the fence just refused, read again while the store is out of reach
-        (as the write before it was: the job's lease is still this worker's, kept by the
-        heartbeat). Read once, a second failure of the store reported the attempt as a
-        stale write (errands.job.stale_write_rejected: a false alarm), its completion
-        and its workflow's settlement never announced. None when the store refuses the
-        read otherwise (logged): the refusal stands."""
+    def _read_back_until_known(self, ids: list[int], what: str) -> dict[int, Any] | None:
+        """The rows of ``ids``, jobs whose write (``what``, for the log: "... lost its
+        reply") may have landed and lost its reply, and which the fence refused when
+        written again: read again while the store is out of reach (as the write before
+        it was: the jobs' leases are still this worker's, kept by the heartbeat). Read
+        once, a second failure of the store reported the attempt as a stale write
+        (errands.job.stale_write_rejected: a false alarm), its outcome's event and its
+        workflow's settlement never announced. One read-back for the three writes that
+        can lose their reply: a ctx.transaction() completion (:meth:`_confirm`), a batch
+        of outcomes (:meth:`_landed_anyway`), a give-back (:meth:`_released_anyway`).
+        None when the store refuses the read otherwise (logged): the refusal stands."""
         pause = 0.05
         failures = 0
         next_report = 0.0
@@ -380,27 +384,24 @@ class Completer:
                 return read_back(self.app.backend, ids)
             except Exception as exc:
                 if not is_transient(exc):
-                    log.exception(
-                        "could not read back %d job(s) whose transaction's commit lost its reply",
-                        len(ids),
-                    )
+                    log.exception("could not read back %d %s lost its reply", len(ids), what)
                     return None
                 failures += 1
                 now = time.monotonic()
                 if failures == 1:
                     log.warning(
-                        "could not read back %d job(s) whose transaction's commit lost its "
-                        "reply (%s); retrying within %.2f s",
+                        "could not read back %d %s lost its reply (%s); retrying within %.2f s",
                         len(ids),
+                        what,
                         exc,
                         pause,
                         exc_info=True,
                     )
                 elif now >= next_report:
                     log.warning(
-                        "could not read back %d job(s) whose transaction's commit lost its "
-                        "reply in %d tries (%s); still retrying",
+                        "could not read back %d %s lost its reply in %d tries (%s); still retrying",
                         len(ids),
+                        what,
                         failures,
                         exc,
                     )
@@ -498,11 +499,10 @@ class Completer:
         self, attempts: list[Attempt], released: list[bool | None]
     ) -> list[bool | None]:
         """After a release retried past a connection error: a lease refused now may be
-        one the lost try gave back (its entry names the attempt's lease token)."""
-        try:
-            rows = read_back(self.app.backend, [a.id for a in attempts])
-        except Exception:
-            log.exception("could not read back %d refused release(s)", len(attempts))
+        one the lost try gave back (its entry names the attempt's lease token). Read back
+        as :meth:`_landed_anyway` reads."""
+        rows = self._read_back_until_known([a.id for a in attempts], "release(s) whose write")
+        if rows is None:
             return released
         return [
             ok or landed(rows.get(a.id), a.token, a.row.attempt, has_error=True)
