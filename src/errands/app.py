@@ -275,8 +275,10 @@ class App:
         errands.hooks): none waits in the child."""
         self._backend_lock = threading.Lock()
         self._opening_lock = threading.Lock()
-        if self._opening is not None and not self._opening.done():
-            self._opening = None
+        # Forgotten unasked: Future.done() takes the future's lock, which another thread
+        # may have held at the fork (the child hung for good in this hook). A store opened
+        # is in _backend already; else the child opens its own.
+        self._opening = None
         self._dead_hooks_lock = threading.Lock()
         self._dead_hooks_queued = set()
         self._workers_lock = threading.Lock()

@@ -174,3 +174,53 @@ def test_an_app_dropped_is_collected_though_its_forks_are_watched(tmp_path: Path
     del app, job
     gc.collect()
     assert dropped() is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no os.fork on Windows")
+def test_a_fork_while_another_thread_holds_the_openings_future_does_not_hang_the_child(
+    tmp_path: Path,
+) -> None:
+    """The App's at-fork hook forgets an async opening under way without asking the
+    future (Future.done() takes its lock: held by another thread at the fork, as
+    set_result() holds it, the child hung for good inside the hook, before its own code)."""
+    script = """
+        import concurrent.futures, os, signal, sys, threading, time
+        import errands
+
+        app = errands.App("sqlite:///" + sys.argv[1])
+        opening = concurrent.futures.Future()
+        opening.set_running_or_notify_cancel()
+        app._opening = opening  # an async opening under way, as abackend() sets it
+        held = threading.Event()
+
+        def opener():  # as set_result() does: with the future's condition held
+            with opening._condition:
+                held.set()
+                time.sleep(2)
+            opening.set_result(None)
+
+        threading.Thread(target=opener, daemon=True).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)  # past the at-fork hooks
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+                break
+            time.sleep(0.1)
+        else:  # hung in the at-fork hook (an alarm set there would come too late)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            print("child hung in the at-fork hook", flush=True)
+        """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), str(tmp_path / "store.db")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert "child exit 0" in done.stdout, (done.stdout, done.stderr[-3000:])

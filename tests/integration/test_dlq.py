@@ -1,11 +1,14 @@
 """The dead-letter queue: replay, discard, audit, on_dead hooks, ERROR logs (DESIGN §6)."""
 
 import logging
+import sqlite3
+from contextlib import closing
 
 import pytest
 
 import errands
 from errands import JobState
+from errands.backends.base import ActionParams
 
 from .helpers import count_jobs, wait_until
 
@@ -227,3 +230,23 @@ def test_a_job_entering_the_dead_letter_queue_logs_at_error(
     assert "missing-config" in record.getMessage()
     retry_logs = [r for r in caplog.records if getattr(r, "event", "") == "errands.job.retrying"]
     assert [r.levelno for r in retry_logs] == [logging.WARNING]
+
+
+def test_a_replay_goes_on_past_a_dead_job_whose_stored_meta_is_not_json(
+    app: errands.App, db_url: str
+) -> None:
+    """A dead row whose meta is not JSON (written by hand, or a raw row): a replay, by id
+    or of the whole DLQ, replays every dead job. The check for workflow callbacks read
+    every job's meta with json_extract, and SQLite's 'malformed JSON' failed the whole
+    replay."""
+
+    @app.job(name="dlq.raw_meta")
+    def raw_meta() -> None: ...
+
+    ids = [raw_meta.enqueue().id for _ in range(3)]
+    path = db_url.removeprefix("sqlite:///")
+    for params in (ActionParams(actor="t", ids=ids), ActionParams(actor="t", all_matching=True)):
+        with closing(sqlite3.connect(path)) as conn, conn:
+            conn.execute("UPDATE errands_jobs SET state = 'dead', finished_at = 1, attempt = 1")
+            conn.execute("UPDATE errands_jobs SET meta = '{not json' WHERE id = ?", (ids[0],))
+        assert app.backend.job_replay(params).matched == ids

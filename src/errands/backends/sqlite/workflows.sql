@@ -212,12 +212,13 @@ WHERE job_id IN (SELECT value FROM json_each(:ids))
 
 -- name: wf_dead_callbacks_among
 -- Of the jobs given, the dead workflow callbacks, with their workflow and event (see the
--- PostgreSQL statement).
-SELECT id, json_extract(meta, '$.workflow_callback.workflow'),
-       json_extract(meta, '$.workflow_callback.event')
-FROM errands_jobs
-WHERE id IN (SELECT value FROM json_each(:ids)) AND state = 'dead'
-  AND json_extract(meta, '$.workflow_callback') IS NOT NULL
+-- PostgreSQL statement). A meta that is not JSON (a raw row) is no callback's: read
+-- through json_valid, it made json_extract fail the whole replay ('malformed JSON').
+SELECT id, json_extract(m, '$.workflow_callback.workflow'),
+       json_extract(m, '$.workflow_callback.event')
+FROM (SELECT id, CASE WHEN json_valid(meta) THEN meta END AS m FROM errands_jobs
+      WHERE id IN (SELECT value FROM json_each(:ids)) AND state = 'dead')
+WHERE json_extract(m, '$.workflow_callback') IS NOT NULL
 
 -- name: wf_existing
 SELECT id FROM errands_workflows WHERE id IN (SELECT value FROM json_each(:ids))
