@@ -149,6 +149,44 @@ def test_transaction_connection_refuses_commit_and_the_job_dies_with_transaction
     assert _rows(effects, handle.id) == []
 
 
+def test_a_statement_with_semicolons_inside_its_literals_or_body_runs_in_the_transaction(
+    make_app: Make,
+    errands_testing: Callable[..., Tester],
+    effects: EffectsStore,
+    store_url: str,
+) -> None:
+    """A ``;`` followed by END, COMMIT or ROLLBACK inside a string literal, a comment, a
+    PostgreSQL dollar-quoted body or an SQLite trigger body is not a statement of its
+    own: the text was split on every ``;``, so ``DO $$ BEGIN PERFORM 1; END $$`` was
+    refused as END (TransactionEnded: the job dead for good). They run now, in the
+    transaction that completes the job."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="semicolons", retries=0)
+    def semicolons(ctx: errands.Context, n: int) -> int:
+        tx = ctx.transaction()
+        tx.execute("SELECT '; COMMIT' AS a /* ; END */ -- ; ROLLBACK\n")
+        if EffectsStore.is_sqlite(store_url):
+            tx.execute(
+                "CREATE TEMP TRIGGER semicolons AFTER INSERT ON tx_effects "
+                "BEGIN SELECT 1; SELECT 2; END"
+            )
+        else:
+            tx.execute("DO $$ BEGIN PERFORM 1; END $$")
+            tx.execute(
+                "CREATE FUNCTION pg_temp.semicolons() RETURNS int AS $body$ "
+                "BEGIN RETURN 1; END; $body$ LANGUAGE plpgsql"
+            )
+        write_effect(ctx, store_url, n)
+        return n
+
+    tester = errands_testing(app)
+    handle = semicolons.enqueue(n=9)
+    assert tester.drain().completed == 1, handle.job().errors
+    assert _rows(effects, handle.id) == [(9, 1)]
+
+
 def test_completion_transaction_commits_from_another_thread_than_the_one_that_opened_it(
     make_app: Make, effects: EffectsStore, store_url: str
 ) -> None:

@@ -251,20 +251,25 @@ def test_a_job_whose_commit_meets_a_full_store_again_and_again_waits_a_growing_p
     assert _rows(effects, handle.id) == [(4, 1)]
 
 
-def _statement_meets_a_full_store(ctx: errands.Context, store_url: str) -> None:
+def _statement_meets_a_full_store(
+    ctx: errands.Context, store_url: str, *, raw: bool = False, room: int = 0
+) -> None:
     """A statement of the handler's in its ctx.transaction() that the store cannot take:
     on SQLite a write past the file's ``max_page_count`` (SQLITE_FULL: SQLite rolls the
-    whole transaction back), on PostgreSQL the server's disk_full (SQLSTATE 53100)."""
+    whole transaction back; ``room``: pages left for smaller writes), on PostgreSQL the
+    server's disk_full (SQLSTATE 53100). ``raw``: sent through ``ctx.transaction().raw``,
+    which errands does not wrap."""
     tx = ctx.transaction()
+    conn = tx.raw if raw else tx
     if EffectsStore.is_sqlite(store_url):
         pages = tx.execute("PRAGMA page_count").fetchone()[0]
-        tx.execute(f"PRAGMA max_page_count = {pages}")  # this connection's: no room left
-        tx.execute(
+        tx.execute(f"PRAGMA max_page_count = {pages + room}")  # this connection's
+        conn.execute(
             "INSERT INTO tx_effects (job_id, n, attempt) VALUES (?, zeroblob(2000000), ?)",
             (ctx.job_id, ctx.attempt),
         )
-    else:  # (through .raw: a DO block's END would be refused as the transaction's end)
-        tx.raw.execute(
+    else:  # (a DO block's END, after a ";" in its body, is not the transaction's end)
+        conn.execute(
             "DO $$ BEGIN RAISE EXCEPTION 'could not extend file: No space left on device' "
             "USING ERRCODE = 'disk_full'; END $$"
         )
@@ -371,6 +376,140 @@ def test_a_statement_after_sqlite_rolled_the_transaction_back_itself_is_refused(
     assert job.state is errands.JobState.DEAD, job.errors
     [failure] = job.errors
     assert failure.type == "RuntimeError" and "rolled this transaction back" in failure.message
+    assert _rows(effects, handle.id) == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # (PostgreSQL rolls back nothing itself)
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_raw_statement_that_makes_sqlite_roll_back_itself_is_given_back_uncharged(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handler's write through ``ctx.transaction().raw`` meets a full SQLite file:
+    SQLite rolls the whole transaction back, errands' savepoint with it, and the store's
+    error escapes the handler. errands did not see that statement (only its own
+    connection's were watched), so the missing savepoint read as the handler ending the
+    transaction: TransactionEnded, dead at once. It is SQLite's doing, seen whatever the
+    path: given back uncharged with a pause, as through errands' connection."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", PAUSE, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+    releases = Releases(app, monkeypatch)
+    full: list[int] = []
+
+    @app.job(name="full.raw", retries=0)
+    def full_raw(ctx: errands.Context, n: int) -> int:
+        if len(full) < 2:
+            full.append(ctx.attempt)
+            _statement_meets_a_full_store(ctx, store_url, raw=True)
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = full_raw.enqueue(n=3)
+    with worker_on(app, pool, monkeypatch) as children:
+        assert handle.result(timeout=30) == 3
+    if children is not None:
+        kinds = [payload[3] for ok, payload in children.answers if not ok]
+        assert kinds == [process_child.UNWRITABLE] * 2, children.answers
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert full == [1, 1]
+    assert [e.kind for e in job.errors] == ["released"] * 2, job.errors
+    _assert_growing_pauses(job, releases.delays, 2)
+    assert _rows(effects, handle.id) == [(3, 1)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_handler_that_swallows_sqlites_own_rollback_through_raw_is_retried_not_dead(
+    make_app: Make, effects: EffectsStore, store_url: str
+) -> None:
+    """The handler catches the full store's error of its ``.raw`` write and returns: its
+    transaction is gone (SQLite rolled it back), so nothing of it commits and the attempt
+    fails; that was TransactionEnded (dead for good, as if it had committed its writes
+    itself). It is a failure as any other now, retried: the retry completes, its effect
+    written once."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="full.raw_swallowed", retries=1, backoff=0.01)
+    def swallowed(ctx: errands.Context, n: int) -> int:
+        if ctx.attempt == 1:
+            with suppress(sqlite3.OperationalError):
+                _statement_meets_a_full_store(ctx, store_url, raw=True)
+            return -1
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = swallowed.enqueue(n=8)
+    with running_worker(app, concurrency=1, maintenance=False):
+        assert handle.result(timeout=30) == 8
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 2), job.errors
+    [failure] = job.errors
+    assert failure.type == "RuntimeError" and "rolled back by SQLite" in failure.message
+    assert _rows(effects, handle.id) == [(8, 2)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_raw_write_after_sqlite_rolled_the_transaction_back_fails_the_job_for_good(
+    make_app: Make, effects: EffectsStore, store_url: str
+) -> None:
+    """After SQLite rolled the transaction back, the handler writes again through
+    ``.raw`` (the very statement it ran before): that write ran in autocommit mode and is
+    committed on its own. That is the handler ending the transaction (TransactionEnded,
+    never run again, so the write exists once), even with the store's error let through
+    afterwards: not SQLite's rollback, given back to run the write again."""
+    effects.create(TX_TABLES)
+    app = make_app()
+    insert = "INSERT INTO tx_effects (job_id, n, attempt) VALUES (?, ?, ?)"
+
+    @app.job(name="full.raw_carries_on", retries=3)
+    def carries_on(ctx: errands.Context) -> None:
+        raw = ctx.transaction().raw
+        raw.execute(insert, (ctx.job_id, 1, ctx.attempt))
+        with suppress(sqlite3.OperationalError):
+            _statement_meets_a_full_store(ctx, store_url, raw=True, room=20)
+        raw.execute(insert, (ctx.job_id, 2, ctx.attempt))  # committed on its own
+        raise sqlite3.OperationalError("database or disk is full")
+
+    handle = carries_on.enqueue()
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, what="the job to end")
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.DEAD, 1), job.errors
+    assert job.errors[-1].type == "TransactionEnded", job.errors
+    assert _rows(effects, handle.id) == [(2, 1)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+@pytest.mark.parametrize("raw", [False, True], ids=["connection", "raw"])
+def test_a_step_after_sqlite_rolled_the_transaction_back_itself_is_not_stored(
+    make_app: Make, effects: EffectsStore, store_url: str, raw: bool
+) -> None:
+    """After SQLite rolled the transaction of ctx.transaction() back, a ``ctx.step``
+    stored its result on that connection in autocommit mode: committed on its own, so
+    the retry skipped the step while the transaction's writes were gone. Its storage is
+    refused as any statement is then; nothing of the attempt is stored."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="full.step_after", retries=0)
+    def step_after(ctx: errands.Context) -> int:
+        with suppress(sqlite3.OperationalError):
+            _statement_meets_a_full_store(ctx, store_url, raw=raw, room=20)
+        return int(ctx.step("after", lambda: 5))
+
+    handle = step_after.enqueue()
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, what="the job to end")
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD, job.errors
+    [failure] = job.errors
+    assert failure.type == "RuntimeError" and "rolled this transaction back" in failure.message
+    assert app.backend.step_list(handle.id) == []
     assert _rows(effects, handle.id) == []
 
 

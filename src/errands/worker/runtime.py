@@ -27,9 +27,9 @@ import functools
 import inspect
 import json
 import logging
-import re
 import sqlite3
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta
@@ -58,6 +58,7 @@ from ..offloop import Lane, LaneClosed
 from ..payload import read_back
 from . import stepwork
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
+from .sqltext import ending_statement
 
 if TYPE_CHECKING:
     from ..app import App
@@ -333,6 +334,10 @@ class AttemptRuntime:
                     "transaction it belonged to"
                 )
             tx, backend = self.tx, self._store()
+        gone = sqlite_transaction_gone(tx) if tx is not None else None
+        if gone is not None:  # SQLite rolled it back: stored now, it committed on its own
+            gone.add_note(f"step {name!r} of job {self.attempt.id} was not stored")
+            raise gone
         stored = backend.step_store(
             self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
         )
@@ -544,6 +549,8 @@ class AttemptRuntime:
                     tx = backend.tx_begin()
                     try:
                         tx.execute(OPEN_SAVEPOINT)
+                        # (SQLite: what ends its transaction, .raw included, is noted)
+                        watch_transaction(tx)
                     except BaseException:
                         backend.tx_rollback(tx)
                         raise
@@ -586,7 +593,8 @@ class AttemptRuntime:
     def check_transaction(self) -> None:
         """Just before the completion is written in it: raise TransactionEnded unless the
         transaction is still the one errands opened (its savepoint is still there)."""
-        rolled_back = store_rolled_back(self.tx)
+        freeze_watch(self.tx)
+        rolled_back = rolled_back_by_sqlite(self.tx)
         if rolled_back is not None:  # SQLite's doing, not the handler's: nothing committed
             raise RuntimeError(
                 f"job {self.attempt.id}: the transaction of ctx.transaction() was rolled back "
@@ -616,7 +624,10 @@ class AttemptRuntime:
         """For a failed attempt: whether the handler ended errands' transaction (its
         savepoint is gone), so writes it made may be committed. Works in an aborted
         transaction too (ROLLBACK TO SAVEPOINT is allowed there)."""
-        if self.tx is None or store_rolled_back(self.tx) is not None:
+        if self.tx is None:
+            return False
+        freeze_watch(self.tx)
+        if rolled_back_by_sqlite(self.tx) is not None:
             return False  # (SQLite rolled it back itself: it ended nothing of the handler's)
         try:
             self.tx.execute(ROLLBACK_TO_SAVEPOINT)
@@ -634,6 +645,7 @@ class AttemptRuntime:
         is open, or another thread took it)."""
         with self._lock:
             tx, backend, self.tx, self.tx_backend = self.tx, self.tx_backend, None, None
+        freeze_watch(tx)
         lane = self.tx_lane
         if lane is not None:  # nothing runs on it any more: its thread ends
             lane.close()
@@ -927,14 +939,6 @@ SAVEPOINT = "errands_tx"
 OPEN_SAVEPOINT = "SAVEPOINT errands_tx"
 RELEASE_SAVEPOINT = "RELEASE SAVEPOINT errands_tx"
 ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT errands_tx"
-# Statements that end (or replace) the open transaction; ROLLBACK TO SAVEPOINT does not.
-_ENDS = re.compile(
-    r"^(?:commit|end|abort|begin|start\s+transaction|prepare\s+transaction|"
-    r"rollback(?!\s+(?:transaction\s+|work\s+)?to\b)|"
-    rf"release\s+(?:savepoint\s+)?\"?{SAVEPOINT})\b",
-    re.IGNORECASE,
-)
-_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.DOTALL)
 _REFUSED_CALLS = {"commit", "rollback", "close", "executescript", "set_autocommit"}
 # Setting these ends or changes the open transaction (sqlite3 commits when its
 # isolation_level becomes None); other attributes (row_factory, ...) may be set.
@@ -961,9 +965,129 @@ ROLLED_BACK_BY_STORE = "errands_rolled_back_by_store"
 
 
 def store_rolled_back(conn: Any) -> str | None:
-    """Why SQLite rolled back the transaction of ctx.transaction() on ``conn`` itself (a
-    statement of the handler's failed: see :func:`watched`), or None."""
+    """Why SQLite rolled back the transaction of ctx.transaction() on ``conn`` itself, as
+    a statement of the handler's through errands' connection saw it (see :func:`watched`),
+    or None."""
     return getattr(conn, ROLLED_BACK_BY_STORE, None)
+
+
+# Set on an SQLite connection of ctx.transaction(): its TransactionWatch
+TX_WATCH = "errands_tx_watch"
+
+
+class TransactionWatch:
+    """What ran on the SQLite connection of ctx.transaction() that errands does not see
+    otherwise (a statement through ``ctx.transaction().raw``, a call such as
+    ``raw.commit()``): the connection's authorizer, which SQLite calls as it prepares
+    each statement (the connection caches none: see SQLiteBackend.tx_begin). It notes
+    a statement that ends the transaction (COMMIT, END, ROLLBACK, RELEASE of errands'
+    savepoint), and one prepared while no transaction is open (run in autocommit mode:
+    committed on its own). When the transaction is gone and neither happened, SQLite
+    rolled it back itself, on a statement that failed (SQLITE_FULL, an I/O error):
+    the store's doing, not the handler's (:func:`rolled_back_by_sqlite`).
+
+    It refers to its connection weakly (no cycle: an abandoned connection is closed as
+    its last reference goes), and notes nothing once ``frozen`` (errands' own
+    statements as the attempt ends)."""
+
+    __slots__ = ("_conn", "ended_by", "frozen", "outside")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = weakref.ref(conn)  # (TypeError for a plain sqlite3.Connection)
+        self.ended_by: str | None = None
+        self.outside = False
+        self.frozen = False
+
+    def __call__(self, action: int, arg1: str | None, arg2: str | None, *_: Any) -> int:
+        if self.frozen:
+            return sqlite3.SQLITE_OK
+        try:
+            conn = self._conn()
+            open_now = conn is not None and conn.in_transaction
+            if not open_now:
+                self.outside = True
+            elif action == sqlite3.SQLITE_TRANSACTION and arg1 != "BEGIN":  # (BEGIN fails)
+                self.ended_by = self.ended_by or str(arg1)
+            elif (
+                action == sqlite3.SQLITE_SAVEPOINT
+                and arg1 == "RELEASE"
+                and str(arg2).lower() == SAVEPOINT
+            ):
+                self.ended_by = self.ended_by or f"RELEASE {SAVEPOINT}"
+        except Exception:  # (never raised into SQLite: it would deny the statement)
+            pass
+        return sqlite3.SQLITE_OK
+
+
+def watch_transaction(conn: Any) -> None:
+    """Install a :class:`TransactionWatch` on ``conn`` if it is an SQLite connection of
+    errands' own (a plain sqlite3.Connection takes no attributes: none then)."""
+    if not isinstance(conn, sqlite3.Connection):
+        return
+    try:
+        watch = TransactionWatch(conn)
+        setattr(conn, TX_WATCH, watch)
+    except (TypeError, AttributeError):
+        return
+    conn.set_authorizer(watch)
+
+
+def freeze_watch(conn: Any) -> None:
+    """The handler is over: errands' own statements on ``conn`` are not the handler's."""
+    watch = getattr(conn, TX_WATCH, None)
+    if watch is not None:
+        watch.frozen = True
+
+
+def rolled_back_by_sqlite(conn: Any) -> str | None:
+    """Why SQLite rolled back the transaction of ctx.transaction() on ``conn`` itself (a
+    statement failed: SQLITE_FULL, an I/O error), however that statement was sent
+    (errands' connection, its cursor, ``.raw``, a step's storage), or None: it did not
+    (it is open, or the handler ended it, or ran a statement after it was gone, which
+    may have committed on its own: the handler's doing)."""
+    if not isinstance(conn, sqlite3.Connection):
+        return None
+    noted = store_rolled_back(conn)
+    watch = getattr(conn, TX_WATCH, None)
+    if watch is None:
+        return noted
+    if watch.ended_by is not None or watch.outside:
+        return None
+    try:
+        if conn.in_transaction:
+            return None
+    except sqlite3.Error:  # closed
+        return None
+    return noted or "a statement in it failed (sent through ctx.transaction().raw)"
+
+
+def sqlite_transaction_gone(conn: Any) -> Exception | None:
+    """The error for a statement on the SQLite connection of ctx.transaction() whose
+    transaction is no longer open (it would run in autocommit mode, committed on its
+    own): RuntimeError when SQLite rolled it back itself, TransactionEnded when the
+    handler ended it (through ``.raw``); None while it is open."""
+    if not isinstance(conn, sqlite3.Connection):
+        return None
+    if getattr(conn, TX_WATCH, None) is None and store_rolled_back(conn) is None:
+        return None  # (not a connection errands opened the transaction on)
+    try:
+        open_now = conn.in_transaction
+    except sqlite3.Error:  # closed: the call says so
+        return None
+    if open_now and store_rolled_back(conn) is None:
+        return None
+    why = rolled_back_by_sqlite(conn)
+    if why is not None:
+        return RuntimeError(
+            "ctx.transaction(): SQLite rolled this transaction back when a statement in it "
+            f"failed ({why}); nothing of it commits, and nothing more runs in it "
+            "(raise, or let that error through, to end the attempt)"
+        )
+    return TransactionEnded(
+        "ctx.transaction(): its transaction was ended (through .raw: a COMMIT, ROLLBACK "
+        "or END, or a statement run after it was gone); nothing more runs on it. Never "
+        "end that transaction yourself (raise to roll it back)"
+    )
 
 
 def watched(conn: Any, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -1003,22 +1127,36 @@ def refuse_ending(conn: Any, query: Any, ended: threading.Event | None = None) -
             "ctx.transaction(): the attempt has ended (timed out and abandoned, or released "
             "at shutdown); nothing more runs in its transaction, and nothing of it commits"
         )
-    rolled_back = store_rolled_back(conn)
-    if rolled_back is not None:  # a statement now would run (and commit) on its own
-        raise RuntimeError(
-            "ctx.transaction(): SQLite rolled this transaction back when a statement in it "
-            f"failed ({rolled_back}); nothing of it commits, and nothing more runs in it "
-            "(raise, or let that error through, to end the attempt)"
+    gone = sqlite_transaction_gone(conn)
+    if gone is not None:  # a statement now would run (and commit) on its own
+        raise gone
+    # told by the statements' first words, their strings, quoted names, comments and
+    # dollar-quoted bodies skipped (split on every ";", `DO $$ BEGIN ...; END $$` was
+    # refused as END, and the job was dead)
+    verb = ending_statement(
+        _statement_text(conn, query),
+        "sqlite" if isinstance(conn, sqlite3.Connection) else "postgres",
+        SAVEPOINT,
+        standard_strings=_standard_strings(conn),
+    )
+    if verb is not None:
+        raise TransactionEnded(
+            f"ctx.transaction() connection: {verb} is not allowed; this transaction "
+            "commits together with the job's completion (raise to roll it back)"
         )
-    text = _COMMENTS.sub(" ", _statement_text(conn, query))
-    for statement in text.split(";"):
-        words = statement.strip()
-        if words and _ENDS.match(words):
-            verb = words.split()[0].upper()
-            raise TransactionEnded(
-                f"ctx.transaction() connection: {verb} is not allowed; this transaction "
-                "commits together with the job's completion (raise to roll it back)"
-            )
+
+
+def _standard_strings(conn: Any) -> bool:
+    """Whether a PostgreSQL connection reads backslashes in '...' as themselves (the
+    server's standard_conforming_strings, on unless set off)."""
+    info = getattr(conn, "info", None)
+    status = getattr(info, "parameter_status", None)
+    if status is None:
+        return True
+    try:
+        return status("standard_conforming_strings") != "off"
+    except Exception:
+        return True
 
 
 def refuse_on_the_loop(what: str) -> None:

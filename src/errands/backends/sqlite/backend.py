@@ -340,7 +340,7 @@ class SQLiteBackend(SQLiteAdmin):
         self._shared: _Connection | None = None
         self._pid = os.getpid()
 
-    def _connect(self) -> _Connection:
+    def _connect(self, statement_cache: int = 128) -> _Connection:
         """A new connection. Usable from any thread (``check_same_thread=False``): the
         in-memory store's one is every thread's, a ctx.transaction() connection is
         committed by whichever thread decides the outcome, and a thread's own is closed
@@ -354,6 +354,7 @@ class SQLiteBackend(SQLiteAdmin):
                 isolation_level=None,
                 timeout=self.busy_timeout_ms / 1000,
                 check_same_thread=False,
+                cached_statements=statement_cache,
             )
         except sqlite3.OperationalError as exc:
             if os.path.isdir(self.path):
@@ -1051,7 +1052,11 @@ class SQLiteBackend(SQLiteAdmin):
                 "ctx.transaction() needs a file database: an in-memory SQLite database is "
                 "private to one connection"
             )
-        conn = self._connect()
+        # No statement cached: each one is prepared, so errands' authorizer on it sees
+        # every statement the handler runs, through ctx.transaction().raw too, including
+        # one run again after SQLite rolled the transaction back itself (in autocommit
+        # mode: committed on its own). See errands.worker.runtime.TransactionWatch.
+        conn = self._connect(statement_cache=0)
         try:
             self._begin(conn)
         except BaseException:
