@@ -59,6 +59,7 @@ from .errors import (
     connection_lost,
     is_transient,
 )
+from .forking import reset_at_fork
 from .handle import JobHandle
 from .hooks import (
     BACKOFF_TIMEOUT,
@@ -153,8 +154,7 @@ def _actor(value: str) -> str:
 
 _NO_WEIGHT = object()  # fair_weight(key) without a weight: a mistake, named
 
-# Every App of this process (weakly: an App dropped is collected as before): each is told
-# of a fork in the child (App._forked).
+# Every App of this process (weakly: an App dropped is collected as before).
 _APPS: weakref.WeakSet[App] = weakref.WeakSet()
 
 
@@ -165,16 +165,6 @@ def _live_apps() -> list[App]:
             return list(_APPS)
         except RuntimeError:  # an App made on another thread as it was read: again
             continue
-
-
-def _after_fork_in_child() -> None:
-    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
-    for app in list(_APPS):
-        app._forked()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class App:
@@ -249,7 +239,8 @@ class App:
         self.fair_weights: CallableWeights | None = None  # app.fair_weight(fn)
         self._workers: set[Worker] = set()  # this App's workers running now (close)
         self._workers_lock = threading.Lock()
-        _APPS.add(self)  # its locks start afresh in a forked child (_forked)
+        _APPS.add(self)
+        reset_at_fork(self)  # its locks start afresh in a forked child (_forked)
 
     def __repr__(self) -> str:
         return f"<errands.App {redact_url(self.url)} jobs={len(self.registry)}>"

@@ -48,11 +48,11 @@ import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from .forking import reset_at_fork
 from .interrupts import Interrupt, aim, aim_unless_shielded, drop_pending, is_shielded
 
 log = logging.getLogger("errands.hooks")
@@ -542,7 +542,7 @@ class HookRunner:
         self._lock = threading.Lock()
         # running now, with what stops it; None: not started, or stopped by close()
         self._watchdog: tuple[threading.Thread, threading.Event] | None = None
-        _RUNNERS.add(self)  # its lanes start afresh in a forked child (_forked)
+        reset_at_fork(self)  # its lanes start afresh in a forked child (_forked)
 
     def _forked(self) -> None:
         """In a child forked from this process (os.register_at_fork; no I/O, no logging):
@@ -626,17 +626,12 @@ class HookRunner:
 _shared: HookRunner | None = None
 _shared_lock = threading.Lock()
 
-# Every runner of this process (weakly: one dropped with its App is collected as before):
-# each is told of a fork in the child (HookRunner._forked), as the Apps are (App._forked).
-_RUNNERS: weakref.WeakSet[HookRunner] = weakref.WeakSet()
-
 
 def _after_fork_in_child() -> None:
-    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
+    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one);
+    each runner is told of the fork itself (HookRunner._forked, errands.forking)."""
     global _shared_lock
     _shared_lock = threading.Lock()
-    for runner in list(_RUNNERS):
-        runner._forked()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork

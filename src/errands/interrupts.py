@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import dis
+import os
 import sys
 import threading
 import time
@@ -53,6 +54,29 @@ class Interrupt(BaseException):
 # tell a dead thread's entry from a live one's: idents are reused.
 _shields: dict[int, tuple[threading.Thread, list[object]]] = {}
 _lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """``os.register_at_fork``'s hook, in a forked child, on its only thread (the forking
+    one; no I/O, no logging): the lock starts afresh, and the shields are the forking
+    thread's alone. The lock is taken by the hook watchdog (a hook past its limit) and by
+    every :func:`shielded` (each store transaction, App.backend's opening of the store):
+    copied held by a thread of the parent, which does not exist in the child, it hung the
+    child's first shielded call for good. The other threads' marks are dropped (their
+    threads are not in the child); the forking thread's, if it forked inside a shield,
+    are kept: it is still inside it there, and leaves it as in the parent."""
+    global _lock, _shields
+    me = threading.current_thread()
+    _lock = threading.Lock()
+    _shields = {
+        ident: (thread, list(marks))
+        for ident, (thread, marks) in list(_shields.items())
+        if thread is me
+    }
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

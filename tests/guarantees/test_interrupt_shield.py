@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from errands.hooks import HookTimeout, Lane
 from errands.interrupts import aim, in_locking_code, shielded
 from errands.worker.runners import HandlerInterrupt
+from tests.integration.helpers import run_script
 
 
 def test_a_hook_past_its_limit_is_interrupted_only_once_out_of_a_shielded_store_call() -> None:
@@ -224,3 +226,83 @@ def test_a_dead_threads_shield_does_not_shield_the_thread_given_its_ident() -> N
     thread.start()
     thread.join(10)
     assert idents and not interrupts.is_shielded(idents[0])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no os.fork on Windows")
+def test_a_child_forked_while_the_shield_lock_is_held_opens_its_store_and_keeps_its_own_shield(
+    tmp_path: Path,
+) -> None:
+    """The parent forks from inside a shield, while another thread is inside one and a
+    third holds the shields' lock (as the hook watchdog does while it looks at a hook past
+    its limit). The child had the lock copied held, by a thread it does not have: its
+    first shielded call (App.backend's opening of the store, every store transaction)
+    hung for good. In the child the lock is new and the shields are the forking
+    thread's alone: it is still inside its own (and leaves it), the other thread's is
+    gone, and the store opens and takes jobs. Real os.fork, in a process of its own; a
+    child still hung after 60 s is ended by its alarm."""
+    script = """
+        import os, signal, sys, threading
+        import errands
+        from errands import interrupts
+
+        app = errands.App("sqlite:///" + sys.argv[1])
+
+        @app.job(name="forked.job")
+        def job() -> None: ...
+
+        inside, held, forked = threading.Event(), threading.Event(), threading.Event()
+
+        def shielded_thread() -> None:  # inside a shield at the fork
+            with errands.shielded():
+                inside.set()
+                forked.wait(60)
+
+        def watchdog() -> None:  # the shields' lock held across the fork
+            with interrupts._lock:
+                held.set()
+                forked.wait(60)
+
+        threading.Thread(target=shielded_thread, daemon=True).start()
+        assert inside.wait(30)
+        me = threading.get_ident()
+        with errands.shielded():
+            threading.Thread(target=watchdog, daemon=True).start()
+            assert held.wait(30)
+            pid = os.fork()
+            if pid != 0:
+                forked.set()  # (the parent's shield ends: it takes the lock)
+            else:
+                signal.alarm(60)  # hung: killed by SIGALRM, the test fails
+                try:
+                    print("child shielded", interrupts.is_shielded(me), flush=True)
+                    print("child shields", list(interrupts._shields) == [me], flush=True)
+                except BaseException as exc:
+                    print("child:", type(exc).__name__, exc, flush=True)
+                    os._exit(1)
+        if pid == 0:
+            try:
+                print("child left", not interrupts.is_shielded(me), flush=True)
+                print("child enqueued", job.enqueue().id > 0, flush=True)
+                app.close()
+                print("child left shields", interrupts._shields == {}, flush=True)
+            except BaseException as exc:
+                print("child:", type(exc).__name__, exc, flush=True)
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        print("parent enqueued", job.enqueue().id > 0, flush=True)
+        app.close()
+        """
+    done = run_script(script, str(tmp_path / "store.db"))
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    for said in (
+        "child shielded True",
+        "child shields True",
+        "child left True",
+        "child enqueued True",
+        "child left shields True",
+        "child exit 0",
+        "parent enqueued True",
+    ):
+        assert said in done.stdout, (done.stdout, done.stderr[-3000:])

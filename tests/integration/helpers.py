@@ -7,10 +7,14 @@ so the tests are fast when the machine is fast and still pass when it is slow.
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
 from contextlib import closing
+from pathlib import Path
 from typing import Any, TypeVar
 
 import errands
@@ -38,6 +42,19 @@ def wait_until(
                 f"timed out after {timeout} s waiting for {what or predicate!r} (last: {value!r})"
             )
         time.sleep(interval)
+
+
+def run_script(script: str, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """``script`` (dedented) in a Python process of its own, from the repository (tests.*
+    importable, this process's PYTHONPATH kept): for a test that forks (the test process
+    forks nothing) or may crash or hang. Its output, as text."""
+    return subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parents[2],
+    )
 
 
 def db_path(app: errands.App) -> str:

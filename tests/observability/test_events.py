@@ -4,6 +4,7 @@ docs/observability.md documents each of them (DESIGN §9, issue 6)."""
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import errands
 from errands.maintenance.service import Maintenance
 from errands.observability.events import CATALOGUE, Event
-from tests.integration.helpers import claim_as_dead_worker, expire_lease, wait_until
+from tests.integration.helpers import claim_as_dead_worker, expire_lease, run_script, wait_until
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 
@@ -659,3 +660,57 @@ def test_a_subscriber_raising_a_base_exception_on_the_events_lane_leaves_the_eve
         handle = job.enqueue()
         assert handle.result(timeout=30) == "done"
         wait_until(lambda: completed == [handle.id], timeout=30)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no os.fork on Windows")
+def test_a_child_forked_while_another_thread_subscribes_subscribes_and_hears_its_events(
+    tmp_path: Path,
+) -> None:
+    """The parent forks while another thread holds its event bus's lock (subscribing,
+    unsubscribing, adding a wrapper or an insert hook: each takes it for a moment). The
+    child had the lock copied held, by a thread it does not have: its first subscribe
+    hung for good. In the child the lock is new: it subscribes, hears its own enqueue's
+    event, and unsubscribes. Real os.fork, in a process of its own; a child still hung
+    after 60 s is ended by its alarm."""
+    script = """
+        import os, signal, sys, threading
+        import errands
+
+        app = errands.App("sqlite:///" + sys.argv[1])
+
+        @app.job(name="forked.job")
+        def job() -> None: ...
+
+        held, forked = threading.Event(), threading.Event()
+
+        def subscribing() -> None:  # the bus's lock held across the fork
+            with app.events._lock:
+                held.set()
+                forked.wait(60)
+
+        threading.Thread(target=subscribing, daemon=True).start()
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(60)  # hung: killed by SIGALRM, the test fails
+            try:
+                heard = []
+                hear = app.events.subscribe(lambda event: heard.append(event.name))
+                job.enqueue()
+                app.events.unsubscribe(hear)
+                print("child heard", heard.count("errands.job.enqueued"), flush=True)
+                app.close()
+            except BaseException as exc:
+                print("child:", type(exc).__name__, exc, flush=True)
+                os._exit(1)
+            os._exit(0)
+        forked.set()
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        app.events.subscribe(print)
+        app.close()
+        """
+    done = run_script(script, str(tmp_path / "store.db"))
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    for said in ("child heard 1", "child exit 0"):
+        assert said in done.stdout, (done.stdout, done.stderr[-3000:])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -15,6 +16,7 @@ import errands
 from errands import ConfigurationError
 from errands.backends.fair import CallableWeights
 from errands.errors import InvalidPayload
+from tests.integration.helpers import run_script
 
 
 def _handler(tenant_id: int, n: int = 0) -> None: ...
@@ -306,3 +308,64 @@ def test_threads_stuck_in_the_weight_callable_are_replaced_up_to_a_bound() -> No
     finally:
         release.set()
         weights.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no os.fork on Windows")
+def test_a_child_forked_while_weight_threads_run_asks_its_own_keys_on_threads_of_its_own() -> None:
+    """The parent's asking threads run (one in the callable) at a fork, and then another
+    thread holds the lock as the parent forks again. The first child had the count of
+    threads running copied as it was: it started none, its new key was queued to nobody
+    and the claim waited its whole budget for nothing; the second had the lock copied
+    held, by a thread it does not have: its first claim hung for good. In a child the
+    weights start afresh (new lock and queue, no thread): a new key is asked there, on a
+    thread of the child's, and answered. Real os.fork, in a process of its own; a child
+    still hung after 60 s is ended by its alarm."""
+    script = """
+        import os, signal, threading
+        from errands.backends.fair import CallableWeights
+
+        release, asking = threading.Event(), threading.Event()
+
+        def weight(key: str) -> float:
+            if key == "parent":  # a thread of the parent's, in the callable at the fork
+                asking.set()
+                release.wait(60)
+            return 3.0
+
+        weights = CallableWeights(weight, budget=0.01)
+        assert weights(["parent"]) == {} and asking.wait(30)  # its threads run
+
+        def child(key: str) -> None:
+            signal.alarm(60)  # hung: killed by SIGALRM, the test fails
+            answer = weights([key], budget=10.0)  # before: {} after 10 s
+            print(f"child {key}:", answer, flush=True)
+            os._exit(0 if answer == {key: 3.0} else 1)
+
+        def fork(key: str) -> None:
+            pid = os.fork()
+            if pid == 0:
+                child(key)
+            _, status = os.waitpid(pid, 0)
+            print(f"child {key} exit", os.waitstatus_to_exitcode(status), flush=True)
+
+        fork("threads-running")
+
+        held, forked = threading.Event(), threading.Event()
+
+        def hold() -> None:  # the lock held across the fork
+            with weights._cond:
+                held.set()
+                forked.wait(60)
+
+        threading.Thread(target=hold, daemon=True).start()
+        assert held.wait(30)
+        fork("lock-held")
+        forked.set()
+        release.set()
+        assert weights(["parent"], budget=30.0) == {"parent": 3.0}  # the parent's goes on
+        print("parent answered", flush=True)
+        """
+    done = run_script(script)
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    for said in ("child threads-running exit 0", "child lock-held exit 0", "parent answered"):
+        assert said in done.stdout, (done.stdout, done.stderr[-3000:])

@@ -44,6 +44,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..forking import reset_at_fork
+
 log = logging.getLogger("errands.fair")
 
 HALF_LIFE = 60.0  # seconds: a key's ended worker time counts half after a minute
@@ -310,6 +312,23 @@ class CallableWeights:
         self._answered_at = -math.inf  # monotonic time of the callable's last answer
         self._warned = -math.inf  # monotonic time of the last "late" warning
         self._hung_warned = -math.inf  # and of the last "hangs" warning
+        reset_at_fork(self)  # its threads start afresh in a forked child (_forked)
+
+    def _forked(self) -> None:
+        """In a child forked from this process, on its only thread (errands.forking; no
+        I/O, no logging): the asking threads are not in the child, and the lock may have
+        been copied held by one of them. Copied as they were, the count of threads
+        running said they were there: the child started none, its keys were queued to
+        nobody and each claim with a new key waited its whole budget (or hung on the
+        lock for good). It starts afresh, as one never asked: a new lock and queue, no
+        thread (the next claim with a key to ask starts them), no ask under way (a key
+        the parent was asking is asked again by the child's next claim that wants it).
+        The answers the parent had are kept, for their ttl."""
+        self._cond = threading.Condition()
+        self._todo = queue.SimpleQueue()
+        self._asking = set()
+        self._started = 0
+        self._working = {}
 
     def __call__(self, keys: Sequence[str], budget: float | None = None) -> dict[str, float]:
         """The weights of ``keys`` known now (after waiting ``budget`` seconds at most,

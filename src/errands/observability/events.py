@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..forking import reset_at_fork
 from ..hooks import HookTimeout, Lane, describe, on_protected_thread
 from ..interrupts import Interrupt
 
@@ -178,6 +179,16 @@ class EventBus:
         self.insert_failures: list[InsertFailed] = []
         self._inline: frozenset[int] = frozenset()  # ids of the inline subscribers
         self._hooks = hooks
+        self._lock = threading.Lock()
+        reset_at_fork(self)  # its lock starts afresh in a forked child (_forked)
+
+    def _forked(self) -> None:
+        """In a child forked from this process, on its only thread (errands.forking; no
+        I/O, no logging): the lock starts afresh. Copied held by a thread of the parent
+        that was subscribing (or unsubscribing, adding a wrapper or an insert hook) as
+        another forked, it hung the child's first subscribe for good. The lists are
+        replaced whole under it, never changed in place, so the child has them as they
+        were before or after that change."""
         self._lock = threading.Lock()
 
     def subscribe(self, fn: Subscriber, *, inline: bool = False) -> Subscriber:
