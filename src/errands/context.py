@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import offloop
 from .errors import ConfigurationError
+from .forking import fresh_lock_at_fork
 
 if TYPE_CHECKING:
     from .worker.runtime import AsyncTransaction, AttemptRuntime, TransactionConnection
     from .workflows import Member, ParentResults, WorkflowStatus
 
 _CANCEL_LOCK = threading.Lock()
+fresh_lock_at_fork(globals(), "_CANCEL_LOCK")  # a new one in a forked child
 
 
 def _on_a_loop() -> bool:

@@ -44,7 +44,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -52,7 +51,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from .forking import reset_at_fork
+from .forking import fresh_lock_at_fork, reset_at_fork
 from .interrupts import Interrupt, aim, aim_unless_shielded, drop_pending, is_shielded
 
 log = logging.getLogger("errands.hooks")
@@ -625,17 +624,8 @@ class HookRunner:
 
 _shared: HookRunner | None = None
 _shared_lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one);
-    each runner is told of the fork itself (HookRunner._forked, errands.forking)."""
-    global _shared_lock
-    _shared_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+# a new one in a forked child; each runner is told of the fork itself (HookRunner._forked)
+fresh_lock_at_fork(globals(), "_shared_lock")
 
 
 def shared_runner() -> HookRunner:

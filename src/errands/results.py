@@ -36,10 +36,8 @@ import asyncio
 import logging
 import math
 import numbers
-import os
 import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
@@ -48,6 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import offloop
 from .backends.base import DEADLINE_FLOOR, calls_until
 from .errors import ConfigurationError, ResultTimeout, is_transient
+from .forking import reset_at_fork
 from .jobs import TERMINAL_STATES, JobRow
 
 if TYPE_CHECKING:
@@ -69,17 +68,6 @@ TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 # The watchers a forked child let go of (its parent's): kept referenced for the child's
 # life, never stopped nor collected there (see ResultHub._forked).
 _INHERITED: list[Any] = []
-_HUBS: weakref.WeakSet[ResultHub] = weakref.WeakSet()  # every hub of this process
-
-
-def _after_fork_in_child() -> None:
-    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
-    for hub in list(_HUBS):
-        hub._forked()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Waiter:
@@ -149,7 +137,7 @@ class ResultHub:
         self._started = False
         self._retry_at = float("-inf")  # monotonic: when a watcher that failed may start
         self.wakeups = 0  # waiters woken by the watcher (tests, bench)
-        _HUBS.add(self)
+        reset_at_fork(self)  # it starts afresh in a forked child (_forked)
 
     def _forked(self) -> None:
         """In a child forked from the process that started the watcher: the watcher's

@@ -5,6 +5,7 @@ every third of a second so these tests stay fast.
 """
 
 import asyncio
+import sys
 import threading
 import time
 
@@ -13,7 +14,7 @@ import pytest
 import errands
 from errands import JobState
 
-from .helpers import wait_until
+from .helpers import run_script, wait_until
 
 
 def test_cancelling_a_pending_job_cancels_it_at_once_and_it_never_runs(
@@ -172,3 +173,60 @@ def test_async_job_that_swallows_its_cancellation_and_raises_never_runs_again(
 
     assert runs == [1]
     assert handle.status() is JobState.CANCELLED
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no os.fork on Windows")
+def test_a_child_forked_while_another_thread_cancels_a_job_can_cancel_its_own() -> None:
+    """The parent forks while another thread holds the module lock of a job's cancel
+    (errands.context._CANCEL_LOCK: a timeout or a stop cancelling an attempt takes it).
+    The child had the lock copied held, by a thread it does not have: its first cancel
+    hung for good. In the child the lock is new (errands.forking.fresh_lock_at_fork, as
+    for the other module locks: metrics, tracing, the Django apps, the Tester's fault
+    point): the cancel is done. Real os.fork, in a process of its own; the parent kills
+    a child still running after 20 s (an alarm set in the child would come too late for
+    a hang in an at-fork hook)."""
+    script = """
+        import logging, os, signal, threading, time
+        from errands import context
+
+        def new_context() -> context.Context:
+            log = logging.getLogger("forked")
+            return context.Context(1, "forked.job", "default", 1, 3, None, "w", log)
+
+        held, forked = threading.Event(), threading.Event()
+
+        def cancelling() -> None:  # the cancel lock held across the fork
+            with context._CANCEL_LOCK:
+                held.set()
+                forked.wait(60)
+
+        threading.Thread(target=cancelling, daemon=True).start()
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ctx = new_context()
+                ctx._request_cancel("timeout")
+                print("child cancelled", ctx.cancelled, ctx.cancel_reason, flush=True)
+            except BaseException as exc:
+                print("child:", type(exc).__name__, exc, flush=True)
+                os._exit(1)
+            os._exit(0)
+        forked.set()
+        deadline = time.monotonic() + 20
+        while (ended := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                print("child hung", flush=True)
+                os.kill(pid, signal.SIGKILL)
+                ended = os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+        print("child exit", os.waitstatus_to_exitcode(ended[1]), flush=True)
+        ctx = new_context()
+        ctx._request_cancel("shutdown")
+        print("parent cancelled", ctx.cancelled, ctx.cancel_reason, flush=True)
+        """
+    done = run_script(script)
+    assert done.returncode == 0, (done.stdout, done.stderr[-3000:])
+    for said in ("child cancelled True timeout", "child exit 0", "parent cancelled True shutdown"):
+        assert said in done.stdout, (done.stdout, done.stderr[-3000:])

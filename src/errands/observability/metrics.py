@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import offloop
 from ..errors import ConfigurationError
+from ..forking import fresh_lock_at_fork
 from ..jobs import ALL_STATES
 from .events import Event
 from .fair_keys import KeyRow, top_keys
@@ -88,6 +89,7 @@ RESCUE_OUTCOMES = {"retryable": "retry", "dead": "dead", "cancelled": "cancelled
 
 _installed: weakref.WeakKeyDictionary[App, list[ErrandsMetrics]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+fresh_lock_at_fork(globals(), "_lock")  # a new one in a forked child
 
 
 class ErrandsMetrics:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError
 from ..errortext import clip, format_trace
+from ..forking import fresh_lock_at_fork
 from .events import STORED_LATER, Event
 
 try:
@@ -69,6 +70,7 @@ OUTCOMES = {
 
 _installed: weakref.WeakKeyDictionary[App, Tracing] = weakref.WeakKeyDictionary()
 _install_lock = threading.Lock()
+fresh_lock_at_fork(globals(), "_install_lock")  # a new one in a forked child
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pydantic_core import to_jsonable_python
 
 from ..definition import JobDefinition
 from ..errors import ConfigurationError, JobFailed
+from ..forking import fresh_lock_at_fork
 from ..handle import JobHandle
 from ..jobs import Job
 from ..maintenance import Maintenance
@@ -749,6 +750,7 @@ class Tester:
 # one arming (a second Tester's arm replaced the first's, whose crashes then never
 # happened, and closing either disarmed the other's).
 _after_step_lock = threading.Lock()
+fresh_lock_at_fork(globals(), "_after_step_lock")  # a new one in a forked child
 _after_step_testers: list[Tester] = []
 
 

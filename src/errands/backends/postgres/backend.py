@@ -37,6 +37,7 @@ from ...errors import (
     busy_as,
 )
 from ...faults import fault_point
+from ...forking import forget_at_fork, reset_at_fork
 from ...interrupts import shielded
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...jsontext import loads_stored
@@ -249,21 +250,6 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 # which takes the parent's pool locks as the fork copied them (held by a thread that does
 # not exist in the child: a hang). See PostgresBackend._forked.
 _INHERITED: list[Any] = []
-# Every backend of this process whose pools are open: each is told of a fork in the child.
-_OPEN: weakref.WeakSet[PostgresBackend] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """``os.register_at_fork``'s hook, in a forked child (one thread: the forking one)."""
-    for backend in list(_OPEN):
-        try:
-            backend._forked()
-        except Exception:  # pragma: no cover - never fail a fork (no logging here)
-            _INHERITED.append(backend)
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def channel_name(schema: str) -> str:
@@ -323,7 +309,7 @@ class PostgresBackend(PostgresAdmin):
                 f"cannot connect to PostgreSQL at {self.config.display}: {exc}. Is the server "
                 "running and the URL right (postgresql://user@host:5432/dbname)?"
             ) from None
-        _OPEN.add(self)
+        reset_at_fork(self)  # its pools are let go of in a forked child (_forked)
         with self._conn() as conn:
             # enqueue(conn=): a caller's connection spelled like this reaches our database
             self._address = (conn.info.host, conn.info.port, conn.info.dbname)
@@ -507,7 +493,7 @@ class PostgresBackend(PostgresAdmin):
 
     def close(self) -> None:
         self._reopen = False  # (a forked child's pool, never opened: nothing to close)
-        _OPEN.discard(self)
+        forget_at_fork(self)  # closed: a forked child leaves it as it is
         self.pool.close()
         with self._handler_lock:
             handlers, self._handler_pool = self._handler_pool, None

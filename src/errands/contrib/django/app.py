@@ -37,6 +37,7 @@ from ...backends import Backend, open_backend
 from ...context import Context
 from ...definition import JobDefinition
 from ...errors import ConfigurationError, InvalidPayload, SchemaOutdated
+from ...forking import fresh_lock_at_fork
 from ...jobs import Job, JobError, JobRow, JobState
 from ...outcomes import Permanent
 from ._compat import (
@@ -735,6 +736,7 @@ def send_signal(signal: Any, sender: type, result: TaskResult) -> None:
 # -- one App per backend alias ------------------------------------------------------------------
 _apps: dict[str, tuple[str, DjangoApp]] = {}
 _apps_lock = threading.Lock()
+fresh_lock_at_fork(globals(), "_apps_lock")  # a new one in a forked child
 
 
 def serving_queues(params: dict[str, Any], app: DjangoApp) -> list[str]:
