@@ -225,9 +225,8 @@ class Completer:
         queue, UnstorableOutcome, once a full disk refused its outcome three times in
         0.15 s and then took the smaller dead record), so that write is made again until
         it goes through."""
-        pause = 0.05
-        refusals = failures = 0
-        next_report = 0.0
+        streak = _Streak()
+        refusals = 0
         unsure = False  # an earlier try may have committed before its error
         kept = Unsure()  # what the fan-ins of such tries did (each retry starts afresh)
         while True:
@@ -250,26 +249,22 @@ class Completer:
                     refusals += 1
                     if refusals >= REFUSALS_BEFORE_SPLIT:
                         return self._store_apart(batch, exc)
-                failures += 1
-                now = time.monotonic()
-                if failures == 1:  # the first failure of a streak with its traceback
+                report = streak.failed()
+                if report == FIRST:  # with its traceback
                     log.exception(
                         "could not record %d outcome(s); retrying within %.2f s (leases keep "
                         "them safe)",
                         len(batch),
-                        pause,
+                        streak.pause,
                     )
-                elif now >= next_report:  # then a line every RETRY_REPORT_EVERY at most
+                elif report == STILL:
                     log.warning(
                         "could not record %d outcome(s) in %d tries (%s); still retrying",
                         len(batch),
-                        failures,
+                        streak.failures,
                         exc,
                     )
-                if now >= next_report:
-                    next_report = now + RETRY_REPORT_EVERY
-                _pause(pause * (0.5 + random.random() / 2))
-                pause = min(pause * 2, RETRY_PAUSE_MAX)
+                streak.wait()
 
     def fanned_in(self, store: Backend) -> list[Any]:
         """Once a write committed (a batch here, or a ctx.transaction() completion on
@@ -376,9 +371,7 @@ class Completer:
         can lose their reply: a ctx.transaction() completion (:meth:`_confirm`), a batch
         of outcomes (:meth:`_landed_anyway`), a give-back (:meth:`_released_anyway`).
         None when the store refuses the read otherwise (logged): the refusal stands."""
-        pause = 0.05
-        failures = 0
-        next_report = 0.0
+        streak = _Streak()
         while True:
             try:
                 return read_back(self.app.backend, ids)
@@ -386,29 +379,25 @@ class Completer:
                 if not is_transient(exc):
                     log.exception("could not read back %d %s lost its reply", len(ids), what)
                     return None
-                failures += 1
-                now = time.monotonic()
-                if failures == 1:
+                report = streak.failed()
+                if report == FIRST:
                     log.warning(
                         "could not read back %d %s lost its reply (%s); retrying within %.2f s",
                         len(ids),
                         what,
                         exc,
-                        pause,
+                        streak.pause,
                         exc_info=True,
                     )
-                elif now >= next_report:
+                elif report == STILL:
                     log.warning(
                         "could not read back %d %s lost its reply in %d tries (%s); still retrying",
                         len(ids),
                         what,
-                        failures,
+                        streak.failures,
                         exc,
                     )
-                if now >= next_report:
-                    next_report = now + RETRY_REPORT_EVERY
-                _pause(pause * (0.5 + random.random() / 2))
-                pause = min(pause * 2, RETRY_PAUSE_MAX)
+                streak.wait()
 
     def _report_kept(self, kept: Unsure) -> None:
         """What the fan-in of a write confirmed landed did (read when it failed)."""
@@ -607,3 +596,34 @@ def _fan_ins_landed_before(
     if any(o.member for _, o in batch):
         return any(before)
     return bool(before)
+
+
+FIRST, STILL = "first", "still"  # what a failed try reports (_Streak.failed)
+
+
+class _Streak:
+    """A run of failed tries of one store call, made again until it goes through: the
+    pause before the next try (from 0.05 s, doubling to RETRY_PAUSE_MAX, jittered), and
+    when to report: the first failure (FIRST), then one line every RETRY_REPORT_EVERY at
+    most (STILL)."""
+
+    __slots__ = ("_next_report", "failures", "pause")
+
+    def __init__(self) -> None:
+        self.pause = 0.05
+        self.failures = 0
+        self._next_report = 0.0
+
+    def failed(self) -> str | None:
+        """Count a failure: what to report of it, if anything."""
+        self.failures += 1
+        now = time.monotonic()
+        report = FIRST if self.failures == 1 else STILL if now >= self._next_report else None
+        if now >= self._next_report:
+            self._next_report = now + RETRY_REPORT_EVERY
+        return report
+
+    def wait(self) -> None:
+        """The pause before the next try; the one after it twice as long (capped)."""
+        _pause(self.pause * (0.5 + random.random() / 2))
+        self.pause = min(self.pause * 2, RETRY_PAUSE_MAX)
