@@ -78,6 +78,7 @@ from .payload import MAX_PAYLOAD_BYTES_DEFAULT, MAX_RESULT_BYTES_DEFAULT, unstor
 from .results import ResultHub
 from .retry import BackoffPolicy
 from .suggest import did_you_mean
+from .worker.txmark import marking
 from .workflows import WORKFLOW_STATES, Member, Workflow, WorkflowHandle, WorkflowStatus
 
 if TYPE_CHECKING:
@@ -864,7 +865,7 @@ class App:
         requests = self._requests(given)
         if not requests:
             return []
-        with self._inserting(requests):
+        with self._inserting(requests), marking(conn):  # (ctx.transaction(): its errors)
             results = self.backend.job_insert_many(requests, conn=conn)
         return self._enqueued(requests, results)
 
@@ -991,7 +992,7 @@ class App:
         (the caller's, when ``conn`` is given). See docs/workflows.md."""
         self._check_workflow(workflow)
         spec = self._workflow_spec(workflow)
-        with self._inserting(_members(spec)):
+        with self._inserting(_members(spec)), marking(conn):
             inserted = self.backend.workflow_insert(spec, conn=conn)
         return self._workflow_enqueued(workflow, spec, inserted)
 

@@ -251,9 +251,13 @@ def cannot_write_now(exc: BaseException) -> bool:
     the completer waits for that, the leases keeping its jobs (it recorded a job that had
     succeeded as dead, UnstorableOutcome, when the disk was full for a moment).
 
-    sqlite3's own error for these (SQLITE_FULL, SQLITE_READONLY, SQLITE_CANTOPEN,
-    SQLITE_PERM), as a handler's statement in ``ctx.transaction()`` raises it (errands'
-    own calls raise the errands errors above), is one too."""
+    sqlite3's own error for a file full or read-only (SQLITE_FULL, SQLITE_READONLY), as a
+    handler's statement in ``ctx.transaction()`` raises it (errands' own calls raise the
+    errands errors above), is one too; not SQLITE_CANTOPEN nor SQLITE_PERM, which a
+    statement on an open connection raises for a path of the statement's own (an
+    ``ATTACH`` of a file that is not there). Whose error it is, the store's or another
+    database's of the handler's own, this does not tell: see
+    :meth:`errands.worker.runtime.AttemptRuntime.met_unwritable`."""
     if isinstance(exc, StorageFull) or _sqlstate(exc).startswith("53"):
         return True
     if isinstance(exc, sqlite3.Error) and _sqlite_unwritable(exc):
@@ -269,15 +273,10 @@ def cannot_write_now(exc: BaseException) -> bool:
 
 
 def _sqlite_unwritable(exc: sqlite3.Error) -> bool:
-    """sqlite3's error for a file that cannot be written now (by its primary result code,
-    or its text where the driver gave none)."""
+    """sqlite3's error for a file that cannot be written now, full or read-only (by its
+    primary result code, or its text where the driver gave none)."""
     code = getattr(exc, "sqlite_errorcode", None)
     if isinstance(code, int):
-        return code & 0xFF in (
-            sqlite3.SQLITE_FULL,
-            sqlite3.SQLITE_READONLY,
-            sqlite3.SQLITE_CANTOPEN,
-            sqlite3.SQLITE_PERM,
-        )
+        return code & 0xFF in (sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY)
     text = str(exc)
     return "database or disk is full" in text or "attempt to write a readonly database" in text

@@ -19,7 +19,8 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager, suppress
+from contextlib import closing, contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -347,6 +348,249 @@ def test_a_handler_that_raises_its_own_error_on_a_full_store_is_charged(
     assert job.state is errands.JobState.DEAD, job.errors
     [failure] = job.errors
     assert (failure.kind, failure.type) == ("transient", "ValueError"), failure
+
+
+def _own_database_cannot_write(kind: str, folder: Path) -> None:
+    """A database of the handler's own (not errands' store) that raises sqlite3's error
+    for a file that cannot be written: a path that cannot be opened (SQLITE_CANTOPEN),
+    a file opened read-only (SQLITE_READONLY), a file at its size limit (SQLITE_FULL)."""
+    if kind == "cantopen":
+        with closing(sqlite3.connect("/nonexistent-dir/cache.db")) as own:
+            own.execute("CREATE TABLE t (x)")
+    path = folder / f"own-{threading.get_ident()}.db"
+    with closing(sqlite3.connect(path)) as own:
+        own.execute("CREATE TABLE IF NOT EXISTS t (x)")
+        own.commit()
+        if kind == "full":
+            pages = own.execute("PRAGMA page_count").fetchone()[0]
+            own.execute(f"PRAGMA max_page_count = {pages}")
+            own.execute("INSERT INTO t VALUES (zeroblob(2000000))")
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as own:
+        own.execute("INSERT INTO t VALUES (1)")
+    raise AssertionError(f"the handler's own database took the write ({kind})")
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+@pytest.mark.parametrize("kind", ["cantopen", "readonly", "full"])
+def test_a_handlers_own_sqlite_error_after_its_transaction_is_charged_and_dead_after_retries(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    tmp_path: Path,
+    kind: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler opened ctx.transaction() and then failed on a database of its own, with
+    sqlite3's error for a file that cannot be written (a cache file at a path that does
+    not exist, a read-only file, a full one): the handler's failure, not the store's. It
+    was taken for the store's (any sqlite3 error of those codes, whichever connection
+    raised it): given back uncharged with a pause, for ever (attempt 0, never dead), its
+    side effects outside the transaction repeated on every run. Charged now: retried,
+    then dead after its retries, nothing of its transaction written."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", 0.01, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+    runs: list[int] = []
+
+    @app.job(name="own.sqlite", retries=1, backoff=0.01)
+    def own_sqlite(ctx: errands.Context, n: int) -> None:
+        runs.append(ctx.attempt)
+        write_effect(ctx, store_url, n)
+        _own_database_cannot_write(kind, tmp_path)
+
+    handle = own_sqlite.enqueue(n=1)
+    with worker_on(app, pool, monkeypatch):
+        wait_until(lambda: handle.status().is_terminal, timeout=20, what="the job to end")
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.DEAD, 2), job.errors
+    assert [(e.kind, e.type) for e in job.errors] == [("transient", "OperationalError")] * 2
+    assert runs == [1, 2]
+    assert _rows(effects, handle.id) == []
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_transaction_that_cannot_open_on_a_store_that_cannot_write_is_given_back(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ctx.transaction() fails to open because the store cannot write (errands' own
+    call raised it: the store's error, marked as its transaction's), and the handler
+    lets that error through: given back uncharged, as a statement in it meeting a full
+    store is, and the job completes once the store can write."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", 0.01, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+    begin = app.backend.tx_begin
+    refused: list[int] = []
+
+    def tx_begin() -> Any:
+        if len(refused) < 2:
+            refused.append(1)
+            raise _cannot_write(store_url)
+        return begin()
+
+    monkeypatch.setattr(app.backend, "tx_begin", tx_begin)
+
+    @app.job(name="full.open", retries=0)
+    def full_open(ctx: errands.Context, n: int) -> int:
+        write_effect(ctx, store_url, n)
+        return n
+
+    handle = full_open.enqueue(n=6)
+    with worker_on(app, pool, monkeypatch):
+        assert handle.result(timeout=30) == 6
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert [e.kind for e in job.errors] == ["released"] * 2, job.errors
+    assert _rows(effects, handle.id) == [(6, 1)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # (a full file: SQLite's max_page_count)
+def test_an_enqueue_in_the_transaction_that_meets_a_full_store_is_given_back(
+    make_app: Make, effects: EffectsStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An enqueue given ctx.transaction()'s connection (``conn=``) that meets a full store
+    raises errands' StorageFull, from that connection: the store's error, given back
+    uncharged when the handler lets it through, as its own statement's would be."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", 0.01, raising=False)
+    app = make_app()
+    full: list[int] = []
+
+    @app.job(name="full.child")
+    def full_child(blob: str) -> None:
+        return None
+
+    @app.job(name="full.enqueue", retries=0)
+    def full_enqueue(ctx: errands.Context) -> int:
+        tx = ctx.transaction()
+        if len(full) < 2:
+            full.append(ctx.attempt)
+            pages = tx.execute("PRAGMA page_count").fetchone()[0]
+            tx.execute(f"PRAGMA max_page_count = {pages}")  # this connection's: no room
+            blob = "x" * 100_000
+            app.enqueue_many([full_child.bind(blob=f"{blob}{i}") for i in range(20)], tx.raw)
+            raise AssertionError("the store took the write")
+        full_child.enqueue(blob="small", conn=tx.raw)
+        return 1
+
+    handle = full_enqueue.enqueue()
+    with running_worker(app, concurrency=1, maintenance=False):
+        assert handle.result(timeout=30) == 1
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert full == [1, 1]
+    assert [e.kind for e in job.errors] == ["released"] * 2, job.errors
+    assert all("StorageFull" in e.message for e in job.errors), job.errors
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])  # (SQLite's ATTACH)
+def test_a_handlers_attach_of_a_file_that_cannot_be_opened_is_charged(
+    make_app: Make, effects: EffectsStore, store_url: str
+) -> None:
+    """A statement of the handler's on ctx.transaction() that fails on a path of its own
+    (an ATTACH of a file in a folder that does not exist: SQLITE_CANTOPEN) is a bug of the
+    handler's, not a store that cannot write: charged (here dead, no retries left). It
+    was given back uncharged, for ever."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="own.attach", retries=0)
+    def own_attach(ctx: errands.Context, n: int) -> None:
+        write_effect(ctx, store_url, n)
+        ctx.transaction().execute("ATTACH DATABASE '/nonexistent-dir/cache.db' AS cache")
+
+    handle = own_attach.enqueue(n=3)
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, timeout=20, what="the job to end")
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD, job.errors
+    [failure] = job.errors
+    assert (failure.kind, failure.type) == ("transient", "OperationalError"), failure
+    assert _rows(effects, handle.id) == []
+
+
+@pytest.mark.parametrize(
+    ("backend", "how"),
+    [
+        ("sqlite", "raised"),
+        ("postgres", "raised"),
+        ("postgres", "own_connection"),  # (a PostgreSQL connection of the handler's own)
+        ("postgres", "own_connection_after_abort"),
+    ],
+)
+def test_a_handlers_own_postgresql_class_53_error_is_charged(
+    make_app: Make, effects: EffectsStore, store_url: str, how: str
+) -> None:
+    """A PostgreSQL error of class 53 (disk_full) that did not come from errands'
+    transaction connection: one the handler raised itself, or one a PostgreSQL
+    connection of its own met (even while errands' transaction had failed earlier on an
+    error of the handler's, caught). The handler's failure: charged (here dead, no
+    retries left), not given back uncharged for ever as the store's."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="own.disk_full", retries=0)
+    def own_disk_full(ctx: errands.Context, n: int) -> None:
+        write_effect(ctx, store_url, n)
+        if how == "raised":
+            raise psycopg.errors.DiskFull('could not extend file "cache": No space left')
+        if how == "own_connection_after_abort":  # errands' transaction: failed, caught
+            with suppress(psycopg.errors.DivisionByZero):
+                ctx.transaction().raw.execute("SELECT 1 / 0")
+        effects.execute(  # a connection of the handler's own
+            "DO $$ BEGIN RAISE EXCEPTION 'could not extend file: No space left on device' "
+            "USING ERRCODE = 'disk_full'; END $$"
+        )
+
+    handle = own_disk_full.enqueue(n=2)
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, timeout=20, what="the job to end")
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD, job.errors
+    [failure] = job.errors
+    assert (failure.kind, failure.type) == ("transient", "DiskFull"), failure
+    assert _rows(effects, handle.id) == []
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_job_given_back_for_a_store_that_cannot_write_too_many_times_is_charged(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backstop: a job given back uncharged for a store that cannot write
+    UNWRITABLE_GIVE_BACKS_MAX times in a row (here 2) is charged its attempt on the
+    next, with a failure that says the store could not be written for that long (here
+    dead: no retries left), so that no job loops for ever, even on an error taken for
+    the store's by mistake. It was given back again and again, without end."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", 0.01, raising=False)
+    monkeypatch.setattr(recorder, "UNWRITABLE_GIVE_BACKS_MAX", 2, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+    runs: list[int] = []
+
+    @app.job(name="full.for_good", retries=0)
+    def full_for_good(ctx: errands.Context) -> None:
+        runs.append(ctx.attempt)
+        _statement_meets_a_full_store(ctx, store_url)
+
+    handle = full_for_good.enqueue()
+    with worker_on(app, pool, monkeypatch):
+        wait_until(lambda: handle.status().is_terminal, timeout=20, what="the job to end")
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.DEAD, 1), job.errors
+    assert runs == [1, 1, 1]
+    assert [e.kind for e in job.errors] == ["released", "released", "transient"], job.errors
+    failure = job.errors[-1]
+    assert failure.type == "RuntimeError", failure
+    assert "cannot be written now 3 times in a row" in failure.message, failure
+    assert "the attempt is charged" in failure.message, failure
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])  # PostgreSQL refuses it itself (aborted)

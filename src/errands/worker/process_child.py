@@ -396,8 +396,9 @@ def _run_one(
     except BaseException as exc:
         # as the worker's recorder judges it (a handler that committed through .raw and
         # then raised was retried here, and repeated the writes it had committed)
+        unwritable = runtime.met_unwritable(exc)  # (first: see AttemptRuntime.met_unwritable)
         ended = runtime.ended_then_failed()
-        if ended is None and runtime.met_unwritable(exc):
+        if ended is None and unwritable:
             # its ctx.transaction() met a store that cannot write (its own statement, or
             # its opening): nothing written, the parent gives the job back uncharged
             runtime.rollback()

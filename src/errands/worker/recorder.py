@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -239,7 +240,7 @@ class OutcomeRecorder:
             )
         if isinstance(exc, ChildFailure) and exc.kind == UNWRITABLE:
             # a process-pool child's ctx.transaction() met a store that cannot write
-            return give_back_unwritable(attempt, exc.type_name, str(exc)), None
+            return self._give_back_unwritable(attempt, exc.type_name, str(exc))
         outcome = outcome_for(
             attempt, exc, result_json, self.worker.id, self.worker.app.poison_after
         )
@@ -267,20 +268,29 @@ class OutcomeRecorder:
                 return _given_back_without_transaction(attempt), None
             if runtime.met_unwritable(exc):  # ctx.transaction() could not open: read-only
                 assert exc is not None
-                return give_back_unwritable(attempt, type(exc).__qualname__, str(exc)), None
+                return self._give_back_unwritable(attempt, type(exc).__qualname__, str(exc))
             return outcome, None
         if outcome.state != "completed":
+            # (asked first: the check for an ended transaction rolls back to errands'
+            # savepoint, and PostgreSQL then forgets the statement that failed)
+            unwritable = runtime.met_unwritable(exc)
             ended = runtime.ended_then_failed()
             if ended is not None:  # its writes may be committed: never again
                 log.error("%s", ended)
                 outcome = outcome_for(attempt, ended, None, self.worker.id)
-            elif runtime.met_unwritable(exc):  # its own statement met a full store
+            elif unwritable:  # its own statement met a full store
                 assert exc is not None
                 runtime.rollback()
-                return give_back_unwritable(attempt, type(exc).__qualname__, str(exc)), None
+                return self._give_back_unwritable(attempt, type(exc).__qualname__, str(exc))
             runtime.rollback()
             return outcome, None
         return self._commit_transaction(attempt, outcome)
+
+    def _give_back_unwritable(
+        self, attempt: Attempt, type_name: str, message: str
+    ) -> tuple[FinishParams | GiveBack, bool | None]:
+        """See :func:`give_back_unwritable` (nothing written yet)."""
+        return give_back_unwritable(attempt, type_name, message, self.worker.id), None
 
     def _commit_transaction(
         self, attempt: Attempt, outcome: FinishParams
@@ -318,7 +328,7 @@ class OutcomeRecorder:
             landed = backend.tx_finish(tx, outcome)
         except Exception as exc:
             if cannot_write_now(exc):  # (before is_transient: a disk_full is OperationalError)
-                return give_back_unwritable(attempt, type(exc).__qualname__, str(exc)), None
+                return self._give_back_unwritable(attempt, type(exc).__qualname__, str(exc))
             if is_transient(exc):
                 self.worker.completer.maybe_landed(attempt, outcome, store=backend)
                 log.warning(
@@ -484,6 +494,12 @@ UNWRITABLE_PAUSE_MAX = 60.0
 # What the release entry of such a give-back says (the text recorded on the job), by which
 # the give-backs in a row are counted
 UNWRITABLE_MARK = "met a store that cannot be written now"
+# The backstop: a job given back this many times in a row for a store that cannot write
+# (about 45 minutes of pauses at most, 1 + 2 + ... + 32 s and then 60 s each, at least
+# half of it with the jitter) is charged its attempt on the next, as a failure of its own
+# (retried after its backoff, or dead once out of attempts): no job loops for ever
+# uncharged, even on an error taken for the store's that was not.
+UNWRITABLE_GIVE_BACKS_MAX = 50
 
 
 def unwritable_pause(attempt: Attempt) -> float:
@@ -494,21 +510,23 @@ def unwritable_pause(attempt: Attempt) -> float:
     record, so that it holds across workers and restarts; it starts over once a run of
     the job ends otherwise (its commit succeeds and it completes, or its failure is
     charged: a new attempt)."""
-    in_a_row = 1 + _unwritable_in_a_row(attempt.row.errors, attempt.row.attempt)
+    in_a_row = 1 + _unwritable_in_a_row(attempt.row.errors, attempt.row.attempt)[0]
     pause = min(UNWRITABLE_PAUSE * 2 ** min(in_a_row - 1, 32), UNWRITABLE_PAUSE_MAX)
     return pause * (0.5 + random.random() / 2)
 
 
-def _unwritable_in_a_row(errors: str, attempt: int) -> int:
+def _unwritable_in_a_row(errors: str, attempt: int) -> tuple[int, float | None]:
     """The give-backs for a store that cannot write that end ``errors`` (a job's errors,
-    as JSON text), each of attempt ``attempt``."""
+    as JSON text), each of attempt ``attempt``, and when the first of them was recorded
+    (epoch seconds; None if none, or not known)."""
     if UNWRITABLE_MARK not in errors:
-        return 0
+        return 0, None
     try:
         entries = json.loads(errors)
     except (TypeError, ValueError, RecursionError):
-        return 0
+        return 0, None
     count = 0
+    first: float | None = None
     for entry in reversed(entries if isinstance(entries, list) else []):
         if not (
             isinstance(entry, dict)
@@ -518,14 +536,34 @@ def _unwritable_in_a_row(errors: str, attempt: int) -> int:
         ):
             break
         count += 1
-    return count
+        at = entry.get("at")
+        first = float(at) if isinstance(at, int | float) else first
+    return count, first
 
 
-def give_back_unwritable(attempt: Attempt, type_name: str, message: str) -> GiveBack:
+def give_back_unwritable(
+    attempt: Attempt, type_name: str, message: str, worker_id: str
+) -> GiveBack | FinishParams:
     """The give-back of a job whose ctx.transaction() met a store that cannot write now,
     as its COMMIT or as a statement of the handler's in it (its text as the release
-    records it: see GiveBack), due again after :func:`unwritable_pause`."""
+    records it: see GiveBack), due again after :func:`unwritable_pause`.
+
+    Once the job was given back UNWRITABLE_GIVE_BACKS_MAX times in a row for it, its
+    attempt is charged instead (the backstop: see there): the failure recorded says that
+    the store could not be written for that long."""
     text = clip(scrub(f"{type_name}: {message}", _secrets(attempt)), 300)
+    in_a_row, first = _unwritable_in_a_row(attempt.row.errors, attempt.row.attempt)
+    if in_a_row >= UNWRITABLE_GIVE_BACKS_MAX:
+        since = ""
+        if first is not None:
+            since = f" over {max(time.time() - first, 0.0) / 60:.0f} min"
+        failure = RuntimeError(
+            f"job {attempt.id}: its ctx.transaction() {UNWRITABLE_MARK} {in_a_row + 1} "
+            f"times in a row{since} (the store could not be written for that long, or the "
+            f"error was not the store's); the attempt is charged, so that the job does not "
+            f"run again for ever uncharged. Last: {text}"
+        )
+        return outcome_for(attempt, failure, None, worker_id)
     delay = unwritable_pause(attempt)
     return GiveBack(
         f"released %d job(s) whose ctx.transaction() {UNWRITABLE_MARK} "

@@ -59,6 +59,7 @@ from ..payload import read_back
 from . import stepwork
 from .execution import LEASE_UNRENEWED, Interrupted, Suspended, _secrets
 from .sqltext import ending_statement
+from .txmark import from_transaction, mark_connection, mark_from_transaction
 
 if TYPE_CHECKING:
     from ..app import App
@@ -338,9 +339,14 @@ class AttemptRuntime:
         if gone is not None:  # SQLite rolled it back: stored now, it committed on its own
             gone.add_note(f"step {name!r} of job {self.attempt.id} was not stored")
             raise gone
-        stored = backend.step_store(
-            self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
-        )
+        try:
+            stored = backend.step_store(
+                self.attempt.id, name, encoded, self.attempt.row.attempt, conn=tx
+            )
+        except Exception as exc:
+            if tx is not None:  # stored in the transaction: its connection's error
+                mark_from_transaction(exc)
+            raise
         result = decoded if stored == encoded else json.loads(stored)  # (jsonb's form)
         if stored != encoded and result != decoded:
             log.warning(
@@ -546,12 +552,18 @@ class AttemptRuntime:
                 # never given back; on SQLite an open write transaction locking the file)
                 with shielded():
                     backend = self.app.backend
-                    tx = backend.tx_begin()
+                    try:
+                        tx = backend.tx_begin()
+                    except Exception as exc:  # (a read-only file: the store's own error)
+                        mark_from_transaction(exc)
+                        raise
+                    mark_connection(tx)  # (an enqueue given it as conn= marks its errors)
                     try:
                         tx.execute(OPEN_SAVEPOINT)
                         # (SQLite: what ends its transaction, .raw included, is noted)
                         watch_transaction(tx)
-                    except BaseException:
+                    except BaseException as exc:
+                        mark_from_transaction(exc)
                         backend.tx_rollback(tx)
                         raise
                     # The handler may have ended while it was opened (an async handler's
@@ -669,13 +681,37 @@ class AttemptRuntime:
         """Whether the failure ``exc`` that escaped the handler is the store's: the handler
         called ctx.transaction() (whether it opened or not), and ``exc`` is itself the
         store's error for a write it cannot take now (:func:`errors.cannot_write_now`: a
-        full disk, PostgreSQL's class 53, an SQLite file full or read-only), as a
-        statement in that transaction raised it. Not an error of the handler's own that
-        it raised on catching the store's (chained to it or not): the handler decided
-        what that failure is, and it is charged. Nothing of the transaction commits; the
-        job is given back uncharged (see OutcomeRecorder), as when its COMMIT meets such
-        a store."""
-        return exc is not None and self.tx_tried and cannot_write_now(exc)
+        full disk, PostgreSQL's class 53, an SQLite file full or read-only), raised by
+        errands' own transaction connection:
+
+        - through errands' wrapper of it (its ``execute``/``executemany``, a cursor's), its
+          opening, a step stored in it, or an enqueue given it as ``conn=``: marked there
+          (:mod:`errands.worker.txmark`);
+        - through ``.raw`` on PostgreSQL: that connection is in a failed transaction, and
+          ``exc`` is the error its last statement failed with (:func:`failed_with`);
+        - through ``.raw`` on SQLite: SQLite rolled errands' transaction back itself (its
+          watch saw no statement end it: :func:`rolled_back_by_sqlite`), as it does when
+          a statement meets a full disk.
+
+        Any other error is the handler's, whatever its code, and charged as usual: one
+        from another database of the handler's own (an sqlite3 file it cannot open, a
+        PostgreSQL connection of its own out of disk), or one it raised itself (on
+        catching the store's, chained to it or not: the handler decided what that failure
+        is). Taken for the store's, such an error had the job run again for ever,
+        uncharged (attempt 0, its side effects outside the transaction repeated), never
+        reaching dead.
+
+        Nothing of the transaction commits; the job is given back uncharged (see
+        OutcomeRecorder), as when its COMMIT meets such a store. Ask before
+        :meth:`ended_then_failed`, whose ROLLBACK TO SAVEPOINT makes PostgreSQL forget
+        the failed statement."""
+        if exc is None or not self.tx_tried or not cannot_write_now(exc):
+            return False
+        return (
+            from_transaction(exc)
+            or failed_with(self.tx, exc)
+            or rolled_back_by_sqlite(self.tx) is not None
+        )
 
     def rollback(self) -> None:
         self._end_with("tx_rollback", "roll back")
@@ -1090,31 +1126,54 @@ def sqlite_transaction_gone(conn: Any) -> Exception | None:
     )
 
 
+def failed_with(conn: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` is the error the last statement on ``conn`` (a psycopg connection of
+    ctx.transaction(), a statement sent through ``.raw``) failed with: the connection is
+    in a failed transaction (INERROR), and the server's error text it holds for that
+    statement is ``exc``'s. Never for an error made by the handler (no server result),
+    nor one of another connection while errands' went on (its own error text is gone)."""
+    if conn is None or isinstance(conn, sqlite3.Connection):
+        return False
+    try:
+        status = conn.info.transaction_status
+        result = getattr(exc, "pgresult", None)
+        if getattr(status, "name", None) != "INERROR" or result is None:
+            return False
+        text = result.error_message
+        return bool(text) and text == conn.pgconn.error_message
+    except Exception:  # (closed, broken, not psycopg's: no evidence)
+        return False
+
+
 def watched(conn: Any, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``call(*args, **kwargs)``, a statement of the handler's on the transaction of
-    ctx.transaction() (``conn``). On SQLite, a statement that fails on a full disk
-    (SQLITE_FULL: the file reached its limit), or on I/O, memory or lock trouble, may roll
-    the whole transaction back, errands' savepoint with it: SQLite's doing, noted on the
-    connection, so that the failure is not taken for the handler ending the transaction
-    itself (``TransactionEnded``: the job dead for good, its writes thought committed)
-    and nothing more runs on it (it would run in autocommit mode, committed on its own)."""
-    if not isinstance(conn, sqlite3.Connection):
-        return call(*args, **kwargs)
+    ctx.transaction() (``conn``). Its error is marked as that connection's
+    (:func:`mark_from_transaction`): one that says the store cannot write now is the
+    store's, not the handler's, when it escapes the handler.
+
+    On SQLite, a statement that fails on a full disk (SQLITE_FULL: the file reached its
+    limit), or on I/O, memory or lock trouble, may roll the whole transaction back,
+    errands' savepoint with it: SQLite's doing, noted on the connection, so that the
+    failure is not taken for the handler ending the transaction itself
+    (``TransactionEnded``: the job dead for good, its writes thought committed) and
+    nothing more runs on it (it would run in autocommit mode, committed on its own)."""
+    before = False
+    if isinstance(conn, sqlite3.Connection):
+        with contextlib.suppress(sqlite3.Error):  # (closed: the call says so)
+            before = conn.in_transaction
     try:
-        before = conn.in_transaction
-    except sqlite3.Error:  # closed: the call says so
         return call(*args, **kwargs)
-    try:
-        return call(*args, **kwargs)
-    except sqlite3.Error as exc:
-        try:
-            ended = before and not conn.in_transaction
-        except sqlite3.Error:
-            ended = False
-        if ended:
-            # (AttributeError: a plain sqlite3.Connection; errands' own take attributes)
-            with contextlib.suppress(AttributeError):
-                setattr(conn, ROLLED_BACK_BY_STORE, f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        mark_from_transaction(exc)
+        if before and isinstance(exc, sqlite3.Error):
+            try:
+                ended = not conn.in_transaction
+            except sqlite3.Error:
+                ended = False
+            if ended:
+                # (AttributeError: a plain sqlite3.Connection; errands' own take attributes)
+                with contextlib.suppress(AttributeError):
+                    setattr(conn, ROLLED_BACK_BY_STORE, f"{type(exc).__name__}: {exc}")
         raise
 
 
