@@ -556,6 +556,36 @@ def test_a_handlers_own_postgresql_class_53_error_is_charged(
     assert _rows(effects, handle.id) == []
 
 
+@pytest.mark.parametrize("backend", ["postgres"])  # (a PostgreSQL server's limit)
+def test_a_handlers_statement_past_its_own_temp_file_limit_is_charged(
+    make_app: Make, effects: EffectsStore, store_url: str
+) -> None:
+    """A statement of the handler's in ctx.transaction() that needs more temporary file
+    space than temp_file_limit allows (SQLSTATE 53400, class 53 like a full disk): the
+    same statement meets it again however long it waits, so it is the handler's failure,
+    charged (here dead, no retries left). Taken for a store that cannot write, the job
+    was given back uncharged, again and again."""
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="own.big_sort", retries=0)
+    def big_sort(ctx: errands.Context, n: int) -> None:
+        write_effect(ctx, store_url, n)
+        tx = ctx.transaction()
+        tx.execute("SET LOCAL temp_file_limit = '1kB'")  # (as a server's own setting)
+        tx.execute("SET LOCAL work_mem = '64kB'")
+        tx.execute("SELECT g FROM generate_series(1, 300000) g ORDER BY g DESC").fetchall()
+
+    handle = big_sort.enqueue(n=4)
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, timeout=20, what="the job to end")
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD, job.errors
+    [failure] = job.errors
+    assert failure.type == "ConfigurationLimitExceeded", failure
+    assert _rows(effects, handle.id) == []
+
+
 @pytest.mark.parametrize("pool", ["thread", "child"])
 def test_a_job_given_back_for_a_store_that_cannot_write_too_many_times_is_charged(
     make_app: Make,

@@ -699,7 +699,9 @@ class AttemptRuntime:
         catching the store's, chained to it or not: the handler decided what that failure
         is). Taken for the store's, such an error had the job run again for ever,
         uncharged (attempt 0, its side effects outside the transaction repeated), never
-        reaching dead.
+        reaching dead. So is a statement of the handler's past a limit of its own
+        (QUERY_OWN_LIMITS: temp_file_limit, memory for its sort): class 53 too, but the
+        same statement meets it again however long it waits.
 
         Nothing of the transaction commits; the job is given back uncharged (see
         OutcomeRecorder), as when its COMMIT meets such a store. Ask before
@@ -707,6 +709,8 @@ class AttemptRuntime:
         the failed statement."""
         if exc is None or not self.tx_tried or not cannot_write_now(exc):
             return False
+        if getattr(exc, "sqlstate", None) in QUERY_OWN_LIMITS:
+            return False  # the handler's statement, at a limit of its own: charged
         return (
             from_transaction(exc)
             or failed_with(self.tx, exc)
@@ -1006,6 +1010,11 @@ def store_rolled_back(conn: Any) -> str | None:
     or None."""
     return getattr(conn, ROLLED_BACK_BY_STORE, None)
 
+
+# PostgreSQL's class-53 errors that a statement meets by itself, not a store that cannot
+# write: configuration_limit_exceeded (temp_file_limit), out_of_memory (its own sort or
+# hash past the server's memory).
+QUERY_OWN_LIMITS = frozenset({"53400", "53200"})
 
 # Set on an SQLite connection of ctx.transaction(): its TransactionWatch
 TX_WATCH = "errands_tx_watch"
