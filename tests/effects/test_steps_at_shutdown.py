@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -459,3 +461,227 @@ def test_a_handler_that_stops_when_asked_is_given_back_uncharged_while_another_j
     assert [e.kind for e in job.errors] == ["released"]
     other_job = other.job()
     assert (other_job.state, other_job.attempt) == (JobState.AVAILABLE, 0)
+
+
+# -- a step's fn that ended on its own: its leftovers are its own background work -------
+ABANDONED = "abandoned"  # the ERROR of a step given up on (settle_steps, the stop)
+
+
+def _abandoned_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.ERROR and ABANDONED in r.getMessage()
+    ]
+
+
+async def _refresher(ticks: list[float]) -> None:
+    """A client library's background task (a token refresher, a keepalive): lives on."""
+    while True:
+        ticks.append(time.monotonic())
+        await asyncio.sleep(0.05)
+
+
+def test_a_handler_that_catches_a_failed_step_whose_fn_left_a_task_running_ends_at_once(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step's fn lazily starts a long-lived task (a client's token refresher) and then
+    raises its own error; the handler catches it and succeeds through a fallback step.
+    The step ended on its own (not cut short by a cancel): what it left running is its
+    background work, not its effect still going on, so the job completes at once. The
+    step was held while the refresher lived: the successful job waited 2 x abandon_after
+    (here 40 s) and an ERROR said the step was abandoned."""
+    app = make_app()
+    ticks: list[float] = []
+    background: list[asyncio.Task[None]] = []
+
+    @app.job(name="steps.caught", retries=0)
+    async def caught(ctx: errands.Context) -> str:
+        async def primary() -> str:
+            if not background:  # the client starts its refresher on first use
+                background.append(asyncio.get_running_loop().create_task(_refresher(ticks)))
+            raise ConnectionError("primary down")
+
+        async def fallback() -> str:
+            return "fallback-ok"
+
+        try:
+            return str(await ctx.astep("primary", primary))
+        except ConnectionError:
+            return str(await ctx.astep("fallback", fallback))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    worker = WorkerThread(app, abandon_after=20).start()
+    try:
+        handle = caught.enqueue()
+        # well under abandon_after (20 s): not held for the refresher
+        assert handle.result(timeout=10) == "fallback-ok"
+        assert not background[0].done()  # the refresher lives on, as the client meant
+    finally:
+        worker.stop(timeout=120)
+    assert _abandoned_logged(caplog) == []
+
+
+def test_a_step_that_raised_is_retried_at_once_though_its_fn_left_a_task_running(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The step's fn starts a long-lived task and raises; the handler lets the error
+    through: the attempt fails at once and its retry runs after its backoff, not
+    2 x abandon_after later (with an ERROR saying the step was abandoned)."""
+    app = make_app()
+    ticks: list[float] = []
+    background: list[asyncio.Task[None]] = []
+
+    @app.job(name="steps.retried", retries=1, backoff=0.01)
+    async def retried(ctx: errands.Context) -> str:
+        async def call_api() -> str:
+            if not background:
+                background.append(asyncio.get_running_loop().create_task(_refresher(ticks)))
+            if ctx.attempt == 1:
+                raise ConnectionError("api blip")
+            return "ok"
+
+        return str(await ctx.astep("api", call_api))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    worker = WorkerThread(app, abandon_after=20).start()
+    try:
+        handle = retried.enqueue()
+        assert handle.result(timeout=10) == "ok"  # well under abandon_after (20 s)
+    finally:
+        worker.stop(timeout=120)
+    assert [e.type for e in handle.job().errors] == ["ConnectionError"]
+    assert _abandoned_logged(caplog) == []
+
+
+def test_a_long_lived_task_a_steps_fn_started_keeps_no_attempt_alive(make_app: Make) -> None:
+    """The task a step's fn started (a refresher living as long as the process) inherits
+    the step's context variable: it referred to the step, which referred to its attempt's
+    runtime, and every such attempt stayed in memory for as long as its task lived."""
+    app = make_app()
+    ticks: list[float] = []
+    background: list[asyncio.Task[None]] = []
+    runtimes: list[weakref.ref[Any]] = []
+
+    @app.job(name="steps.leaves_a_task", retries=0)
+    async def leaves_a_task(ctx: errands.Context) -> str:
+        runtimes.append(weakref.ref(ctx._runtime))
+
+        async def connect() -> str:
+            background.append(asyncio.get_running_loop().create_task(_refresher(ticks)))
+            return "connected"
+
+        return str(await ctx.astep("connect", connect))
+
+    worker = WorkerThread(app).start()
+    try:
+        for _ in range(2):  # (the worker may hold on to its latest attempt a while)
+            assert leaves_a_task.enqueue().result(timeout=30) == "connected"
+
+        def first_runtime_gone() -> bool:
+            gc.collect()
+            return runtimes[0]() is None
+
+        wait_until(first_runtime_gone, timeout=10, what="the first attempt's runtime freed")
+        assert not any(task.done() for task in background)  # while the tasks live on
+    finally:
+        worker.stop(timeout=120)
+
+
+def test_a_step_cut_short_has_the_tasks_its_fn_left_running_cancelled_at_abandon_after(
+    make_app: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler gives up on a step (asyncio.wait_for around it) whose fn runs its
+    effect under asyncio.shield: the step is held while that task runs, and at the cancel
+    point (abandon_after after the handler ended) that task is cancelled too, and waited
+    for: the job completes without abandoning anything. Only the step's own task was
+    cancelled there (long over): the second wait waited for nothing, and the step was
+    abandoned (logged at ERROR) with its task still running."""
+    app = make_app()
+    began = threading.Event()
+    stopped: list[str] = []
+
+    async def effect() -> None:
+        began.set()
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            stopped.append("cancelled")
+            raise
+
+    @app.job(name="steps.gave_up_on", retries=0)
+    async def gave_up_on(ctx: errands.Context) -> str:
+        async def charge() -> None:
+            await asyncio.shield(effect())
+
+        try:
+            await asyncio.wait_for(ctx.astep("charge", charge), 0.1)
+        except TimeoutError:
+            return "gave up"
+        return "charged"
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    worker = WorkerThread(app, abandon_after=0.5).start()
+    try:
+        handle = gave_up_on.enqueue()
+        assert handle.result(timeout=30) == "gave up"
+    finally:
+        worker.stop(timeout=120)
+    assert began.is_set()
+    assert stopped == ["cancelled"]
+    assert _abandoned_logged(caplog) == []
+
+
+def test_a_step_cut_short_after_the_loops_task_factory_was_replaced_is_held_as_running(
+    make_app: Make,
+) -> None:
+    """A handler or a library replaced the worker loop's task factory
+    (``loop.set_task_factory``): the tasks a step's fn starts are not counted from then
+    on. A step cut short by a cancel on that loop is held as possibly running, as on a
+    loop errands does not run. It counted as over as soon as its frame was: its shielded
+    effect went on unseen, and a graceful stop gave its job back beside it."""
+    from errands.backends.base import ClaimParams, QueueClaim
+    from errands.worker.execution import Attempt
+    from errands.worker.runners import LoopRunner
+    from errands.worker.runtime import AttemptRuntime
+
+    app = make_app()
+
+    @app.job(name="steps.factory_replaced")
+    async def factory_replaced() -> None: ...
+
+    factory_replaced.enqueue()
+    claim = ClaimParams([QueueClaim("default", 1)], 1, "w-test", 30.0)
+    [row] = app.backend.job_claim(claim)
+    attempt = Attempt(row=row, definition=factory_replaced, lease_seconds=30.0)
+    runtime = attempt.runtime = AttemptRuntime(app, attempt)
+
+    async def cut_short(finish: threading.Event) -> list[str]:
+        asyncio.get_running_loop().set_task_factory(None)  # a library's doing
+        began = asyncio.Event()
+
+        async def effect() -> None:
+            began.set()
+            while not finish.is_set():
+                await asyncio.sleep(0.01)
+
+        async def charge() -> None:
+            await asyncio.shield(effect())
+
+        step = asyncio.ensure_future(runtime.astep("charge", charge))
+        await began.wait()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        finish.set()
+        await asyncio.sleep(0.1)  # the effect is over, but this loop counted nothing
+        return list(runtime.steps_in_flight())
+
+    runner = LoopRunner(name="test-loop")
+    finish = threading.Event()
+    try:
+        assert runner.submit(lambda: cut_short(finish)).result(30) == ["charge"]
+    finally:
+        finish.set()
+        runner.shutdown()

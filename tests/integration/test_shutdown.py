@@ -309,3 +309,120 @@ def test_a_stop_whose_release_gets_no_answer_exits_within_its_bound_and_the_job_
     done = handle.job()
     assert (done.state, done.rescues) == (JobState.COMPLETED, 1)
     assert "released" not in [e.kind for e in done.errors]
+
+
+def test_a_stop_gives_back_a_job_whose_release_comes_after_one_waiting_for_a_row_lock(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL: two jobs run as the grace period ends. The release of the first waits
+    for its row, which another session holds FOR UPDATE; the second is inside a durable
+    step, and given back once the step ends, while the first release still waits. The
+    second release is made (its row is free) and lands: that job is available again,
+    uncharged; only the first is logged as not given back. The stop's releases shared
+    one helper thread: the second failed at once, untried ("1 earlier releases still
+    wait for an answer"), and its job, left running, was rescued after its lease and
+    charged as lost (a job with retries=0: dead for no fault of its own)."""
+    monkeypatch.setattr(worker_module, "RELEASE_WAIT", 1.0)
+    monkeypatch.setattr(worker_module, "DEREGISTER_WAIT", 0.5)
+    stops = threading.Event()
+    in_step = threading.Event()
+    finish = threading.Event()
+    app = errands.App(pg_url)
+
+    @app.job(name="stop.row_locked", retries=0)
+    def row_locked(ctx: errands.Context) -> str:
+        stops.set()
+        while not ctx.cancelled:  # stops when asked, at the end of the grace period
+            time.sleep(0.01)
+        return "stopped"
+
+    @app.job(name="stop.in_a_step", retries=0)
+    def in_a_step(ctx: errands.Context) -> str:
+        def charge() -> str:
+            in_step.set()
+            with errands.shielded():  # a provider call across the stop
+                finish.wait(120)
+            return "ch"
+
+        return str(ctx.step("charge", charge))
+
+    caplog.set_level(logging.INFO, logger="errands.worker")
+    worker = WorkerThread(
+        app, grace=0.2, abandon_after=60, concurrency=2, prefetch=0, maintenance=False
+    ).start()
+    stopper = threading.Thread(target=worker.stop, kwargs={"timeout": 60})
+    try:
+        locked = row_locked.enqueue()
+        stepping = in_a_step.enqueue()
+        assert stops.wait(30) and in_step.wait(30)
+        with _job_row_held(app, locked.id) as holder:
+            stopper.start()  # like SIGTERM
+            # the first job is given back (its release waits for the row), the second held
+            wait_until(
+                lambda: any("waiting for them to end" in r.getMessage() for r in caplog.records),
+                timeout=30,
+                what="the stop holding the job in its step",
+            )
+            time.sleep(0.2)  # (the first release well under way)
+            finish.set()  # the step ends: the second job is given back now
+            stopper.join(60)
+            assert not stopper.is_alive()
+            assert holder is not None
+            holder.execute(  # (the first release would never land: its session ends here)
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE %s = ANY(pg_blocking_pids(pid))",
+                (holder.info.backend_pid,),
+            )
+        wait_until(lambda: not _stop_releases_alive(), timeout=60, what="the releases over")
+        given_up = [
+            r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.ERROR and "could not give back" in r.getMessage()
+        ]
+        assert len(given_up) == 1 and f"job(s) {locked.id} " in given_up[0], given_up
+        job = stepping.job()
+        assert (job.state, job.attempt) == (JobState.AVAILABLE, 0), job.errors
+        assert [e.kind for e in job.errors] == ["released"]
+        assert locked.status() is JobState.RUNNING  # not given back: its lease runs out
+    finally:
+        finish.set()
+        if stopper.is_alive():
+            stopper.join(60)
+        elif stopper.ident is None:
+            worker.stop()
+        app.close()
+
+
+def test_a_stops_release_on_sqlite_waits_for_the_write_lock_no_longer_than_the_stop_does(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite: the write lock another connection holds keeps the stop's release from
+    being written. The stop gives it up after its bound, and so does the release's helper
+    thread (its wait for the lock ends at the same deadline): no release is written
+    later, after the worker left the registry, by a helper left waiting up to the
+    store's write_timeout (here 30 s). The job is rescued once its lease runs out."""
+    monkeypatch.setattr(worker_module, "RELEASE_WAIT", 0.5)
+    monkeypatch.setattr(worker_module, "DEREGISTER_WAIT", 0.5)
+    app = errands.App(db_url + "?write_timeout=30")
+    began = threading.Event()
+
+    @app.job(name="stop.sqlite_locked", retries=0, lease=3)
+    def sqlite_locked(ctx: errands.Context) -> str:
+        began.set()
+        while not ctx.cancelled:
+            time.sleep(0.01)
+        return "stopped"
+
+    worker = WorkerThread(app, grace=0.2, maintenance=False).start()
+    try:
+        handle = sqlite_locked.enqueue()
+        assert began.wait(30)
+        with _job_row_held(app, handle.id):
+            worker.stop(timeout=60)
+            # well before write_timeout (30 s), the lock still held
+            wait_until(lambda: not _stop_releases_alive(), timeout=10, what="the helper over")
+        assert handle.status() is JobState.RUNNING  # never given back late
+    finally:
+        if worker.thread.is_alive():
+            worker.worker.stop()
+        app.close()

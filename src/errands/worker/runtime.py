@@ -21,6 +21,7 @@ transaction and child jobs (DESIGN §3, effectively-once effects).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import functools
@@ -80,10 +81,23 @@ SETTLE_POLL = 0.02  # seconds between looks at the steps an ended handler left r
 
 
 class StepInFlight:
-    """A step called and not over yet: its fn running (with the work it started on the
-    loop: see :mod:`errands.worker.stepwork`), or its result being stored."""
+    """A step called and not over yet: its fn running (or, cut short by a cancel, the work
+    it started on the loop: see :mod:`errands.worker.stepwork`), or its result being
+    stored."""
 
-    __slots__ = ("awaited", "ended", "handed", "name", "owner", "task", "unseen", "work")
+    __slots__ = (
+        "__weakref__",
+        "awaited",
+        "counter",
+        "cut_short",
+        "ended",
+        "handed",
+        "name",
+        "owner",
+        "started",
+        "task",
+        "unseen",
+    )
 
     def __init__(self, name: str, task: asyncio.Task[Any] | None, owner: AttemptRuntime) -> None:
         self.name = name
@@ -92,24 +106,53 @@ class StepInFlight:
         self.ended = threading.Event()
         # an astep's fn run in a thread: its task stopped waiting for it (cancelled)
         self.handed = False
-        # An astep's fn: the tasks and threads it started that still run (a shielded
-        # task, an asyncio.to_thread call, which its cancel does not stop), and whether
+        # An astep's fn: the tasks and threads it started that still run (``started``: a
+        # shielded task, an asyncio.to_thread call, which its cancel does not stop;
+        # cancelled at settle_steps' cancel point), and whether
         # its frame (or the store of its result) is still going. Under the owner's
-        # _flights_lock.
-        self.work = 0
+        # _flights_lock. What the fn's tasks see (stepwork.STEP) is ``counter``, which
+        # refers to the flight weakly: a long-lived task the fn started (a client's
+        # refresher) keeps neither the flight nor its attempt alive.
+        self.started: set[asyncio.Task[Any] | concurrent.futures.Future[Any]] = set()
+        self.counter = _StepCounter(self)
         self.awaited = True
+        # Its fn ended by a cancel (a stop's, a timeout's, a wait_for around the step):
+        # the work it started may be its effect still going on, so the step is in flight
+        # until that work is over. A fn that returned or raised its own error is over at
+        # once: what it left running is its own background work.
+        self.cut_short = False
         # Its fn was cut short by a cancel on a loop that does not count the work it
-        # started (not the worker's: see stepwork.track_steps): that work may go on
-        # unseen, so the step is held as running for good (a graceful stop keeps its job
-        # until abandon_after, as it keeps a hung step's)
+        # started (not the worker's, or one whose task factory was replaced: see
+        # stepwork.counts_step_work): that work may go on unseen, so the step is held as
+        # running for good (a graceful stop keeps its job until abandon_after, as it
+        # keeps a hung step's)
         self.unseen = False
 
-    def work_begins(self) -> bool:
+    def work_begins(self, work: asyncio.Task[Any] | concurrent.futures.Future[Any]) -> bool:
         """A task or thread started by its fn (stepwork.StepWork): counted until over."""
-        return self.owner._work_begins(self)
+        return self.owner._work_begins(self, work)
 
-    def work_ends(self, _done: object = None) -> None:
-        self.owner._work_ends(self)
+    def work_ends(self, done: asyncio.Task[Any] | concurrent.futures.Future[Any]) -> None:
+        self.owner._work_ends(self, done)
+
+
+class _StepCounter:
+    """What stepwork.STEP holds while a step's fn runs: its flight, weakly (see
+    StepInFlight.counter)."""
+
+    __slots__ = ("_flight",)
+
+    def __init__(self, flight: StepInFlight) -> None:
+        self._flight = weakref.ref(flight)
+
+    def work_begins(self, work: asyncio.Task[Any] | concurrent.futures.Future[Any]) -> bool:
+        flight = self._flight()
+        return flight is not None and flight.work_begins(work)
+
+    def work_ends(self, done: Any = None) -> None:
+        flight = self._flight()
+        if flight is not None:
+            flight.work_ends(done)
 
 
 class AttemptRuntime:
@@ -172,32 +215,45 @@ class AttemptRuntime:
         return flight
 
     def _flight_ends(self, flight: StepInFlight, *, with_work: bool = False) -> None:
-        """The step's call is over. ``with_work``: its fn ended without a stored result
-        (it raised, or was cut short by a cancel): the step stays in flight until the
-        tasks and threads its fn started are over too (see :mod:`.stepwork`): the next
-        run calls fn again, and must not do so beside a shielded task or a thread the
-        cancel left running. (Once its result is stored, the next run never calls it.)"""
+        """The step's call is over. ``with_work``: its fn was cut short by a cancel (see
+        StepInFlight.cut_short): the step stays in flight until the tasks and threads
+        its fn started are over too (see :mod:`.stepwork`): the next run calls fn again,
+        and must not do so beside a shielded task or a thread the cancel left running.
+        (Once its result is stored, the next run never calls it; a fn that raised its
+        own error ended its effect itself, as far as errands can tell.)"""
         with self._flights_lock:
             flight.awaited = False
-            over = not with_work or (flight.work <= 0 and not flight.unseen)
+            over = not with_work or (not flight.started and not flight.unseen)
             if over:
-                self._in_flight.discard(flight)
+                self._flight_over(flight)
         if over:
             flight.ended.set()
 
-    def _work_begins(self, flight: StepInFlight) -> bool:
+    def _flight_over(self, flight: StepInFlight) -> None:
+        """(Under _flights_lock.) The flight is over: what its fn started is counted no
+        more (its done callbacks find it gone)."""
+        self._in_flight.discard(flight)
+        flight.started.clear()
+
+    def _work_begins(
+        self, flight: StepInFlight, work: asyncio.Task[Any] | concurrent.futures.Future[Any]
+    ) -> bool:
         with self._flights_lock:
             if flight not in self._in_flight:  # over: its result stored, or given up on
                 return False
-            flight.work += 1
+            flight.started.add(work)
             return True
 
-    def _work_ends(self, flight: StepInFlight) -> None:
+    def _work_ends(
+        self, flight: StepInFlight, done: asyncio.Task[Any] | concurrent.futures.Future[Any]
+    ) -> None:
         with self._flights_lock:
-            flight.work -= 1
-            over = not flight.awaited and flight.work <= 0 and flight in self._in_flight
+            if done not in flight.started:  # counted no more: the flight is over
+                return
+            flight.started.discard(done)
+            over = not flight.awaited and not flight.started and flight in self._in_flight
             if over:
-                self._in_flight.discard(flight)
+                self._flight_over(flight)
         if over:
             flight.ended.set()
 
@@ -236,12 +292,18 @@ class AttemptRuntime:
         (``stopped()``: its timeout, a cancel, a lost lease, the worker stopping; or this
         task is cancelled meanwhile), the tasks running steps are cancelled (a step cut
         short runs again on the retry, as after a crash) and waited for ``grace`` more
-        seconds. A step still running then (its task caught the cancel and went on, or a
-        ``ctx.step`` on a thread) is abandoned, logged, as a thread past its timeout is."""
+        seconds. The work a step cut short still runs (a shielded task it started: see
+        StepInFlight.cut_short) is cancelled ``grace`` seconds after the handler ended
+        (not at once when asked to stop: shielded, it is what must not be cut in half),
+        and waited for until the end of those ``grace`` more seconds, or one poll more. A
+        step still running then (its task caught the cancel and went on, or a
+        ``ctx.step`` on a thread, or a thread its fn started) is abandoned, logged, as a
+        thread past its timeout is."""
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
         began = loop.time()
         cancelled_at: float | None = None
+        work_cancelled_at: float | None = None
         while pending := [f for f in flights if not f.ended.is_set()]:
             now = loop.time()
             if cancelled_at is None and (now - began >= grace or stopped()):
@@ -252,7 +314,15 @@ class AttemptRuntime:
                             f"job {self.attempt.id}: its handler ended while step "
                             f"{flight.name!r} still ran"
                         )
-            elif cancelled_at is not None and now - cancelled_at >= grace:
+            if work_cancelled_at is None and now - began >= grace:
+                work_cancelled_at = now
+                self._cancel_work(pending, grace)
+            elif (
+                cancelled_at is not None
+                and work_cancelled_at is not None
+                and now - cancelled_at >= grace
+                and now > work_cancelled_at
+            ):
                 log.error(
                     "job %s: step(s) %s still ran %g s after its handler ended and %g s "
                     "after being cancelled; abandoned (they may still be running beside "
@@ -274,6 +344,20 @@ class AttemptRuntime:
                     me.uncancel()
                 if cancelled_at is None:
                     began = loop.time() - grace
+
+    def _cancel_work(self, flights: list[StepInFlight], grace: float) -> None:
+        """Cancel the tasks (and the executor calls not begun yet) that the fns of
+        ``flights``, cut short, started and that still run (see settle_steps)."""
+        with self._flights_lock:
+            started = [(flight.name, work) for flight in flights for work in flight.started]
+        for name, work in started:
+            if isinstance(work, asyncio.Task):
+                work.cancel(
+                    f"job {self.attempt.id}: step {name!r} was cut short, and this task it "
+                    f"started still ran {grace:g} s after the job's handler ended"
+                )
+            else:  # a thread cannot be stopped: only a call still queued
+                work.cancel()
 
     def _begin_step(self, name: str) -> tuple[bool, Any]:
         if not isinstance(name, str) or not name:
@@ -425,8 +509,8 @@ class AttemptRuntime:
             storing.add_done_callback(lambda stored: self._stored(flight, stored))
             return await asyncio.shield(storing)
         finally:
-            if storing is None:
-                self._flight_ends(flight, with_work=True)
+            if storing is None:  # (cut short: held while the work its fn started runs)
+                self._flight_ends(flight, with_work=flight.cut_short)
 
     def _step_in_a_thread(
         self,
@@ -901,19 +985,37 @@ class _Unawaited:
 
 async def _in_step(flight: StepInFlight, call: Callable[[], Awaitable[Any]]) -> Any:
     """Await what ``call()`` returns (a step's fn) with the tasks and threads it starts on
-    the worker's loop counted as the step's work (see :mod:`.stepwork`)."""
-    token = stepwork.STEP.set(flight)
+    the worker's loop counted as the step's work (see :mod:`.stepwork`), and note whether
+    the fn was cut short by a cancel (StepInFlight.cut_short): it raised CancelledError,
+    or another error while its task was being cancelled (a fn turning the cancel into
+    an error of its own)."""
+    token = stepwork.STEP.set(flight.counter)
     try:
         return await call()
-    except asyncio.CancelledError:
-        if not stepwork.counts_step_work(asyncio.get_running_loop()):
-            flight.unseen = True
+    except (Exception, asyncio.CancelledError) as exc:
+        if _cut_short(exc):
+            flight.cut_short = True
+            # (compared now: a handler or a library may have replaced the loop's task
+            # factory since the worker set it, and the fn's tasks went uncounted)
+            if not stepwork.counts_step_work(asyncio.get_running_loop()):
+                flight.unseen = True
         raise
     finally:
         # (not from a task left pending at the loop's end, closed by the garbage collector
         # in another context: nothing to undo there)
         with contextlib.suppress(ValueError):
             stepwork.STEP.reset(token)
+
+
+def _cut_short(exc: BaseException) -> bool:
+    """Whether a step's fn that raised ``exc`` was cut short by a cancel of its task."""
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # (no loop running)
+        return False
+    return task is not None and task.cancelling() > 0
 
 
 def _given(awaitable: Awaitable[T]) -> Awaitable[T]:

@@ -46,10 +46,10 @@ still runs over (in one step with its handler's decision: see Attempt.stop_for_s
 and stop it (as a timeout does), and release each job (back to available, the attempt
 not charged, the release recorded on the job) once it runs no durable step (up to
 ``abandon_after``, its lease still heartbeated); flush outcomes; let queued hooks run;
-resign leadership. Each store write of the stop waits for its answer a bounded time (a
-release: RELEASE_WAIT); a job whose release is given up on is rescued once its lease
-runs out. A second signal exits the process at once; those leases then expire and are
-rescued.
+resign leadership. Each store write of the stop waits for its answer a bounded time (the
+releases: RELEASE_WAIT after the last one began, see _StopReleases); a job whose release
+is given up on is rescued once its lease runs out. A second signal exits the process at
+once; those leases then expire and are rescued.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from ..hooks import protect_current_thread
 from ..jobs import JobRow
 from ..maintenance import Maintenance
 from ..observability.logcontext import install_record_factory, job_extra, lockless_line
-from .callers import Callers, call_within
+from .callers import call_within
 from .claiming import Claimer
 from .completer import Completer
 from .dispatch import Dispatcher
@@ -171,13 +171,15 @@ HOOK_DRAIN = 5.0  # seconds a graceful stop waits for queued on_dead hooks and e
 # A store that stopped answering (a partition with no RST, SQLite's write lock held
 # elsewhere) held the stop up to its TCP timeouts or write_timeout.
 DEREGISTER_WAIT = 5.0
-# A stop gives the jobs it took over back (released, uncharged) in store writes made on a
-# helper thread of the stop's own, each waited for this long at most (a later one fails at
-# once while an earlier one still waits). Past that the worker exits without them: their
-# leases run out (no heartbeat renews them any more) and the jobs are rescued. A store
-# that stopped answering (a lock held elsewhere: SQLite's write lock, a job's row under
-# PostgreSQL's FOR UPDATE; a partition with no RST) held the stop with the write, up to
-# SQLite's write_timeout or the TCP timeouts, or for as long as the lock was held.
+# A stop gives the jobs it took over back (released, uncharged) in store writes made each
+# on a helper thread of its own as soon as the stop makes it (see _StopReleases), their
+# answers waited for, all together, until this long after the last one began at most.
+# Past that the worker exits without them: their leases run out (no heartbeat renews them
+# any more) and the jobs are rescued. A store that stopped answering (a lock held
+# elsewhere: SQLite's write lock, a job's row under PostgreSQL's FOR UPDATE; a partition
+# with no RST) held the stop with the write, up to SQLite's write_timeout or the TCP
+# timeouts, or for as long as the lock was held; and with one helper for all of them, a
+# release waiting for one job's row lock made every later one of the stop fail untried.
 RELEASE_WAIT = 5.0
 EXIT_NOW_CODE = 1
 
@@ -474,8 +476,8 @@ class Worker:
         self.processed = 0
         self.started_at = 0.0
         self._leaving = False  # set as the shutdown begins: the registry is left for good
-        # the stop's releases, each waited for RELEASE_WAIT at most (see _release_within)
-        self._stop_releases: Callers | None = None
+        # the stop's releases, on helper threads, answered within a bound (_StopReleases)
+        self._stop_releases = _StopReleases(self)
         self.listener: Any = None
         self._notified = False
         self.exit_code = 0  # 1: it stopped because its child processes cannot start
@@ -1211,8 +1213,14 @@ class Worker:
             # A decided attempt still writing its outcome (a ctx.transaction() commit that
             # waits on a lock) is waited for too: left behind, the process ended, the
             # commit was rolled back, and a job that succeeded was rescued as lost.
+            # (Not the prefetched ones withdrawn above: they never run, and their release,
+            # on a helper thread, forgets them once answered.)
             with self._lock:
-                running = [a for a in self._attempts.values() if not a.decided or a.writing]
+                running = [
+                    a
+                    for a in self._attempts.values()
+                    if (not a.decided and not a.released) or a.writing
+                ]
             if not running:
                 break
             time.sleep(0.02)
@@ -1243,9 +1251,7 @@ class Worker:
             # ...then give each job back as soon as its steps are over (bounded): the
             # release is recorded on each job.
             self._give_back_after_steps(leftover, settle_by)
-        if self._stop_releases is not None:  # (a release's helper ends once it is over)
-            self._stop_releases.stop()
-            self._stop_releases = None
+        self._stop_releases.wait()  # (their answers, RELEASE_WAIT after the last began)
         self._wait_writes(max(self.grace, 5.0))
         self.completer.stop(timeout=max(self.grace, 5.0))
         self.leases.stop()
@@ -1395,51 +1401,19 @@ class Worker:
         attempt's process span stayed open for good.
 
         ``bounded``: from the stop, whose exit must not wait for a store that does not
-        answer: the write is made on a helper thread and its answer waited for
-        ``RELEASE_WAIT`` at most (see :meth:`_release_within`)."""
+        answer: the write is begun on a helper thread of its own and this returns at once;
+        the rest is done when its answer comes, or when the stop gives up waiting for it
+        (see :class:`_StopReleases`)."""
+        if bounded:
+            self._stop_releases.begin(attempts, message, level, unrun=unrun, prefetched=prefetched)
+            return
         released: list[bool | None]
         try:
-            if bounded:
-                released = self._release_within(
-                    attempts, message, unrun=unrun, prefetched=prefetched
-                )
-            else:
-                released = self.release_write(attempts, message, unrun=unrun, prefetched=prefetched)
-        except TimeoutError as exc:
-            log.error(
-                "stopping: could not give back job(s) %s (%s); the worker exits without "
-                "waiting: no heartbeat renews their leases any more, and they are rescued "
-                "once the leases run out",
-                _shown([a.id for a in attempts]),
-                exc,
-            )
-            released = [None] * len(attempts)
+            released = self.release_write(attempts, message, unrun=unrun, prefetched=prefetched)
         except Exception:
             log.exception("could not release running jobs; they are rescued after their lease")
             released = [None] * len(attempts)
         self.release_done(attempts, released, message, level)
-
-    def _release_within(
-        self,
-        attempts: list[Attempt],
-        message: str,
-        *,
-        unrun: bool = False,
-        prefetched: bool = False,
-    ) -> list[bool | None]:
-        """:meth:`release_write` on the stop's helper thread, its answer waited for
-        ``RELEASE_WAIT`` at most: TimeoutError past that, or at once while an earlier
-        release still waits for its answer (the write goes on there: it may still land,
-        fenced by the leases' tokens, if the process lives on)."""
-        if self._stop_releases is None:
-            self._stop_releases = Callers("errands-stop-release", 1)
-        deadline = time.monotonic() + RELEASE_WAIT
-
-        def write() -> list[bool | None]:
-            with calls_until(deadline):
-                return self.release_write(attempts, message, unrun=unrun, prefetched=prefetched)
-
-        return self._stop_releases.call(write, RELEASE_WAIT, "release")
 
     def release_write(
         self,
@@ -1532,6 +1506,133 @@ class Worker:
             + self.threads.stuck()
             + sum(1 for a in self.attempts() if a.released and a.future and not a.future.done())
         )
+
+
+class _StopReleases:
+    """The releases of a stopping worker (its prefetched jobs as the stop begins, the jobs
+    it took over at the end of the grace period, each as soon as its steps are over): each
+    written on a helper thread of its own as soon as the stop makes it, so that none ever
+    fails untried: one waiting for a lock (a job's row another session holds FOR UPDATE,
+    SQLite's write lock) holds no other back; with one helper for them all, every later
+    release of the stop failed at once while it waited, and those jobs, left running, were
+    rescued after their leases and charged as lost. The stop goes on meanwhile; each
+    answer is taken as it comes (Worker.release_done: its log line, its events, the
+    attempt forgotten). Before leaving the registry, the stop waits for those still
+    unanswered until ``RELEASE_WAIT`` after the last release began at most (one deadline
+    for them all: the waits overlap), then logs the jobs not given back (their leases run
+    out and they are rescued). A stop makes few releases (one a look at the steps that
+    ended: at most one a job it held), so few threads.
+
+    A write still waiting then goes on in its helper: on PostgreSQL its wait for a pool
+    connection ends at the deadline (base.calls_until), and so does, on SQLite, its wait
+    for the write lock; a statement already sent may still land (a row lock let go of
+    later). Landing after the stop, even after the worker left the registry, it is the
+    release the stop meant (the job available, uncharged), fenced by the attempt's lease
+    token: once the job has been rescued (its lease ran out) or taken by another worker,
+    it changes nothing. Only its events were sent already (``write_failed``). When the
+    process exits, its session ends with it, and a statement not committed is rolled back.
+    """
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self._lock = threading.Lock()
+        self._pending: list[_StopRelease] = []
+        self._until = 0.0  # RELEASE_WAIT after the last release began (time.monotonic())
+
+    def begin(
+        self,
+        attempts: list[Attempt],
+        message: str,
+        level: int,
+        *,
+        unrun: bool = False,
+        prefetched: bool = False,
+    ) -> None:
+        """Begin the release of ``attempts`` on a helper thread of its own."""
+        worker = self._worker
+        deadline = time.monotonic() + RELEASE_WAIT
+        release = _StopRelease(attempts, message, level)
+        with self._lock:
+            self._pending.append(release)
+            self._until = max(self._until, deadline)
+
+        def write() -> None:
+            try:
+                with calls_until(deadline):
+                    answer = worker.release_write(
+                        attempts, message, unrun=unrun, prefetched=prefetched
+                    )
+            except Exception as exc:
+                if release.take():
+                    # (past the deadline: a pool checkout or SQLite's lock wait gave up)
+                    late = time.monotonic() >= deadline
+                    log.error(
+                        "stopping: could not give back job(s) %s (%s%s: %s); no heartbeat "
+                        "renews their leases any more, and they are rescued once the "
+                        "leases run out",
+                        _shown([a.id for a in attempts]),
+                        f"no answer to their release within {RELEASE_WAIT:g} s: " if late else "",
+                        type(exc).__name__,
+                        exc,
+                    )
+                    self._done(release, [None] * len(attempts))
+            else:
+                if release.take():
+                    self._done(release, answer)
+
+        threading.Thread(target=write, name="errands-stop-release", daemon=True).start()
+
+    def _done(self, release: _StopRelease, answer: list[bool | None]) -> None:
+        try:
+            self._worker.release_done(release.attempts, answer, release.message, release.level)
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._pending.remove(release)
+
+    def wait(self) -> None:
+        """Wait for the answers still to come, until ``RELEASE_WAIT`` after the last
+        release began at most; then log the jobs not given back, and end their attempts
+        (a late answer is not read)."""
+        while True:
+            with self._lock:
+                pending, until = list(self._pending), self._until
+            if not pending:
+                return
+            if time.monotonic() >= until:
+                break
+            time.sleep(0.02)
+        for release in pending:
+            if not release.take():  # (answered just now)
+                continue
+            log.error(
+                "stopping: could not give back job(s) %s (no answer to their release "
+                "within %g s); the worker exits without waiting: no heartbeat renews their "
+                "leases any more, and they are rescued once the leases run out",
+                _shown([a.id for a in release.attempts]),
+                RELEASE_WAIT,
+            )
+            self._done(release, [None] * len(release.attempts))
+
+
+class _StopRelease:
+    """One release of a stop (_StopReleases): taken once, by its answer or by the stop
+    giving up on it."""
+
+    __slots__ = ("_lock", "attempts", "level", "message", "taken")
+
+    def __init__(self, attempts: list[Attempt], message: str, level: int) -> None:
+        self.attempts = attempts
+        self.message = message
+        self.level = level
+        self.taken = False
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.taken:
+                return False
+            self.taken = True
+            return True
 
 
 def _steps_in_flight(attempt: Attempt) -> list[str]:

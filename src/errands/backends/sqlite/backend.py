@@ -50,6 +50,7 @@ from ..base import (
     QueueClaim,
     QueueSettings,
     RescueParams,
+    connection_wait,
     insert_params,
     release_pauses,
     warn_newer_schema,
@@ -515,7 +516,11 @@ class SQLiteBackend(SQLiteAdmin):
             self._fresh_process()
         started = time.monotonic()
         lock = self._memory_lock or (self._writer if timeout is None else None)
-        limit = self.write_timeout if timeout is None else timeout
+        # A caller's deadline (base.calls_until: a stopping worker's release and its
+        # leaving the registry, the leader's election) bounds the wait for the lock as it
+        # bounds PostgreSQL's wait for a connection: its helper thread, whose answer is
+        # no longer waited for, does not write it late, write_timeout after.
+        limit = connection_wait(self.write_timeout) if timeout is None else timeout
         if lock is not None and not lock.acquire(timeout=limit):
             raise DatabaseBusy(
                 f"SQLite database {self.path!r}: another thread of this process held its "
