@@ -155,8 +155,8 @@ def test_a_job_whose_outcome_meets_a_full_store_completes_once_there_is_room(
     lock = threading.Lock()
     connect = backend._connect
 
-    def capped_connect() -> sqlite3.Connection:
-        conn = connect()
+    def capped_connect(**options: Any) -> sqlite3.Connection:
+        conn = connect(**options)
         pages = conn.execute("PRAGMA page_count").fetchone()[0]
         conn.execute(f"PRAGMA max_page_count = {pages + ROOM_PAGES}")
         with lock:
@@ -220,8 +220,8 @@ def test_a_transactional_job_whose_commit_meets_a_full_store_is_given_back_uncha
     full.set()
     connect = backend._connect
 
-    def capped_connect() -> sqlite3.Connection:
-        conn = connect()
+    def capped_connect(**options: Any) -> sqlite3.Connection:
+        conn = connect(**options)
         if full.is_set():
             pages = conn.execute("PRAGMA page_count").fetchone()[0]
             conn.execute(f"PRAGMA max_page_count = {pages + ROOM_PAGES}")

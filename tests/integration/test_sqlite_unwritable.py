@@ -47,8 +47,8 @@ class ReadOnly:
         self.lock = threading.Lock()
         connect = backend._connect
 
-        def connect_and_note() -> sqlite3.Connection:
-            conn = connect()
+        def connect_and_note(**options: Any) -> sqlite3.Connection:
+            conn = connect(**options)
             with self.lock:
                 self.opened.append(conn)
                 conn.execute(f"PRAGMA query_only = {int(self.refusing)}")
