@@ -679,7 +679,9 @@ def test_a_stopping_worker_gives_up_a_resignation_that_gets_no_answer(
             logged = [r.getMessage() for r in caplog.records]
             gave_up = [m for m in logged if "could not resign" in m]
             assert len(gave_up) == 1, gave_up
-            assert "no answer" in gave_up[0]
+            # PostgreSQL: the helper's bound; SQLite: its wait for the write lock, bounded
+            # by the caller's deadline as well (errands.backends.base.calls_until)
+            assert "no answer" in gave_up[0] or "locked for" in gave_up[0], gave_up
     finally:
         if worker.thread.is_alive():
             worker.worker.stop()
