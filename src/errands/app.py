@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import functools
 import logging
 import os
@@ -224,7 +225,12 @@ class App:
             )
         # after this long, the leader runs the hooks of a death no worker marked done
         self.dead_hooks_grace = grace
+        # Replaced, never changed in place, as jobs are registered (:meth:`_registry_put`):
+        # a worker's threads iterate it while the code still registers jobs (an embedded
+        # worker, a module imported late), and a dict changed in place under an iteration
+        # raised "dictionary changed size during iteration" (the worker's start died).
         self.registry: dict[str, JobDefinition[Any, Any]] = {}
+        self._registry_lock = threading.Lock()
         self.dead_hooks: list[DeadHook] = []
         self._dead_hooks_queued: set[int] = set()  # job ids whose hooks wait on the lane
         self._dead_hooks_lock = threading.Lock()
@@ -234,7 +240,8 @@ class App:
         self.events.subscribe(log_event, inline=True)
         self._backend: Backend | None = None
         self._backend_lock = threading.Lock()
-        self._opening_lock = threading.Lock()  # never held while the store opens
+        self._opening_lock = threading.Lock()
+        self._registry_lock = threading.Lock()  # never held while the store opens
         self._opening: concurrent.futures.Future[Backend] | None = None  # abackend's
         self._results: ResultHub | None = None
         self.fair_weights: CallableWeights | None = None  # app.fair_weight(fn)
@@ -267,6 +274,7 @@ class App:
         errands.hooks): none waits in the child."""
         self._backend_lock = threading.Lock()
         self._opening_lock = threading.Lock()
+        self._registry_lock = threading.Lock()
         # Forgotten unasked: Future.done() takes the future's lock, which another thread
         # may have held at the fork (the child hung for good in this hook). A store opened
         # is in _backend already; else the child opens its own.
@@ -275,6 +283,14 @@ class App:
         self._dead_hooks_queued = set()
         self._workers_lock = threading.Lock()
         self._workers = set()
+
+    def _registry_put(self, name: str, definition: JobDefinition[Any, Any]) -> None:
+        """Register ``definition`` under ``name`` in a copy of the registry that then
+        replaces it (the caller holds _registry_lock): an iteration of the one before,
+        on another thread, goes on over what it held (see ``registry``)."""
+        registry = copy.copy(self.registry)  # (a subclass's kind and attributes kept)
+        registry[name] = definition
+        self.registry = registry
 
     # -- the store ---------------------------------------------------------------------
     @property
@@ -452,12 +468,13 @@ class App:
                 rate=rate,
                 fair_key=fair_key,
             )
-            if definition.name in self.registry:
-                raise ConfigurationError(
-                    f"a job named {definition.name!r} is already registered; pass name= to "
-                    "give one of them another name"
-                )
-            self.registry[definition.name] = definition
+            with self._registry_lock:
+                if definition.name in self.registry:
+                    raise ConfigurationError(
+                        f"a job named {definition.name!r} is already registered; pass name= "
+                        "to give one of them another name"
+                    )
+                self._registry_put(definition.name, definition)
             return definition
 
         return register(fn) if fn is not None else register
@@ -702,8 +719,11 @@ class App:
             try:
                 bound = definition.bind(**fixed)  # validate the arguments at definition time
             except Exception:
-                if existing is None:
-                    del self.registry[definition.name]  # bad args register nothing
+                if existing is None:  # bad args register nothing
+                    with self._registry_lock:
+                        registry = copy.copy(self.registry)
+                        registry.pop(definition.name, None)
+                        self.registry = registry
                 raise
             self.schedules[definition.name] = Periodic(
                 definition, expression, zone, fixed, catch, bound

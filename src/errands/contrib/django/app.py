@@ -513,7 +513,8 @@ class DjangoApp(App):
                     f"an errands job is already registered as {name!r}; rename one of them"
                 )
             definition = TaskDefinition(self, task, self.options)
-            self.registry[name] = definition
+            with self._registry_lock:
+                self._registry_put(name, definition)
             self._unresolvable.discard(name)
             return definition
 
