@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from . import offloop
-from .errors import ConfigurationError
+from .errors import ConfigurationError, JobNotFound
 from .forking import fresh_lock_at_fork
 
 if TYPE_CHECKING:
@@ -181,7 +182,9 @@ class Context:
         as ``on_settled``, the final ones. ``ctx.workflow_members()`` lists the members.
         In an ``async def`` handler, ``await ctx.aworkflow()``."""
         self._not_on_the_loop("ctx.workflow()", "await ctx.aworkflow()")
-        return self._rt().app.workflow_status(self._workflow_required("ctx.workflow()"))
+        workflow_id = self._workflow_required("ctx.workflow()")
+        with self._workflow_gone(workflow_id):
+            return self._rt().app.workflow_status(workflow_id)
 
     async def aworkflow(self) -> WorkflowStatus:
         """:meth:`workflow` for async handlers: read in a worker thread, so the event loop
@@ -190,14 +193,17 @@ class Context:
         .. versionadded:: 0.2
         """
         workflow_id = self._workflow_required("ctx.aworkflow()")
-        return await offloop.run(self._rt().app.workflow_status, workflow_id)
+        with self._workflow_gone(workflow_id):
+            return await offloop.run(self._rt().app.workflow_status, workflow_id)
 
     def workflow_members(self) -> list[Member]:
         """Every member of this job's workflow with its node, state and outcome (the
         failed ones of a batch are those whose ``outcome`` is ``dead`` or ``cancelled``).
         In an ``async def`` handler, ``await ctx.aworkflow_members()``."""
         self._not_on_the_loop("ctx.workflow_members()", "await ctx.aworkflow_members()")
-        return self._rt().app.workflow_members(self._workflow_required("ctx.workflow_members()"))
+        workflow_id = self._workflow_required("ctx.workflow_members()")
+        with self._workflow_gone(workflow_id):
+            return self._rt().app.workflow_members(workflow_id)
 
     async def aworkflow_members(self) -> list[Member]:
         """:meth:`workflow_members` for async handlers (read in a worker thread).
@@ -205,7 +211,8 @@ class Context:
         .. versionadded:: 0.2
         """
         workflow_id = self._workflow_required("ctx.aworkflow_members()")
-        return await offloop.run(self._rt().app.workflow_members, workflow_id)
+        with self._workflow_gone(workflow_id):
+            return await offloop.run(self._rt().app.workflow_members, workflow_id)
 
     def parent_results(
         self, *, after: int = 0, limit: int = 100, max_bytes: int = 1_000_000
@@ -269,6 +276,22 @@ class Context:
         """
         self._workflow_required("ctx.aadd_to_workflow()")
         await self._rt().aadd_to_workflow(job)
+
+    @contextmanager
+    def _workflow_gone(self, workflow_id: int) -> Iterator[None]:
+        """A read of this job's workflow that finds none says why it can be gone: the
+        message was only "no workflow with id N" (a member replayed from the dead-letter
+        queue after its workflow was pruned)."""
+        try:
+            yield
+        except JobNotFound as exc:
+            raise JobNotFound(
+                f"job {self.job_id} ({self.name}): its workflow {workflow_id} is gone: a "
+                "settled workflow is pruned after the App's retention, and a member "
+                "replayed from the dead-letter queue after that runs on its own, without "
+                "it (read ctx.workflow_id before relying on the workflow, or discard the "
+                "job instead of replaying it)"
+            ) from exc
 
     def _workflow_required(self, what: str) -> int:
         workflow_id = self.workflow_id

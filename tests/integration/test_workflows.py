@@ -69,6 +69,39 @@ def test_a_dag_runs_to_its_result_on_a_real_worker_and_the_cli_shows_it(
     )
 
 
+def test_a_member_replayed_after_its_workflow_was_pruned_is_told_why_it_is_gone(
+    each_store_url: str, errands_testing: Callable[..., Tester]
+) -> None:
+    """A dead member replayed after its settled workflow was pruned runs on its own: its
+    ctx.workflow() says the workflow is gone and why (it said "no workflow with id N")."""
+    app = errands.App(each_store_url)
+    first = [True]
+
+    @app.job(name="wf.reads_its_workflow", retries=0)
+    def reads_its_workflow(ctx: errands.Context) -> None:
+        if first:
+            first.pop()
+            raise RuntimeError("the first run fails")
+        ctx.workflow()
+
+    wf = errands.Workflow("pruned")
+    wf.add(reads_its_workflow.bind())
+    try:
+        tester = errands_testing(app)
+        handle = app.enqueue_workflow(wf)
+        tester.drain_workflow(handle)
+        [member] = [m.job_id for m in app.workflow_members(handle.id)]
+        assert app.backend.workflow_prune(-1.0, 100) == 1  # past its retention
+        assert app.replay([member]).matched == [member]
+        tester.drain()
+        job = app.get_job(member)
+        assert job.state == "dead"
+        said = job.errors[-1].message
+        assert f"its workflow {handle.id} is gone" in said and "retention" in said, said
+    finally:
+        app.close()
+
+
 def test_a_dead_callback_replayed_after_the_retention_reads_its_workflow_and_completes(
     each_store_url: str, errands_testing: Callable[..., Tester]
 ) -> None:
