@@ -8,11 +8,13 @@ Acceptance tests start real ``errands worker`` processes instead (tests/acceptan
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,30 +169,38 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 # -- the order the xdist workers take tests in ------------------------------------------------
-# `make test` runs `pytest -n 5 --dist loadgroup`: the tests on the tests' own PostgreSQL
-# cluster (xdist_group "own_postgres": the CI-sized soaks, the fault and reconnect suites,
-# several minutes in one process) would be handed out where they are collected, two thirds
-# into the run, and end it on one process while the others sit idle. They go first; the
-# other processes share out the rest meanwhile.
-# The longest tests outside it (the SQLite soak, the bench smokes: a minute each under
-# load) follow: started last, each would end the run alone.
+# `make test` runs `pytest -n 6 --dist loadgroup`: the scheduler hands each process the
+# next test (or the next xdist_group, whole) in collection order as it frees up. The tests
+# on the tests' own PostgreSQL cluster (xdist_group "own_postgres": the CI-sized soak, the
+# fault and reconnect suites, several minutes in one process) go first; then the test
+# modules, the longest first (the time of their tests in a clean-clone CI run:
+# tests/durations.json, tests of a second or more; a test not in it counts as quick), each
+# module's tests together and in their order (its module-scoped fixtures are made once a
+# process). In collection order the long modules of the folders collected last
+# (tests/postgres, tests/soak) ended the run on a few processes while the others sat
+# idle: the last three minutes of a run were 35-85 % idle. Refresh the file from a run's
+# `--durations=0` when it drifts: an out-of-date entry only moves a module in the order.
 FIRST_GROUP = "own_postgres"
-EARLY = ("tests/soak/", "tests/bench/test_bench_smoke.py")
+DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
 
 
 def _in_first_group(item: pytest.Item) -> bool:
     return any(mark.args[:1] == (FIRST_GROUP,) for mark in item.iter_markers("xdist_group"))
 
 
-def _order(item: pytest.Item) -> int:
-    if _in_first_group(item):
-        return 0
-    return 1 if item.nodeid.startswith(EARLY) else 2
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=_order)  # stable: the rest keep their order
+    weight: dict[str, float] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        weight[module] = weight.get(module, 0.0) + DURATIONS.get(item.nodeid.split("@")[0], 0.0)
+
+    def order(item: pytest.Item) -> tuple[int, float]:
+        if _in_first_group(item):
+            return (0, 0.0)
+        return (1, -weight[item.nodeid.split("::", 1)[0]])
+
+    items.sort(key=order)  # stable: a module's tests keep their order
     _refuse_ungrouped(config, items)
 
 
