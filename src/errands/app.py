@@ -229,6 +229,8 @@ class App:
         # a worker's threads iterate it while the code still registers jobs (an embedded
         # worker, a module imported late), and a dict changed in place under an iteration
         # raised "dictionary changed size during iteration" (the worker's start died).
+        # Read it (app.registry[name], its values); register with @app.job: a write into
+        # a copy taken earlier never reaches the App's current one.
         self.registry: dict[str, JobDefinition[Any, Any]] = {}
         self._registry_lock = threading.Lock()
         self.dead_hooks: list[DeadHook] = []

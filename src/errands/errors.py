@@ -272,6 +272,20 @@ def cannot_write_now(exc: BaseException) -> bool:
     )
 
 
+def disk_full(exc: BaseException) -> bool:
+    """A full disk or a size limit: errands' StorageFull, PostgreSQL's disk_full (53100),
+    sqlite3's SQLITE_FULL. No fault of a job's, wherever it is met, and it passes once
+    room is made."""
+    if isinstance(exc, StorageFull) or _sqlstate(exc) == "53100":
+        return True
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            return code & 0xFF == sqlite3.SQLITE_FULL
+        return "database or disk is full" in str(exc)
+    return False
+
+
 def _sqlite_unwritable(exc: sqlite3.Error) -> bool:
     """sqlite3's error for a file that cannot be written now, full or read-only (by its
     primary result code, or its text where the driver gave none)."""

@@ -371,7 +371,7 @@ def _own_database_cannot_write(kind: str, folder: Path) -> None:
 
 
 @pytest.mark.parametrize("pool", ["thread", "child"])
-@pytest.mark.parametrize("kind", ["cantopen", "readonly", "full"])
+@pytest.mark.parametrize("kind", ["cantopen", "readonly"])
 def test_a_handlers_own_sqlite_error_after_its_transaction_is_charged_and_dead_after_retries(
     make_app: Make,
     effects: EffectsStore,
@@ -383,7 +383,7 @@ def test_a_handlers_own_sqlite_error_after_its_transaction_is_charged_and_dead_a
 ) -> None:
     """A handler opened ctx.transaction() and then failed on a database of its own, with
     sqlite3's error for a file that cannot be written (a cache file at a path that does
-    not exist, a read-only file, a full one): the handler's failure, not the store's. It
+    not exist, a read-only file): the handler's failure, not the store's. It
     was taken for the store's (any sqlite3 error of those codes, whichever connection
     raised it): given back uncharged with a pause, for ever (attempt 0, never dead), its
     side effects outside the transaction repeated on every run. Charged now: retried,
@@ -407,6 +407,106 @@ def test_a_handlers_own_sqlite_error_after_its_transaction_is_charged_and_dead_a
     assert [(e.kind, e.type) for e in job.errors] == [("transient", "OperationalError")] * 2
     assert runs == [1, 2]
     assert _rows(effects, handle.id) == []
+
+
+@pytest.mark.parametrize("pool", ["thread", "child"])
+def test_a_full_disk_met_on_a_database_of_the_handlers_own_is_given_back_uncharged(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    tmp_path: Path,
+    pool: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full disk is no fault of the job's wherever it is met (a database of the
+    handler's own, most often on the same disk as the store; errands' own connection
+    through a path that leaves no mark on it): given back uncharged with the pause, as
+    the store's, and the job completes once there is room."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", 0.01, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+    runs: list[int] = []
+
+    @app.job(name="own.full", retries=0)
+    def own_full(ctx: errands.Context, n: int) -> None:
+        runs.append(ctx.attempt)
+        write_effect(ctx, store_url, n)
+        if len(runs) == 1:
+            _own_database_cannot_write("full", tmp_path)
+
+    handle = own_full.enqueue(n=5)
+    with worker_on(app, pool, monkeypatch):
+        wait_until(lambda: handle.status().is_terminal, timeout=20, what="the job to end")
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert [e.kind for e in job.errors] == ["released"]
+    assert _rows(effects, handle.id) == [(5, 1)]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_handlers_generator_that_fails_inside_executemany_is_charged(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rows of ``tx.executemany`` come from a generator of the handler's that fails
+    on a read-only file of its own: the handler's error, charged (here dead, no retries
+    left). Run inside the driver's call, it read as an error of errands' connection: the
+    job was given back uncharged again and again."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", 0.01, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    def rows(job_id: int, n: int) -> Iterator[tuple[int, int, int]]:
+        yield (job_id, n, 1)
+        _own_database_cannot_write("readonly", tmp_path)
+
+    @app.job(name="own.rows", retries=0)
+    def own_rows(ctx: errands.Context, n: int) -> None:
+        table = EffectsStore.qualified(store_url, "tx_effects")
+        sql = f"INSERT INTO {table} (job_id, n, attempt) VALUES (?, ?, ?)"
+        ctx.transaction().executemany(sql, rows(ctx.job_id, n))
+
+    handle = own_rows.enqueue(n=6)
+    with running_worker(app, concurrency=1, maintenance=False):
+        wait_until(lambda: handle.status().is_terminal, timeout=20, what="the job to end")
+    job = handle.job()
+    assert job.state is errands.JobState.DEAD, job.errors
+    assert [(e.kind, e.type) for e in job.errors] == [("transient", "OperationalError")]
+
+
+def test_a_job_whose_own_commit_meets_a_full_store_past_the_backstop_is_not_charged(
+    make_app: Make,
+    effects: EffectsStore,
+    store_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The backstop charges a job given back too many times in a row for an error that
+    may not be the store's; errands' own COMMIT meeting a full store is the store's for
+    certain, and its handler returned: never charged, however many times (here past a
+    backstop of 2), and it completes once the store can write."""
+    monkeypatch.setattr(recorder, "UNWRITABLE_PAUSE", 0.01, raising=False)
+    monkeypatch.setattr(recorder, "UNWRITABLE_GIVE_BACKS_MAX", 2, raising=False)
+    effects.create(TX_TABLES)
+    app = make_app()
+
+    @app.job(name="commit.full", retries=0)
+    def commit_full(ctx: errands.Context, n: int) -> None:
+        write_effect(ctx, store_url, n)
+
+    handle = commit_full.enqueue(n=7)
+    with (
+        failing("before_complete_commit", _cannot_write(store_url), 4) as refused,
+        running_worker(app, concurrency=1, maintenance=False),
+    ):
+        wait_until(lambda: handle.status().is_terminal, timeout=30, what="the job to end")
+    assert len(refused) == 4
+    job = handle.job()
+    assert (job.state, job.attempt) == (errands.JobState.COMPLETED, 1), job.errors
+    assert [e.kind for e in job.errors] == ["released"] * 4
+    assert _rows(effects, handle.id) == [(7, 1)]
 
 
 @pytest.mark.parametrize("pool", ["thread", "child"])
@@ -525,11 +625,12 @@ def test_a_handlers_attach_of_a_file_that_cannot_be_opened_is_charged(
 def test_a_handlers_own_postgresql_class_53_error_is_charged(
     make_app: Make, effects: EffectsStore, store_url: str, how: str
 ) -> None:
-    """A PostgreSQL error of class 53 (disk_full) that did not come from errands'
-    transaction connection: one the handler raised itself, or one a PostgreSQL
-    connection of its own met (even while errands' transaction had failed earlier on an
-    error of the handler's, caught). The handler's failure: charged (here dead, no
-    retries left), not given back uncharged for ever as the store's."""
+    """A PostgreSQL error of class 53 other than a full disk (too_many_connections) that
+    did not come from errands' transaction connection: one the handler raised itself,
+    or one a PostgreSQL connection of its own met (even while errands' transaction had
+    failed earlier on an error of the handler's, caught). The handler's failure: charged
+    (here dead, no retries left), not given back uncharged for ever as the store's. (A
+    full disk is given back wherever it is met: see the test above.)"""
     effects.create(TX_TABLES)
     app = make_app()
 
@@ -537,13 +638,13 @@ def test_a_handlers_own_postgresql_class_53_error_is_charged(
     def own_disk_full(ctx: errands.Context, n: int) -> None:
         write_effect(ctx, store_url, n)
         if how == "raised":
-            raise psycopg.errors.DiskFull('could not extend file "cache": No space left')
+            raise psycopg.errors.TooManyConnections("sorry, too many clients already")
         if how == "own_connection_after_abort":  # errands' transaction: failed, caught
             with suppress(psycopg.errors.DivisionByZero):
                 ctx.transaction().raw.execute("SELECT 1 / 0")
         effects.execute(  # a connection of the handler's own
-            "DO $$ BEGIN RAISE EXCEPTION 'could not extend file: No space left on device' "
-            "USING ERRCODE = 'disk_full'; END $$"
+            "DO $$ BEGIN RAISE EXCEPTION 'sorry, too many clients already' "
+            "USING ERRCODE = 'too_many_connections'; END $$"
         )
 
     handle = own_disk_full.enqueue(n=2)
@@ -552,7 +653,7 @@ def test_a_handlers_own_postgresql_class_53_error_is_charged(
     job = handle.job()
     assert job.state is errands.JobState.DEAD, job.errors
     [failure] = job.errors
-    assert (failure.kind, failure.type) == ("transient", "DiskFull"), failure
+    assert (failure.kind, failure.type) == ("transient", "TooManyConnections"), failure
     assert _rows(effects, handle.id) == []
 
 

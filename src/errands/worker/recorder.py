@@ -290,7 +290,7 @@ class OutcomeRecorder:
         self, attempt: Attempt, type_name: str, message: str
     ) -> tuple[FinishParams | GiveBack, bool | None]:
         """See :func:`give_back_unwritable` (nothing written yet)."""
-        return give_back_unwritable(attempt, type_name, message, self.worker.id), None
+        return give_back_unwritable(attempt, f"{type_name}: {message}", self.worker.id), None
 
     def _commit_transaction(
         self, attempt: Attempt, outcome: FinishParams
@@ -328,7 +328,10 @@ class OutcomeRecorder:
             landed = backend.tx_finish(tx, outcome)
         except Exception as exc:
             if cannot_write_now(exc):  # (before is_transient: a disk_full is OperationalError)
-                return self._give_back_unwritable(attempt, type(exc).__qualname__, str(exc))
+                # errands' own COMMIT: the store's for certain, never charged (a handler
+                # that returned is not recorded failed for the store's incident)
+                text = f"{type(exc).__qualname__}: {exc}"
+                return give_back_unwritable(attempt, text, self.worker.id, certain=True), None
             if is_transient(exc):
                 self.worker.completer.maybe_landed(attempt, outcome, store=backend)
                 log.warning(
@@ -542,18 +545,21 @@ def _unwritable_in_a_row(errors: str, attempt: int) -> tuple[int, float | None]:
 
 
 def give_back_unwritable(
-    attempt: Attempt, type_name: str, message: str, worker_id: str
+    attempt: Attempt, error: str, worker_id: str, *, certain: bool = False
 ) -> GiveBack | FinishParams:
     """The give-back of a job whose ctx.transaction() met a store that cannot write now,
-    as its COMMIT or as a statement of the handler's in it (its text as the release
-    records it: see GiveBack), due again after :func:`unwritable_pause`.
+    as its COMMIT or as a statement of the handler's in it (``error``: the error's type
+    and text, as the release records it: see GiveBack), due again after
+    :func:`unwritable_pause`.
 
     Once the job was given back UNWRITABLE_GIVE_BACKS_MAX times in a row for it, its
     attempt is charged instead (the backstop: see there): the failure recorded says that
-    the store could not be written for that long."""
-    text = clip(scrub(f"{type_name}: {message}", _secrets(attempt)), 300)
+    the store could not be written for that long. Not when the error is ``certain`` to
+    be the store's (errands' own COMMIT met it: the handler returned): such a job waits
+    for the store as any outcome does, however long."""
+    text = clip(scrub(error, _secrets(attempt)), 300)
     in_a_row, first = _unwritable_in_a_row(attempt.row.errors, attempt.row.attempt)
-    if in_a_row >= UNWRITABLE_GIVE_BACKS_MAX:
+    if in_a_row >= UNWRITABLE_GIVE_BACKS_MAX and not certain:
         since = ""
         if first is not None:
             since = f" over {max(time.time() - first, 0.0) / 60:.0f} min"

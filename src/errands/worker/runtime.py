@@ -47,6 +47,7 @@ from ..errors import (
     StepError,
     TransactionEnded,
     cannot_write_now,
+    disk_full,
     is_transient,
 )
 from ..errortext import scrub
@@ -783,7 +784,12 @@ class AttemptRuntime:
         catching the store's, chained to it or not: the handler decided what that failure
         is). Taken for the store's, such an error had the job run again for ever,
         uncharged (attempt 0, its side effects outside the transaction repeated), never
-        reaching dead. So is a statement of the handler's past a limit of its own
+        reaching dead. A full disk is the exception: whichever connection met it (errands'
+        through ``.raw`` in a pipeline, an ``executemany`` or a savepoint block of
+        psycopg's, which leave no evidence on the connection; a database of the
+        handler's own, most often on the same disk), it is no fault of the job's and it
+        passes once room is made: given back, bounded by the backstop. So is not a
+        statement of the handler's past a limit of its own
         (QUERY_OWN_LIMITS: temp_file_limit, memory for its sort): class 53 too, but the
         same statement meets it again however long it waits.
 
@@ -795,6 +801,8 @@ class AttemptRuntime:
             return False
         if getattr(exc, "sqlstate", None) in QUERY_OWN_LIMITS:
             return False  # the handler's statement, at a limit of its own: charged
+        if disk_full(exc):
+            return True  # the machine's, whichever connection met it (see above)
         return (
             from_transaction(exc)
             or failed_with(self.tx, exc)
@@ -1256,6 +1264,18 @@ def failed_with(conn: Any, exc: BaseException) -> bool:
         return False
 
 
+def _materialized(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """executemany's arguments with its rows made a list: a generator of the handler's
+    ran inside the driver's call, and an error of its own (its own SQLite file read-only)
+    read as one of errands' connection (:func:`watched`)."""
+    if not args:
+        return args
+    rows = args[0]
+    if isinstance(rows, list | tuple):
+        return args
+    return (list(rows), *args[1:])
+
+
 def watched(conn: Any, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``call(*args, **kwargs)``, a statement of the handler's on the transaction of
     ctx.transaction() (``conn``). Its error is marked as that connection's
@@ -1391,6 +1411,7 @@ class TransactionConnection:
         refuse_ending(self._conn, query, self._ended)
         if self._off_loop:
             refuse_on_the_loop("a statement of ctx.transaction()")
+        args = _materialized(args)  # (the handler's iterable runs outside the watch)
         result = watched(self._conn, self._conn.executemany, query, *args, **kwargs)
         if result is None:
             return None
@@ -1452,6 +1473,7 @@ class GuardedCursor:
         refuse_ending(self._conn, query, self._ended)
         if self._off_loop:
             refuse_on_the_loop("a statement of ctx.transaction()")
+        args = _materialized(args)  # (the handler's iterable runs outside the watch)
         watched(self._conn, self._cursor.executemany, query, *args, **kwargs)
         return self
 
