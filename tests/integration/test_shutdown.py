@@ -426,3 +426,29 @@ def test_a_stops_release_on_sqlite_waits_for_the_write_lock_no_longer_than_the_s
         if worker.thread.is_alive():
             worker.worker.stop()
         app.close()
+
+
+def test_a_stop_while_the_claim_waits_for_a_locked_sqlite_file_ends_without_its_write_timeout(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another connection holds the SQLite file's write lock (a sqlite3 shell, a caller's
+    open transaction) while the worker claims: the claim waits for it. A stop gives that
+    wait up at once, and says nothing of a failed claim. The claim waited for the lock
+    up to write_timeout (here 600 s; 60 s by default), and the stop with it."""
+    app = errands.App(f"sqlite:///{tmp_path}/store.db?write_timeout=600", lease=30)
+    app.migrate()
+    caplog.set_level(logging.WARNING, logger="errands")
+    worker = WorkerThread(app, poll_interval=0.05, maintenance=False).start()
+    holder = sqlite3.connect(str(tmp_path / "store.db"), isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        time.sleep(1.0)  # the claim loop now waits for the lock
+        started = time.monotonic()
+        worker.stop(timeout=60)  # (its other bounded waits: seconds)
+        took = time.monotonic() - started
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+        app.close()
+    assert took < 45, f"the stop waited {took:.0f} s for the locked file"
+    assert not [r for r in caplog.records if "claim failed" in r.getMessage()]

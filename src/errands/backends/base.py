@@ -63,6 +63,27 @@ def calls_until(deadline: float | None) -> Iterator[None]:
         _DEADLINE.reset(token)
 
 
+_STOP: ContextVar[threading.Event | None] = ContextVar("errands_calls_stop", default=None)
+
+
+@contextmanager
+def calls_until_stopped(stop: threading.Event) -> Iterator[None]:
+    """Store calls made inside stop waiting for SQLite's write lock once ``stop`` is set
+    (they raise DatabaseBusy): a stopping worker's claim, waiting for a file another
+    process held locked, held the stop for up to write_timeout (60 s by default)."""
+    token = _STOP.set(stop)
+    try:
+        yield
+    finally:
+        _STOP.reset(token)
+
+
+def stop_asked() -> bool:
+    """Whether the caller's stop (:func:`calls_until_stopped`) was asked for."""
+    stop = _STOP.get()
+    return stop is not None and stop.is_set()
+
+
 def connection_wait(default: float) -> float:
     """How long a store call may wait for a connection here: ``default``, or the time
     left before the caller's deadline (at least DEADLINE_FLOOR) when that is sooner."""

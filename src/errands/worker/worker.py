@@ -70,7 +70,14 @@ from typing import TYPE_CHECKING, Any
 
 from .. import clock
 from ..backends import redact_url
-from ..backends.base import LeaseRef, QueueClaim, QueueSettings, WorkerInfo, calls_until
+from ..backends.base import (
+    LeaseRef,
+    QueueClaim,
+    QueueSettings,
+    WorkerInfo,
+    calls_until,
+    calls_until_stopped,
+)
 from ..definition import check_name
 from ..errors import ConfigurationError, is_transient
 from ..fleet import warn_unserved_periodic
@@ -682,9 +689,12 @@ class Worker:
         self._register()
         try:
             self._start()
-        except BaseException:  # what started stops, and the worker leaves the registry
+        except BaseException as exc:  # what started stops, and the worker leaves the registry
             with contextlib.suppress(Exception):  # the start-up's error is the one to see
                 self._shutdown()
+            if isinstance(exc, _StoppedAtStartup):  # stopped while the store was busy
+                log.info("worker %s stopped while it started (%s)", self.id, exc)
+                return 0
             raise
         protect_current_thread()  # the claim loop: user code reached from here goes to a lane
         try:
@@ -732,9 +742,12 @@ class Worker:
         pause = self.poll_interval
         while True:
             try:
-                step()
+                with calls_until_stopped(self._stopping):  # (a locked SQLite file)
+                    step()
                 return
             except Exception as exc:
+                if self._stopping.is_set() and is_transient(exc):
+                    raise _StoppedAtStartup(what) from exc
                 if not is_transient(exc) or self._stopping.is_set():
                     raise
                 log.warning("%s failed (%s); retrying in %.1f s", what, exc, pause)
@@ -748,6 +761,8 @@ class Worker:
             self._at_startup(
                 "registering the worker", lambda: self.app.backend.worker_register(self._info())
             )
+        except _StoppedAtStartup:
+            return  # (stopped before it was listed: nothing to list)
         except Exception:
             log.exception("could not register this worker; it runs unlisted")
 
@@ -965,7 +980,8 @@ class Worker:
             gathered = False
             sent = clock.now()  # each claimed lease runs from (at latest) the claim's send
             limited_done = self._limited_done
-            claimed = self.claimer.claim(plan, room, free, suspects, fair_room=fair_room)
+            with calls_until_stopped(self._stopping):  # (a locked SQLite file: see there)
+                claimed = self.claimer.claim(plan, room, free, suspects, fair_room=fair_room)
             if claimed.retry_in is not None:
                 self._wake_at = min(self._wake_at, time.monotonic() + claimed.retry_in)
             # Before the claimed jobs start: a quick one's outcome, stored before this was
@@ -978,7 +994,9 @@ class Worker:
             rows = claimed.rows
             if claimed.error is not None:
                 now = time.monotonic()
-                if now >= self._claim_warned_at + CLAIM_RETRY_MAX:
+                if self._stopping.is_set():  # (given up for the stop: nothing to say)
+                    pass
+                elif now >= self._claim_warned_at + CLAIM_RETRY_MAX:
                     self._claim_warned_at = now  # one line per CLAIM_RETRY_MAX, not per claim
                     log.warning(
                         "claim failed (%s); %d job(s) claimed in that round started; %s",
@@ -1648,3 +1666,8 @@ def _shown(ids: list[int]) -> str:
     """Job ids as a log line names them: the first 20, then how many more."""
     shown = ", ".join(map(str, ids[:20]))
     return shown + (f" and {len(ids) - 20} more" if len(ids) > 20 else "")
+
+
+class _StoppedAtStartup(Exception):
+    """A start-up step given up for the worker's stop (it waited for a store that was
+    busy: a locked SQLite file): the worker stops, as asked, without an error."""

@@ -53,6 +53,7 @@ from ..base import (
     connection_wait,
     insert_params,
     release_pauses,
+    stop_asked,
     warn_newer_schema,
     writes_several,
 )
@@ -464,6 +465,11 @@ class SQLiteBackend(SQLiteAdmin):
             except sqlite3.OperationalError as exc:
                 if not _is_busy(exc):
                     raise
+                if stop_asked():  # (a stopping worker's claim: base.calls_until_stopped)
+                    raise DatabaseBusy(
+                        f"SQLite database {self.path!r} is locked, and the caller is "
+                        "stopping: given up"
+                    ) from exc
                 if time.monotonic() >= deadline:
                     raise DatabaseBusy(
                         f"SQLite database {self.path!r} stayed locked for "
