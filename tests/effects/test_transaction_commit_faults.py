@@ -78,6 +78,19 @@ def _on_the_completer() -> bool:
     return threading.current_thread().name == "errands-completer"
 
 
+def _batch_of_one(app: errands.App, prefix: str, member: Any) -> Any:
+    """A batch of one member (``member``, bound) with an on_success callback of its own
+    (``<prefix>.callback``), enqueued: its handle."""
+
+    @app.job(name=f"{prefix}.callback")
+    def callback() -> None:
+        pass
+
+    batch = errands.Batch(f"{prefix}.batch", on_success=callback.bind())
+    batch.add(member, name="only")
+    return app.enqueue_workflow(batch)
+
+
 @contextmanager
 def failing(point: str, error: Exception, times: int) -> Iterator[list[str]]:
     """The fault point ``point`` raises ``error`` its first ``times`` times."""
@@ -907,13 +920,7 @@ def test_a_child_whose_transactions_commit_reply_was_lost_reports_the_completion
         write_effect(ctx, store_url, n)
         return n
 
-    @app.job(name="lost.callback")
-    def callback() -> None:
-        pass
-
-    batch = errands.Batch("lost.batch", on_success=callback.bind())
-    batch.add(lost_tx.bind(n=3), name="only")
-    handle = app.enqueue_workflow(batch)
+    handle = _batch_of_one(app, "lost", lost_tx.bind(n=3))
     with (
         failing("after_complete_commit", _reply_lost(store_url), 1) as lost,
         worker_on(app, "child", monkeypatch) as children,
@@ -976,13 +983,7 @@ def test_a_completion_whose_commit_reply_was_lost_is_read_back_until_the_store_a
         write_effect(ctx, store_url, n)
         return n
 
-    @app.job(name="unread.callback")
-    def callback() -> None:
-        pass
-
-    batch = errands.Batch("unread.batch", on_success=callback.bind())
-    batch.add(unread_tx.bind(n=4), name="only")
-    handle = app.enqueue_workflow(batch)
+    handle = _batch_of_one(app, "unread", unread_tx.bind(n=4))
     member_id = next(j.id for j in app.jobs() if j.name == "unread.tx")
     backend = app.backend
     read = backend.job_get_many
@@ -1047,13 +1048,7 @@ def test_a_batch_whose_reply_was_lost_is_read_back_until_the_store_answers(
     def member(n: int) -> int:
         return n
 
-    @app.job(name="batch.callback")
-    def callback() -> None:
-        pass
-
-    batch = errands.Batch("batch.unread", on_success=callback.bind())
-    batch.add(member.bind(n=5), name="only")
-    handle = app.enqueue_workflow(batch)
+    handle = _batch_of_one(app, "batch", member.bind(n=5))
     member_id = next(j.id for j in app.jobs() if j.name == "batch.member")
     backend = app.backend
     read = backend.job_get_many
