@@ -569,6 +569,13 @@ def test_a_failing_leader_election_is_logged_once_an_interval_with_one_traceback
     assert not leader.is_leader
 
 
+STEPPED_DOWN_AND_BACK = [
+    "errands.leader.elected",
+    "errands.leader.resigned",
+    "errands.leader.elected",
+]
+
+
 @contextlib.contextmanager
 def _leaders_row_held(app: errands.App) -> Iterator[None]:
     """Another session holds what an election needs, until the block ends: on PostgreSQL
@@ -635,12 +642,68 @@ def test_a_leader_whose_election_hangs_steps_down_once_its_leadership_runs_out(
             assert when >= leadership_ends  # never before the store could name another
         # the store answers again: the hung election ends, the next one elects it anew
         wait_until(lambda: leader.is_leader, timeout=60, what="the leadership again")
-        assert events == [
-            "errands.leader.elected",
-            "errands.leader.resigned",
-            "errands.leader.elected",
-        ]
+        assert events == STEPPED_DOWN_AND_BACK
     finally:
+        leader.stop()
+        app.close()
+
+
+def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_leadership_runs_out(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a leader one of whose duties waits for the SQLite file's write lock (another
+    session took it as the duty began; write_timeout 600 s), then the duty's write gives
+    up at the leadership's end (DatabaseBusy, logged as the duty's failure), the next
+    election finds the file still locked, and the leader steps down (resigned once,
+    never before its leadership ran out); once the file is free it is elected anew. The
+    duty waited up to write_timeout on the leader's thread while the leadership ran
+    out, the leader never asking again and never stepping down."""
+    path = f"{tmp_path}/leader.db"
+    app = errands.App(f"sqlite:///{path}?write_timeout=600", lease=2)
+
+    @app.job(name="noop")
+    def noop() -> None:
+        pass
+
+    app.migrate()
+    leader = Maintenance(app, "w-busy-duty", tick=0.05)
+    stepped_down: list[tuple[float, float]] = []
+    events: list[str] = []
+    armed, locked, free = threading.Event(), threading.Event(), threading.Event()
+    rescue = leader.rescue
+
+    def seen(event: Any) -> None:
+        events.append(event.name)
+        if event.name == "errands.leader.resigned":
+            stepped_down.append((clock.now(), leader._leader_until))
+
+    def rescue_on_a_locked_file() -> int:
+        if not armed.is_set() or locked.is_set():
+            return rescue()
+        holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        holder.execute("BEGIN IMMEDIATE")
+        locked.set()
+        threading.Thread(target=lambda: (free.wait(), holder.rollback(), holder.close())).start()
+        noop.enqueue()  # a write: waits for the lock the holder has
+        return 0
+
+    leader.rescue = rescue_on_a_locked_file  # type: ignore[method-assign]
+    app.events.subscribe(seen, inline=True)
+    leader.start()
+    try:
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership")
+        armed.set()
+        wait_until(locked.is_set, timeout=60, what="the duty to meet the locked file")
+        wait_until(lambda: stepped_down, timeout=60, what="the leader to step down")
+        assert not leader.is_leader
+        [(when, leadership_ends)] = stepped_down
+        assert when >= leadership_ends  # never before the store could name another
+        assert "maintenance rescue failed" in caplog.text  # its write gave up
+        free.set()
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership again")
+        assert events == STEPPED_DOWN_AND_BACK
+    finally:
+        free.set()
         leader.stop()
         app.close()
 

@@ -48,14 +48,19 @@ WORKFLOW_PRUNE_ROWS = 10_000
 # PostgreSQL pool's checkout, 30 s by default) waits no longer than the time left, and
 # at least DEADLINE_FLOOR: a read at the deadline (result(timeout=0)) still takes a free
 # connection, which psycopg_pool refuses with a timeout of 0.
-_DEADLINE: ContextVar[float | None] = ContextVar("errands_store_deadline", default=None)
+# A deadline may also move (a callable read at each call): the maintenance leader's
+# duties wait no later than its leadership's end, which each renewal pushes back.
+_DEADLINE: ContextVar[float | Callable[[], float] | None] = ContextVar(
+    "errands_store_deadline", default=None
+)
 DEADLINE_FLOOR = 0.05
 
 
 @contextmanager
-def calls_until(deadline: float | None) -> Iterator[None]:
+def calls_until(deadline: float | Callable[[], float] | None) -> Iterator[None]:
     """Store calls made inside wait for a connection no later than ``deadline``
-    (time.monotonic(); None: no limit of the caller's)."""
+    (time.monotonic(), or a callable giving it at each call; None: no limit of the
+    caller's)."""
     token = _DEADLINE.set(deadline)
     try:
         yield
@@ -90,6 +95,8 @@ def connection_wait(default: float) -> float:
     deadline = _DEADLINE.get()
     if deadline is None:
         return default
+    if callable(deadline):
+        deadline = deadline()
     return min(default, max(deadline - time.monotonic(), DEADLINE_FLOOR))
 
 

@@ -261,6 +261,11 @@ class Maintenance:
             )
         return leader
 
+    def _leadership_end(self) -> float:
+        """When the leadership this worker holds runs out, on time.monotonic()'s scale
+        (it moves as each renewal pushes it back)."""
+        return time.monotonic() + max(self._leader_until - clock.now(), 0.0)
+
     def _answer_within(self, sent: float) -> float:
         """How long an election sent at ``sent`` waits for its answer: until the
         leadership it would renew runs out (a follower's: one ttl), at least
@@ -332,9 +337,15 @@ class Maintenance:
         return self._elect()
 
     def _duty(self, name: str, duty: Callable[[], object]) -> bool:
-        """Run one duty of the tick; a failure is logged and never skips the others."""
+        """Run one duty of the tick; a failure is logged and never skips the others. Its
+        store calls wait for a connection (SQLite: for the write lock) no later than the
+        leadership's end (:meth:`_leadership_end`): a duty waiting on a file another
+        session held locked waited up to write_timeout (60 s by default) while the
+        leadership ran out, the leader never asking again nor stepping down, and it went
+        on believing it led (its errands_leader gauge 1) beside the next leader."""
         try:
-            duty()
+            with calls_until(self._leadership_end):
+                duty()
             return True
         except Exception:
             log.exception("maintenance %s failed; the other duties go on", name)
