@@ -4,6 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Python caches what it compiles in __pycache__ (pytest too, its assertion-rewritten test
+# modules). A machine that sets PYTHONDONTWRITEBYTECODE=1 (this sandbox's kind does) had
+# every process the suite starts compile errands again (a worker, a CLI call: +0.15 s of
+# CPU each, over a thousand of them) and each test process rewrite ~340 test modules
+# (10 s of CPU each).
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: demo test test-peers test-integrations lint format bench bench-storage bench-finished bench-scenarios bench-fairness soak clean
 
@@ -16,6 +22,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/errands demo
 
+# errands is compiled and the suite collected once first, on one process: the xdist
+# processes and the workers the tests start then read them compiled (the six processes
+# compiled the same ~340 test modules at once, on two cores).
 # The main suite and, beside it, the framework integrations on both Django stacks (own
 # venvs, installed first) and the FastAPI/Flask examples: both always run, either failing
 # fails the target, and the integrations' output is printed after the main suite's. (Run
@@ -40,6 +49,8 @@ test:
 	  nice -n 10 bash scripts/test_integrations.sh > $(VENV)/integrations.log 2>&1; \
 	  echo $$? > $(VENV)/integrations.rc ) & \
 	integrations=$$!; status=0; \
+	$(BIN)/python -m compileall -q src > /dev/null; \
+	$(BIN)/python -m pytest -q --collect-only -p no:cacheprovider > /dev/null 2>&1; \
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) \
 	  || status=$$?; \
 	wait $$prepare; wait $$integrations; cat $(VENV)/integrations.log; \
