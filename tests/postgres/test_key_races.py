@@ -126,3 +126,19 @@ def test_a_keyed_batch_of_taken_keys_costs_as_many_statements_for_200_keys_as_fo
         return sent
 
     assert len(taken_again(200)) == len(taken_again(2)) <= 6
+
+
+def test_a_keyed_batch_that_stores_nothing_wakes_no_worker(app: errands.App) -> None:
+    """A batch whose keys are all taken stores nothing and sends no NOTIFY, even when
+    one is due (the last was longer ago than the notify window): it woke every idle
+    worker of its queue for nothing, and whether it did hung on timing."""
+
+    @app.job(name="race.woken")
+    def job(n: int) -> None: ...
+
+    batch = [job.bind(n=n, key=f"woken:{n}") for n in range(3)]
+    app.enqueue_many(batch)
+    app.backend._last_notify.clear()  # type: ignore[attr-defined]  # a NOTIFY is due
+    again, sent = statements(lambda: app.enqueue_many(batch))
+    assert all(h.deduplicated for h in again)
+    assert not [s for s in sent if "pg_notify" in s], sent

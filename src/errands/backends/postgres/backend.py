@@ -784,7 +784,9 @@ class PostgresBackend(PostgresAdmin):
             InsertResult(i, False) if i in inserted else InsertResult(holders[i], True)
             for i, _ in pairs
         ]
-        for queue in self._notify_due({r.queue for r in requests}):
+        # Only the queues a job went into: a batch whose keys were all taken stored
+        # nothing, and woke every idle worker of its queues for it.
+        for queue in self._notify_due({r.queue for i, r in pairs if i in inserted}):
             yield Stmt(self.q["notify"], {"channel": self.channel, "payload": queue})
         return results
 
