@@ -15,8 +15,7 @@ export PYTHONDONTWRITEBYTECODE :=
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -m pip install --quiet --upgrade pip
-	@$(BIN)/python -m pip install --quiet -e '.[dev,postgres]'
+	@bash scripts/venv_install.sh $(VENV) -e '.[dev,postgres]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

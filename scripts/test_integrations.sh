@@ -75,8 +75,7 @@ ensure_venv() {  # ensure_venv DIR PYTHON REQUIREMENTS...
   fi
   local args=()
   for requirements in "$@"; do args+=(-r "$requirements"); done
-  "$dir/bin/python" -m pip install --quiet --upgrade pip &&
-    "$dir/bin/python" -m pip install --quiet -e '.[postgres]' "${args[@]}" || return 1
+  bash scripts/venv_install.sh "$dir" -e '.[postgres]' "${args[@]}" || return 1
   echo "$hash" > "$stamp"
 }
 
