@@ -117,7 +117,7 @@ SMOKE = Plan(
     scale_rows=10_000,
     scale_jobs=600,
     scale_runs=1,
-    memory_jobs=2_000,
+    memory_jobs=800,
     min_window=1.0,
 )
 
