@@ -160,6 +160,9 @@ def measure(
     probe_mod = _probe()
     label = "sqlite" if url.startswith("sqlite:") else "postgres"
     timeout = timeout if timeout is not None else max(120.0, jobs / 200)  # 200 jobs/s at worst
+    # A run shorter than a chunk enqueues in one call (with a 1,000-job chunk, 800 jobs
+    # never passed the backlog test below: nothing was enqueued, the run timed out).
+    chunk = min(CHUNK, jobs)
     backlog = min(BACKLOG, jobs)
     marks = sorted({max(1, round(jobs * share)) for share in MARKS})
     samples: list[tuple[float, int, int, dict[str, int]]] = []  # (s, completed, enqueued, kB)
@@ -202,8 +205,8 @@ def measure(
                             f"{timeout:.0f} s: " + workers.log_tail()
                         )
                     next_sample = max(next_sample + sample_every, now + sample_every / 2)
-                if enqueued < jobs and enqueued - done <= backlog - CHUNK:
-                    end = min(jobs, enqueued + CHUNK)
+                if enqueued < jobs and enqueued - done <= backlog - chunk:
+                    end = min(jobs, enqueued + chunk)
                     app.enqueue_many([noop.bind(n=i) for i in range(enqueued, end)])
                     enqueued = end
                 else:
@@ -240,7 +243,7 @@ def measure(
         flat = trend <= FLAT_MB and trend * 1024 <= FLAT_SHARE * first
     out: dict[str, Any] = {
         "jobs": jobs,
-        "chunk": CHUNK,
+        "chunk": chunk,
         "backlog": backlog,
         "concurrency": concurrency,
         "pid": pid,
