@@ -174,12 +174,13 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # on the tests' own PostgreSQL cluster (xdist_group "own_postgres": the CI-sized soak, the
 # fault and reconnect suites, several minutes in one process) go first; then the test
 # modules, the longest first (the time of their tests in a clean-clone CI run:
-# tests/durations.json, tests of a second or more; a test not in it counts as quick), each
-# module's tests together and in their order (its module-scoped fixtures are made once a
-# process). In collection order the long modules of the folders collected last
-# (tests/postgres, tests/soak) ended the run on a few processes while the others sat
-# idle: the last three minutes of a run were 35-85 % idle. Refresh the file from a run's
-# `--durations=0` when it drifts: an out-of-date entry only moves a module in the order.
+# tests/durations.json, tests of a second or more, setup and teardown included; a test
+# not in it counts as quick), each module's tests together and in their order (its
+# module-scoped fixtures are made once a process). In collection order the long modules
+# of the folders collected last (tests/postgres, tests/soak) ended the run on a few
+# processes while the others sat idle: the last three minutes of a run were 35-85 %
+# idle. Refresh the file from a run's `--durations=0` when it drifts: an out-of-date
+# entry only moves a module in the order.
 FIRST_GROUP = "own_postgres"
 DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
 
