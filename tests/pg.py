@@ -57,23 +57,8 @@ def pg_unavailable_reason() -> str | None:
                     reason = f"cannot create the test database: {create_exc}"
             else:
                 reason = f"PostgreSQL not reachable at {url}: {str(exc).strip().splitlines()[0]}"
-    if reason is None:
-        _commit_without_flush(psycopg, url)
     _checked[url] = reason
     return reason
-
-
-def _commit_without_flush(psycopg: Any, url: str) -> None:
-    """The test database's sessions commit without waiting for the WAL's flush to disk
-    (synchronous_commit = off, from their next connection on): a commit is as visible
-    to every other session as before and is lost only if the server itself crashes,
-    which the shared server never does here (the tests that crash or restart PostgreSQL
-    use a cluster of their own, with its defaults). ~140,000 commits a run each waited
-    for an fsync beside five other busy test processes."""
-    name = urlsplit(url).path.lstrip("/")
-    with contextlib.suppress(psycopg.Error):  # not the database's owner: as it is
-        with psycopg.connect(url, autocommit=True, connect_timeout=3) as conn:
-            conn.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
 
 
 def require_pg() -> None:
