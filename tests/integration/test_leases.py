@@ -708,6 +708,51 @@ def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_
         app.close()
 
 
+def test_a_leader_renews_before_a_duty_once_less_than_two_thirds_of_its_leadership_is_left(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Elections answer slowly (0.8 s of a 2 s leadership) and the rescue takes 0.5 s:
+    before each duty the leader asks again once less than two thirds of the leadership
+    is left (counted from when the election was sent: the leadership's end bounds the
+    duty's waits for the store), so the next duty may wait 1.2 s, not the 0.7 s left of
+    the last one. Counted from the election's answer, nothing was renewed, and after an
+    election slower still the duties had next to no time (0.05 s) to wait for a busy
+    store (a cold review)."""
+    from errands.backends.base import connection_wait
+
+    app = errands.App(f"sqlite:///{tmp_path}/renew.db", lease=2)
+    app.migrate()
+    leader = Maintenance(app, "w-slow-election", tick=0.05)
+    assert leader.ttl == 2
+    elect = app.backend.leader_attempt_elect
+
+    def slow_election(*args: Any, **kwargs: Any) -> bool:
+        time.sleep(0.8)
+        return elect(*args, **kwargs)
+
+    waits: dict[str, float] = {}
+
+    def slow_rescue() -> int:
+        waits["rescue"] = connection_wait(60.0)
+        time.sleep(0.5)
+        return 0
+
+    def expire_waits() -> int:
+        waits["signal timeouts"] = connection_wait(60.0)
+        return 0
+
+    monkeypatch.setattr(app.backend, "leader_attempt_elect", slow_election)
+    leader.rescue = slow_rescue  # type: ignore[method-assign]
+    leader.expire_waits = expire_waits  # type: ignore[method-assign]
+    try:
+        leader.run_once()
+        assert leader.is_leader
+        assert waits["signal timeouts"] > 0.95, waits  # renewed: 1.2 s; not renewed: 0.7 s
+    finally:
+        leader.stop()
+        app.close()
+
+
 def test_a_stopping_worker_gives_up_a_resignation_that_gets_no_answer(
     each_store_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
