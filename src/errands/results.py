@@ -447,7 +447,10 @@ class Pacer:
             raise self.timed_out(what) from exc
 
     def _until_deadline(self, call: Callable[[], T]) -> T:
-        with calls_until(self.deadline):
+        # Its connection only: a wait's reads meet no lock but a whole table's (LOCK
+        # TABLE, a migration's DDL), and bounding their lock waits too would cost each
+        # read of a polling waiter two more round trips (base.calls_until).
+        with calls_until(self.deadline, lock_waits=False):
             return call()
 
     @contextmanager

@@ -753,6 +753,69 @@ def test_a_leader_renews_before_a_duty_once_less_than_two_thirds_of_its_leadersh
         app.close()
 
 
+def test_a_leader_whose_duty_waits_for_a_postgres_lock_steps_down_once_its_leadership_runs_out(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a leader on PostgreSQL one of whose duties meets a lock another session
+    holds (as the rescue began, that session took errands_jobs IN ACCESS EXCLUSIVE MODE,
+    as an operator's LOCK TABLE or a migration's DDL does, and the leadership's row FOR
+    UPDATE), then the rescue's statement gives up waiting at the leadership's end (its
+    lock_timeout: DatabaseBusy, logged as the duty's failure), the next election finds
+    the leadership's row still held, and the leader steps down (resigned once, never
+    before its leadership ran out); once the locks are let go it is elected anew. The
+    statement waited on the server for as long as the lock was held, the leader never
+    asking again nor stepping down, its errands_leader gauge 1 beside the next leader."""
+    import psycopg
+
+    app = errands.App(pg_url, lease=2)
+    app.migrate()
+    backend: Any = app.backend
+    leader = Maintenance(app, "w-locked-duty", tick=0.05)
+    stepped_down: list[tuple[float, float]] = []
+    events: list[str] = []
+    armed, locked, free = threading.Event(), threading.Event(), threading.Event()
+    rescue = leader.rescue
+
+    def seen(event: Any) -> None:
+        events.append(event.name)
+        if event.name == "errands.leader.resigned":
+            stepped_down.append((clock.now(), leader._leader_until))
+
+    def rescue_meeting_a_lock() -> int:
+        if not armed.is_set() or locked.is_set():
+            return rescue()
+        holder = psycopg.connect(backend.config.conninfo)  # a transaction: BEGIN
+        holder.execute(f'LOCK TABLE "{backend.schema}".errands_jobs IN ACCESS EXCLUSIVE MODE')
+        holder.execute(
+            f'SELECT name FROM "{backend.schema}".errands_leaders WHERE name = %s FOR UPDATE',
+            (LEADER_NAME,),
+        )
+        locked.set()
+        threading.Thread(target=lambda: (free.wait(), holder.rollback(), holder.close())).start()
+        return rescue()  # its read of the expired leases waits for the table's lock
+
+    leader.rescue = rescue_meeting_a_lock  # type: ignore[method-assign]
+    app.events.subscribe(seen, inline=True)
+    leader.start()
+    try:
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership")
+        armed.set()
+        wait_until(locked.is_set, timeout=60, what="the duty to meet the lock")
+        wait_until(lambda: stepped_down, timeout=60, what="the leader to step down")
+        assert not leader.is_leader
+        [(when, leadership_ends)] = stepped_down
+        assert when >= leadership_ends  # never before the store could name another
+        assert "maintenance rescue failed" in caplog.text  # its statement gave up
+        assert "locked for longer than" in caplog.text
+        free.set()
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership again")
+        assert events == STEPPED_DOWN_AND_BACK
+    finally:
+        free.set()
+        leader.stop()
+        app.close()
+
+
 def test_a_stopping_worker_gives_up_a_resignation_that_gets_no_answer(
     each_store_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -50,16 +50,16 @@ class LoseClaimReplies:
         real = backend._conn
 
         @contextmanager
-        def connection(timeout: float | None = None) -> Iterator[Any]:
+        def connection(timeout: float | None = None, **options: Any) -> Iterator[Any]:
             if not getattr(self.claiming, "now", False):
-                with real(timeout) as conn:
+                with real(timeout, **options) as conn:
                     yield conn
                 return
             with self.lock:
                 refused, self.refuse = self.refuse > 0, max(self.refuse - 1, 0)
             if refused:
                 raise psycopg.OperationalError("connection refused (test: the server is away)")
-            with real(timeout) as conn:
+            with real(timeout, **options) as conn:
                 yield _Losing(conn, self)
 
         backend._conn = connection
@@ -325,8 +325,8 @@ def test_a_claim_the_server_refused_is_not_given_back(app: errands.App) -> None:
     real = backend._conn
 
     @contextmanager
-    def refusing(timeout: float | None = None) -> Iterator[Any]:
-        with real(timeout) as conn:
+    def refusing(timeout: float | None = None, **options: Any) -> Iterator[Any]:
+        with real(timeout, **options) as conn:
             yield _Refusing(conn)
 
     backend._conn = refusing

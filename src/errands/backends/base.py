@@ -54,17 +54,29 @@ _DEADLINE: ContextVar[float | Callable[[], float] | None] = ContextVar(
     "errands_store_deadline", default=None
 )
 DEADLINE_FLOOR = 0.05
+# Whether the deadline bounds the waits of the calls' statements for a lock another
+# session holds too (lock_wait: PostgreSQL's lock_timeout), not only those for a
+# connection. Unless the caller says otherwise (see calls_until).
+_LOCK_WAITS: ContextVar[bool] = ContextVar("errands_store_lock_waits", default=False)
 
 
 @contextmanager
-def calls_until(deadline: float | Callable[[], float] | None) -> Iterator[None]:
+def calls_until(
+    deadline: float | Callable[[], float] | None, *, lock_waits: bool = True
+) -> Iterator[None]:
     """Store calls made inside wait for a connection no later than ``deadline``
     (time.monotonic(), or a callable giving it at each call; None: no limit of the
-    caller's)."""
+    caller's); SQLite's for its write lock too. ``lock_waits``: on PostgreSQL, so do
+    their statements' waits for a lock another session holds (a row a user's open
+    transaction updated, ``LOCK TABLE``): each call then runs in a transaction of its
+    own whose lock_timeout is the time left, which costs a call made of one statement
+    two more round trips (its BEGIN and COMMIT)."""
     token = _DEADLINE.set(deadline)
+    locks = _LOCK_WAITS.set(lock_waits and deadline is not None)
     try:
         yield
     finally:
+        _LOCK_WAITS.reset(locks)
         _DEADLINE.reset(token)
 
 
@@ -98,6 +110,18 @@ def connection_wait(default: float) -> float:
     if callable(deadline):
         deadline = deadline()
     return min(default, max(deadline - time.monotonic(), DEADLINE_FLOOR))
+
+
+def lock_wait() -> float | None:
+    """How long a statement of a store call made here may wait for a lock another
+    session holds: the time left before the caller's deadline (at least DEADLINE_FLOOR)
+    when it bounds lock waits (:func:`calls_until`); None: for as long as it takes."""
+    deadline = _DEADLINE.get()
+    if deadline is None or not _LOCK_WAITS.get():
+        return None
+    if callable(deadline):
+        deadline = deadline()
+    return max(deadline - time.monotonic(), DEADLINE_FLOOR)
 
 
 @dataclass(frozen=True)

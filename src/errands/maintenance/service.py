@@ -345,11 +345,13 @@ class Maintenance:
 
     def _duty(self, name: str, duty: Callable[[], object]) -> bool:
         """Run one duty of the tick; a failure is logged and never skips the others. Its
-        store calls wait for a connection (SQLite: for the write lock) no later than the
-        leadership's end (:meth:`_leadership_end`): a duty waiting on a file another
-        session held locked waited up to write_timeout (60 s by default) while the
-        leadership ran out, the leader never asking again nor stepping down, and it went
-        on believing it led (its errands_leader gauge 1) beside the next leader."""
+        store calls wait for a connection (SQLite: for the write lock; PostgreSQL: for a
+        lock another session holds, by lock_timeout) no later than the leadership's end
+        (:meth:`_leadership_end`): a duty waiting on a file another session held locked
+        waited up to write_timeout (60 s by default), and on PostgreSQL behind a row or
+        table lock for as long as it was held, while the leadership ran out, the leader
+        never asking again nor stepping down, and it went on believing it led (its
+        errands_leader gauge 1) beside the next leader."""
         try:
             with calls_until(self._leadership_end):
                 duty()

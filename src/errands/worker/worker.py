@@ -1542,9 +1542,10 @@ class _StopReleases:
     ended: at most one a job it held), so few threads.
 
     A write still waiting then goes on in its helper: on PostgreSQL its wait for a pool
-    connection ends at the deadline (base.calls_until), and so does, on SQLite, its wait
-    for the write lock; a statement already sent may still land (a row lock let go of
-    later). Landing after the stop, even after the worker left the registry, it is the
+    connection ends at the deadline (base.calls_until), and so does its statements' wait
+    for a row lock another session holds (lock_timeout), as, on SQLite, its wait for the
+    write lock; a statement already sent may still land (the server's answer slow to
+    come). Landing after the stop, even after the worker left the registry, it is the
     release the stop meant (the job available, uncharged), fenced by the attempt's lease
     token: once the job has been rescued (its lease ran out) or taken by another worker,
     it changes nothing. Only its events were sent already (``write_failed``). When the

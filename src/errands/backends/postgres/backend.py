@@ -57,6 +57,7 @@ from ..base import (
     RescueParams,
     connection_wait,
     insert_params,
+    lock_wait,
     release_pauses,
     warn_newer_schema,
     writes_several,
@@ -374,17 +375,32 @@ class PostgresBackend(PostgresAdmin):
                 self._reopen = False
 
     @contextmanager
-    def _conn(self, timeout: float | None = None) -> Iterator[psycopg.Connection[Any]]:
+    def _conn(
+        self, timeout: float | None = None, *, begins: bool = False
+    ) -> Iterator[psycopg.Connection[Any]]:
         """A pool connection the server has not closed; ``timeout``: wait at most that
         long for one (default: the pool's 30 s, or less before a waiting caller's
-        deadline: see base.calls_until)."""
+        deadline: see base.calls_until).
+
+        A caller's deadline that bounds its lock waits too (base.lock_wait: the
+        maintenance leader's duties, its elections) hands the connection over in one of
+        errands' own transactions whose lock_timeout is the time left (own_begin and
+        lock_bound, one round trip), committed at the end: a statement that waits longer
+        for a lock another session holds fails (LockNotAvailable, as DatabaseBusy), by
+        the deadline, everything of the call rolled back. ``begins``: the caller opens
+        such a transaction itself at once (_tx), whose BEGIN carries the bound instead.
+        Session settings are never changed: behind a pooler in transaction mode a
+        session's SET lands on a server connection other clients then use. Without such
+        a deadline (claims, outcomes, heartbeats, enqueues) nothing is sent here."""
         if self._reopen:
             self._open_in_child()
         if timeout is None:
             timeout = connection_wait(self.pool.timeout)
+        bound = lock_wait()
+        begin = self._bounded_begin(bound) if bound is not None and not begins else None
         try:
             with shielded():  # no hook's or handler's interrupt lands inside (interrupts)
-                conn = checkout(self.pool, timeout)
+                conn = self._checkout(timeout, begin)
                 try:
                     yield conn
                     # as pool.connection() does (psycopg's Connection.__exit__): commit,
@@ -407,11 +423,53 @@ class PostgresBackend(PostgresAdmin):
                 f"{self.config.display} ({exc.diag.message_primary}); run: "
                 f"errands migrate --url '{self.config.display}'"
             ) from None
+        except pg_errors.LockNotAvailable as exc:
+            if bound is None or isinstance(exc, DatabaseBusy):
+                raise
+            raise busy_as(
+                exc,
+                f"PostgreSQL {self.config.display}: a lock this call needed stayed held by "
+                f"another session (locked for longer than the {bound:.1f} s its caller "
+                f"could wait, or the session's own shorter lock_timeout: {_first_line(exc)}); "
+                "nothing of the call was stored",
+            ) from exc
+
+    def _checkout(self, timeout: float, begin: str | None) -> psycopg.Connection[Any]:
+        """A pool connection (connections.checkout), in the transaction ``begin`` opens
+        when given: a connection found lost as it is sent (the server restarted or ended
+        the session) is let go of and the next one taken, as _again_if_lost does for the
+        call's own first statement, up to LOST_TRIES times."""
+        for tries_left in reversed(range(LOST_TRIES)):
+            conn = checkout(self.pool, timeout)
+            if begin is None:
+                return conn
+            try:
+                conn.execute(begin)
+            except BaseException as exc:
+                gone = lost(conn)
+                if not gone:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.rollback()
+                self.pool.putconn(conn)
+                if gone and tries_left and isinstance(exc, psycopg.Error):
+                    continue
+                raise
+            return conn
+        raise AssertionError("unreachable")
+
+    def _bounded_begin(self, wait: float) -> str:
+        """own_begin, and a lock_timeout of ``wait`` seconds (lock_bound): one simple
+        query, one round trip."""
+        ms = str(max(int(wait * 1000), 1))
+        bound = "\n".join(
+            line for line in self.q["lock_bound"].splitlines() if not line.startswith("--")
+        )
+        return f"{self._begin}; {bound.replace('$LOCK', ms)}"
 
     @contextmanager
     def _tx(self) -> Iterator[psycopg.Connection[Any]]:
         """A pool connection in one of errands' own transactions (see _own_tx)."""
-        with self._conn() as conn, self._own_tx(conn):
+        with self._conn(begins=True) as conn, self._own_tx(conn):
             yield conn
 
     @contextmanager
@@ -422,12 +480,15 @@ class PostgresBackend(PostgresAdmin):
         as a plain BEGIN. Every transaction errands opens is one of these: any of them may
         hold a lock every worker waits for (a queue's claim lock, a workflow's row, a fair
         key's usage), and a proxy cut of one worker holding it stopped the whole cluster's
-        claims for the cut's 4-6 s in the full-size chaos soak."""
+        claims for the cut's 4-6 s in the full-size chaos soak. Under a caller's deadline
+        that bounds its lock waits (see _conn) the BEGIN carries that bound as well, in
+        the same round trip."""
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             with conn.transaction():
                 yield
             return
-        conn.execute(self._begin)
+        bound = lock_wait()
+        conn.execute(self._begin if bound is None else self._bounded_begin(bound))
         try:
             yield
         except BaseException:

@@ -748,6 +748,22 @@ LEFT JOIN {schema}.errands_queues AS s ON s.name = %(queue)s
 BEGIN ISOLATION LEVEL READ COMMITTED; SELECT set_config('idle_in_transaction_session_timeout', '$IDLE', true),
                                       set_config('jit', 'off', true)
 
+-- name: lock_bound
+-- Sent after own_begin, in the same simple query, when the caller's deadline bounds its
+-- waits for locks (errands.backends.base.calls_until: the maintenance leader's duties,
+-- elections and resignation, a stopping worker's releases and deregistration): how long
+-- each of the transaction's statements may wait for a lock another session holds (a row
+-- a user's open transaction updated or selected FOR UPDATE, LOCK TABLE), errands writing
+-- the time left, in ms, in place of $LOCK. Past it the statement fails (55P03): the
+-- caller hears of it by its deadline, rather than wait for as long as the lock is held.
+-- A shorter lock_timeout of the session's own (the role's, the URL's) stays. Local to
+-- the transaction, like the idle limit.
+SELECT set_config('lock_timeout',
+                  CASE WHEN current_setting('lock_timeout')::interval > interval '0'
+                        AND current_setting('lock_timeout')::interval <= $LOCK * interval '1 ms'
+                       THEN current_setting('lock_timeout') ELSE '$LOCK' END,
+                  true)
+
 -- name: tx_guard
 -- The idle limit of own_begin, set inside a transaction already open: a handler's
 -- ctx.transaction() once errands writes the attempt's outcome in it (until then the
