@@ -648,6 +648,56 @@ def test_a_leader_whose_election_hangs_steps_down_once_its_leadership_runs_out(
         app.close()
 
 
+def _duty_meets_a_lock(
+    app: errands.App,
+    lock: Callable[[], Callable[[], None]],
+    then: Callable[[Callable[[], int]], int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A leader whose rescue, once armed, takes ``lock`` (another session's; it returns
+    how to let go) and then calls ``then`` (which meets the lock): the leader steps down
+    once its leadership has run out, never before, the rescue's failure logged; once
+    the lock is let go it is elected anew. Closes ``app``."""
+    leader = Maintenance(app, "w-duty-locked", tick=0.05)
+    stepped_down: list[tuple[float, float]] = []
+    events: list[str] = []
+    armed, locked, free = threading.Event(), threading.Event(), threading.Event()
+    rescue = leader.rescue
+
+    def seen(event: Any) -> None:
+        events.append(event.name)
+        if event.name == "errands.leader.resigned":
+            stepped_down.append((clock.now(), leader._leader_until))
+
+    def rescue_meeting_a_lock() -> int:
+        if not armed.is_set() or locked.is_set():
+            return rescue()
+        let_go = lock()
+        locked.set()
+        threading.Thread(target=lambda: (free.wait(), let_go())).start()
+        return then(rescue)
+
+    leader.rescue = rescue_meeting_a_lock  # type: ignore[method-assign]
+    app.events.subscribe(seen, inline=True)
+    leader.start()
+    try:
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership")
+        armed.set()
+        wait_until(locked.is_set, timeout=60, what="the duty to meet the lock")
+        wait_until(lambda: stepped_down, timeout=60, what="the leader to step down")
+        assert not leader.is_leader
+        [(when, leadership_ends)] = stepped_down
+        assert when >= leadership_ends  # never before the store could name another
+        assert "maintenance rescue failed" in caplog.text  # its store call gave up
+        free.set()
+        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership again")
+        assert events == STEPPED_DOWN_AND_BACK
+    finally:
+        free.set()
+        leader.stop()
+        app.close()
+
+
 def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_leadership_runs_out(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -666,46 +716,17 @@ def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_
         pass
 
     app.migrate()
-    leader = Maintenance(app, "w-busy-duty", tick=0.05)
-    stepped_down: list[tuple[float, float]] = []
-    events: list[str] = []
-    armed, locked, free = threading.Event(), threading.Event(), threading.Event()
-    rescue = leader.rescue
 
-    def seen(event: Any) -> None:
-        events.append(event.name)
-        if event.name == "errands.leader.resigned":
-            stepped_down.append((clock.now(), leader._leader_until))
-
-    def rescue_on_a_locked_file() -> int:
-        if not armed.is_set() or locked.is_set():
-            return rescue()
+    def lock() -> Callable[[], None]:
         holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         holder.execute("BEGIN IMMEDIATE")
-        locked.set()
-        threading.Thread(target=lambda: (free.wait(), holder.rollback(), holder.close())).start()
+        return lambda: (holder.rollback(), holder.close())
+
+    def write(rescue: Callable[[], int]) -> int:
         noop.enqueue()  # a write: waits for the lock the holder has
         return 0
 
-    leader.rescue = rescue_on_a_locked_file  # type: ignore[method-assign]
-    app.events.subscribe(seen, inline=True)
-    leader.start()
-    try:
-        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership")
-        armed.set()
-        wait_until(locked.is_set, timeout=60, what="the duty to meet the locked file")
-        wait_until(lambda: stepped_down, timeout=60, what="the leader to step down")
-        assert not leader.is_leader
-        [(when, leadership_ends)] = stepped_down
-        assert when >= leadership_ends  # never before the store could name another
-        assert "maintenance rescue failed" in caplog.text  # its write gave up
-        free.set()
-        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership again")
-        assert events == STEPPED_DOWN_AND_BACK
-    finally:
-        free.set()
-        leader.stop()
-        app.close()
+    _duty_meets_a_lock(app, lock, write, caplog)
 
 
 def test_a_leader_renews_before_a_duty_once_less_than_two_thirds_of_its_leadership_is_left(
@@ -770,50 +791,21 @@ def test_a_leader_whose_duty_waits_for_a_postgres_lock_steps_down_once_its_leade
     app = errands.App(pg_url, lease=2)
     app.migrate()
     backend: Any = app.backend
-    leader = Maintenance(app, "w-locked-duty", tick=0.05)
-    stepped_down: list[tuple[float, float]] = []
-    events: list[str] = []
-    armed, locked, free = threading.Event(), threading.Event(), threading.Event()
-    rescue = leader.rescue
 
-    def seen(event: Any) -> None:
-        events.append(event.name)
-        if event.name == "errands.leader.resigned":
-            stepped_down.append((clock.now(), leader._leader_until))
-
-    def rescue_meeting_a_lock() -> int:
-        if not armed.is_set() or locked.is_set():
-            return rescue()
+    def lock() -> Callable[[], None]:
         holder = psycopg.connect(backend.config.conninfo)  # a transaction: BEGIN
         holder.execute(f'LOCK TABLE "{backend.schema}".errands_jobs IN ACCESS EXCLUSIVE MODE')
         holder.execute(
             f'SELECT name FROM "{backend.schema}".errands_leaders WHERE name = %s FOR UPDATE',
             (LEADER_NAME,),
         )
-        locked.set()
-        threading.Thread(target=lambda: (free.wait(), holder.rollback(), holder.close())).start()
+        return lambda: (holder.rollback(), holder.close())
+
+    def read(rescue: Callable[[], int]) -> int:
         return rescue()  # its read of the expired leases waits for the table's lock
 
-    leader.rescue = rescue_meeting_a_lock  # type: ignore[method-assign]
-    app.events.subscribe(seen, inline=True)
-    leader.start()
-    try:
-        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership")
-        armed.set()
-        wait_until(locked.is_set, timeout=60, what="the duty to meet the lock")
-        wait_until(lambda: stepped_down, timeout=60, what="the leader to step down")
-        assert not leader.is_leader
-        [(when, leadership_ends)] = stepped_down
-        assert when >= leadership_ends  # never before the store could name another
-        assert "maintenance rescue failed" in caplog.text  # its statement gave up
-        assert "locked for longer than" in caplog.text
-        free.set()
-        wait_until(lambda: leader.is_leader, timeout=60, what="the leadership again")
-        assert events == STEPPED_DOWN_AND_BACK
-    finally:
-        free.set()
-        leader.stop()
-        app.close()
+    _duty_meets_a_lock(app, lock, read, caplog)
+    assert "locked for longer than" in caplog.text
 
 
 def test_a_stopping_worker_gives_up_a_resignation_that_gets_no_answer(
