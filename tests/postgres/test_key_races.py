@@ -9,6 +9,7 @@ must then store its job, not fail looking up a holder that is gone.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,3 +143,26 @@ def test_a_keyed_batch_that_stores_nothing_wakes_no_worker(app: errands.App) -> 
     again, sent = statements(lambda: app.enqueue_many(batch))
     assert all(h.deduplicated for h in again)
     assert not [s for s in sent if "pg_notify" in s], sent
+
+
+def test_a_keyed_enqueue_that_stores_nothing_leaves_the_next_enqueue_its_notify(
+    app: errands.App,
+) -> None:
+    """One job whose key is taken stores nothing and sends no NOTIFY; the next enqueue
+    to its queue, within the notify window, sends one: the deduplicated enqueue had
+    recorded the queue as notified, and the job really stored woke no idle worker."""
+
+    @app.job(name="race.next_woken")
+    def job(n: int) -> None: ...
+
+    job.enqueue(n=0, key="taken")
+    backend: Any = app.backend
+    backend.config = dataclasses.replace(backend.config, notify_window=60.0)
+    backend._last_notify.clear()  # a NOTIFY is due
+    with psycopg.connect(backend.config.conninfo, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{backend.channel}"')
+        assert job.enqueue(n=0, key="taken").deduplicated
+        assert [n.payload for n in listener.notifies(timeout=0.5)] == []
+        job.enqueue(n=1, key="new")
+        heard = [n.payload for n in listener.notifies(timeout=5.0, stop_after=1)]
+    assert heard == [job.queue], heard

@@ -806,6 +806,8 @@ class PostgresBackend(PostgresAdmin):
                     continue  # its period was over: released, insert again
                 holder = (yield from self._key_holders([req])).get((req.name, req.key))
                 if holder is not None:
+                    if params["channel"] is not None:  # recorded as sent; it was not
+                        self._notify_unsent(req.queue)
                     return [InsertResult(holder, True)]
             raise self._key_race(req)
         [(ids, now)] = yield Stmt(self.q["job_allocate_ids"], {"n": len(requests)})
@@ -990,6 +992,13 @@ class PostgresBackend(PostgresAdmin):
                     self._last_notify[queue] = now
                     due.append(queue)
         return due
+
+    def _notify_unsent(self, queue: str) -> None:
+        """A NOTIFY _notify_due found due was not sent (the job was not stored: its key
+        was taken): the next enqueue to ``queue`` sends one (it waited out the window,
+        its idle workers waking at their next poll)."""
+        with self._notify_lock:
+            self._last_notify.pop(queue, None)
 
     def _notify_program(self, queues: set[str]) -> Program[None]:
         for queue in self._notify_due(queues):
