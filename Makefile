@@ -49,7 +49,7 @@ test:
 	  echo $$? > $(VENV)/integrations.rc ) & \
 	integrations=$$!; status=0; \
 	$(BIN)/python -m compileall -q src > /dev/null; \
-	$(BIN)/python -m pytest -q --collect-only -p no:cacheprovider > /dev/null 2>&1; \
+	$(BIN)/python -m pytest -q --collect-only -p no:cacheprovider $(PYTEST_ARGS) > /dev/null 2>&1; \
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS) \
 	  || status=$$?; \
 	wait $$prepare; wait $$integrations; cat $(VENV)/integrations.log; \
