@@ -729,6 +729,53 @@ def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_
     _duty_meets_a_lock(app, lock, write, caplog)
 
 
+def test_a_stop_ends_a_leader_duty_waiting_for_a_locked_sqlite_file(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a leader whose duty waits for the SQLite file's write lock (another session
+    took it as the duty began; a 50 s leadership bounds the wait), when it is stopped,
+    then the duty's wait ends at once, the maintenance thread ends within stop()'s wait
+    and the duty says it was ended by the stop (no traceback). The duty waited until the
+    leadership's end, past stop()'s 10 s wait for the thread, which stayed alive (a CI
+    run's resignation test met it)."""
+    path = f"{tmp_path}/stopping.db"
+    app = errands.App(f"sqlite:///{path}?write_timeout=600", lease=60)
+
+    @app.job(name="noop")
+    def noop() -> None:
+        pass
+
+    app.migrate()
+    caplog.set_level(logging.INFO, logger="errands.maintenance")
+    leader = Maintenance(app, "w-stopping-duty", tick=10)
+    assert leader.ttl == 50
+    locked, free = threading.Event(), threading.Event()
+    rescue = leader.rescue
+
+    def rescue_on_a_locked_file() -> int:
+        if locked.is_set():
+            return rescue()
+        holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        holder.execute("BEGIN IMMEDIATE")
+        locked.set()
+        threading.Thread(target=lambda: (free.wait(), holder.rollback(), holder.close())).start()
+        noop.enqueue()  # a write: waits for the lock the holder has
+        return 0
+
+    leader.rescue = rescue_on_a_locked_file  # type: ignore[method-assign]
+    leader.start()
+    try:
+        wait_until(locked.is_set, timeout=60, what="the duty to meet the locked file")
+        leader.stop()  # waits up to 10 s for the thread
+        assert not leader._thread.is_alive()
+        assert "maintenance rescue ended by the stop" in caplog.text
+        assert "maintenance rescue failed" not in caplog.text
+    finally:
+        free.set()
+        leader.stop()
+        app.close()
+
+
 def test_a_leader_renews_before_a_duty_once_less_than_two_thirds_of_its_leadership_is_left(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
