@@ -698,18 +698,14 @@ def _duty_meets_a_lock(
         app.close()
 
 
-def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_leadership_runs_out(
-    tmp_path: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Given a leader one of whose duties waits for the SQLite file's write lock (another
-    session took it as the duty began; write_timeout 600 s), then the duty's write gives
-    up at the leadership's end (DatabaseBusy, logged as the duty's failure), the next
-    election finds the file still locked, and the leader steps down (resigned once,
-    never before its leadership ran out); once the file is free it is elected anew. The
-    duty waited up to write_timeout on the leader's thread while the leadership ran
-    out, the leader never asking again and never stepping down."""
+def _app_with_a_file_to_lock(
+    tmp_path: Any, lease: float
+) -> tuple[errands.App, Callable[[], Callable[[], None]], Callable[[], object]]:
+    """An SQLite app (write_timeout 600 s) with a no-op job: the app, ``lock()`` (another
+    session takes the file's write lock; it returns how to let go) and ``write()`` (an
+    enqueue: waits for that lock)."""
     path = f"{tmp_path}/leader.db"
-    app = errands.App(f"sqlite:///{path}?write_timeout=600", lease=2)
+    app = errands.App(f"sqlite:///{path}?write_timeout=600", lease=lease)
 
     @app.job(name="noop")
     def noop() -> None:
@@ -722,8 +718,23 @@ def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_
         holder.execute("BEGIN IMMEDIATE")
         return lambda: (holder.rollback(), holder.close())
 
+    return app, lock, noop.enqueue
+
+
+def test_a_leader_whose_duty_waits_for_a_locked_sqlite_file_steps_down_once_its_leadership_runs_out(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Given a leader one of whose duties waits for the SQLite file's write lock (another
+    session took it as the duty began; write_timeout 600 s), then the duty's write gives
+    up at the leadership's end (DatabaseBusy, logged as the duty's failure), the next
+    election finds the file still locked, and the leader steps down (resigned once,
+    never before its leadership ran out); once the file is free it is elected anew. The
+    duty waited up to write_timeout on the leader's thread while the leadership ran
+    out, the leader never asking again and never stepping down."""
+    app, lock, enqueue = _app_with_a_file_to_lock(tmp_path, lease=2)
+
     def write(rescue: Callable[[], int]) -> int:
-        noop.enqueue()  # a write: waits for the lock the holder has
+        enqueue()  # a write: waits for the lock the holder has
         return 0
 
     _duty_meets_a_lock(app, lock, write, caplog)
@@ -738,14 +749,7 @@ def test_a_stop_ends_a_leader_duty_waiting_for_a_locked_sqlite_file(
     and the duty says it was ended by the stop (no traceback). The duty waited until the
     leadership's end, past stop()'s 10 s wait for the thread, which stayed alive (a CI
     run's resignation test met it)."""
-    path = f"{tmp_path}/stopping.db"
-    app = errands.App(f"sqlite:///{path}?write_timeout=600", lease=60)
-
-    @app.job(name="noop")
-    def noop() -> None:
-        pass
-
-    app.migrate()
+    app, lock, enqueue = _app_with_a_file_to_lock(tmp_path, lease=60)
     caplog.set_level(logging.INFO, logger="errands.maintenance")
     leader = Maintenance(app, "w-stopping-duty", tick=10)
     assert leader.ttl == 50
@@ -755,11 +759,10 @@ def test_a_stop_ends_a_leader_duty_waiting_for_a_locked_sqlite_file(
     def rescue_on_a_locked_file() -> int:
         if locked.is_set():
             return rescue()
-        holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        holder.execute("BEGIN IMMEDIATE")
+        let_go = lock()
         locked.set()
-        threading.Thread(target=lambda: (free.wait(), holder.rollback(), holder.close())).start()
-        noop.enqueue()  # a write: waits for the lock the holder has
+        threading.Thread(target=lambda: (free.wait(), let_go())).start()
+        enqueue()  # a write: waits for the lock the holder has
         return 0
 
     leader.rescue = rescue_on_a_locked_file  # type: ignore[method-assign]

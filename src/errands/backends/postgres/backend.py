@@ -15,6 +15,7 @@ remains, so PgBouncer in transaction mode (no LISTEN) still works.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -461,10 +462,14 @@ class PostgresBackend(PostgresAdmin):
         """own_begin, and a lock_timeout of ``wait`` seconds (lock_bound): one simple
         query, one round trip."""
         ms = str(max(int(wait * 1000), 1))
-        bound = "\n".join(
+        return f"{self._begin}; {self._lock_bound.replace('$LOCK', ms)}"
+
+    @functools.cached_property
+    def _lock_bound(self) -> str:
+        """lock_bound's statement without its comments (made once)."""
+        return "\n".join(
             line for line in self.q["lock_bound"].splitlines() if not line.startswith("--")
         )
-        return f"{self._begin}; {bound.replace('$LOCK', ms)}"
 
     @contextmanager
     def _tx(self) -> Iterator[psycopg.Connection[Any]]:
