@@ -1,8 +1,9 @@
-"""A batch of plain completions is written by job_complete_many on PostgreSQL: the same
-write as job_finish_many's for completions (three arrays instead of seven, none of a
-failure's cases), chosen only where the two agree: every outcome a completion without an
-error, of a job known to have no fair key, outside workflows. Counted on the client and
-read back from the rows; not timed."""
+"""A batch of completions is written by job_complete_many on PostgreSQL: the same write
+as job_finish_many's for completions (four arrays instead of seven, none of a failure's
+cases), chosen only where the two agree: every outcome a completion without an error,
+outside workflows; the attempts of fair keys folded as job_finish_many folds them (its
+variant without the fold where every job is known to have no fair key). Counted on the
+client and read back from the rows; not timed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import errands
 from errands.backends.base import FinishParams
 from errands.jobs import JobRow
 from tests.conformance.support import claim, error, get, insert
+from tests.conformance.test_fair import add_keyed, fair_queue, take
 from tests.conformance.test_workflows import batch, callbacks
 
 from .counting import statements
@@ -55,22 +57,24 @@ def test_a_batch_of_plain_completions_is_one_lean_statement_that_writes_the_same
     backend: Any,
 ) -> None:
     """The same three completions (a result, a job whose cancel was requested while it
-    ran, no result) written by the lean statement and by the general one give the same
-    rows; run_at is left as it was, finished_at is set."""
-    for _ in range(6):
+    ran, no result) written by the lean statement and by the general one (a failure in
+    its batch) give the same rows; run_at is left as it was, finished_at is set."""
+    for _ in range(7):
         insert(backend)
-    rows = claim(backend, limit=6)
-    lean, general = rows[:3], rows[3:]
+    rows = claim(backend, limit=7)
+    lean, general, failing = rows[:3], rows[3:6], rows[6]
     before = {r.id: get(backend, r.id) for r in rows}
-    for jobs, fair, expected in ((lean, False, LEAN), (general, None, GENERAL)):
+    failed = FinishParams(failing.id, failing.lease_token or "", "dead", error=error())
+    for jobs, others, expected in ((lean, [], LEAN), (general, [failed], GENERAL)):
         backend.job_cancel(jobs[1].id, "test")
         outcomes = [
-            _done(jobs[0], '{"n": 1}', fair=fair),
-            _done(jobs[1], "2", fair=fair),
-            _done(jobs[2], fair=fair),
+            _done(jobs[0], '{"n": 1}'),
+            _done(jobs[1], "2"),
+            _done(jobs[2]),
+            *others,
         ]
         answers, sent = _written_by(backend, outcomes)
-        assert answers == [True, True, True]
+        assert answers == [True] * len(outcomes)
         assert sent[0] == expected, sent
     for one, other in zip(lean, general, strict=True):
         written, also = get(backend, one.id), get(backend, other.id)
@@ -89,25 +93,45 @@ def test_a_stale_completion_is_refused(backend: Any) -> None:
     assert get(backend, row.id).state == "running"
 
 
-@pytest.mark.parametrize(
-    "odd_one",
-    ["a failure", "a job whose fair key is not known", "a job with a fair key"],
-)
-def test_any_other_outcome_in_the_batch_takes_the_general_statement(
-    backend: Any, odd_one: str
-) -> None:
+def test_a_failure_in_the_batch_takes_the_general_statement(backend: Any) -> None:
     for _ in range(2):
         insert(backend)
     a, b = claim(backend, limit=2)
-    other = {
-        "a failure": FinishParams(b.id, b.lease_token or "", "dead", error=error(), fair=False),
-        "a job whose fair key is not known": _done(b, fair=None),
-        "a job with a fair key": _done(b, fair=True),
-    }[odd_one]
-    answers, sent = _written_by(backend, [_done(a), other])
+    failed = FinishParams(b.id, b.lease_token or "", "dead", error=error(), fair=False)
+    answers, sent = _written_by(backend, [_done(a), failed])
     assert answers == [True, True]
     assert GENERAL in sent and LEAN not in sent, sent
     assert get(backend, a.id).state == "completed"
+    assert get(backend, b.id).state == "dead"
+
+
+@pytest.mark.parametrize("known", [True, None], ids=["fair key known", "fair key not known"])
+def test_completions_of_fair_jobs_are_the_lean_statement_folding_as_the_general_one(
+    backend: Any, known: bool | None
+) -> None:
+    """Completions of a fair queue's jobs (the worker knows they have a key, or does not
+    know) take the lean statement, which folds each attempt into its key's usage as the
+    general statement does: the handlers' seconds, the dwell from the due time."""
+    queue = fair_queue(backend)
+    lean_ids, general_ids = add_keyed(backend, queue, "lean", 2), add_keyed(backend, queue, "g", 2)
+    rows = {r.id: r for r in take(backend, queue, 4)}
+    lean = [_done(rows[i], "1", fair=known, ran=0.25) for i in lean_ids]
+    answers, sent = _written_by(backend, lean)
+    assert answers == [True, True] and sent[0] == LEAN, sent
+    failed = FinishParams(
+        rows[general_ids[1]].id, rows[general_ids[1]].lease_token or "", "dead",
+        error=error(), fair=known, ran=0.25,
+    )  # fmt: skip
+    answers, sent = _written_by(
+        backend, [_done(rows[general_ids[0]], "1", fair=known, ran=0.25), failed]
+    )
+    assert answers == [True, True] and GENERAL in sent, sent
+    figures = {f.key: f for f in backend.fair_figures(queue)}
+    for key in ("lean", "g"):
+        assert figures[key].attempts == 2 and figures[key].running == 0
+        assert figures[key].seconds_total == pytest.approx(0.5)
+    assert figures["lean"].dwell_total == pytest.approx(figures["g"].dwell_total, abs=1.0)
+    assert {get(backend, i).run_at for i in lean_ids} == {rows[i].run_at for i in lean_ids}
 
 
 def test_a_workflow_member_completed_in_a_plain_batch_still_fans_in(backend: Any) -> None:

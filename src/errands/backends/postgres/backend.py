@@ -193,7 +193,7 @@ def _copy_plain(r: EnqueueRequest) -> bool:
 # said): an unreferenced CTE that reads nothing, so the write touches no fairness table.
 NO_FOLD = "fold AS (SELECT NULL)"
 # The statements that end attempts: each also has a "<name>_plain" variant without the fold.
-FOLDING = ("job_finish_many", "job_release_many", "job_rescue_many")
+FOLDING = ("job_finish_many", "job_complete_many", "job_release_many", "job_rescue_many")
 
 
 def fill_markers(text: str, schema: str, *, fold: bool = True) -> str:
@@ -229,10 +229,9 @@ def _compact(text: str) -> str:
     return "\n".join([first, *kept])
 
 
-def _plain_completion(outcome: FinishParams) -> bool:
-    """An outcome job_complete_many writes as job_finish_many would: a completion of a job
-    known to have no fair key (nothing to fold)."""
-    return outcome.state == "completed" and outcome.error is None and outcome.fair is False
+def _lean_completion(outcome: FinishParams) -> bool:
+    """An outcome job_complete_many writes as job_finish_many would: a completion."""
+    return outcome.state == "completed" and outcome.error is None
 
 
 def folding(name: str, fair: Sequence[bool | None]) -> str:
@@ -1230,12 +1229,14 @@ class PostgresBackend(PostgresAdmin):
     ) -> dict[tuple[int, str], str]:
         """The fenced write of ``outcomes`` (of members or of other jobs): the state each
         one that landed is in, by ``(id, lease token)``."""
-        if not members and all(_plain_completion(o) for o in outcomes):
-            query = self.q["job_complete_many"]
+        if not members and all(_lean_completion(o) for o in outcomes):
+            query = self.q[folding("job_complete_many", [o.fair for o in outcomes])]
             params: dict[str, Any] = {
                 "ids": [o.id for o in outcomes],
                 "tokens": [o.lease_token for o in outcomes],
                 "results": [o.result_json for o in outcomes],
+                "rans": [o.ran for o in outcomes],
+                "half_life": HALF_LIFE,
             }
         else:
             query = self.q[folding("job_finish_many", [o.fair for o in outcomes])]
