@@ -301,6 +301,25 @@ def test_every_path_that_ends_an_attempt_folds_its_worker_time_once(
     assert figures.dwell_total >= 0 and figures.seconds_total >= 0
 
 
+def test_a_batch_of_outcomes_folds_each_attempt_once_per_key(backend: Backend) -> None:
+    """A batch ending attempts of several keys (one outcome sent twice) folds each attempt
+    once into its own key, with its handler's seconds: SQLite folds the batch in one
+    statement, PostgreSQL in the write itself."""
+    queue = fair_queue(backend)
+    a_ids, b_ids = add_keyed(backend, queue, "a", 3), add_keyed(backend, queue, "b", 2)
+    rows = {r.id: r for r in take(backend, queue, 5)}
+    outcomes = [
+        FinishParams(i, rows[i].lease_token or "", "completed", fair=True, ran=0.5)
+        for i in [*a_ids, *b_ids]
+    ]
+    backend.job_finish_many([*outcomes, outcomes[-1]])
+    figures = {f.key: f for f in backend.fair_figures(queue)}
+    assert (figures["a"].attempts, figures["b"].attempts) == (3, 2)
+    assert figures["a"].seconds_total == pytest.approx(1.5)
+    assert figures["b"].seconds_total == pytest.approx(1.0)
+    assert {get(backend, i).state for i in [*a_ids, *b_ids]} == {"completed"}
+
+
 def test_a_prefetched_release_folds_nothing_into_its_keys_usage(backend: Backend) -> None:
     """A fair job claimed and never begun (prefetched, given back by a stopping worker)
     cost its key no worker time: its release folds nothing, as an undone claim does (it

@@ -57,7 +57,7 @@ from ..base import (
     warn_newer_schema,
     writes_several,
 )
-from ..fair import Weigher, fold_params
+from ..fair import HALF_LIFE, Weigher, fold_params
 from ..limits import claim_limited
 from ..program import (
     Program,
@@ -866,19 +866,29 @@ class SQLiteBackend(SQLiteAdmin):
         if not outcomes:
             return []
         self.workflows.forget()
+        # The attempts of fair keys folded in one statement (a suspension folds its own)
+        fold: dict[tuple[int, str | None], float | None] = {}
+        for o in outcomes:
+            if o.fair is not False and o.state != "waiting":
+                fold.setdefault((o.id, o.lease_token), o.ran)
         with self._write() as conn:
-            answers = [self._finish(conn, o) for o in outcomes]
+            if fold:
+                folded = [[i, token, ran] for (i, token), ran in fold.items()]
+                params = {"outcomes": json.dumps(folded), "half_life": HALF_LIFE}
+                conn.execute(Q["fair_fold_many"], params)
+            answers = [self._finish(conn, o, folded=True) for o in outcomes]
         fault_point("after_finish_commit")
         if self.workflows.take_fanned():
             fault_point("after_fan_in_commit")
         return answers
 
-    def _finish(self, conn: sqlite3.Connection, o: FinishParams) -> bool:
+    def _finish(self, conn: sqlite3.Connection, o: FinishParams, *, folded: bool = False) -> bool:
         """The fenced write of one outcome; its children are inserted only if it lands,
-        and a workflow member's fan-in runs in the same transaction."""
+        and a workflow member's fan-in runs in the same transaction. ``folded``: its
+        attempt's fold was written already (job_finish_many's fair_fold_many)."""
         if o.state == "waiting":  # under the write lock: a signal is either stored or not
             return run(conn, suspend_program(Q, o, self.workflows.fan_in))
-        if o.fair is not False:  # under the fence; a job known to have no fair key: nothing
+        if o.fair is not False and not folded:  # under the fence; no fair key: nothing
             conn.execute(Q["fair_fold"], fold_params(o.id, o.lease_token, ran=o.ran))
         rows = conn.execute(
             Q["job_finish"],

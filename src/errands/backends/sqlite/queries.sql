@@ -792,6 +792,19 @@ SET run_at = CASE WHEN :set_run_at = 1 THEN COALESCE(:run_at, (julianday('now') 
     fair_key = CASE WHEN :keys THEN :fair_key ELSE fair_key END
 WHERE id = :id AND state IN ('scheduled', 'available', 'retryable')
 
+-- name: fair_fold_upsert
+-- Not run alone: the end of fair_fold and fair_fold_many (errands.backends.sqlite.
+-- statements adds it), which fold attempts into their keys' usage, decayed by the
+-- half-life :half_life.
+ON CONFLICT (queue, key) DO UPDATE
+SET usage = usage * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.usage,
+    recent = recent * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.recent,
+    at = excluded.at,
+    last_started = max(last_started, excluded.last_started),
+    seconds_total = seconds_total + excluded.seconds_total,
+    dwell_total = dwell_total + excluded.dwell_total,
+    attempts = attempts + excluded.attempts
+
 -- name: fair_fold
 -- The worker time of an attempt that ends, folded into its key's usage (decayed by the
 -- half-life :half_life), with its dwell (due -> start). Runs in the transaction of the
@@ -807,14 +820,29 @@ SELECT queue, fair_key, max(coalesce(:ran, t - attempted_at), 0), 1, t, attempte
 FROM errands_jobs, (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t)
 WHERE id = :id AND lease_token = :token AND state = 'running' AND fair_key IS NOT NULL
   AND (:expired = 0 OR (lease_expires_at < t AND (cancel_requested = 0 OR :rescue = 'cancelled')))
-ON CONFLICT (queue, key) DO UPDATE
-SET usage = usage * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.usage,
-    recent = recent * pow(0.5, max(excluded.at - at, 0) / :half_life) + excluded.recent,
-    at = excluded.at,
-    last_started = max(last_started, excluded.last_started),
-    seconds_total = seconds_total + excluded.seconds_total,
-    dwell_total = dwell_total + excluded.dwell_total,
-    attempts = attempts + excluded.attempts
+
+-- name: fair_fold_many
+-- fair_fold for a batch of attempts that end (job_finish_many): :outcomes, a JSON array of
+-- [id, lease token, seconds the handler ran or null], folded in one statement, one row per
+-- key, before the batch's fenced writes and under the same fence (the lease token, the
+-- row still running), so it counts exactly the attempts they end (each outcome once: the
+-- caller sends each (id, token) once). One upsert per job took a fair queue's
+-- completions 58 us a job against 44 without it.
+INSERT INTO errands_fair_usage (queue, key, usage, recent, at, last_started, seconds_total,
+                                dwell_total, attempts)
+SELECT j.queue, j.fair_key, sum(max(coalesce(o.ran, now.t - j.attempted_at), 0)), count(*),
+       now.t, max(j.attempted_at), sum(max(coalesce(o.ran, now.t - j.attempted_at), 0)),
+       sum(max(j.attempted_at - j.run_at, 0)), count(*)
+FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS token,
+             json_extract(value, '$[2]') AS ran
+      FROM json_each(:outcomes)) AS o
+-- the outcomes first, each row then found by its id (CROSS JOIN keeps SQLite's order: it
+-- read every running row through its index, once per outcome, 1.4 ms a job)
+CROSS JOIN errands_jobs AS j
+CROSS JOIN (SELECT (julianday('now') - 2440587.5) * 86400.0 AS t) AS now
+WHERE j.id = o.id AND j.lease_token = o.token AND j.state = 'running'
+  AND j.fair_key IS NOT NULL
+GROUP BY j.queue, j.fair_key
 
 -- name: fair_heads
 -- A fair queue's due rows, per (key, priority level), for at most :limit keys in key
