@@ -164,21 +164,20 @@ def fair_pick(
 
 
 def _entry(index: int, key: _Key, now: float, aging: float | None) -> tuple[float, ...]:
-    """The heap entry of ``key``, which has a job left: its next job's level, its rank."""
+    """The heap entry of ``key``, which has a job left: its next job's level, then its
+    rank: a key more than its slack under its share first (least weighted worker time
+    first), then the turns of keys within their share (least recently started first),
+    then the rest by weighted worker time counting the jobs picked this round."""
     head = key.jobs[key.position]
     level = effective_priority(head.priority, head.run_at, now, aging) if aging else head.priority
-    return (-float(level), *_rank(key, head), float(index))
-
-
-def _rank(key: _Key, head: FairCandidate) -> tuple[float, ...]:
-    if key.picked == 0 and key.behind:
-        return (-1.0, key.state.usage / key.state.weight, head.run_at, float(head.id))
-    if key.picked == 0 and key.within_share:
-        started = -math.inf if key.state.last_started is None else key.state.last_started
-        return (0.0, started, head.run_at, float(head.id))
     s = key.state
+    if key.picked == 0 and key.behind:
+        return (-float(level), -1.0, s.usage / s.weight, head.run_at, float(head.id), index)
+    if key.picked == 0 and key.within_share:
+        started = -math.inf if s.last_started is None else s.last_started
+        return (-float(level), 0.0, started, head.run_at, float(head.id), index)
     virtual = (s.usage + s.mean_cost * key.picked) / s.weight
-    return (1.0, virtual, head.run_at, float(head.id))
+    return (-float(level), 1.0, virtual, head.run_at, float(head.id), index)
 
 
 def over_share(states: dict[str, KeyState], keys: Sequence[str]) -> set[str]:
@@ -186,11 +185,18 @@ def over_share(states: dict[str, KeyState], keys: Sequence[str]) -> set[str]:
     :func:`fair_pick` judges them): they take no round-robin turn."""
     default = KeyState()
     marked = [(k, states.get(k) or default) for k in keys]
-    total = sum(state.usage for _, state in marked)
-    weights = sum(state.weight for _, state in marked)
+    total = sum([state.usage for _, state in marked])
+    weights = sum([state.weight for _, state in marked])
     if total <= 0 or weights <= 0:
         return set()
-    return {k for k, state in marked if state.usage > sum(_share_and_slack(state, total, weights))}
+    # a key's weighted share of the total, and its slack: one of its jobs, at least QUANTUM
+    return {
+        k
+        for k, state in marked
+        if state.usage
+        > total * state.weight / weights
+        + (state.mean_cost if state.mean_cost > QUANTUM else QUANTUM)
+    }
 
 
 def _mark_shares(keys: list[_Key]) -> None:
@@ -199,19 +205,16 @@ def _mark_shares(keys: list[_Key]) -> None:
     key more than its slack under it goes before them. Else the keys at their slack's
     edge (one more job each) would keep a key of weight 2 that far under its share per
     key of weight 1: 2 keys of weight 1 and one of 2 over a 30 s run measured 1.84."""
-    total = sum(k.state.usage for k in keys)
-    weights = sum(k.state.weight for k in keys)
+    total = sum([k.state.usage for k in keys])
+    weights = sum([k.state.weight for k in keys])
     if total <= 0 or weights <= 0:
         return
     for key in keys:
-        share, slack = _share_and_slack(key.state, total, weights)
-        key.within_share = key.state.usage <= share + slack
-        key.behind = key.state.usage < share - slack
-
-
-def _share_and_slack(state: KeyState, total: float, weights: float) -> tuple[float, float]:
-    """A key's weighted share of ``total`` worker time, and its slack around it."""
-    return total * state.weight / weights, max(state.mean_cost, QUANTUM)
+        state = key.state  # (its share and slack as over_share judges them)
+        share = total * state.weight / weights
+        slack = state.mean_cost if state.mean_cost > QUANTUM else QUANTUM
+        key.within_share = state.usage <= share + slack
+        key.behind = state.usage < share - slack
 
 
 def decayed(usage: float, age: float) -> float:

@@ -24,12 +24,12 @@ from typing import Protocol
 
 from ..errors import ConfigurationError
 from .fair import (
+    HALF_LIFE,
     UNKEYED,
     FairCandidate,
     FairPick,
     KeyState,
     Weigher,
-    decayed,
     effective_priority,
     fair_pick,
     over_share,
@@ -496,7 +496,7 @@ def _pick_fair(
     over = over_share(states, keys)  # judged among every key read, once per claim
     idle: set[str] = set()
     if pick.fair:  # not in a queue with aging only
-        idle = {k for k in keys if k != UNKEYED and states.get(k, KeyState()).running == 0}
+        idle = {k for k in keys if k != UNKEYED and ((s := states.get(k)) is None or not s.running)}
         idle -= over
     if pick.express:  # each such key's next job only: its highest level's first
         firsts: dict[str, FairCandidate] = {}
@@ -687,13 +687,18 @@ def _states(
     now = 0.0
     for key, usage, recent, at, last, running, running_last, weight, t, n in rows:
         now = float(t)  # type: ignore[arg-type]
-        state = KeyState(weight=1.0 if weight is None else float(weight))  # type: ignore[arg-type]
         if weight is None:
+            state = KeyState()  # (weight 1)
             unweighted.append(str(key))
+        else:
+            state = KeyState(weight=float(weight))  # type: ignore[arg-type]
         if usage is not None:
-            state.usage = decayed(float(usage), now - float(at))  # type: ignore[arg-type]
+            used = float(usage)  # type: ignore[arg-type]
+            age = now - float(at)  # type: ignore[arg-type]
+            # decayed(used, age), inline: this runs for every key a claim reads
+            state.usage = used * 0.5 ** ((age if age > 0.0 else 0.0) / HALF_LIFE)
             if recent:
-                state.mean_cost = max(float(usage) / float(recent), 0.001)  # type: ignore[arg-type]
+                state.mean_cost = max(used / float(recent), 0.001)  # type: ignore[arg-type]
             state.last_started = float(last)  # type: ignore[arg-type]
         if running is not None:
             # A running attempt counts at least its key's mean job time: what it will use,
