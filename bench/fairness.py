@@ -358,7 +358,13 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
         help="the worker's express lane (default: the worker's, -c / 2 with a fair queue)",
     )
     parser.add_argument("--keys", type=int, default=1000)
-    parser.add_argument("--keys-jobs", type=int, default=20_000)
+    parser.add_argument(
+        "--keys-jobs",
+        type=int,
+        default=50_000,
+        help="jobs in the keys part's runs (50,000: ~15 s a run; 20,000 gave 5 s windows, "
+        "whose pairs of one setting ranged 0.69-1.16)",
+    )
     parser.add_argument(
         "--keys-work",
         type=float,
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None, *, echo: bool = True) -> dict[str, Any]:
     parser.add_argument(
         "--keys-rounds",
         type=int,
-        default=1,
+        default=3,
         help="pairs of runs (fair, then FIFO) per job length in the keys part: the ratio "
         "reported is the median of the pairs' ratios, with their range (a pair's two runs "
         "meet the same load; one pair's ratio on a busy machine varied 0.63-1.16)",

@@ -21,6 +21,7 @@ def test_the_noisy_neighbour_benchmark_runs_end_to_end_and_reports_every_figure(
             "--url", f"sqlite:///{tmp_path}/fair.db", "--backlog", "300", "--quiet", "3",
             "--seconds", "2", "--grace", "2", "--keys", "20", "--keys-jobs", "100",
             "--work", "0.002", "--concurrency", "4", "--keys-work", "0.001",
+            "--keys-rounds", "1",
         ]
     )  # fmt: skip
     for run in ("idle", "fair", "fifo"):

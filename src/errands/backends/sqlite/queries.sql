@@ -855,13 +855,6 @@ GROUP BY j.queue, j.fair_key
 -- when :suspects, marked: see _pick_fair. Each row also carries its key's standing (the
 -- columns of fair_states), so a claim reads its window's keys in one statement.
 WITH RECURSIVE now(t) AS (SELECT (julianday('now') - 2440587.5) * 86400.0),
-running AS MATERIALIZED (
-    SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
-           max(r.attempted_at) AS latest, count(*) AS n
-    FROM errands_jobs AS r, now
-    WHERE r.queue = :queue AND r.state = 'running' AND r.fair_key IS NOT NULL
-    GROUP BY r.fair_key
-),
 levels(key, priority, n) AS (
     SELECT fair_key, priority, 1 FROM errands_jobs
     WHERE id = COALESCE(
@@ -889,6 +882,19 @@ levels(key, priority, n) AS (
            AND fair_key > l.key
          ORDER BY fair_key, priority LIMIT 1))
     WHERE :before IS NULL OR n.fair_key <= :before
+),
+-- the window's running rows, its keys' only (one probe per key): every running row of
+-- the queue was read at each claim, 6 ms a claim with 15,000 running (prefetched jobs
+-- are running rows: a few workers of deep prefetch hold thousands)
+running AS MATERIALIZED (
+    SELECT r.fair_key AS key, sum(max(now.t - r.attempted_at, 0)) AS seconds,
+           max(r.attempted_at) AS latest, count(*) AS n
+    FROM errands_jobs AS r, now
+    WHERE r.queue = :queue AND r.state = 'running'
+      -- (implies fair_key IS NOT NULL, the index's predicate; written out, SQLite read
+      -- the index's whole range for it and tested the keys after)
+      AND r.fair_key IN (SELECT key FROM levels)
+    GROUP BY r.fair_key
 )
 SELECT j.id, j.name, j.concurrency_key, j.concurrency_limit, j.rate_limit, j.rate_period,
        l.key, j.priority, j.run_at, j.rescues > 0,
