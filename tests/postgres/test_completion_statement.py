@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 import errands
@@ -20,7 +21,7 @@ from tests.conformance.support import claim, error, get, insert
 from tests.conformance.test_fair import add_keyed, fair_queue, take
 from tests.conformance.test_workflows import batch, callbacks
 
-from .counting import statements
+from .counting import messages, statements
 
 
 @pytest.fixture
@@ -76,6 +77,11 @@ def test_a_batch_of_plain_completions_is_one_lean_statement_that_writes_the_same
         answers, sent = _written_by(backend, outcomes)
         assert answers == [True] * len(outcomes)
         assert sent[0] == expected, sent
+    # jobs known to have no fair key: the variant that touches no fairness table
+    insert(backend)
+    (plain,) = claim(backend, limit=1)
+    _, whole = messages(lambda: backend.job_finish_many([_done(plain)]))
+    assert whole and "errands_fair_usage" not in " ".join(whole), whole
     for one, other in zip(lean, general, strict=True):
         written, also = get(backend, one.id), get(backend, other.id)
         assert _comparable(written) == _comparable(also)
@@ -114,6 +120,12 @@ def test_completions_of_fair_jobs_are_the_lean_statement_folding_as_the_general_
     general statement does: the handlers' seconds, the dwell from the due time."""
     queue = fair_queue(backend)
     lean_ids, general_ids = add_keyed(backend, queue, "lean", 2), add_keyed(backend, queue, "g", 2)
+    with psycopg.connect(backend.config.conninfo, autocommit=True) as conn:  # due 30 s ago
+        conn.execute(
+            f"UPDATE \"{backend.schema}\".errands_jobs SET run_at = now() - interval '30 s' "
+            "WHERE id = ANY(%s)",
+            ([*lean_ids, *general_ids],),
+        )
     rows = {r.id: r for r in take(backend, queue, 4)}
     lean = [_done(rows[i], "1", fair=known, ran=0.25) for i in lean_ids]
     answers, sent = _written_by(backend, lean)
@@ -130,7 +142,9 @@ def test_completions_of_fair_jobs_are_the_lean_statement_folding_as_the_general_
     for key in ("lean", "g"):
         assert figures[key].attempts == 2 and figures[key].running == 0
         assert figures[key].seconds_total == pytest.approx(0.5)
-    assert figures["lean"].dwell_total == pytest.approx(figures["g"].dwell_total, abs=1.0)
+    # each attempt's dwell from the due time it had: 30 s before its claim
+    assert figures["lean"].dwell_total == pytest.approx(60.0, abs=5.0)
+    assert figures["g"].dwell_total == pytest.approx(60.0, abs=5.0)
     assert {get(backend, i).run_at for i in lean_ids} == {rows[i].run_at for i in lean_ids}
 
 
