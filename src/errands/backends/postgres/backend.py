@@ -1230,14 +1230,17 @@ class PostgresBackend(PostgresAdmin):
         """The fenced write of ``outcomes`` (of members or of other jobs): the state each
         one that landed is in, by ``(id, lease token)``."""
         if not members and all(_lean_completion(o) for o in outcomes):
-            query = self.q[folding("job_complete_many", [o.fair for o in outcomes])]
+            name = folding("job_complete_many", [o.fair for o in outcomes])
             params: dict[str, Any] = {
                 "ids": [o.id for o in outcomes],
                 "tokens": [o.lease_token for o in outcomes],
                 "results": [o.result_json for o in outcomes],
-                "rans": [o.ran for o in outcomes],
+                # only the fold reads them: the plain variant (every plain queue's batch)
+                # gets none to bind (unnest pads the shorter array with NULLs)
+                "rans": [] if name.endswith("_plain") else [o.ran for o in outcomes],
                 "half_life": HALF_LIFE,
             }
+            query = self.q[name]
         else:
             query = self.q[folding("job_finish_many", [o.fair for o in outcomes])]
             params = {
