@@ -191,3 +191,46 @@ def test_a_fair_claim_reads_one_window_of_keys_not_every_key(tmp_path) -> None: 
     finally:
         conn.close()
         backend.close()
+
+
+def test_a_claim_whose_reads_run_when_asked_reads_only_the_lookahead_rows_it_keeps(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """On SQLite (nothing is sent ahead) the lookahead is read after the window, so it
+    asks only for the rows a claim keeps: those without a key and the keyed ones above
+    the window's lowest level. Before, each claim built every row of the lookahead
+    (window_size rows, almost all left out) under the file's write lock. The claim takes
+    what it took before: the higher-priority job of a key outside the window first, then
+    the unkeyed job among the window's keys."""
+    from errands.backends.sqlite.backend import SQLiteBackend, _LimitedStore
+
+    backend = SQLiteBackend(f"sqlite:///{tmp_path / 'ahead.db'}")
+    conn = sqlite3.connect(tmp_path / "ahead.db", isolation_level=None)
+    try:
+        queue = fair_queue(backend)
+        key_of = {i: "(none)" for i in add(backend, queue, [None], 1)}  # type: ignore[list-item]
+        key_of |= add(backend, queue, [f"tenant:{k:03d}" for k in range(200)], 2)
+        key_of |= add(backend, queue, ["tenant:zzz"], 1, priority=5)  # last in key order
+        lookahead: list[int] = []
+
+        class Counting(_LimitedStore):
+            def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
+                got = super().rows(query, params)
+                if query == "fair_lookahead":
+                    lookahead.append(len(got))
+                return got
+
+        cursors: dict[str, str] = {}
+        taken: list[str] = []
+        for _ in range(3):
+            conn.execute("BEGIN IMMEDIATE")
+            params = {"worker_id": WORKER, "token": "t", "lease_default": 30.0}
+            rows = claim_limited(Counting(conn), queue, 4, params, cursors=cursors)
+            conn.execute("COMMIT")
+            taken += [key_of[int(r[0])] for r in rows]  # type: ignore[call-overload]
+        assert taken[0] == "tenant:zzz" and "(none)" in taken[:8]
+        assert len(taken) == 12 and len(set(taken)) == 12  # one job per key
+        assert lookahead and max(lookahead) <= 2  # the unkeyed row, the priority-5 one
+    finally:
+        conn.close()
+        backend.close()

@@ -163,11 +163,13 @@ class LimitedClaimStore(Protocol):
 
     def rows(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]: ...
 
-    def expect(self, query: str, params: dict[str, object]) -> None:
+    def expect(self, query: str, params: dict[str, object]) -> bool:
         """Called before ``start``: ``rows(query, params)`` is likely to be asked for next
         (a fair queue's first reads). A backend may send it with ``start``'s statement and
         answer ``rows`` from it when asked with equal ``params`` (PostgreSQL: one round
-        trip); a read never asked for is dropped. Only reads without side effects."""
+        trip); a read never asked for is dropped. Only reads without side effects.
+        Returns whether it will be sent ahead (False: it runs when asked, so the caller
+        may ask for less once it knows more)."""
         ...
 
     def claim(self, params: dict[str, object], *, last: bool) -> list[tuple[object, ...]]:
@@ -238,14 +240,14 @@ def claim_limited(
     Call inside the transaction of the claim (``store.start`` serialises it).
     """
     result = Claimed()
+    sent_ahead = False
     if cursors is not None and queue in cursors and not suspects:
         # A fair queue this process claimed before (its rotation has a place): the first
         # reads of its claim go with the claim's first statement where the backend can
         # (one round trip on PostgreSQL), as they are asked for when no cluster-wide limit
         # shrinks the room and no job type is out of its rate; else they are read again.
         guess = {**_Pick(store, queue, cap, {}, {}, [], names, result).params(), "suspects": False}
-        for query, params in _first_reads(guess, cursors[queue], cap):
-            store.expect(query, params)
+        sent_ahead = all([store.expect(q, p) for q, p in _first_reads(guess, cursors[queue], cap)])
     settings, named_rates = store.start(queue)
     fair, aging = False, None
     if settings:
@@ -281,7 +283,7 @@ def claim_limited(
     blocked: list[object] = [name for name, left in room_per_name.items() if left <= 0]
     pick = _Pick(
         store, queue, room, rates, room_per_name, blocked, names, result, weights, express, fair,
-        key_limits,
+        key_limits, sent_ahead=sent_ahead,
     )  # fmt: skip
     if fair or aging:
         chosen = _pick_fair(
@@ -351,6 +353,7 @@ class _Pick:
     fair: bool = False  # the queue is fair (not only aging): the express lane serves it
     caps: Mapping[str, int] | None = None  # the claiming worker's own key limit per type
     idle_keys: list[int] = field(default_factory=list)  # chosen: first of an idle key
+    sent_ahead: bool = False  # a fair claim's first reads went with its first statement
 
     def params(self) -> dict[str, object]:
         return {
@@ -459,7 +462,11 @@ def _pick_fair(
         (_, first), (_, ahead_params) = _first_reads(params, cursor, room)
         candidates, read, standing = _fair_window(store, first, window_size(room))
         low = min((c.priority for c in candidates), default=LEVEL_MIN)
-        # every row of the lookahead read (see _first_reads): the keyed ones above kept
+        # every row of the lookahead read (see _first_reads): the keyed ones above kept.
+        # Not sent ahead (SQLite): only those asked for (~80 rows a claim, all but a few
+        # left out, were built for nothing under the file's write lock)
+        if not pick.sent_ahead:
+            ahead_params = {**ahead_params, "above": low}
         window = set(read)
         ahead = [  # (judged on the rows: most are left out, and built for nothing)
             _candidate(r)

@@ -1786,9 +1786,11 @@ class _LimitedStore:
                     conn.execute("ROLLBACK")
             raise
 
-    def expect(self, query: str, params: dict[str, object]) -> None:
+    def expect(self, query: str, params: dict[str, object]) -> bool:
         if self.prepared is not None and query in BATCHED:
             self._ahead[query] = (params, None)  # sent with start's statement
+            return True
+        return False
 
     def start(self, queue: str) -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
         """BEGIN; then one limited claimer per queue at a time, cluster-wide, for this

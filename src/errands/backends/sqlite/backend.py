@@ -1409,8 +1409,9 @@ class _LimitedStore:
             return []
         return self.conn.execute(Q[query], params).fetchall()
 
-    def expect(self, query: str, params: dict[str, object]) -> None:
+    def expect(self, query: str, params: dict[str, object]) -> bool:
         """Nothing to send ahead: every statement runs in this process."""
+        return False
 
     def claim(self, params: dict[str, object], *, last: bool) -> list[tuple[object, ...]]:
         return self.rows("job_claim_ids", params)
