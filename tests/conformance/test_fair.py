@@ -320,6 +320,30 @@ def test_a_batch_of_outcomes_folds_each_attempt_once_per_key(backend: Backend) -
     assert {get(backend, i).state for i in [*a_ids, *b_ids]} == {"completed"}
 
 
+def test_a_handler_time_that_is_not_a_finite_number_folds_as_the_time_since_the_claim(
+    backend: Backend,
+) -> None:
+    """An outcome whose handler seconds are NaN or infinite (never the worker's: its
+    clock is monotonic, but FinishParams is the store's contract) folds the attempt's
+    time since its claim, as an outcome without them, alone or in a batch. Before,
+    PostgreSQL stored NaN as the key's usage (greatest(NaN, 0) is NaN): every later share
+    of the queue was NaN."""
+    queue = fair_queue(backend)
+    ids = add_keyed(backend, queue, "k", 4)
+    rows = {r.id: r for r in take(backend, queue, 4)}
+    odd = [float("nan"), float("inf"), float("-inf"), float("nan")]
+    outcomes = [
+        FinishParams(i, rows[i].lease_token or "", "completed", fair=True, ran=ran)
+        for i, ran in zip(ids, odd, strict=True)
+    ]
+    assert backend.job_finish_many(outcomes[:1]) == [True]
+    assert backend.job_finish_many(outcomes[1:]) == [True] * 3
+    (figures,) = backend.fair_figures(queue)
+    assert figures.attempts == 4
+    assert 0.0 <= figures.seconds_total < 60.0  # each: from its claim to its write
+    assert 0.0 <= figures.recent_seconds < 60.0
+
+
 def test_a_prefetched_release_folds_nothing_into_its_keys_usage(backend: Backend) -> None:
     """A fair job claimed and never begun (prefetched, given back by a stopping worker)
     cost its key no worker time: its release folds nothing, as an undone claim does (it

@@ -222,6 +222,14 @@ def decayed(usage: float, age: float) -> float:
     return usage * 0.5 ** (max(age, 0.0) / HALF_LIFE)
 
 
+def handler_seconds(ran: float | None) -> float | None:
+    """A handler's seconds as a fold takes them: None (count from the claim to the write)
+    when not a finite number. PostgreSQL stored a NaN as the key's usage (greatest(NaN,
+    0) is NaN), and every later share of its queue was NaN; NaN is no JSON (SQLite's
+    batched fold failed)."""
+    return ran if ran is not None and math.isfinite(ran) else None
+
+
 def fold_params(
     job_id: int, token: str | None, *, rescue: str | None = None, ran: float | None = None
 ) -> dict[str, object]:
@@ -231,7 +239,7 @@ def fold_params(
     handler ran, None to count from the claim to the write)."""
     return {
         "id": job_id, "token": token, "expired": int(rescue is not None), "rescue": rescue,
-        "half_life": HALF_LIFE, "ran": ran,
+        "half_life": HALF_LIFE, "ran": handler_seconds(ran),
     }  # fmt: skip
 
 

@@ -63,7 +63,7 @@ from ..base import (
     warn_newer_schema,
     writes_several,
 )
-from ..fair import HALF_LIFE, Weigher
+from ..fair import HALF_LIFE, Weigher, handler_seconds
 from ..limits import claim_limited
 from ..program import (
     Call,
@@ -1231,13 +1231,14 @@ class PostgresBackend(PostgresAdmin):
         one that landed is in, by ``(id, lease token)``."""
         if not members and all(_lean_completion(o) for o in outcomes):
             name = folding("job_complete_many", [o.fair for o in outcomes])
+            plain = name.endswith("_plain")
             params: dict[str, Any] = {
                 "ids": [o.id for o in outcomes],
                 "tokens": [o.lease_token for o in outcomes],
                 "results": [o.result_json for o in outcomes],
                 # only the fold reads them: the plain variant (every plain queue's batch)
                 # gets none to bind (unnest pads the shorter array with NULLs)
-                "rans": [] if name.endswith("_plain") else [o.ran for o in outcomes],
+                "rans": [] if plain else [handler_seconds(o.ran) for o in outcomes],
                 "half_life": HALF_LIFE,
             }
             query = self.q[name]
@@ -1250,7 +1251,7 @@ class PostgresBackend(PostgresAdmin):
                 "results": [o.result_json for o in outcomes],
                 "errors": [None if o.error is None else json.dumps(o.error) for o in outcomes],
                 "delays": [float(o.delay) for o in outcomes],
-                "rans": [o.ran for o in outcomes],
+                "rans": [handler_seconds(o.ran) for o in outcomes],
                 "members": members,
                 "half_life": HALF_LIFE,
             }

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import random
 import secrets
@@ -58,7 +57,7 @@ from ..base import (
     warn_newer_schema,
     writes_several,
 )
-from ..fair import HALF_LIFE, Weigher, fold_params
+from ..fair import HALF_LIFE, Weigher, fold_params, handler_seconds
 from ..limits import claim_limited
 from ..program import (
     Program,
@@ -870,9 +869,8 @@ class SQLiteBackend(SQLiteAdmin):
         # The attempts of fair keys folded in one statement (a suspension folds its own)
         fold: dict[tuple[int, str | None], float | None] = {}
         for o in outcomes:
-            if o.fair is not False and o.state != "waiting":  # (NaN is no JSON: as no time)
-                ran = o.ran if o.ran is not None and math.isfinite(o.ran) else None
-                fold.setdefault((o.id, o.lease_token), ran)
+            if o.fair is not False and o.state != "waiting":
+                fold.setdefault((o.id, o.lease_token), handler_seconds(o.ran))
         with self._write() as conn:
             if fold:
                 folded = [[i, token, ran] for (i, token), ran in fold.items()]
