@@ -964,6 +964,8 @@ class App:
     def _given(jobs: Iterable[BoundJob]) -> list[BoundJob]:
         """``jobs`` as a list, read once: a generator was used up by the checks, and the
         jobs it gave were then neither stored nor reported (an empty list came back)."""
+        if type(jobs) is list:  # the common case (job.enqueue's own), none of the below
+            return jobs[:]
         if isinstance(jobs, BoundJob):
             raise ConfigurationError(
                 "enqueue_many takes several jobs (a list of job.bind(...)); for one job, "

@@ -759,8 +759,16 @@ class PostgresBackend(PostgresAdmin):
         """One job without a key: the single statement of ``_insert_program``, sent
         straight (the enqueue one call per job runs this; a key can never conflict)."""
         cur = _insert_cursor(conn)
-        [(job_id, _)] = cur.execute(self.q["job_insert"], self._one_params(req)).fetchall()
+        [(job_id, _)] = cur.execute(self._job_insert_sql, self._one_params(req)).fetchall()
         return [InsertResult(job_id, False)]
+
+    @functools.cached_property
+    def _job_insert_sql(self) -> str | bytes:
+        """job_insert as bytes, made once: psycopg encoded the text (and hashed the new
+        bytes to find its parsed form) at every call. Its text is ASCII (the schema name
+        is: see config), the same bytes in every client encoding; else the text."""
+        text = self.q["job_insert"]
+        return text.encode("ascii") if text.isascii() else text
 
     def _one_params(self, req: EnqueueRequest) -> dict[str, Any]:
         """``job_insert``'s parameters: the job's, and the channel when this process is due
