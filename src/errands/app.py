@@ -887,8 +887,16 @@ class App:
         requests = self._requests(given)
         if not requests:
             return []
-        with self._inserting(requests), marking(conn):  # (ctx.transaction(): its errors)
-            results = self.backend.job_insert_many(requests, conn=conn)
+        if conn is not None:
+            with self._inserting(requests), marking(conn):  # (ctx.transaction(): its errors)
+                results = self.backend.job_insert_many(requests, conn=conn)
+            return self._enqueued(requests, results)
+        try:  # _inserting, inline: an enqueue one call per job pays no context manager
+            results = self.backend.job_insert_many(requests)
+        except BaseException as exc:
+            if self.events.insert_failures:
+                self.events.insert_failed(requests, exc)
+            raise
         return self._enqueued(requests, results)
 
     async def aenqueue_many(self, jobs: Iterable[BoundJob], conn: Any = None) -> list[JobHandle]:
@@ -956,6 +964,8 @@ class App:
     def _given(jobs: Iterable[BoundJob]) -> list[BoundJob]:
         """``jobs`` as a list, read once: a generator was used up by the checks, and the
         jobs it gave were then neither stored nor reported (an empty list came back)."""
+        if type(jobs) is list:  # the common case (job.enqueue's own), none of the below
+            return jobs[:]
         if isinstance(jobs, BoundJob):
             raise ConfigurationError(
                 "enqueue_many takes several jobs (a list of job.bind(...)); for one job, "

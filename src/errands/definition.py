@@ -473,16 +473,19 @@ class JobDefinition(Generic[P, R]):
         ``unique_for``, for that long): enqueueing the key again returns the existing job
         with ``handle.deduplicated`` set.
         """
-        bound = self.bind(
-            *args,
-            key=key,
-            delay=delay,
-            run_at=run_at,
-            priority=priority,
-            queue=queue,
-            unique_for=unique_for,
-            **kwargs,
-        )
+        # what bind() does, without handing every option on through a second call
+        if (
+            key is None
+            and delay is None
+            and run_at is None
+            and priority is None
+            and queue is None
+            and unique_for is None
+        ):
+            options = NO_OPTIONS
+        else:
+            options = EnqueueOptions(key, delay, run_at, priority, queue, unique_for)
+        bound = BoundJob(self, self.request(args, kwargs, options))
         return self.app.enqueue_many([bound], conn=conn)[0]
 
     async def aenqueue(

@@ -101,13 +101,15 @@ def shielded() -> Iterator[None]:
         # mark is taken or inside the try, never between (a count taken before the try,
         # then skipped by an interrupt landing there, left the thread shielded for good:
         # every later interrupt of it, and of a thread given its ident, held back)
-        _enter(ident, mark)
+        enter_shield(ident, mark)
         yield
     finally:
-        _leave(ident, mark)
+        leave_shield(ident, mark)
 
 
-def _enter(ident: int, mark: object) -> None:
+def enter_shield(ident: int, mark: object) -> None:
+    """Begin the shield ``mark`` of thread ``ident`` (see shielded: call it inside the
+    ``try`` whose ``finally`` calls leave_shield)."""
     with _lock:
         entry = _shields.get(ident)
         if entry is None or not entry[0].is_alive():  # none, or a dead thread's
@@ -115,7 +117,8 @@ def _enter(ident: int, mark: object) -> None:
         entry[1].append(mark)
 
 
-def _leave(ident: int, mark: object) -> None:
+def leave_shield(ident: int, mark: object) -> None:
+    """End the shield ``mark`` of thread ``ident`` (begun by enter_shield)."""
     with _lock:
         entry = _shields.get(ident)
         if entry is None or mark not in entry[1]:

@@ -136,3 +136,28 @@ def test_a_refused_statement_is_its_own_error_even_if_the_pool_closes_the_connec
     monkeypatch.setattr(backend.pool, "putconn", closing_putconn)
     with pytest.raises(psycopg.errors.DivisionByZero):
         backend._again_if_lost(refused, lambda exc: RuntimeError("uncertain"))
+
+
+def test_a_lock_wait_past_the_callers_deadline_is_database_busy_and_rolled_back(
+    backend: Any,
+) -> None:
+    """Under a caller's deadline that bounds lock waits (base.calls_until), the block runs
+    in a transaction whose lock_timeout is the time left: a statement waiting longer for
+    a lock another session holds raises DatabaseBusy, what the block wrote is rolled
+    back, and the connection goes back to the pool with no transaction open."""
+    import time
+
+    from errands.backends.base import calls_until
+    from errands.errors import DatabaseBusy
+
+    schema = backend.schema
+    with psycopg.connect(backend.config.conninfo) as other:  # a transaction: holds the lock
+        other.execute(f'LOCK TABLE "{schema}".pool_probe')
+        with (
+            calls_until(time.monotonic() + 0.3),
+            pytest.raises(DatabaseBusy, match="stayed held by another session"),
+            backend._conn() as conn,
+        ):
+            conn.execute(f'INSERT INTO "{schema}".pool_probe VALUES (4)')
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert _probes(backend) == []

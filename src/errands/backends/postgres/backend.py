@@ -39,7 +39,7 @@ from ...errors import (
 )
 from ...faults import fault_point
 from ...forking import forget_at_fork, reset_at_fork
-from ...interrupts import shielded
+from ...interrupts import enter_shield, leave_shield
 from ...jobs import EnqueueRequest, JobRow, Step, to_datetime
 from ...jsontext import loads_stored
 from ..base import (
@@ -374,10 +374,7 @@ class PostgresBackend(PostgresAdmin):
                 self.pool.open()  # without waiting: a checkout waits for its connection
                 self._reopen = False
 
-    @contextmanager
-    def _conn(
-        self, timeout: float | None = None, *, begins: bool = False
-    ) -> Iterator[psycopg.Connection[Any]]:
+    def _conn(self, timeout: float | None = None, *, begins: bool = False) -> _Checkout:
         """A pool connection the server has not closed; ``timeout``: wait at most that
         long for one (default: the pool's 30 s, or less before a waiting caller's
         deadline: see base.calls_until).
@@ -391,41 +388,28 @@ class PostgresBackend(PostgresAdmin):
         such a transaction itself at once (_tx), whose BEGIN carries the bound instead.
         Session settings are never changed: behind a pooler in transaction mode a
         session's SET lands on a server connection other clients then use. Without such
-        a deadline (claims, outcomes, heartbeats, enqueues) nothing is sent here."""
-        if self._reopen:
-            self._open_in_child()
-        if timeout is None:
-            timeout = connection_wait(self.pool.timeout)
-        bound = lock_wait()
-        begin = self._bounded_begin(bound) if bound is not None and not begins else None
-        try:
-            with shielded():  # no hook's or handler's interrupt lands inside (interrupts)
-                conn = self._checkout(timeout, begin)
-                try:
-                    yield conn
-                    # as pool.connection() does (psycopg's Connection.__exit__): commit,
-                    # or roll back on error; errands' connections are in autocommit, so
-                    # there is usually nothing to commit and no round trip to make
-                    if not conn.closed and conn.info.transaction_status != IDLE:
-                        conn.commit()
-                except BaseException:
-                    if not conn.closed:
-                        try:
-                            conn.rollback()
-                        except Exception as exc:  # never hide the error that got here
-                            log.warning("error ignored in rollback on %s: %s", conn, exc)
-                    raise
-                finally:
-                    self.pool.putconn(conn)
-        except pg_errors.UndefinedTable as exc:
+        a deadline (claims, outcomes, heartbeats, enqueues) nothing is sent here.
+
+        A class of its own (_Checkout), not a generator: every store call goes through
+        it, and an enqueue one call per job paid a generator-based context manager (and
+        shielded()'s, inside it) for each."""
+        return _Checkout(self, timeout, begins)
+
+    def _conn_error(self, exc: BaseException, bound: float | None) -> None:
+        """Raise what ``exc``, raised in or around a checkout (see _conn), is to the
+        caller when it is more than itself: SchemaOutdated for a missing table, and
+        DatabaseBusy for a lock wait past the caller's ``bound``; return when it stands."""
+        if isinstance(exc, pg_errors.UndefinedTable):
             raise SchemaOutdated(
                 f"errands' tables are missing in schema {self.schema!r} of "
                 f"{self.config.display} ({exc.diag.message_primary}); run: "
                 f"errands migrate --url '{self.config.display}'"
             ) from None
-        except pg_errors.LockNotAvailable as exc:
-            if bound is None or isinstance(exc, DatabaseBusy):
-                raise
+        if (
+            isinstance(exc, pg_errors.LockNotAvailable)
+            and bound is not None
+            and not isinstance(exc, DatabaseBusy)
+        ):
             raise busy_as(
                 exc,
                 f"PostgreSQL {self.config.display}: a lock this call needed stayed held by "
@@ -774,8 +758,17 @@ class PostgresBackend(PostgresAdmin):
     def _insert_one(self, conn: psycopg.Connection[Any], req: EnqueueRequest) -> list[InsertResult]:
         """One job without a key: the single statement of ``_insert_program``, sent
         straight (the enqueue one call per job runs this; a key can never conflict)."""
-        [(job_id, _)] = conn.execute(self.q["job_insert"], self._one_params(req)).fetchall()
+        cur = _insert_cursor(conn)
+        [(job_id, _)] = cur.execute(self._job_insert_sql, self._one_params(req)).fetchall()
         return [InsertResult(job_id, False)]
+
+    @functools.cached_property
+    def _job_insert_sql(self) -> str | bytes:
+        """job_insert as bytes, made once: psycopg encoded the text (and hashed the new
+        bytes to find its parsed form) at every call. Its text is ASCII (the schema name
+        is: see config), the same bytes in every client encoding; else the text."""
+        text = self.q["job_insert"]
+        return text.encode("ascii") if text.isascii() else text
 
     def _one_params(self, req: EnqueueRequest) -> dict[str, Any]:
         """``job_insert``'s parameters: the job's, and the channel when this process is due
@@ -1976,6 +1969,93 @@ def _usable(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Non
             "failed earlier; nothing more can be written in it. Roll it back (and redo its "
             "work) before enqueueing in it"
         )
+
+
+class _Checkout:
+    """PostgresBackend._conn: a pool connection (checkout, its lock bound's BEGIN when
+    the caller has one), inside an interrupt shield (interrupts.shielded: no hook's or
+    handler's interrupt lands inside); at the end, as pool.connection() does (psycopg's
+    Connection.__exit__), a transaction left open commits, or rolls back when the block
+    raised, and the connection goes back to the pool. Errors are raised as
+    PostgresBackend._conn_error makes them."""
+
+    __slots__ = ("_backend", "_begins", "_bound", "_conn", "_ident", "_mark", "_timeout")
+
+    def __init__(self, backend: PostgresBackend, timeout: float | None, begins: bool) -> None:
+        self._backend = backend
+        self._timeout = timeout
+        self._begins = begins
+
+    def __enter__(self) -> psycopg.Connection[Any]:
+        backend = self._backend
+        if backend._reopen:
+            backend._open_in_child()
+        timeout = self._timeout
+        if timeout is None:
+            timeout = connection_wait(backend.pool.timeout)
+        self._bound = bound = lock_wait()
+        begin = backend._bounded_begin(bound) if bound is not None and not self._begins else None
+        # as shielded() does: the shield begins inside the try whose handler ends it
+        ident, mark = self._ident, self._mark = threading.get_ident(), object()
+        try:
+            enter_shield(ident, mark)
+            self._conn = conn = backend._checkout(timeout, begin)
+        except BaseException as exc:
+            leave_shield(ident, mark)
+            backend._conn_error(exc, bound)
+            raise
+        return conn
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        backend, conn = self._backend, self._conn
+        try:
+            try:
+                if exc is None:
+                    try:  # errands' connections are in autocommit: usually nothing to
+                        # commit, no round trip (the status read off pgconn: conn.info
+                        # builds an object per read)
+                        if not conn.closed and conn.pgconn.transaction_status != IDLE:
+                            conn.commit()
+                    except BaseException:
+                        _rollback_quietly(conn)
+                        raise
+                else:
+                    _rollback_quietly(conn)
+            finally:
+                backend.pool.putconn(conn)
+        except BaseException as raised:
+            leave_shield(self._ident, self._mark)
+            backend._conn_error(raised, self._bound)
+            raise
+        leave_shield(self._ident, self._mark)
+        if exc is not None:
+            backend._conn_error(exc, self._bound)  # else the block's error goes on as it is
+
+
+def _rollback_quietly(conn: psycopg.Connection[Any]) -> None:
+    """Roll back what a block that raised left open on ``conn``; a rollback that fails
+    itself is logged, never hiding the error that got here."""
+    if not conn.closed:
+        try:
+            conn.rollback()
+        except Exception as exc:
+            log.warning("error ignored in rollback on %s: %s", conn, exc)
+
+
+_INSERT_CURSOR = "_errands_insert_cursor"
+
+
+def _insert_cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+    """The cursor of ``conn`` (one of errands' own pool connections) the single-job
+    insert runs on, made once per connection: ``conn.execute`` made a cursor per call
+    (its adapters map, transformer and state), a fifth of the psycopg side of an enqueue
+    one call per job. The pool hands a connection to one caller at a time, so its cursor
+    is never used by two at once; it lives and closes with its connection."""
+    cur: psycopg.Cursor[Any] | None = getattr(conn, _INSERT_CURSOR, None)
+    if cur is None or cur.closed:
+        cur = conn.cursor()
+        setattr(conn, _INSERT_CURSOR, cur)
+    return cur
 
 
 def _enqueue_of(requests: Sequence[EnqueueRequest]) -> str:

@@ -149,11 +149,22 @@ def server_hung_up(conn: psycopg.Connection[Any]) -> bool:
         fd = conn.pgconn.socket
     except psycopg.OperationalError:  # no socket: the connection is gone
         return True
-    if hasattr(select, "poll"):  # no limit on descriptor numbers, unlike select()
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(0))
+    if _HAS_POLL:  # no limit on descriptor numbers, unlike select()
+        # one poll object per connection and socket, made once (every checkout made and
+        # registered one); a socket of another number (never, for one connection) gets
+        # its own
+        held: tuple[int, Any] | None = getattr(conn, _POLLER, None)
+        if held is None or held[0] != fd:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            held = (fd, poller)
+            setattr(conn, _POLLER, held)
+        return bool(held[1].poll(0))
     return bool(select.select([fd], [], [], 0)[0])  # pragma: no cover - Windows
+
+
+_HAS_POLL = hasattr(select, "poll")
+_POLLER = "_errands_hangup_poller"  # the attribute of a connection holding (fd, poll object)
 
 
 def checkout(pool: ConnectionPool, timeout: float | None = None) -> psycopg.Connection[Any]:
