@@ -251,6 +251,28 @@ class EnqueueOptions:
 NO_OPTIONS = EnqueueOptions()
 
 
+def _options(
+    key: str | None,
+    delay: float | timedelta | None,
+    run_at: datetime | None,
+    priority: int | None,
+    queue: str | None,
+    unique_for: float | timedelta | None,
+) -> EnqueueOptions:
+    """An enqueue's options: NO_OPTIONS when none is given (the common case, without an
+    object built per job, and request() skips their checks)."""
+    if (
+        key is None
+        and delay is None
+        and run_at is None
+        and priority is None
+        and queue is None
+        and unique_for is None
+    ):
+        return NO_OPTIONS
+    return EnqueueOptions(key, delay, run_at, priority, queue, unique_for)
+
+
 class JobDefinition(Generic[P, R]):
     """What ``@app.job`` returns: still callable as the plain function, plus ``enqueue``."""
 
@@ -442,17 +464,7 @@ class JobDefinition(Generic[P, R]):
         **kwargs: Any,
     ) -> BoundJob:
         """Validate arguments now and return a job ready for ``app.enqueue_many``."""
-        if (
-            key is None
-            and delay is None
-            and run_at is None
-            and priority is None
-            and queue is None
-            and unique_for is None
-        ):
-            options = NO_OPTIONS  # the common case, without building an object per job
-        else:
-            options = EnqueueOptions(key, delay, run_at, priority, queue, unique_for)
+        options = _options(key, delay, run_at, priority, queue, unique_for)
         return BoundJob(self, self.request(args, kwargs, options))
 
     def enqueue(
@@ -474,17 +486,7 @@ class JobDefinition(Generic[P, R]):
         with ``handle.deduplicated`` set.
         """
         # what bind() does, without handing every option on through a second call
-        if (
-            key is None
-            and delay is None
-            and run_at is None
-            and priority is None
-            and queue is None
-            and unique_for is None
-        ):
-            options = NO_OPTIONS
-        else:
-            options = EnqueueOptions(key, delay, run_at, priority, queue, unique_for)
+        options = _options(key, delay, run_at, priority, queue, unique_for)
         bound = BoundJob(self, self.request(args, kwargs, options))
         return self.app.enqueue_many([bound], conn=conn)[0]
 
@@ -505,7 +507,7 @@ class JobDefinition(Generic[P, R]):
 
         .. versionadded:: 0.2
         """
-        options = EnqueueOptions(key, delay, run_at, priority, queue, unique_for)
+        options = _options(key, delay, run_at, priority, queue, unique_for)
         bound = BoundJob(self, self.request(args, kwargs, options))
         return (await self.app.aenqueue_many([bound], conn=conn))[0]
 
