@@ -86,8 +86,21 @@ def test_the_insert_cursor_is_made_once_per_connection(app: errands.App) -> None
         first.close()  # a cursor found closed is made again
         second = _insert_cursor(conn)
         assert second is not first and not second.closed
-    ids = {one.enqueue(n=i).id for i in range(5)}  # on the pool's connections' cursors
-    assert len(ids) == 5
+    # every connection of the pool serves an enqueue first, and so has its cursor
+    for n in range(2 * max(backend.pool.get_stats().get("pool_size", 0), 1)):
+        one.enqueue(n=n)
+    made: list[object] = []
+    cursor = psycopg.Connection.cursor
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(self)
+        return cursor(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(psycopg.Connection, "cursor", counted)
+        ids = {one.enqueue(n=i).id for i in range(1, 11)}
+    assert len(ids) == 10
+    assert made == []  # conn.execute made a cursor per call: ten enqueues made ten
 
 
 def test_a_refused_insert_leaves_the_cursor_usable(app: errands.App) -> None:

@@ -161,3 +161,20 @@ def test_a_lock_wait_past_the_callers_deadline_is_database_busy_and_rolled_back(
             conn.execute(f'INSERT INTO "{schema}".pool_probe VALUES (4)')
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert _probes(backend) == []
+
+
+def test_a_checkout_is_entered_and_left_once(backend: Any) -> None:
+    """A checkout entered while it holds a connection, or left twice, is refused: entered
+    again, it would have dropped the connection it held (never given back, its interrupt
+    shield's mark lost); left twice, it gave one connection back to the pool twice."""
+    available = backend.pool.get_stats().get("pool_available")
+    checkout = backend._conn()
+    with checkout as conn:
+        with pytest.raises(RuntimeError):
+            checkout.__enter__()
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    with pytest.raises(RuntimeError):
+        checkout.__exit__(None, None, None)  # left again: nothing given back twice
+    assert backend.pool.get_stats().get("pool_available") == available
+    with backend._conn() as again:  # the pool is as it was
+        assert again.execute("SELECT 2").fetchone() == (2,)

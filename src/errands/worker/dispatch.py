@@ -118,6 +118,8 @@ class Dispatcher:
                 self._waiting_queues[queue] -= 1
                 if self._waiting_queues[queue] <= 0:
                     del self._waiting_queues[queue]
+                if not self._waiting_queues:  # (the two counts can never drift apart)
+                    self._waiting = 0
 
     def dispatch(self, attempt: Attempt) -> None:
         """Start ``attempt`` where its handler runs (called on the claim loop's thread)."""

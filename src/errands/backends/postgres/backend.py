@@ -15,7 +15,6 @@ remains, so PgBouncer in transaction mode (no LISTEN) still works.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -275,6 +274,17 @@ class PostgresBackend(PostgresAdmin):
         self.config: PostgresConfig = parse_postgres_url(url)
         self.schema = self.config.schema
         self.q = filled_queries(self.schema)
+        # Made once here, not as cached properties: on Python 3.11 those take one lock
+        # shared by every instance, which a fork could copy held (the child's first
+        # enqueue would then wait for good). lock_bound's statement without its
+        # comments; job_insert as bytes: psycopg encoded the text (and hashed the new
+        # bytes to find its parsed form) at every call. Its text is ASCII (the schema name
+        # is: see config), the same bytes in every client encoding; else the text.
+        self._lock_bound = "\n".join(
+            line for line in self.q["lock_bound"].splitlines() if not line.startswith("--")
+        )
+        insert = self.q["job_insert"]
+        self._job_insert_sql: str | bytes = insert.encode("ascii") if insert.isascii() else insert
         self._set_idle(30.0)  # configure_worker sets it from the app's lease
         # A limited claim's statements, prepared on the server per connection (batches.py)
         self._prepared = Prepared(self.q, BATCHED) if self.config.prepare else None
@@ -446,13 +456,6 @@ class PostgresBackend(PostgresAdmin):
         query, one round trip."""
         ms = str(max(int(wait * 1000), 1))
         return f"{self._begin}; {self._lock_bound.replace('$LOCK', ms)}"
-
-    @functools.cached_property
-    def _lock_bound(self) -> str:
-        """lock_bound's statement without its comments (made once)."""
-        return "\n".join(
-            line for line in self.q["lock_bound"].splitlines() if not line.startswith("--")
-        )
 
     @contextmanager
     def _tx(self) -> Iterator[psycopg.Connection[Any]]:
@@ -761,14 +764,6 @@ class PostgresBackend(PostgresAdmin):
         cur = _insert_cursor(conn)
         [(job_id, _)] = cur.execute(self._job_insert_sql, self._one_params(req)).fetchall()
         return [InsertResult(job_id, False)]
-
-    @functools.cached_property
-    def _job_insert_sql(self) -> str | bytes:
-        """job_insert as bytes, made once: psycopg encoded the text (and hashed the new
-        bytes to find its parsed form) at every call. Its text is ASCII (the schema name
-        is: see config), the same bytes in every client encoding; else the text."""
-        text = self.q["job_insert"]
-        return text.encode("ascii") if text.isascii() else text
 
     def _one_params(self, req: EnqueueRequest) -> dict[str, Any]:
         """``job_insert``'s parameters: the job's, and the channel when this process is due
@@ -1985,8 +1980,11 @@ class _Checkout:
         self._backend = backend
         self._timeout = timeout
         self._begins = begins
+        self._conn: psycopg.Connection[Any] | None = None
 
     def __enter__(self) -> psycopg.Connection[Any]:
+        if self._conn is not None:  # (a generator's context manager refused it too)
+            raise RuntimeError("a connection checkout is entered once")
         backend = self._backend
         if backend._reopen:
             backend._open_in_child()
@@ -2008,6 +2006,9 @@ class _Checkout:
 
     def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
         backend, conn = self._backend, self._conn
+        if conn is None:  # never entered, or left already: nothing to give back twice
+            raise RuntimeError("a connection checkout is left once, after it was entered")
+        self._conn = None
         try:
             try:
                 if exc is None:
