@@ -894,8 +894,7 @@ class App:
         try:  # _inserting, inline: an enqueue one call per job pays no context manager
             results = self.backend.job_insert_many(requests)
         except BaseException as exc:
-            if self.events.insert_failures:
-                self.events.insert_failed(requests, exc)
+            self._insert_failed(requests, exc)
             raise
         return self._enqueued(requests, results)
 
@@ -943,9 +942,13 @@ class App:
         try:
             yield
         except BaseException as exc:
-            if self.events.insert_failures:
-                self.events.insert_failed(requests, exc)
+            self._insert_failed(requests, exc)
             raise
+
+    def _insert_failed(self, requests: list[Any], exc: BaseException) -> None:
+        """The insert of ``requests`` raised ``exc``: the insert-failed hooks learn of it."""
+        if self.events.insert_failures:
+            self.events.insert_failed(requests, exc)
 
     async def _off_loop(self, user_code: bool, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, on a thread of its own when it would run ``user_code``: a

@@ -189,14 +189,7 @@ def over_share(states: dict[str, KeyState], keys: Sequence[str]) -> set[str]:
     weights = sum([state.weight for _, state in marked])
     if total <= 0 or weights <= 0:
         return set()
-    # a key's weighted share of the total, and its slack: one of its jobs, at least QUANTUM
-    return {
-        k
-        for k, state in marked
-        if state.usage
-        > total * state.weight / weights
-        + (state.mean_cost if state.mean_cost > QUANTUM else QUANTUM)
-    }
+    return {k for k, state in marked if state.usage > sum(_share_and_slack(state, total, weights))}
 
 
 def _mark_shares(keys: list[_Key]) -> None:
@@ -210,11 +203,17 @@ def _mark_shares(keys: list[_Key]) -> None:
     if total <= 0 or weights <= 0:
         return
     for key in keys:
-        state = key.state  # (its share and slack as over_share judges them)
-        share = total * state.weight / weights
-        slack = state.mean_cost if state.mean_cost > QUANTUM else QUANTUM
-        key.within_share = state.usage <= share + slack
-        key.behind = state.usage < share - slack
+        share, slack = _share_and_slack(key.state, total, weights)
+        key.within_share = key.state.usage <= share + slack
+        key.behind = key.state.usage < share - slack
+
+
+def _share_and_slack(state: KeyState, total: float, weights: float) -> tuple[float, float]:
+    """A key's weighted share of ``total`` worker time, and its slack around it: one of
+    its jobs, at least QUANTUM (over_share and fair_pick judge keys by both)."""
+    return total * state.weight / weights, (
+        state.mean_cost if state.mean_cost > QUANTUM else QUANTUM
+    )
 
 
 def decayed(usage: float, age: float) -> float:

@@ -61,7 +61,6 @@ class Dispatcher:
         # jobs by (queue, fair key); how many went ahead since a job in arrival order began.
         self._waiting_queues: Counter[str] = Counter()
         self._waiting_keys: Counter[tuple[str, str]] = Counter()
-        self._waiting = 0  # the jobs waiting in arrival order: _waiting_queues' total
         self._went_ahead = 0
         self._order_lock = threading.Lock()
 
@@ -89,7 +88,7 @@ class Dispatcher:
             if key is not None:
                 alone = key not in self._waiting_keys
                 self._waiting_keys[key] += 1
-                waiting = self._waiting
+                waiting = self._waiting_queues.total()
                 if (
                     alone
                     and not urgent
@@ -100,7 +99,6 @@ class Dispatcher:
                     self._went_ahead += waiting > 0  # it passed jobs waiting in order
             if not urgent:
                 self._waiting_queues[row.queue] += 1
-                self._waiting += 1
         return key, urgent
 
     def _begins(self, queue: str, key: tuple[str, str] | None, urgent: bool) -> None:
@@ -114,12 +112,9 @@ class Dispatcher:
                     del self._waiting_keys[key]
             if not urgent:
                 self._went_ahead = 0
-                self._waiting -= 1
                 self._waiting_queues[queue] -= 1
                 if self._waiting_queues[queue] <= 0:
                     del self._waiting_queues[queue]
-                if not self._waiting_queues:  # (the two counts can never drift apart)
-                    self._waiting = 0
 
     def dispatch(self, attempt: Attempt) -> None:
         """Start ``attempt`` where its handler runs (called on the claim loop's thread)."""
