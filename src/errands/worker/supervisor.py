@@ -324,6 +324,25 @@ def _pipe(fd_text: str) -> bool:
     return is_pipe
 
 
+class _SayStarted:
+    """Tells the supervisor once this worker has started. It wants that one event alone:
+    a subscriber without ``wants`` is handed every event, which had every job of a
+    supervised worker build its started and completed events for nobody (a no-op job's
+    CPU, 2 x with async handlers)."""
+
+    def __init__(self, worker: Worker, link: SupervisorLink) -> None:
+        self.worker, self.link = worker, link
+
+    def wants(self, name: str) -> bool:
+        return name == "errands.worker.started"
+
+    def __call__(self, event: Any) -> None:
+        if event.name == "errands.worker.started" and event.fields.get("worker_id") == (
+            self.worker.id
+        ):
+            self.link.say_started()
+
+
 def stop_with_supervisor(worker: Worker, link: SupervisorLink | None) -> None:
     """In a worker started by a supervisor: stop gracefully once the supervisor is gone
     (SIGKILLed, or killed with its process group by a tool that kills groups: the children
@@ -332,14 +351,7 @@ def stop_with_supervisor(worker: Worker, link: SupervisorLink | None) -> None:
     if link is None:
         return
     if link.ready is not None:
-
-        def started(event: Any) -> None:
-            if event.name == "errands.worker.started" and event.fields.get("worker_id") == (
-                worker.id
-            ):
-                link.say_started()
-
-        worker.app.events.subscribe(started, inline=True)
+        worker.app.events.subscribe(_SayStarted(worker, link), inline=True)
 
     def watch() -> None:
         link.wait_gone()
