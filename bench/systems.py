@@ -95,6 +95,15 @@ ERRANDS_CONFIGS = (
         "and 1024 in a sweep on this machine, 2026-12-05)",
         {"concurrency": 32, "prefetch": 1024, "log_level": "warning"},
     ),
+    Config(
+        "async",
+        "best",
+        "the tuned worker with an `async def` handler (as pgqueuer's and procrastinate's "
+        "are): `errands worker -c 32 --prefetch 1024 --log-level warning [--processes 2]`",
+        ERRANDS_DOCS + " and docs/async.md (async handlers run on the worker's event loop, "
+        "-c of them at once, prefetched jobs waiting for a slot)",
+        {"concurrency": 32, "prefetch": 1024, "log_level": "warning", "handler": "async"},
+    ),
 )
 
 SYSTEMS: tuple[System, ...] = (

@@ -143,6 +143,8 @@ def _commands(spec: dict[str, Any]) -> Any:
         # app reads it), then only what the configuration names.
         os.environ["ERRANDS_URL"] = spec["url"]
         config = spec.get("config", {})
+        if config.get("handler") == "async":  # errands_app defines the job `async def`
+            os.environ["BENCH_ASYNC"] = "1"
         argv = [sys.executable, "-m", "errands", "worker", "errands_app:app"]
         if "concurrency" in config:
             argv += ["-c", str(config["concurrency"])]

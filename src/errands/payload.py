@@ -14,8 +14,11 @@ import math
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
-from datetime import UTC, date, datetime, time
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from types import UnionType
 from typing import Any
+from uuid import UUID
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 from pydantic.errors import PydanticSchemaGenerationError, PydanticUserError
@@ -204,6 +207,28 @@ def describe_validation_error(prefix: str, exc: ValidationError) -> InvalidPaylo
     )
 
 
+# Types pydantic validates with its own code alone (no hook of the application's).
+_BUILTIN_LEAVES = frozenset(
+    {int, str, bool, float, bytes, type(None), Any, date, datetime, time, timedelta, UUID, Decimal}
+)
+_BUILTIN_CONTAINERS = frozenset({list, dict, tuple, set, frozenset, typing.Union, UnionType})
+
+
+def _builtin_only(annotation: Any) -> bool:
+    """Whether validating ``annotation`` runs only pydantic's own code: builtin scalars,
+    dates, UUIDs and Decimals, and lists, dicts, tuples, sets and unions of them. Anything
+    else (a model, a dataclass, an enum, a TypedDict, Annotated metadata, a type of the
+    application's) may run the application's code, which may be slow or block."""
+    if annotation in _BUILTIN_LEAVES:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is None:
+        return annotation in _BUILTIN_CONTAINERS  # a bare list, dict, ...
+    if origin not in _BUILTIN_CONTAINERS:
+        return False  # Annotated, Literal (harmless, but rare), a generic of its own, ...
+    return all(arg is Ellipsis or _builtin_only(arg) for arg in typing.get_args(annotation))
+
+
 class PayloadSpec:
     """Validates, encodes and decodes one handler's arguments and result."""
 
@@ -251,6 +276,11 @@ class PayloadSpec:
         # Validated ints, bools and ASCII strings always come back from their JSON exactly:
         # for such payloads encode() can skip the round trip that guards the rest.
         self._plain = all(annotation in (int, str, bool) for annotation, _ in fields.values())
+        # Decoding runs none of the application's code (no validator, no type of its own,
+        # no Annotated metadata): an async worker may decode such a payload on its loop.
+        self.decodes_without_user_code = all(
+            _builtin_only(annotation) for annotation, _ in fields.values()
+        )
         self._params = [p for p in self.signature.parameters if p != self.context_param]
         try:
             self.model: type[BaseModel] = create_model(  # type: ignore[call-overload]

@@ -91,7 +91,7 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
     # Both views, and every configuration's figures under its own label.
     for name in ("errands-sqlite", "errands-pg"):
         figures = results["systems"][name]["figures"]
-        assert set(figures["configs"]) == {"default", "tuned"}
+        assert set(figures["configs"]) == {"default", "tuned", "async"}
         assert figures["best_config"] == "tuned" or figures["configs"]["tuned"]["throughput_1"]
         for config in figures["configs"].values():
             assert config["throughput_1"] and config["latency_p50"], config
@@ -119,7 +119,7 @@ def test_the_storage_and_scenario_steps_run_end_to_end(tmp_path: Path) -> None:
     )  # fmt: skip
     results = json.loads((tmp_path / "partial.json").read_text())
     cells = results["storage"]["systems"]["errands-pg"]
-    assert set(cells) == {"default", "tuned", "tuned+checkpoint"}
+    assert set(cells) == {"default", "tuned", "async", "tuned+checkpoint"}
     for cell in cells.values():
         assert not cell.get("error"), cell
         assert cell["jobs"] == 200 and cell["wal_per_job"] > 0 and cell["bytes_per_1m"] > 0

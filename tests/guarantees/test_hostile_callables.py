@@ -285,19 +285,33 @@ def test_a_result_serializer_that_raises_fails_the_job_for_good(
     assert handle.job().attempt == 1
 
 
-def test_a_hanging_payload_validator_of_an_async_job_stops_no_claim(
-    store: errands.App, worker: Worker, validator_mode: dict[str, str]
+@pytest.mark.parametrize("beside_kind", ["sync", "async"])
+def test_a_hanging_payload_validator_of_an_async_job_holds_up_no_other_job(
+    store: errands.App, worker: Worker, validator_mode: dict[str, str], beside_kind: str
 ) -> None:
     """Given an async job whose payload validator hangs when it runs, then other jobs are
-    claimed and complete meanwhile: the claim loop never decodes a payload."""
+    claimed and complete meanwhile: the claim loop never decodes a payload, and a payload
+    whose decoding runs the application's code is decoded off the event loop (other async
+    jobs' plain payloads are decoded on it)."""
 
     @store.job(name="hostile.async_validator")
     async def takes(order: Order) -> int:
         return order.n
 
-    @store.job(name="hostile.sync_beside")
-    def beside(n: int) -> int:
-        return n
+    if beside_kind == "async":
+
+        @store.job(name="hostile.beside")
+        async def beside_async(n: int) -> int:
+            return n
+
+        beside: errands.JobDefinition[..., int] = beside_async
+    else:
+
+        @store.job(name="hostile.beside")
+        def beside_sync(n: int) -> int:
+            return n
+
+        beside = beside_sync
 
     stuck = takes.enqueue(order=Order(n=5))
     validator_mode["mode"] = "hang"

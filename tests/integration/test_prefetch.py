@@ -8,6 +8,7 @@ and are not taken at all while handlers are slow.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -34,27 +35,55 @@ def states(app: errands.App, name: str) -> dict[str, int]:
     return {state: count for state, count in rows}
 
 
-class Blocked:
-    """A job whose handlers block on a gate, counting how many run at once."""
+KINDS = ["sync", "async"]  # a handler thread's jobs, and the event loop's (its slots)
 
-    def __init__(self, app: errands.App, name: str = "pf.blocked", lease: float = 1) -> None:
+
+class Blocked:
+    """A job whose handlers block on a gate, counting how many run at once; ``kind``
+    "async": an ``async def`` handler, which waits on the worker's event loop."""
+
+    def __init__(
+        self, app: errands.App, name: str = "pf.blocked", lease: float = 1, kind: str = "sync"
+    ) -> None:
         self.gate = threading.Event()
         self.ran: list[int] = []
         self.peak = 0
         self._now = 0
         self._lock = threading.Lock()
 
-        @app.job(name=name, lease=lease)
-        def blocked(n: int) -> None:
+        def began(n: int) -> None:
             with self._lock:
                 self.ran.append(n)
                 self._now += 1
                 self.peak = max(self.peak, self._now)
+
+        def ended() -> None:
+            with self._lock:
+                self._now -= 1
+
+        if kind == "async":
+
+            @app.job(name=name, lease=lease)
+            async def blocked_async(n: int) -> None:
+                began(n)
+                try:
+                    for _ in range(2000):  # 20 s at most, as the sync one
+                        if self.gate.is_set():
+                            break
+                        await asyncio.sleep(0.01)
+                finally:
+                    ended()
+
+            self.job = blocked_async
+            return
+
+        @app.job(name=name, lease=lease)
+        def blocked(n: int) -> None:
+            began(n)
             try:
                 self.gate.wait(20)
             finally:
-                with self._lock:
-                    self._now -= 1
+                ended()
 
         self.job = blocked
 
@@ -70,21 +99,34 @@ class Blocked:
             return self._now
 
 
-def learn_handlers_are_quick(app: errands.App) -> None:
-    @app.job(name="pf.quick")
-    def quick(n: int) -> int:
-        return n
+def learn_handlers_are_quick(app: errands.App, kind: str = "sync") -> None:
+    """Quick jobs first: the worker prefetches once its handlers are seen to be quick.
+    Of the same ``kind`` as the others (a worker with both kinds does not prefetch)."""
+    if kind == "async":
 
-    for handle in [quick.enqueue(n=i) for i in range(10)]:
+        @app.job(name="pf.quick")
+        async def quick_async(n: int) -> int:
+            return n
+
+        job: errands.JobDefinition[..., int] = quick_async
+    else:
+
+        @app.job(name="pf.quick")
+        def quick(n: int) -> int:
+            return n
+
+        job = quick
+    for handle in [job.enqueue(n=i) for i in range(10)]:
         handle.result(timeout=10)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_quick_handlers_get_jobs_prefetched_yet_never_more_than_concurrency_run_at_once(
-    app: errands.App, worker_factory
+    app: errands.App, worker_factory, kind: str
 ) -> None:
-    blocked = Blocked(app)
+    blocked = Blocked(app, kind=kind)
     with worker_factory(concurrency=2, prefetch=2):
-        learn_handlers_are_quick(app)
+        learn_handlers_are_quick(app, kind)
         handles = [blocked.job.enqueue(n=i) for i in range(6)]
         # two run, two more are claimed and wait for a thread
         wait_until(lambda: states(app, "pf.blocked").get("running") == 4, what="4 claimed")
@@ -98,12 +140,13 @@ def test_quick_handlers_get_jobs_prefetched_yet_never_more_than_concurrency_run_
     assert {h.job().attempt for h in handles} == {1}
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charged(
-    app: errands.App, start_worker
+    app: errands.App, start_worker, kind: str
 ) -> None:
-    blocked = Blocked(app, lease=5)  # a 1 s lease can lapse on a busy machine meanwhile
+    blocked = Blocked(app, lease=5, kind=kind)  # a 1 s lease can lapse on a busy machine meanwhile
     worker = start_worker(concurrency=2, prefetch=2, grace=20)
-    learn_handlers_are_quick(app)
+    learn_handlers_are_quick(app, kind)
     handles = [blocked.job.enqueue(n=i) for i in range(4)]
     wait_until(lambda: states(app, "pf.blocked").get("running") == 4, what="4 claimed")
     # two handlers running, two claimed jobs waiting for a thread (on a busy machine the
@@ -132,8 +175,9 @@ def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charge
     assert {h.job().attempt for h in back} == {0}  # released, the attempt not charged
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_prefetched_jobs_given_back_at_a_stop_gain_no_error_entry_and_keep_their_place(
-    each_store_url: str,
+    each_store_url: str, kind: str
 ) -> None:
     """On both stores: the prefetched jobs a stopping worker gives back never ran, so
     nothing is recorded on them (no ``released`` entry), the attempt is not charged, and
@@ -141,10 +185,10 @@ def test_prefetched_jobs_given_back_at_a_stop_gain_no_error_entry_and_keep_their
     entry: a job found prefetched at every deploy gained one per deploy."""
     app = errands.App(each_store_url)
     try:
-        blocked = Blocked(app, lease=5)
+        blocked = Blocked(app, lease=5, kind=kind)
         worker = WorkerThread(app, concurrency=1, prefetch=2, grace=20).start()
         try:
-            learn_handlers_are_quick(app)
+            learn_handlers_are_quick(app, kind)
             handles = [blocked.job.enqueue(n=i) for i in range(3)]
             due = {h.id: h.job().run_at for h in handles}
             wait_until(
@@ -174,12 +218,13 @@ def test_prefetched_jobs_given_back_at_a_stop_gain_no_error_entry_and_keep_their
         app.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(
-    app: errands.App, worker_factory
+    app: errands.App, worker_factory, kind: str
 ) -> None:
-    blocked = Blocked(app)
+    blocked = Blocked(app, kind=kind)
     with worker_factory(concurrency=1) as worker:
-        learn_handlers_are_quick(app)
+        learn_handlers_are_quick(app, kind)
         first = blocked.job.enqueue(n=1)
         waiting = blocked.job.enqueue(n=2)
         wait_until(lambda: states(app, "pf.blocked").get("running") == 2, what="both claimed")
@@ -187,7 +232,11 @@ def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(
 
         assert waiting.cancel().state == "running"  # cancel requested; the lease says so
         wait_until(  # a heartbeat (a third of the 1 s lease) delivers the cancel
-            lambda: any(a.id == waiting.id and a.stop_reason for a in worker.attempts()),
+            lambda: (
+                any(a.id == waiting.id and a.stop_reason for a in worker.attempts())
+                # an async one ends at once: it leaves its wait for a slot of the loop
+                or (kind == "async" and waiting.status() is JobState.CANCELLED)
+            ),
             what="the cancel delivered to the prefetched attempt",
         )
         blocked.gate.set()
@@ -198,16 +247,17 @@ def test_a_job_cancelled_while_prefetched_ends_cancelled_without_running(
     assert waiting.job().attempt == 1
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_prefetched_job_whose_lease_ran_out_while_it_waited_is_handed_back_not_run(
-    app: errands.App, worker_factory
+    app: errands.App, worker_factory, kind: str
 ) -> None:
-    blocked = Blocked(app, lease=30)  # heartbeats every 10 s: none lands during the test
+    blocked = Blocked(app, lease=30, kind=kind)  # heartbeats every 10 s: none lands during the test
     released: list[int] = []
     app.events.subscribe(
         lambda e: released.append(e["job_id"]) if e.name == "errands.job.released" else None
     )
     with worker_factory(concurrency=1, prefetch=2) as worker:
-        learn_handlers_are_quick(app)
+        learn_handlers_are_quick(app, kind)
         first = blocked.job.enqueue(n=1)
         late = blocked.job.enqueue(n=2)
         wait_until(lambda: states(app, "pf.blocked").get("running") == 2, what="both claimed")
@@ -322,10 +372,13 @@ def test_slow_handlers_get_no_job_prefetched(app: errands.App, worker_factory) -
         blocked.finish(handles)
 
 
-def test_prefetch_zero_claims_no_job_beyond_concurrency(app: errands.App, worker_factory) -> None:
-    blocked = Blocked(app)
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefetch_zero_claims_no_job_beyond_concurrency(
+    app: errands.App, worker_factory, kind: str
+) -> None:
+    blocked = Blocked(app, kind=kind)
     with worker_factory(concurrency=2, prefetch=0):
-        learn_handlers_are_quick(app)
+        learn_handlers_are_quick(app, kind)
         handles = [blocked.job.enqueue(n=i) for i in range(4)]
         wait_until(lambda: blocked.running == 2, what="two blocked jobs running")
         time.sleep(0.3)
@@ -428,12 +481,27 @@ def test_a_rescued_job_of_a_fair_queue_starts_ahead_of_its_prefetched_backlog(
         thread.join(60)
 
 
-def test_a_worker_that_serves_async_handlers_does_not_prefetch(app: errands.App) -> None:
+def test_a_worker_of_async_handlers_alone_prefetches_four_jobs_per_slot(app: errands.App) -> None:
     @app.job(name="pf.async")
     async def in_the_loop() -> None:
         return None
 
-    # every async handler runs at once on the loop: a prefetched one would exceed -c
+    # prefetched jobs wait on the loop for one of its -c slots, as for a handler thread
+    assert app.worker(concurrency=4).prefetch == 16
+
+
+def test_a_worker_that_serves_both_sync_and_async_handlers_does_not_prefetch(
+    app: errands.App,
+) -> None:
+    @app.job(name="pf.async")
+    async def in_the_loop() -> None:
+        return None
+
+    @app.job(name="pf.sync")
+    def in_a_thread() -> None:
+        return None
+
+    # each kind bounds its own handlers by -c: prefetched jobs of both would exceed it
     assert app.worker(concurrency=4).prefetch == 0
     assert app.worker(concurrency=4, pool="process", app_path="x:app").prefetch == 0
 

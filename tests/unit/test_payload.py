@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
 
 import errands
 from errands import ConfigurationError, Context, InvalidPayload
@@ -541,3 +541,38 @@ def test_a_nan_or_infinite_float_under_any_is_refused_at_enqueue_naming_the_fiel
     row = store.backend.job_get(handle.id)
     assert row is not None
     assert loose.payload.decode(row.args) == {"anything": [1.5, None], "extra": {"ratio": 0.25}}
+
+
+@dataclass
+class Point:
+    x: int
+
+
+def test_only_payloads_of_builtin_types_are_known_to_decode_without_the_applications_code(
+    app: errands.App,
+) -> None:
+    """An async worker decodes such a payload on its event loop; any type that may run the
+    application's code when validated (a model and its validators, an enum, a dataclass,
+    Annotated metadata) is decoded in a thread, where a slow or hanging one holds no
+    other job."""
+
+    def spec(fn: Any) -> bool:
+        return app.job(name=f"p.{fn.__name__}")(fn).payload.decodes_without_user_code
+
+    def plain(
+        n: int, s: str, b: bool, f: float, raw: bytes, when: datetime, at: timedelta,
+        id: uuid.UUID, d: Decimal, maybe: int | None, items: list[dict[str, int]],
+        pair: tuple[int, ...], tags: set[str], anything: Any, bare: list,
+    ) -> None: ...  # fmt: skip
+
+    def model(address: Address) -> None: ...
+    def colour(c: Colour) -> None: ...
+    def nested_model(addresses: list[Address]) -> None: ...
+    def maybe_model(address: Address | None) -> None: ...
+
+    def point(p: Point) -> None: ...
+    def annotated(n: Annotated[int, AfterValidator(lambda v: v)]) -> None: ...
+
+    assert spec(plain)
+    for fn in (model, colour, nested_model, maybe_model, point, annotated):
+        assert not spec(fn), fn.__name__

@@ -102,7 +102,8 @@ class Attempt:
     kwargs: dict[str, Any] | None = None
     deadline: float | None = None  # errands.clock
     lease_valid_until: float = 0.0  # errands.clock: our lease surely holds until then
-    future: Future[Any] | Call | None = None  # Call: a sync handler on the thread pool
+    # Call: a sync handler on the thread pool; Task: an async one (on the loop)
+    future: Future[Any] | Call | asyncio.Task[Any] | None = None
     task: asyncio.Task[Any] | None = None
     decided: bool = False
     # Its outcome is being built, decided (a ctx.transaction() commit may wait on a lock):
@@ -117,7 +118,8 @@ class Attempt:
     timeout_at: float = 0.0  # errands.clock time the timeout fired
     ran: float | None = None  # seconds the handler's own call took, once it returned or raised
     interrupted: bool = False
-    waiting: bool = False  # prefetched: queued for a handler thread, not begun
+    waiting: bool = False  # prefetched: queued for a handler thread (a loop slot), not begun
+    holds_slot: bool = False  # an async handler's: one of the loop's slots (LoopSlots)
     express: bool = False  # on the worker's express lane (a fair key with nothing running)
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
     fence: FenceSteps | None = None  # self-fenced (its lease could not be renewed): its steps

@@ -224,6 +224,46 @@ class ThreadRunner:
             self._queue.put(_STOP)
 
 
+class LoopSlots:
+    """The slots of async handlers on one event loop: at most ``size`` begin and run at
+    once; the others wait in order (urgent ones first), as prefetched sync jobs wait for
+    a handler thread. Used on the loop's thread only."""
+
+    def __init__(self, size: int) -> None:
+        self.free = size
+        self._urgent: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def take(self, urgent: bool = False) -> None:
+        """Wait for a slot; cancelled while waiting, it takes none (or hands on the one
+        it was given as the cancel came)."""
+        if self.free > 0 and not self._urgent and not self._waiting:
+            self.free -= 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        line = self._urgent if urgent else self._waiting
+        line.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.give()  # given the slot in the same instant: the next one's
+            else:
+                with contextlib.suppress(ValueError):  # (give() may have dropped it)
+                    line.remove(turn)
+            raise
+
+    def give(self) -> None:
+        """A handler ended: its slot to the next one waiting, or free."""
+        for line in (self._urgent, self._waiting):
+            while line:
+                turn = line.popleft()
+                if not turn.done():
+                    turn.set_result(None)
+                    return
+        self.free += 1
+
+
 class LoopRunner:
     """One asyncio event loop in a daemon thread, running every async handler.
 

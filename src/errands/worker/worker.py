@@ -362,16 +362,19 @@ class Worker:
         self.app_path = app_path
         if prefetch is not None:
             prefetch = check_prefetch(prefetch)
-        # Prefetch queues claimed jobs for the handler threads; async handlers (all run at
-        # once on the loop) and the process pool would run them beyond `concurrency`.
-        threads_only = pool == "thread" and not any(d.is_async for d in app.registry.values())
+        # Prefetch queues claimed jobs for the handler threads, or for the event loop's
+        # slots (errands.worker.runners.LoopSlots) when every handler is async. Not for
+        # the process pool, nor for a worker with both kinds: each kind bounds its own
+        # handlers by `concurrency`, so prefetched jobs of both would run up to twice it.
+        kinds = {d.is_async for d in app.registry.values()}
+        prefetches = pool == "thread" and len(kinds) <= 1
         fair_most = min(FAIR_PREFETCH_MULTIPLIER * concurrency, PREFETCH_MAX)
         # A fair queue prefetches deeper (its claim costs more), up to a given --prefetch
         fair_prefetch = fair_most if prefetch is None else min(prefetch, fair_most)
         if prefetch is None:  # as Celery's worker_prefetch_multiplier (4) does
             prefetch = min(PREFETCH_MULTIPLIER * concurrency, PREFETCH_MAX)
-        self.prefetch = prefetch if threads_only else 0
-        self.fair_prefetch = fair_prefetch if threads_only else 0
+        self.prefetch = prefetch if prefetches else 0
+        self.fair_prefetch = fair_prefetch if prefetches else 0
         if suspect_lanes is not None and suspect_lanes < 1:
             raise ConfigurationError("suspect_lanes must be at least 1")
         # Suspects run isolated in child processes when children can import the app: as
@@ -1185,14 +1188,17 @@ class Worker:
                     self._free -= 1
         if min(a.lease_seconds for a in attempts) < 3 * self.leases.interval:
             self.leases.poke()  # a job's own lease, shorter: heartbeats planned from it
-        for attempt in attempts:
-            try:
-                self.dispatcher.dispatch(attempt)
-            except Exception as exc:  # never lose a claimed job to a dispatch bug
-                log.exception(
-                    "job %s: could not start it", attempt.id, extra=job_extra(attempt.row)
-                )
-                self.recorder.decided(attempt, exc, None)
+        try:
+            for attempt in attempts:
+                try:
+                    self.dispatcher.dispatch(attempt)
+                except Exception as exc:  # never lose a claimed job to a dispatch bug
+                    log.exception(
+                        "job %s: could not start it", attempt.id, extra=job_extra(attempt.row)
+                    )
+                    self.recorder.decided(attempt, exc, None)
+        finally:
+            self.dispatcher.start_dispatched()  # the async ones, in one hand-over
 
     def slot_freed(self, attempt: Attempt) -> None:
         suspect = attempt.row.rescues > 0  # its end lets the next rescued job be claimed
