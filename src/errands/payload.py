@@ -219,14 +219,22 @@ def _builtin_only(annotation: Any) -> bool:
     dates, UUIDs and Decimals, and lists, dicts, tuples, sets and unions of them. Anything
     else (a model, a dataclass, an enum, a TypedDict, Annotated metadata, a type of the
     application's) may run the application's code, which may be slow or block."""
-    if annotation in _BUILTIN_LEAVES:
-        return True
     origin = typing.get_origin(annotation)
-    if origin is None:
-        return annotation in _BUILTIN_CONTAINERS  # a bare list, dict, ...
-    if origin not in _BUILTIN_CONTAINERS:
-        return False  # Annotated, Literal (harmless, but rare), a generic of its own, ...
+    try:
+        if origin is None:  # a leaf, or a bare list, dict, ...
+            return annotation in _BUILTIN_LEAVES or annotation in _BUILTIN_CONTAINERS
+        if origin not in _BUILTIN_CONTAINERS:
+            return False  # Annotated, Literal (harmless, but rare), a generic of its own, ...
+    except TypeError:  # unhashable (a type form of a library's own): not known to be builtin
+        return False
     return all(arg is Ellipsis or _builtin_only(arg) for arg in typing.get_args(annotation))
+
+
+def _plain_default(default: Any) -> bool:
+    """Whether filling in a parameter's default runs none of the application's code: none
+    (required), or an immutable builtin value (not a default_factory, not an object
+    pydantic deep-copies)."""
+    return default is ... or default is None or type(default) in (int, str, bool, float, bytes)
 
 
 class PayloadSpec:
@@ -279,7 +287,8 @@ class PayloadSpec:
         # Decoding runs none of the application's code (no validator, no type of its own,
         # no Annotated metadata): an async worker may decode such a payload on its loop.
         self.decodes_without_user_code = all(
-            _builtin_only(annotation) for annotation, _ in fields.values()
+            _builtin_only(annotation) and _plain_default(default)
+            for annotation, default in fields.values()
         )
         self._params = [p for p in self.signature.parameters if p != self.context_param]
         try:

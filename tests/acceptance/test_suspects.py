@@ -84,6 +84,44 @@ def test_a_burst_of_suspects_runs_at_once_each_in_its_own_child_and_a_crasher_ta
     assert worker.wait_exit(15) == 0
 
 
+def test_an_async_workers_isolated_suspects_take_loop_slots_so_no_more_than_c_jobs_run(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Given a worker (-c 3) whose jobs are all async, so that it prefetches, and two
+    rescued jobs it runs isolated in child processes, when its handlers prove quick and it
+    claims a backlog beyond its slots, then no more than 3 jobs ever run at once: each
+    suspect holds one of the loop's slots. (The suspects' threads and the loop's 3 slots
+    ran up to 5.)"""
+    app = cluster.app("acc_async")
+    folder = tmp_path / "holds"
+    folder.mkdir()
+    hold = importlib.import_module("acc_async").async_hold
+    quick = importlib.import_module("acc_async").async_quick
+    suspects = [hold.enqueue(folder=str(folder)) for _ in range(2)]
+    _strand_as_suspects(cluster, [h.id for h in suspects])
+    quicks = [quick.enqueue(n=i) for i in range(6)]  # learnt quick: the worker prefetches
+    fresh = [hold.enqueue(folder=str(folder)) for _ in range(4)]
+
+    worker = cluster.start_worker("-c", "3", app="acc_async:app", label="worker")
+    peak = 0
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        peak = max(peak, sum(1 for p in folder.iterdir() if p.name.startswith("running-")))
+        time.sleep(0.005)
+    (folder / "release").touch()
+    wait_until(
+        lambda: all(cluster.state_of(h.id) == "completed" for h in suspects + quicks + fresh),
+        60,
+        "every job completed",
+        describe=lambda: str(dict(cluster.states())),
+    )
+    assert peak == 3, f"{peak} jobs ran at once on a worker of -c 3"
+    pids = {app.get_job(h.id).result for h in suspects}
+    assert worker.pid not in pids  # the suspects ran isolated, in children
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit(15) == 0
+
+
 WAITER = """
 import os
 import time

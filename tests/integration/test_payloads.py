@@ -31,15 +31,28 @@ def test_malformed_payload_at_enqueue_raises_invalid_payload_naming_the_field(
     assert count_jobs(app) == 0
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])  # async: decoded on the event loop
 def test_payload_corrupted_to_invalid_json_is_dead_after_one_attempt_and_worker_keeps_serving(
-    app: errands.App, worker_factory
+    app: errands.App, worker_factory, kind: str
 ) -> None:
     calls: list[int] = []
 
-    @app.job(name="payload.add", retries=3, backoff=0.01)
-    def add(a: int, b: int) -> int:
-        calls.append(a)
-        return a + b
+    if kind == "async":
+
+        @app.job(name="payload.add", retries=3, backoff=0.01)
+        async def add_async(a: int, b: int) -> int:
+            calls.append(a)
+            return a + b
+
+        add: errands.JobDefinition[..., int] = add_async
+    else:
+
+        @app.job(name="payload.add", retries=3, backoff=0.01)
+        def add_sync(a: int, b: int) -> int:
+            calls.append(a)
+            return a + b
+
+        add = add_sync
 
     corrupted = add.enqueue(a=1, b=2)
     execute_sql(app, "UPDATE errands_jobs SET args = ? WHERE id = ?", ('{"a": 1, "b', corrupted.id))

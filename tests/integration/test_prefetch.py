@@ -511,8 +511,9 @@ def test_a_negative_prefetch_is_refused_with_a_clear_error(app: errands.App) -> 
         app.worker(prefetch=-1)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_rescued_job_is_claimed_ahead_of_fresh_ones_while_prefetched_jobs_hold_every_slot(
-    app: errands.App, worker_factory
+    app: errands.App, worker_factory, kind: str
 ) -> None:
     """Issue 16, I9: a worker with quick handlers keeps jobs prefetched, so a slot that
     frees is taken by one of them at once and its claim rounds never see a free slot. A
@@ -521,19 +522,35 @@ def test_a_rescued_job_is_claimed_ahead_of_fresh_ones_while_prefetched_jobs_hold
     claimed only by a round that found a slot free, which a backlog of quick jobs never
     leaves: in the full-size soak, rescued jobs waited up to 5.6 s behind fresh ones."""
     gates = [threading.Event() for _ in range(8)]
+    if kind == "async":
 
-    @app.job(name="pf.gated", lease=10)
-    def gated(n: int) -> None:
-        gates[n].wait(20)
+        @app.job(name="pf.gated", lease=10)
+        async def gated_async(n: int) -> None:
+            while not gates[n].is_set():
+                await asyncio.sleep(0.01)
 
-    @app.job(name="pf.rescued", retries=3, backoff=0)
-    def rescued() -> str:
-        return "ran"
+        @app.job(name="pf.rescued", retries=3, backoff=0)
+        async def rescued_async() -> str:
+            return "ran"
+
+        gated: errands.JobDefinition[..., None] = gated_async
+        rescued: errands.JobDefinition[..., str] = rescued_async
+    else:
+
+        @app.job(name="pf.gated", lease=10)
+        def gated_sync(n: int) -> None:
+            gates[n].wait(20)
+
+        @app.job(name="pf.rescued", retries=3, backoff=0)
+        def rescued_sync() -> str:
+            return "ran"
+
+        gated, rescued = gated_sync, rescued_sync
 
     late = rescued.enqueue()
     claim_as_dead_worker(app, late.id, lease=10.0)
     with worker_factory(concurrency=2, prefetch=2, poll_interval=0.1, maintenance=False):
-        learn_handlers_are_quick(app)
+        learn_handlers_are_quick(app, kind)
         handles = [gated.enqueue(n=i) for i in range(8)]
         # two run, two are prefetched: no free slot, and no room for another claim
         wait_until(lambda: states(app, "pf.gated").get("running") == 4, what="4 claimed")

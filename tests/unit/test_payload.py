@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Annotated, Any
 
 import pytest
-from pydantic import AfterValidator, BaseModel
+from pydantic import AfterValidator, BaseModel, Field
 
 import errands
 from errands import ConfigurationError, Context, InvalidPayload
@@ -573,6 +573,15 @@ def test_only_payloads_of_builtin_types_are_known_to_decode_without_the_applicat
     def point(p: Point) -> None: ...
     def annotated(n: Annotated[int, AfterValidator(lambda v: v)]) -> None: ...
 
+    def unhashable_metadata(n: Annotated[int, {"doc": "x"}]) -> None: ...
+    def factory_default(n: list[int] = Field(default_factory=list)) -> None: ...  # noqa: B008
+    def object_default(n: Any = Point(1)) -> None: ...  # noqa: B008
+    def plain_defaults(n: int = 1, s: str = "a", m: int | None = None) -> None: ...
+
     assert spec(plain)
-    for fn in (model, colour, nested_model, maybe_model, point, annotated):
+    assert spec(plain_defaults)
+    for fn in (
+        model, colour, nested_model, maybe_model, point, annotated, unhashable_metadata,
+        factory_default, object_default,
+    ):  # fmt: skip
         assert not spec(fn), fn.__name__

@@ -52,8 +52,11 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 log = logging.getLogger("errands.worker")
-# An async job's stored arguments up to this size (JSON bytes) whose decoding runs no code of
-# the application's are decoded on its event loop (~10 us for a few fields; 64 KiB ~0.3 ms)
+# An async attempt dispatched, its task not made yet: (attempt, definition, the (queue, fair
+# key) it waits under, urgent); see Dispatcher.start_dispatched
+_Start = tuple["Attempt", "JobDefinition[Any, Any]", "tuple[str, str] | None", bool]
+# An async job's stored arguments up to this size (characters of JSON) whose decoding runs
+# no code of the application's are decoded on its event loop (~10 us for a few fields)
 INLINE_DECODE_MAX = 65_536
 
 
@@ -68,7 +71,7 @@ class Dispatcher:
         self._went_ahead = 0
         self._order_lock = threading.Lock()
         self._slots: LoopSlots | None = None  # the async handlers' (see _loop_slots)
-        self._starts: list[functools.partial[None]] = []  # see start_dispatched
+        self._starts: list[_Start] = []  # see start_dispatched
 
     def _goes_first(self, row: JobRow) -> tuple[tuple[str, str] | None, bool]:
         """Where a job waits for a handler thread (for a slot of the loop, an async
@@ -163,10 +166,10 @@ class Dispatcher:
             return
         # An async handler: its task waits on the loop for a slot (prefetched), in the
         # order a thread would take it.
+        worker.loop_runner_started()
         key, urgent = self._goes_first(row)
         attempt.waiting = True
-        worker.loop_runner_started()
-        self._starts.append(functools.partial(self._start_async, attempt, definition, key, urgent))
+        self._starts.append((attempt, definition, key, urgent))
 
     def start_dispatched(self) -> None:
         """Hand the async attempts dispatched since the last call to the event loop, all
@@ -179,14 +182,17 @@ class Dispatcher:
         try:
             if loop is None:
                 raise RuntimeError("the worker's event loop is not running")
-            loop.call_soon_threadsafe(_call_each, starts)
+            loop.call_soon_threadsafe(self._start_each, starts)
         except Exception as exc:  # the loop closed (a stop): never lose a claimed job
             for start in starts:
-                attempt = start.args[0]
-                log.exception(
-                    "job %s: could not start it", attempt.id, extra=job_extra(attempt.row)
-                )
-                self.worker.recorder.decided(attempt, exc, None)
+                self._not_begun(*start, exc)
+
+    def _start_each(self, starts: list[_Start]) -> None:
+        for start in starts:
+            try:
+                self._start_async(*start)
+            except Exception as exc:  # never lose a claimed job (nor the rest of the batch)
+                self._not_begun(*start, exc)
 
     def _start_async(
         self,
@@ -196,16 +202,35 @@ class Dispatcher:
         urgent: bool,
     ) -> None:
         """On the loop: the attempt's task, its outcome recorded as it ends."""
-        try:
-            task = asyncio.get_running_loop().create_task(
-                self._run_async(attempt, definition, key, urgent)
-            )
-        except Exception as exc:  # never lose a claimed job
-            log.exception("job %s: could not start it", attempt.id, extra=job_extra(attempt.row))
-            self.worker.recorder.decided(attempt, exc, None)
-            return
+        task = asyncio.get_running_loop().create_task(
+            self._run_async(attempt, definition, key, urgent)
+        )
         attempt.future = task
         task.add_done_callback(lambda f: self._async_done(attempt, f))
+
+    def _not_begun(
+        self,
+        attempt: Attempt,
+        definition: JobDefinition[Any, Any],
+        key: tuple[str, str] | None,
+        urgent: bool,
+        exc: Exception,
+    ) -> None:
+        """An async attempt whose task could not be started: it never ran, so its job is
+        given back uncharged (prefetched: nothing recorded on it), its slot freed."""
+        log.error(
+            "job %s: could not start it (%s: %s); giving it back",
+            attempt.id,
+            type(exc).__name__,
+            exc,
+            extra=job_extra(attempt.row),
+        )
+        self._begins(attempt.row.queue, key, urgent)
+        if attempt.give_back():  # (else a stop or the fence took it: they release it)
+            self.worker.slot_freed(attempt)
+            self.worker.release_in_background(
+                [attempt], "released %d job(s) that could not start", prefetched=True
+            )
 
     # -- preparing ---------------------------------------------------------------------------
     def prepare(self, attempt: Attempt) -> tuple[dict[str, Any], JobLogContext] | None:
@@ -331,18 +356,19 @@ class Dispatcher:
         attempt.task = task = asyncio.current_task()
         if task is not None:  # named for the loop's watchdog (errands.worker.runners)
             task.set_name(f"job {attempt.id} {attempt.row.name}")
-        if not attempt.express:  # (the express lane's jobs have slots of their own)
-            try:
+        try:
+            if not attempt.express:  # (the express lane's jobs have slots of their own)
                 await self._loop_slots().take(urgent)  # prefetched: waits here, in order
                 attempt.holds_slot = True
-            except asyncio.CancelledError:
-                if attempt.stop_reason is None and not attempt.released:
-                    raise  # the loop shutting down
-                # Stopped while it waited (an operator's cancel, a lease lost or not
-                # renewed, a stop that withdrew it): it never began; as _begin decides.
-                if task is not None:
-                    task.uncancel()
-        self._begins(attempt.row.queue, key, urgent)
+        except asyncio.CancelledError:
+            if attempt.stop_reason is None and not attempt.released:
+                raise  # the loop shutting down
+            # Stopped while it waited (an operator's cancel, a lease lost or not renewed, a
+            # stop that withdrew it): it never began; as _begin decides below.
+            if task is not None:
+                task.uncancel()
+        finally:
+            self._begins(attempt.row.queue, key, urgent)
         try:
             if not await self._begin_async(attempt):
                 return None
@@ -369,24 +395,23 @@ class Dispatcher:
         worker = self.worker
         if not attempt.begin():
             return False  # withdrawn (a stop, a lease not renewed) before it began: released
-        if attempt.stop_reason in (LEASE_LOST, LEASE_UNRENEWED) or (
-            clock.now() >= attempt.lease_valid_until
-        ):
+        lease = attempt.stop_reason in (LEASE_LOST, LEASE_UNRENEWED)
+        if not lease and attempt.stop_reason is not None:  # an operator's cancel meanwhile
+            raise Interrupted(attempt.stop_reason)
+        if lease or clock.now() >= attempt.lease_valid_until:
             # Its lease lost or not renewed while it waited, or no heartbeat confirmed it
             # for a whole lease (a claim reply held up, a loop blocked by another handler,
             # a frozen process): another worker may run it now. Handed back, uncharged
             # (its handler never began, so nothing is recorded on the job), unless a
             # graceful stop took it over first (the stop gives it back).
             if attempt.give_back():
-                if attempt.stop_reason in (LEASE_LOST, LEASE_UNRENEWED):
-                    reason = attempt.stop_reason.replace("%", "%%")
+                if lease:
+                    reason = (attempt.stop_reason or "").replace("%", "%%")
                     message = f"released %d prefetched job(s): {reason}"
                 else:
                     message = "released %d prefetched job(s) whose lease may have run out"
                 await offloop.run(_release, worker, attempt, message, prefetched=True)
             return False
-        if attempt.stop_reason is not None:  # an operator's cancel while it waited
-            raise Interrupted(attempt.stop_reason)
         return True
 
     async def _run_begun(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
@@ -496,6 +521,35 @@ class Dispatcher:
     def _run_in_child(self, attempt: Attempt, children: ProcessRunner) -> Any:
         """A process-pool attempt (or an isolated suspect): prepared here, run in a child
         process; this handler thread waits for it. Returns its ChildResult."""
+        definition = attempt.definition
+        if definition is not None and definition.is_async and self.worker.prefetch:
+            # A rescued async job, isolated: it takes one of the loop's slots as if it ran
+            # there. The suspects' threads and the loop's -c slots ran up to twice -c
+            # (prefetched async jobs are bounded by the slots alone, not by a free thread).
+            self._wait_for_loop_slot(attempt)
+        try:
+            return self._run_child(attempt, children)
+        finally:
+            if attempt.holds_slot:
+                with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits)
+                    self.worker.loop_runner_started().loop.call_soon_threadsafe(
+                        self.give_slot, attempt
+                    )
+
+    def _wait_for_loop_slot(self, attempt: Attempt) -> None:
+        """Block this thread until ``attempt`` holds one of the loop's slots (urgent: a
+        rescued job starts at the next one free); a wait ended by the loop's shutdown
+        holds none (the attempt, withdrawn by the stop, does not begin)."""
+
+        async def take() -> None:
+            await self._loop_slots().take(urgent=True)
+            attempt.holds_slot = True
+
+        loop = self.worker.loop_runner_started().loop
+        with contextlib.suppress(Exception):  # (cancelled at shutdown, the loop closed)
+            asyncio.run_coroutine_threadsafe(take(), loop).result()
+
+    def _run_child(self, attempt: Attempt, children: ProcessRunner) -> Any:
         if not self._begin(attempt):
             return None
         worker = self.worker
@@ -552,11 +606,6 @@ def _release(
     with shielded():
         worker.release([attempt], message, unrun=unrun, prefetched=prefetched)
         worker.slot_freed(attempt)
-
-
-def _call_each(calls: list[functools.partial[None]]) -> None:
-    for call in calls:
-        call()
 
 
 def leave_if_forked(pid: int, job_id: int) -> None:
