@@ -56,7 +56,7 @@ def reports(ctx: errands.Context) -> int:
 # starting a thread), or the wait for the child's answer.
 INSTANTS = {
     "handing_over": (threading.Thread.start, ProcessRunner.submit),
-    "waiting": (Future.result, Dispatcher._run_in_child),
+    "waiting": (Future.result, Dispatcher._run_child),
 }
 
 
