@@ -145,6 +145,33 @@ def test_a_handler_without_a_context_cancelled_while_running_ends_cancelled_and_
     assert "errands.job.cancelled" in events and "errands.job.retrying" not in events
 
 
+def test_an_async_handler_without_a_context_cancelled_while_running_ends_cancelled(
+    app: errands.App, worker_factory
+) -> None:
+    """An async handler that takes no Context gets none either; cancelled while it runs
+    (its task cancelled), then raising an error of its own instead of the cancel, it
+    ends ``cancelled`` with a ``cancelled`` event, never retried."""
+    started = threading.Event()
+    events: list[str] = []
+    app.events.subscribe(lambda e: events.append(e.name))
+
+    @app.job(name="cancel.async_no_ctx", lease=1, retries=3, backoff=0.01)
+    async def async_no_ctx() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise RuntimeError("stopped half-way") from None
+
+    handle = async_no_ctx.enqueue()
+    with worker_factory():
+        assert started.wait(10)
+        assert handle.cancel().state == "running"
+        wait_until(lambda: handle.status() is JobState.CANCELLED, what="the job cancelled")
+    assert handle.job().attempt == 1
+    assert "errands.job.cancelled" in events and "errands.job.retrying" not in events
+
+
 def test_async_job_that_swallows_its_cancellation_and_raises_never_runs_again(
     app: errands.App, worker_factory
 ) -> None:

@@ -251,16 +251,16 @@ class Dispatcher:
             worker.recorder.decided(attempt, exc, None)
             return None
         kwargs = dict(attempt.kwargs)
-        if definition.payload.context_param or definition.is_async:
-            # A sync handler without a Context parameter gets none: nothing could reach
-            # it (steps, children, ctx.transaction, progress all go through it), and it
-            # cost 2.4 us a job. Its stop is read from attempt.stop_reason alone.
+        if definition.payload.context_param:
+            # A handler without a Context parameter gets none: nothing could reach it
+            # (steps, children, ctx.transaction, progress all go through it), and it cost
+            # 2.4 us a job. Its stop is read from attempt.stop_reason alone (an async one's
+            # task is cancelled as well).
             attempt.runtime = AttemptRuntime(worker.app, attempt)
             attempt.ctx = context_for(row, definition, worker.id, attempt.runtime)
             if attempt.stop_reason is not None:  # an interrupt that came before its ctx did
                 attempt.ctx._request_cancel(attempt.stop_reason)
-            if definition.payload.context_param:
-                kwargs[definition.payload.context_param] = attempt.ctx
+            kwargs[definition.payload.context_param] = attempt.ctx
         events = worker.app.events
         if events.wants("errands.job.started"):
             # On the handler's thread: its subscribers on the events lane (a slow one held
@@ -467,8 +467,8 @@ class Dispatcher:
         if prepared is None:
             return None
         kwargs, log_ctx = prepared
-        if attempt.ctx is not None and attempt.ctx.cancelled:  # stopped before it began
-            raise Interrupted(attempt.ctx.cancel_reason)
+        if attempt.stop_reason is not None:  # stopped while it was being prepared
+            raise Interrupted(attempt.stop_reason)
         info = {**job_fields(attempt.row), "meta": attempt.row.meta}
         called = clock.now()
         with job_context(log_ctx), self.worker.app.events.around_handler(info):
