@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -649,3 +650,40 @@ def test_a_fair_queues_job_never_goes_ahead_of_another_queues_prefetched_job(
         gates[1].set()
         for handle in [*plains, quiet]:
             handle.result(timeout=10)
+
+
+def test_an_async_job_whose_task_cannot_start_is_given_back_uncharged_and_its_claim_runs(
+    app: errands.App, worker_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given a claim of async jobs, when one job's task cannot be made on the loop, then
+    that job is given back (available again, no attempt charged, nothing recorded) and
+    runs at a later claim, and the others of its claim run meanwhile: it was recorded as
+    failed (charged) for a run that never happened."""
+    from errands.worker.dispatch import Dispatcher
+
+    ran: list[int] = []
+
+    @app.job(name="pf.async_start")
+    async def starts(n: int) -> int:
+        ran.append(n)
+        return n
+
+    handles = [starts.enqueue(n=i) for i in range(4)]
+    refused = handles[1].id
+    tried: list[int] = []
+    original = Dispatcher._start_async
+
+    def start_async(self: Dispatcher, attempt: Any, *rest: Any) -> None:
+        if attempt.id == refused and not tried:
+            tried.append(attempt.id)
+            raise RuntimeError("no task for it")
+        original(self, attempt, *rest)
+
+    monkeypatch.setattr(Dispatcher, "_start_async", start_async)
+    with worker_factory(concurrency=4):
+        assert [h.result(timeout=20) for h in handles] == [0, 1, 2, 3]
+
+    assert tried == [refused]
+    job = handles[1].job()
+    assert (job.attempt, job.errors) == (1, [])  # the give-back charged nothing
+    assert sorted(ran) == [0, 1, 2, 3]

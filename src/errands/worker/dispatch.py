@@ -390,6 +390,14 @@ class Dispatcher:
             attempt.holds_slot = False
             self._loop_slots().give()
 
+    def give_slot_soon(self, attempt: Attempt) -> None:
+        """:meth:`give_slot` from another thread (the lease keeper abandoning a task, a
+        rescued async job's child ended)."""
+        loop = self.worker.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits)
+                loop.call_soon_threadsafe(self.give_slot, attempt)
+
     async def _begin_async(self, attempt: Attempt) -> bool:
         """:meth:`_begin` for an async attempt, on the loop: False when it must not run."""
         worker = self.worker
@@ -531,10 +539,7 @@ class Dispatcher:
             return self._run_child(attempt, children)
         finally:
             if attempt.holds_slot:
-                with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits)
-                    self.worker.loop_runner_started().loop.call_soon_threadsafe(
-                        self.give_slot, attempt
-                    )
+                self.give_slot_soon(attempt)
 
     def _wait_for_loop_slot(self, attempt: Attempt) -> None:
         """Block this thread until ``attempt`` holds one of the loop's slots (urgent: a

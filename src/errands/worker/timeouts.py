@@ -27,7 +27,6 @@ the time left at the fence remains.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -122,9 +121,7 @@ def abandon(worker: Worker, attempt: Attempt, why: str) -> bool:
         worker.threads_for(attempt).abandon(attempt.future)
     else:
         attempt.interrupt("timeout", worker.loop)
-        if worker.loop is not None and attempt.task is not None:  # its slot to the next job
-            with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits)
-                worker.loop.call_soon_threadsafe(worker.dispatcher.give_slot, attempt)
+        worker.dispatcher.give_slot_soon(attempt)  # its slot to the next job
     return True
 
 
