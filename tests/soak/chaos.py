@@ -350,10 +350,12 @@ class Chaos:
                 f"WHERE state = 'running' AND id IN ({marks})",
                 tuple(ids),
             )
-            choices = [(int(i), str(o)) for i, o, _ in rows if o in live]
+            # Only a job whose handler has begun (its ctx.progress stored by a heartbeat): a
+            # job claimed but still waiting for a handler thread is given back unrecorded at
+            # a graceful stop, as it should be, and was taken for a target (A10 failed).
+            choices = [(int(i), str(o)) for i, o, p in rows if o in live and p is not None]
             if choices:
-                if any(p is not None for *_, p in rows):
-                    self.progress_seen[kind] += 1
+                self.progress_seen[kind] += 1
                 job_id, owner = self.rng.choice(choices)
                 return job_id, owner, live[owner]
             self.idle(0.05)
