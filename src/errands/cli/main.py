@@ -19,6 +19,7 @@ from .. import __version__
 from ..errors import ConfigurationError, ErrandsError
 from ..loading import sqlite_file
 from ..observability.logcontext import configure_logging
+from ..worker.switching import SWITCH_INTERVAL, use_switch_interval
 from .admin import dlq, jobs, status
 from .dashboard import dashboard
 from .loading import URL_HELP, load_app
@@ -84,6 +85,14 @@ def cli() -> None:
     show_default=True,
 )
 @click.option(
+    "--switch-interval",
+    type=FiniteFloatRange(min=0.0005, max=1.0),
+    default=SWITCH_INTERVAL,
+    show_default=True,
+    help="seconds a thread holds the GIL while others wait for it (Python's default is "
+    "0.005; see docs/concurrency.md)",
+)
+@click.option(
     "-p",
     "--processes",
     type=click.IntRange(min=1),
@@ -146,6 +155,7 @@ def worker(
     poll_interval: float,
     log_format: str,
     log_level: str,
+    switch_interval: float,
     no_maintenance: bool,
     maintenance_tick: float | None,
     processes: int,
@@ -157,6 +167,7 @@ def worker(
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
+    use_switch_interval(switch_interval)  # this process is the worker's own
     from ..worker.supervisor import check_processes, stop_with_supervisor, supervisor_link
 
     check_processes(processes)  # before the app's import (a typo forked until out of memory)

@@ -79,8 +79,10 @@ def _worker_command(app: App) -> click.Command:
     ) -> None:
         """Run an errands worker for this application's jobs (until SIGTERM/SIGINT)."""
         from ..observability.logcontext import configure_logging
+        from ..worker.switching import use_switch_interval
 
         configure_logging("text", "info")
+        use_switch_interval()  # this process is the worker's own (errands worker's default)
         try:
             worker = app.worker(
                 queues=queues, concurrency=concurrency, grace=grace, poll_interval=poll_interval

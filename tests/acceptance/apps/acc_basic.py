@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -47,6 +48,12 @@ def rendezvous(ctx: errands.Context, expected: int, patience: float = 60.0) -> d
 def noop(ctx: errands.Context, n: int = 0) -> int:
     record(ctx)
     return n
+
+
+@app.job(name="switch_interval", retries=0)
+def switch_interval() -> float:
+    """The GIL's switch interval where the handler runs."""
+    return sys.getswitchinterval()
 
 
 @app.job(name="fail_first", retries=3, backoff=QUICK_BACKOFF)

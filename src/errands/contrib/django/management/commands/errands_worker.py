@@ -129,6 +129,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         from errands.observability.logcontext import configure_logging, install_record_factory
+        from errands.worker.switching import use_switch_interval
         from errands.worker.worker import check_counts
 
         from ...app import backend_params, get_app, serving_queues
@@ -156,6 +157,7 @@ class Command(BaseCommand):
             params = backend_params(alias)
         except Exception as exc:
             raise CommandError(str(exc)) from None
+        use_switch_interval()  # this process is the worker's own (errands worker's default)
         if options["log_format"]:
             configure_logging(options["log_format"], options["log_level"])
         else:
