@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -21,6 +22,16 @@ import pytest
 
 import errands
 from errands.worker.worker import Worker
+
+
+@pytest.fixture(autouse=True)
+def _switch_interval_kept() -> Iterator[None]:
+    """A test that runs a worker command in this process (CliRunner, Flask's CLI) sets
+    the worker's GIL switch interval (errands.worker.switching): put back after it, so
+    the next tests run at the one they started with."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
 
 
 @pytest.fixture

@@ -16,12 +16,17 @@ def test_a_worker_process_switches_threads_every_20_ms_unless_told_otherwise(
 ) -> None:
     cluster.app()
     lone = cluster.start_worker()
-    assert acc_basic.switch_interval.enqueue().result(timeout=30) == 0.02
+    assert acc_basic.switch_interval.enqueue().result(timeout=30)[1] == 0.02
     lone.signal(signal.SIGTERM)
     assert lone.wait_exit(30) == 0
 
-    supervised = cluster.start_worker("--processes", "2", "--switch-interval", "0.005")
-    handles = [acc_basic.switch_interval.enqueue() for _ in range(4)]
-    assert [h.result(timeout=30) for h in handles] == [0.005] * 4
+    # one slot each, nothing prefetched: two jobs that wait for each other run one in
+    # each process of the supervised worker
+    options = ("--processes", "2", "-c", "1", "--prefetch", "0", "--switch-interval", "0.005")
+    supervised = cluster.start_worker(*options)
+    handles = [acc_basic.switch_interval.enqueue(meet=2) for _ in range(2)]
+    results = [h.result(timeout=60) for h in handles]
+    assert [interval for _, interval in results] == [0.005, 0.005]
+    assert len({pid for pid, _ in results}) == 2, results  # both processes
     supervised.signal(signal.SIGTERM)
     assert supervised.wait_exit(30) == 0

@@ -167,7 +167,6 @@ def worker(
 ) -> None:
     """Run a worker until SIGTERM or SIGINT (a second signal exits at once)."""
     configure_logging(log_format, log_level)
-    use_switch_interval(switch_interval)  # this process is the worker's own
     from ..worker.supervisor import check_processes, stop_with_supervisor, supervisor_link
 
     check_processes(processes)  # before the app's import (a typo forked until out of memory)
@@ -202,6 +201,7 @@ def worker(
                 f"cannot serve metrics on {metrics_addr}:{metrics_port}: {exc.strerror or exc}; "
                 "choose another --metrics-port"
             ) from None
+    use_switch_interval(switch_interval)  # this process is the worker's own
     w = app.worker(
         queues=queues,
         concurrency=concurrency,

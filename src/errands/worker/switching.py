@@ -5,9 +5,10 @@ handlers' event loop) take the GIL from each other at most every *switch interva
 each has Python to run. At Python's default of 0.005 s, many quick jobs on ``-c 32``
 spent 10-14 % more CPU a job than at 0.02 s (interleaved runs of 100,000 no-op jobs on
 PostgreSQL, one and two processes: 56 -> 48 and 54 -> 49 us a job; 0.01 to 0.05 s alike).
-The cost: a thread that wants the GIL while another runs pure Python may wait up to this
-long (a heartbeat, a claim, a step of the event loop); a job's start on an idle worker
-waits for nothing.
+The cost: while handlers run pure Python, a thread that wants the GIL (a heartbeat, a
+claim, a step of the event loop) may wait this long for each of them that takes it first;
+with many CPU-bound handlers and a short lease, ``--switch-interval 0.005`` is Python's
+default again. A job's start on an idle worker waits for nothing.
 
 Set only by the commands that run a worker in a process of its own (``errands worker``,
 ``flask errands-worker``, ``manage.py errands_worker``), never by an App or a Worker made

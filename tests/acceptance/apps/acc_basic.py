@@ -51,9 +51,15 @@ def noop(ctx: errands.Context, n: int = 0) -> int:
 
 
 @app.job(name="switch_interval", retries=0)
-def switch_interval() -> float:
-    """The GIL's switch interval where the handler runs."""
-    return sys.getswitchinterval()
+def switch_interval(ctx: errands.Context, meet: int = 0) -> list[float]:
+    """[this process's pid, the GIL's switch interval where the handler runs]; with
+    ``meet``, once that many of these runs have begun (they ran at once: one a slot)."""
+    if meet:
+        record(ctx, "switch_meet")
+    deadline = time.monotonic() + 30
+    while runs("switch_meet") < meet and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [os.getpid(), sys.getswitchinterval()]
 
 
 @app.job(name="fail_first", retries=3, backoff=QUICK_BACKOFF)

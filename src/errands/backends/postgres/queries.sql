@@ -189,7 +189,7 @@ FROM (SELECT o.*, 'running'::text AS was, %(members)s::boolean AS members
       FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(states)b::text[],
                   %(results)b::text[], %(errors)b::text[], %(delays)b::float8[],
                   %(rans)b::float8[]) AS o(id, token, state, result, error, delay, ran)
-      OFFSET 0) AS o  -- by id, whatever the statistics say: job_finish_many's note
+      OFFSET 0) AS o
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = o.was
   AND (j.workflow_id IS NOT NULL) = o.members
 RETURNING j.id, o.token, j.state, j.queue AS f_queue, j.fair_key AS f_key,
@@ -211,10 +211,11 @@ SET state = 'completed',
     result = o.result::jsonb,
     finished_at = now(),
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+-- (by id, whatever the statistics say: see job_finish_many)
 FROM (SELECT o.*, 'running'::text AS was, false AS members
       FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(results)b::text[],
                   %(rans)b::float8[]) AS o(id, token, result, ran)
-      OFFSET 0) AS o  -- by id, whatever the statistics say: job_finish_many's note
+      OFFSET 0) AS o
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = o.was
   AND (j.workflow_id IS NOT NULL) = o.members
 RETURNING j.id, o.token, j.state, j.queue AS f_queue, j.fair_key AS f_key,
@@ -228,11 +229,12 @@ UPDATE {schema}.errands_jobs AS j
 SET lease_expires_at = now() + make_interval(secs => o.lease_seconds),
     progress = COALESCE(o.progress, j.progress),
     progress_message = CASE WHEN o.progress IS NULL THEN j.progress_message ELSE o.message END
+-- (by id, whatever the statistics say: see job_finish_many)
 FROM (SELECT o.*, 'running'::text AS was
       FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(leases)b::float8[],
                   %(progress)s::float8[], %(messages)s::text[])
            AS o(id, token, lease_seconds, progress, message)
-      OFFSET 0) AS o  -- by id, whatever the statistics say: job_finish_many's note
+      OFFSET 0) AS o
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = o.was
 RETURNING j.id, j.lease_token, j.cancel_requested
 
@@ -274,10 +276,11 @@ SET state = CASE WHEN j.cancel_requested THEN 'cancelled'
                   ELSE now() + make_interval(secs => o.delay) END,
     finished_at = CASE WHEN j.cancel_requested THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+-- (by id, whatever the statistics say: see job_finish_many)
 FROM (SELECT o.*, 'running'::text AS was
       FROM unnest(%(ids)b::bigint[], %(tokens)b::text[], %(delays)b::float8[])
            AS o(id, token, delay)
-      OFFSET 0) AS o  -- by id, whatever the statistics say: job_finish_many's note
+      OFFSET 0) AS o
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = o.was
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
           j.attempted_at AS f_started, NULL::float8 AS f_ran, {fair_due}
@@ -345,10 +348,11 @@ SET state = o.state,
     run_at = now() + make_interval(secs => o.delay),
     finished_at = CASE WHEN o.state <> 'retryable' THEN now() END,
     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL
+-- (by id, whatever the statistics say: see job_finish_many)
 FROM (SELECT o.*, 'running'::text AS was, now() AS now
       FROM unnest(%(ids)s::bigint[], %(tokens)s::text[], %(states)s::text[],
                   %(errors)s::text[], %(delays)s::float8[]) AS o(id, token, state, error, delay)
-      OFFSET 0) AS o  -- by id, whatever the statistics say: job_finish_many's note
+      OFFSET 0) AS o
 WHERE j.id = o.id AND j.lease_token = o.token AND j.state = o.was
   AND j.lease_expires_at < o.now AND (NOT j.cancel_requested OR o.state = 'cancelled')
 RETURNING j.id, j.workflow_id, j.state, j.queue AS f_queue, j.fair_key AS f_key,
