@@ -162,3 +162,32 @@ def test_the_workflow_bench_runs_and_records_every_figure(tmp_path: Path) -> Non
     assert figures["fan_in_latency"]["p50_ms"] > 0
     assert figures["fan_out_fan_in"]["members_per_s"] > 0
     assert figures["chain"]["steps_per_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_pairs_tool_alternates_its_systems_and_records_each_round(tmp_path: Path) -> None:
+    """`python -m bench.pairs` (a quick A/B beside the full harness): every round runs
+    each system once, a configuration's options overridden by JSON, ratios per round."""
+    out = tmp_path / "pairs.json"
+    tuned, capped = "errands-sqlite:tuned", 'errands-sqlite:tuned:{"concurrency": 2}'
+    args = ["bench.pairs", "--pairs", "2", "--jobs", "300", "--results", str(out)]
+    run_bench([*args, "--system", tuned, "--system", capped], timeout=110)
+    results = json.loads(out.read_text())
+    assert [r["round"] for r in results["runs"][capped]] == [1, 2]
+    assert all(r["rate"] > 0 and r["done"] == 300 for r in results["runs"][tuned])
+    assert results["summary"][tuned]["ratios"] == [1.0, 1.0]
+    assert len(results["summary"][capped]["ratios"]) == 2
+
+
+def test_the_pairs_tool_names_what_it_does_not_know() -> None:
+    from bench.pairs import parse_system
+
+    _, system, options = parse_system('errands-pg:tuned:{"concurrency": 4}')
+    assert system.name == "errands-pg" and options["concurrency"] == 4
+    assert options["prefetch"] == 1024  # the rest of the configuration kept
+    with pytest.raises(SystemExit, match=r"no system 'nope'; choose one of: .*errands-pg"):
+        parse_system("nope:tuned")
+    with pytest.raises(SystemExit, match="errands-pg has no configuration 'fast': default"):
+        parse_system("errands-pg:fast")
+    with pytest.raises(SystemExit, match="must be a JSON object"):
+        parse_system("errands-pg:tuned:{oops")
