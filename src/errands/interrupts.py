@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import dis
+import gc
 import os
 import sys
 import threading
@@ -65,9 +66,13 @@ def _after_fork_in_child() -> None:
     child's first shielded call for good. The other threads' marks are dropped (their
     threads are not in the child); the forking thread's, if it forked inside a shield,
     are kept: it is still inside it there, and leaves it as in the parent."""
-    global _lock, _shields
+    global _lock, _shields, _frames_lock, _gc_paused
     me = threading.current_thread()
     _lock = threading.Lock()
+    _frames_lock = threading.Lock()  # (and collection back on, if a thread of the parent
+    if _gc_paused:  # had paused it for _current_frame: it never resumes it here)
+        _gc_paused = False
+        gc.enable()
     _shields = {
         ident: (thread, list(marks))
         for ident, (thread, marks) in list(_shields.items())
@@ -186,13 +191,42 @@ UNSAFE_LIBRARIES = ("psycopg_pool",)
 UNSAFE_DEPTH = 6  # frames from the innermost looked at for UNSAFE_LIBRARIES
 
 
+# sys._current_frames() can stop a whole process on Python 3.11 (CPython gh-106883,
+# fixed in 3.12, not in 3.11): it holds the runtime's lock of thread states while it makes
+# frame objects; a garbage collection one of those allocations starts may free an object
+# whose deallocation takes that lock again, and the thread waits for itself holding the
+# GIL: every thread of the worker stands still for good (a CI run hung so, a hooks
+# watchdog aiming an interrupt at a hung backoff). There, collection is paused for the
+# call, as 3.12 does it inside; one call at a time, so no call resumes it under another.
+_frames_lock = threading.Lock()
+_gc_paused = False
+_GC_SAFE_FRAMES = sys.version_info >= (3, 12)
+
+
+def _current_frame(ident: int) -> FrameType | None:
+    """Thread ``ident``'s current Python frame (None: no such thread)."""
+    global _gc_paused
+    if _GC_SAFE_FRAMES:
+        return sys._current_frames().get(ident)
+    with _frames_lock:
+        collecting = gc.isenabled()
+        gc.disable()
+        _gc_paused = collecting
+        try:
+            return sys._current_frames().get(ident)
+        finally:
+            _gc_paused = False
+            if collecting:
+                gc.enable()
+
+
 def in_locking_code(ident: int) -> bool:
     """Whether thread ``ident`` is at a point where an interrupt must not land now (see
     LOCK_TAKING and UNSAFE_LIBRARIES), judged by its Python frames. An interrupt is held
     back from it as from a shield: a thread blocked there is read exactly where the
     interrupt would land; one running elsewhere reaches its next check within a few
     bytecodes."""
-    frame = sys._current_frames().get(ident)
+    frame = _current_frame(ident)
     if frame is None:
         return False
     names = LOCK_TAKING.get(frame.f_globals.get("__name__", ""))

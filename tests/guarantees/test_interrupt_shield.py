@@ -4,6 +4,7 @@ SQLite hook interrupted while it held the write lock left it held for good (a so
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 import threading
 import time
@@ -306,3 +307,44 @@ def test_a_child_forked_while_the_shield_lock_is_held_opens_its_store_and_keeps_
         "parent enqueued True",
     ):
         assert said in done.stdout, (done.stdout, done.stderr[-3000:])
+
+
+def test_reading_a_threads_frame_while_a_thread_local_is_collected_never_hangs() -> None:
+    """in_locking_code reads the thread's frame through sys._current_frames(), which on
+    Python 3.11 holds the runtime's lock of thread states while it makes frame objects:
+    a garbage collection one of them starts, freeing a cycle that holds a
+    threading.local, took that lock again, and the whole process stood still for good (a
+    CI run hung so: CPython gh-106883, fixed in 3.12). Collection is paused around the
+    read there. Here, collections are made frequent and the read is repeated for 1.5 s
+    beside threads making new frames: it hung within the 1.5 s in each of 5 runs of the
+    old code; it must finish."""
+    script = """
+        import gc, sys, threading, time
+        from errands import interrupts
+        gc.set_threshold(3, 10, 10)
+        stop = False
+        def churn():
+            def f(n):
+                return n if n < 1 else f(n - 1)
+            while not stop:
+                f(3)
+        others = [threading.Thread(target=churn, daemon=True) for _ in range(3)]
+        for t in others:
+            t.start()
+        started, reads = time.monotonic(), 0
+        while time.monotonic() - started < 1.5:
+            garbage = []
+            garbage.append(garbage)
+            garbage.append(threading.local())
+            del garbage
+            interrupts.in_locking_code(others[0].ident)
+            reads += 1
+        stop = True
+        print("read", reads, "collection", "on" if gc.isenabled() else "off")
+    """
+    try:
+        done = run_script(script, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process stood still reading a thread's frame (CPython gh-106883)")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("read ") and done.stdout.rstrip().endswith("collection on")
