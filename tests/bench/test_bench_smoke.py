@@ -166,17 +166,17 @@ def test_the_workflow_bench_runs_and_records_every_figure(tmp_path: Path) -> Non
 
 @pytest.mark.timeout(120)
 def test_the_pairs_tool_alternates_its_systems_and_records_each_round(tmp_path: Path) -> None:
-    """`python -m bench.pairs` (a quick A/B beside the full harness): every round runs
-    each system once, a configuration's options overridden by JSON, ratios per round."""
+    """`python -m bench.pairs` (a quick A/B beside the full harness): a round runs each
+    system once, a configuration's options overridden by JSON, ratios per round."""
     out = tmp_path / "pairs.json"
     tuned, capped = "errands-sqlite:tuned", 'errands-sqlite:tuned:{"concurrency": 2}'
-    args = ["bench.pairs", "--pairs", "2", "--jobs", "300", "--results", str(out)]
+    args = ["bench.pairs", "--pairs", "1", "--jobs", "200", "--results", str(out)]
     run_bench([*args, "--system", tuned, "--system", capped], timeout=110)
     results = json.loads(out.read_text())
-    assert [r["round"] for r in results["runs"][capped]] == [1, 2]
-    assert all(r["rate"] > 0 and r["done"] == 300 for r in results["runs"][tuned])
-    assert results["summary"][tuned]["ratios"] == [1.0, 1.0]
-    assert len(results["summary"][capped]["ratios"]) == 2
+    assert [r["round"] for r in results["runs"][capped]] == [1]
+    assert all(r["rate"] > 0 and r["done"] == 200 for r in results["runs"][tuned])
+    assert results["summary"][tuned]["ratios"] == [1.0]
+    assert results["summary"][capped]["ratios"][0] > 0
 
 
 def test_the_pairs_tool_names_what_it_does_not_know() -> None:
