@@ -140,7 +140,7 @@ def test_a_child_forked_after_a_result_wait_is_woken_by_a_watcher_of_its_own(
     parent's watcher goes on waking the parent's waits."""
     done = _run(
         """
-        import os, signal, sys, threading
+        import os, signal, sys, threading, time
         import psycopg
         import errands
 
@@ -153,6 +153,11 @@ def test_a_child_forked_after_a_result_wait_is_woken_by_a_watcher_of_its_own(
         table = f'"{backend.schema}".errands_jobs'
 
         def end_it(job_id):  # as an operator's cancel from another process: the trigger NOTIFYs
+            # once the wait is registered: a cancel committed before the wait's first read
+            # ended it with no wake-up (the wait read the job ended), and "woken" was False
+            deadline = time.monotonic() + 30
+            while not app.results._by_job.get(job_id) and time.monotonic() < deadline:
+                time.sleep(0.005)
             with psycopg.connect(backend.config.conninfo, autocommit=True) as c:
                 c.execute(f"UPDATE {table} SET state = 'cancelled', finished_at = now() "
                           "WHERE id = %s", (job_id,))
