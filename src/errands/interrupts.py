@@ -69,9 +69,9 @@ def _after_fork_in_child() -> None:
     global _lock, _shields, _frames_lock, _gc_paused
     me = threading.current_thread()
     _lock = threading.Lock()
-    _frames_lock = threading.Lock()  # (and collection back on, if a thread of the parent
-    if _gc_paused:  # had paused it for _current_frame: it never resumes it here)
-        _gc_paused = False
+    _frames_lock = threading.Lock()
+    if _gc_paused:  # a thread of the parent paused collection for _current_frame: that
+        _gc_paused = False  # thread is not here to resume it
         gc.enable()
     _shields = {
         ident: (thread, list(marks))

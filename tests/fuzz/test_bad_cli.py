@@ -44,6 +44,16 @@ BAD_ARGUMENTS: dict[str, Case] = {
         1,
         'queue name "\'; DROP TABLE errands_jobs; --"',
     ),
+    "worker-switch-interval-zero": (
+        ["worker", "fuzz_app:app", "--switch-interval", "0"],
+        2,
+        "'--switch-interval': 0.0 is not in the range 0.0005<=x<=1.0",
+    ),
+    "worker-switch-interval-nan": (
+        ["worker", "fuzz_app:app", "--switch-interval", "nan"],
+        2,
+        "'--switch-interval': 'nan' is not a finite number",
+    ),
     # bytes that are not UTF-8 reach Python as lone surrogates, which no database stores
     "undecodable-filter": (["jobs", "list", "--queue", b"emails\xff"], 1, "not valid Unicode"),
 }

@@ -348,3 +348,24 @@ def test_reading_a_threads_frame_while_a_thread_local_is_collected_never_hangs()
         pytest.fail("the process stood still reading a thread's frame (CPython gh-106883)")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("read ") and done.stdout.rstrip().endswith("collection on")
+
+
+def test_a_child_forked_while_collection_is_paused_for_a_frame_read_collects_again() -> None:
+    """On Python 3.11 a frame read pauses garbage collection (above); a child forked by
+    another thread in that instant is a copy with the pause and without the thread that
+    resumes it: the fork hook resumes it there, or the child never collected a cycle."""
+    script = """
+        import gc, os, sys
+        from errands import interrupts
+        # the state a fork copies mid-read: collection off, paused by the frame read
+        gc.disable()
+        interrupts._gc_paused = True
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() and not interrupts._gc_paused else 1)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        print("child collects", code == 0, "parent still paused", not gc.isenabled())
+    """
+    done = run_script(script, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "child collects True parent still paused True", done.stdout
