@@ -159,7 +159,10 @@ def test_a_sync_handler_without_a_context_is_interrupted_when_its_lease_cannot_b
 
 
 def test_a_worker_whose_heartbeats_fail_claims_no_new_job_until_one_gets_through(
-    store: errands.App, worker: Worker, monkeypatch: pytest.MonkeyPatch
+    store: errands.App,
+    worker: Worker,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Given a worker with a free slot whose heartbeats fail, a job enqueued meanwhile is
     not claimed by it (it would only run until self-fenced, and a job it gave back was
@@ -184,11 +187,18 @@ def test_a_worker_whose_heartbeats_fail_claims_no_new_job_until_one_gets_through
         return "ran"
 
     heartbeats = _cut(store, monkeypatch)
-    with worker(concurrency=2, maintenance=False) as w:
+    with worker(concurrency=2, maintenance=False):
         first.enqueue()
         assert started.wait(30)
         heartbeats.failing = True
-        wait_until(lambda: w.leases.failures > 0, timeout=30, what="a failed heartbeat")
+        # The claim loop's pause, not the failed heartbeat alone: a claim the loop sent
+        # before the failure may still be on its way (on a loaded machine it took the job
+        # enqueued next; it would run until self-fenced, as any job claimed just before).
+        wait_until(
+            lambda: any(r.getMessage().startswith("heartbeats fail:") for r in caplog.records),
+            timeout=30,
+            what="the claim loop paused",
+        )
         handle = later.enqueue()
         time.sleep(2.0)  # room to claim it (a claim every 50 ms), were claims not paused
         healed.set()
