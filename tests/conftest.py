@@ -179,6 +179,40 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+# -- the CPU each test spends (ERRANDS_TEST_CPU_LOG=path) ---------------------------------------
+# The suite runs on two cores, busy to the end: its time is its CPU. With this variable
+# set, each test appends a line to the file: its node id, then the seconds of CPU of the
+# test process (its threads: in-process workers) and of the processes it started and
+# waited for (workers, CLI calls, their children), and its wall time. The tests that cost
+# the most CPU, not the ones that wait longest, are the ones to make cheaper.
+CPU_LOG = os.environ.get("ERRANDS_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    if not CPU_LOG:
+        yield
+        return
+    import resource
+
+    def cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    own, children, began = (
+        cpu(resource.RUSAGE_SELF),
+        cpu(resource.RUSAGE_CHILDREN),
+        time.monotonic(),
+    )
+    yield
+    line = (
+        f"{item.nodeid}\t{cpu(resource.RUSAGE_SELF) - own:.2f}\t"
+        f"{cpu(resource.RUSAGE_CHILDREN) - children:.2f}\t{time.monotonic() - began:.2f}\n"
+    )
+    with open(CPU_LOG, "a") as out:
+        out.write(line)
+
+
 # -- the order the xdist workers take tests in ------------------------------------------------
 # `make test` runs `pytest -n 6 --dist loadgroup`: the scheduler hands each process the
 # next test (or the next xdist_group, whole) in collection order as it frees up. The tests
