@@ -1,0 +1,122 @@
+"""The tests' PostgreSQL schemas are reused only when nothing tells them from fresh ones
+(tests/pg.py, SchemaPool): a test never sees what an earlier test left, and a schema a
+test changed, still used, or analysed is dropped instead."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+import errands
+from tests.pg import SchemaPool, drop_schema, pg_base_url, require_pg, with_params
+
+
+@pytest.fixture
+def pool() -> Iterator[SchemaPool]:
+    require_pg()
+    made = SchemaPool()
+    yield made
+    made.close()
+
+
+def _used(pool: SchemaPool) -> str:
+    """A schema from the pool, migrated, with a job enqueued in it: its URL's schema."""
+    schema = pool.take()
+    app = errands.App(
+        with_params(pg_base_url(), schema=schema, auto_migrate="true", application_name=schema)
+    )
+    try:
+
+        @app.job(name="pool.noop")
+        def noop() -> None:
+            pass
+
+        noop.enqueue()
+    finally:
+        app.close()
+    return schema
+
+
+def _exists(schema: str) -> bool:
+    with psycopg.connect(pg_base_url(), autocommit=True) as conn:
+        row = conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone()
+    return row is not None
+
+
+def _sql(schema: str, statement: str) -> None:
+    with psycopg.connect(pg_base_url(), autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+        conn.execute(statement)
+
+
+def test_a_schema_given_back_is_handed_out_again_empty_with_ids_from_one(
+    pool: SchemaPool,
+) -> None:
+    first = _used(pool)
+    pool.give_back(first)
+    assert pool.free == [first]
+    again = pool.take()
+    assert again == first
+    with psycopg.connect(pg_base_url(), autocommit=True) as conn:
+        left = conn.execute(
+            f'SELECT (SELECT count(*) FROM "{again}".errands_jobs),'
+            f' (SELECT count(*) FROM "{again}".errands_workers),'
+            f' (SELECT count(*) FROM "{again}".errands_migrations)'
+        ).fetchone()
+    assert left is not None and left[:2] == (0, 0) and left[2] > 0  # migrations kept
+    app = errands.App(with_params(pg_base_url(), schema=again, application_name=again))
+    try:
+
+        @app.job(name="pool.noop")
+        def noop() -> None:
+            pass
+
+        assert noop.enqueue().id == 1  # the identity restarted
+    finally:
+        app.close()
+        drop_schema(again)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "CREATE INDEX extra ON errands_jobs (name)",
+        "ALTER TABLE errands_jobs ADD COLUMN extra int",
+        "DROP INDEX errands_jobs_finished",
+        "DELETE FROM errands_migrations WHERE version = 1",
+        "ANALYZE errands_jobs",
+    ],
+    ids=["index-added", "column-added", "index-dropped", "migration-unrecorded", "analysed"],
+)
+def test_a_schema_that_differs_from_a_freshly_migrated_one_is_dropped(
+    pool: SchemaPool, change: str
+) -> None:
+    schema = _used(pool)
+    _sql(schema, change)
+    pool.give_back(schema)
+    assert pool.free == []
+    assert not _exists(schema)
+
+
+def test_a_schema_a_session_still_uses_is_dropped_not_reused(
+    pool: SchemaPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(SchemaPool, "SESSIONS_GONE_WITHIN", 0.2)
+    schema = _used(pool)
+    conninfo = with_params(pg_base_url(), application_name=schema)
+    lingering = psycopg.connect(conninfo, autocommit=True)
+    try:
+        pool.give_back(schema)  # drops it: nothing is left to wait for but the drop itself
+        assert pool.free == []
+    finally:
+        lingering.close()
+    assert not _exists(schema)
+
+
+def test_a_schema_no_test_migrated_is_dropped(pool: SchemaPool) -> None:
+    schema = pool.take()
+    _sql("public", f'CREATE SCHEMA "{schema}"')
+    pool.give_back(schema)
+    assert pool.free == [] and not _exists(schema)
