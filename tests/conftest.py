@@ -147,6 +147,15 @@ def pg_url() -> Iterator[str]:
     yield from fresh_pg_url()
 
 
+@pytest.fixture
+def new_pg_url() -> Iterator[str]:
+    """As pg_url, on a schema that does not exist until errands makes it (never one an
+    earlier test used and emptied): for what a store errands never migrated shows."""
+    from tests.pg import fresh_pg_url
+
+    yield from fresh_pg_url(reuse=False)
+
+
 @pytest.fixture(params=["sqlite", "postgres"])
 def each_store_url(request: pytest.FixtureRequest, db_url: str) -> str:
     """A fresh store on each backend: the test's SQLite file, a fresh PostgreSQL schema."""
@@ -170,6 +179,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     for name, text in report.sections:
         if name.startswith(SUMMARY_SECTION):
             PRINTED.append((name.removeprefix(SUMMARY_SECTION), text))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The PostgreSQL schemas this process kept for reuse are dropped (tests/pg.py; an
+    xdist worker process ends without running atexit's functions)."""
+    pg = sys.modules.get("tests.pg")
+    if pg is not None:
+        pg.SCHEMAS.close()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

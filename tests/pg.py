@@ -90,13 +90,14 @@ def drop_schema(schema: str) -> None:
         conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def fresh_pg_url() -> Iterator[str]:
+def fresh_pg_url(*, reuse: bool = True) -> Iterator[str]:
     """Yield a URL on a schema of this test's own, migrated on first use (auto_migrate):
     a new one, or one an earlier test of this process left as errands migrates it and
-    that was emptied since (see SchemaPool). The URL names the schema as its connections'
-    application_name, so that the sessions still using it can be seen."""
+    that was emptied since (see SchemaPool; ``reuse=False``: always a schema that does
+    not exist yet). The URL names the schema as its connections' application_name, so
+    that the sessions still using it can be seen."""
     require_pg()
-    schema = SCHEMAS.take()
+    schema = SCHEMAS.take() if reuse else f"t_{secrets.token_hex(6)}"
     try:
         yield with_params(
             pg_base_url(), schema=schema, auto_migrate="true", application_name=schema
@@ -159,13 +160,13 @@ class SchemaPool:
                 self.reference = _migrated_fingerprint(conn)
             if _fingerprint(conn, schema) != self.reference:
                 return False
+            tables, _ = _objects(conn, schema)
             written = [
                 name
                 for (name,) in conn.execute(
-                    "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
-                    " WHERE n.nspname = %s AND c.relkind = 'r'"
-                    " AND c.relname <> 'errands_migrations' AND pg_relation_size(c.oid) > 0",
-                    (schema,),
+                    "SELECT relname FROM pg_class WHERE oid = ANY(%s::oid[]) AND relkind = 'r'"
+                    " AND relname <> 'errands_migrations' AND pg_relation_size(oid) > 0",
+                    (tables,),
                 )
             ]
             if written:
@@ -185,57 +186,81 @@ def _sessions(conn: Any, schema: str) -> int:
     return int(row[0])
 
 
-# What makes a schema errands' (its name left out): relations, columns, indexes,
-# constraints, triggers, functions, the migrations recorded, and whether any statistics
-# were taken.
+# What makes a schema errands' (its name left out): its relations, columns, indexes,
+# constraints, triggers and functions, the migrations it records, and whether statistics
+# were taken. Each catalog is read through its index by the objects' ids (found through
+# pg_depend), never scanned: autovacuum is off on the CI machines, and the catalogs grow
+# by a suite's worth of dead rows (pg_attribute by ~1.3 million in a run that made and
+# dropped a schema per test): one scan of them took ~200 ms.
+OBJECTS_SQL = """
+SELECT d.classid = 'pg_proc'::regclass, d.objid FROM pg_depend d
+WHERE d.refclassid = 'pg_namespace'::regclass AND d.refobjsubid = 0
+  AND d.refobjid = (SELECT oid FROM pg_namespace WHERE nspname = %(schema)s)
+  AND d.classid IN ('pg_class'::regclass, 'pg_proc'::regclass)
+"""
 FINGERPRINT_SQL = """
-WITH s AS (SELECT oid FROM pg_namespace WHERE nspname = %(schema)s),
-rels AS (
+WITH items AS (
     SELECT c.relname || ':' || c.relkind::text || ':' || c.relpersistence::text || ':'
            || COALESCE(array_to_string(c.reloptions, ','), '') AS item
-    FROM pg_class c WHERE c.relnamespace = (SELECT oid FROM s)
-), cols AS (
-    SELECT c.relname || '.' || a.attname || ':' || format_type(a.atttypid, a.atttypmod)
-           || ':' || a.attnotnull || ':' || COALESCE(pg_get_expr(d.adbin, d.adrelid), '')
-           AS item
-    FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid
-    LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
-    WHERE c.relnamespace = (SELECT oid FROM s) AND a.attnum > 0 AND NOT a.attisdropped
-), defs AS (
-    SELECT pg_get_indexdef(i.indexrelid) AS item FROM pg_index i
-    JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relnamespace = (SELECT oid FROM s)
+    FROM pg_class c WHERE c.oid = ANY(%(all)s::oid[])
+    UNION ALL
+    SELECT a.attrelid::regclass::text || '.' || a.attname || ':'
+           || format_type(a.atttypid, a.atttypmod) || ':' || a.attnotnull
+    FROM pg_attribute a
+    WHERE a.attrelid = ANY(%(all)s::oid[]) AND a.attnum > 0 AND NOT a.attisdropped
+    UNION ALL
+    SELECT d.adrelid::regclass::text || '.' || d.adnum || ':' || pg_get_expr(d.adbin, d.adrelid)
+    FROM pg_attrdef d WHERE d.adrelid = ANY(%(rels)s::oid[])
+    UNION ALL
+    SELECT pg_get_indexdef(i.indexrelid) FROM pg_index i
+    WHERE i.indrelid = ANY(%(rels)s::oid[])
     UNION ALL
     SELECT conname || ':' || pg_get_constraintdef(oid) FROM pg_constraint
-    WHERE connamespace = (SELECT oid FROM s)
+    WHERE conrelid = ANY(%(rels)s::oid[])
     UNION ALL
-    SELECT tgname || ':' || pg_get_triggerdef(t.oid) FROM pg_trigger t
-    JOIN pg_class c ON c.oid = t.tgrelid WHERE c.relnamespace = (SELECT oid FROM s)
+    SELECT tgname || ':' || pg_get_triggerdef(oid) FROM pg_trigger
+    WHERE tgrelid = ANY(%(rels)s::oid[])
     UNION ALL
     SELECT proname || ':' || md5(replace(prosrc, %(schema)s, '~')) FROM pg_proc
-    WHERE pronamespace = (SELECT oid FROM s)
-), facts AS (
-    SELECT 'stats:' || count(*) AS item FROM pg_statistic st
-    JOIN pg_class c ON c.oid = st.starelid WHERE c.relnamespace = (SELECT oid FROM s)
+    WHERE oid = ANY(%(procs)s::oid[])
+    UNION ALL
+    SELECT 'statistics taken' FROM pg_statistic WHERE starelid = ANY(%(rels)s::oid[])
 )
-SELECT md5(string_agg(replace(item, %(schema)s, '~'), '|' ORDER BY item))
-FROM (SELECT item FROM rels UNION ALL SELECT item FROM cols
-      UNION ALL SELECT item FROM defs UNION ALL SELECT item FROM facts) AS every
+SELECT md5(string_agg(replace(item, %(schema)s, '~'), '|' ORDER BY item)) FROM items
 """
+
+
+def _objects(conn: Any, schema: str) -> tuple[list[int], list[int]]:
+    """The ids of the schema's tables and sequences, and of its functions."""
+    objects = conn.execute(OBJECTS_SQL, {"schema": schema}).fetchall()
+    return [oid for is_proc, oid in objects if not is_proc], [
+        oid for is_proc, oid in objects if is_proc
+    ]
 
 
 def _fingerprint(conn: Any, schema: str) -> str | None:
     """The schema's fingerprint, and the migrations it records (None: not errands')."""
-    row = conn.execute(FINGERPRINT_SQL, {"schema": schema}).fetchone()
-    exists = conn.execute(
-        "SELECT to_regclass(format('%%I.errands_migrations', %s::text)) IS NOT NULL", (schema,)
-    ).fetchone()
-    if row is None or row[0] is None or not exists[0]:
-        return None
-    versions = conn.execute(
-        "SELECT string_agg(version::text, ',' ORDER BY version)"
-        f' FROM "{schema}".errands_migrations'
-    ).fetchone()
-    return f"{row[0]}/{versions[0]}"
+    with conn.transaction():
+        conn.execute("SET LOCAL enable_seqscan = off")  # (the catalogs' statistics are old)
+        rels, procs = _objects(conn, schema)
+        indexes = conn.execute(
+            "SELECT indexrelid FROM pg_index WHERE indrelid = ANY(%s::oid[])", (rels,)
+        ).fetchall()
+        every = rels + [oid for (oid,) in indexes]
+        row = conn.execute(
+            FINGERPRINT_SQL, {"schema": schema, "rels": rels, "procs": procs, "all": every}
+        ).fetchone()
+        exists = conn.execute(
+            "SELECT to_regclass(format('%%I.errands_migrations', %s::text)) IS NOT NULL",
+            (schema,),
+        ).fetchone()
+        if row is None or row[0] is None or exists is None or not exists[0]:
+            return None
+        versions = conn.execute(
+            "SELECT string_agg(version::text, ',' ORDER BY version)"
+            f' FROM "{schema}".errands_migrations'
+        ).fetchone()
+    return f"{row[0]}/{versions[0] if versions else ''}"
 
 
 def _migrated_fingerprint(conn: Any) -> str | None:

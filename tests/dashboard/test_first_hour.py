@@ -167,7 +167,7 @@ def test_a_database_that_cannot_be_read_shows_what_is_wrong_and_how_to_fix_it(
         port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
     pg = ""
     if "{pg}" in url:  # the fresh schema, without the tests' own auto_migrate=true
-        pg = str(request.getfixturevalue("pg_url")).replace(
+        pg = str(request.getfixturevalue("new_pg_url")).replace(
             "auto_migrate=true", "auto_migrate=false"
         )
     store = errands.App(url.format(tmp=tmp_path, port=port, pg=pg))
