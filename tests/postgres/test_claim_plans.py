@@ -200,13 +200,15 @@ def _check_plan(
     plan = explained["Plan"]
     if generic:  # a generic plan compares with the parameters, not with their values
         assert re.search(r"\$\d", json.dumps(plan)), f"{claim}: not a generic plan"
-    read = _bitmaps_of(plan)
-    if read and read <= bitmaps:  # a bitmap of an index allowed, alone
-        return
     scans = [n for n in plan_nodes(plan) if n.get("Relation Name") == "errands_jobs"]
     shown = [f"{n['Node Type']} {n.get('Index Name', '')}".strip() for n in scans]
     assert scans, f"{claim}: no scan of errands_jobs in {shown}"
-    assert all(n["Node Type"] in BTREE_SCANS for n in scans), f"{claim}: {shown}"
+    for scan in scans:
+        if scan["Node Type"] == "Bitmap Heap Scan":  # allowed through the indexes named
+            read = {n["Index Name"] for n in plan_nodes(scan) if "Index Name" in n}
+            assert read and read <= bitmaps, f"{claim}: a bitmap of {read} in {shown}"
+        else:
+            assert scan["Node Type"] in BTREE_SCANS, f"{claim}: {shown}"
     assert not any(n.get("Index Name") in LISTING_INDEXES for n in scans), f"{claim}: {shown}"
 
 
@@ -326,12 +328,36 @@ def test_a_claims_write_after_the_table_was_analysed_empty_reads_its_rows_by_id(
     assert indexes <= {"errands_jobs_pkey"}, indexes
 
 
-def _bitmaps_of(plan: dict[str, Any]) -> set[str] | None:
-    """The indexes a plan's bitmap heap scans of errands_jobs read (None: it has none)."""
-    nodes = list(plan_nodes(plan))
-    if not any(n["Node Type"] == "Bitmap Heap Scan" for n in nodes):
-        return None
-    others = [n for n in nodes if n.get("Relation Name") == "errands_jobs"]
-    if any(n["Node Type"] not in ("Bitmap Heap Scan", "ModifyTable") for n in others):
-        return None
-    return {n["Index Name"] for n in nodes if n["Node Type"] == "Bitmap Index Scan"}
+BIG_CLAIM = 1_000  # a worker's claim under a backlog: its free slots and its prefetch
+
+
+@pytest.fixture(scope="module", params=[20_000, 50_000])
+def a_table_a_few_claims_deep(request: pytest.FixtureRequest) -> Iterator[tuple[Any, int]]:
+    """A migrated schema whose errands_jobs holds 20,000 (or 50,000) due rows, analysed:
+    a hot table a few claims of 1,000 deep."""
+    for conn, queries in fresh_schema_conn():
+        conn.execute(NEW_ROWS, {"rows": request.param})
+        conn.execute("ANALYZE errands_jobs")
+        yield conn, queries
+
+
+def test_a_claim_of_a_thousand_rows_updates_them_by_primary_key_not_by_reading_the_table(
+    a_table_a_few_claims_deep: tuple[Any, dict[str, str]],
+) -> None:
+    """The claim's update finds the 1,000 rows it picked by primary key. Joined with
+    them, it was planned as a hash join over a sequential read of the whole table (20,000
+    or 50,000 rows for 1,000: 23.7 -> 18.9 ms and 31.3 -> 18.9 ms a claim)."""
+    conn, queries = a_table_a_few_claims_deep
+    params = {**_CLAIM, "limits": [BIG_CLAIM], "limit": BIG_CLAIM}
+    with conn.transaction(force_rollback=True):
+        plan = conn.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + queries["job_claim"], params
+        ).fetchone()[0][0]["Plan"]
+    assert plan["Node Type"] == "ModifyTable" and plan["Actual Rows"] == BIG_CLAIM
+    scans = [n for n in plan_nodes(plan) if n.get("Relation Name") == "errands_jobs"]
+    shown = [f"{n['Node Type']} {n.get('Index Name', '')} {n.get('Actual Rows')}" for n in scans]
+    assert not any(n["Node Type"] == "Seq Scan" for n in scans), shown
+    by_id = [n for n in scans if n.get("Index Name") == "errands_jobs_pkey"]
+    assert by_id and sum(n["Actual Rows"] * n.get("Actual Loops", 1) for n in by_id) == BIG_CLAIM, (
+        shown
+    )
