@@ -160,21 +160,35 @@ class SchemaPool:
                 self.reference = _migrated_fingerprint(conn)
             if _fingerprint(conn, schema) != self.reference:
                 return False
-            tables, _ = _objects(conn, schema)
+            relations, _ = _objects(conn, schema)
             written = [
                 name
                 for (name,) in conn.execute(
                     "SELECT relname FROM pg_class WHERE oid = ANY(%s::oid[]) AND relkind = 'r'"
                     " AND relname <> 'errands_migrations' AND pg_relation_size(oid) > 0",
-                    (tables,),
+                    (relations,),
                 )
             ]
             if written:
                 with conn.transaction():
                     conn.execute("SET LOCAL lock_timeout = '2s'")
-                    tables = ", ".join(f'"{schema}"."{name}"' for name in written)
-                    conn.execute(f"TRUNCATE {tables} RESTART IDENTITY")
-            return _sessions(conn, schema) == 0  # none came meanwhile
+                    names = ", ".join(f'"{schema}"."{name}"' for name in written)
+                    conn.execute(f"TRUNCATE {names} RESTART IDENTITY")
+            # Every sequence from 1 again, also one whose table holds nothing (a failed
+            # insert took a value; a TRUNCATE without RESTART IDENTITY emptied it).
+            conn.execute(
+                "SELECT setval(oid, 1, false) FROM pg_class"
+                " WHERE oid = ANY(%s::oid[]) AND relkind = 'S'",
+                (relations,),
+            )
+            # A session of another name (a plain connection, a results listener) that
+            # holds a lock on one of its tables: a transaction still open on it.
+            locked = conn.execute(
+                "SELECT count(*) FROM pg_locks"
+                " WHERE relation = ANY(%s::oid[]) AND pid <> pg_backend_pid()",
+                (relations,),
+            ).fetchone()
+            return _sessions(conn, schema) == 0 and not (locked and locked[0])
 
 
 def _sessions(conn: Any, schema: str) -> int:
@@ -201,7 +215,10 @@ WHERE d.refclassid = 'pg_namespace'::regclass AND d.refobjsubid = 0
 FINGERPRINT_SQL = """
 WITH items AS (
     SELECT c.relname || ':' || c.relkind::text || ':' || c.relpersistence::text || ':'
-           || COALESCE(array_to_string(c.reloptions, ','), '') AS item
+           || COALESCE(array_to_string(c.reloptions, ','), '')
+           -- a table's estimates (an ANALYZE of an empty table writes no statistics)
+           || CASE WHEN c.relkind = 'r' THEN ':' || c.reltuples || ':' || c.relallvisible
+                   ELSE '' END AS item
     FROM pg_class c WHERE c.oid = ANY(%(all)s::oid[])
     UNION ALL
     SELECT a.attrelid::regclass::text || '.' || a.attname || ':'
@@ -218,10 +235,12 @@ WITH items AS (
     SELECT conname || ':' || pg_get_constraintdef(oid) FROM pg_constraint
     WHERE conrelid = ANY(%(rels)s::oid[])
     UNION ALL
-    SELECT tgname || ':' || pg_get_triggerdef(oid) FROM pg_trigger
+    SELECT tgname || ':' || tgenabled::text || ':' || pg_get_triggerdef(oid) FROM pg_trigger
     WHERE tgrelid = ANY(%(rels)s::oid[])
     UNION ALL
-    SELECT proname || ':' || md5(replace(prosrc, %(schema)s, '~')) FROM pg_proc
+    SELECT proname || ':' || provolatile::text || ':' || prosecdef || ':'
+           || COALESCE(array_to_string(proconfig, ','), '') || ':'
+           || md5(replace(prosrc, %(schema)s, '~')) FROM pg_proc
     WHERE oid = ANY(%(procs)s::oid[])
     UNION ALL
     SELECT 'statistics taken' FROM pg_statistic WHERE starelid = ANY(%(rels)s::oid[])

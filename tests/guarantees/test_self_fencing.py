@@ -164,10 +164,10 @@ def test_a_worker_whose_heartbeats_fail_claims_no_new_job_until_one_gets_through
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Given a worker with a free slot whose heartbeats fail, a job enqueued meanwhile is
-    not claimed by it (it would only run until self-fenced, and a job it gave back was
-    claimed again here while its first run still went on); at the first heartbeat that
-    gets through, it claims again and runs the job."""
+    """Given a worker with a free slot whose heartbeats fail, a job enqueued once its
+    claim loop has paused is not claimed by it (it would only run until self-fenced, and
+    a job it gave back was claimed again here while its first run still went on); at the
+    first heartbeat that gets through, it claims again and runs the job."""
     started = threading.Event()
     healed = threading.Event()
     starts: list[bool] = []  # for each start of the later job: whether heartbeats healed
