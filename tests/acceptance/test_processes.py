@@ -25,6 +25,7 @@ pytestmark = [
 ]
 
 STARTED = r"worker (w-[0-9a-f]+) started"
+LOST_ITS_LEASE = r"worker (w-[0-9a-f]+) lost its lease"
 
 
 def test_processes_supervisor_restarts_a_killed_child_and_stops_all_children_on_sigterm(
@@ -246,7 +247,12 @@ def test_the_supervisor_restarts_workers_that_jobs_crash_after_they_started_and_
     def restarted() -> bool:  # every dead worker's replacement started (none waits)
         text = supervisor.stderr()
         spawned = text.count("started worker process")
-        return spawned == 2 + text.count("; restarting in") <= len(re.findall(STARTED, text))
+        # A worker that crashed a moment after it started may not have written its
+        # "started" line (its log is written off the job's thread, a few ms later, and
+        # os._exit drops what was queued: logcontext.BackgroundHandler); the rescue of the
+        # job it took names it. (A CI run met one: 8 spawned, 7 "started" lines.)
+        seen = set(re.findall(STARTED, text)) | set(re.findall(LOST_ITS_LEASE, text))
+        return spawned == 2 + text.count("; restarting in") <= len(seen)
 
     wait_until(restarted, 120, "the last restarted worker to start")
     supervisor.signal(signal.SIGTERM)
