@@ -158,9 +158,9 @@ class SchemaPool:
                 time.sleep(0.05)
             if self.reference is None:
                 self.reference = _migrated_fingerprint(conn)
-            if _fingerprint(conn, schema) != self.reference:
+            relations, procs = _objects(conn, schema)
+            if _fingerprint(conn, schema, (relations, procs)) != self.reference:
                 return False
-            relations, _ = _objects(conn, schema)
             written = [
                 name
                 for (name,) in conn.execute(
@@ -204,8 +204,8 @@ def _sessions(conn: Any, schema: str) -> int:
 # constraints, triggers and functions, the migrations it records, and whether statistics
 # were taken. Each catalog is read through its index by the objects' ids (found through
 # pg_depend), never scanned: autovacuum is off on the CI machines, and the catalogs grow
-# by a suite's worth of dead rows (pg_attribute by ~1.3 million in a run that made and
-# dropped a schema per test): one scan of them took ~200 ms.
+# by every schema made and dropped (pg_attribute had 1.4 million dead rows after a few
+# runs that made one per test): one scan of them took ~200 ms.
 OBJECTS_SQL = """
 SELECT d.classid = 'pg_proc'::regclass, d.objid FROM pg_depend d
 WHERE d.refclassid = 'pg_namespace'::regclass AND d.refobjsubid = 0
@@ -257,11 +257,14 @@ def _objects(conn: Any, schema: str) -> tuple[list[int], list[int]]:
     ]
 
 
-def _fingerprint(conn: Any, schema: str) -> str | None:
-    """The schema's fingerprint, and the migrations it records (None: not errands')."""
+def _fingerprint(
+    conn: Any, schema: str, objects: tuple[list[int], list[int]] | None = None
+) -> str | None:
+    """The schema's fingerprint, and the migrations it records (None: not errands');
+    ``objects``: its _objects, when the caller has read them."""
     with conn.transaction():
         conn.execute("SET LOCAL enable_seqscan = off")  # (the catalogs' statistics are old)
-        rels, procs = _objects(conn, schema)
+        rels, procs = objects if objects is not None else _objects(conn, schema)
         indexes = conn.execute(
             "SELECT indexrelid FROM pg_index WHERE indrelid = ANY(%s::oid[])", (rels,)
         ).fetchall()

@@ -354,13 +354,6 @@ class Sweep:
         self.app.close()
 
 
-def _claims_lost(faults: list[Fault]) -> set[int]:
-    """Jobs claimed by a call whose reply was lost: running under worker A's lease, unknown
-    to it, until the leader rescues them."""
-    claims = ("job_claim", "job_claim_limited")
-    return {row.id for f in faults if f.method in claims and f.kind == "reply" for row in f.lost}
-
-
 def _claims_lost_leases(faults: list[Fault]) -> set[tuple[int, str | None]]:
     """(job id, lease token) of each row a claim whose reply was lost took."""
     claims = ("job_claim", "job_claim_limited")
@@ -370,6 +363,12 @@ def _claims_lost_leases(faults: list[Fault]) -> set[tuple[int, str | None]]:
         if f.method in claims and f.kind == "reply"
         for row in f.lost
     }
+
+
+def _claims_lost(faults: list[Fault]) -> set[int]:
+    """Jobs claimed by a call whose reply was lost: running under worker A's lease, unknown
+    to it, until the leader rescues them."""
+    return {job_id for job_id, _ in _claims_lost_leases(faults)}
 
 
 def _lost_track(faults: list[Fault]) -> set[int]:

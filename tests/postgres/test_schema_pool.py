@@ -22,9 +22,8 @@ def pool() -> Iterator[SchemaPool]:
     made.close()
 
 
-def _used(pool: SchemaPool) -> str:
-    """A schema from the pool, migrated, with a job enqueued in it: its URL's schema."""
-    schema = pool.take()
+def _enqueue_one(schema: str) -> int:
+    """Enqueue a job in ``schema`` (migrated on first use): its id."""
     app = errands.App(
         with_params(pg_base_url(), schema=schema, auto_migrate="true", application_name=schema)
     )
@@ -34,9 +33,15 @@ def _used(pool: SchemaPool) -> str:
         def noop() -> None:
             pass
 
-        noop.enqueue()
+        return noop.enqueue().id
     finally:
         app.close()
+
+
+def _used(pool: SchemaPool) -> str:
+    """A schema from the pool, migrated, with a job enqueued in it."""
+    schema = pool.take()
+    _enqueue_one(schema)
     return schema
 
 
@@ -67,16 +72,9 @@ def test_a_schema_given_back_is_handed_out_again_empty_with_ids_from_one(
             f' (SELECT count(*) FROM "{again}".errands_migrations)'
         ).fetchone()
     assert left is not None and left[:2] == (0, 0) and left[2] > 0  # migrations kept
-    app = errands.App(with_params(pg_base_url(), schema=again, application_name=again))
     try:
-
-        @app.job(name="pool.noop")
-        def noop() -> None:
-            pass
-
-        assert noop.enqueue().id == 1  # the identity restarted
+        assert _enqueue_one(again) == 1  # the identity restarted
     finally:
-        app.close()
         drop_schema(again)
 
 
@@ -151,14 +149,7 @@ def test_identities_start_from_one_again_also_where_the_table_was_emptied_withou
     _sql(schema, "TRUNCATE errands_jobs")  # as a TransactionTestCase's teardown does
     pool.give_back(schema)
     assert pool.free == [schema]
-    app = errands.App(with_params(pg_base_url(), schema=schema, application_name=schema))
     try:
-
-        @app.job(name="pool.noop")
-        def noop() -> None:
-            pass
-
-        assert noop.enqueue().id == 1
+        assert _enqueue_one(pool.take()) == 1
     finally:
-        app.close()
-        drop_schema(pool.take())
+        drop_schema(schema)
