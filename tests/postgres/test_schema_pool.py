@@ -5,6 +5,7 @@ test changed, still used, or analysed is dropped instead."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -131,13 +132,35 @@ def test_a_schema_no_test_migrated_is_dropped(pool: SchemaPool) -> None:
     assert pool.free == [] and not _exists(schema)
 
 
+def _close_when_a_lock_waits(schema: str, holder: psycopg.Connection) -> None:
+    """Close ``holder`` once a session waits for a lock on a relation of ``schema``, or
+    after 30 s (a schema reused: then nothing waits)."""
+    with psycopg.connect(pg_base_url(), autocommit=True) as conn:
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+                " JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE NOT l.granted AND n.nspname = %s",
+                (schema,),
+            ).fetchone()
+            if row and row[0]:
+                break
+            time.sleep(0.05)
+    holder.close()
+
+
 def test_a_schema_whose_table_another_session_holds_locked_is_dropped(pool: SchemaPool) -> None:
     schema = _used(pool)
     holder = psycopg.connect(pg_base_url())  # a name of its own: not seen as the schema's
     holder.execute(f'SELECT count(*) FROM "{schema}".errands_signals')  # a lock, held
-    # the drop waits for the lock, as it always did: the holder ends a moment later
-    threading.Timer(1.0, holder.close).start()
+    # the drop waits for the lock, as it always did: the holder ends once a lock request
+    # in the schema waits (a timer raced the pool's check on a loaded machine: the lock
+    # was gone before the check looked)
+    closer = threading.Thread(target=_close_when_a_lock_waits, args=(schema, holder))
+    closer.start()
     pool.give_back(schema)
+    closer.join()
     assert pool.free == []
     assert not _exists(schema)
 
