@@ -63,6 +63,9 @@ class Plan:
     scale_runs: int
     memory_jobs: int  # jobs one worker runs while its RSS is sampled (bench.memory)
     min_window: float = 10.0  # a capped system's prefill covers at least this long
+    # False: a system's configurations after its defaults measure one process's rate only
+    # (the smoke test: every step still runs, each configuration still starts its workers)
+    every_config_in_full: bool = True
 
 
 # Issue 17: >= 100,000 jobs or >= 10 s of processing per figure, >= 5 runs, interleaved.
@@ -119,6 +122,7 @@ SMOKE = Plan(
     scale_runs=1,
     memory_jobs=800,
     min_window=1.0,
+    every_config_in_full=False,
 )
 
 
@@ -304,7 +308,7 @@ def scenarios_of(system: System, plan: Plan) -> list[tuple[str, str, dict[str, A
 
     Enqueue figures do not depend on how the workers run; processing and pickup latency
     are measured for every configuration of the system (``KEY@LABEL``), its defaults
-    first.
+    first (in the smoke plan the others measure one process's rate only).
     """
     out: list[tuple[str, str, dict[str, Any]]] = [
         ("enqueue_single", "enqueue_single", {"jobs": plan.single_jobs}),
@@ -313,8 +317,9 @@ def scenarios_of(system: System, plan: Plan) -> list[tuple[str, str, dict[str, A
         out.append(("enqueue_async", "enqueue_async", {"jobs": plan.single_jobs}))
     if system.name != "huey":  # huey has no bulk enqueue
         out.append(("enqueue_bulk", "enqueue_bulk", {"jobs": plan.bulk_jobs}))
-    for config in system.configs:
-        for procs in (1, 2):
+    for index, config in enumerate(system.configs):
+        in_full = index == 0 or plan.every_config_in_full
+        for procs in (1, 2) if in_full else (1,):
             out.append(
                 (
                     f"throughput_{procs}@{config.label}",
@@ -328,6 +333,8 @@ def scenarios_of(system: System, plan: Plan) -> list[tuple[str, str, dict[str, A
                     },
                 )
             )
+        if not in_full:
+            continue
         out.append(
             (
                 f"latency@{config.label}",

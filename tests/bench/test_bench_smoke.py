@@ -72,8 +72,6 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
             "enqueue_async",
             "enqueue_async_concurrent",
             "throughput_1",
-            "throughput_2",
-            "latency_p50",
         ):
             assert figures.get(key) and figures[key] > 0, (name, key, figures)
     # PostgreSQL's bulk enqueue is timed alternating with the raw COPY, as the target reads it
@@ -88,13 +86,17 @@ def test_the_benchmark_harness_runs_end_to_end_and_records_every_figure(tmp_path
         assert memory["stopped_cleanly"] is True
     assert any(t["target"].startswith("Enqueue bulk") for t in results["targets"])
     assert "issue 8 and 17 targets" in run.stdout
-    # Both views, and every configuration's figures under its own label.
+    # Both views, and every configuration's figures under its own label (the smoke plan
+    # measures one process's rate of the configurations beyond the defaults: each still
+    # starts its workers with its own options; the full plan measures each in full).
     for name in ("errands-sqlite", "errands-pg"):
         figures = results["systems"][name]["figures"]
         assert set(figures["configs"]) == {"default", "tuned", "async"}
         assert figures["best_config"] == "tuned" or figures["configs"]["tuned"]["throughput_1"]
         for config in figures["configs"].values():
-            assert config["throughput_1"] and config["latency_p50"], config
+            assert config["throughput_1"], config
+        default = figures["configs"]["default"]
+        assert default["throughput_2"] and default["latency_p50"], default
     pg_runs = results["systems"]["errands-pg"]["raw"]["throughput_1@default"]
     assert "after_prefill" in pg_runs[0]["hooks"]  # ANALYZE ran between prefill and workers
 
