@@ -7,17 +7,17 @@ import re
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from zoneinfo import ZoneInfo
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from ..jobs import Job
 from ..jsontext import json_text
 from ..masking import mask_text, mask_value, sensitive_values
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def on_terminal() -> bool:
@@ -26,6 +26,10 @@ def on_terminal() -> bool:
 
 
 def console() -> Console:
+    """rich's console (imported here, on a terminal: a command piped into a script, or a
+    worker, never pays for rich's ~30 ms of imports)."""
+    from rich.console import Console
+
     # emoji=False: job text is printed as it is (":fire:" in an error stays ":fire:")
     return Console(highlight=False, emoji=False, soft_wrap=not on_terminal())
 
@@ -94,6 +98,9 @@ def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[Any
     holding ``[/]`` raised MarkupError, and ``[red]`` recoloured the rest of it."""
     cells = [[one_line(str(c)) for c in row] for row in rows]
     if on_terminal():
+        from rich.table import Table
+        from rich.text import Text
+
         grid = Table(title=None if title is None else Text(title), header_style="bold")
         for column in columns:
             grid.add_column(Text(column))
