@@ -81,8 +81,10 @@ class JobHandle:
         The timeout holds while the store cannot be read (a server away, a pool with no
         connection free): a read waits for a connection no longer than the time left,
         a failed read is made again with backoff, and at the deadline ResultTimeout says
-        the store could not be read (the store's error is its ``__cause__``). Without a
-        timeout the wait reads again until the store answers.
+        the store could not be read (the store's error is its ``__cause__``); a read that
+        hangs on the server (a locked jobs table) runs in errands' thread and is waited
+        for until the deadline only. Without a timeout the wait reads again until the
+        store answers.
         """
         return self._outcome(first_end(self, timeout, poll))
 

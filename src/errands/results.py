@@ -33,6 +33,7 @@ forms) run in errands.waiting, paced by :class:`Pacer`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import numbers
@@ -400,9 +401,28 @@ class Pacer:
         """``call()``, a read of the store, waiting for a connection no longer than the
         time left. None when the store could not be read (the error is kept for the
         timeout's message, and the next pause backs off as a poll does); any other error
-        raises."""
+        raises.
+
+        With a deadline the read runs in one of errands' threads (errands.offloop) and
+        is waited for until the deadline at most, as :meth:`aread` awaits it: a read
+        that hangs on the server (the jobs table locked by a long ALTER or a `LOCK
+        TABLE`, a server that stopped answering) is left to end in its thread and
+        counts as failed, so ``result(timeout=0.5)`` raises ResultTimeout at its
+        deadline. It waited for as long as the lock was held. Without a deadline it runs
+        here: there is no time to keep."""
         with self._reading():
-            return self._until_deadline(call)
+            left = self.left()
+            if left is None:
+                return self._until_deadline(call)
+            context = contextvars.copy_context()  # the caller's (a job's log context...)
+            future = offloop.client_executor().submit(context.run, self._until_deadline, call)
+            limit = max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
+            try:
+                return future.result(timeout=limit)
+            except TimeoutError:
+                if future.done():  # the read's own TimeoutError
+                    raise
+                raise _Expired(f"no answer within the {limit:.2f} s left") from None
         return None
 
     async def aread(self, call: Callable[[], T]) -> T | None:

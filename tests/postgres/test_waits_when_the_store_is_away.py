@@ -139,6 +139,40 @@ def test_aresult_raises_result_timeout_at_its_deadline_while_its_read_hangs_on_t
     assert longest < 0.3, f"the event loop was blocked for {longest:.2f} s"
 
 
+def test_result_raises_result_timeout_at_its_deadline_while_its_read_hangs_on_the_server(
+    shop: errands.App,
+) -> None:
+    """The jobs table locked (ACCESS EXCLUSIVE, as a long ALTER holds it): the sync
+    result(timeout=0.5) waited for as long as the lock was held; now its read runs in
+    errands' thread, waited for until the deadline, and the ResultTimeout comes while the
+    lock is still held (released 30 s later at the earliest: no timing bound here)."""
+    handle = shop.registry["away.ship"].enqueue(order=3)
+    locker = admin(shop)
+    locker.execute("BEGIN")
+    locker.execute(f'LOCK TABLE "{shop.backend.schema}".errands_jobs IN ACCESS EXCLUSIVE MODE')  # type: ignore[attr-defined]
+    released = threading.Event()
+
+    def release() -> None:
+        released.set()
+        locker.rollback()
+
+    unlock = threading.Timer(30.0, release)
+    unlock.start()
+    try:
+        with pytest.raises(errands.ResultTimeout) as raised:
+            handle.result(timeout=0.5)
+        held_throughout = not released.is_set()
+    finally:
+        unlock.cancel()
+        if not released.is_set():
+            release()
+        locker.close()
+    assert held_throughout, "result() returned only after the lock was released"
+    message = str(raised.value)
+    assert f"job {handle.id} (away.ship) is still pending after 0.5 s" in message, message
+    assert "the store could not be read (TimeoutError: no answer within" in message, message
+
+
 @pytest.mark.parametrize("form", ["sync", "async"])
 def test_a_wait_reads_again_after_a_store_error_and_returns_once_the_store_answers(
     shop: errands.App, form: str
