@@ -33,6 +33,7 @@ forms) run in errands.waiting, paced by :class:`Pacer`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import logging
 import math
@@ -63,6 +64,18 @@ STATES_CHUNK = 500  # job ids per states query
 # An async read is awaited this long past the time left, so that a store call bounded by
 # the deadline itself (a pool's checkout: PoolTimeout, which says more) ends it first.
 AWAIT_MARGIN = 0.1
+# A sync wait's reads left behind at its deadline, still running in errands' threads
+# (each holds a thread of the process's client_executor and a connection): past this many,
+# a sync wait reads in the caller's thread again, as before such reads were offloaded
+# (bounded only by its connection wait), so that a caller retrying its wait while the
+# jobs table stays locked cannot take every thread and connection.
+LEFT_BEHIND_MAX = 4
+_left_behind = 0
+_left_behind_lock = threading.Lock()
+# Set while a wait's read runs: a read made inside it (a workflow's nested member's
+# result) runs in the same thread, within the outer read's deadline, instead of taking a
+# second thread of the pool and waiting for it (32 waits on nested workflows filled it).
+_IN_READ: contextvars.ContextVar[bool] = contextvars.ContextVar("errands_in_read", default=False)
 TERMINAL = frozenset(s.value for s in TERMINAL_STATES)
 
 
@@ -412,7 +425,7 @@ class Pacer:
         here: there is no time to keep."""
         with self._reading():
             left = self.left()
-            if left is None:
+            if left is None or _IN_READ.get() or _left_behind >= LEFT_BEHIND_MAX:
                 return self._until_deadline(call)
             context = contextvars.copy_context()  # the caller's (a job's log context...)
             future = offloop.client_executor().submit(context.run, self._until_deadline, call)
@@ -420,8 +433,10 @@ class Pacer:
             try:
                 return future.result(timeout=limit)
             except TimeoutError:
-                if future.done():  # the read's own TimeoutError
-                    raise
+                if future.done():  # it answered as the wait gave up, or raised its own
+                    return future.result()
+                if not future.cancel():  # running: left to end in its thread, counted
+                    _leave_behind(future)
                 raise _Expired(f"no answer within the {limit:.2f} s left") from None
         return None
 
@@ -470,8 +485,12 @@ class Pacer:
         # Its connection only: a wait's reads meet no lock but a whole table's (LOCK
         # TABLE, a migration's DDL), and bounding their lock waits too would cost each
         # read of a polling waiter two more round trips (base.calls_until).
-        with calls_until(self.deadline, lock_waits=False):
-            return call()
+        inside = _IN_READ.set(True)
+        try:
+            with calls_until(self.deadline, lock_waits=False):
+                return call()
+        finally:
+            _IN_READ.reset(inside)
 
     @contextmanager
     def _reading(self) -> Iterator[None]:
@@ -492,6 +511,20 @@ class Pacer:
         """Whether a waiter that last read every job at ``since`` (time.monotonic()) must
         read them all again: the safety recheck, also while other jobs' ends wake it."""
         return time.monotonic() - since >= SAFETY_RECHECK
+
+
+def _leave_behind(future: concurrent.futures.Future[Any]) -> None:
+    """Count a sync wait's read left running at its deadline, until it ends."""
+    global _left_behind
+    with _left_behind_lock:
+        _left_behind += 1
+    future.add_done_callback(_read_ended)
+
+
+def _read_ended(_: concurrent.futures.Future[Any]) -> None:
+    global _left_behind
+    with _left_behind_lock:
+        _left_behind -= 1
 
 
 class _Expired(TimeoutError):
