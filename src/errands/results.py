@@ -38,6 +38,7 @@ import contextvars
 import logging
 import math
 import numbers
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import offloop
 from .backends.base import DEADLINE_FLOOR, calls_until
 from .errors import ConfigurationError, ResultTimeout, is_transient
-from .forking import reset_at_fork
+from .forking import fresh_lock_at_fork, reset_at_fork
 from .jobs import TERMINAL_STATES, JobRow
 
 if TYPE_CHECKING:
@@ -525,6 +526,16 @@ def _read_ended(_: concurrent.futures.Future[Any]) -> None:
     global _left_behind
     with _left_behind_lock:
         _left_behind -= 1
+
+
+def _forget_left_behind() -> None:
+    """In a forked child: the parent's reads left behind are not its threads'."""
+    global _left_behind
+    _left_behind = 0
+
+
+fresh_lock_at_fork(globals(), "_left_behind_lock")
+os.register_at_fork(after_in_child=_forget_left_behind)
 
 
 class _Expired(TimeoutError):

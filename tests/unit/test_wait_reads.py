@@ -6,6 +6,8 @@ next ones run in the caller's thread again instead of taking every thread and co
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -64,3 +66,33 @@ def test_reads_left_hanging_past_their_deadline_are_bounded_then_the_caller_read
     hanging.set()
     _until_none_left_behind()  # the hanging reads end in their threads, counted out
     assert Pacer(None, 0.05, 5.0).read(threading.get_ident) != caller
+
+
+FORKED = """
+import os, threading
+from errands import results
+from errands.results import Pacer
+
+release = threading.Event()
+for _ in range(results.LEFT_BEHIND_MAX):
+    Pacer(None, 0.05, 0.05).read(lambda: release.wait(30))
+parent_count = results._left_behind
+pid = os.fork()
+if pid == 0:
+    offloaded = Pacer(None, 0.05, 5.0).read(threading.get_ident) != threading.get_ident()
+    print("child", results._left_behind, offloaded, flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print("parent", parent_count, flush=True)
+release.set()
+"""
+
+
+def test_a_forked_child_counts_none_of_its_parents_reads_as_left_behind() -> None:
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", FORKED],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    lines = out.stdout.split("\n")
+    assert f"parent {results.LEFT_BEHIND_MAX}" in lines, out
+    assert "child 0 True" in lines, out
