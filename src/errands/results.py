@@ -429,8 +429,11 @@ class Pacer:
             if left is None or _IN_READ.get() or _left_behind >= LEFT_BEHIND_MAX:
                 return self._until_deadline(call)
             context = contextvars.copy_context()  # the caller's (a job's log context...)
-            future = offloop.client_executor().submit(context.run, self._until_deadline, call)
-            limit = max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
+            try:
+                future = offloop.client_executor().submit(context.run, self._until_deadline, call)
+            except RuntimeError:  # the interpreter is exiting (an atexit hook's wait)
+                return self._until_deadline(call)
+            limit = _limit(left)
             try:
                 return future.result(timeout=limit)
             except TimeoutError:
@@ -455,7 +458,7 @@ class Pacer:
         result of an awaitable that ends as the task is cancelled, and the cancel is
         lost: a cancelled await_all waited on until its timeout.)"""
         left = self.left()
-        limit = None if left is None else max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
+        limit = None if left is None else _limit(left)
         scope = asyncio.timeout(limit)
         try:
             async with scope:
@@ -512,6 +515,11 @@ class Pacer:
         """Whether a waiter that last read every job at ``since`` (time.monotonic()) must
         read them all again: the safety recheck, also while other jobs' ends wake it."""
         return time.monotonic() - since >= SAFETY_RECHECK
+
+
+def _limit(left: float) -> float:
+    """How long a read with ``left`` seconds to its wait's deadline is waited for."""
+    return max(left, DEADLINE_FLOOR) + AWAIT_MARGIN
 
 
 def _leave_behind(future: concurrent.futures.Future[Any]) -> None:

@@ -96,3 +96,20 @@ def test_a_forked_child_counts_none_of_its_parents_reads_as_left_behind() -> Non
     lines = out.stdout.split("\n")
     assert f"parent {results.LEFT_BEHIND_MAX}" in lines, out
     assert "child 0 True" in lines, out
+
+
+AT_EXIT = """
+import atexit
+from errands.results import Pacer
+
+atexit.register(lambda: print("read", Pacer(None, 0.05, 5.0).read(lambda: 42), flush=True))
+"""
+
+
+def test_a_wait_in_an_atexit_hook_reads_in_its_own_thread() -> None:
+    """At interpreter exit errands' threads take no new call (RuntimeError): a wait in
+    an atexit hook (a web app's shutdown waiting for a job) reads in its own thread."""
+    out = subprocess.run(
+        [sys.executable, "-c", AT_EXIT], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "read 42", out
