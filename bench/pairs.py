@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
                 out["at"] = time.strftime("%H:%M:%S")
                 runs[text].append(out)
                 capped = " (capped)" if out.get("capped") else ""
-                harness.log(f"round {round_} {text}: {out['rate']:,.0f} jobs/s{capped}")
+                harness.log(
+                    f"round {round_} {text}: {out['rate']:,.0f} jobs/s{capped}, "
+                    f"CPU a job: workers {_us(out.get('cpu_us_per_job'))}, "
+                    f"server {_us(out.get('server_cpu_us_per_job'))}, "
+                    f"machine {_us(out.get('machine_cpu_us_per_job'))}"
+                )
     finally:
         runner.cleanup()
     first = picks[0][0]
@@ -97,13 +102,28 @@ def main(argv: list[str] | None = None) -> int:
             "rates": [round(r) for r in rates],
             f"ratio_to_{first}": statistics.median(ratios) if ratios else None,
             "ratios": [round(x, 2) for x in ratios],
+            "worker_cpu_us_per_job": _median(runs[text], "cpu_us_per_job"),
+            "server_cpu_us_per_job": _median(runs[text], "server_cpu_us_per_job"),
+            "machine_cpu_us_per_job": _median(runs[text], "machine_cpu_us_per_job"),
         }
         print(f"{text}: median {summary[text]['median_rate']:,.0f} jobs/s, rates "
-              f"{summary[text]['rates']}, x {first}: {summary[text]['ratios']}")  # fmt: skip
+              f"{summary[text]['rates']}, x {first}: {summary[text]['ratios']}; CPU a job "
+              f"(medians): workers {_us(summary[text]['worker_cpu_us_per_job'])}, "
+              f"server {_us(summary[text]['server_cpu_us_per_job'])}, "
+              f"machine {_us(summary[text]['machine_cpu_us_per_job'])}")  # fmt: skip
     if args.results:
         record = {"procs": args.procs, "analyze": not args.no_analyze, "summary": summary}
         args.results.write_text(json.dumps({**record, "runs": runs}, indent=1) + "\n")
     return 0
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} µs"
 
 
 if __name__ == "__main__":

@@ -130,6 +130,17 @@ class Probe:
     def pids(self) -> list[int]:
         return sorted(pid for pid, _ in self._files())
 
+    def by_process(self) -> list[dict[str, float]]:
+        """Each process's jobs and its first and last handler start, in seconds after the
+        first start of all: how evenly the processes shared the window."""
+        heads = [HEADER.unpack_from(d, 0) for _, d in self._files() if len(d) >= HEADER.size]
+        heads = [h for h in heads if h[0]]
+        zero = min((h[1] for h in heads), default=0.0)
+        return [
+            {"jobs": c, "first_s": round(f - zero, 3), "last_s": round(la - zero, 3)}
+            for c, f, la in sorted(heads, key=lambda h: h[1])
+        ]
+
     def starts(self, n: int, last: bool = False) -> list[float]:
         """Handler start time of jobs 0..n-1 (0.0 where none was seen), earliest copy;
         ``last``: the latest start of each job over every process instead."""
@@ -192,6 +203,35 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / tick
+
+
+def server_cpu() -> dict[int, float]:
+    """CPU so far of each PostgreSQL server process on this machine (comm ``postgres``).
+
+    The benchmark's server runs beside the workers here, so what each job costs it is
+    the CPU its processes spend while jobs flow (backends, WAL writer, checkpointer).
+    """
+    out: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() != "postgres":
+                    continue
+        except OSError:
+            continue
+        out[int(entry)] = cpu_seconds([int(entry)])
+    return out
+
+
+def machine_busy() -> float:
+    """CPU seconds every core of this machine spent busy so far (/proc/stat: all but idle
+    and iowait), whoever spent them."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def descendants(root: int) -> list[int]:
@@ -315,10 +355,14 @@ def throughput(
         total = (0, 0.0, 0.0)
         deadline = started + spec.get("timeout", 120)
         cpu_mark: tuple[int, float] | None = None  # (jobs done, CPU s) once jobs flow
+        server_mark: dict[int, float] = {}
+        busy_mark = 0.0
         while time.monotonic() < deadline:
             total = probe.wait(n, timeout=0.5 if cpu_mark else 0.05, cap=spec.get("cap"))
             if cpu_mark is None and total[0] >= 50 and total[0] < n:
                 cpu_mark = (probe.totals()[0], cpu_seconds(probe.pids()))
+                server_mark = server_cpu()
+                busy_mark = machine_busy()
             if total[0] >= n or (total[1] and time.monotonic() - total[1] > spec.get("cap", 1e9)):
                 break
             workers.check_alive()
@@ -326,11 +370,15 @@ def throughput(
         if count < 2:
             raise RuntimeError(f"only {count} job(s) ran: " + workers.log_tail())
         pids = probe.pids()
-        cpu_us = None
+        cpu_us = server_us = machine_us = None
         if cpu_mark is not None and count > cpu_mark[0]:
             cpu_us = (cpu_seconds(pids) - cpu_mark[1]) / (count - cpu_mark[0]) * 1e6
+            spent = sum(cpu - server_mark.get(pid, 0.0) for pid, cpu in server_cpu().items())
+            server_us = spent / (count - cpu_mark[0]) * 1e6 if server_mark else None
+            machine_us = (machine_busy() - busy_mark) / (count - cpu_mark[0]) * 1e6
         mem = memory(pids)
         tree = memory(workers.tree())
+        shares = probe.by_process()
     finally:
         workers.stop()
         probe.cleanup()
@@ -344,7 +392,11 @@ def throughput(
         "capped": count < n,
         "bulk_rate": n / bulk_seconds if bulk_seconds else None,
         "job_pids": pids,
+        "by_process": shares,
         "cpu_us_per_job": cpu_us,  # worker processes' CPU per job once jobs flowed
+        # PostgreSQL's processes on this machine, over the same jobs (None: no server here)
+        "server_cpu_us_per_job": server_us,
+        "machine_cpu_us_per_job": machine_us,  # every busy core, whoever used it
         "memory": mem,
         "tree_memory": tree,
     }
