@@ -37,6 +37,7 @@ from .jobs import Job, JobError, JobState, Progress
 from .outcomes import Permanent, Retry
 from .retry import ExponentialBackoff
 from .waiting import as_completed, await_all, wait_all
+from .worker import collector as _collector  # noqa: F401  (reads gc thresholds at import)
 from .workflows import (
     Batch,
     Edge,

@@ -79,6 +79,7 @@ def _worker_command(app: App) -> click.Command:
     ) -> None:
         """Run an errands worker for this application's jobs (until SIGTERM/SIGINT)."""
         from ..observability.logcontext import configure_logging
+        from ..worker.collector import use_worker_gc
         from ..worker.switching import use_switch_interval
 
         configure_logging("text", "info")
@@ -87,6 +88,7 @@ def _worker_command(app: App) -> click.Command:
             worker = app.worker(
                 queues=queues, concurrency=concurrency, grace=grace, poll_interval=poll_interval
             )
+            use_worker_gc()  # the app imported, the worker built: see worker/collector.py
             code = worker.run()
         except ErrandsError as exc:  # one line naming the problem, as `errands worker`
             raise click.ClickException(str(exc)) from None

@@ -369,6 +369,9 @@ class Dispatcher:
                 task.uncancel()
         finally:
             self._begins(attempt.row.queue, key, urgent)
+        # A failure's traceback holds this frame: the task's own exception would hold the
+        # task through it, a cycle for the garbage collector for each failed job.
+        task = None
         try:
             if not await self._begin_async(attempt):
                 return None

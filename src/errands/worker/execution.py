@@ -134,6 +134,20 @@ class Attempt:
     ended_at_stop: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def unlink(self) -> None:
+        """Drop what points back at the attempt: its Context and runtime (which hold
+        it), its handler's call or task (a failed task's traceback holds frames that
+        hold it). Left, each such job was a cycle for the garbage collector, and a busy worker
+        spent its CPU in full collections. Only once its outcome is stored (or refused,
+        or lost) *and* its handler has returned: until then a timeout, a stop or a lost
+        lease still reaches the handler through them. A thread the handler started that
+        still holds its ``ctx`` keeps what it uses alive. (A sync handler's call also lets
+        go of the attempt once it ran: :meth:`errands.worker.runners.Call.release`.)"""
+        self.ctx = None
+        self.runtime = None
+        self.future = None
+        self.task = None
+
     def __post_init__(self) -> None:
         self.lease_valid_until = self.started + self.lease_seconds
 

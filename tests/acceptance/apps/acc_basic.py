@@ -6,6 +6,7 @@ however the module is imported. The store comes from ``ERRANDS_URL``.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -52,14 +53,15 @@ def noop(ctx: errands.Context, n: int = 0) -> int:
 
 @app.job(name="switch_interval", retries=0)
 def switch_interval(ctx: errands.Context, meet: int = 0) -> list[float]:
-    """[this process's pid, the GIL's switch interval where the handler runs]; with
-    ``meet``, once that many of these runs have begun (they ran at once: one a slot)."""
+    """[this process's pid, the GIL's switch interval where the handler runs, the
+    collector's young threshold there, how many objects it froze]; with ``meet``, once
+    that many of these runs have begun (they ran at once: one a slot)."""
     if meet:
         record(ctx, "switch_meet")
     deadline = time.monotonic() + 30
     while runs("switch_meet") < meet and time.monotonic() < deadline:
         time.sleep(0.02)
-    return [os.getpid(), sys.getswitchinterval()]
+    return [os.getpid(), sys.getswitchinterval(), gc.get_threshold()[0], gc.get_freeze_count()]
 
 
 @app.job(name="fail_first", retries=3, backoff=QUICK_BACKOFF)

@@ -129,6 +129,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         from errands.observability.logcontext import configure_logging, install_record_factory
+        from errands.worker.collector import use_worker_gc
         from errands.worker.switching import use_switch_interval
         from errands.worker.worker import check_counts
 
@@ -192,6 +193,7 @@ class Command(BaseCommand):
                 f"{', '.join(worker.queue_limits)}; {len(names)} task(s) found"
             )
             self.stdout.flush()
+            use_worker_gc()  # the app imported, the worker built: see worker/collector.py
             code = worker.run()
         except SchemaOutdated as exc:
             detail = str(exc).split("; run:")[0]
