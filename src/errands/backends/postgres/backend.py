@@ -138,18 +138,22 @@ IDLE_MIN, IDLE_MAX = 1.0, 5.0
 CANCEL_TIMEOUT = 10.0  # seconds a cancel request for an abandoned handler may take
 ABANDON_WARN_AFTER = 5  # cancels sent before saying an abandoned handler keeps its connection
 
+# A job's columns as every read of whole jobs returns them (a claim's rows too). Times as
+# seconds since the epoch by date_part, which computes a float8: extract(epoch ...) makes
+# an exact numeric that ::float8 converts again, ~4 x the server's work per value (7 a
+# row: ~1 us of server CPU a claimed job); equal on a million random times.
 JOB_COLUMNS_SQL = ", ".join(
     [
         "j.id", "j.name", "j.queue", "j.args::text", "j.meta::text", "j.state", "j.priority",
-        "j.attempt", "j.max_attempts", "extract(epoch FROM j.run_at)::float8",
+        "j.attempt", "j.max_attempts", "date_part('epoch', j.run_at)",
         "j.idempotency_key", "j.errors::text", "j.result::text",
-        "extract(epoch FROM j.inserted_at)::float8", "extract(epoch FROM j.attempted_at)::float8",
-        "extract(epoch FROM j.finished_at)::float8", "j.lease_owner", "j.lease_token",
-        "extract(epoch FROM j.lease_expires_at)::float8", "j.rescues",
+        "date_part('epoch', j.inserted_at)", "date_part('epoch', j.attempted_at)",
+        "date_part('epoch', j.finished_at)", "j.lease_owner", "j.lease_token",
+        "date_part('epoch', j.lease_expires_at)", "j.rescues",
         "j.cancel_requested::int", "j.timeout", "j.lease_seconds", "j.discarded_by",
-        "j.discard_reason", "j.parent_id", "extract(epoch FROM j.unique_until)::float8",
+        "j.discard_reason", "j.parent_id", "date_part('epoch', j.unique_until)",
         "j.progress", "j.progress_message", "j.wait_signal",
-        "extract(epoch FROM j.wait_until)::float8", "j.fair_key", "j.workflow_id",
+        "date_part('epoch', j.wait_until)", "j.fair_key", "j.workflow_id",
     ]
 )  # fmt: skip
 
