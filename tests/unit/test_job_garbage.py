@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from errands.worker.execution import Attempt
+from tests.unit.test_fair_outcome import ROW
+
 SCRIPT = """
 import collections, gc, json, sys, threading
 import errands
@@ -91,3 +94,24 @@ def test_a_finished_job_leaves_no_reference_cycle_for_the_garbage_collector(
     assert found["errands"] == {}, found
     # what the worker's own start and stop leave, not a share of each job (16 a job before)
     assert found["garbage"] < 140, found
+
+
+@pytest.mark.parametrize("first", ["written", "handler_over"])
+def test_an_attempt_lets_go_of_its_context_and_handler_only_after_both_ends(first: str) -> None:
+    """Written while its handler still runs (abandoned past its timeout: the lease keeper
+    may still abandon its thread, cancel its task, set its ctx.cancelled), or its handler
+    over before the outcome is written: the attempt keeps them until the other end."""
+    attempt = Attempt(row=ROW, definition=None, lease_seconds=30.0)
+    ctx, runtime, call, task = object(), object(), object(), object()
+    attempt.ctx, attempt.runtime = ctx, runtime  # type: ignore[assignment]
+    attempt.future, attempt.task = call, task  # type: ignore[assignment]
+    ends = {"written": attempt.outcome_written, "handler_over": attempt.handler_over}
+    ends[first]()
+    assert (attempt.ctx, attempt.runtime, attempt.future, attempt.task) == (
+        ctx,
+        runtime,
+        call,
+        task,
+    )
+    ends["handler_over" if first == "written" else "written"]()
+    assert (attempt.ctx, attempt.runtime, attempt.future, attempt.task) == (None,) * 4

@@ -22,9 +22,11 @@ So a process that is a worker's own (``errands worker``, ``flask errands-worker`
   of the 3.2 s, and the rate of two processes rose 1.12-1.14 x in three of four
   alternated rounds (the fourth: equal).
 
-An app that sets its own thresholds (``gc.set_threshold`` at import) keeps them; an App
-or a Worker made in an application's own process never changes the collector: that
-process is the application's to tune.
+Thresholds other than CPython's own are the app's (``gc.set_threshold``, before or after
+errands is imported) and kept; the objects are frozen all the same. An App or a Worker
+made in an application's own process never changes the collector: that process is the
+application's to tune (``manage.py errands_worker`` run by ``call_command`` inside one
+tunes it: it is meant as a process of its own).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from __future__ import annotations
 import gc
 
 YOUNG_THRESHOLD = 10_000  # new container objects between young collections
+# CPython's own thresholds (3.11 and 3.12; 3.13): only these are raised. Others were set
+# by the app, before errands was imported as much as after (a Django settings module).
+CPYTHON_DEFAULTS = ((700, 10, 10), (2000, 10, 10))
 
 # The thresholds when errands was imported (errands/__init__ imports this module):
 # what the commands whose app is imported before they run (flask, Django) compare with.
@@ -43,7 +48,7 @@ def use_worker_gc(before_app: tuple[int, ...] = AT_IMPORT) -> None:
     ``before_app``: ``gc.get_threshold()`` read before the app was imported (by default,
     when errands was); thresholds changed since are the app's, and kept."""
     thresholds = gc.get_threshold()
-    if thresholds == before_app and thresholds[0] < YOUNG_THRESHOLD:
+    if thresholds == before_app and thresholds in CPYTHON_DEFAULTS:
         gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
     gc.collect()
     gc.freeze()

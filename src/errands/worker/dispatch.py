@@ -142,7 +142,7 @@ class Dispatcher:
             attempt.waiting = True
             worker.threads_for(attempt).submit(
                 lambda: self._run_in_child(attempt, children),
-                lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
+                functools.partial(self._thread_returned, attempt),
                 urgent=True,
                 made=functools.partial(setattr, attempt, "future"),
             )
@@ -159,7 +159,7 @@ class Dispatcher:
             attempt.waiting = True
             worker.threads_for(attempt).submit(
                 run,
-                lambda exc, result: worker.recorder.handler_returned(attempt, exc, result),
+                functools.partial(self._thread_returned, attempt),
                 urgent=urgent,
                 made=functools.partial(setattr, attempt, "future"),
             )
@@ -502,6 +502,14 @@ class Dispatcher:
             return None
         return await offloop.run(encode, definition, result)
 
+    def _thread_returned(self, attempt: Attempt, exc: BaseException | None, result: Any) -> None:
+        """A handler thread's call for ``attempt`` returned (or raised): record it; the
+        thread is done with the attempt then."""
+        try:
+            self.worker.recorder.handler_returned(attempt, exc, result)
+        finally:
+            attempt.handler_over()
+
     def _async_done(self, attempt: Attempt, future: Any) -> None:
         recorder = self.worker.recorder
         if future.cancelled():  # an async task cancelled before it began (shutdown)
@@ -527,7 +535,11 @@ class Dispatcher:
                 daemon=True,
             ).start()
             return
-        recorder.handler_returned(attempt, exc, result, handler_running=stopped)
+        try:
+            recorder.handler_returned(attempt, exc, result, handler_running=stopped)
+        finally:
+            if not stopped:  # (stopped: a thread it started may still use its ctx)
+                attempt.handler_over()
 
     def _run_in_child(self, attempt: Attempt, children: ProcessRunner) -> Any:
         """A process-pool attempt (or an isolated suspect): prepared here, run in a child

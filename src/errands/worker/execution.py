@@ -133,16 +133,40 @@ class Attempt:
     # can no longer be the handler's, never fires (see time_out)
     ended_at_stop: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # The two ends after which the attempt's objects are let go of (see unlink)
+    _written: bool = field(default=False, repr=False)
+    _handler_over: bool = field(default=False, repr=False)
+
+    def outcome_written(self) -> None:
+        """Its outcome is stored (or refused, or lost): one of unlink's two ends."""
+        with self._lock:
+            self._written = True
+            both = self._handler_over
+        if both:
+            self.unlink()
+
+    def handler_over(self) -> None:
+        """Its handler's thread is done with it (the call and its outcome's handling
+        returned), or its task is done without a thread of its own left running: the
+        other of unlink's two ends."""
+        with self._lock:
+            self._handler_over = True
+            both = self._written
+        if both:
+            self.unlink()
 
     def unlink(self) -> None:
         """Drop what points back at the attempt: its Context and runtime (which hold
         it), its handler's call or task (a failed task's traceback holds frames that
-        hold it). Left, each such job was a cycle for the garbage collector, and a busy worker
-        spent its CPU in full collections. Only once its outcome is stored (or refused,
-        or lost) *and* its handler has returned: until then a timeout, a stop or a lost
-        lease still reaches the handler through them. A thread the handler started that
-        still holds its ``ctx`` keeps what it uses alive. (A sync handler's call also lets
-        go of the attempt once it ran: :meth:`errands.worker.runners.Call.release`.)"""
+        hold it). Left, each such job was a cycle for the garbage collector, and a busy
+        worker spent its CPU in full collections. Called once both ends came, in either
+        order (:meth:`outcome_written`, :meth:`handler_over`): until then a timeout, a stop
+        or a lost lease still reaches the handler through them, and readers on other
+        threads read each of them once (it may turn None between two reads). An attempt
+        whose handler never ends here (abandoned; a task stopped while a thread of its own
+        may run on) keeps them: the collector frees those. A thread the handler started
+        that still holds its ``ctx`` keeps what it uses alive. (A sync handler's call lets
+        go of the attempt as soon as it ran: :meth:`errands.worker.runners.Call.release`.)"""
         self.ctx = None
         self.runtime = None
         self.future = None
@@ -239,8 +263,9 @@ class Attempt:
         the child process of a process-pool attempt."""
         if self.stop_reason is None:
             self.stop_reason = reason
-        if self.ctx is not None:
-            self.ctx._request_cancel(reason)
+        ctx = self.ctx  # (read once: unlink may clear it meanwhile)
+        if ctx is not None:
+            ctx._request_cancel(reason)
         if self.kill is not None:
             self.kill(JobTimeout(f"timed out after {self.row.timeout or 0:g} s")
                       if reason == "timeout" else Interrupted(reason))  # fmt: skip

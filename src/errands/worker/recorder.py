@@ -431,8 +431,7 @@ class OutcomeRecorder:
         gauge and the process span stayed open for good)."""
         worker = self.worker
         worker.forget(attempt)
-        if attempt.ran is not None:  # its handler returned or raised (not abandoned)
-            attempt.unlink()
+        attempt.outcome_written()  # its objects let go of once its handler is over too
         worker.processed += 1
         events = worker.app.events
         if accepted is None:

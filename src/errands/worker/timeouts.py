@@ -114,11 +114,12 @@ def abandon(worker: Worker, attempt: Attempt, why: str) -> bool:
     error = JobTimeout(
         f"timed out after {attempt.row.timeout or 0:g} s; {why} (it may still be running)"
     )
+    call = attempt.future  # (read before the outcome: see Attempt.unlink)
     # (over a graceful stop's claim too: the stop would record this timeout itself)
     if not worker.recorder.decided(attempt, error, None, handler_running=True, over_stop=True):
         return False
-    if isinstance(attempt.future, Call):
-        worker.threads_for(attempt).abandon(attempt.future)
+    if isinstance(call, Call):
+        worker.threads_for(attempt).abandon(call)
     else:
         attempt.interrupt("timeout", worker.loop)
         worker.dispatcher.give_slot_soon(attempt)  # its slot to the next job
@@ -193,9 +194,9 @@ def interrupt_threads(worker: Worker, attempts: list[Attempt], wait: float) -> N
     handler's cleanup after the first)."""
     deadline = time.monotonic() + wait
     calls = [
-        (a, a.future, worker.threads_for(a))
+        (a, call, worker.threads_for(a))
         for a in attempts
-        if isinstance(a.future, Call) and not a.interrupted
+        if isinstance(call := a.future, Call) and not a.interrupted
     ]
     while time.monotonic() < deadline and any(not c.done() for _, c, _ in calls):
         time.sleep(0.01)

@@ -1267,8 +1267,9 @@ class Worker:
             # back): a handler may still be in a statement.
             for attempt in leftover:
                 attempt.interrupt(SHUTDOWN, self.loop)
-                if attempt.runtime is not None:
-                    attempt.runtime.let_go()
+                runtime = attempt.runtime  # (read once: see Attempt.unlink)
+                if runtime is not None:
+                    runtime.let_go()
             settle_by = time.monotonic() + self.abandon_after
             # Stop them as a timeout would (an embedded worker's process lives on)...
             interrupt_threads(self, leftover, min(INTERRUPT_AFTER, self.grace or INTERRUPT_AFTER))
@@ -1528,7 +1529,11 @@ class Worker:
         return (
             express
             + self.threads.stuck()
-            + sum(1 for a in self.attempts() if a.released and a.future and not a.future.done())
+            + sum(
+                1
+                for a in self.attempts()
+                if a.released and (call := a.future) is not None and not call.done()
+            )
         )
 
 
