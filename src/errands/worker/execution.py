@@ -139,19 +139,18 @@ class Attempt:
 
     def outcome_written(self) -> None:
         """Its outcome is stored (or refused, or lost): one of unlink's two ends."""
-        with self._lock:
-            self._written = True
-            both = self._handler_over
-        if both:
-            self.unlink()
+        self._reach("_written")
 
     def handler_over(self) -> None:
         """Its handler's thread is done with it (the call and its outcome's handling
         returned), or its task is done without a thread of its own left running: the
         other of unlink's two ends."""
+        self._reach("_handler_over")
+
+    def _reach(self, end: str) -> None:
         with self._lock:
-            self._handler_over = True
-            both = self._written
+            setattr(self, end, True)
+            both = self._written and self._handler_over
         if both:
             self.unlink()
 
