@@ -18,8 +18,10 @@
 #             (-e .[postgres]) + pytest; a short subset of errands' own tests where newer
 #             Pythons behave differently (NEWER_PYTHON_TESTS: interrupts held back in
 #             locking code, interrupts under a trace function, the handler runners, the
-#             SQLite connections' lifecycle, which 3.13 warns of when one is left to the
-#             garbage collector): the main suite runs on 3.11 only. ~15 s.
+#             cycles a finished job must not leave and the collector's thresholds (3.13
+#             changed its defaults), the SQLite connections' lifecycle, which 3.13 warns
+#             of when one is left to the garbage collector): the main suite runs on 3.11
+#             only. ~20 s.
 #
 # A venv is created once and reused; it is reinstalled when pyproject.toml or one of its
 # requirements files changes (a stamp file holds their hash). Python 3.12 is found as
@@ -42,6 +44,8 @@ NEWER_PYTHON_TESTS=(
   tests/guarantees/test_interrupt_shield.py
   tests/guarantees/test_traced_process.py
   tests/unit/test_runners.py
+  tests/unit/test_job_garbage.py
+  tests/unit/test_worker_gc.py
   tests/integration/test_sqlite_connections.py
 )
 
