@@ -5,7 +5,8 @@ attempt and its Context's runtime, a failure's traceback and the frame that caug
 and the full collections that found them took ~40 % of a busy worker's CPU
 (src/errands/worker/collector.py). The worker runs in a process of its own, with the
 collector off and every unreachable object kept (``gc.DEBUG_SAVEALL``), for each kind of
-job: sync and async, returning, failing, retried, taking ``ctx``."""
+job: sync and async, returning, failing, retried, taking ``ctx``, in ``ctx.transaction()``
+(an async one's outcome is committed on a thread of its own)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,17 @@ def with_ctx(n: int, ctx: errands.Context) -> None:
 async def with_ctx_async(n: int, ctx: errands.Context) -> None:
     ctx.progress(0.5, "half")
 
-kinds = [plain, plain_async, fails, fails_async, retried, with_ctx, with_ctx_async]
+@app.job(name="in_transaction")
+def in_transaction(n: int, ctx: errands.Context) -> None:
+    ctx.transaction().execute("SELECT 1")
+
+@app.job(name="in_transaction_async")
+async def in_transaction_async(n: int, ctx: errands.Context) -> None:
+    tx = await ctx.atransaction()
+    await tx.execute("SELECT 1")
+
+kinds = [plain, plain_async, fails, fails_async, retried, with_ctx, with_ctx_async,
+         in_transaction, in_transaction_async]
 handles = app.enqueue_many([kind.bind(i) for kind in kinds for i in range(int(sys.argv[2]))])
 worker = Worker(app, concurrency=4)
 gc.collect()
@@ -62,9 +73,11 @@ gc.disable()
 gc.set_debug(gc.DEBUG_SAVEALL)
 thread = threading.Thread(target=lambda: worker.run(install_signals=False))
 thread.start()
+completed = collections.Counter()
 for handle in handles:
     try:
         handle.result(timeout=60)
+        completed[handle.name] += 1
     except errands.JobFailed:
         pass
 worker.stop()
@@ -73,7 +86,8 @@ gc.collect()
 ours = collections.Counter(
     type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("errands")
 )
-print(json.dumps({"garbage": len(gc.garbage), "errands": ours, "jobs": len(handles)}))
+print(json.dumps({"garbage": len(gc.garbage), "errands": ours, "jobs": len(handles),
+                  "completed": completed}))
 """
 
 
@@ -90,10 +104,22 @@ def test_a_finished_job_leaves_no_reference_cycle_for_the_garbage_collector(
     )
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
-    assert found["jobs"] == 140
+    assert found["jobs"] == 180
+    every = 20
+    assert found["completed"] == {
+        name: every
+        for name in (
+            "plain",
+            "plain_async",
+            "with_ctx",
+            "with_ctx_async",
+            "in_transaction",
+            "in_transaction_async",
+        )
+    }, found
     assert found["errands"] == {}, found
     # what the worker's own start and stop leave, not a share of each job (16 a job before)
-    assert found["garbage"] < 140, found
+    assert found["garbage"] < 180, found
 
 
 @pytest.mark.parametrize("first", ["written", "handler_over"])

@@ -529,16 +529,25 @@ class Dispatcher:
             # file), or a self-fenced attempt given back while the store is out of reach:
             # every async job of the worker stood still meanwhile. On a thread.
             threading.Thread(
-                target=recorder.handler_returned,
-                args=(attempt, exc, result),
+                target=self._task_returned,
+                args=(attempt, exc, result, stopped),
                 name=f"errands-commit-{attempt.id}",
                 daemon=True,
             ).start()
             return
+        self._task_returned(attempt, exc, result, stopped)
+
+    def _task_returned(
+        self, attempt: Attempt, exc: BaseException | None, result: Any, stopped: bool
+    ) -> None:
+        """An async handler's task ended: record it (``stopped``: by its timeout or the
+        worker, so a thread it started may still be in a statement of its transaction,
+        which is let go of, never rolled back under it); the task is done with the
+        attempt then, unless stopped (that thread may still use its ctx)."""
         try:
-            recorder.handler_returned(attempt, exc, result, handler_running=stopped)
+            self.worker.recorder.handler_returned(attempt, exc, result, handler_running=stopped)
         finally:
-            if not stopped:  # (stopped: a thread it started may still use its ctx)
+            if not stopped:
                 attempt.handler_over()
 
     def _run_in_child(self, attempt: Attempt, children: ProcessRunner) -> Any:

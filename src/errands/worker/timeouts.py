@@ -79,8 +79,9 @@ def on_deadline(worker: Worker, attempt: Attempt) -> None:
         if attempt.interrupted:  # a graceful stop interrupted it first: once is enough
             return
         attempt.interrupted = True
-        if isinstance(attempt.future, Call):
-            worker.threads_for(attempt).interrupt(attempt.future)
+        call = attempt.future  # (read once: see Attempt.unlink)
+        if isinstance(call, Call):
+            worker.threads_for(attempt).interrupt(call)
         log.warning(
             "job %s is still running past its timeout; interrupting it",
             attempt.id,
