@@ -15,14 +15,12 @@ TUNE = """
 import gc, json, sys
 import errands  # as errands worker does: errands first, then the app
 from errands.worker.collector import use_worker_gc
-before = gc.get_threshold()
 exec(sys.argv[1])  # the app's own import-time code
-use_worker_gc(before)
+use_worker_gc()
 print(json.dumps({"thresholds": gc.get_threshold(), "frozen": gc.get_freeze_count()}))
 """
 
-# As flask's and Django's commands: the app's code (a settings module) may run before
-# errands is imported; the thresholds errands saw at its import are the baseline.
+# A Django settings module, say: the app's code may run before errands is imported.
 TUNE_APP_FIRST = """
 import gc, json, sys
 exec(sys.argv[1])

@@ -7,7 +7,6 @@ exit non-zero (1 for a failed operation, 2 for bad usage) — never a traceback.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -181,7 +180,6 @@ def worker(
     signalled = _keep_stop_signals()  # a SIGTERM while the app imports: a graceful stop
     _hangup_stops()
     supervisor = supervisor_link()  # before the app's import, which may start processes
-    collector = gc.get_threshold()  # thresholds the app sets at import are its own
     app = load_app(app_path or app_option, url, need_code=True)
     warn_new_database(app.url)
     if processes > 1:
@@ -219,7 +217,7 @@ def worker(
         express=express,
     )
     stop_with_supervisor(w, supervisor)  # a child of --processes N: stops once it is gone
-    use_worker_gc(collector)  # the app imported, the worker built: see worker/collector.py
+    use_worker_gc()  # the app imported, the worker built: see worker/collector.py
     code = w.run(signalled=signalled)
     if w.stuck_threads():
         # A handler thread ignored its timeout or the shutdown; Python cannot kill it,

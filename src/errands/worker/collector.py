@@ -1,8 +1,9 @@
 """How a worker process's garbage collector runs.
 
 A job's objects (its row, attempt, handler call, Context) are freed by reference counting
-once the worker is done with it: nothing of a finished job is left in a reference cycle
-(``tests/unit/test_job_garbage.py``). The collector still runs, because CPython starts a
+once its outcome is written and its handler is over: a finished job leaves no reference
+cycle (``tests/unit/test_job_garbage.py``; rarer ends, an abandoned handler say, still
+may). The collector still runs, because CPython starts a
 young collection after every 700 new container objects, and a claim of hundreds of jobs
 makes thousands at once. The prefetched jobs are alive at that moment, so each young
 collection moves them to an older generation, and every few claims a full collection
@@ -19,8 +20,8 @@ So a process that is a worker's own (``errands worker``, ``flask errands-worker`
   objects live as long as the process, and no collection walks them again;
 - starts a young collection after 10,000 new objects instead of 700 (CPython's default
   before 3.13): most of a claim's objects are gone by then. The collector took ~0.2 s
-  of the 3.2 s, and the rate of two processes rose 1.12-1.14 x in three of four
-  alternated rounds (the fourth: equal).
+  of the 3.2 s; with the cycles broken too, two processes ran 1.11 x the rate of the code
+  before (5 alternated rounds, 0.99-1.26).
 
 Thresholds other than CPython's own are the app's (``gc.set_threshold``, before or after
 errands is imported) and kept; the objects are frozen all the same. An App or a Worker
@@ -38,17 +39,15 @@ YOUNG_THRESHOLD = 10_000  # new container objects between young collections
 # by the app, before errands was imported as much as after (a Django settings module).
 CPYTHON_DEFAULTS = ((700, 10, 10), (2000, 10, 10))
 
-# The thresholds when errands was imported (errands/__init__ imports this module):
-# what the commands whose app is imported before they run (flask, Django) compare with.
+# The thresholds when errands was imported (errands/__init__ imports this module): ones
+# changed since are the app's (errands worker imports the app after errands).
 AT_IMPORT = gc.get_threshold()
 
 
-def use_worker_gc(before_app: tuple[int, ...] = AT_IMPORT) -> None:
-    """Tune this process's collector for a worker (see the module's docstring).
-    ``before_app``: ``gc.get_threshold()`` read before the app was imported (by default,
-    when errands was); thresholds changed since are the app's, and kept."""
+def use_worker_gc() -> None:
+    """Tune this process's collector for a worker (see the module's docstring)."""
     thresholds = gc.get_threshold()
-    if thresholds == before_app and thresholds in CPYTHON_DEFAULTS:
+    if thresholds == AT_IMPORT and thresholds in CPYTHON_DEFAULTS:
         gc.set_threshold(YOUNG_THRESHOLD, *thresholds[1:])
     gc.collect()
     gc.freeze()
