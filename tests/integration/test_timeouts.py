@@ -435,6 +435,54 @@ def test_sync_handler_returning_as_soon_as_it_sees_its_timeout_is_still_recorded
     assert job.result is None
 
 
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_async_handler_that_catches_its_timeouts_cancel_and_ends_is_recorded_as_timed_out(
+    app: errands.App, worker_factory, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    """An async handler catches the CancelledError of its timeout and returns (or raises
+    an error of its own) at once. Its task was cancelled by its ``asyncio.timeout``; the
+    lease keeper marks the attempt timed out at the same deadline, from another thread.
+    When the handler ended first, its return was recorded as a completion past its
+    timeout (and its error as an ordinary failure), its ctx.transaction() committed or
+    rolled back under a thread the handler may have left running. Whatever the keeper's
+    timing, it is a timeout. Fault injection: the keeper marks it only once the handler
+    ended."""
+    from errands.worker.execution import Attempt
+
+    ended = threading.Event()
+    time_out = Attempt.time_out
+
+    def late_time_out(self: Attempt, now: float) -> bool:
+        ended.wait(5)
+        threading.Event().wait(0.2)  # the handler's outcome is decided meanwhile
+        return time_out(self, now)
+
+    monkeypatch.setattr(Attempt, "time_out", late_time_out)
+
+    @app.job(name="timeout.async_gives_up", timeout=0.3, retries=1, backoff=60)
+    async def gives_up() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            ended.set()
+            if ends == "raises":
+                raise ValueError("cleaning up failed") from None
+            return "partial work"
+        return "slept"
+
+    handle = gives_up.enqueue()
+    with worker_factory():
+        job = wait_until(
+            lambda: (j := handle.job()).state.value in ("retryable", "completed") and j,
+            what="the attempt to be recorded",
+        )
+
+    assert ended.is_set()
+    assert job.state is JobState.RETRYABLE, f"recorded as {job.state.value}: {job.result!r}"
+    assert [e.type for e in job.errors] == ["JobTimeout"]
+    assert job.result is None
+
+
 def test_async_handler_that_swallows_its_cancel_is_abandoned_with_job_timeout_and_its_slot_freed(
     app: errands.App, worker_factory
 ) -> None:

@@ -152,6 +152,53 @@ def test_an_async_handler_stopped_by_its_timeout_never_blocks_the_event_loop(
         app.close()
 
 
+def test_an_async_handler_that_catches_its_timeouts_cancel_in_a_statement_is_let_go_of(
+    pg_url: str,
+) -> None:
+    """An async handler's statement of ctx.atransaction() runs on the transaction's
+    thread when its timeout cancels it; the handler catches the CancelledError and
+    returns. The task counted as not stopped (only a JobTimeout or Interrupted did), so
+    its outcome was committed (or its transaction rolled back) on that connection, which
+    waited for the 30 s statement. The worker lets go of it instead: the statement is
+    cancelled and the timeout recorded at once."""
+    import asyncio
+
+    app = errands.App(pg_url)
+    conninfo: Any = app.backend.config.conninfo  # type: ignore[attr-defined]
+
+    @app.job(name="loop.slow_tx_caught", timeout=0.3, retries=1, backoff=60)
+    async def slow_tx(ctx: errands.Context) -> str:
+        tx = await ctx.atransaction()
+        try:
+            await tx.execute("SELECT pg_sleep(30)")
+        except asyncio.CancelledError:
+            return "gave up"
+        return "slept"
+
+    try:
+        stuck = slow_tx.enqueue()
+        with running_worker(app, concurrency=4):
+            job = wait_until(
+                lambda: (j := stuck.job()).state.value in ("retryable", "completed") and j,
+                what="the caught timeout recorded (not after the 30 s statement)",
+                timeout=10,
+            )
+            assert job.state is JobState.RETRYABLE, (job.state, job.result)
+            assert [e.type for e in job.errors] == ["JobTimeout"]
+            with psycopg.connect(conninfo, autocommit=True) as conn:
+                wait_until(
+                    lambda: (
+                        not conn.execute(
+                            "SELECT 1 FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)'"
+                        ).fetchall()
+                    ),
+                    what="the statement to be cancelled",
+                    timeout=5,
+                )
+    finally:
+        app.close()
+
+
 def test_an_async_handlers_transaction_is_committed_off_the_event_loop(pg_url: str) -> None:
     """An async handler's ctx.transaction() is committed with its completion, which may
     wait on a lock (a row another session holds, a workflow's fan-in). That commit ran on

@@ -436,7 +436,7 @@ class Dispatcher:
             self.worker.leases.poke()
         try:
             async with limit or contextlib.nullcontext():
-                return await self._call_async(attempt, definition)
+                result = await self._call_async(attempt, definition)
         except TimeoutError:
             if attempt.stop_reason is not None:
                 raise Interrupted(attempt.stop_reason) from None
@@ -447,6 +447,21 @@ class Dispatcher:
             if attempt.stop_reason is not None:  # the worker stopped it: why
                 raise Interrupted(attempt.stop_reason) from None
             raise  # the loop shutting down
+        except (JobTimeout, Interrupted):
+            raise
+        except Exception as exc:
+            if limit is not None and limit.expired():
+                # Its timeout's cancel was caught and it raised something else: timed out
+                # (as a sync handler's exception past its deadline), a to_thread call it
+                # awaited possibly still in a statement of its transaction.
+                raise JobTimeout(f"timed out after {timeout:g} s") from exc
+            raise
+        else:
+            if limit is not None and limit.expired():
+                # It caught its timeout's cancel and returned: a timeout, never a completion
+                # (it was recorded as one when the lease keeper had not marked it yet).
+                raise JobTimeout(f"timed out after {timeout:g} s; it returned after its cancel")
+            return result
         finally:
             self.worker.ran_for(clock.now() - attempt.started)  # (the prefetch reads it)
             # Steps the handler left running on tasks of their own (asyncio.gather does
@@ -518,7 +533,15 @@ class Dispatcher:
         exc = future.exception()
         # Stopped by its timeout or the worker: a thread it started (asyncio.to_thread) may
         # still be in a statement of its ctx.transaction(); the loop never waits for it.
-        stopped = isinstance(exc, JobTimeout | Interrupted)
+        # Asked to stop counts whatever the task did then: one that caught the cancel and
+        # returned (or raised something else) may have left that thread running too, and
+        # its transaction was rolled back under it (letting go is safe either way: an
+        # outcome of a stopped attempt never commits it).
+        stopped = (
+            isinstance(exc, JobTimeout | Interrupted)
+            or attempt.stop_reason is not None
+            or attempt.timed_out
+        )
         result = None if exc is not None else future.result()
         runtime = attempt.runtime
         if (
