@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -34,6 +35,14 @@ def states(app: errands.App, name: str) -> dict[str, int]:
         app, "SELECT state, count(*) FROM errands_jobs WHERE name = ? GROUP BY state", (name,)
     )
     return {state: count for state, count in rows}
+
+
+async def until_set(gate: threading.Event) -> None:
+    """Await ``gate`` on the event loop: 20 s at most, as a sync handler's gate.wait(20)."""
+    for _ in range(2000):
+        if gate.is_set():
+            return
+        await asyncio.sleep(0.01)
 
 
 KINDS = ["sync", "async"]  # a handler thread's jobs, and the event loop's (its slots)
@@ -68,10 +77,7 @@ class Blocked:
             async def blocked_async(n: int) -> None:
                 began(n)
                 try:
-                    for _ in range(2000):  # 20 s at most, as the sync one
-                        if self.gate.is_set():
-                            break
-                        await asyncio.sleep(0.01)
+                    await until_set(self.gate)
                 finally:
                     ended()
 
@@ -102,7 +108,7 @@ class Blocked:
 
 def learn_handlers_are_quick(app: errands.App, kind: str = "sync") -> None:
     """Quick jobs first: the worker prefetches once its handlers are seen to be quick.
-    Of the same ``kind`` as the others (a worker with both kinds does not prefetch)."""
+    Of the same ``kind`` as the others (a worker of one kind of handler)."""
     if kind == "async":
 
         @app.job(name="pf.quick")
@@ -139,6 +145,153 @@ def test_quick_handlers_get_jobs_prefetched_yet_never_more_than_concurrency_run_
     assert blocked.peak == 2
     assert sorted(blocked.ran) == list(range(6))
     assert {h.job().attempt for h in handles} == {1}
+
+
+class BothKinds:
+    """A sync and an async job whose handlers block on one gate, counted together."""
+
+    def __init__(self, app: errands.App) -> None:
+        self.gate = threading.Event()
+        self.ran: list[str] = []
+        self.peak = self.now = 0
+        self._lock = threading.Lock()
+
+        @app.job(name="pf.both_sync", lease=5)
+        def both_sync(n: int) -> None:
+            self._began(f"sync-{n}")
+            try:
+                self.gate.wait(20)
+            finally:
+                self._ended()
+
+        @app.job(name="pf.both_async", lease=5)
+        async def both_async(n: int) -> None:
+            self._began(f"async-{n}")
+            try:
+                await until_set(self.gate)
+            finally:
+                self._ended()
+
+        @app.job(name="pf.both_quick_sync")
+        def quick_sync(n: int) -> int:
+            return n
+
+        @app.job(name="pf.both_quick_async")
+        async def quick_async(n: int) -> int:
+            return n
+
+        self.sync_job, self.async_job = both_sync, both_async
+        self.quick = (quick_sync, quick_async)
+
+    def _began(self, name: str) -> None:
+        with self._lock:
+            self.ran.append(name)
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def _ended(self) -> None:
+        with self._lock:
+            self.now -= 1
+
+    def learn_quick(self) -> None:
+        for job in self.quick:
+            for handle in [job.enqueue(n=i) for i in range(10)]:
+                handle.result(timeout=10)
+
+    def claimed(self, app: errands.App) -> dict[str, int]:
+        both = Counter(states(app, "pf.both_sync")) + Counter(states(app, "pf.both_async"))
+        return dict(both)
+
+
+def test_a_worker_with_sync_and_async_handlers_prefetches_yet_runs_at_most_concurrency(
+    app: errands.App, worker_factory
+) -> None:
+    """A worker of an app with both kinds of handler prefetches, as one of either kind
+    does (it claimed only -c jobs a round: its sync handlers ran on -c threads and its
+    async ones in the loop's -c slots, so prefetched jobs of both could have run up to
+    twice -c). Its sync handlers take the loop's slots too: two async jobs hold both
+    slots, the prefetched sync jobs wait for them on free threads, and never more than
+    -c handlers run at once."""
+    both = BothKinds(app)
+    with worker_factory(concurrency=2, prefetch=2) as worker:
+        assert worker.prefetch == 2
+        both.learn_quick()
+        first = [both.async_job.enqueue(n=i) for i in range(2)]
+        wait_until(lambda: both.now == 2, what="two async handlers holding both slots")
+        rest = [both.sync_job.enqueue(n=i) for i in range(3)]
+        rest.append(both.async_job.enqueue(n=2))
+        # the two slots busy, two more jobs claimed (prefetched): sync ones on free threads
+        wait_until(lambda: both.claimed(app).get("running") == 4, what="4 claimed")
+        time.sleep(0.3)
+        assert both.claimed(app) == {"running": 4, "available": 2}
+        assert both.now == 2, both.ran
+        both.gate.set()
+        for handle in first + rest:
+            handle.result(timeout=10)
+
+    assert both.peak == 2
+    assert sorted(both.ran) == ["async-0", "async-1", "async-2", "sync-0", "sync-1", "sync-2"]
+    assert {h.job().attempt for h in first + rest} == {1}
+
+
+def test_a_stop_gives_back_the_sync_jobs_waiting_for_slots_async_handlers_hold(
+    app: errands.App, start_worker
+) -> None:
+    """The prefetched sync jobs of a worker with both kinds wait on threads of their own
+    for a slot: a stop gives them back at once (not run, not charged), and the worker
+    stops once the running handlers end, its waiting threads let go."""
+    both = BothKinds(app)
+    worker = start_worker(concurrency=2, prefetch=2, grace=20)
+    both.learn_quick()
+    running = [both.async_job.enqueue(n=i) for i in range(2)]
+    wait_until(lambda: both.now == 2, what="two async handlers holding both slots")
+    waiting = [both.sync_job.enqueue(n=i) for i in range(2)]
+    wait_until(lambda: both.claimed(app).get("running") == 4, what="4 claimed")
+    time.sleep(0.2)  # (the sync jobs' threads wait for a slot)
+
+    worker.worker.stop()
+    wait_until(
+        lambda: all(h.status() is JobState.AVAILABLE for h in waiting),
+        what="the waiting sync jobs given back",
+        timeout=30,
+    )
+    both.gate.set()
+    assert worker.stop() < 15
+    assert worker.exit_code == 0
+    assert all(h.status() is JobState.COMPLETED for h in running)
+    assert {h.job().attempt for h in waiting} == {0}  # released, the attempt not charged
+    assert sorted(both.ran) == ["async-0", "async-1"]  # the sync ones never ran
+    assert worker.worker.stuck_threads() == 0
+
+
+def test_a_sync_handler_abandoned_past_its_timeout_gives_its_slot_to_an_async_job(
+    app: errands.App, worker_factory
+) -> None:
+    """In a worker with both kinds, a sync handler that ignores its timeout (blocked in C:
+    the interrupt never lands) is abandoned ``abandon_after`` later, and its slot goes to
+    the next job, here an async one, while the stuck thread runs on."""
+    release = threading.Event()
+
+    @app.job(name="pf.stuck_sync", timeout=0.2, retries=0)
+    def stuck() -> None:
+        release.wait(30)
+
+    @app.job(name="pf.next_async")
+    async def next_async() -> str:
+        return "ran"
+
+    try:
+        with worker_factory(concurrency=1, prefetch=2, abandon_after=0.5) as worker:
+            assert worker.shares_slots
+            handle = stuck.enqueue()
+            wait_until(lambda: handle.status() is JobState.RUNNING, what="the stuck job's start")
+            assert next_async.enqueue().result(timeout=10) == "ran"
+            job = handle.job()
+            assert job.state is JobState.DEAD
+            assert "abandoned" in job.errors[-1].message
+            release.set()
+    finally:
+        release.set()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -491,7 +644,7 @@ def test_a_worker_of_async_handlers_alone_prefetches_four_jobs_per_slot(app: err
     assert app.worker(concurrency=4).prefetch == 16
 
 
-def test_a_worker_that_serves_both_sync_and_async_handlers_does_not_prefetch(
+def test_a_worker_that_serves_both_sync_and_async_handlers_prefetches_through_shared_slots(
     app: errands.App,
 ) -> None:
     @app.job(name="pf.async")
@@ -502,8 +655,11 @@ def test_a_worker_that_serves_both_sync_and_async_handlers_does_not_prefetch(
     def in_a_thread() -> None:
         return None
 
-    # each kind bounds its own handlers by -c: prefetched jobs of both would exceed it
-    assert app.worker(concurrency=4).prefetch == 0
+    # each kind bounds its own handlers by -c: both kinds take the same -c slots
+    worker = app.worker(concurrency=4)
+    assert (worker.prefetch, worker.shares_slots) == (16, True)
+    worker = app.worker(concurrency=4, prefetch=0)  # no prefetch: -c claimed, no slots
+    assert (worker.prefetch, worker.shares_slots) == (0, False)
     assert app.worker(concurrency=4, pool="process", app_path="x:app").prefetch == 0
 
 

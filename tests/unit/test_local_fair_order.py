@@ -17,7 +17,7 @@ def _row(queue: str, key: str | None, rescues: int = 0) -> JobRow:
 
 
 def _dispatcher(concurrency: int) -> Any:
-    worker = SimpleNamespace(concurrency=concurrency,
+    worker = SimpleNamespace(concurrency=concurrency, shares_slots=False,
                              claimer=SimpleNamespace(prefetching={"fair"}))  # fmt: skip
     return Dispatcher(worker)  # type: ignore[arg-type]
 
@@ -51,7 +51,9 @@ def test_a_rescued_job_goes_first_whatever_its_queue() -> None:
 
 
 def test_a_worker_without_a_prefetching_fair_queue_keeps_arrival_order_and_counts_nothing() -> None:
-    worker = SimpleNamespace(concurrency=2, claimer=SimpleNamespace(prefetching=set()))
+    worker = SimpleNamespace(
+        concurrency=2, shares_slots=False, claimer=SimpleNamespace(prefetching=set())
+    )
     d: Any = Dispatcher(worker)  # type: ignore[arg-type]
     assert d._goes_first(_row("plain", None)) == (None, False)
     assert d._goes_first(_row("plain", "tenant")) == (None, False)

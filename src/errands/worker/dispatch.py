@@ -44,7 +44,7 @@ from .execution import (
 )
 from .process_pool import ChildStartFailed, ProcessRunner
 from .recorder import job_fields
-from .runners import LoopSlots
+from .runners import HandlerSlots
 from .runtime import AttemptRuntime
 
 if TYPE_CHECKING:
@@ -70,7 +70,10 @@ class Dispatcher:
         self._waiting_keys: Counter[tuple[str, str]] = Counter()
         self._went_ahead = 0
         self._order_lock = threading.Lock()
-        self._slots: LoopSlots | None = None  # the async handlers' (see _loop_slots)
+        # The handlers' slots: the async ones', and in a worker with both kinds of handler
+        # (shares_slots) the sync ones' too (see HandlerSlots)
+        self.slots = HandlerSlots(worker.concurrency)
+        self.shares_slots = worker.shares_slots
         self._starts: list[_Start] = []  # see start_dispatched
 
     def _goes_first(self, row: JobRow) -> tuple[tuple[str, str] | None, bool]:
@@ -153,8 +156,15 @@ class Dispatcher:
             key, urgent = self._goes_first(row)
 
             def run() -> Any:
+                if self.shares_slots and not attempt.express:
+                    self._wait_for_slot(attempt, urgent)  # prefetched: waits here, in order
                 self._begins(row.queue, key, urgent)
-                return self._run_in_thread(attempt, definition)
+                if not self.shares_slots:
+                    return self._run_in_thread(attempt, definition)
+                try:
+                    return self._run_in_thread(attempt, definition)
+                finally:
+                    self.give_slot(attempt)
 
             attempt.waiting = True
             worker.threads_for(attempt).submit(
@@ -358,8 +368,7 @@ class Dispatcher:
             task.set_name(f"job {attempt.id} {attempt.row.name}")
         try:
             if not attempt.express:  # (the express lane's jobs have slots of their own)
-                await self._loop_slots().take(urgent)  # prefetched: waits here, in order
-                attempt.holds_slot = True
+                attempt.holds_slot = await self.slots.take(urgent)  # prefetched: waits here
         except asyncio.CancelledError:
             if attempt.stop_reason is None and not attempt.released:
                 raise  # the loop shutting down
@@ -379,27 +388,16 @@ class Dispatcher:
         finally:
             self.give_slot(attempt)
 
-    def _loop_slots(self) -> LoopSlots:
-        """The async handlers' slots (made on the loop, on first use)."""
-        slots = self._slots
-        if slots is None:
-            self._slots = slots = LoopSlots(self.worker.concurrency)
-        return slots
-
     def give_slot(self, attempt: Attempt) -> None:
-        """An async attempt's handler ended, or was abandoned (it may run on, its outcome
-        recorded): its loop slot to the next job. On the loop's thread; once an attempt."""
-        if attempt.holds_slot:
-            attempt.holds_slot = False
-            self._loop_slots().give()
+        """An attempt's handler ended, or was abandoned (it may run on, its outcome
+        recorded): its slot, if it holds one, to the next job. From any thread (the
+        handler's, the loop's, the lease keeper abandoning it); once an attempt."""
+        if attempt.drop_slot():
+            self.slots.give()
 
-    def give_slot_soon(self, attempt: Attempt) -> None:
-        """:meth:`give_slot` from another thread (the lease keeper abandoning a task, a
-        rescued async job's child ended)."""
-        loop = self.worker.loop
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):  # (the loop closed: nothing waits)
-                loop.call_soon_threadsafe(self.give_slot, attempt)
+    def open_slots(self) -> None:
+        """A stop withdrew the jobs waiting for a slot: their waits end (none begins)."""
+        self.slots.open()
 
     async def _begin_async(self, attempt: Attempt) -> bool:
         """:meth:`_begin` for an async attempt, on the loop: False when it must not run."""
@@ -577,29 +575,27 @@ class Dispatcher:
         """A process-pool attempt (or an isolated suspect): prepared here, run in a child
         process; this handler thread waits for it. Returns its ChildResult."""
         definition = attempt.definition
-        if definition is not None and definition.is_async and self.worker.prefetch:
-            # A rescued async job, isolated: it takes one of the loop's slots as if it ran
-            # there. The suspects' threads and the loop's -c slots ran up to twice -c
-            # (prefetched async jobs are bounded by the slots alone, not by a free thread).
-            self._wait_for_loop_slot(attempt)
+        if definition is not None and (
+            (definition.is_async and self.worker.prefetch) or self.shares_slots
+        ):
+            # A rescued job, isolated: it takes a slot as if it ran here. The suspects'
+            # threads and the loop's -c slots ran up to twice -c (prefetched async jobs
+            # are bounded by the slots alone, not by a free thread).
+            self._wait_for_slot(attempt, urgent=True)
         try:
             return self._run_child(attempt, children)
         finally:
-            if attempt.holds_slot:
-                self.give_slot_soon(attempt)
+            self.give_slot(attempt)
 
-    def _wait_for_loop_slot(self, attempt: Attempt) -> None:
-        """Block this thread until ``attempt`` holds one of the loop's slots (urgent: a
-        rescued job starts at the next one free); a wait ended by the loop's shutdown
-        holds none (the attempt, withdrawn by the stop, does not begin)."""
-
-        async def take() -> None:
-            await self._loop_slots().take(urgent=True)
-            attempt.holds_slot = True
-
-        loop = self.worker.loop_runner_started().loop
-        with contextlib.suppress(Exception):  # (cancelled at shutdown, the loop closed)
-            asyncio.run_coroutine_threadsafe(take(), loop).result()
+    def _wait_for_slot(self, attempt: Attempt, urgent: bool) -> None:
+        """Block this handler thread until ``attempt`` holds a slot (``urgent``: a rescued
+        job starts at the next one free); a wait ended by a stop holds none (the attempt,
+        withdrawn by the stop, does not begin). Not shielded: no interrupt is aimed at an
+        attempt that has not begun (a timeout's runs from its start; a stop and a fence
+        withdraw a waiting one), and one aimed at this thread's previous call too late
+        was dropped as that call ended (ThreadRunner._step). The shield's lock, one for
+        every thread of the process, cost a worker of both kinds ~25 % of its rate."""
+        attempt.holds_slot = self.slots.take_blocking(urgent)
 
     def _run_child(self, attempt: Attempt, children: ProcessRunner) -> Any:
         if not self._begin(attempt):

@@ -119,7 +119,9 @@ class Attempt:
     ran: float | None = None  # seconds the handler's own call took, once it returned or raised
     interrupted: bool = False
     waiting: bool = False  # prefetched: queued for a handler thread (a loop slot), not begun
-    holds_slot: bool = False  # an async handler's: one of the loop's slots (LoopSlots)
+    # One of the handlers' slots (HandlerSlots): an async handler's, or in a worker with
+    # both kinds of handler any one's; given back once (drop_slot)
+    holds_slot: bool = False
     express: bool = False  # on the worker's express lane (a fair key with nothing running)
     stop_reason: str | None = None  # the first interrupt's reason (kept before a ctx exists)
     fence: FenceSteps | None = None  # self-fenced (its lease could not be renewed): its steps
@@ -136,6 +138,13 @@ class Attempt:
     # The two ends after which the attempt's objects are let go of (see unlink)
     _written: bool = field(default=False, repr=False)
     _handler_over: bool = field(default=False, repr=False)
+
+    def drop_slot(self) -> bool:
+        """Whether it held a slot, which it holds no more: the caller gives it back. Once
+        an attempt, whichever thread asks first (its handler's end, an abandonment)."""
+        with self._lock:
+            held, self.holds_slot = self.holds_slot, False
+        return held
 
     def outcome_written(self) -> None:
         """Its outcome is stored (or refused, or lost): one of unlink's two ends."""

@@ -246,44 +246,137 @@ class ThreadRunner:
             self._queue.put(_STOP)
 
 
-class LoopSlots:
-    """The slots of async handlers on one event loop: at most ``size`` begin and run at
-    once; the others wait in order (urgent ones first), as prefetched sync jobs wait for
-    a handler thread. Used on the loop's thread only."""
+class HandlerSlots:
+    """The slots handlers run in: at most ``size`` begin and run at once; the others wait
+    in order (urgent ones first), as prefetched sync jobs wait for a handler thread.
+
+    Taken by the async handlers on the event loop (:meth:`take`), and, in a worker with
+    both sync and async handlers, by the sync ones on their threads (:meth:`take_blocking`)
+    in the same order: each kind's own bound (the thread pool's ``-c`` threads, the loop's
+    ``-c`` slots) let such a worker run up to twice ``-c`` handlers once it prefetched, so
+    it never prefetched, and a worker of an app with one async job among sync ones claimed
+    ``-c`` jobs a round: 0.66 x the rate of the same worker without it on no-op jobs, and
+    twice the server's CPU a job. Given back from any thread (:meth:`give`); a slot handed
+    to a waiting task crosses to its loop, and passes on if the task was cancelled
+    meanwhile. :meth:`open` ends every wait at a stop (the waiters, withdrawn, never
+    begin): nothing is counted from then on."""
 
     def __init__(self, size: int) -> None:
         self.free = size
-        self._urgent: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._lock = threading.Lock()
+        self._open = False
+        # Waiting turns: an asyncio future (a task on the loop) or a threading.Event
+        self._urgent: collections.deque[asyncio.Future[None] | threading.Event] = (
+            collections.deque()
+        )
+        self._waiting: collections.deque[asyncio.Future[None] | threading.Event] = (
+            collections.deque()
+        )
 
-    async def take(self, urgent: bool = False) -> None:
-        """Wait for a slot; cancelled while waiting, it takes none (or hands on the one
-        it was given as the cancel came)."""
+    def _take_now(self) -> bool:
+        """Take a free slot when no one waits (call under the lock)."""
+        if self._open:
+            return True
         if self.free > 0 and not self._urgent and not self._waiting:
             self.free -= 1
-            return
-        turn = asyncio.get_running_loop().create_future()
-        line = self._urgent if urgent else self._waiting
-        line.append(turn)
+            return True
+        return False
+
+    async def take(self, urgent: bool = False) -> bool:
+        """Wait for a slot on the running loop: True when taken (False: the slots were
+        opened, nothing to give back). Cancelled while waiting, it takes none (or hands
+        on the one it was given as the cancel came)."""
+        turn: asyncio.Future[None]
+        with self._lock:
+            if self._take_now():
+                return not self._open
+            turn = asyncio.get_running_loop().create_future()
+            line = self._urgent if urgent else self._waiting
+            line.append(turn)
         try:
             await turn
         except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
+            with self._lock:
+                given = turn.done() and not turn.cancelled() and not self._open
+                if not given:
+                    with contextlib.suppress(ValueError):  # (give() may have taken it)
+                        line.remove(turn)
+            if given:
                 self.give()  # given the slot in the same instant: the next one's
-            else:
-                with contextlib.suppress(ValueError):  # (give() may have dropped it)
-                    line.remove(turn)
             raise
+        return not self._open
+
+    def take_blocking(self, urgent: bool = False) -> bool:
+        """Block this thread until it holds a slot: True when taken (False: opened)."""
+        with self._lock:
+            if self._take_now():
+                return not self._open
+            turn = threading.Event()
+            (self._urgent if urgent else self._waiting).append(turn)
+        turn.wait()
+        return not self._open
 
     def give(self) -> None:
         """A handler ended: its slot to the next one waiting, or free."""
-        for line in (self._urgent, self._waiting):
-            while line:
-                turn = line.popleft()
-                if not turn.done():
-                    turn.set_result(None)
+        while True:
+            with self._lock:
+                if self._open:
                     return
-        self.free += 1
+                if self._urgent:
+                    turn = self._urgent.popleft()
+                elif self._waiting:
+                    turn = self._waiting.popleft()
+                else:
+                    self.free += 1
+                    return
+            if isinstance(turn, threading.Event):
+                turn.set()
+                return
+            if turn.done():  # its task was cancelled while it waited
+                continue
+            loop = turn.get_loop()
+            if _running_loop() is loop:
+                turn.set_result(None)
+                return
+            try:
+                loop.call_soon_threadsafe(self._hand, turn)
+            except RuntimeError:  # its loop closed: no task waits there any more
+                continue
+            return
+
+    def _hand(self, turn: asyncio.Future[None]) -> None:
+        """On the waiting task's loop: the slot given to ``turn``, or on to the next one
+        when its task was cancelled meanwhile."""
+        if turn.done():
+            self.give()
+        else:
+            turn.set_result(None)
+
+    def open(self) -> None:
+        """A stop: every wait ends now and later ones return at once, none counted."""
+        with self._lock:
+            self._open = True
+            turns = [*self._urgent, *self._waiting]
+            self._urgent.clear()
+            self._waiting.clear()
+        for turn in turns:
+            if isinstance(turn, threading.Event):
+                turn.set()
+            else:
+                with contextlib.suppress(RuntimeError):  # (its loop closed)
+                    turn.get_loop().call_soon_threadsafe(_settle, turn)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _settle(turn: asyncio.Future[None]) -> None:
+    if not turn.done():
+        turn.set_result(None)
 
 
 class LoopRunner:

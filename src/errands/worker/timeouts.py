@@ -123,7 +123,7 @@ def abandon(worker: Worker, attempt: Attempt, why: str) -> bool:
         worker.threads_for(attempt).abandon(call)
     else:
         attempt.interrupt("timeout", worker.loop)
-        worker.dispatcher.give_slot_soon(attempt)  # its slot to the next job
+    worker.dispatcher.give_slot(attempt)  # its slot, if it holds one, to the next job
     return True
 
 
@@ -178,6 +178,7 @@ def on_fence(worker: Worker, attempt: Attempt) -> None:
             call, Call
         ):
             worker.threads_for(attempt).abandon(call)
+            worker.dispatcher.give_slot(attempt)  # its slot (both kinds' worker) goes on
             log.error(
                 "job %s: its handler did not stop before its lease (which could not be "
                 "renewed) runs out; job given back, thread abandoned (it may still be running)",

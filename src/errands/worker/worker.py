@@ -363,11 +363,14 @@ class Worker:
         if prefetch is not None:
             prefetch = check_prefetch(prefetch)
         # Prefetch queues claimed jobs for the handler threads, or for the event loop's
-        # slots (errands.worker.runners.LoopSlots) when every handler is async. Not for
-        # the process pool, nor for a worker with both kinds: each kind bounds its own
-        # handlers by `concurrency`, so prefetched jobs of both would run up to twice it.
+        # slots (errands.worker.runners.HandlerSlots) for async handlers. Not for the
+        # process pool. A worker with both kinds bounds them together: each kind bounds
+        # its own handlers by `concurrency` (the threads, the loop's slots), so prefetched
+        # jobs of both ran up to twice it, and such a worker did not prefetch; now its
+        # sync handlers take the loop's slots too (shares_slots), in one order with the
+        # async ones.
         kinds = {d.is_async for d in app.registry.values()}
-        prefetches = pool == "thread" and len(kinds) <= 1
+        prefetches = pool == "thread"
         fair_most = min(FAIR_PREFETCH_MULTIPLIER * concurrency, PREFETCH_MAX)
         # A fair queue prefetches deeper (its claim costs more), up to a given --prefetch
         fair_prefetch = fair_most if prefetch is None else min(prefetch, fair_most)
@@ -375,6 +378,7 @@ class Worker:
             prefetch = min(PREFETCH_MULTIPLIER * concurrency, PREFETCH_MAX)
         self.prefetch = prefetch if prefetches else 0
         self.fair_prefetch = fair_prefetch if prefetches else 0
+        self.shares_slots = len(kinds) > 1 and bool(self.prefetch or self.fair_prefetch)
         if suspect_lanes is not None and suspect_lanes < 1:
             raise ConfigurationError("suspect_lanes must be at least 1")
         # Suspects run isolated in child processes when children can import the app: as
@@ -399,6 +403,7 @@ class Worker:
         self.thread: threading.Thread | None = None  # the one in run(), while it runs
         self.ended = threading.Event()  # run() returned (App.close() waits for it)
         self._backlog = False
+        self._claimed_at = 0.0  # time.monotonic() of the last claim round
         # The last claim may have left due jobs waiting for a concurrency key (or a rate)
         # held by running jobs (it held some back, or a limited queue gave fewer than
         # asked): the stored outcome of a job with a key or a rate in this worker's
@@ -974,13 +979,27 @@ class Worker:
             if not plan:  # every slot busy: a finishing handler wakes us
                 self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
                 continue
-            if self._backlog and free + deepest < self._refill_at and not gathered:
-                # With a backlog, give finishing handlers a moment to free a batch's worth
-                # of slots: one claim then brings many jobs instead of one or two.
-                gathered = True
-                self._wake.wait(BATCH_GATHER)
-                continue
+            if self._backlog and free + deepest < self._refill_at:
+                if not gathered:
+                    # With a backlog, give finishing handlers a moment to free a batch's
+                    # worth of slots: one claim then brings many jobs instead of one or two.
+                    gathered = True
+                    self._wake.wait(BATCH_GATHER)
+                    continue
+                # Rescued jobs are looked for once a poll interval whatever the room (I9:
+                # they start at the next free slot, ahead of the prefetched jobs)
+                looked = time.monotonic() - self._claimed_at < self.poll_interval
+                if free <= 0 < deepest and not self._gated and (looked or not suspects):
+                    # Prefetched jobs still wait for every slot: no claim until half the
+                    # room is free or a slot runs dry (slot_freed wakes us). Woken by
+                    # anything else (on SQLite every commit to the file notifies), the
+                    # worker claimed the few slots freed during the gather, its claims
+                    # stayed small for good (each done before the next slot freed), and
+                    # no-op jobs ran at ~0.6 x the rate of big claims, in some runs only.
+                    self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
+                    continue
             gathered = False
+            self._claimed_at = time.monotonic()
             sent = clock.now()  # each claimed lease runs from (at latest) the claim's send
             limited_done = self._limited_done
             with calls_until_stopped(self._stopping):  # (a locked SQLite file: see there)
@@ -1212,7 +1231,10 @@ class Worker:
             self._running_per_queue[attempt.row.queue] -= 1
             self._suspects -= suspect
             room = self._free + self._deepest()
-            refill = self._backlog and (room == 1 or room >= self._refill_at)
+            # Half the room free (one claim brings a batch), or the first slot with no
+            # prefetched job left for it (waking at a room of one, the claim loop took the
+            # few slots freed while it gathered: see _run's gather)
+            refill = self._backlog and (self._free == 1 or room >= self._refill_at)
         if refill or suspect or lane:
             self._wake.set()
 
@@ -1225,6 +1247,10 @@ class Worker:
         with self._lock:
             waiting = [a for a in self._attempts.values() if a.waiting]
         withdrawn = [a for a in waiting if a.withdraw()]
+        # Their handler threads and tasks waiting for a slot go on now (none begins: each
+        # finds its attempt withdrawn); they waited for running handlers to end, a
+        # withdrawn task until the loop's shutdown cancelled it.
+        self.dispatcher.open_slots()
         if withdrawn:  # prefetched, never begun: back to the queue at once, not run
             self.release(
                 withdrawn,
