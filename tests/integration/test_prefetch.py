@@ -294,6 +294,47 @@ def test_a_sync_handler_abandoned_past_its_timeout_gives_its_slot_to_an_async_jo
         release.set()
 
 
+def test_a_plain_handlers_slot_is_given_back_where_no_interrupt_can_land(
+    app: errands.App, worker_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a worker with both kinds, a plain handler's slot is given back once its call is
+    over, not at the end of the call: a timeout's HandlerInterrupt may be aimed at a call
+    until it is over, and one landing between the slot's release and its hand-over lost
+    the slot (or the waiter it was handed to) for good: a handler short from then on."""
+    from errands.worker.runners import HandlerSlots
+
+    seen: list[bool] = []
+    give = HandlerSlots.give
+    holder: list[Any] = []
+
+    def recording_give(self: HandlerSlots) -> None:
+        worker = holder[0]
+        seen.append(threading.get_ident() in worker.threads._running)
+        give(self)
+
+    monkeypatch.setattr(HandlerSlots, "give", recording_give)
+
+    @app.job(name="pf.plain")
+    def plain(n: int) -> int:
+        return n
+
+    @app.job(name="pf.in_the_loop")
+    async def in_the_loop() -> None:
+        return None
+
+    with worker_factory(concurrency=2, prefetch=4) as worker:
+        holder.append(worker)
+        assert worker.shares_slots
+        assert [h.result(timeout=10) for h in [plain.enqueue(n=i) for i in range(5)]] == [
+            0,
+            1,
+            2,
+            3,
+            4,
+        ]
+    assert seen and not any(seen)  # given back, never inside the call
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefetched_jobs_go_back_to_the_queue_at_once_on_stop_and_are_not_charged(
     app: errands.App, start_worker, kind: str

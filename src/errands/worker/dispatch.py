@@ -159,12 +159,7 @@ class Dispatcher:
                 if self.shares_slots and not attempt.express:
                     self._wait_for_slot(attempt, urgent)  # prefetched: waits here, in order
                 self._begins(row.queue, key, urgent)
-                if not self.shares_slots:
-                    return self._run_in_thread(attempt, definition)
-                try:
-                    return self._run_in_thread(attempt, definition)
-                finally:
-                    self.give_slot(attempt)
+                return self._run_in_thread(attempt, definition)  # (its slot: _thread_returned)
 
             attempt.waiting = True
             worker.threads_for(attempt).submit(
@@ -448,17 +443,10 @@ class Dispatcher:
         except (JobTimeout, Interrupted):
             raise
         except Exception as exc:
-            if limit is not None and limit.expired():
-                # Its timeout's cancel was caught and it raised something else: timed out
-                # (as a sync handler's exception past its deadline), a to_thread call it
-                # awaited possibly still in a statement of its transaction.
-                raise JobTimeout(f"timed out after {timeout:g} s") from exc
+            self._raise_if_stopped(attempt, limit, exc)
             raise
         else:
-            if limit is not None and limit.expired():
-                # It caught its timeout's cancel and returned: a timeout, never a completion
-                # (it was recorded as one when the lease keeper had not marked it yet).
-                raise JobTimeout(f"timed out after {timeout:g} s; it returned after its cancel")
+            self._raise_if_stopped(attempt, limit, None)
             return result
         finally:
             self.worker.ran_for(clock.now() - attempt.started)  # (the prefetch reads it)
@@ -475,6 +463,26 @@ class Dispatcher:
                     self.worker.abandon_after,
                     lambda: expired or attempt.timed_out or attempt.stop_reason is not None,
                 )
+
+    @staticmethod
+    def _raise_if_stopped(
+        attempt: Attempt, limit: asyncio.Timeout | None, exc: Exception | None
+    ) -> None:
+        """An async handler ended (returned, or raised ``exc``) after a cancel of the
+        worker's reached it (it caught the CancelledError): its timeout's (JobTimeout,
+        never a completion: it was recorded as one when the lease keeper had not marked it
+        yet) or a stop's (an operator's cancel, a lost or unrenewed lease: Interrupted).
+        Raised as such, the task counts as stopped (_async_done): a to_thread call it
+        awaited may still be in a statement of its ctx.transaction(), which is let go of,
+        never committed or rolled back under it (the commit waited for the statement). A
+        cancel that had not reached it yet (it ended in the same turn of the loop) leaves
+        its outcome as it is."""
+        if limit is not None and limit.expired():
+            timeout = attempt.row.timeout or 0
+            raise JobTimeout(f"timed out after {timeout:g} s; it ended after its cancel") from exc
+        task = asyncio.current_task()
+        if attempt.stop_reason is not None and task is not None and task.cancelling():
+            raise Interrupted(attempt.stop_reason) from exc
 
     async def _call_async(self, attempt: Attempt, definition: JobDefinition[Any, Any]) -> Any:
         if (
@@ -516,9 +524,14 @@ class Dispatcher:
         return await offloop.run(encode, definition, result)
 
     def _thread_returned(self, attempt: Attempt, exc: BaseException | None, result: Any) -> None:
-        """A handler thread's call for ``attempt`` returned (or raised): record it; the
-        thread is done with the attempt then."""
+        """A handler thread's call for ``attempt`` returned (or raised): its slot (if it
+        holds one) to the next job, and it is recorded; the thread is done with the
+        attempt then. Here, not at the end of the call: until the call is over an
+        interrupt (a timeout's, a fence's) may land in it, and one landing between the
+        slot's release and its hand-over lost the slot, or the waiter it was handed to,
+        for good (the worker ran a handler short from then on)."""
         try:
+            self.give_slot(attempt)
             self.worker.recorder.handler_returned(attempt, exc, result)
         finally:
             attempt.handler_over()
@@ -531,15 +544,8 @@ class Dispatcher:
         exc = future.exception()
         # Stopped by its timeout or the worker: a thread it started (asyncio.to_thread) may
         # still be in a statement of its ctx.transaction(); the loop never waits for it.
-        # Asked to stop counts whatever the task did then: one that caught the cancel and
-        # returned (or raised something else) may have left that thread running too, and
-        # its transaction was rolled back under it (letting go is safe either way: an
-        # outcome of a stopped attempt never commits it).
-        stopped = (
-            isinstance(exc, JobTimeout | Interrupted)
-            or attempt.stop_reason is not None
-            or attempt.timed_out
-        )
+        # (A task that caught the cancel and ended is one too: see _run_begun.)
+        stopped = isinstance(exc, JobTimeout | Interrupted)
         result = None if exc is not None else future.result()
         runtime = attempt.runtime
         if (
@@ -575,17 +581,16 @@ class Dispatcher:
         """A process-pool attempt (or an isolated suspect): prepared here, run in a child
         process; this handler thread waits for it. Returns its ChildResult."""
         definition = attempt.definition
-        if definition is not None and (
-            (definition.is_async and self.worker.prefetch) or self.shares_slots
+        if (
+            definition is not None
+            and not attempt.express  # (the express lane's jobs have slots of their own)
+            and ((definition.is_async and self.worker.prefetch) or self.shares_slots)
         ):
             # A rescued job, isolated: it takes a slot as if it ran here. The suspects'
             # threads and the loop's -c slots ran up to twice -c (prefetched async jobs
             # are bounded by the slots alone, not by a free thread).
             self._wait_for_slot(attempt, urgent=True)
-        try:
-            return self._run_child(attempt, children)
-        finally:
-            self.give_slot(attempt)
+        return self._run_child(attempt, children)  # (its slot: _thread_returned)
 
     def _wait_for_slot(self, attempt: Attempt, urgent: bool) -> None:
         """Block this handler thread until ``attempt`` holds a slot (``urgent``: a rescued
