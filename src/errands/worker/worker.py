@@ -404,6 +404,9 @@ class Worker:
         self.ended = threading.Event()  # run() returned (App.close() waits for it)
         self._backlog = False
         self._claimed_at = 0.0  # time.monotonic() of the last claim round
+        # A finishing handler woke the claim loop for a refill since its last claim (see
+        # slot_freed): only such a wake makes it claim while prefetched jobs wait
+        self._refill_woken = False
         # The last claim may have left due jobs waiting for a concurrency key (or a rate)
         # held by running jobs (it held some back, or a limited queue gave fewer than
         # asked): the stored outcome of a job with a key or a rate in this worker's
@@ -989,16 +992,23 @@ class Worker:
                 # Rescued jobs are looked for once a poll interval whatever the room (I9:
                 # they start at the next free slot, ahead of the prefetched jobs)
                 looked = time.monotonic() - self._claimed_at < self.poll_interval
-                if free <= 0 < deepest and not self._gated and (looked or not suspects):
-                    # Prefetched jobs still wait for every slot: no claim until half the
-                    # room is free or a slot runs dry (slot_freed wakes us). Woken by
-                    # anything else (on SQLite every commit to the file notifies), the
-                    # worker claimed the few slots freed during the gather, its claims
-                    # stayed small for good (each done before the next slot freed), and
-                    # no-op jobs ran at ~0.6 x the rate of big claims, in some runs only.
+                if (
+                    free <= 0 < deepest
+                    and not self._refill_woken
+                    and not self._gated
+                    and (looked or not suspects)
+                ):
+                    # Prefetched jobs still wait for every slot, and no finishing handler
+                    # asked for a refill (slot_freed: the first slot freed after a full
+                    # claim, or half the room): no claim. Woken by anything else (on
+                    # SQLite every commit to the file notifies), the worker claimed the
+                    # few slots freed during the gather, each such claim ended before the
+                    # next slot freed, and its claims stayed small for good (SQLite, one
+                    # worker in-process: ~0.6 x its rate in some runs; one with plain and
+                    # async jobs in most).
                     self._wake.wait(self._lane_wait(self.poll_interval, lane_due))
                     continue
-            gathered = False
+            gathered = self._refill_woken = False
             self._claimed_at = time.monotonic()
             sent = clock.now()  # each claimed lease runs from (at latest) the claim's send
             limited_done = self._limited_done
@@ -1234,7 +1244,9 @@ class Worker:
             # Half the room free (one claim brings a batch), or the first slot with no
             # prefetched job left for it (waking at a room of one, the claim loop took the
             # few slots freed while it gathered: see _run's gather)
-            refill = self._backlog and (self._free == 1 or room >= self._refill_at)
+            refill = self._backlog and (room == 1 or room >= self._refill_at)
+            if refill:
+                self._refill_woken = True
         if refill or suspect or lane:
             self._wake.set()
 
