@@ -386,8 +386,10 @@ class Dispatcher:
     def give_slot(self, attempt: Attempt) -> None:
         """An attempt's handler ended, or was abandoned (it may run on, its outcome
         recorded): its slot, if it holds one, to the next job. From any thread (the
-        handler's, the loop's, the lease keeper abandoning it); once an attempt."""
-        if attempt.drop_slot():
+        handler's, the loop's, the lease keeper abandoning it); once an attempt. (The
+        flag read first without the lock: every plain job of a worker of one kind comes
+        here holding none, and takes no lock for it.)"""
+        if attempt.holds_slot and attempt.drop_slot():
             self.slots.give()
 
     def open_slots(self) -> None:

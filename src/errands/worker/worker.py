@@ -367,8 +367,7 @@ class Worker:
         # process pool. A worker with both kinds bounds them together: each kind bounds
         # its own handlers by `concurrency` (the threads, the loop's slots), so prefetched
         # jobs of both ran up to twice it, and such a worker did not prefetch; now its
-        # sync handlers take the loop's slots too (shares_slots), in one order with the
-        # async ones.
+        # sync handlers take the async ones' -c slots too (shares_slots), in one order.
         kinds = {d.is_async for d in app.registry.values()}
         prefetches = pool == "thread"
         fair_most = min(FAIR_PREFETCH_MULTIPLIER * concurrency, PREFETCH_MAX)
@@ -1241,9 +1240,9 @@ class Worker:
             self._running_per_queue[attempt.row.queue] -= 1
             self._suspects -= suspect
             room = self._free + self._deepest()
-            # Half the room free (one claim brings a batch), or the first slot with no
-            # prefetched job left for it (waking at a room of one, the claim loop took the
-            # few slots freed while it gathered: see _run's gather)
+            # Half the room free (one claim brings a batch), or the first slot freed after
+            # a full claim (the claim loop gathers a moment for more, then claims): only
+            # these wake it to claim while prefetched jobs wait (see _run's gather)
             refill = self._backlog and (room == 1 or room >= self._refill_at)
             if refill:
                 self._refill_woken = True
